@@ -1,0 +1,163 @@
+"""Named POSIX objects (shared memory, semaphores): create owner-only, attach, unlink once.
+
+Names are per run (`object_name`), so two runs never share an object by accident, and a
+leftover from a crashed run is found by name and checked before anything reads it.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import stat
+
+import posix_ipc
+
+from shm.errors import ObjectExistsError, ObjectMissingError, ShmError, StaleObjectError
+
+# Owner read/write only: SPEC §7, every shared-memory object is created owner-only.
+OWNER_ONLY_MODE = 0o600
+# Linux allows 255 bytes, named semaphores lose 4 to the "sem." prefix, and our semaphore
+# suffixes add 2 more; 200 leaves room and keeps names readable in /dev/shm.
+MAX_NAME_LENGTH = 200
+_NAME_RE = re.compile(r"^/[A-Za-z0-9_.\-]+$")
+
+
+def object_name(prefix: str, run_id: str, role: str) -> str:
+    """The POSIX name of one object of one run, e.g. `/sbrk-1a2b3c-producer-3`."""
+    name = f"/{prefix}-{run_id}-{role}"
+    check_name(name)
+    return name
+
+
+def check_name(name: str) -> None:
+    if not _NAME_RE.match(name) or len(name) > MAX_NAME_LENGTH:
+        raise ValueError(
+            f"shared-memory name {name!r} must be '/' then letters, digits, '_', '.', '-', "
+            f"at most {MAX_NAME_LENGTH} characters"
+        )
+
+
+def create_shared_memory(name: str, size_bytes: int) -> tuple[mmap.mmap, int]:
+    """Create a new owner-only shared-memory object of `size_bytes`, map it, return (map, inode)."""
+    check_name(name)
+    try:
+        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=OWNER_ONLY_MODE, size=size_bytes)
+    except posix_ipc.ExistentialError as exc:
+        raise ObjectExistsError(f"shared-memory object {name} already exists: {exc}") from exc
+    try:
+        # fchmod too: the creation mode is filtered by the umask, which may be stricter but never
+        # looser, and we want the mode stated, not inherited.
+        os.fchmod(shm.fd, OWNER_ONLY_MODE)
+        mapping = mmap.mmap(shm.fd, size_bytes)
+        return mapping, os.fstat(shm.fd).st_ino
+    finally:
+        shm.close_fd()
+
+
+def attach_shared_memory(name: str) -> tuple[mmap.mmap, int]:
+    """Map an existing object after checking it is ours and owner-only; return (map, inode)."""
+    check_name(name)
+    try:
+        shm = posix_ipc.SharedMemory(name)
+    except posix_ipc.ExistentialError as exc:
+        raise ObjectMissingError(f"shared-memory object {name} does not exist") from exc
+    try:
+        info = os.fstat(shm.fd)
+        if info.st_uid != os.getuid():
+            raise StaleObjectError(f"{name} belongs to uid {info.st_uid}, not {os.getuid()}")
+        if stat.S_IMODE(info.st_mode) & 0o077:
+            raise StaleObjectError(f"{name} has mode {oct(stat.S_IMODE(info.st_mode))}, not owner-only")
+        if info.st_size == 0:
+            raise StaleObjectError(f"{name} is empty (its creator died before sizing it)")
+        return mmap.mmap(shm.fd, info.st_size), info.st_ino
+    finally:
+        shm.close_fd()
+
+
+def open_semaphore(name: str, create: bool) -> posix_ipc.Semaphore:
+    """Create (exclusive) or open a named semaphore, owner-only."""
+    check_name(name)
+    try:
+        if create:
+            return posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=OWNER_ONLY_MODE, initial_value=0)
+        return posix_ipc.Semaphore(name)
+    except posix_ipc.ExistentialError as exc:
+        kind = ObjectExistsError if create else ObjectMissingError
+        raise kind(f"semaphore {name}: {exc}") from exc
+
+
+def unlink_quietly(shm_names: list[str], sem_names: list[str]) -> list[str]:
+    """Unlink whatever of these exists; return the names that were there (for reports)."""
+    removed = []
+    for name in shm_names:
+        try:
+            posix_ipc.unlink_shared_memory(name)
+            removed.append(name)
+        except posix_ipc.ExistentialError:
+            pass
+    for name in sem_names:
+        try:
+            posix_ipc.unlink_semaphore(name)
+            removed.append(name)
+        except posix_ipc.ExistentialError:
+            pass
+    return removed
+
+
+def semaphore_mode(name: str) -> int:
+    """Permission bits of a named semaphore (Linux keeps them in /dev/shm/sem.NAME)."""
+    path = f"/dev/shm/sem.{name.lstrip('/')}"
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError as exc:
+        raise ShmError(f"semaphore {name} not found at {path}") from exc
+
+
+class Doorbell:
+    """One semaphore many writers ring and a single reader (the broker) sleeps on.
+
+    Owner: the reader creates and unlinks it; writers attach by name (the ring header names
+    it). Process-safe (a POSIX semaphore); not meant to be shared between threads of one
+    process beyond what the semaphore itself allows.
+
+    Ringing posts only when no wake-up is already pending (value 0), so the count stays
+    at most a few however long the reader stays busy (a semaphore's count overflows at
+    2**31 posts). A wait that returns is a hint to look at every ring, never a count.
+    """
+
+    def __init__(self, name: str, sem: posix_ipc.Semaphore, creator: bool) -> None:
+        self.name = name
+        self._sem = sem
+        self.is_creator = creator
+        self._unlinked = False
+
+    @classmethod
+    def create(cls, name: str) -> Doorbell:
+        return cls(name, open_semaphore(name, create=True), creator=True)
+
+    @classmethod
+    def attach(cls, name: str) -> Doorbell:
+        return cls(name, open_semaphore(name, create=False), creator=False)
+
+    def ring(self) -> None:
+        if self._sem.value == 0:
+            self._sem.release()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Sleep until rung or `timeout_s` passes; True if rung."""
+        try:
+            self._sem.acquire(max(timeout_s, 0.0))
+            return True
+        except posix_ipc.BusyError:
+            return False
+
+    def close(self) -> None:
+        self._sem.close()
+
+    def unlink(self) -> None:
+        if not self.is_creator:
+            raise ShmError(f"doorbell {self.name}: only its creator unlinks it")
+        if not self._unlinked:
+            self._unlinked = True
+            unlink_quietly([], [self.name])
