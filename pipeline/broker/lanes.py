@@ -65,6 +65,7 @@ VECTOR_FIRST_WINDOW_ITEMS = 256
 VECTOR_MAX_WINDOW_ITEMS = 16384
 # A vectorised run shorter than this means state changes are dense (e.g. the literal measure
 # raises on about a third of items); one numpy pass then costs more than the scalar path...
+# (0: never fall back; tests use it to send every state change through the view refresh.)
 VECTOR_SHORT_RUN_ITEMS = 8
 # ...so this many items go through the scalar path before numpy is tried again.
 SCALAR_STRETCH_ITEMS = 512
@@ -119,9 +120,9 @@ class LaneConfig:
             raise BadInputError(f"lane config: measure must be a WasteMeasure, got {self.measure!r}")
         _require_at_least(self, 1, int, "max_lanes", "vector_min_call_items",
                           "vector_first_window_items", "vector_max_window_items",
-                          "vector_short_run_items", "scalar_stretch_items")
+                          "scalar_stretch_items")
         _require_at_least(self, 0, int, "waste_floor_tokens", "waste_cap_tokens",
-                          "quiesce_below_items")
+                          "quiesce_below_items", "vector_short_run_items")
         _require_at_least(self, 0, float, "threshold_base_fraction", "threshold_rise_fraction",
                           "quiesce_idle_s")
 
@@ -370,13 +371,14 @@ class ShapeLanes:
         is above `threshold` and its waste >= 16 tokens, or its waste > 128 tokens, unless
         every lane id is in use: then the item is force-fitted to the winner.
 
-        Worked example, two lanes with targets 500 and 1000, threshold 0.01 + 0.09 * 2 / 2048
+        Worked example, two lanes with targets 510 and 1000, threshold 0.01 + 0.09 * 2 / 2048
         = 0.010088:
         - L = 990: upper 1000 wastes 10 (1.01%), above the threshold but under 16 tokens:
           joins lane 1000.
-        - L = 520, lane 500's shortest queued item 505: upper wastes 480 (48%), raising lane
-          500 wastes 520 - 505 = 15 (2.9%); 15 < 16 tokens, so lane 500 is raised to 520.
-          Were its shortest item 480, the raise would waste 40 (7.7%) and lane 520 would open.
+        - L = 520, lane 510's shortest queued item 505: upper wastes 480 (48%), raising lane
+          510 wastes 520 - 505 = 15 (2.9%); 15 < 16 tokens, so lane 510 is raised to 520.
+          Were its shortest item 500, the raise would waste 20 (3.8%) and lane 520 would open;
+          the literal measure would see 520 - 510 = 10 tokens and raise the lane.
         """
         value = _checked_length(length)
         lane = self._place(value)
@@ -553,7 +555,7 @@ class ShapeLanes:
                 window = min(2 * window, cfg.vector_max_window_items)
                 continue
             # values[i] changes the state: it takes the scalar path.
-            window = max(2 * run, cfg.vector_short_run_items)
+            window = max(2 * run, cfg.vector_short_run_items, 1)
             if run < cfg.vector_short_run_items:
                 i = self._place_stretch(values, out, i, cfg.scalar_stretch_items)
                 view = None
