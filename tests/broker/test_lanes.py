@@ -237,7 +237,9 @@ class Harness:
             assert snapshot(sut) == self.ref.snapshot()
             assert sut.lane_count == len(self.ref.lanes)
             assert sut.threshold == self.ref.threshold()
-            assert sut.lanes_by_queued_tokens() == self.ref.by_queued_tokens()
+            order = self.ref.by_queued_tokens()
+            assert sut.lanes_by_queued_tokens() == order
+            assert sut.fullest_lane() == (order[0] if order else None)
             for name, value in self.ref.counts.items():
                 assert getattr(sut.counters, name) == value, name
         assert self.scalar.counters == self.many.counters
@@ -525,6 +527,7 @@ def test_assign_accepts_numpy_integers_and_empty_batches():
     lanes = ShapeLanes()
     assert lanes.assign(np.int32(7), 0.0) == 0
     assert lanes.assign_many([], 0.0).size == 0
+    assert lanes.assign_many(np.array([], dtype=str), 0.0).size == 0
 
 
 @pytest.mark.parametrize("bad", [dict(max_lanes=0), dict(max_lanes=2.5), dict(measure="mean"),

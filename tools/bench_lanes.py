@@ -1,0 +1,406 @@
+#!/usr/bin/env python3
+"""Benchmark of the rolling-lane policy (issue 3 item 7): not a test, figures for humans.
+
+    python tools/bench_lanes.py            # full run: 1,000,000 items, depths 1k/10k/100k
+    python tools/bench_lanes.py --quick    # a small run while iterating
+
+(a) Lane assignment throughput on one core (the process pins itself to one CPU): items/s for
+    `assign` and `assign_many` with both waste measures, on log-normal lengths (median 512,
+    sigma 1, seeded, rounded, clipped to >= 1), checking in the same run that assign_many
+    gives exactly the lane ids of repeated assign. Best of --repeat runs.
+(b) Padding simulation. A stream of items keeps `depth` items queued: prefill `depth`, then
+    repeatedly dispatch one batch and refill as many items as it took, until the stream is
+    spent; every batch of that loop is counted. Contract: 64 items, 65,536 padded tokens.
+    Padding efficiency = real tokens / padded tokens; fill = items per batch / 64.
+    Lane policies use the real ShapeLanes; virtual time advances 1 / ARRIVAL_RATE_ITEMS_PER_S
+    per arriving item and the maintenance tick runs every TICK_EVERY_S of it; a dispatched
+    batch completes at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import deque
+from itertools import islice
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+# One core: no numpy worker threads (set before numpy is imported).
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import numpy as np  # noqa: E402
+
+from pipeline.broker.lanes import LaneId, ShapeLanes, WasteMeasure  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+# The Mooncake FAST'25 synthetic trace, beside the repository (../shared/workloads/README.md).
+MOONCAKE_TRACE = ROOT.parent / "shared" / "workloads" / "mooncake_synthetic_trace.jsonl"
+# The consumer contract of issue 3 item 7.
+MAX_BATCH_ITEMS = 64
+MAX_BATCH_TOKENS = 65_536
+# SPEC §3: pad-to is the queue's longest item rounded up to a multiple of 8.
+PAD_MULTIPLE_TOKENS = 8
+# Virtual arrival rate: about the design note's 17,800 lane reuses per second. It only sets
+# how much stream passes per virtual second, i.e. what "idle 5 s" means to the tick.
+ARRIVAL_RATE_ITEMS_PER_S = 20_000
+# How often the simulated broker runs the maintenance tick, in virtual seconds.
+TICK_EVERY_S = 0.1
+# Call size for the "assign_many in chunks" row: about one drain of a producer ring.
+CHUNK_ITEMS = 4096
+# Issue 3's targets, with the default (queued-minimum) measure.
+TARGET_ASSIGN_MANY_PER_S = 2_000_000
+TARGET_ASSIGN_PER_S = 500_000
+TARGET_EFFICIENCY = 0.985
+TARGET_GAP_TO_OPTIMUM = 0.01
+
+
+# ----------------------------------------------------------------------------- workloads
+
+
+def lognormal(rng: np.random.Generator, n: int, median: float, sigma: float) -> np.ndarray:
+    return np.maximum(1, np.rint(rng.lognormal(np.log(median), sigma, n))).astype(np.int64)
+
+
+def bimodal(rng: np.random.Generator, n: int) -> np.ndarray:
+    """70% short prompts (median 256, sigma 0.5), 30% long ones (median 4,096, sigma 0.3)."""
+    long = rng.random(n) < 0.3
+    return np.where(long, lognormal(rng, n, 4096, 0.3), lognormal(rng, n, 256, 0.5))
+
+
+def mooncake(rng: np.random.Generator, n: int) -> np.ndarray:
+    """The trace's input lengths, drawn with replacement (it has only 3,993 requests)."""
+    with MOONCAKE_TRACE.open() as trace:
+        lengths = np.array([json.loads(line)["input_length"] for line in trace], dtype=np.int64)
+    return rng.choice(lengths, size=n, replace=True)
+
+
+WORKLOADS: dict[str, Callable[[np.random.Generator, int], np.ndarray]] = {
+    "log-normal (median 512, sigma 1)": lambda rng, n: lognormal(rng, n, 512, 1.0),
+    "bimodal (70% ~256, 30% ~4096)": bimodal,
+    "uniform 1-8192": lambda rng, n: rng.integers(1, 8193, n, dtype=np.int64),
+    "mooncake trace input lengths (resampled)": mooncake,
+}
+
+
+# ----------------------------------------------------------------------------- (a) throughput
+
+
+@dataclass(slots=True)
+class Throughput:
+    label: str
+    items_per_s: float
+    identical: bool | None  # None for the reference row itself
+
+
+def best_time(run: Callable[[], object], repeat: int) -> tuple[float, object]:
+    best, result = float("inf"), None
+    for _ in range(repeat):
+        start = time.perf_counter()
+        result = run()
+        best = min(best, time.perf_counter() - start)
+    return best, result
+
+
+def bench_throughput(values: np.ndarray, measure: WasteMeasure, repeat: int) -> list[Throughput]:
+    as_list = values.tolist()
+
+    def scalar() -> np.ndarray:
+        lanes = ShapeLanes(measure=measure)
+        assign = lanes.assign
+        return np.array([assign(length, 0.0) for length in as_list], dtype=np.int64)
+
+    def many() -> np.ndarray:
+        return ShapeLanes(measure=measure).assign_many(values, 0.0)
+
+    def chunked() -> np.ndarray:
+        lanes = ShapeLanes(measure=measure)
+        parts = [lanes.assign_many(values[i : i + CHUNK_ITEMS], 0.0)
+                 for i in range(0, values.size, CHUNK_ITEMS)]
+        return np.concatenate(parts)
+
+    n = values.size
+    seconds, want = best_time(scalar, repeat)
+    rows = [Throughput(f"assign, {measure.value}", n / seconds, None)]
+    for label, run in ((f"assign_many, one call, {measure.value}", many),
+                       (f"assign_many, {CHUNK_ITEMS}-item calls, {measure.value}", chunked)):
+        seconds, got = best_time(run, repeat)
+        rows.append(Throughput(label, n / seconds, bool(np.array_equal(got, want))))
+    return rows
+
+
+def lane_summary(values: np.ndarray, measure: WasteMeasure) -> str:
+    lanes = ShapeLanes(measure=measure)
+    lanes.assign_many(values, 0.0)
+    c = lanes.counters
+    return (f"{measure.value}: {c.new_lanes} lanes, {c.raises} raises "
+            f"({100 * c.raises / c.assigned:.2f}% of items), threshold {lanes.threshold:.4f}")
+
+
+# ----------------------------------------------------------------------------- (b) policies
+
+
+@dataclass(slots=True)
+class Batch:
+    items: int
+    real_tokens: int
+    padded_tokens: int
+
+
+def pack_own_longest(queue: deque[int]) -> Batch:
+    """Take items from the front in order while the batch, padded to its own longest item,
+    fits the contract; at least one item."""
+    count = longest = real = 0
+    while queue and count < MAX_BATCH_ITEMS:
+        longer = max(longest, queue[0])
+        if count and (count + 1) * longer > MAX_BATCH_TOKENS:
+            break
+        length = queue.popleft()
+        count, longest, real = count + 1, longer, real + length
+    return Batch(count, real, count * longest)
+
+
+def pack_queue_longest(queue: deque[int]) -> Batch:
+    """SPEC §3: pad-to = the queue's longest item rounded up to a multiple of 8; items in
+    arrival order until the size or the padded-token budget is reached; at least one."""
+    return pack_padded_to(queue, max(queue))
+
+
+def pack_padded_to(queue: deque[int], longest: int) -> Batch:
+    pad = -(-longest // PAD_MULTIPLE_TOKENS) * PAD_MULTIPLE_TOKENS
+    count = max(1, min(len(queue), MAX_BATCH_ITEMS, MAX_BATCH_TOKENS // pad))
+    real = sum(queue.popleft() for _ in range(count))
+    return Batch(count, real, count * pad)
+
+
+class BucketPolicy:
+    """Fixed buckets by a key of the length; the bucket with the most queued tokens is served
+    first (as lanes are); each batch is padded to its own longest item."""
+
+    def __init__(self, key: Callable[[np.ndarray], np.ndarray]) -> None:
+        self.key = key
+        self.queues: dict[int, deque[int]] = {}
+        self.tokens: dict[int, int] = {}
+
+    def add(self, values: np.ndarray, now_s: float) -> None:
+        for bucket, length in zip(self.key(values).tolist(), values.tolist()):
+            self.queues.setdefault(bucket, deque()).append(length)
+            self.tokens[bucket] = self.tokens.get(bucket, 0) + length
+
+    def take(self) -> Batch:
+        bucket = max(self.tokens, key=lambda b: (self.tokens[b], -b))
+        batch = pack_own_longest(self.queues[bucket])
+        self.tokens[bucket] -= batch.real_tokens
+        if not self.queues[bucket]:
+            del self.queues[bucket], self.tokens[bucket]
+        return batch
+
+    def tick(self, now_s: float) -> None:
+        pass
+
+    def lanes_used(self) -> str:
+        return ""
+
+
+class LanePolicy:
+    """The real ShapeLanes decides the lane; this class plays the storage tier (one deque of
+    lengths per lane) and the dispatcher (fullest lane first)."""
+
+    def __init__(self, max_lanes: int, measure: WasteMeasure, pack: Callable[[deque[int]], Batch]):
+        self.lanes = ShapeLanes(max_lanes=max_lanes, measure=measure)
+        self.pack = pack
+        self.queues: dict[int, deque[int]] = {}
+
+    def add(self, values: np.ndarray, now_s: float) -> None:
+        for lane, length in zip(self.lanes.assign_many(values, now_s).tolist(), values.tolist()):
+            self.queues.setdefault(lane, deque()).append(length)
+
+    def take(self) -> Batch:
+        lane = self.lanes.fullest_lane()
+        assert lane is not None
+        queue = self.queues[lane]
+        front = list(islice(queue, MAX_BATCH_ITEMS))  # on_dispatched needs the batch's lengths
+        batch = self.pack(queue)
+        self.lanes.on_dispatched(LaneId(lane), front[: batch.items])
+        self.lanes.on_completed(LaneId(lane), batch.items)
+        return batch
+
+    def tick(self, now_s: float) -> None:
+        for lane in self.lanes.tick(now_s).released:
+            assert not self.queues.pop(lane, None)
+
+    def lanes_used(self) -> str:
+        c = self.lanes.counters
+        return f"{c.max_in_use} lanes max, {c.force_fits} force-fits"
+
+
+POLICIES: dict[str, Callable[[], BucketPolicy | LanePolicy]] = {
+    "FIFO, no buckets (own longest)": lambda: BucketPolicy(np.zeros_like),
+    "power-of-two buckets (own longest)": lambda: BucketPolicy(
+        lambda v: np.ceil(np.log2(v)).astype(np.int64)),
+    "fixed 64-token ranges (own longest)": lambda: BucketPolicy(lambda v: (v - 1) // 64),
+    "lanes 128, queued-min (queue longest/8)": lambda: LanePolicy(
+        128, WasteMeasure.QUEUED_MIN, pack_queue_longest),
+    "lanes 2048, literal (queue longest/8)": lambda: LanePolicy(
+        2048, WasteMeasure.LITERAL, pack_queue_longest),
+    "lanes 2048, queued-min (queue longest/8)": lambda: LanePolicy(
+        2048, WasteMeasure.QUEUED_MIN, pack_queue_longest),
+    "lanes 2048, literal (own longest)": lambda: LanePolicy(
+        2048, WasteMeasure.LITERAL, pack_own_longest),
+    "lanes 2048, queued-min (own longest)": lambda: LanePolicy(
+        2048, WasteMeasure.QUEUED_MIN, pack_own_longest),
+}
+DEFAULT_POLICY = "lanes 2048, queued-min (queue longest/8)"
+OPTIMUM = "offline optimum (sorted, longest first)"
+# Context only (targets use OPTIMUM): the optimum under the lanes' own pad rounding.
+OPTIMUM_ROUNDED = "offline optimum, pad rounded up to 8"
+
+
+@dataclass(slots=True)
+class SimResult:
+    efficiency: float
+    fill: float
+    note: str
+
+
+def summarise(batches: list[Batch], note: str) -> SimResult:
+    real = sum(b.real_tokens for b in batches)
+    padded = sum(b.padded_tokens for b in batches)
+    fill = sum(b.items for b in batches) / (len(batches) * MAX_BATCH_ITEMS)
+    return SimResult(real / padded, fill, note)
+
+
+def simulate(make: Callable[[], BucketPolicy | LanePolicy], stream: np.ndarray, depth: int) -> SimResult:
+    policy = make()
+    policy.add(stream[:depth], 0.0)
+    arrived, next_tick_s = depth, TICK_EVERY_S
+    batches: list[Batch] = []
+    while arrived < stream.size:
+        batch = policy.take()
+        batches.append(batch)
+        now_s = arrived / ARRIVAL_RATE_ITEMS_PER_S
+        policy.add(stream[arrived : arrived + batch.items], now_s)
+        arrived += batch.items
+        if now_s >= next_tick_s:
+            policy.tick(now_s)
+            next_tick_s = now_s + TICK_EVERY_S
+    return summarise(batches, policy.lanes_used())
+
+
+def offline_optimum(stream: np.ndarray, rounded: bool) -> SimResult:
+    """Every item of the stream known in advance, sorted longest first, packed in order."""
+    queue = deque(sorted(stream.tolist(), reverse=True))
+    batches = []
+    while queue:
+        batches.append(pack_padded_to(queue, queue[0]) if rounded else pack_own_longest(queue))
+    return summarise(batches, "")
+
+
+# ----------------------------------------------------------------------------- reporting
+
+
+def run_throughput(items: int, seed: int, repeat: int) -> None:
+    values = lognormal(np.random.default_rng(seed), items, 512, 1.0)
+    print(f"(a) lane assignment, {items:,} log-normal lengths (median 512, sigma 1, seed {seed}),"
+          f" one core, best of {repeat}")
+    print(f"    {'':46} {'items/s':>12}  same lanes as assign")
+    results: dict[str, float] = {}
+    for measure in WasteMeasure:
+        for row in bench_throughput(values, measure, repeat):
+            same = "(reference)" if row.identical is None else ("yes" if row.identical else "NO")
+            print(f"    {row.label:46} {row.items_per_s:12,.0f}  {same}")
+            results[row.label] = row.items_per_s
+            if row.identical is False:
+                print("    MISMATCH: assign_many differs from assign", file=sys.stderr)
+        print(f"    {'':46} {lane_summary(values, measure)}")
+    scalar = results["assign, queued_min"]
+    many = results["assign_many, one call, queued_min"]
+    print(f"    targets (queued_min): assign_many >= {TARGET_ASSIGN_MANY_PER_S:,}/s: "
+          f"{verdict(many, TARGET_ASSIGN_MANY_PER_S)}; assign >= {TARGET_ASSIGN_PER_S:,}/s: "
+          f"{verdict(scalar, TARGET_ASSIGN_PER_S)}")
+
+
+def verdict(value: float, target: float) -> str:
+    if value >= target:
+        return f"met ({value / target:.2f}x)"
+    return f"NOT met ({value:,.0f}/s, {100 * (1 - value / target):.0f}% short)"
+
+
+def run_padding(measure_items: int, depths: list[int], seed: int) -> None:
+    print(f"\n(b) padding simulation: contract {MAX_BATCH_ITEMS} items / {MAX_BATCH_TOKENS:,} padded"
+          f" tokens; per depth, max({measure_items:,}, 5 x depth) items stream through a queue"
+          f" held at that depth")
+    print("    eff = real / padded tokens, fill = items per batch / 64")
+    for name, make_workload in WORKLOADS.items():
+        rng = np.random.default_rng(seed)
+        streams = {d: make_workload(rng, d + max(measure_items, 5 * d)) for d in depths}
+        rows: dict[str, list[SimResult]] = {
+            policy: [simulate(make, streams[d], d) for d in depths]
+            for policy, make in POLICIES.items()
+        }
+        rows[OPTIMUM] = [offline_optimum(streams[d], rounded=False) for d in depths]
+        rows[OPTIMUM_ROUNDED] = [offline_optimum(streams[d], rounded=True) for d in depths]
+        print_table(name, depths, rows)
+
+
+def print_table(workload: str, depths: list[int], rows: dict[str, list[SimResult]]) -> None:
+    print(f"\n  workload: {workload}")
+    head = "".join(f"{'depth ' + format(d, ','):>17}" for d in depths)
+    print(f"    {'policy':41}{head}   lanes (deepest run)")
+    print(f"    {'':41}" + "".join(f"{'eff%':>9}{'fill%':>8}" for _ in depths))
+    for policy, results in rows.items():
+        cells = "".join(f"{100 * r.efficiency:9.2f}{100 * r.fill:8.1f}" for r in results)
+        print(f"    {policy:41}{cells}   {results[-1].note}")
+    if workload.startswith("log-normal"):
+        print_targets(depths, rows)
+
+
+def print_targets(depths: list[int], rows: dict[str, list[SimResult]]) -> None:
+    for depth, result, best in zip(depths, rows[DEFAULT_POLICY], rows[OPTIMUM]):
+        gap = best.efficiency - result.efficiency
+        ok = result.efficiency >= TARGET_EFFICIENCY and gap <= TARGET_GAP_TO_OPTIMUM
+        print(f"    target at depth {depth:,}: {DEFAULT_POLICY} {100 * result.efficiency:.2f}% "
+              f"(>= {100 * TARGET_EFFICIENCY:.1f}%), {100 * gap:.2f} points below the optimum "
+              f"(<= {100 * TARGET_GAP_TO_OPTIMUM:.0f}): {'met' if ok else 'NOT met'}")
+
+
+def pin_to_one_core() -> str:
+    if not hasattr(os, "sched_setaffinity"):
+        return "not pinned (no sched_setaffinity)"
+    cpu = min(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cpu})
+    return f"pinned to CPU {cpu}"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="100,000 items, depths 1,000 and 10,000, one repeat")
+    parser.add_argument("--seed", type=int, default=20240601)
+    parser.add_argument("--repeat", type=int, default=None, help="timing runs (best is kept)")
+    parser.add_argument("--skip-padding", action="store_true", help="only part (a)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    items = 100_000 if args.quick else 1_000_000
+    depths = [1_000, 10_000] if args.quick else [1_000, 10_000, 100_000]
+    repeat = args.repeat or (1 if args.quick else 3)
+    print(f"bench_lanes: python {sys.version.split()[0]}, numpy {np.__version__}, "
+          f"{pin_to_one_core()}{', QUICK' if args.quick else ''}")
+    started = time.perf_counter()
+    run_throughput(items, args.seed, repeat)
+    if not args.skip_padding:
+        run_padding(20_000 if args.quick else 100_000, depths, args.seed)
+    print(f"\nbench_lanes: {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
