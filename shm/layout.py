@@ -44,7 +44,8 @@ def checked_dtype(rows: list[LayoutRow], itemsize: int) -> np.dtype:
 
 
 def struct_for(dtype: np.dtype, fields: list[str] | None = None) -> struct.Struct:
-    """A little-endian `struct.Struct` packing `fields` (default: all) of `dtype` at their offsets.
+    """A little-endian `struct.Struct` packing `fields` (default: the whole record, trailing
+    reserved bytes included) of `dtype` at their offsets.
 
     Reserved gaps between the chosen fields become pad bytes, written as zero, so
     `pack_into(buf, base, *values)` writes what numpy would for a fresh record.
@@ -63,6 +64,9 @@ def struct_for(dtype: np.dtype, fields: list[str] | None = None) -> struct.Struc
         else:
             fmt += _STRUCT_CODES[field_dtype.str]
         pos = offset + field_dtype.itemsize
+    if fields is None and dtype.itemsize > pos:
+        fmt += f"{dtype.itemsize - pos}x"  # the whole record: trailing reserved bytes too
+        pos = dtype.itemsize
     packer = struct.Struct(fmt)
     assert packer.size == pos - start, (fmt, packer.size, pos - start)
     return packer

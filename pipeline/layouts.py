@@ -1,0 +1,181 @@
+"""Every record layout of the pipeline, declared once: producer, broker, consumer and tools
+import it from here.
+
+A producer submits work as *frames*: one ring record holding one or more items. A frame is a
+header, an array of fixed-size item headers, all items' token ids back to back (int32), then
+all payloads back to back. One frame per batch is what lets a batch submit be three copies
+(headers, tokens, payloads) instead of three per item.
+
+    frame body:  FRAME_HEADER | ITEM_HEADER x item_count | int32 x token_count | payload bytes
+
+Item i's tokens start at the sum of the lengths before it; its payload likewise. Token ids
+start 16-byte aligned (the header sizes are multiples of 16 and ring records are 16-aligned),
+so a reader maps them as a numpy int32 array without copying.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import NewType
+
+import numpy as np
+
+from pipeline.errors import FrameError
+from shm.layout import checked_dtype, struct_for
+
+ItemId = NewType("ItemId", int)
+ProducerId = NewType("ProducerId", int)
+
+FRAME_MAGIC = b"SBF1"
+# Bump when a field below moves or changes meaning; frames of another version are refused.
+FRAME_VERSION = 1
+# Item ids are (producer id << 40) | sequence: 2**40 items per producer (a trillion) and
+# 2**24 producer ids (16 million registrations) both outlast any run.
+ITEM_ID_SEQ_BITS = 40
+MAX_PRODUCER_ID = (1 << (64 - ITEM_ID_SEQ_BITS)) - 1
+MAX_SEQ = (1 << ITEM_ID_SEQ_BITS) - 1
+
+# Frame header.
+#   off  size  field          meaning
+#     0     4  magic          b"SBF1"
+#     4     2  version        FRAME_VERSION
+#     6     2  header_size    FRAME_HEADER_DTYPE.itemsize, so a reader can check it
+#     8     4  producer_id    registered producer that wrote the frame
+#    12     4  item_count     items in the frame, >= 1
+#    16     8  token_count    sum of the items' lengths
+#    24     4  payload_bytes  sum of the items' payload sizes
+#    28     4  reserved       zero
+FRAME_HEADER_DTYPE = checked_dtype(
+    [
+        ("magic", 0, "|S4", "b'SBF1'"),
+        ("version", 4, "<u2", "FRAME_VERSION"),
+        ("header_size", 6, "<u2", "frame header bytes"),
+        ("producer_id", 8, "<u4", "producer"),
+        ("item_count", 12, "<u4", "items"),
+        ("token_count", 16, "<u8", "sum of lengths"),
+        ("payload_bytes", 24, "<u4", "sum of payload sizes"),
+    ],
+    itemsize=32,
+)
+
+# Item header, one per item, right after the frame header.
+#   off  size  field       meaning
+#     0     8  item_id     (producer_id << 40) | seq: unique across producers
+#     8     8  seq         per-producer sequence, from 0, no gaps
+#    16     8  signature   the shape (SPEC §1)
+#    24     8  submit_ns   time.monotonic_ns() at submit (one clock per machine), for latency
+#    32     4  model       model id
+#    36     4  length      token count, >= 1
+#    40     4  prefix_len  leading tokens the shape's components cover (cache accounting only)
+#    44     4  payload_len opaque payload bytes returned with the result
+ITEM_HEADER_DTYPE = checked_dtype(
+    [
+        ("item_id", 0, "<u8", "unique item id"),
+        ("seq", 8, "<u8", "per-producer sequence"),
+        ("signature", 16, "<u8", "shape signature"),
+        ("submit_ns", 24, "<u8", "submit time, monotonic ns"),
+        ("model", 32, "<u4", "model id"),
+        ("length", 36, "<u4", "tokens"),
+        ("prefix_len", 40, "<u4", "prefix tokens"),
+        ("payload_len", 44, "<u4", "payload bytes"),
+    ],
+    itemsize=48,
+)
+FRAME_HEADER_SIZE_BYTES = FRAME_HEADER_DTYPE.itemsize
+ITEM_HEADER_SIZE_BYTES = ITEM_HEADER_DTYPE.itemsize
+TOKEN_DTYPE = np.dtype("<i4")
+TOKEN_SIZE_BYTES = TOKEN_DTYPE.itemsize
+assert FRAME_HEADER_SIZE_BYTES % 16 == 0 and ITEM_HEADER_SIZE_BYTES % 16 == 0
+
+FRAME_HEADER_STRUCT = struct_for(FRAME_HEADER_DTYPE)
+# Frame header and one item header packed in one call: the single-item submit path.
+SINGLE_ITEM_FRAME_STRUCT = struct.Struct("<" + FRAME_HEADER_STRUCT.format[1:] + struct_for(ITEM_HEADER_DTYPE).format[1:])
+assert SINGLE_ITEM_FRAME_STRUCT.size == FRAME_HEADER_SIZE_BYTES + ITEM_HEADER_SIZE_BYTES
+
+
+def frame_size_bytes(item_count: int, token_count: int, payload_bytes: int) -> int:
+    """Body size of a frame holding these items."""
+    return (
+        FRAME_HEADER_SIZE_BYTES
+        + item_count * ITEM_HEADER_SIZE_BYTES
+        + token_count * TOKEN_SIZE_BYTES
+        + payload_bytes
+    )
+
+
+def make_item_id(producer_id: int, seq: int) -> ItemId:
+    return ItemId((producer_id << ITEM_ID_SEQ_BITS) | seq)
+
+
+@dataclass(slots=True)
+class Frame:
+    """A parsed frame: zero-copy views into the ring record it came from.
+
+    `items` is a structured array (ITEM_HEADER_DTYPE), `tokens` every item's token ids back to
+    back, `token_starts[i]` where item i's tokens begin in `tokens` (length item_count + 1),
+    `payloads` every payload back to back, `payload_starts` likewise.
+    """
+
+    producer_id: int
+    items: np.ndarray
+    tokens: np.ndarray
+    token_starts: np.ndarray
+    payloads: np.ndarray
+    payload_starts: np.ndarray
+
+    def item_tokens(self, i: int) -> np.ndarray:
+        return self.tokens[self.token_starts[i]:self.token_starts[i + 1]]
+
+    def item_payload(self, i: int) -> bytes:
+        return self.payloads[self.payload_starts[i]:self.payload_starts[i + 1]].tobytes()
+
+
+def parse_frame(body: np.ndarray, where: str = "frame") -> Frame:
+    """Parse and validate a frame from a uint8 view, without copying token data.
+
+    Everything is checked against everything else (magic, version, sizes, the sums of the
+    item lengths and payload sizes) so a record written by anything else is refused with
+    FrameError naming `where` and the byte offset, never misread.
+    """
+    size = body.shape[0]
+    if size < FRAME_HEADER_SIZE_BYTES:
+        raise FrameError(f"{where}: {size} bytes, shorter than a frame header ({FRAME_HEADER_SIZE_BYTES})")
+    magic, version, header_size, producer_id, count, token_count, payload_bytes = (
+        FRAME_HEADER_STRUCT.unpack_from(body, 0)
+    )
+    if magic != FRAME_MAGIC or version != FRAME_VERSION or header_size != FRAME_HEADER_SIZE_BYTES:
+        raise FrameError(
+            f"{where}: header at offset 0 has magic {magic!r}, version {version}, header size "
+            f"{header_size}; expected {FRAME_MAGIC!r}, {FRAME_VERSION}, {FRAME_HEADER_SIZE_BYTES}"
+        )
+    expected = frame_size_bytes(count, token_count, payload_bytes)
+    if count == 0 or expected != size:
+        raise FrameError(
+            f"{where}: {count} items, {token_count} tokens and {payload_bytes} payload bytes "
+            f"need {expected} bytes; the record has {size}"
+        )
+    items_end = FRAME_HEADER_SIZE_BYTES + count * ITEM_HEADER_SIZE_BYTES
+    tokens_end = items_end + token_count * TOKEN_SIZE_BYTES
+    items = body[FRAME_HEADER_SIZE_BYTES:items_end].view(ITEM_HEADER_DTYPE)
+    lengths = items["length"]
+    payload_lens = items["payload_len"]
+    token_starts = np.zeros(count + 1, dtype=np.int64)
+    np.cumsum(lengths, out=token_starts[1:])
+    payload_starts = np.zeros(count + 1, dtype=np.int64)
+    np.cumsum(payload_lens, out=payload_starts[1:])
+    if token_starts[-1] != token_count or payload_starts[-1] != payload_bytes or lengths.min() == 0:
+        raise FrameError(
+            f"{where}: item lengths sum to {int(token_starts[-1])} (header says {token_count}), "
+            f"payloads to {int(payload_starts[-1])} (header says {payload_bytes}), "
+            f"shortest item {int(lengths.min())} tokens (must be >= 1); item headers at offset "
+            f"{FRAME_HEADER_SIZE_BYTES}"
+        )
+    return Frame(
+        producer_id=producer_id,
+        items=items,
+        tokens=body[items_end:tokens_end].view(TOKEN_DTYPE),
+        token_starts=token_starts,
+        payloads=body[tokens_end:],
+        payload_starts=payload_starts,
+    )

@@ -1,0 +1,56 @@
+"""Shared test fixtures: unique shared-memory names per test, and checks that nothing leaks."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import uuid
+
+import pytest
+
+from shm.objects import unlink_quietly
+
+# Prefix of every POSIX object a test creates, so leftovers are found and removed.
+TEST_PREFIX = "sbrk-test"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--run-slow", action="store_true", help="also run the long stress variants")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--run-slow"):
+        return
+    skip = pytest.mark.skip(reason="long stress variant: pass --run-slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+def _objects_with(tag: str) -> list[str]:
+    return sorted(name for name in os.listdir("/dev/shm") if tag in name)
+
+
+@pytest.fixture
+def shm_name():
+    """A factory of unique object names for this test; everything under them is removed after,
+    and the test fails if anything was left behind by code that should have unlinked it."""
+    tag = f"{TEST_PREFIX}-{uuid.uuid4().hex[:10]}"
+    counter = iter(range(1_000_000))
+
+    def make(role: str = "ring") -> str:
+        return f"/{tag}-{role}-{next(counter)}"
+
+    make.tag = tag  # type: ignore[attr-defined]
+    yield make
+    leftovers = _objects_with(tag)
+    for name in leftovers:
+        plain = name[4:] if name.startswith("sem.") else name
+        unlink_quietly([f"/{plain}"], [f"/{plain}"])
+    assert not leftovers, f"objects left in /dev/shm by code that should have unlinked them: {leftovers}"
+
+
+@pytest.fixture
+def ctx():
+    """Fork context: child processes start fast and inherit the test's imports."""
+    return mp.get_context("fork")
