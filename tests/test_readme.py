@@ -1,0 +1,23 @@
+"""The README's example runs as written (under a unique object name)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def test_readme_python_example_runs(shm_name):
+    text = README.read_text()
+    (example,) = re.findall(r"```python\n(.*?)```", text, re.S)
+    example = example.replace('"/sbrk-demo-producer-0"', repr(shm_name("readme")))
+    exec(compile(example, str(README), "exec"), {})
+
+
+def test_readme_quick_start_is_two_commands():
+    block = re.search(r"## Quick start.*?```sh\n(.*?)```", README.read_text(), re.S).group(1)
+    commands = [line.split("#")[0].strip() for line in block.splitlines() if line.strip()]
+    assert commands == ["python3 quickstart.py demo", "python3 quickstart.py test"], block
+    ci = (README.parent / ".ci" / "run").read_text()
+    assert "exec python3 quickstart.py test" in ci
