@@ -67,12 +67,9 @@ def read_and_check(reader: RingReader, seed: int, count: int, max_size: int, fir
     return count - first
 
 
-def test_two_processes_million_records_across_wraparound(shm_name, ctx):
-    # A 64 KiB ring and records of 0..600 bytes: the ring laps about 5,000 times and record
-    # starts land on every 16-byte offset of the data region.
+def stream_through_second_process(shm_name, ctx, count: int, seed: int, max_size: int, capacity: int) -> None:
     name = shm_name()
-    count, seed, max_size = 1_000_000, 11, 600
-    reader = RingReader.create(name, 1 << 16)
+    reader = RingReader.create(name, capacity)
     child = ctx.Process(target=writer_proc, args=(name, seed, count, max_size))
     child.start()
     try:
@@ -86,19 +83,15 @@ def test_two_processes_million_records_across_wraparound(shm_name, ctx):
     assert child.exitcode == 0
 
 
+def test_two_processes_two_million_records_across_wraparound(shm_name, ctx):
+    # A 64 KiB ring and records of 0..300 bytes: the ring laps about 6,000 times and record
+    # starts land on every 16-byte offset of the data region.
+    stream_through_second_process(shm_name, ctx, 2_000_000, seed=11, max_size=300, capacity=1 << 16)
+
+
 @pytest.mark.slow
-def test_two_processes_ten_million_records(shm_name, ctx):
-    name = shm_name()
-    count, seed, max_size = 10_000_000, 12, 200
-    reader = RingReader.create(name, 1 << 14)
-    child = ctx.Process(target=writer_proc, args=(name, seed, count, max_size))
-    child.start()
-    try:
-        assert read_and_check(reader, seed, count, max_size) == count
-    finally:
-        child.join(60)
-        reader.close()
-        reader.unlink()
+def test_two_processes_twenty_million_records(shm_name, ctx):
+    stream_through_second_process(shm_name, ctx, 20_000_000, seed=12, max_size=200, capacity=1 << 14)
 
 
 def test_every_body_size_at_every_offset(shm_name):
