@@ -65,6 +65,7 @@ DEFAULT_FRAME_BYTES = 4 << 20
 DEFAULT_RING_CAPACITY_BYTES = 64 << 20
 
 _I4 = np.dtype("<i4")
+_monotonic_ns = time.monotonic_ns
 _SINGLE_BODY_BASE = FRAME_HEADER_SIZE_BYTES + ITEM_HEADER_SIZE_BYTES
 _NO_TIMEOUT = object()
 
@@ -136,7 +137,11 @@ class Producer:
         self._buf = ring.buf
         self._tokens_view = ring.buf.cast("i")  # int32 view of the data region for token copies
         self._id_base = make_item_id(producer_id, 0)
-        # Limits as plain attributes: the single-item path reads them on every call.
+        # Bound methods and limits as plain attributes: the single-item path uses them on
+        # every call, and each saved lookup is a few percent of a ~1.3 us submit.
+        self._reserve = ring.reserve
+        self._commit = ring.commit
+        self._pack_single = SINGLE_ITEM_FRAME_STRUCT.pack_into
         self._max_item_tokens = limits.max_item_tokens
         self._max_payload_bytes = limits.max_payload_bytes
         self._max_models = limits.max_models
@@ -181,7 +186,7 @@ class Producer:
         """Submit one item; returns its item id. Blocks while the ring is full."""
         if type(tokens) is not np.ndarray or tokens.dtype != _I4 or tokens.ndim != 1:
             tokens = coerce_tokens(tokens)
-        length = tokens.shape[0]
+        length = len(tokens)  # one-dimensional here; len() is cheaper than shape[0]
         payload_len = len(payload)
         if not 0 < length <= self._max_item_tokens or payload_len > self._max_payload_bytes:
             self._reject_sizes(length, payload_len)
@@ -199,13 +204,13 @@ class Producer:
         token_bytes = length * TOKEN_SIZE_BYTES
         if timeout_s is _NO_TIMEOUT:
             timeout_s = self.timeout_s
-        offset = self.ring.reserve(_SINGLE_BODY_BASE + token_bytes + payload_len, timeout_s)  # type: ignore[arg-type]
+        offset = self._reserve(_SINGLE_BODY_BASE + token_bytes + payload_len, timeout_s)  # type: ignore[arg-type]
         item_id = self._id_base | seq
         try:
-            SINGLE_ITEM_FRAME_STRUCT.pack_into(
+            self._pack_single(
                 self._buf, offset, FRAME_MAGIC, FRAME_VERSION, FRAME_HEADER_SIZE_BYTES, self.producer_id,
                 1, length, payload_len,
-                item_id, seq, signature, time.monotonic_ns(), model, length, prefix_len, payload_len,
+                item_id, seq, signature, _monotonic_ns(), model, length, prefix_len, payload_len,
             )
             start = offset + _SINGLE_BODY_BASE
             self._tokens_view[start >> 2:(start >> 2) + length] = tokens
@@ -214,7 +219,7 @@ class Producer:
         except BaseException:
             self.ring.abort()  # nothing was published; the space is simply reused
             raise
-        self.ring.commit()
+        self._commit()
         self._seq = seq + 1
         return item_id  # an ItemId; NewType's call is skipped on this path (it costs a call)
 
