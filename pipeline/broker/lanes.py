@@ -69,14 +69,18 @@ VECTOR_MAX_WINDOW_ITEMS = 16384
 VECTOR_SHORT_RUN_ITEMS = 8
 # ...so this many items go through the scalar path before numpy is tried again.
 SCALAR_STRETCH_ITEMS = 512
-# Lane groups up to this size are folded into the min-deque item by item; larger ones with
-# numpy suffix minima (whose fixed cost is a few microseconds).
-FOLD_SCALAR_ITEMS = 24
+
+# assign_many tags each lane's group of keys (lengths or negated lengths, |key| < 2**31) with
+# group index << this before one running minimum over the whole call: tagged groups occupy
+# disjoint ranges, so the minimum restarts at each group.
+_GROUP_SHIFT_BITS = 32
 
 # Lane ids in assign_many's result. int32: max_lanes is far below 2**31.
 LANE_DTYPE = np.int32
 # "Nothing queued" in the queued-minimum slots: above every valid length, so min() just works.
 _NOTHING_QUEUED = MAX_LENGTH_TOKENS + 1
+# "Nothing queued" for the queued maximum: below every valid length, so max() just works.
+_NOTHING_QUEUED_MAX = 0
 _INF = float("inf")
 
 
@@ -182,6 +186,7 @@ class LaneView:
     queued_tokens: int
     pending_items: int
     queued_min: int | None
+    queued_max: int | None
     last_seen_s: float
 
 
@@ -229,6 +234,40 @@ def _checked_lengths(lengths: Sequence[int] | np.ndarray) -> np.ndarray:
     return array.astype(np.int64, copy=False)
 
 
+def _group_suffix_minima(
+    keys: np.ndarray, group: np.ndarray, seq_base: np.ndarray
+) -> tuple[list[tuple[int, int]], list[int]]:
+    """The entries each group of `keys` adds to its lane's monotonic min-deque: the items
+    whose key is no greater than every later key of their group, as (sequence number, key),
+    found in one numpy pass for all groups. `group[i]` is item i's group (0, 1, ... in
+    order); item i's sequence number is i + seq_base[group[i]]. Returns the entries, group
+    by group, and where each group's entries begin (one bound per group, plus the end).
+    Example: keys [5, 9, 7, 7 | 4, 3], group [0, 0, 0, 0, 1, 1], seq_base [10, 96]
+    -> [(10, 5), (12, 7), (13, 7), (101, 3)], bounds [0, 3, 4].
+    NOTE: a numpy pass per group (or an item-by-item loop for small groups) was rejected:
+    with a few hundred lanes per 4,096-item call, tracking the queued maximum that way as
+    well made assign_many about 35% slower; this pass serves both deques of every lane."""
+    assert keys.size < 2**31 and group.size == keys.size
+    # Reversed, each group (an earlier one, with a lower tag) starts below everything seen so
+    # far, so the running minimum restarts there and is the group's own suffix minimum.
+    tagged = keys + (group << _GROUP_SHIFT_BITS)
+    suffix = np.minimum.accumulate(tagged[::-1])[::-1]
+    kept = np.flatnonzero(tagged == suffix)
+    kept_group = group[kept]
+    entries = list(zip((kept + seq_base[kept_group]).tolist(), keys[kept].tolist()))
+    bounds = np.searchsorted(kept_group, np.arange(seq_base.size + 1)).tolist()
+    return entries, bounds
+
+
+def _push_entries(window: deque[tuple[int, int]], entries: list[tuple[int, int]]) -> None:
+    """Append a group's min-deque entries (see _group_suffix_minima): the group's smallest key
+    (its first entry) pushes out every larger entry at the back first."""
+    lowest = entries[0][1]
+    while window and window[-1][1] > lowest:
+        window.pop()
+    window.extend(entries)
+
+
 class ShapeLanes:
     """The rolling lanes of one shape: assignment, maintenance and per-lane queue counts.
 
@@ -242,14 +281,17 @@ class ShapeLanes:
     NOTE: a SortedList was rejected: a raise changes a key in place, which a SortedList can only
     do by remove + add, and with at most a few thousand lanes a list insert is one memmove.
 
-    The queued minimum of a lane (the raise reference of WasteMeasure.QUEUED_MIN) is kept in
-    O(1) amortised per event by two structures, because the queue is pushed at both ends:
-    - new items join the back and leave from the front: a monotonic deque of
-      (sequence number, length), non-decreasing in length; its front is the main part's minimum;
+    The queued minimum of a lane (the raise reference of WasteMeasure.QUEUED_MIN) and its
+    queued maximum (the pad-to of SPEC §3 packing) are kept in O(1) amortised per event by two
+    structures each, because the queue is pushed at both ends:
+    - new items join the back and leave from the front: monotonic deques of
+      (sequence number, length), one non-decreasing in length (its front is the main part's
+      minimum), one non-increasing (its front is the main part's maximum);
     - items returned by a lost consumer go to the front, ahead of new work, and are the first
-      to leave again: that end is a stack, so they sit in a min-stack of (length, minimum of
-      this and every returned item behind it).
-    The lane's queued minimum is the smaller of the two tops. Released ids sit in a min-heap.
+      to leave again: that end is a stack, so they sit in a min/max-stack of (length, minimum
+      and maximum of this and every returned item behind it).
+    The lane's queued minimum is the smaller of the two minima, its queued maximum the larger
+    of the two maxima. Released ids sit in a min-heap.
     """
 
     def __init__(self, config: LaneConfig | None = None, **overrides: object) -> None:
@@ -277,7 +319,11 @@ class ShapeLanes:
         self._head_seq: list[int] = []  # sequence number of the main part's front item
         self._tail_seq: list[int] = []  # sequence number the next new item gets
         self._mins: list[deque[tuple[int, int]]] = []
-        self._returned: list[list[tuple[int, int]]] = []
+        # (sequence number, NEGATED length): a min-deque of -length is a max-deque of length.
+        # NOTE: a second, mirrored deque routine was rejected; negation lets one serve both.
+        self._maxs: list[deque[tuple[int, int]]] = []
+        # Returned items, top = front of the queue: (length, running minimum, running maximum).
+        self._returned: list[list[tuple[int, int, int]]] = []
         self._audit: list[deque[int]] = []
         # check_invariants' memory of targets, to check they only rise: lane -> (life, target).
         self._life: list[int] = []
@@ -327,6 +373,13 @@ class ShapeLanes:
         value = self._qmin[lane_id]
         return None if value == _NOTHING_QUEUED else value
 
+    def queued_max(self, lane_id: LaneId) -> int | None:
+        """Length of the longest item queued in the lane, None when nothing is queued: the
+        "queue's longest item" that packing pads to (SPEC §3). O(1)."""
+        self._assert_live(lane_id)
+        value = self._front_max(lane_id)
+        return None if value == _NOTHING_QUEUED_MAX else value
+
     def is_quiescing(self, lane_id: LaneId) -> bool:
         self._assert_live(lane_id)
         return lane_id in self._quiescing
@@ -364,6 +417,7 @@ class ShapeLanes:
                 queued_tokens=self._queued_tokens[lane],
                 pending_items=self._pending_items[lane],
                 queued_min=self.queued_min(lane),
+                queued_max=self.queued_max(lane),
                 last_seen_s=self._last_seen_s[lane],
             )
             for lane in self.lane_ids()
@@ -472,6 +526,11 @@ class ShapeLanes:
         while mins and mins[-1][1] > length:
             mins.pop()
         mins.append((seq, length))
+        maxs = self._maxs[lane]
+        negated = -length
+        while maxs and maxs[-1][1] > negated:
+            maxs.pop()
+        maxs.append((seq, negated))
         if length < self._qmin[lane]:
             self._qmin[lane] = length
         if self._cfg.audit:
@@ -537,6 +596,7 @@ class ShapeLanes:
         ):
             column.append(initial)  # type: ignore[attr-defined]
         self._mins.append(deque())
+        self._maxs.append(deque())
         self._returned.append([])
         self._audit.append(deque())
 
@@ -658,40 +718,34 @@ class ShapeLanes:
         starts = np.concatenate(([0], starts))
         ends = np.append(starts[1:], values.size)
         tokens = np.add.reduceat(sorted_values, starts)
-        for lane, start, end, total in zip(
-            sorted_lanes[starts].tolist(), starts.tolist(), ends.tolist(), tokens.tolist()
+        lane_list = sorted_lanes[starts].tolist()
+        group = np.zeros(values.size, dtype=np.int64)
+        group[starts[1:]] = 1
+        np.cumsum(group, out=group)
+        tail = self._tail_seq
+        seq_base = np.array([tail[lane] for lane in lane_list], dtype=np.int64) - starts
+        min_entries, min_bounds = _group_suffix_minima(sorted_values, group, seq_base)
+        max_entries, max_bounds = _group_suffix_minima(-sorted_values, group, seq_base)
+        for i, (lane, start, end, total) in enumerate(
+            zip(lane_list, starts.tolist(), ends.tolist(), tokens.tolist())
         ):
             self._fold(lane, sorted_values[start:end], total, now_s)
+            _push_entries(self._mins[lane], min_entries[min_bounds[i] : min_bounds[i + 1]])
+            _push_entries(self._maxs[lane], max_entries[max_bounds[i] : max_bounds[i + 1]])
+            front = self._front_min(lane)
+            assert self._literal or front == self._qmin[lane], (lane, front, self._qmin[lane])
+            self._qmin[lane] = front
 
     def _fold(self, lane: LaneId, group: np.ndarray, tokens: int, now_s: float) -> None:
-        """Append `group` (one lane's new items, in order) to the lane's queue."""
+        """Count `group` (one lane's new items, in order) into the lane's queue; the caller
+        pushes their min- and max-deque entries (found for every lane of the call at once)."""
         count = group.size
         self._queued_items[lane] += count
         self._queued_tokens[lane] += tokens
         self._last_seen_s[lane] = now_s
-        first_seq = self._tail_seq[lane]
-        self._tail_seq[lane] = first_seq + count
-        mins = self._mins[lane]
-        if count <= FOLD_SCALAR_ITEMS:
-            for seq, length in enumerate(group.tolist(), first_seq):
-                while mins and mins[-1][1] > length:
-                    mins.pop()
-                mins.append((seq, length))
-        else:
-            # An item survives in a monotonic deque iff no later item is shorter: keep the
-            # items no longer than the minimum of everything after them (suffix minima).
-            after = np.minimum.accumulate(group[::-1])[::-1]
-            keep = np.append(group[:-1] <= after[1:], True)
-            kept = np.flatnonzero(keep)
-            lowest = int(after[0])
-            while mins and mins[-1][1] > lowest:
-                mins.pop()
-            mins.extend(zip((kept + first_seq).tolist(), group[kept].tolist()))
+        self._tail_seq[lane] += count
         if self._cfg.audit:
             self._audit[lane].extend(group.tolist())
-        front = self._front_min(lane)
-        assert self._literal or front == self._qmin[lane], (lane, front, self._qmin[lane])
-        self._qmin[lane] = front
 
     # ----------------------------------------------------------------- queue events
 
@@ -717,9 +771,9 @@ class ShapeLanes:
         if from_main:
             head = self._head_seq[lane_id] + from_main
             self._head_seq[lane_id] = head
-            mins = self._mins[lane_id]
-            while mins and mins[0][0] < head:
-                mins.popleft()
+            for window in (self._mins[lane_id], self._maxs[lane_id]):
+                while window and window[0][0] < head:
+                    window.popleft()
             if self._cfg.audit:
                 audit = self._audit[lane_id]
                 left = [audit.popleft() for _ in range(from_main)]
@@ -737,20 +791,22 @@ class ShapeLanes:
     def on_returned(self, lane_id: LaneId, lengths: Sequence[int] | np.ndarray) -> None:
         """Pending items of a lost consumer go back to the FRONT of the lane's queue, ahead of
         new work, `lengths` in the order they will be dispatched again (front first). They
-        go on the lane's min-stack; a quiescing lane stays quiescing and drains them.
+        go on the lane's min/max-stack; a quiescing lane stays quiescing and drains them.
         Example: queue [650, 690] (minimum 650); on_returned(lane, [700, 640]) makes it
-        [700, 640, 650, 690], queued minimum 640, and the next batch starts with 700."""
+        [700, 640, 650, 690], queued minimum 640, maximum 700, and the next batch starts with
+        700."""
         self._assert_live(lane_id)
         values = [int(v) for v in lengths]
         count = len(values)
         assert count <= self._pending_items[lane_id], (lane_id, count)
         target = self._target[lane_id]
         stack = self._returned[lane_id]
-        running = stack[-1][1] if stack else _NOTHING_QUEUED
+        low, high = (stack[-1][1], stack[-1][2]) if stack else (_NOTHING_QUEUED, _NOTHING_QUEUED_MAX)
         for value in reversed(values):
             assert 0 < value <= target, (lane_id, value, target)
-            running = value if value < running else running
-            stack.append((value, running))
+            low = value if value < low else low
+            high = value if value > high else high
+            stack.append((value, low, high))
         self._pending_items[lane_id] -= count
         self._queued_items[lane_id] += count
         self._queued_tokens[lane_id] += sum(values)
@@ -762,6 +818,14 @@ class ShapeLanes:
         best = stack[-1][1] if stack else _NOTHING_QUEUED
         if mins and mins[0][1] < best:
             best = mins[0][1]
+        return best
+
+    def _front_max(self, lane: LaneId) -> int:
+        stack = self._returned[lane]
+        maxs = self._maxs[lane]
+        best = stack[-1][2] if stack else _NOTHING_QUEUED_MAX
+        if maxs and -maxs[0][1] > best:
+            best = -maxs[0][1]
         return best
 
     # ----------------------------------------------------------------- maintenance
@@ -800,7 +864,8 @@ class ShapeLanes:
 
     def _release(self, lane: LaneId) -> None:
         self._quiescing.discard(lane)
-        assert not self._mins[lane] and not self._returned[lane] and not self._audit[lane], lane
+        assert not self._mins[lane] and not self._maxs[lane] and not self._returned[lane], lane
+        assert not self._audit[lane], lane
         self._target[lane] = 0
         self._qmin[lane] = _NOTHING_QUEUED
         self._queued_tokens[lane] = 0
@@ -851,37 +916,44 @@ class ShapeLanes:
         self._seen_targets[lane] = (self._life[lane], target)
         items, tokens = self._queued_items[lane], self._queued_tokens[lane]
         assert 0 <= items <= tokens <= items * target and self._pending_items[lane] >= 0, lane
-        stack, mins = self._returned[lane], self._mins[lane]
+        stack = self._returned[lane]
         head, tail = self._head_seq[lane], self._tail_seq[lane]
         assert items == len(stack) + tail - head, (lane, items, len(stack), head, tail)
-        running = _NOTHING_QUEUED
-        for value, minimum in stack:
-            running = min(running, value)
-            assert minimum == running and 0 < value <= target, (lane, stack)
-        seqs = [seq for seq, _ in mins]
-        lengths = [length for _, length in mins]
-        assert all(head <= s < tail for s in seqs) and seqs == sorted(set(seqs)), (lane, mins)
-        assert lengths == sorted(lengths), (lane, mins)
-        assert bool(mins) == (tail > head), (lane, mins, head, tail)
+        low, high = _NOTHING_QUEUED, _NOTHING_QUEUED_MAX
+        for value, minimum, maximum in stack:
+            low, high = min(low, value), max(high, value)
+            assert (minimum, maximum) == (low, high) and 0 < value <= target, (lane, stack)
+        for window in (self._mins[lane], self._maxs[lane]):
+            seqs = [seq for seq, _ in window]
+            keys = [key for _, key in window]
+            assert all(head <= s < tail for s in seqs) and seqs == sorted(set(seqs)), (lane, window)
+            assert keys == sorted(keys), (lane, window)
+            assert bool(window) == (tail > head), (lane, window, head, tail)
         assert self._qmin[lane] == self._front_min(lane) and self._front_min(lane) >= 1, lane
         assert self._qmin[lane] == _NOTHING_QUEUED or self._qmin[lane] <= target, lane
+        high = self._front_max(lane)
+        assert (high == _NOTHING_QUEUED_MAX) == (not items) and high <= target, (lane, high)
         if self._cfg.audit:
             self._check_audit(lane)
 
     def _check_audit(self, lane: LaneId) -> None:
-        """Brute force: the monotonic deque is exactly the suffix minima of the main part."""
+        """Brute force: the min- and max-deques are exactly the suffix minima and maxima of
+        the main part."""
         main = list(self._audit[lane])
-        whole = [value for value, _ in reversed(self._returned[lane])] + main
+        whole = [value for value, _, _ in reversed(self._returned[lane])] + main
         assert len(whole) == self._queued_items[lane] and sum(whole) == self._queued_tokens[lane]
         assert self._qmin[lane] == min(whole, default=_NOTHING_QUEUED), (lane, whole)
-        expected: list[tuple[int, int]] = []
-        lowest = _NOTHING_QUEUED
-        for seq in reversed(range(len(main))):
-            if main[seq] <= lowest:
-                lowest = main[seq]
-                expected.append((self._head_seq[lane] + seq, lowest))
-        expected.reverse()
-        assert list(self._mins[lane]) == expected, (lane, list(self._mins[lane]), expected)
+        assert self._front_max(lane) == max(whole, default=_NOTHING_QUEUED_MAX), (lane, whole)
+        head = self._head_seq[lane]
+        for window, keys in ((self._mins[lane], main), (self._maxs[lane], [-v for v in main])):
+            expected: list[tuple[int, int]] = []
+            lowest = _NOTHING_QUEUED
+            for seq in reversed(range(len(keys))):
+                if keys[seq] <= lowest:
+                    lowest = keys[seq]
+                    expected.append((head + seq, lowest))
+            expected.reverse()
+            assert list(window) == expected, (lane, list(window), expected)
 
     def _assert_live(self, lane_id: LaneId) -> None:
         # A lane in use has a target >= 1; release resets it to 0.

@@ -160,7 +160,7 @@ class RefLanes:
     def snapshot(self) -> list[tuple[object, ...]]:
         return [
             (x.lane_id, x.target, x.quiescing, len(x.queue), sum(x.queue), len(x.pending),
-             min(x.queue, default=None))
+             min(x.queue, default=None), max(x.queue, default=None))
             for x in sorted(self.lanes.values(), key=lambda x: x.lane_id)
         ]
 
@@ -172,7 +172,7 @@ class RefLanes:
 def snapshot(lanes: ShapeLanes) -> list[tuple[object, ...]]:
     return sorted(
         (v.lane_id, v.target, v.quiescing, v.queued_items, v.queued_tokens, v.pending_items,
-         v.queued_min)
+         v.queued_min, v.queued_max)
         for v in lanes.lanes()
     )
 
@@ -339,6 +339,32 @@ def _churn(scalar: ShapeLanes, many: ShapeLanes, values: np.ndarray, lanes: list
                 sut.on_returned(LaneId(lane), queue[:2])
 
 
+@DETERMINISTIC
+@given(seed=st.integers(0, 2**32 - 1), calls=st.lists(st.integers(1, 300), min_size=1, max_size=12))
+def test_mixed_assign_and_assign_many_on_one_instance(seed, calls):
+    """Calls of both kinds (and dispatches) on the same lanes: each kind pushes its own
+    min/max-deque entries, so the audit brute force checks they interleave exactly."""
+    rng = np.random.default_rng(seed)
+    mixed = ShapeLanes(audit=True, vector_min_call_items=1)
+    scalar = ShapeLanes(audit=True)
+    for size in calls:
+        values = np.maximum(1, rng.lognormal(np.log(512), 0.3, size)).astype(np.int64)
+        want = [scalar.assign(v, 0.0) for v in values.tolist()]
+        if rng.random() < 0.5:
+            got = mixed.assign_many(values, 0.0).tolist()
+        else:
+            got = [mixed.assign(v, 0.0) for v in values.tolist()]
+        assert got == want
+        lane = LaneId(int(rng.choice(want)))
+        take = [v for v, l in zip(values.tolist(), want) if l == lane]
+        if mixed.queued_items(lane) == len(take):  # nothing older queued ahead of them
+            for sut in (mixed, scalar):
+                sut.on_dispatched(lane, take[: len(take) // 2])
+        for sut in (mixed, scalar):
+            sut.check_invariants()
+        assert snapshot(mixed) == snapshot(scalar)
+
+
 # ------------------------------------------------------------------------- seeded stress
 
 
@@ -463,11 +489,29 @@ def test_quiescing_lane_is_revived_when_it_holds_the_last_id():
 def test_returned_items_go_to_the_front_and_set_the_minimum():
     lanes = _lanes_with([700, 690, 695, 698])
     lanes.on_dispatched(LaneId(0), [700, 690])
-    assert lanes.queued_min(LaneId(0)) == 695
+    assert lanes.queued_min(LaneId(0)) == 695 and lanes.queued_max(LaneId(0)) == 698
     lanes.on_returned(LaneId(0), [700, 690])
-    assert lanes.queued_min(LaneId(0)) == 690
+    assert lanes.queued_min(LaneId(0)) == 690 and lanes.queued_max(LaneId(0)) == 700
     lanes.on_dispatched(LaneId(0), [700, 690, 695])  # returned first, then the oldest new one
     assert lanes.queued_min(LaneId(0)) == 698 and lanes.pending_items(LaneId(0)) == 3
+    assert lanes.queued_max(LaneId(0)) == 698
+    lanes.on_dispatched(LaneId(0), [698])
+    assert lanes.queued_max(LaneId(0)) is None and lanes.queued_min(LaneId(0)) is None
+    lanes.check_invariants()
+
+
+def test_queued_maximum_follows_the_front_leaving_and_large_folds():
+    """The max-deque drops items as the front leaves; assign_many folds big groups with
+    numpy suffix maxima for every lane of the call at once."""
+    lanes = ShapeLanes(audit=True, max_lanes=1)  # one lane: every item lands in lane 0
+    values = [512, 500, 505, 490, 511, 300] * 10
+    lanes.assign_many(values, 0.0)
+    lane = LaneId(0)
+    assert lanes.queued_max(lane) == 512
+    lanes.on_dispatched(lane, values[:1])
+    assert lanes.queued_max(lane) == 512  # the next 512 is six items on
+    lanes.on_dispatched(lane, values[1:55])
+    assert lanes.queued_max(lane) == 511 and lanes.queued_min(lane) == 300
     lanes.check_invariants()
 
 
