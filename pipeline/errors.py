@@ -9,8 +9,15 @@ raises one of these, with the offending value, path and byte offset in the messa
     │   ├── ItemTooLongError                 more tokens than the configured record limit
     │   ├── PayloadTooLargeError             payload above the configured limit
     │   ├── ModelIdError                     model id outside [0, max_models)
-    │   └── SignatureError                   signature not an unsigned 64-bit integer
-    └── FrameError                           a ring record is not a valid submission frame
+    │   ├── SignatureError                   signature not an unsigned 64-bit integer
+    │   ├── ContractError                    a consumer contract has a zero, negative or
+    │   │                                    non-integer number
+    │   └── NotHeldError                     a consumer completes an entry it does not hold
+    ├── FrameError                           a ring record is not a valid submission frame
+    ├── StaleBatchError                      a batch can no longer be committed (its entries
+    │                                        left the front of their lane); nothing changed
+    └── ShapeGuardError                      FATAL: a chunk's shape is not its model's current
+                                             shape; the process loop must stop the broker
 
 The shared-memory errors of `shm/` (which cannot import this package) are re-exported here
 so callers catch everything from one module: `except (PipelineError, ShmError)`.
@@ -61,11 +68,36 @@ class FrameError(PipelineError):
     """A ring record does not parse as a submission frame (wrong magic, version or sizes)."""
 
 
+class ContractError(BadInputError):
+    """A consumer's contract (model, max batch items, max batch tokens, max input length) has
+    a number that is not an integer, or is zero or negative (SPEC §8)."""
+
+
+class NotHeldError(BadInputError):
+    """A consumer completed an entry it does not hold (never dispatched to it, held by another
+    consumer, or completed so long ago that it is no longer remembered). Nothing of the
+    completion was applied; the broker disconnects that consumer (SPEC §5, §8)."""
+
+
+class StaleBatchError(PipelineError):
+    """A peeked batch can no longer be committed: its entries are not the front of their lane
+    any more, or a segment holding them is gone. Step 1 of the commit found it, so nothing
+    was changed (SPEC §5); the entries stay dispatchable."""
+
+
+class ShapeGuardError(PipelineError):
+    """FATAL. A chunk about to be handed out is not of its model's current shape (SPEC §4's
+    hard guard). Never caught to carry on: the process loop must stop the broker with this
+    message, because a poisoned cache is worse than a restart."""
+
+
 __all__ = [
     "BadInputError",
+    "ContractError",
     "FrameError",
     "ItemTooLongError",
     "ModelIdError",
+    "NotHeldError",
     "ObjectExistsError",
     "ObjectMissingError",
     "PayloadTooLargeError",
@@ -73,8 +105,10 @@ __all__ = [
     "RecordTooLargeError",
     "RingClosedError",
     "RingTimeoutError",
+    "ShapeGuardError",
     "ShmError",
     "SignatureError",
+    "StaleBatchError",
     "StaleObjectError",
     "TokenArrayError",
 ]
