@@ -16,8 +16,17 @@ raises one of these, with the offending value, path and byte offset in the messa
     ├── FrameError                           a ring record is not a valid submission frame
     ├── StaleBatchError                      a batch can no longer be committed (its entries
     │                                        left the front of their lane); nothing changed
-    └── ShapeGuardError                      FATAL: a chunk's shape is not its model's current
-                                             shape; the process loop must stop the broker
+    ├── ShapeGuardError                      FATAL: a chunk's shape is not its model's current
+    │                                        shape; the process loop must stop the broker
+    └── StorageError                         the disk tier's files or disk
+        ├── SegmentFormatError               a file is not a segment of this format version
+        ├── SegmentCorruptError              damage inside a segment (path and offset named);
+        │                                    the segment is quarantined, never truncated
+        ├── DiskFullError                    ENOSPC: appends stop (backpressure), nothing
+        │                                    accepted is lost
+        └── DurabilityError                  FATAL: fsync/fdatasync failed; the broker stops
+                                             (no retry-and-continue: the page cache may
+                                             already have dropped the data)
 
 The shared-memory errors of `shm/` (which cannot import this package) are re-exported here
 so callers catch everything from one module: `except (PipelineError, ShmError)`.
@@ -91,9 +100,35 @@ class ShapeGuardError(PipelineError):
     message, because a poisoned cache is worse than a restart."""
 
 
+
+class StorageError(PipelineError):
+    """The disk tier's files or disk failed; the message names the path and byte offset."""
+
+
+class SegmentFormatError(StorageError):
+    """A file is not a segment of this format version (magic, version, identity checksum)."""
+
+
+class SegmentCorruptError(StorageError):
+    """Damage inside a segment: an entry fails its checks and a valid entry follows it.
+    The segment is quarantined, never silently truncated."""
+
+
+class DiskFullError(StorageError):
+    """The disk is full (ENOSPC): appends stop, producers feel backpressure, nothing that was
+    accepted is lost; appends resume when space comes back."""
+
+
+class DurabilityError(StorageError):
+    """FATAL. fsync/fdatasync failed. The broker stops: after a failed fsync the kernel may
+    have dropped the dirty pages, so retrying and carrying on could lose acknowledged work."""
+
+
 __all__ = [
     "BadInputError",
     "ContractError",
+    "DiskFullError",
+    "DurabilityError",
     "FrameError",
     "ItemTooLongError",
     "ModelIdError",
@@ -105,10 +140,13 @@ __all__ = [
     "RecordTooLargeError",
     "RingClosedError",
     "RingTimeoutError",
+    "SegmentCorruptError",
+    "SegmentFormatError",
     "ShapeGuardError",
     "ShmError",
     "SignatureError",
     "StaleBatchError",
     "StaleObjectError",
+    "StorageError",
     "TokenArrayError",
 ]
