@@ -179,3 +179,113 @@ def parse_frame(body: np.ndarray, where: str = "frame") -> Frame:
         payloads=body[tokens_end:],
         payload_starts=payload_starts,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Segment files (the disk tier, SPEC §5)
+#
+# A segment holds entries of one (model, signature, lane), so shape purity is a property of
+# the layout. The header page holds the routing keys once, then a few words that change in
+# place (sealed flag, counts). Entries follow from SEGMENT_HEADER_SIZE_BYTES on, 16-aligned:
+#
+#     file:  SEGMENT_HEADER (one page) | ENTRY_HEADER tokens payload pad | ENTRY_HEADER ... | zeros
+#
+# Space past the last entry reads as zeros (files are preallocated), and a zero state word
+# means "no entry here": that is where a scan stops.
+
+SegmentId = NewType("SegmentId", int)
+
+SEGMENT_MAGIC = b"SBSEGMT1"
+# Bump when a field below moves or changes meaning; segments of another version are refused.
+SEGMENT_VERSION = 1
+# One page: entries start page-aligned, and the header's mutable words stay in one page.
+SEGMENT_HEADER_SIZE_BYTES = 4096
+# Entries start on 16-byte boundaries so token ids (after a 64-byte header) are 16-aligned
+# for a zero-copy numpy view in the consumer.
+ENTRY_ALIGN_BYTES = 16
+# State words. Non-zero and unlike each other in every byte, so a torn or zeroed word is
+# never taken for either state.
+ENTRY_LIVE = 0x4556494C  # b"LIVE" little-endian
+ENTRY_TOMBSTONE = 0x424D4F54  # b"TOMB"
+ENTRY_NONE = 0  # preallocated space: the end of the data
+
+# Segment header.
+#   off  size  field              meaning
+#     0     8  magic              b"SBSEGMT1"
+#     8     4  version            SEGMENT_VERSION
+#    12     4  header_size        SEGMENT_HEADER_SIZE_BYTES: where entries start
+#    16     4  model              routing key: model id
+#    20     4  lane               routing key: lane id within the shape
+#    24     8  signature          routing key: the shape
+#    32     8  segment_seq        sequence of this segment within its (model, signature, lane)
+#    40     8  created_ns         wall clock at creation (time.time_ns)
+#    48     8  identity_checksum  xxh3-64 of bytes 0..48: the routing keys are never misread
+#    64     4  sealed             1 once sealed: no more appends; deletable when all tombstoned
+#    72     8  entry_count        entries written, as of the last header update
+#    80     8  data_end           end of the last whole entry, as of the last header update
+#    88     8  deleted_count      entries tombstoned, written after each tombstone
+# Counts in the header are hints kept up to date in place; a recovery scan of the entries is
+# authoritative and repairs them (a crash between a tombstone and its count, SPEC §5).
+SEGMENT_HEADER_DTYPE = checked_dtype(
+    [
+        ("magic", 0, "|S8", "b'SBSEGMT1'"),
+        ("version", 8, "<u4", "SEGMENT_VERSION"),
+        ("header_size", 12, "<u4", "where entries start"),
+        ("model", 16, "<u4", "model id"),
+        ("lane", 20, "<u4", "lane id"),
+        ("signature", 24, "<u8", "shape"),
+        ("segment_seq", 32, "<u8", "segment sequence in its lane"),
+        ("created_ns", 40, "<u8", "creation wall clock"),
+        ("identity_checksum", 48, "<u8", "xxh3 of bytes 0..48"),
+        ("sealed", 64, "<u4", "sealed flag"),
+        ("entry_count", 72, "<u8", "entries written"),
+        ("data_end", 80, "<u8", "end of whole entries"),
+        ("deleted_count", 88, "<u8", "entries tombstoned"),
+    ],
+    itemsize=128,
+)
+SEGMENT_IDENTITY_BYTES = 48
+
+# Entry header.
+#   off  size  field        meaning
+#     0     4  state        ENTRY_LIVE or ENTRY_TOMBSTONE; written in place on completion
+#     4     4  length       token count, >= 1
+#     8     8  checksum     xxh3-64, seeded with `length`, of bytes 16..end of the entry body
+#                           (this header from item_id on, the tokens, the payload): the state
+#                           word can change without touching it, and a damaged length is caught
+#    16     8  item_id      the producer's unique item id
+#    24     8  seq          the producer's sequence number
+#    32     4  producer_id  the producer
+#    36     4  prefix_len   leading tokens the shape's components cover
+#    40     4  payload_len  opaque payload bytes after the tokens
+#    44     4  reserved     zero
+#    48     8  submit_ns    producer's submit time (monotonic ns), for latency
+#    56     8  reserved     zero
+# Then `length` int32 token ids (16-aligned), the payload, and zeros to the next 16 bytes.
+ENTRY_HEADER_DTYPE = checked_dtype(
+    [
+        ("state", 0, "<u4", "live or tombstone"),
+        ("length", 4, "<u4", "tokens"),
+        ("checksum", 8, "<u8", "xxh3 of bytes 16..end, seeded with length"),
+        ("item_id", 16, "<u8", "item id"),
+        ("seq", 24, "<u8", "producer sequence"),
+        ("producer_id", 32, "<u4", "producer"),
+        ("prefix_len", 36, "<u4", "prefix tokens"),
+        ("payload_len", 40, "<u4", "payload bytes"),
+        ("submit_ns", 48, "<u8", "submit time"),
+    ],
+    itemsize=64,
+)
+ENTRY_HEADER_SIZE_BYTES = ENTRY_HEADER_DTYPE.itemsize
+# Where the checksummed part of an entry starts.
+ENTRY_CHECKSUM_FROM = 16
+assert ENTRY_HEADER_SIZE_BYTES % ENTRY_ALIGN_BYTES == 0
+assert SEGMENT_HEADER_SIZE_BYTES % ENTRY_ALIGN_BYTES == 0
+SEGMENT_HEADER_STRUCT = struct_for(SEGMENT_HEADER_DTYPE)
+ENTRY_HEADER_STRUCT = struct_for(ENTRY_HEADER_DTYPE)
+
+
+def entry_size_bytes(length: int, payload_len: int) -> int:
+    """Bytes an entry takes in a segment, padding included."""
+    raw = ENTRY_HEADER_SIZE_BYTES + length * TOKEN_SIZE_BYTES + payload_len
+    return (raw + ENTRY_ALIGN_BYTES - 1) & ~(ENTRY_ALIGN_BYTES - 1)
