@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from pipeline.tools_cli import tools
+
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="shape-broker")
@@ -19,3 +21,6 @@ def launch() -> None:
         "operating the product. The shared-memory rings and the producer API work today "
         "(see README)."
     )
+
+
+main.add_command(tools)
