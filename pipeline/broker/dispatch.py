@@ -1,0 +1,360 @@
+"""The dispatcher: lanes, packing and shape selection wired to a storage tier (SPEC §2-§5).
+
+The broker's process loop (a later issue) owns one Dispatcher and calls, in its single loop:
+
+    report = dispatcher.ingest(frame, now_s)        # a parsed producer frame; then release it
+    batch = dispatcher.next_batch(consumer, contract, now_s)   # None: nothing for that model
+    if batch is not None:
+        if channel_of(consumer).try_put(describe(batch)):
+            dispatcher.commit(batch)                # only after the channel took it (SPEC §5)
+        else:
+            dispatcher.abandon(batch)               # nothing happened; the entries stay queued
+    dispatcher.complete(consumer, refs)             # NotHeldError: disconnect that consumer
+    dispatcher.consumer_lost(consumer)              # its pending entries go back to the front
+    dispatcher.tick(now_s)                          # lane maintenance, e.g. every 100 ms
+    except ShapeGuardError: stop the broker         # never caught to carry on
+
+Time is always passed in: `now_s` and the items' `submit_ns` are on the machine's monotonic
+clock (time.monotonic / time.monotonic_ns). One batch is outstanding at a time: next_batch
+must be followed by commit or abandon before the next next_batch, so the shape a batch was
+guarded against cannot change under it.
+
+Accounting (`counters()`): received counts items newly stored; routed counts every commit (a
+redelivered item counts again) and returned every item given back by a lost consumer, so
+received = queued + (routed - returned) and routed - returned = pending + completed; when
+everything is done, received = completed: difference zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from collections.abc import Sequence
+
+import numpy as np
+
+from pipeline.broker.ids import BatchId, ConsumerId, EntryRef, LaneKey, ShapeKey
+from pipeline.broker.lanes import MAX_LENGTH_TOKENS, LaneConfig, LaneCounters, LaneId, ShapeLanes
+from pipeline.broker.packing import Contract, batch_items_limit, pack
+from pipeline.broker.pending import Completion
+from pipeline.broker.selection import AGE_RESOLUTION_NS, ShapeSelector, SwitchReason
+from pipeline.broker.storage.base import AppendGroup, PeekedEntry, StorageTier
+from pipeline.errors import ItemTooLongError
+from pipeline.layouts import Frame, ProducerId
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """A batch for one consumer: entries of one lane (so one shape), front first, each padded
+    to `pad_to_tokens`. Not the consumer's until `Dispatcher.commit`."""
+
+    batch_id: BatchId
+    consumer: ConsumerId
+    lane: LaneKey
+    pad_to_tokens: int
+    entries: tuple[PeekedEntry, ...]
+
+    @property
+    def model(self) -> int:
+        return self.lane.model
+
+    @property
+    def signature(self) -> int:
+        return self.lane.signature
+
+    @property
+    def refs(self) -> list[EntryRef]:
+        return [entry.ref for entry in self.entries]
+
+    @property
+    def real_tokens(self) -> int:
+        return sum(entry.length for entry in self.entries)
+
+    @property
+    def padded_tokens(self) -> int:
+        return len(self.entries) * self.pad_to_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class IngestReport:
+    items: int  # newly stored
+    tokens: int
+    duplicates: int  # skipped: already stored (seq <= the producer's highest stored seq)
+
+
+@dataclass(slots=True)
+class DispatchCounters:
+    """A snapshot of the dispatcher's totals (see the module docstring for the identities).
+    `lanes` sums every shape's LaneCounters, field by field (retired shapes included;
+    its max_in_use is the sum of the shapes' maxima); `lanes_in_use` is the current total."""
+
+    items_received: int = 0
+    tokens_received: int = 0
+    items_routed: int = 0
+    tokens_routed: int = 0
+    items_returned: int = 0
+    tokens_returned: int = 0
+    items_completed: int = 0
+    tokens_completed: int = 0
+    duplicate_items: int = 0
+    duplicate_completions: int = 0
+    batches: int = 0
+    shapes: int = 0
+    lanes_in_use: int = 0
+    switches: dict[str, int] = field(default_factory=dict)
+    lanes: LaneCounters = field(default_factory=LaneCounters)
+
+
+def _add_lane_counters(total: LaneCounters, more: LaneCounters) -> None:
+    for f in fields(LaneCounters):
+        setattr(total, f.name, getattr(total, f.name) + getattr(more, f.name))
+
+
+class Dispatcher:
+    """Ingest, batch selection, commit, completion and redelivery over one storage tier.
+
+    Owned by the broker's single dispatch loop; it owns a ShapeLanes per (model, signature)
+    (created on demand, retired when its last lane is released) and the ShapeSelector.
+    Not thread-safe.
+    """
+
+    def __init__(
+        self,
+        storage: StorageTier,
+        *,
+        lane_config: LaneConfig | None = None,
+        max_age_s: float | None = None,
+        age_resolution_ns: int = AGE_RESOLUTION_NS,
+    ) -> None:
+        self._storage = storage
+        self._lane_config = lane_config if lane_config is not None else LaneConfig()
+        self._selector = ShapeSelector(max_age_s, age_resolution_ns)
+        self._shapes: dict[ShapeKey, ShapeLanes] = {}
+        self._retired = LaneCounters()  # counters of shapes retired by tick
+        self._next_batch_id = 0
+        self._outstanding: Batch | None = None
+        self._c = DispatchCounters()
+
+    @property
+    def storage(self) -> StorageTier:
+        return self._storage
+
+    @property
+    def selector(self) -> ShapeSelector:
+        return self._selector
+
+    def lanes(self, shape: ShapeKey) -> ShapeLanes | None:
+        return self._shapes.get(shape)
+
+    def shapes(self) -> list[ShapeKey]:
+        return list(self._shapes)
+
+    # ----------------------------------------------------------------- ingest
+
+    def ingest(self, frame: Frame, now_s: float) -> IngestReport:
+        """Store a parsed frame's items: skip those already stored (idempotent ingest), group
+        the rest by (model, signature), assign lanes (ShapeLanes.assign_many, in arrival
+        order), append each lane's items to storage. The ring record may be released after.
+
+        Example: a frame of 5 items, shapes A A B A B, lengths 500 510 90 1000 95: shape A
+        assigns [500, 510, 1000] (say lanes 0, 0, 1) and appends [500, 510] to (A, 0) and
+        [1000] to (A, 1); shape B appends [90, 95] to (B, 0). Ingested again after a broker
+        restart, all 5 are duplicates (their seqs are at or below the highest stored).
+        """
+        items = frame.items
+        too_long = np.flatnonzero(items["length"] > MAX_LENGTH_TOKENS)
+        if too_long.size:  # checked before anything is assigned or stored
+            index = int(too_long[0])
+            raise ItemTooLongError(
+                f"producer {frame.producer_id}: item {index} has {int(items['length'][index])} "
+                f"tokens, above the broker's limit of {MAX_LENGTH_TOKENS}"
+            )
+        rows = np.arange(len(items), dtype=np.int64)
+        highest = self._storage.highest_seq(ProducerId(frame.producer_id))
+        if highest is not None:
+            rows = rows[items["seq"] > highest]
+        duplicates = len(items) - rows.size
+        tokens = 0
+        for shape, shape_rows in self._group_by_shape(items, rows):
+            tokens += self._ingest_shape(shape, frame, shape_rows, now_s)
+        c = self._c
+        c.items_received += int(rows.size)
+        c.tokens_received += tokens
+        c.duplicate_items += duplicates
+        return IngestReport(items=int(rows.size), tokens=tokens, duplicates=duplicates)
+
+    @staticmethod
+    def _group_by_shape(items: np.ndarray, rows: np.ndarray) -> list[tuple[ShapeKey, np.ndarray]]:
+        """Rows per (model, signature), each in arrival order; shapes in (model, sig) order."""
+        if not rows.size:
+            return []
+        models = items["model"][rows]
+        signatures = items["signature"][rows]
+        if (models == models[0]).all() and (signatures == signatures[0]).all():
+            return [(ShapeKey(int(models[0]), int(signatures[0])), rows)]  # the common case
+        order = np.lexsort((signatures, models))  # stable: arrival order within a shape
+        models, signatures, rows = models[order], signatures[order], rows[order]
+        cuts = np.flatnonzero((np.diff(models) != 0) | (np.diff(signatures) != 0)) + 1
+        starts = [0, *cuts.tolist()]
+        return [
+            (ShapeKey(int(models[start]), int(signatures[start])), part)
+            for start, part in zip(starts, np.split(rows, cuts))
+        ]
+
+    def _ingest_shape(self, shape: ShapeKey, frame: Frame, rows: np.ndarray, now_s: float) -> int:
+        lanes = self._shapes.get(shape)
+        if lanes is None:
+            lanes = self._shapes[shape] = ShapeLanes(self._lane_config)
+        lengths = frame.items["length"][rows].astype(np.int64)
+        lane_ids = lanes.assign_many(lengths, now_s)
+        order = np.argsort(lane_ids, kind="stable")  # each lane's rows stay in arrival order
+        sorted_lanes = lane_ids[order]
+        cuts = np.flatnonzero(np.diff(sorted_lanes)) + 1
+        for lane_rows, first in zip(np.split(rows[order], cuts), [0, *cuts.tolist()]):
+            key = LaneKey(shape.model, shape.signature, LaneId(int(sorted_lanes[first])))
+            self._storage.append(AppendGroup(key, frame, lane_rows))
+        tokens = int(lengths.sum())
+        self._selector.on_queued(shape, tokens, frame.items["submit_ns"][rows])
+        return tokens
+
+    # ----------------------------------------------------------------- dispatch
+
+    def next_batch(self, consumer: ConsumerId, contract: Contract, now_s: float) -> Batch | None:
+        """The next batch for `consumer`, or None when its model has nothing dispatchable:
+        the selected shape (sticky, SPEC §4) -> its lane with the most queued tokens -> peek
+        the front -> pack to the contract (SPEC §3) -> the signature guard on the chunk.
+        Nothing is committed: call `commit` once the consumer's channel took the batch, or
+        `abandon` if it did not.
+
+        Example: model 0's current shape A has lanes 0 (target 512, 40 items queued, 20,000
+        tokens) and 1 (target 1000, 5 items, 5,000 tokens); a contract of 64 items / 16,384
+        tokens gets the first 32 items of lane 0 (its longest queued item is 510, padded to
+        512, and 16,384 // 512 = 32).
+        """
+        assert isinstance(contract, Contract), contract
+        assert self._outstanding is None, f"batch {self._outstanding} neither committed nor abandoned"
+        shape = self._selector.select(contract.model, now_s)
+        if shape is None:
+            return None
+        lanes = self._shapes[shape]
+        lane = lanes.fullest_lane()  # lanes in descending queued-token order: the first fits
+        assert lane is not None, shape
+        longest = lanes.queued_max(lane)
+        assert longest is not None, (shape, lane)
+        key = LaneKey(shape.model, shape.signature, lane)
+        limit = batch_items_limit(longest, contract)
+        front = self._storage.peek(key, limit)
+        assert len(front) == min(limit, lanes.queued_items(lane)), (key, len(front))
+        packing = pack([entry.length for entry in front], longest, contract)
+        entries = tuple(front[: packing.count])
+        for stored in {entry.lane for entry in entries}:
+            self._selector.guard(stored.shape, f"batch for consumer {consumer}")
+            assert stored == key, (stored, key)  # right shape, wrong lane: a storage bug
+        batch = Batch(BatchId(self._next_batch_id), consumer, key, packing.pad_to_tokens, entries)
+        self._next_batch_id += 1
+        self._outstanding = batch
+        return batch
+
+    def commit(self, batch: Batch) -> None:
+        """The consumer's channel took the batch: storage commits it (SPEC §5's three steps;
+        StaleBatchError leaves everything as it was), then the lane and the selector learn
+        that its items left the queue."""
+        assert self._outstanding is batch, (self._outstanding, batch)
+        self._outstanding = None
+        self._storage.commit(batch.lane, batch.refs, batch.consumer, batch.batch_id)
+        lengths = [entry.length for entry in batch.entries]
+        tokens = sum(lengths)
+        self._shapes[batch.lane.shape].on_dispatched(batch.lane.lane, lengths)
+        self._selector.on_dispatched(
+            batch.lane.shape, tokens, [entry.submit_ns for entry in batch.entries]
+        )
+        c = self._c
+        c.items_routed += len(lengths)
+        c.tokens_routed += tokens
+        c.batches += 1
+
+    def abandon(self, batch: Batch) -> None:
+        """The consumer's channel did not take the batch: forget it (a peek changed nothing)."""
+        assert self._outstanding is batch, (self._outstanding, batch)
+        self._outstanding = None
+
+    def complete(self, consumer: ConsumerId, refs: Sequence[EntryRef]) -> Completion:
+        """The consumer finished `refs` (results are durable on its side). NotHeldError, with
+        nothing applied, when it does not hold one of them: disconnect it (SPEC §8)."""
+        done = self._storage.complete(consumer, refs)
+        for lane_key, lane_refs in done.by_lane.items():
+            self._shapes[lane_key.shape].on_completed(lane_key.lane, len(lane_refs))
+        c = self._c
+        c.items_completed += done.items
+        c.tokens_completed += done.tokens
+        c.duplicate_completions += done.duplicates
+        return done
+
+    def consumer_lost(self, consumer: ConsumerId) -> int:
+        """The consumer disconnected or missed heartbeats: every entry it holds goes back to
+        the front of its lane, ahead of new work, in its original order. Returns how many."""
+        if self._outstanding is not None and self._outstanding.consumer == consumer:
+            self._outstanding = None  # never committed: nothing to give back
+        returned = 0
+        for run in self._storage.return_consumer(consumer):
+            lengths = run.lengths
+            self._shapes[run.lane.shape].on_returned(run.lane.lane, lengths)
+            tokens = sum(lengths)
+            self._selector.on_returned(
+                run.lane.shape, tokens, [entry.submit_ns for entry in run.entries]
+            )
+            returned += len(lengths)
+            self._c.items_returned += len(lengths)
+            self._c.tokens_returned += tokens
+        return returned
+
+    def tick(self, now_s: float) -> None:
+        """Lane maintenance for every shape (SPEC §2); released lanes are dropped from
+        storage, and a shape with no lane left is retired (its counters are kept)."""
+        for shape, lanes in list(self._shapes.items()):
+            for lane in lanes.tick(now_s).released:
+                self._storage.drop_lane(LaneKey(shape.model, shape.signature, lane))
+            if not lanes.lane_count:
+                _add_lane_counters(self._retired, lanes.counters)
+                del self._shapes[shape]
+                self._selector.forget(shape)
+
+    # ----------------------------------------------------------------- counters, invariants
+
+    def counters(self) -> DispatchCounters:
+        snapshot = DispatchCounters(**{
+            f.name: getattr(self._c, f.name) for f in fields(DispatchCounters)
+            if f.name not in ("switches", "lanes")
+        })
+        lanes = LaneCounters()
+        _add_lane_counters(lanes, self._retired)
+        for shape_lanes in self._shapes.values():
+            _add_lane_counters(lanes, shape_lanes.counters)
+            snapshot.lanes_in_use += shape_lanes.lane_count
+        snapshot.lanes = lanes
+        snapshot.shapes = len(self._shapes)
+        snapshot.switches = {r.value: n for r, n in self._selector.counters.switches.items()}
+        return snapshot
+
+    def check_invariants(self) -> None:
+        """Every part's invariants, and that they agree: per lane, storage's queue length is
+        the lane's queued count; per shape, the selector's dispatchable tokens are the lanes'
+        queued tokens; the accounting identities hold. O(lanes + stored entries)."""
+        storage = self._storage
+        storage.check_invariants()
+        self._selector.check_invariants()
+        pending = 0
+        for shape, lanes in self._shapes.items():
+            lanes.check_invariants()
+            tokens = 0
+            for view in lanes.lanes():
+                key = LaneKey(shape.model, shape.signature, view.lane_id)
+                assert storage.queued_items(key) == view.queued_items, (key, view)
+                tokens += view.queued_tokens
+                pending += view.pending_items
+            assert self._selector.dispatchable_tokens(shape) == tokens, (shape, tokens)
+        assert pending == storage.pending_items(), (pending, storage.pending_items())
+        c, s = self._c, storage.counters
+        assert c.items_received == c.items_completed + storage.queued_items() + pending, c
+        assert c.items_routed - c.items_returned == pending + c.items_completed, c
+        assert c.items_completed == s.completed_items and c.tokens_completed == s.completed_tokens
+        assert self._next_batch_id >= c.batches, c

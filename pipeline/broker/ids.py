@@ -1,0 +1,47 @@
+"""The broker's ids and keys, in one pure module that algorithms and storage tiers both import.
+
+    ShapeKey(model, signature)          the broker's key everywhere (SPEC §1)
+    LaneKey(model, signature, lane)     one lane of one shape: a storage queue (memory tier) or a
+                                        run of segment files (disk tier)
+    EntryRef(segment, offset)           where a stored entry lives: the pending map's key
+                                        (SPEC §5); the disk tier's offset is a byte offset, the
+                                        memory tier's an entry number, both only grow
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, NewType
+
+from pipeline.broker.lanes import LaneId
+
+SegmentId = NewType("SegmentId", int)
+"""A segment (disk tier) or lane queue (memory tier); never reused while the store lives."""
+ConsumerId = NewType("ConsumerId", int)
+"""A registered consumer connection; a reconnecting consumer gets a new one."""
+BatchId = NewType("BatchId", int)
+"""A batch handed out by the dispatcher; unique per dispatcher."""
+
+
+class ShapeKey(NamedTuple):
+    model: int
+    signature: int
+
+
+class LaneKey(NamedTuple):
+    model: int
+    signature: int
+    lane: LaneId
+
+    @property
+    def shape(self) -> ShapeKey:
+        return ShapeKey(self.model, self.signature)
+
+
+class EntryRef(NamedTuple):
+    # NOTE: a NamedTuple, not a dataclass: it is a dict key on every pending entry, and tuple
+    # hashing and equality are the fastest Python has.
+    segment: SegmentId
+    offset: int
+
+
+__all__ = ["BatchId", "ConsumerId", "EntryRef", "LaneId", "LaneKey", "SegmentId", "ShapeKey"]

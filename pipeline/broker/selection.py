@@ -1,0 +1,315 @@
+"""Sticky shape draining per model, the signature guard and the starvation bound (SPEC §4).
+
+Pure policy: no I/O; time is passed in (`now_s`, and item arrival times as the producers'
+`submit_ns`, on the same monotonic clock of the machine). The dispatcher feeds it the
+dispatchable tokens of every shape as they change and asks it which shape a model drains:
+
+    selector = ShapeSelector(max_age_s=None)             # the starvation bound is off by default
+    selector.on_queued(shape, tokens, arrivals_ns)       # items of the shape became dispatchable
+    selector.on_dispatched(shape, tokens, arrivals_ns)   # a batch of them was committed
+    selector.on_returned(shape, tokens, arrivals_ns)     # a lost consumer's items came back
+    shape = selector.select(model, now_s)                # the shape to serve (maybe a switch)
+    selector.guard(batch_shape)                          # ShapeGuardError unless it is current
+
+Policy. A model has one current shape. A request gets the current shape while it has
+dispatchable (queued, not pending) tokens; only when it has none does the model switch to
+the shape with the most dispatchable tokens (ties: the lower signature). All consumers of a
+model therefore drain the same shape at the same time, which keeps their prefix caches warm.
+
+Starvation bound (beyond the design note; off unless `max_age_s` is set): when some other
+shape's oldest dispatchable item has waited longer than `max_age_s`, and the current shape's
+own oldest item has not, the model switches to the shape with the oldest item. While the
+current shape is itself over the bound it keeps serving: that is starving work too, and
+switching back and forth would serve neither. Arrival times are kept per shape in buckets of
+`age_resolution_ns` (ages read at most one bucket high), so the bookkeeping is a few dict
+updates per batch, not one per item.
+
+Every switch is counted by its reason: initial (the model had no current shape), drained
+(the current shape had no dispatchable tokens), starvation.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from sortedcontainers import SortedList
+
+from pipeline.broker.ids import ShapeKey
+from pipeline.errors import BadInputError, ShapeGuardError
+
+# Width of an arrival-time bucket for the starvation bound: a tenth of a second is far finer
+# than any useful bound (seconds to minutes) and keeps the buckets of a shape's backlog few.
+AGE_RESOLUTION_NS = 100_000_000
+# A shape's heap of buckets is rebuilt when stale entries outnumber live ones by this factor
+# (entries go stale when a bucket empties; they are dropped lazily at the top).
+_HEAP_SLACK_FACTOR = 2
+_NS_PER_S = 1_000_000_000
+
+
+class SwitchReason(enum.Enum):
+    INITIAL = "initial"  # the model had no current shape yet
+    DRAINED = "drained"  # the current shape had no dispatchable tokens left
+    STARVATION = "starvation"  # another shape's oldest item waited longer than max_age_s
+
+
+@dataclass(slots=True)
+class SelectorCounters:
+    switches: dict[SwitchReason, int] = field(
+        default_factory=lambda: dict.fromkeys(SwitchReason, 0)
+    )
+    guard_checks: int = 0
+
+    @property
+    def total_switches(self) -> int:
+        return sum(self.switches.values())
+
+
+@dataclass(slots=True)
+class _Ages:
+    """A multiset of a shape's dispatchable items' arrival buckets: count per bucket, and a
+    min-heap of buckets (with stale entries dropped lazily) for the oldest."""
+
+    counts: dict[int, int] = field(default_factory=dict)
+    heap: list[int] = field(default_factory=list)
+
+    def add(self, buckets: list[int], counts: list[int]) -> None:
+        for bucket, count in zip(buckets, counts):
+            if bucket in self.counts:
+                self.counts[bucket] += count
+            else:
+                self.counts[bucket] = count
+                heapq.heappush(self.heap, bucket)
+
+    def remove(self, buckets: list[int], counts: list[int]) -> None:
+        for bucket, count in zip(buckets, counts):
+            left = self.counts[bucket] - count
+            assert left >= 0, (bucket, self.counts[bucket], count)
+            if left:
+                self.counts[bucket] = left
+            else:
+                del self.counts[bucket]
+        if len(self.heap) > _HEAP_SLACK_FACTOR * len(self.counts) + 16:
+            self.heap = list(self.counts)
+            heapq.heapify(self.heap)
+
+    def oldest(self) -> int | None:
+        heap = self.heap
+        while heap and heap[0] not in self.counts:
+            heapq.heappop(heap)
+        return heap[0] if heap else None
+
+
+@dataclass(slots=True)
+class _Model:
+    current: int | None = None  # the current shape's signature
+    # Shapes with dispatchable tokens, most first: (-tokens, signature).
+    by_tokens: SortedList = field(default_factory=SortedList)
+    # Shapes with dispatchable items, oldest first: (oldest bucket, signature). Only kept
+    # when the starvation bound is on.
+    by_age: SortedList = field(default_factory=SortedList)
+
+
+class ShapeSelector:
+    """Which shape each model drains (SPEC §4), for every model of the broker.
+
+    Owned by the dispatcher, driven by the broker's single dispatch loop. Not thread-safe.
+    """
+
+    def __init__(
+        self, max_age_s: float | None = None, age_resolution_ns: int = AGE_RESOLUTION_NS
+    ) -> None:
+        if max_age_s is not None and (
+            isinstance(max_age_s, bool) or not isinstance(max_age_s, (int, float))
+            or not max_age_s > 0
+        ):
+            raise BadInputError(f"selection: max_age_s must be a number > 0 or None, got {max_age_s!r}")
+        if isinstance(age_resolution_ns, bool) or not isinstance(age_resolution_ns, int) or age_resolution_ns < 1:
+            raise BadInputError(f"selection: age_resolution_ns must be an int >= 1, got {age_resolution_ns!r}")
+        self._max_age_ns = None if max_age_s is None else max_age_s * _NS_PER_S
+        self._resolution_ns = age_resolution_ns
+        self._models: dict[int, _Model] = {}
+        self._tokens: dict[ShapeKey, int] = {}
+        self._ages: dict[ShapeKey, _Ages] = {}
+        self._oldest: dict[ShapeKey, int] = {}  # shape -> its entry in by_age
+        self.counters = SelectorCounters()
+
+    # ----------------------------------------------------------------- read-only state
+
+    @property
+    def max_age_s(self) -> float | None:
+        return None if self._max_age_ns is None else self._max_age_ns / _NS_PER_S
+
+    def current(self, model: int) -> ShapeKey | None:
+        state = self._models.get(model)
+        if state is None or state.current is None:
+            return None
+        return ShapeKey(model, state.current)
+
+    def dispatchable_tokens(self, shape: ShapeKey) -> int:
+        return self._tokens.get(shape, 0)
+
+    def oldest_arrival_ns(self, shape: ShapeKey) -> int | None:
+        """Start of the arrival bucket of the shape's oldest dispatchable item; None when it
+        has none or the starvation bound is off (ages are then not tracked)."""
+        bucket = self._oldest.get(shape)
+        return None if bucket is None else bucket * self._resolution_ns
+
+    def shapes(self, model: int) -> list[ShapeKey]:
+        """Shapes of the model with dispatchable tokens, most first."""
+        state = self._models.get(model)
+        return [] if state is None else [ShapeKey(model, sig) for _, sig in state.by_tokens]
+
+    # ----------------------------------------------------------------- events
+
+    def on_queued(self, shape: ShapeKey, tokens: int, arrivals_ns: Sequence[int] | np.ndarray) -> None:
+        """Items of `shape` (their total tokens, their submit times) became dispatchable."""
+        assert tokens >= len(arrivals_ns) > 0, (shape, tokens, len(arrivals_ns))
+        self._set_tokens(shape, self._tokens.get(shape, 0) + tokens)
+        if self._max_age_ns is not None:
+            buckets, counts = self._buckets(arrivals_ns)
+            self._ages.setdefault(shape, _Ages()).add(buckets, counts)
+            self._update_oldest(shape)
+
+    # Returned items are dispatchable again exactly like new ones; the name says why.
+    on_returned = on_queued
+
+    def on_dispatched(self, shape: ShapeKey, tokens: int, arrivals_ns: Sequence[int] | np.ndarray) -> None:
+        """A batch of `shape` was committed: its items are no longer dispatchable."""
+        left = self._tokens.get(shape, 0) - tokens
+        assert left >= 0 and len(arrivals_ns) > 0, (shape, tokens, left)
+        self._set_tokens(shape, left)
+        if self._max_age_ns is not None:
+            buckets, counts = self._buckets(arrivals_ns)
+            self._ages[shape].remove(buckets, counts)
+            self._update_oldest(shape)
+
+    def forget(self, shape: ShapeKey) -> None:
+        """Drop a shape with nothing dispatchable (the dispatcher retired it). A model whose
+        current shape is forgotten keeps it as current until the next request switches."""
+        assert not self._tokens.get(shape), (shape, self._tokens.get(shape))
+        self._tokens.pop(shape, None)
+        ages = self._ages.pop(shape, None)
+        assert ages is None or not ages.counts, shape
+
+    def _set_tokens(self, shape: ShapeKey, tokens: int) -> None:
+        state = self._models.get(shape.model)
+        if state is None:
+            state = self._models[shape.model] = _Model()
+        old = self._tokens.get(shape, 0)
+        if old:
+            state.by_tokens.remove((-old, shape.signature))
+        if tokens:
+            state.by_tokens.add((-tokens, shape.signature))
+        self._tokens[shape] = tokens
+
+    def _buckets(self, arrivals_ns: Sequence[int] | np.ndarray) -> tuple[list[int], list[int]]:
+        values = np.asarray(arrivals_ns, dtype=np.int64) // self._resolution_ns
+        if values.min() == values.max():
+            return [int(values[0])], [int(values.size)]  # one bucket: the common case
+        buckets, counts = np.unique(values, return_counts=True)
+        return buckets.tolist(), counts.tolist()
+
+    def _update_oldest(self, shape: ShapeKey) -> None:
+        oldest = self._ages[shape].oldest()
+        before = self._oldest.get(shape)
+        if oldest == before:
+            return
+        by_age = self._models[shape.model].by_age
+        if before is not None:
+            by_age.remove((before, shape.signature))
+            del self._oldest[shape]
+        if oldest is not None:
+            by_age.add((oldest, shape.signature))
+            self._oldest[shape] = oldest
+
+    # ----------------------------------------------------------------- selection
+
+    def select(self, model: int, now_s: float) -> ShapeKey | None:
+        """The shape the model's next batch comes from, or None when the model has nothing
+        dispatchable. Switches (and counts the switch) when the policy says so.
+
+        Worked example, model 0, shapes A (900 tokens) and B (2,000 tokens), no current
+        shape: select -> B (initial: the most tokens). B's tokens are dispatched down to 0
+        while A grows to 5,000 and C appears with 6,000: select -> B while B has any token,
+        then C (drained). With max_age_s = 30: if A's oldest item arrived 31 s ago and C's
+        oldest 2 s ago, select -> A (starvation), and A stays current until it drains or
+        another shape starves while A does not.
+        """
+        state = self._models.get(model)
+        if state is None:
+            return None
+        if self._max_age_ns is not None:
+            starving = self._starving(state, model, now_s)
+            if starving is not None:
+                return self._switch(state, model, starving, SwitchReason.STARVATION)
+        current = state.current
+        if current is not None and self._tokens.get(ShapeKey(model, current), 0) > 0:
+            return ShapeKey(model, current)
+        if not state.by_tokens:
+            return None
+        best = state.by_tokens[0][1]
+        reason = SwitchReason.INITIAL if current is None else SwitchReason.DRAINED
+        return self._switch(state, model, best, reason)
+
+    def _starving(self, state: _Model, model: int, now_s: float) -> int | None:
+        """The signature to switch to for starvation, or None."""
+        if not state.by_age:
+            return None
+        oldest_bucket, signature = state.by_age[0]
+        if signature == state.current or not self._over_bound(oldest_bucket, now_s):
+            return None
+        if state.current is not None:
+            own = self._oldest.get(ShapeKey(model, state.current))
+            if own is not None and self._over_bound(own, now_s):
+                return None  # the current shape is serving starving work itself
+        return signature
+
+    def _over_bound(self, bucket: int, now_s: float) -> bool:
+        assert self._max_age_ns is not None
+        return now_s * _NS_PER_S - bucket * self._resolution_ns > self._max_age_ns
+
+    def _switch(self, state: _Model, model: int, signature: int, reason: SwitchReason) -> ShapeKey:
+        state.current = signature
+        self.counters.switches[reason] += 1
+        return ShapeKey(model, signature)
+
+    def guard(self, shape: ShapeKey, what: str = "chunk") -> None:
+        """SPEC §4's hard guard: raise ShapeGuardError (fatal: the process loop stops the
+        broker) unless `shape` is its model's current shape. Called for every chunk handed
+        out, with the shape its entries were stored under."""
+        self.counters.guard_checks += 1
+        current = self.current(shape.model)
+        if current != shape:
+            raise ShapeGuardError(
+                f"{what} of shape (model {shape.model}, signature {shape.signature:#018x}) was "
+                f"about to be handed out while model {shape.model}'s current shape is "
+                f"{'none' if current is None else f'{current.signature:#018x}'}; stopping the "
+                f"broker: a poisoned cache is worse than a restart"
+            )
+
+    # ----------------------------------------------------------------- invariants
+
+    def check_invariants(self) -> None:
+        """Assert every internal invariant. O(shapes + arrival buckets)."""
+        for model, state in self._models.items():
+            want = sorted(
+                (-tokens, shape.signature) for shape, tokens in self._tokens.items()
+                if shape.model == model and tokens
+            )
+            assert list(state.by_tokens) == want, (model, list(state.by_tokens), want)
+            ages = sorted((b, s.signature) for s, b in self._oldest.items() if s.model == model)
+            assert list(state.by_age) == ages, (model, list(state.by_age), ages)
+        assert all(tokens >= 0 for tokens in self._tokens.values()), self._tokens
+        assert all(shape.model in self._models for shape in self._tokens), self._tokens
+        if self._max_age_ns is None:
+            assert not self._ages and not self._oldest
+        for shape, ages in self._ages.items():
+            assert all(count > 0 for count in ages.counts.values()), (shape, ages.counts)
+            assert set(ages.counts) <= set(ages.heap), shape
+            assert self._oldest.get(shape) == min(ages.counts, default=None), shape
+            assert bool(ages.counts) <= bool(self._tokens.get(shape)), shape
+        assert set(self._oldest) <= set(self._ages), self._oldest

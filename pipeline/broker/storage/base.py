@@ -1,0 +1,177 @@
+"""The storage interface both tiers implement: memory (fast, not durable) and disk (SPEC §5).
+
+A tier holds the items themselves, queued per (model, signature, lane) in arrival order, and
+the pending map of dispatched entries. It knows nothing of lane policy, packing or shape
+selection (the dispatcher drives those) and nothing of processes or sockets.
+
+    refs = tier.append(AppendGroup(lane_key, frame, rows))   # items of ONE lane, in order
+    front = tier.peek(lane_key, 64)                           # first 64 dispatchable; no advance
+    tier.commit(lane_key, [e.ref for e in front[:n]], consumer, batch_id)   # after the channel
+    done = tier.complete(consumer, refs)                      # tombstones; NotHeldError if not held
+    back = tier.return_consumer(consumer)                     # lost: pending -> front of lanes
+    tier.highest_seq(producer_id)                             # idempotent ingest after a restart
+
+Entries are addressed by `EntryRef(segment, offset)`: the disk tier's segment id and byte
+offset, the memory tier's queue id and entry number. Refs are never reused while the store
+lives, which is what lets the pending map recognise a duplicate completion.
+
+Dispatch order within a lane: entries returned by a lost consumer first (each return run in
+its original order, the latest run in front), then the rest in arrival order.
+
+The commit is the three steps of SPEC §5, in this order, so that it is failure-atomic without
+a log: (1) verify that every ref is still the front of its lane and every segment exists,
+touching nothing (StaleBatchError if not); (2) advance the lane's cursor past them; (3) add
+them to the pending map with the consumer that holds them.
+
+Ownership: a tier is owned by the broker's single dispatch loop (through the Dispatcher).
+Not thread-safe.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeline.broker.ids import BatchId, ConsumerId, EntryRef, LaneKey
+from pipeline.broker.pending import Completion
+from pipeline.layouts import Frame, ItemId, ProducerId
+
+
+@dataclass(frozen=True, slots=True)
+class AppendGroup:
+    """Items of one (model, signature, lane) to store, in arrival order: `rows` of a parsed
+    frame (indices into frame.items). Every row's model and signature are the lane's."""
+
+    lane: LaneKey
+    frame: Frame
+    rows: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.rows.size)
+
+    @property
+    def producer_id(self) -> ProducerId:
+        return ProducerId(self.frame.producer_id)
+
+
+@dataclass(frozen=True, slots=True)
+class PeekedEntry:
+    """One stored entry as dispatch sees it: where it lives, the routing keys it was stored
+    under (the disk tier reads them from the segment header), and the item's fields. The
+    token ids stay in the store (`read_tokens`; a consumer maps them from the segment)."""
+
+    ref: EntryRef
+    lane: LaneKey
+    item_id: ItemId
+    producer_id: ProducerId
+    seq: int
+    length: int
+    prefix_len: int
+    submit_ns: int
+
+
+@dataclass(frozen=True, slots=True)
+class Returned:
+    """A lost consumer's pending entries of one lane, now dispatchable again at the front of
+    the lane, front first."""
+
+    lane: LaneKey
+    entries: tuple[PeekedEntry, ...]
+
+    @property
+    def lengths(self) -> list[int]:
+        return [entry.length for entry in self.entries]
+
+
+@dataclass(slots=True)
+class StorageCounters:
+    """Running totals of a tier. Accounting identity (check_invariants asserts it):
+    appended = completed + queued + pending, in items and in tokens; committed counts every
+    dispatch (a redelivered entry counts again), returned every entry given back."""
+
+    appended_items: int = 0
+    appended_tokens: int = 0
+    committed_items: int = 0
+    committed_tokens: int = 0
+    completed_items: int = 0
+    completed_tokens: int = 0
+    duplicate_completions: int = 0
+    returned_items: int = 0
+    returned_tokens: int = 0
+
+
+class StorageTier(abc.ABC):
+    """The interface of a storage tier (see the module docstring for the protocol)."""
+
+    counters: StorageCounters
+
+    @abc.abstractmethod
+    def append(self, group: AppendGroup) -> list[EntryRef]:
+        """Store the group's items at the back of their lane, in order; return their refs.
+        Once this returns, the items are dispatchable (and, on the disk tier, as durable as
+        its durability level says), so the producer's ring record may be released."""
+
+    @abc.abstractmethod
+    def peek(self, lane: LaneKey, max_items: int) -> list[PeekedEntry]:
+        """The lane's first `max_items` dispatchable entries in dispatch order (returned
+        entries first, then arrival order), without advancing anything. [] for an unknown
+        or empty lane."""
+
+    @abc.abstractmethod
+    def commit(
+        self, lane: LaneKey, refs: Sequence[EntryRef], consumer: ConsumerId, batch: BatchId
+    ) -> None:
+        """`refs` (a prefix of the lane's dispatchable entries, as peeked) now belong to
+        `consumer` as batch `batch`: the three steps of SPEC §5. StaleBatchError, with
+        nothing changed, when they are no longer the front of the lane."""
+
+    @abc.abstractmethod
+    def complete(self, consumer: ConsumerId, refs: Sequence[EntryRef]) -> Completion:
+        """The consumer finished `refs`: tombstone them (they are gone for good). All or
+        nothing: NotHeldError, with nothing applied, if the consumer does not hold one of
+        them; a recent second completion of the same entry is a counted no-op."""
+
+    @abc.abstractmethod
+    def return_consumer(self, consumer: ConsumerId) -> list[Returned]:
+        """The consumer is lost (disconnected, missed heartbeats): every entry it holds is
+        dispatchable again, at the front of its lane ahead of new work, in its original
+        order. Returns what went back, per lane."""
+
+    @abc.abstractmethod
+    def highest_seq(self, producer_id: ProducerId) -> int | None:
+        """The highest sequence number stored for the producer (None if none): ring items
+        at or below it are already stored and must be skipped on ingest (SPEC §5).
+        Contract: the tier stores a producer's items so that every seq at or below the
+        answer is (or was) stored, i.e. a frame's items become stored together."""
+
+    @abc.abstractmethod
+    def drop_lane(self, lane: LaneKey) -> None:
+        """The lane's id was released (nothing of it is queued or pending): forget it. The
+        same LaneKey may come back later as a new lane, starting empty."""
+
+    @abc.abstractmethod
+    def read_tokens(self, ref: EntryRef) -> np.ndarray:
+        """The entry's token ids (int32), read-only, for in-process consumers, tools and
+        tests. KeyError for an entry that is not stored (completed or never written)."""
+
+    @abc.abstractmethod
+    def read_payload(self, ref: EntryRef) -> bytes:
+        """The entry's opaque payload (b"" when it has none)."""
+
+    @abc.abstractmethod
+    def queued_items(self, lane: LaneKey | None = None) -> int:
+        """Dispatchable entries of one lane, or of every lane."""
+
+    @abc.abstractmethod
+    def pending_items(self, consumer: ConsumerId | None = None) -> int:
+        """Dispatched, not completed entries held by one consumer, or by all."""
+
+    @abc.abstractmethod
+    def check_invariants(self) -> None:
+        """Assert every internal invariant (tests call it after every step)."""
+
+    def close(self) -> None:
+        """Release files and mappings (the memory tier has none)."""
