@@ -193,8 +193,6 @@ def parse_frame(body: np.ndarray, where: str = "frame") -> Frame:
 # Space past the last entry reads as zeros (files are preallocated), and a zero state word
 # means "no entry here": that is where a scan stops.
 
-SegmentId = NewType("SegmentId", int)
-
 SEGMENT_MAGIC = b"SBSEGMT1"
 # Bump when a field below moves or changes meaning; segments of another version are refused.
 SEGMENT_VERSION = 1
