@@ -35,6 +35,7 @@ import struct
 import sys
 import time
 from dataclasses import dataclass
+from typing import Self
 
 import numpy as np
 import posix_ipc
@@ -295,7 +296,7 @@ class SharedRing:
         return mapping
 
     @classmethod
-    def create(cls, name: str, capacity_bytes: int, *, doorbell: str | None = None, reattach: bool = False):
+    def create(cls, name: str, capacity_bytes: int, *, doorbell: str | None = None, reattach: bool = False) -> Self:
         """Create a ring owner-only. With `reattach`, a leftover ring of the same layout and
         capacity (a crashed run of the same creator) is opened instead; one of another
         layout raises StaleObjectError, never gets read."""
@@ -322,7 +323,7 @@ class SharedRing:
             raise
 
     @classmethod
-    def attach(cls, name: str):
+    def attach(cls, name: str) -> Self:
         """Open an existing ring after checking its control block (StaleObjectError if foreign)."""
         mapping, _ = attach_shared_memory(name)
         if len(mapping) < HEADER_SIZE_BYTES:
