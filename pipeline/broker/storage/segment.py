@@ -422,6 +422,25 @@ class SegmentFile:
         segment._write_header_words()
         return segment
 
+    @classmethod
+    def open(cls, path: str, durability: Durability, max_bytes: int = DEFAULT_SEGMENT_MAX_BYTES) -> SegmentFile:
+        """Reopen a segment this process wrote and closed (the open-file cache evicted it):
+        its header words are current, so no scan is needed. Not for recovery: after a
+        crash they are only hints (use `scan_segment` and `reopen`)."""
+        fd = os.open(path, os.O_RDWR)
+        try:
+            header = os.pread(fd, SEGMENT_HEADER_SIZE_BYTES, 0)
+            keys, _created_ns = read_identity(header, path)
+        except BaseException:
+            os.close(fd)
+            raise
+        segment = cls(path, fd, keys, durability, max_bytes)
+        segment.sealed = bool(_STATE.unpack_from(header, _OFF_SEALED)[0])
+        segment.entry_count = _U64.unpack_from(header, _OFF_ENTRY_COUNT)[0]
+        segment.data_end = segment.readable_end = _U64.unpack_from(header, _OFF_DATA_END)[0]
+        segment.deleted_count = _U64.unpack_from(header, _OFF_DELETED)[0]
+        return segment
+
     def _write_header_words(self) -> None:
         _STATE.pack_into(self._map, _OFF_SEALED, int(self.sealed))
         _U64.pack_into(self._map, _OFF_ENTRY_COUNT, self.entry_count)
