@@ -1,0 +1,298 @@
+"""The dispatcher over the memory tier (pipeline/broker/dispatch.py): end to end with many
+shapes and lengths, two consumers of different contracts and a lost consumer, plus the
+individual promises (contracts, returned work first, the guard, idempotent ingest, tick).
+Deterministic: seeded, no wall clock."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from broker_frames import make_frame, token_ids
+
+from pipeline.broker.dispatch import Batch, Dispatcher
+from pipeline.broker.ids import ConsumerId, EntryRef, ShapeKey
+from pipeline.broker.lanes import MAX_LENGTH_TOKENS
+from pipeline.broker.packing import Contract, pad_to_tokens
+from pipeline.broker.storage import MemoryTier, PeekedEntry
+from pipeline.errors import ItemTooLongError, NotHeldError, ShapeGuardError, StaleBatchError
+
+NS = 1_000_000_000
+BIG = Contract(model=0, max_batch_items=64, max_batch_tokens=65_536, max_input_len=8192)
+SMALL = Contract(model=0, max_batch_items=16, max_batch_tokens=8_192, max_input_len=2048)
+
+
+def check_batch(batch: Batch, contract: Contract, tier: MemoryTier) -> None:
+    """Shape-pure, one lane, within the contract unless it holds one item, tokens intact."""
+    assert batch.entries and all(e.lane == batch.lane for e in batch.entries)
+    count = len(batch.entries)
+    assert count == 1 or (count <= contract.max_batch_items
+                          and batch.padded_tokens <= contract.max_batch_tokens)
+    assert batch.pad_to_tokens % 8 == 0 and batch.pad_to_tokens >= max(e.length for e in batch.entries)
+    for entry in batch.entries:
+        assert np.array_equal(tier.read_tokens(entry.ref), token_ids(entry.item_id, entry.length))
+
+
+class Pipeline:
+    """Producers, the dispatcher and consumers in one loop, with everything checked."""
+
+    def __init__(self, seed: int, shapes: int, items: int, max_age_s: float | None = None) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.tier = MemoryTier()
+        self.dispatcher = Dispatcher(self.tier, max_age_s=max_age_s)
+        self.now_s = 0.0
+        sigs = [int(s) for s in self.rng.integers(1, 2**64, shapes, dtype=np.uint64)]
+        # Shapes of unequal popularity; lengths log-normal with a few above every contract.
+        weights = self.rng.dirichlet(np.ones(shapes))
+        self.stream_shapes = [(0, sigs[i]) for i in self.rng.choice(shapes, items, p=weights)]
+        lengths = np.maximum(1, self.rng.lognormal(np.log(400), 1.0, items)).astype(int)
+        lengths[self.rng.choice(items, 3, replace=False)] = 70_000  # > 65,536: alone in a batch
+        self.stream_lengths = lengths.tolist()
+        self.fed = 0
+        self.seqs = [0, 0, 0]  # three producers
+        self.in_flight: dict[ConsumerId, list[Batch]] = {}
+        self.completed: dict[int, int] = {}  # item id -> times completed
+        self.batches: list[Batch] = []
+
+    def feed(self, count: int) -> None:
+        while count and self.fed < len(self.stream_lengths):
+            size = min(count, int(self.rng.integers(1, 200)), len(self.stream_lengths) - self.fed)
+            producer = int(self.rng.integers(3))
+            part = slice(self.fed, self.fed + size)
+            frame = make_frame(producer, self.seqs[producer], self.stream_shapes[part],
+                               self.stream_lengths[part], submit_ns=int(self.now_s * NS))
+            report = self.dispatcher.ingest(frame, self.now_s)
+            assert report.items == size and report.duplicates == 0
+            if self.rng.random() < 0.05:  # the ring presents it again (a restart): skipped
+                assert self.dispatcher.ingest(frame, self.now_s).duplicates == size
+            self.seqs[producer] += size
+            self.fed += size
+            count -= size
+
+    def serve(self, consumer: ConsumerId, contract: Contract) -> Batch | None:
+        batch = self.dispatcher.next_batch(consumer, contract, self.now_s)
+        if batch is None:
+            return None
+        check_batch(batch, contract, self.tier)
+        if self.rng.random() < 0.05:  # the channel was full
+            self.dispatcher.abandon(batch)
+            return None
+        self.dispatcher.commit(batch)
+        self.in_flight.setdefault(consumer, []).append(batch)
+        self.batches.append(batch)
+        return batch
+
+    def finish(self, consumer: ConsumerId) -> None:
+        """The consumer completes its oldest batch (sometimes resending the report)."""
+        batch = self.in_flight[consumer].pop(0)
+        done = self.dispatcher.complete(consumer, batch.refs)
+        assert done.items == len(batch.entries) and not done.duplicates
+        if self.rng.random() < 0.1:
+            assert self.dispatcher.complete(consumer, batch.refs).duplicates == len(batch.entries)
+        for entry in batch.entries:
+            self.completed[entry.item_id] = self.completed.get(entry.item_id, 0) + 1
+
+    def lose(self, consumer: ConsumerId) -> list[list[PeekedEntry]]:
+        """The consumer is lost; returns, per affected lane, the returned entries in order."""
+        held = self.in_flight.pop(consumer, [])
+        returned = self.dispatcher.consumer_lost(consumer)
+        assert returned == sum(len(b.entries) for b in held)
+        by_lane: dict = {}
+        for batch in held:
+            by_lane.setdefault(batch.lane, []).extend(batch.entries)
+        for lane, entries in by_lane.items():  # returned work goes first, in original order
+            front = self.tier.peek(lane, len(entries))
+            assert [e.ref for e in front] == [e.ref for e in entries]
+        return list(by_lane.values())
+
+    def step_time(self) -> None:
+        self.now_s += 0.05
+        if self.rng.random() < 0.1:
+            self.dispatcher.tick(self.now_s)
+
+
+def test_end_to_end_two_consumers_one_lost():
+    pipeline = Pipeline(seed=7, shapes=10, items=2500)
+    dispatcher = pipeline.dispatcher
+    pipeline.feed(1500)  # a backlog, then streaming
+    contracts = {ConsumerId(1): BIG, ConsumerId(2): SMALL}
+    lost_at, steps = 60, 0
+    while True:
+        steps += 1
+        pipeline.feed(int(pipeline.rng.integers(0, 40)))
+        for consumer, contract in list(contracts.items()):
+            pipeline.serve(consumer, contract)
+            if len(pipeline.in_flight.get(consumer, [])) > 2 or pipeline.rng.random() < 0.3:
+                if pipeline.in_flight.get(consumer):
+                    pipeline.finish(consumer)
+        if steps == lost_at:
+            assert pipeline.in_flight.get(ConsumerId(2))
+            pipeline.lose(ConsumerId(2))
+            contracts[ConsumerId(3)] = contracts.pop(ConsumerId(2))  # it reconnects
+        pipeline.step_time()
+        dispatcher.check_invariants()
+        if pipeline.fed == len(pipeline.stream_lengths) and not any(pipeline.in_flight.values()) \
+                and not pipeline.tier.queued_items():
+            break
+        assert steps < 5000
+    # Every item completed exactly once; the accounting closes.
+    assert len(pipeline.completed) == 2500 and set(pipeline.completed.values()) == {1}
+    c = dispatcher.counters()
+    assert c.items_received == c.items_completed == 2500
+    assert c.tokens_received == c.tokens_completed == sum(pipeline.stream_lengths)
+    assert c.items_routed - c.items_returned == 2500 and c.items_returned > 0
+    # Sticky draining: consecutive batches change shape only at a counted switch, and there
+    # are few of them (no starvation bound: each shape is drained before the next).
+    changes = sum(1 for a, b in zip(pipeline.batches, pipeline.batches[1:])
+                  if a.lane.shape != b.lane.shape)
+    assert changes == sum(c.switches.values()) - 1
+    assert c.switches["starvation"] == 0 and changes <= 3 * 10, c.switches
+    assert sum(1 for b in pipeline.batches if len(b.entries) == 1 and b.pad_to_tokens > 65_536) >= 3
+    assert c.lanes.released > 0  # ticks retired idle lanes while the stream went on
+
+
+def test_returned_work_goes_first_in_the_next_batch():
+    tier = MemoryTier()
+    dispatcher = Dispatcher(tier)
+    frame = make_frame(0, 0, [(0, 5)] * 10, [100] * 10)
+    dispatcher.ingest(frame, 0.0)
+    one_item = Contract(0, 3, 65_536, 100)
+    first = dispatcher.next_batch(ConsumerId(1), one_item, 0.0)
+    dispatcher.commit(first)
+    second = dispatcher.next_batch(ConsumerId(2), one_item, 0.0)
+    dispatcher.commit(second)
+    assert dispatcher.consumer_lost(ConsumerId(1)) == 3
+    again = dispatcher.next_batch(ConsumerId(2), one_item, 0.0)
+    assert again.refs == first.refs  # ahead of items 6..9, in the original order
+    dispatcher.commit(again)
+    dispatcher.check_invariants()
+
+
+def test_stale_commit_changes_nothing_and_the_entries_stay_dispatchable():
+    tier = MemoryTier()
+    dispatcher = Dispatcher(tier)
+    dispatcher.ingest(make_frame(0, 0, [(0, 5)] * 6, [100] * 6), 0.0)
+    contract = Contract(0, 2, 65_536, 100)
+    taken = dispatcher.next_batch(ConsumerId(1), contract, 0.0)
+    dispatcher.commit(taken)
+    batch = dispatcher.next_batch(ConsumerId(2), contract, 0.0)
+    dispatcher.consumer_lost(ConsumerId(1))  # its entries go back in front of `batch`'s
+    with pytest.raises(StaleBatchError):
+        dispatcher.commit(batch)
+    dispatcher.check_invariants()
+    retry = dispatcher.next_batch(ConsumerId(2), contract, 0.0)
+    assert retry.refs == taken.refs
+    dispatcher.abandon(retry)
+    assert dispatcher.next_batch(ConsumerId(2), contract, 0.0).refs == taken.refs
+
+
+class MisroutingTier(MemoryTier):
+    """A tier whose peek hands back entries stored under another shape (a routing bug)."""
+
+    def peek(self, lane, max_items):
+        return [dataclasses.replace(e, lane=e.lane._replace(signature=e.lane.signature + 1))
+                for e in super().peek(lane, max_items)]
+
+
+def test_guard_stops_a_chunk_of_another_shape():
+    dispatcher = Dispatcher(MisroutingTier())
+    dispatcher.ingest(make_frame(0, 0, [(0, 5)] * 2, [100, 100]), 0.0)
+    with pytest.raises(ShapeGuardError, match="poisoned cache"):
+        dispatcher.next_batch(ConsumerId(1), BIG, 0.0)
+
+
+def test_ingest_groups_mixed_frames_and_is_idempotent():
+    tier = MemoryTier()
+    dispatcher = Dispatcher(tier)
+    shapes = [(0, 1), (0, 1), (1, 2), (0, 1), (1, 2), (0, 3)]
+    frame = make_frame(4, 0, shapes, [500, 510, 90, 1000, 95, 7])
+    report = dispatcher.ingest(frame, 0.0)
+    assert (report.items, report.tokens, report.duplicates) == (6, 2202, 0)
+    assert sorted(dispatcher.shapes()) == [ShapeKey(0, 1), ShapeKey(0, 3), ShapeKey(1, 2)]
+    lanes = dispatcher.lanes(ShapeKey(0, 1))
+    assert lanes.lane_count == 2  # 500 and 510 share a lane, 1000 opens one
+    again = dispatcher.ingest(frame, 0.0)
+    assert (again.items, again.duplicates) == (0, 6)
+    later = make_frame(4, 6, [(0, 1)], [505])  # the producer's next seq is new work
+    assert dispatcher.ingest(later, 0.0).items == 1
+    assert dispatcher.counters().duplicate_items == 6
+    dispatcher.check_invariants()
+
+
+def test_ingest_refuses_too_long_items_before_touching_anything():
+    dispatcher = Dispatcher(MemoryTier())
+    frame = make_frame(0, 0, [(0, 1)] * 2, [5, 6])
+    items = frame.items.copy()
+    items["length"][1] = MAX_LENGTH_TOKENS + 1
+    with pytest.raises(ItemTooLongError, match="item 1"):
+        dispatcher.ingest(dataclasses.replace(frame, items=items), 0.0)
+    assert dispatcher.counters().items_received == 0 and not dispatcher.shapes()
+
+
+def test_completion_of_what_a_consumer_does_not_hold():
+    dispatcher = Dispatcher(MemoryTier())
+    dispatcher.ingest(make_frame(0, 0, [(0, 1)] * 4, [8] * 4), 0.0)
+    batch = dispatcher.next_batch(ConsumerId(1), BIG, 0.0)
+    dispatcher.commit(batch)
+    with pytest.raises(NotHeldError):
+        dispatcher.complete(ConsumerId(2), batch.refs)
+    with pytest.raises(NotHeldError):
+        dispatcher.complete(ConsumerId(1), [EntryRef(batch.refs[0].segment, 999)])
+    assert dispatcher.complete(ConsumerId(1), batch.refs).items == 4
+    dispatcher.check_invariants()
+
+
+def test_tick_releases_idle_lanes_and_retires_shapes():
+    tier = MemoryTier()
+    dispatcher = Dispatcher(tier)
+    dispatcher.ingest(make_frame(0, 0, [(0, 1)] * 3 + [(0, 2)], [100, 300, 900, 50]), 0.0)
+    while (batch := dispatcher.next_batch(ConsumerId(1), BIG, 1.0)) is not None:
+        dispatcher.commit(batch)
+        dispatcher.tick(2.0)  # not idle long enough, and still pending
+        dispatcher.complete(ConsumerId(1), batch.refs)
+    before = dispatcher.counters().lanes
+    dispatcher.tick(5.0)
+    assert not dispatcher.shapes() and not tier.lane_keys()
+    after = dispatcher.counters()
+    assert after.lanes.released == after.lanes.new_lanes == before.new_lanes == 4
+    assert after.lanes_in_use == 0 and after.items_completed == 4
+    dispatcher.ingest(make_frame(0, 4, [(0, 1)], [100]), 6.0)  # the shape comes back
+    assert dispatcher.next_batch(ConsumerId(1), BIG, 6.0) is not None
+    dispatcher.check_invariants()
+
+
+def test_starvation_bound_through_the_dispatcher():
+    dispatcher = Dispatcher(MemoryTier(), max_age_s=30.0)
+    old, busy = (0, 0xA), (0, 0xB)
+    dispatcher.ingest(make_frame(0, 0, [old] * 2, [100] * 2, submit_ns=0), 0.0)
+    dispatcher.ingest(make_frame(1, 0, [busy] * 200, [100] * 200, submit_ns=10 * NS), 10.0)
+    contract = Contract(0, 4, 65_536, 100)
+    served = []
+    for now_s in (11.0, 12.0, 31.0):
+        batch = dispatcher.next_batch(ConsumerId(1), contract, now_s)
+        dispatcher.commit(batch)
+        served.append(batch.lane.signature)
+    assert served == [0xB, 0xB, 0xA]  # A's items waited 31 s: served although B has tokens
+    assert dispatcher.counters().switches == {"initial": 1, "drained": 0, "starvation": 1}
+    dispatcher.check_invariants()
+
+
+def test_pad_to_is_the_lane_queue_longest():
+    dispatcher = Dispatcher(MemoryTier())
+    dispatcher.ingest(make_frame(0, 0, [(0, 1)] * 4, [500, 505, 509, 501]), 0.0)
+    batch = dispatcher.next_batch(ConsumerId(1), Contract(0, 2, 65_536, 1), 0.0)
+    assert len(batch.entries) == 2 and batch.pad_to_tokens == pad_to_tokens(509) == 512
+    dispatcher.commit(batch)
+    batch = dispatcher.next_batch(ConsumerId(1), Contract(0, 2, 65_536, 1), 0.0)
+    assert batch.pad_to_tokens == 512  # 509 is still queued
+
+
+def test_one_outstanding_batch_at_a_time():
+    dispatcher = Dispatcher(MemoryTier())
+    dispatcher.ingest(make_frame(0, 0, [(0, 1)] * 4, [8] * 4), 0.0)
+    batch = dispatcher.next_batch(ConsumerId(1), Contract(0, 1, 64, 1), 0.0)
+    with pytest.raises(AssertionError):
+        dispatcher.next_batch(ConsumerId(2), BIG, 0.0)
+    dispatcher.consumer_lost(ConsumerId(1))  # its uncommitted batch is simply dropped
+    assert dispatcher.next_batch(ConsumerId(2), BIG, 0.0).refs[0] == batch.refs[0]

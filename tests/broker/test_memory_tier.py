@@ -1,0 +1,211 @@
+"""The memory tier (pipeline/broker/storage/memory.py) against a reference of plain lists,
+through the StorageTier interface only. Deterministic: hypothesis is derandomised, stress
+runs are seeded."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from broker_frames import make_frame, token_ids
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.broker.ids import BatchId, ConsumerId, LaneId, LaneKey
+from pipeline.broker.storage import AppendGroup, MemoryTier, StorageTier
+from pipeline.errors import NotHeldError, StaleBatchError
+from pipeline.layouts import ProducerId
+
+DETERMINISTIC = settings(derandomize=True, database=None, deadline=None, max_examples=150)
+LANES = [LaneKey(0, 0xAB, LaneId(0)), LaneKey(0, 0xAB, LaneId(1)), LaneKey(2, 0xCD, LaneId(0))]
+
+
+class RefTier:
+    """Per lane a list of item ids, front first; pending item ids per consumer in commit order."""
+
+    def __init__(self) -> None:
+        self.queues: dict[LaneKey, list[int]] = {lane: [] for lane in LANES}
+        self.pending: list[tuple[int, int, LaneKey]] = []  # (item id, consumer, lane)
+
+    def lose(self, consumer: int) -> dict[LaneKey, list[int]]:
+        runs: dict[LaneKey, list[int]] = {}
+        for item, holder, lane in self.pending:
+            if holder == consumer:
+                runs.setdefault(lane, []).append(item)
+        self.pending = [p for p in self.pending if p[1] != consumer]
+        for lane, items in runs.items():
+            self.queues[lane] = items + self.queues[lane]
+        return runs
+
+
+class Harness:
+    def __init__(self) -> None:
+        self.tier: StorageTier = MemoryTier(recent_per_consumer=8)
+        self.ref = RefTier()
+        self.seq = 0
+        self.batch = 0
+        self.refs: dict[int, object] = {}  # item id -> ref
+        self.lengths: dict[int, int] = {}
+
+    def append(self, pick: int, lengths: list[int]) -> None:
+        lane = LANES[pick % len(LANES)]
+        frame = make_frame(7, self.seq, [(lane.model, lane.signature)] * len(lengths), lengths,
+                           submit_ns=self.seq, payloads=[bytes([i % 251]) * (i % 3) for i in range(len(lengths))])
+        self.seq += len(lengths)
+        refs = self.tier.append(AppendGroup(lane, frame, np.arange(len(lengths))))
+        items = frame.items["item_id"].tolist()
+        self.refs.update(zip(items, refs))
+        self.lengths.update(zip(items, lengths))
+        self.ref.queues[lane] += items
+
+    def peek(self, pick: int, count: int) -> list[int]:
+        lane = LANES[pick % len(LANES)]
+        entries = self.tier.peek(lane, count)
+        got = [entry.item_id for entry in entries]
+        assert got == self.ref.queues[lane][:count]
+        for entry in entries:
+            assert entry.lane == lane and entry.ref == self.refs[entry.item_id]
+            assert entry.length == self.lengths[entry.item_id] and entry.prefix_len == entry.length // 2
+        return got
+
+    def commit(self, pick: int, consumer: int, count: int, skew: int) -> None:
+        lane = LANES[pick % len(LANES)]
+        items = self.peek(pick, count)
+        if not items:
+            return
+        refs = [self.refs[i] for i in items]
+        if skew:  # a stale batch: not the front any more (or not a prefix)
+            refs = refs[1:] or [self.refs[items[0]], self.refs[items[0]]]
+            before = self.tier.queued_items(lane)
+            with pytest.raises(StaleBatchError):
+                self.tier.commit(lane, refs, ConsumerId(consumer), BatchId(self.batch))
+            assert self.tier.queued_items(lane) == before
+            return
+        self.tier.commit(lane, refs, ConsumerId(consumer), BatchId(self.batch))
+        self.batch += 1
+        del self.ref.queues[lane][: len(items)]
+        self.ref.pending += [(i, consumer, lane) for i in items]
+
+    def complete(self, consumer: int, count: int) -> None:
+        mine = [p for p in self.ref.pending if p[1] == consumer][:count]
+        done = self.tier.complete(ConsumerId(consumer), [self.refs[i] for i, _, _ in mine])
+        assert done.items == len(mine) and done.tokens == sum(self.lengths[i] for i, _, _ in mine)
+        self.ref.pending = [p for p in self.ref.pending if p not in mine]
+        for item, _, _ in mine:
+            with pytest.raises(KeyError):
+                self.tier.read_tokens(self.refs[item])
+
+    def lose(self, consumer: int) -> None:
+        want = self.ref.lose(consumer)
+        got = {run.lane: [e.item_id for e in run.entries] for run in self.tier.return_consumer(ConsumerId(consumer))}
+        assert got == want
+
+    def check(self) -> None:
+        self.tier.check_invariants()
+        for lane in LANES:
+            assert self.tier.queued_items(lane) == len(self.ref.queues[lane])
+        assert self.tier.pending_items() == len(self.ref.pending)
+        for consumer in range(3):
+            want = sum(1 for p in self.ref.pending if p[1] == consumer)
+            assert self.tier.pending_items(ConsumerId(consumer)) == want
+
+    def run(self, op: tuple) -> None:
+        kind, *args = op
+        {"append": self.append, "peek": self.peek, "commit": self.commit,
+         "complete": self.complete, "lose": self.lose}[kind](*args)
+        self.check()
+
+
+picks = st.integers(0, 50)
+consumers = st.integers(0, 2)
+operations = st.one_of(
+    st.tuples(st.just("append"), picks, st.lists(st.integers(1, 3000), min_size=1, max_size=8)),
+    st.tuples(st.just("peek"), picks, st.integers(0, 12)),
+    st.tuples(st.just("commit"), picks, consumers, st.integers(1, 10), st.sampled_from([0, 0, 0, 1])),
+    st.tuples(st.just("complete"), consumers, st.integers(0, 6)),
+    st.tuples(st.just("lose"), consumers),
+)
+
+
+@DETERMINISTIC
+@given(ops=st.lists(operations, max_size=50))
+def test_matches_reference(ops):
+    harness = Harness()
+    for op in ops:
+        harness.run(op)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_seeded_stress(seed):
+    rng = np.random.default_rng(seed)
+    harness = Harness()
+    for _ in range(400):
+        roll = rng.random()
+        pick, consumer = int(rng.integers(50)), int(rng.integers(3))
+        if roll < 0.3:
+            harness.run(("append", pick, rng.integers(1, 3000, int(rng.integers(1, 10))).tolist()))
+        elif roll < 0.6:
+            harness.run(("commit", pick, consumer, int(rng.integers(1, 12)), int(rng.random() < 0.1)))
+        elif roll < 0.9:
+            harness.run(("complete", consumer, int(rng.integers(1, 8))))
+        else:
+            harness.run(("lose", consumer))
+
+
+def test_returned_entries_go_first_latest_run_in_front():
+    harness = Harness()
+    harness.append(0, [10, 20, 30, 40, 50])
+    harness.commit(0, consumer=1, count=2, skew=0)  # items 0, 1 to consumer 1
+    harness.commit(0, consumer=2, count=2, skew=0)  # items 2, 3 to consumer 2
+    harness.append(0, [60])
+    harness.lose(1)
+    assert [e.length for e in harness.tier.peek(LANES[0], 10)] == [10, 20, 50, 60]
+    harness.lose(2)
+    assert [e.length for e in harness.tier.peek(LANES[0], 10)] == [30, 40, 10, 20, 50, 60]
+    harness.check()
+
+
+def test_tokens_payloads_and_highest_seq():
+    tier = MemoryTier()
+    assert tier.highest_seq(ProducerId(7)) is None
+    frame = make_frame(7, 100, [(0, 1)] * 3, [5, 9, 2], payloads=[b"a", b"", b"xyz"])
+    refs = tier.append(AppendGroup(LaneKey(0, 1, LaneId(0)), frame, np.array([0, 2])))
+    assert tier.highest_seq(ProducerId(7)) == 102 and len(refs) == 2
+    entries = tier.peek(LaneKey(0, 1, LaneId(0)), 5)
+    assert [e.seq for e in entries] == [100, 102] and [e.producer_id for e in entries] == [7, 7]
+    for entry, payload in zip(entries, [b"a", b"xyz"]):
+        tokens = tier.read_tokens(entry.ref)
+        assert np.array_equal(tokens, token_ids(entry.item_id, entry.length))
+        assert not tokens.flags.writeable and tier.read_payload(entry.ref) == payload
+    tier.check_invariants()
+
+
+def test_completion_by_a_non_holder_changes_nothing():
+    tier = MemoryTier()
+    lane = LANES[0]
+    tier.append(AppendGroup(lane, make_frame(1, 0, [(lane.model, lane.signature)] * 2, [4, 4]), np.arange(2)))
+    refs = [e.ref for e in tier.peek(lane, 2)]
+    tier.commit(lane, refs, ConsumerId(1), BatchId(0))
+    with pytest.raises(NotHeldError):
+        tier.complete(ConsumerId(2), refs)
+    assert tier.pending_items(ConsumerId(1)) == 2 and tier.counters.completed_items == 0
+    assert tier.complete(ConsumerId(1), refs).items == 2
+    assert tier.complete(ConsumerId(1), refs).duplicates == 2
+    assert tier.counters.duplicate_completions == 2
+    tier.check_invariants()
+
+
+def test_drop_lane_then_the_same_key_starts_a_new_segment():
+    tier = MemoryTier()
+    lane = LANES[0]
+    tier.append(AppendGroup(lane, make_frame(1, 0, [(lane.model, lane.signature)], [4]), np.arange(1)))
+    (entry,) = tier.peek(lane, 1)
+    tier.commit(lane, [entry.ref], ConsumerId(1), BatchId(0))
+    tier.complete(ConsumerId(1), [entry.ref])
+    tier.drop_lane(lane)
+    assert tier.peek(lane, 1) == [] and tier.queued_items(lane) == 0
+    tier.append(AppendGroup(lane, make_frame(1, 1, [(lane.model, lane.signature)], [4]), np.arange(1)))
+    (again,) = tier.peek(lane, 1)
+    assert again.ref.segment != entry.ref.segment  # refs are never reused
+    with pytest.raises(StaleBatchError):
+        tier.commit(LANES[1], [again.ref], ConsumerId(1), BatchId(1))  # unknown lane
+    tier.check_invariants()
