@@ -12,9 +12,19 @@
     repeatedly dispatch one batch and refill as many items as it took, until the stream is
     spent; every batch of that loop is counted. Contract: 64 items, 65,536 padded tokens.
     Padding efficiency = real tokens / padded tokens; fill = items per batch / 64.
-    Lane policies use the real ShapeLanes; virtual time advances 1 / ARRIVAL_RATE_ITEMS_PER_S
-    per arriving item and the maintenance tick runs every TICK_EVERY_S of it; a dispatched
-    batch completes at once.
+    Lane policies use the real ShapeLanes and, for "queue longest/8", the broker's real
+    packing function (pipeline.broker.packing.pack, pad-to = the lane's longest queued item
+    from ShapeLanes.queued_max, rounded up to 8); virtual time advances
+    1 / ARRIVAL_RATE_ITEMS_PER_S per arriving item and the maintenance tick runs every
+    TICK_EVERY_S of it; a dispatched batch completes at once. The offline optimum (the whole
+    stream sorted longest first) is packed by the same contract packer, and that is what the
+    "within 1 point of the optimum" target is judged against; the optimum with each batch
+    padded to its own longest item, unrounded, is printed for context.
+(c) Shape switches, no prefix cache modelled: items of many shapes arrive interleaved at
+    random and two consumers of one model take turns asking for batches (see bench_switches).
+    A mid-stream switch is a consumer's batch whose shape differs from its previous batch's.
+    Sticky selection is the real ShapeSelector over per-shape lanes and the real packing;
+    FIFO by arrival serves the shape of the oldest queued item.
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ import sys
 import time
 from collections import deque
 from itertools import islice
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +46,10 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import numpy as np  # noqa: E402
 
+from pipeline.broker.ids import ShapeKey  # noqa: E402
 from pipeline.broker.lanes import LaneId, ShapeLanes, WasteMeasure  # noqa: E402
+from pipeline.broker.packing import Contract, batch_items_limit, pack  # noqa: E402
+from pipeline.broker.selection import ShapeSelector  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 # The Mooncake FAST'25 synthetic trace, beside the repository (../shared/workloads/README.md).
@@ -44,8 +57,9 @@ MOONCAKE_TRACE = ROOT.parent / "shared" / "workloads" / "mooncake_synthetic_trac
 # The consumer contract of issue 3 item 7.
 MAX_BATCH_ITEMS = 64
 MAX_BATCH_TOKENS = 65_536
-# SPEC §3: pad-to is the queue's longest item rounded up to a multiple of 8.
-PAD_MULTIPLE_TOKENS = 8
+# Packing never filters by input length (SPEC §3); any valid value gives the same batches.
+MAX_INPUT_LEN = 262_144
+CONTRACT = Contract(0, MAX_BATCH_ITEMS, MAX_BATCH_TOKENS, MAX_INPUT_LEN)
 # Virtual arrival rate: about the design note's 17,800 lane reuses per second. It only sets
 # how much stream passes per virtual second, i.e. what "idle 5 s" means to the tick.
 ARRIVAL_RATE_ITEMS_PER_S = 20_000
@@ -152,30 +166,28 @@ class Batch:
     padded_tokens: int
 
 
-def pack_own_longest(queue: deque[int]) -> Batch:
-    """Take items from the front in order while the batch, padded to its own longest item,
-    fits the contract; at least one item."""
+def pack_own_longest(queue: deque[int], contract: Contract = CONTRACT) -> Batch:
+    """Baselines: take items from the front in order while the batch, padded to its own
+    longest item (unrounded), fits the contract; at least one item."""
     count = longest = real = 0
-    while queue and count < MAX_BATCH_ITEMS:
+    while queue and count < contract.max_batch_items:
         longer = max(longest, queue[0])
-        if count and (count + 1) * longer > MAX_BATCH_TOKENS:
+        if count and (count + 1) * longer > contract.max_batch_tokens:
             break
         length = queue.popleft()
         count, longest, real = count + 1, longer, real + length
     return Batch(count, real, count * longest)
 
 
-def pack_queue_longest(queue: deque[int]) -> Batch:
-    """SPEC §3: pad-to = the queue's longest item rounded up to a multiple of 8; items in
-    arrival order until the size or the padded-token budget is reached; at least one."""
-    return pack_padded_to(queue, max(queue))
-
-
-def pack_padded_to(queue: deque[int], longest: int) -> Batch:
-    pad = -(-longest // PAD_MULTIPLE_TOKENS) * PAD_MULTIPLE_TOKENS
-    count = max(1, min(len(queue), MAX_BATCH_ITEMS, MAX_BATCH_TOKENS // pad))
-    real = sum(queue.popleft() for _ in range(count))
-    return Batch(count, real, count * pad)
+def pack_contract(queue: deque[int], longest: int, contract: Contract = CONTRACT) -> Batch:
+    """The broker's packing (pipeline.broker.packing.pack, SPEC §3): pad-to = `longest`, the
+    queue's longest item, rounded up to 8; the front items in order; at least one. Takes the
+    batch off the front of `queue`; the overflow stays there in its order."""
+    front = list(islice(queue, batch_items_limit(longest, contract)))
+    packing = pack(front, longest, contract)
+    for _ in range(packing.count):
+        queue.popleft()
+    return Batch(packing.count, packing.real_tokens, packing.padded_tokens)
 
 
 class BucketPolicy:
@@ -209,23 +221,30 @@ class BucketPolicy:
 
 class LanePolicy:
     """The real ShapeLanes decides the lane; this class plays the storage tier (one deque of
-    lengths per lane) and the dispatcher (fullest lane first)."""
+    lengths per lane) and the dispatcher (fullest lane first, packed by the real `pack`, or
+    each batch padded to its own longest item with `own_longest`)."""
 
-    def __init__(self, max_lanes: int, measure: WasteMeasure, pack: Callable[[deque[int]], Batch]):
+    def __init__(self, max_lanes: int, measure: WasteMeasure, own_longest: bool = False):
         self.lanes = ShapeLanes(max_lanes=max_lanes, measure=measure)
-        self.pack = pack
+        self.own_longest = own_longest
         self.queues: dict[int, deque[int]] = {}
 
     def add(self, values: np.ndarray, now_s: float) -> None:
         for lane, length in zip(self.lanes.assign_many(values, now_s).tolist(), values.tolist()):
             self.queues.setdefault(lane, deque()).append(length)
 
-    def take(self) -> Batch:
+    def take(self, contract: Contract = CONTRACT) -> Batch:
         lane = self.lanes.fullest_lane()
         assert lane is not None
         queue = self.queues[lane]
-        front = list(islice(queue, MAX_BATCH_ITEMS))  # on_dispatched needs the batch's lengths
-        batch = self.pack(queue)
+        # on_dispatched needs the batch's lengths
+        front = list(islice(queue, contract.max_batch_items))
+        if self.own_longest:
+            batch = pack_own_longest(queue, contract)
+        else:
+            longest = self.lanes.queued_max(LaneId(lane))
+            assert longest is not None
+            batch = pack_contract(queue, longest, contract)
         self.lanes.on_dispatched(LaneId(lane), front[: batch.items])
         self.lanes.on_completed(LaneId(lane), batch.items)
         return batch
@@ -244,21 +263,19 @@ POLICIES: dict[str, Callable[[], BucketPolicy | LanePolicy]] = {
     "power-of-two buckets (own longest)": lambda: BucketPolicy(
         lambda v: np.ceil(np.log2(v)).astype(np.int64)),
     "fixed 64-token ranges (own longest)": lambda: BucketPolicy(lambda v: (v - 1) // 64),
-    "lanes 128, queued-min (queue longest/8)": lambda: LanePolicy(
-        128, WasteMeasure.QUEUED_MIN, pack_queue_longest),
-    "lanes 2048, literal (queue longest/8)": lambda: LanePolicy(
-        2048, WasteMeasure.LITERAL, pack_queue_longest),
-    "lanes 2048, queued-min (queue longest/8)": lambda: LanePolicy(
-        2048, WasteMeasure.QUEUED_MIN, pack_queue_longest),
+    "lanes 128, queued-min (queue longest/8)": lambda: LanePolicy(128, WasteMeasure.QUEUED_MIN),
+    "lanes 2048, literal (queue longest/8)": lambda: LanePolicy(2048, WasteMeasure.LITERAL),
+    "lanes 2048, queued-min (queue longest/8)": lambda: LanePolicy(2048, WasteMeasure.QUEUED_MIN),
     "lanes 2048, literal (own longest)": lambda: LanePolicy(
-        2048, WasteMeasure.LITERAL, pack_own_longest),
+        2048, WasteMeasure.LITERAL, own_longest=True),
     "lanes 2048, queued-min (own longest)": lambda: LanePolicy(
-        2048, WasteMeasure.QUEUED_MIN, pack_own_longest),
+        2048, WasteMeasure.QUEUED_MIN, own_longest=True),
 }
 DEFAULT_POLICY = "lanes 2048, queued-min (queue longest/8)"
-OPTIMUM = "offline optimum (sorted, longest first)"
-# Context only (targets use OPTIMUM): the optimum under the lanes' own pad rounding.
-OPTIMUM_ROUNDED = "offline optimum, pad rounded up to 8"
+# The targets' reference: the optimum packed by the same contract packer as the lanes.
+OPTIMUM = "offline optimum, same packer (pad/8)"
+# Context only: each batch of the sorted stream padded to its own longest item, unrounded.
+OPTIMUM_UNROUNDED = "offline optimum, own longest unrounded"
 
 
 @dataclass(slots=True)
@@ -268,10 +285,14 @@ class SimResult:
     note: str
 
 
-def summarise(batches: list[Batch], note: str) -> SimResult:
+def summarise(batches: list[Batch], note: str, max_items: Sequence[int] | None = None) -> SimResult:
+    """Efficiency and mean fill; `max_items[i]` is batch i's contract size (default 64)."""
     real = sum(b.real_tokens for b in batches)
     padded = sum(b.padded_tokens for b in batches)
-    fill = sum(b.items for b in batches) / (len(batches) * MAX_BATCH_ITEMS)
+    if max_items is None:
+        fill = sum(b.items for b in batches) / (len(batches) * MAX_BATCH_ITEMS)
+    else:
+        fill = sum(b.items / cap for b, cap in zip(batches, max_items)) / len(batches)
     return SimResult(real / padded, fill, note)
 
 
@@ -292,13 +313,137 @@ def simulate(make: Callable[[], BucketPolicy | LanePolicy], stream: np.ndarray, 
     return summarise(batches, policy.lanes_used())
 
 
-def offline_optimum(stream: np.ndarray, rounded: bool) -> SimResult:
-    """Every item of the stream known in advance, sorted longest first, packed in order."""
+def offline_optimum(stream: np.ndarray, same_packer: bool) -> SimResult:
+    """Every item of the stream known in advance, sorted longest first, packed in order: by
+    the contract packer (the queue's longest, i.e. the front item, rounded up to 8), or with
+    each batch padded to its own longest item, unrounded."""
     queue = deque(sorted(stream.tolist(), reverse=True))
     batches = []
     while queue:
-        batches.append(pack_padded_to(queue, queue[0]) if rounded else pack_own_longest(queue))
+        batches.append(pack_contract(queue, queue[0]) if same_packer else pack_own_longest(queue))
     return summarise(batches, "")
+
+
+# ----------------------------------------------------------------------------- (c) switches
+
+# Shapes in the switch measurement, interleaved uniformly at random: the case in which FIFO
+# by arrival changes shape at almost every batch, and stickiness matters most.
+SWITCH_SHAPES = 32
+# The two consumers of model 0, taking turns: the issue 3 contract and a smaller card's.
+SWITCH_CONTRACTS = (CONTRACT, Contract(0, 32, 16_384, MAX_INPUT_LEN))
+
+
+class ShapesPolicy:
+    """Per-shape lanes (LanePolicy: the real ShapeLanes and packing), the shape chosen per
+    request by the real ShapeSelector (sticky) or by the most queued tokens (not sticky)."""
+
+    def __init__(self, sticky: bool) -> None:
+        self.sticky = sticky
+        self.selector = ShapeSelector()
+        self.shapes: dict[int, LanePolicy] = {}
+        self.tokens: dict[int, int] = {}
+
+    def add(self, shapes: np.ndarray, values: np.ndarray, now_s: float) -> None:
+        order = np.argsort(shapes, kind="stable")  # arrival order within a shape
+        for part in np.split(order, np.flatnonzero(np.diff(shapes[order])) + 1):
+            shape, lengths = int(shapes[part[0]]), values[part]
+            if shape not in self.shapes:
+                self.shapes[shape] = LanePolicy(2048, WasteMeasure.QUEUED_MIN)
+            self.shapes[shape].add(lengths, now_s)
+            tokens = int(lengths.sum())
+            self.tokens[shape] = self.tokens.get(shape, 0) + tokens
+            self.selector.on_queued(ShapeKey(0, shape), tokens, np.zeros(part.size, np.int64))
+
+    def take(self, contract: Contract) -> tuple[int, Batch]:
+        if self.sticky:
+            selected = self.selector.select(0, 0.0)
+            assert selected is not None
+            shape = selected.signature
+        else:
+            shape = max(self.tokens, key=lambda s: (self.tokens[s], -s))
+        batch = self.shapes[shape].take(contract)
+        self.tokens[shape] -= batch.real_tokens
+        if not self.tokens[shape]:
+            del self.tokens[shape]
+        self.selector.on_dispatched(ShapeKey(0, shape), batch.real_tokens, np.zeros(batch.items, np.int64))
+        return shape, batch
+
+
+class ArrivalFifoPolicy:
+    """A plain queue that keeps batches shape-pure: each batch takes the shape of the oldest
+    queued item, that shape's items in arrival order, padded to the batch's own longest."""
+
+    def __init__(self) -> None:
+        self.queues: dict[int, deque[int]] = {}
+        self.arrivals: dict[int, deque[int]] = {}
+        self.clock = 0
+
+    def add(self, shapes: np.ndarray, values: np.ndarray, now_s: float) -> None:
+        for shape, length in zip(shapes.tolist(), values.tolist()):
+            self.queues.setdefault(shape, deque()).append(length)
+            self.arrivals.setdefault(shape, deque()).append(self.clock)
+            self.clock += 1
+
+    def take(self, contract: Contract) -> tuple[int, Batch]:
+        shape = min(self.arrivals, key=lambda s: self.arrivals[s][0])
+        batch = pack_own_longest(self.queues[shape], contract)
+        arrivals = self.arrivals[shape]
+        for _ in range(batch.items):
+            arrivals.popleft()
+        if not arrivals:
+            del self.arrivals[shape], self.queues[shape]
+        return shape, batch
+
+
+SWITCH_POLICIES: dict[str, Callable[[], ShapesPolicy | ArrivalFifoPolicy]] = {
+    "sticky (ShapeSelector), lanes, real pack": lambda: ShapesPolicy(sticky=True),
+    "most tokens per batch (not sticky)": lambda: ShapesPolicy(sticky=False),
+    "FIFO by arrival (oldest item's shape)": ArrivalFifoPolicy,
+}
+
+
+def simulate_switches(
+    make: Callable[[], ShapesPolicy | ArrivalFifoPolicy], shapes: np.ndarray,
+    stream: np.ndarray, depth: int,
+) -> tuple[int, int, SimResult]:
+    """Like `simulate`, with the consumers taking turns; returns (mid-stream switches summed
+    over the consumers, batches, efficiency and fill against each batch's own contract)."""
+    policy = make()
+    policy.add(shapes[:depth], stream[:depth], 0.0)
+    arrived, turn, switches = depth, 0, 0
+    previous: list[int | None] = [None] * len(SWITCH_CONTRACTS)
+    batches: list[Batch] = []
+    caps: list[int] = []
+    while arrived < stream.size:
+        consumer = turn % len(SWITCH_CONTRACTS)
+        turn += 1
+        contract = SWITCH_CONTRACTS[consumer]
+        shape, batch = policy.take(contract)
+        switches += previous[consumer] is not None and shape != previous[consumer]
+        previous[consumer] = shape
+        batches.append(batch)
+        caps.append(contract.max_batch_items)
+        now_s = arrived / ARRIVAL_RATE_ITEMS_PER_S
+        policy.add(shapes[arrived : arrived + batch.items], stream[arrived : arrived + batch.items], now_s)
+        arrived += batch.items
+    return switches, len(batches), summarise(batches, "", caps)
+
+
+def run_switches(items: int, depth: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    stream = lognormal(rng, depth + items, 512, 1.0)
+    shapes = rng.integers(SWITCH_SHAPES, size=stream.size)
+    small = SWITCH_CONTRACTS[1]
+    print(f"\n(c) shape switches, no prefix cache modelled: {SWITCH_SHAPES} shapes interleaved at "
+          f"random, log-normal lengths (median 512, sigma 1),\n    {depth:,} items queued, "
+          f"{items:,} streamed; two consumers of one model take turns ({MAX_BATCH_ITEMS} items / "
+          f"{MAX_BATCH_TOKENS:,} tokens and {small.max_batch_items} / {small.max_batch_tokens:,});"
+          f"\n    a mid-stream switch is a consumer's batch of another shape than its previous one")
+    print(f"    {'policy':41}{'switches':>10}{'per 1k batches':>16}{'batches':>9}{'eff%':>8}{'fill%':>7}")
+    for name, make in SWITCH_POLICIES.items():
+        switches, count, result = simulate_switches(make, shapes, stream, depth)
+        print(f"    {name:41}{switches:10,}{1000 * switches / count:16.1f}{count:9,}"
+              f"{100 * result.efficiency:8.2f}{100 * result.fill:7.1f}")
 
 
 # ----------------------------------------------------------------------------- reporting
@@ -343,8 +488,8 @@ def run_padding(measure_items: int, depths: list[int], seed: int) -> None:
             policy: [simulate(make, streams[d], d) for d in depths]
             for policy, make in POLICIES.items()
         }
-        rows[OPTIMUM] = [offline_optimum(streams[d], rounded=False) for d in depths]
-        rows[OPTIMUM_ROUNDED] = [offline_optimum(streams[d], rounded=True) for d in depths]
+        rows[OPTIMUM] = [offline_optimum(streams[d], same_packer=True) for d in depths]
+        rows[OPTIMUM_UNROUNDED] = [offline_optimum(streams[d], same_packer=False) for d in depths]
         print_table(name, depths, rows)
 
 
@@ -361,12 +506,17 @@ def print_table(workload: str, depths: list[int], rows: dict[str, list[SimResult
 
 
 def print_targets(depths: list[int], rows: dict[str, list[SimResult]]) -> None:
-    for depth, result, best in zip(depths, rows[DEFAULT_POLICY], rows[OPTIMUM]):
+    print(f"    targets are judged against '{OPTIMUM}': the optimum packed by the same contract"
+          f" packer (pad rounded up to 8);\n    the gap to '{OPTIMUM_UNROUNDED}' is for context")
+    for depth, result, best, loose in zip(
+        depths, rows[DEFAULT_POLICY], rows[OPTIMUM], rows[OPTIMUM_UNROUNDED]
+    ):
         gap = best.efficiency - result.efficiency
         ok = result.efficiency >= TARGET_EFFICIENCY and gap <= TARGET_GAP_TO_OPTIMUM
         print(f"    target at depth {depth:,}: {DEFAULT_POLICY} {100 * result.efficiency:.2f}% "
               f"(>= {100 * TARGET_EFFICIENCY:.1f}%), {100 * gap:.2f} points below the optimum "
-              f"(<= {100 * TARGET_GAP_TO_OPTIMUM:.0f}): {'met' if ok else 'NOT met'}")
+              f"(<= {100 * TARGET_GAP_TO_OPTIMUM:.0f}): {'met' if ok else 'NOT met'}; "
+              f"{100 * (loose.efficiency - result.efficiency):.2f} below the unrounded one")
 
 
 def pin_to_one_core() -> str:
@@ -383,7 +533,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="100,000 items, depths 1,000 and 10,000, one repeat")
     parser.add_argument("--seed", type=int, default=20240601)
     parser.add_argument("--repeat", type=int, default=None, help="timing runs (best is kept)")
-    parser.add_argument("--skip-padding", action="store_true", help="only part (a)")
+    parser.add_argument("--skip-padding", action="store_true", help="skip part (b)")
+    parser.add_argument("--skip-switches", action="store_true", help="skip part (c)")
     return parser.parse_args(argv)
 
 
@@ -398,6 +549,8 @@ def main(argv: list[str]) -> int:
     run_throughput(items, args.seed, repeat)
     if not args.skip_padding:
         run_padding(20_000 if args.quick else 100_000, depths, args.seed)
+    if not args.skip_switches:
+        run_switches(20_000 if args.quick else 100_000, 2_000 if args.quick else 10_000, args.seed)
     print(f"\nbench_lanes: {time.perf_counter() - started:.0f} s")
     return 0
 
