@@ -104,7 +104,10 @@ class StorageCounters:
 
 
 class StorageTier(abc.ABC):
-    """The interface of a storage tier (see the module docstring for the protocol)."""
+    """The interface of a storage tier (see the module docstring for the protocol).
+
+    Owned by the broker's single dispatch loop (through the Dispatcher); implementations
+    need not be thread-safe."""
 
     counters: StorageCounters
 
