@@ -37,8 +37,10 @@ def _ensure_venv(extra: str) -> Path:
     if not _venv_python().exists():
         print(f"quickstart: creating virtual environment in {VENV}", flush=True)
         venv.EnvBuilder(with_pip=True, clear=True).create(VENV)
-    want = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + extra.encode()).hexdigest()
-    if STAMP.exists() and STAMP.read_text() == want:
+    project = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    want = f"{project} {extra}"
+    # An install with the test extra serves `demo` too; only a missing extra reinstalls.
+    if STAMP.exists() and STAMP.read_text() in (want, f"{project} test"):
         return _venv_python()
     spec = f".[{extra}]" if extra else "."
     print(f"quickstart: installing {spec} into {VENV}", flush=True)
