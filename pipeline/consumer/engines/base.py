@@ -1,0 +1,74 @@
+"""The engine interface: what a consumer needs from an inference runtime, and nothing more.
+
+An engine takes one padded batch of prompts (token ids, all of one shape) and returns, per
+prompt, the generated token ids and how many prompt tokens its prefix cache served. Engines
+import nothing of the broker (SPEC §"Processes and layout"): a batch arrives as numpy views
+that the consumer mapped from segment files, and leaves as plain results.
+
+    engine = make_engine("sim", block_size_tokens=16, capacity_tokens=1 << 20)
+    result = engine.run(EngineBatch(prompts=[view_a, view_b], pad_to_tokens=512,
+                                    prefix_lens=[400, 400]))
+    result.outputs[0], result.cached_tokens[0]
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class EngineBatch:
+    """One batch as the engine sees it.
+
+    `prompts[i]` is item i's token ids (int32; a zero-copy view into a segment file, so
+    engines must not write to it); every prompt is padded to `pad_to_tokens` for the cost of
+    the batch. `prefix_lens[i]` is how many leading tokens the shape's components cover
+    (cache accounting only).
+    """
+
+    prompts: Sequence[np.ndarray]
+    pad_to_tokens: int
+    prefix_lens: Sequence[int]
+
+
+@dataclass(slots=True)
+class EngineResult:
+    """Per prompt: generated token ids and prompt tokens served from the prefix cache."""
+
+    outputs: list[np.ndarray]
+    cached_tokens: list[int]
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    """Exact totals over every batch an engine ran."""
+
+    batches: int = 0
+    prompts: int = 0
+    prompt_tokens: int = 0
+    padded_tokens: int = 0
+    cacheable_tokens: int = 0  # whole cache blocks inside the shapes' components
+    cache_hit_tokens: int = 0
+    output_tokens: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+class Engine(abc.ABC):
+    """An inference runtime behind the consumer. Owner: one consumer process; not
+    thread-safe (the consumer runs one batch at a time). `close()` releases the runtime."""
+
+    name: str = "engine"
+
+    def __init__(self) -> None:
+        self.counters = EngineCounters()
+
+    @abc.abstractmethod
+    def run(self, batch: EngineBatch) -> EngineResult:
+        """Run one padded batch; return one output and one cached-token count per prompt."""
+
+    def close(self) -> None:
+        """Release the runtime (GPU memory, threads); nothing by default."""

@@ -1,0 +1,104 @@
+"""The sim engine's prefix cache against an obviously correct reference, and its counters."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.consumer.engines import EngineBatch, SimEngine, make_engine
+
+
+class ReferenceCache:
+    """Keys are the exact token prefixes (tuples): no hashing at all, so no collision."""
+
+    def __init__(self, block: int, capacity_tokens: int) -> None:
+        self.block, self.capacity = block, capacity_tokens // block
+        self.cache: OrderedDict[tuple, None] = OrderedDict()
+
+    def run(self, prompt: list[int]) -> int:
+        keys = [tuple(prompt[: (i + 1) * self.block]) for i in range(len(prompt) // self.block)]
+        hits = 0
+        while hits < len(keys) and keys[hits] in self.cache:
+            hits += 1
+        for key in reversed(keys):
+            self.cache[key] = None
+            self.cache.move_to_end(key)
+        while len(self.cache) > self.capacity:
+            self.cache.popitem(last=False)
+        return min(hits * self.block, (len(prompt) - 1) // self.block * self.block)
+
+
+def test_docstring_example():
+    engine = SimEngine(block_size_tokens=4, capacity_tokens=64)
+    a = np.arange(1, 11, dtype=np.int32)
+    b = np.array([1, 2, 3, 4, 5, 6, 7, 8, 99], dtype=np.int32)
+    c = np.array([0, 2, 3, 4, 5, 6, 7, 8], dtype=np.int32)
+    result = engine.run(EngineBatch([a, b, c], pad_to_tokens=16, prefix_lens=[8, 8, 8]))
+    assert result.cached_tokens == [0, 8, 0]
+
+
+def test_whole_prompt_in_cache_still_computes_one_token():
+    engine = SimEngine(block_size_tokens=4, capacity_tokens=64)
+    prompt = np.arange(8, dtype=np.int32)
+    engine.run(EngineBatch([prompt], 8, [8]))
+    assert engine.run(EngineBatch([prompt], 8, [8])).cached_tokens == [4]
+
+
+@settings(max_examples=60, derandomize=True, deadline=None)
+@given(
+    st.integers(1, 6),
+    st.integers(2, 12),
+    st.lists(st.tuples(st.integers(0, 3), st.integers(1, 40)), min_size=1, max_size=40),
+)
+def test_matches_reference(block, capacity_blocks, requests):
+    # Prompts share one of four "system prompts" as a prefix, then differ.
+    bases = [list(np.random.default_rng(k).integers(0, 5, size=30)) for k in range(4)]
+    engine = SimEngine(block_size_tokens=block, capacity_tokens=capacity_blocks * block)
+    reference = ReferenceCache(block, capacity_blocks * block)
+    for n, (base, extra) in enumerate(requests):
+        prompt = [int(t) for t in bases[base][: extra]] + [n % 3]
+        got = engine.run(EngineBatch([np.array(prompt, dtype=np.int32)], len(prompt), [0]))
+        assert got.cached_tokens == [reference.run(prompt)], n
+
+
+def test_counters_are_exact():
+    engine = SimEngine(block_size_tokens=16, capacity_tokens=1 << 16, output_tokens=3)
+    shared = np.arange(100, dtype=np.int32)
+    prompts = [np.concatenate([shared, np.full(k + 1, 7, dtype=np.int32)]) for k in range(4)]
+    result = engine.run(EngineBatch(prompts, pad_to_tokens=112, prefix_lens=[100] * 4))
+    c = engine.counters
+    assert result.cached_tokens == [0, 96, 96, 96]
+    assert c.prompts == 4 and c.batches == 1
+    assert c.prompt_tokens == sum(len(p) for p in prompts)
+    assert c.padded_tokens == 4 * 112
+    assert c.cacheable_tokens == 4 * 96  # whole blocks of the 100-token prefix
+    assert c.cache_hit_tokens == 3 * 96
+    assert c.output_tokens == 12 and all(o.shape == (3,) for o in result.outputs)
+
+
+def test_eviction_is_least_recently_used():
+    engine = SimEngine(block_size_tokens=4, capacity_tokens=8)  # two blocks
+    a, b = np.arange(8, dtype=np.int32), np.arange(100, 108, dtype=np.int32)
+    engine.run(EngineBatch([a], 8, [0]))
+    engine.run(EngineBatch([b], 8, [0]))  # evicts a's blocks
+    assert engine.run(EngineBatch([a], 8, [0])).cached_tokens == [0]
+    assert engine.counters.extra["evicted_blocks"] >= 2
+
+
+def test_prompt_views_are_not_written():
+    engine = SimEngine()
+    prompt = np.arange(64, dtype=np.int32)
+    prompt.flags.writeable = False  # as a view into a read-only segment mapping
+    engine.run(EngineBatch([prompt], 64, [32]))
+
+
+def test_make_engine():
+    assert isinstance(make_engine("sim", block_size_tokens=8), SimEngine)
+    with pytest.raises(ValueError, match="known: sim"):
+        make_engine("tpu")
+    with pytest.raises(ValueError):
+        SimEngine(block_size_tokens=0)
