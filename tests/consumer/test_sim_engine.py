@@ -102,3 +102,19 @@ def test_make_engine():
         make_engine("tpu")
     with pytest.raises(ValueError):
         SimEngine(block_size_tokens=0)
+
+
+@settings(max_examples=40, derandomize=True, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 9), min_size=0, max_size=30), min_size=1, max_size=8))
+def test_batch_hashing_equals_one_prompt_at_a_time(prompts):
+    engine = SimEngine(block_size_tokens=3)
+    arrays = [np.array(p, dtype=np.int32) for p in prompts]
+    together = engine.block_hashes(arrays)
+    assert together == [engine.block_hashes([a])[0] for a in arrays]
+    # Equal prefixes give equal chains; the chain of a longer prompt extends the shorter one.
+    for a, ha in zip(prompts, together):
+        for b, hb in zip(prompts, together):
+            common = 0
+            while common < min(len(ha), len(hb)) and a[: (common + 1) * 3] == b[: (common + 1) * 3]:
+                common += 1
+            assert ha[:common] == hb[:common]

@@ -100,17 +100,32 @@ class SimEngine(Engine):
         self._powers = np.array(powers, dtype=np.uint64)
         self._inverse_powers = np.array(inverse, dtype=np.uint64)
 
-    def block_hashes(self, prompt: np.ndarray) -> list[int]:
-        """The chained hash of each full block of `prompt`."""
+    def block_hashes(self, prompts: list[np.ndarray]) -> list[list[int]]:
+        """The chained hash of each full block of each prompt, for a whole batch at once.
+
+        Example, block size 4, prompts of 9 and 4 tokens: blocks [p0[0:4], p0[4:8], p1[0:4]]
+        are hashed together; local block numbers are [0, 1, 0]; the running sums restart at
+        each prompt's first block, so p1's chain does not include p0's blocks.
+        """
         block = self.config.block_size_tokens
-        count = prompt.shape[0] // block
-        if count == 0:
-            return []
-        self._ensure_powers(count)
-        blocks = prompt[: count * block].reshape(count, block).astype(np.uint64)
-        content = _mix((blocks * self._weights).sum(axis=1, dtype=np.uint64))
-        scaled = np.cumsum(content * self._inverse_powers[:count], dtype=np.uint64)
-        return _mix(scaled * self._powers[:count]).tolist()
+        counts = np.array([p.shape[0] // block for p in prompts], dtype=np.int64)
+        total = int(counts.sum())
+        if total == 0:
+            return [[] for _ in prompts]
+        self._ensure_powers(int(counts.max()))
+        blocks = np.concatenate([p[: n * block] for p, n in zip(prompts, counts.tolist()) if n])
+        content = _mix((blocks.reshape(total, block).astype(np.uint64) * self._weights).sum(axis=1, dtype=np.uint64))
+        starts = np.zeros(counts.shape[0], dtype=np.int64)
+        np.cumsum(counts[:-1], out=starts[1:])
+        local = np.arange(total, dtype=np.int64) - np.repeat(starts, counts)
+        running = np.cumsum(content * self._inverse_powers[local], dtype=np.uint64)
+        before = np.concatenate([[_U64(0)], running])[np.repeat(starts, counts)]  # sum before each prompt
+        hashes = _mix((running - before) * self._powers[local]).tolist()
+        out, at = [], 0
+        for n in counts.tolist():
+            out.append(hashes[at:at + n])
+            at += n
+        return out
 
     def _lookup_and_insert(self, hashes: list[int], length: int) -> int:
         """Cached tokens for one prompt, then every block of it becomes most recent."""
@@ -137,9 +152,9 @@ class SimEngine(Engine):
         outputs: list[np.ndarray] = []
         cached_tokens: list[int] = []
         c = self.counters
-        for prompt, prefix_len in zip(batch.prompts, batch.prefix_lens):
+        all_hashes = self.block_hashes(list(batch.prompts))
+        for prompt, prefix_len, hashes in zip(batch.prompts, batch.prefix_lens, all_hashes):
             length = int(prompt.shape[0])
-            hashes = self.block_hashes(prompt)
             cached = self._lookup_and_insert(hashes, length)
             cacheable = (int(prefix_len) // block) * block
             cached_tokens.append(cached)
