@@ -12,7 +12,9 @@ raises one of these, with the offending value, path and byte offset in the messa
     │   ├── SignatureError                   signature not an unsigned 64-bit integer
     │   ├── ContractError                    a consumer contract has a zero, negative or
     │   │                                    non-integer number
-    │   └── NotHeldError                     a consumer completes an entry it does not hold
+    │   ├── NotHeldError                     a consumer completes an entry it does not hold
+    │   └── ProtocolError                    a control message is malformed (length, JSON,
+    │                                        type, fields); the peer is disconnected
     ├── FrameError                           a ring record is not a valid submission frame
     ├── StaleBatchError                      a batch can no longer be committed (its entries
     │                                        left the front of their lane); nothing changed
@@ -101,6 +103,11 @@ class ShapeGuardError(PipelineError):
 
 
 
+class ProtocolError(BadInputError):
+    """A control-socket message is malformed: bad length, not JSON, unknown type, or a
+    missing or mistyped field. The broker disconnects that peer and serves the others."""
+
+
 class StorageError(PipelineError):
     """The disk tier's files or disk failed; the message names the path and byte offset."""
 
@@ -137,6 +144,7 @@ __all__ = [
     "ObjectMissingError",
     "PayloadTooLargeError",
     "PipelineError",
+    "ProtocolError",
     "RecordTooLargeError",
     "RingClosedError",
     "RingTimeoutError",
