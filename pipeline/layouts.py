@@ -15,11 +15,13 @@ so a reader maps them as a numpy int32 array without copying.
 
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass
 from typing import NewType
 
 import numpy as np
+import xxhash
 
 from pipeline.errors import FrameError
 from shm.layout import checked_dtype, struct_for
@@ -281,6 +283,25 @@ assert ENTRY_HEADER_SIZE_BYTES % ENTRY_ALIGN_BYTES == 0
 assert SEGMENT_HEADER_SIZE_BYTES % ENTRY_ALIGN_BYTES == 0
 SEGMENT_HEADER_STRUCT = struct_for(SEGMENT_HEADER_DTYPE)
 ENTRY_HEADER_STRUCT = struct_for(ENTRY_HEADER_DTYPE)
+
+
+def entry_checksum(buf, offset: int, end: int, length: int) -> int:
+    """The checksum the entry at [offset, end) of `buf` must carry (see ENTRY_HEADER_DTYPE).
+    `buf` should be a memoryview or numpy array: slicing those copies nothing."""
+    return xxhash.xxh3_64_intdigest(buf[offset + ENTRY_CHECKSUM_FROM:end], seed=length)
+
+
+# Where segments live under a data directory (the whole tree is documented in
+# pipeline.broker.storage.paths): names sort by model, shape, lane and sequence.
+SEGMENTS_DIR = "segments"
+SEGMENT_SUFFIX = ".seg"
+
+
+def segment_relpath(model: int, signature: int, lane: int, segment_seq: int) -> str:
+    """A segment's path below SEGMENTS_DIR: m{model}/s{signature}/l{lane}-{seq}.seg."""
+    return os.path.join(
+        f"m{model:05d}", f"s{signature:016x}", f"l{lane:04d}-{segment_seq:010d}{SEGMENT_SUFFIX}"
+    )
 
 
 def entry_size_bytes(length: int, payload_len: int) -> int:

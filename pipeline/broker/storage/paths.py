@@ -19,9 +19,9 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-SEGMENTS_DIR = "segments"
+from pipeline.layouts import SEGMENTS_DIR, segment_relpath
+
 QUARANTINE_DIR = "quarantine"
-SEGMENT_SUFFIX = ".seg"
 # Owner-only directories: SPEC §7, every data directory is created owner-only.
 DIRECTORY_MODE = 0o700
 
@@ -39,12 +39,6 @@ class SegmentPath:
     signature: int
     lane: int
     segment_seq: int
-
-
-def segment_relpath(model: int, signature: int, lane: int, segment_seq: int) -> str:
-    return os.path.join(
-        f"m{model:05d}", f"s{signature:016x}", f"l{lane:04d}-{segment_seq:010d}{SEGMENT_SUFFIX}"
-    )
 
 
 def segment_path(data_dir: str, model: int, signature: int, lane: int, segment_seq: int) -> str:

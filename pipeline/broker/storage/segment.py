@@ -46,6 +46,7 @@ from pipeline.layouts import (
     SEGMENT_MAGIC,
     SEGMENT_VERSION,
     TOKEN_SIZE_BYTES,
+    entry_checksum,
     entry_size_bytes,
 )
 from shm.layout import field_offset
@@ -109,11 +110,6 @@ def read_identity(header: bytes | memoryview, path: str) -> tuple[SegmentKeys, i
     if xxhash.xxh3_64_intdigest(bytes(header[:SEGMENT_IDENTITY_BYTES])) != checksum:
         raise SegmentFormatError(f"{path}: offset 48: identity checksum does not match the routing keys")
     return SegmentKeys(model, signature, lane, seq), created_ns
-
-
-def entry_checksum(buf, offset: int, end: int, length: int) -> int:
-    """The checksum an entry at [offset, end) of `buf` must carry (see ENTRY_HEADER_DTYPE)."""
-    return xxhash.xxh3_64_intdigest(buf[offset + ENTRY_CHECKSUM_FROM:end], seed=length)
 
 
 @dataclass(slots=True)
