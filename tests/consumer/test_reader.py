@@ -1,0 +1,78 @@
+"""The consumer's segment reader: zero-copy token views, checks against the descriptor."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from pipeline.broker.storage.paths import make_dirs, segment_path
+from pipeline.broker.storage.segment import Durability, SegmentFile, SegmentKeys, encode_entries, scan_segment
+from pipeline.consumer.reader import SegmentReader
+from pipeline.errors import SegmentCorruptError
+from tests.broker.test_segment import make_items
+
+SIG = 0xFEED_0000_0000_0001
+
+
+def store(data_dir: str, lane: int, count: int, seed: int) -> tuple[str, tuple, SegmentFile]:
+    path = segment_path(data_dir, 2, SIG, lane, 0)
+    make_dirs(os.path.dirname(path))
+    frame = make_items(count, seed)
+    segment = SegmentFile.create(path, SegmentKeys(2, SIG, lane, 0), Durability.PROCESS)
+    segment.append(encode_entries(*frame, indices=np.arange(count), producer_id=1))
+    return path, frame, segment
+
+
+def test_tokens_are_zero_copy_views_of_the_segment(tmp_path):
+    path, (items, tokens, starts, payloads, pstarts), segment = store(str(tmp_path), 0, 20, 1)
+    offsets = scan_segment(path).offsets
+    reader = SegmentReader(str(tmp_path))
+    for i in (0, 7, 19):
+        got = reader.read(2, SIG, 0, 0, int(offsets[i]), int(items["length"][i]), int(items["item_id"][i]))
+        assert np.array_equal(got.tokens, tokens[starts[i]:starts[i + 1]])
+        assert got.payload == payloads[pstarts[i]:pstarts[i + 1]].tobytes()
+        assert not got.tokens.flags.writeable and not got.tokens.flags.owndata
+        mapping, view = reader._maps[path]
+        region = np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0]
+        address = got.tokens.__array_interface__["data"][0]
+        # The view points into the mapped file, right after the entry's header: no copy.
+        assert address == region + int(offsets[i]) + 64
+    reader.close()
+    segment.close()
+
+
+def test_reader_follows_a_growing_file_and_checks_entries(tmp_path):
+    path, frame, segment = store(str(tmp_path), 1, 5, 2)
+    reader = SegmentReader(str(tmp_path), open_maps_max=1)
+    first = scan_segment(path).offsets
+    items = frame[0]
+    reader.read(2, SIG, 1, 0, int(first[0]), int(items["length"][0]), int(items["item_id"][0]))
+    more = make_items(3000, seed=3)  # grows the file past its first allocation
+    segment.append(encode_entries(*more, indices=np.arange(3000), producer_id=1))
+    offsets = scan_segment(path).offsets
+    last = len(offsets) - 1
+    got = reader.read(2, SIG, 1, 0, int(offsets[last]), int(more[0]["length"][-1]), int(more[0]["item_id"][-1]))
+    assert got.item_id == int(more[0]["item_id"][-1])
+    with pytest.raises(SegmentCorruptError, match="descriptor says"):
+        reader.read(2, SIG, 1, 0, int(offsets[0]), int(items["length"][0]) + 1, int(items["item_id"][0]))
+    segment.tombstone(int(offsets[1]))
+    with pytest.raises(SegmentCorruptError, match="state"):
+        reader.read(2, SIG, 1, 0, int(offsets[1]), int(items["length"][1]), int(items["item_id"][1]))
+    reader.close()
+    segment.close()
+
+
+def test_checksum_is_verified_after_reading(tmp_path):
+    path, frame, segment = store(str(tmp_path), 2, 3, 4)
+    segment.close()
+    offsets = scan_segment(path).offsets
+    data = np.fromfile(path, dtype=np.uint8)
+    data[int(offsets[1]) + 64] ^= 1
+    data.tofile(path)
+    reader = SegmentReader(str(tmp_path))
+    items = frame[0]
+    with pytest.raises(SegmentCorruptError, match="checksum"):
+        reader.read(2, SIG, 2, 0, int(offsets[1]), int(items["length"][1]), int(items["item_id"][1]))
+    reader.close()
