@@ -16,11 +16,13 @@ Messages, by sender:
               request_work {credit}          how many more batches it can take now
               complete {batch_id, results}   results: number of items it wrote, by status
               goodbye {}
-    producer  register_producer {ring, pid}                  -> registered_producer | error
-              unregister_producer {}
+    producer  register_producer {pid, producer_id}           -> registered_producer | error
+                  producer_id: its id when it reconnects after a broker restart, else -1
+              producer_ready {ring}          the ring named in the reply now exists
+              unregister_producer {}         everything it wrote was published
     anyone    status {}                                      -> status_reply {counters...}
     broker    registered {consumer_id, descriptor_ring, data_dir, heartbeat_timeout_s}
-              registered_producer {producer_id, next_seq}
+              registered_producer {producer_id, ring, doorbell, next_seq}
               error {message}                then the broker closes the connection
 
 Every malformed message (bad length, bad JSON, unknown type, a missing or mistyped field)
@@ -51,12 +53,13 @@ SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "request_work": {"credit": int},
     "complete": {"batch_id": int, "results": dict},
     "goodbye": {},
-    "register_producer": {"ring": str, "pid": int},
+    "register_producer": {"pid": int, "producer_id": int},
+    "producer_ready": {"ring": str},
     "unregister_producer": {},
     "status": {},
     "registered": {"consumer_id": int, "descriptor_ring": str, "data_dir": str,
                    "heartbeat_timeout_s": (int, float)},
-    "registered_producer": {"producer_id": int, "next_seq": int},
+    "registered_producer": {"producer_id": int, "ring": str, "doorbell": str, "next_seq": int},
     "status_reply": {"counters": dict},
     "error": {"message": str},
 }
