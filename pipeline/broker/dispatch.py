@@ -2,7 +2,9 @@
 
 The broker's process loop (a later issue) owns one Dispatcher and calls, in its single loop:
 
-    report = dispatcher.ingest(frame, now_s)        # a parsed producer frame; then release it
+    dispatcher.recover(now_s)                       # once, first: lanes of a reopened disk tier
+    report = dispatcher.ingest(frame, now_s)        # each parsed producer frame of this turn
+    dispatcher.flush()                              # once per turn, then release those records
     batch = dispatcher.next_batch(consumer, contract, now_s)   # None: nothing for that model
     if batch is not None:
         if channel_of(consumer).try_put(describe(batch)):
@@ -13,6 +15,16 @@ The broker's process loop (a later issue) owns one Dispatcher and calls, in its 
     dispatcher.consumer_lost(consumer)              # its pending entries go back to the front
     dispatcher.tick(now_s)                          # lane maintenance, e.g. every 100 ms
     except ShapeGuardError: stop the broker         # never caught to carry on
+    except DurabilityError: stop the broker         # fsync failed: never carry on
+
+A full disk (DiskFullError from ingest): the frame's lanes were assigned and some of its lane
+groups may be stored; the rest wait in the dispatcher. Keep that ring record unreleased,
+stop reading the rings (backpressure), keep serving consumers (completions free space), and
+call `retry_pending_appends()` each turn until it returns the frame's report; then flush
+and release the record, and read the rings again. Until then the frame's items are held
+back from dispatch (they sit at the back of their lanes), so an item is still never
+dispatched before its record is released (the idempotent-ingest protocol, see
+`pipeline.broker.storage.base`).
 
 Time is always passed in: `now_s` and the items' `submit_ns` are on the machine's monotonic
 clock (time.monotonic / time.monotonic_ns). One batch is outstanding at a time: next_batch
@@ -21,8 +33,9 @@ guarded against cannot change under it.
 
 Accounting (`counters()`): received counts items newly stored; routed counts every commit (a
 redelivered item counts again) and returned every item given back by a lost consumer, so
-received = queued + (routed - returned) and routed - returned = pending + completed; when
-everything is done, received = completed: difference zero.
+received + recovered = queued + (routed - returned) and routed - returned = pending +
+completed; when everything is done, received + recovered = completed: difference zero
+(recovered: live items a reopened disk tier held at start).
 """
 
 from __future__ import annotations
@@ -38,7 +51,7 @@ from pipeline.broker.packing import Contract, batch_items_limit, pack
 from pipeline.broker.pending import Completion
 from pipeline.broker.selection import AGE_RESOLUTION_NS, ShapeSelector, SwitchReason
 from pipeline.broker.storage.base import AppendGroup, PeekedEntry, StorageTier
-from pipeline.errors import ItemTooLongError
+from pipeline.errors import DiskFullError, ItemTooLongError
 from pipeline.layouts import Frame, ProducerId
 
 
@@ -78,7 +91,39 @@ class Batch:
 class IngestReport:
     items: int  # newly stored
     tokens: int
-    duplicates: int  # skipped: already stored (seq <= the producer's highest stored seq)
+    duplicates: int  # skipped: already stored (StorageTier.already_stored)
+
+
+@dataclass(slots=True)
+class _Frame:
+    """A frame being stored: its lane groups (lanes already assigned) with their tokens,
+    how many groups are stored, and per shape the rows the selector learns of once every
+    group is stored. Kept only while a full disk holds part of it back."""
+
+    frame: Frame
+    groups: list[tuple[AppendGroup, int]]
+    shapes: list[tuple[ShapeKey, np.ndarray]]
+    report: IngestReport
+    stored: int = 0
+
+    def held_by_lane(self) -> dict[LaneKey, int]:
+        """Items of the frame per lane (stored or not): the back of those lanes."""
+        held: dict[LaneKey, int] = {}
+        for group, _tokens in self.groups:
+            held[group.lane] = held.get(group.lane, 0) + len(group)
+        return held
+
+    def unstored_by_lane(self) -> dict[LaneKey, int]:
+        unstored: dict[LaneKey, int] = {}
+        for group, _tokens in self.groups[self.stored:]:
+            unstored[group.lane] = unstored.get(group.lane, 0) + len(group)
+        return unstored
+
+    def tokens_by_shape(self) -> dict[ShapeKey, int]:
+        tokens: dict[ShapeKey, int] = {}
+        for group, group_tokens in self.groups:
+            tokens[group.lane.shape] = tokens.get(group.lane.shape, 0) + group_tokens
+        return tokens
 
 
 @dataclass(slots=True)
@@ -95,6 +140,8 @@ class DispatchCounters:
     tokens_returned: int = 0
     items_completed: int = 0
     tokens_completed: int = 0
+    items_recovered: int = 0
+    tokens_recovered: int = 0
     duplicate_items: int = 0
     duplicate_completions: int = 0
     batches: int = 0
@@ -132,6 +179,8 @@ class Dispatcher:
         self._retired = LaneCounters()  # counters of shapes retired by tick
         self._next_batch_id = 0
         self._outstanding: Batch | None = None
+        self._waiting: _Frame | None = None  # a frame a full disk holds part of
+        self._held: dict[LaneKey, int] = {}  # its items per lane, not to be dispatched yet
         self._c = DispatchCounters()
 
     @property
@@ -153,13 +202,20 @@ class Dispatcher:
     def ingest(self, frame: Frame, now_s: float) -> IngestReport:
         """Store a parsed frame's items: skip those already stored (idempotent ingest), group
         the rest by (model, signature), assign lanes (ShapeLanes.assign_many, in arrival
-        order), append each lane's items to storage. The ring record may be released after.
+        order), append each lane's items to storage. Call `flush()` after the turn's frames,
+        then release their ring records.
+
+        DiskFullError: the disk is full; the frame's lanes were assigned and the lane groups
+        not yet stored wait here. Keep the record, stop reading rings, serve consumers, and
+        call `retry_pending_appends()` each turn (see the module docstring).
 
         Example: a frame of 5 items, shapes A A B A B, lengths 500 510 90 1000 95: shape A
         assigns [500, 510, 1000] (say lanes 0, 0, 1) and appends [500, 510] to (A, 0) and
         [1000] to (A, 1); shape B appends [90, 95] to (B, 0). Ingested again after a broker
-        restart, all 5 are duplicates (their seqs are at or below the highest stored).
+        restart, all 5 are duplicates (the storage tier finds every one stored).
         """
+        assert self._waiting is None, "retry_pending_appends() must succeed before more ingest"
+        assert self._c.items_recovered == self._storage.counters.recovered_items, "recover() first"
         items = frame.items
         too_long = np.flatnonzero(items["length"] > MAX_LENGTH_TOKENS)
         if too_long.size:  # checked before anything is assigned or stored
@@ -168,19 +224,80 @@ class Dispatcher:
                 f"producer {frame.producer_id}: item {index} has {int(items['length'][index])} "
                 f"tokens, above the broker's limit of {MAX_LENGTH_TOKENS}"
             )
-        rows = np.arange(len(items), dtype=np.int64)
-        highest = self._storage.highest_seq(ProducerId(frame.producer_id))
-        if highest is not None:
-            rows = rows[items["seq"] > highest]
+        stored = self._storage.already_stored(ProducerId(frame.producer_id), items["seq"])
+        rows = np.flatnonzero(~stored)
         duplicates = len(items) - rows.size
-        tokens = 0
-        for shape, shape_rows in self._group_by_shape(items, rows):
-            tokens += self._ingest_shape(shape, frame, shape_rows, now_s)
+        self._c.duplicate_items += duplicates
+        groups: list[tuple[AppendGroup, int]] = []
+        shapes = self._group_by_shape(items, rows)
+        for shape, shape_rows in shapes:
+            groups += self._assign_shape(shape, frame, shape_rows, now_s)
+        tokens = sum(group_tokens for _group, group_tokens in groups)
+        report = IngestReport(items=int(rows.size), tokens=tokens, duplicates=duplicates)
+        return self._store(_Frame(frame, groups, shapes, report))
+
+    def _store(self, pending: _Frame) -> IngestReport:
+        """Append the frame's groups not stored yet; once all are, its items become
+        dispatchable (the selector learns of them)."""
         c = self._c
-        c.items_received += int(rows.size)
-        c.tokens_received += tokens
-        c.duplicate_items += duplicates
-        return IngestReport(items=int(rows.size), tokens=tokens, duplicates=duplicates)
+        while pending.stored < len(pending.groups):
+            group, tokens = pending.groups[pending.stored]
+            try:
+                self._storage.append(group)
+            except DiskFullError:
+                if self._waiting is None:
+                    self._waiting, self._held = pending, pending.held_by_lane()
+                raise
+            pending.stored += 1
+            c.items_received += len(group)
+            c.tokens_received += tokens
+        self._waiting, self._held = None, {}
+        submit_ns = pending.frame.items["submit_ns"]
+        for shape, rows in pending.shapes:
+            lengths = pending.frame.items["length"][rows]
+            self._selector.on_queued(shape, int(lengths.sum()), submit_ns[rows])
+        return pending.report
+
+    @property
+    def pending_appends(self) -> int:
+        """Items of a frame that a full disk kept out of storage (0 normally)."""
+        waiting = self._waiting
+        return 0 if waiting is None else sum(len(g) for g, _t in waiting.groups[waiting.stored:])
+
+    def retry_pending_appends(self) -> IngestReport | None:
+        """Append what a full disk held back (DiskFullError again if it still is). Returns
+        the held frame's report once every item of it is stored (flush, then release its
+        record), or None when nothing was waiting."""
+        if self._waiting is None:
+            return None
+        return self._store(self._waiting)
+
+    def flush(self) -> None:
+        """Once per loop turn, after ingesting and BEFORE releasing the turn's ring records:
+        the storage tier makes its appends durable (`power`: fdatasync) and dispatchable.
+        DurabilityError is fatal: stop the broker."""
+        self._storage.flush()
+
+    def recover(self, now_s: float) -> int:
+        """Once, before anything else, on a reopened disk tier: rebuild every lane the tier
+        found live entries for, under its old lane id (segment files are named by it), with
+        its items in dispatch order, and tell the selector. Returns the items recovered.
+        Items recovered are counted apart from items received (`items_recovered`)."""
+        assert not self._shapes and not self._c.items_received, "recover() comes first"
+        recovered = 0
+        for found in sorted(self._storage.take_recovered_lanes(), key=lambda r: tuple(r.lane)):
+            shape = found.lane.shape
+            lanes = self._shapes.get(shape)
+            if lanes is None:
+                lanes = self._shapes[shape] = ShapeLanes(self._lane_config)
+            lanes.restore_lane(found.lane.lane, int(found.lengths.max()), found.lengths, now_s)
+            tokens = int(found.lengths.sum())
+            self._selector.on_queued(shape, tokens, found.submit_ns)
+            recovered += int(found.lengths.size)
+            self._c.tokens_recovered += tokens
+        self._c.items_recovered += recovered
+        assert self._c.items_recovered == self._storage.counters.recovered_items, "recovered twice"
+        return recovered
 
     @staticmethod
     def _group_by_shape(items: np.ndarray, rows: np.ndarray) -> list[tuple[ShapeKey, np.ndarray]]:
@@ -200,7 +317,11 @@ class Dispatcher:
             for start, part in zip(starts, np.split(rows, cuts))
         ]
 
-    def _ingest_shape(self, shape: ShapeKey, frame: Frame, rows: np.ndarray, now_s: float) -> int:
+    def _assign_shape(
+        self, shape: ShapeKey, frame: Frame, rows: np.ndarray, now_s: float
+    ) -> list[tuple[AppendGroup, int]]:
+        """Assign lanes to one shape's rows; return each lane's group (arrival order within
+        it) and its tokens, in lane order."""
         lanes = self._shapes.get(shape)
         if lanes is None:
             lanes = self._shapes[shape] = ShapeLanes(self._lane_config)
@@ -209,12 +330,13 @@ class Dispatcher:
         order = np.argsort(lane_ids, kind="stable")  # each lane's rows stay in arrival order
         sorted_lanes = lane_ids[order]
         cuts = np.flatnonzero(np.diff(sorted_lanes)) + 1
-        for lane_rows, first in zip(np.split(rows[order], cuts), [0, *cuts.tolist()]):
+        starts = [0, *cuts.tolist()]
+        group_tokens = np.add.reduceat(lengths[order], starts).tolist()
+        groups = []
+        for lane_rows, first, tokens in zip(np.split(rows[order], cuts), starts, group_tokens):
             key = LaneKey(shape.model, shape.signature, LaneId(int(sorted_lanes[first])))
-            self._storage.append(AppendGroup(key, frame, lane_rows))
-        tokens = int(lengths.sum())
-        self._selector.on_queued(shape, tokens, frame.items["submit_ns"][rows])
-        return tokens
+            groups.append((AppendGroup(key, frame, lane_rows), int(tokens)))
+        return groups
 
     # ----------------------------------------------------------------- dispatch
 
@@ -232,18 +354,23 @@ class Dispatcher:
         """
         assert isinstance(contract, Contract), contract
         assert self._outstanding is None, f"batch {self._outstanding} neither committed nor abandoned"
+        assert not self._storage.needs_flush, "flush() after ingesting, before serving"
+        assert self._c.items_recovered == self._storage.counters.recovered_items, "recover() first"
         shape = self._selector.select(contract.model, now_s)
         if shape is None:
             return None
         lanes = self._shapes[shape]
         lane = lanes.fullest_lane()  # lanes in descending queued-token order: the first fits
+        if self._held:
+            lane = self._first_unheld_lane(shape, lanes)
         assert lane is not None, shape
         longest = lanes.queued_max(lane)
         assert longest is not None, (shape, lane)
         key = LaneKey(shape.model, shape.signature, lane)
-        limit = batch_items_limit(longest, contract)
+        available = lanes.queued_items(lane) - self._held.get(key, 0)
+        limit = min(batch_items_limit(longest, contract), available)
         front = self._storage.peek(key, limit)
-        assert len(front) == min(limit, lanes.queued_items(lane)), (key, len(front))
+        assert len(front) == limit, (key, len(front), limit)
         packing = pack([entry.length for entry in front], longest, contract)
         entries = tuple(front[: packing.count])
         for stored in {entry.lane for entry in entries}:
@@ -253,6 +380,14 @@ class Dispatcher:
         self._next_batch_id += 1
         self._outstanding = batch
         return batch
+
+    def _first_unheld_lane(self, shape: ShapeKey, lanes: ShapeLanes) -> LaneId | None:
+        """While a full disk holds a frame back: the first lane, in descending queued-token
+        order, with items before the held ones at its back (the pad-to still counts them)."""
+        for lane in lanes.lanes_by_queued_tokens():
+            if lanes.queued_items(lane) > self._held.get(LaneKey(shape.model, shape.signature, lane), 0):
+                return lane
+        return None
 
     def commit(self, batch: Batch) -> None:
         """The consumer's channel took the batch: storage commits it (SPEC §5's three steps;
@@ -337,24 +472,32 @@ class Dispatcher:
 
     def check_invariants(self) -> None:
         """Every part's invariants, and that they agree: per lane, storage's queue length is
-        the lane's queued count; per shape, the selector's dispatchable tokens are the lanes'
-        queued tokens; the accounting identities hold. O(lanes + stored entries)."""
+        the lane's queued count (less what a full disk kept out of storage); per shape, the
+        selector's dispatchable tokens are the lanes' queued tokens (less a held frame's); the
+        accounting identities hold. O(lanes + stored entries)."""
         storage = self._storage
         storage.check_invariants()
         self._selector.check_invariants()
+        waiting = self._waiting
+        unstored = {} if waiting is None else waiting.unstored_by_lane()
+        held_tokens = {} if waiting is None else waiting.tokens_by_shape()
+        assert self._held == ({} if waiting is None else waiting.held_by_lane())
         pending = 0
         for shape, lanes in self._shapes.items():
             lanes.check_invariants()
             tokens = 0
             for view in lanes.lanes():
                 key = LaneKey(shape.model, shape.signature, view.lane_id)
-                assert storage.queued_items(key) == view.queued_items, (key, view)
+                assert storage.queued_items(key) == view.queued_items - unstored.get(key, 0), (key, view)
                 tokens += view.queued_tokens
                 pending += view.pending_items
-            assert self._selector.dispatchable_tokens(shape) == tokens, (shape, tokens)
+            dispatchable = tokens - held_tokens.get(shape, 0)
+            assert self._selector.dispatchable_tokens(shape) == dispatchable, (shape, dispatchable)
         assert pending == storage.pending_items(), (pending, storage.pending_items())
         c, s = self._c, storage.counters
-        assert c.items_received == c.items_completed + storage.queued_items() + pending, c
+        received = c.items_received + c.items_recovered
+        assert received == c.items_completed + storage.queued_items() + pending, c
+        assert c.items_recovered == s.recovered_items and c.tokens_recovered == s.recovered_tokens, c
         assert c.items_routed - c.items_returned == pending + c.items_completed, c
         assert c.items_completed == s.completed_items and c.tokens_completed == s.completed_tokens
         assert self._next_batch_id >= c.batches, c

@@ -154,7 +154,9 @@ def _require_at_least(config: LaneConfig, floor: int, kind: type, *names: str) -
 class LaneCounters:
     """Running totals for one shape (SPEC §2 "Count"). `reuses` counts items that joined an
     existing lane (so assigned == reuses + new_lanes); `revived` counts quiescing lanes taken
-    back into service because every lane id was held by a quiescing lane."""
+    back into service because every lane id was held by a quiescing lane; `restored` lanes
+    brought back by `restore_lane` after a restart (a lane restored quiescing also counts
+    in `quiesced`)."""
 
     assigned: int = 0
     reuses: int = 0
@@ -165,6 +167,7 @@ class LaneCounters:
     released: int = 0
     revived: int = 0
     max_in_use: int = 0
+    restored: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -535,6 +538,51 @@ class ShapeLanes:
             self._qmin[lane] = length
         if self._cfg.audit:
             self._audit[lane].append(length)
+
+    def restore_lane(
+        self, lane_id: LaneId, target: int, lengths: Sequence[int] | np.ndarray, now_s: float
+    ) -> bool:
+        """Recovery: bring back a lane a restarted broker found stored items for, under its
+        old id (the disk tier names segment files by it), with `target` and its queued
+        items' lengths front first. The id must be free (never handed out, or released),
+        `target` at least every length, and a lane id must be left under the cap.
+
+        The lane takes new items again (returns True), unless an active lane already has
+        this target (active targets are distinct): then it comes back quiescing (returns
+        False), drains, and is released by a later tick as usual. No policy decision placed
+        these items, so `assigned` does not count them; `restored` counts the lane.
+
+        Example: on a fresh ShapeLanes, restore_lane(3, 512, [500, 510], 0.0) leaves ids 0,
+        1, 2 free (a new lane takes 0 first) and lane 3 active with target 512, two items
+        queued, queued minimum 500 and maximum 510.
+        """
+        values = _checked_lengths(lengths)
+        cfg = self._cfg
+        assert values.size and int(values.max()) <= target <= MAX_LENGTH_TOKENS, (lane_id, target)
+        assert 0 <= lane_id < cfg.max_lanes and self._in_use < cfg.max_lanes, lane_id
+        while self._fresh <= lane_id:
+            self._grow_one()
+            heapq.heappush(self._free, LaneId(self._fresh))
+            self._fresh += 1
+        assert lane_id in self._free, f"lane {lane_id} is in use"
+        self._free.remove(lane_id)
+        heapq.heapify(self._free)
+        self._in_use += 1
+        self._update_threshold()
+        self.counters.max_in_use = max(self.counters.max_in_use, self._in_use)
+        self.counters.restored += 1
+        self._target[lane_id] = target
+        pos = bisect_left(self._pos_targets, target)
+        active = pos == len(self._pos_targets) or self._pos_targets[pos] != target
+        if active:
+            self._pos_targets.insert(pos, target)
+            self._pos_ids.insert(pos, lane_id)
+        else:
+            self._quiescing.add(lane_id)
+            self.counters.quiesced += 1
+        self._qmin[lane_id] = int(values.min())  # as _place_all leaves it before the fold
+        self._enqueue_all(values, np.full(values.size, lane_id, dtype=LANE_DTYPE), now_s)
+        return active
 
     def _open(self, pos: int, length: int) -> LaneId:
         """Open a lane with target `length` at position `pos` of the active lists."""

@@ -104,8 +104,8 @@ def test_recovery_quarantines_corruption_and_drops_torn_tails(tmp_path):
     data[int(whole.offsets[-1]) + 70:whole.data_end] = 0
     data.tofile(torn)
     report = SegmentStore(str(tmp_path)).recover()
-    assert len(report.quarantined) == 1 and corrupt in report.quarantined[0]
-    assert "offset" in report.quarantined[0]
+    assert [(q.path, q.offset) for q in report.quarantined] == [(corrupt, int(offsets[3]))]
+    assert "checksum" in report.quarantined[0].reason and os.path.exists(report.quarantined[0].moved_to)
     assert not os.path.exists(corrupt)
     assert any(QUARANTINE_DIR in root for root, _, files in os.walk(tmp_path) if files)
     assert [(p, o) for p, o, _ in report.torn_tails] == [(torn, int(whole.offsets[-1]))]

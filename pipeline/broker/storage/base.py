@@ -9,7 +9,9 @@ selection (the dispatcher drives those) and nothing of processes or sockets.
     tier.commit(lane_key, [e.ref for e in front[:n]], consumer, batch_id)   # after the channel
     done = tier.complete(consumer, refs)                      # tombstones; NotHeldError if not held
     back = tier.return_consumer(consumer)                     # lost: pending -> front of lanes
-    tier.highest_seq(producer_id)                             # idempotent ingest after a restart
+    skip = tier.already_stored(producer_id, seqs)             # idempotent ingest (a bool mask)
+    tier.flush()                                              # once per loop turn, see below
+    lanes = tier.take_recovered_lanes()                       # after a restart: reseed the lanes
 
 Entries are addressed by `EntryRef(segment, offset)`: the disk tier's segment id and byte
 offset, the memory tier's queue id and entry number. Refs are never reused while the store
@@ -22,6 +24,14 @@ The commit is the three steps of SPEC §5, in this order, so that it is failure-
 a log: (1) verify that every ref is still the front of its lane and every segment exists,
 touching nothing (StaleBatchError if not); (2) advance the lane's cursor past them; (3) add
 them to the pending map with the consumer that holds them.
+
+Loop protocol (what makes ingest idempotent and the durability level mean something): in
+each turn the broker loop (1) ingests the frames it read from the producer rings (append),
+(2) calls `flush()` once, (3) only then releases those ring records, and (4) only then
+serves consumers. So a record is released only once its items are stored as durably as the
+durability level says, and an item is dispatched only after its record was released: after
+a crash, a re-presented record's items are either not stored or stored and still live, and
+`already_stored` finds exactly the latter (see `queues.StoredSeqs`).
 
 Ownership: a tier is owned by the broker's single dispatch loop (through the Dispatcher).
 Not thread-safe.
@@ -74,6 +84,17 @@ class PeekedEntry:
 
 
 @dataclass(frozen=True, slots=True)
+class RecoveredLane:
+    """A lane that recovery found live entries for: its key and its queued entries' lengths
+    and submit times in dispatch order (segment sequence order, file order within a
+    segment), for the dispatcher to reseed its lanes with the same lane id."""
+
+    lane: LaneKey
+    lengths: np.ndarray  # int64
+    submit_ns: np.ndarray  # uint64
+
+
+@dataclass(frozen=True, slots=True)
 class Returned:
     """A lost consumer's pending entries of one lane, now dispatchable again at the front of
     the lane, front first."""
@@ -89,7 +110,7 @@ class Returned:
 @dataclass(slots=True)
 class StorageCounters:
     """Running totals of a tier. Accounting identity (check_invariants asserts it):
-    appended = completed + queued + pending, in items and in tokens; committed counts every
+    appended + recovered = completed + queued + pending, in items and in tokens; committed counts every
     dispatch (a redelivered entry counts again), returned every entry given back."""
 
     appended_items: int = 0
@@ -101,6 +122,10 @@ class StorageCounters:
     duplicate_completions: int = 0
     returned_items: int = 0
     returned_tokens: int = 0
+    # Live entries a disk tier found at start (the accounting identity counts them with the
+    # appended ones: appended + recovered = completed + queued + pending).
+    recovered_items: int = 0
+    recovered_tokens: int = 0
 
 
 class StorageTier(abc.ABC):
@@ -145,10 +170,32 @@ class StorageTier(abc.ABC):
 
     @abc.abstractmethod
     def highest_seq(self, producer_id: ProducerId) -> int | None:
-        """The highest sequence number stored for the producer (None if none): ring items
-        at or below it are already stored and must be skipped on ingest (SPEC §5).
-        Contract: the tier stores a producer's items so that every seq at or below the
-        answer is (or was) stored, i.e. a frame's items become stored together."""
+        """The highest sequence number stored for the producer (None if none). For reports:
+        ingest asks `already_stored`, which is exact where a high-water mark is not (a
+        frame spans lanes, and a crash can leave it partly stored)."""
+
+    @abc.abstractmethod
+    def already_stored(self, producer_id: ProducerId, seqs: np.ndarray) -> np.ndarray:
+        """A bool mask over `seqs` (one producer's sequence numbers, uint64): True where
+        the item is already stored, or was stored and completed, so ingest must skip it
+        (SPEC §5). Exact under the loop protocol of the module docstring."""
+
+    def flush(self) -> None:
+        """The broker loop calls this once per turn after ingesting, BEFORE releasing the
+        producer ring records it ingested: it makes what was appended as durable as the
+        durability level promises (`power`: fdatasync, group commit) and then dispatchable.
+        No-op where appends are dispatchable at once (memory tier, `process`)."""
+
+    @property
+    def needs_flush(self) -> bool:
+        """Appended entries wait for `flush()` to become dispatchable."""
+        return False
+
+    def take_recovered_lanes(self) -> list[RecoveredLane]:
+        """Lanes with live entries found when the tier opened, once: later calls return []
+        (the lists cost 16 bytes per entry, kept only until the dispatcher reseeds its
+        lanes). None for the memory tier."""
+        return []
 
     @abc.abstractmethod
     def drop_lane(self, lane: LaneKey) -> None:
@@ -166,7 +213,8 @@ class StorageTier(abc.ABC):
 
     @abc.abstractmethod
     def queued_items(self, lane: LaneKey | None = None) -> int:
-        """Dispatchable entries of one lane, or of every lane."""
+        """Stored, not pending entries of one lane, or of every lane: the dispatchable ones
+        and those waiting for `flush()`."""
 
     @abc.abstractmethod
     def pending_items(self, consumer: ConsumerId | None = None) -> int:

@@ -19,6 +19,7 @@ the end of the data for a scan.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import struct
@@ -29,7 +30,8 @@ from enum import Enum
 import numpy as np
 import xxhash
 
-from pipeline.errors import SegmentCorruptError, SegmentFormatError
+from pipeline.broker.storage import crashpoints
+from pipeline.errors import DiskFullError, DurabilityError, SegmentCorruptError, SegmentFormatError
 from pipeline.layouts import (
     ENTRY_ALIGN_BYTES,
     ENTRY_CHECKSUM_FROM,
@@ -67,6 +69,22 @@ _OFF_DATA_END = field_offset(SEGMENT_HEADER_DTYPE, "data_end")
 _OFF_DELETED = field_offset(SEGMENT_HEADER_DTYPE, "deleted_count")
 _IDENTITY = struct.Struct("<8sIIIIQQQQ")  # the header's bytes 0..56: keys then their checksum
 assert _IDENTITY.size == SEGMENT_IDENTITY_BYTES + 8
+# errno values that mean "no space": a full disk, or the user's quota on it.
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+
+
+def _no_space(exc: OSError, path: str, offset: int, nbytes: int, what: str) -> DiskFullError:
+    return DiskFullError(
+        f"{path}: disk full ({exc.strerror}) {what} {nbytes} bytes at offset {offset}; "
+        f"appends stop until space comes back, nothing accepted is lost"
+    )
+
+
+def _durability_failed(exc: OSError, path: str, what: str) -> DurabilityError:
+    return DurabilityError(
+        f"{path}: {what} failed ({exc.strerror}, errno {exc.errno}): the kernel may have "
+        f"dropped the dirty pages, so the broker must stop"
+    )
 
 
 class Durability(Enum):
@@ -390,10 +408,16 @@ class SegmentFile:
         """A new, empty, owner-only segment with its header written (and synced in `power`)."""
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.posix_fallocate(fd, 0, min(FIRST_ALLOCATION_BYTES, max(max_bytes, SEGMENT_HEADER_SIZE_BYTES)))
+            first = min(FIRST_ALLOCATION_BYTES, max(max_bytes, SEGMENT_HEADER_SIZE_BYTES))
+            try:
+                os.posix_fallocate(fd, 0, first)
+            except OSError as exc:
+                if exc.errno in _NO_SPACE:
+                    raise _no_space(exc, path, 0, first, "allocating") from exc
+                raise
             os.pwrite(fd, _identity_bytes(keys, time.time_ns()), 0)
             if durability is Durability.POWER:
-                os.fdatasync(fd)
+                _fdatasync(fd, path)
                 fsync_directory(os.path.dirname(path))
             return cls(path, fd, keys, durability, max_bytes)
         except BaseException:
@@ -453,23 +477,43 @@ class SegmentFile:
         new_size = self.allocated
         while new_size < needed_end:
             new_size *= 2
-        os.posix_fallocate(self._fd, 0, new_size)  # OSError(ENOSPC) when the disk is full
+        try:
+            os.posix_fallocate(self._fd, 0, new_size)
+        except OSError as exc:
+            if exc.errno in _NO_SPACE:
+                raise _no_space(exc, self.path, self.allocated, new_size - self.allocated, "growing the file by") from exc
+            raise
         self._map.resize(new_size)
         self.allocated = new_size
 
+    def _write_all(self, data: np.ndarray, at: int) -> None:
+        """pwrite until every byte is written (a full disk can cut a write short first)."""
+        view = memoryview(data).cast("B")
+        done = 0
+        try:
+            while done < len(view):
+                done += os.pwrite(self._fd, view[done:], at + done)
+        except OSError as exc:
+            if exc.errno in _NO_SPACE:
+                raise _no_space(exc, self.path, at + done, len(view) - done, "writing") from exc
+            raise
+        finally:
+            view.release()
+
     def append(self, group: EncodedGroup) -> int:
         """Write a group of entries at the end; return its offset. The entries become readable
-        now (`process`) or at the next `sync()` (`power`). Raises OSError (e.g. ENOSPC) with
-        nothing changed in memory: a short write leaves bytes past `data_end` that the next
-        append overwrites and a recovery scan drops as a torn tail."""
+        now (`process`) or at the next `sync()` (`power`). DiskFullError (ENOSPC from the
+        preallocation or the write) or another OSError leave nothing changed in memory: a
+        partial write leaves bytes past `data_end` that the next append overwrites and a
+        recovery scan drops as a torn tail."""
         assert not self.sealed and not self._closed
         at = self.data_end
         end = at + group.data.nbytes
         if end > self.allocated:
             self._grow(end)
-        written = os.pwrite(self._fd, group.data, at)
-        if written != group.data.nbytes:
-            raise OSError(f"{self.path}: short write of {written} of {group.data.nbytes} bytes at offset {at}")
+        self._write_all(group.data, at)
+        if crashpoints.ARMED:
+            crashpoints.hit("segment.after_write")
         self.data_end = end
         self.entry_count += group.count
         _U64.pack_into(self._map, _OFF_ENTRY_COUNT, self.entry_count)
@@ -488,31 +532,73 @@ class SegmentFile:
         """`power`: fdatasync what was appended, then make it readable (group commit: the disk
         tier calls this once per loop turn for every segment that took appends)."""
         if self._unsynced:
-            os.fdatasync(self._fd)  # an error here is fatal: the caller stops the broker
+            _fdatasync(self._fd, self.path)  # DurabilityError: fatal, the broker stops
             self._unsynced = False
         self.readable_end = self.data_end
 
     def tombstone(self, offset: int) -> bool:
         """Mark the entry at `offset` completed: state word first, then the deleted count.
         Returns False if it already was (a duplicate completion)."""
+        return self.tombstone_many((offset,)) == 1
+
+    def tombstone_many(self, offsets) -> int:
+        """Mark entries completed: every state word (4-byte stores into the shared mapping),
+        then the deleted count once; a crash between the two is repaired by a scan, as for
+        one entry. Entries already tombstoned are skipped (duplicate completions). Returns
+        how many were live. SegmentCorruptError for an offset where no entry starts.
+        Example: live entries at 4096 and 5184; tombstone_many([4096, 5184, 4096]) -> 2 and
+        the header's deleted count goes up by 2."""
+        mapped, readable = self._map, self.readable_end
+        unpack, pack = _STATE.unpack_from, _STATE.pack_into
+        live, tomb, mask = ENTRY_LIVE, ENTRY_TOMBSTONE, ENTRY_ALIGN_BYTES - 1
+        fresh = 0
+        for offset in offsets:
+            if not SEGMENT_HEADER_SIZE_BYTES <= offset < readable or offset & mask:
+                raise SegmentCorruptError(f"{self.path}: no entry can start at offset {offset}")
+            (state,) = unpack(mapped, offset)
+            if state == live:
+                pack(mapped, offset, tomb)
+                fresh += 1
+            elif state != tomb:
+                raise SegmentCorruptError(f"{self.path}: offset {offset}: state word {state:#010x} is not an entry")
+        if fresh:
+            if crashpoints.ARMED:
+                crashpoints.hit("tombstone.before_count")
+            self.deleted_count += fresh
+            _U64.pack_into(mapped, _OFF_DELETED, self.deleted_count)
+        return fresh
+
+    def entry_headers(self, offsets: list[int]) -> list[tuple]:
+        """The live entries at `offsets`, each as ENTRY_HEADER_STRUCT's fields (state, length,
+        checksum, item_id, seq, producer_id, prefix_len, payload_len, submit_ns), read from
+        the mapping and checked (validated after reading): each must start below the
+        readable boundary, be live, and end before it. SegmentCorruptError otherwise."""
+        unpack = ENTRY_HEADER_STRUCT.unpack_from
+        mapped, readable = self._map, self.readable_end
+        out = []
+        for offset in offsets:
+            fields = unpack(mapped, offset) if SEGMENT_HEADER_SIZE_BYTES <= offset < readable else None
+            if (fields is None or fields[0] != ENTRY_LIVE or not fields[1] or offset % ENTRY_ALIGN_BYTES
+                    or offset + entry_size_bytes(fields[1], fields[7]) > readable):
+                raise SegmentCorruptError(
+                    f"{self.path}: offset {offset}: no live entry there (readable up to {readable}, "
+                    f"state {'-' if fields is None else hex(fields[0])})"
+                )
+            out.append(fields)
+        return out
+
+    def state_at(self, offset: int) -> int:
+        """The state word at `offset` (ENTRY_NONE past the readable boundary or off the grid)."""
         if not SEGMENT_HEADER_SIZE_BYTES <= offset < self.readable_end or offset % ENTRY_ALIGN_BYTES:
-            raise SegmentCorruptError(f"{self.path}: no entry can start at offset {offset}")
-        (state,) = _STATE.unpack_from(self._map, offset)
-        if state == ENTRY_TOMBSTONE:
-            return False
-        if state != ENTRY_LIVE:
-            raise SegmentCorruptError(f"{self.path}: offset {offset}: state word {state:#010x} is not an entry")
-        _STATE.pack_into(self._map, offset, ENTRY_TOMBSTONE)
-        self.deleted_count += 1
-        _U64.pack_into(self._map, _OFF_DELETED, self.deleted_count)
-        return True
+            return ENTRY_NONE
+        return _STATE.unpack_from(self._map, offset)[0]
 
     def seal(self) -> None:
         """No more appends; the segment is deleted whole once every entry is tombstoned."""
         self.sealed = True
         _STATE.pack_into(self._map, _OFF_SEALED, 1)
         if self.durability is Durability.POWER:
-            self._map.flush()
+            self.flush_tombstones()
 
     @property
     def fully_deleted(self) -> bool:
@@ -522,7 +608,10 @@ class SegmentFile:
         """Write mapped tombstones and header words to disk (msync); `power` does this at
         the group-commit points. A tombstone lost to a power cut means redelivery, which
         at-least-once delivery allows and the result files detect."""
-        self._map.flush()
+        try:
+            self._map.flush()
+        except OSError as exc:
+            raise _durability_failed(exc, self.path, "msync") from exc
 
     def close(self) -> None:
         if not self._closed:
@@ -539,9 +628,19 @@ class SegmentFile:
 
 
 def fsync_directory(path: str) -> None:
-    """Make a file's creation or removal durable (SPEC §5, `power`)."""
+    """Make a file's creation or removal durable (SPEC §5, `power`). DurabilityError if the
+    fsync fails."""
     fd = os.open(path or ".", os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
+    except OSError as exc:
+        raise _durability_failed(exc, path, "fsync of the directory") from exc
     finally:
         os.close(fd)
+
+
+def _fdatasync(fd: int, path: str) -> None:
+    try:
+        os.fdatasync(fd)
+    except OSError as exc:
+        raise _durability_failed(exc, path, "fdatasync") from exc

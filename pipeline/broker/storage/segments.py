@@ -18,8 +18,10 @@ import shutil
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from pipeline.broker.ids import LaneKey, SegmentId
+from pipeline.broker.storage import crashpoints
 from pipeline.broker.storage.paths import (
     QUARANTINE_DIR,
     SEGMENTS_DIR,
@@ -70,21 +72,63 @@ class RecoveredSegment:
     report: ScanReport
 
 
+class TornTail(NamedTuple):
+    """A crash cut the last write of a segment short: the bytes from `offset` on were
+    dropped (zeroed); every whole entry before them was kept."""
+
+    path: str
+    offset: int
+    bytes_dropped: int
+
+
+class Quarantined(NamedTuple):
+    """A segment recovery refused: damage at `offset` (0: the header) for `reason`; moved
+    to `moved_to`, never truncated or deleted by us."""
+
+    path: str
+    offset: int
+    reason: str
+    moved_to: str
+
+
 @dataclass(slots=True)
 class RecoveryReport:
-    """What recovery did, for logs and the run report."""
+    """What recovery did, for logs and the run report. `segments` are the segments kept
+    (with live entries), `deleted` sealed segments found with nothing live, `repaired_counts`
+    the segments whose header counts disagreed with their entries (now rewritten)."""
 
     segments: list[RecoveredSegment] = field(default_factory=list)
-    quarantined: list[str] = field(default_factory=list)
-    torn_tails: list[tuple[str, int, int]] = field(default_factory=list)  # path, offset, bytes
+    quarantined: list[Quarantined] = field(default_factory=list)
+    torn_tails: list[TornTail] = field(default_factory=list)
     repaired_counts: list[str] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
+    segments_scanned: int = 0
+    live_entries: int = 0
     bytes_scanned: int = 0
     seconds: float = 0.0
 
     @property
     def scan_bytes_per_s(self) -> float:
         return self.bytes_scanned / self.seconds if self.seconds > 0 else 0.0
+
+    def release_scans(self) -> None:
+        """Drop the kept segments' per-entry arrays (64 bytes per entry) once the disk tier
+        has rebuilt its queues from them; the counts above stay."""
+        for kept in self.segments:
+            kept.report.offsets = kept.report.offsets[:0]
+            kept.report.headers = kept.report.headers[:0]
+
+    def summary(self) -> str:
+        """One line for the log; problems follow on their own lines."""
+        lines = [
+            f"recovery: {self.segments_scanned} segments, {self.bytes_scanned:,} bytes scanned in "
+            f"{self.seconds:.3f} s ({self.scan_bytes_per_s / 1e6:,.0f} MB/s); {self.live_entries:,} "
+            f"live entries in {len(self.segments)} segments; {len(self.deleted)} finished segments "
+            f"deleted; {len(self.repaired_counts)} header counts repaired"
+        ]
+        lines += [f"torn tail: {t.path}: {t.bytes_dropped} bytes dropped at offset {t.offset}" for t in self.torn_tails]
+        lines += [f"QUARANTINED: {q.path}: offset {q.offset}: {q.reason} (moved to {q.moved_to})" for q in self.quarantined]
+        return "\n".join(lines)
 
 
 class SegmentStore:
@@ -115,6 +159,7 @@ class SegmentStore:
         self._next_seq: dict[LaneKey, int] = {}
         self._open: OrderedDict[SegmentId, SegmentFile] = OrderedDict()  # LRU, newest last
         self._unsynced: set[SegmentId] = set()
+        self._tombstoned: set[SegmentId] = set()  # `power`: tombstones not yet msync'ed
         self._next_id = 0
         self.files_opened = 0
         self.files_closed_by_cache = 0
@@ -137,6 +182,9 @@ class SegmentStore:
             if victim in self._unsynced:
                 old.sync()
                 self._unsynced.discard(victim)
+            if victim in self._tombstoned:
+                old.flush_tombstones()
+                self._tombstoned.discard(victim)
             old.close()
             self.files_closed_by_cache += 1
         self._open[segment] = file
@@ -172,6 +220,8 @@ class SegmentStore:
         if file is None or not file.room_for(group.data.nbytes):
             if segment is not None:
                 self.seal(segment)
+                if crashpoints.ARMED:
+                    crashpoints.hit("rotate.after_seal")
             state = self._new_segment(lane, now_s)
             segment, file = state.id, self._open[state.id]
         offset = file.append(group)
@@ -215,21 +265,31 @@ class SegmentStore:
         return aged
 
     def tombstone(self, segment: SegmentId, offset: int) -> bool:
-        """Tombstone one entry (False if it already was); delete the segment whole when it
-        is sealed and nothing in it is live any more."""
+        """Tombstone one entry (False if it already was); see `tombstone_many`."""
+        return self.tombstone_many(segment, (offset,)) == 1
+
+    def tombstone_many(self, segment: SegmentId, offsets) -> int:
+        """Tombstone entries of one segment (state words, then its deleted count once);
+        return how many were live. The segment is deleted whole when it is sealed and
+        nothing in it is live any more."""
         state = self.segments[segment]
-        if not self._file(segment).tombstone(offset):
-            return False
-        state.deleted_count += 1
-        self._delete_if_done(state)
-        return True
+        fresh = self._file(segment).tombstone_many(offsets)
+        if fresh:
+            state.deleted_count += fresh
+            if self.durability is Durability.POWER:
+                self._tombstoned.add(segment)
+            self._delete_if_done(state)
+        return fresh
 
     def _delete_if_done(self, state: SegmentState) -> None:
         if not (state.sealed and state.deleted_count == state.entry_count):
             return
+        if crashpoints.ARMED:
+            crashpoints.hit("delete.before_unlink")
         file = self._open.pop(state.id, None)
         if file is not None:
             file.close()
+        self._tombstoned.discard(state.id)
         os.unlink(state.path)
         if self.durability is Durability.POWER:
             fsync_directory(os.path.dirname(state.path))
@@ -245,9 +305,18 @@ class SegmentStore:
     def readable_end(self, segment: SegmentId) -> int:
         return self._file(segment).readable_end
 
+    def entry_headers(self, segment: SegmentId, offsets: list[int]) -> list[tuple]:
+        """The live entries at `offsets` of `segment` (see SegmentFile.entry_headers)."""
+        return self._file(segment).entry_headers(offsets)
+
+    def state_at(self, segment: SegmentId, offset: int) -> int:
+        return self._file(segment).state_at(offset)
+
     def flush_tombstones(self) -> None:
-        for file in self._open.values():
-            file.flush_tombstones()
+        """`power`: msync the segments that took tombstones since the last call."""
+        for segment in sorted(self._tombstoned):
+            self._file(segment).flush_tombstones()
+        self._tombstoned.clear()
 
     def close(self) -> None:
         self.sync()
@@ -264,14 +333,15 @@ class SegmentStore:
         started = time.monotonic()
         report = RecoveryReport()
         for found in iter_segments(self.data_dir):
+            report.segments_scanned += 1
             try:
                 scan = scan_segment(found.path)
             except SegmentFormatError as exc:
-                self._quarantine(found.path, report, str(exc))
+                self._quarantine(found.path, report, 0, str(exc))
                 continue
             report.bytes_scanned += scan.data_end
             if scan.corrupt_at is not None:
-                self._quarantine(found.path, report, f"offset {scan.corrupt_at}: {scan.corrupt_reason}")
+                self._quarantine(found.path, report, scan.corrupt_at, scan.corrupt_reason)
                 continue
             self._adopt(found, scan, report)
         report.seconds = time.monotonic() - started
@@ -280,7 +350,7 @@ class SegmentStore:
     def _adopt(self, found, scan: ScanReport, report: RecoveryReport) -> None:
         lane = LaneKey(found.model, found.signature, found.lane)
         if scan.torn_at is not None:
-            report.torn_tails.append((found.path, scan.torn_at, scan.torn_bytes))
+            report.torn_tails.append(TornTail(found.path, scan.torn_at, scan.torn_bytes))
         if not scan.counts_agree:
             report.repaired_counts.append(found.path)
         self._next_seq[lane] = max(self._next_seq.get(lane, 0), found.segment_seq + 1)
@@ -299,10 +369,18 @@ class SegmentStore:
             return
         self._admit(state.id, file)
         report.segments.append(RecoveredSegment(state, scan))
+        report.live_entries += scan.live_count
 
-    def _quarantine(self, path: str, report: RecoveryReport, why: str) -> None:
+    def _quarantine(self, path: str, report: RecoveryReport, offset: int, why: str) -> None:
         relative = os.path.relpath(path, os.path.join(self.data_dir, SEGMENTS_DIR))
         target = os.path.join(self.data_dir, QUARANTINE_DIR, relative)
+        copies = 0
+        while os.path.exists(target if not copies else f"{target}.{copies}"):
+            copies += 1  # an earlier run quarantined a file of the same name: keep both
+        target = target if not copies else f"{target}.{copies}"
         make_dirs(os.path.dirname(target))
         shutil.move(path, target)
-        report.quarantined.append(f"{path}: {why} (moved to {target})")
+        if self.durability is Durability.POWER:
+            fsync_directory(os.path.dirname(path))
+            fsync_directory(os.path.dirname(target))
+        report.quarantined.append(Quarantined(path, offset, why, target))

@@ -1,0 +1,274 @@
+"""The disk tier (SPEC §5): the default, durable storage tier, over one data directory's
+segment files (`SegmentStore`).
+
+    tier = DiskTier.open(data_dir, Durability.PROCESS)   # recovery runs here; tier.recovery
+    refs = tier.append(group)       # one write per lane group; refs = (segment id, byte offset)
+    tier.flush()                    # once per loop turn, before releasing ring records
+    ... peek / commit / complete / return_consumer as for every tier (queues.QueuedTier)
+    tier.close()
+
+Appends: a lane group is encoded whole (`encode_entries`: per-entry xxh3, validated before
+writing) and written with one pwrite to its lane's open segment. `process`: the entries are
+dispatchable as soon as the write returned (the page cache survives kill -9 of any process).
+`power`: they wait, staged, until `flush()` has fdatasync'ed every segment that took appends
+(group commit) and then become dispatchable, so a consumer never reads an unsynced byte.
+A full disk raises DiskFullError with nothing recorded as stored; fsync failing raises
+DurabilityError, which is fatal.
+
+Completion tombstones each entry in place through the segment's shared mapping, then its
+deleted count (`SegmentStore.tombstone_many`); a sealed segment with nothing live left is
+deleted whole.
+
+Queued entries cost 8 bytes each in memory (their offsets, per segment run: see
+`queues`); everything else dispatch needs (item id, lengths, producer, seq, submit time) is
+read back from the entry header in the mapped segment at peek time.
+
+Recovery (`open`): `SegmentStore.recover()` scans every segment (quarantines corruption,
+drops torn tails, repairs counts, deletes finished segments), then every lane's queue is
+rebuilt from the live entries in segment sequence order, file order within a segment; the
+(lane, lengths) lists go to the dispatcher once (`take_recovered_lanes`) and every live
+entry's (producer, seq) to the idempotent-ingest check (`queues.StoredSeqs`).
+"""
+
+from __future__ import annotations
+
+import mmap
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from itertools import groupby
+
+import numpy as np
+
+from pipeline.broker.ids import EntryRef, LaneKey, SegmentId
+from pipeline.broker.pending import RECENT_COMPLETIONS_PER_CONSUMER
+from pipeline.broker.storage.base import AppendGroup, PeekedEntry, RecoveredLane
+from pipeline.broker.storage.queues import QueuedTier
+from pipeline.broker.storage.segment import Durability, encode_entries, scan_segment
+from pipeline.broker.storage.segments import RecoveryReport, SegmentStore
+from pipeline.errors import SegmentCorruptError
+from pipeline.layouts import (
+    ENTRY_HEADER_SIZE_BYTES,
+    ENTRY_LIVE,
+    TOKEN_DTYPE,
+    TOKEN_SIZE_BYTES,
+    ItemId,
+    ProducerId,
+    entry_checksum,
+    entry_size_bytes,
+)
+
+# flush() seals segments past the age limit at most this often: the check walks every lane's
+# open segment, which is cheap once a second and wasteful once per loop turn.
+AGE_CHECK_INTERVAL_S = 1.0
+# Read-only mappings kept for read_tokens/read_payload (tools, tests, in-process readers).
+# Each holds a descriptor (mmap keeps a dup), so far fewer than the store's open files.
+READ_MAPS_MAX = 64
+
+
+class DiskTier(QueuedTier):
+    """Durable queues per lane over segment files (see the module docstring).
+
+    Owner: the broker's single dispatch loop (through the Dispatcher); the only writer of
+    its data directory. Not thread-safe. `close()` syncs and closes every file; the files
+    are the durable store and stay.
+    """
+
+    def __init__(self, store: SegmentStore, recovery: RecoveryReport, clock: Callable[[], float],
+                 recent_per_consumer: int) -> None:
+        """Use `DiskTier.open`."""
+        super().__init__(recent_per_consumer)
+        self._store = store
+        self.recovery = recovery
+        self._clock = clock
+        self._staging = store.durability is Durability.POWER
+        self._last_age_check_s = clock()
+        self._read_maps: OrderedDict[SegmentId, memoryview] = OrderedDict()
+        self._recovered_lanes: list[RecoveredLane] = []
+        self._rebuild(recovery)
+        recovery.release_scans()
+
+    @classmethod
+    def open(
+        cls,
+        data_dir: str,
+        durability: Durability = Durability.PROCESS,
+        *,
+        recent_per_consumer: int = RECENT_COMPLETIONS_PER_CONSUMER,
+        clock: Callable[[], float] = time.monotonic,
+        **store_options: int | float,
+    ) -> DiskTier:
+        """Open (or create) a data directory: recover it and rebuild the queues. The
+        RecoveryReport is `tier.recovery` (`tier.recovery.summary()` for the log).
+        `store_options` are SegmentStore's: segment_max_bytes, segment_max_age_s,
+        open_files_max. `clock` (monotonic seconds) dates segments for sealing by age."""
+        store = SegmentStore(data_dir, durability, **store_options)  # type: ignore[arg-type]
+        return cls(store, store.recover(), clock, recent_per_consumer)
+
+    @property
+    def store(self) -> SegmentStore:
+        return self._store
+
+    @property
+    def durability(self) -> Durability:
+        return self._store.durability
+
+    # ----------------------------------------------------------------- recovery
+
+    def _rebuild(self, recovery: RecoveryReport) -> None:
+        """Queue every live entry recovery kept: per lane, segments in sequence order, entries
+        in file order. Example: lane L kept l0000-0000000002.seg (live at 4096, 5184) and
+        l0000-0000000005.seg (live at 4160): L's queue is [(s2, 4096), (s2, 5184), (s5, 4160)]."""
+        kept = sorted(recovery.segments, key=lambda k: (tuple(k.state.lane), k.state.keys.segment_seq))
+        seqs: dict[int, list[np.ndarray]] = {}
+        for lane, segments in groupby(kept, key=lambda k: k.state.lane):
+            lengths, submits = [], []
+            for segment in segments:
+                headers = segment.report.headers
+                live = headers["state"] == ENTRY_LIVE
+                lane_lengths = headers["length"][live].astype(np.int64)
+                offsets = segment.report.offsets[live].astype(np.int64)
+                self._record_recovered(lane, segment.state.id, offsets, int(lane_lengths.sum()))
+                lengths.append(lane_lengths)
+                submits.append(headers["submit_ns"][live])
+                for producer in np.unique(headers["producer_id"][live]).tolist():
+                    mine = live & (headers["producer_id"] == producer)
+                    seqs.setdefault(producer, []).append(headers["seq"][mine])
+            self._recovered_lanes.append(RecoveredLane(lane, np.concatenate(lengths), np.concatenate(submits)))
+        for producer, found in seqs.items():
+            self._stored.add_recovered(ProducerId(producer), np.concatenate(found))
+
+    def take_recovered_lanes(self) -> list[RecoveredLane]:
+        taken, self._recovered_lanes = self._recovered_lanes, []
+        return taken
+
+    # ----------------------------------------------------------------- ingest
+
+    def append(self, group: AppendGroup) -> list[EntryRef]:
+        """Encode the group (one buffer, per-entry checksums) and write it with one pwrite to
+        the lane's open segment. DiskFullError: nothing of the group is recorded as stored."""
+        frame, rows, lane = group.frame, group.rows, group.lane
+        if not len(rows):
+            return []
+        items = frame.items[rows]
+        assert (items["model"] == lane.model).all() and (items["signature"] == lane.signature).all(), lane
+        encoded = encode_entries(frame.items, frame.tokens, frame.token_starts, frame.payloads,
+                                 frame.payload_starts, rows, group.producer_id)
+        segment, base = self._store.append(lane, encoded, self._clock())
+        offsets = encoded.offsets + base
+        self._record_append(lane, segment, offsets, group.producer_id, int(items["seq"].max()),
+                            int(items["length"].sum()), staged=self._staging)
+        return [EntryRef(segment, offset) for offset in offsets.tolist()]
+
+    def flush(self) -> None:
+        """Group commit: fdatasync every segment that took appends (`power`; DurabilityError
+        is fatal), msync tombstones (`power`), then staged entries become dispatchable. Also
+        seals segments past the age limit, at most once per AGE_CHECK_INTERVAL_S."""
+        store = self._store
+        store.sync()
+        if self._staging:
+            store.flush_tombstones()
+        super().flush()
+        now_s = self._clock()
+        if now_s - self._last_age_check_s >= AGE_CHECK_INTERVAL_S:
+            self._last_age_check_s = now_s
+            store.seal_aged(now_s)
+
+    # ----------------------------------------------------------------- QueuedTier hooks
+
+    def _describe(self, lane: LaneKey, refs: list[EntryRef]) -> list[PeekedEntry]:
+        out: list[PeekedEntry] = []
+        for segment, run in groupby(refs, key=lambda ref: ref.segment):
+            run_refs = list(run)
+            headers = self._store.entry_headers(segment, [ref.offset for ref in run_refs])
+            for ref, (_state, length, _sum, item_id, seq, producer, prefix_len, _pl, submit_ns) in zip(run_refs, headers):
+                out.append(PeekedEntry(ref, lane, ItemId(item_id), ProducerId(producer), seq, length,
+                                       prefix_len, submit_ns))
+        return out
+
+    def _check_stored(self, lane: LaneKey, refs: list[EntryRef]) -> list[int] | str:
+        lengths: list[int] = []
+        for segment, run in groupby(refs, key=lambda ref: ref.segment):
+            if segment not in self._store.segments:
+                return f"segment {segment} is gone"
+            headers = self._store.entry_headers(segment, [ref.offset for ref in run])
+            lengths += [fields[1] for fields in headers]
+        return lengths
+
+    def _remove(self, lane: LaneKey, refs: list[EntryRef]) -> None:
+        for segment, run in groupby(refs, key=lambda ref: ref.segment):
+            offsets = [ref.offset for ref in run]
+            done = self._store.tombstone_many(segment, offsets)
+            assert done == len(offsets), (segment, done, len(offsets))  # the pending map held them
+            if segment not in self._store.segments:  # deleted whole
+                self._read_maps.pop(segment, None)
+
+    def _lane_dropped(self, lane: LaneKey) -> None:
+        self._store.drop_lane(lane)
+
+    def _lane_of(self, segment: SegmentId) -> LaneKey:
+        return self._store.segments[segment].lane
+
+    def _live_entries(self) -> dict[EntryRef, int]:
+        """Every segment scanned (the recovery scan code): its live entries, and its counts
+        checked against the store's."""
+        live: dict[EntryRef, int] = {}
+        for segment, state in self._store.segments.items():
+            scan = scan_segment(state.path)
+            assert scan.corrupt_at is None and scan.keys == state.keys, state.path
+            assert (scan.entry_count, scan.tombstone_count) == (state.entry_count, state.deleted_count), state
+            mask = scan.headers["state"] == ENTRY_LIVE
+            for offset, length in zip(scan.offsets[mask].tolist(), scan.headers["length"][mask].tolist()):
+                live[EntryRef(segment, offset)] = length
+        return live
+
+    # ----------------------------------------------------------------- reading
+
+    def _view(self, ref: EntryRef) -> tuple[memoryview, tuple]:
+        """A read-only mapping of the ref's segment and the entry's checked header fields.
+        KeyError if the entry is not stored (completed, deleted, or never written)."""
+        store = self._store
+        if ref.segment not in store.segments or store.state_at(ref.segment, ref.offset) != ENTRY_LIVE:
+            raise KeyError(ref)
+        (fields,) = store.entry_headers(ref.segment, [ref.offset])
+        end = ref.offset + entry_size_bytes(fields[1], fields[7])
+        view = self._read_maps.get(ref.segment)
+        if view is None or len(view) < end:
+            # NOTE: a view into the store's own (writable) mapping was rejected: that mapping
+            # is resized as the file grows and closed by the open-file cache, which numpy
+            # views exported from it would forbid. A read-only mapping of its own is
+            # dropped, not closed: a view still held keeps it alive.
+            with open(store.segments[ref.segment].path, "rb") as file:
+                view = memoryview(mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ))
+            self._read_maps[ref.segment] = view
+            while len(self._read_maps) > READ_MAPS_MAX:
+                self._read_maps.popitem(last=False)
+        self._read_maps.move_to_end(ref.segment)
+        if entry_checksum(view, ref.offset, end, fields[1]) != fields[2]:
+            raise SegmentCorruptError(f"{store.segments[ref.segment].path}: offset {ref.offset}: checksum mismatch")
+        return view, fields
+
+    def read_tokens(self, ref: EntryRef) -> np.ndarray:
+        """A zero-copy, read-only int32 view of the entry's tokens in the mapped segment
+        (checksum verified first)."""
+        view, fields = self._view(ref)
+        return np.frombuffer(view, dtype=TOKEN_DTYPE, count=fields[1], offset=ref.offset + ENTRY_HEADER_SIZE_BYTES)
+
+    def read_payload(self, ref: EntryRef) -> bytes:
+        view, fields = self._view(ref)
+        start = ref.offset + ENTRY_HEADER_SIZE_BYTES + fields[1] * TOKEN_SIZE_BYTES
+        return bytes(view[start:start + fields[7]])
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def check_invariants(self) -> None:
+        """QueuedTier's checks over a scan of every segment file; the store's and the
+        recovered structures agree. O(stored bytes): for tests."""
+        super().check_invariants()
+        assert len(self._read_maps) <= READ_MAPS_MAX
+        assert not self._staged_queues or self._staging, "only `power` stages appends"
+
+    def close(self) -> None:
+        self._read_maps.clear()
+        self._store.close()
+

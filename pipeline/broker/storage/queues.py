@@ -1,0 +1,418 @@
+"""The bookkeeping both storage tiers share (SPEC §5): lane queues with returned runs at the
+front, the three-step commit, completion and consumer loss through the pending map, the
+counters, and which (producer, seq) are already stored (idempotent ingest).
+
+A tier subclasses `QueuedTier` and says only where its entries live:
+
+    _describe(lane, refs)      -> the entries' PeekedEntry, in order       (peek, return)
+    _check_stored(lane, refs)  -> their lengths, or why not, touching nothing (commit step 1)
+    _remove(lane, refs)        tombstone (disk) / forget (memory) completed entries
+    _lane_dropped(lane)        the lane's queue is gone (drop_lane)
+    _lane_of(segment)          the lane a segment belongs to                (invariants)
+    _live_entries()            every stored, not completed entry and its length (invariants)
+
+and calls `_record_append(...)` once it has stored a group.
+
+A lane's queue, front first: entries given back by lost consumers (a deque of refs: the
+latest run in front, each run in its original order), then runs of appended entries in
+arrival order. An appended run is one segment's offsets as an int64 numpy array with a head
+cursor, so a queued entry costs 8 bytes in the queue (plus about 170 bytes per appended
+group for the run record and its array header); only returned entries are refs (~100 bytes).
+NOTE: a deque of EntryRef per entry (about 120 bytes each, the memory tier's first layout)
+was rejected: a disk tier holding millions of queued entries would spend gigabytes on it.
+Runs appended but not yet dispatchable (durability `power` until the group commit) wait in
+the lane's `staged` list and join the back of the queue at `flush()`.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections import deque
+from collections.abc import Iterator, Sequence
+from itertools import islice
+
+import numpy as np
+
+from pipeline.broker.ids import BatchId, ConsumerId, EntryRef, LaneKey, SegmentId
+from pipeline.broker.pending import RECENT_COMPLETIONS_PER_CONSUMER, Completion, PendingMap
+from pipeline.broker.storage import crashpoints
+from pipeline.broker.storage.base import PeekedEntry, Returned, StorageCounters, StorageTier
+from pipeline.errors import StaleBatchError
+from pipeline.layouts import ProducerId
+
+
+class _Run:
+    """Appended entries of one segment, in file order: `offsets[head:]` are still queued."""
+
+    __slots__ = ("segment", "offsets", "head")
+
+    def __init__(self, segment: SegmentId, offsets: np.ndarray) -> None:
+        self.segment = segment
+        self.offsets = offsets
+        self.head = 0
+
+    def __len__(self) -> int:
+        return self.offsets.shape[0] - self.head
+
+
+class LaneQueue:
+    """One lane's dispatchable entries (returned ones first, then appended runs) plus its
+    staged runs and how many of its entries are pending.
+
+    Owner: the QueuedTier holding it, in the broker's dispatch loop. Not thread-safe.
+    """
+
+    __slots__ = ("returned", "runs", "staged", "queued", "staged_count", "pending")
+
+    def __init__(self) -> None:
+        self.returned: deque[EntryRef] = deque()
+        self.runs: deque[_Run] = deque()
+        self.staged: list[_Run] = []
+        self.queued = 0  # dispatchable: len(returned) + the runs' remaining entries
+        self.staged_count = 0
+        self.pending = 0  # entries of this lane held by consumers
+
+    def front(self, count: int) -> list[EntryRef]:
+        """The first `count` dispatchable refs (fewer if fewer are queued), front first."""
+        out = list(islice(self.returned, count))
+        need = count - len(out)
+        for run in self.runs:
+            if need <= 0:
+                break
+            segment = run.segment
+            taken = run.offsets[run.head:run.head + need].tolist()
+            out.extend([EntryRef(segment, offset) for offset in taken])
+            need -= len(taken)
+        return out
+
+    def pop_front(self, count: int) -> None:
+        assert count <= self.queued, (count, self.queued)
+        self.queued -= count
+        from_returned = min(count, len(self.returned))
+        for _ in range(from_returned):
+            self.returned.popleft()
+        count -= from_returned
+        while count:
+            run = self.runs[0]
+            left = len(run)
+            if left <= count:
+                self.runs.popleft()
+                count -= left
+            else:
+                run.head += count
+                count = 0
+
+    def push_front(self, refs: Sequence[EntryRef]) -> None:
+        """A returned run goes in front of everything, in its own order."""
+        self.returned.extendleft(reversed(refs))
+        self.queued += len(refs)
+
+    def push_back(self, segment: SegmentId, offsets: np.ndarray, staged: bool) -> None:
+        run = _Run(segment, offsets)
+        if staged:
+            self.staged.append(run)
+            self.staged_count += len(run)
+        else:
+            self.runs.append(run)
+            self.queued += len(run)
+
+    def publish(self) -> None:
+        """Staged runs become dispatchable, at the back, in the order they were appended."""
+        self.runs.extend(self.staged)
+        self.queued += self.staged_count
+        self.staged = []
+        self.staged_count = 0
+
+    def all_refs(self) -> Iterator[EntryRef]:
+        """Every queued and staged ref, in order (invariants, recovery listings)."""
+        yield from self.returned
+        for run in (*self.runs, *self.staged):
+            segment = run.segment
+            for offset in run.offsets[run.head:].tolist():
+                yield EntryRef(segment, offset)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.queued or self.staged_count or self.pending)
+
+    def check(self) -> None:
+        assert self.queued == len(self.returned) + sum(len(run) for run in self.runs), self.queued
+        assert self.staged_count == sum(len(run) for run in self.staged), self.staged_count
+        assert all(len(run) > 0 for run in self.runs) and self.pending >= 0
+        for run in (*self.runs, *self.staged):
+            assert run.offsets.dtype == np.int64 and 0 <= run.head < run.offsets.shape[0]
+            assert (np.diff(run.offsets) > 0).all(), "a run's offsets are in file order"
+
+
+class StoredSeqs:
+    """Which of a producer's items are already stored: the precise check behind idempotent
+    ingest (SPEC §5, issue 4 item 5).
+
+    Protocol invariant it relies on (the broker loop keeps it; the Dispatcher asserts what
+    it can): (a) a producer's ring records are ingested in ring order, items in sequence
+    order with no gaps; (b) a record is released only after all its items are stored (and,
+    in `power`, flushed); (c) an item is dispatched only after its record was released.
+    After a crash the ring presents exactly the unreleased records, a suffix of the
+    producer's sequence; by (b) and (c) each of their items is either not stored at all or
+    stored and still live (never dispatched, so never tombstoned).
+
+    So two facts answer "already stored?" exactly:
+    - `highest`: the highest seq this process stored for the producer. By (a), and because
+      the Dispatcher ingests nothing new while a frame waits for a retried append, every
+      seq at or below it was stored (or found stored) by this process, or released before.
+    - `recovered`: the seqs of the producer's live entries found by recovery, sorted. A frame
+      that was partly stored before a crash (it spans lanes, written one lane group at a
+      time) is re-presented and exactly its stored items are found here.
+    NOTE: a high-water mark alone was rejected: after a crash in the middle of a frame, the
+    lane group holding its highest seq may be stored while a lower one is not.
+
+    Memory: 8 bytes per recovered live entry (a sorted uint64 array per producer), trimmed
+    to the seqs above `highest` as the producer's ingest advances and dropped once it passes
+    the highest recovered seq; plus one int per producer.
+
+    Owner: the storage tier. Not thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._highest: dict[ProducerId, int] = {}
+        self._recovered: dict[ProducerId, np.ndarray] = {}
+
+    def appended(self, producer: ProducerId, top_seq: int) -> None:
+        if top_seq <= self._highest.get(producer, -1):
+            return
+        self._highest[producer] = top_seq
+        found = self._recovered.get(producer)
+        if found is not None:
+            keep = found[np.searchsorted(found, np.uint64(top_seq), side="right"):]
+            if keep.size:
+                self._recovered[producer] = keep  # a view: no copy per append
+            else:
+                del self._recovered[producer]
+
+    def add_recovered(self, producer: ProducerId, seqs: np.ndarray) -> None:
+        old = self._recovered.get(producer)
+        both = seqs if old is None else np.concatenate((old, seqs))
+        self._recovered[producer] = np.unique(both.astype(np.uint64))
+
+    def mask(self, producer: ProducerId, seqs: np.ndarray) -> np.ndarray:
+        """True where `seqs[i]` is already stored (or was, and was completed)."""
+        highest = self._highest.get(producer)
+        stored = np.zeros(seqs.shape, dtype=bool) if highest is None else seqs <= np.uint64(highest)
+        found = self._recovered.get(producer)
+        if found is not None:
+            at = np.minimum(np.searchsorted(found, seqs), found.size - 1)
+            stored |= found[at] == seqs
+        return stored
+
+    def highest(self, producer: ProducerId) -> int | None:
+        highest = self._highest.get(producer)
+        found = self._recovered.get(producer)
+        if found is not None and (highest is None or int(found[-1]) > highest):
+            return int(found[-1])
+        return highest
+
+    def memory_bytes(self) -> int:
+        return sum(found.nbytes for found in self._recovered.values())
+
+    def check(self) -> None:
+        for producer, found in self._recovered.items():
+            assert found.size and (np.diff(found.astype(np.int64)) > 0).all(), producer
+            assert int(found[0]) > self._highest.get(producer, -1), producer
+
+
+class QueuedTier(StorageTier, abc.ABC):
+    """The shared half of a storage tier (see the module docstring): queues, commit,
+    completion, consumer loss, counters, stored seqs. Subclasses store the entries.
+
+    Owner: the broker's dispatch loop (through the Dispatcher). Not thread-safe.
+    """
+
+    def __init__(self, recent_per_consumer: int = RECENT_COMPLETIONS_PER_CONSUMER) -> None:
+        self._queues: dict[LaneKey, LaneQueue] = {}
+        self._pending = PendingMap(recent_per_consumer)
+        self._stored = StoredSeqs()
+        self._staged_queues: dict[LaneKey, LaneQueue] = {}  # lanes with staged runs
+        self.counters = StorageCounters()
+
+    # ----------------------------------------------------------------- for subclasses
+
+    @abc.abstractmethod
+    def _describe(self, lane: LaneKey, refs: list[EntryRef]) -> list[PeekedEntry]:
+        """The entries `refs` (all stored in `lane`), in order."""
+
+    @abc.abstractmethod
+    def _check_stored(self, lane: LaneKey, refs: list[EntryRef]) -> list[int] | str:
+        """Commit step 1, the tier's part: every entry's segment exists and holds it. Return
+        the entries' lengths, or a sentence saying why not. Touches nothing."""
+
+    @abc.abstractmethod
+    def _remove(self, lane: LaneKey, refs: list[EntryRef]) -> None:
+        """The entries were completed: they are gone for good."""
+
+    @abc.abstractmethod
+    def _lane_dropped(self, lane: LaneKey) -> None:
+        """drop_lane: the lane's (empty) queue was removed."""
+
+    @abc.abstractmethod
+    def _lane_of(self, segment: SegmentId) -> LaneKey:
+        """The lane whose entries `segment` holds."""
+
+    @abc.abstractmethod
+    def _live_entries(self) -> dict[EntryRef, int]:
+        """Every stored, not completed entry with its length (check_invariants)."""
+
+    def _queue(self, lane: LaneKey) -> LaneQueue:
+        queue = self._queues.get(lane)
+        if queue is None:
+            queue = self._queues[lane] = LaneQueue()
+        return queue
+
+    def _record_append(
+        self, lane: LaneKey, segment: SegmentId, offsets: np.ndarray, producer: ProducerId,
+        top_seq: int, tokens: int, staged: bool = False,
+    ) -> None:
+        """A group of `lane` was stored at `offsets` of `segment` (int64, file order):
+        queue it (staged: dispatchable at the next flush) and count it."""
+        queue = self._queue(lane)
+        queue.push_back(segment, offsets, staged)
+        if staged:
+            self._staged_queues[lane] = queue
+        self._stored.appended(producer, top_seq)
+        self.counters.appended_items += int(offsets.shape[0])
+        self.counters.appended_tokens += tokens
+
+    def _record_recovered(self, lane: LaneKey, segment: SegmentId, offsets: np.ndarray,
+                          tokens: int) -> None:
+        """Recovery found these live entries of `lane` in `segment` (file order)."""
+        self._queue(lane).push_back(segment, offsets, staged=False)
+        self.counters.recovered_items += int(offsets.shape[0])
+        self.counters.recovered_tokens += tokens
+
+    # ----------------------------------------------------------------- StorageTier
+
+    def highest_seq(self, producer_id: ProducerId) -> int | None:
+        return self._stored.highest(producer_id)
+
+    def already_stored(self, producer_id: ProducerId, seqs: np.ndarray) -> np.ndarray:
+        return self._stored.mask(producer_id, seqs)
+
+    @property
+    def needs_flush(self) -> bool:
+        return bool(self._staged_queues)
+
+    def flush(self) -> None:
+        """Staged entries become dispatchable (a subclass makes them durable first)."""
+        for queue in self._staged_queues.values():
+            queue.publish()
+        self._staged_queues.clear()
+
+    def peek(self, lane: LaneKey, max_items: int) -> list[PeekedEntry]:
+        queue = self._queues.get(lane)
+        if queue is None or not queue.queued or max_items <= 0:
+            return []
+        return self._describe(lane, queue.front(max_items))
+
+    def commit(
+        self, lane: LaneKey, refs: Sequence[EntryRef], consumer: ConsumerId, batch: BatchId
+    ) -> None:
+        """The three steps of SPEC §5. Example: lane queue [r5, r6, r7]; commit(lane,
+        [r5, r6], consumer 2, batch 9) leaves [r7] and consumer 2 holding r5, r6 as batch 9;
+        commit(lane, [r6], ...) instead raises StaleBatchError and changes nothing."""
+        # Step 1: verify everything (the front of the lane, every segment), touch nothing.
+        queue = self._queues.get(lane)
+        wanted = list(refs)
+        count = len(wanted)
+        front = [] if queue is None else queue.front(count)
+        lengths: list[int] | str = "they are not the front of the lane"
+        if count and front == wanted:
+            lengths = self._check_stored(lane, wanted)
+        if isinstance(lengths, str):
+            raise StaleBatchError(
+                f"batch {batch} for consumer {consumer}: its {count} entries cannot be committed "
+                f"from lane {tuple(lane)}: {lengths} (front now {[tuple(r) for r in front[:4]]}); "
+                f"nothing was committed"
+            )
+        assert queue is not None and not self._pending.has_batch(batch), batch
+        if crashpoints.ARMED:
+            crashpoints.hit("commit.after_verify")
+        # Step 2: advance the lane's cursor.
+        queue.pop_front(count)
+        queue.pending += count
+        if crashpoints.ARMED:
+            crashpoints.hit("commit.after_advance")
+        # Step 3: the consumer holds them.
+        self._pending.add_batch(batch, consumer, lane, wanted, lengths)
+        self.counters.committed_items += count
+        self.counters.committed_tokens += sum(lengths)
+
+    def complete(self, consumer: ConsumerId, refs: Sequence[EntryRef]) -> Completion:
+        done = self._pending.complete(consumer, refs)  # NotHeldError before anything changes
+        for lane, lane_refs in done.by_lane.items():
+            self._queues[lane].pending -= len(lane_refs)
+            self._remove(lane, lane_refs)
+        self.counters.completed_items += done.items
+        self.counters.completed_tokens += done.tokens
+        self.counters.duplicate_completions += done.duplicates
+        return done
+
+    def return_consumer(self, consumer: ConsumerId) -> list[Returned]:
+        returned: list[Returned] = []
+        for run in self._pending.consumer_lost(consumer):
+            queue = self._queues[run.lane]
+            queue.push_front(run.refs)  # ahead of new work, original order
+            queue.pending -= len(run.refs)
+            returned.append(Returned(run.lane, tuple(self._describe(run.lane, list(run.refs)))))
+            self.counters.returned_items += len(run.refs)
+            self.counters.returned_tokens += sum(run.lengths)
+        return returned
+
+    def drop_lane(self, lane: LaneKey) -> None:
+        queue = self._queues.pop(lane, None)
+        if queue is not None:
+            assert queue.empty, (lane, queue.queued, queue.staged_count, queue.pending)
+            self._staged_queues.pop(lane, None)
+            self._lane_dropped(lane)
+
+    def queued_items(self, lane: LaneKey | None = None) -> int:
+        """Stored, not pending entries: dispatchable ones and those waiting for a flush."""
+        if lane is None:
+            return sum(queue.queued + queue.staged_count for queue in self._queues.values())
+        queue = self._queues.get(lane)
+        return 0 if queue is None else queue.queued + queue.staged_count
+
+    def pending_items(self, consumer: ConsumerId | None = None) -> int:
+        return len(self._pending) if consumer is None else self._pending.held_by(consumer)
+
+    def lane_keys(self) -> list[LaneKey]:
+        """Every lane the tier holds a queue for (tests, tools)."""
+        return list(self._queues)
+
+    # ----------------------------------------------------------------- invariants
+
+    def check_invariants(self) -> None:
+        """Every stored entry is in exactly one place: queued (or staged) once in its own
+        lane, or pending; counts and totals agree. O(entries)."""
+        self._pending.check_invariants()
+        self._stored.check()
+        live = self._live_entries()
+        queued: set[EntryRef] = set()
+        for lane, queue in self._queues.items():
+            queue.check()
+            assert (queue.staged_count > 0) == (lane in self._staged_queues), lane
+            for ref in queue.all_refs():
+                assert ref in live and ref not in queued, f"queued entry {ref} is not live or twice"
+                assert ref not in self._pending and self._lane_of(ref.segment) == lane, ref
+                queued.add(ref)
+        pending_by_lane: dict[LaneKey, int] = {}
+        for ref in live:
+            if ref in self._pending:
+                lane = self._lane_of(ref.segment)
+                pending_by_lane[lane] = pending_by_lane.get(lane, 0) + 1
+            else:
+                assert ref in queued, f"entry {ref} is neither queued nor pending"
+        assert len(live) == len(queued) + len(self._pending), (len(live), len(queued))
+        for lane, queue in self._queues.items():
+            assert queue.pending == pending_by_lane.get(lane, 0), lane
+        c = self.counters
+        assert c.appended_items + c.recovered_items == c.completed_items + len(live), c
+        assert c.appended_tokens + c.recovered_tokens == c.completed_tokens + sum(live.values()), c
