@@ -1,7 +1,7 @@
-"""The dispatcher over the memory tier (pipeline/broker/dispatch.py): end to end with many
-shapes and lengths, two consumers of different contracts and a lost consumer, plus the
-individual promises (contracts, returned work first, the guard, idempotent ingest, tick).
-Deterministic: seeded, no wall clock."""
+"""The dispatcher (pipeline/broker/dispatch.py), mostly over the memory tier: end to end with
+many shapes and lengths, two consumers of different contracts and a lost consumer (also over
+the disk tier in `power`), plus the individual promises (contracts, returned work first, the
+guard, idempotent ingest, tick). Deterministic: seeded, no wall clock."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pipeline.broker.dispatch import Batch, Dispatcher
 from pipeline.broker.ids import ConsumerId, EntryRef, ShapeKey
 from pipeline.broker.lanes import MAX_LENGTH_TOKENS
 from pipeline.broker.packing import Contract, pad_to_tokens
-from pipeline.broker.storage import MemoryTier, PeekedEntry
+from pipeline.broker.storage import DiskTier, Durability, MemoryTier, PeekedEntry, StorageTier
 from pipeline.errors import ItemTooLongError, NotHeldError, ShapeGuardError, StaleBatchError
 
 NS = 1_000_000_000
@@ -23,7 +23,7 @@ BIG = Contract(model=0, max_batch_items=64, max_batch_tokens=65_536, max_input_l
 SMALL = Contract(model=0, max_batch_items=16, max_batch_tokens=8_192, max_input_len=2048)
 
 
-def check_batch(batch: Batch, contract: Contract, tier: MemoryTier) -> None:
+def check_batch(batch: Batch, contract: Contract, tier: StorageTier) -> None:
     """Shape-pure, one lane, within the contract unless it holds one item, tokens intact."""
     assert batch.entries and all(e.lane == batch.lane for e in batch.entries)
     count = len(batch.entries)
@@ -37,9 +37,10 @@ def check_batch(batch: Batch, contract: Contract, tier: MemoryTier) -> None:
 class Pipeline:
     """Producers, the dispatcher and consumers in one loop, with everything checked."""
 
-    def __init__(self, seed: int, shapes: int, items: int, max_age_s: float | None = None) -> None:
+    def __init__(self, seed: int, shapes: int, items: int, max_age_s: float | None = None,
+                 tier: StorageTier | None = None) -> None:
         self.rng = np.random.default_rng(seed)
-        self.tier = MemoryTier()
+        self.tier = tier if tier is not None else MemoryTier()
         self.dispatcher = Dispatcher(self.tier, max_age_s=max_age_s)
         self.now_s = 0.0
         sigs = [int(s) for s in self.rng.integers(1, 2**64, shapes, dtype=np.uint64)]
@@ -66,6 +67,7 @@ class Pipeline:
             assert report.items == size and report.duplicates == 0
             if self.rng.random() < 0.05:  # the ring presents it again (a restart): skipped
                 assert self.dispatcher.ingest(frame, self.now_s).duplicates == size
+            self.dispatcher.flush()  # the loop protocol: before release, before serving
             self.seqs[producer] += size
             self.fed += size
             count -= size
@@ -112,12 +114,13 @@ class Pipeline:
             self.dispatcher.tick(self.now_s)
 
 
-def test_end_to_end_two_consumers_one_lost():
-    pipeline = Pipeline(seed=7, shapes=10, items=2500)
+def run_to_the_end(pipeline: Pipeline, backlog: int, lost_at: int, check_every: int = 1) -> None:
+    """Feed a backlog, then stream while two consumers work; consumer 2 is lost at step
+    `lost_at` and reconnects as 3. Runs until everything is completed."""
     dispatcher = pipeline.dispatcher
-    pipeline.feed(1500)  # a backlog, then streaming
+    pipeline.feed(backlog)
     contracts = {ConsumerId(1): BIG, ConsumerId(2): SMALL}
-    lost_at, steps = 60, 0
+    steps = 0
     while True:
         steps += 1
         pipeline.feed(int(pipeline.rng.integers(0, 40)))
@@ -131,11 +134,19 @@ def test_end_to_end_two_consumers_one_lost():
             pipeline.lose(ConsumerId(2))
             contracts[ConsumerId(3)] = contracts.pop(ConsumerId(2))  # it reconnects
         pipeline.step_time()
-        dispatcher.check_invariants()
+        if steps % check_every == 0:
+            dispatcher.check_invariants()
         if pipeline.fed == len(pipeline.stream_lengths) and not any(pipeline.in_flight.values()) \
                 and not pipeline.tier.queued_items():
             break
         assert steps < 5000
+    dispatcher.check_invariants()
+
+
+def test_end_to_end_two_consumers_one_lost():
+    pipeline = Pipeline(seed=7, shapes=10, items=2500)
+    dispatcher = pipeline.dispatcher
+    run_to_the_end(pipeline, backlog=1500, lost_at=60)  # a backlog, then streaming
     # Every item completed exactly once; the accounting closes.
     assert len(pipeline.completed) == 2500 and set(pipeline.completed.values()) == {1}
     c = dispatcher.counters()
@@ -150,6 +161,22 @@ def test_end_to_end_two_consumers_one_lost():
     assert c.switches["starvation"] == 0 and changes <= 3 * 10, c.switches
     assert sum(1 for b in pipeline.batches if len(b.entries) == 1 and b.pad_to_tokens > 65_536) >= 3
     assert c.lanes.released > 0  # ticks retired idle lanes while the stream went on
+
+
+def test_end_to_end_over_the_disk_tier(tmp_path):
+    """The same run, smaller, over real segment files in `power` (group commit at flush),
+    with small segments so they rotate and finished ones are deleted whole."""
+    tier = DiskTier.open(str(tmp_path), Durability.POWER, segment_max_bytes=256 << 10)
+    pipeline = Pipeline(seed=11, shapes=4, items=700, tier=tier)
+    run_to_the_end(pipeline, backlog=400, lost_at=25, check_every=20)
+    assert len(pipeline.completed) == 700 and set(pipeline.completed.values()) == {1}
+    c = pipeline.dispatcher.counters()
+    assert c.items_received == c.items_completed == 700 and c.items_returned > 0
+    assert c.tokens_received == c.tokens_completed == sum(pipeline.stream_lengths)
+    tier.close()
+    reopened = DiskTier.open(str(tmp_path))
+    assert reopened.recovery.live_entries == 0
+    reopened.close()
 
 
 def test_returned_work_goes_first_in_the_next_batch():

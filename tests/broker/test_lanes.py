@@ -579,3 +579,29 @@ def test_assign_accepts_numpy_integers_and_empty_batches():
 def test_bad_config(bad):
     with pytest.raises(BadInputError):
         ShapeLanes(**bad)
+
+
+def test_restore_lane_keeps_ids_and_queues_then_runs_as_usual():
+    """Recovery: lanes come back under their old ids with their queued lengths in order; an
+    active target clash comes back quiescing; new items, dispatch, tick and release work."""
+    lanes = ShapeLanes(audit=True)
+    assert lanes.restore_lane(LaneId(3), 512, [500, 510, 505], 0.0) is True
+    assert lanes.restore_lane(LaneId(0), 512, [490], 0.0) is False  # target 512 is taken
+    assert lanes.restore_lane(LaneId(1), 1000, np.array([990]), 0.0) is True
+    lanes.check_invariants()
+    assert lanes.lane_ids() == [3, 1, 0] and lanes.is_quiescing(LaneId(0))
+    assert (lanes.queued_items(LaneId(3)), lanes.queued_tokens(LaneId(3))) == (3, 1515)
+    assert (lanes.queued_min(LaneId(3)), lanes.queued_max(LaneId(3))) == (500, 510)
+    c = lanes.counters
+    assert (c.restored, c.quiesced, c.assigned, c.max_in_use) == (3, 1, 0, 3)
+    assert lanes.assign(508, 1.0) == 3  # the restored lane takes new work
+    assert lanes.assign(3000, 1.0) == 2  # a new lane takes the lowest free id
+    with pytest.raises(AssertionError, match="in use"):
+        lanes.restore_lane(LaneId(3), 600, [600], 1.0)
+    lanes.on_dispatched(LaneId(0), [490])
+    lanes.on_completed(LaneId(0), 1)
+    assert lanes.tick(2.0).released == (LaneId(0),)
+    assert lanes.assign(2000, 2.0) == 0  # released: reused
+    lanes.on_dispatched(LaneId(3), [500, 510, 505, 508])
+    assert lanes.queued_max(LaneId(3)) is None
+    lanes.check_invariants()

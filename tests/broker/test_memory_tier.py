@@ -1,8 +1,14 @@
-"""The memory tier (pipeline/broker/storage/memory.py) against a reference of plain lists,
-through the StorageTier interface only. Deterministic: hypothesis is derandomised, stress
-runs are seeded."""
+"""The storage tiers against a reference of plain lists, through the StorageTier interface
+only: the memory tier (pipeline/broker/storage/memory.py) and the disk tier in both
+durability levels (pipeline/broker/storage/disk.py, on real files, with small segments so
+rotation and whole-file deletion happen), all held to the same reference. Deterministic:
+hypothesis is derandomised, stress runs are seeded."""
 
 from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -11,12 +17,37 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.broker.ids import BatchId, ConsumerId, LaneId, LaneKey
-from pipeline.broker.storage import AppendGroup, MemoryTier, StorageTier
+from pipeline.broker.storage import AppendGroup, DiskTier, Durability, MemoryTier, StorageTier
 from pipeline.errors import NotHeldError, StaleBatchError
 from pipeline.layouts import ProducerId
 
 DETERMINISTIC = settings(derandomize=True, database=None, deadline=None, max_examples=150)
 LANES = [LaneKey(0, 0xAB, LaneId(0)), LaneKey(0, 0xAB, LaneId(1)), LaneKey(2, 0xCD, LaneId(0))]
+# Disk segments this small seal after a few groups: rotation and whole-file deletes happen.
+SMALL_SEGMENT_BYTES = 24 << 10
+TIERS: dict[str, Callable[[str], StorageTier]] = {
+    "memory": lambda _dir: MemoryTier(recent_per_consumer=8),
+    "disk-process": lambda data_dir: DiskTier.open(
+        data_dir, Durability.PROCESS, recent_per_consumer=8, segment_max_bytes=SMALL_SEGMENT_BYTES),
+    "disk-power": lambda data_dir: DiskTier.open(
+        data_dir, Durability.POWER, recent_per_consumer=8, segment_max_bytes=SMALL_SEGMENT_BYTES,
+        open_files_max=2),
+}
+KINDS = list(TIERS)
+
+
+@pytest.fixture(params=KINDS)
+def make_tier(request, tmp_path):
+    """A factory of tiers of one kind, each disk tier in its own directory; closed after."""
+    made: list[StorageTier] = []
+
+    def make() -> StorageTier:
+        made.append(TIERS[request.param](str(tmp_path / f"d{len(made)}")))
+        return made[-1]
+
+    yield make
+    for tier in made:
+        tier.close()
 
 
 class RefTier:
@@ -38,8 +69,12 @@ class RefTier:
 
 
 class Harness:
-    def __init__(self) -> None:
-        self.tier: StorageTier = MemoryTier(recent_per_consumer=8)
+    """One tier and the reference, driven by the same operations. A disk tier lives in a
+    temporary directory removed by close()."""
+
+    def __init__(self, kind: str = "memory") -> None:
+        self.data_dir = tempfile.mkdtemp(prefix="tier-")
+        self.tier: StorageTier = TIERS[kind](self.data_dir)
         self.ref = RefTier()
         self.seq = 0
         self.batch = 0
@@ -52,6 +87,7 @@ class Harness:
                            submit_ns=self.seq, payloads=[bytes([i % 251]) * (i % 3) for i in range(len(lengths))])
         self.seq += len(lengths)
         refs = self.tier.append(AppendGroup(lane, frame, np.arange(len(lengths))))
+        self.tier.flush()  # the loop protocol: once per turn, before anything is dispatched
         items = frame.items["item_id"].tolist()
         self.refs.update(zip(items, refs))
         self.lengths.update(zip(items, lengths))
@@ -114,6 +150,10 @@ class Harness:
          "complete": self.complete, "lose": self.lose}[kind](*args)
         self.check()
 
+    def close(self) -> None:
+        self.tier.close()
+        shutil.rmtree(self.data_dir)
+
 
 picks = st.integers(0, 50)
 consumers = st.integers(0, 2)
@@ -126,18 +166,23 @@ operations = st.one_of(
 )
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @DETERMINISTIC
 @given(ops=st.lists(operations, max_size=50))
-def test_matches_reference(ops):
-    harness = Harness()
-    for op in ops:
-        harness.run(op)
+def test_matches_reference(kind, ops):
+    harness = Harness(kind)
+    try:
+        for op in ops:
+            harness.run(op)
+    finally:
+        harness.close()
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("seed", [1, 2])
-def test_seeded_stress(seed):
+def test_seeded_stress(kind, seed):
     rng = np.random.default_rng(seed)
-    harness = Harness()
+    harness = Harness(kind)
     for _ in range(400):
         roll = rng.random()
         pick, consumer = int(rng.integers(50)), int(rng.integers(3))
@@ -149,10 +194,12 @@ def test_seeded_stress(seed):
             harness.run(("complete", consumer, int(rng.integers(1, 8))))
         else:
             harness.run(("lose", consumer))
+    harness.close()
 
 
-def test_returned_entries_go_first_latest_run_in_front():
-    harness = Harness()
+@pytest.mark.parametrize("kind", KINDS)
+def test_returned_entries_go_first_latest_run_in_front(kind):
+    harness = Harness(kind)
     harness.append(0, [10, 20, 30, 40, 50])
     harness.commit(0, consumer=1, count=2, skew=0)  # items 0, 1 to consumer 1
     harness.commit(0, consumer=2, count=2, skew=0)  # items 2, 3 to consumer 2
@@ -162,13 +209,15 @@ def test_returned_entries_go_first_latest_run_in_front():
     harness.lose(2)
     assert [e.length for e in harness.tier.peek(LANES[0], 10)] == [30, 40, 10, 20, 50, 60]
     harness.check()
+    harness.close()
 
 
-def test_tokens_payloads_and_highest_seq():
-    tier = MemoryTier()
+def test_tokens_payloads_and_highest_seq(make_tier):
+    tier = make_tier()
     assert tier.highest_seq(ProducerId(7)) is None
     frame = make_frame(7, 100, [(0, 1)] * 3, [5, 9, 2], payloads=[b"a", b"", b"xyz"])
     refs = tier.append(AppendGroup(LaneKey(0, 1, LaneId(0)), frame, np.array([0, 2])))
+    tier.flush()
     assert tier.highest_seq(ProducerId(7)) == 102 and len(refs) == 2
     entries = tier.peek(LaneKey(0, 1, LaneId(0)), 5)
     assert [e.seq for e in entries] == [100, 102] and [e.producer_id for e in entries] == [7, 7]
@@ -179,10 +228,11 @@ def test_tokens_payloads_and_highest_seq():
     tier.check_invariants()
 
 
-def test_completion_by_a_non_holder_changes_nothing():
-    tier = MemoryTier()
+def test_completion_by_a_non_holder_changes_nothing(make_tier):
+    tier = make_tier()
     lane = LANES[0]
     tier.append(AppendGroup(lane, make_frame(1, 0, [(lane.model, lane.signature)] * 2, [4, 4]), np.arange(2)))
+    tier.flush()
     refs = [e.ref for e in tier.peek(lane, 2)]
     tier.commit(lane, refs, ConsumerId(1), BatchId(0))
     with pytest.raises(NotHeldError):
@@ -194,16 +244,18 @@ def test_completion_by_a_non_holder_changes_nothing():
     tier.check_invariants()
 
 
-def test_drop_lane_then_the_same_key_starts_a_new_segment():
-    tier = MemoryTier()
+def test_drop_lane_then_the_same_key_starts_a_new_segment(make_tier):
+    tier = make_tier()
     lane = LANES[0]
     tier.append(AppendGroup(lane, make_frame(1, 0, [(lane.model, lane.signature)], [4]), np.arange(1)))
+    tier.flush()
     (entry,) = tier.peek(lane, 1)
     tier.commit(lane, [entry.ref], ConsumerId(1), BatchId(0))
     tier.complete(ConsumerId(1), [entry.ref])
     tier.drop_lane(lane)
     assert tier.peek(lane, 1) == [] and tier.queued_items(lane) == 0
     tier.append(AppendGroup(lane, make_frame(1, 1, [(lane.model, lane.signature)], [4]), np.arange(1)))
+    tier.flush()
     (again,) = tier.peek(lane, 1)
     assert again.ref.segment != entry.ref.segment  # refs are never reused
     with pytest.raises(StaleBatchError):
