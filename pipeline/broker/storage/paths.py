@@ -5,6 +5,8 @@
         m{model:05d}/                        one directory per model
           s{signature:016x}/                 one per shape: shape purity is in the layout
             l{lane:04d}-{seq:010d}.seg       one file per (lane, segment sequence)
+            l....-.........seg.creating      a segment being created (renamed to .seg once its
+                                             header is written; recovery removes leftovers)
       quarantine/                            segments found corrupt by recovery, moved here
         m.../s.../l...-....seg               with the same relative path, never deleted by us
 
@@ -22,6 +24,9 @@ from dataclasses import dataclass
 from pipeline.layouts import SEGMENTS_DIR, segment_relpath
 
 QUARANTINE_DIR = "quarantine"
+# A segment is created under its name plus this suffix and renamed once its header is
+# written, so a crash mid-create never leaves a headerless file under a segment name.
+CREATING_SUFFIX = ".creating"
 # Owner-only directories: SPEC §7, every data directory is created owner-only.
 DIRECTORY_MODE = 0o700
 
@@ -72,6 +77,15 @@ def iter_segments(root: str) -> Iterator[SegmentPath]:
                         os.path.join(shape_dir, file_name), int(model_match.group(1)),
                         int(shape_match.group(1), 16), int(name_match.group(1)), int(name_match.group(2)),
                     )
+
+
+def abandoned_creates(root: str) -> list[str]:
+    """Segments whose creation a crash interrupted (CREATING_SUFFIX): they hold no entry."""
+    base = os.path.join(root, SEGMENTS_DIR) if os.path.isdir(os.path.join(root, SEGMENTS_DIR)) else root
+    found = []
+    for dirpath, _dirnames, filenames in os.walk(base):
+        found.extend(os.path.join(dirpath, name) for name in filenames if name.endswith(CREATING_SUFFIX))
+    return sorted(found)
 
 
 def stray_files(root: str) -> list[str]:

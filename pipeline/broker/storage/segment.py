@@ -31,6 +31,7 @@ import numpy as np
 import xxhash
 
 from pipeline.broker.storage import crashpoints
+from pipeline.broker.storage.paths import CREATING_SUFFIX
 from pipeline.errors import DiskFullError, DurabilityError, SegmentCorruptError, SegmentFormatError
 from pipeline.layouts import (
     ENTRY_ALIGN_BYTES,
@@ -405,8 +406,12 @@ class SegmentFile:
     @classmethod
     def create(cls, path: str, keys: SegmentKeys, durability: Durability,
                max_bytes: int = DEFAULT_SEGMENT_MAX_BYTES) -> SegmentFile:
-        """A new, empty, owner-only segment with its header written (and synced in `power`)."""
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        """A new, empty, owner-only segment with its header written (and synced in `power`).
+        Built under `path + CREATING_SUFFIX` and renamed into place once its header is
+        written, so a crash mid-create never leaves a headerless file under a segment name
+        (recovery removes the leftover; kill -9 tests found the bare version quarantined)."""
+        creating = path + CREATING_SUFFIX
+        fd = os.open(creating, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             first = min(FIRST_ALLOCATION_BYTES, max(max_bytes, SEGMENT_HEADER_SIZE_BYTES))
             try:
@@ -418,11 +423,16 @@ class SegmentFile:
             os.pwrite(fd, _identity_bytes(keys, time.time_ns()), 0)
             if durability is Durability.POWER:
                 _fdatasync(fd, path)
+            assert not os.path.exists(path), path
+            os.rename(creating, path)
+            if durability is Durability.POWER:
                 fsync_directory(os.path.dirname(path))
             return cls(path, fd, keys, durability, max_bytes)
         except BaseException:
             os.close(fd)
-            os.unlink(path)
+            for leftover in (creating, path):
+                if os.path.exists(leftover):
+                    os.unlink(leftover)
             raise
 
     @classmethod

@@ -25,6 +25,7 @@ from pipeline.broker.storage import crashpoints
 from pipeline.broker.storage.paths import (
     QUARANTINE_DIR,
     SEGMENTS_DIR,
+    abandoned_creates,
     iter_segments,
     make_dirs,
     segment_path,
@@ -102,6 +103,7 @@ class RecoveryReport:
     torn_tails: list[TornTail] = field(default_factory=list)
     repaired_counts: list[str] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
+    abandoned_creates: list[str] = field(default_factory=list)
     segments_scanned: int = 0
     live_entries: int = 0
     bytes_scanned: int = 0
@@ -124,7 +126,8 @@ class RecoveryReport:
             f"recovery: {self.segments_scanned} segments, {self.bytes_scanned:,} bytes scanned in "
             f"{self.seconds:.3f} s ({self.scan_bytes_per_s / 1e6:,.0f} MB/s); {self.live_entries:,} "
             f"live entries in {len(self.segments)} segments; {len(self.deleted)} finished segments "
-            f"deleted; {len(self.repaired_counts)} header counts repaired"
+            f"deleted; {len(self.repaired_counts)} header counts repaired; "
+            f"{len(self.abandoned_creates)} interrupted creates removed"
         ]
         lines += [f"torn tail: {t.path}: {t.bytes_dropped} bytes dropped at offset {t.offset}" for t in self.torn_tails]
         lines += [f"QUARANTINED: {q.path}: offset {q.offset}: {q.reason} (moved to {q.moved_to})" for q in self.quarantined]
@@ -332,6 +335,9 @@ class SegmentStore:
         sequence order) for the disk tier to rebuild its queues from."""
         started = time.monotonic()
         report = RecoveryReport()
+        for path in abandoned_creates(self.data_dir):
+            os.unlink(path)  # a crash interrupted its creation: it holds no entry
+            report.abandoned_creates.append(path)
         for found in iter_segments(self.data_dir):
             report.segments_scanned += 1
             try:
