@@ -20,7 +20,7 @@ from pipeline.broker.ids import BatchId, ConsumerId, LaneId, LaneKey, ShapeKey
 from pipeline.broker.packing import Contract
 from pipeline.broker.storage import AppendGroup, DiskTier, Durability
 from pipeline.broker.storage.inspect import verify
-from pipeline.broker.storage.paths import iter_segments
+from pipeline.broker.storage.paths import iter_segments, segment_path
 from pipeline.broker.storage.queues import StoredSeqs
 from pipeline.broker.storage.segment import scan_segment
 from pipeline.errors import DiskFullError, DurabilityError
@@ -392,4 +392,15 @@ def test_shape_key_of_recovered_lanes_matches_segments(tmp_path):
     tier = DiskTier.open(str(tmp_path))
     (found,) = tier.take_recovered_lanes()
     assert found.lane == lane and found.lane.shape == ShapeKey(3, 0xFFFF_FFFF_FFFF_FFF0)
+    tier.close()
+
+
+def test_entry_location_names_the_segment_file(tmp_path):
+    tier = DiskTier.open(str(tmp_path), segment_max_bytes=8 << 10)
+    refs = [*append(tier, LANE_B, 1, 0, [600] * 3), *append(tier, LANE_B, 1, 3, [600] * 3)]
+    for ref in refs:
+        lane, segment_seq, offset = tier.entry_location(ref)
+        path = segment_path(str(tmp_path), LANE_B.model, LANE_B.signature, lane, segment_seq)
+        assert (lane, offset) == (1, ref.offset) and offset in scan_segment(path).offsets.tolist()
+    assert len({tier.entry_location(ref)[1] for ref in refs}) > 1  # it rotated
     tier.close()

@@ -31,7 +31,12 @@ each turn the broker loop (1) ingests the frames it read from the producer rings
 serves consumers. So a record is released only once its items are stored as durably as the
 durability level says, and an item is dispatched only after its record was released: after
 a crash, a re-presented record's items are either not stored or stored and still live, and
-`already_stored` finds exactly the latter (see `queues.StoredSeqs`).
+`already_stored` finds exactly the latter (see `queues.StoredSeqs`). (5) After a restart,
+before serving anyone, the loop does one catch-up turn: it ingests, flushes and releases
+every record the rings still hold. Recovered items of records that were never released
+are dispatchable at once; the catch-up releases those records before any of their items
+can be dispatched, so a second crash cannot re-present a record whose items were already
+completed (and stored again). The kill -9 tests fail without it.
 
 Ownership: a tier is owned by the broker's single dispatch loop (through the Dispatcher).
 Not thread-safe.
@@ -137,7 +142,7 @@ class StorageTier(abc.ABC):
     counters: StorageCounters
 
     @abc.abstractmethod
-    def append(self, group: AppendGroup) -> list[EntryRef]:
+    def append(self, group: AppendGroup) -> Sequence[EntryRef]:
         """Store the group's items at the back of their lane, in order; return their refs.
         Once this returns, the items are dispatchable (and, on the disk tier, as durable as
         its durability level says), so the producer's ring record may be released."""
@@ -223,6 +228,12 @@ class StorageTier(abc.ABC):
     @abc.abstractmethod
     def check_invariants(self) -> None:
         """Assert every internal invariant (tests call it after every step)."""
+
+    def entry_location(self, ref: EntryRef) -> tuple[int, int, int]:
+        """Where a consumer finds the entry: (lane id, segment sequence, byte offset) of its
+        segment file (the segment's model and signature are the batch's). Only a tier with
+        files has one."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no segment files")
 
     def close(self) -> None:
         """Release files and mappings (the memory tier has none)."""

@@ -35,7 +35,7 @@ from __future__ import annotations
 import mmap
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from itertools import groupby
 
 import numpy as np
@@ -43,7 +43,7 @@ import numpy as np
 from pipeline.broker.ids import EntryRef, LaneKey, SegmentId
 from pipeline.broker.pending import RECENT_COMPLETIONS_PER_CONSUMER
 from pipeline.broker.storage.base import AppendGroup, PeekedEntry, RecoveredLane
-from pipeline.broker.storage.queues import QueuedTier
+from pipeline.broker.storage.queues import QueuedTier, RefRun
 from pipeline.broker.storage.segment import Durability, encode_entries, scan_segment
 from pipeline.broker.storage.segments import RecoveryReport, SegmentStore
 from pipeline.errors import SegmentCorruptError
@@ -144,12 +144,12 @@ class DiskTier(QueuedTier):
 
     # ----------------------------------------------------------------- ingest
 
-    def append(self, group: AppendGroup) -> list[EntryRef]:
+    def append(self, group: AppendGroup) -> Sequence[EntryRef]:
         """Encode the group (one buffer, per-entry checksums) and write it with one pwrite to
         the lane's open segment. DiskFullError: nothing of the group is recorded as stored."""
         frame, rows, lane = group.frame, group.rows, group.lane
         if not len(rows):
-            return []
+            return RefRun(SegmentId(-1), rows[:0].astype(np.int64))
         items = frame.items[rows]
         assert (items["model"] == lane.model).all() and (items["signature"] == lane.signature).all(), lane
         encoded = encode_entries(frame.items, frame.tokens, frame.token_starts, frame.payloads,
@@ -158,7 +158,7 @@ class DiskTier(QueuedTier):
         offsets = encoded.offsets + base
         self._record_append(lane, segment, offsets, group.producer_id, int(items["seq"].max()),
                             int(items["length"].sum()), staged=self._staging)
-        return [EntryRef(segment, offset) for offset in offsets.tolist()]
+        return RefRun(segment, offsets)
 
     def flush(self) -> None:
         """Group commit: fdatasync every segment that took appends (`power`; DurabilityError
@@ -258,6 +258,12 @@ class DiskTier(QueuedTier):
         view, fields = self._view(ref)
         start = ref.offset + ENTRY_HEADER_SIZE_BYTES + fields[1] * TOKEN_SIZE_BYTES
         return bytes(view[start:start + fields[7]])
+
+    def entry_location(self, ref: EntryRef) -> tuple[int, int, int]:
+        """(lane id, segment sequence, byte offset): the segment file is
+        `paths.segment_path(data_dir, model, signature, lane, segment_seq)`."""
+        keys = self._store.segments[ref.segment].keys
+        return keys.lane, keys.segment_seq, ref.offset
 
     # ----------------------------------------------------------------- lifecycle
 
