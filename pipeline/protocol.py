@@ -33,6 +33,7 @@ serving the others (SPEC §8).
 from __future__ import annotations
 
 import json
+import select
 import socket
 import struct
 import time
@@ -170,6 +171,24 @@ class Connection:
                 raise ConnectionError("the broker closed the connection")
             self._inbox.extend(self._reader.feed(data))
         return self._inbox.pop(0)
+
+    def check_open(self) -> None:
+        """Without blocking: ConnectionError if the peer closed the connection, ProtocolError
+        if it sent an error message; any other message waits in the inbox for `receive`."""
+        readable, _, _ = select.select([self.sock], [], [], 0)
+        if not readable:
+            return
+        self.sock.settimeout(0)
+        try:
+            data = self.sock.recv(65536)
+        except BlockingIOError:
+            return
+        if not data:
+            raise ConnectionError("the broker closed the connection")
+        self._inbox.extend(self._reader.feed(data))
+        for message in self._inbox:
+            if message["type"] == "error":
+                raise ProtocolError(f"broker: {message['message']}")
 
     def request(self, message: dict, timeout_s: float = 5.0) -> dict:
         """Send, then wait for the reply; ProtocolError if the reply is an error."""

@@ -149,8 +149,8 @@ class Doorbell:
         try:
             self._sem.acquire(max(timeout_s, 0.0))
             return True
-        except posix_ipc.BusyError:
-            return False
+        except (posix_ipc.BusyError, posix_ipc.SignalError):
+            return False  # timed out, or a signal arrived: the caller looks again
 
     def close(self) -> None:
         self._sem.close()

@@ -205,8 +205,8 @@ def _sleep(sem: posix_ipc.Semaphore, deadline: float | None) -> bool:
         wait_s = min(WAIT_SLICE_S, remaining)
     try:
         sem.acquire(wait_s)
-    except posix_ipc.BusyError:
-        pass
+    except (posix_ipc.BusyError, posix_ipc.SignalError):
+        pass  # a timeout, or a signal (a stop request): either way the caller looks again
     return True
 
 

@@ -1,0 +1,587 @@
+"""The broker process: one single-owner loop that wires producer rings, the dispatcher, the
+storage tier, consumer descriptor rings and the control socket (SPEC §6).
+
+One turn of the loop:
+
+    1. fill:     take frames from producer rings -> Dispatcher.ingest -> storage.flush()
+                 -> release the ring records (an item leaves its ring only once stored)
+    2. dispatch: for each consumer with credit: next_batch -> descriptor into its ring
+                 -> Dispatcher.commit (only after the ring took it)
+    3. control:  serve the Unix socket (registrations, heartbeats, completions, goodbyes)
+    4. every tick_interval_s: lane maintenance and the heartbeat check
+
+Steps 1 and 2 each stop after `work_slice_s` (100 ms) of work so step 3 always runs: a fill
+of thousands of batches must never get a healthy consumer declared dead (SPEC §6).
+
+The loop sleeps in `select` on the control socket and a self-pipe; a small thread turns
+doorbell rings (a POSIX semaphore, which select cannot watch) into bytes on that pipe. The
+thread owns no state: everything else happens in the loop.
+
+Fatal errors stop the broker with a message: ShapeGuardError (a chunk of the wrong shape:
+a poisoned cache is worse than a restart) and DurabilityError (a failed fsync).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import selectors
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeline.broker.dispatch import Batch, Dispatcher
+from pipeline.broker.ids import ConsumerId
+from pipeline.broker.packing import Contract
+from pipeline.broker.peers import (
+    ConsumerPeer,
+    Peer,
+    ProducerPeer,
+    consumer_ring_name,
+    doorbell_name,
+    namespace_for,
+    producer_ring_name,
+)
+from pipeline.broker.storage.base import StorageTier
+from pipeline.errors import (
+    BadInputError,
+    DiskFullError,
+    FrameError,
+    PipelineError,
+    ProtocolError,
+    RingTimeoutError,
+    ShmError,
+)
+from pipeline.layouts import (
+    DESCRIPTOR_ITEM_DTYPE,
+    descriptor_size_bytes,
+    parse_frame,
+    write_descriptor,
+)
+from pipeline.protocol import encode
+from shm.objects import Doorbell, ObjectExistsError
+from shm.ring import RingReader, RingWriter, SharedRing
+
+log = logging.getLogger("pipeline.broker")
+
+RUN_DIR = "run"
+SOCKET_NAME = "broker.sock"
+LOCK_NAME = "broker.lock"
+STATE_NAME = "broker-state.json"
+# SPEC §6: the loop yields at least every 100 ms of fill (or dispatch) work.
+WORK_SLICE_S = 0.1
+# Lane maintenance and heartbeat checks run this often; the lane policy's idle time (5 s)
+# and a heartbeat timeout of seconds both want far finer steps than that.
+TICK_INTERVAL_S = 0.1
+# A consumer silent this long is dead: its pending entries go back to dispatch. Consumers
+# heartbeat at a quarter of it, so three lost heartbeats in a row are tolerated.
+DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0
+# A consumer's descriptor ring: a 64-item descriptor is 2 KiB, so 1 MiB holds hundreds of
+# batches, far more than any credit a consumer asks for.
+DESCRIPTOR_RING_BYTES = 1 << 20
+# How long select may sleep when nothing is pending: bounds how late a tick runs.
+IDLE_WAIT_S = 0.05
+
+
+@dataclass(slots=True)
+class BrokerConfig:
+    data_dir: str
+    heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
+    work_slice_s: float = WORK_SLICE_S
+    tick_interval_s: float = TICK_INTERVAL_S
+    descriptor_ring_bytes: int = DESCRIPTOR_RING_BYTES
+    max_models: int = 1024
+
+    @property
+    def run_dir(self) -> str:
+        return os.path.join(self.data_dir, RUN_DIR)
+
+    @property
+    def socket_path(self) -> str:
+        return os.path.join(self.run_dir, SOCKET_NAME)
+
+
+class BrokerState:
+    """The few numbers the broker keeps across restarts (a JSON file, replaced atomically):
+    the next producer id and the start count. Owner: the broker process."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.next_producer_id = 0
+        self.generation = 0
+        if os.path.exists(path):
+            with open(path) as file:
+                saved = json.load(file)
+            self.next_producer_id = int(saved["next_producer_id"])
+            self.generation = int(saved["generation"])
+
+    def save(self) -> None:
+        temporary = self.path + ".tmp"
+        with open(temporary, "w") as file:
+            json.dump({"next_producer_id": self.next_producer_id, "generation": self.generation}, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, self.path)
+
+
+class Broker:
+    """The broker's single-owner loop. Owner: the broker process's main thread; only the
+    doorbell watcher thread runs beside it, and it touches nothing but a pipe.
+
+    `run(stop)` serves until `stop()` is true; `close()` releases the socket, rings and
+    storage (the data directory stays: it is the durable store).
+    """
+
+    def __init__(self, config: BrokerConfig, storage: StorageTier) -> None:
+        self.config = config
+        os.makedirs(config.run_dir, mode=0o700, exist_ok=True)
+        self._lock_fd = _lock_run_dir(config.run_dir)
+        self.state = BrokerState(os.path.join(config.data_dir, STATE_NAME))
+        self.state.generation += 1
+        self.state.save()
+        self.storage = storage
+        self.dispatcher = Dispatcher(storage)
+        recovered = self.dispatcher.recover(time.monotonic())  # before any ingest (disk tier)
+        if recovered:
+            log.info("recovered %d live items from %s", recovered, config.data_dir)
+        self.namespace = namespace_for(config.data_dir)
+        self.doorbell = _open_doorbell(doorbell_name(self.namespace))
+        self.producers: dict[int, ProducerPeer] = {}
+        self.consumers: dict[ConsumerId, ConsumerPeer] = {}
+        self._peers_by_sock: dict[socket.socket, object] = {}
+        self._next_consumer_id = 0
+        self._selector = selectors.DefaultSelector()
+        self._listener = _listen(config.socket_path)
+        self._selector.register(self._listener, selectors.EVENT_READ, None)
+        self._wake_read, self._wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._selector.register(self._wake_read, selectors.EVENT_READ, None)
+        self._stopping = threading.Event()
+        self._watcher = threading.Thread(target=self._watch_doorbell, name="doorbell", daemon=True)
+        self._watcher.start()
+        self._next_tick_s = 0.0
+        self.disk_full_since_s: float | None = None
+        self._held_back: tuple[ProducerPeer, int] | None = None  # the record a full disk kept
+        self.consumers_lost = 0
+
+    # ------------------------------------------------------------------ loop
+
+    def run(self, stop) -> None:
+        """Serve until `stop()` returns true."""
+        while not stop():
+            self.turn()
+
+    def turn(self) -> None:
+        now = time.monotonic()
+        busy = self._fill(now)
+        busy = self._dispatch(time.monotonic()) or busy
+        self._serve_control(0.0 if busy else IDLE_WAIT_S)
+        now = time.monotonic()
+        if now >= self._next_tick_s:
+            self.dispatcher.tick(now)
+            self._check_heartbeats(now)
+            self._next_tick_s = now + self.config.tick_interval_s
+
+    def _watch_doorbell(self) -> None:
+        while not self._stopping.is_set():
+            if self.doorbell.wait(0.5):
+                try:
+                    os.write(self._wake_write, b"!")
+                except BlockingIOError:
+                    pass  # the pipe is full: the loop is awake already
+
+    # ------------------------------------------------------------------ fill
+
+    def _fill(self, now_s: float) -> bool:
+        """Ingest frames from every producer ring for at most one work slice; then flush the
+        storage and release what it stored. Returns whether anything was ingested."""
+        deadline = now_s + self.config.work_slice_s
+        ingested = self._retry_held_back()
+        for producer in list(self.producers.values()):
+            if producer.ring is None or self.disk_full_since_s is not None:
+                continue
+            while time.monotonic() < deadline:
+                record = producer.ring.poll()
+                if record is None:
+                    break
+                try:
+                    frame = parse_frame(record.body, where=f"ring {producer.ring_name} position {record.start}")
+                    self.dispatcher.ingest(frame, time.monotonic())
+                except (FrameError, BadInputError) as exc:
+                    log.error("producer %d: %s; disconnecting it", producer.producer_id, exc)
+                    self._drop_producer(producer, f"bad frame: {exc}")
+                    break
+                except DiskFullError as exc:
+                    # Backpressure: the record stays in its ring, the rings are not read,
+                    # consumers are still served; the frame's remaining groups are retried
+                    # every turn until the disk has room.
+                    log.error("disk full, applying backpressure: %s", exc)
+                    self.disk_full_since_s = time.monotonic()
+                    self._held_back = (producer, record.end)
+                    break
+                producer.unreleased_end = record.end
+                producer.frames += 1
+                producer.items += frame.items.shape[0]
+                ingested = True
+        if ingested:
+            self.dispatcher.flush()  # then, only then, release the records (SPEC §5)
+            for producer in self.producers.values():
+                if producer.ring is not None and producer.unreleased_end is not None:
+                    producer.ring.release(producer.unreleased_end)
+                    producer.unreleased_end = None
+        self._finish_unregistered()
+        return ingested
+
+    def _retry_held_back(self) -> bool:
+        """After a full disk: store what it held back; True once it is all stored (its
+        record is released with this turn's)."""
+        if self._held_back is None:
+            return False
+        try:
+            self.dispatcher.retry_pending_appends()
+        except DiskFullError:
+            return False
+        producer, end = self._held_back
+        self._held_back = None
+        self.disk_full_since_s = None
+        log.info("disk has room again: ingest resumes")
+        producer.unreleased_end = end
+        return True
+
+    def _finish_unregistered(self) -> None:
+        for producer in [p for p in self.producers.values() if p.unregistered or p.peer.closed]:
+            ring = producer.ring
+            if ring is not None and (ring.cursor != ring.write_pos or producer.unreleased_end is not None):
+                continue  # still draining what it published
+            self._forget_producer(producer)
+
+    # -------------------------------------------------------------- dispatch
+
+    def _dispatch(self, now_s: float) -> bool:
+        """Hand batches to consumers with credit, round robin, for at most one work slice."""
+        deadline = now_s + self.config.work_slice_s
+        handed = False
+        progress = True
+        while progress and time.monotonic() < deadline:
+            progress = False
+            for consumer in list(self.consumers.values()):
+                if consumer.credit <= 0 or consumer.peer.closed:
+                    continue
+                batch = self.dispatcher.next_batch(consumer.consumer_id, consumer.contract, time.monotonic())
+                if batch is None:
+                    continue
+                if not self._send_batch(consumer, batch):
+                    self.dispatcher.abandon(batch)
+                    continue
+                self.dispatcher.commit(batch)
+                consumer.batches[batch.batch_id] = batch
+                consumer.credit -= 1
+                handed = progress = True
+        return handed
+
+    def _send_batch(self, consumer: ConsumerPeer, batch: Batch) -> bool:
+        """Write the batch's descriptor into the consumer's ring; False if the ring is full."""
+        rows = np.zeros(len(batch.entries), dtype=DESCRIPTOR_ITEM_DTYPE)
+        for k, entry in enumerate(batch.entries):
+            lane, segment_seq, offset = self.storage.entry_location(entry.ref)
+            rows[k] = (lane, entry.length, segment_seq, offset, entry.item_id)
+        size = descriptor_size_bytes(rows.shape[0])
+        try:
+            at = consumer.ring.reserve(size, timeout_s=0)
+        except RingTimeoutError:
+            return False
+        write_descriptor(consumer.ring.buf, at, batch.batch_id, batch.signature, batch.model,
+                         batch.pad_to_tokens, time.monotonic_ns(), rows)
+        consumer.ring.commit()
+        return True
+
+    # --------------------------------------------------------------- control
+
+    def _serve_control(self, timeout_s: float) -> None:
+        for key, _mask in self._selector.select(timeout_s):
+            if key.fileobj is self._listener:
+                self._accept()
+            elif key.fileobj == self._wake_read:
+                try:
+                    os.read(self._wake_read, 4096)
+                except BlockingIOError:
+                    pass
+            else:
+                self._read_peer(key.fileobj)
+
+    def _accept(self) -> None:
+        try:
+            sock, _ = self._listener.accept()
+        except BlockingIOError:
+            return
+        sock.setblocking(False)
+        peer = Peer(sock, last_seen_s=time.monotonic())
+        self._peers_by_sock[sock] = peer
+        self._selector.register(sock, selectors.EVENT_READ, None)
+
+    def _read_peer(self, sock: socket.socket) -> None:
+        owner = self._peers_by_sock.get(sock)
+        if owner is None:
+            return
+        peer = owner.peer if isinstance(owner, (ProducerPeer, ConsumerPeer)) else owner
+        try:
+            data = sock.recv(65536)
+        except BlockingIOError:
+            return
+        except OSError as exc:  # every socket error, not only EOF, is a disconnect (SPEC §6)
+            self._disconnect(sock, f"socket error: {exc}")
+            return
+        if not data:
+            self._disconnect(sock, "end of file")
+            return
+        peer.last_seen_s = time.monotonic()
+        try:
+            for message in peer.reader.feed(data):
+                self._handle(sock, message)
+                if peer.closed:
+                    return
+        except (ProtocolError, BadInputError) as exc:
+            self._refuse(sock, str(exc))
+
+    def _handle(self, sock: socket.socket, message: dict) -> None:
+        owner = self._peers_by_sock[sock]
+        kind = message["type"]
+        if kind == "heartbeat":
+            return
+        if kind == "status":
+            self._send(sock, {"type": "status_reply", "counters": self.status()})
+        elif kind == "register_consumer" and isinstance(owner, Peer):
+            self._register_consumer(sock, owner, message)
+        elif kind == "register_producer" and isinstance(owner, Peer):
+            self._register_producer(sock, owner, message)
+        elif isinstance(owner, ConsumerPeer) and kind in ("request_work", "complete", "goodbye"):
+            self._consumer_message(owner, message)
+        elif isinstance(owner, ProducerPeer) and kind in ("producer_ready", "unregister_producer"):
+            self._producer_message(owner, message)
+        else:
+            raise ProtocolError(f"message {kind!r} is not expected from this peer now")
+
+    def _send(self, sock: socket.socket, message: dict) -> None:
+        try:
+            sock.sendall(encode(message))
+        except (BlockingIOError, OSError) as exc:
+            self._disconnect(sock, f"send failed: {exc}")
+
+    def _refuse(self, sock: socket.socket, why: str) -> None:
+        log.warning("refusing a peer: %s", why)
+        self._send(sock, {"type": "error", "message": why})
+        self._disconnect(sock, why)
+
+    # ------------------------------------------------------------- consumers
+
+    def _register_consumer(self, sock: socket.socket, peer: Peer, message: dict) -> None:
+        contract = Contract(message["model"], message["max_batch_items"], message["max_batch_tokens"],
+                            message["max_input_len"])
+        if contract.model >= self.config.max_models:
+            raise BadInputError(f"model {contract.model} is unknown (models are 0..{self.config.max_models - 1})")
+        consumer_id = ConsumerId(self._next_consumer_id)
+        self._next_consumer_id += 1
+        ring_name = consumer_ring_name(self.namespace, consumer_id, self.state.generation)
+        SharedRing.unlink_leftover(ring_name)
+        ring = RingWriter.create(ring_name, self.config.descriptor_ring_bytes)
+        name = str(message.get("name") or f"consumer-{consumer_id}")
+        consumer = ConsumerPeer(peer, consumer_id, contract, ring, name, message["pid"])
+        self.consumers[consumer_id] = consumer
+        self._peers_by_sock[sock] = consumer
+        self._send(sock, {"type": "registered", "consumer_id": consumer_id, "descriptor_ring": ring_name,
+                          "data_dir": os.path.realpath(self.config.data_dir),
+                          "heartbeat_timeout_s": self.config.heartbeat_timeout_s})
+        log.info("consumer %d (%s) registered: %s", consumer_id, name, contract)
+
+    def _consumer_message(self, consumer: ConsumerPeer, message: dict) -> None:
+        kind = message["type"]
+        if kind == "request_work":
+            if message["credit"] < 0:
+                raise ProtocolError(f"request_work: credit {message['credit']} is negative")
+            consumer.credit += message["credit"]
+        elif kind == "complete":
+            batch = consumer.batches.get(message["batch_id"])
+            if batch is None:
+                raise BadInputError(f"consumer {consumer.consumer_id} completed batch {message['batch_id']}, "
+                                    f"which it does not hold")
+            self.dispatcher.complete(consumer.consumer_id, batch.refs)
+            del consumer.batches[message["batch_id"]]
+            consumer.totals.add(message["results"])
+        else:  # goodbye
+            self._disconnect(consumer.peer.sock, "goodbye")
+
+    def _check_heartbeats(self, now_s: float) -> None:
+        for consumer in list(self.consumers.values()):
+            silent = now_s - consumer.peer.last_seen_s
+            if silent > self.config.heartbeat_timeout_s:
+                self._disconnect(consumer.peer.sock, f"no heartbeat for {silent:.1f} s")
+
+    def _drop_consumer(self, consumer: ConsumerPeer, why: str) -> None:
+        returned = self.dispatcher.consumer_lost(consumer.consumer_id)
+        self.consumers.pop(consumer.consumer_id, None)
+        self.consumers_lost += 1
+        consumer.ring.close()
+        consumer.ring.unlink()
+        log.warning("consumer %d (%s) lost (%s): %d entries back to dispatch", consumer.consumer_id,
+                    consumer.name, why, returned)
+
+    # ------------------------------------------------------------- producers
+
+    def _register_producer(self, sock: socket.socket, peer: Peer, message: dict) -> None:
+        producer_id = message["producer_id"]
+        if producer_id < 0:
+            producer_id = self.state.next_producer_id
+            self.state.next_producer_id += 1
+            self.state.save()
+        elif producer_id >= self.state.next_producer_id:
+            raise BadInputError(f"producer id {producer_id} was never handed out by this broker")
+        if producer_id in self.producers:
+            raise BadInputError(f"producer {producer_id} is already connected")
+        ring_name = producer_ring_name(self.namespace, producer_id)
+        producer = ProducerPeer(peer, producer_id, ring_name)
+        self.producers[producer_id] = producer
+        self._peers_by_sock[sock] = producer
+        highest = self.storage.highest_seq(producer_id)
+        self._send(sock, {"type": "registered_producer", "producer_id": producer_id, "ring": ring_name,
+                          "doorbell": self.doorbell.name, "next_seq": -1 if highest is None else highest + 1})
+
+    def _producer_message(self, producer: ProducerPeer, message: dict) -> None:
+        if message["type"] == "unregister_producer":
+            producer.unregistered = True
+            return
+        if message["ring"] != producer.ring_name or producer.ring is not None:
+            raise ProtocolError(f"producer {producer.producer_id}: ring {message['ring']!r} is not "
+                                f"{producer.ring_name!r}, or was attached already")
+        try:
+            producer.ring = RingReader.attach(producer.ring_name)
+        except ShmError as exc:
+            raise BadInputError(f"producer {producer.producer_id}: ring {producer.ring_name}: {exc}") from exc
+
+    def _drop_producer(self, producer: ProducerPeer, why: str) -> None:
+        self._refuse(producer.peer.sock, why)
+
+    def _forget_producer(self, producer: ProducerPeer) -> None:
+        self.producers.pop(producer.producer_id, None)
+        if producer.ring is not None:
+            producer.ring.close(mark_closed=False)
+            if producer.peer.closed and not producer.unregistered:
+                # The producer died: it cannot unlink its ring any more, so the broker
+                # cleans it up once everything in it is stored.
+                SharedRing.unlink_leftover(producer.ring_name)
+        if not producer.peer.closed:
+            self._disconnect(producer.peer.sock, "unregistered and drained")
+
+    # ------------------------------------------------------------- lifecycle
+
+    def _disconnect(self, sock: socket.socket, why: str) -> None:
+        owner = self._peers_by_sock.pop(sock, None)
+        if owner is None:
+            return
+        peer = owner.peer if isinstance(owner, (ProducerPeer, ConsumerPeer)) else owner
+        peer.closed = True
+        try:
+            self._selector.unregister(sock)
+        except (KeyError, ValueError):
+            pass
+        sock.close()
+        if isinstance(owner, ConsumerPeer):
+            self._drop_consumer(owner, why)
+        elif isinstance(owner, ProducerPeer):
+            log.info("producer %d disconnected (%s)", owner.producer_id, why)
+
+    def status(self) -> dict:
+        """Counters for `pipeline status` and the metrics endpoint."""
+        counters = self.dispatcher.counters()
+        return {
+            "items_received": counters.items_received,
+            "tokens_received": counters.tokens_received,
+            "items_routed": counters.items_routed,
+            "tokens_routed": counters.tokens_routed,
+            "items_completed": counters.items_completed,
+            "tokens_completed": counters.tokens_completed,
+            "items_returned": counters.items_returned,
+            "items_recovered": counters.items_recovered,
+            "tokens_recovered": counters.tokens_recovered,
+            "duplicate_items": counters.duplicate_items,
+            "duplicate_completions": counters.duplicate_completions,
+            "backlog_items": self.storage.queued_items(),
+            "pending_items": self.storage.pending_items(),
+            "shapes": counters.shapes,
+            "lanes_in_use": counters.lanes_in_use,
+            "switches": counters.switches,
+            "consumers": {c.name: {"id": c.consumer_id, "pid": c.pid, "credit": c.credit,
+                                   "batches_held": len(c.batches), "batches_done": c.totals.batches,
+                                   **c.totals.values} for c in self.consumers.values()},
+            "producers": {str(p.producer_id): {"frames": p.frames, "items": p.items}
+                          for p in self.producers.values()},
+            "consumers_lost": self.consumers_lost,
+            "disk_full": self.disk_full_since_s is not None,
+        }
+
+    def close(self) -> None:
+        self._stopping.set()
+        self._watcher.join(timeout=2)
+        for sock in list(self._peers_by_sock):
+            self._disconnect(sock, "broker stopping")
+        self.producers_connected_at_close = bool(self.producers)
+        for producer in list(self.producers.values()):
+            if producer.ring is not None:
+                producer.ring.close(mark_closed=False)
+        self.producers.clear()
+        self._selector.close()
+        self._listener.close()
+        os.unlink(self.config.socket_path)
+        os.close(self._wake_read)
+        os.close(self._wake_write)
+        self.doorbell.close()
+        if not self.producers_connected_at_close:
+            # No producer ring names it any more; a producer that outlives a crash keeps it.
+            self.doorbell.unlink()
+        self.storage.close()
+        os.close(self._lock_fd)
+
+
+def _lock_run_dir(run_dir: str) -> int:
+    """One broker per data directory: an exclusive lock held for the broker's lifetime."""
+    fd = os.open(os.path.join(run_dir, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise PipelineError(f"another broker is running on {os.path.dirname(run_dir)}") from exc
+        raise
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
+def _open_doorbell(name: str) -> Doorbell:
+    """The data directory's doorbell: created, or reopened after a crash (producers' rings
+    name it in their headers, so it must keep its name across broker restarts)."""
+    try:
+        return Doorbell.create(name)
+    except ObjectExistsError:
+        bell = Doorbell.attach(name)
+        bell.is_creator = True
+        return bell
+
+
+def _listen(path: str) -> socket.socket:
+    if os.path.exists(path):
+        os.unlink(path)  # a stale socket of a crashed broker; the lock says none is running
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old = os.umask(0o177)  # the socket file is created owner-only (0600)
+    try:
+        sock.bind(path)
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+    sock.listen(64)
+    sock.setblocking(False)
+    return sock

@@ -1,0 +1,248 @@
+"""The consumer process: one per GPU (SPEC §6).
+
+    register (four-number contract) -> heartbeat thread -> loop:
+        take a batch descriptor from its ring -> map the items' tokens from the segment
+        files (zero-copy) -> run the engine -> write every item's result to the results
+        file and flush it -> release the descriptor -> report the completion
+
+A completion is reported only after its results are written and flushed: completion means
+the result is safe. Items longer than the contract's max input length come back as empty
+completions with status "too_long"; nothing is dropped. If the broker goes away, the
+consumer reconnects with backoff and registers again; results it wrote for a batch whose
+completion was lost stay in the file, and the redelivered batch's results are written
+again: the run report counts those duplicates by item id.
+
+Results file: `results_dir/{name}.jsonl`, one JSON object per item:
+    {"item_id", "batch_id", "dispatch_ns", "submit_ns", "done_ns", "pad_to_tokens", "status",
+     "prompt_tokens", "cached_tokens", "output_tokens", "output": [token ids],
+     "payload": base64 of the producer's opaque payload}
+(the *_ns fields are time.monotonic_ns(): one clock for every process of the machine)
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+from pipeline.consumer.engines import Engine, EngineBatch, make_engine
+from pipeline.consumer.reader import ReadItem, SegmentReader
+from pipeline.errors import ProtocolError, RingClosedError, SegmentCorruptError
+from pipeline.layouts import Descriptor, parse_descriptor
+from pipeline.protocol import Connection
+from shm.ring import RingReader
+
+log = logging.getLogger("pipeline.consumer")
+
+# Batches a consumer asks for ahead: one running, one waiting in its ring, so the engine
+# never idles while a completion travels.
+DEFAULT_CREDIT = 2
+# Reconnect backoff after the broker went away: from 50 ms, doubling, at most 2 s.
+RECONNECT_FIRST_S = 0.05
+RECONNECT_MAX_S = 2.0
+# How long one wait for a descriptor lasts before the loop checks whether to stop.
+POLL_S = 0.2
+
+STATUS_OK = "ok"
+STATUS_TOO_LONG = "too_long"
+STATUS_CORRUPT = "corrupt"
+
+
+@dataclass(slots=True)
+class ConsumerConfig:
+    socket_path: str
+    results_dir: str
+    name: str
+    model: int = 0
+    max_batch_items: int = 64
+    max_batch_tokens: int = 65_536
+    max_input_len: int = 8192
+    engine: str = "sim"
+    engine_options: dict = field(default_factory=dict)
+    gpu: int | None = None
+    credit: int = DEFAULT_CREDIT
+    fsync_results: bool = False
+
+
+@dataclass(slots=True)
+class ConsumerCounters:
+    """What this consumer ran (its side of the accounting)."""
+
+    batches: int = 0
+    items: int = 0
+    items_too_long: int = 0
+    items_corrupt: int = 0
+    prompt_tokens: int = 0
+    reconnects: int = 0
+
+
+class _Session:
+    """One registration with a broker: the connection, the descriptor ring, the heartbeat
+    thread. Owner: the consumer's main thread; the heartbeat thread only sends heartbeats,
+    serialised with the main thread's sends by `_send_lock`."""
+
+    def __init__(self, config: ConsumerConfig) -> None:
+        self.conn = Connection.connect(config.socket_path)
+        self._send_lock = threading.Lock()
+        reply = self.conn.request({
+            "type": "register_consumer", "model": config.model, "max_batch_items": config.max_batch_items,
+            "max_batch_tokens": config.max_batch_tokens, "max_input_len": config.max_input_len,
+            "pid": os.getpid(), "gpu": config.gpu, "name": config.name,
+        })
+        self.consumer_id = reply["consumer_id"]
+        self.data_dir = reply["data_dir"]
+        self.ring = RingReader.attach(reply["descriptor_ring"])
+        self._interval_s = float(reply["heartbeat_timeout_s"]) / 4
+        self._stop = threading.Event()
+        self._broken = threading.Event()
+        self._heartbeat = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            try:
+                self.send({"type": "heartbeat"})
+            except OSError:
+                self._broken.set()  # the main thread finds out at its next check
+                return
+
+    def send(self, message: dict) -> None:
+        with self._send_lock:
+            self.conn.send(message)
+
+    def check_open(self) -> None:
+        """ConnectionError if the broker went away (or a heartbeat could not be sent)."""
+        if self._broken.is_set():
+            raise ConnectionError("a heartbeat could not be sent")
+        with self._send_lock:
+            self.conn.check_open()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._heartbeat.join(timeout=2)
+        self.ring.close(mark_closed=False)
+        self.conn.close()
+
+
+class Consumer:
+    """Runs batches for one GPU (or the CPU). Owner: the consumer process. Not thread-safe
+    apart from the heartbeat thread inside its session."""
+
+    def __init__(self, config: ConsumerConfig, engine: Engine | None = None) -> None:
+        if config.gpu is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = str(config.gpu)  # before any engine touches CUDA
+        self.config = config
+        self.engine = engine or make_engine(config.engine, **config.engine_options)
+        os.makedirs(config.results_dir, mode=0o700, exist_ok=True)
+        self.results_path = os.path.join(config.results_dir, f"{config.name}.jsonl")
+        self._results = open(self.results_path, "a", encoding="utf-8")
+        self.counters = ConsumerCounters()
+        self._reader: SegmentReader | None = None
+
+    def run(self, stop) -> None:
+        """Serve batches until `stop()` is true, reconnecting whenever the broker goes away."""
+        backoff = RECONNECT_FIRST_S
+        while not stop():
+            try:
+                session = _Session(self.config)
+            except (OSError, ProtocolError, TimeoutError) as exc:
+                log.info("%s: broker not reachable (%s); retrying in %.2f s", self.config.name, exc, backoff)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, RECONNECT_MAX_S)
+                continue
+            backoff = RECONNECT_FIRST_S
+            try:
+                self._serve(session, stop)
+            except (OSError, ConnectionError, RingClosedError, TimeoutError, ProtocolError) as exc:
+                log.warning("%s: lost the broker (%s); reconnecting", self.config.name, exc)
+                self.counters.reconnects += 1
+            finally:
+                session.close()
+        self._results.close()
+        if self._reader is not None:
+            self._reader.close()
+
+    def _serve(self, session: _Session, stop) -> None:
+        if self._reader is None or self._reader.root != os.path.join(session.data_dir, "segments"):
+            self._reader = SegmentReader(session.data_dir)
+        session.send({"type": "request_work", "credit": self.config.credit})
+        while not stop():
+            record = session.ring.peek(timeout_s=POLL_S)
+            if record is None:
+                session.check_open()  # a broker that went away is noticed within POLL_S
+                continue
+            descriptor = parse_descriptor(record.body, where=f"ring {session.ring.name} at {record.start}")
+            results = self.run_batch(descriptor)
+            session.ring.release(record.end)
+            session.send({"type": "complete", "batch_id": descriptor.batch_id, "results": results})
+            session.send({"type": "request_work", "credit": 1})
+        session.send({"type": "goodbye"})
+
+    def run_batch(self, descriptor: Descriptor) -> dict:
+        """Run one batch and write its results (flushed); return the completion's summary."""
+        limit = self.config.max_input_len
+        runnable: list[ReadItem] = []
+        lines: list[str] = []
+        statuses = {STATUS_OK: 0, STATUS_TOO_LONG: 0, STATUS_CORRUPT: 0}
+        for row in descriptor.items:
+            try:
+                item = self._reader.read(descriptor.model, descriptor.signature, int(row["lane"]),
+                                         int(row["segment_seq"]), int(row["offset"]), int(row["length"]),
+                                         int(row["item_id"]))
+            except SegmentCorruptError as exc:
+                log.error("%s: %s", self.config.name, exc)
+                lines.append(self._line(descriptor, int(row["item_id"]), STATUS_CORRUPT, int(row["length"]), 0, [], b""))
+                statuses[STATUS_CORRUPT] += 1
+                continue
+            if item.tokens.shape[0] > limit:
+                lines.append(self._line(descriptor, item.item_id, STATUS_TOO_LONG, item.tokens.shape[0], 0, [],
+                                        item.payload, item.submit_ns))
+                statuses[STATUS_TOO_LONG] += 1
+            else:
+                runnable.append(item)
+        engine_before = _engine_totals(self.engine)
+        if runnable:
+            result = self.engine.run(EngineBatch([i.tokens for i in runnable], descriptor.pad_to_tokens,
+                                                 [i.prefix_len for i in runnable]))
+            for item, output, cached in zip(runnable, result.outputs, result.cached_tokens):
+                lines.append(self._line(descriptor, item.item_id, STATUS_OK, item.tokens.shape[0], cached,
+                                        output.tolist(), item.payload, item.submit_ns))
+            statuses[STATUS_OK] = len(runnable)
+        self._write(lines)
+        c = self.counters
+        c.batches += 1
+        c.items += len(lines)
+        c.items_too_long += statuses[STATUS_TOO_LONG]
+        c.items_corrupt += statuses[STATUS_CORRUPT]
+        c.prompt_tokens += sum(i.tokens.shape[0] for i in runnable)
+        engine_after = _engine_totals(self.engine)
+        return {**{f"items_{k}": v for k, v in statuses.items()},
+                **{k: engine_after[k] - engine_before[k] for k in engine_after}}
+
+    @staticmethod
+    def _line(d: Descriptor, item_id: int, status: str, prompt: int, cached: int, output: list,
+              payload: bytes, submit_ns: int = 0) -> str:
+        return json.dumps({
+            "item_id": item_id, "batch_id": d.batch_id, "dispatch_ns": d.dispatch_ns,
+            "submit_ns": submit_ns, "done_ns": time.monotonic_ns(), "pad_to_tokens": d.pad_to_tokens,
+            "status": status, "prompt_tokens": prompt,
+            "cached_tokens": cached, "output_tokens": len(output), "output": output,
+            "payload": base64.b64encode(payload).decode(),
+        }, separators=(",", ":"))
+
+    def _write(self, lines: list[str]) -> None:
+        self._results.write("\n".join(lines) + "\n")
+        self._results.flush()  # in the page cache: survives kill -9 of this process
+        if self.config.fsync_results:
+            os.fsync(self._results.fileno())
+
+
+def _engine_totals(engine: Engine) -> dict[str, int]:
+    c = engine.counters
+    return {"prompt_tokens": c.prompt_tokens, "padded_tokens": c.padded_tokens,
+            "cacheable_tokens": c.cacheable_tokens, "cache_hit_tokens": c.cache_hit_tokens,
+            "output_tokens": c.output_tokens}

@@ -1,0 +1,112 @@
+"""A producer attached to a running broker: registration, its ring, reconnection, goodbye.
+
+    with connect_producer("/data/run/broker.sock") as producer:
+        producer.submit_many(...)          # the Producer API
+    # on exit: unregister, wait until the broker has stored everything, unlink the ring
+
+The broker names the ring and the doorbell; the producer creates the ring (it owns it and
+unlinks it at the end). If the broker restarts, the ring stays: the producer re-registers
+with its producer id and the new broker reattaches the ring and ingests what it had not
+stored yet, exactly once.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+
+from pipeline.producer.producer import DEFAULT_RING_CAPACITY_BYTES, Producer, ProducerLimits
+from pipeline.errors import ProtocolError
+from pipeline.protocol import Connection
+from shm.ring import RingWriter
+
+# How often `wait_stored` looks at the ring's read position.
+DRAIN_POLL_S = 0.005
+# Re-registration backoff while the broker is away: from 50 ms, doubling, at most 2 s.
+RECONNECT_FIRST_S = 0.05
+RECONNECT_MAX_S = 2.0
+
+
+class BrokerProducer(Producer):
+    """A `Producer` registered with a broker over its control socket.
+
+    Owner: one producer process (one thread submits). `close()` unregisters, waits for the
+    broker to store everything published, then unlinks the ring.
+    """
+
+    def __init__(self, socket_path: str, *, capacity_bytes: int = DEFAULT_RING_CAPACITY_BYTES,
+                 limits: ProducerLimits = ProducerLimits(), timeout_s: float | None = None) -> None:
+        self.socket_path = socket_path
+        self.conn = Connection.connect(socket_path)
+        reply = self.conn.request({"type": "register_producer", "pid": os.getpid(), "producer_id": -1})
+        ring = RingWriter.create(reply["ring"], capacity_bytes, doorbell=reply["doorbell"], reattach=True)
+        super().__init__(ring, reply["producer_id"], limits=limits, timeout_s=timeout_s)
+        self.conn.send({"type": "producer_ready", "ring": reply["ring"]})
+        self._conn_lock = threading.Lock()
+        self._closing = threading.Event()
+        self._monitor = threading.Thread(target=self._watch_broker, name="broker-watch", daemon=True)
+        self._monitor.start()
+
+    def _watch_broker(self) -> None:
+        """Notice the broker going away (end of file on the socket) and register again with
+        the same producer id, so the next broker reattaches this ring. Submits never wait
+        for this: records keep landing in the ring (until it is full: backpressure)."""
+        while not self._closing.is_set():
+            try:
+                self.conn.receive(timeout_s=None)
+            except (OSError, ConnectionError, ProtocolError):
+                if not self._closing.is_set():
+                    self._reconnect()
+
+    def _reconnect(self) -> None:
+        backoff = RECONNECT_FIRST_S
+        while not self._closing.is_set():
+            try:
+                conn = Connection.connect(self.socket_path)
+                conn.request({"type": "register_producer", "pid": os.getpid(), "producer_id": self.producer_id})
+                conn.send({"type": "producer_ready", "ring": self.ring.name})
+            except (OSError, TimeoutError, ProtocolError):
+                time.sleep(backoff)
+                backoff = min(2 * backoff, RECONNECT_MAX_S)
+                continue
+            with self._conn_lock:
+                old, self.conn = self.conn, conn
+            old.close()
+            return
+
+    def wait_stored(self, timeout_s: float | None = None) -> None:
+        """Block until the broker has stored (and released) everything this producer
+        published; TimeoutError if that takes longer than `timeout_s`."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while self.ring.read_pos != self.ring.write_pos:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"producer {self.producer_id}: {self.ring.write_pos - self.ring.read_pos} bytes "
+                    f"still unstored after {timeout_s} s"
+                )
+            time.sleep(DRAIN_POLL_S)
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Wait until the broker has stored everything published, unregister, then remove
+        the ring. (Waiting first: a broker that restarts meanwhile must still find the ring
+        registered to drain it.)"""
+        self.wait_stored(timeout_s)
+        self._closing.set()
+        with self._conn_lock:
+            try:
+                self.conn.send({"type": "unregister_producer"})
+            except OSError:
+                pass  # the broker is gone; nothing is left in the ring for it
+            self.conn.sock.shutdown(socket.SHUT_RDWR)
+            self.conn.close()
+        self._monitor.join(timeout=5)
+        super().close()
+        self.unlink()
+
+    def __enter__(self) -> BrokerProducer:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()

@@ -1,0 +1,157 @@
+"""Real processes for end-to-end tests: a broker, consumers and producers on one data dir."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pipeline.broker.service import BrokerConfig
+from pipeline.consumer.process import ConsumerConfig
+from pipeline.producer.client import BrokerProducer
+from pipeline.producer.signature import signature
+from pipeline.protocol import Connection
+from pipeline.runtime.processes import serve_broker, serve_consumer
+
+CTX = mp.get_context("fork")
+
+
+@dataclass
+class Workload:
+    """Items of many shapes and lengths, split between producers. Item k of producer p has
+    tokens made from (p, k), so anyone can recompute them."""
+
+    shapes: int = 12
+    items_per_producer: int = 3000
+    producers: int = 2
+    seed: int = 0
+    components: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        rng = np.random.default_rng(self.seed)
+        self.components = [rng.integers(0, 50_000, size=int(rng.integers(16, 200)), dtype=np.int32)
+                           for _ in range(self.shapes)]
+        self.signatures = [signature([c]) for c in self.components]
+
+    def items(self, producer: int):
+        """(shape index, tokens, prefix_len) for each item of one producer, in order."""
+        rng = np.random.default_rng(1000 + producer)
+        for _ in range(self.items_per_producer):
+            shape = int(rng.integers(0, self.shapes))
+            suffix = rng.integers(0, 50_000, size=max(1, int(rng.lognormal(np.log(200), 0.8))), dtype=np.int32)
+            prefix = self.components[shape]
+            yield shape, np.concatenate([prefix, suffix]), prefix.shape[0]
+
+
+def produce(socket_path: str, workload: Workload, producer: int, chunk: int = 97) -> None:
+    client = BrokerProducer(socket_path, capacity_bytes=16 << 20, timeout_s=60)
+    batch = []
+    for shape, tokens, prefix_len in workload.items(producer):
+        batch.append((shape, tokens, prefix_len))
+        if len(batch) == chunk:
+            _submit(client, workload, batch)
+            batch = []
+    if batch:
+        _submit(client, workload, batch)
+    client.close(timeout_s=120)
+
+
+def _submit(client: BrokerProducer, workload: Workload, batch: list) -> None:
+    if len(batch) == 1:
+        shape, tokens, prefix_len = batch[0]
+        client.submit(0, workload.signatures[shape], tokens, prefix_len, payload=b"single")
+        return
+    client.submit_many(
+        0, np.array([workload.signatures[s] for s, _, _ in batch], dtype=np.uint64),
+        np.concatenate([t for _, t, _ in batch]), [t.shape[0] for _, t, _ in batch],
+        np.array([p for _, _, p in batch]), payloads=[f"{s}".encode() for s, _, _ in batch],
+    )
+
+
+def _broker_main(data_dir: str, heartbeat_timeout_s: float, durability: str) -> None:
+    os._exit(serve_broker(BrokerConfig(data_dir, heartbeat_timeout_s=heartbeat_timeout_s), "disk", durability))
+
+
+def _consumer_main(config: ConsumerConfig) -> None:
+    os._exit(serve_consumer(config))
+
+
+def start_broker(data_dir: str, heartbeat_timeout_s: float = 10.0, durability: str = "process"):
+    process = CTX.Process(target=_broker_main, args=(data_dir, heartbeat_timeout_s, durability))
+    process.start()
+    path = BrokerConfig(data_dir).socket_path
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if os.path.exists(path):
+            try:
+                Connection.connect(path).close()
+                return process
+            except OSError:
+                pass
+        time.sleep(0.02)
+    raise TimeoutError("broker did not start")
+
+
+def start_consumer(config: ConsumerConfig):
+    process = CTX.Process(target=_consumer_main, args=(config,))
+    process.start()
+    return process
+
+
+def start_producer(socket_path: str, workload: Workload, producer: int):
+    process = CTX.Process(target=produce, args=(socket_path, workload, producer))
+    process.start()
+    return process
+
+
+def status(socket_path: str) -> dict:
+    conn = Connection.connect(socket_path)
+    try:
+        return conn.request({"type": "status"})["counters"]
+    finally:
+        conn.close()
+
+
+def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.05):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll_s)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+def stop(process, sig: int = signal.SIGTERM, timeout_s: float = 20) -> int | None:
+    if process.is_alive():
+        os.kill(process.pid, sig)
+    process.join(timeout_s)
+    if process.is_alive():
+        process.kill()
+        process.join(5)
+    return process.exitcode
+
+
+def read_results(results_dir: str) -> list[dict]:
+    rows = []
+    for name in sorted(os.listdir(results_dir)):
+        with open(os.path.join(results_dir, name)) as file:
+            for line in file:
+                row = json.loads(line)
+                row["consumer"] = name
+                rows.append(row)
+    return rows
+
+
+def batches_of(rows: list[dict]) -> dict:
+    batches = defaultdict(list)
+    for row in rows:
+        # dispatch_ns tells apart equal batch ids of two broker runs
+        batches[(row["consumer"], row["batch_id"], row["dispatch_ns"])].append(row)
+    return batches

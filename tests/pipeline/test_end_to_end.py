@@ -1,0 +1,192 @@
+"""The whole pipeline as real processes: 2 producers -> broker (disk tier) -> 2 consumers.
+
+Checks accounting (received = completed, difference zero), shape purity and the contract of
+every batch, and a result for every item; then the failure cases: kill -9 of a consumer
+mid-batch, kill -9 of the broker and a restart, a consumer that stops heartbeating
+(SIGSTOP), bad registrations and completions, and a huge backlog that must not make a
+healthy consumer look dead.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections import Counter
+
+import pytest
+
+from pipeline.broker.peers import namespace_for
+from pipeline.broker.service import BrokerConfig
+from pipeline.consumer.process import ConsumerConfig
+from pipeline.errors import ProtocolError
+from pipeline.protocol import Connection
+from tests.pipeline.harness import (
+    Workload,
+    batches_of,
+    read_results,
+    start_broker,
+    start_consumer,
+    start_producer,
+    status,
+    stop,
+    wait_until,
+)
+
+CONTRACTS = [dict(max_batch_items=64, max_batch_tokens=32_768, max_input_len=100_000),
+             dict(max_batch_items=16, max_batch_tokens=8_192, max_input_len=400)]
+
+
+def consumer_config(tmp_path, socket_path: str, k: int, **engine_options) -> ConsumerConfig:
+    return ConsumerConfig(socket_path, str(tmp_path / "results"), f"c{k}", **CONTRACTS[k],
+                          engine_options=engine_options)
+
+
+def check_run(rows: list[dict], workload: Workload, expected_items: int) -> Counter:
+    """Every item has a result; batches are shape-pure and within their contract. Returns
+    how many results each item id has (more than one: a counted duplicate)."""
+    per_item = Counter(row["item_id"] for row in rows)
+    assert len(per_item) == expected_items
+    shape_of = {}
+    for producer in range(workload.producers):
+        for seq, (shape, _tokens, _prefix) in enumerate(workload.items(producer)):
+            shape_of[(producer << 40) | seq] = shape
+    for (consumer, _batch, _at), batch in batches_of(rows).items():
+        shapes = {shape_of[row["item_id"]] for row in batch}
+        assert len(shapes) == 1, f"batch of {consumer} mixes shapes {shapes}"
+        contract = CONTRACTS[int(consumer[1])]
+        assert len(batch) <= contract["max_batch_items"]
+        if len(batch) > 1:
+            assert len(batch) * batch[0]["pad_to_tokens"] <= contract["max_batch_tokens"]
+        for row in batch:
+            too_long = row["prompt_tokens"] > contract["max_input_len"]
+            assert row["status"] == ("too_long" if too_long else "ok"), row
+    return per_item
+
+
+def test_full_run_two_producers_two_consumers(tmp_path):
+    data = str(tmp_path / "data")
+    broker = start_broker(data)
+    socket_path = BrokerConfig(data).socket_path
+    workload = Workload()
+    consumers = [start_consumer(consumer_config(tmp_path, socket_path, k)) for k in range(2)]
+    producers = [start_producer(socket_path, workload, p) for p in range(2)]
+    try:
+        for producer in producers:
+            producer.join(120)
+            assert producer.exitcode == 0
+        total = workload.producers * workload.items_per_producer
+        done = wait_until(lambda: (s := status(socket_path))["items_completed"] == total and s,
+                          120, "every item completed")
+        assert done["items_received"] == total and done["tokens_received"] == done["tokens_completed"]
+        assert done["backlog_items"] == 0 and done["pending_items"] == 0
+    finally:
+        for consumer in consumers:
+            stop(consumer)
+        assert stop(broker) == 0
+    per_item = check_run(read_results(str(tmp_path / "results")), workload, total)
+    assert max(per_item.values()) == 1  # nothing failed, so nothing was redelivered
+    namespace = namespace_for(data)
+    assert [n for n in os.listdir("/dev/shm") if namespace in n] == []  # no ring, no doorbell left
+
+
+def test_consumer_killed_mid_batch_is_redelivered(tmp_path):
+    data = str(tmp_path / "data")
+    broker = start_broker(data)
+    socket_path = BrokerConfig(data).socket_path
+    workload = Workload(items_per_producer=1500)
+    # A slow engine so a batch is in flight when the kill lands.
+    slow = consumer_config(tmp_path, socket_path, 0, cost_s_per_padded_token=2e-6)
+    victim = start_consumer(slow)
+    producers = [start_producer(socket_path, workload, p) for p in range(2)]
+    try:
+        wait_until(lambda: status(socket_path)["items_completed"] > 200, 60, "some progress")
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join(10)
+        survivor = start_consumer(consumer_config(tmp_path, socket_path, 1))
+        for producer in producers:
+            producer.join(120)
+        total = workload.producers * workload.items_per_producer
+        wait_until(lambda: status(socket_path)["items_completed"] == total, 120, "every item completed")
+        stop(survivor)
+    finally:
+        assert stop(broker) == 0
+    per_item = check_run(read_results(str(tmp_path / "results")), workload, total)
+    duplicates = sum(n - 1 for n in per_item.values())
+    assert duplicates <= 2 * CONTRACTS[0]["max_batch_items"]  # at most the batches it held
+
+
+def test_broker_killed_and_restarted_loses_nothing(tmp_path):
+    data = str(tmp_path / "data")
+    broker = start_broker(data)
+    socket_path = BrokerConfig(data).socket_path
+    workload = Workload(items_per_producer=2500)
+    consumers = [start_consumer(consumer_config(tmp_path, socket_path, k)) for k in range(2)]
+    producers = [start_producer(socket_path, workload, p) for p in range(2)]
+    total = workload.producers * workload.items_per_producer
+    try:
+        wait_until(lambda: status(socket_path)["items_received"] > 500, 60, "ingest under way")
+        os.kill(broker.pid, signal.SIGKILL)
+        broker.join(10)
+        broker = start_broker(data)
+        for producer in producers:
+            producer.join(120)
+            assert producer.exitcode == 0
+        wait_until(lambda: status(socket_path)["backlog_items"] == 0
+                   and status(socket_path)["pending_items"] == 0, 120, "the store drained")
+    finally:
+        for consumer in consumers:
+            stop(consumer)
+        stop(broker)
+    per_item = check_run(read_results(str(tmp_path / "results")), workload, total)
+    assert len(per_item) == total  # nothing lost; duplicates allowed (redelivery), counted
+
+
+def test_silent_consumer_is_declared_dead_and_its_late_completion_refused(tmp_path):
+    data = str(tmp_path / "data")
+    broker = start_broker(data, heartbeat_timeout_s=1.0)
+    socket_path = BrokerConfig(data).socket_path
+    workload = Workload(items_per_producer=800, producers=1)
+    sleeper = start_consumer(consumer_config(tmp_path, socket_path, 0, cost_s_per_padded_token=5e-6))
+    producer = start_producer(socket_path, workload, 0)
+    try:
+        wait_until(lambda: status(socket_path)["items_routed"] > 0, 60, "a batch handed out")
+        os.kill(sleeper.pid, signal.SIGSTOP)
+        wait_until(lambda: status(socket_path)["consumers_lost"] == 1, 30, "the silent consumer declared dead")
+        other = start_consumer(consumer_config(tmp_path, socket_path, 1))
+        producer.join(120)
+        wait_until(lambda: status(socket_path)["items_completed"] == 800, 120, "every item completed")
+        os.kill(sleeper.pid, signal.SIGCONT)  # it wakes up and reports a batch it no longer holds
+        time.sleep(0.5)
+        assert status(socket_path)["items_completed"] == 800
+        stop(other)
+        stop(sleeper)
+    finally:
+        stop(broker)
+    check_run(read_results(str(tmp_path / "results")), workload, 800)
+
+
+def test_bad_registrations_and_completions_get_clear_errors(tmp_path):
+    data = str(tmp_path / "data")
+    broker = start_broker(data)
+    socket_path = BrokerConfig(data).socket_path
+    try:
+        good = Connection.connect(socket_path)
+        good.request({"type": "register_consumer", "model": 0, "max_batch_items": 8,
+                      "max_batch_tokens": 4096, "max_input_len": 512, "pid": 1})
+        for bad, match in [
+            (dict(max_batch_items=0), "max_batch_items"),
+            (dict(max_batch_tokens=-5), "max_batch_tokens"),
+            (dict(model=99_999), "unknown"),
+        ]:
+            conn = Connection.connect(socket_path)
+            message = {"type": "register_consumer", "model": 0, "max_batch_items": 8,
+                       "max_batch_tokens": 4096, "max_input_len": 512, "pid": 1, **bad}
+            with pytest.raises(ProtocolError, match=match):
+                conn.request(message)
+            conn.close()
+        good.send({"type": "complete", "batch_id": 12345, "results": {}})
+        assert good.receive(5)["type"] == "error"
+        assert status(socket_path)["consumers_lost"] == 1  # the bad one was disconnected
+    finally:
+        assert stop(broker) == 0
