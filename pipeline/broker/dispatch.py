@@ -2,7 +2,9 @@
 
 The broker's process loop (a later issue) owns one Dispatcher and calls, in its single loop:
 
-    dispatcher.recover(now_s)                       # once, first: lanes of a reopened disk tier
+    dispatcher.recover(now_s)                       # once, first: lanes of a reopened disk tier,
+                                                    # then one catch-up turn (ingest all the rings
+                                                    # hold, flush, release) before serving anyone
     report = dispatcher.ingest(frame, now_s)        # each parsed producer frame of this turn
     dispatcher.flush()                              # once per turn, then release those records
     batch = dispatcher.next_batch(consumer, contract, now_s)   # None: nothing for that model
