@@ -24,6 +24,8 @@ raises one of these, with the offending value, path and byte offset in the messa
         ├── SegmentFormatError               a file is not a segment of this format version
         ├── SegmentCorruptError              damage inside a segment (path and offset named);
         │                                    the segment is quarantined, never truncated
+        ├── EntryCompletedError              a consumer read an entry already completed (it
+        │                                    held a stale batch after being declared dead)
         ├── DiskFullError                    ENOSPC: appends stop (backpressure), nothing
         │                                    accepted is lost
         └── DurabilityError                  FATAL: fsync/fdatasync failed; the broker stops
@@ -121,6 +123,11 @@ class SegmentCorruptError(StorageError):
     The segment is quarantined, never silently truncated."""
 
 
+class EntryCompletedError(StorageError):
+    """A consumer found an entry already tombstoned: another consumer completed it after this
+    one was declared dead. Not damage: the consumer skips the item."""
+
+
 class DiskFullError(StorageError):
     """The disk is full (ENOSPC): appends stop, producers feel backpressure, nothing that was
     accepted is lost; appends resume when space comes back."""
@@ -136,6 +143,7 @@ __all__ = [
     "ContractError",
     "DiskFullError",
     "DurabilityError",
+    "EntryCompletedError",
     "FrameError",
     "ItemTooLongError",
     "ModelIdError",

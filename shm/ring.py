@@ -358,6 +358,11 @@ class SharedRing:
         return bool(self._u32[_I_READER_CLOSED])
 
     @property
+    def writer_pid(self) -> int:
+        """Process id of the last writer to attach (0 if none has)."""
+        return self._u32[_I_WRITER_PID]
+
+    @property
     def used_bytes(self) -> int:
         return self.write_pos - self.read_pos
 

@@ -55,7 +55,7 @@ class ProducerPeer:
     """A registered producer: its ring (once it said it is ready) and what is ingested but
     not yet released."""
 
-    peer: Peer
+    peer: Peer | None  # None: a ring found at start whose producer has not registered again
     producer_id: int
     ring_name: str
     ring: RingReader | None = None

@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+import psutil
 
 from pipeline.broker.dispatch import Batch, Dispatcher
 from pipeline.broker.ids import ConsumerId
@@ -145,14 +146,14 @@ class Broker:
         self.state = BrokerState(os.path.join(config.data_dir, STATE_NAME))
         self.state.generation += 1
         self.state.save()
+        self.namespace = namespace_for(config.data_dir)
         self.storage = storage
         self.dispatcher = Dispatcher(storage)
         recovered = self.dispatcher.recover(time.monotonic())  # before any ingest (disk tier)
         if recovered:
             log.info("recovered %d live items from %s", recovered, config.data_dir)
-        self.namespace = namespace_for(config.data_dir)
-        self.doorbell = _open_doorbell(doorbell_name(self.namespace))
         self.producers: dict[int, ProducerPeer] = {}
+        self.doorbell = _open_doorbell(doorbell_name(self.namespace))
         self.consumers: dict[ConsumerId, ConsumerPeer] = {}
         self._peers_by_sock: dict[socket.socket, object] = {}
         self._next_consumer_id = 0
@@ -168,6 +169,7 @@ class Broker:
         self.disk_full_since_s: float | None = None
         self._held_back: tuple[ProducerPeer, int] | None = None  # the record a full disk kept
         self.consumers_lost = 0
+        self._catch_up()
 
     # ------------------------------------------------------------------ loop
 
@@ -187,6 +189,29 @@ class Broker:
             self._check_heartbeats(now)
             self._next_tick_s = now + self.config.tick_interval_s
 
+    def _catch_up(self) -> None:
+        """After a restart, before serving anyone: attach every producer ring this data
+        directory's producers left, ingest all they hold, flush and release it.
+
+        Why first: recovery knows which (producer, seq) are stored by the live entries it
+        found. If a consumer completed one of those (its segment then deleted) before its
+        unreleased ring record was read again, that record would look unstored and be
+        stored twice. Rings whose writer is dead are unlinked once drained."""
+        for producer_id in range(self.state.next_producer_id):
+            name = producer_ring_name(self.namespace, producer_id)
+            try:
+                ring = RingReader.attach(name)
+            except ShmError:
+                continue  # gone (its producer finished and unlinked it), or not ours
+            self.producers[producer_id] = ProducerPeer(None, producer_id, name, ring)
+        while self._fill(time.monotonic(), catching_up=True):
+            pass
+        for producer in list(self.producers.values()):
+            if not psutil.pid_exists(producer.ring.writer_pid):
+                self._forget_producer(producer)
+        if self.producers:
+            log.info("caught up with %d producer rings", len(self.producers))
+
     def _watch_doorbell(self) -> None:
         while not self._stopping.is_set():
             if self.doorbell.wait(0.5):
@@ -197,7 +222,7 @@ class Broker:
 
     # ------------------------------------------------------------------ fill
 
-    def _fill(self, now_s: float) -> bool:
+    def _fill(self, now_s: float, catching_up: bool = False) -> bool:
         """Ingest frames from every producer ring for at most one work slice; then flush the
         storage and release what it stored. Returns whether anything was ingested."""
         deadline = now_s + self.config.work_slice_s
@@ -234,7 +259,8 @@ class Broker:
                 if producer.ring is not None and producer.unreleased_end is not None:
                     producer.ring.release(producer.unreleased_end)
                     producer.unreleased_end = None
-        self._finish_unregistered()
+        if not catching_up:
+            self._finish_unregistered()
         return ingested
 
     def _retry_held_back(self) -> bool:
@@ -254,7 +280,8 @@ class Broker:
         return True
 
     def _finish_unregistered(self) -> None:
-        for producer in [p for p in self.producers.values() if p.unregistered or p.peer.closed]:
+        for producer in [p for p in self.producers.values()
+                         if p.unregistered or (p.peer is not None and p.peer.closed)]:
             ring = producer.ring
             if ring is not None and (ring.cursor != ring.write_pos or producer.unreleased_end is not None):
                 continue  # still draining what it published
@@ -440,11 +467,15 @@ class Broker:
             self.state.save()
         elif producer_id >= self.state.next_producer_id:
             raise BadInputError(f"producer id {producer_id} was never handed out by this broker")
-        if producer_id in self.producers:
+        known = self.producers.get(producer_id)
+        if known is not None and known.peer is not None:
             raise BadInputError(f"producer {producer_id} is already connected")
         ring_name = producer_ring_name(self.namespace, producer_id)
-        producer = ProducerPeer(peer, producer_id, ring_name)
-        self.producers[producer_id] = producer
+        if known is not None:  # its ring was adopted at start: bind the connection to it
+            producer = known
+            producer.peer = peer
+        else:
+            producer = self.producers[producer_id] = ProducerPeer(peer, producer_id, ring_name)
         self._peers_by_sock[sock] = producer
         highest = self.storage.highest_seq(producer_id)
         self._send(sock, {"type": "registered_producer", "producer_id": producer_id, "ring": ring_name,
@@ -454,26 +485,33 @@ class Broker:
         if message["type"] == "unregister_producer":
             producer.unregistered = True
             return
-        if message["ring"] != producer.ring_name or producer.ring is not None:
+        if message["ring"] != producer.ring_name:
             raise ProtocolError(f"producer {producer.producer_id}: ring {message['ring']!r} is not "
-                                f"{producer.ring_name!r}, or was attached already")
+                                f"{producer.ring_name!r}")
+        if producer.ring is not None:
+            return  # adopted at start (catch-up); nothing to attach
         try:
             producer.ring = RingReader.attach(producer.ring_name)
         except ShmError as exc:
             raise BadInputError(f"producer {producer.producer_id}: ring {producer.ring_name}: {exc}") from exc
 
     def _drop_producer(self, producer: ProducerPeer, why: str) -> None:
-        self._refuse(producer.peer.sock, why)
+        if producer.peer is not None:
+            self._refuse(producer.peer.sock, why)
+        elif producer.ring is not None:
+            producer.ring.close(mark_closed=False)  # an adopted ring with a bad record: leave it
+            self.producers.pop(producer.producer_id, None)
 
     def _forget_producer(self, producer: ProducerPeer) -> None:
         self.producers.pop(producer.producer_id, None)
+        connected = producer.peer is not None and not producer.peer.closed
         if producer.ring is not None:
             producer.ring.close(mark_closed=False)
-            if producer.peer.closed and not producer.unregistered:
+            if not connected and not producer.unregistered:
                 # The producer died: it cannot unlink its ring any more, so the broker
                 # cleans it up once everything in it is stored.
                 SharedRing.unlink_leftover(producer.ring_name)
-        if not producer.peer.closed:
+        if connected:
             self._disconnect(producer.peer.sock, "unregistered and drained")
 
     # ------------------------------------------------------------- lifecycle

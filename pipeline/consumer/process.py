@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from pipeline.consumer.engines import Engine, EngineBatch, make_engine
 from pipeline.consumer.reader import ReadItem, SegmentReader
-from pipeline.errors import ProtocolError, RingClosedError, SegmentCorruptError
+from pipeline.errors import EntryCompletedError, ProtocolError, RingClosedError, SegmentCorruptError
 from pipeline.layouts import Descriptor, parse_descriptor
 from pipeline.protocol import Connection
 from shm.ring import RingReader
@@ -76,6 +76,7 @@ class ConsumerCounters:
     items: int = 0
     items_too_long: int = 0
     items_corrupt: int = 0
+    items_stale: int = 0  # completed elsewhere while this consumer was declared dead
     prompt_tokens: int = 0
     reconnects: int = 0
 
@@ -175,6 +176,9 @@ class Consumer:
             if record is None:
                 session.check_open()  # a broker that went away is noticed within POLL_S
                 continue
+            # A consumer that was stopped (SIGSTOP) may wake up declared dead, its batches
+            # given to others: it must not run what is left in its old ring.
+            session.check_open()
             descriptor = parse_descriptor(record.body, where=f"ring {session.ring.name} at {record.start}")
             results = self.run_batch(descriptor)
             session.ring.release(record.end)
@@ -193,6 +197,10 @@ class Consumer:
                 item = self._reader.read(descriptor.model, descriptor.signature, int(row["lane"]),
                                          int(row["segment_seq"]), int(row["offset"]), int(row["length"]),
                                          int(row["item_id"]))
+            except EntryCompletedError as exc:
+                log.warning("%s: skipping: %s", self.config.name, exc)
+                self.counters.items_stale += 1
+                continue
             except SegmentCorruptError as exc:
                 log.error("%s: %s", self.config.name, exc)
                 lines.append(self._line(descriptor, int(row["item_id"]), STATUS_CORRUPT, int(row["length"]), 0, [], b""))

@@ -16,11 +16,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.errors import SegmentCorruptError
+from pipeline.errors import EntryCompletedError, SegmentCorruptError
 from pipeline.layouts import (
     ENTRY_HEADER_SIZE_BYTES,
     ENTRY_HEADER_STRUCT,
     ENTRY_LIVE,
+    ENTRY_TOMBSTONE,
     SEGMENTS_DIR,
     TOKEN_DTYPE,
     TOKEN_SIZE_BYTES,
@@ -94,6 +95,8 @@ class SegmentReader:
             ENTRY_HEADER_STRUCT.unpack_from(view, offset)
         )
         end = offset + entry_size_bytes(got_length, payload_len)
+        if state == ENTRY_TOMBSTONE and got_length == length and got_id == item_id:
+            raise EntryCompletedError(f"{path}: offset {offset}: item {item_id} was completed already")
         if state != ENTRY_LIVE or got_length != length or got_id != item_id or end > len(view):
             raise SegmentCorruptError(
                 f"{path}: offset {offset}: entry has state {state:#x}, length {got_length}, item "

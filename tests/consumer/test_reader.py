@@ -10,7 +10,7 @@ import pytest
 from pipeline.broker.storage.paths import make_dirs, segment_path
 from pipeline.broker.storage.segment import Durability, SegmentFile, SegmentKeys, encode_entries, scan_segment
 from pipeline.consumer.reader import SegmentReader
-from pipeline.errors import SegmentCorruptError
+from pipeline.errors import EntryCompletedError, SegmentCorruptError
 from tests.broker.test_segment import make_items
 
 SIG = 0xFEED_0000_0000_0001
@@ -58,7 +58,7 @@ def test_reader_follows_a_growing_file_and_checks_entries(tmp_path):
     with pytest.raises(SegmentCorruptError, match="descriptor says"):
         reader.read(2, SIG, 1, 0, int(offsets[0]), int(items["length"][0]) + 1, int(items["item_id"][0]))
     segment.tombstone(int(offsets[1]))
-    with pytest.raises(SegmentCorruptError, match="state"):
+    with pytest.raises(EntryCompletedError, match="completed already"):
         reader.read(2, SIG, 1, 0, int(offsets[1]), int(items["length"][1]), int(items["item_id"][1]))
     reader.close()
     segment.close()

@@ -25,7 +25,8 @@ CTX = mp.get_context("fork")
 @dataclass
 class Workload:
     """Items of many shapes and lengths, split between producers. Item k of producer p has
-    tokens made from (p, k), so anyone can recompute them."""
+    tokens made from (p, k), so anyone can recompute them; its payload is its shape index
+    (the broker numbers producers in registration order, not by p)."""
 
     shapes: int = 12
     items_per_producer: int = 3000
@@ -65,7 +66,7 @@ def produce(socket_path: str, workload: Workload, producer: int, chunk: int = 97
 def _submit(client: BrokerProducer, workload: Workload, batch: list) -> None:
     if len(batch) == 1:
         shape, tokens, prefix_len = batch[0]
-        client.submit(0, workload.signatures[shape], tokens, prefix_len, payload=b"single")
+        client.submit(0, workload.signatures[shape], tokens, prefix_len, payload=f"{shape}".encode())
         return
     client.submit_many(
         0, np.array([workload.signatures[s] for s, _, _ in batch], dtype=np.uint64),

@@ -9,6 +9,7 @@ healthy consumer look dead.
 
 from __future__ import annotations
 
+import base64
 import os
 import signal
 import time
@@ -16,6 +17,7 @@ from collections import Counter
 
 import pytest
 
+from pipeline.accounting import reconcile, summarize_results
 from pipeline.broker.peers import namespace_for
 from pipeline.broker.service import BrokerConfig
 from pipeline.consumer.process import ConsumerConfig
@@ -47,12 +49,8 @@ def check_run(rows: list[dict], workload: Workload, expected_items: int) -> Coun
     how many results each item id has (more than one: a counted duplicate)."""
     per_item = Counter(row["item_id"] for row in rows)
     assert len(per_item) == expected_items
-    shape_of = {}
-    for producer in range(workload.producers):
-        for seq, (shape, _tokens, _prefix) in enumerate(workload.items(producer)):
-            shape_of[(producer << 40) | seq] = shape
     for (consumer, _batch, _at), batch in batches_of(rows).items():
-        shapes = {shape_of[row["item_id"]] for row in batch}
+        shapes = {base64.b64decode(row["payload"]) for row in batch}  # the payload is the shape
         assert len(shapes) == 1, f"batch of {consumer} mixes shapes {shapes}"
         contract = CONTRACTS[int(consumer[1])]
         assert len(batch) <= contract["max_batch_items"]
@@ -86,6 +84,10 @@ def test_full_run_two_producers_two_consumers(tmp_path):
         assert stop(broker) == 0
     per_item = check_run(read_results(str(tmp_path / "results")), workload, total)
     assert max(per_item.values()) == 1  # nothing failed, so nothing was redelivered
+    accounted = reconcile(summarize_results(str(tmp_path / "results")), done, expected_items=total)
+    assert accounted["lost"] == 0 and accounted["duplicates"] == 0
+    assert accounted["items_received"] == accounted["items_completed"] == total
+    assert accounted["tokens_received"] == accounted["tokens_routed"] == accounted["tokens_completed"]
     namespace = namespace_for(data)
     assert [n for n in os.listdir("/dev/shm") if namespace in n] == []  # no ring, no doorbell left
 
@@ -190,3 +192,57 @@ def test_bad_registrations_and_completions_get_clear_errors(tmp_path):
         assert status(socket_path)["consumers_lost"] == 1  # the bad one was disconnected
     finally:
         assert stop(broker) == 0
+
+
+def test_huge_backlog_never_makes_a_healthy_consumer_look_dead(tmp_path):
+    # 120,000 small items ingested as fast as the producer writes them, and a consumer that
+    # takes one item per batch: without the 100 ms work slices, fill and dispatch would hold
+    # the loop for seconds, far past the 0.5 s heartbeat timeout.
+    data = str(tmp_path / "data")
+    broker = start_broker(data, heartbeat_timeout_s=0.5)
+    socket_path = BrokerConfig(data).socket_path
+    workload = Workload(shapes=3, items_per_producer=60_000)
+    config = ConsumerConfig(socket_path, str(tmp_path / "results"), "c0", max_batch_items=1,
+                            max_batch_tokens=1 << 20, max_input_len=1 << 20, credit=64)
+    consumer = start_consumer(config)
+    producers = [start_producer(socket_path, workload, p) for p in range(2)]
+    try:
+        for producer in producers:
+            producer.join(300)
+            assert producer.exitcode == 0
+        wait_until(lambda: status(socket_path)["items_completed"] > 2000, 120, "the consumer making progress")
+        assert status(socket_path)["consumers_lost"] == 0
+    finally:
+        stop(consumer)
+        stop(broker)
+
+
+def _die_after_submitting(socket_path: str, workload: Workload) -> None:
+    from pipeline.producer.client import BrokerProducer
+    from tests.pipeline.harness import _submit
+
+    client = BrokerProducer(socket_path, capacity_bytes=16 << 20, timeout_s=60)
+    _submit(client, workload, list(workload.items(0)))
+    os.kill(os.getpid(), signal.SIGKILL)  # no goodbye, no unlink
+
+
+def test_producer_that_dies_leaves_its_items_safe_and_its_ring_cleaned_up(tmp_path):
+    data = str(tmp_path / "data")
+    broker = start_broker(data)
+    socket_path = BrokerConfig(data).socket_path
+    workload = Workload(items_per_producer=400, producers=1)
+    consumer = start_consumer(consumer_config(tmp_path, socket_path, 0))
+    from tests.pipeline.harness import CTX
+
+    dying = CTX.Process(target=_die_after_submitting, args=(socket_path, workload))
+    dying.start()
+    dying.join(60)
+    assert dying.exitcode == -signal.SIGKILL
+    try:
+        wait_until(lambda: status(socket_path)["items_completed"] == 400, 60, "its items completed")
+        ring = f"sbrk-{namespace_for(data)}-p0"
+        wait_until(lambda: ring not in os.listdir("/dev/shm"), 10, "its ring unlinked")
+    finally:
+        stop(consumer)
+        stop(broker)
+    check_run(read_results(str(tmp_path / "results")), workload, 400)

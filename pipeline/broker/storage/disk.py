@@ -180,6 +180,8 @@ class DiskTier(QueuedTier):
         out: list[PeekedEntry] = []
         for segment, run in groupby(refs, key=lambda ref: ref.segment):
             run_refs = list(run)
+            owner = self._store.segments[segment].lane
+            assert owner == lane, f"segment {segment} of lane {tuple(owner)} queued in lane {tuple(lane)}"
             headers = self._store.entry_headers(segment, [ref.offset for ref in run_refs])
             for ref, (_state, length, _sum, item_id, seq, producer, prefix_len, _pl, submit_ns) in zip(run_refs, headers):
                 out.append(PeekedEntry(ref, lane, ItemId(item_id), ProducerId(producer), seq, length,

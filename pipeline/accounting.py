@@ -1,0 +1,83 @@
+"""Accounting that proves nothing is lost: the results files against the broker's counters.
+
+The broker counts items and tokens received (stored), routed (dispatched; a redelivery
+counts again) and completed. The consumers' results files hold one line per item they ran;
+an item with two lines was redelivered after a lost completion (a duplicate, at-least-once
+delivery), which is counted, never hidden. At the end of a run:
+
+    lost = received - distinct items with a result        must be 0
+    received = completed (broker, over this broker's life) and tokens likewise
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class ResultsSummary:
+    """What the results files of a run hold."""
+
+    lines: int = 0
+    items: int = 0  # distinct item ids
+    duplicates: int = 0  # lines beyond the first for an item
+    by_status: dict[str, int] = field(default_factory=dict)
+    prompt_tokens: int = 0  # of distinct items
+    cached_tokens: int = 0  # over every line (a duplicate ran again)
+    per_consumer: dict[str, dict[str, int]] = field(default_factory=dict)
+    item_ids: set[int] = field(default_factory=set)
+
+
+def summarize_results(results_dir: str) -> ResultsSummary:
+    """Read every `*.jsonl` results file of a run (one per consumer)."""
+    summary = ResultsSummary()
+    seen: Counter[int] = Counter()
+    status: Counter[str] = Counter()
+    if not os.path.isdir(results_dir):
+        return summary
+    for name in sorted(os.listdir(results_dir)):
+        if not name.endswith(".jsonl"):
+            continue
+        consumer = name[: -len(".jsonl")]
+        mine = summary.per_consumer.setdefault(consumer, {"lines": 0, "prompt_tokens": 0, "cached_tokens": 0})
+        with open(os.path.join(results_dir, name), encoding="utf-8") as file:
+            for line in file:
+                row = json.loads(line)
+                item = row["item_id"]
+                if not seen[item]:
+                    summary.prompt_tokens += row["prompt_tokens"]
+                seen[item] += 1
+                status[row["status"]] += 1
+                summary.cached_tokens += row["cached_tokens"]
+                mine["lines"] += 1
+                mine["prompt_tokens"] += row["prompt_tokens"]
+                mine["cached_tokens"] += row["cached_tokens"]
+    summary.lines = sum(seen.values())
+    summary.items = len(seen)
+    summary.duplicates = summary.lines - summary.items
+    summary.by_status = dict(status)
+    summary.item_ids = set(seen)
+    return summary
+
+
+def reconcile(summary: ResultsSummary, broker: dict, expected_items: int | None = None) -> dict:
+    """The run's accounting: received / routed / completed from the broker's status, the
+    results files' distinct items and duplicates, and `lost` (received but no result)."""
+    received = broker["items_received"] + broker.get("items_recovered", 0)
+    accounted = {
+        "items_received": received,
+        "tokens_received": broker["tokens_received"] + broker.get("tokens_recovered", 0),
+        "items_routed": broker["items_routed"],
+        "tokens_routed": broker["tokens_routed"],
+        "items_completed": broker["items_completed"],
+        "tokens_completed": broker["tokens_completed"],
+        "items_with_results": summary.items,
+        "duplicates": summary.duplicates,
+        "lost": received - summary.items if expected_items is None else expected_items - summary.items,
+        "items_empty": summary.by_status.get("too_long", 0),
+        "items_corrupt": summary.by_status.get("corrupt", 0),
+    }
+    return accounted
