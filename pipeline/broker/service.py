@@ -454,8 +454,9 @@ class Broker:
         self.consumers_lost += 1
         consumer.ring.close()
         consumer.ring.unlink()
-        log.warning("consumer %d (%s) lost (%s): %d entries back to dispatch", consumer.consumer_id,
-                    consumer.name, why, returned)
+        level = logging.INFO if why == "goodbye" and not returned else logging.WARNING
+        log.log(level, "consumer %d (%s) gone (%s): %d entries back to dispatch", consumer.consumer_id,
+                consumer.name, why, returned)
 
     # ------------------------------------------------------------- producers
 

@@ -22,7 +22,6 @@ Results file: `results_dir/{name}.jsonl`, one JSON object per item:
 from __future__ import annotations
 
 import base64
-import json
 import logging
 import os
 import threading
@@ -234,13 +233,16 @@ class Consumer:
     @staticmethod
     def _line(d: Descriptor, item_id: int, status: str, prompt: int, cached: int, output: list,
               payload: bytes, submit_ns: int = 0) -> str:
-        return json.dumps({
-            "item_id": item_id, "batch_id": d.batch_id, "dispatch_ns": d.dispatch_ns,
-            "submit_ns": submit_ns, "done_ns": time.monotonic_ns(), "pad_to_tokens": d.pad_to_tokens,
-            "status": status, "prompt_tokens": prompt,
-            "cached_tokens": cached, "output_tokens": len(output), "output": output,
-            "payload": base64.b64encode(payload).decode(),
-        }, separators=(",", ":"))
+        # NOTE: formatted by hand rather than with json.dumps (5x the cost per item): every
+        # value is an int, a list of ints, a fixed status word or base64 text, none of which
+        # needs escaping. tests/consumer checks the lines parse as JSON.
+        return (
+            f'{{"item_id":{item_id},"batch_id":{d.batch_id},"dispatch_ns":{d.dispatch_ns},'
+            f'"submit_ns":{submit_ns},"done_ns":{time.monotonic_ns()},"pad_to_tokens":{d.pad_to_tokens},'
+            f'"status":"{status}","prompt_tokens":{prompt},"cached_tokens":{cached},'
+            f'"output_tokens":{len(output)},"output":[{",".join(map(str, output))}],'
+            f'"payload":"{base64.b64encode(payload).decode()}"}}'
+        )
 
     def _write(self, lines: list[str]) -> None:
         self._results.write("\n".join(lines) + "\n")

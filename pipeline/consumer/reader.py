@@ -33,6 +33,8 @@ from pipeline.layouts import (
 # Segment mappings a consumer keeps open: a sticky shape drains a handful of lanes at a
 # time, so 128 covers them with room while staying far from descriptor limits.
 DEFAULT_OPEN_MAPS_MAX = 128
+# Segment paths remembered (a few hundred bytes each); the cache restarts when full.
+PATH_CACHE_MAX = 4096
 
 
 @dataclass(slots=True)
@@ -58,6 +60,7 @@ class SegmentReader:
         self.open_maps_max = open_maps_max
         self.verify_checksums = verify_checksums
         self._maps: OrderedDict[str, tuple[mmap.mmap, memoryview]] = OrderedDict()
+        self._paths: dict[tuple[int, int, int, int], str] = {}
 
     def _view(self, path: str, end: int) -> memoryview:
         """A read-only view of `path` covering at least [0, end): the broker may have grown
@@ -89,12 +92,19 @@ class SegmentReader:
     def read(self, model: int, signature: int, lane: int, segment_seq: int, offset: int,
              length: int, item_id: int) -> ReadItem:
         """The entry at `offset`, checked against what the descriptor says it is."""
-        path = os.path.join(self.root, segment_relpath(model, signature, lane, segment_seq))
-        view = self._view(path, offset + ENTRY_HEADER_SIZE_BYTES)
+        key = (model, signature, lane, segment_seq)
+        path = self._paths.get(key)
+        if path is None:  # joining paths costs more than the rest of a read
+            if len(self._paths) >= PATH_CACHE_MAX:
+                self._paths.clear()
+            path = self._paths[key] = os.path.join(self.root, segment_relpath(*key))
+        view = self._view(path, offset + ENTRY_HEADER_SIZE_BYTES + length * TOKEN_SIZE_BYTES)
         state, got_length, checksum, got_id, _seq, _producer, prefix_len, payload_len, submit_ns = (
             ENTRY_HEADER_STRUCT.unpack_from(view, offset)
         )
         end = offset + entry_size_bytes(got_length, payload_len)
+        if end > len(view):  # the payload (and pad) runs past what is mapped: map again
+            view = self._view(path, end)
         if state == ENTRY_TOMBSTONE and got_length == length and got_id == item_id:
             raise EntryCompletedError(f"{path}: offset {offset}: item {item_id} was completed already")
         if state != ENTRY_LIVE or got_length != length or got_id != item_id or end > len(view):

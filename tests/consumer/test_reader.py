@@ -76,3 +76,20 @@ def test_checksum_is_verified_after_reading(tmp_path):
     with pytest.raises(SegmentCorruptError, match="checksum"):
         reader.read(2, SIG, 2, 0, int(offsets[1]), int(items["length"][1]), int(items["item_id"][1]))
     reader.close()
+
+
+def test_entry_whose_payload_crosses_the_mapped_end(tmp_path):
+    # Map the file while it ends inside an entry's payload (as a consumer may, between the
+    # broker's file growth steps): the reader maps again instead of calling it damage.
+    path, frame, segment = store(str(tmp_path), 3, 2, 5)
+    offsets = scan_segment(path).offsets
+    items = frame[0]
+    reader = SegmentReader(str(tmp_path))
+    mapping_end = int(offsets[1]) + 64 + 4 * int(items["length"][1])  # header and tokens only
+    reader._view(path, 0)
+    mapping, view = reader._maps[path]
+    reader._maps[path] = (mapping, view[:mapping_end])
+    got = reader.read(2, SIG, 3, 0, int(offsets[1]), int(items["length"][1]), int(items["item_id"][1]))
+    assert got.payload == frame[3][frame[4][1]:frame[4][2]].tobytes()
+    reader.close()
+    segment.close()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -16,10 +15,8 @@ from pipeline.broker.service import BrokerConfig
 from pipeline.consumer.process import ConsumerConfig
 from pipeline.producer.client import BrokerProducer
 from pipeline.producer.signature import signature
-from pipeline.protocol import Connection
-from pipeline.runtime.processes import serve_broker, serve_consumer
-
-CTX = mp.get_context("fork")
+from pipeline.runtime.local import CTX, broker_status, start_consumer, stop_process
+from pipeline.runtime.local import start_broker as _start_broker
 
 
 @dataclass
@@ -75,34 +72,8 @@ def _submit(client: BrokerProducer, workload: Workload, batch: list) -> None:
     )
 
 
-def _broker_main(data_dir: str, heartbeat_timeout_s: float, durability: str) -> None:
-    os._exit(serve_broker(BrokerConfig(data_dir, heartbeat_timeout_s=heartbeat_timeout_s), "disk", durability))
-
-
-def _consumer_main(config: ConsumerConfig) -> None:
-    os._exit(serve_consumer(config))
-
-
 def start_broker(data_dir: str, heartbeat_timeout_s: float = 10.0, durability: str = "process"):
-    process = CTX.Process(target=_broker_main, args=(data_dir, heartbeat_timeout_s, durability))
-    process.start()
-    path = BrokerConfig(data_dir).socket_path
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if os.path.exists(path):
-            try:
-                Connection.connect(path).close()
-                return process
-            except OSError:
-                pass
-        time.sleep(0.02)
-    raise TimeoutError("broker did not start")
-
-
-def start_consumer(config: ConsumerConfig):
-    process = CTX.Process(target=_consumer_main, args=(config,))
-    process.start()
-    return process
+    return _start_broker(BrokerConfig(data_dir, heartbeat_timeout_s=heartbeat_timeout_s), "disk", durability)
 
 
 def start_producer(socket_path: str, workload: Workload, producer: int):
@@ -112,11 +83,7 @@ def start_producer(socket_path: str, workload: Workload, producer: int):
 
 
 def status(socket_path: str) -> dict:
-    conn = Connection.connect(socket_path)
-    try:
-        return conn.request({"type": "status"})["counters"]
-    finally:
-        conn.close()
+    return broker_status(socket_path)
 
 
 def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.05):
@@ -130,13 +97,7 @@ def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.05):
 
 
 def stop(process, sig: int = signal.SIGTERM, timeout_s: float = 20) -> int | None:
-    if process.is_alive():
-        os.kill(process.pid, sig)
-    process.join(timeout_s)
-    if process.is_alive():
-        process.kill()
-        process.join(5)
-    return process.exitcode
+    return stop_process(process, sig, timeout_s)
 
 
 def read_results(results_dir: str) -> list[dict]:

@@ -137,9 +137,12 @@ class SimEngine(Engine):
             hits += 1
         block = self.config.block_size_tokens
         cached = min(hits * block, ((length - 1) // block) * block)
+        touch = cache.move_to_end
         for h in reversed(hashes):  # tail first: the head ends most recent
-            cache[h] = None
-            cache.move_to_end(h)
+            try:
+                touch(h)  # a hit: one operation
+            except KeyError:
+                cache[h] = None  # new: inserted as the most recent
         evicted = 0
         while len(cache) > self._capacity_blocks:
             cache.popitem(last=False)

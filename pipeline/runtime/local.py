@@ -1,0 +1,74 @@
+"""Start and stop the pipeline's processes on this machine (the launcher, benchmarks and
+end-to-end tests use these).
+
+Processes are forked from the caller, so they share its imports and start in milliseconds.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+
+from pipeline.broker.service import BrokerConfig
+from pipeline.consumer.process import ConsumerConfig
+from pipeline.protocol import Connection
+from pipeline.runtime.processes import serve_broker, serve_consumer
+
+CTX = mp.get_context("fork")
+# How long to wait for a new broker's socket to answer.
+BROKER_START_TIMEOUT_S = 30.0
+
+
+def _broker_main(config: BrokerConfig, storage: str, durability: str) -> None:
+    os._exit(serve_broker(config, storage, durability))
+
+
+def _consumer_main(config: ConsumerConfig) -> None:
+    os._exit(serve_consumer(config))
+
+
+def start_broker(config: BrokerConfig, storage: str = "disk", durability: str = "process"):
+    """Fork a broker and wait until its control socket answers."""
+    process = CTX.Process(target=_broker_main, args=(config, storage, durability), name="broker")
+    process.start()
+    deadline = time.monotonic() + BROKER_START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if not process.is_alive():
+            raise RuntimeError(f"the broker exited at start with status {process.exitcode}")
+        if os.path.exists(config.socket_path):
+            try:
+                Connection.connect(config.socket_path).close()
+                return process
+            except OSError:
+                pass
+        time.sleep(0.02)
+    process.kill()
+    raise TimeoutError(f"the broker did not answer on {config.socket_path} within {BROKER_START_TIMEOUT_S} s")
+
+
+def start_consumer(config: ConsumerConfig):
+    process = CTX.Process(target=_consumer_main, args=(config,), name=f"consumer-{config.name}")
+    process.start()
+    return process
+
+
+def broker_status(socket_path: str, timeout_s: float = 5.0) -> dict:
+    """The broker's counters (the `status` request)."""
+    conn = Connection.connect(socket_path, timeout_s)
+    try:
+        return conn.request({"type": "status"}, timeout_s)["counters"]
+    finally:
+        conn.close()
+
+
+def stop_process(process, sig: int = signal.SIGTERM, timeout_s: float = 20.0) -> int | None:
+    """Ask a process to stop (SIGTERM: graceful), then kill it if it does not; its status."""
+    if process.is_alive():
+        os.kill(process.pid, sig)
+    process.join(timeout_s)
+    if process.is_alive():
+        process.kill()
+        process.join(5)
+    return process.exitcode

@@ -1,0 +1,47 @@
+"""A consumer runs one batch from a descriptor: results written as JSON lines, too-long items
+returned empty, the summary it reports."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import numpy as np
+
+from pipeline.broker.storage.segment import scan_segment
+from pipeline.consumer.process import Consumer, ConsumerConfig
+from pipeline.consumer.reader import SegmentReader
+from pipeline.layouts import DESCRIPTOR_ITEM_DTYPE, descriptor_size_bytes, parse_descriptor, write_descriptor
+from tests.consumer.test_reader import SIG, store
+
+
+def test_run_batch_writes_a_parseable_line_per_item(tmp_path):
+    path, (items, tokens, starts, payloads, pstarts), segment = store(str(tmp_path), 0, 6, 9)
+    offsets = scan_segment(path).offsets
+    rows = np.zeros(6, dtype=DESCRIPTOR_ITEM_DTYPE)
+    rows["lane"], rows["segment_seq"] = 0, 0
+    rows["offset"], rows["length"], rows["item_id"] = offsets, items["length"], items["item_id"]
+    buf = np.zeros(descriptor_size_bytes(6), dtype=np.uint8)
+    write_descriptor(buf, 0, batch_id=7, signature=SIG, model=2, pad_to_tokens=400, dispatch_ns=5, items=rows)
+    limit = int(np.sort(items["length"])[3])  # a few items are longer than the contract allows
+    config = ConsumerConfig("unused.sock", str(tmp_path / "results"), "gpu0", model=2, max_input_len=limit)
+    consumer = Consumer(config)
+    consumer._reader = SegmentReader(str(tmp_path))
+    summary = consumer.run_batch(parse_descriptor(buf))
+    consumer._results.close()
+    lines = [json.loads(line) for line in open(consumer.results_path)]
+    assert [row["item_id"] for row in sorted(lines, key=lambda r: r["item_id"])] == sorted(items["item_id"].tolist())
+    too_long = {int(i) for i, n in zip(items["item_id"], items["length"]) if n > limit}
+    for row in lines:
+        k = int(np.flatnonzero(items["item_id"] == row["item_id"])[0])
+        assert row["batch_id"] == 7 and row["pad_to_tokens"] == 400
+        assert base64.b64decode(row["payload"]) == payloads[pstarts[k]:pstarts[k + 1]].tobytes()
+        assert row["prompt_tokens"] == int(items["length"][k])
+        if row["item_id"] in too_long:
+            assert row["status"] == "too_long" and row["output"] == [] and row["output_tokens"] == 0
+        else:
+            assert row["status"] == "ok" and len(row["output"]) == row["output_tokens"] > 0
+    assert summary["items_too_long"] == len(too_long) and summary["items_ok"] == 6 - len(too_long)
+    assert summary["prompt_tokens"] == sum(int(n) for n in items["length"] if n <= limit)
+    consumer._reader.close()
+    segment.close()
