@@ -45,3 +45,12 @@ def test_run_batch_writes_a_parseable_line_per_item(tmp_path):
     assert summary["prompt_tokens"] == sum(int(n) for n in items["length"] if n <= limit)
     consumer._reader.close()
     segment.close()
+
+
+def test_consumer_pins_its_gpu(tmp_path, monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    consumer = Consumer(ConsumerConfig("unused.sock", str(tmp_path), "gpu3", gpu=3))
+    import os
+
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "3"
+    consumer._results.close()
