@@ -197,9 +197,9 @@ def test_bad_registrations_and_completions_get_clear_errors(tmp_path):
 def test_huge_backlog_never_makes_a_healthy_consumer_look_dead(tmp_path):
     # 120,000 small items ingested as fast as the producer writes them, and a consumer that
     # takes one item per batch: without the 100 ms work slices, fill and dispatch would hold
-    # the loop for seconds, far past the 0.5 s heartbeat timeout.
+    # the loop for seconds, far past the 1 s heartbeat timeout.
     data = str(tmp_path / "data")
-    broker = start_broker(data, heartbeat_timeout_s=0.5)
+    broker = start_broker(data, heartbeat_timeout_s=1.0)
     socket_path = BrokerConfig(data).socket_path
     workload = Workload(shapes=3, items_per_producer=60_000)
     config = ConsumerConfig(socket_path, str(tmp_path / "results"), "c0", max_batch_items=1,
