@@ -9,6 +9,9 @@ Throughput: 2 producer processes submit 256-token items (8 shapes, `submit_many`
 processes run them on the sim engine at zero cost (contract 64 items / 65,536 tokens).
 Elapsed time runs from the producers' start to the broker counting every item completed.
 
+CPU per item: each process's CPU time (user + system, psutil) over the items of the run:
+where the time goes when all five share two cores.
+
 Latency at low load: one producer submits one item at a time, 400 items a second, to the
 same pipeline; latency is a result line's `done_ns - submit_ns` (the producer's submit to
 the consumer's result written and flushed, one monotonic clock), p50 and p99.
@@ -25,6 +28,7 @@ import tempfile
 import time
 
 import numpy as np
+import psutil
 
 from pipeline.broker.service import BrokerConfig
 from pipeline.consumer.process import ConsumerConfig
@@ -89,6 +93,17 @@ def _wait_completed(socket_path: str, total: int, timeout_s: float) -> dict:
     raise TimeoutError(f"only {status(socket_path)['items_completed']} of {total} completed")
 
 
+def _cpu_seconds(processes: dict[str, psutil.Process], into: dict[str, float]) -> None:
+    """Record each live process's CPU time (user + system); the last reading before it
+    exits stays."""
+    for name, process in processes.items():
+        try:
+            times = process.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        into[name] = times.user + times.system
+
+
 def throughput(items_per_producer: int) -> dict:
     root = tempfile.mkdtemp(prefix="bench-pipeline-")
     broker, socket_path, workers, _results = _pipeline(root, consumers=2)
@@ -97,9 +112,16 @@ def throughput(items_per_producer: int) -> dict:
         producers = [CTX.Process(target=_flood, args=(socket_path, items_per_producer, p)) for p in range(2)]
         for p in producers:
             p.start()
+        watched = {"broker": broker, **{f"consumer {k}": w for k, w in enumerate(workers)},
+                   **{f"producer {k}": p for k, p in enumerate(producers)}}
+        processes = {name: psutil.Process(p.pid) for name, p in watched.items()}
         total = 2 * items_per_producer
-        counters = _wait_completed(socket_path, total, timeout_s=600)
+        cpu: dict[str, float] = {}
+        while (counters := status(socket_path))["items_completed"] < total:
+            _cpu_seconds(processes, cpu)
+            time.sleep(0.05)
         elapsed = time.monotonic() - started
+        _cpu_seconds(processes, cpu)
         for p in producers:
             p.join(60)
     finally:
@@ -108,7 +130,8 @@ def throughput(items_per_producer: int) -> dict:
         stop(broker)
         shutil.rmtree(root, ignore_errors=True)
     return {"items": total, "seconds": elapsed, "items_per_s": total / elapsed,
-            "tokens_per_s": total * TOKENS / elapsed, "tokens_completed": counters["tokens_completed"]}
+            "tokens_per_s": total * TOKENS / elapsed, "tokens_completed": counters["tokens_completed"],
+            "cpu_us_per_item": {name: 1e6 * seconds / total for name, seconds in cpu.items()}}
 
 
 def latency(items: int, rate_per_s: float) -> dict:
@@ -144,6 +167,9 @@ def main() -> int:
     print(f"throughput, {best['items']:,} items of {TOKENS} tokens: {best['items_per_s']:,.0f} items/s, "
           f"{best['tokens_per_s'] / 1e6:,.1f} M tokens/s ({best['seconds']:.2f} s); "
           f"tokens completed {best['tokens_completed']:,} of {best['items'] * TOKENS:,}")
+    shares = ", ".join(f"{name} {us:.1f}" for name, us in best["cpu_us_per_item"].items())
+    print(f"CPU per item (us, over all items; each consumer runs half of them): {shares}; "
+          f"total {sum(best['cpu_us_per_item'].values()):.1f} us on {os.cpu_count()} cpus")
     low = latency(400 if args.quick else 2000, rate_per_s=400)
     print(f"latency at 400 items/s, one item per submit, {low['items']} items: p50 {low['p50_ms']:.2f} ms, "
           f"p99 {low['p99_ms']:.2f} ms, max {low['max_ms']:.2f} ms")
