@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import signal
 import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import posix_ipc
@@ -40,6 +42,19 @@ POOL = np.random.default_rng(7).integers(0, 256, size=1 << 20, dtype=np.uint8)
 def body_for(i: int, size: int) -> np.ndarray:
     start = (i * 7919) % (POOL.shape[0] - size)
     return POOL[start:start + size]
+
+
+@contextmanager
+def ring_pair(shm_name, capacity: int = 4096, **options) -> Iterator[tuple[RingWriter, RingReader]]:
+    """A new ring and a reader of it; both closed and the ring unlinked afterwards."""
+    writer = RingWriter.create(shm_name(), capacity, **options)
+    reader = RingReader.attach(writer.name)
+    try:
+        yield writer, reader
+    finally:
+        reader.close()
+        writer.close()
+        writer.unlink()
 
 
 def sizes_for(seed: int, count: int, max_size: int) -> np.ndarray:
@@ -97,10 +112,7 @@ def test_two_processes_twenty_million_records(shm_name, ctx):
 def test_every_body_size_at_every_offset(shm_name):
     # One process, deterministic: a 4 KiB ring; at every 16-byte start offset, bodies of
     # every size modulo 16, the smallest sizes and the largest ones (which must wrap).
-    name = shm_name()
     capacity = 4096
-    writer = RingWriter.create(name, capacity)
-    reader = RingReader.attach(name)
     limit = max_body_bytes(capacity)
     sizes = list(range(0, 40)) + list(range(limit - 40, limit + 1))
     i = 0
@@ -114,7 +126,7 @@ def test_every_body_size_at_every_offset(shm_name):
         reader.release(record.end)
         i += 1
 
-    try:
+    with ring_pair(shm_name, capacity) as (writer, reader):
         for offset in range(0, capacity, RECORD_ALIGN_BYTES):
             for size in sizes:
                 # Filler records move the next start to `offset` (each at most half the ring).
@@ -122,17 +134,10 @@ def test_every_body_size_at_every_offset(shm_name):
                     tail = capacity - writer.write_pos % capacity  # fillers never wrap
                     put_and_check(min(gap, tail, capacity // 2) - RECORD_HEADER_SIZE_BYTES)
                 put_and_check(size)
-    finally:
-        writer.close()
-        reader.close()
-        writer.unlink()
 
 
 def test_zero_copy_views(shm_name):
-    name = shm_name()
-    writer = RingWriter.create(name, 4096)
-    reader = RingReader.attach(name)
-    try:
+    with ring_pair(shm_name) as (writer, reader):
         writer.write(b"x" * 40)
         record = reader.poll()
         # The body is a view into the mapping, not a copy, and it is read-only.
@@ -143,10 +148,6 @@ def test_zero_copy_views(shm_name):
         assert region <= address < region + reader.capacity_bytes
         assert (address - region) % RECORD_ALIGN_BYTES == 0
         del record
-    finally:
-        writer.close()
-        reader.close()
-        writer.unlink()
 
 
 def slow_reader_proc(name: str, count: int, pipe) -> None:
@@ -184,16 +185,9 @@ def test_full_ring_times_out_then_blocks_until_released(shm_name, ctx):
 
 
 def test_peek_timeout_returns_none_on_empty_ring(shm_name):
-    name = shm_name()
-    writer = RingWriter.create(name, 4096)
-    reader = RingReader.attach(name)
-    try:
+    with ring_pair(shm_name) as (_writer, reader):
         assert reader.peek(timeout_s=0.01) is None
         assert reader.poll() is None
-    finally:
-        reader.close()
-        writer.close()
-        writer.unlink()
 
 
 def killed_writer_proc(name: str, record_size: int, pipe) -> None:
@@ -393,43 +387,30 @@ def test_only_the_creator_unlinks_and_only_once(shm_name):
 
 
 def test_writer_close_ends_the_stream_after_the_last_record(shm_name):
-    name = shm_name()
-    writer = RingWriter.create(name, 4096)
-    reader = RingReader.attach(name)
-    writer.write(b"last")
-    writer.close()
-    with pytest.raises(RingClosedError):
-        writer.write(b"more")
-    assert bytes(reader.peek(timeout_s=1).body) == b"last"
-    with pytest.raises(RingClosedError):
-        reader.peek(timeout_s=1)
-    reader.close()
-    writer.unlink()
+    with ring_pair(shm_name) as (writer, reader):
+        writer.write(b"last")
+        writer.close()
+        with pytest.raises(RingClosedError):
+            writer.write(b"more")
+        assert bytes(reader.peek(timeout_s=1).body) == b"last"
+        with pytest.raises(RingClosedError):
+            reader.peek(timeout_s=1)
 
 
 def test_closed_reader_fails_a_writer_that_needs_room(shm_name):
-    name = shm_name()
-    writer = RingWriter.create(name, 4096)
-    reader = RingReader.attach(name)
-    for _ in range(4):
-        writer.write(b"q" * 1000)
-    reader.close()
-    with pytest.raises(RingClosedError, match="reader closed"):
-        writer.write(b"q" * 1000, timeout_s=5)
-    writer.close()
-    writer.unlink()
+    with ring_pair(shm_name) as (writer, reader):
+        for _ in range(4):
+            writer.write(b"q" * 1000)
+        reader.close()
+        with pytest.raises(RingClosedError, match="reader closed"):
+            writer.write(b"q" * 1000, timeout_s=5)
 
 
 def test_record_larger_than_half_the_ring_is_refused(shm_name):
-    name = shm_name()
-    writer = RingWriter.create(name, 4096)
-    try:
+    with ring_pair(shm_name) as (writer, _reader):
         writer.write(b"a" * max_body_bytes(4096))
         with pytest.raises(RecordTooLargeError, match="limit"):
             writer.write(b"a" * (max_body_bytes(4096) + 1))
-    finally:
-        writer.close()
-        writer.unlink()
 
 
 def test_reader_that_restarts_sees_unreleased_records_again(shm_name):
@@ -452,23 +433,15 @@ def test_reader_that_restarts_sees_unreleased_records_again(shm_name):
 
 
 def test_scribbled_record_header_is_reported_not_misread(shm_name):
-    name = shm_name()
-    writer = RingWriter.create(name, 4096)
-    reader = RingReader.attach(name)
-    writer.write(b"fine")
-    writer.write(b"damaged")
-    first = reader.poll()
-    # Overwrite the second record's header (its own-position word) as a stray writer would.
-    second_at = first.end % 4096
-    writer.buf[second_at + 8:second_at + 16] = (12345).to_bytes(8, "little")
-    try:
+    with ring_pair(shm_name) as (writer, reader):
+        writer.write(b"fine")
+        writer.write(b"damaged")
+        first_end = reader.poll().end
+        # Overwrite the second record's header (its own-position word) as a stray writer would.
+        second_at = first_end % 4096
+        writer.buf[second_at + 8:second_at + 16] = (12345).to_bytes(8, "little")
         with pytest.raises(StaleObjectError, match="own position 12345"):
             reader.poll()
-    finally:
-        del first
-        reader.close()
-        writer.close()
-        writer.unlink()
 
 
 def doorbell_waiter_proc(bell_name: str, names: list[str], expected: int, pipe) -> None:
@@ -517,22 +490,15 @@ def test_one_reader_sleeps_on_a_doorbell_for_many_rings(shm_name, ctx):
 
 def test_doorbell_count_stays_bounded(shm_name):
     bell = Doorbell.create(shm_name("bell"))
-    name = shm_name()
-    writer = RingWriter.create(name, 1 << 16, doorbell=bell.name)
-    reader = RingReader.attach(name)
     try:
-        for i in range(5000):
-            writer.write(b"r")
-            reader.release(reader.poll().end)
-        sem = posix_ipc.Semaphore(bell.name)
-        assert sem.value <= 1
-        sem.close()
-        data = posix_ipc.Semaphore(name + ".d")
-        assert data.value <= 1
-        data.close()
+        with ring_pair(shm_name, 1 << 16, doorbell=bell.name) as (writer, reader):
+            for _ in range(5000):
+                writer.write(b"r")
+                reader.release(reader.poll().end)
+            for name in (bell.name, writer.name + ".d"):
+                sem = posix_ipc.Semaphore(name)
+                assert sem.value <= 1, name
+                sem.close()
     finally:
-        reader.close()
-        writer.close()
-        writer.unlink()
         bell.close()
         bell.unlink()
