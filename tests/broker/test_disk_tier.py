@@ -404,3 +404,19 @@ def test_entry_location_names_the_segment_file(tmp_path):
         assert (lane, offset) == (1, ref.offset) and offset in scan_segment(path).offsets.tolist()
     assert len({tier.entry_location(ref)[1] for ref in refs}) > 1  # it rotated
     tier.close()
+
+
+@pytest.mark.slow
+def test_one_hundred_thousand_lanes_with_bounded_open_files(tmp_path):
+    # SPEC §5: 100,000 lanes across shapes must not exhaust descriptors (the soft limit here
+    # is far below 100,000) and must not take the disk (64 KiB first allocation each).
+    tier = DiskTier.open(str(tmp_path), open_files_max=64)
+    lanes = [LaneKey(0, 0x1000 + n // 2000, LaneId(n % 2000)) for n in range(100_000)]
+    for n, lane in enumerate(lanes):
+        append(tier, lane, 1, n, [16])
+    assert len(tier.store._open) <= 64
+    assert sum(1 for _ in iter_segments(str(tmp_path))) == 100_000
+    for n in (0, 54_321, 99_999):
+        (entry,) = tier.peek(lanes[n], 5)
+        assert tier.read_tokens(entry.ref).shape == (16,)
+    tier.close()

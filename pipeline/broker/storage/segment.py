@@ -55,8 +55,9 @@ from pipeline.layouts import (
 from shm.layout import field_offset
 
 # First preallocation of a new segment: most lanes of a many-shape workload hold a few
-# batches, and 100,000 lanes x 1 MiB is 100 GB of allocation, not 6 TB.
-FIRST_ALLOCATION_BYTES = 1 << 20
+# batches, so 100,000 lanes take 6.4 GB of allocation at 64 KiB each (at 1 MiB: 100 GB);
+# a busy lane doubles its file up to the segment limit in ten steps.
+FIRST_ALLOCATION_BYTES = 64 << 10
 # Segments seal at this size: big enough that per-file costs (open, fsync of the directory,
 # the header page) vanish, small enough that a fully completed segment is freed soon.
 DEFAULT_SEGMENT_MAX_BYTES = 64 << 20
