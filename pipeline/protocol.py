@@ -178,11 +178,14 @@ class Connection:
         readable, _, _ = select.select([self.sock], [], [], 0)
         if not readable:
             return
+        previous = self.sock.gettimeout()
         self.sock.settimeout(0)
         try:
             data = self.sock.recv(65536)
         except BlockingIOError:
             return
+        finally:
+            self.sock.settimeout(previous)  # the heartbeat thread's sends block as before
         if not data:
             raise ConnectionError("the broker closed the connection")
         self._inbox.extend(self._reader.feed(data))

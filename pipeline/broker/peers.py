@@ -92,5 +92,6 @@ class ConsumerPeer:
     name: str
     pid: int
     credit: int = 0
+    broken: str = ""  # why it must be disconnected, once the batch in hand is abandoned
     batches: dict[int, Batch] = field(default_factory=dict)
     totals: ConsumerTotals = field(default_factory=ConsumerTotals)

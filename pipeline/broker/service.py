@@ -67,7 +67,7 @@ from pipeline.layouts import (
 )
 from pipeline.protocol import encode
 from shm.objects import Doorbell, ObjectExistsError
-from shm.ring import RingReader, RingWriter, SharedRing
+from shm.ring import RingReader, RingWriter, SharedRing, max_body_bytes
 
 log = logging.getLogger("pipeline.broker")
 
@@ -139,13 +139,18 @@ class Broker:
     storage (the data directory stays: it is the durable store).
     """
 
-    def __init__(self, config: BrokerConfig, storage: StorageTier) -> None:
+    def __init__(self, config: BrokerConfig, storage: StorageTier, lock_fd: int | None = None) -> None:
+        """`lock_fd`: the run directory's lock (`lock_run_dir`) when the caller took it before
+        opening the storage, as it must for the disk tier: recovery changes files."""
         self.config = config
-        os.makedirs(config.run_dir, mode=0o700, exist_ok=True)
-        self._lock_fd = _lock_run_dir(config.run_dir)
+        self._lock_fd = lock_fd if lock_fd is not None else lock_run_dir(config.run_dir)
         self.state = BrokerState(os.path.join(config.data_dir, STATE_NAME))
         self.state.generation += 1
-        self.state.save()
+        try:
+            self.state.save()
+        except OSError as exc:  # a full disk must not keep the broker from draining it
+            log.warning("could not save %s (%s); going on with generation %d", self.state.path, exc,
+                        self.state.generation)
         self.namespace = namespace_for(config.data_dir)
         self.storage = storage
         self.dispatcher = Dispatcher(storage)
@@ -169,6 +174,8 @@ class Broker:
         self.disk_full_since_s: float | None = None
         self._held_back: tuple[ProducerPeer, int] | None = None  # the record a full disk kept
         self.consumers_lost = 0
+        self._refused_producers: dict[int, str] = {}  # wrote a record that is not a frame
+        self._remove_stale_consumer_rings()
         self._catch_up()
 
     # ------------------------------------------------------------------ loop
@@ -206,11 +213,20 @@ class Broker:
             self.producers[producer_id] = ProducerPeer(None, producer_id, name, ring)
         while self._fill(time.monotonic(), catching_up=True):
             pass
-        for producer in list(self.producers.values()):
-            if not psutil.pid_exists(producer.ring.writer_pid):
-                self._forget_producer(producer)
+        self._finish_unregistered()  # rings of dead writers, once drained (not if the disk is full)
         if self.producers:
             log.info("caught up with %d producer rings", len(self.producers))
+
+    def _remove_stale_consumer_rings(self) -> None:
+        """Descriptor rings of earlier broker runs (a crash leaves them: the consumers only
+        detach): nobody reads them any more."""
+        prefix = f"sbrk-{self.namespace}-g"
+        current = f"{prefix}{self.state.generation}-"
+        for entry in os.listdir("/dev/shm"):
+            name = entry[4:] if entry.startswith("sem.") else entry
+            if name.startswith(prefix) and not name.startswith(current) and not entry.startswith("sem."):
+                removed = SharedRing.unlink_leftover(f"/{name}")
+                log.info("removed a descriptor ring of an earlier run: %s", removed)
 
     def _watch_doorbell(self) -> None:
         while not self._stopping.is_set():
@@ -231,13 +247,13 @@ class Broker:
             if producer.ring is None or self.disk_full_since_s is not None:
                 continue
             while time.monotonic() < deadline:
-                record = producer.ring.poll()
-                if record is None:
-                    break
                 try:
+                    record = producer.ring.poll()
+                    if record is None:
+                        break
                     frame = parse_frame(record.body, where=f"ring {producer.ring_name} position {record.start}")
                     self.dispatcher.ingest(frame, time.monotonic())
-                except (FrameError, BadInputError) as exc:
+                except (FrameError, BadInputError, ShmError) as exc:
                     log.error("producer %d: %s; disconnecting it", producer.producer_id, exc)
                     self._drop_producer(producer, f"bad frame: {exc}")
                     break
@@ -253,8 +269,11 @@ class Broker:
                 producer.frames += 1
                 producer.items += frame.items.shape[0]
                 ingested = True
-        if ingested:
+        if ingested or self.storage.needs_flush:
+            # A frame a full disk cut short may have left appends to flush even when no
+            # record was ingested whole; the dispatcher serves nothing before a flush.
             self.dispatcher.flush()  # then, only then, release the records (SPEC §5)
+        if ingested:
             for producer in self.producers.values():
                 if producer.ring is not None and producer.unreleased_end is not None:
                     producer.ring.release(producer.unreleased_end)
@@ -280,12 +299,22 @@ class Broker:
         return True
 
     def _finish_unregistered(self) -> None:
-        for producer in [p for p in self.producers.values()
-                         if p.unregistered or (p.peer is not None and p.peer.closed)]:
-            ring = producer.ring
-            if ring is not None and (ring.cursor != ring.write_pos or producer.unreleased_end is not None):
-                continue  # still draining what it published
-            self._forget_producer(producer)
+        """Forget producers that said goodbye, or whose process died, once everything they
+        published is stored. A producer whose connection merely dropped keeps its ring: it
+        reconnects and registers again."""
+        for producer in list(self.producers.values()):
+            if producer.unregistered or (producer.peer is None and self._writer_dead(producer)):
+                if self._drained(producer):
+                    self._forget_producer(producer)
+
+    def _drained(self, producer: ProducerPeer) -> bool:
+        ring = producer.ring
+        held = self._held_back is not None and self._held_back[0] is producer
+        return ring is None or (ring.cursor == ring.write_pos and producer.unreleased_end is None and not held)
+
+    @staticmethod
+    def _writer_dead(producer: ProducerPeer) -> bool:
+        return producer.ring is None or not psutil.pid_exists(producer.ring.writer_pid)
 
     # -------------------------------------------------------------- dispatch
 
@@ -304,6 +333,8 @@ class Broker:
                     continue
                 if not self._send_batch(consumer, batch):
                     self.dispatcher.abandon(batch)
+                    if consumer.broken:
+                        self._disconnect(consumer.peer.sock, consumer.broken)
                     continue
                 self.dispatcher.commit(batch)
                 consumer.batches[batch.batch_id] = batch
@@ -321,6 +352,10 @@ class Broker:
         try:
             at = consumer.ring.reserve(size, timeout_s=0)
         except RingTimeoutError:
+            return False
+        except ShmError as exc:  # registration bounds batches, so this is a ring gone wrong
+            log.error("consumer %d: descriptor ring: %s", consumer.consumer_id, exc)
+            consumer.broken = f"descriptor ring: {exc}"
             return False
         write_descriptor(consumer.ring.buf, at, batch.batch_id, batch.signature, batch.model,
                          batch.pad_to_tokens, time.monotonic_ns(), rows)
@@ -411,6 +446,12 @@ class Broker:
                             message["max_input_len"])
         if contract.model >= self.config.max_models:
             raise BadInputError(f"model {contract.model} is unknown (models are 0..{self.config.max_models - 1})")
+        largest = descriptor_size_bytes(contract.max_batch_items)
+        if largest > max_body_bytes(self.config.descriptor_ring_bytes):
+            raise BadInputError(
+                f"max_batch_items {contract.max_batch_items} needs {largest}-byte descriptors; the "
+                f"descriptor ring takes at most {max_body_bytes(self.config.descriptor_ring_bytes)}"
+            )
         consumer_id = ConsumerId(self._next_consumer_id)
         self._next_consumer_id += 1
         ring_name = consumer_ring_name(self.namespace, consumer_id, self.state.generation)
@@ -465,9 +506,15 @@ class Broker:
         if producer_id < 0:
             producer_id = self.state.next_producer_id
             self.state.next_producer_id += 1
-            self.state.save()
+            try:
+                self.state.save()
+            except OSError as exc:  # a full disk, say: refuse this producer, serve the rest
+                self._refuse(sock, f"cannot record a new producer id in {self.state.path}: {exc}")
+                return
         elif producer_id >= self.state.next_producer_id:
             raise BadInputError(f"producer id {producer_id} was never handed out by this broker")
+        if producer_id in self._refused_producers:
+            raise BadInputError(f"producer {producer_id} is refused: {self._refused_producers[producer_id]}")
         known = self.producers.get(producer_id)
         if known is not None and known.peer is not None:
             raise BadInputError(f"producer {producer_id} is already connected")
@@ -497,13 +544,17 @@ class Broker:
             raise BadInputError(f"producer {producer.producer_id}: ring {producer.ring_name}: {exc}") from exc
 
     def _drop_producer(self, producer: ProducerPeer, why: str) -> None:
+        """A producer wrote a record that is not a valid frame: stop reading its ring (what
+        came before is stored), leave the ring for an operator to inspect, disconnect it."""
+        self.producers.pop(producer.producer_id, None)
+        self._refused_producers[producer.producer_id] = why
+        if producer.ring is not None:
+            producer.ring.close(mark_closed=False)
         if producer.peer is not None:
             self._refuse(producer.peer.sock, why)
-        elif producer.ring is not None:
-            producer.ring.close(mark_closed=False)  # an adopted ring with a bad record: leave it
-            self.producers.pop(producer.producer_id, None)
 
     def _forget_producer(self, producer: ProducerPeer) -> None:
+        assert self._drained(producer), producer.producer_id
         self.producers.pop(producer.producer_id, None)
         connected = producer.peer is not None and not producer.peer.closed
         if producer.ring is not None:
@@ -531,6 +582,7 @@ class Broker:
         if isinstance(owner, ConsumerPeer):
             self._drop_consumer(owner, why)
         elif isinstance(owner, ProducerPeer):
+            owner.peer = None  # it may register again; its ring stays until drained and dead
             log.info("producer %d disconnected (%s)", owner.producer_id, why)
 
     def status(self) -> dict:
@@ -585,8 +637,10 @@ class Broker:
         os.close(self._lock_fd)
 
 
-def _lock_run_dir(run_dir: str) -> int:
-    """One broker per data directory: an exclusive lock held for the broker's lifetime."""
+def lock_run_dir(run_dir: str) -> int:
+    """One broker per data directory: an exclusive lock held for the broker's lifetime.
+    Take it before opening the storage: recovery changes files a running broker uses."""
+    os.makedirs(run_dir, mode=0o700, exist_ok=True)
     fd = os.open(os.path.join(run_dir, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -90,7 +90,7 @@ class SegmentReader:
             pass
 
     def read(self, model: int, signature: int, lane: int, segment_seq: int, offset: int,
-             length: int, item_id: int) -> ReadItem:
+             length: int, item_id: int, _retried: bool = False) -> ReadItem:
         """The entry at `offset`, checked against what the descriptor says it is."""
         key = (model, signature, lane, segment_seq)
         path = self._paths.get(key)
@@ -105,6 +105,11 @@ class SegmentReader:
         end = offset + entry_size_bytes(got_length, payload_len)
         if end > len(view):  # the payload (and pad) runs past what is mapped: map again
             view = self._view(path, end)
+        if (got_length != length or got_id != item_id) and not _retried:
+            # A mapping of a file that was deleted and made again under the same name (a
+            # restarted broker reuses a lane's sequence numbers): map the path afresh.
+            self._drop(path)
+            return self.read(model, signature, lane, segment_seq, offset, length, item_id, _retried=True)
         if state == ENTRY_TOMBSTONE and got_length == length and got_id == item_id:
             raise EntryCompletedError(f"{path}: offset {offset}: item {item_id} was completed already")
         if state != ENTRY_LIVE or got_length != length or got_id != item_id or end > len(view):

@@ -63,15 +63,25 @@ class BrokerProducer(Producer):
     def _reconnect(self) -> None:
         backoff = RECONNECT_FIRST_S
         while not self._closing.is_set():
+            conn = None
             try:
                 conn = Connection.connect(self.socket_path)
                 conn.request({"type": "register_producer", "pid": os.getpid(), "producer_id": self.producer_id})
                 conn.send({"type": "producer_ready", "ring": self.ring.name})
-            except (OSError, TimeoutError, ProtocolError):
+            except ProtocolError:
+                if conn is not None:
+                    conn.close()
+                return  # the broker refused this producer (it says why in its log): stop asking
+            except (OSError, TimeoutError):
+                if conn is not None:
+                    conn.close()  # a half-made registration must not linger at the broker
                 time.sleep(backoff)
                 backoff = min(2 * backoff, RECONNECT_MAX_S)
                 continue
             with self._conn_lock:
+                if self._closing.is_set():  # close() ran meanwhile: do not stay registered
+                    conn.close()
+                    return
                 old, self.conn = self.conn, conn
             old.close()
             return

@@ -21,8 +21,8 @@ CTX = mp.get_context("fork")
 BROKER_START_TIMEOUT_S = 30.0
 
 
-def _broker_main(config: BrokerConfig, storage: str, durability: str) -> None:
-    os._exit(serve_broker(config, storage, durability))
+def _broker_main(config: BrokerConfig, storage: str, durability: str, ready) -> None:
+    os._exit(serve_broker(config, storage, durability, on_ready=lambda: ready.send("ready")))
 
 
 def _consumer_main(config: ConsumerConfig) -> None:
@@ -30,22 +30,25 @@ def _consumer_main(config: ConsumerConfig) -> None:
 
 
 def start_broker(config: BrokerConfig, storage: str = "disk", durability: str = "process"):
-    """Fork a broker and wait until its control socket answers."""
-    process = CTX.Process(target=_broker_main, args=(config, storage, durability), name="broker")
+    """Fork a broker and wait until it says it serves (recovered and caught up). A broker
+    that cannot start (another one runs on the data directory, say) raises RuntimeError."""
+    ready, child_end = CTX.Pipe(duplex=False)
+    process = CTX.Process(target=_broker_main, args=(config, storage, durability, child_end), name="broker")
     process.start()
+    child_end.close()
     deadline = time.monotonic() + BROKER_START_TIMEOUT_S
     while time.monotonic() < deadline:
-        if not process.is_alive():
-            raise RuntimeError(f"the broker exited at start with status {process.exitcode}")
-        if os.path.exists(config.socket_path):
+        if ready.poll(0.02):
             try:
-                Connection.connect(config.socket_path).close()
+                ready.recv()
                 return process
-            except OSError:
-                pass
-        time.sleep(0.02)
+            except EOFError:
+                pass  # it exited before it was ready
+        if not process.is_alive() or ready.closed:
+            process.join(1)
+            raise RuntimeError(f"the broker exited at start with status {process.exitcode}")
     process.kill()
-    raise TimeoutError(f"the broker did not answer on {config.socket_path} within {BROKER_START_TIMEOUT_S} s")
+    raise TimeoutError(f"the broker did not start on {config.data_dir} within {BROKER_START_TIMEOUT_S} s")
 
 
 def start_consumer(config: ConsumerConfig):

@@ -1,0 +1,93 @@
+"""The broker keeps serving through bad peers: a producer whose connection drops, a contract
+the descriptor ring cannot carry, a record that is not a frame, a second broker on the same
+data directory."""
+
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+import pytest
+
+from pipeline.broker.service import BrokerConfig
+from pipeline.errors import ProtocolError
+from pipeline.producer.client import BrokerProducer
+from pipeline.protocol import Connection
+from pipeline.runtime.local import start_broker as start_broker_process
+from pipeline.runtime.processes import open_storage
+from shm.ring import RingWriter
+from tests.pipeline.harness import start_broker, start_consumer, status, stop, wait_until
+from tests.pipeline.test_end_to_end import consumer_config
+
+TOKENS = np.arange(300, dtype=np.int32)
+
+
+def test_producer_whose_connection_drops_registers_again_and_loses_nothing(tmp_path):
+    data = str(tmp_path / "data")
+    broker = start_broker(data)
+    socket_path = BrokerConfig(data).socket_path
+    consumer = start_consumer(consumer_config(tmp_path, socket_path, 0))
+    try:
+        producer = BrokerProducer(socket_path, capacity_bytes=16 << 20, timeout_s=30)
+        for _ in range(50):
+            producer.submit(0, 7, TOKENS)
+        producer.conn.sock.shutdown(socket.SHUT_RDWR)  # the connection drops; the broker lives
+        for _ in range(50):
+            producer.submit(0, 7, TOKENS)
+        producer.close(timeout_s=30)  # returns only once the broker stored all 100
+        wait_until(lambda: status(socket_path)["items_completed"] == 100, 30, "all 100 completed")
+    finally:
+        stop(consumer)
+        stop(broker)
+
+
+def test_contract_larger_than_the_descriptor_ring_is_refused(tmp_path):
+    data = str(tmp_path / "data")
+    broker = start_broker(data)
+    socket_path = BrokerConfig(data).socket_path
+    try:
+        conn = Connection.connect(socket_path)
+        with pytest.raises(ProtocolError, match="descriptor"):
+            conn.request({"type": "register_consumer", "model": 0, "max_batch_items": 100_000,
+                          "max_batch_tokens": 1 << 30, "max_input_len": 100, "pid": 1})
+        conn.close()
+        assert status(socket_path)["consumers"] == {}  # and the broker still answers
+    finally:
+        assert stop(broker) == 0
+
+
+def test_a_record_that_is_not_a_frame_drops_only_its_producer(tmp_path):
+    data = str(tmp_path / "data")
+    broker = start_broker(data)
+    socket_path = BrokerConfig(data).socket_path
+    consumer = start_consumer(consumer_config(tmp_path, socket_path, 0))
+    try:
+        bad = BrokerProducer(socket_path, capacity_bytes=16 << 20)
+        good = BrokerProducer(socket_path, capacity_bytes=16 << 20, timeout_s=30)
+        RingWriter.write(bad.ring, b"not a frame at all, just bytes")
+        for _ in range(20):
+            good.submit(0, 9, TOKENS)
+        good.close(timeout_s=30)
+        wait_until(lambda: status(socket_path)["items_completed"] == 20, 30, "the good producer's items")
+        assert str(bad.producer_id) not in status(socket_path)["producers"]
+        bad.ring.close()
+        bad.unlink()
+    finally:
+        stop(consumer)
+        assert stop(broker) == 0
+
+
+def test_second_broker_on_the_same_data_dir_is_refused_before_touching_files(tmp_path):
+    config = BrokerConfig(str(tmp_path / "data"))
+    first = start_broker_process(config)
+    try:
+        with pytest.raises(RuntimeError, match="exited at start"):
+            start_broker_process(config)
+        assert status(config.socket_path)["consumers_lost"] == 0  # the first one still serves
+    finally:
+        assert stop(first) == 0
+
+
+def test_memory_tier_cannot_feed_consumer_processes(tmp_path):
+    with pytest.raises(ValueError, match="memory tier"):
+        open_storage(str(tmp_path), "memory", "process")
