@@ -344,10 +344,15 @@ class Broker:
 
     def _send_batch(self, consumer: ConsumerPeer, batch: Batch) -> bool:
         """Write the batch's descriptor into the consumer's ring; False if the ring is full."""
-        rows = np.zeros(len(batch.entries), dtype=DESCRIPTOR_ITEM_DTYPE)
-        for k, entry in enumerate(batch.entries):
-            lane, segment_seq, offset = self.storage.entry_location(entry.ref)
-            rows[k] = (lane, entry.length, segment_seq, offset, entry.item_id)
+        # Columns, not rows: assigning a numpy structured row costs about a microsecond.
+        locate = self.storage.entry_location
+        located = [locate(entry.ref) for entry in batch.entries]
+        rows = np.zeros(len(located), dtype=DESCRIPTOR_ITEM_DTYPE)
+        rows["lane"] = [where[0] for where in located]
+        rows["segment_seq"] = [where[1] for where in located]
+        rows["offset"] = [where[2] for where in located]
+        rows["length"] = [entry.length for entry in batch.entries]
+        rows["item_id"] = [entry.item_id for entry in batch.entries]
         size = descriptor_size_bytes(rows.shape[0])
         try:
             at = consumer.ring.reserve(size, timeout_s=0)
