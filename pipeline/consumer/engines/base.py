@@ -37,9 +37,10 @@ class EngineBatch:
 
 @dataclass(slots=True)
 class EngineResult:
-    """Per prompt: generated token ids and prompt tokens served from the prefix cache."""
+    """Per prompt: generated token ids (a list of ints: what an engine's detokenizer-free
+    output is, and what the results file stores) and prompt tokens served from the cache."""
 
-    outputs: list[np.ndarray]
+    outputs: list[list[int]]
     cached_tokens: list[int]
 
 

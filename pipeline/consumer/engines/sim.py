@@ -152,7 +152,7 @@ class SimEngine(Engine):
 
     def run(self, batch: EngineBatch) -> EngineResult:
         block = self.config.block_size_tokens
-        outputs: list[np.ndarray] = []
+        outputs: list[list[int]] = []
         cached_tokens: list[int] = []
         c = self.counters
         all_hashes = self.block_hashes(list(batch.prompts))
@@ -162,8 +162,7 @@ class SimEngine(Engine):
             cacheable = (int(prefix_len) // block) * block
             cached_tokens.append(cached)
             seed = hashes[-1] if hashes else int(prompt[-1])
-            outputs.append(np.array([(seed >> (8 * k)) & 0x7FFF for k in range(self.config.output_tokens)],
-                                    dtype=np.int32))
+            outputs.append([(seed >> (8 * k)) & 0x7FFF for k in range(self.config.output_tokens)])
             c.prompt_tokens += length
             c.cacheable_tokens += cacheable
             c.cache_hit_tokens += cached
