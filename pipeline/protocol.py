@@ -45,6 +45,10 @@ from pipeline.errors import ProtocolError
 # leaves room and still stops a peer from making the broker buffer without bound.
 MAX_MESSAGE_BYTES = 1 << 20
 _LENGTH = struct.Struct("<I")
+# Clients reconnect to a broker that went away with this backoff: from 50 ms (a restart is
+# quick), doubling, at most 2 s (a long outage costs no more than a poll every 2 s).
+RECONNECT_FIRST_S = 0.05
+RECONNECT_MAX_S = 2.0
 
 # Required fields of each message type and their types (bool is not an int here).
 SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import struct
 import sys
 import time
 from dataclasses import dataclass

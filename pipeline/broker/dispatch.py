@@ -51,7 +51,7 @@ from pipeline.broker.ids import BatchId, ConsumerId, EntryRef, LaneKey, ShapeKey
 from pipeline.broker.lanes import MAX_LENGTH_TOKENS, LaneConfig, LaneCounters, LaneId, ShapeLanes
 from pipeline.broker.packing import Contract, batch_items_limit, pack
 from pipeline.broker.pending import Completion
-from pipeline.broker.selection import AGE_RESOLUTION_NS, ShapeSelector, SwitchReason
+from pipeline.broker.selection import AGE_RESOLUTION_NS, ShapeSelector
 from pipeline.broker.storage.base import AppendGroup, PeekedEntry, StorageTier
 from pipeline.errors import DiskFullError, ItemTooLongError
 from pipeline.layouts import Frame, ProducerId

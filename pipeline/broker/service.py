@@ -395,7 +395,7 @@ class Broker:
         owner = self._peers_by_sock.get(sock)
         if owner is None:
             return
-        peer = owner.peer if isinstance(owner, (ProducerPeer, ConsumerPeer)) else owner
+        peer = _peer_of(owner)
         try:
             data = sock.recv(65536)
         except BlockingIOError:
@@ -577,7 +577,7 @@ class Broker:
         owner = self._peers_by_sock.pop(sock, None)
         if owner is None:
             return
-        peer = owner.peer if isinstance(owner, (ProducerPeer, ConsumerPeer)) else owner
+        peer = _peer_of(owner)
         peer.closed = True
         try:
             self._selector.unregister(sock)
@@ -640,6 +640,11 @@ class Broker:
             self.doorbell.unlink()
         self.storage.close()
         os.close(self._lock_fd)
+
+
+def _peer_of(owner: Peer | ProducerPeer | ConsumerPeer) -> Peer:
+    """The connection of a socket's owner: a bare Peer until it registers."""
+    return owner if isinstance(owner, Peer) else owner.peer
 
 
 def lock_run_dir(run_dir: str) -> int:

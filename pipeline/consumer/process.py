@@ -32,7 +32,7 @@ from pipeline.consumer.engines import Engine, EngineBatch, make_engine
 from pipeline.consumer.reader import ReadItem, SegmentReader
 from pipeline.errors import EntryCompletedError, ProtocolError, RingClosedError, SegmentCorruptError
 from pipeline.layouts import Descriptor, parse_descriptor
-from pipeline.protocol import Connection
+from pipeline.protocol import RECONNECT_FIRST_S, RECONNECT_MAX_S, Connection
 from shm.ring import RingReader
 
 log = logging.getLogger("pipeline.consumer")
@@ -40,9 +40,6 @@ log = logging.getLogger("pipeline.consumer")
 # Batches a consumer asks for ahead: one running, one waiting in its ring, so the engine
 # never idles while a completion travels.
 DEFAULT_CREDIT = 2
-# Reconnect backoff after the broker went away: from 50 ms, doubling, at most 2 s.
-RECONNECT_FIRST_S = 0.05
-RECONNECT_MAX_S = 2.0
 # How long one wait for a descriptor lasts before the loop checks whether to stop.
 POLL_S = 0.2
 

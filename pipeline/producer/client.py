@@ -19,14 +19,11 @@ import time
 
 from pipeline.producer.producer import DEFAULT_RING_CAPACITY_BYTES, Producer, ProducerLimits
 from pipeline.errors import ProtocolError
-from pipeline.protocol import Connection
+from pipeline.protocol import RECONNECT_FIRST_S, RECONNECT_MAX_S, Connection
 from shm.ring import RingWriter
 
 # How often `wait_stored` looks at the ring's read position.
 DRAIN_POLL_S = 0.005
-# Re-registration backoff while the broker is away: from 50 ms, doubling, at most 2 s.
-RECONNECT_FIRST_S = 0.05
-RECONNECT_MAX_S = 2.0
 
 
 class BrokerProducer(Producer):

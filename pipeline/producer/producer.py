@@ -262,7 +262,7 @@ class Producer:
         timeout after some frames went in, RingTimeoutError says how many items were
         accepted (`accepted_items` attribute): those keep their ids, the rest were not sent.
         """
-        batch = self._validate_batch(model, signature, tokens, lengths, prefix_len, payloads)
+        batch = _Batch.validate(self.limits, model, signature, tokens, lengths, prefix_len, payloads)
         first_seq = self._seq
         if first_seq + batch.count - 1 > MAX_SEQ:
             raise BadInputError(f"producer {self.producer_id} would run out of sequence numbers")
@@ -337,9 +337,6 @@ class Producer:
         if pay_hi > pay_lo:
             payload_at = (tokens_at + tok_hi - tok_lo) << 2
             self._buf[payload_at:payload_at + pay_hi - pay_lo] = batch.payload_blob[pay_lo:pay_hi]
-
-    def _validate_batch(self, model, signature, tokens, lengths, prefix_len, payloads) -> _Batch:
-        return _Batch.validate(self.limits, model, signature, tokens, lengths, prefix_len, payloads)
 
     def close(self) -> None:
         """Detach from the ring, marking the writing side closed."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -12,10 +11,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pipeline.broker.service import BrokerConfig
-from pipeline.consumer.process import ConsumerConfig
 from pipeline.producer.client import BrokerProducer
 from pipeline.producer.signature import signature
-from pipeline.runtime.local import CTX, broker_status, start_consumer, stop_process
+from pipeline.runtime.local import CTX, broker_status, stop_process
 from pipeline.runtime.local import start_broker as _start_broker
 
 
@@ -82,8 +80,8 @@ def start_producer(socket_path: str, workload: Workload, producer: int):
     return process
 
 
-def status(socket_path: str) -> dict:
-    return broker_status(socket_path)
+status = broker_status
+stop = stop_process
 
 
 def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.05):
@@ -94,10 +92,6 @@ def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.05):
             return value
         time.sleep(poll_s)
     raise TimeoutError(f"timed out waiting for {what}")
-
-
-def stop(process, sig: int = signal.SIGTERM, timeout_s: float = 20) -> int | None:
-    return stop_process(process, sig, timeout_s)
 
 
 def read_results(results_dir: str) -> list[dict]:

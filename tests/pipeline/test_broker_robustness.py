@@ -16,7 +16,8 @@ from pipeline.protocol import Connection
 from pipeline.runtime.local import start_broker as start_broker_process
 from pipeline.runtime.processes import open_storage
 from shm.ring import RingWriter
-from tests.pipeline.harness import start_broker, start_consumer, status, stop, wait_until
+from pipeline.runtime.local import start_consumer
+from tests.pipeline.harness import start_broker, status, stop, wait_until
 from tests.pipeline.test_end_to_end import consumer_config
 
 TOKENS = np.arange(300, dtype=np.int32)

@@ -23,12 +23,12 @@ from pipeline.broker.service import BrokerConfig
 from pipeline.consumer.process import ConsumerConfig
 from pipeline.errors import ProtocolError
 from pipeline.protocol import Connection
+from pipeline.runtime.local import start_consumer
 from tests.pipeline.harness import (
     Workload,
     batches_of,
     read_results,
     start_broker,
-    start_consumer,
     start_producer,
     status,
     stop,
