@@ -77,6 +77,11 @@ class SignatureError(BadInputError):
     """A shape signature is not an unsigned 64-bit integer."""
 
 
+class WorkloadError(BadInputError):
+    """A workload file cannot be used: unreadable, empty, or with malformed lines (each one
+    named as path:line with what is wrong). Raised before anything is submitted."""
+
+
 class FrameError(PipelineError):
     """A ring record does not parse as a submission frame (wrong magic, version or sizes)."""
 

@@ -128,6 +128,18 @@ class _Frame:
         return tokens
 
 
+@dataclass(frozen=True, slots=True)
+class ShapeSummary:
+    """One shape's queue, for status and metrics."""
+
+    model: int
+    signature: int
+    lanes: int  # in use (active and quiescing)
+    queued_items: int
+    queued_tokens: int
+    pending_items: int  # dispatched, not completed
+
+
 @dataclass(slots=True)
 class DispatchCounters:
     """A snapshot of the dispatcher's totals (see the module docstring for the identities).
@@ -471,6 +483,15 @@ class Dispatcher:
         snapshot.shapes = len(self._shapes)
         snapshot.switches = {r.value: n for r, n in self._selector.counters.switches.items()}
         return snapshot
+
+    def shape_summaries(self) -> list[ShapeSummary]:
+        """Every shape's queue and lanes (status and metrics), largest queued tokens first."""
+        summaries = []
+        for shape, lanes in self._shapes.items():
+            items, tokens, pending = lanes.totals()
+            summaries.append(ShapeSummary(shape.model, shape.signature, lanes.lane_count, items, tokens, pending))
+        summaries.sort(key=lambda s: (-s.queued_tokens, -s.pending_items, s.model, s.signature))
+        return summaries
 
     def check_invariants(self) -> None:
         """Every part's invariants, and that they agree: per lane, storage's queue length is

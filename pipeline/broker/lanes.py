@@ -353,6 +353,11 @@ class ShapeLanes:
         """Current waste-fraction threshold: base + rise * lanes_in_use / max_lanes."""
         return self._threshold
 
+    def totals(self) -> tuple[int, int, int]:
+        """(queued items, queued tokens, pending items) over every lane of the shape; ids
+        not in use hold zeros. O(lanes ever opened), in C (sum over lists)."""
+        return sum(self._queued_items), sum(self._queued_tokens), sum(self._pending_items)
+
     def target(self, lane_id: LaneId) -> int:
         """The lane's target length in tokens (only rises while the id is in use)."""
         self._assert_live(lane_id)

@@ -139,6 +139,8 @@ class Consumer:
         self._results = open(self.results_path, "a", encoding="utf-8")
         self.counters = ConsumerCounters()
         self._reader: SegmentReader | None = None
+        # Shapes this process's engine has seen: the first item of each is a compulsory miss.
+        self._shapes_seen: set[tuple[int, int]] = set()
 
     def run(self, stop) -> None:
         """Serve batches until `stop()` is true, reconnecting whenever the broker goes away."""
@@ -213,6 +215,10 @@ class Consumer:
             else:
                 runnable.append(item)
         engine_before = _engine_totals(self.engine)
+        compulsory = 0
+        if runnable and (descriptor.model, descriptor.signature) not in self._shapes_seen:
+            self._shapes_seen.add((descriptor.model, descriptor.signature))
+            compulsory = self.engine.cacheable_tokens(runnable[0].prefix_len)
         if runnable:
             result = self.engine.run(EngineBatch([i.tokens for i in runnable], descriptor.pad_to_tokens,
                                                  [i.prefix_len for i in runnable]))
@@ -229,7 +235,8 @@ class Consumer:
         c.prompt_tokens += sum(i.tokens.shape[0] for i in runnable)
         engine_after = _engine_totals(self.engine)
         return {**{f"items_{k}": v for k, v in statuses.items()},
-                **{k: engine_after[k] - engine_before[k] for k in engine_after}}
+                **{k: engine_after[k] - engine_before[k] for k in engine_after},
+                "compulsory_miss_tokens": compulsory}
 
     @staticmethod
     def _line(d: Descriptor, item_id: int, status: str, prompt: int, cached: int, output: list,
@@ -256,4 +263,5 @@ def _engine_totals(engine: Engine) -> dict[str, int]:
     c = engine.counters
     return {"prompt_tokens": c.prompt_tokens, "padded_tokens": c.padded_tokens,
             "cacheable_tokens": c.cacheable_tokens, "cache_hit_tokens": c.cache_hit_tokens,
+            "cacheable_hit_tokens": c.extra.get("cacheable_hit_tokens", c.cache_hit_tokens),
             "output_tokens": c.output_tokens}

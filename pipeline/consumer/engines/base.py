@@ -71,5 +71,11 @@ class Engine(abc.ABC):
     def run(self, batch: EngineBatch) -> EngineResult:
         """Run one padded batch; return one output and one cached-token count per prompt."""
 
+    def cacheable_tokens(self, prefix_len: int) -> int:
+        """How many of a prompt's `prefix_len` component tokens this engine's prefix cache
+        can hold (whole cache blocks, for a paged cache). The consumer counts a shape's
+        first item's cacheable tokens as compulsory misses: no cache can serve those."""
+        return prefix_len
+
     def close(self) -> None:
         """Release the runtime (GPU memory, threads); nothing by default."""

@@ -150,6 +150,10 @@ class SimEngine(Engine):
         self.counters.extra["evicted_blocks"] += evicted
         return cached
 
+    def cacheable_tokens(self, prefix_len: int) -> int:
+        block = self.config.block_size_tokens
+        return (prefix_len // block) * block
+
     def run(self, batch: EngineBatch) -> EngineResult:
         block = self.config.block_size_tokens
         outputs: list[list[int]] = []
