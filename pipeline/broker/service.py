@@ -143,10 +143,14 @@ class Broker:
     storage (the data directory stays: it is the durable store).
     """
 
-    def __init__(self, config: BrokerConfig, storage: StorageTier, lock_fd: int | None = None) -> None:
+    def __init__(self, config: BrokerConfig, storage: StorageTier, lock_fd: int | None = None,
+                 storage_dir: str | None = None) -> None:
         """`lock_fd`: the run directory's lock (`lock_run_dir`) when the caller took it before
-        opening the storage, as it must for the disk tier: recovery changes files."""
+        opening the storage, as it must for the disk tier: recovery changes files.
+        `storage_dir`: where the segment files live when not in the data directory (the
+        memory tier keeps them on tmpfs); consumers are told to read from there."""
         self.config = config
+        self.storage_dir = os.path.realpath(storage_dir or config.data_dir)
         self._lock_fd = lock_fd if lock_fd is not None else lock_run_dir(config.run_dir)
         self.state = BrokerState(os.path.join(config.data_dir, STATE_NAME))
         self.state.generation += 1
@@ -478,7 +482,7 @@ class Broker:
         self.consumers[consumer_id] = consumer
         self._peers_by_sock[sock] = consumer
         self._send(sock, {"type": "registered", "consumer_id": consumer_id, "descriptor_ring": ring_name,
-                          "data_dir": os.path.realpath(self.config.data_dir),
+                          "data_dir": self.storage_dir,
                           "heartbeat_timeout_s": self.config.heartbeat_timeout_s})
         log.info("consumer %d (%s) registered: %s", consumer_id, name, contract)
 

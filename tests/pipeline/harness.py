@@ -70,8 +70,9 @@ def _submit(client: BrokerProducer, workload: Workload, batch: list) -> None:
     )
 
 
-def start_broker(data_dir: str, heartbeat_timeout_s: float = 10.0, durability: str = "process"):
-    return _start_broker(BrokerConfig(data_dir, heartbeat_timeout_s=heartbeat_timeout_s), "disk", durability)
+def start_broker(data_dir: str, heartbeat_timeout_s: float = 10.0, durability: str = "process",
+                 storage: str = "disk"):
+    return _start_broker(BrokerConfig(data_dir, heartbeat_timeout_s=heartbeat_timeout_s), storage, durability)
 
 
 def start_producer(socket_path: str, workload: Workload, producer: int):

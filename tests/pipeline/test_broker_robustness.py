@@ -4,6 +4,8 @@ data directory."""
 
 from __future__ import annotations
 
+import base64
+import os
 import socket
 
 import numpy as np
@@ -14,10 +16,10 @@ from pipeline.errors import ProtocolError
 from pipeline.producer.client import BrokerProducer
 from pipeline.protocol import Connection
 from pipeline.runtime.local import start_broker as start_broker_process
-from pipeline.runtime.processes import open_storage
+from pipeline.runtime.processes import memory_tier_dir, open_storage
 from shm.ring import RingWriter
 from pipeline.runtime.local import start_consumer
-from tests.pipeline.harness import start_broker, status, stop, wait_until
+from tests.pipeline.harness import read_results, start_broker, status, stop, wait_until
 from tests.pipeline.test_end_to_end import consumer_config
 
 TOKENS = np.arange(300, dtype=np.int32)
@@ -89,6 +91,32 @@ def test_second_broker_on_the_same_data_dir_is_refused_before_touching_files(tmp
         assert stop(first) == 0
 
 
-def test_memory_tier_cannot_feed_consumer_processes(tmp_path):
-    with pytest.raises(ValueError, match="memory tier"):
-        open_storage(str(tmp_path), "memory", "process")
+def test_memory_tier_refuses_power_durability(tmp_path):
+    with pytest.raises(ValueError, match="memory tier is not durable"):
+        open_storage(str(tmp_path), "memory", "power")
+    with pytest.raises(ValueError, match="storage must be one of"):
+        open_storage(str(tmp_path), "tape", "process")
+
+
+def test_memory_tier_feeds_consumer_processes_and_leaves_nothing(tmp_path):
+    """The memory tier keeps segments on tmpfs: consumers read them zero-copy as from disk;
+    nothing is written under the data directory, and the tmpfs directory goes with the broker."""
+    data = str(tmp_path / "data")
+    broker = start_broker(data, storage="memory")
+    socket_path = BrokerConfig(data).socket_path
+    consumer = start_consumer(consumer_config(tmp_path, socket_path, 0))
+    signature = 0x1234
+    try:
+        with BrokerProducer(socket_path) as producer:
+            for k in range(200):
+                producer.submit(0, signature, TOKENS[: 50 + k], prefix_len=10, payload=b"%d" % k)
+        done = wait_until(lambda: (s := status(socket_path))["items_completed"] == 200 and s, 60, "completed")
+        assert done["tokens_completed"] == sum(50 + k for k in range(200))
+        assert os.listdir(memory_tier_dir(data)) == ["segments"]
+        assert not os.path.exists(os.path.join(data, "segments"))
+    finally:
+        stop(consumer)
+        assert stop(broker) == 0
+    assert not os.path.exists(memory_tier_dir(data))
+    rows = read_results(str(tmp_path / "results"))
+    assert sorted(int(base64.b64decode(r["payload"])) for r in rows) == list(range(200))
