@@ -1,0 +1,214 @@
+"""The run report: arithmetic from a real broker status and results files, lost and duplicate
+cases, the JSON file, and the rendered tables."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import os
+
+import pytest
+from rich.console import Console
+
+from pipeline.accounting import summarize_results
+from pipeline.report import (
+    build_report,
+    format_compact,
+    format_count,
+    format_percent,
+    render_report,
+    write_report_json,
+)
+from tests.test_metrics import SAMPLE as SAMPLE_STATUS  # a real status; figures below are from it
+
+# In the sample, consumer c1 ran items 0..1927 and c0 items 1928..3999.
+C1_ITEMS = 1928
+ALL_ITEMS = 4000
+
+REQUIRED_KEYS = {
+    "items_received", "tokens_received", "items_routed", "tokens_routed", "items_completed", "tokens_completed",
+    "items_empty", "duplicates", "lost", "padding_efficiency", "mean_batch_fill", "cacheable_tokens",
+    "cache_hit_tokens", "cache_hit_tokens_all", "compulsory_miss_tokens", "cache_hit_rate", "shape_switches",
+    "shape_switches_by_reason", "lanes", "per_consumer", "wall_s", "items_per_s", "tokens_per_s", "accounting_ok",
+}
+CONSUMER_KEYS = {"items", "items_ok", "items_empty", "prompt_tokens", "padded_tokens", "padding_efficiency",
+                 "cacheable_tokens", "cache_hit_tokens", "compulsory_miss_tokens", "cache_hit_rate", "batches"}
+
+
+def line(item_id: int, status: str = "ok", prompt_tokens: int = 395) -> str:
+    return json.dumps({"item_id": item_id, "batch_id": item_id // 4, "dispatch_ns": 1, "submit_ns": 0, "done_ns": 2,
+                       "pad_to_tokens": 400, "status": status, "prompt_tokens": prompt_tokens,
+                       "cached_tokens": 100, "output_tokens": 4, "output": [1, 2, 3, 4], "payload": ""})
+
+
+def write_results(results_dir, per_consumer: dict[str, list[str]]) -> str:
+    os.makedirs(results_dir, exist_ok=True)
+    for name, lines in per_consumer.items():
+        (results_dir / f"{name}.jsonl").write_text("".join(f"{text}\n" for text in lines))
+    return str(results_dir)
+
+
+def sample_results(tmp_path, skip: frozenset[int] = frozenset(), extra_c0: tuple[int, ...] = (),
+                   too_long: frozenset[int] = frozenset()):
+    """The sample run's results files (less `skip`, plus `extra_c0` duplicate lines)."""
+    def lines(ids) -> list[str]:
+        return [line(i, "too_long" if i in too_long else "ok") for i in ids if i not in skip]
+    return summarize_results(write_results(tmp_path / "results", {
+        "c1": lines(range(C1_ITEMS)), "c0": lines(range(C1_ITEMS, ALL_ITEMS)) + [line(i) for i in extra_c0]}))
+
+
+def test_report_from_the_sample_run(tmp_path):
+    report = build_report(SAMPLE_STATUS, sample_results(tmp_path), wall_s=2.0)
+    assert REQUIRED_KEYS <= report.keys()
+    for name in ("c0", "c1"):
+        assert CONSUMER_KEYS <= report["per_consumer"][name].keys()
+    assert (report["items_received"], report["items_routed"], report["items_completed"]) == (4000, 4000, 4000)
+    assert (report["tokens_received"], report["tokens_routed"], report["tokens_completed"]) == (1580568,) * 3
+    assert (report["items_empty"], report["duplicates"], report["lost"]) == (0, 0, 0)
+    assert report["accounting_ok"] is True and report["broker_status_missing"] is False
+    assert report["padding_efficiency"] == pytest.approx((753713 + 826855) / (770784 + 844672))
+    assert report["mean_batch_fill"] == pytest.approx(63.1478271484375 / 924)
+    assert report["cacheable_tokens"] == 220816 + 240416
+    assert report["cache_hit_tokens"] == report["cache_hit_tokens_all"] == 218496 + 238096
+    assert report["compulsory_miss_tokens"] == 2320 * 2
+    # Every cacheable token but the compulsory misses hit: 456,592 / (461,232 - 4,640).
+    assert report["cache_hit_rate"] == 1.0
+    assert report["shape_switches"] == 20
+    assert report["shape_switches_by_reason"] == {"initial": 1, "drained": 19, "starvation": 0}
+    lanes = report["lanes"]
+    assert (lanes["opened"], lanes["reused"], lanes["force_fits"], lanes["quiesced"], lanes["released"],
+            lanes["max_in_use"]) == (923, 3077, 0, 0, 0, 923)
+    assert (report["wall_s"], report["items_per_s"], report["tokens_per_s"]) == (2.0, 2000.0, 790284.0)
+    c1 = report["per_consumer"]["c1"]
+    assert (c1["items"], c1["items_ok"], c1["items_empty"], c1["batches"]) == (1928, 1928, 0, 463)
+    assert (c1["prompt_tokens"], c1["padded_tokens"]) == (753713, 770784)
+    assert c1["padding_efficiency"] == pytest.approx(753713 / 770784)
+    assert (c1["cacheable_tokens"], c1["cache_hit_tokens"], c1["compulsory_miss_tokens"]) == (220816, 218496, 2320)
+    assert c1["cache_hit_rate"] == pytest.approx(218496 / (220816 - 2320))
+    assert report["per_consumer"]["c0"]["items"] == 2072
+
+
+def test_cache_hits_beyond_the_prefix_do_not_count_in_the_rate(tmp_path):
+    status = copy.deepcopy(SAMPLE_STATUS)
+    status["per_consumer"]["c0"].update(cache_hit_tokens=250000, cacheable_hit_tokens=200000)
+    report = build_report(status, sample_results(tmp_path), wall_s=1.0)
+    assert report["cache_hit_tokens"] == 218496 + 200000
+    assert report["cache_hit_tokens_all"] == 218496 + 250000
+    assert report["cache_hit_rate"] == pytest.approx((218496 + 200000) / (461232 - 4640))
+    assert report["per_consumer"]["c0"]["cache_hit_rate"] == pytest.approx(200000 / (240416 - 2320))
+
+
+def test_missing_results_are_lost(tmp_path):
+    report = build_report(SAMPLE_STATUS, sample_results(tmp_path, skip=frozenset({5, 2500, 3999})), wall_s=1.0)
+    assert report["lost"] == 3
+    assert report["items_with_results"] == 3997
+    assert report["accounting_ok"] is False
+    assert report["per_consumer"]["c0"]["items"] == 2072 - 2
+
+
+def test_expected_items_counts_what_never_reached_the_broker(tmp_path):
+    report = build_report(SAMPLE_STATUS, sample_results(tmp_path), wall_s=1.0, expected_items=4005)
+    assert report["lost"] == 5
+    assert report["expected_items"] == 4005
+    assert report["accounting_ok"] is False
+
+
+def test_duplicates_and_empty_items(tmp_path):
+    results = sample_results(tmp_path, extra_c0=(7, 3000), too_long=frozenset({10, 11}))
+    report = build_report(SAMPLE_STATUS, results, wall_s=1.0)
+    assert report["duplicates"] == 2
+    assert report["lost"] == 0
+    assert report["items_empty"] == 2
+    assert report["per_consumer"]["c0"]["items"] == 2072 + 2
+    assert report["accounting_ok"] is True  # a duplicate is counted, not a loss
+
+
+def test_completed_short_of_received_is_not_ok(tmp_path):
+    status = copy.deepcopy(SAMPLE_STATUS)
+    status["tokens_completed"] -= 1
+    assert build_report(status, sample_results(tmp_path), wall_s=1.0)["accounting_ok"] is False
+
+
+def test_recovered_items_count_as_received(tmp_path):
+    status = copy.deepcopy(SAMPLE_STATUS)
+    status.update(items_received=3000, tokens_received=1000000, items_recovered=1000, tokens_recovered=580568)
+    report = build_report(status, sample_results(tmp_path), wall_s=1.0)
+    assert (report["items_received"], report["tokens_received"]) == (4000, 1580568)
+    assert report["accounting_ok"] is True
+
+
+def test_nothing_cacheable_and_no_consumer_totals(tmp_path):
+    status = copy.deepcopy(SAMPLE_STATUS)
+    status["per_consumer"] = {}  # e.g. a broker restarted after the consumers finished
+    report = build_report(status, sample_results(tmp_path), wall_s=0.0)
+    assert report["cache_hit_rate"] is None
+    assert report["cacheable_tokens"] == 0
+    # Padding falls back to what the broker routed.
+    assert report["padding_efficiency"] == pytest.approx(1580568 / 1615456)
+    assert report["items_per_s"] is None and report["tokens_per_s"] is None
+    # The consumers still appear, from their results files.
+    assert report["per_consumer"]["c1"]["items"] == 1928
+    assert report["per_consumer"]["c1"]["padding_efficiency"] is None
+    assert report["per_consumer"]["c1"]["connected"] is False
+
+
+def test_empty_run(tmp_path):
+    status = {key: 0 for key in ("items_received", "tokens_received", "items_routed", "tokens_routed",
+                                 "items_completed", "tokens_completed")}
+    report = build_report(status, summarize_results(str(tmp_path / "none")), wall_s=1.0)
+    assert report["accounting_ok"] is True
+    assert (report["padding_efficiency"], report["mean_batch_fill"], report["cache_hit_rate"]) == (None, None, None)
+    assert report["per_consumer"] == {} and report["shape_switches"] == 0
+    render_report(report, Console(file=io.StringIO(), width=120))
+
+
+def test_without_a_broker_status_nothing_is_checked(tmp_path):
+    """The launcher passes {} when the broker was gone at the end: the results files still
+    show, and the accounting is not claimed to balance."""
+    report = build_report({}, sample_results(tmp_path), wall_s=1.0, expected_items=4000)
+    assert report["broker_status_missing"] is True
+    assert report["accounting_ok"] is False
+    assert (report["items_received"], report["items_with_results"], report["lost"]) == (0, 4000, 0)
+    assert report["per_consumer"]["c0"]["items"] == 2072
+    out = io.StringIO()
+    render_report(report, Console(file=out, width=120))
+    assert "UNCHECKED (no broker status)" in out.getvalue()
+
+
+def test_json_round_trip(tmp_path):
+    report = build_report(SAMPLE_STATUS, sample_results(tmp_path), wall_s=2.0)
+    path = tmp_path / "report.json"
+    write_report_json(report, str(path))
+    assert json.loads(path.read_text()) == report
+    # Atomic: a second write replaces the file whole and leaves no temporary file.
+    report["lost"] = 9
+    write_report_json(report, str(path))
+    assert json.loads(path.read_text())["lost"] == 9
+    assert sorted(os.listdir(tmp_path)) == ["report.json", "results"]
+
+
+def test_render_shows_the_key_figures(tmp_path):
+    report = build_report(SAMPLE_STATUS, sample_results(tmp_path), wall_s=2.0)
+    out = io.StringIO()
+    render_report(report, Console(file=out, width=120))
+    text = out.getvalue()
+    for figure in ("4,000", "1,580,568", "97.8%", "100.0%", "456,592", "4,640", "drained 19", "923", "3,077",
+                   "790,284", "753,713", "OK"):
+        assert figure in text, figure
+    for heading in ("Accounting", "Efficiency", "Lanes", "Per consumer", "c0", "c1"):
+        assert heading in text, heading
+
+
+def test_render_flags_a_mismatch(tmp_path):
+    report = build_report(SAMPLE_STATUS, sample_results(tmp_path, skip=frozenset({1})), wall_s=1.0)
+    out = io.StringIO()
+    render_report(report, Console(file=out, width=120))
+    assert "MISMATCH" in out.getvalue()
+
+
+def test_formatters():
+    assert (format_count(1580568), format_count(None)) == ("1,580,568", "-")
+    assert (format_percent(0.97840), format_percent(None)) == ("97.8%", "-")
+    assert (format_compact(1580568), format_compact(12345), format_compact(812.4), format_compact(3)) == (
+        "1.58M", "12.3k", "812", "3")
