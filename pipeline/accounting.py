@@ -5,7 +5,8 @@ counts again) and completed. The consumers' results files hold one line per item
 an item with two lines was redelivered after a lost completion (a duplicate, at-least-once
 delivery), which is counted, never hidden. At the end of a run:
 
-    lost = received - distinct items with a result        must be 0
+    lost = received - unfinished - distinct items with a result        must be 0
+    (unfinished: still queued or dispatched in the broker, 0 once a run has completed)
     received = completed (broker, over this broker's life) and tokens likewise
 """
 
@@ -67,6 +68,9 @@ def reconcile(summary: ResultsSummary, broker: dict, expected_items: int | None 
     """The run's accounting: received / routed / completed from the broker's status, the
     results files' distinct items and duplicates, and `lost` (received but no result)."""
     received = broker["items_received"] + broker.get("items_recovered", 0)
+    # Still queued or dispatched when the status was taken (a run stopped early): not lost,
+    # they are in the store. Zero at the end of a completed run, where `lost` is exact.
+    unfinished = broker.get("backlog_items", 0) + broker.get("pending_items", 0)
     accounted = {
         "items_received": received,
         "tokens_received": broker["tokens_received"] + broker.get("tokens_recovered", 0),
@@ -76,7 +80,8 @@ def reconcile(summary: ResultsSummary, broker: dict, expected_items: int | None 
         "tokens_completed": broker["tokens_completed"],
         "items_with_results": summary.items,
         "duplicates": summary.duplicates,
-        "lost": received - summary.items if expected_items is None else expected_items - summary.items,
+        "items_unfinished": unfinished,
+        "lost": (received - unfinished if expected_items is None else expected_items) - summary.items,
         "items_empty": summary.by_status.get("too_long", 0),
         "items_corrupt": summary.by_status.get("corrupt", 0),
     }

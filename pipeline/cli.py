@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import click
 
+from pipeline.launch_cli import launch
+from pipeline.stages_cli import broker, consumer, produce, status
 from pipeline.tools_cli import tools
 
 
@@ -13,14 +15,5 @@ def main() -> None:
     """Shape-aware batching broker for LLM inference pipelines."""
 
 
-@main.command()
-def launch() -> None:
-    """Run the whole pipeline on a workload (not available yet: see README)."""
-    raise click.ClickException(
-        "`pipeline launch` is not available yet: the launcher is built in the issue about "
-        "operating the product. The shared-memory rings and the producer API work today "
-        "(see README)."
-    )
-
-
-main.add_command(tools)
+for command in (launch, broker, consumer, produce, status, tools):
+    main.add_command(command)

@@ -16,12 +16,6 @@ def test_group_help_lists_commands():
     assert "launch" in result.output
 
 
-def test_launch_says_plainly_it_is_not_available_yet():
-    result = CliRunner().invoke(main, ["launch"])
-    assert result.exit_code != 0
-    assert "not available yet" in result.output
-
-
 def test_module_entry_point_runs():
     done = subprocess.run([sys.executable, "-m", "pipeline", "--version"], capture_output=True, text=True)
     assert done.returncode == 0

@@ -512,7 +512,8 @@ class Broker:
     def _drop_consumer(self, consumer: ConsumerPeer, why: str) -> None:
         returned = self.dispatcher.consumer_lost(consumer.consumer_id)
         self.consumers.pop(consumer.consumer_id, None)
-        self.consumers_lost += 1
+        if why != "goodbye":
+            self.consumers_lost += 1  # a goodbye is a consumer stopping, not one lost
         consumer.ring.close()
         consumer.ring.unlink()
         level = logging.INFO if why == "goodbye" and not returned else logging.WARNING

@@ -182,6 +182,16 @@ class Workload:
             raise ValueError(f"producer {producer_index} of {producer_count}: need 0 <= index < count")
         return (self._build(k) for k in range(producer_index, self._count, producer_count))
 
+    def head(self, count: int) -> Workload:
+        """The first `count` items (all of them if there are fewer), for `--items N`."""
+        if count < 1:
+            raise ValueError(f"head({count}): a workload holds at least one item")
+        if count >= self._count:
+            return self
+        tokens = sum(self._build(k).length for k in range(count))
+        models = tuple(sorted({self._build(k).model for k in range(count)}))
+        return Workload(f"{self.source} (first {count})", count, self._build, total_tokens=tokens, models=models)
+
     def __repr__(self) -> str:
         return f"Workload({self.source!r}, {self._count} items, {self.total_tokens} tokens)"
 

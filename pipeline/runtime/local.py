@@ -6,11 +6,14 @@ Processes are forked from the caller, so they share its imports and start in mil
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import os
 import signal
+import sys
 import time
 
+from pipeline.broker.peers import namespace_for
 from pipeline.broker.service import BrokerConfig
 from pipeline.consumer.process import ConsumerConfig
 from pipeline.protocol import Connection
@@ -21,19 +24,41 @@ CTX = mp.get_context("fork")
 BROKER_START_TIMEOUT_S = 30.0
 
 
-def _broker_main(config: BrokerConfig, storage: str, durability: str, ready) -> None:
-    os._exit(serve_broker(config, storage, durability, on_ready=lambda: ready.send("ready")))
+# prctl(2) option: the signal a process gets when its parent dies (Linux only).
+_PR_SET_PDEATHSIG = 1
+
+
+def own_process_group() -> None:
+    """In a forked child: leave the terminal's process group, so a Ctrl-C reaches only the
+    launcher, which stops its children in order (producers, consumers, then the broker);
+    and ask for SIGTERM (a graceful stop) if the launcher dies without stopping them.
+    NOTE: letting Ctrl-C reach every process at once was rejected: the broker would stop
+    while producers still wait for it to store their last records."""
+    os.setpgid(0, 0)
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() == 1:  # the parent died before prctl: nobody will stop us
+            os._exit(1)
+
+
+def _broker_main(config: BrokerConfig, storage: str, durability: str, ready, metrics_port: int | None) -> None:
+    own_process_group()
+    os._exit(serve_broker(config, storage, durability, on_ready=lambda: ready.send("ready"),
+                          metrics_port=metrics_port))
 
 
 def _consumer_main(config: ConsumerConfig) -> None:
+    own_process_group()
     os._exit(serve_consumer(config))
 
 
-def start_broker(config: BrokerConfig, storage: str = "disk", durability: str = "process"):
+def start_broker(config: BrokerConfig, storage: str = "disk", durability: str = "process",
+                 metrics_port: int | None = None):
     """Fork a broker and wait until it says it serves (recovered and caught up). A broker
     that cannot start (another one runs on the data directory, say) raises RuntimeError."""
     ready, child_end = CTX.Pipe(duplex=False)
-    process = CTX.Process(target=_broker_main, args=(config, storage, durability, child_end), name="broker")
+    process = CTX.Process(target=_broker_main, args=(config, storage, durability, child_end, metrics_port),
+                          name="broker")
     process.start()
     child_end.close()
     deadline = time.monotonic() + BROKER_START_TIMEOUT_S
@@ -75,3 +100,31 @@ def stop_process(process, sig: int = signal.SIGTERM, timeout_s: float = 20.0) ->
         process.kill()
         process.join(5)
     return process.exitcode
+
+
+# Where POSIX shared memory and named semaphores appear on Linux ("sem." prefix for the latter).
+_DEV_SHM = "/dev/shm"
+
+
+def remove_leftovers(data_dir: str) -> list[str]:
+    """Unlink the shared-memory objects and semaphores named for `data_dir`'s runs: what a
+    killed broker, producer or consumer could not remove. Only for a caller that owns every
+    process of the data directory (the launcher, after stopping them all)."""
+    import posix_ipc
+
+    prefix = f"sbrk-{namespace_for(data_dir)}-"
+    removed = []
+    for entry in os.listdir(_DEV_SHM) if os.path.isdir(_DEV_SHM) else []:
+        if os.path.isdir(os.path.join(_DEV_SHM, entry)):
+            continue  # the memory tier's segment directory: its broker removes it
+        try:
+            if entry.startswith("sem." + prefix):
+                posix_ipc.unlink_semaphore("/" + entry[len("sem."):])
+            elif entry.startswith(prefix):
+                posix_ipc.unlink_shared_memory("/" + entry)
+            else:
+                continue
+        except posix_ipc.ExistentialError:
+            continue  # removed meanwhile
+        removed.append(entry)
+    return removed

@@ -1,0 +1,113 @@
+"""`pipeline launch`: the whole pipeline on one node, from a workload to a report."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import sys
+
+import click
+
+from pipeline.consumer.engines import ENGINES
+from pipeline.errors import BadInputError
+from pipeline.runtime.processes import DURABILITY_LEVELS, STORAGE_KINDS
+from pipeline.runtime.settings import DEMO_ITEMS, LaunchSettings
+
+
+def setup_logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(processName)s %(name)s %(levelname)s: %(message)s")
+
+
+def load_launch_workload(settings: LaunchSettings):
+    """The workload the settings name: the demo (DEMO_ITEMS unless `items`), or a JSON-lines
+    file validated whole before anything starts (WorkloadError names every bad line)."""
+    from pipeline.producer.workload import demo_workload, load_workload
+
+    if settings.workload == "demo":
+        return demo_workload(settings.items or DEMO_ITEMS, seed=settings.seed)
+    workload = load_workload(settings.workload)
+    return workload.head(settings.items) if settings.items else workload
+
+
+@click.command()
+@click.option("--data-dir", type=click.Path(file_okay=False), help="Data directory (default: a temporary one, removed after).")
+@click.option("--workload", help="'demo' (default) or a JSON-lines file (own format or a Mooncake trace).")
+@click.option("--items", type=int, help="Run only the first N items (demo: how many to generate).")
+@click.option("--producers", type=int, help="Producer processes (default 2).")
+@click.option("--consumers", type=int, help="Consumer processes (default: one per GPU, else 2 CPU consumers).")
+@click.option("--engine", type=click.Choice(sorted(ENGINES)), help="Engine runtime of the consumers (default sim).")
+@click.option("--storage", type=click.Choice(STORAGE_KINDS), help="Storage tier (default disk).")
+@click.option("--durability", type=click.Choice(DURABILITY_LEVELS), help="Disk durability (default process).")
+@click.option("--max-batch", type=int, help="Consumer contract: items per batch (default 64).")
+@click.option("--max-tokens", type=int, help="Consumer contract: padded tokens per batch (default 65536).")
+@click.option("--max-input-len", type=int, help="Consumer contract: longest prompt (default 8192).")
+@click.option("--replay-speed", type=float, help="Honour the workload's timestamps, X times faster.")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, exists=True), help="TOML file of these options.")
+@click.option("--report", type=click.Path(dir_okay=False), help="Write the run report as JSON here.")
+@click.option("--plots", type=click.Path(file_okay=False), help="Write PNG charts here (needs matplotlib).")
+@click.option("--metrics-port", type=int, help="Serve Prometheus metrics on this port (0: any free port).")
+@click.option("--seed", type=int, help="Seed of the demo workload (default 0).")
+@click.option("-v", "--verbose", is_flag=True, help="Log every process's info messages to stderr.")
+def launch(config_path: str | None, verbose: bool, **options) -> None:
+    """Run a workload through a broker, producers and one consumer per GPU, with live
+    progress, then print the run report. With no arguments: the demo, on the embedded
+    defaults (disk tier, sim engine), in a temporary data directory."""
+    from pipeline.runtime.launcher import Launcher
+
+    setup_logging(verbose)
+    try:
+        settings = LaunchSettings.resolve(config_path, options)
+        workload = load_launch_workload(settings)
+    except BadInputError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if settings.plots and importlib.util.find_spec("matplotlib") is None:  # before the run, not after
+        raise click.ClickException("--plots needs matplotlib: pip install 'shape-broker[plots]'")
+    click.echo(f"launch: {workload!r}, {settings.producers} producers, storage {settings.storage}", err=True)
+    launcher = Launcher(settings, workload)
+    try:
+        outcome = _run_with_progress(launcher, len(workload))
+    except (ValueError, RuntimeError, TimeoutError) as exc:
+        launcher.cleanup()
+        raise click.ClickException(str(exc)) from exc
+    _finish(launcher, settings, outcome)
+
+
+def _run_with_progress(launcher, expected_items: int):
+    from pipeline.progress import LiveProgress, ProgressTracker
+
+    tracker = ProgressTracker(expected_items)
+    with LiveProgress() as live:
+        def show(status: dict, now_s: float) -> None:
+            tracker.observe(status, now_s)
+            live.update(tracker.snapshot(), now_s)
+
+        launcher.on_status = show
+        outcome = launcher.run()
+    outcome.history = tracker.history
+    return outcome
+
+
+def _finish(launcher, settings: LaunchSettings, outcome) -> None:
+    from pipeline.report import render_report, write_report_json
+
+    report = outcome.report
+    report["outcome"] = outcome.why
+    render_report(report)
+    if settings.report:
+        write_report_json(report, settings.report)
+        click.echo(f"report: {settings.report}", err=True)
+    if settings.plots:
+        from pipeline.plots import write_plots
+
+        for path in write_plots(outcome.history, settings.plots):
+            click.echo(f"plot: {path}", err=True)
+    if settings.data_dir:
+        click.echo(f"results: {outcome.results_dir}", err=True)
+    launcher.cleanup()
+    if outcome.why not in ("completed", "interrupted"):
+        click.echo(f"launch failed: {outcome.why}", err=True)
+    elif outcome.why == "completed" and not report.get("accounting_ok", False):
+        click.echo("launch: the accounting does not balance (see the report)", err=True)
+        sys.exit(1)
+    sys.exit(outcome.exit_code)

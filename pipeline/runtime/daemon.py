@@ -1,0 +1,134 @@
+"""Stage processes started by `pipeline broker|consumer start` and stopped by `... stop`.
+
+A stage process in the foreground writes a pid file in the run directory while it serves
+(`run/broker.pid`, `run/consumer-NAME.pid`) and removes it when it stops, so `stop` finds
+it whether or not it was detached. `--detach` runs the same command again in the background,
+in its own session, with stdout and stderr appended to a log file beside the pid file.
+
+Stopping is graceful first: SIGTERM (a consumer finishes its batch in hand and says goodbye,
+so the batches it held go back to dispatch at once; a broker closes its files), then SIGKILL
+after the timeout. A pid file whose process is gone, or is some other program that reused
+the pid, is removed and reported, never signalled.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import psutil
+
+# How often a stop or a detached start checks on the process.
+POLL_S = 0.05
+# A detached stage must be serving within this (a broker's recovery of a large store is the
+# slow case; it logs its progress to its log file).
+DETACH_READY_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class StageFiles:
+    """The pid and log files of one stage process in a run directory."""
+
+    pid_path: str
+    log_path: str
+
+    @classmethod
+    def of(cls, run_dir: str, stage: str) -> StageFiles:
+        return cls(os.path.join(run_dir, f"{stage}.pid"), os.path.join(run_dir, f"{stage}.log"))
+
+
+def write_pid_file(path: str) -> None:
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    temporary = f"{path}.{os.getpid()}.tmp"
+    with open(temporary, "w") as file:
+        file.write(f"{os.getpid()}\n")
+    os.replace(temporary, path)
+
+
+def remove_pid_file(path: str) -> None:
+    """Remove `path` if it names this process (a newer stage may have replaced it)."""
+    try:
+        if read_pid(path) == os.getpid():
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def read_pid(path: str) -> int | None:
+    try:
+        with open(path) as file:
+            text = file.read().strip()
+    except FileNotFoundError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def running_stage(path: str) -> psutil.Process | None:
+    """The live stage process a pid file names, or None (the file is then removed): the pid
+    must be alive and be a `pipeline` process, not another program that reused the pid."""
+    pid = read_pid(path)
+    if pid is None:
+        return None
+    try:
+        process = psutil.Process(pid)
+        if process.status() != psutil.STATUS_ZOMBIE and _is_pipeline(process):
+            return process
+    except psutil.Error:
+        pass
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    return None
+
+
+def _is_pipeline(process: psutil.Process) -> bool:
+    command = " ".join(process.cmdline())
+    return "pipeline" in command
+
+
+def detach(argv: list[str], files: StageFiles, ready: Callable[[], bool]) -> int:
+    """Run `python -m pipeline argv...` in the background (new session, output to the log
+    file) and wait until `ready()`; returns its pid. RuntimeError if it exits first (the
+    log file says why), TimeoutError if it is not ready in time."""
+    os.makedirs(os.path.dirname(files.log_path), mode=0o700, exist_ok=True)
+    log = open(files.log_path, "ab")
+    try:
+        child = subprocess.Popen([sys.executable, "-m", "pipeline", *argv], stdin=subprocess.DEVNULL,
+                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    finally:
+        log.close()
+    deadline = time.monotonic() + DETACH_READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if child.poll() is not None:
+            raise RuntimeError(f"it exited with status {child.returncode}; see {files.log_path}")
+        if ready():
+            return child.pid
+        time.sleep(POLL_S)
+    raise TimeoutError(f"not ready after {DETACH_READY_TIMEOUT_S} s; see {files.log_path}")
+
+
+def stop_stage(path: str, timeout_s: float) -> str:
+    """Stop the stage a pid file names: SIGTERM, then SIGKILL after `timeout_s`. Returns
+    what happened, in words, for the command's output."""
+    process = running_stage(path)
+    if process is None:
+        return "not running"
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout_s)
+        outcome = f"stopped (pid {process.pid})"
+    except psutil.TimeoutExpired:
+        process.kill()
+        process.wait(timeout_s)
+        outcome = f"killed after {timeout_s:g} s (pid {process.pid})"
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    return outcome

@@ -1,0 +1,300 @@
+"""`pipeline launch`: one node's whole pipeline, from a workload to a run report (SPEC §7).
+
+    outcome = Launcher(settings, workload, console).run()
+    outcome.report["lost"] == 0
+
+What a run does, in order:
+    1. the broker (its data directory: given, or a temporary one removed afterwards);
+    2. one consumer per GPU (pinned with CUDA_VISIBLE_DEVICES), or `consumers` CPU ones;
+    3. the producers, each feeding its round-robin share of the workload;
+    4. a watch loop: the broker's status twice a second -> live progress; the run is done
+       when every producer has handed over its share and nothing is queued or pending;
+    5. the stop, in dependency order: producers (already gone), consumers (each finishes its
+       batch in hand), then the broker;
+    6. the report: the broker's final counters against the consumers' results files.
+
+Ctrl-C (SIGINT) reaches only this process (children run in their own process groups): the
+first one stops the run in the order above and still prints the report of what was done; a
+second one kills every child. Either way no process and no shared-memory object is left:
+what a killed child could not unlink, this process removes (it owns the run).
+
+Results of a run go to `data_dir/results/run-<UTC time>/`, one JSON-lines file per consumer,
+so a data directory reused across runs never mixes two runs' accounting.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import shutil
+import signal
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+from pipeline.accounting import summarize_results
+from pipeline.broker.service import BrokerConfig
+from pipeline.consumer.process import ConsumerConfig
+from pipeline.producer.workload import Workload
+from pipeline.runtime.gpus import detect_gpus
+from pipeline.runtime.local import (
+    CTX,
+    broker_status,
+    own_process_group,
+    remove_leftovers,
+    start_broker,
+    start_consumer,
+    stop_process,
+)
+from pipeline.runtime.settings import DEFAULT_CPU_CONSUMERS, LaunchSettings
+from pipeline.runtime.signals import stop_on_signals
+
+log = logging.getLogger("pipeline.launch")
+
+# How often the watch loop asks the broker for its status (and redraws the progress).
+WATCH_INTERVAL_S = 0.5
+# How long a stopping producer may wait for the broker to store what it already published.
+PRODUCER_STOP_TIMEOUT_S = 30.0
+# How long a consumer may take to finish its batch in hand, and the broker to close its
+# files, before they are killed.
+STOP_TIMEOUT_S = 30.0
+EXIT_OK = 0
+EXIT_FAILED = 1
+# The shell's convention for a process stopped by SIGINT.
+EXIT_INTERRUPTED = 130
+
+
+@dataclass(slots=True)
+class LaunchOutcome:
+    report: dict
+    exit_code: int
+    why: str  # "completed", "interrupted", or what failed
+    data_dir: str
+    results_dir: str
+    history: list = field(default_factory=list)
+
+
+def _produce_main(socket_path: str, workload: Workload, index: int, count: int,
+                  replay_speed: float | None) -> None:
+    """A producer process: feed its share, then wait until the broker stored all of it.
+    SIGTERM stops the feed between submit calls; what went in is still handed over."""
+    from pipeline.producer.client import BrokerProducer
+    from pipeline.producer.feed import feed
+
+    own_process_group()
+    stop = stop_on_signals((signal.SIGTERM,))
+    code = 0
+    try:
+        client = BrokerProducer(socket_path)
+        try:
+            items = itertools.takewhile(lambda _item: not stop(), workload.items(index, count))
+            feed(client, items, replay_speed=replay_speed)
+        finally:
+            client.close(timeout_s=PRODUCER_STOP_TIMEOUT_S)
+    except Exception as exc:  # noqa: BLE001 - a child reports any failure by its status
+        log.error("producer %d: %s: %s", index, type(exc).__name__, exc)
+        code = 1
+    os._exit(code)
+
+
+def _interruptible():
+    """SIGINT/SIGTERM handlers for the launcher: the first sets a flag (an orderly stop), a
+    second raises KeyboardInterrupt wherever the launcher is (children are then killed).
+    NOTE: not `stop_on_signals`, whose second signal ends the process at once: the launcher
+    must still kill its children and remove what they leave."""
+    stopping = []
+
+    def handle(_signum, _frame) -> None:
+        if stopping:
+            raise KeyboardInterrupt
+        stopping.append(True)
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, handle)
+    return lambda: bool(stopping)
+
+
+def start_producers(socket_path: str, workload: Workload, count: int, replay_speed: float | None) -> list:
+    """`count` producer processes, producer k feeding items k, k + count, ... of `workload`."""
+    processes = []
+    for index in range(count):
+        process = CTX.Process(target=_produce_main, name=f"producer-{index}",
+                              args=(socket_path, workload, index, count, replay_speed))
+        process.start()
+        processes.append(process)
+    return processes
+
+
+def feed_processes(socket_path: str, workload: Workload, count: int, replay_speed: float | None) -> int:
+    """Feed `workload` through `count` producer processes and wait until all of it is stored
+    (or Ctrl-C: the producers then stop feeding and hand over what they submitted). Returns
+    how many producers failed."""
+    processes = start_producers(socket_path, workload, count, replay_speed)
+    try:
+        for process in processes:
+            process.join()
+    except KeyboardInterrupt:
+        for process in processes:
+            stop_process(process, signal.SIGTERM, PRODUCER_STOP_TIMEOUT_S)
+    return sum(1 for process in processes if process.exitcode != 0)
+
+
+class Launcher:
+    """Runs one workload through a fresh broker, consumers and producers.
+
+    Owner: the launching process's main thread (it installs the SIGINT handler). Not
+    thread-safe. `on_status(status, now_s)` is called with every status the watch loop
+    reads (the live progress display hooks in there)."""
+
+    def __init__(self, settings: LaunchSettings, workload: Workload, on_status=None) -> None:
+        self.settings = settings
+        self.workload = workload
+        self.on_status = on_status or (lambda status, now_s: None)
+        self._own_data_dir = settings.data_dir is None
+        self.data_dir = settings.data_dir or tempfile.mkdtemp(prefix="shape-broker-")
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        self.results_dir = os.path.join(self.data_dir, "results", f"run-{stamp}-{os.getpid()}")
+        self.config = BrokerConfig(self.data_dir)
+        self.broker = None
+        self.consumers: list = []
+        self.producers: list = []
+        self.metrics = None
+
+    def run(self) -> LaunchOutcome:
+        stop = _interruptible()
+        started_s = time.monotonic()
+        final: dict | None = None
+        why, code = "completed", EXIT_OK
+        try:
+            self._start()
+            final, why = self._watch(stop)
+            code = {"completed": EXIT_OK, "interrupted": EXIT_INTERRUPTED}.get(why, EXIT_FAILED)
+        finally:
+            final = self._stop(final)
+        wall_s = time.monotonic() - started_s
+        report = self._report(final, wall_s, completed=why == "completed")
+        return LaunchOutcome(report, code, why, self.data_dir, self.results_dir)
+
+    # ----------------------------------------------------------------- start
+
+    def _start(self) -> None:
+        s = self.settings
+        os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
+        self.broker = start_broker(self.config, s.storage, s.durability)
+        if s.metrics_port is not None:
+            from pipeline.metrics import MetricsServer
+
+            socket_path = self.config.socket_path
+            self.metrics = MetricsServer.start(s.metrics_port, lambda: broker_status(socket_path))
+        for config in self.consumer_configs():
+            self.consumers.append(start_consumer(config))
+        self.producers = start_producers(self.config.socket_path, self.workload, s.producers, s.replay_speed)
+
+    def consumer_configs(self) -> list[ConsumerConfig]:
+        """One consumer per GPU (or `consumers` of them, spread over the GPUs), each serving one
+        of the workload's models in turn; CPU consumers where there is no GPU."""
+        s = self.settings
+        gpus = detect_gpus()
+        count = s.consumers or len(gpus) or DEFAULT_CPU_CONSUMERS
+        models = self.workload.models
+        if count < len(models):
+            raise ValueError(f"the workload uses {len(models)} models but only {count} consumers run: "
+                             f"each consumer serves one model (raise --consumers)")
+        configs = []
+        for k in range(count):
+            gpu = gpus[k % len(gpus)] if gpus else None
+            name = f"gpu{gpu}" if gpu is not None and count == len(gpus) else f"consumer{k}"
+            configs.append(ConsumerConfig(
+                self.config.socket_path, self.results_dir, name, model=models[k % len(models)],
+                max_batch_items=s.max_batch, max_batch_tokens=s.max_tokens, max_input_len=s.max_input_len,
+                engine=s.engine, engine_options=dict(s.engine_options), gpu=gpu))
+        return configs
+
+    # ----------------------------------------------------------------- watch
+
+    def _watch(self, stop) -> tuple[dict, str]:
+        """Poll the broker until the run is done, interrupted, or a process failed."""
+        status = broker_status(self.config.socket_path)
+        while True:
+            if stop():
+                return status, "interrupted"
+            failed = self._failure()
+            if failed:
+                return status, failed
+            try:
+                status = broker_status(self.config.socket_path)
+            except (OSError, TimeoutError) as exc:
+                return status, f"the broker stopped answering: {exc}"
+            self.on_status(status, time.monotonic())
+            if self._done(status):
+                return status, "completed"
+            time.sleep(WATCH_INTERVAL_S)
+
+    def _failure(self) -> str:
+        if not self.broker.is_alive():
+            return f"the broker exited with status {self.broker.exitcode}"
+        for process in self.consumers:
+            if not process.is_alive():
+                return f"{process.name} exited with status {process.exitcode}"
+        for process in self.producers:
+            if process.exitcode not in (None, 0):
+                return f"{process.name} exited with status {process.exitcode}"
+        return ""
+
+    def _done(self, status: dict) -> bool:
+        if any(process.exitcode is None for process in self.producers):
+            return False
+        received = status["items_received"] + status["items_recovered"]
+        return received >= len(self.workload) and status["backlog_items"] == 0 and status["pending_items"] == 0
+
+    # ----------------------------------------------------------------- stop
+
+    def _stop(self, final: dict | None) -> dict | None:
+        """Stop every child in dependency order; a second Ctrl-C kills them instead. Returns
+        the broker's last status (read just before it stops)."""
+        force = False
+        try:
+            for process in self.producers:
+                stop_process(process, signal.SIGTERM, PRODUCER_STOP_TIMEOUT_S)
+            for process in self.consumers:
+                stop_process(process, signal.SIGTERM, STOP_TIMEOUT_S)
+            final = self._last_status(final)
+        except KeyboardInterrupt:
+            force = True
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.broker is not None:
+            if force:
+                self.broker.kill()
+            stop_process(self.broker, signal.SIGTERM, STOP_TIMEOUT_S)
+        for process in self.producers + self.consumers:
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+        left = remove_leftovers(self.data_dir)
+        if left:
+            log.warning("removed %d shared-memory objects that stopped processes left: %s", len(left), left)
+        return final
+
+    def _last_status(self, final: dict | None) -> dict | None:
+        if self.broker is None or not self.broker.is_alive():
+            return final
+        try:
+            return broker_status(self.config.socket_path)
+        except (OSError, TimeoutError):
+            return final
+
+    def _report(self, final: dict | None, wall_s: float, completed: bool) -> dict:
+        from pipeline.report import build_report
+
+        results = summarize_results(self.results_dir)
+        # A completed run is checked against what the workload holds (that also catches items
+        # lost before the broker stored them); a stopped one against what the broker received.
+        expected = len(self.workload) if completed else None
+        return build_report(final or {}, results, wall_s, expected_items=expected)
+
+    def cleanup(self) -> None:
+        """Remove the temporary data directory (a given one is the user's: it stays)."""
+        if self._own_data_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)

@@ -1,0 +1,132 @@
+"""Settings of `pipeline launch`: embedded defaults, then a TOML file, then the command line.
+
+    settings = LaunchSettings.resolve(config_path="run.toml", overrides={"items": 5000})
+
+Every option of the command can come from the file under the same name (underscores, not
+dashes), at the top level or in a `[launch]` table; `engine_options` is a table passed to the
+engine (the sim engine's `block_size_tokens`, `capacity_tokens`, `cost_s_per_padded_token`).
+An unknown key or a value of the wrong type is an error naming the file and the key: a typo
+in a config must not silently run with a default.
+
+    # run.toml
+    workload = "../shared/workloads/mooncake_synthetic_trace.jsonl"
+    consumers = 2
+    max_input_len = 262144
+    [engine_options]
+    capacity_tokens = 4194304
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+
+from pipeline.errors import BadInputError
+
+# The demo: enough items to show lanes, shape switches and a warm cache, and short enough to
+# finish in seconds on a 2-core machine (issue 6: well under a minute including start-up).
+DEMO_ITEMS = 20_000
+# CPU consumers when the machine has no GPU (one per GPU otherwise).
+DEFAULT_CPU_CONSUMERS = 2
+DEFAULT_PRODUCERS = 2
+# The consumer contract's defaults: a vLLM-like engine's max_num_seqs, a token budget of
+# 64 Ki per batch and an 8 Ki context.
+DEFAULT_MAX_BATCH_ITEMS = 64
+DEFAULT_MAX_BATCH_TOKENS = 65_536
+DEFAULT_MAX_INPUT_LEN = 8192
+
+
+class SettingsError(BadInputError):
+    """A launch setting is wrong (unknown key, wrong type, out of range); names the source."""
+
+
+@dataclass(slots=True)
+class LaunchSettings:
+    """Everything `pipeline launch` needs. `data_dir` None: a temporary directory, removed
+    after the run. `consumers` None: one per GPU, or DEFAULT_CPU_CONSUMERS without GPUs.
+    `items` None: the whole workload file (or DEMO_ITEMS for the demo)."""
+
+    data_dir: str | None = None
+    workload: str = "demo"
+    items: int | None = None
+    producers: int = DEFAULT_PRODUCERS
+    consumers: int | None = None
+    engine: str = "sim"
+    engine_options: dict = field(default_factory=dict)
+    storage: str = "disk"
+    durability: str = "process"
+    max_batch: int = DEFAULT_MAX_BATCH_ITEMS
+    max_tokens: int = DEFAULT_MAX_BATCH_TOKENS
+    max_input_len: int = DEFAULT_MAX_INPUT_LEN
+    replay_speed: float | None = None
+    report: str | None = None
+    plots: str | None = None
+    metrics_port: int | None = None
+    seed: int = 0
+
+    @classmethod
+    def resolve(cls, config_path: str | None = None, overrides: dict | None = None) -> LaunchSettings:
+        """Defaults, then the TOML file's values, then `overrides` (values that are None are
+        skipped: an option not given on the command line)."""
+        settings = cls()
+        if config_path is not None:
+            settings = settings.updated(load_toml(config_path), source=config_path)
+        given = {k: v for k, v in (overrides or {}).items() if v is not None}
+        settings = settings.updated(given, source="the command line")
+        settings.check()
+        return settings
+
+    def updated(self, values: dict, source: str) -> LaunchSettings:
+        known = {f.name: f for f in fields(self)}
+        changes = {}
+        for key, value in values.items():
+            if key not in known:
+                raise SettingsError(f"{source}: unknown setting {key!r} (known: {', '.join(sorted(known))})")
+            changes[key] = _typed(key, value, _TYPES[key], source)
+        return replace(self, **changes)
+
+    def check(self) -> None:
+        for key in ("producers", "max_batch", "max_tokens", "max_input_len"):
+            if getattr(self, key) <= 0:
+                raise SettingsError(f"{key} must be positive, got {getattr(self, key)}")
+        for key in ("items", "consumers"):
+            value = getattr(self, key)
+            if value is not None and value <= 0:
+                raise SettingsError(f"{key} must be positive, got {value}")
+        if self.replay_speed is not None and self.replay_speed <= 0:
+            raise SettingsError(f"replay_speed must be positive, got {self.replay_speed}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise SettingsError(f"metrics_port must be 0..65535, got {self.metrics_port}")
+
+
+# The type each setting takes (what TOML and click give); float settings accept integers.
+_TYPES: dict[str, tuple[type, ...]] = {
+    "data_dir": (str,), "workload": (str,), "items": (int,), "producers": (int,), "consumers": (int,),
+    "engine": (str,), "engine_options": (dict,), "storage": (str,), "durability": (str,),
+    "max_batch": (int,), "max_tokens": (int,), "max_input_len": (int,), "replay_speed": (float, int),
+    "report": (str,), "plots": (str,), "metrics_port": (int,), "seed": (int,),
+}
+assert set(_TYPES) == {f.name for f in fields(LaunchSettings)}
+
+
+def _typed(key: str, value: object, types: tuple[type, ...], source: str) -> object:
+    if isinstance(value, bool) or not isinstance(value, types):
+        raise SettingsError(f"{source}: {key} must be {' or '.join(t.__name__ for t in types)}, "
+                            f"got {value!r}")
+    return float(value) if float in types else value
+
+
+def load_toml(path: str) -> dict:
+    """The settings in a TOML file: its top level, or its `[launch]` table if it has one."""
+    try:
+        with open(path, "rb") as file:
+            document = tomllib.load(file)
+    except OSError as exc:
+        raise SettingsError(f"cannot read the config file {path}: {exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise SettingsError(f"{path}: not valid TOML: {exc}") from exc
+    if "launch" in document:
+        if not isinstance(document["launch"], dict) or len(document) != 1:
+            raise SettingsError(f"{path}: a [launch] table must be the file's only content")
+        return document["launch"]
+    return document

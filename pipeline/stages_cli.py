@@ -1,0 +1,236 @@
+"""Stage commands: start, stop and query each process of a pipeline on a data directory.
+
+    pipeline broker start --data-dir D [--detach]      pipeline broker stop --data-dir D
+    pipeline consumer start --data-dir D --name gpu0   pipeline consumer stop --data-dir D [--name gpu0]
+    pipeline produce FILE --data-dir D                 pipeline status --data-dir D [--json]
+
+Foreground stages run until stopped (Ctrl-C or `stop`); `--detach` runs them in the
+background with a pid file and a log file in `D/run/` (see pipeline/runtime/daemon.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import click
+
+from pipeline.broker.service import DEFAULT_HEARTBEAT_TIMEOUT_S, BrokerConfig
+from pipeline.consumer.engines import ENGINES
+from pipeline.errors import BadInputError
+from pipeline.launch_cli import setup_logging
+from pipeline.runtime import daemon
+from pipeline.runtime.processes import DURABILITY_LEVELS, STORAGE_KINDS
+from pipeline.runtime.settings import DEFAULT_MAX_BATCH_ITEMS, DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_INPUT_LEN
+
+# A graceful stop (a batch in hand finished, files closed) gets this long before SIGKILL.
+DEFAULT_STOP_TIMEOUT_S = 30.0
+RESULTS_DIR = "results"
+
+data_dir_option = click.option("--data-dir", required=True, type=click.Path(file_okay=False),
+                               help="The pipeline's data directory.")
+
+
+def _broker_answers(socket_path: str) -> bool:
+    from pipeline.runtime.local import broker_status
+
+    try:
+        broker_status(socket_path, timeout_s=1.0)
+        return True
+    except (OSError, TimeoutError):
+        return False
+
+
+def _detach(stage: str, data_dir: str, ready) -> None:
+    files = daemon.StageFiles.of(BrokerConfig(data_dir).run_dir, stage)
+    argv = [arg for arg in sys.argv[1:] if arg != "--detach"]
+    try:
+        pid = daemon.detach(argv, files, ready)
+    except (RuntimeError, TimeoutError) as exc:
+        raise click.ClickException(f"{stage} did not start: {exc}") from exc
+    click.echo(f"{stage} started in the background: pid {pid}, log {files.log_path}")
+
+
+def _serve_with_pid_file(stage: str, data_dir: str, serve) -> None:
+    files = daemon.StageFiles.of(BrokerConfig(data_dir).run_dir, stage)
+    daemon.write_pid_file(files.pid_path)
+    try:
+        code = serve()
+    finally:
+        daemon.remove_pid_file(files.pid_path)
+    sys.exit(code)
+
+
+# ---------------------------------------------------------------------- broker
+
+
+@click.group()
+def broker() -> None:
+    """Start or stop the broker of a data directory."""
+
+
+@broker.command("start")
+@data_dir_option
+@click.option("--storage", type=click.Choice(STORAGE_KINDS), default="disk", show_default=True)
+@click.option("--durability", type=click.Choice(DURABILITY_LEVELS), default="process", show_default=True)
+@click.option("--heartbeat-timeout-s", type=float, default=DEFAULT_HEARTBEAT_TIMEOUT_S, show_default=True,
+              help="A consumer silent this long is declared dead.")
+@click.option("--metrics-port", type=int, help="Serve Prometheus metrics on this port.")
+@click.option("--detach", is_flag=True, help="Run in the background (pid and log files in DATA_DIR/run).")
+@click.option("-v", "--verbose", is_flag=True)
+def broker_start(data_dir: str, storage: str, durability: str, heartbeat_timeout_s: float,
+                 metrics_port: int | None, detach: bool, verbose: bool) -> None:
+    """Run the broker until stopped (Ctrl-C or `pipeline broker stop`)."""
+    config = BrokerConfig(data_dir, heartbeat_timeout_s=heartbeat_timeout_s)
+    if detach:
+        _detach("broker", data_dir, lambda: _broker_answers(config.socket_path))
+        return
+    from pipeline.runtime.processes import serve_broker
+
+    setup_logging(True)
+    _serve_with_pid_file("broker", data_dir, lambda: serve_broker(
+        config, storage, durability, metrics_port=metrics_port,
+        on_ready=lambda: click.echo(f"broker serving {config.socket_path}", err=True)))
+
+
+@broker.command("stop")
+@data_dir_option
+@click.option("--timeout-s", type=float, default=DEFAULT_STOP_TIMEOUT_S, show_default=True,
+              help="Graceful stop first; killed after this.")
+def broker_stop(data_dir: str, timeout_s: float) -> None:
+    """Stop the broker: SIGTERM (it closes its files), SIGKILL after the timeout."""
+    files = daemon.StageFiles.of(BrokerConfig(data_dir).run_dir, "broker")
+    click.echo(f"broker: {daemon.stop_stage(files.pid_path, timeout_s)}")
+
+
+# ---------------------------------------------------------------------- consumer
+
+
+@click.group()
+def consumer() -> None:
+    """Start or stop consumers (one per GPU) of a data directory's broker."""
+
+
+@consumer.command("start")
+@data_dir_option
+@click.option("--name", help="Consumer name (default gpuN with --gpu, else cpu-PID); names its results file.")
+@click.option("--model", type=int, default=0, show_default=True)
+@click.option("--max-batch", type=int, default=DEFAULT_MAX_BATCH_ITEMS, show_default=True)
+@click.option("--max-tokens", type=int, default=DEFAULT_MAX_BATCH_TOKENS, show_default=True)
+@click.option("--max-input-len", type=int, default=DEFAULT_MAX_INPUT_LEN, show_default=True)
+@click.option("--engine", type=click.Choice(sorted(ENGINES)), default="sim", show_default=True)
+@click.option("--gpu", type=int, help="Pin to this GPU (CUDA_VISIBLE_DEVICES).")
+@click.option("--detach", is_flag=True, help="Run in the background (pid and log files in DATA_DIR/run).")
+@click.option("-v", "--verbose", is_flag=True)
+def consumer_start(data_dir: str, name: str | None, model: int, max_batch: int, max_tokens: int,
+                   max_input_len: int, engine: str, gpu: int | None, detach: bool, verbose: bool) -> None:
+    """Run a consumer until stopped (Ctrl-C or `pipeline consumer stop`); it reconnects if
+    the broker restarts. Results go to DATA_DIR/results/NAME.jsonl."""
+    from pipeline.consumer.process import ConsumerConfig
+
+    if name is None:
+        name = f"gpu{gpu}" if gpu is not None else f"cpu-{os.getpid()}"
+    config = BrokerConfig(data_dir)
+    stage = f"consumer-{name}"
+    if detach:
+        if "--name" not in sys.argv:
+            sys.argv.extend(["--name", name])
+        _detach(stage, data_dir, lambda: _consumer_registered(config.socket_path, name))
+        return
+    from pipeline.runtime.processes import serve_consumer
+
+    setup_logging(True)
+    consumer_config = ConsumerConfig(config.socket_path, os.path.join(data_dir, RESULTS_DIR), name, model=model,
+                                     max_batch_items=max_batch, max_batch_tokens=max_tokens,
+                                     max_input_len=max_input_len, engine=engine, gpu=gpu)
+    _serve_with_pid_file(stage, data_dir, lambda: serve_consumer(consumer_config))
+
+
+def _consumer_registered(socket_path: str, name: str) -> bool:
+    from pipeline.runtime.local import broker_status
+
+    try:
+        return name in broker_status(socket_path, timeout_s=1.0)["consumers"]
+    except (OSError, TimeoutError):
+        return False
+
+
+@consumer.command("stop")
+@data_dir_option
+@click.option("--name", help="The consumer to stop (default: every consumer of DATA_DIR).")
+@click.option("--timeout-s", type=float, default=DEFAULT_STOP_TIMEOUT_S, show_default=True,
+              help="Graceful stop first (finishes its batch in hand); killed after this.")
+def consumer_stop(data_dir: str, name: str | None, timeout_s: float) -> None:
+    """Stop consumers: each finishes its batch in hand and says goodbye (batches it held
+    but had not started go back to dispatch); SIGKILL after the timeout."""
+    run_dir = BrokerConfig(data_dir).run_dir
+    if name is not None:
+        stages = [f"consumer-{name}"]
+    else:
+        names = sorted(os.listdir(run_dir)) if os.path.isdir(run_dir) else []
+        stages = [n[: -len(".pid")] for n in names if n.startswith("consumer-") and n.endswith(".pid")]
+    if not stages:
+        click.echo("no consumer is running")
+    for stage in stages:
+        files = daemon.StageFiles.of(run_dir, stage)
+        click.echo(f"{stage}: {daemon.stop_stage(files.pid_path, timeout_s)}")
+
+
+# ---------------------------------------------------------------------- produce and status
+
+
+@click.command()
+@click.argument("workload_file", type=click.Path(dir_okay=False, exists=True))
+@data_dir_option
+@click.option("--producers", type=int, default=1, show_default=True, help="Producer processes.")
+@click.option("--items", type=int, help="Submit only the first N items.")
+@click.option("--replay-speed", type=float, help="Honour the file's timestamps, X times faster.")
+def produce(workload_file: str, data_dir: str, producers: int, items: int | None, replay_speed: float | None) -> None:
+    """Submit a workload file to the running broker; exits once all of it is stored."""
+    from pipeline.producer.workload import load_workload
+    from pipeline.runtime.launcher import feed_processes
+
+    config = BrokerConfig(data_dir)
+    if not _broker_answers(config.socket_path):
+        raise click.ClickException(f"no broker answers on {config.socket_path}: start one first")
+    try:
+        workload = load_workload(workload_file)
+    except BadInputError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if items:
+        workload = workload.head(items)
+    failed = feed_processes(config.socket_path, workload, producers, replay_speed)
+    if failed:
+        raise click.ClickException(f"{failed} of {producers} producers failed (see the messages above)")
+    click.echo(f"submitted {len(workload)} items, {workload.total_tokens} tokens: all stored")
+
+
+@click.command()
+@data_dir_option
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable: the report's counters and more.")
+@click.option("--results-dir", type=click.Path(file_okay=False),
+              help="Results files to account (default DATA_DIR/results).")
+def status(data_dir: str, as_json: bool, results_dir: str | None) -> None:
+    """The running broker's counters, backlog and consumers, with the results accounted."""
+    from pipeline.accounting import summarize_results
+    from pipeline.report import build_report, render_report
+    from pipeline.runtime.local import broker_status
+
+    config = BrokerConfig(data_dir)
+    try:
+        counters = broker_status(config.socket_path)
+    except (OSError, TimeoutError) as exc:
+        raise click.ClickException(f"no broker answers on {config.socket_path} ({exc})") from exc
+    results = summarize_results(results_dir or os.path.join(data_dir, RESULTS_DIR))
+    report = build_report(counters, results, counters["uptime_s"])
+    report.update(backlog_items=counters["backlog_items"], backlog_tokens=counters["backlog_tokens"],
+                  pending_items=counters["pending_items"], consumers=counters["consumers"],
+                  shapes=counters["shapes"], lanes_in_use=counters["lanes_in_use"],
+                  top_shapes=counters["top_shapes"], disk_full=counters["disk_full"])
+    if as_json:
+        click.echo(json.dumps(report, indent=2, sort_keys=True))
+        return
+    render_report(report)
+    click.echo(f"backlog {report['backlog_items']} items / {report['backlog_tokens']} tokens, "
+               f"pending {report['pending_items']}, consumers: {', '.join(report['consumers']) or 'none'}")
