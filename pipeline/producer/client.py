@@ -1,6 +1,6 @@
 """A producer attached to a running broker: registration, its ring, reconnection, goodbye.
 
-    with connect_producer("/data/run/broker.sock") as producer:
+    with BrokerProducer("/data/run/broker.sock") as producer:
         producer.submit_many(...)          # the Producer API
     # on exit: unregister, wait until the broker has stored everything, unlink the ring
 

@@ -1,0 +1,155 @@
+"""`pipeline launch` as a user runs it: a real command in a subprocess, real processes under it.
+
+Each run checks what the issue asks of the launcher: the report's accounting matches the
+results files, nothing is left in /dev/shm, Ctrl-C stops everything in order, and a bad
+workload line refuses the run before anything starts.
+"""
+
+from __future__ import annotations
+
+import base64
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+from click.testing import CliRunner
+from prometheus_client.parser import text_string_to_metric_families
+
+from pipeline.accounting import summarize_results
+from pipeline.broker.peers import namespace_for
+from pipeline.cli import main
+from pipeline.runtime.local import broker_status
+from tests.runtime.runs import free_port, shm_objects_of, wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+TRACE = ROOT.parent / "shared" / "workloads" / "mooncake_synthetic_trace.jsonl"
+# Generous: a run here takes seconds; this only keeps a hung run from hanging the suite.
+RUN_TIMEOUT_S = 240
+
+
+def launch(*args: str, timeout_s: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline", "launch", *args], capture_output=True, text=True,
+                          timeout=timeout_s, cwd=ROOT)
+
+
+def run_results_dir(data_dir: str) -> str:
+    (found,) = glob.glob(os.path.join(data_dir, "results", "run-*"))
+    return found
+
+
+def check_report_against_results(report: dict, results_dir: str, items: int) -> None:
+    """The report's accounting is what the results files hold."""
+    summary = summarize_results(results_dir)
+    assert report["accounting_ok"] is True and report["lost"] == 0 and report["outcome"] == "completed"
+    assert report["items_received"] == report["items_completed"] == summary.items == items
+    assert report["tokens_received"] == report["tokens_routed"] == report["tokens_completed"]
+    assert report["duplicates"] == summary.duplicates == 0
+    per_line = {name: figures["lines"] for name, figures in summary.per_consumer.items()}
+    assert {name: row["items"] for name, row in report["per_consumer"].items()} == per_line
+    rows = [json.loads(line) for path in glob.glob(os.path.join(results_dir, "*.jsonl")) for line in open(path)]
+    assert sum(row["prompt_tokens"] for row in rows) == report["tokens_completed"]
+    ran = sum(row["prompt_tokens"] for row in rows if row["status"] == "ok")  # too_long ones are not run
+    assert sum(row["prompt_tokens"] for row in report["per_consumer"].values()) == ran
+    assert report["items_empty"] == sum(row["status"] == "too_long" for row in rows)
+    for key in ("padding_efficiency", "mean_batch_fill", "cache_hit_rate"):
+        assert 0 < report[key] <= 1, key
+    assert report["lanes"]["opened"] >= report["shapes"] > 0
+
+
+def test_demo_run_report_matches_results_and_leaves_nothing(tmp_path):
+    data, report_path, plots = tmp_path / "data", tmp_path / "report.json", tmp_path / "plots"
+    config = tmp_path / "run.toml"
+    config.write_text("items = 3000\nproducers = 1\n[engine_options]\nblock_size_tokens = 32\n")
+    done = launch("--config", str(config), "--producers", "2", "--data-dir", str(data), "--report", str(report_path),
+                  "--plots", str(plots))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(report_path.read_text())
+    check_report_against_results(report, run_results_dir(str(data)), 3000)
+    assert "Accounting" in done.stdout and "OK" in done.stdout  # the table on stdout
+    assert sorted(os.listdir(plots)) == ["cache_hit_rate.png", "lanes.png", "padding.png", "queued_tokens.png"]
+    assert shm_objects_of(str(data)) == []
+    assert not os.path.exists(os.path.join(str(data), "run", "broker.sock"))
+
+
+def test_own_format_workload_on_the_memory_tier(tmp_path):
+    workload = tmp_path / "jobs.jsonl"
+    system = list(range(100, 164))
+    lines = [{"model": 0, "components": [system], "suffix": list(range(k % 40 + 1)), "payload": f"job-{k}"}
+             for k in range(400)]
+    workload.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    data, report_path = tmp_path / "data", tmp_path / "report.json"
+    done = launch("--workload", str(workload), "--storage", "memory", "--consumers", "1", "--data-dir", str(data),
+                  "--report", str(report_path))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(report_path.read_text())
+    check_report_against_results(report, run_results_dir(str(data)), 400)
+    rows = [json.loads(line) for line in open(glob.glob(os.path.join(run_results_dir(str(data)), "*.jsonl"))[0])]
+    assert sorted(base64.b64decode(row["payload"]).decode() for row in rows) == sorted(f"job-{k}" for k in range(400))
+    assert not os.path.exists(os.path.join(str(data), "segments"))  # the memory tier wrote no segment file
+    assert shm_objects_of(str(data)) == [] and not glob.glob(f"/dev/shm/sbrk-{namespace_for(str(data))}-memory")
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason=f"the Mooncake trace is not at {TRACE}")
+def test_mooncake_trace_runs_with_long_prompts(tmp_path):
+    head = tmp_path / "trace.jsonl"
+    with open(TRACE) as source:
+        head.write_text("".join(next(source) for _ in range(120)))
+    data, report_path = tmp_path / "data", tmp_path / "report.json"
+    done = launch("--workload", str(head), "--max-input-len", "16384", "--max-tokens", "262144",
+                  "--data-dir", str(data), "--report", str(report_path))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(report_path.read_text())
+    check_report_against_results(report, run_results_dir(str(data)), 120)
+    longest = max(json.loads(line)["input_length"] for line in head.read_text().splitlines())
+    assert longest > 16384 and report["items_empty"] > 0  # too long for the contract: empty, not dropped
+
+
+def test_a_malformed_workload_line_refuses_the_run_before_anything_starts(tmp_path):
+    workload = tmp_path / "jobs.jsonl"
+    workload.write_text('{"components": [[1, 2]], "suffix": [3]}\n{"components": [[1, 2]], "suffix": "x"}\n')
+    data = tmp_path / "data"
+    result = CliRunner().invoke(main, ["launch", "--workload", str(workload), "--data-dir", str(data)])
+    assert result.exit_code == 1
+    assert f"{workload}:2" in result.output and "nothing was submitted" in result.output
+    assert not data.exists()  # refused before the broker (or anything) started
+
+
+def completed_items(socket_path: str) -> int:
+    try:
+        return broker_status(socket_path, timeout_s=1.0)["items_completed"]
+    except (OSError, TimeoutError):
+        return 0
+
+
+def test_ctrl_c_stops_everything_in_order_and_leaves_nothing(tmp_path):
+    """SIGINT to the launcher, as a terminal's Ctrl-C sends it (children run in their own
+    process groups): exit status 130, a report, no process, no shared-memory object. The
+    metrics endpoint is scraped while the run is going."""
+    data, port = str(tmp_path / "data"), free_port()
+    launcher = subprocess.Popen([sys.executable, "-m", "pipeline", "launch", "--items", "1000000", "--data-dir", data,
+                                 "--metrics-port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, cwd=ROOT)
+    try:
+        wait_for(lambda: completed_items(os.path.join(data, "run", "broker.sock")) > 0, 60, "items completed")
+        children = psutil.Process(launcher.pid).children(recursive=True)
+        assert len(children) >= 5  # broker, 2 consumers, 2 producers
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        metrics = {s.name: s.value for f in text_string_to_metric_families(body) for s in f.samples if not s.labels}
+        assert metrics["shape_broker_up"] == 1 and metrics["shape_broker_items_received_total"] > 0
+        launcher.send_signal(signal.SIGINT)
+        out, err = launcher.communicate(timeout=RUN_TIMEOUT_S)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 130, err
+    assert "stopped early" in out
+    gone, alive = psutil.wait_procs(children, timeout=5)
+    assert alive == []
+    assert shm_objects_of(data) == []

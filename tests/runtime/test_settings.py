@@ -1,0 +1,55 @@
+"""Launch settings: embedded defaults, then a TOML file, then the command line."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.runtime.settings import DEMO_ITEMS, LaunchSettings, SettingsError
+
+
+def write(tmp_path, text: str) -> str:
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults_are_the_demo_on_disk_with_the_sim_engine():
+    settings = LaunchSettings.resolve()
+    assert (settings.workload, settings.storage, settings.durability, settings.engine) == ("demo", "disk", "process", "sim")
+    assert settings.data_dir is None and settings.items is None and DEMO_ITEMS > 0
+
+
+def test_file_overrides_defaults_and_command_line_overrides_file(tmp_path):
+    path = write(tmp_path, 'items = 500\nproducers = 3\nreplay_speed = 2\n[engine_options]\ncapacity_tokens = 4096\n')
+    settings = LaunchSettings.resolve(path, {"producers": 1, "storage": None})
+    assert settings.items == 500 and settings.producers == 1 and settings.storage == "disk"
+    assert settings.replay_speed == 2.0 and isinstance(settings.replay_speed, float)
+    assert settings.engine_options == {"capacity_tokens": 4096}
+
+
+def test_a_launch_table_is_read_like_the_top_level(tmp_path):
+    assert LaunchSettings.resolve(write(tmp_path, "[launch]\nconsumers = 4\n")).consumers == 4
+    with pytest.raises(SettingsError, match="only content"):
+        LaunchSettings.resolve(write(tmp_path, "items = 3\n[launch]\nconsumers = 4\n"))
+
+
+@pytest.mark.parametrize("text, message", [
+    ("itmes = 5\n", "unknown setting 'itmes'"),
+    ('items = "5"\n', "items must be int"),
+    ("items = true\n", "items must be int"),
+    ("items = -5\n", "items must be positive"),
+    ("replay_speed = 0\n", "replay_speed must be positive"),
+    ("metrics_port = 70000\n", "metrics_port must be 0..65535"),
+    ("items = \n", "not valid TOML"),
+])
+def test_bad_settings_name_the_file_and_the_key(tmp_path, text, message):
+    path = write(tmp_path, text)
+    with pytest.raises(SettingsError, match=message) as caught:
+        LaunchSettings.resolve(path)
+    if "positive" not in message and "65535" not in message:
+        assert path in str(caught.value)
+
+
+def test_a_missing_config_file_is_an_error(tmp_path):
+    with pytest.raises(SettingsError, match="cannot read the config file"):
+        LaunchSettings.resolve(str(tmp_path / "nope.toml"))

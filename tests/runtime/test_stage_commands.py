@@ -1,0 +1,80 @@
+"""The stage commands on one data directory, as an operator runs them: a detached broker
+with metrics, two detached consumers, `produce`, `status --json`, then graceful stops."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.runtime.runs import free_port, shm_objects_of, wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+# Generous: each command takes about a second; this only keeps a hang from hanging the suite.
+COMMAND_TIMEOUT_S = 120
+
+
+def pipeline(*args: str) -> subprocess.CompletedProcess:
+    done = subprocess.run([sys.executable, "-m", "pipeline", *args], capture_output=True, text=True,
+                          timeout=COMMAND_TIMEOUT_S, cwd=ROOT)
+    assert done.returncode == 0, (args, done.stdout, done.stderr)
+    return done
+
+
+def status_json(data: str) -> dict:
+    return json.loads(pipeline("status", "--data-dir", data, "--json").stdout)
+
+
+def write_workload(path: Path, items: int) -> None:
+    shapes = [list(range(1000 + 100 * s, 1000 + 100 * s + 48)) for s in range(3)]
+    path.write_text("".join(json.dumps({"components": [shapes[k % 3]], "suffix": list(range(1, 2 + k % 200)),
+                                        "payload": f"p{k}"}) + "\n" for k in range(items)))
+
+
+def test_stages_start_produce_status_and_stop(tmp_path):
+    data, port = str(tmp_path / "data"), free_port()
+    workload = tmp_path / "jobs.jsonl"
+    write_workload(workload, 600)
+    run_dir = os.path.join(data, "run")
+    try:
+        assert "pid" in pipeline("broker", "start", "--data-dir", data, "--detach", "--metrics-port", str(port)).stdout
+        pipeline("consumer", "start", "--data-dir", data, "--name", "c0", "--detach")
+        pipeline("consumer", "start", "--data-dir", data, "--name", "c1", "--detach", "--max-batch", "8")
+        assert sorted(n for n in os.listdir(run_dir) if n.endswith(".pid")) == [
+            "broker.pid", "consumer-c0.pid", "consumer-c1.pid"]
+        assert "all stored" in pipeline("produce", str(workload), "--data-dir", data, "--producers", "2").stdout
+        report = wait_for(lambda: (s := status_json(data))["items_completed"] == 600 and s, 60, "600 completed")
+        assert report["items_received"] == 600 and report["lost"] == 0 and report["accounting_ok"] is True
+        assert report["backlog_items"] == report["backlog_tokens"] == report["pending_items"] == 0
+        assert sorted(report["consumers"]) == ["c0", "c1"] and report["consumers"]["c1"]["max_batch_items"] == 8
+        assert sorted(report["per_consumer"]) == ["c0", "c1"]
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        completed = [s.value for f in text_string_to_metric_families(body) for s in f.samples
+                     if s.name == "shape_broker_items_completed_total"]
+        assert completed == [600]
+        assert "stopped" in pipeline("consumer", "stop", "--data-dir", data, "--name", "c0").stdout
+        assert sorted(status_json(data)["consumers"]) == ["c1"]
+        assert "consumer-c1: stopped" in pipeline("consumer", "stop", "--data-dir", data).stdout
+        assert status_json(data)["consumers_lost"] == 0  # both said goodbye
+    finally:
+        subprocess.run([sys.executable, "-m", "pipeline", "consumer", "stop", "--data-dir", data], cwd=ROOT,
+                       capture_output=True, timeout=COMMAND_TIMEOUT_S)
+        stopped = pipeline("broker", "stop", "--data-dir", data).stdout
+    assert stopped.startswith("broker: stopped")
+    assert pipeline("broker", "stop", "--data-dir", data).stdout.strip() == "broker: not running"
+    assert [n for n in os.listdir(run_dir) if n.endswith(".pid")] == []
+    assert sorted(os.listdir(os.path.join(data, "results"))) == ["c0.jsonl", "c1.jsonl"]
+    assert shm_objects_of(data) == []
+
+
+def test_status_and_produce_without_a_broker_say_so(tmp_path):
+    data = str(tmp_path / "data")
+    for args in (["status", "--data-dir", data], ["produce", __file__, "--data-dir", data]):
+        done = subprocess.run([sys.executable, "-m", "pipeline", *args], capture_output=True, text=True,
+                              timeout=COMMAND_TIMEOUT_S, cwd=ROOT)
+        assert done.returncode == 1 and "no broker answers" in done.stderr
