@@ -255,19 +255,28 @@ def _efficiency_rows(report: dict) -> list[tuple[str, str]]:
     ]
 
 
+# The per-consumer rows of the report table: (label, key, formatter).
+_CONSUMER_ROWS = (
+    ("batches", "batches", format_count), ("items", "items", format_count), ("ok", "items_ok", format_count),
+    ("empty (too long)", "items_empty", format_count), ("prompt tokens", "prompt_tokens", format_count),
+    ("padded tokens", "padded_tokens", format_count), ("padding efficiency", "padding_efficiency", format_percent),
+    ("cacheable tokens", "cacheable_tokens", format_count), ("cache hit tokens", "cache_hit_tokens", format_count),
+    ("compulsory miss tokens", "compulsory_miss_tokens", format_count),
+    ("cache hit rate", "cache_hit_rate", format_percent),
+)
+
+
 def _consumers_table(report: dict) -> Table:
+    """One column per consumer, one row per figure.
+    NOTE: a row per consumer was rejected: twelve columns of full figures do not fit an
+    80-column log, while a node has few consumers (one per GPU)."""
     table = Table(title="Per consumer", box=box.SIMPLE, title_justify="left", pad_edge=False)
-    columns = ("consumer", "batches", "items", "ok", "empty", "prompt", "padded", "padding",
-               "cacheable", "hits", "compulsory", "hit rate")
-    for index, name in enumerate(columns):
-        table.add_column(name, justify="left" if index == 0 else "right")
-    for name, row in report["per_consumer"].items():
-        label = name if row["connected"] else f"{name} (gone)"
-        table.add_row(label, *(format_count(row[key]) for key in (
-            "batches", "items", "items_ok", "items_empty", "prompt_tokens", "padded_tokens")),
-            format_percent(row["padding_efficiency"]),
-            *(format_count(row[key]) for key in ("cacheable_tokens", "cache_hit_tokens", "compulsory_miss_tokens")),
-            format_percent(row["cache_hit_rate"]))
+    table.add_column("")
+    consumers = report["per_consumer"]
+    for name in consumers:
+        table.add_column(name, justify="right")
+    for label, key, show in _CONSUMER_ROWS:
+        table.add_row(label, *(show(row[key]) for row in consumers.values()))
     return table
 
 

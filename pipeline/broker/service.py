@@ -604,6 +604,8 @@ class Broker:
             self._drop_consumer(owner, why)
         elif isinstance(owner, ProducerPeer):
             owner.peer = None  # it may register again; its ring stays until drained and dead
+            if owner.ring is None:  # it never said its ring was ready: nothing to drain
+                self.producers.pop(owner.producer_id, None)
             log.info("producer %d disconnected (%s)", owner.producer_id, why)
 
     def status(self) -> dict:

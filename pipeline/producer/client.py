@@ -39,8 +39,16 @@ class BrokerProducer(Producer):
         self.conn = Connection.connect(socket_path)
         reply = self.conn.request({"type": "register_producer", "pid": os.getpid(), "producer_id": -1})
         ring = RingWriter.create(reply["ring"], capacity_bytes, doorbell=reply["doorbell"], reattach=True)
-        super().__init__(ring, reply["producer_id"], limits=limits, timeout_s=timeout_s)
-        self.conn.send({"type": "producer_ready", "ring": reply["ring"]})
+        try:
+            super().__init__(ring, reply["producer_id"], limits=limits, timeout_s=timeout_s)
+            self.conn.send({"type": "producer_ready", "ring": reply["ring"]})
+        except BaseException:
+            # Nothing was published: the ring is this producer's to remove (a ring too small
+            # for the largest item, say, or a broker gone mid-registration).
+            ring.close()
+            ring.unlink()
+            self.conn.close()
+            raise
         self._conn_lock = threading.Lock()
         self._closing = threading.Event()
         self._monitor = threading.Thread(target=self._watch_broker, name="broker-watch", daemon=True)

@@ -19,6 +19,7 @@ from pipeline.runtime.local import start_broker as start_broker_process
 from pipeline.runtime.processes import memory_tier_dir, open_storage
 from shm.ring import RingWriter
 from pipeline.runtime.local import start_consumer
+from tests.runtime.runs import shm_objects_of
 from tests.pipeline.harness import read_results, start_broker, status, stop, wait_until
 from tests.pipeline.test_end_to_end import consumer_config
 
@@ -120,3 +121,16 @@ def test_memory_tier_feeds_consumer_processes_and_leaves_nothing(tmp_path):
     assert not os.path.exists(memory_tier_dir(data))
     rows = read_results(str(tmp_path / "results"))
     assert sorted(int(base64.b64decode(r["payload"])) for r in rows) == list(range(200))
+
+
+def test_a_producer_whose_ring_cannot_hold_an_item_leaves_nothing(tmp_path):
+    """Registration fails after the ring is created (too small for the largest item): the
+    producer removes its ring, the broker forgets it, and the broker's stop removes the rest."""
+    data = str(tmp_path / "data")
+    broker = start_broker(data)
+    try:
+        with pytest.raises(ValueError, match="cannot hold the largest item"):
+            BrokerProducer(BrokerConfig(data).socket_path, capacity_bytes=1 << 16)
+    finally:
+        assert stop(broker) == 0
+    assert shm_objects_of(data) == []
