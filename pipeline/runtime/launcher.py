@@ -289,9 +289,10 @@ class Launcher:
         from pipeline.report import build_report
 
         results = summarize_results(self.results_dir)
-        # A completed run is checked against what the workload holds (that also catches items
-        # lost before the broker stored them); a stopped one against what the broker received.
-        expected = len(self.workload) if completed else None
+        # A completed run is checked against what the workload holds plus what the broker
+        # recovered from an earlier run on this data directory (that also catches items lost
+        # before the broker stored them); a stopped one against what the broker received.
+        expected = len(self.workload) + (final or {}).get("items_recovered", 0) if completed else None
         return build_report(final or {}, results, wall_s, expected_items=expected)
 
     def cleanup(self) -> None:

@@ -128,14 +128,17 @@ def completed_items(socket_path: str) -> int:
         return 0
 
 
-def test_ctrl_c_stops_everything_in_order_and_leaves_nothing(tmp_path):
+def test_ctrl_c_stops_everything_in_order_and_a_rerun_finishes_the_rest(tmp_path):
     """SIGINT to the launcher, as a terminal's Ctrl-C sends it (children run in their own
-    process groups): exit status 130, a report, no process, no shared-memory object. The
-    metrics endpoint is scraped while the run is going."""
-    data, port = str(tmp_path / "data"), free_port()
-    launcher = subprocess.Popen([sys.executable, "-m", "pipeline", "launch", "--items", "1000000", "--data-dir", data,
-                                 "--metrics-port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, cwd=ROOT)
+    process groups): exit status 130, a report, no process, no shared-memory object; what was
+    stored stays in the data directory and the next launch on it completes it. The metrics
+    endpoint is scraped while the run is going."""
+    data, port, report_path = str(tmp_path / "data"), free_port(), tmp_path / "stopped.json"
+    slow = tmp_path / "slow.toml"  # consumers that cannot finish before the Ctrl-C
+    slow.write_text("items = 20000\n[engine_options]\ncost_s_per_padded_token = 2e-6\n")
+    launcher = subprocess.Popen([sys.executable, "-m", "pipeline", "launch", "--config", str(slow), "--data-dir", data,
+                                 "--metrics-port", str(port), "--report", str(report_path)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         wait_for(lambda: completed_items(os.path.join(data, "run", "broker.sock")) > 0, 60, "items completed")
         # broker, 2 consumers, 2 producers (the last may still be forking when items complete)
@@ -153,4 +156,14 @@ def test_ctrl_c_stops_everything_in_order_and_leaves_nothing(tmp_path):
     assert "stopped early" in out
     gone, alive = psutil.wait_procs(children, timeout=5)
     assert alive == []
+    assert shm_objects_of(data) == []
+    stopped = json.loads(report_path.read_text())
+    assert stopped["outcome"] == "interrupted" and stopped["lost"] == 0 and stopped["items_unfinished"] > 0
+    assert stopped["items_received"] == stopped["items_completed"] + stopped["items_unfinished"]
+
+    rerun = launch("--items", "100", "--data-dir", data, "--report", str(report_path))
+    assert rerun.returncode == 0, rerun.stderr
+    finished = json.loads(report_path.read_text())
+    assert finished["accounting_ok"] is True and finished["lost"] == 0
+    assert finished["items_received"] == stopped["items_unfinished"] + 100 == finished["items_completed"]
     assert shm_objects_of(data) == []
