@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 
 from pipeline.broker.peers import namespace_for
+from tests.pipeline.harness import wait_until as wait_for
+
+__all__ = ["free_port", "shm_objects_of", "wait_for"]
 
 
 def shm_objects_of(data_dir: str) -> list[str]:
@@ -19,13 +21,3 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
-
-
-def wait_for(predicate, timeout_s: float, what: str, poll_s: float = 0.05):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll_s)
-    raise TimeoutError(f"timed out waiting for {what}")
