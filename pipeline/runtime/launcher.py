@@ -215,7 +215,7 @@ class Launcher:
 
     def _watch(self, stop) -> tuple[dict, str]:
         """Poll the broker until the run is done, interrupted, or a process failed."""
-        status = broker_status(self.config.socket_path)
+        status: dict = {}
         while True:
             if stop():
                 return status, "interrupted"
@@ -251,10 +251,13 @@ class Launcher:
     # ----------------------------------------------------------------- stop
 
     def _stop(self, final: dict | None) -> dict | None:
-        """Stop every child in dependency order; a second Ctrl-C kills them instead. Returns
-        the broker's last status (read just before it stops)."""
-        force = False
+        """Stop every child in dependency order; a second Ctrl-C kills them instead, and so
+        does a dead broker (producers would wait for it to store their records, in vain; what
+        it stored stays in the data directory). Returns the broker's last status."""
+        force = self.broker is None or not self.broker.is_alive()
         try:
+            if force:
+                raise KeyboardInterrupt
             for process in self.producers:
                 stop_process(process, signal.SIGTERM, PRODUCER_STOP_TIMEOUT_S)
             for process in self.consumers:

@@ -167,3 +167,26 @@ def test_ctrl_c_stops_everything_in_order_and_a_rerun_finishes_the_rest(tmp_path
     assert finished["accounting_ok"] is True and finished["lost"] == 0
     assert finished["items_received"] == stopped["items_unfinished"] + 100 == finished["items_completed"]
     assert shm_objects_of(data) == []
+
+
+def test_a_broker_killed_mid_run_fails_the_launch_and_leaves_nothing(tmp_path):
+    """kill -9 of the broker: the launcher says so, kills the rest at once (producers would
+    wait for a broker that is gone), removes what the dead processes left, and exits 1."""
+    data = str(tmp_path / "data")
+    launcher = subprocess.Popen([sys.executable, "-m", "pipeline", "launch", "--items", "1000000", "--data-dir", data],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        wait_for(lambda: completed_items(os.path.join(data, "run", "broker.sock")) > 0, 60, "items completed")
+        children = wait_for(lambda: (c := psutil.Process(launcher.pid).children(recursive=True)) and len(c) == 5 and c,
+                            60, "five children")
+        with open(os.path.join(data, "run", "broker.lock")) as lock:
+            os.kill(int(lock.read()), signal.SIGKILL)
+        out, err = launcher.communicate(timeout=RUN_TIMEOUT_S)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 1
+    assert "launch failed: the broker exited with status -9" in err
+    gone, alive = psutil.wait_procs(children, timeout=5)
+    assert alive == []
+    assert shm_objects_of(data) == []
