@@ -11,15 +11,17 @@ from pipeline.broker.storage.paths import make_dirs, segment_path
 from pipeline.broker.storage.segment import Durability, SegmentFile, SegmentKeys, encode_entries, scan_segment
 from pipeline.consumer.reader import SegmentReader
 from pipeline.errors import EntryCompletedError, SegmentCorruptError
+from pipeline.layouts import DESCRIPTOR_ITEM_DTYPE
 from tests.broker.test_segment import make_items
 
 SIG = 0xFEED_0000_0000_0001
 
 
-def store(data_dir: str, lane: int, count: int, seed: int) -> tuple[str, tuple, SegmentFile]:
+def store(data_dir: str, lane: int, count: int, seed: int, first_id: int = 1000) -> tuple[str, tuple, SegmentFile]:
     path = segment_path(data_dir, 2, SIG, lane, 0)
     make_dirs(os.path.dirname(path))
     frame = make_items(count, seed)
+    frame[0]["item_id"] += first_id - 1000
     segment = SegmentFile.create(path, SegmentKeys(2, SIG, lane, 0), Durability.PROCESS)
     segment.append(encode_entries(*frame, indices=np.arange(count), producer_id=1))
     return path, frame, segment
@@ -34,8 +36,7 @@ def test_tokens_are_zero_copy_views_of_the_segment(tmp_path):
         assert np.array_equal(got.tokens, tokens[starts[i]:starts[i + 1]])
         assert got.payload == payloads[pstarts[i]:pstarts[i + 1]].tobytes()
         assert not got.tokens.flags.writeable and not got.tokens.flags.owndata
-        mapping, view = reader._maps[path]
-        region = np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0]
+        region = np.frombuffer(reader._maps[path].view, dtype=np.uint8).__array_interface__["data"][0]
         address = got.tokens.__array_interface__["data"][0]
         # The view points into the mapped file, right after the entry's header: no copy.
         assert address == region + int(offsets[i]) + 64
@@ -87,9 +88,53 @@ def test_entry_whose_payload_crosses_the_mapped_end(tmp_path):
     reader = SegmentReader(str(tmp_path))
     mapping_end = int(offsets[1]) + 64 + 4 * int(items["length"][1])  # header and tokens only
     reader._view(path, 0)
-    mapping, view = reader._maps[path]
-    reader._maps[path] = (mapping, view[:mapping_end])
+    reader._maps[path].view = reader._maps[path].view[:mapping_end]
     got = reader.read(2, SIG, 3, 0, int(offsets[1]), int(items["length"][1]), int(items["item_id"][1]))
     assert got.payload == frame[3][frame[4][1]:frame[4][2]].tobytes()
     reader.close()
     segment.close()
+
+
+def descriptor_items(lane: int, offsets, items) -> np.ndarray:
+    rows = np.zeros(len(offsets), dtype=DESCRIPTOR_ITEM_DTYPE)
+    rows["lane"], rows["offset"], rows["length"], rows["item_id"] = lane, offsets, items["length"], items["item_id"]
+    return rows
+
+
+def test_read_batch_gives_zero_copy_views_and_checks_every_entry(tmp_path):
+    # Two segments in one descriptor, one entry completed, one damaged: the batch read gives
+    # what `read` gives for each good entry (views into the mapped file, no copy) and lists
+    # the other two with the error `read` raises.
+    path_a, frame_a, segment_a = store(str(tmp_path), 4, 12, 6)
+    path_b, frame_b, segment_b = store(str(tmp_path), 5, 9, 7, first_id=2000)
+    offsets_a, offsets_b = scan_segment(path_a).offsets, scan_segment(path_b).offsets
+    segment_a.tombstone(int(offsets_a[3]))
+    segment_b.close()
+    data = np.fromfile(path_b, dtype=np.uint8)
+    data[int(offsets_b[5]) + 64] ^= 1
+    data.tofile(path_b)
+    rows = np.concatenate([descriptor_items(4, offsets_a, frame_a[0]), descriptor_items(5, offsets_b, frame_b[0])])
+    rows = rows[np.random.default_rng(0).permutation(rows.shape[0])]  # segments interleaved
+    reader = SegmentReader(str(tmp_path))
+    got = reader.read_batch(2, SIG, rows)
+    failed = {item_id: type(exc) for item_id, _length, exc in got.failed}
+    assert failed == {int(frame_a[0]["item_id"][3]): EntryCompletedError,
+                      int(frame_b[0]["item_id"][5]): SegmentCorruptError}
+    expected = [int(i) for i in rows["item_id"] if int(i) not in failed]
+    assert sorted(got.item_ids) == sorted(expected)
+    for segment_ids in ([i for i in got.item_ids if i < 2000], [i for i in got.item_ids if i >= 2000]):
+        assert segment_ids == [i for i in expected if (i < 2000) == (segment_ids[0] < 2000)]  # descriptor order
+    one = SegmentReader(str(tmp_path))
+    by_id = {int(r["item_id"]): r for r in rows}
+    for k, item_id in enumerate(got.item_ids):
+        row = by_id[item_id]
+        ref = one.read(2, SIG, int(row["lane"]), 0, int(row["offset"]), int(row["length"]), item_id)
+        assert np.array_equal(got.tokens[k], ref.tokens) and got.lengths[k] == ref.tokens.shape[0]
+        assert (got.prefix_lens[k], got.payloads[k], got.submit_ns[k]) == (ref.prefix_len, ref.payload, ref.submit_ns)
+        path = path_a if row["lane"] == 4 else path_b
+        region = np.frombuffer(reader._maps[path].view, dtype=np.uint8).__array_interface__["data"][0]
+        assert got.tokens[k].__array_interface__["data"][0] == region + int(row["offset"]) + 64
+        assert not got.tokens[k].flags.writeable
+    one.close()
+    reader.close()
+    segment_a.close()

@@ -118,3 +118,26 @@ def test_batch_hashing_equals_one_prompt_at_a_time(prompts):
             while common < min(len(ha), len(hb)) and a[: (common + 1) * 3] == b[: (common + 1) * 3]:
                 common += 1
             assert ha[:common] == hb[:common]
+
+
+@settings(max_examples=80, derandomize=True, deadline=None)
+@given(
+    st.integers(1, 5),
+    st.sampled_from([2, 5, 12, 40, 400]),
+    st.lists(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 40)), min_size=1, max_size=8),
+             min_size=1, max_size=12),
+)
+def test_batches_match_the_reference_prompt_by_prompt(block, capacity_blocks, batches):
+    # Whole batches at once (the bulk path, or prompt by prompt when an eviction inside the
+    # batch would hit one of its blocks) give exactly what the reference gives one prompt at
+    # a time, and the same cache contents in the same LRU order.
+    bases = [list(np.random.default_rng(k).integers(0, 5, size=30)) for k in range(4)]
+    engine = SimEngine(block_size_tokens=block, capacity_tokens=capacity_blocks * block)
+    reference = ReferenceCache(block, capacity_blocks * block)
+    for n, requests in enumerate(batches):
+        prompts = [[int(t) for t in bases[base][:extra]] + [(n + k) % 3] for k, (base, extra) in enumerate(requests)]
+        got = engine.run(EngineBatch([np.array(p, dtype=np.int32) for p in prompts], 64, [0] * len(prompts)))
+        assert got.cached_tokens == [reference.run(p) for p in prompts], n
+        assert len(engine._cache) == len(reference.cache)
+    expected = {tuple(engine.block_hashes([np.array(key, dtype=np.int32)])[0])[-1]: None for key in reference.cache}
+    assert list(engine._cache) == list(expected)
