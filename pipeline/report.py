@@ -32,8 +32,11 @@ Definitions (every figure is an int or a float; a ratio with nothing to divide i
 - cache_hit_tokens: cache hits inside that cacheable prefix (the engines'
   `cacheable_hit_tokens`), so the rate is at most 1; `cache_hit_tokens_all` is the engines'
   raw hit count, which also counts hits beyond the prefix (identical suffixes).
-- compulsory_miss_tokens: the cacheable tokens of each shape's first item on each consumer
-  (a cold cache must miss them whatever the broker does).
+- compulsory_miss_tokens: cacheable tokens each consumer's engine missed on their first
+  reference (the 3C model's compulsory misses: no schedule could serve them). Where shapes
+  share no prefix this is the cacheable tokens of each shape's first item on each consumer;
+  where they share leading blocks (a trace's common system prompt) only new blocks count,
+  so the rate below stays at most 1.
 - cache_hit_rate = cache_hit_tokens / (cacheable_tokens - compulsory_miss_tokens).
 - shape_switches = the sum of the broker's switch counts; shape_switches_by_reason keeps them.
 - items_per_s and tokens_per_s = completed over the launcher's wall time.

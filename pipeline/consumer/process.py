@@ -141,8 +141,6 @@ class Consumer:
         self._results = open(self.results_path, "a", encoding="utf-8")
         self.counters = ConsumerCounters()
         self._reader: SegmentReader | None = None
-        # Shapes this process's engine has seen: the first item of each is a compulsory miss.
-        self._shapes_seen: set[tuple[int, int]] = set()
 
     def run(self, stop) -> None:
         """Serve batches until `stop()` is true, reconnecting whenever the broker goes away."""
@@ -210,10 +208,6 @@ class Consumer:
             statuses[STATUS_TOO_LONG] = len(got.lengths) - len(runnable)
             got = _select(got, runnable)
         engine_before = _engine_totals(self.engine)
-        compulsory = 0
-        if runnable and (descriptor.model, descriptor.signature) not in self._shapes_seen:
-            self._shapes_seen.add((descriptor.model, descriptor.signature))
-            compulsory = self.engine.cacheable_tokens(got.prefix_lens[0])
         if runnable:
             result = self.engine.run(EngineBatch(got.tokens, descriptor.pad_to_tokens, got.prefix_lens))
             lines += _ok_lines(descriptor, got, result.cached_tokens, result.outputs)
@@ -227,8 +221,7 @@ class Consumer:
         c.prompt_tokens += sum(got.lengths)
         engine_after = _engine_totals(self.engine)
         return {**{f"items_{k}": v for k, v in statuses.items()},
-                **{k: engine_after[k] - engine_before[k] for k in engine_after},
-                "compulsory_miss_tokens": compulsory}
+                **{k: engine_after[k] - engine_before[k] for k in engine_after}}
 
     @staticmethod
     def _line(d: Descriptor, item_id: int, status: str, prompt: int, cached: int, output: list,
@@ -286,4 +279,5 @@ def _engine_totals(engine: Engine) -> dict[str, int]:
     return {"prompt_tokens": c.prompt_tokens, "padded_tokens": c.padded_tokens,
             "cacheable_tokens": c.cacheable_tokens, "cache_hit_tokens": c.cache_hit_tokens,
             "cacheable_hit_tokens": c.extra.get("cacheable_hit_tokens", c.cache_hit_tokens),
+            "compulsory_miss_tokens": c.compulsory_miss_tokens,
             "output_tokens": c.output_tokens}

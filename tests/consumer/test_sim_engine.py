@@ -24,6 +24,7 @@ class ReferenceCache:
         hits = 0
         while hits < len(keys) and keys[hits] in self.cache:
             hits += 1
+        self.hit_blocks = hits
         for key in reversed(keys):
             self.cache[key] = None
             self.cache.move_to_end(key)
@@ -141,3 +142,57 @@ def test_batches_match_the_reference_prompt_by_prompt(block, capacity_blocks, ba
         assert len(engine._cache) == len(reference.cache)
     expected = {tuple(engine.block_hashes([np.array(key, dtype=np.int32)])[0])[-1]: None for key in reference.cache}
     assert list(engine._cache) == list(expected)
+
+
+def test_compulsory_misses_are_first_references_of_cacheable_blocks():
+    engine = SimEngine(block_size_tokens=4, capacity_tokens=8)  # two blocks: evictions happen
+    system = np.arange(1, 9, dtype=np.int32)  # two blocks
+    shorter = system[:4]  # shares the first block: a shape of its own that overlaps
+    # Two prompts of one new shape in one batch: its 2 blocks are new once, not twice.
+    engine.run(EngineBatch([np.concatenate([system, [50]]), np.concatenate([system, [51]])], 12, [8, 8]))
+    assert engine.counters.compulsory_miss_tokens == 8
+    # A shape sharing the leading block: nothing new, so no compulsory miss.
+    engine.run(EngineBatch([np.concatenate([shorter, [60, 61]])], 8, [4]))
+    assert engine.counters.compulsory_miss_tokens == 8
+    # A third shape evicts the first (capacity two blocks); coming back is a capacity miss.
+    engine.run(EngineBatch([np.concatenate([np.arange(100, 108, dtype=np.int32), [1]])], 12, [8]))
+    assert engine.counters.compulsory_miss_tokens == 16
+    engine.run(EngineBatch([np.concatenate([system, [52]])], 12, [8]))
+    assert engine.counters.compulsory_miss_tokens == 16
+    # Suffix blocks never count (beyond prefix_len), however new they are.
+    engine.run(EngineBatch([np.arange(200, 216, dtype=np.int32)], 16, [0]))
+    assert engine.counters.compulsory_miss_tokens == 16
+
+
+@settings(max_examples=60, derandomize=True, deadline=None)
+@given(
+    st.integers(1, 5),
+    st.sampled_from([2, 5, 40]),
+    st.lists(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 40), st.integers(0, 40)), min_size=1, max_size=6),
+             min_size=1, max_size=10),
+)
+def test_compulsory_misses_match_a_reference_and_bound_the_hit_rate(block, capacity_blocks, batches):
+    """Against a reference cache run prompt by prompt that keeps every cacheable token prefix
+    it has seen: the engine's compulsory misses are the cacheable blocks that missed and were
+    never seen, and hits + compulsory <= cacheable always (so the report's hit rate,
+    hits / (cacheable - compulsory), never exceeds 1)."""
+    bases = [list(np.random.default_rng(k).integers(0, 5, size=30)) for k in range(4)]
+    engine = SimEngine(block_size_tokens=block, capacity_tokens=capacity_blocks * block)
+    reference = ReferenceCache(block, capacity_blocks * block)
+    seen: set[tuple] = set()
+    expected = 0
+    for n, requests in enumerate(batches):
+        prompts, prefix_lens = [], []
+        for k, (base, extra, prefix) in enumerate(requests):
+            prompt = [int(t) for t in bases[base][:extra]] + [(n + k) % 3]
+            prompts.append(np.array(prompt, dtype=np.int32))
+            prefix_lens.append(min(prefix, len(prompt)))
+            reference.run(prompt)
+            for i in range(min(prefix, len(prompt)) // block):
+                key = tuple(prompt[: (i + 1) * block])
+                expected += i >= reference.hit_blocks and key not in seen
+                seen.add(key)
+        engine.run(EngineBatch(prompts, 64, prefix_lens))
+        c = engine.counters
+        assert c.compulsory_miss_tokens == expected * block, n
+        assert c.extra["cacheable_hit_tokens"] + c.compulsory_miss_tokens <= c.cacheable_tokens

@@ -54,6 +54,12 @@ class EngineCounters:
     padded_tokens: int = 0
     cacheable_tokens: int = 0  # whole cache blocks inside the shapes' components
     cache_hit_tokens: int = 0
+    # Cacheable tokens missed on their first reference by this engine (the "compulsory"
+    # misses of the 3C model): no cache and no schedule could have served them. For shapes
+    # that share no prefix this is the cacheable tokens of each shape's first item; where
+    # shapes share leading blocks (a trace's common system prompt), only the blocks new to
+    # the engine count.
+    compulsory_miss_tokens: int = 0
     output_tokens: int = 0
     extra: dict[str, int] = field(default_factory=dict)
 
@@ -71,11 +77,6 @@ class Engine(abc.ABC):
     def run(self, batch: EngineBatch) -> EngineResult:
         """Run one padded batch; return one output and one cached-token count per prompt."""
 
-    def cacheable_tokens(self, prefix_len: int) -> int:
-        """How many of a prompt's `prefix_len` component tokens this engine's prefix cache
-        can hold (whole cache blocks, for a paged cache). The consumer counts a shape's
-        first item's cacheable tokens as compulsory misses: no cache can serve those."""
-        return prefix_len
 
     def close(self) -> None:
         """Release the runtime (GPU memory, threads); nothing by default."""

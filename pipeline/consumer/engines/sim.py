@@ -95,6 +95,10 @@ class SimEngine(Engine):
         self._powers = np.ones(1, dtype=np.uint64)
         self._inverse_powers = np.ones(1, dtype=np.uint64)
         self.counters.extra.update(evicted_blocks=0, cacheable_hit_tokens=0)
+        # Every cacheable block hash this engine has referenced, for compulsory misses. It
+        # grows with the distinct prefix blocks (templates x their blocks), not with prompts:
+        # suffix blocks are never added.
+        self._referenced: set[int] = set()
 
     def _ensure_powers(self, count: int) -> None:
         if count <= self._powers.shape[0]:
@@ -208,10 +212,6 @@ class SimEngine(Engine):
         self.counters.extra["evicted_blocks"] += evicted
         return hits
 
-    def cacheable_tokens(self, prefix_len: int) -> int:
-        block = self.config.block_size_tokens
-        return (prefix_len // block) * block
-
     def run(self, batch: EngineBatch) -> EngineResult:
         block = self.config.block_size_tokens
         prompts = batch.prompts
@@ -226,6 +226,7 @@ class SimEngine(Engine):
                              for end, n in zip(ends, counts.tolist())], dtype=np.int64)
         cached = np.minimum(hits * block, (lengths - 1) // block * block)
         cacheable = np.asarray(batch.prefix_lens, dtype=np.int64) // block * block
+        compulsory_blocks = self._first_references(flat, counts, cacheable // block, hits)
         outputs = self._outputs(prompts, flat, counts)
         c = self.counters
         c.batches += 1
@@ -235,10 +236,30 @@ class SimEngine(Engine):
         c.cacheable_tokens += int(cacheable.sum())
         c.cache_hit_tokens += int(cached.sum())
         c.extra["cacheable_hit_tokens"] += int(np.minimum(cached, cacheable).sum())
+        c.compulsory_miss_tokens += compulsory_blocks * block
         c.output_tokens += count * self.config.output_tokens
         if self.config.cost_s_per_padded_token > 0:
             time.sleep(count * batch.pad_to_tokens * self.config.cost_s_per_padded_token)
         return EngineResult(outputs, cached.tolist())
+
+    def _first_references(self, flat: np.ndarray, counts: np.ndarray, cacheable_blocks: np.ndarray,
+                          hits: np.ndarray) -> int:
+        """How many distinct cacheable blocks of the batch missed and had never been
+        referenced as cacheable by this engine (each a miss however the work had been
+        scheduled), remembering every cacheable block of the batch. Only misses count, so
+        hits + compulsory misses never exceed the cacheable blocks.
+
+        Example, block size 4: two prompts of 9 tokens with prefix_len 8 share their 2
+        leading blocks, never seen: 2 compulsory blocks, not 4 (the second prompt hits them).
+        """
+        if flat.shape[0] == 0:
+            return 0
+        local = _ragged_local(counts)
+        in_prefix = local < np.repeat(np.minimum(cacheable_blocks, counts), counts)
+        missed = in_prefix & (local >= np.repeat(hits, counts))
+        new = set(flat[missed].tolist()) - self._referenced
+        self._referenced.update(flat[in_prefix].tolist())
+        return len(new)
 
     def _outputs(self, prompts: Sequence[np.ndarray], flat: np.ndarray, counts: np.ndarray) -> list[list[int]]:
         """Each prompt's output ids: bytes of its last block's hash (of its last token when
