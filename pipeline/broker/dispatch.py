@@ -14,6 +14,7 @@ The broker's process loop (a later issue) owns one Dispatcher and calls, in its 
         else:
             dispatcher.abandon(batch)               # nothing happened; the entries stay queued
     dispatcher.complete(consumer, refs)             # NotHeldError: disconnect that consumer
+    dispatcher.complete_batch(consumer, batch)      # the same for a whole batch, in bulk
     dispatcher.consumer_lost(consumer)              # its pending entries go back to the front
     dispatcher.tick(now_s)                          # lane maintenance, e.g. every 100 ms
     except ShapeGuardError: stop the broker         # never caught to carry on
@@ -52,7 +53,7 @@ from pipeline.broker.lanes import MAX_LENGTH_TOKENS, LaneConfig, LaneCounters, L
 from pipeline.broker.packing import Contract, batch_items_limit, pack
 from pipeline.broker.pending import Completion
 from pipeline.broker.selection import AGE_RESOLUTION_NS, ShapeSelector
-from pipeline.broker.storage.base import AppendGroup, PeekedEntry, StorageTier
+from pipeline.broker.storage.base import AppendGroup, Peeked, StorageTier
 from pipeline.errors import DiskFullError, ItemTooLongError
 from pipeline.layouts import Frame, ProducerId
 
@@ -60,13 +61,14 @@ from pipeline.layouts import Frame, ProducerId
 @dataclass(frozen=True, slots=True)
 class Batch:
     """A batch for one consumer: entries of one lane (so one shape), front first, each padded
-    to `pad_to_tokens`. Not the consumer's until `Dispatcher.commit`."""
+    to `pad_to_tokens`, by column (`entries[i]` makes a PeekedEntry). Not the consumer's
+    until `Dispatcher.commit`."""
 
     batch_id: BatchId
     consumer: ConsumerId
     lane: LaneKey
     pad_to_tokens: int
-    entries: tuple[PeekedEntry, ...]
+    entries: Peeked
 
     @property
     def model(self) -> int:
@@ -78,11 +80,11 @@ class Batch:
 
     @property
     def refs(self) -> list[EntryRef]:
-        return [entry.ref for entry in self.entries]
+        return self.entries.refs
 
     @property
     def real_tokens(self) -> int:
-        return sum(entry.length for entry in self.entries)
+        return int(self.entries.lengths.sum())
 
     @property
     def padded_tokens(self) -> int:
@@ -383,13 +385,12 @@ class Dispatcher:
         key = LaneKey(shape.model, shape.signature, lane)
         available = lanes.queued_items(lane) - self._held.get(key, 0)
         limit = min(batch_items_limit(longest, contract), available)
-        front = self._storage.peek(key, limit)
+        front = self._storage.peek_many(key, limit)
         assert len(front) == limit, (key, len(front), limit)
-        packing = pack([entry.length for entry in front], longest, contract)
-        entries = tuple(front[: packing.count])
-        for stored in {entry.lane for entry in entries}:
-            self._selector.guard(stored.shape, f"batch for consumer {consumer}")
-            assert stored == key, (stored, key)  # right shape, wrong lane: a storage bug
+        packing = pack(front.lengths.tolist(), longest, contract)
+        entries = front[: packing.count]
+        self._selector.guard(entries.lane.shape, f"batch for consumer {consumer}")
+        assert entries.lane == key, (entries.lane, key)  # right shape, wrong lane: a storage bug
         batch = Batch(BatchId(self._next_batch_id), consumer, key, packing.pad_to_tokens, entries)
         self._next_batch_id += 1
         self._outstanding = batch
@@ -409,13 +410,11 @@ class Dispatcher:
         that its items left the queue."""
         assert self._outstanding is batch, (self._outstanding, batch)
         self._outstanding = None
-        self._storage.commit(batch.lane, batch.refs, batch.consumer, batch.batch_id)
-        lengths = [entry.length for entry in batch.entries]
+        lengths = batch.entries.lengths.tolist()
+        self._storage.commit(batch.lane, batch.refs, batch.consumer, batch.batch_id, lengths)
         tokens = sum(lengths)
         self._shapes[batch.lane.shape].on_dispatched(batch.lane.lane, lengths)
-        self._selector.on_dispatched(
-            batch.lane.shape, tokens, [entry.submit_ns for entry in batch.entries]
-        )
+        self._selector.on_dispatched(batch.lane.shape, tokens, batch.entries.submit_ns)
         c = self._c
         c.items_routed += len(lengths)
         c.tokens_routed += tokens
@@ -429,7 +428,14 @@ class Dispatcher:
     def complete(self, consumer: ConsumerId, refs: Sequence[EntryRef]) -> Completion:
         """The consumer finished `refs` (results are durable on its side). NotHeldError, with
         nothing applied, when it does not hold one of them: disconnect it (SPEC §8)."""
-        done = self._storage.complete(consumer, refs)
+        return self._completed(self._storage.complete(consumer, refs))
+
+    def complete_batch(self, consumer: ConsumerId, batch: Batch) -> Completion:
+        """`complete` for every entry of a committed batch, in bulk (the broker's path: a
+        consumer completes whole batches). NotHeldError when the consumer does not hold it."""
+        return self._completed(self._storage.complete_batch(consumer, batch.batch_id))
+
+    def _completed(self, done: Completion) -> Completion:
         for lane_key, lane_refs in done.by_lane.items():
             self._shapes[lane_key.shape].on_completed(lane_key.lane, len(lane_refs))
         c = self._c

@@ -403,6 +403,10 @@ def test_entry_location_names_the_segment_file(tmp_path):
         path = segment_path(str(tmp_path), LANE_B.model, LANE_B.signature, lane, segment_seq)
         assert (lane, offset) == (1, ref.offset) and offset in scan_segment(path).offsets.tolist()
     assert len({tier.entry_location(ref)[1] for ref in refs}) > 1  # it rotated
+    front = tier.peek_many(LANE_B, 6)
+    assert front.refs == refs and list(front) == tier.peek(LANE_B, 6)  # columns, entries alike
+    columns = tier.entry_locations(front)
+    assert list(zip(*(c.tolist() for c in columns))) == [tier.entry_location(ref) for ref in refs]
     tier.close()
 
 

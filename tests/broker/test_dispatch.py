@@ -15,7 +15,7 @@ from pipeline.broker.dispatch import Batch, Dispatcher
 from pipeline.broker.ids import ConsumerId, EntryRef, ShapeKey
 from pipeline.broker.lanes import MAX_LENGTH_TOKENS
 from pipeline.broker.packing import Contract, pad_to_tokens
-from pipeline.broker.storage import DiskTier, Durability, MemoryTier, PeekedEntry, StorageTier
+from pipeline.broker.storage import DiskTier, Durability, MemoryTier, Peeked, PeekedEntry, StorageTier
 from pipeline.errors import ItemTooLongError, NotHeldError, ShapeGuardError, StaleBatchError
 
 NS = 1_000_000_000
@@ -179,21 +179,28 @@ def test_end_to_end_over_the_disk_tier(tmp_path):
     reopened.close()
 
 
-def test_returned_work_goes_first_in_the_next_batch():
-    tier = MemoryTier()
+@pytest.mark.parametrize("kind", ["memory", "disk"])
+def test_returned_work_goes_first_in_the_next_batch(kind, tmp_path):
+    tier = MemoryTier() if kind == "memory" else DiskTier.open(str(tmp_path))
     dispatcher = Dispatcher(tier)
-    frame = make_frame(0, 0, [(0, 5)] * 10, [100] * 10)
+    frame = make_frame(0, 0, [(0, 5)] * 10, [100 + k for k in range(10)])
     dispatcher.ingest(frame, 0.0)
-    one_item = Contract(0, 3, 65_536, 100)
-    first = dispatcher.next_batch(ConsumerId(1), one_item, 0.0)
+    dispatcher.flush()
+    three = Contract(0, 3, 65_536, 200)
+    first = dispatcher.next_batch(ConsumerId(1), three, 0.0)
     dispatcher.commit(first)
-    second = dispatcher.next_batch(ConsumerId(2), one_item, 0.0)
+    second = dispatcher.next_batch(ConsumerId(2), three, 0.0)
     dispatcher.commit(second)
     assert dispatcher.consumer_lost(ConsumerId(1)) == 3
-    again = dispatcher.next_batch(ConsumerId(2), one_item, 0.0)
-    assert again.refs == first.refs  # ahead of items 6..9, in the original order
+    again = dispatcher.next_batch(ConsumerId(2), Contract(0, 5, 65_536, 200), 0.0)
+    assert again.refs[:3] == first.refs  # ahead of items 6..9, in the original order
+    # Returned entries and the rest of the lane, column by column alike.
+    assert again.entries.lengths.tolist() == [100, 101, 102, 106, 107]
+    assert [e.item_id for e in again.entries] == again.entries.item_ids.tolist()
+    assert list(again.entries) == tier.peek(again.lane, 5)
     dispatcher.commit(again)
     dispatcher.check_invariants()
+    tier.close()
 
 
 def test_stale_commit_changes_nothing_and_the_entries_stay_dispatchable():
@@ -217,9 +224,9 @@ def test_stale_commit_changes_nothing_and_the_entries_stay_dispatchable():
 class MisroutingTier(MemoryTier):
     """A tier whose peek hands back entries stored under another shape (a routing bug)."""
 
-    def peek(self, lane, max_items):
-        return [dataclasses.replace(e, lane=e.lane._replace(signature=e.lane.signature + 1))
-                for e in super().peek(lane, max_items)]
+    def peek_many(self, lane, max_items):
+        return Peeked.of(lane, [dataclasses.replace(e, lane=e.lane._replace(signature=e.lane.signature + 1))
+                                for e in super().peek(lane, max_items)])
 
 
 def test_guard_stops_a_chunk_of_another_shape():

@@ -207,3 +207,21 @@ def test_resend_older_than_the_window_is_refused():
     with pytest.raises(NotHeldError, match="pending nowhere"):
         pending.complete(ConsumerId(1), refs[:1])
     pending.check_invariants()
+
+
+def test_complete_batch_is_complete_of_the_batch_in_bulk():
+    pending = PendingMap(recent_per_consumer=3)
+    lane = LANES[0]
+    a, b, c, d = _refs(0, 0, 1, 2, 3)
+    pending.add_batch(BatchId(1), ConsumerId(1), lane, [a, b, c], [500, 510, 520])
+    pending.add_batch(BatchId(2), ConsumerId(2), lane, [d], [7])
+    with pytest.raises(NotHeldError, match="batch 2, which it does not hold .held by consumer 2"):
+        pending.complete_batch(ConsumerId(1), BatchId(2))
+    pending.complete(ConsumerId(1), [b])  # one entry first, one by one
+    done = pending.complete_batch(ConsumerId(1), BatchId(1))  # the rest, not counted twice
+    assert (done.by_lane, done.items, done.tokens, done.duplicates) == ({lane: [a, c]}, 2, 1020, 0)
+    assert pending.complete(ConsumerId(1), [a, b, c]).duplicates == 3  # all in the window
+    with pytest.raises(NotHeldError, match="pending nowhere"):
+        pending.complete_batch(ConsumerId(1), BatchId(1))
+    assert len(pending) == 1 and pending.counters.completed == 3 and pending.counters.refused == 2
+    pending.check_invariants()

@@ -89,6 +89,22 @@ def test_tombstones_counts_seal_and_whole_file_delete(tmp_path):
     assert not os.path.exists(path)
 
 
+def test_bulk_tombstones_and_header_columns_check_like_one_by_one(tmp_path):
+    path = str(tmp_path / "c.seg")
+    segment, _ = write_segment(path, 12)
+    offsets = scan_segment(path).offsets
+    headers = segment.entry_header_columns(offsets)
+    assert [tuple(h) for h in headers.tolist()] == [tuple(f) for f in segment.entry_headers(offsets.tolist())]
+    assert segment.tombstone_many([int(offsets[1]), int(offsets[4]), int(offsets[1])]) == 2  # duplicates once
+    with pytest.raises(SegmentCorruptError, match=f"offset {int(offsets[4])}: no live entry"):
+        segment.entry_header_columns(offsets[3:6])
+    with pytest.raises(SegmentCorruptError, match="no entry can start"):  # nothing of the call applied
+        segment.tombstone_many([int(offsets[3]) + 8, int(offsets[2])])
+    assert scan_segment(path).header_deleted_count == 2
+    assert segment.tombstone_many(offsets[:6].tolist()) == 4 and segment.deleted_count == 6
+    segment.close()
+
+
 def test_crash_between_tombstone_and_count_is_repaired(tmp_path):
     path = str(tmp_path / "c.seg")
     segment, _ = write_segment(path, 5)

@@ -7,6 +7,7 @@ process loop.
 
 from pipeline.broker.storage.base import (
     AppendGroup,
+    Peeked,
     PeekedEntry,
     RecoveredLane,
     Returned,
@@ -22,6 +23,7 @@ __all__ = [
     "DiskTier",
     "Durability",
     "MemoryTier",
+    "Peeked",
     "PeekedEntry",
     "RecoveredLane",
     "Returned",

@@ -37,12 +37,13 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from itertools import groupby
+from operator import itemgetter
 
 import numpy as np
 
 from pipeline.broker.ids import EntryRef, LaneKey, SegmentId
 from pipeline.broker.pending import RECENT_COMPLETIONS_PER_CONSUMER
-from pipeline.broker.storage.base import AppendGroup, PeekedEntry, RecoveredLane
+from pipeline.broker.storage.base import AppendGroup, Peeked, PeekedEntry, RecoveredLane
 from pipeline.broker.storage.queues import QueuedTier, RefRun
 from pipeline.broker.storage.segment import Durability, encode_entries, scan_segment
 from pipeline.broker.storage.segments import RecoveryReport, SegmentStore
@@ -52,7 +53,6 @@ from pipeline.layouts import (
     ENTRY_LIVE,
     TOKEN_DTYPE,
     TOKEN_SIZE_BYTES,
-    ItemId,
     ProducerId,
     entry_checksum,
     entry_size_bytes,
@@ -177,29 +177,44 @@ class DiskTier(QueuedTier):
     # ----------------------------------------------------------------- QueuedTier hooks
 
     def _describe(self, lane: LaneKey, refs: list[EntryRef]) -> list[PeekedEntry]:
-        out: list[PeekedEntry] = []
-        for segment, run in groupby(refs, key=lambda ref: ref.segment):
-            run_refs = list(run)
+        segments = np.array([ref.segment for ref in refs], dtype=np.int64)
+        offsets = np.array([ref.offset for ref in refs], dtype=np.int64)
+        return list(self._describe_many(lane, refs, segments, offsets))
+
+    def _describe_many(self, lane: LaneKey, refs: list[EntryRef], segments: np.ndarray,
+                       offsets: np.ndarray) -> Peeked:
+        """The entry headers, gathered from each segment's mapping as columns (checked as
+        `SegmentFile.entry_headers` checks them)."""
+        parts = []
+        for first, end in _runs(segments):
+            segment = SegmentId(int(segments[first]))
             owner = self._store.segments[segment].lane
             assert owner == lane, f"segment {segment} of lane {tuple(owner)} queued in lane {tuple(lane)}"
-            headers = self._store.entry_headers(segment, [ref.offset for ref in run_refs])
-            for ref, (_state, length, _sum, item_id, seq, producer, prefix_len, _pl, submit_ns) in zip(run_refs, headers):
-                out.append(PeekedEntry(ref, lane, ItemId(item_id), ProducerId(producer), seq, length,
-                                       prefix_len, submit_ns))
-        return out
+            parts.append(self._store.entry_header_columns(segment, offsets[first:end]))
+        headers = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return Peeked(lane, refs, segments, offsets, headers["length"].astype(np.int64), headers["item_id"],
+                      headers["producer_id"].astype(np.int64), headers["seq"], headers["prefix_len"].astype(np.int64),
+                      headers["submit_ns"])
 
     def _check_stored(self, lane: LaneKey, refs: list[EntryRef]) -> list[int] | str:
         lengths: list[int] = []
-        for segment, run in groupby(refs, key=lambda ref: ref.segment):
+        for segment, run in groupby(refs, key=itemgetter(0)):
             if segment not in self._store.segments:
                 return f"segment {segment} is gone"
             headers = self._store.entry_headers(segment, [ref.offset for ref in run])
             lengths += [fields[1] for fields in headers]
         return lengths
 
+    def _check_segments(self, refs: list[EntryRef]) -> str | None:
+        segments = self._store.segments
+        for segment in set(map(itemgetter(0), refs)):
+            if segment not in segments:
+                return f"segment {segment} is gone"
+        return None
+
     def _remove(self, lane: LaneKey, refs: list[EntryRef]) -> None:
-        for segment, run in groupby(refs, key=lambda ref: ref.segment):
-            offsets = [ref.offset for ref in run]
+        for segment, run in groupby(refs, key=itemgetter(0)):
+            offsets = list(map(itemgetter(1), run))
             done = self._store.tombstone_many(segment, offsets)
             assert done == len(offsets), (segment, done, len(offsets))  # the pending map held them
             if segment not in self._store.segments:  # deleted whole
@@ -267,6 +282,15 @@ class DiskTier(QueuedTier):
         keys = self._store.segments[ref.segment].keys
         return keys.lane, keys.segment_seq, ref.offset
 
+    def entry_locations(self, peeked: Peeked) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        segments = peeked.segments
+        lanes = np.empty(segments.shape[0], dtype=np.int64)
+        seqs = np.empty(segments.shape[0], dtype=np.int64)
+        for first, end in _runs(segments):
+            keys = self._store.segments[SegmentId(int(segments[first]))].keys
+            lanes[first:end], seqs[first:end] = keys.lane, keys.segment_seq
+        return lanes, seqs, peeked.offsets
+
     # ----------------------------------------------------------------- lifecycle
 
     def check_invariants(self) -> None:
@@ -280,3 +304,8 @@ class DiskTier(QueuedTier):
         self._read_maps.clear()
         self._store.close()
 
+
+def _runs(segments: np.ndarray) -> list[tuple[int, int]]:
+    """[first, end) of each run of equal segment ids (a lane's front is runs of segments)."""
+    cuts = (np.flatnonzero(segments[1:] != segments[:-1]) + 1).tolist()
+    return list(zip([0, *cuts], [*cuts, segments.shape[0]]))

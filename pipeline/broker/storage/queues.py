@@ -5,7 +5,10 @@ counters, and which (producer, seq) are already stored (idempotent ingest).
 A tier subclasses `QueuedTier` and says only where its entries live:
 
     _describe(lane, refs)      -> the entries' PeekedEntry, in order       (peek, return)
+    _describe_many(lane, front) -> the same by column (peek_many; default: from _describe)
     _check_stored(lane, refs)  -> their lengths, or why not, touching nothing (commit step 1)
+    _check_segments(refs)      -> why not, or None: their segments exist (commit step 1 with
+                                  the lengths known from this turn's peek)
     _remove(lane, refs)        tombstone (disk) / forget (memory) completed entries
     _lane_dropped(lane)        the lane's queue is gone (drop_lane)
     _lane_of(segment)          the lane a segment belongs to                (invariants)
@@ -36,7 +39,7 @@ import numpy as np
 from pipeline.broker.ids import BatchId, ConsumerId, EntryRef, LaneKey, SegmentId
 from pipeline.broker.pending import RECENT_COMPLETIONS_PER_CONSUMER, Completion, PendingMap
 from pipeline.broker.storage import crashpoints
-from pipeline.broker.storage.base import PeekedEntry, Returned, StorageCounters, StorageTier
+from pipeline.broker.storage.base import Peeked, PeekedEntry, Returned, StorageCounters, StorageTier, make_refs
 from pipeline.errors import StaleBatchError
 from pipeline.layouts import ProducerId
 
@@ -98,16 +101,25 @@ class LaneQueue:
 
     def front(self, count: int) -> list[EntryRef]:
         """The first `count` dispatchable refs (fewer if fewer are queued), front first."""
+        return self.front_columns(count)[0]
+
+    def front_columns(self, count: int) -> tuple[list[EntryRef], np.ndarray, np.ndarray]:
+        """`front`, with the refs' segments and offsets also as int64 columns."""
         out = list(islice(self.returned, count))
+        segments = [np.array([ref.segment for ref in out], dtype=np.int64)]
+        offsets = [np.array([ref.offset for ref in out], dtype=np.int64)]
         need = count - len(out)
         for run in self.runs:
             if need <= 0:
                 break
-            segment = run.segment
-            taken = run.offsets[run.head:run.head + need].tolist()
-            out.extend([EntryRef(segment, offset) for offset in taken])
-            need -= len(taken)
-        return out
+            taken = run.offsets[run.head:run.head + need]
+            out += make_refs(run.segment, taken.tolist())
+            segments.append(np.full(taken.shape[0], run.segment, dtype=np.int64))
+            offsets.append(taken)
+            need -= taken.shape[0]
+        if len(segments) == 2 and not segments[0].size:  # nothing returned, one run: the common case
+            return out, segments[1], offsets[1]
+        return out, np.concatenate(segments), np.concatenate(offsets)
 
     def pop_front(self, count: int) -> None:
         assert count <= self.queued, (count, self.queued)
@@ -267,6 +279,17 @@ class QueuedTier(StorageTier, abc.ABC):
     def _describe(self, lane: LaneKey, refs: list[EntryRef]) -> list[PeekedEntry]:
         """The entries `refs` (all stored in `lane`), in order."""
 
+    def _describe_many(self, lane: LaneKey, refs: list[EntryRef], segments: np.ndarray,
+                       offsets: np.ndarray) -> Peeked:
+        """`_describe`, by column (`segments` and `offsets` are the refs' fields)."""
+        return Peeked.of(lane, self._describe(lane, refs))
+
+    def _check_segments(self, refs: list[EntryRef]) -> str | None:
+        """Commit step 1 when the lengths are known from this turn's peek: why the entries
+        cannot be committed, or None. By default, as `_check_stored`."""
+        checked = self._check_stored(self._lane_of(refs[0].segment), refs)
+        return checked if isinstance(checked, str) else None
+
     @abc.abstractmethod
     def _check_stored(self, lane: LaneKey, refs: list[EntryRef]) -> list[int] | str:
         """Commit step 1, the tier's part: every entry's segment exists and holds it. Return
@@ -339,8 +362,15 @@ class QueuedTier(StorageTier, abc.ABC):
             return []
         return self._describe(lane, queue.front(max_items))
 
+    def peek_many(self, lane: LaneKey, max_items: int) -> Peeked:
+        queue = self._queues.get(lane)
+        if queue is None or not queue.queued or max_items <= 0:
+            return Peeked.of(lane, [])
+        return self._describe_many(lane, *queue.front_columns(max_items))
+
     def commit(
-        self, lane: LaneKey, refs: Sequence[EntryRef], consumer: ConsumerId, batch: BatchId
+        self, lane: LaneKey, refs: Sequence[EntryRef], consumer: ConsumerId, batch: BatchId,
+        lengths: list[int] | None = None,
     ) -> None:
         """The three steps of SPEC §5. Example: lane queue [r5, r6, r7]; commit(lane,
         [r5, r6], consumer 2, batch 9) leaves [r7] and consumer 2 holding r5, r6 as batch 9;
@@ -350,15 +380,20 @@ class QueuedTier(StorageTier, abc.ABC):
         wanted = list(refs)
         count = len(wanted)
         front = [] if queue is None else queue.front(count)
-        lengths: list[int] | str = "they are not the front of the lane"
+        checked: list[int] | str | None = "they are not the front of the lane"
         if count and front == wanted:
-            lengths = self._check_stored(lane, wanted)
-        if isinstance(lengths, str):
+            if lengths is None:
+                checked = lengths = self._check_stored(lane, wanted)  # type: ignore[assignment]
+            else:
+                assert len(lengths) == count, (len(lengths), count)
+                checked = self._check_segments(wanted)
+        if isinstance(checked, str):
             raise StaleBatchError(
                 f"batch {batch} for consumer {consumer}: its {count} entries cannot be committed "
-                f"from lane {tuple(lane)}: {lengths} (front now {[tuple(r) for r in front[:4]]}); "
+                f"from lane {tuple(lane)}: {checked} (front now {[tuple(r) for r in front[:4]]}); "
                 f"nothing was committed"
             )
+        assert lengths is not None
         assert queue is not None and not self._pending.has_batch(batch), batch
         if crashpoints.ARMED:
             crashpoints.hit("commit.after_verify")
@@ -373,7 +408,13 @@ class QueuedTier(StorageTier, abc.ABC):
         self.counters.committed_tokens += sum(lengths)
 
     def complete(self, consumer: ConsumerId, refs: Sequence[EntryRef]) -> Completion:
-        done = self._pending.complete(consumer, refs)  # NotHeldError before anything changes
+        return self._completed(self._pending.complete(consumer, refs))  # NotHeldError first
+
+    def complete_batch(self, consumer: ConsumerId, batch: BatchId) -> Completion:
+        return self._completed(self._pending.complete_batch(consumer, batch))  # NotHeldError first
+
+    def _completed(self, done: Completion) -> Completion:
+        """The pending map let these entries go: remove them from storage, count them."""
         for lane, lane_refs in done.by_lane.items():
             self._queues[lane].pending -= len(lane_refs)
             self._remove(lane, lane_refs)

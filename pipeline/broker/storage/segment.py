@@ -72,6 +72,8 @@ _IDENTITY = struct.Struct("<8sIIIIQQQQ")  # the header's bytes 0..56: keys then 
 assert _IDENTITY.size == SEGMENT_IDENTITY_BYTES + 8
 # errno values that mean "no space": a full disk, or the user's quota on it.
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+# An entry header as 8-byte words (entries start 16-aligned): gathered for many entries at once.
+_HEADER_WORDS = np.arange(ENTRY_HEADER_SIZE_BYTES // 8, dtype=np.int64)
 
 
 def _no_space(exc: OSError, path: str, offset: int, nbytes: int, what: str) -> DiskFullError:
@@ -560,6 +562,36 @@ class SegmentFile:
         how many were live. SegmentCorruptError for an offset where no entry starts.
         Example: live entries at 4096 and 5184; tombstone_many([4096, 5184, 4096]) -> 2 and
         the header's deleted count goes up by 2."""
+        fresh = self._tombstone_columns(offsets)
+        if fresh is None:  # something to refuse: one by one, naming the offset
+            fresh = self._tombstone_one_by_one(offsets)
+        if fresh:
+            if crashpoints.ARMED:
+                crashpoints.hit("tombstone.before_count")
+            self.deleted_count += fresh
+            _U64.pack_into(self._map, _OFF_DELETED, self.deleted_count)
+        return fresh
+
+    def _tombstone_columns(self, offsets) -> int | None:
+        """Every state word read and written as one numpy column; how many were live, or
+        None, with nothing written, when an offset is no live or tombstoned entry."""
+        at = np.unique(np.asarray(offsets, dtype=np.int64))  # a duplicate completes once
+        if not at.size:
+            return 0
+        if at[0] < SEGMENT_HEADER_SIZE_BYTES or at[-1] >= self.readable_end or (at & (ENTRY_ALIGN_BYTES - 1)).any():
+            return None
+        words = np.frombuffer(self._map, dtype=np.uint32, count=self.readable_end // 4)
+        try:  # the view is dropped at once: a mapping with views cannot be resized or closed
+            states = words[at >> 2]
+            live = states == ENTRY_LIVE
+            if not (live | (states == ENTRY_TOMBSTONE)).all():
+                return None
+            words[at[live] >> 2] = ENTRY_TOMBSTONE
+        finally:
+            del words
+        return int(live.sum())
+
+    def _tombstone_one_by_one(self, offsets) -> int:
         mapped, readable = self._map, self.readable_end
         unpack, pack = _STATE.unpack_from, _STATE.pack_into
         live, tomb, mask = ENTRY_LIVE, ENTRY_TOMBSTONE, ENTRY_ALIGN_BYTES - 1
@@ -573,11 +605,6 @@ class SegmentFile:
                 fresh += 1
             elif state != tomb:
                 raise SegmentCorruptError(f"{self.path}: offset {offset}: state word {state:#010x} is not an entry")
-        if fresh:
-            if crashpoints.ARMED:
-                crashpoints.hit("tombstone.before_count")
-            self.deleted_count += fresh
-            _U64.pack_into(mapped, _OFF_DELETED, self.deleted_count)
         return fresh
 
     def entry_headers(self, offsets: list[int]) -> list[tuple]:
@@ -598,6 +625,26 @@ class SegmentFile:
                 )
             out.append(fields)
         return out
+
+    def entry_header_columns(self, offsets: np.ndarray) -> np.ndarray:
+        """`entry_headers` for many entries at once, as an ENTRY_HEADER_DTYPE array: gathered
+        from the mapping and checked as columns; SegmentCorruptError, naming the first bad
+        offset, as `entry_headers` raises it."""
+        readable = self.readable_end
+        if (not offsets.size or offsets.min() < SEGMENT_HEADER_SIZE_BYTES or offsets.max() >= readable
+                or offsets.max() + ENTRY_HEADER_SIZE_BYTES > readable or (offsets & (ENTRY_ALIGN_BYTES - 1)).any()):
+            self.entry_headers(offsets.tolist())  # raises, naming the offset (or there is none)
+        words = np.frombuffer(self._map, dtype=np.uint64, count=readable // 8)
+        try:  # the view is dropped at once: a mapping with views cannot be resized or closed
+            headers = words[(offsets >> 3)[:, None] + _HEADER_WORDS].view(ENTRY_HEADER_DTYPE).reshape(-1)
+        finally:
+            del words
+        raw = ENTRY_HEADER_SIZE_BYTES + headers["length"].astype(np.int64) * TOKEN_SIZE_BYTES + headers["payload_len"]
+        ends = offsets + ((raw + ENTRY_ALIGN_BYTES - 1) & ~(ENTRY_ALIGN_BYTES - 1))
+        bad = (headers["state"] != ENTRY_LIVE) | (headers["length"] == 0) | (ends > readable)
+        if bad.any():
+            self.entry_headers(offsets[bad].tolist())  # raises, naming the first
+        return headers
 
     def state_at(self, offset: int) -> int:
         """The state word at `offset` (ENTRY_NONE past the readable boundary or off the grid)."""

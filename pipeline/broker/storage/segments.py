@@ -20,6 +20,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
+
 from pipeline.broker.ids import LaneKey, SegmentId
 from pipeline.broker.storage import crashpoints
 from pipeline.broker.storage.paths import (
@@ -311,6 +313,10 @@ class SegmentStore:
     def entry_headers(self, segment: SegmentId, offsets: list[int]) -> list[tuple]:
         """The live entries at `offsets` of `segment` (see SegmentFile.entry_headers)."""
         return self._file(segment).entry_headers(offsets)
+
+    def entry_header_columns(self, segment: SegmentId, offsets: np.ndarray) -> np.ndarray:
+        """The live entries at `offsets` of `segment`, as columns (see SegmentFile)."""
+        return self._file(segment).entry_header_columns(offsets)
 
     def state_at(self, segment: SegmentId, offset: int) -> int:
         return self._file(segment).state_at(offset)
