@@ -59,6 +59,9 @@ PRODUCER_STOP_TIMEOUT_S = 30.0
 # How long a consumer may take to finish its batch in hand, and the broker to close its
 # files, before they are killed.
 STOP_TIMEOUT_S = 30.0
+# How long to wait for a broker that stopped answering to be seen exiting (its status is
+# the clearer message).
+BROKER_EXIT_WAIT_S = 1.0
 EXIT_OK = 0
 EXIT_FAILED = 1
 # The shell's convention for a process stopped by SIGINT.
@@ -225,7 +228,8 @@ class Launcher:
             try:
                 status = broker_status(self.config.socket_path)
             except (OSError, TimeoutError) as exc:
-                return status, f"the broker stopped answering: {exc}"
+                self.broker.join(BROKER_EXIT_WAIT_S)  # a dying broker resets connections first
+                return status, self._failure() or f"the broker stopped answering: {exc}"
             self.on_status(status, time.monotonic())
             if self._done(status):
                 return status, "completed"
