@@ -185,8 +185,8 @@ def test_a_broker_killed_mid_run_fails_the_launch_and_leaves_nothing(tmp_path):
     finally:
         if launcher.poll() is None:
             launcher.kill()
-    assert launcher.returncode == 1
-    assert "launch failed: the broker exited with status -9" in err
+    assert launcher.returncode == 1, err
+    assert "launch failed: the broker exited with status -9" in err, err
     gone, alive = psutil.wait_procs(children, timeout=5)
     assert alive == []
     assert shm_objects_of(data) == []
