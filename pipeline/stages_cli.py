@@ -42,9 +42,9 @@ def _broker_answers(socket_path: str) -> bool:
         return False
 
 
-def _detach(stage: str, data_dir: str, ready) -> None:
+def _detach(stage: str, data_dir: str, argv: list[str], ready) -> None:
+    """Run `pipeline ARGV...` (this command without --detach) in the background."""
     files = daemon.StageFiles.of(BrokerConfig(data_dir).run_dir, stage)
-    argv = [arg for arg in sys.argv[1:] if arg != "--detach"]
     try:
         pid = daemon.detach(argv, files, ready)
     except (RuntimeError, TimeoutError) as exc:
@@ -84,7 +84,11 @@ def broker_start(data_dir: str, storage: str, durability: str, heartbeat_timeout
     """Run the broker until stopped (Ctrl-C or `pipeline broker stop`)."""
     config = BrokerConfig(data_dir, heartbeat_timeout_s=heartbeat_timeout_s)
     if detach:
-        _detach("broker", data_dir, lambda: _broker_answers(config.socket_path))
+        argv = ["broker", "start", "--data-dir", data_dir, "--storage", storage, "--durability", durability,
+                "--heartbeat-timeout-s", repr(heartbeat_timeout_s)]
+        if metrics_port is not None:
+            argv += ["--metrics-port", str(metrics_port)]
+        _detach("broker", data_dir, argv, lambda: _broker_answers(config.socket_path))
         return
     from pipeline.runtime.processes import serve_broker
 
@@ -134,9 +138,12 @@ def consumer_start(data_dir: str, name: str | None, model: int, max_batch: int, 
     config = BrokerConfig(data_dir)
     stage = f"consumer-{name}"
     if detach:
-        if "--name" not in sys.argv:
-            sys.argv.extend(["--name", name])
-        _detach(stage, data_dir, lambda: _consumer_registered(config.socket_path, name))
+        argv = ["consumer", "start", "--data-dir", data_dir, "--name", name, "--model", str(model),
+                "--max-batch", str(max_batch), "--max-tokens", str(max_tokens), "--max-input-len",
+                str(max_input_len), "--engine", engine]
+        if gpu is not None:
+            argv += ["--gpu", str(gpu)]
+        _detach(stage, data_dir, argv, lambda: _consumer_registered(config.socket_path, name))
         return
     from pipeline.runtime.processes import serve_consumer
 
