@@ -66,29 +66,36 @@ def launch(config_path: str | None, verbose: bool, **options) -> None:
     click.echo(f"launch: {workload!r}, {settings.producers} producers, storage {settings.storage}", err=True)
     launcher = Launcher(settings, workload)
     try:
-        outcome = _run_with_progress(launcher, len(workload))
-    except (ValueError, RuntimeError, TimeoutError) as exc:
-        launcher.cleanup()
-        raise click.ClickException(str(exc)) from exc
-    _finish(launcher, settings, outcome)
+        try:
+            outcome = _run_with_progress(launcher, len(workload))
+        except (ValueError, RuntimeError, TimeoutError, OSError) as exc:  # OSError: a metrics port in use
+            raise click.ClickException(str(exc)) from exc
+        code = _finish(settings, outcome)
+    finally:
+        launcher.cleanup()  # whatever happened: a temporary data directory never stays
+    sys.exit(code)
 
 
-def _run_with_progress(launcher, expected_items: int):
+def _run_with_progress(launcher, workload_items: int):
     from pipeline.progress import LiveProgress, ProgressTracker
 
-    tracker = ProgressTracker(expected_items)
+    tracker = ProgressTracker(workload_items)
     with LiveProgress() as live:
         def show(status: dict, now_s: float) -> None:
+            if not tracker.observations:  # what the broker recovered from a stopped run is work too
+                tracker.expected_items = workload_items + status.get("items_recovered", 0)
             tracker.observe(status, now_s)
             live.update(tracker.snapshot(), now_s)
 
         launcher.on_status = show
+        launcher.on_metrics = lambda port: click.echo(f"metrics: http://127.0.0.1:{port}/metrics", err=True)
         outcome = launcher.run()
     outcome.history = tracker.history
     return outcome
 
 
-def _finish(launcher, settings: LaunchSettings, outcome) -> None:
+def _finish(settings: LaunchSettings, outcome) -> int:
+    """Print and write the report (and plots); the exit status."""
     from pipeline.report import render_report, write_report_json
 
     report = outcome.report
@@ -97,17 +104,18 @@ def _finish(launcher, settings: LaunchSettings, outcome) -> None:
     if settings.report:
         write_report_json(report, settings.report)
         click.echo(f"report: {settings.report}", err=True)
-    if settings.plots:
+    if settings.plots and outcome.history:
         from pipeline.plots import write_plots
 
         for path in write_plots(outcome.history, settings.plots):
             click.echo(f"plot: {path}", err=True)
+    elif settings.plots:
+        click.echo("plots: none (the run ended before the first progress sample)", err=True)
     if settings.data_dir:
         click.echo(f"results: {outcome.results_dir}", err=True)
-    launcher.cleanup()
     if outcome.why not in ("completed", "interrupted"):
         click.echo(f"launch failed: {outcome.why}", err=True)
     elif outcome.why == "completed" and not report.get("accounting_ok", False):
         click.echo("launch: the accounting does not balance (see the report)", err=True)
-        sys.exit(1)
-    sys.exit(outcome.exit_code)
+        return 1
+    return outcome.exit_code

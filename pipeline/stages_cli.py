@@ -190,13 +190,14 @@ def consumer_stop(data_dir: str, name: str | None, timeout_s: float) -> None:
 @click.command()
 @click.argument("workload_file", type=click.Path(dir_okay=False, exists=True))
 @data_dir_option
-@click.option("--producers", type=int, default=1, show_default=True, help="Producer processes.")
-@click.option("--items", type=int, help="Submit only the first N items.")
+@click.option("--producers", type=click.IntRange(min=1), default=1, show_default=True, help="Producer processes.")
+@click.option("--items", type=click.IntRange(min=1), help="Submit only the first N items.")
 @click.option("--replay-speed", type=float, help="Honour the file's timestamps, X times faster.")
 def produce(workload_file: str, data_dir: str, producers: int, items: int | None, replay_speed: float | None) -> None:
     """Submit a workload file to the running broker; exits once all of it is stored."""
     from pipeline.producer.workload import load_workload
     from pipeline.runtime.launcher import feed_processes
+    from pipeline.runtime.local import broker_status
 
     config = BrokerConfig(data_dir)
     if not _broker_answers(config.socket_path):
@@ -207,9 +208,15 @@ def produce(workload_file: str, data_dir: str, producers: int, items: int | None
         raise click.ClickException(str(exc)) from exc
     if items:
         workload = workload.head(items)
-    failed = feed_processes(config.socket_path, workload, producers, replay_speed)
-    if failed:
-        raise click.ClickException(f"{failed} of {producers} producers failed (see the messages above)")
+    before = broker_status(config.socket_path)["items_received"]
+    outcome = feed_processes(config.socket_path, workload, producers, replay_speed)
+    if outcome.failed:
+        raise click.ClickException(f"{outcome.failed} of {producers} producers failed (see the messages above)")
+    if outcome.interrupted:
+        # The broker's count is the truth of what was stored (another producer may add to it).
+        stored = broker_status(config.socket_path)["items_received"] - before
+        click.echo(f"interrupted: about {stored} of {len(workload)} items stored (the broker's count)", err=True)
+        sys.exit(130)
     click.echo(f"submitted {len(workload)} items, {workload.total_tokens} tokens: all stored")
 
 

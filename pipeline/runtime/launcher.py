@@ -43,6 +43,7 @@ from pipeline.runtime.local import (
     broker_status,
     own_process_group,
     remove_leftovers,
+    start_child,
     start_broker,
     start_consumer,
     stop_process,
@@ -63,6 +64,8 @@ STOP_TIMEOUT_S = 30.0
 # is the clearer message, and a killed process can take a moment to be reaped on a loaded
 # machine (1 s was seen to fall short).
 BROKER_EXIT_WAIT_S = 5.0
+# How often a stop checks whether it must turn forceful (a second Ctrl-C).
+STOP_POLL_S = 0.05
 EXIT_OK = 0
 EXIT_FAILED = 1
 # The shell's convention for a process stopped by SIGINT.
@@ -83,11 +86,11 @@ def _produce_main(socket_path: str, workload: Workload, index: int, count: int,
                   replay_speed: float | None) -> None:
     """A producer process: feed its share, then wait until the broker stored all of it.
     SIGTERM stops the feed between submit calls; what went in is still handed over."""
+    own_process_group()
+    stop = stop_on_signals((signal.SIGTERM,))
     from pipeline.producer.client import BrokerProducer
     from pipeline.producer.feed import feed
 
-    own_process_group()
-    stop = stop_on_signals((signal.SIGTERM,))
     code = 0
     try:
         client = BrokerProducer(socket_path)
@@ -102,21 +105,33 @@ def _produce_main(socket_path: str, workload: Workload, index: int, count: int,
     os._exit(code)
 
 
-def _interruptible():
-    """SIGINT/SIGTERM handlers for the launcher: the first sets a flag (an orderly stop), a
-    second raises KeyboardInterrupt wherever the launcher is (children are then killed).
-    NOTE: not `stop_on_signals`, whose second signal ends the process at once: the launcher
-    must still kill its children and remove what they leave."""
-    stopping = []
+@dataclass(slots=True)
+class Interrupts:
+    """How many stop signals (SIGINT, SIGTERM) the launcher got: one asks for an orderly
+    stop, two for a forceful one. The handler only counts: the launcher's code checks, so a
+    second Ctrl-C can never cut its stop, report or clean-up short.
+    NOTE: not `stop_on_signals`, whose second signal ends the process at once, and not a
+    KeyboardInterrupt raised by the handler: either would skip killing the children and
+    removing what they leave. Owner: the launcher's main thread."""
 
-    def handle(_signum, _frame) -> None:
-        if stopping:
-            raise KeyboardInterrupt
-        stopping.append(True)
+    count: int = 0
 
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, handle)
-    return lambda: bool(stopping)
+    @classmethod
+    def install(cls) -> Interrupts:
+        interrupts = cls()
+
+        def handle(_signum, _frame) -> None:
+            interrupts.count += 1
+
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, handle)
+        return interrupts
+
+    def stopping(self) -> bool:
+        return self.count >= 1
+
+    def forcing(self) -> bool:
+        return self.count >= 2
 
 
 def start_producers(socket_path: str, workload: Workload, count: int, replay_speed: float | None) -> list:
@@ -125,23 +140,29 @@ def start_producers(socket_path: str, workload: Workload, count: int, replay_spe
     for index in range(count):
         process = CTX.Process(target=_produce_main, name=f"producer-{index}",
                               args=(socket_path, workload, index, count, replay_speed))
-        process.start()
+        start_child(process)
         processes.append(process)
     return processes
 
 
-def feed_processes(socket_path: str, workload: Workload, count: int, replay_speed: float | None) -> int:
+@dataclass(slots=True)
+class FeedOutcome:
+    failed: int  # producers that exited with an error
+    interrupted: bool  # Ctrl-C: the producers stopped feeding and handed over what they had
+
+
+def feed_processes(socket_path: str, workload: Workload, count: int, replay_speed: float | None) -> FeedOutcome:
     """Feed `workload` through `count` producer processes and wait until all of it is stored
-    (or Ctrl-C: the producers then stop feeding and hand over what they submitted). Returns
-    how many producers failed."""
+    (or Ctrl-C: the producers then stop feeding and hand over what they submitted; a second
+    Ctrl-C kills them)."""
+    interrupts = Interrupts.install()
     processes = start_producers(socket_path, workload, count, replay_speed)
-    try:
-        for process in processes:
-            process.join()
-    except KeyboardInterrupt:
-        for process in processes:
-            stop_process(process, signal.SIGTERM, PRODUCER_STOP_TIMEOUT_S)
-    return sum(1 for process in processes if process.exitcode != 0)
+    while any(p.is_alive() for p in processes) and not interrupts.stopping():
+        processes[0].join(STOP_POLL_S)  # any of them: the loop checks them all
+    for process in processes:
+        Launcher._stop_child(process, PRODUCER_STOP_TIMEOUT_S, interrupts.forcing)
+    return FeedOutcome(sum(1 for p in processes if p.exitcode != 0 and not interrupts.stopping()),
+                       interrupts.stopping())
 
 
 class Launcher:
@@ -155,6 +176,7 @@ class Launcher:
         self.settings = settings
         self.workload = workload
         self.on_status = on_status or (lambda status, now_s: None)
+        self.on_metrics = lambda port: None  # told the metrics port (0 picks a free one)
         self._own_data_dir = settings.data_dir is None
         self.data_dir = settings.data_dir or tempfile.mkdtemp(prefix="shape-broker-")
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
@@ -164,9 +186,11 @@ class Launcher:
         self.consumers: list = []
         self.producers: list = []
         self.metrics = None
+        self.interrupts = Interrupts()
 
     def run(self) -> LaunchOutcome:
-        stop = _interruptible()
+        self.interrupts = Interrupts.install()
+        stop = self.interrupts.stopping
         started_s = time.monotonic()
         final: dict | None = None
         why, code = "completed", EXIT_OK
@@ -191,6 +215,7 @@ class Launcher:
 
             socket_path = self.config.socket_path
             self.metrics = MetricsServer.start(s.metrics_port, lambda: broker_status(socket_path))
+            self.on_metrics(self.metrics.port)
         for config in self.consumer_configs():
             self.consumers.append(start_consumer(config))
         self.producers = start_producers(self.config.socket_path, self.workload, s.producers, s.replay_speed)
@@ -259,31 +284,35 @@ class Launcher:
         """Stop every child in dependency order; a second Ctrl-C kills them instead, and so
         does a dead broker (producers would wait for it to store their records, in vain; what
         it stored stays in the data directory). Returns the broker's last status."""
-        force = self.broker is None or not self.broker.is_alive()
-        try:
-            if force:
-                raise KeyboardInterrupt
-            for process in self.producers:
-                stop_process(process, signal.SIGTERM, PRODUCER_STOP_TIMEOUT_S)
-            for process in self.consumers:
-                stop_process(process, signal.SIGTERM, STOP_TIMEOUT_S)
+        def forced() -> bool:  # a second Ctrl-C, or a dead broker: nobody to hand work to
+            return self.interrupts.forcing() or self.broker is None or not self.broker.is_alive()
+
+        for process in self.producers:
+            self._stop_child(process, PRODUCER_STOP_TIMEOUT_S, forced)
+        for process in self.consumers:
+            self._stop_child(process, STOP_TIMEOUT_S, forced)
+        if not forced():
             final = self._last_status(final)
-        except KeyboardInterrupt:
-            force = True
         if self.metrics is not None:
             self.metrics.close()
         if self.broker is not None:
-            if force:
-                self.broker.kill()
-            stop_process(self.broker, signal.SIGTERM, STOP_TIMEOUT_S)
-        for process in self.producers + self.consumers:
-            if process.is_alive():
-                process.kill()
-                process.join(5)
+            self._stop_child(self.broker, STOP_TIMEOUT_S, self.interrupts.forcing)
         left = remove_leftovers(self.data_dir)
         if left:
             log.warning("removed %d shared-memory objects that stopped processes left: %s", len(left), left)
         return final
+
+    @staticmethod
+    def _stop_child(process, timeout_s: float, forced) -> None:
+        """SIGTERM (graceful), then SIGKILL after `timeout_s` or as soon as `forced()`."""
+        if process.is_alive():
+            os.kill(process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while process.is_alive() and time.monotonic() < deadline and not forced():
+            process.join(STOP_POLL_S)
+        if process.is_alive():
+            process.kill()
+        process.join()
 
     def _last_status(self, final: dict | None) -> dict | None:
         if self.broker is None or not self.broker.is_alive():

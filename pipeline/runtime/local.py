@@ -28,12 +28,30 @@ BROKER_START_TIMEOUT_S = 30.0
 _PR_SET_PDEATHSIG = 1
 
 
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def start_child(process) -> None:
+    """`process.start()` with SIGINT and SIGTERM blocked across the fork: the child starts
+    with them blocked (delivered once it unblocks them in `own_process_group`), so neither
+    runs the parent's Python handlers in the child."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        process.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+
+
 def own_process_group() -> None:
-    """In a forked child: leave the terminal's process group, so a Ctrl-C reaches only the
-    launcher, which stops its children in order (producers, consumers, then the broker);
-    and ask for SIGTERM (a graceful stop) if the launcher dies without stopping them.
+    """First thing in a child forked by `start_child`: the default actions for SIGINT and
+    SIGTERM (until the child installs its own), its own process group, so a Ctrl-C reaches
+    only the launcher, which stops its children in order (producers, consumers, then the
+    broker); and SIGTERM (a graceful stop) if the launcher dies without stopping them.
     NOTE: letting Ctrl-C reach every process at once was rejected: the broker would stop
     while producers still wait for it to store their last records."""
+    for signum in _STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
     os.setpgid(0, 0)
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -59,7 +77,7 @@ def start_broker(config: BrokerConfig, storage: str = "disk", durability: str = 
     ready, child_end = CTX.Pipe(duplex=False)
     process = CTX.Process(target=_broker_main, args=(config, storage, durability, child_end, metrics_port),
                           name="broker")
-    process.start()
+    start_child(process)
     child_end.close()
     deadline = time.monotonic() + BROKER_START_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -78,7 +96,7 @@ def start_broker(config: BrokerConfig, storage: str = "disk", durability: str = 
 
 def start_consumer(config: ConsumerConfig):
     process = CTX.Process(target=_consumer_main, args=(config,), name=f"consumer-{config.name}")
-    process.start()
+    start_child(process)
     return process
 
 
