@@ -17,6 +17,8 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field
 
+from pipeline.errors import ResultsFileError
+
 
 @dataclass(slots=True)
 class ResultsSummary:
@@ -30,6 +32,7 @@ class ResultsSummary:
     cached_tokens: int = 0  # over every line (a duplicate ran again)
     per_consumer: dict[str, dict[str, int]] = field(default_factory=dict)
     item_ids: set[int] = field(default_factory=set)
+    torn_lines: int = 0  # a last line cut short (a consumer killed mid-write): not a result
 
 
 def summarize_results(results_dir: str) -> ResultsSummary:
@@ -44,24 +47,38 @@ def summarize_results(results_dir: str) -> ResultsSummary:
             continue
         consumer = name[: -len(".jsonl")]
         mine = summary.per_consumer.setdefault(consumer, {"lines": 0, "prompt_tokens": 0, "cached_tokens": 0})
-        with open(os.path.join(results_dir, name), encoding="utf-8") as file:
-            for line in file:
-                row = json.loads(line)
-                item = row["item_id"]
-                if not seen[item]:
-                    summary.prompt_tokens += row["prompt_tokens"]
-                seen[item] += 1
-                status[row["status"]] += 1
-                summary.cached_tokens += row["cached_tokens"]
-                mine["lines"] += 1
-                mine["prompt_tokens"] += row["prompt_tokens"]
-                mine["cached_tokens"] += row["cached_tokens"]
+        path = os.path.join(results_dir, name)
+        for row in _rows(path, summary):
+            item = row["item_id"]
+            if not seen[item]:
+                summary.prompt_tokens += row["prompt_tokens"]
+            seen[item] += 1
+            status[row["status"]] += 1
+            summary.cached_tokens += row["cached_tokens"]
+            mine["lines"] += 1
+            mine["prompt_tokens"] += row["prompt_tokens"]
+            mine["cached_tokens"] += row["cached_tokens"]
     summary.lines = sum(seen.values())
     summary.items = len(seen)
     summary.duplicates = summary.lines - summary.items
     summary.by_status = dict(status)
     summary.item_ids = set(seen)
     return summary
+
+
+def _rows(path: str, summary: ResultsSummary):
+    """The result rows of one file. A last line without its newline that is not JSON was cut
+    short by a kill: counted in `torn_lines` (that batch was never completed, so it comes
+    back); any other bad line raises ResultsFileError naming the file and line."""
+    with open(path, encoding="utf-8") as file:
+        for number, line in enumerate(file, 1):
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError as exc:
+                if not line.endswith("\n") and not file.read(1):
+                    summary.torn_lines += 1
+                    return
+                raise ResultsFileError(f"{path}:{number}: not a result line ({exc})") from exc
 
 
 def reconcile(summary: ResultsSummary, broker: dict, expected_items: int | None = None) -> dict:

@@ -10,6 +10,8 @@ raises one of these, with the offending value, path and byte offset in the messa
     │   ├── PayloadTooLargeError             payload above the configured limit
     │   ├── ModelIdError                     model id outside [0, max_models)
     │   ├── SignatureError                   signature not an unsigned 64-bit integer
+    │   ├── WorkloadError                    a workload file has bad lines (path:line named)
+    │   ├── ResultsFileError                 a results line that is not JSON, before the last
     │   ├── ContractError                    a consumer contract has a zero, negative or
     │   │                                    non-integer number
     │   ├── NotHeldError                     a consumer completes an entry it does not hold
@@ -80,6 +82,11 @@ class SignatureError(BadInputError):
 class WorkloadError(BadInputError):
     """A workload file cannot be used: unreadable, empty, or with malformed lines (each one
     named as path:line with what is wrong). Raised before anything is submitted."""
+
+
+class ResultsFileError(BadInputError):
+    """A consumer's results file has a line that is not a result, before its last line (a
+    torn last line is what a killed consumer leaves, and is counted, not an error)."""
 
 
 class FrameError(PipelineError):

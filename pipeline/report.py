@@ -14,7 +14,8 @@ Definitions (every figure is an int or a float; a ratio with nothing to divide i
 - routed counts a redelivery again (an item whose consumer was lost is routed twice).
 - completed is the broker's count over its life.
 - items_unfinished = backlog + pending items in the broker's status (a run stopped early);
-  they are in the store, not lost.
+  they are in the store, not lost; items_discarded = the same when the store does not
+  outlive the run (memory tier, temporary data directory): gone with it, by the user's stop.
 - lost = received - unfinished - distinct items with a result, or expected_items - distinct items with a
   result when the launcher knows how many items its producers submitted (that also catches
   items lost before the broker stored them).
@@ -117,8 +118,11 @@ def consumer_figures(broker: dict, results: dict) -> dict:
     }
 
 
-def build_report(status: dict, results: ResultsSummary, wall_s: float, expected_items: int | None = None) -> dict:
-    """The run report (definitions in the module docstring) as a JSON-ready dict."""
+def build_report(status: dict, results: ResultsSummary, wall_s: float, expected_items: int | None = None,
+                 store_kept: bool = True) -> dict:
+    """The run report (definitions in the module docstring) as a JSON-ready dict.
+    `store_kept` False: the store does not outlive the run (the memory tier, a temporary data
+    directory), so unfinished items are discarded with it, and reported so."""
     missing = not all(key in status for key in FLOW_KEYS)
     accounted = reconcile(results, dict.fromkeys(FLOW_KEYS, 0) | status, expected_items)
     broker_consumers = status.get("per_consumer", {})
@@ -140,6 +144,8 @@ def build_report(status: dict, results: ResultsSummary, wall_s: float, expected_
         "expected_items": expected_items,
         "broker_status_missing": missing,
         "accounting_ok": _balanced(accounted) and not missing,
+        "items_discarded": 0 if store_kept else accounted["items_unfinished"],
+        "results_torn_lines": results.torn_lines,
         "padding_efficiency": padding_efficiency(prompt, padded),
         "mean_batch_fill": ratio(status.get("batch_fill_sum", 0.0), status.get("batches_routed", 0)),
         "batches_routed": status.get("batches_routed", 0),
@@ -230,12 +236,16 @@ def _accounting_table(report: dict) -> Table:
     if report.get("items_unfinished"):
         table.add_row("unfinished (queued)", format_count(report["items_unfinished"]), "")
     table.add_row("lost", format_count(report["lost"]), "")
-    if report["broker_status_missing"]:
+    if report["accounting_ok"] is None:
+        verdict = "not checked on a live broker (see the run's report)"
+    elif report["broker_status_missing"]:
         verdict = "[bold red]UNCHECKED (no broker status)[/bold red]"
     else:
         verdict = "[green]OK[/green]" if report["accounting_ok"] else "[bold red]MISMATCH[/bold red]"
         if report["accounting_ok"] and report.get("items_unfinished"):
             verdict = "[yellow]OK so far (stopped early)[/yellow]"
+        if report["accounting_ok"] and report.get("items_discarded"):
+            verdict = f"[yellow]stopped early: {report['items_discarded']:,} unfinished items discarded[/yellow]"
     table.add_row("accounting", verdict, "")
     return table
 

@@ -32,14 +32,15 @@ data_dir_option = click.option("--data-dir", required=True, type=click.Path(file
                                help="The pipeline's data directory.")
 
 
-def _broker_answers(socket_path: str) -> bool:
+def _broker_answers(socket_path: str, pid: int | None = None) -> bool:
+    """A broker answers on the socket (the one with `pid`, when given)."""
     from pipeline.runtime.local import broker_status
 
     try:
-        broker_status(socket_path, timeout_s=1.0)
-        return True
+        answered = broker_status(socket_path, timeout_s=1.0)
     except (OSError, TimeoutError):
         return False
+    return pid is None or answered.get("pid") == pid
 
 
 def _detach(stage: str, data_dir: str, argv: list[str], ready) -> None:
@@ -52,11 +53,19 @@ def _detach(stage: str, data_dir: str, argv: list[str], ready) -> None:
     click.echo(f"{stage} started in the background: pid {pid}, log {files.log_path}")
 
 
-def _serve_with_pid_file(stage: str, data_dir: str, serve) -> None:
+def _refuse_if_running(stage: str, data_dir: str) -> daemon.StageFiles:
     files = daemon.StageFiles.of(BrokerConfig(data_dir).run_dir, stage)
-    daemon.write_pid_file(files.pid_path)
+    running = daemon.running_stage(files.pid_path)
+    if running is not None:
+        raise click.ClickException(f"{stage} is already running on {data_dir} (pid {running.pid})")
+    return files
+
+
+def _serve_with_pid_file(files: daemon.StageFiles, serve) -> None:
+    """Run `serve(on_ready)`; the pid file is written once the stage serves (a broker that
+    finds another one on the data directory never touches that one's pid file)."""
     try:
-        code = serve()
+        code = serve(lambda: daemon.write_pid_file(files.pid_path))
     finally:
         daemon.remove_pid_file(files.pid_path)
     sys.exit(code)
@@ -83,19 +92,23 @@ def broker_start(data_dir: str, storage: str, durability: str, heartbeat_timeout
                  metrics_port: int | None, detach: bool, verbose: bool) -> None:
     """Run the broker until stopped (Ctrl-C or `pipeline broker stop`)."""
     config = BrokerConfig(data_dir, heartbeat_timeout_s=heartbeat_timeout_s)
+    files = _refuse_if_running("broker", data_dir)
     if detach:
         argv = ["broker", "start", "--data-dir", data_dir, "--storage", storage, "--durability", durability,
                 "--heartbeat-timeout-s", repr(heartbeat_timeout_s)]
         if metrics_port is not None:
             argv += ["--metrics-port", str(metrics_port)]
-        _detach("broker", data_dir, argv, lambda: _broker_answers(config.socket_path))
+        _detach("broker", data_dir, argv, lambda pid: _broker_answers(config.socket_path, pid))
         return
     from pipeline.runtime.processes import serve_broker
 
     setup_logging(True)
-    _serve_with_pid_file("broker", data_dir, lambda: serve_broker(
-        config, storage, durability, metrics_port=metrics_port,
-        on_ready=lambda: click.echo(f"broker serving {config.socket_path}", err=True)))
+    def ready(write_pid) -> None:
+        write_pid()
+        click.echo(f"broker serving {config.socket_path}", err=True)
+
+    _serve_with_pid_file(files, lambda write_pid: serve_broker(
+        config, storage, durability, metrics_port=metrics_port, on_ready=lambda: ready(write_pid)))
 
 
 @broker.command("stop")
@@ -137,13 +150,14 @@ def consumer_start(data_dir: str, name: str | None, model: int, max_batch: int, 
         name = f"gpu{gpu}" if gpu is not None else f"cpu-{os.getpid()}"
     config = BrokerConfig(data_dir)
     stage = f"consumer-{name}"
+    files = _refuse_if_running(stage, data_dir)
     if detach:
         argv = ["consumer", "start", "--data-dir", data_dir, "--name", name, "--model", str(model),
                 "--max-batch", str(max_batch), "--max-tokens", str(max_tokens), "--max-input-len",
                 str(max_input_len), "--engine", engine]
         if gpu is not None:
             argv += ["--gpu", str(gpu)]
-        _detach(stage, data_dir, argv, lambda: _consumer_registered(config.socket_path, name))
+        _detach(stage, data_dir, argv, lambda pid: _consumer_registered(config.socket_path, name, pid))
         return
     from pipeline.runtime.processes import serve_consumer
 
@@ -151,16 +165,21 @@ def consumer_start(data_dir: str, name: str | None, model: int, max_batch: int, 
     consumer_config = ConsumerConfig(config.socket_path, os.path.join(data_dir, RESULTS_DIR), name, model=model,
                                      max_batch_items=max_batch, max_batch_tokens=max_tokens,
                                      max_input_len=max_input_len, engine=engine, gpu=gpu)
-    _serve_with_pid_file(stage, data_dir, lambda: serve_consumer(consumer_config))
+    def serve(write_pid) -> int:
+        write_pid()  # a consumer holds no lock: it serves (or retries to) from its start
+        return serve_consumer(consumer_config)
+
+    _serve_with_pid_file(files, serve)
 
 
-def _consumer_registered(socket_path: str, name: str) -> bool:
+def _consumer_registered(socket_path: str, name: str, pid: int) -> bool:
     from pipeline.runtime.local import broker_status
 
     try:
-        return name in broker_status(socket_path, timeout_s=1.0)["consumers"]
+        consumers = broker_status(socket_path, timeout_s=1.0)["consumers"]
     except (OSError, TimeoutError):
         return False
+    return consumers.get(name, {}).get("pid") == pid
 
 
 @consumer.command("stop")
@@ -238,6 +257,10 @@ def status(data_dir: str, as_json: bool, results_dir: str | None) -> None:
         raise click.ClickException(f"no broker answers on {config.socket_path} ({exc})") from exc
     results = summarize_results(results_dir or os.path.join(data_dir, RESULTS_DIR))
     report = build_report(counters, results, counters["uptime_s"])
+    # NOTE: a live broker's counters cover its own life only, while results files span
+    # restarts and runs: `lost` and the verdict would be noise. The end of a run (launch's
+    # report, or `pipeline tools verify`) is where the accounting is checked.
+    report.update(lost=None, accounting_ok=None)
     report.update(backlog_items=counters["backlog_items"], backlog_tokens=counters["backlog_tokens"],
                   pending_items=counters["pending_items"], consumers=counters["consumers"],
                   shapes=counters["shapes"], lanes_in_use=counters["lanes_in_use"],

@@ -645,6 +645,7 @@ class Broker:
             "per_consumer": {name: {"connected": name in connected, "batches": totals.batches, **totals.values}
                              for name, totals in self._totals_by_name.items()},
             "uptime_s": time.monotonic() - self.started_s,
+            "pid": os.getpid(),
             "generation": self.state.generation,
             "producers": {str(p.producer_id): {"frames": p.frames, "items": p.items}
                           for p in self.producers.values()},
@@ -689,7 +690,10 @@ class RoutedTotals:
         padded = batch.padded_tokens
         self.batches += 1
         self.padded_tokens += padded
-        self.fill_sum += max(len(batch.entries) / contract.max_batch_items, padded / contract.max_batch_tokens)
+        # At most 1: a lone item longer than the token budget (the stall exception) is a full
+        # batch, not 300% of one.
+        self.fill_sum += min(1.0, max(len(batch.entries) / contract.max_batch_items,
+                                      padded / contract.max_batch_tokens))
 
 
 def _top_shapes(shapes: list, top: int) -> list[dict]:

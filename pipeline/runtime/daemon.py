@@ -43,10 +43,11 @@ class StageFiles:
 
 
 def write_pid_file(path: str) -> None:
+    """This process's pid and start time (so a recycled pid is never taken for it)."""
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     temporary = f"{path}.{os.getpid()}.tmp"
     with open(temporary, "w") as file:
-        file.write(f"{os.getpid()}\n")
+        file.write(f"{os.getpid()} {psutil.Process().create_time()!r}\n")
     os.replace(temporary, path)
 
 
@@ -60,23 +61,32 @@ def remove_pid_file(path: str) -> None:
 
 
 def read_pid(path: str) -> int | None:
+    return _read(path)[0]
+
+
+def _read(path: str) -> tuple[int | None, float | None]:
+    """(pid, start time) from a pid file; (None, None) when it is missing or unreadable."""
     try:
         with open(path) as file:
-            text = file.read().strip()
+            fields = file.read().split()
     except FileNotFoundError:
-        return None
-    return int(text) if text.isdigit() else None
+        return None, None
+    try:
+        return int(fields[0]), float(fields[1]) if len(fields) > 1 else None
+    except (IndexError, ValueError):
+        return None, None
 
 
 def running_stage(path: str) -> psutil.Process | None:
     """The live stage process a pid file names, or None (the file is then removed): the pid
     must be alive and be a `pipeline` process, not another program that reused the pid."""
-    pid = read_pid(path)
+    pid, started = _read(path)
     if pid is None:
         return None
     try:
         process = psutil.Process(pid)
-        if process.status() != psutil.STATUS_ZOMBIE and _is_pipeline(process):
+        same = started is None or process.create_time() == started
+        if same and process.status() != psutil.STATUS_ZOMBIE and _is_pipeline(process):
             return process
     except psutil.Error:
         pass
@@ -92,10 +102,10 @@ def _is_pipeline(process: psutil.Process) -> bool:
     return "pipeline" in command
 
 
-def detach(argv: list[str], files: StageFiles, ready: Callable[[], bool]) -> int:
+def detach(argv: list[str], files: StageFiles, ready: Callable[[int], bool]) -> int:
     """Run `python -m pipeline argv...` in the background (new session, output to the log
-    file) and wait until `ready()`; returns its pid. RuntimeError if it exits first (the
-    log file says why), TimeoutError if it is not ready in time."""
+    file) and wait until `ready(pid)`; returns its pid. RuntimeError if it exits first (the
+    log file says why), TimeoutError if it is not ready in time (it is then killed)."""
     os.makedirs(os.path.dirname(files.log_path), mode=0o700, exist_ok=True)
     log = open(files.log_path, "ab")
     try:
@@ -107,9 +117,11 @@ def detach(argv: list[str], files: StageFiles, ready: Callable[[], bool]) -> int
     while time.monotonic() < deadline:
         if child.poll() is not None:
             raise RuntimeError(f"it exited with status {child.returncode}; see {files.log_path}")
-        if ready():
+        if ready(child.pid):
             return child.pid
         time.sleep(POLL_S)
+    child.kill()
+    child.wait()
     raise TimeoutError(f"not ready after {DETACH_READY_TIMEOUT_S} s; see {files.log_path}")
 
 

@@ -330,7 +330,8 @@ class Launcher:
         # recovered from an earlier run on this data directory (that also catches items lost
         # before the broker stored them); a stopped one against what the broker received.
         expected = len(self.workload) + (final or {}).get("items_recovered", 0) if completed else None
-        return build_report(final or {}, results, wall_s, expected_items=expected)
+        kept = self.settings.storage == "disk" and not self._own_data_dir
+        return build_report(final or {}, results, wall_s, expected_items=expected, store_kept=kept)
 
     def cleanup(self) -> None:
         """Remove the temporary data directory (a given one is the user's: it stays)."""

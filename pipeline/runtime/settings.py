@@ -97,6 +97,23 @@ class LaunchSettings:
             raise SettingsError(f"replay_speed must be positive, got {self.replay_speed}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise SettingsError(f"metrics_port must be 0..65535, got {self.metrics_port}")
+        self._check_choices()
+
+    def _check_choices(self) -> None:
+        """Names and engine options are checked here, before any process starts: a typo
+        must not surface as a child's traceback after the broker and producers started."""
+        from pipeline.consumer.engines import ENGINES, make_engine
+        from pipeline.runtime.processes import DURABILITY_LEVELS, STORAGE_KINDS
+
+        for key, allowed in (("storage", STORAGE_KINDS), ("durability", DURABILITY_LEVELS), ("engine", ENGINES)):
+            if getattr(self, key) not in allowed:
+                raise SettingsError(f"{key} must be one of {', '.join(sorted(allowed))}, got {getattr(self, key)!r}")
+        if self.storage == "memory" and self.durability == "power":
+            raise SettingsError("durability 'power' needs storage 'disk': the memory tier is not durable")
+        try:
+            make_engine(self.engine, **self.engine_options).close()
+        except (TypeError, ValueError) as exc:
+            raise SettingsError(f"engine_options {self.engine_options} for engine {self.engine!r}: {exc}") from exc
 
 
 # The type each setting takes (what TOML and click give); float settings accept integers.

@@ -128,6 +128,22 @@ def completed_items(socket_path: str) -> int:
         return 0
 
 
+def interrupt(launcher: subprocess.Popen, children: list, signals: int) -> str:
+    """Send `signals` SIGINTs (a Ctrl-C each) to a running launch; check it exits 130 and
+    leaves no child running; its stdout. A launch that failed before is killed, and fails."""
+    try:
+        for _ in range(signals if launcher.poll() is None else 0):
+            launcher.send_signal(signal.SIGINT)
+        out, err = launcher.communicate(timeout=RUN_TIMEOUT_S)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 130, err
+    gone, alive = psutil.wait_procs(children, timeout=5)
+    assert alive == []
+    return out
+
+
 def test_ctrl_c_stops_everything_in_order_and_a_rerun_finishes_the_rest(tmp_path):
     """SIGINT to the launcher, as a terminal's Ctrl-C sends it (children run in their own
     process groups): exit status 130, a report, no process, no shared-memory object; what was
@@ -139,6 +155,7 @@ def test_ctrl_c_stops_everything_in_order_and_a_rerun_finishes_the_rest(tmp_path
     launcher = subprocess.Popen([sys.executable, "-m", "pipeline", "launch", "--config", str(slow), "--data-dir", data,
                                  "--metrics-port", str(port), "--report", str(report_path)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    children: list = []
     try:
         wait_for(lambda: completed_items(os.path.join(data, "run", "broker.sock")) > 0, 60, "items completed")
         # broker, 2 consumers, and the producers that have not finished feeding yet
@@ -147,15 +164,9 @@ def test_ctrl_c_stops_everything_in_order_and_a_rerun_finishes_the_rest(tmp_path
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         metrics = {s.name: s.value for f in text_string_to_metric_families(body) for s in f.samples if not s.labels}
         assert metrics["shape_broker_up"] == 1 and metrics["shape_broker_items_received_total"] > 0
-        launcher.send_signal(signal.SIGINT)
-        out, err = launcher.communicate(timeout=RUN_TIMEOUT_S)
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-    assert launcher.returncode == 130, err
+        out = interrupt(launcher, children, signals=1)
     assert "stopped early" in out
-    gone, alive = psutil.wait_procs(children, timeout=5)
-    assert alive == []
     assert shm_objects_of(data) == []
     stopped = json.loads(report_path.read_text())
     assert stopped["outcome"] == "interrupted" and stopped["lost"] == 0 and stopped["items_unfinished"] > 0
@@ -190,3 +201,28 @@ def test_a_broker_killed_mid_run_fails_the_launch_and_leaves_nothing(tmp_path):
     gone, alive = psutil.wait_procs(children, timeout=5)
     assert alive == []
     assert shm_objects_of(data) == []
+
+
+def test_a_second_ctrl_c_kills_but_still_reports_and_cleans_up(tmp_path):
+    """Two SIGINTs in a row on a run with a temporary data directory: the stop turns
+    forceful, yet the report is printed, nothing is left running or in /dev/shm, and the
+    temporary directory is removed (its unfinished items are reported as discarded)."""
+    temp, report_path = tmp_path / "tmp", tmp_path / "report.json"
+    temp.mkdir()
+    slow = tmp_path / "slow.toml"
+    slow.write_text("items = 20000\n[engine_options]\ncost_s_per_padded_token = 2e-6\n")
+    launcher = subprocess.Popen([sys.executable, "-m", "pipeline", "launch", "--config", str(slow), "--report",
+                                 str(report_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                cwd=ROOT, env={**os.environ, "TMPDIR": str(temp)})
+    children: list = []
+    try:
+        socket_path = wait_for(lambda: glob.glob(str(temp / "shape-broker-*" / "run" / "broker.sock")), 60, "socket")[0]
+        data = os.path.dirname(os.path.dirname(socket_path))
+        wait_for(lambda: completed_items(socket_path) > 0, 60, "items completed")
+        children = psutil.Process(launcher.pid).children(recursive=True)
+    finally:
+        out = interrupt(launcher, children, signals=2)
+    assert "Accounting" in out
+    assert shm_objects_of(data) == [] and os.listdir(temp) == []
+    report = json.loads(report_path.read_text())
+    assert report["outcome"] == "interrupted" and report["items_discarded"] == report["items_unfinished"]

@@ -53,3 +53,16 @@ def test_bad_settings_name_the_file_and_the_key(tmp_path, text, message):
 def test_a_missing_config_file_is_an_error(tmp_path):
     with pytest.raises(SettingsError, match="cannot read the config file"):
         LaunchSettings.resolve(str(tmp_path / "nope.toml"))
+
+
+@pytest.mark.parametrize("text, message", [
+    ('storage = "ram"\n', "storage must be one of disk, memory, got 'ram'"),
+    ('durability = "fsync"\n', "durability must be one of power, process"),
+    ('engine = "vllm"\n', "engine must be one of sim, got 'vllm'"),
+    ('storage = "memory"\ndurability = "power"\n', "needs storage 'disk'"),
+    ("[engine_options]\nblock_size = 16\n", "engine_options"),
+    ("[engine_options]\nblock_size_tokens = 0\n", "bad config"),
+])
+def test_names_and_engine_options_are_checked_before_anything_starts(tmp_path, text, message):
+    with pytest.raises(SettingsError, match=message):
+        LaunchSettings.resolve(write(tmp_path, text))
