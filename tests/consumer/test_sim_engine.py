@@ -141,7 +141,7 @@ def test_batches_match_the_reference_prompt_by_prompt(block, capacity_blocks, ba
         assert got.cached_tokens == [reference.run(p) for p in prompts], n
         assert len(engine._cache) == len(reference.cache)
     expected = {tuple(engine.block_hashes([np.array(key, dtype=np.int32)])[0])[-1]: None for key in reference.cache}
-    assert list(engine._cache) == list(expected)
+    assert engine._cache.keys_lru() == list(expected)
 
 
 def test_compulsory_misses_are_first_references_of_cacheable_blocks():
@@ -196,3 +196,14 @@ def test_compulsory_misses_match_a_reference_and_bound_the_hit_rate(block, capac
         c = engine.counters
         assert c.compulsory_miss_tokens == expected * block, n
         assert c.extra["cacheable_hit_tokens"] + c.compulsory_miss_tokens <= c.cacheable_tokens
+
+
+def test_runs_of_zero_tokens_hash_apart():
+    # A block of zeros must not hash to 0: then every leading run of zero blocks (padding)
+    # would chain to the same hash whatever its length, and a 1-block prompt would "hit" a
+    # 2-block one's second block.
+    engine = SimEngine(block_size_tokens=4)
+    hashes = engine.block_hashes([np.zeros(12, dtype=np.int32)])[0]
+    assert len(set(hashes)) == 3
+    engine.run(EngineBatch([np.zeros(5, dtype=np.int32)], 8, [0]))
+    assert engine.run(EngineBatch([np.concatenate([np.zeros(8, dtype=np.int32), [1]])], 12, [0])).cached_tokens == [4]

@@ -1,0 +1,95 @@
+"""The numpy prefix cache against a one-prompt-at-a-time OrderedDict reference, on raw
+block keys (duplicates within a prompt and across prompts, capacities smaller than a
+prompt), long enough for index rebuilds, log compaction and log growth."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.consumer.engines.prefix_cache import BatchLayout, PrefixCache
+
+
+class Reference:
+    """The semantics, spelled out: hits are the leading keys cached; the prompt's keys are
+    then touched tail first; the oldest are evicted down to the capacity."""
+
+    def __init__(self, capacity_blocks: int) -> None:
+        self.capacity = capacity_blocks
+        self.cache: OrderedDict[int, None] = OrderedDict()
+        self.seen: set[int] = set()
+        self.evicted = 0
+
+    def run(self, keys: list[int], cacheable: int) -> tuple[int, int]:
+        hits = 0
+        while hits < len(keys) and keys[hits] in self.cache:
+            hits += 1
+        compulsory = 0
+        for i, key in enumerate(keys[:cacheable]):
+            compulsory += i >= hits and key not in self.seen
+            self.seen.add(key)
+        for key in reversed(keys):
+            self.cache[key] = None
+            self.cache.move_to_end(key)
+        while len(self.cache) > self.capacity:
+            self.cache.popitem(last=False)
+            self.evicted += 1
+        return hits, compulsory
+
+
+def _check(cache: PrefixCache, reference: Reference, batches: list[list[tuple[list[int], int]]]) -> None:
+    for n, batch in enumerate(batches):
+        flat = np.array([k for keys, _ in batch for k in keys], dtype=np.uint64)
+        counts = np.array([len(keys) for keys, _ in batch], dtype=np.int64)
+        cacheable = np.array([c for _, c in batch], dtype=np.int64)
+        hits, compulsory = cache.run(flat, BatchLayout.of(counts), cacheable)
+        expected = [reference.run(keys, c) for keys, c in batch]
+        assert hits.tolist() == [h for h, _ in expected], n
+        assert compulsory == sum(c for _, c in expected), n
+        assert len(cache) == len(reference.cache), n
+        assert cache.evicted_blocks == reference.evicted, n
+    assert cache.keys_lru() == list(reference.cache)
+
+
+@settings(max_examples=150, derandomize=True, deadline=None)
+@given(
+    st.integers(1, 30),
+    st.integers(2, 60),
+    st.lists(st.lists(st.tuples(st.lists(st.integers(0, 59), max_size=12), st.integers(0, 12)),
+                      min_size=1, max_size=6), min_size=1, max_size=15),
+)
+def test_matches_the_reference(capacity, universe, batches):
+    batches = [[([k % universe for k in keys], c) for keys, c in batch] for batch in batches]
+    _check(PrefixCache(capacity), Reference(capacity), batches)
+
+
+def test_long_run_with_rebuilds_compaction_and_shared_prefixes():
+    # Prompts of a few "shapes": a shared head of keys, then keys of their own; the cache
+    # holds about 40 prompts' worth, so it evicts all the time, and the index and log turn
+    # over many times. Batches are sometimes one shape (bulk) and sometimes mixed.
+    rng = np.random.default_rng(7)
+    capacity = 300
+    heads = [rng.integers(1, 1 << 63, size=6, dtype=np.uint64).tolist() for _ in range(5)]
+    cache, reference = PrefixCache(capacity), Reference(capacity)
+    batches = []
+    for b in range(400):
+        shapes = [b % 5] * 8 if b % 3 else rng.integers(0, 5, size=8).tolist()
+        batch = []
+        for s in shapes:
+            own = rng.integers(1, 1 << 63, size=int(rng.integers(0, 8)), dtype=np.uint64).tolist()
+            if rng.random() < 0.2:  # an earlier prompt's exact keys come back
+                own = batches[-1][0][0][6:] if batches and len(batches[-1][0][0]) > 6 else own
+            batch.append((heads[s] + own, 6))
+        batches.append(batch)
+    _check(cache, reference, batches)
+    assert cache.evicted_blocks > 10 * capacity
+
+
+def test_a_prompt_longer_than_the_capacity_keeps_its_head():
+    cache, reference = PrefixCache(3), Reference(3)
+    _check(cache, reference, [[([1, 2], 2)], [([5, 6, 7, 8, 9], 5)]])
+    assert cache.keys_lru() == [7, 6, 5]  # touched 9, 8, 7, 6, 5: the last three stay
+    _check(cache, reference, [[([5, 6, 7, 1], 0), ([2], 1)]])
