@@ -26,19 +26,21 @@ from __future__ import annotations
 
 import numpy as np
 
-# Index ways per cached block after a rebuild, at least: the index is rebuilt at a load of
-# MAX_LOAD, so with 8 a rebuild follows at least 3 capacities' worth of new blocks (a rebuild
-# costs about as much as a batch per 400 entries; at 4 per block rebuilds were a tenth of
-# the engine's time). 8 ways of 13 bytes per block: about 7 MB for 1 Mi tokens of 16-token
-# blocks.
-INDEX_WAYS_PER_BLOCK = 8
+# Index ways per cached block, at least (a power of two above it): the index is rebuilt
+# when MAX_LOAD full, so with 4 a rebuild follows at least a capacity's worth of new blocks
+# (with the default capacity, every 128 batches of 64 new 256-token prompts, ~3 ms each).
+# 8 and 16 measured the same in tools/bench_consumer.py (3.4-3.5 us per item for the
+# engine), so the smallest: 4 ways of 13 bytes per block, ~3.4 MB for 1 Mi tokens of
+# 16-token blocks, which leaves more of the shared CPU cache to the other processes.
+INDEX_WAYS_PER_BLOCK = 4
 MAX_LOAD = 0.5
-# Ways per index bucket: 8 uint64 keys are one 64-byte cache line, read as one row; at load
-# 0.5 about 5% of buckets are full, so a lookup reads one row for ~95% of keys.
+# Ways per index bucket, read as one row (16 uint64 keys: two 64-byte cache lines). With 8,
+# about 1% of lookups found their bucket full and read the next one, so nearly every batch
+# of ~500 lookups took a second, ~10 us round; with 16 that is rare.
 BUCKET_WAYS = 16
-# Log entries per cached block before compaction: compaction copies at most the capacity,
-# so with 4 it costs at most a third of an entry per entry appended.
-LOG_ENTRIES_PER_BLOCK = 4
+# Log entries per cached block before compaction: compaction copies at most the capacity
+# (the current entries), so with 2 it copies at most one entry per entry appended.
+LOG_ENTRIES_PER_BLOCK = 2
 # Log entries looked at first when searching for n victims: at least this many, and 2n
 # (touches of still-cached blocks leave stale entries between current ones).
 SCAN_MIN_ENTRIES = 256
