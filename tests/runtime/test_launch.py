@@ -128,6 +128,18 @@ def completed_items(socket_path: str) -> int:
         return 0
 
 
+def while_running(launcher: subprocess.Popen, predicate, what: str):
+    """Wait for `predicate()` while the launch runs; fail at once, with its output, if the
+    launch ends first (rather than timing out on something that can no longer happen)."""
+    def check():
+        if launcher.poll() is not None:
+            out, err = launcher.communicate()
+            raise AssertionError(f"the launch ended ({launcher.returncode}) before {what}:\n{out}\n{err}")
+        return predicate()
+
+    return wait_for(check, 60, what)
+
+
 def interrupt(launcher: subprocess.Popen, children: list, signals: int) -> str:
     """Send `signals` SIGINTs (a Ctrl-C each) to a running launch; check it exits 130 and
     leaves no child running; its stdout. A launch that failed before is killed, and fails."""
@@ -157,7 +169,7 @@ def test_ctrl_c_stops_everything_in_order_and_a_rerun_finishes_the_rest(tmp_path
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     children: list = []
     try:
-        wait_for(lambda: completed_items(os.path.join(data, "run", "broker.sock")) > 0, 60, "items completed")
+        while_running(launcher, lambda: completed_items(os.path.join(data, "run", "broker.sock")) > 0, "items completed")
         # broker, 2 consumers, and the producers that have not finished feeding yet
         children = psutil.Process(launcher.pid).children(recursive=True)
         assert len(children) >= 3
@@ -187,9 +199,9 @@ def test_a_broker_killed_mid_run_fails_the_launch_and_leaves_nothing(tmp_path):
     launcher = subprocess.Popen([sys.executable, "-m", "pipeline", "launch", "--items", "1000000", "--data-dir", data],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
-        wait_for(lambda: completed_items(os.path.join(data, "run", "broker.sock")) > 0, 60, "items completed")
-        children = wait_for(lambda: (c := psutil.Process(launcher.pid).children(recursive=True)) and len(c) == 5 and c,
-                            60, "five children")
+        while_running(launcher, lambda: completed_items(os.path.join(data, "run", "broker.sock")) > 0, "items completed")
+        children = while_running(launcher, lambda: (c := psutil.Process(launcher.pid).children(recursive=True))
+                                 and len(c) == 5 and c, "five children")
         with open(os.path.join(data, "run", "broker.lock")) as lock:
             os.kill(int(lock.read()), signal.SIGKILL)
         out, err = launcher.communicate(timeout=RUN_TIMEOUT_S)
@@ -216,9 +228,10 @@ def test_a_second_ctrl_c_kills_but_still_reports_and_cleans_up(tmp_path):
                                 cwd=ROOT, env={**os.environ, "TMPDIR": str(temp)})
     children: list = []
     try:
-        socket_path = wait_for(lambda: glob.glob(str(temp / "shape-broker-*" / "run" / "broker.sock")), 60, "socket")[0]
+        socket_path = while_running(launcher, lambda: glob.glob(str(temp / "shape-broker-*" / "run" / "broker.sock")),
+                                    "socket")[0]
         data = os.path.dirname(os.path.dirname(socket_path))
-        wait_for(lambda: completed_items(socket_path) > 0, 60, "items completed")
+        while_running(launcher, lambda: completed_items(socket_path) > 0, "items completed")
         children = psutil.Process(launcher.pid).children(recursive=True)
     finally:
         out = interrupt(launcher, children, signals=2)
