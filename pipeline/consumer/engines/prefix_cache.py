@@ -10,16 +10,26 @@ one by one, in order.
 Layout, all proportional to the capacity:
 - pool: one slot per cached block (`_key`, `_stamp`: the block's hash and the clock value
   of its last touch; slots 0..`_used`-1 are all cached blocks, so size == `_used`).
-- index: an open-addressing table (linear probing) from block hash to pool slot. Entries
-  are never deleted one by one: an evicted block's entry goes stale (its slot holds another
-  block, or no block), and the table is rebuilt from the live blocks when half full. An
-  entry also carries `_ref`, whether the block was ever referenced as cacheable (for
-  compulsory misses), and survives rebuilds while that is set.
-- log: (slot, stamp) of every touch, in stamp order; an entry is current while its stamp is
-  its slot's stamp. Eviction takes the first current entries from the head: the least
-  recently used blocks, with no per-block Python and no sort.
+- index: an open-addressing table from block hash to pool slot, in buckets of
+  BUCKET_WAYS ways read as one row (a full bucket spills into the next: linear probing by
+  bucket). Entries are never deleted one by one: an evicted block's entry goes stale (its
+  slot holds another block, or no block), and the table is rebuilt from the live blocks
+  when half full. An entry also carries `_ref`, whether the block was ever referenced as
+  cacheable (for compulsory misses), and survives rebuilds while that is set.
+- log: (slot, stamp) of the last touch of each block a batch touched, in stamp order; an
+  entry is current while its stamp is its slot's stamp. Eviction takes the first current
+  entries from the head: the least recently used blocks, with no per-block Python and no
+  sort.
 
 A batch's lookups, inserts, stamp updates and evictions are each a few numpy operations.
+With the sim engine's hashing, a 64-prompt batch of 16 blocks each takes ~220 us of engine
+time against ~340 us with the OrderedDict this replaced (tools/bench_consumer.py
+--engine-only: 3.4-3.6 against 5.2-5.6 us per prompt).
+NOTE: a plain dict from hash to slot beside numpy stamps was rejected: it keeps a dictionary
+call per block, and those calls' cache misses (~200 ns each with five processes on two
+cores) were the cost to remove. NOTE: placing an insert's keys that claim one free way by
+their rank among its claimants (a sort instead of write-and-read-back rounds) measured no
+faster (3.59 against 3.49 us per prompt).
 """
 
 from __future__ import annotations
