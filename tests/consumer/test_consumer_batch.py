@@ -48,7 +48,9 @@ def test_run_batch_writes_a_parseable_line_per_item(tmp_path):
 
 
 def test_consumer_pins_its_gpu(tmp_path, monkeypatch):
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    # setenv, not delenv: delenv of an unset name records nothing to undo, and the variable
+    # the consumer sets would leak into later tests (a launch would then see one GPU).
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     consumer = Consumer(ConsumerConfig("unused.sock", str(tmp_path), "gpu3", gpu=3))
     import os
 

@@ -163,7 +163,7 @@ def test_ctrl_c_stops_everything_in_order_and_a_rerun_finishes_the_rest(tmp_path
     endpoint is scraped while the run is going."""
     data, port, report_path = str(tmp_path / "data"), free_port(), tmp_path / "stopped.json"
     slow = tmp_path / "slow.toml"  # consumers that cannot finish before the Ctrl-C
-    slow.write_text("items = 20000\n[engine_options]\ncost_s_per_padded_token = 2e-6\n")
+    slow.write_text("items = 20000\nconsumers = 2\n[engine_options]\ncost_s_per_padded_token = 2e-6\n")
     launcher = subprocess.Popen([sys.executable, "-m", "pipeline", "launch", "--config", str(slow), "--data-dir", data,
                                  "--metrics-port", str(port), "--report", str(report_path)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
@@ -196,7 +196,7 @@ def test_a_broker_killed_mid_run_fails_the_launch_and_leaves_nothing(tmp_path):
     """kill -9 of the broker: the launcher says so, kills the rest at once (producers would
     wait for a broker that is gone), removes what the dead processes left, and exits 1."""
     data = str(tmp_path / "data")
-    launcher = subprocess.Popen([sys.executable, "-m", "pipeline", "launch", "--items", "1000000", "--data-dir", data],
+    launcher = subprocess.Popen([sys.executable, "-m", "pipeline", "launch", "--items", "1000000", "--consumers", "2", "--data-dir", data],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         while_running(launcher, lambda: completed_items(os.path.join(data, "run", "broker.sock")) > 0, "items completed")
@@ -222,7 +222,7 @@ def test_a_second_ctrl_c_kills_but_still_reports_and_cleans_up(tmp_path):
     temp, report_path = tmp_path / "tmp", tmp_path / "report.json"
     temp.mkdir()
     slow = tmp_path / "slow.toml"
-    slow.write_text("items = 20000\n[engine_options]\ncost_s_per_padded_token = 2e-6\n")
+    slow.write_text("items = 20000\nconsumers = 2\n[engine_options]\ncost_s_per_padded_token = 2e-6\n")
     launcher = subprocess.Popen([sys.executable, "-m", "pipeline", "launch", "--config", str(slow), "--report",
                                  str(report_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 cwd=ROOT, env={**os.environ, "TMPDIR": str(temp)})
