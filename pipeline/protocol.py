@@ -14,7 +14,11 @@ Messages, by sender:
                                  pid, gpu}                    -> registered | error
               heartbeat {}
               request_work {credit}          how many more batches it can take now
-              complete {batch_id, results}   results: number of items it wrote, by status
+              complete {batch_id, results, credit}
+                                             results: number of items it wrote, by status;
+                                             credit: batches it asks for with it (one
+                                             message per batch, not a complete and a
+                                             request_work)
               goodbye {}
     producer  register_producer {pid, producer_id}           -> registered_producer | error
                   producer_id: its id when it reconnects after a broker restart, else -1
@@ -56,7 +60,7 @@ SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
                           "max_input_len": int, "pid": int},
     "heartbeat": {},
     "request_work": {"credit": int},
-    "complete": {"batch_id": int, "results": dict},
+    "complete": {"batch_id": int, "results": dict, "credit": int},
     "goodbye": {},
     "register_producer": {"pid": int, "producer_id": int},
     "producer_ready": {"ring": str},

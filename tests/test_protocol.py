@@ -33,7 +33,8 @@ def test_round_trip_in_fragments():
         ({**REGISTER, "model": "0"}, "'model' must be int"),
         ({**REGISTER, "max_batch_items": True}, "'max_batch_items' must be int"),
         ({"type": "request_work"}, "'credit' must be int"),
-        ({"type": "complete", "batch_id": 1, "results": []}, "'results' must be dict"),
+        ({"type": "complete", "batch_id": 1, "results": [], "credit": 1}, "'results' must be dict"),
+        ({"type": "complete", "batch_id": 1, "results": {}}, "'credit' must be int"),
     ],
 )
 def test_invalid_messages_are_refused(message, match):

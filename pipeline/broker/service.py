@@ -485,11 +485,11 @@ class Broker:
 
     def _consumer_message(self, consumer: ConsumerPeer, message: dict) -> None:
         kind = message["type"]
-        if kind == "request_work":
+        if kind in ("request_work", "complete"):
             if message["credit"] < 0:
-                raise ProtocolError(f"request_work: credit {message['credit']} is negative")
+                raise ProtocolError(f"{kind}: credit {message['credit']} is negative")
             consumer.credit += message["credit"]
-        elif kind == "complete":
+        if kind == "complete":
             batch = consumer.batches.get(message["batch_id"])
             if batch is None:
                 raise BadInputError(f"consumer {consumer.consumer_id} completed batch {message['batch_id']}, "
@@ -497,7 +497,7 @@ class Broker:
             self.dispatcher.complete_batch(consumer.consumer_id, batch)
             del consumer.batches[message["batch_id"]]
             consumer.totals.add(message["results"])
-        else:  # goodbye
+        elif kind == "goodbye":
             self._disconnect(consumer.peer.sock, "goodbye")
 
     def _check_heartbeats(self, now_s: float) -> None:

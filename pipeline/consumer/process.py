@@ -183,8 +183,7 @@ class Consumer:
             descriptor = parse_descriptor(record.body, where=f"ring {session.ring.name} at {record.start}")
             results = self.run_batch(descriptor)
             session.ring.release(record.end)
-            session.send({"type": "complete", "batch_id": descriptor.batch_id, "results": results},
-                         {"type": "request_work", "credit": 1})
+            session.send({"type": "complete", "batch_id": descriptor.batch_id, "results": results, "credit": 1})
         session.send({"type": "goodbye"})
 
     def run_batch(self, descriptor: Descriptor) -> dict:

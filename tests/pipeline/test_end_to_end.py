@@ -187,7 +187,7 @@ def test_bad_registrations_and_completions_get_clear_errors(tmp_path):
             with pytest.raises(ProtocolError, match=match):
                 conn.request(message)
             conn.close()
-        good.send({"type": "complete", "batch_id": 12345, "results": {}})
+        good.send({"type": "complete", "batch_id": 12345, "results": {}, "credit": 1})
         assert good.receive(5)["type"] == "error"
         assert status(socket_path)["consumers_lost"] == 1  # the bad one was disconnected
     finally:
