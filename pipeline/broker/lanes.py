@@ -241,12 +241,14 @@ def _group_suffix_minima(
     keys: np.ndarray, group: np.ndarray, seq_base: np.ndarray
 ) -> tuple[list[tuple[int, int]], list[int]]:
     """The entries each group of `keys` adds to its lane's monotonic min-deque: the items
-    whose key is no greater than every later key of their group, as (sequence number, key),
+    whose key is smaller than every later key of their group, as (sequence number, key),
     found in one numpy pass for all groups. `group[i]` is item i's group (0, 1, ... in
     order); item i's sequence number is i + seq_base[group[i]]. Returns the entries, group
     by group, and where each group's entries begin (one bound per group, plus the end).
     Example: keys [5, 9, 7, 7 | 4, 3], group [0, 0, 0, 0, 1, 1], seq_base [10, 96]
-    -> [(10, 5), (12, 7), (13, 7), (101, 3)], bounds [0, 3, 4].
+    -> [(10, 5), (13, 7), (101, 3)], bounds [0, 2, 3]: of two equal keys only the later is
+    kept (it stays queued longer, so it alone can stand for both), which keeps the deques
+    short when many items have one length (fixed-length prompts).
     NOTE: a numpy pass per group (or an item-by-item loop for small groups) was rejected:
     with a few hundred lanes per 4,096-item call, tracking the queued maximum that way as
     well made assign_many about 35% slower; this pass serves both deques of every lane."""
@@ -255,7 +257,10 @@ def _group_suffix_minima(
     # far, so the running minimum restarts there and is the group's own suffix minimum.
     tagged = keys + (group << _GROUP_SHIFT_BITS)
     suffix = np.minimum.accumulate(tagged[::-1])[::-1]
-    kept = np.flatnonzero(tagged == suffix)
+    later = np.empty_like(suffix)  # the minimum strictly after each item (the last: none)
+    later[:-1] = suffix[1:]
+    later[-1:] = np.iinfo(later.dtype).max
+    kept = np.flatnonzero(tagged < later)
     kept_group = group[kept]
     entries = list(zip((kept + seq_base[kept_group]).tolist(), keys[kept].tolist()))
     bounds = np.searchsorted(kept_group, np.arange(seq_base.size + 1)).tolist()
@@ -264,9 +269,9 @@ def _group_suffix_minima(
 
 def _push_entries(window: deque[tuple[int, int]], entries: list[tuple[int, int]]) -> None:
     """Append a group's min-deque entries (see _group_suffix_minima): the group's smallest key
-    (its first entry) pushes out every larger entry at the back first."""
+    (its first entry) pushes out every entry at the back that is not smaller first."""
     lowest = entries[0][1]
-    while window and window[-1][1] > lowest:
+    while window and window[-1][1] >= lowest:
         window.pop()
     window.extend(entries)
 
@@ -288,8 +293,9 @@ class ShapeLanes:
     queued maximum (the pad-to of SPEC §3 packing) are kept in O(1) amortised per event by two
     structures each, because the queue is pushed at both ends:
     - new items join the back and leave from the front: monotonic deques of
-      (sequence number, length), one non-decreasing in length (its front is the main part's
-      minimum), one non-increasing (its front is the main part's maximum);
+      (sequence number, length), one strictly increasing in length (its front is the main
+      part's minimum), one strictly decreasing (its front is the main part's maximum); of
+      equal lengths only the latest is kept;
     - items returned by a lost consumer go to the front, ahead of new work, and are the first
       to leave again: that end is a stack, so they sit in a min/max-stack of (length, minimum
       and maximum of this and every returned item behind it).
@@ -531,12 +537,12 @@ class ShapeLanes:
         seq = self._tail_seq[lane]
         self._tail_seq[lane] = seq + 1
         mins = self._mins[lane]
-        while mins and mins[-1][1] > length:
+        while mins and mins[-1][1] >= length:
             mins.pop()
         mins.append((seq, length))
         maxs = self._maxs[lane]
         negated = -length
-        while maxs and maxs[-1][1] > negated:
+        while maxs and maxs[-1][1] >= negated:
             maxs.pop()
         maxs.append((seq, negated))
         if length < self._qmin[lane]:
@@ -980,7 +986,7 @@ class ShapeLanes:
             seqs = [seq for seq, _ in window]
             keys = [key for _, key in window]
             assert all(head <= s < tail for s in seqs) and seqs == sorted(set(seqs)), (lane, window)
-            assert keys == sorted(keys), (lane, window)
+            assert all(a < b for a, b in zip(keys, keys[1:])), (lane, window)  # strictly
             assert bool(window) == (tail > head), (lane, window, head, tail)
         assert self._qmin[lane] == self._front_min(lane) and self._front_min(lane) >= 1, lane
         assert self._qmin[lane] == _NOTHING_QUEUED or self._qmin[lane] <= target, lane
@@ -1002,7 +1008,7 @@ class ShapeLanes:
             expected: list[tuple[int, int]] = []
             lowest = _NOTHING_QUEUED
             for seq in reversed(range(len(keys))):
-                if keys[seq] <= lowest:
+                if keys[seq] < lowest:
                     lowest = keys[seq]
                     expected.append((head + seq, lowest))
             expected.reverse()
