@@ -137,11 +137,11 @@ def consumer() -> None:
 @click.option("--max-tokens", type=int, default=DEFAULT_MAX_BATCH_TOKENS, show_default=True)
 @click.option("--max-input-len", type=int, default=DEFAULT_MAX_INPUT_LEN, show_default=True)
 @click.option("--engine", type=click.Choice(sorted(ENGINES)), default="sim", show_default=True)
-@click.option("--gpu", type=int, help="Pin to this GPU (CUDA_VISIBLE_DEVICES).")
+@click.option("--gpu", help="Pin to this GPU: an index or a GPU-/MIG- UUID (CUDA_VISIBLE_DEVICES).")
 @click.option("--detach", is_flag=True, help="Run in the background (pid and log files in DATA_DIR/run).")
 @click.option("-v", "--verbose", is_flag=True)
 def consumer_start(data_dir: str, name: str | None, model: int, max_batch: int, max_tokens: int,
-                   max_input_len: int, engine: str, gpu: int | None, detach: bool, verbose: bool) -> None:
+                   max_input_len: int, engine: str, gpu: str | None, detach: bool, verbose: bool) -> None:
     """Run a consumer until stopped (Ctrl-C or `pipeline consumer stop`); it reconnects if
     the broker restarts. Results go to DATA_DIR/results/NAME.jsonl."""
     from pipeline.consumer.process import ConsumerConfig
@@ -156,7 +156,7 @@ def consumer_start(data_dir: str, name: str | None, model: int, max_batch: int, 
                 "--max-batch", str(max_batch), "--max-tokens", str(max_tokens), "--max-input-len",
                 str(max_input_len), "--engine", engine]
         if gpu is not None:
-            argv += ["--gpu", str(gpu)]
+            argv += ["--gpu", gpu]
         _detach(stage, data_dir, argv, lambda pid: _consumer_registered(config.socket_path, name, pid))
         return
     from pipeline.runtime.processes import serve_consumer

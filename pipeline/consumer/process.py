@@ -61,7 +61,7 @@ class ConsumerConfig:
     max_input_len: int = 8192
     engine: str = "sim"
     engine_options: dict = field(default_factory=dict)
-    gpu: int | None = None
+    gpu: str | None = None  # a CUDA_VISIBLE_DEVICES value: an index or a GPU-/MIG- UUID
     credit: int = DEFAULT_CREDIT
     fsync_results: bool = False
 

@@ -6,22 +6,29 @@ import os
 import shutil
 import subprocess
 
+# How CUDA_VISIBLE_DEVICES names a device other than by index.
+_UUID_PREFIXES = ("GPU-", "MIG-")
 # nvidia-smi answers in well under a second; a wedged driver must not hang the launcher.
 NVIDIA_SMI_TIMEOUT_S = 10.0
 
 
-def detect_gpus() -> list[int]:
-    """GPU indices: CUDA_VISIBLE_DEVICES when it is set (an empty value or -1 means none, as
-    CUDA reads it), else the GPUs `nvidia-smi -L` lists, else none.
+def detect_gpus() -> list[str]:
+    """The GPUs a consumer can be pinned to, each as a CUDA_VISIBLE_DEVICES value: the
+    entries of CUDA_VISIBLE_DEVICES when it is set (indices, GPU-... or MIG-... UUIDs; an
+    empty value or -1 means none, and CUDA ignores everything from an invalid entry on, so
+    this does too), else the indices `nvidia-smi -L` lists, else none.
 
-    Example: CUDA_VISIBLE_DEVICES="2,3" -> [2, 3]; unset on a machine without nvidia-smi -> [].
+    Example: CUDA_VISIBLE_DEVICES="2,3" -> ["2", "3"]; "MIG-4f1e...,MIG-9a0c..." -> both
+    UUIDs; unset on a machine without nvidia-smi -> [].
     """
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
-        ids = [part.strip() for part in visible.split(",") if part.strip()]
-        if not ids or ids[0] == "-1":
-            return []
-        return [int(part) for part in ids if part.isdigit()]
+        ids = []
+        for part in (p.strip() for p in visible.split(",")):
+            if not (part.isdigit() or part.startswith(_UUID_PREFIXES)):
+                break  # "-1", "", or anything CUDA would not read: no device from here on
+            ids.append(part)
+        return ids
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return []
@@ -30,4 +37,4 @@ def detect_gpus() -> list[int]:
                                  check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return []
-    return [k for k, line in enumerate(line for line in listing.splitlines() if line.startswith("GPU "))]
+    return [str(k) for k, _ in enumerate(line for line in listing.splitlines() if line.startswith("GPU "))]

@@ -233,7 +233,8 @@ class Launcher:
         configs = []
         for k in range(count):
             gpu = gpus[k % len(gpus)] if gpus else None
-            name = f"gpu{gpu}" if gpu is not None and count == len(gpus) else f"consumer{k}"
+            name = f"gpu{gpu}" if gpu is not None and gpu.isdigit() and count == len(gpus) else (
+                f"gpu-{k}" if gpu is not None and count == len(gpus) else f"consumer{k}")
             configs.append(ConsumerConfig(
                 self.config.socket_path, self.results_dir, name, model=models[k % len(models)],
                 max_batch_items=s.max_batch, max_batch_tokens=s.max_tokens, max_input_len=s.max_input_len,

@@ -51,7 +51,7 @@ def test_consumer_pins_its_gpu(tmp_path, monkeypatch):
     # setenv, not delenv: delenv of an unset name records nothing to undo, and the variable
     # the consumer sets would leak into later tests (a launch would then see one GPU).
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    consumer = Consumer(ConsumerConfig("unused.sock", str(tmp_path), "gpu3", gpu=3))
+    consumer = Consumer(ConsumerConfig("unused.sock", str(tmp_path), "gpu3", gpu="3"))
     import os
 
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "3"
