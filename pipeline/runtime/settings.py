@@ -71,10 +71,18 @@ class LaunchSettings:
         settings = cls()
         if config_path is not None:
             settings = settings.updated(load_toml(config_path), source=config_path)
+            settings.checked(config_path)  # an error names the file it came from
         given = {k: v for k, v in (overrides or {}).items() if v is not None}
         settings = settings.updated(given, source="the command line")
-        settings.check()
+        settings.checked("the command line" if given else "the defaults")
         return settings
+
+    def checked(self, source: str) -> None:
+        """`check`, with `source` named in the error."""
+        try:
+            self.check()
+        except SettingsError as exc:
+            raise SettingsError(f"{source}: {exc}") from exc
 
     def updated(self, values: dict, source: str) -> LaunchSettings:
         known = {f.name: f for f in fields(self)}
