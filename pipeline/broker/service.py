@@ -658,6 +658,10 @@ class Broker:
         self._watcher.join(timeout=2)
         for sock in list(self._peers_by_sock):
             self._disconnect(sock, "broker stopping")
+        # Producers that said goodbye (or died) with everything stored need nothing of a next
+        # broker: forget them now rather than at a next turn that will not come, so the
+        # doorbell is removed when no producer can still ring it.
+        self._finish_unregistered()
         self.producers_connected_at_close = bool(self.producers)
         for producer in list(self.producers.values()):
             if producer.ring is not None:
