@@ -26,18 +26,24 @@ def namespace_for(data_dir: str) -> str:
     return f"{xxhash.xxh3_64_intdigest(os.path.realpath(data_dir).encode()):016x}"[:12]
 
 
+def object_prefix(namespace: str) -> str:
+    """How every shared-memory object (and the memory tier's tmpfs directory) of a data
+    directory's runs begins, without the leading slash: what clean-up code searches for."""
+    return f"sbrk-{namespace}-"
+
+
 def doorbell_name(namespace: str) -> str:
-    return f"/sbrk-{namespace}-bell"
+    return f"/{object_prefix(namespace)}bell"
 
 
 def producer_ring_name(namespace: str, producer_id: int) -> str:
-    return f"/sbrk-{namespace}-p{producer_id}"
+    return f"/{object_prefix(namespace)}p{producer_id}"
 
 
 def consumer_ring_name(namespace: str, consumer_id: int, generation: int) -> str:
     # The generation (the broker's start count) keeps a restarted broker from meeting the
     # ring of a consumer id it handed out before the restart.
-    return f"/sbrk-{namespace}-g{generation}-c{consumer_id}"
+    return f"/{object_prefix(namespace)}g{generation}-c{consumer_id}"
 
 
 @dataclass(slots=True)

@@ -48,6 +48,7 @@ from pipeline.broker.peers import (
     consumer_ring_name,
     doorbell_name,
     namespace_for,
+    object_prefix,
     producer_ring_name,
 )
 from pipeline.broker.storage.base import StorageTier
@@ -233,7 +234,7 @@ class Broker:
     def _remove_stale_consumer_rings(self) -> None:
         """Descriptor rings of earlier broker runs (a crash leaves them: the consumers only
         detach): nobody reads them any more."""
-        prefix = f"sbrk-{self.namespace}-g"
+        prefix = object_prefix(self.namespace) + "g"
         current = f"{prefix}{self.state.generation}-"
         for entry in os.listdir("/dev/shm"):
             name = entry[4:] if entry.startswith("sem.") else entry

@@ -188,9 +188,13 @@ class Workload:
             raise ValueError(f"head({count}): a workload holds at least one item")
         if count >= self._count:
             return self
-        tokens = sum(self._build(k).length for k in range(count))
-        models = tuple(sorted({self._build(k).model for k in range(count)}))
-        return Workload(f"{self.source} (first {count})", count, self._build, total_tokens=tokens, models=models)
+        tokens, models = 0, set()
+        for k in range(count):  # one build per item (a trace's makes its tokens), none kept
+            item = self._build(k)
+            tokens += item.length
+            models.add(item.model)
+        return Workload(f"{self.source} (first {count})", count, self._build, total_tokens=tokens,
+                        models=tuple(sorted(models)))
 
     def __repr__(self) -> str:
         return f"Workload({self.source!r}, {self._count} items, {self.total_tokens} tokens)"

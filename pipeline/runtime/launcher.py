@@ -40,6 +40,7 @@ from pipeline.producer.workload import Workload
 from pipeline.runtime.gpus import detect_gpus
 from pipeline.runtime.local import (
     CTX,
+    STOP_POLL_S,
     broker_status,
     own_process_group,
     remove_leftovers,
@@ -64,8 +65,6 @@ STOP_TIMEOUT_S = 30.0
 # is the clearer message, and a killed process can take a moment to be reaped on a loaded
 # machine (1 s was seen to fall short).
 BROKER_EXIT_WAIT_S = 5.0
-# How often a stop checks whether it must turn forceful (a second Ctrl-C).
-STOP_POLL_S = 0.05
 EXIT_OK = 0
 EXIT_FAILED = 1
 # The shell's convention for a process stopped by SIGINT.
@@ -160,7 +159,7 @@ def feed_processes(socket_path: str, workload: Workload, count: int, replay_spee
     while any(p.is_alive() for p in processes) and not interrupts.stopping():
         processes[0].join(STOP_POLL_S)  # any of them: the loop checks them all
     for process in processes:
-        Launcher._stop_child(process, PRODUCER_STOP_TIMEOUT_S, interrupts.forcing)
+        stop_process(process, timeout_s=PRODUCER_STOP_TIMEOUT_S, forced=interrupts.forcing)
     return FeedOutcome(sum(1 for p in processes if p.exitcode != 0 and not interrupts.stopping()),
                        interrupts.stopping())
 
@@ -289,31 +288,19 @@ class Launcher:
             return self.interrupts.forcing() or self.broker is None or not self.broker.is_alive()
 
         for process in self.producers:
-            self._stop_child(process, PRODUCER_STOP_TIMEOUT_S, forced)
+            stop_process(process, timeout_s=PRODUCER_STOP_TIMEOUT_S, forced=forced)
         for process in self.consumers:
-            self._stop_child(process, STOP_TIMEOUT_S, forced)
+            stop_process(process, timeout_s=STOP_TIMEOUT_S, forced=forced)
         if not forced():
             final = self._last_status(final)
         if self.metrics is not None:
             self.metrics.close()
         if self.broker is not None:
-            self._stop_child(self.broker, STOP_TIMEOUT_S, self.interrupts.forcing)
+            stop_process(self.broker, timeout_s=STOP_TIMEOUT_S, forced=self.interrupts.forcing)
         left = remove_leftovers(self.data_dir)
         if left:
             log.warning("removed %d shared-memory objects that stopped processes left: %s", len(left), left)
         return final
-
-    @staticmethod
-    def _stop_child(process, timeout_s: float, forced) -> None:
-        """SIGTERM (graceful), then SIGKILL after `timeout_s` or as soon as `forced()`."""
-        if process.is_alive():
-            os.kill(process.pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        while process.is_alive() and time.monotonic() < deadline and not forced():
-            process.join(STOP_POLL_S)
-        if process.is_alive():
-            process.kill()
-        process.join()
 
     def _last_status(self, final: dict | None) -> dict | None:
         if self.broker is None or not self.broker.is_alive():

@@ -12,8 +12,9 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 
-from pipeline.broker.peers import namespace_for
+from pipeline.broker.peers import namespace_for, object_prefix
 from pipeline.broker.service import BrokerConfig
 from pipeline.consumer.process import ConsumerConfig
 from pipeline.protocol import Connection
@@ -109,11 +110,19 @@ def broker_status(socket_path: str, timeout_s: float = 5.0) -> dict:
         conn.close()
 
 
-def stop_process(process, sig: int = signal.SIGTERM, timeout_s: float = 20.0) -> int | None:
-    """Ask a process to stop (SIGTERM: graceful), then kill it if it does not; its status."""
+# How often a stop checks whether it must turn forceful.
+STOP_POLL_S = 0.05
+
+
+def stop_process(process, sig: int = signal.SIGTERM, timeout_s: float = 20.0,
+                 forced: Callable[[], bool] | None = None) -> int | None:
+    """Ask a process to stop (SIGTERM: graceful), then kill it if it does not within
+    `timeout_s`, or as soon as `forced()` turns true (a second Ctrl-C); its status."""
     if process.is_alive():
         os.kill(process.pid, sig)
-    process.join(timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while process.is_alive() and time.monotonic() < deadline and not (forced is not None and forced()):
+        process.join(STOP_POLL_S)
     if process.is_alive():
         process.kill()
         process.join(5)
@@ -130,7 +139,7 @@ def remove_leftovers(data_dir: str) -> list[str]:
     process of the data directory (the launcher, after stopping them all)."""
     import posix_ipc
 
-    prefix = f"sbrk-{namespace_for(data_dir)}-"
+    prefix = object_prefix(namespace_for(data_dir))
     removed = []
     for entry in os.listdir(_DEV_SHM) if os.path.isdir(_DEV_SHM) else []:
         if os.path.isdir(os.path.join(_DEV_SHM, entry)):

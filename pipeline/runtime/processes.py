@@ -23,7 +23,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pipeline.broker.peers import namespace_for
+from pipeline.broker.peers import namespace_for, object_prefix
 from pipeline.broker.service import Broker, BrokerConfig, lock_run_dir
 from pipeline.broker.storage.base import StorageTier
 from pipeline.consumer.process import Consumer, ConsumerConfig
@@ -53,7 +53,7 @@ class OpenedStorage:
 def memory_tier_dir(data_dir: str) -> str:
     """The memory tier's directory for a data directory (stable, so a leftover of a killed
     broker is found and removed at the next start)."""
-    return os.path.join(MEMORY_TIER_ROOT, f"sbrk-{namespace_for(data_dir)}-memory")
+    return os.path.join(MEMORY_TIER_ROOT, object_prefix(namespace_for(data_dir)) + "memory")
 
 
 def open_storage(data_dir: str, storage: str, durability: str) -> OpenedStorage:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import socket
 
-from pipeline.broker.peers import namespace_for
+from pipeline.broker.peers import namespace_for, object_prefix
 from tests.pipeline.harness import wait_until as wait_for
 
 __all__ = ["free_port", "shm_objects_of", "wait_for"]
@@ -13,7 +13,7 @@ __all__ = ["free_port", "shm_objects_of", "wait_for"]
 
 def shm_objects_of(data_dir: str) -> list[str]:
     """Shared-memory objects and semaphores named for a data directory's runs."""
-    tag = f"sbrk-{namespace_for(data_dir)}"
+    tag = object_prefix(namespace_for(data_dir))
     return [name for name in os.listdir("/dev/shm") if tag in name]
 
 

@@ -23,9 +23,9 @@ from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.accounting import summarize_results
-from pipeline.broker.peers import namespace_for
 from pipeline.cli import main
 from pipeline.runtime.local import broker_status
+from pipeline.runtime.processes import memory_tier_dir
 from tests.runtime.runs import free_port, shm_objects_of, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -93,7 +93,7 @@ def test_own_format_workload_on_the_memory_tier(tmp_path):
     rows = [json.loads(line) for line in open(glob.glob(os.path.join(run_results_dir(str(data)), "*.jsonl"))[0])]
     assert sorted(base64.b64decode(row["payload"]).decode() for row in rows) == sorted(f"job-{k}" for k in range(400))
     assert not os.path.exists(os.path.join(str(data), "segments"))  # the memory tier wrote no segment file
-    assert shm_objects_of(str(data)) == [] and not glob.glob(f"/dev/shm/sbrk-{namespace_for(str(data))}-memory")
+    assert shm_objects_of(str(data)) == [] and not os.path.exists(memory_tier_dir(str(data)))
 
 
 @pytest.mark.skipif(not TRACE.exists(), reason=f"the Mooncake trace is not at {TRACE}")
