@@ -30,20 +30,16 @@ import time
 from dataclasses import dataclass, field
 from itertools import chain
 
+from pipeline.consumer.credit import DEFAULT_AHEAD_S, MAX_CREDIT, MIN_CREDIT, CreditWindow
 from pipeline.consumer.engines import Engine, EngineBatch, make_engine
 from pipeline.consumer.reader import ReadBatch, SegmentReader
 from pipeline.errors import EntryCompletedError, ProtocolError, RingClosedError, SegmentCorruptError
-from pipeline.layouts import Descriptor, parse_descriptor
+from pipeline.layouts import Descriptor, descriptor_size_bytes, parse_descriptor
 from pipeline.protocol import RECONNECT_FIRST_S, RECONNECT_MAX_S, Connection, encode
-from shm.ring import RingReader
+from shm.ring import RECORD_HEADER_SIZE_BYTES, RingReader, align_up
 
 log = logging.getLogger("pipeline.consumer")
 
-# Batches a consumer asks for ahead: one running and three waiting in its ring, so neither
-# the engine nor the broker waits on the other's wake-up. Measured with tools/bench_pipeline.py
-# (alternating runs, 2026-11-29): credit 2 gave 110-112 k items/s, credit 4 125-134 k, credit 8
-# 123-130 k. More credit only means more batches to redeliver if the consumer dies.
-DEFAULT_CREDIT = 4
 # How long one wait for a descriptor lasts before the loop checks whether to stop.
 POLL_S = 0.2
 
@@ -64,7 +60,8 @@ class ConsumerConfig:
     engine: str = "sim"
     engine_options: dict = field(default_factory=dict)
     gpu: str | None = None  # a CUDA_VISIBLE_DEVICES value: an index or a GPU-/MIG- UUID
-    credit: int = DEFAULT_CREDIT
+    credit: int | None = None  # batches ahead, fixed; None: sized from batch times (credit.py)
+    ahead_s: float = DEFAULT_AHEAD_S  # seconds of work kept queued when `credit` is None
     fsync_results: bool = False
 
 
@@ -173,7 +170,8 @@ class Consumer:
     def _serve(self, session: _Session, stop) -> None:
         if self._reader is None or self._reader.root != os.path.join(session.data_dir, "segments"):
             self._reader = SegmentReader(session.data_dir)
-        session.send({"type": "request_work", "credit": self.config.credit})
+        credit = self._credit_window(session.ring)
+        session.send({"type": "request_work", "credit": credit.start()})
         while not stop():
             record = session.ring.peek(timeout_s=POLL_S)
             if record is None:
@@ -182,11 +180,22 @@ class Consumer:
             # A consumer that was stopped (SIGSTOP) may wake up declared dead, its batches
             # given to others: it must not run what is left in its old ring.
             session.check_open()
+            started_s = time.monotonic()
             descriptor = parse_descriptor(record.body, where=f"ring {session.ring.name} at {record.start}")
             results = self.run_batch(descriptor)
             session.ring.release(record.end)
-            session.send({"type": "complete", "batch_id": descriptor.batch_id, "results": results, "credit": 1})
+            grant = credit.completed(time.monotonic() - started_s)
+            session.send({"type": "complete", "batch_id": descriptor.batch_id, "results": results, "credit": grant})
         session.send({"type": "goodbye"})
+
+    def _credit_window(self, ring: RingReader) -> CreditWindow:
+        """A fixed window when the config names one, else one sized from batch times, never
+        more batches than the descriptor ring holds at this contract's largest descriptor."""
+        if self.config.credit is not None:
+            return CreditWindow.fixed(self.config.credit)
+        largest = RECORD_HEADER_SIZE_BYTES + align_up(descriptor_size_bytes(self.config.max_batch_items))
+        fits = max(1, ring.capacity_bytes // largest)
+        return CreditWindow(self.config.ahead_s, min(MIN_CREDIT, fits), min(MAX_CREDIT, fits))
 
     def run_batch(self, descriptor: Descriptor) -> dict:
         """Run one batch and write its results (flushed); return the completion's summary."""

@@ -1,0 +1,56 @@
+"""A consumer's credit window against a real broker: the broker holds as many batches for it
+as its batch times ask for (pipeline/consumer/credit.py), never more.
+
+The windows are made deterministic by the horizon, not by timing: with 10 s of work to keep
+queued, any batch quicker than 150 ms asks for the maximum; with 1 us, any batch asks for
+the minimum.
+"""
+
+from __future__ import annotations
+
+from pipeline.broker.service import BrokerConfig
+from pipeline.consumer.credit import INITIAL_CREDIT, MAX_CREDIT, MIN_CREDIT
+from pipeline.consumer.process import ConsumerConfig
+from pipeline.runtime.local import start_consumer
+from tests.pipeline.harness import Workload, start_broker, start_producer, status, stop, wait_until
+
+
+def _windows_seen(tmp_path, ahead_s: float) -> tuple[list[int], int]:
+    """Run a stored backlog through one consumer; the broker's view of its window (credit
+    left + batches held) at every status poll once a few batches completed, and the total."""
+    data = str(tmp_path / "data")
+    broker = start_broker(data)
+    socket_path = BrokerConfig(data).socket_path
+    workload = Workload(shapes=3, items_per_producer=4000, producers=1)
+    consumer = None
+    try:
+        producer = start_producer(socket_path, workload, 0)
+        producer.join(120)
+        assert producer.exitcode == 0
+        config = ConsumerConfig(socket_path, str(tmp_path / "results"), "c0", max_batch_items=4,
+                                max_batch_tokens=1 << 20, max_input_len=1 << 20, ahead_s=ahead_s)
+        consumer = start_consumer(config)
+        seen = []
+        while (counters := status(socket_path))["items_completed"] < 4000:
+            held = counters["consumers"].get("c0")
+            if held is not None and counters["items_completed"] >= 40:
+                seen.append(held["credit"] + held["batches_held"])
+        wait_until(lambda: status(socket_path)["consumers"]["c0"]["batches_held"] == 0, 30, "last completion")
+        return seen, status(socket_path)["items_completed"]
+    finally:
+        if consumer is not None:
+            stop(consumer)
+        assert stop(broker) == 0
+
+
+def test_quick_batches_open_the_window_to_its_maximum(tmp_path):
+    seen, completed = _windows_seen(tmp_path, ahead_s=10.0)
+    assert completed == 4000
+    assert max(seen) > INITIAL_CREDIT  # it grew past what the first request asked for
+    assert max(seen) <= MAX_CREDIT
+
+
+def test_slow_batches_keep_the_window_at_its_minimum(tmp_path):
+    seen, completed = _windows_seen(tmp_path, ahead_s=1e-6)
+    assert completed == 4000
+    assert seen and max(seen) <= MIN_CREDIT
