@@ -1,12 +1,16 @@
 #!/usr/bin/env python3
 """End-to-end throughput and latency: producers -> broker (disk tier) -> consumers.
 
-    .venv/bin/python tools/bench_pipeline.py            # about a minute
+    .venv/bin/python tools/bench_pipeline.py            # about two minutes
     .venv/bin/python tools/bench_pipeline.py --quick    # a smoke run
 
 Throughput: 2 producer processes submit 256-token items (8 shapes, `submit_many` in calls of
 4,096) to a broker process with the disk tier (durability `process`), and 2 consumer
-processes run them on the sim engine at zero cost (contract 64 items / 65,536 tokens).
+processes run them on the sim engine at zero cost. Two consumer contracts, both with 65,536
+tokens and an 8,192-token input limit: 64 items a batch, and 256 (vLLM's default
+max_num_seqs; 256 items of 256 tokens fill the token budget exactly). Each is run with the
+consumer's credit window (the default) and with a fixed credit of 4 batches (the baseline:
+the default before the window), alternating, and the best of `--repeat` runs is reported.
 Elapsed time runs from the producers' start to the broker counting every item completed.
 
 CPU per item: each process's CPU time (user + system, psutil) over the items of the run:
@@ -40,7 +44,10 @@ from pipeline.runtime.local import stop_process as stop
 TOKENS = 256
 SHAPES = 8
 CALL_ITEMS = 4096
-CONTRACT = dict(max_batch_items=64, max_batch_tokens=65_536, max_input_len=8192)
+CONTRACT = dict(max_batch_tokens=65_536, max_input_len=8192)
+BATCH_ITEMS = (64, 256)
+# The fixed credit the window is compared with: the consumer's default before it.
+BASELINE_CREDIT = 4
 
 
 def _flood(socket_path: str, items: int, seed: int) -> None:
@@ -74,12 +81,13 @@ def _trickle(socket_path: str, items: int, rate_per_s: float) -> None:
     producer.close(timeout_s=60)
 
 
-def _pipeline(root: str, consumers: int):
+def _pipeline(root: str, consumers: int, batch_items: int = 64, credit: int | None = None):
     config = BrokerConfig(os.path.join(root, "data"))
     broker = start_broker(config)
     socket_path = config.socket_path
     results = os.path.join(root, "results")
-    workers = [start_consumer(ConsumerConfig(socket_path, results, f"c{k}", **CONTRACT)) for k in range(consumers)]
+    workers = [start_consumer(ConsumerConfig(socket_path, results, f"c{k}", max_batch_items=batch_items,
+                                             credit=credit, **CONTRACT)) for k in range(consumers)]
     return broker, socket_path, workers, results
 
 
@@ -104,9 +112,9 @@ def _cpu_seconds(processes: dict[str, psutil.Process], into: dict[str, float]) -
         into[name] = times.user + times.system
 
 
-def throughput(items_per_producer: int) -> dict:
+def throughput(items_per_producer: int, batch_items: int, credit: int | None) -> dict:
     root = tempfile.mkdtemp(prefix="bench-pipeline-")
-    broker, socket_path, workers, _results = _pipeline(root, consumers=2)
+    broker, socket_path, workers, _results = _pipeline(root, 2, batch_items, credit)
     try:
         started = time.monotonic()
         producers = [CTX.Process(target=_flood, args=(socket_path, items_per_producer, p)) for p in range(2)]
@@ -156,20 +164,35 @@ def latency(items: int, rate_per_s: float) -> dict:
             "p99_ms": float(np.percentile(waits_ms, 99)), "max_ms": float(waits_ms.max())}
 
 
+def _report(label: str, best: dict) -> None:
+    shares = ", ".join(f"{name} {us:.1f}" for name, us in best["cpu_us_per_item"].items())
+    print(f"  {label}: {best['items_per_s']:,.0f} items/s, {best['tokens_per_s'] / 1e6:,.1f} M tokens/s "
+          f"({best['seconds']:.2f} s; tokens completed {best['tokens_completed']:,} of {best['items'] * TOKENS:,}); "
+          f"CPU us per item: {shares}, total {sum(best['cpu_us_per_item'].values()):.1f}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--items", type=int, default=250_000, help="items per producer")
+    parser.add_argument("--batch-items", type=int, nargs="+", default=list(BATCH_ITEMS))
     args = parser.parse_args()
-    items = 20_000 if args.quick else 150_000
-    print(f"machine: {os.cpu_count()} cpus; 2 producers, broker (disk, process), 2 consumers (sim, zero cost)")
-    best = max((throughput(items) for _ in range(1 if args.quick else args.repeat)), key=lambda r: r["items_per_s"])
-    print(f"throughput, {best['items']:,} items of {TOKENS} tokens: {best['items_per_s']:,.0f} items/s, "
-          f"{best['tokens_per_s'] / 1e6:,.1f} M tokens/s ({best['seconds']:.2f} s); "
-          f"tokens completed {best['tokens_completed']:,} of {best['items'] * TOKENS:,}")
-    shares = ", ".join(f"{name} {us:.1f}" for name, us in best["cpu_us_per_item"].items())
-    print(f"CPU per item (us, over all items; each consumer runs half of them): {shares}; "
-          f"total {sum(best['cpu_us_per_item'].values()):.1f} us on {os.cpu_count()} cpus")
+    items = 20_000 if args.quick else args.items
+    repeat = 1 if args.quick else args.repeat
+    print(f"machine: {os.cpu_count()} cpus; 2 producers, broker (disk, process), 2 consumers (sim, zero cost); "
+          f"{2 * items:,} items of {TOKENS} tokens per run; CPU per item is over all items (each consumer "
+          f"runs half of them)")
+    for batch_items in args.batch_items:
+        runs: dict[str, list[dict]] = {"window": [], f"credit {BASELINE_CREDIT}": []}
+        for _ in range(repeat):  # alternating, so drift on the machine hits both alike
+            runs["window"].append(throughput(items, batch_items, None))
+            runs[f"credit {BASELINE_CREDIT}"].append(throughput(items, batch_items, BASELINE_CREDIT))
+        every = "; ".join(f"{label} " + " / ".join(f"{r['items_per_s']:,.0f}" for r in results)
+                          for label, results in runs.items())
+        print(f"contract {batch_items} items / {CONTRACT['max_batch_tokens']:,} tokens (every run, items/s: {every})")
+        for label, results in runs.items():
+            _report(label, max(results, key=lambda r: r["items_per_s"]))
     low = latency(400 if args.quick else 2000, rate_per_s=400)
     print(f"latency at 400 items/s, one item per submit, {low['items']} items: p50 {low['p50_ms']:.2f} ms, "
           f"p99 {low['p99_ms']:.2f} ms, max {low['max_ms']:.2f} ms")

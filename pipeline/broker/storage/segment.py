@@ -383,6 +383,26 @@ def encode_entries(
     return EncodedGroup(data, offsets, sizes)
 
 
+# madvise(MADV_POPULATE_WRITE) (Linux 5.14): map a range's pages writable in one call. The
+# `mmap` module has no name for it before Python 3.13.
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+_PAGE_BYTES = mmap.PAGESIZE
+
+
+def _populate_for_writes(mapping: mmap.mmap, start: int, end: int) -> None:
+    """Map the pages an append just wrote into the broker's mapping, writable, in one call.
+
+    Why: their tombstones (and the peek's header reads) go through the mapping, and without
+    this every 4 KiB page of entries costs a page fault on its first tombstone, about 0.3
+    faults per 256-token item. Best effort: a kernel without the advice changes nothing.
+    """
+    first = start - start % _PAGE_BYTES
+    try:
+        mapping.madvise(_MADV_POPULATE_WRITE, first, end - first)
+    except OSError:
+        pass
+
+
 class SegmentFile:
     """One segment open for appends (until sealed) and tombstones.
 
@@ -526,6 +546,7 @@ class SegmentFile:
         if end > self.allocated:
             self._grow(end)
         self._write_all(group.data, at)
+        _populate_for_writes(self._map, at, end)
         if crashpoints.ARMED:
             crashpoints.hit("segment.after_write")
         self.data_end = end
