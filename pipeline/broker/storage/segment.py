@@ -330,6 +330,11 @@ class EncodedGroup:
         return int(self.offsets.shape[0])
 
 
+# The entry header's checksum, as an index in 8-byte words from the entry's start.
+_CHECKSUM_WORD = ENTRY_HEADER_DTYPE.fields["checksum"][1] // 8
+assert _CHECKSUM_WORD * 8 == ENTRY_HEADER_DTYPE.fields["checksum"][1]
+
+
 def encode_entries(
     items: np.ndarray,
     tokens: np.ndarray,
@@ -343,7 +348,7 @@ def encode_entries(
 
     `items` is a frame's ITEM_HEADER_DTYPE array, `tokens`/`payloads` its back-to-back data
     (see `pipeline.layouts.Frame`). The buffer is built whole so one pwrite writes the group,
-    and each entry is checksummed as it is built (validated before writing, SPEC §5).
+    and each entry is checksummed once it is built (validated before writing, SPEC §5).
     """
     chosen = items[indices]
     lengths = chosen["length"].astype(np.int64)
@@ -367,20 +372,32 @@ def encode_entries(
     out_tokens = out.cast("i")
     in_tokens = memoryview(np.ascontiguousarray(tokens))
     in_payloads = memoryview(np.ascontiguousarray(payloads))
+    _copy_entry_bodies(out, out_tokens, in_tokens, in_payloads, offsets, lengths, token_starts[indices],
+                       payload_lens, payload_starts[indices])
+    # Checksums once every entry is whole, written as one column (the checksum word is not
+    # part of what it covers).
     digest = xxhash.xxh3_64_intdigest
-    pack_u64 = _U64.pack_into
-    rows = zip(offsets.tolist(), sizes.tolist(), lengths.tolist(), token_starts[indices].tolist(),
-               payload_lens.tolist(), payload_starts[indices].tolist())
-    for at, size, length, token_at, plen, payload_at in rows:
+    sums = [digest(out[at:end], seed=length) for at, end, length in
+            zip((offsets + ENTRY_CHECKSUM_FROM).tolist(), (offsets + sizes).tolist(), lengths.tolist())]
+    data.view(np.uint64)[(offsets >> 3) + _CHECKSUM_WORD] = sums
+    for view in (out_tokens, in_tokens, in_payloads, out):
+        view.release()
+    return EncodedGroup(data, offsets, sizes)
+
+
+def _copy_entry_bodies(out: memoryview, out_tokens: memoryview, in_tokens: memoryview, in_payloads: memoryview,
+                       offsets: np.ndarray, lengths: np.ndarray, starts: np.ndarray, payload_lens: np.ndarray,
+                       payload_starts: np.ndarray) -> None:
+    """Each entry's tokens and payload, copied one entry at a time.
+    NOTE: a 2-D copy for groups of equal lengths (tokens as rows of one stride) measured no
+    faster in the broker: 0.35 to 1.1 us per item against 0.5, by row length."""
+    rows = zip(offsets.tolist(), lengths.tolist(), starts.tolist(), payload_lens.tolist(), payload_starts.tolist())
+    for at, length, token_at, plen, payload_at in rows:
         first = (at + ENTRY_HEADER_SIZE_BYTES) >> 2
         out_tokens[first:first + length] = in_tokens[token_at:token_at + length]
         if plen:
             end = at + ENTRY_HEADER_SIZE_BYTES + length * TOKEN_SIZE_BYTES
             out[end:end + plen] = in_payloads[payload_at:payload_at + plen]
-        pack_u64(out, at + 8, digest(out[at + ENTRY_CHECKSUM_FROM:at + size], seed=length))
-    for view in (out_tokens, in_tokens, in_payloads, out):
-        view.release()
-    return EncodedGroup(data, offsets, sizes)
 
 
 # madvise(MADV_POPULATE_WRITE) (Linux 5.14): map a range's pages writable in one call. The
