@@ -411,7 +411,9 @@ class Dispatcher:
         assert self._outstanding is batch, (self._outstanding, batch)
         self._outstanding = None
         lengths = batch.entries.lengths.tolist()
-        self._storage.commit(batch.lane, batch.refs, batch.consumer, batch.batch_id, lengths)
+        entries = batch.entries
+        self._storage.commit(batch.lane, batch.refs, batch.consumer, batch.batch_id, lengths,
+                             (entries.segments, entries.offsets))
         tokens = sum(lengths)
         self._shapes[batch.lane.shape].on_dispatched(batch.lane.lane, lengths)
         self._selector.on_dispatched(batch.lane.shape, tokens, batch.entries.submit_ns)

@@ -113,13 +113,23 @@ class Harness:
             refs = refs[1:] or [self.refs[items[0]], self.refs[items[0]]]
             before = self.tier.queued_items(lane)
             with pytest.raises(StaleBatchError):
-                self.tier.commit(lane, refs, ConsumerId(consumer), BatchId(self.batch))
+                self.tier.commit(lane, refs, ConsumerId(consumer), BatchId(self.batch), *self._as_peeked(refs, pick))
             assert self.tier.queued_items(lane) == before
             return
-        self.tier.commit(lane, refs, ConsumerId(consumer), BatchId(self.batch))
+        self.tier.commit(lane, refs, ConsumerId(consumer), BatchId(self.batch), *self._as_peeked(refs, pick))
         self.batch += 1
         del self.ref.queues[lane][: len(items)]
         self.ref.pending += [(i, consumer, lane) for i in items]
+
+    def _as_peeked(self, refs: list, pick: int) -> tuple:
+        """Half the commits come as the broker makes them: with the lengths and the refs'
+        columns from this turn's peek (the front checked by column); half with refs alone."""
+        if pick % 2 == 0:
+            return ()
+        item_of = {ref: item for item, ref in self.refs.items()}
+        lengths = [self.lengths[item_of[ref]] for ref in refs]
+        return lengths, (np.array([r.segment for r in refs], dtype=np.int64),
+                         np.array([r.offset for r in refs], dtype=np.int64))
 
     def complete(self, consumer: int, count: int) -> None:
         mine = [p for p in self.ref.pending if p[1] == consumer][:count]

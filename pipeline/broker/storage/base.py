@@ -221,13 +221,14 @@ class StorageTier(abc.ABC):
     @abc.abstractmethod
     def commit(
         self, lane: LaneKey, refs: Sequence[EntryRef], consumer: ConsumerId, batch: BatchId,
-        lengths: list[int] | None = None,
+        lengths: list[int] | None = None, keys: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> None:
         """`refs` (a prefix of the lane's dispatchable entries, as peeked) now belong to
         `consumer` as batch `batch`: the three steps of SPEC §5. StaleBatchError, with
         nothing changed, when they are no longer the front of the lane. `lengths`: the
         entries' lengths as peeked in this loop turn (then the tier checks that their
-        segments exist instead of reading every entry header again)."""
+        segments exist instead of reading every entry header again). `keys`: the refs'
+        segments and offsets as int64 columns (a peek's), for checking the front by column."""
 
     @abc.abstractmethod
     def complete(self, consumer: ConsumerId, refs: Sequence[EntryRef]) -> Completion:

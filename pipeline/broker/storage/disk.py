@@ -205,10 +205,10 @@ class DiskTier(QueuedTier):
             lengths += [fields[1] for fields in headers]
         return lengths
 
-    def _check_segments(self, refs: list[EntryRef]) -> str | None:
-        segments = self._store.segments
-        for segment in set(map(itemgetter(0), refs)):
-            if segment not in segments:
+    def _check_segments(self, refs: list[EntryRef], segments: np.ndarray | None = None) -> str | None:
+        known = self._store.segments
+        for segment in set(map(itemgetter(0), refs) if segments is None else segments.tolist()):
+            if segment not in known:
                 return f"segment {segment} is gone"
         return None
 

@@ -7,8 +7,8 @@ A tier subclasses `QueuedTier` and says only where its entries live:
     _describe(lane, refs)      -> the entries' PeekedEntry, in order       (peek, return)
     _describe_many(lane, front) -> the same by column (peek_many; default: from _describe)
     _check_stored(lane, refs)  -> their lengths, or why not, touching nothing (commit step 1)
-    _check_segments(refs)      -> why not, or None: their segments exist (commit step 1 with
-                                  the lengths known from this turn's peek)
+    _check_segments(refs, segments) -> why not, or None: their segments exist (commit step 1
+                                  with the lengths known from this turn's peek)
     _remove(lane, refs)        tombstone (disk) / forget (memory) completed entries
     _lane_dropped(lane)        the lane's queue is gone (drop_lane)
     _lane_of(segment)          the lane a segment belongs to                (invariants)
@@ -32,7 +32,7 @@ from __future__ import annotations
 import abc
 from collections import deque
 from collections.abc import Iterator, Sequence
-from itertools import islice
+from itertools import islice, repeat
 
 import numpy as np
 
@@ -105,6 +105,16 @@ class LaneQueue:
 
     def front_columns(self, count: int) -> tuple[list[EntryRef], np.ndarray, np.ndarray]:
         """`front`, with the refs' segments and offsets also as int64 columns."""
+        segments, offsets = self.front_keys(count)
+        returned = min(count, len(self.returned))
+        out = list(islice(self.returned, returned))
+        if segments.shape[0] > returned:
+            out += map(tuple.__new__, repeat(EntryRef), zip(segments[returned:].tolist(), offsets[returned:].tolist()))
+        return out, segments, offsets
+
+    def front_keys(self, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """The first `count` dispatchable entries' segments and offsets (fewer if fewer are
+        queued), front first, as int64 columns: no ref is made."""
         out = list(islice(self.returned, count))
         segments = [np.array([ref.segment for ref in out], dtype=np.int64)]
         offsets = [np.array([ref.offset for ref in out], dtype=np.int64)]
@@ -113,13 +123,12 @@ class LaneQueue:
             if need <= 0:
                 break
             taken = run.offsets[run.head:run.head + need]
-            out += make_refs(run.segment, taken.tolist())
             segments.append(np.full(taken.shape[0], run.segment, dtype=np.int64))
             offsets.append(taken)
             need -= taken.shape[0]
         if len(segments) == 2 and not segments[0].size:  # nothing returned, one run: the common case
-            return out, segments[1], offsets[1]
-        return out, np.concatenate(segments), np.concatenate(offsets)
+            return segments[1], offsets[1]
+        return np.concatenate(segments), np.concatenate(offsets)
 
     def pop_front(self, count: int) -> None:
         assert count <= self.queued, (count, self.queued)
@@ -284,9 +293,10 @@ class QueuedTier(StorageTier, abc.ABC):
         """`_describe`, by column (`segments` and `offsets` are the refs' fields)."""
         return Peeked.of(lane, self._describe(lane, refs))
 
-    def _check_segments(self, refs: list[EntryRef]) -> str | None:
+    def _check_segments(self, refs: list[EntryRef], segments: np.ndarray | None = None) -> str | None:
         """Commit step 1 when the lengths are known from this turn's peek: why the entries
-        cannot be committed, or None. By default, as `_check_stored`."""
+        cannot be committed, or None (`segments`: the refs' segments as a column, if known).
+        By default, as `_check_stored`."""
         checked = self._check_stored(self._lane_of(refs[0].segment), refs)
         return checked if isinstance(checked, str) else None
 
@@ -370,27 +380,28 @@ class QueuedTier(StorageTier, abc.ABC):
 
     def commit(
         self, lane: LaneKey, refs: Sequence[EntryRef], consumer: ConsumerId, batch: BatchId,
-        lengths: list[int] | None = None,
+        lengths: list[int] | None = None, keys: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> None:
         """The three steps of SPEC §5. Example: lane queue [r5, r6, r7]; commit(lane,
         [r5, r6], consumer 2, batch 9) leaves [r7] and consumer 2 holding r5, r6 as batch 9;
-        commit(lane, [r6], ...) instead raises StaleBatchError and changes nothing."""
+        commit(lane, [r6], ...) instead raises StaleBatchError and changes nothing.
+        `keys`, the refs' segments and offsets as int64 columns (a peek's), lets step 1
+        compare the lane's front by column instead of ref by ref."""
         # Step 1: verify everything (the front of the lane, every segment), touch nothing.
         queue = self._queues.get(lane)
         wanted = list(refs)
         count = len(wanted)
-        front = [] if queue is None else queue.front(count)
         checked: list[int] | str | None = "they are not the front of the lane"
-        if count and front == wanted:
+        if count and queue is not None and self._is_front(queue, wanted, keys):
             if lengths is None:
                 checked = lengths = self._check_stored(lane, wanted)  # type: ignore[assignment]
             else:
                 assert len(lengths) == count, (len(lengths), count)
-                checked = self._check_segments(wanted)
+                checked = self._check_segments(wanted, None if keys is None else keys[0])
         if isinstance(checked, str):
             raise StaleBatchError(
                 f"batch {batch} for consumer {consumer}: its {count} entries cannot be committed "
-                f"from lane {tuple(lane)}: {checked} (front now {[tuple(r) for r in front[:4]]}); "
+                f"from lane {tuple(lane)}: {checked} (front now {[] if queue is None else queue.front(4)}); "
                 f"nothing was committed"
             )
         assert lengths is not None
@@ -406,6 +417,15 @@ class QueuedTier(StorageTier, abc.ABC):
         self._pending.add_batch(batch, consumer, lane, wanted, lengths)
         self.counters.committed_items += count
         self.counters.committed_tokens += sum(lengths)
+
+    @staticmethod
+    def _is_front(queue: LaneQueue, wanted: list[EntryRef], keys: tuple[np.ndarray, np.ndarray] | None) -> bool:
+        count = len(wanted)
+        if keys is None:
+            return queue.front(count) == wanted
+        segments, offsets = queue.front_keys(count)
+        assert keys[1].shape[0] == count, (keys[1].shape[0], count)
+        return np.array_equal(segments, keys[0]) and np.array_equal(offsets, keys[1])
 
     def complete(self, consumer: ConsumerId, refs: Sequence[EntryRef]) -> Completion:
         return self._completed(self._pending.complete(consumer, refs))  # NotHeldError first
