@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """End-to-end throughput and latency: producers -> broker (disk tier) -> consumers.
 
-    .venv/bin/python tools/bench_pipeline.py            # about two minutes
+    .venv/bin/python tools/bench_pipeline.py            # about two minutes (1 M items a run)
     .venv/bin/python tools/bench_pipeline.py --quick    # a smoke run
 
 Throughput: 2 producer processes submit 256-token items (8 shapes, `submit_many` in calls of
@@ -16,6 +16,11 @@ Elapsed time runs from the producers' start to the broker counting every item co
 CPU per item: each process's CPU time (user + system, psutil) over the items of the run:
 where the time goes when all five share two cores.
 
+Against another commit: `--against REV` checks REV out in a temporary git worktree and
+alternates runs of this tree's code and REV's, each with its own default credit, through
+this script's own benchmark functions (in a child process whose PYTHONPATH picks the tree;
+REV must have `pipeline.runtime.local`'s start_broker/start_consumer, as from 2026-11-29 on).
+
 Latency at low load: one producer submits one item at a time, 400 items a second, to the
 same pipeline; latency is a result line's `done_ns - submit_ns` (the producer's submit to
 the consumer's result written and flushed, one monotonic clock), p50 and p99.
@@ -27,6 +32,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -48,6 +54,9 @@ CONTRACT = dict(max_batch_tokens=65_536, max_input_len=8192)
 BATCH_ITEMS = (64, 256)
 # The fixed credit the window is compared with: the consumer's default before it.
 BASELINE_CREDIT = 4
+# `credit` for a consumer that keeps its code's own default (a run of another commit's code).
+CODE_DEFAULT = "code default"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _flood(socket_path: str, items: int, seed: int) -> None:
@@ -81,13 +90,14 @@ def _trickle(socket_path: str, items: int, rate_per_s: float) -> None:
     producer.close(timeout_s=60)
 
 
-def _pipeline(root: str, consumers: int, batch_items: int = 64, credit: int | None = None):
+def _pipeline(root: str, consumers: int, batch_items: int = 64, credit: int | None | str = None):
     config = BrokerConfig(os.path.join(root, "data"))
     broker = start_broker(config)
     socket_path = config.socket_path
     results = os.path.join(root, "results")
+    chosen = {} if credit == CODE_DEFAULT else {"credit": credit}
     workers = [start_consumer(ConsumerConfig(socket_path, results, f"c{k}", max_batch_items=batch_items,
-                                             credit=credit, **CONTRACT)) for k in range(consumers)]
+                                             **chosen, **CONTRACT)) for k in range(consumers)]
     return broker, socket_path, workers, results
 
 
@@ -112,7 +122,7 @@ def _cpu_seconds(processes: dict[str, psutil.Process], into: dict[str, float]) -
         into[name] = times.user + times.system
 
 
-def throughput(items_per_producer: int, batch_items: int, credit: int | None) -> dict:
+def throughput(items_per_producer: int, batch_items: int, credit: int | None | str) -> dict:
     root = tempfile.mkdtemp(prefix="bench-pipeline-")
     broker, socket_path, workers, _results = _pipeline(root, 2, batch_items, credit)
     try:
@@ -142,9 +152,9 @@ def throughput(items_per_producer: int, batch_items: int, credit: int | None) ->
             "cpu_us_per_item": {name: 1e6 * seconds / total for name, seconds in cpu.items()}}
 
 
-def latency(items: int, rate_per_s: float) -> dict:
+def latency(items: int, rate_per_s: float, credit: int | None | str = None) -> dict:
     root = tempfile.mkdtemp(prefix="bench-latency-")
-    broker, socket_path, workers, results = _pipeline(root, consumers=2)
+    broker, socket_path, workers, results = _pipeline(root, 2, credit=credit)
     try:
         producer = CTX.Process(target=_trickle, args=(socket_path, items, rate_per_s))
         producer.start()
@@ -171,15 +181,59 @@ def _report(label: str, best: dict) -> None:
           f"CPU us per item: {shares}, total {sum(best['cpu_us_per_item'].values()):.1f}")
 
 
+def against(rev: str, items: int, batch_items_list: list[int], repeat: int) -> None:
+    """Alternating runs of this tree's code and `rev`'s (see the module docstring)."""
+    tree = tempfile.mkdtemp(prefix="bench-against-")
+    subprocess.run(["git", "worktree", "add", "--detach", tree, rev], cwd=REPO, check=True, capture_output=True)
+    try:
+        for batch_items in batch_items_list:
+            runs: dict[str, list[dict]] = {"this tree": [], rev: []}
+            for _ in range(repeat):
+                for label, root in (("this tree", REPO), (rev, tree)):
+                    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", str(items), str(batch_items)],
+                                          env={**os.environ, "PYTHONPATH": root}, check=True, capture_output=True, text=True)
+                    runs[label].append(json.loads(done.stdout.splitlines()[-1]))
+            every = "; ".join(f"{label} " + " / ".join(f"{r['items_per_s']:,.0f}" for r in results)
+                              for label, results in runs.items())
+            print(f"contract {batch_items} items, each code's default credit (every run, items/s: {every})")
+            for label, results in runs.items():
+                _report(label, max(results, key=lambda r: r["items_per_s"]))
+        lows: dict[str, list[dict]] = {"this tree": [], rev: []}
+        for _ in range(repeat):
+            for label, root in (("this tree", REPO), (rev, tree)):
+                done = subprocess.run([sys.executable, os.path.abspath(__file__), "--one-latency", str(min(items, 2000))],
+                                      env={**os.environ, "PYTHONPATH": root}, check=True, capture_output=True, text=True)
+                lows[label].append(json.loads(done.stdout.splitlines()[-1]))
+        for label, results in lows.items():
+            print(f"latency at 400 items/s, {label}: " + "; ".join(
+                f"p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms" for r in results))
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", tree], cwd=REPO, check=False, capture_output=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--repeat", type=int, default=2)
-    parser.add_argument("--items", type=int, default=250_000, help="items per producer")
+    parser.add_argument("--items", type=int, default=500_000, help="items per producer")
     parser.add_argument("--batch-items", type=int, nargs="+", default=list(BATCH_ITEMS))
+    parser.add_argument("--against", metavar="REV", help="compare with another commit's code instead")
+    parser.add_argument("--one", type=int, nargs=2, metavar=("ITEMS", "BATCH_ITEMS"), help=argparse.SUPPRESS)
+    parser.add_argument("--one-latency", type=int, metavar="ITEMS", help=argparse.SUPPRESS)
     args = parser.parse_args()
     items = 20_000 if args.quick else args.items
     repeat = 1 if args.quick else args.repeat
+    if args.one:  # a child of --against: one run of whatever `pipeline` is on the path, as JSON
+        print(json.dumps(throughput(args.one[0], args.one[1], CODE_DEFAULT)))
+        return 0
+    if args.one_latency:
+        print(json.dumps(latency(args.one_latency, 400, CODE_DEFAULT)))
+        return 0
+    if args.against:
+        print(f"machine: {os.cpu_count()} cpus; {2 * items:,} items of {TOKENS} tokens per run; this tree "
+              f"against {args.against}")
+        against(args.against, items, args.batch_items, repeat)
+        return 0
     print(f"machine: {os.cpu_count()} cpus; 2 producers, broker (disk, process), 2 consumers (sim, zero cost); "
           f"{2 * items:,} items of {TOKENS} tokens per run; CPU per item is over all items (each consumer "
           f"runs half of them)")
