@@ -5,8 +5,11 @@ counts again) and completed. The consumers' results files hold one line per item
 an item with two lines was redelivered after a lost completion (a duplicate, at-least-once
 delivery), which is counted, never hidden. At the end of a run:
 
-    lost = received - unfinished - distinct items with a result        must be 0
-    (unfinished: still queued or dispatched in the broker, 0 once a run has completed)
+    lost = received - |unfinished or with a result|                     must be 0
+         = received - unfinished - distinct items with a result + unfinished items with one
+    (unfinished: still queued or dispatched in the broker, 0 once a run has completed; an
+    unfinished item can have a result when its consumer wrote it and died before reporting
+    the completion: the item is redelivered later, and counted once here)
     received = completed (broker, over this broker's life) and tokens likewise
 """
 
@@ -81,13 +84,17 @@ def _rows(path: str, summary: ResultsSummary):
                 raise ResultsFileError(f"{path}:{number}: not a result line ({exc})") from exc
 
 
-def reconcile(summary: ResultsSummary, broker: dict, expected_items: int | None = None) -> dict:
+def reconcile(summary: ResultsSummary, broker: dict, expected_items: int | None = None,
+              unfinished_ids: set[int] | None = None) -> dict:
     """The run's accounting: received / routed / completed from the broker's status, the
-    results files' distinct items and duplicates, and `lost` (received but no result)."""
+    results files' distinct items and duplicates, and `lost` (received but no result).
+    `unfinished_ids`: the item ids still in the store when the status was taken, if read
+    (then unfinished items that already have a result are counted once, not twice)."""
     received = broker["items_received"] + broker.get("items_recovered", 0)
     # Still queued or dispatched when the status was taken (a run stopped early): not lost,
     # they are in the store. Zero at the end of a completed run, where `lost` is exact.
     unfinished = broker.get("backlog_items", 0) + broker.get("pending_items", 0)
+    with_results = len(unfinished_ids & summary.item_ids) if unfinished_ids else 0
     accounted = {
         "items_received": received,
         "tokens_received": broker["tokens_received"] + broker.get("tokens_recovered", 0),
@@ -98,7 +105,8 @@ def reconcile(summary: ResultsSummary, broker: dict, expected_items: int | None 
         "items_with_results": summary.items,
         "duplicates": summary.duplicates,
         "items_unfinished": unfinished,
-        "lost": (received - unfinished if expected_items is None else expected_items) - summary.items,
+        "items_unfinished_with_results": with_results,
+        "lost": (received - unfinished + with_results if expected_items is None else expected_items) - summary.items,
         "items_empty": summary.by_status.get("too_long", 0),
         "items_corrupt": summary.by_status.get("corrupt", 0),
     }

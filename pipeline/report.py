@@ -16,9 +16,12 @@ Definitions (every figure is an int or a float; a ratio with nothing to divide i
 - items_unfinished = backlog + pending items in the broker's status (a run stopped early);
   they are in the store, not lost; items_discarded = the same when the store does not
   outlive the run (memory tier, temporary data directory): gone with it, by the user's stop.
-- lost = received - unfinished - distinct items with a result, or expected_items - distinct items with a
-  result when the launcher knows how many items its producers submitted (that also catches
-  items lost before the broker stored them).
+- items_unfinished_with_results = unfinished items that already have a result line (their
+  consumer wrote it and died before the completion reached the broker; the launcher reads
+  the unfinished item ids from the store when it stops a run early).
+- lost = received - unfinished - distinct items with a result + unfinished items with a
+  result, or expected_items - distinct items with a result when the launcher knows how many
+  items its producers submitted (that also catches items lost before the broker stored them).
 - duplicates = results lines beyond the first per item (at-least-once delivery, counted).
 - items_empty = results with status too_long (answered without running); items_corrupt too.
 - accounting_ok = lost == 0 and received == completed + unfinished in items, and in tokens
@@ -119,12 +122,13 @@ def consumer_figures(broker: dict, results: dict) -> dict:
 
 
 def build_report(status: dict, results: ResultsSummary, wall_s: float, expected_items: int | None = None,
-                 store_kept: bool = True) -> dict:
+                 store_kept: bool = True, unfinished_ids: set[int] | None = None) -> dict:
     """The run report (definitions in the module docstring) as a JSON-ready dict.
     `store_kept` False: the store does not outlive the run (the memory tier, a temporary data
-    directory), so unfinished items are discarded with it, and reported so."""
+    directory), so unfinished items are discarded with it, and reported so. `unfinished_ids`:
+    the item ids the store held when `status` was taken (see `accounting.reconcile`)."""
     missing = not all(key in status for key in FLOW_KEYS)
-    accounted = reconcile(results, dict.fromkeys(FLOW_KEYS, 0) | status, expected_items)
+    accounted = reconcile(results, dict.fromkeys(FLOW_KEYS, 0) | status, expected_items, unfinished_ids)
     broker_consumers = status.get("per_consumer", {})
     names = sorted(set(broker_consumers) | set(results.per_consumer))
     per_consumer = {name: consumer_figures(broker_consumers.get(name, {}), results.per_consumer.get(name, {}))
@@ -235,6 +239,8 @@ def _accounting_table(report: dict) -> Table:
     table.add_row("duplicates", format_count(report["duplicates"]), "")
     if report.get("items_unfinished"):
         table.add_row("unfinished (queued)", format_count(report["items_unfinished"]), "")
+    if report.get("items_unfinished_with_results"):
+        table.add_row("  of which with results", format_count(report["items_unfinished_with_results"]), "")
     table.add_row("lost", format_count(report["lost"]), "")
     if report["accounting_ok"] is None:
         verdict = "not checked on a live broker (see the run's report)"

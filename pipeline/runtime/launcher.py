@@ -35,9 +35,11 @@ from dataclasses import dataclass, field
 
 from pipeline.accounting import summarize_results
 from pipeline.broker.service import BrokerConfig
+from pipeline.broker.storage.inspect import live_item_ids
 from pipeline.consumer.process import ConsumerConfig
 from pipeline.producer.workload import Workload
 from pipeline.runtime.gpus import detect_gpus
+from pipeline.runtime.processes import memory_tier_dir
 from pipeline.runtime.local import (
     CTX,
     STOP_POLL_S,
@@ -186,6 +188,7 @@ class Launcher:
         self.producers: list = []
         self.metrics = None
         self.interrupts = Interrupts()
+        self._unfinished_ids: set[int] | None = None  # read from the store on an early stop
 
     def run(self) -> LaunchOutcome:
         self.interrupts = Interrupts.install()
@@ -293,6 +296,7 @@ class Launcher:
             stop_process(process, timeout_s=STOP_TIMEOUT_S, forced=forced)
         if not forced():
             final = self._last_status(final)
+            self._unfinished_ids = self._read_unfinished(final)
         if self.metrics is not None:
             self.metrics.close()
         if self.broker is not None:
@@ -301,6 +305,15 @@ class Launcher:
         if left:
             log.warning("removed %d shared-memory objects that stopped processes left: %s", len(left), left)
         return final
+
+    def _read_unfinished(self, final: dict | None) -> set[int] | None:
+        """The item ids still in the store (queued or held), read once the producers and
+        consumers are stopped and the broker is still up, so they are what `final` counts
+        as unfinished (the memory tier's files go with the broker). None if none are."""
+        if not final or not (final.get("backlog_items", 0) + final.get("pending_items", 0)):
+            return None
+        root = memory_tier_dir(self.data_dir) if self.settings.storage == "memory" else self.data_dir
+        return live_item_ids(root)
 
     def _last_status(self, final: dict | None) -> dict | None:
         if self.broker is None or not self.broker.is_alive():
@@ -319,7 +332,8 @@ class Launcher:
         # before the broker stored them); a stopped one against what the broker received.
         expected = len(self.workload) + (final or {}).get("items_recovered", 0) if completed else None
         kept = self.settings.storage == "disk" and not self._own_data_dir
-        return build_report(final or {}, results, wall_s, expected_items=expected, store_kept=kept)
+        return build_report(final or {}, results, wall_s, expected_items=expected, store_kept=kept,
+                            unfinished_ids=self._unfinished_ids)
 
     def cleanup(self) -> None:
         """Remove the temporary data directory (a given one is the user's: it stays)."""

@@ -6,6 +6,7 @@ tools never parse a segment a second way (SPEC §"Processes and layout").
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
@@ -83,6 +84,21 @@ def tombstone_rows(data_dir: str) -> list[dict]:
             "agree": report.counts_agree,
         })
     return rows
+
+
+def live_item_ids(data_dir: str) -> set[int]:
+    """Item ids of every live (stored, not completed) entry under `data_dir`: what a stopped
+    run left unfinished. Segments that cannot be read are skipped (`verify` names them)."""
+    ids: set[int] = set()
+    if not os.path.isdir(data_dir):
+        return ids
+    for seg in iter_segments(data_dir):
+        try:
+            report = scan_segment(seg.path)
+        except (SegmentFormatError, OSError):
+            continue  # gone since the listing (completed and deleted), or not a segment
+        ids.update(report.headers["item_id"][report.headers["state"] == ENTRY_LIVE].tolist())
+    return ids
 
 
 @dataclass(slots=True)
