@@ -25,6 +25,9 @@ Messages, by sender:
               producer_ready {ring}          the ring named in the reply now exists
               unregister_producer {}         everything it wrote was published
     anyone    status {}                                      -> status_reply {counters...}
+              dispatched_segments {}                         -> dispatched_segments_reply {paths}
+                                             segment files holding dispatched, unfinished
+                                             entries (what a stopped run's accounting reads)
     broker    registered {consumer_id, descriptor_ring, data_dir, heartbeat_timeout_s}
               registered_producer {producer_id, ring, doorbell, next_seq}
               error {message}                then the broker closes the connection
@@ -66,10 +69,12 @@ SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "producer_ready": {"ring": str},
     "unregister_producer": {},
     "status": {},
+    "dispatched_segments": {},
     "registered": {"consumer_id": int, "descriptor_ring": str, "data_dir": str,
                    "heartbeat_timeout_s": (int, float)},
     "registered_producer": {"producer_id": int, "ring": str, "doorbell": str, "next_seq": int},
     "status_reply": {"counters": dict},
+    "dispatched_segments_reply": {"paths": list},
     "error": {"message": str},
 }
 

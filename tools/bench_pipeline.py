@@ -181,29 +181,36 @@ def _report(label: str, best: dict) -> None:
           f"CPU us per item: {shares}, total {sum(best['cpu_us_per_item'].values()):.1f}")
 
 
+def _child(root: str, *args: str) -> dict:
+    """One run in a child process whose `pipeline` comes from `root`; its JSON line."""
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), *args],
+                          env={**os.environ, "PYTHONPATH": root}, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"run {args} of {root} failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.splitlines()[-1])
+
+
 def against(rev: str, items: int, batch_items_list: list[int], repeat: int) -> None:
-    """Alternating runs of this tree's code and `rev`'s (see the module docstring)."""
+    """Alternating runs of this tree's code and `rev`'s (see the module docstring); which
+    goes first alternates too, so a warm-up or a drift does not always favour one side."""
     tree = tempfile.mkdtemp(prefix="bench-against-")
     subprocess.run(["git", "worktree", "add", "--detach", tree, rev], cwd=REPO, check=True, capture_output=True)
+    sides = [("this tree", REPO), (rev, tree)]
     try:
         for batch_items in batch_items_list:
-            runs: dict[str, list[dict]] = {"this tree": [], rev: []}
-            for _ in range(repeat):
-                for label, root in (("this tree", REPO), (rev, tree)):
-                    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", str(items), str(batch_items)],
-                                          env={**os.environ, "PYTHONPATH": root}, check=True, capture_output=True, text=True)
-                    runs[label].append(json.loads(done.stdout.splitlines()[-1]))
+            runs: dict[str, list[dict]] = {label: [] for label, _root in sides}
+            for k in range(repeat):
+                for label, root in sides[::-1] if k % 2 else sides:
+                    runs[label].append(_child(root, "--one", str(items), str(batch_items)))
             every = "; ".join(f"{label} " + " / ".join(f"{r['items_per_s']:,.0f}" for r in results)
                               for label, results in runs.items())
             print(f"contract {batch_items} items, each code's default credit (every run, items/s: {every})")
             for label, results in runs.items():
                 _report(label, max(results, key=lambda r: r["items_per_s"]))
-        lows: dict[str, list[dict]] = {"this tree": [], rev: []}
-        for _ in range(repeat):
-            for label, root in (("this tree", REPO), (rev, tree)):
-                done = subprocess.run([sys.executable, os.path.abspath(__file__), "--one-latency", str(min(items, 2000))],
-                                      env={**os.environ, "PYTHONPATH": root}, check=True, capture_output=True, text=True)
-                lows[label].append(json.loads(done.stdout.splitlines()[-1]))
+        lows: dict[str, list[dict]] = {label: [] for label, _root in sides}
+        for k in range(repeat):
+            for label, root in sides[::-1] if k % 2 else sides:
+                lows[label].append(_child(root, "--one-latency", str(min(items, 2000))))
         for label, results in lows.items():
             print(f"latency at 400 items/s, {label}: " + "; ".join(
                 f"p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms" for r in results))

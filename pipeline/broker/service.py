@@ -434,6 +434,8 @@ class Broker:
             return
         if kind == "status":
             self._send(sock, {"type": "status_reply", "counters": self.status()})
+        elif kind == "dispatched_segments":
+            self._send(sock, {"type": "dispatched_segments_reply", "paths": self.storage.dispatched_segment_paths()})
         elif kind == "register_consumer" and isinstance(owner, Peer):
             self._register_consumer(sock, owner, message)
         elif kind == "register_producer" and isinstance(owner, Peer):

@@ -36,7 +36,7 @@ from pipeline.consumer.reader import ReadBatch, SegmentReader
 from pipeline.errors import EntryCompletedError, ProtocolError, RingClosedError, SegmentCorruptError
 from pipeline.layouts import Descriptor, descriptor_size_bytes, parse_descriptor
 from pipeline.protocol import RECONNECT_FIRST_S, RECONNECT_MAX_S, Connection, encode
-from shm.ring import RECORD_HEADER_SIZE_BYTES, RingReader, align_up
+from shm.ring import RECORD_ALIGN_BYTES, RECORD_HEADER_SIZE_BYTES, RingReader, align_up
 
 log = logging.getLogger("pipeline.consumer")
 
@@ -63,6 +63,12 @@ class ConsumerConfig:
     credit: int | None = None  # batches ahead, fixed; None: sized from batch times (credit.py)
     ahead_s: float = DEFAULT_AHEAD_S  # seconds of work kept queued when `credit` is None
     fsync_results: bool = False
+
+    def __post_init__(self) -> None:
+        if self.credit is not None and (isinstance(self.credit, bool) or self.credit < 1):
+            raise ValueError(f"consumer {self.name}: credit {self.credit!r} must be at least 1 batch")
+        if not self.ahead_s >= 0:
+            raise ValueError(f"consumer {self.name}: ahead_s {self.ahead_s!r} must be >= 0 seconds")
 
 
 @dataclass(slots=True)
@@ -189,12 +195,12 @@ class Consumer:
         session.send({"type": "goodbye"})
 
     def _credit_window(self, ring: RingReader) -> CreditWindow:
-        """A fixed window when the config names one, else one sized from batch times, never
-        more batches than the descriptor ring holds at this contract's largest descriptor."""
+        """A fixed window when the config names one, else one sized from batch times; never
+        more batches than the descriptor ring surely holds (`descriptors_that_fit`): more
+        would make the broker peek batches it cannot hand over."""
+        fits = descriptors_that_fit(ring.capacity_bytes, self.config.max_batch_items)
         if self.config.credit is not None:
-            return CreditWindow.fixed(self.config.credit)
-        largest = RECORD_HEADER_SIZE_BYTES + align_up(descriptor_size_bytes(self.config.max_batch_items))
-        fits = max(1, ring.capacity_bytes // largest)
+            return CreditWindow.fixed(min(self.config.credit, fits))
         return CreditWindow(self.config.ahead_s, min(MIN_CREDIT, fits), min(MAX_CREDIT, fits))
 
     def run_batch(self, descriptor: Descriptor) -> dict:
@@ -256,6 +262,18 @@ class Consumer:
         self._results.flush()  # in the page cache: survives kill -9 of this process
         if self.config.fsync_results:
             os.fsync(self._results.fileno())
+
+
+def descriptors_that_fit(capacity_bytes: int, max_batch_items: int) -> int:
+    """How many descriptors of `max_batch_items` items a descriptor ring of `capacity_bytes`
+    always holds, wherever its write position: k records and, at worst, the tail a wrap
+    wastes (less than one record) must fit, k * record + record - RECORD_ALIGN_BYTES <=
+    capacity. At least 1 (registration refuses a contract whose descriptor does not fit).
+
+    Example: 1 MiB ring, 1,024 items: a record is 32,832 bytes, so 31 fit side by side
+    but only 30 whatever the wrap."""
+    record = RECORD_HEADER_SIZE_BYTES + align_up(descriptor_size_bytes(max_batch_items))
+    return max(1, (capacity_bytes - record + RECORD_ALIGN_BYTES) // record)
 
 
 def _select(got: ReadBatch, rows: list[int]) -> ReadBatch:

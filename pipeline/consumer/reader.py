@@ -240,7 +240,9 @@ class SegmentReader:
             try:
                 out.add(self.read(model, signature, lane, segment_seq, offset, length, item_id))
             except (EntryCompletedError, SegmentCorruptError) as exc:
-                out.failed.append((item_id, length, exc))
+                # Without its traceback: the frames it holds would hold `out`, a cycle that
+                # keeps a segment's mapping open until the (rarely run) cycle collector.
+                out.failed.append((item_id, length, exc.with_traceback(None)))
 
     def close(self) -> None:
         for path in list(self._maps):

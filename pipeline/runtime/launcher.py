@@ -36,14 +36,15 @@ from dataclasses import dataclass, field
 from pipeline.accounting import summarize_results
 from pipeline.broker.service import BrokerConfig
 from pipeline.broker.storage.inspect import live_item_ids
+from pipeline.errors import ProtocolError
 from pipeline.consumer.process import ConsumerConfig
 from pipeline.producer.workload import Workload
 from pipeline.runtime.gpus import detect_gpus
-from pipeline.runtime.processes import memory_tier_dir
 from pipeline.runtime.local import (
     CTX,
     STOP_POLL_S,
     broker_status,
+    dispatched_segments,
     own_process_group,
     remove_leftovers,
     start_child,
@@ -295,8 +296,10 @@ class Launcher:
         for process in self.consumers:
             stop_process(process, timeout_s=STOP_TIMEOUT_S, forced=forced)
         if not forced():
-            final = self._last_status(final)
-            self._unfinished_ids = self._read_unfinished(final)
+            fresh = self._fresh_status()
+            if fresh is not None:
+                final = fresh
+                self._unfinished_ids = self._read_unfinished(final)
         if self.metrics is not None:
             self.metrics.close()
         if self.broker is not None:
@@ -307,21 +310,28 @@ class Launcher:
         return final
 
     def _read_unfinished(self, final: dict | None) -> set[int] | None:
-        """The item ids still in the store (queued or held), read once the producers and
-        consumers are stopped and the broker is still up, so they are what `final` counts
-        as unfinished (the memory tier's files go with the broker). None if none are."""
+        """Once producers and consumers are stopped and the broker is still up: the live item
+        ids of the segments holding dispatched, unfinished entries. Only those can already
+        have a result (a consumer wrote it and died before its completion arrived), and they
+        are few: the batches consumers held. None when nothing is unfinished or the broker
+        cannot say (the report then counts no overlap)."""
         if not final or not (final.get("backlog_items", 0) + final.get("pending_items", 0)):
             return None
-        root = memory_tier_dir(self.data_dir) if self.settings.storage == "memory" else self.data_dir
-        return live_item_ids(root)
+        try:
+            paths = dispatched_segments(self.config.socket_path)
+        except (OSError, TimeoutError, ProtocolError) as exc:
+            log.warning("cannot list the segments of dispatched items (%s): the report counts no overlap", exc)
+            return None
+        return live_item_ids(paths)
 
-    def _last_status(self, final: dict | None) -> dict | None:
+    def _fresh_status(self) -> dict | None:
+        """The broker's status now, or None if it cannot answer (the last one read stands)."""
         if self.broker is None or not self.broker.is_alive():
-            return final
+            return None
         try:
             return broker_status(self.config.socket_path)
-        except (OSError, TimeoutError):
-            return final
+        except (OSError, TimeoutError, ProtocolError):
+            return None
 
     def _report(self, final: dict | None, wall_s: float, completed: bool) -> dict:
         from pipeline.report import build_report

@@ -101,6 +101,16 @@ def start_consumer(config: ConsumerConfig):
     return process
 
 
+def dispatched_segments(socket_path: str, timeout_s: float = 5.0) -> list[str]:
+    """Files of the segments holding dispatched, unfinished entries (a stopped run's
+    accounting reads their live item ids)."""
+    conn = Connection.connect(socket_path, timeout_s)
+    try:
+        return conn.request({"type": "dispatched_segments"}, timeout_s)["paths"]
+    finally:
+        conn.close()
+
+
 def broker_status(socket_path: str, timeout_s: float = 5.0) -> dict:
     """The broker's counters (the `status` request)."""
     conn = Connection.connect(socket_path, timeout_s)

@@ -5,10 +5,14 @@ from __future__ import annotations
 import math
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.consumer.credit import BATCH_TIME_WEIGHT, INITIAL_CREDIT, MAX_CREDIT, MIN_CREDIT, CreditWindow
+from pipeline.consumer.process import ConsumerConfig, descriptors_that_fit
+from pipeline.layouts import descriptor_size_bytes
+from shm.ring import RECORD_ALIGN_BYTES, RECORD_HEADER_SIZE_BYTES, RingReader, RingWriter, align_up
 
 
 def _reference_windows(batch_times: list[float], ahead_s: float, low: int, high: int) -> list[tuple[int, int]]:
@@ -102,3 +106,38 @@ def test_seeded_stress_with_sessions_and_invariants():
             completed += 1
         window.check_invariants()
         assert granted - completed == window.outstanding
+
+
+@pytest.mark.parametrize("max_batch_items", [64, 1024, 4096])
+def test_the_credit_cap_always_fits_in_the_descriptor_ring(shm_name, max_batch_items):
+    # Wherever the write position is (the worst: a record's worth short of the end, so the
+    # next one wraps and wastes the tail), `descriptors_that_fit` records go in with nothing
+    # released. (The count of records that merely fit side by side fails this.)
+    capacity = 1 << 20
+    fits = descriptors_that_fit(capacity, max_batch_items)
+    body = descriptor_size_bytes(max_batch_items)
+    record = RECORD_HEADER_SIZE_BYTES + align_up(body)
+    writer = RingWriter.create(shm_name(), capacity)
+    reader = RingReader.attach(writer.name)
+    try:
+        filler = capacity - record + RECORD_ALIGN_BYTES  # leaves a tail one alignment short
+        while filler > 0:  # move the write position there, through released records
+            size = min(filler - RECORD_HEADER_SIZE_BYTES, writer.max_body_bytes)
+            writer.reserve(size, timeout_s=0)
+            writer.commit()
+            reader.release(reader.poll().end)
+            filler -= RECORD_HEADER_SIZE_BYTES + align_up(size)
+        for _ in range(fits):
+            writer.reserve(body, timeout_s=0)
+            writer.commit()
+    finally:
+        reader.close()
+        writer.close()
+        writer.unlink()
+
+
+def test_a_fixed_credit_below_one_is_refused():
+    with pytest.raises(ValueError, match="credit 0 must be at least 1"):
+        ConsumerConfig("/nowhere.sock", "/tmp/results", "c0", credit=0)
+    with pytest.raises(ValueError, match="ahead_s"):
+        ConsumerConfig("/nowhere.sock", "/tmp/results", "c0", ahead_s=-1.0)

@@ -138,3 +138,26 @@ def test_read_batch_gives_zero_copy_views_and_checks_every_entry(tmp_path):
     one.close()
     reader.close()
     segment_a.close()
+
+
+def test_entries_completed_elsewhere_leave_no_reference_cycle(tmp_path):
+    # The consumer's processes collect cycles rarely (runtime/processes.py quiet_gc): a failed
+    # read must not keep its frames, and through them the batch and a segment mapping, alive.
+    import gc
+
+    path, frame, segment = store(str(tmp_path), 0, 8, 3)
+    offsets = scan_segment(path).offsets
+    segment.tombstone_many(offsets[:4].tolist())  # completed elsewhere while this one held them
+    reader = SegmentReader(str(tmp_path))
+    rows = descriptor_items(0, offsets, frame[0])
+    gc.collect()
+    gc.disable()
+    try:
+        got = reader.read_batch(2, SIG, rows)
+        assert len(got.failed) == 4 and all(isinstance(exc, EntryCompletedError) for _i, _n, exc in got.failed)
+        del got
+        assert gc.collect() == 0  # nothing was left for the cycle collector
+    finally:
+        gc.enable()
+        reader.close()
+        segment.close()

@@ -1,6 +1,7 @@
 """Accounting against a real broker and store: a consumer that wrote results and died before
 its completion reached the broker leaves items that are both unfinished (back in the queue)
-and with a result. Read from the store, they count once: nothing is lost."""
+and with a result. The broker names the segments of dispatched, unfinished entries; read
+from the store, those items count once: nothing is lost."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pipeline.broker.service import BrokerConfig
 from pipeline.broker.storage.inspect import live_item_ids
 from pipeline.layouts import parse_descriptor
 from pipeline.protocol import Connection
+from pipeline.runtime.local import dispatched_segments
 from shm.ring import RingReader
 from tests.pipeline.harness import Workload, start_broker, start_producer, status, stop, wait_until
 
@@ -42,7 +44,9 @@ def test_results_of_a_consumer_that_died_before_completing_count_once(tmp_path):
         assert final["backlog_items"] == 60 and final["pending_items"] == 0
         summary = summarize_results(str(results))
         assert reconcile(summary, final)["lost"] == -len(held)  # counted twice without the store
-        accounted = reconcile(summary, final, unfinished_ids=live_item_ids(data))
+        paths = dispatched_segments(socket_path)
+        assert paths and all(path.startswith(data) for path in paths)
+        accounted = reconcile(summary, final, unfinished_ids=live_item_ids(paths))
         assert accounted["items_unfinished_with_results"] == len(held) > 0
         assert accounted["lost"] == 0
     finally:

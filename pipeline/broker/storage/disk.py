@@ -205,6 +205,9 @@ class DiskTier(QueuedTier):
             lengths += [fields[1] for fields in headers]
         return lengths
 
+    def dispatched_segment_paths(self) -> list[str]:
+        return sorted(self._store.segments[segment].path for segment in self.dispatched_segments())
+
     def _check_segments(self, refs: list[EntryRef], segments: np.ndarray | None = None) -> str | None:
         known = self._store.segments
         for segment in set(map(itemgetter(0), refs) if segments is None else segments.tolist()):

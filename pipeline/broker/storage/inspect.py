@@ -6,7 +6,6 @@ tools never parse a segment a second way (SPEC §"Processes and layout").
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
@@ -86,17 +85,16 @@ def tombstone_rows(data_dir: str) -> list[dict]:
     return rows
 
 
-def live_item_ids(data_dir: str) -> set[int]:
-    """Item ids of every live (stored, not completed) entry under `data_dir`: what a stopped
-    run left unfinished. Segments that cannot be read are skipped (`verify` names them)."""
+def live_item_ids(paths: list[str]) -> set[int]:
+    """Item ids of the live (stored, not completed) entries of these segment files. A file
+    gone since it was named (completed and deleted) or not a segment is skipped (`verify`
+    names the latter)."""
     ids: set[int] = set()
-    if not os.path.isdir(data_dir):
-        return ids
-    for seg in iter_segments(data_dir):
+    for path in paths:
         try:
-            report = scan_segment(seg.path)
+            report = scan_segment(path)
         except (SegmentFormatError, OSError):
-            continue  # gone since the listing (completed and deleted), or not a segment
+            continue
         ids.update(report.headers["item_id"][report.headers["state"] == ENTRY_LIVE].tolist())
     return ids
 

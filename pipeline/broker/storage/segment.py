@@ -411,13 +411,25 @@ def _populate_for_writes(mapping: mmap.mmap, start: int, end: int) -> None:
 
     Why: their tombstones (and the peek's header reads) go through the mapping, and without
     this every 4 KiB page of entries costs a page fault on its first tombstone, about 0.3
-    faults per 256-token item. Best effort: a kernel without the advice changes nothing.
+    faults per 256-token item. Best effort: a kernel without the advice (EINVAL) is
+    remembered and not asked again.
+    NOTE: only with durability `process`. In `power`, the group commit's fdatasync makes the
+    pages read-only again for dirty tracking, so they would fault anyway. Pages written
+    back long before their tombstones (a deep backlog) fault again too: the call then only
+    costs a system call per append.
     """
+    global _populate_supported
+    if not _populate_supported:
+        return
     first = start - start % _PAGE_BYTES
     try:
         mapping.madvise(_MADV_POPULATE_WRITE, first, end - first)
-    except OSError:
-        pass
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            _populate_supported = False
+
+
+_populate_supported = True
 
 
 class SegmentFile:
@@ -563,7 +575,8 @@ class SegmentFile:
         if end > self.allocated:
             self._grow(end)
         self._write_all(group.data, at)
-        _populate_for_writes(self._map, at, end)
+        if self.durability is Durability.PROCESS:
+            _populate_for_writes(self._map, at, end)
         if crashpoints.ARMED:
             crashpoints.hit("segment.after_write")
         self.data_end = end
