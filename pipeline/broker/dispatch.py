@@ -356,12 +356,14 @@ class Dispatcher:
 
     # ----------------------------------------------------------------- dispatch
 
-    def next_batch(self, consumer: ConsumerId, contract: Contract, now_s: float) -> Batch | None:
+    def next_batch(self, consumer: ConsumerId, contract: Contract, now_s: float,
+                   full_only: bool = False) -> Batch | None:
         """The next batch for `consumer`, or None when its model has nothing dispatchable:
         the selected shape (sticky, SPEC §4) -> its lane with the most queued tokens -> peek
         the front -> pack to the contract (SPEC §3) -> the signature guard on the chunk.
         Nothing is committed: call `commit` once the consumer's channel took the batch, or
-        `abandon` if it did not.
+        `abandon` if it did not. `full_only`: None, without peeking, unless that lane fills
+        a whole batch (the contract's items, or its tokens at the lane's longest item).
 
         Example: model 0's current shape A has lanes 0 (target 512, 40 items queued, 20,000
         tokens) and 1 (target 1000, 5 items, 5,000 tokens); a contract of 64 items / 16,384
@@ -384,7 +386,10 @@ class Dispatcher:
         assert longest is not None, (shape, lane)
         key = LaneKey(shape.model, shape.signature, lane)
         available = lanes.queued_items(lane) - self._held.get(key, 0)
-        limit = min(batch_items_limit(longest, contract), available)
+        fits = batch_items_limit(longest, contract)
+        if full_only and available < fits:
+            return None
+        limit = min(fits, available)
         front = self._storage.peek_many(key, limit)
         assert len(front) == limit, (key, len(front), limit)
         packing = pack(front.lengths.tolist(), longest, contract)

@@ -203,6 +203,23 @@ def test_returned_work_goes_first_in_the_next_batch(kind, tmp_path):
     tier.close()
 
 
+def test_full_only_waits_for_a_lane_that_fills_a_batch():
+    tier = MemoryTier()
+    dispatcher = Dispatcher(tier)
+    dispatcher.ingest(make_frame(0, 0, [(0, 5)] * 5, [100] * 5), 0.0)
+    by_items = Contract(0, 8, 65_536, 1000)
+    assert dispatcher.next_batch(ConsumerId(1), by_items, 0.0, full_only=True) is None  # 5 of 8
+    by_tokens = Contract(0, 64, 5 * 104, 1000)  # 5 items padded to 104 fill the token budget
+    full = dispatcher.next_batch(ConsumerId(1), by_tokens, 0.0, full_only=True)
+    assert full is not None and len(full.entries) == 5
+    dispatcher.abandon(full)
+    dispatcher.ingest(make_frame(0, 5, [(0, 5)] * 3, [100] * 3), 0.0)
+    full = dispatcher.next_batch(ConsumerId(1), by_items, 0.0, full_only=True)  # 8 of 8 now
+    assert full is not None and len(full.entries) == 8
+    dispatcher.commit(full)
+    dispatcher.check_invariants()
+
+
 def test_stale_commit_changes_nothing_and_the_entries_stay_dispatchable():
     tier = MemoryTier()
     dispatcher = Dispatcher(tier)

@@ -45,6 +45,27 @@ def test_producer_whose_connection_drops_registers_again_and_loses_nothing(tmp_p
         stop(broker)
 
 
+def test_a_producer_whose_goodbye_is_lost_is_forgotten_once_it_removes_its_ring(tmp_path):
+    # Its connection drops and it closes before registering again: the broker never hears
+    # its goodbye, and the producer process lives on. Unlinking its ring (after the broker
+    # stored everything) is its last act, so the broker forgets it and, at its stop, removes
+    # the doorbell: nothing of the run is left in /dev/shm.
+    data = str(tmp_path / "data")
+    broker = start_broker(data)
+    socket_path = BrokerConfig(data).socket_path
+    try:
+        producer = BrokerProducer(socket_path, capacity_bytes=16 << 20, timeout_s=30)
+        producer._closing.set()  # its watcher must not register again: the goodbye is lost
+        producer.conn.sock.shutdown(socket.SHUT_RDWR)
+        for _ in range(20):
+            producer.submit(0, 7, TOKENS)
+        producer.close(timeout_s=30)  # the unregister goes nowhere; the ring is unlinked
+        wait_until(lambda: status(socket_path)["items_received"] == 20, 30, "all 20 stored")
+    finally:
+        assert stop(broker) == 0
+    assert shm_objects_of(data) == []
+
+
 def test_contract_larger_than_the_descriptor_ring_is_refused(tmp_path):
     data = str(tmp_path / "data")
     broker = start_broker(data)

@@ -8,10 +8,10 @@ the minimum.
 
 from __future__ import annotations
 
-from pipeline.broker.service import BrokerConfig
+from pipeline.broker.service import PARTIAL_BATCHES_AHEAD, BrokerConfig
 from pipeline.consumer.credit import INITIAL_CREDIT, MAX_CREDIT, MIN_CREDIT
 from pipeline.consumer.process import ConsumerConfig
-from pipeline.runtime.local import start_consumer
+from pipeline.runtime.local import CTX, start_consumer
 from tests.pipeline.harness import Workload, start_broker, start_producer, status, stop, wait_until
 
 
@@ -54,3 +54,50 @@ def test_slow_batches_keep_the_window_at_its_minimum(tmp_path):
     seen, completed = _windows_seen(tmp_path, ahead_s=1e-6)
     assert completed == 4000
     assert seen and max(seen) <= MIN_CREDIT
+
+
+def test_partial_batches_wait_while_the_consumer_has_enough(tmp_path):
+    # A slow consumer with a wide window, fed one item at a time into one lane that never
+    # fills a 64-item batch: the broker holds at most PARTIAL_BATCHES_AHEAD partial batches
+    # for it, and the items that arrive meanwhile join the next batch instead.
+    data = str(tmp_path / "data")
+    broker = start_broker(data)
+    socket_path = BrokerConfig(data).socket_path
+    consumer = None
+    try:
+        config = ConsumerConfig(socket_path, str(tmp_path / "results"), "c0", max_batch_items=64,
+                                max_batch_tokens=1 << 20, max_input_len=1 << 20, ahead_s=10.0,
+                                engine_options={"cost_s_per_padded_token": 0.0002})  # ~25 ms a batch
+        consumer = start_consumer(config)
+        wait_until(lambda: "c0" in status(socket_path)["consumers"], 30, "the consumer")
+        producer = CTX.Process(target=_trickle, args=(socket_path, 60))
+        producer.start()
+        held, window = [], []
+        while (counters := status(socket_path))["items_completed"] < 60:
+            c0 = counters["consumers"]["c0"]
+            held.append(c0["batches_held"])
+            window.append(c0["batches_held"] + c0["credit"])
+        producer.join(30)
+        assert max(held) <= PARTIAL_BATCHES_AHEAD
+        assert max(window) > PARTIAL_BATCHES_AHEAD  # the window alone would have allowed more
+        assert status(socket_path)["batches_routed"] < 60  # items joined batches while waiting
+    finally:
+        if consumer is not None:
+            stop(consumer)
+        assert stop(broker) == 0
+
+
+def _trickle(socket_path: str, items: int) -> None:
+    import time
+
+    import numpy as np
+
+    from pipeline.producer.client import BrokerProducer
+    from pipeline.producer.signature import signature
+
+    prefix = np.arange(16, dtype=np.int32)
+    producer = BrokerProducer(socket_path, timeout_s=30)
+    for k in range(items):
+        producer.submit(0, signature([prefix]), np.concatenate([prefix, np.full(84, k, dtype=np.int32)]), 16)
+        time.sleep(0.003)
+    producer.close(timeout_s=30)
