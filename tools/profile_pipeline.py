@@ -1,0 +1,191 @@
+#!/usr/bin/env python3
+"""Where the end-to-end pipeline's time goes: `tools/bench_pipeline.py`'s throughput run,
+with three instruments.
+
+    .venv/bin/python tools/profile_pipeline.py                    # 64-item batches, 1 M items
+    .venv/bin/python tools/profile_pipeline.py --batch-items 256 --items 250000
+
+- CPU per item of the main methods of the broker and of the consumers: each is wrapped to
+  add up `time.thread_time()` (CPU of the calling thread, user + system) over its calls, so
+  figures nest (a caller includes its callees) and the wrapper's own cost (about 1 us a call)
+  is in them. Per call and per item of the run.
+- The cyclic garbage collector's time in the broker and consumers (`gc.callbacks`).
+- How many of the five processes are runnable (state R in /proc), sampled every 0.5 ms: the
+  share of samples with 0, 1, 2... runnable. On 2 cores, samples with fewer than 2 runnable
+  are idle CPU.
+
+The wrappers are installed in this process before the broker and consumers are forked, so
+the children inherit them; each child writes its totals to a file as it goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import gc
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import bench_pipeline  # noqa: E402  (the benchmark whose run is profiled)
+
+from pipeline.broker import dispatch, service  # noqa: E402
+from pipeline.broker.storage import disk, queues  # noqa: E402
+from pipeline.consumer import process, reader  # noqa: E402
+from pipeline.consumer.engines import prefix_cache, sim  # noqa: E402
+
+# (owner, attribute, label): the methods timed.
+TIMED = [
+    (service.Broker, "_fill", "broker: fill (ingest a turn's frames)"),
+    (dispatch.Dispatcher, "ingest", "broker:   Dispatcher.ingest"),
+    (dispatch.Dispatcher, "_assign_shape", "broker:     lane assignment"),
+    (disk.DiskTier, "append", "broker:     DiskTier.append (encode + write)"),
+    (service.Broker, "_dispatch", "broker: dispatch"),
+    (dispatch.Dispatcher, "next_batch", "broker:   Dispatcher.next_batch"),
+    (queues.QueuedTier, "peek_many", "broker:     peek_many"),
+    (dispatch.Dispatcher, "commit", "broker:   Dispatcher.commit"),
+    (service.Broker, "_send_batch", "broker:   descriptor write"),
+    (service.Broker, "_serve_control", "broker: control"),
+    (dispatch.Dispatcher, "complete_batch", "broker:   Dispatcher.complete_batch"),
+    (disk.DiskTier, "_remove", "broker:     tombstones"),
+    (process.Consumer, "run_batch", "consumer: run_batch"),
+    (reader.SegmentReader, "read_batch", "consumer:   read_batch"),
+    (sim.SimEngine, "run", "consumer:   engine"),
+    (sim.SimEngine, "_hash_blocks", "consumer:     block hashing"),
+    (prefix_cache.PrefixCache, "run", "consumer:     prefix cache"),
+    (process, "_ok_lines", "consumer:   result lines"),
+    (process.Consumer, "_write", "consumer:   results write"),
+    (process._Session, "send", "consumer: completion messages"),
+]
+
+
+def _install(out_dir: str) -> None:
+    """Wrap every TIMED method, and the collector, to add up thread CPU time; each process
+    writes its totals to `out_dir/<pid>.json` every 0.5 s of its run."""
+    totals: dict[str, list[float]] = {}
+    last_dump = [0.0]
+
+    def dump() -> None:
+        now = time.monotonic()
+        if now - last_dump[0] >= 0.5:
+            last_dump[0] = now
+            with open(os.path.join(out_dir, f"{os.getpid()}.json"), "w") as file:
+                json.dump(totals, file)
+
+    def wrap(owner, name: str, label: str) -> None:
+        original = getattr(owner, name)
+
+        @functools.wraps(original)
+        def timed(*args, **kwargs):
+            start = time.thread_time()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                entry = totals.setdefault(label, [0.0, 0])
+                entry[0] += time.thread_time() - start
+                entry[1] += 1
+                dump()
+
+        setattr(owner, name, timed)
+
+    for owner, name, label in TIMED:
+        wrap(owner, name, label)
+    gc_started = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_started[0] = time.thread_time()
+            return
+        entry = totals.setdefault(f"garbage collector, generation {info['generation']}", [0.0, 0])
+        entry[0] += time.thread_time() - gc_started[0]
+        entry[1] += 1
+
+    gc.callbacks.append(on_gc)
+
+
+class _StateSampler:
+    """Samples /proc/PID/stat of the run's processes: how many are runnable (R)."""
+
+    def __init__(self) -> None:
+        self.pids: set[int] = set()
+        self.counts: collections.Counter[int] = collections.Counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if len(self.pids) >= 5:
+                self.counts[sum(self._runnable(pid) for pid in list(self.pids))] += 1
+            time.sleep(0.0005)
+
+    @staticmethod
+    def _runnable(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as file:
+                return file.read().rsplit(")", 1)[1].split()[0] == "R"
+        except (OSError, IndexError):
+            return False
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--items", type=int, default=500_000, help="items per producer")
+    parser.add_argument("--batch-items", type=int, default=64)
+    args = parser.parse_args()
+    out_dir = tempfile.mkdtemp(prefix="profile-pipeline-")
+    _install(out_dir)
+    sampler = _StateSampler()
+    start_child = bench_pipeline.CTX.Process.start
+
+    def start_and_watch(self):  # every process the run forks: broker, consumers, producers
+        start_child(self)
+        sampler.pids.add(self.pid)
+
+    bench_pipeline.CTX.Process.start = start_and_watch
+    sampler.start()
+    try:
+        result = bench_pipeline.throughput(args.items, args.batch_items, None)
+    finally:
+        sampler.stop()
+        bench_pipeline.CTX.Process.start = start_child
+    _print(result, out_dir, sampler, 2 * args.items)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    return 0
+
+
+def _print(result: dict, out_dir: str, sampler: _StateSampler, items: int) -> None:
+    print(f"{result['items_per_s']:,.0f} items/s; CPU us per item: "
+          + ", ".join(f"{name} {us:.2f}" for name, us in result["cpu_us_per_item"].items()))
+    merged: dict[str, list[float]] = {}
+    for name in os.listdir(out_dir):
+        with open(os.path.join(out_dir, name)) as file:
+            for label, (seconds, calls) in json.load(file).items():
+                entry = merged.setdefault(label, [0.0, 0])
+                entry[0] += seconds
+                entry[1] += calls
+    order = {label: k for k, (_owner, _name, label) in enumerate(TIMED)}
+    print(f"{'method (thread CPU; nested; consumers summed)':48s} {'us/item':>8s} {'us/call':>8s} {'calls':>8s}")
+    for label, (seconds, calls) in sorted(merged.items(), key=lambda kv: (order.get(kv[0], 99), kv[0])):
+        print(f"{label:48s} {1e6 * seconds / items:8.3f} {1e6 * seconds / max(calls, 1):8.1f} {int(calls):8d}")
+    samples = sum(sampler.counts.values())
+    shares = ", ".join(f"{n}: {100 * c / samples:.0f}%" for n, c in sorted(sampler.counts.items()))
+    print(f"runnable processes of 5, share of {samples:,} samples: {shares}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
