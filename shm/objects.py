@@ -105,11 +105,6 @@ def unlink_quietly(shm_names: list[str], sem_names: list[str]) -> list[str]:
     return removed
 
 
-def shared_memory_exists(name: str) -> bool:
-    """Whether a POSIX shared memory object of this name exists (Linux: a file in /dev/shm)."""
-    return os.path.exists(f"/dev/shm/{name.lstrip('/')}")
-
-
 def semaphore_mode(name: str) -> int:
     """Permission bits of a named semaphore (Linux keeps them in /dev/shm/sem.NAME)."""
     path = f"/dev/shm/sem.{name.lstrip('/')}"

@@ -43,6 +43,7 @@ completed; when everything is done, received + recovered = completed: difference
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from collections.abc import Sequence
 
@@ -56,6 +57,11 @@ from pipeline.broker.selection import AGE_RESOLUTION_NS, ShapeSelector
 from pipeline.broker.storage.base import AppendGroup, Peeked, StorageTier
 from pipeline.errors import DiskFullError, ItemTooLongError
 from pipeline.layouts import Frame, ProducerId
+
+# A batch offered only if it is full enough (`next_batch(full_only=True)`, for a consumer that
+# holds several already) needs this share of what its contract lets it hold: a lane of 7
+# long prompts that fill 85% of the token budget is worth sending, 2 of them are not.
+FULL_ENOUGH_FRACTION = 0.75
 
 
 @dataclass(frozen=True, slots=True)
@@ -362,8 +368,9 @@ class Dispatcher:
         the selected shape (sticky, SPEC §4) -> its lane with the most queued tokens -> peek
         the front -> pack to the contract (SPEC §3) -> the signature guard on the chunk.
         Nothing is committed: call `commit` once the consumer's channel took the batch, or
-        `abandon` if it did not. `full_only`: None, without peeking, unless that lane fills
-        a whole batch (the contract's items, or its tokens at the lane's longest item).
+        `abandon` if it did not. `full_only`: None, without peeking and without switching
+        shapes, unless that lane fills at least FULL_ENOUGH_FRACTION of a whole batch (the
+        contract's items, or its tokens at the lane's longest item).
 
         Example: model 0's current shape A has lanes 0 (target 512, 40 items queued, 20,000
         tokens) and 1 (target 1000, 5 items, 5,000 tokens); a contract of 64 items / 16,384
@@ -374,9 +381,10 @@ class Dispatcher:
         assert self._outstanding is None, f"batch {self._outstanding} neither committed nor abandoned"
         assert not self._storage.needs_flush, "flush() after ingesting, before serving"
         assert self._c.items_recovered == self._storage.counters.recovered_items, "recover() first"
-        shape = self._selector.select(contract.model, now_s)
-        if shape is None:
+        chosen = self._selector.choose(contract.model, now_s)
+        if chosen is None:
             return None
+        shape, switch = chosen
         lanes = self._shapes[shape]
         lane = lanes.fullest_lane()  # lanes in descending queued-token order: the first fits
         if self._held:
@@ -387,8 +395,10 @@ class Dispatcher:
         key = LaneKey(shape.model, shape.signature, lane)
         available = lanes.queued_items(lane) - self._held.get(key, 0)
         fits = batch_items_limit(longest, contract)
-        if full_only and available < fits:
+        if full_only and available < math.ceil(FULL_ENOUGH_FRACTION * fits):
             return None
+        if switch is not None:
+            self._selector.switch(shape, switch)
         limit = min(fits, available)
         front = self._storage.peek_many(key, limit)
         assert len(front) == limit, (key, len(front), limit)

@@ -230,7 +230,8 @@ class ShapeSelector:
 
     def select(self, model: int, now_s: float) -> ShapeKey | None:
         """The shape the model's next batch comes from, or None when the model has nothing
-        dispatchable. Switches (and counts the switch) when the policy says so.
+        dispatchable. Switches (and counts the switch) when the policy says so: `choose`,
+        then `switch` if it named a reason.
 
         Worked example, model 0, shapes A (900 tokens) and B (2,000 tokens), no current
         shape: select -> B (initial: the most tokens). B's tokens are dispatched down to 0
@@ -239,21 +240,37 @@ class ShapeSelector:
         oldest 2 s ago, select -> A (starvation), and A stays current until it drains or
         another shape starves while A does not.
         """
+        chosen = self.choose(model, now_s)
+        if chosen is None:
+            return None
+        shape, reason = chosen
+        if reason is not None:
+            self.switch(shape, reason)
+        return shape
+
+    def choose(self, model: int, now_s: float) -> tuple[ShapeKey, SwitchReason | None] | None:
+        """What `select` would return, and the reason of the switch it would make (None: the
+        current shape stays), changing nothing: a caller that may hand nothing out (a
+        consumer offered full batches only) switches only when it does hand one out."""
         state = self._models.get(model)
         if state is None:
             return None
         if self._max_age_ns is not None:
             starving = self._starving(state, model, now_s)
             if starving is not None:
-                return self._switch(state, model, starving, SwitchReason.STARVATION)
+                return ShapeKey(model, starving), SwitchReason.STARVATION
         current = state.current
         if current is not None and self._tokens.get(ShapeKey(model, current), 0) > 0:
-            return ShapeKey(model, current)
+            return ShapeKey(model, current), None
         if not state.by_tokens:
             return None
-        best = state.by_tokens[0][1]
         reason = SwitchReason.INITIAL if current is None else SwitchReason.DRAINED
-        return self._switch(state, model, best, reason)
+        return ShapeKey(model, state.by_tokens[0][1]), reason
+
+    def switch(self, shape: ShapeKey, reason: SwitchReason) -> None:
+        """Make `shape` its model's current shape and count why (after `choose`)."""
+        self._models[shape.model].current = shape.signature
+        self.counters.switches[reason] += 1
 
     def _starving(self, state: _Model, model: int, now_s: float) -> int | None:
         """The signature to switch to for starvation, or None."""
@@ -271,11 +288,6 @@ class ShapeSelector:
     def _over_bound(self, bucket: int, now_s: float) -> bool:
         assert self._max_age_ns is not None
         return now_s * _NS_PER_S - bucket * self._resolution_ns > self._max_age_ns
-
-    def _switch(self, state: _Model, model: int, signature: int, reason: SwitchReason) -> ShapeKey:
-        state.current = signature
-        self.counters.switches[reason] += 1
-        return ShapeKey(model, signature)
 
     def guard(self, shape: ShapeKey, what: str = "chunk") -> None:
         """SPEC §4's hard guard: raise ShapeGuardError (fatal: the process loop stops the

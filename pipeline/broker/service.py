@@ -68,7 +68,7 @@ from pipeline.layouts import (
     write_descriptor,
 )
 from pipeline.protocol import encode
-from shm.objects import Doorbell, ObjectExistsError, shared_memory_exists
+from shm.objects import Doorbell, ObjectExistsError
 from shm.ring import RingReader, RingWriter, SharedRing, max_body_bytes
 
 log = logging.getLogger("pipeline.broker")
@@ -325,12 +325,12 @@ class Broker:
         return True
 
     def _finish_unregistered(self) -> None:
-        """Forget producers that said goodbye, whose process died, or that removed their ring
+        """Forget producers that said goodbye, whose process died, or that closed their ring
         (a goodbye lost with a dropped connection), once everything they published is
         stored. A producer whose connection merely dropped keeps its ring: it reconnects and
         registers again."""
         for producer in list(self.producers.values()):
-            gone = producer.peer is None and (self._writer_dead(producer) or self._ring_removed(producer))
+            gone = producer.peer is None and (self._writer_dead(producer) or self._writer_closed(producer))
             if (producer.unregistered or gone) and self._drained(producer):
                 self._forget_producer(producer)
 
@@ -340,11 +340,12 @@ class Broker:
         return ring is None or (ring.cursor == ring.write_pos and producer.unreleased_end is None and not held)
 
     @staticmethod
-    def _ring_removed(producer: ProducerPeer) -> bool:
-        """Its owner unlinked the ring: a producer does that only after the broker stored
-        everything it published, its last act (its goodbye may have been lost with a
-        dropped connection)."""
-        return producer.ring is not None and not shared_memory_exists(producer.ring_name)
+    def _writer_closed(producer: ProducerPeer) -> bool:
+        """Its writer marked the ring closed (in the ring's own header, so no other ring of
+        the same name is mistaken for it): a producer does that only once the broker stored
+        everything it published, as it leaves (its goodbye may have been lost with a
+        dropped connection). A writer that attaches again clears the mark."""
+        return producer.ring is not None and producer.ring.writer_closed
 
     @staticmethod
     def _writer_dead(producer: ProducerPeer) -> bool:

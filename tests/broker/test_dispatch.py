@@ -213,10 +213,21 @@ def test_full_only_waits_for_a_lane_that_fills_a_batch():
     full = dispatcher.next_batch(ConsumerId(1), by_tokens, 0.0, full_only=True)
     assert full is not None and len(full.entries) == 5
     dispatcher.abandon(full)
-    dispatcher.ingest(make_frame(0, 5, [(0, 5)] * 3, [100] * 3), 0.0)
-    full = dispatcher.next_batch(ConsumerId(1), by_items, 0.0, full_only=True)  # 8 of 8 now
-    assert full is not None and len(full.entries) == 8
-    dispatcher.commit(full)
+    dispatcher.ingest(make_frame(0, 5, [(0, 5)] * 1, [100]), 0.0)
+    enough = dispatcher.next_batch(ConsumerId(1), by_items, 0.0, full_only=True)  # 6 of 8: 75%
+    assert enough is not None and len(enough.entries) == 6
+    dispatcher.commit(enough)
+    # Shape 5 is drained; shape 6 has 2 of 8: a full-only request neither takes them nor
+    # switches to shape 6 (nor counts a switch) on their account.
+    dispatcher.ingest(make_frame(0, 6, [(0, 6)] * 2, [100] * 2), 0.0)
+    switches = dict(dispatcher.counters().switches)
+    assert dispatcher.next_batch(ConsumerId(1), by_items, 0.0, full_only=True) is None
+    assert dispatcher.counters().switches == switches
+    assert dispatcher._selector.current(0).signature == 5
+    partial = dispatcher.next_batch(ConsumerId(1), by_items, 0.0)  # a consumer that needs work
+    assert partial is not None and partial.lane.signature == 6 and len(partial.entries) == 2
+    dispatcher.commit(partial)
+    assert sum(dispatcher.counters().switches.values()) == sum(switches.values()) + 1
     dispatcher.check_invariants()
 
 

@@ -305,8 +305,8 @@ class StorageTier(abc.ABC):
     def dispatched_segment_paths(self) -> list[str]:
         """Files of the segments that hold dispatched, not completed entries (held by a
         consumer, or given back by a lost one): the only unfinished entries that can already
-        have a result. Only a tier with files has them."""
-        raise NotImplementedError(f"{type(self).__name__} keeps no segment files")
+        have a result. None for a tier that keeps no files."""
+        return []
 
     def entry_location(self, ref: EntryRef) -> tuple[int, int, int]:
         """Where a consumer finds the entry: (lane id, segment sequence, byte offset) of its
