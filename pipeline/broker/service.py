@@ -10,8 +10,9 @@ One turn of the loop:
     3. control:  serve the Unix socket (registrations, heartbeats, completions, goodbyes)
     4. every tick_interval_s: lane maintenance and the heartbeat check
 
-Steps 1 and 2 each stop after `work_slice_s` (100 ms) of work so step 3 always runs: a fill
-of thousands of batches must never get a healthy consumer declared dead (SPEC §6).
+Steps 1 and 2 each stop after `work_slice_s` (10 ms) of work so step 3 always runs: a fill
+of thousands of batches must never get a healthy consumer declared dead (SPEC §6), and
+credit a completion returns in step 3 is used within a slice.
 
 The loop sleeps in `select` on the control socket and a self-pipe; a small thread turns
 doorbell rings (a POSIX semaphore, which select cannot watch) into bytes on that pipe. The
@@ -77,13 +78,17 @@ RUN_DIR = "run"
 SOCKET_NAME = "broker.sock"
 LOCK_NAME = "broker.lock"
 STATE_NAME = "broker-state.json"
-# SPEC §6: the loop yields at least every 100 ms of fill (or dispatch) work.
-# NOTE: 10 ms slices, with partial batches let through whenever another shape waits, fed
-# zero-cost consumers better (tools/bench_pipeline.py: 173-177 k against 160-167 k items/s
-# at 64-item batches, 237-253 k against 220-244 k at 256), but on the demo's shallow stream
-# dispatch then ran after every frame: 86-96 shape switches instead of 16, and a mean batch
-# fill of 6% instead of 25%. Stickiness and full batches are the product; 100 ms stays.
-WORK_SLICE_S = 0.1
+# SPEC §6: the loop yields at least every 100 ms of fill (or dispatch) work. 10 ms, because
+# dispatch waits for the fill, and credit a completion returns waits for the next dispatch:
+# with 100 ms, quick consumers sat idle while the broker ingested alone (one process of five
+# runnable for most of a run's first second, tools/profile_pipeline.py). tools/bench_pipeline
+# workload, alternating: 179 k against 142-170 k items/s at 64-item batches, 246-258 k
+# against 241-247 k at 256. One frame (about 10 ms at 4,096 items) is the unit of work anyway.
+# NOTE: it costs some fill on shallow streams with quick consumers (the demo's mean batch
+# fill 0.21 against 0.25, the Mooncake trace's 0.22 against 0.24; shape switches unchanged).
+# Together with letting partial batches through whenever another shape waits, it took the
+# demo to 86-96 shape switches instead of 16: that rule was rejected (Dispatcher.next_batch).
+WORK_SLICE_S = 0.01
 # Lane maintenance and heartbeat checks run this often; the lane policy's idle time (5 s)
 # and a heartbeat timeout of seconds both want far finer steps than that.
 TICK_INTERVAL_S = 0.1

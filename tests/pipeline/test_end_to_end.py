@@ -196,7 +196,7 @@ def test_bad_registrations_and_completions_get_clear_errors(tmp_path):
 
 def test_huge_backlog_never_makes_a_healthy_consumer_look_dead(tmp_path):
     # 120,000 small items ingested as fast as the producer writes them, and a consumer that
-    # takes one item per batch: without the 100 ms work slices, fill and dispatch would hold
+    # takes one item per batch: without the work slices (10 ms), fill and dispatch would hold
     # the loop for seconds, far past the 1 s heartbeat timeout.
     data = str(tmp_path / "data")
     broker = start_broker(data, heartbeat_timeout_s=1.0)
