@@ -33,7 +33,7 @@ from itertools import chain
 from pipeline.consumer.credit import DEFAULT_AHEAD_S, MAX_CREDIT, MIN_CREDIT, CreditWindow
 from pipeline.consumer.engines import Engine, EngineBatch, make_engine
 from pipeline.consumer.reader import ReadBatch, SegmentReader
-from pipeline.errors import EntryCompletedError, ProtocolError, RingClosedError, SegmentCorruptError
+from pipeline.errors import EntryCompletedError, ProtocolError, RingClosedError
 from pipeline.layouts import Descriptor, descriptor_size_bytes, parse_descriptor
 from pipeline.protocol import RECONNECT_FIRST_S, RECONNECT_MAX_S, Connection, encode
 from shm.ring import RECORD_ALIGN_BYTES, RECORD_HEADER_SIZE_BYTES, RingReader, align_up

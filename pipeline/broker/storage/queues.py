@@ -39,7 +39,7 @@ import numpy as np
 from pipeline.broker.ids import BatchId, ConsumerId, EntryRef, LaneKey, SegmentId
 from pipeline.broker.pending import RECENT_COMPLETIONS_PER_CONSUMER, Completion, PendingMap
 from pipeline.broker.storage import crashpoints
-from pipeline.broker.storage.base import Peeked, PeekedEntry, Returned, StorageCounters, StorageTier, make_refs
+from pipeline.broker.storage.base import Peeked, PeekedEntry, Returned, StorageCounters, StorageTier
 from pipeline.errors import StaleBatchError
 from pipeline.layouts import ProducerId
 
