@@ -425,8 +425,8 @@ class Dispatcher:
         that its items left the queue."""
         assert self._outstanding is batch, (self._outstanding, batch)
         self._outstanding = None
-        lengths = batch.entries.lengths.tolist()
         entries = batch.entries
+        lengths = entries.lengths.tolist()
         self._storage.commit(batch.lane, batch.refs, batch.consumer, batch.batch_id, lengths,
                              (entries.segments, entries.offsets))
         tokens = sum(lengths)

@@ -104,18 +104,19 @@ def start_consumer(config: ConsumerConfig):
 def dispatched_segments(socket_path: str, timeout_s: float = 5.0) -> list[str]:
     """Files of the segments holding dispatched, unfinished entries (a stopped run's
     accounting reads their live item ids)."""
-    conn = Connection.connect(socket_path, timeout_s)
-    try:
-        return conn.request({"type": "dispatched_segments"}, timeout_s)["paths"]
-    finally:
-        conn.close()
+    return _ask_broker(socket_path, {"type": "dispatched_segments"}, timeout_s)["paths"]
 
 
 def broker_status(socket_path: str, timeout_s: float = 5.0) -> dict:
     """The broker's counters (the `status` request)."""
+    return _ask_broker(socket_path, {"type": "status"}, timeout_s)["counters"]
+
+
+def _ask_broker(socket_path: str, message: dict, timeout_s: float) -> dict:
+    """One request on a connection of its own, and the broker's reply."""
     conn = Connection.connect(socket_path, timeout_s)
     try:
-        return conn.request({"type": "status"}, timeout_s)["counters"]
+        return conn.request(message, timeout_s)
     finally:
         conn.close()
 

@@ -143,10 +143,12 @@ class Peeked(Sequence[PeekedEntry]):
         return map(self.__getitem__, range(len(self.refs)))
 
 
-def make_refs(segment: int, offsets: list[int]) -> list[EntryRef]:
-    """EntryRef(segment, offset) for each offset, built by C code: tuple.__new__ makes the
-    named tuples without running their Python constructor (half the cost)."""
-    return list(map(tuple.__new__, repeat(EntryRef), zip(repeat(segment), offsets)))
+def make_refs(segments: int | Sequence[int], offsets: list[int]) -> list[EntryRef]:
+    """EntryRef(segment, offset) for each offset, of one segment or of one segment per
+    offset, built by C code: tuple.__new__ makes the named tuples without running their
+    Python constructor (half the cost)."""
+    column = repeat(segments) if isinstance(segments, int) else segments
+    return list(map(tuple.__new__, repeat(EntryRef), zip(column, offsets)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,7 +307,7 @@ class StorageTier(abc.ABC):
     def dispatched_segment_paths(self) -> list[str]:
         """Files of the segments that hold dispatched, not completed entries (held by a
         consumer, or given back by a lost one): the only unfinished entries that can already
-        have a result. None for a tier that keeps no files."""
+        have a result. A tier that keeps no files has none."""
         return []
 
     def entry_location(self, ref: EntryRef) -> tuple[int, int, int]:

@@ -95,7 +95,7 @@ def live_item_ids(paths: list[str]) -> set[int]:
             report = scan_segment(path)
         except (SegmentFormatError, OSError):
             continue
-        ids.update(report.headers["item_id"][report.headers["state"] == ENTRY_LIVE].tolist())
+        ids.update(report.live_item_ids.tolist())
     return ids
 
 
@@ -129,8 +129,7 @@ def verify(data_dir: str) -> VerifyResult:
             result.problems.append(str(exc))
             continue
         _check_report(seg, report, result)
-        live = report.headers["item_id"][report.headers["state"] == ENTRY_LIVE]
-        live_ids.update(live.tolist())
+        live_ids.update(report.live_item_ids.tolist())
     for path in stray_files(data_dir):
         result.problems.append(f"{path}: not a segment name")
     twice = sorted(item for item, n in live_ids.items() if n > 1)

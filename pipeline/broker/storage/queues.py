@@ -32,14 +32,14 @@ from __future__ import annotations
 import abc
 from collections import deque
 from collections.abc import Iterator, Sequence
-from itertools import islice, repeat
+from itertools import islice
 
 import numpy as np
 
 from pipeline.broker.ids import BatchId, ConsumerId, EntryRef, LaneKey, SegmentId
 from pipeline.broker.pending import RECENT_COMPLETIONS_PER_CONSUMER, Completion, PendingMap
 from pipeline.broker.storage import crashpoints
-from pipeline.broker.storage.base import Peeked, PeekedEntry, Returned, StorageCounters, StorageTier
+from pipeline.broker.storage.base import Peeked, PeekedEntry, Returned, StorageCounters, StorageTier, make_refs
 from pipeline.errors import StaleBatchError
 from pipeline.layouts import ProducerId
 
@@ -109,7 +109,7 @@ class LaneQueue:
         returned = min(count, len(self.returned))
         out = list(islice(self.returned, returned))
         if segments.shape[0] > returned:
-            out += map(tuple.__new__, repeat(EntryRef), zip(segments[returned:].tolist(), offsets[returned:].tolist()))
+            out += make_refs(segments[returned:].tolist(), offsets[returned:].tolist())
         return out, segments, offsets
 
     def front_keys(self, count: int) -> tuple[np.ndarray, np.ndarray]:

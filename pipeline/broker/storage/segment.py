@@ -164,6 +164,11 @@ class ScanReport:
         return int(self.offsets.shape[0])
 
     @property
+    def live_item_ids(self) -> np.ndarray:
+        """Item ids of the live entries, in file order."""
+        return self.headers["item_id"][self.headers["state"] == ENTRY_LIVE]
+
+    @property
     def live_count(self) -> int:
         return int(np.count_nonzero(self.headers["state"] == ENTRY_LIVE))
 
