@@ -1,16 +1,26 @@
-"""Accounting that proves nothing is lost: the results files against the broker's counters.
+"""Accounting that proves nothing is lost: results files, the store and the producer rings
+against what the producers accepted, by item id; and the broker's counters.
 
 The broker counts items and tokens received (stored), routed (dispatched; a redelivery
 counts again) and completed. The consumers' results files hold one line per item they ran;
 an item with two lines was redelivered after a lost completion (a duplicate, at-least-once
-delivery), which is counted, never hidden. At the end of a run:
+delivery), which is counted, never hidden. At the end of a run (`take_stock`), every item
+the run's producers accepted, and every item the broker took over from an earlier run, is
+found by id in at least one place:
 
-    lost = received - |unfinished or with a result|                     must be 0
-         = received - unfinished - distinct items with a result + unfinished items with one
-    (unfinished: still queued or dispatched in the broker, 0 once a run has completed; an
-    unfinished item can have a result when its consumer wrote it and died before reporting
-    the completion: the item is redelivered later, and counted once here)
-    received = completed (broker, over this broker's life) and tokens likewise
+    with a result   a line of this run's results files
+    in the store    a live (stored, not completed) entry: the next run on the data directory
+                    completes it
+    in a ring       a record of a producer ring the broker never stored: the next broker on
+                    the data directory stores it first
+
+    lost = accepted items found nowhere + taken-over items the places do not account for
+                                                                            must be 0
+    received = completed (broker, over this broker's life) and tokens likewise, once a run
+    has completed
+
+An item in two places (a result written by a consumer that died before its completion
+reached the broker: the item is still in the store and is redelivered) counts once.
 """
 
 from __future__ import annotations
@@ -20,7 +30,18 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pipeline.errors import ResultsFileError
+from pipeline.layouts import ITEM_ID_SEQ_BITS, MAX_SEQ, make_item_id
+
+
+# Bad results lines named in a summary (path:line and why); the rest are only counted: a
+# file of garbage must not make a report of a million lines.
+MAX_BAD_LINE_EXAMPLES = 10
+# What a results line must hold to be read as a result: the fields a summary adds up.
+_RESULT_FIELDS: tuple[tuple[str, type], ...] = (
+    ("item_id", int), ("status", str), ("prompt_tokens", int), ("cached_tokens", int))
 
 
 @dataclass(slots=True)
@@ -35,22 +56,38 @@ class ResultsSummary:
     cached_tokens: int = 0  # over every line (a duplicate ran again)
     per_consumer: dict[str, dict[str, int]] = field(default_factory=dict)
     item_ids: set[int] = field(default_factory=set)
-    torn_lines: int = 0  # a last line cut short (a consumer killed mid-write): not a result
+    # Lines that are not results (torn, glued, garbage, not JSON, JSON that is not a result
+    # object): counted and never read; the first MAX_BAD_LINE_EXAMPLES named "path:line: why".
+    bad_lines: int = 0
+    bad_line_examples: list[str] = field(default_factory=list)
+    # Of bad_lines, a file's last line cut short, without its newline (a consumer killed
+    # mid-write; that batch was never completed, so it comes back). The next consumer of that
+    # name terminates it, and it is then a bad line like any other.
+    torn_lines: int = 0
 
 
 def summarize_results(results_dir: str) -> ResultsSummary:
-    """Read every `*.jsonl` results file of a run (one per consumer)."""
+    """Read every `*.jsonl` results file of a run (one per consumer). A line that is not a
+    result is counted and named (`bad_lines`, `bad_line_examples`) and reading goes on:
+    never an error for what a file holds. A directory or file that cannot be read (no
+    permission, not a regular file) is a ResultsFileError naming it."""
     summary = ResultsSummary()
     seen: Counter[int] = Counter()
     status: Counter[str] = Counter()
-    if not os.path.isdir(results_dir):
-        return summary
-    for name in sorted(os.listdir(results_dir)):
+    try:
+        names = sorted(os.listdir(results_dir))
+    except FileNotFoundError:
+        return summary  # no consumer has written a result yet
+    except OSError as exc:  # not os.path.isdir first: it says False for a directory we may not enter
+        raise ResultsFileError(f"{results_dir}: cannot list the results directory: {exc.strerror or exc}") from exc
+    for name in names:
         if not name.endswith(".jsonl"):
             continue
         consumer = name[: -len(".jsonl")]
-        mine = summary.per_consumer.setdefault(consumer, {"lines": 0, "prompt_tokens": 0, "cached_tokens": 0})
+        mine = summary.per_consumer.setdefault(consumer, {"lines": 0, "prompt_tokens": 0, "cached_tokens": 0,
+                                                          "bad_lines": 0})
         path = os.path.join(results_dir, name)
+        bad_before = summary.bad_lines
         for row in _rows(path, summary):
             item = row["item_id"]
             if not seen[item]:
@@ -61,6 +98,7 @@ def summarize_results(results_dir: str) -> ResultsSummary:
             mine["lines"] += 1
             mine["prompt_tokens"] += row["prompt_tokens"]
             mine["cached_tokens"] += row["cached_tokens"]
+        mine["bad_lines"] += summary.bad_lines - bad_before
     summary.lines = sum(seen.values())
     summary.items = len(seen)
     summary.duplicates = summary.lines - summary.items
@@ -70,31 +108,118 @@ def summarize_results(results_dir: str) -> ResultsSummary:
 
 
 def _rows(path: str, summary: ResultsSummary):
-    """The result rows of one file. A last line without its newline that is not JSON was cut
-    short by a kill: counted in `torn_lines` (that batch was never completed, so it comes
-    back); any other bad line raises ResultsFileError naming the file and line."""
-    with open(path, encoding="utf-8") as file:
-        for number, line in enumerate(file, 1):
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError as exc:
-                if not line.endswith("\n") and not file.read(1):
+    """The result rows of one file. Every other line is counted in `summary.bad_lines` and
+    named "path:line: why" (the first MAX_BAD_LINE_EXAMPLES); a last line without its
+    newline that is not a result is also a torn line (`torn_lines`). Read as bytes, so a
+    line that is not UTF-8 is a bad line too. Only an unreadable file raises
+    (ResultsFileError naming it)."""
+    number = 0
+    try:
+        with open(path, "rb") as file:
+            for number, line in enumerate(file, 1):
+                row, why = _result(line)
+                if why is None:
+                    yield row
+                    continue
+                if not line.endswith(b"\n"):  # only a file's last line can lack it
                     summary.torn_lines += 1
-                    return
-                raise ResultsFileError(f"{path}:{number}: not a result line ({exc})") from exc
+                    why = f"torn last line, no newline: {why}"
+                summary.bad_lines += 1
+                if len(summary.bad_line_examples) < MAX_BAD_LINE_EXAMPLES:
+                    summary.bad_line_examples.append(f"{path}:{number}: {why}")
+    except OSError as exc:
+        where = f" after line {number}" if number else ""
+        raise ResultsFileError(f"{path}: cannot read the results file{where}: {exc.strerror or exc}") from exc
 
 
-def reconcile(summary: ResultsSummary, broker: dict, expected_items: int | None = None,
-              unfinished_ids: set[int] | None = None) -> dict:
+def _result(line: bytes) -> tuple[dict | None, str | None]:
+    """(the row, None) if `line` is a result object with the fields a summary reads, else
+    (None, why not)."""
+    try:
+        row = json.loads(line)
+    except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, or nested too deep
+        return None, f"not JSON ({str(exc)[:80]})"
+    if not isinstance(row, dict):
+        return None, f"not a result object (a JSON {type(row).__name__})"
+    for name, kind in _RESULT_FIELDS:
+        value = row.get(name)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            return None, f"not a result: field {name!r} is {value!r:.40}, not {kind.__name__}"
+    return row, None
+
+
+@dataclass(slots=True)
+class Stock:
+    """Where a run's items are (see the module docstring). Counts are of distinct items.
+
+    accepted: items this run's producers published; taken_over: items the broker recovered
+    or adopted from earlier runs (its counters); with_results / in_store / in_rings: items of
+    either kind found there (an item in two places, e.g. a result written by a consumer that
+    died before the completion arrived, counts once, in the first place that holds it);
+    lost: accepted items found nowhere, plus taken-over items the places do not account for;
+    unexpected: items found that neither this run nor the broker's counters account for."""
+
+    accepted: int
+    taken_over: int
+    with_results: int
+    in_store: int
+    in_rings: int
+    lost: int
+    unexpected: int
+    lost_examples: list[int] = field(default_factory=list)
+    accepted_by_producer: dict[int, int] = field(default_factory=dict)  # producer id -> items
+
+
+def published_counts(ledger_entries: list[tuple[int, int]], found: np.ndarray) -> dict[int, int]:
+    """How many items each producer published (its sequences 0 .. n-1): the larger of what it
+    recorded and one past the highest sequence of it found anywhere (a producer killed
+    between publishing a frame and recording it)."""
+    counts = {}
+    producers = found >> np.uint64(ITEM_ID_SEQ_BITS)
+    for producer_id, published in ledger_entries:
+        mine = found[producers == np.uint64(producer_id)]
+        if mine.size:
+            published = max(published, int((mine & np.uint64(MAX_SEQ)).max()) + 1)
+        counts[producer_id] = published
+    return counts
+
+
+def accepted_ids(ledger_entries: list[tuple[int, int]], found: np.ndarray) -> np.ndarray:
+    """The item ids the producers published (see `published_counts`), in producer order."""
+    parts = [np.arange(published, dtype=np.uint64) | np.uint64(make_item_id(producer_id, 0))
+             for producer_id, published in published_counts(ledger_entries, found).items()]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint64)
+
+
+def take_stock(ledger_entries: list[tuple[int, int]], results: np.ndarray, store: np.ndarray,
+               rings: np.ndarray, taken_over: int) -> Stock:
+    """Compare by id what a run accepted with where items are (arrays of item ids, uint64)."""
+    results, store, rings = (np.unique(np.asarray(a, dtype=np.uint64)) for a in (results, store, rings))
+    found = np.union1d(np.union1d(results, store), rings)
+    accepted = accepted_ids(ledger_entries, found)
+    missing = np.setdiff1d(accepted, found, assume_unique=True)
+    others = np.setdiff1d(found, accepted, assume_unique=True).size  # from earlier runs
+    in_store = np.setdiff1d(store, results, assume_unique=True)
+    in_rings = np.setdiff1d(rings, np.union1d(results, store), assume_unique=True)
+    return Stock(
+        accepted=int(accepted.size), taken_over=taken_over, with_results=int(results.size),
+        in_store=int(in_store.size), in_rings=int(in_rings.size),
+        lost=int(missing.size) + max(0, taken_over - others), unexpected=max(0, others - taken_over),
+        lost_examples=missing[:10].tolist(), accepted_by_producer=published_counts(ledger_entries, found),
+    )
+
+
+def reconcile(summary: ResultsSummary, broker: dict, stock: Stock | None = None) -> dict:
     """The run's accounting: received / routed / completed from the broker's status, the
-    results files' distinct items and duplicates, and `lost` (received but no result).
-    `unfinished_ids`: the item ids still in the store when the status was taken, if read
-    (then unfinished items that already have a result are counted once, not twice)."""
+    results files' distinct items and duplicates, and, when the run's stock was taken
+    (`inventory.take_stock`: every item found by id with a result, in the store or in a
+    producer ring), what is unfinished and what is lost. Without a stock (a live broker,
+    `pipeline status`) unfinished is the broker's backlog and pending, and lost is None:
+    nothing can be judged before the run ends.
+
+    lost counts items, by id, that the run accepted (or took over from an earlier run) and
+    that are nowhere: it is never negative, and a duplicate result can never hide one."""
     received = broker["items_received"] + broker.get("items_recovered", 0)
-    # Still queued or dispatched when the status was taken (a run stopped early): not lost,
-    # they are in the store. Zero at the end of a completed run, where `lost` is exact.
-    unfinished = broker.get("backlog_items", 0) + broker.get("pending_items", 0)
-    with_results = len(unfinished_ids & summary.item_ids) if unfinished_ids else 0
     accounted = {
         "items_received": received,
         "tokens_received": broker["tokens_received"] + broker.get("tokens_recovered", 0),
@@ -104,10 +229,20 @@ def reconcile(summary: ResultsSummary, broker: dict, expected_items: int | None 
         "tokens_completed": broker["tokens_completed"],
         "items_with_results": summary.items,
         "duplicates": summary.duplicates,
-        "items_unfinished": unfinished,
-        "items_unfinished_with_results": with_results,
-        "lost": (received - unfinished + with_results if expected_items is None else expected_items) - summary.items,
         "items_empty": summary.by_status.get("too_long", 0),
         "items_corrupt": summary.by_status.get("corrupt", 0),
     }
+    if stock is None:
+        accounted.update(items_unfinished=broker.get("backlog_items", 0) + broker.get("pending_items", 0),
+                         items_in_store=None, items_in_rings=None, items_accepted=None, items_taken_over=None,
+                         items_accepted_by_producer={},
+                         lost=None, items_unexpected=None, lost_examples=[])
+        return accounted
+    accounted.update(
+        items_accepted=stock.accepted, items_taken_over=stock.taken_over,
+        items_accepted_by_producer={str(k): v for k, v in stock.accepted_by_producer.items()},
+        items_in_store=stock.in_store, items_in_rings=stock.in_rings,
+        items_unfinished=stock.in_store + stock.in_rings,
+        lost=stock.lost, items_unexpected=stock.unexpected, lost_examples=stock.lost_examples,
+    )
     return accounted

@@ -1,15 +1,37 @@
-"""The `pipeline` command: a click group that each stage extends with its own commands."""
+"""The `pipeline` command: a click group that each stage extends with its own commands.
+
+Every command runs owner-only (umask 077: what it creates is 0700 / 0600 whatever the
+caller's umask) and turns the outside world's failures (a PipelineError, a shared-memory
+error, an OSError naming a path) into one line on stderr and exit status 1, never a
+traceback: a traceback is for our own bugs.
+"""
 
 from __future__ import annotations
 
 import click
 
+from pipeline.errors import PipelineError, ShmError
 from pipeline.launch_cli import launch
+from pipeline.runtime.datadir import owner_only_umask
 from pipeline.stages_cli import broker, consumer, produce, status
 from pipeline.tools_cli import tools
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Commands(click.Group):
+    """The group, with the one-line error rule of the module docstring."""
+
+    def invoke(self, ctx: click.Context):
+        owner_only_umask()
+        try:
+            return super().invoke(ctx)
+        except (PipelineError, ShmError) as exc:
+            raise click.ClickException(str(exc)) from exc
+        except OSError as exc:
+            where = f" ({exc.filename})" if exc.filename and str(exc.filename) not in str(exc) else ""
+            raise click.ClickException(f"{exc}{where}") from exc
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="shape-broker")
 def main() -> None:
     """Shape-aware batching broker for LLM inference pipelines."""

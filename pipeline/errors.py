@@ -11,23 +11,44 @@ raises one of these, with the offending value, path and byte offset in the messa
     │   ├── ModelIdError                     model id outside [0, max_models)
     │   ├── SignatureError                   signature not an unsigned 64-bit integer
     │   ├── WorkloadError                    a workload file has bad lines (path:line named)
-    │   ├── ResultsFileError                 a results line that is not JSON, before the last
     │   ├── ContractError                    a consumer contract has a zero, negative or
     │   │                                    non-integer number
     │   ├── NotHeldError                     a consumer completes an entry it does not hold
     │   └── ProtocolError                    a control message is malformed (length, JSON,
-    │                                        type, fields); the peer is disconnected
+    │       │                                type, fields); the peer is disconnected
+    │       └── ConsumerNameError            a consumer name that cannot name a results file
+    ├── ConfigError (also ValueError)        a configuration value outside its limit (a
+    │                                        socket path too long for a Unix socket, ...)
+    ├── UntrustedPeerError                   the control socket, or the process behind it,
+    │                                        belongs to another user; nothing was sent
+    ├── DataDirError                         a data directory (or one of its directories)
+    │                                        owned by another user or writable by group or
+    │                                        others: refused, with how to fix it
+    ├── ProducerRefusedError                 the broker refused a producer (its reason named);
+    │                                        what it published and was not stored is named
     ├── FrameError                           a ring record is not a valid submission frame
     ├── StaleBatchError                      a batch can no longer be committed (its entries
     │                                        left the front of their lane); nothing changed
     ├── ShapeGuardError                      FATAL: a chunk's shape is not its model's current
     │                                        shape; the process loop must stop the broker
+    ├── RegistrationRefusedError             FATAL for a consumer: the broker refused its
+    │                                        registration (the broker's reason named)
     └── StorageError                         the disk tier's files or disk
         ├── SegmentFormatError               a file is not a segment of this format version
         ├── SegmentCorruptError              damage inside a segment (path and offset named);
-        │                                    the segment is quarantined, never truncated
+        │                                    never truncated or zeroed
+        ├── SegmentNameError                 a segment key (model, lane, sequence, signature)
+        │                                    beyond what a segment file name holds
+        ├── StoreReadError                   a data directory, segment or catalog file cannot
+        │                                    be read (permissions, I/O, not a directory)
         ├── EntryCompletedError              a consumer read an entry already completed (it
         │                                    held a stale batch after being declared dead)
+        ├── ResultsFileError                 a results file or directory cannot be read or
+        │   │                                written (path named); bad lines are counted
+        │   └── ResultsWriteError            FATAL for a consumer: a batch's results write
+        │       │                            failed (path, offset, errno); it was undone
+        │       └── ResultsDiskFullError     ENOSPC/EDQUOT: the consumer hands its batches
+        │                                    back and retries with backoff
         ├── DiskFullError                    ENOSPC: appends stop (backpressure), nothing
         │                                    accepted is lost
         └── DurabilityError                  FATAL: fsync/fdatasync failed; the broker stops
@@ -84,9 +105,29 @@ class WorkloadError(BadInputError):
     named as path:line with what is wrong). Raised before anything is submitted."""
 
 
-class ResultsFileError(BadInputError):
-    """A consumer's results file has a line that is not a result, before its last line (a
-    torn last line is what a killed consumer leaves, and is counted, not an error)."""
+class ConfigError(PipelineError, ValueError):
+    """A configuration value is outside its limit (a data directory whose socket path does
+    not fit a Unix socket address, a timeout that is not a positive number, ...). Raised
+    before anything is created; the message names the value and the limit."""
+
+
+class UntrustedPeerError(PipelineError):
+    """The control socket is not a socket owned by this user, or the process serving (or
+    connecting to) it runs as another user: it may be posing as the broker (or a client).
+    Nothing was sent; the message names the path, the owner's uid and how to fix it."""
+
+
+class DataDirError(PipelineError):
+    """A data directory cannot be trusted: it, or a directory inside it or above it, is owned
+    by another user or writable by group or others (who could replace its files: the
+    socket, the segments), or it is not a directory. Nothing was read or written there; the
+    message names the path, its owner and mode, and how to fix it."""
+
+
+class ProducerRefusedError(PipelineError):
+    """The broker refused this producer (a record that is not a valid frame, a model id it
+    does not serve): the message carries the broker's reason. Records the producer published
+    after the refused one were not stored; they stay in its ring for inspection."""
 
 
 class FrameError(PipelineError):
@@ -116,10 +157,23 @@ class ShapeGuardError(PipelineError):
     message, because a poisoned cache is worse than a restart."""
 
 
+class RegistrationRefusedError(PipelineError):
+    """FATAL for a consumer. The broker answered its registration with an error (a contract
+    whose descriptor does not fit the broker's descriptor ring, an unknown model, a bad
+    name); the message carries the broker's reason. The same registration would be refused
+    again, so the consumer exits (status 2) instead of retrying."""
+
+
 
 class ProtocolError(BadInputError):
     """A control-socket message is malformed: bad length, not JSON, unknown type, or a
     missing or mistyped field. The broker disconnects that peer and serves the others."""
+
+
+class ConsumerNameError(ProtocolError):
+    """A consumer's name cannot name its results file: empty, longer than the limit, a
+    character other than letters, digits, '.', '_', '-', or a leading '.'
+    (`pipeline.protocol.check_consumer_name`)."""
 
 
 class StorageError(PipelineError):
@@ -131,13 +185,49 @@ class SegmentFormatError(StorageError):
 
 
 class SegmentCorruptError(StorageError):
-    """Damage inside a segment: an entry fails its checks and a valid entry follows it.
-    The segment is quarantined, never silently truncated."""
+    """Damage inside a segment where a reader expected a whole entry (an offset where none
+    starts, a checksum that fails). Never truncated or zeroed: recovery salvages the other
+    entries and names the damage (`pipeline.broker.storage.scan`)."""
+
+
+class SegmentNameError(StorageError):
+    """A segment key does not fit the segment file names (`pipeline.layouts`: model ids below
+    MODEL_ID_LIMIT, lane ids below LANE_ID_LIMIT, sequences below SEGMENT_SEQ_LIMIT,
+    signatures unsigned 64-bit): refused before anything is created, the value named."""
+
+
+class StoreReadError(StorageError):
+    """A data directory, segment file or catalog cannot be read (permissions, an I/O error, a
+    file where a directory belongs): the path and the system's reason are named."""
 
 
 class EntryCompletedError(StorageError):
     """A consumer found an entry already tombstoned: another consumer completed it after this
     one was declared dead. Not damage: the consumer skips the item."""
+
+
+class ResultsFileError(StorageError):
+    """A consumer's results file, or the results directory, cannot be read or written (no
+    permission, not a regular file, an I/O error); the path is named. Lines in a readable
+    file that are not results are not an error: readers count and name them."""
+
+
+class ResultsWriteError(ResultsFileError):
+    """FATAL for a consumer. Writing one batch's results failed: the message names the path,
+    the byte offset of the write and the errno. The write was undone (the file cut back to
+    its size before it), so no partial line is left and nothing written before is lost; the
+    batch was not reported complete, so it comes back. `errno_code` is the OSError's errno."""
+
+    def __init__(self, message: str, path: str = "", offset_bytes: int = -1, errno_code: int = 0) -> None:
+        super().__init__(message)
+        self.path = path
+        self.offset_bytes = offset_bytes
+        self.errno_code = errno_code
+
+
+class ResultsDiskFullError(ResultsWriteError):
+    """ENOSPC or EDQUOT writing results. Not fatal: the consumer hands back every batch it
+    holds, waits with backoff, and registers again."""
 
 
 class DiskFullError(StorageError):
@@ -152,7 +242,10 @@ class DurabilityError(StorageError):
 
 __all__ = [
     "BadInputError",
+    "ConfigError",
+    "ConsumerNameError",
     "ContractError",
+    "DataDirError",
     "DiskFullError",
     "DurabilityError",
     "EntryCompletedError",
@@ -164,17 +257,25 @@ __all__ = [
     "ObjectMissingError",
     "PayloadTooLargeError",
     "PipelineError",
+    "ProducerRefusedError",
     "ProtocolError",
     "RecordTooLargeError",
+    "RegistrationRefusedError",
+    "ResultsDiskFullError",
+    "ResultsFileError",
+    "ResultsWriteError",
     "RingClosedError",
     "RingTimeoutError",
     "SegmentCorruptError",
     "SegmentFormatError",
+    "SegmentNameError",
     "ShapeGuardError",
     "ShmError",
     "SignatureError",
     "StaleBatchError",
     "StaleObjectError",
     "StorageError",
+    "StoreReadError",
     "TokenArrayError",
+    "UntrustedPeerError",
 ]

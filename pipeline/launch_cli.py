@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import sys
+import tempfile
 
 import click
 
 from pipeline.consumer.engines import ENGINES
-from pipeline.errors import BadInputError
+from pipeline.errors import BadInputError, PipelineError
 from pipeline.runtime.processes import DURABILITY_LEVELS, STORAGE_KINDS
 from pipeline.runtime.settings import DEMO_ITEMS, LaunchSettings
 
@@ -58,8 +60,9 @@ def launch(config_path: str | None, verbose: bool, **options) -> None:
     setup_logging(verbose)
     try:
         settings = LaunchSettings.resolve(config_path, options)
+        check_before_start(settings)
         workload = load_launch_workload(settings)
-    except BadInputError as exc:
+    except (BadInputError, PipelineError) as exc:
         raise click.ClickException(str(exc)) from exc
     if settings.plots and importlib.util.find_spec("matplotlib") is None:  # before the run, not after
         raise click.ClickException("--plots needs matplotlib: pip install 'shape-broker[plots]'")
@@ -72,8 +75,23 @@ def launch(config_path: str | None, verbose: bool, **options) -> None:
             raise click.ClickException(str(exc)) from exc
         code = _finish(settings, outcome)
     finally:
-        launcher.cleanup()  # whatever happened: a temporary data directory never stays
+        launcher.cleanup()  # a temporary data directory stays only for a failed run's unfinished work
     sys.exit(code)
+
+
+def check_before_start(settings: LaunchSettings) -> None:
+    """What can be refused before any process starts: a data directory another user could
+    change, one whose socket path does not fit a Unix socket, and a consumer contract the
+    broker would refuse (consumers would otherwise retry forever against it)."""
+    from pipeline.broker.service import BrokerConfig
+    from pipeline.runtime.datadir import check_data_dir
+
+    if settings.data_dir is not None:
+        check_data_dir(settings.data_dir)
+        config = BrokerConfig(settings.data_dir)
+    else:
+        config = BrokerConfig(os.path.join(tempfile.gettempdir(), "shape-broker-XXXXXXXX"))  # mkdtemp's length
+    config.check_contract(0, settings.max_batch, settings.max_tokens, settings.max_input_len)
 
 
 def _run_with_progress(launcher, workload_items: int):
@@ -82,8 +100,9 @@ def _run_with_progress(launcher, workload_items: int):
     tracker = ProgressTracker(workload_items)
     with LiveProgress() as live:
         def show(status: dict, now_s: float) -> None:
-            if not tracker.observations:  # what the broker recovered from a stopped run is work too
-                tracker.expected_items = workload_items + status.get("items_recovered", 0)
+            if not tracker.observations:  # what the broker took over from a stopped run is work too
+                tracker.expected_items = (workload_items + status.get("items_recovered", 0)
+                                          + status.get("items_adopted", 0))
             tracker.observe(status, now_s)
             live.update(tracker.snapshot(), now_s)
 
@@ -100,6 +119,7 @@ def _finish(settings: LaunchSettings, outcome) -> int:
 
     report = outcome.report
     report["outcome"] = outcome.why
+    report["data_dir_kept"] = outcome.data_dir_kept
     render_report(report)
     if settings.report:
         write_report_json(report, settings.report)
@@ -111,11 +131,20 @@ def _finish(settings: LaunchSettings, outcome) -> int:
             click.echo(f"plot: {path}", err=True)
     elif settings.plots:
         click.echo("plots: none (the run ended before the first progress sample)", err=True)
-    if settings.data_dir:
+    if settings.data_dir or outcome.data_dir_kept:
         click.echo(f"results: {outcome.results_dir}", err=True)
     if outcome.why not in ("completed", "interrupted"):
         click.echo(f"launch failed: {outcome.why}", err=True)
-    elif outcome.why == "completed" and not report.get("accounting_ok", False):
+    unfinished = report.get("items_unfinished") or 0
+    if unfinished and report.get("store_kept"):
+        kept = "kept (the temporary data directory stays for them)" if outcome.data_dir_kept else "kept"
+        click.echo(f"launch: {unfinished:,} unfinished items are {kept} in {outcome.data_dir}; "
+                   f"`pipeline launch --data-dir {outcome.data_dir}` completes them", err=True)
+    if report.get("lost"):
+        click.echo(f"launch: {report['lost']:,} items are lost (e.g. item ids {report['lost_examples'][:5]})",
+                   err=True)
+        return 1
+    if outcome.why == "completed" and not report.get("accounting_ok", False):
         click.echo("launch: the accounting does not balance (see the report)", err=True)
         return 1
     return outcome.exit_code

@@ -16,6 +16,7 @@ so a reader maps them as a numpy int32 array without copying.
 from __future__ import annotations
 
 import os
+import re
 import struct
 from dataclasses import dataclass
 from typing import NewType
@@ -23,8 +24,8 @@ from typing import NewType
 import numpy as np
 import xxhash
 
-from pipeline.errors import FrameError
-from shm.layout import checked_dtype, struct_for
+from pipeline.errors import FrameError, SegmentNameError
+from shm.layout import checked_dtype, field_offset, struct_for
 
 ItemId = NewType("ItemId", int)
 ProducerId = NewType("ProducerId", int)
@@ -224,8 +225,12 @@ ENTRY_NONE = 0  # preallocated space: the end of the data
 #    72     8  entry_count        entries written, as of the last header update
 #    80     8  data_end           end of the last whole entry, as of the last header update
 #    88     8  deleted_count      entries tombstoned, written after each tombstone
+#    96     8  boundary_checksum  xxh3-64 of bytes 72..88 (entry_count, data_end), written with
+#                                 them; zero in segments written before it existed (unchecked)
 # Counts in the header are hints kept up to date in place; a recovery scan of the entries is
-# authoritative and repairs them (a crash between a tombstone and its count, SPEC §5).
+# authoritative and repairs them (a crash between a tombstone and its count, SPEC §5). The
+# (entry_count, data_end) pair is also the commit boundary that tells damage from a torn
+# tail, so it carries a checksum: a flipped bit there must not turn damage into a torn tail.
 SEGMENT_HEADER_DTYPE = checked_dtype(
     [
         ("magic", 0, "|S8", "b'SBSEGMT1'"),
@@ -241,6 +246,7 @@ SEGMENT_HEADER_DTYPE = checked_dtype(
         ("entry_count", 72, "<u8", "entries written"),
         ("data_end", 80, "<u8", "end of whole entries"),
         ("deleted_count", 88, "<u8", "entries tombstoned"),
+        ("boundary_checksum", 96, "<u8", "xxh3 of bytes 72..88"),
     ],
     itemsize=128,
 )
@@ -293,15 +299,141 @@ def entry_checksum(buf, offset: int, end: int, length: int) -> int:
 
 # Where segments live under a data directory (the whole tree is documented in
 # pipeline.broker.storage.paths): names sort by model, shape, lane and sequence.
+#
+#     SEGMENTS_DIR/m{model:05d}/s{signature:016x}/l{lane:04d}-{segment_seq:010d}.seg
+#
+# This is the one definition of the names: `segment_relpath` formats them and the `parse_*`
+# functions below read them back, and the limits are what the fixed-width fields hold. A key
+# past its limit would make a name the parser does not read back (m123456), and its items
+# would be stored and then skipped at restart: so every limit is checked where a segment is
+# named (`segment_relpath` raises SegmentNameError) and exported for the edges (producers,
+# registration, configuration) to check first.
 SEGMENTS_DIR = "segments"
 SEGMENT_SUFFIX = ".seg"
+MODEL_ID_DIGITS = 5
+LANE_ID_DIGITS = 4
+SEGMENT_SEQ_DIGITS = 10
+SIGNATURE_HEX_DIGITS = 16
+# Model ids a model directory name holds: m00000 .. m99999. Every `max_models` setting
+# (producer limits, the broker's configuration) is at most this.
+MODEL_ID_LIMIT = 10**MODEL_ID_DIGITS
+# Model ids index per-model broker state; one node serves a handful, 1,024 leaves room. The
+# default of both the producer's and the broker's `max_models`.
+DEFAULT_MAX_MODELS = 1024
+# Lane ids (per shape) a segment file name holds: l0000 .. l9999 (LaneConfig.max_lanes).
+LANE_ID_LIMIT = 10**LANE_ID_DIGITS
+# Segment sequences per lane a file name holds: 10 billion rotations, never reached.
+SEGMENT_SEQ_LIMIT = 10**SEGMENT_SEQ_DIGITS
+# Signatures are unsigned 64-bit: 16 hex digits always hold them.
+SIGNATURE_LIMIT = 16**SIGNATURE_HEX_DIGITS
+
+_MODEL_DIR_RE = re.compile(rf"^m(\d{{{MODEL_ID_DIGITS}}})$")
+_SHAPE_DIR_RE = re.compile(rf"^s([0-9a-f]{{{SIGNATURE_HEX_DIGITS}}})$")
+_SEGMENT_FILE_RE = re.compile(rf"^l(\d{{{LANE_ID_DIGITS}}})-(\d{{{SEGMENT_SEQ_DIGITS}}}){re.escape(SEGMENT_SUFFIX)}$")
+
+
+def check_segment_keys(model: int, signature: int, lane: int, segment_seq: int) -> None:
+    """SegmentNameError unless every key fits its field of the segment file names."""
+    for what, value, limit in (("model id", model, MODEL_ID_LIMIT), ("lane id", lane, LANE_ID_LIMIT),
+                               ("segment sequence", segment_seq, SEGMENT_SEQ_LIMIT),
+                               ("signature", signature, SIGNATURE_LIMIT)):
+        if not 0 <= value < limit:
+            raise SegmentNameError(
+                f"{what} {value} does not fit a segment file name: {what}s are 0 .. {limit - 1} "
+                f"({SEGMENTS_DIR}/m{{model:05d}}/s{{signature:016x}}/l{{lane:04d}}-{{seq:010d}}{SEGMENT_SUFFIX})"
+            )
 
 
 def segment_relpath(model: int, signature: int, lane: int, segment_seq: int) -> str:
-    """A segment's path below SEGMENTS_DIR: m{model}/s{signature}/l{lane}-{seq}.seg."""
+    """A segment's path below SEGMENTS_DIR: m{model}/s{signature}/l{lane}-{seq}.seg.
+    SegmentNameError for a key past its limit (see above)."""
+    if not (0 <= model < MODEL_ID_LIMIT and 0 <= lane < LANE_ID_LIMIT and 0 <= segment_seq < SEGMENT_SEQ_LIMIT
+            and 0 <= signature < SIGNATURE_LIMIT):
+        check_segment_keys(model, signature, lane, segment_seq)  # raises, naming the value
     return os.path.join(
         f"m{model:05d}", f"s{signature:016x}", f"l{lane:04d}-{segment_seq:010d}{SEGMENT_SUFFIX}"
     )
+
+
+def parse_model_dir(name: str) -> int | None:
+    """The model id a model directory name holds (m00042 -> 42), or None if it is not one."""
+    match = _MODEL_DIR_RE.match(name)
+    return int(match.group(1)) if match else None
+
+
+def parse_shape_dir(name: str) -> int | None:
+    """The signature a shape directory name holds, or None if it is not one."""
+    match = _SHAPE_DIR_RE.match(name)
+    return int(match.group(1), 16) if match else None
+
+
+def parse_segment_file(name: str) -> tuple[int, int] | None:
+    """(lane id, segment sequence) a segment file name holds, or None if it is not one."""
+    match = _SEGMENT_FILE_RE.match(name)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def parse_segment_relpath(relpath: str) -> tuple[int, int, int, int] | None:
+    """(model, signature, lane, segment_seq) of a path that ends in a segment's three name
+    components (below SEGMENTS_DIR or the quarantine), or None."""
+    parts = os.path.normpath(relpath).split(os.sep)
+    if len(parts) < 3:
+        return None
+    model, signature, name = parse_model_dir(parts[-3]), parse_shape_dir(parts[-2]), parse_segment_file(parts[-1])
+    if model is None or signature is None or name is None:
+        return None
+    return model, signature, name[0], name[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# The segment catalog (DATA_DIR/segments.catalog): what the store holds, so that a segment
+# file that disappears is noticed. One record per segment lifecycle event, never per item;
+# appended in place into preallocated space (zeros past the last record), rewritten whole
+# (compacted) at recovery and when it grows. A record whose checksum fails is damage; one
+# that is the last non-zero record is a torn append and is ignored.
+#   off  size  field        meaning
+#     0     4  magic        b"SBC1"
+#     4     2  version      CATALOG_VERSION
+#     6     2  kind         CATALOG_CREATED / _SEALED / _DELETED / _QUARANTINED / _MISSING
+#     8     4  model        the segment's keys
+#    12     4  lane
+#    16     8  signature
+#    24     8  segment_seq
+#    32     8  entry_count  SEALED: entries in the segment; MISSING: as last known, or
+#                           CATALOG_COUNT_UNKNOWN (it was still open); else zero
+#    40     8  time_ns      wall clock when recorded (time.time_ns)
+#    48     8  reserved     zero
+#    56     8  checksum     xxh3-64 of bytes 0..56
+CATALOG_FILE = "segments.catalog"
+CATALOG_MAGIC = b"SBC1"
+# Bump when a field below moves or changes meaning.
+CATALOG_VERSION = 1
+CATALOG_CREATED = 1  # renamed into place (recorded after the rename)
+CATALOG_SEALED = 2  # no more appends; entry_count is final (recorded before the seal)
+CATALOG_DELETED = 3  # fully tombstoned (recorded before the unlink)
+CATALOG_QUARANTINED = 4  # moved to quarantine/ (recorded before the move)
+CATALOG_MISSING = 5  # a note file in quarantine/: recovery found the segment gone
+CATALOG_KIND_NAMES = {CATALOG_CREATED: "created", CATALOG_SEALED: "sealed", CATALOG_DELETED: "deleted",
+                      CATALOG_QUARANTINED: "quarantined", CATALOG_MISSING: "missing"}
+CATALOG_COUNT_UNKNOWN = (1 << 64) - 1
+CATALOG_RECORD_DTYPE = checked_dtype(
+    [
+        ("magic", 0, "|S4", "b'SBC1'"),
+        ("version", 4, "<u2", "CATALOG_VERSION"),
+        ("kind", 6, "<u2", "lifecycle event"),
+        ("model", 8, "<u4", "model id"),
+        ("lane", 12, "<u4", "lane id"),
+        ("signature", 16, "<u8", "shape"),
+        ("segment_seq", 24, "<u8", "segment sequence"),
+        ("entry_count", 32, "<u8", "entries (sealed, missing)"),
+        ("time_ns", 40, "<u8", "wall clock"),
+        ("checksum", 56, "<u8", "xxh3 of bytes 0..56"),
+    ],
+    itemsize=64,
+)
+CATALOG_RECORD_SIZE_BYTES = CATALOG_RECORD_DTYPE.itemsize
+CATALOG_CHECKSUM_FROM = field_offset(CATALOG_RECORD_DTYPE, "checksum")
+CATALOG_RECORD_STRUCT = struct_for(CATALOG_RECORD_DTYPE)
 
 
 def entry_size_bytes(length: int, payload_len: int) -> int:

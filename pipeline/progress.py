@@ -31,6 +31,7 @@ from rich import box
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 from pipeline.report import (
     cache_hit_rate,
@@ -58,6 +59,9 @@ RATE_WINDOW_LIMIT_SAMPLES = 1024
 # A plain log line this often when the output is not a terminal: a log file of an hour-long
 # run stays ~700 lines, and a hung run still shows within seconds.
 LOG_INTERVAL_S = 5.0
+# Shown while the broker's disk is full: nothing is lost, but nothing new is stored either.
+DISK_FULL_ALERT = ("DISK FULL: the broker stores nothing new until space comes back; submitted items wait "
+                   "in the producer rings (nothing is lost)")
 
 @dataclass(slots=True)
 class TokenTotals:
@@ -129,6 +133,7 @@ class Sample(FlowCounters):
     switches: int
     consumers: dict[str, ConsumerSample]
     queued_tokens_by_shape: dict[str, int]  # "model:signature" of the top shapes, and "other"
+    disk_full: bool = False  # the broker's disk is full: ingest paused (backpressure)
 
 
 def sample_from_status(status: dict, index: int, now_s: float) -> Sample:
@@ -151,7 +156,7 @@ def sample_from_status(status: dict, index: int, now_s: float) -> Sample:
         backlog_items=status.get("backlog_items", 0), backlog_tokens=status.get("backlog_tokens", 0),
         pending_items=status.get("pending_items", 0), lanes_in_use=status.get("lanes_in_use", 0),
         shapes=status.get("shapes", 0), switches=sum(status.get("switches", {}).values()),
-        consumers=consumers, queued_tokens_by_shape=shapes)
+        consumers=consumers, queued_tokens_by_shape=shapes, disk_full=bool(status.get("disk_full", False)))
 
 
 def interval_totals(before: Sample, after: Sample) -> TokenTotals:
@@ -219,6 +224,7 @@ class ProgressView(FlowCounters):
     cache_hit_rate_recent: float | None  # over the rate window
     consumers_connected: int
     consumers_known: int
+    alert: str = ""  # what the user must know now (a full disk), "" when all is well
 
 
 class ProgressTracker:
@@ -310,7 +316,7 @@ class ProgressTracker:
             padding_efficiency=cumulative.padding_efficiency, cache_hit_rate=cumulative.cache_hit_rate,
             padding_efficiency_recent=recent.padding_efficiency, cache_hit_rate_recent=recent.cache_hit_rate,
             consumers_connected=sum(row.connected for row in last.consumers.values()),
-            consumers_known=len(last.consumers))
+            consumers_known=len(last.consumers), alert=DISK_FULL_ALERT if last.disk_full else "")
 
     def check_invariants(self) -> None:
         """Assert the history's bound and spacing and the window's span. O(history)."""
@@ -376,6 +382,7 @@ def format_view_line(view: ProgressView) -> str:
         f"shapes {view.shapes} lanes {view.lanes_in_use} switches {view.shape_switches} | "
         f"cache hit {format_percent(view.cache_hit_rate)} padding {format_percent(view.padding_efficiency)} | "
         f"consumers {view.consumers_connected}/{view.consumers_known}"
+        + (f" | {view.alert}" if view.alert else "")
     )
 
 
@@ -400,6 +407,8 @@ def progress_table(view: ProgressView) -> RenderableType:
     grid.add_row("padding efficiency", f"{format_percent(view.padding_efficiency)} (recent "
                  f"{format_percent(view.padding_efficiency_recent)})", "consumers",
                  f"{view.consumers_connected} connected / {view.consumers_known}")
+    if view.alert:
+        return Group(flow, grid, Text(view.alert, style="bold red"))
     return Group(flow, grid)
 
 

@@ -11,7 +11,9 @@ data (items, batch descriptors) moves through shared-memory rings, not this sock
 Messages, by sender:
 
     consumer  register_consumer {model, max_batch_items, max_batch_tokens, max_input_len,
-                                 pid, gpu}                    -> registered | error
+                                 pid, gpu, name}              -> registered | error
+                                             name (optional): names its results file, see
+                                             check_consumer_name; one connected consumer a name
               heartbeat {}
               request_work {credit}          how many more batches it can take now
               complete {batch_id, results, credit}
@@ -25,37 +27,71 @@ Messages, by sender:
               producer_ready {ring}          the ring named in the reply now exists
               unregister_producer {}         everything it wrote was published
     anyone    status {}                                      -> status_reply {counters...}
-              dispatched_segments {}                         -> dispatched_segments_reply {paths}
-                                             segment files holding dispatched, unfinished
-                                             entries (what a stopped run's accounting reads)
     broker    registered {consumer_id, descriptor_ring, data_dir, heartbeat_timeout_s}
               registered_producer {producer_id, ring, doorbell, next_seq}
               error {message}                then the broker closes the connection
 
-Every malformed message (bad length, bad JSON, unknown type, a missing or mistyped field)
-raises ProtocolError naming what was wrong; the broker disconnects that peer and keeps
-serving the others (SPEC §8).
+Every malformed message (bad length, bad JSON, JSON nested too deep or with an integer too
+long to parse, unknown type, a missing or mistyped field) raises ProtocolError naming what
+was wrong; the broker disconnects that peer and keeps serving the others (SPEC §8). The
+broker reads requests with a far smaller size limit (MAX_REQUEST_BYTES) than clients read
+its replies with (MAX_MESSAGE_BYTES): requests are a few hundred bytes, a status reply a
+few KiB.
+
+Whom a client talks to: `Connection.connect` checks that the path is a socket owned by this
+user and that the process serving it runs as this user (SO_PEERCRED), and raises
+UntrustedPeerError otherwise; the broker likewise refuses connections of other users.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import select
 import socket
+import stat
 import struct
 import time
 from collections.abc import Iterator
 
-from pipeline.errors import ProtocolError
+from pipeline.errors import ConsumerNameError, ProtocolError, UntrustedPeerError
 
 # The largest message body: a status reply with per-consumer counters is a few KiB; 1 MiB
 # leaves room and still stops a peer from making the broker buffer without bound.
 MAX_MESSAGE_BYTES = 1 << 20
+# The largest request the broker reads: a registration or a completion (the results
+# counters of one batch) is a few hundred bytes. 64 KiB leaves room for engines that report
+# many counters, and keeps what a connection can make the broker buffer small (the broker
+# also caps the sum over connections: pipeline.broker.service MAX_BUFFERED_BYTES).
+MAX_REQUEST_BYTES = 64 << 10
 _LENGTH = struct.Struct("<I")
+# struct ucred of SO_PEERCRED (Linux): pid, uid, gid.
+_UCRED = struct.Struct("3i")
 # Clients reconnect to a broker that went away with this backoff: from 50 ms (a restart is
 # quick), doubling, at most 2 s (a long outage costs no more than a poll every 2 s).
 RECONNECT_FIRST_S = 0.05
 RECONNECT_MAX_S = 2.0
+# A consumer's name names its results file (`results/NAME.jsonl`) and its rows in status:
+# 64 characters are plenty for "host-gpu3-model12" names and keep a path and a table short.
+MAX_CONSUMER_NAME_LENGTH = 64
+# Letters, digits, '.', '_', '-', not starting with '.': never a path separator, never "..",
+# never a hidden file, never a character a shell or a terminal interprets.
+_CONSUMER_NAME_RE = re.compile(r"[A-Za-z0-9_\-][A-Za-z0-9._\-]*")
+
+
+def check_consumer_name(name: str) -> str:
+    """`name` if it can name a results file: 1 to MAX_CONSUMER_NAME_LENGTH letters, digits,
+    '.', '_' or '-', not starting with '.'; else ConsumerNameError naming the value."""
+    if not isinstance(name, str):
+        raise ConsumerNameError(f"consumer name must be a string, got {type(name).__name__} {name!r:.80}")
+    if not 1 <= len(name) <= MAX_CONSUMER_NAME_LENGTH:
+        raise ConsumerNameError(f"consumer name {name!r:.80} has {len(name)} characters; "
+                                f"it must have 1 to {MAX_CONSUMER_NAME_LENGTH}")
+    if _CONSUMER_NAME_RE.fullmatch(name) is None:
+        raise ConsumerNameError(f"consumer name {name!r} must be letters, digits, '.', '_' or '-', "
+                                f"not starting with '.'")
+    return name
 
 # Required fields of each message type and their types (bool is not an int here).
 SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
@@ -69,12 +105,10 @@ SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "producer_ready": {"ring": str},
     "unregister_producer": {},
     "status": {},
-    "dispatched_segments": {},
     "registered": {"consumer_id": int, "descriptor_ring": str, "data_dir": str,
                    "heartbeat_timeout_s": (int, float)},
     "registered_producer": {"producer_id": int, "ring": str, "doorbell": str, "next_seq": int},
     "status_reply": {"counters": dict},
-    "dispatched_segments_reply": {"paths": list},
     "error": {"message": str},
 }
 
@@ -99,8 +133,16 @@ def validate(message: object) -> dict:
     for name, expected in schema.items():
         value = message.get(name)
         if value is None or isinstance(value, bool) or not isinstance(value, expected):
-            raise ProtocolError(f"{kind}: field {name!r} must be {_type_name(expected)}, got {value!r:.80}")
+            raise ProtocolError(f"{kind}: field {name!r} must be {_type_name(expected)}, got {_describe(value)}")
     return message
+
+
+def _describe(value: object) -> str:
+    """A short account of a value for an error message; never a repr of a container, which
+    recurses as deep as a hostile peer nested it."""
+    if isinstance(value, (list, dict)):
+        return f"a JSON {'array' if isinstance(value, list) else 'object'} of {len(value)} elements"
+    return f"{value!r:.80}"
 
 
 def _type_name(expected: type | tuple[type, ...]) -> str:
@@ -111,35 +153,51 @@ def _type_name(expected: type | tuple[type, ...]) -> str:
 
 class MessageReader:
     """Incremental decoder for one connection: feed it bytes as they arrive, take whole
-    messages out. Owner: whoever owns the connection. Not thread-safe.
+    messages out. `max_message_bytes`: the largest body it takes (the broker reads requests
+    with MAX_REQUEST_BYTES, clients read replies with MAX_MESSAGE_BYTES). Owner: whoever
+    owns the connection. Not thread-safe.
 
     Example: feed(b"\\x0b\\x00\\x00\\x00{\\"type\\":") yields nothing; feed(b"...") with the
     rest of the 11-byte body yields one message.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
         self._buffer = bytearray()
+        self.max_message_bytes = max_message_bytes
 
     def feed(self, data: bytes) -> Iterator[dict]:
         self._buffer += data
         while len(self._buffer) >= _LENGTH.size:
             (length,) = _LENGTH.unpack_from(self._buffer, 0)
-            if length > MAX_MESSAGE_BYTES:
-                raise ProtocolError(f"message length {length} exceeds {MAX_MESSAGE_BYTES}")
+            if length > self.max_message_bytes:
+                raise ProtocolError(f"message length {length} exceeds {self.max_message_bytes} bytes")
             end = _LENGTH.size + length
             if len(self._buffer) < end:
                 return
             body = bytes(self._buffer[_LENGTH.size:end])
             del self._buffer[:end]
-            try:
-                message = json.loads(body)
-            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise ProtocolError(f"message body is not JSON: {exc}") from exc
-            yield validate(message)
+            yield validate(_parse_json(body))
 
     @property
     def buffered_bytes(self) -> int:
         return len(self._buffer)
+
+    def release(self) -> None:
+        """Drop whatever partial message is buffered (its connection is gone)."""
+        self._buffer = bytearray()
+
+
+def _parse_json(body: bytes) -> object:
+    """The JSON value of a message body; ProtocolError for anything json.loads refuses:
+    bad JSON or UTF-8 (ValueError), an integer longer than Python parses (ValueError, 4,300
+    digits), or arrays nested deeper than the interpreter's recursion limit (RecursionError:
+    `[` x 50,000 is 50 KB)."""
+    try:
+        return json.loads(body)
+    except RecursionError as exc:
+        raise ProtocolError(f"message body of {len(body)} bytes is nested too deep to parse") from exc
+    except ValueError as exc:
+        raise ProtocolError(f"message body is not JSON: {str(exc):.200}") from exc
 
 
 class Connection:
@@ -156,11 +214,22 @@ class Connection:
 
     @classmethod
     def connect(cls, path: str, timeout_s: float = 5.0) -> Connection:
+        """Connect to the broker's socket at `path`, after checking it is a socket of this
+        user, and check the process that accepted runs as this user: UntrustedPeerError
+        otherwise (another user's socket or process may be posing as the broker). OSError
+        as from connect(2) when there is no socket (FileNotFoundError) or nobody listens."""
+        check_socket_owner(path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout_s)
         try:
-            sock.connect(path)
-        except OSError:
+            _connect_within(sock, path, timeout_s)
+            uid = peer_uid(sock)
+            if uid != os.geteuid():
+                raise UntrustedPeerError(
+                    f"{path}: the process serving this socket runs as uid {uid}, not as you (uid "
+                    f"{os.geteuid()}): it is not your broker; nothing was sent. Stop it, remove {path} "
+                    f"and start your broker again")
+        except BaseException:
             sock.close()
             raise
         return cls(sock)
@@ -216,3 +285,46 @@ class Connection:
 
     def close(self) -> None:
         self.sock.close()
+
+
+# How often a connect retries while the broker's listen backlog is full.
+CONNECT_RETRY_S = 0.01
+
+
+def _connect_within(sock: socket.socket, path: str, timeout_s: float) -> None:
+    """connect(2), waiting up to `timeout_s` while the listener's backlog is full: a Unix
+    socket with a timeout fails at once with EAGAIN then (it never reports EINPROGRESS), so
+    a busy broker would look absent."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            sock.connect(path)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{path}: the broker accepted no connection within {timeout_s} s "
+                                   f"(its backlog stayed full)") from None
+            time.sleep(CONNECT_RETRY_S)
+
+
+def check_socket_owner(path: str) -> None:
+    """UntrustedPeerError unless `path` is a Unix socket owned by this user (lstat: a
+    symbolic link is refused, not followed); FileNotFoundError when nothing is there."""
+    info = os.lstat(path)
+    if not stat.S_ISSOCK(info.st_mode):
+        raise UntrustedPeerError(
+            f"{path} is not a socket (mode {stat.filemode(info.st_mode)}, owner uid {info.st_uid}): "
+            f"it is not a broker's; remove it and start the broker again")
+    if info.st_uid != os.geteuid():
+        raise UntrustedPeerError(
+            f"{path}: the broker socket belongs to uid {info.st_uid}, not to you (uid {os.geteuid()}): "
+            f"another user may be posing as your broker; nothing was sent. Check who owns "
+            f"{os.path.dirname(path) or '.'} and its data directory (ls -ld), remove that socket and "
+            f"start your broker again")
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The uid of the process at the other end of a connected Unix socket (SO_PEERCRED: the
+    kernel's record of who connected or listened, which the peer cannot forge)."""
+    _pid, uid, _gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+    return uid

@@ -3,30 +3,39 @@ status and the consumers' results files (SPEC §7, §9).
 
 Pure functions except `write_report_json`. The launcher calls, at the end of a run:
 
-    report = build_report(broker_status, summarize_results(results_dir), wall_s, expected_items)
+    report = build_report(broker_status, summarize_results(results_dir), wall_s, stock=stock)
     render_report(report)                      # rich tables on the terminal
     write_report_json(report, "report.json")   # the same figures for scripts
 
 Definitions (every figure is an int or a float; a ratio with nothing to divide is None):
 
 - received = items_received + items_recovered (tokens likewise): a restarted broker counts
-  what it found on disk as recovered, not received again.
+  what it found on disk as recovered, not received again (items it stored from rings an
+  earlier run left are received, and also counted in items_adopted).
 - routed counts a redelivery again (an item whose consumer was lost is routed twice).
 - completed is the broker's count over its life.
-- items_unfinished = backlog + pending items in the broker's status (a run stopped early);
-  they are in the store, not lost; items_discarded = the same when the store does not
-  outlive the run (memory tier, temporary data directory): gone with it, by the user's stop.
-- items_unfinished_with_results = unfinished items that already have a result line (their
-  consumer wrote it and died before the completion reached the broker; the launcher reads
-  the unfinished item ids from the store when it stops a run early).
-- lost = received - unfinished - distinct items with a result + unfinished items with a
-  result, or expected_items - distinct items with a result when the launcher knows how many
-  items its producers submitted (that also catches items lost before the broker stored them).
+- items_accepted = items this run's producers put into their rings (by id); items_taken_over
+  = items the broker recovered or adopted from an earlier run on the data directory;
+  items_not_submitted = workload items the producers never submitted (a run stopped early).
+- items_in_store = accepted or taken-over items still live in the store (not completed, no
+  result); items_in_rings = items still in a producer ring, never stored; items_unfinished =
+  the two together. Where the store outlives the run (the disk tier on a data directory
+  that stays) they are kept, and the next launch on it completes them; otherwise they are
+  items_discarded (the memory tier, a temporary data directory): gone with it.
+- lost = accepted items found nowhere (no result, not in the store, not in a ring), plus
+  taken-over items the places do not account for; by id, never negative. lost_examples
+  names up to 10 of them. items_unexpected = items found that nothing accounts for.
+- store_damage = what the broker's recovery found it could not deliver (damaged, missing or
+  truncated entries, quarantined segments), named in its log and by `pipeline tools verify`.
 - duplicates = results lines beyond the first per item (at-least-once delivery, counted).
+- results_bad_lines = lines of the results files that are not results (a line torn by a
+  kill or a full disk, garbage), counted and named in results_bad_line_examples (path:line);
+  results_torn_lines = those that were a file's last line, cut short.
 - items_empty = results with status too_long (answered without running); items_corrupt too.
-- accounting_ok = lost == 0 and received == completed + unfinished in items, and in tokens
-  too once nothing is unfinished; False when the
-  status lacks the broker's counters (`broker_status_missing`: the broker was gone at the end).
+- accounting_ok = lost == 0 and nothing unexpected, and, once nothing is unfinished, the
+  broker's counters balance (received == completed, in items and tokens); None for a live
+  broker (`pipeline status`: nothing is judged before the run ends); False when a finished
+  run's status lacks the broker's counters (`broker_status_missing`).
 - padding_efficiency = real tokens / padded tokens of what the consumers' engines ran (their
   prompt_tokens / padded_tokens summed); the broker's tokens_routed / padded_tokens_routed
   when no consumer reported any (e.g. a broker restarted after the consumers finished).
@@ -55,12 +64,13 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 
 from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from pipeline.accounting import ResultsSummary, reconcile
+from pipeline.accounting import ResultsSummary, Stock, reconcile
 
 # The broker's flow counters; a status without them (the broker was gone at the end: `{}`)
 # reports them as 0 and the accounting as not OK, since nothing can be checked.
@@ -121,14 +131,16 @@ def consumer_figures(broker: dict, results: dict) -> dict:
     }
 
 
-def build_report(status: dict, results: ResultsSummary, wall_s: float, expected_items: int | None = None,
-                 store_kept: bool = True, unfinished_ids: set[int] | None = None) -> dict:
+def build_report(status: dict, results: ResultsSummary, wall_s: float, stock: Stock | None = None,
+                 store_kept: bool = True, not_submitted: int = 0, unreadable_rings: Sequence[str] = ()) -> dict:
     """The run report (definitions in the module docstring) as a JSON-ready dict.
-    `store_kept` False: the store does not outlive the run (the memory tier, a temporary data
-    directory), so unfinished items are discarded with it, and reported so. `unfinished_ids`:
-    the item ids the store held when `status` was taken (see `accounting.reconcile`)."""
+    `stock`: where every item of the run is, by id (`accounting.take_stock`); None for a live
+    broker (`pipeline status`), which nothing is judged on. `store_kept` False: the store
+    does not outlive the run (the memory tier, a temporary data directory), so unfinished
+    items are discarded with it, and reported so. `not_submitted`: workload items the
+    producers never put into their rings (a run stopped early)."""
     missing = not all(key in status for key in FLOW_KEYS)
-    accounted = reconcile(results, dict.fromkeys(FLOW_KEYS, 0) | status, expected_items, unfinished_ids)
+    accounted = reconcile(results, dict.fromkeys(FLOW_KEYS, 0) | status, stock)
     broker_consumers = status.get("per_consumer", {})
     names = sorted(set(broker_consumers) | set(results.per_consumer))
     per_consumer = {name: consumer_figures(broker_consumers.get(name, {}), results.per_consumer.get(name, {}))
@@ -145,11 +157,16 @@ def build_report(status: dict, results: ResultsSummary, wall_s: float, expected_
     lanes = {key: 0 for key in LANE_KEYS} | dict(status.get("lanes", {}))
     return {
         **accounted,
-        "expected_items": expected_items,
+        "items_not_submitted": not_submitted,
         "broker_status_missing": missing,
-        "accounting_ok": _balanced(accounted) and not missing,
+        "accounting_ok": None if stock is None else _balanced(accounted, not_submitted, missing),
         "items_discarded": 0 if store_kept else accounted["items_unfinished"],
+        "store_kept": store_kept,
+        "unreadable_rings": list(unreadable_rings),
+        "store_damage": dict(status.get("store_damage", {})),
         "results_torn_lines": results.torn_lines,
+        "results_bad_lines": results.bad_lines,
+        "results_bad_line_examples": list(results.bad_line_examples),
         "padding_efficiency": padding_efficiency(prompt, padded),
         "mean_batch_fill": ratio(status.get("batch_fill_sum", 0.0), status.get("batches_routed", 0)),
         "batches_routed": status.get("batches_routed", 0),
@@ -170,19 +187,25 @@ def build_report(status: dict, results: ResultsSummary, wall_s: float, expected_
     }
 
 
-def _balanced(accounted: dict) -> bool:
-    """Nothing lost, and everything received completed or still queued (tokens are checked
-    once nothing is queued: the broker counts queued items, not the tokens of pending ones)."""
-    unfinished = accounted["items_unfinished"]
-    return (accounted["lost"] == 0 and accounted["items_received"] == accounted["items_completed"] + unfinished
-            and (unfinished > 0 or accounted["tokens_received"] == accounted["tokens_completed"]))
+def _balanced(accounted: dict, not_submitted: int, status_missing: bool) -> bool:
+    """Nothing lost or unexplained (by id); and, once nothing is unfinished, the broker's
+    counters balance too: everything received was completed, in items and in tokens. A run
+    stopped early is judged by id alone (a broker killed mid-run leaves no final counters)."""
+    if accounted["lost"] or accounted["items_unexpected"]:
+        return False
+    if accounted["items_unfinished"] or not_submitted:
+        return True
+    return (not status_missing and accounted["items_received"] == accounted["items_completed"]
+            and accounted["tokens_received"] == accounted["tokens_completed"])
 
 
 def write_report_json(report: dict, path: str) -> None:
     """Write the report as JSON, atomically: a reader sees the old file or the whole new one."""
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        with open(tmp, "w", encoding="utf-8") as file:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)  # owner-only whatever the umask (SPEC §12)
+        with open(fd, "w", encoding="utf-8") as file:
             json.dump(report, file, indent=2)
             file.write("\n")
             file.flush()
@@ -233,27 +256,44 @@ def _accounting_table(report: dict) -> Table:
     table.add_column("tokens", justify="right")
     for stage in ("received", "routed", "completed"):
         table.add_row(stage, format_count(report[f"items_{stage}"]), format_count(report[f"tokens_{stage}"]))
-    table.add_row("with results", format_count(report["items_with_results"]), "")
-    table.add_row("empty (too long)", format_count(report["items_empty"]), "")
-    table.add_row("corrupt", format_count(report["items_corrupt"]), "")
-    table.add_row("duplicates", format_count(report["duplicates"]), "")
-    if report.get("items_unfinished"):
-        table.add_row("unfinished (queued)", format_count(report["items_unfinished"]), "")
-    if report.get("items_unfinished_with_results"):
-        table.add_row("  of which with results", format_count(report["items_unfinished_with_results"]), "")
+    rows = [("accepted from producers", "items_accepted"), ("taken over from earlier runs", "items_taken_over"),
+            ("with results", "items_with_results"), ("empty (too long)", "items_empty"),
+            ("corrupt", "items_corrupt"), ("duplicates", "duplicates"),
+            ("unfinished, in the store", "items_in_store"), ("unfinished, in producer rings", "items_in_rings"),
+            ("not submitted", "items_not_submitted"), ("discarded with the store", "items_discarded"),
+            ("unexpected", "items_unexpected"), ("results lines that are not results", "results_bad_lines")]
+    always = {"items_with_results", "items_empty", "items_corrupt", "duplicates"}
+    for label, key in rows:
+        if key in always or report.get(key):
+            table.add_row(label, format_count(report[key]), "")
     table.add_row("lost", format_count(report["lost"]), "")
-    if report["accounting_ok"] is None:
-        verdict = "not checked on a live broker (see the run's report)"
-    elif report["broker_status_missing"]:
-        verdict = "[bold red]UNCHECKED (no broker status)[/bold red]"
-    else:
-        verdict = "[green]OK[/green]" if report["accounting_ok"] else "[bold red]MISMATCH[/bold red]"
-        if report["accounting_ok"] and report.get("items_unfinished"):
-            verdict = "[yellow]OK so far (stopped early)[/yellow]"
-        if report["accounting_ok"] and report.get("items_discarded"):
-            verdict = f"[yellow]stopped early: {report['items_discarded']:,} unfinished items discarded[/yellow]"
-    table.add_row("accounting", verdict, "")
+    table.add_row("accounting", accounting_verdict(report), "")
     return table
+
+
+def accounting_verdict(report: dict) -> str:
+    """The accounting in a few words (rich markup): OK, what is left and where, or what is
+    wrong. Never OK while an item is missing."""
+    if report["accounting_ok"] is None:
+        return "not checked on a live broker (see the run's report)"
+    damage = sum(report.get("store_damage", {}).values())
+    if not report["accounting_ok"]:
+        if report["broker_status_missing"] and not report["lost"] and not report.get("items_unexpected"):
+            return "[bold red]UNCHECKED (no broker status)[/bold red]"
+        why = f"{report['lost']:,} lost" if report["lost"] else "the broker's counters do not balance"
+        if report["lost"] and damage:
+            why += " (the broker found damage in the store: see its log and `pipeline tools verify`)"
+        if report.get("items_unexpected"):
+            why += f", {report['items_unexpected']:,} unexpected"
+        return f"[bold red]MISMATCH: {why}[/bold red]"
+    unfinished = report.get("items_unfinished", 0)
+    if report.get("items_discarded"):
+        return "[yellow]stopped early: the unfinished items are discarded with the store[/yellow]"
+    if unfinished:
+        return "[yellow]OK so far (stopped early: the unfinished items are kept)[/yellow]"
+    if report.get("items_not_submitted"):
+        return "[yellow]OK so far (stopped early: some items were never submitted)[/yellow]"
+    return "[green]OK[/green]"
 
 
 def _efficiency_rows(report: dict) -> list[tuple[str, str]]:

@@ -13,19 +13,30 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import click
 
 from pipeline.broker.service import DEFAULT_HEARTBEAT_TIMEOUT_S, BrokerConfig
 from pipeline.consumer.engines import ENGINES
-from pipeline.errors import BadInputError
+from pipeline.errors import BadInputError, PipelineError, ProtocolError
 from pipeline.launch_cli import setup_logging
 from pipeline.runtime import daemon
+from pipeline.runtime.datadir import check_data_dir, prepare_data_dir
 from pipeline.runtime.processes import DURABILITY_LEVELS, STORAGE_KINDS
-from pipeline.runtime.settings import DEFAULT_MAX_BATCH_ITEMS, DEFAULT_MAX_BATCH_TOKENS, DEFAULT_MAX_INPUT_LEN
+from pipeline.runtime.settings import (
+    DEFAULT_MAX_BATCH_ITEMS,
+    DEFAULT_MAX_BATCH_TOKENS,
+    DEFAULT_MAX_INPUT_LEN,
+    MAX_PRODUCER_PROCESSES,
+    check_replay_speed,
+)
 
 # A graceful stop (a batch in hand finished, files closed) gets this long before SIGKILL.
 DEFAULT_STOP_TIMEOUT_S = 30.0
+# While its producers wait for the broker (a full disk, a broker that does not answer),
+# `produce` says so again this often.
+PRODUCE_WAIT_REPORT_S = 30.0
 RESULTS_DIR = "results"
 
 data_dir_option = click.option("--data-dir", required=True, type=click.Path(file_okay=False),
@@ -38,7 +49,7 @@ def _broker_answers(socket_path: str, pid: int | None = None) -> bool:
 
     try:
         answered = broker_status(socket_path, timeout_s=1.0)
-    except (OSError, TimeoutError):
+    except (OSError, TimeoutError, ProtocolError):  # UntrustedPeerError is not "no broker": it says why
         return False
     return pid is None or answered.get("pid") == pid
 
@@ -92,6 +103,7 @@ def broker_start(data_dir: str, storage: str, durability: str, heartbeat_timeout
                  metrics_port: int | None, detach: bool, verbose: bool) -> None:
     """Run the broker until stopped (Ctrl-C or `pipeline broker stop`)."""
     config = BrokerConfig(data_dir, heartbeat_timeout_s=heartbeat_timeout_s)
+    prepare_data_dir(data_dir)  # created owner-only, or refused if another user could change it
     files = _refuse_if_running("broker", data_dir)
     if detach:
         argv = ["broker", "start", "--data-dir", data_dir, "--storage", storage, "--durability", durability,
@@ -148,6 +160,7 @@ def consumer_start(data_dir: str, name: str | None, model: int, max_batch: int, 
 
     if name is None:
         name = f"gpu{gpu}" if gpu is not None else f"cpu-{os.getpid()}"
+    check_data_dir(data_dir)
     config = BrokerConfig(data_dir)
     stage = f"consumer-{name}"
     files = _refuse_if_running(stage, data_dir)
@@ -209,16 +222,22 @@ def consumer_stop(data_dir: str, name: str | None, timeout_s: float) -> None:
 @click.command()
 @click.argument("workload_file", type=click.Path(dir_okay=False, exists=True))
 @data_dir_option
-@click.option("--producers", type=click.IntRange(min=1), default=1, show_default=True, help="Producer processes.")
+@click.option("--producers", type=click.IntRange(min=1, max=MAX_PRODUCER_PROCESSES), default=1, show_default=True,
+              help="Producer processes.")
 @click.option("--items", type=click.IntRange(min=1), help="Submit only the first N items.")
 @click.option("--replay-speed", type=float, help="Honour the file's timestamps, X times faster.")
 def produce(workload_file: str, data_dir: str, producers: int, items: int | None, replay_speed: float | None) -> None:
-    """Submit a workload file to the running broker; exits once all of it is stored."""
+    """Submit a workload file to the running broker; exits once all of it is stored. While
+    the broker cannot store (its disk is full, it is stopped or restarting) the items wait
+    in the producer rings, and this command waits and says so; Ctrl-C stops submitting (exit
+    130) and says how many items are stored and how many wait in the rings, which the
+    broker stores once it can: nothing submitted is lost."""
     from pipeline.producer.workload import load_workload
     from pipeline.runtime.launcher import feed_processes
-    from pipeline.runtime.local import broker_status
 
+    check_data_dir(data_dir)
     config = BrokerConfig(data_dir)
+    check_replay_speed(replay_speed)
     if not _broker_answers(config.socket_path):
         raise click.ClickException(f"no broker answers on {config.socket_path}: start one first")
     try:
@@ -227,16 +246,65 @@ def produce(workload_file: str, data_dir: str, producers: int, items: int | None
         raise click.ClickException(str(exc)) from exc
     if items:
         workload = workload.head(items)
-    before = broker_status(config.socket_path)["items_received"]
-    outcome = feed_processes(config.socket_path, workload, producers, replay_speed)
+    watch = _StoreWatch(config.socket_path)
+    outcome = feed_processes(config.socket_path, workload, producers, replay_speed, on_wait=watch.check,
+                             on_stopping=lambda: click.echo(
+                                 "produce: stopping: the producers hand over what they submitted once the broker "
+                                 "has stored it; Ctrl-C again leaves the rest in the producer rings, where the "
+                                 f"broker on {data_dir} stores it later", err=True))
+    left = _unstored_items(data_dir, outcome.producer_ids)
+    stored = outcome.published - left
+    where = (f"; {left:,} wait in the producer rings, and the broker on {data_dir} stores them once it can "
+             f"(nothing is lost)" if left else "")
     if outcome.failed:
-        raise click.ClickException(f"{outcome.failed} of {producers} producers failed (see the messages above)")
+        raise click.ClickException(f"{outcome.failed} of {producers} producers failed (see the messages above): "
+                                   f"{stored:,} of {len(workload):,} items stored{where}")
     if outcome.interrupted:
-        # The broker's count is the truth of what was stored (another producer may add to it).
-        stored = broker_status(config.socket_path)["items_received"] - before
-        click.echo(f"interrupted: about {stored} of {len(workload)} items stored (the broker's count)", err=True)
+        click.echo(f"interrupted: {stored:,} of {len(workload):,} items stored{where}", err=True)
         sys.exit(130)
     click.echo(f"submitted {len(workload)} items, {workload.total_tokens} tokens: all stored")
+
+
+class _StoreWatch:
+    """What `produce` says while its producers wait for the broker: a full disk, a broker that
+    does not answer, and when it stores again. Owner: the produce command's main thread."""
+
+    def __init__(self, socket_path: str) -> None:
+        self.socket_path = socket_path
+        self.state = "storing"
+        self.said_s = 0.0
+
+    def check(self, published: int) -> None:
+        from pipeline.runtime.local import broker_status
+
+        try:
+            state = "disk full" if broker_status(self.socket_path, timeout_s=1.0)["disk_full"] else "storing"
+        except (OSError, TimeoutError, PipelineError):
+            state = "not answering"
+        now_s = time.monotonic()
+        if state == self.state and (state == "storing" or now_s - self.said_s < PRODUCE_WAIT_REPORT_S):
+            return
+        self.state, self.said_s = state, now_s
+        if state == "disk full":
+            click.echo(f"produce: the broker's disk is full; {published:,} items submitted so far, the rest of "
+                       f"what is submitted waits in the producer rings until space comes back (Ctrl-C stops "
+                       f"submitting; nothing submitted is lost)", err=True)
+        elif state == "not answering":
+            click.echo(f"produce: the broker does not answer on {self.socket_path}; submitted items wait in the "
+                       f"producer rings until a broker runs on this data directory", err=True)
+        else:
+            click.echo("produce: the broker stores again", err=True)
+
+
+def _unstored_items(data_dir: str, producer_ids: list[int]) -> int:
+    """Items the producers' rings still hold unreleased (rings left behind: a producer that
+    was killed, or stopped before the broker stored everything)."""
+    from pipeline.broker.peers import namespace_for, producer_ring_name
+    from pipeline.runtime.inventory import producer_ring_names, ring_stock
+
+    namespace = namespace_for(data_dir)
+    ours = {producer_ring_name(namespace, producer_id) for producer_id in producer_ids}
+    return int(ring_stock(name for name in producer_ring_names(data_dir) if name in ours).item_ids.size)
 
 
 @click.command()
@@ -250,10 +318,11 @@ def status(data_dir: str, as_json: bool, results_dir: str | None) -> None:
     from pipeline.report import build_report, render_report
     from pipeline.runtime.local import broker_status
 
+    check_data_dir(data_dir)
     config = BrokerConfig(data_dir)
     try:
         counters = broker_status(config.socket_path)
-    except (OSError, TimeoutError) as exc:
+    except (OSError, TimeoutError, ProtocolError) as exc:
         raise click.ClickException(f"no broker answers on {config.socket_path} ({exc})") from exc
     results = summarize_results(results_dir or os.path.join(data_dir, RESULTS_DIR))
     report = build_report(counters, results, counters["uptime_s"])

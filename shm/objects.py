@@ -76,15 +76,55 @@ def attach_shared_memory(name: str) -> tuple[mmap.mmap, int]:
 
 
 def open_semaphore(name: str, create: bool) -> posix_ipc.Semaphore:
-    """Create (exclusive) or open a named semaphore, owner-only."""
+    """Create (exclusive) or open a named semaphore, owner-only. An existing one is opened
+    only if it is ours and owner-only, as `attach_shared_memory` checks shared memory: one
+    another user created under our name (/dev/shm is writable by everyone) could be posted
+    or waited on by that user, so it is refused (StaleObjectError), never used."""
     check_name(name)
     try:
         if create:
             return posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=OWNER_ONLY_MODE, initial_value=0)
-        return posix_ipc.Semaphore(name)
+        before = _check_semaphore_file(name)
+        sem = posix_ipc.Semaphore(name)
     except posix_ipc.ExistentialError as exc:
         kind = ObjectExistsError if create else ObjectMissingError
         raise kind(f"semaphore {name}: {exc}") from exc
+    # /dev/shm is sticky, so nobody else can replace our file; unless we (or root) unlinked
+    # and someone recreated it between the check and the open. Checked again: same file.
+    try:
+        after = _check_semaphore_file(name)
+    except ShmError:
+        sem.close()
+        raise
+    if (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino):
+        sem.close()
+        raise StaleObjectError(f"semaphore {name} was replaced while it was being opened")
+    return sem
+
+
+def semaphore_path(name: str) -> str:
+    """Where Linux keeps a named semaphore: /dev/shm/sem.NAME (without the leading '/')."""
+    return f"/dev/shm/sem.{name.lstrip('/')}"
+
+
+def _check_semaphore_file(name: str) -> os.stat_result:
+    """The semaphore's file, if it is a regular file of ours that nobody else may open."""
+    path = semaphore_path(name)
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError as exc:
+        raise ObjectMissingError(f"semaphore {name} does not exist (no {path})") from exc
+    if not stat.S_ISREG(info.st_mode):
+        raise StaleObjectError(f"semaphore {name}: {path} is not a regular file ({stat.filemode(info.st_mode)})")
+    if info.st_uid != os.geteuid():
+        raise StaleObjectError(
+            f"semaphore {name} ({path}) belongs to uid {info.st_uid}, not to you (uid {os.geteuid()}): "
+            f"another user created it under this name; remove it (as that user or root: rm {path})")
+    if stat.S_IMODE(info.st_mode) & 0o077:
+        raise StaleObjectError(
+            f"semaphore {name} ({path}) has mode {oct(stat.S_IMODE(info.st_mode))}, not owner-only: "
+            f"others may use it; remove it (rm {path})")
+    return info
 
 
 def unlink_quietly(shm_names: list[str], sem_names: list[str]) -> list[str]:
@@ -107,7 +147,7 @@ def unlink_quietly(shm_names: list[str], sem_names: list[str]) -> list[str]:
 
 def semaphore_mode(name: str) -> int:
     """Permission bits of a named semaphore (Linux keeps them in /dev/shm/sem.NAME)."""
-    path = f"/dev/shm/sem.{name.lstrip('/')}"
+    path = semaphore_path(name)
     try:
         return stat.S_IMODE(os.stat(path).st_mode)
     except FileNotFoundError as exc:

@@ -140,6 +140,8 @@ _INIT = struct_for(
     ["magic", "layout_version", "header_size", "capacity", "creator_pid", "record_align", "created_ns"],
 )
 _RECORD = struct_for(RECORD_HEADER_DTYPE)
+# Both positions in one read, for `unreleased_records` (nobody writes them then).
+_POSITIONS = struct_for(RING_HEADER_DTYPE, ["write_pos", "read_pos"])
 # The position and flag words are shared between processes while both run, so each is
 # stored and loaded as one aligned access, through memoryviews cast to 'Q' and 'I' (an
 # item assignment there is one memcpy of the item's size: one 8-byte move on x86-64).
@@ -399,6 +401,50 @@ class SharedRing:
     def unlink_leftover(name: str) -> list[str]:
         """Remove a reported leftover ring's objects by name; returns what was there."""
         return unlink_quietly([name], list(_sem_names(name)))
+
+
+def unreleased_records(name: str) -> list[bytes]:
+    """The bodies of the records a ring holds that its reader has not released, in order,
+    read without changing anything: no position, flag or pid is written and no semaphore
+    is opened. For whoever takes stock of a stopped run (nobody reads or writes the ring
+    any more): what a crashed reader left unstored. StaleObjectError if the object is not
+    one of our rings or a record does not follow the layout; ObjectMissingError if it is
+    gone. Each body is a copy: the mapping is closed before this returns."""
+    mapping, _ = attach_shared_memory(name)
+    try:
+        if len(mapping) < HEADER_SIZE_BYTES:
+            raise StaleObjectError(f"ring {name}: object of {len(mapping)} bytes is smaller than a ring header")
+        magic, version, header_size, capacity = _IDENTITY.unpack_from(mapping, 0)
+        if magic != RING_MAGIC or version != RING_LAYOUT_VERSION or header_size != HEADER_SIZE_BYTES \
+                or capacity & (capacity - 1) or header_size + capacity != len(mapping):
+            raise StaleObjectError(f"ring {name}: magic {magic!r}, version {version}, header size "
+                                   f"{header_size}, capacity {capacity}: not a ring of this layout")
+        write_pos, read_pos = _POSITIONS.unpack_from(mapping, _OFF_WRITE_POS)
+        return _walk_records(name, memoryview(mapping)[HEADER_SIZE_BYTES:], capacity, read_pos, write_pos)
+    finally:
+        mapping.close()
+
+
+def _walk_records(name: str, data: memoryview, capacity: int, pos: int, end_pos: int) -> list[bytes]:
+    """Copies of the bodies of the records in [pos, end_pos) of a ring's data region."""
+    bodies = []
+    try:
+        while pos < end_pos:
+            offset = pos & (capacity - 1)
+            body_size, kind, own = _RECORD.unpack_from(data, offset)
+            if kind == RECORD_WRAP and own == pos:
+                pos += capacity - offset
+                continue
+            end = pos + RECORD_HEADER_SIZE_BYTES + align_up(body_size)
+            if kind != RECORD_DATA or own != pos or end > end_pos:
+                raise StaleObjectError(f"ring {name}: record at position {pos} has kind {kind}, size "
+                                       f"{body_size}, own position {own}; write_pos {end_pos}")
+            start = offset + RECORD_HEADER_SIZE_BYTES
+            bodies.append(bytes(data[start:start + body_size]))
+            pos = end
+    finally:
+        data.release()
+    return bodies
 
 
 class RingWriter(SharedRing):

@@ -11,7 +11,9 @@ import os
 import pytest
 from rich.console import Console
 
-from pipeline.accounting import summarize_results
+import numpy as np
+
+from pipeline.accounting import summarize_results, take_stock
 from pipeline.report import (
     build_report,
     format_compact,
@@ -58,8 +60,20 @@ def sample_results(tmp_path, skip: frozenset[int] = frozenset(), extra_c0: tuple
         "c1": lines(range(C1_ITEMS)), "c0": lines(range(C1_ITEMS, ALL_ITEMS)) + [line(i) for i in extra_c0]}))
 
 
+def stock_of(results, published: int = ALL_ITEMS, store=(), rings=(), taken_over: int = 0):
+    """The stock of a run whose one producer (id 0: item ids 0, 1, ...) published `published`
+    items and whose results are `results`."""
+    ids = np.fromiter(results.item_ids, dtype=np.uint64)
+    return take_stock([(0, published)], ids, np.array(store, dtype=np.uint64), np.array(rings, dtype=np.uint64),
+                      taken_over)
+
+
+def report_of(status, results, wall_s: float, **stock) -> dict:
+    return build_report(status, results, wall_s=wall_s, stock=stock_of(results, **stock))
+
+
 def test_report_from_the_sample_run(tmp_path):
-    report = build_report(SAMPLE_STATUS, sample_results(tmp_path), wall_s=2.0)
+    report = report_of(SAMPLE_STATUS, sample_results(tmp_path), wall_s=2.0)
     assert REQUIRED_KEYS <= report.keys()
     for name in ("c0", "c1"):
         assert CONSUMER_KEYS <= report["per_consumer"][name].keys()
@@ -92,7 +106,7 @@ def test_report_from_the_sample_run(tmp_path):
 def test_cache_hits_beyond_the_prefix_do_not_count_in_the_rate(tmp_path):
     status = copy.deepcopy(SAMPLE_STATUS)
     status["per_consumer"]["c0"].update(cache_hit_tokens=250000, cacheable_hit_tokens=200000)
-    report = build_report(status, sample_results(tmp_path), wall_s=1.0)
+    report = report_of(status, sample_results(tmp_path), wall_s=1.0)
     assert report["cache_hit_tokens"] == 218496 + 200000
     assert report["cache_hit_tokens_all"] == 218496 + 250000
     assert report["cache_hit_rate"] == pytest.approx((218496 + 200000) / (461232 - 4640))
@@ -100,23 +114,40 @@ def test_cache_hits_beyond_the_prefix_do_not_count_in_the_rate(tmp_path):
 
 
 def test_missing_results_are_lost(tmp_path):
-    report = build_report(SAMPLE_STATUS, sample_results(tmp_path, skip=frozenset({5, 2500, 3999})), wall_s=1.0)
-    assert report["lost"] == 3
+    report = report_of(SAMPLE_STATUS, sample_results(tmp_path, skip=frozenset({5, 2500, 3999})), wall_s=1.0)
+    assert report["lost"] == 3 and report["lost_examples"] == [5, 2500, 3999]
     assert report["items_with_results"] == 3997
     assert report["accounting_ok"] is False
     assert report["per_consumer"]["c0"]["items"] == 2072 - 2
 
 
-def test_expected_items_counts_what_never_reached_the_broker(tmp_path):
-    report = build_report(SAMPLE_STATUS, sample_results(tmp_path), wall_s=1.0, expected_items=4005)
-    assert report["lost"] == 5
-    assert report["expected_items"] == 4005
+def test_accepted_items_that_never_reached_the_broker_are_lost(tmp_path):
+    report = report_of(SAMPLE_STATUS, sample_results(tmp_path), wall_s=1.0, published=4005)
+    assert report["lost"] == 5 and report["lost_examples"] == [4000, 4001, 4002, 4003, 4004]
+    assert report["items_accepted"] == 4005
     assert report["accounting_ok"] is False
+
+
+def test_a_stopped_run_is_judged_by_where_its_items_are(tmp_path):
+    """Stopped early: some items have results, some are in the store, some in a ring; one
+    in the store also has a result (its consumer died before the completion arrived) and
+    counts once. Nothing is lost, and the verdict says what is kept."""
+    results = sample_results(tmp_path, skip=frozenset(range(3000, 4000)))
+    report = report_of(SAMPLE_STATUS, results, wall_s=1.0, published=4500, store=range(2999, 3600),
+                       rings=range(3600, 4500))
+    assert (report["items_in_store"], report["items_in_rings"], report["items_unfinished"]) == (600, 900, 1500)
+    assert report["lost"] == 0 and report["accounting_ok"] is True
+    out = io.StringIO()
+    render_report(report, Console(file=out, width=120))
+    assert "stopped early" in out.getvalue() and "MISMATCH" not in out.getvalue()
+    discarded = build_report(SAMPLE_STATUS, results, 1.0, stock=stock_of(results, 4500, range(2999, 3600),
+                                                                          range(3600, 4500)), store_kept=False)
+    assert discarded["items_discarded"] == 1500 and discarded["accounting_ok"] is True
 
 
 def test_duplicates_and_empty_items(tmp_path):
     results = sample_results(tmp_path, extra_c0=(7, 3000), too_long=frozenset({10, 11}))
-    report = build_report(SAMPLE_STATUS, results, wall_s=1.0)
+    report = report_of(SAMPLE_STATUS, results, wall_s=1.0)
     assert report["duplicates"] == 2
     assert report["lost"] == 0
     assert report["items_empty"] == 2
@@ -127,13 +158,13 @@ def test_duplicates_and_empty_items(tmp_path):
 def test_completed_short_of_received_is_not_ok(tmp_path):
     status = copy.deepcopy(SAMPLE_STATUS)
     status["tokens_completed"] -= 1
-    assert build_report(status, sample_results(tmp_path), wall_s=1.0)["accounting_ok"] is False
+    assert report_of(status, sample_results(tmp_path), wall_s=1.0)["accounting_ok"] is False
 
 
 def test_recovered_items_count_as_received(tmp_path):
     status = copy.deepcopy(SAMPLE_STATUS)
     status.update(items_received=3000, tokens_received=1000000, items_recovered=1000, tokens_recovered=580568)
-    report = build_report(status, sample_results(tmp_path), wall_s=1.0)
+    report = report_of(status, sample_results(tmp_path), wall_s=1.0)
     assert (report["items_received"], report["tokens_received"]) == (4000, 1580568)
     assert report["accounting_ok"] is True
 
@@ -141,7 +172,7 @@ def test_recovered_items_count_as_received(tmp_path):
 def test_nothing_cacheable_and_no_consumer_totals(tmp_path):
     status = copy.deepcopy(SAMPLE_STATUS)
     status["per_consumer"] = {}  # e.g. a broker restarted after the consumers finished
-    report = build_report(status, sample_results(tmp_path), wall_s=0.0)
+    report = report_of(status, sample_results(tmp_path), wall_s=0.0)
     assert report["cache_hit_rate"] is None
     assert report["cacheable_tokens"] == 0
     # Padding falls back to what the broker routed.
@@ -156,7 +187,7 @@ def test_nothing_cacheable_and_no_consumer_totals(tmp_path):
 def test_empty_run(tmp_path):
     status = {key: 0 for key in ("items_received", "tokens_received", "items_routed", "tokens_routed",
                                  "items_completed", "tokens_completed")}
-    report = build_report(status, summarize_results(str(tmp_path / "none")), wall_s=1.0)
+    report = report_of(status, summarize_results(str(tmp_path / "none")), wall_s=1.0, published=0)
     assert report["accounting_ok"] is True
     assert (report["padding_efficiency"], report["mean_batch_fill"], report["cache_hit_rate"]) == (None, None, None)
     assert report["per_consumer"] == {} and report["shape_switches"] == 0
@@ -166,7 +197,7 @@ def test_empty_run(tmp_path):
 def test_without_a_broker_status_nothing_is_checked(tmp_path):
     """The launcher passes {} when the broker was gone at the end: the results files still
     show, and the accounting is not claimed to balance."""
-    report = build_report({}, sample_results(tmp_path), wall_s=1.0, expected_items=4000)
+    report = report_of({}, sample_results(tmp_path), wall_s=1.0)
     assert report["broker_status_missing"] is True
     assert report["accounting_ok"] is False
     assert (report["items_received"], report["items_with_results"], report["lost"]) == (0, 4000, 0)
@@ -177,7 +208,7 @@ def test_without_a_broker_status_nothing_is_checked(tmp_path):
 
 
 def test_json_round_trip(tmp_path):
-    report = build_report(SAMPLE_STATUS, sample_results(tmp_path), wall_s=2.0)
+    report = report_of(SAMPLE_STATUS, sample_results(tmp_path), wall_s=2.0)
     path = tmp_path / "report.json"
     write_report_json(report, str(path))
     assert json.loads(path.read_text()) == report
@@ -189,7 +220,7 @@ def test_json_round_trip(tmp_path):
 
 
 def test_render_shows_the_key_figures(tmp_path):
-    report = build_report(SAMPLE_STATUS, sample_results(tmp_path), wall_s=2.0)
+    report = report_of(SAMPLE_STATUS, sample_results(tmp_path), wall_s=2.0)
     out = io.StringIO()
     render_report(report, Console(file=out, width=120))
     text = out.getvalue()
@@ -201,7 +232,7 @@ def test_render_shows_the_key_figures(tmp_path):
 
 
 def test_render_flags_a_mismatch(tmp_path):
-    report = build_report(SAMPLE_STATUS, sample_results(tmp_path, skip=frozenset({1})), wall_s=1.0)
+    report = report_of(SAMPLE_STATUS, sample_results(tmp_path, skip=frozenset({1})), wall_s=1.0)
     out = io.StringIO()
     render_report(report, Console(file=out, width=120))
     assert "MISMATCH" in out.getvalue()

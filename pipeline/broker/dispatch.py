@@ -55,8 +55,8 @@ from pipeline.broker.packing import Contract, batch_items_limit, pack
 from pipeline.broker.pending import Completion
 from pipeline.broker.selection import AGE_RESOLUTION_NS, ShapeSelector
 from pipeline.broker.storage.base import AppendGroup, Peeked, StorageTier
-from pipeline.errors import DiskFullError, ItemTooLongError
-from pipeline.layouts import Frame, ProducerId
+from pipeline.errors import DiskFullError, ItemTooLongError, ModelIdError
+from pipeline.layouts import DEFAULT_MAX_MODELS, MODEL_ID_LIMIT, Frame, ProducerId
 
 # A batch offered only if it is full enough (`next_batch(full_only=True)`, for a consumer that
 # holds several already) needs this share of what its contract lets it hold: a lane of 7
@@ -193,8 +193,11 @@ class Dispatcher:
         lane_config: LaneConfig | None = None,
         max_age_s: float | None = None,
         age_resolution_ns: int = AGE_RESOLUTION_NS,
+        max_models: int = DEFAULT_MAX_MODELS,
     ) -> None:
+        assert 1 <= max_models <= MODEL_ID_LIMIT, max_models  # BrokerConfig checks it
         self._storage = storage
+        self._max_models = max_models
         self._lane_config = lane_config if lane_config is not None else LaneConfig()
         self._selector = ShapeSelector(max_age_s, age_resolution_ns)
         self._shapes: dict[ShapeKey, ShapeLanes] = {}
@@ -246,6 +249,10 @@ class Dispatcher:
                 f"producer {frame.producer_id}: item {index} has {int(items['length'][index])} "
                 f"tokens, above the broker's limit of {MAX_LENGTH_TOKENS}"
             )
+        if int(items["model"].max()) >= self._max_models:  # refused, never stored (and skipped at restart)
+            index = int(np.flatnonzero(items["model"] >= self._max_models)[0])
+            raise ModelIdError(f"producer {frame.producer_id}: item {index} is for model "
+                               f"{int(items['model'][index])}; this broker serves models 0..{self._max_models - 1}")
         stored = self._storage.already_stored(ProducerId(frame.producer_id), items["seq"])
         rows = np.flatnonzero(~stored)
         duplicates = len(items) - rows.size

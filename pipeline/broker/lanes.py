@@ -29,6 +29,7 @@ from typing import NewType
 import numpy as np
 
 from pipeline.errors import BadInputError
+from pipeline.layouts import LANE_ID_LIMIT
 
 LaneId = NewType("LaneId", int)
 """A lane's id within its shape. Ids are reused after release (lowest free id first)."""
@@ -129,6 +130,11 @@ class LaneConfig:
                           "quiesce_below_items", "vector_short_run_items")
         _require_at_least(self, 0, float, "threshold_base_fraction", "threshold_rise_fraction",
                           "quiesce_idle_s")
+        if self.max_lanes > LANE_ID_LIMIT:  # lane ids name segment files: l0000 .. l9999
+            raise BadInputError(
+                f"lane config: max_lanes must be <= {LANE_ID_LIMIT} (a lane id is four digits of its "
+                f"segment file names), got {self.max_lanes!r}"
+            )
 
 
 def _parse_measure(name: str) -> WasteMeasure:

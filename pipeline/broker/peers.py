@@ -1,5 +1,6 @@
 """The broker's view of its connected producers and consumers (state only; the loop in
-`pipeline.broker.service` does the I/O).
+`pipeline.broker.service` does the I/O), and the bounds on connections that have not
+registered (`Unregistered`).
 
 Names of shared-memory objects are derived from the data directory, so a broker that
 restarts on the same directory finds the rings its producers kept writing into.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import xxhash
@@ -16,7 +18,7 @@ import xxhash
 from pipeline.broker.dispatch import Batch
 from pipeline.broker.ids import ConsumerId
 from pipeline.broker.packing import Contract
-from pipeline.protocol import MessageReader
+from pipeline.protocol import MAX_REQUEST_BYTES, MessageReader
 from shm.ring import RingReader, RingWriter
 
 
@@ -48,12 +50,69 @@ def consumer_ring_name(namespace: str, consumer_id: int, generation: int) -> str
 
 @dataclass(slots=True)
 class Peer:
-    """One control connection. Owner: the broker loop. Not thread-safe."""
+    """One control connection. Owner: the broker loop. Not thread-safe.
+
+    Times are the broker's monotonic clock, moved forward over the broker's own stalls
+    (`Broker._forgive_stall`): `last_seen_s` is the last bytes read (a consumer's liveness),
+    `last_message_s` the accept or the last whole message (an unregistered peer's idleness:
+    trickling a partial message in does not keep a connection alive)."""
 
     sock: socket.socket
-    reader: MessageReader = field(default_factory=MessageReader)
+    reader: MessageReader = field(default_factory=lambda: MessageReader(MAX_REQUEST_BYTES))
     last_seen_s: float = 0.0
+    last_message_s: float = 0.0
+    buffered_bytes: int = 0  # what the broker counted of `reader`'s partial message
     closed: bool = False
+
+
+class Unregistered:
+    """Connections that have not registered (a status query, a client between its connect
+    and its registration), oldest activity first: the broker times them out and sheds the
+    oldest idle ones when there are too many. Pure state, no I/O; owner: the broker loop.
+    Not thread-safe. Every operation is O(1) but `expired` and `oldest` (O(what they give)).
+    """
+
+    def __init__(self) -> None:
+        self._peers: dict[socket.socket, Peer] = {}  # insertion order = activity order
+
+    def __len__(self) -> int:
+        return len(self._peers)
+
+    def __contains__(self, sock: socket.socket) -> bool:
+        return sock in self._peers
+
+    def add(self, peer: Peer) -> None:
+        self._peers[peer.sock] = peer
+
+    def touch(self, peer: Peer, now_s: float) -> None:
+        """A whole message came in: `peer` is the most recently active."""
+        peer.last_message_s = now_s
+        if self._peers.pop(peer.sock, None) is not None:
+            self._peers[peer.sock] = peer
+
+    def discard(self, sock: socket.socket) -> None:
+        self._peers.pop(sock, None)
+
+    def expired(self, now_s: float, timeout_s: float) -> list[Peer]:
+        """Those idle for more than `timeout_s`."""
+        old = []
+        for peer in self._peers.values():
+            if now_s - peer.last_message_s <= timeout_s:
+                break  # activity order: every later one is younger
+            old.append(peer)
+        return old
+
+    def oldest(self, count: int) -> list[Peer]:
+        """The `count` idle longest."""
+        taken = []
+        for peer in self._peers.values():
+            if len(taken) >= count:
+                break
+            taken.append(peer)
+        return taken
+
+    def __iter__(self) -> Iterator[Peer]:
+        return iter(list(self._peers.values()))
 
 
 @dataclass(slots=True)
@@ -69,6 +128,9 @@ class ProducerPeer:
     unregistered: bool = False  # said goodbye: drain the ring, then forget it
     frames: int = 0
     items: int = 0
+    # Records before this ring position were there when the broker started: an earlier
+    # run's work that this broker takes over (counted as adopted). 0: none.
+    adopted_until: int = 0
 
 
 @dataclass(slots=True)

@@ -34,7 +34,7 @@ as completed).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import NamedTuple
@@ -147,10 +147,6 @@ class PendingMap:
 
     def __contains__(self, ref: object) -> bool:
         return ref in self._entries
-
-    def refs(self) -> Iterator[EntryRef]:
-        """Every pending ref (any order)."""
-        return iter(self._entries)
 
     def holder(self, ref: EntryRef) -> Holding | None:
         batch_id = self._entries.get(ref)

@@ -8,7 +8,15 @@ One turn of the loop:
     2. dispatch: for each consumer with credit: next_batch -> descriptor into its ring
                  -> Dispatcher.commit (only after the ring took it)
     3. control:  serve the Unix socket (registrations, heartbeats, completions, goodbyes)
-    4. every tick_interval_s: lane maintenance and the heartbeat check
+    4. every tick_interval_s: lane maintenance, the heartbeat check, closing connections
+                 that never registered
+
+A gap between turns far longer than a turn can take (STALL_GAP_S) is the broker's own stall
+(SIGSTOP, a VM pause): it is logged, and not counted against the peers' silence; a consumer
+is read once more before it is declared dead. Bad peers cost the broker bounded memory and
+descriptors (MAX_BUFFERED_BYTES, MAX_UNREGISTERED_PEERS, max_consumers, max_producers) and
+are refused or shed alone (`peers_refused`, `peers_shed`); another user's connection is
+refused at accept (SO_PEERCRED).
 
 Steps 1 and 2 each stop after `work_slice_s` (10 ms) of work so step 3 always runs: a fill
 of thousands of batches must never get a healthy consumer declared dead (SPEC §6), and
@@ -28,6 +36,7 @@ import errno
 import fcntl
 import json
 import logging
+import math
 import os
 import selectors
 import socket
@@ -46,6 +55,7 @@ from pipeline.broker.peers import (
     ConsumerTotals,
     Peer,
     ProducerPeer,
+    Unregistered,
     consumer_ring_name,
     doorbell_name,
     namespace_for,
@@ -55,6 +65,8 @@ from pipeline.broker.peers import (
 from pipeline.broker.storage.base import StorageTier
 from pipeline.errors import (
     BadInputError,
+    ConfigError,
+    ContractError,
     DiskFullError,
     FrameError,
     PipelineError,
@@ -63,13 +75,15 @@ from pipeline.errors import (
     ShmError,
 )
 from pipeline.layouts import (
+    DEFAULT_MAX_MODELS,
     DESCRIPTOR_ITEM_DTYPE,
+    MODEL_ID_LIMIT,
     descriptor_size_bytes,
     parse_frame,
     write_descriptor,
 )
-from pipeline.protocol import encode
-from shm.objects import Doorbell, ObjectExistsError
+from pipeline.protocol import check_consumer_name, encode, peer_uid
+from shm.objects import Doorbell, ObjectExistsError, StaleObjectError
 from shm.ring import RingReader, RingWriter, SharedRing, max_body_bytes
 
 log = logging.getLogger("pipeline.broker")
@@ -95,6 +109,54 @@ TICK_INTERVAL_S = 0.1
 # A consumer silent this long is dead: its pending entries go back to dispatch. Consumers
 # heartbeat at a quarter of it, so three lost heartbeats in a row are tolerated.
 DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0
+# Below 1 s, a busy machine's scheduling delays (a consumer heartbeats every quarter of the
+# timeout) would get healthy consumers declared dead; and STALL_GAP_S must stay well below it.
+MIN_HEARTBEAT_TIMEOUT_S = 1.0
+# A turn takes at most two work slices, a select wait and a tick (about 70 ms; a status
+# reply at 100,000 lanes adds a few ms). A gap between two of the loop's looks at the clock
+# at least this long (or half the heartbeat timeout, if less) means the broker itself did not
+# run: SIGSTOP, a VM pause, a starved or swapping host. Its peers' silence over the gap is not
+# counted against them: a paused broker must not wake up and evict every healthy consumer.
+# Gaps shorter than half the timeout are counted; with heartbeats every quarter of it, one
+# such gap cannot alone make a consumer look dead.
+STALL_GAP_S = 0.5
+# Registered consumers at once: each costs a 1 MiB descriptor ring in /dev/shm and a
+# connection. 128 is twice the largest node's GPUs split into MIG slices (8 x 7).
+MAX_CONSUMERS = 128
+# Registered producers at once (rings adopted at a restart included): each maps its ring
+# (16 MiB by default) into the broker and holds a connection. With the storage's 512 open
+# segment files, 128 consumers and MAX_UNREGISTERED_PEERS, the broker stays under the usual
+# 1,024 descriptors per process.
+MAX_PRODUCERS = 128
+# Connections that have not registered: status queries come and go within milliseconds;
+# past this many, the one idle longest is closed for each new one.
+MAX_UNREGISTERED_PEERS = 64
+# A connection that sends no whole message for this long without registering is closed (a
+# status client asks within milliseconds of connecting, a consumer or producer registers).
+UNREGISTERED_TIMEOUT_S = 10.0
+# Partial messages the broker buffers, summed over every connection: requests are at most
+# pipeline.protocol.MAX_REQUEST_BYTES (64 KiB) each, and a few MiB covers every registered
+# peer sending at once; past it the peer holding the most is refused. Without it, 400
+# connections holding 1 MiB partial messages grew the broker from 35 MB to 449 MB.
+MAX_BUFFERED_BYTES = 4 << 20
+# When accept fails for want of descriptors (EMFILE, ENFILE) or memory, the listener is not
+# watched for this long (a level-triggered listener would otherwise spin the loop), and idle
+# unregistered connections are closed to free descriptors.
+ACCEPT_BACKOFF_S = 0.2
+# Connections accepted per turn at most: a burst of clients is taken in a few turns without
+# starving fill and dispatch.
+ACCEPTS_PER_TURN = 64
+# The listen(2) backlog: clients beyond it wait in connect until the broker accepts.
+LISTEN_BACKLOG = 64
+# sockaddr_un.sun_path holds 108 bytes on Linux, the last for the terminating NUL: a longer
+# path cannot be bound (or is silently cut on other systems).
+MAX_SOCKET_PATH_BYTES = 107
+# A contract's numbers end up in u4 fields (descriptor item counts, token lengths).
+MAX_CONTRACT_NUMBER = 2**32 - 1
+# The most batches a consumer may ask for in all: consumers ask for at most 64 (the credit
+# window's MAX_CREDIT); a bound keeps a hostile count from growing without end (an integer
+# of more than 4,300 digits would make the status reply unencodable).
+MAX_CREDIT_BATCHES = 1 << 20
 # A consumer's descriptor ring: a 64-item descriptor is 2 KiB, so 1 MiB holds hundreds of
 # batches, far more than any credit a consumer asks for.
 DESCRIPTOR_RING_BYTES = 1 << 20
@@ -114,12 +176,44 @@ STATUS_TOP_SHAPES = 16
 
 @dataclass(slots=True)
 class BrokerConfig:
+    """The broker's settings, checked on construction (ConfigError names the value and its
+    limit) so that nothing starts with one it cannot honour; `check_contract` checks a
+    consumer's contract against them (registration, and a launcher before it starts)."""
+
     data_dir: str
     heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
     work_slice_s: float = WORK_SLICE_S
     tick_interval_s: float = TICK_INTERVAL_S
     descriptor_ring_bytes: int = DESCRIPTOR_RING_BYTES
-    max_models: int = 1024
+    max_models: int = DEFAULT_MAX_MODELS
+    max_consumers: int = MAX_CONSUMERS
+    max_producers: int = MAX_PRODUCERS
+    max_unregistered_peers: int = MAX_UNREGISTERED_PEERS
+    unregistered_timeout_s: float = UNREGISTERED_TIMEOUT_S
+    max_buffered_bytes: int = MAX_BUFFERED_BYTES
+
+    def __post_init__(self) -> None:
+        path_bytes = len(os.fsencode(self.socket_path))
+        if path_bytes > MAX_SOCKET_PATH_BYTES:
+            raise ConfigError(
+                f"data directory {self.data_dir}: its broker socket {self.socket_path} is {path_bytes} bytes "
+                f"long, and a Unix socket path holds at most {MAX_SOCKET_PATH_BYTES}: use a data directory "
+                f"whose path is at most {MAX_SOCKET_PATH_BYTES - path_bytes + len(os.fsencode(self.data_dir))} "
+                f"bytes")
+        if not (isinstance(self.heartbeat_timeout_s, (int, float)) and math.isfinite(self.heartbeat_timeout_s)
+                and self.heartbeat_timeout_s >= MIN_HEARTBEAT_TIMEOUT_S):
+            raise ConfigError(f"heartbeat timeout {self.heartbeat_timeout_s!r} s must be a number of at least "
+                              f"{MIN_HEARTBEAT_TIMEOUT_S} s")
+        for name in ("work_slice_s", "tick_interval_s", "unregistered_timeout_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ConfigError(f"broker setting {name} {value!r} must be a positive number of seconds")
+        ceilings = {"descriptor_ring_bytes": 1 << 40, "max_models": MODEL_ID_LIMIT, "max_consumers": 1 << 20,
+                    "max_producers": 1 << 20, "max_unregistered_peers": 1 << 20, "max_buffered_bytes": 1 << 40}
+        for name, ceiling in ceilings.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= ceiling:
+                raise ConfigError(f"broker setting {name} {value!r} must be an integer from 1 to {ceiling}")
 
     @property
     def run_dir(self) -> str:
@@ -128,6 +222,47 @@ class BrokerConfig:
     @property
     def socket_path(self) -> str:
         return os.path.join(self.run_dir, SOCKET_NAME)
+
+    @property
+    def stall_gap_s(self) -> float:
+        """A gap in the loop at least this long is the broker's own stall (STALL_GAP_S)."""
+        return min(STALL_GAP_S, self.heartbeat_timeout_s / 2)
+
+    def check_contract(self, model: int, max_batch_items: int, max_batch_tokens: int,
+                       max_input_len: int) -> Contract:
+        """The contract if this broker can serve it, else ContractError naming the value and
+        its limit: every number an integer (model >= 0, the others >= 1, all at most
+        MAX_CONTRACT_NUMBER), the model below `max_models`, and a batch of `max_batch_items`
+        items fitting one descriptor in the descriptor ring. One function for registration
+        and for a launcher that checks before it starts anything."""
+        contract = Contract(model, max_batch_items, max_batch_tokens, max_input_len)
+        if model >= self.max_models:
+            raise ContractError(f"contract: model {model} is unknown (models are 0..{self.max_models - 1}: "
+                                f"max_models is {self.max_models})")
+        for name in ("max_batch_items", "max_batch_tokens", "max_input_len"):
+            value = getattr(contract, name)
+            if value > MAX_CONTRACT_NUMBER:
+                raise ContractError(f"contract: {name} {value} exceeds {MAX_CONTRACT_NUMBER}")
+        largest = descriptor_size_bytes(max_batch_items)
+        room = max_body_bytes(self.descriptor_ring_bytes)
+        if largest > room:
+            raise ContractError(
+                f"contract: max_batch_items {max_batch_items} needs {largest}-byte batch descriptors; the "
+                f"descriptor ring of {self.descriptor_ring_bytes} bytes takes at most {room} "
+                f"(at most {_items_that_fit(room)} items a batch)")
+        return contract
+
+
+def _items_that_fit(room_bytes: int) -> int:
+    """The most items whose descriptor fits in `room_bytes` (descriptor sizes grow with items)."""
+    low, high = 0, max(1, room_bytes)
+    while low < high:  # the largest count whose descriptor fits
+        middle = (low + high + 1) // 2
+        if descriptor_size_bytes(middle) <= room_bytes:
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 class BrokerState:
@@ -146,7 +281,9 @@ class BrokerState:
 
     def save(self) -> None:
         temporary = self.path + ".tmp"
-        with open(temporary, "w") as file:
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)  # owner-only whatever the umask (SPEC §12)
+        with open(fd, "w") as file:
             json.dump({"next_producer_id": self.next_producer_id, "generation": self.generation}, file)
             file.flush()
             os.fsync(file.fileno())
@@ -166,7 +303,20 @@ class Broker:
         """`lock_fd`: the run directory's lock (`lock_run_dir`) when the caller took it before
         opening the storage, as it must for the disk tier: recovery changes files.
         `storage_dir`: where the segment files live when not in the data directory (the
-        memory tier keeps them on tmpfs); consumers are told to read from there."""
+        memory tier keeps them on tmpfs); consumers are told to read from there.
+
+        If a step fails, what the constructor opened (the lock if it took it, the doorbell
+        if it created it, the listening socket and its file, the wake-up pipe, the selector,
+        the doorbell watcher, rings adopted while catching up) is released before the error
+        goes on; the storage, and a lock the caller passed, stay the caller's to close."""
+        try:
+            self._start(config, storage, lock_fd, storage_dir)
+        except BaseException:
+            self._release_partial(took_lock=lock_fd is None)
+            raise
+
+    def _start(self, config: BrokerConfig, storage: StorageTier, lock_fd: int | None,
+               storage_dir: str | None) -> None:
         self.config = config
         self.storage_dir = os.path.realpath(storage_dir or config.data_dir)
         self._lock_fd = lock_fd if lock_fd is not None else lock_run_dir(config.run_dir)
@@ -179,12 +329,11 @@ class Broker:
                         self.state.generation)
         self.namespace = namespace_for(config.data_dir)
         self.storage = storage
-        self.dispatcher = Dispatcher(storage)
-        recovered = self.dispatcher.recover(time.monotonic())  # before any ingest (disk tier)
-        if recovered:
-            log.info("recovered %d live items from %s", recovered, config.data_dir)
+        self.dispatcher = Dispatcher(storage, max_models=config.max_models)
+        self.dispatcher.recover(time.monotonic())  # before any ingest (disk tier)
+        self._log_recovery()
         self.producers: dict[int, ProducerPeer] = {}
-        self.doorbell = _open_doorbell(doorbell_name(self.namespace))
+        self.doorbell, self._doorbell_created = _open_doorbell(doorbell_name(self.namespace))
         self.consumers: dict[ConsumerId, ConsumerPeer] = {}
         self._peers_by_sock: dict[socket.socket, object] = {}
         self._next_consumer_id = 0
@@ -196,9 +345,19 @@ class Broker:
         self._stopping = threading.Event()
         self._watcher = threading.Thread(target=self._watch_doorbell, name="doorbell", daemon=True)
         self._watcher.start()
+        self._unregistered = Unregistered()  # connections that have not registered
+        self._buffered_bytes = 0  # partial messages held, summed over connections
+        self.peers_refused = 0  # sent a bad message, another user's, past a limit: refused
+        self.peers_shed = 0  # unregistered connections closed: idle too long, too many
+        self.stalls = 0  # gaps in the loop of at least stall_gap_s (the broker did not run)
+        self.stalled_s = 0.0  # their sum
+        self._clock_s = time.monotonic()  # the loop's last look at the clock (_notice_stall)
+        self._accept_paused_until_s: float | None = None  # accept failed: listener not watched
+        self._accept_failures = 0  # accepts failed in the current episode (logged once)
         self._next_tick_s = 0.0
         self.disk_full_since_s: float | None = None
-        self._held_back: tuple[ProducerPeer, int] | None = None  # the record a full disk kept
+        # The record a full disk kept: its producer, start and end positions in the ring.
+        self._held_back: tuple[ProducerPeer, int, int] | None = None
         self.consumers_lost = 0
         # Per consumer name, over this broker's life: a consumer that reconnects goes on
         # adding to its own totals (the run report's per-consumer part).
@@ -206,13 +365,44 @@ class Broker:
         self.routed = RoutedTotals()
         self.started_s = time.monotonic()
         self._refused_producers: dict[int, str] = {}  # wrote a record that is not a frame
+        # Items stored from ring records an earlier run left (see _catch_up): work taken
+        # over, like recovery's, which a launcher's accounting must expect.
+        self.items_adopted = 0
         self._remove_stale_consumer_rings()
         self._catch_up()
+
+    def _release_partial(self, took_lock: bool) -> None:
+        """After `_start` failed: release what it opened, last first, each step on its own
+        (one failing must not keep the others from running)."""
+        steps = []
+        if hasattr(self, "_watcher"):
+            steps.append(lambda: (self._stopping.set(), self._watcher.join(timeout=2)))
+        for producer in getattr(self, "producers", {}).values():
+            if producer.ring is not None:
+                steps.append(lambda ring=producer.ring: ring.close(mark_closed=False))
+        if hasattr(self, "_wake_write"):
+            steps += [lambda: os.close(self._wake_read), lambda: os.close(self._wake_write)]
+        if hasattr(self, "_listener"):
+            steps += [self._listener.close, lambda: os.unlink(self.config.socket_path)]
+        if hasattr(self, "_selector"):
+            steps.append(self._selector.close)
+        if hasattr(self, "doorbell"):
+            steps.append(self.doorbell.close)
+            if self._doorbell_created:  # one reopened after a crash stays: rings name it
+                steps.append(self.doorbell.unlink)
+        if took_lock and hasattr(self, "_lock_fd"):
+            steps.append(lambda: os.close(self._lock_fd))
+        for step in steps:
+            try:
+                step()
+            except (OSError, ShmError) as exc:
+                log.warning("while releasing a broker that failed to start: %s", exc)
 
     # ------------------------------------------------------------------ loop
 
     def run(self, stop) -> None:
         """Serve until `stop()` returns true."""
+        self._clock_s = time.monotonic()  # start-up (recovery, catch-up) was no stall
         while not stop():
             self.turn()
 
@@ -222,10 +412,61 @@ class Broker:
         busy = self._dispatch(time.monotonic()) or busy
         self._serve_control(0.0 if busy else IDLE_WAIT_S)
         now = time.monotonic()
+        if self._notice_stall(now):
+            # A select interrupted by SIGSTOP/SIGCONT returns nothing once its timeout has
+            # passed (PEP 475): read what the peers sent meanwhile before judging anyone.
+            self._serve_control(0.0)
+            now = time.monotonic()
         if now >= self._next_tick_s:
-            self.dispatcher.tick(now)
+            self.dispatcher.tick(now)  # lanes may age across a stall: quiescing early is harmless
+            self._log_quarantined()
             self._check_heartbeats(now)
+            self._expire_unregistered(now)
             self._next_tick_s = now + self.config.tick_interval_s
+
+    def _notice_stall(self, now_s: float) -> bool:
+        """Whether the loop stalled since its last look at the clock (one look a turn, so
+        every moment of the loop is in one gap): a gap of at least `stall_gap_s` is time the
+        broker did not run, and its peers' silence over it is forgiven (`_forgive_stall`)."""
+        gap_s = now_s - self._clock_s
+        self._clock_s = now_s
+        if gap_s < self.config.stall_gap_s:
+            return False
+        self.stalls += 1
+        self.stalled_s += gap_s
+        log.warning("the broker's loop did not run for %.1f s (the broker was paused or starved of CPU): "
+                    "its peers' silence over that time is not counted against them", gap_s)
+        self._forgive_stall(now_s, gap_s)
+        return True
+
+    def _forgive_stall(self, now_s: float, gap_s: float) -> None:
+        """Move every peer's last activity forward by the stall (never past now; the order of
+        the peers stays, as the unregistered list needs). O(peers), once a stall."""
+        for owner in self._peers_by_sock.values():
+            peer = _peer_of(owner)
+            peer.last_seen_s = min(peer.last_seen_s + gap_s, now_s)
+            peer.last_message_s = min(peer.last_message_s + gap_s, now_s)
+
+    def _log_recovery(self) -> None:
+        """What the disk tier's recovery found: one line, and one more per problem (every
+        entry that cannot be delivered named by path, offset and item id where readable), at
+        WARNING when anything accepted cannot be delivered."""
+        recovery = getattr(self.storage, "recovery", None)
+        if recovery is None:
+            return
+        log.log(logging.INFO if recovery.ok else logging.WARNING, "%s", recovery.summary())
+
+    def _log_quarantined(self) -> None:
+        """Damaged segments moved to quarantine/ once their good entries were done."""
+        take = getattr(self.storage, "take_quarantined", None)
+        for moved in take() if take is not None else ():
+            log.warning("QUARANTINED: %s", moved.describe())
+
+    def _store_damage(self) -> dict[str, int]:
+        """The recovery's counts of what the store holds that cannot be delivered (and of its
+        repairs), for status: {} where the tier keeps no files."""
+        recovery = getattr(self.storage, "recovery", None)
+        return {} if recovery is None else recovery.damage_counts()
 
     def _catch_up(self) -> None:
         """After a restart, before serving anyone: attach every producer ring this data
@@ -234,14 +475,16 @@ class Broker:
         Why first: recovery knows which (producer, seq) are stored by the live entries it
         found. If a consumer completed one of those (its segment then deleted) before its
         unreleased ring record was read again, that record would look unstored and be
-        stored twice. Rings whose writer is dead are unlinked once drained."""
+        stored twice. Rings whose writer is dead are unlinked once drained. What the rings
+        held is counted as received and also as adopted (`items_adopted`): work an earlier
+        run accepted that this broker took over, as recovery's items are."""
         for producer_id in range(self.state.next_producer_id):
             name = producer_ring_name(self.namespace, producer_id)
             try:
                 ring = RingReader.attach(name)
             except ShmError:
                 continue  # gone (its producer finished and unlinked it), or not ours
-            self.producers[producer_id] = ProducerPeer(None, producer_id, name, ring)
+            self.producers[producer_id] = ProducerPeer(None, producer_id, name, ring, adopted_until=ring.write_pos)
         while self._fill(time.monotonic(), catching_up=True):
             pass
         self._finish_unregistered()  # rings of dead writers, once drained (not if the disk is full)
@@ -283,7 +526,7 @@ class Broker:
                     if record is None:
                         break
                     frame = parse_frame(record.body, where=f"ring {producer.ring_name} position {record.start}")
-                    self.dispatcher.ingest(frame, time.monotonic())
+                    report = self.dispatcher.ingest(frame, time.monotonic())
                 except (FrameError, BadInputError, ShmError) as exc:
                     log.error("producer %d: %s; disconnecting it", producer.producer_id, exc)
                     self._drop_producer(producer, f"bad frame: {exc}")
@@ -294,11 +537,13 @@ class Broker:
                     # every turn until the disk has room.
                     log.error("disk full, applying backpressure: %s", exc)
                     self.disk_full_since_s = time.monotonic()
-                    self._held_back = (producer, record.end)
+                    self._held_back = (producer, record.start, record.end)
                     break
                 producer.unreleased_end = record.end
                 producer.frames += 1
                 producer.items += frame.items.shape[0]
+                if record.start < producer.adopted_until:
+                    self.items_adopted += report.items
                 ingested = True
         if ingested or self.storage.needs_flush:
             # A frame a full disk cut short may have left appends to flush even when no
@@ -319,11 +564,16 @@ class Broker:
         if self._held_back is None:
             return False
         try:
-            self.dispatcher.retry_pending_appends()
+            report = self.dispatcher.retry_pending_appends()
         except DiskFullError:
             return False
-        producer, end = self._held_back
+        producer, start, end = self._held_back
         self._held_back = None
+        if report is not None:
+            producer.frames += 1
+            producer.items += report.items + report.duplicates
+            if start < producer.adopted_until:
+                self.items_adopted += report.items
         self.disk_full_since_s = None
         log.info("disk has room again: ingest resumes")
         producer.unreleased_end = end
@@ -411,6 +661,9 @@ class Broker:
     # --------------------------------------------------------------- control
 
     def _serve_control(self, timeout_s: float) -> None:
+        if self._accept_paused_until_s is not None and time.monotonic() >= self._accept_paused_until_s:
+            self._accept_paused_until_s = None
+            self._selector.register(self._listener, selectors.EVENT_READ, None)
         for key, _mask in self._selector.select(timeout_s):
             if key.fileobj is self._listener:
                 self._accept()
@@ -423,14 +676,68 @@ class Broker:
                 self._read_peer(key.fileobj)
 
     def _accept(self) -> None:
-        try:
-            sock, _ = self._listener.accept()
-        except BlockingIOError:
-            return
-        sock.setblocking(False)
-        peer = Peer(sock, last_seen_s=time.monotonic())
-        self._peers_by_sock[sock] = peer
-        self._selector.register(sock, selectors.EVENT_READ, None)
+        """Take up to ACCEPTS_PER_TURN new connections. Another user's is refused at once
+        (SO_PEERCRED); past max_unregistered_peers the connection idle longest is closed;
+        a failure to accept (no descriptors, no memory) pauses accepting, never the loop."""
+        for _ in range(ACCEPTS_PER_TURN):
+            try:
+                sock, _ = self._listener.accept()
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                if exc.errno == errno.ECONNABORTED:
+                    continue  # the client gave up before we took it
+                self._pause_accepting(exc)
+                return
+            if self._accept_failures:
+                log.warning("accepting connections again, after %d failed accepts", self._accept_failures)
+                self._accept_failures = 0
+            try:
+                uid = peer_uid(sock)
+            except OSError:
+                sock.close()  # gone before we could ask the kernel who it was
+                continue
+            if uid != os.geteuid():
+                self.peers_refused += 1
+                log.warning("refusing a connection of uid %d: this broker serves only uid %d", uid, os.geteuid())
+                self._send_quietly(sock, f"this broker serves only uid {os.geteuid()}, not uid {uid}")
+                sock.close()
+                continue
+            if len(self._unregistered) >= self.config.max_unregistered_peers:
+                self._shed(self._unregistered.oldest(1), f"more than {self.config.max_unregistered_peers} "
+                                                         f"connections have not registered")
+            sock.setblocking(False)
+            now = time.monotonic()
+            peer = Peer(sock, last_seen_s=now, last_message_s=now)
+            self._peers_by_sock[sock] = peer
+            self._unregistered.add(peer)
+            self._selector.register(sock, selectors.EVENT_READ, None)
+
+    def _pause_accepting(self, exc: OSError) -> None:
+        """accept failed (EMFILE, ENFILE, ENOMEM...): stop watching the listener for
+        ACCEPT_BACKOFF_S (clients wait in the backlog), close the idle half of the
+        unregistered connections to free descriptors; logged once per episode."""
+        if self._accept_failures == 0:
+            log.error("cannot accept connections (%s) with %d open: pausing accepts for %.1f s at a time "
+                      "and closing idle unregistered connections", exc, len(self._peers_by_sock), ACCEPT_BACKOFF_S)
+        self._accept_failures += 1
+        self._selector.unregister(self._listener)
+        self._accept_paused_until_s = time.monotonic() + ACCEPT_BACKOFF_S
+        self._shed(self._unregistered.oldest(max(1, len(self._unregistered) // 2)), f"accept failed: {exc}")
+
+    def _shed(self, peers: list[Peer], why: str) -> None:
+        """Close unregistered connections (counted in peers_shed; not logged one by one: a
+        flood of them must not flood the log)."""
+        for peer in peers:
+            self.peers_shed += 1
+            self._disconnect(peer.sock, why)
+
+    def _expire_unregistered(self, now_s: float) -> None:
+        expired = self._unregistered.expired(now_s, self.config.unregistered_timeout_s)
+        if expired:
+            log.info("closing %d connections that sent nothing for %.0f s without registering", len(expired),
+                     self.config.unregistered_timeout_s)
+            self._shed(expired, "did not register in time")
 
     def _read_peer(self, sock: socket.socket) -> None:
         owner = self._peers_by_sock.get(sock)
@@ -447,14 +754,38 @@ class Broker:
         if not data:
             self._disconnect(sock, "end of file")
             return
-        peer.last_seen_s = time.monotonic()
+        now = time.monotonic()
+        peer.last_seen_s = now
+        handled = False
         try:
             for message in peer.reader.feed(data):
+                handled = True
                 self._handle(sock, message)
                 if peer.closed:
                     return
         except (ProtocolError, BadInputError) as exc:
             self._refuse(sock, str(exc))
+            return
+        except RecursionError:  # a value nested too deep for a handler: the peer's doing
+            self._refuse(sock, "a message nested too deep to handle")
+            return
+        if handled and owner is peer:  # an unregistered peer: active now
+            self._unregistered.touch(peer, now)
+        held = peer.reader.buffered_bytes
+        self._buffered_bytes += held - peer.buffered_bytes
+        peer.buffered_bytes = held
+        if self._buffered_bytes > self.config.max_buffered_bytes:
+            self._refuse_largest_buffers()
+
+    def _refuse_largest_buffers(self) -> None:
+        """Partial messages past max_buffered_bytes in all: refuse the peers holding the most
+        until under it. O(peers) a refusal; only a peer that hoards gets here."""
+        while self._buffered_bytes > self.config.max_buffered_bytes:
+            largest = max((_peer_of(owner) for owner in self._peers_by_sock.values()),
+                          key=lambda peer: peer.buffered_bytes)
+            assert largest.buffered_bytes > 0, self._buffered_bytes  # the sum is of these
+            self._refuse(largest.sock, f"holds {largest.buffered_bytes} bytes of unfinished messages while the "
+                                       f"broker buffers at most {self.config.max_buffered_bytes} for all peers")
 
     def _handle(self, sock: socket.socket, message: dict) -> None:
         owner = self._peers_by_sock[sock]
@@ -463,8 +794,6 @@ class Broker:
             return
         if kind == "status":
             self._send(sock, {"type": "status_reply", "counters": self.status()})
-        elif kind == "dispatched_segments":
-            self._send(sock, {"type": "dispatched_segments_reply", "paths": self.storage.dispatched_segment_paths()})
         elif kind == "register_consumer" and isinstance(owner, Peer):
             self._register_consumer(sock, owner, message)
         elif kind == "register_producer" and isinstance(owner, Peer):
@@ -483,29 +812,44 @@ class Broker:
             self._disconnect(sock, f"send failed: {exc}")
 
     def _refuse(self, sock: socket.socket, why: str) -> None:
+        self.peers_refused += 1
         log.warning("refusing a peer: %s", why)
         self._send(sock, {"type": "error", "message": why})
         self._disconnect(sock, why)
 
+    @staticmethod
+    def _send_quietly(sock: socket.socket, why: str) -> None:
+        """An error message to a connection that is not (or no longer) a peer, best effort."""
+        try:
+            sock.setblocking(False)
+            sock.send(encode({"type": "error", "message": why}))
+        except OSError:
+            pass
+
     # ------------------------------------------------------------- consumers
 
     def _register_consumer(self, sock: socket.socket, peer: Peer, message: dict) -> None:
-        contract = Contract(message["model"], message["max_batch_items"], message["max_batch_tokens"],
-                            message["max_input_len"])
-        if contract.model >= self.config.max_models:
-            raise BadInputError(f"model {contract.model} is unknown (models are 0..{self.config.max_models - 1})")
-        largest = descriptor_size_bytes(contract.max_batch_items)
-        if largest > max_body_bytes(self.config.descriptor_ring_bytes):
-            raise BadInputError(
-                f"max_batch_items {contract.max_batch_items} needs {largest}-byte descriptors; the "
-                f"descriptor ring takes at most {max_body_bytes(self.config.descriptor_ring_bytes)}"
-            )
+        contract = self.config.check_contract(message["model"], message["max_batch_items"],
+                                              message["max_batch_tokens"], message["max_input_len"])
+        name = message.get("name")
+        if name is not None:
+            check_consumer_name(name)
+            self._check_name_free(name)
+        if len(self.consumers) >= self.config.max_consumers:
+            raise BadInputError(f"the broker serves at most {self.config.max_consumers} consumers at once "
+                                f"(max_consumers), and {len(self.consumers)} are registered")
         consumer_id = ConsumerId(self._next_consumer_id)
         self._next_consumer_id += 1
         ring_name = consumer_ring_name(self.namespace, consumer_id, self.state.generation)
-        SharedRing.unlink_leftover(ring_name)
-        ring = RingWriter.create(ring_name, self.config.descriptor_ring_bytes)
-        name = str(message.get("name") or f"consumer-{consumer_id}")
+        try:
+            SharedRing.unlink_leftover(ring_name)
+            ring = RingWriter.create(ring_name, self.config.descriptor_ring_bytes)
+        except (ShmError, OSError) as exc:  # /dev/shm full, say: refuse this one, serve the rest
+            self._refuse(sock, f"cannot create the descriptor ring {ring_name} of "
+                               f"{self.config.descriptor_ring_bytes} bytes: {exc}")
+            return
+        self._unregistered.discard(sock)
+        name = name or f"consumer-{consumer_id}"
         totals = self._totals_by_name.setdefault(name, ConsumerTotals())
         consumer = ConsumerPeer(peer, consumer_id, contract, ring, name, message["pid"], totals=totals)
         self.consumers[consumer_id] = consumer
@@ -515,11 +859,24 @@ class Broker:
                           "heartbeat_timeout_s": self.config.heartbeat_timeout_s})
         log.info("consumer %d (%s) registered: %s", consumer_id, name, contract)
 
+    def _check_name_free(self, name: str) -> None:
+        """BadInputError if a connected consumer has this name: two processes would write one
+        results file. Its connection is read first: one that a reconnecting consumer closed
+        a moment ago is gone by then."""
+        for consumer in list(self.consumers.values()):
+            if consumer.name == name:
+                self._read_peer(consumer.peer.sock)
+                if not consumer.peer.closed:
+                    raise BadInputError(f"consumer name {name!r} is taken by connected consumer "
+                                        f"{consumer.consumer_id} (pid {consumer.pid}): each consumer needs "
+                                        f"its own name (it names its results file)")
+
     def _consumer_message(self, consumer: ConsumerPeer, message: dict) -> None:
         kind = message["type"]
         if kind in ("request_work", "complete"):
-            if message["credit"] < 0:
-                raise ProtocolError(f"{kind}: credit {message['credit']} is negative")
+            if not 0 <= message["credit"] <= MAX_CREDIT_BATCHES - consumer.credit:
+                raise ProtocolError(f"{kind}: credit {message['credit']} is negative or takes the consumer's "
+                                    f"credit ({consumer.credit}) past {MAX_CREDIT_BATCHES} batches")
             consumer.credit += message["credit"]
         if kind == "complete":
             batch = consumer.batches.get(message["batch_id"])
@@ -534,8 +891,11 @@ class Broker:
 
     def _check_heartbeats(self, now_s: float) -> None:
         for consumer in list(self.consumers.values()):
+            if now_s - consumer.peer.last_seen_s <= self.config.heartbeat_timeout_s:
+                continue
+            self._read_peer(consumer.peer.sock)  # what it sent and the loop has not read yet
             silent = now_s - consumer.peer.last_seen_s
-            if silent > self.config.heartbeat_timeout_s:
+            if not consumer.peer.closed and silent > self.config.heartbeat_timeout_s:
                 self._disconnect(consumer.peer.sock, f"no heartbeat for {silent:.1f} s")
 
     def _drop_consumer(self, consumer: ConsumerPeer, why: str) -> None:
@@ -553,6 +913,9 @@ class Broker:
 
     def _register_producer(self, sock: socket.socket, peer: Peer, message: dict) -> None:
         producer_id = message["producer_id"]
+        if producer_id not in self.producers and len(self.producers) >= self.config.max_producers:
+            raise BadInputError(f"the broker serves at most {self.config.max_producers} producers at once "
+                                f"(max_producers), and {len(self.producers)} are registered or draining")
         if producer_id < 0:
             producer_id = self.state.next_producer_id
             self.state.next_producer_id += 1
@@ -574,6 +937,7 @@ class Broker:
             producer.peer = peer
         else:
             producer = self.producers[producer_id] = ProducerPeer(peer, producer_id, ring_name)
+        self._unregistered.discard(sock)
         self._peers_by_sock[sock] = producer
         highest = self.storage.highest_seq(producer_id)
         self._send(sock, {"type": "registered_producer", "producer_id": producer_id, "ring": ring_name,
@@ -624,6 +988,10 @@ class Broker:
             return
         peer = _peer_of(owner)
         peer.closed = True
+        self._unregistered.discard(sock)
+        self._buffered_bytes -= peer.buffered_bytes
+        peer.buffered_bytes = 0
+        peer.reader.release()
         try:
             self._selector.unregister(sock)
         except (KeyError, ValueError):
@@ -654,6 +1022,7 @@ class Broker:
             "items_returned": counters.items_returned,
             "items_recovered": counters.items_recovered,
             "tokens_recovered": counters.tokens_recovered,
+            "items_adopted": self.items_adopted,
             "duplicate_items": counters.duplicate_items,
             "duplicate_completions": counters.duplicate_completions,
             "backlog_items": self.storage.queued_items(),
@@ -683,6 +1052,11 @@ class Broker:
                           for p in self.producers.values()},
             "consumers_lost": self.consumers_lost,
             "disk_full": self.disk_full_since_s is not None,
+            "store_damage": self._store_damage(),
+            "peers_refused": self.peers_refused,
+            "peers_shed": self.peers_shed,
+            "stalls": self.stalls,
+            "stalled_s": self.stalled_s,
         }
 
     def close(self) -> None:
@@ -769,27 +1143,41 @@ def lock_run_dir(run_dir: str) -> int:
     return fd
 
 
-def _open_doorbell(name: str) -> Doorbell:
-    """The data directory's doorbell: created, or reopened after a crash (producers' rings
-    name it in their headers, so it must keep its name across broker restarts)."""
+def _open_doorbell(name: str) -> tuple[Doorbell, bool]:
+    """The data directory's doorbell and whether it was created now: created, or reopened
+    after a crash (producers' rings name it in their headers, so it must keep its name
+    across broker restarts). One of another user, or not owner-only, is refused."""
     try:
-        return Doorbell.create(name)
+        return Doorbell.create(name), True
     except ObjectExistsError:
-        bell = Doorbell.attach(name)
+        try:
+            bell = Doorbell.attach(name)
+        except StaleObjectError as exc:
+            raise PipelineError(f"cannot use the doorbell semaphore: {exc}") from exc
         bell.is_creator = True
-        return bell
+        return bell, False
 
 
 def _listen(path: str) -> socket.socket:
-    if os.path.exists(path):
+    """The broker's listening socket at `path` (owner-only); on failure nothing is left (no
+    descriptor, no socket file)."""
+    if os.path.lexists(path):
         os.unlink(path)  # a stale socket of a crashed broker; the lock says none is running
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old = os.umask(0o177)  # the socket file is created owner-only (0600)
+    bound = False
     try:
-        sock.bind(path)
-    finally:
-        os.umask(old)
-    os.chmod(path, 0o600)
-    sock.listen(64)
-    sock.setblocking(False)
+        old = os.umask(0o177)  # the socket file is created owner-only (0600)
+        try:
+            sock.bind(path)
+            bound = True
+        finally:
+            os.umask(old)
+        os.chmod(path, 0o600)
+        sock.listen(LISTEN_BACKLOG)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        if bound:
+            os.unlink(path)
+        raise
     return sock

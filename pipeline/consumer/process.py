@@ -3,14 +3,29 @@
     register (four-number contract) -> heartbeat thread -> loop:
         take a batch descriptor from its ring -> map the items' tokens from the segment
         files (zero-copy) -> run the engine -> write every item's result to the results
-        file and flush it -> release the descriptor -> report the completion
+        file (one write, all or nothing: results.py) -> release the descriptor -> report
+        the completion
 
-A completion is reported only after its results are written and flushed: completion means
-the result is safe. Items longer than the contract's max input length come back as empty
-completions with status "too_long"; nothing is dropped. If the broker goes away, the
-consumer reconnects with backoff and registers again; results it wrote for a batch whose
-completion was lost stay in the file, and the redelivered batch's results are written
-again: the run report counts those duplicates by item id.
+A completion is reported only after its results are written: completion means the result
+is safe. Items longer than the contract's max input length come back as empty completions
+with status "too_long"; nothing is dropped. If the broker goes away, the consumer reconnects
+with backoff and registers again; results it wrote for a batch whose completion was lost
+stay in the file, and the redelivered batch's results are written again: the run report
+counts those duplicates by item id.
+
+When things go wrong:
+    broker not there, socket errors, timeouts    reconnect with backoff (RECONNECT_*_S)
+    the broker refuses the registration          FATAL: RegistrationRefusedError out of run()
+                                                 with the broker's reason (exit status 2);
+                                                 the same contract would be refused again
+    results disk full (ENOSPC, EDQUOT)           nothing of that batch is kept and it is not
+                                                 reported complete; say goodbye (the broker
+                                                 takes back every batch held, at once), log
+                                                 a WARNING, wait RESULTS_FULL_FIRST_WAIT_S,
+                                                 doubling up to RESULTS_FULL_MAX_WAIT_S while
+                                                 the disk stays full, register again
+    any other error writing results              FATAL: goodbye, then ResultsWriteError out
+                                                 of run() naming the path and errno
 
 Results file: `results_dir/{name}.jsonl`, one JSON object per item:
     {"item_id", "batch_id", "dispatch_ns", "submit_ns", "done_ns", "pad_to_tokens", "status",
@@ -33,7 +48,16 @@ from itertools import chain
 from pipeline.consumer.credit import DEFAULT_AHEAD_S, MAX_CREDIT, MIN_CREDIT, CreditWindow
 from pipeline.consumer.engines import Engine, EngineBatch, make_engine
 from pipeline.consumer.reader import ReadBatch, SegmentReader
-from pipeline.errors import EntryCompletedError, ProtocolError, RingClosedError
+from pipeline.consumer.results import ResultsFile
+from pipeline.errors import (
+    EntryCompletedError,
+    ProtocolError,
+    RegistrationRefusedError,
+    ResultsDiskFullError,
+    ResultsWriteError,
+    RingClosedError,
+    ShmError,
+)
 from pipeline.layouts import Descriptor, descriptor_size_bytes, parse_descriptor
 from pipeline.protocol import RECONNECT_FIRST_S, RECONNECT_MAX_S, Connection, encode
 from shm.ring import RECORD_ALIGN_BYTES, RECORD_HEADER_SIZE_BYTES, RingReader, align_up
@@ -42,10 +66,22 @@ log = logging.getLogger("pipeline.consumer")
 
 # How long one wait for a descriptor lasts before the loop checks whether to stop.
 POLL_S = 0.2
+# How often the consumer unmaps segments the broker deleted (a mapping keeps a deleted
+# file's space allocated): about a stat per mapped segment each time, nothing per item.
+DROP_DELETED_INTERVAL_S = 1.0
 
 STATUS_OK = "ok"
 STATUS_TOO_LONG = "too_long"
 STATUS_CORRUPT = "corrupt"
+
+# A consumer whose results disk is full waits this long before it registers again, doubling
+# while the disk stays full, up to RESULTS_FULL_MAX_WAIT_S. Space comes back when someone
+# frees it (seconds to minutes), and every retry costs a registration and a batch run for
+# nothing; 30 s bounds how long a consumer idles once space is back. NOTE: retrying at the
+# reconnect backoff (2 s at most) was rejected: that is what made 12,392 registrations in
+# two minutes (issue 11).
+RESULTS_FULL_FIRST_WAIT_S = 1.0
+RESULTS_FULL_MAX_WAIT_S = 30.0
 
 
 @dataclass(slots=True)
@@ -63,8 +99,13 @@ class ConsumerConfig:
     credit: int | None = None  # batches ahead, fixed; None: sized from batch times (credit.py)
     ahead_s: float = DEFAULT_AHEAD_S  # seconds of work kept queued when `credit` is None
     fsync_results: bool = False
+    results_full_first_wait_s: float = RESULTS_FULL_FIRST_WAIT_S  # backoff while the results
+    results_full_max_wait_s: float = RESULTS_FULL_MAX_WAIT_S  # disk is full (see above)
 
     def __post_init__(self) -> None:
+        if not 0 < self.results_full_first_wait_s <= self.results_full_max_wait_s < float("inf"):
+            raise ValueError(f"consumer {self.name}: results full waits {self.results_full_first_wait_s!r} s "
+                             f"to {self.results_full_max_wait_s!r} s must be finite, > 0 and first <= max")
         if self.credit is not None and (isinstance(self.credit, bool) or self.credit < 1):
             raise ValueError(f"consumer {self.name}: credit {self.credit!r} must be at least 1 batch")
         if not self.ahead_s >= 0:
@@ -82,6 +123,33 @@ class ConsumerCounters:
     items_stale: int = 0  # completed elsewhere while this consumer was declared dead
     prompt_tokens: int = 0
     reconnects: int = 0
+    results_disk_full: int = 0  # batches whose results found the disk full (handed back)
+
+
+@dataclass(slots=True)
+class FullDiskBackoff:
+    """How long to wait before registering again while the results disk is full: `first_s`,
+    doubling each time the disk is still full, at most `max_s`; `first_s` again once a
+    batch's results were written since the last wait. Pure. Owner: the consumer's main
+    thread.
+
+    Example, 1 s and 30 s: waits 1, 2, 4, 8, 16, 30, 30, ...; a batch written, then the disk
+    full again: 1.
+    """
+
+    first_s: float
+    max_s: float
+    next_s: float = 0.0
+    batches_at_last_wait: int = -1
+
+    def wait_s(self, batches_written: int) -> float:
+        """The wait after a failure, given how many batches were written so far."""
+        if batches_written != self.batches_at_last_wait:
+            self.next_s = self.first_s
+            self.batches_at_last_wait = batches_written
+        wait = self.next_s
+        self.next_s = min(wait * 2, self.max_s)
+        return wait
 
 
 class _Session:
@@ -92,19 +160,53 @@ class _Session:
     def __init__(self, config: ConsumerConfig) -> None:
         self.conn = Connection.connect(config.socket_path)
         self._send_lock = threading.Lock()
-        reply = self.conn.request({
-            "type": "register_consumer", "model": config.model, "max_batch_items": config.max_batch_items,
-            "max_batch_tokens": config.max_batch_tokens, "max_input_len": config.max_input_len,
-            "pid": os.getpid(), "gpu": config.gpu, "name": config.name,
-        })
+        try:
+            reply = self._register(config)
+            self.ring = RingReader.attach(reply["descriptor_ring"])
+        except BaseException:
+            self.conn.close()
+            raise
         self.consumer_id = reply["consumer_id"]
         self.data_dir = reply["data_dir"]
-        self.ring = RingReader.attach(reply["descriptor_ring"])
         self._interval_s = float(reply["heartbeat_timeout_s"]) / 4
         self._stop = threading.Event()
         self._broken = threading.Event()
         self._heartbeat = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
         self._heartbeat.start()
+
+    def _register(self, config: ConsumerConfig) -> dict:
+        """The broker's `registered` reply. RegistrationRefusedError if it answers with an
+        error (fatal: the same registration would be refused again); ProtocolError for any
+        other reply, TimeoutError, OSError (transient: the caller retries)."""
+        self.conn.send({
+            "type": "register_consumer", "model": config.model, "max_batch_items": config.max_batch_items,
+            "max_batch_tokens": config.max_batch_tokens, "max_input_len": config.max_input_len,
+            "pid": os.getpid(), "gpu": config.gpu, "name": config.name,
+        })
+        reply = self.conn.receive()
+        if reply["type"] == "error":
+            raise RegistrationRefusedError(f"the broker at {config.socket_path} refused consumer {config.name!r} "
+                                           f"(max batch {config.max_batch_items} items, {config.max_batch_tokens} "
+                                           f"tokens, max input {config.max_input_len}): {reply['message']}")
+        if reply["type"] != "registered":
+            raise ProtocolError(f"register_consumer: the broker answered {reply['type']!r}, not 'registered'")
+        return reply
+
+    def hand_back(self) -> int:
+        """Say goodbye, so the broker returns every batch this consumer holds to dispatch at
+        once; how many it held by this side's count (the one in hand and those queued in
+        the ring). A broker already gone returns them when it notices the disconnect."""
+        held = 1
+        try:
+            while self.ring.poll() is not None:
+                held += 1
+        except ShmError:
+            pass  # a damaged ring: the broker takes back what it dispatched all the same
+        try:
+            self.send({"type": "goodbye"})
+        except OSError:
+            pass
+        return held
 
     def _beat(self) -> None:
         while not self._stop.wait(self._interval_s):
@@ -144,15 +246,31 @@ class Consumer:
             os.environ["CUDA_VISIBLE_DEVICES"] = str(config.gpu)  # before any engine touches CUDA
         self.config = config
         self.engine = engine or make_engine(config.engine, **config.engine_options)
-        os.makedirs(config.results_dir, mode=0o700, exist_ok=True)
         self.results_path = os.path.join(config.results_dir, f"{config.name}.jsonl")
-        self._results = open(self.results_path, "a", encoding="utf-8")
+        self._results = ResultsFile(self.results_path, fsync=config.fsync_results)
+        if self._results.torn_tail_found:
+            log.warning("%s: %s ended in a torn line (a consumer killed while writing): it is terminated "
+                        "where it stands, at byte %d, and counted as a bad line by the accounting",
+                        config.name, self.results_path, self._results.size_at_open_bytes)
         self.counters = ConsumerCounters()
         self._reader: SegmentReader | None = None
 
     def run(self, stop) -> None:
-        """Serve batches until `stop()` is true, reconnecting whenever the broker goes away."""
+        """Serve batches until `stop()` is true, reconnecting whenever the broker goes away.
+        Raises RegistrationRefusedError (the broker refused this consumer) and
+        ResultsWriteError (results cannot be written, the disk being full aside): both are
+        fatal. The results file and the segment maps are closed either way."""
+        try:
+            self._serve_sessions(stop)
+        finally:
+            self._results.close()
+            if self._reader is not None:
+                self._reader.close()
+                self._reader = None
+
+    def _serve_sessions(self, stop) -> None:
         backoff = RECONNECT_FIRST_S
+        full_disk = FullDiskBackoff(self.config.results_full_first_wait_s, self.config.results_full_max_wait_s)
         while not stop():
             try:
                 session = _Session(self.config)
@@ -162,23 +280,36 @@ class Consumer:
                 backoff = min(backoff * 2, RECONNECT_MAX_S)
                 continue
             backoff = RECONNECT_FIRST_S
+            pause_s = 0.0
             try:
                 self._serve(session, stop)
+            except ResultsDiskFullError as exc:
+                self.counters.results_disk_full += 1
+                held = session.hand_back()
+                pause_s = full_disk.wait_s(self.counters.batches)
+                log.warning("%s: results disk full: %s; handing back %d batches, retrying in %g s",
+                            self.config.name, exc, held, pause_s)
+            except ResultsWriteError:
+                session.hand_back()
+                raise
             except (OSError, ConnectionError, RingClosedError, TimeoutError, ProtocolError) as exc:
                 log.warning("%s: lost the broker (%s); reconnecting", self.config.name, exc)
                 self.counters.reconnects += 1
             finally:
                 session.close()
-        self._results.close()
-        if self._reader is not None:
-            self._reader.close()
+            if pause_s:
+                _sleep_unless(stop, pause_s)
 
     def _serve(self, session: _Session, stop) -> None:
         if self._reader is None or self._reader.root != os.path.join(session.data_dir, "segments"):
             self._reader = SegmentReader(session.data_dir)
         credit = self._credit_window(session.ring)
         session.send({"type": "request_work", "credit": credit.start()})
+        sweep_s = time.monotonic() + DROP_DELETED_INTERVAL_S
         while not stop():
+            if time.monotonic() >= sweep_s:
+                self._reader.drop_deleted()  # a deleted segment's space is freed only once unmapped
+                sweep_s = time.monotonic() + DROP_DELETED_INTERVAL_S
             record = session.ring.peek(timeout_s=POLL_S)
             if record is None:
                 session.check_open()  # a broker that went away is noticed within POLL_S
@@ -204,7 +335,9 @@ class Consumer:
         return CreditWindow(self.config.ahead_s, min(MIN_CREDIT, fits), min(MAX_CREDIT, fits))
 
     def run_batch(self, descriptor: Descriptor) -> dict:
-        """Run one batch and write its results (flushed); return the completion's summary."""
+        """Run one batch and write its results; return the completion's summary. A failed
+        write raises ResultsWriteError (ResultsDiskFullError for a full disk) with nothing of
+        the batch in the file and nothing counted."""
         got = self._reader.read_batch(descriptor.model, descriptor.signature, descriptor.items)
         lines: list[str] = []
         statuses = {STATUS_OK: 0, STATUS_TOO_LONG: 0, STATUS_CORRUPT: 0}
@@ -258,10 +391,19 @@ class Consumer:
         )
 
     def _write(self, lines: list[str]) -> None:
-        self._results.write("\n".join(lines) + "\n")
-        self._results.flush()  # in the page cache: survives kill -9 of this process
-        if self.config.fsync_results:
-            os.fsync(self._results.fileno())
+        # One os.write: in the page cache when it returns (survives kill -9 of this
+        # process), on disk too with fsync_results. The lines are ASCII (see `_line`).
+        self._results.write(("\n".join(lines) + "\n").encode())
+
+
+def _sleep_unless(stop, seconds: float) -> None:
+    """Sleep `seconds`, waking every POLL_S to return early once `stop()` is true."""
+    deadline = time.monotonic() + seconds
+    while not stop():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        time.sleep(min(left, POLL_S))
 
 
 def descriptors_that_fit(capacity_bytes: int, max_batch_items: int) -> int:

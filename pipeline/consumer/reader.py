@@ -58,6 +58,7 @@ class _Mapping:
     view: memoryview
     words: np.ndarray  # uint64, for gathering entry headers
     tokens: np.ndarray  # int32, for slicing token views
+    identity: tuple[int, int]  # (st_dev, st_ino) of the file mapped: a deleted one is dropped
 
 
 @dataclass(slots=True)
@@ -123,14 +124,35 @@ class SegmentReader:
             self._drop(path)
         with open(path, "rb") as file:
             mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+            info = os.fstat(file.fileno())
         view = memoryview(mapping)
         if len(view) < end:
             raise SegmentCorruptError(f"{path}: {len(view)} bytes, but an entry is said to end at {end}")
         entry = self._maps[path] = _Mapping(mapping, view, np.frombuffer(view, dtype=np.uint64, count=len(view) // 8),
-                                            np.frombuffer(view, dtype=TOKEN_DTYPE, count=len(view) // TOKEN_SIZE_BYTES))
+                                            np.frombuffer(view, dtype=TOKEN_DTYPE, count=len(view) // TOKEN_SIZE_BYTES),
+                                            (info.st_dev, info.st_ino))
         while len(self._maps) > self.open_maps_max:
             self._drop(next(iter(self._maps)))
         return entry
+
+    def drop_deleted(self) -> int:
+        """Unmap the segments deleted since they were mapped (the broker deletes a segment
+        whole once every entry is completed); how many. A mapping keeps a deleted file's
+        space allocated, so without this a consumer holding its last 128 segments kept a
+        disk the store had filled from ever draining (tests/runtime/test_disk_full.py).
+        One stat per mapping: for a caller that sweeps about once a second."""
+        gone = []
+        for path, entry in self._maps.items():
+            try:
+                info = os.stat(path)
+            except FileNotFoundError:
+                gone.append(path)
+                continue
+            if (info.st_dev, info.st_ino) != entry.identity:
+                gone.append(path)  # deleted and made again under the same name
+        for path in gone:
+            self._drop(path)
+        return len(gone)
 
     def _drop(self, path: str) -> None:
         entry = self._maps.pop(path)
@@ -206,7 +228,16 @@ class SegmentReader:
         offsets = items["offset"].astype(np.int64)
         lengths = items["length"].astype(np.int64)
         token_starts = offsets + ENTRY_HEADER_SIZE_BYTES
-        mapped = self._mapped(path, int((token_starts + lengths * TOKEN_SIZE_BYTES).max()))
+        try:
+            mapped = self._mapped(path, int((token_starts + lengths * TOKEN_SIZE_BYTES).max()))
+        except (SegmentCorruptError, OSError) as exc:
+            # The file is gone, cut short or unreadable: every item of it fails, named, and
+            # the consumer answers each with a "corrupt" result (never a lost broker).
+            why = exc if isinstance(exc, SegmentCorruptError) else SegmentCorruptError(
+                f"{path}: cannot map the segment ({exc.strerror})")
+            out.failed += [(item_id, length, why.with_traceback(None)) for item_id, length in
+                           zip(items["item_id"].tolist(), items["length"].tolist())]
+            return
         headers = mapped.words[(offsets >> 3)[:, None] + _HEADER_WORDS].view(ENTRY_HEADER_DTYPE).reshape(-1)
         payload_lens = headers["payload_len"].astype(np.int64)
         ends = (token_starts + lengths * TOKEN_SIZE_BYTES + payload_lens + ENTRY_ALIGN_BYTES - 1) & ~(ENTRY_ALIGN_BYTES - 1)
@@ -239,6 +270,8 @@ class SegmentReader:
         for offset, length, item_id in zip(items["offset"].tolist(), items["length"].tolist(), items["item_id"].tolist()):
             try:
                 out.add(self.read(model, signature, lane, segment_seq, offset, length, item_id))
+            except OSError as exc:  # the file went away between the column read and this one
+                out.failed.append((item_id, length, SegmentCorruptError(f"cannot map the segment ({exc.strerror})")))
             except (EntryCompletedError, SegmentCorruptError) as exc:
                 # Without its traceback: the frames it holds would hold `out`, a cycle that
                 # keeps a segment's mapping open until the (rarely run) cycle collector.

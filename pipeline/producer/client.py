@@ -17,8 +17,10 @@ import socket
 import threading
 import time
 
+import numpy as np
+
 from pipeline.producer.producer import DEFAULT_RING_CAPACITY_BYTES, Producer, ProducerLimits
-from pipeline.errors import ProtocolError
+from pipeline.errors import ProducerRefusedError, ProtocolError
 from pipeline.protocol import RECONNECT_FIRST_S, RECONNECT_MAX_S, Connection
 from shm.ring import RingWriter
 
@@ -51,6 +53,9 @@ class BrokerProducer(Producer):
             raise
         self._conn_lock = threading.Lock()
         self._closing = threading.Event()
+        # Why the broker refused this producer, once it has (set by the watcher thread, read
+        # by the submitting one: a str reference, replaced whole).
+        self.refused: str | None = None
         self._monitor = threading.Thread(target=self._watch_broker, name="broker-watch", daemon=True)
         self._monitor.start()
 
@@ -58,12 +63,15 @@ class BrokerProducer(Producer):
         """Notice the broker going away (end of file on the socket) and register again with
         the same producer id, so the next broker reattaches this ring. Submits never wait
         for this: records keep landing in the ring (until it is full: backpressure)."""
-        while not self._closing.is_set():
+        while not self._closing.is_set() and self.refused is None:
             try:
-                self.conn.receive(timeout_s=None)
+                message = self.conn.receive(timeout_s=None)
             except (OSError, ConnectionError, ProtocolError):
                 if not self._closing.is_set():
                     self._reconnect()
+                continue
+            if message["type"] == "error":
+                self.refused = message["message"]  # the broker closes the connection next
 
     def _reconnect(self) -> None:
         backoff = RECONNECT_FIRST_S
@@ -73,10 +81,11 @@ class BrokerProducer(Producer):
                 conn = Connection.connect(self.socket_path)
                 conn.request({"type": "register_producer", "pid": os.getpid(), "producer_id": self.producer_id})
                 conn.send({"type": "producer_ready", "ring": self.ring.name})
-            except ProtocolError:
+            except ProtocolError as exc:
                 if conn is not None:
                     conn.close()
-                return  # the broker refused this producer (it says why in its log): stop asking
+                self.refused = self.refused or str(exc)
+                return  # the broker refused this producer: stop asking
             except (OSError, TimeoutError):
                 if conn is not None:
                     conn.close()  # a half-made registration must not linger at the broker
@@ -96,6 +105,7 @@ class BrokerProducer(Producer):
         published; TimeoutError if that takes longer than `timeout_s`."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while self.ring.read_pos != self.ring.write_pos:
+            self._check_refused()
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(
                     f"producer {self.producer_id}: {self.ring.write_pos - self.ring.read_pos} bytes "
@@ -103,22 +113,52 @@ class BrokerProducer(Producer):
                 )
             time.sleep(DRAIN_POLL_S)
 
+    def _check_refused(self) -> None:
+        if self.refused is not None:
+            raise ProducerRefusedError(
+                f"producer {self.producer_id}: the broker refused it ({self.refused}); "
+                f"{self.ring.write_pos - self.ring.read_pos} bytes of records it published were not "
+                f"stored and stay in its ring {self.ring.name}")
+
+    def submit_many(self, *args, **kwargs) -> np.ndarray:
+        """`Producer.submit_many`, refused at once (ProducerRefusedError) once the broker has
+        refused this producer: nothing it submits would be stored."""
+        self._check_refused()
+        return super().submit_many(*args, **kwargs)
+
     def close(self, timeout_s: float | None = None) -> None:
         """Wait until the broker has stored everything published, unregister, then remove
         the ring. (Waiting first: a broker that restarts meanwhile must still find the ring
-        registered to drain it.)"""
-        self.wait_stored(timeout_s)
+        registered to drain it.) If the wait fails (TimeoutError, ProducerRefusedError), the
+        ring stays, with what was not stored, and the connection is closed."""
+        try:
+            self.wait_stored(timeout_s)
+        except BaseException:
+            self._closing.set()
+            self._hang_up()
+            del self._tokens_view
+            self._buf = None  # type: ignore[assignment]
+            self.ring.close(mark_closed=False)  # not done: a later broker may still store it
+            raise
         self._closing.set()
         with self._conn_lock:
             try:
                 self.conn.send({"type": "unregister_producer"})
             except OSError:
                 pass  # the broker is gone; nothing is left in the ring for it
-            self.conn.sock.shutdown(socket.SHUT_RDWR)
-            self.conn.close()
-        self._monitor.join(timeout=5)
+        self._hang_up()
         super().close()
         self.unlink()
+
+    def _hang_up(self) -> None:
+        """Close the connection and stop the watcher (shutdown wakes its blocked receive)."""
+        with self._conn_lock:
+            try:
+                self.conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # never connected, or already reset by the broker
+            self.conn.close()
+        self._monitor.join(timeout=5)
 
     def __enter__(self) -> BrokerProducer:
         return self

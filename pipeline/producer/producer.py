@@ -29,6 +29,7 @@ from pipeline.errors import (
     TokenArrayError,
 )
 from pipeline.layouts import (
+    DEFAULT_MAX_MODELS,
     FRAME_HEADER_SIZE_BYTES,
     FRAME_HEADER_STRUCT,
     FRAME_MAGIC,
@@ -37,6 +38,7 @@ from pipeline.layouts import (
     ITEM_HEADER_SIZE_BYTES,
     MAX_PRODUCER_ID,
     MAX_SEQ,
+    MODEL_ID_LIMIT,
     SINGLE_ITEM_FRAME_STRUCT,
     TOKEN_SIZE_BYTES,
     ItemId,
@@ -52,8 +54,6 @@ DEFAULT_MAX_ITEM_TOKENS = 262_144
 # 64 KiB: a payload is routing metadata returned with the result (ids, a reply address),
 # not a document; anything bigger belongs in the prompt or in the caller's own store.
 DEFAULT_MAX_PAYLOAD_BYTES = 65_536
-# Model ids index per-model broker state; one node serves a handful, 1,024 leaves room.
-DEFAULT_MAX_MODELS = 1024
 # Items per frame in submit_many: 4,096 items of 256 tokens make a 4 MiB frame, large
 # enough that per-frame costs vanish, small enough that a 64 MiB ring holds 16 in flight.
 DEFAULT_FRAME_ITEMS = 4096
@@ -72,13 +72,25 @@ _NO_TIMEOUT = object()
 
 @dataclass(frozen=True, slots=True)
 class ProducerLimits:
-    """What a producer accepts. The broker checks the same limits again on ingest."""
+    """What a producer accepts. The broker checks the same limits again on ingest. Each is
+    checked on construction: `max_models` is at most MODEL_ID_LIMIT (what a segment
+    directory name holds), the others at least 1."""
 
     max_item_tokens: int = DEFAULT_MAX_ITEM_TOKENS
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     max_models: int = DEFAULT_MAX_MODELS
     frame_items: int = DEFAULT_FRAME_ITEMS
     frame_bytes: int = DEFAULT_FRAME_BYTES
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_models <= MODEL_ID_LIMIT:
+            raise ModelIdError(f"max_models {self.max_models} must be in [1, {MODEL_ID_LIMIT}] (a segment "
+                               f"directory name holds model ids below {MODEL_ID_LIMIT})")
+        for name in ("max_item_tokens", "frame_items", "frame_bytes"):
+            if getattr(self, name) < 1:
+                raise BadInputError(f"producer limit {name} {getattr(self, name)} must be at least 1")
+        if self.max_payload_bytes < 0:
+            raise BadInputError(f"producer limit max_payload_bytes {self.max_payload_bytes} must be >= 0")
 
 
 def coerce_tokens(tokens: object, where: str = "tokens") -> np.ndarray:

@@ -370,7 +370,11 @@ def _parse_own(record: dict, line: int, limits: ProducerLimits,
     text = record.get("payload", "")
     if not isinstance(text, str):
         raise WorkloadError(f"payload must be a string, got {_show(text)}")
-    payload = text.encode("utf-8")
+    try:
+        payload = text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800") is valid JSON, not UTF-8
+        raise WorkloadError(f"payload is not valid Unicode text ({exc.reason} at character {exc.start}: "
+                            f"{text[exc.start:exc.end]!r})") from exc
     if len(payload) > limits.max_payload_bytes:
         raise WorkloadError(f"payload of {len(payload)} bytes, limit {limits.max_payload_bytes}")
     key = tuple(c.tobytes() for c in components)

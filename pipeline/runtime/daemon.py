@@ -46,9 +46,16 @@ def write_pid_file(path: str) -> None:
     """This process's pid and start time (so a recycled pid is never taken for it)."""
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     temporary = f"{path}.{os.getpid()}.tmp"
-    with open(temporary, "w") as file:
+    with open(_owner_only(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w") as file:
         file.write(f"{os.getpid()} {psutil.Process().create_time()!r}\n")
     os.replace(temporary, path)
+
+
+def _owner_only(path: str, flags: int) -> int:
+    """Open `path` with mode 0600 whatever the umask (an existing file is made 0600 too)."""
+    fd = os.open(path, flags, 0o600)
+    os.fchmod(fd, 0o600)
+    return fd
 
 
 def remove_pid_file(path: str) -> None:
@@ -107,7 +114,7 @@ def detach(argv: list[str], files: StageFiles, ready: Callable[[int], bool]) -> 
     file) and wait until `ready(pid)`; returns its pid. RuntimeError if it exits first (the
     log file says why), TimeoutError if it is not ready in time (it is then killed)."""
     os.makedirs(os.path.dirname(files.log_path), mode=0o700, exist_ok=True)
-    log = open(files.log_path, "ab")
+    log = open(_owner_only(files.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), "ab")
     try:
         child = subprocess.Popen([sys.executable, "-m", "pipeline", *argv], stdin=subprocess.DEVNULL,
                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -116,13 +123,29 @@ def detach(argv: list[str], files: StageFiles, ready: Callable[[int], bool]) -> 
     deadline = time.monotonic() + DETACH_READY_TIMEOUT_S
     while time.monotonic() < deadline:
         if child.poll() is not None:
-            raise RuntimeError(f"it exited with status {child.returncode}; see {files.log_path}")
+            raise RuntimeError(f"it exited with status {child.returncode}: {_last_line(files.log_path)} "
+                               f"(log: {files.log_path})")
         if ready(child.pid):
             return child.pid
         time.sleep(POLL_S)
     child.kill()
     child.wait()
     raise TimeoutError(f"not ready after {DETACH_READY_TIMEOUT_S} s; see {files.log_path}")
+
+
+# How much of a stage's log end is read to say why it exited: its last message is there.
+LOG_TAIL_BYTES = 4096
+
+
+def _last_line(log_path: str) -> str:
+    """The last non-empty line of a log file (what a stage that exited said last)."""
+    try:
+        with open(log_path, "rb") as file:
+            file.seek(max(0, os.fstat(file.fileno()).st_size - LOG_TAIL_BYTES))
+            lines = [line for line in file.read().decode(errors="replace").splitlines() if line.strip()]
+    except OSError as exc:
+        return f"(its log cannot be read: {exc.strerror})"
+    return lines[-1].strip() if lines else "(its log is empty)"
 
 
 def stop_stage(path: str, timeout_s: float) -> str:

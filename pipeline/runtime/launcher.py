@@ -6,17 +6,26 @@
 What a run does, in order:
     1. the broker (its data directory: given, or a temporary one removed afterwards);
     2. one consumer per GPU (pinned with CUDA_VISIBLE_DEVICES), or `consumers` CPU ones;
-    3. the producers, each feeding its round-robin share of the workload;
+    3. the producers, each feeding its round-robin share of the workload and recording in a
+       shared ledger how many items it has put into its ring;
     4. a watch loop: the broker's status twice a second -> live progress; the run is done
-       when every producer has handed over its share and nothing is queued or pending;
+       when every producer has handed over its share and nothing is queued or pending. A
+       broker that does not answer but lives (paused, or stalled on a slow disk) is waited
+       for; a full disk pauses ingest, and the run waits for space;
     5. the stop, in dependency order: producers (already gone), consumers (each finishes its
        batch in hand), then the broker;
-    6. the report: the broker's final counters against the consumers' results files.
+    6. the stock-taking (`accounting.take_stock`): every item the producers accepted, and every
+       item the broker took over from an earlier run, is found by id with a result, in the
+       store or in a producer ring, or counted lost;
+    7. the report: the broker's final counters, the results files and the stock.
 
 Ctrl-C (SIGINT) reaches only this process (children run in their own process groups): the
 first one stops the run in the order above and still prints the report of what was done; a
-second one kills every child. Either way no process and no shared-memory object is left:
-what a killed child could not unlink, this process removes (it owns the run).
+second one kills every child. Either way no process is left, and no shared-memory object
+but the producer rings that still hold records the broker never stored: where the store
+outlives the run (the disk tier), those rings stay for the next broker on the data directory,
+which stores them before anything else. A run that fails (a child died) on a temporary data
+directory keeps that directory when it holds unfinished work, and says how to finish it.
 
 Results of a run go to `data_dir/results/run-<UTC time>/`, one JSON-lines file per consumer,
 so a data directory reused across runs never mixes two runs' accounting.
@@ -33,18 +42,20 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from pipeline.accounting import summarize_results
+import numpy as np
+import psutil
+
+from pipeline.accounting import Stock, summarize_results, take_stock
 from pipeline.broker.service import BrokerConfig
-from pipeline.broker.storage.inspect import live_item_ids
-from pipeline.errors import ProtocolError
 from pipeline.consumer.process import ConsumerConfig
+from pipeline.errors import PipelineError
 from pipeline.producer.workload import Workload
 from pipeline.runtime.gpus import detect_gpus
+from pipeline.runtime.inventory import ProducerLedger, RingStock, producer_ring_names, ring_stock, store_item_ids
 from pipeline.runtime.local import (
     CTX,
     STOP_POLL_S,
     broker_status,
-    dispatched_segments,
     own_process_group,
     remove_leftovers,
     start_child,
@@ -52,6 +63,7 @@ from pipeline.runtime.local import (
     start_consumer,
     stop_process,
 )
+from pipeline.runtime.processes import memory_tier_dir
 from pipeline.runtime.settings import DEFAULT_CPU_CONSUMERS, LaunchSettings
 from pipeline.runtime.signals import stop_on_signals
 
@@ -59,8 +71,12 @@ log = logging.getLogger("pipeline.launch")
 
 # How often the watch loop asks the broker for its status (and redraws the progress).
 WATCH_INTERVAL_S = 0.5
-# How long a stopping producer may wait for the broker to store what it already published.
+# How long a stopping producer may wait for the broker to store what it already published
+# before it is killed (its ring then keeps what was not stored, for the next broker).
 PRODUCER_STOP_TIMEOUT_S = 30.0
+# How often a producer waiting for the broker to store its records checks that its parent
+# still lives (an orphan leaves its ring for the next broker and exits).
+ORPHAN_CHECK_S = 1.0
 # How long a consumer may take to finish its batch in hand, and the broker to close its
 # files, before they are killed.
 STOP_TIMEOUT_S = 30.0
@@ -68,6 +84,9 @@ STOP_TIMEOUT_S = 30.0
 # is the clearer message, and a killed process can take a moment to be reaped on a loaded
 # machine (1 s was seen to fall short).
 BROKER_EXIT_WAIT_S = 5.0
+# A broker that lives but does not answer (SIGSTOP, a VM pause, a disk stall) is waited for;
+# the launcher says so this often.
+UNANSWERED_WARN_INTERVAL_S = 10.0
 EXIT_OK = 0
 EXIT_FAILED = 1
 # The shell's convention for a process stopped by SIGINT.
@@ -82,12 +101,16 @@ class LaunchOutcome:
     data_dir: str
     results_dir: str
     history: list = field(default_factory=list)
+    data_dir_kept: bool = False  # a temporary data directory kept for its unfinished work
 
 
 def _produce_main(socket_path: str, workload: Workload, index: int, count: int,
-                  replay_speed: float | None) -> None:
-    """A producer process: feed its share, then wait until the broker stored all of it.
-    SIGTERM stops the feed between submit calls; what went in is still handed over."""
+                  replay_speed: float | None, ledger: ProducerLedger) -> None:
+    """A producer process: feed its share, then wait until the broker stored all of it,
+    however long that takes (a full disk, a broker restart): the launcher decides when to
+    give up. SIGTERM stops the feed between submit calls; what went in is still handed over.
+    Every submit call is recorded in the ledger (how many items are in the ring)."""
+    parent = os.getppid()
     own_process_group()
     stop = stop_on_signals((signal.SIGTERM,))
     from pipeline.producer.client import BrokerProducer
@@ -96,15 +119,36 @@ def _produce_main(socket_path: str, workload: Workload, index: int, count: int,
     code = 0
     try:
         client = BrokerProducer(socket_path)
+        ledger.registered(index, client.producer_id)
         try:
             items = itertools.takewhile(lambda _item: not stop(), workload.items(index, count))
-            feed(client, items, replay_speed=replay_speed)
+            feed(client, items, replay_speed=replay_speed,
+                 on_progress=lambda _totals: ledger.published(index, client.next_seq))
         finally:
-            client.close(timeout_s=PRODUCER_STOP_TIMEOUT_S)
+            ledger.published(index, client.next_seq)
+            _hand_over(client, parent)
     except Exception as exc:  # noqa: BLE001 - a child reports any failure by its status
         log.error("producer %d: %s: %s", index, type(exc).__name__, exc)
         code = 1
     os._exit(code)
+
+
+def _hand_over(client, parent: int) -> None:
+    """Wait until the broker stored everything the producer published, for as long as its
+    parent (the launcher, or `produce`) lives; then unregister and remove the ring. An
+    orphan (its parent was killed: the broker is stopping too) gives up the wait and leaves
+    its ring as it is, with what is not stored, for the next broker on the data directory
+    (TimeoutError: the producer fails)."""
+    while True:
+        try:
+            client.wait_stored(timeout_s=ORPHAN_CHECK_S)
+        except TimeoutError:
+            if os.getppid() == parent:
+                continue
+            client.close(timeout_s=0)  # TimeoutError unless all got stored meanwhile: the ring stays
+            return
+        client.close()
+        return
 
 
 @dataclass(slots=True)
@@ -136,12 +180,15 @@ class Interrupts:
         return self.count >= 2
 
 
-def start_producers(socket_path: str, workload: Workload, count: int, replay_speed: float | None) -> list:
-    """`count` producer processes, producer k feeding items k, k + count, ... of `workload`."""
+def start_producers(socket_path: str, workload: Workload, count: int, replay_speed: float | None,
+                    ledger: ProducerLedger) -> list:
+    """`count` producer processes, producer k feeding items k, k + count, ... of `workload`
+    and recording what it published in slot k of `ledger`."""
+    assert ledger.producers == count, (ledger.producers, count)
     processes = []
     for index in range(count):
         process = CTX.Process(target=_produce_main, name=f"producer-{index}",
-                              args=(socket_path, workload, index, count, replay_speed))
+                              args=(socket_path, workload, index, count, replay_speed, ledger))
         start_child(process)
         processes.append(process)
     return processes
@@ -151,20 +198,36 @@ def start_producers(socket_path: str, workload: Workload, count: int, replay_spe
 class FeedOutcome:
     failed: int  # producers that exited with an error
     interrupted: bool  # Ctrl-C: the producers stopped feeding and handed over what they had
+    published: int  # items the producers put into their rings (the ledger's count)
+    forced: bool  # a second Ctrl-C killed producers that were still waiting
+    producer_ids: list[int]  # the broker's ids of the producers that registered
 
 
-def feed_processes(socket_path: str, workload: Workload, count: int, replay_speed: float | None) -> FeedOutcome:
+def feed_processes(socket_path: str, workload: Workload, count: int, replay_speed: float | None,
+                   on_wait=None, on_stopping=None) -> FeedOutcome:
     """Feed `workload` through `count` producer processes and wait until all of it is stored
     (or Ctrl-C: the producers then stop feeding and hand over what they submitted; a second
-    Ctrl-C kills them)."""
+    Ctrl-C kills them, and their rings keep what was not stored yet). `on_wait(published)`
+    is called every second while producers run (`produce` reports the broker's state), and
+    `on_stopping()` once at the first Ctrl-C while producers still run."""
     interrupts = Interrupts.install()
-    processes = start_producers(socket_path, workload, count, replay_speed)
+    ledger = ProducerLedger.create(CTX, count)
+    processes = start_producers(socket_path, workload, count, replay_speed, ledger)
+    next_report_s = time.monotonic() + 1.0
     while any(p.is_alive() for p in processes) and not interrupts.stopping():
         processes[0].join(STOP_POLL_S)  # any of them: the loop checks them all
+        if on_wait is not None and time.monotonic() >= next_report_s:
+            on_wait(ledger.total_published())
+            next_report_s = time.monotonic() + 1.0
+    if on_stopping is not None and interrupts.stopping() and any(p.is_alive() for p in processes):
+        on_stopping()
     for process in processes:
-        stop_process(process, timeout_s=PRODUCER_STOP_TIMEOUT_S, forced=interrupts.forcing)
-    return FeedOutcome(sum(1 for p in processes if p.exitcode != 0 and not interrupts.stopping()),
-                       interrupts.stopping())
+        # Stopping: a producer still waits for the broker to store what it published, for
+        # as long as that takes (a full disk): only a second Ctrl-C kills it.
+        stop_process(process, timeout_s=float("inf"), forced=interrupts.forcing)
+    failed = sum(1 for p in processes if p.exitcode != 0 and not interrupts.stopping())
+    return FeedOutcome(failed, interrupts.stopping(), ledger.total_published(), interrupts.forcing(),
+                       [producer_id for producer_id, _published in ledger.entries()])
 
 
 class Launcher:
@@ -187,9 +250,12 @@ class Launcher:
         self.broker = None
         self.consumers: list = []
         self.producers: list = []
+        self.ledger = ProducerLedger.create(CTX, settings.producers)
         self.metrics = None
         self.interrupts = Interrupts()
-        self._unfinished_ids: set[int] | None = None  # read from the store on an early stop
+        self.keep_data_dir = False
+        self._store_ids: np.ndarray | None = None  # the store's live item ids, once read
+        self._first_status: dict | None = None
 
     def run(self) -> LaunchOutcome:
         self.interrupts = Interrupts.install()
@@ -201,11 +267,15 @@ class Launcher:
             self._start()
             final, why = self._watch(stop)
             code = {"completed": EXIT_OK, "interrupted": EXIT_INTERRUPTED}.get(why, EXIT_FAILED)
-        finally:
-            final = self._stop(final)
-        wall_s = time.monotonic() - started_s
-        report = self._report(final, wall_s, completed=why == "completed")
-        return LaunchOutcome(report, code, why, self.data_dir, self.results_dir)
+        except BaseException:
+            # A start that failed (a broker that cannot start, a metrics port in use): stop
+            # what did start and remove what it left, keeping rings that hold records.
+            self._stop(final, completed=False)
+            self._clean_up(ring_stock(producer_ring_names(self.data_dir)), keep_rings=self.settings.storage == "disk")
+            raise
+        final = self._stop(final, completed=why == "completed")
+        report = self._finish(final, time.monotonic() - started_s, why)
+        return LaunchOutcome(report, code, why, self.data_dir, self.results_dir, data_dir_kept=self.keep_data_dir)
 
     # ----------------------------------------------------------------- start
 
@@ -221,7 +291,8 @@ class Launcher:
             self.on_metrics(self.metrics.port)
         for config in self.consumer_configs():
             self.consumers.append(start_consumer(config))
-        self.producers = start_producers(self.config.socket_path, self.workload, s.producers, s.replay_speed)
+        self.producers = start_producers(self.config.socket_path, self.workload, s.producers, s.replay_speed,
+                                         self.ledger)
 
     def consumer_configs(self) -> list[ConsumerConfig]:
         """One consumer per GPU (or `consumers` of them, spread over the GPUs), each serving one
@@ -249,6 +320,8 @@ class Launcher:
     def _watch(self, stop) -> tuple[dict, str]:
         """Poll the broker until the run is done, interrupted, or a process failed."""
         status: dict = {}
+        unanswered_since_s: float | None = None
+        warned_s = 0.0
         while True:
             if stop():
                 return status, "interrupted"
@@ -257,9 +330,21 @@ class Launcher:
                 return status, failed
             try:
                 status = broker_status(self.config.socket_path)
-            except (OSError, TimeoutError) as exc:
-                self.broker.join(BROKER_EXIT_WAIT_S)  # a dying broker resets connections first
-                return status, self._failure() or f"the broker stopped answering: {exc}"
+                unanswered_since_s = None
+            except (OSError, TimeoutError, PipelineError) as exc:
+                self.broker.join(BROKER_EXIT_WAIT_S if unanswered_since_s is None else STOP_POLL_S)
+                if not self.broker.is_alive():  # a dying broker resets connections first
+                    return status, self._failure() or f"the broker stopped answering: {exc}"
+                now_s = time.monotonic()
+                unanswered_since_s = unanswered_since_s or now_s
+                if now_s - warned_s >= UNANSWERED_WARN_INTERVAL_S:
+                    warned_s = now_s
+                    log.warning("the broker (pid %d, %s) has not answered for %.0f s (%s); waiting for it "
+                                "(Ctrl-C stops the run)", self.broker.pid, _process_state(self.broker.pid),
+                                now_s - unanswered_since_s, exc)
+                continue
+            if self._first_status is None:
+                self._first_status = status
             self.on_status(status, time.monotonic())
             if self._done(status):
                 return status, "completed"
@@ -280,14 +365,15 @@ class Launcher:
         if any(process.exitcode is None for process in self.producers):
             return False
         received = status["items_received"] + status["items_recovered"]
-        return received >= len(self.workload) and status["backlog_items"] == 0 and status["pending_items"] == 0
+        return received >= self.ledger.total_published() and status["backlog_items"] == 0 \
+            and status["pending_items"] == 0
 
     # ----------------------------------------------------------------- stop
 
-    def _stop(self, final: dict | None) -> dict | None:
+    def _stop(self, final: dict | None, completed: bool) -> dict | None:
         """Stop every child in dependency order; a second Ctrl-C kills them instead, and so
         does a dead broker (producers would wait for it to store their records, in vain; what
-        it stored stays in the data directory). Returns the broker's last status."""
+        they published stays in their rings). Returns the broker's last status."""
         def forced() -> bool:  # a second Ctrl-C, or a dead broker: nobody to hand work to
             return self.interrupts.forcing() or self.broker is None or not self.broker.is_alive()
 
@@ -299,30 +385,15 @@ class Launcher:
             fresh = self._fresh_status()
             if fresh is not None:
                 final = fresh
-                self._unfinished_ids = self._read_unfinished(final)
+            if not completed and self.settings.storage == "memory":
+                # The memory tier's files go with its broker: read them while nothing can
+                # change them any more (producers and consumers are stopped and drained).
+                self._store_ids = store_item_ids(memory_tier_dir(self.data_dir))
         if self.metrics is not None:
             self.metrics.close()
         if self.broker is not None:
             stop_process(self.broker, timeout_s=STOP_TIMEOUT_S, forced=self.interrupts.forcing)
-        left = remove_leftovers(self.data_dir)
-        if left:
-            log.warning("removed %d shared-memory objects that stopped processes left: %s", len(left), left)
         return final
-
-    def _read_unfinished(self, final: dict | None) -> set[int] | None:
-        """Once producers and consumers are stopped and the broker is still up: the live item
-        ids of the segments holding dispatched, unfinished entries. Only those can already
-        have a result (a consumer wrote it and died before its completion arrived), and they
-        are few: the batches consumers held. None when nothing is unfinished or the broker
-        cannot say (the report then counts no overlap)."""
-        if not final or not (final.get("backlog_items", 0) + final.get("pending_items", 0)):
-            return None
-        try:
-            paths = dispatched_segments(self.config.socket_path)
-        except (OSError, TimeoutError, ProtocolError) as exc:
-            log.warning("cannot list the segments of dispatched items (%s): the report counts no overlap", exc)
-            return None
-        return live_item_ids(paths)
 
     def _fresh_status(self) -> dict | None:
         """The broker's status now, or None if it cannot answer (the last one read stands)."""
@@ -330,22 +401,65 @@ class Launcher:
             return None
         try:
             return broker_status(self.config.socket_path)
-        except (OSError, TimeoutError, ProtocolError):
+        except (OSError, TimeoutError, PipelineError):
             return None
 
-    def _report(self, final: dict | None, wall_s: float, completed: bool) -> dict:
+    # ----------------------------------------------------------------- stock and report
+
+    def _finish(self, final: dict | None, wall_s: float, why: str) -> dict:
+        """Take stock, decide what stays, clean up, and build the report."""
+        completed = why == "completed"
+        rings = ring_stock(producer_ring_names(self.data_dir))
+        results = summarize_results(self.results_dir)
+        stock = self._take_stock(final, results, rings, completed)
+        unfinished = stock.in_store + stock.in_rings
+        durable = self.settings.storage == "disk"
+        if durable and self._own_data_dir and unfinished and why not in ("completed", "interrupted"):
+            self.keep_data_dir = True  # a failure must not discard work: say how to finish it
+        kept = durable and (not self._own_data_dir or self.keep_data_dir)
+        self._clean_up(rings, keep_rings=kept)
         from pipeline.report import build_report
 
-        results = summarize_results(self.results_dir)
-        # A completed run is checked against what the workload holds plus what the broker
-        # recovered from an earlier run on this data directory (that also catches items lost
-        # before the broker stored them); a stopped one against what the broker received.
-        expected = len(self.workload) + (final or {}).get("items_recovered", 0) if completed else None
-        kept = self.settings.storage == "disk" and not self._own_data_dir
-        return build_report(final or {}, results, wall_s, expected_items=expected, store_kept=kept,
-                            unfinished_ids=self._unfinished_ids)
+        return build_report(final or {}, results, wall_s, stock=stock, store_kept=kept,
+                            not_submitted=max(0, len(self.workload) - stock.accepted) if not completed else 0,
+                            unreadable_rings=rings.unreadable)
+
+    def _take_stock(self, final: dict | None, results, rings: RingStock, completed: bool) -> Stock:
+        """Where every item is. A completed run has nothing left in the store (the broker
+        said so), so only a stopped one reads the store's files."""
+        if self._store_ids is None and not completed:
+            storage_dir = self.data_dir if self.settings.storage == "disk" else memory_tier_dir(self.data_dir)
+            self._store_ids = store_item_ids(storage_dir)
+        store = self._store_ids if self._store_ids is not None else np.zeros(0, dtype=np.uint64)
+        counters = final or self._first_status or {}
+        taken_over = counters.get("items_recovered", 0) + counters.get("items_adopted", 0)
+        found = np.fromiter(results.item_ids, dtype=np.uint64, count=len(results.item_ids))
+        return take_stock(self.ledger.entries(), found, store, rings.item_ids, taken_over)
+
+    def _clean_up(self, rings: RingStock, keep_rings: bool) -> None:
+        """Remove what the stopped processes left in /dev/shm, except the producer rings that
+        hold records never stored when the store outlives the run (the next broker on the
+        data directory stores them first); and a memory tier a killed broker left."""
+        keep = set(rings.rings_holding) if keep_rings else set()
+        left = remove_leftovers(self.data_dir, keep_rings=keep)
+        if left:
+            log.info("removed %d shared-memory objects that stopped processes left: %s", len(left), left)
+        if keep:
+            log.warning("%d producer rings hold records the broker has not stored: they stay for the next "
+                        "broker on %s", len(keep), self.data_dir)
+        if self.settings.storage == "memory":
+            shutil.rmtree(memory_tier_dir(self.data_dir), ignore_errors=True)
 
     def cleanup(self) -> None:
-        """Remove the temporary data directory (a given one is the user's: it stays)."""
-        if self._own_data_dir:
+        """Remove the temporary data directory (a given one is the user's: it stays), unless
+        a failed run kept it for its unfinished work."""
+        if self._own_data_dir and not self.keep_data_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
+
+
+def _process_state(pid: int) -> str:
+    """A process's state in words ("stopped" for a SIGSTOPped one), for messages."""
+    try:
+        return psutil.Process(pid).status()
+    except psutil.Error:
+        return "gone"

@@ -101,12 +101,6 @@ def start_consumer(config: ConsumerConfig):
     return process
 
 
-def dispatched_segments(socket_path: str, timeout_s: float = 5.0) -> list[str]:
-    """Files of the segments holding dispatched, unfinished entries (a stopped run's
-    accounting reads their live item ids)."""
-    return _ask_broker(socket_path, {"type": "dispatched_segments"}, timeout_s)["paths"]
-
-
 def broker_status(socket_path: str, timeout_s: float = 5.0) -> dict:
     """The broker's counters (the `status` request)."""
     return _ask_broker(socket_path, {"type": "status"}, timeout_s)["counters"]
@@ -144,17 +138,22 @@ def stop_process(process, sig: int = signal.SIGTERM, timeout_s: float = 20.0,
 _DEV_SHM = "/dev/shm"
 
 
-def remove_leftovers(data_dir: str) -> list[str]:
+def remove_leftovers(data_dir: str, keep_rings: set[str] = frozenset()) -> list[str]:
     """Unlink the shared-memory objects and semaphores named for `data_dir`'s runs: what a
-    killed broker, producer or consumer could not remove. Only for a caller that owns every
-    process of the data directory (the launcher, after stopping them all)."""
+    killed broker, producer or consumer could not remove, except the rings named in
+    `keep_rings` (names as for shm_open) and their semaphores. Only for a caller that owns
+    every process of the data directory (the launcher, after stopping them all)."""
     import posix_ipc
 
     prefix = object_prefix(namespace_for(data_dir))
+    kept = {name.lstrip("/") for name in keep_rings}
     removed = []
     for entry in os.listdir(_DEV_SHM) if os.path.isdir(_DEV_SHM) else []:
         if os.path.isdir(os.path.join(_DEV_SHM, entry)):
             continue  # the memory tier's segment directory: its broker removes it
+        plain = entry[len("sem."):] if entry.startswith("sem.") else entry
+        if plain in kept or plain.rsplit(".", 1)[0] in kept:
+            continue  # a ring that holds unstored records, or one of its semaphores (NAME.d, NAME.s)
         try:
             if entry.startswith("sem." + prefix):
                 posix_ipc.unlink_semaphore("/" + entry[len("sem."):])

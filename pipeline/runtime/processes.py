@@ -29,6 +29,7 @@ from pipeline.broker.service import Broker, BrokerConfig, lock_run_dir
 from pipeline.broker.storage.base import StorageTier
 from pipeline.consumer.process import Consumer, ConsumerConfig
 from pipeline.errors import DurabilityError, PipelineError, ShapeGuardError
+from pipeline.runtime.datadir import owner_only_umask, prepare_data_dir
 from pipeline.runtime.signals import stop_on_signals
 
 log = logging.getLogger("pipeline")
@@ -88,8 +89,9 @@ def serve_broker(config: BrokerConfig, storage: str = "disk", durability: str = 
     """Run a broker until SIGTERM/SIGINT. `on_ready` is called once it serves (after
     recovery and the catch-up turn). `metrics_port`: serve Prometheus metrics there."""
     stop = stop_on_signals()
-    os.makedirs(config.data_dir, mode=0o700, exist_ok=True)
+    owner_only_umask()
     try:
+        prepare_data_dir(config.data_dir)  # owner-only, or refused (another user could change it)
         lock_fd = lock_run_dir(config.run_dir)  # before recovery touches any file
         opened = open_storage(config.data_dir, storage, durability)
         broker = Broker(config, opened.tier, lock_fd=lock_fd, storage_dir=opened.directory)
@@ -152,9 +154,10 @@ def _start_metrics(port: int | None, socket_path: str):
 
 def serve_consumer(config: ConsumerConfig) -> int:
     stop = stop_on_signals()
-    consumer = Consumer(config)
-    quiet_gc()
+    owner_only_umask()
     try:
+        consumer = Consumer(config)  # opening its results file can fail (ResultsFileError)
+        quiet_gc()
         consumer.run(stop)
     except PipelineError as exc:
         log.critical("FATAL, stopping consumer %s: %s", config.name, exc)

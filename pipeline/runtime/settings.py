@@ -18,10 +18,13 @@ in a config must not silently run with a default.
 
 from __future__ import annotations
 
+import math
+import os
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 
 from pipeline.errors import BadInputError
+from pipeline.layouts import MAX_SEQ
 
 # The demo: enough items to show lanes, shape switches and a warm cache, and short enough to
 # finish in seconds on a 2-core machine (issue 6: well under a minute including start-up).
@@ -34,6 +37,20 @@ DEFAULT_PRODUCERS = 2
 DEFAULT_MAX_BATCH_ITEMS = 64
 DEFAULT_MAX_BATCH_TOKENS = 65_536
 DEFAULT_MAX_INPUT_LEN = 8192
+
+
+# Producer processes of one run: each is a process with a 64 MiB ring; more than a node's
+# cores only compete for them, and each takes a producer id for good (ids are never reused).
+MAX_PRODUCER_PROCESSES = 256
+# Consumer processes of one run: one per GPU, or CPU consumers; each costs the broker a
+# descriptor ring and a connection.
+MAX_CONSUMER_PROCESSES = 256
+# Items of one run (`items`): every producer numbers its items in 40 bits (layouts.MAX_SEQ),
+# so one producer can never run out whatever the split.
+MAX_ITEMS = MAX_SEQ
+# The demo's seed goes to numpy's generator, which takes any non-negative integer; 2**63 - 1
+# keeps it a TOML integer.
+MAX_SEED = 2**63 - 1
 
 
 class SettingsError(BadInputError):
@@ -94,17 +111,21 @@ class LaunchSettings:
         return replace(self, **changes)
 
     def check(self) -> None:
-        for key in ("producers", "max_batch", "max_tokens", "max_input_len"):
+        for key in ("max_batch", "max_tokens", "max_input_len"):
             if getattr(self, key) <= 0:
                 raise SettingsError(f"{key} must be positive, got {getattr(self, key)}")
-        for key in ("items", "consumers"):
-            value = getattr(self, key)
-            if value is not None and value <= 0:
-                raise SettingsError(f"{key} must be positive, got {value}")
-        if self.replay_speed is not None and self.replay_speed <= 0:
-            raise SettingsError(f"replay_speed must be positive, got {self.replay_speed}")
-        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise SettingsError(f"metrics_port must be 0..65535, got {self.metrics_port}")
+        _check_range("producers", self.producers, 1, MAX_PRODUCER_PROCESSES)
+        if self.consumers is not None:
+            _check_range("consumers", self.consumers, 1, MAX_CONSUMER_PROCESSES)
+        if self.items is not None:
+            _check_range("items", self.items, 1, MAX_ITEMS)
+        _check_range("seed", self.seed, 0, MAX_SEED)
+        check_replay_speed(self.replay_speed)
+        if self.metrics_port is not None:
+            _check_range("metrics_port", self.metrics_port, 0, 65535)
+        for key in ("report", "plots"):
+            if getattr(self, key) is not None:
+                check_output_path(key, getattr(self, key), directory=key == "plots")
         self._check_choices()
 
     def _check_choices(self) -> None:
@@ -122,6 +143,34 @@ class LaunchSettings:
             make_engine(self.engine, **self.engine_options).close()
         except (TypeError, ValueError) as exc:
             raise SettingsError(f"engine_options {self.engine_options} for engine {self.engine!r}: {exc}") from exc
+
+
+def _check_range(key: str, value: int, low: int, high: int) -> None:
+    if not low <= value <= high:
+        raise SettingsError(f"{key} must be in [{low:,}, {high:,}], got {value:,}")
+
+
+def check_replay_speed(replay_speed: float | None) -> None:
+    """A replay speed is a finite number above 0 (nan and inf are refused here, before any
+    producer starts, not inside them)."""
+    if replay_speed is not None and not (math.isfinite(replay_speed) and replay_speed > 0):
+        raise SettingsError(f"replay_speed must be a finite number above 0, got {replay_speed}")
+
+
+def check_output_path(key: str, path: str, directory: bool) -> None:
+    """Where the run writes a file (`directory` False: the report) or a directory of files
+    (the plots) must be writable before the run starts: a missing directory found after a
+    long run loses its report."""
+    if directory and os.path.isdir(path):
+        parent = path
+    elif os.path.isdir(path):
+        raise SettingsError(f"{key} {path}: is a directory, not a file")
+    else:
+        parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise SettingsError(f"{key} {path}: the directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise SettingsError(f"{key} {path}: the directory {parent} is not writable")
 
 
 # The type each setting takes (what TOML and click give); float settings accept integers.

@@ -36,9 +36,9 @@ import pytest
 from broker_frames import make_frame, token_ids
 
 from pipeline.broker.dispatch import Batch, Dispatcher
-from pipeline.broker.ids import ConsumerId
+from pipeline.broker.ids import ConsumerId, LaneId, LaneKey
 from pipeline.broker.packing import Contract
-from pipeline.broker.storage import DiskTier, Durability, crashpoints
+from pipeline.broker.storage import AppendGroup, DiskTier, Durability, crashpoints
 from pipeline.broker.storage.inspect import verify
 from pipeline.broker.storage.paths import iter_segments
 from pipeline.broker.storage.segment import scan_segment
@@ -315,6 +315,7 @@ CRASH_POINTS = [
     ("tombstone.before_count", 0), ("tombstone.before_count", 20),
     ("delete.before_unlink", 0), ("delete.before_unlink", 2),
     ("rotate.after_seal", 0), ("rotate.after_seal", 3),
+    ("create.after_rename", 0), ("create.after_rename", 5),
 ]
 
 
@@ -334,5 +335,46 @@ def test_crash_at_each_step_boundary(tmp_path, point, skip):
         assert report.repaired_counts, report.summary()
     if point == "delete.before_unlink":
         assert report.deleted, report.summary()  # sealed, all tombstoned: deleted by recovery
+    if point == "create.after_rename":
+        assert report.adopted and report.ok, report.summary()  # on disk, not in the catalog yet
+    assert not report.missing, report.summary()  # the catalog is never ahead of the files
     check_after_recovery(data_dir, log_path, crashes=1)
     drain_and_check(data_dir, log_path, crashes=1)
+
+
+@pytest.mark.parametrize("point", ["segment.after_write", "sync.before_fdatasync", "sync.after_fdatasync"])
+def test_power_header_words_never_run_ahead_of_the_fdatasync(tmp_path, point):
+    """Issue 11: the header's data_end is the commit boundary that tells corruption from a
+    torn tail; in `power` it must never claim bytes no fdatasync has made durable. A child
+    stores group A (synced), then group B, and dies at `point` before B's commit."""
+    data_dir = str(tmp_path / "data")
+    lane = LaneKey(0, 0x51, LaneId(0))
+    pid = os.fork()
+    if not pid:
+        status = 1
+        try:
+            tier = DiskTier.open(data_dir, Durability.POWER)
+            tier.append(AppendGroup(lane, make_frame(1, 0, [(0, 0x51)] * 10, [40] * 10), np.arange(10)))
+            tier.flush()
+            crashpoints.arm(point)
+            tier.append(AppendGroup(lane, make_frame(1, 10, [(0, 0x51)] * 10, [40] * 10), np.arange(10)))
+            tier.flush()
+        finally:
+            os._exit(status)  # never reached past the crash point
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == crashpoints.CRASH_EXIT_CODE, point
+    (seg,) = iter_segments(data_dir)
+    scan = scan_segment(seg.path)
+    group_a_end = int(scan.offsets[10])  # where group B starts
+    assert (scan.header_entry_count, scan.header_data_end) == (10, group_a_end), point
+    assert scan.entry_count == 20 and scan.is_damaged is False  # B is whole in the page cache
+    # Damage in B's bytes is then a torn tail of an unacknowledged write, never corruption.
+    with open(seg.path, "r+b") as file:
+        file.seek(int(scan.offsets[15]) + 70)
+        file.write(b"\xff\xff")
+    tier = DiskTier.open(data_dir, Durability.POWER)
+    report = tier.recovery
+    assert report.ok and not report.damaged and [t.offset for t in report.torn_tails] == [int(scan.offsets[15])]
+    assert tier.queued_items(lane) == 19  # whole entries past the bad range are kept too
+    tier.close()
+    assert verify(data_dir).ok

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import struct
 import subprocess
 
 import numpy as np
@@ -22,6 +23,7 @@ from pipeline.broker.storage import AppendGroup, DiskTier, Durability
 from pipeline.broker.storage.inspect import verify
 from pipeline.broker.storage.paths import iter_segments, segment_path
 from pipeline.broker.storage.queues import StoredSeqs
+from pipeline.broker.storage.scan import boundary_checksum
 from pipeline.broker.storage.segment import scan_segment
 from pipeline.errors import DiskFullError, DurabilityError
 from pipeline.layouts import ENTRY_HEADER_SIZE_BYTES, ProducerId
@@ -179,12 +181,17 @@ def write_lane(data_dir: str, lengths: list[int], lane: LaneKey = LANE_A, produc
     return path
 
 
-def test_torn_tail_at_every_byte_of_the_last_entry_through_recovery(tmp_path):
+def test_torn_tail_of_an_unacknowledged_write_through_recovery(tmp_path):
+    """A crash cut the last write short before the header's boundary moved (it was never
+    acknowledged): the whole entries are queued, the torn bytes kept and named as a torn
+    tail, and verify passes (nothing acknowledged is lost)."""
     pristine = str(tmp_path / "pristine")
     path = write_lane(pristine, [6, 7, 5, 8])
     whole = scan_segment(path)
     last, end = int(whole.offsets[-1]), whole.data_end
     original = np.fromfile(path, dtype=np.uint8)
+    words = struct.pack("<QQ8xQ", 3, last, boundary_checksum(3, last))  # the header before the last write
+    original[72:104] = np.frombuffer(words, dtype=np.uint8)
     content_end = last + int(np.flatnonzero(original[last:end])[-1]) + 1
     work = str(tmp_path / "work")
     for cut in range(last + 1, content_end):  # the write stopped `cut - last` bytes in
@@ -197,30 +204,48 @@ def test_torn_tail_at_every_byte_of_the_last_entry_through_recovery(tmp_path):
         tier = DiskTier.open(work)
         report = tier.recovery
         assert [(t.path, t.offset) for t in report.torn_tails] == [(damaged_path, last)], cut
-        assert 0 < report.torn_tails[0].bytes_dropped <= cut - last
-        assert [e.length for e in tier.peek(LANE_A, 10)] == [6, 7, 5] and not report.quarantined
+        assert 0 < report.torn_tails[0].size_bytes <= cut - last
+        assert [e.length for e in tier.peek(LANE_A, 10)] == [6, 7, 5] and report.ok, cut
         tier.check_invariants()
         tier.close()
-        assert verify(work).ok, cut
+        result = verify(work)
+        assert result.ok and any("torn tail" in note for note in result.notes), cut
 
 
-def test_bit_flip_mid_segment_is_quarantined_through_recovery(tmp_path):
+def test_bit_flip_in_entry_15_of_28_loses_that_entry_only(tmp_path):
+    """Issue 11: one flipped byte in entry 15 of a 28-entry segment quarantined the whole
+    file. Now the 27 intact entries are queued and delivered, the damage is named with its
+    offset and item id, and once the 27 are done the file goes to quarantine/, never
+    deleted; verify fails throughout."""
     data_dir = str(tmp_path)
-    path = write_lane(data_dir, [40] * 6)
+    path = write_lane(data_dir, [40 + n for n in range(28)])
     write_lane(data_dir, [30] * 3, lane=LANE_B, producer=2)
-    victim = int(scan_segment(path).offsets[2])
-    data = np.fromfile(path, dtype=np.uint8)
-    data[victim + ENTRY_HEADER_SIZE_BYTES + 9] ^= 0x04
-    data.tofile(path)
+    whole = scan_segment(path)
+    victim, victim_id = int(whole.offsets[14]), int(whole.headers["item_id"][14])
+    with open(path, "r+b") as file:
+        file.seek(victim + ENTRY_HEADER_SIZE_BYTES + 9)
+        byte = file.read(1)
+        file.seek(victim + ENTRY_HEADER_SIZE_BYTES + 9)
+        file.write(bytes([byte[0] ^ 0x04]))
+    assert not verify(data_dir).ok
     tier = DiskTier.open(data_dir)
-    (quarantined,) = tier.recovery.quarantined
-    assert (quarantined.path, quarantined.offset) == (path, victim)
-    assert "checksum" in quarantined.reason and os.path.exists(quarantined.moved_to)
-    assert "QUARANTINED" in tier.recovery.summary() and str(victim) in tier.recovery.summary()
-    assert tier.queued_items(LANE_A) == 0 and tier.queued_items(LANE_B) == 3
+    report = tier.recovery
+    (damaged,) = report.damaged
+    assert (damaged.path, damaged.offset, damaged.item_id, damaged.entries) == (path, victim, victim_id, 1)
+    assert f"{path}: bytes {victim}.." in report.summary() and str(victim_id) in report.summary()
+    assert report.damage_counts()["entries_damaged"] == 1 and not report.quarantined
+    assert tier.queued_items(LANE_A) == 27 and tier.queued_items(LANE_B) == 3
     tier.check_invariants()
+    dispatcher = Dispatcher(tier)
+    assert dispatcher.recover(0.0) == 30
+    done = drain(dispatcher)  # every one checked against its tokens
+    assert sorted(done) == sorted(set(whole.headers["item_id"].tolist()) - {victim_id} | {(2 << 40) | s for s in range(3)})
+    (moved,) = tier.take_quarantined()
+    assert moved.path == path and os.path.exists(moved.moved_to) and not os.path.exists(path)
+    assert report.damage_counts()["entries_damaged"] == 1  # the report stays after release_scans
     tier.close()
-    assert verify(data_dir).ok  # the quarantine directory is outside the live store
+    result = verify(data_dir)
+    assert not result.ok and any(moved.moved_to in p and "QUARANTINED" in p for p in result.problems)
 
 
 class FullDisk:
@@ -293,7 +318,33 @@ def small_tmpfs(tmp_path):
         subprocess.run(["umount", "-l", str(mount_point)], check=True)
 
 
-def test_enospc_on_a_real_full_disk_loses_nothing(small_tmpfs):
+def test_the_store_leaves_its_reserve_free_for_results(small_tmpfs):
+    """Allocation stops while less than the reserve would stay free (for the consumers'
+    results on the same disk): a DiskFullError naming it, before the kernel's ENOSPC."""
+    from pipeline.broker.storage.segment import disk_reserve_bytes
+
+    data_dir = os.path.join(small_tmpfs, "data")
+    tier = DiskTier.open(data_dir, segment_max_bytes=64 << 10)
+    dispatcher = Dispatcher(tier)
+    seq, full_error = 0, None
+    while full_error is None:
+        try:
+            dispatcher.ingest(make_frame(2, seq, [(0, 1 + seq % 3)] * 8, [700] * 8), 0.0)
+        except DiskFullError as exc:
+            full_error = exc
+        dispatcher.flush()
+        seq += 8
+    info = os.statvfs(small_tmpfs)
+    reserve = disk_reserve_bytes(info.f_blocks * info.f_frsize)
+    assert "kept free for results" in str(full_error) and full_error.__cause__ is None
+    assert info.f_bavail * info.f_frsize >= reserve
+    tier.close()
+
+
+def test_enospc_on_a_real_full_disk_loses_nothing(small_tmpfs, monkeypatch):
+    # The kernel's ENOSPC itself (a disk someone else filled under the reserve's check):
+    # with no reserve the appends run into it.
+    monkeypatch.setattr("pipeline.broker.storage.segment._check_room", lambda *_args: None)
     data_dir = os.path.join(small_tmpfs, "data")
     filler = os.path.join(small_tmpfs, "filler")
     with open(filler, "wb") as file:

@@ -273,20 +273,3 @@ def test_drop_lane_then_the_same_key_starts_a_new_segment(make_tier):
     tier.check_invariants()
 
 
-def test_dispatched_segments_are_those_of_held_and_given_back_entries(make_tier):
-    tier = make_tier()
-    for lane in LANES[:2]:
-        tier.append(AppendGroup(lane, make_frame(1, 10 * lane.lane, [(lane.model, lane.signature)] * 3, [4] * 3),
-                                np.arange(3)))
-    tier.flush()
-    assert tier.dispatched_segments() == set()  # queued, never dispatched
-    refs = [e.ref for e in tier.peek(LANES[0], 2)]
-    tier.commit(LANES[0], refs, ConsumerId(1), BatchId(0))
-    assert tier.dispatched_segments() == {refs[0].segment}  # held
-    tier.return_consumer(ConsumerId(1))
-    assert tier.dispatched_segments() == {refs[0].segment}  # given back, in front of the lane
-    again = [e.ref for e in tier.peek(LANES[0], 3)]
-    tier.commit(LANES[0], again, ConsumerId(2), BatchId(1))
-    tier.complete(ConsumerId(2), again)
-    assert tier.dispatched_segments() == set()
-    tier.check_invariants()

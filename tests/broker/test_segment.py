@@ -1,4 +1,5 @@
-"""Segment files on real disk: append, scan, tombstones, seal, torn tails, corruption."""
+"""Segment files on real disk: append, scan, tombstones, seal; and the salvage scan: torn
+tails, corruption, truncation, damaged state words and identity blocks, on real byte flips."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from pipeline.layouts import (
     ENTRY_HEADER_SIZE_BYTES,
     ITEM_HEADER_DTYPE,
     SEGMENT_HEADER_SIZE_BYTES,
+    segment_relpath,
 )
+from pipeline.broker.storage.scan import SEARCH_FIRST_WINDOW_BYTES, census_segment
 from pipeline.broker.storage.segment import (
     Durability,
     SegmentFile,
@@ -59,7 +62,7 @@ def test_append_then_scan_round_trips_every_field(tmp_path):
     report = scan_segment(path)
     assert report.keys == KEYS
     assert report.entry_count == 300 and report.live_count == 300
-    assert report.torn_at is None and report.corrupt_at is None and report.counts_agree
+    assert not report.torn and not report.damaged and report.lost is None and report.counts_agree
     for name in ("item_id", "seq", "length", "prefix_len", "payload_len", "submit_ns"):
         assert np.array_equal(report.headers[name], items[name])
     assert (report.headers["producer_id"] == 4).all()
@@ -124,14 +127,26 @@ def test_crash_between_tombstone_and_count_is_repaired(tmp_path):
     assert scan_segment(path).counts_agree
 
 
-def test_torn_tail_at_every_byte_of_the_last_entry(tmp_path):
-    path = str(tmp_path / "d.seg")
-    segment, frame = write_segment(path, 4, groups=1)
+def unacknowledged_last_write(path: str, count: int) -> tuple[int, int, np.ndarray]:
+    """A segment of `count - 1` acknowledged entries, then one more written but not yet
+    acknowledged: its header words still say `count - 1` (the state a crash right after the
+    pwrite leaves, crash point segment.after_write). Returns (last offset, end, bytes)."""
+    frame = make_items(count)
+    segment = SegmentFile.create(path, KEYS, Durability.PROCESS)
+    segment.append(encode_entries(*frame, indices=np.arange(count - 1), producer_id=4))
+    header = np.fromfile(path, dtype=np.uint8)[:SEGMENT_HEADER_SIZE_BYTES].copy()
+    segment.append(encode_entries(*frame, indices=np.array([count - 1]), producer_id=4))
     segment.close()
+    data = np.fromfile(path, dtype=np.uint8)
+    data[64:104] = header[64:104]  # sealed, entry_count, data_end, deleted_count, checksum as before
+    data.tofile(path)
     whole = scan_segment(path)
-    last = int(whole.offsets[-1])
-    end = whole.data_end
-    original = np.fromfile(path, dtype=np.uint8)
+    return int(whole.offsets[-1]), whole.data_end, data
+
+
+def test_torn_tail_at_every_byte_of_an_unacknowledged_last_write(tmp_path):
+    path = str(tmp_path / "d.seg")
+    last, end, original = unacknowledged_last_write(path, 4)
     # Zeroing bytes that were zero already (pad, high bytes of small token ids) damages nothing.
     content_end = last + int(np.flatnonzero(original[last:end])[-1]) + 1
     for cut in range(content_end, end):
@@ -144,21 +159,54 @@ def test_torn_tail_at_every_byte_of_the_last_entry(tmp_path):
         damaged[cut:end] = 0  # the write stopped after `cut - last` bytes of the last entry
         damaged.tofile(path)
         report = scan_segment(path)
-        assert report.corrupt_at is None, cut
+        assert not report.damaged and report.lost is None, cut  # past the boundary: not a loss
         assert report.entry_count == 3, cut
         if cut == last:
-            assert report.torn_at is None  # nothing of the last entry was written
+            assert not report.torn  # nothing of the last entry was written
         else:
-            assert report.torn_at == last and report.torn_bytes <= cut - last, cut
+            (torn,) = report.torn
+            assert torn.offset == last and 0 < torn.size_bytes <= cut - last, cut
         reopened = SegmentFile.reopen(report, Durability.PROCESS)
         reopened.close()
-        again = scan_segment(path)
-        assert again.torn_at is None and again.entry_count == 3 and again.counts_agree
+        again = scan_segment(path)  # kept, not zeroed: the same torn tail, counts agree
+        assert [t.offset for t in again.torn] == [t.offset for t in report.torn], cut
+        assert again.entry_count == 3 and again.counts_agree, cut
+        assert np.array_equal(np.fromfile(path, dtype=np.uint8)[SEGMENT_HEADER_SIZE_BYTES:],
+                              damaged[SEGMENT_HEADER_SIZE_BYTES:]), cut
 
 
-def test_bit_flip_mid_segment_is_corruption_not_a_torn_tail(tmp_path):
+def test_damage_in_the_last_acknowledged_entry_is_corruption_and_kept(tmp_path):
+    # Issue 11: a checksum failure in the last entry was taken for a torn write and zeroed.
+    # Below the header's data_end it is corruption: named, counted, and the bytes stay.
+    path = str(tmp_path / "d.seg")
+    segment, frame = write_segment(path, 4, groups=1)
+    segment.close()
+    whole = scan_segment(path)
+    last, end = int(whole.offsets[-1]), whole.data_end
+    original = np.fromfile(path, dtype=np.uint8)
+    for victim in (last + 4, last + 20, last + ENTRY_HEADER_SIZE_BYTES + 1, end - 1):
+        damaged = original.copy()
+        damaged[victim] ^= 0x20
+        damaged.tofile(path)
+        report = scan_segment(path)
+        assert report.entry_count == 3 and not report.torn, victim
+        (bad,) = report.damaged
+        assert (bad.offset, bad.end, bad.entries) == (last, end, 1), victim
+        if victim != last + 20:  # the item id itself is what was flipped there
+            assert bad.item_id == int(frame[0]["item_id"][3]), victim
+        assert bad.walked == (victim != last + 4), victim  # a damaged length cannot be walked
+        SegmentFile.reopen(report, Durability.PROCESS).close()
+        after = np.fromfile(path, dtype=np.uint8)
+        assert np.array_equal(after[SEGMENT_HEADER_SIZE_BYTES:], damaged[SEGMENT_HEADER_SIZE_BYTES:]), victim
+        again = scan_segment(path)  # the next restart judges the same bytes the same way
+        assert [(r.offset, r.end) for r in again.damaged] == [(last, end)] and not again.torn, victim
+        assert again.counts_agree, victim
+
+
+def test_bit_flip_mid_segment_keeps_every_other_entry(tmp_path):
+    # Issue 11: one flipped byte quarantined the whole file; now only its entry is lost.
     path = str(tmp_path / "e.seg")
-    segment, _ = write_segment(path, 50)
+    segment, frame = write_segment(path, 50)
     segment.close()
     whole = scan_segment(path)
     victim = int(whole.offsets[20]) + ENTRY_HEADER_SIZE_BYTES + 3
@@ -166,22 +214,87 @@ def test_bit_flip_mid_segment_is_corruption_not_a_torn_tail(tmp_path):
     data[victim] ^= 0x10
     data.tofile(path)
     report = scan_segment(path)
-    assert report.corrupt_at == int(whole.offsets[20])
-    assert "checksum" in report.corrupt_reason
-    assert report.entry_count == 20  # entries before the damage are still listed
+    (bad,) = report.damaged
+    assert (bad.offset, bad.end) == (int(whole.offsets[20]), int(whole.offsets[21]))
+    assert "checksum" in bad.reason and bad.entries == 1 and bad.walked
+    assert bad.item_id == int(frame[0]["item_id"][20]) and "unverified" in bad.describe()
+    assert report.entry_count == 49 and report.offsets.tolist() == np.delete(whole.offsets, 20).tolist()
+    assert report.counts_agree and report.is_damaged and not report.torn
 
 
-def test_zeroed_state_word_mid_segment_is_corruption(tmp_path):
+def test_zeroed_state_word_with_a_good_checksum_is_delivered_again(tmp_path):
+    # The state word is the one field the checksum does not cover: a damaged one cannot
+    # say whether the entry was completed, so it is delivered (again) as live.
     path = str(tmp_path / "f.seg")
     segment, _ = write_segment(path, 10)
+    offsets = scan_segment(path).offsets
+    segment.tombstone(int(offsets[6]))
+    segment.close()
+    data = np.fromfile(path, dtype=np.uint8)
+    data[int(offsets[4]):int(offsets[4]) + 4] = 0
+    data[int(offsets[6]) + 1] ^= 0x01  # a tombstone with a flipped bit
+    data.tofile(path)
+    report = scan_segment(path)
+    assert report.entry_count == 10 and report.live_count == 10 and not report.damaged
+    assert [(r.offset, r.word) for r in report.repaired_states] == [(int(offsets[4]), 0), (int(offsets[6]), 0x424D4E54)]
+    SegmentFile.reopen(report, Durability.PROCESS).close()
+    again = scan_segment(path)
+    assert not again.repaired_states and again.live_count == 10  # rewritten live
+
+
+def test_zeroed_entry_header_mid_segment_is_damage_and_the_rest_is_kept(tmp_path):
+    path = str(tmp_path / "f.seg")
+    segment, frame = write_segment(path, 10)
     segment.close()
     whole = scan_segment(path)
     data = np.fromfile(path, dtype=np.uint8)
     at = int(whole.offsets[4])
-    data[at:at + 4] = 0
+    data[at:at + ENTRY_HEADER_SIZE_BYTES] = 0
     data.tofile(path)
     report = scan_segment(path)
-    assert report.corrupt_at == at
+    (bad,) = report.damaged
+    assert (bad.offset, bad.end, bad.entries, bad.walked) == (at, int(whole.offsets[5]), 1, False)
+    assert "zero state word" in bad.reason and bad.item_id is None
+    assert report.entry_count == 9 and report.counts_agree
+
+
+def test_truncation_mid_entry_counts_every_lost_entry(tmp_path):
+    # Issue 11: truncation dropped the entries after the cut without a word.
+    path = str(tmp_path / "t.seg")
+    segment, frame = write_segment(path, 28)
+    segment.close()
+    whole = scan_segment(path)
+    cut = int(whole.offsets[14]) + 30
+    os.truncate(path, cut)
+    report = scan_segment(path)
+    assert report.entry_count == 14 and not report.damaged
+    lost = report.lost
+    assert (lost.offset, lost.end, lost.file_size, lost.entries) == (int(whole.offsets[14]), whole.data_end, cut, 14)
+    assert lost.item_ids == (int(frame[0]["item_id"][14]),)  # the one header still readable
+    SegmentFile.reopen(report, Durability.PROCESS).close()
+    assert scan_segment(path).lost.entries == 14  # still counted at the next restart
+
+
+def test_truncation_at_an_entry_boundary_is_counted_from_the_header(tmp_path):
+    path = str(tmp_path / "t.seg")
+    write_segment(path, 28)[0].close()
+    whole = scan_segment(path)
+    os.truncate(path, int(whole.offsets[20]))
+    report = scan_segment(path)
+    assert report.entry_count == 20 and report.lost.entries == 8 and report.lost.item_ids == ()
+
+
+def test_header_words_past_the_file_with_nothing_missing_are_not_a_loss(tmp_path):
+    # The header's data_end is a hint with no checksum: a damaged word alone (its entry count
+    # agreeing with the entries) makes the counts disagree, not a loss.
+    path = str(tmp_path / "w.seg")
+    segment, _ = write_segment(path, 5)
+    segment.close()
+    with open(path, "r+b") as file:
+        file.seek(80)
+        file.write((1 << 40).to_bytes(8, "little"))
+    report = scan_segment(path)
+    assert report.lost is None and not report.damaged and not report.counts_agree
 
 
 def test_not_a_segment(tmp_path):
@@ -203,6 +316,61 @@ def test_damaged_routing_keys_are_refused(tmp_path):
     data.tofile(path)
     with pytest.raises(SegmentFormatError, match="identity checksum"):
         scan_segment(path)
+
+
+def named_segment(tmp_path, count: int = 6) -> str:
+    path = str(tmp_path / "segments" / segment_relpath(KEYS.model, KEYS.signature, KEYS.lane, KEYS.segment_seq))
+    os.makedirs(os.path.dirname(path))
+    write_segment(path, count)[0].close()
+    return path
+
+
+@pytest.mark.parametrize("byte", [0, 9, 40, 49])  # magic, version, created_ns, checksum
+def test_identity_damage_outside_the_keys_is_salvaged_under_the_name(tmp_path, byte):
+    path = named_segment(tmp_path)
+    data = np.fromfile(path, dtype=np.uint8)
+    data[byte] ^= 0x40
+    data.tofile(path)
+    report = scan_segment(path)
+    assert report.keys == KEYS and report.entry_count == 6 and report.identity_damage
+    assert report.is_damaged and report.problems()[0].startswith("DAMAGED HEADER")
+
+
+@pytest.mark.parametrize("byte", [16, 20, 24, 32])  # model, lane, signature, segment_seq
+def test_identity_damage_in_a_key_is_refused_and_its_entries_counted(tmp_path, byte):
+    path = named_segment(tmp_path)
+    data = np.fromfile(path, dtype=np.uint8)
+    data[byte] ^= 0x01
+    data.tofile(path)
+    with pytest.raises(SegmentFormatError, match="not the file name's"):
+        scan_segment(path)
+    census = census_segment(path)
+    assert (census.entries, census.live, len(census.item_ids)) == (6, 6, 6)
+
+
+def test_keys_that_disagree_with_the_file_name_are_refused(tmp_path):
+    path = named_segment(tmp_path)
+    other = path.replace("l0007-", "l0008-")
+    os.rename(path, other)
+    with pytest.raises(SegmentFormatError, match="not the file name's"):
+        scan_segment(other)
+
+
+def test_power_header_words_wait_for_the_fdatasync(tmp_path):
+    # Issue 11: the commit boundary must never claim bytes that are not durable yet.
+    path = str(tmp_path / "p.seg")
+    frame = make_items(20)
+    segment = SegmentFile.create(path, KEYS, Durability.POWER)
+    segment.append(encode_entries(*frame, indices=np.arange(10), producer_id=1))
+    segment.sync()
+    synced = scan_segment(path)
+    segment.append(encode_entries(*frame, indices=np.arange(10, 20), producer_id=1))
+    unsynced = scan_segment(path)
+    assert (unsynced.header_entry_count, unsynced.header_data_end) == (10, synced.data_end)
+    assert unsynced.entry_count == 20  # whole past the boundary: kept, not a loss
+    segment.sync()
+    assert (scan_segment(path).header_entry_count, scan_segment(path).header_data_end) == (20, unsynced.data_end)
+    segment.close()
 
 
 def test_file_grows_past_its_first_allocation(tmp_path):
@@ -245,3 +413,45 @@ def test_appended_pages_are_mapped_before_their_tombstones(tmp_path):
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
     segment.close()
     assert faults < pages // 4, f"{faults} page faults for tombstones over {pages} pages"
+
+
+def test_a_flipped_boundary_word_cannot_turn_damage_into_a_torn_tail(tmp_path):
+    # data_end tells corruption from a torn tail; it carries a checksum with entry_count, so
+    # a flipped bit there makes every bad byte count as acknowledged damage instead.
+    path = str(tmp_path / "b.seg")
+    segment, frame = write_segment(path, 10)
+    segment.close()
+    whole = scan_segment(path)
+    data = np.fromfile(path, dtype=np.uint8)
+    data[int(whole.offsets[7]) + 90] ^= 0x08  # damage in entry 7
+    data[81] ^= 0x20  # data_end now points before entry 7 (a torn tail, were it believed)
+    assert int(data[80:88].view("<u8")[0]) < int(whole.offsets[7])
+    data.tofile(path)
+    report = scan_segment(path)
+    assert report.boundary_damage and not report.torn and not report.counts_agree
+    (bad,) = report.damaged
+    assert bad.offset == int(whole.offsets[7]) and bad.item_id == int(frame[0]["item_id"][7])
+    SegmentFile.reopen(report, Durability.PROCESS).close()  # rewritten with a good checksum
+    again = scan_segment(path)
+    assert not again.boundary_damage and [r.offset for r in again.damaged] == [bad.offset] and again.counts_agree
+
+
+def test_resync_past_damage_longer_than_a_search_window(tmp_path):
+    path = str(tmp_path / "r.seg")
+    frame = make_items(2000, seed=9)
+    segment = SegmentFile.create(path, KEYS, Durability.PROCESS)
+    segment.append(encode_entries(*frame, indices=np.arange(2000), producer_id=1))
+    segment.close()
+    whole = scan_segment(path)
+    assert whole.data_end > 4 * SEARCH_FIRST_WINDOW_BYTES
+    data = np.fromfile(path, dtype=np.uint8)
+    start, stop = int(whole.offsets[100]), int(whole.offsets[100]) + 3 * SEARCH_FIRST_WINDOW_BYTES + 999
+    data[start:stop] = 0xA5  # garbage over many entries and several search windows
+    data.tofile(path)
+    report = scan_segment(path)
+    first_after = int(whole.offsets[np.searchsorted(whole.offsets, stop)])
+    (bad,) = report.damaged
+    assert (bad.offset, bad.end) == (start, first_after) and not bad.walked
+    lost = np.searchsorted(whole.offsets, first_after) - 100
+    assert report.entry_count == 2000 - lost and bad.entries == lost  # topped up from the header's count
+    assert report.offsets.tolist() == [o for o in whole.offsets.tolist() if o < start or o >= first_after]

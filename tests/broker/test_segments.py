@@ -1,16 +1,20 @@
 """SegmentStore on real files: lanes, sealing by size and age, the open-file cache, whole-file
-deletion, and recovery (torn tails dropped, corrupt segments quarantined)."""
+deletion, and recovery (damage salvaged and named, torn tails kept, a damaged segment
+quarantined once it is done)."""
 
 from __future__ import annotations
 
 import os
+import struct
 
 import numpy as np
 
 from pipeline.broker.ids import LaneId, LaneKey
 from pipeline.broker.storage.paths import QUARANTINE_DIR, iter_segments
+from pipeline.broker.storage.scan import boundary_checksum
 from pipeline.broker.storage.segment import Durability, encode_entries, scan_segment
 from pipeline.broker.storage.segments import SegmentStore
+from pipeline.layouts import SEGMENT_HEADER_SIZE_BYTES
 from tests.broker.test_segment import make_items
 
 LANES = [LaneKey(0, 0xA1, LaneId(0)), LaneKey(0, 0xA1, LaneId(1)), LaneKey(2, 0xB2, LaneId(0))]
@@ -89,28 +93,68 @@ def test_recovery_registers_live_entries_and_deletes_finished_segments(tmp_path)
     again.close()
 
 
-def test_recovery_quarantines_corruption_and_drops_torn_tails(tmp_path):
+def test_recovery_salvages_corruption_and_keeps_torn_tails(tmp_path):
+    # Issue 11: one flipped byte used to quarantine the whole file (the other entries never
+    # delivered), and a damaged last entry was zeroed as a torn write.
     store = SegmentStore(str(tmp_path))
     fill(store, groups=3)
     paths = [s.path for s in store.segments.values()]
     store.close()
     corrupt, torn = paths[0], paths[1]
-    offsets = scan_segment(corrupt).offsets
-    data = np.fromfile(corrupt, dtype=np.uint8)
-    data[int(offsets[3]) + 100] ^= 0xFF
-    data.tofile(corrupt)
-    whole = scan_segment(torn)
-    data = np.fromfile(torn, dtype=np.uint8)
-    data[int(whole.offsets[-1]) + 70:whole.data_end] = 0
-    data.tofile(torn)
+    whole = scan_segment(corrupt)
+    offsets = whole.offsets
+    with open(corrupt, "r+b") as file:  # one byte of entry 3's tokens
+        file.seek(int(offsets[3]) + 100)
+        byte = file.read(1)
+        file.seek(int(offsets[3]) + 100)
+        file.write(bytes([byte[0] ^ 0xFF]))
+    # A torn tail: the last entry's write never finished and was never acknowledged (its
+    # header words still say 39 entries, crash point segment.after_write).
+    last_torn = scan_segment(torn)
+    last = int(last_torn.offsets[-1])
+    with open(torn, "r+b") as file:
+        file.seek(72)
+        file.write(struct.pack("<QQ8xQ", 39, last, boundary_checksum(39, last)))
+        file.seek(last + 70)
+        file.write(bytes(last_torn.data_end - last - 70))
+    torn_bytes = open(torn, "rb").read()[SEGMENT_HEADER_SIZE_BYTES:]
     report = SegmentStore(str(tmp_path)).recover()
-    assert [(q.path, q.offset) for q in report.quarantined] == [(corrupt, int(offsets[3]))]
-    assert "checksum" in report.quarantined[0].reason and os.path.exists(report.quarantined[0].moved_to)
-    assert not os.path.exists(corrupt)
-    assert any(QUARANTINE_DIR in root for root, _, files in os.walk(tmp_path) if files)
-    assert [(p, o) for p, o, _ in report.torn_tails] == [(torn, int(whole.offsets[-1]))]
-    assert scan_segment(torn).torn_at is None  # dropped
-    assert scan_segment(torn).entry_count == whole.entry_count - 1
+    assert not report.quarantined and os.path.exists(corrupt)  # kept in segments/
+    (damaged,) = report.damaged
+    assert (damaged.path, damaged.offset, damaged.end) == (corrupt, int(offsets[3]), int(offsets[4]))
+    assert damaged.item_id == int(whole.headers["item_id"][3]) and "checksum" in damaged.reason
+    kept = {r.state.path: r.report for r in report.segments}
+    assert kept[corrupt].entry_count == 39 and kept[corrupt].offsets.tolist() == np.delete(offsets, 3).tolist()
+    assert [(t.path, t.offset) for t in report.torn_tails] == [(torn, last)]
+    assert kept[torn].entry_count == 39 and report.damaged_segments == [corrupt]
+    assert open(torn, "rb").read()[SEGMENT_HEADER_SIZE_BYTES:] == torn_bytes  # nothing zeroed
+    assert report.damage_counts()["entries_damaged"] == 1 and report.damage_counts()["torn_tails"] == 1
+    assert not report.ok and str(int(offsets[3])) in report.summary()
+
+
+def test_damaged_segment_goes_to_quarantine_once_its_good_entries_are_done(tmp_path):
+    store = SegmentStore(str(tmp_path))
+    written = fill(store, groups=1)
+    (path,) = [s.path for s in store.segments.values()]
+    store.close()
+    victim = sorted(offset for _, offset in written)[5]
+    with open(path, "r+b") as file:
+        file.seek(victim + 70)
+        file.write(b"\xee")
+    store = SegmentStore(str(tmp_path))
+    (kept,) = store.recover().segments
+    good = kept.report.offsets.tolist()
+    assert victim not in good and len(good) == 39
+    assert store.tombstone_many(kept.state.id, good[:-1]) == 38 and os.path.exists(path)
+    assert store.tombstone_many(kept.state.id, good[-1:]) == 1
+    assert not os.path.exists(path) and kept.state.id not in store.segments  # never deleted:
+    (moved,) = store.take_quarantined()
+    assert moved.path == path and moved.moved_to == os.path.join(str(tmp_path), QUARANTINE_DIR, os.path.relpath(
+        path, os.path.join(str(tmp_path), "segments")))
+    assert os.path.exists(moved.moved_to) and "damaged" in moved.reason
+    store.close()
+    again = SegmentStore(str(tmp_path)).recover()  # quarantine/ is evidence, not a segment
+    assert again.segments_scanned == 0 and not again.missing
 
 
 def test_power_durability_syncs_before_entries_are_readable(tmp_path):
@@ -124,3 +168,21 @@ def test_power_durability_syncs_before_entries_are_readable(tmp_path):
     for segment in store.segments:
         assert store.readable_end(segment) == store._open[segment].data_end
     store.close()
+
+
+def test_damaged_segment_with_nothing_left_to_deliver_is_quarantined_by_recovery(tmp_path):
+    store = SegmentStore(str(tmp_path))
+    written = fill(store, groups=1)
+    (state,) = store.segments.values()
+    offsets = sorted(offset for _, offset in written)
+    store.tombstone_many(state.id, offsets[:-1])  # everything done but the last entry ...
+    store.close()
+    with open(state.path, "r+b") as file:  # ... and that one damaged
+        file.seek(offsets[-1] + 80)
+        file.write(b"\x01\x02")
+    report = SegmentStore(str(tmp_path)).recover()
+    (moved,) = report.quarantined
+    assert moved.path == state.path and moved.offset == offsets[-1] and not moved.identity_refused
+    assert os.path.exists(moved.moved_to) and not os.path.exists(state.path) and not report.deleted
+    assert report.damage_counts()["entries_damaged"] == 1 and report.damage_counts()["segments_quarantined"] == 1
+    assert f"QUARANTINED: {state.path}" in report.summary()

@@ -161,3 +161,36 @@ def test_entries_completed_elsewhere_leave_no_reference_cycle(tmp_path):
         gc.enable()
         reader.close()
         segment.close()
+
+
+def test_segments_deleted_since_they_were_mapped_are_unmapped(tmp_path):
+    """A mapping keeps a deleted file's space allocated: the sweep drops the mappings of
+    segments the broker deleted (or deleted and made again), and keeps the others."""
+    kept_path, kept, kept_segment = store(str(tmp_path), 0, 5, 1)
+    gone_path, gone, gone_segment = store(str(tmp_path), 1, 5, 2)
+    reader = SegmentReader(str(tmp_path))
+    for lane, (items, *_rest), path in ((0, kept, kept_path), (1, gone, gone_path)):
+        offset = int(scan_segment(path).offsets[0])
+        reader.read(2, SIG, lane, 0, offset, int(items["length"][0]), int(items["item_id"][0]))
+    assert reader.drop_deleted() == 0
+    gone_segment.close()
+    os.unlink(gone_path)
+    assert reader.drop_deleted() == 1 and set(reader._maps) == {kept_path}
+    os.rename(kept_path, kept_path + ".old")  # another file under the same name
+    with open(kept_path, "wb") as other:
+        other.write(b"\0" * 8192)
+    assert reader.drop_deleted() == 1 and not reader._maps
+    reader.close()
+    kept_segment.close()
+
+
+def test_a_segment_that_is_gone_fails_its_items_one_by_one_not_the_reader(tmp_path):
+    path, (items, *_rest), segment = store(str(tmp_path), 0, 5, 1)
+    offsets = scan_segment(path).offsets
+    segment.close()
+    os.unlink(path)
+    rows = np.zeros(5, dtype=DESCRIPTOR_ITEM_DTYPE)
+    rows["lane"], rows["offset"], rows["length"], rows["item_id"] = 0, offsets, items["length"], items["item_id"]
+    got = SegmentReader(str(tmp_path)).read_batch(2, SIG, rows)
+    assert got.item_ids == [] and [item for item, _n, _exc in got.failed] == items["item_id"].tolist()
+    assert all(isinstance(exc, SegmentCorruptError) and "cannot map the segment" in str(exc) for *_x, exc in got.failed)

@@ -1,19 +1,19 @@
 """Accounting against a real broker and store: a consumer that wrote results and died before
-its completion reached the broker leaves items that are both unfinished (back in the queue)
-and with a result. The broker names the segments of dispatched, unfinished entries; read
-from the store, those items count once: nothing is lost."""
+its completion reached the broker leaves items that are both unfinished (back in the store)
+and with a result. Taken stock of by id, those items count once: nothing is lost."""
 
 from __future__ import annotations
 
 import json
 import os
 
-from pipeline.accounting import reconcile, summarize_results
+import numpy as np
+
+from pipeline.accounting import reconcile, summarize_results, take_stock
 from pipeline.broker.service import BrokerConfig
-from pipeline.broker.storage.inspect import live_item_ids
 from pipeline.layouts import parse_descriptor
 from pipeline.protocol import Connection
-from pipeline.runtime.local import dispatched_segments
+from pipeline.runtime.inventory import store_item_ids
 from shm.ring import RingReader
 from tests.pipeline.harness import Workload, start_broker, start_producer, status, stop, wait_until
 
@@ -42,12 +42,12 @@ def test_results_of_a_consumer_that_died_before_completing_count_once(tmp_path):
         conn.close()  # gone before reporting the completion: its batch goes back to the queue
         final = wait_until(lambda: (s := status(socket_path))["consumers_lost"] == 1 and s, 30, "the loss")
         assert final["backlog_items"] == 60 and final["pending_items"] == 0
-        summary = summarize_results(str(results))
-        assert reconcile(summary, final)["lost"] == -len(held)  # counted twice without the store
-        paths = dispatched_segments(socket_path)
-        assert paths and all(path.startswith(data) for path in paths)
-        accounted = reconcile(summary, final, unfinished_ids=live_item_ids(paths))
-        assert accounted["items_unfinished_with_results"] == len(held) > 0
-        assert accounted["lost"] == 0
     finally:
         assert stop(broker) == 0
+    summary = summarize_results(str(results))
+    store = store_item_ids(data)
+    assert set(held) <= set(store.tolist()) and store.size == 60  # back in the store, and with results
+    stock = take_stock([(0, 60)], np.array(held, dtype=np.uint64), store, np.zeros(0, dtype=np.uint64), 0)
+    accounted = reconcile(summary, final, stock)
+    assert (accounted["items_with_results"], accounted["items_in_store"]) == (len(held), 60 - len(held))
+    assert accounted["lost"] == 0 and accounted["items_unfinished"] == 60 - len(held) > 0

@@ -15,9 +15,11 @@ import signal
 import time
 from collections import Counter
 
+import numpy as np
 import pytest
 
-from pipeline.accounting import reconcile, summarize_results
+from pipeline.accounting import reconcile, summarize_results, take_stock
+from pipeline.runtime.inventory import store_item_ids
 from pipeline.broker.peers import namespace_for
 from pipeline.broker.service import BrokerConfig
 from pipeline.consumer.process import ConsumerConfig
@@ -84,8 +86,13 @@ def test_full_run_two_producers_two_consumers(tmp_path):
         assert stop(broker) == 0
     per_item = check_run(read_results(str(tmp_path / "results")), workload, total)
     assert max(per_item.values()) == 1  # nothing failed, so nothing was redelivered
-    accounted = reconcile(summarize_results(str(tmp_path / "results")), done, expected_items=total)
-    assert accounted["lost"] == 0 and accounted["duplicates"] == 0
+    summary = summarize_results(str(tmp_path / "results"))
+    results = np.fromiter(summary.item_ids, dtype=np.uint64)
+    # The two producers registered first and second on a fresh data directory: ids 0 and 1.
+    ledger = [(p, workload.items_per_producer) for p in range(workload.producers)]
+    stock = take_stock(ledger, results, store_item_ids(data), np.zeros(0, dtype=np.uint64), taken_over=0)
+    accounted = reconcile(summary, done, stock)
+    assert accounted["lost"] == 0 and accounted["duplicates"] == 0 and accounted["items_unfinished"] == 0
     assert accounted["items_received"] == accounted["items_completed"] == total
     assert accounted["tokens_received"] == accounted["tokens_routed"] == accounted["tokens_completed"]
     namespace = namespace_for(data)

@@ -192,29 +192,6 @@ def test_ctrl_c_stops_everything_in_order_and_a_rerun_finishes_the_rest(tmp_path
     assert shm_objects_of(data) == []
 
 
-def test_a_broker_killed_mid_run_fails_the_launch_and_leaves_nothing(tmp_path):
-    """kill -9 of the broker: the launcher says so, kills the rest at once (producers would
-    wait for a broker that is gone), removes what the dead processes left, and exits 1."""
-    data = str(tmp_path / "data")
-    launcher = subprocess.Popen([sys.executable, "-m", "pipeline", "launch", "--items", "1000000", "--consumers", "2", "--data-dir", data],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    try:
-        while_running(launcher, lambda: completed_items(os.path.join(data, "run", "broker.sock")) > 0, "items completed")
-        children = while_running(launcher, lambda: (c := psutil.Process(launcher.pid).children(recursive=True))
-                                 and len(c) == 5 and c, "five children")
-        with open(os.path.join(data, "run", "broker.lock")) as lock:
-            os.kill(int(lock.read()), signal.SIGKILL)
-        out, err = launcher.communicate(timeout=RUN_TIMEOUT_S)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-    assert launcher.returncode == 1, err
-    assert "launch failed: the broker exited with status -9" in err, err
-    gone, alive = psutil.wait_procs(children, timeout=5)
-    assert alive == []
-    assert shm_objects_of(data) == []
-
-
 def test_a_second_ctrl_c_kills_but_still_reports_and_cleans_up(tmp_path):
     """Two SIGINTs in a row on a run with a temporary data directory: the stop turns
     forceful, yet the report is printed, nothing is left running or in /dev/shm, and the

@@ -37,9 +37,15 @@ def test_a_launch_table_is_read_like_the_top_level(tmp_path):
     ("itmes = 5\n", "unknown setting 'itmes'"),
     ('items = "5"\n', "items must be int"),
     ("items = true\n", "items must be int"),
-    ("items = -5\n", "items must be positive"),
-    ("replay_speed = 0\n", "replay_speed must be positive"),
-    ("metrics_port = 70000\n", "metrics_port must be 0..65535"),
+    ("items = -5\n", r"items must be in \[1, "),
+    ("items = 1099511627776\n", r"items must be in \[1, 1,099,511,627,775\]"),
+    ("replay_speed = 0\n", "replay_speed must be a finite number above 0"),
+    ("replay_speed = nan\n", "replay_speed must be a finite number above 0"),
+    ("metrics_port = 70000\n", r"metrics_port must be in \[0, 65,535\]"),
+    ("seed = -1\n", r"seed must be in \[0, "),
+    ("producers = 257\n", r"producers must be in \[1, 256\]"),
+    ("consumers = 257\n", r"consumers must be in \[1, 256\]"),
+    ('report = "/nonexistent-dir/r.json"\n', "the directory /nonexistent-dir does not exist"),
     ("items = \n", "not valid TOML"),
 ])
 def test_bad_settings_name_the_file_and_the_key(tmp_path, text, message):
@@ -50,8 +56,16 @@ def test_bad_settings_name_the_file_and_the_key(tmp_path, text, message):
 
 
 def test_a_bad_value_on_the_command_line_is_named_so(tmp_path):
-    with pytest.raises(SettingsError, match="the command line: producers must be positive"):
+    with pytest.raises(SettingsError, match=r"the command line: producers must be in \[1, 256\], got 0"):
         LaunchSettings.resolve(write(tmp_path, "items = 5\n"), {"producers": 0})
+
+
+@pytest.mark.parametrize("key, at_limit, past", [("producers", 256, 257), ("consumers", 256, 257),
+                                                 ("items", (1 << 40) - 1, 1 << 40), ("seed", 2**63 - 1, 2**63)])
+def test_counts_are_accepted_at_their_limit_and_refused_one_past(tmp_path, key, at_limit, past):
+    assert getattr(LaunchSettings.resolve(None, {key: at_limit}), key) == at_limit
+    with pytest.raises(SettingsError, match=f"{key} must be in"):
+        LaunchSettings.resolve(None, {key: past})
 
 
 def test_a_missing_config_file_is_an_error(tmp_path):

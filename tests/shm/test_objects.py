@@ -1,11 +1,23 @@
-"""Named POSIX objects: per-run names, name checks, doorbell wake-ups across processes."""
+"""Named POSIX objects: per-run names, name checks, doorbell wake-ups across processes, and
+the owner and mode checks before an existing semaphore is opened (another user's, or one
+others may use, is refused; test_control_users.py plants one as a second user)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
-from shm.objects import MAX_NAME_LENGTH, Doorbell, check_name, object_name
-from shm.errors import ObjectExistsError, ObjectMissingError, ShmError
+from shm.objects import (
+    MAX_NAME_LENGTH,
+    Doorbell,
+    check_name,
+    object_name,
+    open_semaphore,
+    semaphore_path,
+    unlink_quietly,
+)
+from shm.errors import ObjectExistsError, ObjectMissingError, ShmError, StaleObjectError
 
 
 def test_object_names_are_per_run_and_checked():
@@ -33,3 +45,33 @@ def test_doorbell_create_attach_unlink(shm_name):
     bell.unlink()
     with pytest.raises(ObjectMissingError):
         Doorbell.attach(bell.name)
+
+
+def test_an_existing_semaphore_is_opened_only_if_owner_only(shm_name):
+    name = shm_name("bell")
+    ours = open_semaphore(name, create=True)
+    path = semaphore_path(name)
+    try:
+        os.chmod(path, 0o666)  # others could post it or wait on it
+        with pytest.raises(StaleObjectError, match=f"semaphore {name} .* has mode 0o666, not owner-only"):
+            open_semaphore(name, create=False)
+        os.chmod(path, 0o600)
+        open_semaphore(name, create=False).close()
+    finally:
+        ours.close()
+        unlink_quietly([], [name])
+    with pytest.raises(ObjectMissingError, match=f"semaphore {name} does not exist"):
+        open_semaphore(name, create=False)
+
+
+def test_a_semaphore_name_that_is_a_link_is_refused(shm_name):
+    target, name = shm_name("bell"), shm_name("bell")
+    real = open_semaphore(target, create=True)
+    os.symlink(semaphore_path(target), semaphore_path(name))
+    try:
+        with pytest.raises(StaleObjectError, match="is not a regular file"):
+            open_semaphore(name, create=False)
+    finally:
+        os.unlink(semaphore_path(name))
+        real.close()
+        unlink_quietly([], [target])

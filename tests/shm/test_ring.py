@@ -32,6 +32,7 @@ from shm.ring import (
     RingWriter,
     SharedRing,
     max_body_bytes,
+    unreleased_records,
 )
 
 # Random bytes that record bodies are cut from: record i is POOL[start(i) : start(i) + size(i)],
@@ -502,3 +503,40 @@ def test_doorbell_count_stays_bounded(shm_name):
     finally:
         bell.close()
         bell.unlink()
+
+
+def test_unreleased_records_are_read_across_the_wrap_and_nothing_changes(shm_name):
+    """What a stopped run's stock-taking reads: every record after the reader's released
+    position, in order, across a wrap, with no position, flag or pid written."""
+    name = shm_name()
+    writer = RingWriter.create(name, 4096)
+    reader = RingReader.attach(name)
+    try:
+        for k in range(60):  # 60 records of 96 bytes pass the 4 KiB end of the data region
+            writer.write(bytes([k]) * 80)
+            if k < 40:
+                reader.release(reader.poll().end)
+        assert writer.read_pos & 4095 > writer.write_pos & 4095  # the unreleased records wrap
+        reader.poll()  # peeked, not released: still unreleased
+        header = bytes(writer._header)
+        assert unreleased_records(name) == [bytes([k]) * 80 for k in range(40, 60)]
+        assert bytes(writer._header) == header
+        reader.release(reader.cursor)
+        assert unreleased_records(name) == [bytes([k]) * 80 for k in range(41, 60)]
+    finally:
+        reader.close()
+        writer.close()
+        writer.unlink()
+
+
+def test_unreleased_records_of_a_scribbled_ring_are_refused(shm_name):
+    name = shm_name()
+    writer = RingWriter.create(name, 4096)
+    try:
+        writer.write(b"x" * 100)
+        writer.buf[4] = 9  # the record's kind is neither data nor wrap
+        with pytest.raises(StaleObjectError, match="record at position 0"):
+            unreleased_records(name)
+    finally:
+        writer.close()
+        writer.unlink()

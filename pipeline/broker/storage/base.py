@@ -304,12 +304,6 @@ class StorageTier(abc.ABC):
     def check_invariants(self) -> None:
         """Assert every internal invariant (tests call it after every step)."""
 
-    def dispatched_segment_paths(self) -> list[str]:
-        """Files of the segments that hold dispatched, not completed entries (held by a
-        consumer, or given back by a lost one): the only unfinished entries that can already
-        have a result. A tier that keeps no files has none."""
-        return []
-
     def entry_location(self, ref: EntryRef) -> tuple[int, int, int]:
         """Where a consumer finds the entry: (lane id, segment sequence, byte offset) of its
         segment file (the segment's model and signature are the batch's). Only a tier with

@@ -23,15 +23,20 @@ Queued entries cost 8 bytes each in memory (their offsets, per segment run: see
 `queues`); everything else dispatch needs (item id, lengths, producer, seq, submit time) is
 read back from the entry header in the mapped segment at peek time.
 
-Recovery (`open`): `SegmentStore.recover()` scans every segment (quarantines corruption,
-drops torn tails, repairs counts, deletes finished segments), then every lane's queue is
-rebuilt from the live entries in segment sequence order, file order within a segment; the
-(lane, lengths) lists go to the dispatcher once (`take_recovered_lanes`) and every live
-entry's (producer, seq) to the idempotent-ingest check (`queues.StoredSeqs`).
+Recovery (`open`): `SegmentStore.recover()` scans every segment and salvages every whole,
+checksummed entry past any damage (`scan.py`), names and counts what cannot be delivered
+(damaged ranges, truncation, missing segments per the catalog, quarantined files, strays),
+repairs header words, deletes finished segments; then every lane's queue is rebuilt from
+the live entries in segment sequence order, file order within a segment; the (lane,
+lengths) lists go to the dispatcher once (`take_recovered_lanes`) and every live entry's
+(producer, seq) to the idempotent-ingest check (`queues.StoredSeqs`). The report stays in
+`tier.recovery` (`summary()` for the log, `damage_counts()` for status and the run report);
+a damaged segment moved to quarantine/ later, once it is done, is in `take_quarantined()`.
 """
 
 from __future__ import annotations
 
+import math
 import mmap
 import time
 from collections import OrderedDict
@@ -46,8 +51,8 @@ from pipeline.broker.pending import RECENT_COMPLETIONS_PER_CONSUMER
 from pipeline.broker.storage.base import AppendGroup, Peeked, PeekedEntry, RecoveredLane
 from pipeline.broker.storage.queues import QueuedTier, RefRun
 from pipeline.broker.storage.segment import Durability, encode_entries, scan_segment
-from pipeline.broker.storage.segments import RecoveryReport, SegmentStore
-from pipeline.errors import SegmentCorruptError
+from pipeline.broker.storage.segments import Quarantined, RecoveryReport, SegmentStore
+from pipeline.errors import DiskFullError, SegmentCorruptError
 from pipeline.layouts import (
     ENTRY_HEADER_SIZE_BYTES,
     ENTRY_LIVE,
@@ -142,6 +147,11 @@ class DiskTier(QueuedTier):
         taken, self._recovered_lanes = self._recovered_lanes, []
         return taken
 
+    def take_quarantined(self) -> list[Quarantined]:
+        """Damaged segments moved to quarantine/ since the last call, once everything they
+        could still deliver was completed (for the broker's log; never deleted by us)."""
+        return self._store.take_quarantined()
+
     # ----------------------------------------------------------------- ingest
 
     def append(self, group: AppendGroup) -> Sequence[EntryRef]:
@@ -154,7 +164,16 @@ class DiskTier(QueuedTier):
         assert (items["model"] == lane.model).all() and (items["signature"] == lane.signature).all(), lane
         encoded = encode_entries(frame.items, frame.tokens, frame.token_starts, frame.payloads,
                                  frame.payload_starts, rows, group.producer_id)
-        segment, base = self._store.append(lane, encoded, self._clock())
+        try:
+            segment, base = self._store.append(lane, encoded, self._clock())
+        except DiskFullError:
+            # Completed work frees its space only once its segment is sealed (a sealed segment
+            # is deleted whole when its last entry is tombstoned): seal every open segment now
+            # rather than at its age limit, minutes later, so a disk the store filled drains
+            # itself as consumers complete. NOTE: without it a full tmpfs stalled ingest until
+            # the 300 s age limit sealed the segments (tests/runtime/test_disk_full.py).
+            self._store.seal_aged(math.inf)
+            raise
         offsets = encoded.offsets + base
         self._record_append(lane, segment, offsets, group.producer_id, int(items["seq"].max()),
                             int(items["length"].sum()), staged=self._staging)
@@ -205,8 +224,6 @@ class DiskTier(QueuedTier):
             lengths += [fields[1] for fields in headers]
         return lengths
 
-    def dispatched_segment_paths(self) -> list[str]:
-        return sorted(self._store.segments[segment].path for segment in self.dispatched_segments())
 
     def _check_segments(self, refs: list[EntryRef], segments: np.ndarray | None = None) -> str | None:
         known = self._store.segments
@@ -234,8 +251,8 @@ class DiskTier(QueuedTier):
         checked against the store's."""
         live: dict[EntryRef, int] = {}
         for segment, state in self._store.segments.items():
-            scan = scan_segment(state.path)
-            assert scan.corrupt_at is None and scan.keys == state.keys, state.path
+            scan = scan_segment(state.path, state.keys)
+            assert scan.keys == state.keys and bool(scan.is_damaged) == bool(state.damage), state.path
             assert (scan.entry_count, scan.tombstone_count) == (state.entry_count, state.deleted_count), state
             mask = scan.headers["state"] == ENTRY_LIVE
             for offset, length in zip(scan.offsets[mask].tolist(), scan.headers["length"][mask].tolist()):

@@ -1,31 +1,67 @@
 """Read-only views of the store for operators: dump a segment, list tombstones, verify.
 
-Everything here goes through `scan_segment`, the same code the broker's recovery uses: the
-tools never parse a segment a second way (SPEC §"Processes and layout").
+Everything here goes through `scan_segment`, `list_store` and the catalog reader, the same
+code the broker's recovery uses: the tools never parse a segment or a name a second way
+(SPEC §"Processes and layout"). A directory or file that cannot be read raises
+StoreReadError naming the path (the command line prints it as one line).
 """
 
 from __future__ import annotations
 
+import os
+import stat
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
-from pipeline.broker.storage.paths import iter_segments, stray_files
-from pipeline.broker.storage.segment import ScanReport, scan_segment
-from pipeline.errors import SegmentFormatError
+from pipeline.broker.storage.catalog import CatalogReading, MissingNote, read_catalog, read_missing_note
+from pipeline.broker.storage.paths import (
+    MISSING_SUFFIX,
+    QUARANTINE_DIR,
+    SegmentPath,
+    StoreListing,
+    catalog_path,
+    iter_segments,
+    list_store,
+    segment_path,
+    store_dirs,
+)
+from pipeline.broker.storage.scan import EntryCensus, ScanReport, census_segment, name_keys_of, scan_segment
+from pipeline.errors import SegmentFormatError, StoreReadError
 from pipeline.layouts import ENTRY_LIVE, ENTRY_TOMBSTONE
 
 _STATE_NAMES = {ENTRY_LIVE: "live", ENTRY_TOMBSTONE: "tombstone"}
 
 
+def _unreadable(path: str, exc: OSError, what: str) -> StoreReadError:
+    return StoreReadError(f"{exc.filename or path}: cannot read {what} ({exc.strerror}, errno {exc.errno})")
+
+
+def _scan(path: str, keys=None) -> ScanReport:
+    try:
+        return scan_segment(path, keys)
+    except OSError as exc:
+        raise _unreadable(path, exc, "the segment") from exc
+
+
+def _listing(root: str) -> StoreListing:
+    try:
+        if not stat.S_ISDIR(os.stat(root).st_mode):
+            raise StoreReadError(f"{root}: not a data directory (not a directory)")
+        return list_store(root)
+    except OSError as exc:
+        raise _unreadable(root, exc, "the store") from exc
+
+
 def dump_segment(path: str, max_entries: int | None = None) -> dict:
-    """A segment's header and entries as plain data (JSON-ready)."""
-    report = scan_segment(path)
+    """A segment's header, entries and damage as plain data (JSON-ready)."""
+    report = _scan(path)
+    repaired = {r.offset for r in report.repaired_states}
     entries = []
     for k in range(report.entry_count if max_entries is None else min(max_entries, report.entry_count)):
-        h = report.headers[k]
+        h, offset = report.headers[k], int(report.offsets[k])
         entries.append({
-            "offset": int(report.offsets[k]),
-            "state": _STATE_NAMES[int(h["state"])],
+            "offset": offset,
+            "state": "live (state word repaired)" if offset in repaired else _STATE_NAMES[int(h["state"])],
             "length": int(h["length"]),
             "item_id": int(h["item_id"]),
             "producer_id": int(h["producer_id"]),
@@ -57,19 +93,21 @@ def _scan_summary(report: ScanReport) -> dict:
         "data_end": report.data_end,
         "file_size": report.file_size,
         "counts_agree": report.counts_agree,
-        "torn_at": report.torn_at,
-        "torn_bytes": report.torn_bytes,
-        "corrupt_at": report.corrupt_at,
-        "corrupt_reason": report.corrupt_reason,
+        "identity_damage": report.identity_damage,
+        "damaged": [asdict(r) for r in report.damaged],
+        "lost": None if report.lost is None else asdict(report.lost),
+        "torn": [asdict(r) for r in report.torn],
+        "repaired_states": [asdict(r) for r in report.repaired_states],
+        "problems": report.problems(),
     }
 
 
 def tombstone_rows(data_dir: str) -> list[dict]:
     """Per segment: live, tombstoned, the header's deleted count, and whether they agree."""
     rows = []
-    for seg in iter_segments(data_dir):
+    for seg in _listing(data_dir).segments:
         try:
-            report = scan_segment(seg.path)
+            report = _scan(seg.path, seg.keys)
         except SegmentFormatError as exc:
             rows.append({"path": seg.path, "error": str(exc)})
             continue
@@ -81,6 +119,7 @@ def tombstone_rows(data_dir: str) -> list[dict]:
             "deleted_count": report.header_deleted_count,
             "sealed": report.sealed,
             "agree": report.counts_agree,
+            "damaged": report.is_damaged,
         })
     return rows
 
@@ -101,14 +140,19 @@ def live_item_ids(paths: list[str]) -> set[int]:
 
 @dataclass(slots=True)
 class VerifyResult:
-    """The outcome of `verify`: `ok` only when every entry is accounted for."""
+    """The outcome of `verify`: `ok` only when every entry is accounted for. `problems` are
+    failures; `notes` are findings that lose nothing (torn tails of unacknowledged writes,
+    segments the catalog does not hold yet)."""
 
     segments: int = 0
     entries: int = 0
     live: int = 0
     tombstones: int = 0
     bytes_scanned: int = 0
+    quarantined_files: int = 0
+    counts: Counter = field(default_factory=Counter)
     problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -116,42 +160,136 @@ class VerifyResult:
 
 
 def verify(data_dir: str) -> VerifyResult:
-    """Check the whole store: every segment's header, entries and checksums; the header
-    counts against the entries; the routing keys against the file name; no torn tail, no
-    corruption, no stray file; and no live item stored twice."""
+    """Check the whole store: every segment's header, entries and checksums, through the
+    recovery scan (damaged ranges, truncation losses, header words against the entries);
+    the routing keys against the file name; strays; every file in quarantine/; every
+    segment the catalog holds and the disk lacks; and no live item stored twice.
+    StoreReadError if something cannot be read."""
     result = VerifyResult()
+    root_data_dir, _segments = store_dirs(data_dir)
+    catalog = catalog_path(root_data_dir)
+    before = read_catalog(catalog)  # before the listing: see _check_catalog
+    listing = _listing(data_dir)
     live_ids: Counter[int] = Counter()
-    for seg in iter_segments(data_dir):
-        result.segments += 1
-        try:
-            report = scan_segment(seg.path)
-        except SegmentFormatError as exc:
-            result.problems.append(str(exc))
-            continue
-        _check_report(seg, report, result)
-        live_ids.update(report.live_item_ids.tolist())
-    for path in stray_files(data_dir):
-        result.problems.append(f"{path}: not a segment name")
+    vanished: list[SegmentPath] = []
+    for seg in listing.segments:
+        _verify_segment(seg, result, live_ids, vanished)
+    for stray in listing.strays:
+        result.problems.append(f"STRAY: {stray.describe()} (its entries, if any, are never delivered)")
+        result.counts["strays"] += 1
+    _check_quarantine(root_data_dir, result)
+    _check_catalog(root_data_dir, before, listing, vanished, result)
     twice = sorted(item for item, n in live_ids.items() if n > 1)
     if twice:
         result.problems.append(f"{len(twice)} live item ids stored more than once, e.g. {twice[:5]}")
     return result
 
 
-def _check_report(seg, report: ScanReport, result: VerifyResult) -> None:
+def _verify_segment(seg: SegmentPath, result: VerifyResult, live_ids: Counter, vanished: list) -> None:
+    result.segments += 1
+    try:
+        report = scan_segment(seg.path, seg.keys)
+    except FileNotFoundError:
+        vanished.append(seg)  # deleted since the listing, or lost: the catalog says which
+        return
+    except SegmentFormatError as exc:
+        census = _census(seg.path)
+        result.problems.append(f"UNIDENTIFIED: {exc}: {census.entries} entries in it cannot be delivered")
+        result.counts["entries_unidentified"] += census.entries
+        return
+    except OSError as exc:
+        raise _unreadable(seg.path, exc, "the segment") from exc
     result.entries += report.entry_count
     result.live += report.live_count
     result.tombstones += report.tombstone_count
     result.bytes_scanned += report.data_end
-    keys = report.keys
-    if (keys.model, keys.signature, keys.lane, keys.segment_seq) != (seg.model, seg.signature, seg.lane, seg.segment_seq):
-        result.problems.append(f"{seg.path}: header keys {keys} do not match the file name")
-    if report.corrupt_at is not None:
-        result.problems.append(f"{seg.path}: corrupt at offset {report.corrupt_at}: {report.corrupt_reason}")
-    if report.torn_at is not None:
-        result.problems.append(f"{seg.path}: torn tail of {report.torn_bytes} bytes at offset {report.torn_at}")
+    live_ids.update(report.live_item_ids.tolist())
+    result.problems += report.problems()
+    result.counts["entries_damaged"] += report.damaged_entries
+    result.counts["entries_missing"] += report.lost_entries
+    result.counts["state_words_bad"] += len(report.repaired_states)
+    # A torn tail is what a crash in the middle of a write leaves past the commit boundary:
+    # that write was never acknowledged (its producer still holds the items and presents
+    # them again), so nothing acknowledged is lost. The bytes are kept and named, not failed.
+    for torn in report.torn:
+        result.notes.append(torn.describe())
+        result.counts["torn_tails"] += 1
     if not report.counts_agree:
         result.problems.append(
             f"{seg.path}: header says {report.header_entry_count} entries / {report.header_deleted_count} "
-            f"deleted, scan found {report.entry_count} / {report.tombstone_count}"
+            f"deleted / data to {report.header_data_end}, the scan accounts for {report.accounted_entries} / "
+            f"{report.tombstone_count} / {report.boundary} (recovery rewrites the header words)"
         )
+
+
+def _census(path: str) -> EntryCensus:
+    try:
+        return census_segment(path)
+    except OSError as exc:
+        raise _unreadable(path, exc, "the segment") from exc
+
+
+def _check_quarantine(data_dir: str, result: VerifyResult) -> None:
+    """Every file in quarantine/ is a failure until an operator has looked at it and removed
+    it: a segment moved there, or the note of a missing one."""
+    base = os.path.join(data_dir, QUARANTINE_DIR)
+    if not os.path.isdir(base):
+        return
+    found = []
+    for dirpath, _dirnames, filenames in os.walk(base, onerror=_raise_unreadable):
+        found += [os.path.join(dirpath, name) for name in filenames]
+    for path in sorted(found):
+        result.quarantined_files += 1
+        if path.endswith(MISSING_SUFFIX):
+            note = read_missing_note(path)
+            if isinstance(note, MissingNote):
+                count = "unknown entries (it was still open)" if note.entry_count is None else f"{note.entry_count} entries"
+                result.problems.append(f"MISSING: {path}: a recovery found {note.keys} missing: {count}")
+                result.counts["segments_missing"] += 1
+                result.counts["entries_missing"] += note.entry_count or 0
+                continue
+        census = _census(path)
+        result.problems.append(f"QUARANTINED: {path}: {census.entries} whole entries ({census.live} live) "
+                               f"in {census.file_size} bytes, not delivered")
+        result.counts["segments_quarantined"] += 1
+        result.counts["entries_quarantined"] += census.live
+
+
+def _raise_unreadable(exc: OSError) -> None:
+    raise _unreadable(exc.filename or "", exc, "the quarantine")
+
+
+def _check_catalog(data_dir: str, before: CatalogReading | None, listing: StoreListing,
+                   vanished: list[SegmentPath], result: VerifyResult) -> None:
+    """Segments the catalog holds and the disk lacks are missing. Safe beside a running
+    broker: the catalog is read before the listing and again after it, and a segment counts
+    as missing only if both readings hold it, because a delete is recorded before its unlink
+    (a segment created after the first reading is on disk, not missing)."""
+    catalog = catalog_path(data_dir)
+    if before is None:
+        if listing.segments:
+            result.problems.append(f"{catalog}: no catalog although {len(listing.segments)} segments exist: "
+                                   f"a missing segment cannot be detected (the broker rebuilds it at its next start)")
+        return
+    result.problems += [f"CATALOG: {line}" for line in before.damaged]
+    result.notes += [before.torn_last] if before.torn_last else []
+    on_disk = {seg.keys for seg in listing.segments} - {seg.keys for seg in vanished}
+    candidates = [keys for keys in before.live if keys not in on_disk]
+    after = read_catalog(catalog) if candidates else None
+    for keys in sorted(candidates, key=lambda k: (k.model, k.signature, k.lane, k.segment_seq)):
+        entry = None if after is None else after.live.get(keys)
+        path = segment_path(data_dir, keys.model, keys.signature, keys.lane, keys.segment_seq)
+        if entry is None or os.path.exists(path):
+            continue  # deleted (recorded) since the first reading, or there after all
+        count = "entry count unknown, it was still open" if entry.entry_count is None else f"{entry.entry_count} entries"
+        result.problems.append(f"MISSING: {path}: the catalog holds this segment, the disk does not: {count}")
+        result.counts["segments_missing"] += 1
+        result.counts["entries_missing"] += entry.entry_count or 0
+    for seg in listing.segments:
+        if seg.keys not in before.live and seg not in vanished:
+            result.notes.append(f"{seg.path}: not in the catalog yet (a crash between its creation and its "
+                                f"record, or created since; the broker adopts it)")
+
+
+__all__ = ["VerifyResult", "dump_segment", "iter_segments", "live_item_ids", "name_keys_of", "tombstone_rows",
+           "verify"]

@@ -471,14 +471,6 @@ class QueuedTier(StorageTier, abc.ABC):
     def pending_items(self, consumer: ConsumerId | None = None) -> int:
         return len(self._pending) if consumer is None else self._pending.held_by(consumer)
 
-    def dispatched_segments(self) -> set[SegmentId]:
-        """Segments holding entries that were dispatched and are not completed: pending ones
-        and those given back by lost consumers (at the front of their lanes)."""
-        segments = {ref.segment for ref in self._pending.refs()}
-        for queue in self._queues.values():
-            segments.update(ref.segment for ref in queue.returned)
-        return segments
-
     def lane_keys(self) -> list[LaneKey]:
         """Every lane the tier holds a queue for (tests, tools)."""
         return list(self._queues)

@@ -1,4 +1,5 @@
-"""One segment file of the disk tier: create, append groups of entries, tombstone, seal, scan.
+"""One segment file of the disk tier: create, append groups of entries, tombstone, seal.
+Reading one back (recovery, tools) is `pipeline.broker.storage.scan`.
 
 A segment holds the entries of one (model, signature, lane) (layout in `pipeline.layouts`).
 The broker is its only writer; consumers and tools map it read-only.
@@ -7,6 +8,16 @@ Durability (SPEC §5): an append is written with one `pwrite` of the whole group
 readable boundary (`readable_end`) moves only after that write returned (`process`: the
 bytes are in the page cache and survive kill -9 of any process) or after `sync()` has also
 fdatasync'ed them (`power`). Readers never see bytes past the boundary.
+
+The header's `data_end` and `entry_count` words are the commit boundary a recovery scan
+judges damage by (bad bytes below it are corruption, at or past it a torn tail), so they
+never run ahead of what is durable: `process` writes them right after the pwrite (the page
+cache is what survives), `power` only after the fdatasync that made the bytes durable.
+NOTE: in `power` the words themselves become durable with the segment's next fdatasync
+(next group commit), its seal (msync) or kernel writeback, not at once: a second
+fdatasync per group commit would double its cost. After a power cut they may therefore
+trail the last acknowledged group; damage in those bytes then reads as a torn tail, which
+is still named (never erased) but not counted as a loss.
 
 Tombstones are written through a shared writable mapping of the file, not with a syscall
 each: a 4-byte pwrite at a random offset of a large file costs ~40 us here, a store into a
@@ -24,7 +35,7 @@ import mmap
 import os
 import struct
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 
 import numpy as np
@@ -32,7 +43,21 @@ import xxhash
 
 from pipeline.broker.storage import crashpoints
 from pipeline.broker.storage.paths import CREATING_SUFFIX
-from pipeline.errors import DiskFullError, DurabilityError, SegmentCorruptError, SegmentFormatError
+from pipeline.broker.storage.scan import (  # re-exported: the scan lived here first
+    OFF_BOUNDARY_CHECKSUM as _OFF_BOUNDARY_CHECKSUM,
+    OFF_DATA_END as _OFF_DATA_END,
+    OFF_DELETED as _OFF_DELETED,
+    OFF_ENTRY_COUNT as _OFF_ENTRY_COUNT,
+    OFF_SEALED as _OFF_SEALED,
+    ScanReport,
+    SegmentKeys,
+    boundary_checksum,
+    establish_identity,
+    identity_bytes,
+    read_identity,
+    scan_segment,
+)
+from pipeline.errors import DiskFullError, DurabilityError, SegmentCorruptError
 from pipeline.layouts import (
     ENTRY_ALIGN_BYTES,
     ENTRY_CHECKSUM_FROM,
@@ -42,16 +67,15 @@ from pipeline.layouts import (
     ENTRY_LIVE,
     ENTRY_NONE,
     ENTRY_TOMBSTONE,
-    SEGMENT_HEADER_DTYPE,
     SEGMENT_HEADER_SIZE_BYTES,
-    SEGMENT_IDENTITY_BYTES,
-    SEGMENT_MAGIC,
-    SEGMENT_VERSION,
     TOKEN_SIZE_BYTES,
-    entry_checksum,
     entry_size_bytes,
 )
-from shm.layout import field_offset
+
+__all__ = [
+    "DEFAULT_SEGMENT_MAX_BYTES", "Durability", "EncodedGroup", "ScanReport", "SegmentFile", "SegmentKeys",
+    "encode_entries", "fsync_directory", "read_identity", "scan_segment",
+]
 
 # First preallocation of a new segment: most lanes of a many-shape workload hold a few
 # batches, so 100,000 lanes take 6.4 GB of allocation at 64 KiB each (at 1 MiB: 100 GB);
@@ -61,19 +85,40 @@ FIRST_ALLOCATION_BYTES = 64 << 10
 # the header page) vanish, small enough that a fully completed segment is freed soon.
 DEFAULT_SEGMENT_MAX_BYTES = 64 << 20
 
-_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux; elsewhere pages fault in lazily
 _STATE = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
-_OFF_SEALED = field_offset(SEGMENT_HEADER_DTYPE, "sealed")
-_OFF_ENTRY_COUNT = field_offset(SEGMENT_HEADER_DTYPE, "entry_count")
-_OFF_DATA_END = field_offset(SEGMENT_HEADER_DTYPE, "data_end")
-_OFF_DELETED = field_offset(SEGMENT_HEADER_DTYPE, "deleted_count")
-_IDENTITY = struct.Struct("<8sIIIIQQQQ")  # the header's bytes 0..56: keys then their checksum
-assert _IDENTITY.size == SEGMENT_IDENTITY_BYTES + 8
 # errno values that mean "no space": a full disk, or the user's quota on it.
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 # An entry header as 8-byte words (entries start 16-aligned): gathered for many entries at once.
 _HEADER_WORDS = np.arange(ENTRY_HEADER_SIZE_BYTES // 8, dtype=np.int64)
+
+
+# The store stops growing while less than this would stay free on its file system, so that
+# what shares the disk (the consumers' results, the catalog, the broker's state file) can
+# still be written: results are what lets the store complete items and free its segments,
+# and a disk full of segments with no room for results never drains (seen on a 6 MiB tmpfs
+# holding both: tests/runtime/test_disk_full.py). 2% of the file system, within 1-256 MiB.
+DISK_RESERVE_FRACTION = 0.02
+DISK_RESERVE_MIN_BYTES = 1 << 20
+DISK_RESERVE_MAX_BYTES = 256 << 20
+
+
+def disk_reserve_bytes(total_bytes: int) -> int:
+    """What the store leaves free on a file system of `total_bytes` (see above)."""
+    return int(min(DISK_RESERVE_MAX_BYTES, max(DISK_RESERVE_MIN_BYTES, total_bytes * DISK_RESERVE_FRACTION)))
+
+
+def _check_room(fd: int, path: str, offset: int, nbytes: int, what: str) -> None:
+    """DiskFullError if allocating `nbytes` more at `offset` would leave less than the reserve
+    free: the store only takes space when it allocates (creating a segment, growing one), so
+    this is checked there, once per allocation, never per append."""
+    info = os.fstatvfs(fd)
+    free, reserve = info.f_bavail * info.f_frsize, disk_reserve_bytes(info.f_blocks * info.f_frsize)
+    if free - nbytes < reserve:
+        raise DiskFullError(
+            f"{path}: disk full: {free:,} bytes free, and {what} {nbytes:,} bytes at offset {offset} would leave "
+            f"less than the {reserve:,} kept free for results; appends stop until space comes back, nothing "
+            f"accepted is lost")
 
 
 def _no_space(exc: OSError, path: str, offset: int, nbytes: int, what: str) -> DiskFullError:
@@ -95,230 +140,6 @@ class Durability(Enum):
 
     PROCESS = "process"  # written to the page cache: survives kill -9 of any process
     POWER = "power"  # also fdatasync'ed, with group commit: survives power loss
-
-
-@dataclass(frozen=True, slots=True)
-class SegmentKeys:
-    """The routing keys a segment holds once in its header."""
-
-    model: int
-    signature: int
-    lane: int
-    segment_seq: int
-
-
-def _identity_bytes(keys: SegmentKeys, created_ns: int) -> bytes:
-    head = struct.pack(
-        "<8sIIIIQQQ", SEGMENT_MAGIC, SEGMENT_VERSION, SEGMENT_HEADER_SIZE_BYTES,
-        keys.model, keys.lane, keys.signature, keys.segment_seq, created_ns,
-    )
-    assert len(head) == SEGMENT_IDENTITY_BYTES
-    return head + _U64.pack(xxhash.xxh3_64_intdigest(head))
-
-
-def read_identity(header: bytes | memoryview, path: str) -> tuple[SegmentKeys, int]:
-    """Check a segment header's identity block; return (keys, created_ns) or raise."""
-    if len(header) < SEGMENT_HEADER_SIZE_BYTES:
-        raise SegmentFormatError(f"{path}: {len(header)} bytes, shorter than a segment header")
-    magic, version, header_size, model, lane, signature, seq, created_ns, checksum = (
-        _IDENTITY.unpack_from(header, 0)
-    )
-    if magic != SEGMENT_MAGIC or version != SEGMENT_VERSION or header_size != SEGMENT_HEADER_SIZE_BYTES:
-        raise SegmentFormatError(
-            f"{path}: offset 0: magic {magic!r}, version {version}, header size {header_size}; "
-            f"expected {SEGMENT_MAGIC!r}, {SEGMENT_VERSION}, {SEGMENT_HEADER_SIZE_BYTES}"
-        )
-    if xxhash.xxh3_64_intdigest(bytes(header[:SEGMENT_IDENTITY_BYTES])) != checksum:
-        raise SegmentFormatError(f"{path}: offset 48: identity checksum does not match the routing keys")
-    return SegmentKeys(model, signature, lane, seq), created_ns
-
-
-@dataclass(slots=True)
-class ScanReport:
-    """What a scan of one segment found.
-
-    `offsets[i]` and `headers[i]` (ENTRY_HEADER_DTYPE) describe the whole, checksummed
-    entries in file order; `torn_at` is where a torn tail starts (None if the data ends
-    cleanly) and `torn_bytes` how much it holds; `corrupt_at` is where an entry fails its
-    checks although a valid entry follows it (the segment must be quarantined).
-    """
-
-    path: str
-    keys: SegmentKeys
-    created_ns: int
-    sealed: bool
-    header_entry_count: int
-    header_deleted_count: int
-    header_data_end: int
-    file_size: int
-    offsets: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    headers: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=ENTRY_HEADER_DTYPE))
-    data_end: int = SEGMENT_HEADER_SIZE_BYTES
-    torn_at: int | None = None
-    torn_bytes: int = 0
-    corrupt_at: int | None = None
-    corrupt_reason: str = ""
-
-    @property
-    def entry_count(self) -> int:
-        return int(self.offsets.shape[0])
-
-    @property
-    def live_item_ids(self) -> np.ndarray:
-        """Item ids of the live entries, in file order."""
-        return self.headers["item_id"][self.headers["state"] == ENTRY_LIVE]
-
-    @property
-    def live_count(self) -> int:
-        return int(np.count_nonzero(self.headers["state"] == ENTRY_LIVE))
-
-    @property
-    def tombstone_count(self) -> int:
-        return int(np.count_nonzero(self.headers["state"] == ENTRY_TOMBSTONE))
-
-    @property
-    def counts_agree(self) -> bool:
-        """The header's counts match the entries (a crash between a tombstone and its count,
-        or a torn tail, leaves them apart until recovery repairs them)."""
-        return (
-            self.header_deleted_count == self.tombstone_count
-            and self.header_entry_count == self.entry_count
-        )
-
-
-# The fields a walk needs: state, length, checksum, then (past item_id, seq, producer_id)
-# prefix_len and payload_len.
-_WALK = struct.Struct("<IIQ20xII")
-assert _WALK.size == field_offset(ENTRY_HEADER_DTYPE, "payload_len") + 4
-
-
-def _check_entry(buf, offset: int, limit: int) -> tuple[int, str]:
-    """(size, "") if the entry at `offset` is whole and checks out, else (0, why)."""
-    if offset + ENTRY_HEADER_SIZE_BYTES > limit:
-        return 0, f"entry header at {offset} runs past the end of the file ({limit})"
-    state, length, checksum, prefix_len, payload_len = _WALK.unpack_from(buf, offset)
-    if state not in (ENTRY_LIVE, ENTRY_TOMBSTONE):
-        return 0, f"state word {state:#010x} at {offset} is neither live nor tombstone"
-    size = entry_size_bytes(length, payload_len)
-    if length == 0 or prefix_len > length or offset + size > limit:
-        return 0, f"entry at {offset}: length {length}, prefix {prefix_len}, size {size} do not fit"
-    if entry_checksum(buf, offset, offset + size, length) != checksum:
-        return 0, f"entry at {offset}: checksum mismatch"
-    return size, ""
-
-
-def _valid_entry_after(buf: memoryview, start: int, limit: int) -> int | None:
-    """Offset of the first whole, checksummed entry at a 16-aligned offset after `start`.
-
-    A torn write is sequential, so nothing valid can follow a torn entry: a valid entry
-    after a bad one means the damage is in the middle of the segment.
-    """
-    first = start + ENTRY_ALIGN_BYTES
-    count = (limit - first) // 4
-    if count <= 0:
-        return None
-    words = np.frombuffer(buf, dtype="<u4", count=count, offset=first)[::4]
-    candidates = np.flatnonzero((words == ENTRY_LIVE) | (words == ENTRY_TOMBSTONE))
-    del words
-    for index in candidates.tolist():
-        offset = first + index * ENTRY_ALIGN_BYTES
-        if _check_entry(buf, offset, limit)[0]:
-            return offset
-    return None
-
-
-def _last_nonzero_end(buf: memoryview, start: int, limit: int) -> int:
-    """One past the last non-zero byte in [start, limit), or `start` if all are zero."""
-    if limit <= start:
-        return start
-    view = np.frombuffer(buf, dtype=np.uint8, count=limit - start, offset=start)
-    nonzero = np.flatnonzero(view)
-    end = start + int(nonzero[-1]) + 1 if nonzero.size else start
-    del view, nonzero
-    return end
-
-
-def _walk_entries(buf: memoryview, size: int) -> tuple[list[int], int]:
-    """Offsets of every whole, checksummed entry from the first on, and where the walk
-    stopped (a zero state word, or the first entry that fails a check).
-
-    NOTE: this is `_check_entry` inlined into one loop with no calls but the hash: the scan
-    must run at page-cache speed (>= 1 GB/s), and per-entry calls cost a third of that.
-    The other header fields are gathered afterwards for all entries at once with numpy.
-    """
-    offsets: list[int] = []
-    offset = SEGMENT_HEADER_SIZE_BYTES
-    unpack = _WALK.unpack_from
-    digest = xxhash.xxh3_64_intdigest
-    live, tomb = ENTRY_LIVE, ENTRY_TOMBSTONE
-    header, align_mask, skip = ENTRY_HEADER_SIZE_BYTES, ENTRY_ALIGN_BYTES - 1, ENTRY_CHECKSUM_FROM
-    while offset + header <= size:
-        state, length, checksum, prefix_len, payload_len = unpack(buf, offset)
-        if state != live and state != tomb:
-            break
-        end = offset + ((header + length * 4 + payload_len + align_mask) & ~align_mask)
-        if length == 0 or prefix_len > length or end > size:
-            break
-        if digest(buf[offset + skip:end], seed=length) != checksum:
-            break
-        offsets.append(offset)
-        offset = end
-    return offsets, offset
-
-
-def scan_segment(path: str) -> ScanReport:
-    """Read a segment's header and walk every entry, checking state words and checksums.
-
-    Stops at the first zero state word (preallocated space). A bad entry with nothing
-    valid after it is a torn tail (`torn_at`, `torn_bytes`: what a crash mid-write left);
-    a bad entry followed by a valid one is corruption (`corrupt_at`): never truncated.
-    Raises SegmentFormatError when the header itself is not a segment header.
-    """
-    with open(path, "rb") as file:
-        size = os.fstat(file.fileno()).st_size
-        if size < SEGMENT_HEADER_SIZE_BYTES:
-            raise SegmentFormatError(f"{path}: {size} bytes, shorter than a segment header")
-        # MAP_POPULATE maps every page up front in one call instead of one fault per page:
-        # a cold scan of a 40 MB segment ran at ~0.55 GB/s without it.
-        mapping = mmap.mmap(file.fileno(), 0, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=mmap.PROT_READ)
-    view = memoryview(mapping)  # slices of a memoryview are free; slices of an mmap are copies
-    try:
-        return _scan_mapped(path, view, size)
-    finally:
-        view.release()
-        mapping.close()
-
-
-def _scan_mapped(path: str, buf: memoryview, size: int) -> ScanReport:
-    keys, created_ns = read_identity(buf, path)
-    (sealed,) = _STATE.unpack_from(buf, _OFF_SEALED)
-    report = ScanReport(
-        path, keys, created_ns, bool(sealed),
-        header_entry_count=_U64.unpack_from(buf, _OFF_ENTRY_COUNT)[0],
-        header_deleted_count=_U64.unpack_from(buf, _OFF_DELETED)[0],
-        header_data_end=_U64.unpack_from(buf, _OFF_DATA_END)[0],
-        file_size=size,
-    )
-    offsets, stop = _walk_entries(buf, size)
-    report.data_end = stop
-    if stop + 4 <= size and _STATE.unpack_from(buf, stop)[0] != ENTRY_NONE:
-        _, why = _check_entry(buf, stop, size)
-        if _valid_entry_after(buf, stop, size) is not None:
-            report.corrupt_at, report.corrupt_reason = stop, why
-        else:
-            report.torn_at = stop
-            report.torn_bytes = _last_nonzero_end(buf, stop, size) - stop
-    elif stop + 4 <= size and _valid_entry_after(buf, stop, size) is not None:
-        # A zero state word with valid entries after it: damage, not the end of the data.
-        report.corrupt_at = stop
-        report.corrupt_reason = f"zero state word at {stop} before more entries"
-    report.offsets = np.asarray(offsets, dtype=np.int64)
-    if offsets:
-        raw = np.frombuffer(buf, dtype=np.uint8)
-        gathered = raw[report.offsets[:, None] + np.arange(ENTRY_HEADER_SIZE_BYTES)]
-        report.headers = gathered.view(ENTRY_HEADER_DTYPE).reshape(-1)
-        del raw
-    return report
 
 
 @dataclass(slots=True)
@@ -472,13 +293,17 @@ class SegmentFile:
         fd = os.open(creating, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             first = min(FIRST_ALLOCATION_BYTES, max(max_bytes, SEGMENT_HEADER_SIZE_BYTES))
+            _check_room(fd, path, 0, first, "allocating")
             try:
                 os.posix_fallocate(fd, 0, first)
             except OSError as exc:
                 if exc.errno in _NO_SPACE:
                     raise _no_space(exc, path, 0, first, "allocating") from exc
                 raise
-            os.pwrite(fd, _identity_bytes(keys, time.time_ns()), 0)
+            os.pwrite(fd, identity_bytes(keys, time.time_ns()), 0)
+            boundary = bytearray(_OFF_BOUNDARY_CHECKSUM + 8 - _OFF_ENTRY_COUNT)
+            _write_boundary(boundary, 0, SEGMENT_HEADER_SIZE_BYTES, base=-_OFF_ENTRY_COUNT)
+            os.pwrite(fd, boundary, _OFF_ENTRY_COUNT)
             if durability is Durability.POWER:
                 _fdatasync(fd, path)
             assert not os.path.exists(path), path
@@ -496,44 +321,49 @@ class SegmentFile:
     @classmethod
     def reopen(cls, report: ScanReport, durability: Durability,
                max_bytes: int = DEFAULT_SEGMENT_MAX_BYTES) -> SegmentFile:
-        """Reopen a scanned segment for tombstones (and appends, if not sealed), repairing
-        its header words and dropping a torn tail (recovery, SPEC §5)."""
-        assert report.corrupt_at is None, "a corrupt segment is quarantined, not reopened"
+        """Reopen a scanned segment for tombstones (and appends, if not sealed): recovery,
+        SPEC §5. Nothing is zeroed or truncated: damaged and torn bytes stay as evidence
+        (a recovered segment is sealed, so nothing is appended over them). Repairs: a state
+        word the scan read as live (`repaired_states`) is rewritten live, so consumers and
+        tombstones accept the entry; the header's counts become the scan's, and its data_end
+        the scan's boundary (never lowered below damage, see ScanReport.boundary)."""
         fd = os.open(report.path, os.O_RDWR)
         segment = cls(report.path, fd, report.keys, durability, max_bytes)
         segment.data_end = segment.readable_end = report.data_end
         segment.entry_count = report.entry_count
         segment.deleted_count = report.tombstone_count
         segment.sealed = report.sealed
-        if report.torn_at is not None and report.torn_bytes:
-            segment._map[report.torn_at:report.torn_at + report.torn_bytes] = bytes(report.torn_bytes)
-        segment._write_header_words()
+        for repaired in report.repaired_states:
+            _STATE.pack_into(segment._map, repaired.offset, ENTRY_LIVE)
+        _STATE.pack_into(segment._map, _OFF_SEALED, int(segment.sealed))
+        _write_boundary(segment._map, report.accounted_entries, report.boundary)
+        _U64.pack_into(segment._map, _OFF_DELETED, segment.deleted_count)
         return segment
 
     @classmethod
-    def open(cls, path: str, durability: Durability, max_bytes: int = DEFAULT_SEGMENT_MAX_BYTES) -> SegmentFile:
+    def open(cls, path: str, durability: Durability, max_bytes: int = DEFAULT_SEGMENT_MAX_BYTES,
+             keys: SegmentKeys | None = None) -> SegmentFile:
         """Reopen a segment this process wrote and closed (the open-file cache evicted it):
         its header words are current, so no scan is needed. Not for recovery: after a
-        crash they are only hints (use `scan_segment` and `reopen`)."""
+        crash they are only hints (use `scan_segment` and `reopen`). `keys`: the store's
+        keys for it, which also admit a segment recovery salvaged with a damaged identity
+        block (see scan.establish_identity). The readable boundary is the header's data_end,
+        but never past the end of the file (a truncated segment keeps its boundary word)."""
         fd = os.open(path, os.O_RDWR)
         try:
             header = os.pread(fd, SEGMENT_HEADER_SIZE_BYTES, 0)
-            keys, _created_ns = read_identity(header, path)
+            found, _created_ns, _damage = establish_identity(header, path, keys)
+            size = os.fstat(fd).st_size
         except BaseException:
             os.close(fd)
             raise
-        segment = cls(path, fd, keys, durability, max_bytes)
+        segment = cls(path, fd, found, durability, max_bytes)
         segment.sealed = bool(_STATE.unpack_from(header, _OFF_SEALED)[0])
         segment.entry_count = _U64.unpack_from(header, _OFF_ENTRY_COUNT)[0]
-        segment.data_end = segment.readable_end = _U64.unpack_from(header, _OFF_DATA_END)[0]
+        data_end = min(_U64.unpack_from(header, _OFF_DATA_END)[0], size)
+        segment.data_end = segment.readable_end = max(data_end, SEGMENT_HEADER_SIZE_BYTES)
         segment.deleted_count = _U64.unpack_from(header, _OFF_DELETED)[0]
         return segment
-
-    def _write_header_words(self) -> None:
-        _STATE.pack_into(self._map, _OFF_SEALED, int(self.sealed))
-        _U64.pack_into(self._map, _OFF_ENTRY_COUNT, self.entry_count)
-        _U64.pack_into(self._map, _OFF_DATA_END, self.data_end)
-        _U64.pack_into(self._map, _OFF_DELETED, self.deleted_count)
 
     def room_for(self, nbytes: int) -> bool:
         """Whether a group of `nbytes` may go in (an empty segment takes any group)."""
@@ -545,6 +375,7 @@ class SegmentFile:
         new_size = self.allocated
         while new_size < needed_end:
             new_size *= 2
+        _check_room(self._fd, self.path, self.allocated, new_size - self.allocated, "growing the file by")
         try:
             os.posix_fallocate(self._fd, 0, new_size)
         except OSError as exc:
@@ -586,13 +417,16 @@ class SegmentFile:
             crashpoints.hit("segment.after_write")
         self.data_end = end
         self.entry_count += group.count
-        _U64.pack_into(self._map, _OFF_ENTRY_COUNT, self.entry_count)
-        _U64.pack_into(self._map, _OFF_DATA_END, end)
         if self.durability is Durability.PROCESS:
+            self._write_boundary()
             self.readable_end = end
         else:
-            self._unsynced = True
+            self._unsynced = True  # the header words move in sync(), after the fdatasync
         return at
+
+    def _write_boundary(self) -> None:
+        """The header's commit boundary: entry_count and data_end (module docstring)."""
+        _write_boundary(self._map, self.entry_count, self.data_end)
 
     @property
     def needs_sync(self) -> bool:
@@ -602,7 +436,12 @@ class SegmentFile:
         """`power`: fdatasync what was appended, then make it readable (group commit: the disk
         tier calls this once per loop turn for every segment that took appends)."""
         if self._unsynced:
+            if crashpoints.ARMED:
+                crashpoints.hit("sync.before_fdatasync")
             _fdatasync(self._fd, self.path)  # DurabilityError: fatal, the broker stops
+            if crashpoints.ARMED:
+                crashpoints.hit("sync.after_fdatasync")
+            self._write_boundary()  # only now: the boundary never claims unsynced bytes
             self._unsynced = False
         self.readable_end = self.data_end
 
@@ -740,6 +579,13 @@ class SegmentFile:
         os.unlink(self.path)
         if self.durability is Durability.POWER:
             fsync_directory(os.path.dirname(self.path))
+
+
+def _write_boundary(buf, entry_count: int, data_end: int, base: int = 0) -> None:
+    """entry_count, data_end and their checksum into a header (at `base` + their offsets)."""
+    _U64.pack_into(buf, base + _OFF_ENTRY_COUNT, entry_count)
+    _U64.pack_into(buf, base + _OFF_DATA_END, data_end)
+    _U64.pack_into(buf, base + _OFF_BOUNDARY_CHECKSUM, boundary_checksum(entry_count, data_end))
 
 
 def fsync_directory(path: str) -> None:

@@ -1,9 +1,14 @@
 """The segment files of one data directory: which segment each lane appends to, a bounded
-cache of open files, sealing by size and age, whole-file deletion, and recovery.
+cache of open files, sealing by size and age, whole-file deletion, the catalog of what is
+stored, and recovery.
 
 Segments are keyed by (model, signature, lane) plus a sequence number (layout in
 `pipeline.broker.storage.paths`). Each lane appends to one open segment at a time; a segment
-seals when it is full or old, and is deleted whole once sealed and fully tombstoned.
+seals when it is full or old, and is deleted whole once sealed and fully tombstoned; a
+damaged one is never deleted: it is moved to quarantine/ once everything it can still
+deliver is done. Every create, seal, delete and quarantine is recorded in the catalog
+(`catalog.py`), in the order that makes a crash safe, so recovery can tell a segment that
+was lost from one that was finished.
 
 Open files are bounded (`open_files_max`): a segment's descriptor and mapping are opened on
 demand and the least recently used are closed, so 100,000 lanes across shapes do not exhaust
@@ -14,24 +19,41 @@ in the segment header, which is written through the mapping before it is closed.
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import numpy as np
 
 from pipeline.broker.ids import LaneKey, SegmentId
 from pipeline.broker.storage import crashpoints
+from pipeline.broker.storage.catalog import (
+    CATALOG_TMP_SUFFIX,
+    CatalogEntry,
+    CatalogReading,
+    SegmentCatalog,
+    read_catalog,
+    write_missing_note,
+)
 from pipeline.broker.storage.paths import (
-    QUARANTINE_DIR,
+    MISSING_SUFFIX,
     SEGMENTS_DIR,
-    abandoned_creates,
-    iter_segments,
+    SegmentPath,
+    StoreListing,
+    catalog_path,
+    list_store,
     make_dirs,
+    quarantine_target,
     segment_path,
 )
+from pipeline.broker.storage.recovery import (  # re-exported: they lived here first
+    MissingSegment,
+    Quarantined,
+    RecoveredSegment,
+    RecoveryReport,
+    TornTail,
+)
+from pipeline.broker.storage.scan import census_segment
 from pipeline.broker.storage.segment import (
     DEFAULT_SEGMENT_MAX_BYTES,
     Durability,
@@ -42,7 +64,11 @@ from pipeline.broker.storage.segment import (
     fsync_directory,
     scan_segment,
 )
-from pipeline.errors import SegmentFormatError
+from pipeline.errors import DiskFullError, SegmentFormatError, StoreReadError
+from pipeline.layouts import CATALOG_CREATED, CATALOG_DELETED, CATALOG_QUARANTINED, CATALOG_SEALED
+
+__all__ = ["MissingSegment", "Quarantined", "RecoveredSegment", "RecoveryReport", "SegmentState", "SegmentStore",
+           "TornTail"]
 
 # Open segment files kept at once. Each costs a descriptor and a mapping; 512 stays far
 # below the usual 1,024-descriptor soft limit with room for sockets and rings, and covers
@@ -55,7 +81,8 @@ DEFAULT_SEGMENT_MAX_AGE_S = 300.0
 
 @dataclass(slots=True)
 class SegmentState:
-    """What the store knows of one segment, open or not."""
+    """What the store knows of one segment, open or not. `damage`: why recovery found it
+    damaged ("" if it is not): it is quarantined instead of deleted once done."""
 
     id: SegmentId
     path: str
@@ -65,82 +92,15 @@ class SegmentState:
     entry_count: int = 0
     deleted_count: int = 0
     sealed: bool = False
-
-
-@dataclass(slots=True)
-class RecoveredSegment:
-    """One segment as recovery found it: its state and its scan."""
-
-    state: SegmentState
-    report: ScanReport
-
-
-class TornTail(NamedTuple):
-    """A crash cut the last write of a segment short: the bytes from `offset` on were
-    dropped (zeroed); every whole entry before them was kept."""
-
-    path: str
-    offset: int
-    bytes_dropped: int
-
-
-class Quarantined(NamedTuple):
-    """A segment recovery refused: damage at `offset` (0: the header) for `reason`; moved
-    to `moved_to`, never truncated or deleted by us."""
-
-    path: str
-    offset: int
-    reason: str
-    moved_to: str
-
-
-@dataclass(slots=True)
-class RecoveryReport:
-    """What recovery did, for logs and the run report. `segments` are the segments kept
-    (with live entries), `deleted` sealed segments found with nothing live, `repaired_counts`
-    the segments whose header counts disagreed with their entries (now rewritten)."""
-
-    segments: list[RecoveredSegment] = field(default_factory=list)
-    quarantined: list[Quarantined] = field(default_factory=list)
-    torn_tails: list[TornTail] = field(default_factory=list)
-    repaired_counts: list[str] = field(default_factory=list)
-    deleted: list[str] = field(default_factory=list)
-    abandoned_creates: list[str] = field(default_factory=list)
-    segments_scanned: int = 0
-    live_entries: int = 0
-    bytes_scanned: int = 0
-    seconds: float = 0.0
-
-    @property
-    def scan_bytes_per_s(self) -> float:
-        return self.bytes_scanned / self.seconds if self.seconds > 0 else 0.0
-
-    def release_scans(self) -> None:
-        """Drop the kept segments' per-entry arrays (64 bytes per entry) once the disk tier
-        has rebuilt its queues from them; the counts above stay."""
-        for kept in self.segments:
-            kept.report.offsets = kept.report.offsets[:0]
-            kept.report.headers = kept.report.headers[:0]
-
-    def summary(self) -> str:
-        """One line for the log; problems follow on their own lines."""
-        lines = [
-            f"recovery: {self.segments_scanned} segments, {self.bytes_scanned:,} bytes scanned in "
-            f"{self.seconds:.3f} s ({self.scan_bytes_per_s / 1e6:,.0f} MB/s); {self.live_entries:,} "
-            f"live entries in {len(self.segments)} segments; {len(self.deleted)} finished segments "
-            f"deleted; {len(self.repaired_counts)} header counts repaired; "
-            f"{len(self.abandoned_creates)} interrupted creates removed"
-        ]
-        lines += [f"torn tail: {t.path}: {t.bytes_dropped} bytes dropped at offset {t.offset}" for t in self.torn_tails]
-        lines += [f"QUARANTINED: {q.path}: offset {q.offset}: {q.reason} (moved to {q.moved_to})" for q in self.quarantined]
-        return "\n".join(lines)
+    damage: str = ""
 
 
 class SegmentStore:
-    """Every segment of a data directory.
+    """Every segment of a data directory, and its catalog.
 
     Owner: the disk tier, in the broker's single dispatch loop. Not thread-safe. `close()`
-    closes every open file; nothing needs unlinking (the files are the durable store).
+    closes every open file and the catalog; nothing needs unlinking (the files are the
+    durable store).
     """
 
     def __init__(
@@ -165,6 +125,9 @@ class SegmentStore:
         self._open: OrderedDict[SegmentId, SegmentFile] = OrderedDict()  # LRU, newest last
         self._unsynced: set[SegmentId] = set()
         self._tombstoned: set[SegmentId] = set()  # `power`: tombstones not yet msync'ed
+        self._catalog: SegmentCatalog | None = None  # opened by recover() or the first record
+        self._recovering = False
+        self._quarantined: list[Quarantined] = []  # moved while running, for the broker's log
         self._next_id = 0
         self.files_opened = 0
         self.files_closed_by_cache = 0
@@ -177,7 +140,8 @@ class SegmentStore:
         if file is not None:
             self._open.move_to_end(segment)
             return file
-        file = SegmentFile.open(self.segments[segment].path, self.durability, self.segment_max_bytes)
+        state = self.segments[segment]
+        file = SegmentFile.open(state.path, self.durability, self.segment_max_bytes, keys=state.keys)
         self._admit(segment, file)
         return file
 
@@ -197,11 +161,18 @@ class SegmentStore:
 
     def _new_segment(self, lane: LaneKey, now_s: float) -> SegmentState:
         seq = self._next_seq.get(lane, 0)
+        path = segment_path(self.data_dir, lane.model, lane.signature, lane.lane, seq)  # SegmentNameError
+        # Room in the catalog for this create and every seal and delete still to come, so
+        # that those never fail for space (DiskFullError here is backpressure, as below).
+        sealed = len(self.segments) - len(self._appending)
+        self._catalog_file().reserve(2 * (len(self._appending) + 1) + sealed + 1)
         self._next_seq[lane] = seq + 1
-        path = segment_path(self.data_dir, lane.model, lane.signature, lane.lane, seq)
         make_dirs(os.path.dirname(path))
         keys = SegmentKeys(lane.model, lane.signature, lane.lane, seq)
         file = SegmentFile.create(path, keys, self.durability, self.segment_max_bytes)
+        if crashpoints.ARMED:
+            crashpoints.hit("create.after_rename")
+        self._record(CATALOG_CREATED, keys)  # after the rename: a crash between is adopted
         state = self._register(path, lane, keys, now_s)
         self._admit(state.id, file)
         self._appending[lane] = state.id
@@ -214,12 +185,45 @@ class SegmentStore:
         self.segments[segment] = state
         return state
 
+    # ----------------------------------------------------------------- catalog
+
+    def _catalog_file(self) -> SegmentCatalog:
+        """The catalog open for writing: a store used without recovery appends to what is
+        there (or starts one)."""
+        if self._catalog is None:
+            self._catalog = SegmentCatalog.open_existing(catalog_path(self.data_dir), self._durable)
+        return self._catalog
+
+    @property
+    def _durable(self) -> bool:
+        return self.durability is Durability.POWER
+
+    def _record(self, kind: int, keys: SegmentKeys, entry_count: int = 0) -> None:
+        if self._recovering and self._catalog is None:
+            return  # no catalog yet: recovery writes the whole live set when it is done
+        self._catalog_file().record(kind, keys, entry_count)
+
+    def _compact_catalog(self) -> str:
+        """Rewrite the catalog as the live set; "" or, when the disk has no room for the new
+        file, why not (the old catalog stays valid and in use)."""
+        live = [CatalogEntry(s.keys, s.entry_count if s.sealed else None) for s in self.segments.values()]
+        reserve = 2 * len(self._appending) + len(self.segments) + 16
+        try:
+            fresh = SegmentCatalog.write_fresh(catalog_path(self.data_dir), live, self._durable, reserve)
+        except DiskFullError as exc:
+            return f"not compacted: {exc}"
+        if self._catalog is not None:
+            self._catalog.close()
+        self._catalog = fresh
+        return ""
+
     # ----------------------------------------------------------------- appends
 
     def append(self, lane: LaneKey, group: EncodedGroup, now_s: float) -> tuple[SegmentId, int]:
         """Write an encoded group to the lane's open segment (a new one when there is none or
         the group does not fit); return (segment id, byte offset of the group's first entry).
-        OSError (ENOSPC among them) propagates with nothing recorded as stored."""
+        OSError (ENOSPC among them) propagates with nothing recorded as stored; so does
+        SegmentNameError for a lane whose keys do not fit a segment name."""
         segment = self._appending.get(lane)
         file = None if segment is None else self._file(segment)
         if file is None or not file.room_for(group.data.nbytes):
@@ -236,11 +240,16 @@ class SegmentStore:
         return segment, offset
 
     def sync(self) -> None:
-        """`power`: fdatasync every segment that took appends since the last call (group
-        commit). An error is fatal to the caller: see DurabilityError."""
+        """`power`: fdatasync every segment that took appends since the last call, then the
+        catalog (group commit): before anything of them is acknowledged. An error is fatal
+        to the caller: see DurabilityError."""
         for segment in sorted(self._unsynced):
             self._file(segment).sync()
         self._unsynced.clear()
+        if self._catalog is not None:
+            self._catalog.sync()
+            if self._catalog.wants_compaction(2 * len(self.segments)):
+                self._compact_catalog()  # between lifecycle events: the live set is whole
 
     @property
     def needs_sync(self) -> bool:
@@ -255,6 +264,7 @@ class SegmentStore:
         if segment in self._unsynced:
             self._file(segment).sync()
             self._unsynced.discard(segment)
+        self._record(CATALOG_SEALED, state.keys, state.entry_count)  # before the flag
         self._file(segment).seal()
         state.sealed = True
         if self._appending.get(state.lane) == segment:
@@ -275,8 +285,8 @@ class SegmentStore:
 
     def tombstone_many(self, segment: SegmentId, offsets) -> int:
         """Tombstone entries of one segment (state words, then its deleted count once);
-        return how many were live. The segment is deleted whole when it is sealed and
-        nothing in it is live any more."""
+        return how many were live. The segment is deleted whole (a damaged one: moved to
+        quarantine/) when it is sealed and nothing in it is live any more."""
         state = self.segments[segment]
         fresh = self._file(segment).tombstone_many(offsets)
         if fresh:
@@ -289,16 +299,38 @@ class SegmentStore:
     def _delete_if_done(self, state: SegmentState) -> None:
         if not (state.sealed and state.deleted_count == state.entry_count):
             return
-        if crashpoints.ARMED:
-            crashpoints.hit("delete.before_unlink")
         file = self._open.pop(state.id, None)
         if file is not None:
             file.close()
         self._tombstoned.discard(state.id)
-        os.unlink(state.path)
-        if self.durability is Durability.POWER:
-            fsync_directory(os.path.dirname(state.path))
+        if state.damage:
+            self._quarantined.append(self._quarantine(
+                state.path, state.keys, 0, f"damaged ({state.damage}); everything it could deliver is done"))
+        else:
+            self._record(CATALOG_DELETED, state.keys)  # before the unlink: never a false MISSING
+            if crashpoints.ARMED:
+                crashpoints.hit("delete.before_unlink")
+            os.unlink(state.path)
+            if self.durability is Durability.POWER:
+                fsync_directory(os.path.dirname(state.path))
         del self.segments[state.id]
+
+    def _quarantine(self, path: str, keys: SegmentKeys, offset: int, why: str, entries: int = 0,
+                    item_ids: tuple[int, ...] = (), identity_refused: bool = False) -> Quarantined:
+        """Move a (closed) segment to quarantine/, its move recorded first; never deleted."""
+        self._record(CATALOG_QUARANTINED, keys)
+        target = quarantine_target(self.data_dir, path)
+        make_dirs(os.path.dirname(target))
+        os.rename(path, target)  # same file system: the data directory
+        if self.durability is Durability.POWER:
+            fsync_directory(os.path.dirname(path))
+            fsync_directory(os.path.dirname(target))
+        return Quarantined(path, offset, why, target, entries, item_ids, identity_refused)
+
+    def take_quarantined(self) -> list[Quarantined]:
+        """Segments moved to quarantine/ while running since the last call (for the log)."""
+        taken, self._quarantined = self._quarantined, []
+        return taken
 
     def drop_lane(self, lane: LaneKey) -> None:
         """The lane's id was released: seal its open segment (a released id may come back as
@@ -332,37 +364,73 @@ class SegmentStore:
         for file in self._open.values():
             file.close()
         self._open.clear()
+        if self._catalog is not None:
+            self._catalog.close()
+            self._catalog = None
 
     # ----------------------------------------------------------------- recovery
 
     def recover(self) -> RecoveryReport:
-        """Scan every segment: quarantine the corrupt ones, drop torn tails, repair counts,
-        delete sealed segments with nothing live, and register the rest (in lane and
-        sequence order) for the disk tier to rebuild its queues from."""
+        """Scan every segment and salvage what it holds (scan.py); repair header words;
+        delete finished segments and quarantine finished damaged ones; quarantine whole the
+        segments whose identity cannot be established; name every stray, every missing
+        segment (catalog against disk) and every damaged or lost entry; register the rest
+        (in lane and sequence order) for the disk tier to rebuild its queues from; and
+        rewrite the catalog as the live set. StoreReadError if a file cannot be read."""
         started = time.monotonic()
         report = RecoveryReport()
-        for path in abandoned_creates(self.data_dir):
-            os.unlink(path)  # a crash interrupted its creation: it holds no entry
-            report.abandoned_creates.append(path)
-        for found in iter_segments(self.data_dir):
-            report.segments_scanned += 1
-            try:
-                scan = scan_segment(found.path)
-            except SegmentFormatError as exc:
-                self._quarantine(found.path, report, 0, str(exc))
-                continue
-            report.bytes_scanned += scan.data_end
-            if scan.corrupt_at is not None:
-                self._quarantine(found.path, report, scan.corrupt_at, scan.corrupt_reason)
-                continue
-            self._adopt(found, scan, report)
+        listing, reading = self._read_store(report)
+        self._recovering = True
+        try:
+            if reading is not None:
+                self._catalog = SegmentCatalog.open_existing(catalog_path(self.data_dir), self._durable)
+            for path in listing.creating:
+                os.unlink(path)  # a crash interrupted its creation: it holds no entry
+                report.abandoned_creates.append(path)
+            report.strays = listing.strays
+            for found in listing.segments:
+                self._recover_segment(found, reading, report)
+            self._note_missing(listing, reading, report)
+        finally:
+            self._recovering = False
+        self._settle_catalog(listing, reading, report)
         report.seconds = time.monotonic() - started
         return report
 
-    def _adopt(self, found, scan: ScanReport, report: RecoveryReport) -> None:
+    def _read_store(self, report: RecoveryReport) -> tuple[StoreListing, CatalogReading | None]:
+        try:
+            listing = list_store(self.data_dir)
+        except OSError as exc:
+            raise StoreReadError(f"{exc.filename or self.data_dir}: cannot list the segments "
+                                 f"({exc.strerror}, errno {exc.errno})") from exc
+        leftover = catalog_path(self.data_dir) + CATALOG_TMP_SUFFIX
+        if os.path.exists(leftover):
+            os.unlink(leftover)  # an interrupted compaction: the catalog itself is whole
+            report.catalog_notes.append(f"{leftover}: an interrupted compaction's temp file, removed")
+        return listing, read_catalog(catalog_path(self.data_dir))
+
+    def _recover_segment(self, found: SegmentPath, reading: CatalogReading | None, report: RecoveryReport) -> None:
+        report.segments_scanned += 1
+        try:
+            scan = scan_segment(found.path, found.keys)
+        except SegmentFormatError as exc:
+            self._quarantine_unidentified(found, str(exc), reading, report)
+            return
+        except OSError as exc:
+            raise StoreReadError(f"{found.path}: cannot read the segment ({exc.strerror}, errno {exc.errno})") from exc
+        report.bytes_scanned += scan.data_end
+        if reading is not None and found.keys not in reading.live:
+            report.adopted.append(found.path)
+        self._adopt(found, scan, report)
+
+    def _adopt(self, found: SegmentPath, scan: ScanReport, report: RecoveryReport) -> None:
         lane = LaneKey(found.model, found.signature, found.lane)
-        if scan.torn_at is not None:
-            report.torn_tails.append(TornTail(found.path, scan.torn_at, scan.torn_bytes))
+        report.damaged += scan.damaged
+        report.lost += [] if scan.lost is None else [scan.lost]
+        report.torn_tails += scan.torn
+        report.repaired_states += scan.repaired_states
+        if scan.identity_damage:
+            report.damaged_identities.append(f"{found.path}: {scan.identity_damage}")
         if not scan.counts_agree:
             report.repaired_counts.append(found.path)
         self._next_seq[lane] = max(self._next_seq.get(lane, 0), found.segment_seq + 1)
@@ -370,29 +438,79 @@ class SegmentStore:
         # NOTE: recovered segments are sealed rather than appended to: a new run starts new
         # segments, and an old one is deleted as soon as its entries are done.
         if not file.sealed:
+            self._record(CATALOG_SEALED, scan.keys, scan.entry_count)
             file.seal()
         state = self._register(found.path, lane, scan.keys, 0.0)
         state.entry_count, state.deleted_count, state.sealed = scan.entry_count, scan.tombstone_count, True
-        if state.deleted_count == state.entry_count:
+        state.damage = scan.problems()[0] if scan.is_damaged else ""
+        if state.damage:
+            report.damaged_segments.append(found.path)
+        if state.deleted_count == state.entry_count:  # nothing left to deliver
             file.close()
-            file.unlink()
+            if state.damage:
+                report.quarantined.append(self._quarantine(
+                    found.path, scan.keys, _first_damage(scan), "damaged, and nothing in it is deliverable"))
+            else:
+                self._record(CATALOG_DELETED, scan.keys)
+                file.unlink()
+                report.deleted.append(found.path)
             del self.segments[state.id]
-            report.deleted.append(found.path)
             return
         self._admit(state.id, file)
         report.segments.append(RecoveredSegment(state, scan))
         report.live_entries += scan.live_count
 
-    def _quarantine(self, path: str, report: RecoveryReport, offset: int, why: str) -> None:
-        relative = os.path.relpath(path, os.path.join(self.data_dir, SEGMENTS_DIR))
-        target = os.path.join(self.data_dir, QUARANTINE_DIR, relative)
-        copies = 0
-        while os.path.exists(target if not copies else f"{target}.{copies}"):
-            copies += 1  # an earlier run quarantined a file of the same name: keep both
-        target = target if not copies else f"{target}.{copies}"
-        make_dirs(os.path.dirname(target))
-        shutil.move(path, target)
-        if self.durability is Durability.POWER:
-            fsync_directory(os.path.dirname(path))
-            fsync_directory(os.path.dirname(target))
-        report.quarantined.append(Quarantined(path, offset, why, target))
+    def _quarantine_unidentified(self, found: SegmentPath, why: str, reading: CatalogReading | None,
+                                 report: RecoveryReport) -> None:
+        """Its identity cannot be established: never delivered. Its entries are walked and
+        counted (at least what its seal record says) and the file moved to quarantine/."""
+        try:
+            census = census_segment(found.path)
+        except OSError as exc:
+            raise StoreReadError(f"{found.path}: cannot read the segment ({exc.strerror}, errno {exc.errno})") from exc
+        known = reading.live.get(found.keys) if reading is not None else None
+        entries = max(census.entries, (known.entry_count or 0) if known is not None else 0)
+        report.quarantined.append(self._quarantine(found.path, found.keys, 0, why, entries, census.item_ids, True))
+
+    def _note_missing(self, listing: StoreListing, reading: CatalogReading | None, report: RecoveryReport) -> None:
+        """Segments the catalog holds and the disk does not: counted, named, and noted in
+        quarantine/ (so `verify` keeps failing until an operator has looked)."""
+        if reading is None:
+            return
+        on_disk = {found.keys for found in listing.segments}
+        for keys, entry in sorted(reading.live.items(), key=lambda item: _key_order(item[0])):
+            lane = LaneKey(keys.model, keys.signature, keys.lane)
+            self._next_seq[lane] = max(self._next_seq.get(lane, 0), keys.segment_seq + 1)
+            if keys in on_disk:
+                continue
+            path = segment_path(self.data_dir, keys.model, keys.signature, keys.lane, keys.segment_seq)
+            note = quarantine_target(self.data_dir, path, MISSING_SUFFIX)
+            make_dirs(os.path.dirname(note))
+            write_missing_note(note, keys, entry.entry_count, self._durable)
+            if self._durable:
+                fsync_directory(os.path.dirname(note))
+            report.missing.append(MissingSegment(path, keys, entry.entry_count, note))
+        for (model, signature, lane_id), seq in reading.highest_seq.items():
+            lane = LaneKey(model, signature, lane_id)
+            self._next_seq[lane] = max(self._next_seq.get(lane, 0), seq + 1)  # never reuse a known name
+
+    def _settle_catalog(self, listing: StoreListing, reading: CatalogReading | None, report: RecoveryReport) -> None:
+        if reading is None and listing.segments:
+            report.catalog_problems.append(
+                f"{catalog_path(self.data_dir)}: no catalog although {len(listing.segments)} segments exist: "
+                f"rebuilt from the disk; a segment lost before this start cannot be detected")
+        elif reading is not None:
+            report.catalog_problems += reading.damaged
+            report.catalog_notes += [reading.torn_last] if reading.torn_last else []
+        why = self._compact_catalog()
+        if why:
+            report.catalog_notes.append(why)
+
+
+def _key_order(keys: SegmentKeys) -> tuple[int, int, int, int]:
+    return keys.model, keys.signature, keys.lane, keys.segment_seq
+
+
+def _first_damage(scan: ScanReport) -> int:
+    offsets = [r.offset for r in scan.damaged] + ([scan.lost.offset] if scan.lost else [])
+    return min(offsets) if offsets else 0

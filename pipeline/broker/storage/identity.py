@@ -1,0 +1,112 @@
+"""Who a segment is: the routing keys its header holds once (checksummed, the identity
+block) and its file name repeats, and the checksum of the header's commit boundary words.
+Layout in `pipeline.layouts` (SEGMENT_HEADER_DTYPE); names in `pipeline.layouts` too.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+from pipeline.errors import SegmentFormatError
+from pipeline.layouts import (
+    SEGMENT_HEADER_SIZE_BYTES,
+    SEGMENT_IDENTITY_BYTES,
+    SEGMENT_MAGIC,
+    SEGMENT_VERSION,
+    parse_segment_relpath,
+)
+
+_U64 = struct.Struct("<Q")
+_IDENTITY = struct.Struct("<8sIIIIQQQQ")  # the header's bytes 0..56: keys then their checksum
+assert _IDENTITY.size == SEGMENT_IDENTITY_BYTES + 8
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentKeys:
+    """The routing keys a segment holds once in its header."""
+
+    model: int
+    signature: int
+    lane: int
+    segment_seq: int
+
+
+def identity_bytes(keys: SegmentKeys, created_ns: int) -> bytes:
+    """The header's identity block for a new segment: keys, then their checksum."""
+    head = struct.pack(
+        "<8sIIIIQQQ", SEGMENT_MAGIC, SEGMENT_VERSION, SEGMENT_HEADER_SIZE_BYTES,
+        keys.model, keys.lane, keys.signature, keys.segment_seq, created_ns,
+    )
+    assert len(head) == SEGMENT_IDENTITY_BYTES
+    return head + _U64.pack(xxhash.xxh3_64_intdigest(head))
+
+
+def read_identity(header: bytes | memoryview, path: str) -> tuple[SegmentKeys, int]:
+    """Check a segment header's identity block; return (keys, created_ns) or raise
+    SegmentFormatError naming the path and offset."""
+    if len(header) < SEGMENT_HEADER_SIZE_BYTES:
+        raise SegmentFormatError(f"{path}: {len(header)} bytes, shorter than a segment header")
+    magic, version, header_size, model, lane, signature, seq, created_ns, checksum = (
+        _IDENTITY.unpack_from(header, 0)
+    )
+    if magic != SEGMENT_MAGIC or version != SEGMENT_VERSION or header_size != SEGMENT_HEADER_SIZE_BYTES:
+        raise SegmentFormatError(
+            f"{path}: offset 0: magic {magic!r}, version {version}, header size {header_size}; "
+            f"expected {SEGMENT_MAGIC!r}, {SEGMENT_VERSION}, {SEGMENT_HEADER_SIZE_BYTES}"
+        )
+    if xxhash.xxh3_64_intdigest(bytes(header[:SEGMENT_IDENTITY_BYTES])) != checksum:
+        raise SegmentFormatError(f"{path}: offset 48: identity checksum does not match the routing keys")
+    return SegmentKeys(model, signature, lane, seq), created_ns
+
+
+def boundary_checksum(entry_count: int, data_end: int) -> int:
+    """The checksum the header's (entry_count, data_end) pair carries."""
+    return xxhash.xxh3_64_intdigest(struct.pack("<QQ", entry_count, data_end))
+
+
+def header_key_fields(header: bytes | memoryview) -> SegmentKeys:
+    """The key fields of a header as they are stored, checked by nothing."""
+    _magic, _version, _size, model, lane, signature, seq, _created, _sum = _IDENTITY.unpack_from(header, 0)
+    return SegmentKeys(model, signature, lane, seq)
+
+
+def establish_identity(header: bytes | memoryview, path: str,
+                       name_keys: SegmentKeys | None) -> tuple[SegmentKeys, int, str]:
+    """(keys, created_ns, damage) of a segment header, judged against its file name's keys.
+
+    Intact and equal to the name (or no name to compare): damage "". A damaged identity block
+    whose key fields still equal the name's keys (the damage is elsewhere in the block): the
+    name's keys, and the damage named. Anything else (keys that disagree with the name, a
+    damaged block with no name to confirm it, another format version) raises
+    SegmentFormatError: no item is ever delivered under keys that cannot be established.
+    """
+    try:
+        keys, created_ns = read_identity(header, path)
+    except SegmentFormatError as exc:
+        if len(header) < SEGMENT_HEADER_SIZE_BYTES or name_keys is None or _foreign_version(header):
+            raise
+        if header_key_fields(header) != name_keys:
+            raise SegmentFormatError(
+                f"{exc}; its key fields {header_key_fields(header)} are not the file name's {name_keys}"
+            ) from None
+        return name_keys, 0, f"{exc} (the key fields equal the file name's: salvaged under them)"
+    if name_keys is not None and keys != name_keys:
+        raise SegmentFormatError(f"{path}: offset 0: header keys {keys} are not the file name's {name_keys}")
+    return keys, created_ns, ""
+
+
+def _foreign_version(header: bytes | memoryview) -> bool:
+    """An intact identity block of another format version: not damage, a format we cannot read."""
+    magic, version, _size, *_rest, checksum = _IDENTITY.unpack_from(header, 0)
+    intact = xxhash.xxh3_64_intdigest(bytes(header[:SEGMENT_IDENTITY_BYTES])) == checksum
+    return intact and magic == SEGMENT_MAGIC and version != SEGMENT_VERSION
+
+
+def name_keys_of(path: str) -> SegmentKeys | None:
+    """The keys a segment path's name carries (a quarantined copy's `.N` suffix ignored)."""
+    head, dot, tail = path.rpartition(".")
+    parsed = parse_segment_relpath(head if dot and tail.isdigit() else path)
+    return None if parsed is None else SegmentKeys(*parsed)

@@ -1,0 +1,204 @@
+"""What a disk-tier recovery found and did: the one report the broker's log, status and run
+report read (`DiskTier.recovery`, kept after the scans' per-entry arrays are released).
+
+    report = tier.recovery
+    for line in report.summary().splitlines(): log(line)   # every problem on its own line,
+                                                            # path, offset and item id named
+    report.damage_counts()   # {"entries_damaged": 1, "entries_missing": 0, ...}: stable keys
+    report.ok                # nothing damaged, lost, missing, quarantined, stray; catalog sound
+
+Named lists, one record per thing found (each with `describe()`, the line the summary logs):
+
+    damaged          DamagedRange: acknowledged entries damaged in a live segment (path,
+                     offset, end, item ids read from unverified headers); the segment's
+                     good entries are still delivered
+    lost             LostEntries: entries lost to truncation (path, missing byte range)
+    missing          MissingSegment: the catalog holds it, the disk does not
+    quarantined      Quarantined: moved to quarantine/ (identity not established: its
+                     entries are undeliverable; or damaged and done)
+    strays           paths.Stray: under segments/ and not named like a segment
+    torn_tails       TornRange: an unacknowledged write's leftovers (not a loss)
+    repaired_states  RepairedState: a state word rewritten live (delivered again)
+    damaged_identities  segments salvaged under their file name's keys
+    catalog_problems / catalog_notes   the catalog's damage / benign findings
+
+Owner: whoever holds the DiskTier; a plain record, not thread-safe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pipeline.broker.storage.paths import Stray
+from pipeline.broker.storage.scan import (
+    DamagedRange,
+    LostEntries,
+    RepairedState,
+    ScanReport,
+    SegmentKeys,
+    TornRange,
+)
+
+# A crash cut the last write of a segment short (kept under its old name).
+TornTail = TornRange
+
+# damage_counts() keys, in a stable order. Every one but the last three means entries that
+# cannot be delivered or a store that cannot vouch for what it holds (`ok` is False).
+DAMAGE_KEYS = (
+    "entries_damaged",  # in damaged ranges of live segments: never delivered
+    "entries_missing",  # lost to truncation, plus those of missing segments whose count is known
+    "entries_quarantined",  # in segments quarantined whole: no keys to deliver them under
+    "segments_damaged",  # live segments with damage (their good entries are delivered)
+    "segments_missing",  # the catalog holds them, the disk does not
+    "segments_missing_count_unknown",  # of those, still open when last recorded: count unknown
+    "segments_quarantined",  # moved to quarantine/ by this recovery
+    "strays",  # files or directories under segments/ that do not parse
+    "catalog_problems",  # damaged catalog records, or no catalog although segments exist
+    "torn_tails",  # not a failure: leftovers of writes that were never acknowledged
+    "entries_in_torn_tails",  # not a failure: entry headers readable in those leftovers
+    "state_words_repaired",  # not a failure: entries delivered (again) as live
+)
+_NOT_FAILURES = ("torn_tails", "entries_in_torn_tails", "state_words_repaired")
+
+
+@dataclass(slots=True)
+class RecoveredSegment:
+    """One segment as recovery kept it: its state (segments.SegmentState) and its scan."""
+
+    state: object
+    report: ScanReport
+
+
+@dataclass(frozen=True, slots=True)
+class Quarantined:
+    """A segment moved to quarantine/ (never truncated or deleted by us). `offset`: where the
+    damage is (0: the header). `entries`: entries found in it that nothing else counts
+    (walked without the header, for a segment whose identity cannot be established;
+    `item_ids` name them); 0 for a damaged segment whose damage is counted in `damaged`."""
+
+    path: str
+    offset: int
+    reason: str
+    moved_to: str
+    entries: int = 0
+    item_ids: tuple[int, ...] = ()
+    identity_refused: bool = False  # True: quarantined whole, its keys not established
+
+    def describe(self) -> str:
+        held = f"; {self.entries} entries in it are not delivered" if self.entries else ""
+        ids = f" (items {', '.join(map(str, self.item_ids[:5]))}{' ...' if len(self.item_ids) > 5 else ''})" \
+            if self.item_ids else ""
+        return f"{self.path}: offset {self.offset}: {self.reason} (moved to {self.moved_to}){held}{ids}"
+
+
+@dataclass(frozen=True, slots=True)
+class MissingSegment:
+    """A segment the catalog says exists and the disk does not have: lost. `entry_count`
+    from its seal record, None when it was still open (unknown). `note`: the evidence left
+    in quarantine/ so that `verify` keeps saying so until an operator removes it."""
+
+    path: str
+    keys: SegmentKeys
+    entry_count: int | None
+    note: str
+
+    def describe(self) -> str:
+        count = (f"{self.entry_count} entries (its seal record)" if self.entry_count is not None
+                 else "entry count unknown, it was still open")
+        return f"{self.path}: the catalog holds this segment, the disk does not: {count} (noted in {self.note})"
+
+
+@dataclass(slots=True)
+class RecoveryReport:
+    """What recovery did (module docstring). `segments` are the segments kept (with live
+    entries); `deleted` sealed segments found with nothing live; `repaired_counts` segments
+    whose header words disagreed with their entries (now rewritten); `adopted` segments on
+    disk the catalog did not hold (a crash between a create and its record)."""
+
+    segments: list[RecoveredSegment] = field(default_factory=list)
+    damaged: list[DamagedRange] = field(default_factory=list)
+    lost: list[LostEntries] = field(default_factory=list)
+    missing: list[MissingSegment] = field(default_factory=list)
+    quarantined: list[Quarantined] = field(default_factory=list)
+    strays: list[Stray] = field(default_factory=list)
+    torn_tails: list[TornRange] = field(default_factory=list)
+    repaired_states: list[RepairedState] = field(default_factory=list)
+    damaged_identities: list[str] = field(default_factory=list)
+    damaged_segments: list[str] = field(default_factory=list)
+    catalog_problems: list[str] = field(default_factory=list)
+    catalog_notes: list[str] = field(default_factory=list)
+    repaired_counts: list[str] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)
+    abandoned_creates: list[str] = field(default_factory=list)
+    adopted: list[str] = field(default_factory=list)
+    segments_scanned: int = 0
+    live_entries: int = 0
+    bytes_scanned: int = 0
+    seconds: float = 0.0
+
+    @property
+    def scan_bytes_per_s(self) -> float:
+        return self.bytes_scanned / self.seconds if self.seconds > 0 else 0.0
+
+    def release_scans(self) -> None:
+        """Drop the kept segments' per-entry arrays (64 bytes per entry) once the disk tier
+        has rebuilt its queues from them; the counts and named lists stay."""
+        for kept in self.segments:
+            kept.report.offsets = kept.report.offsets[:0]
+            kept.report.headers = kept.report.headers[:0]
+
+    def damage_counts(self) -> dict[str, int]:
+        """Counts with stable keys (DAMAGE_KEYS) for status and the run report."""
+        return {
+            "entries_damaged": sum(r.entries for r in self.damaged),
+            "entries_missing": sum(r.entries for r in self.lost)
+            + sum(m.entry_count or 0 for m in self.missing),
+            "entries_quarantined": sum(q.entries for q in self.quarantined),
+            "segments_damaged": len(self.damaged_segments),
+            "segments_missing": len(self.missing),
+            "segments_missing_count_unknown": sum(m.entry_count is None for m in self.missing),
+            "segments_quarantined": len(self.quarantined),
+            "strays": len(self.strays),
+            "catalog_problems": len(self.catalog_problems),
+            "torn_tails": len(self.torn_tails),
+            "entries_in_torn_tails": sum(t.entries for t in self.torn_tails),
+            "state_words_repaired": len(self.repaired_states),
+        }
+
+    @property
+    def ok(self) -> bool:
+        """Nothing that was acknowledged is damaged, lost, missing or quarantined, nothing is
+        stray, and the catalog could vouch for the store."""
+        return not any(n for key, n in self.damage_counts().items() if key not in _NOT_FAILURES)
+
+    def problems(self) -> list[str]:
+        """One line per problem, naming path, offset and item id when known."""
+        return [
+            *(f"DAMAGED: {r.describe()}" for r in self.damaged),
+            *(f"LOST: {r.describe()}" for r in self.lost),
+            *(f"MISSING: {m.describe()}" for m in self.missing),
+            *(f"QUARANTINED: {q.describe()}" for q in self.quarantined),
+            *(f"STRAY: {s.describe()}" for s in self.strays),
+            *(f"DAMAGED HEADER: {line}" for line in self.damaged_identities),
+            *(f"CATALOG: {line}" for line in self.catalog_problems),
+        ]
+
+    def summary(self) -> str:
+        """One line for the log, then every problem and every repair on its own line."""
+        counts = self.damage_counts()
+        lost = counts["entries_damaged"] + counts["entries_missing"] + counts["entries_quarantined"]
+        lines = [
+            f"recovery: {self.segments_scanned} segments, {self.bytes_scanned:,} bytes scanned in "
+            f"{self.seconds:.3f} s ({self.scan_bytes_per_s / 1e6:,.0f} MB/s); {self.live_entries:,} "
+            f"live entries in {len(self.segments)} segments; {len(self.deleted)} finished segments "
+            f"deleted; {len(self.repaired_counts)} header counts repaired; "
+            f"{len(self.abandoned_creates)} interrupted creates removed; {len(self.adopted)} segments "
+            f"adopted (not in the catalog); "
+            + ("no damage" if self.ok else f"DAMAGE: {lost:,} entries cannot be delivered, "
+               + ", ".join(f"{key} {n}" for key, n in counts.items() if n))
+        ]
+        lines += self.problems()
+        lines += [f"state word repaired: {r.describe()}" for r in self.repaired_states]
+        lines += [f"torn tail: {t.describe()}" for t in self.torn_tails]
+        lines += [f"catalog: {line}" for line in self.catalog_notes]
+        return "\n".join(lines)

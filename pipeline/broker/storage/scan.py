@@ -1,0 +1,605 @@
+"""Reading a segment file back: a salvage scan of its entries (its identity: `identity.py`).
+
+The one reader of segment files for recovery and the tools (`scan_segment`); nothing parses
+a segment a second way. Layout in `pipeline.layouts`.
+
+The scan walks whole, checksummed entries at page-cache speed (`_walk_entries`). Where it
+stops before the end of the data, it does not give up on the file: an entry whose checksum
+holds but whose state word is neither live nor tombstone (a flipped bit in the one word the
+checksum does not cover) is kept as live (a duplicate delivery is allowed, a loss is not);
+anything else is a bad range, and the scan resynchronises at the next 16-aligned offset that
+holds a whole, checksummed entry and walks on. So one damaged entry costs that entry, never
+the entries around it.
+
+Each bad range is judged against the header's `data_end`, the commit boundary: the broker
+moves it only once the bytes below it are written (`process`) or fdatasync'ed (`power`).
+
+    bad bytes below data_end     -> DamagedRange: acknowledged entries damaged on disk
+    bad bytes at or past it      -> TornRange: a write that was never acknowledged
+    the file ends before it      -> LostEntries: truncation (entries counted, range named)
+
+Nothing is zeroed or truncated: the bytes stay as evidence. Entry counts of a damaged range
+come from walking the (unverified) entry headers in it when they chain from its start to its
+end; otherwise at least one, topped up from the header's entry count when it says more.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+import xxhash
+
+from pipeline.broker.storage.identity import (  # re-exported: the scan's callers use them
+    SegmentKeys,
+    boundary_checksum,
+    establish_identity,
+    header_key_fields,
+    identity_bytes,
+    name_keys_of,
+    read_identity,
+)
+from pipeline.errors import SegmentFormatError
+from pipeline.layouts import (
+    ENTRY_ALIGN_BYTES,
+    ENTRY_CHECKSUM_FROM,
+    ENTRY_HEADER_DTYPE,
+    ENTRY_HEADER_SIZE_BYTES,
+    ENTRY_LIVE,
+    ENTRY_NONE,
+    ENTRY_TOMBSTONE,
+    SEGMENT_HEADER_DTYPE,
+    SEGMENT_HEADER_SIZE_BYTES,
+    entry_checksum,
+    entry_size_bytes,
+)
+from shm.layout import field_offset
+
+__all__ = [
+    "DamagedRange", "EntryCensus", "LostEntries", "RepairedState", "ScanReport", "SegmentKeys", "TornRange",
+    "boundary_checksum", "census_segment", "establish_identity", "identity_bytes", "mapped_file", "name_keys_of",
+    "read_identity", "scan_segment",
+]
+
+_MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux; elsewhere pages fault in lazily
+_STATE = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+OFF_SEALED = field_offset(SEGMENT_HEADER_DTYPE, "sealed")
+OFF_ENTRY_COUNT = field_offset(SEGMENT_HEADER_DTYPE, "entry_count")
+OFF_DATA_END = field_offset(SEGMENT_HEADER_DTYPE, "data_end")
+OFF_DELETED = field_offset(SEGMENT_HEADER_DTYPE, "deleted_count")
+OFF_BOUNDARY_CHECKSUM = field_offset(SEGMENT_HEADER_DTYPE, "boundary_checksum")
+assert OFF_DATA_END == OFF_ENTRY_COUNT + 8
+# The fields a walk needs: state, length, checksum, then (past item_id, seq, producer_id)
+# prefix_len and payload_len.
+_WALK = struct.Struct("<IIQ20xII")
+assert _WALK.size == field_offset(ENTRY_HEADER_DTYPE, "payload_len") + 4
+_OFF_ITEM_ID = field_offset(ENTRY_HEADER_DTYPE, "item_id")
+# The smallest entry (one token, no payload): how many entries a byte range can hold at most,
+# so that a damaged count word in a header never claims more lost entries than fit.
+MIN_ENTRY_BYTES = entry_size_bytes(1, 0)
+# Item ids named per damaged range (the count is always whole): a log line, not a dump.
+ITEM_IDS_NAMED_MAX = 1000
+# First window of a search past damage (resync, the next non-zero byte); it doubles. Small
+# enough that many damaged ranges in a 64 MiB segment do not each read the rest of the file.
+SEARCH_FIRST_WINDOW_BYTES = 64 << 10
+
+
+@dataclass(slots=True)
+class DamagedRange:
+    """Bytes below the segment's commit boundary that are not whole, checksummed entries:
+    acknowledged entries damaged on disk, kept as they are. `entries` is how many entries it
+    held: counted by walking their headers when `walked`, else a lower bound. `item_ids` come
+    from those headers, unverified (at most ITEM_IDS_NAMED_MAX)."""
+
+    path: str
+    offset: int
+    end: int
+    entries: int
+    walked: bool
+    item_ids: tuple[int, ...]
+    reason: str
+
+    @property
+    def item_id(self) -> int | None:
+        return self.item_ids[0] if self.item_ids else None
+
+    def describe(self) -> str:
+        count = _entries(self.entries) if self.walked else f"at least {_entries(self.entries)}"
+        return f"{self.path}: bytes {self.offset}..{self.end}: {count} damaged ({self.reason}){_ids(self.item_ids)}"
+
+
+@dataclass(slots=True)
+class TornRange:
+    """Bytes at or past the commit boundary that are not whole entries: what a write that was
+    never acknowledged left (its producer still holds the items). Kept; not a loss."""
+
+    path: str
+    offset: int
+    end: int
+    entries: int
+    item_ids: tuple[int, ...]
+
+    @property
+    def size_bytes(self) -> int:
+        return self.end - self.offset
+
+    def describe(self) -> str:
+        return (f"{self.path}: torn tail of an unacknowledged write: {self.size_bytes} bytes at offset "
+                f"{self.offset}, kept ({self.entries} entry headers readable{_ids(self.item_ids)})")
+
+
+@dataclass(slots=True)
+class LostEntries:
+    """Entries the header says were written that the file no longer holds: the file ends
+    (at `file_size`) before the commit boundary `end`. The entries from `offset` on are gone
+    or cut; `entries` counts them (the header's count less what was found, and at least the
+    entry headers that remain readable)."""
+
+    path: str
+    offset: int
+    end: int
+    file_size: int
+    entries: int
+    item_ids: tuple[int, ...]
+
+    def describe(self) -> str:
+        return (f"{self.path}: truncated at {self.file_size} bytes, the header says data runs to {self.end}: "
+                f"{_entries(self.entries)} from offset {self.offset} lost{_ids(self.item_ids)}")
+
+
+@dataclass(frozen=True, slots=True)
+class RepairedState:
+    """A whole, checksummed entry whose state word was neither live nor tombstone: delivered
+    (again) as live; recovery rewrites the word."""
+
+    path: str
+    offset: int
+    word: int
+    item_id: int
+
+    def describe(self) -> str:
+        return (f"{self.path}: offset {self.offset}: state word {self.word:#010x} is neither live nor "
+                f"tombstone; item {self.item_id} is whole and is delivered (again) as live")
+
+
+def _entries(count: int) -> str:
+    return f"{count} entry" if count == 1 else f"{count} entries"
+
+
+def _ids(item_ids: tuple[int, ...]) -> str:
+    if not item_ids:
+        return ""
+    shown = ", ".join(map(str, item_ids[:5]))
+    more = f" and {len(item_ids) - 5} more" if len(item_ids) > 5 else ""
+    return f"; item {shown}{more} (unverified)"
+
+
+@dataclass(slots=True)
+class ScanReport:
+    """What a scan of one segment found.
+
+    `offsets[i]` and `headers[i]` (ENTRY_HEADER_DTYPE) describe the whole, checksummed
+    entries in file order, as they are delivered: an entry in `repaired_states` reads live.
+    `data_end` is the end of the last of them; `header_data_end` the commit boundary.
+    `damaged`, `torn` and `lost` name every byte range that is not whole entries (see the
+    module docstring); `identity_damage` says why the identity block was salvaged, if it was.
+    """
+
+    path: str
+    keys: SegmentKeys
+    created_ns: int
+    sealed: bool
+    header_entry_count: int
+    header_deleted_count: int
+    header_data_end: int
+    file_size: int
+    offsets: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    headers: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=ENTRY_HEADER_DTYPE))
+    data_end: int = SEGMENT_HEADER_SIZE_BYTES
+    damaged: list[DamagedRange] = field(default_factory=list)
+    torn: list[TornRange] = field(default_factory=list)
+    lost: LostEntries | None = None
+    repaired_states: list[RepairedState] = field(default_factory=list)
+    identity_damage: str = ""
+    boundary_damage: str = ""  # the (entry_count, data_end) pair fails its checksum
+
+    @property
+    def entry_count(self) -> int:
+        return int(self.offsets.shape[0])
+
+    @property
+    def live_item_ids(self) -> np.ndarray:
+        """Item ids of the live entries, in file order."""
+        return self.headers["item_id"][self.headers["state"] == ENTRY_LIVE]
+
+    @property
+    def live_count(self) -> int:
+        return int(np.count_nonzero(self.headers["state"] == ENTRY_LIVE))
+
+    @property
+    def tombstone_count(self) -> int:
+        return int(np.count_nonzero(self.headers["state"] == ENTRY_TOMBSTONE))
+
+    @property
+    def damaged_entries(self) -> int:
+        return sum(r.entries for r in self.damaged)
+
+    @property
+    def lost_entries(self) -> int:
+        return 0 if self.lost is None else self.lost.entries
+
+    @property
+    def accounted_entries(self) -> int:
+        """Whole entries plus those counted damaged or lost: what the header should count."""
+        return self.entry_count + self.damaged_entries + self.lost_entries
+
+    @property
+    def is_damaged(self) -> bool:
+        """Acknowledged entries damaged or lost, or a salvaged identity: the segment is never
+        deleted, only moved to quarantine/ once what it still delivers is done."""
+        return bool(self.damaged or self.lost is not None or self.identity_damage)
+
+    @property
+    def boundary(self) -> int:
+        """The commit boundary recovery writes back, so that the next scan judges the same
+        bytes the same way: never lowered (a damaged last entry stays corruption, not a torn
+        tail; a truncation stays counted), and raised over whole entries past it (recovery
+        adopts them: the restarted broker's catch-up releases their ring records) up to the
+        first torn range only (raising it over a torn range would make it corruption)."""
+        adopted = min(self.data_end, self.torn[0].offset) if self.torn else self.data_end
+        ends = [SEGMENT_HEADER_SIZE_BYTES, adopted, *(r.end for r in self.damaged),
+                *([self.lost.end] if self.lost else [])]
+        return max(ends)
+
+    @property
+    def counts_agree(self) -> bool:
+        """The header's words match the scan (a crash between a tombstone and its count, or
+        between a write and the header words, leaves them apart until recovery repairs them)."""
+        return (self.header_deleted_count == self.tombstone_count and not self.boundary_damage
+                and self.header_entry_count == self.accounted_entries
+                and max(self.header_data_end, SEGMENT_HEADER_SIZE_BYTES) == self.boundary)
+
+    def problems(self) -> list[str]:
+        """One line per damaged, lost or repaired thing (torn tails are not problems)."""
+        lines = [f"DAMAGED HEADER: {self.path}: {self.identity_damage}"] if self.identity_damage else []
+        lines += [f"DAMAGED HEADER: {self.path}: {self.boundary_damage}"] if self.boundary_damage else []
+        lines += [f"DAMAGED: {r.describe()}" for r in self.damaged]
+        lines += [] if self.lost is None else [f"LOST: {self.lost.describe()}"]
+        lines += [f"STATE WORD: {r.describe()}" for r in self.repaired_states]
+        return lines
+
+
+# ------------------------------------------------------------------------------ the walk
+
+
+def _check_entry(buf, offset: int, limit: int, check_state: bool = True) -> tuple[int, str]:
+    """(size, "") if the entry at `offset` is whole and checks out, else (0, why)."""
+    if offset + ENTRY_HEADER_SIZE_BYTES > limit:
+        return 0, f"entry header at {offset} runs past the end of the data ({limit})"
+    state, length, checksum, prefix_len, payload_len = _WALK.unpack_from(buf, offset)
+    if check_state and state not in (ENTRY_LIVE, ENTRY_TOMBSTONE):
+        return 0, f"state word {state:#010x} at {offset} is neither live nor tombstone"
+    size = entry_size_bytes(length, payload_len)
+    if length == 0 or prefix_len > length or offset + size > limit:
+        return 0, f"entry at {offset}: length {length}, prefix {prefix_len}, size {size} do not fit"
+    if entry_checksum(buf, offset, offset + size, length) != checksum:
+        return 0, f"entry at {offset}: checksum mismatch"
+    return size, ""
+
+
+def _windows(start: int, limit: int) -> Iterator[tuple[int, int]]:
+    """[start, limit) in windows that double from SEARCH_FIRST_WINDOW_BYTES: a search that
+    ends near its start (the common case) reads little, one that runs to the end reads the
+    range about twice at most."""
+    size = SEARCH_FIRST_WINDOW_BYTES
+    while start < limit:
+        end = min(limit, start + size)
+        yield start, end
+        start, size = end, size * 2
+
+
+def _valid_entry_after(buf: memoryview, start: int, limit: int) -> int | None:
+    """Offset of the first whole, checksummed entry at a 16-aligned offset after `start`.
+    Candidates are the offsets holding a live or tombstone state word (a numpy pass)."""
+    for first, end in _windows(start + ENTRY_ALIGN_BYTES, limit):
+        count = (end - first + ENTRY_ALIGN_BYTES - 1) // ENTRY_ALIGN_BYTES
+        words = np.frombuffer(buf, dtype="<u4", count=min(count * 4, (limit - first) // 4), offset=first)[::4]
+        candidates = np.flatnonzero((words == ENTRY_LIVE) | (words == ENTRY_TOMBSTONE))
+        del words
+        for index in candidates.tolist():
+            offset = first + index * ENTRY_ALIGN_BYTES
+            if _check_entry(buf, offset, limit)[0]:
+                return offset
+    return None
+
+
+def _first_nonzero(buf: memoryview, start: int, limit: int) -> int | None:
+    """Offset of the first non-zero byte in [start, limit), or None. `start` is 8-aligned.
+    Numpy passes over the preallocated zeros past the data: the common end of a scan."""
+    for first, end in _windows(start, limit - (limit - start) % 8):
+        view = np.frombuffer(buf, dtype="<u8", count=(end - first) // 8, offset=first)
+        try:
+            if view.any():
+                at = first + 8 * int(np.argmax(view != 0))
+                return at + next(k for k in range(8) if buf[at + k])
+        finally:
+            del view
+    for at in range(limit - (limit - start) % 8, limit):
+        if buf[at]:
+            return at
+    return None
+
+
+def _last_nonzero_end(buf: memoryview, start: int, limit: int) -> int:
+    """One past the last non-zero byte in [start, limit), or `start` if all are zero."""
+    if limit <= start:
+        return start
+    view = np.frombuffer(buf, dtype=np.uint8, count=limit - start, offset=start)
+    nonzero = np.flatnonzero(view)
+    end = start + int(nonzero[-1]) + 1 if nonzero.size else start
+    del view, nonzero
+    return end
+
+
+def _walk_entries(buf: memoryview, size: int, start: int = SEGMENT_HEADER_SIZE_BYTES) -> tuple[list[int], int]:
+    """Offsets of every whole, checksummed entry from `start` on, and where the walk stopped
+    (a zero state word, or the first entry that fails a check).
+
+    NOTE: this is `_check_entry` inlined into one loop with no calls but the hash: the scan
+    must run at page-cache speed (>= 1 GB/s), and per-entry calls cost a third of that.
+    The other header fields are gathered afterwards for all entries at once with numpy.
+    """
+    offsets: list[int] = []
+    offset = start
+    unpack = _WALK.unpack_from
+    digest = xxhash.xxh3_64_intdigest
+    live, tomb = ENTRY_LIVE, ENTRY_TOMBSTONE
+    header, align_mask, skip = ENTRY_HEADER_SIZE_BYTES, ENTRY_ALIGN_BYTES - 1, ENTRY_CHECKSUM_FROM
+    while offset + header <= size:
+        state, length, checksum, prefix_len, payload_len = unpack(buf, offset)
+        if state != live and state != tomb:
+            break
+        end = offset + ((header + length * 4 + payload_len + align_mask) & ~align_mask)
+        if length == 0 or prefix_len > length or end > size:
+            break
+        if digest(buf[offset + skip:end], seed=length) != checksum:
+            break
+        offsets.append(offset)
+        offset = end
+    return offsets, offset
+
+
+@dataclass(slots=True)
+class _Walk:
+    """The raw result of walking a file: whole entries, bad ranges, repaired state words."""
+
+    offsets: list[int] = field(default_factory=list)
+    repaired: list[tuple[int, int]] = field(default_factory=list)  # (index in offsets, word)
+    bad: list[tuple[int, int]] = field(default_factory=list)
+    good_end: int = SEGMENT_HEADER_SIZE_BYTES
+
+
+def _salvage_walk(buf: memoryview, size: int) -> _Walk:
+    """Every whole entry of the file, past any damage (module docstring). The fast walk is
+    the whole cost of a clean segment; the rest runs only where it stops early."""
+    walk = _Walk()
+    pos = SEGMENT_HEADER_SIZE_BYTES
+    while True:
+        found, stop = _walk_entries(buf, size, pos)
+        if found:
+            walk.offsets += found
+            walk.good_end = stop
+        whole = _check_entry(buf, stop, size, check_state=False)[0]
+        if whole:  # the checksum holds: only the state word is bad
+            walk.repaired.append((len(walk.offsets), _STATE.unpack_from(buf, stop)[0]))
+            walk.offsets.append(stop)
+            pos = walk.good_end = stop + whole
+            continue
+        if _first_nonzero(buf, stop, size) is None:
+            return walk  # zeros (or nothing) to the end of the file: the end of the data
+        resume = _valid_entry_after(buf, stop, size)
+        if resume is None:
+            walk.bad.append((stop, max(_last_nonzero_end(buf, stop, size), stop + 1)))
+            return walk
+        walk.bad.append((stop, resume))
+        pos = resume
+
+
+def _walk_headers(buf: memoryview, start: int, end: int, size: int) -> tuple[int, bool, tuple[int, ...]]:
+    """Entry headers chained from `start` (unverified): (how many, whether they chain to
+    exactly `end`, their item ids). A header the file ends inside counts if its length and
+    item id are still there (a truncation cut it)."""
+    pos, count, ids = start, 0, []
+    while pos < min(end, size):
+        if pos + ENTRY_HEADER_SIZE_BYTES > size:
+            if pos + _OFF_ITEM_ID + 8 <= size and _STATE.unpack_from(buf, pos + 4)[0]:  # length, item id
+                count += 1
+                ids.append(_U64.unpack_from(buf, pos + _OFF_ITEM_ID)[0])
+            break
+        _state, length, _sum, prefix_len, payload_len = _WALK.unpack_from(buf, pos)
+        nbytes = entry_size_bytes(length, payload_len)
+        if length == 0 or prefix_len > length or pos + nbytes > end:
+            break
+        count += 1
+        if len(ids) < ITEM_IDS_NAMED_MAX:
+            ids.append(_U64.unpack_from(buf, pos + _OFF_ITEM_ID)[0])
+        pos += nbytes
+    return count, pos == end, tuple(ids)
+
+
+def _damaged(path: str, buf: memoryview, size: int, start: int, end: int) -> DamagedRange:
+    """A damaged range, counted by its headers when they chain from start to end; else one
+    entry (the one whose header is at `start`, if any is readable there), which the
+    header's entry count may top up: headers that do not chain may have been misread."""
+    count, walked, ids = _walk_headers(buf, start, end, size)
+    if start + 4 <= size and _STATE.unpack_from(buf, start)[0] == ENTRY_NONE:
+        why = f"zero state word at {start}"
+    else:
+        why = _check_entry(buf, start, size)[1] or "bad bytes"
+    if walked:
+        return DamagedRange(path, start, end, count, True, ids, why)
+    return DamagedRange(path, start, end, 1, False, ids[:1], why)
+
+
+def _classify(report: ScanReport, buf: memoryview, walk: _Walk) -> None:
+    """Judge every bad range against the commit boundary (module docstring)."""
+    path, size = report.path, report.file_size
+    commit = max(report.header_data_end, SEGMENT_HEADER_SIZE_BYTES)
+    bad = list(walk.bad)
+    if report.boundary_damage:  # no boundary to trust: every bad byte may have been acknowledged
+        commit = max(walk.good_end, bad[-1][1] if bad else SEGMENT_HEADER_SIZE_BYTES)
+    covered = max(walk.good_end, bad[-1][1] if bad else SEGMENT_HEADER_SIZE_BYTES)
+    tail_start = None
+    if covered < commit:  # the committed data ends early: damaged or cut at the tail
+        tail_start = bad.pop()[0] if bad and covered > walk.good_end else covered
+    for start, end in bad:
+        if start < commit:
+            report.damaged.append(_damaged(path, buf, size, start, min(end, commit)))
+        if end > commit:
+            torn_from = max(start, commit)
+            count, _, ids = _walk_headers(buf, torn_from, end, size)
+            report.torn.append(TornRange(path, torn_from, end, count, ids))
+    if tail_start is not None:
+        _classify_tail(report, buf, tail_start, commit)
+    if not report.boundary_damage:  # an entry count that fails its checksum tops up nothing
+        _top_up([r for r in report.damaged if not r.walked], report.header_entry_count - report.accounted_entries)
+
+
+def _classify_tail(report: ScanReport, buf: memoryview, start: int, commit: int) -> None:
+    """[start, commit): bytes the header counts as written that are not whole entries. The
+    file ends inside it: lost to truncation. Otherwise: damaged. Either way counted from the
+    entry headers still readable, topped up from the header's entry count. With no header
+    readable and no entry missing by that count, only the header's data_end word is wrong:
+    nothing is reported lost (the counts disagree, and recovery rewrites them)."""
+    path, size = report.path, report.file_size
+    count, walked, ids = _walk_headers(buf, start, commit, size)
+    deficit = report.header_entry_count - report.accounted_entries
+    garbage = size > start and _first_nonzero(buf, start, min(size, commit)) is not None
+    if not count and deficit <= 0 and (size < commit or not garbage):
+        return
+    if size < commit:
+        report.lost = LostEntries(path, start, commit, size, count, ids)
+        _top_up([report.lost], deficit - count)
+    else:
+        tail = _damaged(path, buf, size, start, commit)
+        report.damaged.append(tail)
+        _top_up([tail], deficit - tail.entries)
+
+
+def _top_up(targets: list, deficit: int) -> None:
+    """The header counts the entries written below its boundary: those neither whole nor
+    counted yet were in these ranges. Never more than a range's bytes can hold, so a damaged
+    count word cannot claim absurd losses; what is left shows as counts that disagree."""
+    for target in targets:
+        if deficit <= 0:
+            return
+        room = max(0, (target.end - target.offset) // MIN_ENTRY_BYTES - target.entries)
+        added = min(deficit, room)
+        target.entries += added
+        deficit -= added
+
+
+# ------------------------------------------------------------------------------ entry points
+
+
+@contextmanager
+def mapped_file(path: str) -> Iterator[tuple[memoryview, int]]:
+    """A read-only view of a whole file and its size (OSError as the system raises it).
+    MAP_POPULATE maps every page up front in one call instead of one fault per page: a cold
+    scan of a 40 MB segment ran at ~0.55 GB/s without it."""
+    with open(path, "rb") as file:
+        size = os.fstat(file.fileno()).st_size
+        if size < SEGMENT_HEADER_SIZE_BYTES:
+            yield memoryview(file.read()), size
+            return
+        mapping = mmap.mmap(file.fileno(), 0, flags=mmap.MAP_SHARED | _MAP_POPULATE, prot=mmap.PROT_READ)
+    view = memoryview(mapping)  # slices of a memoryview are free; slices of an mmap are copies
+    try:
+        yield view, size
+    finally:
+        view.release()
+        mapping.close()
+
+
+def scan_segment(path: str, name_keys: SegmentKeys | None = None) -> ScanReport:
+    """Read a segment's header and walk every entry, past damage (module docstring).
+
+    `name_keys`: the keys the file's name carries (default: parsed from `path` when it ends
+    in segment name components). Raises SegmentFormatError when the identity cannot be
+    established (`establish_identity`), OSError when the file cannot be read.
+    """
+    if name_keys is None:
+        name_keys = name_keys_of(path)
+    with mapped_file(path) as (buf, size):
+        if size < SEGMENT_HEADER_SIZE_BYTES:
+            raise SegmentFormatError(f"{path}: {size} bytes, shorter than a segment header")
+        keys, created_ns, identity_damage = establish_identity(buf, path, name_keys)
+        return _scan_mapped(path, buf, size, keys, created_ns, identity_damage)
+
+
+def _scan_mapped(path: str, buf: memoryview, size: int, keys: SegmentKeys, created_ns: int,
+                 identity_damage: str) -> ScanReport:
+    report = ScanReport(
+        path, keys, created_ns, bool(_STATE.unpack_from(buf, OFF_SEALED)[0]),
+        header_entry_count=_U64.unpack_from(buf, OFF_ENTRY_COUNT)[0],
+        header_deleted_count=_U64.unpack_from(buf, OFF_DELETED)[0],
+        header_data_end=_U64.unpack_from(buf, OFF_DATA_END)[0],
+        file_size=size, identity_damage=identity_damage,
+    )
+    stored = _U64.unpack_from(buf, OFF_BOUNDARY_CHECKSUM)[0]
+    if stored and stored != boundary_checksum(report.header_entry_count, report.header_data_end):
+        report.boundary_damage = (f"offset {OFF_ENTRY_COUNT}: entry_count {report.header_entry_count} and "
+                                  f"data_end {report.header_data_end} fail their checksum: every bad byte is "
+                                  f"judged acknowledged")
+    walk = _salvage_walk(buf, size)
+    report.data_end = walk.good_end
+    _gather(report, buf, walk)
+    if walk.bad or walk.good_end < report.header_data_end:
+        _classify(report, buf, walk)
+    return report
+
+
+def _gather(report: ScanReport, buf: memoryview, walk: _Walk) -> None:
+    """The whole entries' headers, gathered at once; repaired state words read live."""
+    report.offsets = np.asarray(walk.offsets, dtype=np.int64)
+    if walk.offsets:
+        raw = np.frombuffer(buf, dtype=np.uint8)
+        gathered = raw[report.offsets[:, None] + np.arange(ENTRY_HEADER_SIZE_BYTES)]
+        report.headers = gathered.view(ENTRY_HEADER_DTYPE).reshape(-1)
+        del raw
+    for index, word in walk.repaired:
+        report.headers["state"][index] = ENTRY_LIVE
+        report.repaired_states.append(
+            RepairedState(report.path, int(report.offsets[index]), word, int(report.headers["item_id"][index])))
+
+
+@dataclass(frozen=True, slots=True)
+class EntryCensus:
+    """The entries of a file whose identity cannot be established, walked without it: what
+    a quarantined segment held (undeliverable: no model id to deliver them under).
+    `entries` counts the whole ones and those the scan counts damaged or lost (by the
+    unverified header words); `item_ids` name the whole live ones."""
+
+    path: str
+    entries: int
+    live: int
+    item_ids: tuple[int, ...]
+    file_size: int
+
+
+def census_segment(path: str) -> EntryCensus:
+    """Walk a segment file's entries whatever its identity block says (OSError if it cannot
+    be read; a file shorter than a header holds none that can be found)."""
+    with mapped_file(path) as (buf, size):
+        if size < SEGMENT_HEADER_SIZE_BYTES:
+            return EntryCensus(path, 0, 0, (), size)
+        report = _scan_mapped(path, buf, size, header_key_fields(buf), 0, "")
+    live = report.headers["state"] == ENTRY_LIVE
+    ids = tuple(report.headers["item_id"][live][:ITEM_IDS_NAMED_MAX].tolist())
+    return EntryCensus(path, report.accounted_entries, int(live.sum()), ids, size)

@@ -1,0 +1,123 @@
+"""Who may touch a data directory: only its owner (SPEC §7, §12).
+
+A data directory holds the control socket, the segment files and the results. Anyone who can
+write to it, or to a directory above it, can replace those: serve a fake socket that
+`status` and `produce` talk to, or rename `segments/` away. So every command refuses a data
+directory it cannot trust before reading or writing anything there:
+
+- the data directory and every directory inside it must be owned by this user and not
+  writable by group or others (a directory of ours that others may only read is tightened
+  to 0700, and said so: an older version made them 0755);
+- every directory above it must be owned by this user or root, and not writable by group or
+  others unless it has the sticky bit (as /tmp has: others cannot rename what is ours), the
+  rule sshd applies to a home directory (StrictModes).
+
+Everything the product creates is owner-only whatever the umask: `owner_only_umask()` at
+each entry point, and explicit modes where files are created.
+
+    data_dir = prepare_data_dir("/data/run1")     # created 0700, or checked; DataDirError
+    check_data_dir("/data/run1")                  # a client: checked, never created
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+from pipeline.errors import DataDirError
+
+# Directories and files of a data directory: owner-only (SPEC §7, §12).
+DIRECTORY_MODE = 0o700
+FILE_MODE = 0o600
+# The umask every entry point sets: group and others get nothing, whatever the caller's umask.
+OWNER_ONLY_UMASK = 0o077
+# Permission bits that let another user change a directory's entries.
+_WRITABLE_BY_OTHERS = stat.S_IWGRP | stat.S_IWOTH
+# Directories inside a data directory that clients look at (the broker checks the whole tree).
+CLIENT_CHECKED = ("run", "results")
+
+
+def owner_only_umask() -> None:
+    """Make everything this process creates owner-only (0700 directories, 0600 files)."""
+    os.umask(OWNER_ONLY_UMASK)
+
+
+def prepare_data_dir(path: str) -> str:
+    """Create the data directory owner-only if it does not exist, else check it and every
+    directory inside it (the broker's start: it owns all of them). Returns its real path."""
+    if not os.path.lexists(path):
+        _check_ancestors(os.path.dirname(os.path.abspath(path)) or "/")
+        os.makedirs(path, mode=DIRECTORY_MODE, exist_ok=True)
+        os.chmod(path, DIRECTORY_MODE)
+    check_data_dir(path, whole_tree=True)
+    return os.path.realpath(path)
+
+
+def check_data_dir(path: str, whole_tree: bool = False) -> None:
+    """Refuse (DataDirError) a data directory that another user could change: the checks of
+    the module docstring for it and its ancestors, and for the directories inside it that
+    clients use (`whole_tree`: every directory inside it). A missing data directory passes:
+    the command then says what is missing (no broker answers there)."""
+    if not os.path.lexists(path):
+        return
+    real = os.path.realpath(path)
+    _check_ancestors(os.path.dirname(real) or "/")
+    _check_own_directory(real, "data directory")
+    if whole_tree:
+        for root, dirnames, _files in os.walk(real):
+            for name in dirnames:
+                _check_own_directory(os.path.join(root, name), "directory")
+    else:
+        for name in CLIENT_CHECKED:
+            inside = os.path.join(real, name)
+            if os.path.lexists(inside):
+                _check_own_directory(inside, "directory")
+
+
+def _check_own_directory(path: str, what: str) -> None:
+    info = _lstat(path)
+    if stat.S_ISLNK(info.st_mode):
+        raise DataDirError(f"{what} {path} is a symbolic link inside the data directory: refusing it "
+                           f"(another user may have placed it); remove it")
+    if not stat.S_ISDIR(info.st_mode):
+        raise DataDirError(f"{what} {path} is not a directory")
+    me = os.geteuid()
+    if info.st_uid != me:
+        raise DataDirError(f"{what} {path} is owned by uid {info.st_uid}, not by you (uid {me}): refusing it, "
+                           f"another user could replace its files; use a directory of your own")
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & _WRITABLE_BY_OTHERS:
+        raise DataDirError(f"{what} {path} has mode {mode:04o}: group or others can write to it and could "
+                           f"replace its files; fix it with `chmod 700 {path}` (and check what is inside)")
+    if mode & 0o077:
+        os.chmod(path, DIRECTORY_MODE)  # ours, readable by others: made owner-only
+
+
+def _check_ancestors(path: str) -> None:
+    """Every directory from `path` up to / : owned by us or root, and not writable by group
+    or others unless sticky."""
+    me = os.geteuid()
+    current = os.path.realpath(path)
+    while not os.path.lexists(current):  # what does not exist yet is created owner-only
+        current = os.path.dirname(current)
+    while True:
+        info = _lstat(current)
+        mode = stat.S_IMODE(info.st_mode)
+        if info.st_uid not in (me, 0):
+            raise DataDirError(f"{current}, above the data directory, is owned by uid {info.st_uid} (neither you "
+                               f"nor root): its owner could swap the data directory; use a path of your own")
+        if mode & _WRITABLE_BY_OTHERS and not mode & stat.S_ISVTX:
+            raise DataDirError(f"{current}, above the data directory, has mode {mode:04o}: group or others can "
+                               f"rename the data directory away and put theirs in its place; use a path whose "
+                               f"directories only you (or root) can write, or set the sticky bit (chmod +t)")
+        parent = os.path.dirname(current)
+        if parent == current:
+            return
+        current = parent
+
+
+def _lstat(path: str) -> os.stat_result:
+    try:
+        return os.lstat(path)
+    except OSError as exc:
+        raise DataDirError(f"cannot check {path}: {exc.strerror}") from exc

@@ -1,0 +1,140 @@
+"""Taking stock of a stopped run: where every item a launch was responsible for ended up.
+
+Every item a run's producers put into their rings (accepted), and every item the broker took
+over from an earlier run on the same data directory (recovered from the store, or adopted
+from a ring an earlier producer left), is at the end in at least one of these places:
+
+    with a result   a line in one of this run's results files
+    in the store    a live (stored, not completed) entry of a segment file
+    in a ring       a record of a producer ring the broker never released (not stored yet)
+
+and an item in none of them is lost. The sets are compared by item id, so `lost` can never
+be negative and can never hide a missing item behind a duplicate elsewhere (a count-based
+check could: see NOTE below).
+
+    ledger = ProducerLedger.create(CTX, producers)         # before forking the producers
+    ... each producer: ledger.registered(index, producer_id); ledger.published(index, n)
+    rings = ring_stock(producer_ring_names(data_dir))      # once nobody reads or writes them
+    store = store_item_ids(data_dir)                       # a stopped run only: a full scan
+    stock = accounting.take_stock(ledger.entries(), result_ids, store, rings.item_ids, taken_over)
+    stock.lost == 0
+
+NOTE: the count-based identity (received = completed + queued + pending, from the broker's
+counters) was the first check; it was rejected for stopped runs because a broker killed
+mid-run leaves no final counters, and because a ring record that the broker stored in part
+before a crash counts both in the ring and in the store: counts then say `lost -2,780`
+where ids say exactly which items are where.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pipeline.broker.peers import namespace_for, object_prefix
+from pipeline.broker.storage.inspect import live_item_ids
+from pipeline.broker.storage.paths import iter_segments
+from pipeline.errors import FrameError, ShmError
+from pipeline.layouts import parse_frame
+from shm.ring import unreleased_records
+
+# Where POSIX shared memory appears on Linux.
+DEV_SHM = "/dev/shm"
+# A producer ring's name, after the data directory's object prefix: p{producer id}.
+_PRODUCER_RING_RE = re.compile(r"^p(\d+)$")
+# A ledger slot not written yet (its producer has not registered).
+UNREGISTERED = -1
+
+
+class ProducerLedger:
+    """How many items each producer process of a run has published into its ring, in memory
+    shared across fork: slot k holds producer k's broker-assigned id and its published count.
+
+    Owner: the launcher creates it before forking the producers; producer k writes only its
+    own two slots, the launcher only reads. Process-safe under that rule: each slot is one
+    aligned 8-byte word, written by one process (one store on x86-64, never torn).
+    A producer killed between publishing a frame and recording it leaves the count short by
+    that frame: `take_stock` then takes the highest sequence found anywhere as published.
+    """
+
+    def __init__(self, slots) -> None:
+        self._slots = slots
+
+    @classmethod
+    def create(cls, ctx, producers: int) -> ProducerLedger:
+        slots = ctx.RawArray("q", 2 * producers)
+        for index in range(producers):
+            slots[2 * index] = UNREGISTERED
+        return cls(slots)
+
+    @property
+    def producers(self) -> int:
+        return len(self._slots) // 2
+
+    def registered(self, index: int, producer_id: int) -> None:
+        self._slots[2 * index] = producer_id
+
+    def published(self, index: int, items: int) -> None:
+        self._slots[2 * index + 1] = items
+
+    def entries(self) -> list[tuple[int, int]]:
+        """(producer id, items published) of every producer that registered."""
+        rows = [(self._slots[2 * k], self._slots[2 * k + 1]) for k in range(self.producers)]
+        return [(producer_id, items) for producer_id, items in rows if producer_id != UNREGISTERED]
+
+    def total_published(self) -> int:
+        return sum(items for _producer_id, items in self.entries())
+
+
+def producer_ring_names(data_dir: str) -> list[str]:
+    """The producer rings of a data directory's runs that exist now (names for shm_open)."""
+    prefix = object_prefix(namespace_for(data_dir))
+    names = []
+    for entry in sorted(os.listdir(DEV_SHM)) if os.path.isdir(DEV_SHM) else []:
+        if entry.startswith(prefix) and _PRODUCER_RING_RE.match(entry[len(prefix):]):
+            names.append("/" + entry)
+    return names
+
+
+@dataclass(slots=True)
+class RingStock:
+    """What the producer rings hold that was never released (never stored, or stored only in
+    part before a crash): their items' ids, and the rings that could not be read."""
+
+    item_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
+    rings_holding: list[str] = field(default_factory=list)  # rings with unreleased records
+    unreadable: list[str] = field(default_factory=list)  # "name: why"
+
+
+def ring_stock(names: Iterable[str]) -> RingStock:
+    """Read the unreleased records of these rings (nobody may read or write them now)."""
+    stock = RingStock()
+    parts = []
+    for name in names:
+        try:
+            bodies = unreleased_records(name)
+            for position, body in enumerate(bodies):
+                frame = parse_frame(np.frombuffer(body, dtype=np.uint8), where=f"ring {name} record {position}")
+                parts.append(frame.items["item_id"].copy())
+        except (ShmError, FrameError) as exc:
+            stock.unreadable.append(f"{name}: {exc}")
+            stock.rings_holding.append(name)  # what it holds is unknown: keep it
+            continue
+        if bodies:
+            stock.rings_holding.append(name)
+    if parts:
+        stock.item_ids = np.unique(np.concatenate(parts))
+    return stock
+
+
+def store_item_ids(storage_dir: str) -> np.ndarray:
+    """Item ids of every live entry in a store's segment files (a full scan, with the code
+    recovery uses: only for a run that stopped before it completed)."""
+    if not os.path.isdir(storage_dir):
+        return np.zeros(0, dtype=np.uint64)
+    paths = [found.path for found in iter_segments(storage_dir)]
+    return np.fromiter(live_item_ids(paths), dtype=np.uint64)

@@ -1,0 +1,187 @@
+"""Whom the control plane talks to, with a real second local user: a client refuses a socket
+(or a server process) of another user, the broker refuses connections of another user, and
+a semaphore another user created under our name is refused, never used (SPEC §7, §12).
+
+The hostile side runs as a throwaway user made for the test (useradd; userdel afterwards),
+with the system's Python (the test's virtual environment may not be readable by others),
+under setpriv, which execs in place: the process the test kills is the hostile one itself
+(runuser forks, and killing it would leave its child running, and the user undeletable).
+Skipped, with the reason, where that user cannot be made.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import subprocess
+import tempfile
+import uuid
+from dataclasses import dataclass
+
+import pytest
+
+from pipeline.broker.peers import doorbell_name, namespace_for
+from pipeline.broker.service import BrokerConfig
+from pipeline.errors import UntrustedPeerError
+from pipeline.protocol import Connection
+from pipeline.runtime.local import start_broker as start_broker_process
+from shm.errors import StaleObjectError
+from shm.objects import Doorbell, open_semaphore, semaphore_path, unlink_quietly
+from tests.pipeline.harness import status, stop
+
+# An interpreter every user can run (the test's own may live under root's home).
+SYSTEM_PYTHON = "/usr/bin/python3"
+
+SERVE_SOCKET = """
+import socket, sys
+server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+server.bind(sys.argv[1])
+server.listen()
+print("ready", flush=True)
+while True:
+    conn, _ = server.accept()
+    conn.settimeout(2)
+    try:
+        print("got", len(conn.recv(65536)), flush=True)
+    except OSError as exc:
+        print("got", 0, exc, flush=True)
+    conn.close()
+"""
+
+ASK_STATUS = """
+import json, socket, struct, sys
+sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+sock.settimeout(5)
+sock.connect(sys.argv[1])
+body = json.dumps({"type": "status"}).encode()
+try:
+    sock.sendall(struct.pack("<I", len(body)) + body)
+except OSError as exc:  # the broker may have closed it already
+    print("send:", exc)
+data = b""
+try:
+    while chunk := sock.recv(65536):
+        data += chunk
+except OSError as exc:
+    print("recv:", exc)
+print(data.decode(errors="replace"))
+"""
+
+CREATE_SEMAPHORE = """
+import ctypes, os, sys
+libc = ctypes.CDLL("libc.so.6", use_errno=True)
+libc.sem_open.restype = ctypes.c_void_p
+libc.sem_open.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_uint]
+if not libc.sem_open(sys.argv[1].encode(), os.O_CREAT | os.O_EXCL, 0o600, 0):
+    sys.exit(f"sem_open: {os.strerror(ctypes.get_errno())}")
+"""
+
+
+@dataclass
+class OtherUser:
+    name: str
+    uid: int
+    gid: int
+
+    def command(self, code: str, *args: str) -> list[str]:
+        return ["setpriv", f"--reuid={self.uid}", f"--regid={self.gid}", "--clear-groups", "--",
+                SYSTEM_PYTHON, "-c", code, *args]
+
+    def run(self, code: str, *args: str) -> str:
+        done = subprocess.run(self.command(code, *args), capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+
+@pytest.fixture
+def other_user():
+    if os.geteuid() != 0:
+        pytest.skip("needs root to create a second local user (useradd)")
+    if not (shutil.which("useradd") and shutil.which("setpriv") and os.access(SYSTEM_PYTHON, os.X_OK)):
+        pytest.skip(f"needs useradd, setpriv and {SYSTEM_PYTHON}")
+    name = f"sbrk{uuid.uuid4().hex[:8]}"
+    made = subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", "--user-group", name],
+                          capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"useradd refused: {made.stderr.strip()}")
+    try:
+        entry = pwd.getpwnam(name)
+        user = OtherUser(name, entry.pw_uid, entry.pw_gid)
+        probe = subprocess.run(user.command("print('ok')"), capture_output=True, text=True, timeout=30)
+        if probe.stdout.strip() != "ok":
+            pytest.skip(f"cannot run {SYSTEM_PYTHON} as {name}: {probe.stderr.strip()}")
+        yield user
+    finally:
+        removed = subprocess.run(["userdel", name], capture_output=True, text=True)
+        assert removed.returncode == 0, f"userdel {name}: {removed.stderr.strip()}"
+
+
+@pytest.fixture
+def shared_dir():
+    """A directory every user may write in (where a hostile user plants its socket)."""
+    path = tempfile.mkdtemp(prefix="sbrk-users-", dir="/tmp")
+    os.chmod(path, 0o777)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_client_refuses_a_socket_or_a_server_of_another_user(other_user, shared_dir):
+    path = os.path.join(shared_dir, "broker.sock")
+    server = subprocess.Popen(other_user.command(SERVE_SOCKET, path), stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "ready"
+        with pytest.raises(UntrustedPeerError, match=f"{path}: the broker socket belongs to uid {other_user.uid}, "
+                                                     f"not to you"):
+            Connection.connect(path)
+        # The socket file made to look like ours: the process behind it is still not ours.
+        os.chown(path, os.geteuid(), os.getegid())
+        with pytest.raises(UntrustedPeerError, match=f"serving this socket runs as uid {other_user.uid}"):
+            Connection.connect(path)
+        assert server.stdout.readline().split()[:2] == ["got", "0"]  # nothing was sent to it
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_the_broker_refuses_connections_of_another_user(other_user):
+    base = tempfile.mkdtemp(prefix="sbrk-users-", dir="/tmp")
+    config = BrokerConfig(os.path.join(base, "data"))
+    broker = start_broker_process(config)
+    try:
+        # Modes as loose as a careless operator could make them: only the uid check is left.
+        for path, mode in ((base, 0o755), (config.data_dir, 0o711), (config.run_dir, 0o711),
+                           (config.socket_path, 0o666)):
+            os.chmod(path, mode)
+        reply = other_user.run(ASK_STATUS, config.socket_path)
+        assert f"this broker serves only uid {os.geteuid()}, not uid {other_user.uid}" in reply
+        assert "status_reply" not in reply
+        assert status(config.socket_path)["consumers_lost"] == 0  # and it serves its own user
+    finally:
+        assert stop(broker) == 0
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_semaphore_another_user_created_under_our_name_is_refused(other_user, shm_name):
+    name = shm_name("bell")
+    other_user.run(CREATE_SEMAPHORE, name)
+    try:
+        assert os.stat(semaphore_path(name)).st_uid == other_user.uid
+        with pytest.raises(StaleObjectError, match=f"belongs to uid {other_user.uid}, not to you"):
+            open_semaphore(name, create=False)
+        with pytest.raises(StaleObjectError, match=f"belongs to uid {other_user.uid}"):
+            Doorbell.attach(name)
+    finally:
+        unlink_quietly([], [name])
+
+
+def test_a_broker_refuses_a_doorbell_another_user_planted(other_user, tmp_path):
+    config = BrokerConfig(str(tmp_path / "data"))
+    bell = doorbell_name(namespace_for(config.data_dir))
+    other_user.run(CREATE_SEMAPHORE, bell)
+    try:
+        with pytest.raises(RuntimeError, match="exited at start"):
+            start_broker_process(config)
+        assert os.stat(semaphore_path(bell)).st_uid == other_user.uid  # not used, not removed
+    finally:
+        unlink_quietly([], [bell])

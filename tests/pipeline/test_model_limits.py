@@ -1,0 +1,59 @@
+"""Model ids end up in segment directory names (m{model:05d}): every edge checks them, so an
+item for a model the broker does not serve is refused before it is stored, never stored and
+then skipped at restart (issue 11: model 123456 was acknowledged, stored under
+segments/m123456/, and skipped without a word when the broker restarted)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipeline.broker.service import BrokerConfig
+from pipeline.errors import ConfigError, ModelIdError, ProducerRefusedError
+from pipeline.layouts import DEFAULT_MAX_MODELS, MODEL_ID_LIMIT
+from pipeline.producer.client import BrokerProducer
+from pipeline.producer.producer import ProducerLimits
+from pipeline.broker.peers import namespace_for, producer_ring_name
+from pipeline.runtime.local import remove_leftovers
+from tests.pipeline.harness import start_broker, status, stop
+from tests.runtime.runs import shm_objects_of
+
+TOKENS = np.arange(50, dtype=np.int32)
+
+
+def test_producer_limits_hold_model_ids_a_segment_name_holds(tmp_path):
+    assert ProducerLimits(max_models=MODEL_ID_LIMIT).max_models == MODEL_ID_LIMIT
+    with pytest.raises(ModelIdError, match=f"max_models {MODEL_ID_LIMIT + 1} must be in"):
+        ProducerLimits(max_models=MODEL_ID_LIMIT + 1)
+    assert BrokerConfig(str(tmp_path), max_models=MODEL_ID_LIMIT).max_models == MODEL_ID_LIMIT
+    with pytest.raises(ConfigError, match="max_models"):
+        BrokerConfig(str(tmp_path), max_models=MODEL_ID_LIMIT + 1)
+
+
+def test_an_item_for_a_model_the_broker_does_not_serve_is_refused_not_stored(tmp_path):
+    """A producer allowed more models than the broker serves submits an item for model
+    2,000: the broker refuses the frame and the producer, stores nothing of it, and the
+    producer learns why instead of waiting forever; after a restart nothing was skipped."""
+    data = str(tmp_path / "data")
+    broker = start_broker(data)
+    socket_path = BrokerConfig(data).socket_path
+    try:
+        producer = BrokerProducer(socket_path, capacity_bytes=16 << 20, limits=ProducerLimits(max_models=5000))
+        producer.submit(DEFAULT_MAX_MODELS - 1, 7, TOKENS)  # the highest model served: stored
+        producer.wait_stored(timeout_s=30)
+        producer.submit(2000, 7, TOKENS)
+        with pytest.raises(ProducerRefusedError, match="model 2000; this broker serves models 0..1023"):
+            producer.close(timeout_s=30)
+        assert status(socket_path)["items_received"] == 1
+    finally:
+        assert stop(broker) == 0
+    again = start_broker(data)
+    try:
+        restarted = status(socket_path)
+        assert restarted["items_recovered"] == 1 and restarted["store_damage"].get("strays", 0) == 0
+    finally:
+        assert stop(again) == 0
+    # The refused producer's ring stays for inspection, with the refused record in it.
+    assert [name for name in shm_objects_of(data) if not name.startswith("sem.")] == [
+        producer_ring_name(namespace_for(data), 0)[1:]]
+    remove_leftovers(data)

@@ -1,0 +1,120 @@
+"""Every bad option or hostile environment gets one line naming what and where, before
+anything starts, never a traceback (the findings of issue 11, item 11, each a real command)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from tests.runtime.runs import shm_objects_of
+from tests.runtime.test_launch import ROOT, RUN_TIMEOUT_S
+
+IS_ROOT = os.geteuid() == 0
+
+
+def pipeline(*args: str, cwd=ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline", *args], capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S, cwd=cwd)
+
+
+def one_line_error(done: subprocess.CompletedProcess, *words: str) -> None:
+    assert done.returncode == 1, (done.returncode, done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
+    assert len(lines) == 1, done.stderr
+    for word in words:
+        assert word in done.stderr, (word, done.stderr)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--seed", "-1"], ["seed must be in [0,", "-1"]),
+    (["--replay-speed", "nan"], ["replay_speed must be a finite number above 0", "nan"]),
+    (["--replay-speed", "inf"], ["replay_speed must be a finite number above 0", "inf"]),
+    (["--producers", "100000"], ["producers must be in [1, 256]"]),
+    (["--report", "/nonexistent-dir/report.json"], ["report /nonexistent-dir/report.json", "does not exist"]),
+    (["--max-batch", "20000"], ["max_batch_items 20000"]),
+])
+def test_launch_options_are_checked_before_anything_starts(tmp_path, args, words):
+    data = tmp_path / "data"
+    done = pipeline("launch", "--items", "10", "--data-dir", str(data), *args)
+    one_line_error(done, *words)
+    assert not data.exists()  # refused before the broker (or anything) started
+
+
+def test_produce_refuses_a_replay_speed_that_is_not_a_number(tmp_path):
+    done = pipeline("produce", __file__, "--data-dir", str(tmp_path), "--replay-speed", "nan")
+    one_line_error(done, "replay_speed must be a finite number above 0")
+
+
+def test_a_payload_that_is_not_unicode_text_names_the_line(tmp_path):
+    workload = tmp_path / "jobs.jsonl"
+    workload.write_text('{"components": [[1, 2]], "suffix": [3], "payload": "ok"}\n'
+                        '{"components": [[1, 2]], "suffix": [3], "payload": "\\ud800"}\n')
+    done = pipeline("launch", "--workload", str(workload), "--data-dir", str(tmp_path / "data"))
+    one_line_error(done, f"{workload}:2", "payload is not valid Unicode text")
+
+
+def test_a_data_directory_too_long_for_a_unix_socket_says_so_and_leaks_nothing(tmp_path):
+    data = tmp_path / ("d" * 120)
+    for args in (["launch", "--items", "10", "--data-dir", str(data)], ["broker", "start", "--data-dir", str(data)]):
+        done = pipeline(*args)
+        one_line_error(done, "at most 107")
+        assert shm_objects_of(str(data)) == []
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="mounting a read-only file system needs root")
+def test_broker_start_on_a_read_only_mount_is_one_line(tmp_path):
+    mount = tmp_path / "ro"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(mount)]).returncode:
+        pytest.skip("mount refused")
+    try:
+        done = pipeline("broker", "start", "--data-dir", str(mount / "data"))
+        one_line_error(done, "Read-only file system", str(mount / "data"))
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_status_when_the_socket_answers_with_an_error_is_one_line(tmp_path):
+    """Something that is not our broker answers on the socket with an error message."""
+    data = tmp_path / "data"
+    (data / "run").mkdir(parents=True, mode=0o700)
+    os.chmod(data, 0o700)
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(data / "run" / "broker.sock"))
+    server.listen()
+
+    def answer() -> None:
+        conn, _ = server.accept()
+        conn.recv(65536)  # the status request
+        body = json.dumps({"type": "error", "message": "not a broker"}).encode()
+        conn.sendall(struct.pack("<I", len(body)) + body)
+        conn.close()
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        done = pipeline("status", "--data-dir", str(data))
+        one_line_error(done, "not a broker")
+    finally:
+        server.close()
+        thread.join(5)
+
+
+def test_a_broker_that_exits_at_start_is_one_line(tmp_path):
+    """A second broker on a data directory a broker already serves."""
+    data = tmp_path / "data"
+    first = pipeline("broker", "start", "--data-dir", str(data), "--detach")
+    assert first.returncode == 0, first.stderr
+    try:
+        second = pipeline("broker", "start", "--data-dir", str(data), "--detach")
+        one_line_error(second, "already running")
+    finally:
+        pipeline("broker", "stop", "--data-dir", str(data))

@@ -1,0 +1,162 @@
+"""Who may touch a data directory (SPEC §12): everything the product creates is owner-only
+whatever the umask, and a data directory another user could change is refused, by every
+command, before anything is read or written there.
+
+Another user is played by a process that drops to an unused uid with `setpriv` (no account
+is needed); those tests run only as root, where they can.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from pipeline.errors import DataDirError
+from pipeline.runtime.datadir import check_data_dir, prepare_data_dir
+from tests.runtime.test_launch import ROOT, RUN_TIMEOUT_S
+
+# A uid no account uses here: "another local user".
+OTHER_UID = 54321
+IS_ROOT = os.geteuid() == 0
+needs_root = pytest.mark.skipif(not IS_ROOT or shutil.which("setpriv") is None,
+                                reason="playing another user needs root and setpriv")
+
+
+def pipeline(*args: str, umask: int = -1) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline", *args], capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S, cwd=ROOT, umask=umask)
+
+
+def modes(root) -> dict[str, int]:
+    """Permission bits of every directory and file under `root` (and of `root`)."""
+    found = {str(root): stat.S_IMODE(os.lstat(root).st_mode)}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            path = os.path.join(dirpath, name)
+            found[path] = stat.S_IMODE(os.lstat(path).st_mode)
+    return found
+
+
+def test_everything_a_run_creates_is_owner_only_even_under_umask_000(tmp_path):
+    """Under umask 000 the earlier code made a 0777 data directory and 0666 results and
+    state files; under the default umask 0755 and 0644."""
+    data, report = tmp_path / "data", tmp_path / "report.json"
+    done = pipeline("launch", "--items", "300", "--data-dir", str(data), "--report", str(report), umask=0)
+    assert done.returncode == 0, done.stderr
+    found = modes(data)
+    assert len(found) > 5  # the data directory, run/, results/, its run, files...
+    wrong = {path: f"{mode:04o}" for path, mode in found.items()
+             if mode != (0o700 if os.path.isdir(path) else 0o600)}
+    assert wrong == {}
+    assert stat.S_IMODE(os.stat(report).st_mode) == 0o600
+
+
+def test_detached_stages_write_owner_only_logs_and_pid_files(tmp_path):
+    data = tmp_path / "data"
+    try:
+        started = pipeline("broker", "start", "--data-dir", str(data), "--detach", umask=0)
+        assert started.returncode == 0, started.stderr
+        run = data / "run"
+        assert {name: f"{stat.S_IMODE(os.stat(run / name).st_mode):04o}" for name in os.listdir(run)
+                if not name.endswith(".sock")} == {name: "0600" for name in os.listdir(run) if not name.endswith(".sock")}
+        assert stat.S_IMODE(os.stat(run).st_mode) == 0o700
+    finally:
+        pipeline("broker", "stop", "--data-dir", str(data))
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o770, 0o702])
+def test_a_data_directory_others_can_write_is_refused_by_every_command(tmp_path, mode):
+    data = tmp_path / "data"
+    data.mkdir()
+    os.chmod(data, mode)
+    for args in (["launch", "--items", "10", "--data-dir", str(data)], ["broker", "start", "--data-dir", str(data)],
+                 ["consumer", "start", "--data-dir", str(data)], ["status", "--data-dir", str(data)],
+                 ["produce", __file__, "--data-dir", str(data)]):
+        done = pipeline(*args)
+        assert done.returncode == 1, (args, done.stderr)
+        assert f"chmod 700 {data}" in done.stderr and "Traceback" not in done.stderr, (args, done.stderr)
+    assert os.listdir(data) == []  # nothing was created in it
+
+
+def test_a_subdirectory_others_can_write_is_refused(tmp_path):
+    data = tmp_path / "data"
+    prepare_data_dir(str(data))
+    (data / "results").mkdir()
+    os.chmod(data / "results", 0o777)
+    with pytest.raises(DataDirError, match="results has mode 0777"):
+        check_data_dir(str(data))
+    (data / "results").chmod(0o700)
+    (data / "segments" / "m00000").mkdir(parents=True)
+    os.chmod(data / "segments" / "m00000", 0o757)
+    check_data_dir(str(data))  # a client looks only at what it uses
+    with pytest.raises(DataDirError, match="m00000 has mode 0757"):
+        prepare_data_dir(str(data))  # the broker's start checks the whole tree
+
+
+def test_a_data_directory_of_ours_readable_by_others_is_tightened(tmp_path):
+    data = tmp_path / "data"
+    (data / "run").mkdir(parents=True)
+    os.chmod(data, 0o755)
+    os.chmod(data / "run", 0o755)
+    prepare_data_dir(str(data))
+    assert stat.S_IMODE(os.stat(data).st_mode) == stat.S_IMODE(os.stat(data / "run").st_mode) == 0o700
+
+
+def test_a_directory_above_that_others_can_write_is_refused_unless_sticky(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    with pytest.raises(DataDirError, match="rename the data directory away"):
+        prepare_data_dir(str(shared / "data"))
+    assert not (shared / "data").exists()
+    os.chmod(shared, 0o1777)  # like /tmp: others cannot rename what is ours
+    prepare_data_dir(str(shared / "data"))
+
+
+@needs_root
+def test_a_data_directory_owned_by_another_user_is_refused(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir(mode=0o700)
+    os.chown(data, OTHER_UID, OTHER_UID)
+    done = pipeline("status", "--data-dir", str(data))
+    assert done.returncode == 1 and f"owned by uid {OTHER_UID}" in done.stderr, done.stderr
+    done = pipeline("launch", "--items", "10", "--data-dir", str(data))
+    assert done.returncode == 1 and f"owned by uid {OTHER_UID}" in done.stderr, done.stderr
+
+
+@needs_root
+def test_another_user_cannot_pose_as_the_broker_of_an_open_data_directory(request):
+    """What the hostile run did: with a 0777 data directory, another user replaced run/ and
+    served a fake socket that the owner's `status` and `produce` talked to. Now the data
+    directory is refused before any socket is opened, and the fake one never hears from us."""
+    # pytest's own directories are 0700: the other user needs a path it can reach.
+    base = tempfile.mkdtemp(prefix="sbrk-test-open-")
+    request.addfinalizer(lambda: shutil.rmtree(base, ignore_errors=True))
+    os.chmod(base, 0o755)
+    data = Path(base) / "data"
+    (data / "run").mkdir(parents=True)
+    os.chmod(data, 0o777)
+    fake = subprocess.Popen(
+        ["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups", sys.executable, "-c",
+         "import os, shutil, socket, sys; run = sys.argv[1]; shutil.move(run, run + '.old'); os.mkdir(run); "
+         "s = socket.socket(socket.AF_UNIX); s.bind(os.path.join(run, 'broker.sock')); s.listen(); "
+         "print('ready', flush=True); s.settimeout(20); c, _ = s.accept(); print('TALKED', flush=True)",
+         str(data / "run")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert fake.stdout.readline().strip() == "ready"
+        for args in (["status", "--data-dir", str(data)], ["produce", __file__, "--data-dir", str(data)]):
+            done = pipeline(*args)
+            assert done.returncode == 1 and "has mode 0777" in done.stderr, done.stderr
+        fake.kill()
+        assert "TALKED" not in fake.communicate()[0]
+    finally:
+        if fake.poll() is None:
+            fake.kill()
+            fake.wait()
