@@ -57,6 +57,10 @@ COUNTERS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("batches_routed", ("batches_routed",), "Batches handed to consumers"),
     ("padded_tokens_routed", ("padded_tokens_routed",), "Tokens of the batches routed, padding included"),
     ("consumers_lost", ("consumers_lost",), "Consumers dropped for a closed connection or missed heartbeats"),
+    ("items_adopted", ("items_adopted",), "Items stored from producer rings an earlier run left (also received)"),
+    ("peers_refused", ("peers_refused",), "Connections refused: a malformed message, another user, past a limit"),
+    ("peers_shed", ("peers_shed",), "Connections that never registered, closed: idle too long, or too many"),
+    ("stalls", ("stalls",), "Gaps in the broker's loop long enough to be its own stall (paused, starved)"),
 )
 
 # (metric name, status field, help) of the plain top-level gauges.
@@ -155,6 +159,11 @@ def _levels(status: Status) -> Iterator[Metric]:
     yield _gauge("consumers_connected", "Consumers registered now", len(status.get("consumers", {})))
     yield _gauge("disk_full", "1 while the disk tier refuses writes for lack of space",
                  int(status.get("disk_full", False)))
+    damage = GaugeMetricFamily(PREFIX + "store_damage", "What recovery found in the store that it could not "
+                               "deliver or had to repair, by kind (named in the broker's log)", labels=["kind"])
+    for kind, count in sorted(status.get("store_damage", {}).items()):
+        damage.add_metric([kind], count)
+    yield damage
     tokens, padded = status.get("tokens_routed", 0), status.get("padded_tokens_routed", 0)
     # NOTE: 1.0 rather than no sample before the first batch: no padding has been wasted yet.
     yield _gauge("padding_efficiency_ratio", "Tokens routed over padded tokens routed",

@@ -26,7 +26,8 @@ Definitions (every figure is an int or a float; a ratio with nothing to divide i
   taken-over items the places do not account for; by id, never negative. lost_examples
   names up to 10 of them. items_unexpected = items found that nothing accounts for.
 - store_damage = what the broker's recovery found it could not deliver (damaged, missing or
-  truncated entries, quarantined segments), named in its log and by `pipeline tools verify`.
+  truncated entries, quarantined segments) or repaired, named in its log and by `pipeline
+  tools verify`; items_undeliverable = the entries of it that cannot be delivered.
 - duplicates = results lines beyond the first per item (at-least-once delivery, counted).
 - results_bad_lines = lines of the results files that are not results (a line torn by a
   kill or a full disk, garbage), counted and named in results_bad_line_examples (path:line);
@@ -76,6 +77,8 @@ from pipeline.accounting import ResultsSummary, Stock, reconcile
 # reports them as 0 and the accounting as not OK, since nothing can be checked.
 FLOW_KEYS = ("items_received", "tokens_received", "items_routed", "tokens_routed", "items_completed",
              "tokens_completed")
+# The store_damage counts (the disk tier's recovery) of entries that cannot be delivered.
+UNDELIVERABLE_KEYS = ("entries_damaged", "entries_missing", "entries_quarantined")
 # The lane counters the report always shows; any other counter the broker adds is kept too.
 LANE_KEYS = ("opened", "reused", "force_fits", "quiesced", "released", "max_in_use")
 
@@ -164,6 +167,7 @@ def build_report(status: dict, results: ResultsSummary, wall_s: float, stock: St
         "store_kept": store_kept,
         "unreadable_rings": list(unreadable_rings),
         "store_damage": dict(status.get("store_damage", {})),
+        "items_undeliverable": sum(status.get("store_damage", {}).get(key, 0) for key in UNDELIVERABLE_KEYS),
         "results_torn_lines": results.torn_lines,
         "results_bad_lines": results.bad_lines,
         "results_bad_line_examples": list(results.bad_line_examples),
@@ -276,7 +280,7 @@ def accounting_verdict(report: dict) -> str:
     wrong. Never OK while an item is missing."""
     if report["accounting_ok"] is None:
         return "not checked on a live broker (see the run's report)"
-    damage = sum(report.get("store_damage", {}).values())
+    damage = report.get("items_undeliverable", 0)
     if not report["accounting_ok"]:
         if report["broker_status_missing"] and not report["lost"] and not report.get("items_unexpected"):
             return "[bold red]UNCHECKED (no broker status)[/bold red]"
@@ -344,6 +348,9 @@ def render_report(report: dict, console: Console | None = None) -> None:
     console that is not a terminal rich writes the same tables as plain text."""
     console = console or Console()
     console.print(_accounting_table(report))
+    if report.get("items_undeliverable"):
+        console.print(f"[bold red]STORE DAMAGE: {report['items_undeliverable']:,} stored items cannot be delivered "
+                      f"(each named in the broker's log; `pipeline tools verify DATA_DIR` lists them)[/bold red]")
     console.print(_pairs_table("Efficiency", _efficiency_rows(report)))
     console.print(_pairs_table("Lanes", [(key.replace("_", " "), format_count(value))
                                          for key, value in report["lanes"].items()]))

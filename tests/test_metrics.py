@@ -91,7 +91,10 @@ def scrape_collector(fetch) -> dict:
 def test_sample_status_gives_every_counter_and_gauge():
     status = copy.deepcopy(SAMPLE)
     status["items_recovered"], status["tokens_recovered"] = 7, 700  # recovered count as received
+    status.update(items_adopted=3, peers_refused=4, peers_shed=5, stalls=1,
+                  store_damage={"entries_damaged": 2, "segments_missing": 1, "torn_tails": 0})
     parsed = samples(render(status))
+    assert by_label(parsed, "store_damage", "kind") == {"entries_damaged": 2, "segments_missing": 1, "torn_tails": 0}
     assert scalar(parsed, "up") == 1
     for name, fields, _ in COUNTERS:
         assert scalar(parsed, name + "_total") == sum(status[f] for f in fields), name

@@ -243,3 +243,15 @@ def test_formatters():
     assert (format_percent(0.97840), format_percent(None)) == ("97.8%", "-")
     assert (format_compact(1580568), format_compact(12345), format_compact(812.4), format_compact(3)) == (
         "1.58M", "12.3k", "812", "3")
+
+
+def test_damage_the_broker_found_is_shown_and_explains_what_is_lost(tmp_path):
+    status = copy.deepcopy(SAMPLE_STATUS)
+    status["store_damage"] = {"entries_damaged": 2, "entries_missing": 1, "torn_tails": 4}
+    report = report_of(status, sample_results(tmp_path, skip=frozenset({7, 8, 9})), wall_s=1.0)
+    assert report["items_undeliverable"] == 3 and report["lost"] == 3 and report["accounting_ok"] is False
+    out = io.StringIO()
+    render_report(report, Console(file=out, width=200))
+    text = out.getvalue()
+    assert "STORE DAMAGE: 3 stored items cannot be delivered" in text
+    assert "MISMATCH: 3 lost (the broker found damage in the store" in text
