@@ -5,8 +5,9 @@ The broker counts items and tokens received (stored), routed (dispatched; a rede
 counts again) and completed. The consumers' results files hold one line per item they ran;
 an item with two lines was redelivered after a lost completion (a duplicate, at-least-once
 delivery), which is counted, never hidden. At the end of a run (`take_stock`), every item
-the run's producers accepted, and every item the broker took over from an earlier run, is
-found by id in at least one place:
+the run's producers accepted, and every item an earlier run left on the data directory (in
+its store or its producer rings, read by id before the run's broker started), is found by
+id in at least one place:
 
     with a result   a line of this run's results files
     in the store    a live (stored, not completed) entry: the next run on the data directory
@@ -14,8 +15,7 @@ found by id in at least one place:
     in a ring       a record of a producer ring the broker never stored: the next broker on
                     the data directory stores it first
 
-    lost = accepted items found nowhere + taken-over items the places do not account for
-                                                                            must be 0
+    lost = |(accepted ∪ taken over) − (with a result ∪ in the store ∪ in a ring)|  must be 0
     received = completed (broker, over this broker's life) and tokens likewise, once a run
     has completed
 
@@ -152,12 +152,12 @@ def _result(line: bytes) -> tuple[dict | None, str | None]:
 class Stock:
     """Where a run's items are (see the module docstring). Counts are of distinct items.
 
-    accepted: items this run's producers published; taken_over: items the broker recovered
-    or adopted from earlier runs (its counters); with_results / in_store / in_rings: items of
-    either kind found there (an item in two places, e.g. a result written by a consumer that
-    died before the completion arrived, counts once, in the first place that holds it);
-    lost: accepted items found nowhere, plus taken-over items the places do not account for;
-    unexpected: items found that neither this run nor the broker's counters account for."""
+    accepted: items this run's producers published; taken_over: items an earlier run left
+    on the data directory (live in the store, or in a producer ring) when this run started;
+    with_results / in_store / in_rings: items of either kind found there (an item in two
+    places, e.g. a result written by a consumer that died before the completion arrived,
+    counts once, in the first place that holds it); lost: items of either kind found
+    nowhere; unexpected: items found that neither accounts for."""
 
     accepted: int
     taken_over: int
@@ -192,19 +192,22 @@ def accepted_ids(ledger_entries: list[tuple[int, int]], found: np.ndarray) -> np
 
 
 def take_stock(ledger_entries: list[tuple[int, int]], results: np.ndarray, store: np.ndarray,
-               rings: np.ndarray, taken_over: int) -> Stock:
-    """Compare by id what a run accepted with where items are (arrays of item ids, uint64)."""
-    results, store, rings = (np.unique(np.asarray(a, dtype=np.uint64)) for a in (results, store, rings))
+               rings: np.ndarray, taken_over: np.ndarray) -> Stock:
+    """Compare by id what a run was responsible for (what its producers accepted, and the
+    items it took over from an earlier run: `taken_over`, read before its broker started)
+    with where items are (arrays of item ids, uint64)."""
+    results, store, rings, taken_over = (np.unique(np.asarray(a, dtype=np.uint64))
+                                         for a in (results, store, rings, taken_over))
     found = np.union1d(np.union1d(results, store), rings)
     accepted = accepted_ids(ledger_entries, found)
-    missing = np.setdiff1d(accepted, found, assume_unique=True)
-    others = np.setdiff1d(found, accepted, assume_unique=True).size  # from earlier runs
+    expected = np.union1d(accepted, taken_over)
+    missing = np.setdiff1d(expected, found, assume_unique=True)
     in_store = np.setdiff1d(store, results, assume_unique=True)
     in_rings = np.setdiff1d(rings, np.union1d(results, store), assume_unique=True)
     return Stock(
-        accepted=int(accepted.size), taken_over=taken_over, with_results=int(results.size),
-        in_store=int(in_store.size), in_rings=int(in_rings.size),
-        lost=int(missing.size) + max(0, taken_over - others), unexpected=max(0, others - taken_over),
+        accepted=int(accepted.size), taken_over=int(taken_over.size), with_results=int(results.size),
+        in_store=int(in_store.size), in_rings=int(in_rings.size), lost=int(missing.size),
+        unexpected=int(np.setdiff1d(found, expected, assume_unique=True).size),
         lost_examples=missing[:10].tolist(), accepted_by_producer=published_counts(ledger_entries, found),
     )
 

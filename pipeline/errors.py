@@ -37,6 +37,9 @@ raises one of these, with the offending value, path and byte offset in the messa
         ├── SegmentFormatError               a file is not a segment of this format version
         ├── SegmentCorruptError              damage inside a segment (path and offset named);
         │                                    never truncated or zeroed
+        ├── SegmentReadError                 a segment cannot be read now (descriptors,
+        │                                    memory, permissions): not damage; the consumer
+        │                                    hands its batches back and retries
         ├── SegmentNameError                 a segment key (model, lane, sequence, signature)
         │                                    beyond what a segment file name holds
         ├── StoreReadError                   a data directory, segment or catalog file cannot
@@ -190,6 +193,12 @@ class SegmentCorruptError(StorageError):
     entries and names the damage (`pipeline.broker.storage.scan`)."""
 
 
+class SegmentReadError(StorageError):
+    """A segment file cannot be mapped now for a reason that is not damage (out of file
+    descriptors or memory, permission denied): the items are intact, so the consumer hands
+    its batches back and retries with backoff, never answers them as corrupt."""
+
+
 class SegmentNameError(StorageError):
     """A segment key does not fit the segment file names (`pipeline.layouts`: model ids below
     MODEL_ID_LIMIT, lane ids below LANE_ID_LIMIT, sequences below SEGMENT_SEQ_LIMIT,
@@ -267,6 +276,7 @@ __all__ = [
     "RingClosedError",
     "RingTimeoutError",
     "SegmentCorruptError",
+    "SegmentReadError",
     "SegmentFormatError",
     "SegmentNameError",
     "ShapeGuardError",

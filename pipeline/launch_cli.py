@@ -144,6 +144,11 @@ def _finish(settings: LaunchSettings, outcome) -> int:
         click.echo(f"launch: {report['lost']:,} items are lost (e.g. item ids {report['lost_examples'][:5]})",
                    err=True)
         return 1
+    damaged = (report.get("items_corrupt") or 0) + (report.get("items_undeliverable") or 0)
+    if damaged:
+        click.echo(f"launch: {damaged:,} items could not be delivered (damaged: see the logs and "
+                   f"`pipeline tools verify`)", err=True)
+        return 1
     if outcome.why == "completed" and not report.get("accounting_ok", False):
         click.echo("launch: the accounting does not balance (see the report)", err=True)
         return 1

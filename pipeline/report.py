@@ -33,8 +33,9 @@ Definitions (every figure is an int or a float; a ratio with nothing to divide i
   kill or a full disk, garbage), counted and named in results_bad_line_examples (path:line);
   results_torn_lines = those that were a file's last line, cut short.
 - items_empty = results with status too_long (answered without running); items_corrupt too.
-- accounting_ok = lost == 0 and nothing unexpected, and, once nothing is unfinished, the
-  broker's counters balance (received == completed, in items and tokens); None for a live
+- accounting_ok = lost == 0, nothing unexpected and nothing damaged (items_corrupt == 0,
+  items_undeliverable == 0), and, once nothing is unfinished, the broker's counters balance
+  (received == completed, in items and tokens); None for a live
   broker (`pipeline status`: nothing is judged before the run ends); False when a finished
   run's status lacks the broker's counters (`broker_status_missing`).
 - padding_efficiency = real tokens / padded tokens of what the consumers' engines ran (their
@@ -158,16 +159,17 @@ def build_report(status: dict, results: ResultsSummary, wall_s: float, stock: St
     cacheable, hits, compulsory = total("cacheable_tokens"), total("cache_hit_tokens"), total("compulsory_miss_tokens")
     switches = dict(status.get("switches", {}))
     lanes = {key: 0 for key in LANE_KEYS} | dict(status.get("lanes", {}))
+    undeliverable = sum(status.get("store_damage", {}).get(key, 0) for key in UNDELIVERABLE_KEYS)
     return {
         **accounted,
         "items_not_submitted": not_submitted,
         "broker_status_missing": missing,
-        "accounting_ok": None if stock is None else _balanced(accounted, not_submitted, missing),
+        "accounting_ok": None if stock is None else _balanced(accounted, not_submitted, undeliverable, missing),
         "items_discarded": 0 if store_kept else accounted["items_unfinished"],
         "store_kept": store_kept,
         "unreadable_rings": list(unreadable_rings),
         "store_damage": dict(status.get("store_damage", {})),
-        "items_undeliverable": sum(status.get("store_damage", {}).get(key, 0) for key in UNDELIVERABLE_KEYS),
+        "items_undeliverable": undeliverable,
         "results_torn_lines": results.torn_lines,
         "results_bad_lines": results.bad_lines,
         "results_bad_line_examples": list(results.bad_line_examples),
@@ -191,11 +193,13 @@ def build_report(status: dict, results: ResultsSummary, wall_s: float, stock: St
     }
 
 
-def _balanced(accounted: dict, not_submitted: int, status_missing: bool) -> bool:
-    """Nothing lost or unexplained (by id); and, once nothing is unfinished, the broker's
-    counters balance too: everything received was completed, in items and in tokens. A run
-    stopped early is judged by id alone (a broker killed mid-run leaves no final counters)."""
-    if accounted["lost"] or accounted["items_unexpected"]:
+def _balanced(accounted: dict, not_submitted: int, undeliverable: int, status_missing: bool) -> bool:
+    """Nothing lost or unexplained (by id) and nothing damaged (no item answered "corrupt",
+    nothing in the store that cannot be delivered); and, once nothing is unfinished, the
+    broker's counters balance too: everything received was completed, in items and in
+    tokens. A run stopped early is judged by id alone (a broker killed mid-run leaves no
+    final counters)."""
+    if accounted["lost"] or accounted["items_unexpected"] or accounted["items_corrupt"] or undeliverable:
         return False
     if accounted["items_unfinished"] or not_submitted:
         return True
@@ -282,6 +286,10 @@ def accounting_verdict(report: dict) -> str:
         return "not checked on a live broker (see the run's report)"
     damage = report.get("items_undeliverable", 0)
     if not report["accounting_ok"]:
+        if not report["lost"] and (damage or report["items_corrupt"]) and not report.get("items_unexpected"):
+            return (f"[bold red]DAMAGED: {damage + report['items_corrupt']:,} items could not be delivered "
+                    f"({report['items_corrupt']:,} answered corrupt, {damage:,} undeliverable in the store; each named "
+                    f"in the logs)[/bold red]")
         if report["broker_status_missing"] and not report["lost"] and not report.get("items_unexpected"):
             return "[bold red]UNCHECKED (no broker status)[/bold red]"
         why = f"{report['lost']:,} lost" if report["lost"] else "the broker's counters do not balance"

@@ -120,9 +120,10 @@ def test_an_unfinished_item_with_a_result_is_counted_once(tmp_path):
               "items_completed": 2, "tokens_completed": 20, "backlog_items": 4, "pending_items": 0}
     assert reconcile(summary, status)["lost"] is None
     results = np.array(sorted(summary.item_ids), dtype=np.uint64)
-    stock = take_stock([(0, 7)], results, np.array([3, 4, 5, 6], dtype=np.uint64), np.zeros(0, np.uint64), 0)
+    none = np.zeros(0, np.uint64)
+    stock = take_stock([(0, 7)], results, np.array([3, 4, 5, 6], dtype=np.uint64), none, none)
     accounted = reconcile(summary, status, stock)
     assert (accounted["items_in_store"], accounted["items_unfinished"]) == (2, 2)
     assert accounted["lost"] == 1 and accounted["lost_examples"] == [0]  # item 0: nowhere
-    stock = take_stock([(0, 7)], results, np.array([0, 3, 4, 5, 6], dtype=np.uint64), np.zeros(0, np.uint64), 0)
+    stock = take_stock([(0, 7)], results, np.array([0, 3, 4, 5, 6], dtype=np.uint64), none, none)
     assert reconcile(summary, status, stock)["lost"] == 0

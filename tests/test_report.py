@@ -60,12 +60,12 @@ def sample_results(tmp_path, skip: frozenset[int] = frozenset(), extra_c0: tuple
         "c1": lines(range(C1_ITEMS)), "c0": lines(range(C1_ITEMS, ALL_ITEMS)) + [line(i) for i in extra_c0]}))
 
 
-def stock_of(results, published: int = ALL_ITEMS, store=(), rings=(), taken_over: int = 0):
+def stock_of(results, published: int = ALL_ITEMS, store=(), rings=(), taken_over=()):
     """The stock of a run whose one producer (id 0: item ids 0, 1, ...) published `published`
     items and whose results are `results`."""
     ids = np.fromiter(results.item_ids, dtype=np.uint64)
     return take_stock([(0, published)], ids, np.array(store, dtype=np.uint64), np.array(rings, dtype=np.uint64),
-                      taken_over)
+                      np.array(taken_over, dtype=np.uint64))
 
 
 def report_of(status, results, wall_s: float, **stock) -> dict:
@@ -255,3 +255,24 @@ def test_damage_the_broker_found_is_shown_and_explains_what_is_lost(tmp_path):
     text = out.getvalue()
     assert "STORE DAMAGE: 3 stored items cannot be delivered" in text
     assert "MISMATCH: 3 lost (the broker found damage in the store" in text
+
+
+def test_damage_without_a_loss_is_never_ok(tmp_path):
+    """Items answered "corrupt" have a result line, and items damaged in the store that no
+    run accepted are nobody's loss by id: the verdict is DAMAGED all the same, never OK."""
+    corrupt = report_of(SAMPLE_STATUS, sample_results(tmp_path), wall_s=1.0)
+    assert corrupt["accounting_ok"] is True
+    status = copy.deepcopy(SAMPLE_STATUS)
+    status["store_damage"] = {"entries_damaged": 1, "torn_tails": 2}
+    damaged = report_of(status, sample_results(tmp_path), wall_s=1.0)
+    assert damaged["lost"] == 0 and damaged["accounting_ok"] is False
+    out = io.StringIO()
+    render_report(damaged, Console(file=out, width=200))
+    assert "DAMAGED: 1 items could not be delivered" in out.getvalue()
+    results = summarize_results(write_results(tmp_path / "corrupt", {"c0": [line(0, "corrupt")] + [
+        line(i) for i in range(1, ALL_ITEMS)]}))
+    answered = report_of(SAMPLE_STATUS, results, wall_s=1.0)
+    assert answered["items_corrupt"] == 1 and answered["lost"] == 0 and answered["accounting_ok"] is False
+    only_torn = copy.deepcopy(SAMPLE_STATUS)
+    only_torn["store_damage"] = {"torn_tails": 2, "state_words_repaired": 1}  # repairs, not damage
+    assert report_of(only_torn, sample_results(tmp_path), wall_s=1.0)["accounting_ok"] is True

@@ -42,6 +42,20 @@ def producer_ring_name(namespace: str, producer_id: int) -> str:
     return f"/{object_prefix(namespace)}p{producer_id}"
 
 
+# Where POSIX shared memory appears on Linux.
+DEV_SHM = "/dev/shm"
+
+
+def producer_ring_ids(namespace: str) -> list[int]:
+    """The producer ids whose rings of this data directory's runs exist now, in order."""
+    prefix = object_prefix(namespace) + "p"
+    found = []
+    for entry in os.listdir(DEV_SHM) if os.path.isdir(DEV_SHM) else []:
+        if entry.startswith(prefix) and entry[len(prefix):].isdigit():
+            found.append(int(entry[len(prefix):]))
+    return sorted(found)
+
+
 def consumer_ring_name(namespace: str, consumer_id: int, generation: int) -> str:
     # The generation (the broker's start count) keeps a restarted broker from meeting the
     # ring of a consumer id it handed out before the restart.

@@ -60,6 +60,7 @@ from pipeline.broker.peers import (
     doorbell_name,
     namespace_for,
     object_prefix,
+    producer_ring_ids,
     producer_ring_name,
 )
 from pipeline.broker.storage.base import StorageTier
@@ -92,6 +93,8 @@ RUN_DIR = "run"
 SOCKET_NAME = "broker.sock"
 LOCK_NAME = "broker.lock"
 STATE_NAME = "broker-state.json"
+# A state file that does not parse is kept, renamed with this suffix (and a time), as evidence.
+DAMAGED_SUFFIX = ".damaged"
 # SPEC §6: the loop yields at least every 100 ms of fill (or dispatch) work. 10 ms, because
 # dispatch waits for the fill, and credit a completion returns waits for the next dispatch:
 # with 100 ms, quick consumers sat idle while the broker ingested alone (one process of five
@@ -267,17 +270,31 @@ def _items_that_fit(room_bytes: int) -> int:
 
 class BrokerState:
     """The few numbers the broker keeps across restarts (a JSON file, replaced atomically):
-    the next producer id and the start count. Owner: the broker process."""
+    the next producer id and the start count. Owner: the broker process.
+
+    A file that does not parse is kept aside (`damaged_to`, renamed with DAMAGED_SUFFIX) and
+    the broker starts from zero; a missing or damaged file is `lost`, and the broker then
+    takes the next producer id from what the store and /dev/shm hold (Broker._start): an id
+    handed out again would make its new items look stored and be skipped."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.next_producer_id = 0
         self.generation = 0
-        if os.path.exists(path):
-            with open(path) as file:
-                saved = json.load(file)
-            self.next_producer_id = int(saved["next_producer_id"])
-            self.generation = int(saved["generation"])
+        self.lost = not os.path.exists(path)
+        self.damaged_to: str | None = None
+        if not self.lost:
+            try:
+                with open(path) as file:
+                    saved = json.load(file)
+                self.next_producer_id = int(saved["next_producer_id"])
+                self.generation = int(saved["generation"])
+            except (ValueError, KeyError, TypeError) as exc:
+                self.damaged_to = f"{path}{DAMAGED_SUFFIX}-{time.time_ns()}"
+                os.rename(path, self.damaged_to)
+                log.warning("%s is damaged (%s): kept as %s; starting from what the store holds", path, exc,
+                            self.damaged_to)
+                self.lost = True
 
     def save(self) -> None:
         temporary = self.path + ".tmp"
@@ -332,6 +349,7 @@ class Broker:
         self.dispatcher = Dispatcher(storage, max_models=config.max_models)
         self.dispatcher.recover(time.monotonic())  # before any ingest (disk tier)
         self._log_recovery()
+        self._raise_producer_id_floor()
         self.producers: dict[int, ProducerPeer] = {}
         self.doorbell, self._doorbell_created = _open_doorbell(doorbell_name(self.namespace))
         self.consumers: dict[ConsumerId, ConsumerPeer] = {}
@@ -446,6 +464,23 @@ class Broker:
             peer = _peer_of(owner)
             peer.last_seen_s = min(peer.last_seen_s + gap_s, now_s)
             peer.last_message_s = min(peer.last_message_s + gap_s, now_s)
+
+    def _raise_producer_id_floor(self) -> None:
+        """Never hand out a producer id the store or /dev/shm still holds work of, whatever
+        the state file says (it may be lost, damaged or older than the store): a new
+        producer under an old id numbers its items from 0, and those that match stored
+        items would be skipped as already stored, lost without a word."""
+        held = [*self.storage.stored_producers(), *producer_ring_ids(self.namespace)]
+        floor = max(held) + 1 if held else 0
+        if floor > self.state.next_producer_id:
+            log.warning("%s says the next producer id is %d, but the store or a producer ring holds work of "
+                        "producer %d: going on from %d", self.state.path, self.state.next_producer_id, floor - 1,
+                        floor)
+            self.state.next_producer_id = floor
+            try:
+                self.state.save()
+            except OSError as exc:
+                log.warning("could not save %s (%s)", self.state.path, exc)
 
     def _log_recovery(self) -> None:
         """What the disk tier's recovery found: one line, and one more per problem (every

@@ -26,6 +26,11 @@ When things go wrong:
                                                  the disk stays full, register again
     any other error writing results              FATAL: goodbye, then ResultsWriteError out
                                                  of run() naming the path and errno
+    a segment that cannot be mapped now          hand back (goodbye), WARNING, the same
+    (EMFILE, ENOMEM, EACCES: SegmentReadError)   backoff, register again; its items are
+                                                 intact, never answered as corrupt
+    a segment file gone or cut short             damage: each item answered "corrupt", named
+
 
 Results file: `results_dir/{name}.jsonl`, one JSON object per item:
     {"item_id", "batch_id", "dispatch_ns", "submit_ns", "done_ns", "pad_to_tokens", "status",
@@ -56,6 +61,7 @@ from pipeline.errors import (
     ResultsDiskFullError,
     ResultsWriteError,
     RingClosedError,
+    SegmentReadError,
     ShmError,
 )
 from pipeline.layouts import Descriptor, descriptor_size_bytes, parse_descriptor
@@ -124,6 +130,7 @@ class ConsumerCounters:
     prompt_tokens: int = 0
     reconnects: int = 0
     results_disk_full: int = 0  # batches whose results found the disk full (handed back)
+    segment_read_errors: int = 0  # batches whose segments could not be mapped now (handed back)
 
 
 @dataclass(slots=True)
@@ -271,6 +278,7 @@ class Consumer:
     def _serve_sessions(self, stop) -> None:
         backoff = RECONNECT_FIRST_S
         full_disk = FullDiskBackoff(self.config.results_full_first_wait_s, self.config.results_full_max_wait_s)
+        cannot_read = FullDiskBackoff(self.config.results_full_first_wait_s, self.config.results_full_max_wait_s)
         while not stop():
             try:
                 session = _Session(self.config)
@@ -292,6 +300,11 @@ class Consumer:
             except ResultsWriteError:
                 session.hand_back()
                 raise
+            except SegmentReadError as exc:  # the entries are intact: never answer them as corrupt
+                self.counters.segment_read_errors += 1
+                held = session.hand_back()
+                pause_s = cannot_read.wait_s(self.counters.batches)
+                log.warning("%s: %s; handing back %d batches, retrying in %g s", self.config.name, exc, held, pause_s)
             except (OSError, ConnectionError, RingClosedError, TimeoutError, ProtocolError) as exc:
                 log.warning("%s: lost the broker (%s); reconnecting", self.config.name, exc)
                 self.counters.reconnects += 1

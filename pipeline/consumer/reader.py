@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
-from pipeline.errors import EntryCompletedError, SegmentCorruptError
+from pipeline.errors import EntryCompletedError, SegmentCorruptError, SegmentReadError
 from pipeline.layouts import (
     ENTRY_ALIGN_BYTES,
     ENTRY_CHECKSUM_FROM,
@@ -122,9 +122,14 @@ class SegmentReader:
             return entry
         if entry is not None:
             self._drop(path)
-        with open(path, "rb") as file:
-            mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
-            info = os.fstat(file.fileno())
+        try:
+            with open(path, "rb") as file:
+                mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+                info = os.fstat(file.fileno())
+        except FileNotFoundError as exc:  # the broker deletes only what is completed: damage
+            raise SegmentCorruptError(f"{path}: the segment file is gone ({exc.strerror})") from None
+        except OSError as exc:  # EMFILE, ENOMEM, EACCES...: the entries are intact, try later
+            raise SegmentReadError(f"{path}: cannot map the segment now ({exc.strerror})") from None
         view = memoryview(mapping)
         if len(view) < end:
             raise SegmentCorruptError(f"{path}: {len(view)} bytes, but an entry is said to end at {end}")
@@ -230,12 +235,8 @@ class SegmentReader:
         token_starts = offsets + ENTRY_HEADER_SIZE_BYTES
         try:
             mapped = self._mapped(path, int((token_starts + lengths * TOKEN_SIZE_BYTES).max()))
-        except (SegmentCorruptError, OSError) as exc:
-            # The file is gone, cut short or unreadable: every item of it fails, named, and
-            # the consumer answers each with a "corrupt" result (never a lost broker).
-            why = exc if isinstance(exc, SegmentCorruptError) else SegmentCorruptError(
-                f"{path}: cannot map the segment ({exc.strerror})")
-            out.failed += [(item_id, length, why.with_traceback(None)) for item_id, length in
+        except SegmentCorruptError as exc:  # the file is gone or cut short: damage, named per item
+            out.failed += [(item_id, length, exc.with_traceback(None)) for item_id, length in
                            zip(items["item_id"].tolist(), items["length"].tolist())]
             return
         headers = mapped.words[(offsets >> 3)[:, None] + _HEADER_WORDS].view(ENTRY_HEADER_DTYPE).reshape(-1)
@@ -270,8 +271,6 @@ class SegmentReader:
         for offset, length, item_id in zip(items["offset"].tolist(), items["length"].tolist(), items["item_id"].tolist()):
             try:
                 out.add(self.read(model, signature, lane, segment_seq, offset, length, item_id))
-            except OSError as exc:  # the file went away between the column read and this one
-                out.failed.append((item_id, length, SegmentCorruptError(f"cannot map the segment ({exc.strerror})")))
             except (EntryCompletedError, SegmentCorruptError) as exc:
                 # Without its traceback: the frames it holds would hold `out`, a cycle that
                 # keeps a segment's mapping open until the (rarely run) cycle collector.

@@ -1,8 +1,9 @@
 """Taking stock of a stopped run: where every item a launch was responsible for ended up.
 
-Every item a run's producers put into their rings (accepted), and every item the broker took
-over from an earlier run on the same data directory (recovered from the store, or adopted
-from a ring an earlier producer left), is at the end in at least one of these places:
+Every item a run's producers put into their rings (accepted), and every item an earlier run
+left on the same data directory for it (live in the store, or in a ring an earlier producer
+left: read by id before the run's broker starts, which takes them over), is at the end in at
+least one of these places:
 
     with a result   a line in one of this run's results files
     in the store    a live (stored, not completed) entry of a segment file
@@ -12,11 +13,12 @@ and an item in none of them is lost. The sets are compared by item id, so `lost`
 be negative and can never hide a missing item behind a duplicate elsewhere (a count-based
 check could: see NOTE below).
 
+    earlier = ids of store_stock(data_dir) and ring_stock(...) # before the broker starts
     ledger = ProducerLedger.create(CTX, producers)         # before forking the producers
     ... each producer: ledger.registered(index, producer_id); ledger.published(index, n)
     rings = ring_stock(producer_ring_names(data_dir))      # once nobody reads or writes them
-    store = store_item_ids(data_dir)                       # a stopped run only: a full scan
-    stock = accounting.take_stock(ledger.entries(), result_ids, store, rings.item_ids, taken_over)
+    store = store_stock(data_dir)                          # a full scan: before a run, after a stop
+    stock = accounting.take_stock(ledger.entries(), result_ids, store.item_ids, rings.item_ids, earlier)
     stock.lost == 0
 
 NOTE: the count-based identity (received = completed + queued + pending, from the broker's
@@ -29,23 +31,18 @@ where ids say exactly which items are where.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipeline.broker.peers import namespace_for, object_prefix
-from pipeline.broker.storage.inspect import live_item_ids
+from pipeline.broker.peers import namespace_for, producer_ring_ids, producer_ring_name
+from pipeline.broker.storage.inspect import live_items
 from pipeline.broker.storage.paths import iter_segments
 from pipeline.errors import FrameError, ShmError
 from pipeline.layouts import parse_frame
 from shm.ring import unreleased_records
 
-# Where POSIX shared memory appears on Linux.
-DEV_SHM = "/dev/shm"
-# A producer ring's name, after the data directory's object prefix: p{producer id}.
-_PRODUCER_RING_RE = re.compile(r"^p(\d+)$")
 # A ledger slot not written yet (its producer has not registered).
 UNREGISTERED = -1
 
@@ -92,12 +89,8 @@ class ProducerLedger:
 
 def producer_ring_names(data_dir: str) -> list[str]:
     """The producer rings of a data directory's runs that exist now (names for shm_open)."""
-    prefix = object_prefix(namespace_for(data_dir))
-    names = []
-    for entry in sorted(os.listdir(DEV_SHM)) if os.path.isdir(DEV_SHM) else []:
-        if entry.startswith(prefix) and _PRODUCER_RING_RE.match(entry[len(prefix):]):
-            names.append("/" + entry)
-    return names
+    namespace = namespace_for(data_dir)
+    return [producer_ring_name(namespace, producer_id) for producer_id in producer_ring_ids(namespace)]
 
 
 @dataclass(slots=True)
@@ -106,6 +99,7 @@ class RingStock:
     part before a crash): their items' ids, and the rings that could not be read."""
 
     item_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
+    models: set[int] = field(default_factory=set)
     rings_holding: list[str] = field(default_factory=list)  # rings with unreleased records
     unreadable: list[str] = field(default_factory=list)  # "name: why"
 
@@ -120,6 +114,7 @@ def ring_stock(names: Iterable[str]) -> RingStock:
             for position, body in enumerate(bodies):
                 frame = parse_frame(np.frombuffer(body, dtype=np.uint8), where=f"ring {name} record {position}")
                 parts.append(frame.items["item_id"].copy())
+                stock.models.update(np.unique(frame.items["model"]).tolist())
         except (ShmError, FrameError) as exc:
             stock.unreadable.append(f"{name}: {exc}")
             stock.rings_holding.append(name)  # what it holds is unknown: keep it
@@ -131,10 +126,19 @@ def ring_stock(names: Iterable[str]) -> RingStock:
     return stock
 
 
-def store_item_ids(storage_dir: str) -> np.ndarray:
-    """Item ids of every live entry in a store's segment files (a full scan, with the code
-    recovery uses: only for a run that stopped before it completed)."""
+@dataclass(slots=True)
+class StoreStock:
+    """The live (stored, not completed) entries of a store: their item ids and models."""
+
+    item_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
+    models: set[int] = field(default_factory=set)
+
+
+def store_stock(storage_dir: str) -> StoreStock:
+    """Every live entry of a store's segment files (a full scan, with the code recovery
+    uses): for a run that stopped before it completed, and for what an earlier run left
+    before a launch starts its broker."""
     if not os.path.isdir(storage_dir):
-        return np.zeros(0, dtype=np.uint64)
-    paths = [found.path for found in iter_segments(storage_dir)]
-    return np.fromiter(live_item_ids(paths), dtype=np.uint64)
+        return StoreStock()
+    ids, models = live_items([found.path for found in iter_segments(storage_dir)])
+    return StoreStock(np.fromiter(ids, dtype=np.uint64, count=len(ids)), models)

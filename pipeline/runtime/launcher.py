@@ -51,7 +51,14 @@ from pipeline.consumer.process import ConsumerConfig
 from pipeline.errors import PipelineError
 from pipeline.producer.workload import Workload
 from pipeline.runtime.gpus import detect_gpus
-from pipeline.runtime.inventory import ProducerLedger, RingStock, producer_ring_names, ring_stock, store_item_ids
+from pipeline.runtime.inventory import (
+    ProducerLedger,
+    RingStock,
+    StoreStock,
+    producer_ring_names,
+    ring_stock,
+    store_stock,
+)
 from pipeline.runtime.local import (
     CTX,
     STOP_POLL_S,
@@ -255,7 +262,8 @@ class Launcher:
         self.interrupts = Interrupts()
         self.keep_data_dir = False
         self._store_ids: np.ndarray | None = None  # the store's live item ids, once read
-        self._first_status: dict | None = None
+        # What an earlier run left on the data directory, read before the broker starts.
+        self.taken_over = StoreStock()
 
     def run(self) -> LaunchOutcome:
         self.interrupts = Interrupts.install()
@@ -269,9 +277,9 @@ class Launcher:
             code = {"completed": EXIT_OK, "interrupted": EXIT_INTERRUPTED}.get(why, EXIT_FAILED)
         except BaseException:
             # A start that failed (a broker that cannot start, a metrics port in use): stop
-            # what did start and remove what it left, keeping rings that hold records.
+            # what did start and remove what it left, keeping whatever holds work.
             self._stop(final, completed=False)
-            self._clean_up(ring_stock(producer_ring_names(self.data_dir)), keep_rings=self.settings.storage == "disk")
+            self._keep_everything(ring_stock(producer_ring_names(self.data_dir)))
             raise
         final = self._stop(final, completed=why == "completed")
         report = self._finish(final, time.monotonic() - started_s, why)
@@ -282,6 +290,7 @@ class Launcher:
     def _start(self) -> None:
         s = self.settings
         os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
+        self.taken_over = self._earlier_work()
         self.broker = start_broker(self.config, s.storage, s.durability)
         if s.metrics_port is not None:
             from pipeline.metrics import MetricsServer
@@ -294,16 +303,31 @@ class Launcher:
         self.producers = start_producers(self.config.socket_path, self.workload, s.producers, s.replay_speed,
                                          self.ledger)
 
+    def _earlier_work(self) -> StoreStock:
+        """By id, what an earlier run left here for this one to finish: the store's live
+        entries (the disk tier; the memory tier starts empty) and the records of producer
+        rings never stored. The broker takes all of it over; the stock at the end expects it.
+        NOTE: a second scan of the store (the broker's recovery scans it again) rather than
+        counting on the broker's items_recovered: a count cannot say which items, and one
+        unexplained item would hide one lost (seen in review). A fresh data directory has no
+        store to scan; a stopped run's is read at page-cache speed."""
+        rings = ring_stock(producer_ring_names(self.data_dir))
+        store = store_stock(self.data_dir) if self.settings.storage == "disk" else StoreStock()
+        return StoreStock(np.union1d(store.item_ids, rings.item_ids), store.models | rings.models)
+
     def consumer_configs(self) -> list[ConsumerConfig]:
         """One consumer per GPU (or `consumers` of them, spread over the GPUs), each serving one
-        of the workload's models in turn; CPU consumers where there is no GPU."""
+        of the models in turn: the workload's, and those of what an earlier run left here (a
+        model nobody serves would keep the run from ever finishing); CPU consumers where
+        there is no GPU."""
         s = self.settings
         gpus = detect_gpus()
         count = s.consumers or len(gpus) or DEFAULT_CPU_CONSUMERS
-        models = self.workload.models
+        models = sorted(set(self.workload.models) | self.taken_over.models)
         if count < len(models):
-            raise ValueError(f"the workload uses {len(models)} models but only {count} consumers run: "
-                             f"each consumer serves one model (raise --consumers)")
+            raise ValueError(f"the workload and what earlier runs left here use {len(models)} models "
+                             f"({models[:10]}) but only {count} consumers run: each consumer serves one model "
+                             f"(raise --consumers)")
         configs = []
         for k in range(count):
             gpu = gpus[k % len(gpus)] if gpus else None
@@ -343,8 +367,6 @@ class Launcher:
                                 "(Ctrl-C stops the run)", self.broker.pid, _process_state(self.broker.pid),
                                 now_s - unanswered_since_s, exc)
                 continue
-            if self._first_status is None:
-                self._first_status = status
             self.on_status(status, time.monotonic())
             if self._done(status):
                 return status, "completed"
@@ -388,7 +410,7 @@ class Launcher:
             if not completed and self.settings.storage == "memory":
                 # The memory tier's files go with its broker: read them while nothing can
                 # change them any more (producers and consumers are stopped and drained).
-                self._store_ids = store_item_ids(memory_tier_dir(self.data_dir))
+                self._store_ids = store_stock(memory_tier_dir(self.data_dir)).item_ids
         if self.metrics is not None:
             self.metrics.close()
         if self.broker is not None:
@@ -410,8 +432,12 @@ class Launcher:
         """Take stock, decide what stays, clean up, and build the report."""
         completed = why == "completed"
         rings = ring_stock(producer_ring_names(self.data_dir))
-        results = summarize_results(self.results_dir)
-        stock = self._take_stock(final, results, rings, completed)
+        try:
+            results = summarize_results(self.results_dir)
+            stock = self._take_stock(results, rings, completed)
+        except BaseException:
+            self._keep_everything(rings)  # nothing counted: nothing may be discarded
+            raise
         unfinished = stock.in_store + stock.in_rings
         durable = self.settings.storage == "disk"
         if durable and self._own_data_dir and unfinished and why not in ("completed", "interrupted"):
@@ -424,17 +450,26 @@ class Launcher:
                             not_submitted=max(0, len(self.workload) - stock.accepted) if not completed else 0,
                             unreadable_rings=rings.unreadable)
 
-    def _take_stock(self, final: dict | None, results, rings: RingStock, completed: bool) -> Stock:
+    def _take_stock(self, results, rings: RingStock, completed: bool) -> Stock:
         """Where every item is. A completed run has nothing left in the store (the broker
         said so), so only a stopped one reads the store's files."""
         if self._store_ids is None and not completed:
             storage_dir = self.data_dir if self.settings.storage == "disk" else memory_tier_dir(self.data_dir)
-            self._store_ids = store_item_ids(storage_dir)
+            self._store_ids = store_stock(storage_dir).item_ids
         store = self._store_ids if self._store_ids is not None else np.zeros(0, dtype=np.uint64)
-        counters = final or self._first_status or {}
-        taken_over = counters.get("items_recovered", 0) + counters.get("items_adopted", 0)
         found = np.fromiter(results.item_ids, dtype=np.uint64, count=len(results.item_ids))
-        return take_stock(self.ledger.entries(), found, store, rings.item_ids, taken_over)
+        return take_stock(self.ledger.entries(), found, store, rings.item_ids, self.taken_over.item_ids)
+
+    def _keep_everything(self, rings: RingStock) -> None:
+        """A start or a stock-taking that failed: what the store and the rings hold cannot be
+        counted, so it all stays (a temporary data directory too, if it holds anything) and
+        the error that stopped the run is what the user sees."""
+        durable = self.settings.storage == "disk"
+        if self._own_data_dir and durable and (rings.rings_holding or store_stock(self.data_dir).item_ids.size):
+            self.keep_data_dir = True
+            log.warning("the run stopped before its work could be counted: its data directory %s is kept",
+                        self.data_dir)
+        self._clean_up(rings, keep_rings=durable and (not self._own_data_dir or self.keep_data_dir))
 
     def _clean_up(self, rings: RingStock, keep_rings: bool) -> None:
         """Remove what the stopped processes left in /dev/shm, except the producer rings that

@@ -240,11 +240,13 @@ def test_thin_script_runs_the_same_command(tmp_path):
     assert done.stdout.strip().endswith("OK")
 
 
-def test_live_item_ids_are_the_stored_entries_not_yet_completed(tmp_path):
-    from pipeline.broker.storage.inspect import live_item_ids
+def test_live_items_are_the_stored_entries_not_yet_completed(tmp_path):
+    from pipeline.broker.storage.inspect import live_items
 
     paths = build_store(str(tmp_path))
     # Segment n holds items 1000 + 100 n .. + 19; the first 5 of segment 1 are tombstoned.
-    assert live_item_ids(paths[1:2]) == {1100 + k for k in range(5, 20)}
-    assert live_item_ids(paths) == {1000 + 100 * n + k for n in range(3) for k in range(20)} - {1100 + k for k in range(5)}
-    assert live_item_ids([str(tmp_path / "gone.seg")]) == set()  # completed and deleted since
+    models = {scan_segment(path).keys.model for path in paths}
+    assert live_items(paths[1:2])[0] == {1100 + k for k in range(5, 20)}
+    assert live_items(paths) == ({1000 + 100 * n + k for n in range(3) for k in range(20)} - {1100 + k for k in range(5)},
+                                 models)
+    assert live_items([str(tmp_path / "gone.seg")]) == (set(), set())  # completed and deleted since

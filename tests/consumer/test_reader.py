@@ -10,7 +10,7 @@ import pytest
 from pipeline.broker.storage.paths import make_dirs, segment_path
 from pipeline.broker.storage.segment import Durability, SegmentFile, SegmentKeys, encode_entries, scan_segment
 from pipeline.consumer.reader import SegmentReader
-from pipeline.errors import EntryCompletedError, SegmentCorruptError
+from pipeline.errors import EntryCompletedError, SegmentCorruptError, SegmentReadError
 from pipeline.layouts import DESCRIPTOR_ITEM_DTYPE
 from tests.broker.test_segment import make_items
 
@@ -193,4 +193,35 @@ def test_a_segment_that_is_gone_fails_its_items_one_by_one_not_the_reader(tmp_pa
     rows["lane"], rows["offset"], rows["length"], rows["item_id"] = 0, offsets, items["length"], items["item_id"]
     got = SegmentReader(str(tmp_path)).read_batch(2, SIG, rows)
     assert got.item_ids == [] and [item for item, _n, _exc in got.failed] == items["item_id"].tolist()
-    assert all(isinstance(exc, SegmentCorruptError) and "cannot map the segment" in str(exc) for *_x, exc in got.failed)
+    assert all(isinstance(exc, SegmentCorruptError) and "the segment file is gone" in str(exc) for *_x, exc in got.failed)
+
+
+def test_a_segment_that_cannot_be_mapped_now_is_not_damage(tmp_path):
+    """Out of descriptors (or memory, or permission): the entries are intact, so the reader
+    raises SegmentReadError (the consumer hands its batches back and retries) instead of
+    failing the items as corrupt, which would answer intact items that never ran."""
+    import resource
+
+    path, (items, *_rest), segment = store(str(tmp_path), 0, 5, 1)
+    offsets = scan_segment(path).offsets
+    rows = np.zeros(5, dtype=DESCRIPTOR_ITEM_DTYPE)
+    rows["lane"], rows["offset"], rows["length"], rows["item_id"] = 0, offsets, items["length"], items["item_id"]
+    reader = SegmentReader(str(tmp_path))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    held = []
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+        try:
+            while True:
+                held.append(os.open(os.devnull, os.O_RDONLY))
+        except OSError:
+            pass
+        with pytest.raises(SegmentReadError, match="cannot map the segment now"):
+            reader.read_batch(2, SIG, rows)
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert reader.read_batch(2, SIG, rows).item_ids == items["item_id"].tolist()  # descriptors back: all read
+    reader.close()
+    segment.close()

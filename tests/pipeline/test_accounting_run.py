@@ -13,7 +13,7 @@ from pipeline.accounting import reconcile, summarize_results, take_stock
 from pipeline.broker.service import BrokerConfig
 from pipeline.layouts import parse_descriptor
 from pipeline.protocol import Connection
-from pipeline.runtime.inventory import store_item_ids
+from pipeline.runtime.inventory import store_stock
 from shm.ring import RingReader
 from tests.pipeline.harness import Workload, start_broker, start_producer, status, stop, wait_until
 
@@ -45,9 +45,10 @@ def test_results_of_a_consumer_that_died_before_completing_count_once(tmp_path):
     finally:
         assert stop(broker) == 0
     summary = summarize_results(str(results))
-    store = store_item_ids(data)
+    store = store_stock(data).item_ids
     assert set(held) <= set(store.tolist()) and store.size == 60  # back in the store, and with results
-    stock = take_stock([(0, 60)], np.array(held, dtype=np.uint64), store, np.zeros(0, dtype=np.uint64), 0)
+    none = np.zeros(0, dtype=np.uint64)
+    stock = take_stock([(0, 60)], np.array(held, dtype=np.uint64), store, none, none)
     accounted = reconcile(summary, final, stock)
     assert (accounted["items_with_results"], accounted["items_in_store"]) == (len(held), 60 - len(held))
     assert accounted["lost"] == 0 and accounted["items_unfinished"] == 60 - len(held) > 0

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from pipeline.accounting import reconcile, summarize_results, take_stock
-from pipeline.runtime.inventory import store_item_ids
+from pipeline.runtime.inventory import store_stock
 from pipeline.broker.peers import namespace_for
 from pipeline.broker.service import BrokerConfig
 from pipeline.consumer.process import ConsumerConfig
@@ -90,7 +90,8 @@ def test_full_run_two_producers_two_consumers(tmp_path):
     results = np.fromiter(summary.item_ids, dtype=np.uint64)
     # The two producers registered first and second on a fresh data directory: ids 0 and 1.
     ledger = [(p, workload.items_per_producer) for p in range(workload.producers)]
-    stock = take_stock(ledger, results, store_item_ids(data), np.zeros(0, dtype=np.uint64), taken_over=0)
+    none = np.zeros(0, dtype=np.uint64)
+    stock = take_stock(ledger, results, store_stock(data).item_ids, none, taken_over=none)
     accounted = reconcile(summary, done, stock)
     assert accounted["lost"] == 0 and accounted["duplicates"] == 0 and accounted["items_unfinished"] == 0
     assert accounted["items_received"] == accounted["items_completed"] == total

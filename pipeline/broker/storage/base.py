@@ -260,6 +260,13 @@ class StorageTier(abc.ABC):
         the item is already stored, or was stored and completed, so ingest must skip it
         (SPEC §5). Exact under the loop protocol of the module docstring."""
 
+    @abc.abstractmethod
+    def stored_producers(self) -> set[ProducerId]:
+        """Every producer id with an item in the store (found by recovery or stored since):
+        an id the broker must never hand out again, even if its own record of the ids it
+        handed out is lost (a new producer numbering from seq 0 under an old id would have
+        its items taken for the stored ones and skipped)."""
+
     def flush(self) -> None:
         """The broker loop calls this once per turn after ingesting, BEFORE releasing the
         producer ring records it ingested: it makes what was appended as durable as the

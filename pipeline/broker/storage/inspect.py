@@ -124,18 +124,22 @@ def tombstone_rows(data_dir: str) -> list[dict]:
     return rows
 
 
-def live_item_ids(paths: list[str]) -> set[int]:
-    """Item ids of the live (stored, not completed) entries of these segment files. A file
-    gone since it was named (completed and deleted) or not a segment is skipped (`verify`
-    names the latter)."""
+def live_items(paths: list[str]) -> tuple[set[int], set[int]]:
+    """The item ids of the live (stored, not completed) entries of these segment files, and
+    the models they are for. A file gone since it was named (completed and deleted) or not
+    a segment is skipped (`verify` names the latter)."""
     ids: set[int] = set()
+    models: set[int] = set()
     for path in paths:
         try:
             report = scan_segment(path)
         except (SegmentFormatError, OSError):
             continue
-        ids.update(report.live_item_ids.tolist())
-    return ids
+        live = report.live_item_ids.tolist()
+        if live:
+            ids.update(live)
+            models.add(report.keys.model)
+    return ids, models
 
 
 @dataclass(slots=True)
@@ -291,5 +295,5 @@ def _check_catalog(data_dir: str, before: CatalogReading | None, listing: StoreL
                                 f"record, or created since; the broker adopts it)")
 
 
-__all__ = ["VerifyResult", "dump_segment", "iter_segments", "live_item_ids", "name_keys_of", "tombstone_rows",
+__all__ = ["VerifyResult", "dump_segment", "iter_segments", "live_items", "name_keys_of", "tombstone_rows",
            "verify"]

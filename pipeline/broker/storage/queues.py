@@ -259,6 +259,10 @@ class StoredSeqs:
             return int(found[-1])
         return highest
 
+    def producers(self) -> set[ProducerId]:
+        """Every producer with an item stored (by this process, or found live by recovery)."""
+        return set(self._highest) | set(self._recovered)
+
     def memory_bytes(self) -> int:
         return sum(found.nbytes for found in self._recovered.values())
 
@@ -355,6 +359,9 @@ class QueuedTier(StorageTier, abc.ABC):
 
     def already_stored(self, producer_id: ProducerId, seqs: np.ndarray) -> np.ndarray:
         return self._stored.mask(producer_id, seqs)
+
+    def stored_producers(self) -> set[ProducerId]:
+        return self._stored.producers()
 
     @property
     def needs_flush(self) -> bool:

@@ -1,7 +1,8 @@
-"""Model ids end up in segment directory names (m{model:05d}): every edge checks them, so an
-item for a model the broker does not serve is refused before it is stored, never stored and
-then skipped at restart (issue 11: model 123456 was acknowledged, stored under
-segments/m123456/, and skipped without a word when the broker restarted)."""
+"""Ids that end up in names and fields. Model ids end up in segment directory names
+(m{model:05d}): every edge checks them, so an item for a model the broker does not serve is
+refused before it is stored, never stored and then skipped at restart (issue 11: model
+123456 was acknowledged, stored under segments/m123456/, and skipped without a word when the
+broker restarted). Producer ids end up in item ids: one is never handed out twice."""
 
 from __future__ import annotations
 
@@ -57,3 +58,36 @@ def test_an_item_for_a_model_the_broker_does_not_serve_is_refused_not_stored(tmp
     assert [name for name in shm_objects_of(data) if not name.startswith("sem.")] == [
         producer_ring_name(namespace_for(data), 0)[1:]]
     remove_leftovers(data)
+
+
+@pytest.mark.parametrize("what", ["deleted", "garbled"])
+def test_a_lost_state_file_never_hands_out_a_producer_id_again(tmp_path, what):
+    """broker-state.json holds the next producer id. Lost (or garbled) with live work in the
+    store, a new broker handed out id 0 again: the new producer's items 0, 1, ... matched
+    the stored ones and were skipped as already stored, while `produce` said all stored."""
+    data = str(tmp_path / "data")
+    socket_path = BrokerConfig(data).socket_path
+    broker = start_broker(data)
+    try:
+        with BrokerProducer(socket_path, capacity_bytes=16 << 20) as producer:
+            for _ in range(30):
+                producer.submit(0, 7, TOKENS)
+    finally:
+        assert stop(broker) == 0
+    state = tmp_path / "data" / "broker-state.json"
+    if what == "deleted":
+        state.unlink()
+    else:
+        state.write_text("{not json")
+    again = start_broker(data)
+    try:
+        with BrokerProducer(socket_path, capacity_bytes=16 << 20) as producer:
+            assert producer.producer_id == 1
+            for _ in range(30):
+                producer.submit(0, 7, TOKENS)
+        after = status(socket_path)
+        assert (after["items_recovered"], after["items_received"], after["backlog_items"]) == (30, 30, 60)
+    finally:
+        assert stop(again) == 0
+    if what == "garbled":
+        assert [p.name for p in (tmp_path / "data").glob("broker-state.json.damaged-*")]
