@@ -13,7 +13,7 @@ import click
 from pipeline.consumer.engines import ENGINES
 from pipeline.errors import BadInputError, PipelineError
 from pipeline.runtime.processes import DURABILITY_LEVELS, STORAGE_KINDS
-from pipeline.runtime.settings import DEMO_ITEMS, LaunchSettings
+from pipeline.runtime.settings import DEMO_ITEMS, LaunchSettings, SettingsError
 
 
 def setup_logging(verbose: bool) -> None:
@@ -86,9 +86,15 @@ def check_before_start(settings: LaunchSettings) -> None:
     from pipeline.broker.service import BrokerConfig
     from pipeline.runtime.datadir import check_data_dir
 
+    from pipeline.runtime.inventory import producer_ring_names
+
     if settings.data_dir is not None:
         check_data_dir(settings.data_dir)
         config = BrokerConfig(settings.data_dir)
+        left = len(producer_ring_names(settings.data_dir))  # the broker adopts them: each takes a place
+        if settings.producers + left > config.max_producers:
+            raise SettingsError(f"producers: {settings.producers} and the {left} producer rings an earlier run left "
+                                f"in {settings.data_dir} exceed the {config.max_producers} a broker serves")
     else:
         config = BrokerConfig(os.path.join(tempfile.gettempdir(), "shape-broker-XXXXXXXX"))  # mkdtemp's length
     config.check_contract(0, settings.max_batch, settings.max_tokens, settings.max_input_len)

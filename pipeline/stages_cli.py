@@ -254,8 +254,8 @@ def produce(workload_file: str, data_dir: str, producers: int, items: int | None
                                  f"broker on {data_dir} stores it later", err=True))
     left = _unstored_items(data_dir, outcome.producer_ids)
     stored = outcome.published - left
-    where = (f"; {left:,} wait in the producer rings, and the broker on {data_dir} stores them once it can "
-             f"(nothing is lost)" if left else "")
+    where = (f"; {left:,} wait in the producer rings (a few may be stored already: none is stored twice), "
+             f"and the broker on {data_dir} stores them once it can (nothing is lost)" if left else "")
     if outcome.failed:
         raise click.ClickException(f"{outcome.failed} of {producers} producers failed (see the messages above): "
                                    f"{stored:,} of {len(workload):,} items stored{where}")
@@ -298,7 +298,8 @@ class _StoreWatch:
 
 def _unstored_items(data_dir: str, producer_ids: list[int]) -> int:
     """Items the producers' rings still hold unreleased (rings left behind: a producer that
-    was killed, or stopped before the broker stored everything)."""
+    was killed, or stopped before the broker stored everything). A record the broker stored
+    in part and has not released yet counts whole: an upper bound by at most a frame."""
     from pipeline.broker.peers import namespace_for, producer_ring_name
     from pipeline.runtime.inventory import producer_ring_names, ring_stock
 

@@ -55,7 +55,7 @@ from pipeline.broker.packing import Contract, batch_items_limit, pack
 from pipeline.broker.pending import Completion
 from pipeline.broker.selection import AGE_RESOLUTION_NS, ShapeSelector
 from pipeline.broker.storage.base import AppendGroup, Peeked, StorageTier
-from pipeline.errors import DiskFullError, ItemTooLongError, ModelIdError
+from pipeline.errors import DiskFullError, ItemTooLongError, ModelIdError, StorageError
 from pipeline.layouts import DEFAULT_MAX_MODELS, MODEL_ID_LIMIT, Frame, ProducerId
 
 # A batch offered only if it is full enough (`next_batch(full_only=True)`, for a consumer that
@@ -315,6 +315,11 @@ class Dispatcher:
         assert not self._shapes and not self._c.items_received, "recover() comes first"
         recovered = 0
         for found in sorted(self._storage.take_recovered_lanes(), key=lambda r: tuple(r.lane)):
+            if found.lane.lane >= self._lane_config.max_lanes:  # a file name's lane id, from outside
+                raise StorageError(
+                    f"recovered lane {tuple(found.lane)} ({found.lengths.size} items): lane id {found.lane.lane} is "
+                    f"beyond this broker's lane budget of {self._lane_config.max_lanes} (a store written with a "
+                    f"larger max_lanes, or a segment named by hand): the broker cannot serve it")
             shape = found.lane.shape
             lanes = self._shapes.get(shape)
             if lanes is None:

@@ -12,8 +12,9 @@ One turn of the loop:
                  that never registered
 
 A gap between turns far longer than a turn can take (STALL_GAP_S) is the broker's own stall
-(SIGSTOP, a VM pause): it is logged, and not counted against the peers' silence; a consumer
-is read once more before it is declared dead. Bad peers cost the broker bounded memory and
+(SIGSTOP, a VM pause): it is counted and logged, and the broker reads what its peers sent
+meanwhile before judging them; a consumer is read once more before it is declared dead, so a
+healthy one's queued heartbeats always count and a hung one's silence still does. Bad peers cost the broker bounded memory and
 descriptors (MAX_BUFFERED_BYTES, MAX_UNREGISTERED_PEERS, max_consumers, max_producers) and
 are refused or shed alone (`peers_refused`, `peers_shed`); another user's connection is
 refused at accept (SO_PEERCRED).
@@ -118,16 +119,17 @@ MIN_HEARTBEAT_TIMEOUT_S = 1.0
 # A turn takes at most two work slices, a select wait and a tick (about 70 ms; a status
 # reply at 100,000 lanes adds a few ms). A gap between two of the loop's looks at the clock
 # at least this long (or half the heartbeat timeout, if less) means the broker itself did not
-# run: SIGSTOP, a VM pause, a starved or swapping host. Its peers' silence over the gap is not
-# counted against them: a paused broker must not wake up and evict every healthy consumer.
-# Gaps shorter than half the timeout are counted; with heartbeats every quarter of it, one
-# such gap cannot alone make a consumer look dead.
+# run: SIGSTOP, a VM pause, a starved or swapping host. It then reads what its peers sent
+# before judging them: a paused broker must not wake up and evict every healthy consumer (a
+# select interrupted by the pause returns nothing, PEP 475, though heartbeats wait).
 STALL_GAP_S = 0.5
+# A broker whose every turn is slow (a slow disk) would log every turn: once per this.
+STALL_LOG_INTERVAL_S = 10.0
 # Registered consumers at once: each costs a 1 MiB descriptor ring in /dev/shm and a
 # connection. 128 is twice the largest node's GPUs split into MIG slices (8 x 7).
 MAX_CONSUMERS = 128
 # Registered producers at once (rings adopted at a restart included): each maps its ring
-# (16 MiB by default) into the broker and holds a connection. With the storage's 512 open
+# (64 MiB by default) into the broker and holds a connection. With the storage's 512 open
 # segment files, 128 consumers and MAX_UNREGISTERED_PEERS, the broker stays under the usual
 # 1,024 descriptors per process.
 MAX_PRODUCERS = 128
@@ -370,6 +372,7 @@ class Broker:
         self.stalls = 0  # gaps in the loop of at least stall_gap_s (the broker did not run)
         self.stalled_s = 0.0  # their sum
         self._clock_s = time.monotonic()  # the loop's last look at the clock (_notice_stall)
+        self._stall_logged_s = -STALL_LOG_INTERVAL_S
         self._accept_paused_until_s: float | None = None  # accept failed: listener not watched
         self._accept_failures = 0  # accepts failed in the current episode (logged once)
         self._next_tick_s = 0.0
@@ -444,26 +447,25 @@ class Broker:
 
     def _notice_stall(self, now_s: float) -> bool:
         """Whether the loop stalled since its last look at the clock (one look a turn, so
-        every moment of the loop is in one gap): a gap of at least `stall_gap_s` is time the
-        broker did not run, and its peers' silence over it is forgiven (`_forgive_stall`)."""
+        every moment of the loop is in one gap): a gap of at least `stall_gap_s` (paused,
+        starved of CPU, blocked on a disk). The caller then reads what peers sent during it
+        before judging anyone: a healthy consumer's heartbeats are waiting in its socket, a
+        hung one's are not. Counted, and logged at most once per STALL_LOG_INTERVAL_S.
+        NOTE: moving every peer's last activity forward by the gap (the first fix) was
+        rejected in review: when every turn is that slow, a hung consumer was never evicted
+        (its silence forgiven turn after turn) and its batches never came back."""
         gap_s = now_s - self._clock_s
         self._clock_s = now_s
         if gap_s < self.config.stall_gap_s:
             return False
         self.stalls += 1
         self.stalled_s += gap_s
-        log.warning("the broker's loop did not run for %.1f s (the broker was paused or starved of CPU): "
-                    "its peers' silence over that time is not counted against them", gap_s)
-        self._forgive_stall(now_s, gap_s)
+        if now_s - self._stall_logged_s >= STALL_LOG_INTERVAL_S:
+            self._stall_logged_s = now_s
+            log.warning("the broker's loop did not run for %.1f s (paused, starved of CPU or blocked on a disk; "
+                        "%d such stalls, %.1f s in all): reading what its peers sent meanwhile before judging "
+                        "them", gap_s, self.stalls, self.stalled_s)
         return True
-
-    def _forgive_stall(self, now_s: float, gap_s: float) -> None:
-        """Move every peer's last activity forward by the stall (never past now; the order of
-        the peers stays, as the unregistered list needs). O(peers), once a stall."""
-        for owner in self._peers_by_sock.values():
-            peer = _peer_of(owner)
-            peer.last_seen_s = min(peer.last_seen_s + gap_s, now_s)
-            peer.last_message_s = min(peer.last_message_s + gap_s, now_s)
 
     def _raise_producer_id_floor(self) -> None:
         """Never hand out a producer id the store or /dev/shm still holds work of, whatever

@@ -254,13 +254,22 @@ class Consumer:
         self.config = config
         self.engine = engine or make_engine(config.engine, **config.engine_options)
         self.results_path = os.path.join(config.results_dir, f"{config.name}.jsonl")
-        self._results = ResultsFile(self.results_path, fsync=config.fsync_results)
+        self._results: ResultsFile | None = None
+        try:
+            self._open_results()
+        except ResultsDiskFullError as exc:  # no room to create it: `run` retries with backoff
+            log.warning("%s: results disk full: %s; the consumer waits for space", config.name, exc)
+        self.counters = ConsumerCounters()
+        self._reader: SegmentReader | None = None
+
+    def _open_results(self) -> None:
+        """Open (or create) the results file; ResultsDiskFullError when there is no room to
+        create it (no inode, no directory block), ResultsFileError otherwise."""
+        self._results = ResultsFile(self.results_path, fsync=self.config.fsync_results)
         if self._results.torn_tail_found:
             log.warning("%s: %s ended in a torn line (a consumer killed while writing): it is terminated "
                         "where it stands, at byte %d, and counted as a bad line by the accounting",
-                        config.name, self.results_path, self._results.size_at_open_bytes)
-        self.counters = ConsumerCounters()
-        self._reader: SegmentReader | None = None
+                        self.config.name, self.results_path, self._results.size_at_open_bytes)
 
     def run(self, stop) -> None:
         """Serve batches until `stop()` is true, reconnecting whenever the broker goes away.
@@ -270,7 +279,8 @@ class Consumer:
         try:
             self._serve_sessions(stop)
         finally:
-            self._results.close()
+            if self._results is not None:
+                self._results.close()
             if self._reader is not None:
                 self._reader.close()
                 self._reader = None
@@ -280,6 +290,14 @@ class Consumer:
         full_disk = FullDiskBackoff(self.config.results_full_first_wait_s, self.config.results_full_max_wait_s)
         cannot_read = FullDiskBackoff(self.config.results_full_first_wait_s, self.config.results_full_max_wait_s)
         while not stop():
+            if self._results is None:
+                try:
+                    self._open_results()
+                except ResultsDiskFullError as exc:
+                    pause_s = full_disk.wait_s(self.counters.batches)
+                    log.warning("%s: results disk full: %s; retrying in %g s", self.config.name, exc, pause_s)
+                    _sleep_unless(stop, pause_s)
+                    continue
             try:
                 session = _Session(self.config)
             except (OSError, ProtocolError, TimeoutError) as exc:
@@ -406,6 +424,7 @@ class Consumer:
     def _write(self, lines: list[str]) -> None:
         # One os.write: in the page cache when it returns (survives kill -9 of this
         # process), on disk too with fsync_results. The lines are ASCII (see `_line`).
+        assert self._results is not None, "run() opens the results file before serving"
         self._results.write(("\n".join(lines) + "\n").encode())
 
 

@@ -64,6 +64,9 @@ class ResultsFile:
             existed = os.path.lexists(path)
             self._fd = os.open(path, _OPEN_FLAGS, RESULTS_FILE_MODE)
         except OSError as exc:
+            if exc.errno in DISK_FULL_ERRNOS:  # no inode, no directory block left: back off, retry
+                raise ResultsDiskFullError(f"{path}: cannot create the results file: {_errno_text(exc)}", path, 0,
+                                           exc.errno) from exc
             raise ResultsFileError(f"{path}: cannot open the results file: {_errno_text(exc)}") from exc
         try:
             os.fchmod(self._fd, RESULTS_FILE_MODE)  # the umask may have taken bits off, or an

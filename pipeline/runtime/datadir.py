@@ -64,7 +64,7 @@ def check_data_dir(path: str, whole_tree: bool = False) -> None:
     _check_ancestors(os.path.dirname(real) or "/")
     _check_own_directory(real, "data directory")
     if whole_tree:
-        for root, dirnames, _files in os.walk(real):
+        for root, dirnames, _files in os.walk(real, onerror=_unreadable):
             for name in dirnames:
                 _check_own_directory(os.path.join(root, name), "directory")
     else:
@@ -74,11 +74,15 @@ def check_data_dir(path: str, whole_tree: bool = False) -> None:
                 _check_own_directory(inside, "directory")
 
 
+def _unreadable(exc: OSError) -> None:
+    raise DataDirError(f"cannot check {exc.filename}: {exc.strerror}") from exc
+
+
 def _check_own_directory(path: str, what: str) -> None:
     info = _lstat(path)
     if stat.S_ISLNK(info.st_mode):
-        raise DataDirError(f"{what} {path} is a symbolic link inside the data directory: refusing it "
-                           f"(another user may have placed it); remove it")
+        _check_link(path, info, what)
+        return
     if not stat.S_ISDIR(info.st_mode):
         raise DataDirError(f"{what} {path} is not a directory")
     me = os.geteuid()
@@ -91,6 +95,19 @@ def _check_own_directory(path: str, what: str) -> None:
                            f"replace its files; fix it with `chmod 700 {path}` (and check what is inside)")
     if mode & 0o077:
         os.chmod(path, DIRECTORY_MODE)  # ours, readable by others: made owner-only
+
+
+def _check_link(path: str, info: os.stat_result, what: str) -> None:
+    """A symbolic link inside the data directory (results/ on another disk, say): it must be
+    ours, and what it points to must pass the checks of a data directory itself."""
+    if info.st_uid != os.geteuid():
+        raise DataDirError(f"{what} {path} is a symbolic link owned by uid {info.st_uid}, not by you: refusing "
+                           f"it (another user placed it); remove it")
+    target = os.path.realpath(path)
+    if not os.path.lexists(target):
+        raise DataDirError(f"{what} {path} is a symbolic link to {target}, which does not exist")
+    _check_ancestors(os.path.dirname(target) or "/")
+    _check_own_directory(target, f"{what} {path} links to")
 
 
 def _check_ancestors(path: str) -> None:

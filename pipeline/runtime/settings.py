@@ -23,6 +23,7 @@ import os
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 
+from pipeline.broker.service import MAX_CONSUMERS, MAX_PRODUCERS
 from pipeline.errors import BadInputError
 from pipeline.layouts import MAX_SEQ
 
@@ -39,12 +40,12 @@ DEFAULT_MAX_BATCH_TOKENS = 65_536
 DEFAULT_MAX_INPUT_LEN = 8192
 
 
-# Producer processes of one run: each is a process with a 64 MiB ring; more than a node's
-# cores only compete for them, and each takes a producer id for good (ids are never reused).
-MAX_PRODUCER_PROCESSES = 256
-# Consumer processes of one run: one per GPU, or CPU consumers; each costs the broker a
-# descriptor ring and a connection.
-MAX_CONSUMER_PROCESSES = 256
+# Producer and consumer processes of one run: at most what one broker serves at once (each
+# producer a 64 MiB ring, each consumer a descriptor ring and a connection), checked here so
+# that a run is refused before it starts, not half-way through its registrations. A launch
+# also checks that the rings an earlier run left (adopted, and counted) leave room.
+MAX_PRODUCER_PROCESSES = MAX_PRODUCERS
+MAX_CONSUMER_PROCESSES = MAX_CONSUMERS
 # Items of one run (`items`): every producer numbers its items in 40 bits (layouts.MAX_SEQ),
 # so one producer can never run out whatever the split.
 MAX_ITEMS = MAX_SEQ

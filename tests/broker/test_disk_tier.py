@@ -475,3 +475,64 @@ def test_one_hundred_thousand_lanes_with_bounded_open_files(tmp_path):
         (entry,) = tier.peek(lanes[n], 5)
         assert tier.read_tokens(entry.ref).shape == (16,)
     tier.close()
+
+
+def test_running_out_of_inodes_is_backpressure_not_a_crash(tmp_path):
+    """A file system with no inode left refuses a new shape's directory or segment file with
+    ENOSPC: that is a full disk (DiskFullError, the frame held back), never an OSError that
+    stops the broker; and a store with no inode to spare still opens (its catalog is not
+    compacted then), with every frame that was stored, once."""
+    mount_point = tmp_path / "inodes"
+    mount_point.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m,nr_inodes=24,mode=0700", "tmpfs",
+                           str(mount_point)], capture_output=True, text=True)
+    if done.returncode:
+        pytest.skip(f"cannot mount a tmpfs (root needed): {done.stderr.strip()}")
+    try:
+        data_dir = str(mount_point / "data")
+        tier = DiskTier.open(data_dir)
+        dispatcher = Dispatcher(tier)
+        seq, full_error = 0, None
+        while full_error is None:  # each frame is a new shape: a directory and a file
+            try:
+                dispatcher.ingest(make_frame(3, seq, [(0, 0x100 + seq)], [40]), 0.0)
+            except DiskFullError as exc:
+                full_error = exc
+            dispatcher.flush()
+            seq += 1
+        assert "disk full" in str(full_error) and isinstance(full_error.__cause__, OSError)
+        assert full_error.__cause__.errno == errno.ENOSPC
+        dispatcher.check_invariants()
+        with pytest.raises(DiskFullError):
+            dispatcher.retry_pending_appends()  # still no inode
+        tier.close()
+        tier = DiskTier.open(data_dir)  # reopened with no inode to spare: every stored frame, once
+        assert tier.queued_items() == seq - 1 and tier.recovery.ok
+        tier.close()
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=True)
+
+
+def test_a_recovered_lane_beyond_the_lane_budget_is_refused_by_name(tmp_path):
+    """A store written with a larger lane budget (or a segment named by hand): the broker's
+    lanes cannot hold the lane id, so recovery refuses it with the lane and its items named,
+    a one-line start failure, never an assert."""
+    from pipeline.broker.lanes import LaneConfig
+    from pipeline.errors import StorageError
+
+    data_dir = str(tmp_path / "data")
+    tier = DiskTier.open(data_dir)
+    tier.append(AppendGroup(LaneKey(0, 0xA1, 3000), make_frame(1, 0, [(0, 0xA1)] * 4, [8] * 4), np.arange(4)))
+    tier.flush()
+    tier.close()
+    reopened = DiskTier.open(data_dir)
+    try:
+        with pytest.raises(StorageError, match=r"\(4 items\): lane id 3000 is beyond this broker.s lane budget of 2048"):
+            Dispatcher(reopened, lane_config=LaneConfig(max_lanes=2048)).recover(0.0)
+    finally:
+        reopened.close()
+    wide = DiskTier.open(data_dir)
+    try:
+        assert Dispatcher(wide, lane_config=LaneConfig(max_lanes=4096)).recover(0.0) == 4  # a budget that holds it
+    finally:
+        wide.close()

@@ -86,9 +86,9 @@ def test_tombstones_counts_seal_and_whole_file_delete(tmp_path):
     assert report.tombstone_count == 1 and report.header_deleted_count == 1
     for offset in offsets[1:]:
         segment.tombstone(int(offset))
-    assert not segment.fully_deleted  # not sealed yet
+    assert not segment.sealed and segment.deleted_count == segment.entry_count  # not sealed yet: kept
     segment.seal()
-    assert segment.fully_deleted
+    assert segment.sealed and segment.deleted_count == segment.entry_count
     segment.close()
     segment.unlink()
     assert not os.path.exists(path)

@@ -37,7 +37,7 @@ def one_line_error(done: subprocess.CompletedProcess, *words: str) -> None:
     (["--seed", "-1"], ["seed must be in [0,", "-1"]),
     (["--replay-speed", "nan"], ["replay_speed must be a finite number above 0", "nan"]),
     (["--replay-speed", "inf"], ["replay_speed must be a finite number above 0", "inf"]),
-    (["--producers", "100000"], ["producers must be in [1, 256]"]),
+    (["--producers", "100000"], ["producers must be in [1, 128]"]),
     (["--report", "/nonexistent-dir/report.json"], ["report /nonexistent-dir/report.json", "does not exist"]),
     (["--max-batch", "20000"], ["max_batch_items 20000"]),
 ])

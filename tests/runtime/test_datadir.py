@@ -160,3 +160,28 @@ def test_another_user_cannot_pose_as_the_broker_of_an_open_data_directory(reques
         if fake.poll() is None:
             fake.kill()
             fake.wait()
+
+
+def test_a_directory_of_ours_linked_from_the_data_directory_is_checked_where_it_points(tmp_path):
+    """results/ may live on another disk through a symbolic link of ours: the target must be
+    owner-only like the data directory itself."""
+    data, elsewhere = tmp_path / "data", tmp_path / "other-disk" / "results"
+    prepare_data_dir(str(data))
+    elsewhere.mkdir(parents=True, mode=0o700)
+    os.chmod(tmp_path / "other-disk", 0o700)
+    (data / "results").symlink_to(elsewhere)
+    check_data_dir(str(data))
+    prepare_data_dir(str(data))
+    os.chmod(elsewhere, 0o777)
+    with pytest.raises(DataDirError, match="links to .* has mode 0777"):
+        check_data_dir(str(data))
+
+
+@needs_root
+def test_a_symbolic_link_another_user_placed_is_refused(tmp_path):
+    data = tmp_path / "data"
+    prepare_data_dir(str(data))
+    (data / "results").symlink_to(tmp_path)
+    os.lchown(data / "results", OTHER_UID, OTHER_UID)
+    with pytest.raises(DataDirError, match=f"symbolic link owned by uid {OTHER_UID}"):
+        check_data_dir(str(data))

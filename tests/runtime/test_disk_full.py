@@ -119,7 +119,9 @@ def test_ctrl_c_on_a_full_disk_says_what_waits_in_the_rings_and_it_is_stored_lat
             assert produce.returncode == 130, err
             stored = int(err.split("interrupted: ")[1].split(" of ")[0].replace(",", ""))
             waiting = int(err.split("items stored; ")[1].split(" wait")[0].replace(",", ""))
-            assert stored == status(data)["items_received"] and waiting > 0 and "nothing is lost" in err
+            # A frame the full disk let in only in part counts whole among the waiting.
+            assert stored <= status(data)["items_received"] <= stored + waiting
+            assert waiting > 0 and "nothing is lost" in err
             os.unlink(filler)
             wait_for(lambda: status(data)["items_received"] == stored + waiting, 60, "the rings stored")
             complete_everything(tmp_path, data, stored + waiting)

@@ -43,8 +43,8 @@ def test_a_launch_table_is_read_like_the_top_level(tmp_path):
     ("replay_speed = nan\n", "replay_speed must be a finite number above 0"),
     ("metrics_port = 70000\n", r"metrics_port must be in \[0, 65,535\]"),
     ("seed = -1\n", r"seed must be in \[0, "),
-    ("producers = 257\n", r"producers must be in \[1, 256\]"),
-    ("consumers = 257\n", r"consumers must be in \[1, 256\]"),
+    ("producers = 129\n", r"producers must be in \[1, 128\]"),
+    ("consumers = 129\n", r"consumers must be in \[1, 128\]"),
     ('report = "/nonexistent-dir/r.json"\n', "the directory /nonexistent-dir does not exist"),
     ("items = \n", "not valid TOML"),
 ])
@@ -56,11 +56,11 @@ def test_bad_settings_name_the_file_and_the_key(tmp_path, text, message):
 
 
 def test_a_bad_value_on_the_command_line_is_named_so(tmp_path):
-    with pytest.raises(SettingsError, match=r"the command line: producers must be in \[1, 256\], got 0"):
+    with pytest.raises(SettingsError, match=r"the command line: producers must be in \[1, 128\], got 0"):
         LaunchSettings.resolve(write(tmp_path, "items = 5\n"), {"producers": 0})
 
 
-@pytest.mark.parametrize("key, at_limit, past", [("producers", 256, 257), ("consumers", 256, 257),
+@pytest.mark.parametrize("key, at_limit, past", [("producers", 128, 129), ("consumers", 128, 129),
                                                  ("items", (1 << 40) - 1, 1 << 40), ("seed", 2**63 - 1, 2**63)])
 def test_counts_are_accepted_at_their_limit_and_refused_one_past(tmp_path, key, at_limit, past):
     assert getattr(LaunchSettings.resolve(None, {key: at_limit}), key) == at_limit

@@ -249,7 +249,12 @@ class SegmentCatalog:
                 data += encode_record(CATALOG_SEALED, entry.keys, entry.entry_count)
         used = len(data) // CATALOG_RECORD_SIZE_BYTES
         temp = path + CATALOG_TMP_SUFFIX
-        fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        except OSError as exc:
+            if exc.errno in _NO_SPACE:  # no inode for the new file: the old catalog stays in use
+                raise DiskFullError(f"{temp}: disk full ({exc.strerror}) creating the compacted catalog") from exc
+            raise
         try:
             _allocate(fd, temp, used + reserve)
             os.pwrite(fd, bytes(data), 0)

@@ -5,23 +5,29 @@ Layout in `pipeline.layouts` (SEGMENT_HEADER_DTYPE); names in `pipeline.layouts`
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 
 import xxhash
 
 from pipeline.errors import SegmentFormatError
 from pipeline.layouts import (
+    SEGMENT_HEADER_DTYPE,
     SEGMENT_HEADER_SIZE_BYTES,
     SEGMENT_IDENTITY_BYTES,
     SEGMENT_MAGIC,
     SEGMENT_VERSION,
     parse_segment_relpath,
 )
+from shm.layout import struct_for
 
-_U64 = struct.Struct("<Q")
-_IDENTITY = struct.Struct("<8sIIIIQQQQ")  # the header's bytes 0..56: keys then their checksum
-assert _IDENTITY.size == SEGMENT_IDENTITY_BYTES + 8
+# The header's identity block (bytes 0..48: the keys), with its checksum (bytes 48..56), and
+# the (entry_count, data_end) pair the boundary checksum covers: all from the header's dtype.
+_KEYS = ["magic", "version", "header_size", "model", "lane", "signature", "segment_seq", "created_ns"]
+_HEAD = struct_for(SEGMENT_HEADER_DTYPE, _KEYS)
+_IDENTITY = struct_for(SEGMENT_HEADER_DTYPE, [*_KEYS, "identity_checksum"])
+_U64 = struct_for(SEGMENT_HEADER_DTYPE, ["identity_checksum"])
+_BOUNDARY = struct_for(SEGMENT_HEADER_DTYPE, ["entry_count", "data_end"])
+assert _HEAD.size == SEGMENT_IDENTITY_BYTES and _IDENTITY.size == SEGMENT_IDENTITY_BYTES + 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,8 +42,8 @@ class SegmentKeys:
 
 def identity_bytes(keys: SegmentKeys, created_ns: int) -> bytes:
     """The header's identity block for a new segment: keys, then their checksum."""
-    head = struct.pack(
-        "<8sIIIIQQQ", SEGMENT_MAGIC, SEGMENT_VERSION, SEGMENT_HEADER_SIZE_BYTES,
+    head = _HEAD.pack(
+        SEGMENT_MAGIC, SEGMENT_VERSION, SEGMENT_HEADER_SIZE_BYTES,
         keys.model, keys.lane, keys.signature, keys.segment_seq, created_ns,
     )
     assert len(head) == SEGMENT_IDENTITY_BYTES
@@ -64,7 +70,7 @@ def read_identity(header: bytes | memoryview, path: str) -> tuple[SegmentKeys, i
 
 def boundary_checksum(entry_count: int, data_end: int) -> int:
     """The checksum the header's (entry_count, data_end) pair carries."""
-    return xxhash.xxh3_64_intdigest(struct.pack("<QQ", entry_count, data_end))
+    return xxhash.xxh3_64_intdigest(_BOUNDARY.pack(entry_count, data_end))
 
 
 def header_key_fields(header: bytes | memoryview) -> SegmentKeys:

@@ -176,12 +176,3 @@ def iter_segments(root: str) -> list[SegmentPath]:
     name order. What does not follow the naming scheme is in `list_store(root).strays`."""
     return list_store(root).segments
 
-
-def abandoned_creates(root: str) -> list[str]:
-    """Segments whose creation a crash interrupted (CREATING_SUFFIX): they hold no entry."""
-    return list_store(root).creating
-
-
-def stray_files(root: str) -> list[str]:
-    """Paths under the segments directory that are not named like segments."""
-    return [stray.path for stray in list_store(root).strays]

@@ -39,9 +39,6 @@ from pipeline.broker.storage.scan import (
     TornRange,
 )
 
-# A crash cut the last write of a segment short (kept under its old name).
-TornTail = TornRange
-
 # damage_counts() keys, in a stable order. Every one but the last three means entries that
 # cannot be delivered or a store that cannot vouch for what it holds (`ok` is False).
 DAMAGE_KEYS = (

@@ -87,8 +87,9 @@ DEFAULT_SEGMENT_MAX_BYTES = 64 << 20
 
 _STATE = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
-# errno values that mean "no space": a full disk, or the user's quota on it.
-_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+# errno values that mean "no space": a full disk (blocks or inodes), or the user's quota on it.
+NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_NO_SPACE = NO_SPACE_ERRNOS
 # An entry header as 8-byte words (entries start 16-aligned): gathered for many entries at once.
 _HEADER_WORDS = np.arange(ENTRY_HEADER_SIZE_BYTES // 8, dtype=np.int64)
 
@@ -290,7 +291,12 @@ class SegmentFile:
         written, so a crash mid-create never leaves a headerless file under a segment name
         (recovery removes the leftover; kill -9 tests found the bare version quarantined)."""
         creating = path + CREATING_SUFFIX
-        fd = os.open(creating, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            fd = os.open(creating, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        except OSError as exc:
+            if exc.errno in _NO_SPACE:  # no inode left (a tmpfs with nr_inodes, a full ext4)
+                raise _no_space(exc, path, 0, 0, "creating the file,") from exc
+            raise
         try:
             first = min(FIRST_ALLOCATION_BYTES, max(max_bytes, SEGMENT_HEADER_SIZE_BYTES))
             _check_room(fd, path, 0, first, "allocating")
@@ -553,10 +559,6 @@ class SegmentFile:
         _STATE.pack_into(self._map, _OFF_SEALED, 1)
         if self.durability is Durability.POWER:
             self.flush_tombstones()
-
-    @property
-    def fully_deleted(self) -> bool:
-        return self.sealed and self.deleted_count == self.entry_count
 
     def flush_tombstones(self) -> None:
         """Write mapped tombstones and header words to disk (msync); `power` does this at

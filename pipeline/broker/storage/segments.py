@@ -51,11 +51,11 @@ from pipeline.broker.storage.recovery import (  # re-exported: they lived here f
     Quarantined,
     RecoveredSegment,
     RecoveryReport,
-    TornTail,
 )
 from pipeline.broker.storage.scan import census_segment
 from pipeline.broker.storage.segment import (
     DEFAULT_SEGMENT_MAX_BYTES,
+    NO_SPACE_ERRNOS,
     Durability,
     EncodedGroup,
     ScanReport,
@@ -67,8 +67,7 @@ from pipeline.broker.storage.segment import (
 from pipeline.errors import DiskFullError, SegmentFormatError, StoreReadError
 from pipeline.layouts import CATALOG_CREATED, CATALOG_DELETED, CATALOG_QUARANTINED, CATALOG_SEALED
 
-__all__ = ["MissingSegment", "Quarantined", "RecoveredSegment", "RecoveryReport", "SegmentState", "SegmentStore",
-           "TornTail"]
+__all__ = ["MissingSegment", "Quarantined", "RecoveredSegment", "RecoveryReport", "SegmentState", "SegmentStore"]
 
 # Open segment files kept at once. Each costs a descriptor and a mapping; 512 stays far
 # below the usual 1,024-descriptor soft limit with room for sockets and rings, and covers
@@ -166,10 +165,16 @@ class SegmentStore:
         # that those never fail for space (DiskFullError here is backpressure, as below).
         sealed = len(self.segments) - len(self._appending)
         self._catalog_file().reserve(2 * (len(self._appending) + 1) + sealed + 1)
-        self._next_seq[lane] = seq + 1
-        make_dirs(os.path.dirname(path))
+        try:
+            make_dirs(os.path.dirname(path))
+        except OSError as exc:
+            if exc.errno in NO_SPACE_ERRNOS:  # no inode or directory block left: backpressure too
+                raise DiskFullError(f"{os.path.dirname(path)}: disk full ({exc.strerror}) creating the shape's "
+                                    f"directory; appends stop until space comes back, nothing accepted is lost") from exc
+            raise
         keys = SegmentKeys(lane.model, lane.signature, lane.lane, seq)
         file = SegmentFile.create(path, keys, self.durability, self.segment_max_bytes)
+        self._next_seq[lane] = seq + 1  # only once it exists: a create the disk refused takes no number
         if crashpoints.ARMED:
             crashpoints.hit("create.after_rename")
         self._record(CATALOG_CREATED, keys)  # after the rename: a crash between is adopted
@@ -304,8 +309,14 @@ class SegmentStore:
             file.close()
         self._tombstoned.discard(state.id)
         if state.damage:
-            self._quarantined.append(self._quarantine(
-                state.path, state.keys, 0, f"damaged ({state.damage}); everything it could deliver is done"))
+            try:
+                self._quarantined.append(self._quarantine(
+                    state.path, state.keys, 0, f"damaged ({state.damage}); everything it could deliver is done"))
+            except OSError as exc:  # a completion must not stop the broker: the file stays, named
+                self._quarantined.append(Quarantined(state.path, 0, f"damaged ({state.damage}); everything it "
+                                                     f"could deliver is done, but it could not be moved to "
+                                                     f"quarantine/ ({exc.strerror}): it stays where it is",
+                                                     state.path, 0, (), False))
         else:
             self._record(CATALOG_DELETED, state.keys)  # before the unlink: never a false MISSING
             if crashpoints.ARMED:
@@ -445,6 +456,9 @@ class SegmentStore:
         state.damage = scan.problems()[0] if scan.is_damaged else ""
         if state.damage:
             report.damaged_segments.append(found.path)
+            # Its quarantine directory now, while recovery may still fail the start: moving it
+            # there once its good entries are done is then a rename, which needs no space.
+            make_dirs(os.path.dirname(quarantine_target(self.data_dir, found.path)))
         if state.deleted_count == state.entry_count:  # nothing left to deliver
             file.close()
             if state.damage:
