@@ -17,7 +17,6 @@ import subprocess
 import sys
 
 import psutil
-import pytest
 
 from pipeline.accounting import summarize_results
 from pipeline.layouts import make_item_id
@@ -145,13 +144,12 @@ def test_two_ctrl_cs_keep_the_unstored_records_for_the_next_launch(tmp_path):
     rerun_finishes_everything(tmp_path, data, accepted(stopped))
 
 
-@pytest.mark.parametrize("storage", ["disk"])
-def test_a_failed_run_on_a_temporary_data_directory_keeps_it_for_its_unfinished_work(tmp_path, storage):
+def test_a_failed_run_on_a_temporary_data_directory_keeps_it_for_its_unfinished_work(tmp_path):
     """The demo's temporary data directory is removed after a run, but not after a failure
     that left work in it: the launch says where it is and how to finish it."""
     temp = tmp_path / "tmp"
     temp.mkdir()
-    launcher = start_launch(tmp_path, "--storage", storage, env={**os.environ, "TMPDIR": str(temp)})
+    launcher = start_launch(tmp_path, env={**os.environ, "TMPDIR": str(temp)})
     try:
         socket_path = while_running(launcher, lambda: glob.glob(str(temp / "shape-broker-*" / "run" / "broker.sock")),
                                     "socket")[0]
