@@ -310,6 +310,10 @@ def entry_checksum(buf, offset: int, end: int, length: int) -> int:
 # registration, configuration) to check first.
 SEGMENTS_DIR = "segments"
 SEGMENT_SUFFIX = ".seg"
+# The broker's state file in a data directory (pipeline.broker.service.BrokerState: JSON with
+# the next producer id and the start count, "generation"): a witness that a broker ran here,
+# so that a store whose catalog and segments are both gone is not taken for a fresh one.
+BROKER_STATE_NAME = "broker-state.json"
 MODEL_ID_DIGITS = 5
 LANE_ID_DIGITS = 4
 SEGMENT_SEQ_DIGITS = 10

@@ -73,6 +73,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pipeline.accounting import ResultsSummary, Stock, reconcile
+from pipeline.broker.storage.recovery import REPAIR_KEYS
 
 # The broker's flow counters; a status without them (the broker was gone at the end: `{}`)
 # reports them as 0 and the accounting as not OK, since nothing can be checked.
@@ -159,17 +160,20 @@ def build_report(status: dict, results: ResultsSummary, wall_s: float, stock: St
     cacheable, hits, compulsory = total("cacheable_tokens"), total("cache_hit_tokens"), total("compulsory_miss_tokens")
     switches = dict(status.get("switches", {}))
     lanes = {key: 0 for key in LANE_KEYS} | dict(status.get("lanes", {}))
-    undeliverable = sum(status.get("store_damage", {}).get(key, 0) for key in UNDELIVERABLE_KEYS)
+    damage = status.get("store_damage", {})
+    undeliverable = sum(damage.get(key, 0) for key in UNDELIVERABLE_KEYS)
+    store_damaged = any(count for key, count in damage.items() if key not in REPAIR_KEYS)
     return {
         **accounted,
         "items_not_submitted": not_submitted,
         "broker_status_missing": missing,
-        "accounting_ok": None if stock is None else _balanced(accounted, not_submitted, undeliverable, missing),
+        "accounting_ok": None if stock is None else _balanced(accounted, not_submitted, store_damaged, missing),
         "items_discarded": 0 if store_kept else accounted["items_unfinished"],
         "store_kept": store_kept,
         "unreadable_rings": list(unreadable_rings),
         "store_damage": dict(status.get("store_damage", {})),
         "items_undeliverable": undeliverable,
+        "store_damaged": store_damaged,
         "results_torn_lines": results.torn_lines,
         "results_bad_lines": results.bad_lines,
         "results_bad_line_examples": list(results.bad_line_examples),
@@ -193,13 +197,13 @@ def build_report(status: dict, results: ResultsSummary, wall_s: float, stock: St
     }
 
 
-def _balanced(accounted: dict, not_submitted: int, undeliverable: int, status_missing: bool) -> bool:
+def _balanced(accounted: dict, not_submitted: int, store_damaged: bool, status_missing: bool) -> bool:
     """Nothing lost or unexplained (by id) and nothing damaged (no item answered "corrupt",
     nothing in the store that cannot be delivered); and, once nothing is unfinished, the
     broker's counters balance too: everything received was completed, in items and in
     tokens. A run stopped early is judged by id alone (a broker killed mid-run leaves no
     final counters)."""
-    if accounted["lost"] or accounted["items_unexpected"] or accounted["items_corrupt"] or undeliverable:
+    if accounted["lost"] or accounted["items_unexpected"] or accounted["items_corrupt"] or store_damaged:
         return False
     if accounted["items_unfinished"] or not_submitted:
         return True
@@ -279,6 +283,16 @@ def _accounting_table(report: dict) -> Table:
     return table
 
 
+def _unknown_damage(report: dict) -> str:
+    """What the store lost that no count covers: missing segments of unknown size, strays,
+    a catalog that could not vouch for the store."""
+    damage = report.get("store_damage", {})
+    parts = [f"{damage[key]:,} {what}" for key, what in (
+        ("segments_missing_count_unknown", "missing segments of unknown size"),
+        ("strays", "stray files"), ("catalog_problems", "catalog problems")) if damage.get(key)]
+    return f", and {', '.join(parts)}" if parts else ""
+
+
 def accounting_verdict(report: dict) -> str:
     """The accounting in a few words (rich markup): OK, what is left and where, or what is
     wrong. Never OK while an item is missing."""
@@ -286,10 +300,11 @@ def accounting_verdict(report: dict) -> str:
         return "not checked on a live broker (see the run's report)"
     damage = report.get("items_undeliverable", 0)
     if not report["accounting_ok"]:
-        if not report["lost"] and (damage or report["items_corrupt"]) and not report.get("items_unexpected"):
+        if not report["lost"] and (report.get("store_damaged") or report["items_corrupt"]) \
+                and not report.get("items_unexpected"):
             return (f"[bold red]DAMAGED: {damage + report['items_corrupt']:,} items could not be delivered "
-                    f"({report['items_corrupt']:,} answered corrupt, {damage:,} undeliverable in the store; each named "
-                    f"in the logs)[/bold red]")
+                    f"({report['items_corrupt']:,} answered corrupt, {damage:,} undeliverable in the store"
+                    f"{_unknown_damage(report)}; each named in the logs)[/bold red]")
         if report["broker_status_missing"] and not report["lost"] and not report.get("items_unexpected"):
             return "[bold red]UNCHECKED (no broker status)[/bold red]"
         why = f"{report['lost']:,} lost" if report["lost"] else "the broker's counters do not balance"
@@ -356,9 +371,10 @@ def render_report(report: dict, console: Console | None = None) -> None:
     console that is not a terminal rich writes the same tables as plain text."""
     console = console or Console()
     console.print(_accounting_table(report))
-    if report.get("items_undeliverable"):
-        console.print(f"[bold red]STORE DAMAGE: {report['items_undeliverable']:,} stored items cannot be delivered "
-                      f"(each named in the broker's log; `pipeline tools verify DATA_DIR` lists them)[/bold red]")
+    if report.get("store_damaged"):
+        console.print(f"[bold red]STORE DAMAGE: {report['items_undeliverable']:,} stored items cannot be delivered"
+                      f"{_unknown_damage(report)} (each named in the broker's log; `pipeline tools verify "
+                      f"DATA_DIR` lists them)[/bold red]")
     console.print(_pairs_table("Efficiency", _efficiency_rows(report)))
     console.print(_pairs_table("Lanes", [(key.replace("_", " "), format_count(value))
                                          for key, value in report["lanes"].items()]))

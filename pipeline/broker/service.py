@@ -77,6 +77,7 @@ from pipeline.errors import (
     ShmError,
 )
 from pipeline.layouts import (
+    BROKER_STATE_NAME,
     DEFAULT_MAX_MODELS,
     DESCRIPTOR_ITEM_DTYPE,
     MODEL_ID_LIMIT,
@@ -93,7 +94,7 @@ log = logging.getLogger("pipeline.broker")
 RUN_DIR = "run"
 SOCKET_NAME = "broker.sock"
 LOCK_NAME = "broker.lock"
-STATE_NAME = "broker-state.json"
+STATE_NAME = BROKER_STATE_NAME
 # A state file that does not parse is kept, renamed with this suffix (and a time), as evidence.
 DAMAGED_SUFFIX = ".damaged"
 # SPEC §6: the loop yields at least every 100 ms of fill (or dispatch) work. 10 ms, because
@@ -340,6 +341,7 @@ class Broker:
         self.storage_dir = os.path.realpath(storage_dir or config.data_dir)
         self._lock_fd = lock_fd if lock_fd is not None else lock_run_dir(config.run_dir)
         self.state = BrokerState(os.path.join(config.data_dir, STATE_NAME))
+        ran_before = self.state.generation >= 1
         self.state.generation += 1
         try:
             self.state.save()
@@ -350,6 +352,7 @@ class Broker:
         self.storage = storage
         self.dispatcher = Dispatcher(storage, max_models=config.max_models)
         self.dispatcher.recover(time.monotonic())  # before any ingest (disk tier)
+        self._check_store_was_kept(ran_before)
         self._log_recovery()
         self._raise_producer_id_floor()
         self.producers: dict[int, ProducerPeer] = {}
@@ -483,6 +486,20 @@ class Broker:
                 self.state.save()
             except OSError as exc:
                 log.warning("could not save %s (%s)", self.state.path, exc)
+
+    def _check_store_was_kept(self, ran_before: bool) -> None:
+        """A broker ran on this data directory before (its state file says so), yet the disk
+        tier found neither a catalog nor a segment: the store was removed (its catalog with
+        it), and what it held cannot be named. Counted as a catalog problem: never a fresh
+        start in silence. The memory tier starts empty by contract."""
+        recovery = getattr(self.storage, "recovery", None)
+        durable = self.storage_dir == os.path.realpath(self.config.data_dir)
+        if recovery is None or not durable or not ran_before or recovery.catalog_found or recovery.segments_scanned:
+            return
+        recovery.catalog_problems.append(
+            f"{self.config.data_dir}: a broker ran here before ({self.state.path}: generation "
+            f"{self.state.generation - 1}), but the store has no catalog and no segment: it was removed, "
+            f"and whatever it held is lost; the next producer id is kept ({self.state.next_producer_id})")
 
     def _log_recovery(self) -> None:
         """What the disk tier's recovery found: one line, and one more per problem (every

@@ -12,11 +12,13 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 
 import psutil
+import pytest
 
 from pipeline.accounting import summarize_results
 from pipeline.layouts import make_item_id
@@ -161,3 +163,41 @@ def test_a_failed_run_on_a_temporary_data_directory_keeps_it_for_its_unfinished_
     assert launcher.returncode == 1, err
     assert os.path.isdir(data) and f"--data-dir {data}" in err, err
     rerun_finishes_everything(tmp_path, data, {make_item_id(p, s) for p in (0, 1) for s in range(ITEMS // 2)})
+
+
+def stored_work(data: str, items: int = 300) -> None:
+    """A data directory holding `items` stored, unfinished items (a broker, no consumer)."""
+    from pipeline.broker.service import BrokerConfig
+    from tests.pipeline.harness import Workload, start_broker, start_producer, stop
+
+    broker = start_broker(data)
+    try:
+        producer = start_producer(BrokerConfig(data).socket_path, Workload(items_per_producer=items, producers=1), 0)
+        producer.join(60)
+        assert producer.exitcode == 0
+    finally:
+        assert stop(broker) == 0
+
+
+@pytest.mark.parametrize("damage", ["one segment deleted", "one segment emptied", "the store removed"])
+def test_a_store_that_lost_segments_is_never_reported_ok(tmp_path, damage):
+    """Items an earlier run stored are gone from the disk: the next launch cannot count them
+    by id (it never saw them), but the broker's recovery knows from the catalog (or, with the
+    catalog gone too, from its state file) that segments are missing: the verdict is not OK
+    and the launch exits 1. Before, each of these said `lost 0, accounting OK`."""
+    data = str(tmp_path / "data")
+    stored_work(data)
+    segments = sorted(glob.glob(os.path.join(data, "segments", "*", "*", "*.seg")))
+    if damage == "one segment deleted":
+        os.unlink(segments[0])
+    elif damage == "one segment emptied":
+        os.truncate(segments[0], 0)
+    else:
+        shutil.move(os.path.join(data, "segments"), os.path.join(data, "segments.away"))
+        os.unlink(os.path.join(data, "segments.catalog"))
+    report_path = tmp_path / "report.json"
+    done = launch("--items", "50", "--data-dir", data, "--report", str(report_path))
+    assert done.returncode == 1, done.stderr
+    report = json.loads(report_path.read_text())
+    assert report["accounting_ok"] is False and report["store_damaged"] is True
+    assert "DAMAGED" in done.stdout or "MISMATCH" in done.stdout

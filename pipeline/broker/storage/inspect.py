@@ -8,6 +8,7 @@ StoreReadError naming the path (the command line prints it as one line).
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from collections import Counter
@@ -27,7 +28,7 @@ from pipeline.broker.storage.paths import (
 )
 from pipeline.broker.storage.scan import EntryCensus, ScanReport, census_segment, name_keys_of, scan_segment
 from pipeline.errors import SegmentFormatError, StoreReadError
-from pipeline.layouts import ENTRY_LIVE, ENTRY_TOMBSTONE
+from pipeline.layouts import BROKER_STATE_NAME, ENTRY_LIVE, ENTRY_TOMBSTONE
 
 _STATE_NAMES = {ENTRY_LIVE: "live", ENTRY_TOMBSTONE: "tombstone"}
 
@@ -263,6 +264,15 @@ def _raise_unreadable(exc: OSError) -> None:
     raise _unreadable(exc.filename or "", exc, "the quarantine")
 
 
+def broker_ran_here(data_dir: str) -> bool:
+    """A broker started on this data directory at least once (its state file says so)."""
+    try:
+        with open(os.path.join(data_dir, BROKER_STATE_NAME)) as file:
+            return int(json.load(file).get("generation", 0)) >= 1
+    except (OSError, ValueError, AttributeError, TypeError):
+        return False
+
+
 def _check_catalog(data_dir: str, before: CatalogReading | None, listing: StoreListing,
                    vanished: list[SegmentPath], result: VerifyResult) -> None:
     """Segments the catalog holds and the disk lacks are missing. Safe beside a running
@@ -274,6 +284,9 @@ def _check_catalog(data_dir: str, before: CatalogReading | None, listing: StoreL
         if listing.segments:
             result.problems.append(f"{catalog}: no catalog although {len(listing.segments)} segments exist: "
                                    f"a missing segment cannot be detected (the broker rebuilds it at its next start)")
+        elif broker_ran_here(data_dir):
+            result.problems.append(f"{catalog}: no catalog although a broker ran here ({BROKER_STATE_NAME}): "
+                                   f"the store may have been removed; what it held cannot be checked")
         return
     result.problems += [f"CATALOG: {line}" for line in before.damaged]
     result.notes += [before.torn_last] if before.torn_last else []

@@ -55,7 +55,7 @@ DAMAGE_KEYS = (
     "entries_in_torn_tails",  # not a failure: entry headers readable in those leftovers
     "state_words_repaired",  # not a failure: entries delivered (again) as live
 )
-_NOT_FAILURES = ("torn_tails", "entries_in_torn_tails", "state_words_repaired")
+REPAIR_KEYS = ("torn_tails", "entries_in_torn_tails", "state_words_repaired")
 
 
 @dataclass(slots=True)
@@ -124,6 +124,7 @@ class RecoveryReport:
     damaged_segments: list[str] = field(default_factory=list)
     catalog_problems: list[str] = field(default_factory=list)
     catalog_notes: list[str] = field(default_factory=list)
+    catalog_found: bool = False  # a catalog was there to read (else it was made afresh)
     repaired_counts: list[str] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
     abandoned_creates: list[str] = field(default_factory=list)
@@ -166,7 +167,7 @@ class RecoveryReport:
     def ok(self) -> bool:
         """Nothing that was acknowledged is damaged, lost, missing or quarantined, nothing is
         stray, and the catalog could vouch for the store."""
-        return not any(n for key, n in self.damage_counts().items() if key not in _NOT_FAILURES)
+        return not any(n for key, n in self.damage_counts().items() if key not in REPAIR_KEYS)
 
     def problems(self) -> list[str]:
         """One line per problem, naming path, offset and item id when known."""
@@ -191,7 +192,9 @@ class RecoveryReport:
             f"deleted; {len(self.repaired_counts)} header counts repaired; "
             f"{len(self.abandoned_creates)} interrupted creates removed; {len(self.adopted)} segments "
             f"adopted (not in the catalog); "
-            + ("no damage" if self.ok else f"DAMAGE: {lost:,} entries cannot be delivered, "
+            + ("no damage" if self.ok else f"DAMAGE: {lost:,} entries cannot be delivered"
+               + (" (and more, in missing segments whose size is unknown)"
+                  if counts["segments_missing_count_unknown"] else "") + ", "
                + ", ".join(f"{key} {n}" for key, n in counts.items() if n))
         ]
         lines += self.problems()

@@ -391,6 +391,7 @@ class SegmentStore:
         started = time.monotonic()
         report = RecoveryReport()
         listing, reading = self._read_store(report)
+        report.catalog_found = reading is not None
         self._recovering = True
         try:
             if reading is not None:
