@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 
@@ -21,6 +22,7 @@ from pipeline.broker.service import DEFAULT_HEARTBEAT_TIMEOUT_S, BrokerConfig
 from pipeline.consumer.engines import ENGINES
 from pipeline.errors import BadInputError, PipelineError, ProtocolError
 from pipeline.launch_cli import setup_logging
+from pipeline.protocol import check_consumer_name
 from pipeline.runtime import daemon
 from pipeline.runtime.datadir import check_data_dir, prepare_data_dir
 from pipeline.runtime.processes import DURABILITY_LEVELS, STORAGE_KINDS
@@ -158,8 +160,9 @@ def consumer_start(data_dir: str, name: str | None, model: int, max_batch: int, 
     the broker restarts. Results go to DATA_DIR/results/NAME.jsonl."""
     from pipeline.consumer.process import ConsumerConfig
 
-    if name is None:
-        name = f"gpu{gpu}" if gpu is not None else f"cpu-{os.getpid()}"
+    if name is None:  # a GPU's UUID may hold '/' (MIG-GPU-.../1/0): not in a file name
+        name = re.sub(r"[^A-Za-z0-9._-]", "-", f"gpu{gpu}") if gpu is not None else f"cpu-{os.getpid()}"
+    check_consumer_name(name)  # it names a results file and a pid file: before any is touched
     check_data_dir(data_dir)
     config = BrokerConfig(data_dir)
     stage = f"consumer-{name}"

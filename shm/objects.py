@@ -62,6 +62,8 @@ def attach_shared_memory(name: str) -> tuple[mmap.mmap, int]:
         shm = posix_ipc.SharedMemory(name)
     except posix_ipc.ExistentialError as exc:
         raise ObjectMissingError(f"shared-memory object {name} does not exist") from exc
+    except posix_ipc.PermissionsError as exc:  # another user's object under our name
+        raise StaleObjectError(f"{name} is not ours: no permission to open it ({exc})") from exc
     try:
         info = os.fstat(shm.fd)
         if info.st_uid != os.getuid():
@@ -89,6 +91,8 @@ def open_semaphore(name: str, create: bool) -> posix_ipc.Semaphore:
     except posix_ipc.ExistentialError as exc:
         kind = ObjectExistsError if create else ObjectMissingError
         raise kind(f"semaphore {name}: {exc}") from exc
+    except posix_ipc.PermissionsError as exc:  # another user's semaphore under our name
+        raise StaleObjectError(f"semaphore {name} is not ours: no permission to open it ({exc})") from exc
     # /dev/shm is sticky, so nobody else can replace our file; unless we (or root) unlinked
     # and someone recreated it between the check and the open. Checked again: same file.
     try:
@@ -128,20 +132,17 @@ def _check_semaphore_file(name: str) -> os.stat_result:
 
 
 def unlink_quietly(shm_names: list[str], sem_names: list[str]) -> list[str]:
-    """Unlink whatever of these exists; return the names that were there (for reports)."""
+    """Unlink whatever of these exists and is ours to unlink; return the names removed (for
+    reports). One another user made under our name cannot be removed by us (/dev/shm is
+    sticky): it is left, never a reason to fail."""
     removed = []
-    for name in shm_names:
-        try:
-            posix_ipc.unlink_shared_memory(name)
-            removed.append(name)
-        except posix_ipc.ExistentialError:
-            pass
-    for name in sem_names:
-        try:
-            posix_ipc.unlink_semaphore(name)
-            removed.append(name)
-        except posix_ipc.ExistentialError:
-            pass
+    for unlink, names in ((posix_ipc.unlink_shared_memory, shm_names), (posix_ipc.unlink_semaphore, sem_names)):
+        for name in names:
+            try:
+                unlink(name)
+                removed.append(name)
+            except (posix_ipc.ExistentialError, posix_ipc.PermissionsError):
+                pass
     return removed
 
 

@@ -9,6 +9,8 @@ restarts on the same directory finds the rings its producers kept writing into.
 from __future__ import annotations
 
 import os
+import re
+import secrets
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -18,14 +20,67 @@ import xxhash
 from pipeline.broker.dispatch import Batch
 from pipeline.broker.ids import ConsumerId
 from pipeline.broker.packing import Contract
+from pipeline.errors import ConfigError
 from pipeline.protocol import MAX_REQUEST_BYTES, MessageReader
 from shm.ring import RingReader, RingWriter
 
 
+# The file in a data directory that names its shared-memory namespace (12 hex digits), made
+# once by the first broker (`ensure_namespace`). Random for a fresh data directory: a hash of
+# the path, the first scheme, let another local user who knew the path create objects under
+# our names before us, a denial of service we could not even remove (/dev/shm is sticky).
+# Kept in the data directory: a data directory moved after a crash keeps the names of the
+# rings its run left (with the path's hash they were orphaned, and the next run said OK).
+NAMESPACE_FILE = "shm-namespace"
+NAMESPACE_DIGITS = 12
+_NAMESPACE_RE = re.compile(rf"^[0-9a-f]{{{NAMESPACE_DIGITS}}}$")
+
+
 def namespace_for(data_dir: str) -> str:
-    """A short, stable tag for a data directory's shared-memory names (12 hex digits of
-    the xxh3 of its real path): a restarted broker derives the same names."""
-    return f"{xxhash.xxh3_64_intdigest(os.path.realpath(data_dir).encode()):016x}"[:12]
+    """A data directory's tag in its shared-memory names: the one its NAMESPACE_FILE holds,
+    or, where no broker made one yet, 12 hex digits of the xxh3 of its real path (what a
+    data directory from before the file carries on its objects). ConfigError for a file
+    that does not hold a namespace."""
+    path = os.path.join(data_dir, NAMESPACE_FILE)
+    try:
+        with open(path) as file:
+            text = file.read(64).strip()
+    except FileNotFoundError:
+        return _path_namespace(data_dir)
+    if not _NAMESPACE_RE.match(text):
+        raise ConfigError(f"{path}: {text[:20]!r} is not a shared-memory namespace ({NAMESPACE_DIGITS} hex "
+                          f"digits); restore it, or remove it if no broker or producer of this data directory "
+                          f"left anything in /dev/shm")
+    return text
+
+
+def ensure_namespace(data_dir: str, ran_before: bool) -> str:
+    """The data directory's namespace, its file made if there is none: random for a fresh
+    data directory, the path's hash for one a broker already ran on (`ran_before`: the
+    objects its runs left carry that name). Made whole or not at all (a temp file linked
+    into place), so two starts at once agree on one."""
+    path = os.path.join(data_dir, NAMESPACE_FILE)
+    if os.path.exists(path):
+        return namespace_for(data_dir)
+    chosen = _path_namespace(data_dir) if ran_before else secrets.token_hex(NAMESPACE_DIGITS // 2)
+    temporary = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, f"{chosen}\n".encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.link(temporary, path)
+    except FileExistsError:
+        pass  # another start made it first: its choice stands
+    finally:
+        os.unlink(temporary)
+    return namespace_for(data_dir)
+
+
+def _path_namespace(data_dir: str) -> str:
+    return f"{xxhash.xxh3_64_intdigest(os.path.realpath(data_dir).encode()):016x}"[:NAMESPACE_DIGITS]
 
 
 def object_prefix(namespace: str) -> str:

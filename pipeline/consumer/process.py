@@ -65,7 +65,7 @@ from pipeline.errors import (
     ShmError,
 )
 from pipeline.layouts import Descriptor, descriptor_size_bytes, parse_descriptor
-from pipeline.protocol import RECONNECT_FIRST_S, RECONNECT_MAX_S, Connection, encode
+from pipeline.protocol import RECONNECT_FIRST_S, RECONNECT_MAX_S, Connection, check_consumer_name, encode
 from shm.ring import RECORD_ALIGN_BYTES, RECORD_HEADER_SIZE_BYTES, RingReader, align_up
 
 log = logging.getLogger("pipeline.consumer")
@@ -109,6 +109,7 @@ class ConsumerConfig:
     results_full_max_wait_s: float = RESULTS_FULL_MAX_WAIT_S  # disk is full (see above)
 
     def __post_init__(self) -> None:
+        check_consumer_name(self.name)  # it names a results file: checked before any file is touched
         if not 0 < self.results_full_first_wait_s <= self.results_full_max_wait_s < float("inf"):
             raise ValueError(f"consumer {self.name}: results full waits {self.results_full_first_wait_s!r} s "
                              f"to {self.results_full_max_wait_s!r} s must be finite, > 0 and first <= max")
@@ -312,6 +313,7 @@ class Consumer:
             except ResultsDiskFullError as exc:
                 self.counters.results_disk_full += 1
                 held = session.hand_back()
+                self._unmap_segments()  # holding nothing now: let the deleted ones' space go
                 pause_s = full_disk.wait_s(self.counters.batches)
                 log.warning("%s: results disk full: %s; handing back %d batches, retrying in %g s",
                             self.config.name, exc, held, pause_s)
@@ -321,6 +323,7 @@ class Consumer:
             except SegmentReadError as exc:  # the entries are intact: never answer them as corrupt
                 self.counters.segment_read_errors += 1
                 held = session.hand_back()
+                self._unmap_segments()
                 pause_s = cannot_read.wait_s(self.counters.batches)
                 log.warning("%s: %s; handing back %d batches, retrying in %g s", self.config.name, exc, held, pause_s)
             except (OSError, ConnectionError, RingClosedError, TimeoutError, ProtocolError) as exc:
@@ -330,6 +333,14 @@ class Consumer:
                 session.close()
             if pause_s:
                 _sleep_unless(stop, pause_s)
+
+    def _unmap_segments(self) -> None:
+        """Drop every segment mapping (the consumer holds no batch): a mapping keeps a deleted
+        segment's space allocated, and a consumer backing off from a full results disk that
+        kept 70 deleted segments mapped held 11 MB of the disk its results needed."""
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
 
     def _serve(self, session: _Session, stop) -> None:
         if self._reader is None or self._reader.root != os.path.join(session.data_dir, "segments"):

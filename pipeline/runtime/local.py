@@ -19,6 +19,7 @@ from pipeline.broker.service import BrokerConfig
 from pipeline.consumer.process import ConsumerConfig
 from pipeline.protocol import Connection
 from pipeline.runtime.processes import serve_broker, serve_consumer
+from shm.objects import unlink_quietly
 
 CTX = mp.get_context("fork")
 # How long to wait for a new broker's socket to answer.
@@ -143,8 +144,6 @@ def remove_leftovers(data_dir: str, keep_rings: set[str] = frozenset()) -> list[
     killed broker, producer or consumer could not remove, except the rings named in
     `keep_rings` (names as for shm_open) and their semaphores. Only for a caller that owns
     every process of the data directory (the launcher, after stopping them all)."""
-    import posix_ipc
-
     prefix = object_prefix(namespace_for(data_dir))
     kept = {name.lstrip("/") for name in keep_rings}
     removed = []
@@ -152,16 +151,9 @@ def remove_leftovers(data_dir: str, keep_rings: set[str] = frozenset()) -> list[
         if os.path.isdir(os.path.join(_DEV_SHM, entry)):
             continue  # the memory tier's segment directory: its broker removes it
         plain = entry[len("sem."):] if entry.startswith("sem.") else entry
-        if plain in kept or plain.rsplit(".", 1)[0] in kept:
+        if plain in kept or plain.rsplit(".", 1)[0] in kept or not plain.startswith(prefix):
             continue  # a ring that holds unstored records, or one of its semaphores (NAME.d, NAME.s)
-        try:
-            if entry.startswith("sem." + prefix):
-                posix_ipc.unlink_semaphore("/" + entry[len("sem."):])
-            elif entry.startswith(prefix):
-                posix_ipc.unlink_shared_memory("/" + entry)
-            else:
-                continue
-        except posix_ipc.ExistentialError:
-            continue  # removed meanwhile
-        removed.append(entry)
+        shm, sems = ([], [f"/{plain}"]) if entry.startswith("sem.") else ([f"/{plain}"], [])
+        if unlink_quietly(shm, sems):  # another user's object under our name stays: not ours to remove
+            removed.append(entry)
     return removed

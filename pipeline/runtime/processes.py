@@ -24,11 +24,12 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pipeline.broker.peers import namespace_for, object_prefix
+from pipeline.broker.peers import ensure_namespace, namespace_for, object_prefix
 from pipeline.broker.service import Broker, BrokerConfig, lock_run_dir
 from pipeline.broker.storage.base import StorageTier
 from pipeline.consumer.process import Consumer, ConsumerConfig
 from pipeline.errors import DurabilityError, PipelineError, ShapeGuardError
+from pipeline.layouts import BROKER_STATE_NAME
 from pipeline.runtime.datadir import owner_only_umask, prepare_data_dir
 from pipeline.runtime.signals import stop_on_signals
 
@@ -93,6 +94,7 @@ def serve_broker(config: BrokerConfig, storage: str = "disk", durability: str = 
     try:
         prepare_data_dir(config.data_dir)  # owner-only, or refused (another user could change it)
         lock_fd = lock_run_dir(config.run_dir)  # before recovery touches any file
+        ensure_namespace(config.data_dir, ran_before=os.path.exists(os.path.join(config.data_dir, BROKER_STATE_NAME)))
         opened = open_storage(config.data_dir, storage, durability)
         broker = Broker(config, opened.tier, lock_fd=lock_fd, storage_dir=opened.directory)
     except (PipelineError, ValueError, OSError) as exc:

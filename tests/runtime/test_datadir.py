@@ -185,3 +185,48 @@ def test_a_symbolic_link_another_user_placed_is_refused(tmp_path):
     os.lchown(data / "results", OTHER_UID, OTHER_UID)
     with pytest.raises(DataDirError, match=f"symbolic link owned by uid {OTHER_UID}"):
         check_data_dir(str(data))
+
+
+def test_shared_memory_names_are_not_derived_from_the_path(tmp_path):
+    """A fresh data directory gets a random namespace, in a file of its own (0600), kept
+    across restarts and moves; one a broker ran on before the file existed keeps its path's
+    hash (the objects its runs left carry it)."""
+    from pipeline.broker.peers import NAMESPACE_FILE, _path_namespace, ensure_namespace, namespace_for
+
+    fresh, other = str(tmp_path / "fresh"), str(tmp_path / "other")
+    for path in (fresh, other):
+        prepare_data_dir(path)
+    assert namespace_for(fresh) == _path_namespace(fresh)  # nothing made yet: nothing named yet
+    chosen = ensure_namespace(fresh, ran_before=False)
+    assert chosen != _path_namespace(fresh) and chosen != ensure_namespace(other, ran_before=False)
+    assert stat.S_IMODE(os.stat(os.path.join(fresh, NAMESPACE_FILE)).st_mode) == 0o600
+    assert ensure_namespace(fresh, ran_before=False) == namespace_for(fresh) == chosen  # made once
+    os.rename(fresh, tmp_path / "moved")
+    assert namespace_for(str(tmp_path / "moved")) == chosen
+    legacy = str(tmp_path / "legacy")
+    prepare_data_dir(legacy)
+    assert ensure_namespace(legacy, ran_before=True) == _path_namespace(legacy)
+
+
+@needs_root
+def test_objects_another_user_made_under_a_path_derived_name_do_not_stop_a_run(tmp_path):
+    """Another user who knows the data directory's path creates shared memory and semaphores
+    under the names its hash gave (the first scheme): the run does not see them (its names
+    are random), completes, and fails on none of them."""
+    from pipeline.broker.peers import _path_namespace, object_prefix
+
+    data = str(tmp_path / "data")
+    prefix = object_prefix(_path_namespace(data))
+    names = [f"{prefix}p0", f"{prefix}g1-c0", f"sem.{prefix}bell", f"sem.{prefix}p0.d", f"sem.{prefix}p0.s"]
+    made = subprocess.run(
+        ["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups", sys.executable, "-c",
+         "import sys\nfor n in sys.argv[1:]:\n    open('/dev/shm/' + n, 'wb').write(b'\\0' * 4096)", *names],
+        capture_output=True, text=True)
+    assert made.returncode == 0, made.stderr
+    try:
+        done = pipeline("launch", "--items", "200", "--data-dir", data, "--report", str(tmp_path / "r.json"))
+        assert done.returncode == 0, done.stderr
+        assert "Traceback" not in done.stderr
+    finally:
+        for name in names:
+            os.unlink(f"/dev/shm/{name}")

@@ -201,3 +201,18 @@ def test_a_store_that_lost_segments_is_never_reported_ok(tmp_path, damage):
     report = json.loads(report_path.read_text())
     assert report["accounting_ok"] is False and report["store_damaged"] is True
     assert "DAMAGED" in done.stdout or "MISMATCH" in done.stdout
+
+
+def test_a_data_directory_moved_after_a_crash_keeps_the_rings_its_run_left(tmp_path):
+    """The shared-memory names of a data directory's runs come from a file inside it, not
+    from its path: moved after the broker was killed, it still finds its producer rings.
+    With names from the path, the rings were orphaned and the rerun said OK."""
+    data, report_path = str(tmp_path / "data"), tmp_path / "stopped.json"
+    launcher = start_launch(tmp_path, "--data-dir", data, "--report", str(report_path))
+    _children, err = kill_the_broker_mid_run(launcher, data)
+    assert launcher.returncode == 1, err
+    stopped = json.loads(report_path.read_text())
+    assert stopped["items_in_rings"] > 0
+    moved = str(tmp_path / "moved")
+    os.rename(data, moved)
+    rerun_finishes_everything(tmp_path, moved, accepted(stopped))
