@@ -24,10 +24,12 @@ A full disk (DiskFullError from ingest): the frame's lanes were assigned and som
 groups may be stored; the rest wait in the dispatcher. Keep that ring record unreleased,
 stop reading the rings (backpressure), keep serving consumers (completions free space), and
 call `retry_pending_appends()` each turn until it returns the frame's report; then flush
-and release the record, and read the rings again. Until then the frame's items are held
-back from dispatch (they sit at the back of their lanes), so an item is still never
-dispatched before its record is released (the idempotent-ingest protocol, see
-`pipeline.broker.storage.base`).
+and release the record, and read the rings again. Meanwhile the frame's stored groups are
+dispatchable (their completions are what frees space) and its unstored ones are held (they
+sit at the back of their lanes). This is the one exception to "an item is dispatched only
+after its record is released" (the idempotent-ingest protocol, see
+`pipeline.broker.storage.base`): a crash while a frame is held may store some of its items
+again, duplicates bounded by one frame (see `_store`).
 
 Time is always passed in: `now_s` and the items' `submit_ns` are on the machine's monotonic
 clock (time.monotonic / time.monotonic_ns). One batch is outstanding at a time: next_batch
@@ -115,13 +117,7 @@ class _Frame:
     shapes: list[tuple[ShapeKey, np.ndarray]]
     report: IngestReport
     stored: int = 0
-
-    def held_by_lane(self) -> dict[LaneKey, int]:
-        """Items of the frame per lane (stored or not): the back of those lanes."""
-        held: dict[LaneKey, int] = {}
-        for group, _tokens in self.groups:
-            held[group.lane] = held.get(group.lane, 0) + len(group)
-        return held
+    announced: int = 0  # groups the selector was told of one by one (a full disk held the frame)
 
     def unstored_by_lane(self) -> dict[LaneKey, int]:
         unstored: dict[LaneKey, int] = {}
@@ -129,9 +125,10 @@ class _Frame:
             unstored[group.lane] = unstored.get(group.lane, 0) + len(group)
         return unstored
 
-    def tokens_by_shape(self) -> dict[ShapeKey, int]:
+    def unannounced_tokens_by_shape(self) -> dict[ShapeKey, int]:
+        """Tokens of the groups the selector does not know of yet, per shape."""
         tokens: dict[ShapeKey, int] = {}
-        for group, group_tokens in self.groups:
+        for group, group_tokens in self.groups[self.announced:]:
             tokens[group.lane.shape] = tokens.get(group.lane.shape, 0) + group_tokens
         return tokens
 
@@ -267,25 +264,43 @@ class Dispatcher:
 
     def _store(self, pending: _Frame) -> IngestReport:
         """Append the frame's groups not stored yet; once all are, its items become
-        dispatchable (the selector learns of them)."""
+        dispatchable (the selector learns of them). A full disk holds the rest back: the
+        groups already stored become dispatchable at once (`_announce`), the others wait.
+        NOTE: holding the whole frame back until every group was stored (the first rule,
+        so that no item of an unreleased record is ever dispatched) deadlocked a small
+        disk: everything stored belonged to the held frame, nothing was dispatched, so
+        nothing completed and freed space (issue 11's hostile test, 0 routed of 198). The
+        price: a crash while a frame is held may store again, and so run again, items of it
+        that were completed and deleted meanwhile: duplicates, bounded by one frame."""
         c = self._c
         while pending.stored < len(pending.groups):
             group, tokens = pending.groups[pending.stored]
             try:
                 self._storage.append(group)
             except DiskFullError:
-                if self._waiting is None:
-                    self._waiting, self._held = pending, pending.held_by_lane()
+                self._waiting = pending
+                self._announce(pending, pending.stored)
+                self._held = pending.unstored_by_lane()
                 raise
             pending.stored += 1
             c.items_received += len(group)
             c.tokens_received += tokens
         self._waiting, self._held = None, {}
+        if pending.announced:
+            self._announce(pending, len(pending.groups))
+            return pending.report
         submit_ns = pending.frame.items["submit_ns"]
-        for shape, rows in pending.shapes:
+        for shape, rows in pending.shapes:  # the common case: one call per shape, not per group
             lengths = pending.frame.items["length"][rows]
             self._selector.on_queued(shape, int(lengths.sum()), submit_ns[rows])
         return pending.report
+
+    def _announce(self, pending: _Frame, upto: int) -> None:
+        """Tell the selector of the frame's stored groups it does not know of yet, one by one."""
+        submit_ns = pending.frame.items["submit_ns"]
+        for group, tokens in pending.groups[pending.announced:upto]:
+            self._selector.on_queued(group.lane.shape, tokens, submit_ns[group.rows])
+        pending.announced = max(pending.announced, upto)
 
     @property
     def pending_appends(self) -> int:
@@ -424,8 +439,9 @@ class Dispatcher:
         return batch
 
     def _first_unheld_lane(self, shape: ShapeKey, lanes: ShapeLanes) -> LaneId | None:
-        """While a full disk holds a frame back: the first lane, in descending queued-token
-        order, with items before the held ones at its back (the pad-to still counts them)."""
+        """While a full disk holds part of a frame back: the first lane, in descending
+        queued-token order, with stored items before the unstored ones at its back (the
+        pad-to still counts those)."""
         for lane in lanes.lanes_by_queued_tokens():
             if lanes.queued_items(lane) > self._held.get(LaneKey(shape.model, shape.signature, lane), 0):
                 return lane
@@ -538,8 +554,8 @@ class Dispatcher:
         self._selector.check_invariants()
         waiting = self._waiting
         unstored = {} if waiting is None else waiting.unstored_by_lane()
-        held_tokens = {} if waiting is None else waiting.tokens_by_shape()
-        assert self._held == ({} if waiting is None else waiting.held_by_lane())
+        held_tokens = {} if waiting is None else waiting.unannounced_tokens_by_shape()
+        assert self._held == unstored
         pending = 0
         for shape, lanes in self._shapes.items():
             lanes.check_invariants()

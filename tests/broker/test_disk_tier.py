@@ -265,7 +265,7 @@ class FullDisk:
         return self._append(lane, group, now_s)
 
 
-def test_full_disk_holds_the_frame_back_and_retry_stores_it_once(tmp_path):
+def test_full_disk_holds_back_what_it_did_not_store_and_retry_stores_it_once(tmp_path):
     tier = DiskTier.open(str(tmp_path))
     disk = FullDisk(tier)
     dispatcher = Dispatcher(tier)
@@ -281,14 +281,15 @@ def test_full_disk_holds_the_frame_back_and_retry_stores_it_once(tmp_path):
     dispatcher.check_invariants()
     with pytest.raises(AssertionError, match="retry_pending_appends"):
         dispatcher.ingest(make_frame(1, 6, [(0, 5)], [100]), 0.0)
-    # Consumers are still served, but nothing of the held frame goes out.
+    # Consumers are still served: the held frame's stored item (seq 3) too, so that its
+    # completion can free space; its unstored ones (4, 5) stay held.
     served = []
     while (batch := dispatcher.next_batch(ConsumerId(1), BIG, 0.0)) is not None:
         dispatcher.commit(batch)
         dispatcher.complete(ConsumerId(1), batch.refs)
         served += [entry.seq for entry in batch.entries]
         dispatcher.check_invariants()
-    assert sorted(served) == [0, 1, 2]
+    assert sorted(served) == [0, 1, 2, 3]
     with pytest.raises(DiskFullError):
         dispatcher.retry_pending_appends()
     disk.room = None
@@ -297,7 +298,7 @@ def test_full_disk_holds_the_frame_back_and_retry_stores_it_once(tmp_path):
     assert dispatcher.retry_pending_appends() is None
     dispatcher.flush()
     dispatcher.check_invariants()
-    assert sorted(drain(dispatcher)) == [(1 << 40) | s for s in (3, 4, 5)]
+    assert sorted(drain(dispatcher)) == [(1 << 40) | s for s in (4, 5)]
     c = dispatcher.counters()
     assert c.items_received == c.items_completed == 6 and c.duplicate_items == 0
     tier.close()
@@ -344,7 +345,7 @@ def test_the_store_leaves_its_reserve_free_for_results(small_tmpfs):
 def test_enospc_on_a_real_full_disk_loses_nothing(small_tmpfs, monkeypatch):
     # The kernel's ENOSPC itself (a disk someone else filled under the reserve's check):
     # with no reserve the appends run into it.
-    monkeypatch.setattr("pipeline.broker.storage.segment._check_room", lambda *_args: None)
+    monkeypatch.setattr("pipeline.broker.storage.segment._check_room", lambda *args, **_kw: args[3])
     data_dir = os.path.join(small_tmpfs, "data")
     filler = os.path.join(small_tmpfs, "filler")
     with open(filler, "wb") as file:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import psutil
+import pytest
 
 from pipeline.accounting import summarize_results
 from tests.consumer.tmpfs import fill, small_tmpfs
@@ -149,3 +150,17 @@ def test_a_store_that_fills_its_disk_drains_it_as_consumers_complete(tmp_path):
             pipeline("consumer", "stop", "--data-dir", data)
             pipeline("broker", "stop", "--data-dir", data)
         assert summarize_results(os.path.join(data, "results")).items == 6000
+
+
+@pytest.mark.slow
+def test_the_demo_finishes_on_a_disk_smaller_than_its_results_and_store(tmp_path):
+    """The default demo (20,000 items, hundreds of lanes) on an 8 MiB disk that also holds
+    its results (about 5 MB): before, the first lanes' 64 KiB first allocations filled the
+    disk, the frame they belonged to was held back whole, nothing was dispatched, and the
+    run stood still forever at 0 routed."""
+    with small_tmpfs(str(tmp_path / "mnt"), 8 << 20) as mount:
+        data, report = os.path.join(mount, "data"), tmp_path / "report.json"
+        done = pipeline("launch", "--items", "20000", "--data-dir", data, "--report", str(report))
+        assert done.returncode == 0, done.stderr
+        finished = json.loads(report.read_text())
+        assert finished["lost"] == 0 and finished["items_with_results"] == 20000 and finished["accounting_ok"]

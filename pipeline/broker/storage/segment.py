@@ -77,9 +77,12 @@ __all__ = [
     "encode_entries", "fsync_directory", "read_identity", "scan_segment",
 ]
 
-# First preallocation of a new segment: most lanes of a many-shape workload hold a few
-# batches, so 100,000 lanes take 6.4 GB of allocation at 64 KiB each (at 1 MiB: 100 GB);
-# a busy lane doubles its file up to the segment limit in ten steps.
+# First preallocation of a new segment whose first group's size is not known (appends pass
+# it: their segment starts with what that group needs, page-rounded). Most lanes of a
+# many-shape workload hold a few batches: 100,000 lanes took 6.4 GB at 64 KiB each, and on
+# an 8 MiB disk 154 lanes' first allocations held 7 MiB for 500 KB of items, so nothing was
+# dispatched and the run stood still (issue 11's hostile test); a busy lane doubles from
+# its first group's size to the segment limit, one fallocate a step.
 FIRST_ALLOCATION_BYTES = 64 << 10
 # Segments seal at this size: big enough that per-file costs (open, fsync of the directory,
 # the header page) vanish, small enough that a fully completed segment is freed soon.
@@ -109,17 +112,29 @@ def disk_reserve_bytes(total_bytes: int) -> int:
     return int(min(DISK_RESERVE_MAX_BYTES, max(DISK_RESERVE_MIN_BYTES, total_bytes * DISK_RESERVE_FRACTION)))
 
 
-def _check_room(fd: int, path: str, offset: int, nbytes: int, what: str) -> None:
-    """DiskFullError if allocating `nbytes` more at `offset` would leave less than the reserve
-    free: the store only takes space when it allocates (creating a segment, growing one), so
-    this is checked there, once per allocation, never per append."""
+def _check_room(fd: int, path: str, offset: int, nbytes: int, what: str, least: int | None = None) -> int:
+    """How much to allocate at `offset`: `nbytes`, or, when that would leave less than the
+    reserve free, `least` (what the append needs, page-rounded) if that still leaves it;
+    DiskFullError otherwise. The store only takes space when it allocates (creating a
+    segment, growing one), so this is checked there, once per allocation, never per append.
+    NOTE: without the `least` step a nearly full disk refused new segments their 64 KiB
+    first allocation while a few KiB would do: on an 8 MiB disk, 110 lanes' first
+    allocations held 7 MiB for 500 KB of items, nothing was dispatched (the frame was held
+    back whole) and the run stood still (issue 11's hostile test)."""
     info = os.fstatvfs(fd)
     free, reserve = info.f_bavail * info.f_frsize, disk_reserve_bytes(info.f_blocks * info.f_frsize)
-    if free - nbytes < reserve:
-        raise DiskFullError(
-            f"{path}: disk full: {free:,} bytes free, and {what} {nbytes:,} bytes at offset {offset} would leave "
-            f"less than the {reserve:,} kept free for results; appends stop until space comes back, nothing "
-            f"accepted is lost")
+    if free - nbytes >= reserve:
+        return nbytes
+    if least is not None and least < nbytes and free - least >= reserve:
+        return least
+    raise DiskFullError(
+        f"{path}: disk full: {free:,} bytes free, and {what} {least or nbytes:,} bytes at offset {offset} would "
+        f"leave less than the {reserve:,} kept free for results; appends stop until space comes back, nothing "
+        f"accepted is lost")
+
+
+def _page_align(nbytes: int) -> int:
+    return -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
 def _no_space(exc: OSError, path: str, offset: int, nbytes: int, what: str) -> DiskFullError:
@@ -285,7 +300,7 @@ class SegmentFile:
 
     @classmethod
     def create(cls, path: str, keys: SegmentKeys, durability: Durability,
-               max_bytes: int = DEFAULT_SEGMENT_MAX_BYTES) -> SegmentFile:
+               max_bytes: int = DEFAULT_SEGMENT_MAX_BYTES, need_bytes: int = 0) -> SegmentFile:
         """A new, empty, owner-only segment with its header written (and synced in `power`).
         Built under `path + CREATING_SUFFIX` and renamed into place once its header is
         written, so a crash mid-create never leaves a headerless file under a segment name
@@ -298,8 +313,9 @@ class SegmentFile:
                 raise _no_space(exc, path, 0, 0, "creating the file,") from exc
             raise
         try:
-            first = min(FIRST_ALLOCATION_BYTES, max(max_bytes, SEGMENT_HEADER_SIZE_BYTES))
-            _check_room(fd, path, 0, first, "allocating")
+            need = _page_align(SEGMENT_HEADER_SIZE_BYTES + need_bytes)
+            first = need if need_bytes else min(FIRST_ALLOCATION_BYTES, max(max_bytes, SEGMENT_HEADER_SIZE_BYTES))
+            first = _check_room(fd, path, 0, first, "allocating", least=need)
             try:
                 os.posix_fallocate(fd, 0, first)
             except OSError as exc:
@@ -381,7 +397,9 @@ class SegmentFile:
         new_size = self.allocated
         while new_size < needed_end:
             new_size *= 2
-        _check_room(self._fd, self.path, self.allocated, new_size - self.allocated, "growing the file by")
+        grow = _check_room(self._fd, self.path, self.allocated, new_size - self.allocated, "growing the file by",
+                           least=_page_align(needed_end) - self.allocated)
+        new_size = self.allocated + grow
         try:
             os.posix_fallocate(self._fd, 0, new_size)
         except OSError as exc:

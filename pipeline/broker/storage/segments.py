@@ -158,7 +158,7 @@ class SegmentStore:
         self._open[segment] = file
         self.files_opened += 1
 
-    def _new_segment(self, lane: LaneKey, now_s: float) -> SegmentState:
+    def _new_segment(self, lane: LaneKey, now_s: float, need_bytes: int = 0) -> SegmentState:
         seq = self._next_seq.get(lane, 0)
         path = segment_path(self.data_dir, lane.model, lane.signature, lane.lane, seq)  # SegmentNameError
         # Room in the catalog for this create and every seal and delete still to come, so
@@ -173,7 +173,7 @@ class SegmentStore:
                                     f"directory; appends stop until space comes back, nothing accepted is lost") from exc
             raise
         keys = SegmentKeys(lane.model, lane.signature, lane.lane, seq)
-        file = SegmentFile.create(path, keys, self.durability, self.segment_max_bytes)
+        file = SegmentFile.create(path, keys, self.durability, self.segment_max_bytes, need_bytes)
         self._next_seq[lane] = seq + 1  # only once it exists: a create the disk refused takes no number
         if crashpoints.ARMED:
             crashpoints.hit("create.after_rename")
@@ -236,7 +236,7 @@ class SegmentStore:
                 self.seal(segment)
                 if crashpoints.ARMED:
                     crashpoints.hit("rotate.after_seal")
-            state = self._new_segment(lane, now_s)
+            state = self._new_segment(lane, now_s, group.data.nbytes)
             segment, file = state.id, self._open[state.id]
         offset = file.append(group)
         self.segments[segment].entry_count += group.count
