@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -34,6 +35,7 @@ import numpy as np
 
 from pipeline.errors import ResultsFileError
 from pipeline.layouts import ITEM_ID_SEQ_BITS, MAX_SEQ, make_item_id
+from pipeline.textfiles import bounded_lines
 
 
 # Bad results lines named in a summary (path:line and why); the rest are only counted: a
@@ -42,6 +44,12 @@ MAX_BAD_LINE_EXAMPLES = 10
 # What a results line must hold to be read as a result: the fields a summary adds up.
 _RESULT_FIELDS: tuple[tuple[str, type], ...] = (
     ("item_id", int), ("status", str), ("prompt_tokens", int), ("cached_tokens", int))
+
+
+# The longest results line read: a result holds its output tokens (a long generation is
+# tens of thousands of ids) and its payload (64 KiB at most, base64): 16 MiB leaves room and
+# bounds what a file of one endless line costs.
+MAX_RESULT_LINE_BYTES = 16 << 20
 
 
 @dataclass(slots=True)
@@ -69,8 +77,9 @@ class ResultsSummary:
 def summarize_results(results_dir: str) -> ResultsSummary:
     """Read every `*.jsonl` results file of a run (one per consumer). A line that is not a
     result is counted and named (`bad_lines`, `bad_line_examples`) and reading goes on:
-    never an error for what a file holds. A directory or file that cannot be read (no
-    permission, not a regular file) is a ResultsFileError naming it."""
+    never an error for what a file holds; so is a `*.jsonl` that is not a regular file (a
+    directory, a pipe, a device: never opened, it could be read forever). A directory or
+    file that cannot be read (no permission) is a ResultsFileError naming it."""
     summary = ResultsSummary()
     seen: Counter[int] = Counter()
     status: Counter[str] = Counter()
@@ -88,6 +97,9 @@ def summarize_results(results_dir: str) -> ResultsSummary:
                                                           "bad_lines": 0})
         path = os.path.join(results_dir, name)
         bad_before = summary.bad_lines
+        if not _regular(path, summary):
+            mine["bad_lines"] += 1
+            continue
         for row in _rows(path, summary):
             item = row["item_id"]
             if not seen[item]:
@@ -107,6 +119,21 @@ def summarize_results(results_dir: str) -> ResultsSummary:
     return summary
 
 
+def _regular(path: str, summary: ResultsSummary) -> bool:
+    """Whether `path` is a regular file (followed through a link); else it counts as one bad
+    line, named, and is not read."""
+    try:
+        kind = os.stat(path).st_mode
+    except OSError as exc:
+        raise ResultsFileError(f"{path}: cannot read the results file: {exc.strerror or exc}") from exc
+    if stat.S_ISREG(kind):
+        return True
+    summary.bad_lines += 1
+    if len(summary.bad_line_examples) < MAX_BAD_LINE_EXAMPLES:
+        summary.bad_line_examples.append(f"{path}: not a regular file (a directory, pipe or device): not read")
+    return False
+
+
 def _rows(path: str, summary: ResultsSummary):
     """The result rows of one file. Every other line is counted in `summary.bad_lines` and
     named "path:line: why" (the first MAX_BAD_LINE_EXAMPLES); a last line without its
@@ -116,12 +143,13 @@ def _rows(path: str, summary: ResultsSummary):
     number = 0
     try:
         with open(path, "rb") as file:
-            for number, line in enumerate(file, 1):
-                row, why = _result(line)
+            for number, line in bounded_lines(file, MAX_RESULT_LINE_BYTES):
+                row, why = (None, f"longer than {MAX_RESULT_LINE_BYTES:,} bytes: not read") if line is None \
+                    else _result(line)
                 if why is None:
                     yield row
                     continue
-                if not line.endswith(b"\n"):  # only a file's last line can lack it
+                if line is not None and not line.endswith(b"\n"):  # only a file's last line can lack it
                     summary.torn_lines += 1
                     why = f"torn last line, no newline: {why}"
                 summary.bad_lines += 1

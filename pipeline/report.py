@@ -28,7 +28,10 @@ Definitions (every figure is an int or a float; a ratio with nothing to divide i
 - store_damage = what the broker's recovery found it could not deliver (damaged, missing or
   truncated entries, quarantined segments) or repaired, named in its log and by `pipeline
   tools verify`; items_undeliverable = the entries of it that cannot be delivered.
-- duplicates = results lines beyond the first per item (at-least-once delivery, counted).
+- duplicates = results lines beyond the first per item (at-least-once delivery, counted);
+  duplicates_across_runs = items taken over from an earlier run that already had a result
+  there (its consumer wrote it and the broker died before the completion arrived) and that
+  ran again in this run.
 - results_bad_lines = lines of the results files that are not results (a line torn by a
   kill or a full disk, garbage), counted and named in results_bad_line_examples (path:line);
   results_torn_lines = those that were a file's last line, cut short.
@@ -137,7 +140,8 @@ def consumer_figures(broker: dict, results: dict) -> dict:
 
 
 def build_report(status: dict, results: ResultsSummary, wall_s: float, stock: Stock | None = None,
-                 store_kept: bool = True, not_submitted: int = 0, unreadable_rings: Sequence[str] = ()) -> dict:
+                 store_kept: bool = True, not_submitted: int = 0, unreadable_rings: Sequence[str] = (),
+                 duplicates_across_runs: int = 0) -> dict:
     """The run report (definitions in the module docstring) as a JSON-ready dict.
     `stock`: where every item of the run is, by id (`accounting.take_stock`); None for a live
     broker (`pipeline status`), which nothing is judged on. `store_kept` False: the store
@@ -166,6 +170,7 @@ def build_report(status: dict, results: ResultsSummary, wall_s: float, stock: St
     return {
         **accounted,
         "items_not_submitted": not_submitted,
+        "duplicates_across_runs": duplicates_across_runs,
         "broker_status_missing": missing,
         "accounting_ok": None if stock is None else _balanced(accounted, not_submitted, store_damaged, missing),
         "items_discarded": 0 if store_kept else accounted["items_unfinished"],
@@ -271,6 +276,7 @@ def _accounting_table(report: dict) -> Table:
     rows = [("accepted from producers", "items_accepted"), ("taken over from earlier runs", "items_taken_over"),
             ("with results", "items_with_results"), ("empty (too long)", "items_empty"),
             ("corrupt", "items_corrupt"), ("duplicates", "duplicates"),
+            ("duplicates of earlier runs' results", "duplicates_across_runs"),
             ("unfinished, in the store", "items_in_store"), ("unfinished, in producer rings", "items_in_rings"),
             ("not submitted", "items_not_submitted"), ("discarded with the store", "items_discarded"),
             ("unexpected", "items_unexpected"), ("results lines that are not results", "results_bad_lines")]

@@ -65,10 +65,25 @@ def test_bad_lines_past_the_example_limit_are_only_counted(tmp_path, count):
     assert summary.bad_line_examples[-1].startswith(f"{tmp_path / 'c0.jsonl'}:{MAX_BAD_LINE_EXAMPLES + 1}: ")
 
 
-def test_a_results_file_that_is_not_a_file_is_an_error_naming_it(tmp_path):
+def test_a_results_file_that_is_not_a_regular_file_is_counted_and_never_read(tmp_path):
+    """A directory, a FIFO or a link to a device named like a results file: opening a FIFO
+    would hang and /dev/zero would be read forever (10 GB in 30 s, issue 11's hostile test),
+    so each is one bad line, named, and the other files are read."""
     (tmp_path / "c0.jsonl").mkdir()
-    with pytest.raises(ResultsFileError, match=f"{tmp_path / 'c0.jsonl'}: cannot read the results file"):
-        summarize_results(str(tmp_path))
+    os.mkfifo(tmp_path / "c1.jsonl")
+    (tmp_path / "c2.jsonl").symlink_to("/dev/zero")
+    (tmp_path / "c3.jsonl").write_text(row(1) + row(2))
+    summary = summarize_results(str(tmp_path))
+    assert summary.items == 2 and summary.bad_lines == 3
+    assert [e.split(": ", 1)[0] for e in summary.bad_line_examples] == [str(tmp_path / f"c{k}.jsonl") for k in range(3)]
+
+
+def test_a_line_past_the_limit_is_skipped_in_bounded_memory(tmp_path, monkeypatch):
+    monkeypatch.setattr("pipeline.accounting.MAX_RESULT_LINE_BYTES", 1000)
+    (tmp_path / "c0.jsonl").write_bytes(row(1).encode() + b"x" * 5000 + b"\n" + row(2).encode() + b"y" * 5000)
+    summary = summarize_results(str(tmp_path))
+    assert summary.item_ids == {1, 2} and summary.bad_lines == 2
+    assert all("longer than 1,000 bytes" in e for e in summary.bad_line_examples)
 
 
 @pytest.mark.parametrize("what", ["file", "directory"])

@@ -78,6 +78,7 @@ from pipeline.errors import (
 )
 from pipeline.layouts import (
     BROKER_STATE_NAME,
+    MAX_PRODUCER_ID,
     DEFAULT_MAX_MODELS,
     DESCRIPTOR_ITEM_DTYPE,
     MODEL_ID_LIMIT,
@@ -292,7 +293,11 @@ class BrokerState:
                     saved = json.load(file)
                 self.next_producer_id = int(saved["next_producer_id"])
                 self.generation = int(saved["generation"])
-            except (ValueError, KeyError, TypeError) as exc:
+                if not (0 <= self.next_producer_id <= MAX_PRODUCER_ID + 1 and 0 <= self.generation < 2**63):
+                    raise ValueError(f"next_producer_id {self.next_producer_id} or generation {self.generation} "
+                                     f"out of range (at most {MAX_PRODUCER_ID + 1} and 2**63 - 1)")
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                self.next_producer_id, self.generation = 0, 0  # nothing of it is trusted
                 self.damaged_to = f"{path}{DAMAGED_SUFFIX}-{time.time_ns()}"
                 os.rename(path, self.damaged_to)
                 log.warning("%s is damaged (%s): kept as %s; starting from what the store holds", path, exc,
@@ -532,7 +537,10 @@ class Broker:
         stored twice. Rings whose writer is dead are unlinked once drained. What the rings
         held is counted as received and also as adopted (`items_adopted`): work an earlier
         run accepted that this broker took over, as recovery's items are."""
-        for producer_id in range(self.state.next_producer_id):
+        # The rings that exist, not every id ever handed out: a data directory that saw
+        # millions of producer registrations must not start in minutes (nor a state file
+        # saying 10**20 spin forever).
+        for producer_id in producer_ring_ids(self.namespace):
             name = producer_ring_name(self.namespace, producer_id)
             try:
                 ring = RingReader.attach(name)
@@ -972,6 +980,9 @@ class Broker:
                                 f"(max_producers), and {len(self.producers)} are registered or draining")
         if producer_id < 0:
             producer_id = self.state.next_producer_id
+            if producer_id > MAX_PRODUCER_ID:  # item ids hold 24 bits of it (layouts.ITEM_ID_SEQ_BITS)
+                raise BadInputError(f"every producer id of this data directory is used ({MAX_PRODUCER_ID + 1:,} "
+                                    f"handed out): a new producer needs a new data directory")
             self.state.next_producer_id += 1
             try:
                 self.state.save()

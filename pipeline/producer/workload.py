@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeline.errors import WorkloadError
+from pipeline.textfiles import bounded_lines, file_kind
 from pipeline.producer.producer import ProducerLimits
 from pipeline.producer.signature import INT32_MAX, INT32_MIN
 from pipeline.producer.signature import signature as shape_signature
@@ -245,6 +246,12 @@ def shared_block_runs(hash_ids: Sequence[Sequence[int]]) -> list[int]:
     return runs
 
 
+# The longest workload line read: a prompt of the largest item (262,144 token ids, at most
+# 11 characters each in JSON) and the largest payload fit in 3 MiB; 16 MiB leaves room for
+# spacing, and bounds what a file of one endless line (a device) can cost.
+MAX_WORKLOAD_LINE_BYTES = 16 << 20
+
+
 def load_workload(path: str | os.PathLike[str], limits: ProducerLimits = ProducerLimits()) -> Workload:
     """Read and validate a workload file of either format (see the module docstring).
 
@@ -257,7 +264,14 @@ def load_workload(path: str | os.PathLike[str], limits: ProducerLimits = Produce
     parser = _FileParser(name, limits)
     try:
         with open(name, "rb") as file:
-            for number, raw in enumerate(file, start=1):
+            kind = file_kind(file.fileno())
+            if kind not in ("file", "pipe"):  # /dev/zero would be read forever
+                raise WorkloadError(f"{name}: a workload must be a file or a pipe, not a {kind}")
+            for number, raw in bounded_lines(file, MAX_WORKLOAD_LINE_BYTES):
+                if raw is None:
+                    parser.bad(number, f"longer than {MAX_WORKLOAD_LINE_BYTES:,} bytes (the longest prompt "
+                                       f"and payload fit in far less)")
+                    continue
                 parser.add(number, raw)
     except OSError as exc:
         raise WorkloadError(f"{name}: cannot read the workload file ({exc.strerror or exc})") from exc
@@ -301,6 +315,10 @@ class _FileParser:
                 self.trace_records.append(_parse_trace(record, line, self.limits))
         except WorkloadError as exc:
             self._bad(line, str(exc))
+
+    def bad(self, line: int, why: str) -> None:
+        """Line `line` cannot be used: counted, and named among the first errors."""
+        self._bad(line, why)
 
     def _bad(self, line: int, why: str) -> None:
         self.bad_lines += 1

@@ -262,8 +262,10 @@ class Launcher:
         self.interrupts = Interrupts()
         self.keep_data_dir = False
         self._store_ids: np.ndarray | None = None  # the store's live item ids, once read
-        # What an earlier run left on the data directory, read before the broker starts.
+        # What an earlier run left on the data directory, read before the broker starts, and
+        # which of it already has a result from that run (it runs again: counted).
         self.taken_over = StoreStock()
+        self._done_before = np.zeros(0, dtype=np.uint64)
 
     def run(self) -> LaunchOutcome:
         self.interrupts = Interrupts.install()
@@ -313,7 +315,22 @@ class Launcher:
         store to scan; a stopped run's is read at page-cache speed."""
         rings = ring_stock(producer_ring_names(self.data_dir))
         store = store_stock(self.data_dir) if self.settings.storage == "disk" else StoreStock()
-        return StoreStock(np.union1d(store.item_ids, rings.item_ids), store.models | rings.models)
+        taken_over = StoreStock(np.union1d(store.item_ids, rings.item_ids), store.models | rings.models)
+        if taken_over.item_ids.size:
+            self._done_before = self._results_of_earlier_runs(taken_over.item_ids)
+        return taken_over
+
+    def _results_of_earlier_runs(self, taken_over: np.ndarray) -> np.ndarray:
+        """The taken-over items that already have a result in an earlier run's files (their
+        consumer wrote it and the broker died before the completion arrived): they run
+        again here, duplicates across runs that this run's report counts. Read only when
+        something is taken over: a finished run's results are never read again."""
+        earlier = os.path.dirname(self.results_dir)
+        found: set[int] = set()
+        for name in sorted(os.listdir(earlier)) if os.path.isdir(earlier) else []:
+            if name.startswith("run-") and os.path.join(earlier, name) != self.results_dir:
+                found |= summarize_results(os.path.join(earlier, name)).item_ids
+        return np.intersect1d(taken_over, np.fromiter(found, dtype=np.uint64, count=len(found)))
 
     def consumer_configs(self) -> list[ConsumerConfig]:
         """One consumer per GPU (or `consumers` of them, spread over the GPUs), each serving one
@@ -446,9 +463,11 @@ class Launcher:
         self._clean_up(rings, keep_rings=kept)
         from pipeline.report import build_report
 
+        again = np.fromiter(results.item_ids, dtype=np.uint64, count=len(results.item_ids))
         return build_report(final or {}, results, wall_s, stock=stock, store_kept=kept,
                             not_submitted=max(0, len(self.workload) - stock.accepted) if not completed else 0,
-                            unreadable_rings=rings.unreadable)
+                            unreadable_rings=rings.unreadable,
+                            duplicates_across_runs=int(np.intersect1d(self._done_before, again).size))
 
     def _take_stock(self, results, rings: RingStock, completed: bool) -> Stock:
         """Where every item is. A completed run has nothing left in the store (the broker

@@ -20,6 +20,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import resource
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from pipeline.broker.peers import ensure_namespace, namespace_for, object_prefix
 from pipeline.broker.service import Broker, BrokerConfig, lock_run_dir
 from pipeline.broker.storage.base import StorageTier
 from pipeline.consumer.process import Consumer, ConsumerConfig
-from pipeline.errors import DurabilityError, PipelineError, ShapeGuardError
+from pipeline.errors import ConfigError, DurabilityError, PipelineError, ShapeGuardError
 from pipeline.layouts import BROKER_STATE_NAME
 from pipeline.runtime.datadir import owner_only_umask, prepare_data_dir
 from pipeline.runtime.signals import stop_on_signals
@@ -63,8 +64,47 @@ def memory_tier_dir(data_dir: str) -> str:
     return os.path.join(MEMORY_TIER_ROOT, object_prefix(namespace_for(data_dir)) + "memory")
 
 
-def open_storage(data_dir: str, storage: str, durability: str) -> OpenedStorage:
-    """The storage tier named by `storage` ("disk" or "memory"), recovered if on disk."""
+# Descriptors a broker holds besides its segment files and its peers' connections: the
+# listener, the wake pipe, the lock, state, catalog and log files, metrics, a few in-process
+# read mappings (DiskTier.READ_MAPS_MAX, each a descriptor).
+BROKER_FD_HEADROOM = 96
+# Descriptors an open segment file holds: its own, and the one Python's mmap keeps (a dup):
+# 512 open segments took 1,024 and a broker at `ulimit -n 1024` died with EMFILE in the
+# demo (issue 11's hostile test).
+FDS_PER_OPEN_SEGMENT = 2
+# Fewer open segment files than this and a sticky shape's lanes thrash the cache: a broker
+# whose descriptor limit leaves less refuses to start, saying so, rather than fail later.
+MIN_OPEN_SEGMENT_FILES = 16
+
+
+def open_files_budget(config: BrokerConfig) -> int:
+    """How many segment files the broker may keep open: its soft descriptor limit (raised to
+    the hard one first: a broker's own limit is its to raise), less what its peers at their
+    limits and its own files need, two descriptors a segment, at most the store's default.
+    ConfigError when that leaves fewer than MIN_OPEN_SEGMENT_FILES."""
+    from pipeline.broker.storage.segments import DEFAULT_OPEN_FILES_MAX
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        wanted = 1 << 16 if hard == resource.RLIM_INFINITY else hard
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, wanted), hard))
+            soft = max(soft, wanted)
+        except (OSError, ValueError):
+            pass
+    peers = config.max_consumers + config.max_producers + config.max_unregistered_peers
+    budget = (soft - BROKER_FD_HEADROOM - peers) // FDS_PER_OPEN_SEGMENT
+    if budget < MIN_OPEN_SEGMENT_FILES:
+        need = BROKER_FD_HEADROOM + peers + MIN_OPEN_SEGMENT_FILES * FDS_PER_OPEN_SEGMENT
+        raise ConfigError(f"the descriptor limit (ulimit -n) is {soft}: a broker needs at least {need} "
+                          f"({peers} for its peers at their limits, {MIN_OPEN_SEGMENT_FILES} segment files); "
+                          f"raise it (ulimit -n {max(need, 1024)})")
+    return min(DEFAULT_OPEN_FILES_MAX, budget)
+
+
+def open_storage(data_dir: str, storage: str, durability: str, open_files_max: int | None = None) -> OpenedStorage:
+    """The storage tier named by `storage` ("disk" or "memory"), recovered if on disk.
+    `open_files_max`: segment files kept open at once (default: the store's)."""
     from pipeline.broker.storage.disk import DiskTier
     from pipeline.broker.storage.segment import Durability
 
@@ -72,8 +112,9 @@ def open_storage(data_dir: str, storage: str, durability: str) -> OpenedStorage:
         raise ValueError(f"storage must be one of {', '.join(STORAGE_KINDS)}, got {storage!r}")
     if durability not in DURABILITY_LEVELS:
         raise ValueError(f"durability must be one of {', '.join(DURABILITY_LEVELS)}, got {durability!r}")
+    options = {} if open_files_max is None else {"open_files_max": open_files_max}
     if storage == "disk":
-        return OpenedStorage(DiskTier.open(data_dir, Durability(durability)), data_dir, volatile=False)
+        return OpenedStorage(DiskTier.open(data_dir, Durability(durability), **options), data_dir, volatile=False)
     if durability == "power":
         raise ValueError("durability 'power' needs the disk tier: the memory tier is not durable")
     directory = memory_tier_dir(data_dir)
@@ -82,7 +123,7 @@ def open_storage(data_dir: str, storage: str, durability: str) -> OpenedStorage:
         log.warning("removing the memory tier of an earlier broker at %s", directory)
         shutil.rmtree(directory)
     os.makedirs(directory, mode=0o700)
-    return OpenedStorage(DiskTier.open(directory, Durability.PROCESS), directory, volatile=True)
+    return OpenedStorage(DiskTier.open(directory, Durability.PROCESS, **options), directory, volatile=True)
 
 
 def serve_broker(config: BrokerConfig, storage: str = "disk", durability: str = "process",
@@ -95,7 +136,7 @@ def serve_broker(config: BrokerConfig, storage: str = "disk", durability: str = 
         prepare_data_dir(config.data_dir)  # owner-only, or refused (another user could change it)
         lock_fd = lock_run_dir(config.run_dir)  # before recovery touches any file
         ensure_namespace(config.data_dir, ran_before=os.path.exists(os.path.join(config.data_dir, BROKER_STATE_NAME)))
-        opened = open_storage(config.data_dir, storage, durability)
+        opened = open_storage(config.data_dir, storage, durability, open_files_budget(config))
         broker = Broker(config, opened.tier, lock_fd=lock_fd, storage_dir=opened.directory)
     except (PipelineError, ValueError, OSError) as exc:
         log.critical("the broker cannot start: %s", exc)

@@ -7,6 +7,7 @@ the open-file bound. Deterministic: seeded, no wall clock."""
 from __future__ import annotations
 
 import errno
+import glob
 import os
 import shutil
 import struct
@@ -537,3 +538,32 @@ def test_a_recovered_lane_beyond_the_lane_budget_is_refused_by_name(tmp_path):
         assert Dispatcher(wide, lane_config=LaneConfig(max_lanes=4096)).recover(0.0) == 4  # a budget that holds it
     finally:
         wide.close()
+
+
+def test_a_segment_whose_header_lane_field_flipped_is_salvaged_under_the_name_the_catalog_knows(tmp_path):
+    """One flipped byte in a header's lane field: the identity checksum fails and the key
+    fields disagree with the file name, but the catalog recorded a segment of exactly the
+    name's keys. Its entries are delivered under them, through the open-file cache's
+    reopens too, and the file goes to quarantine/ once they are done, never deleted."""
+    data_dir = str(tmp_path / "data")
+    tier = DiskTier.open(data_dir)
+    tier.append(AppendGroup(LANE_A, make_frame(1, 0, [(0, 0xA1)] * 6, [40] * 6), np.arange(6)))
+    tier.append(AppendGroup(LaneKey(0, 0xA1, 1), make_frame(1, 6, [(0, 0xA1)] * 2, [80] * 2), np.arange(2)))
+    tier.flush()
+    tier.close()
+    path = segment_path(data_dir, 0, 0xA1, LANE_A.lane, 0)
+    with open(path, "r+b") as file:  # the lane field of the identity block
+        file.seek(20)
+        byte = file.read(1)
+        file.seek(20)
+        file.write(bytes([byte[0] ^ 0x04]))
+    tier = DiskTier.open(data_dir, open_files_max=1)  # every other access reopens a file
+    try:
+        assert tier.recovery.damaged_identities and tier.queued_items() == 8
+        dispatcher = Dispatcher(tier)
+        dispatcher.recover(0.0)
+        assert sorted(drain(dispatcher)) == [(1 << 40) | s for s in range(8)]
+        dispatcher.check_invariants()
+    finally:
+        tier.close()
+    assert not os.path.exists(path) and glob.glob(os.path.join(data_dir, "quarantine", "**", "*.seg"), recursive=True)

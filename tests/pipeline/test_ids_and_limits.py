@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pipeline.broker.service import BrokerConfig
-from pipeline.errors import ConfigError, ModelIdError, ProducerRefusedError
+from pipeline.errors import ConfigError, ModelIdError, ProducerRefusedError, ProtocolError
 from pipeline.layouts import DEFAULT_MAX_MODELS, MODEL_ID_LIMIT
 from pipeline.producer.client import BrokerProducer
 from pipeline.producer.producer import ProducerLimits
@@ -91,3 +91,35 @@ def test_a_lost_state_file_never_hands_out_a_producer_id_again(tmp_path, what):
         assert stop(again) == 0
     if what == "garbled":
         assert [p.name for p in (tmp_path / "data").glob("broker-state.json.damaged-*")]
+
+
+def test_producer_ids_are_handed_out_up_to_the_last_an_item_id_holds(tmp_path):
+    """An item id holds 24 bits of its producer id: the last one is handed out, the next
+    registration is refused with the reason; a state file past the limit (or absurd) is
+    kept aside as damaged, not trusted (10**20 made the start spin forever)."""
+    import json
+
+    from pipeline.layouts import MAX_PRODUCER_ID
+
+    data = tmp_path / "data"
+    data.mkdir(mode=0o700)
+    state = data / "broker-state.json"
+    state.write_text(json.dumps({"next_producer_id": MAX_PRODUCER_ID, "generation": 3}))
+    socket_path = BrokerConfig(str(data)).socket_path
+    broker = start_broker(str(data))
+    try:
+        last = BrokerProducer(socket_path, capacity_bytes=1 << 20, limits=ProducerLimits(max_item_tokens=1000))
+        assert last.producer_id == MAX_PRODUCER_ID
+        last.close()
+        with pytest.raises(ProtocolError, match="every producer id of this data directory is used"):
+            BrokerProducer(socket_path, capacity_bytes=1 << 20, limits=ProducerLimits(max_item_tokens=1000))
+    finally:
+        assert stop(broker) == 0
+    state.write_text(json.dumps({"next_producer_id": 10**20, "generation": 1}))
+    again = start_broker(str(data))
+    try:
+        with BrokerProducer(socket_path, capacity_bytes=1 << 20, limits=ProducerLimits(max_item_tokens=1000)) as p:
+            assert p.producer_id == 0  # nothing stored: the store holds no producer's work
+    finally:
+        assert stop(again) == 0
+    assert list(data.glob("broker-state.json.damaged-*"))

@@ -82,6 +82,10 @@ def rerun_finishes_everything(tmp_path, data: str, first: set[int]) -> None:
     assert finished["accounting_ok"] is True and finished["lost"] == 0 and finished["items_unexpected"] == 0
     assert finished["items_taken_over"] >= unfinished > 0
     assert first and first <= result_ids(data)
+    # Taken-over items that had a result already ran again: counted as duplicates across runs.
+    runs = sorted(glob.glob(os.path.join(data, "results", "run-*")))
+    both = set.intersection(*(summarize_results(d).item_ids for d in runs[-2:])) if len(runs) > 1 else set()
+    assert finished["duplicates_across_runs"] == len(both)
     assert shm_objects_of(data) == []
 
 

@@ -20,3 +20,38 @@ def test_quiet_gc_freezes_start_up_objects_and_raises_the_young_threshold():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
+
+
+def budget_under(soft: int, hard: int) -> str:
+    """`open_files_budget` of a default broker in a fresh interpreter whose descriptor limit
+    is (soft, hard): the budget and the soft limit after, or the error."""
+    code = (
+        "import resource\n"
+        f"resource.setrlimit(resource.RLIMIT_NOFILE, ({soft}, {hard}))\n"
+        "from pipeline.broker.service import BrokerConfig\n"
+        "from pipeline.runtime.processes import open_files_budget\n"
+        "try:\n"
+        "    print(open_files_budget(BrokerConfig('/tmp/x')), resource.getrlimit(resource.RLIMIT_NOFILE)[0])\n"
+        "except Exception as exc:\n"
+        "    print(type(exc).__name__, exc)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_the_broker_keeps_no_more_segment_files_open_than_its_descriptor_limit_allows():
+    """Each open segment file holds two descriptors (its own and mmap's): at 1,024 the old
+    512-file cache took every one and the broker died with EMFILE. The soft limit is raised
+    to the hard one; what is left after the peers' connections sizes the cache; a limit that
+    leaves too little refuses the start, saying what to raise."""
+    from pipeline.broker.service import BrokerConfig
+    from pipeline.runtime.processes import BROKER_FD_HEADROOM, FDS_PER_OPEN_SEGMENT, MIN_OPEN_SEGMENT_FILES
+
+    config = BrokerConfig("/tmp/x")
+    peers = config.max_consumers + config.max_producers + config.max_unregistered_peers
+    assert budget_under(1024, 1024) == f"{(1024 - BROKER_FD_HEADROOM - peers) // FDS_PER_OPEN_SEGMENT} 1024"
+    assert budget_under(1024, 8192) == "512 8192"  # raised to the hard limit: the store's default
+    least = BROKER_FD_HEADROOM + peers + MIN_OPEN_SEGMENT_FILES * FDS_PER_OPEN_SEGMENT
+    assert budget_under(least, least) == f"{MIN_OPEN_SEGMENT_FILES} {least}"  # at the limit
+    assert budget_under(least - 1, least - 1).startswith(f"ConfigError the descriptor limit (ulimit -n) is {least - 1}")

@@ -374,7 +374,8 @@ class SegmentFile:
         fd = os.open(path, os.O_RDWR)
         try:
             header = os.pread(fd, SEGMENT_HEADER_SIZE_BYTES, 0)
-            found, _created_ns, _damage = establish_identity(header, path, keys)
+            # `keys` are the store's: it established them (at recovery, or by creating it).
+            found, _created_ns, _damage = establish_identity(header, path, keys, name_confirmed=keys is not None)
             size = os.fstat(fd).st_size
         except BaseException:
             os.close(fd)

@@ -424,7 +424,7 @@ class SegmentStore:
     def _recover_segment(self, found: SegmentPath, reading: CatalogReading | None, report: RecoveryReport) -> None:
         report.segments_scanned += 1
         try:
-            scan = scan_segment(found.path, found.keys)
+            scan = scan_segment(found.path, found.keys, name_confirmed=reading is not None and found.keys in reading.live)
         except SegmentFormatError as exc:
             self._quarantine_unidentified(found, str(exc), reading, report)
             return

@@ -1,0 +1,52 @@
+"""Reading JSON-lines files that come from outside (workloads, results) with bounded memory.
+
+A line longer than the reader's limit is never held whole: it is skipped to its newline in
+chunks and reported as too long, so a file of one endless line (`/dev/zero`, a torn file of
+gigabytes) costs a chunk of memory, not all of it (issue 11: `pipeline status` on a results
+file linked to /dev/zero grew to 10 GB in 30 s).
+
+    for number, line in bounded_lines(file, MAX_LINE_BYTES):
+        if line is None: ...  # line `number` was longer than the limit
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Iterator
+from typing import BinaryIO
+
+# How much of an over-long line is read at a time while it is skipped.
+SKIP_CHUNK_BYTES = 1 << 20
+
+
+def bounded_lines(file: BinaryIO, limit_bytes: int) -> Iterator[tuple[int, bytes | None]]:
+    """(line number from 1, the line with its newline) for every line of a binary file, or
+    (number, None) for a line longer than `limit_bytes` (skipped, never held whole)."""
+    number = 0
+    while True:
+        line = file.readline(limit_bytes + 1)
+        if not line:
+            return
+        number += 1
+        if line.endswith(b"\n") or len(line) <= limit_bytes:  # whole, or a last line cut short
+            yield number, line
+            continue
+        while not line.endswith(b"\n"):  # the rest of the over-long line
+            line = file.readline(SKIP_CHUNK_BYTES)
+            if not line:
+                break
+        yield number, None
+
+
+def file_kind(fd: int) -> str:
+    """"file", "pipe" (a FIFO or socket: a stream that ends), or what else it is (a device,
+    a directory) for messages."""
+    mode = os.fstat(fd).st_mode
+    if stat.S_ISREG(mode):
+        return "file"
+    if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+        return "pipe"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "device"
+    return "directory" if stat.S_ISDIR(mode) else "special file"
