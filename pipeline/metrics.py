@@ -245,7 +245,10 @@ class MetricsServer:
         is the loopback: a metrics port is opened to the network only when asked."""
         registry = CollectorRegistry()
         registry.register(StatusCollector(fetch))
-        httpd, thread = start_http_server(port, addr=host, registry=registry)
+        try:
+            httpd, thread = start_http_server(port, addr=host, registry=registry)
+        except OSError as exc:  # a port in use, say: the message names it
+            raise OSError(exc.errno, f"metrics port {host}:{port}: {exc.strerror}") from exc
         return cls(httpd, thread)
 
     @property

@@ -381,6 +381,9 @@ def render_report(report: dict, console: Console | None = None) -> None:
         console.print(f"[bold red]STORE DAMAGE: {report['items_undeliverable']:,} stored items cannot be delivered"
                       f"{_unknown_damage(report)} (each named in the broker's log; `pipeline tools verify "
                       f"DATA_DIR` lists them)[/bold red]")
+    elif report.get("store_damage", {}).get("quarantine_files"):
+        console.print(f"[yellow]quarantine/ holds {report['store_damage']['quarantine_files']:,} files earlier damage "
+                      f"left (`pipeline tools verify DATA_DIR` names them; remove them once looked at)[/yellow]")
     console.print(_pairs_table("Efficiency", _efficiency_rows(report)))
     console.print(_pairs_table("Lanes", [(key.replace("_", " "), format_count(value))
                                          for key, value in report["lanes"].items()]))

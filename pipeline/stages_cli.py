@@ -30,6 +30,7 @@ from pipeline.runtime.settings import (
     DEFAULT_MAX_BATCH_ITEMS,
     DEFAULT_MAX_BATCH_TOKENS,
     DEFAULT_MAX_INPUT_LEN,
+    MAX_ITEMS,
     MAX_PRODUCER_PROCESSES,
     check_replay_speed,
 )
@@ -98,7 +99,7 @@ def broker() -> None:
 @click.option("--durability", type=click.Choice(DURABILITY_LEVELS), default="process", show_default=True)
 @click.option("--heartbeat-timeout-s", type=float, default=DEFAULT_HEARTBEAT_TIMEOUT_S, show_default=True,
               help="A consumer silent this long is declared dead.")
-@click.option("--metrics-port", type=int, help="Serve Prometheus metrics on this port.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), help="Serve Prometheus metrics on this port.")
 @click.option("--detach", is_flag=True, help="Run in the background (pid and log files in DATA_DIR/run).")
 @click.option("-v", "--verbose", is_flag=True)
 def broker_start(data_dir: str, storage: str, durability: str, heartbeat_timeout_s: float,
@@ -227,7 +228,7 @@ def consumer_stop(data_dir: str, name: str | None, timeout_s: float) -> None:
 @data_dir_option
 @click.option("--producers", type=click.IntRange(min=1, max=MAX_PRODUCER_PROCESSES), default=1, show_default=True,
               help="Producer processes.")
-@click.option("--items", type=click.IntRange(min=1), help="Submit only the first N items.")
+@click.option("--items", type=click.IntRange(min=1, max=MAX_ITEMS), help="Submit only the first N items.")
 @click.option("--replay-speed", type=float, help="Honour the file's timestamps, X times faster.")
 def produce(workload_file: str, data_dir: str, producers: int, items: int | None, replay_speed: float | None) -> None:
     """Submit a workload file to the running broker; exits once all of it is stored. While
@@ -241,6 +242,7 @@ def produce(workload_file: str, data_dir: str, producers: int, items: int | None
     check_data_dir(data_dir)
     config = BrokerConfig(data_dir)
     check_replay_speed(replay_speed)
+    setup_logging(False)  # a producer's failure is said on stderr
     if not _broker_answers(config.socket_path):
         raise click.ClickException(f"no broker answers on {config.socket_path}: start one first")
     try:
@@ -259,11 +261,13 @@ def produce(workload_file: str, data_dir: str, producers: int, items: int | None
     stored = outcome.published - left
     where = (f"; {left:,} wait in the producer rings (a few may be stored already: none is stored twice), "
              f"and the broker on {data_dir} stores them once it can (nothing is lost)" if left else "")
+    unsent = len(workload) - outcome.published
+    never = f"; {unsent:,} were never submitted: submit them again" if unsent else ""
     if outcome.failed:
-        raise click.ClickException(f"{outcome.failed} of {producers} producers failed (see the messages above): "
-                                   f"{stored:,} of {len(workload):,} items stored{where}")
+        raise click.ClickException(f"{outcome.failed} of {producers} producers failed or were killed: "
+                                   f"{stored:,} of {len(workload):,} items stored{where}{never}")
     if outcome.interrupted:
-        click.echo(f"interrupted: {stored:,} of {len(workload):,} items stored{where}", err=True)
+        click.echo(f"interrupted: {stored:,} of {len(workload):,} items stored{where}{never}", err=True)
         sys.exit(130)
     click.echo(f"submitted {len(workload)} items, {workload.total_tokens} tokens: all stored")
 
@@ -311,6 +315,13 @@ def _unstored_items(data_dir: str, producer_ids: list[int]) -> int:
     return int(ring_stock(name for name in producer_ring_names(data_dir) if name in ours).item_ids.size)
 
 
+# The broker status fields `status` shows beside the report, with what a reply lacking one shows.
+STATUS_FIELDS: dict[str, object] = {
+    "backlog_items": 0, "backlog_tokens": 0, "pending_items": 0, "consumers": {}, "shapes": 0, "lanes_in_use": 0,
+    "top_shapes": [], "disk_full": False, "peers_refused": 0, "peers_shed": 0, "stalls": 0, "stalled_s": 0.0,
+}
+
+
 @click.command()
 @data_dir_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable: the report's counters and more.")
@@ -329,18 +340,19 @@ def status(data_dir: str, as_json: bool, results_dir: str | None) -> None:
     except (OSError, TimeoutError, ProtocolError) as exc:
         raise click.ClickException(f"no broker answers on {config.socket_path} ({exc})") from exc
     results = summarize_results(results_dir or os.path.join(data_dir, RESULTS_DIR))
-    report = build_report(counters, results, counters["uptime_s"])
+    report = build_report(counters, results, counters.get("uptime_s", 0.0))
     # NOTE: a live broker's counters cover its own life only, while results files span
     # restarts and runs: `lost` and the verdict would be noise. The end of a run (launch's
     # report, or `pipeline tools verify`) is where the accounting is checked.
     report.update(lost=None, accounting_ok=None)
-    report.update(backlog_items=counters["backlog_items"], backlog_tokens=counters["backlog_tokens"],
-                  pending_items=counters["pending_items"], consumers=counters["consumers"],
-                  shapes=counters["shapes"], lanes_in_use=counters["lanes_in_use"],
-                  top_shapes=counters["top_shapes"], disk_full=counters["disk_full"])
+    # A reply without a field (an older broker) shows what it has, never a traceback.
+    report.update({key: counters.get(key, default) for key, default in STATUS_FIELDS.items()})
     if as_json:
         click.echo(json.dumps(report, indent=2, sort_keys=True))
         return
     render_report(report)
     click.echo(f"backlog {report['backlog_items']} items / {report['backlog_tokens']} tokens, "
-               f"pending {report['pending_items']}, consumers: {', '.join(report['consumers']) or 'none'}")
+               f"pending {report['pending_items']}, consumers: {', '.join(report['consumers']) or 'none'}; "
+               f"peers refused {report['peers_refused']}, shed {report['peers_shed']}; "
+               f"broker stalls {report['stalls']} ({report['stalled_s']:.1f} s)"
+               + ("; DISK FULL: ingest paused" if report["disk_full"] else ""))

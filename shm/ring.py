@@ -239,6 +239,10 @@ class SharedRing:
         # gets StaleObjectError can still close the map.
         magic, version, header_size, capacity = _IDENTITY.unpack_from(mapping, 0)
         self._check_identity(magic, version, header_size, capacity, len(mapping))
+        # The semaphores before any view too: a ring whose creator unlinked it between our
+        # open of the memory and of its semaphores raises ObjectMissingError here, and the
+        # caller's close of the map would fail on a live view (BufferError killed a broker).
+        self._data_sem, self._space_sem = self._open_semaphores(name, creator)
         self._header = memoryview(mapping)[:HEADER_SIZE_BYTES]
         self._u64 = self._header.cast("Q")
         self._u32 = self._header.cast("I")
@@ -251,11 +255,20 @@ class SharedRing:
         # The same bytes as a memoryview: struct and slice assignment on it cost about half
         # of what they cost on the numpy array (measured: 53 ns against 176 ns a copy).
         self.buf = memoryview(mapping)[HEADER_SIZE_BYTES:]
-        data_name, space_name = _sem_names(name)
-        self._data_sem = open_semaphore(data_name, create=creator)
-        self._space_sem = open_semaphore(space_name, create=creator)
         self._closed = False
         self._unlinked = False
+
+    @staticmethod
+    def _open_semaphores(name: str, creator: bool) -> tuple:
+        """The ring's data and space semaphores, or neither (the first is closed if the
+        second cannot be opened)."""
+        data_name, space_name = _sem_names(name)
+        data_sem = open_semaphore(data_name, create=creator)
+        try:
+            return data_sem, open_semaphore(space_name, create=creator)
+        except BaseException:
+            data_sem.close()
+            raise
 
     def _check_identity(self, magic: bytes, version: int, header_size: int, capacity: int, size: int) -> None:
         where = f"ring {self.name}"

@@ -27,6 +27,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Kill any child process a test left running, and fail the run for it. NOTE: without
+    this, multiprocessing's exit handler joins a non-daemon child (a broker a failed test
+    never stopped) forever: pytest printed its summary and CI then timed out at 90 minutes."""
+    leftovers = mp.active_children()
+    for child in leftovers:
+        child.kill()
+        child.join(5)
+    if leftovers:
+        names = ", ".join(f"{child.name} (pid {child.pid})" for child in leftovers)
+        print(f"\nconftest: tests left child processes running, killed: {names}", flush=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def _objects_with(tag: str) -> list[str]:
     return sorted(name for name in os.listdir("/dev/shm") if tag in name)
 

@@ -76,6 +76,9 @@ POLL_S = 0.2
 # file's space allocated): about a stat per mapped segment each time, nothing per item.
 DROP_DELETED_INTERVAL_S = 1.0
 
+# The key under which `run_batch` returns the item ids it answered "corrupt" (entries that
+# failed their checks): the completion names them to the broker.
+CORRUPT_KEY = "corrupt_item_ids"
 STATUS_OK = "ok"
 STATUS_TOO_LONG = "too_long"
 STATUS_CORRUPT = "corrupt"
@@ -364,7 +367,11 @@ class Consumer:
             results = self.run_batch(descriptor)
             session.ring.release(record.end)
             grant = credit.completed(time.monotonic() - started_s)
-            session.send({"type": "complete", "batch_id": descriptor.batch_id, "results": results, "credit": grant})
+            completion = {"type": "complete", "batch_id": descriptor.batch_id, "results": results, "credit": grant}
+            corrupt = results.pop(CORRUPT_KEY)
+            if corrupt:  # the broker keeps their segment as evidence (quarantine/), never deletes it
+                completion["corrupt"] = corrupt
+            session.send(completion)
         session.send({"type": "goodbye"})
 
     def _credit_window(self, ring: RingReader) -> CreditWindow:
@@ -391,6 +398,7 @@ class Consumer:
                 log.error("%s: %s", self.config.name, exc)
                 lines.append(self._line(descriptor, item_id, STATUS_CORRUPT, length, 0, [], b""))
                 statuses[STATUS_CORRUPT] += 1
+        corrupt = [item_id for item_id, _length, exc in got.failed if not isinstance(exc, EntryCompletedError)]
         limit = self.config.max_input_len
         runnable = list(range(len(got.item_ids)))
         if got.lengths and max(got.lengths) > limit:
@@ -415,7 +423,7 @@ class Consumer:
         c.prompt_tokens += sum(got.lengths)
         engine_after = _engine_totals(self.engine)
         return {**{f"items_{k}": v for k, v in statuses.items()},
-                **{k: engine_after[k] - engine_before[k] for k in engine_after}}
+                **{k: engine_after[k] - engine_before[k] for k in engine_after}, CORRUPT_KEY: corrupt}
 
     @staticmethod
     def _line(d: Descriptor, item_id: int, status: str, prompt: int, cached: int, output: list,

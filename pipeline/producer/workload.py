@@ -554,12 +554,18 @@ def _integer(value: object, what: str, low: int, high: int) -> int:
     return value
 
 
+# The latest timestamp a workload line may carry: 10**12 ms is 31 years of replay; past it a
+# replay's sleep overflows (1e308 ms was refused only inside a producer, after the start).
+MAX_TIMESTAMP_MS = 10**12
+
+
 def _timestamp(value: object, what: str, *, optional: bool) -> float | None:
-    """Milliseconds since the start of the run: a finite number >= 0 (or None if optional)."""
+    """Milliseconds since the start of the run: a finite number in [0, MAX_TIMESTAMP_MS] (or
+    None if optional)."""
     if value is None and optional:
         return None
-    if type(value) not in (int, float) or not math.isfinite(value) or value < 0:  # type: ignore[arg-type]
-        raise WorkloadError(f"{what} must be a finite number of milliseconds >= 0, got {_show(value)}")
+    if type(value) not in (int, float) or not math.isfinite(value) or not 0 <= value <= MAX_TIMESTAMP_MS:  # type: ignore[arg-type,operator]
+        raise WorkloadError(f"{what} must be a number of milliseconds in [0, {MAX_TIMESTAMP_MS:,}], got {_show(value)}")
     return float(value)  # type: ignore[arg-type]
 
 

@@ -152,7 +152,12 @@ def _hand_over(client, parent: int) -> None:
         except TimeoutError:
             if os.getppid() == parent:
                 continue
-            client.close(timeout_s=0)  # TimeoutError unless all got stored meanwhile: the ring stays
+            try:
+                client.close(timeout_s=0)  # unless all got stored meanwhile, the ring stays
+            except TimeoutError:
+                raise TimeoutError(f"its parent is gone: what it published and the broker did not store "
+                                   f"stays in its ring {client.ring.name} for the next broker on the data "
+                                   f"directory") from None
             return
         client.close()
         return

@@ -159,6 +159,15 @@ def test_verify_fails_without_a_catalog(tmp_path):
     assert run_verify(str(tmp_path))[0] == 0
 
 
+def test_verify_of_a_directory_that_is_not_a_data_directory_is_refused(tmp_path):
+    # A typo'd path must not pass as an empty, healthy store.
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(StoreReadError, match="not a data directory"):
+        verify(str(tmp_path))
+    build_store(str(tmp_path / "data"))
+    assert run_verify(str(tmp_path / "data"))[0] == 0
+
+
 def test_dump_segment_and_tombstones(tmp_path):
     paths = build_store(str(tmp_path))
     result = CliRunner().invoke(main, ["tools", "dump-segment", paths[1], "--json"])

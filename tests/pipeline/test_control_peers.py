@@ -149,17 +149,22 @@ def test_unregistered_connections_are_capped_by_shedding_the_oldest_idle(tmp_pat
 
 
 def _serve_with_few_descriptors(config: BrokerConfig, spare: int, ready) -> None:
-    """A broker child whose descriptor limit leaves `spare` free: a flood of connections
-    exhausts it."""
+    """A broker child whose descriptor limit, once it serves, leaves `spare` free (as
+    `prlimit --nofile` on a running broker would): a flood of connections exhausts it. The
+    limit is lowered after start because a broker refuses to start with too few."""
     own_process_group()
-    limit = len(os.listdir("/proc/self/fd")) + spare
-    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
-    os._exit(serve_broker(config, on_ready=lambda: ready.send("ready")))
+
+    def lower_the_limit_then_report() -> None:
+        limit = len(os.listdir("/proc/self/fd")) + spare
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+        ready.send("ready")
+
+    os._exit(serve_broker(config, on_ready=lower_the_limit_then_report))
 
 
 def test_a_broker_out_of_descriptors_backs_off_and_keeps_serving(tmp_path):
     # The unregistered cap above what the descriptors allow: accept itself fails (EMFILE).
-    config = BrokerConfig(str(tmp_path / "data"), max_unregistered_peers=10_000)
+    config = BrokerConfig(str(tmp_path / "data"), max_unregistered_peers=1_000)
     ready, child_end = CTX.Pipe(duplex=False)
     process = CTX.Process(target=_serve_with_few_descriptors, args=(config, 48, child_end))
     process.start()
@@ -218,7 +223,7 @@ def _rss_bytes(pid: int) -> int:
     (MAX_REQUEST_BYTES - 1, 200),  # each within the request limit; together past the global cap
 ])
 def test_partial_messages_cannot_grow_the_broker(tmp_path, partial_bytes, connections):
-    config = BrokerConfig(str(tmp_path / "data"), max_unregistered_peers=10_000)
+    config = BrokerConfig(str(tmp_path / "data"), max_unregistered_peers=1_000)
     process = start_broker_process(config)
     chunk = b" " * partial_bytes
     socks = []

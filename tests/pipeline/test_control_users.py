@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from pipeline.broker.peers import doorbell_name, namespace_for
+from pipeline.broker.peers import doorbell_name, ensure_namespace, namespace_for
 from pipeline.broker.service import BrokerConfig
 from pipeline.errors import UntrustedPeerError
 from pipeline.protocol import Connection
@@ -176,12 +176,31 @@ def test_a_semaphore_another_user_created_under_our_name_is_refused(other_user, 
 
 
 def test_a_broker_refuses_a_doorbell_another_user_planted(other_user, tmp_path):
+    # A fresh data directory's names are random, so a squatter cannot guess them; a data
+    # directory a broker ran on keeps its namespace, which another user may have read.
     config = BrokerConfig(str(tmp_path / "data"))
-    bell = doorbell_name(namespace_for(config.data_dir))
+    os.makedirs(config.data_dir, mode=0o700)
+    bell = doorbell_name(ensure_namespace(config.data_dir, ran_before=False))
     other_user.run(CREATE_SEMAPHORE, bell)
     try:
         with pytest.raises(RuntimeError, match="exited at start"):
-            start_broker_process(config)
+            broker = start_broker_process(config)
+            stop(broker)  # it must not start; stopped so that a failure cannot hang the run
         assert os.stat(semaphore_path(bell)).st_uid == other_user.uid  # not used, not removed
     finally:
         unlink_quietly([], [bell])
+
+
+def test_a_squatter_cannot_guess_a_fresh_data_directorys_names(other_user, tmp_path):
+    config = BrokerConfig(str(tmp_path / "data"))
+    guessed = doorbell_name(namespace_for(config.data_dir))  # what the path alone would give
+    other_user.run(CREATE_SEMAPHORE, guessed)
+    try:
+        broker = start_broker_process(config)
+        try:
+            assert namespace_for(config.data_dir) != guessed.split("-")[1]
+            assert status(config.socket_path)["consumers_lost"] == 0
+        finally:
+            assert stop(broker) == 0
+    finally:
+        unlink_quietly([], [guessed])

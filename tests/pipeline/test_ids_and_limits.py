@@ -16,7 +16,7 @@ from pipeline.producer.client import BrokerProducer
 from pipeline.producer.producer import ProducerLimits
 from pipeline.broker.peers import namespace_for, producer_ring_name
 from pipeline.runtime.local import remove_leftovers
-from tests.pipeline.harness import start_broker, status, stop
+from tests.pipeline.harness import start_broker, status, stop, wait_until
 from tests.runtime.runs import shm_objects_of
 
 TOKENS = np.arange(50, dtype=np.int32)
@@ -123,3 +123,44 @@ def test_producer_ids_are_handed_out_up_to_the_last_an_item_id_holds(tmp_path):
     finally:
         assert stop(again) == 0
     assert list(data.glob("broker-state.json.damaged-*"))
+
+
+def test_damage_a_consumer_finds_keeps_its_segment_as_evidence(tmp_path):
+    """A byte of a stored entry flipped while the broker runs: the consumer's checksum check
+    answers it "corrupt", and the completion names it, so its segment is kept (never
+    deleted with the rest), the damage counted in status, and `verify` fails. Before, the
+    segment was tombstoned and deleted and `verify` said OK."""
+    import glob
+
+    from pipeline.broker.storage.inspect import verify
+    from pipeline.broker.storage.scan import scan_segment
+    from pipeline.runtime.local import start_consumer
+    from tests.pipeline.harness import read_results
+    from tests.pipeline.test_end_to_end import consumer_config
+
+    data = str(tmp_path / "data")
+    broker = start_broker(data)
+    socket_path = BrokerConfig(data).socket_path
+    try:
+        with BrokerProducer(socket_path, capacity_bytes=16 << 20) as producer:
+            for _ in range(20):
+                producer.submit(0, 7, TOKENS)
+        (path,) = glob.glob(f"{data}/segments/*/*/*.seg")
+        offset = int(scan_segment(path).offsets[3])
+        with open(path, "r+b") as file:  # a token of entry 3, through the page cache the broker maps
+            file.seek(offset + 64 + 8)
+            byte = file.read(1)
+            file.seek(offset + 64 + 8)
+            file.write(bytes([byte[0] ^ 0xFF]))
+        consumer = start_consumer(consumer_config(tmp_path, socket_path, 0))
+        try:
+            done = wait_until(lambda: (s := status(socket_path))["items_completed"] == 20 and s, 60, "all done")
+        finally:
+            stop(consumer)
+        assert done["store_damage"]["entries_damaged_at_read"] == 1
+        rows = read_results(str(tmp_path / "results"))
+        assert sorted(row["status"] for row in rows).count("corrupt") == 1
+    finally:
+        assert stop(broker) == 0
+    kept = glob.glob(f"{data}/segments/*/*/*.seg") + glob.glob(f"{data}/quarantine/**/*.seg", recursive=True)
+    assert kept and not verify(data).ok

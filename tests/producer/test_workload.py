@@ -19,6 +19,7 @@ from pipeline.producer.workload import (
     BLOCK_STREAM,
     DEMO_SHAPES,
     MAX_LISTED_ERRORS,
+    MAX_TIMESTAMP_MS,
     VOCAB_SIZE,
     demo_workload,
     hashed_tokens,
@@ -115,8 +116,10 @@ BAD_OWN_LINES = [
     ({"payload": "x" * 101, "suffix": [1]}, "payload of 101 bytes, limit 100"),
     ({"payload": "é" * 51, "suffix": [1]}, "payload of 102 bytes, limit 100"),
     ({"payload": 5, "suffix": [1]}, "payload must be a string, got int 5"),
-    ({"timestamp_ms": -1, "suffix": [1]}, "timestamp_ms must be a finite number of milliseconds >= 0, got int -1"),
-    ({"timestamp_ms": "soon", "suffix": [1]}, "timestamp_ms must be a finite number"),
+    ({"timestamp_ms": -1, "suffix": [1]}, "timestamp_ms must be a number of milliseconds in [0, 1,000,000,000,000], got int -1"),
+    ({"timestamp_ms": 10**12 + 1, "suffix": [1]}, "in [0, 1,000,000,000,000], got int 1000000000001"),
+    ({"timestamp_ms": 1e308, "suffix": [1]}, "in [0, 1,000,000,000,000], got float 1e+308"),
+    ({"timestamp_ms": "soon", "suffix": [1]}, "timestamp_ms must be a number of milliseconds"),
     ('{"timestamp_ms": NaN, "suffix": [1]}', "got float nan"),
     ({"suffix": [1], "paylod": "x"}, "unknown field(s) ['paylod']"),
     ({"model": 0, "payload": "x"}, "neither format"),
@@ -144,7 +147,7 @@ BAD_TRACE_LINES = [
     (trace_line(600, [1, "2"]), "hash_ids[1] must be an integer, got str '2'"),
     (trace_line(600, "1 2"), "hash_ids must be a list of block ids, got str"),
     (trace_line(600, [1, 2, 3]), "3 hash_ids for input_length 600, which takes at most 2 blocks"),
-    (trace_line(600, [1], timestamp=-5), "timestamp must be a finite number of milliseconds >= 0"),
+    (trace_line(600, [1], timestamp=-5), "timestamp must be a number of milliseconds in [0, 1,000,000,000,000]"),
     ({"input_length": 600, "hash_ids": [1]}, "missing field 'timestamp'"),
     ({**MOONCAKE_GOOD, "output_length": -1}, "output_length -1 outside"),
     ({**MOONCAKE_GOOD, "extra": 1}, "unknown field(s) ['extra']"),
@@ -347,3 +350,8 @@ def test_demo_workload_is_deterministic_and_realistic():
 def test_demo_workload_refuses_bad_arguments(args):
     with pytest.raises(ValueError):
         demo_workload(**args)
+
+
+def test_a_timestamp_at_the_limit_is_accepted(tmp_path):
+    path = write(tmp_path, [GOOD, {"timestamp_ms": MAX_TIMESTAMP_MS, "suffix": [1]}])
+    assert len(load_workload(path, SMALL)) == 2

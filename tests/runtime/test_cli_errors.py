@@ -82,9 +82,8 @@ def test_broker_start_on_a_read_only_mount_is_one_line(tmp_path):
         subprocess.run(["umount", str(mount)], check=True)
 
 
-def test_status_when_the_socket_answers_with_an_error_is_one_line(tmp_path):
-    """Something that is not our broker answers on the socket with an error message."""
-    data = tmp_path / "data"
+def answering(data, reply: dict):
+    """A server on the data directory's socket that answers one request with `reply`."""
     (data / "run").mkdir(parents=True, mode=0o700)
     os.chmod(data, 0o700)
     server = socket.socket(socket.AF_UNIX)
@@ -94,15 +93,32 @@ def test_status_when_the_socket_answers_with_an_error_is_one_line(tmp_path):
     def answer() -> None:
         conn, _ = server.accept()
         conn.recv(65536)  # the status request
-        body = json.dumps({"type": "error", "message": "not a broker"}).encode()
+        body = json.dumps(reply).encode()
         conn.sendall(struct.pack("<I", len(body)) + body)
         conn.close()
 
     thread = threading.Thread(target=answer, daemon=True)
     thread.start()
+    return server, thread
+
+
+def test_status_when_the_socket_answers_with_an_error_is_one_line(tmp_path):
+    """Something that is not our broker answers on the socket with an error message."""
+    server, thread = answering(tmp_path / "data", {"type": "error", "message": "not a broker"})
     try:
-        done = pipeline("status", "--data-dir", str(data))
-        one_line_error(done, "not a broker")
+        one_line_error(pipeline("status", "--data-dir", str(tmp_path / "data")), "not a broker")
+    finally:
+        server.close()
+        thread.join(5)
+
+
+def test_status_of_a_broker_whose_reply_lacks_fields_shows_what_it_has(tmp_path):
+    """An older broker's (or another program's) reply without most fields: no KeyError."""
+    server, thread = answering(tmp_path / "data", {"type": "status_reply", "counters": {"items_received": 5}})
+    try:
+        done = pipeline("status", "--data-dir", str(tmp_path / "data"), "--json")
+        assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+        assert json.loads(done.stdout)["items_received"] == 5
     finally:
         server.close()
         thread.join(5)

@@ -540,3 +540,18 @@ def test_unreleased_records_of_a_scribbled_ring_are_refused(shm_name):
     finally:
         writer.close()
         writer.unlink()
+
+
+@pytest.mark.parametrize("missing", [".d", ".s"])
+def test_a_ring_whose_semaphore_its_creator_unlinked_is_missing_not_a_crash(shm_name, missing):
+    # A producer that closed and unlinked its ring between the broker's open of the memory
+    # and of its semaphores: attach must raise ObjectMissingError and leave nothing open
+    # (it raised BufferError closing a map with live views, which killed the broker).
+    writer = RingWriter.create(shm_name(), 4096)
+    try:
+        posix_ipc.unlink_semaphore(writer.name + missing)
+        with pytest.raises(ObjectMissingError, match=f"semaphore {writer.name}{missing}"):
+            RingReader.attach(writer.name)
+    finally:
+        writer.close()
+        writer.unlink()

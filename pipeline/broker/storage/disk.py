@@ -90,6 +90,7 @@ class DiskTier(QueuedTier):
         self._last_age_check_s = clock()
         self._read_maps: OrderedDict[SegmentId, memoryview] = OrderedDict()
         self._recovered_lanes: list[RecoveredLane] = []
+        self.damaged_at_read = 0  # entries consumers found damaged while this tier ran
         self._rebuild(recovery)
         recovery.release_scans()
 
@@ -146,6 +147,13 @@ class DiskTier(QueuedTier):
     def take_recovered_lanes(self) -> list[RecoveredLane]:
         taken, self._recovered_lanes = self._recovered_lanes, []
         return taken
+
+    def keep_damaged(self, segments: np.ndarray, why: str) -> None:
+        """Entries a consumer found damaged: their segments are never deleted, but moved to
+        quarantine/ once everything in them is done (`damaged_at_read` counts the entries)."""
+        self.damaged_at_read += int(segments.size)
+        for segment in np.unique(segments).tolist():
+            self._store.keep_damaged(SegmentId(segment), why)
 
     def take_quarantined(self) -> list[Quarantined]:
         """Damaged segments moved to quarantine/ since the last call, once everything they

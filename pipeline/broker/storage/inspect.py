@@ -28,7 +28,7 @@ from pipeline.broker.storage.paths import (
 )
 from pipeline.broker.storage.scan import EntryCensus, ScanReport, census_segment, name_keys_of, scan_segment
 from pipeline.errors import SegmentFormatError, StoreReadError
-from pipeline.layouts import BROKER_STATE_NAME, ENTRY_LIVE, ENTRY_TOMBSTONE
+from pipeline.layouts import BROKER_STATE_NAME, ENTRY_LIVE, ENTRY_TOMBSTONE, SEGMENTS_DIR
 
 _STATE_NAMES = {ENTRY_LIVE: "live", ENTRY_TOMBSTONE: "tombstone"}
 
@@ -172,6 +172,10 @@ def verify(data_dir: str) -> VerifyResult:
     StoreReadError if something cannot be read."""
     result = VerifyResult()
     root_data_dir, _segments = store_dirs(data_dir)
+    markers = (SEGMENTS_DIR, QUARANTINE_DIR, BROKER_STATE_NAME, os.path.basename(catalog_path(root_data_dir)))
+    if not any(os.path.lexists(os.path.join(root_data_dir, name)) for name in markers):
+        raise StoreReadError(f"{root_data_dir}: not a data directory (no segments/, quarantine/, segment catalog "
+                             f"or broker state): nothing to verify")
     catalog = catalog_path(root_data_dir)
     before = read_catalog(catalog)  # before the listing: see _check_catalog
     listing = _listing(data_dir)

@@ -54,8 +54,11 @@ DAMAGE_KEYS = (
     "torn_tails",  # not a failure: leftovers of writes that were never acknowledged
     "entries_in_torn_tails",  # not a failure: entry headers readable in those leftovers
     "state_words_repaired",  # not a failure: entries delivered (again) as live
+    "quarantine_files",  # not a failure of this start: files earlier damage left in quarantine/
 )
-REPAIR_KEYS = ("torn_tails", "entries_in_torn_tails", "state_words_repaired")
+# The keys above that do not make a store damaged: repairs, and what earlier damage left in
+# quarantine/ (named again at every start, until an operator removes it; `verify` fails).
+REPAIR_KEYS = ("torn_tails", "entries_in_torn_tails", "state_words_repaired", "quarantine_files")
 
 
 @dataclass(slots=True)
@@ -125,6 +128,7 @@ class RecoveryReport:
     catalog_problems: list[str] = field(default_factory=list)
     catalog_notes: list[str] = field(default_factory=list)
     catalog_found: bool = False  # a catalog was there to read (else it was made afresh)
+    quarantine_files: int = 0  # files in quarantine/ after recovery, earlier ones included
     repaired_counts: list[str] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
     abandoned_creates: list[str] = field(default_factory=list)
@@ -161,6 +165,7 @@ class RecoveryReport:
             "torn_tails": len(self.torn_tails),
             "entries_in_torn_tails": sum(t.entries for t in self.torn_tails),
             "state_words_repaired": len(self.repaired_states),
+            "quarantine_files": self.quarantine_files,
         }
 
     @property

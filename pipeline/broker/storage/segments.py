@@ -37,6 +37,7 @@ from pipeline.broker.storage.catalog import (
 )
 from pipeline.broker.storage.paths import (
     MISSING_SUFFIX,
+    QUARANTINE_DIR,
     SEGMENTS_DIR,
     SegmentPath,
     StoreListing,
@@ -338,6 +339,14 @@ class SegmentStore:
             fsync_directory(os.path.dirname(target))
         return Quarantined(path, offset, why, target, entries, item_ids, identity_refused)
 
+    def keep_damaged(self, segment: SegmentId, why: str) -> None:
+        """Damage found in a segment after recovery (a consumer's checks): kept, moved to
+        quarantine/ once done, like one recovery found damaged."""
+        state = self.segments.get(segment)
+        if state is not None and not state.damage:
+            state.damage = why
+            make_dirs(os.path.dirname(quarantine_target(self.data_dir, state.path)))
+
     def take_quarantined(self) -> list[Quarantined]:
         """Segments moved to quarantine/ while running since the last call (for the log)."""
         taken, self._quarantined = self._quarantined, []
@@ -406,6 +415,7 @@ class SegmentStore:
         finally:
             self._recovering = False
         self._settle_catalog(listing, reading, report)
+        report.quarantine_files = _count_files(os.path.join(self.data_dir, QUARANTINE_DIR))
         report.seconds = time.monotonic() - started
         return report
 
@@ -520,6 +530,11 @@ class SegmentStore:
         why = self._compact_catalog()
         if why:
             report.catalog_notes.append(why)
+
+
+def _count_files(directory: str) -> int:
+    """Files under `directory` (0 if it does not exist)."""
+    return sum(len(files) for _root, _dirs, files in os.walk(directory))
 
 
 def _key_order(keys: SegmentKeys) -> tuple[int, int, int, int]:
