@@ -83,7 +83,7 @@ def check_before_start(settings: LaunchSettings) -> None:
     """What can be refused before any process starts: a data directory another user could
     change, one whose socket path does not fit a Unix socket, and a consumer contract the
     broker would refuse (consumers would otherwise retry forever against it)."""
-    from pipeline.broker.service import BrokerConfig
+    from pipeline.broker.config import BrokerConfig
     from pipeline.runtime.datadir import check_data_dir
 
     from pipeline.runtime.inventory import producer_ring_names

@@ -18,7 +18,7 @@ import time
 
 import click
 
-from pipeline.broker.service import DEFAULT_HEARTBEAT_TIMEOUT_S, BrokerConfig
+from pipeline.broker.config import DEFAULT_HEARTBEAT_TIMEOUT_S, BrokerConfig
 from pipeline.consumer.engines import ENGINES
 from pipeline.errors import BadInputError, PipelineError, ProtocolError
 from pipeline.launch_cli import setup_logging

@@ -15,7 +15,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.broker.peers import namespace_for
-from pipeline.broker.service import STATUS_TOP_SHAPES, BrokerConfig
+from pipeline.broker.config import BrokerConfig
+from pipeline.broker.service import STATUS_TOP_SHAPES
 from pipeline.errors import ProtocolError
 from pipeline.metrics import COUNTERS, CONSUMER_COUNTERS, GAUGES, LANE_EVENTS, MetricsServer, StatusCollector, render
 from pipeline.producer.client import BrokerProducer

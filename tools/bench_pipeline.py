@@ -40,7 +40,7 @@ import time
 import numpy as np
 import psutil
 
-from pipeline.broker.service import BrokerConfig
+from pipeline.broker.config import BrokerConfig
 from pipeline.consumer.process import ConsumerConfig
 from pipeline.producer.client import BrokerProducer
 from pipeline.producer.signature import signature

@@ -121,8 +121,9 @@ def consumer_ring_name(namespace: str, consumer_id: int, generation: int) -> str
 class Peer:
     """One control connection. Owner: the broker loop. Not thread-safe.
 
-    Times are the broker's monotonic clock, moved forward over the broker's own stalls
-    (`Broker._forgive_stall`): `last_seen_s` is the last bytes read (a consumer's liveness),
+    Times are the broker's monotonic clock (never moved over the broker's own stalls: the
+    broker reads its peers before judging them instead): `last_seen_s` is the last bytes
+    read (a consumer's liveness),
     `last_message_s` the accept or the last whole message (an unregistered peer's idleness:
     trickling a partial message in does not keep a connection alive)."""
 
@@ -232,3 +233,8 @@ class ConsumerPeer:
     broken: str = ""  # why it must be disconnected, once the batch in hand is abandoned
     batches: dict[int, Batch] = field(default_factory=dict)
     totals: ConsumerTotals = field(default_factory=ConsumerTotals)
+
+
+def peer_of(owner: Peer | ProducerPeer | ConsumerPeer) -> Peer:
+    """The connection of a socket's owner: a bare Peer until it registers."""
+    return owner if isinstance(owner, Peer) else owner.peer

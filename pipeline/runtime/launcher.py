@@ -46,7 +46,7 @@ import numpy as np
 import psutil
 
 from pipeline.accounting import Stock, summarize_results, take_stock
-from pipeline.broker.service import BrokerConfig
+from pipeline.broker.config import BrokerConfig
 from pipeline.consumer.process import ConsumerConfig
 from pipeline.errors import PipelineError
 from pipeline.producer.workload import Workload

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from pipeline.broker.peers import namespace_for, object_prefix
-from pipeline.broker.service import BrokerConfig
+from pipeline.broker.config import BrokerConfig
 from pipeline.consumer.process import ConsumerConfig
 from pipeline.protocol import Connection
 from pipeline.runtime.processes import serve_broker, serve_consumer

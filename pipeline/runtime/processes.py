@@ -26,7 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pipeline.broker.peers import ensure_namespace, namespace_for, object_prefix
-from pipeline.broker.service import Broker, BrokerConfig, lock_run_dir
+from pipeline.broker.config import BrokerConfig
+from pipeline.broker.service import Broker
+from pipeline.broker.state import lock_run_dir
 from pipeline.broker.storage.base import StorageTier
 from pipeline.consumer.process import Consumer, ConsumerConfig
 from pipeline.errors import ConfigError, DurabilityError, PipelineError, ShapeGuardError

@@ -23,7 +23,7 @@ import os
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 
-from pipeline.broker.service import MAX_CONSUMERS, MAX_PRODUCERS
+from pipeline.broker.config import MAX_CONSUMERS, MAX_PRODUCERS
 from pipeline.errors import BadInputError
 from pipeline.layouts import MAX_SEQ
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from pipeline.broker.packing import Contract
-from pipeline.broker.service import RoutedTotals
+from pipeline.broker.consumers import RoutedTotals
 
 
 def batch(items: int, pad_to: int):

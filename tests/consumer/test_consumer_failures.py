@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from pipeline.accounting import summarize_results
-from pipeline.broker.service import BrokerConfig
+from pipeline.broker.config import BrokerConfig
 from pipeline.consumer.process import ConsumerConfig
 from pipeline.runtime.local import start_consumer
 from tests.consumer.tmpfs import fill, small_tmpfs

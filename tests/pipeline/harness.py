@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipeline.broker.service import BrokerConfig
+from pipeline.broker.config import BrokerConfig
 from pipeline.producer.client import BrokerProducer
 from pipeline.producer.signature import signature
 from pipeline.runtime.local import CTX, broker_status, stop_process

@@ -10,7 +10,7 @@ import os
 import numpy as np
 
 from pipeline.accounting import reconcile, summarize_results, take_stock
-from pipeline.broker.service import BrokerConfig
+from pipeline.broker.config import BrokerConfig
 from pipeline.layouts import parse_descriptor
 from pipeline.protocol import Connection
 from pipeline.runtime.inventory import store_stock

@@ -11,7 +11,7 @@ import socket
 import numpy as np
 import pytest
 
-from pipeline.broker.service import BrokerConfig
+from pipeline.broker.config import BrokerConfig
 from pipeline.errors import ProtocolError
 from pipeline.producer.client import BrokerProducer
 from pipeline.protocol import Connection

@@ -13,7 +13,7 @@ import struct
 import psutil
 import pytest
 
-from pipeline.broker.service import MAX_BUFFERED_BYTES, BrokerConfig
+from pipeline.broker.config import MAX_BUFFERED_BYTES, BrokerConfig
 from pipeline.protocol import MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES, Connection
 from pipeline.runtime.local import CTX, own_process_group
 from pipeline.runtime.local import start_broker as start_broker_process

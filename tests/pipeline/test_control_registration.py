@@ -10,15 +10,10 @@ import threading
 
 import pytest
 
-from pipeline.broker.service import (
-    MAX_CONTRACT_NUMBER,
-    MAX_CREDIT_BATCHES,
-    MAX_SOCKET_PATH_BYTES,
-    MIN_HEARTBEAT_TIMEOUT_S,
-    Broker,
-    BrokerConfig,
-    lock_run_dir,
-)
+from pipeline.broker.config import MAX_CONTRACT_NUMBER, MAX_SOCKET_PATH_BYTES, MIN_HEARTBEAT_TIMEOUT_S, BrokerConfig
+from pipeline.broker.consumers import MAX_CREDIT_BATCHES
+from pipeline.broker.service import Broker
+from pipeline.broker.state import lock_run_dir
 from pipeline.errors import ConfigError, ContractError, ProtocolError
 from pipeline.layouts import descriptor_size_bytes
 from pipeline.protocol import MAX_CONSUMER_NAME_LENGTH, Connection

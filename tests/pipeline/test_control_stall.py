@@ -8,7 +8,7 @@ import signal
 import time
 from collections import Counter
 
-from pipeline.broker.service import BrokerConfig
+from pipeline.broker.config import BrokerConfig
 from pipeline.runtime.local import start_consumer
 from tests.pipeline.harness import Workload, read_results, start_broker, start_producer, status, stop, wait_until
 from tests.pipeline.test_end_to_end import consumer_config
@@ -52,7 +52,8 @@ def test_a_broker_whose_every_turn_is_slow_still_evicts_a_hung_consumer(tmp_path
     still declared dead once its silence passes the timeout: the first fix forgave every
     slow turn's gap and never evicted it, so its batches never came back (seen in review).
     Counted in turns, not seconds: each turn is padded to more than the stall gap."""
-    from pipeline.broker.service import Broker, lock_run_dir
+    from pipeline.broker.service import Broker
+    from pipeline.broker.state import lock_run_dir
     from pipeline.protocol import Connection
     from pipeline.runtime.processes import open_storage
 
@@ -64,18 +65,19 @@ def test_a_broker_whose_every_turn_is_slow_still_evicts_a_hung_consumer(tmp_path
     try:
         hung.send({"type": "register_consumer", "model": 0, "max_batch_items": 8, "max_batch_tokens": 4096,
                    "max_input_len": 512, "pid": os.getpid(), "name": "hung"})
+        consumers = broker.consumer_side
         for _ in range(20):
             broker.turn()
-            if broker.consumers:
+            if consumers.consumers:
                 break
-        assert len(broker.consumers) == 1
-        slow = broker._fill
-        monkeypatch.setattr(broker, "_fill", lambda *args, **kw: (time.sleep(0.6), slow(*args, **kw))[1])
+        assert len(consumers.consumers) == 1
+        slow = broker.producer_side.fill
+        monkeypatch.setattr(broker.producer_side, "fill", lambda *args, **kw: (time.sleep(0.6), slow(*args, **kw))[1])
         turns = 0
-        while broker.consumers and turns < 10:
+        while consumers.consumers and turns < 10:
             broker.turn()
             turns += 1
-        assert not broker.consumers and broker.consumers_lost == 1  # about 2 turns past the 1 s timeout
+        assert not consumers.consumers and consumers.consumers_lost == 1  # about 2 turns past the 1 s timeout
         assert broker.stalls >= turns - 1
     finally:
         hung.close()

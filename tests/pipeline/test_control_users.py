@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import pytest
 
 from pipeline.broker.peers import doorbell_name, ensure_namespace, namespace_for
-from pipeline.broker.service import BrokerConfig
+from pipeline.broker.config import BrokerConfig
 from pipeline.errors import UntrustedPeerError
 from pipeline.protocol import Connection
 from pipeline.runtime.local import start_broker as start_broker_process

@@ -8,7 +8,8 @@ the minimum.
 
 from __future__ import annotations
 
-from pipeline.broker.service import PARTIAL_BATCHES_AHEAD, BrokerConfig
+from pipeline.broker.config import BrokerConfig
+from pipeline.broker.consumers import PARTIAL_BATCHES_AHEAD
 from pipeline.consumer.credit import INITIAL_CREDIT, MAX_CREDIT, MIN_CREDIT
 from pipeline.consumer.process import ConsumerConfig
 from pipeline.runtime.local import CTX, start_consumer

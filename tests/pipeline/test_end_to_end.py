@@ -21,7 +21,7 @@ import pytest
 from pipeline.accounting import reconcile, summarize_results, take_stock
 from pipeline.runtime.inventory import store_stock
 from pipeline.broker.peers import namespace_for
-from pipeline.broker.service import BrokerConfig
+from pipeline.broker.config import BrokerConfig
 from pipeline.consumer.process import ConsumerConfig
 from pipeline.errors import ProtocolError
 from pipeline.protocol import Connection

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.broker.service import BrokerConfig
+from pipeline.broker.config import BrokerConfig
 from pipeline.errors import ConfigError, ModelIdError, ProducerRefusedError, ProtocolError
 from pipeline.layouts import DEFAULT_MAX_MODELS, MODEL_ID_LIMIT
 from pipeline.producer.client import BrokerProducer

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pipeline.broker.peers import namespace_for
-from pipeline.broker.service import BrokerConfig
+from pipeline.broker.config import BrokerConfig
 from pipeline.producer.client import BrokerProducer
 from pipeline.producer.feed import FeedTotals, feed
 from pipeline.producer.workload import WorkItem, load_workload

@@ -171,7 +171,7 @@ def test_a_failed_run_on_a_temporary_data_directory_keeps_it_for_its_unfinished_
 
 def stored_work(data: str, items: int = 300) -> None:
     """A data directory holding `items` stored, unfinished items (a broker, no consumer)."""
-    from pipeline.broker.service import BrokerConfig
+    from pipeline.broker.config import BrokerConfig
     from tests.pipeline.harness import Workload, start_broker, start_producer, stop
 
     broker = start_broker(data)

@@ -28,7 +28,7 @@ def budget_under(soft: int, hard: int) -> str:
     code = (
         "import resource\n"
         f"resource.setrlimit(resource.RLIMIT_NOFILE, ({soft}, {hard}))\n"
-        "from pipeline.broker.service import BrokerConfig\n"
+        "from pipeline.broker.config import BrokerConfig\n"
         "from pipeline.runtime.processes import open_files_budget\n"
         "try:\n"
         "    print(open_files_budget(BrokerConfig('/tmp/x')), resource.getrlimit(resource.RLIMIT_NOFILE)[0])\n"
@@ -45,7 +45,7 @@ def test_the_broker_keeps_no_more_segment_files_open_than_its_descriptor_limit_a
     512-file cache took every one and the broker died with EMFILE. The soft limit is raised
     to the hard one; what is left after the peers' connections sizes the cache; a limit that
     leaves too little refuses the start, saying what to raise."""
-    from pipeline.broker.service import BrokerConfig
+    from pipeline.broker.config import BrokerConfig
     from pipeline.runtime.processes import BROKER_FD_HEADROOM, FDS_PER_OPEN_SEGMENT, MIN_OPEN_SEGMENT_FILES
 
     config = BrokerConfig("/tmp/x")

@@ -1,0 +1,167 @@
+"""The broker's settings (`BrokerConfig`) and the limits they are checked against, with
+the reason for each limit on the line above it. Checked on construction, so a broker never
+starts with a setting it cannot honour; `check_contract` checks a consumer's contract (at
+registration, and in a launcher before it starts anything)."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+from pipeline.broker.packing import Contract
+from pipeline.errors import ConfigError, ContractError
+from pipeline.layouts import DEFAULT_MAX_MODELS, MODEL_ID_LIMIT, descriptor_size_bytes
+from shm.ring import max_body_bytes
+
+RUN_DIR = "run"
+SOCKET_NAME = "broker.sock"
+# SPEC §6: the loop yields at least every 100 ms of fill (or dispatch) work. 10 ms, because
+# dispatch waits for the fill, and credit a completion returns waits for the next dispatch:
+# with 100 ms, quick consumers sat idle while the broker ingested alone (one process of five
+# runnable for most of a run's first second, tools/profile_pipeline.py). tools/bench_pipeline
+# workload, alternating: 179 k against 142-170 k items/s at 64-item batches, 246-258 k
+# against 241-247 k at 256. One frame (about 10 ms at 4,096 items) is the unit of work anyway.
+# NOTE: it costs some fill on shallow streams with quick consumers (the demo's mean batch
+# fill 0.21 against 0.25, the Mooncake trace's 0.22 against 0.24; shape switches unchanged).
+# Together with letting partial batches through whenever another shape waits, it took the
+# demo to 86-96 shape switches instead of 16: that rule was rejected (Dispatcher.next_batch).
+WORK_SLICE_S = 0.01
+# Lane maintenance and heartbeat checks run this often; the lane policy's idle time (5 s)
+# and a heartbeat timeout of seconds both want far finer steps than that.
+TICK_INTERVAL_S = 0.1
+# A consumer silent this long is dead: its pending entries go back to dispatch. Consumers
+# heartbeat at a quarter of it, so three lost heartbeats in a row are tolerated.
+DEFAULT_HEARTBEAT_TIMEOUT_S = 10.0
+# Below 1 s, a busy machine's scheduling delays (a consumer heartbeats every quarter of the
+# timeout) would get healthy consumers declared dead; and STALL_GAP_S must stay well below it.
+MIN_HEARTBEAT_TIMEOUT_S = 1.0
+# Above a day, a dead consumer's batches would wait a day to come back; and consumers sleep a
+# quarter of it between heartbeats (1e308 s overflowed their thread's wait).
+MAX_HEARTBEAT_TIMEOUT_S = 86_400.0
+# A turn takes at most two work slices, a select wait and a tick (about 70 ms; a status
+# reply at 100,000 lanes adds a few ms). A gap between two of the loop's looks at the clock
+# at least this long (or half the heartbeat timeout, if less) means the broker itself did not
+# run: SIGSTOP, a VM pause, a starved or swapping host. It then reads what its peers sent
+# before judging them: a paused broker must not wake up and evict every healthy consumer (a
+# select interrupted by the pause returns nothing, PEP 475, though heartbeats wait).
+STALL_GAP_S = 0.5
+# Registered consumers at once: each costs a 1 MiB descriptor ring in /dev/shm and a
+# connection. 128 is twice the largest node's GPUs split into MIG slices (8 x 7).
+MAX_CONSUMERS = 128
+# Registered producers at once (rings adopted at a restart included): each maps its ring
+# (64 MiB by default) into the broker and holds a connection. With the storage's 512 open
+# segment files, 128 consumers and MAX_UNREGISTERED_PEERS, the broker stays under the usual
+# 1,024 descriptors per process.
+MAX_PRODUCERS = 128
+# Connections that have not registered: status queries come and go within milliseconds;
+# past this many, the one idle longest is closed for each new one.
+MAX_UNREGISTERED_PEERS = 64
+# A connection that sends no whole message for this long without registering is closed (a
+# status client asks within milliseconds of connecting, a consumer or producer registers).
+UNREGISTERED_TIMEOUT_S = 10.0
+# Partial messages the broker buffers, summed over every connection: requests are at most
+# pipeline.protocol.MAX_REQUEST_BYTES (64 KiB) each, and a few MiB covers every registered
+# peer sending at once; past it the peer holding the most is refused. Without it, 400
+# connections holding 1 MiB partial messages grew the broker from 35 MB to 449 MB.
+MAX_BUFFERED_BYTES = 4 << 20
+# sockaddr_un.sun_path holds 108 bytes on Linux, the last for the terminating NUL: a longer
+# path cannot be bound (or is silently cut on other systems).
+MAX_SOCKET_PATH_BYTES = 107
+# A contract's numbers end up in u4 fields (descriptor item counts, token lengths).
+MAX_CONTRACT_NUMBER = 2**32 - 1
+# A consumer's descriptor ring: a 64-item descriptor is 2 KiB, so 1 MiB holds hundreds of
+# batches, far more than any credit a consumer asks for.
+DESCRIPTOR_RING_BYTES = 1 << 20
+
+
+@dataclass(slots=True)
+class BrokerConfig:
+    """The broker's settings, checked on construction (ConfigError names the value and its
+    limit) so that nothing starts with one it cannot honour; `check_contract` checks a
+    consumer's contract against them (registration, and a launcher before it starts)."""
+
+    data_dir: str
+    heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
+    work_slice_s: float = WORK_SLICE_S
+    tick_interval_s: float = TICK_INTERVAL_S
+    descriptor_ring_bytes: int = DESCRIPTOR_RING_BYTES
+    max_models: int = DEFAULT_MAX_MODELS
+    max_consumers: int = MAX_CONSUMERS
+    max_producers: int = MAX_PRODUCERS
+    max_unregistered_peers: int = MAX_UNREGISTERED_PEERS
+    unregistered_timeout_s: float = UNREGISTERED_TIMEOUT_S
+    max_buffered_bytes: int = MAX_BUFFERED_BYTES
+
+    def __post_init__(self) -> None:
+        path_bytes = len(os.fsencode(self.socket_path))
+        if path_bytes > MAX_SOCKET_PATH_BYTES:
+            raise ConfigError(
+                f"data directory {self.data_dir}: its broker socket {self.socket_path} is {path_bytes} bytes "
+                f"long, and a Unix socket path holds at most {MAX_SOCKET_PATH_BYTES}: use a data directory "
+                f"whose path is at most {MAX_SOCKET_PATH_BYTES - path_bytes + len(os.fsencode(self.data_dir))} "
+                f"bytes")
+        if not (isinstance(self.heartbeat_timeout_s, (int, float)) and math.isfinite(self.heartbeat_timeout_s)
+                and MIN_HEARTBEAT_TIMEOUT_S <= self.heartbeat_timeout_s <= MAX_HEARTBEAT_TIMEOUT_S):
+            raise ConfigError(f"heartbeat timeout {self.heartbeat_timeout_s!r} s must be a number from "
+                              f"{MIN_HEARTBEAT_TIMEOUT_S} to {MAX_HEARTBEAT_TIMEOUT_S:g} s")
+        for name in ("work_slice_s", "tick_interval_s", "unregistered_timeout_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ConfigError(f"broker setting {name} {value!r} must be a positive number of seconds")
+        ceilings = {"descriptor_ring_bytes": 1 << 40, "max_models": MODEL_ID_LIMIT, "max_consumers": 1 << 20,
+                    "max_producers": 1 << 20, "max_unregistered_peers": 1 << 20, "max_buffered_bytes": 1 << 40}
+        for name, ceiling in ceilings.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= ceiling:
+                raise ConfigError(f"broker setting {name} {value!r} must be an integer from 1 to {ceiling}")
+
+    @property
+    def run_dir(self) -> str:
+        return os.path.join(self.data_dir, RUN_DIR)
+
+    @property
+    def socket_path(self) -> str:
+        return os.path.join(self.run_dir, SOCKET_NAME)
+
+    @property
+    def stall_gap_s(self) -> float:
+        """A gap in the loop at least this long is the broker's own stall (STALL_GAP_S)."""
+        return min(STALL_GAP_S, self.heartbeat_timeout_s / 2)
+
+    def check_contract(self, model: int, max_batch_items: int, max_batch_tokens: int,
+                       max_input_len: int) -> Contract:
+        """The contract if this broker can serve it, else ContractError naming the value and
+        its limit: every number an integer (model >= 0, the others >= 1, all at most
+        MAX_CONTRACT_NUMBER), the model below `max_models`, and a batch of `max_batch_items`
+        items fitting one descriptor in the descriptor ring. One function for registration
+        and for a launcher that checks before it starts anything."""
+        contract = Contract(model, max_batch_items, max_batch_tokens, max_input_len)
+        if model >= self.max_models:
+            raise ContractError(f"contract: model {model} is unknown (models are 0..{self.max_models - 1}: "
+                                f"max_models is {self.max_models})")
+        for name in ("max_batch_items", "max_batch_tokens", "max_input_len"):
+            value = getattr(contract, name)
+            if value > MAX_CONTRACT_NUMBER:
+                raise ContractError(f"contract: {name} {value} exceeds {MAX_CONTRACT_NUMBER}")
+        largest = descriptor_size_bytes(max_batch_items)
+        room = max_body_bytes(self.descriptor_ring_bytes)
+        if largest > room:
+            raise ContractError(
+                f"contract: max_batch_items {max_batch_items} needs {largest}-byte batch descriptors; the "
+                f"descriptor ring of {self.descriptor_ring_bytes} bytes takes at most {room} "
+                f"(at most {_items_that_fit(room)} items a batch)")
+        return contract
+
+
+def _items_that_fit(room_bytes: int) -> int:
+    """The most items whose descriptor fits in `room_bytes` (descriptor sizes grow with items)."""
+    low, high = 0, max(1, room_bytes)
+    while low < high:  # the largest count whose descriptor fits
+        middle = (low + high + 1) // 2
+        if descriptor_size_bytes(middle) <= room_bytes:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+

@@ -1,0 +1,301 @@
+"""The broker's producer side: registrations, the producer rings, and the fill that stores
+what the rings hold (SPEC §5).
+
+    fill: take frames from producer rings -> Dispatcher.ingest -> storage flush -> release
+          the ring records (an item leaves its ring only once stored)
+
+Owner: the broker loop (one thread); not thread-safe. A full disk is backpressure: the
+record that did not fit stays in its ring, the rings are not read, and what the frame
+stored in part is retried every turn until the disk has room. After a restart `catch_up`
+stores everything the rings of an earlier run hold before anyone is served.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+
+import psutil
+
+from pipeline.broker.config import BrokerConfig
+from pipeline.broker.dispatch import Dispatcher
+from pipeline.broker.peers import Peer, ProducerPeer, producer_ring_ids, producer_ring_name
+from pipeline.broker.state import BrokerState
+from pipeline.broker.storage.base import StorageTier
+from pipeline.errors import BadInputError, DiskFullError, FrameError, ProtocolError, ShmError
+from pipeline.layouts import MAX_PRODUCER_ID, parse_frame
+from shm.ring import RingReader, SharedRing
+
+log = logging.getLogger("pipeline.broker")
+
+# A disk that stays nearly full refuses one frame after another: said once per this.
+DISK_FULL_LOG_INTERVAL_S = 30.0
+
+
+class ProducerSide:
+    """Every producer the broker reads: registered ones, and rings an earlier run left
+    whose producers have not registered again (adopted at start)."""
+
+    def __init__(self, config: BrokerConfig, state: BrokerState, namespace: str, storage: StorageTier,
+                 dispatcher: Dispatcher, control, doorbell_name: str) -> None:
+        self.config = config
+        self._state = state
+        self._namespace = namespace
+        self._storage = storage
+        self._dispatcher = dispatcher
+        self._control = control  # ControlServer: send, refuse, disconnect, bind
+        self._doorbell_name = doorbell_name
+        self.producers: dict[int, ProducerPeer] = {}
+        self._refused: dict[int, str] = {}  # wrote a record that is not a frame
+        # Items stored from ring records an earlier run left (see catch_up): work taken
+        # over, like recovery's, which a launcher's accounting must expect.
+        self.items_adopted = 0
+        self.disk_full_episodes = 0  # frames a full disk held back
+        self._disk_full_logged_s = -DISK_FULL_LOG_INTERVAL_S
+        self.disk_full_since_s: float | None = None
+        # The record a full disk kept: its producer, start and end positions in the ring.
+        self._held_back: tuple[ProducerPeer, int, int] | None = None
+
+    def catch_up(self) -> None:
+        """After a restart, before serving anyone: attach every producer ring this data
+        directory's producers left, ingest all they hold, flush and release it.
+
+        Why first: recovery knows which (producer, seq) are stored by the live entries it
+        found. If a consumer completed one of those (its segment then deleted) before its
+        unreleased ring record was read again, that record would look unstored and be
+        stored twice. Rings whose writer is dead are unlinked once drained. What the rings
+        held is counted as received and also as adopted (`items_adopted`): work an earlier
+        run accepted that this broker took over, as recovery's items are."""
+        # The rings that exist, not every id ever handed out: a data directory that saw
+        # millions of producer registrations must not start in minutes (nor a state file
+        # saying 10**20 spin forever).
+        for producer_id in producer_ring_ids(self._namespace):
+            name = producer_ring_name(self._namespace, producer_id)
+            try:
+                ring = RingReader.attach(name)
+            except ShmError:
+                continue  # gone (its producer finished and unlinked it), or not ours
+            self.producers[producer_id] = ProducerPeer(None, producer_id, name, ring, adopted_until=ring.write_pos)
+        while self.fill(time.monotonic(), catching_up=True):
+            pass
+        self.finish_unregistered()  # rings of dead writers, once drained (not if the disk is full)
+        if self.producers:
+            log.info("caught up with %d producer rings", len(self.producers))
+
+    # ------------------------------------------------------------------ fill
+
+    def fill(self, now_s: float, catching_up: bool = False) -> bool:
+        """Ingest frames from every producer ring for at most one work slice; then flush the
+        storage and release what it stored. Returns whether anything was ingested."""
+        deadline = now_s + self.config.work_slice_s
+        ingested = self._retry_held_back()
+        for producer in list(self.producers.values()):
+            if producer.ring is None or self.disk_full_since_s is not None:
+                continue
+            ingested = self._fill_from(producer, deadline) or ingested
+        if ingested or self._storage.needs_flush:
+            # A frame a full disk cut short may have left appends to flush even when no
+            # record was ingested whole; the dispatcher serves nothing before a flush.
+            self._dispatcher.flush()  # then, only then, release the records (SPEC §5)
+        if ingested:
+            for producer in self.producers.values():
+                if producer.ring is not None and producer.unreleased_end is not None:
+                    producer.ring.release(producer.unreleased_end)
+                    producer.unreleased_end = None
+        if not catching_up:
+            self.finish_unregistered()
+        return ingested
+
+    def _fill_from(self, producer: ProducerPeer, deadline_s: float) -> bool:
+        """Ingest `producer`'s frames until its ring is empty, the slice ends, the disk is
+        full or a record is bad; whether anything was ingested."""
+        ingested = False
+        while time.monotonic() < deadline_s:
+            try:
+                record = producer.ring.poll()
+                if record is None:
+                    break
+                frame = parse_frame(record.body, where=f"ring {producer.ring_name} position {record.start}")
+                report = self._dispatcher.ingest(frame, time.monotonic())
+            except (FrameError, BadInputError, ShmError) as exc:
+                log.error("producer %d: %s; disconnecting it", producer.producer_id, exc)
+                self._drop(producer, f"bad frame: {exc}")
+                break
+            except DiskFullError as exc:
+                # Backpressure: the record stays in its ring, the rings are not read,
+                # consumers are still served; the frame's remaining groups are retried
+                # every turn until the disk has room.
+                self._log_disk_full(exc)
+                self.disk_full_since_s = time.monotonic()
+                self._held_back = (producer, record.start, record.end)
+                break
+            producer.unreleased_end = record.end
+            producer.frames += 1
+            producer.items += frame.items.shape[0]
+            if record.start < producer.adopted_until:
+                self.items_adopted += report.items
+            ingested = True
+        return ingested
+
+    def _log_disk_full(self, exc: DiskFullError) -> None:
+        """At most one line per DISK_FULL_LOG_INTERVAL_S: a disk that stays nearly full
+        fills again with every frame, and said so every second (52 lines in 50 s)."""
+        self.disk_full_episodes += 1
+        now_s = time.monotonic()
+        if now_s - self._disk_full_logged_s >= DISK_FULL_LOG_INTERVAL_S:
+            self._disk_full_logged_s = now_s
+            log.error("disk full (%d times so far), applying backpressure: %s", self.disk_full_episodes, exc)
+
+    def _retry_held_back(self) -> bool:
+        """After a full disk: store what it held back; True once it is all stored (its
+        record is released with this turn's)."""
+        if self._held_back is None:
+            return False
+        try:
+            report = self._dispatcher.retry_pending_appends()
+        except DiskFullError:
+            return False
+        producer, start, end = self._held_back
+        self._held_back = None
+        if report is not None:
+            producer.frames += 1
+            producer.items += report.items + report.duplicates
+            if start < producer.adopted_until:
+                self.items_adopted += report.items
+        self.disk_full_since_s = None
+        log.info("disk has room again: ingest resumes")
+        producer.unreleased_end = end
+        return True
+
+    def finish_unregistered(self) -> None:
+        """Forget producers that said goodbye, whose process died, or that closed their ring
+        (a goodbye lost with a dropped connection), once everything they published is
+        stored. A producer whose connection merely dropped keeps its ring: it reconnects and
+        registers again."""
+        for producer in list(self.producers.values()):
+            gone = producer.peer is None and (_writer_dead(producer) or _writer_closed(producer))
+            if (producer.unregistered or gone) and self._drained(producer):
+                self._forget(producer)
+
+    def _drained(self, producer: ProducerPeer) -> bool:
+        ring = producer.ring
+        held = self._held_back is not None and self._held_back[0] is producer
+        return ring is None or (ring.cursor == ring.write_pos and producer.unreleased_end is None and not held)
+
+    # --------------------------------------------------------- registration
+
+    def register(self, sock: socket.socket, peer: Peer, message: dict) -> None:
+        producer_id = self._producer_id_for(sock, message["producer_id"])
+        if producer_id is None:
+            return  # refused: the new id could not be recorded
+        known = self.producers.get(producer_id)
+        if known is not None and known.peer is not None:
+            raise BadInputError(f"producer {producer_id} is already connected")
+        ring_name = producer_ring_name(self._namespace, producer_id)
+        if known is not None:  # its ring was adopted at start: bind the connection to it
+            producer = known
+            producer.peer = peer
+        else:
+            producer = self.producers[producer_id] = ProducerPeer(peer, producer_id, ring_name)
+        self._control.bind(sock, producer)
+        highest = self._storage.highest_seq(producer_id)
+        self._control.send(sock, {"type": "registered_producer", "producer_id": producer_id, "ring": ring_name,
+                                  "doorbell": self._doorbell_name,
+                                  "next_seq": -1 if highest is None else highest + 1})
+
+    def _producer_id_for(self, sock: socket.socket, asked: int) -> int | None:
+        """The id a registering producer gets: a new one for -1 (recorded in the state file
+        first), else the one it had, if this broker handed it out and did not refuse it."""
+        if asked not in self.producers and len(self.producers) >= self.config.max_producers:
+            raise BadInputError(f"the broker serves at most {self.config.max_producers} producers at once "
+                                f"(max_producers), and {len(self.producers)} are registered or draining")
+        if asked < 0:
+            producer_id = self._state.next_producer_id
+            if producer_id > MAX_PRODUCER_ID:  # item ids hold 24 bits of it (layouts.ITEM_ID_SEQ_BITS)
+                raise BadInputError(f"every producer id of this data directory is used ({MAX_PRODUCER_ID + 1:,} "
+                                    f"handed out): a new producer needs a new data directory")
+            self._state.next_producer_id += 1
+            try:
+                self._state.save()
+            except OSError as exc:  # a full disk, say: refuse this producer, serve the rest
+                self._control.refuse(sock, f"cannot record a new producer id in {self._state.path}: {exc}")
+                return None
+            return producer_id
+        if asked >= self._state.next_producer_id:
+            raise BadInputError(f"producer id {asked} was never handed out by this broker")
+        if asked in self._refused:
+            raise BadInputError(f"producer {asked} is refused: {self._refused[asked]}")
+        return asked
+
+    def message(self, producer: ProducerPeer, message: dict) -> None:
+        if message["type"] == "unregister_producer":
+            producer.unregistered = True
+            return
+        if message["ring"] != producer.ring_name:
+            raise ProtocolError(f"producer {producer.producer_id}: ring {message['ring']!r} is not "
+                                f"{producer.ring_name!r}")
+        if producer.ring is not None:
+            return  # adopted at start (catch-up); nothing to attach
+        try:
+            producer.ring = RingReader.attach(producer.ring_name)
+        except ShmError as exc:
+            raise BadInputError(f"producer {producer.producer_id}: ring {producer.ring_name}: {exc}") from exc
+
+    def _drop(self, producer: ProducerPeer, why: str) -> None:
+        """A producer wrote a record that is not a valid frame: stop reading its ring (what
+        came before is stored), leave the ring for an operator to inspect, disconnect it."""
+        self.producers.pop(producer.producer_id, None)
+        self._refused[producer.producer_id] = why
+        if producer.ring is not None:
+            producer.ring.close(mark_closed=False)
+        if producer.peer is not None:
+            self._control.refuse(producer.peer.sock, why)
+
+    def _forget(self, producer: ProducerPeer) -> None:
+        assert self._drained(producer), producer.producer_id
+        self.producers.pop(producer.producer_id, None)
+        connected = producer.peer is not None and not producer.peer.closed
+        if producer.ring is not None:
+            producer.ring.close(mark_closed=False)
+            if not connected and not producer.unregistered:
+                # The producer died: it cannot unlink its ring any more, so the broker
+                # cleans it up once everything in it is stored.
+                SharedRing.unlink_leftover(producer.ring_name)
+        if connected:
+            self._control.disconnect(producer.peer.sock, "unregistered and drained")
+
+    def disconnected(self, producer: ProducerPeer, why: str) -> None:
+        producer.peer = None  # it may register again; its ring stays until drained and dead
+        if producer.ring is None:  # it never said its ring was ready: nothing to drain
+            self.producers.pop(producer.producer_id, None)
+        log.info("producer %d disconnected (%s)", producer.producer_id, why)
+
+    def close(self) -> bool:
+        """Forget producers that need nothing of a next broker, close every ring; whether
+        any producer was left (its ring names the doorbell, which must then stay)."""
+        # Producers that said goodbye (or died) with everything stored: forget them now
+        # rather than at a next turn that will not come, so the doorbell is removed when no
+        # producer can still ring it.
+        self.finish_unregistered()
+        left = bool(self.producers)
+        self.close_rings()
+        return left
+
+    def close_rings(self) -> None:
+        for producer in list(self.producers.values()):
+            if producer.ring is not None:
+                producer.ring.close(mark_closed=False)
+        self.producers.clear()
+
+
+def _writer_closed(producer: ProducerPeer) -> bool:
+    """Its writer marked the ring closed (in the ring's own header, so no other ring of the
+    same name is mistaken for it): a producer does that only once the broker stored
+    everything it published, as it leaves (its goodbye may have been lost with a dropped
+    connection). A writer that attaches again clears the mark."""
+    return producer.ring is not None and producer.ring.writer_closed
+
+
+def _writer_dead(producer: ProducerPeer) -> bool:
+    return producer.ring is None or not psutil.pid_exists(producer.ring.writer_pid)
