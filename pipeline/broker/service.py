@@ -87,6 +87,15 @@ from pipeline.layouts import (
     write_descriptor,
 )
 from pipeline.protocol import check_consumer_name, encode, peer_uid
+from pipeline.status import (
+    STATUS_VERSION,
+    BrokerStatus,
+    ConnectedConsumer,
+    ConsumerTotalsRow,
+    LaneEvents,
+    ProducerRow,
+    TopShape,
+)
 from shm.objects import Doorbell, ObjectExistsError, StaleObjectError
 from shm.ring import RingReader, RingWriter, SharedRing, max_body_bytes
 
@@ -873,7 +882,7 @@ class Broker:
         if kind == "heartbeat":
             return
         if kind == "status":
-            self._send(sock, {"type": "status_reply", "counters": self.status()})
+            self._send(sock, {"type": "status_reply", "version": STATUS_VERSION, "counters": self.status().to_wire()})
         elif kind == "register_consumer" and isinstance(owner, Peer):
             self._register_consumer(sock, owner, message)
         elif kind == "register_producer" and isinstance(owner, Peer):
@@ -1107,59 +1116,60 @@ class Broker:
                 self.producers.pop(owner.producer_id, None)
             log.info("producer %d disconnected (%s)", owner.producer_id, why)
 
-    def status(self) -> dict:
+    def status(self) -> BrokerStatus:
         """Counters for `pipeline status`, the launcher's progress and report, and the
         metrics endpoint. Cost: O(shapes + lanes ever opened), a few ms at 100,000 lanes."""
         counters = self.dispatcher.counters()
         shapes = self.dispatcher.shape_summaries()
         connected = {c.name: c for c in self.consumers.values()}
         lanes = counters.lanes
-        return {
-            "items_received": counters.items_received,
-            "tokens_received": counters.tokens_received,
-            "items_routed": counters.items_routed,
-            "tokens_routed": counters.tokens_routed,
-            "items_completed": counters.items_completed,
-            "tokens_completed": counters.tokens_completed,
-            "items_returned": counters.items_returned,
-            "items_recovered": counters.items_recovered,
-            "tokens_recovered": counters.tokens_recovered,
-            "items_adopted": self.items_adopted,
-            "duplicate_items": counters.duplicate_items,
-            "duplicate_completions": counters.duplicate_completions,
-            "backlog_items": self.storage.queued_items(),
-            "backlog_tokens": sum(s.queued_tokens for s in shapes),
-            "pending_items": self.storage.pending_items(),
-            "shapes": counters.shapes,
-            "lanes_in_use": counters.lanes_in_use,
-            "lanes": {"opened": lanes.new_lanes, "reused": lanes.reuses, "force_fits": lanes.force_fits,
-                      "raises": lanes.raises, "quiesced": lanes.quiesced, "released": lanes.released,
-                      "revived": lanes.revived, "restored": lanes.restored, "max_in_use": lanes.max_in_use},
-            "switches": counters.switches,
-            "batches_routed": self.routed.batches,
-            "padded_tokens_routed": self.routed.padded_tokens,
-            "batch_fill_sum": self.routed.fill_sum,
-            "top_shapes": _top_shapes(shapes, STATUS_TOP_SHAPES),
-            "consumers": {c.name: {"id": c.consumer_id, "pid": c.pid, "credit": c.credit,
-                                   "batches_held": len(c.batches), "model": c.contract.model,
-                                   "max_batch_items": c.contract.max_batch_items,
-                                   "max_batch_tokens": c.contract.max_batch_tokens,
-                                   "max_input_len": c.contract.max_input_len} for c in connected.values()},
-            "per_consumer": {name: {"connected": name in connected, "batches": totals.batches, **totals.values}
-                             for name, totals in self._totals_by_name.items()},
-            "uptime_s": time.monotonic() - self.started_s,
-            "pid": os.getpid(),
-            "generation": self.state.generation,
-            "producers": {str(p.producer_id): {"frames": p.frames, "items": p.items}
-                          for p in self.producers.values()},
-            "consumers_lost": self.consumers_lost,
-            "disk_full": self.disk_full_since_s is not None,
-            "store_damage": self._store_damage(),
-            "peers_refused": self.peers_refused,
-            "peers_shed": self.peers_shed,
-            "stalls": self.stalls,
-            "stalled_s": self.stalled_s,
-        }
+        return BrokerStatus(
+            items_received=counters.items_received,
+            tokens_received=counters.tokens_received,
+            items_routed=counters.items_routed,
+            tokens_routed=counters.tokens_routed,
+            items_completed=counters.items_completed,
+            tokens_completed=counters.tokens_completed,
+            items_returned=counters.items_returned,
+            tokens_returned=counters.tokens_returned,
+            items_recovered=counters.items_recovered,
+            tokens_recovered=counters.tokens_recovered,
+            items_adopted=self.items_adopted,
+            duplicate_items=counters.duplicate_items,
+            duplicate_completions=counters.duplicate_completions,
+            backlog_items=self.storage.queued_items(),
+            backlog_tokens=sum(s.queued_tokens for s in shapes),
+            pending_items=self.storage.pending_items(),
+            shapes=counters.shapes,
+            lanes_in_use=counters.lanes_in_use,
+            lanes=LaneEvents(opened=lanes.new_lanes, reused=lanes.reuses, force_fits=lanes.force_fits,
+                             raises=lanes.raises, quiesced=lanes.quiesced, released=lanes.released,
+                             revived=lanes.revived, restored=lanes.restored, max_in_use=lanes.max_in_use),
+            switches=counters.switches,
+            batches_routed=self.routed.batches,
+            padded_tokens_routed=self.routed.padded_tokens,
+            batch_fill_sum=self.routed.fill_sum,
+            top_shapes=tuple(TopShape(**row) for row in _top_shapes(shapes, STATUS_TOP_SHAPES)),
+            consumers={c.name: ConnectedConsumer(consumer_id=c.consumer_id, pid=c.pid, credit=c.credit,
+                                                 batches_held=len(c.batches), model=c.contract.model,
+                                                 max_batch_items=c.contract.max_batch_items,
+                                                 max_batch_tokens=c.contract.max_batch_tokens,
+                                                 max_input_len=c.contract.max_input_len) for c in connected.values()},
+            per_consumer={name: ConsumerTotalsRow(connected=name in connected, batches=totals.batches, work=totals.work)
+                          for name, totals in self._totals_by_name.items()},
+            uptime_s=time.monotonic() - self.started_s,
+            pid=os.getpid(),
+            generation=self.state.generation,
+            producers={str(p.producer_id): ProducerRow(frames=p.frames, items=p.items)
+                       for p in self.producers.values()},
+            consumers_lost=self.consumers_lost,
+            disk_full=self.disk_full_since_s is not None,
+            store_damage=self._store_damage(),
+            peers_refused=self.peers_refused,
+            peers_shed=self.peers_shed,
+            stalls=self.stalls,
+            stalled_s=self.stalled_s,
+        )
 
     def close(self) -> None:
         self._stopping.set()
