@@ -36,6 +36,7 @@ import numpy as np
 from pipeline.errors import ResultsFileError
 from pipeline.layouts import ITEM_ID_SEQ_BITS, MAX_SEQ, make_item_id
 from pipeline.textfiles import bounded_lines
+from pipeline.status import BrokerStatus
 
 
 # Bad results lines named in a summary (path:line and why); the rest are only counted: a
@@ -240,7 +241,7 @@ def take_stock(ledger_entries: list[tuple[int, int]], results: np.ndarray, store
     )
 
 
-def reconcile(summary: ResultsSummary, broker: dict, stock: Stock | None = None) -> dict:
+def reconcile(summary: ResultsSummary, broker: BrokerStatus, stock: Stock | None = None) -> dict:
     """The run's accounting: received / routed / completed from the broker's status, the
     results files' distinct items and duplicates, and, when the run's stock was taken
     (`inventory.take_stock`: every item found by id with a result, in the store or in a
@@ -250,21 +251,20 @@ def reconcile(summary: ResultsSummary, broker: dict, stock: Stock | None = None)
 
     lost counts items, by id, that the run accepted (or took over from an earlier run) and
     that are nowhere: it is never negative, and a duplicate result can never hide one."""
-    received = broker["items_received"] + broker.get("items_recovered", 0)
     accounted = {
-        "items_received": received,
-        "tokens_received": broker["tokens_received"] + broker.get("tokens_recovered", 0),
-        "items_routed": broker["items_routed"],
-        "tokens_routed": broker["tokens_routed"],
-        "items_completed": broker["items_completed"],
-        "tokens_completed": broker["tokens_completed"],
+        "items_received": broker.items_received_all,
+        "tokens_received": broker.tokens_received_all,
+        "items_routed": broker.items_routed,
+        "tokens_routed": broker.tokens_routed,
+        "items_completed": broker.items_completed,
+        "tokens_completed": broker.tokens_completed,
         "items_with_results": summary.items,
         "duplicates": summary.duplicates,
         "items_empty": summary.by_status.get("too_long", 0),
         "items_corrupt": summary.by_status.get("corrupt", 0),
     }
     if stock is None:
-        accounted.update(items_unfinished=broker.get("backlog_items", 0) + broker.get("pending_items", 0),
+        accounted.update(items_unfinished=broker.items_unfinished,
                          items_in_store=None, items_in_rings=None, items_accepted=None, items_taken_over=None,
                          items_accepted_by_producer={},
                          lost=None, items_unexpected=None, lost_examples=[])

@@ -14,6 +14,7 @@ from pipeline.consumer.engines import ENGINES
 from pipeline.errors import BadInputError, PipelineError
 from pipeline.runtime.processes import DURABILITY_LEVELS, STORAGE_KINDS
 from pipeline.runtime.settings import DEMO_ITEMS, LaunchSettings, SettingsError
+from pipeline.status import BrokerStatus
 
 
 def setup_logging(verbose: bool) -> None:
@@ -105,10 +106,9 @@ def _run_with_progress(launcher, workload_items: int):
 
     tracker = ProgressTracker(workload_items)
     with LiveProgress() as live:
-        def show(status: dict, now_s: float) -> None:
+        def show(status: BrokerStatus, now_s: float) -> None:
             if not tracker.observations:  # what the broker took over from a stopped run is work too
-                tracker.expected_items = (workload_items + status.get("items_recovered", 0)
-                                          + status.get("items_adopted", 0))
+                tracker.expected_items = workload_items + status.items_recovered + status.items_adopted
             tracker.observe(status, now_s)
             live.update(tracker.snapshot(), now_s)
 

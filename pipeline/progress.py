@@ -12,8 +12,8 @@ clock (the caller passes `now_s`, any monotonic seconds):
             live.update(tracker.snapshot(), now_s)
     write_plots(tracker.history, out_dir)              # pipeline.plots
 
-Figures follow the report's definitions (pipeline.report): received = items_received +
-items_recovered; padding efficiency = the consumers' real / padded tokens; cache hit rate =
+Figures follow the status record's and the report's definitions (pipeline.status,
+pipeline.report): received includes the recovered items (BrokerStatus.items_received_all); padding efficiency = the consumers' real / padded tokens; cache hit rate =
 hits inside the cacheable prefix / (cacheable - compulsory miss tokens). Rates are taken
 over the last `RATE_WINDOW_S`; a broker restart (a new `generation`) starts the window again,
 since its counters start again from zero.
@@ -33,15 +33,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from pipeline.report import (
-    cache_hit_rate,
-    format_compact,
-    format_count,
-    format_percent,
-    format_rate,
-    padding_efficiency,
-    prefix_hit_tokens,
-)
+from pipeline.report import format_compact, format_count, format_percent, format_rate
+from pipeline.status import BrokerStatus, cache_hit_rate, padding_efficiency
 
 # Samples kept for plots. 2,048 polls at the launcher's 2 a second cover 17 minutes at full
 # resolution; past that the history keeps every other sample (and then every 4th, ...), so a
@@ -136,27 +129,26 @@ class Sample(FlowCounters):
     disk_full: bool = False  # the broker's disk is full: ingest paused (backpressure)
 
 
-def sample_from_status(status: dict, index: int, now_s: float) -> Sample:
-    """The figures of a `Broker.status()` dict that progress and plots use."""
+def sample_from_status(status: BrokerStatus, index: int, now_s: float) -> Sample:
+    """The figures of a `Broker.status()` that progress and plots use."""
     consumers = {}
-    for name, row in status.get("per_consumer", {}).items():
+    for name, row in status.per_consumer.items():
+        work = row.work
         consumers[name] = ConsumerSample(
-            connected=bool(row.get("connected", False)), prompt_tokens=row.get("prompt_tokens", 0),
-            padded_tokens=row.get("padded_tokens", 0), cacheable_tokens=row.get("cacheable_tokens", 0),
-            cache_hit_tokens=prefix_hit_tokens(row),
-            compulsory_miss_tokens=row.get("compulsory_miss_tokens", 0))
-    shapes = {("other" if row["signature"] == "other" else f"{row['model']}:{row['signature']}"): row["queued_tokens"]
-              for row in status.get("top_shapes", [])}
+            connected=row.connected, prompt_tokens=work.prompt_tokens, padded_tokens=work.padded_tokens,
+            cacheable_tokens=work.cacheable_tokens, cache_hit_tokens=work.cacheable_hit_tokens,
+            compulsory_miss_tokens=work.compulsory_miss_tokens)
+    shapes = {(row.signature if row.is_other else f"{row.model}:{row.signature}"): row.queued_tokens
+              for row in status.top_shapes}
     return Sample(
-        index=index, time_s=now_s, generation=status.get("generation", 0),
-        items_received=status["items_received"] + status.get("items_recovered", 0),
-        tokens_received=status["tokens_received"] + status.get("tokens_recovered", 0),
-        items_routed=status["items_routed"], tokens_routed=status["tokens_routed"],
-        items_completed=status["items_completed"], tokens_completed=status["tokens_completed"],
-        backlog_items=status.get("backlog_items", 0), backlog_tokens=status.get("backlog_tokens", 0),
-        pending_items=status.get("pending_items", 0), lanes_in_use=status.get("lanes_in_use", 0),
-        shapes=status.get("shapes", 0), switches=sum(status.get("switches", {}).values()),
-        consumers=consumers, queued_tokens_by_shape=shapes, disk_full=bool(status.get("disk_full", False)))
+        index=index, time_s=now_s, generation=status.generation,
+        items_received=status.items_received_all, tokens_received=status.tokens_received_all,
+        items_routed=status.items_routed, tokens_routed=status.tokens_routed,
+        items_completed=status.items_completed, tokens_completed=status.tokens_completed,
+        backlog_items=status.backlog_items, backlog_tokens=status.backlog_tokens,
+        pending_items=status.pending_items, lanes_in_use=status.lanes_in_use,
+        shapes=status.shapes, switches=status.shape_switches,
+        consumers=consumers, queued_tokens_by_shape=shapes, disk_full=status.disk_full)
 
 
 def interval_totals(before: Sample, after: Sample) -> TokenTotals:
@@ -249,7 +241,7 @@ class ProgressTracker:
         self._first_time_s: float | None = None
         self._latest: Sample | None = None
 
-    def observe(self, status: dict, now_s: float) -> None:
+    def observe(self, status: BrokerStatus, now_s: float) -> None:
         """Take one `Broker.status()` snapshot polled at `now_s` (seconds, never decreasing)."""
         if self._latest is not None and now_s < self._latest.time_s:
             raise ValueError(f"time went backwards: {now_s} after {self._latest.time_s}")

@@ -26,7 +26,10 @@ Messages, by sender:
                   producer_id: its id when it reconnects after a broker restart, else -1
               producer_ready {ring}          the ring named in the reply now exists
               unregister_producer {}         everything it wrote was published
-    anyone    status {}                                      -> status_reply {counters...}
+    anyone    status {}                                      -> status_reply {version, counters}
+                                             counters: a BrokerStatus in its wire form, read
+                                             only by a client of the same version
+                                             (pipeline.status)
     broker    registered {consumer_id, descriptor_ring, data_dir, heartbeat_timeout_s}
               registered_producer {producer_id, ring, doorbell, next_seq}
               error {message}                then the broker closes the connection
@@ -108,7 +111,7 @@ SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "registered": {"consumer_id": int, "descriptor_ring": str, "data_dir": str,
                    "heartbeat_timeout_s": (int, float)},
     "registered_producer": {"producer_id": int, "ring": str, "doorbell": str, "next_seq": int},
-    "status_reply": {"counters": dict},
+    "status_reply": {"version": int, "counters": dict},  # pipeline.status: the record and its version
     "error": {"message": str},
 }
 

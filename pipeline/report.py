@@ -70,6 +70,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
+from dataclasses import asdict
 
 from rich import box
 from rich.console import Console
@@ -77,94 +78,69 @@ from rich.table import Table
 
 from pipeline.accounting import ResultsSummary, Stock, reconcile
 from pipeline.broker.storage.recovery import REPAIR_KEYS
+from pipeline.status import BrokerStatus, ConsumerTotalsRow, cache_hit_rate, padding_efficiency, ratio
 
-# The broker's flow counters; a status without them (the broker was gone at the end: `{}`)
-# reports them as 0 and the accounting as not OK, since nothing can be checked.
-FLOW_KEYS = ("items_received", "tokens_received", "items_routed", "tokens_routed", "items_completed",
-             "tokens_completed")
 # The store_damage counts (the disk tier's recovery) of entries that cannot be delivered.
 UNDELIVERABLE_KEYS = ("entries_damaged", "entries_missing", "entries_quarantined")
 # The lane counters the report always shows; any other counter the broker adds is kept too.
 LANE_KEYS = ("opened", "reused", "force_fits", "quiesced", "released", "max_in_use")
 
 
-def ratio(numerator: float, denominator: float) -> float | None:
-    """numerator / denominator, None when the denominator is not positive (nothing measured):
-    a report must not show 0 % or divide by zero for a run that never did the thing."""
-    return numerator / denominator if denominator > 0 else None
-
-
-def padding_efficiency(prompt_tokens: int, padded_tokens: int) -> float | None:
-    """Real tokens / padded tokens."""
-    return ratio(prompt_tokens, padded_tokens)
-
-
-def cache_hit_rate(hit_tokens: int, cacheable_tokens: int, compulsory_miss_tokens: int) -> float | None:
-    """Hits inside the cacheable prefix / the cacheable tokens a warm cache could have hit."""
-    return ratio(hit_tokens, cacheable_tokens - compulsory_miss_tokens)
-
-
-def prefix_hit_tokens(consumer: dict) -> int:
-    """A consumer's cache hits inside the cacheable prefix, from its broker totals. Engines
-    without that split report only raw hits: the best figure there is."""
-    return consumer.get("cacheable_hit_tokens", consumer.get("cache_hit_tokens", 0))
-
-
-def consumer_figures(broker: dict, results: dict) -> dict:
-    """One consumer's report row from its broker totals (`status["per_consumer"][name]`, may
-    be {}) and its results-file counts (`ResultsSummary.per_consumer[name]`, may be {})."""
-    prompt = broker.get("prompt_tokens", 0)
-    padded = broker.get("padded_tokens", 0)
-    cacheable = broker.get("cacheable_tokens", 0)
-    compulsory = broker.get("compulsory_miss_tokens", 0)
-    hits = prefix_hit_tokens(broker)
+def consumer_figures(broker: ConsumerTotalsRow, results: dict) -> dict:
+    """One consumer's report row from its broker totals (`status.per_consumer[name]`, an
+    empty row if the broker has none) and its results-file counts
+    (`ResultsSummary.per_consumer[name]`, may be {})."""
+    work = broker.work
     # NOTE: the statuses come from the broker's totals, not the results files: ResultsSummary
     # counts statuses over all files only, and re-reading them here would be a second parser.
     return {
-        "connected": bool(broker.get("connected", False)),
+        "connected": broker.connected,
         "items": results.get("lines", 0),
-        "items_ok": broker.get("items_ok", 0),
-        "items_empty": broker.get("items_too_long", 0),
-        "items_corrupt": broker.get("items_corrupt", 0),
-        "prompt_tokens": prompt,
-        "padded_tokens": padded,
-        "padding_efficiency": padding_efficiency(prompt, padded),
-        "cacheable_tokens": cacheable,
-        "cache_hit_tokens": hits,
-        "cache_hit_tokens_all": broker.get("cache_hit_tokens", 0),
-        "compulsory_miss_tokens": compulsory,
-        "cache_hit_rate": cache_hit_rate(hits, cacheable, compulsory),
-        "output_tokens": broker.get("output_tokens", 0),
-        "batches": broker.get("batches", 0),
+        "items_ok": work.items_ok,
+        "items_empty": work.items_too_long,
+        "items_corrupt": work.items_corrupt,
+        "prompt_tokens": work.prompt_tokens,
+        "padded_tokens": work.padded_tokens,
+        "padding_efficiency": work.padding_efficiency,
+        "cacheable_tokens": work.cacheable_tokens,
+        "cache_hit_tokens": work.cacheable_hit_tokens,
+        "cache_hit_tokens_all": work.cache_hit_tokens,
+        "compulsory_miss_tokens": work.compulsory_miss_tokens,
+        "cache_hit_rate": work.cache_hit_rate,
+        "output_tokens": work.output_tokens,
+        "batches": broker.batches,
     }
 
 
-def build_report(status: dict, results: ResultsSummary, wall_s: float, stock: Stock | None = None,
+def build_report(status: BrokerStatus | None, results: ResultsSummary, wall_s: float, stock: Stock | None = None,
                  store_kept: bool = True, not_submitted: int = 0, unreadable_rings: Sequence[str] = (),
                  duplicates_across_runs: int = 0) -> dict:
     """The run report (definitions in the module docstring) as a JSON-ready dict.
+    `status`: the broker's last status; None when the broker was gone at the end, reported
+    as zero counters and the accounting as not OK, since nothing can be checked.
     `stock`: where every item of the run is, by id (`accounting.take_stock`); None for a live
     broker (`pipeline status`), which nothing is judged on. `store_kept` False: the store
     does not outlive the run (the memory tier, a temporary data directory), so unfinished
     items are discarded with it, and reported so. `not_submitted`: workload items the
     producers never put into their rings (a run stopped early)."""
-    missing = not all(key in status for key in FLOW_KEYS)
-    accounted = reconcile(results, dict.fromkeys(FLOW_KEYS, 0) | status, stock)
-    broker_consumers = status.get("per_consumer", {})
-    names = sorted(set(broker_consumers) | set(results.per_consumer))
-    per_consumer = {name: consumer_figures(broker_consumers.get(name, {}), results.per_consumer.get(name, {}))
+    missing = status is None
+    broker = BrokerStatus() if status is None else status
+    accounted = reconcile(results, broker, stock)
+    names = sorted(set(broker.per_consumer) | set(results.per_consumer))
+    per_consumer = {name: consumer_figures(broker.per_consumer.get(name, ConsumerTotalsRow()),
+                                           results.per_consumer.get(name, {}))
                     for name in names}
 
     def total(key: str) -> int:
         return sum(row[key] for row in per_consumer.values())
 
     prompt, padded = total("prompt_tokens"), total("padded_tokens")
-    if padded == 0:
-        prompt, padded = status.get("tokens_routed", 0), status.get("padded_tokens_routed", 0)
+    efficiency = padding_efficiency(prompt, padded) if padded else broker.routed_padding_efficiency
     cacheable, hits, compulsory = total("cacheable_tokens"), total("cache_hit_tokens"), total("compulsory_miss_tokens")
-    switches = dict(status.get("switches", {}))
-    lanes = {key: 0 for key in LANE_KEYS} | dict(status.get("lanes", {}))
-    damage = status.get("store_damage", {})
+    switches = dict(broker.switches)
+    # Without a status: the lane counters the report always shows, at 0.
+    lanes = {key: 0 for key in LANE_KEYS} | ({} if status is None else asdict(status.lanes))
+    damage = broker.store_damage
     undeliverable = sum(damage.get(key, 0) for key in UNDELIVERABLE_KEYS)
     store_damaged = any(count for key, count in damage.items() if key not in REPAIR_KEYS)
     return {
@@ -176,25 +152,25 @@ def build_report(status: dict, results: ResultsSummary, wall_s: float, stock: St
         "items_discarded": 0 if store_kept else accounted["items_unfinished"],
         "store_kept": store_kept,
         "unreadable_rings": list(unreadable_rings),
-        "store_damage": dict(status.get("store_damage", {})),
+        "store_damage": dict(damage),
         "items_undeliverable": undeliverable,
         "store_damaged": store_damaged,
         "results_torn_lines": results.torn_lines,
         "results_bad_lines": results.bad_lines,
         "results_bad_line_examples": list(results.bad_line_examples),
-        "padding_efficiency": padding_efficiency(prompt, padded),
-        "mean_batch_fill": ratio(status.get("batch_fill_sum", 0.0), status.get("batches_routed", 0)),
-        "batches_routed": status.get("batches_routed", 0),
+        "padding_efficiency": efficiency,
+        "mean_batch_fill": broker.mean_batch_fill,
+        "batches_routed": broker.batches_routed,
         "cacheable_tokens": cacheable,
         "cache_hit_tokens": hits,
         "cache_hit_tokens_all": total("cache_hit_tokens_all"),
         "compulsory_miss_tokens": compulsory,
         "cache_hit_rate": cache_hit_rate(hits, cacheable, compulsory),
-        "shape_switches": sum(switches.values()),
+        "shape_switches": broker.shape_switches,
         "shape_switches_by_reason": switches,
-        "shapes": status.get("shapes", 0),
+        "shapes": broker.shapes,
         "lanes": lanes,
-        "consumers_lost": status.get("consumers_lost", 0),
+        "consumers_lost": broker.consumers_lost,
         "per_consumer": per_consumer,
         "wall_s": wall_s,
         "items_per_s": ratio(accounted["items_completed"], wall_s),

@@ -54,7 +54,7 @@ def _broker_answers(socket_path: str, pid: int | None = None) -> bool:
         answered = broker_status(socket_path, timeout_s=1.0)
     except (OSError, TimeoutError, ProtocolError):  # UntrustedPeerError is not "no broker": it says why
         return False
-    return pid is None or answered.get("pid") == pid
+    return pid is None or answered.pid == pid
 
 
 def _detach(stage: str, data_dir: str, argv: list[str], ready) -> None:
@@ -193,10 +193,10 @@ def _consumer_registered(socket_path: str, name: str, pid: int) -> bool:
     from pipeline.runtime.local import broker_status
 
     try:
-        consumers = broker_status(socket_path, timeout_s=1.0)["consumers"]
+        consumers = broker_status(socket_path, timeout_s=1.0).consumers
     except (OSError, TimeoutError):
         return False
-    return consumers.get(name, {}).get("pid") == pid
+    return name in consumers and consumers[name].pid == pid
 
 
 @consumer.command("stop")
@@ -285,7 +285,7 @@ class _StoreWatch:
         from pipeline.runtime.local import broker_status
 
         try:
-            state = "disk full" if broker_status(self.socket_path, timeout_s=1.0)["disk_full"] else "storing"
+            state = "disk full" if broker_status(self.socket_path, timeout_s=1.0).disk_full else "storing"
         except (OSError, TimeoutError, PipelineError):
             state = "not answering"
         now_s = time.monotonic()
@@ -315,11 +315,11 @@ def _unstored_items(data_dir: str, producer_ids: list[int]) -> int:
     return int(ring_stock(name for name in producer_ring_names(data_dir) if name in ours).item_ids.size)
 
 
-# The broker status fields `status` shows beside the report, with what a reply lacking one shows.
-STATUS_FIELDS: dict[str, object] = {
-    "backlog_items": 0, "backlog_tokens": 0, "pending_items": 0, "consumers": {}, "shapes": 0, "lanes_in_use": 0,
-    "top_shapes": [], "disk_full": False, "peers_refused": 0, "peers_shed": 0, "stalls": 0, "stalled_s": 0.0,
-}
+# The broker status fields `status` shows beside the report (in their wire form in --json).
+STATUS_FIELDS: tuple[str, ...] = (
+    "backlog_items", "backlog_tokens", "pending_items", "consumers", "shapes", "lanes_in_use", "top_shapes",
+    "disk_full", "peers_refused", "peers_shed", "stalls", "stalled_s",
+)
 
 
 @click.command()
@@ -337,16 +337,18 @@ def status(data_dir: str, as_json: bool, results_dir: str | None) -> None:
     config = BrokerConfig(data_dir)
     try:
         counters = broker_status(config.socket_path)
-    except (OSError, TimeoutError, ProtocolError) as exc:
+    except (OSError, TimeoutError) as exc:
         raise click.ClickException(f"no broker answers on {config.socket_path} ({exc})") from exc
+    except ProtocolError as exc:  # an error reply, or a status of another version: never misread
+        raise click.ClickException(f"cannot read the status of the broker on {config.socket_path} ({exc})") from exc
     results = summarize_results(results_dir or os.path.join(data_dir, RESULTS_DIR))
-    report = build_report(counters, results, counters.get("uptime_s", 0.0))
+    report = build_report(counters, results, counters.uptime_s)
     # NOTE: a live broker's counters cover its own life only, while results files span
     # restarts and runs: `lost` and the verdict would be noise. The end of a run (launch's
     # report, or `pipeline tools verify`) is where the accounting is checked.
     report.update(lost=None, accounting_ok=None)
-    # A reply without a field (an older broker) shows what it has, never a traceback.
-    report.update({key: counters.get(key, default) for key, default in STATUS_FIELDS.items()})
+    wire = counters.to_wire()
+    report.update({key: wire[key] for key in STATUS_FIELDS})
     if as_json:
         click.echo(json.dumps(report, indent=2, sort_keys=True))
         return

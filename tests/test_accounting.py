@@ -13,6 +13,7 @@ import numpy as np
 
 from pipeline.accounting import MAX_BAD_LINE_EXAMPLES, reconcile, summarize_results, take_stock
 from pipeline.errors import ResultsFileError
+from pipeline.status import BrokerStatus
 
 
 def row(item_id: int) -> str:
@@ -131,8 +132,8 @@ def test_an_unfinished_item_with_a_result_is_counted_once(tmp_path):
     # lost; a live broker's status alone judges nothing (lost None).
     (tmp_path / "c0.jsonl").write_text(row(1) + row(2) + row(3) + row(4))
     summary = summarize_results(str(tmp_path))
-    status = {"items_received": 6, "tokens_received": 60, "items_routed": 6, "tokens_routed": 60,
-              "items_completed": 2, "tokens_completed": 20, "backlog_items": 4, "pending_items": 0}
+    status = BrokerStatus(items_received=6, tokens_received=60, items_routed=6, tokens_routed=60,
+                          items_completed=2, tokens_completed=20, backlog_items=4, pending_items=0)
     assert reconcile(summary, status)["lost"] is None
     results = np.array(sorted(summary.item_ids), dtype=np.uint64)
     none = np.zeros(0, np.uint64)

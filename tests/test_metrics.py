@@ -1,4 +1,4 @@
-"""Prometheus metrics: the exposition of status dicts, and a real endpoint over a real broker."""
+"""Prometheus metrics: the exposition of statuses, and a real endpoint over a real broker."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 import threading
 import time
 import urllib.request
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -22,11 +23,14 @@ from pipeline.metrics import COUNTERS, CONSUMER_COUNTERS, GAUGES, LANE_EVENTS, M
 from pipeline.producer.client import BrokerProducer
 from pipeline.producer.signature import signature
 from pipeline.runtime.local import broker_status, start_broker, stop_process
+from pipeline.status import STATUS_VERSION, BrokerStatus, TopShape
 
-# Real output of `broker_status` after a 4000-item run, top_shapes trimmed to 2 rows + "other".
-SAMPLE = json.loads("""
+# Real output of `broker_status` after a 4000-item run (its wire form), top_shapes trimmed to
+# 2 rows + "other".
+SAMPLE_WIRE = json.loads("""
 {"items_received": 4000, "tokens_received": 1580568, "items_routed": 4000, "tokens_routed": 1580568,
- "items_completed": 4000, "tokens_completed": 1580568, "items_returned": 0, "items_recovered": 0,
+ "items_completed": 4000, "tokens_completed": 1580568, "items_returned": 0, "tokens_returned": 0,
+ "items_recovered": 0, "items_adopted": 0,
  "tokens_recovered": 0, "duplicate_items": 0, "duplicate_completions": 0, "backlog_items": 0,
  "backlog_tokens": 0, "pending_items": 0, "shapes": 20, "lanes_in_use": 923,
  "lanes": {"opened": 923, "reused": 3077, "force_fits": 0, "raises": 726, "quiesced": 0, "released": 0,
@@ -53,8 +57,16 @@ SAMPLE = json.loads("""
           "prompt_tokens": 826855, "padded_tokens": 844672, "cacheable_tokens": 240416,
           "cache_hit_tokens": 238096, "cacheable_hit_tokens": 238096, "output_tokens": 8288,
           "compulsory_miss_tokens": 2320}},
- "uptime_s": 0.63, "generation": 1, "producers": {}, "consumers_lost": 0, "disk_full": false}
+ "uptime_s": 0.63, "pid": 6270, "generation": 1, "producers": {}, "consumers_lost": 0, "disk_full": false,
+ "store_damage": {}, "peers_refused": 0, "peers_shed": 0, "stalls": 0, "stalled_s": 0.0}
 """)
+
+
+def status_of(wire: dict) -> BrokerStatus:
+    return BrokerStatus.from_wire(wire, version=STATUS_VERSION)
+
+
+SAMPLE = status_of(SAMPLE_WIRE)
 
 P = "shape_broker_"
 # Shapes submitted in the end-to-end test: more than the status's top rows, so "other" appears.
@@ -90,21 +102,22 @@ def scrape_collector(fetch) -> dict:
 
 
 def test_sample_status_gives_every_counter_and_gauge():
-    status = copy.deepcopy(SAMPLE)
-    status["items_recovered"], status["tokens_recovered"] = 7, 700  # recovered count as received
-    status.update(items_adopted=3, peers_refused=4, peers_shed=5, stalls=1,
-                  store_damage={"entries_damaged": 2, "segments_missing": 1, "torn_tails": 0})
+    status = replace(SAMPLE, items_recovered=7, tokens_recovered=700,  # recovered count as received
+                     items_adopted=3, peers_refused=4, peers_shed=5, stalls=1,
+                     store_damage={"entries_damaged": 2, "segments_missing": 1, "torn_tails": 0})
     parsed = samples(render(status))
     assert by_label(parsed, "store_damage", "kind") == {"entries_damaged": 2, "segments_missing": 1, "torn_tails": 0}
     assert scalar(parsed, "up") == 1
-    for name, fields, _ in COUNTERS:
-        assert scalar(parsed, name + "_total") == sum(status[f] for f in fields), name
+    for export in COUNTERS:
+        if not export.label:
+            assert scalar(parsed, export.name + "_total") == export.read(status), export.name
     assert scalar(parsed, "items_received_total") == 4007
     assert scalar(parsed, "tokens_received_total") == 1580568 + 700
-    for name, field, _ in GAUGES:
-        assert scalar(parsed, name) == status[field], name
+    for export in GAUGES:
+        if not export.label:
+            assert scalar(parsed, export.name) == export.read(status), export.name
     assert by_label(parsed, "shape_switches_total", "reason") == {"initial": 1, "drained": 19, "starvation": 0}
-    assert by_label(parsed, "lane_events_total", "event") == {e: status["lanes"][e] for e in LANE_EVENTS}
+    assert by_label(parsed, "lane_events_total", "event") == {e: getattr(status.lanes, e) for e in LANE_EVENTS}
     assert scalar(parsed, "lanes_max_in_use") == 923
     assert scalar(parsed, "consumers_connected") == 2
     assert scalar(parsed, "disk_full") == 0
@@ -123,28 +136,27 @@ def test_sample_status_per_shape_rows_keep_their_labels():
 
 def test_sample_status_per_consumer_counters_and_cache_hit_ratio():
     parsed = samples(render(SAMPLE))
-    for field, _ in CONSUMER_COUNTERS:
-        expected = {name: row[field] for name, row in SAMPLE["per_consumer"].items()}
-        assert by_label(parsed, f"consumer_{field}_total", "consumer") == expected, field
+    for export in CONSUMER_COUNTERS:
+        expected = {name: row[export.name] for name, row in SAMPLE_WIRE["per_consumer"].items()}
+        assert by_label(parsed, f"consumer_{export.name}_total", "consumer") == expected, export.name
     assert by_label(parsed, "consumer_connected", "consumer") == {"c0": 1, "c1": 1}
     # c0: 238096 / (240416 - 2320): every hit a perfect order could get
     assert by_label(parsed, "consumer_cache_hit_ratio", "consumer") == {"c0": 1.0, "c1": 1.0}
 
 
 def test_cache_hit_ratio_counts_only_reachable_hits_and_skips_a_zero_denominator():
-    status = copy.deepcopy(SAMPLE)
+    status = copy.deepcopy(SAMPLE_WIRE)
     status["per_consumer"]["c0"].update(cacheable_tokens=1000, compulsory_miss_tokens=200, cacheable_hit_tokens=600)
     status["per_consumer"]["c1"].update(cacheable_tokens=300, compulsory_miss_tokens=300, cacheable_hit_tokens=0)
     status["per_consumer"]["c1"]["connected"] = False
-    parsed = samples(render(status))
+    parsed = samples(render(status_of(status)))
     assert by_label(parsed, "consumer_cache_hit_ratio", "consumer") == {"c0": 0.75}
     assert by_label(parsed, "consumer_connected", "consumer") == {"c0": 1, "c1": 0}
 
 
 def test_no_consumers_and_nothing_routed():
-    status = copy.deepcopy(SAMPLE)
-    status.update(consumers={}, per_consumer={}, batches_routed=0, batch_fill_sum=0.0, tokens_routed=0,
-                  padded_tokens_routed=0, disk_full=True)
+    status = replace(SAMPLE, consumers={}, per_consumer={}, batches_routed=0, batch_fill_sum=0.0, tokens_routed=0,
+                     padded_tokens_routed=0, disk_full=True)
     parsed = samples(render(status))
     assert scalar(parsed, "consumers_connected") == 0
     assert not [name for name in parsed if name.startswith(P + "consumer_")]
@@ -154,11 +166,11 @@ def test_no_consumers_and_nothing_routed():
 
 
 def test_many_shapes_give_at_most_top_rows_plus_other():
-    status = copy.deepcopy(SAMPLE)
-    status["top_shapes"] = [{"model": k % 3, "signature": f"{k:016x}", "lanes": 1, "queued_items": k,
-                             "queued_tokens": 10 * k, "pending_items": 0} for k in range(STATUS_TOP_SHAPES)]
-    status["top_shapes"].append({"model": -1, "signature": "other", "lanes": 900, "queued_items": 5000,
-                                 "queued_tokens": 50_000, "pending_items": 3})
+    top = [TopShape(model=k % 3, signature=f"{k:016x}", lanes=1, queued_items=k, queued_tokens=10 * k,
+                    pending_items=0) for k in range(STATUS_TOP_SHAPES)]
+    top.append(TopShape(model=-1, signature="other", lanes=900, queued_items=5000, queued_tokens=50_000,
+                        pending_items=3))
+    status = replace(SAMPLE, top_shapes=tuple(top))
     parsed = samples(render(status))
     queued = {dict(k)["shape"]: (dict(k)["model"], v) for k, v in parsed[P + "shape_queued_items"].items()}
     assert len(queued) == STATUS_TOP_SHAPES + 1
@@ -167,8 +179,8 @@ def test_many_shapes_give_at_most_top_rows_plus_other():
     assert by_label(parsed, "shape_pending_items", "shape")["other"] == 3
 
 
-def test_missing_fields_read_as_zero():
-    parsed = samples(render({}))
+def test_a_broker_that_did_nothing_reads_as_zero():
+    parsed = samples(render(BrokerStatus()))
     assert scalar(parsed, "up") == 1
     assert scalar(parsed, "items_received_total") == 0
     assert scalar(parsed, "backlog_tokens") == 0
@@ -179,7 +191,7 @@ def test_missing_fields_read_as_zero():
 @pytest.mark.parametrize("error", [FileNotFoundError("no socket"), ConnectionRefusedError(), TimeoutError(),
                                    ProtocolError("broker refused status")])
 def test_broker_unreachable_gives_only_up_zero(error):
-    def fetch() -> dict:
+    def fetch() -> BrokerStatus:
         raise error
 
     assert scrape_collector(fetch) == {P + "up": {(): 0.0}}
@@ -253,7 +265,7 @@ def test_endpoint_over_a_real_broker(tmp_path):
 
 def test_two_servers_on_free_ports_close_cleanly():
     threads_before = set(threading.enumerate())
-    with MetricsServer.start(0, lambda: SAMPLE) as first, MetricsServer.start(0, lambda: {}) as second:
+    with MetricsServer.start(0, lambda: SAMPLE) as first, MetricsServer.start(0, lambda: BrokerStatus()) as second:
         assert first.port != second.port
         assert scalar(scrape(first.port), "items_received_total") == 4000
         assert scalar(scrape(second.port), "items_received_total") == 0

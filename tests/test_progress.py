@@ -4,6 +4,7 @@ on synthetic status series whose rates are known exactly (no wall clock)."""
 from __future__ import annotations
 
 import io
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from pipeline.progress import (
     format_duration,
     format_view_line,
 )
+from pipeline.status import BrokerStatus, ConsumerTotalsRow, ConsumerWork, TopShape
 
 # The synthetic run's rates, per second.
 RECEIVED_ITEMS_PER_S = 100
@@ -27,13 +29,13 @@ C1_CHANGE_S = 10.0
 
 
 def consumer_row(prompt: float, padded: float, cacheable: float, hits: float, compulsory: int,
-                 connected: bool = True) -> dict:
-    return {"connected": connected, "batches": 0, "items_ok": 0, "prompt_tokens": int(prompt),
-            "padded_tokens": int(padded), "cacheable_tokens": int(cacheable), "cache_hit_tokens": int(hits),
-            "cacheable_hit_tokens": int(hits), "compulsory_miss_tokens": compulsory}
+                 connected: bool = True) -> ConsumerTotalsRow:
+    return ConsumerTotalsRow(connected=connected, batches=0, work=ConsumerWork(
+        items_ok=0, prompt_tokens=int(prompt), padded_tokens=int(padded), cacheable_tokens=int(cacheable),
+        cache_hit_tokens=int(hits), cacheable_hit_tokens=int(hits), compulsory_miss_tokens=compulsory))
 
 
-def status_at(t: float, generation: int = 1, shapes: dict[str, int] | None = None) -> dict:
+def status_at(t: float, generation: int = 1, shapes: dict[str, int] | None = None) -> BrokerStatus:
     """The broker's status t seconds into the synthetic run: counters linear in t, so a rate
     over any interval is exact. c0 runs at 90 % padding efficiency and a 75 % hit rate
     (hits 300/s of cacheable 500/s less 100 compulsory, once); c1 at 50 % and 50 % until
@@ -42,22 +44,22 @@ def status_at(t: float, generation: int = 1, shapes: dict[str, int] | None = Non
                                                               COMPLETED_ITEMS_PER_S))
     before, after = min(t, C1_CHANGE_S), max(0.0, t - C1_CHANGE_S)
     compulsory = 100 if t > 0 else 0
-    top = [{"model": 0, "signature": name, "lanes": 3, "queued_items": tokens // TOKENS_PER_ITEM,
-            "queued_tokens": tokens, "pending_items": 0} for name, tokens in (shapes or {}).items()]
-    return {
-        "items_received": received, "tokens_received": received * TOKENS_PER_ITEM,
-        "items_routed": routed, "tokens_routed": routed * TOKENS_PER_ITEM,
-        "items_completed": completed, "tokens_completed": completed * TOKENS_PER_ITEM,
-        "items_recovered": 0, "tokens_recovered": 0,
-        "backlog_items": received - routed, "backlog_tokens": (received - routed) * TOKENS_PER_ITEM,
-        "pending_items": routed - completed, "shapes": 3, "lanes_in_use": 10 + int(t),
-        "switches": {"initial": 1, "drained": int(t // 5)}, "top_shapes": top, "generation": generation,
-        "per_consumer": {
+    top = tuple(TopShape(model=0, signature=name, lanes=3, queued_items=tokens // TOKENS_PER_ITEM,
+                         queued_tokens=tokens, pending_items=0) for name, tokens in (shapes or {}).items())
+    return BrokerStatus(
+        items_received=received, tokens_received=received * TOKENS_PER_ITEM,
+        items_routed=routed, tokens_routed=routed * TOKENS_PER_ITEM,
+        items_completed=completed, tokens_completed=completed * TOKENS_PER_ITEM,
+        items_recovered=0, tokens_recovered=0,
+        backlog_items=received - routed, backlog_tokens=(received - routed) * TOKENS_PER_ITEM,
+        pending_items=routed - completed, shapes=3, lanes_in_use=10 + int(t),
+        switches={"initial": 1, "drained": int(t // 5)}, top_shapes=top, generation=generation,
+        per_consumer={
             "c0": consumer_row(900 * t, 1000 * t, 500 * t, 300 * t, compulsory),
             "c1": consumer_row(500 * before + 800 * after, 1000 * t, 500 * t,
                                200 * before + 500 * after, compulsory, connected=t < 20),
         },
-    }
+    )
 
 
 def poll_times(count: int, seed: int = 7) -> list[float]:
@@ -102,7 +104,8 @@ def test_rate_window_follows_a_change_of_pace():
     for t in [i * 0.5 for i in range(61)]:
         status = status_at(t)
         if t > 20:
-            status.update(items_completed=COMPLETED_ITEMS_PER_S * 20, tokens_completed=COMPLETED_ITEMS_PER_S * 20 * 400)
+            status = replace(status, items_completed=COMPLETED_ITEMS_PER_S * 20,
+                             tokens_completed=COMPLETED_ITEMS_PER_S * 20 * 400)
         tracker.observe(status, t)
         tracker.check_invariants()
         view = tracker.snapshot()
@@ -193,7 +196,8 @@ def test_intervals_skip_counter_resets_and_restarts():
     tracker.observe(status_at(0.5, generation=2), 3.0)  # broker restarted: totals from zero
     tracker.observe(status_at(1.5, generation=2), 4.0)
     reset = status_at(2.5, generation=2)
-    reset["per_consumer"]["c1"] = consumer_row(10, 10, 0, 0, 0)  # c1's totals went down
+    reset = replace(reset, per_consumer={**reset.per_consumer,
+                                         "c1": consumer_row(10, 10, 0, 0, 0)})  # c1's totals went down
     tracker.observe(reset, 5.0)
     tracker.check_invariants()
     intervals = consumer_intervals(tracker.history)

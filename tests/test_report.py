@@ -7,6 +7,7 @@ import copy
 import io
 import json
 import os
+from dataclasses import replace
 
 import pytest
 from rich.console import Console
@@ -22,7 +23,9 @@ from pipeline.report import (
     render_report,
     write_report_json,
 )
+from pipeline.status import BrokerStatus
 from tests.test_metrics import SAMPLE as SAMPLE_STATUS  # a real status; figures below are from it
+from tests.test_metrics import SAMPLE_WIRE, status_of
 
 # In the sample, consumer c1 ran items 0..1927 and c0 items 1928..3999.
 C1_ITEMS = 1928
@@ -104,9 +107,9 @@ def test_report_from_the_sample_run(tmp_path):
 
 
 def test_cache_hits_beyond_the_prefix_do_not_count_in_the_rate(tmp_path):
-    status = copy.deepcopy(SAMPLE_STATUS)
+    status = copy.deepcopy(SAMPLE_WIRE)
     status["per_consumer"]["c0"].update(cache_hit_tokens=250000, cacheable_hit_tokens=200000)
-    report = report_of(status, sample_results(tmp_path), wall_s=1.0)
+    report = report_of(status_of(status), sample_results(tmp_path), wall_s=1.0)
     assert report["cache_hit_tokens"] == 218496 + 200000
     assert report["cache_hit_tokens_all"] == 218496 + 250000
     assert report["cache_hit_rate"] == pytest.approx((218496 + 200000) / (461232 - 4640))
@@ -156,22 +159,20 @@ def test_duplicates_and_empty_items(tmp_path):
 
 
 def test_completed_short_of_received_is_not_ok(tmp_path):
-    status = copy.deepcopy(SAMPLE_STATUS)
-    status["tokens_completed"] -= 1
+    status = replace(SAMPLE_STATUS, tokens_completed=SAMPLE_STATUS.tokens_completed - 1)
     assert report_of(status, sample_results(tmp_path), wall_s=1.0)["accounting_ok"] is False
 
 
 def test_recovered_items_count_as_received(tmp_path):
-    status = copy.deepcopy(SAMPLE_STATUS)
-    status.update(items_received=3000, tokens_received=1000000, items_recovered=1000, tokens_recovered=580568)
+    status = replace(SAMPLE_STATUS, items_received=3000, tokens_received=1000000, items_recovered=1000,
+                     tokens_recovered=580568)
     report = report_of(status, sample_results(tmp_path), wall_s=1.0)
     assert (report["items_received"], report["tokens_received"]) == (4000, 1580568)
     assert report["accounting_ok"] is True
 
 
 def test_nothing_cacheable_and_no_consumer_totals(tmp_path):
-    status = copy.deepcopy(SAMPLE_STATUS)
-    status["per_consumer"] = {}  # e.g. a broker restarted after the consumers finished
+    status = replace(SAMPLE_STATUS, per_consumer={})  # e.g. a broker restarted after the consumers finished
     report = report_of(status, sample_results(tmp_path), wall_s=0.0)
     assert report["cache_hit_rate"] is None
     assert report["cacheable_tokens"] == 0
@@ -185,9 +186,7 @@ def test_nothing_cacheable_and_no_consumer_totals(tmp_path):
 
 
 def test_empty_run(tmp_path):
-    status = {key: 0 for key in ("items_received", "tokens_received", "items_routed", "tokens_routed",
-                                 "items_completed", "tokens_completed")}
-    report = report_of(status, summarize_results(str(tmp_path / "none")), wall_s=1.0, published=0)
+    report = report_of(BrokerStatus(), summarize_results(str(tmp_path / "none")), wall_s=1.0, published=0)
     assert report["accounting_ok"] is True
     assert (report["padding_efficiency"], report["mean_batch_fill"], report["cache_hit_rate"]) == (None, None, None)
     assert report["per_consumer"] == {} and report["shape_switches"] == 0
@@ -195,9 +194,9 @@ def test_empty_run(tmp_path):
 
 
 def test_without_a_broker_status_nothing_is_checked(tmp_path):
-    """The launcher passes {} when the broker was gone at the end: the results files still
+    """The launcher passes None when the broker was gone at the end: the results files still
     show, and the accounting is not claimed to balance."""
-    report = report_of({}, sample_results(tmp_path), wall_s=1.0)
+    report = report_of(None, sample_results(tmp_path), wall_s=1.0)
     assert report["broker_status_missing"] is True
     assert report["accounting_ok"] is False
     assert (report["items_received"], report["items_with_results"], report["lost"]) == (0, 4000, 0)
@@ -246,8 +245,7 @@ def test_formatters():
 
 
 def test_damage_the_broker_found_is_shown_and_explains_what_is_lost(tmp_path):
-    status = copy.deepcopy(SAMPLE_STATUS)
-    status["store_damage"] = {"entries_damaged": 2, "entries_missing": 1, "torn_tails": 4}
+    status = replace(SAMPLE_STATUS, store_damage={"entries_damaged": 2, "entries_missing": 1, "torn_tails": 4})
     report = report_of(status, sample_results(tmp_path, skip=frozenset({7, 8, 9})), wall_s=1.0)
     assert report["items_undeliverable"] == 3 and report["lost"] == 3 and report["accounting_ok"] is False
     out = io.StringIO()
@@ -262,8 +260,7 @@ def test_damage_without_a_loss_is_never_ok(tmp_path):
     run accepted are nobody's loss by id: the verdict is DAMAGED all the same, never OK."""
     corrupt = report_of(SAMPLE_STATUS, sample_results(tmp_path), wall_s=1.0)
     assert corrupt["accounting_ok"] is True
-    status = copy.deepcopy(SAMPLE_STATUS)
-    status["store_damage"] = {"entries_damaged": 1, "torn_tails": 2}
+    status = replace(SAMPLE_STATUS, store_damage={"entries_damaged": 1, "torn_tails": 2})
     damaged = report_of(status, sample_results(tmp_path), wall_s=1.0)
     assert damaged["lost"] == 0 and damaged["accounting_ok"] is False
     out = io.StringIO()
@@ -273,6 +270,5 @@ def test_damage_without_a_loss_is_never_ok(tmp_path):
         line(i) for i in range(1, ALL_ITEMS)]}))
     answered = report_of(SAMPLE_STATUS, results, wall_s=1.0)
     assert answered["items_corrupt"] == 1 and answered["lost"] == 0 and answered["accounting_ok"] is False
-    only_torn = copy.deepcopy(SAMPLE_STATUS)
-    only_torn["store_damage"] = {"torn_tails": 2, "state_words_repaired": 1}  # repairs, not damage
+    only_torn = replace(SAMPLE_STATUS, store_damage={"torn_tails": 2, "state_words_repaired": 1})  # repairs, not damage
     assert report_of(only_torn, sample_results(tmp_path), wall_s=1.0)["accounting_ok"] is True

@@ -52,6 +52,7 @@ def pipeline(*args: str, timeout_s: float = RUN_TIMEOUT_S) -> subprocess.Complet
 
 
 def broker_status(data: str) -> dict | None:
+    """What `pipeline status --json` prints (the report's keys), None while no broker answers."""
     done = pipeline("status", "--data-dir", data, "--json", timeout_s=30)
     return json.loads(done.stdout) if done.returncode == 0 else None
 

@@ -46,6 +46,7 @@ from pipeline.producer.client import BrokerProducer
 from pipeline.producer.signature import signature
 from pipeline.runtime.local import CTX, broker_status as status, start_broker, start_consumer
 from pipeline.runtime.local import stop_process as stop
+from pipeline.status import BrokerStatus
 
 TOKENS = 256
 SHAPES = 8
@@ -101,14 +102,14 @@ def _pipeline(root: str, consumers: int, batch_items: int = 64, credit: int | No
     return broker, socket_path, workers, results
 
 
-def _wait_completed(socket_path: str, total: int, timeout_s: float) -> dict:
+def _wait_completed(socket_path: str, total: int, timeout_s: float) -> BrokerStatus:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         counters = status(socket_path)
-        if counters["items_completed"] >= total:
+        if counters.items_completed >= total:
             return counters
         time.sleep(0.02)
-    raise TimeoutError(f"only {status(socket_path)['items_completed']} of {total} completed")
+    raise TimeoutError(f"only {status(socket_path).items_completed} of {total} completed")
 
 
 def _cpu_seconds(processes: dict[str, psutil.Process], into: dict[str, float]) -> None:
@@ -135,7 +136,7 @@ def throughput(items_per_producer: int, batch_items: int, credit: int | None | s
         processes = {name: psutil.Process(p.pid) for name, p in watched.items()}
         total = 2 * items_per_producer
         cpu: dict[str, float] = {}
-        while (counters := status(socket_path))["items_completed"] < total:
+        while (counters := status(socket_path)).items_completed < total:
             _cpu_seconds(processes, cpu)
             time.sleep(0.05)
         elapsed = time.monotonic() - started
@@ -148,7 +149,7 @@ def throughput(items_per_producer: int, batch_items: int, credit: int | None | s
         stop(broker)
         shutil.rmtree(root, ignore_errors=True)
     return {"items": total, "seconds": elapsed, "items_per_s": total / elapsed,
-            "tokens_per_s": total * TOKENS / elapsed, "tokens_completed": counters["tokens_completed"],
+            "tokens_per_s": total * TOKENS / elapsed, "tokens_completed": counters.tokens_completed,
             "cpu_us_per_item": {name: 1e6 * seconds / total for name, seconds in cpu.items()}}
 
 

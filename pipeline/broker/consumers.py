@@ -29,6 +29,7 @@ from pipeline.broker.storage.base import StorageTier
 from pipeline.errors import BadInputError, ProtocolError, RingTimeoutError, ShmError
 from pipeline.layouts import DESCRIPTOR_ITEM_DTYPE, descriptor_size_bytes, write_descriptor
 from pipeline.protocol import check_consumer_name
+from pipeline.status import ConsumerWork
 from shm.ring import RingWriter, SharedRing
 
 log = logging.getLogger("pipeline.broker")
@@ -189,10 +190,13 @@ class ConsumerSide:
             if batch is None:
                 raise BadInputError(f"consumer {consumer.consumer_id} completed batch {message['batch_id']}, "
                                     f"which it does not hold")
+            # Checked before anything changes: a completion whose results are not what a
+            # consumer sends refuses the consumer and completes nothing.
+            work = ConsumerWork.from_results(message["results"])
             self._keep_damaged(consumer, batch, message.get("corrupt"))
             self._dispatcher.complete_batch(consumer.consumer_id, batch)
             del consumer.batches[message["batch_id"]]
-            consumer.totals.add(message["results"])
+            consumer.totals.add(work)
         elif kind == "goodbye":
             self._control.disconnect(consumer.peer.sock, "goodbye")
 

@@ -81,10 +81,6 @@ class ControlServer:
         self._selector.register(self._listener, selectors.EVENT_READ, None)
         self._selector.register(wake_fd, selectors.EVENT_READ, None)
 
-    @property
-    def connections(self) -> int:
-        return len(self._owners)
-
     def bind(self, sock: socket.socket, owner: ProducerPeer | ConsumerPeer) -> None:
         """A connection registered: its messages now go to `owner`'s side."""
         self._unregistered.discard(sock)

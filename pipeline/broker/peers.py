@@ -22,6 +22,7 @@ from pipeline.broker.ids import ConsumerId
 from pipeline.broker.packing import Contract
 from pipeline.errors import ConfigError
 from pipeline.protocol import MAX_REQUEST_BYTES, MessageReader
+from pipeline.status import ConsumerWork
 from shm.ring import RingReader, RingWriter
 
 
@@ -205,17 +206,16 @@ class ProducerPeer:
 
 @dataclass(slots=True)
 class ConsumerTotals:
-    """What a consumer reported doing, summed over its completions (by result status and
-    engine counters): the per-consumer part of the run report."""
+    """What a consumer reported doing, summed over its completions (items by result status
+    and engine counters): the per-consumer part of status and of the run report."""
 
     batches: int = 0
-    values: dict[str, int] = field(default_factory=dict)
+    work: ConsumerWork = field(default_factory=ConsumerWork)
 
-    def add(self, results: dict) -> None:
+    def add(self, work: ConsumerWork) -> None:
+        """One completion's work (`ConsumerWork.from_results` of its message)."""
+        self.work += work
         self.batches += 1
-        for key, value in results.items():
-            if isinstance(value, int) and not isinstance(value, bool):
-                self.values[key] = self.values.get(key, 0) + value
 
 
 @dataclass(slots=True)

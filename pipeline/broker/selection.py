@@ -61,11 +61,6 @@ class SelectorCounters:
     switches: dict[SwitchReason, int] = field(
         default_factory=lambda: dict.fromkeys(SwitchReason, 0)
     )
-    guard_checks: int = 0
-
-    @property
-    def total_switches(self) -> int:
-        return sum(self.switches.values())
 
 
 @dataclass(slots=True)
@@ -293,7 +288,6 @@ class ShapeSelector:
         """SPEC §4's hard guard: raise ShapeGuardError (fatal: the process loop stops the
         broker) unless `shape` is its model's current shape. Called for every chunk handed
         out, with the shape its entries were stored under."""
-        self.counters.guard_checks += 1
         current = self.current(shape.model)
         if current != shape:
             raise ShapeGuardError(

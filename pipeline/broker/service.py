@@ -50,6 +50,15 @@ from pipeline.broker.storage.base import StorageTier
 from pipeline.broker.store_health import log_quarantined, log_recovery, note_store_was_kept, store_damage
 from pipeline.broker.wakeup import Wakeup
 from pipeline.errors import ProtocolError, ShmError
+from pipeline.status import (
+    STATUS_VERSION,
+    BrokerStatus,
+    ConnectedConsumer,
+    ConsumerTotalsRow,
+    LaneEvents,
+    ProducerRow,
+    TopShape,
+)
 
 log = logging.getLogger("pipeline.broker")
 
@@ -197,7 +206,8 @@ class Broker:
         if kind == "heartbeat":
             return
         if kind == "status":
-            self.control.send(sock, {"type": "status_reply", "counters": self.status()})
+            self.control.send(sock, {"type": "status_reply", "version": STATUS_VERSION,
+                                     "counters": self.status().to_wire()})
         elif kind == "register_consumer" and isinstance(owner, Peer):
             self.consumer_side.register(sock, owner, message)
         elif kind == "register_producer" and isinstance(owner, Peer):
@@ -217,59 +227,60 @@ class Broker:
 
     # ---------------------------------------------------------------- status
 
-    def status(self) -> dict:
+    def status(self) -> BrokerStatus:
         """Counters for `pipeline status`, the launcher's progress and report, and the
         metrics endpoint. Cost: O(shapes + lanes ever opened), a few ms at 100,000 lanes."""
         counters = self.dispatcher.counters()
         shapes = self.dispatcher.shape_summaries()
         connected = {c.name: c for c in self.consumer_side.consumers.values()}
         lanes = counters.lanes
-        return {
-            "items_received": counters.items_received,
-            "tokens_received": counters.tokens_received,
-            "items_routed": counters.items_routed,
-            "tokens_routed": counters.tokens_routed,
-            "items_completed": counters.items_completed,
-            "tokens_completed": counters.tokens_completed,
-            "items_returned": counters.items_returned,
-            "items_recovered": counters.items_recovered,
-            "tokens_recovered": counters.tokens_recovered,
-            "items_adopted": self.producer_side.items_adopted,
-            "duplicate_items": counters.duplicate_items,
-            "duplicate_completions": counters.duplicate_completions,
-            "backlog_items": self.storage.queued_items(),
-            "backlog_tokens": sum(s.queued_tokens for s in shapes),
-            "pending_items": self.storage.pending_items(),
-            "shapes": counters.shapes,
-            "lanes_in_use": counters.lanes_in_use,
-            "lanes": {"opened": lanes.new_lanes, "reused": lanes.reuses, "force_fits": lanes.force_fits,
-                      "raises": lanes.raises, "quiesced": lanes.quiesced, "released": lanes.released,
-                      "revived": lanes.revived, "restored": lanes.restored, "max_in_use": lanes.max_in_use},
-            "switches": counters.switches,
-            "batches_routed": self.consumer_side.routed.batches,
-            "padded_tokens_routed": self.consumer_side.routed.padded_tokens,
-            "batch_fill_sum": self.consumer_side.routed.fill_sum,
-            "top_shapes": _top_shapes(shapes, STATUS_TOP_SHAPES),
-            "consumers": {c.name: {"id": c.consumer_id, "pid": c.pid, "credit": c.credit,
-                                   "batches_held": len(c.batches), "model": c.contract.model,
-                                   "max_batch_items": c.contract.max_batch_items,
-                                   "max_batch_tokens": c.contract.max_batch_tokens,
-                                   "max_input_len": c.contract.max_input_len} for c in connected.values()},
-            "per_consumer": {name: {"connected": name in connected, "batches": totals.batches, **totals.values}
-                             for name, totals in self.consumer_side.totals_by_name.items()},
-            "uptime_s": time.monotonic() - self.started_s,
-            "pid": os.getpid(),
-            "generation": self.state.generation,
-            "producers": {str(p.producer_id): {"frames": p.frames, "items": p.items}
-                          for p in self.producer_side.producers.values()},
-            "consumers_lost": self.consumer_side.consumers_lost,
-            "disk_full": self.producer_side.disk_full_since_s is not None,
-            "store_damage": store_damage(self.storage),
-            "peers_refused": self.control.peers_refused,
-            "peers_shed": self.control.peers_shed,
-            "stalls": self.stalls,
-            "stalled_s": self.stalled_s,
-        }
+        return BrokerStatus(
+            items_received=counters.items_received,
+            tokens_received=counters.tokens_received,
+            items_routed=counters.items_routed,
+            tokens_routed=counters.tokens_routed,
+            items_completed=counters.items_completed,
+            tokens_completed=counters.tokens_completed,
+            items_returned=counters.items_returned,
+            tokens_returned=counters.tokens_returned,
+            items_recovered=counters.items_recovered,
+            tokens_recovered=counters.tokens_recovered,
+            items_adopted=self.producer_side.items_adopted,
+            duplicate_items=counters.duplicate_items,
+            duplicate_completions=counters.duplicate_completions,
+            backlog_items=self.storage.queued_items(),
+            backlog_tokens=sum(s.queued_tokens for s in shapes),
+            pending_items=self.storage.pending_items(),
+            shapes=counters.shapes,
+            lanes_in_use=counters.lanes_in_use,
+            lanes=LaneEvents(opened=lanes.new_lanes, reused=lanes.reuses, force_fits=lanes.force_fits,
+                             raises=lanes.raises, quiesced=lanes.quiesced, released=lanes.released,
+                             revived=lanes.revived, restored=lanes.restored, max_in_use=lanes.max_in_use),
+            switches=counters.switches,
+            batches_routed=self.consumer_side.routed.batches,
+            padded_tokens_routed=self.consumer_side.routed.padded_tokens,
+            batch_fill_sum=self.consumer_side.routed.fill_sum,
+            top_shapes=tuple(TopShape(**row) for row in _top_shapes(shapes, STATUS_TOP_SHAPES)),
+            consumers={c.name: ConnectedConsumer(consumer_id=c.consumer_id, pid=c.pid, credit=c.credit,
+                                                 batches_held=len(c.batches), model=c.contract.model,
+                                                 max_batch_items=c.contract.max_batch_items,
+                                                 max_batch_tokens=c.contract.max_batch_tokens,
+                                                 max_input_len=c.contract.max_input_len) for c in connected.values()},
+            per_consumer={name: ConsumerTotalsRow(connected=name in connected, batches=totals.batches, work=totals.work)
+                          for name, totals in self.consumer_side.totals_by_name.items()},
+            uptime_s=time.monotonic() - self.started_s,
+            pid=os.getpid(),
+            generation=self.state.generation,
+            producers={str(p.producer_id): ProducerRow(frames=p.frames, items=p.items)
+                       for p in self.producer_side.producers.values()},
+            consumers_lost=self.consumer_side.consumers_lost,
+            disk_full=self.producer_side.disk_full_since_s is not None,
+            store_damage=store_damage(self.storage),
+            peers_refused=self.control.peers_refused,
+            peers_shed=self.control.peers_shed,
+            stalls=self.stalls,
+            stalled_s=self.stalled_s,
+        )
 
     def close(self) -> None:
         self.control.disconnect_all("broker stopping")

@@ -73,6 +73,7 @@ from pipeline.runtime.local import (
 from pipeline.runtime.processes import memory_tier_dir
 from pipeline.runtime.settings import DEFAULT_CPU_CONSUMERS, LaunchSettings
 from pipeline.runtime.signals import stop_on_signals
+from pipeline.status import BrokerStatus
 
 log = logging.getLogger("pipeline.launch")
 
@@ -276,7 +277,7 @@ class Launcher:
         self.interrupts = Interrupts.install()
         stop = self.interrupts.stopping
         started_s = time.monotonic()
-        final: dict | None = None
+        final: BrokerStatus | None = None
         why, code = "completed", EXIT_OK
         try:
             self._start()
@@ -363,9 +364,10 @@ class Launcher:
 
     # ----------------------------------------------------------------- watch
 
-    def _watch(self, stop) -> tuple[dict, str]:
-        """Poll the broker until the run is done, interrupted, or a process failed."""
-        status: dict = {}
+    def _watch(self, stop) -> tuple[BrokerStatus | None, str]:
+        """Poll the broker until the run is done, interrupted, or a process failed; the last
+        status read (None if the broker never answered)."""
+        status: BrokerStatus | None = None
         unanswered_since_s: float | None = None
         warned_s = 0.0
         while True:
@@ -405,16 +407,14 @@ class Launcher:
                 return f"{process.name} exited with status {process.exitcode}"
         return ""
 
-    def _done(self, status: dict) -> bool:
+    def _done(self, status: BrokerStatus) -> bool:
         if any(process.exitcode is None for process in self.producers):
             return False
-        received = status["items_received"] + status["items_recovered"]
-        return received >= self.ledger.total_published() and status["backlog_items"] == 0 \
-            and status["pending_items"] == 0
+        return status.items_received_all >= self.ledger.total_published() and status.items_unfinished == 0
 
     # ----------------------------------------------------------------- stop
 
-    def _stop(self, final: dict | None, completed: bool) -> dict | None:
+    def _stop(self, final: BrokerStatus | None, completed: bool) -> BrokerStatus | None:
         """Stop every child in dependency order; a second Ctrl-C kills them instead, and so
         does a dead broker (producers would wait for it to store their records, in vain; what
         they published stays in their rings). Returns the broker's last status."""
@@ -439,7 +439,7 @@ class Launcher:
             stop_process(self.broker, timeout_s=STOP_TIMEOUT_S, forced=self.interrupts.forcing)
         return final
 
-    def _fresh_status(self) -> dict | None:
+    def _fresh_status(self) -> BrokerStatus | None:
         """The broker's status now, or None if it cannot answer (the last one read stands)."""
         if self.broker is None or not self.broker.is_alive():
             return None
@@ -450,7 +450,7 @@ class Launcher:
 
     # ----------------------------------------------------------------- stock and report
 
-    def _finish(self, final: dict | None, wall_s: float, why: str) -> dict:
+    def _finish(self, final: BrokerStatus | None, wall_s: float, why: str) -> dict:
         """Take stock, decide what stays, clean up, and build the report."""
         completed = why == "completed"
         rings = ring_stock(producer_ring_names(self.data_dir))
@@ -469,7 +469,7 @@ class Launcher:
         from pipeline.report import build_report
 
         again = np.fromiter(results.item_ids, dtype=np.uint64, count=len(results.item_ids))
-        return build_report(final or {}, results, wall_s, stock=stock, store_kept=kept,
+        return build_report(final, results, wall_s, stock=stock, store_kept=kept,
                             not_submitted=max(0, len(self.workload) - stock.accepted) if not completed else 0,
                             unreadable_rings=rings.unreadable,
                             duplicates_across_runs=int(np.intersect1d(self._done_before, again).size))

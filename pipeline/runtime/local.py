@@ -19,6 +19,7 @@ from pipeline.broker.config import BrokerConfig
 from pipeline.consumer.process import ConsumerConfig
 from pipeline.protocol import Connection
 from pipeline.runtime.processes import serve_broker, serve_consumer
+from pipeline.status import BrokerStatus
 from shm.objects import unlink_quietly
 
 CTX = mp.get_context("fork")
@@ -102,9 +103,11 @@ def start_consumer(config: ConsumerConfig):
     return process
 
 
-def broker_status(socket_path: str, timeout_s: float = 5.0) -> dict:
-    """The broker's counters (the `status` request)."""
-    return _ask_broker(socket_path, {"type": "status"}, timeout_s)["counters"]
+def broker_status(socket_path: str, timeout_s: float = 5.0) -> BrokerStatus:
+    """The broker's status (the `status` request); ProtocolError for a reply of another
+    version or one this version cannot read."""
+    reply = _ask_broker(socket_path, {"type": "status"}, timeout_s)
+    return BrokerStatus.from_wire(reply["counters"], version=reply["version"])
 
 
 def _ask_broker(socket_path: str, message: dict, timeout_s: float) -> dict:

@@ -9,9 +9,10 @@ import json
 import numpy as np
 
 from pipeline.broker.storage.segment import scan_segment
-from pipeline.consumer.process import Consumer, ConsumerConfig
+from pipeline.consumer.process import CORRUPT_KEY, Consumer, ConsumerConfig
 from pipeline.consumer.reader import SegmentReader
 from pipeline.layouts import DESCRIPTOR_ITEM_DTYPE, descriptor_size_bytes, parse_descriptor, write_descriptor
+from pipeline.status import ConsumerWork
 from tests.consumer.test_reader import SIG, store
 
 
@@ -43,6 +44,9 @@ def test_run_batch_writes_a_parseable_line_per_item(tmp_path):
             assert row["status"] == "ok" and len(row["output"]) == row["output_tokens"] > 0
     assert summary["items_too_long"] == len(too_long) and summary["items_ok"] == 6 - len(too_long)
     assert summary["prompt_tokens"] == sum(int(n) for n in items["length"] if n <= limit)
+    # What it sends in `complete` (the corrupt ids apart) is exactly the status record's counters.
+    assert summary.pop(CORRUPT_KEY) == []
+    assert ConsumerWork.from_results(summary).items_ok == 6 - len(too_long)
     consumer._reader.close()
     segment.close()
 

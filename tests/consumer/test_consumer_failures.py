@@ -78,7 +78,7 @@ def test_a_torn_results_tail_is_terminated_before_a_consumer_appends(tmp_path):
     consumer = start_consumer(ConsumerConfig(socket_path, str(results), "c0"))
     try:
         produce(socket_path, workload, 0)
-        wait_until(lambda: status(socket_path)["items_completed"] == 200, WAIT_S, "every item completed")
+        wait_until(lambda: status(socket_path).items_completed == 200, WAIT_S, "every item completed")
     finally:
         assert stop(consumer) == 0
         assert stop(broker) == 0
@@ -113,7 +113,7 @@ def test_a_full_results_disk_makes_the_consumer_back_off_hand_back_and_finish(tm
                            "five 'results disk full' warnings")
                 result_lines(os.path.join(results, "c0.jsonl"))  # whole lines only, while full
                 os.remove(filler)  # space comes back
-                wait_until(lambda: status(socket_path)["items_completed"] == 300, WAIT_S, "every item completed")
+                wait_until(lambda: status(socket_path).items_completed == 300, WAIT_S, "every item completed")
                 final = status(socket_path)
             finally:
                 code = end(consumer)
@@ -132,13 +132,13 @@ def test_a_full_results_disk_makes_the_consumer_back_off_hand_back_and_finish(tm
     assert all(int(held) >= 1 for _, held, _ in full)
     assert all(why.startswith(f"{results}/c0.jsonl: writing ") and "ENOSPC" in why for why, _, _ in full)
     # One registration per wait and the first one: a tight loop makes thousands (issue 11).
-    registrations = final["consumers"]["c0"]["id"] + 1
+    registrations = final.consumers["c0"].consumer_id + 1
     assert registrations <= len(full) + 1, (registrations, len(full))
     assert summary.items == 300 and summary.bad_lines == 0 and summary.lines == len(rows)
     # Duplicates would be counted, but there are none: a batch whose write failed kept no
     # line and was never reported complete, so its redelivery wrote its only lines.
     assert summary.duplicates == 0
-    assert final["items_completed"] == 300 and final["pending_items"] == 0 and final["backlog_items"] == 0
+    assert final.items_completed == 300 and final.pending_items == 0 and final.backlog_items == 0
 
 
 def test_an_error_writing_results_other_than_disk_full_is_fatal_and_loses_nothing(tmp_path):
@@ -167,13 +167,13 @@ def test_an_error_writing_results_other_than_disk_full_is_fatal_and_loses_nothin
         critical = [line for line in stderr.splitlines() if " CRITICAL: " in line]
         assert len(critical) == 1 and f"{path}: writing " in critical[0] and "EFBIG" in critical[0], stderr
         # Its goodbye gave back what it held; what it completed is exactly what it wrote.
-        wait_until(lambda: status(socket_path)["pending_items"] == 0, WAIT_S, "the batches handed back")
+        wait_until(lambda: status(socket_path).pending_items == 0, WAIT_S, "the batches handed back")
         written = result_lines(path)
         assert 0 < len(written) and os.path.getsize(path) <= limit
-        assert status(socket_path)["items_completed"] == len(written)
+        assert status(socket_path).items_completed == len(written)
         again = start_consumer(ConsumerConfig(socket_path, results, "c0"))
         try:
-            wait_until(lambda: status(socket_path)["items_completed"] == 300, WAIT_S, "every item completed")
+            wait_until(lambda: status(socket_path).items_completed == 300, WAIT_S, "every item completed")
         finally:
             assert stop(again) == 0
     finally:
@@ -191,7 +191,7 @@ def test_a_registration_the_broker_refuses_is_fatal_with_its_reason(tmp_path):
         done = subprocess.run([sys.executable, "-m", "pipeline", "consumer", "start", "--data-dir", data,
                                "--name", "c0", "--max-batch", "20000"], capture_output=True, text=True,
                               timeout=WAIT_S, cwd=ROOT)
-        registered = status(BrokerConfig(data).socket_path)["consumers"]
+        registered = status(BrokerConfig(data).socket_path).consumers
     finally:
         assert stop(broker) == 0
     assert done.returncode == 2, done.stderr

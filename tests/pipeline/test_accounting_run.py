@@ -40,8 +40,8 @@ def test_results_of_a_consumer_that_died_before_completing_count_once(tmp_path):
             for item in held))
         ring.close(mark_closed=False)
         conn.close()  # gone before reporting the completion: its batch goes back to the queue
-        final = wait_until(lambda: (s := status(socket_path))["consumers_lost"] == 1 and s, 30, "the loss")
-        assert final["backlog_items"] == 60 and final["pending_items"] == 0
+        final = wait_until(lambda: (s := status(socket_path)).consumers_lost == 1 and s, 30, "the loss")
+        assert final.backlog_items == 60 and final.pending_items == 0
     finally:
         assert stop(broker) == 0
     summary = summarize_results(str(results))

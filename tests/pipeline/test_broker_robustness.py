@@ -39,7 +39,7 @@ def test_producer_whose_connection_drops_registers_again_and_loses_nothing(tmp_p
         for _ in range(50):
             producer.submit(0, 7, TOKENS)
         producer.close(timeout_s=30)  # returns only once the broker stored all 100
-        wait_until(lambda: status(socket_path)["items_completed"] == 100, 30, "all 100 completed")
+        wait_until(lambda: status(socket_path).items_completed == 100, 30, "all 100 completed")
     finally:
         stop(consumer)
         stop(broker)
@@ -60,7 +60,7 @@ def test_a_producer_whose_goodbye_is_lost_is_forgotten_once_it_removes_its_ring(
         for _ in range(20):
             producer.submit(0, 7, TOKENS)
         producer.close(timeout_s=30)  # the unregister goes nowhere; the ring is unlinked
-        wait_until(lambda: status(socket_path)["items_received"] == 20, 30, "all 20 stored")
+        wait_until(lambda: status(socket_path).items_received == 20, 30, "all 20 stored")
     finally:
         assert stop(broker) == 0
     assert shm_objects_of(data) == []
@@ -76,7 +76,7 @@ def test_contract_larger_than_the_descriptor_ring_is_refused(tmp_path):
             conn.request({"type": "register_consumer", "model": 0, "max_batch_items": 100_000,
                           "max_batch_tokens": 1 << 30, "max_input_len": 100, "pid": 1})
         conn.close()
-        assert status(socket_path)["consumers"] == {}  # and the broker still answers
+        assert status(socket_path).consumers == {}  # and the broker still answers
     finally:
         assert stop(broker) == 0
 
@@ -93,8 +93,8 @@ def test_a_record_that_is_not_a_frame_drops_only_its_producer(tmp_path):
         for _ in range(20):
             good.submit(0, 9, TOKENS)
         good.close(timeout_s=30)
-        wait_until(lambda: status(socket_path)["items_completed"] == 20, 30, "the good producer's items")
-        assert str(bad.producer_id) not in status(socket_path)["producers"]
+        wait_until(lambda: status(socket_path).items_completed == 20, 30, "the good producer's items")
+        assert str(bad.producer_id) not in status(socket_path).producers
         bad.ring.close()
         bad.unlink()
     finally:
@@ -108,7 +108,7 @@ def test_second_broker_on_the_same_data_dir_is_refused_before_touching_files(tmp
     try:
         with pytest.raises(RuntimeError, match="exited at start"):
             start_broker_process(config)
-        assert status(config.socket_path)["consumers_lost"] == 0  # the first one still serves
+        assert status(config.socket_path).consumers_lost == 0  # the first one still serves
     finally:
         assert stop(first) == 0
 
@@ -132,8 +132,8 @@ def test_memory_tier_feeds_consumer_processes_and_leaves_nothing(tmp_path):
         with BrokerProducer(socket_path) as producer:
             for k in range(200):
                 producer.submit(0, signature, TOKENS[: 50 + k], prefix_len=10, payload=b"%d" % k)
-        done = wait_until(lambda: (s := status(socket_path))["items_completed"] == 200 and s, 60, "completed")
-        assert done["tokens_completed"] == sum(50 + k for k in range(200))
+        done = wait_until(lambda: (s := status(socket_path)).items_completed == 200 and s, 60, "completed")
+        assert done.tokens_completed == sum(50 + k for k in range(200))
         kept = set(os.listdir(memory_tier_dir(data)))
         assert "segments" in kept and kept <= {"segments", "segments.catalog"}  # the store's record beside it
         assert not os.path.exists(os.path.join(data, "segments"))

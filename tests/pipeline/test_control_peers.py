@@ -18,6 +18,7 @@ from pipeline.protocol import MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES, Connection
 from pipeline.runtime.local import CTX, own_process_group
 from pipeline.runtime.local import start_broker as start_broker_process
 from pipeline.runtime.processes import serve_broker
+from pipeline.status import BrokerStatus
 from tests.pipeline.harness import status, stop, wait_until
 
 REGISTER = {"type": "register_consumer", "model": 0, "max_batch_items": 8, "max_batch_tokens": 4096,
@@ -83,7 +84,7 @@ def test_a_malformed_message_refuses_only_its_peer(broker, body, match):
     assert match in closed_by_broker(bad)
     bad.close()
     counters = status(socket_path)
-    assert len(counters["consumers"]) == 1 and counters["consumers_lost"] == 0  # the others are served
+    assert len(counters.consumers) == 1 and counters.consumers_lost == 0  # the others are served
     consumer.close()
 
 
@@ -116,7 +117,7 @@ def test_connections_that_never_register_time_out(tmp_path):
         assert closed_by_broker(trickling, timeout_s=10.0) == b""
         consumer.send({"type": "heartbeat"})
         counters = status(config.socket_path)
-        assert len(counters["consumers"]) == 1 and counters["consumers_lost"] == 0
+        assert len(counters.consumers) == 1 and counters.consumers_lost == 0
         producer.check_open()  # still connected
         for conn in (consumer, producer, silent, trickling):
             conn.close()
@@ -140,7 +141,7 @@ def test_unregistered_connections_are_capped_by_shedding_the_oldest_idle(tmp_pat
             with pytest.raises(TimeoutError):
                 sock.settimeout(0.05)
                 sock.recv(1)
-        assert len(status(config.socket_path)["consumers"]) == 1  # registered peers are never shed
+        assert len(status(config.socket_path).consumers) == 1  # registered peers are never shed
         for sock in idle + newer:
             sock.close()
         consumer.close()
@@ -181,13 +182,13 @@ def test_a_broker_out_of_descriptors_backs_off_and_keeps_serving(tmp_path):
         # It sheds idle unregistered connections to free descriptors and answers again.
         counters = wait_until(lambda: _status_or_none(config.socket_path), 30, "a status reply during the flood")
         assert process.is_alive()
-        assert len(counters["consumers"]) == 1 and counters["consumers_lost"] == 0
+        assert len(counters.consumers) == 1 and counters.consumers_lost == 0
         shed = sum(1 for sock in flood if _was_closed(sock))
         assert shed > 0
         for sock in flood:
             sock.close()
         consumer.send({"type": "heartbeat"})
-        assert len(status(config.socket_path)["consumers"]) == 1
+        assert len(status(config.socket_path).consumers) == 1
         consumer.close()
     finally:
         for sock in flood:
@@ -195,7 +196,7 @@ def test_a_broker_out_of_descriptors_backs_off_and_keeps_serving(tmp_path):
         assert stop(process) == 0
 
 
-def _status_or_none(socket_path: str) -> dict | None:
+def _status_or_none(socket_path: str) -> BrokerStatus | None:
     try:
         return status(socket_path, timeout_s=1.0)
     except (OSError, TimeoutError):
@@ -247,7 +248,7 @@ def test_partial_messages_cannot_grow_the_broker(tmp_path, partial_bytes, connec
             sock.close()
         status(config.socket_path)
         assert _rss_bytes(process.pid) - before < 16 * MAX_BUFFERED_BYTES  # nothing kept after they left
-        assert len(status(config.socket_path)["consumers"]) == 1
+        assert len(status(config.socket_path).consumers) == 1
         consumer.close()
     finally:
         for sock in socks:

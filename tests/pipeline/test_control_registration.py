@@ -81,7 +81,7 @@ def test_a_socket_path_too_long_is_refused_before_anything_is_created(tmp_path):
     assert not os.path.exists(past)
     broker = start_broker_process(config)  # a path at the limit binds and serves
     try:
-        assert status(config.socket_path)["consumers"] == {}
+        assert status(config.socket_path).consumers == {}
     finally:
         assert stop(broker) == 0
     assert shm_objects_of(at_limit) == []
@@ -120,7 +120,7 @@ def test_consumer_names_are_checked_at_registration(tmp_path):
         first.send({"type": "goodbye"})
         first.close()
         again = register(config.socket_path, name="gpu0")  # free once its holder is gone
-        assert set(status(config.socket_path)["consumers"]) == {"n" * MAX_CONSUMER_NAME_LENGTH, "gpu0"}
+        assert set(status(config.socket_path).consumers) == {"n" * MAX_CONSUMER_NAME_LENGTH, "gpu0"}
         again.close()
         longest.close()
     finally:
@@ -137,7 +137,7 @@ def test_consumers_are_served_up_to_the_limit(tmp_path):
         held[0].send({"type": "goodbye"})
         held[0].close()
         held[0] = register(config.socket_path, name="c2")  # room again
-        assert len(status(config.socket_path)["consumers"]) == 2
+        assert len(status(config.socket_path).consumers) == 2
         for conn in held:
             conn.close()
     finally:
@@ -171,11 +171,11 @@ def test_a_consumer_may_ask_for_credit_up_to_the_limit(tmp_path):
     try:
         conn = register(config.socket_path, name="greedy")
         conn.send({"type": "request_work", "credit": MAX_CREDIT_BATCHES})
-        assert status(config.socket_path)["consumers"]["greedy"]["credit"] == MAX_CREDIT_BATCHES
+        assert status(config.socket_path).consumers["greedy"].credit == MAX_CREDIT_BATCHES
         conn.send({"type": "request_work", "credit": 1})
         refusal = conn.receive(5.0)
         assert refusal["type"] == "error" and f"past {MAX_CREDIT_BATCHES} batches" in refusal["message"]
         conn.close()
-        assert status(config.socket_path)["consumers"] == {}
+        assert status(config.socket_path).consumers == {}
     finally:
         assert stop(broker) == 0

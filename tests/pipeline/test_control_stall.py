@@ -26,8 +26,8 @@ def test_a_paused_broker_evicts_no_healthy_consumer(tmp_path):
                  for k in range(2)]
     producer = start_producer(socket_path, workload, 0)
     try:
-        wait_until(lambda: (c := status(socket_path)["consumers"]) and len(c) == 2
-                   and all(row["batches_held"] > 0 for row in c.values()), 60, "both consumers holding work")
+        wait_until(lambda: (c := status(socket_path).consumers) and len(c) == 2
+                   and all(row.batches_held > 0 for row in c.values()), 60, "both consumers holding work")
         os.kill(broker.pid, signal.SIGSTOP)
         try:
             time.sleep(3 * HEARTBEAT_TIMEOUT_S)  # the consumers go on heartbeating into its socket
@@ -35,9 +35,9 @@ def test_a_paused_broker_evicts_no_healthy_consumer(tmp_path):
             os.kill(broker.pid, signal.SIGCONT)
         producer.join(120)
         assert producer.exitcode == 0
-        done = wait_until(lambda: (s := status(socket_path))["items_completed"] == 1500 and s, 120, "every item")
-        assert done["consumers_lost"] == 0
-        assert done["items_returned"] == 0  # nothing was taken back from anyone
+        done = wait_until(lambda: (s := status(socket_path)).items_completed == 1500 and s, 120, "every item")
+        assert done.consumers_lost == 0
+        assert done.items_returned == 0  # nothing was taken back from anyone
     finally:
         for consumer in consumers:
             stop(consumer)

@@ -156,7 +156,7 @@ def test_the_broker_refuses_connections_of_another_user(other_user):
         reply = other_user.run(ASK_STATUS, config.socket_path)
         assert f"this broker serves only uid {os.geteuid()}, not uid {other_user.uid}" in reply
         assert "status_reply" not in reply
-        assert status(config.socket_path)["consumers_lost"] == 0  # and it serves its own user
+        assert status(config.socket_path).consumers_lost == 0  # and it serves its own user
     finally:
         assert stop(broker) == 0
         shutil.rmtree(base, ignore_errors=True)
@@ -199,7 +199,7 @@ def test_a_squatter_cannot_guess_a_fresh_data_directorys_names(other_user, tmp_p
         broker = start_broker_process(config)
         try:
             assert namespace_for(config.data_dir) != guessed.split("-")[1]
-            assert status(config.socket_path)["consumers_lost"] == 0
+            assert status(config.socket_path).consumers_lost == 0
         finally:
             assert stop(broker) == 0
     finally:

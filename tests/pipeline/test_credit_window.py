@@ -32,12 +32,12 @@ def _windows_seen(tmp_path, ahead_s: float) -> tuple[list[int], int]:
                                 max_batch_tokens=1 << 20, max_input_len=1 << 20, ahead_s=ahead_s)
         consumer = start_consumer(config)
         seen = []
-        while (counters := status(socket_path))["items_completed"] < 4000:
-            held = counters["consumers"].get("c0")
-            if held is not None and counters["items_completed"] >= 40:
-                seen.append(held["credit"] + held["batches_held"])
-        wait_until(lambda: status(socket_path)["consumers"]["c0"]["batches_held"] == 0, 30, "last completion")
-        return seen, status(socket_path)["items_completed"]
+        while (counters := status(socket_path)).items_completed < 4000:
+            held = counters.consumers.get("c0")
+            if held is not None and counters.items_completed >= 40:
+                seen.append(held.credit + held.batches_held)
+        wait_until(lambda: status(socket_path).consumers["c0"].batches_held == 0, 30, "last completion")
+        return seen, status(socket_path).items_completed
     finally:
         if consumer is not None:
             stop(consumer)
@@ -70,18 +70,18 @@ def test_partial_batches_wait_while_the_consumer_has_enough(tmp_path):
                                 max_batch_tokens=1 << 20, max_input_len=1 << 20, ahead_s=10.0,
                                 engine_options={"cost_s_per_padded_token": 0.0002})  # ~25 ms a batch
         consumer = start_consumer(config)
-        wait_until(lambda: "c0" in status(socket_path)["consumers"], 30, "the consumer")
+        wait_until(lambda: "c0" in status(socket_path).consumers, 30, "the consumer")
         producer = CTX.Process(target=_trickle, args=(socket_path, 60))
         producer.start()
         held, window = [], []
-        while (counters := status(socket_path))["items_completed"] < 60:
-            c0 = counters["consumers"]["c0"]
-            held.append(c0["batches_held"])
-            window.append(c0["batches_held"] + c0["credit"])
+        while (counters := status(socket_path)).items_completed < 60:
+            c0 = counters.consumers["c0"]
+            held.append(c0.batches_held)
+            window.append(c0.batches_held + c0.credit)
         producer.join(30)
         assert max(held) <= PARTIAL_BATCHES_AHEAD
         assert max(window) > PARTIAL_BATCHES_AHEAD  # the window alone would have allowed more
-        assert status(socket_path)["batches_routed"] < 60  # items joined batches while waiting
+        assert status(socket_path).batches_routed < 60  # items joined batches while waiting
     finally:
         if consumer is not None:
             stop(consumer)

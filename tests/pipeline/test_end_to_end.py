@@ -76,10 +76,10 @@ def test_full_run_two_producers_two_consumers(tmp_path):
             producer.join(120)
             assert producer.exitcode == 0
         total = workload.producers * workload.items_per_producer
-        done = wait_until(lambda: (s := status(socket_path))["items_completed"] == total and s,
+        done = wait_until(lambda: (s := status(socket_path)).items_completed == total and s,
                           120, "every item completed")
-        assert done["items_received"] == total and done["tokens_received"] == done["tokens_completed"]
-        assert done["backlog_items"] == 0 and done["pending_items"] == 0
+        assert done.items_received == total and done.tokens_received == done.tokens_completed
+        assert done.backlog_items == 0 and done.pending_items == 0
     finally:
         for consumer in consumers:
             stop(consumer)
@@ -110,14 +110,14 @@ def test_consumer_killed_mid_batch_is_redelivered(tmp_path):
     victim = start_consumer(slow)
     producers = [start_producer(socket_path, workload, p) for p in range(2)]
     try:
-        wait_until(lambda: status(socket_path)["items_completed"] > 200, 60, "some progress")
+        wait_until(lambda: status(socket_path).items_completed > 200, 60, "some progress")
         os.kill(victim.pid, signal.SIGKILL)
         victim.join(10)
         survivor = start_consumer(consumer_config(tmp_path, socket_path, 1))
         for producer in producers:
             producer.join(120)
         total = workload.producers * workload.items_per_producer
-        wait_until(lambda: status(socket_path)["items_completed"] == total, 120, "every item completed")
+        wait_until(lambda: status(socket_path).items_completed == total, 120, "every item completed")
         stop(survivor)
     finally:
         assert stop(broker) == 0
@@ -135,15 +135,15 @@ def test_broker_killed_and_restarted_loses_nothing(tmp_path):
     producers = [start_producer(socket_path, workload, p) for p in range(2)]
     total = workload.producers * workload.items_per_producer
     try:
-        wait_until(lambda: status(socket_path)["items_received"] > 500, 60, "ingest under way")
+        wait_until(lambda: status(socket_path).items_received > 500, 60, "ingest under way")
         os.kill(broker.pid, signal.SIGKILL)
         broker.join(10)
         broker = start_broker(data)
         for producer in producers:
             producer.join(120)
             assert producer.exitcode == 0
-        wait_until(lambda: status(socket_path)["backlog_items"] == 0
-                   and status(socket_path)["pending_items"] == 0, 120, "the store drained")
+        wait_until(lambda: status(socket_path).backlog_items == 0
+                   and status(socket_path).pending_items == 0, 120, "the store drained")
     finally:
         for consumer in consumers:
             stop(consumer)
@@ -160,15 +160,15 @@ def test_silent_consumer_is_declared_dead_and_its_late_completion_refused(tmp_pa
     sleeper = start_consumer(consumer_config(tmp_path, socket_path, 0, cost_s_per_padded_token=5e-6))
     producer = start_producer(socket_path, workload, 0)
     try:
-        wait_until(lambda: status(socket_path)["items_routed"] > 0, 60, "a batch handed out")
+        wait_until(lambda: status(socket_path).items_routed > 0, 60, "a batch handed out")
         os.kill(sleeper.pid, signal.SIGSTOP)
-        wait_until(lambda: status(socket_path)["consumers_lost"] == 1, 30, "the silent consumer declared dead")
+        wait_until(lambda: status(socket_path).consumers_lost == 1, 30, "the silent consumer declared dead")
         other = start_consumer(consumer_config(tmp_path, socket_path, 1))
         producer.join(120)
-        wait_until(lambda: status(socket_path)["items_completed"] == 800, 120, "every item completed")
+        wait_until(lambda: status(socket_path).items_completed == 800, 120, "every item completed")
         os.kill(sleeper.pid, signal.SIGCONT)  # it wakes up and reports a batch it no longer holds
         time.sleep(0.5)
-        assert status(socket_path)["items_completed"] == 800
+        assert status(socket_path).items_completed == 800
         stop(other)
         stop(sleeper)
     finally:
@@ -197,7 +197,7 @@ def test_bad_registrations_and_completions_get_clear_errors(tmp_path):
             conn.close()
         good.send({"type": "complete", "batch_id": 12345, "results": {}, "credit": 1})
         assert good.receive(5)["type"] == "error"
-        assert status(socket_path)["consumers_lost"] == 1  # the bad one was disconnected
+        assert status(socket_path).consumers_lost == 1  # the bad one was disconnected
     finally:
         assert stop(broker) == 0
 
@@ -218,8 +218,8 @@ def test_huge_backlog_never_makes_a_healthy_consumer_look_dead(tmp_path):
         for producer in producers:
             producer.join(300)
             assert producer.exitcode == 0
-        wait_until(lambda: status(socket_path)["items_completed"] > 2000, 120, "the consumer making progress")
-        assert status(socket_path)["consumers_lost"] == 0
+        wait_until(lambda: status(socket_path).items_completed > 2000, 120, "the consumer making progress")
+        assert status(socket_path).consumers_lost == 0
     finally:
         stop(consumer)
         stop(broker)
@@ -247,7 +247,7 @@ def test_producer_that_dies_leaves_its_items_safe_and_its_ring_cleaned_up(tmp_pa
     dying.join(60)
     assert dying.exitcode == -signal.SIGKILL
     try:
-        wait_until(lambda: status(socket_path)["items_completed"] == 400, 60, "its items completed")
+        wait_until(lambda: status(socket_path).items_completed == 400, 60, "its items completed")
         ring = f"sbrk-{namespace_for(data)}-p0"
         wait_until(lambda: ring not in os.listdir("/dev/shm"), 10, "its ring unlinked")
     finally:

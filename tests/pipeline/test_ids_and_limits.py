@@ -45,13 +45,13 @@ def test_an_item_for_a_model_the_broker_does_not_serve_is_refused_not_stored(tmp
         producer.submit(2000, 7, TOKENS)
         with pytest.raises(ProducerRefusedError, match="model 2000; this broker serves models 0..1023"):
             producer.close(timeout_s=30)
-        assert status(socket_path)["items_received"] == 1
+        assert status(socket_path).items_received == 1
     finally:
         assert stop(broker) == 0
     again = start_broker(data)
     try:
         restarted = status(socket_path)
-        assert restarted["items_recovered"] == 1 and restarted["store_damage"].get("strays", 0) == 0
+        assert restarted.items_recovered == 1 and restarted.store_damage.get("strays", 0) == 0
     finally:
         assert stop(again) == 0
     # The refused producer's ring stays for inspection, with the refused record in it.
@@ -86,7 +86,7 @@ def test_a_lost_state_file_never_hands_out_a_producer_id_again(tmp_path, what):
             for _ in range(30):
                 producer.submit(0, 7, TOKENS)
         after = status(socket_path)
-        assert (after["items_recovered"], after["items_received"], after["backlog_items"]) == (30, 30, 60)
+        assert (after.items_recovered, after.items_received, after.backlog_items) == (30, 30, 60)
     finally:
         assert stop(again) == 0
     if what == "garbled":
@@ -154,10 +154,10 @@ def test_damage_a_consumer_finds_keeps_its_segment_as_evidence(tmp_path):
             file.write(bytes([byte[0] ^ 0xFF]))
         consumer = start_consumer(consumer_config(tmp_path, socket_path, 0))
         try:
-            done = wait_until(lambda: (s := status(socket_path))["items_completed"] == 20 and s, 60, "all done")
+            done = wait_until(lambda: (s := status(socket_path)).items_completed == 20 and s, 60, "all done")
         finally:
             stop(consumer)
-        assert done["store_damage"]["entries_damaged_at_read"] == 1
+        assert done.store_damage["entries_damaged_at_read"] == 1
         rows = read_results(str(tmp_path / "results"))
         assert sorted(row["status"] for row in rows).count("corrupt") == 1
     finally:

@@ -139,6 +139,6 @@ def test_a_workload_file_fed_through_a_real_broker(tmp_path):
     finally:
         assert stop_process(broker) == 0
     assert totals.items == len(workload) == 120 and totals.tokens == workload.total_tokens
-    assert counters["items_received"] == 120 and counters["tokens_received"] == workload.total_tokens
+    assert counters.items_received == 120 and counters.tokens_received == workload.total_tokens
     namespace = namespace_for(data)
     assert [name for name in os.listdir("/dev/shm") if namespace in name] == []  # nothing left behind

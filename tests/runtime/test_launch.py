@@ -123,7 +123,7 @@ def test_a_malformed_workload_line_refuses_the_run_before_anything_starts(tmp_pa
 
 def completed_items(socket_path: str) -> int:
     try:
-        return broker_status(socket_path, timeout_s=1.0)["items_completed"]
+        return broker_status(socket_path, timeout_s=1.0).items_completed
     except (OSError, TimeoutError):
         return 0
 

@@ -41,7 +41,7 @@ def received(data: str) -> int:
     from pipeline.runtime.local import broker_status
 
     try:
-        return broker_status(os.path.join(data, "run", "broker.sock"), timeout_s=1.0)["items_received"]
+        return broker_status(os.path.join(data, "run", "broker.sock"), timeout_s=1.0).items_received
     except (OSError, TimeoutError):
         return 0
 

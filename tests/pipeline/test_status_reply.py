@@ -1,0 +1,86 @@
+"""The status a real broker sends: versioned, with tokens_returned counted when a consumer
+dies holding batches; and a consumer's `results` held to the record's counters."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+
+from pipeline.broker.service import BrokerConfig
+from pipeline.layouts import Descriptor, parse_descriptor
+from pipeline.protocol import Connection
+from pipeline.status import STATUS_VERSION, BrokerStatus, ConsumerWork
+from shm.ring import RingReader
+from tests.pipeline.harness import Workload, start_broker, start_producer, status, stop, wait_until
+
+# Items the producer stores before a consumer comes, and the contract's batch size.
+ITEMS = 60
+BATCH_ITEMS = 8
+
+
+def stored_workload(tmp_path):
+    """A broker holding ITEMS items, and its socket path."""
+    data = str(tmp_path / "data")
+    broker = start_broker(data)
+    socket_path = BrokerConfig(data).socket_path
+    try:
+        producer = start_producer(socket_path, Workload(shapes=2, items_per_producer=ITEMS, producers=1), 0)
+        producer.join(60)
+        assert producer.exitcode == 0
+    except BaseException:
+        stop(broker)
+        raise
+    return broker, socket_path
+
+
+def consumer_holding(socket_path: str, batches: int) -> tuple[Connection, RingReader, list[Descriptor]]:
+    """A consumer, by hand, that asked for `batches` batches and holds them (their items)."""
+    conn = Connection.connect(socket_path)
+    reply = conn.request({"type": "register_consumer", "model": 0, "max_batch_items": BATCH_ITEMS,
+                          "max_batch_tokens": 1 << 20, "max_input_len": 1 << 20, "pid": os.getpid(),
+                          "name": "holder"})
+    ring = RingReader.attach(reply["descriptor_ring"])
+    conn.send({"type": "request_work", "credit": batches})
+    held = [parse_descriptor(ring.peek(timeout_s=10).body) for _ in range(batches)]
+    return conn, ring, held
+
+
+def test_tokens_returned_counts_what_a_consumer_that_died_held(tmp_path):
+    broker, socket_path = stored_workload(tmp_path)
+    try:
+        asker = Connection.connect(socket_path)
+        reply = asker.request({"type": "status"})  # the record in its wire form, and its version
+        asker.close()
+        assert reply["version"] == STATUS_VERSION
+        assert BrokerStatus.from_wire(reply["counters"], version=STATUS_VERSION).backlog_items == ITEMS
+        conn, ring, held = consumer_holding(socket_path, batches=2)
+        items = sum(len(d.items) for d in held)
+        tokens = sum(int(d.items["length"].sum()) for d in held)
+        ring.close(mark_closed=False)
+        conn.close()  # dies holding both batches: they go back to their queue
+        final = wait_until(lambda: (s := status(socket_path)).consumers_lost == 1 and s, 30, "the loss")
+    finally:
+        assert stop(broker) == 0
+    assert len(held) == 2 and 0 < items < ITEMS and tokens > items  # batches of a lane, not always full
+    assert (final.items_returned, final.tokens_returned) == (items, tokens)
+    assert (final.items_routed, final.tokens_routed) == (items, tokens)
+    assert final.backlog_items == ITEMS and final.pending_items == 0 and final.items_completed == 0
+
+
+def test_results_with_a_counter_the_record_lacks_refuse_the_consumer(tmp_path):
+    broker, socket_path = stored_workload(tmp_path)
+    try:
+        conn, ring, (batch,) = consumer_holding(socket_path, batches=1)
+        results = asdict(ConsumerWork(items_ok=len(batch.items))) | {"evicted_blocks": 3}  # an engine's extra
+        conn.send({"type": "complete", "batch_id": batch.batch_id, "results": results, "credit": 0})
+        error = conn.receive(10)
+        ring.close(mark_closed=False)
+        conn.close()
+        after = wait_until(lambda: (s := status(socket_path)).consumers == {} and s, 30, "the refusal")
+    finally:
+        assert stop(broker) == 0
+    assert error["type"] == "error" and "complete: results: unknown field 'evicted_blocks'" in error["message"]
+    assert after.peers_refused == 1
+    assert after.per_consumer["holder"].batches == 0 and after.per_consumer["holder"].work == ConsumerWork()
+    # Nothing of the batch was completed: it went back to dispatch with the refused consumer.
+    assert after.items_completed == 0 and after.items_returned == len(batch.items)
