@@ -14,6 +14,8 @@ raises one of these, with the offending value, path and byte offset in the messa
     │   ├── ContractError                    a consumer contract has a zero, negative or
     │   │                                    non-integer number
     │   ├── NotHeldError                     a consumer completes an entry it does not hold
+    │   ├── SettingsError                    a run's setting is unknown, mistyped or out of
+    │   │                                    range (its file or the command line named)
     │   └── ProtocolError                    a control message is malformed (length, JSON,
     │       │                                type, fields); the peer is disconnected
     │       └── ConsumerNameError            a consumer name that cannot name a results file
@@ -112,6 +114,11 @@ class ConfigError(PipelineError, ValueError):
     """A configuration value is outside its limit (a data directory whose socket path does
     not fit a Unix socket address, a timeout that is not a positive number, ...). Raised
     before anything is created; the message names the value and the limit."""
+
+
+class SettingsError(BadInputError):
+    """A setting of a run is wrong (an unknown key, a wrong type, a value out of range);
+    the message names where it came from (a file, the command line) and the key."""
 
 
 class UntrustedPeerError(PipelineError):

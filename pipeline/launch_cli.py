@@ -13,7 +13,9 @@ import click
 from pipeline.consumer.engines import ENGINES
 from pipeline.errors import BadInputError, PipelineError
 from pipeline.runtime.processes import DURABILITY_LEVELS, STORAGE_KINDS
-from pipeline.runtime.settings import DEMO_ITEMS, LaunchSettings, SettingsError
+from pipeline.errors import SettingsError
+from pipeline.runtime.settings import DEMO_ITEMS, LaunchSettings
+from pipeline.runtime.tables import broker_config, parse_assignments
 from pipeline.status import BrokerStatus
 
 
@@ -51,8 +53,11 @@ def load_launch_workload(settings: LaunchSettings):
 @click.option("--plots", type=click.Path(file_okay=False), help="Write PNG charts here (needs matplotlib).")
 @click.option("--metrics-port", type=int, help="Serve Prometheus metrics on this port (0: any free port).")
 @click.option("--seed", type=int, help="Seed of the demo workload (default 0).")
+@click.option("--set", "assignments", multiple=True, metavar="KEY=VALUE",
+              help="A setting of the config file's form, e.g. broker.max_age_s=30, broker.lanes.max_lanes=512, "
+                   "consumer.credit_max_batches=8 (repeatable; over the file's value).")
 @click.option("-v", "--verbose", is_flag=True, help="Log every process's info messages to stderr.")
-def launch(config_path: str | None, verbose: bool, **options) -> None:
+def launch(config_path: str | None, verbose: bool, assignments: tuple[str, ...], **options) -> None:
     """Run a workload through a broker, producers and one consumer per GPU, with live
     progress, then print the run report. With no arguments: the demo, on the embedded
     defaults (disk tier, sim engine), in a temporary data directory."""
@@ -60,7 +65,7 @@ def launch(config_path: str | None, verbose: bool, **options) -> None:
 
     setup_logging(verbose)
     try:
-        settings = LaunchSettings.resolve(config_path, options)
+        settings = LaunchSettings.resolve(config_path, options | parse_assignments(assignments))
         check_before_start(settings)
         workload = load_launch_workload(settings)
     except (BadInputError, PipelineError) as exc:
@@ -84,20 +89,20 @@ def check_before_start(settings: LaunchSettings) -> None:
     """What can be refused before any process starts: a data directory another user could
     change, one whose socket path does not fit a Unix socket, and a consumer contract the
     broker would refuse (consumers would otherwise retry forever against it)."""
-    from pipeline.broker.config import BrokerConfig
     from pipeline.runtime.datadir import check_data_dir
 
     from pipeline.runtime.inventory import producer_ring_names
 
     if settings.data_dir is not None:
         check_data_dir(settings.data_dir)
-        config = BrokerConfig(settings.data_dir)
+        config = broker_config(settings.data_dir, settings.broker, "settings")
         left = len(producer_ring_names(settings.data_dir))  # the broker adopts them: each takes a place
         if settings.producers + left > config.max_producers:
             raise SettingsError(f"producers: {settings.producers} and the {left} producer rings an earlier run left "
                                 f"in {settings.data_dir} exceed the {config.max_producers} a broker serves")
     else:
-        config = BrokerConfig(os.path.join(tempfile.gettempdir(), "shape-broker-XXXXXXXX"))  # mkdtemp's length
+        config = broker_config(os.path.join(tempfile.gettempdir(), "shape-broker-XXXXXXXX"),  # mkdtemp's length
+                               settings.broker, "settings")
     config.check_contract(0, settings.max_batch, settings.max_tokens, settings.max_input_len)
 
 

@@ -63,10 +63,15 @@ from pipeline.errors import ConsumerNameError, ProtocolError, UntrustedPeerError
 # The largest message body: a status reply with per-consumer counters is a few KiB; 1 MiB
 # leaves room and still stops a peer from making the broker buffer without bound.
 MAX_MESSAGE_BYTES = 1 << 20
+# The most batches a consumer may ask for in all (the broker refuses credit past it, a
+# consumer's credit window is configured within it): consumers ask for at most 64 by default
+# (the credit window's MAX_CREDIT); a bound keeps a hostile count from growing without end (an
+# integer of more than 4,300 digits would make the status reply unencodable).
+MAX_CREDIT_BATCHES = 1 << 20
 # The largest request the broker reads: a registration or a completion (the results
 # counters of one batch) is a few hundred bytes. 64 KiB leaves room for engines that report
 # many counters, and keeps what a connection can make the broker buffer small (the broker
-# also caps the sum over connections: pipeline.broker.service MAX_BUFFERED_BYTES).
+# also caps the sum over connections: pipeline.broker.config MAX_BUFFERED_BYTES).
 MAX_REQUEST_BYTES = 64 << 10
 _LENGTH = struct.Struct("<I")
 # struct ucred of SO_PEERCRED (Linux): pid, uid, gid.

@@ -365,3 +365,7 @@ def render_report(report: dict, console: Console | None = None) -> None:
                                          for key, value in report["lanes"].items()]))
     if report["per_consumer"]:
         console.print(_consumers_table(report))
+    if "settings" in report:  # a launch's report: what the broker and consumers ran with
+        changed = report["settings"]["changed"]
+        console.print("settings: " + (", ".join(f"{key}={value}" for key, value in changed.items())
+                                      if changed else "the defaults (the JSON report lists every value)"))

@@ -26,6 +26,7 @@ from pipeline.protocol import check_consumer_name
 from pipeline.runtime import daemon
 from pipeline.runtime.datadir import check_data_dir, prepare_data_dir
 from pipeline.runtime.processes import DURABILITY_LEVELS, STORAGE_KINDS
+from pipeline.runtime.tables import broker_config, consumer_settings, parse_assignments
 from pipeline.runtime.settings import (
     DEFAULT_MAX_BATCH_ITEMS,
     DEFAULT_MAX_BATCH_TOKENS,
@@ -100,12 +101,15 @@ def broker() -> None:
 @click.option("--heartbeat-timeout-s", type=float, default=DEFAULT_HEARTBEAT_TIMEOUT_S, show_default=True,
               help="A consumer silent this long is declared dead.")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), help="Serve Prometheus metrics on this port.")
+@click.option("--set", "assignments", multiple=True, metavar="KEY=VALUE",
+              help="A broker setting, as in a launch config's [broker] table: max_age_s=30, lanes.max_lanes=512 (repeatable).")
 @click.option("--detach", is_flag=True, help="Run in the background (pid and log files in DATA_DIR/run).")
 @click.option("-v", "--verbose", is_flag=True)
 def broker_start(data_dir: str, storage: str, durability: str, heartbeat_timeout_s: float,
-                 metrics_port: int | None, detach: bool, verbose: bool) -> None:
+                 metrics_port: int | None, assignments: tuple[str, ...], detach: bool, verbose: bool) -> None:
     """Run the broker until stopped (Ctrl-C or `pipeline broker stop`)."""
-    config = BrokerConfig(data_dir, heartbeat_timeout_s=heartbeat_timeout_s)
+    table = {"heartbeat_timeout_s": heartbeat_timeout_s} | parse_assignments(assignments)
+    config = broker_config(data_dir, table, "the command line")  # SettingsError: one line (cli.py)
     prepare_data_dir(data_dir)  # created owner-only, or refused if another user could change it
     files = _refuse_if_running("broker", data_dir)
     if detach:
@@ -113,6 +117,7 @@ def broker_start(data_dir: str, storage: str, durability: str, heartbeat_timeout
                 "--heartbeat-timeout-s", repr(heartbeat_timeout_s)]
         if metrics_port is not None:
             argv += ["--metrics-port", str(metrics_port)]
+        argv += [arg for pair in assignments for arg in ("--set", pair)]
         _detach("broker", data_dir, argv, lambda pid: _broker_answers(config.socket_path, pid))
         return
     from pipeline.runtime.processes import serve_broker
@@ -153,10 +158,13 @@ def consumer() -> None:
 @click.option("--max-input-len", type=int, default=DEFAULT_MAX_INPUT_LEN, show_default=True)
 @click.option("--engine", type=click.Choice(sorted(ENGINES)), default="sim", show_default=True)
 @click.option("--gpu", help="Pin to this GPU: an index or a GPU-/MIG- UUID (CUDA_VISIBLE_DEVICES).")
+@click.option("--set", "assignments", multiple=True, metavar="KEY=VALUE",
+              help="A consumer setting, as in a launch config's [consumer] table: credit_max_batches=8 (repeatable).")
 @click.option("--detach", is_flag=True, help="Run in the background (pid and log files in DATA_DIR/run).")
 @click.option("-v", "--verbose", is_flag=True)
 def consumer_start(data_dir: str, name: str | None, model: int, max_batch: int, max_tokens: int,
-                   max_input_len: int, engine: str, gpu: str | None, detach: bool, verbose: bool) -> None:
+                   max_input_len: int, engine: str, gpu: str | None, assignments: tuple[str, ...], detach: bool,
+                   verbose: bool) -> None:
     """Run a consumer until stopped (Ctrl-C or `pipeline consumer stop`); it reconnects if
     the broker restarts. Results go to DATA_DIR/results/NAME.jsonl."""
     from pipeline.consumer.process import ConsumerConfig
@@ -166,6 +174,7 @@ def consumer_start(data_dir: str, name: str | None, model: int, max_batch: int, 
     check_consumer_name(name)  # it names a results file and a pid file: before any is touched
     check_data_dir(data_dir)
     config = BrokerConfig(data_dir)
+    own = consumer_settings(parse_assignments(assignments), "the command line")
     stage = f"consumer-{name}"
     files = _refuse_if_running(stage, data_dir)
     if detach:
@@ -174,6 +183,7 @@ def consumer_start(data_dir: str, name: str | None, model: int, max_batch: int, 
                 str(max_input_len), "--engine", engine]
         if gpu is not None:
             argv += ["--gpu", gpu]
+        argv += [arg for pair in assignments for arg in ("--set", pair)]
         _detach(stage, data_dir, argv, lambda pid: _consumer_registered(config.socket_path, name, pid))
         return
     from pipeline.runtime.processes import serve_consumer
@@ -181,7 +191,7 @@ def consumer_start(data_dir: str, name: str | None, model: int, max_batch: int, 
     setup_logging(True)
     consumer_config = ConsumerConfig(config.socket_path, os.path.join(data_dir, RESULTS_DIR), name, model=model,
                                      max_batch_items=max_batch, max_batch_tokens=max_tokens,
-                                     max_input_len=max_input_len, engine=engine, gpu=gpu)
+                                     max_input_len=max_input_len, engine=engine, gpu=gpu, **own)
     def serve(write_pid) -> int:
         write_pid()  # a consumer holds no lock: it serves (or retries to) from its start
         return serve_consumer(consumer_config)

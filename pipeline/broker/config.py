@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from pipeline.broker.lanes import LaneConfig
 from pipeline.broker.packing import Contract
 from pipeline.errors import ConfigError, ContractError
 from pipeline.layouts import DEFAULT_MAX_MODELS, MODEL_ID_LIMIT, descriptor_size_bytes
@@ -68,6 +69,9 @@ MAX_BUFFERED_BYTES = 4 << 20
 # sockaddr_un.sun_path holds 108 bytes on Linux, the last for the terminating NUL: a longer
 # path cannot be bound (or is silently cut on other systems).
 MAX_SOCKET_PATH_BYTES = 107
+# The longest starvation bound: a week. Longer bounds nothing a batch job would notice, and
+# the bound is kept in nanoseconds next to monotonic times.
+MAX_AGE_BOUND_S = 7 * 86_400.0
 # A contract's numbers end up in u4 fields (descriptor item counts, token lengths).
 MAX_CONTRACT_NUMBER = 2**32 - 1
 # A consumer's descriptor ring: a 64-item descriptor is 2 KiB, so 1 MiB holds hundreds of
@@ -92,6 +96,11 @@ class BrokerConfig:
     max_unregistered_peers: int = MAX_UNREGISTERED_PEERS
     unregistered_timeout_s: float = UNREGISTERED_TIMEOUT_S
     max_buffered_bytes: int = MAX_BUFFERED_BYTES
+    # The dispatch policy's settings: the lane policy's constants (SPEC §2), and the
+    # starvation bound (SPEC §4: the oldest shape's work is served once it waited this
+    # long, even while the current shape has tokens; None, the default: no bound).
+    lanes: LaneConfig = field(default_factory=LaneConfig)
+    max_age_s: float | None = None
 
     def __post_init__(self) -> None:
         path_bytes = len(os.fsencode(self.socket_path))
@@ -109,6 +118,12 @@ class BrokerConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ConfigError(f"broker setting {name} {value!r} must be a positive number of seconds")
+        if self.max_age_s is not None and not (isinstance(self.max_age_s, (int, float)) and not isinstance(
+                self.max_age_s, bool) and math.isfinite(self.max_age_s) and 0 < self.max_age_s <= MAX_AGE_BOUND_S):
+            raise ConfigError(f"broker setting max_age_s {self.max_age_s!r} must be a number of seconds in "
+                              f"(0, {MAX_AGE_BOUND_S:g}], or unset for no starvation bound")
+        if not isinstance(self.lanes, LaneConfig):
+            raise ConfigError(f"broker setting lanes {self.lanes!r} must be a LaneConfig")
         ceilings = {"descriptor_ring_bytes": 1 << 40, "max_models": MODEL_ID_LIMIT, "max_consumers": 1 << 20,
                     "max_producers": 1 << 20, "max_unregistered_peers": 1 << 20, "max_buffered_bytes": 1 << 40}
         for name, ceiling in ceilings.items():

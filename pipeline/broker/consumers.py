@@ -28,16 +28,12 @@ from pipeline.broker.peers import ConsumerPeer, ConsumerTotals, Peer, consumer_r
 from pipeline.broker.storage.base import StorageTier
 from pipeline.errors import BadInputError, ProtocolError, RingTimeoutError, ShmError
 from pipeline.layouts import DESCRIPTOR_ITEM_DTYPE, descriptor_size_bytes, write_descriptor
-from pipeline.protocol import check_consumer_name
+from pipeline.protocol import MAX_CREDIT_BATCHES, check_consumer_name
 from pipeline.status import ConsumerWork
 from shm.ring import RingWriter, SharedRing
 
 log = logging.getLogger("pipeline.broker")
 
-# The most batches a consumer may ask for in all: consumers ask for at most 64 (the credit
-# window's MAX_CREDIT); a bound keeps a hostile count from growing without end (an integer
-# of more than 4,300 digits would make the status reply unencodable).
-MAX_CREDIT_BATCHES = 1 << 20
 # A batch that is not full goes only to a consumer holding fewer batches than this (one
 # running, three waiting: the fixed credit consumers had before their window). A quick
 # consumer's window (consumer/credit.py) reaches 64 batches, and filling it with partial

@@ -65,7 +65,14 @@ from pipeline.errors import (
     ShmError,
 )
 from pipeline.layouts import Descriptor, descriptor_size_bytes, parse_descriptor
-from pipeline.protocol import RECONNECT_FIRST_S, RECONNECT_MAX_S, Connection, check_consumer_name, encode
+from pipeline.protocol import (
+    MAX_CREDIT_BATCHES,
+    RECONNECT_FIRST_S,
+    RECONNECT_MAX_S,
+    Connection,
+    check_consumer_name,
+    encode,
+)
 from shm.ring import RECORD_ALIGN_BYTES, RECORD_HEADER_SIZE_BYTES, RingReader, align_up
 
 log = logging.getLogger("pipeline.consumer")
@@ -107,6 +114,8 @@ class ConsumerConfig:
     gpu: str | None = None  # a CUDA_VISIBLE_DEVICES value: an index or a GPU-/MIG- UUID
     credit: int | None = None  # batches ahead, fixed; None: sized from batch times (credit.py)
     ahead_s: float = DEFAULT_AHEAD_S  # seconds of work kept queued when `credit` is None
+    credit_min_batches: int = MIN_CREDIT  # the sized window's bounds (credit.py)
+    credit_max_batches: int = MAX_CREDIT
     fsync_results: bool = False
     results_full_first_wait_s: float = RESULTS_FULL_FIRST_WAIT_S  # backoff while the results
     results_full_max_wait_s: float = RESULTS_FULL_MAX_WAIT_S  # disk is full (see above)
@@ -116,10 +125,16 @@ class ConsumerConfig:
         if not 0 < self.results_full_first_wait_s <= self.results_full_max_wait_s < float("inf"):
             raise ValueError(f"consumer {self.name}: results full waits {self.results_full_first_wait_s!r} s "
                              f"to {self.results_full_max_wait_s!r} s must be finite, > 0 and first <= max")
-        if self.credit is not None and (isinstance(self.credit, bool) or self.credit < 1):
-            raise ValueError(f"consumer {self.name}: credit {self.credit!r} must be at least 1 batch")
+        if self.credit is not None and (isinstance(self.credit, bool) or not 1 <= self.credit <= MAX_CREDIT_BATCHES):
+            raise ValueError(f"consumer {self.name}: credit {self.credit!r} must be from 1 to "
+                             f"{MAX_CREDIT_BATCHES} batches")
         if not self.ahead_s >= 0:
             raise ValueError(f"consumer {self.name}: ahead_s {self.ahead_s!r} must be >= 0 seconds")
+        low, high = self.credit_min_batches, self.credit_max_batches
+        if any(isinstance(n, bool) or not isinstance(n, int) for n in (low, high)) \
+                or not 1 <= low <= high <= MAX_CREDIT_BATCHES:
+            raise ValueError(f"consumer {self.name}: credit window bounds {low!r} to {high!r} batches must be "
+                             f"integers with 1 <= min <= max <= {MAX_CREDIT_BATCHES}")
 
 
 @dataclass(slots=True)
@@ -381,7 +396,8 @@ class Consumer:
         fits = descriptors_that_fit(ring.capacity_bytes, self.config.max_batch_items)
         if self.config.credit is not None:
             return CreditWindow.fixed(min(self.config.credit, fits))
-        return CreditWindow(self.config.ahead_s, min(MIN_CREDIT, fits), min(MAX_CREDIT, fits))
+        return CreditWindow(self.config.ahead_s, min(self.config.credit_min_batches, fits),
+                            min(self.config.credit_max_batches, fits))
 
     def run_batch(self, descriptor: Descriptor) -> dict:
         """Run one batch and write its results; return the completion's summary. A failed

@@ -46,8 +46,15 @@ import numpy as np
 import psutil
 
 from pipeline.accounting import Stock, summarize_results, take_stock
-from pipeline.broker.config import BrokerConfig
 from pipeline.consumer.process import ConsumerConfig
+from pipeline.runtime.tables import (
+    BROKER_OWN_OPTIONS,
+    CONSUMER_OWN_OPTIONS,
+    broker_config,
+    consumer_settings,
+    non_defaults,
+    shown,
+)
 from pipeline.errors import PipelineError
 from pipeline.producer.workload import Workload
 from pipeline.runtime.gpus import detect_gpus
@@ -259,7 +266,7 @@ class Launcher:
         self.data_dir = settings.data_dir or tempfile.mkdtemp(prefix="shape-broker-")
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         self.results_dir = os.path.join(self.data_dir, "results", f"run-{stamp}-{os.getpid()}")
-        self.config = BrokerConfig(self.data_dir)
+        self.config = broker_config(self.data_dir, settings.broker, "settings")  # checked by LaunchSettings
         self.broker = None
         self.consumers: list = []
         self.producers: list = []
@@ -359,7 +366,8 @@ class Launcher:
             configs.append(ConsumerConfig(
                 self.config.socket_path, self.results_dir, name, model=models[k % len(models)],
                 max_batch_items=s.max_batch, max_batch_tokens=s.max_tokens, max_input_len=s.max_input_len,
-                engine=s.engine, engine_options=dict(s.engine_options), gpu=gpu))
+                engine=s.engine, engine_options=dict(s.engine_options), gpu=gpu,
+                **consumer_settings(s.consumer, "settings")))
         return configs
 
     # ----------------------------------------------------------------- watch
@@ -469,10 +477,22 @@ class Launcher:
         from pipeline.report import build_report
 
         again = np.fromiter(results.item_ids, dtype=np.uint64, count=len(results.item_ids))
-        return build_report(final, results, wall_s, stock=stock, store_kept=kept,
-                            not_submitted=max(0, len(self.workload) - stock.accepted) if not completed else 0,
-                            unreadable_rings=rings.unreadable,
-                            duplicates_across_runs=int(np.intersect1d(self._done_before, again).size))
+        report = build_report(final, results, wall_s, stock=stock, store_kept=kept,
+                              not_submitted=max(0, len(self.workload) - stock.accepted) if not completed else 0,
+                              unreadable_rings=rings.unreadable,
+                              duplicates_across_runs=int(np.intersect1d(self._done_before, again).size))
+        report["settings"] = self.process_settings()
+        return report
+
+    def process_settings(self) -> dict:
+        """The broker's and a consumer's settings as they ran (for the report), and which of
+        them differ from the defaults."""
+        consumer = self.consumer_configs()[0]
+        return {"broker": shown(self.config, skip=BROKER_OWN_OPTIONS),
+                "consumer": shown(consumer, skip=CONSUMER_OWN_OPTIONS),
+                "changed": {**{f"broker.{k}": v for k, v in non_defaults(self.config, BROKER_OWN_OPTIONS).items()},
+                            **{f"consumer.{k}": v
+                               for k, v in non_defaults(consumer, CONSUMER_OWN_OPTIONS).items()}}}
 
     def _take_stock(self, results, rings: RingStock, completed: bool) -> Stock:
         """Where every item is. A completed run has nothing left in the store (the broker

@@ -5,8 +5,11 @@
 Every option of the command can come from the file under the same name (underscores, not
 dashes), at the top level or in a `[launch]` table; `engine_options` is a table passed to the
 engine (the sim engine's `block_size_tokens`, `capacity_tokens`, `cost_s_per_padded_token`).
-An unknown key or a value of the wrong type is an error naming the file and the key: a typo
-in a config must not silently run with a default.
+The `[broker]` and `[consumer]` tables (and `--set broker.KEY=VALUE`) set the broker's and
+the consumers' own settings (pipeline/runtime/tables.py): the dispatch policy's lane
+constants and starvation bound, the work slice, the credit window's bounds. An unknown key
+or a value of the wrong type is an error naming the file and the key: a typo in a config
+must not silently run with a default.
 
     # run.toml
     workload = "../shared/workloads/mooncake_synthetic_trace.jsonl"
@@ -14,17 +17,21 @@ in a config must not silently run with a default.
     max_input_len = 262144
     [engine_options]
     capacity_tokens = 4194304
+    [broker.lanes]
+    max_lanes = 512
 """
 
 from __future__ import annotations
 
 import math
 import os
+import tempfile
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 
 from pipeline.broker.config import MAX_CONSUMERS, MAX_PRODUCERS
-from pipeline.errors import BadInputError
+from pipeline.errors import SettingsError
+from pipeline.runtime.tables import PROCESS_TABLES, broker_config, consumer_settings, merged
 from pipeline.layouts import MAX_SEQ
 
 # The demo: enough items to show lanes, shape switches and a warm cache, and short enough to
@@ -54,10 +61,6 @@ MAX_ITEMS = MAX_SEQ
 MAX_SEED = 2**63 - 1
 
 
-class SettingsError(BadInputError):
-    """A launch setting is wrong (unknown key, wrong type, out of range); names the source."""
-
-
 @dataclass(slots=True)
 class LaunchSettings:
     """Everything `pipeline launch` needs. `data_dir` None: a temporary directory, removed
@@ -81,11 +84,15 @@ class LaunchSettings:
     plots: str | None = None
     metrics_port: int | None = None
     seed: int = 0
+    broker: dict = field(default_factory=dict)  # the broker's own settings (tables.py)
+    consumer: dict = field(default_factory=dict)  # every consumer's own settings (tables.py)
 
     @classmethod
     def resolve(cls, config_path: str | None = None, overrides: dict | None = None) -> LaunchSettings:
         """Defaults, then the TOML file's values, then `overrides` (values that are None are
-        skipped: an option not given on the command line)."""
+        skipped: an option not given on the command line). Tables (engine_options, broker,
+        consumer) are merged key by key, so `--set broker.max_age_s=30` keeps the file's
+        other broker settings."""
         settings = cls()
         if config_path is not None:
             settings = settings.updated(load_toml(config_path), source=config_path)
@@ -108,7 +115,8 @@ class LaunchSettings:
         for key, value in values.items():
             if key not in known:
                 raise SettingsError(f"{source}: unknown setting {key!r} (known: {', '.join(sorted(known))})")
-            changes[key] = _typed(key, value, _TYPES[key], source)
+            value = _typed(key, value, _TYPES[key], source)
+            changes[key] = merged(getattr(self, key), value) if isinstance(value, dict) else value
         return replace(self, **changes)
 
     def check(self) -> None:
@@ -128,6 +136,8 @@ class LaunchSettings:
             if getattr(self, key) is not None:
                 check_output_path(key, getattr(self, key), directory=key == "plots")
         self._check_choices()
+        broker_config(self.data_dir or tempfile.gettempdir(), self.broker, "")  # `checked` names the source
+        consumer_settings(self.consumer, "")
 
     def _check_choices(self) -> None:
         """Names and engine options are checked here, before any process starts: a typo
@@ -179,7 +189,8 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "data_dir": (str,), "workload": (str,), "items": (int,), "producers": (int,), "consumers": (int,),
     "engine": (str,), "engine_options": (dict,), "storage": (str,), "durability": (str,),
     "max_batch": (int,), "max_tokens": (int,), "max_input_len": (int,), "replay_speed": (float, int),
-    "report": (str,), "plots": (str,), "metrics_port": (int,), "seed": (int,),
+    "report": (str,), "plots": (str,), "metrics_port": (int,), "seed": (int,), "broker": (dict,),
+    "consumer": (dict,),
 }
 assert set(_TYPES) == {f.name for f in fields(LaunchSettings)}
 
@@ -201,7 +212,9 @@ def load_toml(path: str) -> dict:
     except tomllib.TOMLDecodeError as exc:
         raise SettingsError(f"{path}: not valid TOML: {exc}") from exc
     if "launch" in document:
-        if not isinstance(document["launch"], dict) or len(document) != 1:
-            raise SettingsError(f"{path}: a [launch] table must be the file's only content")
-        return document["launch"]
+        rest = {key: value for key, value in document.items() if key != "launch"}
+        if not isinstance(document["launch"], dict) or not set(rest) <= set(PROCESS_TABLES):
+            raise SettingsError(f"{path}: beside a [launch] table a file holds only "
+                                f"{', '.join(f'[{t}]' for t in PROCESS_TABLES)} tables")
+        return document["launch"] | rest
     return document

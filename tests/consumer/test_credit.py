@@ -136,8 +136,11 @@ def test_the_credit_cap_always_fits_in_the_descriptor_ring(shm_name, max_batch_i
         writer.unlink()
 
 
-def test_a_fixed_credit_below_one_is_refused():
-    with pytest.raises(ValueError, match="credit 0 must be at least 1"):
+def test_a_fixed_credit_outside_its_bounds_is_refused():
+    with pytest.raises(ValueError, match="credit 0 must be from 1 to 1048576 batches"):
         ConsumerConfig("/nowhere.sock", "/tmp/results", "c0", credit=0)
+    with pytest.raises(ValueError, match="credit 1048577 must be from 1 to 1048576 batches"):
+        ConsumerConfig("/nowhere.sock", "/tmp/results", "c0", credit=(1 << 20) + 1)
+    assert ConsumerConfig("/nowhere.sock", "/tmp/results", "c0", credit=1 << 20).credit == 1 << 20
     with pytest.raises(ValueError, match="ahead_s"):
         ConsumerConfig("/nowhere.sock", "/tmp/results", "c0", ahead_s=-1.0)

@@ -16,7 +16,7 @@ from pipeline.runtime.local import CTX, start_consumer
 from tests.pipeline.harness import Workload, start_broker, start_producer, status, stop, wait_until
 
 
-def _windows_seen(tmp_path, ahead_s: float) -> tuple[list[int], int]:
+def _windows_seen(tmp_path, ahead_s: float, **bounds: int) -> tuple[list[int], int]:
     """Run a stored backlog through one consumer; the broker's view of its window (credit
     left + batches held) at every status poll once a few batches completed, and the total."""
     data = str(tmp_path / "data")
@@ -29,7 +29,7 @@ def _windows_seen(tmp_path, ahead_s: float) -> tuple[list[int], int]:
         producer.join(120)
         assert producer.exitcode == 0
         config = ConsumerConfig(socket_path, str(tmp_path / "results"), "c0", max_batch_items=4,
-                                max_batch_tokens=1 << 20, max_input_len=1 << 20, ahead_s=ahead_s)
+                                max_batch_tokens=1 << 20, max_input_len=1 << 20, ahead_s=ahead_s, **bounds)
         consumer = start_consumer(config)
         seen = []
         while (counters := status(socket_path)).items_completed < 4000:
@@ -49,6 +49,13 @@ def test_quick_batches_open_the_window_to_its_maximum(tmp_path):
     assert completed == 4000
     assert max(seen) > INITIAL_CREDIT  # it grew past what the first request asked for
     assert max(seen) <= MAX_CREDIT
+
+
+def test_configured_bounds_hold_the_window(tmp_path):
+    # The same quick batches as above with the maximum set to 6: it is reached and never passed.
+    seen, completed = _windows_seen(tmp_path, ahead_s=10.0, credit_min_batches=3, credit_max_batches=6)
+    assert completed == 4000
+    assert max(seen) == 6
 
 
 def test_slow_batches_keep_the_window_at_its_minimum(tmp_path):

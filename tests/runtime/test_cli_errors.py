@@ -41,6 +41,10 @@ def one_line_error(done: subprocess.CompletedProcess, *words: str) -> None:
     (["--producers", "100000"], ["producers must be in [1, 128]"]),
     (["--report", "/nonexistent-dir/report.json"], ["report /nonexistent-dir/report.json", "does not exist"]),
     (["--max-batch", "20000"], ["max_batch_items 20000"]),
+    (["--set", "broker.lanes.max_lanes=10001"], ["broker.lanes: lane config: max_lanes must be <= 10000"]),
+    (["--set", "consumer.credit_max_batches=0"], ["credit window bounds"]),
+    (["--set", "broker.max_age=3"], ["broker: unknown setting 'max_age'"]),
+    (["--set", "broker.lanes.max_lanes"], ["expected KEY=VALUE"]),
 ])
 def test_launch_options_are_checked_before_anything_starts(tmp_path, args, words):
     data = tmp_path / "data"
@@ -142,3 +146,15 @@ def test_a_broker_that_exits_at_start_is_one_line(tmp_path):
         one_line_error(second, "already running")
     finally:
         pipeline("broker", "stop", "--data-dir", str(data))
+
+
+@pytest.mark.parametrize("stage, pair, words", [
+    ("broker", "lanes.max_lanes=10001", ["the command line: broker.lanes", "max_lanes must be <= 10000"]),
+    ("broker", "max_age_s=-1", ["the command line: broker: broker setting max_age_s -1.0"]),
+    ("consumer", "credit_min_batches=0", ["the command line: consumer", "credit window bounds 0 to 64"]),
+])
+def test_stage_settings_are_checked_before_the_stage_starts(tmp_path, stage, pair, words):
+    data = tmp_path / "data"
+    done = pipeline(stage, "start", "--data-dir", str(data), "--set", pair)
+    one_line_error(done, *words)
+    assert not (data / "run").exists()  # nothing of the stage was started

@@ -216,3 +216,17 @@ def test_a_second_ctrl_c_kills_but_still_reports_and_cleans_up(tmp_path):
     assert shm_objects_of(data) == [] and os.listdir(temp) == []
     report = json.loads(report_path.read_text())
     assert report["outcome"] == "interrupted" and report["items_discarded"] == report["items_unfinished"]
+
+
+def test_process_settings_reach_the_broker_and_the_report(tmp_path):
+    # One lane per shape at most: the demo's 16 shapes open 16 lanes, not the hundreds their
+    # lengths ask for with the default budget (499 in a 2,000-item demo).
+    report_path = tmp_path / "report.json"
+    done = launch("--items", "2000", "--set", "broker.lanes.max_lanes=1", "--set", "consumer.credit_max_batches=3",
+                  "--report", str(report_path))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(report_path.read_text())
+    assert report["accounting_ok"] and report["lanes"]["max_in_use"] == report["shapes"]
+    assert report["settings"]["changed"] == {"broker.lanes.max_lanes": 1, "consumer.credit_max_batches": 3}
+    assert report["settings"]["broker"]["lanes"]["max_lanes"] == 1
+    assert "settings: broker.lanes.max_lanes=1, consumer.credit_max_batches=3" in done.stdout

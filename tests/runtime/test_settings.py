@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.runtime.settings import DEMO_ITEMS, LaunchSettings, SettingsError
+from pipeline.errors import SettingsError
+from pipeline.runtime.settings import DEMO_ITEMS, LaunchSettings
 
 
 def write(tmp_path, text: str) -> str:
@@ -29,7 +30,7 @@ def test_file_overrides_defaults_and_command_line_overrides_file(tmp_path):
 
 def test_a_launch_table_is_read_like_the_top_level(tmp_path):
     assert LaunchSettings.resolve(write(tmp_path, "[launch]\nconsumers = 4\n")).consumers == 4
-    with pytest.raises(SettingsError, match="only content"):
+    with pytest.raises(SettingsError, match=r"beside a \[launch\] table a file holds only \[broker\], \[consumer\] tables"):
         LaunchSettings.resolve(write(tmp_path, "items = 3\n[launch]\nconsumers = 4\n"))
 
 
