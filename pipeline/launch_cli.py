@@ -18,6 +18,10 @@ from pipeline.runtime.settings import DEMO_ITEMS, LaunchSettings
 from pipeline.runtime.tables import broker_config, parse_assignments
 from pipeline.status import BrokerStatus
 
+# One storage tier (segment files), two places for it: `pipeline broker start` says it too.
+STORAGE_HELP = ("Where the store's segment files live: disk (the data directory; durable, the default) or "
+                "memory (the same files on tmpfs: in RAM, gone when the broker stops).")
+
 
 def setup_logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
@@ -42,7 +46,7 @@ def load_launch_workload(settings: LaunchSettings):
 @click.option("--producers", type=int, help="Producer processes (default 2).")
 @click.option("--consumers", type=int, help="Consumer processes (default: one per GPU, else 2 CPU consumers).")
 @click.option("--engine", type=click.Choice(sorted(ENGINES)), help="Engine runtime of the consumers (default sim).")
-@click.option("--storage", type=click.Choice(STORAGE_KINDS), help="Storage tier (default disk).")
+@click.option("--storage", type=click.Choice(STORAGE_KINDS), help=STORAGE_HELP)
 @click.option("--durability", type=click.Choice(DURABILITY_LEVELS), help="Disk durability (default process).")
 @click.option("--max-batch", type=int, help="Consumer contract: items per batch (default 64).")
 @click.option("--max-tokens", type=int, help="Consumer contract: padded tokens per batch (default 65536).")

@@ -19,13 +19,13 @@ import os
 import re
 import struct
 from dataclasses import dataclass
-from typing import NewType
+from typing import NewType, TypeVar
 
 import numpy as np
 import xxhash
 
 from pipeline.errors import FrameError, SegmentNameError
-from shm.layout import checked_dtype, field_offset, struct_for
+from shm.layout import Field, checked_dtype, field_offset, struct_for
 
 ItemId = NewType("ItemId", int)
 ProducerId = NewType("ProducerId", int)
@@ -287,8 +287,54 @@ ENTRY_HEADER_SIZE_BYTES = ENTRY_HEADER_DTYPE.itemsize
 ENTRY_CHECKSUM_FROM = 16
 assert ENTRY_HEADER_SIZE_BYTES % ENTRY_ALIGN_BYTES == 0
 assert SEGMENT_HEADER_SIZE_BYTES % ENTRY_ALIGN_BYTES == 0
-SEGMENT_HEADER_STRUCT = struct_for(SEGMENT_HEADER_DTYPE)
+# The segment header words that change in place, each read and written alone through a
+# struct derived from the dtype (the identity block's structs are `storage.identity`'s).
+SEGMENT_SEALED = Field(SEGMENT_HEADER_DTYPE, "sealed")
+SEGMENT_ENTRY_COUNT = Field(SEGMENT_HEADER_DTYPE, "entry_count")
+SEGMENT_DATA_END = Field(SEGMENT_HEADER_DTYPE, "data_end")
+SEGMENT_DELETED_COUNT = Field(SEGMENT_HEADER_DTYPE, "deleted_count")
+SEGMENT_BOUNDARY_CHECKSUM = Field(SEGMENT_HEADER_DTYPE, "boundary_checksum")
+assert SEGMENT_DATA_END.offset == SEGMENT_ENTRY_COUNT.end  # the pair the boundary checksum covers
+# A whole entry header (one entry read alone), and its state word (written on completion).
 ENTRY_HEADER_STRUCT = struct_for(ENTRY_HEADER_DTYPE)
+ENTRY_STATE = Field(ENTRY_HEADER_DTYPE, "state")
+assert ENTRY_STATE.offset == 0  # scans and tombstones read state words as a uint32 column at entry offsets
+# An int, or an int64 column of them.
+_Sizes = TypeVar("_Sizes", int, np.ndarray)
+# An entry header as 8-byte words from the entry's start (entries start 16-aligned): the
+# index pattern that moves many headers at once (`gather_entry_headers`, `scatter_...`).
+_ENTRY_HEADER_WORDS = np.arange(ENTRY_HEADER_SIZE_BYTES // 8, dtype=np.int64)
+
+
+def entry_size_bytes(length: _Sizes, payload_len: _Sizes) -> _Sizes:
+    """Bytes an entry takes in a segment, padding to the next ENTRY_ALIGN_BYTES included: of
+    one entry (ints) or of many (int64 columns; a uint32 column could overflow)."""
+    raw = ENTRY_HEADER_SIZE_BYTES + length * TOKEN_SIZE_BYTES + payload_len
+    return (raw + ENTRY_ALIGN_BYTES - 1) & ~(ENTRY_ALIGN_BYTES - 1)
+
+
+def gather_entry_headers(words: np.ndarray, offsets: np.ndarray,
+                         limit: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The entry headers at `offsets` (int64) of a buffer viewed as uint64 `words`, gathered
+    at once and checked as columns: (headers as ENTRY_HEADER_DTYPE, each entry's end offset,
+    `good`). `good`: the offset is 16-aligned and holds a live entry of at least one token
+    that ends at or before `limit`. Every header must lie within `words`: the caller knows
+    which part of its buffer may be read, and checks that first.
+
+    Example: entries at 4096 (live, 10 tokens, no payload: 112 bytes) and 4208 (tombstoned),
+    limit 8192 -> ends [4208, ...], good [True, False]."""
+    headers = words[(offsets >> 3)[:, None] + _ENTRY_HEADER_WORDS].view(ENTRY_HEADER_DTYPE).reshape(-1)
+    lengths = headers["length"]
+    ends = offsets + entry_size_bytes(lengths.astype(np.int64), headers["payload_len"].astype(np.int64))
+    good = ((headers["state"] == ENTRY_LIVE) & (lengths != 0) & (ends <= limit)
+            & ((offsets & (ENTRY_ALIGN_BYTES - 1)) == 0))
+    return headers, ends, good
+
+
+def scatter_entry_headers(words: np.ndarray, offsets: np.ndarray, headers: np.ndarray) -> None:
+    """Write `headers` (ENTRY_HEADER_DTYPE) into a buffer viewed as uint64 `words` at byte
+    `offsets` (int64, 16-aligned), all at once: `gather_entry_headers` read backwards."""
+    words[(offsets >> 3)[:, None] + _ENTRY_HEADER_WORDS] = headers.view(np.uint64).reshape(-1, _ENTRY_HEADER_WORDS.size)
 
 
 def entry_checksum(buf, offset: int, end: int, length: int) -> int:
@@ -439,11 +485,6 @@ CATALOG_RECORD_SIZE_BYTES = CATALOG_RECORD_DTYPE.itemsize
 CATALOG_CHECKSUM_FROM = field_offset(CATALOG_RECORD_DTYPE, "checksum")
 CATALOG_RECORD_STRUCT = struct_for(CATALOG_RECORD_DTYPE)
 
-
-def entry_size_bytes(length: int, payload_len: int) -> int:
-    """Bytes an entry takes in a segment, padding included."""
-    raw = ENTRY_HEADER_SIZE_BYTES + length * TOKEN_SIZE_BYTES + payload_len
-    return (raw + ENTRY_ALIGN_BYTES - 1) & ~(ENTRY_ALIGN_BYTES - 1)
 
 
 # ---------------------------------------------------------------------------------------------

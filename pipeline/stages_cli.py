@@ -21,7 +21,7 @@ import click
 from pipeline.broker.config import DEFAULT_HEARTBEAT_TIMEOUT_S, BrokerConfig
 from pipeline.consumer.engines import ENGINES
 from pipeline.errors import BadInputError, PipelineError, ProtocolError
-from pipeline.launch_cli import setup_logging
+from pipeline.launch_cli import STORAGE_HELP, setup_logging
 from pipeline.protocol import check_consumer_name
 from pipeline.runtime import daemon
 from pipeline.runtime.datadir import check_data_dir, prepare_data_dir
@@ -96,7 +96,7 @@ def broker() -> None:
 
 @broker.command("start")
 @data_dir_option
-@click.option("--storage", type=click.Choice(STORAGE_KINDS), default="disk", show_default=True)
+@click.option("--storage", type=click.Choice(STORAGE_KINDS), default="disk", show_default=True, help=STORAGE_HELP)
 @click.option("--durability", type=click.Choice(DURABILITY_LEVELS), default="process", show_default=True)
 @click.option("--heartbeat-timeout-s", type=float, default=DEFAULT_HEARTBEAT_TIMEOUT_S, show_default=True,
               help="A consumer silent this long is declared dead.")

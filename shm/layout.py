@@ -4,7 +4,8 @@ Every shared-memory and on-disk layout in this product is a numpy structured dty
 explicit little-endian fields, written beside a comment table (offset, size, meaning).
 `checked_dtype` builds the dtype from that table and asserts that numpy agrees with it, so
 the table a reader sees is the layout the code uses. `struct_for` derives the `struct.Struct`
-the hot paths use from the same dtype, so the two can never drift apart.
+the hot paths use from the same dtype, and `Field` one word read or written in place, so
+no format string is ever written by hand and the two can never drift apart.
 """
 
 from __future__ import annotations
@@ -48,10 +49,13 @@ def struct_for(dtype: np.dtype, fields: list[str] | None = None) -> struct.Struc
     reserved bytes included) of `dtype` at their offsets.
 
     Reserved gaps between the chosen fields become pad bytes, written as zero, so
-    `pack_into(buf, base, *values)` writes what numpy would for a fresh record.
+    `pack_into(buf, base, *values)` writes what numpy would for a fresh record. `fields`
+    must be named in offset order: values are packed and unpacked by position, so a list in
+    another order would put each value in another field's place.
     """
     chosen = list(dtype.names) if fields is None else fields
     ordered = sorted(chosen, key=lambda n: dtype.fields[n][1])
+    assert chosen == ordered, f"fields {chosen} are not in offset order {ordered}"
     fmt = "<"
     pos = dtype.fields[ordered[0]][1]
     start = pos
@@ -75,3 +79,25 @@ def struct_for(dtype: np.dtype, fields: list[str] | None = None) -> struct.Struc
 def field_offset(dtype: np.dtype, name: str) -> int:
     """Byte offset of one field, for the hot paths that read a single word with struct."""
     return int(dtype.fields[name][1])
+
+
+class Field:
+    """One field of a layout, read and written alone, in place, at `base` + its offset, with
+    a struct derived from the layout's dtype: the words a record keeps changing (counts,
+    flags, state words) and the ones a reader needs alone. Immutable; thread-safe."""
+
+    __slots__ = ("name", "offset", "end", "_struct")
+
+    def __init__(self, dtype: np.dtype, name: str) -> None:
+        self.name = name
+        self.offset = field_offset(dtype, name)
+        self._struct = struct_for(dtype, [name])
+        self.end = self.offset + self._struct.size
+
+    def read(self, buf, base: int = 0) -> int:
+        """The field's value in the record at `base` of `buf`."""
+        return self._struct.unpack_from(buf, base + self.offset)[0]
+
+    def write(self, buf, value: int, base: int = 0) -> None:
+        """Store `value` in the field of the record at `base` of `buf` (nothing else)."""
+        self._struct.pack_into(buf, base + self.offset, value)

@@ -21,6 +21,10 @@ OWNER_ONLY_MODE = 0o600
 # suffixes add 2 more; 200 leaves room and keeps names readable in /dev/shm.
 MAX_NAME_LENGTH = 200
 _NAME_RE = re.compile(r"^/[A-Za-z0-9_.\-]+$")
+# Where Linux keeps POSIX shared memory and named semaphores (NAME as sem.NAME, without the
+# leading '/'): the one place that knows it.
+DEV_SHM = "/dev/shm"
+_SEMAPHORE_FILE_PREFIX = "sem."
 
 
 def object_name(prefix: str, run_id: str, role: str) -> str:
@@ -108,7 +112,34 @@ def open_semaphore(name: str, create: bool) -> posix_ipc.Semaphore:
 
 def semaphore_path(name: str) -> str:
     """Where Linux keeps a named semaphore: /dev/shm/sem.NAME (without the leading '/')."""
-    return f"/dev/shm/sem.{name.lstrip('/')}"
+    return os.path.join(DEV_SHM, _SEMAPHORE_FILE_PREFIX + name.lstrip("/"))
+
+
+def named_objects(prefix: str) -> tuple[list[str], list[str]]:
+    """The names (as for shm_open and sem_open: '/' first) of the shared-memory objects and
+    of the named semaphores that exist now and start with `prefix` (given without the '/'),
+    each list sorted: what runs of one namespace hold or a crashed one left, for whoever
+    takes stock or cleans up. Directories are neither (a tmpfs data directory under
+    /dev/shm) and are skipped; no /dev/shm: ([], []). Whose they are is not checked
+    (attaching and unlinking check that).
+
+    Example: /dev/shm holds sbx-p3, sem.sbx-p3.d and sbx-g2-c1/ (a directory): with prefix
+    "sbx-" -> (["/sbx-p3"], ["/sbx-p3.d"])."""
+    shared, semaphores = [], []
+    try:
+        entries = list(os.scandir(DEV_SHM))
+    except FileNotFoundError:
+        return [], []
+    for entry in entries:
+        if entry.is_dir(follow_symlinks=False):
+            continue
+        if entry.name.startswith(_SEMAPHORE_FILE_PREFIX):
+            name = entry.name[len(_SEMAPHORE_FILE_PREFIX):]
+            if name.startswith(prefix):
+                semaphores.append(f"/{name}")
+        elif entry.name.startswith(prefix):
+            shared.append(f"/{entry.name}")
+    return sorted(shared), sorted(semaphores)
 
 
 def _check_semaphore_file(name: str) -> os.stat_result:

@@ -376,10 +376,6 @@ class SharedRing:
         """Process id of the last writer to attach (0 if none has)."""
         return self._u32[_I_WRITER_PID]
 
-    @property
-    def used_bytes(self) -> int:
-        return self.write_pos - self.read_pos
-
     def close(self) -> None:
         """Drop this process's mapping and semaphore handles (the objects stay until unlinked).
 
@@ -655,10 +651,6 @@ class RingReader(SharedRing):
         assert self.read_pos <= end_pos <= self._cursor, (self.read_pos, end_pos, self._cursor)
         self._u64[_W_READ_POS] = end_pos
         _wake(self._space_sem)
-
-    def rewind(self) -> None:
-        """Forget peeked, unreleased records: the next peek starts again at `read_pos`."""
-        self._cursor = self.read_pos
 
     def close(self, mark_closed: bool = True) -> None:
         """Close this handle. With `mark_closed` (the default) the reading side is marked

@@ -1,27 +1,57 @@
-"""Layouts shared by producer, broker, consumer and tools: descriptors round-trip and are
-checked when read; segment names have one format, one parser and checked limits."""
+"""Layouts shared by producer, broker, consumer and tools: every header written through its
+one definition reads back field by field, by name (so two fields swapped in a table, or in a
+positional pack or unpack, fail here); descriptors round-trip and are checked when read;
+segment names have one format, one parser and checked limits."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
+import xxhash
 
+from pipeline.broker.storage.catalog import encode_record
+from pipeline.broker.storage.paths import make_dirs, segment_path
+from pipeline.broker.storage.scan import boundary_checksum
+from pipeline.broker.storage.segment import Durability, SegmentFile, SegmentKeys, encode_entries, scan_segment
+from pipeline.consumer.reader import SegmentReader
 from pipeline.errors import FrameError, SegmentNameError
 from pipeline.layouts import (
+    CATALOG_MAGIC,
     CATALOG_RECORD_DTYPE,
+    CATALOG_SEALED,
+    CATALOG_VERSION,
+    DESCRIPTOR_HEADER_DTYPE,
     DESCRIPTOR_ITEM_DTYPE,
+    DESCRIPTOR_MAGIC,
+    ENTRY_HEADER_DTYPE,
+    ENTRY_LIVE,
+    FRAME_HEADER_DTYPE,
+    FRAME_MAGIC,
+    FRAME_VERSION,
+    ITEM_HEADER_DTYPE,
     LANE_ID_LIMIT,
     MODEL_ID_LIMIT,
+    SEGMENT_HEADER_DTYPE,
+    SEGMENT_HEADER_SIZE_BYTES,
+    SEGMENT_IDENTITY_BYTES,
+    SEGMENT_MAGIC,
     SEGMENT_SEQ_LIMIT,
+    SEGMENT_VERSION,
     SIGNATURE_LIMIT,
     descriptor_size_bytes,
+    entry_checksum,
+    entry_size_bytes,
     parse_descriptor,
+    parse_frame,
     parse_model_dir,
     parse_segment_file,
     parse_segment_relpath,
     segment_relpath,
     write_descriptor,
 )
+from shm.layout import Field, struct_for
 
 
 def make_items(count: int) -> np.ndarray:
@@ -68,7 +98,7 @@ def test_segment_names_round_trip_at_every_limit():
 @pytest.mark.parametrize("index,limit,what", [(0, MODEL_ID_LIMIT, "model id"), (1, SIGNATURE_LIMIT, "signature"),
                                               (2, LANE_ID_LIMIT, "lane id"), (3, SEGMENT_SEQ_LIMIT, "segment sequence")])
 def test_a_key_one_past_its_limit_is_refused_naming_the_value(index, limit, what):
-    # Issue 11: model 123456 was stored under m123456/ and skipped at restart (m(\d{5})).
+    # Model 123456 was once stored under m123456/ and skipped at restart (m(\d{5})).
     keys = [1, 2, 3, 4]
     keys[index] = limit - 1
     segment_relpath(*keys)  # at the limit: fits
@@ -90,3 +120,127 @@ def test_limits_are_what_the_names_hold():
 
 def test_catalog_record_layout():
     assert CATALOG_RECORD_DTYPE.itemsize == 64 and CATALOG_RECORD_DTYPE.fields["checksum"][1] == 56
+
+
+# ------------------------------------------------------------------ one definition per layout
+
+
+def test_struct_for_takes_fields_in_offset_order_only():
+    assert struct_for(SEGMENT_HEADER_DTYPE, ["entry_count", "data_end"]).format == "<QQ"
+    with pytest.raises(AssertionError, match="offset order"):  # values would land in each other's fields
+        struct_for(SEGMENT_HEADER_DTYPE, ["data_end", "entry_count"])
+    field = Field(SEGMENT_HEADER_DTYPE, "deleted_count")
+    buf = bytearray(SEGMENT_HEADER_DTYPE.itemsize)
+    field.write(buf, 0x0102030405060708)
+    assert np.frombuffer(buf, SEGMENT_HEADER_DTYPE)[0]["deleted_count"] == 0x0102030405060708
+    assert field.read(buf) == 0x0102030405060708 and (field.offset, field.end) == (88, 96)
+
+
+KEYS = SegmentKeys(model=3, signature=0x1122334455667788, lane=5, segment_seq=9)
+
+
+def entry_items() -> tuple:
+    """Two items whose every field holds a value no other field of the same width holds."""
+    items = np.zeros(2, dtype=ITEM_HEADER_DTYPE)
+    items["item_id"] = [0x0A0A0A0A0A0A0A01, 0x0A0A0A0A0A0A0A02]
+    items["seq"] = [71, 72]
+    items["signature"] = KEYS.signature
+    items["submit_ns"] = [0x5B5B5B5B5B5B5B01, 0x5B5B5B5B5B5B5B02]
+    items["model"] = KEYS.model
+    items["length"] = [6, 7]
+    items["prefix_len"] = [2, 3]
+    items["payload_len"] = [4, 5]
+    tokens = np.arange(13, dtype=np.int32) + 1000
+    payloads = np.frombuffer(b"abcdVWXYZ", dtype=np.uint8)
+    return items, tokens, np.array([0, 6, 13]), payloads, np.array([0, 4, 9])
+
+
+def test_a_segment_header_reads_back_field_by_field(tmp_path):
+    path = str(tmp_path / "s.seg")
+    segment = SegmentFile.create(path, KEYS, Durability.PROCESS)
+    at = segment.append(encode_entries(*entry_items(), indices=np.arange(2), producer_id=11))
+    segment.tombstone_many([at])
+    segment.seal()
+    data_end = segment.data_end
+    segment.close()
+    raw = np.fromfile(path, dtype=np.uint8, count=SEGMENT_HEADER_SIZE_BYTES)
+    header = raw[:SEGMENT_HEADER_DTYPE.itemsize].view(SEGMENT_HEADER_DTYPE)[0]
+    assert (bytes(header["magic"]), header["version"], header["header_size"]) == (
+        SEGMENT_MAGIC, SEGMENT_VERSION, SEGMENT_HEADER_SIZE_BYTES)
+    assert (header["model"], header["lane"], header["signature"], header["segment_seq"]) == (
+        KEYS.model, KEYS.lane, KEYS.signature, KEYS.segment_seq)
+    assert header["identity_checksum"] == xxhash.xxh3_64_intdigest(raw[:SEGMENT_IDENTITY_BYTES].tobytes())
+    assert (header["sealed"], header["entry_count"], header["deleted_count"], header["data_end"]) == (1, 2, 1, data_end)
+    assert header["boundary_checksum"] == boundary_checksum(2, data_end)
+    assert scan_segment(path).keys == KEYS and scan_segment(path).counts_agree
+
+
+def test_an_entry_header_reads_back_field_by_field_through_every_reader(tmp_path):
+    items, tokens, token_starts, payloads, payload_starts = entry_items()
+    encoded = encode_entries(items, tokens, token_starts, payloads, payload_starts, np.arange(2), 11)
+    headers = np.stack([encoded.data[at:at + ENTRY_HEADER_DTYPE.itemsize] for at in encoded.offsets.tolist()])
+    headers = headers.view(ENTRY_HEADER_DTYPE).reshape(-1)
+    for name in ("item_id", "seq", "submit_ns", "length", "prefix_len", "payload_len"):
+        assert headers[name].tolist() == items[name].tolist(), name
+    assert headers["state"].tolist() == [ENTRY_LIVE] * 2 and headers["producer_id"].tolist() == [11, 11]
+    ends = (encoded.offsets + encoded.sizes).tolist()
+    assert headers["checksum"].tolist() == [entry_checksum(encoded.data, at, end, n) for at, end, n in
+                                            zip(encoded.offsets.tolist(), ends, items["length"].tolist())]
+    assert encoded.sizes.tolist() == [entry_size_bytes(6, 4), entry_size_bytes(7, 5)]
+    # Each reader of the store: the scan and the broker's columns by name, the consumer's
+    # one-entry read by position (ENTRY_HEADER_STRUCT) and its batch read by column.
+    path = segment_path(str(tmp_path), KEYS.model, KEYS.signature, KEYS.lane, KEYS.segment_seq)
+    make_dirs(os.path.dirname(path))
+    segment = SegmentFile.create(path, KEYS, Durability.PROCESS)
+    base = segment.append(encoded)
+    offsets = encoded.offsets + base
+    assert np.array_equal(scan_segment(path).headers, headers)
+    assert np.array_equal(segment.entry_header_columns(offsets), headers)
+    segment.close()
+    reader = SegmentReader(str(tmp_path))
+    for i, offset in enumerate(offsets.tolist()):
+        got = reader.read(KEYS.model, KEYS.signature, KEYS.lane, KEYS.segment_seq, offset, int(items["length"][i]),
+                          int(items["item_id"][i]))
+        assert (got.item_id, got.prefix_len, got.submit_ns) == (items["item_id"][i], items["prefix_len"][i],
+                                                                items["submit_ns"][i])
+        assert got.payload == payloads[payload_starts[i]:payload_starts[i + 1]].tobytes()
+        assert got.tokens.tolist() == tokens[token_starts[i]:token_starts[i + 1]].tolist()
+    rows = np.zeros(2, dtype=DESCRIPTOR_ITEM_DTYPE)
+    rows["lane"], rows["segment_seq"], rows["offset"] = KEYS.lane, KEYS.segment_seq, offsets
+    rows["length"], rows["item_id"] = items["length"], items["item_id"]
+    batch = reader.read_batch(KEYS.model, KEYS.signature, rows)
+    assert not batch.failed and batch.item_ids == items["item_id"].tolist()
+    assert batch.prefix_lens == items["prefix_len"].tolist() and batch.submit_ns == items["submit_ns"].tolist()
+    reader.close()
+
+
+def test_a_catalog_record_reads_back_field_by_field():
+    record = np.frombuffer(encode_record(CATALOG_SEALED, KEYS, entry_count=77, time_ns=0x7171717171717171),
+                           dtype=CATALOG_RECORD_DTYPE)[0]
+    assert (bytes(record["magic"]), record["version"], record["kind"]) == (CATALOG_MAGIC, CATALOG_VERSION,
+                                                                           CATALOG_SEALED)
+    assert (record["model"], record["lane"], record["signature"], record["segment_seq"]) == (
+        KEYS.model, KEYS.lane, KEYS.signature, KEYS.segment_seq)
+    assert (record["entry_count"], record["time_ns"]) == (77, 0x7171717171717171)
+
+
+def test_descriptor_and_frame_headers_read_back_field_by_field():
+    buf = np.zeros(descriptor_size_bytes(1), dtype=np.uint8)
+    write_descriptor(buf, 0, batch_id=0x4242424242424201, signature=0x5353535353535301, model=6, pad_to_tokens=64,
+                     dispatch_ns=0x6464646464646401, items=make_items(1))
+    header = buf[:DESCRIPTOR_HEADER_DTYPE.itemsize].view(DESCRIPTOR_HEADER_DTYPE)[0]
+    assert (bytes(header["magic"]), header["header_size"], header["item_count"]) == (
+        DESCRIPTOR_MAGIC, DESCRIPTOR_HEADER_DTYPE.itemsize, 1)
+    assert (header["batch_id"], header["signature"], header["dispatch_ns"]) == (
+        0x4242424242424201, 0x5353535353535301, 0x6464646464646401)
+    assert (header["model"], header["pad_to_tokens"]) == (6, 64)
+    # A frame header written by name is read back by parse_frame's positional unpack.
+    items = np.zeros(1, dtype=ITEM_HEADER_DTYPE)
+    items["length"], items["payload_len"] = 3, 2
+    head = np.zeros(1, dtype=FRAME_HEADER_DTYPE)
+    head["magic"], head["version"], head["header_size"] = FRAME_MAGIC, FRAME_VERSION, FRAME_HEADER_DTYPE.itemsize
+    head["producer_id"], head["item_count"], head["token_count"], head["payload_bytes"] = 9, 1, 3, 2
+    body = np.frombuffer(head.tobytes() + items.tobytes() + np.arange(3, dtype=np.int32).tobytes() + b"pq",
+                         dtype=np.uint8)
+    frame = parse_frame(body)
+    assert frame.producer_id == 9 and frame.item_tokens(0).tolist() == [0, 1, 2] and frame.item_payload(0) == b"pq"

@@ -22,8 +22,8 @@ per turn, as the broker loop's flush() does. The process pins itself to one CPU.
     group, queue bookkeeping; items/s and MB/s of entry bytes. Also Dispatcher.ingest
     (lane assignment on top) in `process`. Memory per queued entry by tracemalloc.
 (c) Completions: tombstone + deleted count (SegmentStore.tombstone_many, 64 entries of a
-    segment per call, like one batch), and DiskTier.complete (the pending-map check first)
-    on batches committed beforehand.
+    segment per call, like one batch), and DiskTier.complete_batch (the pending-map check
+    first) on batches committed beforehand.
 (d) Recovery scan: SegmentStore.recover() over the `process` store, run twice; the second
     (warm: the files are in the page cache, and the first run already sealed them) is the
     figure, and both are printed. Then DiskTier.open (recovery plus rebuilding the queues).
@@ -55,7 +55,7 @@ ENTRY_BYTES = entry_size_bytes(ITEM_TOKENS, 0)
 # Items per lane group: one drain of a producer ring lands a few hundred items in a lane.
 GROUP_ITEMS = 256
 LANES = 8
-# Completions per tombstone_many / complete call: one batch of a consumer.
+# Completions per tombstone_many / complete_batch call: one batch of a consumer.
 BATCH_ITEMS = 64
 FULL_BYTES = 2 << 30
 QUICK_BYTES = 256 << 20
@@ -178,13 +178,13 @@ def completions(tier: DiskTier) -> list[Row]:
     and complete them through the tier."""
     store = tier.store
     lanes = sorted(tier.lane_keys())
-    raw_refs = [e.ref for lane in lanes[::2] for e in tier.peek(lane, 10**9)]
-    batches = []
+    raw_refs = [ref for lane in lanes[::2] for ref in tier.peek_many(lane, 10**9).refs]
+    batches, done = 0, 0
     for lane in lanes[1::2]:
-        while front := tier.peek(lane, BATCH_ITEMS):
-            chunk = [entry.ref for entry in front]
-            tier.commit(lane, chunk, ConsumerId(1), BatchId(len(batches)))
-            batches.append(chunk)
+        while front := tier.peek_many(lane, BATCH_ITEMS):
+            tier.commit(lane, front, ConsumerId(1), BatchId(batches))
+            batches += 1
+            done += len(front)
     calls = []
     for at in range(0, len(raw_refs), BATCH_ITEMS):
         chunk = raw_refs[at:at + BATCH_ITEMS]
@@ -197,13 +197,12 @@ def completions(tier: DiskTier) -> list[Row]:
         store.tombstone_many(segment, offsets)
     raw_s = time.perf_counter() - start
     start = time.perf_counter()
-    for chunk in batches:
-        tier.complete(ConsumerId(1), chunk)
+    for batch in range(batches):
+        tier.complete_batch(ConsumerId(1), BatchId(batch))
     tier_s = time.perf_counter() - start
-    done = sum(len(chunk) for chunk in batches)
     return [
         Row("tombstone + deleted count (SegmentStore)", len(raw_refs) / raw_s, 0.0, f"{BATCH_ITEMS} per call"),
-        Row("DiskTier.complete (pending map + tombstones)", done / tier_s, 0.0, f"batches of {BATCH_ITEMS}"),
+        Row("DiskTier.complete_batch (pending + tombstones)", done / tier_s, 0.0, f"batches of {BATCH_ITEMS}"),
     ]
 
 

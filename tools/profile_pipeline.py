@@ -61,7 +61,7 @@ TIMED = [
     (sim.SimEngine, "run", "consumer:   engine"),
     (sim.SimEngine, "_hash_blocks", "consumer:     block hashing"),
     (prefix_cache.PrefixCache, "run", "consumer:     prefix cache"),
-    (process, "_ok_lines", "consumer:   result lines"),
+    (process, "result_lines", "consumer:   result lines"),
     (process.Consumer, "_write", "consumer:   results write"),
     (process._Session, "send", "consumer: completion messages"),
 ]

@@ -13,7 +13,6 @@ dispatch; what it wrote stays, so a redelivered item can have two result lines.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import time
 from dataclasses import dataclass
@@ -25,11 +24,12 @@ from pipeline.broker.dispatch import Batch, Dispatcher
 from pipeline.broker.ids import ConsumerId
 from pipeline.broker.packing import Contract
 from pipeline.broker.peers import ConsumerPeer, ConsumerTotals, Peer, consumer_ring_name, object_prefix
-from pipeline.broker.storage.base import StorageTier
+from pipeline.broker.storage.disk import DiskTier
 from pipeline.errors import BadInputError, ProtocolError, RingTimeoutError, ShmError
 from pipeline.layouts import DESCRIPTOR_ITEM_DTYPE, descriptor_size_bytes, write_descriptor
 from pipeline.protocol import MAX_CREDIT_BATCHES, check_consumer_name
 from pipeline.status import ConsumerWork
+from shm.objects import named_objects
 from shm.ring import RingWriter, SharedRing
 
 log = logging.getLogger("pipeline.broker")
@@ -47,7 +47,7 @@ class ConsumerSide:
     """Every registered consumer, what each holds, and what they did over this broker's
     life (per name: a consumer that reconnects goes on adding to its own totals)."""
 
-    def __init__(self, config: BrokerConfig, namespace: str, generation: int, storage: StorageTier,
+    def __init__(self, config: BrokerConfig, namespace: str, generation: int, storage: DiskTier,
                  storage_dir: str, dispatcher: Dispatcher, control) -> None:
         self.config = config
         self._namespace = namespace
@@ -66,11 +66,11 @@ class ConsumerSide:
         """Descriptor rings of earlier broker runs (a crash leaves them: the consumers only
         detach): nobody reads them any more."""
         prefix = object_prefix(self._namespace) + "g"
-        current = f"{prefix}{self._generation}-"
-        for entry in os.listdir("/dev/shm"):
-            name = entry[4:] if entry.startswith("sem.") else entry
-            if name.startswith(prefix) and not name.startswith(current) and not entry.startswith("sem."):
-                removed = SharedRing.unlink_leftover(f"/{name}")
+        current = f"/{prefix}{self._generation}-"
+        rings, _semaphores = named_objects(prefix)
+        for name in rings:
+            if not name.startswith(current):
+                removed = SharedRing.unlink_leftover(name)
                 log.info("removed a descriptor ring of an earlier run: %s", removed)
 
     # -------------------------------------------------------------- dispatch
@@ -207,10 +207,9 @@ class ConsumerSide:
         if not isinstance(corrupt, list) or len(corrupt) > len(ids) or not set(corrupt) <= ids:
             raise ProtocolError(f"complete: 'corrupt' must list item ids of batch {batch.batch_id}, "
                                 f"got {corrupt!r:.80}")
-        mark = getattr(self._storage, "keep_damaged", None)
-        if mark is not None:
-            rows = np.isin(batch.entries.item_ids, np.array(corrupt, dtype=np.uint64))
-            mark(batch.entries.segments[rows], f"consumer {consumer.name} found entries that fail their checks")
+        rows = np.isin(batch.entries.item_ids, np.array(corrupt, dtype=np.uint64))
+        self._storage.keep_damaged(batch.entries.segments[rows],
+                                   f"consumer {consumer.name} found entries that fail their checks")
         log.warning("consumer %s found %d damaged entries in batch %d (items %s): their segments are kept",
                     consumer.name, len(corrupt), batch.batch_id, corrupt[:5])
 

@@ -1,6 +1,7 @@
 """The dispatcher: lanes, packing and shape selection wired to a storage tier (SPEC §2-§5).
 
-The broker's process loop (a later issue) owns one Dispatcher and calls, in its single loop:
+The broker's process loop (`pipeline.broker.service`) owns one Dispatcher and calls, in its
+single loop:
 
     dispatcher.recover(now_s)                       # once, first: lanes of a reopened disk tier,
                                                     # then one catch-up turn (ingest all the rings
@@ -13,8 +14,7 @@ The broker's process loop (a later issue) owns one Dispatcher and calls, in its 
             dispatcher.commit(batch)                # only after the channel took it (SPEC §5)
         else:
             dispatcher.abandon(batch)               # nothing happened; the entries stay queued
-    dispatcher.complete(consumer, refs)             # NotHeldError: disconnect that consumer
-    dispatcher.complete_batch(consumer, batch)      # the same for a whole batch, in bulk
+    dispatcher.complete_batch(consumer, batch)      # NotHeldError: disconnect that consumer
     dispatcher.consumer_lost(consumer)              # its pending entries go back to the front
     dispatcher.tick(now_s)                          # lane maintenance, e.g. every 100 ms
     except ShapeGuardError: stop the broker         # never caught to carry on
@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from collections.abc import Sequence
 
 import numpy as np
 
@@ -269,7 +268,7 @@ class Dispatcher:
         NOTE: holding the whole frame back until every group was stored (the first rule,
         so that no item of an unreleased record is ever dispatched) deadlocked a small
         disk: everything stored belonged to the held frame, nothing was dispatched, so
-        nothing completed and freed space (issue 11's hostile test, 0 routed of 198). The
+        nothing completed and freed space (tests/runtime/test_disk_full.py: 0 routed). The
         price: a crash while a frame is held may store again, and so run again, items of it
         that were completed and deleted meanwhile: duplicates, bounded by one frame."""
         c = self._c
@@ -453,10 +452,8 @@ class Dispatcher:
         that its items left the queue."""
         assert self._outstanding is batch, (self._outstanding, batch)
         self._outstanding = None
-        entries = batch.entries
-        lengths = entries.lengths.tolist()
-        self._storage.commit(batch.lane, batch.refs, batch.consumer, batch.batch_id, lengths,
-                             (entries.segments, entries.offsets))
+        lengths = batch.entries.lengths.tolist()
+        self._storage.commit(batch.lane, batch.entries, batch.consumer, batch.batch_id)
         tokens = sum(lengths)
         self._shapes[batch.lane.shape].on_dispatched(batch.lane.lane, lengths)
         self._selector.on_dispatched(batch.lane.shape, tokens, batch.entries.submit_ns)
@@ -470,17 +467,11 @@ class Dispatcher:
         assert self._outstanding is batch, (self._outstanding, batch)
         self._outstanding = None
 
-    def complete(self, consumer: ConsumerId, refs: Sequence[EntryRef]) -> Completion:
-        """The consumer finished `refs` (results are durable on its side). NotHeldError, with
-        nothing applied, when it does not hold one of them: disconnect it (SPEC §8)."""
-        return self._completed(self._storage.complete(consumer, refs))
-
     def complete_batch(self, consumer: ConsumerId, batch: Batch) -> Completion:
-        """`complete` for every entry of a committed batch, in bulk (the broker's path: a
-        consumer completes whole batches). NotHeldError when the consumer does not hold it."""
-        return self._completed(self._storage.complete_batch(consumer, batch.batch_id))
-
-    def _completed(self, done: Completion) -> Completion:
+        """The consumer finished every entry of a committed batch (its results are durable on
+        its side): a consumer completes whole batches. NotHeldError, with nothing applied,
+        when it does not hold that batch: disconnect it (SPEC §8)."""
+        done = self._storage.complete_batch(consumer, batch.batch_id)
         for lane_key, lane_refs in done.by_lane.items():
             self._shapes[lane_key.shape].on_completed(lane_key.lane, len(lane_refs))
         c = self._c
@@ -499,9 +490,7 @@ class Dispatcher:
             lengths = run.lengths
             self._shapes[run.lane.shape].on_returned(run.lane.lane, lengths)
             tokens = sum(lengths)
-            self._selector.on_returned(
-                run.lane.shape, tokens, [entry.submit_ns for entry in run.entries]
-            )
+            self._selector.on_returned(run.lane.shape, tokens, run.entries.submit_ns)
             returned += len(lengths)
             self._c.items_returned += len(lengths)
             self._c.tokens_returned += tokens

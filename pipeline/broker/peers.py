@@ -23,6 +23,7 @@ from pipeline.broker.packing import Contract
 from pipeline.errors import ConfigError
 from pipeline.protocol import MAX_REQUEST_BYTES, MessageReader
 from pipeline.status import ConsumerWork
+from shm.objects import named_objects
 from shm.ring import RingReader, RingWriter
 
 
@@ -98,18 +99,12 @@ def producer_ring_name(namespace: str, producer_id: int) -> str:
     return f"/{object_prefix(namespace)}p{producer_id}"
 
 
-# Where POSIX shared memory appears on Linux.
-DEV_SHM = "/dev/shm"
-
-
 def producer_ring_ids(namespace: str) -> list[int]:
     """The producer ids whose rings of this data directory's runs exist now, in order."""
     prefix = object_prefix(namespace) + "p"
-    found = []
-    for entry in os.listdir(DEV_SHM) if os.path.isdir(DEV_SHM) else []:
-        if entry.startswith(prefix) and entry[len(prefix):].isdigit():
-            found.append(int(entry[len(prefix):]))
-    return sorted(found)
+    rings, _semaphores = named_objects(prefix)
+    ids = [name[len(prefix) + 1:] for name in rings]  # "/" + prefix + id
+    return sorted(int(found) for found in ids if found.isdigit())
 
 
 def consumer_ring_name(namespace: str, consumer_id: int, generation: int) -> str:

@@ -22,7 +22,7 @@ from pipeline.broker.config import BrokerConfig
 from pipeline.broker.dispatch import Dispatcher
 from pipeline.broker.peers import Peer, ProducerPeer, producer_ring_ids, producer_ring_name
 from pipeline.broker.state import BrokerState
-from pipeline.broker.storage.base import StorageTier
+from pipeline.broker.storage.disk import DiskTier
 from pipeline.errors import BadInputError, DiskFullError, FrameError, ProtocolError, ShmError
 from pipeline.layouts import MAX_PRODUCER_ID, parse_frame
 from shm.ring import RingReader, SharedRing
@@ -37,7 +37,7 @@ class ProducerSide:
     """Every producer the broker reads: registered ones, and rings an earlier run left
     whose producers have not registered again (adopted at start)."""
 
-    def __init__(self, config: BrokerConfig, state: BrokerState, namespace: str, storage: StorageTier,
+    def __init__(self, config: BrokerConfig, state: BrokerState, namespace: str, storage: DiskTier,
                  dispatcher: Dispatcher, control, doorbell_name: str) -> None:
         self.config = config
         self._state = state

@@ -46,7 +46,7 @@ from pipeline.broker.dispatch import Dispatcher
 from pipeline.broker.peers import ConsumerPeer, Peer, ProducerPeer, doorbell_name, namespace_for, producer_ring_ids
 from pipeline.broker.producers import ProducerSide
 from pipeline.broker.state import STATE_NAME, BrokerState, lock_run_dir
-from pipeline.broker.storage.base import StorageTier
+from pipeline.broker.storage.disk import DiskTier
 from pipeline.broker.store_health import log_quarantined, log_recovery, note_store_was_kept, store_damage
 from pipeline.broker.wakeup import Wakeup
 from pipeline.errors import ProtocolError, ShmError
@@ -79,7 +79,7 @@ class Broker:
     storage (the data directory stays: it is the durable store).
     """
 
-    def __init__(self, config: BrokerConfig, storage: StorageTier, lock_fd: int | None = None,
+    def __init__(self, config: BrokerConfig, storage: DiskTier, lock_fd: int | None = None,
                  storage_dir: str | None = None) -> None:
         """`lock_fd`: the run directory's lock (`lock_run_dir`) when the caller took it before
         opening the storage, as it must for the disk tier: recovery changes files.
@@ -99,7 +99,7 @@ class Broker:
             raise
         self._opened.clear()
 
-    def _start(self, config: BrokerConfig, storage: StorageTier, lock_fd: int | None,
+    def _start(self, config: BrokerConfig, storage: DiskTier, lock_fd: int | None,
                storage_dir: str | None) -> None:
         self.config = config
         self.storage = storage

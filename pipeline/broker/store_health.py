@@ -1,8 +1,7 @@
 """What the broker says about its store's health: recovery's summary at start, damaged
 segments moved to quarantine/ as they come, and the damage counts status reports.
 
-Functions of the storage tier's state, no state of their own. A tier that keeps no files
-(no `recovery`) has nothing to say.
+Functions of the disk tier's state, no state of their own.
 """
 
 from __future__ import annotations
@@ -10,19 +9,19 @@ from __future__ import annotations
 import logging
 
 from pipeline.broker.state import BrokerState
-from pipeline.broker.storage.base import StorageTier
+from pipeline.broker.storage.disk import DiskTier
 
 log = logging.getLogger("pipeline.broker")
 
 
-def note_store_was_kept(storage: StorageTier, state: BrokerState, data_dir: str, durable: bool,
+def note_store_was_kept(storage: DiskTier, state: BrokerState, data_dir: str, durable: bool,
                         ran_before: bool) -> None:
     """A broker ran on this data directory before (its state file says so), yet the disk
     tier found neither a catalog nor a segment: the store was removed (its catalog with it),
     and what it held cannot be named. Counted as a catalog problem: never a fresh start in
     silence. A store on tmpfs (`durable` false) starts empty by contract."""
-    recovery = getattr(storage, "recovery", None)
-    if recovery is None or not durable or not ran_before or recovery.catalog_found or recovery.segments_scanned:
+    recovery = storage.recovery
+    if not durable or not ran_before or recovery.catalog_found or recovery.segments_scanned:
         return
     recovery.catalog_problems.append(
         f"{data_dir}: a broker ran here before ({state.path}: generation {state.generation - 1}), but the "
@@ -30,26 +29,23 @@ def note_store_was_kept(storage: StorageTier, state: BrokerState, data_dir: str,
         f"producer id is kept ({state.next_producer_id})")
 
 
-def log_recovery(storage: StorageTier) -> None:
+def log_recovery(storage: DiskTier) -> None:
     """What the disk tier's recovery found: one line, and one more per problem (every entry
     that cannot be delivered named by path, offset and item id where readable), at WARNING
     when anything accepted cannot be delivered."""
-    recovery = getattr(storage, "recovery", None)
-    if recovery is not None:
-        log.log(logging.INFO if recovery.ok else logging.WARNING, "%s", recovery.summary())
+    recovery = storage.recovery
+    log.log(logging.INFO if recovery.ok else logging.WARNING, "%s", recovery.summary())
 
 
-def log_quarantined(storage: StorageTier) -> None:
+def log_quarantined(storage: DiskTier) -> None:
     """Damaged segments moved to quarantine/ once their good entries were done."""
-    take = getattr(storage, "take_quarantined", None)
-    for moved in take() if take is not None else ():
+    for moved in storage.take_quarantined():
         log.warning("QUARANTINED: %s", moved.describe())
 
 
-def store_damage(storage: StorageTier) -> dict[str, int]:
+def store_damage(storage: DiskTier) -> dict[str, int]:
     """Recovery's counts of what the store holds that cannot be delivered (and of its
-    repairs), with entries consumers found damaged since: {} where the tier keeps no files."""
-    recovery = getattr(storage, "recovery", None)
-    counts = {} if recovery is None else recovery.damage_counts()
-    found = getattr(storage, "damaged_at_read", 0)
+    repairs), with entries consumers found damaged since."""
+    counts = storage.recovery.damage_counts()
+    found = storage.damaged_at_read
     return counts | {"entries_damaged_at_read": found} if found else counts

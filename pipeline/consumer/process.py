@@ -32,28 +32,22 @@ When things go wrong:
     a segment file gone or cut short             damage: each item answered "corrupt", named
 
 
-Results file: `results_dir/{name}.jsonl`, one JSON object per item:
-    {"item_id", "batch_id", "dispatch_ns", "submit_ns", "done_ns", "pad_to_tokens", "status",
-     "prompt_tokens", "cached_tokens", "output_tokens", "output": [token ids],
-     "payload": base64 of the producer's opaque payload}
-(the *_ns fields are time.monotonic_ns(): one clock for every process of the machine; done_ns
-is taken once per batch, when its results are formatted, just before they are written)
+Results file: `results_dir/{name}.jsonl`, one JSON object per item (the format, and the one
+function that writes it, `result_lines`: pipeline/consumer/results.py).
 """
 
 from __future__ import annotations
 
-import base64
 import logging
 import os
 import threading
 import time
 from dataclasses import dataclass, field
-from itertools import chain
 
 from pipeline.consumer.credit import DEFAULT_AHEAD_S, MAX_CREDIT, MIN_CREDIT, CreditWindow
 from pipeline.consumer.engines import Engine, EngineBatch, make_engine
 from pipeline.consumer.reader import ReadBatch, SegmentReader
-from pipeline.consumer.results import ResultsFile
+from pipeline.consumer.results import STATUS_CORRUPT, STATUS_OK, STATUS_TOO_LONG, ResultsFile, result_lines
 from pipeline.errors import (
     EntryCompletedError,
     ProtocolError,
@@ -64,7 +58,7 @@ from pipeline.errors import (
     SegmentReadError,
     ShmError,
 )
-from pipeline.layouts import Descriptor, descriptor_size_bytes, parse_descriptor
+from pipeline.layouts import SEGMENTS_DIR, Descriptor, descriptor_size_bytes, parse_descriptor
 from pipeline.protocol import (
     MAX_CREDIT_BATCHES,
     RECONNECT_FIRST_S,
@@ -86,16 +80,13 @@ DROP_DELETED_INTERVAL_S = 1.0
 # The key under which `run_batch` returns the item ids it answered "corrupt" (entries that
 # failed their checks): the completion names them to the broker.
 CORRUPT_KEY = "corrupt_item_ids"
-STATUS_OK = "ok"
-STATUS_TOO_LONG = "too_long"
-STATUS_CORRUPT = "corrupt"
 
 # A consumer whose results disk is full waits this long before it registers again, doubling
 # while the disk stays full, up to RESULTS_FULL_MAX_WAIT_S. Space comes back when someone
 # frees it (seconds to minutes), and every retry costs a registration and a batch run for
 # nothing; 30 s bounds how long a consumer idles once space is back. NOTE: retrying at the
 # reconnect backoff (2 s at most) was rejected: that is what made 12,392 registrations in
-# two minutes (issue 11).
+# two minutes (tests/consumer/test_consumer_failures.py counts them).
 RESULTS_FULL_FIRST_WAIT_S = 1.0
 RESULTS_FULL_MAX_WAIT_S = 30.0
 
@@ -361,7 +352,7 @@ class Consumer:
             self._reader = None
 
     def _serve(self, session: _Session, stop) -> None:
-        if self._reader is None or self._reader.root != os.path.join(session.data_dir, "segments"):
+        if self._reader is None or self._reader.root != os.path.join(session.data_dir, SEGMENTS_DIR):
             self._reader = SegmentReader(session.data_dir)
         credit = self._credit_window(session.ring)
         session.send({"type": "request_work", "credit": credit.start()})
@@ -405,30 +396,36 @@ class Consumer:
         the batch in the file and nothing counted."""
         got = self._reader.read_batch(descriptor.model, descriptor.signature, descriptor.items)
         lines: list[str] = []
-        statuses = {STATUS_OK: 0, STATUS_TOO_LONG: 0, STATUS_CORRUPT: 0}
+        corrupt: list[int] = []
+        corrupt_lengths: list[int] = []
         for item_id, length, exc in got.failed:
             if isinstance(exc, EntryCompletedError):
                 log.warning("%s: skipping: %s", self.config.name, exc)
                 self.counters.items_stale += 1
             else:
                 log.error("%s: %s", self.config.name, exc)
-                lines.append(self._line(descriptor, item_id, STATUS_CORRUPT, length, 0, [], b""))
-                statuses[STATUS_CORRUPT] += 1
-        corrupt = [item_id for item_id, _length, exc in got.failed if not isinstance(exc, EntryCompletedError)]
+                corrupt.append(item_id)
+                corrupt_lengths.append(length)
+        if corrupt:  # no output, no payload, no submit time (the entry could not be read)
+            nothing = [0] * len(corrupt)
+            lines.append(result_lines(descriptor, STATUS_CORRUPT, corrupt, nothing, corrupt_lengths, nothing,
+                                      [[]] * len(corrupt), [b""] * len(corrupt)))
+        statuses = {STATUS_OK: 0, STATUS_TOO_LONG: 0, STATUS_CORRUPT: len(corrupt)}
         limit = self.config.max_input_len
         runnable = list(range(len(got.item_ids)))
         if got.lengths and max(got.lengths) > limit:
             runnable = [i for i, n in enumerate(got.lengths) if n <= limit]
-            for i, n in enumerate(got.lengths):
-                if n > limit:
-                    lines.append(self._line(descriptor, got.item_ids[i], STATUS_TOO_LONG, n, 0, [],
-                                            got.payloads[i], got.submit_ns[i]))
-            statuses[STATUS_TOO_LONG] = len(got.lengths) - len(runnable)
+            long = _select(got, [i for i, n in enumerate(got.lengths) if n > limit])
+            count = len(long.item_ids)
+            lines.append(result_lines(descriptor, STATUS_TOO_LONG, long.item_ids, long.submit_ns, long.lengths,
+                                      [0] * count, [[]] * count, long.payloads))
+            statuses[STATUS_TOO_LONG] = count
             got = _select(got, runnable)
         engine_before = _engine_totals(self.engine)
         if runnable:
             result = self.engine.run(EngineBatch(got.tokens, descriptor.pad_to_tokens, got.prefix_lens))
-            lines.append(_ok_lines(descriptor, got, result.cached_tokens, result.outputs))
+            lines.append(result_lines(descriptor, STATUS_OK, got.item_ids, got.submit_ns, got.lengths,
+                                      result.cached_tokens, result.outputs, got.payloads))
             statuses[STATUS_OK] = len(runnable)
         self._write(lines)
         c = self.counters
@@ -441,24 +438,9 @@ class Consumer:
         return {**{f"items_{k}": v for k, v in statuses.items()},
                 **{k: engine_after[k] - engine_before[k] for k in engine_after}, CORRUPT_KEY: corrupt}
 
-    @staticmethod
-    def _line(d: Descriptor, item_id: int, status: str, prompt: int, cached: int, output: list,
-              payload: bytes, submit_ns: int = 0) -> str:
-        """One result line of any status (`_ok_lines` formats a batch's ok lines at once)."""
-        # NOTE: formatted by hand rather than with json.dumps (5x the cost per item): every
-        # value is an int, a list of ints, a fixed status word or base64 text, none of which
-        # needs escaping. tests/consumer checks the lines parse as JSON.
-        return (
-            f'{{"item_id":{item_id},"batch_id":{d.batch_id},"dispatch_ns":{d.dispatch_ns},'
-            f'"submit_ns":{submit_ns},"done_ns":{time.monotonic_ns()},"pad_to_tokens":{d.pad_to_tokens},'
-            f'"status":"{status}","prompt_tokens":{prompt},"cached_tokens":{cached},'
-            f'"output_tokens":{len(output)},"output":[{",".join(map(str, output))}],'
-            f'"payload":"{_base64(payload)}"}}'
-        )
-
     def _write(self, lines: list[str]) -> None:
         # One os.write: in the page cache when it returns (survives kill -9 of this
-        # process), on disk too with fsync_results. The lines are ASCII (see `_line`).
+        # process), on disk too with fsync_results. The lines are ASCII (see `result_lines`).
         assert self._results is not None, "run() opens the results file before serving"
         self._results.write(("\n".join(lines) + "\n").encode())
 
@@ -489,41 +471,6 @@ def _select(got: ReadBatch, rows: list[int]) -> ReadBatch:
     """The entries `rows` of a read batch (the ones a batch runs)."""
     return ReadBatch(*([column[i] for i in rows] for column in
                        (got.item_ids, got.tokens, got.lengths, got.prefix_lens, got.payloads, got.submit_ns)))
-
-
-def _ok_lines(d: Descriptor, got: ReadBatch, cached: list[int], outputs: list[list[int]]) -> str:
-    """The result lines of a batch's items that ran, as one string (lines joined by "\n"):
-    the batch's fields are written into the format once, done_ns is taken once, as the
-    batch's results are written together, and when every output is as long (the sim
-    engine's) the whole batch is one `%` format over all its values.
-
-    Example, 2 items with outputs [7, 8] and [9, 10]: the format is the line's format with
-    "%d,%d" for the output, repeated twice, and its values are (id0, submit0, prompt0,
-    cached0, 7, 8, id1, ...).
-    """
-    head = (f'{{"item_id":%d,"batch_id":{d.batch_id},"dispatch_ns":{d.dispatch_ns},"submit_ns":%d,'
-            f'"done_ns":{time.monotonic_ns()},"pad_to_tokens":{d.pad_to_tokens},"status":"{STATUS_OK}",'
-            f'"prompt_tokens":%d,"cached_tokens":%d,"output_tokens":')
-    columns = [got.item_ids, got.submit_ns, got.lengths, cached]
-    payload = '"payload":""}'
-    if any(got.payloads):
-        columns.append([_base64(p) for p in got.payloads])
-        payload = '"payload":"%s"}'
-    widths = set(map(len, outputs))
-    if len(widths) == 1:  # the output ids go in the format too, as columns
-        width = widths.pop()
-        form = f'{head}{width},"output":[{",".join(["%d"] * width)}],{payload}'
-        columns[4:4] = zip(*outputs)
-        # NOTE: one % over the batch rather than one per line: a quarter less time (no
-        # tuple and no string per item); JSON needs no escaping for any of these values.
-        return "\n".join([form] * len(outputs)) % tuple(chain.from_iterable(zip(*columns)))
-    form = f'{head}%d,"output":[%s],{payload}'
-    columns[4:4] = [list(map(len, outputs)), [",".join(map(str, o)) for o in outputs]]
-    return "\n".join([form % row for row in zip(*columns)])
-
-
-def _base64(payload: bytes) -> str:
-    return base64.b64encode(payload).decode() if payload else ""
 
 
 def _engine_totals(engine: Engine) -> dict[str, int]:

@@ -24,9 +24,7 @@ import xxhash
 
 from pipeline.errors import EntryCompletedError, SegmentCorruptError, SegmentReadError
 from pipeline.layouts import (
-    ENTRY_ALIGN_BYTES,
     ENTRY_CHECKSUM_FROM,
-    ENTRY_HEADER_DTYPE,
     ENTRY_HEADER_SIZE_BYTES,
     ENTRY_HEADER_STRUCT,
     ENTRY_LIVE,
@@ -36,6 +34,7 @@ from pipeline.layouts import (
     TOKEN_SIZE_BYTES,
     entry_checksum,
     entry_size_bytes,
+    gather_entry_headers,
     segment_relpath,
 )
 
@@ -44,10 +43,6 @@ from pipeline.layouts import (
 DEFAULT_OPEN_MAPS_MAX = 128
 # Segment paths remembered (a few hundred bytes each); the cache restarts when full.
 PATH_CACHE_MAX = 4096
-
-
-# Entry headers are gathered as 8-byte words (entries start 16-aligned).
-_HEADER_WORDS = np.arange(ENTRY_HEADER_SIZE_BYTES // 8, dtype=np.int64)
 
 
 @dataclass(slots=True)
@@ -239,11 +234,9 @@ class SegmentReader:
             out.failed += [(item_id, length, exc.with_traceback(None)) for item_id, length in
                            zip(items["item_id"].tolist(), items["length"].tolist())]
             return
-        headers = mapped.words[(offsets >> 3)[:, None] + _HEADER_WORDS].view(ENTRY_HEADER_DTYPE).reshape(-1)
+        headers, ends, good = gather_entry_headers(mapped.words, offsets, len(mapped.view))
+        good &= (headers["length"] == lengths) & (headers["item_id"] == items["item_id"])
         payload_lens = headers["payload_len"].astype(np.int64)
-        ends = (token_starts + lengths * TOKEN_SIZE_BYTES + payload_lens + ENTRY_ALIGN_BYTES - 1) & ~(ENTRY_ALIGN_BYTES - 1)
-        good = ((headers["state"] == ENTRY_LIVE) & (headers["length"] == lengths)
-                & (headers["item_id"] == items["item_id"]) & (ends <= len(mapped.view)) & (offsets % ENTRY_ALIGN_BYTES == 0))
         if self.verify_checksums and good.any():  # entry_checksum, inlined: one call per entry
             view, digest = mapped.view, xxhash.xxh3_64_intdigest
             sums = [digest(view[at:end], seed=n) for at, end, n in

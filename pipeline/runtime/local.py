@@ -20,7 +20,7 @@ from pipeline.consumer.process import ConsumerConfig
 from pipeline.protocol import Connection
 from pipeline.runtime.processes import serve_broker, serve_consumer
 from pipeline.status import BrokerStatus
-from shm.objects import unlink_quietly
+from shm.objects import named_objects, unlink_quietly
 
 CTX = mp.get_context("fork")
 # How long to wait for a new broker's socket to answer.
@@ -138,25 +138,15 @@ def stop_process(process, sig: int = signal.SIGTERM, timeout_s: float = 20.0,
     return process.exitcode
 
 
-# Where POSIX shared memory and named semaphores appear on Linux ("sem." prefix for the latter).
-_DEV_SHM = "/dev/shm"
-
-
 def remove_leftovers(data_dir: str, keep_rings: set[str] = frozenset()) -> list[str]:
     """Unlink the shared-memory objects and semaphores named for `data_dir`'s runs: what a
     killed broker, producer or consumer could not remove, except the rings named in
     `keep_rings` (names as for shm_open) and their semaphores. Only for a caller that owns
     every process of the data directory (the launcher, after stopping them all)."""
-    prefix = object_prefix(namespace_for(data_dir))
-    kept = {name.lstrip("/") for name in keep_rings}
-    removed = []
-    for entry in os.listdir(_DEV_SHM) if os.path.isdir(_DEV_SHM) else []:
-        if os.path.isdir(os.path.join(_DEV_SHM, entry)):
-            continue  # the memory tier's segment directory: its broker removes it
-        plain = entry[len("sem."):] if entry.startswith("sem.") else entry
-        if plain in kept or plain.rsplit(".", 1)[0] in kept or not plain.startswith(prefix):
-            continue  # a ring that holds unstored records, or one of its semaphores (NAME.d, NAME.s)
-        shm, sems = ([], [f"/{plain}"]) if entry.startswith("sem.") else ([f"/{plain}"], [])
-        if unlink_quietly(shm, sems):  # another user's object under our name stays: not ours to remove
-            removed.append(entry)
+    kept = {"/" + name.lstrip("/") for name in keep_rings}
+    # Not the tmpfs store's directory (its broker removes it); not a ring that holds unstored
+    # records, nor its semaphores (NAME.d, NAME.s); not another user's object under our name.
+    shared, semaphores = named_objects(object_prefix(namespace_for(data_dir)))
+    removed = [name for name in shared if name not in kept and unlink_quietly([name], [])]
+    removed += [name for name in semaphores if name.rsplit(".", 1)[0] not in kept and unlink_quietly([], [name])]
     return removed

@@ -29,7 +29,7 @@ from pipeline.broker.peers import ensure_namespace, namespace_for, object_prefix
 from pipeline.broker.config import BrokerConfig
 from pipeline.broker.service import Broker
 from pipeline.broker.state import lock_run_dir
-from pipeline.broker.storage.base import StorageTier
+from pipeline.broker.storage.disk import DiskTier
 from pipeline.consumer.process import Consumer, ConsumerConfig
 from pipeline.errors import ConfigError, DurabilityError, PipelineError, ShapeGuardError
 from pipeline.layouts import BROKER_STATE_NAME
@@ -55,7 +55,7 @@ class OpenedStorage:
     """A storage tier and the directory its segment files live in (consumers read there).
     `volatile`: the directory is removed when the broker stops (the memory tier)."""
 
-    tier: StorageTier
+    tier: DiskTier
     directory: str
     volatile: bool
 
@@ -107,7 +107,6 @@ def open_files_budget(config: BrokerConfig) -> int:
 def open_storage(data_dir: str, storage: str, durability: str, open_files_max: int | None = None) -> OpenedStorage:
     """The storage tier named by `storage` ("disk" or "memory"), recovered if on disk.
     `open_files_max`: segment files kept open at once (default: the store's)."""
-    from pipeline.broker.storage.disk import DiskTier
     from pipeline.broker.storage.segment import Durability
 
     if storage not in STORAGE_KINDS:

@@ -1,6 +1,6 @@
-"""Crash tests of the disk tier with real processes and real files (issue 4 item 8).
+"""Crash tests of the disk tier with real processes and real files.
 
-A forked child drives a Dispatcher over a DiskTier the way the broker loop will: it reads
+A forked child drives a Dispatcher over a DiskTier the way the broker loop does: it reads
 frames from simulated producer rings, ingests them, flushes, then "releases" them by
 appending an `A` line to an append-only log (written before anything of them can be
 dispatched), serves two consumers that check every item's tokens, and logs each batch's
@@ -164,7 +164,7 @@ class Driver:
     def finish(self, slot: int) -> None:
         batch = self.in_flight[slot].pop(0)
         self.write("C " + " ".join(f"{e.producer_id}:{e.seq}" for e in batch.entries) + "\n")
-        self.dispatcher.complete(ConsumerId(self.consumer_ids[slot]), batch.refs)
+        self.dispatcher.complete_batch(ConsumerId(self.consumer_ids[slot]), batch)
 
     def run(self, turns: int) -> None:
         self.ingest({producer: RING_DEPTH for producer in range(PRODUCERS)})  # catch-up turn
@@ -344,7 +344,7 @@ def test_crash_at_each_step_boundary(tmp_path, point, skip):
 
 @pytest.mark.parametrize("point", ["segment.after_write", "sync.before_fdatasync", "sync.after_fdatasync"])
 def test_power_header_words_never_run_ahead_of_the_fdatasync(tmp_path, point):
-    """Issue 11: the header's data_end is the commit boundary that tells corruption from a
+    """The header's data_end is the commit boundary that tells corruption from a
     torn tail; in `power` it must never claim bytes no fdatasync has made durable. A child
     stores group A (synced), then group B, and dies at `point` before B's commit."""
     data_dir = str(tmp_path / "data")

@@ -1,5 +1,5 @@
-"""The disk tier on real files (pipeline/broker/storage/disk.py): what the shared interface
-tests (test_memory_tier.py, which also run it) cannot see: byte-offset refs and zero-copy
+"""The disk tier on real files (pipeline/broker/storage/disk.py): what the interface tests
+(test_storage_tier.py) cannot see: byte-offset refs and zero-copy
 reads, the `power` group commit, recovery (queues, lane ids, the already-stored check, torn
 tails, corruption), a full disk (a fake one, and a real 2 MiB tmpfs), a failing fsync, and
 the open-file bound. Deterministic: seeded, no wall clock."""
@@ -50,7 +50,7 @@ def drain(dispatcher: Dispatcher, consumer: int = 1) -> list[int]:
             tokens = dispatcher.storage.read_tokens(entry.ref)
             assert np.array_equal(tokens, token_ids(entry.item_id, entry.length))
         dispatcher.commit(batch)
-        dispatcher.complete(ConsumerId(consumer), batch.refs)
+        dispatcher.complete_batch(ConsumerId(consumer), batch)
         done += [entry.item_id for entry in batch.entries]
     return done
 
@@ -60,7 +60,7 @@ def test_refs_are_byte_offsets_and_reads_are_zero_copy(tmp_path):
     refs = append(tier, LANE_A, 3, 0, [5, 300, 17])
     (path,) = [s.path for s in tier.store.segments.values()]
     assert [r.offset for r in refs] == scan_segment(path).offsets.tolist()
-    for ref, entry in zip(refs, tier.peek(LANE_A, 3)):
+    for ref, entry in zip(refs, tier.peek_many(LANE_A, 3)):
         tokens = tier.read_tokens(ref)
         assert entry.ref == ref and entry.producer_id == 3 and entry.lane == LANE_A
         assert np.array_equal(tokens, token_ids(entry.item_id, entry.length))
@@ -75,13 +75,13 @@ def test_power_entries_wait_for_the_group_commit(tmp_path):
     tier = DiskTier.open(str(tmp_path), Durability.POWER)
     frame = make_frame(1, 0, [(0, 0xA1)] * 4, [8, 9, 10, 11])
     tier.append(AppendGroup(LANE_A, frame, np.arange(4)))
-    assert tier.needs_flush and tier.peek(LANE_A, 10) == [] and tier.queued_items(LANE_A) == 4
+    assert tier.needs_flush and len(tier.peek_many(LANE_A, 10)) == 0 and tier.queued_items(LANE_A) == 4
     dispatcher = Dispatcher(tier)
     with pytest.raises(AssertionError, match="flush"):
         dispatcher.next_batch(ConsumerId(1), BIG, 0.0)
     tier.check_invariants()
     tier.flush()
-    assert not tier.needs_flush and [e.length for e in tier.peek(LANE_A, 10)] == [8, 9, 10, 11]
+    assert not tier.needs_flush and tier.peek_many(LANE_A, 10).lengths.tolist() == [8, 9, 10, 11]
     tier.close()
 
 
@@ -93,21 +93,22 @@ def test_recovery_rebuilds_queues_in_segment_then_file_order(tmp_path):
             lengths = [100 + 10 * round_ + i for i in range(5)]
             append(tier, lane, 9, seq, lengths)
             seq += 5
-    assert len({e.ref.segment for e in tier.peek(LANE_A, 100)}) > 2
-    front = tier.peek(LANE_A, 7)
-    tier.commit(LANE_A, [e.ref for e in front], ConsumerId(1), BatchId(0))
-    tier.complete(ConsumerId(1), [e.ref for e in front[:3]])  # 4 stay pending: live again
-    expected = {lane: [e.item_id for e in tier.peek(lane, 100)] for lane in (LANE_A, LANE_B)}
-    expected[LANE_A] = [e.item_id for e in front[3:]] + expected[LANE_A]
+    assert len(set(tier.peek_many(LANE_A, 100).segments.tolist())) > 2
+    front = tier.peek_many(LANE_A, 7)
+    tier.commit(LANE_A, front[:3], ConsumerId(1), BatchId(0))
+    tier.commit(LANE_A, front[3:], ConsumerId(1), BatchId(1))
+    tier.complete_batch(ConsumerId(1), BatchId(0))  # batch 1's 4 stay pending: live again
+    expected = {lane: tier.peek_many(lane, 100).item_ids.tolist() for lane in (LANE_A, LANE_B)}
+    expected[LANE_A] = front[3:].item_ids.tolist() + expected[LANE_A]
     tier.close()
 
     again = DiskTier.open(str(tmp_path), segment_max_bytes=8 << 10)
     report = again.recovery
     assert report.live_entries == 60 - 3 and not report.quarantined and not report.torn_tails
     for lane in (LANE_A, LANE_B):
-        assert [e.item_id for e in again.peek(lane, 100)] == expected[lane]
+        assert again.peek_many(lane, 100).item_ids.tolist() == expected[lane]
     lanes = {found.lane: found.lengths.tolist() for found in again.take_recovered_lanes()}
-    assert lanes == {lane: [e.length for e in again.peek(lane, 100)] for lane in (LANE_A, LANE_B)}
+    assert lanes == {lane: again.peek_many(lane, 100).lengths.tolist() for lane in (LANE_A, LANE_B)}
     assert again.take_recovered_lanes() == []
     seqs = np.arange(60, dtype=np.uint64)
     completed = {int(e.seq) for e in front[:3]}
@@ -206,7 +207,7 @@ def test_torn_tail_of_an_unacknowledged_write_through_recovery(tmp_path):
         report = tier.recovery
         assert [(t.path, t.offset) for t in report.torn_tails] == [(damaged_path, last)], cut
         assert 0 < report.torn_tails[0].size_bytes <= cut - last
-        assert [e.length for e in tier.peek(LANE_A, 10)] == [6, 7, 5] and report.ok, cut
+        assert tier.peek_many(LANE_A, 10).lengths.tolist() == [6, 7, 5] and report.ok, cut
         tier.check_invariants()
         tier.close()
         result = verify(work)
@@ -214,8 +215,8 @@ def test_torn_tail_of_an_unacknowledged_write_through_recovery(tmp_path):
 
 
 def test_bit_flip_in_entry_15_of_28_loses_that_entry_only(tmp_path):
-    """Issue 11: one flipped byte in entry 15 of a 28-entry segment quarantined the whole
-    file. Now the 27 intact entries are queued and delivered, the damage is named with its
+    """One flipped byte in entry 15 of a 28-entry segment once quarantined the whole file.
+    Now the 27 intact entries are queued and delivered, the damage is named with its
     offset and item id, and once the 27 are done the file goes to quarantine/, never
     deleted; verify fails throughout."""
     data_dir = str(tmp_path)
@@ -287,7 +288,7 @@ def test_full_disk_holds_back_what_it_did_not_store_and_retry_stores_it_once(tmp
     served = []
     while (batch := dispatcher.next_batch(ConsumerId(1), BIG, 0.0)) is not None:
         dispatcher.commit(batch)
-        dispatcher.complete(ConsumerId(1), batch.refs)
+        dispatcher.complete_batch(ConsumerId(1), batch)
         served += [entry.seq for entry in batch.entries]
         dispatcher.check_invariants()
     assert sorted(served) == [0, 1, 2, 3]
@@ -398,7 +399,7 @@ def test_failing_fdatasync_is_a_fatal_durability_error(tmp_path, monkeypatch):
     with pytest.raises(DurabilityError, match="fdatasync failed.*must stop") as caught:
         tier.flush()
     assert str(tmp_path) in str(caught.value)
-    assert tier.peek(LANE_A, 1) == []  # never made dispatchable
+    assert len(tier.peek_many(LANE_A, 1)) == 0  # never made dispatchable
     monkeypatch.undo()
     tier.close()
 
@@ -409,10 +410,10 @@ def test_many_lanes_with_a_small_open_file_bound(tmp_path):
     for n, lane in enumerate(lanes):
         append(tier, lane, 1, 2 * n, [10 + lane.lane, 11 + lane.lane])
     for n, lane in enumerate(lanes):
-        refs = [e.ref for e in tier.peek(lane, 5)]
-        assert len(refs) == 2
-        tier.commit(lane, refs, ConsumerId(1), BatchId(n))
-        tier.complete(ConsumerId(1), refs)
+        front = tier.peek_many(lane, 5)
+        assert len(front) == 2
+        tier.commit(lane, front, ConsumerId(1), BatchId(n))
+        tier.complete_batch(ConsumerId(1), BatchId(n))
         tier.drop_lane(lane)  # sealed, fully tombstoned: deleted whole
     assert len(tier.store._open) <= 4 and tier.store.files_closed_by_cache > 0
     assert not list(iter_segments(str(tmp_path)))
@@ -448,18 +449,16 @@ def test_shape_key_of_recovered_lanes_matches_segments(tmp_path):
     tier.close()
 
 
-def test_entry_location_names_the_segment_file(tmp_path):
+def test_entry_locations_name_the_segment_files(tmp_path):
     tier = DiskTier.open(str(tmp_path), segment_max_bytes=8 << 10)
     refs = [*append(tier, LANE_B, 1, 0, [600] * 3), *append(tier, LANE_B, 1, 3, [600] * 3)]
-    for ref in refs:
-        lane, segment_seq, offset = tier.entry_location(ref)
+    front = tier.peek_many(LANE_B, 6)
+    assert front.refs == refs and [e.ref for e in front] == refs  # columns, entries alike
+    lanes, seqs, offsets = (column.tolist() for column in tier.entry_locations(front))
+    for ref, lane, segment_seq, offset in zip(refs, lanes, seqs, offsets):
         path = segment_path(str(tmp_path), LANE_B.model, LANE_B.signature, lane, segment_seq)
         assert (lane, offset) == (1, ref.offset) and offset in scan_segment(path).offsets.tolist()
-    assert len({tier.entry_location(ref)[1] for ref in refs}) > 1  # it rotated
-    front = tier.peek_many(LANE_B, 6)
-    assert front.refs == refs and list(front) == tier.peek(LANE_B, 6)  # columns, entries alike
-    columns = tier.entry_locations(front)
-    assert list(zip(*(c.tolist() for c in columns))) == [tier.entry_location(ref) for ref in refs]
+    assert len(set(seqs)) > 1  # it rotated
     tier.close()
 
 
@@ -474,7 +473,7 @@ def test_one_hundred_thousand_lanes_with_bounded_open_files(tmp_path):
     assert len(tier.store._open) <= 64
     assert sum(1 for _ in iter_segments(str(tmp_path))) == 100_000
     for n in (0, 54_321, 99_999):
-        (entry,) = tier.peek(lanes[n], 5)
+        (entry,) = tier.peek_many(lanes[n], 5)
         assert tier.read_tokens(entry.ref).shape == (16,)
     tier.close()
 

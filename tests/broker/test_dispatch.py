@@ -1,7 +1,8 @@
-"""The dispatcher (pipeline/broker/dispatch.py), mostly over the memory tier: end to end with
-many shapes and lengths, two consumers of different contracts and a lost consumer (also over
-the disk tier in `power`), plus the individual promises (contracts, returned work first, the
-guard, idempotent ingest, tick). Deterministic: seeded, no wall clock."""
+"""The dispatcher (pipeline/broker/dispatch.py) over the disk tier: end to end with many
+shapes and lengths, two consumers of different contracts and a lost consumer (in `process`,
+and smaller in `power` with rotating segments), plus the individual promises (contracts,
+returned work first, the guard, idempotent ingest, tick). Deterministic: seeded, no wall
+clock."""
 
 from __future__ import annotations
 
@@ -12,15 +13,23 @@ import pytest
 from broker_frames import make_frame, token_ids
 
 from pipeline.broker.dispatch import Batch, Dispatcher
-from pipeline.broker.ids import ConsumerId, EntryRef, ShapeKey
+from pipeline.broker.ids import BatchId, ConsumerId, ShapeKey
 from pipeline.broker.lanes import MAX_LENGTH_TOKENS
 from pipeline.broker.packing import Contract, pad_to_tokens
-from pipeline.broker.storage import DiskTier, Durability, MemoryTier, Peeked, PeekedEntry, StorageTier
+from pipeline.broker.storage import DiskTier, Durability, Peeked, PeekedEntry, StorageTier
 from pipeline.errors import ItemTooLongError, NotHeldError, ShapeGuardError, StaleBatchError
 
 NS = 1_000_000_000
 BIG = Contract(model=0, max_batch_items=64, max_batch_tokens=65_536, max_input_len=8192)
 SMALL = Contract(model=0, max_batch_items=16, max_batch_tokens=8_192, max_input_len=2048)
+
+
+@pytest.fixture
+def tier(tmp_path):
+    """A disk tier (`process`) in the test's own directory, closed after."""
+    opened = DiskTier.open(str(tmp_path / "store"))
+    yield opened
+    opened.close()
 
 
 def check_batch(batch: Batch, contract: Contract, tier: StorageTier) -> None:
@@ -37,10 +46,9 @@ def check_batch(batch: Batch, contract: Contract, tier: StorageTier) -> None:
 class Pipeline:
     """Producers, the dispatcher and consumers in one loop, with everything checked."""
 
-    def __init__(self, seed: int, shapes: int, items: int, max_age_s: float | None = None,
-                 tier: StorageTier | None = None) -> None:
+    def __init__(self, tier: StorageTier, seed: int, shapes: int, items: int, max_age_s: float | None = None) -> None:
         self.rng = np.random.default_rng(seed)
-        self.tier = tier if tier is not None else MemoryTier()
+        self.tier = tier
         self.dispatcher = Dispatcher(self.tier, max_age_s=max_age_s)
         self.now_s = 0.0
         sigs = [int(s) for s in self.rng.integers(1, 2**64, shapes, dtype=np.uint64)]
@@ -88,10 +96,11 @@ class Pipeline:
     def finish(self, consumer: ConsumerId) -> None:
         """The consumer completes its oldest batch (sometimes resending the report)."""
         batch = self.in_flight[consumer].pop(0)
-        done = self.dispatcher.complete(consumer, batch.refs)
+        done = self.dispatcher.complete_batch(consumer, batch)
         assert done.items == len(batch.entries) and not done.duplicates
-        if self.rng.random() < 0.1:
-            assert self.dispatcher.complete(consumer, batch.refs).duplicates == len(batch.entries)
+        if self.rng.random() < 0.1:  # a resent report: refused, nothing counted twice
+            with pytest.raises(NotHeldError):
+                self.dispatcher.complete_batch(consumer, batch)
         for entry in batch.entries:
             self.completed[entry.item_id] = self.completed.get(entry.item_id, 0) + 1
 
@@ -104,8 +113,8 @@ class Pipeline:
         for batch in held:
             by_lane.setdefault(batch.lane, []).extend(batch.entries)
         for lane, entries in by_lane.items():  # returned work goes first, in original order
-            front = self.tier.peek(lane, len(entries))
-            assert [e.ref for e in front] == [e.ref for e in entries]
+            front = self.tier.peek_many(lane, len(entries))
+            assert front.refs == [e.ref for e in entries]
         return list(by_lane.values())
 
     def step_time(self) -> None:
@@ -143,10 +152,11 @@ def run_to_the_end(pipeline: Pipeline, backlog: int, lost_at: int, check_every: 
     dispatcher.check_invariants()
 
 
-def test_end_to_end_two_consumers_one_lost():
-    pipeline = Pipeline(seed=7, shapes=10, items=2500)
+def test_end_to_end_two_consumers_one_lost(tier):
+    pipeline = Pipeline(tier, seed=7, shapes=10, items=2500)
     dispatcher = pipeline.dispatcher
-    run_to_the_end(pipeline, backlog=1500, lost_at=60)  # a backlog, then streaming
+    # Invariants every 4th step: each check scans every segment file (about 400 here).
+    run_to_the_end(pipeline, backlog=1500, lost_at=60, check_every=4)  # a backlog, then streaming
     # Every item completed exactly once; the accounting closes.
     assert len(pipeline.completed) == 2500 and set(pipeline.completed.values()) == {1}
     c = dispatcher.counters()
@@ -167,7 +177,7 @@ def test_end_to_end_over_the_disk_tier(tmp_path):
     """The same run, smaller, over real segment files in `power` (group commit at flush),
     with small segments so they rotate and finished ones are deleted whole."""
     tier = DiskTier.open(str(tmp_path), Durability.POWER, segment_max_bytes=256 << 10)
-    pipeline = Pipeline(seed=11, shapes=4, items=700, tier=tier)
+    pipeline = Pipeline(tier, seed=11, shapes=4, items=700)
     run_to_the_end(pipeline, backlog=400, lost_at=25, check_every=20)
     assert len(pipeline.completed) == 700 and set(pipeline.completed.values()) == {1}
     c = pipeline.dispatcher.counters()
@@ -179,9 +189,7 @@ def test_end_to_end_over_the_disk_tier(tmp_path):
     reopened.close()
 
 
-@pytest.mark.parametrize("kind", ["memory", "disk"])
-def test_returned_work_goes_first_in_the_next_batch(kind, tmp_path):
-    tier = MemoryTier() if kind == "memory" else DiskTier.open(str(tmp_path))
+def test_returned_work_goes_first_in_the_next_batch(tier):
     dispatcher = Dispatcher(tier)
     frame = make_frame(0, 0, [(0, 5)] * 10, [100 + k for k in range(10)])
     dispatcher.ingest(frame, 0.0)
@@ -197,14 +205,12 @@ def test_returned_work_goes_first_in_the_next_batch(kind, tmp_path):
     # Returned entries and the rest of the lane, column by column alike.
     assert again.entries.lengths.tolist() == [100, 101, 102, 106, 107]
     assert [e.item_id for e in again.entries] == again.entries.item_ids.tolist()
-    assert list(again.entries) == tier.peek(again.lane, 5)
+    assert list(again.entries) == list(tier.peek_many(again.lane, 5))
     dispatcher.commit(again)
     dispatcher.check_invariants()
-    tier.close()
 
 
-def test_full_only_waits_for_a_lane_that_fills_a_batch():
-    tier = MemoryTier()
+def test_full_only_waits_for_a_lane_that_fills_a_batch(tier):
     dispatcher = Dispatcher(tier)
     dispatcher.ingest(make_frame(0, 0, [(0, 5)] * 5, [100] * 5), 0.0)
     by_items = Contract(0, 8, 65_536, 1000)
@@ -231,8 +237,7 @@ def test_full_only_waits_for_a_lane_that_fills_a_batch():
     dispatcher.check_invariants()
 
 
-def test_stale_commit_changes_nothing_and_the_entries_stay_dispatchable():
-    tier = MemoryTier()
+def test_stale_commit_changes_nothing_and_the_entries_stay_dispatchable(tier):
     dispatcher = Dispatcher(tier)
     dispatcher.ingest(make_frame(0, 0, [(0, 5)] * 6, [100] * 6), 0.0)
     contract = Contract(0, 2, 65_536, 100)
@@ -249,23 +254,22 @@ def test_stale_commit_changes_nothing_and_the_entries_stay_dispatchable():
     assert dispatcher.next_batch(ConsumerId(2), contract, 0.0).refs == taken.refs
 
 
-class MisroutingTier(MemoryTier):
+class MisroutingTier(DiskTier):
     """A tier whose peek hands back entries stored under another shape (a routing bug)."""
 
     def peek_many(self, lane, max_items):
         return Peeked.of(lane, [dataclasses.replace(e, lane=e.lane._replace(signature=e.lane.signature + 1))
-                                for e in super().peek(lane, max_items)])
+                                for e in super().peek_many(lane, max_items)])
 
 
-def test_guard_stops_a_chunk_of_another_shape():
-    dispatcher = Dispatcher(MisroutingTier())
+def test_guard_stops_a_chunk_of_another_shape(tmp_path):
+    dispatcher = Dispatcher(MisroutingTier.open(str(tmp_path)))
     dispatcher.ingest(make_frame(0, 0, [(0, 5)] * 2, [100, 100]), 0.0)
     with pytest.raises(ShapeGuardError, match="poisoned cache"):
         dispatcher.next_batch(ConsumerId(1), BIG, 0.0)
 
 
-def test_ingest_groups_mixed_frames_and_is_idempotent():
-    tier = MemoryTier()
+def test_ingest_groups_mixed_frames_and_is_idempotent(tier):
     dispatcher = Dispatcher(tier)
     shapes = [(0, 1), (0, 1), (1, 2), (0, 1), (1, 2), (0, 3)]
     frame = make_frame(4, 0, shapes, [500, 510, 90, 1000, 95, 7])
@@ -282,8 +286,8 @@ def test_ingest_groups_mixed_frames_and_is_idempotent():
     dispatcher.check_invariants()
 
 
-def test_ingest_refuses_too_long_items_before_touching_anything():
-    dispatcher = Dispatcher(MemoryTier())
+def test_ingest_refuses_too_long_items_before_touching_anything(tier):
+    dispatcher = Dispatcher(tier)
     frame = make_frame(0, 0, [(0, 1)] * 2, [5, 6])
     items = frame.items.copy()
     items["length"][1] = MAX_LENGTH_TOKENS + 1
@@ -292,27 +296,26 @@ def test_ingest_refuses_too_long_items_before_touching_anything():
     assert dispatcher.counters().items_received == 0 and not dispatcher.shapes()
 
 
-def test_completion_of_what_a_consumer_does_not_hold():
-    dispatcher = Dispatcher(MemoryTier())
+def test_completion_of_what_a_consumer_does_not_hold(tier):
+    dispatcher = Dispatcher(tier)
     dispatcher.ingest(make_frame(0, 0, [(0, 1)] * 4, [8] * 4), 0.0)
     batch = dispatcher.next_batch(ConsumerId(1), BIG, 0.0)
     dispatcher.commit(batch)
     with pytest.raises(NotHeldError):
-        dispatcher.complete(ConsumerId(2), batch.refs)
+        dispatcher.complete_batch(ConsumerId(2), batch)  # another consumer's
     with pytest.raises(NotHeldError):
-        dispatcher.complete(ConsumerId(1), [EntryRef(batch.refs[0].segment, 999)])
-    assert dispatcher.complete(ConsumerId(1), batch.refs).items == 4
+        dispatcher.complete_batch(ConsumerId(1), dataclasses.replace(batch, batch_id=BatchId(999)))  # never committed
+    assert dispatcher.complete_batch(ConsumerId(1), batch).items == 4
     dispatcher.check_invariants()
 
 
-def test_tick_releases_idle_lanes_and_retires_shapes():
-    tier = MemoryTier()
+def test_tick_releases_idle_lanes_and_retires_shapes(tier):
     dispatcher = Dispatcher(tier)
     dispatcher.ingest(make_frame(0, 0, [(0, 1)] * 3 + [(0, 2)], [100, 300, 900, 50]), 0.0)
     while (batch := dispatcher.next_batch(ConsumerId(1), BIG, 1.0)) is not None:
         dispatcher.commit(batch)
         dispatcher.tick(2.0)  # not idle long enough, and still pending
-        dispatcher.complete(ConsumerId(1), batch.refs)
+        dispatcher.complete_batch(ConsumerId(1), batch)
     before = dispatcher.counters().lanes
     dispatcher.tick(5.0)
     assert not dispatcher.shapes() and not tier.lane_keys()
@@ -324,8 +327,8 @@ def test_tick_releases_idle_lanes_and_retires_shapes():
     dispatcher.check_invariants()
 
 
-def test_starvation_bound_through_the_dispatcher():
-    dispatcher = Dispatcher(MemoryTier(), max_age_s=30.0)
+def test_starvation_bound_through_the_dispatcher(tier):
+    dispatcher = Dispatcher(tier, max_age_s=30.0)
     old, busy = (0, 0xA), (0, 0xB)
     dispatcher.ingest(make_frame(0, 0, [old] * 2, [100] * 2, submit_ns=0), 0.0)
     dispatcher.ingest(make_frame(1, 0, [busy] * 200, [100] * 200, submit_ns=10 * NS), 10.0)
@@ -340,8 +343,8 @@ def test_starvation_bound_through_the_dispatcher():
     dispatcher.check_invariants()
 
 
-def test_pad_to_is_the_lane_queue_longest():
-    dispatcher = Dispatcher(MemoryTier())
+def test_pad_to_is_the_lane_queue_longest(tier):
+    dispatcher = Dispatcher(tier)
     dispatcher.ingest(make_frame(0, 0, [(0, 1)] * 4, [500, 505, 509, 501]), 0.0)
     batch = dispatcher.next_batch(ConsumerId(1), Contract(0, 2, 65_536, 1), 0.0)
     assert len(batch.entries) == 2 and batch.pad_to_tokens == pad_to_tokens(509) == 512
@@ -350,8 +353,8 @@ def test_pad_to_is_the_lane_queue_longest():
     assert batch.pad_to_tokens == 512  # 509 is still queued
 
 
-def test_one_outstanding_batch_at_a_time():
-    dispatcher = Dispatcher(MemoryTier())
+def test_one_outstanding_batch_at_a_time(tier):
+    dispatcher = Dispatcher(tier)
     dispatcher.ingest(make_frame(0, 0, [(0, 1)] * 4, [8] * 4), 0.0)
     batch = dispatcher.next_batch(ConsumerId(1), Contract(0, 1, 64, 1), 0.0)
     with pytest.raises(AssertionError):

@@ -78,14 +78,13 @@ def test_tombstones_counts_seal_and_whole_file_delete(tmp_path):
     path = str(tmp_path / "b.seg")
     segment, _ = write_segment(path, 10)
     offsets = scan_segment(path).offsets
-    assert segment.tombstone(int(offsets[0])) is True
-    assert segment.tombstone(int(offsets[0])) is False  # a duplicate completion is a no-op
+    assert segment.tombstone_many([int(offsets[0])]) == 1
+    assert segment.tombstone_many([int(offsets[0])]) == 0  # a duplicate completion is a no-op
     with pytest.raises(SegmentCorruptError, match="no entry can start"):
-        segment.tombstone(int(offsets[0]) + 8)
+        segment.tombstone_many([int(offsets[0]) + 8])
     report = scan_segment(path)
     assert report.tombstone_count == 1 and report.header_deleted_count == 1
-    for offset in offsets[1:]:
-        segment.tombstone(int(offset))
+    assert segment.tombstone_many(offsets[1:].tolist()) == 9
     assert not segment.sealed and segment.deleted_count == segment.entry_count  # not sealed yet: kept
     segment.seal()
     assert segment.sealed and segment.deleted_count == segment.entry_count
@@ -94,12 +93,16 @@ def test_tombstones_counts_seal_and_whole_file_delete(tmp_path):
     assert not os.path.exists(path)
 
 
-def test_bulk_tombstones_and_header_columns_check_like_one_by_one(tmp_path):
+def test_bulk_tombstones_and_header_columns_are_checked(tmp_path):
     path = str(tmp_path / "c.seg")
     segment, _ = write_segment(path, 12)
-    offsets = scan_segment(path).offsets
-    headers = segment.entry_header_columns(offsets)
-    assert [tuple(h) for h in headers.tolist()] == [tuple(f) for f in segment.entry_headers(offsets.tolist())]
+    report = scan_segment(path)
+    offsets = report.offsets
+    assert np.array_equal(segment.entry_header_columns(offsets), report.headers)  # what the scan reads
+    with pytest.raises(SegmentCorruptError, match=f"offset {int(offsets[2]) + 16}: no live entry"):
+        segment.entry_header_columns(np.array([int(offsets[0]), int(offsets[2]) + 16]))  # off the grid of entries
+    with pytest.raises(SegmentCorruptError, match="offset 64: no live entry there .* state -"):
+        segment.entry_header_columns(np.array([64]))  # inside the segment header
     assert segment.tombstone_many([int(offsets[1]), int(offsets[4]), int(offsets[1])]) == 2  # duplicates once
     with pytest.raises(SegmentCorruptError, match=f"offset {int(offsets[4])}: no live entry"):
         segment.entry_header_columns(offsets[3:6])
@@ -114,7 +117,7 @@ def test_crash_between_tombstone_and_count_is_repaired(tmp_path):
     path = str(tmp_path / "c.seg")
     segment, _ = write_segment(path, 5)
     offsets = scan_segment(path).offsets
-    segment.tombstone(int(offsets[2]))
+    segment.tombstone_many([int(offsets[2])])
     segment.close()
     # Undo the count only: the state of a crash after the tombstone, before its count.
     with open(path, "r+b") as file:
@@ -176,7 +179,7 @@ def test_torn_tail_at_every_byte_of_an_unacknowledged_last_write(tmp_path):
 
 
 def test_damage_in_the_last_acknowledged_entry_is_corruption_and_kept(tmp_path):
-    # Issue 11: a checksum failure in the last entry was taken for a torn write and zeroed.
+    # A checksum failure in the last entry was once taken for a torn write and zeroed.
     # Below the header's data_end it is corruption: named, counted, and the bytes stay.
     path = str(tmp_path / "d.seg")
     segment, frame = write_segment(path, 4, groups=1)
@@ -204,7 +207,7 @@ def test_damage_in_the_last_acknowledged_entry_is_corruption_and_kept(tmp_path):
 
 
 def test_bit_flip_mid_segment_keeps_every_other_entry(tmp_path):
-    # Issue 11: one flipped byte quarantined the whole file; now only its entry is lost.
+    # One flipped byte once quarantined the whole file; now only its entry is lost.
     path = str(tmp_path / "e.seg")
     segment, frame = write_segment(path, 50)
     segment.close()
@@ -228,7 +231,7 @@ def test_zeroed_state_word_with_a_good_checksum_is_delivered_again(tmp_path):
     path = str(tmp_path / "f.seg")
     segment, _ = write_segment(path, 10)
     offsets = scan_segment(path).offsets
-    segment.tombstone(int(offsets[6]))
+    segment.tombstone_many([int(offsets[6])])
     segment.close()
     data = np.fromfile(path, dtype=np.uint8)
     data[int(offsets[4]):int(offsets[4]) + 4] = 0
@@ -259,7 +262,7 @@ def test_zeroed_entry_header_mid_segment_is_damage_and_the_rest_is_kept(tmp_path
 
 
 def test_truncation_mid_entry_counts_every_lost_entry(tmp_path):
-    # Issue 11: truncation dropped the entries after the cut without a word.
+    # Truncation once dropped the entries after the cut without a word.
     path = str(tmp_path / "t.seg")
     segment, frame = write_segment(path, 28)
     segment.close()
@@ -357,7 +360,7 @@ def test_keys_that_disagree_with_the_file_name_are_refused(tmp_path):
 
 
 def test_power_header_words_wait_for_the_fdatasync(tmp_path):
-    # Issue 11: the commit boundary must never claim bytes that are not durable yet.
+    # The commit boundary must never claim bytes that are not durable yet.
     path = str(tmp_path / "p.seg")
     frame = make_items(20)
     segment = SegmentFile.create(path, KEYS, Durability.POWER)

@@ -53,7 +53,7 @@ def test_fully_tombstoned_sealed_segment_is_deleted_whole(tmp_path):
     written = fill(store)
     sealed = next(s for s in store.segments.values() if s.sealed)
     for segment, offset in [key for key in written if key[0] == sealed.id]:
-        assert store.tombstone(segment, offset)
+        assert store.tombstone_many(segment, [offset]) == 1
     assert not os.path.exists(sealed.path) and sealed.id not in store.segments
     store.close()
 
@@ -73,7 +73,7 @@ def test_recovery_registers_live_entries_and_deletes_finished_segments(tmp_path)
     done = next(s for s in store.segments.values() if s.sealed)
     keys = [key for key in written if key[0] == done.id]
     for segment, offset in keys[:-1]:
-        store.tombstone(segment, offset)
+        store.tombstone_many(segment, [offset])
     store.close()
     # Crash after the last tombstone, before the whole-file delete: a fully tombstoned
     # sealed segment is deleted by recovery.
@@ -94,7 +94,7 @@ def test_recovery_registers_live_entries_and_deletes_finished_segments(tmp_path)
 
 
 def test_recovery_salvages_corruption_and_keeps_torn_tails(tmp_path):
-    # Issue 11: one flipped byte used to quarantine the whole file (the other entries never
+    # One flipped byte used to quarantine the whole file (the other entries never
     # delivered), and a damaged last entry was zeroed as a torn write.
     store = SegmentStore(str(tmp_path))
     fill(store, groups=3)

@@ -62,19 +62,24 @@ def test_consumer_pins_its_gpu(tmp_path, monkeypatch):
     consumer._results.close()
 
 
-def test_ok_lines_of_outputs_of_any_width_parse_as_json():
-    from pipeline.consumer.process import _ok_lines
-    from pipeline.consumer.reader import ReadBatch
+def test_result_lines_of_outputs_of_any_width_parse_as_json():
+    from pipeline.consumer.results import STATUS_OK, STATUS_TOO_LONG, result_lines
     from pipeline.layouts import Descriptor
 
     d = Descriptor(batch_id=3, signature=SIG, model=0, pad_to_tokens=16, dispatch_ns=9, items=np.zeros(0))
-    got = ReadBatch(item_ids=[1, 2], tokens=[], lengths=[10, 12], prefix_lens=[0, 0], payloads=[b"", b"x%y"],
-                    submit_ns=[5, 6])
+    ids, submits, lengths, payloads = [1, 2], [5, 6], [10, 12], [b"", b"x%y"]
     for outputs in ([[7, 8], [9, 10]], [[7], [8, 9, 10]], [[], []]):
-        rows = [json.loads(line) for line in _ok_lines(d, got, [0, 4], outputs).split("\n")]
+        text = result_lines(d, STATUS_OK, ids, submits, lengths, [0, 4], outputs, payloads)
+        rows = [json.loads(line) for line in text.split("\n")]
         assert [r["output"] for r in rows] == outputs
         assert [r["output_tokens"] for r in rows] == [len(o) for o in outputs]
         assert [r["item_id"] for r in rows] == [1, 2] and [r["cached_tokens"] for r in rows] == [0, 4]
         assert [base64.b64decode(r["payload"]) for r in rows] == [b"", b"x%y"]
-    got.payloads = [b"", b""]
-    assert all(json.loads(line)["payload"] == "" for line in _ok_lines(d, got, [0, 4], [[1], [2]]).split("\n"))
+        assert [r["submit_ns"] for r in rows] == submits and {r["batch_id"] for r in rows} == {3}
+    text = result_lines(d, STATUS_OK, ids, submits, lengths, [0, 4], [[1], [2]], [b"", b""])
+    assert all(json.loads(line)["payload"] == "" for line in text.split("\n"))
+    long = json.loads(result_lines(d, STATUS_TOO_LONG, [7], [8], [9000], [0], [[]], [b"p"]))
+    assert (long["status"], long["output"], long["prompt_tokens"], long["payload"]) == ("too_long", [], 9000, "cA==")
+    assert list(long) == ["item_id", "batch_id", "dispatch_ns", "submit_ns", "done_ns", "pad_to_tokens", "status",
+                          "prompt_tokens", "cached_tokens", "output_tokens", "output", "payload"]
+    assert result_lines(d, STATUS_OK, [], [], [], [], [], []) == ""

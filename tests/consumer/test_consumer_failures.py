@@ -131,7 +131,7 @@ def test_a_full_results_disk_makes_the_consumer_back_off_hand_back_and_finish(tm
         assert after in (first_s, min(2 * before, max_s)), waits
     assert all(int(held) >= 1 for _, held, _ in full)
     assert all(why.startswith(f"{results}/c0.jsonl: writing ") and "ENOSPC" in why for why, _, _ in full)
-    # One registration per wait and the first one: a tight loop makes thousands (issue 11).
+    # One registration per wait and the first one: a tight loop made thousands.
     registrations = final.consumers["c0"].consumer_id + 1
     assert registrations <= len(full) + 1, (registrations, len(full))
     assert summary.items == 300 and summary.bad_lines == 0 and summary.lines == len(rows)

@@ -58,7 +58,7 @@ def test_reader_follows_a_growing_file_and_checks_entries(tmp_path):
     assert got.item_id == int(more[0]["item_id"][-1])
     with pytest.raises(SegmentCorruptError, match="descriptor says"):
         reader.read(2, SIG, 1, 0, int(offsets[0]), int(items["length"][0]) + 1, int(items["item_id"][0]))
-    segment.tombstone(int(offsets[1]))
+    segment.tombstone_many([int(offsets[1])])
     with pytest.raises(EntryCompletedError, match="completed already"):
         reader.read(2, SIG, 1, 0, int(offsets[1]), int(items["length"][1]), int(items["item_id"][1]))
     reader.close()
@@ -108,7 +108,7 @@ def test_read_batch_gives_zero_copy_views_and_checks_every_entry(tmp_path):
     path_a, frame_a, segment_a = store(str(tmp_path), 4, 12, 6)
     path_b, frame_b, segment_b = store(str(tmp_path), 5, 9, 7, first_id=2000)
     offsets_a, offsets_b = scan_segment(path_a).offsets, scan_segment(path_b).offsets
-    segment_a.tombstone(int(offsets_a[3]))
+    segment_a.tombstone_many([int(offsets_a[3])])
     segment_b.close()
     data = np.fromfile(path_b, dtype=np.uint8)
     data[int(offsets_b[5]) + 64] ^= 1

@@ -1,6 +1,7 @@
-"""Named POSIX objects: per-run names, name checks, doorbell wake-ups across processes, and
-the owner and mode checks before an existing semaphore is opened (another user's, or one
-others may use, is refused; test_control_users.py plants one as a second user)."""
+"""Named POSIX objects: per-run names, name checks, doorbell wake-ups across processes, the
+owner and mode checks before an existing semaphore is opened (another user's, or one
+others may use, is refused; test_control_users.py plants one as a second user), and the one
+listing of what exists under a prefix."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ import os
 import pytest
 
 from shm.objects import (
+    DEV_SHM,
     MAX_NAME_LENGTH,
     Doorbell,
     check_name,
+    create_shared_memory,
+    named_objects,
     object_name,
     open_semaphore,
     semaphore_path,
@@ -75,3 +79,20 @@ def test_a_semaphore_name_that_is_a_link_is_refused(shm_name):
         os.unlink(semaphore_path(name))
         real.close()
         unlink_quietly([], [target])
+
+
+def test_named_objects_lists_shared_memory_and_semaphores_under_a_prefix(shm_name):
+    ring, bell = shm_name("ring"), shm_name("bell")
+    mapping, _inode = create_shared_memory(ring, 4096)
+    sem = open_semaphore(bell, create=True)
+    directory = os.path.join(DEV_SHM, f"{shm_name.tag}-store")  # a tmpfs data directory: neither
+    os.mkdir(directory)
+    try:
+        assert named_objects(shm_name.tag) == ([ring], [bell])
+        assert named_objects(ring.lstrip("/")) == ([ring], [])
+        assert named_objects(f"{shm_name.tag}-none") == ([], [])
+    finally:
+        os.rmdir(directory)
+        mapping.close()
+        sem.close()
+        unlink_quietly([ring], [bell])

@@ -26,8 +26,12 @@ from shm.objects import OWNER_ONLY_MODE, Doorbell, create_shared_memory, semapho
 from shm.ring import (
     HEADER_SIZE_BYTES,
     RECORD_ALIGN_BYTES,
+    RECORD_DATA,
+    RECORD_HEADER_DTYPE,
     RECORD_HEADER_SIZE_BYTES,
+    RING_HEADER_DTYPE,
     RING_LAYOUT_VERSION,
+    RING_MAGIC,
     RingReader,
     RingWriter,
     SharedRing,
@@ -149,6 +153,22 @@ def test_zero_copy_views(shm_name):
         assert region <= address < region + reader.capacity_bytes
         assert (address - region) % RECORD_ALIGN_BYTES == 0
         del record
+
+
+def test_the_control_block_and_a_record_header_read_back_field_by_field(shm_name):
+    # Written by position (structs and word views), read here by name: a swapped field fails.
+    with ring_pair(shm_name, 8192, doorbell=None) as (writer, reader):
+        writer.write(b"abc")
+        header = np.frombuffer(writer._header, dtype=RING_HEADER_DTYPE, count=1)[0]
+        assert (bytes(header["magic"]), header["layout_version"], header["header_size"]) == (
+            RING_MAGIC, RING_LAYOUT_VERSION, HEADER_SIZE_BYTES)
+        assert (header["capacity"], header["creator_pid"], header["record_align"]) == (8192, os.getpid(),
+                                                                                         RECORD_ALIGN_BYTES)
+        assert (header["write_pos"], header["read_pos"]) == (RECORD_HEADER_SIZE_BYTES + 16, 0)
+        assert (header["writer_pid"], header["reader_pid"], header["writer_closed"]) == (os.getpid(), os.getpid(), 0)
+        record = np.frombuffer(writer.buf, dtype=RECORD_HEADER_DTYPE, count=1)[0]
+        assert (record["body_size"], record["kind"], record["pos"]) == (3, RECORD_DATA, 0)
+        del header, record
 
 
 def slow_reader_proc(name: str, count: int, pipe) -> None:

@@ -1,7 +1,9 @@
-"""Storage tiers behind one interface (SPEC §5): `MemoryTier` and `DiskTier` (the default),
-sharing their queue bookkeeping (`queues.QueuedTier`).
+"""The storage tier (SPEC §5): `DiskTier`, segment files under a data directory, behind the
+`StorageTier` interface the dispatcher uses (its queue bookkeeping is `queues.QueuedTier`).
+One tier with two places to live: a data directory on disk (durable) or on tmpfs (the
+broker's `--storage memory`: the same files in RAM).
 
-Tiers import layouts and errors (and the broker's pure ids and pending map), never the
+Storage imports layouts and errors (and the broker's pure ids and pending map), never the
 process loop.
 """
 
@@ -15,14 +17,12 @@ from pipeline.broker.storage.base import (
     StorageTier,
 )
 from pipeline.broker.storage.disk import DiskTier
-from pipeline.broker.storage.memory import MemoryTier
 from pipeline.broker.storage.segment import Durability
 
 __all__ = [
     "AppendGroup",
     "DiskTier",
     "Durability",
-    "MemoryTier",
     "Peeked",
     "PeekedEntry",
     "RecoveredLane",

@@ -1,31 +1,41 @@
-"""The storage interface both tiers implement: memory (fast, not durable) and disk (SPEC §5).
+"""The storage interface (SPEC §5): what the dispatcher asks of the store.
 
-A tier holds the items themselves, queued per (model, signature, lane) in arrival order, and
-the pending map of dispatched entries. It knows nothing of lane policy, packing or shape
-selection (the dispatcher drives those) and nothing of processes or sockets.
+There is one tier, `DiskTier` (disk.py): segment files under a data directory. It lives in
+one of two places, chosen by the broker's `--storage`: on disk (`disk`, durable) or on tmpfs
+(`memory`: the same files in RAM, gone when the broker stops). Consumers map those files and
+read token ids zero-copy, so every tier the broker runs on must keep its items in segment
+files: this interface is that one tier's, written apart from its implementation so that the
+dispatcher, which depends on it, reads it in one place.
+NOTE: an in-process heap tier (MemoryTier) was dropped: it could not say where a consumer
+finds an entry (no file to map), so the broker could not run on it, and it kept a second
+implementation of every operation alive for tests alone.
+
+The tier holds the items themselves, queued per (model, signature, lane) in arrival order,
+and the pending map of dispatched entries. It knows nothing of lane policy, packing or shape
+selection (the dispatcher drives those) and nothing of processes or sockets. Every operation
+takes and returns entries by column (`Peeked`), as dispatch uses them:
 
     refs = tier.append(AppendGroup(lane_key, frame, rows))   # items of ONE lane, in order
-    front = tier.peek(lane_key, 64)                           # first 64 dispatchable; no advance
-    front = tier.peek_many(lane_key, 64)                      # the same, by column (dispatch)
-    tier.commit(lane_key, [e.ref for e in front[:n]], consumer, batch_id)   # after the channel
-    done = tier.complete(consumer, refs)                      # tombstones; NotHeldError if not held
-    done = tier.complete_batch(consumer, batch_id)            # the same for a whole batch, in bulk
+    front = tier.peek_many(lane_key, 64)                      # first 64 dispatchable; no advance
+    tier.commit(lane_key, front[:n], consumer, batch_id)      # after the channel took them
+    done = tier.complete_batch(consumer, batch_id)            # tombstones; NotHeldError if not held
     back = tier.return_consumer(consumer)                     # lost: pending -> front of lanes
     skip = tier.already_stored(producer_id, seqs)             # idempotent ingest (a bool mask)
     tier.flush()                                              # once per loop turn, see below
     lanes = tier.take_recovered_lanes()                       # after a restart: reseed the lanes
+    lanes, seqs, offsets = tier.entry_locations(front)        # where a consumer finds them
 
-Entries are addressed by `EntryRef(segment, offset)`: the disk tier's segment id and byte
-offset, the memory tier's queue id and entry number. Refs are never reused while the store
-lives, which is what lets the pending map recognise a duplicate completion.
+Entries are addressed by `EntryRef(segment, offset)`: the segment id and byte offset. Refs
+are never reused while the store lives, which is what lets the pending map recognise a
+completion of something a consumer does not hold.
 
 Dispatch order within a lane: entries returned by a lost consumer first (each return run in
 its original order, the latest run in front), then the rest in arrival order.
 
 The commit is the three steps of SPEC §5, in this order, so that it is failure-atomic without
-a log: (1) verify that every ref is still the front of its lane and every segment exists,
-touching nothing (StaleBatchError if not); (2) advance the lane's cursor past them; (3) add
-them to the pending map with the consumer that holds them.
+a log: (1) verify that the peeked entries are still the front of their lane and every segment
+exists, touching nothing (StaleBatchError if not); (2) advance the lane's cursor past them;
+(3) add them to the pending map with the consumer that holds them.
 
 Loop protocol (what makes ingest idempotent and the durability level mean something): in
 each turn the broker loop (1) ingests the frames it read from the producer rings (append),
@@ -117,8 +127,8 @@ class Peeked(Sequence[PeekedEntry]):
 
     @classmethod
     def of(cls, lane: LaneKey, entries: Sequence[PeekedEntry]) -> Peeked:
-        """Columns of a list of entries (a tier that keeps entry objects), under the lane the
-        entries say they were stored in (`lane` when there are none)."""
+        """Columns of a list of entries (an empty front, or one a test builds), under the lane
+        the entries say they were stored in (`lane` when there are none)."""
         def column(name: str, dtype: type) -> np.ndarray:
             return np.array([getattr(e, name) for e in entries], dtype=dtype)
         stored = {e.lane for e in entries} or {lane}
@@ -143,12 +153,10 @@ class Peeked(Sequence[PeekedEntry]):
         return map(self.__getitem__, range(len(self.refs)))
 
 
-def make_refs(segments: int | Sequence[int], offsets: list[int]) -> list[EntryRef]:
-    """EntryRef(segment, offset) for each offset, of one segment or of one segment per
-    offset, built by C code: tuple.__new__ makes the named tuples without running their
-    Python constructor (half the cost)."""
-    column = repeat(segments) if isinstance(segments, int) else segments
-    return list(map(tuple.__new__, repeat(EntryRef), zip(column, offsets)))
+def make_refs(segments: Sequence[int], offsets: Sequence[int]) -> list[EntryRef]:
+    """EntryRef(segment, offset) for each pair, built by C code: tuple.__new__ makes the
+    named tuples without running their Python constructor (half the cost)."""
+    return list(map(tuple.__new__, repeat(EntryRef), zip(segments, offsets)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,11 +176,11 @@ class Returned:
     the lane, front first."""
 
     lane: LaneKey
-    entries: tuple[PeekedEntry, ...]
+    entries: Peeked
 
     @property
     def lengths(self) -> list[int]:
-        return [entry.length for entry in self.entries]
+        return self.entries.lengths.tolist()
 
 
 @dataclass(slots=True)
@@ -197,9 +205,9 @@ class StorageCounters:
 
 
 class StorageTier(abc.ABC):
-    """The interface of a storage tier (see the module docstring for the protocol).
+    """The interface of the storage tier (see the module docstring for the protocol).
 
-    Owned by the broker's single dispatch loop (through the Dispatcher); implementations
+    Owned by the broker's single dispatch loop (through the Dispatcher); the implementation
     need not be thread-safe."""
 
     counters: StorageCounters
@@ -207,40 +215,28 @@ class StorageTier(abc.ABC):
     @abc.abstractmethod
     def append(self, group: AppendGroup) -> Sequence[EntryRef]:
         """Store the group's items at the back of their lane, in order; return their refs.
-        Once this returns, the items are dispatchable (and, on the disk tier, as durable as
-        its durability level says), so the producer's ring record may be released."""
+        Once this returns (and, with durability `power`, once `flush()` has run), the items
+        are dispatchable and as durable as the durability level says, so the producer's
+        ring record may be released."""
 
     @abc.abstractmethod
-    def peek(self, lane: LaneKey, max_items: int) -> list[PeekedEntry]:
-        """The lane's first `max_items` dispatchable entries in dispatch order (returned
-        entries first, then arrival order), without advancing anything. [] for an unknown
-        or empty lane."""
-
     def peek_many(self, lane: LaneKey, max_items: int) -> Peeked:
-        """`peek`, by column (what dispatch uses)."""
-        return Peeked.of(lane, self.peek(lane, max_items))
+        """The lane's first `max_items` dispatchable entries in dispatch order (returned
+        entries first, then arrival order), by column, without advancing anything. Empty
+        for an unknown or empty lane."""
 
     @abc.abstractmethod
-    def commit(
-        self, lane: LaneKey, refs: Sequence[EntryRef], consumer: ConsumerId, batch: BatchId,
-        lengths: list[int] | None = None, keys: tuple[np.ndarray, np.ndarray] | None = None,
-    ) -> None:
-        """`refs` (a prefix of the lane's dispatchable entries, as peeked) now belong to
-        `consumer` as batch `batch`: the three steps of SPEC §5. StaleBatchError, with
-        nothing changed, when they are no longer the front of the lane. `lengths`: the
-        entries' lengths as peeked in this loop turn (then the tier checks that their
-        segments exist instead of reading every entry header again). `keys`: the refs'
-        segments and offsets as int64 columns (a peek's), for checking the front by column."""
+    def commit(self, lane: LaneKey, entries: Peeked, consumer: ConsumerId, batch: BatchId) -> None:
+        """`entries` (a prefix of the lane's dispatchable entries, as peeked in this loop
+        turn) now belong to `consumer` as batch `batch`: the three steps of SPEC §5.
+        StaleBatchError, with nothing changed, when they are no longer the front of the lane
+        or a segment of theirs is gone. Their lengths are the peek's: no header is read again."""
 
     @abc.abstractmethod
-    def complete(self, consumer: ConsumerId, refs: Sequence[EntryRef]) -> Completion:
-        """The consumer finished `refs`: tombstone them (they are gone for good). All or
-        nothing: NotHeldError, with nothing applied, if the consumer does not hold one of
-        them; a recent second completion of the same entry is a counted no-op."""
-
     def complete_batch(self, consumer: ConsumerId, batch: BatchId) -> Completion:
-        """`complete` for every entry of one batch the consumer holds (the broker's path)."""
-        raise NotImplementedError
+        """The consumer finished every entry of batch `batch`: tombstone them (they are gone
+        for good). All or nothing: NotHeldError, with nothing applied, if the consumer does
+        not hold that batch (never committed, held by another, or completed already)."""
 
     @abc.abstractmethod
     def return_consumer(self, consumer: ConsumerId) -> list[Returned]:
@@ -267,22 +263,22 @@ class StorageTier(abc.ABC):
         handed out is lost (a new producer numbering from seq 0 under an old id would have
         its items taken for the stored ones and skipped)."""
 
+    @abc.abstractmethod
     def flush(self) -> None:
         """The broker loop calls this once per turn after ingesting, BEFORE releasing the
         producer ring records it ingested: it makes what was appended as durable as the
-        durability level promises (`power`: fdatasync, group commit) and then dispatchable.
-        No-op where appends are dispatchable at once (memory tier, `process`)."""
+        durability level promises (`power`: fdatasync, group commit) and then dispatchable."""
 
     @property
+    @abc.abstractmethod
     def needs_flush(self) -> bool:
         """Appended entries wait for `flush()` to become dispatchable."""
-        return False
 
+    @abc.abstractmethod
     def take_recovered_lanes(self) -> list[RecoveredLane]:
         """Lanes with live entries found when the tier opened, once: later calls return []
         (the lists cost 16 bytes per entry, kept only until the dispatcher reseeds its
-        lanes). None for the memory tier."""
-        return []
+        lanes)."""
 
     @abc.abstractmethod
     def drop_lane(self, lane: LaneKey) -> None:
@@ -290,9 +286,16 @@ class StorageTier(abc.ABC):
         same LaneKey may come back later as a new lane, starting empty."""
 
     @abc.abstractmethod
+    def entry_locations(self, peeked: Peeked) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Where a consumer finds each peeked entry, as int64 columns: (lane ids, segment
+        sequences, byte offsets) of their segment files (the segment's model and signature
+        are the batch's)."""
+
+    @abc.abstractmethod
     def read_tokens(self, ref: EntryRef) -> np.ndarray:
-        """The entry's token ids (int32), read-only, for in-process consumers, tools and
-        tests. KeyError for an entry that is not stored (completed or never written)."""
+        """The entry's token ids (int32), read-only, for tools and tests (consumers read the
+        segment files themselves). KeyError for an entry that is not stored (completed or
+        never written)."""
 
     @abc.abstractmethod
     def read_payload(self, ref: EntryRef) -> bytes:
@@ -311,16 +314,6 @@ class StorageTier(abc.ABC):
     def check_invariants(self) -> None:
         """Assert every internal invariant (tests call it after every step)."""
 
-    def entry_location(self, ref: EntryRef) -> tuple[int, int, int]:
-        """Where a consumer finds the entry: (lane id, segment sequence, byte offset) of its
-        segment file (the segment's model and signature are the batch's). Only a tier with
-        files has one."""
-        raise NotImplementedError(f"{type(self).__name__} keeps no segment files")
-
-    def entry_locations(self, peeked: Peeked) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """`entry_location` of every peeked entry, as columns (lane ids, segment sequences,
-        byte offsets)."""
-        raise NotImplementedError(f"{type(self).__name__} keeps no segment files")
-
+    @abc.abstractmethod
     def close(self) -> None:
-        """Release files and mappings (the memory tier has none)."""
+        """Release files and mappings (the files, the store, stay)."""

@@ -1,5 +1,6 @@
-"""Named crash points for the crash tests: a process ends with os._exit at a chosen step
-boundary of the disk tier, exactly as kill -9 would leave it there (issue 4 item 8).
+"""Named crash points for the crash tests (tests/broker/test_disk_crash.py): a process ends
+with os._exit at a chosen step boundary of the disk tier, exactly as kill -9 would leave it
+there.
 
 Free in production: every call site is guarded by the module-level flag,
 
@@ -53,11 +54,6 @@ def arm(name: str, skip: int = 0) -> None:
     global ARMED, _name, _skip
     assert name in POINTS, name
     ARMED, _name, _skip = True, name, skip
-
-
-def disarm() -> None:
-    global ARMED, _name
-    ARMED, _name = False, ""
 
 
 def hit(name: str) -> None:

@@ -1,10 +1,11 @@
-"""The disk tier (SPEC §5): the default, durable storage tier, over one data directory's
-segment files (`SegmentStore`).
+"""The disk tier (SPEC §5): the storage tier, over one data directory's segment files
+(`SegmentStore`). On disk it is durable; `--storage memory` puts the same data directory on
+tmpfs (the files then live in RAM and go with the broker): one tier, two places to live.
 
     tier = DiskTier.open(data_dir, Durability.PROCESS)   # recovery runs here; tier.recovery
     refs = tier.append(group)       # one write per lane group; refs = (segment id, byte offset)
     tier.flush()                    # once per loop turn, before releasing ring records
-    ... peek / commit / complete / return_consumer as for every tier (queues.QueuedTier)
+    ... peek_many / commit / complete_batch / return_consumer (queues.QueuedTier)
     tier.close()
 
 Appends: a lane group is encoded whole (`encode_entries`: per-entry xxh3, validated before
@@ -48,7 +49,7 @@ import numpy as np
 
 from pipeline.broker.ids import EntryRef, LaneKey, SegmentId
 from pipeline.broker.pending import RECENT_COMPLETIONS_PER_CONSUMER
-from pipeline.broker.storage.base import AppendGroup, Peeked, PeekedEntry, RecoveredLane
+from pipeline.broker.storage.base import AppendGroup, Peeked, RecoveredLane
 from pipeline.broker.storage.queues import QueuedTier, RefRun
 from pipeline.broker.storage.segment import Durability, encode_entries, scan_segment
 from pipeline.broker.storage.segments import Quarantined, RecoveryReport, SegmentStore
@@ -203,15 +204,10 @@ class DiskTier(QueuedTier):
 
     # ----------------------------------------------------------------- QueuedTier hooks
 
-    def _describe(self, lane: LaneKey, refs: list[EntryRef]) -> list[PeekedEntry]:
-        segments = np.array([ref.segment for ref in refs], dtype=np.int64)
-        offsets = np.array([ref.offset for ref in refs], dtype=np.int64)
-        return list(self._describe_many(lane, refs, segments, offsets))
-
-    def _describe_many(self, lane: LaneKey, refs: list[EntryRef], segments: np.ndarray,
-                       offsets: np.ndarray) -> Peeked:
-        """The entry headers, gathered from each segment's mapping as columns (checked as
-        `SegmentFile.entry_headers` checks them)."""
+    def _describe(self, lane: LaneKey, refs: list[EntryRef], segments: np.ndarray,
+                  offsets: np.ndarray) -> Peeked:
+        """The entry headers, gathered from each segment's mapping as columns and checked
+        (`SegmentFile.entry_header_columns`)."""
         parts = []
         for first, end in _runs(segments):
             segment = SegmentId(int(segments[first]))
@@ -223,19 +219,9 @@ class DiskTier(QueuedTier):
                       headers["producer_id"].astype(np.int64), headers["seq"], headers["prefix_len"].astype(np.int64),
                       headers["submit_ns"])
 
-    def _check_stored(self, lane: LaneKey, refs: list[EntryRef]) -> list[int] | str:
-        lengths: list[int] = []
-        for segment, run in groupby(refs, key=itemgetter(0)):
-            if segment not in self._store.segments:
-                return f"segment {segment} is gone"
-            headers = self._store.entry_headers(segment, [ref.offset for ref in run])
-            lengths += [fields[1] for fields in headers]
-        return lengths
-
-
-    def _check_segments(self, refs: list[EntryRef], segments: np.ndarray | None = None) -> str | None:
+    def _check_segments(self, segments: np.ndarray) -> str | None:
         known = self._store.segments
-        for segment in set(map(itemgetter(0), refs) if segments is None else segments.tolist()):
+        for segment in set(segments.tolist()):
             if segment not in known:
                 return f"segment {segment} is gone"
         return None
@@ -269,14 +255,16 @@ class DiskTier(QueuedTier):
 
     # ----------------------------------------------------------------- reading
 
-    def _view(self, ref: EntryRef) -> tuple[memoryview, tuple]:
-        """A read-only mapping of the ref's segment and the entry's checked header fields.
-        KeyError if the entry is not stored (completed, deleted, or never written)."""
+    def _view(self, ref: EntryRef) -> tuple[memoryview, int, int]:
+        """A read-only mapping of the ref's segment, and the entry's length and payload size
+        from its checked header (checksum verified). KeyError if the entry is not stored
+        (completed, deleted, or never written)."""
         store = self._store
         if ref.segment not in store.segments or store.state_at(ref.segment, ref.offset) != ENTRY_LIVE:
             raise KeyError(ref)
-        (fields,) = store.entry_headers(ref.segment, [ref.offset])
-        end = ref.offset + entry_size_bytes(fields[1], fields[7])
+        (header,) = store.entry_header_columns(ref.segment, np.array([ref.offset], dtype=np.int64))
+        length, payload_len = int(header["length"]), int(header["payload_len"])
+        end = ref.offset + entry_size_bytes(length, payload_len)
         view = self._read_maps.get(ref.segment)
         if view is None or len(view) < end:
             # NOTE: a view into the store's own (writable) mapping was rejected: that mapping
@@ -289,28 +277,24 @@ class DiskTier(QueuedTier):
             while len(self._read_maps) > READ_MAPS_MAX:
                 self._read_maps.popitem(last=False)
         self._read_maps.move_to_end(ref.segment)
-        if entry_checksum(view, ref.offset, end, fields[1]) != fields[2]:
+        if entry_checksum(view, ref.offset, end, length) != int(header["checksum"]):
             raise SegmentCorruptError(f"{store.segments[ref.segment].path}: offset {ref.offset}: checksum mismatch")
-        return view, fields
+        return view, length, payload_len
 
     def read_tokens(self, ref: EntryRef) -> np.ndarray:
         """A zero-copy, read-only int32 view of the entry's tokens in the mapped segment
         (checksum verified first)."""
-        view, fields = self._view(ref)
-        return np.frombuffer(view, dtype=TOKEN_DTYPE, count=fields[1], offset=ref.offset + ENTRY_HEADER_SIZE_BYTES)
+        view, length, _payload_len = self._view(ref)
+        return np.frombuffer(view, dtype=TOKEN_DTYPE, count=length, offset=ref.offset + ENTRY_HEADER_SIZE_BYTES)
 
     def read_payload(self, ref: EntryRef) -> bytes:
-        view, fields = self._view(ref)
-        start = ref.offset + ENTRY_HEADER_SIZE_BYTES + fields[1] * TOKEN_SIZE_BYTES
-        return bytes(view[start:start + fields[7]])
-
-    def entry_location(self, ref: EntryRef) -> tuple[int, int, int]:
-        """(lane id, segment sequence, byte offset): the segment file is
-        `paths.segment_path(data_dir, model, signature, lane, segment_seq)`."""
-        keys = self._store.segments[ref.segment].keys
-        return keys.lane, keys.segment_seq, ref.offset
+        view, length, payload_len = self._view(ref)
+        start = ref.offset + ENTRY_HEADER_SIZE_BYTES + length * TOKEN_SIZE_BYTES
+        return bytes(view[start:start + payload_len])
 
     def entry_locations(self, peeked: Peeked) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(lane ids, segment sequences, byte offsets) of every peeked entry: its segment
+        file is `paths.segment_path(data_dir, model, signature, lane, segment_seq)`."""
         segments = peeked.segments
         lanes = np.empty(segments.shape[0], dtype=np.int64)
         seqs = np.empty(segments.shape[0], dtype=np.int64)

@@ -1,28 +1,29 @@
-"""The bookkeeping both storage tiers share (SPEC §5): lane queues with returned runs at the
-front, the three-step commit, completion and consumer loss through the pending map, the
-counters, and which (producer, seq) are already stored (idempotent ingest).
+"""The storage tier's bookkeeping (SPEC §5): lane queues with returned runs at the front,
+the three-step commit, completion and consumer loss through the pending map, the counters,
+and which (producer, seq) are already stored (idempotent ingest).
 
-A tier subclasses `QueuedTier` and says only where its entries live:
+`QueuedTier` is the half of the tier that knows nothing of files; `DiskTier` (disk.py)
+subclasses it and says only where its entries live:
 
-    _describe(lane, refs)      -> the entries' PeekedEntry, in order       (peek, return)
-    _describe_many(lane, front) -> the same by column (peek_many; default: from _describe)
-    _check_stored(lane, refs)  -> their lengths, or why not, touching nothing (commit step 1)
-    _check_segments(refs, segments) -> why not, or None: their segments exist (commit step 1
-                                  with the lengths known from this turn's peek)
-    _remove(lane, refs)        tombstone (disk) / forget (memory) completed entries
+    _describe(lane, refs, segments, offsets) -> the entries as peeked, by column (peek, return)
+    _check_segments(segments)  -> why not, or None: the entries' segments exist (commit step 1)
+    _remove(lane, refs)        tombstone completed entries
     _lane_dropped(lane)        the lane's queue is gone (drop_lane)
     _lane_of(segment)          the lane a segment belongs to                (invariants)
     _live_entries()            every stored, not completed entry and its length (invariants)
 
 and calls `_record_append(...)` once it has stored a group.
+NOTE: the split is by concern, not for a second tier: the queues are pure bookkeeping,
+checked by what they hold, and the files are disk.py's; as one module they would be over
+800 lines.
 
 A lane's queue, front first: entries given back by lost consumers (a deque of refs: the
 latest run in front, each run in its original order), then runs of appended entries in
 arrival order. An appended run is one segment's offsets as an int64 numpy array with a head
 cursor, so a queued entry costs 8 bytes in the queue (plus about 170 bytes per appended
 group for the run record and its array header); only returned entries are refs (~100 bytes).
-NOTE: a deque of EntryRef per entry (about 120 bytes each, the memory tier's first layout)
-was rejected: a disk tier holding millions of queued entries would spend gigabytes on it.
+NOTE: a deque of EntryRef per entry (about 120 bytes each, the first layout) was rejected:
+a tier holding millions of queued entries would spend gigabytes on it.
 Runs appended but not yet dispatchable (durability `power` until the group commit) wait in
 the lane's `staged` list and join the back of the queue at `flush()`.
 """
@@ -39,7 +40,7 @@ import numpy as np
 from pipeline.broker.ids import BatchId, ConsumerId, EntryRef, LaneKey, SegmentId
 from pipeline.broker.pending import RECENT_COMPLETIONS_PER_CONSUMER, Completion, PendingMap
 from pipeline.broker.storage import crashpoints
-from pipeline.broker.storage.base import Peeked, PeekedEntry, Returned, StorageCounters, StorageTier, make_refs
+from pipeline.broker.storage.base import Peeked, Returned, StorageCounters, StorageTier, make_refs
 from pipeline.errors import StaleBatchError
 from pipeline.layouts import ProducerId
 
@@ -99,12 +100,9 @@ class LaneQueue:
         self.staged_count = 0
         self.pending = 0  # entries of this lane held by consumers
 
-    def front(self, count: int) -> list[EntryRef]:
-        """The first `count` dispatchable refs (fewer if fewer are queued), front first."""
-        return self.front_columns(count)[0]
-
     def front_columns(self, count: int) -> tuple[list[EntryRef], np.ndarray, np.ndarray]:
-        """`front`, with the refs' segments and offsets also as int64 columns."""
+        """The first `count` dispatchable refs (fewer if fewer are queued), front first, and
+        their segments and offsets as int64 columns."""
         segments, offsets = self.front_keys(count)
         returned = min(count, len(self.returned))
         out = list(islice(self.returned, returned))
@@ -191,7 +189,7 @@ class LaneQueue:
 
 class StoredSeqs:
     """Which of a producer's items are already stored: the precise check behind idempotent
-    ingest (SPEC §5, issue 4 item 5).
+    ingest (SPEC §5).
 
     Protocol invariant it relies on (the broker loop keeps it; the Dispatcher asserts what
     it can): (a) a producer's ring records are ingested in ring order, items in sequence
@@ -289,25 +287,14 @@ class QueuedTier(StorageTier, abc.ABC):
     # ----------------------------------------------------------------- for subclasses
 
     @abc.abstractmethod
-    def _describe(self, lane: LaneKey, refs: list[EntryRef]) -> list[PeekedEntry]:
-        """The entries `refs` (all stored in `lane`), in order."""
-
-    def _describe_many(self, lane: LaneKey, refs: list[EntryRef], segments: np.ndarray,
-                       offsets: np.ndarray) -> Peeked:
-        """`_describe`, by column (`segments` and `offsets` are the refs' fields)."""
-        return Peeked.of(lane, self._describe(lane, refs))
-
-    def _check_segments(self, refs: list[EntryRef], segments: np.ndarray | None = None) -> str | None:
-        """Commit step 1 when the lengths are known from this turn's peek: why the entries
-        cannot be committed, or None (`segments`: the refs' segments as a column, if known).
-        By default, as `_check_stored`."""
-        checked = self._check_stored(self._lane_of(refs[0].segment), refs)
-        return checked if isinstance(checked, str) else None
+    def _describe(self, lane: LaneKey, refs: list[EntryRef], segments: np.ndarray, offsets: np.ndarray) -> Peeked:
+        """The entries `refs` (all stored in `lane`), in order, by column (`segments` and
+        `offsets` are the refs' fields as int64 columns)."""
 
     @abc.abstractmethod
-    def _check_stored(self, lane: LaneKey, refs: list[EntryRef]) -> list[int] | str:
-        """Commit step 1, the tier's part: every entry's segment exists and holds it. Return
-        the entries' lengths, or a sentence saying why not. Touches nothing."""
+    def _check_segments(self, segments: np.ndarray) -> str | None:
+        """Commit step 1, the tier's part: why entries of these segments (int64 ids) cannot
+        be committed (a segment is gone), or None. Touches nothing."""
 
     @abc.abstractmethod
     def _remove(self, lane: LaneKey, refs: list[EntryRef]) -> None:
@@ -373,45 +360,30 @@ class QueuedTier(StorageTier, abc.ABC):
             queue.publish()
         self._staged_queues.clear()
 
-    def peek(self, lane: LaneKey, max_items: int) -> list[PeekedEntry]:
-        queue = self._queues.get(lane)
-        if queue is None or not queue.queued or max_items <= 0:
-            return []
-        return self._describe(lane, queue.front(max_items))
-
     def peek_many(self, lane: LaneKey, max_items: int) -> Peeked:
         queue = self._queues.get(lane)
         if queue is None or not queue.queued or max_items <= 0:
             return Peeked.of(lane, [])
-        return self._describe_many(lane, *queue.front_columns(max_items))
+        return self._describe(lane, *queue.front_columns(max_items))
 
-    def commit(
-        self, lane: LaneKey, refs: Sequence[EntryRef], consumer: ConsumerId, batch: BatchId,
-        lengths: list[int] | None = None, keys: tuple[np.ndarray, np.ndarray] | None = None,
-    ) -> None:
-        """The three steps of SPEC §5. Example: lane queue [r5, r6, r7]; commit(lane,
-        [r5, r6], consumer 2, batch 9) leaves [r7] and consumer 2 holding r5, r6 as batch 9;
-        commit(lane, [r6], ...) instead raises StaleBatchError and changes nothing.
-        `keys`, the refs' segments and offsets as int64 columns (a peek's), lets step 1
-        compare the lane's front by column instead of ref by ref."""
+    def commit(self, lane: LaneKey, entries: Peeked, consumer: ConsumerId, batch: BatchId) -> None:
+        """The three steps of SPEC §5. Example: lane queue [r5, r6, r7]; committing the peeked
+        [r5, r6] for consumer 2 as batch 9 leaves [r7] and consumer 2 holding r5, r6 as batch
+        9; committing [r6] instead raises StaleBatchError and changes nothing. Step 1 compares
+        the lane's front with the peek's segment and offset columns; the lengths are the
+        peek's (the headers were read and checked when it was made)."""
         # Step 1: verify everything (the front of the lane, every segment), touch nothing.
         queue = self._queues.get(lane)
-        wanted = list(refs)
-        count = len(wanted)
-        checked: list[int] | str | None = "they are not the front of the lane"
-        if count and queue is not None and self._is_front(queue, wanted, keys):
-            if lengths is None:
-                checked = lengths = self._check_stored(lane, wanted)  # type: ignore[assignment]
-            else:
-                assert len(lengths) == count, (len(lengths), count)
-                checked = self._check_segments(wanted, None if keys is None else keys[0])
-        if isinstance(checked, str):
+        count = len(entries)
+        why: str | None = "they are not the front of the lane"
+        if count and queue is not None and self._is_front(queue, entries):
+            why = self._check_segments(entries.segments)
+        if why is not None:
+            front = [] if queue is None else queue.front_columns(4)[0]
             raise StaleBatchError(
                 f"batch {batch} for consumer {consumer}: its {count} entries cannot be committed "
-                f"from lane {tuple(lane)}: {checked} (front now {[] if queue is None else queue.front(4)}); "
-                f"nothing was committed"
+                f"from lane {tuple(lane)}: {why} (front now {front}); nothing was committed"
             )
-        assert lengths is not None
         assert queue is not None and not self._pending.has_batch(batch), batch
         if crashpoints.ARMED:
             crashpoints.hit("commit.after_verify")
@@ -421,27 +393,18 @@ class QueuedTier(StorageTier, abc.ABC):
         if crashpoints.ARMED:
             crashpoints.hit("commit.after_advance")
         # Step 3: the consumer holds them.
-        self._pending.add_batch(batch, consumer, lane, wanted, lengths)
+        lengths = entries.lengths.tolist()
+        self._pending.add_batch(batch, consumer, lane, list(entries.refs), lengths)
         self.counters.committed_items += count
         self.counters.committed_tokens += sum(lengths)
 
     @staticmethod
-    def _is_front(queue: LaneQueue, wanted: list[EntryRef], keys: tuple[np.ndarray, np.ndarray] | None) -> bool:
-        count = len(wanted)
-        if keys is None:
-            return queue.front(count) == wanted
-        segments, offsets = queue.front_keys(count)
-        assert keys[1].shape[0] == count, (keys[1].shape[0], count)
-        return np.array_equal(segments, keys[0]) and np.array_equal(offsets, keys[1])
-
-    def complete(self, consumer: ConsumerId, refs: Sequence[EntryRef]) -> Completion:
-        return self._completed(self._pending.complete(consumer, refs))  # NotHeldError first
+    def _is_front(queue: LaneQueue, entries: Peeked) -> bool:
+        segments, offsets = queue.front_keys(len(entries))
+        return np.array_equal(segments, entries.segments) and np.array_equal(offsets, entries.offsets)
 
     def complete_batch(self, consumer: ConsumerId, batch: BatchId) -> Completion:
-        return self._completed(self._pending.complete_batch(consumer, batch))  # NotHeldError first
-
-    def _completed(self, done: Completion) -> Completion:
-        """The pending map let these entries go: remove them from storage, count them."""
+        done = self._pending.complete_batch(consumer, batch)  # NotHeldError first: nothing applied
         for lane, lane_refs in done.by_lane.items():
             self._queues[lane].pending -= len(lane_refs)
             self._remove(lane, lane_refs)
@@ -456,8 +419,11 @@ class QueuedTier(StorageTier, abc.ABC):
             queue = self._queues[run.lane]
             queue.push_front(run.refs)  # ahead of new work, original order
             queue.pending -= len(run.refs)
-            returned.append(Returned(run.lane, tuple(self._describe(run.lane, list(run.refs)))))
-            self.counters.returned_items += len(run.refs)
+            refs = list(run.refs)
+            segments = np.array([ref.segment for ref in refs], dtype=np.int64)
+            offsets = np.array([ref.offset for ref in refs], dtype=np.int64)
+            returned.append(Returned(run.lane, self._describe(run.lane, refs, segments, offsets)))
+            self.counters.returned_items += len(refs)
             self.counters.returned_tokens += sum(run.lengths)
         return returned
 

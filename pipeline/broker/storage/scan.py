@@ -28,7 +28,6 @@ from __future__ import annotations
 import mmap
 import os
 import stat
-import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -53,13 +52,18 @@ from pipeline.layouts import (
     ENTRY_HEADER_SIZE_BYTES,
     ENTRY_LIVE,
     ENTRY_NONE,
+    ENTRY_STATE,
     ENTRY_TOMBSTONE,
-    SEGMENT_HEADER_DTYPE,
+    SEGMENT_BOUNDARY_CHECKSUM,
+    SEGMENT_DATA_END,
+    SEGMENT_DELETED_COUNT,
+    SEGMENT_ENTRY_COUNT,
     SEGMENT_HEADER_SIZE_BYTES,
+    SEGMENT_SEALED,
     entry_checksum,
     entry_size_bytes,
 )
-from shm.layout import field_offset
+from shm.layout import Field, struct_for
 
 __all__ = [
     "DamagedRange", "EntryCensus", "LostEntries", "RepairedState", "ScanReport", "SegmentKeys", "TornRange",
@@ -68,19 +72,11 @@ __all__ = [
 ]
 
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux; elsewhere pages fault in lazily
-_STATE = struct.Struct("<I")
-_U64 = struct.Struct("<Q")
-OFF_SEALED = field_offset(SEGMENT_HEADER_DTYPE, "sealed")
-OFF_ENTRY_COUNT = field_offset(SEGMENT_HEADER_DTYPE, "entry_count")
-OFF_DATA_END = field_offset(SEGMENT_HEADER_DTYPE, "data_end")
-OFF_DELETED = field_offset(SEGMENT_HEADER_DTYPE, "deleted_count")
-OFF_BOUNDARY_CHECKSUM = field_offset(SEGMENT_HEADER_DTYPE, "boundary_checksum")
-assert OFF_DATA_END == OFF_ENTRY_COUNT + 8
 # The fields a walk needs: state, length, checksum, then (past item_id, seq, producer_id)
-# prefix_len and payload_len.
-_WALK = struct.Struct("<IIQ20xII")
-assert _WALK.size == field_offset(ENTRY_HEADER_DTYPE, "payload_len") + 4
-_OFF_ITEM_ID = field_offset(ENTRY_HEADER_DTYPE, "item_id")
+# prefix_len and payload_len; and the two a count of unverified headers reads alone.
+_WALK = struct_for(ENTRY_HEADER_DTYPE, ["state", "length", "checksum", "prefix_len", "payload_len"])
+_LENGTH = Field(ENTRY_HEADER_DTYPE, "length")
+_ITEM_ID = Field(ENTRY_HEADER_DTYPE, "item_id")
 # The smallest entry (one token, no payload): how many entries a byte range can hold at most,
 # so that a damaged count word in a header never claims more lost entries than fit.
 MIN_ENTRY_BYTES = entry_size_bytes(1, 0)
@@ -398,7 +394,7 @@ def _salvage_walk(buf: memoryview, size: int) -> _Walk:
             walk.good_end = stop
         whole = _check_entry(buf, stop, size, check_state=False)[0]
         if whole:  # the checksum holds: only the state word is bad
-            walk.repaired.append((len(walk.offsets), _STATE.unpack_from(buf, stop)[0]))
+            walk.repaired.append((len(walk.offsets), ENTRY_STATE.read(buf, stop)))
             walk.offsets.append(stop)
             pos = walk.good_end = stop + whole
             continue
@@ -419,9 +415,9 @@ def _walk_headers(buf: memoryview, start: int, end: int, size: int) -> tuple[int
     pos, count, ids = start, 0, []
     while pos < min(end, size):
         if pos + ENTRY_HEADER_SIZE_BYTES > size:
-            if pos + _OFF_ITEM_ID + 8 <= size and _STATE.unpack_from(buf, pos + 4)[0]:  # length, item id
+            if pos + _ITEM_ID.end <= size and _LENGTH.read(buf, pos):  # its length and item id are there
                 count += 1
-                ids.append(_U64.unpack_from(buf, pos + _OFF_ITEM_ID)[0])
+                ids.append(_ITEM_ID.read(buf, pos))
             break
         _state, length, _sum, prefix_len, payload_len = _WALK.unpack_from(buf, pos)
         nbytes = entry_size_bytes(length, payload_len)
@@ -429,7 +425,7 @@ def _walk_headers(buf: memoryview, start: int, end: int, size: int) -> tuple[int
             break
         count += 1
         if len(ids) < ITEM_IDS_NAMED_MAX:
-            ids.append(_U64.unpack_from(buf, pos + _OFF_ITEM_ID)[0])
+            ids.append(_ITEM_ID.read(buf, pos))
         pos += nbytes
     return count, pos == end, tuple(ids)
 
@@ -439,7 +435,7 @@ def _damaged(path: str, buf: memoryview, size: int, start: int, end: int) -> Dam
     entry (the one whose header is at `start`, if any is readable there), which the
     header's entry count may top up: headers that do not chain may have been misread."""
     count, walked, ids = _walk_headers(buf, start, end, size)
-    if start + 4 <= size and _STATE.unpack_from(buf, start)[0] == ENTRY_NONE:
+    if start + ENTRY_STATE.end <= size and ENTRY_STATE.read(buf, start) == ENTRY_NONE:
         why = f"zero state word at {start}"
     else:
         why = _check_entry(buf, start, size)[1] or "bad bytes"
@@ -551,15 +547,15 @@ def scan_segment(path: str, name_keys: SegmentKeys | None = None, name_confirmed
 def _scan_mapped(path: str, buf: memoryview, size: int, keys: SegmentKeys, created_ns: int,
                  identity_damage: str) -> ScanReport:
     report = ScanReport(
-        path, keys, created_ns, bool(_STATE.unpack_from(buf, OFF_SEALED)[0]),
-        header_entry_count=_U64.unpack_from(buf, OFF_ENTRY_COUNT)[0],
-        header_deleted_count=_U64.unpack_from(buf, OFF_DELETED)[0],
-        header_data_end=_U64.unpack_from(buf, OFF_DATA_END)[0],
+        path, keys, created_ns, bool(SEGMENT_SEALED.read(buf)),
+        header_entry_count=SEGMENT_ENTRY_COUNT.read(buf),
+        header_deleted_count=SEGMENT_DELETED_COUNT.read(buf),
+        header_data_end=SEGMENT_DATA_END.read(buf),
         file_size=size, identity_damage=identity_damage,
     )
-    stored = _U64.unpack_from(buf, OFF_BOUNDARY_CHECKSUM)[0]
+    stored = SEGMENT_BOUNDARY_CHECKSUM.read(buf)
     if stored and stored != boundary_checksum(report.header_entry_count, report.header_data_end):
-        report.boundary_damage = (f"offset {OFF_ENTRY_COUNT}: entry_count {report.header_entry_count} and "
+        report.boundary_damage = (f"offset {SEGMENT_ENTRY_COUNT.offset}: entry_count {report.header_entry_count} and "
                                   f"data_end {report.header_data_end} fail their checksum: every bad byte is "
                                   f"judged acknowledged")
     walk = _salvage_walk(buf, size)

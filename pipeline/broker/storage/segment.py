@@ -21,7 +21,7 @@ is still named (never erased) but not counted as a loss.
 
 Tombstones are written through a shared writable mapping of the file, not with a syscall
 each: a 4-byte pwrite at a random offset of a large file costs ~40 us here, a store into a
-mapped page a few nanoseconds (issue 4's measurements).
+mapped page a few nanoseconds (measured when the disk tier was built).
 
 Files grow in preallocated steps (posix_fallocate, doubling up to the segment limit):
 writing into allocated, zeroed space keeps appends sequential, and a zero state word marks
@@ -33,10 +33,11 @@ from __future__ import annotations
 import errno
 import mmap
 import os
-import struct
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import NoReturn
 
 import numpy as np
 import xxhash
@@ -44,11 +45,6 @@ import xxhash
 from pipeline.broker.storage import crashpoints
 from pipeline.broker.storage.paths import CREATING_SUFFIX
 from pipeline.broker.storage.scan import (  # re-exported: the scan lived here first
-    OFF_BOUNDARY_CHECKSUM as _OFF_BOUNDARY_CHECKSUM,
-    OFF_DATA_END as _OFF_DATA_END,
-    OFF_DELETED as _OFF_DELETED,
-    OFF_ENTRY_COUNT as _OFF_ENTRY_COUNT,
-    OFF_SEALED as _OFF_SEALED,
     ScanReport,
     SegmentKeys,
     boundary_checksum,
@@ -63,13 +59,20 @@ from pipeline.layouts import (
     ENTRY_CHECKSUM_FROM,
     ENTRY_HEADER_DTYPE,
     ENTRY_HEADER_SIZE_BYTES,
-    ENTRY_HEADER_STRUCT,
     ENTRY_LIVE,
     ENTRY_NONE,
+    ENTRY_STATE,
     ENTRY_TOMBSTONE,
+    SEGMENT_BOUNDARY_CHECKSUM,
+    SEGMENT_DATA_END,
+    SEGMENT_DELETED_COUNT,
+    SEGMENT_ENTRY_COUNT,
     SEGMENT_HEADER_SIZE_BYTES,
+    SEGMENT_SEALED,
     TOKEN_SIZE_BYTES,
     entry_size_bytes,
+    gather_entry_headers,
+    scatter_entry_headers,
 )
 
 __all__ = [
@@ -81,20 +84,15 @@ __all__ = [
 # it: their segment starts with what that group needs, page-rounded). Most lanes of a
 # many-shape workload hold a few batches: 100,000 lanes took 6.4 GB at 64 KiB each, and on
 # an 8 MiB disk 154 lanes' first allocations held 7 MiB for 500 KB of items, so nothing was
-# dispatched and the run stood still (issue 11's hostile test); a busy lane doubles from
+# dispatched and the run stood still (tests/runtime/test_disk_full.py); a busy lane doubles from
 # its first group's size to the segment limit, one fallocate a step.
 FIRST_ALLOCATION_BYTES = 64 << 10
 # Segments seal at this size: big enough that per-file costs (open, fsync of the directory,
 # the header page) vanish, small enough that a fully completed segment is freed soon.
 DEFAULT_SEGMENT_MAX_BYTES = 64 << 20
 
-_STATE = struct.Struct("<I")
-_U64 = struct.Struct("<Q")
 # errno values that mean "no space": a full disk (blocks or inodes), or the user's quota on it.
 NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-_NO_SPACE = NO_SPACE_ERRNOS
-# An entry header as 8-byte words (entries start 16-aligned): gathered for many entries at once.
-_HEADER_WORDS = np.arange(ENTRY_HEADER_SIZE_BYTES // 8, dtype=np.int64)
 
 
 # The store stops growing while less than this would stay free on its file system, so that
@@ -120,7 +118,7 @@ def _check_room(fd: int, path: str, offset: int, nbytes: int, what: str, least: 
     NOTE: without the `least` step a nearly full disk refused new segments their 64 KiB
     first allocation while a few KiB would do: on an 8 MiB disk, 110 lanes' first
     allocations held 7 MiB for 500 KB of items, nothing was dispatched (the frame was held
-    back whole) and the run stood still (issue 11's hostile test)."""
+    back whole) and the run stood still (tests/runtime/test_disk_full.py)."""
     info = os.fstatvfs(fd)
     free, reserve = info.f_bavail * info.f_frsize, disk_reserve_bytes(info.f_blocks * info.f_frsize)
     if free - nbytes >= reserve:
@@ -195,8 +193,7 @@ def encode_entries(
     chosen = items[indices]
     lengths = chosen["length"].astype(np.int64)
     payload_lens = chosen["payload_len"].astype(np.int64)
-    raw = ENTRY_HEADER_SIZE_BYTES + lengths * TOKEN_SIZE_BYTES + payload_lens
-    sizes = (raw + ENTRY_ALIGN_BYTES - 1) & ~(ENTRY_ALIGN_BYTES - 1)
+    sizes = entry_size_bytes(lengths, payload_lens)
     offsets = np.zeros(sizes.shape[0], dtype=np.int64)
     np.cumsum(sizes[:-1], out=offsets[1:])
     data = np.zeros(int(sizes.sum()), dtype=np.uint8)
@@ -208,8 +205,7 @@ def encode_entries(
     for name in ("length", "item_id", "seq", "prefix_len", "payload_len", "submit_ns"):
         headers[name] = chosen[name]
     headers["producer_id"] = producer_id
-    words = ENTRY_HEADER_SIZE_BYTES // 8
-    data.view(np.uint64)[(offsets >> 3)[:, None] + np.arange(words)] = headers.view(np.uint64).reshape(-1, words)
+    scatter_entry_headers(data.view(np.uint64), offsets, headers)
     out = memoryview(data)
     out_tokens = out.cast("i")
     in_tokens = memoryview(np.ascontiguousarray(tokens))
@@ -309,7 +305,7 @@ class SegmentFile:
         try:
             fd = os.open(creating, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         except OSError as exc:
-            if exc.errno in _NO_SPACE:  # no inode left (a tmpfs with nr_inodes, a full ext4)
+            if exc.errno in NO_SPACE_ERRNOS:  # no inode left (a tmpfs with nr_inodes, a full ext4)
                 raise _no_space(exc, path, 0, 0, "creating the file,") from exc
             raise
         try:
@@ -319,13 +315,13 @@ class SegmentFile:
             try:
                 os.posix_fallocate(fd, 0, first)
             except OSError as exc:
-                if exc.errno in _NO_SPACE:
+                if exc.errno in NO_SPACE_ERRNOS:
                     raise _no_space(exc, path, 0, first, "allocating") from exc
                 raise
             os.pwrite(fd, identity_bytes(keys, time.time_ns()), 0)
-            boundary = bytearray(_OFF_BOUNDARY_CHECKSUM + 8 - _OFF_ENTRY_COUNT)
-            _write_boundary(boundary, 0, SEGMENT_HEADER_SIZE_BYTES, base=-_OFF_ENTRY_COUNT)
-            os.pwrite(fd, boundary, _OFF_ENTRY_COUNT)
+            boundary = bytearray(SEGMENT_BOUNDARY_CHECKSUM.end - SEGMENT_ENTRY_COUNT.offset)
+            _write_boundary(boundary, 0, SEGMENT_HEADER_SIZE_BYTES, base=-SEGMENT_ENTRY_COUNT.offset)
+            os.pwrite(fd, boundary, SEGMENT_ENTRY_COUNT.offset)
             if durability is Durability.POWER:
                 _fdatasync(fd, path)
             assert not os.path.exists(path), path
@@ -356,10 +352,10 @@ class SegmentFile:
         segment.deleted_count = report.tombstone_count
         segment.sealed = report.sealed
         for repaired in report.repaired_states:
-            _STATE.pack_into(segment._map, repaired.offset, ENTRY_LIVE)
-        _STATE.pack_into(segment._map, _OFF_SEALED, int(segment.sealed))
+            ENTRY_STATE.write(segment._map, ENTRY_LIVE, base=repaired.offset)
+        SEGMENT_SEALED.write(segment._map, int(segment.sealed))
         _write_boundary(segment._map, report.accounted_entries, report.boundary)
-        _U64.pack_into(segment._map, _OFF_DELETED, segment.deleted_count)
+        SEGMENT_DELETED_COUNT.write(segment._map, segment.deleted_count)
         return segment
 
     @classmethod
@@ -381,11 +377,11 @@ class SegmentFile:
             os.close(fd)
             raise
         segment = cls(path, fd, found, durability, max_bytes)
-        segment.sealed = bool(_STATE.unpack_from(header, _OFF_SEALED)[0])
-        segment.entry_count = _U64.unpack_from(header, _OFF_ENTRY_COUNT)[0]
-        data_end = min(_U64.unpack_from(header, _OFF_DATA_END)[0], size)
+        segment.sealed = bool(SEGMENT_SEALED.read(header))
+        segment.entry_count = SEGMENT_ENTRY_COUNT.read(header)
+        data_end = min(SEGMENT_DATA_END.read(header), size)
         segment.data_end = segment.readable_end = max(data_end, SEGMENT_HEADER_SIZE_BYTES)
-        segment.deleted_count = _U64.unpack_from(header, _OFF_DELETED)[0]
+        segment.deleted_count = SEGMENT_DELETED_COUNT.read(header)
         return segment
 
     def room_for(self, nbytes: int) -> bool:
@@ -404,7 +400,7 @@ class SegmentFile:
         try:
             os.posix_fallocate(self._fd, 0, new_size)
         except OSError as exc:
-            if exc.errno in _NO_SPACE:
+            if exc.errno in NO_SPACE_ERRNOS:
                 raise _no_space(exc, self.path, self.allocated, new_size - self.allocated, "growing the file by") from exc
             raise
         self._map.resize(new_size)
@@ -418,7 +414,7 @@ class SegmentFile:
             while done < len(view):
                 done += os.pwrite(self._fd, view[done:], at + done)
         except OSError as exc:
-            if exc.errno in _NO_SPACE:
+            if exc.errno in NO_SPACE_ERRNOS:
                 raise _no_space(exc, self.path, at + done, len(view) - done, "writing") from exc
             raise
         finally:
@@ -470,12 +466,7 @@ class SegmentFile:
             self._unsynced = False
         self.readable_end = self.data_end
 
-    def tombstone(self, offset: int) -> bool:
-        """Mark the entry at `offset` completed: state word first, then the deleted count.
-        Returns False if it already was (a duplicate completion)."""
-        return self.tombstone_many((offset,)) == 1
-
-    def tombstone_many(self, offsets) -> int:
+    def tombstone_many(self, offsets: Sequence[int] | np.ndarray) -> int:
         """Mark entries completed: every state word (4-byte stores into the shared mapping),
         then the deleted count once; a crash between the two is repaired by a scan, as for
         one entry. Entries already tombstoned are skipped (duplicate completions). Returns
@@ -489,10 +480,10 @@ class SegmentFile:
             if crashpoints.ARMED:
                 crashpoints.hit("tombstone.before_count")
             self.deleted_count += fresh
-            _U64.pack_into(self._map, _OFF_DELETED, self.deleted_count)
+            SEGMENT_DELETED_COUNT.write(self._map, self.deleted_count)
         return fresh
 
-    def _tombstone_columns(self, offsets) -> int | None:
+    def _tombstone_columns(self, offsets: Sequence[int] | np.ndarray) -> int | None:
         """Every state word read and written as one numpy column; how many were live, or
         None, with nothing written, when an offset is no live or tombstoned entry."""
         at = np.unique(np.asarray(offsets, dtype=np.int64))  # a duplicate completes once
@@ -511,71 +502,57 @@ class SegmentFile:
             del words
         return int(live.sum())
 
-    def _tombstone_one_by_one(self, offsets) -> int:
+    def _tombstone_one_by_one(self, offsets: Sequence[int] | np.ndarray) -> int:
+        """The refusal path of `tombstone_many`: entry by entry, so that the error names the
+        first offset that is neither a live nor a tombstoned entry."""
         mapped, readable = self._map, self.readable_end
-        unpack, pack = _STATE.unpack_from, _STATE.pack_into
-        live, tomb, mask = ENTRY_LIVE, ENTRY_TOMBSTONE, ENTRY_ALIGN_BYTES - 1
         fresh = 0
         for offset in offsets:
-            if not SEGMENT_HEADER_SIZE_BYTES <= offset < readable or offset & mask:
+            if not SEGMENT_HEADER_SIZE_BYTES <= offset < readable or offset % ENTRY_ALIGN_BYTES:
                 raise SegmentCorruptError(f"{self.path}: no entry can start at offset {offset}")
-            (state,) = unpack(mapped, offset)
-            if state == live:
-                pack(mapped, offset, tomb)
+            state = ENTRY_STATE.read(mapped, offset)
+            if state == ENTRY_LIVE:
+                ENTRY_STATE.write(mapped, ENTRY_TOMBSTONE, offset)
                 fresh += 1
-            elif state != tomb:
+            elif state != ENTRY_TOMBSTONE:
                 raise SegmentCorruptError(f"{self.path}: offset {offset}: state word {state:#010x} is not an entry")
         return fresh
 
-    def entry_headers(self, offsets: list[int]) -> list[tuple]:
-        """The live entries at `offsets`, each as ENTRY_HEADER_STRUCT's fields (state, length,
-        checksum, item_id, seq, producer_id, prefix_len, payload_len, submit_ns), read from
-        the mapping and checked (validated after reading): each must start below the
-        readable boundary, be live, and end before it. SegmentCorruptError otherwise."""
-        unpack = ENTRY_HEADER_STRUCT.unpack_from
-        mapped, readable = self._map, self.readable_end
-        out = []
-        for offset in offsets:
-            fields = unpack(mapped, offset) if SEGMENT_HEADER_SIZE_BYTES <= offset < readable else None
-            if (fields is None or fields[0] != ENTRY_LIVE or not fields[1] or offset % ENTRY_ALIGN_BYTES
-                    or offset + entry_size_bytes(fields[1], fields[7]) > readable):
-                raise SegmentCorruptError(
-                    f"{self.path}: offset {offset}: no live entry there (readable up to {readable}, "
-                    f"state {'-' if fields is None else hex(fields[0])})"
-                )
-            out.append(fields)
-        return out
-
     def entry_header_columns(self, offsets: np.ndarray) -> np.ndarray:
-        """`entry_headers` for many entries at once, as an ENTRY_HEADER_DTYPE array: gathered
-        from the mapping and checked as columns; SegmentCorruptError, naming the first bad
-        offset, as `entry_headers` raises it."""
+        """The live entries at `offsets` (int64), as an ENTRY_HEADER_DTYPE array gathered
+        from the mapping and checked as columns (validated after reading): each must start
+        16-aligned within the readable data, be live, hold a token and end before the
+        readable boundary. SegmentCorruptError naming the first offset that fails."""
         readable = self.readable_end
-        if (not offsets.size or offsets.min() < SEGMENT_HEADER_SIZE_BYTES or offsets.max() >= readable
-                or offsets.max() + ENTRY_HEADER_SIZE_BYTES > readable or (offsets & (ENTRY_ALIGN_BYTES - 1)).any()):
-            self.entry_headers(offsets.tolist())  # raises, naming the offset (or there is none)
+        inside = (offsets >= SEGMENT_HEADER_SIZE_BYTES) & (offsets + ENTRY_HEADER_SIZE_BYTES <= readable)
+        if not inside.all():
+            self._no_entry(int(offsets[np.argmin(inside)]), None)
         words = np.frombuffer(self._map, dtype=np.uint64, count=readable // 8)
         try:  # the view is dropped at once: a mapping with views cannot be resized or closed
-            headers = words[(offsets >> 3)[:, None] + _HEADER_WORDS].view(ENTRY_HEADER_DTYPE).reshape(-1)
+            headers, _ends, good = gather_entry_headers(words, offsets, readable)
         finally:
             del words
-        raw = ENTRY_HEADER_SIZE_BYTES + headers["length"].astype(np.int64) * TOKEN_SIZE_BYTES + headers["payload_len"]
-        ends = offsets + ((raw + ENTRY_ALIGN_BYTES - 1) & ~(ENTRY_ALIGN_BYTES - 1))
-        bad = (headers["state"] != ENTRY_LIVE) | (headers["length"] == 0) | (ends > readable)
-        if bad.any():
-            self.entry_headers(offsets[bad].tolist())  # raises, naming the first
+        if not good.all():
+            bad = int(np.argmin(good))
+            self._no_entry(int(offsets[bad]), int(headers["state"][bad]))
         return headers
+
+    def _no_entry(self, offset: int, state: int | None) -> NoReturn:
+        raise SegmentCorruptError(
+            f"{self.path}: offset {offset}: no live entry there (readable up to {self.readable_end}, "
+            f"state {'-' if state is None else hex(state)})"
+        )
 
     def state_at(self, offset: int) -> int:
         """The state word at `offset` (ENTRY_NONE past the readable boundary or off the grid)."""
         if not SEGMENT_HEADER_SIZE_BYTES <= offset < self.readable_end or offset % ENTRY_ALIGN_BYTES:
             return ENTRY_NONE
-        return _STATE.unpack_from(self._map, offset)[0]
+        return ENTRY_STATE.read(self._map, offset)
 
     def seal(self) -> None:
         """No more appends; the segment is deleted whole once every entry is tombstoned."""
         self.sealed = True
-        _STATE.pack_into(self._map, _OFF_SEALED, 1)
+        SEGMENT_SEALED.write(self._map, 1)
         if self.durability is Durability.POWER:
             self.flush_tombstones()
 
@@ -604,9 +581,9 @@ class SegmentFile:
 
 def _write_boundary(buf, entry_count: int, data_end: int, base: int = 0) -> None:
     """entry_count, data_end and their checksum into a header (at `base` + their offsets)."""
-    _U64.pack_into(buf, base + _OFF_ENTRY_COUNT, entry_count)
-    _U64.pack_into(buf, base + _OFF_DATA_END, data_end)
-    _U64.pack_into(buf, base + _OFF_BOUNDARY_CHECKSUM, boundary_checksum(entry_count, data_end))
+    SEGMENT_ENTRY_COUNT.write(buf, entry_count, base)
+    SEGMENT_DATA_END.write(buf, data_end, base)
+    SEGMENT_BOUNDARY_CHECKSUM.write(buf, boundary_checksum(entry_count, data_end), base)
 
 
 def fsync_directory(path: str) -> None:

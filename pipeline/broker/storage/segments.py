@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -285,11 +286,7 @@ class SegmentStore:
             self.seal(segment)
         return aged
 
-    def tombstone(self, segment: SegmentId, offset: int) -> bool:
-        """Tombstone one entry (False if it already was); see `tombstone_many`."""
-        return self.tombstone_many(segment, (offset,)) == 1
-
-    def tombstone_many(self, segment: SegmentId, offsets) -> int:
+    def tombstone_many(self, segment: SegmentId, offsets: Sequence[int] | np.ndarray) -> int:
         """Tombstone entries of one segment (state words, then its deleted count once);
         return how many were live. The segment is deleted whole (a damaged one: moved to
         quarantine/) when it is sealed and nothing in it is live any more."""
@@ -362,12 +359,8 @@ class SegmentStore:
     def readable_end(self, segment: SegmentId) -> int:
         return self._file(segment).readable_end
 
-    def entry_headers(self, segment: SegmentId, offsets: list[int]) -> list[tuple]:
-        """The live entries at `offsets` of `segment` (see SegmentFile.entry_headers)."""
-        return self._file(segment).entry_headers(offsets)
-
     def entry_header_columns(self, segment: SegmentId, offsets: np.ndarray) -> np.ndarray:
-        """The live entries at `offsets` of `segment`, as columns (see SegmentFile)."""
+        """The live entries at `offsets` of `segment`, as checked columns (see SegmentFile)."""
         return self._file(segment).entry_header_columns(offsets)
 
     def state_at(self, segment: SegmentId, offset: int) -> int:
