@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark of the rolling-lane policy (issue 3 item 7): not a test, figures for humans.
+"""Benchmark of the rolling-lane policy (SPEC §9's lane figures): not a test, figures for humans.
 
     python tools/bench_lanes.py            # full run: 1,000,000 items, depths 1k/10k/100k
     python tools/bench_lanes.py --quick    # a small run while iterating
@@ -46,15 +46,15 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import numpy as np  # noqa: E402
 
-from pipeline.broker.ids import ShapeKey  # noqa: E402
-from pipeline.broker.lanes import LaneId, ShapeLanes, WasteMeasure  # noqa: E402
+from pipeline.broker.ids import LaneId, ShapeKey  # noqa: E402
+from pipeline.broker.lanes import ShapeLanes, WasteMeasure  # noqa: E402
 from pipeline.broker.packing import Contract, batch_items_limit, pack  # noqa: E402
 from pipeline.broker.selection import ShapeSelector  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 # The Mooncake FAST'25 synthetic trace, beside the repository (../shared/workloads/README.md).
 MOONCAKE_TRACE = ROOT.parent / "shared" / "workloads" / "mooncake_synthetic_trace.jsonl"
-# The consumer contract of issue 3 item 7.
+# The consumer contract the padding figures and targets are measured under.
 MAX_BATCH_ITEMS = 64
 MAX_BATCH_TOKENS = 65_536
 # Packing never filters by input length (SPEC §3); any valid value gives the same batches.
@@ -67,7 +67,7 @@ ARRIVAL_RATE_ITEMS_PER_S = 20_000
 TICK_EVERY_S = 0.1
 # Call size for the "assign_many in chunks" row: about one drain of a producer ring.
 CHUNK_ITEMS = 4096
-# Issue 3's targets, with the default (queued-minimum) measure.
+# The targets the lane policy was accepted against, with the default (queued-minimum) measure.
 TARGET_ASSIGN_MANY_PER_S = 2_000_000
 TARGET_ASSIGN_PER_S = 500_000
 TARGET_EFFICIENCY = 0.985
@@ -329,7 +329,7 @@ def offline_optimum(stream: np.ndarray, same_packer: bool) -> SimResult:
 # Shapes in the switch measurement, interleaved uniformly at random: the case in which FIFO
 # by arrival changes shape at almost every batch, and stickiness matters most.
 SWITCH_SHAPES = 32
-# The two consumers of model 0, taking turns: the issue 3 contract and a smaller card's.
+# The two consumers of model 0, taking turns: the contract above and a smaller card's.
 SWITCH_CONTRACTS = (CONTRACT, Contract(0, 32, 16_384, MAX_INPUT_LEN))
 
 

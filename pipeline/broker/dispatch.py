@@ -50,8 +50,8 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from pipeline.broker.ids import BatchId, ConsumerId, EntryRef, LaneKey, ShapeKey
-from pipeline.broker.lanes import MAX_LENGTH_TOKENS, LaneConfig, LaneCounters, LaneId, ShapeLanes
+from pipeline.broker.ids import BatchId, ConsumerId, EntryRef, LaneId, LaneKey, ShapeKey
+from pipeline.broker.lanes import MAX_LENGTH_TOKENS, LaneConfig, LaneCounters, ShapeLanes
 from pipeline.broker.packing import Contract, batch_items_limit, pack
 from pipeline.broker.pending import Completion
 from pipeline.broker.selection import AGE_RESOLUTION_NS, ShapeSelector

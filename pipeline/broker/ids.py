@@ -1,6 +1,7 @@
 """The broker's ids and keys, in one pure module that algorithms and storage tiers both import.
 
     ShapeKey(model, signature)          the broker's key everywhere (SPEC §1)
+    LaneId                              a lane's id within its shape (lanes/policy.py)
     LaneKey(model, signature, lane)     one lane of one shape: a storage queue (memory tier) or a
                                         run of segment files (disk tier)
     EntryRef(segment, offset)           where a stored entry lives: the pending map's key
@@ -12,8 +13,8 @@ from __future__ import annotations
 
 from typing import NamedTuple, NewType
 
-from pipeline.broker.lanes import LaneId
-
+LaneId = NewType("LaneId", int)
+"""A lane's id within its shape. Ids are reused after release (lowest free id first)."""
 SegmentId = NewType("SegmentId", int)
 """A segment (disk tier) or lane queue (memory tier); never reused while the store lives."""
 ConsumerId = NewType("ConsumerId", int)

@@ -1,6 +1,6 @@
-"""ShapeLanes (pipeline/broker/lanes.py) against a small reference written here, and
-assign_many against repeated assign. Deterministic: hypothesis is derandomised, stress runs
-use fixed seeds."""
+"""ShapeLanes (pipeline/broker/lanes/) against a small reference written here, and
+assign_many against repeated assign, each ShapeLanes under the audit of test_lanes_audit.py.
+Deterministic: hypothesis is derandomised, stress runs use fixed seeds."""
 
 from __future__ import annotations
 
@@ -12,15 +12,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.broker.lanes import (
-    MAX_LENGTH_TOKENS,
-    LaneCounters,
-    LaneId,
-    ShapeLanes,
-    TickResult,
-    WasteMeasure,
-)
+from pipeline.broker.ids import LaneId
+from pipeline.broker.lanes import MAX_LENGTH_TOKENS, LaneCounters, ShapeLanes, TickResult, WasteMeasure
 from pipeline.errors import BadInputError
+from test_lanes_audit import AuditedLanes
 
 DETERMINISTIC = settings(
     derandomize=True,
@@ -169,7 +164,7 @@ class RefLanes:
         return [x.lane_id for x in sorted(queued, key=lambda x: (-sum(x.queue), x.lane_id))]
 
 
-def snapshot(lanes: ShapeLanes) -> list[tuple[object, ...]]:
+def snapshot(lanes: ShapeLanes | AuditedLanes) -> list[tuple[object, ...]]:
     return sorted(
         (v.lane_id, v.target, v.quiescing, v.queued_items, v.queued_tokens, v.pending_items,
          v.queued_min, v.queued_max)
@@ -187,8 +182,8 @@ class Harness:
     def __init__(self, max_lanes: int, measure: WasteMeasure, **knobs: int) -> None:
         literal = measure is WasteMeasure.LITERAL
         self.ref = RefLanes(max_lanes, literal)
-        self.scalar = ShapeLanes(max_lanes=max_lanes, measure=measure, audit=True, **knobs)
-        self.many = ShapeLanes(max_lanes=max_lanes, measure=measure, audit=True, **knobs)
+        self.scalar = AuditedLanes(max_lanes=max_lanes, measure=measure, **knobs)
+        self.many = AuditedLanes(max_lanes=max_lanes, measure=measure, **knobs)
         self.now_s = 0.0
 
     def assign(self, lengths: list[int]) -> None:
@@ -315,8 +310,8 @@ def test_assign_many_equals_repeated_assign(max_lanes, measure, knobs, seed, siz
     """Large log-normal batches (no reference: too slow for it), two calls each, with events
     between them so the second call starts from queues with returned items."""
     rng = np.random.default_rng(seed)
-    scalar = ShapeLanes(max_lanes=max_lanes, measure=measure, audit=True, **knobs)
-    many = ShapeLanes(max_lanes=max_lanes, measure=measure, audit=True, **knobs)
+    scalar = AuditedLanes(max_lanes=max_lanes, measure=measure, **knobs)
+    many = AuditedLanes(max_lanes=max_lanes, measure=measure, **knobs)
     for now_s in (0.0, 1.0):
         values = np.maximum(1, np.rint(np.exp(rng.normal(np.log(512), sigma, size)))).astype(int)
         want = [scalar.assign(v, now_s) for v in values.tolist()]
@@ -327,7 +322,7 @@ def test_assign_many_equals_repeated_assign(max_lanes, measure, knobs, seed, siz
         _churn(scalar, many, values, want)
 
 
-def _churn(scalar: ShapeLanes, many: ShapeLanes, values: np.ndarray, lanes: list[int]) -> None:
+def _churn(scalar: AuditedLanes, many: AuditedLanes, values: np.ndarray, lanes: list[int]) -> None:
     """Dispatch the first two items of every lane, then return them (front, original order)."""
     by_lane: dict[int, list[int]] = {}
     for value, lane in zip(values.tolist(), lanes):
@@ -345,8 +340,8 @@ def test_mixed_assign_and_assign_many_on_one_instance(seed, calls):
     """Calls of both kinds (and dispatches) on the same lanes: each kind pushes its own
     min/max-deque entries, so the audit brute force checks they interleave exactly."""
     rng = np.random.default_rng(seed)
-    mixed = ShapeLanes(audit=True, vector_min_call_items=1)
-    scalar = ShapeLanes(audit=True)
+    mixed = AuditedLanes(vector_min_call_items=1)
+    scalar = AuditedLanes()
     for size in calls:
         values = np.maximum(1, rng.lognormal(np.log(512), 0.3, size)).astype(np.int64)
         want = [scalar.assign(v, 0.0) for v in values.tolist()]
@@ -412,8 +407,8 @@ def test_seeded_dense_stress_with_emptied_lanes(seed, knobs):
 # ------------------------------------------------------------------------- worked examples
 
 
-def _lanes_with(targets_then_items: list[int], **config: object) -> ShapeLanes:
-    lanes = ShapeLanes(audit=True, **config)
+def _lanes_with(targets_then_items: list[int], **config: object) -> AuditedLanes:
+    lanes = AuditedLanes(**config)
     for length in targets_then_items:
         lanes.assign(length, 0.0)
     lanes.check_invariants()
@@ -503,7 +498,7 @@ def test_returned_items_go_to_the_front_and_set_the_minimum():
 def test_queued_maximum_follows_the_front_leaving_and_large_folds():
     """The max-deque drops items as the front leaves; assign_many folds big groups with
     numpy suffix maxima for every lane of the call at once."""
-    lanes = ShapeLanes(audit=True, max_lanes=1)  # one lane: every item lands in lane 0
+    lanes = AuditedLanes(max_lanes=1)  # one lane: every item lands in lane 0
     values = [512, 500, 505, 490, 511, 300] * 10
     lanes.assign_many(values, 0.0)
     lane = LaneId(0)
@@ -524,7 +519,7 @@ def test_assign_many_sees_the_reference_rise_of_a_raised_empty_lane():
     batch = [520, 520, 520, 520, 505, 512]
     want = [0, 1, 1, 1, 1, 1, 1, 0, 0]
     for assign_many in (False, True):
-        lanes = ShapeLanes(audit=True, **TINY_WINDOWS)
+        lanes = AuditedLanes(**TINY_WINDOWS)
         got = [lanes.assign(length, 0.0) for length in setup]
         lanes.on_dispatched(LaneId(0), [500])
         if assign_many:
@@ -584,7 +579,7 @@ def test_bad_config(bad):
 def test_restore_lane_keeps_ids_and_queues_then_runs_as_usual():
     """Recovery: lanes come back under their old ids with their queued lengths in order; an
     active target clash comes back quiescing; new items, dispatch, tick and release work."""
-    lanes = ShapeLanes(audit=True)
+    lanes = AuditedLanes()
     assert lanes.restore_lane(LaneId(3), 512, [500, 510, 505], 0.0) is True
     assert lanes.restore_lane(LaneId(0), 512, [490], 0.0) is False  # target 512 is taken
     assert lanes.restore_lane(LaneId(1), 1000, np.array([990]), 0.0) is True
