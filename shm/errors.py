@@ -1,6 +1,6 @@
 """Errors raised by shared-memory objects.
 
-`shm/` knows nothing of `pipeline/`, so its errors live here; `pipeline.errors` re-exports
+`shm/` knows nothing of `pipeline/`, so its errors live here; `pipeline.wire.errors` re-exports
 them, and that module is the one users import. Every message names the object and the
 offending value.
 """

@@ -7,13 +7,17 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import pytest
 
-import numpy as np
-
-from pipeline.accounting import MAX_BAD_LINE_EXAMPLES, reconcile, summarize_results, take_stock
-from pipeline.errors import ResultsFileError
-from pipeline.status import BrokerStatus
+from pipeline.reporting.accounting import (
+    MAX_BAD_LINE_EXAMPLES,
+    reconcile,
+    summarize_results,
+    take_stock,
+)
+from pipeline.wire.errors import ResultsFileError
+from pipeline.wire.status import BrokerStatus
 
 
 def row(item_id: int) -> str:
@@ -80,7 +84,7 @@ def test_a_results_file_that_is_not_a_regular_file_is_counted_and_never_read(tmp
 
 
 def test_a_line_past_the_limit_is_skipped_in_bounded_memory(tmp_path, monkeypatch):
-    monkeypatch.setattr("pipeline.accounting.MAX_RESULT_LINE_BYTES", 1000)
+    monkeypatch.setattr("pipeline.reporting.accounting.MAX_RESULT_LINE_BYTES", 1000)
     (tmp_path / "c0.jsonl").write_bytes(row(1).encode() + b"x" * 5000 + b"\n" + row(2).encode() + b"y" * 5000)
     summary = summarize_results(str(tmp_path))
     assert summary.item_ids == {1, 2} and summary.bad_lines == 2

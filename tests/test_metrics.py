@@ -15,15 +15,24 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pipeline.broker.peers import namespace_for
 from pipeline.broker.config import BrokerConfig
+from pipeline.broker.peers import namespace_for
 from pipeline.broker.service import STATUS_TOP_SHAPES
-from pipeline.errors import ProtocolError
-from pipeline.metrics import COUNTERS, CONSUMER_COUNTERS, GAUGES, LANE_EVENTS, MetricsServer, StatusCollector, render
 from pipeline.producer.client import BrokerProducer
 from pipeline.producer.signature import signature
-from pipeline.runtime.local import broker_status, start_broker, stop_process
-from pipeline.status import STATUS_VERSION, BrokerStatus, TopShape
+from pipeline.reporting.metrics import (
+    CONSUMER_COUNTERS,
+    COUNTERS,
+    GAUGES,
+    LANE_EVENTS,
+    MetricsServer,
+    StatusCollector,
+    render,
+)
+from pipeline.runtime.local import start_broker, stop_process
+from pipeline.wire.client import broker_status
+from pipeline.wire.errors import ProtocolError
+from pipeline.wire.status import STATUS_VERSION, BrokerStatus, TopShape
 
 # Real output of `broker_status` after a 4000-item run (its wire form), top_shapes trimmed to
 # 2 rows + "other".

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from pipeline.plots import MISSING_MATPLOTLIB, top_shapes, write_plots
-from pipeline.progress import ProgressTracker
+from pipeline.reporting.plots import MISSING_MATPLOTLIB, top_shapes, write_plots
+from pipeline.reporting.progress import ProgressTracker
 from tests.test_progress import status_at
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

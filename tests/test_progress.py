@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from pipeline.progress import (
+from pipeline.reporting.progress import (
     LiveProgress,
     ProgressTracker,
     consumer_intervals,
     format_duration,
     format_view_line,
 )
-from pipeline.status import BrokerStatus, ConsumerTotalsRow, ConsumerWork, TopShape
+from pipeline.wire.status import BrokerStatus, ConsumerTotalsRow, ConsumerWork, TopShape
 
 # The synthetic run's rates, per second.
 RECEIVED_ITEMS_PER_S = 100

@@ -9,8 +9,8 @@ import struct
 
 import pytest
 
-from pipeline.errors import ConsumerNameError, ProtocolError, UntrustedPeerError
-from pipeline.protocol import (
+from pipeline.wire.errors import ConsumerNameError, ProtocolError, UntrustedPeerError
+from pipeline.wire.protocol import (
     MAX_CONSUMER_NAME_LENGTH,
     MAX_MESSAGE_BYTES,
     MAX_REQUEST_BYTES,

@@ -9,13 +9,12 @@ import json
 import os
 from dataclasses import replace
 
+import numpy as np
 import pytest
 from rich.console import Console
 
-import numpy as np
-
-from pipeline.accounting import summarize_results, take_stock
-from pipeline.report import (
+from pipeline.reporting.accounting import summarize_results, take_stock
+from pipeline.reporting.report import (
     build_report,
     format_compact,
     format_count,
@@ -23,8 +22,10 @@ from pipeline.report import (
     render_report,
     write_report_json,
 )
-from pipeline.status import BrokerStatus
-from tests.test_metrics import SAMPLE as SAMPLE_STATUS  # a real status; figures below are from it
+from pipeline.wire.status import BrokerStatus
+from tests.test_metrics import (
+    SAMPLE as SAMPLE_STATUS,  # a real status; figures below are from it
+)
 from tests.test_metrics import SAMPLE_WIRE, status_of
 
 # In the sample, consumer c1 ran items 0..1927 and c0 items 1928..3999.

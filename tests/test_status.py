@@ -9,8 +9,8 @@ from dataclasses import fields
 
 import pytest
 
-from pipeline.errors import ProtocolError
-from pipeline.status import (
+from pipeline.wire.errors import ProtocolError
+from pipeline.wire.status import (
     STATUS_VERSION,
     BrokerStatus,
     ConnectedConsumer,

@@ -8,8 +8,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.accounting import accepted_ids, take_stock
-from pipeline.layouts import ITEM_ID_SEQ_BITS, make_item_id
+from pipeline.reporting.accounting import accepted_ids, take_stock
+from pipeline.wire.layouts import ITEM_ID_SEQ_BITS, make_item_id
 
 
 def ids(producer: int, seqs) -> np.ndarray:

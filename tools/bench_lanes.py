@@ -35,9 +35,9 @@ import os
 import sys
 import time
 from collections import deque
-from itertools import islice
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 # One core: no numpy worker threads (set before numpy is imported).

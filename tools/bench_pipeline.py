@@ -44,9 +44,10 @@ from pipeline.broker.config import BrokerConfig
 from pipeline.consumer.process import ConsumerConfig
 from pipeline.producer.client import BrokerProducer
 from pipeline.producer.signature import signature
-from pipeline.runtime.local import CTX, broker_status as status, start_broker, start_consumer
+from pipeline.runtime.local import CTX, start_broker, start_consumer
 from pipeline.runtime.local import stop_process as stop
-from pipeline.status import BrokerStatus
+from pipeline.wire.client import broker_status as status
+from pipeline.wire.status import BrokerStatus
 
 TOKENS = 256
 SHAPES = 8

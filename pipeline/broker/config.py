@@ -11,8 +11,12 @@ from dataclasses import dataclass, field
 
 from pipeline.broker.lanes import LaneConfig
 from pipeline.broker.packing import Contract
-from pipeline.errors import ConfigError, ContractError
-from pipeline.layouts import DEFAULT_MAX_MODELS, MODEL_ID_LIMIT, descriptor_size_bytes
+from pipeline.wire.errors import ConfigError, ContractError
+from pipeline.wire.layouts import (
+    DEFAULT_MAX_MODELS,
+    MODEL_ID_LIMIT,
+    descriptor_size_bytes,
+)
 from shm.ring import max_body_bytes
 
 RUN_DIR = "run"
@@ -62,7 +66,7 @@ MAX_UNREGISTERED_PEERS = 64
 # status client asks within milliseconds of connecting, a consumer or producer registers).
 UNREGISTERED_TIMEOUT_S = 10.0
 # Partial messages the broker buffers, summed over every connection: requests are at most
-# pipeline.protocol.MAX_REQUEST_BYTES (64 KiB) each, and a few MiB covers every registered
+# pipeline.wire.protocol.MAX_REQUEST_BYTES (64 KiB) each, and a few MiB covers every registered
 # peer sending at once; past it the peer holding the most is refused. Without it, 400
 # connections holding 1 MiB partial messages grew the broker from 35 MB to 449 MB.
 MAX_BUFFERED_BYTES = 4 << 20

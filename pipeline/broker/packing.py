@@ -20,12 +20,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pipeline.errors import ContractError
+from pipeline.wire.errors import ContractError
 
 # SPEC §3: pad-to is the queue's longest item rounded up to a multiple of 8 (engines pad to
 # tensor-core friendly sizes anyway; rounding here makes the budget what the GPU pays).
 PAD_MULTIPLE_TOKENS = 8
-# Model ids are u4 in the frame layout (pipeline.layouts ITEM_HEADER_DTYPE "model").
+# Model ids are u4 in the frame layout (pipeline.wire.layouts ITEM_HEADER_DTYPE "model").
 MAX_MODEL_ID = 2**32 - 1
 
 

@@ -20,12 +20,11 @@ import xxhash
 from pipeline.broker.dispatch import Batch
 from pipeline.broker.ids import ConsumerId
 from pipeline.broker.packing import Contract
-from pipeline.errors import ConfigError
-from pipeline.protocol import MAX_REQUEST_BYTES, MessageReader
-from pipeline.status import ConsumerWork
+from pipeline.wire.errors import ConfigError
+from pipeline.wire.protocol import MAX_REQUEST_BYTES, MessageReader
+from pipeline.wire.status import ConsumerWork
 from shm.objects import named_objects
 from shm.ring import RingReader, RingWriter
-
 
 # The file in a data directory that names its shared-memory namespace (12 hex digits), made
 # once by the first broker (`ensure_namespace`). Random for a fresh data directory: a hash of

@@ -20,11 +20,22 @@ import psutil
 
 from pipeline.broker.config import BrokerConfig
 from pipeline.broker.dispatch import Dispatcher
-from pipeline.broker.peers import Peer, ProducerPeer, producer_ring_ids, producer_ring_name
+from pipeline.broker.peers import (
+    Peer,
+    ProducerPeer,
+    producer_ring_ids,
+    producer_ring_name,
+)
 from pipeline.broker.state import BrokerState
 from pipeline.broker.storage.disk import DiskTier
-from pipeline.errors import BadInputError, DiskFullError, FrameError, ProtocolError, ShmError
-from pipeline.layouts import MAX_PRODUCER_ID, parse_frame
+from pipeline.wire.errors import (
+    BadInputError,
+    DiskFullError,
+    FrameError,
+    ProtocolError,
+    ShmError,
+)
+from pipeline.wire.layouts import MAX_PRODUCER_ID, parse_frame
 from shm.ring import RingReader, SharedRing
 
 log = logging.getLogger("pipeline.broker")

@@ -39,7 +39,7 @@ import numpy as np
 from sortedcontainers import SortedList
 
 from pipeline.broker.ids import ShapeKey
-from pipeline.errors import BadInputError, ShapeGuardError
+from pipeline.wire.errors import BadInputError, ShapeGuardError
 
 # Width of an arrival-time bucket for the starvation bound: a tenth of a second is far finer
 # than any useful bound (seconds to minutes) and keeps the buckets of a shape's backlog few.

@@ -12,8 +12,8 @@ import os
 import time
 from collections.abc import Iterable
 
-from pipeline.errors import PipelineError
-from pipeline.layouts import BROKER_STATE_NAME, MAX_PRODUCER_ID
+from pipeline.wire.errors import PipelineError
+from pipeline.wire.layouts import BROKER_STATE_NAME, MAX_PRODUCER_ID
 
 log = logging.getLogger("pipeline.broker")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 
-from pipeline.errors import PipelineError
+from pipeline.wire.errors import PipelineError
 from shm.objects import Doorbell, ObjectExistsError, StaleObjectError
 
 # The watcher's wait on the doorbell: how long `close` may take to stop it.

@@ -22,8 +22,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
-from pipeline.errors import EntryCompletedError, SegmentCorruptError, SegmentReadError
-from pipeline.layouts import (
+from pipeline.wire.errors import (
+    EntryCompletedError,
+    SegmentCorruptError,
+    SegmentReadError,
+)
+from pipeline.wire.layouts import (
     ENTRY_CHECKSUM_FROM,
     ENTRY_HEADER_SIZE_BYTES,
     ENTRY_HEADER_STRUCT,

@@ -9,7 +9,7 @@ in that key order, written by `result_lines` alone. The *_ns fields are time.mon
 one clock for every process of the machine; done_ns is taken once per call, as a batch's
 lines are formatted, just before they are written. `status` is STATUS_OK, STATUS_TOO_LONG
 (longer than the contract's max input length: no output) or STATUS_CORRUPT (the entry failed
-its checks: no output, no payload). Readers: `pipeline.accounting`.
+its checks: no output, no payload). Readers: `pipeline.reporting.accounting`.
 
 Writes go straight to the file with os.write on an O_APPEND descriptor, without Python's
 buffering: once `write` returns, the batch's lines are in the page cache (they survive a
@@ -24,7 +24,7 @@ written before is touched.
 
 A torn tail (a process killed in the middle of a write, or a write cut short by an older
 version) is terminated with a newline when the file is opened: the torn line stays as the
-evidence, and readers count it as a bad line (`pipeline.accounting`). Bytes a previous run
+evidence, and readers count it as a bad line (`pipeline.reporting.accounting`). Bytes a previous run
 wrote are never truncated. If even that one newline does not fit (the disk is full), it goes
 in front of the next write, which is all or nothing as any other.
 
@@ -44,8 +44,12 @@ import time
 from collections.abc import Sequence
 from itertools import chain
 
-from pipeline.errors import ResultsDiskFullError, ResultsFileError, ResultsWriteError
-from pipeline.layouts import Descriptor
+from pipeline.wire.errors import (
+    ResultsDiskFullError,
+    ResultsFileError,
+    ResultsWriteError,
+)
+from pipeline.wire.layouts import Descriptor
 
 # Every results file is owner-only, whatever the umask (SPEC §7, §12).
 RESULTS_FILE_MODE = 0o600

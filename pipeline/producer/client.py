@@ -19,9 +19,13 @@ import time
 
 import numpy as np
 
-from pipeline.producer.producer import DEFAULT_RING_CAPACITY_BYTES, Producer, ProducerLimits
-from pipeline.errors import ProducerRefusedError, ProtocolError
-from pipeline.protocol import RECONNECT_FIRST_S, RECONNECT_MAX_S, Connection
+from pipeline.producer.producer import (
+    DEFAULT_RING_CAPACITY_BYTES,
+    Producer,
+    ProducerLimits,
+)
+from pipeline.wire.errors import ProducerRefusedError, ProtocolError
+from pipeline.wire.protocol import RECONNECT_FIRST_S, RECONNECT_MAX_S, Connection
 from shm.ring import RingWriter
 
 # How often `wait_stored` looks at the ring's read position.

@@ -6,8 +6,8 @@
     ids = producer.submit_many(model=0, signature=sig, tokens=flat_ids, lengths=lengths)
 
 Every item gets a unique item id ((producer_id << 40) | seq) and a per-producer sequence
-number, and lands in a frame (see `pipeline.layouts`). Bad input raises a typed error from
-`pipeline.errors` and writes nothing: everything is validated before the first byte goes
+number, and lands in a frame (see `pipeline.wire.layouts`). Bad input raises a typed error from
+`pipeline.wire.errors` and writes nothing: everything is validated before the first byte goes
 into the ring.
 """
 
@@ -19,7 +19,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.errors import (
+from pipeline.producer.signature import (
+    INT32_MAX,
+    INT32_MIN,
+    UINT64_MAX,
+    check_signature,
+)
+from pipeline.wire.errors import (
     BadInputError,
     ItemTooLongError,
     ModelIdError,
@@ -28,7 +34,7 @@ from pipeline.errors import (
     SignatureError,
     TokenArrayError,
 )
-from pipeline.layouts import (
+from pipeline.wire.layouts import (
     DEFAULT_MAX_MODELS,
     FRAME_HEADER_SIZE_BYTES,
     FRAME_HEADER_STRUCT,
@@ -45,7 +51,6 @@ from pipeline.layouts import (
     frame_size_bytes,
     make_item_id,
 )
-from pipeline.producer.signature import INT32_MAX, INT32_MIN, UINT64_MAX, check_signature
 from shm.ring import RingWriter
 
 # 256 Ki tokens: above the longest prompt in the Mooncake trace (191,378 tokens) and the

@@ -21,7 +21,7 @@ from typing import NewType, Union
 import numpy as np
 import xxhash
 
-from pipeline.errors import SignatureError, TokenArrayError
+from pipeline.wire.errors import SignatureError, TokenArrayError
 
 Signature = NewType("Signature", int)
 

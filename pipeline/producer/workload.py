@@ -44,11 +44,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.errors import WorkloadError
-from pipeline.textfiles import bounded_lines, file_kind
 from pipeline.producer.producer import ProducerLimits
 from pipeline.producer.signature import INT32_MAX, INT32_MIN
 from pipeline.producer.signature import signature as shape_signature
+from pipeline.wire.errors import WorkloadError
+from pipeline.wire.textfiles import bounded_lines, file_kind
 
 # Tokens per Mooncake block: the trace's hash ids name blocks of 512 tokens (its README).
 MOONCAKE_BLOCK_TOKENS = 512

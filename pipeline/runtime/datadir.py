@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import stat
 
-from pipeline.errors import DataDirError
+from pipeline.wire.errors import DataDirError
 
 # Directories and files of a data directory: owner-only (SPEC §7, §12).
 DIRECTORY_MODE = 0o700

@@ -39,8 +39,8 @@ import numpy as np
 from pipeline.broker.peers import namespace_for, producer_ring_ids, producer_ring_name
 from pipeline.broker.storage.inspect import live_items
 from pipeline.broker.storage.paths import iter_segments
-from pipeline.errors import FrameError, ShmError
-from pipeline.layouts import parse_frame
+from pipeline.wire.errors import FrameError, ShmError
+from pipeline.wire.layouts import parse_frame
 from shm.ring import unreleased_records
 
 # A ledger slot not written yet (its producer has not registered).

@@ -45,18 +45,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import psutil
 
-from pipeline.accounting import Stock, summarize_results, take_stock
 from pipeline.consumer.process import ConsumerConfig
-from pipeline.runtime.tables import (
-    BROKER_OWN_OPTIONS,
-    CONSUMER_OWN_OPTIONS,
-    broker_config,
-    consumer_settings,
-    non_defaults,
-    shown,
-)
-from pipeline.errors import PipelineError
 from pipeline.producer.workload import Workload
+from pipeline.reporting.accounting import Stock, summarize_results, take_stock
 from pipeline.runtime.gpus import detect_gpus
 from pipeline.runtime.inventory import (
     ProducerLedger,
@@ -69,18 +60,27 @@ from pipeline.runtime.inventory import (
 from pipeline.runtime.local import (
     CTX,
     STOP_POLL_S,
-    broker_status,
     own_process_group,
     remove_leftovers,
-    start_child,
     start_broker,
+    start_child,
     start_consumer,
     stop_process,
 )
 from pipeline.runtime.processes import memory_tier_dir
 from pipeline.runtime.settings import DEFAULT_CPU_CONSUMERS, LaunchSettings
 from pipeline.runtime.signals import stop_on_signals
-from pipeline.status import BrokerStatus
+from pipeline.runtime.tables import (
+    BROKER_OWN_OPTIONS,
+    CONSUMER_OWN_OPTIONS,
+    broker_config,
+    consumer_settings,
+    non_defaults,
+    shown,
+)
+from pipeline.wire.client import broker_status
+from pipeline.wire.errors import PipelineError
+from pipeline.wire.status import BrokerStatus
 
 log = logging.getLogger("pipeline.launch")
 
@@ -308,7 +308,7 @@ class Launcher:
         self.taken_over = self._earlier_work()
         self.broker = start_broker(self.config, s.storage, s.durability)
         if s.metrics_port is not None:
-            from pipeline.metrics import MetricsServer
+            from pipeline.reporting.metrics import MetricsServer
 
             socket_path = self.config.socket_path
             self.metrics = MetricsServer.start(s.metrics_port, lambda: broker_status(socket_path))
@@ -474,7 +474,7 @@ class Launcher:
             self.keep_data_dir = True  # a failure must not discard work: say how to finish it
         kept = durable and (not self._own_data_dir or self.keep_data_dir)
         self._clean_up(rings, keep_rings=kept)
-        from pipeline.report import build_report
+        from pipeline.reporting.report import build_report
 
         again = np.fromiter(results.item_ids, dtype=np.uint64, count=len(results.item_ids))
         report = build_report(final, results, wall_s, stock=stock, store_kept=kept,

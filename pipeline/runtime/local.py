@@ -14,12 +14,10 @@ import sys
 import time
 from collections.abc import Callable
 
-from pipeline.broker.peers import namespace_for, object_prefix
 from pipeline.broker.config import BrokerConfig
+from pipeline.broker.peers import namespace_for, object_prefix
 from pipeline.consumer.process import ConsumerConfig
-from pipeline.protocol import Connection
 from pipeline.runtime.processes import serve_broker, serve_consumer
-from pipeline.status import BrokerStatus
 from shm.objects import named_objects, unlink_quietly
 
 CTX = mp.get_context("fork")
@@ -101,22 +99,6 @@ def start_consumer(config: ConsumerConfig):
     process = CTX.Process(target=_consumer_main, args=(config,), name=f"consumer-{config.name}")
     start_child(process)
     return process
-
-
-def broker_status(socket_path: str, timeout_s: float = 5.0) -> BrokerStatus:
-    """The broker's status (the `status` request); ProtocolError for a reply of another
-    version or one this version cannot read."""
-    reply = _ask_broker(socket_path, {"type": "status"}, timeout_s)
-    return BrokerStatus.from_wire(reply["counters"], version=reply["version"])
-
-
-def _ask_broker(socket_path: str, message: dict, timeout_s: float) -> dict:
-    """One request on a connection of its own, and the broker's reply."""
-    conn = Connection.connect(socket_path, timeout_s)
-    try:
-        return conn.request(message, timeout_s)
-    finally:
-        conn.close()
 
 
 # How often a stop checks whether it must turn forceful.

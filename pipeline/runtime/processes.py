@@ -25,16 +25,21 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pipeline.broker.peers import ensure_namespace, namespace_for, object_prefix
 from pipeline.broker.config import BrokerConfig
+from pipeline.broker.peers import ensure_namespace, namespace_for, object_prefix
 from pipeline.broker.service import Broker
 from pipeline.broker.state import lock_run_dir
 from pipeline.broker.storage.disk import DiskTier
 from pipeline.consumer.process import Consumer, ConsumerConfig
-from pipeline.errors import ConfigError, DurabilityError, PipelineError, ShapeGuardError
-from pipeline.layouts import BROKER_STATE_NAME
 from pipeline.runtime.datadir import owner_only_umask, prepare_data_dir
 from pipeline.runtime.signals import stop_on_signals
+from pipeline.wire.errors import (
+    ConfigError,
+    DurabilityError,
+    PipelineError,
+    ShapeGuardError,
+)
+from pipeline.wire.layouts import BROKER_STATE_NAME
 
 log = logging.getLogger("pipeline")
 
@@ -188,8 +193,8 @@ def _start_metrics(port: int | None, socket_path: str):
     so the HTTP thread never touches the loop's state."""
     if port is None:
         return None
-    from pipeline.metrics import MetricsServer
-    from pipeline.runtime.local import broker_status
+    from pipeline.reporting.metrics import MetricsServer
+    from pipeline.wire.client import broker_status
 
     server = MetricsServer.start(port, lambda: broker_status(socket_path))
     log.info("metrics on http://127.0.0.1:%d/metrics", server.port)

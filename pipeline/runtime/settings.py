@@ -30,9 +30,14 @@ import tomllib
 from dataclasses import dataclass, field, fields, replace
 
 from pipeline.broker.config import MAX_CONSUMERS, MAX_PRODUCERS
-from pipeline.errors import SettingsError
-from pipeline.runtime.tables import PROCESS_TABLES, broker_config, consumer_settings, merged
-from pipeline.layouts import MAX_SEQ
+from pipeline.runtime.tables import (
+    PROCESS_TABLES,
+    broker_config,
+    consumer_settings,
+    merged,
+)
+from pipeline.wire.errors import SettingsError
+from pipeline.wire.layouts import MAX_SEQ
 
 # The demo: enough items to show lanes, shape switches and a warm cache, and short enough to
 # finish in seconds on a 2-core machine (issue 6: well under a minute including start-up).

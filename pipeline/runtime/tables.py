@@ -28,7 +28,7 @@ from typing import Any
 
 from pipeline.broker.config import BrokerConfig
 from pipeline.consumer.process import ConsumerConfig
-from pipeline.errors import BadInputError, ConfigError, SettingsError
+from pipeline.wire.errors import BadInputError, ConfigError, SettingsError
 
 # Fields of the processes' settings objects that come from options of their own, never a table.
 BROKER_OWN_OPTIONS = frozenset({"data_dir"})

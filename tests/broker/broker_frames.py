@@ -1,4 +1,4 @@
-"""Builds producer frames (pipeline.layouts) for the broker tests, without a ring."""
+"""Builds producer frames (pipeline.wire.layouts) for the broker tests, without a ring."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pipeline.layouts import (
+from pipeline.wire.layouts import (
     FRAME_HEADER_SIZE_BYTES,
     FRAME_HEADER_STRUCT,
     FRAME_MAGIC,

@@ -16,7 +16,7 @@ from pipeline.broker.storage.inspect import verify
 from pipeline.broker.storage.paths import catalog_path
 from pipeline.broker.storage.segment import Durability, encode_entries, scan_segment
 from pipeline.broker.storage.segments import SegmentStore
-from pipeline.layouts import CATALOG_RECORD_SIZE_BYTES
+from pipeline.wire.layouts import CATALOG_RECORD_SIZE_BYTES
 from tests.broker.test_segment import make_items
 
 LANE = LaneKey(0, 0xC1, LaneId(0))

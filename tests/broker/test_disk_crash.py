@@ -42,7 +42,7 @@ from pipeline.broker.storage import AppendGroup, DiskTier, Durability, crashpoin
 from pipeline.broker.storage.inspect import verify
 from pipeline.broker.storage.paths import iter_segments
 from pipeline.broker.storage.segment import scan_segment
-from pipeline.layouts import ENTRY_HEADER_SIZE_BYTES, ENTRY_LIVE, make_item_id
+from pipeline.wire.layouts import ENTRY_HEADER_SIZE_BYTES, ENTRY_LIVE, make_item_id
 
 PRODUCERS = 3
 SHAPES = [(0, 0x51), (0, 0x52), (1, 0x53)]

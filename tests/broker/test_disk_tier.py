@@ -26,8 +26,8 @@ from pipeline.broker.storage.paths import iter_segments, segment_path
 from pipeline.broker.storage.queues import StoredSeqs
 from pipeline.broker.storage.scan import boundary_checksum
 from pipeline.broker.storage.segment import scan_segment
-from pipeline.errors import DiskFullError, DurabilityError
-from pipeline.layouts import ENTRY_HEADER_SIZE_BYTES, ProducerId
+from pipeline.wire.errors import DiskFullError, DurabilityError
+from pipeline.wire.layouts import ENTRY_HEADER_SIZE_BYTES, ProducerId
 
 LANE_A = LaneKey(0, 0xA1, LaneId(0))
 LANE_B = LaneKey(0, 0xA1, LaneId(1))
@@ -519,7 +519,7 @@ def test_a_recovered_lane_beyond_the_lane_budget_is_refused_by_name(tmp_path):
     lanes cannot hold the lane id, so recovery refuses it with the lane and its items named,
     a one-line start failure, never an assert."""
     from pipeline.broker.lanes import LaneConfig
-    from pipeline.errors import StorageError
+    from pipeline.wire.errors import StorageError
 
     data_dir = str(tmp_path / "data")
     tier = DiskTier.open(data_dir)

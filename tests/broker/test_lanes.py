@@ -11,11 +11,17 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_lanes_audit import AuditedLanes
 
 from pipeline.broker.ids import LaneId
-from pipeline.broker.lanes import MAX_LENGTH_TOKENS, LaneCounters, ShapeLanes, TickResult, WasteMeasure
-from pipeline.errors import BadInputError
-from test_lanes_audit import AuditedLanes
+from pipeline.broker.lanes import (
+    MAX_LENGTH_TOKENS,
+    LaneCounters,
+    ShapeLanes,
+    TickResult,
+    WasteMeasure,
+)
+from pipeline.wire.errors import BadInputError
 
 DETERMINISTIC = settings(
     derandomize=True,

@@ -10,10 +10,10 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
+from test_lane_queues import check_windows
 
 from pipeline.broker.ids import LaneId
 from pipeline.broker.lanes import LaneConfig, ShapeLanes, TickResult
-from test_lane_queues import check_windows
 
 
 class AuditedLanes:

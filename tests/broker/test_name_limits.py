@@ -16,8 +16,8 @@ from pipeline.broker.storage.inspect import verify
 from pipeline.broker.storage.paths import list_store
 from pipeline.broker.storage.segment import encode_entries
 from pipeline.broker.storage.segments import SegmentStore
-from pipeline.errors import BadInputError, SegmentNameError
-from pipeline.layouts import LANE_ID_LIMIT, MODEL_ID_LIMIT, SEGMENT_SEQ_LIMIT
+from pipeline.wire.errors import BadInputError, SegmentNameError
+from pipeline.wire.layouts import LANE_ID_LIMIT, MODEL_ID_LIMIT, SEGMENT_SEQ_LIMIT
 from tests.broker.test_segment import make_items
 
 

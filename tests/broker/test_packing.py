@@ -18,7 +18,7 @@ from pipeline.broker.packing import (
     pad_to_tokens,
     within_contract,
 )
-from pipeline.errors import BadInputError, ContractError
+from pipeline.wire.errors import BadInputError, ContractError
 
 DETERMINISTIC = settings(derandomize=True, database=None, deadline=None, max_examples=300)
 

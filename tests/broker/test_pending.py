@@ -1,4 +1,4 @@
-"""The pending map (pipeline/broker/pending.py) against a plain reference written here.
+"""The pending map (pipeline/broker/storage/pending.py) against a plain reference written here.
 Deterministic: hypothesis is derandomised, stress runs are seeded."""
 
 from __future__ import annotations
@@ -8,9 +8,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.broker.ids import BatchId, ConsumerId, EntryRef, LaneKey, LaneId, SegmentId
-from pipeline.broker.pending import PendingMap, ReturnedRun
-from pipeline.errors import BadInputError, NotHeldError
+from pipeline.broker.ids import (
+    BatchId,
+    ConsumerId,
+    EntryRef,
+    LaneId,
+    LaneKey,
+    SegmentId,
+)
+from pipeline.broker.storage.pending import PendingMap, ReturnedRun
+from pipeline.wire.errors import BadInputError, NotHeldError
 
 DETERMINISTIC = settings(derandomize=True, database=None, deadline=None, max_examples=200)
 LANES = [LaneKey(0, 11, LaneId(0)), LaneKey(0, 11, LaneId(1)), LaneKey(1, 22, LaneId(0))]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from pipeline.broker.packing import Contract
 from pipeline.broker.consumers import RoutedTotals
+from pipeline.broker.packing import Contract
 
 
 def batch(items: int, pad_to: int):

@@ -14,7 +14,7 @@ from pipeline.broker.storage.paths import QUARANTINE_DIR, iter_segments
 from pipeline.broker.storage.scan import boundary_checksum
 from pipeline.broker.storage.segment import Durability, encode_entries, scan_segment
 from pipeline.broker.storage.segments import SegmentStore
-from pipeline.layouts import SEGMENT_HEADER_SIZE_BYTES
+from pipeline.wire.layouts import SEGMENT_HEADER_SIZE_BYTES
 from tests.broker.test_segment import make_items
 
 LANES = [LaneKey(0, 0xA1, LaneId(0)), LaneKey(0, 0xA1, LaneId(1)), LaneKey(2, 0xB2, LaneId(0))]

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from pipeline.broker.ids import ShapeKey
 from pipeline.broker.selection import ShapeSelector, SwitchReason
-from pipeline.errors import BadInputError, PipelineError, ShapeGuardError
+from pipeline.wire.errors import BadInputError, PipelineError, ShapeGuardError
 
 DETERMINISTIC = settings(derandomize=True, database=None, deadline=None, max_examples=200)
 SHAPES = [ShapeKey(0, 5), ShapeKey(0, 9), ShapeKey(0, 2), ShapeKey(1, 5), ShapeKey(1, 7)]

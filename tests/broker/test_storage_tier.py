@@ -17,9 +17,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.broker.ids import BatchId, ConsumerId, LaneId, LaneKey
-from pipeline.broker.storage import AppendGroup, DiskTier, Durability, Peeked, StorageTier
-from pipeline.errors import NotHeldError, StaleBatchError
-from pipeline.layouts import ProducerId
+from pipeline.broker.storage import (
+    AppendGroup,
+    DiskTier,
+    Durability,
+    Peeked,
+    StorageTier,
+)
+from pipeline.wire.errors import NotHeldError, StaleBatchError
+from pipeline.wire.layouts import ProducerId
 
 DETERMINISTIC = settings(derandomize=True, database=None, deadline=None, max_examples=150)
 LANES = [LaneKey(0, 0xAB, LaneId(0)), LaneKey(0, 0xAB, LaneId(1)), LaneKey(2, 0xCD, LaneId(0))]

@@ -18,11 +18,17 @@ from click.testing import CliRunner
 from pipeline.broker.storage import DiskTier
 from pipeline.broker.storage.inspect import verify
 from pipeline.broker.storage.paths import make_dirs, segment_path
-from pipeline.broker.storage.segment import Durability, SegmentFile, SegmentKeys, encode_entries, scan_segment
+from pipeline.broker.storage.segment import (
+    Durability,
+    SegmentFile,
+    SegmentKeys,
+    encode_entries,
+    scan_segment,
+)
 from pipeline.broker.storage.segments import SegmentStore
 from pipeline.cli import main
-from pipeline.errors import StoreReadError
-from pipeline.layouts import CATALOG_FILE
+from pipeline.wire.errors import StoreReadError
+from pipeline.wire.layouts import CATALOG_FILE
 from tests.broker.test_segment import make_items
 
 TOOLS = os.path.join(os.path.dirname(__file__), "..", "..", "tools")

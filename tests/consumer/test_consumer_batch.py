@@ -11,8 +11,13 @@ import numpy as np
 from pipeline.broker.storage.segment import scan_segment
 from pipeline.consumer.process import CORRUPT_KEY, Consumer, ConsumerConfig
 from pipeline.consumer.reader import SegmentReader
-from pipeline.layouts import DESCRIPTOR_ITEM_DTYPE, descriptor_size_bytes, parse_descriptor, write_descriptor
-from pipeline.status import ConsumerWork
+from pipeline.wire.layouts import (
+    DESCRIPTOR_ITEM_DTYPE,
+    descriptor_size_bytes,
+    parse_descriptor,
+    write_descriptor,
+)
+from pipeline.wire.status import ConsumerWork
 from tests.consumer.test_reader import SIG, store
 
 
@@ -64,7 +69,7 @@ def test_consumer_pins_its_gpu(tmp_path, monkeypatch):
 
 def test_result_lines_of_outputs_of_any_width_parse_as_json():
     from pipeline.consumer.results import STATUS_OK, STATUS_TOO_LONG, result_lines
-    from pipeline.layouts import Descriptor
+    from pipeline.wire.layouts import Descriptor
 
     d = Descriptor(batch_id=3, signature=SIG, model=0, pad_to_tokens=16, dispatch_ns=9, items=np.zeros(0))
     ids, submits, lengths, payloads = [1, 2], [5, 6], [10, 12], [b"", b"x%y"]

@@ -18,12 +18,19 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pipeline.accounting import summarize_results
 from pipeline.broker.config import BrokerConfig
 from pipeline.consumer.process import ConsumerConfig
+from pipeline.reporting.accounting import summarize_results
 from pipeline.runtime.local import start_consumer
 from tests.consumer.tmpfs import fill, small_tmpfs
-from tests.pipeline.harness import Workload, produce, start_broker, status, stop, wait_until
+from tests.pipeline.harness import (
+    Workload,
+    produce,
+    start_broker,
+    status,
+    stop,
+    wait_until,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE_BYTES = 4096
@@ -33,7 +40,7 @@ WAIT_S = 60.0
 # status, with a config the command line does not expose (the full-disk waits).
 CONSUMER_MAIN = (
     "import json, sys\n"
-    "from pipeline.launch_cli import setup_logging\n"
+    "from pipeline.cli.launch import setup_logging\n"
     "from pipeline.consumer.process import ConsumerConfig\n"
     "from pipeline.runtime.processes import serve_consumer\n"
     "setup_logging(True)\n"

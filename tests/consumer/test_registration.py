@@ -11,8 +11,8 @@ import threading
 import pytest
 
 from pipeline.consumer.process import Consumer, ConsumerConfig
-from pipeline.errors import RegistrationRefusedError
-from pipeline.protocol import MessageReader, encode
+from pipeline.wire.errors import RegistrationRefusedError
+from pipeline.wire.protocol import MessageReader, encode
 
 # Connections after which the test stops a consumer that keeps retrying (a regression would
 # otherwise retry forever).

@@ -9,13 +9,20 @@ import os
 
 import numpy as np
 
-from pipeline.accounting import reconcile, summarize_results, take_stock
 from pipeline.broker.config import BrokerConfig
-from pipeline.layouts import parse_descriptor
-from pipeline.protocol import Connection
+from pipeline.reporting.accounting import reconcile, summarize_results, take_stock
 from pipeline.runtime.inventory import store_stock
+from pipeline.wire.layouts import parse_descriptor
+from pipeline.wire.protocol import Connection
 from shm.ring import RingReader
-from tests.pipeline.harness import Workload, start_broker, start_producer, status, stop, wait_until
+from tests.pipeline.harness import (
+    Workload,
+    start_broker,
+    start_producer,
+    status,
+    stop,
+    wait_until,
+)
 
 
 def test_results_of_a_consumer_that_died_before_completing_count_once(tmp_path):

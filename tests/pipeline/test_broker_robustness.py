@@ -12,16 +12,16 @@ import numpy as np
 import pytest
 
 from pipeline.broker.config import BrokerConfig
-from pipeline.errors import ProtocolError
 from pipeline.producer.client import BrokerProducer
-from pipeline.protocol import Connection
 from pipeline.runtime.local import start_broker as start_broker_process
-from pipeline.runtime.processes import memory_tier_dir, open_storage
-from shm.ring import RingWriter
 from pipeline.runtime.local import start_consumer
-from tests.runtime.runs import shm_objects_of
+from pipeline.runtime.processes import memory_tier_dir, open_storage
+from pipeline.wire.errors import ProtocolError
+from pipeline.wire.protocol import Connection
+from shm.ring import RingWriter
 from tests.pipeline.harness import read_results, start_broker, status, stop, wait_until
 from tests.pipeline.test_end_to_end import consumer_config
+from tests.runtime.runs import shm_objects_of
 
 TOKENS = np.arange(300, dtype=np.int32)
 

@@ -14,11 +14,11 @@ import psutil
 import pytest
 
 from pipeline.broker.config import MAX_BUFFERED_BYTES, BrokerConfig
-from pipeline.protocol import MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES, Connection
 from pipeline.runtime.local import CTX, own_process_group
 from pipeline.runtime.local import start_broker as start_broker_process
 from pipeline.runtime.processes import serve_broker
-from pipeline.status import BrokerStatus
+from pipeline.wire.protocol import MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES, Connection
+from pipeline.wire.status import BrokerStatus
 from tests.pipeline.harness import status, stop, wait_until
 
 REGISTER = {"type": "register_consumer", "model": 0, "max_batch_items": 8, "max_batch_tokens": 4096,

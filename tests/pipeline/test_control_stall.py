@@ -10,7 +10,15 @@ from collections import Counter
 
 from pipeline.broker.config import BrokerConfig
 from pipeline.runtime.local import start_consumer
-from tests.pipeline.harness import Workload, read_results, start_broker, start_producer, status, stop, wait_until
+from tests.pipeline.harness import (
+    Workload,
+    read_results,
+    start_broker,
+    start_producer,
+    status,
+    stop,
+    wait_until,
+)
 from tests.pipeline.test_end_to_end import consumer_config
 
 HEARTBEAT_TIMEOUT_S = 1.0
@@ -54,8 +62,8 @@ def test_a_broker_whose_every_turn_is_slow_still_evicts_a_hung_consumer(tmp_path
     Counted in turns, not seconds: each turn is padded to more than the stall gap."""
     from pipeline.broker.service import Broker
     from pipeline.broker.state import lock_run_dir
-    from pipeline.protocol import Connection
     from pipeline.runtime.processes import open_storage
+    from pipeline.wire.protocol import Connection
 
     data = str(tmp_path / "data")
     config = BrokerConfig(data, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)

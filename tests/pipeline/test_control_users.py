@@ -21,11 +21,11 @@ from dataclasses import dataclass
 
 import pytest
 
-from pipeline.broker.peers import doorbell_name, ensure_namespace, namespace_for
 from pipeline.broker.config import BrokerConfig
-from pipeline.errors import UntrustedPeerError
-from pipeline.protocol import Connection
+from pipeline.broker.peers import doorbell_name, ensure_namespace, namespace_for
 from pipeline.runtime.local import start_broker as start_broker_process
+from pipeline.wire.errors import UntrustedPeerError
+from pipeline.wire.protocol import Connection
 from shm.errors import StaleObjectError
 from shm.objects import Doorbell, open_semaphore, semaphore_path, unlink_quietly
 from tests.pipeline.harness import status, stop

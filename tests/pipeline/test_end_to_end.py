@@ -18,14 +18,14 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from pipeline.accounting import reconcile, summarize_results, take_stock
-from pipeline.runtime.inventory import store_stock
-from pipeline.broker.peers import namespace_for
 from pipeline.broker.config import BrokerConfig
+from pipeline.broker.peers import namespace_for
 from pipeline.consumer.process import ConsumerConfig
-from pipeline.errors import ProtocolError
-from pipeline.protocol import Connection
+from pipeline.reporting.accounting import reconcile, summarize_results, take_stock
+from pipeline.runtime.inventory import store_stock
 from pipeline.runtime.local import start_consumer
+from pipeline.wire.errors import ProtocolError
+from pipeline.wire.protocol import Connection
 from tests.pipeline.harness import (
     Workload,
     batches_of,

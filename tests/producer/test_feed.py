@@ -9,12 +9,13 @@ import os
 import numpy as np
 import pytest
 
-from pipeline.broker.peers import namespace_for
 from pipeline.broker.config import BrokerConfig
+from pipeline.broker.peers import namespace_for
 from pipeline.producer.client import BrokerProducer
 from pipeline.producer.feed import FeedTotals, feed
 from pipeline.producer.workload import WorkItem, load_workload
-from pipeline.runtime.local import broker_status, start_broker, stop_process
+from pipeline.runtime.local import start_broker, stop_process
+from pipeline.wire.client import broker_status
 
 PREFIXES = [np.array([1, 2, 3], dtype=np.int32), np.array([4, 5], dtype=np.int32)]
 

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.errors import (
+from pipeline.producer import Producer, ProducerLimits, signature
+from pipeline.wire.errors import (
     BadInputError,
     FrameError,
     ItemTooLongError,
@@ -20,8 +21,7 @@ from pipeline.errors import (
     StaleObjectError,
     TokenArrayError,
 )
-from pipeline.layouts import ITEM_ID_SEQ_BITS, parse_frame
-from pipeline.producer import Producer, ProducerLimits, signature
+from pipeline.wire.layouts import ITEM_ID_SEQ_BITS, parse_frame
 from shm.objects import create_shared_memory
 from shm.ring import HEADER_SIZE_BYTES, RingReader, RingWriter
 

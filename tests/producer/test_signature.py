@@ -8,7 +8,6 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.errors import SignatureError, TokenArrayError
 from pipeline.producer.signature import (
     SIGNATURE_SEED,
     check_signature,
@@ -16,6 +15,7 @@ from pipeline.producer.signature import (
     reduce_hashes,
     signature,
 )
+from pipeline.wire.errors import SignatureError, TokenArrayError
 
 SYSTEM = b"You are a helpful assistant."
 FEWSHOT = np.array([101, 2023, 2003, 1037, 7099, 102], dtype=np.int32)

@@ -13,7 +13,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.errors import BadInputError, WorkloadError
 from pipeline.producer import ProducerLimits, signature
 from pipeline.producer.workload import (
     BLOCK_STREAM,
@@ -27,6 +26,7 @@ from pipeline.producer.workload import (
     shared_block_runs,
 )
 from pipeline.producer.workload import MOONCAKE_BLOCK_TOKENS as BLOCK
+from pipeline.wire.errors import BadInputError, WorkloadError
 
 SMALL = ProducerLimits(max_item_tokens=1000, max_payload_bytes=100, max_models=4)
 WORKLOADS = Path(__file__).resolve().parents[2].parent / "shared" / "workloads"

@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from pipeline.status import STATUS_VERSION
+from pipeline.wire.status import STATUS_VERSION
 from tests.runtime.runs import shm_objects_of
 from tests.runtime.test_launch import ROOT, RUN_TIMEOUT_S
 

@@ -14,7 +14,7 @@ import sys
 import psutil
 import pytest
 
-from pipeline.accounting import summarize_results
+from pipeline.reporting.accounting import summarize_results
 from tests.consumer.tmpfs import fill, small_tmpfs
 from tests.runtime.runs import shm_objects_of, wait_for
 from tests.runtime.test_launch import ROOT, RUN_TIMEOUT_S

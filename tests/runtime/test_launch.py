@@ -22,10 +22,10 @@ import pytest
 from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 
-from pipeline.accounting import summarize_results
 from pipeline.cli import main
-from pipeline.runtime.local import broker_status
+from pipeline.reporting.accounting import summarize_results
 from pipeline.runtime.processes import memory_tier_dir
+from pipeline.wire.client import broker_status
 from tests.runtime.runs import free_port, shm_objects_of, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -20,10 +20,16 @@ import sys
 import psutil
 import pytest
 
-from pipeline.accounting import summarize_results
-from pipeline.layouts import make_item_id
+from pipeline.reporting.accounting import summarize_results
+from pipeline.wire.layouts import make_item_id
 from tests.runtime.runs import shm_objects_of
-from tests.runtime.test_launch import ROOT, RUN_TIMEOUT_S, interrupt, launch, while_running
+from tests.runtime.test_launch import (
+    ROOT,
+    RUN_TIMEOUT_S,
+    interrupt,
+    launch,
+    while_running,
+)
 
 # A run long enough to be stopped in the middle: consumers that take 2 us per padded token.
 ITEMS = 6000
@@ -38,7 +44,7 @@ def start_launch(tmp_path, *args: str, env: dict | None = None) -> subprocess.Po
 
 
 def received(data: str) -> int:
-    from pipeline.runtime.local import broker_status
+    from pipeline.wire.client import broker_status
 
     try:
         return broker_status(os.path.join(data, "run", "broker.sock"), timeout_s=1.0).items_received

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.errors import SettingsError
 from pipeline.runtime.settings import DEMO_ITEMS, LaunchSettings
+from pipeline.wire.errors import SettingsError
 
 
 def write(tmp_path, text: str) -> str:

@@ -7,9 +7,6 @@ import pytest
 
 from pipeline.broker.config import MAX_AGE_BOUND_S
 from pipeline.broker.lanes import LaneConfig, WasteMeasure
-from pipeline.errors import SettingsError
-from pipeline.layouts import LANE_ID_LIMIT
-from pipeline.protocol import MAX_CREDIT_BATCHES
 from pipeline.runtime.settings import LaunchSettings
 from pipeline.runtime.tables import (
     MAX_KEY_PARTS,
@@ -19,6 +16,9 @@ from pipeline.runtime.tables import (
     non_defaults,
     parse_assignments,
 )
+from pipeline.wire.errors import SettingsError
+from pipeline.wire.layouts import LANE_ID_LIMIT
+from pipeline.wire.protocol import MAX_CREDIT_BATCHES
 
 
 def test_assignments_nest_by_their_dots_and_read_toml_values():

@@ -9,6 +9,7 @@ import os
 
 import pytest
 
+from shm.errors import ObjectExistsError, ObjectMissingError, ShmError, StaleObjectError
 from shm.objects import (
     DEV_SHM,
     MAX_NAME_LENGTH,
@@ -21,7 +22,6 @@ from shm.objects import (
     semaphore_path,
     unlink_quietly,
 )
-from shm.errors import ObjectExistsError, ObjectMissingError, ShmError, StaleObjectError
 
 
 def test_object_names_are_per_run_and_checked():

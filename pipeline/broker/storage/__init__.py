@@ -3,8 +3,8 @@
 One tier with two places to live: a data directory on disk (durable) or on tmpfs (the
 broker's `--storage memory`: the same files in RAM).
 
-Storage imports layouts and errors (and the broker's pure ids and pending map), never the
-process loop.
+Storage imports the wire (layouts, errors, status vocabulary), shm and the broker's leaf
+`ids.py`, never the policy or the process loop (ARCHITECTURE.md's rules, tested).
 """
 
 from pipeline.broker.storage.base import (

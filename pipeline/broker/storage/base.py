@@ -64,8 +64,8 @@ from itertools import repeat
 import numpy as np
 
 from pipeline.broker.ids import BatchId, ConsumerId, EntryRef, LaneKey
-from pipeline.broker.pending import Completion
-from pipeline.layouts import Frame, ItemId, ProducerId
+from pipeline.broker.storage.pending import Completion
+from pipeline.wire.layouts import Frame, ItemId, ProducerId
 
 
 @dataclass(frozen=True, slots=True)

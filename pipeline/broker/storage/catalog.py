@@ -1,7 +1,7 @@
 """The segment catalog (DATA_DIR/segments.catalog): the broker's record of what it stored, so
 that a segment file that disappears is noticed (a MISSING segment), never silently forgotten.
 
-One record (CATALOG_RECORD_DTYPE in `pipeline.layouts`) per segment lifecycle event, never
+One record (CATALOG_RECORD_DTYPE in `pipeline.wire.layouts`) per segment lifecycle event, never
 per item: created, sealed (with its entry count), deleted, quarantined. Order against the
 files, so that every crash leaves the catalog no more than one step behind in the safe
 direction:
@@ -36,8 +36,8 @@ import numpy as np
 import xxhash
 
 from pipeline.broker.storage.scan import SegmentKeys
-from pipeline.errors import DiskFullError, DurabilityError, StoreReadError
-from pipeline.layouts import (
+from pipeline.wire.errors import DiskFullError, DurabilityError, StoreReadError
+from pipeline.wire.layouts import (
     CATALOG_CHECKSUM_FROM,
     CATALOG_COUNT_UNKNOWN,
     CATALOG_CREATED,

@@ -48,13 +48,13 @@ from operator import itemgetter
 import numpy as np
 
 from pipeline.broker.ids import EntryRef, LaneKey, SegmentId
-from pipeline.broker.pending import RECENT_COMPLETIONS_PER_CONSUMER
 from pipeline.broker.storage.base import AppendGroup, Peeked, RecoveredLane
+from pipeline.broker.storage.pending import RECENT_COMPLETIONS_PER_CONSUMER
 from pipeline.broker.storage.queues import QueuedTier, RefRun
 from pipeline.broker.storage.segment import Durability, encode_entries, scan_segment
 from pipeline.broker.storage.segments import Quarantined, RecoveryReport, SegmentStore
-from pipeline.errors import DiskFullError, SegmentCorruptError
-from pipeline.layouts import (
+from pipeline.wire.errors import DiskFullError, SegmentCorruptError
+from pipeline.wire.layouts import (
     ENTRY_HEADER_SIZE_BYTES,
     ENTRY_LIVE,
     TOKEN_DTYPE,

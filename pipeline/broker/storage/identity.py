@@ -1,6 +1,6 @@
 """Who a segment is: the routing keys its header holds once (checksummed, the identity
 block) and its file name repeats, and the checksum of the header's commit boundary words.
-Layout in `pipeline.layouts` (SEGMENT_HEADER_DTYPE); names in `pipeline.layouts` too.
+Layout in `pipeline.wire.layouts` (SEGMENT_HEADER_DTYPE); names in `pipeline.wire.layouts` too.
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import xxhash
 
-from pipeline.errors import SegmentFormatError
-from pipeline.layouts import (
+from pipeline.wire.errors import SegmentFormatError
+from pipeline.wire.layouts import (
     SEGMENT_HEADER_DTYPE,
     SEGMENT_HEADER_SIZE_BYTES,
     SEGMENT_IDENTITY_BYTES,

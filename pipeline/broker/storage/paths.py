@@ -20,7 +20,7 @@
 
 Every directory is created owner-only (0700). Names sort by model, shape, lane and sequence,
 so a listing reads in dispatch order. The name format and its parser are defined once, in
-`pipeline.layouts`; anything under segments/ that does not parse is a stray, reported and
+`pipeline.wire.layouts`; anything under segments/ that does not parse is a stray, reported and
 counted by recovery and `verify`, never skipped without a word.
 """
 
@@ -30,7 +30,7 @@ import os
 from dataclasses import dataclass, field
 
 from pipeline.broker.storage.scan import SegmentKeys
-from pipeline.layouts import (
+from pipeline.wire.layouts import (
     CATALOG_FILE,
     LANE_ID_LIMIT,
     MODEL_ID_LIMIT,
@@ -88,7 +88,7 @@ class StoreListing:
 
 
 def segment_path(data_dir: str, model: int, signature: int, lane: int, segment_seq: int) -> str:
-    """SegmentNameError for a key past its limit (`pipeline.layouts.segment_relpath`)."""
+    """SegmentNameError for a key past its limit (`pipeline.wire.layouts.segment_relpath`)."""
     return os.path.join(data_dir, SEGMENTS_DIR, segment_relpath(model, signature, lane, segment_seq))
 
 

@@ -37,12 +37,22 @@ from itertools import islice
 
 import numpy as np
 
+import pipeline.broker.storage.crashpoints as crashpoints
 from pipeline.broker.ids import BatchId, ConsumerId, EntryRef, LaneKey, SegmentId
-from pipeline.broker.pending import RECENT_COMPLETIONS_PER_CONSUMER, Completion, PendingMap
-from pipeline.broker.storage import crashpoints
-from pipeline.broker.storage.base import Peeked, Returned, StorageCounters, StorageTier, make_refs
-from pipeline.errors import StaleBatchError
-from pipeline.layouts import ProducerId
+from pipeline.broker.storage.base import (
+    Peeked,
+    Returned,
+    StorageCounters,
+    StorageTier,
+    make_refs,
+)
+from pipeline.broker.storage.pending import (
+    RECENT_COMPLETIONS_PER_CONSUMER,
+    Completion,
+    PendingMap,
+)
+from pipeline.wire.errors import StaleBatchError
+from pipeline.wire.layouts import ProducerId
 
 
 class RefRun(Sequence[EntryRef]):

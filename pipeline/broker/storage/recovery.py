@@ -38,27 +38,7 @@ from pipeline.broker.storage.scan import (
     SegmentKeys,
     TornRange,
 )
-
-# damage_counts() keys, in a stable order. Every one but the last three means entries that
-# cannot be delivered or a store that cannot vouch for what it holds (`ok` is False).
-DAMAGE_KEYS = (
-    "entries_damaged",  # in damaged ranges of live segments: never delivered
-    "entries_missing",  # lost to truncation, plus those of missing segments whose count is known
-    "entries_quarantined",  # in segments quarantined whole: no keys to deliver them under
-    "segments_damaged",  # live segments with damage (their good entries are delivered)
-    "segments_missing",  # the catalog holds them, the disk does not
-    "segments_missing_count_unknown",  # of those, still open when last recorded: count unknown
-    "segments_quarantined",  # moved to quarantine/ by this recovery
-    "strays",  # files or directories under segments/ that do not parse
-    "catalog_problems",  # damaged catalog records, or no catalog although segments exist
-    "torn_tails",  # not a failure: leftovers of writes that were never acknowledged
-    "entries_in_torn_tails",  # not a failure: entry headers readable in those leftovers
-    "state_words_repaired",  # not a failure: entries delivered (again) as live
-    "quarantine_files",  # not a failure of this start: files earlier damage left in quarantine/
-)
-# The keys above that do not make a store damaged: repairs, and what earlier damage left in
-# quarantine/ (named again at every start, until an operator removes it; `verify` fails).
-REPAIR_KEYS = ("torn_tails", "entries_in_torn_tails", "state_words_repaired", "quarantine_files")
+from pipeline.wire.status import REPAIR_KEYS
 
 
 @dataclass(slots=True)

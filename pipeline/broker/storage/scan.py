@@ -1,7 +1,7 @@
 """Reading a segment file back: a salvage scan of its entries (its identity: `identity.py`).
 
 The one reader of segment files for recovery and the tools (`scan_segment`); nothing parses
-a segment a second way. Layout in `pipeline.layouts`.
+a segment a second way. Layout in `pipeline.wire.layouts`.
 
 The scan walks whole, checksummed entries at page-cache speed (`_walk_entries`). Where it
 stops before the end of the data, it does not give up on the file: an entry whose checksum
@@ -44,8 +44,8 @@ from pipeline.broker.storage.identity import (  # re-exported: the scan's caller
     name_keys_of,
     read_identity,
 )
-from pipeline.errors import SegmentFormatError
-from pipeline.layouts import (
+from pipeline.wire.errors import SegmentFormatError
+from pipeline.wire.layouts import (
     ENTRY_ALIGN_BYTES,
     ENTRY_CHECKSUM_FROM,
     ENTRY_HEADER_DTYPE,

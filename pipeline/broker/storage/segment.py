@@ -1,7 +1,7 @@
 """One segment file of the disk tier: create, append groups of entries, tombstone, seal.
 Reading one back (recovery, tools) is `pipeline.broker.storage.scan`.
 
-A segment holds the entries of one (model, signature, lane) (layout in `pipeline.layouts`).
+A segment holds the entries of one (model, signature, lane) (layout in `pipeline.wire.layouts`).
 The broker is its only writer; consumers and tools map it read-only.
 
 Durability (SPEC §5): an append is written with one `pwrite` of the whole group; the
@@ -42,7 +42,7 @@ from typing import NoReturn
 import numpy as np
 import xxhash
 
-from pipeline.broker.storage import crashpoints
+import pipeline.broker.storage.crashpoints as crashpoints
 from pipeline.broker.storage.paths import CREATING_SUFFIX
 from pipeline.broker.storage.scan import (  # re-exported: the scan lived here first
     ScanReport,
@@ -53,8 +53,8 @@ from pipeline.broker.storage.scan import (  # re-exported: the scan lived here f
     read_identity,
     scan_segment,
 )
-from pipeline.errors import DiskFullError, DurabilityError, SegmentCorruptError
-from pipeline.layouts import (
+from pipeline.wire.errors import DiskFullError, DurabilityError, SegmentCorruptError
+from pipeline.wire.layouts import (
     ENTRY_ALIGN_BYTES,
     ENTRY_CHECKSUM_FROM,
     ENTRY_HEADER_DTYPE,
@@ -187,7 +187,7 @@ def encode_entries(
     """Encode the items `indices` of a parsed frame as live segment entries.
 
     `items` is a frame's ITEM_HEADER_DTYPE array, `tokens`/`payloads` its back-to-back data
-    (see `pipeline.layouts.Frame`). The buffer is built whole so one pwrite writes the group,
+    (see `pipeline.wire.layouts.Frame`). The buffer is built whole so one pwrite writes the group,
     and each entry is checksummed once it is built (validated before writing, SPEC §5).
     """
     chosen = items[indices]

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+import pipeline.broker.storage.crashpoints as crashpoints
 from pipeline.broker.ids import LaneKey, SegmentId
-from pipeline.broker.storage import crashpoints
 from pipeline.broker.storage.catalog import (
     CATALOG_TMP_SUFFIX,
     CatalogEntry,
@@ -66,8 +66,13 @@ from pipeline.broker.storage.segment import (
     fsync_directory,
     scan_segment,
 )
-from pipeline.errors import DiskFullError, SegmentFormatError, StoreReadError
-from pipeline.layouts import CATALOG_CREATED, CATALOG_DELETED, CATALOG_QUARANTINED, CATALOG_SEALED
+from pipeline.wire.errors import DiskFullError, SegmentFormatError, StoreReadError
+from pipeline.wire.layouts import (
+    CATALOG_CREATED,
+    CATALOG_DELETED,
+    CATALOG_QUARANTINED,
+    CATALOG_SEALED,
+)
 
 __all__ = ["MissingSegment", "Quarantined", "RecoveredSegment", "RecoveryReport", "SegmentState", "SegmentStore"]
 

@@ -10,10 +10,10 @@ clock (the caller passes `now_s`, any monotonic seconds):
             now_s = time.monotonic()
             tracker.observe(broker_status(socket_path), now_s)
             live.update(tracker.snapshot(), now_s)
-    write_plots(tracker.history, out_dir)              # pipeline.plots
+    write_plots(tracker.history, out_dir)              # pipeline.reporting.plots
 
-Figures follow the status record's and the report's definitions (pipeline.status,
-pipeline.report): received includes the recovered items (BrokerStatus.items_received_all); padding efficiency = the consumers' real / padded tokens; cache hit rate =
+Figures follow the status record's and the report's definitions (pipeline.wire.status,
+pipeline.reporting.report): received includes the recovered items (BrokerStatus.items_received_all); padding efficiency = the consumers' real / padded tokens; cache hit rate =
 hits inside the cacheable prefix / (cacheable - compulsory miss tokens). Rates are taken
 over the last `RATE_WINDOW_S`; a broker restart (a new `generation`) starts the window again,
 since its counters start again from zero.
@@ -33,8 +33,13 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from pipeline.report import format_compact, format_count, format_percent, format_rate
-from pipeline.status import BrokerStatus, cache_hit_rate, padding_efficiency
+from pipeline.reporting.report import (
+    format_compact,
+    format_count,
+    format_percent,
+    format_rate,
+)
+from pipeline.wire.status import BrokerStatus, cache_hit_rate, padding_efficiency
 
 # Samples kept for plots. 2,048 polls at the launcher's 2 a second cover 17 minutes at full
 # resolution; past that the history keeps every other sample (and then every 4th, ...), so a

@@ -11,12 +11,11 @@ import tempfile
 import click
 
 from pipeline.consumer.engines import ENGINES
-from pipeline.errors import BadInputError, PipelineError
 from pipeline.runtime.processes import DURABILITY_LEVELS, STORAGE_KINDS
-from pipeline.errors import SettingsError
 from pipeline.runtime.settings import DEMO_ITEMS, LaunchSettings
 from pipeline.runtime.tables import broker_config, parse_assignments
-from pipeline.status import BrokerStatus
+from pipeline.wire.errors import BadInputError, PipelineError, SettingsError
+from pipeline.wire.status import BrokerStatus
 
 # One storage tier (segment files), two places for it: `pipeline broker start` says it too.
 STORAGE_HELP = ("Where the store's segment files live: disk (the data directory; durable, the default) or "
@@ -94,7 +93,6 @@ def check_before_start(settings: LaunchSettings) -> None:
     change, one whose socket path does not fit a Unix socket, and a consumer contract the
     broker would refuse (consumers would otherwise retry forever against it)."""
     from pipeline.runtime.datadir import check_data_dir
-
     from pipeline.runtime.inventory import producer_ring_names
 
     if settings.data_dir is not None:
@@ -111,7 +109,7 @@ def check_before_start(settings: LaunchSettings) -> None:
 
 
 def _run_with_progress(launcher, workload_items: int):
-    from pipeline.progress import LiveProgress, ProgressTracker
+    from pipeline.reporting.progress import LiveProgress, ProgressTracker
 
     tracker = ProgressTracker(workload_items)
     with LiveProgress() as live:
@@ -130,7 +128,7 @@ def _run_with_progress(launcher, workload_items: int):
 
 def _finish(settings: LaunchSettings, outcome) -> int:
     """Print and write the report (and plots); the exit status."""
-    from pipeline.report import render_report, write_report_json
+    from pipeline.reporting.report import render_report, write_report_json
 
     report = outcome.report
     report["outcome"] = outcome.why
@@ -140,7 +138,7 @@ def _finish(settings: LaunchSettings, outcome) -> int:
         write_report_json(report, settings.report)
         click.echo(f"report: {settings.report}", err=True)
     if settings.plots and outcome.history:
-        from pipeline.plots import write_plots
+        from pipeline.reporting.plots import write_plots
 
         for path in write_plots(outcome.history, settings.plots):
             click.echo(f"plot: {path}", err=True)

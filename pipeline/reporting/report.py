@@ -76,12 +76,17 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from pipeline.accounting import ResultsSummary, Stock, reconcile
-from pipeline.broker.storage.recovery import REPAIR_KEYS
-from pipeline.status import BrokerStatus, ConsumerTotalsRow, cache_hit_rate, padding_efficiency, ratio
+from pipeline.reporting.accounting import ResultsSummary, Stock, reconcile
+from pipeline.wire.status import (
+    REPAIR_KEYS,
+    UNDELIVERABLE_KEYS,
+    BrokerStatus,
+    ConsumerTotalsRow,
+    cache_hit_rate,
+    padding_efficiency,
+    ratio,
+)
 
-# The store_damage counts (the disk tier's recovery) of entries that cannot be delivered.
-UNDELIVERABLE_KEYS = ("entries_damaged", "entries_missing", "entries_quarantined")
 # The lane counters the report always shows; any other counter the broker adds is kept too.
 LANE_KEYS = ("opened", "reused", "force_fits", "quiesced", "released", "max_in_use")
 

@@ -40,7 +40,7 @@ from itertools import chain
 from typing import NamedTuple
 
 from pipeline.broker.ids import BatchId, ConsumerId, EntryRef, LaneKey
-from pipeline.errors import NotHeldError
+from pipeline.wire.errors import NotHeldError
 
 # Completed refs remembered per consumer to recognise a resent completion. A resend covers
 # the reports in flight when a consumer retried: a few batches of at most a few hundred items,

@@ -29,7 +29,7 @@ Messages, by sender:
     anyone    status {}                                      -> status_reply {version, counters}
                                              counters: a BrokerStatus in its wire form, read
                                              only by a client of the same version
-                                             (pipeline.status)
+                                             (pipeline.wire.status)
     broker    registered {consumer_id, descriptor_ring, data_dir, heartbeat_timeout_s}
               registered_producer {producer_id, ring, doorbell, next_seq}
               error {message}                then the broker closes the connection
@@ -58,7 +58,7 @@ import struct
 import time
 from collections.abc import Iterator
 
-from pipeline.errors import ConsumerNameError, ProtocolError, UntrustedPeerError
+from pipeline.wire.errors import ConsumerNameError, ProtocolError, UntrustedPeerError
 
 # The largest message body: a status reply with per-consumer counters is a few KiB; 1 MiB
 # leaves room and still stops a peer from making the broker buffer without bound.
@@ -116,7 +116,7 @@ SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "registered": {"consumer_id": int, "descriptor_ring": str, "data_dir": str,
                    "heartbeat_timeout_s": (int, float)},
     "registered_producer": {"producer_id": int, "ring": str, "doorbell": str, "next_seq": int},
-    "status_reply": {"version": int, "counters": dict},  # pipeline.status: the record and its version
+    "status_reply": {"version": int, "counters": dict},  # pipeline.wire.status: the record and its version
     "error": {"message": str},
 }
 

@@ -19,14 +19,11 @@ import time
 import click
 
 from pipeline.broker.config import DEFAULT_HEARTBEAT_TIMEOUT_S, BrokerConfig
+from pipeline.cli.launch import STORAGE_HELP, setup_logging
 from pipeline.consumer.engines import ENGINES
-from pipeline.errors import BadInputError, PipelineError, ProtocolError
-from pipeline.launch_cli import STORAGE_HELP, setup_logging
-from pipeline.protocol import check_consumer_name
 from pipeline.runtime import daemon
 from pipeline.runtime.datadir import check_data_dir, prepare_data_dir
 from pipeline.runtime.processes import DURABILITY_LEVELS, STORAGE_KINDS
-from pipeline.runtime.tables import broker_config, consumer_settings, parse_assignments
 from pipeline.runtime.settings import (
     DEFAULT_MAX_BATCH_ITEMS,
     DEFAULT_MAX_BATCH_TOKENS,
@@ -35,6 +32,9 @@ from pipeline.runtime.settings import (
     MAX_PRODUCER_PROCESSES,
     check_replay_speed,
 )
+from pipeline.runtime.tables import broker_config, consumer_settings, parse_assignments
+from pipeline.wire.errors import BadInputError, PipelineError, ProtocolError
+from pipeline.wire.protocol import check_consumer_name
 
 # A graceful stop (a batch in hand finished, files closed) gets this long before SIGKILL.
 DEFAULT_STOP_TIMEOUT_S = 30.0
@@ -49,7 +49,7 @@ data_dir_option = click.option("--data-dir", required=True, type=click.Path(file
 
 def _broker_answers(socket_path: str, pid: int | None = None) -> bool:
     """A broker answers on the socket (the one with `pid`, when given)."""
-    from pipeline.runtime.local import broker_status
+    from pipeline.wire.client import broker_status
 
     try:
         answered = broker_status(socket_path, timeout_s=1.0)
@@ -200,7 +200,7 @@ def consumer_start(data_dir: str, name: str | None, model: int, max_batch: int, 
 
 
 def _consumer_registered(socket_path: str, name: str, pid: int) -> bool:
-    from pipeline.runtime.local import broker_status
+    from pipeline.wire.client import broker_status
 
     try:
         consumers = broker_status(socket_path, timeout_s=1.0).consumers
@@ -292,7 +292,7 @@ class _StoreWatch:
         self.said_s = 0.0
 
     def check(self, published: int) -> None:
-        from pipeline.runtime.local import broker_status
+        from pipeline.wire.client import broker_status
 
         try:
             state = "disk full" if broker_status(self.socket_path, timeout_s=1.0).disk_full else "storing"
@@ -339,9 +339,9 @@ STATUS_FIELDS: tuple[str, ...] = (
               help="Results files to account (default DATA_DIR/results).")
 def status(data_dir: str, as_json: bool, results_dir: str | None) -> None:
     """The running broker's counters, backlog and consumers, with the results accounted."""
-    from pipeline.accounting import summarize_results
-    from pipeline.report import build_report, render_report
-    from pipeline.runtime.local import broker_status
+    from pipeline.reporting.accounting import summarize_results
+    from pipeline.reporting.report import build_report, render_report
+    from pipeline.wire.client import broker_status
 
     check_data_dir(data_dir)
     config = BrokerConfig(data_dir)

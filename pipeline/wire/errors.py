@@ -183,7 +183,7 @@ class ProtocolError(BadInputError):
 class ConsumerNameError(ProtocolError):
     """A consumer's name cannot name its results file: empty, longer than the limit, a
     character other than letters, digits, '.', '_', '-', or a leading '.'
-    (`pipeline.protocol.check_consumer_name`)."""
+    (`pipeline.wire.protocol.check_consumer_name`)."""
 
 
 class StorageError(PipelineError):
@@ -207,7 +207,7 @@ class SegmentReadError(StorageError):
 
 
 class SegmentNameError(StorageError):
-    """A segment key does not fit the segment file names (`pipeline.layouts`: model ids below
+    """A segment key does not fit the segment file names (`pipeline.wire.layouts`: model ids below
     MODEL_ID_LIMIT, lane ids below LANE_ID_LIMIT, sequences below SEGMENT_SEQ_LIMIT,
     signatures unsigned 64-bit): refused before anything is created, the value named."""
 

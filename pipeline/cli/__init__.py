@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import click
 
-from pipeline.errors import PipelineError, ShmError
-from pipeline.launch_cli import launch
+from pipeline.cli.launch import launch
+from pipeline.cli.stages import broker, consumer, produce, status
+from pipeline.cli.tools import tools
 from pipeline.runtime.datadir import owner_only_umask
-from pipeline.stages_cli import broker, consumer, produce, status
-from pipeline.tools_cli import tools
+from pipeline.wire.errors import PipelineError, ShmError
 
 
 class _Commands(click.Group):

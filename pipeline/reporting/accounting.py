@@ -33,11 +33,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipeline.errors import ResultsFileError
-from pipeline.layouts import ITEM_ID_SEQ_BITS, MAX_SEQ, make_item_id
-from pipeline.textfiles import bounded_lines
-from pipeline.status import BrokerStatus
-
+from pipeline.wire.errors import ResultsFileError
+from pipeline.wire.layouts import ITEM_ID_SEQ_BITS, MAX_SEQ, make_item_id
+from pipeline.wire.status import BrokerStatus
+from pipeline.wire.textfiles import bounded_lines
 
 # Bad results lines named in a summary (path:line and why); the rest are only counted: a
 # file of garbage must not make a report of a million lines.

@@ -11,7 +11,7 @@ the metrics thread never touches the loop's state:
 Names start with `shape_broker_`; counters end in `_total` (CounterMetricFamily adds it) and
 keep the status fields' names, so a dashboard and the run report speak of the same things.
 Which fields are exported, as what, and their help texts are declared once, on the record's
-fields (pipeline.status `Export`); the tables below are derived from them. Label values are
+fields (pipeline.wire.status `Export`); the tables below are derived from them. Label values are
 bounded: lane events and switch reasons are fixed sets, shapes are the broker's top 16 plus
 one "other" row (model "all"), consumers are one per GPU.
 """
@@ -26,8 +26,8 @@ from wsgiref.simple_server import WSGIServer
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from pipeline.errors import PipelineError
-from pipeline.status import (
+from pipeline.wire.errors import PipelineError
+from pipeline.wire.status import (
     COUNTER,
     GAUGE,
     BrokerStatus,

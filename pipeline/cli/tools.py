@@ -14,7 +14,7 @@ from collections.abc import Callable
 import click
 
 from pipeline.broker.storage.inspect import dump_segment, tombstone_rows, verify
-from pipeline.errors import StorageError
+from pipeline.wire.errors import StorageError
 
 
 def _one_line_errors(command: Callable) -> Callable:

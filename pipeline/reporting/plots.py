@@ -1,6 +1,6 @@
 """Charts of a run's progress history (`pipeline launch --plots`), as PNG files.
 
-    paths = write_plots(tracker.history, out_dir)   # pipeline.progress.ProgressTracker
+    paths = write_plots(tracker.history, out_dir)   # pipeline.reporting.progress.ProgressTracker
 
 - lanes.png: lanes in use and shapes over time;
 - padding.png: each consumer's padding efficiency per poll interval (real / padded tokens of
@@ -20,7 +20,7 @@ import math
 import os
 from collections.abc import Sequence
 
-from pipeline.progress import Sample, consumer_intervals
+from pipeline.reporting.progress import Sample, consumer_intervals
 
 # Shapes drawn by name in the queued-tokens chart; the rest are summed as "other". Eight
 # keeps the legend readable and the colours distinct.

@@ -9,7 +9,7 @@ version=reply["version"])` (pipeline.runtime.local.broker_status): the launcher 
 progress, `pipeline status`, the metrics endpoint, the run report, tools and tests.
 
 Each field is declared once, here, with its meaning (`help` in its metadata) and, where
-pipeline.metrics exports it, how (an `Export`: counter or gauge, and the metric's name, help
+pipeline.reporting.metrics exports it, how (an `Export`: counter or gauge, and the metric's name, help
 or value where they are not the field's own). Figures that several readers derive (received
 with recovered items in, what is unfinished, the mean batch fill, a consumer's cache hit
 rate) are properties of the records, defined once.
@@ -19,7 +19,7 @@ new STATUS_VERSION. A client reads its own version only, and refuses any other, 
 reply with a field missing, unknown or of the wrong type, with a ProtocolError naming it:
 it never misreads a broker of another release.
 
-Cheap to import: the standard library and pipeline.errors only, never broker internals
+Cheap to import: the standard library and pipeline.wire.errors only, never broker internals
 (clients that only read status must not pay for numpy or the broker's modules).
 """
 
@@ -29,7 +29,7 @@ import functools
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
 from typing import Any, get_args, get_origin, get_type_hints
 
-from pipeline.errors import ProtocolError
+from pipeline.wire.errors import ProtocolError
 
 # The wire form's version: bump it with any change to the fields (see the module docstring).
 STATUS_VERSION = 1
@@ -40,9 +40,33 @@ COUNTER = "counter"
 GAUGE = "gauge"
 
 
+# The kinds `store_damage` counts (the disk tier's recovery, `damage_counts()`), in a stable
+# order. Every one but the last three means entries that
+# cannot be delivered or a store that cannot vouch for what it holds (`ok` is False).
+DAMAGE_KEYS = (
+    "entries_damaged",  # in damaged ranges of live segments: never delivered
+    "entries_missing",  # lost to truncation, plus those of missing segments whose count is known
+    "entries_quarantined",  # in segments quarantined whole: no keys to deliver them under
+    "segments_damaged",  # live segments with damage (their good entries are delivered)
+    "segments_missing",  # the catalog holds them, the disk does not
+    "segments_missing_count_unknown",  # of those, still open when last recorded: count unknown
+    "segments_quarantined",  # moved to quarantine/ by this recovery
+    "strays",  # files or directories under segments/ that do not parse
+    "catalog_problems",  # damaged catalog records, or no catalog although segments exist
+    "torn_tails",  # not a failure: leftovers of writes that were never acknowledged
+    "entries_in_torn_tails",  # not a failure: entry headers readable in those leftovers
+    "state_words_repaired",  # not a failure: entries delivered (again) as live
+    "quarantine_files",  # not a failure of this start: files earlier damage left in quarantine/
+)
+# The keys above that do not make a store damaged: repairs, and what earlier damage left in
+# quarantine/ (named again at every start, until an operator removes it; `verify` fails).
+REPAIR_KEYS = ("torn_tails", "entries_in_torn_tails", "state_words_repaired", "quarantine_files")
+# The kinds that count stored entries no consumer can be given.
+UNDELIVERABLE_KEYS = ("entries_damaged", "entries_missing", "entries_quarantined")
+
 @dataclass(frozen=True, slots=True)
 class Export:
-    """How pipeline.metrics exports a field. Empty strings mean the field's own: its name,
+    """How pipeline.reporting.metrics exports a field. Empty strings mean the field's own: its name,
     its help, its value. `label`: the field is a mapping (or a record of counters) exported
     as one family with this label, one sample per key."""
 

@@ -24,7 +24,7 @@ from typing import NewType, TypeVar
 import numpy as np
 import xxhash
 
-from pipeline.errors import FrameError, SegmentNameError
+from pipeline.wire.errors import FrameError, SegmentNameError
 from shm.layout import Field, checked_dtype, field_offset, struct_for
 
 ItemId = NewType("ItemId", int)

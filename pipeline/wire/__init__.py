@@ -1,0 +1,1 @@
+"""What processes and files share: record layouts, control messages, the status record, the error tree."""
