@@ -72,7 +72,7 @@ def test_bad_lines_past_the_example_limit_are_only_counted(tmp_path, count):
 
 def test_a_results_file_that_is_not_a_regular_file_is_counted_and_never_read(tmp_path):
     """A directory, a FIFO or a link to a device named like a results file: opening a FIFO
-    would hang and /dev/zero would be read forever (10 GB in 30 s, issue 11's hostile test),
+    would hang and /dev/zero would be read forever (10 GB in 30 s, seen in a hostile test run),
     so each is one bad line, named, and the other files are read."""
     (tmp_path / "c0.jsonl").mkdir()
     os.mkfifo(tmp_path / "c1.jsonl")

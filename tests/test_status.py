@@ -26,7 +26,7 @@ from pipeline.wire.status import (
 V1_KEYS = {
     "items_received", "tokens_received", "items_routed", "tokens_routed", "items_completed", "tokens_completed",
     "items_returned", "tokens_returned", "items_recovered", "tokens_recovered", "items_adopted", "duplicate_items",
-    "duplicate_completions", "backlog_items", "backlog_tokens", "pending_items", "shapes", "lanes_in_use", "lanes",
+    "backlog_items", "backlog_tokens", "pending_items", "shapes", "lanes_in_use", "lanes",
     "switches", "batches_routed", "padded_tokens_routed", "batch_fill_sum", "top_shapes", "consumers",
     "per_consumer", "uptime_s", "pid", "generation", "producers", "consumers_lost", "disk_full", "store_damage",
     "peers_refused", "peers_shed", "stalls", "stalled_s",

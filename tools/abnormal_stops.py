@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The abnormal stops of issue 11, at the issue's scale, as a user meets them: one table.
+"""The abnormal stops a hostile test run found losing work, at its scale (20,000 items), as a user meets them: one table.
 
     .venv/bin/python tools/abnormal_stops.py [--items 20000] [--only kill-broker ...]
 

@@ -1,4 +1,4 @@
-"""The demo target of issue 6: `python3 quickstart.py demo` on a fresh clone, timed.
+"""The demo's target: `python3 quickstart.py demo` on a fresh clone, timed.
 
     .venv/bin/python tools/bench_demo.py [--runs 2]
 
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# The demo's target, issue 6.
+# The demo's target.
 TARGET_S = 60.0
 
 

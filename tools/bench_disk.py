@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark of the disk tier (issue 4 item 9): not a test, figures for humans.
+"""Benchmark of the disk tier: not a test, figures for humans.
 
     python tools/bench_disk.py             # full run: 2 GiB per run
     python tools/bench_disk.py --quick     # 256 MiB per run, while iterating
@@ -64,7 +64,7 @@ LANES = 8
 BATCH_ITEMS = 64
 FULL_BYTES = 2 << 30
 QUICK_BYTES = 256 << 20
-# Issue 4's targets.
+# The disk tier's targets (BENCHMARKS.md).
 TARGET_APPEND_ITEMS_PER_S = 500_000
 TARGET_RAW_FRACTION = 0.80
 TARGET_COMPLETIONS_PER_S = 500_000

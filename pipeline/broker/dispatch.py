@@ -171,7 +171,6 @@ class DispatchCounters:
     items_recovered: int = 0
     tokens_recovered: int = 0
     duplicate_items: int = 0
-    duplicate_completions: int = 0
     batches: int = 0
     shapes: int = 0
     lanes_in_use: int = 0
@@ -487,7 +486,6 @@ class Dispatcher:
         c = self._c
         c.items_completed += done.items
         c.tokens_completed += done.tokens
-        c.duplicate_completions += done.duplicates
         return done
 
     def consumer_lost(self, consumer: ConsumerId) -> int:

@@ -1,12 +1,11 @@
-"""The broker's ids and keys, in one pure module that algorithms and storage tiers both import.
+"""The broker's ids and keys, in one pure leaf module that the policy and the storage both
+import (it imports nothing of the product).
 
     ShapeKey(model, signature)          the broker's key everywhere (SPEC §1)
     LaneId                              a lane's id within its shape (lanes/policy.py)
-    LaneKey(model, signature, lane)     one lane of one shape: a storage queue (memory tier) or a
-                                        run of segment files (disk tier)
+    LaneKey(model, signature, lane)     one lane of one shape: a run of segment files
     EntryRef(segment, offset)           where a stored entry lives: the pending map's key
-                                        (SPEC §5); the disk tier's offset is a byte offset, the
-                                        memory tier's an entry number, both only grow
+                                        (SPEC §5); the offset is a byte offset in the segment
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from typing import NamedTuple, NewType
 LaneId = NewType("LaneId", int)
 """A lane's id within its shape. Ids are reused after release (lowest free id first)."""
 SegmentId = NewType("SegmentId", int)
-"""A segment (disk tier) or lane queue (memory tier); never reused while the store lives."""
+"""A segment file; never reused while the store lives."""
 ConsumerId = NewType("ConsumerId", int)
 """A registered consumer connection; a reconnecting consumer gets a new one."""
 BatchId = NewType("BatchId", int)

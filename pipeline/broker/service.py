@@ -260,7 +260,6 @@ class Broker:
             tokens_recovered=counters.tokens_recovered,
             items_adopted=self.producer_side.items_adopted,
             duplicate_items=counters.duplicate_items,
-            duplicate_completions=counters.duplicate_completions,
             backlog_items=self.storage.queued_items(),
             backlog_tokens=sum(s.queued_tokens for s in shapes),
             pending_items=self.storage.pending_items(),

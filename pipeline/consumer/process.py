@@ -42,7 +42,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from pipeline.consumer.credit import (
     DEFAULT_AHEAD_S,
@@ -157,6 +157,10 @@ class ConsumerCounters:
     reconnects: int = 0
     results_disk_full: int = 0  # batches whose results found the disk full (handed back)
     segment_read_errors: int = 0  # batches whose segments could not be mapped now (handed back)
+
+    def summary(self) -> str:
+        """One line for the consumer's log as it stops (what its status row does not say)."""
+        return ", ".join(f"{f.name.replace('_', ' ')} {getattr(self, f.name):,}" for f in fields(self))
 
 
 @dataclass(slots=True)
@@ -310,6 +314,7 @@ class Consumer:
             if self._reader is not None:
                 self._reader.close()
                 self._reader = None
+            log.info("%s: stopping: %s", self.config.name, self.counters.summary())
 
     def _serve_sessions(self, stop) -> None:
         backoff = RECONNECT_FIRST_S

@@ -1,4 +1,4 @@
-"""Prometheus metrics from the broker's status (issue 6 item 6).
+"""Prometheus metrics from the broker's status.
 
 Every scrape calls `fetch()` for one BrokerStatus (the `status` request over the broker's
 socket, answered by the broker loop like any client) and turns it into metric families, so

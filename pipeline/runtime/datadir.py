@@ -26,9 +26,8 @@ import stat
 
 from pipeline.wire.errors import DataDirError
 
-# Directories and files of a data directory: owner-only (SPEC §7, §12).
+# Directories of a data directory: owner-only (SPEC §7, §12; files are made 0600 where made).
 DIRECTORY_MODE = 0o700
-FILE_MODE = 0o600
 # The umask every entry point sets: group and others get nothing, whatever the caller's umask.
 OWNER_ONLY_UMASK = 0o077
 # Permission bits that let another user change a directory's entries.

@@ -77,7 +77,7 @@ def memory_tier_dir(data_dir: str) -> str:
 BROKER_FD_HEADROOM = 96
 # Descriptors an open segment file holds: its own, and the one Python's mmap keeps (a dup):
 # 512 open segments took 1,024 and a broker at `ulimit -n 1024` died with EMFILE in the
-# demo (issue 11's hostile test).
+# demo (seen in a hostile test run).
 FDS_PER_OPEN_SEGMENT = 2
 # Fewer open segment files than this and a sticky shape's lanes thrash the cache: a broker
 # whose descriptor limit leaves less refuses to start, saying so, rather than fail later.

@@ -40,7 +40,7 @@ from pipeline.wire.errors import SettingsError
 from pipeline.wire.layouts import MAX_SEQ
 
 # The demo: enough items to show lanes, shape switches and a warm cache, and short enough to
-# finish in seconds on a 2-core machine (issue 6: well under a minute including start-up).
+# finish in seconds on a 2-core machine (the target: well under a minute including start-up).
 DEMO_ITEMS = 20_000
 # CPU consumers when the machine has no GPU (one per GPU otherwise).
 DEFAULT_CPU_CONSUMERS = 2

@@ -243,8 +243,6 @@ class BrokerStatus:
                                 default=0)
     duplicate_items: int = _doc("Items received again with an id already stored (dropped)", Export(COUNTER),
                                 default=0)
-    duplicate_completions: int = _doc("Completions of items already completed (ignored)", Export(COUNTER),
-                                      default=0)
     # --- what the broker holds now
     backlog_items: int = _doc("Items stored and not yet routed", Export(GAUGE), default=0)
     backlog_tokens: int = _doc("Tokens of the items stored and not yet routed", Export(GAUGE), default=0)

@@ -2,7 +2,7 @@
 
 A line longer than the reader's limit is never held whole: it is skipped to its newline in
 chunks and reported as too long, so a file of one endless line (`/dev/zero`, a torn file of
-gigabytes) costs a chunk of memory, not all of it (issue 11: `pipeline status` on a results
+gigabytes) costs a chunk of memory, not all of it (seen in a hostile test run: `pipeline status` on a results
 file linked to /dev/zero grew to 10 GB in 30 s).
 
     for number, line in bounded_lines(file, MAX_LINE_BYTES):

@@ -1,4 +1,4 @@
-"""The segment catalog on real files (issue 11 item 3: "a deleted segment went unnoticed"):
+"""The segment catalog on real files (once, "a deleted segment went unnoticed"):
 missing segments named with their counts, a missing catalog rebuilt and reported, torn and
 damaged records, compaction, and the order of catalog writes against the files."""
 

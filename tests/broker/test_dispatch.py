@@ -108,7 +108,7 @@ class Pipeline:
         """The consumer completes its oldest batch (sometimes resending the report)."""
         batch = self.in_flight[consumer].pop(0)
         done = self.dispatcher.complete_batch(consumer, batch)
-        assert done.items == len(batch.entries) and not done.duplicates
+        assert done.items == len(batch.entries)
         if self.rng.random() < 0.1:  # a resent report: refused, nothing counted twice
             with pytest.raises(NotHeldError):
                 self.dispatcher.complete_batch(consumer, batch)

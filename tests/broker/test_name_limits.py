@@ -1,4 +1,4 @@
-"""Ids that end up in segment file names (issue 11 item 2): checked where they enter the
+"""Ids that end up in segment file names: checked where they enter the
 storage (the lane budget, a segment's creation), and anything under segments/ that does not
 parse is reported as a stray by recovery and verify, never skipped without a word."""
 
@@ -59,7 +59,7 @@ def test_the_segment_sequence_limit(tmp_path):
 
 
 def test_everything_that_does_not_parse_is_a_stray(tmp_path):
-    # Issue 11: a model directory m123456 placed by hand (as a producer past the limit would
+    # Seen: a model directory m123456 placed by hand (as a producer past the limit would
     # have made it) was skipped at restart without a word; so was any other odd name.
     store = SegmentStore(str(tmp_path))
     store.append(LaneKey(3, 0xAB, LaneId(1)), group(), now_s=0.0)

@@ -33,9 +33,9 @@ LANES = [LaneKey(0, 0xAB, LaneId(0)), LaneKey(0, 0xAB, LaneId(1)), LaneKey(2, 0x
 SMALL_SEGMENT_BYTES = 24 << 10
 TIERS: dict[str, Callable[[str], StorageTier]] = {
     "disk-process": lambda data_dir: DiskTier.open(
-        data_dir, Durability.PROCESS, recent_per_consumer=8, segment_max_bytes=SMALL_SEGMENT_BYTES),
+        data_dir, Durability.PROCESS, segment_max_bytes=SMALL_SEGMENT_BYTES),
     "disk-power": lambda data_dir: DiskTier.open(
-        data_dir, Durability.POWER, recent_per_consumer=8, segment_max_bytes=SMALL_SEGMENT_BYTES,
+        data_dir, Durability.POWER, segment_max_bytes=SMALL_SEGMENT_BYTES,
         open_files_max=2),
 }
 KINDS = list(TIERS)

@@ -1,6 +1,6 @@
 """Ids that end up in names and fields. Model ids end up in segment directory names
 (m{model:05d}): every edge checks them, so an item for a model the broker does not serve is
-refused before it is stored, never stored and then skipped at restart (issue 11: model
+refused before it is stored, never stored and then skipped at restart (seen: model
 123456 was acknowledged, stored under segments/m123456/, and skipped without a word when the
 broker restarted). Producer ids end up in item ids: one is never handed out twice."""
 

@@ -1,5 +1,5 @@
 """Every bad option or hostile environment gets one line naming what and where, before
-anything starts, never a traceback (the findings of issue 11, item 11, each a real command)."""
+anything starts, never a traceback (each a real command that once gave a traceback)."""
 
 from __future__ import annotations
 

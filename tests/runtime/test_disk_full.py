@@ -1,4 +1,4 @@
-"""A full store disk in staged mode, on a real small tmpfs (issue 11, item 5): `produce` says
+"""A full store disk in staged mode, on a real small tmpfs: `produce` says
 the items wait in the rings and keeps waiting, never "producers failed" while everything is
 safe; a Ctrl-C says exactly how many are stored and how many wait; and the broker drains a
 disk it filled itself as consumers complete (sealing open segments so finished ones go)."""

@@ -186,18 +186,13 @@ class Returned:
 @dataclass(slots=True)
 class StorageCounters:
     """Running totals of a tier. Accounting identity (check_invariants asserts it):
-    appended + recovered = completed + queued + pending, in items and in tokens; committed counts every
-    dispatch (a redelivered entry counts again), returned every entry given back."""
+    appended + recovered = completed + queued + pending, in items and in tokens. (What was
+    dispatched and given back is the Dispatcher's to count: routed, returned.)"""
 
     appended_items: int = 0
     appended_tokens: int = 0
-    committed_items: int = 0
-    committed_tokens: int = 0
     completed_items: int = 0
     completed_tokens: int = 0
-    duplicate_completions: int = 0
-    returned_items: int = 0
-    returned_tokens: int = 0
     # Live entries a disk tier found at start (the accounting identity counts them with the
     # appended ones: appended + recovered = completed + queued + pending).
     recovered_items: int = 0

@@ -49,7 +49,6 @@ import numpy as np
 
 from pipeline.broker.ids import EntryRef, LaneKey, SegmentId
 from pipeline.broker.storage.base import AppendGroup, Peeked, RecoveredLane
-from pipeline.broker.storage.pending import RECENT_COMPLETIONS_PER_CONSUMER
 from pipeline.broker.storage.queues import QueuedTier, RefRun
 from pipeline.broker.storage.segment import Durability, encode_entries, scan_segment
 from pipeline.broker.storage.segments import Quarantined, RecoveryReport, SegmentStore
@@ -80,10 +79,9 @@ class DiskTier(QueuedTier):
     are the durable store and stay.
     """
 
-    def __init__(self, store: SegmentStore, recovery: RecoveryReport, clock: Callable[[], float],
-                 recent_per_consumer: int) -> None:
+    def __init__(self, store: SegmentStore, recovery: RecoveryReport, clock: Callable[[], float]) -> None:
         """Use `DiskTier.open`."""
-        super().__init__(recent_per_consumer)
+        super().__init__()
         self._store = store
         self.recovery = recovery
         self._clock = clock
@@ -101,7 +99,6 @@ class DiskTier(QueuedTier):
         data_dir: str,
         durability: Durability = Durability.PROCESS,
         *,
-        recent_per_consumer: int = RECENT_COMPLETIONS_PER_CONSUMER,
         clock: Callable[[], float] = time.monotonic,
         **store_options: int | float,
     ) -> DiskTier:
@@ -110,7 +107,7 @@ class DiskTier(QueuedTier):
         `store_options` are SegmentStore's: segment_max_bytes, segment_max_age_s,
         open_files_max. `clock` (monotonic seconds) dates segments for sealing by age."""
         store = SegmentStore(data_dir, durability, **store_options)  # type: ignore[arg-type]
-        return cls(store, store.recover(), clock, recent_per_consumer)
+        return cls(store, store.recover(), clock)
 
     @property
     def store(self) -> SegmentStore:

@@ -5,30 +5,23 @@ completion and consumer loss; the entries themselves stay in the tier.
 
     pending = PendingMap()
     pending.add_batch(BatchId(7), ConsumerId(1), lane_key, refs, lengths)   # commit, step 3
-    done = pending.complete(ConsumerId(1), refs[:2])     # NotHeldError if 1 does not hold them
-    runs = pending.consumer_lost(ConsumerId(1))          # the rest, grouped by lane, in order
+    done = pending.complete_batch(ConsumerId(1), BatchId(7))  # NotHeldError if 1 does not hold 7
+    runs = pending.consumer_lost(ConsumerId(1))               # what it held, by lane, in order
 
 The map is keyed by entry reference (segment id, offset) and holds the entry's batch; the
 batch holds its consumer, lane, refs and lengths. It is not persisted (SPEC §5): after a
 broker crash every entry that was pending is simply live again in its segment.
 
-Cost: the broker completes whole batches (`complete_batch`), so the map's work per entry is
-a few dictionary and set operations done in bulk by C code (dict.update, set.update, map);
-only `complete` with arbitrary refs (tests, tools) looks at entries one by one.
+Batches are completed whole: a consumer reports a batch done once it wrote every result of
+it, so an entry leaves the map with its batch and a batch is either held or gone. A second
+completion of a batch (a resend) finds it gone and raises NotHeldError, which refuses the
+consumer: nothing is ever counted completed twice.
+NOTE: completions of single entries, with a window of recently completed refs per consumer
+to tell a resend from a foreign entry, were dropped: the broker never completed anything
+but whole batches, and the window cost a set update per completion and about 2.5 MB per
+consumer for a case the batch id already decides.
 
-Duplicate completions. Delivery is at-least-once and a consumer may resend a report, so a
-second completion of an entry must be a counted no-op, while a completion of an entry the
-consumer never held must be refused. Once an entry is completed it leaves the map, so each
-consumer keeps a window of the refs it completed most recently: a ref in the window is a
-duplicate, a ref in neither the map nor the window is not held (NotHeldError).
-NOTE: asking the caller to say "this is a resend" was rejected: the consumer that resends
-does not know which of its reports arrived. Remembering every completed ref was rejected too:
-it grows without bound over a run of billions of items.
-Memory bound: at most `recent_per_consumer` refs per connected consumer (default 16,384;
-a ref costs about 150 bytes with its set and deque slots, so about 2.5 MB per consumer); a
-consumer's window is dropped when it is lost. A resend older than the window raises
-NotHeldError, which disconnects the consumer: the safe side (nothing is ever double-counted
-as completed).
+Cost: a few dictionary operations per entry, done in bulk by C code (dict.update, map).
 """
 
 from __future__ import annotations
@@ -36,16 +29,10 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import chain
 from typing import NamedTuple
 
 from pipeline.broker.ids import BatchId, ConsumerId, EntryRef, LaneKey
 from pipeline.wire.errors import NotHeldError
-
-# Completed refs remembered per consumer to recognise a resent completion. A resend covers
-# the reports in flight when a consumer retried: a few batches of at most a few hundred items,
-# so 16,384 refs is dozens of batches of margin at about 2.5 MB per consumer.
-RECENT_COMPLETIONS_PER_CONSUMER = 16_384
 
 
 class Holding(NamedTuple):
@@ -62,7 +49,6 @@ class _Batch:
     lane: LaneKey
     refs: list[EntryRef]
     lengths: list[int]
-    open_count: int  # entries of the batch still pending
     positions: dict[EntryRef, int] | None = None  # ref -> index, made when first asked
 
     def index(self, ref: EntryRef) -> int:
@@ -83,13 +69,12 @@ class ReturnedRun:
 
 @dataclass(slots=True)
 class Completion:
-    """What one `complete` call did: the entries newly completed, grouped by lane in the order
-    given, their count and tokens, and how many refs were duplicate completions."""
+    """What one completion did: the entries completed, grouped by lane in batch order, their
+    count and tokens."""
 
     by_lane: dict[LaneKey, list[EntryRef]] = field(default_factory=dict)
     items: int = 0
     tokens: int = 0
-    duplicates: int = 0
 
 
 @dataclass(slots=True)
@@ -97,33 +82,8 @@ class PendingCounters:
     batches: int = 0
     added: int = 0
     completed: int = 0
-    duplicates: int = 0
     returned: int = 0
-    refused: int = 0  # complete calls refused with NotHeldError
-
-
-@dataclass(slots=True)
-class _Window:
-    """A consumer's most recently completed refs, oldest first, at most `limit`: kept as the
-    lists that completions gave (chunks), so remembering a batch costs one set update."""
-
-    limit: int
-    chunks: deque[list[EntryRef]] = field(default_factory=deque)
-    members: set[EntryRef] = field(default_factory=set)
-    size: int = 0
-
-    def extend(self, refs: list[EntryRef]) -> None:
-        self.members.update(refs)
-        self.chunks.append(refs)
-        self.size += len(refs)
-        while self.size > self.limit:
-            oldest, excess = self.chunks[0], self.size - self.limit
-            if len(oldest) <= excess:
-                self.chunks.popleft()
-            else:
-                self.chunks[0], oldest = oldest[excess:], oldest[:excess]
-            self.members.difference_update(oldest)
-            self.size -= len(oldest)
+    refused: int = 0  # completions refused with NotHeldError
 
 
 class PendingMap:
@@ -132,14 +92,11 @@ class PendingMap:
     Owned by one storage tier, driven by the broker's single dispatch loop. Not thread-safe.
     """
 
-    def __init__(self, recent_per_consumer: int = RECENT_COMPLETIONS_PER_CONSUMER) -> None:
-        assert recent_per_consumer >= 0, recent_per_consumer
-        self._recent_limit = recent_per_consumer
+    def __init__(self) -> None:
         self._entries: dict[EntryRef, BatchId] = {}
         self._batches: dict[BatchId, _Batch] = {}
         # Per consumer, its open batches in commit order (a dict as an ordered set).
         self._by_consumer: dict[ConsumerId, dict[BatchId, None]] = {}
-        self._recent: dict[ConsumerId, _Window] = {}
         self.counters = PendingCounters()
 
     def __len__(self) -> int:
@@ -157,7 +114,7 @@ class PendingMap:
 
     def held_by(self, consumer: ConsumerId) -> int:
         """Entries the consumer holds now. O(its open batches)."""
-        return sum(self._batches[b].open_count for b in self._by_consumer.get(consumer, ()))
+        return sum(len(self._batches[b].refs) for b in self._by_consumer.get(consumer, ()))
 
     def has_batch(self, batch: BatchId) -> bool:
         return batch in self._batches
@@ -177,112 +134,43 @@ class PendingMap:
         before = len(entries)
         entries.update(dict.fromkeys(refs, batch))
         assert len(entries) == before + len(refs), refs  # no ref twice in the batch
-        self._batches[batch] = _Batch(consumer, lane, refs, list(lengths), len(refs))
+        self._batches[batch] = _Batch(consumer, lane, refs, list(lengths))
         self._by_consumer.setdefault(consumer, {})[batch] = None
         self.counters.batches += 1
         self.counters.added += len(refs)
 
-    def complete(self, consumer: ConsumerId, refs: Sequence[EntryRef]) -> Completion:
-        """The consumer reports `refs` done. All or nothing: every ref is checked first, and a
-        ref the consumer neither holds nor recently completed raises NotHeldError with nothing
-        applied. A ref it recently completed (or one given twice) is a counted duplicate.
-
-        Example: consumer 1 holds A and B of lane L (lengths 500, 510). complete(1, [A]) ->
-        by_lane {L: [A]}, items 1, tokens 500. complete(1, [A, B]) -> by_lane {L: [B]},
-        duplicates 1. complete(2, [B]) -> NotHeldError (B was completed by 1, not held by 2).
-        """
-        entries, batches = self._entries, self._batches
-        window = self._recent.get(consumer)
-        fresh: list[tuple[EntryRef, BatchId]] = []
-        seen: set[EntryRef] = set()
-        duplicates = 0
-        for ref in refs:
-            batch_id = entries.get(ref)
-            holder = None if batch_id is None else batches[batch_id].consumer
-            if ref in seen or (window is not None and ref in window.members):
-                duplicates += 1
-            elif holder == consumer:
-                fresh.append((ref, batch_id))
-                seen.add(ref)
-            else:
-                self.counters.refused += 1
-                where = "pending nowhere" if holder is None else f"held by consumer {holder}"
-                raise NotHeldError(
-                    f"consumer {consumer} completed entry {tuple(ref)} that it does not hold "
-                    f"({where}); none of its {len(refs)} completions were applied"
-                )
-        return self._apply_completion(consumer, fresh, duplicates)
-
     def complete_batch(self, consumer: ConsumerId, batch_id: BatchId) -> Completion:
-        """The consumer reports every entry of its batch `batch_id` done (the broker's path:
-        a consumer completes whole batches). NotHeldError, with nothing applied, if it does
-        not hold that batch. Entries of the batch completed before by `complete` are skipped,
-        not counted as duplicates. The same as `complete(consumer, refs of the batch)`
-        otherwise, in bulk operations."""
+        """The consumer reports every entry of its batch `batch_id` done. NotHeldError, with
+        nothing applied, if it does not hold that batch (never had it, another consumer has
+        it, or it was completed already: a resend)."""
         batch = self._batches.get(batch_id)
         if batch is None or batch.consumer != consumer:
             self.counters.refused += 1
             where = "pending nowhere" if batch is None else f"held by consumer {batch.consumer}"
             raise NotHeldError(f"consumer {consumer} completed batch {batch_id}, which it does not hold ({where})")
-        refs, lengths = batch.refs, batch.lengths
-        if batch.open_count != len(refs):  # some were completed one by one before
-            entries = self._entries
-            kept = [i for i, ref in enumerate(refs) if entries.get(ref) == batch_id]
-            refs, lengths = [refs[i] for i in kept], [lengths[i] for i in kept]
-        deque(map(self._entries.__delitem__, refs), maxlen=0)  # a C loop, no bytecode per ref
+        deque(map(self._entries.__delitem__, batch.refs), maxlen=0)  # a C loop, no bytecode per ref
         del self._batches[batch_id]
         del self._by_consumer[consumer][batch_id]
-        self._remember(consumer, refs)
-        self.counters.completed += len(refs)
-        return Completion({batch.lane: refs}, len(refs), sum(lengths), 0)
-
-    def _apply_completion(
-        self, consumer: ConsumerId, fresh: list[tuple[EntryRef, BatchId]], duplicates: int
-    ) -> Completion:
-        done = Completion(duplicates=duplicates)
-        for ref, batch_id in fresh:
-            del self._entries[ref]
-            batch = self._batches[batch_id]
-            done.by_lane.setdefault(batch.lane, []).append(ref)
-            done.tokens += batch.lengths[batch.index(ref)]
-            batch.open_count -= 1
-            if not batch.open_count:
-                del self._batches[batch_id]
-                del self._by_consumer[consumer][batch_id]
-        self._remember(consumer, [ref for ref, _batch in fresh])
-        done.items = len(fresh)
-        self.counters.completed += done.items
-        self.counters.duplicates += duplicates
-        return done
-
-    def _remember(self, consumer: ConsumerId, refs: list[EntryRef]) -> None:
-        if not self._recent_limit or not refs:
-            return
-        window = self._recent.get(consumer)
-        if window is None:
-            window = self._recent[consumer] = _Window(self._recent_limit)
-        window.extend(refs)
+        self.counters.completed += len(batch.refs)
+        return Completion({batch.lane: batch.refs}, len(batch.refs), sum(batch.lengths))
 
     def consumer_lost(self, consumer: ConsumerId) -> list[ReturnedRun]:
         """Every entry the consumer still holds leaves the map, grouped by lane (lanes in the
         order their first batch was committed), each run in the original dispatch order:
         batches in commit order, entries in batch order. The caller puts each run back at
-        the front of its lane. The consumer's window of completions is dropped.
+        the front of its lane.
 
         Example: consumer 3 holds batch 1 = [a1, a2] of lane L, then batch 2 = [b1] of lane
-        M, then batch 4 = [a3, a4] of lane L, and a2 was completed. Returns
-        [ReturnedRun(L, (a1, a3, a4)), ReturnedRun(M, (b1,))].
+        M, then batch 4 = [a3, a4] of lane L. Returns [ReturnedRun(L, (a1, a2, a3, a4)),
+        ReturnedRun(M, (b1,))].
         """
         runs: dict[LaneKey, tuple[list[EntryRef], list[int]]] = {}
         for batch_id in self._by_consumer.pop(consumer, {}):
             batch = self._batches.pop(batch_id)
             refs, lengths = runs.setdefault(batch.lane, ([], []))
-            for ref, length in zip(batch.refs, batch.lengths):
-                if self._entries.get(ref) == batch_id:
-                    del self._entries[ref]
-                    refs.append(ref)
-                    lengths.append(length)
-        self._recent.pop(consumer, None)
+            deque(map(self._entries.__delitem__, batch.refs), maxlen=0)
+            refs += batch.refs
+            lengths += batch.lengths
         returned = [
             ReturnedRun(lane, tuple(refs), tuple(lengths)) for lane, (refs, lengths) in runs.items()
         ]
@@ -290,22 +178,15 @@ class PendingMap:
         return returned
 
     def check_invariants(self) -> None:
-        """Assert every internal invariant. O(pending entries + remembered refs)."""
-        open_total = 0
+        """Assert every internal invariant. O(pending entries)."""
+        held = 0
         for batch_id, batch in self._batches.items():
-            held = [r for r in batch.refs if self._entries.get(r) == batch_id]
-            assert batch.open_count == len(held) >= 1, (batch_id, batch.open_count, held)
-            assert len(batch.refs) == len(batch.lengths), batch_id
+            assert batch.refs and len(batch.refs) == len(batch.lengths), batch_id
+            assert all(self._entries.get(ref) == batch_id for ref in batch.refs), batch_id
             assert batch_id in self._by_consumer.get(batch.consumer, {}), (batch_id, batch.consumer)
-            open_total += batch.open_count
-        assert open_total == len(self._entries), (open_total, len(self._entries))
-        for ref, batch_id in self._entries.items():
-            assert ref in self._batches[batch_id].refs, ref
+            held += len(batch.refs)
+        assert held == len(self._entries), (held, len(self._entries))
         listed = sum(len(batches) for batches in self._by_consumer.values())
         assert listed == len(self._batches), (listed, len(self._batches))
-        for consumer, window in self._recent.items():
-            assert window.size == len(window.members) <= self._recent_limit, consumer
-            assert window.members == set(chain.from_iterable(window.chunks)), consumer
-            assert not window.members & self._entries.keys(), consumer
         c = self.counters
         assert c.added == c.completed + c.returned + len(self._entries), c

@@ -46,11 +46,7 @@ from pipeline.broker.storage.base import (
     StorageTier,
     make_refs,
 )
-from pipeline.broker.storage.pending import (
-    RECENT_COMPLETIONS_PER_CONSUMER,
-    Completion,
-    PendingMap,
-)
+from pipeline.broker.storage.pending import Completion, PendingMap
 from pipeline.wire.errors import StaleBatchError
 from pipeline.wire.layouts import ProducerId
 
@@ -287,9 +283,9 @@ class QueuedTier(StorageTier, abc.ABC):
     Owner: the broker's dispatch loop (through the Dispatcher). Not thread-safe.
     """
 
-    def __init__(self, recent_per_consumer: int = RECENT_COMPLETIONS_PER_CONSUMER) -> None:
+    def __init__(self) -> None:
         self._queues: dict[LaneKey, LaneQueue] = {}
-        self._pending = PendingMap(recent_per_consumer)
+        self._pending = PendingMap()
         self._stored = StoredSeqs()
         self._staged_queues: dict[LaneKey, LaneQueue] = {}  # lanes with staged runs
         self.counters = StorageCounters()
@@ -405,8 +401,6 @@ class QueuedTier(StorageTier, abc.ABC):
         # Step 3: the consumer holds them.
         lengths = entries.lengths.tolist()
         self._pending.add_batch(batch, consumer, lane, list(entries.refs), lengths)
-        self.counters.committed_items += count
-        self.counters.committed_tokens += sum(lengths)
 
     @staticmethod
     def _is_front(queue: LaneQueue, entries: Peeked) -> bool:
@@ -420,7 +414,6 @@ class QueuedTier(StorageTier, abc.ABC):
             self._remove(lane, lane_refs)
         self.counters.completed_items += done.items
         self.counters.completed_tokens += done.tokens
-        self.counters.duplicate_completions += done.duplicates
         return done
 
     def return_consumer(self, consumer: ConsumerId) -> list[Returned]:
@@ -433,8 +426,6 @@ class QueuedTier(StorageTier, abc.ABC):
             segments = np.array([ref.segment for ref in refs], dtype=np.int64)
             offsets = np.array([ref.offset for ref in refs], dtype=np.int64)
             returned.append(Returned(run.lane, self._describe(run.lane, refs, segments, offsets)))
-            self.counters.returned_items += len(refs)
-            self.counters.returned_tokens += sum(run.lengths)
         return returned
 
     def drop_lane(self, lane: LaneKey) -> None:

@@ -38,7 +38,7 @@ from pipeline.broker.storage.scan import (
     SegmentKeys,
     TornRange,
 )
-from pipeline.wire.status import REPAIR_KEYS
+from pipeline.wire.status import DAMAGE_KEYS, REPAIR_KEYS
 
 
 @dataclass(slots=True)
@@ -130,8 +130,8 @@ class RecoveryReport:
             kept.report.headers = kept.report.headers[:0]
 
     def damage_counts(self) -> dict[str, int]:
-        """Counts with stable keys (DAMAGE_KEYS) for status and the run report."""
-        return {
+        """Counts with stable keys, in DAMAGE_KEYS' order, for status and the run report."""
+        counts = {
             "entries_damaged": sum(r.entries for r in self.damaged),
             "entries_missing": sum(r.entries for r in self.lost)
             + sum(m.entry_count or 0 for m in self.missing),
@@ -147,6 +147,8 @@ class RecoveryReport:
             "state_words_repaired": len(self.repaired_states),
             "quarantine_files": self.quarantine_files,
         }
+        assert set(counts) == set(DAMAGE_KEYS), set(counts) ^ set(DAMAGE_KEYS)
+        return {key: counts[key] for key in DAMAGE_KEYS}
 
     @property
     def ok(self) -> bool:

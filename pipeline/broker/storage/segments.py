@@ -135,7 +135,6 @@ class SegmentStore:
         self._recovering = False
         self._quarantined: list[Quarantined] = []  # moved while running, for the broker's log
         self._next_id = 0
-        self.files_opened = 0
         self.files_closed_by_cache = 0
 
     # ------------------------------------------------------------------ files
@@ -163,7 +162,6 @@ class SegmentStore:
             old.close()
             self.files_closed_by_cache += 1
         self._open[segment] = file
-        self.files_opened += 1
 
     def _new_segment(self, lane: LaneKey, now_s: float, need_bytes: int = 0) -> SegmentState:
         seq = self._next_seq.get(lane, 0)
