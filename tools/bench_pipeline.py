@@ -19,7 +19,12 @@ where the time goes when all five share two cores.
 Against another commit: `--against REV` checks REV out in a temporary git worktree and
 alternates runs of this tree's code and REV's, each with its own default credit, through
 this script's own benchmark functions (in a child process whose PYTHONPATH picks the tree;
-REV must have `pipeline.runtime.local`'s start_broker/start_consumer, as from 2026-11-29 on).
+REV must have `pipeline.runtime.local`'s start_broker/start_consumer, as from 2026-11-29 on,
+and either this tree's module layout (issue 12 on: pipeline.broker.config's BrokerConfig,
+pipeline.wire.client's broker_status returning a BrokerStatus) or the one before it (as at
+49f50fc: pipeline.broker.service's BrokerConfig, pipeline.runtime.local's broker_status
+returning a dict): the imports below try the new path and fall back to the old one, and
+`_counter` reads a status figure by attribute or by key; nothing else differs).
 
 Latency at low load: one producer submits one item at a time, 400 items a second, to the
 same pipeline; latency is a result line's `done_ns - submit_ns` (the producer's submit to
@@ -40,14 +45,27 @@ import time
 import numpy as np
 import psutil
 
-from pipeline.broker.config import BrokerConfig
 from pipeline.consumer.process import ConsumerConfig
 from pipeline.producer.client import BrokerProducer
 from pipeline.producer.signature import signature
 from pipeline.runtime.local import CTX, start_broker, start_consumer
 from pipeline.runtime.local import stop_process as stop
-from pipeline.wire.client import broker_status as status
-from pipeline.wire.status import BrokerStatus
+
+try:  # the module layout from issue 12 on
+    from pipeline.broker.config import BrokerConfig
+    from pipeline.wire.client import broker_status as status
+    from pipeline.wire.status import BrokerStatus
+except ModuleNotFoundError as missing:  # the one before it (a --against child of e.g. 49f50fc)
+    if missing.name not in ("pipeline.broker.config", "pipeline.wire"):
+        raise
+    from pipeline.broker.service import BrokerConfig
+    from pipeline.runtime.local import broker_status as status
+    BrokerStatus = dict  # its status was a plain dict of counters
+
+
+def _counter(counters: BrokerStatus, name: str) -> int:
+    """One status figure: an attribute of a BrokerStatus, a key of an older tree's dict."""
+    return counters[name] if isinstance(counters, dict) else getattr(counters, name)
 
 TOKENS = 256
 SHAPES = 8
@@ -107,10 +125,10 @@ def _wait_completed(socket_path: str, total: int, timeout_s: float) -> BrokerSta
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         counters = status(socket_path)
-        if counters.items_completed >= total:
+        if _counter(counters, "items_completed") >= total:
             return counters
         time.sleep(0.02)
-    raise TimeoutError(f"only {status(socket_path).items_completed} of {total} completed")
+    raise TimeoutError(f"only {_counter(status(socket_path), 'items_completed')} of {total} completed")
 
 
 def _cpu_seconds(processes: dict[str, psutil.Process], into: dict[str, float]) -> None:
@@ -137,7 +155,7 @@ def throughput(items_per_producer: int, batch_items: int, credit: int | None | s
         processes = {name: psutil.Process(p.pid) for name, p in watched.items()}
         total = 2 * items_per_producer
         cpu: dict[str, float] = {}
-        while (counters := status(socket_path)).items_completed < total:
+        while _counter(counters := status(socket_path), "items_completed") < total:
             _cpu_seconds(processes, cpu)
             time.sleep(0.05)
         elapsed = time.monotonic() - started
@@ -150,7 +168,7 @@ def throughput(items_per_producer: int, batch_items: int, credit: int | None | s
         stop(broker)
         shutil.rmtree(root, ignore_errors=True)
     return {"items": total, "seconds": elapsed, "items_per_s": total / elapsed,
-            "tokens_per_s": total * TOKENS / elapsed, "tokens_completed": counters.tokens_completed,
+            "tokens_per_s": total * TOKENS / elapsed, "tokens_completed": _counter(counters, "tokens_completed"),
             "cpu_us_per_item": {name: 1e6 * seconds / total for name, seconds in cpu.items()}}
 
 
