@@ -37,23 +37,23 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import bench_pipeline  # noqa: E402  (the benchmark whose run is profiled)
 
-from pipeline.broker import dispatch, service  # noqa: E402
+from pipeline.broker import consumers, control, dispatch, producers  # noqa: E402
 from pipeline.broker.storage import disk, queues  # noqa: E402
 from pipeline.consumer import process, reader  # noqa: E402
 from pipeline.consumer.engines import prefix_cache, sim  # noqa: E402
 
 # (owner, attribute, label): the methods timed.
 TIMED = [
-    (service.Broker, "_fill", "broker: fill (ingest a turn's frames)"),
+    (producers.ProducerSide, "fill", "broker: fill (ingest a turn's frames)"),
     (dispatch.Dispatcher, "ingest", "broker:   Dispatcher.ingest"),
     (dispatch.Dispatcher, "_assign_shape", "broker:     lane assignment"),
     (disk.DiskTier, "append", "broker:     DiskTier.append (encode + write)"),
-    (service.Broker, "_dispatch", "broker: dispatch"),
+    (consumers.ConsumerSide, "dispatch", "broker: dispatch"),
     (dispatch.Dispatcher, "next_batch", "broker:   Dispatcher.next_batch"),
     (queues.QueuedTier, "peek_many", "broker:     peek_many"),
     (dispatch.Dispatcher, "commit", "broker:   Dispatcher.commit"),
-    (service.Broker, "_send_batch", "broker:   descriptor write"),
-    (service.Broker, "_serve_control", "broker: control"),
+    (consumers.ConsumerSide, "_send_batch", "broker:   descriptor write"),
+    (control.ControlServer, "serve", "broker: control"),
     (dispatch.Dispatcher, "complete_batch", "broker:   Dispatcher.complete_batch"),
     (disk.DiskTier, "_remove", "broker:     tombstones"),
     (process.Consumer, "run_batch", "consumer: run_batch"),

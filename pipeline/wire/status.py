@@ -132,11 +132,18 @@ class ConsumerWork:
     @classmethod
     def from_results(cls, results: object) -> ConsumerWork:
         """The `results` of a `complete` message: ProtocolError naming a counter that is
-        missing, unknown or not an integer."""
+        missing, unknown or not an integer.
+        NOTE: the well-formed message takes a fast path (one key-set comparison and a type
+        check per value): the general decoder cost 11.4 us a completion against 1.0 us for
+        the dict sum it replaced, about 3% of the broker's throughput at 64-item batches
+        (tools/bench_pipeline.py). Anything else goes through the decoder, which names
+        what is wrong."""
+        if type(results) is dict and results.keys() == _WORK_KEYS and all(type(v) is int for v in results.values()):
+            return cls(**results)
         return _decode_record(cls, results, "complete: results")
 
     def __add__(self, other: ConsumerWork) -> ConsumerWork:
-        return ConsumerWork(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+        return ConsumerWork(*[getattr(self, name) + getattr(other, name) for name in _WORK_NAMES])
 
     @property
     def padding_efficiency(self) -> float | None:
@@ -148,6 +155,11 @@ class ConsumerWork:
         (the hits a perfect order could get)."""
         return cache_hit_rate(self.cacheable_hit_tokens, self.cacheable_tokens, self.compulsory_miss_tokens)
 
+
+
+# ConsumerWork's fields, in order (positional construction) and as the keys of `results`.
+_WORK_NAMES = tuple(f.name for f in fields(ConsumerWork))
+_WORK_KEYS = frozenset(_WORK_NAMES)
 
 @dataclass(frozen=True, slots=True)
 class ConsumerTotalsRow:
