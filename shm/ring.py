@@ -48,13 +48,7 @@ from shm.errors import (
     StaleObjectError,
 )
 from shm.layout import checked_dtype, field_offset, struct_for
-from shm.objects import (
-    Doorbell,
-    attach_shared_memory,
-    create_shared_memory,
-    open_semaphore,
-    unlink_quietly,
-)
+from shm.objects import Doorbell, attach_shared_memory, create_shared_memory, open_semaphore, unlink_quietly
 
 RING_MAGIC = b"SHMRING1"
 # Bump when any field below moves or changes meaning; a ring of another version is reported.

@@ -10,12 +10,7 @@ import os
 import numpy as np
 import pytest
 
-from pipeline.reporting.accounting import (
-    MAX_BAD_LINE_EXAMPLES,
-    reconcile,
-    summarize_results,
-    take_stock,
-)
+from pipeline.reporting.accounting import MAX_BAD_LINE_EXAMPLES, reconcile, summarize_results, take_stock
 from pipeline.wire.errors import ResultsFileError
 from pipeline.wire.status import BrokerStatus
 

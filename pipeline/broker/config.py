@@ -12,11 +12,7 @@ from dataclasses import dataclass, field
 from pipeline.broker.lanes import LaneConfig
 from pipeline.broker.packing import Contract
 from pipeline.wire.errors import ConfigError, ContractError
-from pipeline.wire.layouts import (
-    DEFAULT_MAX_MODELS,
-    MODEL_ID_LIMIT,
-    descriptor_size_bytes,
-)
+from pipeline.wire.layouts import DEFAULT_MAX_MODELS, MODEL_ID_LIMIT, descriptor_size_bytes
 from shm.ring import max_body_bytes
 
 RUN_DIR = "run"

@@ -23,25 +23,10 @@ from pipeline.broker.config import BrokerConfig
 from pipeline.broker.dispatch import Batch, Dispatcher
 from pipeline.broker.ids import ConsumerId
 from pipeline.broker.packing import Contract
-from pipeline.broker.peers import (
-    ConsumerPeer,
-    ConsumerTotals,
-    Peer,
-    consumer_ring_name,
-    object_prefix,
-)
+from pipeline.broker.peers import ConsumerPeer, ConsumerTotals, Peer, consumer_ring_name, object_prefix
 from pipeline.broker.storage.disk import DiskTier
-from pipeline.wire.errors import (
-    BadInputError,
-    ProtocolError,
-    RingTimeoutError,
-    ShmError,
-)
-from pipeline.wire.layouts import (
-    DESCRIPTOR_ITEM_DTYPE,
-    descriptor_size_bytes,
-    write_descriptor,
-)
+from pipeline.wire.errors import BadInputError, ProtocolError, RingTimeoutError, ShmError
+from pipeline.wire.layouts import DESCRIPTOR_ITEM_DTYPE, descriptor_size_bytes, write_descriptor
 from pipeline.wire.protocol import MAX_CREDIT_BATCHES, check_consumer_name
 from pipeline.wire.status import ConsumerWork
 from shm.objects import named_objects

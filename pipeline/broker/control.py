@@ -25,13 +25,7 @@ import time
 from typing import Protocol
 
 from pipeline.broker.config import BrokerConfig
-from pipeline.broker.peers import (
-    ConsumerPeer,
-    Peer,
-    ProducerPeer,
-    Unregistered,
-    peer_of,
-)
+from pipeline.broker.peers import ConsumerPeer, Peer, ProducerPeer, Unregistered, peer_of
 from pipeline.wire.errors import BadInputError, ProtocolError
 from pipeline.wire.protocol import encode, peer_uid
 

@@ -51,22 +51,12 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from pipeline.broker.ids import BatchId, ConsumerId, EntryRef, LaneId, LaneKey, ShapeKey
-from pipeline.broker.lanes import (
-    MAX_LENGTH_TOKENS,
-    LaneConfig,
-    LaneCounters,
-    ShapeLanes,
-)
+from pipeline.broker.lanes import MAX_LENGTH_TOKENS, LaneConfig, LaneCounters, ShapeLanes
 from pipeline.broker.packing import Contract, batch_items_limit, pack
 from pipeline.broker.selection import AGE_RESOLUTION_NS, ShapeSelector
 from pipeline.broker.storage.base import AppendGroup, Peeked, StorageTier
 from pipeline.broker.storage.pending import Completion
-from pipeline.wire.errors import (
-    DiskFullError,
-    ItemTooLongError,
-    ModelIdError,
-    StorageError,
-)
+from pipeline.wire.errors import DiskFullError, ItemTooLongError, ModelIdError, StorageError
 from pipeline.wire.layouts import DEFAULT_MAX_MODELS, MODEL_ID_LIMIT, Frame, ProducerId
 
 # A batch offered only if it is full enough (`next_batch(full_only=True)`, for a consumer that

@@ -43,23 +43,11 @@ from pipeline.broker.config import BrokerConfig
 from pipeline.broker.consumers import ConsumerSide
 from pipeline.broker.control import ControlServer, Owner
 from pipeline.broker.dispatch import Dispatcher
-from pipeline.broker.peers import (
-    ConsumerPeer,
-    Peer,
-    ProducerPeer,
-    doorbell_name,
-    namespace_for,
-    producer_ring_ids,
-)
+from pipeline.broker.peers import ConsumerPeer, Peer, ProducerPeer, doorbell_name, namespace_for, producer_ring_ids
 from pipeline.broker.producers import ProducerSide
 from pipeline.broker.state import STATE_NAME, BrokerState, lock_run_dir
 from pipeline.broker.storage.disk import DiskTier
-from pipeline.broker.store_health import (
-    log_quarantined,
-    log_recovery,
-    note_store_was_kept,
-    store_damage,
-)
+from pipeline.broker.store_health import log_quarantined, log_recovery, note_store_was_kept, store_damage
 from pipeline.broker.wakeup import Wakeup
 from pipeline.wire.errors import ProtocolError, ShmError
 from pipeline.wire.status import (

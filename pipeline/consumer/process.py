@@ -44,21 +44,10 @@ import threading
 import time
 from dataclasses import dataclass, field, fields
 
-from pipeline.consumer.credit import (
-    DEFAULT_AHEAD_S,
-    MAX_CREDIT,
-    MIN_CREDIT,
-    CreditWindow,
-)
+from pipeline.consumer.credit import DEFAULT_AHEAD_S, MAX_CREDIT, MIN_CREDIT, CreditWindow
 from pipeline.consumer.engines import Engine, EngineBatch, make_engine
 from pipeline.consumer.reader import ReadBatch, SegmentReader
-from pipeline.consumer.results import (
-    STATUS_CORRUPT,
-    STATUS_OK,
-    STATUS_TOO_LONG,
-    ResultsFile,
-    result_lines,
-)
+from pipeline.consumer.results import STATUS_CORRUPT, STATUS_OK, STATUS_TOO_LONG, ResultsFile, result_lines
 from pipeline.wire.errors import (
     EntryCompletedError,
     ProtocolError,
@@ -69,12 +58,7 @@ from pipeline.wire.errors import (
     SegmentReadError,
     ShmError,
 )
-from pipeline.wire.layouts import (
-    SEGMENTS_DIR,
-    Descriptor,
-    descriptor_size_bytes,
-    parse_descriptor,
-)
+from pipeline.wire.layouts import SEGMENTS_DIR, Descriptor, descriptor_size_bytes, parse_descriptor
 from pipeline.wire.protocol import (
     MAX_CREDIT_BATCHES,
     RECONNECT_FIRST_S,

@@ -22,11 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
-from pipeline.wire.errors import (
-    EntryCompletedError,
-    SegmentCorruptError,
-    SegmentReadError,
-)
+from pipeline.wire.errors import EntryCompletedError, SegmentCorruptError, SegmentReadError
 from pipeline.wire.layouts import (
     ENTRY_CHECKSUM_FROM,
     ENTRY_HEADER_SIZE_BYTES,

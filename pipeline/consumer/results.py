@@ -44,11 +44,7 @@ import time
 from collections.abc import Sequence
 from itertools import chain
 
-from pipeline.wire.errors import (
-    ResultsDiskFullError,
-    ResultsFileError,
-    ResultsWriteError,
-)
+from pipeline.wire.errors import ResultsDiskFullError, ResultsFileError, ResultsWriteError
 from pipeline.wire.layouts import Descriptor
 
 # Every results file is owner-only, whatever the umask (SPEC §7, §12).

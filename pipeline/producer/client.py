@@ -19,11 +19,7 @@ import time
 
 import numpy as np
 
-from pipeline.producer.producer import (
-    DEFAULT_RING_CAPACITY_BYTES,
-    Producer,
-    ProducerLimits,
-)
+from pipeline.producer.producer import DEFAULT_RING_CAPACITY_BYTES, Producer, ProducerLimits
 from pipeline.wire.errors import ProducerRefusedError, ProtocolError
 from pipeline.wire.protocol import RECONNECT_FIRST_S, RECONNECT_MAX_S, Connection
 from shm.ring import RingWriter

@@ -19,12 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.producer.signature import (
-    INT32_MAX,
-    INT32_MIN,
-    UINT64_MAX,
-    check_signature,
-)
+from pipeline.producer.signature import INT32_MAX, INT32_MIN, UINT64_MAX, check_signature
 from pipeline.wire.errors import (
     BadInputError,
     ItemTooLongError,

@@ -27,16 +27,7 @@ from prometheus_client import CollectorRegistry, generate_latest, start_http_ser
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from pipeline.wire.errors import PipelineError
-from pipeline.wire.status import (
-    COUNTER,
-    GAUGE,
-    BrokerStatus,
-    ConsumerTotalsRow,
-    Export,
-    LaneEvents,
-    TopShape,
-    exports,
-)
+from pipeline.wire.status import COUNTER, GAUGE, BrokerStatus, ConsumerTotalsRow, Export, LaneEvents, TopShape, exports
 
 log = logging.getLogger("pipeline.metrics")
 

@@ -33,12 +33,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from pipeline.reporting.report import (
-    format_compact,
-    format_count,
-    format_percent,
-    format_rate,
-)
+from pipeline.reporting.report import format_compact, format_count, format_percent, format_rate
 from pipeline.wire.status import BrokerStatus, cache_hit_rate, padding_efficiency
 
 # Samples kept for plots. 2,048 polls at the launcher's 2 a second cover 17 minutes at full

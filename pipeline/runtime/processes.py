@@ -33,12 +33,7 @@ from pipeline.broker.storage.disk import DiskTier
 from pipeline.consumer.process import Consumer, ConsumerConfig
 from pipeline.runtime.datadir import owner_only_umask, prepare_data_dir
 from pipeline.runtime.signals import stop_on_signals
-from pipeline.wire.errors import (
-    ConfigError,
-    DurabilityError,
-    PipelineError,
-    ShapeGuardError,
-)
+from pipeline.wire.errors import ConfigError, DurabilityError, PipelineError, ShapeGuardError
 from pipeline.wire.layouts import BROKER_STATE_NAME
 
 log = logging.getLogger("pipeline")

@@ -30,12 +30,7 @@ import tomllib
 from dataclasses import dataclass, field, fields, replace
 
 from pipeline.broker.config import MAX_CONSUMERS, MAX_PRODUCERS
-from pipeline.runtime.tables import (
-    PROCESS_TABLES,
-    broker_config,
-    consumer_settings,
-    merged,
-)
+from pipeline.runtime.tables import PROCESS_TABLES, broker_config, consumer_settings, merged
 from pipeline.wire.errors import SettingsError
 from pipeline.wire.layouts import MAX_SEQ
 

@@ -16,19 +16,8 @@ from pipeline.broker.dispatch import Batch, Dispatcher
 from pipeline.broker.ids import BatchId, ConsumerId, ShapeKey
 from pipeline.broker.lanes import MAX_LENGTH_TOKENS
 from pipeline.broker.packing import Contract, pad_to_tokens
-from pipeline.broker.storage import (
-    DiskTier,
-    Durability,
-    Peeked,
-    PeekedEntry,
-    StorageTier,
-)
-from pipeline.wire.errors import (
-    ItemTooLongError,
-    NotHeldError,
-    ShapeGuardError,
-    StaleBatchError,
-)
+from pipeline.broker.storage import DiskTier, Durability, Peeked, PeekedEntry, StorageTier
+from pipeline.wire.errors import ItemTooLongError, NotHeldError, ShapeGuardError, StaleBatchError
 
 NS = 1_000_000_000
 BIG = Contract(model=0, max_batch_items=64, max_batch_tokens=65_536, max_input_len=8192)

@@ -14,13 +14,7 @@ from hypothesis import strategies as st
 from test_lanes_audit import AuditedLanes
 
 from pipeline.broker.ids import LaneId
-from pipeline.broker.lanes import (
-    MAX_LENGTH_TOKENS,
-    LaneCounters,
-    ShapeLanes,
-    TickResult,
-    WasteMeasure,
-)
+from pipeline.broker.lanes import MAX_LENGTH_TOKENS, LaneCounters, ShapeLanes, TickResult, WasteMeasure
 from pipeline.wire.errors import BadInputError
 
 DETERMINISTIC = settings(

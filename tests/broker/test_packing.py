@@ -10,14 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.broker.packing import (
-    Contract,
-    Packing,
-    batch_items_limit,
-    pack,
-    pad_to_tokens,
-    within_contract,
-)
+from pipeline.broker.packing import Contract, Packing, batch_items_limit, pack, pad_to_tokens, within_contract
 from pipeline.wire.errors import BadInputError, ContractError
 
 DETERMINISTIC = settings(derandomize=True, database=None, deadline=None, max_examples=300)

@@ -8,14 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.broker.ids import (
-    BatchId,
-    ConsumerId,
-    EntryRef,
-    LaneId,
-    LaneKey,
-    SegmentId,
-)
+from pipeline.broker.ids import BatchId, ConsumerId, EntryRef, LaneId, LaneKey, SegmentId
 from pipeline.broker.storage.pending import PendingMap, ReturnedRun
 from pipeline.wire.errors import BadInputError, NotHeldError
 

@@ -11,20 +11,9 @@ import numpy as np
 import pytest
 
 from pipeline.broker.storage.scan import SEARCH_FIRST_WINDOW_BYTES, census_segment
-from pipeline.broker.storage.segment import (
-    Durability,
-    SegmentFile,
-    SegmentKeys,
-    encode_entries,
-    scan_segment,
-)
+from pipeline.broker.storage.segment import Durability, SegmentFile, SegmentKeys, encode_entries, scan_segment
 from pipeline.wire.errors import SegmentCorruptError, SegmentFormatError
-from pipeline.wire.layouts import (
-    ENTRY_HEADER_SIZE_BYTES,
-    ITEM_HEADER_DTYPE,
-    SEGMENT_HEADER_SIZE_BYTES,
-    segment_relpath,
-)
+from pipeline.wire.layouts import ENTRY_HEADER_SIZE_BYTES, ITEM_HEADER_DTYPE, SEGMENT_HEADER_SIZE_BYTES, segment_relpath
 
 KEYS = SegmentKeys(model=1, signature=0xDEADBEEF_12345678, lane=7, segment_seq=3)
 

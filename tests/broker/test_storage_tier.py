@@ -17,13 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.broker.ids import BatchId, ConsumerId, LaneId, LaneKey
-from pipeline.broker.storage import (
-    AppendGroup,
-    DiskTier,
-    Durability,
-    Peeked,
-    StorageTier,
-)
+from pipeline.broker.storage import AppendGroup, DiskTier, Durability, Peeked, StorageTier
 from pipeline.wire.errors import NotHeldError, StaleBatchError
 from pipeline.wire.layouts import ProducerId
 

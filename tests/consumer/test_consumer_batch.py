@@ -11,12 +11,7 @@ import numpy as np
 from pipeline.broker.storage.segment import scan_segment
 from pipeline.consumer.process import CORRUPT_KEY, Consumer, ConsumerConfig
 from pipeline.consumer.reader import SegmentReader
-from pipeline.wire.layouts import (
-    DESCRIPTOR_ITEM_DTYPE,
-    descriptor_size_bytes,
-    parse_descriptor,
-    write_descriptor,
-)
+from pipeline.wire.layouts import DESCRIPTOR_ITEM_DTYPE, descriptor_size_bytes, parse_descriptor, write_descriptor
 from pipeline.wire.status import ConsumerWork
 from tests.consumer.test_reader import SIG, store
 

@@ -23,14 +23,7 @@ from pipeline.consumer.process import ConsumerConfig
 from pipeline.reporting.accounting import summarize_results
 from pipeline.runtime.local import start_consumer
 from tests.consumer.tmpfs import fill, small_tmpfs
-from tests.pipeline.harness import (
-    Workload,
-    produce,
-    start_broker,
-    status,
-    stop,
-    wait_until,
-)
+from tests.pipeline.harness import Workload, produce, start_broker, status, stop, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE_BYTES = 4096

@@ -8,19 +8,9 @@ import numpy as np
 import pytest
 
 from pipeline.broker.storage.paths import make_dirs, segment_path
-from pipeline.broker.storage.segment import (
-    Durability,
-    SegmentFile,
-    SegmentKeys,
-    encode_entries,
-    scan_segment,
-)
+from pipeline.broker.storage.segment import Durability, SegmentFile, SegmentKeys, encode_entries, scan_segment
 from pipeline.consumer.reader import SegmentReader
-from pipeline.wire.errors import (
-    EntryCompletedError,
-    SegmentCorruptError,
-    SegmentReadError,
-)
+from pipeline.wire.errors import EntryCompletedError, SegmentCorruptError, SegmentReadError
 from pipeline.wire.layouts import DESCRIPTOR_ITEM_DTYPE
 from tests.broker.test_segment import make_items
 

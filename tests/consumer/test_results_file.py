@@ -14,11 +14,7 @@ import pytest
 from pipeline.consumer.process import ConsumerConfig, FullDiskBackoff
 from pipeline.consumer.results import ResultsFile
 from pipeline.reporting.accounting import summarize_results
-from pipeline.wire.errors import (
-    ResultsDiskFullError,
-    ResultsFileError,
-    ResultsWriteError,
-)
+from pipeline.wire.errors import ResultsDiskFullError, ResultsFileError, ResultsWriteError
 from tests.consumer.tmpfs import fill, small_tmpfs
 
 PAGE_BYTES = 4096

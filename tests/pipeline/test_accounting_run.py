@@ -15,14 +15,7 @@ from pipeline.runtime.inventory import store_stock
 from pipeline.wire.layouts import parse_descriptor
 from pipeline.wire.protocol import Connection
 from shm.ring import RingReader
-from tests.pipeline.harness import (
-    Workload,
-    start_broker,
-    start_producer,
-    status,
-    stop,
-    wait_until,
-)
+from tests.pipeline.harness import Workload, start_broker, start_producer, status, stop, wait_until
 
 
 def test_results_of_a_consumer_that_died_before_completing_count_once(tmp_path):

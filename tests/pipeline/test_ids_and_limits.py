@@ -14,12 +14,7 @@ from pipeline.broker.peers import namespace_for, producer_ring_name
 from pipeline.producer.client import BrokerProducer
 from pipeline.producer.producer import ProducerLimits
 from pipeline.runtime.local import remove_leftovers
-from pipeline.wire.errors import (
-    ConfigError,
-    ModelIdError,
-    ProducerRefusedError,
-    ProtocolError,
-)
+from pipeline.wire.errors import ConfigError, ModelIdError, ProducerRefusedError, ProtocolError
 from pipeline.wire.layouts import DEFAULT_MAX_MODELS, MODEL_ID_LIMIT
 from tests.pipeline.harness import start_broker, status, stop, wait_until
 from tests.runtime.runs import shm_objects_of

@@ -11,14 +11,7 @@ from pipeline.wire.layouts import Descriptor, parse_descriptor
 from pipeline.wire.protocol import Connection
 from pipeline.wire.status import STATUS_VERSION, BrokerStatus, ConsumerWork
 from shm.ring import RingReader
-from tests.pipeline.harness import (
-    Workload,
-    start_broker,
-    start_producer,
-    status,
-    stop,
-    wait_until,
-)
+from tests.pipeline.harness import Workload, start_broker, start_producer, status, stop, wait_until
 
 # Items the producer stores before a consumer comes, and the contract's batch size.
 ITEMS = 60

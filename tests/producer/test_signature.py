@@ -8,13 +8,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.producer.signature import (
-    SIGNATURE_SEED,
-    check_signature,
-    component_hash,
-    reduce_hashes,
-    signature,
-)
+from pipeline.producer.signature import SIGNATURE_SEED, check_signature, component_hash, reduce_hashes, signature
 from pipeline.wire.errors import SignatureError, TokenArrayError
 
 SYSTEM = b"You are a helpful assistant."

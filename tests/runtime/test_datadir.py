@@ -191,12 +191,7 @@ def test_shared_memory_names_are_not_derived_from_the_path(tmp_path):
     """A fresh data directory gets a random namespace, in a file of its own (0600), kept
     across restarts and moves; one a broker ran on before the file existed keeps its path's
     hash (the objects its runs left carry it)."""
-    from pipeline.broker.peers import (
-        NAMESPACE_FILE,
-        _path_namespace,
-        ensure_namespace,
-        namespace_for,
-    )
+    from pipeline.broker.peers import NAMESPACE_FILE, _path_namespace, ensure_namespace, namespace_for
 
     fresh, other = str(tmp_path / "fresh"), str(tmp_path / "other")
     for path in (fresh, other):

@@ -46,11 +46,7 @@ def test_the_broker_keeps_no_more_segment_files_open_than_its_descriptor_limit_a
     to the hard one; what is left after the peers' connections sizes the cache; a limit that
     leaves too little refuses the start, saying what to raise."""
     from pipeline.broker.config import BrokerConfig
-    from pipeline.runtime.processes import (
-        BROKER_FD_HEADROOM,
-        FDS_PER_OPEN_SEGMENT,
-        MIN_OPEN_SEGMENT_FILES,
-    )
+    from pipeline.runtime.processes import BROKER_FD_HEADROOM, FDS_PER_OPEN_SEGMENT, MIN_OPEN_SEGMENT_FILES
 
     config = BrokerConfig("/tmp/x")
     peers = config.max_consumers + config.max_producers + config.max_unregistered_peers

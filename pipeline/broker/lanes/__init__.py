@@ -26,26 +26,7 @@ The modules, each importing only those above it:
 Lane ids are `pipeline.broker.ids.LaneId`.
 """
 
-from pipeline.broker.lanes.bulk import LANE_DTYPE
-from pipeline.broker.lanes.config import (
-    MAX_LANES,
-    MAX_LENGTH_TOKENS,
-    LaneConfig,
-    LaneCounters,
-    LaneView,
-    TickResult,
-    WasteMeasure,
-)
+from pipeline.broker.lanes.config import MAX_LENGTH_TOKENS, LaneConfig, LaneCounters, LaneView, TickResult, WasteMeasure
 from pipeline.broker.lanes.policy import ShapeLanes
 
-__all__ = [
-    "LANE_DTYPE",
-    "MAX_LANES",
-    "MAX_LENGTH_TOKENS",
-    "LaneConfig",
-    "LaneCounters",
-    "LaneView",
-    "ShapeLanes",
-    "TickResult",
-    "WasteMeasure",
-]
+__all__ = ["MAX_LENGTH_TOKENS", "LaneConfig", "LaneCounters", "LaneView", "ShapeLanes", "TickResult", "WasteMeasure"]

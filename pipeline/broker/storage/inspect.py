@@ -14,12 +14,7 @@ import stat
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
-from pipeline.broker.storage.catalog import (
-    CatalogReading,
-    MissingNote,
-    read_catalog,
-    read_missing_note,
-)
+from pipeline.broker.storage.catalog import CatalogReading, MissingNote, read_catalog, read_missing_note
 from pipeline.broker.storage.paths import (
     MISSING_SUFFIX,
     QUARANTINE_DIR,
@@ -31,20 +26,9 @@ from pipeline.broker.storage.paths import (
     segment_path,
     store_dirs,
 )
-from pipeline.broker.storage.scan import (
-    EntryCensus,
-    ScanReport,
-    census_segment,
-    name_keys_of,
-    scan_segment,
-)
+from pipeline.broker.storage.scan import EntryCensus, ScanReport, census_segment, name_keys_of, scan_segment
 from pipeline.wire.errors import SegmentFormatError, StoreReadError
-from pipeline.wire.layouts import (
-    BROKER_STATE_NAME,
-    ENTRY_LIVE,
-    ENTRY_TOMBSTONE,
-    SEGMENTS_DIR,
-)
+from pipeline.wire.layouts import BROKER_STATE_NAME, ENTRY_LIVE, ENTRY_TOMBSTONE, SEGMENTS_DIR
 
 _STATE_NAMES = {ENTRY_LIVE: "live", ENTRY_TOMBSTONE: "tombstone"}
 

@@ -39,13 +39,7 @@ import numpy as np
 
 import pipeline.broker.storage.crashpoints as crashpoints
 from pipeline.broker.ids import BatchId, ConsumerId, EntryRef, LaneKey, SegmentId
-from pipeline.broker.storage.base import (
-    Peeked,
-    Returned,
-    StorageCounters,
-    StorageTier,
-    make_refs,
-)
+from pipeline.broker.storage.base import Peeked, Returned, StorageCounters, StorageTier, make_refs
 from pipeline.broker.storage.pending import Completion, PendingMap
 from pipeline.wire.errors import StaleBatchError
 from pipeline.wire.layouts import ProducerId

@@ -30,14 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pipeline.broker.storage.paths import Stray
-from pipeline.broker.storage.scan import (
-    DamagedRange,
-    LostEntries,
-    RepairedState,
-    ScanReport,
-    SegmentKeys,
-    TornRange,
-)
+from pipeline.broker.storage.scan import DamagedRange, LostEntries, RepairedState, ScanReport, SegmentKeys, TornRange
 from pipeline.wire.status import DAMAGE_KEYS, REPAIR_KEYS
 
 

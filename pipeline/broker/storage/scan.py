@@ -44,22 +44,17 @@ from pipeline.broker.storage.identity import (  # re-exported: the scan's caller
     name_keys_of,
     read_identity,
 )
+from pipeline.wire import layouts
 from pipeline.wire.errors import SegmentFormatError
 from pipeline.wire.layouts import (
     ENTRY_ALIGN_BYTES,
-    ENTRY_CHECKSUM_FROM,
     ENTRY_HEADER_DTYPE,
     ENTRY_HEADER_SIZE_BYTES,
     ENTRY_LIVE,
-    ENTRY_NONE,
     ENTRY_STATE,
     ENTRY_TOMBSTONE,
-    SEGMENT_BOUNDARY_CHECKSUM,
-    SEGMENT_DATA_END,
-    SEGMENT_DELETED_COUNT,
     SEGMENT_ENTRY_COUNT,
     SEGMENT_HEADER_SIZE_BYTES,
-    SEGMENT_SEALED,
     entry_checksum,
     entry_size_bytes,
 )
@@ -357,7 +352,7 @@ def _walk_entries(buf: memoryview, size: int, start: int = SEGMENT_HEADER_SIZE_B
     unpack = _WALK.unpack_from
     digest = xxhash.xxh3_64_intdigest
     live, tomb = ENTRY_LIVE, ENTRY_TOMBSTONE
-    header, align_mask, skip = ENTRY_HEADER_SIZE_BYTES, ENTRY_ALIGN_BYTES - 1, ENTRY_CHECKSUM_FROM
+    header, align_mask, skip = ENTRY_HEADER_SIZE_BYTES, ENTRY_ALIGN_BYTES - 1, layouts.ENTRY_CHECKSUM_FROM
     while offset + header <= size:
         state, length, checksum, prefix_len, payload_len = unpack(buf, offset)
         if state != live and state != tomb:
@@ -435,7 +430,7 @@ def _damaged(path: str, buf: memoryview, size: int, start: int, end: int) -> Dam
     entry (the one whose header is at `start`, if any is readable there), which the
     header's entry count may top up: headers that do not chain may have been misread."""
     count, walked, ids = _walk_headers(buf, start, end, size)
-    if start + ENTRY_STATE.end <= size and ENTRY_STATE.read(buf, start) == ENTRY_NONE:
+    if start + ENTRY_STATE.end <= size and ENTRY_STATE.read(buf, start) == layouts.ENTRY_NONE:
         why = f"zero state word at {start}"
     else:
         why = _check_entry(buf, start, size)[1] or "bad bytes"
@@ -547,13 +542,13 @@ def scan_segment(path: str, name_keys: SegmentKeys | None = None, name_confirmed
 def _scan_mapped(path: str, buf: memoryview, size: int, keys: SegmentKeys, created_ns: int,
                  identity_damage: str) -> ScanReport:
     report = ScanReport(
-        path, keys, created_ns, bool(SEGMENT_SEALED.read(buf)),
+        path, keys, created_ns, bool(layouts.SEGMENT_SEALED.read(buf)),
         header_entry_count=SEGMENT_ENTRY_COUNT.read(buf),
-        header_deleted_count=SEGMENT_DELETED_COUNT.read(buf),
-        header_data_end=SEGMENT_DATA_END.read(buf),
+        header_deleted_count=layouts.SEGMENT_DELETED_COUNT.read(buf),
+        header_data_end=layouts.SEGMENT_DATA_END.read(buf),
         file_size=size, identity_damage=identity_damage,
     )
-    stored = SEGMENT_BOUNDARY_CHECKSUM.read(buf)
+    stored = layouts.SEGMENT_BOUNDARY_CHECKSUM.read(buf)
     if stored and stored != boundary_checksum(report.header_entry_count, report.header_data_end):
         report.boundary_damage = (f"offset {SEGMENT_ENTRY_COUNT.offset}: entry_count {report.header_entry_count} and "
                                   f"data_end {report.header_data_end} fail their checksum: every bad byte is "

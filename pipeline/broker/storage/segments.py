@@ -67,12 +67,7 @@ from pipeline.broker.storage.segment import (
     scan_segment,
 )
 from pipeline.wire.errors import DiskFullError, SegmentFormatError, StoreReadError
-from pipeline.wire.layouts import (
-    CATALOG_CREATED,
-    CATALOG_DELETED,
-    CATALOG_QUARANTINED,
-    CATALOG_SEALED,
-)
+from pipeline.wire.layouts import CATALOG_CREATED, CATALOG_DELETED, CATALOG_QUARANTINED, CATALOG_SEALED
 
 __all__ = ["MissingSegment", "Quarantined", "RecoveredSegment", "RecoveryReport", "SegmentState", "SegmentStore"]
 

@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-from pipeline.consumer.engines.base import (
-    Engine,
-    EngineBatch,
-    EngineCounters,
-    EngineResult,
-)
+from pipeline.consumer.engines.base import Engine, EngineBatch, EngineCounters, EngineResult
 from pipeline.consumer.engines.sim import SimConfig, SimEngine
 
 # Engines by name, for `--engine`. A real engine (vLLM) registers here when it lands.
