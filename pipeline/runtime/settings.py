@@ -36,7 +36,7 @@ from pipeline.runtime.tables import (
     consumer_settings,
     merged,
 )
-from pipeline.wire.errors import SettingsError
+from pipeline.wire.errors import EngineUnavailableError, SettingsError
 from pipeline.wire.layouts import MAX_SEQ
 
 # The demo: enough items to show lanes, shape switches and a warm cache, and short enough to
@@ -157,7 +157,7 @@ class LaunchSettings:
             raise SettingsError("durability 'power' needs storage 'disk': the memory tier is not durable")
         try:
             make_engine(self.engine, **self.engine_options).close()
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, EngineUnavailableError) as exc:  # vllm not installed: refused here too
             raise SettingsError(f"engine_options {self.engine_options} for engine {self.engine!r}: {exc}") from exc
 
 
