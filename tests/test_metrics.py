@@ -58,11 +58,11 @@ SAMPLE_WIRE = json.loads("""
    "c0": {"id": 1, "pid": 6273, "credit": 2, "batches_held": 0, "model": 0, "max_batch_items": 64,
           "max_batch_tokens": 65536, "max_input_len": 8192}},
  "per_consumer": {
-   "c1": {"connected": true, "batches": 463, "items_ok": 1928, "items_too_long": 0, "items_corrupt": 0,
+   "c1": {"connected": true, "batches": 463, "items_ok": 1928, "items_too_long": 0, "items_corrupt": 0, "items_error": 0,
           "prompt_tokens": 753713, "padded_tokens": 770784, "cacheable_tokens": 220816,
           "cache_hit_tokens": 218496, "cacheable_hit_tokens": 218496, "output_tokens": 7712,
           "compulsory_miss_tokens": 2320},
-   "c0": {"connected": true, "batches": 461, "items_ok": 2072, "items_too_long": 0, "items_corrupt": 0,
+   "c0": {"connected": true, "batches": 461, "items_ok": 2072, "items_too_long": 0, "items_corrupt": 0, "items_error": 0,
           "prompt_tokens": 826855, "padded_tokens": 844672, "cacheable_tokens": 240416,
           "cache_hit_tokens": 238096, "cacheable_hit_tokens": 238096, "output_tokens": 8288,
           "compulsory_miss_tokens": 2320}},

@@ -47,7 +47,15 @@ from dataclasses import dataclass, field, fields
 from pipeline.consumer.credit import DEFAULT_AHEAD_S, MAX_CREDIT, MIN_CREDIT, CreditWindow
 from pipeline.consumer.engines import Engine, EngineBatch, make_engine
 from pipeline.consumer.reader import ReadBatch, SegmentReader
-from pipeline.consumer.results import STATUS_CORRUPT, STATUS_OK, STATUS_TOO_LONG, ResultsFile, result_lines
+from pipeline.consumer.results import (
+    STATUS_CORRUPT,
+    STATUS_ERROR,
+    STATUS_OK,
+    STATUS_TOO_LONG,
+    ResultsFile,
+    error_lines,
+    result_lines,
+)
 from pipeline.wire.errors import (
     EntryCompletedError,
     ProtocolError,
@@ -136,6 +144,7 @@ class ConsumerCounters:
     items: int = 0
     items_too_long: int = 0
     items_corrupt: int = 0
+    items_error: int = 0  # items the engine failed (answered with its message)
     items_stale: int = 0  # completed elsewhere while this consumer was declared dead
     prompt_tokens: int = 0
     reconnects: int = 0
@@ -415,7 +424,7 @@ class Consumer:
             nothing = [0] * len(corrupt)
             lines.append(result_lines(descriptor, STATUS_CORRUPT, corrupt, nothing, corrupt_lengths, nothing,
                                       [[]] * len(corrupt), [b""] * len(corrupt)))
-        statuses = {STATUS_OK: 0, STATUS_TOO_LONG: 0, STATUS_CORRUPT: len(corrupt)}
+        statuses = {STATUS_OK: 0, STATUS_TOO_LONG: 0, STATUS_CORRUPT: len(corrupt), STATUS_ERROR: 0}
         limit = self.config.max_input_len
         runnable = list(range(len(got.item_ids)))
         if got.lengths and max(got.lengths) > limit:
@@ -428,20 +437,42 @@ class Consumer:
             got = _select(got, runnable)
         engine_before = _engine_totals(self.engine)
         if runnable:
-            result = self.engine.run(EngineBatch(got.tokens, descriptor.pad_to_tokens, got.prefix_lens))
-            lines.append(result_lines(descriptor, STATUS_OK, got.item_ids, got.submit_ns, got.lengths,
-                                      result.cached_tokens, result.outputs, got.payloads))
-            statuses[STATUS_OK] = len(runnable)
+            statuses[STATUS_OK], statuses[STATUS_ERROR] = self._run_engine(descriptor, got, lines)
         self._write(lines)
         c = self.counters
         c.batches += 1
         c.items += sum(statuses.values())
         c.items_too_long += statuses[STATUS_TOO_LONG]
         c.items_corrupt += statuses[STATUS_CORRUPT]
+        c.items_error += statuses[STATUS_ERROR]
         c.prompt_tokens += sum(got.lengths)
         engine_after = _engine_totals(self.engine)
         return {**{f"items_{k}": v for k, v in statuses.items()},
                 **{k: engine_after[k] - engine_before[k] for k in engine_after}, CORRUPT_KEY: corrupt}
+
+    def _run_engine(self, descriptor: Descriptor, got: ReadBatch, lines: list[str]) -> tuple[int, int]:
+        """Run the engine on the batch's runnable items and append their lines: STATUS_OK,
+        and STATUS_ERROR with the engine's message for items it failed (EngineResult.errors;
+        an engine error is that item's answer, never a lost item or a crashed consumer).
+        Returns (items ok, items failed)."""
+        result = self.engine.run(EngineBatch(got.tokens, descriptor.pad_to_tokens, got.prefix_lens))
+        failed = [i for i, error in enumerate(result.errors or ()) if error is not None]
+        if not failed:
+            lines.append(result_lines(descriptor, STATUS_OK, got.item_ids, got.submit_ns, got.lengths,
+                                      result.cached_tokens, result.outputs, got.payloads))
+            return len(got.item_ids), 0
+        assert result.errors is not None
+        bad = _select(got, failed)
+        lines.append(error_lines(descriptor, bad.item_ids, bad.submit_ns, bad.lengths,
+                                 [str(result.errors[i]) for i in failed], bad.payloads))
+        log.warning("%s: batch %d: the engine failed %d of %d items, first: %s", self.config.name,
+                    descriptor.batch_id, len(failed), len(got.item_ids), result.errors[failed[0]])
+        ran = [i for i, error in enumerate(result.errors) if error is None]
+        good = _select(got, ran)
+        lines.append(result_lines(descriptor, STATUS_OK, good.item_ids, good.submit_ns, good.lengths,
+                                  [result.cached_tokens[i] for i in ran], [result.outputs[i] for i in ran],
+                                  good.payloads))
+        return len(ran), len(failed)
 
     def _write(self, lines: list[str]) -> None:
         # One os.write: in the page cache when it returns (survives kill -9 of this

@@ -8,8 +8,9 @@
 in that key order, written by `result_lines` alone. The *_ns fields are time.monotonic_ns():
 one clock for every process of the machine; done_ns is taken once per call, as a batch's
 lines are formatted, just before they are written. `status` is STATUS_OK, STATUS_TOO_LONG
-(longer than the contract's max input length: no output) or STATUS_CORRUPT (the entry failed
-its checks: no output, no payload). Readers: `pipeline.reporting.accounting`.
+(longer than the contract's max input length: no output), STATUS_CORRUPT (the entry failed
+its checks: no output, no payload) or STATUS_ERROR (the engine failed that item: no output,
+and one more key, "error", with the engine's message; `error_lines`). Readers: `pipeline.reporting.accounting`.
 
 Writes go straight to the file with os.write on an O_APPEND descriptor, without Python's
 buffering: once `write` returns, the batch's lines are in the page cache (they survive a
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import base64
 import errno
+import json
 import os
 import time
 from collections.abc import Sequence
@@ -58,6 +60,7 @@ DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 STATUS_OK = "ok"
 STATUS_TOO_LONG = "too_long"
 STATUS_CORRUPT = "corrupt"
+STATUS_ERROR = "error"
 
 
 def result_lines(d: Descriptor, status: str, item_ids: Sequence[int], submit_ns: Sequence[int],
@@ -95,6 +98,22 @@ def result_lines(d: Descriptor, status: str, item_ids: Sequence[int], submit_ns:
     form = f'{head}%d,"output":[%s],{payload}'
     columns[4:4] = [list(map(len, outputs)), [",".join(map(str, o)) for o in outputs]]
     return "\n".join([form % row for row in zip(*columns)])
+
+
+def error_lines(d: Descriptor, item_ids: Sequence[int], submit_ns: Sequence[int], prompt_tokens: Sequence[int],
+                messages: Sequence[str], payloads: Sequence[bytes]) -> str:
+    """The result lines of items the engine failed (STATUS_ERROR), as `result_lines` makes
+    them (the same keys in the same order, no output, 0 cached) with "error": the engine's
+    message last. json.dumps with ensure_ascii: a message is arbitrary text, and the file
+    stays ASCII; errors are rare, so the per-line cost that `result_lines` avoids is moot."""
+    done_ns = time.monotonic_ns()
+    return "\n".join(json.dumps({
+        "item_id": item, "batch_id": d.batch_id, "dispatch_ns": d.dispatch_ns, "submit_ns": submitted,
+        "done_ns": done_ns, "pad_to_tokens": d.pad_to_tokens, "status": STATUS_ERROR, "prompt_tokens": tokens,
+        "cached_tokens": 0, "output_tokens": 0, "output": [],
+        "payload": base64.b64encode(payload).decode() if payload else "", "error": message,
+    }, separators=(",", ":"), ensure_ascii=True) for item, submitted, tokens, message, payload
+        in zip(item_ids, submit_ns, prompt_tokens, messages, payloads))
 
 
 class ResultsFile:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, fields, replace
 
 from pipeline.broker.config import MAX_CONSUMERS, MAX_PRODUCERS
 from pipeline.runtime.tables import PROCESS_TABLES, broker_config, consumer_settings, merged
-from pipeline.wire.errors import SettingsError
+from pipeline.wire.errors import EngineUnavailableError, SettingsError
 from pipeline.wire.layouts import MAX_SEQ
 
 # The demo: enough items to show lanes, shape switches and a warm cache, and short enough to
@@ -152,7 +152,7 @@ class LaunchSettings:
             raise SettingsError("durability 'power' needs storage 'disk': the memory tier is not durable")
         try:
             make_engine(self.engine, **self.engine_options).close()
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, EngineUnavailableError) as exc:  # vllm not installed: refused here too
             raise SettingsError(f"engine_options {self.engine_options} for engine {self.engine!r}: {exc}") from exc
 
 

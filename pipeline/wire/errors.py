@@ -20,7 +20,11 @@ raises one of these, with the offending value, path and byte offset in the messa
     │       │                                type, fields); the peer is disconnected
     │       └── ConsumerNameError            a consumer name that cannot name a results file
     ├── ConfigError (also ValueError)        a configuration value outside its limit (a
-    │                                        socket path too long for a Unix socket, ...)
+    │   │                                    socket path too long for a Unix socket, ...)
+    │   └── EngineOptionsError               an engine's options are unknown, mistyped or
+    │                                        out of range (each one named)
+    ├── EngineUnavailableError               an engine's runtime is not installed or cannot
+    │                                        start (the command that installs it named)
     ├── UntrustedPeerError                   the control socket, or the process behind it,
     │                                        belongs to another user; nothing was sent
     ├── DataDirError                         a data directory (or one of its directories)
@@ -114,6 +118,17 @@ class ConfigError(PipelineError, ValueError):
     """A configuration value is outside its limit (a data directory whose socket path does
     not fit a Unix socket address, a timeout that is not a positive number, ...). Raised
     before anything is created; the message names the value and the limit."""
+
+
+class EngineOptionsError(ConfigError):
+    """An engine's options (`engine_options`) are unknown, of the wrong type or out of range:
+    the message names every wrong option. Raised when the engine is made, before any model
+    is loaded, so a launch refuses them before a process starts."""
+
+
+class EngineUnavailableError(PipelineError):
+    """An engine's runtime cannot be used here: its package is not installed, or it failed
+    to start. The message names what is missing and the command that installs it."""
 
 
 class SettingsError(BadInputError):

@@ -9,6 +9,7 @@ import json
 import numpy as np
 
 from pipeline.broker.storage.segment import scan_segment
+from pipeline.consumer.engines import Engine, EngineBatch, EngineResult
 from pipeline.consumer.process import CORRUPT_KEY, Consumer, ConsumerConfig
 from pipeline.consumer.reader import SegmentReader
 from pipeline.wire.layouts import DESCRIPTOR_ITEM_DTYPE, descriptor_size_bytes, parse_descriptor, write_descriptor
@@ -83,3 +84,48 @@ def test_result_lines_of_outputs_of_any_width_parse_as_json():
     assert list(long) == ["item_id", "batch_id", "dispatch_ns", "submit_ns", "done_ns", "pad_to_tokens", "status",
                           "prompt_tokens", "cached_tokens", "output_tokens", "output", "payload"]
     assert result_lines(d, STATUS_OK, [], [], [], [], [], []) == ""
+
+
+class _FailsSome(Engine):
+    """An engine that fails every other prompt, with a message that needs JSON escaping."""
+
+    name = "fails-some"
+
+    def run(self, batch: EngineBatch) -> EngineResult:
+        count = len(batch.prompts)
+        errors = [None if i % 2 else f'prompt {i} too "long"\n\u00e9' for i in range(count)]
+        self.counters.prompt_tokens += sum(len(p) for i, p in enumerate(batch.prompts) if i % 2)
+        return EngineResult([[i] if i % 2 else [] for i in range(count)], [0] * count, errors)
+
+
+def test_an_engine_error_on_some_items_is_their_result_with_the_message(tmp_path):
+    path, (items, *_), segment = store(str(tmp_path), 0, 6, 9)
+    rows = np.zeros(6, dtype=DESCRIPTOR_ITEM_DTYPE)
+    rows["offset"], rows["length"], rows["item_id"] = scan_segment(path).offsets, items["length"], items["item_id"]
+    buf = np.zeros(descriptor_size_bytes(6), dtype=np.uint8)
+    write_descriptor(buf, 0, batch_id=8, signature=SIG, model=2, pad_to_tokens=400, dispatch_ns=5, items=rows)
+    consumer = Consumer(ConsumerConfig("unused.sock", str(tmp_path / "results"), "gpu0", model=2), engine=_FailsSome())
+    consumer._reader = SegmentReader(str(tmp_path))
+    summary = consumer.run_batch(parse_descriptor(buf))
+    consumer._results.close()
+    raw = open(consumer.results_path, "rb").read()
+    assert raw.isascii()
+    lines = {row["item_id"]: row for row in map(json.loads, raw.decode().splitlines())}
+    assert len(lines) == 6
+    for k, item in enumerate(items["item_id"].tolist()):
+        row = lines[item]
+        if k % 2:
+            assert row["status"] == "ok" and row["output"] == [k] and "error" not in row
+        else:
+            assert row["status"] == "error" and row["output"] == [] and row["cached_tokens"] == 0
+            assert row["error"] == f'prompt {k} too "long"\n\u00e9'
+            assert row["prompt_tokens"] == int(items["length"][k]) and row["batch_id"] == 8
+    assert summary["items_ok"] == 3 and summary["items_error"] == 3
+    summary.pop(CORRUPT_KEY)
+    assert ConsumerWork.from_results(summary).items_error == 3 and consumer.counters.items_error == 3
+    # The accounting reads error lines as results like any other, by status.
+    from pipeline.reporting.accounting import summarize_results
+
+    assert summarize_results(str(tmp_path / "results")).by_status == {"ok": 3, "error": 3}
+    consumer._reader.close()
+    segment.close()

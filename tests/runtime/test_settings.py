@@ -77,7 +77,9 @@ def test_a_missing_config_file_is_an_error(tmp_path):
 @pytest.mark.parametrize("text, message", [
     ('storage = "ram"\n', "storage must be one of disk, memory, got 'ram'"),
     ('durability = "fsync"\n', "durability must be one of power, process"),
-    ('engine = "vllm"\n', "engine must be one of sim, got 'vllm'"),
+    ('engine = "tpu"\n', "engine must be one of sim, vllm, got 'tpu'"),
+    ('engine = "vllm"\n', "vllm engine: model \\(a model directory\\) is required"),
+    ('engine = "vllm"\n[engine_options]\nmodel = "m"\nbogus = 1\n', "vllm engine: unknown options bogus"),
     ('storage = "memory"\ndurability = "power"\n', "needs storage 'disk'"),
     ("[engine_options]\nblock_size = 16\n", "engine_options"),
     ("[engine_options]\nblock_size_tokens = 0\n", "bad config"),

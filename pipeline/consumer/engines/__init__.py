@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from pipeline.consumer.engines.base import Engine, EngineBatch, EngineCounters, EngineResult
 from pipeline.consumer.engines.sim import SimConfig, SimEngine
+from pipeline.consumer.engines.vllm import VllmEngine
 
-# Engines by name, for `--engine`. A real engine (vLLM) registers here when it lands.
-ENGINES: dict[str, type[Engine]] = {"sim": SimEngine}
+# Engines by name, for `--engine`. vllm's module imports vLLM only when its first batch
+# runs (in the consumer process), so every engine can be listed here without it installed.
+ENGINES: dict[str, type[Engine]] = {"sim": SimEngine, "vllm": VllmEngine}
 
 
 def make_engine(name: str, **options) -> Engine:
@@ -18,4 +20,4 @@ def make_engine(name: str, **options) -> Engine:
     return engine_class(**options)
 
 
-__all__ = ["ENGINES", "Engine", "EngineBatch", "EngineCounters", "EngineResult", "SimConfig", "SimEngine", "make_engine"]
+__all__ = ["ENGINES", "Engine", "EngineBatch", "EngineCounters", "EngineResult", "SimConfig", "SimEngine", "VllmEngine", "make_engine"]

@@ -38,10 +38,15 @@ class EngineBatch:
 @dataclass(slots=True)
 class EngineResult:
     """Per prompt: generated token ids (a list of ints: what an engine's detokenizer-free
-    output is, and what the results file stores) and prompt tokens served from the cache."""
+    output is, and what the results file stores) and prompt tokens served from the cache.
+    `errors`, where an engine failed some prompts and ran the others (a real engine's
+    refusal of one prompt, an out-of-memory): per prompt, the engine's message, or None for
+    a prompt that ran; a failed prompt's output is [] and its cached tokens 0. None: every
+    prompt ran."""
 
     outputs: list[list[int]]
     cached_tokens: list[int]
+    errors: list[str | None] | None = None
 
 
 @dataclass(slots=True)
@@ -75,8 +80,8 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def run(self, batch: EngineBatch) -> EngineResult:
-        """Run one padded batch; return one output and one cached-token count per prompt."""
-
+        """Run one padded batch; return one output and one cached-token count per prompt
+        (and an error per prompt where some failed: EngineResult.errors)."""
 
     def close(self) -> None:
         """Release the runtime (GPU memory, threads); nothing by default."""
