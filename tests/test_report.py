@@ -271,3 +271,18 @@ def test_damage_without_a_loss_is_never_ok(tmp_path):
     assert answered["items_corrupt"] == 1 and answered["lost"] == 0 and answered["accounting_ok"] is False
     only_torn = replace(SAMPLE_STATUS, store_damage={"torn_tails": 2, "state_words_repaired": 1})  # repairs, not damage
     assert report_of(only_torn, sample_results(tmp_path), wall_s=1.0)["accounting_ok"] is True
+
+
+def test_engine_errors_are_answered_counted_and_shown(tmp_path):
+    """Items the engine failed have a result line with status error: not lost, the run
+    completes, and the report counts and shows them (an all-error run once read as plain OK)."""
+    results = summarize_results(write_results(tmp_path / "errors", {"c0": [line(0, "error"), line(1, "error")] + [
+        line(i) for i in range(2, ALL_ITEMS)]}))
+    report = report_of(SAMPLE_STATUS, results, wall_s=1.0)
+    assert report["items_error"] == 2 and report["lost"] == 0
+    out = io.StringIO()
+    render_report(report, Console(file=out, width=200))
+    assert "engine errors (answered with the message)" in out.getvalue()
+    quiet = io.StringIO()
+    render_report(report_of(SAMPLE_STATUS, sample_results(tmp_path), wall_s=1.0), Console(file=quiet, width=200))
+    assert "engine errors (answered" not in quiet.getvalue()  # shown only when there are some

@@ -261,6 +261,7 @@ def reconcile(summary: ResultsSummary, broker: BrokerStatus, stock: Stock | None
         "duplicates": summary.duplicates,
         "items_empty": summary.by_status.get("too_long", 0),
         "items_corrupt": summary.by_status.get("corrupt", 0),
+        "items_error": summary.by_status.get("error", 0),  # the engine failed them: answered, its message kept
     }
     if stock is None:
         accounted.update(items_unfinished=broker.items_unfinished,

@@ -35,7 +35,8 @@ Definitions (every figure is an int or a float; a ratio with nothing to divide i
 - results_bad_lines = lines of the results files that are not results (a line torn by a
   kill or a full disk, garbage), counted and named in results_bad_line_examples (path:line);
   results_torn_lines = those that were a file's last line, cut short.
-- items_empty = results with status too_long (answered without running); items_corrupt too.
+- items_empty = results with status too_long (answered without running); items_corrupt too;
+  items_error = results with status error (the engine failed the item; its message is in the line).
 - accounting_ok = lost == 0, nothing unexpected and nothing damaged (items_corrupt == 0,
   items_undeliverable == 0), and, once nothing is unfinished, the broker's counters balance
   (received == completed, in items and tokens); None for a live
@@ -104,6 +105,7 @@ def consumer_figures(broker: ConsumerTotalsRow, results: dict) -> dict:
         "items_ok": work.items_ok,
         "items_empty": work.items_too_long,
         "items_corrupt": work.items_corrupt,
+        "items_error": work.items_error,
         "prompt_tokens": work.prompt_tokens,
         "padded_tokens": work.padded_tokens,
         "padding_efficiency": work.padding_efficiency,
@@ -256,7 +258,8 @@ def _accounting_table(report: dict) -> Table:
         table.add_row(stage, format_count(report[f"items_{stage}"]), format_count(report[f"tokens_{stage}"]))
     rows = [("accepted from producers", "items_accepted"), ("taken over from earlier runs", "items_taken_over"),
             ("with results", "items_with_results"), ("empty (too long)", "items_empty"),
-            ("corrupt", "items_corrupt"), ("duplicates", "duplicates"),
+            ("corrupt", "items_corrupt"), ("engine errors (answered with the message)", "items_error"),
+            ("duplicates", "duplicates"),
             ("duplicates of earlier runs' results", "duplicates_across_runs"),
             ("unfinished, in the store", "items_in_store"), ("unfinished, in producer rings", "items_in_rings"),
             ("not submitted", "items_not_submitted"), ("discarded with the store", "items_discarded"),
@@ -331,7 +334,8 @@ def _efficiency_rows(report: dict) -> list[tuple[str, str]]:
 # The per-consumer rows of the report table: (label, key, formatter).
 _CONSUMER_ROWS = (
     ("batches", "batches", format_count), ("items", "items", format_count), ("ok", "items_ok", format_count),
-    ("empty (too long)", "items_empty", format_count), ("prompt tokens", "prompt_tokens", format_count),
+    ("empty (too long)", "items_empty", format_count), ("engine errors", "items_error", format_count),
+    ("prompt tokens", "prompt_tokens", format_count),
     ("padded tokens", "padded_tokens", format_count), ("padding efficiency", "padding_efficiency", format_percent),
     ("cacheable tokens", "cacheable_tokens", format_count), ("cache hit tokens", "cache_hit_tokens", format_count),
     ("compulsory miss tokens", "compulsory_miss_tokens", format_count),
