@@ -267,6 +267,7 @@ class Launcher:
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
         self.results_dir = os.path.join(self.data_dir, "results", f"run-{stamp}-{os.getpid()}")
         self.config = broker_config(self.data_dir, settings.broker, "settings")  # checked by LaunchSettings
+        self._consumer_settings = consumer_settings(settings.consumer, "settings")  # every consumer's, likewise
         self.broker = None
         self.consumers: list = []
         self.producers: list = []
@@ -366,8 +367,7 @@ class Launcher:
             configs.append(ConsumerConfig(
                 self.config.socket_path, self.results_dir, name, model=models[k % len(models)],
                 max_batch_items=s.max_batch, max_batch_tokens=s.max_tokens, max_input_len=s.max_input_len,
-                engine=s.engine, engine_options=dict(s.engine_options), gpu=gpu,
-                **consumer_settings(s.consumer, "settings")))
+                engine=s.engine, engine_options=dict(s.engine_options), gpu=gpu, **self._consumer_settings))
         return configs
 
     # ----------------------------------------------------------------- watch
@@ -487,7 +487,9 @@ class Launcher:
     def process_settings(self) -> dict:
         """The broker's and a consumer's settings as they ran (for the report), and which of
         them differ from the defaults."""
-        consumer = self.consumer_configs()[0]
+        # The consumers' own settings on placeholders of their own options (the report skips
+        # those): no GPU scan or model check again at the end of a run that may have failed.
+        consumer = ConsumerConfig(self.config.socket_path, self.results_dir, "settings", **self._consumer_settings)
         return {"broker": shown(self.config, skip=BROKER_OWN_OPTIONS),
                 "consumer": shown(consumer, skip=CONSUMER_OWN_OPTIONS),
                 "changed": {**{f"broker.{k}": v for k, v in non_defaults(self.config, BROKER_OWN_OPTIONS).items()},

@@ -50,8 +50,7 @@ def consumer_settings(table: Mapping[str, Any], source: str) -> dict[str, Any]:
     keyword arguments for each consumer's ConsumerConfig."""
     where = _where(source, "consumer")
     values = _values(ConsumerConfig, table, CONSUMER_OWN_OPTIONS, where)
-    _build(ConsumerConfig, {"socket_path": "", "results_dir": "", "name": "any"}, table,
-           CONSUMER_OWN_OPTIONS, where)
+    _construct(ConsumerConfig, {"socket_path": "", "results_dir": "", "name": "any"}, values, where)
     return values
 
 
@@ -112,7 +111,11 @@ def _where(source: str, table: str) -> str:
 
 
 def _build(cls: type, fixed: dict[str, Any], table: Mapping[str, Any], own: frozenset[str], where: str):
-    values = _values(cls, table, own, where)
+    return _construct(cls, fixed, _values(cls, table, own, where), where)
+
+
+def _construct(cls: type, fixed: dict[str, Any], values: dict[str, Any], where: str):
+    """cls(**fixed, **values), its own refusal of a value turned into a SettingsError."""
     try:
         return cls(**fixed, **values)
     except (ConfigError, BadInputError, ValueError, TypeError) as exc:
