@@ -20,6 +20,7 @@ LayoutRow = tuple[str, int, str, str]
 _STRUCT_CODES = {
     "<u1": "B", "<u2": "H", "<u4": "I", "<u8": "Q",
     "|u1": "B", "<i1": "b", "<i2": "h", "<i4": "i", "<i8": "q",
+    "<f4": "f", "<f8": "d",
 }
 
 

@@ -61,11 +61,13 @@ SAMPLE_WIRE = json.loads("""
    "c1": {"connected": true, "batches": 463, "items_ok": 1928, "items_too_long": 0, "items_corrupt": 0, "items_error": 0,
           "prompt_tokens": 753713, "padded_tokens": 770784, "cacheable_tokens": 220816,
           "cache_hit_tokens": 218496, "cacheable_hit_tokens": 218496, "output_tokens": 7712,
-          "compulsory_miss_tokens": 2320},
+          "compulsory_miss_tokens": 2320, "engine_prefix_cache_queries": 0,
+          "engine_prefix_cache_hits": 0, "engine_checked_prompt_tokens": 0, "engine_checked_cache_hit_tokens": 0},
    "c0": {"connected": true, "batches": 461, "items_ok": 2072, "items_too_long": 0, "items_corrupt": 0, "items_error": 0,
           "prompt_tokens": 826855, "padded_tokens": 844672, "cacheable_tokens": 240416,
           "cache_hit_tokens": 238096, "cacheable_hit_tokens": 238096, "output_tokens": 8288,
-          "compulsory_miss_tokens": 2320}},
+          "compulsory_miss_tokens": 2320, "engine_prefix_cache_queries": 0,
+          "engine_prefix_cache_hits": 0, "engine_checked_prompt_tokens": 0, "engine_checked_cache_hit_tokens": 0}},
  "uptime_s": 0.63, "pid": 6270, "generation": 1, "producers": {}, "consumers_lost": 0, "disk_full": false,
  "store_damage": {}, "peers_refused": 0, "peers_shed": 0, "stalls": 0, "stalled_s": 0.0}
 """)

@@ -21,8 +21,8 @@ from pipeline.wire.status import (
     TopShape,
 )
 
-# Version 1's wire keys: what brokers sent before the record, plus tokens_returned. A change
-# here is a new STATUS_VERSION.
+# The wire keys (version 1's: what brokers sent before the record, plus tokens_returned;
+# version 2 added the engine check fields to WORK_KEYS). A change here is a new STATUS_VERSION.
 V1_KEYS = {
     "items_received", "tokens_received", "items_routed", "tokens_routed", "items_completed", "tokens_completed",
     "items_returned", "tokens_returned", "items_recovered", "tokens_recovered", "items_adopted", "duplicate_items",
@@ -36,7 +36,9 @@ CONSUMER_KEYS = {"id", "pid", "credit", "batches_held", "model", "max_batch_item
                  "max_input_len"}
 # What pipeline.consumer.process `run_batch` reports once its corrupt item ids are popped.
 WORK_KEYS = {"items_ok", "items_too_long", "items_corrupt", "items_error", "prompt_tokens", "padded_tokens", "cacheable_tokens",
-             "cache_hit_tokens", "cacheable_hit_tokens", "compulsory_miss_tokens", "output_tokens"}
+             "cache_hit_tokens", "cacheable_hit_tokens", "compulsory_miss_tokens", "output_tokens",
+             "engine_prefix_cache_queries", "engine_prefix_cache_hits", "engine_checked_prompt_tokens",
+             "engine_checked_cache_hit_tokens"}
 
 
 def work(base: int) -> ConsumerWork:

@@ -68,6 +68,9 @@ class CreditWindow:
     window: int = 0
     outstanding: int = 0
     mean_batch_s: float | None = None
+    # Batches the window never goes below (at most max_credit): what a pipelined engine
+    # needs to keep its running set full (the consumer's _Pace); 0 for none.
+    floor: int = 0
 
     def __post_init__(self) -> None:
         assert 1 <= self.min_credit <= self.max_credit, (self.min_credit, self.max_credit)
@@ -93,7 +96,8 @@ class CreditWindow:
             self.mean_batch_s = batch_s
         else:
             self.mean_batch_s += BATCH_TIME_WEIGHT * (batch_s - self.mean_batch_s)
-        self.window = window_for(self.mean_batch_s, self.ahead_s, self.min_credit, self.max_credit)
+        self.window = max(window_for(self.mean_batch_s, self.ahead_s, self.min_credit, self.max_credit),
+                          min(self.floor, self.max_credit))
         grant = max(0, self.window - self.outstanding)
         self.outstanding += grant
         return grant

@@ -1,10 +1,22 @@
 """The consumer process: one per GPU (SPEC §6).
 
-    register (four-number contract) -> heartbeat thread -> loop:
-        take a batch descriptor from its ring -> map the items' tokens from the segment
-        files (zero-copy) -> run the engine -> write every item's result to the results
-        file (one write, all or nothing: results.py) -> release the descriptor -> report
-        the completion
+    start the engine (load its model) -> register (four-number contract) -> heartbeat
+    thread -> loop:
+        while the engine has room: take a batch descriptor from its ring -> map the items'
+            tokens from the segment files (zero-copy) -> split each payload's generation
+            parameters off (pipeline/wire/generation.py) -> release the descriptor ->
+            submit the batch to the engine
+        poll the engine -> for each batch it finished: write every item's result to the
+            results file (one write, all or nothing: results.py) -> report the completion
+
+A synchronous engine (sim) runs each batch as it is submitted, so the loop is one batch at
+a time. A pipelined one (vllm) gets the next batches while the last ones still run: the
+consumer keeps as many in the engine as it can run at once (vLLM's running set: its
+max_num_seqs, bounded by what its KV cache holds) and asks the broker for that many
+batches plus its credit window, so the engine's scheduler never waits on the consumer, and
+nothing more waits inside the engine, where it could not be given to another consumer. A
+slow GPU batch never makes the broker declare the consumer dead: heartbeats come from
+their own thread. Completions go out in the order batches finish.
 
 A completion is reported only after its results are written: completion means the result
 is safe. Items longer than the contract's max input length come back as empty completions
@@ -38,14 +50,17 @@ function that writes it, `result_lines`: pipeline/consumer/results.py).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import os
 import threading
 import time
 from dataclasses import dataclass, field, fields
 
-from pipeline.consumer.credit import DEFAULT_AHEAD_S, MAX_CREDIT, MIN_CREDIT, CreditWindow
+from pipeline.consumer.credit import BATCH_TIME_WEIGHT, DEFAULT_AHEAD_S, MAX_CREDIT, MIN_CREDIT, CreditWindow
 from pipeline.consumer.engines import Engine, EngineBatch, make_engine
+from pipeline.consumer.engines.base import BATCH_TOTALS, CHECK_KEYS, EngineCounters, EngineResult
 from pipeline.consumer.reader import ReadBatch, SegmentReader
 from pipeline.consumer.results import (
     STATUS_CORRUPT,
@@ -58,6 +73,7 @@ from pipeline.consumer.results import (
 )
 from pipeline.wire.errors import (
     EntryCompletedError,
+    GenerationParamsError,
     ProtocolError,
     RegistrationRefusedError,
     ResultsDiskFullError,
@@ -66,6 +82,7 @@ from pipeline.wire.errors import (
     SegmentReadError,
     ShmError,
 )
+from pipeline.wire.generation import GENERATION_MAGIC, GenerationParams, decode_payload
 from pipeline.wire.layouts import SEGMENTS_DIR, Descriptor, descriptor_size_bytes, parse_descriptor
 from pipeline.wire.protocol import (
     MAX_CREDIT_BATCHES,
@@ -182,6 +199,53 @@ class FullDiskBackoff:
         return wait
 
 
+@dataclass(slots=True)
+class _Started:
+    """A batch taken from the ring and not completed yet. Owner: the consumer's main thread.
+
+    `got`: the items the engine runs (their own payloads, the generation envelope split
+    off), `params` theirs (empty: none has any); `lines`: result lines of the items already
+    answered (corrupt, too long, malformed parameters); `statuses`: items by status."""
+
+    descriptor: Descriptor
+    got: ReadBatch
+    started_s: float
+    params: list[GenerationParams | None] = field(default_factory=list)
+    lines: list[str] = field(default_factory=list)
+    corrupt: list[int] = field(default_factory=list)
+    statuses: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        (STATUS_OK, STATUS_TOO_LONG, STATUS_CORRUPT, STATUS_ERROR), 0))
+
+    def engine_batch(self) -> EngineBatch:
+        got = self.got
+        return EngineBatch(got.tokens, self.descriptor.pad_to_tokens, got.prefix_lens, self.params)
+
+
+@dataclass(slots=True)
+class _Pace:
+    """How fast this consumer completes batches, for its credit window. Pure (the caller
+    passes the clock). Owner: the consumer's main thread, one per broker session.
+
+    A batch's time is from its start or the last completion, whichever is later: with the
+    engine pipelined, batches overlap, and what the window must cover is the time between
+    completions. The floor it returns keeps a pipelined engine's running set full (vLLM's
+    max_num_seqs prompts, in batches of the mean size seen) with `min_credit` batches
+    waiting in the ring beyond it; 0 for an engine that runs one batch at a time."""
+
+    batch_s: float = 0.0
+    last_done_s: float = float("-inf")
+    mean_items: float = 0.0
+
+    def completed(self, started_s: float, now_s: float, items: int, running_prompts: int, min_credit: int) -> int:
+        self.batch_s = max(0.0, now_s - max(started_s, self.last_done_s))
+        self.last_done_s = now_s
+        self.mean_items = items if self.mean_items == 0 else self.mean_items + BATCH_TIME_WEIGHT * (
+            items - self.mean_items)
+        if running_prompts == 0:
+            return 0
+        return math.ceil(running_prompts / max(self.mean_items, 1.0)) + min_credit
+
+
 class _Session:
     """One registration with a broker: the connection, the descriptor ring, the heartbeat
     thread. Owner: the consumer's main thread; the heartbeat thread only sends heartbeats,
@@ -284,6 +348,7 @@ class Consumer:
             log.warning("%s: results disk full: %s; the consumer waits for space", config.name, exc)
         self.counters = ConsumerCounters()
         self._reader: SegmentReader | None = None
+        self._checks_sent: dict[str, int] = {}  # the engine's check_totals as last reported
 
     def _open_results(self) -> None:
         """Open (or create) the results file; ResultsDiskFullError when there is no room to
@@ -298,8 +363,10 @@ class Consumer:
         """Serve batches until `stop()` is true, reconnecting whenever the broker goes away.
         Raises RegistrationRefusedError (the broker refused this consumer) and
         ResultsWriteError (results cannot be written, the disk being full aside): both are
-        fatal. The results file and the segment maps are closed either way."""
+        fatal. The results file and the segment maps are closed either way. The engine starts
+        (loads its model) before the first registration."""
         try:
+            self.engine.start()
             self._serve_sessions(stop)
         finally:
             if self._results is not None:
@@ -370,29 +437,63 @@ class Consumer:
             self._reader = SegmentReader(session.data_dir)
         credit = self._credit_window(session.ring)
         session.send({"type": "request_work", "credit": credit.start()})
+        pace = _Pace()
+        in_flight: dict[int, _Started] = {}
         sweep_s = time.monotonic() + DROP_DELETED_INTERVAL_S
-        while not stop():
-            if time.monotonic() >= sweep_s:
-                self._reader.drop_deleted()  # a deleted segment's space is freed only once unmapped
-                sweep_s = time.monotonic() + DROP_DELETED_INTERVAL_S
-            record = session.ring.peek(timeout_s=POLL_S)
+        try:
+            while not stop():
+                if time.monotonic() >= sweep_s:
+                    self._reader.drop_deleted()  # a deleted segment's space is freed only once unmapped
+                    sweep_s = time.monotonic() + DROP_DELETED_INTERVAL_S
+                ready = self._feed(session, in_flight)
+                for batch_id, result in ready + self.engine.poll():
+                    started = in_flight.pop(batch_id)
+                    summary = self.finish_batch(started, result)
+                    self._complete(session, credit, pace, started, summary)
+        finally:
+            dropped = self.engine.abort()  # unfinished: the broker takes them back at goodbye
+            if dropped:
+                log.info("%s: %d batches left unfinished in the engine; the broker hands them out again",
+                         self.config.name, len(dropped))
+        session.send({"type": "goodbye"})
+
+    def _feed(self, session: _Session, in_flight: dict[int, _Started]) -> list[tuple[int, None]]:
+        """Give the engine batches from the ring while it has room (a synchronous engine
+        runs each here), waiting up to POLL_S for one only while nothing is in flight.
+        Returns the batches with nothing for the engine (every item too long or corrupt),
+        done already."""
+        ready: list[tuple[int, None]] = []
+        while self.engine.wants_more():
+            record = session.ring.peek(timeout_s=0 if in_flight else POLL_S)
             if record is None:
                 session.check_open()  # a broker that went away is noticed within POLL_S
-                continue
+                return ready
             # A consumer that was stopped (SIGSTOP) may wake up declared dead, its batches
             # given to others: it must not run what is left in its old ring.
             session.check_open()
-            started_s = time.monotonic()
             descriptor = parse_descriptor(record.body, where=f"ring {session.ring.name} at {record.start}")
-            results = self.run_batch(descriptor)
-            session.ring.release(record.end)
-            grant = credit.completed(time.monotonic() - started_s)
-            completion = {"type": "complete", "batch_id": descriptor.batch_id, "results": results, "credit": grant}
-            corrupt = results.pop(CORRUPT_KEY)
-            if corrupt:  # the broker keeps their segment as evidence (quarantine/), never deletes it
-                completion["corrupt"] = corrupt
-            session.send(completion)
-        session.send({"type": "goodbye"})
+            started = self.start_batch(descriptor)
+            session.ring.release(record.end)  # start_batch copied what it needs of the record
+            in_flight[descriptor.batch_id] = started
+            if started.got.item_ids:
+                self.engine.submit(descriptor.batch_id, started.engine_batch())
+            else:
+                ready.append((descriptor.batch_id, None))
+        return ready
+
+    def _complete(self, session: _Session, credit: CreditWindow, pace: _Pace, started: _Started,
+                  summary: dict) -> None:
+        """Report a batch whose results are written, with the credit it returns."""
+        now_s = time.monotonic()
+        credit.floor = pace.completed(started.started_s, now_s, len(started.descriptor.items),
+                                      self.engine.max_running_prompts(), credit.min_credit)
+        grant = credit.completed(pace.batch_s)
+        completion = {"type": "complete", "batch_id": started.descriptor.batch_id, "results": summary,
+                      "credit": grant}
+        corrupt = summary.pop(CORRUPT_KEY)
+        if corrupt:  # the broker keeps their segment as evidence (quarantine/), never deletes it
+            completion["corrupt"] = corrupt
+        session.send(completion)
 
     def _credit_window(self, ring: RingReader) -> CreditWindow:
         """A fixed window when the config names one, else one sized from batch times; never
@@ -405,12 +506,20 @@ class Consumer:
                             min(self.config.credit_max_batches, fits))
 
     def run_batch(self, descriptor: Descriptor) -> dict:
-        """Run one batch and write its results; return the completion's summary. A failed
-        write raises ResultsWriteError (ResultsDiskFullError for a full disk) with nothing of
-        the batch in the file and nothing counted."""
+        """Run one batch to the end and write its results; return the completion's summary
+        (`finish_batch`). The serving loop does the same in steps, many batches at once."""
+        started = self.start_batch(descriptor)
+        result = self.engine.run(started.engine_batch()) if started.got.item_ids else None
+        return self.finish_batch(started, result)
+
+    def start_batch(self, descriptor: Descriptor) -> _Started:
+        """Read a batch's entries and answer those the engine will not run: corrupt ones
+        (failed their checks), too long ones (over the contract's max input length), and
+        ones whose generation envelope is malformed (STATUS_ERROR). Copies what it keeps of
+        the descriptor: its ring record may be released once this returns."""
         got = self._reader.read_batch(descriptor.model, descriptor.signature, descriptor.items)
-        lines: list[str] = []
-        corrupt: list[int] = []
+        started = _Started(dataclasses.replace(descriptor, items=descriptor.items.copy()), ReadBatch(),
+                           time.monotonic())
         corrupt_lengths: list[int] = []
         for item_id, length, exc in got.failed:
             if isinstance(exc, EntryCompletedError):
@@ -418,60 +527,107 @@ class Consumer:
                 self.counters.items_stale += 1
             else:
                 log.error("%s: %s", self.config.name, exc)
-                corrupt.append(item_id)
+                started.corrupt.append(item_id)
                 corrupt_lengths.append(length)
-        if corrupt:  # no output, no payload, no submit time (the entry could not be read)
-            nothing = [0] * len(corrupt)
-            lines.append(result_lines(descriptor, STATUS_CORRUPT, corrupt, nothing, corrupt_lengths, nothing,
-                                      [[]] * len(corrupt), [b""] * len(corrupt)))
-        statuses = {STATUS_OK: 0, STATUS_TOO_LONG: 0, STATUS_CORRUPT: len(corrupt), STATUS_ERROR: 0}
+        if started.corrupt:  # no output, no payload, no submit time (the entry could not be read)
+            nothing = [0] * len(started.corrupt)
+            started.lines.append(result_lines(descriptor, STATUS_CORRUPT, started.corrupt, nothing, corrupt_lengths,
+                                              nothing, [[]] * len(nothing), [b""] * len(nothing)))
+            started.statuses[STATUS_CORRUPT] = len(nothing)
+        got, params = self._split_payloads(started, got)
         limit = self.config.max_input_len
-        runnable = list(range(len(got.item_ids)))
         if got.lengths and max(got.lengths) > limit:
-            runnable = [i for i, n in enumerate(got.lengths) if n <= limit]
             long = _select(got, [i for i, n in enumerate(got.lengths) if n > limit])
             count = len(long.item_ids)
-            lines.append(result_lines(descriptor, STATUS_TOO_LONG, long.item_ids, long.submit_ns, long.lengths,
-                                      [0] * count, [[]] * count, long.payloads))
-            statuses[STATUS_TOO_LONG] = count
-            got = _select(got, runnable)
-        engine_before = _engine_totals(self.engine)
-        if runnable:
-            statuses[STATUS_OK], statuses[STATUS_ERROR] = self._run_engine(descriptor, got, lines)
-        self._write(lines)
+            started.lines.append(result_lines(descriptor, STATUS_TOO_LONG, long.item_ids, long.submit_ns,
+                                              long.lengths, [0] * count, [[]] * count, long.payloads))
+            started.statuses[STATUS_TOO_LONG] = count
+            keep = [i for i, n in enumerate(got.lengths) if n <= limit]
+            got, params = _select(got, keep), [params[i] for i in keep]
+        started.got = got
+        started.params = params if any(p is not None for p in params) else []
+        return started
+
+    def _split_payloads(self, started: _Started, got: ReadBatch) -> tuple[ReadBatch, list[GenerationParams | None]]:
+        """The items' own payloads and generation parameters (pipeline/wire/generation.py);
+        items whose envelope is malformed are answered with the error and left out."""
+        params: list[GenerationParams | None] = []
+        bad: list[int] = []
+        messages: list[str] = []
+        for i, payload in enumerate(got.payloads):
+            if payload[:4] != GENERATION_MAGIC:
+                params.append(None)
+                continue
+            try:
+                item_params, got.payloads[i] = decode_payload(payload)
+            except GenerationParamsError as exc:
+                bad.append(i)
+                messages.append(f"item {got.item_ids[i]}: {exc}")
+                item_params = None
+            params.append(item_params)
+        if not bad:
+            return got, params
+        wrong = _select(got, bad)
+        started.lines.append(error_lines(started.descriptor, wrong.item_ids, wrong.submit_ns, wrong.lengths, messages,
+                                         [b""] * len(bad)))
+        started.statuses[STATUS_ERROR] += len(bad)
+        log.warning("%s: batch %d: %d items with malformed generation parameters, first: %s", self.config.name,
+                    started.descriptor.batch_id, len(bad), messages[0])
+        excluded = set(bad)
+        keep = [i for i in range(len(got.item_ids)) if i not in excluded]
+        return _select(got, keep), [params[i] for i in keep]
+
+    def finish_batch(self, started: _Started, result: EngineResult | None) -> dict:
+        """Write a batch's result lines (with the engine's `result`, None where it ran
+        nothing) and return the completion's summary: items by status, what the engine
+        counted over the batch, its own counters' check, and CORRUPT_KEY. A failed write
+        raises ResultsWriteError (ResultsDiskFullError for a full disk) with nothing of the
+        batch in the file and nothing counted."""
+        got = started.got
+        if result is not None:
+            ok, failed = self._engine_lines(started, result)
+            started.statuses[STATUS_OK] += ok
+            started.statuses[STATUS_ERROR] += failed
+        self._write(started.lines)
         c = self.counters
         c.batches += 1
-        c.items += sum(statuses.values())
-        c.items_too_long += statuses[STATUS_TOO_LONG]
-        c.items_corrupt += statuses[STATUS_CORRUPT]
-        c.items_error += statuses[STATUS_ERROR]
+        c.items += sum(started.statuses.values())
+        c.items_too_long += started.statuses[STATUS_TOO_LONG]
+        c.items_corrupt += started.statuses[STATUS_CORRUPT]
+        c.items_error += started.statuses[STATUS_ERROR]
         c.prompt_tokens += sum(got.lengths)
-        engine_after = _engine_totals(self.engine)
-        return {**{f"items_{k}": v for k, v in statuses.items()},
-                **{k: engine_after[k] - engine_before[k] for k in engine_after}, CORRUPT_KEY: corrupt}
+        counted = result.counted if result is not None else EngineCounters()
+        check = self.engine.check_totals()
+        summary = {**{f"items_{k}": v for k, v in started.statuses.items()},
+                   **{k: getattr(counted, k) for k in BATCH_TOTALS},
+                   **{k: check.get(k, 0) - self._checks_sent.get(k, 0) for k in CHECK_KEYS},
+                   CORRUPT_KEY: started.corrupt}
+        self._checks_sent = check
+        return summary
 
-    def _run_engine(self, descriptor: Descriptor, got: ReadBatch, lines: list[str]) -> tuple[int, int]:
-        """Run the engine on the batch's runnable items and append their lines: STATUS_OK,
-        and STATUS_ERROR with the engine's message for items it failed (EngineResult.errors;
-        an engine error is that item's answer, never a lost item or a crashed consumer).
-        Returns (items ok, items failed)."""
-        result = self.engine.run(EngineBatch(got.tokens, descriptor.pad_to_tokens, got.prefix_lens))
+    def _engine_lines(self, started: _Started, result: EngineResult) -> tuple[int, int]:
+        """Append the lines of the items the engine ran: STATUS_OK, and STATUS_ERROR with
+        the engine's message for items it failed (EngineResult.errors; an engine error is
+        that item's answer, never a lost item or a crashed consumer). Returns (ok, failed)."""
+        got, d = started.got, started.descriptor
         failed = [i for i, error in enumerate(result.errors or ()) if error is not None]
         if not failed:
-            lines.append(result_lines(descriptor, STATUS_OK, got.item_ids, got.submit_ns, got.lengths,
-                                      result.cached_tokens, result.outputs, got.payloads))
+            started.lines.append(result_lines(d, STATUS_OK, got.item_ids, got.submit_ns, got.lengths,
+                                              result.cached_tokens, result.outputs, got.payloads,
+                                              result.finish_reasons, result.texts))
             return len(got.item_ids), 0
         assert result.errors is not None
         bad = _select(got, failed)
-        lines.append(error_lines(descriptor, bad.item_ids, bad.submit_ns, bad.lengths,
-                                 [str(result.errors[i]) for i in failed], bad.payloads))
+        started.lines.append(error_lines(d, bad.item_ids, bad.submit_ns, bad.lengths,
+                                         [str(result.errors[i]) for i in failed], bad.payloads))
         log.warning("%s: batch %d: the engine failed %d of %d items, first: %s", self.config.name,
-                    descriptor.batch_id, len(failed), len(got.item_ids), result.errors[failed[0]])
+                    d.batch_id, len(failed), len(got.item_ids), result.errors[failed[0]])
         ran = [i for i, error in enumerate(result.errors) if error is None]
         good = _select(got, ran)
-        lines.append(result_lines(descriptor, STATUS_OK, good.item_ids, good.submit_ns, good.lengths,
-                                  [result.cached_tokens[i] for i in ran], [result.outputs[i] for i in ran],
-                                  good.payloads))
+        texts = [result.texts[i] for i in ran] if result.texts is not None else None
+        started.lines.append(result_lines(d, STATUS_OK, good.item_ids, good.submit_ns, good.lengths,
+                                          [result.cached_tokens[i] for i in ran], [result.outputs[i] for i in ran],
+                                          good.payloads, [result.finish_reasons[i] for i in ran], texts))
         return len(ran), len(failed)
 
     def _write(self, lines: list[str]) -> None:
@@ -507,12 +663,3 @@ def _select(got: ReadBatch, rows: list[int]) -> ReadBatch:
     """The entries `rows` of a read batch (the ones a batch runs)."""
     return ReadBatch(*([column[i] for i in rows] for column in
                        (got.item_ids, got.tokens, got.lengths, got.prefix_lens, got.payloads, got.submit_ns)))
-
-
-def _engine_totals(engine: Engine) -> dict[str, int]:
-    c = engine.counters
-    return {"prompt_tokens": c.prompt_tokens, "padded_tokens": c.padded_tokens,
-            "cacheable_tokens": c.cacheable_tokens, "cache_hit_tokens": c.cache_hit_tokens,
-            "cacheable_hit_tokens": c.extra.get("cacheable_hit_tokens", c.cache_hit_tokens),
-            "compulsory_miss_tokens": c.compulsory_miss_tokens,
-            "output_tokens": c.output_tokens}

@@ -3,7 +3,9 @@
     results_dir/{name}.jsonl     one JSON object per item, one line each:
     {"item_id", "batch_id", "dispatch_ns", "submit_ns", "done_ns", "pad_to_tokens", "status",
      "prompt_tokens", "cached_tokens", "output_tokens", "output": [token ids],
-     "payload": base64 of the producer's opaque payload}
+     "finish_reason": "length" or "stop" (null where nothing ran), ["text": the generated
+     text, where the engine has a tokenizer,] "payload": base64 of the producer's opaque
+     payload (without the generation envelope: pipeline/wire/generation.py)}
 
 in that key order, written by `result_lines` alone. The *_ns fields are time.monotonic_ns():
 one clock for every process of the machine; done_ns is taken once per call, as a batch's
@@ -65,19 +67,22 @@ STATUS_ERROR = "error"
 
 def result_lines(d: Descriptor, status: str, item_ids: Sequence[int], submit_ns: Sequence[int],
                  prompt_tokens: Sequence[int], cached_tokens: Sequence[int], outputs: Sequence[Sequence[int]],
-                 payloads: Sequence[bytes]) -> str:
+                 payloads: Sequence[bytes], finish_reasons: Sequence[str] | None = None,
+                 texts: Sequence[str | None] | None = None) -> str:
     """The result lines of items of one batch and one status, as one string (lines joined by
     "\n", no trailing one; "" for no items): the batch's fields are written into the format
-    once, done_ns is taken once, and when every output is as long (the sim engine's, or none
-    at all) the whole call is one `%` format over all its values.
+    once, done_ns is taken once, and when every output is as long and every finish reason
+    the same (the sim engine's, or nothing ran) with no text, the whole call is one `%`
+    format over all its values. `finish_reasons` None: null for every item (nothing ran).
 
     Example, 2 items with outputs [7, 8] and [9, 10]: the format is the line's format with
     "%d,%d" for the output, repeated twice, and its values are (id0, submit0, prompt0,
     cached0, 7, 8, id1, ...).
     NOTE: formatted by hand rather than with json.dumps (5x the cost per item): every value
-    is an int, a list of ints, a fixed status word or base64 text, none of which needs
-    escaping; tests/consumer checks that the lines parse as JSON. One % over the batch
-    rather than one per line: a quarter less time (no tuple and no string per item).
+    is an int, a list of ints, a fixed word or base64 text, none of which needs escaping;
+    only a text goes through json.dumps (ensure_ascii: the file stays ASCII). tests/consumer
+    checks that the lines parse as JSON. One % over the batch rather than one per line: a
+    quarter less time (no tuple and no string per item).
     """
     if not item_ids:
         return ""
@@ -89,15 +94,28 @@ def result_lines(d: Descriptor, status: str, item_ids: Sequence[int], submit_ns:
     if any(payloads):
         columns.append([base64.b64encode(p).decode() if p else "" for p in payloads])
         payload = '"payload":"%s"}'
+    reasons = set(finish_reasons) if finish_reasons is not None else {None}
     widths = set(map(len, outputs))
-    if len(widths) == 1:  # the output ids go in the format too, as columns
+    if len(widths) == 1 and len(reasons) == 1 and texts is None:  # output ids and reason go in the format
         width = widths.pop()
-        form = f'{head}{width},"output":[{",".join(["%d"] * width)}],{payload}'
+        reason = _finish_json(reasons.pop())
+        form = f'{head}{width},"output":[{",".join(["%d"] * width)}],"finish_reason":{reason},{payload}'
         columns[4:4] = zip(*outputs)
         return "\n".join([form] * len(item_ids)) % tuple(chain.from_iterable(zip(*columns)))
-    form = f'{head}%d,"output":[%s],{payload}'
-    columns[4:4] = [list(map(len, outputs)), [",".join(map(str, o)) for o in outputs]]
+    form = f'{head}%d,"output":[%s],"finish_reason":%s,{payload}'
+    reason_column = [_finish_json(r) for r in finish_reasons] if finish_reasons is not None else ["null"] * len(outputs)
+    if texts is not None:
+        reason_column = [f'{r},"text":{json.dumps(t, ensure_ascii=True)}' for r, t in zip(reason_column, texts)]
+    columns[4:4] = [list(map(len, outputs)), [",".join(map(str, o)) for o in outputs], reason_column]
     return "\n".join([form % row for row in zip(*columns)])
+
+
+def _finish_json(reason: str | None) -> str:
+    """A finish reason as JSON: an engine's word (letters and underscores), or null."""
+    if reason is None:
+        return "null"
+    assert reason.replace("_", "").isalnum() and reason.isascii(), reason
+    return f'"{reason}"'
 
 
 def error_lines(d: Descriptor, item_ids: Sequence[int], submit_ns: Sequence[int], prompt_tokens: Sequence[int],
@@ -110,7 +128,7 @@ def error_lines(d: Descriptor, item_ids: Sequence[int], submit_ns: Sequence[int]
     return "\n".join(json.dumps({
         "item_id": item, "batch_id": d.batch_id, "dispatch_ns": d.dispatch_ns, "submit_ns": submitted,
         "done_ns": done_ns, "pad_to_tokens": d.pad_to_tokens, "status": STATUS_ERROR, "prompt_tokens": tokens,
-        "cached_tokens": 0, "output_tokens": 0, "output": [],
+        "cached_tokens": 0, "output_tokens": 0, "output": [], "finish_reason": None,
         "payload": base64.b64encode(payload).decode() if payload else "", "error": message,
     }, separators=(",", ":"), ensure_ascii=True) for item, submitted, tokens, message, payload
         in zip(item_ids, submit_ns, prompt_tokens, messages, payloads))

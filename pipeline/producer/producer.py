@@ -29,6 +29,7 @@ from pipeline.wire.errors import (
     SignatureError,
     TokenArrayError,
 )
+from pipeline.wire.generation import GENERATION_MAGIC, GenerationParams, encode_payload
 from pipeline.wire.layouts import (
     DEFAULT_MAX_MODELS,
     FRAME_HEADER_SIZE_BYTES,
@@ -194,8 +195,13 @@ class Producer:
         prefix_len: int = 0,
         payload: bytes = b"",
         timeout_s: float | None | object = _NO_TIMEOUT,
+        params: GenerationParams | None = None,
     ) -> ItemId:
-        """Submit one item; returns its item id. Blocks while the ring is full."""
+        """Submit one item; returns its item id. Blocks while the ring is full. `params`:
+        how the engine generates for it (pipeline/wire/generation.py; None: its defaults),
+        carried in the payload, which the results file gives back without them."""
+        if params is not None or (payload and payload[:4] == GENERATION_MAGIC):
+            payload = encode_payload(params, payload if type(payload) is bytes else _check_payload(payload))
         if type(tokens) is not np.ndarray or tokens.dtype != _I4 or tokens.ndim != 1:
             tokens = coerce_tokens(tokens)
         length = len(tokens)  # one-dimensional here; len() is cheaper than shape[0]
@@ -265,6 +271,7 @@ class Producer:
         prefix_len: int | np.ndarray = 0,
         payloads: Sequence[bytes] | None = None,
         timeout_s: float | None | object = _NO_TIMEOUT,
+        params: Sequence[GenerationParams | None] | None = None,
     ) -> np.ndarray:
         """Submit many items in one call: `tokens` holds every item's token ids back to back,
         `lengths[i]` how many belong to item i. `model`, `signature` and `prefix_len` are one
@@ -273,8 +280,12 @@ class Producer:
         Everything is validated before anything is written. If the ring stays full past the
         timeout after some frames went in, RingTimeoutError says how many items were
         accepted (`accepted_items` attribute): those keep their ids, the rest were not sent.
+        `params`: one GenerationParams (or None) per item, as `submit` takes it.
         """
-        batch = _Batch.validate(self.limits, model, signature, tokens, lengths, prefix_len, payloads)
+        if params is not None:
+            payloads = _with_params(params, payloads, len(lengths))
+        batch = _Batch.validate(self.limits, model, signature, tokens, lengths, prefix_len, payloads,
+                                enveloped=params is not None)
         first_seq = self._seq
         if first_seq + batch.count - 1 > MAX_SEQ:
             raise BadInputError(f"producer {self.producer_id} would run out of sequence numbers")
@@ -377,7 +388,8 @@ class _Batch:
     payload_blob: bytes
 
     @classmethod
-    def validate(cls, limits: ProducerLimits, model, signature, tokens, lengths, prefix_len, payloads) -> _Batch:
+    def validate(cls, limits: ProducerLimits, model, signature, tokens, lengths, prefix_len, payloads,
+                 enveloped: bool = False) -> _Batch:
         lengths = _int_array(lengths, "lengths")
         count = lengths.shape[0]
         if count == 0:
@@ -398,7 +410,7 @@ class _Batch:
         prefix_lens = _per_item(prefix_len, count, "prefix_len", np.uint32)
         if prefix_lens.size and (prefix_lens.min() < 0 or np.any(prefix_lens > lengths)):
             raise BadInputError("prefix_len must be in [0, length] for every item")
-        payload_lens, payload_blob = _payloads(payloads, count, limits.max_payload_bytes)
+        payload_lens, payload_blob = _payloads(payloads, count, limits.max_payload_bytes, enveloped)
         payload_starts = np.zeros(count + 1, dtype=np.int64)
         np.cumsum(payload_lens, out=payload_starts[1:])
         return cls(
@@ -445,12 +457,29 @@ def _check_payload(payload: object) -> bytes:
     raise BadInputError(f"payload must be bytes, got {type(payload).__name__}")
 
 
-def _payloads(payloads: Sequence[bytes] | None, count: int, limit: int) -> tuple[np.ndarray, bytes]:
+def _with_params(params: Sequence[GenerationParams | None], payloads: Sequence[bytes] | None,
+                 count: int) -> list[bytes]:
+    """Each item's payload with its parameters' envelope in front (generation.py)."""
+    if len(params) != count or (payloads is not None and len(payloads) != count):
+        raise BadInputError(f"{len(params)} generation parameters and "
+                            f"{count if payloads is None else len(payloads)} payloads for {count} items")
+    if any(p is not None and not isinstance(p, GenerationParams) for p in params):
+        raise BadInputError("params must be GenerationParams or None, one per item")
+    plain = payloads or [b""] * count
+    return [encode_payload(p, q if type(q) is bytes else _check_payload(q)) for p, q in zip(params, plain)]
+
+
+def _payloads(payloads: Sequence[bytes] | None, count: int, limit: int,
+              enveloped: bool) -> tuple[np.ndarray, bytes]:
+    """Payload sizes and bytes; a payload that begins like a generation envelope gets one
+    (unless `enveloped`: `_with_params` made them all)."""
     if payloads is None:
         return np.zeros(count, dtype=np.uint32), b""
     if len(payloads) != count:
         raise BadInputError(f"{len(payloads)} payloads for {count} items")
     payloads = [p if type(p) is bytes else _check_payload(p) for p in payloads]
+    if any(p[:4] == GENERATION_MAGIC for p in payloads) and not enveloped:  # never misread as one
+        payloads = [encode_payload(None, p) for p in payloads]
     lens = np.fromiter((len(p) for p in payloads), dtype=np.int64, count=count)
     if lens.size and lens.max() > limit:
         bad = int(np.argmax(lens))

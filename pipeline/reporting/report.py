@@ -59,6 +59,11 @@ Definitions (every figure is an int or a float; a ratio with nothing to divide i
 - cache_hit_rate = cache_hit_tokens / (cacheable_tokens - compulsory_miss_tokens).
 - shape_switches = the sum of the broker's switch counts; shape_switches_by_reason keeps them.
 - items_per_s and tokens_per_s = completed over the launcher's wall time.
+- engine_counters_agree: whether every engine that keeps prefix-cache counters of its own
+  (vLLM's prefix_cache_hits / prefix_cache_queries) counted what ours did over the same
+  requests (engine_checked_*: the requests that finished while nothing else ran, taken when
+  its engine was idle; at the end of a run that is all of them); None where no engine keeps
+  any (sim). False is a failure of the run, as a mismatch of the accounting is.
 
 per_consumer[name] merges the broker's per-consumer totals (engine counters summed over the
 consumer's completions, kept by name across reconnects) with the lines of its results file.
@@ -88,6 +93,9 @@ from pipeline.wire.status import (
     ratio,
 )
 
+# The engine's own prefix-cache counters and ours over the same requests (ConsumerWork).
+ENGINE_CHECK_KEYS = ("engine_prefix_cache_queries", "engine_prefix_cache_hits", "engine_checked_prompt_tokens",
+                     "engine_checked_cache_hit_tokens")
 # The lane counters the report always shows; any other counter the broker adds is kept too.
 LANE_KEYS = ("opened", "reused", "force_fits", "quiesced", "released", "max_in_use")
 
@@ -116,6 +124,9 @@ def consumer_figures(broker: ConsumerTotalsRow, results: dict) -> dict:
         "cache_hit_rate": work.cache_hit_rate,
         "output_tokens": work.output_tokens,
         "batches": broker.batches,
+        **{key: getattr(work, key) for key in ENGINE_CHECK_KEYS},
+        "engine_counters_agree": None if not any(getattr(work, key) for key in ENGINE_CHECK_KEYS)
+        else not work.engine_disagrees,
     }
 
 
@@ -179,10 +190,18 @@ def build_report(status: BrokerStatus | None, results: ResultsSummary, wall_s: f
         "lanes": lanes,
         "consumers_lost": broker.consumers_lost,
         "per_consumer": per_consumer,
+        "engine_counters_agree": _engines_agree(per_consumer),
         "wall_s": wall_s,
         "items_per_s": ratio(accounted["items_completed"], wall_s),
         "tokens_per_s": ratio(accounted["tokens_completed"], wall_s),
     }
+
+
+def _engines_agree(per_consumer: dict) -> bool | None:
+    """Whether every engine with counters of its own (vLLM's) agrees with ours; None when
+    no engine has any (sim)."""
+    verdicts = [row["engine_counters_agree"] for row in per_consumer.values() if row["engine_counters_agree"] is not None]
+    return all(verdicts) if verdicts else None
 
 
 def _balanced(accounted: dict, not_submitted: int, store_damaged: bool, status_missing: bool) -> bool:
@@ -270,6 +289,8 @@ def _accounting_table(report: dict) -> Table:
             table.add_row(label, format_count(report[key]), "")
     table.add_row("lost", format_count(report["lost"]), "")
     table.add_row("accounting", accounting_verdict(report), "")
+    if report.get("engine_counters_agree") is not None:
+        table.add_row("engine's own cache counters", engine_verdict(report), "")
     return table
 
 
@@ -313,6 +334,16 @@ def accounting_verdict(report: dict) -> str:
     return "[green]OK[/green]"
 
 
+def engine_verdict(report: dict) -> str:
+    """The engines' own prefix-cache counters against ours, in a few words (rich markup)."""
+    if report.get("engine_counters_agree"):
+        return "[green]agree with ours[/green]"
+    wrong = [f"{name}: engine {row['engine_prefix_cache_hits']:,} hits / {row['engine_prefix_cache_queries']:,} "
+             f"queries, ours {row['engine_checked_cache_hit_tokens']:,} / {row['engine_checked_prompt_tokens']:,}"
+             for name, row in report["per_consumer"].items() if row["engine_counters_agree"] is False]
+    return f"[bold red]DISAGREE ({'; '.join(wrong)})[/bold red]"
+
+
 def _efficiency_rows(report: dict) -> list[tuple[str, str]]:
     reasons = ", ".join(f"{reason} {count}" for reason, count in report["shape_switches_by_reason"].items())
     return [
@@ -354,6 +385,12 @@ def _consumers_table(report: dict) -> Table:
         table.add_column(name, justify="right")
     for label, key, show in _CONSUMER_ROWS:
         table.add_row(label, *(show(row[key]) for row in consumers.values()))
+    if any(row["engine_counters_agree"] is not None for row in consumers.values()):
+        for label, key in (("engine's own cache hits", "engine_prefix_cache_hits"),
+                           ("engine's own cache queries", "engine_prefix_cache_queries"),
+                           ("ours over the same requests: hits", "engine_checked_cache_hit_tokens"),
+                           ("ours over the same requests: queries", "engine_checked_prompt_tokens")):
+            table.add_row(label, *(format_count(row[key]) for row in consumers.values()))
     return table
 
 

@@ -101,6 +101,12 @@ class PayloadTooLargeError(BadInputError):
     """An item's opaque payload is larger than the configured limit."""
 
 
+class GenerationParamsError(BadInputError):
+    """An item's generation parameters are out of range (at the producer), or the envelope
+    that carries them in its payload is malformed (at the consumer: that item is answered
+    with status error, naming the byte offset)."""
+
+
 class ModelIdError(BadInputError):
     """A model id is outside the configured range."""
 
@@ -279,8 +285,11 @@ __all__ = [
     "DataDirError",
     "DiskFullError",
     "DurabilityError",
+    "EngineOptionsError",
+    "EngineUnavailableError",
     "EntryCompletedError",
     "FrameError",
+    "GenerationParamsError",
     "ItemTooLongError",
     "ModelIdError",
     "NotHeldError",
@@ -298,9 +307,10 @@ __all__ = [
     "RingClosedError",
     "RingTimeoutError",
     "SegmentCorruptError",
-    "SegmentReadError",
     "SegmentFormatError",
     "SegmentNameError",
+    "SegmentReadError",
+    "SettingsError",
     "ShapeGuardError",
     "ShmError",
     "SignatureError",
@@ -310,4 +320,5 @@ __all__ = [
     "StoreReadError",
     "TokenArrayError",
     "UntrustedPeerError",
+    "WorkloadError",
 ]

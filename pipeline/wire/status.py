@@ -32,7 +32,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 from pipeline.wire.errors import ProtocolError
 
 # The wire form's version: bump it with any change to the fields (see the module docstring).
-STATUS_VERSION = 1
+STATUS_VERSION = 2
 # The signature of the `top_shapes` row that sums every shape past the top ones.
 OTHER_SHAPE = "other"
 # Metric kinds (prometheus_client's counter and gauge families).
@@ -130,6 +130,17 @@ class ConsumerWork:
     compulsory_miss_tokens: int = _doc("Cacheable tokens of each shape's first item (a miss no order avoids)",
                                        Export(COUNTER), default=0)
     output_tokens: int = _doc("Tokens the consumer generated", Export(COUNTER), default=0)
+    # The engine's own prefix-cache counters beside ours over exactly the same requests
+    # (taken when nothing ran: pipeline/consumer/engines/base.py `check_totals`); zero for
+    # an engine without counters of its own (sim). The two sides must agree.
+    engine_prefix_cache_queries: int = _doc("Prompt tokens the engine's own counter saw (vLLM's prefix_cache_queries)",
+                                            Export(COUNTER), default=0)
+    engine_prefix_cache_hits: int = _doc("Prompt tokens the engine's own counter served from its cache "
+                                         "(vLLM's prefix_cache_hits)", Export(COUNTER), default=0)
+    engine_checked_prompt_tokens: int = _doc("Prompt tokens we counted over the requests the engine's counters "
+                                             "cover", Export(COUNTER), default=0)
+    engine_checked_cache_hit_tokens: int = _doc("Cache-hit tokens we counted over the requests the engine's "
+                                                "counters cover", Export(COUNTER), default=0)
 
     @classmethod
     def from_results(cls, results: object) -> ConsumerWork:
@@ -156,6 +167,13 @@ class ConsumerWork:
         """Hits inside the cacheable prefix over the cacheable tokens less compulsory misses
         (the hits a perfect order could get)."""
         return cache_hit_rate(self.cacheable_hit_tokens, self.cacheable_tokens, self.compulsory_miss_tokens)
+
+    @property
+    def engine_disagrees(self) -> bool:
+        """Whether the engine's own prefix-cache counters differ from ours over the same
+        requests (a bug in our accounting or in the engine's: a failure, never a footnote)."""
+        return (self.engine_prefix_cache_queries, self.engine_prefix_cache_hits) != (
+            self.engine_checked_prompt_tokens, self.engine_checked_cache_hit_tokens)
 
 
 

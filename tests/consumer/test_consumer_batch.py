@@ -9,7 +9,7 @@ import json
 import numpy as np
 
 from pipeline.broker.storage.segment import scan_segment
-from pipeline.consumer.engines import Engine, EngineBatch, EngineResult
+from pipeline.consumer.engines import Engine, EngineBatch, EngineCounters, EngineResult
 from pipeline.consumer.process import CORRUPT_KEY, Consumer, ConsumerConfig
 from pipeline.consumer.reader import SegmentReader
 from pipeline.wire.layouts import DESCRIPTOR_ITEM_DTYPE, descriptor_size_bytes, parse_descriptor, write_descriptor
@@ -82,8 +82,28 @@ def test_result_lines_of_outputs_of_any_width_parse_as_json():
     long = json.loads(result_lines(d, STATUS_TOO_LONG, [7], [8], [9000], [0], [[]], [b"p"]))
     assert (long["status"], long["output"], long["prompt_tokens"], long["payload"]) == ("too_long", [], 9000, "cA==")
     assert list(long) == ["item_id", "batch_id", "dispatch_ns", "submit_ns", "done_ns", "pad_to_tokens", "status",
-                          "prompt_tokens", "cached_tokens", "output_tokens", "output", "payload"]
+                          "prompt_tokens", "cached_tokens", "output_tokens", "output", "finish_reason", "payload"]
+    assert long["finish_reason"] is None
     assert result_lines(d, STATUS_OK, [], [], [], [], [], []) == ""
+
+
+def test_result_lines_carry_finish_reasons_and_texts_escaped():
+    from pipeline.consumer.results import STATUS_OK, result_lines
+    from pipeline.wire.layouts import Descriptor
+
+    d = Descriptor(batch_id=3, signature=SIG, model=0, pad_to_tokens=16, dispatch_ns=9, items=np.zeros(0))
+    # One reason for all, no text: the one-format fast path.
+    rows = [json.loads(line) for line in result_lines(d, STATUS_OK, [1, 2], [5, 6], [10, 12], [0, 4], [[7], [8]],
+                                                      [b"", b""], ["length", "length"]).split("\n")]
+    assert [r["finish_reason"] for r in rows] == ["length", "length"] and "text" not in rows[0]
+    texts = ['a "quoted"\n%s %d', "\u00e9\u4e2d\U0001f600"]
+    raw = result_lines(d, STATUS_OK, [1, 2], [5, 6], [10, 12], [0, 4], [[7], [8, 9]], [b"", b"p%"], ["stop", "length"],
+                       texts)
+    assert raw.isascii()
+    rows = [json.loads(line) for line in raw.split("\n")]
+    assert [r["finish_reason"] for r in rows] == ["stop", "length"] and [r["text"] for r in rows] == texts
+    assert list(rows[0])[-3:] == ["finish_reason", "text", "payload"]
+    assert [r["output"] for r in rows] == [[7], [8, 9]] and base64.b64decode(rows[1]["payload"]) == b"p%"
 
 
 class _FailsSome(Engine):
@@ -94,8 +114,10 @@ class _FailsSome(Engine):
     def run(self, batch: EngineBatch) -> EngineResult:
         count = len(batch.prompts)
         errors = [None if i % 2 else f'prompt {i} too "long"\n\u00e9' for i in range(count)]
-        self.counters.prompt_tokens += sum(len(p) for i, p in enumerate(batch.prompts) if i % 2)
-        return EngineResult([[i] if i % 2 else [] for i in range(count)], [0] * count, errors)
+        counted = EngineCounters(prompt_tokens=sum(len(p) for i, p in enumerate(batch.prompts) if i % 2))
+        self.counters.add(counted)
+        return EngineResult([[i] if i % 2 else [] for i in range(count)], [0] * count, ["stop"] * count, counted,
+                            errors=errors)
 
 
 def test_an_engine_error_on_some_items_is_their_result_with_the_message(tmp_path):

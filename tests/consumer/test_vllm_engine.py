@@ -147,7 +147,8 @@ def _run(engine, items: list[tuple[np.ndarray, int]], batch_items: int) -> dict[
 
 def vars_of(counters) -> dict[str, int]:
     return {name: getattr(counters, name) for name in ("prompt_tokens", "padded_tokens", "cacheable_tokens",
-                                                        "cache_hit_tokens", "compulsory_miss_tokens")}
+                                                        "cache_hit_tokens", "cacheable_hit_tokens",
+                                                        "compulsory_miss_tokens")}
 
 
 @pytest.mark.vllm
@@ -205,3 +206,74 @@ def test_a_prompt_over_max_model_len_is_an_error_result_and_the_others_run(engin
     assert len(result.outputs[0]) == len(result.outputs[2]) == 2
     ran = engine.counters.prompt_tokens - before["prompt_tokens"]
     assert ran == 200 == engine.counters.extra["prefix_cache_queries"] - before["prefix_cache_queries"]
+
+
+def _agree(engine) -> dict[str, int]:
+    """The engine's check: vLLM's counters and ours over the same requests, which must agree."""
+    check = engine.check_totals()
+    assert check["engine_prefix_cache_queries"] == check["engine_checked_prompt_tokens"], check
+    assert check["engine_prefix_cache_hits"] == check["engine_checked_cache_hit_tokens"], check
+    return check
+
+
+@pytest.mark.vllm
+def test_each_item_has_its_own_generation_parameters(engine):
+    from pipeline.wire.generation import GenerationParams
+
+    engine.reset_cache()
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(TOKEN_LOW, TOKEN_HIGH, 40, dtype=np.int32) for _ in range(4)]
+    free = engine.run(EngineBatch([prompts[0]], 40, [0], [GenerationParams(max_tokens=12)]))
+    # The first text the model writes for prompts[0] (greedy): a stop string inside it ends
+    # the generation there, with reason "stop", and the text stops before it.
+    text = free.texts[0]
+    assert free.finish_reasons == ["length"] and len(free.outputs[0]) == 12 and isinstance(text, str)
+    stop = next((text[k:k + 3] for k in range(1, len(text) - 3) if text[k:k + 3].strip()), None)
+    params = [GenerationParams(max_tokens=12, stop=(stop,)) if stop else GenerationParams(max_tokens=12),
+              GenerationParams(max_tokens=3), None,
+              GenerationParams(max_tokens=5, temperature=1.0, top_p=0.9, seed=7)]
+    first = engine.run(EngineBatch(prompts, 40, [0] * 4, params))
+    again = engine.run(EngineBatch(prompts, 40, [0] * 4, params))
+    assert first.errors is None
+    if stop:
+        assert first.finish_reasons[0] == "stop" and stop not in first.texts[0] and text.startswith(first.texts[0])
+    assert [len(o) for o in first.outputs[1:]] == [3, 2, 5]  # 2: the engine options' max_tokens
+    assert first.finish_reasons[1:] == ["length"] * 3
+    assert first.outputs == again.outputs  # greedy, and a seeded sampler: the same again
+    _agree(engine)
+
+
+@pytest.mark.vllm
+def test_pipelined_batches_overlap_and_finish_under_their_keys(engine):
+    engine.reset_cache()
+    shapes = _shapes(3, seed=8)
+    rng = np.random.default_rng(6)
+    batches = {key: [_item(shapes[key % 3], rng) for _ in range(3)] for key in range(6)}
+    waiting = list(batches)
+    done: dict = {}
+    most_in_flight = 0
+    while len(done) < len(batches):
+        while waiting and engine.wants_more():  # up to what vLLM's KV cache holds
+            key = waiting.pop(0)
+            engine.submit(key, EngineBatch(batches[key], max(map(len, batches[key])), [len(shapes[key % 3])] * 3))
+        most_in_flight = max(most_in_flight, len(batches) - len(waiting) - len(done))
+        done.update(engine.poll())
+    assert most_in_flight >= 2  # the next batch went in while the last one still ran
+    assert 1 <= engine.max_running_prompts() <= 2048 // 263  # the KV cache's tokens over a request's
+    assert sorted(done) == list(batches) and all(r.errors is None for r in done.values())
+    assert sum(r.counted.cache_hit_tokens for r in done.values()) == sum(
+        sum(r.cached_tokens) for r in done.values()) > 0
+    _agree(engine)
+
+
+@pytest.mark.vllm
+def test_an_abort_drops_unfinished_batches_and_the_check_still_agrees(engine):
+    engine.reset_cache()
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(TOKEN_LOW, TOKEN_HIGH, 300, dtype=np.int32) for _ in range(4)]
+    for key in (1, 2):
+        engine.submit(key, EngineBatch(prompts[2 * key - 2:2 * key], 300, [0, 0]))
+    engine.poll()  # vLLM schedules (and counts) some of them
+    assert sorted(engine.abort()) == [1, 2] and engine.poll() == []
+    engine.run(EngineBatch(prompts[:1], 300, [0]))
+    _agree(engine)

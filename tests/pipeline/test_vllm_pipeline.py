@@ -78,6 +78,10 @@ def test_two_vllm_consumers_count_what_vllm_counts(tmp_path):
         process.start()
         consumers.append(process)
     try:
+        # Each engine loads its model before its consumer registers: produce once both are
+        # there, or the first could run every batch while the other still loads.
+        wait_until(lambda: len(status(socket_path).consumers) == 2, RUN_TIMEOUT_S, "both consumers registered",
+                   poll_s=0.5)
         total = _produce(socket_path)
         done = wait_until(lambda: (s := status(socket_path)).items_completed == total and s, RUN_TIMEOUT_S,
                           "every item completed", poll_s=0.5)
@@ -99,5 +103,10 @@ def test_two_vllm_consumers_count_what_vllm_counts(tmp_path):
         print(f"\nc{k}: {len(mine)} items, broker {work}, engine {engine}")
         assert work.cache_hit_tokens == sum(row["cached_tokens"] for row in mine) == engine["prefix_cache_hits"]
         assert work.prompt_tokens == sum(row["prompt_tokens"] for row in mine) == engine["prefix_cache_queries"]
+        # vLLM's own counters reached the broker, over every request (the engine went idle
+        # at the end), and agree with ours.
+        assert not work.engine_disagrees and work.engine_checked_prompt_tokens == work.prompt_tokens
+        assert work.engine_prefix_cache_hits == engine["prefix_cache_hits"]
+        assert {row["finish_reason"] for row in mine} == {"length"} and all("text" in row for row in mine)
         hits += work.cache_hit_tokens
     assert hits > 0

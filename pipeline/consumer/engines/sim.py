@@ -11,6 +11,9 @@ always computed, as an engine must produce logits. Capacity is in tokens (whole 
 evicted least recently used, and a prompt's blocks are touched tail first so a prefix's head
 outlives its tail, as vLLM frees a request's blocks in reverse order.
 
+Output: a few made-up ids per prompt (`output_tokens`), or as many as an item's
+`max_tokens` asks for; every prompt finishes by length.
+
 Cost model: padded tokens (`len(prompts) * pad_to_tokens`), optionally slept at
 `cost_s_per_padded_token` to emulate a GPU's time.
 """
@@ -23,8 +26,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.consumer.engines.base import Engine, EngineBatch, EngineResult
+from pipeline.consumer.engines.base import FINISH_LENGTH, Engine, EngineBatch, EngineCounters, EngineResult
 from pipeline.consumer.engines.prefix_cache import BatchLayout, PrefixCache
+from pipeline.wire.generation import GenerationParams
 
 # vLLM's default KV block size.
 DEFAULT_BLOCK_SIZE_TOKENS = 16
@@ -96,7 +100,7 @@ class SimEngine(Engine):
         self._weights = rng.integers(1, 1 << 63, size=block, dtype=np.uint64) | _U64(1)
         self._powers = np.ones(1, dtype=np.uint64)
         self._inverse_powers = np.ones(1, dtype=np.uint64)
-        self.counters.extra.update(evicted_blocks=0, cacheable_hit_tokens=0)
+        self.counters.extra.update(evicted_blocks=0)
 
     def _ensure_powers(self, count: int) -> None:
         if count <= self._powers.shape[0]:
@@ -153,20 +157,18 @@ class SimEngine(Engine):
         hits, compulsory_blocks = self._cache.run(flat, layout, cacheable // block)
         cached = np.minimum(hits * block, (lengths - 1) // block * block)
         outputs = self._outputs(prompts, flat, layout.counts)
-        c = self.counters
-        c.batches += 1
-        c.prompts += count
-        c.prompt_tokens += int(lengths.sum())
-        c.padded_tokens += count * batch.pad_to_tokens
-        c.cacheable_tokens += int(cacheable.sum())
-        c.cache_hit_tokens += int(cached.sum())
-        c.extra["cacheable_hit_tokens"] += int(np.minimum(cached, cacheable).sum())
-        c.extra["evicted_blocks"] = self._cache.evicted_blocks
-        c.compulsory_miss_tokens += compulsory_blocks * block
-        c.output_tokens += count * self.config.output_tokens
+        if batch.params:
+            _apply_max_tokens(outputs, batch.params)
+        counted = EngineCounters(
+            batches=1, prompts=count, prompt_tokens=int(lengths.sum()), padded_tokens=count * batch.pad_to_tokens,
+            cacheable_tokens=int(cacheable.sum()), cache_hit_tokens=int(cached.sum()),
+            cacheable_hit_tokens=int(np.minimum(cached, cacheable).sum()), compulsory_miss_tokens=compulsory_blocks * block,
+            output_tokens=sum(map(len, outputs)))
+        self.counters.add(counted)
+        self.counters.extra["evicted_blocks"] = self._cache.evicted_blocks
         if self.config.cost_s_per_padded_token > 0:
             time.sleep(count * batch.pad_to_tokens * self.config.cost_s_per_padded_token)
-        return EngineResult(outputs, cached.tolist())
+        return EngineResult(outputs, cached.tolist(), [FINISH_LENGTH] * count, counted)
 
     def _outputs(self, prompts: Sequence[np.ndarray], flat: np.ndarray, counts: np.ndarray) -> list[list[int]]:
         """Each prompt's output ids: bytes of its last block's hash (of its last token when
@@ -179,3 +181,13 @@ class SimEngine(Engine):
             last = np.array([int(prompts[i][-1]) for i in short.tolist()], dtype=np.int64)
             outputs[short] = ((last[:, None] >> shifts.astype(np.int64)) & 0x7FFF).astype(np.uint64)
         return outputs.tolist()
+
+
+def _apply_max_tokens(outputs: list[list[int]], params: Sequence[GenerationParams | None]) -> None:
+    """Give each item that names its max new tokens that many output ids, in place: its own
+    ids repeated, each mixed with its position (made up, deterministic, within 15 bits)."""
+    for i, p in enumerate(params):
+        if p is None or p.max_tokens is None:
+            continue
+        base = outputs[i] or [0]
+        outputs[i] = [(base[k % len(base)] ^ (k * 0x9E37)) & 0x7FFF for k in range(p.max_tokens)]

