@@ -4,7 +4,11 @@
 
 Every option of the command can come from the file under the same name (underscores, not
 dashes), at the top level or in a `[launch]` table; `engine_options` is a table passed to the
-engine (the sim engine's `block_size_tokens`, `capacity_tokens`, `cost_s_per_padded_token`).
+engine (the sim engine's `block_size_tokens`, `capacity_tokens`, `cost_s_per_padded_token`;
+on the command line `--engine-options KEY=VALUE,...`, over the file's key by key). A vllm
+engine on a machine without a GPU gets the CPU options it lacks filled in
+(`engine_options_for_host`), and made-up token ids are drawn below its model's vocabulary
+(`workload_vocab_size`, or `vocab_size`).
 The `[broker]` and `[consumer]` tables (and `--set broker.KEY=VALUE`) set the broker's and
 the consumers' own settings (pipeline/runtime/tables.py): the dispatch policy's lane
 constants and starvation bound, the work slice, the credit window's bounds. An unknown key
