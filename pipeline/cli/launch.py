@@ -12,8 +12,8 @@ import click
 
 from pipeline.consumer.engines import ENGINES
 from pipeline.runtime.processes import DURABILITY_LEVELS, STORAGE_KINDS
-from pipeline.runtime.settings import DEMO_ITEMS, LaunchSettings
-from pipeline.runtime.tables import broker_config, parse_assignments
+from pipeline.runtime.settings import DEMO_ITEMS, LaunchSettings, workload_vocab_size
+from pipeline.runtime.tables import broker_config, merged, parse_assignments, parse_engine_options
 from pipeline.wire.errors import BadInputError, PipelineError, SettingsError
 from pipeline.wire.status import BrokerStatus
 
@@ -27,14 +27,24 @@ def setup_logging(verbose: bool) -> None:
                         format="%(asctime)s %(processName)s %(name)s %(levelname)s: %(message)s")
 
 
-def load_launch_workload(settings: LaunchSettings):
+# What `--engine-options` and `--vocab-size` say in `pipeline launch --help` (the consumer
+# stage says the first too).
+ENGINE_OPTIONS_HELP = ("The engine's options, KEY=VALUE,KEY=VALUE (repeatable; values as in TOML: 32, 0.9, true, "
+                       "text), over the config file's [engine_options]: vllm takes model=DIR, "
+                       "gpu_memory_utilization=0.9, ...")
+VOCAB_SIZE_HELP = ("Made-up token ids (demo, Mooncake trace) are drawn below this (default: a vllm model's "
+                   "config.json vocab_size, else 32000).")
+
+
+def load_launch_workload(settings: LaunchSettings, vocab_size: int):
     """The workload the settings name: the demo (DEMO_ITEMS unless `items`), or a JSON-lines
-    file validated whole before anything starts (WorkloadError names every bad line)."""
+    file validated whole before anything starts (WorkloadError names every bad line); made-up
+    token ids below `vocab_size`."""
     from pipeline.producer.workload import demo_workload, load_workload
 
     if settings.workload == "demo":
-        return demo_workload(settings.items or DEMO_ITEMS, seed=settings.seed)
-    workload = load_workload(settings.workload)
+        return demo_workload(settings.items or DEMO_ITEMS, seed=settings.seed, vocab_size=vocab_size)
+    workload = load_workload(settings.workload, vocab_size=vocab_size)
     return workload.head(settings.items) if settings.items else workload
 
 
@@ -45,6 +55,8 @@ def load_launch_workload(settings: LaunchSettings):
 @click.option("--producers", type=int, help="Producer processes (default 2).")
 @click.option("--consumers", type=int, help="Consumer processes (default: one per GPU, else 2 CPU consumers).")
 @click.option("--engine", type=click.Choice(sorted(ENGINES)), help="Engine runtime of the consumers (default sim).")
+@click.option("--engine-options", "engine_options", multiple=True, metavar="KEY=VALUE,...", help=ENGINE_OPTIONS_HELP)
+@click.option("--vocab-size", type=int, help=VOCAB_SIZE_HELP)
 @click.option("--storage", type=click.Choice(STORAGE_KINDS), help=STORAGE_HELP)
 @click.option("--durability", type=click.Choice(DURABILITY_LEVELS), help="Disk durability (default process).")
 @click.option("--max-batch", type=int, help="Consumer contract: items per batch (default 64).")
@@ -60,7 +72,8 @@ def load_launch_workload(settings: LaunchSettings):
               help="A setting of the config file's form, e.g. broker.max_age_s=30, broker.lanes.max_lanes=512, "
                    "consumer.credit_max_batches=8 (repeatable; over the file's value).")
 @click.option("-v", "--verbose", is_flag=True, help="Log every process's info messages to stderr.")
-def launch(config_path: str | None, verbose: bool, assignments: tuple[str, ...], **options) -> None:
+def launch(config_path: str | None, verbose: bool, assignments: tuple[str, ...], engine_options: tuple[str, ...],
+           **options) -> None:
     """Run a workload through a broker, producers and one consumer per GPU, with live
     progress, then print the run report. With no arguments: the demo, on the embedded
     defaults (disk tier, sim engine), in a temporary data directory."""
@@ -68,15 +81,18 @@ def launch(config_path: str | None, verbose: bool, assignments: tuple[str, ...],
 
     setup_logging(verbose)
     try:
-        settings = LaunchSettings.resolve(config_path, options | parse_assignments(assignments))
+        given = {"engine_options": parse_engine_options(engine_options) if engine_options else None}
+        settings = LaunchSettings.resolve(config_path, merged(options | given, parse_assignments(assignments)))
         check_before_start(settings)
-        workload = load_launch_workload(settings)
+        vocab_size, vocab_from = workload_vocab_size(settings)
+        workload = load_launch_workload(settings, vocab_size)
     except (BadInputError, PipelineError) as exc:
         raise click.ClickException(str(exc)) from exc
     if settings.plots and importlib.util.find_spec("matplotlib") is None:  # before the run, not after
         raise click.ClickException("--plots needs matplotlib: pip install 'shape-broker[plots]'")
-    click.echo(f"launch: {workload!r}, {settings.producers} producers, storage {settings.storage}", err=True)
     launcher = Launcher(settings, workload)
+    click.echo(f"launch: {workload!r}, {settings.producers} producers, storage {settings.storage}"
+               + _engine_line(settings, launcher, vocab_size, vocab_from), err=True)
     try:
         try:
             outcome = _run_with_progress(launcher, len(workload))
@@ -86,6 +102,19 @@ def launch(config_path: str | None, verbose: bool, assignments: tuple[str, ...],
     finally:
         launcher.cleanup()  # a temporary data directory stays only for a failed run's unfinished work
     sys.exit(code)
+
+
+def _engine_line(settings: LaunchSettings, launcher, vocab_size: int, vocab_from: str) -> str:
+    """The launch line's engine part: nothing for the sim engine on its defaults (the line
+    reads as it always did); else the engine, what the launcher filled in for this machine,
+    and where the token ids' vocabulary came from."""
+    if settings.engine == "sim" and vocab_from == "the default":
+        return ""
+    line = f", engine {settings.engine}"
+    if launcher.engine_filled:
+        shown = ", ".join(f"{key}={value!r}" for key, value in launcher.engine_filled.items())
+        line += f" (no GPU found: filled in {shown})"
+    return line + f", token ids below {vocab_size:,} ({vocab_from})"
 
 
 def check_before_start(settings: LaunchSettings) -> None:

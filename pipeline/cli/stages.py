@@ -19,7 +19,7 @@ import time
 import click
 
 from pipeline.broker.config import DEFAULT_HEARTBEAT_TIMEOUT_S, BrokerConfig
-from pipeline.cli.launch import STORAGE_HELP, setup_logging
+from pipeline.cli.launch import ENGINE_OPTIONS_HELP, STORAGE_HELP, setup_logging
 from pipeline.consumer.engines import ENGINES
 from pipeline.runtime import daemon
 from pipeline.runtime.datadir import check_data_dir, prepare_data_dir
@@ -30,9 +30,10 @@ from pipeline.runtime.settings import (
     DEFAULT_MAX_INPUT_LEN,
     MAX_ITEMS,
     MAX_PRODUCER_PROCESSES,
+    check_engine_options,
     check_replay_speed,
 )
-from pipeline.runtime.tables import broker_config, consumer_settings, parse_assignments
+from pipeline.runtime.tables import broker_config, consumer_settings, parse_assignments, parse_engine_options
 from pipeline.wire.errors import BadInputError, PipelineError, ProtocolError
 from pipeline.wire.protocol import check_consumer_name
 
@@ -157,14 +158,17 @@ def consumer() -> None:
 @click.option("--max-tokens", type=int, default=DEFAULT_MAX_BATCH_TOKENS, show_default=True)
 @click.option("--max-input-len", type=int, default=DEFAULT_MAX_INPUT_LEN, show_default=True)
 @click.option("--engine", type=click.Choice(sorted(ENGINES)), default="sim", show_default=True)
+@click.option("--engine-options", "engine_options", multiple=True, metavar="KEY=VALUE,...",
+              help=ENGINE_OPTIONS_HELP.replace(", over the config file's [engine_options]", "")
+              + " Used as given: nothing is filled in for a CPU (see README, Running on vLLM).")
 @click.option("--gpu", help="Pin to this GPU: an index or a GPU-/MIG- UUID (CUDA_VISIBLE_DEVICES).")
 @click.option("--set", "assignments", multiple=True, metavar="KEY=VALUE",
               help="A consumer setting, as in a launch config's [consumer] table: credit_max_batches=8 (repeatable).")
 @click.option("--detach", is_flag=True, help="Run in the background (pid and log files in DATA_DIR/run).")
 @click.option("-v", "--verbose", is_flag=True)
 def consumer_start(data_dir: str, name: str | None, model: int, max_batch: int, max_tokens: int,
-                   max_input_len: int, engine: str, gpu: str | None, assignments: tuple[str, ...], detach: bool,
-                   verbose: bool) -> None:
+                   max_input_len: int, engine: str, engine_options: tuple[str, ...], gpu: str | None,
+                   assignments: tuple[str, ...], detach: bool, verbose: bool) -> None:
     """Run a consumer until stopped (Ctrl-C or `pipeline consumer stop`); it reconnects if
     the broker restarts. Results go to DATA_DIR/results/NAME.jsonl."""
     from pipeline.consumer.process import ConsumerConfig
@@ -175,6 +179,8 @@ def consumer_start(data_dir: str, name: str | None, model: int, max_batch: int, 
     check_data_dir(data_dir)
     config = BrokerConfig(data_dir)
     own = consumer_settings(parse_assignments(assignments), "the command line")
+    options = parse_engine_options(engine_options)
+    check_engine_options(engine, options)  # a typo is refused here, not in the detached child's log
     stage = f"consumer-{name}"
     files = _refuse_if_running(stage, data_dir)
     if detach:
@@ -183,6 +189,7 @@ def consumer_start(data_dir: str, name: str | None, model: int, max_batch: int, 
                 str(max_input_len), "--engine", engine]
         if gpu is not None:
             argv += ["--gpu", gpu]
+        argv += [arg for value in engine_options for arg in ("--engine-options", value)]
         argv += [arg for pair in assignments for arg in ("--set", pair)]
         _detach(stage, data_dir, argv, lambda pid: _consumer_registered(config.socket_path, name, pid))
         return
@@ -191,7 +198,8 @@ def consumer_start(data_dir: str, name: str | None, model: int, max_batch: int, 
     setup_logging(True)
     consumer_config = ConsumerConfig(config.socket_path, os.path.join(data_dir, RESULTS_DIR), name, model=model,
                                      max_batch_items=max_batch, max_batch_tokens=max_tokens,
-                                     max_input_len=max_input_len, engine=engine, gpu=gpu, **own)
+                                     max_input_len=max_input_len, engine=engine, engine_options=options, gpu=gpu,
+                                     **own)
     def serve(write_pid) -> int:
         write_pid()  # a consumer holds no lock: it serves (or retries to) from its start
         return serve_consumer(consumer_config)

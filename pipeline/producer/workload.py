@@ -24,6 +24,10 @@ Two JSON-lines formats, one per file, told apart by the first non-blank line's k
   shares with other requests of the file (`shared_block_runs`) become its components, one
   per whole block; the payload is the line number as text; the model is 0.
 
+Made-up token ids (the Mooncake blocks and the demo's prompts) are drawn in [0, vocab_size):
+VOCAB_SIZE unless the caller passes the model's own (`pipeline launch` does for a vllm
+engine, from the model's config.json: an id past a model's vocabulary fails that item).
+
 Bad input (SPEC §8), decided by the team: a malformed line makes the whole run refuse to
 start. The file is validated completely before anything is submitted, and the WorkloadError
 lists the first 10 bad lines (`path:line: why`) and how many there are in all, because a
@@ -56,6 +60,8 @@ MOONCAKE_BLOCK_TOKENS = 512
 # are valid for the common 32k-vocabulary models as well as for the sim engine (which only
 # hashes them).
 VOCAB_SIZE = 32_000
+# Largest vocabulary a made-up id may be drawn from: ids are int32 (the ring's layout).
+MAX_VOCAB_SIZE = INT32_MAX + 1
 # How many bad lines a WorkloadError lists before the total: enough to show the pattern,
 # few enough that a file of nothing but bad lines does not bury the message.
 MAX_LISTED_ERRORS = 10
@@ -201,9 +207,11 @@ class Workload:
         return f"Workload({self.source!r}, {self._count} items, {self.total_tokens} tokens)"
 
 
-def hashed_tokens(stream: int, ids: np.ndarray | Sequence[int], count: int) -> np.ndarray:
-    """`count` token ids in [0, VOCAB_SIZE) for each id, as a (len(ids), count) int32 array:
-    a function of (stream, id, position) only, the same on every machine and NumPy version.
+def hashed_tokens(stream: int, ids: np.ndarray | Sequence[int], count: int,
+                  vocab_size: int = VOCAB_SIZE) -> np.ndarray:
+    """`count` token ids in [0, vocab_size) for each id, as a (len(ids), count) int32 array:
+    a function of (stream, id, position, vocab_size) only, the same on every machine and
+    NumPy version.
 
     NOTE: `np.random.default_rng((seed, block_id))` per block was rejected: NumPy does not
     promise a Generator's stream across versions, and making one generator per block costs
@@ -212,7 +220,13 @@ def hashed_tokens(stream: int, ids: np.ndarray | Sequence[int], count: int) -> n
     """
     seeds = _mix64(_mix64(np.asarray(ids, dtype=np.uint64)) ^ np.uint64(stream))
     states = seeds[:, None] + np.arange(1, count + 1, dtype=np.uint64) * _GAMMA
-    return (_mix64(states) % np.uint64(VOCAB_SIZE)).astype(np.int32)
+    return (_mix64(states) % np.uint64(vocab_size)).astype(np.int32)
+
+
+def check_vocab_size(vocab_size: int) -> None:
+    """A vocabulary to draw made-up ids from: 1 to MAX_VOCAB_SIZE ids (ValueError)."""
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 1 <= vocab_size <= MAX_VOCAB_SIZE:
+        raise ValueError(f"vocab_size {vocab_size!r}: must be an integer in [1, {MAX_VOCAB_SIZE:,}]")
 
 
 def _mix64(x: np.ndarray) -> np.ndarray:
@@ -252,8 +266,11 @@ def shared_block_runs(hash_ids: Sequence[Sequence[int]]) -> list[int]:
 MAX_WORKLOAD_LINE_BYTES = 16 << 20
 
 
-def load_workload(path: str | os.PathLike[str], limits: ProducerLimits = ProducerLimits()) -> Workload:
-    """Read and validate a workload file of either format (see the module docstring).
+def load_workload(path: str | os.PathLike[str], limits: ProducerLimits = ProducerLimits(),
+                  vocab_size: int = VOCAB_SIZE) -> Workload:
+    """Read and validate a workload file of either format (see the module docstring); a
+    Mooncake trace's made-up token ids are drawn below `vocab_size` (an own-format file's ids
+    are its own).
 
     Every line is checked (JSON, types, int32 token ids, a non-empty prompt within
     `limits.max_item_tokens`, payload within `limits.max_payload_bytes`, model below
@@ -261,7 +278,8 @@ def load_workload(path: str | os.PathLike[str], limits: ProducerLimits = Produce
     the first bad lines as path:line and the total count. Nothing is submitted here.
     """
     name = os.fspath(path)
-    parser = _FileParser(name, limits)
+    check_vocab_size(vocab_size)
+    parser = _FileParser(name, limits, vocab_size)
     try:
         with open(name, "rb") as file:
             kind = file_kind(file.fileno())
@@ -282,9 +300,10 @@ class _FileParser:
     """Validates one file line by line, keeping the light records it will serve from and
     the first errors. Owner: `load_workload`, for one file; single-threaded."""
 
-    def __init__(self, path: str, limits: ProducerLimits) -> None:
+    def __init__(self, path: str, limits: ProducerLimits, vocab_size: int = VOCAB_SIZE) -> None:
         self.path = path
         self.limits = limits
+        self.vocab_size = vocab_size
         self.kind: str | None = None
         self.kind_line = 0
         self.own_items: list[WorkItem] = []
@@ -361,7 +380,7 @@ class _FileParser:
                             models=tuple(sorted({item.model for item in items})))
         if self.kind == _TRACE:
             records = self.trace_records
-            return Workload(self.path, len(records), _TraceItems(records),
+            return Workload(self.path, len(records), _TraceItems(records, self.vocab_size),
                             total_tokens=sum(r.input_length for r in records), models=(0,))
         raise WorkloadError(f"{self.path}: no work items (the file is empty or blank)")
 
@@ -447,8 +466,9 @@ class _TraceItems:
     while its item does). Owner: one Workload; its signature cache may be filled from
     several threads (idempotent inserts of equal values)."""
 
-    def __init__(self, records: list[_TraceRecord]) -> None:
+    def __init__(self, records: list[_TraceRecord], vocab_size: int = VOCAB_SIZE) -> None:
         self._records = records
+        self._vocab_size = vocab_size
         runs = shared_block_runs([r.hash_ids.tolist() for r in records])
         # Whole blocks only: a block cut by input_length is not a component.
         # NOTE: cutting the last component to the prompt was rejected: two requests sharing
@@ -459,11 +479,11 @@ class _TraceItems:
 
     def __call__(self, index: int) -> WorkItem:
         record = self._records[index]
-        blocks = hashed_tokens(BLOCK_STREAM, record.hash_ids, MOONCAKE_BLOCK_TOKENS)
+        blocks = hashed_tokens(BLOCK_STREAM, record.hash_ids, MOONCAKE_BLOCK_TOKENS, self._vocab_size)
         prompt = blocks.reshape(-1)
         missing = record.input_length - len(prompt)
         if missing > 0:
-            prompt = np.concatenate([prompt, hashed_tokens(FILL_STREAM, [record.line], missing)[0]])
+            prompt = np.concatenate([prompt, hashed_tokens(FILL_STREAM, [record.line], missing, self._vocab_size)[0]])
         prefix_blocks = self._prefix_blocks[index]
         components = list(blocks[:prefix_blocks])
         key = tuple(record.hash_ids[:prefix_blocks].tolist())
@@ -475,13 +495,14 @@ class _TraceItems:
                         record.line, signature)
 
 
-def demo_workload(items: int, seed: int = 0, models: int = 1) -> Workload:
+def demo_workload(items: int, seed: int = 0, models: int = 1, vocab_size: int = VOCAB_SIZE) -> Workload:
     """The embedded default workload: `items` prompts over DEMO_SHAPES template shapes.
 
     Each shape is a system prompt, plus a few-shot block for about half of them; shape s
     belongs to model s % models; popularity is Zipf-like; user parts are log-normal (see the
-    DEMO_ constants). Everything follows from (items, seed, models); item k's payload is
-    "demo-k".
+    DEMO_ constants); token ids are below `vocab_size`. Everything follows from (items,
+    seed, models, vocab_size), and the default vocab_size gives the same prompts as before
+    it was a parameter; item k's payload is "demo-k".
     """
     if items < 1:
         raise ValueError(f"demo workload of {items} items: need at least one")
@@ -489,28 +510,30 @@ def demo_workload(items: int, seed: int = 0, models: int = 1) -> Workload:
         raise ValueError(f"demo seed {seed}: must be in [0, {MAX_DEMO_SEED}]")
     if not 1 <= models <= DEMO_SHAPES:
         raise ValueError(f"demo with {models} models: need 1 to {DEMO_SHAPES} (one model per shape at most)")
+    check_vocab_size(vocab_size)
     rng = np.random.default_rng(seed)
-    shapes = [_demo_shape(rng, seed, s) for s in range(DEMO_SHAPES)]
+    shapes = [_demo_shape(rng, seed, s, vocab_size) for s in range(DEMO_SHAPES)]
     popularity = 1.0 / np.arange(1, DEMO_SHAPES + 1) ** DEMO_ZIPF_EXPONENT
     item_shapes = rng.choice(DEMO_SHAPES, size=items, p=popularity / popularity.sum())
     lognormal = rng.lognormal(math.log(DEMO_SUFFIX_MEDIAN_TOKENS), DEMO_SUFFIX_SIGMA, size=items)
     suffix_lengths = np.clip(lognormal.astype(np.int64), 1, DEMO_SUFFIX_MAX_TOKENS)
     prefix_lengths = np.array([sum(len(c) for c in shape) for shape in shapes])
     shape_models = np.arange(DEMO_SHAPES) % models
-    build = _DemoItems(seed, shapes, shape_models, item_shapes, suffix_lengths)
-    return Workload(f"demo(items={items}, seed={seed}, models={models})", items, build,
+    build = _DemoItems(seed, shapes, shape_models, item_shapes, suffix_lengths, vocab_size)
+    vocab = f", vocab_size={vocab_size}" if vocab_size != VOCAB_SIZE else ""  # the default's name as before
+    return Workload(f"demo(items={items}, seed={seed}, models={models}{vocab})", items, build,
                     total_tokens=int(prefix_lengths[item_shapes].sum() + suffix_lengths.sum()),
                     models=tuple(int(m) for m in np.unique(shape_models[item_shapes])))
 
 
-def _demo_shape(rng: np.random.Generator, seed: int, shape: int) -> list[np.ndarray]:
+def _demo_shape(rng: np.random.Generator, seed: int, shape: int, vocab_size: int) -> list[np.ndarray]:
     """Shape `shape`'s components: a system prompt and maybe a few-shot block (read-only)."""
     stream = DEMO_PREFIX_STREAM ^ seed
     system_tokens = _log_uniform(rng, DEMO_SYSTEM_MIN_TOKENS, DEMO_SYSTEM_MAX_TOKENS)
-    components = [hashed_tokens(stream, [2 * shape], system_tokens)[0]]
+    components = [hashed_tokens(stream, [2 * shape], system_tokens, vocab_size)[0]]
     if rng.random() < DEMO_FEWSHOT_SHARE:
         fewshot_tokens = _log_uniform(rng, DEMO_FEWSHOT_MIN_TOKENS, DEMO_FEWSHOT_MAX_TOKENS)
-        components.append(hashed_tokens(stream, [2 * shape + 1], fewshot_tokens)[0])
+        components.append(hashed_tokens(stream, [2 * shape + 1], fewshot_tokens, vocab_size)[0])
     for component in components:
         component.flags.writeable = False
     return components
@@ -524,8 +547,9 @@ class _DemoItems:
     """Makes demo items on demand. Owner: one Workload; holds nothing mutable."""
 
     def __init__(self, seed: int, shapes: list[list[np.ndarray]], shape_models: np.ndarray,
-                 item_shapes: np.ndarray, suffix_lengths: np.ndarray) -> None:
+                 item_shapes: np.ndarray, suffix_lengths: np.ndarray, vocab_size: int) -> None:
         self._suffix_stream = DEMO_SUFFIX_STREAM ^ seed
+        self._vocab_size = vocab_size
         self._shapes = shapes
         self._signatures = [int(shape_signature(components)) for components in shapes]
         self._shape_models = shape_models
@@ -534,7 +558,7 @@ class _DemoItems:
 
     def __call__(self, k: int) -> WorkItem:
         shape = int(self._item_shapes[k])
-        suffix = hashed_tokens(self._suffix_stream, [k], int(self._suffix_lengths[k]))[0]
+        suffix = hashed_tokens(self._suffix_stream, [k], int(self._suffix_lengths[k]), self._vocab_size)[0]
         return WorkItem(int(self._shape_models[shape]), list(self._shapes[shape]), suffix,
                         f"demo-{k}".encode(), None, 0, self._signatures[shape])
 

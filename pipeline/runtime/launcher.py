@@ -68,7 +68,7 @@ from pipeline.runtime.local import (
     stop_process,
 )
 from pipeline.runtime.processes import memory_tier_dir
-from pipeline.runtime.settings import DEFAULT_CPU_CONSUMERS, LaunchSettings
+from pipeline.runtime.settings import DEFAULT_CPU_CONSUMERS, LaunchSettings, engine_options_for_host
 from pipeline.runtime.signals import stop_on_signals
 from pipeline.runtime.tables import (
     BROKER_OWN_OPTIONS,
@@ -268,6 +268,13 @@ class Launcher:
         self.results_dir = os.path.join(self.data_dir, "results", f"run-{stamp}-{os.getpid()}")
         self.config = broker_config(self.data_dir, settings.broker, "settings")  # checked by LaunchSettings
         self._consumer_settings = consumer_settings(settings.consumer, "settings")  # every consumer's, likewise
+        self.gpus = detect_gpus()
+        self.consumer_count = settings.consumers or len(self.gpus) or DEFAULT_CPU_CONSUMERS
+        # What each consumer's engine runs with: the settings', plus what this machine needs
+        # that the user did not give (a vllm engine without a GPU), shown by the launch line.
+        self.engine_options, self.engine_filled = engine_options_for_host(
+            settings.engine, settings.engine_options, gpus=len(self.gpus), consumers=self.consumer_count,
+            cores=len(os.sched_getaffinity(0)), data_dir=self.data_dir)
         self.broker = None
         self.consumers: list = []
         self.producers: list = []
@@ -352,8 +359,7 @@ class Launcher:
         model nobody serves would keep the run from ever finishing); CPU consumers where
         there is no GPU."""
         s = self.settings
-        gpus = detect_gpus()
-        count = s.consumers or len(gpus) or DEFAULT_CPU_CONSUMERS
+        gpus, count = self.gpus, self.consumer_count
         models = sorted(set(self.workload.models) | self.taken_over.models)
         if count < len(models):
             raise ValueError(f"the workload and what earlier runs left here use {len(models)} models "
@@ -367,7 +373,7 @@ class Launcher:
             configs.append(ConsumerConfig(
                 self.config.socket_path, self.results_dir, name, model=models[k % len(models)],
                 max_batch_items=s.max_batch, max_batch_tokens=s.max_tokens, max_input_len=s.max_input_len,
-                engine=s.engine, engine_options=dict(s.engine_options), gpu=gpu, **self._consumer_settings))
+                engine=s.engine, engine_options=dict(self.engine_options), gpu=gpu, **self._consumer_settings))
         return configs
 
     # ----------------------------------------------------------------- watch

@@ -4,7 +4,11 @@
 
 Every option of the command can come from the file under the same name (underscores, not
 dashes), at the top level or in a `[launch]` table; `engine_options` is a table passed to the
-engine (the sim engine's `block_size_tokens`, `capacity_tokens`, `cost_s_per_padded_token`).
+engine (the sim engine's `block_size_tokens`, `capacity_tokens`, `cost_s_per_padded_token`;
+on the command line `--engine-options KEY=VALUE,...`, over the file's key by key). A vllm
+engine on a machine without a GPU gets the CPU options it lacks filled in
+(`engine_options_for_host`), and made-up token ids are drawn below its model's vocabulary
+(`workload_vocab_size`, or `vocab_size`).
 The `[broker]` and `[consumer]` tables (and `--set broker.KEY=VALUE`) set the broker's and
 the consumers' own settings (pipeline/runtime/tables.py): the dispatch policy's lane
 constants and starvation bound, the work slice, the credit window's bounds. An unknown key
@@ -23,6 +27,7 @@ must not silently run with a default.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import tempfile
@@ -30,6 +35,7 @@ import tomllib
 from dataclasses import dataclass, field, fields, replace
 
 from pipeline.broker.config import MAX_CONSUMERS, MAX_PRODUCERS
+from pipeline.producer.workload import MAX_VOCAB_SIZE, VOCAB_SIZE
 from pipeline.runtime.tables import PROCESS_TABLES, broker_config, consumer_settings, merged
 from pipeline.wire.errors import EngineUnavailableError, SettingsError
 from pipeline.wire.layouts import MAX_SEQ
@@ -56,6 +62,17 @@ MAX_CONSUMER_PROCESSES = MAX_CONSUMERS
 # Items of one run (`items`): every producer numbers its items in 40 bits (layouts.MAX_SEQ),
 # so one producer can never run out whatever the split.
 MAX_ITEMS = MAX_SEQ
+# A model's config.json is a few KiB; a file far larger is not one (read no more than this).
+MAX_MODEL_CONFIG_BYTES = 16 << 20
+# vLLM on a machine without a GPU (its CPU backend), where the user did not say otherwise
+# (`engine_options_for_host`): CUDA graphs do not exist there; the CPU attention wants
+# blocks of a multiple of 32 tokens; without a KV cache size vLLM takes a share of the RAM
+# (about 10 GB here), so each consumer gets 1 GiB, room for ~100k tokens of a 0.5B model
+# and far more than the tiny test model needs; the run's caches go in its data directory
+# (a temporary one goes with the run, and nothing lands in a shared home directory).
+CPU_VLLM_BLOCK_SIZE_TOKENS = 32
+CPU_VLLM_KV_CACHE_BYTES = 1 << 30
+ENGINE_CACHE_DIR = "engine-cache"
 # The demo's seed goes to numpy's generator, which takes any non-negative integer; 2**63 - 1
 # keeps it a TOML integer.
 MAX_SEED = 2**63 - 1
@@ -84,6 +101,7 @@ class LaunchSettings:
     plots: str | None = None
     metrics_port: int | None = None
     seed: int = 0
+    vocab_size: int | None = None  # made-up token ids below this (None: see workload_vocab_size)
     broker: dict = field(default_factory=dict)  # the broker's own settings (tables.py)
     consumer: dict = field(default_factory=dict)  # every consumer's own settings (tables.py)
 
@@ -129,6 +147,8 @@ class LaunchSettings:
         if self.items is not None:
             _check_range("items", self.items, 1, MAX_ITEMS)
         _check_range("seed", self.seed, 0, MAX_SEED)
+        if self.vocab_size is not None:
+            _check_range("vocab_size", self.vocab_size, 1, MAX_VOCAB_SIZE)
         check_replay_speed(self.replay_speed)
         if self.metrics_port is not None:
             _check_range("metrics_port", self.metrics_port, 0, 65535)
@@ -142,7 +162,7 @@ class LaunchSettings:
     def _check_choices(self) -> None:
         """Names and engine options are checked here, before any process starts: a typo
         must not surface as a child's traceback after the broker and producers started."""
-        from pipeline.consumer.engines import ENGINES, make_engine
+        from pipeline.consumer.engines import ENGINES
         from pipeline.runtime.processes import DURABILITY_LEVELS, STORAGE_KINDS
 
         for key, allowed in (("storage", STORAGE_KINDS), ("durability", DURABILITY_LEVELS), ("engine", ENGINES)):
@@ -150,10 +170,74 @@ class LaunchSettings:
                 raise SettingsError(f"{key} must be one of {', '.join(sorted(allowed))}, got {getattr(self, key)!r}")
         if self.storage == "memory" and self.durability == "power":
             raise SettingsError("durability 'power' needs storage 'disk': the memory tier is not durable")
-        try:
-            make_engine(self.engine, **self.engine_options).close()
-        except (TypeError, ValueError, EngineUnavailableError) as exc:  # vllm not installed: refused here too
-            raise SettingsError(f"engine_options {self.engine_options} for engine {self.engine!r}: {exc}") from exc
+        check_engine_options(self.engine, self.engine_options)
+
+
+def check_engine_options(engine: str, options: dict) -> None:
+    """The engine made with `options` and closed at once (nothing loaded): its refusal of an
+    option (EngineOptionsError, naming it), or a runtime not installed here, as a
+    SettingsError. The launch and `pipeline consumer start` both check this way."""
+    from pipeline.consumer.engines import make_engine
+
+    try:
+        make_engine(engine, **options).close()
+    except (TypeError, ValueError, EngineUnavailableError) as exc:  # vllm not installed: refused here too
+        raise SettingsError(f"engine_options {options} for engine {engine!r}: {exc}") from exc
+
+
+def engine_options_for_host(engine: str, options: dict, *, gpus: int, consumers: int, cores: int,
+                            data_dir: str) -> tuple[dict, dict]:
+    """Each consumer's engine options, and the ones filled in here (the launch shows them).
+    Only a vllm engine on a machine without a GPU gets any, and only those the user did not
+    give: enforce_eager, block_size (CPU_VLLM_BLOCK_SIZE_TOKENS), kv_cache_memory_bytes
+    (CPU_VLLM_KV_CACHE_BYTES, unless gpu_memory_utilization is given), cpu_threads (the
+    cores shared out, at least 1 each) and cache_dir (DATA_DIR/engine-cache).
+    NOTE: load_format is never filled in: "dummy" runs random weights, which a real model
+    must not do silently. On a GPU vLLM's own defaults stand (its compile cache in the home
+    directory outlives the run: worth minutes at each start)."""
+    if engine != "vllm" or gpus:
+        return dict(options), {}
+    defaults = {"enforce_eager": True, "block_size": CPU_VLLM_BLOCK_SIZE_TOKENS,
+                "cpu_threads": max(1, cores // max(1, consumers)),
+                "cache_dir": os.path.join(data_dir, ENGINE_CACHE_DIR)}
+    if "gpu_memory_utilization" not in options:
+        defaults["kv_cache_memory_bytes"] = CPU_VLLM_KV_CACHE_BYTES
+    filled = {key: value for key, value in defaults.items() if key not in options}
+    return {**options, **filled}, filled
+
+
+def workload_vocab_size(settings: LaunchSettings) -> tuple[int, str]:
+    """The vocabulary made-up token ids are drawn from, and where it came from: `vocab_size`
+    when set; for a vllm engine its model directory's config.json (a SettingsError naming the
+    file if that cannot be read: ids past the vocabulary would make every item an engine
+    error); VOCAB_SIZE otherwise (the sim engine only hashes ids)."""
+    if settings.vocab_size is not None:
+        return settings.vocab_size, "vocab_size"
+    if settings.engine != "vllm":
+        return VOCAB_SIZE, "the default"
+    path = os.path.join(str(settings.engine_options.get("model", "")), "config.json")
+    return model_vocab_size(path), path
+
+
+def model_vocab_size(path: str) -> int:
+    """A Hugging Face config.json's `vocab_size` (top level, or a multimodal model's
+    `text_config`), read as JSON: neither vLLM nor torch is imported for it."""
+    fix = "give the model's vocabulary as vocab_size (--vocab-size N)"
+    try:
+        with open(path, "rb") as file:
+            document = json.loads(file.read(MAX_MODEL_CONFIG_BYTES))  # a cut one fails to parse
+    except OSError as exc:
+        raise SettingsError(f"cannot read the model's {path} for its vocab_size ({exc.strerror or exc}): "
+                            f"{fix}") from exc
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        raise SettingsError(f"{path}: not a JSON model config ({exc}): {fix}") from exc
+    if not isinstance(document, dict):
+        raise SettingsError(f"{path}: not a JSON object: {fix}")
+    text_config = document.get("text_config")
+    value = document.get("vocab_size", text_config.get("vocab_size") if isinstance(text_config, dict) else None)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_VOCAB_SIZE:
+        raise SettingsError(f"{path}: vocab_size {value!r} is not an integer in [1, {MAX_VOCAB_SIZE:,}]: {fix}")
+    return value
 
 
 def _check_range(key: str, value: int, low: int, high: int) -> None:
@@ -189,7 +273,8 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "data_dir": (str,), "workload": (str,), "items": (int,), "producers": (int,), "consumers": (int,),
     "engine": (str,), "engine_options": (dict,), "storage": (str,), "durability": (str,),
     "max_batch": (int,), "max_tokens": (int,), "max_input_len": (int,), "replay_speed": (float, int),
-    "report": (str,), "plots": (str,), "metrics_port": (int,), "seed": (int,), "broker": (dict,),
+    "report": (str,), "plots": (str,), "metrics_port": (int,), "seed": (int,), "vocab_size": (int,),
+    "broker": (dict,),
     "consumer": (dict,),
 }
 assert set(_TYPES) == {f.name for f in fields(LaunchSettings)}

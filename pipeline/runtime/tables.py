@@ -54,17 +54,18 @@ def consumer_settings(table: Mapping[str, Any], source: str) -> dict[str, Any]:
     return values
 
 
-def parse_assignments(pairs: Sequence[str], source: str = "--set") -> dict[str, Any]:
+def parse_assignments(pairs: Sequence[str], source: str = "--set",
+                      example: str = "broker.max_age_s or broker.lanes.max_lanes") -> dict[str, Any]:
     """`KEY=VALUE` pairs as nested tables: "broker.lanes.max_lanes=512" -> {"broker":
     {"lanes": {"max_lanes": 512}}}. VALUE is read as a TOML value (30, 0.5, true,
-    "queued_min"); a bare word is taken as a string."""
+    "queued_min"); a bare word is taken as a string. `example` names keys in the error."""
     tables: dict[str, Any] = {}
     for pair in pairs:
         key, sep, text = pair.partition("=")
         parts = key.strip().split(".")
         if not sep or not all(parts) or len(parts) > MAX_KEY_PARTS:
-            raise SettingsError(f"{source} {pair!r}: expected KEY=VALUE with KEY like broker.max_age_s or "
-                                f"broker.lanes.max_lanes (at most {MAX_KEY_PARTS} parts)")
+            raise SettingsError(f"{source} {pair!r}: expected KEY=VALUE with KEY like {example} "
+                                f"(at most {MAX_KEY_PARTS} parts)")
         table = tables
         for part in parts[:-1]:
             table = table.setdefault(part, {})
@@ -72,6 +73,42 @@ def parse_assignments(pairs: Sequence[str], source: str = "--set") -> dict[str, 
                 raise SettingsError(f"{source} {pair!r}: {part} is set to a value and used as a table")
         table[parts[-1]] = _toml_value(text.strip())
     return tables
+
+
+def parse_engine_options(values: Sequence[str], source: str = "--engine-options") -> dict[str, Any]:
+    """`--engine-options KEY=VALUE,KEY=VALUE` (repeatable) as the `engine_options` table,
+    each pair read as `--set engine_options.KEY=VALUE` reads it: "model=/m,enforce_eager=true,
+    block_size=32" -> {"model": "/m", "enforce_eager": True, "block_size": 32}. A comma
+    inside quotes or brackets does not split ('model="/a,b"', 'llm_kwargs={x=1,y=2}'); a
+    later pair wins over an earlier one. Which keys an engine takes is the engine's check."""
+    pairs = []
+    for value in values:
+        split = _split_pairs(value)
+        if not all(pair.strip() for pair in split):
+            raise SettingsError(f"{source} {value!r}: an empty KEY=VALUE (a doubled or trailing comma)")
+        pairs += split
+    return parse_assignments(pairs, source, example="model or llm_kwargs.max_num_seqs")
+
+
+def _split_pairs(text: str) -> list[str]:
+    """`text` cut at its commas outside TOML quotes, brackets and braces."""
+    pairs, start, depth, quote, escaped = [], 0, 0, "", False
+    for i, char in enumerate(text):
+        if escaped:
+            escaped = False
+        elif quote:
+            escaped = char == "\\" and quote == '"'  # a basic string's escape; a literal one has none
+            quote = "" if char == quote else quote
+        elif char in "\"'":
+            quote = char
+        elif char in "[{":
+            depth += 1
+        elif char in "]}":
+            depth -= 1
+        elif char == "," and depth == 0:
+            pairs.append(text[start:i])
+            start = i + 1
+    return pairs + [text[start:]]
 
 
 def merged(base: Mapping[str, Any], more: Mapping[str, Any]) -> dict[str, Any]:
