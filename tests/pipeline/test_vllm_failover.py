@@ -38,16 +38,18 @@ from tests.pipeline.test_vllm_pipeline import serve_and_record
 
 SHAPES = 8
 ITEMS_PER_SHAPE = 8
-# 4 items a batch: each shape is two batches, so both consumers get batches of most shapes
-# and the killed one has finished some before it dies. Within max_model_len: nothing refused.
-CONTRACT = dict(max_batch_items=4, max_batch_tokens=4 * MAX_MODEL_LEN, max_input_len=MAX_MODEL_LEN - 64)
+# 192 generated tokens a prompt in the failover test: a batch runs for 192 decode steps
+# (about a second here; with 48 it was tens of milliseconds), so the kill lands in the
+# engine, not in the milliseconds between a completion and the next batch.
+FAILOVER_MAX_TOKENS = 192
+# 4 items a batch: each shape is two batches or more, so both consumers get batches and the
+# killed one has finished some before it dies. max_input_len leaves room for the generated
+# tokens within vLLM's max_model_len (the longest prompt is 790 tokens): nothing refused.
+CONTRACT = dict(max_batch_items=4, max_batch_tokens=4 * MAX_MODEL_LEN,
+                max_input_len=MAX_MODEL_LEN - FAILOVER_MAX_TOKENS)
 # One batch at a time per consumer: a batch held is the one being run (none queued behind
 # it in the ring), so "holds a batch and completed one" means "killed while running one".
 CREDIT = 1
-# 48 generated tokens a prompt: a batch runs for tens of decode steps, so the kill lands in
-# the engine, not in the milliseconds between a completion and the next batch. Prompts plus
-# these fit max_model_len (CONTRACT's max_input_len leaves room).
-FAILOVER_MAX_TOKENS = 48
 # Longer than the test can ever wait (RUN_TIMEOUT_S): a failover within the run can only
 # come from the broker seeing the killed consumer's socket close, never from a missed
 # heartbeat. It also keeps an engine's first start (seconds, no heartbeat lost) from
@@ -179,6 +181,8 @@ def test_a_consumer_killed_mid_batch_loses_nothing_and_the_survivor_counts_what_
     victim_completed = [row for batch in victim_batches[:completed] for row in batch]
     victim_unsent = [row for batch in victim_batches[completed:] for row in batch]
     assert done.per_consumer["victim"].work.items_ok == len(victim_completed)
+    print(f"the victim's file: {completed} completed batches, then {len(victim_unsent)} items written and never "
+          f"reported complete, {torn} torn lines")
     # Nothing lost, nothing answered twice but the held batch's items.
     answered = defaultdict(int)
     for row in victim_completed + victim_unsent + rows["survivor"]:
