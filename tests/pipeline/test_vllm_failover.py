@@ -124,10 +124,11 @@ def _read_rows(results_dir: Path) -> tuple[dict[str, list[dict]], int]:
 
 
 def _batches(rows: list[dict]) -> list[list[dict]]:
-    """A results file's batches in the order they were written."""
-    batches: dict[tuple[int, int], list[dict]] = {}
+    """A results file's batches in the order they were written (one broker run: batch ids
+    are unique)."""
+    batches: dict[int, list[dict]] = {}
     for row in rows:
-        batches.setdefault((row["batch_id"], row["dispatch_ns"]), []).append(row)
+        batches.setdefault(row["batch_id"], []).append(row)
     return list(batches.values())
 
 
