@@ -286,3 +286,24 @@ def test_engine_errors_are_answered_counted_and_shown(tmp_path):
     quiet = io.StringIO()
     render_report(report_of(SAMPLE_STATUS, sample_results(tmp_path), wall_s=1.0), Console(file=quiet, width=200))
     assert "engine errors (answered" not in quiet.getvalue()  # shown only when there are some
+
+
+@pytest.mark.parametrize("theirs, verdict", [((5000, 3000), True), ((5000, 2968), False)])
+def test_the_engines_own_cache_counters_are_set_beside_ours(tmp_path, theirs, verdict):
+    """vLLM's prefix_cache_queries / hits over the requests ours cover: agreeing is shown,
+    a difference is a failure of the run (DISAGREE), never a footnote."""
+    status = copy.deepcopy(SAMPLE_WIRE)
+    status["per_consumer"]["c0"].update(engine_prefix_cache_queries=theirs[0], engine_prefix_cache_hits=theirs[1],
+                                        engine_checked_prompt_tokens=5000, engine_checked_cache_hit_tokens=3000)
+    report = report_of(status_of(status), sample_results(tmp_path), wall_s=1.0)
+    assert report["per_consumer"]["c0"]["engine_counters_agree"] is verdict
+    assert report["per_consumer"]["c1"]["engine_counters_agree"] is None  # a sim engine keeps none of its own
+    assert report["engine_counters_agree"] is verdict
+    out = io.StringIO()
+    render_report(report, Console(file=out, width=200))
+    text = out.getvalue()
+    assert "engine's own cache hits" in text
+    assert ("agree with ours" in text) is verdict and ("DISAGREE" in text) is not verdict
+    quiet = io.StringIO()
+    render_report(report_of(SAMPLE_STATUS, sample_results(tmp_path), wall_s=1.0), Console(file=quiet, width=200))
+    assert "engine's own" not in quiet.getvalue()  # sim only: nothing to set beside

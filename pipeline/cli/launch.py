@@ -194,4 +194,8 @@ def _finish(settings: LaunchSettings, outcome) -> int:
     if outcome.why == "completed" and not report.get("accounting_ok", False):
         click.echo("launch: the accounting does not balance (see the report)", err=True)
         return 1
+    if report.get("engine_counters_agree") is False:
+        click.echo("launch: an engine's own prefix-cache counters disagree with ours over the same requests "
+                   "(see the report's per-consumer rows)", err=True)
+        return 1
     return outcome.exit_code
