@@ -182,9 +182,7 @@ def worker(index: int, config: ConsumerConfig, arrival_batches: list[list[Item]]
     gates.open(f"ready-arrival-{index}")
     gates.wait(["go-arrival"], "the arrival phase's start")
     rows = []
-    for batch in arrival_batches:
-        result = engine.run(EngineBatch([p for _, p, _ in batch], max(len(p) for _, p, _ in batch),
-                                        [n for _, _, n in batch]))
+    for batch, result in zip(arrival_batches, _pipelined(engine, arrival_batches)):
         if result.errors is not None:
             raise RuntimeError(f"bench_vllm: the engine failed items: {result.errors}")
         rows += [dict(shape=s, prompt_tokens=len(p), prefix_len=n, cached_tokens=c, output_tokens=len(o))
@@ -194,6 +192,22 @@ def worker(index: int, config: ConsumerConfig, arrival_batches: list[list[Item]]
     engine.close()
     Path(run_dir, f"w{index}.json").write_text(json.dumps(dict(sticky=sticky, arrival=arrival, arrival_rows=rows,
                                                                arrival_end_ns=end_ns)))
+
+
+def _pipelined(engine, batches: list[list[Item]]) -> list:
+    """Every batch's result, in order, the engine fed ahead as the consumer feeds it (the
+    next batches submitted while it has room), so arrival order gets the same pipelining
+    as the broker's consumers."""
+    results: dict[int, object] = {}
+    next_key = 0
+    while len(results) < len(batches):
+        while next_key < len(batches) and engine.wants_more():
+            batch = batches[next_key]
+            engine.submit(next_key, EngineBatch([p for _, p, _ in batch], max(len(p) for _, p, _ in batch),
+                                                [n for _, _, n in batch]))
+            next_key += 1
+        results.update(engine.poll())
+    return [results[k] for k in range(len(batches))]
 
 
 def cacheable_figures(rows: list[dict], block: int) -> dict[str, int]:
