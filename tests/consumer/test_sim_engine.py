@@ -207,3 +207,13 @@ def test_runs_of_zero_tokens_hash_apart():
     assert len(set(hashes)) == 3
     engine.run(EngineBatch([np.zeros(5, dtype=np.int32)], 8, [0]))
     assert engine.run(EngineBatch([np.concatenate([np.zeros(8, dtype=np.int32), [1]])], 12, [0])).cached_tokens == [4]
+
+
+def test_unknown_or_bad_options_are_named():
+    from pipeline.consumer.engines import make_engine
+    from pipeline.wire.errors import EngineOptionsError
+
+    with pytest.raises(EngineOptionsError, match="unknown options bogus; known: block_size_tokens"):
+        make_engine("sim", bogus=1)
+    with pytest.raises(EngineOptionsError, match="bad config"):
+        make_engine("sim", block_size_tokens=0)

@@ -21,6 +21,7 @@ import pytest
 from pipeline.broker.config import BrokerConfig
 from pipeline.broker.peers import namespace_for
 from pipeline.consumer.process import ConsumerConfig
+from pipeline.producer.client import BrokerProducer
 from pipeline.reporting.accounting import reconcile, summarize_results, take_stock
 from pipeline.runtime.inventory import store_stock
 from pipeline.runtime.local import start_consumer
@@ -254,3 +255,25 @@ def test_producer_that_dies_leaves_its_items_safe_and_its_ring_cleaned_up(tmp_pa
         stop(consumer)
         stop(broker)
     check_run(read_results(str(tmp_path / "results")), workload, 400)
+
+
+def test_an_engine_batch_longer_than_the_heartbeat_timeout_is_not_a_dead_consumer(tmp_path):
+    # Each batch (4 items of 100 tokens) takes 3 s in the sim's cost model (a slow GPU
+    # prefill), three times the broker's 1 s heartbeat timeout (its least): heartbeats come
+    # from their own thread, so the consumer is never declared dead and nothing is redelivered.
+    data = str(tmp_path / "data")
+    broker = start_broker(data, heartbeat_timeout_s=1.0)
+    socket_path = BrokerConfig(data).socket_path
+    config = ConsumerConfig(socket_path, str(tmp_path / "results"), "c0", max_batch_items=4,
+                            max_batch_tokens=1 << 20, max_input_len=1 << 20,
+                            engine_options={"cost_s_per_padded_token": 3.0 / 400})
+    consumer = start_consumer(config)
+    try:
+        with BrokerProducer(socket_path, capacity_bytes=4 << 20, timeout_s=30) as client:
+            client.submit_many(0, 5, np.arange(800, dtype=np.int32) % 1000, [100] * 8)
+        done = wait_until(lambda: (s := status(socket_path)).items_completed == 8 and s, 120, "every item completed")
+        assert done.consumers_lost == 0 and done.items_returned == 0 and done.items_routed == 8
+        assert done.batches_routed == 2  # two batches of 3 s each
+    finally:
+        stop(consumer)
+        stop(broker)

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
 from pipeline.consumer.engines.base import FINISH_LENGTH, Engine, EngineBatch, EngineCounters, EngineResult
 from pipeline.consumer.engines.prefix_cache import BatchLayout, PrefixCache
+from pipeline.wire.errors import EngineOptionsError
 from pipeline.wire.generation import GenerationParams
 
 # vLLM's default KV block size.
@@ -90,10 +91,14 @@ class SimEngine(Engine):
 
     def __init__(self, config: SimConfig | None = None, **overrides) -> None:
         super().__init__()
+        known = {f.name for f in fields(SimConfig)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise EngineOptionsError(f"sim engine: unknown options {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         self.config = config or SimConfig(**overrides)
         block = self.config.block_size_tokens
         if block <= 0 or self.config.capacity_tokens < block or self.config.output_tokens < 0:
-            raise ValueError(f"sim engine: bad config {self.config}")
+            raise EngineOptionsError(f"sim engine: bad config {self.config}")
         self._capacity_blocks = self.config.capacity_tokens // block
         self._cache = PrefixCache(self._capacity_blocks)
         rng = np.random.default_rng(0x5EED)
