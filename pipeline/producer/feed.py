@@ -23,6 +23,7 @@ import numpy as np
 
 from pipeline.producer.producer import DEFAULT_FRAME_BYTES
 from pipeline.producer.workload import WorkItem
+from pipeline.wire.generation import GenerationParams
 from pipeline.wire.layouts import TOKEN_SIZE_BYTES
 
 # Items per submit_many call: enough that the per-call cost (validation, one frame header)
@@ -40,7 +41,8 @@ class SubmitsMany(Protocol):
 
     def submit_many(self, model: int, signature: np.ndarray, tokens: np.ndarray,
                     lengths: np.ndarray, prefix_len: np.ndarray,
-                    payloads: Sequence[bytes] | None = None) -> np.ndarray: ...
+                    payloads: Sequence[bytes] | None = None,
+                    params: Sequence[GenerationParams | None] | None = None) -> np.ndarray: ...
 
 
 @dataclass(slots=True)
@@ -115,6 +117,7 @@ class _Group:
             np.array([item.length for item in items], dtype=np.int64),
             np.array([item.prefix_len for item in items], dtype=np.int64),
             payloads=[item.payload for item in items],
+            params=[item.params for item in items] if any(item.params is not None for item in items) else None,
         )
         self.totals.items += len(items)
         self.totals.tokens += self.tokens

@@ -52,6 +52,7 @@ from pipeline.producer.producer import ProducerLimits
 from pipeline.producer.signature import INT32_MAX, INT32_MIN
 from pipeline.producer.signature import signature as shape_signature
 from pipeline.wire.errors import WorkloadError
+from pipeline.wire.generation import GenerationParams
 from pipeline.wire.textfiles import bounded_lines, file_kind
 
 # Tokens per Mooncake block: the trace's hash ids name blocks of 512 tokens (its README).
@@ -130,6 +131,7 @@ class WorkItem:
     timestamp_ms: float | None
     line: int
     known_signature: int | None = None
+    params: GenerationParams | None = None  # how the engine generates for it; None: its defaults
 
     @property
     def prefix_len(self) -> int:

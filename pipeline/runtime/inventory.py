@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pipeline.broker.peers import namespace_for, producer_ring_ids, producer_ring_name
-from pipeline.broker.storage.inspect import live_items
+from pipeline.broker.storage.inspect import live_items, live_payloads
 from pipeline.broker.storage.paths import iter_segments
 from pipeline.wire.errors import FrameError, ShmError
 from pipeline.wire.layouts import parse_frame
@@ -132,6 +132,23 @@ class StoreStock:
 
     item_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.uint64))
     models: set[int] = field(default_factory=set)
+
+
+def pending_payloads(storage_dir: str, ring_names: Iterable[str]) -> dict[int, bytes]:
+    """The payloads of every item an earlier run left here unfinished, by item id: live in
+    the store (`storage_dir`'s segments) or in a producer ring never stored. A job reads its
+    own request numbers from them, so that a resumed job submits none of those again (the
+    broker delivers them). Unreadable rings are skipped: `ring_stock` names them."""
+    found = live_payloads([f.path for f in iter_segments(storage_dir)]) if os.path.isdir(storage_dir) else {}
+    for name in ring_names:
+        try:
+            for position, body in enumerate(unreleased_records(name)):
+                frame = parse_frame(np.frombuffer(body, dtype=np.uint8), where=f"ring {name} record {position}")
+                for i, item in enumerate(frame.items["item_id"].tolist()):
+                    found[int(item)] = frame.item_payload(i)
+        except (ShmError, FrameError):
+            continue
+    return found
 
 
 def store_stock(storage_dir: str) -> StoreStock:

@@ -217,3 +217,17 @@ def test_unknown_or_bad_options_are_named():
         make_engine("sim", bogus=1)
     with pytest.raises(EngineOptionsError, match="bad config"):
         make_engine("sim", block_size_tokens=0)
+
+
+def test_made_up_output_ids_fall_below_the_vocabulary_given():
+    from pipeline.wire.generation import GenerationParams
+
+    prompts = [np.arange(k, k + 40, dtype=np.int32) for k in range(6)]
+    params = [GenerationParams(max_tokens=9) if k % 2 else None for k in range(6)]
+    narrow = SimEngine(vocab_size=100).run(EngineBatch(prompts, 40, [0] * 6, params))
+    assert all(0 <= t < 100 for o in narrow.outputs for t in o)
+    assert [len(o) for o in narrow.outputs] == [4, 9, 4, 9, 4, 9]
+    wide = SimEngine().run(EngineBatch(prompts, 40, [0] * 6, params))
+    assert [[t % 100 for t in o] for o in wide.outputs] == narrow.outputs
+    with pytest.raises(ValueError, match="bad config"):
+        SimEngine(vocab_size=(1 << 15) + 1)

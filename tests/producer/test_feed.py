@@ -50,11 +50,11 @@ class RecordingClient:
         self.clock = clock
         self.calls: list[dict] = []
 
-    def submit_many(self, model, signature, tokens, lengths, prefix_len, payloads=None):
+    def submit_many(self, model, signature, tokens, lengths, prefix_len, payloads=None, params=None):
         self.calls.append(dict(
             at=self.clock() if self.clock else None, model=model, signatures=signature.tolist(),
             tokens=tokens.copy(), lengths=lengths.tolist(), prefix_lens=prefix_len.tolist(),
-            payloads=list(payloads),
+            payloads=list(payloads), params=params,
         ))
         return np.arange(len(lengths), dtype=np.uint64)
 
@@ -143,3 +143,17 @@ def test_a_workload_file_fed_through_a_real_broker(tmp_path):
     assert counters.items_received == 120 and counters.tokens_received == workload.total_tokens
     namespace = namespace_for(data)
     assert [name for name in os.listdir("/dev/shm") if namespace in name] == []  # nothing left behind
+
+
+def test_items_generation_parameters_go_with_them_and_none_costs_nothing():
+    from pipeline.wire.generation import GenerationParams
+
+    plain = [item(0, k=k, shape=0) for k in range(3)]
+    client = RecordingClient()
+    feed(client, plain)
+    assert client.calls[0]["params"] is None  # no item has any: nothing to envelope
+    given = [item(0, k=k, shape=0) for k in range(3)]
+    given[1].params = GenerationParams(max_tokens=5)
+    client = RecordingClient()
+    feed(client, given)
+    assert client.calls[0]["params"] == [None, GenerationParams(max_tokens=5), None]

@@ -14,6 +14,8 @@ import stat
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+
 from pipeline.broker.storage.catalog import CatalogReading, MissingNote, read_catalog, read_missing_note
 from pipeline.broker.storage.paths import (
     MISSING_SUFFIX,
@@ -28,7 +30,14 @@ from pipeline.broker.storage.paths import (
 )
 from pipeline.broker.storage.scan import EntryCensus, ScanReport, census_segment, name_keys_of, scan_segment
 from pipeline.wire.errors import SegmentFormatError, StoreReadError
-from pipeline.wire.layouts import BROKER_STATE_NAME, ENTRY_LIVE, ENTRY_TOMBSTONE, SEGMENTS_DIR
+from pipeline.wire.layouts import (
+    BROKER_STATE_NAME,
+    ENTRY_HEADER_SIZE_BYTES,
+    ENTRY_LIVE,
+    ENTRY_TOMBSTONE,
+    SEGMENTS_DIR,
+    TOKEN_SIZE_BYTES,
+)
 
 _STATE_NAMES = {ENTRY_LIVE: "live", ENTRY_TOMBSTONE: "tombstone"}
 
@@ -141,6 +150,27 @@ def live_items(paths: list[str]) -> tuple[set[int], set[int]]:
             ids.update(live)
             models.add(report.keys.model)
     return ids, models
+
+
+def live_payloads(paths: list[str]) -> dict[int, bytes]:
+    """The payloads of the live entries of these segment files, by item id (what a job
+    needs to know which of its requests a stopped run left in the store). Read with the
+    code recovery uses; a file gone since it was named, or not a segment, is skipped."""
+    found: dict[int, bytes] = {}
+    for path in paths:
+        try:
+            report = scan_segment(path)
+            live = np.flatnonzero(report.headers["state"] == ENTRY_LIVE)
+            if not live.size:
+                continue
+            with open(path, "rb") as f:
+                for row in live.tolist():
+                    header = report.headers[row]
+                    at = int(report.offsets[row]) + ENTRY_HEADER_SIZE_BYTES + int(header["length"]) * TOKEN_SIZE_BYTES
+                    found[int(header["item_id"])] = os.pread(f.fileno(), int(header["payload_len"]), at)
+        except (SegmentFormatError, OSError):
+            continue
+    return found
 
 
 @dataclass(slots=True)

@@ -39,6 +39,8 @@ DEFAULT_CAPACITY_TOKENS = 1 << 20
 # schedules; a few output ids are enough to carry a result.
 DEFAULT_OUTPUT_TOKENS = 4
 
+# Made-up output ids are 15 bits wide.
+OUTPUT_ID_RANGE = 1 << 15
 _U64 = np.uint64
 # Chained block hash, computed for every block of a prompt at once with numpy:
 #   c_j = mix(sum_k tokens[j*B + k] * W_k + S)      block j's content (mod 2**64)
@@ -73,6 +75,9 @@ class SimConfig:
     block_size_tokens: int = DEFAULT_BLOCK_SIZE_TOKENS
     capacity_tokens: int = DEFAULT_CAPACITY_TOKENS
     output_tokens: int = DEFAULT_OUTPUT_TOKENS
+    # Made-up output ids fall below this: a model's vocabulary, so its tokenizer decodes them
+    # (`pipeline run-batch` sets it); 2**15 by default, the ids' own 15-bit range.
+    vocab_size: int = OUTPUT_ID_RANGE
     cost_s_per_padded_token: float = 0.0
 
 
@@ -97,7 +102,8 @@ class SimEngine(Engine):
             raise EngineOptionsError(f"sim engine: unknown options {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         self.config = config or SimConfig(**overrides)
         block = self.config.block_size_tokens
-        if block <= 0 or self.config.capacity_tokens < block or self.config.output_tokens < 0:
+        if block <= 0 or self.config.capacity_tokens < block or self.config.output_tokens < 0 \
+                or not 1 <= self.config.vocab_size <= OUTPUT_ID_RANGE:
             raise EngineOptionsError(f"sim engine: bad config {self.config}")
         self._capacity_blocks = self.config.capacity_tokens // block
         self._cache = PrefixCache(self._capacity_blocks)
@@ -164,6 +170,8 @@ class SimEngine(Engine):
         outputs = self._outputs(prompts, flat, layout.counts)
         if batch.params:
             _apply_max_tokens(outputs, batch.params)
+        if self.config.vocab_size != OUTPUT_ID_RANGE:
+            outputs = [[t % self.config.vocab_size for t in o] for o in outputs]
         counted = EngineCounters(
             batches=1, prompts=count, prompt_tokens=int(lengths.sum()), padded_tokens=count * batch.pad_to_tokens,
             cacheable_tokens=int(cacheable.sum()), cache_hit_tokens=int(cached.sum()),
