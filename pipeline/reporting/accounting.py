@@ -29,6 +29,7 @@ import json
 import os
 import stat
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -132,6 +133,12 @@ def _regular(path: str, summary: ResultsSummary) -> bool:
     if len(summary.bad_line_examples) < MAX_BAD_LINE_EXAMPLES:
         summary.bad_line_examples.append(f"{path}: not a regular file (a directory, pipe or device): not read")
     return False
+
+
+def result_rows(path: str, summary: ResultsSummary | None = None) -> Iterator[dict]:
+    """The result rows of one results file (each a dict with at least the fields a summary
+    reads); every other line is skipped and counted in `summary` when one is given."""
+    return _rows(path, summary if summary is not None else ResultsSummary())
 
 
 def _rows(path: str, summary: ResultsSummary):

@@ -155,6 +155,11 @@ class DataDirError(PipelineError):
     message names the path, its owner and mode, and how to fix it."""
 
 
+class JobMismatchError(DataDirError):
+    """A batch job's data directory holds another job (another input file, by content, or
+    another served model): resuming there would mix two jobs' answers."""
+
+
 class ProducerRefusedError(PipelineError):
     """The broker refused this producer (a record that is not a valid frame, a model id it
     does not serve): the message carries the broker's reason. Records the producer published
@@ -291,6 +296,7 @@ __all__ = [
     "FrameError",
     "GenerationParamsError",
     "ItemTooLongError",
+    "JobMismatchError",
     "ModelIdError",
     "NotHeldError",
     "ObjectExistsError",
