@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import click
 
+from pipeline.cli.batch import run_batch
 from pipeline.cli.launch import launch
 from pipeline.cli.stages import broker, consumer, produce, status
 from pipeline.cli.tools import tools
@@ -37,5 +38,5 @@ def main() -> None:
     """Shape-aware batching broker for LLM inference pipelines."""
 
 
-for command in (launch, broker, consumer, produce, status, tools):
+for command in (launch, run_batch, broker, consumer, produce, status, tools):
     main.add_command(command)

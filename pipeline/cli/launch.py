@@ -155,8 +155,9 @@ def _run_with_progress(launcher, workload_items: int):
     return outcome
 
 
-def _finish(settings: LaunchSettings, outcome) -> int:
-    """Print and write the report (and plots); the exit status."""
+def _finish(settings: LaunchSettings, outcome, resume: str | None = None) -> int:
+    """Print and write the report (and plots); the exit status. `resume`: the command that
+    completes a stopped run (default: `pipeline launch` on its data directory)."""
     from pipeline.reporting.report import render_report, write_report_json
 
     report = outcome.report
@@ -180,8 +181,9 @@ def _finish(settings: LaunchSettings, outcome) -> int:
     unfinished = report.get("items_unfinished") or 0
     if unfinished and report.get("store_kept"):
         kept = "kept (the temporary data directory stays for them)" if outcome.data_dir_kept else "kept"
+        again = resume or f"pipeline launch --data-dir {outcome.data_dir}"
         click.echo(f"launch: {unfinished:,} unfinished items are {kept} in {outcome.data_dir}; "
-                   f"`pipeline launch --data-dir {outcome.data_dir}` completes them", err=True)
+                   f"`{again}` completes them", err=True)
     if report.get("lost"):
         click.echo(f"launch: {report['lost']:,} items are lost (e.g. item ids {report['lost_examples'][:5]})",
                    err=True)

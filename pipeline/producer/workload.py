@@ -171,7 +171,7 @@ class Workload:
 
     def __init__(self, source: str, count: int, build: Callable[[int], WorkItem], *,
                  total_tokens: int, models: tuple[int, ...]) -> None:
-        assert count >= 1, "a workload holds at least one item"
+        assert count >= 0, count  # a file's holds at least one item; a job resumed may have none left
         self.source = source
         self.total_tokens = total_tokens
         self.models = models  # the model ids its items use, ascending

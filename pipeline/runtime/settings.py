@@ -223,21 +223,38 @@ def model_vocab_size(path: str) -> int:
     """A Hugging Face config.json's `vocab_size` (top level, or a multimodal model's
     `text_config`), read as JSON: neither vLLM nor torch is imported for it."""
     fix = "give the model's vocabulary as vocab_size (--vocab-size N)"
-    try:
-        with open(path, "rb") as file:
-            document = json.loads(file.read(MAX_MODEL_CONFIG_BYTES))  # a cut one fails to parse
-    except OSError as exc:
-        raise SettingsError(f"cannot read the model's {path} for its vocab_size ({exc.strerror or exc}): "
-                            f"{fix}") from exc
-    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
-        raise SettingsError(f"{path}: not a JSON model config ({exc}): {fix}") from exc
-    if not isinstance(document, dict):
-        raise SettingsError(f"{path}: not a JSON object: {fix}")
+    document = _model_config(path, "for its vocab_size", fix)
     text_config = document.get("text_config")
     value = document.get("vocab_size", text_config.get("vocab_size") if isinstance(text_config, dict) else None)
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_VOCAB_SIZE:
         raise SettingsError(f"{path}: vocab_size {value!r} is not an integer in [1, {MAX_VOCAB_SIZE:,}]: {fix}")
     return value
+
+
+def model_context_len(path: str) -> int | None:
+    """A Hugging Face config.json's context length (`max_position_embeddings`, top level or
+    in `text_config`); None where it names none. SettingsError if the file cannot be read."""
+    document = _model_config(path, "for its context length", "give --max-input-len")
+    text_config = document.get("text_config")
+    value = document.get("max_position_embeddings",
+                         text_config.get("max_position_embeddings") if isinstance(text_config, dict) else None)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+        return None
+    return value
+
+
+def _model_config(path: str, why: str, fix: str) -> dict:
+    """A model's config.json as a JSON object (SettingsError naming the path otherwise)."""
+    try:
+        with open(path, "rb") as file:
+            document = json.loads(file.read(MAX_MODEL_CONFIG_BYTES))  # a cut one fails to parse
+    except OSError as exc:
+        raise SettingsError(f"cannot read the model's {path} {why} ({exc.strerror or exc}): {fix}") from exc
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        raise SettingsError(f"{path}: not a JSON model config ({exc}): {fix}") from exc
+    if not isinstance(document, dict):
+        raise SettingsError(f"{path}: not a JSON object: {fix}")
+    return document
 
 
 def _check_range(key: str, value: int, low: int, high: int) -> None:
