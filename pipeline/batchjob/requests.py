@@ -68,7 +68,7 @@ METHOD = "POST"
 # The keys of a request line, all required, nothing else (OpenAI's request input object).
 LINE_KEYS = ("custom_id", "method", "url", "body")
 
-# The longest request line read: a prompt at the broker's largest item (262,144 tokens, ~4
+# The longest request line read (bytes before its newline): a prompt at the broker's largest item (262,144 tokens, ~4
 # characters each) is ~1 MiB of text, ~6 MiB if every character were a \\u escape; 16 MiB,
 # as for workload files, leaves room and bounds what a file of one endless line can cost.
 MAX_REQUEST_LINE_BYTES = 16 << 20

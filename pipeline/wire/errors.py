@@ -61,7 +61,8 @@ raises one of these, with the offending value, path and byte offset in the messa
         │       └── ResultsDiskFullError     ENOSPC/EDQUOT: the consumer hands its batches
         │                                    back and retries with backoff
         ├── BatchOutputError                 a batch job's output file cannot be written (path,
-        │                                    errno named); any older output is left whole
+        │                                    errno named; any older output is left whole), or
+        │                                    a results row cannot make its output line
         ├── DiskFullError                    ENOSPC: appends stop (backpressure), nothing
         │                                    accepted is lost
         └── DurabilityError                  FATAL: fsync/fdatasync failed; the broker stops
@@ -284,7 +285,9 @@ class BatchOutputError(StorageError):
     """A batch job's output file cannot be written (no directory, no permission, the disk
     full, a failed fsync): the message names the path and the errno. The output is written
     to a temporary file beside it and renamed over it only when whole, so an older output
-    file is left as it was and no temporary file stays behind."""
+    file is left as it was and no temporary file stays behind. Also raised, before anything
+    is written, for a results row that cannot make its request's output line (a count that
+    is not a number of tokens, an unknown status, no row for a request that ran)."""
 
 
 class DiskFullError(StorageError):
