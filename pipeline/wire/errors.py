@@ -11,6 +11,8 @@ raises one of these, with the offending value, path and byte offset in the messa
     │   ├── ModelIdError                     model id outside [0, max_models)
     │   ├── SignatureError                   signature not an unsigned 64-bit integer
     │   ├── WorkloadError                    a workload file has bad lines (path:line named)
+    │   │   └── BatchFileError               an OpenAI Batch request file has malformed lines
+    │   │                                    (path:line named); the job does not start
     │   ├── ContractError                    a consumer contract has a zero, negative or
     │   │                                    non-integer number
     │   ├── NotHeldError                     a consumer completes an entry it does not hold
@@ -58,6 +60,9 @@ raises one of these, with the offending value, path and byte offset in the messa
         │       │                            failed (path, offset, errno); it was undone
         │       └── ResultsDiskFullError     ENOSPC/EDQUOT: the consumer hands its batches
         │                                    back and retries with backoff
+        ├── BatchOutputError                 a batch job's output file cannot be written (path,
+        │                                    errno named; any older output is left whole), or
+        │                                    a results row cannot make its output line
         ├── DiskFullError                    ENOSPC: appends stop (backpressure), nothing
         │                                    accepted is lost
         └── DurabilityError                  FATAL: fsync/fdatasync failed; the broker stops
@@ -118,6 +123,15 @@ class SignatureError(BadInputError):
 class WorkloadError(BadInputError):
     """A workload file cannot be used: unreadable, empty, or with malformed lines (each one
     named as path:line with what is wrong). Raised before anything is submitted."""
+
+
+class BatchFileError(WorkloadError):
+    """An OpenAI Batch request file (`pipeline run-batch -i`) cannot be run: unreadable, empty,
+    more requests than the limit, or lines that are not requests (not JSON, not an object, a
+    missing or mistyped custom_id/method/url/body, a method other than POST, a custom_id used
+    twice): the first lines are named as path:line with what is wrong, and the total. Raised
+    before anything is submitted. A well-formed request the engine cannot serve is not this
+    error: it is answered in the output file (`pipeline.batchjob.requests`)."""
 
 
 class ConfigError(PipelineError, ValueError):
@@ -272,6 +286,15 @@ class ResultsDiskFullError(ResultsWriteError):
     holds, waits with backoff, and registers again."""
 
 
+class BatchOutputError(StorageError):
+    """A batch job's output file cannot be written (no directory, no permission, the disk
+    full, a failed fsync): the message names the path and the errno. The output is written
+    to a temporary file beside it and renamed over it only when whole, so an older output
+    file is left as it was and no temporary file stays behind. Also raised, before anything
+    is written, for a results row that cannot make its request's output line (a count that
+    is not a number of tokens, an unknown status, no row for a request that ran)."""
+
+
 class DiskFullError(StorageError):
     """The disk is full (ENOSPC): appends stop, producers feel backpressure, nothing that was
     accepted is lost; appends resume when space comes back."""
@@ -284,6 +307,8 @@ class DurabilityError(StorageError):
 
 __all__ = [
     "BadInputError",
+    "BatchFileError",
+    "BatchOutputError",
     "ConfigError",
     "ConsumerNameError",
     "ContractError",

@@ -1,0 +1,453 @@
+"""An OpenAI Batch request file (`pipeline run-batch -i`), read and validated whole (issue 14).
+
+One JSON object a line, as OpenAI's Batch API and `vllm run-batch` take it:
+
+    {"custom_id": "req-17", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}],
+              "max_completion_tokens": 64, "temperature": 0}}
+
+Two kinds of problem, told apart by whether the line is a request at all:
+
+- **The file's**: a line that is not UTF-8 or JSON, not an object, without one of custom_id,
+  method, url, body (or with another key), a custom_id that is not a non-empty string or is
+  used twice (both lines named), a method other than "POST", a url that is not a string, a
+  body that is not an object, a line over MAX_REQUEST_LINE_BYTES, more than
+  MAX_BATCH_REQUESTS requests, or no request at all. Any of them refuses the whole job
+  before anything runs: one BatchFileError lists the first MAX_LISTED_ERRORS lines as
+  `path:line: why` and the total, as `load_workload` does and for its reasons (a half-run
+  job is hard to resume, and an offline job should fail before it spends GPU time).
+- **A request's**: a well-formed line whose body this job cannot serve. It does not refuse
+  the file; the request keeps its error (`BatchRequest.error`, the parameter in
+  `error_param`) and is answered with status 400 in the output, as OpenAI answers a bad
+  request inside a batch, while the others run:
+  an endpoint other than CHAT_URL and COMPLETIONS_URL; a body.model other than the served
+  model (or none); messages that are not a non-empty list of {role, content} with a role
+  of CHAT_ROLES; content that is not text (a string, or a list of {"type": "text"} parts
+  joined with "\\n" as vLLM joins them: an image, audio or file part is refused, named); a
+  prompt that is not one string or one list of token ids (several prompts: refused); a
+  parameter the engine cannot honour (below); a value GenerationParams refuses (its
+  message, prefixed with the parameter's name).
+
+Parameters. The engine carries max_tokens, temperature, top_p, seed and stop (a string or a
+list of strings) per item (`pipeline/wire/generation.py`); for chat, max_completion_tokens
+is max_tokens (OpenAI's current name; both given and different: refused, because which one
+wins is a guess). Every other parameter is refused, listed, unless it is one of
+- NO_OP_VALUES at its no-op value (n 1, stream false, logprobs false, penalties 0, no
+  tools, response_format text, ...): what the engine does anyway, so nothing is dropped;
+- IGNORED_PARAMS (user, metadata, store, service_tier, ...): bookkeeping and routing hints
+  that do not change what is generated;
+- null: OpenAI's "not given", for every parameter (clients write `"logprobs": null`).
+NOTE: accepting and dropping what we cannot honour (as many servers do) was rejected: a
+request for logprobs, top_k or a JSON schema would get an answer that looks right and is not
+what it asked for. Refused, the user learns it from the output, request by request.
+NOTE: vLLM's own extras (top_k, min_p, repetition_penalty, ...) are refused too, for the
+same reason: the envelope does not carry them (a new GenerationParams field would).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pipeline.producer.signature import INT32_MAX
+from pipeline.producer.workload import MAX_LISTED_ERRORS
+from pipeline.wire.errors import BatchFileError, GenerationParamsError
+from pipeline.wire.generation import GenerationParams
+from pipeline.wire.textfiles import bounded_lines, file_kind
+
+CHAT_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"
+KIND_CHAT = "chat"
+KIND_COMPLETION = "completion"
+ENDPOINTS = {CHAT_URL: KIND_CHAT, COMPLETIONS_URL: KIND_COMPLETION}
+# The Batch API's one method (OpenAI: "Currently only POST is supported").
+METHOD = "POST"
+# The keys of a request line, all required, nothing else (OpenAI's request input object).
+LINE_KEYS = ("custom_id", "method", "url", "body")
+
+# The longest request line read (bytes before its newline): a prompt at the broker's largest item (262,144 tokens, ~4
+# characters each) is ~1 MiB of text, ~6 MiB if every character were a \\u escape; 16 MiB,
+# as for workload files, leaves room and bounds what a file of one endless line can cost.
+MAX_REQUEST_LINE_BYTES = 16 << 20
+# The most requests in one file: 20x OpenAI's 50,000 per batch, so any file made for OpenAI
+# runs here, while the requests (held in memory with their text until the output is
+# written) stay bounded. A bigger job is split into several files.
+MAX_BATCH_REQUESTS = 1 << 20
+
+# Chat roles a message may take. OpenAI's "developer" is its newer name for "system" (the
+# chat template decides how to render it); "tool" and "function" answer tool calls, which
+# this job does not make.
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant"})
+# Keys of a chat message: "name" is kept for the chat template; others (tool_calls, audio,
+# refusal) describe what this job does not do.
+MESSAGE_KEYS = frozenset({"role", "content", "name"})
+# What separates the text parts of one message's content: vLLM's join, so a file gives the
+# same prompt here as with `vllm run-batch`.
+TEXT_PART_SEPARATOR = "\n"
+# Generation parameters the engine carries (besides max_completion_tokens for chat).
+CARRIED_PARAMS = ("max_tokens", "temperature", "top_p", "seed", "stop")
+# Accepted and ignored: bookkeeping (user, metadata, safety_identifier), storage and routing
+# hints of OpenAI's service (store, service_tier, prompt_cache_key: the broker caches
+# prefixes anyway), and parallel_tool_calls, which means nothing without tools. None of them
+# changes what is generated.
+IGNORED_PARAMS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+                            "parallel_tool_calls"})
+# The keys of each kind's body besides the carried parameters: the model, the prompt and,
+# for chat, max_completion_tokens (its name for max_tokens).
+KIND_KEYS = {KIND_CHAT: frozenset({"model", "messages", "max_completion_tokens"}),
+               KIND_COMPLETION: frozenset({"model", "prompt"})}
+
+
+def _exactly(expected: object) -> Callable[[object], bool]:
+    # type too: True == 1 and 0 == False in Python, not in JSON
+    return lambda value: type(value) is type(expected) and value == expected
+
+
+def _zero(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
+
+
+# Parameters accepted only at the value that does what the engine does anyway: (is it that
+# value, what to say when it is not). Any other value is refused, never dropped.
+NO_OP_VALUES: dict[str, tuple[Callable[[object], bool], str]] = {
+    "n": (_exactly(1), "one choice per request is generated (n must be 1)"),
+    "stream": (_exactly(False), "a batch's responses are not streamed"),
+    "stream_options": (lambda v: False, "a batch's responses are not streamed"),
+    "logprobs": (_exactly(False), "log probabilities are not returned"),
+    "top_logprobs": (lambda v: False, "log probabilities are not returned"),
+    "logit_bias": (_exactly({}), "the engine does not bias logits"),
+    "presence_penalty": (_zero, "the engine applies no presence penalty (it must be 0)"),
+    "frequency_penalty": (_zero, "the engine applies no frequency penalty (it must be 0)"),
+    "best_of": (_exactly(1), "one sequence per request is generated (best_of must be 1)"),
+    "echo": (_exactly(False), "the prompt is not echoed"),
+    "suffix": (_exactly(""), "no suffix is inserted"),
+    "tools": (_exactly([]), "this job makes no tool calls"),
+    "functions": (_exactly([]), "this job makes no function calls"),
+    "tool_choice": (_exactly("none"), "this job makes no tool calls"),
+    "function_call": (_exactly("none"), "this job makes no function calls"),
+    "response_format": (_exactly({"type": "text"}), "only text responses are made (no JSON mode or schema)"),
+}
+
+
+@dataclass(slots=True)
+class BatchRequest:
+    """One request of a batch file. `index`: its place among the file's requests (0-based,
+    file order; the output's ids derive from it); `line`: its 1-based line in the file.
+    `kind` is KIND_CHAT or KIND_COMPLETION (None: an unsupported endpoint); `messages`
+    (chat: [{"role", "content": text, ["name"]}], text parts joined) or `prompt` (a
+    completion: text, or token ids). `error`: why it cannot run (answered with status 400,
+    `error_param` the parameter named in OpenAI's error object), or None."""
+
+    index: int
+    line: int
+    custom_id: str
+    url: str
+    kind: str | None
+    messages: list[dict[str, str]] | None
+    prompt: str | list[int] | None
+    params: GenerationParams
+    error: str | None = None
+    error_param: str | None = None
+
+
+@dataclass(slots=True)
+class BatchFile:
+    """A validated batch file: its requests in file order (those with an error included),
+    its path, the sha256 of its bytes (hex: a resumed job refuses another file), and how
+    many requests are chat, completion, and refused (an error: not counted by kind)."""
+
+    path: str
+    sha256: str
+    requests: list[BatchRequest]
+    chat_count: int
+    completion_count: int
+    error_count: int
+
+
+class _Refused(Exception):
+    """A request this job cannot serve: the message and the parameter it names. Internal:
+    caught in `_request` and kept as the request's error, never raised out of this module."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def load_requests(path: str | os.PathLike[str], served_model: str) -> BatchFile:
+    """Read and validate a batch file (see the module docstring) for a job serving
+    `served_model` (body.model must equal it). A problem of the file raises one
+    BatchFileError naming the first bad lines and the total; a request's own problem is
+    kept as its error. Nothing is submitted here."""
+    name = os.fspath(path)
+    parser = _FileParser(name, served_model)
+    try:
+        with open(name, "rb") as file:
+            kind = file_kind(file.fileno())
+            if kind not in ("file", "pipe"):  # /dev/zero would be read forever
+                raise BatchFileError(f"{name}: a batch file must be a file or a pipe, not a {kind}")
+            for number, raw in bounded_lines(file, MAX_REQUEST_LINE_BYTES):
+                if raw is None:
+                    parser.bad(number, f"longer than {MAX_REQUEST_LINE_BYTES:,} bytes (the longest prompt fits "
+                                       f"in far less)")
+                elif not parser.add(number, raw):
+                    break
+    except OSError as exc:
+        raise BatchFileError(f"{name}: cannot read the batch file ({exc.strerror or exc})") from exc
+    return parser.finish()
+
+
+class _FileParser:
+    """Checks one file line by line, keeping its requests, the line of each custom_id and
+    the first errors. Owner: `load_requests`, for one file; single-threaded."""
+
+    def __init__(self, path: str, served_model: str) -> None:
+        self.path = path
+        self.served_model = served_model
+        self.digest = hashlib.sha256()
+        self.requests: list[BatchRequest] = []
+        self.id_lines: dict[str, int] = {}
+        self.errors: list[str] = []
+        self.bad_lines = 0
+        self.stopped_at = 0  # the line where reading stopped (too many requests), or 0
+
+    def add(self, line: int, raw: bytes) -> bool:
+        """Take line `line`; False when reading must stop (one request too many)."""
+        self.digest.update(raw)
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            self.bad(line, f"not UTF-8 ({exc.reason} at byte {exc.start})")
+            return True
+        if not text.strip():
+            return True
+        try:
+            record = json.loads(text)
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
+            self.bad(line, f"not JSON ({exc})")
+            return True
+        try:
+            custom_id, url, body = _envelope(record)
+        except BatchFileError as exc:
+            self.bad(line, str(exc))
+            return True
+        first = self.id_lines.setdefault(custom_id, line)
+        if first != line:
+            self.bad(line, f"custom_id {custom_id!r} is used by line {first} too (each request needs its own: the "
+                           f"output is matched to the input by it)")
+            return True
+        if len(self.requests) == MAX_BATCH_REQUESTS:
+            self.bad(line, f"more than {MAX_BATCH_REQUESTS:,} requests in one file; split it into several jobs")
+            self.stopped_at = line
+            return False
+        self.requests.append(_request(len(self.requests), line, custom_id, url, body, self.served_model))
+        return True
+
+    def bad(self, line: int, why: str) -> None:
+        """Line `line` is not a request: counted, and named among the first errors."""
+        self.bad_lines += 1
+        if len(self.errors) < MAX_LISTED_ERRORS:
+            self.errors.append(f"{self.path}:{line}: {why}")
+
+    def finish(self) -> BatchFile:
+        if self.bad_lines:
+            plural = "s" if self.bad_lines != 1 else ""
+            upto = f" up to line {self.stopped_at}, where reading stopped" if self.stopped_at else ""
+            shown = f", the first {len(self.errors)}" if self.bad_lines > len(self.errors) else ""
+            raise BatchFileError(
+                f"{self.path}: {self.bad_lines} bad line{plural}{upto}; nothing was submitted and the job does "
+                f"not start{shown}:\n  " + "\n  ".join(self.errors))
+        if not self.requests:
+            raise BatchFileError(f"{self.path}: no requests (the file is empty or blank)")
+        kinds = [r.kind for r in self.requests if r.error is None]
+        return BatchFile(self.path, self.digest.hexdigest(), self.requests, kinds.count(KIND_CHAT),
+                         kinds.count(KIND_COMPLETION), len(self.requests) - len(kinds))
+
+
+def _envelope(record: object) -> tuple[str, str, dict]:
+    """(custom_id, url, body) of a request line; BatchFileError (the reason alone) if it is
+    not one."""
+    if not isinstance(record, dict):
+        raise BatchFileError(f"a request must be a JSON object, got {_show(record)}")
+    missing = [key for key in LINE_KEYS if key not in record]
+    if missing:
+        raise BatchFileError(f"missing {', '.join(map(repr, missing))}: a request line has custom_id, method, "
+                             f"url and body")
+    unknown = sorted(set(record) - set(LINE_KEYS))
+    if unknown:
+        raise BatchFileError(f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}: a "
+                             f"request line has custom_id, method, url and body only")
+    custom_id, method, url, body = (record[key] for key in LINE_KEYS)
+    if not isinstance(custom_id, str) or not custom_id:
+        raise BatchFileError(f"custom_id must be a non-empty string, got {_show(custom_id)}")
+    if method != METHOD:
+        raise BatchFileError(f"method must be {METHOD!r} (the Batch API's only method), got {_show(method)}")
+    if not isinstance(url, str):
+        raise BatchFileError(f"url must be a string (an endpoint such as {CHAT_URL!r}), got {_show(url)}")
+    if not isinstance(body, dict):
+        raise BatchFileError(f"body must be a JSON object (the endpoint's request), got {_show(body)}")
+    return custom_id, url, body
+
+
+def _request(index: int, line: int, custom_id: str, url: str, body: dict, served_model: str) -> BatchRequest:
+    """The request of a well-formed line; what it cannot be served with is kept as its error."""
+    kind = ENDPOINTS.get(url)
+    try:
+        if kind is None:
+            raise _Refused(f"unsupported endpoint {url!r}: this job serves {CHAT_URL} and {COMPLETIONS_URL}", "url")
+        given = {key: value for key, value in body.items() if value is not None}  # null: not given
+        _check_model(given.get("model"), served_model)
+        _check_params(given, kind)
+        if kind == KIND_CHAT:
+            messages, prompt = _messages(given.get("messages")), None
+        else:
+            messages, prompt = None, _prompt(given.get("prompt"))
+        params = _params(given, kind)
+    except _Refused as refused:
+        return BatchRequest(index, line, custom_id, url, kind, None, None, GenerationParams(), str(refused),
+                            refused.param)
+    return BatchRequest(index, line, custom_id, url, kind, messages, prompt, params)
+
+
+def _check_model(model: object, served_model: str) -> None:
+    if model is None:
+        raise _Refused("you must provide a model parameter", "model")
+    if model != served_model:
+        raise _Refused(f"the model {_show(model)} is not served by this job, which serves {served_model!r}", "model")
+
+
+def _check_params(given: dict, kind: str) -> None:
+    """Refuse every parameter the engine would drop: unknown ones (all listed), then known
+    ones at a value other than their no-op."""
+    known = KIND_KEYS[kind] | set(CARRIED_PARAMS) | IGNORED_PARAMS | set(NO_OP_VALUES)
+    unknown = sorted(set(given) - known)
+    if unknown:
+        plural = "s" if len(unknown) > 1 else ""
+        carried = [*CARRIED_PARAMS, *(["max_completion_tokens"] if kind == KIND_CHAT else [])]
+        raise _Refused(f"unsupported parameter{plural} {', '.join(map(repr, unknown))}: the engine carries only "
+                       f"{', '.join(carried[:-1])} and {carried[-1]}, and a parameter it would drop is refused",
+                       unknown[0])
+    for name, (is_no_op, why) in NO_OP_VALUES.items():
+        if name in given and not is_no_op(given[name]):
+            raise _Refused(f"{name}={_json(given[name])} is not supported: {why}", name)
+
+
+def _messages(raw: object) -> list[dict[str, str]]:
+    """A chat request's messages as [{"role", "content": text, ["name"]}]."""
+    if raw is None:
+        raise _Refused("missing required parameter 'messages'", "messages")
+    if not isinstance(raw, list) or not raw:
+        raise _Refused(f"messages must be a non-empty array of {{role, content}} objects, got {_show(raw)}",
+                       "messages")
+    out = []
+    for k, message in enumerate(raw):
+        where = f"messages[{k}]"
+        if not isinstance(message, dict):
+            raise _Refused(f"{where} must be an object with role and content, got {_show(message)}", where)
+        message = {key: value for key, value in message.items() if value is not None}
+        unknown = sorted(set(message) - MESSAGE_KEYS)
+        if unknown:
+            raise _Refused(f"{where} has {', '.join(map(repr, unknown))}: a message has role, content and name "
+                           f"only (this job makes no tool calls)", f"{where}.{unknown[0]}")
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise _Refused(f"{where}.role {_show(role)} is not one of {', '.join(sorted(CHAT_ROLES))}",
+                           f"{where}.role")
+        normal = {"role": role, "content": _content(message.get("content"), where)}
+        if "name" in message:
+            if not isinstance(message["name"], str):
+                raise _Refused(f"{where}.name must be a string, got {_show(message['name'])}", f"{where}.name")
+            normal["name"] = message["name"]
+        out.append(normal)
+    return out
+
+
+def _content(content: object, where: str) -> str:
+    """A message's content as text: a string, or its text parts joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not content:
+        raise _Refused(f"{where}.content must be a string or a non-empty array of text parts, got "
+                       f"{_show(content)}", f"{where}.content")
+    texts = []
+    for j, part in enumerate(content):
+        at = f"{where}.content[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" and isinstance(kind, str):
+            raise _Refused(f"{at} is of type {kind!r}: this job takes text only", at)
+        if kind != "text" or set(part) != {"type", "text"} or not isinstance(part["text"], str):
+            raise _Refused(f"{at} must be a text part {{\"type\": \"text\", \"text\": string}}, got {_show(part)}",
+                           at)
+        texts.append(part["text"])
+    return TEXT_PART_SEPARATOR.join(texts)
+
+
+def _prompt(raw: object) -> str | list[int]:
+    """A completion's one prompt: non-empty text, or a non-empty list of token ids (a list
+    holding one of these is that prompt)."""
+    if raw is None:
+        raise _Refused("missing required parameter 'prompt'", "prompt")
+    if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], (str, list)):
+        raw = raw[0]  # ["text"] and [[1, 2]] are one prompt
+    elif isinstance(raw, list) and len(raw) > 1 and all(isinstance(p, (str, list)) for p in raw):
+        raise _Refused(f"a list of {len(raw)} prompts: this job takes one prompt per request (split them into "
+                       f"several requests)", "prompt")
+    if isinstance(raw, str):
+        if not raw:
+            raise _Refused("the prompt is empty", "prompt")
+        return raw
+    if not isinstance(raw, list) or not raw:
+        raise _Refused(f"prompt must be a string or a non-empty array of token ids, got {_show(raw)}", "prompt")
+    for k, token in enumerate(raw):
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token <= INT32_MAX:
+            raise _Refused(f"prompt[{k}] is {_show(token)}, not a token id (an integer from 0 to {INT32_MAX})",
+                           "prompt")
+    return list(raw)
+
+
+def _params(given: dict, kind: str) -> GenerationParams:
+    """The request's generation parameters, each checked by GenerationParams on its own so
+    that the error names the request's parameter."""
+    max_tokens, max_name = given.get("max_tokens"), "max_tokens"
+    if kind == KIND_CHAT and "max_completion_tokens" in given:
+        newer = given["max_completion_tokens"]
+        if "max_tokens" in given and not (type(max_tokens) is type(newer) and max_tokens == newer):
+            raise _Refused(f"max_tokens={_json(max_tokens)} and max_completion_tokens={_json(newer)} differ: give "
+                           f"one (max_tokens is the deprecated name of max_completion_tokens)", "max_tokens")
+        max_tokens, max_name = newer, "max_completion_tokens"
+    stop = given.get("stop")
+    if stop is None:
+        stop = ()
+    elif isinstance(stop, str):
+        stop = (stop,)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stop = tuple(stop)
+    else:
+        raise _Refused(f"stop must be a string or an array of strings, got {_show(stop)}", "stop")
+    values = {"max_tokens": max_tokens, "temperature": given.get("temperature"), "top_p": given.get("top_p"),
+              "seed": given.get("seed"), "stop": stop}
+    for name, value in values.items():
+        try:
+            GenerationParams(**{name: value})
+        except GenerationParamsError as exc:
+            param = max_name if name == "max_tokens" else name
+            raise _Refused(f"invalid {param}: {exc}", param) from None
+    return GenerationParams(**values)
+
+
+def _json(value: object) -> str:
+    """A value as JSON for a message, cut to 60 characters."""
+    text = json.dumps(value, ensure_ascii=True)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+_JSON_TYPES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
+               float: "a number", type(None): "null"}
+
+
+def _show(value: object) -> str:
+    """A JSON value for a message: its JSON type and a bounded rendering."""
+    kind = _JSON_TYPES.get(type(value), type(value).__name__)
+    return "null" if value is None else f"{kind} {_json(value)}"
