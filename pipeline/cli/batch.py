@@ -143,8 +143,7 @@ def _write_output(batch_file, tokenizer, plan, settings, output_file: str, order
     from pipeline.batchjob.job import read_answers
     from pipeline.runtime.batchrun import finish_job
 
-    summary = finish_job(batch_file, read_answers(data_dir), tokenizer, plan.manifest, settings.max_input_len,
-                         output_file, order)
+    summary = finish_job(batch_file, read_answers(data_dir), tokenizer, plan.manifest, output_file, order)
     if not summary.output_written:
         click.echo(f"run-batch: {len(summary.unanswered):,} of {summary.requests:,} requests have no answer yet; "
                    f"the same command finishes the job (data directory {data_dir})", err=True)
@@ -152,6 +151,6 @@ def _write_output(batch_file, tokenizer, plan, settings, output_file: str, order
     usage = summary.usage
     failed = ", ".join(f"{count:,} with status {status}" for status, count in sorted(summary.failed_by_status.items()))
     click.echo(f"run-batch: {summary.completed:,} completed, {summary.failed:,} failed{f' ({failed})' if failed else ''}"
-               f"; usage: {usage.get('prompt_tokens', 0):,} prompt tokens ({usage.get('cached_tokens', 0):,} cached), "
-               f"{usage.get('completion_tokens', 0):,} completion tokens; output: {output_file}", err=True)
+               f"; usage: {usage.prompt_tokens:,} prompt tokens ({usage.cached_tokens:,} cached), "
+               f"{usage.completion_tokens:,} completion tokens; output: {output_file}", err=True)
     return code

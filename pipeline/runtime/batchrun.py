@@ -23,20 +23,25 @@ second log would need its own torn-line and duplicate handling, while `--output-
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 
 from pipeline.batchjob.chat import ChatTokenizer
 from pipeline.batchjob.job import Answers, JobManifest, pending_requests, read_answers
-from pipeline.batchjob.output import error_line, response_line, usage_totals, write_output
+from pipeline.batchjob.output import (
+    HTTP_BAD_REQUEST,
+    HTTP_OK,
+    HTTP_SERVER_ERROR,
+    Usage,
+    error_line,
+    row_line,
+    usage_totals,
+    write_output,
+)
 from pipeline.batchjob.requests import BatchFile, BatchRequest
 from pipeline.runtime.inventory import pending_payloads, producer_ring_names
 from pipeline.wire.generation import decode_payload
 
 OUTPUT_ORDERS = ("input", "completion")
-# HTTP statuses of answers that are not completions: the request's own fault, the engine's.
-BAD_REQUEST = 400
-ENGINE_FAILURE = 500
 
 
 @dataclass(slots=True)
@@ -73,12 +78,12 @@ class JobSummary:
     failed: int = 0
     failed_by_status: dict[int, int] = field(default_factory=dict)
     unanswered: list[int] = field(default_factory=list)  # request indices, when not finished
-    usage: dict[str, int] = field(default_factory=dict)
+    usage: Usage = field(default_factory=Usage)
     output_written: bool = False
 
 
 def finish_job(batch_file: BatchFile, answers: Answers, tokenizer: ChatTokenizer, manifest: JobManifest,
-               max_input_len: int, output_path: str, order: str) -> JobSummary:
+               output_path: str, order: str) -> JobSummary:
     """Write the output file if every request has its answer; the job's summary either way."""
     assert order in OUTPUT_ORDERS, order
     requests = batch_file.requests
@@ -88,17 +93,14 @@ def finish_job(batch_file: BatchFile, answers: Answers, tokenizer: ChatTokenizer
     if summary.unanswered:
         return summary
     lines: dict[int, str] = {}
-    bodies = []
     for request in requests:
-        line, status, body = _answer(request, answers, tokenizer, manifest, max_input_len)
-        lines[request.index] = line
-        if status == 200:
+        lines[request.index], status = _answer(request, answers, tokenizer, manifest)
+        if status == HTTP_OK:
             summary.completed += 1
-            bodies.append(body)
         else:
             summary.failed += 1
             summary.failed_by_status[status] = summary.failed_by_status.get(status, 0) + 1
-    summary.usage = usage_totals(bodies)
+    summary.usage = usage_totals(answers.rows[r.index] for r in requests if r.index in answers.rows)
     write_output(output_path, (lines[k] for k in _output_order(batch_file, answers, order)))
     summary.output_written = True
     return summary
@@ -113,32 +115,18 @@ def _output_order(batch_file: BatchFile, answers: Answers, order: str) -> list[i
     return [r.index for r in batch_file.requests if r.index not in ran] + answers.order
 
 
-def _answer(request: BatchRequest, answers: Answers, tokenizer: ChatTokenizer, manifest: JobManifest,
-            max_input_len: int) -> tuple[str, int, dict | None]:
-    """One request's output line, its status code, and its response body (None for an error)."""
-    created, served, job = manifest.created_s, manifest.served_model, manifest.input_sha256
-    if request.error is not None:
-        return error_line(request, BAD_REQUEST, request.error, request.error_param, job_hash=job), BAD_REQUEST, None
-    if request.index in answers.rejected:
-        return error_line(request, BAD_REQUEST, answers.rejected[request.index], job_hash=job), BAD_REQUEST, None
-    row = answers.rows[request.index]
-    if row["status"] == "too_long":
-        message = (f"the prompt is {row['prompt_tokens']:,} tokens, longer than the {max_input_len:,} this job "
-                   f"runs (the model's context less one token, or --max-input-len)")
-        return error_line(request, BAD_REQUEST, message, "messages" if request.kind == "chat" else "prompt",
-                          job_hash=job), BAD_REQUEST, None
-    if row["status"] != "ok":
-        return error_line(request, ENGINE_FAILURE, f"the engine failed: {row.get('error', row['status'])}",
-                          job_hash=job), ENGINE_FAILURE, None
-    text = row["text"] if isinstance(row.get("text"), str) else tokenizer.decode(row["output"])
-    line, body = response_line(request, row, text, served, created, job_hash=job)
-    return line, 200, body
-
-
-def file_sha256(path: str) -> str:
-    """The sha256 of a file's bytes, read in 1 MiB pieces."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for piece in iter(lambda: f.read(1 << 20), b""):
-            digest.update(piece)
-    return digest.hexdigest()
+def _answer(request: BatchRequest, answers: Answers, tokenizer: ChatTokenizer,
+            manifest: JobManifest) -> tuple[str, int]:
+    """One request's output line and its status code."""
+    job = manifest.input_sha256
+    if request.error is None and request.index in answers.rejected:
+        return error_line(request, HTTP_BAD_REQUEST, answers.rejected[request.index], job_hash=job), HTTP_BAD_REQUEST
+    row = answers.rows.get(request.index)
+    text = None
+    if row is not None and row.get("status") == "ok":
+        text = row["text"] if isinstance(row.get("text"), str) else tokenizer.decode(row["output"])
+    line = row_line(request, row, text, served_model=manifest.served_model, created=manifest.created_s,
+                    job_hash=job)
+    if request.error is not None or row is None:
+        return line, HTTP_BAD_REQUEST
+    return line, {"ok": HTTP_OK, "too_long": HTTP_BAD_REQUEST}.get(str(row.get("status")), HTTP_SERVER_ERROR)
