@@ -1,0 +1,182 @@
+"""`pipeline run-batch` as a user runs it: a real command, real processes, the sim engine on
+the tiny model's tokenizer and chat template. Exactly one output line per request, in input
+order; bad requests answered 400 and the job goes on; and a job stopped any way (kill -9 of
+the broker or of a consumer, Ctrl-C) finished by the same command, nothing run twice that
+was answered, no torn or duplicated line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tools.make_batch_example import requests as example_requests
+
+ROOT = Path(__file__).resolve().parents[2]
+# A run on 2 cores: the tiny model's tokenizer in 2 producers, 2 sim consumers.
+RUN_TIMEOUT_S = 180
+# Each batch of the slow runs sleeps in the sim's cost model, so a job lasts seconds and a
+# kill lands in the middle of it.
+SLOW = "[engine_options]\ncost_s_per_padded_token = 4e-5\n"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    from tools.tiny_llama import build
+
+    path = tmp_path_factory.mktemp("model") / "tiny-llama"
+    build(path)
+    return str(path)
+
+
+def write_requests(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def run_batch(*args: str, timeout_s: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline", "run-batch", "--engine", "sim", *args],
+                          capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
+
+
+def output_rows(path: Path) -> list[dict]:
+    raw = path.read_text()
+    assert raw.endswith("\n") and raw.isascii()
+    return [json.loads(line) for line in raw.splitlines()]
+
+
+def check_output(path: Path, records: list[dict]) -> list[dict]:
+    """Exactly one line per request, in input order; every well-formed request completed."""
+    rows = output_rows(path)
+    assert [row["custom_id"] for row in rows] == [r["custom_id"] for r in records]
+    return rows
+
+
+def test_a_job_of_chat_and_completion_requests_gets_one_answer_each(tmp_path, model_dir):
+    records = example_requests(60, "tiny-llama")
+    source = write_requests(tmp_path / "requests.jsonl", records)
+    out = tmp_path / "out.jsonl"
+    done = run_batch("-i", str(source), "-o", str(out), "--model", model_dir)
+    assert done.returncode == 0, done.stderr
+    rows = check_output(out, records)
+    for row, record in zip(rows, records):
+        body = row["response"]["body"]
+        assert row["response"]["status_code"] == 200 and row["error"] is None
+        assert body["object"] == ("chat.completion" if record["url"].endswith("chat/completions") else "text_completion")
+        usage = body["usage"]
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"] > 0
+        wanted = record["body"].get("max_completion_tokens", record["body"].get("max_tokens"))
+        assert usage["completion_tokens"] == wanted  # the sim makes exactly as many as asked for
+        assert body["choices"][0]["finish_reason"] == "length"
+    cached = sum(row["response"]["body"]["usage"]["prompt_tokens_details"]["cached_tokens"] for row in rows)
+    assert cached > 0  # requests under one system prompt share its blocks
+    assert "60 completed, 0 failed" in done.stderr
+    assert not (tmp_path / "out.jsonl.run").exists()  # the default data directory goes once the output is written
+
+
+def test_bad_requests_are_answered_400_and_the_job_goes_on(tmp_path, model_dir):
+    good = example_requests(6, "tiny-llama")
+    bad = [
+        {"custom_id": "wrong-model", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "gpt-x", "messages": [{"role": "user", "content": "hi"}]}},
+        {"custom_id": "n-two", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "tiny-llama", "n": 2, "messages": [{"role": "user", "content": "hi"}]}},
+        {"custom_id": "embeddings", "method": "POST", "url": "/v1/embeddings", "body": {"model": "tiny-llama"}},
+        {"custom_id": "too-long", "method": "POST", "url": "/v1/completions",
+         "body": {"model": "tiny-llama", "prompt": "word " * 3000}},
+    ]
+    records = good[:3] + bad + good[3:]
+    out = tmp_path / "out.jsonl"
+    done = run_batch("-i", str(write_requests(tmp_path / "r.jsonl", records)), "-o", str(out), "--model", model_dir)
+    assert done.returncode == 0, done.stderr
+    rows = {row["custom_id"]: row for row in check_output(out, records)}
+    for name, param in (("wrong-model", "model"), ("n-two", "n"), ("embeddings", None), ("too-long", "prompt")):
+        error = rows[name]["response"]["body"]["error"]
+        assert rows[name]["response"]["status_code"] == 400 and error["message"]
+        if param:
+            assert error["param"] == param, (name, error)
+    assert all(rows[r["custom_id"]]["response"]["status_code"] == 200 for r in good)
+    assert "6 completed, 4 failed (4 with status 400)" in done.stderr
+
+
+def test_a_file_with_a_duplicate_custom_id_is_refused_before_anything_runs(tmp_path, model_dir):
+    records = example_requests(3, "tiny-llama")
+    records[2]["custom_id"] = records[0]["custom_id"]
+    source = write_requests(tmp_path / "r.jsonl", records)
+    done = run_batch("-i", str(source), "-o", str(tmp_path / "out.jsonl"), "--model", model_dir)
+    assert done.returncode == 1 and f"{source}:3" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "out.jsonl").exists() and not (tmp_path / "out.jsonl.run").exists()
+
+
+def _broker_pid(data: Path) -> int | None:
+    try:
+        return int((data / "run" / "broker.lock").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _answered_lines(data: Path) -> int:
+    return sum(len(p.read_text().splitlines()) for p in data.glob("results/run-*/*.jsonl"))
+
+
+def _consumer_pid(data: Path) -> int | None:
+    done = subprocess.run([sys.executable, "-m", "pipeline", "status", "--data-dir", str(data), "--json"],
+                          capture_output=True, text=True, timeout=30, cwd=ROOT)
+    if done.returncode != 0:
+        return None
+    consumers = json.loads(done.stdout).get("consumers") or {}
+    return next((c["pid"] for c in consumers.values()), None)
+
+
+@pytest.mark.parametrize("how", ["kill-broker", "kill-consumer", "ctrl-c"])
+def test_a_stopped_job_is_finished_by_the_same_command(tmp_path, model_dir, how):
+    records = example_requests(400, "tiny-llama")
+    source = write_requests(tmp_path / "r.jsonl", records)
+    config = tmp_path / "slow.toml"
+    config.write_text(SLOW)
+    out, data = tmp_path / "out.jsonl", tmp_path / "data"
+    args = ["-i", str(source), "-o", str(out), "--model", model_dir, "--data-dir", str(data), "--config", str(config)]
+    first = subprocess.Popen([sys.executable, "-m", "pipeline", "run-batch", "--engine", "sim", *args],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while _answered_lines(data) < 40:  # some answered, most not
+            assert first.poll() is None and time.monotonic() < deadline, "the job ended before the stop"
+            time.sleep(0.05)
+        if how == "kill-broker":
+            os.kill(_broker_pid(data), signal.SIGKILL)
+        elif how == "kill-consumer":
+            os.kill(_consumer_pid(data), signal.SIGKILL)
+        else:
+            first.send_signal(signal.SIGINT)
+        first.communicate(timeout=RUN_TIMEOUT_S)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    answered_first = _answered_lines(data)
+    if how != "kill-consumer":  # the launcher goes on without a dead consumer when the other lives
+        assert first.returncode != 0 and not out.exists()
+    again = run_batch(*args)
+    assert again.returncode == 0, again.stderr
+    rows = check_output(out, records)
+    assert {row["response"]["status_code"] for row in rows} == {200}
+    assert f"{len(records):,} completed, 0 failed" in again.stderr
+    # Nothing answered in the first run ran again: the second run's results hold only the rest
+    # (and, after a kill, the batches that were in flight at it, counted as duplicates).
+    assert _answered_lines(data) - answered_first <= len(records) - answered_first + 64 * 4
+
+
+def test_another_file_on_the_same_data_directory_is_refused(tmp_path, model_dir):
+    data = tmp_path / "data"
+    first = write_requests(tmp_path / "a.jsonl", example_requests(4, "tiny-llama"))
+    assert run_batch("-i", str(first), "-o", str(tmp_path / "a.out"), "--model", model_dir,
+                     "--data-dir", str(data)).returncode == 0
+    other = write_requests(tmp_path / "b.jsonl", example_requests(5, "tiny-llama", seed=1))
+    done = run_batch("-i", str(other), "-o", str(tmp_path / "b.out"), "--model", model_dir, "--data-dir", str(data))
+    assert done.returncode == 1 and "holds another job" in done.stderr
