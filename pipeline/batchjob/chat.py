@@ -117,7 +117,7 @@ class ChatTokenizer:
         self._bos_fix = self._bos_rule(add_bos_token)
 
     @classmethod
-    def load(cls, model_dir: str | Path) -> ChatTokenizer:
+    def load(cls, model_dir: str | Path, *, memo_chars: int = MEMO_CHARS) -> ChatTokenizer:
         """MODEL_DIR/tokenizer.json and tokenizer_config.json (its chat template, bos and eos
         tokens, add_bos_token), or ModelDirError naming the path. A directory without a chat
         template loads: its chat requests are refused (NoChatTemplateError)."""
@@ -151,7 +151,7 @@ class ChatTokenizer:
             raise ModelDirError(f"{config_path}: add_bos_token must be true or false, got {add_bos!r}")
         return cls(tokenizer, template, bos_token=_token_text(config, "bos_token", config_path),
                    eos_token=_token_text(config, "eos_token", config_path), add_bos_token=add_bos,
-                   source=template_source if template is not None else str(root))
+                   source=template_source if template is not None else str(root), memo_chars=memo_chars)
 
     # -- the tokenizer ------------------------------------------------------------------
 
