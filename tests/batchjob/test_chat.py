@@ -57,8 +57,11 @@ def _train(specials: list[str], corpus: list[str], vocab_size: int):
 
 
 def _corpus(seed: int, lines: int) -> list[str]:
+    """Lines of WORDS; some end in " \n" so that the space-newline pair is a merge: a text
+    cut between them is then tokenized otherwise alone than inside the whole prompt (the
+    pre-tokenizer's whitespace rule looks ahead), which a cut read off token offsets misses."""
     rng = np.random.default_rng(seed)
-    return [" ".join(rng.choice(WORDS, size=8)) + "\n" for _ in range(lines)]
+    return [" ".join(rng.choice(WORDS, size=8)) + (" \n" if k % 2 else "\n") for k in range(lines)]
 
 
 def _write_model(directory: Path, tokenizer, **config) -> Path:
@@ -73,7 +76,9 @@ def trained():
     """(delimited, merging): Rust tokenizers, trained once per module."""
     delimited = _train([BOS, EOS, IM_START, IM_END], _corpus(0, 400), 400)
     merging = _train([BOS, EOS], _corpus(1, 400), 400)
-    assert merging.encode("hello", add_special_tokens=False).tokens == ["hello"]  # the merge the tests need
+    for tokenizer in (delimited, merging):  # the merges the tests need
+        assert tokenizer.encode(" \n", add_special_tokens=False).tokens == ["Ġ\u010a"]
+    assert merging.encode("hello", add_special_tokens=False).tokens == ["hello"]
     return delimited, merging
 
 
@@ -180,6 +185,22 @@ def test_a_merge_across_the_boundary_moves_it_back_to_the_common_prefix(models):
     assert np.array_equal(components[0], prompt.components[0])
 
 
+def test_a_cut_at_a_token_boundary_of_the_prompt_is_not_enough(models):
+    # Why the fast path cuts only beside special tokens: "the \n" alone ends in the merged
+    # " \n", but inside "the \nhello" the pre-tokenizer splits " " from "\n" (its
+    # whitespace rule looks ahead), so the whole prompt has a token boundary at the cut while
+    # the prefix render's tokens are not its first tokens.
+    tokenizer = ChatTokenizer.load(models["concat"])
+    messages = [{"role": "system", "content": "the \n"}, {"role": "user", "content": "hello"}]
+    prompt = tokenizer.chat_prompt(messages)
+    alone = tokenizer.encode("the \n", False)
+    assert tokenizer.decode(prompt.tokens[:len(alone) + 1]) == "the \n"  # a boundary at the cut...
+    assert prompt.tokens[:len(alone)].tolist() != alone  # ...yet not the prefix's own tokens
+    full, components = reference_prompt(tokenizer, messages)
+    assert [c.tolist() for c in components] == [c.tolist() for c in prompt.components]
+    assert prompt.prefix_len == len(alone) - 1
+
+
 def test_a_boundary_that_does_not_advance_is_dropped(models):
     tokenizer = ChatTokenizer.load(models["concat"])
     # The second system message is empty: its boundary is the first's, so one component.
@@ -199,7 +220,7 @@ def test_no_user_message_means_no_components(chatml):
 
 # Pieces of contents: letters the tokenizers merge, whitespace, non-ASCII, and the special
 # tokens' own text (a request may contain them: they are tokenized as the special tokens).
-PIECE = st.sampled_from(list("helowrd tsyquin\n") + ["é", "\u4e16", IM_START, IM_END, BOS, "hel", "lo", "  "])
+PIECE = st.sampled_from(list("helowrd tsyquin\n") + ["é", "\u4e16", IM_START, IM_END, BOS, "hel", "lo", "  ", " \n"])
 TEXT = st.lists(PIECE, max_size=12).map("".join)
 MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": TEXT})
 
