@@ -13,6 +13,11 @@ raises one of these, with the offending value, path and byte offset in the messa
     │   ├── WorkloadError                    a workload file has bad lines (path:line named)
     │   │   └── BatchFileError               an OpenAI Batch request file has malformed lines
     │   │                                    (path:line named); the job does not start
+    │   ├── ChatRequestError                 a chat request cannot be made a prompt: its
+    │   │   │                                messages are malformed, or the model's chat
+    │   │   │                                template failed on them (what, and where)
+    │   │   └── NoChatTemplateError          the model directory has no chat template: chat
+    │   │                                    requests are refused, completions still work
     │   ├── ContractError                    a consumer contract has a zero, negative or
     │   │                                    non-integer number
     │   ├── NotHeldError                     a consumer completes an entry it does not hold
@@ -23,8 +28,11 @@ raises one of these, with the offending value, path and byte offset in the messa
     │       └── ConsumerNameError            a consumer name that cannot name a results file
     ├── ConfigError (also ValueError)        a configuration value outside its limit (a
     │   │                                    socket path too long for a Unix socket, ...)
-    │   └── EngineOptionsError               an engine's options are unknown, mistyped or
-    │                                        out of range (each one named)
+    │   ├── EngineOptionsError               an engine's options are unknown, mistyped or
+    │   │                                    out of range (each one named)
+    │   └── ModelDirError                    a model directory's tokenizer.json, its config
+    │                                        or its chat template is missing, unreadable or
+    │                                        invalid (the path named)
     ├── EngineUnavailableError               an engine's runtime is not installed or cannot
     │                                        start (the command that installs it named)
     ├── UntrustedPeerError                   the control socket, or the process behind it,
@@ -134,6 +142,19 @@ class BatchFileError(WorkloadError):
     error: it is answered in the output file (`pipeline.batchjob.requests`)."""
 
 
+class ChatRequestError(BadInputError):
+    """A chat request cannot be made into a prompt: its messages are not a list of
+    {role, content} objects (the message and field named), or the model's chat template
+    raised on them (`raise_exception`, a type error inside the template) or rendered nothing.
+    That request is refused; the others are not affected."""
+
+
+class NoChatTemplateError(ChatRequestError):
+    """The model directory has no chat template (no `chat_template` in tokenizer_config.json,
+    no chat_template.jinja, or a list of named templates without "default"): chat requests
+    are refused, naming the directory; completion requests still work."""
+
+
 class ConfigError(PipelineError, ValueError):
     """A configuration value is outside its limit (a data directory whose socket path does
     not fit a Unix socket address, a timeout that is not a positive number, ...). Raised
@@ -144,6 +165,14 @@ class EngineOptionsError(ConfigError):
     """An engine's options (`engine_options`) are unknown, of the wrong type or out of range:
     the message names every wrong option. Raised when the engine is made, before any model
     is loaded, so a launch refuses them before a process starts."""
+
+
+class ModelDirError(ConfigError):
+    """A model directory cannot give a tokenizer: it is not a directory, or its
+    tokenizer.json, tokenizer_config.json or chat template is missing, unreadable, too large
+    or invalid (a field of the wrong type, a template that does not compile). The message
+    names the path and what is wrong, in one line. Raised when the tokenizer is loaded,
+    before any request is read."""
 
 
 class EngineUnavailableError(PipelineError):
@@ -309,6 +338,7 @@ __all__ = [
     "BadInputError",
     "BatchFileError",
     "BatchOutputError",
+    "ChatRequestError",
     "ConfigError",
     "ConsumerNameError",
     "ContractError",
@@ -322,7 +352,9 @@ __all__ = [
     "GenerationParamsError",
     "ItemTooLongError",
     "JobMismatchError",
+    "ModelDirError",
     "ModelIdError",
+    "NoChatTemplateError",
     "NotHeldError",
     "ObjectExistsError",
     "ObjectMissingError",

@@ -1,0 +1,381 @@
+"""The chat tokenizer: model directories loaded (and refused, naming the path), chat prompts
+rendered as transformers renders them, their components (shared prefixes get one shape, a
+conversation's turns chain, a merge across a message boundary moves the boundary back), the
+fast path equal to the plain method on generated conversations, completion prompts.
+
+Tokenizers are trained here with the `tokenizers` library on a small corpus (well under a
+second each, once per module): one whose messages are delimited by special tokens (ChatML),
+one trained so that the end of one message and the start of the next merge into one token.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipeline.batchjob.chat import ChatPrompt, ChatTokenizer, check_messages, last_user_index
+from pipeline.producer.signature import signature
+from pipeline.wire.errors import (
+    BadInputError,
+    ChatRequestError,
+    ConfigError,
+    ModelDirError,
+    NoChatTemplateError,
+    TokenArrayError,
+)
+
+BOS, EOS = "<s>", "</s>"
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+CHATML = ("{{ bos_token }}{% for m in messages %}" + IM_START + "{{ m['role'] }}\n{{ m['content'] }}" + IM_END
+          + "\n{% endfor %}{% if add_generation_prompt %}" + IM_START + "assistant\n{% endif %}")
+# Messages back to back with no delimiter at all: a message ending "hel" and the next
+# starting "lo" make "hello", which the merging tokenizer has as one token.
+CONCAT = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}:{% endif %}"
+# The last message is rendered differently from the others (as Llama 2's template does): a
+# prefix render is then not a character prefix of the whole prompt.
+LAST_DIFFERS = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
+                "{% if loop.last %}" + IM_END + "{% else %}\n{% endif %}{% endfor %}"
+                "{% if add_generation_prompt %}assistant:{% endif %}")
+WORDS = ["hello", "help", "world", "system", "user", "assistant", "answer", "question", "the", "of", "lo", "hel"]
+
+
+def _train(specials: list[str], corpus: list[str], vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(corpus, trainer)
+    return tokenizer
+
+
+def _corpus(seed: int, lines: int) -> list[str]:
+    """Lines of WORDS; some end in " \n" so that the space-newline pair is a merge: a text
+    cut between them is then tokenized otherwise alone than inside the whole prompt (the
+    pre-tokenizer's whitespace rule looks ahead), which a cut read off token offsets misses."""
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(WORDS, size=8)) + (" \n" if k % 2 else "\n") for k in range(lines)]
+
+
+def _write_model(directory: Path, tokenizer, **config) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """(delimited, merging): Rust tokenizers, trained once per module."""
+    delimited = _train([BOS, EOS, IM_START, IM_END], _corpus(0, 400), 400)
+    merging = _train([BOS, EOS], _corpus(1, 400), 400)
+    for tokenizer in (delimited, merging):  # the merges the tests need
+        assert tokenizer.encode(" \n", add_special_tokens=False).tokens == ["Ġ\u010a"]
+    assert merging.encode("hello", add_special_tokens=False).tokens == ["hello"]
+    return delimited, merging
+
+
+@pytest.fixture(scope="module")
+def models(trained, tmp_path_factory) -> dict[str, Path]:
+    delimited, merging = trained
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "chatml": _write_model(root / "chatml", delimited, chat_template=CHATML, bos_token=BOS,
+                               eos_token={"__type": "AddedToken", "content": EOS}),
+        "concat": _write_model(root / "concat", merging, chat_template=CONCAT, bos_token=BOS, eos_token=EOS),
+        "last": _write_model(root / "last", delimited, bos_token=BOS, eos_token=EOS,
+                             chat_template=[{"name": "tool_use", "template": "x"},
+                                            {"name": "default", "template": LAST_DIFFERS}]),
+    }
+
+
+@pytest.fixture(scope="module")
+def chatml(models) -> ChatTokenizer:
+    return ChatTokenizer.load(models["chatml"])
+
+
+def reference_prompt(tokenizer: ChatTokenizer, messages: list[dict]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The plain method: render and tokenize every prefix conversation, cut at the longest
+    common token prefix with the whole prompt, drop cuts that do not advance."""
+    checked = check_messages(messages)
+    full = np.array(tokenizer.encode(tokenizer.render(checked, add_generation_prompt=True), False), dtype=np.int32)
+    components, start = [], 0
+    for j in range(last_user_index(checked)):
+        prefix = tokenizer.encode(tokenizer.render(checked[:j + 1], add_generation_prompt=False), False)
+        end = 0
+        while end < min(len(prefix), len(full)) and prefix[end] == full[end]:
+            end += 1
+        if end > start:
+            components.append(full[start:end])
+            start = end
+    return full, components
+
+
+def _chat(system: str, shots: list[tuple[str, str]], user: str) -> list[dict]:
+    messages = [{"role": "system", "content": system}]
+    for question, answer in shots:
+        messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    return messages + [{"role": "user", "content": user}]
+
+
+def _assert_prefix(prompt: ChatPrompt) -> None:
+    if prompt.components:
+        assert np.array_equal(np.concatenate(prompt.components), prompt.tokens[:prompt.prefix_len])
+    assert all(len(c) for c in prompt.components)
+    assert prompt.tokens.dtype == np.int32 and not prompt.tokens.flags.writeable
+
+
+# -- shapes of chat requests -----------------------------------------------------------------
+
+def test_requests_sharing_system_and_fewshot_get_the_same_components(chatml):
+    shots = [("what is the answer", "the answer of the question"), ("hello world", "help the user")]
+    first = chatml.chat_prompt(_chat("you are the system", shots, "hello"))
+    second = chatml.chat_prompt(_chat("you are the system", shots, "a much longer question of the user"))
+    assert len(first.components) == 1 + 2 * len(shots)  # system, then each few-shot message
+    for a, b in zip(first.components, second.components, strict=True):
+        assert np.array_equal(a, b)
+    assert signature(first.components) == signature(second.components)
+    other = chatml.chat_prompt(_chat("you are another system", shots, "hello"))
+    assert signature(other.components) != signature(first.components)
+    # Each boundary is where the prefix render's own tokens end (the delimiters are special
+    # tokens, so nothing merges across them).
+    messages = check_messages(_chat("you are the system", shots, "hello"))
+    ends = [len(chatml.encode(chatml.render(messages[:j + 1], add_generation_prompt=False), False))
+            for j in range(len(messages) - 1)]
+    assert np.cumsum([len(c) for c in first.components]).tolist() == ends
+    assert first.components[0][0] == chatml.encode(BOS, False)[0]  # the template writes bos, once
+    _assert_prefix(first)
+
+
+def test_turn_k_plus_1_starts_with_turn_k_components(chatml):
+    messages = [{"role": "system", "content": "you are the system"}]
+    previous: list[np.ndarray] = []
+    for turn in range(4):
+        messages.append({"role": "user", "content": f"question {turn} of the user"})
+        prompt = chatml.chat_prompt(messages)
+        assert len(prompt.components) == len(previous) + (1 if turn == 0 else 2)
+        for a, b in zip(previous, prompt.components):
+            assert np.array_equal(a, b)
+        # Turn k's whole prompt (with its generation prompt) is where turn k+1's tokens begin,
+        # up to the answer's text.
+        _assert_prefix(prompt)
+        previous = prompt.components
+        messages.append({"role": "assistant", "content": f"answer {turn} hello world"})
+
+
+def test_a_merge_across_the_boundary_moves_it_back_to_the_common_prefix(models):
+    tokenizer = ChatTokenizer.load(models["concat"])
+    messages = [{"role": "system", "content": "the system hel"}, {"role": "user", "content": "lo world"}]
+    prefix = tokenizer.encode(tokenizer.render(messages[:1], add_generation_prompt=False), False)
+    prompt = tokenizer.chat_prompt(messages)
+    # The precondition: the whole prompt has "hello" where the prefix render ends in "hel".
+    assert prompt.tokens[:len(prefix)].tolist() != prefix
+    common = next(k for k in range(len(prefix)) if prefix[k] != prompt.tokens[k])
+    assert common > 0 and prompt.prefix_len == common
+    _assert_prefix(prompt)
+    full, components = reference_prompt(tokenizer, messages)
+    assert np.array_equal(full, prompt.tokens) and len(components) == 1
+    assert np.array_equal(components[0], prompt.components[0])
+
+
+def test_a_cut_at_a_token_boundary_of_the_prompt_is_not_enough(models):
+    # Why the fast path cuts only beside special tokens: "the \n" alone ends in the merged
+    # " \n", but inside "the \nhello" the pre-tokenizer splits " " from "\n" (its
+    # whitespace rule looks ahead), so the whole prompt has a token boundary at the cut while
+    # the prefix render's tokens are not its first tokens.
+    tokenizer = ChatTokenizer.load(models["concat"])
+    messages = [{"role": "system", "content": "the \n"}, {"role": "user", "content": "hello"}]
+    prompt = tokenizer.chat_prompt(messages)
+    alone = tokenizer.encode("the \n", False)
+    assert tokenizer.decode(prompt.tokens[:len(alone) + 1]) == "the \n"  # a boundary at the cut...
+    assert prompt.tokens[:len(alone)].tolist() != alone  # ...yet not the prefix's own tokens
+    full, components = reference_prompt(tokenizer, messages)
+    assert [c.tolist() for c in components] == [c.tolist() for c in prompt.components]
+    assert prompt.prefix_len == len(alone) - 1
+
+
+def test_a_boundary_that_does_not_advance_is_dropped(models):
+    tokenizer = ChatTokenizer.load(models["concat"])
+    # The second system message is empty: its boundary is the first's, so one component.
+    messages = [{"role": "system", "content": "the system "}, {"role": "system", "content": ""},
+                {"role": "user", "content": "hello"}]
+    prompt = tokenizer.chat_prompt(messages)
+    assert len(prompt.components) == 1
+    _assert_prefix(prompt)
+
+
+def test_no_user_message_means_no_components(chatml):
+    prompt = chatml.chat_prompt([{"role": "system", "content": "the system"}])
+    assert prompt.components == [] and len(prompt.tokens) > 0
+
+
+# -- the fast path against the plain method --------------------------------------------------
+
+# Pieces of contents: letters the tokenizers merge, whitespace, non-ASCII, and the special
+# tokens' own text (a request may contain them: they are tokenized as the special tokens).
+PIECE = st.sampled_from(list("helowrd tsyquin\n") + ["é", "\u4e16", IM_START, IM_END, BOS, "hel", "lo", "  ", " \n"])
+TEXT = st.lists(PIECE, max_size=12).map("".join)
+MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": TEXT})
+
+
+@pytest.fixture(scope="module")
+def small_memo(models) -> dict[str, ChatTokenizer]:
+    """Each model with a memo of 64 characters: hits, misses and evictions all happen."""
+    return {name: ChatTokenizer.load(path, memo_chars=64) for name, path in models.items()}
+
+
+@pytest.mark.parametrize("model", ["chatml", "concat", "last"])
+@settings(max_examples=150, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(messages=st.lists(MESSAGE, min_size=1, max_size=7))
+def test_components_equal_the_plain_method(small_memo, model, messages):
+    tokenizer = small_memo[model]
+    try:
+        full, components = reference_prompt(tokenizer, messages)
+    except ChatRequestError:  # an empty render: refused by both
+        with pytest.raises(ChatRequestError):
+            tokenizer.chat_prompt(messages)
+        return
+    prompt = tokenizer.chat_prompt(messages)
+    assert np.array_equal(prompt.tokens, full)
+    assert [c.tolist() for c in prompt.components] == [c.tolist() for c in components]
+    _assert_prefix(prompt)
+
+
+def test_the_fast_path_answers_for_special_token_delimiters(chatml, monkeypatch):
+    # ChatML: every boundary sits before <|im_start|>, so no prefix render is tokenized.
+    calls = []
+    monkeypatch.setattr(chatml, "_prefix_tokens", lambda text: calls.append(text))
+    prompt = chatml.chat_prompt(_chat("the system", [("hello", "world")], "question"))
+    assert len(prompt.components) == 3 and calls == []
+
+
+# -- templates as transformers renders them ---------------------------------------------------
+
+def test_template_environment_matches_transformers(trained):
+    template = ("{% for m in messages %}{% if m['role'] == 'bad' %}{{ raise_exception('no bad roles') }}{% endif %}"
+                "{{ m | tojson }}{% if loop.index == 1 %}{% break %}{% endif %}{% endfor %}\n"
+                "  {% if add_generation_prompt %}<go>{% endif %}")
+    tokenizer = ChatTokenizer(trained[0], template, bos_token=BOS)
+    text = tokenizer.render([{"role": "user", "content": "<a> & 'é'"}, {"role": "user", "content": "x"}],
+                            add_generation_prompt=True)
+    # tojson keeps <, &, ' and non-ASCII as they are; break works; trim/lstrip blocks eat
+    # the newline after a block and the spaces before one.
+    assert text == '{"role": "user", "content": "<a> & \'é\'"}<go>'
+    with pytest.raises(ChatRequestError, match="no bad roles"):
+        tokenizer.chat_prompt([{"role": "bad", "content": "x"}])
+
+
+def test_messages_are_checked_and_text_parts_joined(chatml):
+    parts = [{"type": "text", "text": "hello"}, {"type": "text", "text": "world"}]
+    assert check_messages([{"role": "user", "content": parts}])[0]["content"] == "hello\nworld"
+    for bad, where in [([], "non-empty list"), ("hi", "non-empty list"), ([5], r"messages\[0\]"),
+                       ([{"content": "x"}], r"messages\[0\]\.role"), ([{"role": "user", "content": 5}],
+                                                                        r"messages\[0\]\.content"),
+                       ([{"role": "user", "content": [{"type": "image_url"}]}], r"messages\[0\]\.content\[0\]")]:
+        with pytest.raises(ChatRequestError, match=where):
+            chatml.chat_prompt(bad)
+    with pytest.raises(ChatRequestError, match="tools"):
+        chatml.chat_prompt([{"role": "user", "content": "x"}], tools="all")
+
+
+# -- model directories ------------------------------------------------------------------------
+
+def test_model_dir_errors_name_the_path(trained, tmp_path):
+    with pytest.raises(ModelDirError, match="not a model directory"):
+        ChatTokenizer.load(tmp_path / "nowhere")
+    model = tmp_path / "model"
+    model.mkdir()
+    with pytest.raises(ModelDirError, match=r"tokenizer\.json: missing"):
+        ChatTokenizer.load(model)
+    (model / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ModelDirError, match=r"tokenizer\.json: not a tokenizer file") as caught:
+        ChatTokenizer.load(model)
+    assert str(model) in str(caught.value) and "\n" not in str(caught.value)
+    trained[0].save(str(model / "tokenizer.json"))
+    with pytest.raises(ModelDirError, match=r"tokenizer_config\.json: missing"):
+        ChatTokenizer.load(model)
+    config = model / "tokenizer_config.json"
+    for text, why in [("[1", "not valid JSON"), ("[1]", "a JSON object"), ('{"chat_template": 5}', "chat_template"),
+                      ('{"bos_token": 5}', "bos_token"), ('{"add_bos_token": "yes"}', "add_bos_token"),
+                      ('{"chat_template": "{% for %}"}', "does not compile: line 1")]:
+        config.write_text(text)
+        with pytest.raises(ModelDirError, match=why) as caught:
+            ChatTokenizer.load(model)
+        assert str(config) in str(caught.value)
+    assert issubclass(ModelDirError, ConfigError) and issubclass(ChatRequestError, BadInputError)
+
+
+def test_without_a_template_chat_is_refused_and_completions_work(trained, tmp_path):
+    model = _write_model(tmp_path / "plain", trained[0], bos_token=BOS)
+    tokenizer = ChatTokenizer.load(model)
+    assert not tokenizer.has_chat_template
+    with pytest.raises(NoChatTemplateError, match=f"{model}: the model has no chat template"):
+        tokenizer.chat_prompt([{"role": "user", "content": "hi"}])
+    assert tokenizer.completion_prompt("hello world").tokens.tolist() == tokenizer.encode("hello world", True)
+    # A named-templates list without "default" is no template either.
+    named = _write_model(tmp_path / "named", trained[0], chat_template=[{"name": "tool_use", "template": "x"}])
+    assert not ChatTokenizer.load(named).has_chat_template
+
+
+def test_chat_template_jinja_file_wins_over_the_config(trained, tmp_path):
+    model = _write_model(tmp_path / "jinja", trained[0], chat_template="config", bos_token=BOS)
+    (model / "chat_template.jinja").write_text("file{{ messages[0]['content'] }}")
+    assert ChatTokenizer.load(model).render([{"role": "user", "content": "x"}], add_generation_prompt=True) == "filex"
+
+
+def test_named_default_template_and_token_objects(models):
+    tokenizer = ChatTokenizer.load(models["last"])
+    assert tokenizer.render([{"role": "user", "content": "hi"}], add_generation_prompt=True) == \
+        f"{BOS}user: hi{IM_END}assistant:"
+    assert ChatTokenizer.load(models["chatml"]).eos_token_id == 1  # {"content": "</s>"}, trained as id 1
+
+
+# -- completions ------------------------------------------------------------------------------
+
+def test_completion_prompts(chatml):
+    assert chatml.completion_prompt([3, 4, 5]).tokens.tolist() == [3, 4, 5]
+    assert chatml.completion_prompt([3, 4, 5]).components == []
+    for bad, why in [([1, True], r"prompt\[1\]"), ([-1], r"prompt\[0\]"), ([chatml.vocab_size], r"prompt\[0\]"),
+                     ([2**70], r"prompt\[0\]"), ([1.0], r"prompt\[0\]"), ([], "no tokens"), ("", "no tokens"),
+                     (5, "a string or a list")]:
+        with pytest.raises(TokenArrayError, match=why):
+            chatml.completion_prompt(bad)
+
+
+def test_add_bos_token_applies_to_plain_prompts_only(trained, tmp_path):
+    model = _write_model(tmp_path / "bos", trained[0], chat_template=CHATML, bos_token=BOS, add_bos_token=True)
+    tokenizer = ChatTokenizer.load(model)
+    bos = tokenizer.encode(BOS, False)[0]
+    assert tokenizer.completion_prompt("hello").tokens.tolist() == [bos, *tokenizer.encode("hello", False)]
+    assert tokenizer.encode_batch(["hello", "world"], True)[1] == [bos, *tokenizer.encode("world", False)]
+    chat = tokenizer.chat_prompt([{"role": "user", "content": "hello"}]).tokens.tolist()
+    assert chat.count(bos) == 1  # the template's own bos, not a second one
+
+
+# -- the tiny model of tools/tiny_llama.py ----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> ChatTokenizer:
+    from tools.tiny_llama import build
+
+    return ChatTokenizer.load(build(tmp_path_factory.mktemp("tiny-llama")))
+
+
+def test_tiny_llama_loads_and_renders(tiny):
+    messages = _chat("You are a helpful assistant.", [("What is 2+2?", "4")], "And 3+3?")
+    prompt = tiny.chat_prompt(messages)
+    assert tiny.decode(prompt.tokens) == tiny.render(check_messages(messages), add_generation_prompt=True) \
+        .removeprefix("<|begin_of_text|>")
+    assert prompt.tokens[0] == 0 and tiny.eos_token_id == 1 and tiny.vocab_size == 4096
+    assert len(prompt.components) == 3
+    full, components = reference_prompt(tiny, messages)
+    assert np.array_equal(full, prompt.tokens)
+    assert [c.tolist() for c in components] == [c.tolist() for c in prompt.components]
+    assert tiny.completion_prompt("def main():").tokens[0] != 0  # add_bos_token is false there
