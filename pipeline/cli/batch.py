@@ -65,6 +65,8 @@ def run_batch(input_file: str, output_file: str, model_dir: str, served_model_na
     from pipeline.runtime.batchrun import plan_job
 
     setup_logging(verbose)
+    if os.path.exists(output_file) and os.path.samefile(input_file, output_file):
+        raise click.ClickException(f"the output file {output_file} is the input file: it would be replaced")
     own_data_dir = data_dir is None
     data_dir = data_dir or output_file + DEFAULT_DATA_DIR_SUFFIX
     try:
