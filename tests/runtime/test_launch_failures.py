@@ -30,10 +30,13 @@ ITEMS = 6000
 SLOW = "consumers = 2\n[engine_options]\ncost_s_per_padded_token = 2e-6\n"
 
 
-def start_launch(tmp_path, *args: str, env: dict | None = None) -> subprocess.Popen:
+def start_launch(tmp_path, *args: str, env: dict | None = None, lagging: bool = False) -> subprocess.Popen:
+    """The launch, in the background; `lagging`: its producers feed slowly, as on a loaded
+    machine (tests/runtime/lagging_launch.py), so it is stopped before they fed everything."""
     config = tmp_path / "slow.toml"
     config.write_text(SLOW)
-    return subprocess.Popen([sys.executable, "-m", "pipeline", "launch", "--items", str(ITEMS), "--config", str(config),
+    command = "tests.runtime.lagging_launch" if lagging else "pipeline"
+    return subprocess.Popen([sys.executable, "-m", command, "launch", "--items", str(ITEMS), "--config", str(config),
                              *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
 
 
@@ -150,12 +153,18 @@ def test_two_ctrl_cs_keep_the_unstored_records_for_the_next_launch(tmp_path):
     rerun_finishes_everything(tmp_path, data, accepted(stopped))
 
 
-def test_a_failed_run_on_a_temporary_data_directory_keeps_it_for_its_unfinished_work(tmp_path):
+@pytest.mark.parametrize("producers", ["fast", "lagging"])
+def test_a_failed_run_on_a_temporary_data_directory_keeps_it_for_its_unfinished_work(tmp_path, producers):
     """The demo's temporary data directory is removed after a run, but not after a failure
-    that left work in it: the launch says where it is and how to finish it."""
+    that left work in it: the launch says where it is and how to finish it. What the rerun
+    must finish is what the stopped run's report says its producers accepted: the test took
+    the whole workload as accepted before, and failed under load (`items_taken_over 957 >=
+    5,926`) when the broker was killed before the producers had fed it all (`lagging`)."""
     temp = tmp_path / "tmp"
     temp.mkdir()
-    launcher = start_launch(tmp_path, env={**os.environ, "TMPDIR": str(temp)})
+    report_path = tmp_path / "stopped.json"
+    launcher = start_launch(tmp_path, "--report", str(report_path), env={**os.environ, "TMPDIR": str(temp)},
+                            lagging=producers == "lagging")
     try:
         socket_path = while_running(launcher, lambda: glob.glob(str(temp / "shape-broker-*" / "run" / "broker.sock")),
                                     "socket")[0]
@@ -166,7 +175,12 @@ def test_a_failed_run_on_a_temporary_data_directory_keeps_it_for_its_unfinished_
     _children, err = kill_the_broker_mid_run(launcher, data)
     assert launcher.returncode == 1, err
     assert os.path.isdir(data) and f"--data-dir {data}" in err, err
-    rerun_finishes_everything(tmp_path, data, {make_item_id(p, s) for p in (0, 1) for s in range(ITEMS // 2)})
+    stopped = json.loads(report_path.read_text())
+    assert stopped["lost"] == 0 and stopped["accounting_ok"] is True
+    assert stopped["items_accepted"] + stopped["items_not_submitted"] == ITEMS
+    if producers == "lagging":  # the case this guards: stopped before the producers fed it all
+        assert stopped["items_accepted"] < ITEMS, stopped["items_accepted_by_producer"]
+    rerun_finishes_everything(tmp_path, data, accepted(stopped))
 
 
 def stored_work(data: str, items: int = 300) -> None:
