@@ -96,3 +96,8 @@ def test_limits_at_and_past(field, at_limit, past_limit):
 def test_wrong_types_are_refused(wrong):
     with pytest.raises(GenerationParamsError):
         GenerationParams(**wrong)
+
+
+def test_a_stop_string_that_is_not_valid_unicode_is_refused_up_front():
+    with pytest.raises(GenerationParamsError, match="not valid Unicode"):
+        GenerationParams(stop=("\ud800",))

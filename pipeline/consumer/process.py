@@ -266,6 +266,7 @@ class _Session:
         self._stop = threading.Event()
         self._broken = threading.Event()
         self._heartbeat = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
+        self.in_engine = 0  # batches started and not completed, as the serving loop ended
         self._heartbeat.start()
 
     def _register(self, config: ConsumerConfig) -> dict:
@@ -288,9 +289,10 @@ class _Session:
 
     def hand_back(self) -> int:
         """Say goodbye, so the broker returns every batch this consumer holds to dispatch at
-        once; how many it held by this side's count (the one in hand and those queued in
-        the ring). A broker already gone returns them when it notices the disconnect."""
-        held = 1
+        once; how many it held by this side's count: those started (in the engine, or run and
+        not completed: `in_engine`, which the serving loop sets as it ends) and those queued
+        in the ring. A broker already gone returns them when it notices the disconnect."""
+        held = self.in_engine
         try:
             while self.ring.poll() is not None:
                 held += 1
@@ -445,12 +447,18 @@ class Consumer:
                 if time.monotonic() >= sweep_s:
                     self._reader.drop_deleted()  # a deleted segment's space is freed only once unmapped
                     sweep_s = time.monotonic() + DROP_DELETED_INTERVAL_S
-                ready = self._feed(session, in_flight)
-                for batch_id, result in ready + self.engine.poll():
-                    started = in_flight.pop(batch_id)
+                done = self._feed(session, in_flight) + self.engine.poll()
+                if done:
+                    # Woken from a SIGSTOP declared dead, the broker gave these batches to
+                    # another consumer: their results must not be written here too.
+                    session.check_open()
+                for batch_id, result in done:
+                    started = in_flight[batch_id]  # held until completed (hand_back counts it)
                     summary = self.finish_batch(started, result)
                     self._complete(session, credit, pace, started, summary)
+                    del in_flight[batch_id]
         finally:
+            session.in_engine = len(in_flight)  # hand_back's count
             dropped = self.engine.abort()  # unfinished: the broker takes them back at goodbye
             if dropped:
                 log.info("%s: %d batches left unfinished in the engine; the broker hands them out again",

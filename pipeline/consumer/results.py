@@ -111,11 +111,13 @@ def result_lines(d: Descriptor, status: str, item_ids: Sequence[int], submit_ns:
 
 
 def _finish_json(reason: str | None) -> str:
-    """A finish reason as JSON: an engine's word (letters and underscores), or null."""
+    """A finish reason as JSON: an engine's word (letters and underscores, as written), or
+    null; anything else an engine might say goes through json.dumps (ASCII)."""
     if reason is None:
         return "null"
-    assert reason.replace("_", "").isalnum() and reason.isascii(), reason
-    return f'"{reason}"'
+    if reason.replace("_", "").isalnum() and reason.isascii():
+        return f'"{reason}"'
+    return json.dumps(reason, ensure_ascii=True)
 
 
 def error_lines(d: Descriptor, item_ids: Sequence[int], submit_ns: Sequence[int], prompt_tokens: Sequence[int],

@@ -109,9 +109,15 @@ class GenerationParams:
         elif len(self.stop) > MAX_STOP_STRINGS:
             wrong.append(f"{len(self.stop)} stop strings, limit {MAX_STOP_STRINGS}")
         else:
-            long = [s for s in self.stop if len(s.encode("utf-8", "surrogatepass")) > MAX_STOP_STRING_BYTES]
-            if long:
-                wrong.append(f"stop string {long[0][:40]!r}... is over {MAX_STOP_STRING_BYTES} bytes of UTF-8")
+            for stop in self.stop:
+                try:
+                    size = len(stop.encode("utf-8"))
+                except UnicodeEncodeError:  # a lone surrogate: no UTF-8 for it
+                    wrong.append(f"stop string {stop[:40]!r} is not valid Unicode text")
+                    break
+                if size > MAX_STOP_STRING_BYTES:
+                    wrong.append(f"stop string {stop[:40]!r}... is over {MAX_STOP_STRING_BYTES} bytes of UTF-8")
+                    break
         return wrong
 
     def overrides(self) -> dict[str, object]:

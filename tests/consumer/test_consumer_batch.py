@@ -151,3 +151,12 @@ def test_an_engine_error_on_some_items_is_their_result_with_the_message(tmp_path
     assert summarize_results(str(tmp_path / "results")).by_status == {"ok": 3, "error": 3}
     consumer._reader.close()
     segment.close()
+
+
+def test_a_finish_reason_out_of_the_ordinary_still_makes_a_json_line():
+    from pipeline.consumer.results import STATUS_OK, result_lines
+    from pipeline.wire.layouts import Descriptor
+
+    d = Descriptor(batch_id=1, signature=SIG, model=0, pad_to_tokens=8, dispatch_ns=1, items=np.zeros(0))
+    raw = result_lines(d, STATUS_OK, [1], [2], [3], [0], [[5]], [b""], ['abort "by" user\u00e9'])
+    assert raw.isascii() and json.loads(raw)["finish_reason"] == 'abort "by" user\u00e9'

@@ -147,9 +147,10 @@ class Engine(abc.ABC):
         self._finished.append((key, self.run(batch)))
 
     def wants_more(self) -> bool:
-        """Whether a batch submitted now would start without waiting for others to end (a
-        synchronous engine has always finished what it was given)."""
-        return True
+        """Whether a batch submitted now would start without waiting for others to end. A
+        synchronous engine takes the next one only once the last one's result was polled:
+        each batch is written and completed before the next runs."""
+        return not self._finished
 
     def poll(self) -> list[tuple[int, EngineResult]]:
         """Advance the batches submitted (a step of a real engine's scheduler) and return

@@ -24,8 +24,10 @@ counters are the sim engine's, measured against vLLM:
                                        (vLLM counts a request when it schedules it, we when
                                        it finishes; when idle, the two cover the same ones)
 A prompt vLLM refuses (longer than max_model_len, ...) is that item's error
-(EngineResult.errors) with vLLM's message; an out-of-memory in a step fails the requests
-then running with it; the others still run.
+(EngineResult.errors) with vLLM's message; an error in a scheduler step (an out-of-memory)
+fails every request vLLM holds at that moment, queued ones included (vLLM's step does not
+say which request it was), each answered with the message: none is lost, and the consumer
+runs on.
 
     engine = make_engine("vllm", model="/models/llama", kv_cache_memory_bytes=1 << 30,
                          block_size=32, enforce_eager=True, load_format="dummy")
