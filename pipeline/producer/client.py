@@ -21,7 +21,7 @@ import numpy as np
 
 from pipeline.producer.producer import DEFAULT_RING_CAPACITY_BYTES, Producer, ProducerLimits
 from pipeline.wire.errors import ProducerRefusedError, ProtocolError
-from pipeline.wire.protocol import RECONNECT_FIRST_S, RECONNECT_MAX_S, Connection
+from pipeline.wire.protocol import RECONNECT_FIRST_S, RECONNECT_MAX_S, REGISTRATION_REPLY_TIMEOUT_S, Connection
 from shm.ring import RingWriter
 
 # How often `wait_stored` looks at the ring's read position.
@@ -39,7 +39,8 @@ class BrokerProducer(Producer):
                  limits: ProducerLimits = ProducerLimits(), timeout_s: float | None = None) -> None:
         self.socket_path = socket_path
         self.conn = Connection.connect(socket_path)
-        reply = self.conn.request({"type": "register_producer", "pid": os.getpid(), "producer_id": -1})
+        reply = self.conn.request({"type": "register_producer", "pid": os.getpid(), "producer_id": -1},
+                                  timeout_s=REGISTRATION_REPLY_TIMEOUT_S)
         ring = RingWriter.create(reply["ring"], capacity_bytes, doorbell=reply["doorbell"], reattach=True)
         try:
             super().__init__(ring, reply["producer_id"], limits=limits, timeout_s=timeout_s)
@@ -79,7 +80,8 @@ class BrokerProducer(Producer):
             conn = None
             try:
                 conn = Connection.connect(self.socket_path)
-                conn.request({"type": "register_producer", "pid": os.getpid(), "producer_id": self.producer_id})
+                conn.request({"type": "register_producer", "pid": os.getpid(), "producer_id": self.producer_id},
+                             timeout_s=REGISTRATION_REPLY_TIMEOUT_S)
                 conn.send({"type": "producer_ready", "ring": self.ring.name})
             except ProtocolError as exc:
                 if conn is not None:

@@ -295,6 +295,12 @@ class Connection:
         self.sock.close()
 
 
+# How long a registering producer waits for the broker's answer. The broker records a new
+# producer id durably (its state file, fsynced) before it answers, and on a loaded machine
+# an fsync has taken seconds: at the 5 s every other request waits, producers under the
+# full test suite failed to register now and then ("2 of 2 producers failed", nothing
+# submitted). A registration happens once per producer, so waiting long costs nothing.
+REGISTRATION_REPLY_TIMEOUT_S = 60.0
 # How often a connect retries while the broker's listen backlog is full.
 CONNECT_RETRY_S = 0.01
 

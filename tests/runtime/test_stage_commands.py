@@ -23,6 +23,8 @@ COMMAND_TIMEOUT_S = 120
 def pipeline(*args: str) -> subprocess.CompletedProcess:
     done = subprocess.run([sys.executable, "-m", "pipeline", *args], capture_output=True, text=True,
                           timeout=COMMAND_TIMEOUT_S, cwd=ROOT)
+    if done.returncode != 0:  # the whole of it: an assertion's repr cuts it short
+        print(f"pipeline {' '.join(args)}: exit {done.returncode}\nstdout:\n{done.stdout}\nstderr:\n{done.stderr}")
     assert done.returncode == 0, (args, done.stdout, done.stderr)
     return done
 
