@@ -139,6 +139,23 @@ def _run(settings, batch_file, plan, model_dir: str, data_dir: str) -> int:
         launcher.cleanup()
 
 
+def _add_to_report(path: str, summary) -> None:
+    """The job's summary under "job" in the run report's JSON (a report of its own when this
+    run ran nothing: every request was answered before)."""
+    import dataclasses
+    import json
+
+    try:
+        with open(path) as f:
+            report = json.load(f)
+    except (OSError, ValueError):
+        report = {}
+    report["job"] = {**dataclasses.asdict(summary), "unanswered": len(summary.unanswered),
+                     "failed_by_status": {str(k): v for k, v in summary.failed_by_status.items()}}
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+
+
 def _write_output(batch_file, tokenizer, plan, settings, output_file: str, order: str, data_dir: str,
                   code: int) -> int:
     """The output file, once every request has its answer; the job's summary; the exit status."""
@@ -150,6 +167,8 @@ def _write_output(batch_file, tokenizer, plan, settings, output_file: str, order
         click.echo(f"run-batch: {len(summary.unanswered):,} of {summary.requests:,} requests have no answer yet; "
                    f"the same command finishes the job (data directory {data_dir})", err=True)
         return code or 1
+    if settings.report:
+        _add_to_report(settings.report, summary)
     usage = summary.usage
     failed = ", ".join(f"{count:,} with status {status}" for status, count in sorted(summary.failed_by_status.items()))
     click.echo(f"run-batch: {summary.completed:,} completed, {summary.failed:,} failed{f' ({failed})' if failed else ''}"

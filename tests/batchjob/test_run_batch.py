@@ -62,9 +62,17 @@ def test_a_job_of_chat_and_completion_requests_gets_one_answer_each(tmp_path, mo
     records = example_requests(60, "tiny-llama")
     source = write_requests(tmp_path / "requests.jsonl", records)
     out = tmp_path / "out.jsonl"
-    done = run_batch("-i", str(source), "-o", str(out), "--model", model_dir)
+    report = tmp_path / "report.json"
+    done = run_batch("-i", str(source), "-o", str(out), "--model", model_dir, "--report", str(report))
     assert done.returncode == 0, done.stderr
     rows = check_output(out, records)
+    job = json.loads(report.read_text())["job"]
+    usage = [row["response"]["body"]["usage"] for row in rows]
+    assert (job["completed"], job["failed"]) == (60, 0)
+    assert job["usage"] == {"prompt_tokens": sum(u["prompt_tokens"] for u in usage),
+                            "completion_tokens": sum(u["completion_tokens"] for u in usage),
+                            "total_tokens": sum(u["total_tokens"] for u in usage),
+                            "cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"] for u in usage)}
     for row, record in zip(rows, records):
         body = row["response"]["body"]
         assert row["response"]["status_code"] == 200 and row["error"] is None
