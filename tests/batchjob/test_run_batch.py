@@ -122,6 +122,22 @@ def test_a_file_with_a_duplicate_custom_id_is_refused_before_anything_runs(tmp_p
     assert not (tmp_path / "out.jsonl").exists() and not (tmp_path / "out.jsonl.run").exists()
 
 
+def _wait_for_orphans(data: Path) -> None:
+    """Until the killed run's broker is gone (its lock free): the next run starts its own."""
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while (pid := _broker_pid(data)) is not None and _alive(pid):
+        assert time.monotonic() < deadline, "the killed run's broker is still alive"
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def _broker_pid(data: Path) -> int | None:
     try:
         return int((data / "run" / "broker.lock").read_text())
@@ -142,7 +158,7 @@ def _consumer_pid(data: Path) -> int | None:
     return next((c["pid"] for c in consumers.values()), None)
 
 
-@pytest.mark.parametrize("how", ["kill-broker", "kill-consumer", "ctrl-c"])
+@pytest.mark.parametrize("how", ["kill-broker", "kill-consumer", "kill-run-batch", "ctrl-c"])
 def test_a_stopped_job_is_finished_by_the_same_command(tmp_path, model_dir, how):
     records = example_requests(400, "tiny-llama")
     source = write_requests(tmp_path / "r.jsonl", records)
@@ -161,12 +177,16 @@ def test_a_stopped_job_is_finished_by_the_same_command(tmp_path, model_dir, how)
             os.kill(_broker_pid(data), signal.SIGKILL)
         elif how == "kill-consumer":
             os.kill(_consumer_pid(data), signal.SIGKILL)
+        elif how == "kill-run-batch":  # the launcher itself: its children stop with it (PDEATHSIG)
+            first.kill()
         else:
             first.send_signal(signal.SIGINT)
         first.communicate(timeout=RUN_TIMEOUT_S)
     finally:
         if first.poll() is None:
             first.kill()
+    if how == "kill-run-batch":
+        _wait_for_orphans(data)
     answered_first = _answered_lines(data)
     if how != "kill-consumer":  # the launcher goes on without a dead consumer when the other lives
         assert first.returncode != 0 and not out.exists()
