@@ -20,3 +20,14 @@ def test_module_entry_point_runs():
     done = subprocess.run([sys.executable, "-m", "pipeline", "--version"], capture_output=True, text=True)
     assert done.returncode == 0
     assert "version" in done.stdout
+
+
+def test_the_shape_order_is_an_option_and_the_report_shows_it(tmp_path):
+    import json
+
+    report = tmp_path / "r.json"
+    done = subprocess.run([sys.executable, "-m", "pipeline", "launch", "--items", "300", "--shape-order", "prefix",
+                           "--report", str(report)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    settings = json.loads(report.read_text())["settings"]
+    assert settings["broker"]["shape_order"] == "prefix" and settings["changed"]["broker.shape_order"] == "prefix"

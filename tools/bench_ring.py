@@ -91,7 +91,8 @@ def _read_ring(case: Case, reader: RingReader) -> None:
         if record is None:
             raise SystemExit(f"reader: nothing for 10 s after {got} items")
         if case.mode == "single":
-            magic, version, _hs, _pid, count, tokens, payload = FRAME_HEADER_STRUCT.unpack_from(record.body, 0)
+            magic, version, _hs, _pid, count, tokens, payload, _chains = FRAME_HEADER_STRUCT.unpack_from(
+                record.body, 0)
             if magic != FRAME_MAGIC or version != FRAME_VERSION or count != 1 or tokens != case.tokens:
                 raise SystemExit(f"reader: bad frame header at item {got}")
             if frame_size_bytes(count, tokens, payload) != record.body.shape[0]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from pipeline.broker.lanes import LaneConfig
 from pipeline.broker.packing import Contract
+from pipeline.broker.selection import SHAPE_ORDER_MOST_TOKENS, SHAPE_ORDERS
 from pipeline.wire.errors import ConfigError, ContractError
 from pipeline.wire.layouts import DEFAULT_MAX_MODELS, MODEL_ID_LIMIT, descriptor_size_bytes
 from shm.ring import max_body_bytes
@@ -101,6 +102,9 @@ class BrokerConfig:
     # long, even while the current shape has tokens; None, the default: no bound).
     lanes: LaneConfig = field(default_factory=LaneConfig)
     max_age_s: float | None = None
+    # Which shape a model drains next (pipeline/broker/selection.py): most-tokens (the
+    # design note's rule) or prefix (the longest shared chain prefix first, SPEC §4b).
+    shape_order: str = SHAPE_ORDER_MOST_TOKENS
 
     def __post_init__(self) -> None:
         path_bytes = len(os.fsencode(self.socket_path))
@@ -122,6 +126,9 @@ class BrokerConfig:
                 self.max_age_s, bool) and math.isfinite(self.max_age_s) and 0 < self.max_age_s <= MAX_AGE_BOUND_S):
             raise ConfigError(f"broker setting max_age_s {self.max_age_s!r} must be a number of seconds in "
                               f"(0, {MAX_AGE_BOUND_S:g}], or unset for no starvation bound")
+        if self.shape_order not in SHAPE_ORDERS:
+            raise ConfigError(f"broker setting shape_order {self.shape_order!r} must be one of "
+                              f"{', '.join(SHAPE_ORDERS)}")
         if not isinstance(self.lanes, LaneConfig):
             raise ConfigError(f"broker setting lanes {self.lanes!r} must be a LaneConfig")
         ceilings = {"descriptor_ring_bytes": 1 << 40, "max_models": MODEL_ID_LIMIT, "max_consumers": 1 << 20,

@@ -53,11 +53,11 @@ import numpy as np
 from pipeline.broker.ids import BatchId, ConsumerId, EntryRef, LaneId, LaneKey, ShapeKey
 from pipeline.broker.lanes import MAX_LENGTH_TOKENS, LaneConfig, LaneCounters, ShapeLanes
 from pipeline.broker.packing import Contract, batch_items_limit, pack
-from pipeline.broker.selection import AGE_RESOLUTION_NS, ShapeSelector
+from pipeline.broker.selection import AGE_RESOLUTION_NS, SHAPE_ORDER_MOST_TOKENS, ShapeSelector
 from pipeline.broker.storage.base import AppendGroup, Peeked, StorageTier
 from pipeline.broker.storage.pending import Completion
 from pipeline.wire.errors import DiskFullError, ItemTooLongError, ModelIdError, StorageError
-from pipeline.wire.layouts import DEFAULT_MAX_MODELS, MODEL_ID_LIMIT, Frame, ProducerId
+from pipeline.wire.layouts import DEFAULT_MAX_MODELS, MODEL_ID_LIMIT, Frame, ProducerId, decode_chains
 
 # A batch offered only if it is full enough (`next_batch(full_only=True)`, for a consumer that
 # holds several already) needs this share of what its contract lets it hold: a lane of 7
@@ -189,12 +189,13 @@ class Dispatcher:
         max_age_s: float | None = None,
         age_resolution_ns: int = AGE_RESOLUTION_NS,
         max_models: int = DEFAULT_MAX_MODELS,
+        shape_order: str = SHAPE_ORDER_MOST_TOKENS,
     ) -> None:
         assert 1 <= max_models <= MODEL_ID_LIMIT, max_models  # BrokerConfig checks it
         self._storage = storage
         self._max_models = max_models
         self._lane_config = lane_config if lane_config is not None else LaneConfig()
-        self._selector = ShapeSelector(max_age_s, age_resolution_ns)
+        self._selector = ShapeSelector(max_age_s, age_resolution_ns, shape_order)
         self._shapes: dict[ShapeKey, ShapeLanes] = {}
         self._retired = LaneCounters()  # counters of shapes retired by tick
         self._next_batch_id = 0
@@ -248,6 +249,10 @@ class Dispatcher:
             index = int(np.flatnonzero(items["model"] >= self._max_models)[0])
             raise ModelIdError(f"producer {frame.producer_id}: item {index} is for model "
                                f"{int(items['model'][index])}; this broker serves models 0..{self._max_models - 1}")
+        if frame.chain_section.size:  # the producer's new shapes' lineage, before their items
+            for model, chain in decode_chains(frame.chain_section, f"producer {frame.producer_id}'s frame"):
+                if model < self._max_models:
+                    self._selector.declare(model, chain)
         stored = self._storage.already_stored(ProducerId(frame.producer_id), items["seq"])
         rows = np.flatnonzero(~stored)
         duplicates = len(items) - rows.size

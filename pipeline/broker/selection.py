@@ -12,9 +12,15 @@ dispatchable tokens of every shape as they change and asks it which shape a mode
     selector.guard(batch_shape)                          # ShapeGuardError unless it is current
 
 Policy. A model has one current shape. A request gets the current shape while it has
-dispatchable (queued, not pending) tokens; only when it has none does the model switch to
-the shape with the most dispatchable tokens (ties: the lower signature). All consumers of a
-model therefore drain the same shape at the same time, which keeps their prefix caches warm.
+dispatchable (queued, not pending) tokens; only when it has none does the model switch, to
+the next shape in the shape order (ties: the lower signature). All consumers of a model
+therefore drain the same shape at the same time, which keeps their prefix caches warm.
+
+Shape orders (`shape_order`):
+    most-tokens   the shape with the most dispatchable tokens (the design note's rule)
+    prefix        the shape sharing the longest chain prefix with the one just drained,
+                  ties by most tokens (SPEC §4b; the chains producers declare, kept in a
+                  trie: `pipeline/broker/lineage.py`); without chains it is most-tokens
 
 Starvation bound (beyond the design note; off unless `max_age_s` is set): when some other
 shape's oldest dispatchable item has waited longer than `max_age_s`, and the current shape's
@@ -39,6 +45,7 @@ import numpy as np
 from sortedcontainers import SortedList
 
 from pipeline.broker.ids import ShapeKey
+from pipeline.broker.lineage import ShapeTrie
 from pipeline.wire.errors import BadInputError, ShapeGuardError
 
 # Width of an arrival-time bucket for the starvation bound: a tenth of a second is far finer
@@ -48,6 +55,9 @@ AGE_RESOLUTION_NS = 100_000_000
 # (entries go stale when a bucket empties; they are dropped lazily at the top).
 _HEAP_SLACK_FACTOR = 2
 _NS_PER_S = 1_000_000_000
+SHAPE_ORDER_MOST_TOKENS = "most-tokens"
+SHAPE_ORDER_PREFIX = "prefix"
+SHAPE_ORDERS = (SHAPE_ORDER_MOST_TOKENS, SHAPE_ORDER_PREFIX)
 
 
 class SwitchReason(enum.Enum):
@@ -115,7 +125,8 @@ class ShapeSelector:
     """
 
     def __init__(
-        self, max_age_s: float | None = None, age_resolution_ns: int = AGE_RESOLUTION_NS
+        self, max_age_s: float | None = None, age_resolution_ns: int = AGE_RESOLUTION_NS,
+        shape_order: str = SHAPE_ORDER_MOST_TOKENS,
     ) -> None:
         if max_age_s is not None and (
             isinstance(max_age_s, bool) or not isinstance(max_age_s, (int, float))
@@ -124,6 +135,11 @@ class ShapeSelector:
             raise BadInputError(f"selection: max_age_s must be a number > 0 or None, got {max_age_s!r}")
         if isinstance(age_resolution_ns, bool) or not isinstance(age_resolution_ns, int) or age_resolution_ns < 1:
             raise BadInputError(f"selection: age_resolution_ns must be an int >= 1, got {age_resolution_ns!r}")
+        if shape_order not in SHAPE_ORDERS:
+            raise BadInputError(f"selection: shape_order {shape_order!r} is not one of {', '.join(SHAPE_ORDERS)}")
+        self.shape_order = shape_order
+        # The shapes' lineage, kept only where the order reads it.
+        self._trie = ShapeTrie() if shape_order == SHAPE_ORDER_PREFIX else None
         self._max_age_ns = None if max_age_s is None else max_age_s * _NS_PER_S
         self._resolution_ns = age_resolution_ns
         self._models: dict[int, _Model] = {}
@@ -160,6 +176,16 @@ class ShapeSelector:
 
     # ----------------------------------------------------------------- events
 
+    def declare(self, model: int, chain: Sequence[int]) -> None:
+        """A producer declared a shape's chain of prefix signatures (SPEC §4b)."""
+        if self._trie is not None:
+            self._trie.declare(model, chain)
+
+    @property
+    def lineage_overflows(self) -> int:
+        """Shapes whose chain the trie had no room for (0 where it keeps none)."""
+        return 0 if self._trie is None else self._trie.overflows
+
     def on_queued(self, shape: ShapeKey, tokens: int, arrivals_ns: Sequence[int] | np.ndarray) -> None:
         """Items of `shape` (their total tokens, their submit times) became dispatchable."""
         assert tokens >= len(arrivals_ns) > 0, (shape, tokens, len(arrivals_ns))
@@ -187,6 +213,8 @@ class ShapeSelector:
         current shape is forgotten keeps it as current until the next request switches."""
         assert not self._tokens.get(shape), (shape, self._tokens.get(shape))
         self._tokens.pop(shape, None)
+        if self._trie is not None:
+            self._trie.forget(shape)
         ages = self._ages.pop(shape, None)
         assert ages is None or not ages.counts, shape
 
@@ -200,6 +228,8 @@ class ShapeSelector:
         if tokens:
             state.by_tokens.add((-tokens, shape.signature))
         self._tokens[shape] = tokens
+        if self._trie is not None:
+            self._trie.set_tokens(shape, tokens)
 
     def _buckets(self, arrivals_ns: Sequence[int] | np.ndarray) -> tuple[list[int], list[int]]:
         values = np.asarray(arrivals_ns, dtype=np.int64) // self._resolution_ns
@@ -260,6 +290,10 @@ class ShapeSelector:
         if not state.by_tokens:
             return None
         reason = SwitchReason.INITIAL if current is None else SwitchReason.DRAINED
+        if self._trie is not None:
+            following = self._trie.next_shape(model, current)
+            assert following is not None, (model, current)  # by_tokens is not empty
+            return ShapeKey(model, following), reason
         return ShapeKey(model, state.by_tokens[0][1]), reason
 
     def switch(self, shape: ShapeKey, reason: SwitchReason) -> None:
@@ -319,3 +353,5 @@ class ShapeSelector:
             assert self._oldest.get(shape) == min(ages.counts, default=None), shape
             assert bool(ages.counts) <= bool(self._tokens.get(shape)), shape
         assert set(self._oldest) <= set(self._ages), self._oldest
+        if self._trie is not None:
+            self._trie.check_invariants()

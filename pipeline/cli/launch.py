@@ -10,6 +10,7 @@ import tempfile
 
 import click
 
+from pipeline.broker.selection import SHAPE_ORDERS
 from pipeline.consumer.engines import ENGINES
 from pipeline.runtime.processes import DURABILITY_LEVELS, STORAGE_KINDS
 from pipeline.runtime.settings import DEMO_ITEMS, LaunchSettings, workload_vocab_size
@@ -17,6 +18,9 @@ from pipeline.runtime.tables import broker_config, merged, parse_assignments, pa
 from pipeline.wire.errors import BadInputError, PipelineError, SettingsError
 from pipeline.wire.status import BrokerStatus
 
+# What --shape-order says (`pipeline broker start` says it too).
+SHAPE_ORDER_HELP = ("Which shape a model drains next: most-tokens (the design note's rule, the default) or prefix "
+                    "(the one sharing the longest chain of prefixes with the last, SPEC 4b).")
 # One storage tier (segment files), two places for it: `pipeline broker start` says it too.
 STORAGE_HELP = ("Where the store's segment files live: disk (the data directory; durable, the default) or "
                 "memory (the same files on tmpfs: in RAM, gone when the broker stops).")
@@ -57,6 +61,7 @@ def load_launch_workload(settings: LaunchSettings, vocab_size: int):
 @click.option("--engine", type=click.Choice(sorted(ENGINES)), help="Engine runtime of the consumers (default sim).")
 @click.option("--engine-options", "engine_options", multiple=True, metavar="KEY=VALUE,...", help=ENGINE_OPTIONS_HELP)
 @click.option("--vocab-size", type=int, help=VOCAB_SIZE_HELP)
+@click.option("--shape-order", type=click.Choice(SHAPE_ORDERS), help=SHAPE_ORDER_HELP)
 @click.option("--storage", type=click.Choice(STORAGE_KINDS), help=STORAGE_HELP)
 @click.option("--durability", type=click.Choice(DURABILITY_LEVELS), help="Disk durability (default process).")
 @click.option("--max-batch", type=int, help="Consumer contract: items per batch (default 64).")
@@ -73,13 +78,15 @@ def load_launch_workload(settings: LaunchSettings, vocab_size: int):
                    "consumer.credit_max_batches=8 (repeatable; over the file's value).")
 @click.option("-v", "--verbose", is_flag=True, help="Log every process's info messages to stderr.")
 def launch(config_path: str | None, verbose: bool, assignments: tuple[str, ...], engine_options: tuple[str, ...],
-           **options) -> None:
+           shape_order: str | None, **options) -> None:
     """Run a workload through a broker, producers and one consumer per GPU, with live
     progress, then print the run report. With no arguments: the demo, on the embedded
     defaults (disk tier, sim engine), in a temporary data directory."""
     from pipeline.runtime.launcher import Launcher
 
     setup_logging(verbose)
+    if shape_order is not None:
+        assignments = (*assignments, f"broker.shape_order={shape_order}")
     try:
         given = {"engine_options": parse_engine_options(engine_options) if engine_options else None}
         settings = LaunchSettings.resolve(config_path, merged(options | given, parse_assignments(assignments)))

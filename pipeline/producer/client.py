@@ -98,6 +98,7 @@ class BrokerProducer(Producer):
                 if self._closing.is_set():  # close() ran meanwhile: do not stay registered
                     conn.close()
                     return
+                self.forget_declared_shapes()  # a broker that restarted knows no chain of ours
                 old, self.conn = self.conn, conn
             old.close()
             return

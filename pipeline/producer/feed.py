@@ -22,6 +22,7 @@ from typing import Protocol
 import numpy as np
 
 from pipeline.producer.producer import DEFAULT_FRAME_BYTES
+from pipeline.producer.signature import chain as shape_chain
 from pipeline.producer.workload import WorkItem
 from pipeline.wire.generation import GenerationParams
 from pipeline.wire.layouts import TOKEN_SIZE_BYTES
@@ -43,6 +44,8 @@ class SubmitsMany(Protocol):
                     lengths: np.ndarray, prefix_len: np.ndarray,
                     payloads: Sequence[bytes] | None = None,
                     params: Sequence[GenerationParams | None] | None = None) -> np.ndarray: ...
+
+    def declare_shape(self, model: int, chain: Sequence[int]) -> None: ...
 
 
 @dataclass(slots=True)
@@ -96,6 +99,9 @@ class _Group:
     def __init__(self, client: SubmitsMany, totals: FeedTotals,
                  on_progress: Callable[[FeedTotals], None] | None) -> None:
         self.client = client
+        # Each shape's chain of prefix signatures, made once per feed (a hash per component);
+        # the producer sends it once per connection (`declare_shape`).
+        self.chains: dict[tuple[int, int], tuple[int, ...]] = {}
         self.totals = totals
         self.on_progress = on_progress
         self.items: list[WorkItem] = []
@@ -110,6 +116,7 @@ class _Group:
         items = self.items
         if not items:
             return
+        self._declare(items)
         self.client.submit_many(
             items[0].model,
             np.array([item.signature for item in items], dtype=np.uint64),
@@ -125,3 +132,12 @@ class _Group:
         self.items, self.tokens = [], 0
         if self.on_progress is not None:
             self.on_progress(self.totals)
+
+    def _declare(self, items: list[WorkItem]) -> None:
+        """Declare the group's shapes' chains (the producer skips those it sent already)."""
+        for item in items:
+            key = (item.model, item.signature)
+            chain = self.chains.get(key)
+            if chain is None:
+                chain = self.chains[key] = shape_chain(item.components)
+            self.client.declare_shape(item.model, chain)

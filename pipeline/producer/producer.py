@@ -38,12 +38,14 @@ from pipeline.wire.layouts import (
     FRAME_VERSION,
     ITEM_HEADER_DTYPE,
     ITEM_HEADER_SIZE_BYTES,
+    MAX_CHAIN_DEPTH,
     MAX_PRODUCER_ID,
     MAX_SEQ,
     MODEL_ID_LIMIT,
     SINGLE_ITEM_FRAME_STRUCT,
     TOKEN_SIZE_BYTES,
     ItemId,
+    encode_chains,
     frame_size_bytes,
     make_item_id,
 )
@@ -158,6 +160,10 @@ class Producer:
         self._max_item_tokens = limits.max_item_tokens
         self._max_payload_bytes = limits.max_payload_bytes
         self._max_models = limits.max_models
+        # Shape lineage (SPEC §4b): the shapes declared on this connection, and the chains
+        # still to go out with the next frame written.
+        self._declared: set[tuple[int, int]] = set()
+        self._pending_chains: list[tuple[int, tuple[int, ...]]] = []
 
     @classmethod
     def create(
@@ -187,6 +193,30 @@ class Producer:
     def _timeout(self, timeout_s: object) -> float | None:
         return self.timeout_s if timeout_s is _NO_TIMEOUT else timeout_s  # type: ignore[return-value]
 
+    def declare_shape(self, model: int, chain: Sequence[int]) -> None:
+        """Declare a shape's chain of prefix signatures: the signature of its components[:1],
+        [:2], ..., the last one the shape's own (`signature.chain`). Once per shape: a shape
+        declared before costs a set lookup. The chain goes to the broker with the next frame
+        written, so it arrives before any item submitted after this call. A shape never
+        declared is a chain of one. A chain deeper than MAX_CHAIN_DEPTH keeps its first
+        levels and its own signature (layouts.py)."""
+        if type(model) is not int or not 0 <= model < self._max_models:
+            model = self._check_model(model)
+        if not chain:
+            raise BadInputError("declare_shape: a chain holds at least the shape's own signature")
+        key = (model, chain[-1])
+        if key in self._declared:
+            return
+        values = tuple(check_signature(v) for v in chain)
+        if len(values) > MAX_CHAIN_DEPTH:
+            values = values[:MAX_CHAIN_DEPTH - 1] + values[-1:]
+        self._declared.add(key)
+        self._pending_chains.append((model, values))
+
+    def forget_declared_shapes(self) -> None:
+        """A new broker connection: every shape is declared again as its items come."""
+        self._declared.clear()
+
     def submit(
         self,
         model: int,
@@ -202,6 +232,12 @@ class Producer:
         carried in the payload, which the results file gives back without them."""
         if params is not None or (payload and payload[:4] == GENERATION_MAGIC):
             payload = encode_payload(params, payload if type(payload) is bytes else _check_payload(payload))
+        if self._pending_chains:  # the chains go in this item's frame: the general path
+            tokens = coerce_tokens(tokens)
+            ids = self.submit_many(model, signature, tokens, [len(tokens)], prefix_len,
+                                   payloads=[payload if type(payload) is bytes else _check_payload(payload)],
+                                   timeout_s=timeout_s)
+            return ItemId(int(ids[0]))
         if type(tokens) is not np.ndarray or tokens.dtype != _I4 or tokens.ndim != 1:
             tokens = coerce_tokens(tokens)
         length = len(tokens)  # one-dimensional here; len() is cheaper than shape[0]
@@ -227,7 +263,7 @@ class Producer:
         try:
             self._pack_single(
                 self._buf, offset, FRAME_MAGIC, FRAME_VERSION, FRAME_HEADER_SIZE_BYTES, self.producer_id,
-                1, length, payload_len,
+                1, length, payload_len, 0,
                 item_id, seq, signature, _monotonic_ns(), model, length, prefix_len, payload_len,
             )
             start = offset + _SINGLE_BODY_BASE
@@ -290,10 +326,11 @@ class Producer:
         if first_seq + batch.count - 1 > MAX_SEQ:
             raise BadInputError(f"producer {self.producer_id} would run out of sequence numbers")
         timeout = self._timeout(timeout_s)
+        chains = encode_chains(self._pending_chains) if self._pending_chains else b""
         start = 0
-        for end in self._frame_bounds(batch):
+        for end in self._frame_bounds(batch, len(chains)):
             try:
-                self._write_frame(batch, start, end, first_seq, timeout)
+                self._write_frame(batch, start, end, first_seq, timeout, chains if start == 0 else b"")
             except RingTimeoutError as exc:
                 exc.accepted_items = start  # type: ignore[attr-defined]
                 raise
@@ -302,7 +339,7 @@ class Producer:
         ids |= np.uint64(self._id_base)
         return ids
 
-    def _frame_bounds(self, batch: _Batch) -> list[int]:
+    def _frame_bounds(self, batch: _Batch, first_extra_bytes: int = 0) -> list[int]:
         """Item index where each frame ends: at most `frame_items` items and `frame_bytes`
         bytes (one ring record), but always at least one item.
 
@@ -315,34 +352,39 @@ class Producer:
         bounds = []
         start, used = 0, 0
         while start < batch.count:
-            end = int(np.searchsorted(cumulative, used + budget, side="right"))
+            room = budget - (first_extra_bytes if start == 0 else 0)  # the first frame carries the chains
+            end = int(np.searchsorted(cumulative, used + room, side="right"))
             end = max(start + 1, min(end, start + self.limits.frame_items))  # one max item always fits
             bounds.append(end)
             used = int(cumulative[end - 1])
             start = end
         return bounds
 
-    def _write_frame(self, batch: _Batch, start: int, end: int, first_seq: int, timeout: float | None) -> None:
+    def _write_frame(self, batch: _Batch, start: int, end: int, first_seq: int, timeout: float | None,
+                     chains: bytes = b"") -> None:
         count = end - start
         tok_lo, tok_hi = int(batch.token_starts[start]), int(batch.token_starts[end])
         pay_lo, pay_hi = int(batch.payload_starts[start]), int(batch.payload_starts[end])
-        body = frame_size_bytes(count, tok_hi - tok_lo, pay_hi - pay_lo)
+        body = frame_size_bytes(count, tok_hi - tok_lo, pay_hi - pay_lo, len(chains))
         offset = self.ring.reserve(body, timeout)
         try:
-            self._fill_frame(batch, start, end, first_seq, offset)
+            self._fill_frame(batch, start, end, first_seq, offset, chains)
         except BaseException:
             self.ring.abort()
             raise
         self.ring.commit()
         self._seq = first_seq + end
+        if chains:
+            self._pending_chains.clear()
 
-    def _fill_frame(self, batch: _Batch, start: int, end: int, first_seq: int, offset: int) -> None:
+    def _fill_frame(self, batch: _Batch, start: int, end: int, first_seq: int, offset: int,
+                    chains: bytes = b"") -> None:
         count = end - start
         tok_lo, tok_hi = int(batch.token_starts[start]), int(batch.token_starts[end])
         pay_lo, pay_hi = int(batch.payload_starts[start]), int(batch.payload_starts[end])
         FRAME_HEADER_STRUCT.pack_into(
             self._buf, offset, FRAME_MAGIC, FRAME_VERSION, FRAME_HEADER_SIZE_BYTES,
-            self.producer_id, count, tok_hi - tok_lo, pay_hi - pay_lo,
+            self.producer_id, count, tok_hi - tok_lo, pay_hi - pay_lo, len(chains),
         )
         items_at = offset + FRAME_HEADER_SIZE_BYTES
         items = self.ring.data[items_at:items_at + count * ITEM_HEADER_SIZE_BYTES].view(ITEM_HEADER_DTYPE)
@@ -357,9 +399,12 @@ class Producer:
         items["payload_len"] = batch.payload_lens[start:end]
         tokens_at = (items_at + count * ITEM_HEADER_SIZE_BYTES) >> 2
         self._tokens_view[tokens_at:tokens_at + tok_hi - tok_lo] = batch.tokens[tok_lo:tok_hi]
+        payload_at = (tokens_at + tok_hi - tok_lo) << 2
         if pay_hi > pay_lo:
-            payload_at = (tokens_at + tok_hi - tok_lo) << 2
             self._buf[payload_at:payload_at + pay_hi - pay_lo] = batch.payload_blob[pay_lo:pay_hi]
+        if chains:
+            chains_at = payload_at + pay_hi - pay_lo
+            self._buf[chains_at:chains_at + len(chains)] = chains
 
     def close(self) -> None:
         """Detach from the ring, marking the writing side closed."""

@@ -75,6 +75,19 @@ def signature(components: Iterable[Component]) -> Signature:
     return reduce_hashes([component_hash(c) for c in components])
 
 
+def chain(components: Sequence[Component]) -> tuple[Signature, ...]:
+    """A shape's chain of prefix signatures (SPEC §4b): the signature of components[:1],
+    components[:2], ..., the last one `signature(components)`; for no components, the one
+    signature of the empty shape. Shapes whose chains share a prefix share those leading
+    components: the broker orders them by it without seeing a token.
+
+    Example: chain([system, fewshot]) == (signature([system]), signature([system, fewshot]))."""
+    hashes = [component_hash(c) for c in components]
+    if not hashes:
+        return (reduce_hashes([]),)
+    return tuple(reduce_hashes(hashes[:k]) for k in range(1, len(hashes) + 1))
+
+
 def check_signature(value: object) -> int:
     """An unsigned 64-bit signature as a Python int, or SignatureError."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):

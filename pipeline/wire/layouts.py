@@ -7,6 +7,7 @@ all payloads back to back. One frame per batch is what lets a batch submit be th
 (headers, tokens, payloads) instead of three per item.
 
     frame body:  FRAME_HEADER | ITEM_HEADER x item_count | int32 x token_count | payload bytes
+                 | shape chains (chain_bytes, usually 0)
 
 Item i's tokens start at the sum of the lengths before it; its payload likewise. Token ids
 start 16-byte aligned (the header sizes are multiples of 16 and ring records are 16-aligned),
@@ -32,7 +33,8 @@ ProducerId = NewType("ProducerId", int)
 
 FRAME_MAGIC = b"SBF1"
 # Bump when a field below moves or changes meaning; frames of another version are refused.
-FRAME_VERSION = 1
+# 2: chain_bytes (shape lineage, SPEC §4b) in what was reserved.
+FRAME_VERSION = 2
 # Item ids are (producer id << 40) | sequence: 2**40 items per producer (a trillion) and
 # 2**24 producer ids (16 million registrations) both outlast any run.
 ITEM_ID_SEQ_BITS = 40
@@ -48,7 +50,7 @@ MAX_SEQ = (1 << ITEM_ID_SEQ_BITS) - 1
 #    12     4  item_count     items in the frame, >= 1
 #    16     8  token_count    sum of the items' lengths
 #    24     4  payload_bytes  sum of the items' payload sizes
-#    28     4  reserved       zero
+#    28     4  chain_bytes    bytes of shape chains after the payloads (0: none)
 FRAME_HEADER_DTYPE = checked_dtype(
     [
         ("magic", 0, "|S4", "b'SBF1'"),
@@ -58,9 +60,33 @@ FRAME_HEADER_DTYPE = checked_dtype(
         ("item_count", 12, "<u4", "items"),
         ("token_count", 16, "<u8", "sum of lengths"),
         ("payload_bytes", 24, "<u4", "sum of payload sizes"),
+        ("chain_bytes", 28, "<u4", "bytes of shape chains"),
     ],
     itemsize=32,
 )
+
+# Shape chains (SPEC §4b), after a frame's payloads: a producer declares each shape's chain
+# of prefix signatures (the signature of components[:1], [:2], ..., the last one the shape's
+# own) once per shape per connection, in the first frame it writes after the declaration;
+# the broker keeps them in a trie per model and never sees a token of them. Each chain:
+#   off  size  field   meaning
+#     0     4  model   the model the shape is for
+#     4     4  depth   signatures that follow, 1 to MAX_CHAIN_DEPTH
+#     8  8 x depth     the chain, uint64 little-endian, outermost prefix first
+CHAIN_HEADER_DTYPE = checked_dtype(
+    [
+        ("model", 0, "<u4", "model id"),
+        ("depth", 4, "<u4", "signatures in the chain"),
+    ],
+    itemsize=8,
+)
+CHAIN_HEADER_STRUCT = struct_for(CHAIN_HEADER_DTYPE)
+SIGNATURE_DTYPE = np.dtype("<u8")
+# Prefix levels a chain keeps: a system prompt, tool schema, few-shot block and some 60
+# turns of conversation. A deeper chain keeps its first MAX_CHAIN_DEPTH - 1 levels and its
+# shape's own signature (the shape hangs one level up from where it would: ordering is a
+# little coarser there, nothing else changes).
+MAX_CHAIN_DEPTH = 64
 
 # Item header, one per item, right after the frame header.
 #   off  size  field       meaning
@@ -97,14 +123,44 @@ SINGLE_ITEM_FRAME_STRUCT = struct.Struct("<" + FRAME_HEADER_STRUCT.format[1:] + 
 assert SINGLE_ITEM_FRAME_STRUCT.size == FRAME_HEADER_SIZE_BYTES + ITEM_HEADER_SIZE_BYTES
 
 
-def frame_size_bytes(item_count: int, token_count: int, payload_bytes: int) -> int:
-    """Body size of a frame holding these items."""
+def frame_size_bytes(item_count: int, token_count: int, payload_bytes: int, chain_bytes: int = 0) -> int:
+    """Body size of a frame holding these items (and shape chains)."""
     return (
         FRAME_HEADER_SIZE_BYTES
         + item_count * ITEM_HEADER_SIZE_BYTES
         + token_count * TOKEN_SIZE_BYTES
         + payload_bytes
+        + chain_bytes
     )
+
+
+def encode_chains(chains: list[tuple[int, tuple[int, ...]]]) -> bytes:
+    """The chain section of a frame: each (model, chain) as CHAIN_HEADER then the chain."""
+    parts = []
+    for model, chain in chains:
+        assert 1 <= len(chain) <= MAX_CHAIN_DEPTH, len(chain)
+        parts.append(CHAIN_HEADER_STRUCT.pack(model, len(chain)))
+        parts.append(np.asarray(chain, dtype=SIGNATURE_DTYPE).tobytes())
+    return b"".join(parts)
+
+
+def decode_chains(section: np.ndarray, where: str = "chains") -> list[tuple[int, tuple[int, ...]]]:
+    """A frame's chain section as (model, chain) pairs; FrameError naming the byte offset
+    for one that does not fill it exactly or breaks the limits."""
+    chains = []
+    at, size = 0, section.shape[0]
+    while at < size:
+        if at + CHAIN_HEADER_DTYPE.itemsize > size:
+            raise FrameError(f"{where}: a chain header at byte {at} runs past the section's {size} bytes")
+        model, depth = CHAIN_HEADER_STRUCT.unpack_from(section, at)
+        end = at + CHAIN_HEADER_DTYPE.itemsize + depth * SIGNATURE_DTYPE.itemsize
+        if not 1 <= depth <= MAX_CHAIN_DEPTH or end > size:
+            raise FrameError(f"{where}: the chain at byte {at} has depth {depth} (1 to {MAX_CHAIN_DEPTH}) and "
+                             f"would end at byte {end} of {size}")
+        signatures = section[at + CHAIN_HEADER_DTYPE.itemsize:end].view(SIGNATURE_DTYPE)
+        chains.append((int(model), tuple(int(s) for s in signatures)))
+        at = end
+    return chains
 
 
 def make_item_id(producer_id: int, seq: int) -> ItemId:
@@ -126,6 +182,7 @@ class Frame:
     token_starts: np.ndarray
     payloads: np.ndarray
     payload_starts: np.ndarray
+    chain_section: np.ndarray  # the shape chains' bytes (`decode_chains`); empty: none
 
     def item_tokens(self, i: int) -> np.ndarray:
         return self.tokens[self.token_starts[i]:self.token_starts[i + 1]]
@@ -144,7 +201,7 @@ def parse_frame(body: np.ndarray, where: str = "frame") -> Frame:
     size = body.shape[0]
     if size < FRAME_HEADER_SIZE_BYTES:
         raise FrameError(f"{where}: {size} bytes, shorter than a frame header ({FRAME_HEADER_SIZE_BYTES})")
-    magic, version, header_size, producer_id, count, token_count, payload_bytes = (
+    magic, version, header_size, producer_id, count, token_count, payload_bytes, chain_bytes = (
         FRAME_HEADER_STRUCT.unpack_from(body, 0)
     )
     if magic != FRAME_MAGIC or version != FRAME_VERSION or header_size != FRAME_HEADER_SIZE_BYTES:
@@ -152,11 +209,11 @@ def parse_frame(body: np.ndarray, where: str = "frame") -> Frame:
             f"{where}: header at offset 0 has magic {magic!r}, version {version}, header size "
             f"{header_size}; expected {FRAME_MAGIC!r}, {FRAME_VERSION}, {FRAME_HEADER_SIZE_BYTES}"
         )
-    expected = frame_size_bytes(count, token_count, payload_bytes)
+    expected = frame_size_bytes(count, token_count, payload_bytes, chain_bytes)
     if count == 0 or expected != size:
         raise FrameError(
-            f"{where}: {count} items, {token_count} tokens and {payload_bytes} payload bytes "
-            f"need {expected} bytes; the record has {size}"
+            f"{where}: {count} items, {token_count} tokens, {payload_bytes} payload bytes and {chain_bytes} "
+            f"chain bytes need {expected} bytes; the record has {size}"
         )
     items_end = FRAME_HEADER_SIZE_BYTES + count * ITEM_HEADER_SIZE_BYTES
     tokens_end = items_end + token_count * TOKEN_SIZE_BYTES
@@ -179,8 +236,9 @@ def parse_frame(body: np.ndarray, where: str = "frame") -> Frame:
         items=items,
         tokens=body[items_end:tokens_end].view(TOKEN_DTYPE),
         token_starts=token_starts,
-        payloads=body[tokens_end:],
+        payloads=body[tokens_end:tokens_end + payload_bytes],
         payload_starts=payload_starts,
+        chain_section=body[tokens_end + payload_bytes:],
     )
 
 

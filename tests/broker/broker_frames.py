@@ -54,7 +54,7 @@ def make_frame(
     body = bytearray(frame_size_bytes(count, int(tokens.size), len(blob)))
     FRAME_HEADER_STRUCT.pack_into(
         body, 0, FRAME_MAGIC, FRAME_VERSION, FRAME_HEADER_SIZE_BYTES, producer_id, count,
-        int(tokens.size), len(blob),
+        int(tokens.size), len(blob), 0,
     )
     items_end = FRAME_HEADER_SIZE_BYTES + count * ITEM_HEADER_SIZE_BYTES
     body[FRAME_HEADER_SIZE_BYTES:items_end] = headers.tobytes()

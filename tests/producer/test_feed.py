@@ -58,6 +58,10 @@ class RecordingClient:
         ))
         return np.arange(len(lengths), dtype=np.uint64)
 
+    def declare_shape(self, model, chain):
+        self.declared = getattr(self, "declared", [])
+        self.declared.append((model, tuple(chain)))
+
 
 def payload_groups(client: RecordingClient) -> list[list[bytes]]:
     return [call["payloads"] for call in client.calls]
