@@ -105,6 +105,9 @@ class BrokerConfig:
     # Which shape a model drains next (pipeline/broker/selection.py): most-tokens (the
     # design note's rule) or prefix (the longest shared chain prefix first, SPEC §4b).
     shape_order: str = SHAPE_ORDER_MOST_TOKENS
+    # Shape affinity across consumers (SPEC §4b): a small shape runs on one consumer; off,
+    # the model's consumers drain one shape together (the design note).
+    affinity: bool = False
 
     def __post_init__(self) -> None:
         path_bytes = len(os.fsencode(self.socket_path))
@@ -129,6 +132,8 @@ class BrokerConfig:
         if self.shape_order not in SHAPE_ORDERS:
             raise ConfigError(f"broker setting shape_order {self.shape_order!r} must be one of "
                               f"{', '.join(SHAPE_ORDERS)}")
+        if not isinstance(self.affinity, bool):
+            raise ConfigError(f"broker setting affinity {self.affinity!r} must be true or false")
         if not isinstance(self.lanes, LaneConfig):
             raise ConfigError(f"broker setting lanes {self.lanes!r} must be a LaneConfig")
         ceilings = {"descriptor_ring_bytes": 1 << 40, "max_models": MODEL_ID_LIMIT, "max_consumers": 1 << 20,

@@ -190,12 +190,13 @@ class Dispatcher:
         age_resolution_ns: int = AGE_RESOLUTION_NS,
         max_models: int = DEFAULT_MAX_MODELS,
         shape_order: str = SHAPE_ORDER_MOST_TOKENS,
+        affinity: bool = False,
     ) -> None:
         assert 1 <= max_models <= MODEL_ID_LIMIT, max_models  # BrokerConfig checks it
         self._storage = storage
         self._max_models = max_models
         self._lane_config = lane_config if lane_config is not None else LaneConfig()
-        self._selector = ShapeSelector(max_age_s, age_resolution_ns, shape_order)
+        self._selector = ShapeSelector(max_age_s, age_resolution_ns, shape_order, affinity)
         self._shapes: dict[ShapeKey, ShapeLanes] = {}
         self._retired = LaneCounters()  # counters of shapes retired by tick
         self._next_batch_id = 0
@@ -411,7 +412,8 @@ class Dispatcher:
         assert self._outstanding is None, f"batch {self._outstanding} neither committed nor abandoned"
         assert not self._storage.needs_flush, "flush() after ingesting, before serving"
         assert self._c.items_recovered == self._storage.counters.recovered_items, "recover() first"
-        chosen = self._selector.choose(contract.model, now_s)
+        chosen = self._selector.choose(contract.model, now_s, consumer=consumer,
+                                       batch_tokens=contract.max_batch_tokens)
         if chosen is None:
             return None
         shape, switch = chosen
@@ -428,13 +430,13 @@ class Dispatcher:
         if full_only and available < math.ceil(FULL_ENOUGH_FRACTION * fits):
             return None
         if switch is not None:
-            self._selector.switch(shape, switch)
+            self._selector.switch(shape, switch, consumer=consumer)
         limit = min(fits, available)
         front = self._storage.peek_many(key, limit)
         assert len(front) == limit, (key, len(front), limit)
         packing = pack(front.lengths.tolist(), longest, contract)
         entries = front[: packing.count]
-        self._selector.guard(entries.lane.shape, f"batch for consumer {consumer}")
+        self._selector.guard(entries.lane.shape, f"batch for consumer {consumer}", consumer=consumer)
         assert entries.lane == key, (entries.lane, key)  # right shape, wrong lane: a storage bug
         batch = Batch(BatchId(self._next_batch_id), consumer, key, packing.pad_to_tokens, entries)
         self._next_batch_id += 1
@@ -488,6 +490,7 @@ class Dispatcher:
         the front of its lane, ahead of new work, in its original order. Returns how many."""
         if self._outstanding is not None and self._outstanding.consumer == consumer:
             self._outstanding = None  # never committed: nothing to give back
+        self._selector.consumer_lost(consumer)
         returned = 0
         for run in self._storage.return_consumer(consumer):
             lengths = run.lengths

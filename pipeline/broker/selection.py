@@ -8,13 +8,21 @@ dispatchable tokens of every shape as they change and asks it which shape a mode
     selector.on_queued(shape, tokens, arrivals_ns)       # items of the shape became dispatchable
     selector.on_dispatched(shape, tokens, arrivals_ns)   # a batch of them was committed
     selector.on_returned(shape, tokens, arrivals_ns)     # a lost consumer's items came back
-    shape = selector.select(model, now_s)                # the shape to serve (maybe a switch)
-    selector.guard(batch_shape)                          # ShapeGuardError unless it is current
+    shape = selector.select(model, now_s, consumer=c)    # the shape to serve c (maybe a switch)
+    selector.guard(batch_shape, consumer=c)              # ShapeGuardError unless it is c's current
+    selector.consumer_lost(c)                            # c's current shape is no longer held
 
-Policy. A model has one current shape. A request gets the current shape while it has
-dispatchable (queued, not pending) tokens; only when it has none does the model switch, to
-the next shape in the shape order (ties: the lower signature). All consumers of a model
-therefore drain the same shape at the same time, which keeps their prefix caches warm.
+Policy. Each consumer has a current shape (SPEC §4b: per consumer, not per model). A request
+gets the consumer's current shape while it has dispatchable (queued, not pending) tokens;
+only when it has none does the consumer switch, to the next shape in the shape order (ties:
+the lower signature). With affinity off, a switch moves every consumer of the model to the
+new shape, as the design note has it: one shape per model, drained by all together (the
+switch counts for the consumer that made it). With affinity
+on (`affinity=True`), a small shape (its dispatchable tokens at most
+AFFINITY_BATCHES_PER_CONSUMER full batches per consumer of the model) that another consumer
+already serves is not taken: it runs on that one consumer, so its prefix is computed once,
+not once per consumer; a large shape is still joined by every consumer. A consumer that finds
+nothing else takes one of those over rather than idle (reason `takeover`, counted).
 
 Shape orders (`shape_order`):
     most-tokens   the shape with the most dispatchable tokens (the design note's rule)
@@ -30,8 +38,9 @@ switching back and forth would serve neither. Arrival times are kept per shape i
 `age_resolution_ns` (ages read at most one bucket high), so the bookkeeping is a few dict
 updates per batch, not one per item.
 
-Every switch is counted by its reason: initial (the model had no current shape), drained
-(the current shape had no dispatchable tokens), starvation.
+Every switch is counted by its reason, in all and per consumer: initial (the consumer had
+no current shape), drained (its current shape had no dispatchable tokens), starvation,
+takeover (affinity: only other consumers' small shapes were left).
 """
 
 from __future__ import annotations
@@ -44,7 +53,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from sortedcontainers import SortedList
 
-from pipeline.broker.ids import ShapeKey
+from pipeline.broker.ids import ConsumerId, ShapeKey
 from pipeline.broker.lineage import ShapeTrie
 from pipeline.wire.errors import BadInputError, ShapeGuardError
 
@@ -58,12 +67,19 @@ _NS_PER_S = 1_000_000_000
 SHAPE_ORDER_MOST_TOKENS = "most-tokens"
 SHAPE_ORDER_PREFIX = "prefix"
 SHAPE_ORDERS = (SHAPE_ORDER_MOST_TOKENS, SHAPE_ORDER_PREFIX)
+# Affinity: a shape with at most this many full batches of dispatchable tokens per consumer
+# of its model is "small", served by one consumer. Split across K consumers, each would pay
+# the shape's prefix once for at most one batch of its own, which is what a cache-warm
+# consumer saves; a batch each or more, and splitting it finishes sooner than the prefix
+# costs.
+AFFINITY_BATCHES_PER_CONSUMER = 1
 
 
 class SwitchReason(enum.Enum):
     INITIAL = "initial"  # the model had no current shape yet
     DRAINED = "drained"  # the current shape had no dispatchable tokens left
     STARVATION = "starvation"  # another shape's oldest item waited longer than max_age_s
+    TAKEOVER = "takeover"  # affinity: only other consumers' small shapes had work left
 
 
 @dataclass(slots=True)
@@ -71,6 +87,8 @@ class SelectorCounters:
     switches: dict[SwitchReason, int] = field(
         default_factory=lambda: dict.fromkeys(SwitchReason, 0)
     )
+    # The same, per consumer (kept after it is lost: its switches happened).
+    per_consumer: dict[ConsumerId, dict[SwitchReason, int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -110,7 +128,10 @@ class _Ages:
 
 @dataclass(slots=True)
 class _Model:
-    current: int | None = None  # the current shape's signature
+    # Each consumer's current shape's signature, and who serves each shape.
+    current: dict[ConsumerId, int] = field(default_factory=dict)
+    serving: dict[int, set[ConsumerId]] = field(default_factory=dict)
+    consumers: set[ConsumerId] = field(default_factory=set)  # asking for this model's work
     # Shapes with dispatchable tokens, most first: (-tokens, signature).
     by_tokens: SortedList = field(default_factory=SortedList)
     # Shapes with dispatchable items, oldest first: (oldest bucket, signature). Only kept
@@ -126,7 +147,7 @@ class ShapeSelector:
 
     def __init__(
         self, max_age_s: float | None = None, age_resolution_ns: int = AGE_RESOLUTION_NS,
-        shape_order: str = SHAPE_ORDER_MOST_TOKENS,
+        shape_order: str = SHAPE_ORDER_MOST_TOKENS, affinity: bool = False,
     ) -> None:
         if max_age_s is not None and (
             isinstance(max_age_s, bool) or not isinstance(max_age_s, (int, float))
@@ -138,6 +159,7 @@ class ShapeSelector:
         if shape_order not in SHAPE_ORDERS:
             raise BadInputError(f"selection: shape_order {shape_order!r} is not one of {', '.join(SHAPE_ORDERS)}")
         self.shape_order = shape_order
+        self.affinity = bool(affinity)
         # The shapes' lineage, kept only where the order reads it.
         self._trie = ShapeTrie() if shape_order == SHAPE_ORDER_PREFIX else None
         self._max_age_ns = None if max_age_s is None else max_age_s * _NS_PER_S
@@ -154,11 +176,10 @@ class ShapeSelector:
     def max_age_s(self) -> float | None:
         return None if self._max_age_ns is None else self._max_age_ns / _NS_PER_S
 
-    def current(self, model: int) -> ShapeKey | None:
+    def current(self, model: int, *, consumer: ConsumerId) -> ShapeKey | None:
         state = self._models.get(model)
-        if state is None or state.current is None:
-            return None
-        return ShapeKey(model, state.current)
+        signature = None if state is None else state.current.get(consumer)
+        return None if signature is None else ShapeKey(model, signature)
 
     def dispatchable_tokens(self, shape: ShapeKey) -> int:
         return self._tokens.get(shape, 0)
@@ -253,63 +274,128 @@ class ShapeSelector:
 
     # ----------------------------------------------------------------- selection
 
-    def select(self, model: int, now_s: float) -> ShapeKey | None:
-        """The shape the model's next batch comes from, or None when the model has nothing
-        dispatchable. Switches (and counts the switch) when the policy says so: `choose`,
-        then `switch` if it named a reason.
+    def select(self, model: int, now_s: float, *, consumer: ConsumerId, batch_tokens: int = 0) -> ShapeKey | None:
+        """The shape `consumer`'s next batch of `model` comes from, or None when the model has
+        nothing dispatchable. Switches (and counts the switch) when the policy says so:
+        `choose`, then `switch` if it named a reason. `batch_tokens`: what one full batch of
+        the consumer's contract holds (affinity sizes a small shape by it).
 
-        Worked example, model 0, shapes A (900 tokens) and B (2,000 tokens), no current
-        shape: select -> B (initial: the most tokens). B's tokens are dispatched down to 0
-        while A grows to 5,000 and C appears with 6,000: select -> B while B has any token,
-        then C (drained). With max_age_s = 30: if A's oldest item arrived 31 s ago and C's
-        oldest 2 s ago, select -> A (starvation), and A stays current until it drains or
-        another shape starves while A does not.
+        Worked example, model 0, shapes A (900 tokens) and B (2,000 tokens), a consumer with
+        no current shape: select -> B (initial: the most tokens). B's tokens are dispatched
+        down to 0 while A grows to 5,000 and C appears with 6,000: select -> B while B has
+        any token, then C (drained). With max_age_s = 30: if A's oldest item arrived 31 s ago
+        and C's oldest 2 s ago, select -> A (starvation), and A stays current until it
+        drains or another shape starves while A does not.
         """
-        chosen = self.choose(model, now_s)
+        chosen = self.choose(model, now_s, consumer=consumer, batch_tokens=batch_tokens)
         if chosen is None:
             return None
         shape, reason = chosen
         if reason is not None:
-            self.switch(shape, reason)
+            self.switch(shape, reason, consumer=consumer)
         return shape
 
-    def choose(self, model: int, now_s: float) -> tuple[ShapeKey, SwitchReason | None] | None:
+    def choose(self, model: int, now_s: float, *, consumer: ConsumerId,
+               batch_tokens: int = 0) -> tuple[ShapeKey, SwitchReason | None] | None:
         """What `select` would return, and the reason of the switch it would make (None: the
-        current shape stays), changing nothing: a caller that may hand nothing out (a
-        consumer offered full batches only) switches only when it does hand one out."""
+        consumer's current shape stays), changing nothing: a caller that may hand nothing out
+        (a consumer offered full batches only) switches only when it does hand one out."""
         state = self._models.get(model)
         if state is None:
             return None
+        state.consumers.add(consumer)
+        mine = state.current.get(consumer)
         if self._max_age_ns is not None:
-            starving = self._starving(state, model, now_s)
+            starving = self._starving(state, model, now_s, mine)
             if starving is not None:
                 return ShapeKey(model, starving), SwitchReason.STARVATION
-        current = state.current
-        if current is not None and self._tokens.get(ShapeKey(model, current), 0) > 0:
-            return ShapeKey(model, current), None
+        if mine is not None and self._tokens.get(ShapeKey(model, mine), 0) > 0:
+            return ShapeKey(model, mine), None
         if not state.by_tokens:
             return None
-        reason = SwitchReason.INITIAL if current is None else SwitchReason.DRAINED
+        reason = SwitchReason.INITIAL if mine is None else SwitchReason.DRAINED
+        eligible = self._free_for(state, model, consumer, batch_tokens)
+        if mine is None:  # a consumer new to the model joins what the others drain, as the note has it
+            joined = self._joinable(state, model, eligible)
+            if joined is not None:
+                return ShapeKey(model, joined), reason
+        following = self._next(state, model, mine, eligible)
+        if following is None:  # only others' small shapes have work: take one rather than idle
+            following, reason = self._next(state, model, mine, None), SwitchReason.TAKEOVER
+        assert following is not None, (model, mine)  # by_tokens is not empty
+        return ShapeKey(model, following), reason
+
+    def _joinable(self, state: _Model, model: int, eligible) -> int | None:
+        """The shape other consumers serve with the most dispatchable tokens that this one
+        may take (None: none has any left)."""
+        best = None
+        for signature in state.serving:
+            tokens = self._tokens.get(ShapeKey(model, signature), 0)
+            if tokens and (eligible is None or eligible(signature)) and (
+                    best is None or (-tokens, signature) < best):
+                best = (-tokens, signature)
+        return None if best is None else best[1]
+
+    def _next(self, state: _Model, model: int, after: int | None, eligible) -> int | None:
+        """The next shape in the shape order among the `eligible` (None: every one)."""
         if self._trie is not None:
-            following = self._trie.next_shape(model, current)
-            assert following is not None, (model, current)  # by_tokens is not empty
-            return ShapeKey(model, following), reason
-        return ShapeKey(model, state.by_tokens[0][1]), reason
+            return self._trie.next_shape(model, after, eligible or (lambda _signature: True))
+        for _tokens, signature in state.by_tokens:
+            if eligible is None or eligible(signature):
+                return signature
+        return None
 
-    def switch(self, shape: ShapeKey, reason: SwitchReason) -> None:
-        """Make `shape` its model's current shape and count why (after `choose`)."""
-        self._models[shape.model].current = shape.signature
+    def _free_for(self, state: _Model, model: int, consumer: ConsumerId, batch_tokens: int):
+        """Which shapes `consumer` may switch to: all (None) without affinity; with it, none
+        that is small and already served by another consumer."""
+        if not self.affinity:
+            return None
+        small_tokens = AFFINITY_BATCHES_PER_CONSUMER * max(batch_tokens, 1) * len(state.consumers)
+
+        def eligible(signature: int) -> bool:
+            others = state.serving.get(signature)
+            if not others or others == {consumer}:
+                return True
+            return self._tokens.get(ShapeKey(model, signature), 0) > small_tokens
+        return eligible
+
+    def switch(self, shape: ShapeKey, reason: SwitchReason, *, consumer: ConsumerId) -> None:
+        """Make `shape` `consumer`'s current shape and count why (after `choose`)."""
+        state = self._models[shape.model]
+        # Without affinity the model's consumers move together (the design note's one shape
+        # per model); with it, each on its own.
+        for moved in (state.consumers | {consumer}) if not self.affinity else (consumer,):
+            self._release(state, moved)
+            state.current[moved] = shape.signature
+            state.serving.setdefault(shape.signature, set()).add(moved)
         self.counters.switches[reason] += 1
+        mine = self.counters.per_consumer.setdefault(consumer, dict.fromkeys(SwitchReason, 0))
+        mine[reason] += 1
 
-    def _starving(self, state: _Model, model: int, now_s: float) -> int | None:
+    def _release(self, state: _Model, consumer: ConsumerId) -> None:
+        """The consumer no longer serves its current shape."""
+        old = state.current.pop(consumer, None)
+        if old is not None:
+            serving = state.serving[old]
+            serving.discard(consumer)
+            if not serving:
+                del state.serving[old]
+
+    def consumer_lost(self, consumer: ConsumerId) -> None:
+        """The consumer is gone: it serves nothing and no longer counts for affinity."""
+        for state in self._models.values():
+            self._release(state, consumer)
+            state.consumers.discard(consumer)
+
+    def _starving(self, state: _Model, model: int, now_s: float, mine: int | None) -> int | None:
         """The signature to switch to for starvation, or None."""
         if not state.by_age:
             return None
         oldest_bucket, signature = state.by_age[0]
-        if signature == state.current or not self._over_bound(oldest_bucket, now_s):
+        if signature == mine or not self._over_bound(oldest_bucket, now_s):
             return None
-        if state.current is not None:
-            own = self._oldest.get(ShapeKey(model, state.current))
+        if mine is not None:
+            own = self._oldest.get(ShapeKey(model, mine))
             if own is not None and self._over_bound(own, now_s):
                 return None  # the current shape is serving starving work itself
         return signature
@@ -318,15 +404,15 @@ class ShapeSelector:
         assert self._max_age_ns is not None
         return now_s * _NS_PER_S - bucket * self._resolution_ns > self._max_age_ns
 
-    def guard(self, shape: ShapeKey, what: str = "chunk") -> None:
+    def guard(self, shape: ShapeKey, what: str = "chunk", *, consumer: ConsumerId) -> None:
         """SPEC §4's hard guard: raise ShapeGuardError (fatal: the process loop stops the
-        broker) unless `shape` is its model's current shape. Called for every chunk handed
+        broker) unless `shape` is `consumer`'s current shape. Called for every chunk handed
         out, with the shape its entries were stored under."""
-        current = self.current(shape.model)
+        current = self.current(shape.model, consumer=consumer)
         if current != shape:
             raise ShapeGuardError(
                 f"{what} of shape (model {shape.model}, signature {shape.signature:#018x}) was "
-                f"about to be handed out while model {shape.model}'s current shape is "
+                f"about to be handed out while consumer {consumer}'s current shape is "
                 f"{'none' if current is None else f'{current.signature:#018x}'}; stopping the "
                 f"broker: a poisoned cache is worse than a restart"
             )
@@ -353,5 +439,11 @@ class ShapeSelector:
             assert self._oldest.get(shape) == min(ages.counts, default=None), shape
             assert bool(ages.counts) <= bool(self._tokens.get(shape)), shape
         assert set(self._oldest) <= set(self._ages), self._oldest
+        for state in self._models.values():
+            serving: dict[int, set] = {}
+            for consumer, signature in state.current.items():
+                serving.setdefault(signature, set()).add(consumer)
+                assert consumer in state.consumers, consumer
+            assert serving == state.serving, (serving, state.serving)
         if self._trie is not None:
             self._trie.check_invariants()

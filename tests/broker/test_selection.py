@@ -11,13 +11,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.broker.ids import ShapeKey
+from pipeline.broker.ids import ConsumerId, ShapeKey
 from pipeline.broker.selection import ShapeSelector, SwitchReason
 from pipeline.wire.errors import BadInputError, PipelineError, ShapeGuardError
 
 DETERMINISTIC = settings(derandomize=True, database=None, deadline=None, max_examples=200)
 SHAPES = [ShapeKey(0, 5), ShapeKey(0, 9), ShapeKey(0, 2), ShapeKey(1, 5), ShapeKey(1, 7)]
 NS = 1_000_000_000
+C0 = ConsumerId(0)  # the one consumer of these tests (the multi-consumer policy: test_affinity.py)
 
 
 class RefSelector:
@@ -93,9 +94,9 @@ class Harness:
     def select(self, model: int, advance_s: float) -> None:
         self.now_s += advance_s
         want = self.ref.select(model, self.now_s)
-        assert self.sut.select(model, self.now_s) == want
+        assert self.sut.select(model, self.now_s, consumer=C0) == want
         if want is not None:
-            self.sut.guard(want)  # the selected shape always passes the guard
+            self.sut.guard(want, consumer=C0)  # the selected shape always passes the guard
 
     def check(self) -> None:
         self.sut.check_invariants()
@@ -108,7 +109,7 @@ class Harness:
                 assert self.sut.oldest_arrival_ns(shape) == want
         for model in (0, 1):
             cur = self.ref.current.get(model)
-            assert self.sut.current(model) == (None if cur is None else ShapeKey(model, cur))
+            assert self.sut.current(model, consumer=C0) == (None if cur is None else ShapeKey(model, cur))
 
     def run(self, op: tuple) -> None:
         kind, *args = op
@@ -154,16 +155,17 @@ def test_docstring_example():
     selector = ShapeSelector()
     selector.on_queued(a, 900, [0])
     selector.on_queued(b, 2000, [0])
-    assert selector.select(0, 0.0) == b
+    assert selector.select(0, 0.0, consumer=C0) == b
     selector.on_dispatched(b, 1999, [0])
     selector.on_queued(a, 4100, [0])
     selector.on_queued(c, 6000, [0])
-    assert selector.select(0, 0.0) == b  # one token left: B stays
+    assert selector.select(0, 0.0, consumer=C0) == b  # one token left: B stays
     selector.on_dispatched(b, 1, [0])
-    assert selector.select(0, 0.0) == c
+    assert selector.select(0, 0.0, consumer=C0) == c
     assert selector.counters.switches == {
-        SwitchReason.INITIAL: 1, SwitchReason.DRAINED: 1, SwitchReason.STARVATION: 0
+        SwitchReason.INITIAL: 1, SwitchReason.DRAINED: 1, SwitchReason.STARVATION: 0, SwitchReason.TAKEOVER: 0
     }
+    assert selector.counters.per_consumer == {C0: selector.counters.switches}
     selector.check_invariants()
 
 
@@ -172,12 +174,12 @@ def test_starvation_switch_and_its_hysteresis():
     selector = ShapeSelector(max_age_s=30.0)
     selector.on_queued(c, 6000, [98 * NS])
     selector.on_queued(a, 5000, [69 * NS])
-    assert selector.select(0, 99.0) == c  # A waited 30 s: not over the bound yet; C has more
-    assert selector.select(0, 100.0) == a  # A waited 31 s
+    assert selector.select(0, 99.0, consumer=C0) == c  # A waited 30 s: not over the bound yet; C has more
+    assert selector.select(0, 100.0, consumer=C0) == a  # A waited 31 s
     assert selector.counters.switches[SwitchReason.STARVATION] == 1
-    assert selector.select(0, 200.0) == a  # C starves too now, but A is serving starving work
+    assert selector.select(0, 200.0, consumer=C0) == a  # C starves too now, but A is serving starving work
     selector.on_dispatched(a, 5000, [69 * NS])
-    assert selector.select(0, 200.0) == c
+    assert selector.select(0, 200.0, consumer=C0) == c
     assert selector.counters.switches[SwitchReason.STARVATION] == 2  # C was over the bound
     selector.check_invariants()
 
@@ -186,9 +188,9 @@ def test_no_starvation_switch_when_the_bound_is_off():
     a, c = ShapeKey(0, 0xA), ShapeKey(0, 0xC)
     selector = ShapeSelector()
     selector.on_queued(c, 6000, [0])
-    assert selector.select(0, 0.0) == c
+    assert selector.select(0, 0.0, consumer=C0) == c
     selector.on_queued(a, 9000, [0])
-    assert selector.select(0, 1e9) == c  # sticky however old A's work is
+    assert selector.select(0, 1e9, consumer=C0) == c  # sticky however old A's work is
     assert selector.oldest_arrival_ns(a) is None  # ages are not tracked
 
 
@@ -196,9 +198,9 @@ def test_models_drain_independently():
     selector = ShapeSelector()
     selector.on_queued(ShapeKey(0, 1), 10, [0])
     selector.on_queued(ShapeKey(1, 2), 10, [0])
-    assert selector.select(0, 0.0) == ShapeKey(0, 1)
-    assert selector.select(1, 0.0) == ShapeKey(1, 2)
-    assert selector.select(7, 0.0) is None
+    assert selector.select(0, 0.0, consumer=C0) == ShapeKey(0, 1)
+    assert selector.select(1, 0.0, consumer=C0) == ShapeKey(1, 2)
+    assert selector.select(7, 0.0, consumer=C0) is None
     assert selector.counters.switches[SwitchReason.INITIAL] == 2
 
 
@@ -207,11 +209,11 @@ def test_guard_refuses_a_chunk_of_another_shape():
     selector.on_queued(ShapeKey(0, 1), 10, [0])
     selector.on_queued(ShapeKey(0, 2), 5, [0])
     with pytest.raises(ShapeGuardError, match="current shape is none"):
-        selector.guard(ShapeKey(0, 1))
-    assert selector.select(0, 0.0) == ShapeKey(0, 1)
-    selector.guard(ShapeKey(0, 1))
+        selector.guard(ShapeKey(0, 1), consumer=C0)
+    assert selector.select(0, 0.0, consumer=C0) == ShapeKey(0, 1)
+    selector.guard(ShapeKey(0, 1), consumer=C0)
     with pytest.raises(ShapeGuardError, match="poisoned cache is worse than a restart") as raised:
-        selector.guard(ShapeKey(0, 2), "batch for consumer 4")
+        selector.guard(ShapeKey(0, 2), "batch for consumer 4", consumer=C0)
     assert "0x0000000000000002" in str(raised.value) and "consumer 4" in str(raised.value)
     assert isinstance(raised.value, PipelineError) and not isinstance(raised.value, BadInputError)
 
@@ -220,12 +222,12 @@ def test_forget_keeps_the_current_shape_until_the_next_switch():
     a, b = ShapeKey(0, 1), ShapeKey(0, 2)
     selector = ShapeSelector(max_age_s=1.0)
     selector.on_queued(a, 10, [0])
-    assert selector.select(0, 0.0) == a
+    assert selector.select(0, 0.0, consumer=C0) == a
     selector.on_dispatched(a, 10, [0])
     selector.forget(a)
-    assert selector.current(0) == a and selector.select(0, 0.0) is None
+    assert selector.current(0, consumer=C0) == a and selector.select(0, 0.0, consumer=C0) is None
     selector.on_queued(b, 5, [0])
-    assert selector.select(0, 0.0) == b
+    assert selector.select(0, 0.0, consumer=C0) == b
     assert selector.counters.switches[SwitchReason.DRAINED] == 1
     selector.check_invariants()
 

@@ -1,0 +1,120 @@
+"""Shape affinity across consumers (pipeline/broker/selection.py, SPEC §4b): the current shape
+is per consumer; a small shape runs on the one consumer that took it, a large one on every
+consumer; a consumer that finds only others' small shapes takes one over rather than idle;
+without affinity the model's consumers move together, as the design note has it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pipeline.broker.ids import ConsumerId, ShapeKey
+from pipeline.broker.selection import AFFINITY_BATCHES_PER_CONSUMER, ShapeSelector, SwitchReason
+from pipeline.wire.errors import ShapeGuardError
+
+A, B = ConsumerId(1), ConsumerId(2)
+BATCH = 1000  # tokens a full batch of these consumers' contract holds
+LARGE, SMALL_1, SMALL_2 = ShapeKey(0, 0x1), ShapeKey(0, 0x2), ShapeKey(0, 0x3)
+
+
+def selector_with(affinity: bool, shapes: dict[ShapeKey, int], order: str = "most-tokens") -> ShapeSelector:
+    selector = ShapeSelector(affinity=affinity, shape_order=order)
+    for shape, tokens in shapes.items():
+        selector.on_queued(shape, tokens, [0])
+    return selector
+
+
+def pick(selector: ShapeSelector, consumer: ConsumerId) -> ShapeKey | None:
+    return selector.select(0, 0.0, consumer=consumer, batch_tokens=BATCH)
+
+
+def drain(selector: ShapeSelector, shape: ShapeKey) -> None:
+    selector.on_dispatched(shape, selector.dispatchable_tokens(shape), [0])
+
+
+def test_the_small_threshold_is_a_batch_per_consumer():
+    assert AFFINITY_BATCHES_PER_CONSUMER == 1
+    # Two consumers: small means at most 2 batches of tokens; 2,001 is large.
+    selector = selector_with(True, {ShapeKey(0, 9): 2 * BATCH, ShapeKey(0, 8): 2 * BATCH + 1})
+    pick(selector, B)  # B asks first: both consumers count
+    selector.consumer_lost(B)
+    assert pick(selector, A) == ShapeKey(0, 8)
+    assert pick(selector, B) == ShapeKey(0, 8)  # large: B joins A on it
+    drain(selector, ShapeKey(0, 8))
+    assert pick(selector, A) == ShapeKey(0, 9)
+    assert pick(selector, B) == ShapeKey(0, 9)  # nothing else left: B takes it over
+    assert selector.counters.per_consumer[B][SwitchReason.TAKEOVER] == 1
+    selector.check_invariants()
+
+
+def test_small_shapes_go_one_to_a_consumer_large_ones_to_all():
+    selector = selector_with(True, {LARGE: 20 * BATCH, SMALL_1: 1500, SMALL_2: 900})
+    assert pick(selector, A) == LARGE and pick(selector, B) == LARGE  # both drain the large one
+    drain(selector, LARGE)
+    assert pick(selector, A) == SMALL_1
+    assert pick(selector, B) == SMALL_2  # not SMALL_1: A serves it, and it is small
+    drain(selector, SMALL_2)
+    assert pick(selector, B) == SMALL_1  # only A's small shape is left: a takeover, not an idle B
+    counts = selector.counters.per_consumer
+    assert counts[A] == {SwitchReason.INITIAL: 1, SwitchReason.DRAINED: 1, SwitchReason.STARVATION: 0,
+                         SwitchReason.TAKEOVER: 0}
+    assert counts[B][SwitchReason.TAKEOVER] == 1 and sum(selector.counters.switches.values()) == 5
+    selector.check_invariants()
+
+
+def test_without_affinity_the_consumers_of_a_model_move_together():
+    selector = selector_with(False, {LARGE: 20 * BATCH, SMALL_1: 1500, SMALL_2: 900})
+    assert pick(selector, A) == LARGE and pick(selector, B) == LARGE
+    drain(selector, LARGE)
+    assert pick(selector, A) == SMALL_1
+    assert selector.current(0, consumer=B) == SMALL_1  # moved with A: one shape per model
+    assert pick(selector, B) == SMALL_1
+    assert selector.counters.per_consumer[B] == {SwitchReason.INITIAL: 1, SwitchReason.DRAINED: 0,
+                                                 SwitchReason.STARVATION: 0, SwitchReason.TAKEOVER: 0}
+    selector.check_invariants()
+
+
+def test_the_guard_checks_each_consumers_own_shape_and_a_lost_one_holds_none():
+    selector = selector_with(True, {LARGE: 20 * BATCH, SMALL_1: 500})
+    pick(selector, A)
+    selector.guard(LARGE, consumer=A)
+    with pytest.raises(ShapeGuardError, match="consumer 2's current shape is none"):
+        selector.guard(LARGE, consumer=B)
+    selector.consumer_lost(A)
+    assert selector.current(0, consumer=A) is None
+    with pytest.raises(ShapeGuardError):
+        selector.guard(LARGE, consumer=A)
+    selector.check_invariants()
+
+
+@pytest.mark.parametrize("affinity", [True, False])
+@pytest.mark.parametrize("order", ["most-tokens", "prefix"])
+def test_a_seeded_random_run_never_idles_a_consumer_and_keeps_every_invariant(affinity, order):
+    rng = random.Random(11)
+    shapes = [ShapeKey(0, s) for s in range(1, 12)]
+    selector = ShapeSelector(affinity=affinity, shape_order=order)
+    if order == "prefix":
+        for s in shapes:  # two families of prefixes
+            selector.declare(0, (100 + s.signature % 2, s.signature))
+    consumers = [ConsumerId(k) for k in range(3)]
+    for _ in range(2000):
+        action = rng.random()
+        shape = rng.choice(shapes)
+        if action < 0.4:
+            selector.on_queued(shape, rng.randrange(1, 3000), [0])
+        elif action < 0.8:
+            consumer = rng.choice(consumers)
+            chosen = pick(selector, consumer)
+            if any(selector.dispatchable_tokens(s) for s in shapes):
+                assert chosen is not None  # no consumer idles while any shape has work
+                selector.guard(chosen, consumer=consumer)
+                take = rng.randrange(1, selector.dispatchable_tokens(chosen) + 1)
+                selector.on_dispatched(chosen, take, [0])
+            else:
+                assert chosen is None
+        elif action < 0.85:
+            selector.consumer_lost(rng.choice(consumers))
+        elif not selector.dispatchable_tokens(shape):
+            selector.forget(shape)
+        selector.check_invariants()
