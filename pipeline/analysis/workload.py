@@ -74,7 +74,7 @@ def analyze_workload(workload: Workload, block_tokens: int | None = None,
                      top: int = DEFAULT_TOP_SHAPES) -> dict:
     """Every figure of `pipeline tools analyze`, as a JSON-ready dict. `block_tokens` None:
     the workload's own block size (Mooncake's 512), else DEFAULT_BLOCK_TOKENS."""
-    block = block_tokens or workload.block_tokens or DEFAULT_BLOCK_TOKENS
+    block = block_tokens if block_tokens is not None else workload.block_tokens or DEFAULT_BLOCK_TOKENS
     check_analysis_limits(block, cache_tokens, caches)
     prompts, shapes = _scan(workload, block)
     shared = shared_prefix(prompts, block)
@@ -117,14 +117,22 @@ def _scan(workload: Workload, block: int) -> tuple[list[PromptBlocks], list[Shap
     prompts: list[PromptBlocks] = []
     shapes: dict[tuple[int, int], ShapeFigures] = {}
     for batch in _batches(workload.items(), HASH_BATCH_PROMPTS):
-        keys = hasher.block_hashes([item.tokens for item in batch])
-        for item, item_keys in zip(batch, keys):
-            array = np.array(item_keys, dtype=np.uint64)
-            array.flags.writeable = False
-            prompts.append(PromptBlocks(array, item.length))
+        prompts.extend(prompt_blocks([item.tokens for item in batch], block, hasher))
+        for item in batch:
             _count_shape(shapes, item)
     _set_depths(list(shapes.values()))
     return prompts, list(shapes.values())
+
+
+def prompt_blocks(prompts: Sequence[np.ndarray], block: int, hasher: SimEngine | None = None) -> list[PromptBlocks]:
+    """Each prompt (token ids) as its full blocks' chained keys, the sim engine's hashes."""
+    hasher = hasher or SimEngine(block_size_tokens=block, capacity_tokens=block)
+    out = []
+    for tokens, keys in zip(prompts, hasher.block_hashes(list(prompts))):
+        array = np.array(keys, dtype=np.uint64)
+        array.flags.writeable = False
+        out.append(PromptBlocks(array, int(tokens.shape[0])))
+    return out
 
 
 def _batches(items: Iterable[WorkItem], size: int) -> Iterable[list[WorkItem]]:

@@ -115,9 +115,9 @@ def _sizes(text: str) -> list[int]:
     try:
         sizes = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise click.BadParameter(f"{text!r}: expected token counts separated by commas, e.g. 65536,1048576") from None
+        raise click.ClickException(f"--cache-tokens {text!r}: expected token counts separated by commas, e.g. 65536,1048576") from None
     if any(size < 1 for size in sizes):
-        raise click.BadParameter(f"{text!r}: every cache size is a positive number of tokens")
+        raise click.ClickException(f"--cache-tokens {text!r}: every cache size is a positive number of tokens")
     return sizes
 
 
