@@ -1,4 +1,5 @@
-"""`pipeline tools ...`: read-only commands over the store (dump, tombstones, verify).
+"""`pipeline tools ...`: read-only commands over the store (dump, tombstones, verify), and
+`analyze`, a workload's figures without running it.
 
 Every StorageError (a file that is not a segment, a directory or file that cannot be read)
 is one line on stderr and exit status 1, never a traceback.
@@ -13,8 +14,9 @@ from collections.abc import Callable
 
 import click
 
+from pipeline.analysis.workload import DEFAULT_CACHE_TOKENS, DEFAULT_TOP_SHAPES
 from pipeline.broker.storage.inspect import dump_segment, tombstone_rows, verify
-from pipeline.wire.errors import StorageError
+from pipeline.wire.errors import PipelineError, StorageError
 
 
 def _one_line_errors(command: Callable) -> Callable:
@@ -29,7 +31,7 @@ def _one_line_errors(command: Callable) -> Callable:
 
 @click.group("tools")
 def tools() -> None:
-    """Inspect and verify the disk tier's segment files (read-only)."""
+    """Inspect and verify the disk tier's segment files (read-only); analyze a workload."""
 
 
 @tools.command("dump-segment")
@@ -106,3 +108,73 @@ def verify_command(data_dir: str, as_json: bool) -> None:
             click.echo(f"PROBLEM: {problem}")
         click.echo("OK" if result.ok else f"FAILED: {len(result.problems)} problems")
     sys.exit(0 if result.ok else 1)
+
+
+def _sizes(text: str) -> list[int]:
+    """`--cache-tokens 65536,1048576`: positive integers, comma-separated ("" for none)."""
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise click.ClickException(f"--cache-tokens {text!r}: expected token counts separated by commas, e.g. 65536,1048576") from None
+    if any(size < 1 for size in sizes):
+        raise click.ClickException(f"--cache-tokens {text!r}: every cache size is a positive number of tokens")
+    return sizes
+
+
+@tools.command("analyze")
+@click.argument("workload")
+@click.option("--block-tokens", type=int, default=None,
+              help="KV block size of the modelled cache (default: 512 for a Mooncake trace, its hash blocks; else 16, "
+                   "the sim engine's and vLLM's).")
+@click.option("--cache-tokens", default=",".join(map(str, DEFAULT_CACHE_TOKENS)), show_default=True,
+              help="Cache sizes to replay at, tokens per cache, comma-separated.")
+@click.option("--caches", type=int, default=1, show_default=True,
+              help="Caches (consumers) side by side: arrival order deals items round-robin, prefix-sorted order "
+                   "gives each cache one stretch of the walk.")
+@click.option("--items", type=click.IntRange(min=1), default=None,
+              help="Only the first N items (demo, demo-chat: how many to generate; default 20000).")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of demo and demo-chat.")
+@click.option("--top", type=click.IntRange(min=0), default=DEFAULT_TOP_SHAPES, show_default=True,
+              help="Shapes listed, most items first.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def analyze_command(workload: str, block_tokens: int | None, cache_tokens: str, caches: int, items: int | None,
+                    seed: int, top: int, as_json: bool) -> None:
+    """Shapes, shared prefixes and the prefix-reuse bound of WORKLOAD ('demo', 'demo-chat' or a
+    workload file), without running it. The cache is modelled as the sim engine's (vLLM's
+    automatic prefix caching): full blocks, a hit is the run of leading cached blocks, LRU
+    in blocks, the last token always computed."""
+    from pipeline.analysis.workload import analyze_workload
+    from pipeline.producer.demos import named_workload
+    from pipeline.runtime.settings import DEMO_ITEMS
+
+    sizes = _sizes(cache_tokens)
+    try:
+        loaded = named_workload(workload, items, seed=seed, default_items=DEMO_ITEMS)
+        result = analyze_workload(loaded, block_tokens, sizes, caches, top)
+    except PipelineError:
+        raise  # a WorkloadError: the group prints it (a bad file's message lists its bad lines)
+    except ValueError as exc:  # bad generator or analysis arguments
+        raise click.ClickException(str(exc)) from exc
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+        return
+    _print_analysis(result)
+
+
+def _print_analysis(result: dict) -> None:
+    shapes, shared, bound = result["shapes"], result["shared_prefix"], result["bound"]
+    click.echo(f"workload: {result['workload']}: {result['items']:,} items, {result['input_tokens']:,} input tokens")
+    click.echo(f"blocks of {result['block_tokens']} tokens; {shapes['count']:,} shapes, chain depth up to "
+               f"{shapes['max_depth']}")
+    click.echo(f"in prefixes shared by 2+ items: {shared['item_tokens']:,} tokens ({shared['share']:.1%} of input), "
+               f"{shared['distinct_tokens']:,} distinct")
+    click.echo(f"bound (one unbounded cache, prefix-sorted): {bound['reuse']:.1%} of input tokens from cache")
+    if shapes["top"]:
+        click.echo(f"\n{'items':>8} {'tokens':>12} {'components':>10} {'depth':>5} {'model':>5}  signature")
+        for s in shapes["top"]:
+            click.echo(f"{s['items']:>8,} {s['tokens']:>12,} {s['components']:>10} {s['depth']:>5} {s['model']:>5}  "
+                       f"{s['signature']}")
+    click.echo(f"\n{'order':<14} {'cache tokens':>13} {'caches':>6} {'hit tokens':>13} {'reuse':>7}")
+    for run in result["reuse"]:
+        size = "unbounded" if run["cache_tokens"] is None else f"{run['cache_tokens']:,}"
+        click.echo(f"{run['order']:<14} {size:>13} {run['caches']:>6} {run['hit_tokens']:>13,} {run['reuse']:>7.1%}")

@@ -170,9 +170,11 @@ class Workload:
     """
 
     def __init__(self, source: str, count: int, build: Callable[[int], WorkItem], *,
-                 total_tokens: int, models: tuple[int, ...]) -> None:
+                 total_tokens: int, models: tuple[int, ...], block_tokens: int | None = None) -> None:
         assert count >= 0, count  # a file's holds at least one item; a job resumed may have none left
         self.source = source
+        # The block size its prefixes are defined at, if the format has one (Mooncake's 512).
+        self.block_tokens = block_tokens
         self.total_tokens = total_tokens
         self.models = models  # the model ids its items use, ascending
         self._count = count
@@ -203,7 +205,7 @@ class Workload:
             tokens += item.length
             models.add(item.model)
         return Workload(f"{self.source} (first {count})", count, self._build, total_tokens=tokens,
-                        models=tuple(sorted(models)))
+                        models=tuple(sorted(models)), block_tokens=self.block_tokens)
 
     def __repr__(self) -> str:
         return f"Workload({self.source!r}, {self._count} items, {self.total_tokens} tokens)"
@@ -383,7 +385,8 @@ class _FileParser:
         if self.kind == _TRACE:
             records = self.trace_records
             return Workload(self.path, len(records), _TraceItems(records, self.vocab_size),
-                            total_tokens=sum(r.input_length for r in records), models=(0,))
+                            total_tokens=sum(r.input_length for r in records), models=(0,),
+                            block_tokens=MOONCAKE_BLOCK_TOKENS)
         raise WorkloadError(f"{self.path}: no work items (the file is empty or blank)")
 
 

@@ -1,0 +1,165 @@
+"""Generated workloads by name: "demo" (`workload.demo_workload`) and "demo-chat", the
+multi-turn one defined here, and `named_workload`, which resolves a name or a file path the
+way `pipeline launch` and `pipeline tools analyze` take them.
+
+demo-chat: conversations of one to DEMO_CHAT_MAX_TURNS turns under DEMO_CHAT_SYSTEMS system
+prompts. Turn 1's prompt is the system prompt plus a user message; turn k+1's is turn k's
+prompt plus the reply to it plus a new user message, so each turn's prompt extends the one
+before, token for token. Components (the cacheable prefix that names the shape): the system
+prompt, then one component per earlier turn (its user message and reply), so turn k+1's
+components are turn k's plus one: shapes chain. The suffix is the new user message.
+
+Items are in arrival order: conversations start as Poisson arrivals and each waits a
+log-normal think time between turns, so turns of many conversations interleave, as real
+chat traffic does, and a conversation's turn k+1 always arrives after its turn k. Each item
+carries its arrival time (timestamp_ms, from 0) and the payload "chat-C-T" (conversation C,
+turn T from 1). Pure code; everything follows from (items, seed, vocab_size).
+
+NOTE: this lives beside workload.py, not in it, because workload.py is already past the
+house limit of ~600 lines; it uses workload.py's token streams and Workload.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from pipeline.producer.workload import (
+    DEMO_SYSTEM_MAX_TOKENS,
+    DEMO_SYSTEM_MIN_TOKENS,
+    MAX_DEMO_SEED,
+    VOCAB_SIZE,
+    WorkItem,
+    Workload,
+    check_vocab_size,
+    demo_workload,
+    hashed_tokens,
+    load_workload,
+)
+
+# The names a workload argument may give instead of a file.
+DEMO = "demo"
+DEMO_CHAT = "demo-chat"
+GENERATED = (DEMO, DEMO_CHAT)
+
+# A few system prompts (assistants): the one prefix every conversation under it shares.
+DEMO_CHAT_SYSTEMS = 4
+# Turns per conversation, uniform in [1, 8]: most chat sessions are short, a few long
+# enough that a prompt carries several earlier turns (mean 4.5).
+DEMO_CHAT_MAX_TURNS = 8
+# User messages: log-normal, median 64 tokens (a question), sigma 0.8 (90% ~17 to ~240).
+DEMO_CHAT_USER_MEDIAN_TOKENS = 64
+DEMO_CHAT_USER_SIGMA = 0.8
+# Replies: log-normal, median 256 tokens (an answer of a few paragraphs), sigma 0.6.
+DEMO_CHAT_REPLY_MEDIAN_TOKENS = 256
+DEMO_CHAT_REPLY_SIGMA = 0.6
+# Cap on one message or reply: with 8 turns a prompt stays under 1 Ki + 8 * 4 Ki tokens,
+# far below the producer's item limit (256 Ki).
+DEMO_CHAT_MAX_MESSAGE_TOKENS = 2048
+# A new conversation every 200 ms on average (Poisson), and a median think time of 5 s
+# between turns (log-normal, sigma 0.8): ~25 conversations are open at once, so the turns of
+# one conversation arrive far apart, with other conversations' turns between them.
+DEMO_CHAT_START_GAP_MS = 200.0
+DEMO_CHAT_THINK_MEDIAN_MS = 5000.0
+DEMO_CHAT_THINK_SIGMA = 0.8
+
+# Token streams of the three kinds of text (arbitrary constants spelled in ASCII, distinct
+# from workload.py's, so equal numeric ids give unrelated tokens).
+CHAT_SYSTEM_STREAM = 0x6368_6174_7379_7374  # "chatsyst"
+CHAT_USER_STREAM = 0x6368_6174_7573_6572  # "chatuser"
+CHAT_REPLY_STREAM = 0x6368_6174_7265_706C  # "chatrepl"
+
+
+def named_workload(name: str, items: int | None = None, seed: int = 0, vocab_size: int = VOCAB_SIZE,
+                   default_items: int = 20_000) -> Workload:
+    """"demo" or "demo-chat" generated with `items` items (`default_items` if None), or the
+    workload file at path `name` (its first `items` if given). Raises WorkloadError for a
+    file that cannot be used, ValueError for bad generator arguments."""
+    if name == DEMO:
+        return demo_workload(items or default_items, seed=seed, vocab_size=vocab_size)
+    if name == DEMO_CHAT:
+        return demo_chat_workload(items or default_items, seed=seed, vocab_size=vocab_size)
+    workload = load_workload(name, vocab_size=vocab_size)
+    return workload.head(items) if items else workload
+
+
+def demo_chat_workload(items: int, seed: int = 0, vocab_size: int = VOCAB_SIZE) -> Workload:
+    """`items` chat turns in arrival order (see the module docstring); model 0."""
+    if items < 1:
+        raise ValueError(f"demo-chat workload of {items} items: need at least one")
+    if not 0 <= seed <= MAX_DEMO_SEED:
+        raise ValueError(f"demo-chat seed {seed}: must be in [0, {MAX_DEMO_SEED}]")
+    check_vocab_size(vocab_size)
+    rng = np.random.default_rng(seed)
+    system_lengths = np.array([round(math.exp(rng.uniform(math.log(DEMO_SYSTEM_MIN_TOKENS),
+                                                          math.log(DEMO_SYSTEM_MAX_TOKENS))))
+                               for _ in range(DEMO_CHAT_SYSTEMS)])
+    # Every conversation has at least one turn, so `items` conversations are always enough.
+    turns = rng.integers(1, DEMO_CHAT_MAX_TURNS + 1, size=items)
+    conversations = int(np.searchsorted(np.cumsum(turns), items)) + 1
+    turns = turns[:conversations]
+    turns[-1] -= int(turns.sum()) - items  # the last one is cut to make `items` turns exactly
+    shape = (conversations, DEMO_CHAT_MAX_TURNS)
+    chat = _ChatItems(
+        seed, vocab_size, system_lengths,
+        systems=rng.integers(0, DEMO_CHAT_SYSTEMS, size=conversations),
+        users=_lognormal(rng, DEMO_CHAT_USER_MEDIAN_TOKENS, DEMO_CHAT_USER_SIGMA, shape),
+        replies=_lognormal(rng, DEMO_CHAT_REPLY_MEDIAN_TOKENS, DEMO_CHAT_REPLY_SIGMA, shape))
+    starts = np.cumsum(rng.exponential(DEMO_CHAT_START_GAP_MS, size=conversations))
+    think = rng.lognormal(math.log(DEMO_CHAT_THINK_MEDIAN_MS), DEMO_CHAT_THINK_SIGMA, size=shape)
+    think[:, 0] = 0.0
+    times = starts[:, None] + np.cumsum(think, axis=1)
+    conv = np.repeat(np.arange(conversations), turns)
+    turn = np.concatenate([np.arange(n) for n in turns.tolist()])
+    arrival = times[conv, turn]
+    # By time; ties (none in practice) by conversation then turn, so turn order always holds.
+    order = np.lexsort((turn, conv, arrival))
+    chat.schedule(conv[order], turn[order], arrival[order] - arrival[order[0]])
+    return Workload(f"demo-chat(items={items}, seed={seed}"
+                    f"{f', vocab_size={vocab_size}' if vocab_size != VOCAB_SIZE else ''})", items, chat,
+                    total_tokens=chat.total_tokens(), models=(0,))
+
+
+def _lognormal(rng: np.random.Generator, median: int, sigma: float, shape: tuple[int, int]) -> np.ndarray:
+    values = rng.lognormal(math.log(median), sigma, size=shape).astype(np.int64)
+    return np.clip(values, 1, DEMO_CHAT_MAX_MESSAGE_TOKENS)
+
+
+class _ChatItems:
+    """Makes demo-chat items on demand. Owner: one Workload; immutable once scheduled."""
+
+    def __init__(self, seed: int, vocab_size: int, system_lengths: np.ndarray, systems: np.ndarray,
+                 users: np.ndarray, replies: np.ndarray) -> None:
+        self._vocab_size = vocab_size
+        self._streams = (CHAT_SYSTEM_STREAM ^ seed, CHAT_USER_STREAM ^ seed, CHAT_REPLY_STREAM ^ seed)
+        self._system_lengths = system_lengths
+        self._systems = systems
+        self._users = users
+        self._replies = replies
+
+    def schedule(self, conv: np.ndarray, turn: np.ndarray, arrival_ms: np.ndarray) -> None:
+        """Item k is turn `turn[k]` (from 0) of conversation `conv[k]`, arriving at
+        `arrival_ms[k]`."""
+        self._conv, self._turn, self._arrival = conv, turn, arrival_ms
+
+    def total_tokens(self) -> int:
+        per_turn = self._users + np.pad(np.cumsum(self._users + self._replies, axis=1)[:, :-1], ((0, 0), (1, 0)))
+        system = self._system_lengths[self._systems[self._conv]]
+        return int(system.sum() + per_turn[self._conv, self._turn].sum())
+
+    def _text(self, stream: int, conv: int, turn: int, length: int) -> np.ndarray:
+        block_id = conv * DEMO_CHAT_MAX_TURNS + turn
+        return hashed_tokens(stream, [block_id], length, self._vocab_size)[0]
+
+    def __call__(self, k: int) -> WorkItem:
+        conv, turn = int(self._conv[k]), int(self._turn[k])
+        system_stream, user_stream, reply_stream = self._streams
+        system = int(self._systems[conv])
+        components = [hashed_tokens(system_stream, [system], int(self._system_lengths[system]), self._vocab_size)[0]]
+        for earlier in range(turn):
+            components.append(np.concatenate([
+                self._text(user_stream, conv, earlier, int(self._users[conv, earlier])),
+                self._text(reply_stream, conv, earlier, int(self._replies[conv, earlier]))]))
+        suffix = self._text(user_stream, conv, turn, int(self._users[conv, turn]))
+        return WorkItem(0, components, suffix, f"chat-{conv}-{turn + 1}".encode(), float(self._arrival[k]), 0)
