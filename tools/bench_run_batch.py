@@ -18,12 +18,12 @@ Rows, each a fresh process of the command as a user runs it, alternating in each
 (round 1 vLLM first, round 2 the product first, ...):
 - `vllm`: `vllm run-batch` (python -m vllm.entrypoints.openai.run_batch's own `main`, with
   --enable-prompt-tokens-details), one engine (AsyncLLM: its engine core in a process of
-  its own, the front end in another), OMP_NUM_THREADS = all cores;
+  its own, the front end in another), OMP_NUM_THREADS = all cores (--threads N: N);
 - `product 1c`: `pipeline run-batch --engine vllm --consumers 1`: one engine (in the
-  consumer's process), cpu_threads = all cores: the main comparison;
+  consumer's process), cpu_threads = all cores (--threads N: N): the main comparison;
 - `product 2c` (where there are at least 2 cores; --no-two-consumers leaves it out): two
   consumers, each an engine of the same settings (so twice the KV cache in all),
-  cpu_threads = cores / 2 each.
+  cpu_threads = cores / 2 each (--threads N: N / 2, at least 1).
 Each side also runs a 1-request file (the batch file's first request) with the same
 settings in each round: its wall time is the side's start-up and shut-down.
 
@@ -287,14 +287,15 @@ def main() -> int:
     parser.add_argument("--rounds", type=int)
     parser.add_argument("--kv-cache-mib", type=int, default=KV_CACHE_MIB)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, help="OMP threads of the one-engine rows (default: every core)")
     parser.add_argument("--no-two-consumers", action="store_true", help="leave out the 2-consumer row")
     parser.add_argument("--keep", action="store_true", help="keep the run directory (outputs, logs)")
     parser.add_argument("--json", metavar="PATH", help="write the raw figures here")
     args = parser.parse_args()
     count = args.requests or (QUICK_REQUESTS if args.quick else REQUESTS)
     rounds = args.rounds or (1 if args.quick else ROUNDS)
-    cores = len(os.sched_getaffinity(0))
-    two = cores >= 2 and not args.no_two_consumers
+    cores = args.threads or len(os.sched_getaffinity(0))
+    two = len(os.sched_getaffinity(0)) >= 2 and not args.no_two_consumers
     from tools.tiny_llama import build
 
     build(MODEL_DIR)
@@ -317,7 +318,7 @@ def main() -> int:
         rnd["verdict"] = verdict(rnd)
     met = all(r["verdict"]["met"] for r in results)
     config = dict(requests=count, shapes=args.shapes, seed=args.seed, rounds=rounds, engine=settings,
-                  kv_cache_mib=args.kv_cache_mib, cores=cores, two_consumers=two, model=str(MODEL_DIR))
+                  kv_cache_mib=args.kv_cache_mib, threads=cores, two_consumers=two, model=str(MODEL_DIR))
     report = dict(settings=config, machine=machine(), seconds=time.monotonic() - started, target_met=met,
                   rounds=results)
     print(f"\nsettings: {json.dumps(config)}\nmachine: {json.dumps(report['machine'])}\n")
