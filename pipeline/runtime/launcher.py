@@ -496,11 +496,16 @@ class Launcher:
         # The consumers' own settings on placeholders of their own options (the report skips
         # those): no GPU scan or model check again at the end of a run that may have failed.
         consumer = ConsumerConfig(self.config.socket_path, self.results_dir, "settings", **self._consumer_settings)
+        engine = {"name": self.settings.engine, "consumers": self.consumer_count,
+                  "options": dict(self.engine_options), "filled_in": dict(self.engine_filled)}
         return {"broker": shown(self.config, skip=BROKER_OWN_OPTIONS),
                 "consumer": shown(consumer, skip=CONSUMER_OWN_OPTIONS),
+                "engine": engine,
                 "changed": {**{f"broker.{k}": v for k, v in non_defaults(self.config, BROKER_OWN_OPTIONS).items()},
                             **{f"consumer.{k}": v
-                               for k, v in non_defaults(consumer, CONSUMER_OWN_OPTIONS).items()}}}
+                               for k, v in non_defaults(consumer, CONSUMER_OWN_OPTIONS).items()},
+                            **({"engine": self.settings.engine} if self.settings.engine != "sim" else {}),
+                            **{f"engine_options.{k}": v for k, v in self.engine_options.items()}}}
 
     def _take_stock(self, results, rings: RingStock, completed: bool) -> Stock:
         """Where every item is. A completed run has nothing left in the store (the broker

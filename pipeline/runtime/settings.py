@@ -185,20 +185,27 @@ def check_engine_options(engine: str, options: dict) -> None:
         raise SettingsError(f"engine_options {options} for engine {engine!r}: {exc}") from exc
 
 
+# Cores a CPU launch keeps for the broker, the producers (they tokenize) and the launcher,
+# outside the engines' OMP threads. Measured (tools/bench_run_batch.py, 2 cores, one vllm
+# consumer): 2 threads gave a processing span of 5.4 to 12.9 s and 1 thread 5.1 to 5.7 s;
+# an engine that takes every core competes with the processes that feed it.
+CPU_CORES_KEPT = 1
+
+
 def engine_options_for_host(engine: str, options: dict, *, gpus: int, consumers: int, cores: int,
                             data_dir: str) -> tuple[dict, dict]:
     """Each consumer's engine options, and the ones filled in here (the launch shows them).
     Only a vllm engine on a machine without a GPU gets any, and only those the user did not
     give: enforce_eager, block_size (CPU_VLLM_BLOCK_SIZE_TOKENS), kv_cache_memory_bytes
     (CPU_VLLM_KV_CACHE_BYTES, unless gpu_memory_utilization is given), cpu_threads (the
-    cores shared out, at least 1 each) and cache_dir (DATA_DIR/engine-cache).
+    cores less CPU_CORES_KEPT    cores shared out, at least 1 each) and cache_dir (DATA_DIR/engine-cache).
     NOTE: load_format is never filled in: "dummy" runs random weights, which a real model
     must not do silently. On a GPU vLLM's own defaults stand (its compile cache in the home
     directory outlives the run: worth minutes at each start)."""
     if engine != "vllm" or gpus:
         return dict(options), {}
     defaults = {"enforce_eager": True, "block_size": CPU_VLLM_BLOCK_SIZE_TOKENS,
-                "cpu_threads": max(1, cores // max(1, consumers)),
+                "cpu_threads": max(1, (cores - CPU_CORES_KEPT) // max(1, consumers)),
                 "cache_dir": os.path.join(data_dir, ENGINE_CACHE_DIR)}
     if "gpu_memory_utilization" not in options:
         defaults["kv_cache_memory_bytes"] = CPU_VLLM_KV_CACHE_BYTES

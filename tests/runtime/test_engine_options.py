@@ -77,7 +77,8 @@ def test_vllm_without_a_gpu_gets_the_cpu_options_it_lacks(tmp_path):
     assert options == given and filled == {}  # what the user gave stands; no KV size beside a fraction
 
 
-@pytest.mark.parametrize("cores, consumers, threads", [(2, 2, 1), (2, 3, 1), (16, 4, 4), (16, 3, 5), (1, 1, 1)])
+@pytest.mark.parametrize("cores, consumers, threads", [(2, 2, 1), (2, 1, 1), (2, 3, 1), (16, 4, 3), (16, 3, 5),
+                                                     (1, 1, 1)])
 def test_cpu_threads_share_out_the_cores(tmp_path, cores, consumers, threads):
     _, filled = engine_options_for_host("vllm", {"model": "/m"}, gpus=0, consumers=consumers, cores=cores,
                                         data_dir=str(tmp_path))
