@@ -37,6 +37,7 @@ from pipeline.consumer.engines.base import FINISH_LENGTH, Engine, EngineBatch, E
 from pipeline.consumer.engines.prefix_cache import BatchLayout, PrefixCache
 from pipeline.wire.errors import EngineOptionsError
 from pipeline.wire.generation import GenerationParams
+from pipeline.wire.status import NS_PER_S
 
 # vLLM's default KV block size.
 DEFAULT_BLOCK_SIZE_TOKENS = 16
@@ -53,7 +54,6 @@ GPU_7B_PREFILL_S_PER_TOKEN = 1e-4
 # A step's fixed cost beside its tokens (scheduling, input preparation, kernel launches):
 # a few milliseconds in vLLM; an order of magnitude, measure your own engine.
 GPU_STEP_OVERHEAD_S = 5e-3
-NS_PER_S = 1_000_000_000
 
 # Made-up output ids are 15 bits wide.
 OUTPUT_ID_RANGE = 1 << 15
