@@ -62,12 +62,14 @@ SAMPLE_WIRE = json.loads("""
           "prompt_tokens": 753713, "padded_tokens": 770784, "cacheable_tokens": 220816,
           "cache_hit_tokens": 218496, "cacheable_hit_tokens": 218496, "output_tokens": 7712,
           "compulsory_miss_tokens": 2320, "engine_prefix_cache_queries": 0,
-          "engine_prefix_cache_hits": 0, "engine_checked_prompt_tokens": 0, "engine_checked_cache_hit_tokens": 0},
+          "engine_prefix_cache_hits": 0, "engine_checked_prompt_tokens": 0, "engine_checked_cache_hit_tokens": 0,
+          "busy_ns": 1500000000},
    "c0": {"connected": true, "batches": 461, "items_ok": 2072, "items_too_long": 0, "items_corrupt": 0, "items_error": 0,
           "prompt_tokens": 826855, "padded_tokens": 844672, "cacheable_tokens": 240416,
           "cache_hit_tokens": 238096, "cacheable_hit_tokens": 238096, "output_tokens": 8288,
           "compulsory_miss_tokens": 2320, "engine_prefix_cache_queries": 0,
-          "engine_prefix_cache_hits": 0, "engine_checked_prompt_tokens": 0, "engine_checked_cache_hit_tokens": 0}},
+          "engine_prefix_cache_hits": 0, "engine_checked_prompt_tokens": 0, "engine_checked_cache_hit_tokens": 0,
+          "busy_ns": 1250000000}},
  "uptime_s": 0.63, "pid": 6270, "generation": 1, "producers": {}, "consumers_lost": 0, "disk_full": false,
  "store_damage": {}, "peers_refused": 0, "peers_shed": 0, "stalls": 0, "stalled_s": 0.0}
 """)
@@ -148,11 +150,23 @@ def test_sample_status_per_shape_rows_keep_their_labels():
 def test_sample_status_per_consumer_counters_and_cache_hit_ratio():
     parsed = samples(render(SAMPLE))
     for export in CONSUMER_COUNTERS:
-        expected = {name: row[export.name] for name, row in SAMPLE_WIRE["per_consumer"].items()}
+        expected = {name: export.read(row) for name, row in SAMPLE.per_consumer.items()}
         assert by_label(parsed, f"consumer_{export.name}_total", "consumer") == expected, export.name
+    assert by_label(parsed, "consumer_items_ok_total", "consumer") == {"c0": 2072, "c1": 1928}
     assert by_label(parsed, "consumer_connected", "consumer") == {"c0": 1, "c1": 1}
     # c0: 238096 / (240416 - 2320): every hit a perfect order could get
     assert by_label(parsed, "consumer_cache_hit_ratio", "consumer") == {"c0": 1.0, "c1": 1.0}
+
+
+def test_busy_time_in_seconds_and_prefix_reuse_per_consumer_and_in_total():
+    parsed = samples(render(SAMPLE))
+    # busy_ns on the wire, seconds in the metric (Prometheus' base unit)
+    assert by_label(parsed, "consumer_busy_seconds_total", "consumer") == {"c0": 1.25, "c1": 1.5}
+    assert by_label(parsed, "consumer_prefix_reuse_ratio", "consumer") == {
+        "c0": pytest.approx(238096 / 826855), "c1": pytest.approx(218496 / 753713)}
+    assert scalar(parsed, "prefix_reuse_ratio") == pytest.approx((238096 + 218496) / (826855 + 753713))
+    nothing = samples(render(replace(SAMPLE, per_consumer={})))
+    assert P + "prefix_reuse_ratio" not in nothing  # no prompt token yet: no ratio
 
 
 def test_cache_hit_ratio_counts_only_reachable_hits_and_skips_a_zero_denominator():

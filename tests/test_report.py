@@ -40,8 +40,9 @@ CONSUMER_KEYS = {"items", "items_ok", "items_empty", "prompt_tokens", "padded_to
                  "cacheable_tokens", "cache_hit_tokens", "compulsory_miss_tokens", "cache_hit_rate", "batches"}
 
 
-def line(item_id: int, status: str = "ok", prompt_tokens: int = 395) -> str:
-    return json.dumps({"item_id": item_id, "batch_id": item_id // 4, "dispatch_ns": 1, "submit_ns": 0, "done_ns": 2,
+def line(item_id: int, status: str = "ok", prompt_tokens: int = 395, dispatch_ns: int = 1, done_ns: int = 2) -> str:
+    return json.dumps({"item_id": item_id, "batch_id": item_id // 4, "dispatch_ns": dispatch_ns, "submit_ns": 0,
+                       "done_ns": done_ns,
                        "pad_to_tokens": 400, "status": status, "prompt_tokens": prompt_tokens,
                        "cached_tokens": 100, "output_tokens": 4, "output": [1, 2, 3, 4], "payload": ""})
 
@@ -113,6 +114,43 @@ def test_cache_hits_beyond_the_prefix_do_not_count_in_the_rate(tmp_path):
     assert report["cache_hit_tokens_all"] == 218496 + 250000
     assert report["cache_hit_rate"] == pytest.approx((218496 + 200000) / (461232 - 4640))
     assert report["per_consumer"]["c0"]["cache_hit_rate"] == pytest.approx(200000 / (240416 - 2320))
+
+
+def test_prefix_reuse_is_every_hit_over_the_prompt_tokens_per_consumer_and_in_total(tmp_path):
+    status = copy.deepcopy(SAMPLE_WIRE)
+    status["per_consumer"]["c0"].update(cache_hit_tokens=250000, cacheable_hit_tokens=200000)
+    report = report_of(status_of(status), sample_results(tmp_path), wall_s=1.0)
+    # The hits beyond the declared prefix count too: the Mooncake paper's cache ratio.
+    assert report["per_consumer"]["c0"]["prefix_reuse"] == pytest.approx(250000 / 826855)
+    assert report["per_consumer"]["c1"]["prefix_reuse"] == pytest.approx(218496 / 753713)
+    assert report["prefix_reuse"] == pytest.approx((250000 + 218496) / (826855 + 753713))
+    empty = report_of(BrokerStatus(), summarize_results(str(tmp_path / "none")), wall_s=1.0, published=0)
+    assert empty["prefix_reuse"] is None  # no prompt token ran: no ratio
+
+
+def test_busy_fraction_is_each_consumers_busy_time_over_the_makespan(tmp_path):
+    # c1's items dispatched from 1.0 s, c0's done by 3.5 s: a makespan of 2.5 s. The sample's
+    # engines were busy 1.25 s (c0) and 1.5 s (c1).
+    results = summarize_results(write_results(tmp_path / "results", {
+        "c1": [line(i, dispatch_ns=1_000_000_000 + i, done_ns=2_000_000_000) for i in range(C1_ITEMS)],
+        "c0": [line(i, dispatch_ns=2_000_000_000, done_ns=3_500_000_000 - i % 7) for i in range(C1_ITEMS, ALL_ITEMS)]}))
+    assert results.makespan_s == 2.5
+    report = report_of(SAMPLE_STATUS, results, wall_s=10.0)
+    assert report["makespan_s"] == 2.5 and report["busy_s"] == 2.75
+    assert report["per_consumer"]["c0"]["busy_s"] == 1.25 and report["per_consumer"]["c0"]["busy_fraction"] == 0.5
+    assert report["per_consumer"]["c1"]["busy_fraction"] == 0.6
+    assert report["busy_fraction"] == pytest.approx(0.55)  # the consumers' mean
+    out = io.StringIO()
+    render_report(report, Console(file=out, width=120))
+    for figure in ("2.5 s", "55.0%", "60.0%", "1.5 s", "prefix reuse"):
+        assert figure in out.getvalue(), figure
+    # A live broker's window: its uptime (pipeline status).
+    live = build_report(SAMPLE_STATUS, results, 5.0, makespan_s=5.0)
+    assert live["makespan_s"] == 5.0 and live["per_consumer"]["c1"]["busy_fraction"] == 0.3
+    # No result yet: no makespan, and no fraction.
+    none = report_of(SAMPLE_STATUS, summarize_results(str(tmp_path / "none")), wall_s=1.0, published=0)
+    assert none["makespan_s"] is None and none["busy_fraction"] is None
+    assert none["per_consumer"]["c0"]["busy_fraction"] is None
 
 
 def test_missing_results_are_lost(tmp_path):

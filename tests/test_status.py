@@ -22,7 +22,8 @@ from pipeline.wire.status import (
 )
 
 # The wire keys (version 1's: what brokers sent before the record, plus tokens_returned;
-# version 2 added the engine check fields to WORK_KEYS). A change here is a new STATUS_VERSION.
+# version 2 added the engine check fields to WORK_KEYS, version 3 busy_ns). A change here is
+# a new STATUS_VERSION.
 V1_KEYS = {
     "items_received", "tokens_received", "items_routed", "tokens_routed", "items_completed", "tokens_completed",
     "items_returned", "tokens_returned", "items_recovered", "tokens_recovered", "items_adopted", "duplicate_items",
@@ -38,7 +39,7 @@ CONSUMER_KEYS = {"id", "pid", "credit", "batches_held", "model", "max_batch_item
 WORK_KEYS = {"items_ok", "items_too_long", "items_corrupt", "items_error", "prompt_tokens", "padded_tokens", "cacheable_tokens",
              "cache_hit_tokens", "cacheable_hit_tokens", "compulsory_miss_tokens", "output_tokens",
              "engine_prefix_cache_queries", "engine_prefix_cache_hits", "engine_checked_prompt_tokens",
-             "engine_checked_cache_hit_tokens"}
+             "engine_checked_cache_hit_tokens", "busy_ns"}
 
 
 def work(base: int) -> ConsumerWork:

@@ -365,7 +365,8 @@ def status(data_dir: str, as_json: bool, results_dir: str | None) -> None:
     except ProtocolError as exc:  # an error reply, or a status of another version: never misread
         raise click.ClickException(f"cannot read the status of the broker on {config.socket_path} ({exc})") from exc
     results = summarize_results(results_dir or os.path.join(data_dir, RESULTS_DIR))
-    report = build_report(counters, results, counters.uptime_s)
+    # The broker's uptime is the window its busy counters cover (the results span runs).
+    report = build_report(counters, results, counters.uptime_s, makespan_s=counters.uptime_s)
     # NOTE: a live broker's counters cover its own life only, while results files span
     # restarts and runs: `lost` and the verdict would be noise. The end of a run (launch's
     # report, or `pipeline tools verify`) is where the accounting is checked.

@@ -36,7 +36,7 @@ import numpy as np
 
 from pipeline.wire.errors import ResultsFileError
 from pipeline.wire.layouts import ITEM_ID_SEQ_BITS, MAX_SEQ, make_item_id
-from pipeline.wire.status import BrokerStatus
+from pipeline.wire.status import NS_PER_S, BrokerStatus
 from pipeline.wire.textfiles import bounded_lines
 
 # Bad results lines named in a summary (path:line and why); the rest are only counted: a
@@ -73,6 +73,19 @@ class ResultsSummary:
     # mid-write; that batch was never completed, so it comes back). The next consumer of that
     # name terminates it, and it is then a bad line like any other.
     torn_lines: int = 0
+    # The earliest dispatch and the latest completion over the lines (time.monotonic_ns() of
+    # the broker and of the consumers: one clock for the machine); None without a line
+    # that has them. `makespan_s` is the time between.
+    first_dispatch_ns: int | None = None
+    last_done_ns: int | None = None
+
+    @property
+    def makespan_s(self) -> float | None:
+        """From the first batch's dispatch to the last batch's results, in seconds; None
+        before any line with both times."""
+        if self.first_dispatch_ns is None or self.last_done_ns is None:
+            return None
+        return max(0, self.last_done_ns - self.first_dispatch_ns) / NS_PER_S
 
 
 def summarize_results(results_dir: str) -> ResultsSummary:
@@ -111,6 +124,7 @@ def summarize_results(results_dir: str) -> ResultsSummary:
             mine["lines"] += 1
             mine["prompt_tokens"] += row["prompt_tokens"]
             mine["cached_tokens"] += row["cached_tokens"]
+            _note_times(summary, row)
         mine["bad_lines"] += summary.bad_lines - bad_before
     summary.lines = sum(seen.values())
     summary.items = len(seen)
@@ -118,6 +132,16 @@ def summarize_results(results_dir: str) -> ResultsSummary:
     summary.by_status = dict(status)
     summary.item_ids = set(seen)
     return summary
+
+
+def _note_times(summary: ResultsSummary, row: dict) -> None:
+    """Move the summary's first dispatch and last completion to cover `row`'s (a line
+    without them, or with times that are not integers, leaves them)."""
+    dispatch, done = row.get("dispatch_ns"), row.get("done_ns")
+    if type(dispatch) is int and (summary.first_dispatch_ns is None or dispatch < summary.first_dispatch_ns):
+        summary.first_dispatch_ns = dispatch
+    if type(done) is int and (summary.last_done_ns is None or done > summary.last_done_ns):
+        summary.last_done_ns = done
 
 
 def _regular(path: str, summary: ResultsSummary) -> bool:

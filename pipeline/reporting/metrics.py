@@ -27,7 +27,17 @@ from prometheus_client import CollectorRegistry, generate_latest, start_http_ser
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from pipeline.wire.errors import PipelineError
-from pipeline.wire.status import COUNTER, GAUGE, BrokerStatus, ConsumerTotalsRow, Export, LaneEvents, TopShape, exports
+from pipeline.wire.status import (
+    COUNTER,
+    GAUGE,
+    BrokerStatus,
+    ConsumerTotalsRow,
+    ConsumerWork,
+    Export,
+    LaneEvents,
+    TopShape,
+    exports,
+)
 
 log = logging.getLogger("pipeline.metrics")
 
@@ -38,6 +48,7 @@ CLOSE_TIMEOUT_S = 5.0
 # The model label of the status's "other" row: it sums shapes of every model.
 OTHER_MODEL_LABEL = "all"
 UP_HELP = "1 if the broker answered the status request, else 0"
+PREFIX_REUSE_HELP = "Cache-hit tokens over prompt tokens (the Mooncake paper's cache ratio)"
 # The prometheus_client family of each metric kind.
 _FAMILY: dict[str, Any] = {COUNTER: CounterMetricFamily, GAUGE: GaugeMetricFamily}
 
@@ -133,15 +144,25 @@ def _consumers(per_consumer: dict[str, ConsumerTotalsRow]) -> Iterator[Metric]:
             for name in names:
                 family.add_metric([name], _number(export.read(per_consumer[name])))
             yield family
-    hit_ratio = GaugeMetricFamily(
-        PREFIX + "consumer_cache_hit_ratio",
+    yield _per_consumer_ratio(
+        "consumer_cache_hit_ratio",
         "Cacheable hit tokens over cacheable tokens less compulsory misses (the hits a perfect order could get)",
-        labels=["consumer"])
-    for name in names:
-        rate = per_consumer[name].work.cache_hit_rate
-        if rate is not None:  # nothing a warm cache could have hit yet: no sample
-            hit_ratio.add_metric([name], rate)
-    yield hit_ratio
+        {name: per_consumer[name].work.cache_hit_rate for name in names})
+    yield _per_consumer_ratio("consumer_prefix_reuse_ratio", PREFIX_REUSE_HELP,
+                              {name: per_consumer[name].work.prefix_reuse for name in names})
+    total = sum((row.work for row in per_consumer.values()), ConsumerWork())
+    # No sample before a consumer reported a prompt token: a ratio of nothing is no number.
+    yield _gauge("prefix_reuse_ratio", PREFIX_REUSE_HELP + ", over every consumer", total.prefix_reuse)
+
+
+def _per_consumer_ratio(name: str, help_text: str, values: dict[str, float | None]) -> GaugeMetricFamily:
+    """A gauge with a sample per consumer whose ratio is measured (None: nothing to divide
+    yet, no sample)."""
+    family = GaugeMetricFamily(PREFIX + name, help_text, labels=["consumer"])
+    for consumer, value in values.items():
+        if value is not None:
+            family.add_metric([consumer], value)
+    return family
 
 
 def _number(value: float | bool) -> float:

@@ -57,8 +57,22 @@ Definitions (every figure is an int or a float; a ratio with nothing to divide i
   where they share leading blocks (a trace's common system prompt) only new blocks count,
   so the rate below stays at most 1.
 - cache_hit_rate = cache_hit_tokens / (cacheable_tokens - compulsory_miss_tokens).
+- prefix_reuse = cache_hit_tokens_all / prompt_tokens (every hit over the prompt tokens the
+  engines ran, what the Mooncake paper calls the cache ratio): unlike the rate above it does
+  not depend on what each system declares cacheable, so it compares with other systems.
 - shape_switches = the sum of the broker's switch counts; shape_switches_by_reason keeps them.
-- items_per_s and tokens_per_s = completed over the launcher's wall time.
+- items_per_s and tokens_per_s = completed over the launcher's wall time (wall_s).
+- makespan_s = from the first dispatch to the last completion: the earliest dispatch_ns and
+  the latest done_ns of the run's results lines (one monotonic clock for the machine). Not
+  the wall time: that also holds the processes' start (minutes loading a model on a GPU),
+  the producers' work before the first batch and the shutdown, when no consumer can be
+  busy. `pipeline status` divides by the broker's uptime instead, the only window a live
+  broker's counters cover (its results directory spans runs). None before any result.
+- busy_s = the seconds each consumer's engine was busy running batches (ConsumerWork
+  busy_ns: the sim times each batch's run, its cost model's sleep included; vLLM its
+  scheduler steps), summed by the broker over the consumer's completions; busy_fraction =
+  busy_s / makespan_s per consumer, and the consumers' mean at the top. A broker restarted
+  mid-run counts only its own life, so the fraction is then low, never high.
 - engine_counters_agree: whether every engine that keeps prefix-cache counters of its own
   (vLLM's prefix_cache_hits / prefix_cache_queries) counted what ours did over the same
   requests (engine_checked_*: the requests that finished while nothing else ran, taken when
@@ -90,6 +104,7 @@ from pipeline.wire.status import (
     ConsumerTotalsRow,
     cache_hit_rate,
     padding_efficiency,
+    prefix_reuse,
     ratio,
 )
 
@@ -100,10 +115,10 @@ ENGINE_CHECK_KEYS = ("engine_prefix_cache_queries", "engine_prefix_cache_hits", 
 LANE_KEYS = ("opened", "reused", "force_fits", "quiesced", "released", "max_in_use")
 
 
-def consumer_figures(broker: ConsumerTotalsRow, results: dict) -> dict:
+def consumer_figures(broker: ConsumerTotalsRow, results: dict, makespan_s: float | None = None) -> dict:
     """One consumer's report row from its broker totals (`status.per_consumer[name]`, an
-    empty row if the broker has none) and its results-file counts
-    (`ResultsSummary.per_consumer[name]`, may be {})."""
+    empty row if the broker has none), its results-file counts
+    (`ResultsSummary.per_consumer[name]`, may be {}) and the run's makespan (None: unknown)."""
     work = broker.work
     # NOTE: the statuses come from the broker's totals, not the results files: ResultsSummary
     # counts statuses over all files only, and re-reading them here would be a second parser.
@@ -122,7 +137,10 @@ def consumer_figures(broker: ConsumerTotalsRow, results: dict) -> dict:
         "cache_hit_tokens_all": work.cache_hit_tokens,
         "compulsory_miss_tokens": work.compulsory_miss_tokens,
         "cache_hit_rate": work.cache_hit_rate,
+        "prefix_reuse": work.prefix_reuse,
         "output_tokens": work.output_tokens,
+        "busy_s": work.busy_s,
+        "busy_fraction": None if makespan_s is None else ratio(work.busy_s, makespan_s),
         "batches": broker.batches,
         **{key: getattr(work, key) for key in ENGINE_CHECK_KEYS},
         "engine_counters_agree": None if not any(getattr(work, key) for key in ENGINE_CHECK_KEYS)
@@ -132,7 +150,7 @@ def consumer_figures(broker: ConsumerTotalsRow, results: dict) -> dict:
 
 def build_report(status: BrokerStatus | None, results: ResultsSummary, wall_s: float, stock: Stock | None = None,
                  store_kept: bool = True, not_submitted: int = 0, unreadable_rings: Sequence[str] = (),
-                 duplicates_across_runs: int = 0) -> dict:
+                 duplicates_across_runs: int = 0, makespan_s: float | None = None) -> dict:
     """The run report (definitions in the module docstring) as a JSON-ready dict.
     `status`: the broker's last status; None when the broker was gone at the end, reported
     as zero counters and the accounting as not OK, since nothing can be checked.
@@ -140,13 +158,16 @@ def build_report(status: BrokerStatus | None, results: ResultsSummary, wall_s: f
     broker (`pipeline status`), which nothing is judged on. `store_kept` False: the store
     does not outlive the run (the memory tier, a temporary data directory), so unfinished
     items are discarded with it, and reported so. `not_submitted`: workload items the
-    producers never put into their rings (a run stopped early)."""
+    producers never put into their rings (a run stopped early). `makespan_s`: the window
+    the busy fractions divide by, where it is not the results' first dispatch to last
+    completion (`pipeline status`: the broker's uptime)."""
     missing = status is None
     broker = BrokerStatus() if status is None else status
     accounted = reconcile(results, broker, stock)
     names = sorted(set(broker.per_consumer) | set(results.per_consumer))
+    makespan = results.makespan_s if makespan_s is None else makespan_s
     per_consumer = {name: consumer_figures(broker.per_consumer.get(name, ConsumerTotalsRow()),
-                                           results.per_consumer.get(name, {}))
+                                           results.per_consumer.get(name, {}), makespan)
                     for name in names}
 
     def total(key: str) -> int:
@@ -184,6 +205,7 @@ def build_report(status: BrokerStatus | None, results: ResultsSummary, wall_s: f
         "cache_hit_tokens_all": total("cache_hit_tokens_all"),
         "compulsory_miss_tokens": compulsory,
         "cache_hit_rate": cache_hit_rate(hits, cacheable, compulsory),
+        "prefix_reuse": prefix_reuse(total("cache_hit_tokens_all"), prompt),
         "shape_switches": broker.shape_switches,
         "shape_switches_by_reason": switches,
         "shapes": broker.shapes,
@@ -194,7 +216,16 @@ def build_report(status: BrokerStatus | None, results: ResultsSummary, wall_s: f
         "wall_s": wall_s,
         "items_per_s": ratio(accounted["items_completed"], wall_s),
         "tokens_per_s": ratio(accounted["tokens_completed"], wall_s),
+        "makespan_s": makespan,
+        "busy_s": sum(row["busy_s"] for row in per_consumer.values()),
+        "busy_fraction": _mean_busy_fraction(per_consumer),
     }
+
+
+def _mean_busy_fraction(per_consumer: dict) -> float | None:
+    """The consumers' busy fractions, averaged; None without a makespan or a consumer."""
+    fractions = [row["busy_fraction"] for row in per_consumer.values()]
+    return None if not fractions or None in fractions else sum(fractions) / len(fractions)
 
 
 def _engines_agree(per_consumer: dict) -> bool | None:
@@ -244,6 +275,11 @@ def format_count(value: float | None) -> str:
 def format_percent(value: float | None) -> str:
     """A ratio as a percentage with one decimal ("97.8%"); "-" for None."""
     return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def format_seconds(value: float | None) -> str:
+    """Seconds with one decimal ("12.3 s"); "-" for None."""
+    return "-" if value is None else f"{value:.1f} s"
 
 
 def format_rate(value: float | None) -> str:
@@ -354,9 +390,12 @@ def _efficiency_rows(report: dict) -> list[tuple[str, str]]:
         ("cache hit tokens", format_count(report["cache_hit_tokens"])),
         ("compulsory miss tokens", format_count(report["compulsory_miss_tokens"])),
         ("cache hit rate", format_percent(report["cache_hit_rate"])),
+        ("prefix reuse (hits / prompt tokens)", format_percent(report["prefix_reuse"])),
         ("shape switches", f"{report['shape_switches']:,}" + (f" ({reasons})" if reasons else "")),
         ("shapes", format_count(report["shapes"])),
         ("wall time", f"{report['wall_s']:.1f} s"),
+        ("makespan (first dispatch to last result)", format_seconds(report["makespan_s"])),
+        ("consumers' mean busy fraction", format_percent(report["busy_fraction"])),
         ("items per second", format_count(report["items_per_s"])),
         ("tokens per second", format_count(report["tokens_per_s"])),
     ]
@@ -370,7 +409,9 @@ _CONSUMER_ROWS = (
     ("padded tokens", "padded_tokens", format_count), ("padding efficiency", "padding_efficiency", format_percent),
     ("cacheable tokens", "cacheable_tokens", format_count), ("cache hit tokens", "cache_hit_tokens", format_count),
     ("compulsory miss tokens", "compulsory_miss_tokens", format_count),
-    ("cache hit rate", "cache_hit_rate", format_percent),
+    ("cache hit rate", "cache_hit_rate", format_percent), ("prefix reuse", "prefix_reuse", format_percent),
+    ("engine busy", "busy_s", format_seconds),
+    ("busy fraction", "busy_fraction", format_percent),
 )
 
 

@@ -4,8 +4,9 @@
 
 Every option of the command can come from the file under the same name (underscores, not
 dashes), at the top level or in a `[launch]` table; `engine_options` is a table passed to the
-engine (the sim engine's `block_size_tokens`, `capacity_tokens`, `cost_s_per_padded_token`;
-on the command line `--engine-options KEY=VALUE,...`, over the file's key by key). A vllm
+engine (the sim engine's `block_size_tokens`, `capacity_tokens`, `cost_s_per_padded_token`,
+`cost_s_per_batch`; on the command line `--engine-options KEY=VALUE,...`, over the file's key
+by key). A vllm
 engine on a machine without a GPU gets the CPU options it lacks filled in
 (`engine_options_for_host`), and made-up token ids are drawn below its model's vocabulary
 (`workload_vocab_size`, or `vocab_size`).

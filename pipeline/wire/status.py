@@ -32,9 +32,11 @@ from typing import Any, get_args, get_origin, get_type_hints
 from pipeline.wire.errors import ProtocolError
 
 # The wire form's version: bump it with any change to the fields (see the module docstring).
-STATUS_VERSION = 2
+STATUS_VERSION = 3
 # The signature of the `top_shapes` row that sums every shape past the top ones.
 OTHER_SHAPE = "other"
+# busy_ns's unit.
+NS_PER_S = 1_000_000_000
 # Metric kinds (prometheus_client's counter and gauge families).
 COUNTER = "counter"
 GAUGE = "gauge"
@@ -108,6 +110,13 @@ def cache_hit_rate(hit_tokens: int, cacheable_tokens: int, compulsory_miss_token
     return ratio(hit_tokens, cacheable_tokens - compulsory_miss_tokens)
 
 
+def prefix_reuse(hit_tokens: int, prompt_tokens: int) -> float | None:
+    """Cache-hit tokens / prompt tokens: the share of the input the prefix cache served,
+    what the Mooncake paper calls the cache ratio (comparable across systems, whatever
+    prefix each declares cacheable)."""
+    return ratio(hit_tokens, prompt_tokens)
+
+
 @dataclass(frozen=True, slots=True)
 class ConsumerWork:
     """What a consumer reported doing: one completion's `results` (pipeline.consumer.process
@@ -141,6 +150,10 @@ class ConsumerWork:
                                              "cover", Export(COUNTER), default=0)
     engine_checked_cache_hit_tokens: int = _doc("Cache-hit tokens we counted over the requests the engine's "
                                                 "counters cover", Export(COUNTER), default=0)
+    # Version 3. An int of nanoseconds, so sums are exact; exported in seconds (busy_s).
+    busy_ns: int = _doc("Nanoseconds the consumer's engine was busy running its batches",
+                        Export(COUNTER, name="busy_seconds", help="Seconds the consumer's engine was busy running "
+                               "its batches", value="busy_s"), default=0)
 
     @classmethod
     def from_results(cls, results: object) -> ConsumerWork:
@@ -167,6 +180,15 @@ class ConsumerWork:
         """Hits inside the cacheable prefix over the cacheable tokens less compulsory misses
         (the hits a perfect order could get)."""
         return cache_hit_rate(self.cacheable_hit_tokens, self.cacheable_tokens, self.compulsory_miss_tokens)
+
+    @property
+    def prefix_reuse(self) -> float | None:
+        """Every cache hit over the prompt tokens (`prefix_reuse`), beside the hit rate."""
+        return prefix_reuse(self.cache_hit_tokens, self.prompt_tokens)
+
+    @property
+    def busy_s(self) -> float:
+        return self.busy_ns / NS_PER_S
 
     @property
     def engine_disagrees(self) -> bool:

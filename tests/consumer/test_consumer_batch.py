@@ -45,6 +45,8 @@ def test_run_batch_writes_a_parseable_line_per_item(tmp_path):
             assert row["status"] == "ok" and len(row["output"]) == row["output_tokens"] > 0
     assert summary["items_too_long"] == len(too_long) and summary["items_ok"] == 6 - len(too_long)
     assert summary["prompt_tokens"] == sum(int(n) for n in items["length"] if n <= limit)
+    # The engine's busy time for the batch, as it counted it (one batch: its whole total).
+    assert summary["busy_ns"] == consumer.engine.counters.busy_ns > 0
     # What it sends in `complete` (the corrupt ids apart) is exactly the status record's counters.
     assert summary.pop(CORRUPT_KEY) == []
     assert ConsumerWork.from_results(summary).items_ok == 6 - len(too_long)

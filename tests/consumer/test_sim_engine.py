@@ -231,3 +231,40 @@ def test_made_up_output_ids_fall_below_the_vocabulary_given():
     assert [[t % 100 for t in o] for o in wide.outputs] == narrow.outputs
     with pytest.raises(ValueError, match="bad config"):
         SimEngine(vocab_size=(1 << 15) + 1)
+
+
+def test_the_cost_model_charges_padded_tokens_the_cache_did_not_serve_and_each_batch():
+    # 1 us a padded token the cache missed, 100 us a batch: small enough to run in a test.
+    engine = SimEngine(block_size_tokens=16, capacity_tokens=1 << 16, cost_s_per_padded_token=1e-6,
+                       cost_s_per_batch=1e-4)
+    shared = np.arange(100, dtype=np.int32)
+    prompts = [np.concatenate([shared, np.full(k + 1, 7, dtype=np.int32)]) for k in range(4)]
+    cold = engine.run(EngineBatch(prompts, pad_to_tokens=112, prefix_lens=[100] * 4))
+    # 4 * 112 padded, 3 * 96 of them served from the cache: 160 charged, 160 us + 100 us.
+    assert cold.counted.extra == {"charged_tokens": 160, "charged_ns": 260_000}
+    warm = engine.run(EngineBatch(prompts, pad_to_tokens=112, prefix_lens=[100] * 4))
+    assert warm.cached_tokens == [96] * 4  # the padding and each prompt's own tail still computed
+    assert warm.counted.extra == {"charged_tokens": 4 * 112 - 4 * 96, "charged_ns": 164_000}
+    assert engine.counters.extra["charged_tokens"] == 160 + 64
+    assert engine.counters.extra["charged_ns"] == 260_000 + 164_000
+    # A batch's busy time is its run, the charged sleep included (sleep never returns early).
+    for result in (cold, warm):
+        assert result.counted.busy_ns >= result.counted.extra["charged_ns"]
+    assert engine.counters.busy_ns == cold.counted.busy_ns + warm.counted.busy_ns
+
+
+def test_without_costs_nothing_is_charged_but_the_tokens_are_counted():
+    engine = SimEngine(block_size_tokens=4)
+    result = engine.run(EngineBatch([np.arange(10, dtype=np.int32)], 12, [8]))
+    assert result.counted.extra == {"charged_tokens": 12, "charged_ns": 0}
+    assert result.counted.busy_ns > 0  # hashing the prompt is the engine's work too
+
+
+@pytest.mark.parametrize("options", [{"cost_s_per_padded_token": -1e-6}, {"cost_s_per_batch": float("inf")},
+                                     {"cost_s_per_batch": float("nan")}, {"cost_s_per_batch": "5ms"},
+                                     {"cost_s_per_padded_token": True}])
+def test_bad_costs_are_refused_naming_them(options):
+    from pipeline.wire.errors import EngineOptionsError
+
+    with pytest.raises(EngineOptionsError, match="costs must be finite seconds >= 0"):
+        make_engine("sim", **options)

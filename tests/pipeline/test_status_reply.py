@@ -84,3 +84,20 @@ def test_results_with_a_counter_the_record_lacks_refuse_the_consumer(tmp_path):
     assert after.per_consumer["holder"].batches == 0 and after.per_consumer["holder"].work == ConsumerWork()
     # Nothing of the batch was completed: it went back to dispatch with the refused consumer.
     assert after.items_completed == 0 and after.items_returned == len(batch.items)
+
+
+def test_the_broker_sums_each_consumers_busy_time_exactly(tmp_path):
+    broker, socket_path = stored_workload(tmp_path)
+    try:
+        conn, ring, held = consumer_holding(socket_path, batches=2)
+        for batch, busy_ns in zip(held, (1_500_000_001, 250_000_000)):
+            results = asdict(ConsumerWork(items_ok=len(batch.items), busy_ns=busy_ns))
+            conn.send({"type": "complete", "batch_id": batch.batch_id, "results": results, "credit": 0})
+        after = wait_until(lambda: (s := status(socket_path)).per_consumer["holder"].batches == 2 and s, 30,
+                           "both completions")
+        ring.close(mark_closed=False)
+        conn.close()
+    finally:
+        assert stop(broker) == 0
+    work = after.per_consumer["holder"].work
+    assert work.busy_ns == 1_750_000_001 and work.busy_s == 1.750000001  # nanoseconds: summed without rounding

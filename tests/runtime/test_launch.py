@@ -32,6 +32,8 @@ ROOT = Path(__file__).resolve().parents[2]
 TRACE = ROOT.parent / "shared" / "workloads" / "mooncake_synthetic_trace.jsonl"
 # Generous: a run here takes seconds; this only keeps a hung run from hanging the suite.
 RUN_TIMEOUT_S = 240
+# The sim's cost per batch in the GPU-bound run: 30 ms, long beside the broker's work on a batch.
+BATCH_COST_S = 0.03
 
 
 def launch(*args: str, timeout_s: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess:
@@ -61,6 +63,13 @@ def check_report_against_results(report: dict, results_dir: str, items: int) -> 
     for key in ("padding_efficiency", "mean_batch_fill", "cache_hit_rate"):
         assert 0 < report[key] <= 1, key
     assert report["lanes"]["opened"] >= report["shapes"] > 0
+    # Every hit over the prompt tokens run: the results' cached tokens over their prompt tokens.
+    assert report["prefix_reuse"] == sum(row["cached_tokens"] for row in rows) / ran
+    # A consumer runs one batch at a time, each between its dispatch and its results: busy
+    # within the makespan, never more.
+    assert report["makespan_s"] == summary.makespan_s > 0
+    for name, row in report["per_consumer"].items():
+        assert 0 < row["busy_fraction"] <= 1, name
 
 
 def test_demo_run_report_matches_results_and_leaves_nothing(tmp_path):
@@ -76,6 +85,20 @@ def test_demo_run_report_matches_results_and_leaves_nothing(tmp_path):
     assert sorted(os.listdir(plots)) == ["cache_hit_rate.png", "lanes.png", "padding.png", "queued_tokens.png"]
     assert shm_objects_of(str(data)) == []
     assert not os.path.exists(os.path.join(str(data), "run", "broker.sock"))
+
+
+def test_a_gpu_bound_run_reports_the_engines_busy_time(tmp_path):
+    # BATCH_COST_S a batch in the sim's cost model: the consumers, not the broker, bound the run.
+    data, report_path = tmp_path / "data", tmp_path / "report.json"
+    config = tmp_path / "run.toml"
+    config.write_text(f"items = 600\n[engine_options]\ncost_s_per_batch = {BATCH_COST_S}\n")
+    done = launch("--config", str(config), "--data-dir", str(data), "--report", str(report_path))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(report_path.read_text())
+    check_report_against_results(report, run_results_dir(str(data)), 600)
+    for name, row in report["per_consumer"].items():
+        assert row["busy_s"] >= row["batches"] * BATCH_COST_S, name  # each batch slept its cost at least
+    assert "busy fraction" in done.stdout
 
 
 def test_own_format_workload_on_the_memory_tier(tmp_path):

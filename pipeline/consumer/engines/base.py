@@ -74,6 +74,11 @@ class EngineCounters:
     # the engine count.
     compulsory_miss_tokens: int = 0
     output_tokens: int = 0
+    # Nanoseconds the engine was busy running batches (an int: summed exactly on the wire).
+    # A synchronous engine times each batch's run; a pipelined one its scheduler steps, each
+    # finished batch carrying the steps since the one before (vllm.py), so the sum is the
+    # engine's busy time however its batches overlap.
+    busy_ns: int = 0
     # Engine-specific figures, not summed (the sim's evicted blocks; vLLM's own counters).
     extra: dict[str, int] = field(default_factory=dict)
 
@@ -87,7 +92,7 @@ _SUMMED = tuple(f.name for f in fields(EngineCounters) if f.name != "extra")
 
 # The totals a completion reports for its batch, by name (ConsumerWork's engine fields).
 BATCH_TOTALS = ("prompt_tokens", "padded_tokens", "cacheable_tokens", "cache_hit_tokens", "cacheable_hit_tokens",
-                "compulsory_miss_tokens", "output_tokens")
+                "compulsory_miss_tokens", "output_tokens", "busy_ns")
 
 # `Engine.check_totals`' keys: the engine's own prefix-cache counters, and ours over the same
 # requests (ConsumerWork's engine check fields).

@@ -14,12 +14,19 @@ outlives its tail, as vLLM frees a request's blocks in reverse order.
 Output: a few made-up ids per prompt (`output_tokens`), or as many as an item's
 `max_tokens` asks for; every prompt finishes by length.
 
-Cost model: padded tokens (`len(prompts) * pad_to_tokens`), optionally slept at
-`cost_s_per_padded_token` to emulate a GPU's time.
+Cost model, to emulate a GPU's time (a consumer-bound run, as on GPUs, compared on
+makespan): each batch sleeps `cost_s_per_padded_token` for every padded token its cache did
+not serve (`len(prompts) * pad_to_tokens` less the cached tokens: a padded batch computes
+its padding, but not what its prefix cache holds) plus `cost_s_per_batch` (a step's fixed
+overhead). Both default to 0, so the embedded demo and the tests measure the broker, not a
+simulated GPU; GPU_7B_PREFILL_S_PER_TOKEN and GPU_STEP_OVERHEAD_S are figures for a GPU-bound
+run. What was charged is counted (`extra`: charged_tokens, charged_ns; a batch's own in its
+`counted.extra`), and each batch's `busy_ns` is the time its `run` took, the sleep included.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
@@ -30,6 +37,7 @@ from pipeline.consumer.engines.base import FINISH_LENGTH, Engine, EngineBatch, E
 from pipeline.consumer.engines.prefix_cache import BatchLayout, PrefixCache
 from pipeline.wire.errors import EngineOptionsError
 from pipeline.wire.generation import GenerationParams
+from pipeline.wire.status import NS_PER_S
 
 # vLLM's default KV block size.
 DEFAULT_BLOCK_SIZE_TOKENS = 16
@@ -38,6 +46,14 @@ DEFAULT_CAPACITY_TOKENS = 1 << 20
 # Generated tokens per prompt: the sim stands for the prefill-heavy batch work the broker
 # schedules; a few output ids are enough to carry a result.
 DEFAULT_OUTPUT_TOKENS = 4
+
+# Cost-model figures for a GPU-bound run (engine options `cost_s_per_padded_token`,
+# `cost_s_per_batch`; the defaults are 0). Prefill of a 7B model: ~2 * 7e9 = 14 GFLOP per
+# prompt token, on an A100 (312 dense BF16 TFLOP/s) at ~45% utilisation, ~10k tokens/s.
+GPU_7B_PREFILL_S_PER_TOKEN = 1e-4
+# A step's fixed cost beside its tokens (scheduling, input preparation, kernel launches):
+# a few milliseconds in vLLM; an order of magnitude, measure your own engine.
+GPU_STEP_OVERHEAD_S = 5e-3
 
 # Made-up output ids are 15 bits wide.
 OUTPUT_ID_RANGE = 1 << 15
@@ -78,7 +94,10 @@ class SimConfig:
     # Made-up output ids fall below this: a model's vocabulary, so its tokenizer decodes them
     # (`pipeline run-batch` sets it); 2**15 by default, the ids' own 15-bit range.
     vocab_size: int = OUTPUT_ID_RANGE
+    # The cost model (module docstring): seconds per padded token the cache did not serve,
+    # and per batch. 0 by default: the embedded demo runs at the broker's speed.
     cost_s_per_padded_token: float = 0.0
+    cost_s_per_batch: float = 0.0
 
 
 class SimEngine(Engine):
@@ -105,13 +124,16 @@ class SimEngine(Engine):
         if block <= 0 or self.config.capacity_tokens < block or self.config.output_tokens < 0 \
                 or not 1 <= self.config.vocab_size <= OUTPUT_ID_RANGE:
             raise EngineOptionsError(f"sim engine: bad config {self.config}")
+        costs = (self.config.cost_s_per_padded_token, self.config.cost_s_per_batch)
+        if not all(type(c) in (int, float) and math.isfinite(c) and c >= 0 for c in costs):
+            raise EngineOptionsError(f"sim engine: costs must be finite seconds >= 0, got {costs}")
         self._capacity_blocks = self.config.capacity_tokens // block
         self._cache = PrefixCache(self._capacity_blocks)
         rng = np.random.default_rng(0x5EED)
         self._weights = rng.integers(1, 1 << 63, size=block, dtype=np.uint64) | _U64(1)
         self._powers = np.ones(1, dtype=np.uint64)
         self._inverse_powers = np.ones(1, dtype=np.uint64)
-        self.counters.extra.update(evicted_blocks=0)
+        self.counters.extra.update(evicted_blocks=0, charged_tokens=0, charged_ns=0)
 
     def _ensure_powers(self, count: int) -> None:
         if count <= self._powers.shape[0]:
@@ -159,6 +181,7 @@ class SimEngine(Engine):
         return _mix((running - before) * self._powers[layout.local]), layout
 
     def run(self, batch: EngineBatch) -> EngineResult:
+        start_ns = time.perf_counter_ns()
         block = self.config.block_size_tokens
         prompts = batch.prompts
         count = len(prompts)
@@ -172,16 +195,32 @@ class SimEngine(Engine):
             _apply_max_tokens(outputs, batch.params)
         if self.config.vocab_size != OUTPUT_ID_RANGE:
             outputs = [[t % self.config.vocab_size for t in o] for o in outputs]
+        padded, hit = count * batch.pad_to_tokens, int(cached.sum())
         counted = EngineCounters(
-            batches=1, prompts=count, prompt_tokens=int(lengths.sum()), padded_tokens=count * batch.pad_to_tokens,
-            cacheable_tokens=int(cacheable.sum()), cache_hit_tokens=int(cached.sum()),
+            batches=1, prompts=count, prompt_tokens=int(lengths.sum()), padded_tokens=padded,
+            cacheable_tokens=int(cacheable.sum()), cache_hit_tokens=hit,
             cacheable_hit_tokens=int(np.minimum(cached, cacheable).sum()), compulsory_miss_tokens=compulsory_blocks * block,
             output_tokens=sum(map(len, outputs)))
+        self._charge(counted, padded - hit)
+        counted.busy_ns = time.perf_counter_ns() - start_ns
         self.counters.add(counted)
         self.counters.extra["evicted_blocks"] = self._cache.evicted_blocks
-        if self.config.cost_s_per_padded_token > 0:
-            time.sleep(count * batch.pad_to_tokens * self.config.cost_s_per_padded_token)
         return EngineResult(outputs, cached.tolist(), [FINISH_LENGTH] * count, counted)
+
+    def charge_ns(self, tokens: int) -> int:
+        """What the cost model charges a batch whose cache did not serve `tokens` of its
+        padded tokens, in whole nanoseconds (what is slept and counted)."""
+        cost_s = tokens * self.config.cost_s_per_padded_token + self.config.cost_s_per_batch
+        return round(cost_s * NS_PER_S)
+
+    def _charge(self, counted: EngineCounters, tokens: int) -> None:
+        """Sleep what the cost model charges for one batch, and count it (module docstring)."""
+        charged_ns = self.charge_ns(tokens)
+        counted.extra.update(charged_tokens=tokens, charged_ns=charged_ns)
+        self.counters.extra["charged_tokens"] += tokens
+        self.counters.extra["charged_ns"] += charged_ns
+        if charged_ns > 0:
+            time.sleep(charged_ns / NS_PER_S)
 
     def _outputs(self, prompts: Sequence[np.ndarray], flat: np.ndarray, counts: np.ndarray) -> list[list[int]]:
         """Each prompt's output ids: bytes of its last block's hash (of its last token when

@@ -39,6 +39,7 @@ import gc
 import importlib.util
 import os
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -222,6 +223,9 @@ class VllmEngine(Engine):
         self._mean_request_tokens = 0.0
         self._default_params: Any = None
         self._run_keys = 0
+        # Nanoseconds of scheduler steps since the last batch finished: the next one to
+        # finish carries them (EngineCounters.busy_ns), so their sum is vLLM's busy time.
+        self._busy_ns = 0
         # vLLM's counters and ours as of the last moment nothing ran (see `check_totals`).
         self._metrics_base: dict[str, int] = {QUERIES_METRIC: 0, HITS_METRIC: 0}
         self._ours_base = (0, 0)
@@ -352,11 +356,15 @@ class VllmEngine(Engine):
 
     def poll(self) -> list[tuple[int, EngineResult]]:
         if self._requests:
+            start_ns = time.perf_counter_ns()
+            failure = None
             try:
                 outputs = self._llm.llm_engine.step()
             except self._item_errors as exc:  # an out-of-memory: every request running fails with it
-                self._fail_running(f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS])
-                outputs = []
+                outputs, failure = [], f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
+            self._busy_ns += time.perf_counter_ns() - start_ns  # before the batches it ends carry it
+            if failure is not None:
+                self._fail_running(failure)
             for output in outputs:
                 if output.finished:
                     self._record(output)
@@ -412,7 +420,8 @@ class VllmEngine(Engine):
             padded_tokens=prompt_tokens,  # vLLM does not pad
             cacheable_tokens=cacheable, cache_hit_tokens=sum(cached),
             cacheable_hit_tokens=sum(min(n, int(p) // block * block) for n, p in zip(cached, prefix_lens)),
-            compulsory_miss_tokens=compulsory, output_tokens=output_tokens)
+            compulsory_miss_tokens=compulsory, output_tokens=output_tokens, busy_ns=self._busy_ns)
+        self._busy_ns = 0
         self.counters.add(counted)
         return counted
 
