@@ -47,7 +47,12 @@ class BrokerProducer(Producer):
             self.conn.send({"type": "producer_ready", "ring": reply["ring"]})
         except BaseException:
             # Nothing was published: the ring is this producer's to remove (a ring too small
-            # for the largest item, say, or a broker gone mid-registration).
+            # for the largest item, say, or a broker gone mid-registration). The views of the
+            # ring's memory go first: closing a mapping they still use raises BufferError,
+            # which hid the real error ("cannot close exported pointers exist").
+            if hasattr(self, "_tokens_view"):
+                del self._tokens_view
+            self._buf = None  # type: ignore[assignment]
             ring.close()
             ring.unlink()
             self.conn.close()

@@ -178,3 +178,30 @@ def test_a_consumer_may_ask_for_credit_up_to_the_limit(tmp_path):
         assert status(config.socket_path).consumers == {}
     finally:
         assert stop(broker) == 0
+
+
+def test_a_producer_whose_registration_fails_half_way_raises_that_error_not_a_buffer_error(tmp_path, monkeypatch):
+    # The broker answered the registration, then the connection broke before producer_ready
+    # went out: the ring is removed and the error is the broken pipe (closing the ring while
+    # the producer's views of it lived raised BufferError instead, hiding it).
+    from pipeline.broker.config import BrokerConfig
+    from pipeline.producer.client import BrokerProducer
+    from pipeline.wire.protocol import Connection
+    from tests.pipeline.harness import start_broker, stop
+
+    data = str(tmp_path / "data")
+    broker = start_broker(data)
+    real_send = Connection.send
+
+    def send(self, message):
+        if message["type"] == "producer_ready":
+            raise BrokenPipeError(32, "Broken pipe")
+        real_send(self, message)
+
+    monkeypatch.setattr(Connection, "send", send)
+    try:
+        with pytest.raises(BrokenPipeError):
+            BrokerProducer(BrokerConfig(data).socket_path)
+    finally:
+        monkeypatch.undo()
+        assert stop(broker) == 0
