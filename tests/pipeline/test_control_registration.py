@@ -180,10 +180,9 @@ def test_a_consumer_may_ask_for_credit_up_to_the_limit(tmp_path):
         assert stop(broker) == 0
 
 
-def test_a_producer_whose_registration_fails_half_way_raises_that_error_not_a_buffer_error(tmp_path, monkeypatch):
+def test_a_producer_whose_registration_fails_half_way_raises_that_error(tmp_path, monkeypatch):
     # The broker answered the registration, then the connection broke before producer_ready
-    # went out: the ring is removed and the error is the broken pipe (closing the ring while
-    # the producer's views of it lived raised BufferError instead, hiding it).
+    # went out: the ring is removed and the error is the broken pipe itself.
     from pipeline.broker.config import BrokerConfig
     from pipeline.producer.client import BrokerProducer
     from pipeline.wire.protocol import Connection
