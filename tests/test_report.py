@@ -345,3 +345,15 @@ def test_the_engines_own_cache_counters_are_set_beside_ours(tmp_path, theirs, ve
     quiet = io.StringIO()
     render_report(report_of(SAMPLE_STATUS, sample_results(tmp_path), wall_s=1.0), Console(file=quiet, width=200))
     assert "engine's own" not in quiet.getvalue()  # sim only: nothing to set beside
+
+
+def test_each_consumers_shape_switches_and_shapes_served_are_shown(tmp_path):
+    status = copy.deepcopy(SAMPLE_WIRE)
+    status["per_consumer"]["c0"].update(switches={"initial": 1, "drained": 4, "takeover": 1}, shapes_served=5)
+    report = report_of(status_of(status), sample_results(tmp_path), wall_s=1.0)
+    c0 = report["per_consumer"]["c0"]
+    assert (c0["shape_switches"], c0["shapes_served"]) == (6, 5)
+    assert c0["shape_switches_by_reason"] == {"initial": 1, "drained": 4, "takeover": 1}
+    out = io.StringIO()
+    render_report(report, Console(file=out, width=200))
+    assert "shapes served" in out.getvalue()

@@ -102,6 +102,9 @@ class ConsumerSide:
             return False
         self._dispatcher.commit(batch)
         self.routed.add(batch, consumer.contract)
+        if batch.switch is not None:
+            consumer.totals.switches[batch.switch] = consumer.totals.switches.get(batch.switch, 0) + 1
+            consumer.totals.shapes.add(batch.lane.shape)
         consumer.batches[batch.batch_id] = batch
         consumer.credit -= 1
         return True

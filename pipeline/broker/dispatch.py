@@ -76,6 +76,7 @@ class Batch:
     lane: LaneKey
     pad_to_tokens: int
     entries: Peeked
+    switch: str | None = None  # why the consumer changed shape for this batch (None: it did not)
 
     @property
     def model(self) -> int:
@@ -438,7 +439,8 @@ class Dispatcher:
         entries = front[: packing.count]
         self._selector.guard(entries.lane.shape, f"batch for consumer {consumer}", consumer=consumer)
         assert entries.lane == key, (entries.lane, key)  # right shape, wrong lane: a storage bug
-        batch = Batch(BatchId(self._next_batch_id), consumer, key, packing.pad_to_tokens, entries)
+        batch = Batch(BatchId(self._next_batch_id), consumer, key, packing.pad_to_tokens, entries,
+                      None if switch is None else switch.value)
         self._next_batch_id += 1
         self._outstanding = batch
         return batch

@@ -205,6 +205,8 @@ class ConsumerTotals:
 
     batches: int = 0
     work: ConsumerWork = field(default_factory=ConsumerWork)
+    switches: dict[str, int] = field(default_factory=dict)  # its shape switches, by reason
+    shapes: set = field(default_factory=set)  # the (model, signature)s it was handed batches of
 
     def add(self, work: ConsumerWork) -> None:
         """One completion's work (`ConsumerWork.from_results` of its message)."""

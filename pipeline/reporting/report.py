@@ -79,6 +79,11 @@ Definitions (every figure is an int or a float; a ratio with nothing to divide i
   its engine was idle; at the end of a run that is all of them); None where no engine keeps
   any (sim). False is a failure of the run, as a mismatch of the accounting is.
 
+per_consumer[name] also has the consumer's shape switches (`shape_switches`, and by reason)
+and how many distinct shapes it was handed (`shapes_served`): the current shape is per
+consumer (SPEC §4b), so a consumer switches at most once per shape it serves, plus a
+switch back to a shape whose work came back.
+
 per_consumer[name] merges the broker's per-consumer totals (engine counters summed over the
 consumer's completions, kept by name across reconnects) with the lines of its results file.
 A consumer killed after writing results but before its completion reached the broker has
@@ -142,6 +147,9 @@ def consumer_figures(broker: ConsumerTotalsRow, results: dict, makespan_s: float
         "busy_s": work.busy_s,
         "busy_fraction": None if makespan_s is None else ratio(work.busy_s, makespan_s),
         "batches": broker.batches,
+        "shape_switches": sum(broker.switches.values()),
+        "shape_switches_by_reason": dict(broker.switches),
+        "shapes_served": broker.shapes_served,
         **{key: getattr(work, key) for key in ENGINE_CHECK_KEYS},
         "engine_counters_agree": None if not any(getattr(work, key) for key in ENGINE_CHECK_KEYS)
         else not work.engine_disagrees,
@@ -412,6 +420,7 @@ _CONSUMER_ROWS = (
     ("cache hit rate", "cache_hit_rate", format_percent), ("prefix reuse", "prefix_reuse", format_percent),
     ("engine busy", "busy_s", format_seconds),
     ("busy fraction", "busy_fraction", format_percent),
+    ("shape switches", "shape_switches", format_count), ("shapes served", "shapes_served", format_count),
 )
 
 

@@ -32,7 +32,7 @@ from typing import Any, get_args, get_origin, get_type_hints
 from pipeline.wire.errors import ProtocolError
 
 # The wire form's version: bump it with any change to the fields (see the module docstring).
-STATUS_VERSION = 3
+STATUS_VERSION = 4
 # The signature of the `top_shapes` row that sums every shape past the top ones.
 OTHER_SHAPE = "other"
 # busy_ns's unit.
@@ -212,6 +212,11 @@ class ConsumerTotalsRow:
     batches: int = _doc("Batches the consumer completed", Export(COUNTER), default=0)
     work: ConsumerWork = _doc("What it reported doing, summed over its completions", factory=ConsumerWork,
                               inline=True)
+    # Not a metric: the model-wide shape_switches counter has them by reason, and a second
+    # label (consumer and reason) on one counter is more than the exporter's rows take.
+    switches: dict[str, int] = _doc("Its shape switches, by reason (the current shape is per consumer)",
+                                    factory=dict)
+    shapes_served: int = _doc("Distinct shapes it was handed batches of", Export(GAUGE), default=0)
 
 
 @dataclass(frozen=True, slots=True)

@@ -101,3 +101,27 @@ def test_the_broker_sums_each_consumers_busy_time_exactly(tmp_path):
         assert stop(broker) == 0
     work = after.per_consumer["holder"].work
     assert work.busy_ns == 1_750_000_001 and work.busy_s == 1.750000001  # nanoseconds: summed without rounding
+
+
+def test_each_consumers_switches_and_shapes_reach_the_status(tmp_path):
+    """Two shapes through one real consumer: its row counts its switches and shapes."""
+    import numpy as np
+
+    from pipeline.consumer.process import ConsumerConfig
+    from pipeline.producer.client import BrokerProducer
+    from pipeline.runtime.local import start_consumer
+
+    data = str(tmp_path / "data")
+    broker = start_broker(data)
+    socket_path = BrokerConfig(data).socket_path
+    consumer = start_consumer(ConsumerConfig(socket_path, str(tmp_path / "results"), "c0"))
+    try:
+        with BrokerProducer(socket_path, capacity_bytes=4 << 20, timeout_s=30) as client:
+            for shape in (11, 12):
+                client.submit_many(0, shape, np.arange(400, dtype=np.int32), [100] * 4, 0)
+        done = wait_until(lambda: (s := status(socket_path)).items_completed == 8 and s, 60, "every item completed")
+    finally:
+        stop(consumer)
+        assert stop(broker) == 0
+    row = done.per_consumer["c0"]
+    assert row.shapes_served == 2 and sum(row.switches.values()) == 2 and row.switches.get("initial") == 1
