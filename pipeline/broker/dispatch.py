@@ -53,7 +53,7 @@ import numpy as np
 from pipeline.broker.ids import BatchId, ConsumerId, EntryRef, LaneId, LaneKey, ShapeKey
 from pipeline.broker.lanes import MAX_LENGTH_TOKENS, LaneConfig, LaneCounters, ShapeLanes
 from pipeline.broker.packing import Contract, batch_items_limit, pack
-from pipeline.broker.selection import AGE_RESOLUTION_NS, SHAPE_ORDER_MOST_TOKENS, ShapeSelector
+from pipeline.broker.selection import AGE_RESOLUTION_NS, SHAPE_ORDER_MOST_TOKENS, DispatchPolicy, ShapeSelector
 from pipeline.broker.storage.base import AppendGroup, Peeked, StorageTier
 from pipeline.broker.storage.pending import Completion
 from pipeline.wire.errors import DiskFullError, ItemTooLongError, ModelIdError, StorageError
@@ -178,8 +178,9 @@ class Dispatcher:
     """Ingest, batch selection, commit, completion and redelivery over one storage tier.
 
     Owned by the broker's single dispatch loop; it owns a ShapeLanes per (model, signature)
-    (created on demand, retired when its last lane is released) and the ShapeSelector.
-    Not thread-safe.
+    (created on demand, retired when its last lane is released) and the dispatch policy
+    (`policy`, a DispatchPolicy; by default the product's ShapeSelector with the given
+    shape order, affinity and starvation bound). Not thread-safe.
     """
 
     def __init__(
@@ -192,12 +193,14 @@ class Dispatcher:
         max_models: int = DEFAULT_MAX_MODELS,
         shape_order: str = SHAPE_ORDER_MOST_TOKENS,
         affinity: bool = False,
+        policy: DispatchPolicy | None = None,
     ) -> None:
         assert 1 <= max_models <= MODEL_ID_LIMIT, max_models  # BrokerConfig checks it
         self._storage = storage
         self._max_models = max_models
         self._lane_config = lane_config if lane_config is not None else LaneConfig()
-        self._selector = ShapeSelector(max_age_s, age_resolution_ns, shape_order, affinity)
+        self._selector: DispatchPolicy = policy if policy is not None else ShapeSelector(
+            max_age_s, age_resolution_ns, shape_order, affinity)
         self._shapes: dict[ShapeKey, ShapeLanes] = {}
         self._retired = LaneCounters()  # counters of shapes retired by tick
         self._next_batch_id = 0
