@@ -349,10 +349,12 @@ def test_the_engines_own_cache_counters_are_set_beside_ours(tmp_path, theirs, ve
 
 def test_each_consumers_shape_switches_and_shapes_served_are_shown(tmp_path):
     status = copy.deepcopy(SAMPLE_WIRE)
-    status["per_consumer"]["c0"].update(switches={"initial": 1, "drained": 4, "takeover": 1}, shapes_served=5)
+    status["per_consumer"]["c0"].update(switches={"initial": 1, "drained": 4, "takeover": 1}, shapes_served=5,
+                                        split_prefix_tokens=700)
     report = report_of(status_of(status), sample_results(tmp_path), wall_s=1.0)
     c0 = report["per_consumer"]["c0"]
-    assert (c0["shape_switches"], c0["shapes_served"]) == (6, 5)
+    assert (c0["shape_switches"], c0["shapes_served"], c0["split_prefix_tokens"]) == (6, 5, 700)
+    assert report["split_prefix_tokens"] == 700
     assert c0["shape_switches_by_reason"] == {"initial": 1, "drained": 4, "takeover": 1}
     out = io.StringIO()
     render_report(report, Console(file=out, width=200))

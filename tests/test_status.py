@@ -78,7 +78,7 @@ def test_the_wire_form_keeps_the_keys_brokers_sent_plus_tokens_returned():
     assert set(wire) == V1_KEYS
     assert set(wire["lanes"]) == LANE_KEYS
     assert set(wire["consumers"]["c0"]) == CONSUMER_KEYS and wire["consumers"]["c0"]["id"] == 1
-    assert set(wire["per_consumer"]["c0"]) == {"connected", "batches", "switches", "shapes_served"} | WORK_KEYS  # the work inline
+    assert set(wire["per_consumer"]["c0"]) == {"connected", "batches", "switches", "shapes_served", "split_prefix_tokens"} | WORK_KEYS  # the work inline
     assert wire["top_shapes"][1] == {"model": -1, "signature": "other", "lanes": 190, "queued_items": 0,
                                      "queued_tokens": 0, "pending_items": 0}
     assert wire["producers"] == {"3": {"frames": 5, "items": 50}}

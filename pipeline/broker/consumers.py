@@ -103,11 +103,21 @@ class ConsumerSide:
         self._dispatcher.commit(batch)
         self.routed.add(batch, consumer.contract)
         if batch.switch is not None:
-            consumer.totals.switches[batch.switch] = consumer.totals.switches.get(batch.switch, 0) + 1
-            consumer.totals.shapes.add(batch.lane.shape)
+            self._count_switch(consumer.totals, batch)
         consumer.batches[batch.batch_id] = batch
         consumer.credit -= 1
         return True
+
+    def _count_switch(self, totals: ConsumerTotals, batch: Batch) -> None:
+        """A consumer started a shape with this batch: its switches, the shapes it served, and
+        whether another consumer had started that shape before (a split shape: its prefix is
+        computed by both)."""
+        totals.switches[batch.switch] = totals.switches.get(batch.switch, 0) + 1
+        shape = batch.lane.shape
+        if shape not in totals.shapes:
+            if any(shape in other.shapes for other in self.totals_by_name.values() if other is not totals):
+                totals.split_prefix_tokens += int(batch.entries.prefix_lens[0])
+            totals.shapes.add(shape)
 
     def _send_batch(self, consumer: ConsumerPeer, batch: Batch) -> bool:
         """Write the batch's descriptor into the consumer's ring; False if the ring is full."""

@@ -207,6 +207,9 @@ class ConsumerTotals:
     work: ConsumerWork = field(default_factory=ConsumerWork)
     switches: dict[str, int] = field(default_factory=dict)  # its shape switches, by reason
     shapes: set = field(default_factory=set)  # the (model, signature)s it was handed batches of
+    # Prefix tokens of the shapes it started after another consumer had started them: what
+    # splitting shapes across consumers cost it at most (its cache computes that prefix again).
+    split_prefix_tokens: int = 0
 
     def add(self, work: ConsumerWork) -> None:
         """One completion's work (`ConsumerWork.from_results` of its message)."""

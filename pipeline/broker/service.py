@@ -268,7 +268,8 @@ class Broker:
                                                  max_batch_tokens=c.contract.max_batch_tokens,
                                                  max_input_len=c.contract.max_input_len) for c in connected.values()},
             per_consumer={name: ConsumerTotalsRow(connected=name in connected, batches=totals.batches, work=totals.work,
-                                                  switches=dict(totals.switches), shapes_served=len(totals.shapes))
+                                                  switches=dict(totals.switches), shapes_served=len(totals.shapes),
+                                                  split_prefix_tokens=totals.split_prefix_tokens)
                           for name, totals in self.consumer_side.totals_by_name.items()},
             uptime_s=time.monotonic() - self.started_s,
             pid=os.getpid(),

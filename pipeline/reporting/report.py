@@ -79,10 +79,13 @@ Definitions (every figure is an int or a float; a ratio with nothing to divide i
   its engine was idle; at the end of a run that is all of them); None where no engine keeps
   any (sim). False is a failure of the run, as a mismatch of the accounting is.
 
-per_consumer[name] also has the consumer's shape switches (`shape_switches`, and by reason)
-and how many distinct shapes it was handed (`shapes_served`): the current shape is per
-consumer (SPEC §4b), so a consumer switches at most once per shape it serves, plus a
-switch back to a shape whose work came back.
+per_consumer[name] also has the consumer's shape switches (`shape_switches`, and by reason),
+how many distinct shapes it was handed (`shapes_served`: the current shape is per consumer,
+SPEC §4b, so a consumer switches about once per shape it serves), and
+`split_prefix_tokens`: the prefix tokens (the first item's prefix_len) of every shape it
+started after another consumer had started it, what splitting shapes across consumers cost
+at most, on top of the compulsory misses one cache for the whole model would have paid;
+`split_prefix_tokens` at the top is their sum.
 
 per_consumer[name] merges the broker's per-consumer totals (engine counters summed over the
 consumer's completions, kept by name across reconnects) with the lines of its results file.
@@ -150,6 +153,7 @@ def consumer_figures(broker: ConsumerTotalsRow, results: dict, makespan_s: float
         "shape_switches": sum(broker.switches.values()),
         "shape_switches_by_reason": dict(broker.switches),
         "shapes_served": broker.shapes_served,
+        "split_prefix_tokens": broker.split_prefix_tokens,
         **{key: getattr(work, key) for key in ENGINE_CHECK_KEYS},
         "engine_counters_agree": None if not any(getattr(work, key) for key in ENGINE_CHECK_KEYS)
         else not work.engine_disagrees,
@@ -221,6 +225,7 @@ def build_report(status: BrokerStatus | None, results: ResultsSummary, wall_s: f
         "consumers_lost": broker.consumers_lost,
         "per_consumer": per_consumer,
         "engine_counters_agree": _engines_agree(per_consumer),
+        "split_prefix_tokens": total("split_prefix_tokens"),
         "wall_s": wall_s,
         "items_per_s": ratio(accounted["items_completed"], wall_s),
         "tokens_per_s": ratio(accounted["tokens_completed"], wall_s),
@@ -421,6 +426,7 @@ _CONSUMER_ROWS = (
     ("engine busy", "busy_s", format_seconds),
     ("busy fraction", "busy_fraction", format_percent),
     ("shape switches", "shape_switches", format_count), ("shapes served", "shapes_served", format_count),
+    ("prefix tokens of split shapes", "split_prefix_tokens", format_count),
 )
 
 

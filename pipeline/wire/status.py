@@ -217,6 +217,8 @@ class ConsumerTotalsRow:
     switches: dict[str, int] = _doc("Its shape switches, by reason (the current shape is per consumer)",
                                     factory=dict)
     shapes_served: int = _doc("Distinct shapes it was handed batches of", Export(GAUGE), default=0)
+    split_prefix_tokens: int = _doc("Prefix tokens of shapes it started after another consumer had (split shapes)",
+                                    Export(COUNTER), default=0)
 
 
 @dataclass(frozen=True, slots=True)

@@ -125,3 +125,31 @@ def test_each_consumers_switches_and_shapes_reach_the_status(tmp_path):
         assert stop(broker) == 0
     row = done.per_consumer["c0"]
     assert row.shapes_served == 2 and sum(row.switches.values()) == 2 and row.switches.get("initial") == 1
+    assert row.split_prefix_tokens == 0  # one consumer: nothing split
+
+
+def test_a_shape_two_consumers_started_counts_its_prefix_once_as_split(tmp_path):
+    import numpy as np
+
+    from pipeline.consumer.process import ConsumerConfig
+    from pipeline.producer.client import BrokerProducer
+    from pipeline.runtime.local import start_consumer
+
+    data = str(tmp_path / "data")
+    broker = start_broker(data)
+    socket_path = BrokerConfig(data).socket_path
+    consumers = [start_consumer(ConsumerConfig(socket_path, str(tmp_path / "results"), f"c{k}", max_batch_items=2,
+                                               engine_options={"cost_s_per_batch": 0.01})) for k in range(2)]
+    try:
+        wait_until(lambda: len(status(socket_path).consumers) == 2, 60, "both consumers registered")
+        with BrokerProducer(socket_path, capacity_bytes=4 << 20, timeout_s=30) as client:
+            client.submit_many(0, 21, np.arange(64 * 100, dtype=np.int32), [100] * 64, 50)
+        done = wait_until(lambda: (s := status(socket_path)).items_completed == 64 and s, 60, "every item completed")
+    finally:
+        for consumer in consumers:
+            stop(consumer)
+        assert stop(broker) == 0
+    rows = [done.per_consumer[f"c{k}"] for k in range(2)]
+    started = sum(1 for row in rows if row.shapes_served)
+    assert started == 2  # 32 batches of 10 ms: both consumers get some
+    assert sorted(row.split_prefix_tokens for row in rows) == [0, 50]  # the second to start paid it
