@@ -134,6 +134,20 @@ class ShapeTrie:
             at = node.parent
         return None
 
+    def shared_depth(self, model: int, a: int | None, b: int | None) -> int:
+        """How many chain levels shapes `a` and `b` share (0 for a shape the trie lacks)."""
+        if a is None or b is None or (model, a) not in self._nodes or (model, b) not in self._nodes:
+            return 0
+        ancestors: set[_NodeKey] = set()
+        at: _NodeKey | None = (model, a)
+        while at is not None:
+            ancestors.add(at)
+            at = self._nodes[at].parent
+        at = (model, b)
+        while at not in ancestors:
+            at = self._nodes[at].parent
+        return self._nodes[at].depth
+
     def depth(self, shape: ShapeKey) -> int:
         """The shape's chain length as placed (0: not placed)."""
         node = self._nodes.get((shape.model, shape.signature))

@@ -21,8 +21,10 @@ switch counts for the consumer that made it). With affinity
 on (`affinity=True`), a small shape (its dispatchable tokens at most
 AFFINITY_BATCHES_PER_CONSUMER full batches per consumer of the model) that another consumer
 already serves is not taken: it runs on that one consumer, so its prefix is computed once,
-not once per consumer; a large shape is still joined by every consumer. A consumer that finds
-nothing else takes one of those over rather than idle (reason `takeover`, counted).
+not once per consumer; nor one whose chain another consumer's current shape shares more of
+(with the prefix order: it waits for the consumer whose cache holds most of its prefix); a
+large shape is still joined by every consumer. A consumer that finds nothing else takes one
+of those over rather than idle (reason `takeover`, counted).
 
 Shape orders (`shape_order`):
     most-tokens   the shape with the most dispatchable tokens (the design note's rule)
@@ -376,12 +378,27 @@ class ShapeSelector:
             return None
         small_tokens = AFFINITY_BATCHES_PER_CONSUMER * max(batch_tokens, 1) * len(state.consumers)
 
+        mine = state.current.get(consumer)
+
         def eligible(signature: int) -> bool:
+            if self._tokens.get(ShapeKey(model, signature), 0) > small_tokens:
+                return True  # large: every consumer drains it
             others = state.serving.get(signature)
-            if not others or others == {consumer}:
-                return True
-            return self._tokens.get(ShapeKey(model, signature), 0) > small_tokens
+            if others:
+                return others == {consumer}  # small and another's: its own
+            return not self._closer_elsewhere(state, model, consumer, mine, signature)
         return eligible
+
+    def _closer_elsewhere(self, state: _Model, model: int, consumer: ConsumerId, mine: int | None,
+                          signature: int) -> bool:
+        """Whether another consumer's current shape shares more of `signature`'s chain than
+        this consumer's does: a small shape waits for the consumer whose cache holds most of
+        its prefix (prefix order only: without chains no consumer is closer)."""
+        if self._trie is None:
+            return False
+        own = self._trie.shared_depth(model, mine, signature)
+        return any(self._trie.shared_depth(model, theirs, signature) > own
+                   for other, theirs in state.current.items() if other != consumer)
 
     def switch(self, shape: ShapeKey, reason: SwitchReason, *, consumer: ConsumerId) -> None:
         """Make `shape` `consumer`'s current shape and count why (after `choose`)."""

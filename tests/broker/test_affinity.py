@@ -118,3 +118,53 @@ def test_a_seeded_random_run_never_idles_a_consumer_and_keeps_every_invariant(af
         elif not selector.dispatchable_tokens(shape):
             selector.forget(shape)
         selector.check_invariants()
+
+
+def test_a_small_shape_waits_for_the_consumer_whose_cache_holds_most_of_its_prefix():
+    selector = ShapeSelector(affinity=True, shape_order="prefix")
+    family_x, family_y = (ShapeKey(0, s) for s in (0x10, 0x20))
+    x_turn, y_turn = ShapeKey(0, 0x11), ShapeKey(0, 0x21)
+    for chain in ((0x10,), (0x10, 0x11), (0x20,), (0x20, 0x21)):
+        selector.declare(0, chain)
+    for shape, tokens in ((family_x, 30 * BATCH), (family_y, 30 * BATCH), (x_turn, 500), (y_turn, 400)):
+        selector.on_queued(shape, tokens, [0])
+    assert pick(selector, A) == family_x  # the most tokens
+    assert pick(selector, B) == family_x  # large: B joins
+    drain(selector, family_x)
+    selector.on_dispatched(family_y, 29 * BATCH, [0])  # family y is small now too
+    assert pick(selector, A) == x_turn  # extends what A ran
+    # B's own walk from x would give y_turn or family_y; both small and nobody's: B takes
+    # the one with the most tokens below its parent, not A's x_turn.
+    assert pick(selector, B) in (family_y, y_turn)
+    selector.check_invariants()
+
+
+def test_shared_depth_counts_common_chain_levels():
+    from pipeline.broker.lineage import ShapeTrie
+
+    trie = ShapeTrie()
+    for chain in ((1, 2, 3), (1, 2, 4), (1, 5), (9,)):
+        trie.declare(0, chain)
+    assert trie.shared_depth(0, 3, 4) == 2 and trie.shared_depth(0, 3, 5) == 1 and trie.shared_depth(0, 3, 9) == 0
+    assert trie.shared_depth(0, 3, 3) == 3 and trie.shared_depth(0, None, 3) == 0
+
+
+def test_a_small_extension_is_left_to_the_consumer_running_its_prefix():
+    selector = ShapeSelector(affinity=True, shape_order="prefix")
+    x, y, z, w = (ShapeKey(0, s) for s in (0x11, 0x20, 0x12, 0x30))
+    for chain in ((0x10, 0x11), (0x20,), (0x10, 0x11, 0x12), (0x30,)):
+        selector.declare(0, chain)
+    for shape, tokens in ((x, 1500), (y, 20 * BATCH), (z, 900), (w, 800)):
+        selector.on_queued(shape, tokens, [0])
+    for consumer in (A, B):  # both ask: small means two batches' worth or less
+        selector.choose(0, 0.0, consumer=consumer, batch_tokens=BATCH)
+    selector.switch(x, SwitchReason.INITIAL, consumer=A)  # A runs x (small)
+    selector.switch(y, SwitchReason.INITIAL, consumer=B)  # B runs y, a family of its own
+    drain(selector, y)
+    # x is A's and small; z is the biggest small shape left, but A (running x) holds two of
+    # its three levels: B takes w, and z waits for A.
+    assert pick(selector, B) == w
+    drain(selector, x)
+    assert pick(selector, A) == z
+    assert selector.counters.per_consumer[B][SwitchReason.TAKEOVER] == 0
+    selector.check_invariants()
