@@ -32,6 +32,7 @@ switches by reason, padding efficiency, batch fill.
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
 import shutil
@@ -42,6 +43,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # the payload -> shape map reads the workloads with this tree's code
+    sys.path.insert(0, str(ROOT))
 TRACE = ROOT.parent / "shared" / "workloads" / "mooncake_synthetic_trace.jsonl"
 if not TRACE.exists():
     TRACE = Path("/work/shared/workloads/mooncake_synthetic_trace.jsonl")
@@ -64,11 +67,11 @@ def workloads(quick: bool) -> list[dict]:
     items_trace = ["--items", "400"] if quick else []
     chat_items = 1000 if quick else 10000
     return [
-        dict(name="mooncake", workload=str(TRACE), block=512, cost=2e-6,
+        dict(name="mooncake", workload=str(TRACE), items=400 if quick else None, block=512, cost=2e-6,
              launch=["--workload", str(TRACE), "--max-input-len", "262144", "--max-tokens", "262144",
                      *items_trace],
              analyze=[str(TRACE), *items_trace]),
-        dict(name="demo-chat", workload="demo-chat", block=16, cost=1.5e-5,
+        dict(name="demo-chat", workload="demo-chat", items=chat_items, block=16, cost=1.5e-5,
              launch=["--workload", "demo-chat", "--items", str(chat_items)],
              analyze=["demo-chat", "--items", str(chat_items)]),
     ]
@@ -110,9 +113,17 @@ def launch(args: list[str], report: Path, data_dir: Path) -> dict:
     return rep
 
 
-def batch_timeline(data_dir: Path) -> dict:
-    """Per consumer: its batches (dispatch_ns, done_ns), from the results files."""
-    per = {}
+def shapes_by_payload(name: str, items: int | None) -> dict[bytes, int]:
+    """Each item's shape signature by its payload (unique in these workloads)."""
+    from pipeline.producer.demos import named_workload
+    return {item.payload: item.signature for item in named_workload(name, items)}
+
+
+def batch_timeline(data_dir: Path, shape_of: dict[bytes, int]) -> tuple[dict, dict]:
+    """Per consumer: its batches (dispatch_ns, done_ns), from the results files; and its
+    shapes served, its switches (a batch of another shape than its previous one, in dispatch
+    order; the first counts) and the shapes that ran on more than one consumer."""
+    per, shapes = {}, {}
     for path in sorted((data_dir / "results").glob("run-*/*.jsonl")):
         batches = {}
         with path.open() as f:
@@ -121,11 +132,20 @@ def batch_timeline(data_dir: Path) -> dict:
                     r = json.loads(line)
                 except ValueError:
                     continue
-                b = batches.setdefault(r["batch_id"], [r["dispatch_ns"], r["done_ns"], 0])
+                b = batches.setdefault(r["batch_id"], [r["dispatch_ns"], r["done_ns"], None])
                 b[1] = max(b[1], r["done_ns"])
-                b[2] += 1
+                b[2] = shape_of.get(base64.b64decode(r["payload"]))
         per[path.stem] = sorted((d, e) for d, e, _ in batches.values())
-    return per
+        seq = [sig for _d, _e, sig in sorted(batches.values(), key=lambda b: b[0])]
+        shapes[path.stem] = dict(served=set(seq), switches=sum(1 for a, b in zip([None, *seq], seq) if a != b))
+    seen: dict[int, int] = {}
+    for row in shapes.values():
+        for sig in row["served"]:
+            seen[sig] = seen.get(sig, 0) + 1
+    summary = {c: dict(shapes=len(r["served"]), switches=r["switches"]) for c, r in shapes.items()}
+    summary["_on_several"] = sum(1 for n in seen.values() if n > 1)
+    summary["_shapes"] = len(seen)
+    return per, summary
 
 
 def busy_while_queued(per: dict) -> dict:
@@ -151,9 +171,15 @@ def busy_while_queued(per: dict) -> dict:
     return out
 
 
-def row_of(workload: str, policy: str, cache, rep: dict, timeline: dict, bound) -> dict:
+def row_of(workload: str, policy: str, cache, rep: dict, data_dir: Path, shape_of: dict, bound) -> dict:
     per = rep["per_consumer"]
+    batches, shapes = batch_timeline(data_dir, shape_of)
+    timeline = busy_while_queued(batches)
+    names = sorted(c for c in shapes if not c.startswith("_"))
     return dict(
+        shapes_served=[shapes[c]["shapes"] for c in names],
+        consumer_switches=[shapes[c]["switches"] for c in names],
+        shapes_on_several=shapes["_on_several"], shapes_run=shapes["_shapes"],
         workload=workload, policy=policy, cache=cache, bound=bound,
         prefix_reuse=rep["prefix_reuse"],
         share=None if not bound else rep["prefix_reuse"] / bound,
@@ -173,8 +199,9 @@ def pct(v) -> str:
 
 def fmt_table(rows: list[dict]) -> str:
     head = ("| workload | cache | policy | bound % | reuse % | of bound % | makespan s | busy % c0/c1 | "
-            "busy while queued % c0/c1 | items c0/c1 | switches (init/drain/take) | pad eff % | fill % |")
-    lines = [head, "|" + "|".join(["---"] * 13) + "|"]
+            "busy while queued % c0/c1 | items c0/c1 | switches (init/drain/take) | switches / shapes c0, c1 | "
+            "shapes on both | pad eff % | fill % |")
+    lines = [head, "|" + "|".join(["---"] * 15) + "|"]
     for r in rows:
         sw = r["switches"]
         cache = "" if r["cache"] is None else (f"{r['cache'] // 1024} Ki" if r["cache"] < 1 << 20 else "1 Mi")
@@ -183,6 +210,8 @@ def fmt_table(rows: list[dict]) -> str:
             f"{pct(r['share'])} | {r['makespan_s']:.2f} | {'/'.join(pct(b) for b in r['busy'])} | "
             f"{'/'.join(pct(b) for b in r['queued_busy'])} | {'/'.join(str(i) for i in r['items'])} | "
             f"{sw.get('initial', 0)}/{sw.get('drained', 0)}/{sw.get('takeover', 0)} | "
+            f"{', '.join(f'{a}/{b}' for a, b in zip(r['consumer_switches'], r['shapes_served']))} | "
+            f"{r['shapes_on_several']} of {r['shapes_run']} | "
             f"{pct(r['padding_efficiency'])} | {pct(r['mean_batch_fill'])} |")
     return "\n".join(lines)
 
@@ -193,9 +222,11 @@ def verdicts(rows: list[dict], demo_shapes: int | None) -> list[str]:
     for r in rows:
         if r["workload"] == "demo":
             ok_eff = r["padding_efficiency"] >= DEMO_EFFICIENCY
-            sw = sum(r["switches"].values())
-            out.append(f"demo {r['policy']} rep {r.get('rep', 0)}: padding {pct(r['padding_efficiency'])}% "
-                       f"({'met' if ok_eff else 'MISSED'}); switches {sw} against {demo_shapes} shapes")
+            ok_sw = all(s <= n for s, n in zip(r["consumer_switches"], r["shapes_served"]))
+            out.append(f"demo {r['policy']} rep {r.get('rep', 0)}: padding {100 * r['padding_efficiency']:.2f}% "
+                       f"({'met' if ok_eff else 'MISSED'}); switches per consumer "
+                       f"{', '.join(f'{a} of {b} shapes served' for a, b in zip(r['consumer_switches'], r['shapes_served']))} "
+                       f"({'met' if ok_sw else 'MISSED'}); the workload has {demo_shapes} shapes")
             continue
         target = REUSE_SHARE_1M if r["cache"] == CACHES[1] else REUSE_SHARE_64K
         base = by.get((r["workload"], r["cache"], "most-tokens", r.get("rep", 0)))
@@ -227,6 +258,7 @@ def main() -> int:
             if only and w["name"] not in only:
                 continue
             an = analyze(w)
+            shape_of = shapes_by_payload(w["workload"], w["items"])
             meta[w["name"]] = dict(cost_s_per_padded_token=w["cost"], block=w["block"], **an)
             print(f"# {w['name']}: {an['shapes']} shapes, {an['input_tokens']:,} input tokens, bound "
                   + ", ".join(f"{c}: {pct(b)}%" for c, b in an["bounds"].items()), flush=True)
@@ -240,8 +272,7 @@ def main() -> int:
                         data_dir = scratch / tag
                         rep = launch([*w["launch"], "--engine-options", opts, *POLICIES[policy]],
                                      scratch / f"{tag}.json", data_dir)
-                        row = row_of(w["name"], policy, cache, rep, busy_while_queued(batch_timeline(data_dir)),
-                                     an["bounds"][cache])
+                        row = row_of(w["name"], policy, cache, rep, data_dir, shape_of, an["bounds"][cache])
                         row["rep"] = rep_i
                         rows.append(row)
                         print(fmt_table([row]).splitlines()[-1], flush=True)
@@ -252,13 +283,15 @@ def main() -> int:
             demo = subprocess.run([*python(), "tools", "analyze", "demo", "--top", "0", "--json"],
                                   capture_output=True, text=True, env=env(), check=True)
             demo_shapes = json.loads(demo.stdout)["shapes"]["count"]
+            demo_items = 20000
+            demo_shape_of = shapes_by_payload("demo", demo_items)
             for rep_i in range(args.repeat):
                 for policy in policies:
                     tag = f"demo-{policy}-{rep_i}"
                     data_dir = scratch / tag
-                    extra = ["--items", "20000"] if args.quick else []
+                    extra = ["--items", str(demo_items)]
                     rep = launch([*extra, *POLICIES[policy]], scratch / f"{tag}.json", data_dir)
-                    row = row_of("demo", policy, None, rep, busy_while_queued(batch_timeline(data_dir)), None)
+                    row = row_of("demo", policy, None, rep, data_dir, demo_shape_of, None)
                     row["rep"] = rep_i
                     rows.append(row)
                     print(fmt_table([row]).splitlines()[-1], flush=True)
