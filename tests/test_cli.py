@@ -26,8 +26,8 @@ def test_the_shape_order_is_an_option_and_the_report_shows_it(tmp_path):
     import json
 
     report = tmp_path / "r.json"
-    done = subprocess.run([sys.executable, "-m", "pipeline", "launch", "--items", "300", "--shape-order", "prefix",
+    done = subprocess.run([sys.executable, "-m", "pipeline", "launch", "--items", "300", "--shape-order", "most-tokens",
                            "--report", str(report)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     settings = json.loads(report.read_text())["settings"]
-    assert settings["broker"]["shape_order"] == "prefix" and settings["changed"]["broker.shape_order"] == "prefix"
+    assert settings["broker"]["shape_order"] == "most-tokens" and settings["changed"]["broker.shape_order"] == "most-tokens"

@@ -19,8 +19,8 @@ from pipeline.wire.errors import BadInputError, PipelineError, SettingsError
 from pipeline.wire.status import BrokerStatus
 
 # What --shape-order says (`pipeline broker start` says it too).
-SHAPE_ORDER_HELP = ("Which shape a model drains next: most-tokens (the design note's rule, the default) or prefix "
-                    "(the one sharing the longest chain of prefixes with the last, SPEC 4b).")
+SHAPE_ORDER_HELP = ("Which shape a consumer drains next: prefix (the one sharing the longest chain of prefixes "
+                    "with the last, SPEC 4b; the default) or most-tokens (the design note's rule).")
 # One storage tier (segment files), two places for it: `pipeline broker start` says it too.
 STORAGE_HELP = ("Where the store's segment files live: disk (the data directory; durable, the default) or "
                 "memory (the same files on tmpfs: in RAM, gone when the broker stops).")
