@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from click.testing import CliRunner
 
 from pipeline.cli import main
@@ -31,3 +32,17 @@ def test_the_shape_order_is_an_option_and_the_report_shows_it(tmp_path):
     assert done.returncode == 0, done.stderr
     settings = json.loads(report.read_text())["settings"]
     assert settings["broker"]["shape_order"] == "most-tokens" and settings["changed"]["broker.shape_order"] == "most-tokens"
+
+
+@pytest.mark.parametrize("policy", ["fifo", "round-robin", "no-lanes"])
+def test_each_baseline_dispatch_policy_runs_a_launch_that_balances(tmp_path, policy):
+    import json
+
+    report = tmp_path / "r.json"
+    done = subprocess.run([sys.executable, "-m", "pipeline", "launch", "--items", "600", "--dispatch", policy,
+                           "--report", str(report)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    figures = json.loads(report.read_text())
+    assert figures["accounting_ok"] is True and figures["settings"]["changed"]["broker.dispatch"] == policy
+    if policy == "round-robin":
+        assert figures["shape_switches_by_reason"]["order"] > 0

@@ -7,11 +7,16 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pipeline.broker.lanes import LaneConfig
 from pipeline.broker.packing import Contract
 from pipeline.broker.selection import SHAPE_ORDER_PREFIX, SHAPE_ORDERS
+
+DISPATCH_STICKY = "sticky"
+DISPATCH_NO_LANES = "no-lanes"
+# `--dispatch`: the product's sticky policy, and the evaluation's baselines.
+DISPATCH_POLICIES = (DISPATCH_STICKY, "fifo", "round-robin", DISPATCH_NO_LANES)
 from pipeline.wire.errors import ConfigError, ContractError
 from pipeline.wire.layouts import DEFAULT_MAX_MODELS, MODEL_ID_LIMIT, descriptor_size_bytes
 from shm.ring import max_body_bytes
@@ -112,6 +117,20 @@ class BrokerConfig:
     # makespan, and the embedded demo ran the same (padding 98.55%, one switch per shape).
     shape_order: str = SHAPE_ORDER_PREFIX
     affinity: bool = True
+    # The dispatch policy itself: sticky (the product's, with the order and affinity above),
+    # or a baseline for comparison (pipeline/broker/baselines.py: fifo, round-robin; no-lanes
+    # is sticky with one length lane per shape).
+    dispatch: str = DISPATCH_STICKY
+
+    def dispatch_policy(self):
+        """The dispatch policy and the lane settings this config names (for the Dispatcher)."""
+        from pipeline.broker.baselines import BASELINES
+        from pipeline.broker.selection import ShapeSelector
+
+        policy_class = BASELINES.get(self.dispatch, ShapeSelector)
+        policy = policy_class(self.max_age_s, shape_order=self.shape_order, affinity=self.affinity)
+        lanes = replace(self.lanes, max_lanes=1) if self.dispatch == DISPATCH_NO_LANES else self.lanes
+        return policy, lanes
 
     def __post_init__(self) -> None:
         path_bytes = len(os.fsencode(self.socket_path))
@@ -136,6 +155,9 @@ class BrokerConfig:
         if self.shape_order not in SHAPE_ORDERS:
             raise ConfigError(f"broker setting shape_order {self.shape_order!r} must be one of "
                               f"{', '.join(SHAPE_ORDERS)}")
+        if self.dispatch not in DISPATCH_POLICIES:
+            raise ConfigError(f"broker setting dispatch {self.dispatch!r} must be one of "
+                              f"{', '.join(DISPATCH_POLICIES)}")
         if not isinstance(self.affinity, bool):
             raise ConfigError(f"broker setting affinity {self.affinity!r} must be true or false")
         if not isinstance(self.lanes, LaneConfig):

@@ -83,6 +83,7 @@ class SwitchReason(enum.Enum):
     DRAINED = "drained"  # the current shape had no dispatchable tokens left
     STARVATION = "starvation"  # another shape's oldest item waited longer than max_age_s
     TAKEOVER = "takeover"  # affinity: only other consumers' small shapes had work left
+    ORDER = "order"  # a baseline policy's order moved on (FIFO, round-robin: pipeline/broker/baselines.py)
 
 
 @dataclass(slots=True)
@@ -161,7 +162,7 @@ class _Model:
     # Shapes with dispatchable tokens, most first: (-tokens, signature).
     by_tokens: SortedList = field(default_factory=SortedList)
     # Shapes with dispatchable items, oldest first: (oldest bucket, signature). Only kept
-    # when the starvation bound is on.
+    # when ages are (the starvation bound, the FIFO baseline).
     by_age: SortedList = field(default_factory=SortedList)
 
 
@@ -170,6 +171,8 @@ class ShapeSelector:
 
     Owned by the dispatcher, driven by the broker's single dispatch loop. Not thread-safe.
     """
+
+    KEEPS_AGES = False  # a subclass that orders by arrival keeps them without a bound
 
     def __init__(
         self, max_age_s: float | None = None, age_resolution_ns: int = AGE_RESOLUTION_NS,
@@ -189,6 +192,9 @@ class ShapeSelector:
         # The shapes' lineage, kept only where the order reads it.
         self._trie = ShapeTrie() if shape_order == SHAPE_ORDER_PREFIX else None
         self._max_age_ns = None if max_age_s is None else max_age_s * _NS_PER_S
+        # Arrival ages are kept where something reads them: the starvation bound, or a
+        # policy that orders by age (KEEPS_AGES: the FIFO baseline).
+        self._ages_kept = max_age_s is not None or self.KEEPS_AGES
         self._resolution_ns = age_resolution_ns
         self._models: dict[int, _Model] = {}
         self._tokens: dict[ShapeKey, int] = {}
@@ -237,7 +243,7 @@ class ShapeSelector:
         """Items of `shape` (their total tokens, their submit times) became dispatchable."""
         assert tokens >= len(arrivals_ns) > 0, (shape, tokens, len(arrivals_ns))
         self._set_tokens(shape, self._tokens.get(shape, 0) + tokens)
-        if self._max_age_ns is not None:
+        if self._ages_kept:
             buckets, counts = self._buckets(arrivals_ns)
             self._ages.setdefault(shape, _Ages()).add(buckets, counts)
             self._update_oldest(shape)
@@ -250,7 +256,7 @@ class ShapeSelector:
         left = self._tokens.get(shape, 0) - tokens
         assert left >= 0 and len(arrivals_ns) > 0, (shape, tokens, left)
         self._set_tokens(shape, left)
-        if self._max_age_ns is not None:
+        if self._ages_kept:
             buckets, counts = self._buckets(arrivals_ns)
             self._ages[shape].remove(buckets, counts)
             self._update_oldest(shape)
@@ -472,7 +478,7 @@ class ShapeSelector:
             assert list(state.by_age) == ages, (model, list(state.by_age), ages)
         assert all(tokens >= 0 for tokens in self._tokens.values()), self._tokens
         assert all(shape.model in self._models for shape in self._tokens), self._tokens
-        if self._max_age_ns is None:
+        if not self._ages_kept:
             assert not self._ages and not self._oldest
         for shape, ages in self._ages.items():
             assert all(count > 0 for count in ages.counts.values()), (shape, ages.counts)

@@ -109,9 +109,8 @@ class Broker:
             self._opened.append(lambda: os.close(self._lock_fd))
         self.state = self._next_generation()
         self.namespace = namespace_for(config.data_dir)
-        self.dispatcher = Dispatcher(storage, lane_config=config.lanes, max_age_s=config.max_age_s,
-                                     max_models=config.max_models, shape_order=config.shape_order,
-                                     affinity=config.affinity)
+        policy, lanes = config.dispatch_policy()
+        self.dispatcher = Dispatcher(storage, lane_config=lanes, max_models=config.max_models, policy=policy)
         self.dispatcher.recover(time.monotonic())  # before any ingest (disk tier)
         durable = self.storage_dir == os.path.realpath(config.data_dir)
         note_store_was_kept(storage, self.state, config.data_dir, durable, ran_before=self.state.generation > 1)

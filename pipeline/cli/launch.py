@@ -10,6 +10,7 @@ import tempfile
 
 import click
 
+from pipeline.broker.config import DISPATCH_POLICIES
 from pipeline.broker.selection import SHAPE_ORDERS
 from pipeline.consumer.engines import ENGINES
 from pipeline.runtime.processes import DURABILITY_LEVELS, STORAGE_KINDS
@@ -21,6 +22,9 @@ from pipeline.wire.status import BrokerStatus
 # What --shape-order says (`pipeline broker start` says it too).
 SHAPE_ORDER_HELP = ("Which shape a consumer drains next: prefix (the one sharing the longest chain of prefixes "
                     "with the last, SPEC 4b; the default) or most-tokens (the design note's rule).")
+# What --dispatch says (`pipeline broker start` says it too).
+DISPATCH_HELP = ("The dispatch policy: sticky (the product's, default), or a baseline for comparison: fifo (oldest "
+                 "item first across shapes), round-robin (across shapes), no-lanes (sticky, one queue per shape).")
 # One storage tier (segment files), two places for it: `pipeline broker start` says it too.
 STORAGE_HELP = ("Where the store's segment files live: disk (the data directory; durable, the default) or "
                 "memory (the same files on tmpfs: in RAM, gone when the broker stops).")
@@ -61,6 +65,7 @@ def load_launch_workload(settings: LaunchSettings, vocab_size: int):
 @click.option("--engine-options", "engine_options", multiple=True, metavar="KEY=VALUE,...", help=ENGINE_OPTIONS_HELP)
 @click.option("--vocab-size", type=int, help=VOCAB_SIZE_HELP)
 @click.option("--shape-order", type=click.Choice(SHAPE_ORDERS), help=SHAPE_ORDER_HELP)
+@click.option("--dispatch", type=click.Choice(DISPATCH_POLICIES), help=DISPATCH_HELP)
 @click.option("--storage", type=click.Choice(STORAGE_KINDS), help=STORAGE_HELP)
 @click.option("--durability", type=click.Choice(DURABILITY_LEVELS), help="Disk durability (default process).")
 @click.option("--max-batch", type=int, help="Consumer contract: items per batch (default 64).")
@@ -77,7 +82,7 @@ def load_launch_workload(settings: LaunchSettings, vocab_size: int):
                    "consumer.credit_max_batches=8 (repeatable; over the file's value).")
 @click.option("-v", "--verbose", is_flag=True, help="Log every process's info messages to stderr.")
 def launch(config_path: str | None, verbose: bool, assignments: tuple[str, ...], engine_options: tuple[str, ...],
-           shape_order: str | None, **options) -> None:
+           shape_order: str | None, dispatch: str | None, **options) -> None:
     """Run a workload through a broker, producers and one consumer per GPU, with live
     progress, then print the run report. With no arguments: the demo, on the embedded
     defaults (disk tier, sim engine), in a temporary data directory."""
@@ -86,6 +91,8 @@ def launch(config_path: str | None, verbose: bool, assignments: tuple[str, ...],
     setup_logging(verbose)
     if shape_order is not None:
         assignments = (*assignments, f"broker.shape_order={shape_order}")
+    if dispatch is not None:
+        assignments = (*assignments, f"broker.dispatch={dispatch}")
     try:
         given = {"engine_options": parse_engine_options(engine_options) if engine_options else None}
         settings = LaunchSettings.resolve(config_path, merged(options | given, parse_assignments(assignments)))

@@ -18,9 +18,9 @@ import time
 
 import click
 
-from pipeline.broker.config import DEFAULT_HEARTBEAT_TIMEOUT_S, BrokerConfig
+from pipeline.broker.config import DEFAULT_HEARTBEAT_TIMEOUT_S, DISPATCH_POLICIES, BrokerConfig
 from pipeline.broker.selection import SHAPE_ORDERS
-from pipeline.cli.launch import ENGINE_OPTIONS_HELP, SHAPE_ORDER_HELP, STORAGE_HELP, setup_logging
+from pipeline.cli.launch import DISPATCH_HELP, ENGINE_OPTIONS_HELP, SHAPE_ORDER_HELP, STORAGE_HELP, setup_logging
 from pipeline.consumer.engines import ENGINES
 from pipeline.runtime import daemon
 from pipeline.runtime.datadir import check_data_dir, prepare_data_dir
@@ -106,14 +106,17 @@ def broker() -> None:
 @click.option("--set", "assignments", multiple=True, metavar="KEY=VALUE",
               help="A broker setting, as in a launch config's [broker] table: max_age_s=30, lanes.max_lanes=512 (repeatable).")
 @click.option("--shape-order", type=click.Choice(SHAPE_ORDERS), help=SHAPE_ORDER_HELP)
+@click.option("--dispatch", type=click.Choice(DISPATCH_POLICIES), help=DISPATCH_HELP)
 @click.option("--detach", is_flag=True, help="Run in the background (pid and log files in DATA_DIR/run).")
 @click.option("-v", "--verbose", is_flag=True)
 def broker_start(data_dir: str, storage: str, durability: str, heartbeat_timeout_s: float,
-                 metrics_port: int | None, assignments: tuple[str, ...], shape_order: str | None, detach: bool,
-                 verbose: bool) -> None:
+                 metrics_port: int | None, assignments: tuple[str, ...], shape_order: str | None,
+                 dispatch: str | None, detach: bool, verbose: bool) -> None:
     """Run the broker until stopped (Ctrl-C or `pipeline broker stop`)."""
     if shape_order is not None:
         assignments = (*assignments, f"shape_order={shape_order}")
+    if dispatch is not None:
+        assignments = (*assignments, f"dispatch={dispatch}")
     table = {"heartbeat_timeout_s": heartbeat_timeout_s} | parse_assignments(assignments)
     config = broker_config(data_dir, table, "the command line")  # SettingsError: one line (cli.py)
     prepare_data_dir(data_dir)  # created owner-only, or refused if another user could change it
