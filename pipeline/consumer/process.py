@@ -54,7 +54,6 @@ import dataclasses
 import logging
 import math
 import os
-import threading
 import time
 from dataclasses import dataclass, field, fields
 
@@ -71,27 +70,19 @@ from pipeline.consumer.results import (
     error_lines,
     result_lines,
 )
+from pipeline.consumer.session import BrokerSession
 from pipeline.wire.errors import (
     EntryCompletedError,
     GenerationParamsError,
     ProtocolError,
-    RegistrationRefusedError,
     ResultsDiskFullError,
     ResultsWriteError,
     RingClosedError,
     SegmentReadError,
-    ShmError,
 )
 from pipeline.wire.generation import GENERATION_MAGIC, GenerationParams, decode_payload
 from pipeline.wire.layouts import SEGMENTS_DIR, Descriptor, descriptor_size_bytes, parse_descriptor
-from pipeline.wire.protocol import (
-    MAX_CREDIT_BATCHES,
-    RECONNECT_FIRST_S,
-    RECONNECT_MAX_S,
-    Connection,
-    check_consumer_name,
-    encode,
-)
+from pipeline.wire.protocol import MAX_CREDIT_BATCHES, RECONNECT_FIRST_S, RECONNECT_MAX_S, check_consumer_name
 from shm.ring import RECORD_ALIGN_BYTES, RECORD_HEADER_SIZE_BYTES, RingReader, align_up
 
 log = logging.getLogger("pipeline.consumer")
@@ -246,93 +237,6 @@ class _Pace:
         return math.ceil(running_prompts / max(self.mean_items, 1.0)) + min_credit
 
 
-class _Session:
-    """One registration with a broker: the connection, the descriptor ring, the heartbeat
-    thread. Owner: the consumer's main thread; the heartbeat thread only sends heartbeats,
-    serialised with the main thread's sends by `_send_lock`."""
-
-    def __init__(self, config: ConsumerConfig) -> None:
-        self.conn = Connection.connect(config.socket_path)
-        self._send_lock = threading.Lock()
-        try:
-            reply = self._register(config)
-            self.ring = RingReader.attach(reply["descriptor_ring"])
-        except BaseException:
-            self.conn.close()
-            raise
-        self.consumer_id = reply["consumer_id"]
-        self.data_dir = reply["data_dir"]
-        self._interval_s = float(reply["heartbeat_timeout_s"]) / 4
-        self._stop = threading.Event()
-        self._broken = threading.Event()
-        self._heartbeat = threading.Thread(target=self._beat, name="heartbeat", daemon=True)
-        self.in_engine = 0  # batches started and not completed, as the serving loop ended
-        self._heartbeat.start()
-
-    def _register(self, config: ConsumerConfig) -> dict:
-        """The broker's `registered` reply. RegistrationRefusedError if it answers with an
-        error (fatal: the same registration would be refused again); ProtocolError for any
-        other reply, TimeoutError, OSError (transient: the caller retries)."""
-        self.conn.send({
-            "type": "register_consumer", "model": config.model, "max_batch_items": config.max_batch_items,
-            "max_batch_tokens": config.max_batch_tokens, "max_input_len": config.max_input_len,
-            "pid": os.getpid(), "gpu": config.gpu, "name": config.name,
-        })
-        reply = self.conn.receive()
-        if reply["type"] == "error":
-            raise RegistrationRefusedError(f"the broker at {config.socket_path} refused consumer {config.name!r} "
-                                           f"(max batch {config.max_batch_items} items, {config.max_batch_tokens} "
-                                           f"tokens, max input {config.max_input_len}): {reply['message']}")
-        if reply["type"] != "registered":
-            raise ProtocolError(f"register_consumer: the broker answered {reply['type']!r}, not 'registered'")
-        return reply
-
-    def hand_back(self) -> int:
-        """Say goodbye, so the broker returns every batch this consumer holds to dispatch at
-        once; how many it held by this side's count: those started (in the engine, or run and
-        not completed: `in_engine`, which the serving loop sets as it ends) and those queued
-        in the ring. A broker already gone returns them when it notices the disconnect."""
-        held = self.in_engine
-        try:
-            while self.ring.poll() is not None:
-                held += 1
-        except ShmError:
-            pass  # a damaged ring: the broker takes back what it dispatched all the same
-        try:
-            self.send({"type": "goodbye"})
-        except OSError:
-            pass
-        return held
-
-    def _beat(self) -> None:
-        while not self._stop.wait(self._interval_s):
-            try:
-                self.send({"type": "heartbeat"})
-            except OSError:
-                self._broken.set()  # the main thread finds out at its next check
-                return
-
-    def send(self, *messages: dict) -> None:
-        """Send messages back to back in one write (one system call, and one read for the
-        broker when they arrive together)."""
-        data = b"".join(map(encode, messages))
-        with self._send_lock:
-            self.conn.sock.sendall(data)
-
-    def check_open(self) -> None:
-        """ConnectionError if the broker went away (or a heartbeat could not be sent)."""
-        if self._broken.is_set():
-            raise ConnectionError("a heartbeat could not be sent")
-        with self._send_lock:
-            self.conn.check_open()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._heartbeat.join(timeout=2)
-        self.ring.close(mark_closed=False)
-        self.conn.close()
-
-
 class Consumer:
     """Runs batches for one GPU (or the CPU). Owner: the consumer process. Not thread-safe
     apart from the heartbeat thread inside its session."""
@@ -392,7 +296,7 @@ class Consumer:
                     _sleep_unless(stop, pause_s)
                     continue
             try:
-                session = _Session(self.config)
+                session = BrokerSession(self.config)
             except (OSError, ProtocolError, TimeoutError) as exc:
                 log.info("%s: broker not reachable (%s); retrying in %.2f s", self.config.name, exc, backoff)
                 time.sleep(backoff)
@@ -434,7 +338,7 @@ class Consumer:
             self._reader.close()
             self._reader = None
 
-    def _serve(self, session: _Session, stop) -> None:
+    def _serve(self, session: BrokerSession, stop) -> None:
         if self._reader is None or self._reader.root != os.path.join(session.data_dir, SEGMENTS_DIR):
             self._reader = SegmentReader(session.data_dir)
         credit = self._credit_window(session.ring)
@@ -465,7 +369,7 @@ class Consumer:
                          self.config.name, len(dropped))
         session.send({"type": "goodbye"})
 
-    def _feed(self, session: _Session, in_flight: dict[int, _Started]) -> list[tuple[int, None]]:
+    def _feed(self, session: BrokerSession, in_flight: dict[int, _Started]) -> list[tuple[int, None]]:
         """Give the engine batches from the ring while it has room (a synchronous engine
         runs each here), waiting up to POLL_S for one only while nothing is in flight.
         Returns the batches with nothing for the engine (every item too long or corrupt),
@@ -489,7 +393,7 @@ class Consumer:
                 ready.append((descriptor.batch_id, None))
         return ready
 
-    def _complete(self, session: _Session, credit: CreditWindow, pace: _Pace, started: _Started,
+    def _complete(self, session: BrokerSession, credit: CreditWindow, pace: _Pace, started: _Started,
                   summary: dict) -> None:
         """Report a batch whose results are written, with the credit it returns."""
         now_s = time.monotonic()

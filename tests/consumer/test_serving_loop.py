@@ -174,7 +174,7 @@ def test_batches_finishing_in_the_engine_after_the_broker_declared_the_consumer_
 def test_hand_back_counts_the_batches_in_flight_in_the_engine(tmp_path, caplog):
     # ResultsDiskFullError with 3 batches in the engine and none left in the ring: the
     # consumer holds 3 batches, hand_back says 1 (the one in hand + the ring's records).
-    from pipeline.consumer.process import _Session as RealSession
+    from pipeline.consumer.session import BrokerSession as RealSession
     from pipeline.wire.errors import ResultsDiskFullError
 
     bodies, segment = _descriptors(tmp_path, 3)
