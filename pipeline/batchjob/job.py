@@ -28,6 +28,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
+from pipeline.batchjob.output import write_output
 from pipeline.reporting.accounting import ResultsSummary, result_rows
 from pipeline.wire.errors import JobMismatchError
 from pipeline.wire.textfiles import bounded_lines
@@ -77,7 +78,7 @@ class JobManifest:
                 raw = f.read(MAX_JOB_LINE_BYTES + 1)
         except FileNotFoundError:
             os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-            _write_atomically(path, json.dumps(asdict(wanted), indent=1).encode() + b"\n")
+            write_output(path, [json.dumps(asdict(wanted))])  # whole or not at all, as the output
             return wanted
         try:
             have = cls(**json.loads(raw))
@@ -89,22 +90,6 @@ class JobManifest:
                 f"{have.served_model!r}), not {wanted.input_path} (sha256 {wanted.input_sha256[:12]}..., model "
                 f"{wanted.served_model!r}); use another --data-dir, or remove it to start over")
         return have
-
-
-def _write_atomically(path: str, data: bytes) -> None:
-    """Write a small file whole or not at all: a temporary file, fsync, rename, fsync the
-    directory (a crash leaves the old file or the new one, never a torn one)."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(os.path.dirname(path), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class RejectionLog:

@@ -44,7 +44,6 @@ job; every JSON reader reads the escapes as the same text.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import tempfile
@@ -53,6 +52,7 @@ from dataclasses import dataclass
 
 from pipeline.batchjob.requests import KIND_CHAT, BatchRequest
 from pipeline.wire.errors import BatchOutputError
+from pipeline.wire.fileops import errno_text, fsync_directory
 
 HTTP_OK = 200
 HTTP_BAD_REQUEST = 400
@@ -176,7 +176,7 @@ def write_output(path: str | os.PathLike[str], lines: Iterable[str]) -> None:
         fd, temp = tempfile.mkstemp(prefix=f".{os.path.basename(name)}.", suffix=".tmp", dir=directory)
     except OSError as exc:
         raise BatchOutputError(f"{name}: cannot create the output file's temporary file in {directory}: "
-                               f"{_errno_text(exc)}") from exc
+                               f"{errno_text(exc)}") from exc
     try:
         with open(fd, "w", encoding="utf-8", newline="\n") as file:
             os.fchmod(fd, OUTPUT_FILE_MODE)
@@ -189,14 +189,14 @@ def write_output(path: str | os.PathLike[str], lines: Iterable[str]) -> None:
     except BaseException as exc:
         _remove_quietly(temp)
         if isinstance(exc, OSError):
-            raise BatchOutputError(f"{name}: writing the output failed: {_errno_text(exc)}; the temporary file "
+            raise BatchOutputError(f"{name}: writing the output failed: {errno_text(exc)}; the temporary file "
                                    f"was removed and an older output left as it was") from exc
         raise
     try:
-        _fsync_directory(directory)
+        fsync_directory(directory)
     except OSError as exc:
         raise BatchOutputError(f"{name}: the output was written, but fsync of its directory {directory} failed: "
-                               f"{_errno_text(exc)}; after a power cut the older output may be back") from exc
+                               f"{errno_text(exc)}; after a power cut the older output may be back") from exc
 
 
 def _tag(job_hash: str, index: int) -> str:
@@ -232,17 +232,3 @@ def _remove_quietly(path: str) -> None:
         os.unlink(path)
     except OSError:
         pass  # already gone; the error being raised says what went wrong
-
-
-def _fsync_directory(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _errno_text(exc: OSError) -> str:
-    """"ENOSPC (No space left on device)" for an OSError with an errno, else its text."""
-    code = exc.errno
-    return str(exc) if code is None else f"{errno.errorcode.get(code, code)} ({exc.strerror or os.strerror(code)})"

@@ -56,7 +56,7 @@ from pipeline.producer.signature import INT32_MAX
 from pipeline.producer.workload import MAX_LISTED_ERRORS
 from pipeline.wire.errors import BatchFileError, GenerationParamsError
 from pipeline.wire.generation import GenerationParams
-from pipeline.wire.textfiles import bounded_lines, file_kind
+from pipeline.wire.textfiles import external_lines
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -183,19 +183,11 @@ def load_requests(path: str | os.PathLike[str], served_model: str) -> BatchFile:
     kept as its error. Nothing is submitted here."""
     name = os.fspath(path)
     parser = _FileParser(name, served_model)
-    try:
-        with open(name, "rb") as file:
-            kind = file_kind(file.fileno())
-            if kind not in ("file", "pipe"):  # /dev/zero would be read forever
-                raise BatchFileError(f"{name}: a batch file must be a file or a pipe, not a {kind}")
-            for number, raw in bounded_lines(file, MAX_REQUEST_LINE_BYTES):
-                if raw is None:
-                    parser.bad(number, f"longer than {MAX_REQUEST_LINE_BYTES:,} bytes (the longest prompt fits "
-                                       f"in far less)")
-                elif not parser.add(number, raw):
-                    break
-    except OSError as exc:
-        raise BatchFileError(f"{name}: cannot read the batch file ({exc.strerror or exc})") from exc
+    for number, raw in external_lines(name, MAX_REQUEST_LINE_BYTES, BatchFileError, "batch file"):
+        if raw is None:
+            parser.bad(number, f"longer than {MAX_REQUEST_LINE_BYTES:,} bytes (the longest prompt fits in far less)")
+        elif not parser.add(number, raw):
+            break
     return parser.finish()
 
 

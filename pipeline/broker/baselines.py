@@ -44,14 +44,7 @@ class FifoPolicy(ShapeSelector):
             return None
         state.consumers.add(consumer)
         oldest = state.by_age[0][1]
-        return ShapeKey(model, oldest), self._reason(state, consumer, oldest)
-
-    @staticmethod
-    def _reason(state, consumer: ConsumerId, signature: int) -> SwitchReason | None:
-        mine = state.current.get(consumer)
-        if mine == signature:
-            return None
-        return SwitchReason.INITIAL if mine is None else SwitchReason.ORDER
+        return ShapeKey(model, oldest), _switch_reason(state.current.get(consumer), oldest)
 
 
 class RoundRobinPolicy(ShapeSelector):
@@ -72,11 +65,18 @@ class RoundRobinPolicy(ShapeSelector):
         last = self._last.get(model)
         at = 0 if last is None else ring.bisect_right(last)
         chosen = ring[at % len(ring)]
-        return ShapeKey(model, chosen), FifoPolicy._reason(state, consumer, chosen)
+        return ShapeKey(model, chosen), _switch_reason(state.current.get(consumer), chosen)
 
     def on_dispatched(self, shape: ShapeKey, tokens: int, arrivals_ns) -> None:
         super().on_dispatched(shape, tokens, arrivals_ns)
         self._last[shape.model] = shape.signature  # the turn passes once a batch was handed out
+
+
+def _switch_reason(mine: int | None, signature: int) -> SwitchReason | None:
+    """Why a consumer on shape `mine` moves to `signature` (None: it stays)."""
+    if mine == signature:
+        return None
+    return SwitchReason.INITIAL if mine is None else SwitchReason.ORDER
 
 
 # The policies `--dispatch` names (the product's sticky one is ShapeSelector itself).

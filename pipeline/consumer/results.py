@@ -49,6 +49,7 @@ from collections.abc import Sequence
 from itertools import chain
 
 from pipeline.wire.errors import ResultsDiskFullError, ResultsFileError, ResultsWriteError
+from pipeline.wire.fileops import errno_text, fsync_directory
 from pipeline.wire.layouts import Descriptor
 
 # Every results file is owner-only, whatever the umask (SPEC §7, §12).
@@ -158,18 +159,18 @@ class ResultsFile:
             self._fd = os.open(path, _OPEN_FLAGS, RESULTS_FILE_MODE)
         except OSError as exc:
             if exc.errno in DISK_FULL_ERRNOS:  # no inode, no directory block left: back off, retry
-                raise ResultsDiskFullError(f"{path}: cannot create the results file: {_errno_text(exc)}", path, 0,
+                raise ResultsDiskFullError(f"{path}: cannot create the results file: {errno_text(exc)}", path, 0,
                                            exc.errno) from exc
-            raise ResultsFileError(f"{path}: cannot open the results file: {_errno_text(exc)}") from exc
+            raise ResultsFileError(f"{path}: cannot open the results file: {errno_text(exc)}") from exc
         try:
             os.fchmod(self._fd, RESULTS_FILE_MODE)  # the umask may have taken bits off, or an
             self._size = os.fstat(self._fd).st_size  # older run left the file 0644
             self._torn_tail = self._size > 0 and self._last_byte() != b"\n"
             if fsync and not existed:
-                _fsync_directory(directory)  # the new file's name survives a power cut
+                fsync_directory(directory)  # the new file's name survives a power cut
         except OSError as exc:
             os.close(self._fd)
-            raise ResultsFileError(f"{path}: cannot open the results file: {_errno_text(exc)}") from exc
+            raise ResultsFileError(f"{path}: cannot open the results file: {errno_text(exc)}") from exc
         self._closed = False
         # The file ended in a torn line (terminated before anything new is appended), and
         # the file's size then, for the consumer's log.
@@ -226,7 +227,7 @@ class ResultsFile:
     def _undo(self, start: int, written: int, length: int, exc: OSError) -> ResultsWriteError:
         """Cut the file back to `start` after a failed write of `length` bytes, of which
         `written` landed; the error to raise, naming what was and was not undone."""
-        what = f"{self.path}: writing {length} bytes of results at byte {start}: {_errno_text(exc)}"
+        what = f"{self.path}: writing {length} bytes of results at byte {start}: {errno_text(exc)}"
         kind = ResultsDiskFullError if exc.errno in DISK_FULL_ERRNOS else ResultsWriteError
         try:
             found = os.fstat(self._fd).st_size
@@ -239,7 +240,7 @@ class ResultsFile:
                 os.ftruncate(self._fd, start)
         except OSError as cut:
             return ResultsWriteError(f"{what}; cutting the {written} partial bytes off failed too: "
-                                     f"{_errno_text(cut)}", self.path, start, exc.errno or 0)
+                                     f"{errno_text(cut)}", self.path, start, exc.errno or 0)
         return kind(f"{what}; nothing of it was kept", self.path, start, exc.errno or 0)
 
     def close(self) -> None:
@@ -251,20 +252,4 @@ class ResultsFile:
         try:
             os.close(self._fd)
         except OSError as exc:
-            raise ResultsFileError(f"{self.path}: closing the results file: {_errno_text(exc)}") from exc
-
-
-def _fsync_directory(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _errno_text(exc: OSError) -> str:
-    """"ENOSPC (No space left on device)" for an OSError with an errno, else its text."""
-    if exc.errno is None:
-        return str(exc)
-    name = errno.errorcode.get(exc.errno, f"errno {exc.errno}")
-    return f"{name} ({exc.strerror or os.strerror(exc.errno)})"
+            raise ResultsFileError(f"{self.path}: closing the results file: {errno_text(exc)}") from exc

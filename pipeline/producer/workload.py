@@ -53,7 +53,7 @@ from pipeline.producer.signature import INT32_MAX, INT32_MIN
 from pipeline.producer.signature import signature as shape_signature
 from pipeline.wire.errors import WorkloadError
 from pipeline.wire.generation import GenerationParams
-from pipeline.wire.textfiles import bounded_lines, file_kind
+from pipeline.wire.textfiles import external_lines
 
 # Tokens per Mooncake block: the trace's hash ids name blocks of 512 tokens (its README).
 MOONCAKE_BLOCK_TOKENS = 512
@@ -284,19 +284,12 @@ def load_workload(path: str | os.PathLike[str], limits: ProducerLimits = Produce
     name = os.fspath(path)
     check_vocab_size(vocab_size)
     parser = _FileParser(name, limits, vocab_size)
-    try:
-        with open(name, "rb") as file:
-            kind = file_kind(file.fileno())
-            if kind not in ("file", "pipe"):  # /dev/zero would be read forever
-                raise WorkloadError(f"{name}: a workload must be a file or a pipe, not a {kind}")
-            for number, raw in bounded_lines(file, MAX_WORKLOAD_LINE_BYTES):
-                if raw is None:
-                    parser.bad(number, f"longer than {MAX_WORKLOAD_LINE_BYTES:,} bytes (the longest prompt "
-                                       f"and payload fit in far less)")
-                    continue
-                parser.add(number, raw)
-    except OSError as exc:
-        raise WorkloadError(f"{name}: cannot read the workload file ({exc.strerror or exc})") from exc
+    for number, raw in external_lines(name, MAX_WORKLOAD_LINE_BYTES, WorkloadError, "workload file"):
+        if raw is None:
+            parser.bad(number, f"longer than {MAX_WORKLOAD_LINE_BYTES:,} bytes (the longest prompt and payload "
+                               f"fit in far less)")
+        else:
+            parser.add(number, raw)
     return parser.finish()
 
 

@@ -39,6 +39,21 @@ def bounded_lines(file: BinaryIO, limit_bytes: int) -> Iterator[tuple[int, bytes
         yield number, None
 
 
+def external_lines(path: str, limit_bytes: int, error: type[Exception],
+                   what: str) -> Iterator[tuple[int, bytes | None]]:
+    """`bounded_lines` of the file at `path`, which must be a file or a pipe (a device such
+    as /dev/zero would be read forever); `error(message)` for anything else, or an OSError
+    reading it, naming the path and `what` it is ("workload", "batch file")."""
+    try:
+        with open(path, "rb") as file:
+            kind = file_kind(file.fileno())
+            if kind not in ("file", "pipe"):
+                raise error(f"{path}: a {what} must be a file or a pipe, not a {kind}")
+            yield from bounded_lines(file, limit_bytes)
+    except OSError as exc:
+        raise error(f"{path}: cannot read the {what} ({exc.strerror or exc})") from exc
+
+
 def file_kind(fd: int) -> str:
     """"file", "pipe" (a FIFO or socket: a stream that ends), or what else it is (a device,
     a directory) for messages."""
