@@ -51,8 +51,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from pipeline.batchjob.requests import KIND_CHAT, BatchRequest
+from pipeline.wire import fileops
 from pipeline.wire.errors import BatchOutputError
-from pipeline.wire.fileops import errno_text, fsync_directory
+from pipeline.wire.fileops import errno_text
 
 HTTP_OK = 200
 HTTP_BAD_REQUEST = 400
@@ -163,6 +164,10 @@ def usage_totals(rows: Iterable[Mapping[str, object]]) -> Usage:
     return total
 
 
+# Bytes of output lines gathered into one write: few system calls, bounded memory.
+OUTPUT_CHUNK_BYTES = 1 << 20
+
+
 def write_output(path: str | os.PathLike[str], lines: Iterable[str]) -> None:
     """Write `lines` (each without its newline) as the file `path`, whole or not at all: into
     a temporary file beside it, flushed and fsynced, renamed over `path`, then the directory
@@ -178,14 +183,22 @@ def write_output(path: str | os.PathLike[str], lines: Iterable[str]) -> None:
         raise BatchOutputError(f"{name}: cannot create the output file's temporary file in {directory}: "
                                f"{errno_text(exc)}") from exc
     try:
-        with open(fd, "w", encoding="utf-8", newline="\n") as file:
+        try:
             os.fchmod(fd, OUTPUT_FILE_MODE)
+            chunk: list[str] = []
+            size = 0
             for line in lines:
-                file.write(line)
-                file.write("\n")
-            file.flush()
-            os.fsync(fd)
-        os.replace(temp, name)
+                chunk.append(line)
+                size += len(line) + 1
+                if size >= OUTPUT_CHUNK_BYTES:
+                    fileops.write_all(fd, ("\n".join(chunk) + "\n").encode("utf-8"))
+                    chunk, size = [], 0
+            if chunk:
+                fileops.write_all(fd, ("\n".join(chunk) + "\n").encode("utf-8"))
+            fileops.fsync(fd)
+        finally:
+            os.close(fd)
+        fileops.rename(temp, name)
     except BaseException as exc:
         _remove_quietly(temp)
         if isinstance(exc, OSError):
@@ -193,7 +206,7 @@ def write_output(path: str | os.PathLike[str], lines: Iterable[str]) -> None:
                                    f"was removed and an older output left as it was") from exc
         raise
     try:
-        fsync_directory(directory)
+        fileops.fsync_directory(directory)
     except OSError as exc:
         raise BatchOutputError(f"{name}: the output was written, but fsync of its directory {directory} failed: "
                                f"{errno_text(exc)}; after a power cut the older output may be back") from exc

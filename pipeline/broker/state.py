@@ -12,6 +12,7 @@ import os
 import time
 from collections.abc import Iterable
 
+from pipeline.wire import fileops
 from pipeline.wire.errors import PipelineError
 from pipeline.wire.layouts import BROKER_STATE_NAME, MAX_PRODUCER_ID
 
@@ -57,13 +58,18 @@ class BrokerState:
 
     def save(self) -> None:
         temporary = self.path + ".tmp"
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.fchmod(fd, 0o600)  # owner-only whatever the umask (SPEC §12)
-        with open(fd, "w") as file:
-            json.dump({"next_producer_id": self.next_producer_id, "generation": self.generation}, file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, self.path)
+        fd = fileops.open_fd(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.fchmod(fd, 0o600)  # owner-only whatever the umask (SPEC §12)
+            text = json.dumps({"next_producer_id": self.next_producer_id, "generation": self.generation})
+            fileops.write_all(fd, text.encode())
+            fileops.fsync(fd)
+        finally:
+            fileops.close_fd(fd)
+        fileops.rename(temporary, self.path)
+        # The rename is durable only once the directory is: else a power cut could bring the
+        # older file back, and with it a producer id already handed out.
+        fileops.fsync_directory(os.path.dirname(self.path) or ".")
 
 
     def save_or_warn(self) -> bool:

@@ -51,8 +51,9 @@ import time
 from collections.abc import Sequence
 from itertools import chain
 
+from pipeline.wire import fileops
 from pipeline.wire.errors import ResultsDiskFullError, ResultsFileError, ResultsWriteError
-from pipeline.wire.fileops import errno_text, fsync_directory
+from pipeline.wire.fileops import errno_text
 from pipeline.wire.layouts import Descriptor
 
 # Every results file is owner-only, whatever the umask (SPEC §7, §12).
@@ -161,7 +162,7 @@ class ResultsFile:
         try:
             os.makedirs(directory, mode=RESULTS_DIR_MODE, exist_ok=True)
             existed = os.path.lexists(path)
-            self._fd = os.open(path, _OPEN_FLAGS, RESULTS_FILE_MODE)
+            self._fd = fileops.open_fd(path, _OPEN_FLAGS, RESULTS_FILE_MODE)
         except OSError as exc:
             if exc.errno in DISK_FULL_ERRNOS:  # no inode, no directory block left: back off, retry
                 raise ResultsDiskFullError(f"{path}: cannot create the results file: {errno_text(exc)}", path, 0,
@@ -172,7 +173,7 @@ class ResultsFile:
             self._size = os.fstat(self._fd).st_size  # older run left the file 0644
             self._torn_tail = self._size > 0 and self._last_byte() != b"\n"
             if fsync and not existed:
-                fsync_directory(directory)  # the new file's name survives a power cut
+                fileops.fsync_directory(directory)  # the new file's name survives a power cut
         except OSError as exc:
             os.close(self._fd)
             raise ResultsFileError(f"{path}: cannot open the results file: {errno_text(exc)}") from exc
@@ -216,14 +217,14 @@ class ResultsFile:
             # Measured against the buffered text write + flush it replaced: 6.2 against
             # 6.4 us per 64-line (13 KiB) batch; tools/bench_consumer.py 7.1-7.2 against
             # 7.0-7.2 us per item (noise).
-            written = os.write(self._fd, data)
+            written = fileops.write(self._fd, data)
             while written < len(data):
-                more = os.write(self._fd, memoryview(data)[written:])
+                more = fileops.write(self._fd, memoryview(data)[written:])
                 if more <= 0:
                     raise OSError(errno.EIO, f"write() wrote nothing of {len(data) - written} bytes")
                 written += more
             if self._fsync:
-                os.fsync(self._fd)
+                fileops.fsync(self._fd)
         except OSError as exc:
             raise self._undo(start, written, len(data), exc) from exc
         self._size = start + written
@@ -242,7 +243,7 @@ class ResultsFile:
                     f"{what}; the file is {found} bytes, not the {start + written} this consumer wrote: another "
                     f"process writes to it, so the {written} partial bytes were left", self.path, start, exc.errno or 0)
             if written:
-                os.ftruncate(self._fd, start)
+                fileops.ftruncate(self._fd, start)
         except OSError as cut:
             return ResultsWriteError(f"{what}; cutting the {written} partial bytes off failed too: "
                                      f"{errno_text(cut)}", self.path, start, exc.errno or 0)

@@ -83,6 +83,8 @@ so callers catch everything from one module: `except (PipelineError, ShmError)`.
 
 from __future__ import annotations
 
+import os
+
 from shm.errors import (
     ObjectExistsError,
     ObjectMissingError,
@@ -329,6 +331,23 @@ class DiskFullError(StorageError):
     accepted is lost; appends resume when space comes back."""
 
 
+class FileOpError(StorageError, OSError):
+    """A file operation of the store or the results failed (pipeline.wire.fileops): the
+    operation, the path and the byte offset are named, and `errno` is the system's, so a
+    caller that handles a full disk (ENOSPC) still sees it as such; an OSError too, for the
+    handlers that catch those. In the broker an unhandled one is FATAL: it stops, and its
+    restart recovers from what the files hold."""
+
+    def __init__(self, code: int | None, message: str, path: str | None = None) -> None:
+        # strerror stays the system's words, as for any OSError, for messages built from it.
+        OSError.__init__(self, code, os.strerror(code) if code else message)
+        self.message = message
+        self.path = path
+
+    def __str__(self) -> str:
+        return self.message
+
+
 class DurabilityError(StorageError):
     """FATAL. fsync/fdatasync failed. The broker stops: after a failed fsync the kernel may
     have dropped the dirty pages, so retrying and carrying on could lose acknowledged work."""
@@ -345,6 +364,7 @@ __all__ = [
     "DataDirError",
     "DiskFullError",
     "DurabilityError",
+    "FileOpError",
     "EngineOptionsError",
     "EngineUnavailableError",
     "EntryCompletedError",

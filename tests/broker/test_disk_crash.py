@@ -250,11 +250,13 @@ def check_after_recovery(data_dir: str, log_path: str, crashes: int) -> tuple[Lo
     return log, live
 
 
-def live_items(data_dir: str) -> set[tuple[int, int]]:
-    """(producer, seq) of every live entry, each checked against what its producer sent."""
+def live_items(data_dir: str, name_confirmed: bool = False) -> set[tuple[int, int]]:
+    """(producer, seq) of every live entry, each checked against what its producer sent.
+    `name_confirmed`: a segment whose identity block is damaged is read under its file name's
+    keys (as recovery does when its catalog knows the name)."""
     live = set()
     for seg in iter_segments(data_dir):
-        scan = scan_segment(seg.path)
+        scan = scan_segment(seg.path, seg.keys, name_confirmed=name_confirmed) if name_confirmed else scan_segment(seg.path)
         data = np.fromfile(seg.path, dtype=np.uint8)
         for offset, header in zip(scan.offsets.tolist(), scan.headers):
             if header["state"] != ENTRY_LIVE:

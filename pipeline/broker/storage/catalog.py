@@ -36,6 +36,7 @@ import numpy as np
 import xxhash
 
 from pipeline.broker.storage.scan import SegmentKeys
+from pipeline.wire import fileops
 from pipeline.wire.errors import DiskFullError, DurabilityError, StoreReadError
 from pipeline.wire.layouts import (
     CATALOG_CHECKSUM_FROM,
@@ -184,13 +185,13 @@ def write_missing_note(path: str, keys: SegmentKeys, entry_count: int | None, du
     """The evidence of a missing segment, kept until an operator removes it: one MISSING
     record (the catalog's layout) in its own file."""
     count = CATALOG_COUNT_UNKNOWN if entry_count is None else entry_count
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = fileops.open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        os.write(fd, encode_record(CATALOG_MISSING, keys, count))
+        fileops.pwrite_all(fd, encode_record(CATALOG_MISSING, keys, count), 0)
         if durable:
-            os.fsync(fd)
+            fileops.fsync(fd)
     finally:
-        os.close(fd)
+        fileops.close_fd(fd)
 
 
 def read_missing_note(path: str) -> MissingNote | str:
@@ -231,9 +232,9 @@ class SegmentCatalog:
         used = int(nonzero[-1]) + 1 if nonzero.size else 0
         if used and _record_problem(raw[used - 1].view(CATALOG_RECORD_DTYPE)[0], raw[used - 1]):
             used -= 1
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = fileops.open_fd(path, os.O_RDWR | os.O_CREAT, 0o600)
         if len(data) % CATALOG_RECORD_SIZE_BYTES:  # a partial last record: cut it, it was torn
-            os.ftruncate(fd, whole * CATALOG_RECORD_SIZE_BYTES)
+            fileops.ftruncate(fd, whole * CATALOG_RECORD_SIZE_BYTES)
         return cls(path, fd, durable, used)
 
     @classmethod
@@ -250,21 +251,21 @@ class SegmentCatalog:
         used = len(data) // CATALOG_RECORD_SIZE_BYTES
         temp = path + CATALOG_TMP_SUFFIX
         try:
-            fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            fd = fileops.open_fd(temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         except OSError as exc:
             if exc.errno in _NO_SPACE:  # no inode for the new file: the old catalog stays in use
                 raise DiskFullError(f"{temp}: disk full ({exc.strerror}) creating the compacted catalog") from exc
             raise
         try:
             _allocate(fd, temp, used + reserve)
-            os.pwrite(fd, bytes(data), 0)
-            os.fsync(fd)
-            os.rename(temp, path)
+            fileops.pwrite_all(fd, bytes(data), 0)
+            fileops.fsync(fd)
+            fileops.rename(temp, path)
             _fsync_directory(os.path.dirname(path))
         except BaseException:
-            os.close(fd)
+            fileops.close_fd(fd)
             if os.path.exists(temp):
-                os.unlink(temp)
+                fileops.unlink(temp)
             raise
         return cls(path, fd, durable, used)
 
@@ -280,7 +281,9 @@ class SegmentCatalog:
         (before the unlink or move they announce); creates and seals at `sync()`."""
         if self.used >= self.allocated:
             self.reserve(CATALOG_CHUNK_RECORDS)
-        os.pwrite(self._fd, encode_record(kind, keys, entry_count), self.used * CATALOG_RECORD_SIZE_BYTES)
+        # NOTE: the whole record or an OSError: a short write left unnoticed here would leave a
+        # torn record in the middle of the catalog once the next one is written after it.
+        fileops.pwrite_all(self._fd, encode_record(kind, keys, entry_count), self.used * CATALOG_RECORD_SIZE_BYTES)
         self.used += 1
         self._dirty = self.durable
         if self.durable and kind in (CATALOG_DELETED, CATALOG_QUARANTINED):
@@ -290,7 +293,7 @@ class SegmentCatalog:
         """`power`: fdatasync what was recorded since the last call (DurabilityError: fatal)."""
         if self._dirty:
             try:
-                os.fdatasync(self._fd)
+                fileops.fdatasync(self._fd)
             except OSError as exc:
                 raise DurabilityError(f"{self.path}: fdatasync failed ({exc.strerror}, errno {exc.errno}): "
                                       f"the kernel may have dropped the dirty pages, so the broker must stop") from exc
@@ -301,7 +304,7 @@ class SegmentCatalog:
 
     def close(self) -> None:
         if self._fd >= 0:
-            os.close(self._fd)
+            fileops.close_fd(self._fd)
             self._fd = -1
 
 
@@ -310,7 +313,7 @@ def _allocate(fd: int, path: str, records: int) -> None:
     chunks = -(-records // CATALOG_CHUNK_RECORDS)
     size = chunks * CATALOG_CHUNK_RECORDS * CATALOG_RECORD_SIZE_BYTES
     try:
-        os.posix_fallocate(fd, 0, size)
+        fileops.fallocate(fd, 0, size)
     except OSError as exc:
         if exc.errno in _NO_SPACE:
             raise DiskFullError(f"{path}: disk full ({exc.strerror}) allocating {size} bytes for the segment "
@@ -319,10 +322,7 @@ def _allocate(fd: int, path: str, records: int) -> None:
 
 
 def _fsync_directory(path: str) -> None:
-    fd = os.open(path or ".", os.O_RDONLY | os.O_DIRECTORY)
     try:
-        os.fsync(fd)
+        fileops.fsync_directory(path or ".")
     except OSError as exc:
         raise DurabilityError(f"{path}: fsync of the directory failed ({exc.strerror}, errno {exc.errno})") from exc
-    finally:
-        os.close(fd)

@@ -313,6 +313,11 @@ class DiskTier(QueuedTier):
         self._read_maps.clear()
         self._store.close()
 
+    def abandon(self) -> None:
+        """Let go of every file without syncing (SegmentStore.abandon): a kill -9, in-process."""
+        self._read_maps.clear()
+        self._store.abandon()
+
 
 def _runs(segments: np.ndarray) -> list[tuple[int, int]]:
     """[first, end) of each run of equal segment ids (a lane's front is runs of segments)."""

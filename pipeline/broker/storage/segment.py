@@ -53,6 +53,7 @@ from pipeline.broker.storage.scan import (  # re-exported: the scan lived here f
     read_identity,
     scan_segment,
 )
+from pipeline.wire import fileops
 from pipeline.wire.errors import DiskFullError, DurabilityError, SegmentCorruptError
 from pipeline.wire.layouts import (
     ENTRY_ALIGN_BYTES,
@@ -303,7 +304,7 @@ class SegmentFile:
         (recovery removes the leftover; kill -9 tests found the bare version quarantined)."""
         creating = path + CREATING_SUFFIX
         try:
-            fd = os.open(creating, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            fd = fileops.open_fd(creating, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         except OSError as exc:
             if exc.errno in NO_SPACE_ERRNOS:  # no inode left (a tmpfs with nr_inodes, a full ext4)
                 raise _no_space(exc, path, 0, 0, "creating the file,") from exc
@@ -313,27 +314,27 @@ class SegmentFile:
             first = need if need_bytes else min(FIRST_ALLOCATION_BYTES, max(max_bytes, SEGMENT_HEADER_SIZE_BYTES))
             first = _check_room(fd, path, 0, first, "allocating", least=need)
             try:
-                os.posix_fallocate(fd, 0, first)
+                fileops.fallocate(fd, 0, first)
             except OSError as exc:
                 if exc.errno in NO_SPACE_ERRNOS:
                     raise _no_space(exc, path, 0, first, "allocating") from exc
                 raise
-            os.pwrite(fd, identity_bytes(keys, time.time_ns()), 0)
+            fileops.pwrite_all(fd, identity_bytes(keys, time.time_ns()), 0)
             boundary = bytearray(SEGMENT_BOUNDARY_CHECKSUM.end - SEGMENT_ENTRY_COUNT.offset)
             _write_boundary(boundary, 0, SEGMENT_HEADER_SIZE_BYTES, base=-SEGMENT_ENTRY_COUNT.offset)
-            os.pwrite(fd, boundary, SEGMENT_ENTRY_COUNT.offset)
+            fileops.pwrite_all(fd, boundary, SEGMENT_ENTRY_COUNT.offset)
             if durability is Durability.POWER:
                 _fdatasync(fd, path)
             assert not os.path.exists(path), path
-            os.rename(creating, path)
+            fileops.rename(creating, path)
             if durability is Durability.POWER:
                 fsync_directory(os.path.dirname(path))
             return cls(path, fd, keys, durability, max_bytes)
         except BaseException:
-            os.close(fd)
+            fileops.close_fd(fd)
             for leftover in (creating, path):
                 if os.path.exists(leftover):
-                    os.unlink(leftover)
+                    fileops.unlink(leftover)
             raise
 
     @classmethod
@@ -345,7 +346,7 @@ class SegmentFile:
         word the scan read as live (`repaired_states`) is rewritten live, so consumers and
         tombstones accept the entry; the header's counts become the scan's, and its data_end
         the scan's boundary (never lowered below damage, see ScanReport.boundary)."""
-        fd = os.open(report.path, os.O_RDWR)
+        fd = fileops.open_fd(report.path, os.O_RDWR)
         segment = cls(report.path, fd, report.keys, durability, max_bytes)
         segment.data_end = segment.readable_end = report.data_end
         segment.entry_count = report.entry_count
@@ -367,14 +368,14 @@ class SegmentFile:
         keys for it, which also admit a segment recovery salvaged with a damaged identity
         block (see scan.establish_identity). The readable boundary is the header's data_end,
         but never past the end of the file (a truncated segment keeps its boundary word)."""
-        fd = os.open(path, os.O_RDWR)
+        fd = fileops.open_fd(path, os.O_RDWR)
         try:
             header = os.pread(fd, SEGMENT_HEADER_SIZE_BYTES, 0)
             # `keys` are the store's: it established them (at recovery, or by creating it).
             found, _created_ns, _damage = establish_identity(header, path, keys, name_confirmed=keys is not None)
             size = os.fstat(fd).st_size
         except BaseException:
-            os.close(fd)
+            fileops.close_fd(fd)
             raise
         segment = cls(path, fd, found, durability, max_bytes)
         segment.sealed = bool(SEGMENT_SEALED.read(header))
@@ -398,7 +399,7 @@ class SegmentFile:
                            least=_page_align(needed_end) - self.allocated)
         new_size = self.allocated + grow
         try:
-            os.posix_fallocate(self._fd, 0, new_size)
+            fileops.fallocate(self._fd, 0, new_size)
         except OSError as exc:
             if exc.errno in NO_SPACE_ERRNOS:
                 raise _no_space(exc, self.path, self.allocated, new_size - self.allocated, "growing the file by") from exc
@@ -412,7 +413,7 @@ class SegmentFile:
         done = 0
         try:
             while done < len(view):
-                done += os.pwrite(self._fd, view[done:], at + done)
+                done += fileops.pwrite(self._fd, view[done:], at + done)
         except OSError as exc:
             if exc.errno in NO_SPACE_ERRNOS:
                 raise _no_space(exc, self.path, at + done, len(view) - done, "writing") from exc
@@ -561,7 +562,7 @@ class SegmentFile:
         the group-commit points. A tombstone lost to a power cut means redelivery, which
         at-least-once delivery allows and the result files detect."""
         try:
-            self._map.flush()
+            fileops.msync(self._map, self._fd)
         except OSError as exc:
             raise _durability_failed(exc, self.path, "msync") from exc
 
@@ -569,12 +570,12 @@ class SegmentFile:
         if not self._closed:
             self._closed = True
             self._map.close()
-            os.close(self._fd)
+            fileops.close_fd(self._fd)
 
     def unlink(self) -> None:
         """Remove the file (after close); the directory is synced in `power`."""
         assert self._closed
-        os.unlink(self.path)
+        fileops.unlink(self.path)
         if self.durability is Durability.POWER:
             fsync_directory(os.path.dirname(self.path))
 
@@ -589,17 +590,14 @@ def _write_boundary(buf, entry_count: int, data_end: int, base: int = 0) -> None
 def fsync_directory(path: str) -> None:
     """Make a file's creation or removal durable (SPEC §5, `power`). DurabilityError if the
     fsync fails."""
-    fd = os.open(path or ".", os.O_RDONLY | os.O_DIRECTORY)
     try:
-        os.fsync(fd)
+        fileops.fsync_directory(path or ".")
     except OSError as exc:
         raise _durability_failed(exc, path, "fsync of the directory") from exc
-    finally:
-        os.close(fd)
 
 
 def _fdatasync(fd: int, path: str) -> None:
     try:
-        os.fdatasync(fd)
+        fileops.fdatasync(fd)
     except OSError as exc:
         raise _durability_failed(exc, path, "fdatasync") from exc

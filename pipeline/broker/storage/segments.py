@@ -66,6 +66,7 @@ from pipeline.broker.storage.segment import (
     fsync_directory,
     scan_segment,
 )
+from pipeline.wire import fileops
 from pipeline.wire.errors import DiskFullError, SegmentFormatError, StoreReadError
 from pipeline.wire.layouts import CATALOG_CREATED, CATALOG_DELETED, CATALOG_QUARANTINED, CATALOG_SEALED
 
@@ -317,7 +318,7 @@ class SegmentStore:
             self._record(CATALOG_DELETED, state.keys)  # before the unlink: never a false MISSING
             if crashpoints.ARMED:
                 crashpoints.hit("delete.before_unlink")
-            os.unlink(state.path)
+            fileops.unlink(state.path)
             if self.durability is Durability.POWER:
                 fsync_directory(os.path.dirname(state.path))
         del self.segments[state.id]
@@ -328,7 +329,7 @@ class SegmentStore:
         self._record(CATALOG_QUARANTINED, keys)
         target = quarantine_target(self.data_dir, path)
         make_dirs(os.path.dirname(target))
-        os.rename(path, target)  # same file system: the data directory
+        fileops.rename(path, target)  # same file system: the data directory
         if self.durability is Durability.POWER:
             fsync_directory(os.path.dirname(path))
             fsync_directory(os.path.dirname(target))
@@ -370,14 +371,20 @@ class SegmentStore:
             self._file(segment).flush_tombstones()
         self._tombstoned.clear()
 
-    def close(self) -> None:
-        self.sync()
+    def abandon(self) -> None:
+        """Close every descriptor and mapping without syncing or writing anything: the state
+        a kill -9 leaves (whatever reached the files stays, nothing in memory is written).
+        For crash tests and fault campaigns that reopen the directory in the same process."""
         for file in self._open.values():
             file.close()
         self._open.clear()
         if self._catalog is not None:
             self._catalog.close()
             self._catalog = None
+
+    def close(self) -> None:
+        self.sync()
+        self.abandon()  # everything is synced: letting go is all that is left
 
     # ----------------------------------------------------------------- recovery
 
@@ -397,7 +404,7 @@ class SegmentStore:
             if reading is not None:
                 self._catalog = SegmentCatalog.open_existing(catalog_path(self.data_dir), self._durable)
             for path in listing.creating:
-                os.unlink(path)  # a crash interrupted its creation: it holds no entry
+                fileops.unlink(path)  # a crash interrupted its creation: it holds no entry
                 report.abandoned_creates.append(path)
             report.strays = listing.strays
             for found in listing.segments:
@@ -418,7 +425,7 @@ class SegmentStore:
                                  f"({exc.strerror}, errno {exc.errno})") from exc
         leftover = catalog_path(self.data_dir) + CATALOG_TMP_SUFFIX
         if os.path.exists(leftover):
-            os.unlink(leftover)  # an interrupted compaction: the catalog itself is whole
+            fileops.unlink(leftover)  # an interrupted compaction: the catalog itself is whole
             report.catalog_notes.append(f"{leftover}: an interrupted compaction's temp file, removed")
         return listing, read_catalog(catalog_path(self.data_dir))
 
