@@ -142,6 +142,43 @@ def named_objects(prefix: str) -> tuple[list[str], list[str]]:
     return sorted(shared), sorted(semaphores)
 
 
+def object_path(name: str) -> str:
+    """Where Linux keeps the shared-memory object NAME: /dev/shm/NAME (without the '/')."""
+    return os.path.join(DEV_SHM, name.lstrip("/"))
+
+
+def processes_mapping(prefix: str) -> dict[str, set[int]]:
+    """Which live processes map something in /dev/shm whose name starts with `prefix` (a
+    shared-memory object, a named semaphore: sem_open maps its file, or a file of a
+    directory there), from /proc/PID/maps: {path in /dev/shm: pids}. This process is left
+    out, and so are processes whose maps this user may not read (another user's: they
+    cannot map our owner-only objects; root's are readable only by root). Linux only;
+    no /proc: {}. What a cleanup must not remove: an object some process still uses.
+
+    NOTE: a process holding only a descriptor (shm_open, no mmap) is not seen; our code
+    maps every object it opens and closes the descriptor, so maps are enough for ours."""
+    wanted = (os.path.join(DEV_SHM, prefix), os.path.join(DEV_SHM, _SEMAPHORE_FILE_PREFIX + prefix))
+    found: dict[str, set[int]] = {}
+    try:
+        pids = [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+    except FileNotFoundError:
+        return found
+    for pid in pids:
+        if pid == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                lines = maps.read().splitlines()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        for line in lines:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith(wanted):
+                path = fields[5].removesuffix(" (deleted)")
+                found.setdefault(path, set()).add(pid)
+    return found
+
+
 def _check_semaphore_file(name: str) -> os.stat_result:
     """The semaphore's file, if it is a regular file of ours that nobody else may open."""
     path = semaphore_path(name)
