@@ -90,7 +90,9 @@ class CleanupPlan:
 def held_run_lock(data_dir: str) -> Iterator[None]:
     """Hold the data directory's broker lock for the block: LiveRunError if a broker holds
     it (its pid said). No lock file (no broker ever ran there): nothing to hold; the file is
-    never created here (the cleanup makes nothing)."""
+    never created here (the cleanup makes nothing). DataDirError first for a path that is
+    not a data directory of ours (`plan_cleanup`'s check)."""
+    _check_is_data_dir(data_dir)
     path = os.path.join(BrokerConfig(data_dir).run_dir, LOCK_NAME)
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
