@@ -149,21 +149,28 @@ def object_path(name: str) -> str:
 
 def processes_mapping(prefix: str) -> dict[str, set[int]]:
     """Which live processes map something in /dev/shm whose name starts with `prefix` (a
-    shared-memory object, a named semaphore: sem_open maps its file, or a file of a
-    directory there), from /proc/PID/maps: {path in /dev/shm: pids}. This process is left
-    out, and so are processes whose maps this user may not read (another user's: they
-    cannot map our owner-only objects; root's are readable only by root). Linux only;
-    no /proc: {}. What a cleanup must not remove: an object some process still uses.
+    shared-memory object, a named semaphore, a file of a directory there), from
+    /proc/PID/maps: {path in /dev/shm: pids}. This process is left out, and so are processes
+    whose maps this user may not read (another user's: they cannot map our owner-only
+    objects). Linux only; no /proc: {}. What a cleanup must not remove: what a process uses.
 
-    NOTE: a process holding only a descriptor (shm_open, no mmap) is not seen; our code
-    maps every object it opens and closes the descriptor, so maps are enough for ours."""
-    wanted = (os.path.join(DEV_SHM, prefix), os.path.join(DEV_SHM, _SEMAPHORE_FILE_PREFIX + prefix))
+    Matched by device and inode, not by the path a map shows: sem_open creates a semaphore
+    under a temporary name, maps it, then links it to its real name, so its creator's map
+    shows the temporary name, deleted. NOTE: a process holding only a descriptor (no mmap)
+    is not seen; our code maps every object it opens and closes the descriptor."""
+    paths = _files_under(prefix)
+    if not paths:
+        return {}
+    device = os.stat(DEV_SHM).st_dev
+    wanted_dev = f"{os.major(device):02x}:{os.minor(device):02x}"
+    by_inode = {}
+    for path in paths:
+        try:
+            by_inode[os.lstat(path).st_ino] = path
+        except FileNotFoundError:  # removed meanwhile
+            continue
     found: dict[str, set[int]] = {}
-    try:
-        pids = [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
-    except FileNotFoundError:
-        return found
-    for pid in pids:
+    for pid in (int(entry) for entry in os.listdir("/proc") if entry.isdigit()):
         if pid == os.getpid():
             continue
         try:
@@ -173,10 +180,27 @@ def processes_mapping(prefix: str) -> dict[str, set[int]]:
             continue
         for line in lines:
             fields = line.split(maxsplit=5)
-            if len(fields) == 6 and fields[5].startswith(wanted):
-                path = fields[5].removesuffix(" (deleted)")
-                found.setdefault(path, set()).add(pid)
+            if len(fields) == 6 and fields[3] == wanted_dev and int(fields[4]) in by_inode:
+                found.setdefault(by_inode[int(fields[4])], set()).add(pid)
     return found
+
+
+def _files_under(prefix: str) -> list[str]:
+    """Every file in /dev/shm named with `prefix` (a semaphore's sem.PREFIX too), and every
+    file inside such a directory."""
+    try:
+        entries = list(os.scandir(DEV_SHM))
+    except FileNotFoundError:
+        return []
+    paths = []
+    for entry in entries:
+        if not entry.name.startswith((prefix, _SEMAPHORE_FILE_PREFIX + prefix)):
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            paths.extend(os.path.join(root, name) for root, _dirs, files in os.walk(entry.path) for name in files)
+        else:
+            paths.append(entry.path)
+    return paths
 
 
 def _check_semaphore_file(name: str) -> os.stat_result:
