@@ -54,6 +54,7 @@ from pipeline.runtime.inventory import ring_stock
 from pipeline.wire.errors import DataDirError, LiveRunError
 from pipeline.wire.layouts import BROKER_STATE_NAME
 from shm.objects import DEV_SHM, named_objects, object_path, processes_mapping, semaphore_path, unlink_quietly
+from shm.ring import unfinished_ring
 
 # A stage pid file (daemon.StageFiles) and the temporary a writer killed mid-write leaves.
 _PID_FILE_RE = re.compile(r"^(broker|consumer-.+)\.pid$")
@@ -188,6 +189,8 @@ def _ring_kind(prefix: str, name: str) -> str:
 
 def _unstored(name: str, discard: bool) -> tuple[str, str]:
     """(why keep it or '', why remove it) for a producer ring nobody maps."""
+    if unfinished_ring(name):
+        return "", "its producer died making it: it never held anything"
     stock = ring_stock([name])
     if stock.unreadable:
         problem = stock.unreadable[0].split(": ", 1)[-1]
@@ -199,9 +202,9 @@ def _unstored(name: str, discard: bool) -> tuple[str, str]:
     if not items:
         return "", "its producer is gone and the broker stored everything it held"
     if not discard:
-        return (f"holds {items:,} items the broker never stored: the next broker on this data directory stores "
+        return (f"holds {items:,} item{'' if items == 1 else 's'} the broker never stored: the next broker on this data directory stores "
                 f"them (--discard-unstored removes it, and loses them)", "")
-    return "", f"holds {items:,} items the broker never stored: discarded as asked (they are lost)"
+    return "", f"holds {items:,} item{'' if items == 1 else 's'} the broker never stored: discarded as asked (they are lost)"
 
 
 def _plan_semaphores(plan: CleanupPlan, in_use: dict[str, set[int]], kept_rings: set[str]) -> None:

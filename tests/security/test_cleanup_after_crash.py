@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 
+import numpy as np
 import psutil
 import pytest
 
@@ -120,7 +121,8 @@ def test_cleanup_after_every_stage_was_killed(tmp_path):
         assert {"broker.pid", "consumer-c0.pid", "broker.sock", f"sem.{prefix}bell"} <= removed
         assert any(name.startswith(f"{prefix}g") for name in removed)  # the descriptor ring
         assert kept and all(name.startswith((f"{prefix}p", f"sem.{prefix}p")) for name in kept), kept
-        assert any(f"holds {unstored:,} items the broker never stored" in found["why"] for found in plan["keep"])
+        assert any(f"holds {unstored:,} item" in found["why"] and "the broker never stored" in found["why"]
+                   for found in plan["keep"])
 
         done = cleanup(data, "--yes")
         assert done.returncode == 0 and f"removed {len(plan['remove'])}, kept {len(plan['keep'])}" in done.stdout
@@ -216,3 +218,64 @@ def test_what_is_not_a_trusted_data_directory_is_refused_in_one_line(tmp_path, m
         plan_cleanup(data)
     done = cleanup(data, "--yes")
     assert done.returncode == 1 and message in done.stderr and done.stderr.count("\n") == 1, done.stderr
+
+
+def test_cleanup_after_a_killed_launch(tmp_path):
+    """`pipeline launch` and every process under it killed mid-run: what is left is found,
+    removed but for the rings holding unstored items, and the next launch runs there."""
+    data, workload = str(tmp_path / "data"), str(tmp_path / "replayed.jsonl")
+    write_replayed(workload)
+    launch = subprocess.Popen([sys.executable, "-m", "pipeline", "launch", "--data-dir", data, "--workload", workload,
+                               "--replay-speed", "1", "--consumers", "1"], cwd=ROOT, start_new_session=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: os.path.exists(BrokerConfig(data).socket_path)
+                 and broker_status(BrokerConfig(data).socket_path).items_completed > 0, 60, "the launch serving")
+        kill_tree(launch)
+        plan = listing(data)
+        prefix = plan["prefix"]
+        assert {found["kind"] for found in plan["remove"]} >= {"descriptor ring", "semaphore", "socket"}
+        assert all(os.path.basename(found["path"]).startswith((f"{prefix}p", f"sem.{prefix}p"))
+                   and ("never stored" in found["why"] or "which is kept" in found["why"]) for found in plan["keep"])
+        assert cleanup(data, "--yes").returncode == 0
+        assert sorted(shm_objects_of(data)) == sorted(os.path.basename(found["path"]) for found in plan["keep"])
+    finally:
+        kill_tree(launch)
+        cleanup(data, "--yes", "--discard-unstored")
+    assert shm_objects_of(data) == []
+
+
+def test_producer_rings_are_judged_by_what_they_hold(tmp_path):
+    """A ring whose producer died making it (identity never written) holds nothing: removed;
+    one holding a record never stored: kept, and removed only with discard_unstored."""
+    from pipeline.broker.peers import ensure_namespace, object_prefix, producer_ring_name
+    from pipeline.producer.producer import Producer
+    from pipeline.runtime.datadir import prepare_data_dir
+    from shm.objects import create_shared_memory
+    from shm.ring import HEADER_SIZE_BYTES, MIN_CAPACITY_BYTES
+
+    data = str(tmp_path / "data")
+    prepare_data_dir(data)
+    namespace = ensure_namespace(data, ran_before=False)
+    unfinished, holding = producer_ring_name(namespace, 7), producer_ring_name(namespace, 8)
+    memory, _inode = create_shared_memory(unfinished, HEADER_SIZE_BYTES + MIN_CAPACITY_BYTES)
+    memory.close()
+    producer = Producer.create(holding, producer_id=8, capacity_bytes=4 << 20)
+    producer.submit(0, 12345, np.arange(10, dtype=np.int32))  # never stored: no broker ran
+    producer.close()
+    try:
+        with held_run_lock(data):
+            plan = plan_cleanup(data)
+        assert [(found.name, found.why) for found in plan.remove] == [
+            (unfinished, "its producer died making it: it never held anything")]
+        assert [found.name for found in plan.keep] == [holding, f"{holding}.d", f"{holding}.s"]
+        assert plan.keep[0].why.startswith("holds 1 item the broker never stored")
+        with held_run_lock(data):
+            discarded = plan_cleanup(data, discard_unstored=True)
+            apply_cleanup(discarded)
+        assert discarded.keep == [] and "discarded as asked (they are lost)" in discarded.remove[1].why
+        assert shm_objects_of(data) == [] and object_prefix(namespace) == discarded.prefix
+    finally:
+        from shm.objects import unlink_quietly
+
+        unlink_quietly([unfinished, holding], [f"{holding}.d", f"{holding}.s"])
