@@ -123,8 +123,9 @@ def plan_cleanup(data_dir: str, discard_unstored: bool = False) -> CleanupPlan:
     prefix = object_prefix(namespace_for(data_dir))
     plan = CleanupPlan(os.path.realpath(data_dir), prefix)
     in_use = processes_mapping(prefix)
-    kept_rings = _plan_shared_memory(plan, in_use, discard_unstored)
-    _plan_semaphores(plan, in_use, kept_rings)
+    shared, semaphores = named_objects(prefix)
+    kept_rings = _plan_shared_memory(plan, shared, in_use, discard_unstored)
+    _plan_semaphores(plan, semaphores, in_use, kept_rings)
     _plan_memory_tier(plan, in_use)
     _plan_run_dir(plan, BrokerConfig(data_dir).run_dir)
     return plan
@@ -159,10 +160,10 @@ def _users(in_use: dict[str, set[int]], path: str) -> str:
     return f"in use by pid {', '.join(map(str, pids))}" if pids else ""
 
 
-def _plan_shared_memory(plan: CleanupPlan, in_use: dict[str, set[int]], discard_unstored: bool) -> set[str]:
+def _plan_shared_memory(plan: CleanupPlan, shared: list[str], in_use: dict[str, set[int]],
+                        discard_unstored: bool) -> set[str]:
     """Rings and other shared-memory objects; returns the names of the rings kept (their
     semaphores stay with them)."""
-    shared, _semaphores = named_objects(plan.prefix)
     kept: set[str] = set()
     for name in shared:
         path = object_path(name)
@@ -207,8 +208,8 @@ def _unstored(name: str, discard: bool) -> tuple[str, str]:
     return "", f"holds {items:,} item{'' if items == 1 else 's'} the broker never stored: discarded as asked (they are lost)"
 
 
-def _plan_semaphores(plan: CleanupPlan, in_use: dict[str, set[int]], kept_rings: set[str]) -> None:
-    _shared, semaphores = named_objects(plan.prefix)
+def _plan_semaphores(plan: CleanupPlan, semaphores: list[str], in_use: dict[str, set[int]],
+                     kept_rings: set[str]) -> None:
     for name in semaphores:
         path = semaphore_path(name)
         owner = name.rsplit(".", 1)[0]
@@ -308,8 +309,8 @@ def apply_cleanup(plan: CleanupPlan) -> list[Leftover]:
         elif found.name:
             gone = bool(unlink_quietly([found.name], []))
         elif found.kind == "memory tier":
-            shutil.rmtree(found.path)
-            gone = True
+            gone = os.path.isdir(found.path)
+            shutil.rmtree(found.path, onerror=_raise_unless_gone)
         else:
             try:
                 os.unlink(found.path)
@@ -319,3 +320,9 @@ def apply_cleanup(plan: CleanupPlan) -> list[Leftover]:
         if gone:
             removed.append(found)
     return removed
+
+
+def _raise_unless_gone(_function, _path: str, exc_info) -> None:
+    """rmtree's error handler: what is gone meanwhile is fine, anything else is raised."""
+    if not isinstance(exc_info[1], FileNotFoundError):
+        raise exc_info[1]

@@ -37,8 +37,12 @@ def cleanup(data: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def listing(data: str) -> dict:
-    """What a cleanup could change: the data directory's objects and its run/ files."""
-    return json.loads(cleanup(data, "--json").stdout)
+    """What a dry run lists, in the form of `cleanup --json` (made in this process: each
+    command costs a second or two on a loaded machine)."""
+    with held_run_lock(data):
+        plan = plan_cleanup(data)
+    return {"prefix": plan.prefix, "remove": [found.to_json() for found in plan.remove],
+            "keep": [found.to_json() for found in plan.keep]}
 
 
 def state(data: str) -> tuple[list[str], list[str]]:
@@ -111,10 +115,10 @@ def test_cleanup_after_every_stage_was_killed(tmp_path):
         kill_tree(produce)  # `produce` and its producer processes (each in its own group)
         unstored = unstored_items(data)
         before = state(data)
-        dry = cleanup(data)
-        assert dry.returncode == 0 and "dry run, nothing removed" in dry.stdout
+        dry = cleanup(data, "--json")
+        assert dry.returncode == 0 and json.loads(dry.stdout)["dry_run"] and "nothing removed" in cleanup(data).stdout
         assert state(data) == before  # a dry run changes nothing
-        plan = listing(data)
+        plan = json.loads(dry.stdout)
         removed = {os.path.basename(found["path"]) for found in plan["remove"]}
         kept = {os.path.basename(found["path"]) for found in plan["keep"]}
         prefix = plan["prefix"]
