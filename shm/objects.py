@@ -142,6 +142,67 @@ def named_objects(prefix: str) -> tuple[list[str], list[str]]:
     return sorted(shared), sorted(semaphores)
 
 
+def object_path(name: str) -> str:
+    """Where Linux keeps the shared-memory object NAME: /dev/shm/NAME (without the '/')."""
+    return os.path.join(DEV_SHM, name.lstrip("/"))
+
+
+def processes_mapping(prefix: str) -> dict[str, set[int]]:
+    """Which live processes map something in /dev/shm whose name starts with `prefix` (a
+    shared-memory object, a named semaphore, a file of a directory there), from
+    /proc/PID/maps: {path in /dev/shm: pids}. This process is left out, and so are processes
+    whose maps this user may not read (another user's: they cannot map our owner-only
+    objects). Linux only; no /proc: {}. What a cleanup must not remove: what a process uses.
+
+    Matched by device and inode, not by the path a map shows: sem_open creates a semaphore
+    under a temporary name, maps it, then links it to its real name, so its creator's map
+    shows the temporary name, deleted. NOTE: a process holding only a descriptor (no mmap)
+    is not seen; our code maps every object it opens and closes the descriptor."""
+    paths = _files_under(prefix)
+    if not paths:
+        return {}
+    device = os.stat(DEV_SHM).st_dev
+    wanted_dev = f"{os.major(device):02x}:{os.minor(device):02x}"
+    by_inode = {}
+    for path in paths:
+        try:
+            by_inode[os.lstat(path).st_ino] = path
+        except FileNotFoundError:  # removed meanwhile
+            continue
+    found: dict[str, set[int]] = {}
+    for pid in (int(entry) for entry in os.listdir("/proc") if entry.isdigit()):
+        if pid == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                lines = maps.read().splitlines()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        for line in lines:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[3] == wanted_dev and int(fields[4]) in by_inode:
+                found.setdefault(by_inode[int(fields[4])], set()).add(pid)
+    return found
+
+
+def _files_under(prefix: str) -> list[str]:
+    """Every file in /dev/shm named with `prefix` (a semaphore's sem.PREFIX too), and every
+    file inside such a directory."""
+    try:
+        entries = list(os.scandir(DEV_SHM))
+    except FileNotFoundError:
+        return []
+    paths = []
+    for entry in entries:
+        if not entry.name.startswith((prefix, _SEMAPHORE_FILE_PREFIX + prefix)):
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            paths.extend(os.path.join(root, name) for root, _dirs, files in os.walk(entry.path) for name in files)
+        else:
+            paths.append(entry.path)
+    return paths
+
+
 def _check_semaphore_file(name: str) -> os.stat_result:
     """The semaphore's file, if it is a regular file of ours that nobody else may open."""
     path = semaphore_path(name)

@@ -48,7 +48,14 @@ from shm.errors import (
     StaleObjectError,
 )
 from shm.layout import checked_dtype, field_offset, struct_for
-from shm.objects import Doorbell, attach_shared_memory, create_shared_memory, open_semaphore, unlink_quietly
+from shm.objects import (
+    Doorbell,
+    attach_shared_memory,
+    create_shared_memory,
+    object_path,
+    open_semaphore,
+    unlink_quietly,
+)
 
 RING_MAGIC = b"SHMRING1"
 # Bump when any field below moves or changes meaning; a ring of another version is reported.
@@ -426,6 +433,21 @@ def unreleased_records(name: str) -> list[bytes]:
         return _walk_records(name, memoryview(mapping)[HEADER_SIZE_BYTES:], capacity, read_pos, write_pos)
     finally:
         mapping.close()
+
+
+def unfinished_ring(name: str) -> bool:
+    """Whether the shared-memory object `name` is a ring its creator never finished making:
+    empty (it died before sizing it) or with its identity block all zeros (before writing
+    it; the identity is written last, `_create_mapping`). No writer ever had such a ring,
+    so it holds no record: what a cleanup may remove although `unreleased_records` cannot
+    read it. False for a ring, for anything else, and for what is gone."""
+    try:
+        with open(object_path(name), "rb") as file:
+            size = os.fstat(file.fileno()).st_size
+            identity = file.read(_IDENTITY.size)
+    except FileNotFoundError:
+        return False
+    return size == 0 or (size >= HEADER_SIZE_BYTES and identity == bytes(_IDENTITY.size))
 
 
 def _walk_records(name: str, data: memoryview, capacity: int, pos: int, end_pos: int) -> list[bytes]:

@@ -1,5 +1,7 @@
-"""`pipeline tools ...`: read-only commands over the store (dump, tombstones, verify), and
-`analyze`, a workload's figures without running it.
+"""`pipeline tools ...`: read-only commands over the store (dump, tombstones, verify),
+`check` (every submitted item against what runs left), `analyze`, a workload's figures
+without running it, and `cleanup`, which removes what a crashed run of a data directory
+left (dry run unless --yes).
 
 Every StorageError (a file that is not a segment, a directory or file that cannot be read)
 is one line on stderr and exit status 1, never a traceback.
@@ -31,7 +33,8 @@ def _one_line_errors(command: Callable) -> Callable:
 
 @click.group("tools")
 def tools() -> None:
-    """Inspect and verify the disk tier's segment files (read-only); analyze a workload."""
+    """Inspect and verify the disk tier's segment files (read-only); analyze a workload;
+    clean up after a crashed run."""
 
 
 @tools.command("dump-segment")
@@ -178,6 +181,40 @@ def _print_analysis(result: dict) -> None:
     for run in result["reuse"]:
         size = "unbounded" if run["cache_tokens"] is None else f"{run['cache_tokens']:,}"
         click.echo(f"{run['order']:<14} {size:>13} {run['caches']:>6} {run['hit_tokens']:>13,} {run['reuse']:>7.1%}")
+
+
+@tools.command("cleanup")
+@click.argument("data_dir", type=click.Path(file_okay=False, readable=False))
+@click.option("--yes", is_flag=True, help="Remove what is listed (without it: a dry run, nothing removed).")
+@click.option("--discard-unstored", is_flag=True,
+              help="Also remove producer rings holding items the broker never stored (they are lost).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def cleanup_command(data_dir: str, yes: bool, discard_unstored: bool, as_json: bool) -> None:
+    """What a crashed run of DATA_DIR left: its rings, semaphores and memory tier in
+    /dev/shm, stale pid files and a socket nobody listens on; listed, and removed with
+    --yes. Nothing of a live run (refused while a broker holds the data directory's lock,
+    and whatever a live process still maps), of another data directory or of another user
+    is touched, nor a ring holding items never stored (unless --discard-unstored)."""
+    from pipeline.runtime.cleanup import apply_cleanup, held_run_lock, plan_cleanup
+
+    with held_run_lock(data_dir):
+        plan = plan_cleanup(data_dir, discard_unstored)
+        removed = apply_cleanup(plan) if yes else []
+    if as_json:
+        click.echo(json.dumps({"data_dir": plan.data_dir, "prefix": plan.prefix, "dry_run": not yes,
+                               "remove": [found.to_json() for found in plan.remove],
+                               "keep": [found.to_json() for found in plan.keep],
+                               "removed": [found.to_json() for found in removed]}, indent=2))
+        return
+    verb = "removed" if yes else "would remove"
+    click.echo(f"cleanup of {plan.data_dir} (objects named {plan.prefix}*): "
+               + ("removing what a stopped run left" if yes else "dry run, nothing removed; --yes removes what is listed"))
+    for found in removed if yes else plan.remove:
+        click.echo(f"{verb}: {found.kind} {found.path}: {found.why}")
+    for found in plan.keep:
+        click.echo(f"kept: {found.kind} {found.path}: {found.why}")
+    done = len(removed) if yes else len(plan.remove)
+    click.echo(f"{verb} {done}, kept {len(plan.keep)}" if done or plan.keep else "nothing left behind: nothing to clean")
 
 
 @tools.command("check")

@@ -87,6 +87,20 @@ def _read(path: str) -> tuple[int | None, float | None]:
 def running_stage(path: str) -> psutil.Process | None:
     """The live stage process a pid file names, or None (the file is then removed): the pid
     must be alive and be a `pipeline` process, not another program that reused the pid."""
+    process = stage_process(path)
+    if process is not None or read_pid(path) is None:
+        return process
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    return None
+
+
+def stage_process(path: str) -> psutil.Process | None:
+    """The live `pipeline` process a pid file names (same pid and start time, not a zombie),
+    or None; changes nothing (`pipeline tools cleanup` lists a stale pid file before it
+    removes it)."""
     pid, started = _read(path)
     if pid is None:
         return None
@@ -96,10 +110,6 @@ def running_stage(path: str) -> psutil.Process | None:
         if same and process.status() != psutil.STATUS_ZOMBIE and _is_pipeline(process):
             return process
     except psutil.Error:
-        pass
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
         pass
     return None
 

@@ -38,8 +38,9 @@ raises one of these, with the offending value, path and byte offset in the messa
     ├── UntrustedPeerError                   the control socket, or the process behind it,
     │                                        belongs to another user; nothing was sent
     ├── DataDirError                         a data directory (or one of its directories)
-    │                                        owned by another user or writable by group or
-    │                                        others: refused, with how to fix it
+    │   │                                    owned by another user or writable by group or
+    │   │                                    others: refused, with how to fix it
+    │   └── LiveRunError                     a broker runs on it: `tools cleanup` refuses
     ├── ProducerRefusedError                 the broker refused a producer (its reason named);
     │                                        what it published and was not stored is named
     ├── FrameError                           a ring record is not a valid submission frame
@@ -203,6 +204,12 @@ class DataDirError(PipelineError):
 class JobMismatchError(DataDirError):
     """A batch job's data directory holds another job (another input file, by content, or
     another served model): resuming there would mix two jobs' answers."""
+
+
+class LiveRunError(DataDirError):
+    """A broker runs on the data directory (it holds run/broker.lock): `pipeline tools
+    cleanup` touches nothing of a live run. The message names the data directory, the pid
+    and how to stop it."""
 
 
 class ProducerRefusedError(PipelineError):
@@ -372,6 +379,7 @@ __all__ = [
     "GenerationParamsError",
     "ItemTooLongError",
     "JobMismatchError",
+    "LiveRunError",
     "ModelDirError",
     "ModelIdError",
     "NoChatTemplateError",

@@ -2,22 +2,16 @@
 (or a server process) of another user, the broker refuses connections of another user, and
 a semaphore another user created under our name is refused, never used (SPEC §7, §12).
 
-The hostile side runs as a throwaway user made for the test (useradd; userdel afterwards),
-with the system's Python (the test's virtual environment may not be readable by others),
-under setpriv, which execs in place: the process the test kills is the hostile one itself
-(runuser forks, and killing it would leave its child running, and the user undeletable).
-Skipped, with the reason, where that user cannot be made.
+The hostile side runs as a throwaway user made for the test (`tests/users.py`); skipped,
+with the reason, where that user cannot be made.
 """
 
 from __future__ import annotations
 
 import os
-import pwd
 import shutil
 import subprocess
 import tempfile
-import uuid
-from dataclasses import dataclass
 
 import pytest
 
@@ -29,9 +23,7 @@ from pipeline.wire.protocol import Connection
 from shm.errors import StaleObjectError
 from shm.objects import Doorbell, open_semaphore, semaphore_path, unlink_quietly
 from tests.pipeline.harness import status, stop
-
-# An interpreter every user can run (the test's own may live under root's home).
-SYSTEM_PYTHON = "/usr/bin/python3"
+from tests.users import other_user as make_other_user
 
 SERVE_SOCKET = """
 import socket, sys
@@ -78,43 +70,10 @@ if not libc.sem_open(sys.argv[1].encode(), os.O_CREAT | os.O_EXCL, 0o600, 0):
 """
 
 
-@dataclass
-class OtherUser:
-    name: str
-    uid: int
-    gid: int
-
-    def command(self, code: str, *args: str) -> list[str]:
-        return ["setpriv", f"--reuid={self.uid}", f"--regid={self.gid}", "--clear-groups", "--",
-                SYSTEM_PYTHON, "-c", code, *args]
-
-    def run(self, code: str, *args: str) -> str:
-        done = subprocess.run(self.command(code, *args), capture_output=True, text=True, timeout=30)
-        assert done.returncode == 0, done.stderr
-        return done.stdout
-
-
 @pytest.fixture
 def other_user():
-    if os.geteuid() != 0:
-        pytest.skip("needs root to create a second local user (useradd)")
-    if not (shutil.which("useradd") and shutil.which("setpriv") and os.access(SYSTEM_PYTHON, os.X_OK)):
-        pytest.skip(f"needs useradd, setpriv and {SYSTEM_PYTHON}")
-    name = f"sbrk{uuid.uuid4().hex[:8]}"
-    made = subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", "--user-group", name],
-                          capture_output=True, text=True)
-    if made.returncode != 0:
-        pytest.skip(f"useradd refused: {made.stderr.strip()}")
-    try:
-        entry = pwd.getpwnam(name)
-        user = OtherUser(name, entry.pw_uid, entry.pw_gid)
-        probe = subprocess.run(user.command("print('ok')"), capture_output=True, text=True, timeout=30)
-        if probe.stdout.strip() != "ok":
-            pytest.skip(f"cannot run {SYSTEM_PYTHON} as {name}: {probe.stderr.strip()}")
+    with make_other_user() as user:
         yield user
-    finally:
-        removed = subprocess.run(["userdel", name], capture_output=True, text=True)
-        assert removed.returncode == 0, f"userdel {name}: {removed.stderr.strip()}"
 
 
 @pytest.fixture

@@ -1,7 +1,8 @@
 """Named POSIX objects: per-run names, name checks, doorbell wake-ups across processes, the
 owner and mode checks before an existing semaphore is opened (another user's, or one
 others may use, is refused; test_control_users.py plants one as a second user), and the one
-listing of what exists under a prefix."""
+listing of what exists under a prefix, and which processes map what (what a cleanup must
+leave)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ from shm.objects import (
     create_shared_memory,
     named_objects,
     object_name,
+    object_path,
     open_semaphore,
+    processes_mapping,
     semaphore_path,
     unlink_quietly,
 )
@@ -96,3 +99,31 @@ def test_named_objects_lists_shared_memory_and_semaphores_under_a_prefix(shm_nam
         mapping.close()
         sem.close()
         unlink_quietly([ring], [bell])
+
+
+def _map_and_wait(name: str, bell: str, mapped, release) -> None:
+    memory, _inode = create_shared_memory(name, 4096)
+    sem = open_semaphore(bell, create=True)
+    mapped.set()
+    release.wait(30)
+    memory.close()
+    sem.close()
+
+
+def test_processes_mapping_names_the_live_processes_that_map_an_object(shm_name, ctx):
+    name, bell, mine = shm_name("ring"), shm_name("bell"), shm_name("mine")
+    mapped, release = ctx.Event(), ctx.Event()
+    child = ctx.Process(target=_map_and_wait, args=(name, bell, mapped, release))
+    child.start()
+    try:
+        assert mapped.wait(30)
+        found = processes_mapping(shm_name.tag)
+        assert found == {object_path(name): {child.pid}, semaphore_path(bell): {child.pid}}
+        memory, _inode = create_shared_memory(mine, 4096)  # this process: left out
+        assert set(processes_mapping(shm_name.tag)) == set(found)
+        memory.close()
+    finally:
+        release.set()
+        child.join(30)
+    assert processes_mapping(shm_name.tag) == {}  # it unmapped and exited: nobody uses them
+    unlink_quietly([name, mine], [bell])

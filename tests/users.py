@@ -1,0 +1,68 @@
+"""A second local user for the tests that need one (SPEC §7, §12): made with useradd for one
+test, removed with userdel after it. Skipped, with the reason, where it cannot be made (not
+root, no useradd or setpriv, no system Python).
+
+The hostile side runs as that user with the system's Python (the test's virtual environment
+may not be readable by others), under setpriv, which execs in place: the process a test
+kills is the hostile one itself (runuser forks, and killing it would leave its child
+running, and the user undeletable).
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import subprocess
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import pytest
+
+# An interpreter every user can run (the test's own may live under root's home).
+SYSTEM_PYTHON = "/usr/bin/python3"
+# A hang guard for one hostile snippet (each takes well under a second).
+SNIPPET_TIMEOUT_S = 30
+
+
+@dataclass
+class OtherUser:
+    name: str
+    uid: int
+    gid: int
+
+    def command(self, code: str, *args: str) -> list[str]:
+        return ["setpriv", f"--reuid={self.uid}", f"--regid={self.gid}", "--clear-groups", "--",
+                SYSTEM_PYTHON, "-c", code, *args]
+
+    def run(self, code: str, *args: str) -> str:
+        done = subprocess.run(self.command(code, *args), capture_output=True, text=True, timeout=SNIPPET_TIMEOUT_S)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+
+@contextmanager
+def other_user() -> Iterator[OtherUser]:
+    """A throwaway local user for the block (pytest.skip where none can be made)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to create a second local user (useradd)")
+    if not (shutil.which("useradd") and shutil.which("setpriv") and os.access(SYSTEM_PYTHON, os.X_OK)):
+        pytest.skip(f"needs useradd, setpriv and {SYSTEM_PYTHON}")
+    name = f"sbrk{uuid.uuid4().hex[:8]}"
+    made = subprocess.run(["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", "--user-group", name],
+                          capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"useradd refused: {made.stderr.strip()}")
+    try:
+        entry = pwd.getpwnam(name)
+        user = OtherUser(name, entry.pw_uid, entry.pw_gid)
+        probe = subprocess.run(user.command("print('ok')"), capture_output=True, text=True,
+                               timeout=SNIPPET_TIMEOUT_S)
+        if probe.stdout.strip() != "ok":
+            pytest.skip(f"cannot run {SYSTEM_PYTHON} as {name}: {probe.stderr.strip()}")
+        yield user
+    finally:
+        removed = subprocess.run(["userdel", name], capture_output=True, text=True)
+        assert removed.returncode == 0, f"userdel {name}: {removed.stderr.strip()}"
