@@ -258,6 +258,9 @@ class Dispatcher:
             for model, chain in decode_chains(frame.chain_section, f"producer {frame.producer_id}'s frame"):
                 if model < self._max_models:
                     self._selector.declare(model, chain)
+                    # Durable at this turn's flush, before the items are acknowledged: a
+                    # restart declares it again for the shapes it recovers (`recover`).
+                    self._storage.record_chain(model, chain)
         stored = self._storage.already_stored(ProducerId(frame.producer_id), items["seq"])
         rows = np.flatnonzero(~stored)
         duplicates = len(items) - rows.size
@@ -331,11 +334,15 @@ class Dispatcher:
         self._storage.flush()
 
     def recover(self, now_s: float) -> int:
-        """Once, before anything else, on a reopened disk tier: rebuild every lane the tier
-        found live entries for, under its old lane id (segment files are named by it), with
-        its items in dispatch order, and tell the selector. Returns the items recovered.
+        """Once, before anything else, on a reopened disk tier: declare the recovered shapes'
+        chains (the tier's lineage file), then rebuild every lane the tier found live
+        entries for, under its old lane id (segment files are named by it), with its items
+        in dispatch order, and tell the selector. Returns the items recovered.
         Items recovered are counted apart from items received (`items_recovered`)."""
         assert not self._shapes and not self._c.items_received, "recover() comes first"
+        for model, chain in self._storage.take_recovered_chains():  # before the lanes: placed once
+            if model < self._max_models:
+                self._selector.declare(model, chain)
         recovered = 0
         for found in sorted(self._storage.take_recovered_lanes(), key=lambda r: tuple(r.lane)):
             if found.lane.lane >= self._lane_config.max_lanes:  # a file name's lane id, from outside

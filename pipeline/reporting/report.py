@@ -349,7 +349,8 @@ def _unknown_damage(report: dict) -> str:
     damage = report.get("store_damage", {})
     parts = [f"{damage[key]:,} {what}" for key, what in (
         ("segments_missing_count_unknown", "missing segments of unknown size"),
-        ("strays", "stray files"), ("catalog_problems", "catalog problems")) if damage.get(key)]
+        ("strays", "stray files"), ("catalog_problems", "catalog problems"),
+        ("lineage_problems", "damaged lineage records (shape order lost)")) if damage.get(key)]
     return f", and {', '.join(parts)}" if parts else ""
 
 

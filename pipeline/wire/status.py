@@ -55,6 +55,7 @@ DAMAGE_KEYS = (
     "segments_quarantined",  # moved to quarantine/ by this recovery
     "strays",  # files or directories under segments/ that do not parse
     "catalog_problems",  # damaged catalog records, or no catalog although segments exist
+    "lineage_problems",  # damaged lineage records (shapes.lineage): chains lost, no item
     "torn_tails",  # not a failure: leftovers of writes that were never acknowledged
     "entries_in_torn_tails",  # not a failure: entry headers readable in those leftovers
     "state_words_repaired",  # not a failure: entries delivered (again) as live
