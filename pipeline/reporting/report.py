@@ -421,12 +421,12 @@ def _efficiency_rows(report: dict) -> list[tuple[str, str]]:
         ("cacheable tokens", format_count(report["cacheable_tokens"])),
         ("cache hit tokens", format_count(report["cache_hit_tokens"])),
         ("compulsory miss tokens", format_count(report["compulsory_miss_tokens"])),
-        ("compulsory misses, per consumer (broker's count)",
-         format_count(report["compulsory_prefix_tokens_per_consumer"])),
-        ("compulsory misses, whole model (broker's count)", format_count(report["compulsory_prefix_tokens_model"])
+        # The broker's counts (firstrefs.py), in tokens: the row above is the engines', in blocks.
+        ("compulsory misses, consumers (broker)", format_count(report["compulsory_prefix_tokens_per_consumer"])),
+        ("compulsory misses, whole model", format_count(report["compulsory_prefix_tokens_model"])
          + (f" (lower bound: {report['compulsory_uncounted_starts']:,} shape starts uncounted)"
             if report["compulsory_uncounted_starts"] else "")),
-        ("split cost (per consumer less whole model)", format_count(report["split_cost_tokens"])),
+        ("split cost (consumers less model)", format_count(report["split_cost_tokens"])),
         ("cache hit rate", format_percent(report["cache_hit_rate"])),
         ("prefix reuse (hits / prompt tokens)", format_percent(report["prefix_reuse"])),
         ("shape switches", f"{report['shape_switches']:,}" + (f" ({reasons})" if reasons else "")),

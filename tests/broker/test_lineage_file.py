@@ -215,3 +215,25 @@ def test_a_chain_at_the_deepest_level_comes_back_whole(tmp_path):
         tier.close()
     reading = read_lineage(lineage_path(str(tmp_path)))
     assert reading.chain(ShapeKey(0, deep[-1])) == deep
+
+
+def test_a_disk_too_full_to_rewrite_the_file_keeps_the_old_one_or_runs_without(tmp_path, monkeypatch):
+    ingest_all(str(tmp_path))
+
+    def full(*_args):
+        raise chains_module.DiskFullError("disk full (test)")
+
+    monkeypatch.setattr(chains_module, "_allocate", full)
+    tier = DiskTier.open(str(tmp_path))  # the old file is used as it is: its chains come back
+    try:
+        assert tier.recovery.lineage_chains == 2 and any("kept as it is" in n for n in tier.recovery.lineage_notes)
+    finally:
+        tier.close()
+    os.unlink(lineage_path(str(tmp_path)))
+    tier = DiskTier.open(str(tmp_path))  # no file and no room for one: the broker still starts
+    try:
+        tier.record_chain(0, (0x70, 0x71))
+        tier.flush()
+        assert tier.chains_unrecorded == 1 and not os.path.exists(lineage_path(str(tmp_path)))
+    finally:
+        tier.close()

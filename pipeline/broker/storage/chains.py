@@ -184,17 +184,19 @@ class RecoveredLineage:
 class LineageLog:
     """The lineage file open for appending (see the module docstring)."""
 
-    def __init__(self, path: str, fd: int, durable: bool, used: int, known: set[_Node]) -> None:
-        """Use `LineageLog.recover`."""
+    def __init__(self, path: str, fd: int, durable: bool, used: int, known: set[_Node],
+                 max_records: int | None = None) -> None:
+        """Use `LineageLog.recover`. fd -1 with max_records 0: no file (a disk too full to
+        write one at start): every chain is counted unrecorded."""
         self.path = path
         self.durable = durable  # `power`: fdatasync at the group commit
         self._fd = fd
         self.used = used  # record slots after the header written so far
-        self.allocated = os.fstat(fd).st_size // LINEAGE_RECORD_SIZE_BYTES - 1
+        self.allocated = os.fstat(fd).st_size // LINEAGE_RECORD_SIZE_BYTES - 1 if fd >= 0 else 0
         self._known = known  # nodes the file holds: a chain declared again writes nothing
         self._dirty = False
         self.unrecorded = 0  # chains with new levels past MAX_LINEAGE_RECORDS, not recorded
-        self.max_records = MAX_LINEAGE_RECORDS
+        self.max_records = MAX_LINEAGE_RECORDS if max_records is None else max_records
 
     @classmethod
     def recover(cls, data_dir: str, live: Iterable[ShapeKey], durable: bool) -> tuple[LineageLog, RecoveredLineage]:
@@ -219,8 +221,9 @@ class LineageLog:
         try:
             return cls._write_fresh(path, nodes, durable), found
         except DiskFullError as exc:
-            if reading is None or reading.header_problem:
-                raise
+            if reading is None or reading.header_problem:  # nothing usable to append to
+                found.notes.append(f"{exc}: no chain is kept while this broker runs (counted as unrecorded)")
+                return cls(path, -1, durable, 0, set(), max_records=0), found
             found.notes.append(f"{exc}: the lineage file is kept as it is")
         fd = os.open(path, os.O_RDWR, 0o600)
         return cls(path, fd, durable, reading.used, set(reading.nodes)), found
