@@ -58,20 +58,21 @@ SAMPLE_WIRE = json.loads("""
    "c0": {"id": 1, "pid": 6273, "credit": 2, "batches_held": 0, "model": 0, "max_batch_items": 64,
           "max_batch_tokens": 65536, "max_input_len": 8192}},
  "per_consumer": {
-   "c1": {"connected": true, "batches": 463, "switches": {"initial": 1, "drained": 9}, "shapes_served": 10, "split_prefix_tokens": 0, "items_ok": 1928, "items_too_long": 0, "items_corrupt": 0, "items_error": 0,
+   "c1": {"connected": true, "batches": 463, "switches": {"initial": 1, "drained": 9}, "shapes_served": 10, "split_prefix_tokens": 0, "compulsory_prefix_tokens": 2320, "items_ok": 1928, "items_too_long": 0, "items_corrupt": 0, "items_error": 0,
           "prompt_tokens": 753713, "padded_tokens": 770784, "cacheable_tokens": 220816,
           "cache_hit_tokens": 218496, "cacheable_hit_tokens": 218496, "output_tokens": 7712,
           "compulsory_miss_tokens": 2320, "engine_prefix_cache_queries": 0,
           "engine_prefix_cache_hits": 0, "engine_checked_prompt_tokens": 0, "engine_checked_cache_hit_tokens": 0,
           "busy_ns": 1500000000},
-   "c0": {"connected": true, "batches": 461, "switches": {"drained": 10}, "shapes_served": 10, "split_prefix_tokens": 0, "items_ok": 2072, "items_too_long": 0, "items_corrupt": 0, "items_error": 0,
+   "c0": {"connected": true, "batches": 461, "switches": {"drained": 10}, "shapes_served": 10, "split_prefix_tokens": 0, "compulsory_prefix_tokens": 2320, "items_ok": 2072, "items_too_long": 0, "items_corrupt": 0, "items_error": 0,
           "prompt_tokens": 826855, "padded_tokens": 844672, "cacheable_tokens": 240416,
           "cache_hit_tokens": 238096, "cacheable_hit_tokens": 238096, "output_tokens": 8288,
           "compulsory_miss_tokens": 2320, "engine_prefix_cache_queries": 0,
           "engine_prefix_cache_hits": 0, "engine_checked_prompt_tokens": 0, "engine_checked_cache_hit_tokens": 0,
           "busy_ns": 1250000000}},
  "uptime_s": 0.63, "pid": 6270, "generation": 1, "producers": {}, "consumers_lost": 0, "disk_full": false,
- "store_damage": {}, "peers_refused": 0, "peers_shed": 0, "stalls": 0, "stalled_s": 0.0}
+ "store_damage": {}, "peers_refused": 0, "peers_shed": 0, "stalls": 0, "stalled_s": 0.0,
+ "compulsory_prefix_tokens": 4000, "compulsory_uncounted_starts": 0, "lineage_chains_unrecorded": 0}
 """)
 
 

@@ -359,3 +359,23 @@ def test_each_consumers_shape_switches_and_shapes_served_are_shown(tmp_path):
     out = io.StringIO()
     render_report(report, Console(file=out, width=200))
     assert "shapes served" in out.getvalue()
+
+
+def test_compulsory_misses_of_the_whole_model_and_the_split_cost_are_shown(tmp_path):
+    status = copy.deepcopy(SAMPLE_WIRE)
+    status["per_consumer"]["c0"]["compulsory_prefix_tokens"] = 900
+    status["per_consumer"]["c1"]["compulsory_prefix_tokens"] = 700
+    status["compulsory_prefix_tokens"] = 1000  # one cache for the model: 600 of the consumers' paid twice
+    report = report_of(status_of(status), sample_results(tmp_path), wall_s=1.0)
+    assert report["per_consumer"]["c0"]["compulsory_prefix_tokens"] == 900
+    assert (report["compulsory_prefix_tokens_per_consumer"], report["compulsory_prefix_tokens_model"],
+            report["split_cost_tokens"]) == (1600, 1000, 600)
+    assert status_of(status).split_cost_tokens == 600
+    out = io.StringIO()
+    render_report(report, Console(file=out, width=200))
+    text = out.getvalue()
+    assert "compulsory misses, whole model" in text and "split cost" in text and "lower bound" not in text
+    status["compulsory_uncounted_starts"] = 3
+    out = io.StringIO()
+    render_report(report_of(status_of(status), sample_results(tmp_path), wall_s=1.0), Console(file=out, width=200))
+    assert "lower bound: 3 shape starts uncounted" in out.getvalue()

@@ -31,6 +31,8 @@ V1_KEYS = {
     "switches", "batches_routed", "padded_tokens_routed", "batch_fill_sum", "top_shapes", "consumers",
     "per_consumer", "uptime_s", "pid", "generation", "producers", "consumers_lost", "disk_full", "store_damage",
     "peers_refused", "peers_shed", "stalls", "stalled_s",
+    # STATUS_VERSION 5: compulsory misses against one cache for the model, the lineage file's limit
+    "compulsory_prefix_tokens", "compulsory_uncounted_starts", "lineage_chains_unrecorded",
 }
 LANE_KEYS = {"opened", "reused", "force_fits", "raises", "quiesced", "released", "revived", "restored", "max_in_use"}
 CONSUMER_KEYS = {"id", "pid", "credit", "batches_held", "model", "max_batch_items", "max_batch_tokens",
@@ -78,7 +80,8 @@ def test_the_wire_form_keeps_the_keys_brokers_sent_plus_tokens_returned():
     assert set(wire) == V1_KEYS
     assert set(wire["lanes"]) == LANE_KEYS
     assert set(wire["consumers"]["c0"]) == CONSUMER_KEYS and wire["consumers"]["c0"]["id"] == 1
-    assert set(wire["per_consumer"]["c0"]) == {"connected", "batches", "switches", "shapes_served", "split_prefix_tokens"} | WORK_KEYS  # the work inline
+    assert set(wire["per_consumer"]["c0"]) == {"connected", "batches", "switches", "shapes_served", "split_prefix_tokens",
+                                              "compulsory_prefix_tokens"} | WORK_KEYS  # the work inline
     assert wire["top_shapes"][1] == {"model": -1, "signature": "other", "lanes": 190, "queued_items": 0,
                                      "queued_tokens": 0, "pending_items": 0}
     assert wire["producers"] == {"3": {"frames": 5, "items": 50}}

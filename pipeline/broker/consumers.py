@@ -104,6 +104,8 @@ class ConsumerSide:
         self.routed.add(batch, consumer.contract)
         if batch.switch is not None:
             self._count_switch(consumer.totals, batch)
+            consumer.totals.compulsory_prefix_tokens += self._dispatcher.first_refs.start(
+                consumer.name, batch.lane.shape, int(batch.entries.prefix_lens[0]))
         consumer.batches[batch.batch_id] = batch
         consumer.credit -= 1
         return True

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
+from pipeline.broker.firstrefs import FirstReferences
 from pipeline.broker.ids import BatchId, ConsumerId, EntryRef, LaneId, LaneKey, ShapeKey
 from pipeline.broker.lanes import MAX_LENGTH_TOKENS, LaneConfig, LaneCounters, ShapeLanes
 from pipeline.broker.packing import Contract, batch_items_limit, pack
@@ -208,6 +209,9 @@ class Dispatcher:
         self._waiting: _Frame | None = None  # a frame a full disk holds part of
         self._held: dict[LaneKey, int] = {}  # its items per lane, not to be dispatched yet
         self._c = DispatchCounters()
+        # Compulsory prefix tokens per consumer and for the whole model: the consumer side
+        # calls `first_refs.start` when a consumer starts a shape.
+        self.first_refs = FirstReferences()
 
     @property
     def storage(self) -> StorageTier:
@@ -258,6 +262,10 @@ class Dispatcher:
             for model, chain in decode_chains(frame.chain_section, f"producer {frame.producer_id}'s frame"):
                 if model < self._max_models:
                     self._selector.declare(model, chain)
+                    self.first_refs.declare(model, chain)
+                    # Durable at this turn's flush, before the items are acknowledged: a
+                    # restart declares it again for the shapes it recovers (`recover`).
+                    self._storage.record_chain(model, chain)
         stored = self._storage.already_stored(ProducerId(frame.producer_id), items["seq"])
         rows = np.flatnonzero(~stored)
         duplicates = len(items) - rows.size
@@ -266,6 +274,7 @@ class Dispatcher:
         shapes = self._group_by_shape(items, rows)
         for shape, shape_rows in shapes:
             groups += self._assign_shape(shape, frame, shape_rows, now_s)
+            self.first_refs.learn(shape, int(items["prefix_len"][shape_rows[0]]))
         tokens = sum(group_tokens for _group, group_tokens in groups)
         report = IngestReport(items=int(rows.size), tokens=tokens, duplicates=duplicates)
         return self._store(_Frame(frame, groups, shapes, report))
@@ -331,11 +340,16 @@ class Dispatcher:
         self._storage.flush()
 
     def recover(self, now_s: float) -> int:
-        """Once, before anything else, on a reopened disk tier: rebuild every lane the tier
-        found live entries for, under its old lane id (segment files are named by it), with
-        its items in dispatch order, and tell the selector. Returns the items recovered.
+        """Once, before anything else, on a reopened disk tier: declare the recovered shapes'
+        chains (the tier's lineage file), then rebuild every lane the tier found live
+        entries for, under its old lane id (segment files are named by it), with its items
+        in dispatch order, and tell the selector. Returns the items recovered.
         Items recovered are counted apart from items received (`items_recovered`)."""
         assert not self._shapes and not self._c.items_received, "recover() comes first"
+        for model, chain in self._storage.take_recovered_chains():  # before the lanes: placed once
+            if model < self._max_models:
+                self._selector.declare(model, chain)
+                self.first_refs.declare(model, chain)
         recovered = 0
         for found in sorted(self._storage.take_recovered_lanes(), key=lambda r: tuple(r.lane)):
             if found.lane.lane >= self._lane_config.max_lanes:  # a file name's lane id, from outside
@@ -552,6 +566,7 @@ class Dispatcher:
         storage = self._storage
         storage.check_invariants()
         self._selector.check_invariants()
+        self.first_refs.check_invariants()
         waiting = self._waiting
         unstored = {} if waiting is None else waiting.unstored_by_lane()
         held_tokens = {} if waiting is None else waiting.unannounced_tokens_by_shape()

@@ -210,6 +210,8 @@ class ConsumerTotals:
     # Prefix tokens of the shapes it started after another consumer had started them: what
     # splitting shapes across consumers cost it at most (its cache computes that prefix again).
     split_prefix_tokens: int = 0
+    # Prefix tokens first referenced by its cache (`firstrefs.FirstReferences`).
+    compulsory_prefix_tokens: int = 0
 
     def add(self, work: ConsumerWork) -> None:
         """One completion's work (`ConsumerWork.from_results` of its message)."""

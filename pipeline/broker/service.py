@@ -268,7 +268,8 @@ class Broker:
                                                  max_input_len=c.contract.max_input_len) for c in connected.values()},
             per_consumer={name: ConsumerTotalsRow(connected=name in connected, batches=totals.batches, work=totals.work,
                                                   switches=dict(totals.switches), shapes_served=len(totals.shapes),
-                                                  split_prefix_tokens=totals.split_prefix_tokens)
+                                                  split_prefix_tokens=totals.split_prefix_tokens,
+                                                  compulsory_prefix_tokens=totals.compulsory_prefix_tokens)
                           for name, totals in self.consumer_side.totals_by_name.items()},
             uptime_s=time.monotonic() - self.started_s,
             pid=os.getpid(),
@@ -278,6 +279,9 @@ class Broker:
             consumers_lost=self.consumer_side.consumers_lost,
             disk_full=self.producer_side.disk_full_since_s is not None,
             store_damage=store_damage(self.storage),
+            compulsory_prefix_tokens=self.dispatcher.first_refs.model_total,
+            compulsory_uncounted_starts=self.dispatcher.first_refs.overflows,
+            lineage_chains_unrecorded=self.storage.chains_unrecorded,
             peers_refused=self.control.peers_refused,
             peers_shed=self.control.peers_shed,
             stalls=self.stalls,

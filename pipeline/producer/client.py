@@ -103,7 +103,10 @@ class BrokerProducer(Producer):
                 if self._closing.is_set():  # close() ran meanwhile: do not stay registered
                     conn.close()
                     return
-                self.forget_declared_shapes()  # a broker that restarted knows no chain of ours
+                # A broker that restarted knows the chains of the shapes it recovered items of
+                # (DATA_DIR/shapes.lineage), not those it had retired or could not keep: declare
+                # again (a chain it knows writes nothing and moves nothing).
+                self.forget_declared_shapes()
                 old, self.conn = self.conn, conn
             old.close()
             return

@@ -105,6 +105,8 @@ def status_metrics(status: BrokerStatus) -> Iterator[Metric]:
     # No sample before the first batch: a mean of nothing is no number, and 0 would read as empty batches.
     yield _gauge("batch_fill_mean_ratio", "Mean share of its consumer's contract a routed batch fills",
                  status.mean_batch_fill)
+    yield _gauge("split_cost_prefix_tokens", "Compulsory prefix tokens the consumers' caches paid beyond one "
+                 "cache for the whole model: what splitting shapes across consumers cost", status.split_cost_tokens)
     yield from _shapes(status.top_shapes)
     yield from _consumers(status.per_consumer)
 

@@ -87,6 +87,19 @@ started after another consumer had started it, what splitting shapes across cons
 at most, on top of the compulsory misses one cache for the whole model would have paid;
 `split_prefix_tokens` at the top is their sum.
 
+Compulsory misses against one cache for the whole model (issue 15): the broker counts, from
+the shapes' prefix lengths and chains (`pipeline/broker/firstrefs.py`, content-blind, in
+tokens), the prefix tokens first referenced by each consumer's cache
+(per_consumer[name]["compulsory_prefix_tokens"], summed at the top as
+`compulsory_prefix_tokens_per_consumer`) and by one cache for every consumer of the model
+(`compulsory_prefix_tokens_model`: what no split avoids). `split_cost_tokens` = the first
+less the second: the prefix tokens computed again because shapes (or shapes sharing a
+prefix) ran on more than one consumer; 0 when each prefix ran on one consumer. They are
+exact when every shared chain level is some shape's own prefix, and count a shared prefix
+once per shape below it otherwise, in both alike; `compulsory_uncounted_starts` > 0 makes
+them lower bounds (the count's memory limit). `compulsory_miss_tokens` stays the engines'
+own count, per consumer, in whole blocks.
+
 per_consumer[name] merges the broker's per-consumer totals (engine counters summed over the
 consumer's completions, kept by name across reconnects) with the lines of its results file.
 A consumer killed after writing results but before its completion reached the broker has
@@ -154,6 +167,7 @@ def consumer_figures(broker: ConsumerTotalsRow, results: dict, makespan_s: float
         "shape_switches_by_reason": dict(broker.switches),
         "shapes_served": broker.shapes_served,
         "split_prefix_tokens": broker.split_prefix_tokens,
+        "compulsory_prefix_tokens": broker.compulsory_prefix_tokens,
         **{key: getattr(work, key) for key in ENGINE_CHECK_KEYS},
         "engine_counters_agree": None if not any(getattr(work, key) for key in ENGINE_CHECK_KEYS)
         else not work.engine_disagrees,
@@ -226,6 +240,10 @@ def build_report(status: BrokerStatus | None, results: ResultsSummary, wall_s: f
         "per_consumer": per_consumer,
         "engine_counters_agree": _engines_agree(per_consumer),
         "split_prefix_tokens": total("split_prefix_tokens"),
+        "compulsory_prefix_tokens_per_consumer": total("compulsory_prefix_tokens"),
+        "compulsory_prefix_tokens_model": broker.compulsory_prefix_tokens,
+        "split_cost_tokens": total("compulsory_prefix_tokens") - broker.compulsory_prefix_tokens,
+        "compulsory_uncounted_starts": broker.compulsory_uncounted_starts,
         "wall_s": wall_s,
         "items_per_s": ratio(accounted["items_completed"], wall_s),
         "tokens_per_s": ratio(accounted["tokens_completed"], wall_s),
@@ -349,7 +367,8 @@ def _unknown_damage(report: dict) -> str:
     damage = report.get("store_damage", {})
     parts = [f"{damage[key]:,} {what}" for key, what in (
         ("segments_missing_count_unknown", "missing segments of unknown size"),
-        ("strays", "stray files"), ("catalog_problems", "catalog problems")) if damage.get(key)]
+        ("strays", "stray files"), ("catalog_problems", "catalog problems"),
+        ("lineage_problems", "damaged lineage records (shape order lost)")) if damage.get(key)]
     return f", and {', '.join(parts)}" if parts else ""
 
 
@@ -402,6 +421,12 @@ def _efficiency_rows(report: dict) -> list[tuple[str, str]]:
         ("cacheable tokens", format_count(report["cacheable_tokens"])),
         ("cache hit tokens", format_count(report["cache_hit_tokens"])),
         ("compulsory miss tokens", format_count(report["compulsory_miss_tokens"])),
+        # The broker's counts (firstrefs.py), in tokens: the row above is the engines', in blocks.
+        ("compulsory misses, consumers (broker)", format_count(report["compulsory_prefix_tokens_per_consumer"])),
+        ("compulsory misses, whole model", format_count(report["compulsory_prefix_tokens_model"])
+         + (f" (lower bound: {report['compulsory_uncounted_starts']:,} shape starts uncounted)"
+            if report["compulsory_uncounted_starts"] else "")),
+        ("split cost (consumers less model)", format_count(report["split_cost_tokens"])),
         ("cache hit rate", format_percent(report["cache_hit_rate"])),
         ("prefix reuse (hits / prompt tokens)", format_percent(report["prefix_reuse"])),
         ("shape switches", f"{report['shape_switches']:,}" + (f" ({reasons})" if reasons else "")),
@@ -427,6 +452,7 @@ _CONSUMER_ROWS = (
     ("busy fraction", "busy_fraction", format_percent),
     ("shape switches", "shape_switches", format_count), ("shapes served", "shapes_served", format_count),
     ("prefix tokens of split shapes", "split_prefix_tokens", format_count),
+    ("first-referenced prefix tokens", "compulsory_prefix_tokens", format_count),
 )
 
 

@@ -32,7 +32,9 @@ from typing import Any, get_args, get_origin, get_type_hints
 from pipeline.wire.errors import ProtocolError
 
 # The wire form's version: bump it with any change to the fields (see the module docstring).
-STATUS_VERSION = 4
+# 5: compulsory_prefix_tokens (per consumer and the whole model's), compulsory_uncounted_starts,
+#    lineage_chains_unrecorded, store_damage's lineage_problems.
+STATUS_VERSION = 5
 # The signature of the `top_shapes` row that sums every shape past the top ones.
 OTHER_SHAPE = "other"
 # busy_ns's unit.
@@ -55,6 +57,7 @@ DAMAGE_KEYS = (
     "segments_quarantined",  # moved to quarantine/ by this recovery
     "strays",  # files or directories under segments/ that do not parse
     "catalog_problems",  # damaged catalog records, or no catalog although segments exist
+    "lineage_problems",  # damaged lineage records (shapes.lineage): chains lost, no item
     "torn_tails",  # not a failure: leftovers of writes that were never acknowledged
     "entries_in_torn_tails",  # not a failure: entry headers readable in those leftovers
     "state_words_repaired",  # not a failure: entries delivered (again) as live
@@ -219,6 +222,9 @@ class ConsumerTotalsRow:
     shapes_served: int = _doc("Distinct shapes it was handed batches of", Export(GAUGE), default=0)
     split_prefix_tokens: int = _doc("Prefix tokens of shapes it started after another consumer had (split shapes)",
                                     Export(COUNTER), default=0)
+    compulsory_prefix_tokens: int = _doc(
+        "Prefix tokens first referenced by its cache, as the broker counts them from the shapes' prefix "
+        "lengths and chains (pipeline/broker/firstrefs.py)", Export(COUNTER), default=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,6 +329,17 @@ class BrokerStatus:
     batch_fill_sum: float = _doc(
         "Sum over the batches routed of each one's fill: its binding share of its consumer's contract, "
         "max(items / max_batch_items, padded tokens / max_batch_tokens), at most 1", default=0.0)
+    # --- compulsory misses: every consumer's cache against one cache for the whole model
+    compulsory_prefix_tokens: int = _doc(
+        "Prefix tokens first referenced by the whole model's cache (one cache for every consumer of a "
+        "model, summed over models): the compulsory misses that remain whatever splits the shapes",
+        Export(COUNTER, name="model_compulsory_prefix_tokens"), default=0)
+    compulsory_uncounted_starts: int = _doc(
+        "Shapes consumers started that the compulsory counts left out (past their memory limit): the "
+        "counts are then lower bounds", Export(COUNTER), default=0)
+    lineage_chains_unrecorded: int = _doc(
+        "Declared chains the lineage file could not keep (past its limit, or a full disk): those shapes "
+        "come back as chains of one after a restart", Export(COUNTER), default=0)
     # --- peers
     consumers: dict[str, ConnectedConsumer] = _doc("The consumers registered now, by name", factory=dict)
     per_consumer: dict[str, ConsumerTotalsRow] = _doc("Every consumer's totals over this broker's life, by name",
@@ -378,6 +395,18 @@ class BrokerStatus:
     def items_unfinished(self) -> int:
         """Items the broker holds that are not completed: queued, or routed and pending."""
         return self.backlog_items + self.pending_items
+
+    @property
+    def consumers_compulsory_prefix_tokens(self) -> int:
+        """The consumers' first-referenced prefix tokens, summed: each consumer's cache pays
+        for every prefix it runs, so a prefix split across two is paid twice."""
+        return sum(row.compulsory_prefix_tokens for row in self.per_consumer.values())
+
+    @property
+    def split_cost_tokens(self) -> int:
+        """What splitting shapes across consumers cost: the consumers' compulsory prefix
+        tokens, summed, less the whole model's (0 when every prefix ran on one consumer)."""
+        return self.consumers_compulsory_prefix_tokens - self.compulsory_prefix_tokens
 
     @property
     def shape_switches(self) -> int:

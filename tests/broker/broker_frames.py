@@ -14,6 +14,7 @@ from pipeline.wire.layouts import (
     ITEM_HEADER_DTYPE,
     ITEM_HEADER_SIZE_BYTES,
     Frame,
+    encode_chains,
     frame_size_bytes,
     make_item_id,
     parse_frame,
@@ -32,10 +33,11 @@ def make_frame(
     lengths: Sequence[int],
     submit_ns: Sequence[int] | int = 0,
     payloads: Sequence[bytes] | None = None,
+    chains: Sequence[tuple[int, tuple[int, ...]]] = (),
 ) -> Frame:
     """A parsed frame of len(lengths) items with seqs first_seq, first_seq + 1, ...; item i
     has shape shapes[i] = (model, signature), prefix_len = length // 2, and tokens
-    token_ids(item_id, length)."""
+    token_ids(item_id, length); `chains` (model, chain) go in its chain section."""
     count = len(lengths)
     assert len(shapes) == count >= 1
     payloads = list(payloads) if payloads is not None else [b""] * count
@@ -51,14 +53,16 @@ def make_frame(
     headers["payload_len"] = [len(p) for p in payloads]
     tokens = np.concatenate([token_ids(int(i), int(n)) for i, n in zip(headers["item_id"], lengths)])
     blob = b"".join(payloads)
-    body = bytearray(frame_size_bytes(count, int(tokens.size), len(blob)))
+    section = encode_chains(list(chains)) if chains else b""
+    body = bytearray(frame_size_bytes(count, int(tokens.size), len(blob), len(section)))
     FRAME_HEADER_STRUCT.pack_into(
         body, 0, FRAME_MAGIC, FRAME_VERSION, FRAME_HEADER_SIZE_BYTES, producer_id, count,
-        int(tokens.size), len(blob), 0,
+        int(tokens.size), len(blob), len(section),
     )
     items_end = FRAME_HEADER_SIZE_BYTES + count * ITEM_HEADER_SIZE_BYTES
     body[FRAME_HEADER_SIZE_BYTES:items_end] = headers.tobytes()
     tokens_end = items_end + tokens.nbytes
     body[items_end:tokens_end] = tokens.astype("<i4").tobytes()
-    body[tokens_end:] = blob
+    body[tokens_end:tokens_end + len(blob)] = blob
+    body[tokens_end + len(blob):] = section
     return parse_frame(np.frombuffer(bytes(body), dtype=np.uint8))

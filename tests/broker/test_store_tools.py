@@ -261,3 +261,22 @@ def test_live_items_are_the_stored_entries_not_yet_completed(tmp_path):
     assert live_items(paths) == ({1000 + 100 * n + k for n in range(3) for k in range(20)} - {1100 + k for k in range(5)},
                                  models)
     assert live_items([str(tmp_path / "gone.seg")]) == (set(), set())  # completed and deleted since
+
+
+def test_verify_names_a_damaged_lineage_record(tmp_path):
+    from pipeline.broker.storage.chains import lineage_path
+    from pipeline.wire.layouts import LINEAGE_RECORD_SIZE_BYTES
+
+    build_store(str(tmp_path))
+    tier = DiskTier.open(str(tmp_path))
+    for chain in ((1, 2), (1, 3)):
+        tier.record_chain(0, chain)
+    tier.flush()
+    tier.close()
+    code, report = run_verify(str(tmp_path))
+    assert code == 0, report
+    path = lineage_path(str(tmp_path))
+    flip(path, LINEAGE_RECORD_SIZE_BYTES + 10)  # the first record; two valid ones follow it
+    result = CliRunner().invoke(main, ["tools", "verify", str(tmp_path)])
+    assert result.exit_code == 1
+    assert f"LINEAGE: {path}: offset {LINEAGE_RECORD_SIZE_BYTES}: lineage record fails its checksum" in result.output

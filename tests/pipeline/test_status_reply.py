@@ -126,6 +126,7 @@ def test_each_consumers_switches_and_shapes_reach_the_status(tmp_path):
     row = done.per_consumer["c0"]
     assert row.shapes_served == 2 and sum(row.switches.values()) == 2 and row.switches.get("initial") == 1
     assert row.split_prefix_tokens == 0  # one consumer: nothing split
+    assert row.compulsory_prefix_tokens == done.compulsory_prefix_tokens == 0 and done.split_cost_tokens == 0
 
 
 def test_a_shape_two_consumers_started_counts_its_prefix_once_as_split(tmp_path):
@@ -153,3 +154,6 @@ def test_a_shape_two_consumers_started_counts_its_prefix_once_as_split(tmp_path)
     started = sum(1 for row in rows if row.shapes_served)
     assert started == 2  # 32 batches of 10 ms: both consumers get some
     assert sorted(row.split_prefix_tokens for row in rows) == [0, 50]  # the second to start paid it
+    # Each consumer's cache paid the 50 prefix tokens once; one cache for the model, once.
+    assert [row.compulsory_prefix_tokens for row in rows] == [50, 50] and done.compulsory_prefix_tokens == 50
+    assert done.split_cost_tokens == 50

@@ -276,6 +276,23 @@ class StorageTier(abc.ABC):
         lanes)."""
 
     @abc.abstractmethod
+    def take_recovered_chains(self) -> list[tuple[int, tuple[int, ...]]]:
+        """The chains of the shapes recovered, as (model, chain) from the lineage file, once
+        (later calls return []): the dispatcher declares them before it seeds the lanes."""
+
+    @abc.abstractmethod
+    def record_chain(self, model: int, chain: Sequence[int]) -> None:
+        """A producer declared the chain: keep its new levels durable, as durable as the
+        items `flush()` makes durable at the same group commit (a chain declared again, by
+        a reconnecting producer, writes nothing). Never fails for want of room: a chain
+        that cannot be kept is counted (`chains_unrecorded`) and only its order is lost."""
+
+    @property
+    @abc.abstractmethod
+    def chains_unrecorded(self) -> int:
+        """Chains `record_chain` could not keep (past the file's limit, or a full disk)."""
+
+    @abc.abstractmethod
     def drop_lane(self, lane: LaneKey) -> None:
         """The lane's id was released (nothing of it is queued or pending): forget it. The
         same LaneKey may come back later as a new lane, starting empty."""

@@ -311,13 +311,18 @@ class SegmentCatalog:
 def _allocate(fd: int, path: str, records: int) -> None:
     """Preallocate the file to hold `records` (rounded up to a chunk)."""
     chunks = -(-records // CATALOG_CHUNK_RECORDS)
-    size = chunks * CATALOG_CHUNK_RECORDS * CATALOG_RECORD_SIZE_BYTES
+    preallocate(fd, path, chunks * CATALOG_CHUNK_RECORDS * CATALOG_RECORD_SIZE_BYTES, "segment catalog")
+
+
+def preallocate(fd: int, path: str, size: int, what: str) -> None:
+    """Make the file at least `size` bytes of allocated space (zeros): DiskFullError if the
+    disk has none (the catalog's and the lineage file's records then never need space)."""
     try:
         fileops.fallocate(fd, 0, size)
     except OSError as exc:
         if exc.errno in _NO_SPACE:
-            raise DiskFullError(f"{path}: disk full ({exc.strerror}) allocating {size} bytes for the segment "
-                                f"catalog; appends stop until space comes back, nothing accepted is lost") from exc
+            raise DiskFullError(f"{path}: disk full ({exc.strerror}) allocating {size} bytes for the {what}; "
+                                f"appends stop until space comes back, nothing accepted is lost") from exc
         raise
 
 

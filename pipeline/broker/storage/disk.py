@@ -49,6 +49,7 @@ import numpy as np
 
 from pipeline.broker.ids import EntryRef, LaneKey, SegmentId
 from pipeline.broker.storage.base import AppendGroup, Peeked, RecoveredLane
+from pipeline.broker.storage.chains import LineageLog
 from pipeline.broker.storage.queues import QueuedTier, RefRun
 from pipeline.broker.storage.segment import Durability, encode_entries, scan_segment
 from pipeline.broker.storage.segments import Quarantined, RecoveryReport, SegmentStore
@@ -83,6 +84,12 @@ class DiskTier(QueuedTier):
         """Use `DiskTier.open`."""
         super().__init__()
         self._store = store
+        live = {kept.state.lane.shape for kept in recovery.segments}
+        self._lineage, found = LineageLog.recover(store.data_dir, live, store.durability is Durability.POWER)
+        self._recovered_chains = found.chains
+        recovery.lineage_problems += found.problems
+        recovery.lineage_notes += found.notes
+        recovery.lineage_chains = len(found.chains)
         self.recovery = recovery
         self._clock = clock
         self._staging = store.durability is Durability.POWER
@@ -146,6 +153,17 @@ class DiskTier(QueuedTier):
         taken, self._recovered_lanes = self._recovered_lanes, []
         return taken
 
+    def take_recovered_chains(self) -> list[tuple[int, tuple[int, ...]]]:
+        taken, self._recovered_chains = self._recovered_chains, []
+        return taken
+
+    def record_chain(self, model: int, chain: Sequence[int]) -> None:
+        self._lineage.record(model, chain)
+
+    @property
+    def chains_unrecorded(self) -> int:
+        return self._lineage.unrecorded
+
     def keep_damaged(self, segments: np.ndarray, why: str) -> None:
         """Entries a consumer found damaged: their segments are never deleted, but moved to
         quarantine/ once everything in them is done (`damaged_at_read` counts the entries)."""
@@ -191,6 +209,7 @@ class DiskTier(QueuedTier):
         seals segments past the age limit, at most once per AGE_CHECK_INTERVAL_S."""
         store = self._store
         store.sync()
+        self._lineage.sync()  # the chains this turn's items need, durable before they are acknowledged
         if self._staging:
             store.flush_tombstones()
         super().flush()
@@ -311,6 +330,7 @@ class DiskTier(QueuedTier):
 
     def close(self) -> None:
         self._read_maps.clear()
+        self._lineage.close()
         self._store.close()
 
     def abandon(self) -> None:

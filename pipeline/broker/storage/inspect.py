@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from pipeline.broker.storage.catalog import CatalogReading, MissingNote, read_catalog, read_missing_note
+from pipeline.broker.storage.chains import lineage_path, read_lineage
 from pipeline.broker.storage.paths import (
     MISSING_SUFFIX,
     QUARANTINE_DIR,
@@ -198,8 +199,8 @@ def verify(data_dir: str) -> VerifyResult:
     """Check the whole store: every segment's header, entries and checksums, through the
     recovery scan (damaged ranges, truncation losses, header words against the entries);
     the routing keys against the file name; strays; every file in quarantine/; every
-    segment the catalog holds and the disk lacks; and no live item stored twice.
-    StoreReadError if something cannot be read."""
+    segment the catalog holds and the disk lacks; the lineage file's records; and no live
+    item stored twice. StoreReadError if something cannot be read."""
     result = VerifyResult()
     root_data_dir, _segments = store_dirs(data_dir)
     markers = (SEGMENTS_DIR, QUARANTINE_DIR, BROKER_STATE_NAME, os.path.basename(catalog_path(root_data_dir)))
@@ -218,10 +219,25 @@ def verify(data_dir: str) -> VerifyResult:
         result.counts["strays"] += 1
     _check_quarantine(root_data_dir, result)
     _check_catalog(root_data_dir, before, listing, vanished, result)
+    _check_lineage(root_data_dir, result)
     twice = sorted(item for item, n in live_ids.items() if n > 1)
     if twice:
         result.problems.append(f"{len(twice)} live item ids stored more than once, e.g. {twice[:5]}")
     return result
+
+
+def _check_lineage(data_dir: str, result: VerifyResult) -> None:
+    """The lineage file's damage (`chains.py`): a lost chain level loses no item, only its
+    shapes' order after a restart, but it is damage on the disk all the same. Safe beside a
+    running broker: a record being appended reads as a torn last one, a note."""
+    reading = read_lineage(lineage_path(data_dir))
+    if reading is None:
+        return
+    for line in reading.damaged + ([reading.header_problem] if reading.header_problem else []):
+        result.problems.append(f"LINEAGE: {line}")
+        result.counts["lineage_problems"] += 1
+    if reading.torn_last:
+        result.notes.append(f"lineage: {reading.torn_last}")
 
 
 def _verify_segment(seg: SegmentPath, result: VerifyResult, live_ids: Counter, vanished: list) -> None:

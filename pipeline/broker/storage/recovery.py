@@ -21,6 +21,8 @@ Named lists, one record per thing found (each with `describe()`, the line the su
     repaired_states  RepairedState: a state word rewritten live (delivered again)
     damaged_identities  segments salvaged under their file name's keys
     catalog_problems / catalog_notes   the catalog's damage / benign findings
+    lineage_problems / lineage_notes   the lineage file's (`chains.py`): a damaged record
+                     loses a chain level (its shapes' order after the restart), no item
 
 Owner: whoever holds the DiskTier; a plain record, not thread-safe.
 """
@@ -100,6 +102,9 @@ class RecoveryReport:
     damaged_segments: list[str] = field(default_factory=list)
     catalog_problems: list[str] = field(default_factory=list)
     catalog_notes: list[str] = field(default_factory=list)
+    lineage_problems: list[str] = field(default_factory=list)  # damaged lineage records (chains lost)
+    lineage_notes: list[str] = field(default_factory=list)
+    lineage_chains: int = 0  # recovered shapes whose chains the lineage file gave back
     catalog_found: bool = False  # a catalog was there to read (else it was made afresh)
     quarantine_files: int = 0  # files in quarantine/ after recovery, earlier ones included
     repaired_counts: list[str] = field(default_factory=list)
@@ -135,6 +140,7 @@ class RecoveryReport:
             "segments_quarantined": len(self.quarantined),
             "strays": len(self.strays),
             "catalog_problems": len(self.catalog_problems),
+            "lineage_problems": len(self.lineage_problems),
             "torn_tails": len(self.torn_tails),
             "entries_in_torn_tails": sum(t.entries for t in self.torn_tails),
             "state_words_repaired": len(self.repaired_states),
@@ -159,6 +165,8 @@ class RecoveryReport:
             *(f"STRAY: {s.describe()}" for s in self.strays),
             *(f"DAMAGED HEADER: {line}" for line in self.damaged_identities),
             *(f"CATALOG: {line}" for line in self.catalog_problems),
+            *(f"LINEAGE: {line} (its shapes' chains are lost: they come back as chains of one)"
+              for line in self.lineage_problems),
         ]
 
     def summary(self) -> str:
@@ -171,7 +179,7 @@ class RecoveryReport:
             f"live entries in {len(self.segments)} segments; {len(self.deleted)} finished segments "
             f"deleted; {len(self.repaired_counts)} header counts repaired; "
             f"{len(self.abandoned_creates)} interrupted creates removed; {len(self.adopted)} segments "
-            f"adopted (not in the catalog); "
+            f"adopted (not in the catalog); {self.lineage_chains} shapes' chains restored; "
             + ("no damage" if self.ok else f"DAMAGE: {lost:,} entries cannot be delivered"
                + (" (and more, in missing segments whose size is unknown)"
                   if counts["segments_missing_count_unknown"] else "") + ", "
@@ -181,4 +189,5 @@ class RecoveryReport:
         lines += [f"state word repaired: {r.describe()}" for r in self.repaired_states]
         lines += [f"torn tail: {t.describe()}" for t in self.torn_tails]
         lines += [f"catalog: {line}" for line in self.catalog_notes]
+        lines += [f"lineage: {line}" for line in self.lineage_notes]
         return "\n".join(lines)
