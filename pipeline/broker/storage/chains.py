@@ -39,6 +39,7 @@ import xxhash
 
 from pipeline.broker.ids import ShapeKey
 from pipeline.broker.storage.catalog import preallocate
+from pipeline.wire import fileops
 from pipeline.wire.errors import DiskFullError, DurabilityError, StoreReadError
 from pipeline.wire.fileops import errno_text, fsync_directory
 from pipeline.wire.layouts import (
@@ -207,7 +208,7 @@ class LineageLog:
         found = RecoveredLineage()
         leftover = path + LINEAGE_TMP_SUFFIX
         if os.path.exists(leftover):
-            os.unlink(leftover)  # an interrupted compaction: the file itself is whole
+            fileops.unlink(leftover)  # an interrupted compaction: the file itself is whole
             found.notes.append(f"{leftover}: an interrupted compaction's temp file, removed")
         reading = read_lineage(path)
         if reading is not None:
@@ -225,7 +226,7 @@ class LineageLog:
                 found.notes.append(f"{exc}: no chain is kept while this broker runs (counted as unrecorded)")
                 return cls(path, -1, durable, 0, set(), max_records=0), found
             found.notes.append(f"{exc}: the lineage file is kept as it is")
-        fd = os.open(path, os.O_RDWR, 0o600)
+        fd = fileops.open_fd(path, os.O_RDWR, 0o600)
         return cls(path, fd, durable, reading.used, set(reading.nodes)), found
 
     @classmethod
@@ -236,21 +237,21 @@ class LineageLog:
             data += encode_node(model, signature, parent, depth, now)
         temp = path + LINEAGE_TMP_SUFFIX
         try:
-            fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            fd = fileops.open_fd(temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         except OSError as exc:
             if exc.errno in _NO_SPACE:
                 raise DiskFullError(f"{temp}: disk full ({errno_text(exc)}) creating the compacted lineage file") from exc
             raise
         try:
             _allocate(fd, temp, len(nodes) + LINEAGE_CHUNK_RECORDS)
-            os.pwrite(fd, bytes(data), 0)
-            os.fsync(fd)
-            os.rename(temp, path)
+            fileops.pwrite_all(fd, bytes(data), 0)
+            fileops.fsync(fd)
+            fileops.rename(temp, path)
             _fsync_directory(os.path.dirname(path))
         except BaseException:
-            os.close(fd)
+            fileops.close_fd(fd)
             if os.path.exists(temp):
-                os.unlink(temp)
+                fileops.unlink(temp)
             raise
         return cls(path, fd, durable, len(nodes), {node for node, _parent, _depth in nodes})
 
@@ -274,7 +275,7 @@ class LineageLog:
             self.allocated = os.fstat(self._fd).st_size // LINEAGE_RECORD_SIZE_BYTES - 1
         now = time.time_ns()
         data = b"".join(encode_node(model, int(chain[k]), int(chain[k - 1]) if k else 0, k + 1, now) for k in new)
-        os.pwrite(self._fd, data, (self.used + 1) * LINEAGE_RECORD_SIZE_BYTES)
+        fileops.pwrite_all(self._fd, data, (self.used + 1) * LINEAGE_RECORD_SIZE_BYTES)
         self.used += len(new)
         self._known.update((model, int(chain[k])) for k in new)
         self._dirty = self.durable
@@ -284,7 +285,7 @@ class LineageLog:
         """`power`: fdatasync what was recorded since the last call (DurabilityError: fatal)."""
         if self._dirty:
             try:
-                os.fdatasync(self._fd)
+                fileops.fdatasync(self._fd)
             except OSError as exc:
                 raise DurabilityError(f"{self.path}: fdatasync failed ({errno_text(exc)}): the kernel may have "
                                       f"dropped the dirty pages, so the broker must stop") from exc
@@ -292,7 +293,7 @@ class LineageLog:
 
     def close(self) -> None:
         if self._fd >= 0:
-            os.close(self._fd)
+            fileops.close_fd(self._fd)
             self._fd = -1
 
 
