@@ -31,6 +31,13 @@ TIERS: dict[str, Callable[[str], StorageTier]] = {
     "disk-power": lambda data_dir: DiskTier.open(
         data_dir, Durability.POWER, segment_max_bytes=SMALL_SEGMENT_BYTES,
         open_files_max=2),
+    # Lanes keep 3 entries' offsets in memory: most of a lane's queue is cold runs, read back
+    # from the files as the front reaches them (queues.HOT_ENTRIES_MAX).
+    "disk-process-cold": lambda data_dir: DiskTier.open(
+        data_dir, Durability.PROCESS, segment_max_bytes=SMALL_SEGMENT_BYTES, hot_entries_max=3),
+    "disk-power-cold": lambda data_dir: DiskTier.open(
+        data_dir, Durability.POWER, segment_max_bytes=SMALL_SEGMENT_BYTES, open_files_max=2,
+        hot_entries_max=3),
 }
 KINDS = list(TIERS)
 
@@ -267,3 +274,52 @@ def test_drop_lane_then_the_same_key_starts_a_new_segment(make_tier):
     tier.check_invariants()
 
 
+
+
+@pytest.mark.parametrize("durability", [Durability.PROCESS, Durability.POWER])
+def test_offsets_stay_in_memory_up_to_hot_entries_max_and_are_read_back_past_it(tmp_path, durability):
+    # At HOT_ENTRIES_MAX queued entries a lane holds every offset in memory; one more is a
+    # cold run (its offsets left in the file), read back in order when the front reaches it.
+    from pipeline.broker.storage.queues import HOT_ENTRIES_MAX
+
+    tier = DiskTier.open(str(tmp_path / "d"), durability)
+    lane = LANES[0]
+    lengths = [3 + i % 5 for i in range(HOT_ENTRIES_MAX + 1)]
+    seq, items = 0, []
+    for size in (4096, 4096, 4096, HOT_ENTRIES_MAX - 3 * 4096, 1):
+        frame = make_frame(7, seq, [(lane.model, lane.signature)] * size, lengths[seq:seq + size])
+        tier.append(AppendGroup(lane, frame, np.arange(size)))
+        tier.flush()
+        items += frame.items["item_id"].tolist()
+        seq += size
+        queue = tier._queues[lane]  # the lane's queue: what it keeps in memory
+        assert (queue.hot, sum(c.count for c in queue.cold)) == (min(seq, HOT_ENTRIES_MAX), max(0, seq - HOT_ENTRIES_MAX))
+    tier.check_invariants()
+    batch, got = 0, []
+    while tier.queued_items(lane):
+        entries = tier.peek_many(lane, 5000)
+        got += [entry.item_id for entry in entries]
+        tier.commit(lane, entries, ConsumerId(1), BatchId(batch))
+        tier.complete_batch(ConsumerId(1), BatchId(batch))
+        batch += 1
+    assert got == items and not tier._queues[lane].cold
+    tier.check_invariants()
+    tier.close()
+
+
+def test_a_deep_lane_keeps_one_cold_record_per_segment(tmp_path):
+    # 20 groups past the hot window, 3 to a segment: one cold record per segment, not 20.
+    tier = DiskTier.open(str(tmp_path / "d"), Durability.PROCESS, segment_max_bytes=SMALL_SEGMENT_BYTES,
+                         hot_entries_max=4)
+    lane = LANES[0]
+    for group in range(21):
+        frame = make_frame(7, group * 4, [(lane.model, lane.signature)] * 4, [400] * 4)
+        tier.append(AppendGroup(lane, frame, np.arange(4)))
+        tier.flush()
+    queue = tier._queues[lane]  # the lane's queue: what it keeps in memory
+    assert len(tier.store.segments) == 7
+    assert queue.hot == 4 and len(queue.cold) == 7 and sum(c.count for c in queue.cold) == 80
+    tier.check_invariants()
+    assert queue.hot == 4  # the check read the cold runs back without warming them
+    assert len(tier.peek_many(lane, 84)) == 84 and queue.hot == 84 and not queue.cold
+    tier.close()
