@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 
 from pipeline.broker.storage.scan import SEARCH_FIRST_WINDOW_BYTES, census_segment
-from pipeline.broker.storage.segment import Durability, SegmentFile, SegmentKeys, encode_entries, scan_segment
+from pipeline.broker.storage.segment import (
+    POPULATE_AHEAD_BYTES,
+    Durability,
+    SegmentFile,
+    SegmentKeys,
+    encode_entries,
+    scan_segment,
+)
 from pipeline.wire.errors import SegmentCorruptError, SegmentFormatError
 from pipeline.wire.layouts import ENTRY_HEADER_SIZE_BYTES, ITEM_HEADER_DTYPE, SEGMENT_HEADER_SIZE_BYTES, segment_relpath
 
@@ -420,8 +427,6 @@ def test_an_append_maps_nothing_and_a_peek_maps_only_so_far_ahead(tmp_path):
     # A deep backlog must not sit in the broker's RSS (issue 16): appended pages are mapped
     # only once a peek reaches them, and then POPULATE_AHEAD_BYTES past its last entry.
     _skip_without_populate()
-    from pipeline.broker.storage.segment import POPULATE_AHEAD_BYTES
-
     path = str(tmp_path / "f.seg")
     frame = make_items(8000, seed=4)  # ~3.3 MiB of entries
     segment = SegmentFile.create(path, KEYS, Durability.PROCESS)

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from pipeline.broker.ids import BatchId, ConsumerId, LaneId, LaneKey
 from pipeline.broker.storage import AppendGroup, DiskTier, Durability, Peeked, StorageTier
+from pipeline.broker.storage.queues import HOT_ENTRIES_MAX
 from pipeline.wire.errors import NotHeldError, StaleBatchError
 from pipeline.wire.layouts import ProducerId
 
@@ -280,8 +281,6 @@ def test_drop_lane_then_the_same_key_starts_a_new_segment(make_tier):
 def test_offsets_stay_in_memory_up_to_hot_entries_max_and_are_read_back_past_it(tmp_path, durability):
     # At HOT_ENTRIES_MAX queued entries a lane holds every offset in memory; one more is a
     # cold run (its offsets left in the file), read back in order when the front reaches it.
-    from pipeline.broker.storage.queues import HOT_ENTRIES_MAX
-
     tier = DiskTier.open(str(tmp_path / "d"), durability)
     lane = LANES[0]
     lengths = [3 + i % 5 for i in range(HOT_ENTRIES_MAX + 1)]
