@@ -322,3 +322,28 @@ def test_a_deep_lane_keeps_one_cold_record_per_segment(tmp_path):
     assert queue.hot == 4  # the check read the cold runs back without warming them
     assert len(tier.peek_many(lane, 84)) == 84 and queue.hot == 84 and not queue.cold
     tier.close()
+
+
+def test_a_reopened_tier_reads_its_recovered_backlog_back_past_the_hot_window(tmp_path):
+    # Recovered live entries beyond the hot window are cold runs too, with the entries
+    # completed before the restart (tombstoned) skipped when they are read back.
+    lane = LANES[0]
+    tier = DiskTier.open(str(tmp_path / "d"), Durability.PROCESS, segment_max_bytes=SMALL_SEGMENT_BYTES)
+    items = []
+    for group in range(12):
+        frame = make_frame(7, group * 5, [(lane.model, lane.signature)] * 5, [30 + group] * 5)
+        tier.append(AppendGroup(lane, frame, np.arange(5)))
+        tier.flush()
+        items += frame.items["item_id"].tolist()
+    front = tier.peek_many(lane, 60)
+    tier.commit(lane, front[:3], ConsumerId(1), BatchId(0))  # still held at the restart: live
+    tier.commit(lane, tier.peek_many(lane, 6), ConsumerId(2), BatchId(1))
+    tier.complete_batch(ConsumerId(2), BatchId(1))  # tombstones between live entries
+    tier.close()
+    tier = DiskTier.open(str(tmp_path / "d"), Durability.PROCESS, segment_max_bytes=SMALL_SEGMENT_BYTES,
+                         hot_entries_max=2)
+    queue = tier._queues[lane]  # the lane's queue: what it keeps in memory
+    assert queue.hot <= 2 and queue.cold and tier.queued_items(lane) == 54
+    tier.check_invariants()
+    assert [e.item_id for e in tier.peek_many(lane, 54)] == items[:3] + items[9:]
+    tier.close()

@@ -135,7 +135,14 @@ class DiskTier(QueuedTier):
                 live = headers["state"] == ENTRY_LIVE
                 lane_lengths = headers["length"][live].astype(np.int64)
                 offsets = segment.report.offsets[live].astype(np.int64)
-                self._record_recovered(lane, segment.state.id, offsets, int(lane_lengths.sum()))
+                # An undamaged segment's live entries can be a cold run (their offsets read
+                # back, tombstoned entries skipped, when the front reaches them): its end is
+                # the last live entry's. A damaged one's stay in memory: a walk would stop.
+                end = -1
+                if offsets.size and not segment.state.damage:
+                    end = int(offsets[-1]) + entry_size_bytes(int(lane_lengths[-1]),
+                                                              int(headers["payload_len"][live][-1]))
+                self._record_recovered(lane, segment.state.id, offsets, int(lane_lengths.sum()), end)
                 lengths.append(lane_lengths)
                 submits.append(headers["submit_ns"][live])
                 for producer in np.unique(headers["producer_id"][live]).tolist():

@@ -94,7 +94,7 @@ class RefRun(Sequence[EntryRef]):
 
 class _Run:
     """Appended entries of one segment, in file order: `offsets[head:]` are still queued.
-    `end`: the byte after the last entry (-1: not contiguous, a recovered run)."""
+    `end`: the byte after the last entry (-1: not to be read back, a damaged segment's)."""
 
     __slots__ = ("segment", "offsets", "head", "end")
 
@@ -109,16 +109,28 @@ class _Run:
 
 
 class _ColdRun:
-    """Queued entries of one segment whose offsets are not in memory: `count` entries lie
-    back to back in [start, end) of the file, none dispatched yet."""
+    """Queued entries of one segment whose offsets are not in memory: `count` live entries
+    lie in [start, end) of the file, back to back or (recovered) with tombstoned ones
+    between, none dispatched yet."""
 
-    __slots__ = ("segment", "start", "end", "count")
+    __slots__ = ("segment", "start", "end", "count", "offsets")
 
-    def __init__(self, segment: SegmentId, start: int, end: int, count: int) -> None:
+    def __init__(self, segment: SegmentId, start: int, end: int, count: int,
+                 offsets: np.ndarray | None = None) -> None:
         self.segment = segment
         self.start = start
         self.end = end
         self.count = count
+        # A run that cannot be read back (a damaged segment's, recovered behind cold runs)
+        # keeps its offsets here: rare, and only ever as many as that segment holds.
+        self.offsets = offsets
+
+    def take(self, count: int, load: ColdLoader) -> tuple[np.ndarray, int]:
+        """The next `count` offsets and where the rest start (the end when none are left)."""
+        if self.offsets is None:
+            return load(self.segment, self.start, self.end, count)
+        taken, self.offsets = self.offsets[:count], self.offsets[count:]
+        return taken, int(self.offsets[0]) if self.offsets.size else self.end
 
 
 class LaneQueue:
@@ -148,7 +160,7 @@ class LaneQueue:
         while self.hot < need and self.cold:
             cold = self.cold[0]
             take = min(cold.count, max(need - self.hot, WARM_CHUNK_ENTRIES))
-            offsets, next_start = load(cold.segment, cold.start, cold.end, take)
+            offsets, next_start = cold.take(take, load)
             assert offsets.shape[0] == take and offsets[0] == cold.start, (cold.segment, cold.start, take)
             self.runs.append(_Run(cold.segment, offsets, next_start))
             self.hot += take
@@ -210,8 +222,8 @@ class LaneQueue:
         self.queued += len(refs)
 
     def push_back(self, segment: SegmentId, offsets: np.ndarray, staged: bool, end: int = -1) -> None:
-        """A run of `segment` at `offsets`, its last entry ending at byte `end` (-1: not
-        contiguous, as a recovered run's live entries: then it stays hot)."""
+        """A run of `segment` at `offsets`, its last entry ending at byte `end` (-1: its
+        offsets cannot be read back, as a damaged segment's: then it stays hot)."""
         run = _Run(segment, offsets, end)
         if staged:
             self.staged.append(run)
@@ -222,14 +234,16 @@ class LaneQueue:
     def _enqueue(self, run: _Run) -> None:
         count = len(run)
         self.queued += count
-        if run.end < 0 or not (self.cold or self.hot + count > self.hot_max):
-            assert not self.cold, "a run that cannot be cold behind cold ones"
+        if not (self.cold or self.hot + count > self.hot_max) or (run.end < 0 and not self.cold):
             self.runs.append(run)
             self.hot += count
             return
         start = int(run.offsets[0])
+        if run.end < 0:  # behind cold runs, and not to be read back: it keeps its offsets
+            self.cold.append(_ColdRun(run.segment, start, int(run.offsets[-1]) + 1, count, run.offsets))
+            return
         last = self.cold[-1] if self.cold else None
-        if last is not None and last.segment == run.segment and last.end == start:
+        if last is not None and last.offsets is None and last.segment == run.segment and last.end == start:
             last.end = run.end  # the lane's next group in the same file: one record
             last.count += count
         else:
@@ -246,7 +260,8 @@ class LaneQueue:
         """Every queued and staged ref, in order (invariants, recovery listings); cold runs
         are read back from their files, not warmed."""
         yield from self.returned
-        cold_runs = [_Run(c.segment, load(c.segment, c.start, c.end, c.count)[0]) for c in self.cold]
+        cold_runs = [_Run(c.segment, load(c.segment, c.start, c.end, c.count)[0] if c.offsets is None
+                          else c.offsets) for c in self.cold]
         for run in (*self.runs, *cold_runs, *self.staged):
             segment = run.segment
             for offset in run.offsets[run.head:].tolist():
@@ -397,8 +412,8 @@ class QueuedTier(StorageTier, abc.ABC):
 
     @abc.abstractmethod
     def _cold_offsets(self, segment: SegmentId, start: int, end: int, count: int) -> tuple[np.ndarray, int]:
-        """The offsets (int64) of the `count` entries stored back to back in `segment` from
-        byte `start` on (none past `end`), and the byte after the last of them."""
+        """The offsets (int64) of the next `count` live entries in `segment` from byte
+        `start` on (none past `end`; tombstoned ones skipped), and the byte after the last."""
 
     def _queue(self, lane: LaneKey) -> LaneQueue:
         queue = self._queues.get(lane)
@@ -422,9 +437,10 @@ class QueuedTier(StorageTier, abc.ABC):
         self.counters.appended_tokens += tokens
 
     def _record_recovered(self, lane: LaneKey, segment: SegmentId, offsets: np.ndarray,
-                          tokens: int) -> None:
-        """Recovery found these live entries of `lane` in `segment` (file order)."""
-        self._queue(lane).push_back(segment, offsets, staged=False)
+                          tokens: int, end: int = -1) -> None:
+        """Recovery found these live entries of `lane` in `segment` (file order), the last
+        ending at byte `end` (-1: they stay hot; else tombstoned entries may lie between)."""
+        self._queue(lane).push_back(segment, offsets, staged=False, end=end)
         self.counters.recovered_items += int(offsets.shape[0])
         self.counters.recovered_tokens += tokens
 

@@ -552,24 +552,26 @@ class SegmentFile:
         return headers
 
     def entry_offsets(self, start: int, end: int, count: int) -> tuple[np.ndarray, int]:
-        """The offsets of the `count` live entries stored back to back from byte `start`
-        (none ending past `end` or the readable boundary), and the byte after the last: a
-        walk of their headers through the mapping (a queue's cold run read back).
-        SegmentCorruptError where the walk finds no live entry.
+        """The offsets of the next `count` live entries from byte `start` (tombstoned ones
+        skipped, none ending past `end` or the readable boundary), and the byte after the
+        last: a walk of the headers through the mapping (a queue's cold run read back).
+        SegmentCorruptError where the walk finds no entry.
         Example: live entries of 112 and 176 bytes at 4096 -> entry_offsets(4096, 4384, 2)
-        is ([4096, 4208], 4384)."""
+        is ([4096, 4208], 4384); with the first tombstoned, entry_offsets(4096, 4384, 1)
+        is ([4208], 4384)."""
         limit = min(end, self.readable_end)
         out: list[int] = []
-        unpack, mapped, live, mask = _STEP.unpack_from, self._map, ENTRY_LIVE, ENTRY_ALIGN_BYTES - 1
-        header, offset = ENTRY_HEADER_SIZE_BYTES, start
-        for _ in range(count):
+        unpack, mapped, mask = _STEP.unpack_from, self._map, ENTRY_ALIGN_BYTES - 1
+        live, tombstone, header, offset = ENTRY_LIVE, ENTRY_TOMBSTONE, ENTRY_HEADER_SIZE_BYTES, start
+        while len(out) < count:
             if offset + header > limit or offset & mask:
                 self._no_entry(offset, None)
             state, length, payload_len = unpack(mapped, offset)
             following = offset + ((header + length * TOKEN_SIZE_BYTES + payload_len + mask) & ~mask)
-            if state != live or not length or following > limit:
+            if (state != live and state != tombstone) or not length or following > limit:
                 self._no_entry(offset, state)
-            out.append(offset)
+            if state == live:
+                out.append(offset)
             offset = following
         return np.array(out, dtype=np.int64), offset
 
