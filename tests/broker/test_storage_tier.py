@@ -16,9 +16,9 @@ from broker_frames import make_frame, token_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.broker.ids import BatchId, ConsumerId, LaneId, LaneKey
+from pipeline.broker.ids import BatchId, ConsumerId, LaneId, LaneKey, SegmentId
 from pipeline.broker.storage import AppendGroup, DiskTier, Durability, Peeked, StorageTier
-from pipeline.broker.storage.queues import HOT_ENTRIES_MAX
+from pipeline.broker.storage.queues import HOT_ENTRIES_MAX, LaneQueue
 from pipeline.wire.errors import NotHeldError, StaleBatchError
 from pipeline.wire.layouts import ProducerId
 
@@ -347,3 +347,32 @@ def test_a_reopened_tier_reads_its_recovered_backlog_back_past_the_hot_window(tm
     tier.check_invariants()
     assert [e.item_id for e in tier.peek_many(lane, 54)] == items[:3] + items[9:]
     tier.close()
+
+
+def test_a_run_that_cannot_be_read_back_keeps_its_offsets_behind_cold_runs():
+    # A damaged segment's recovered entries (end -1) behind cold runs: a cold record that
+    # holds its offsets, served in order; the loader (a fake file: offsets 16 apart) is
+    # asked only for the readable runs.
+    asked = []
+
+    def load(segment, start, end, count):
+        asked.append((int(segment), start, count))
+        offsets = np.arange(start, start + 16 * count, 16, dtype=np.int64)
+        assert offsets[-1] < end
+        return offsets, start + 16 * count
+
+    queue = LaneQueue(hot_max=2)
+    queue.push_back(SegmentId(1), np.array([0, 16], dtype=np.int64), staged=False, end=32)
+    queue.push_back(SegmentId(1), np.array([32, 48], dtype=np.int64), staged=False, end=64)
+    queue.push_back(SegmentId(2), np.array([5, 500], dtype=np.int64), staged=False, end=-1)
+    queue.push_back(SegmentId(3), np.array([0, 16, 32], dtype=np.int64), staged=False, end=48)
+    queue.check()
+    assert queue.hot == 2 and [c.count for c in queue.cold] == [2, 2, 3] and queue.queued == 9
+    queue.warm(9, load)
+    segments, offsets = queue.front_keys(9)
+    assert segments.tolist() == [1, 1, 1, 1, 2, 2, 3, 3, 3]
+    assert offsets.tolist() == [0, 16, 32, 48, 5, 500, 0, 16, 32]
+    assert asked == [(1, 32, 2), (3, 0, 3)] and not queue.cold
+    queue.pop_front(9)
+    queue.check()
+    assert queue.queued == 0 and queue.empty
