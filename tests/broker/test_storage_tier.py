@@ -349,6 +349,30 @@ def test_a_reopened_tier_reads_its_recovered_backlog_back_past_the_hot_window(tm
     tier.close()
 
 
+def test_a_cold_run_read_back_in_chunks_skips_the_tombstones_between_them(tmp_path, monkeypatch):
+    # Chunks of 2: the second starts where the first ended, on a tombstoned entry.
+    monkeypatch.setattr("pipeline.broker.storage.queues.WARM_CHUNK_ENTRIES", 2)
+    lane = LANES[0]
+    tier = DiskTier.open(str(tmp_path / "d"), Durability.PROCESS)
+    frame = make_frame(7, 0, [(lane.model, lane.signature)] * 10, [30] * 10)
+    tier.append(AppendGroup(lane, frame, np.arange(10)))
+    tier.flush()
+    items = frame.items["item_id"].tolist()
+    tier.commit(lane, tier.peek_many(lane, 2), ConsumerId(1), BatchId(0))  # held at the restart: live
+    tier.commit(lane, tier.peek_many(lane, 3), ConsumerId(2), BatchId(1))
+    tier.complete_batch(ConsumerId(2), BatchId(1))  # items 2-4 tombstoned
+    tier.close()
+    tier = DiskTier.open(str(tmp_path / "d"), Durability.PROCESS, hot_entries_max=1)
+    got = []
+    for batch in range(7):
+        entries = tier.peek_many(lane, 1)
+        got += [e.item_id for e in entries]
+        tier.commit(lane, entries, ConsumerId(3), BatchId(batch))
+    assert got == items[:2] + items[5:] and tier.queued_items(lane) == 0
+    tier.check_invariants()
+    tier.close()
+
+
 def test_a_run_that_cannot_be_read_back_keeps_its_offsets_behind_cold_runs():
     # A damaged segment's recovered entries (end -1) behind cold runs: a cold record that
     # holds its offsets, served in order; the loader (a fake file: offsets 16 apart) is

@@ -161,7 +161,8 @@ class LaneQueue:
             cold = self.cold[0]
             take = min(cold.count, max(need - self.hot, WARM_CHUNK_ENTRIES))
             offsets, next_start = cold.take(take, load)
-            assert offsets.shape[0] == take and offsets[0] == cold.start, (cold.segment, cold.start, take)
+            # `>`: a recovered run's next chunk may start past tombstoned entries
+            assert offsets.shape[0] == take and offsets[0] >= cold.start, (cold.segment, cold.start, take)
             self.runs.append(_Run(cold.segment, offsets, next_start))
             self.hot += take
             cold.count -= take
