@@ -14,7 +14,9 @@ import importlib
 from pipeline.bench.harness import Comparison
 
 # Subcommand -> module, in `all`'s order: the cheap, CPU-only comparisons first.
-COMPARISON_MODULES: dict[str, str] = {}
+COMPARISON_MODULES: dict[str, str] = {
+    "memory": "pipeline.bench.memory",
+}
 
 
 def comparison(name: str) -> Comparison:

@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 
 from pipeline.broker.storage.scan import SEARCH_FIRST_WINDOW_BYTES, census_segment
-from pipeline.broker.storage.segment import Durability, SegmentFile, SegmentKeys, encode_entries, scan_segment
+from pipeline.broker.storage.segment import (
+    POPULATE_AHEAD_BYTES,
+    Durability,
+    SegmentFile,
+    SegmentKeys,
+    encode_entries,
+    scan_segment,
+)
 from pipeline.wire.errors import SegmentCorruptError, SegmentFormatError
 from pipeline.wire.layouts import ENTRY_HEADER_SIZE_BYTES, ITEM_HEADER_DTYPE, SEGMENT_HEADER_SIZE_BYTES, segment_relpath
 
@@ -382,9 +389,7 @@ def test_file_grows_past_its_first_allocation(tmp_path):
 
 
 
-def test_appended_pages_are_mapped_before_their_tombstones(tmp_path):
-    # The broker tombstones through its mapping: an append maps the pages it wrote
-    # (MADV_POPULATE_WRITE), so a batch's tombstones cost no page fault per 4 KiB page.
+def _skip_without_populate() -> None:
     probe = mmap.mmap(-1, 4096)
     try:
         probe.madvise(23, 0, 4096)
@@ -392,6 +397,18 @@ def test_appended_pages_are_mapped_before_their_tombstones(tmp_path):
         pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
     finally:
         probe.close()
+
+
+def _tombstone_faults(segment: SegmentFile, offsets: np.ndarray) -> int:
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    assert segment.tombstone_many(offsets.tolist()) == offsets.shape[0]
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+def test_peeked_pages_are_mapped_before_their_tombstones(tmp_path):
+    # The broker tombstones through its mapping: a peek maps the pages from its entries on
+    # (MADV_POPULATE_WRITE), so a batch's tombstones cost no page fault per 4 KiB page.
+    _skip_without_populate()
     path = str(tmp_path / "f.seg")
     frame = make_items(600, seed=3)  # ~250 KiB of entries: about 60 pages
     segment = SegmentFile.create(path, KEYS, Durability.PROCESS)
@@ -400,11 +417,30 @@ def test_appended_pages_are_mapped_before_their_tombstones(tmp_path):
     pages = (int(offsets[-1]) - int(offsets[0])) // 4096
     assert pages >= 40
     segment.tombstone_many(offsets[:1].tolist())  # numpy's own first-use faults, out of the count
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    assert segment.tombstone_many(offsets[1:].tolist()) == 599
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    segment.entry_header_columns(offsets[1:2])  # the peek of the next batch
+    faults = _tombstone_faults(segment, offsets[1:])
     segment.close()
     assert faults < pages // 4, f"{faults} page faults for tombstones over {pages} pages"
+
+
+def test_an_append_maps_nothing_and_a_peek_maps_only_so_far_ahead(tmp_path):
+    # A deep backlog must not sit in the broker's RSS (issue 16): appended pages are mapped
+    # only once a peek reaches them, and then POPULATE_AHEAD_BYTES past its last entry.
+    _skip_without_populate()
+    path = str(tmp_path / "f.seg")
+    frame = make_items(8000, seed=4)  # ~3.3 MiB of entries
+    segment = SegmentFile.create(path, KEYS, Durability.PROCESS)
+    segment.append(encode_entries(*frame, indices=np.arange(8000), producer_id=4))
+    offsets = scan_segment(path).offsets
+    segment.tombstone_many(offsets[:1].tolist())  # numpy's own first-use faults, out of the count
+    near = offsets[(offsets > offsets[1]) & (offsets < offsets[1] + POPULATE_AHEAD_BYTES - 8192)]
+    far = offsets[offsets > offsets[1] + POPULATE_AHEAD_BYTES + 8192]
+    unmapped = _tombstone_faults(segment, far[:400:20])  # 20 entries, far apart: not mapped by the append
+    segment.entry_header_columns(offsets[1:2])
+    assert _tombstone_faults(segment, near[::10]) < 5  # within the window: mapped by the peek
+    beyond = _tombstone_faults(segment, far[400::40][:20])  # past it: not mapped
+    segment.close()
+    assert unmapped >= 15 and beyond >= 15, (unmapped, beyond)
 
 
 def test_a_flipped_boundary_word_cannot_turn_damage_into_a_torn_tail(tmp_path):
@@ -447,3 +483,25 @@ def test_resync_past_damage_longer_than_a_search_window(tmp_path):
     lost = np.searchsorted(whole.offsets, first_after) - 100
     assert report.entry_count == 2000 - lost and bad.entries == lost  # topped up from the header's count
     assert report.offsets.tolist() == [o for o in whole.offsets.tolist() if o < start or o >= first_after]
+
+
+def test_entry_offsets_walks_back_to_back_entries_and_refuses_a_non_entry(tmp_path):
+    path = str(tmp_path / "f.seg")
+    frame = make_items(50, seed=5)
+    segment = SegmentFile.create(path, KEYS, Durability.PROCESS)
+    group = encode_entries(*frame, indices=np.arange(50), producer_id=4)
+    base = segment.append(group)
+    offsets = scan_segment(path).offsets
+    end = base + group.data.nbytes
+    got, after = segment.entry_offsets(int(offsets[10]), end, 40)
+    assert np.array_equal(got, offsets[10:]) and after == end
+    got, after = segment.entry_offsets(int(offsets[0]), end, 3)
+    assert np.array_equal(got, offsets[:3]) and after == offsets[3]
+    with pytest.raises(SegmentCorruptError):
+        segment.entry_offsets(int(offsets[0]) + 16, end, 2)  # inside an entry's tokens
+    with pytest.raises(SegmentCorruptError):
+        segment.entry_offsets(int(offsets[0]), end, 51)  # more than are there
+    segment.tombstone_many([int(offsets[5]), int(offsets[6])])
+    got, after = segment.entry_offsets(int(offsets[0]), end, 10)  # a recovered run: tombstones skipped
+    assert np.array_equal(got, np.concatenate([offsets[:5], offsets[7:12]])) and after == offsets[12]
+    segment.close()

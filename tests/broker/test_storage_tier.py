@@ -16,8 +16,9 @@ from broker_frames import make_frame, token_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.broker.ids import BatchId, ConsumerId, LaneId, LaneKey
+from pipeline.broker.ids import BatchId, ConsumerId, LaneId, LaneKey, SegmentId
 from pipeline.broker.storage import AppendGroup, DiskTier, Durability, Peeked, StorageTier
+from pipeline.broker.storage.queues import HOT_ENTRIES_MAX, LaneQueue
 from pipeline.wire.errors import NotHeldError, StaleBatchError
 from pipeline.wire.layouts import ProducerId
 
@@ -31,6 +32,13 @@ TIERS: dict[str, Callable[[str], StorageTier]] = {
     "disk-power": lambda data_dir: DiskTier.open(
         data_dir, Durability.POWER, segment_max_bytes=SMALL_SEGMENT_BYTES,
         open_files_max=2),
+    # Lanes keep 3 entries' offsets in memory: most of a lane's queue is cold runs, read back
+    # from the files as the front reaches them (queues.HOT_ENTRIES_MAX).
+    "disk-process-cold": lambda data_dir: DiskTier.open(
+        data_dir, Durability.PROCESS, segment_max_bytes=SMALL_SEGMENT_BYTES, hot_entries_max=3),
+    "disk-power-cold": lambda data_dir: DiskTier.open(
+        data_dir, Durability.POWER, segment_max_bytes=SMALL_SEGMENT_BYTES, open_files_max=2,
+        hot_entries_max=3),
 }
 KINDS = list(TIERS)
 
@@ -267,3 +275,128 @@ def test_drop_lane_then_the_same_key_starts_a_new_segment(make_tier):
     tier.check_invariants()
 
 
+
+
+@pytest.mark.parametrize("durability", [Durability.PROCESS, Durability.POWER])
+def test_offsets_stay_in_memory_up_to_hot_entries_max_and_are_read_back_past_it(tmp_path, durability):
+    # At HOT_ENTRIES_MAX queued entries a lane holds every offset in memory; one more is a
+    # cold run (its offsets left in the file), read back in order when the front reaches it.
+    tier = DiskTier.open(str(tmp_path / "d"), durability)
+    lane = LANES[0]
+    lengths = [3 + i % 5 for i in range(HOT_ENTRIES_MAX + 1)]
+    seq, items = 0, []
+    for size in (4096, 4096, 4096, HOT_ENTRIES_MAX - 3 * 4096, 1):
+        frame = make_frame(7, seq, [(lane.model, lane.signature)] * size, lengths[seq:seq + size])
+        tier.append(AppendGroup(lane, frame, np.arange(size)))
+        tier.flush()
+        items += frame.items["item_id"].tolist()
+        seq += size
+        queue = tier._queues[lane]  # the lane's queue: what it keeps in memory
+        assert (queue.hot, sum(c.count for c in queue.cold)) == (min(seq, HOT_ENTRIES_MAX), max(0, seq - HOT_ENTRIES_MAX))
+    tier.check_invariants()
+    batch, got = 0, []
+    while tier.queued_items(lane):
+        entries = tier.peek_many(lane, 5000)
+        got += [entry.item_id for entry in entries]
+        tier.commit(lane, entries, ConsumerId(1), BatchId(batch))
+        tier.complete_batch(ConsumerId(1), BatchId(batch))
+        batch += 1
+    assert got == items and not tier._queues[lane].cold
+    tier.check_invariants()
+    tier.close()
+
+
+def test_a_deep_lane_keeps_one_cold_record_per_segment(tmp_path):
+    # 20 groups past the hot window, 3 to a segment: one cold record per segment, not 20.
+    tier = DiskTier.open(str(tmp_path / "d"), Durability.PROCESS, segment_max_bytes=SMALL_SEGMENT_BYTES,
+                         hot_entries_max=4)
+    lane = LANES[0]
+    for group in range(21):
+        frame = make_frame(7, group * 4, [(lane.model, lane.signature)] * 4, [400] * 4)
+        tier.append(AppendGroup(lane, frame, np.arange(4)))
+        tier.flush()
+    queue = tier._queues[lane]  # the lane's queue: what it keeps in memory
+    assert len(tier.store.segments) == 7
+    assert queue.hot == 4 and len(queue.cold) == 7 and sum(c.count for c in queue.cold) == 80
+    tier.check_invariants()
+    assert queue.hot == 4  # the check read the cold runs back without warming them
+    assert len(tier.peek_many(lane, 84)) == 84 and queue.hot == 84 and not queue.cold
+    tier.close()
+
+
+def test_a_reopened_tier_reads_its_recovered_backlog_back_past_the_hot_window(tmp_path):
+    # Recovered live entries beyond the hot window are cold runs too, with the entries
+    # completed before the restart (tombstoned) skipped when they are read back.
+    lane = LANES[0]
+    tier = DiskTier.open(str(tmp_path / "d"), Durability.PROCESS, segment_max_bytes=SMALL_SEGMENT_BYTES)
+    items = []
+    for group in range(12):
+        frame = make_frame(7, group * 5, [(lane.model, lane.signature)] * 5, [30 + group] * 5)
+        tier.append(AppendGroup(lane, frame, np.arange(5)))
+        tier.flush()
+        items += frame.items["item_id"].tolist()
+    front = tier.peek_many(lane, 60)
+    tier.commit(lane, front[:3], ConsumerId(1), BatchId(0))  # still held at the restart: live
+    tier.commit(lane, tier.peek_many(lane, 6), ConsumerId(2), BatchId(1))
+    tier.complete_batch(ConsumerId(2), BatchId(1))  # tombstones between live entries
+    tier.close()
+    tier = DiskTier.open(str(tmp_path / "d"), Durability.PROCESS, segment_max_bytes=SMALL_SEGMENT_BYTES,
+                         hot_entries_max=2)
+    queue = tier._queues[lane]  # the lane's queue: what it keeps in memory
+    assert queue.hot <= 2 and queue.cold and tier.queued_items(lane) == 54
+    tier.check_invariants()
+    assert [e.item_id for e in tier.peek_many(lane, 54)] == items[:3] + items[9:]
+    tier.close()
+
+
+def test_a_cold_run_read_back_in_chunks_skips_the_tombstones_between_them(tmp_path, monkeypatch):
+    # Chunks of 2: the second starts where the first ended, on a tombstoned entry.
+    monkeypatch.setattr("pipeline.broker.storage.queues.WARM_CHUNK_ENTRIES", 2)
+    lane = LANES[0]
+    tier = DiskTier.open(str(tmp_path / "d"), Durability.PROCESS)
+    frame = make_frame(7, 0, [(lane.model, lane.signature)] * 10, [30] * 10)
+    tier.append(AppendGroup(lane, frame, np.arange(10)))
+    tier.flush()
+    items = frame.items["item_id"].tolist()
+    tier.commit(lane, tier.peek_many(lane, 2), ConsumerId(1), BatchId(0))  # held at the restart: live
+    tier.commit(lane, tier.peek_many(lane, 3), ConsumerId(2), BatchId(1))
+    tier.complete_batch(ConsumerId(2), BatchId(1))  # items 2-4 tombstoned
+    tier.close()
+    tier = DiskTier.open(str(tmp_path / "d"), Durability.PROCESS, hot_entries_max=1)
+    got = []
+    for batch in range(7):
+        entries = tier.peek_many(lane, 1)
+        got += [e.item_id for e in entries]
+        tier.commit(lane, entries, ConsumerId(3), BatchId(batch))
+    assert got == items[:2] + items[5:] and tier.queued_items(lane) == 0
+    tier.check_invariants()
+    tier.close()
+
+
+def test_a_run_that_cannot_be_read_back_keeps_its_offsets_behind_cold_runs():
+    # A damaged segment's recovered entries (end -1) behind cold runs: a cold record that
+    # holds its offsets, served in order; the loader (a fake file: offsets 16 apart) is
+    # asked only for the readable runs.
+    asked = []
+
+    def load(segment, start, end, count):
+        asked.append((int(segment), start, count))
+        offsets = np.arange(start, start + 16 * count, 16, dtype=np.int64)
+        assert offsets[-1] < end
+        return offsets, start + 16 * count
+
+    queue = LaneQueue(hot_max=2)
+    queue.push_back(SegmentId(1), np.array([0, 16], dtype=np.int64), staged=False, end=32)
+    queue.push_back(SegmentId(1), np.array([32, 48], dtype=np.int64), staged=False, end=64)
+    queue.push_back(SegmentId(2), np.array([5, 500], dtype=np.int64), staged=False, end=-1)
+    queue.push_back(SegmentId(3), np.array([0, 16, 32], dtype=np.int64), staged=False, end=48)
+    queue.check()
+    assert queue.hot == 2 and [c.count for c in queue.cold] == [2, 2, 3] and queue.queued == 9
+    queue.warm(9, load)
+    segments, offsets = queue.front_keys(9)
+    assert segments.tolist() == [1, 1, 1, 1, 2, 2, 3, 3, 3]
+    assert offsets.tolist() == [0, 16, 32, 48, 5, 500, 0, 16, 32]
+    assert asked == [(1, 32, 2), (3, 0, 3)] and not queue.cold
+    queue.pop_front(9)
+    queue.check()
+    assert queue.queued == 0 and queue.empty

@@ -50,7 +50,7 @@ import numpy as np
 from pipeline.broker.ids import EntryRef, LaneKey, SegmentId
 from pipeline.broker.storage.base import AppendGroup, Peeked, RecoveredLane
 from pipeline.broker.storage.chains import LineageLog
-from pipeline.broker.storage.queues import QueuedTier, RefRun
+from pipeline.broker.storage.queues import HOT_ENTRIES_MAX, QueuedTier, RefRun
 from pipeline.broker.storage.segment import Durability, encode_entries, scan_segment
 from pipeline.broker.storage.segments import Quarantined, RecoveryReport, SegmentStore
 from pipeline.wire.errors import DiskFullError, SegmentCorruptError
@@ -80,9 +80,10 @@ class DiskTier(QueuedTier):
     are the durable store and stay.
     """
 
-    def __init__(self, store: SegmentStore, recovery: RecoveryReport, clock: Callable[[], float]) -> None:
+    def __init__(self, store: SegmentStore, recovery: RecoveryReport, clock: Callable[[], float],
+                 hot_entries_max: int = HOT_ENTRIES_MAX) -> None:
         """Use `DiskTier.open`."""
-        super().__init__()
+        super().__init__(hot_entries_max)
         self._store = store
         live = {kept.state.lane.shape for kept in recovery.segments}
         self._lineage, found = LineageLog.recover(store.data_dir, live, store.durability is Durability.POWER)
@@ -107,14 +108,16 @@ class DiskTier(QueuedTier):
         durability: Durability = Durability.PROCESS,
         *,
         clock: Callable[[], float] = time.monotonic,
+        hot_entries_max: int = HOT_ENTRIES_MAX,
         **store_options: int | float,
     ) -> DiskTier:
         """Open (or create) a data directory: recover it and rebuild the queues. The
         RecoveryReport is `tier.recovery` (`tier.recovery.summary()` for the log).
         `store_options` are SegmentStore's: segment_max_bytes, segment_max_age_s,
-        open_files_max. `clock` (monotonic seconds) dates segments for sealing by age."""
+        open_files_max. `clock` (monotonic seconds) dates segments for sealing by age.
+        `hot_entries_max`: queued entries a lane keeps offsets of in memory (queues.py)."""
         store = SegmentStore(data_dir, durability, **store_options)  # type: ignore[arg-type]
-        return cls(store, store.recover(), clock)
+        return cls(store, store.recover(), clock, hot_entries_max)
 
     @property
     def store(self) -> SegmentStore:
@@ -139,7 +142,14 @@ class DiskTier(QueuedTier):
                 live = headers["state"] == ENTRY_LIVE
                 lane_lengths = headers["length"][live].astype(np.int64)
                 offsets = segment.report.offsets[live].astype(np.int64)
-                self._record_recovered(lane, segment.state.id, offsets, int(lane_lengths.sum()))
+                # An undamaged segment's live entries can be a cold run (their offsets read
+                # back, tombstoned entries skipped, when the front reaches them): its end is
+                # the last live entry's. A damaged one's stay in memory: a walk would stop.
+                end = -1
+                if offsets.size and not segment.state.damage:
+                    end = int(offsets[-1]) + entry_size_bytes(int(lane_lengths[-1]),
+                                                              int(headers["payload_len"][live][-1]))
+                self._record_recovered(lane, segment.state.id, offsets, int(lane_lengths.sum()), end)
                 lengths.append(lane_lengths)
                 submits.append(headers["submit_ns"][live])
                 for producer in np.unique(headers["producer_id"][live]).tolist():
@@ -200,7 +210,7 @@ class DiskTier(QueuedTier):
             raise
         offsets = encoded.offsets + base
         self._record_append(lane, segment, offsets, group.producer_id, int(items["seq"].max()),
-                            int(items["length"].sum()), staged=self._staging)
+                            int(items["length"].sum()), staged=self._staging, end=base + encoded.data.nbytes)
         return RefRun(segment, offsets)
 
     def flush(self) -> None:
@@ -249,6 +259,9 @@ class DiskTier(QueuedTier):
             assert done == len(offsets), (segment, done, len(offsets))  # the pending map held them
             if segment not in self._store.segments:  # deleted whole
                 self._read_maps.pop(segment, None)
+
+    def _cold_offsets(self, segment: SegmentId, start: int, end: int, count: int) -> tuple[np.ndarray, int]:
+        return self._store.entry_offsets(segment, start, end, count)
 
     def _lane_dropped(self, lane: LaneKey) -> None:
         self._store.drop_lane(lane)
@@ -336,6 +349,7 @@ class DiskTier(QueuedTier):
     def abandon(self) -> None:
         """Let go of every file without syncing (SegmentStore.abandon): a kill -9, in-process."""
         self._read_maps.clear()
+        self._lineage.close()  # closing writes nothing
         self._store.abandon()
 
 

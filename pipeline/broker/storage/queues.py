@@ -11,6 +11,7 @@ subclasses it and says only where its entries live:
     _lane_dropped(lane)        the lane's queue is gone (drop_lane)
     _lane_of(segment)          the lane a segment belongs to                (invariants)
     _live_entries()            every stored, not completed entry and its length (invariants)
+    _cold_offsets(segment, start, end, count) -> a cold run's next offsets, read back
 
 and calls `_record_append(...)` once it has stored a group.
 NOTE: the split is by concern, not for a second tier: the queues are pure bookkeeping,
@@ -19,9 +20,16 @@ checked by what they hold, and the files are disk.py's; as one module they would
 
 A lane's queue, front first: entries given back by lost consumers (a deque of refs: the
 latest run in front, each run in its original order), then runs of appended entries in
-arrival order. An appended run is one segment's offsets as an int64 numpy array with a head
-cursor, so a queued entry costs 8 bytes in the queue (plus about 170 bytes per appended
+arrival order. The appended runs nearest the front are *hot*: one segment's offsets as an
+int64 numpy array with a head cursor (8 bytes an entry, plus about 170 bytes per appended
 group for the run record and its array header); only returned entries are refs (~100 bytes).
+Past HOT_ENTRIES_MAX hot entries a lane's further runs are *cold*: one record per segment
+(its first queued byte, its end and how many entries lie between), the entries' offsets
+left in the segment file itself. When the front reaches a cold run, `warm` reads the next
+offsets back from the file (the subclass's `_cold_offsets`: a walk of the entry headers,
+in the page cache) into a hot run. So the broker's memory for a lane is bounded by the hot
+window and one record per segment, however deep the backlog (issue 16: 10,000,000 queued
+entries held 80 MB of offset arrays before; now about 128 KiB a lane).
 NOTE: a deque of EntryRef per entry (about 120 bytes each, the first layout) was rejected:
 a tier holding millions of queued entries would spend gigabytes on it.
 Runs appended but not yet dispatchable (durability `power` until the group commit) wait in
@@ -32,7 +40,7 @@ from __future__ import annotations
 
 import abc
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from itertools import islice
 
 import numpy as np
@@ -43,6 +51,21 @@ from pipeline.broker.storage.base import Peeked, Returned, StorageCounters, Stor
 from pipeline.broker.storage.pending import Completion, PendingMap
 from pipeline.wire.errors import StaleBatchError
 from pipeline.wire.layouts import ProducerId
+
+# Queued entries of a lane whose offsets stay in memory (8 bytes each): beyond it, a lane's
+# further appends are kept as one record per segment and their offsets read back from the
+# file when the front reaches them. 16,384 covers many batches of the largest contracts
+# (the front is warmed on demand for a bigger one), and 128 KiB a lane keeps the broker flat
+# for any backlog (a hundred busy lanes: 12.5 MiB).
+HOT_ENTRIES_MAX = 16_384
+# Entries read back from a cold run at once, at least: one walk of the headers per this
+# many (about 2 ms here), not one per batch.
+WARM_CHUNK_ENTRIES = 4096
+
+# Reads offsets back for a cold run: (segment, first byte, end byte, at most how many) ->
+# (the offsets of the entries from the first byte on, in file order, and the byte after the
+# last one returned).
+ColdLoader = Callable[[SegmentId, int, int, int], tuple[np.ndarray, int]]
 
 
 class RefRun(Sequence[EntryRef]):
@@ -70,39 +93,87 @@ class RefRun(Sequence[EntryRef]):
 
 
 class _Run:
-    """Appended entries of one segment, in file order: `offsets[head:]` are still queued."""
+    """Appended entries of one segment, in file order: `offsets[head:]` are still queued.
+    `end`: the byte after the last entry (-1: not to be read back, a damaged segment's)."""
 
-    __slots__ = ("segment", "offsets", "head")
+    __slots__ = ("segment", "offsets", "head", "end")
 
-    def __init__(self, segment: SegmentId, offsets: np.ndarray) -> None:
+    def __init__(self, segment: SegmentId, offsets: np.ndarray, end: int = -1) -> None:
         self.segment = segment
         self.offsets = offsets
         self.head = 0
+        self.end = end
 
     def __len__(self) -> int:
         return self.offsets.shape[0] - self.head
 
 
+class _ColdRun:
+    """Queued entries of one segment whose offsets are not in memory: `count` live entries
+    lie in [start, end) of the file, back to back or (recovered) with tombstoned ones
+    between, none dispatched yet."""
+
+    __slots__ = ("segment", "start", "end", "count", "offsets")
+
+    def __init__(self, segment: SegmentId, start: int, end: int, count: int,
+                 offsets: np.ndarray | None = None) -> None:
+        self.segment = segment
+        self.start = start
+        self.end = end
+        self.count = count
+        # A run that cannot be read back (a damaged segment's, recovered behind cold runs)
+        # keeps its offsets here: rare, and only ever as many as that segment holds.
+        self.offsets = offsets
+
+    def take(self, count: int, load: ColdLoader) -> tuple[np.ndarray, int]:
+        """The next `count` offsets and where the rest start (the end when none are left)."""
+        if self.offsets is None:
+            return load(self.segment, self.start, self.end, count)
+        taken, self.offsets = self.offsets[:count], self.offsets[count:]
+        return taken, int(self.offsets[0]) if self.offsets.size else self.end
+
+
 class LaneQueue:
-    """One lane's dispatchable entries (returned ones first, then appended runs) plus its
-    staged runs and how many of its entries are pending.
+    """One lane's dispatchable entries (returned ones first, then hot appended runs, then
+    cold ones) plus its staged runs and how many of its entries are pending.
 
     Owner: the QueuedTier holding it, in the broker's dispatch loop. Not thread-safe.
     """
 
-    __slots__ = ("returned", "runs", "staged", "queued", "staged_count", "pending")
+    __slots__ = ("returned", "runs", "cold", "staged", "queued", "hot", "hot_max", "staged_count", "pending")
 
-    def __init__(self) -> None:
+    def __init__(self, hot_max: int = HOT_ENTRIES_MAX) -> None:
         self.returned: deque[EntryRef] = deque()
-        self.runs: deque[_Run] = deque()
+        self.runs: deque[_Run] = deque()  # hot: offsets in memory
+        self.cold: deque[_ColdRun] = deque()  # after every hot run
         self.staged: list[_Run] = []
-        self.queued = 0  # dispatchable: len(returned) + the runs' remaining entries
+        self.queued = 0  # dispatchable: len(returned) + hot + the cold runs' counts
+        self.hot = 0  # the hot runs' remaining entries
+        self.hot_max = hot_max  # appends past this many hot entries are cold
         self.staged_count = 0
         self.pending = 0  # entries of this lane held by consumers
 
+    def warm(self, count: int, load: ColdLoader) -> None:
+        """Make the first `count` dispatchable entries hot (fewer if fewer are queued),
+        reading offsets back from cold runs, at least WARM_CHUNK_ENTRIES at a time."""
+        need = count - len(self.returned)
+        while self.hot < need and self.cold:
+            cold = self.cold[0]
+            take = min(cold.count, max(need - self.hot, WARM_CHUNK_ENTRIES))
+            offsets, next_start = cold.take(take, load)
+            # `>`: a recovered run's next chunk may start past tombstoned entries
+            assert offsets.shape[0] == take and offsets[0] >= cold.start, (cold.segment, cold.start, take)
+            self.runs.append(_Run(cold.segment, offsets, next_start))
+            self.hot += take
+            cold.count -= take
+            cold.start = next_start
+            if not cold.count:
+                assert cold.start == cold.end, (cold.segment, cold.start, cold.end)
+                self.cold.popleft()
+
     def front_columns(self, count: int) -> tuple[list[EntryRef], np.ndarray, np.ndarray]:
-        """The first `count` dispatchable refs (fewer if fewer are queued), front first, and
-        their segments and offsets as int64 columns."""
+        """The first `count` hot refs (fewer if fewer are hot: `warm` first), front first,
+        and their segments and offsets as int64 columns."""
         segments, offsets = self.front_keys(count)
         returned = min(count, len(self.returned))
         out = list(islice(self.returned, returned))
@@ -111,8 +182,8 @@ class LaneQueue:
         return out, segments, offsets
 
     def front_keys(self, count: int) -> tuple[np.ndarray, np.ndarray]:
-        """The first `count` dispatchable entries' segments and offsets (fewer if fewer are
-        queued), front first, as int64 columns: no ref is made."""
+        """The first `count` hot entries' segments and offsets (fewer if fewer are hot),
+        front first, as int64 columns: no ref is made."""
         out = list(islice(self.returned, count))
         segments = [np.array([ref.segment for ref in out], dtype=np.int64)]
         offsets = [np.array([ref.offset for ref in out], dtype=np.int64)]
@@ -129,12 +200,13 @@ class LaneQueue:
         return np.concatenate(segments), np.concatenate(offsets)
 
     def pop_front(self, count: int) -> None:
-        assert count <= self.queued, (count, self.queued)
+        assert count <= len(self.returned) + self.hot, (count, len(self.returned), self.hot)
         self.queued -= count
         from_returned = min(count, len(self.returned))
         for _ in range(from_returned):
             self.returned.popleft()
         count -= from_returned
+        self.hot -= count
         while count:
             run = self.runs[0]
             left = len(run)
@@ -150,26 +222,48 @@ class LaneQueue:
         self.returned.extendleft(reversed(refs))
         self.queued += len(refs)
 
-    def push_back(self, segment: SegmentId, offsets: np.ndarray, staged: bool) -> None:
-        run = _Run(segment, offsets)
+    def push_back(self, segment: SegmentId, offsets: np.ndarray, staged: bool, end: int = -1) -> None:
+        """A run of `segment` at `offsets`, its last entry ending at byte `end` (-1: its
+        offsets cannot be read back, as a damaged segment's: then it stays hot)."""
+        run = _Run(segment, offsets, end)
         if staged:
             self.staged.append(run)
             self.staged_count += len(run)
         else:
+            self._enqueue(run)
+
+    def _enqueue(self, run: _Run) -> None:
+        count = len(run)
+        self.queued += count
+        if not (self.cold or self.hot + count > self.hot_max) or (run.end < 0 and not self.cold):
             self.runs.append(run)
-            self.queued += len(run)
+            self.hot += count
+            return
+        start = int(run.offsets[0])
+        if run.end < 0:  # behind cold runs, and not to be read back: it keeps its offsets
+            self.cold.append(_ColdRun(run.segment, start, int(run.offsets[-1]) + 1, count, run.offsets))
+            return
+        last = self.cold[-1] if self.cold else None
+        if last is not None and last.offsets is None and last.segment == run.segment and last.end == start:
+            last.end = run.end  # the lane's next group in the same file: one record
+            last.count += count
+        else:
+            self.cold.append(_ColdRun(run.segment, start, run.end, count))
 
     def publish(self) -> None:
         """Staged runs become dispatchable, at the back, in the order they were appended."""
-        self.runs.extend(self.staged)
-        self.queued += self.staged_count
+        for run in self.staged:
+            self._enqueue(run)
         self.staged = []
         self.staged_count = 0
 
-    def all_refs(self) -> Iterator[EntryRef]:
-        """Every queued and staged ref, in order (invariants, recovery listings)."""
+    def all_refs(self, load: ColdLoader) -> Iterator[EntryRef]:
+        """Every queued and staged ref, in order (invariants, recovery listings); cold runs
+        are read back from their files, not warmed."""
         yield from self.returned
-        for run in (*self.runs, *self.staged):
+        cold_runs = [_Run(c.segment, load(c.segment, c.start, c.end, c.count)[0] if c.offsets is None
+                          else c.offsets) for c in self.cold]
+        for run in (*self.runs, *cold_runs, *self.staged):
             segment = run.segment
             for offset in run.offsets[run.head:].tolist():
                 yield EntryRef(segment, offset)
@@ -179,9 +273,11 @@ class LaneQueue:
         return not (self.queued or self.staged_count or self.pending)
 
     def check(self) -> None:
-        assert self.queued == len(self.returned) + sum(len(run) for run in self.runs), self.queued
+        assert self.hot == sum(len(run) for run in self.runs), self.hot
+        assert self.queued == len(self.returned) + self.hot + sum(c.count for c in self.cold), self.queued
         assert self.staged_count == sum(len(run) for run in self.staged), self.staged_count
         assert all(len(run) > 0 for run in self.runs) and self.pending >= 0
+        assert all(c.count > 0 and c.start < c.end for c in self.cold)
         for run in (*self.runs, *self.staged):
             assert run.offsets.dtype == np.int64 and 0 <= run.head < run.offsets.shape[0]
             assert (np.diff(run.offsets) > 0).all(), "a run's offsets are in file order"
@@ -277,7 +373,10 @@ class QueuedTier(StorageTier, abc.ABC):
     Owner: the broker's dispatch loop (through the Dispatcher). Not thread-safe.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, hot_entries_max: int = HOT_ENTRIES_MAX) -> None:
+        """`hot_entries_max`: HOT_ENTRIES_MAX but in tests (a few, so cold runs are common)."""
+        assert hot_entries_max >= 1, hot_entries_max
+        self._hot_entries_max = hot_entries_max
         self._queues: dict[LaneKey, LaneQueue] = {}
         self._pending = PendingMap()
         self._stored = StoredSeqs()
@@ -312,20 +411,26 @@ class QueuedTier(StorageTier, abc.ABC):
     def _live_entries(self) -> dict[EntryRef, int]:
         """Every stored, not completed entry with its length (check_invariants)."""
 
+    @abc.abstractmethod
+    def _cold_offsets(self, segment: SegmentId, start: int, end: int, count: int) -> tuple[np.ndarray, int]:
+        """The offsets (int64) of the next `count` live entries in `segment` from byte
+        `start` on (none past `end`; tombstoned ones skipped), and the byte after the last."""
+
     def _queue(self, lane: LaneKey) -> LaneQueue:
         queue = self._queues.get(lane)
         if queue is None:
-            queue = self._queues[lane] = LaneQueue()
+            queue = self._queues[lane] = LaneQueue(self._hot_entries_max)
         return queue
 
     def _record_append(
         self, lane: LaneKey, segment: SegmentId, offsets: np.ndarray, producer: ProducerId,
-        top_seq: int, tokens: int, staged: bool = False,
+        top_seq: int, tokens: int, staged: bool = False, end: int = -1,
     ) -> None:
-        """A group of `lane` was stored at `offsets` of `segment` (int64, file order):
-        queue it (staged: dispatchable at the next flush) and count it."""
+        """A group of `lane` was stored at `offsets` of `segment` (int64, file order), its
+        last entry ending at byte `end` (-1: unknown, it stays hot): queue it (staged:
+        dispatchable at the next flush) and count it."""
         queue = self._queue(lane)
-        queue.push_back(segment, offsets, staged)
+        queue.push_back(segment, offsets, staged, end)
         if staged:
             self._staged_queues[lane] = queue
         self._stored.appended(producer, top_seq)
@@ -333,9 +438,10 @@ class QueuedTier(StorageTier, abc.ABC):
         self.counters.appended_tokens += tokens
 
     def _record_recovered(self, lane: LaneKey, segment: SegmentId, offsets: np.ndarray,
-                          tokens: int) -> None:
-        """Recovery found these live entries of `lane` in `segment` (file order)."""
-        self._queue(lane).push_back(segment, offsets, staged=False)
+                          tokens: int, end: int = -1) -> None:
+        """Recovery found these live entries of `lane` in `segment` (file order), the last
+        ending at byte `end` (-1: they stay hot; else tombstoned entries may lie between)."""
+        self._queue(lane).push_back(segment, offsets, staged=False, end=end)
         self.counters.recovered_items += int(offsets.shape[0])
         self.counters.recovered_tokens += tokens
 
@@ -364,6 +470,8 @@ class QueuedTier(StorageTier, abc.ABC):
         queue = self._queues.get(lane)
         if queue is None or not queue.queued or max_items <= 0:
             return Peeked.of(lane, [])
+        if queue.cold:
+            queue.warm(max_items, self._cold_offsets)
         return self._describe(lane, *queue.front_columns(max_items))
 
     def commit(self, lane: LaneKey, entries: Peeked, consumer: ConsumerId, batch: BatchId) -> None:
@@ -398,6 +506,7 @@ class QueuedTier(StorageTier, abc.ABC):
 
     @staticmethod
     def _is_front(queue: LaneQueue, entries: Peeked) -> bool:
+        # No warming here: a peek warmed its entries, and a commit of more than that is stale.
         segments, offsets = queue.front_keys(len(entries))
         return np.array_equal(segments, entries.segments) and np.array_equal(offsets, entries.offsets)
 
@@ -455,7 +564,7 @@ class QueuedTier(StorageTier, abc.ABC):
         for lane, queue in self._queues.items():
             queue.check()
             assert (queue.staged_count > 0) == (lane in self._staged_queues), lane
-            for ref in queue.all_refs():
+            for ref in queue.all_refs(self._cold_offsets):
                 assert ref in live and ref not in queued, f"queued entry {ref} is not live or twice"
                 assert ref not in self._pending and self._lane_of(ref.segment) == lane, ref
                 queued.add(ref)

@@ -75,6 +75,7 @@ from pipeline.wire.layouts import (
     gather_entry_headers,
     scatter_entry_headers,
 )
+from shm.layout import struct_for
 
 __all__ = [
     "DEFAULT_SEGMENT_MAX_BYTES", "Durability", "EncodedGroup", "ScanReport", "SegmentFile", "SegmentKeys",
@@ -243,19 +244,27 @@ def _copy_entry_bodies(out: memoryview, out_tokens: memoryview, in_tokens: memor
 # `mmap` module has no name for it before Python 3.13.
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 _PAGE_BYTES = mmap.PAGESIZE
+# How far past a peek's last entry its segment's pages are mapped ahead (see
+# `_populate_for_writes`): one system call per this many bytes of a deep lane, and never
+# more of a file in the broker's RSS than what dispatch has reached plus this.
+POPULATE_AHEAD_BYTES = 1 << 20
+# The header fields a walk of back-to-back entries needs (SegmentFile.entry_offsets).
+_STEP = struct_for(ENTRY_HEADER_DTYPE, ["state", "length", "payload_len"])
 
 
 def _populate_for_writes(mapping: mmap.mmap, start: int, end: int) -> None:
-    """Map the pages an append just wrote into the broker's mapping, writable, in one call.
+    """Map the pages of [start, end) into the broker's mapping, writable, in one call.
 
-    Why: their tombstones (and the peek's header reads) go through the mapping, and without
-    this every 4 KiB page of entries costs a page fault on its first tombstone, about 0.3
-    faults per 256-token item. Best effort: a kernel without the advice (EINVAL) is
-    remembered and not asked again.
+    Why: tombstones (and the peek's header reads) go through the mapping, and without this
+    every 4 KiB page of entries costs a page fault on its first tombstone, about 0.3 faults
+    per 256-token item. Best effort: a kernel without the advice (EINVAL) is remembered and
+    not asked again.
+    NOTE: called when a batch is peeked (for the pages from it to POPULATE_AHEAD_BYTES
+    past it), not when entries are appended as before: at append time a backlog of
+    10,000,000 small entries held 1.8 GB of mapped page cache in the broker's RSS (issue 16,
+    `pipeline bench memory`); at peek time what is mapped is what dispatch reaches.
     NOTE: only with durability `process`. In `power`, the group commit's fdatasync makes the
-    pages read-only again for dirty tracking, so they would fault anyway. Pages written
-    back long before their tombstones (a deep backlog) fault again too: the call then only
-    costs a system call per append.
+    pages read-only again for dirty tracking, so they would fault anyway.
     """
     global _populate_supported
     if not _populate_supported:
@@ -294,6 +303,7 @@ class SegmentFile:
         self.sealed = False
         self._unsynced = False
         self._closed = False
+        self._populated_end = 0  # pages below it were mapped writable by a peek
 
     @classmethod
     def create(cls, path: str, keys: SegmentKeys, durability: Durability,
@@ -433,8 +443,6 @@ class SegmentFile:
         if end > self.allocated:
             self._grow(end)
         self._write_all(group.data, at)
-        if self.durability is Durability.PROCESS:
-            _populate_for_writes(self._map, at, end)
         if crashpoints.ARMED:
             crashpoints.hit("segment.after_write")
         self.data_end = end
@@ -528,6 +536,12 @@ class SegmentFile:
         inside = (offsets >= SEGMENT_HEADER_SIZE_BYTES) & (offsets + ENTRY_HEADER_SIZE_BYTES <= readable)
         if not inside.all():
             self._no_entry(int(offsets[np.argmin(inside)]), None)
+        if self.durability is Durability.PROCESS and offsets.shape[0]:
+            last = int(offsets[-1])
+            if last + ENTRY_HEADER_SIZE_BYTES > self._populated_end:
+                ahead = min(readable, last + POPULATE_AHEAD_BYTES)
+                _populate_for_writes(self._map, max(self._populated_end, int(offsets[0])), ahead)
+                self._populated_end = ahead
         words = np.frombuffer(self._map, dtype=np.uint64, count=readable // 8)
         try:  # the view is dropped at once: a mapping with views cannot be resized or closed
             headers, _ends, good = gather_entry_headers(words, offsets, readable)
@@ -537,6 +551,30 @@ class SegmentFile:
             bad = int(np.argmin(good))
             self._no_entry(int(offsets[bad]), int(headers["state"][bad]))
         return headers
+
+    def entry_offsets(self, start: int, end: int, count: int) -> tuple[np.ndarray, int]:
+        """The offsets of the next `count` live entries from byte `start` (tombstoned ones
+        skipped, none ending past `end` or the readable boundary), and the byte after the
+        last: a walk of the headers through the mapping (a queue's cold run read back).
+        SegmentCorruptError where the walk finds no entry.
+        Example: live entries of 112 and 176 bytes at 4096 -> entry_offsets(4096, 4384, 2)
+        is ([4096, 4208], 4384); with the first tombstoned, entry_offsets(4096, 4384, 1)
+        is ([4208], 4384)."""
+        limit = min(end, self.readable_end)
+        out: list[int] = []
+        unpack, mapped, mask = _STEP.unpack_from, self._map, ENTRY_ALIGN_BYTES - 1
+        live, tombstone, header, offset = ENTRY_LIVE, ENTRY_TOMBSTONE, ENTRY_HEADER_SIZE_BYTES, start
+        while len(out) < count:
+            if offset + header > limit or offset & mask:
+                self._no_entry(offset, None)
+            state, length, payload_len = unpack(mapped, offset)
+            following = offset + ((header + length * TOKEN_SIZE_BYTES + payload_len + mask) & ~mask)
+            if (state != live and state != tombstone) or not length or following > limit:
+                self._no_entry(offset, state)
+            if state == live:
+                out.append(offset)
+            offset = following
+        return np.array(out, dtype=np.int64), offset
 
     def _no_entry(self, offset: int, state: int | None) -> NoReturn:
         raise SegmentCorruptError(

@@ -362,6 +362,10 @@ class SegmentStore:
         """The live entries at `offsets` of `segment`, as checked columns (see SegmentFile)."""
         return self._file(segment).entry_header_columns(offsets)
 
+    def entry_offsets(self, segment: SegmentId, start: int, end: int, count: int) -> tuple[np.ndarray, int]:
+        """The next `count` live entries of `segment` from byte `start` (see SegmentFile)."""
+        return self._file(segment).entry_offsets(start, end, count)
+
     def state_at(self, segment: SegmentId, offset: int) -> int:
         return self._file(segment).state_at(offset)
 
