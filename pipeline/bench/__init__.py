@@ -14,7 +14,11 @@ import importlib
 from pipeline.bench.harness import Comparison
 
 # Subcommand -> module, in `all`'s order: the cheap, CPU-only comparisons first.
-COMPARISON_MODULES: dict[str, str] = {}
+COMPARISON_MODULES: dict[str, str] = {
+    "e2e": "pipeline.bench.e2e",
+    "redis": "pipeline.bench.redis_peer",
+    "scaling": "pipeline.bench.scaling",
+}
 
 
 def comparison(name: str) -> Comparison:
