@@ -30,6 +30,7 @@ from pipeline.bench.pipelines import (
     latencies_ms,
     paced,
     percentiles_ms,
+    scaled,
 )
 
 TIERS = (("memory", "process"), ("disk", "process"), ("disk", "power"))
@@ -38,7 +39,7 @@ PRODUCERS = 2
 CONSUMERS = 2
 # Items per throughput run: about 1 M (4 to 8 s a run here), and a smoke run's worth.
 FLOOD_ITEMS = 1_000_000
-QUICK_FLOOD_ITEMS = 20_000
+QUICK_FLOOD_ITEMS = 10_000
 # Low load: one call per item, 400 items/s (tools/bench_pipeline.py's rate), 2,000 items.
 LOW_RATE_PER_S = 400.0
 LOW_ITEMS, QUICK_LOW_ITEMS = 2000, 40
@@ -98,7 +99,7 @@ def run(ctx: BenchContext) -> Outcome:
 
 def _markdown(figures: dict) -> str:
     sides = figures["sides"]
-    rows = [[label, fmt_spread(s["items_per_s"]), fmt_spread(_scaled(s["tokens_per_s"], 1e-6), ",.1f"),
+    rows = [[label, fmt_spread(s["items_per_s"]), fmt_spread(scaled(s["tokens_per_s"], 1e-6), ",.1f"),
              " / ".join(fmt_spread(s["cores"][role], ".2f") for role in ("broker", "consumer", "producer")),
              fmt_spread(s["cores"]["all"], ".2f")] for label, s in sides.items()]
     lat = [[label] + [fmt_spread(s["latency"][load][key], ".2f") for load in ("low", "loaded")
@@ -116,10 +117,6 @@ def _markdown(figures: dict) -> str:
         "(loaded), before the flood in the same pipeline.", "",
         table(["tier / durability, contract", "low p50", "low p99", "low max", "loaded p50", "loaded p99",
                "loaded max"], lat)])
-
-
-def _scaled(s: dict, factor: float) -> dict:
-    return {key: ([v * factor for v in value] if key == "values" else value * factor) for key, value in s.items()}
 
 
 def _targets(sides: dict, quick: bool) -> list[Target]:

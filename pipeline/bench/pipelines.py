@@ -143,23 +143,31 @@ def padding_efficiency(batches: Iterable[Sequence[int]]) -> float:
     return real / padded
 
 
-def flood_arrays(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One submit call's worth of the flood workload: each item's shape signature
-    (uint64), the tokens back to back (int32) and each item's shape index."""
+def scaled(s: dict[str, Any], factor: float) -> dict[str, Any]:
+    """A `harness.spread` with every figure times `factor` (for a table in other units)."""
+    return {key: ([v * factor for v in value] if key == "values" else value * factor) for key, value in s.items()}
+
+
+def flood_arrays(seed: int, count: int = FLOOD_CALL_ITEMS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`count` items of the flood workload (one submit call's worth by default): each
+    item's shape signature (uint64), the tokens back to back (int32) and each item's shape
+    index. Item k of a smaller `count` is item k of the default's."""
     rng = np.random.default_rng(seed)
     prefixes = [np.random.default_rng(k).integers(0, FLOOD_VOCAB, size=FLOOD_PREFIX_TOKENS, dtype=np.int32)
                 for k in range(FLOOD_SHAPES)]
     signatures = np.array([signature([p]) for p in prefixes], dtype=np.uint64)
-    shapes = rng.integers(0, FLOOD_SHAPES, size=FLOOD_CALL_ITEMS)
+    shapes = rng.integers(0, FLOOD_SHAPES, size=FLOOD_CALL_ITEMS)[:count]
     suffix = FLOOD_TOKENS - FLOOD_PREFIX_TOKENS
-    tokens = np.concatenate([np.concatenate([prefixes[s], rng.integers(0, FLOOD_VOCAB, size=suffix, dtype=np.int32)])
-                             for s in shapes])
+    rows = np.empty((count, FLOOD_TOKENS), dtype=np.int32)
+    rows[:, :FLOOD_PREFIX_TOKENS] = np.stack(prefixes)[shapes]
+    rows[:, FLOOD_PREFIX_TOKENS:] = rng.integers(0, FLOOD_VOCAB, size=(FLOOD_CALL_ITEMS, suffix), dtype=np.int32)[:count]
+    tokens = rows.reshape(-1)
     return signatures[shapes], tokens, shapes
 
 
 def flood(socket_path: str, items: int, seed: int) -> None:
     """A producer process: `items` flood items as fast as the broker takes them."""
-    signatures, tokens, _ = flood_arrays(seed)
+    signatures, tokens, _ = flood_arrays(seed, min(items, FLOOD_CALL_ITEMS))
     lengths = np.full(FLOOD_CALL_ITEMS, FLOOD_TOKENS)
     producer = BrokerProducer(socket_path, timeout_s=PHASE_TIMEOUT_S)
     sent = 0
@@ -173,7 +181,7 @@ def flood(socket_path: str, items: int, seed: int) -> None:
 def paced(socket_path: str, items: int, rate_per_s: float, seed: int) -> None:
     """A producer process: `items` flood items at `rate_per_s`, each sent when due (those due
     together in one call), so latency is measured at that load, not behind a backlog."""
-    signatures, tokens, _ = flood_arrays(seed)
+    signatures, tokens, _ = flood_arrays(seed, min(items, FLOOD_CALL_ITEMS))
     lengths = np.full(FLOOD_CALL_ITEMS, FLOOD_TOKENS)
     producer = BrokerProducer(socket_path, timeout_s=PHASE_TIMEOUT_S)
     start = time.monotonic()
@@ -182,8 +190,8 @@ def paced(socket_path: str, items: int, rate_per_s: float, seed: int) -> None:
         due = min(items, int((time.monotonic() - start) * rate_per_s) + 1)
         n = min(due - sent, FLOOD_CALL_ITEMS)
         if n > 0:
-            k = sent % FLOOD_CALL_ITEMS
-            n = min(n, FLOOD_CALL_ITEMS - k)
+            k = sent % signatures.shape[0]
+            n = min(n, signatures.shape[0] - k)
             producer.submit_many(0, signatures[k:k + n], tokens[k * FLOOD_TOKENS:(k + n) * FLOOD_TOKENS],
                                  lengths[:n], FLOOD_PREFIX_TOKENS)
             sent += n
