@@ -313,14 +313,15 @@ def run_phase(targets: Sequence[tuple[Callable, tuple]], items: int, completed: 
 
 
 def cpu_seconds(processes: dict[str, psutil.Process], into: dict[str, float]) -> dict[str, float]:
-    """Record each live process's CPU time (user + system) in `into`; the last reading
-    before a process exits stays. Returns `into`."""
+    """Record each live process's CPU time (user + system, its reaped children's included:
+    redis-server's AOF rewrites run in a forked child) in `into`; the last reading before a
+    process exits stays. Returns `into`."""
     for name, process in processes.items():
         try:
             times = process.cpu_times()
         except psutil.NoSuchProcess:
             continue
-        into[name] = times.user + times.system
+        into[name] = times.user + times.system + times.children_user + times.children_system
     return into
 
 
