@@ -16,7 +16,14 @@ import time
 
 import click
 
-from pipeline.cli.launch import ENGINE_OPTIONS_HELP, _finish, _run_with_progress, check_before_start, setup_logging
+from pipeline.cli.launch import (
+    ENGINE_OPTIONS_HELP,
+    _finish,
+    _run_with_progress,
+    check_before_start,
+    check_ray,
+    setup_logging,
+)
 from pipeline.consumer.engines import ENGINES
 from pipeline.runtime.tables import merged, parse_assignments, parse_engine_options
 from pipeline.wire.errors import BadInputError, PipelineError
@@ -81,6 +88,8 @@ def run_batch(input_file: str, output_file: str, model_dir: str, served_model_na
         raise click.ClickException(f"the output file {output_file} is the input file: it would be replaced")
     own_data_dir = data_dir is None
     data_dir = data_dir or output_file + DEFAULT_DATA_DIR_SUFFIX
+    if ray_address is not None:
+        check_ray()
     try:
         engine = engine or _default_engine()
         tokenizer = ChatTokenizer.load(model_dir)

@@ -83,14 +83,51 @@ def run_job_on_cluster(settings: LaunchSettings, batch_file: BatchFile, indices:
     run = ClusterRun(settings, keys, items, node_root=node_root, results_dir=results_dir, address=address,
                      models=(JOB_MODEL,), on_progress=ProgressLine("run-batch"), route=route)
     report = run.run()
+    write_cluster_report(settings, report)
+    print(summary_line("run-batch", report), file=sys.stderr)
+    return 0 if report["total"]["unanswered"] == 0 else 1
+
+
+def write_cluster_report(settings: LaunchSettings, report: dict) -> None:
+    """The cluster run's report under "cluster" in the report file, when one is asked for."""
     if settings.report:
         with open(settings.report, "w") as f:
             json.dump({"cluster": report}, f, indent=1)
-    total = report["total"]
+
+
+def summary_line(what: str, report: dict) -> str:
+    """The cluster run in one line: answered, speed, prefix reuse, routing, losses."""
+    total, routing = report["total"], report["routing"]
     reuse = total["prefix_reuse"]
-    print(f"run-batch: ray: {total['answered']:,} answered on {len(report['nodes'])} nodes in {total['wall_s']:.1f} s "
-          f"({total['items_per_s'] or 0:.1f} items/s), prefix reuse {reuse if reuse is None else f'{reuse:.1%}'}, "
-          f"{report['routing']['keys']} routing keys, {report['routing']['split_shapes']} hot shapes split, "
-          f"{total['lost']} nodes lost, {total['resubmitted_from']:,} items resubmitted, "
-          f"{total['duplicates_dropped'] + total['stale_dropped']:,} duplicate answers dropped", file=sys.stderr)
-    return 0 if total["unanswered"] == 0 else 1
+    return (f"{what}: ray: {total['answered']:,} answered on {len(report['nodes'])} nodes in {total['wall_s']:.1f} s "
+            f"({total['items_per_s'] or 0:.1f} items/s), prefix reuse {'n/a' if reuse is None else f'{reuse:.1%}'}, "
+            f"{routing['keys']} routing keys, {routing['split_shapes']} hot shapes split, "
+            f"{total['lost']} nodes lost, {total['resubmitted_from']:,} items resubmitted, "
+            f"{total['duplicates_dropped'] + total['stale_dropped']:,} duplicate answers dropped, "
+            f"{total['unanswered']:,} unanswered")
+
+
+def run_workload_on_cluster(settings: LaunchSettings, workload, address: str, node_root: str | None) -> int:
+    """`pipeline launch --ray`: every item of `workload` on the cluster, routed as a job's
+    are (its keys: the items' positions); the rows go to DATA_DIR/results/ray-*/ (a
+    temporary data directory where none is given, removed after a run that answered all)."""
+    import shutil
+    import tempfile
+
+    items = list(workload.items(0, 1))
+    own = settings.data_dir is None
+    data_dir = settings.data_dir or tempfile.mkdtemp(prefix="shape-broker-")
+    node_root = node_root or os.path.join(tempfile.gettempdir(), f"sbrk-ray-{os.path.basename(data_dir)}")
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    results_dir = os.path.join(data_dir, "results", f"ray-{stamp}-{os.getpid()}")
+    run = ClusterRun(settings, list(range(len(items))), items, node_root=node_root, results_dir=results_dir,
+                     address=address, models=tuple(workload.models), on_progress=ProgressLine("launch"))
+    report = run.run()
+    write_cluster_report(settings, report)
+    print(summary_line("launch", report), file=sys.stderr)
+    unanswered = report["total"]["unanswered"]
+    if own and not unanswered:
+        shutil.rmtree(data_dir, ignore_errors=True)
+    else:
+        print(f"launch: results: {results_dir}", file=sys.stderr)
+    return 0 if unanswered == 0 else 1

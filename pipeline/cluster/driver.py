@@ -150,8 +150,7 @@ class ClusterRun:
         started_s = time.monotonic()
         ray = self.ray
         if not ray.is_initialized():
-            ray.init(address=self.address, logging_level="WARNING", log_to_driver=False)
-            self._joined_here = True
+            self._join_cluster()
         try:
             found = self._find_nodes()
             if not found:
@@ -174,6 +173,18 @@ class ClusterRun:
             if self._joined_here:
                 ray.shutdown()
         return self._report(time.monotonic() - started_s)
+
+    def _join_cluster(self) -> None:
+        """Join the cluster at `address`; "auto" is the cluster this machine runs (`ray start`),
+        or, where it runs none, a Ray of this machine alone, started here."""
+        options = {"logging_level": "WARNING", "log_to_driver": False}
+        try:
+            self.ray.init(address=self.address, **options)
+        except ConnectionError:
+            if self.address != "auto":
+                raise ClusterError(f"no Ray cluster answers at {self.address}") from None
+            self.ray.init(**options)
+        self._joined_here = True
 
     def _find_nodes(self) -> dict[str, dict]:
         """Alive nodes, each by its slot name, with the actor options that place an agent there."""

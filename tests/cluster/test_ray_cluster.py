@@ -130,11 +130,14 @@ class LocalCluster:
         return [" ".join(p.info["cmdline"][:3]) if hasattr(p, "info") else str(p.pid) for p in left]
 
 
-@pytest.fixture
-def cluster(monkeypatch):
+@pytest.fixture(scope="module")
+def cluster():
+    """One cluster for the module (5 to 15 s to start here): the node-kill test runs last and
+    brings its node back."""
     root = tempfile.mkdtemp(prefix="r", dir="/tmp")  # short: Unix socket paths under it
     os.makedirs(os.path.join(root, "ray"))
-    monkeypatch.setenv("RAY_TMPDIR", root)
+    saved = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = root
     before = _shm()
     local = LocalCluster(root)
     try:
@@ -145,6 +148,10 @@ def cluster(monkeypatch):
         new = sorted(_shm() - before)
         node_objects = _node_objects(root)
         shutil.rmtree(root, ignore_errors=True)
+        if saved is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = saved
     # Other suites may run beside this one: only objects of this cluster's nodes, or Ray's own.
     assert not left, f"processes of the cluster still run: {left}"
     assert not node_objects and not [n for n in new if not n.startswith(("sbrk-", "sem.sbrk-"))], new
@@ -167,7 +174,7 @@ def run_batch_command(cluster: LocalCluster, tmp_path: Path, records: list[dict]
     return [sys.executable, "-m", "pipeline", "run-batch", "--engine", "sim", "-i", str(source),
             "-o", str(tmp_path / "out.jsonl"), "--model", model_dir, "--data-dir", str(tmp_path / "job"),
             "--report", str(tmp_path / "report.json"), "--consumers", "1", "--max-batch", "16",
-            "--ray", cluster.cluster.address, "--ray-node-dir", os.path.join(cluster.root, "n"), *extra]
+            "--ray", cluster.cluster.address, "--ray-node-dir", os.path.join(cluster.root, "n", tmp_path.name), *extra]
 
 
 def check_once(tmp_path: Path, records: list[dict]) -> dict:
@@ -219,6 +226,23 @@ def test_a_job_is_answered_once_per_custom_id_with_each_shape_on_one_node(cluste
     assert report["cluster"]["routing"]["split_shapes"] == plan.splits
     assert report["cluster"]["total"]["cached_tokens"] > 0
     assert "0 nodes lost" in done.stderr
+
+
+def test_launch_routes_a_workload_over_the_nodes(cluster, tmp_path):
+    """`pipeline launch --ray`: the demo-chat workload, every item answered once."""
+    report_path = tmp_path / "report.json"
+    done = subprocess.run([sys.executable, "-m", "pipeline", "launch", "--workload", "demo-chat", "--items", "150",
+                           "--consumers", "1", "--data-dir", str(tmp_path / "data"), "--report", str(report_path),
+                           "--ray", cluster.cluster.address, "--ray-node-dir", os.path.join(cluster.root, "n", "l")],
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=ROOT)
+    cluster.record()
+    assert done.returncode == 0, done.stderr
+    report = json.loads(report_path.read_text())["cluster"]
+    assert report["total"]["answered"] == 150 and report["total"]["unanswered"] == 0
+    rows = [json.loads(line) for path in (tmp_path / "data" / "results").glob("ray-*/node-*.jsonl")
+            for line in path.read_text().splitlines()]
+    assert len(rows) == 150 and len({(r["item_id"], r["payload"]) for r in rows}) == 150
+    assert sum(1 for node in report["nodes"].values() if node["answered"]) >= 2
 
 
 def test_a_node_killed_mid_job_loses_nothing_and_duplicates_nothing(cluster, tmp_path, model_dir):
