@@ -68,6 +68,9 @@ POLL_INTERVAL_S = 0.2
 NODE_CHECK_S = 1.0
 # How long the run waits for its first agents to start (a node's broker recovering its store).
 START_WAIT_S = 180.0
+# A node whose agent failed to start this many times is left out of the run (its broker
+# cannot start there: the reason is in the report), rather than retried every NODE_CHECK_S.
+MAX_AGENT_STARTS = 3
 # How long the agents get to stop their nodes at the end.
 STOP_WAIT_S = 60.0
 
@@ -336,7 +339,7 @@ class ClusterRun:
             starting = any(s == slot and kind == "start" for s, _e, kind, _p in self.pending.values())
             if node is None:
                 node = self.nodes[slot] = NodeState(slot, placement)
-            if not node.alive and not starting:
+            if not node.alive and not starting and node.counts["epochs"] < MAX_AGENT_STARTS:
                 node.placement = placement
                 self._start_agent(node)
 
