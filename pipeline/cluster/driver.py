@@ -36,13 +36,13 @@ import dataclasses
 import json
 import os
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import xxhash
 
 from pipeline.cluster.agent import NodeAgent
+from pipeline.cluster.ledger import ACCEPTED, STALE, JobLedger
 from pipeline.cluster.node import NodeSpec
 from pipeline.cluster.routing import Router, RoutingPlan
 from pipeline.producer.signature import chain as shape_chain
@@ -100,17 +100,14 @@ class NodeState:
 
     slot: str
     placement: dict  # ray actor options that put the agent on this node
-    epoch: int = 0
     agent: object = None
     alive: bool = False
     info: dict = field(default_factory=dict)
-    queue: deque = field(default_factory=deque)  # item positions routed here, not sent yet
-    held: set = field(default_factory=set)  # item positions sent, not answered
     last_poll_s: float = 0.0
     polling: bool = False
     counts: dict = field(default_factory=lambda: {
         "sent": 0, "answered": 0, "resubmitted_from": 0, "stale_dropped": 0, "duplicates_dropped": 0,
-        "prompt_tokens": 0, "cached_tokens": 0, "epochs": 0, "lost": 0, "discarded_by_agent": 0})
+        "prompt_tokens": 0, "cached_tokens": 0, "epochs": 0, "lost": 0, "discarded_by_agent": 0, "moved_to": 0})
 
     def window(self) -> int:
         return WINDOW_ITEMS * max(1, int(self.info.get("consumers", 1)))
@@ -135,8 +132,7 @@ class ClusterRun:
         self.models = models
         self.on_progress = on_progress or (lambda done, total, nodes: None)
         self.route = route
-        self.owner: list[str | None] = [None] * len(items)
-        self.answered: set[int] = set()
+        self.ledger = JobLedger(len(items))
         self.position = {key: k for k, key in enumerate(self.keys)}
         self.nodes: dict[str, NodeState] = {}
         self.pending: dict = {}  # ray object ref -> (slot, epoch, kind, positions)
@@ -204,14 +200,17 @@ class ClusterRun:
         return {node["NodeID"][:12]: {"scheduling_strategy": NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)}
                 for node in alive}
 
+    def _epoch(self, node: NodeState) -> int:
+        return self.ledger.epoch[node.slot]
+
     def _start_agent(self, node: NodeState) -> None:
-        node.epoch += 1
+        epoch = self.ledger.open(node.slot)
         node.counts["epochs"] += 1
         node_settings = dataclasses.replace(self.settings, data_dir=os.path.join(self.node_root, node.slot),
                                             report=None, plots=None, metrics_port=None)
         actor = self.ray.remote(NodeAgent).options(num_cpus=AGENT_CPUS, max_restarts=0, **node.placement)
-        node.agent = actor.remote(node.slot, node.epoch, NodeSpec(node_settings, self.models))
-        self.pending[node.agent.start.remote()] = (node.slot, node.epoch, "start", ())
+        node.agent = actor.remote(node.slot, epoch, NodeSpec(node_settings, self.models))
+        self.pending[node.agent.start.remote()] = (node.slot, epoch, "start", ())
 
     def _wait_started(self) -> None:
         """Until every agent started, or START_WAIT_S passed: a node whose agent cannot be
@@ -233,15 +232,13 @@ class ClusterRun:
         return self.router.node_of(k, self.hashes[k])
 
     def _assign(self, k: int) -> None:
-        slot = self._node_for(k)
-        self.owner[k] = slot
-        self.nodes[slot].queue.append(k)
+        self.ledger.assign(k, self._node_for(k))
 
     # ----------------------------------------------------------------- loop
 
     def _loop(self) -> None:
         next_check_s = time.monotonic() + NODE_CHECK_S
-        while len(self.answered) < len(self.items):
+        while self.ledger.unanswered():
             now_s = time.monotonic()
             if now_s >= next_check_s:
                 self._check_nodes()
@@ -251,20 +248,19 @@ class ClusterRun:
                     self._send(node)
                     if not node.polling and now_s - node.last_poll_s >= POLL_INTERVAL_S:
                         node.polling, node.last_poll_s = True, now_s
-                        self.pending[node.agent.poll.remote(node.epoch)] = (node.slot, node.epoch, "poll", ())
+                        epoch = self._epoch(node)
+                        self.pending[node.agent.poll.remote(epoch)] = (node.slot, epoch, "poll", ())
             if not any(n.alive for n in self.nodes.values()) and not self.pending:
-                raise ClusterError(f"every node is lost; {len(self.items) - len(self.answered):,} items unanswered")
+                raise ClusterError(f"every node is lost; {self.ledger.unanswered():,} items unanswered")
             self._handle(self._ready(timeout_s=POLL_INTERVAL_S))
-            self.on_progress(len(self.answered), len(self.items), self.nodes)
+            self.on_progress(len(self.ledger.answered), len(self.items), self.nodes)
 
     def _send(self, node: NodeState) -> None:
-        while node.queue and len(node.held) < node.window():
-            batch = [node.queue.popleft() for _ in range(min(BATCH_ITEMS, len(node.queue)))]
-            batch = [k for k in batch if k not in self.answered]
-            node.held.update(batch)
+        epoch = self._epoch(node)
+        while batch := self.ledger.take(node.slot, BATCH_ITEMS, node.window()):
             node.counts["sent"] += len(batch)
-            ref = node.agent.submit.remote(node.epoch, [self.keys[k] for k in batch], [self.items[k] for k in batch])
-            self.pending[ref] = (node.slot, node.epoch, "submit", tuple(batch))
+            ref = node.agent.submit.remote(epoch, [self.keys[k] for k in batch], [self.items[k] for k in batch])
+            self.pending[ref] = (node.slot, epoch, "submit", tuple(batch))
 
     def _ready(self, timeout_s: float) -> list:
         if not self.pending:
@@ -283,10 +279,10 @@ class ClusterRun:
             try:
                 value = self.ray.get(ref)
             except self.ray.exceptions.RayError as exc:
-                if epoch == node.epoch and (node.alive or kind == "start"):
+                if epoch == self._epoch(node) and (node.alive or kind == "start"):
                     self._lose(node, f"{kind} failed: {_first_line(exc)}")
                 continue
-            if epoch != node.epoch:
+            if epoch != self._epoch(node):
                 if kind == "poll":
                     node.counts["stale_dropped"] += len(value["rows"])
                 continue
@@ -304,11 +300,10 @@ class ClusterRun:
         node.counts["discarded_by_agent"] = value["discarded"]
         for key, row in value["rows"]:
             k = self.position.get(key)
-            if k is None or k in self.answered or self.owner[k] != node.slot:
-                node.counts["duplicates_dropped"] += 1
+            verdict = STALE if k is None else self.ledger.accept(node.slot, value["epoch"], k)
+            if verdict != ACCEPTED:
+                node.counts["stale_dropped" if verdict == STALE else "duplicates_dropped"] += 1
                 continue
-            self.answered.add(k)
-            node.held.discard(k)
             node.counts["answered"] += 1
             node.counts["prompt_tokens"] += int(row.get("prompt_tokens") or 0)
             node.counts["cached_tokens"] += int(row.get("cached_tokens") or 0)
@@ -347,15 +342,12 @@ class ClusterRun:
         """Fence the node off and route what it held (unanswered) over the survivors."""
         was_alive = node.alive
         node.alive, node.polling = False, False
-        node.epoch += 1  # anything the old incarnation still says is dropped
+        moved = self.ledger.close(node.slot)  # fenced: anything the old incarnation still says is dropped
         node.counts["lost"] += int(was_alive)
         try:
             self.ray.kill(node.agent, no_restart=True)
         except Exception:  # noqa: BLE001 - an actor already gone
             pass
-        moved = [k for k in [*node.held, *node.queue] if k not in self.answered]
-        node.held.clear()
-        node.queue.clear()
         node.info["lost_because"] = why
         if self.router is None:
             return
@@ -370,18 +362,10 @@ class ClusterRun:
         """A node that started after the run began: into the router, and the items not sent
         yet whose keys it now wins move to it."""
         self.router.add(node.slot)
-        for other in self.nodes.values():
-            if other is node or not other.alive:
-                continue
-            keep = deque()
-            for k in other.queue:
-                (node.queue if self._node_for(k) == node.slot else keep).append(k)
-            other.queue = keep
-        for k in node.queue:
-            self.owner[k] = node.slot
+        node.counts["moved_to"] += self.ledger.move_queued(node.slot, lambda k: self._node_for(k) == node.slot)
 
     def _stop_all(self) -> None:
-        finished = len(self.answered) == len(self.items)  # a finished run's node stores are empty: removed
+        finished = self.ledger.unanswered() == 0  # a finished run's node stores are empty: removed
         refs = {n.agent.stop.remote(remove=finished): n for n in self.nodes.values() if n.alive and n.agent is not None}
         if refs:
             done, _ = self.ray.wait(list(refs), num_returns=len(refs), timeout=STOP_WAIT_S)
@@ -412,10 +396,10 @@ class ClusterRun:
         plan = self.plan
         return {
             "nodes": nodes,
-            "total": {**total, "items": len(self.items), "unanswered": len(self.items) - len(self.answered),
+            "total": {**total, "items": len(self.items), "unanswered": self.ledger.unanswered(),
                       "prefix_reuse": total.get("cached_tokens", 0) / total["prompt_tokens"]
                       if total.get("prompt_tokens") else None,
-                      "wall_s": wall_s, "items_per_s": len(self.answered) / wall_s if wall_s > 0 else None},
+                      "wall_s": wall_s, "items_per_s": len(self.ledger.answered) / wall_s if wall_s > 0 else None},
             "routing": {"route": self.route, "keys": len(plan.key_loads) if plan else 0,
                         "split_shapes": plan.splits if plan else 0, "sub_keys": plan.sub_keys if plan else 0,
                         "max_key_load_tokens": plan.max_key_load if plan else None},

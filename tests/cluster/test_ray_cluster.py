@@ -42,7 +42,7 @@ SLOT = "shape_broker_node_"
 # A job on 2 shared cores with a 3-node cluster on them.
 RUN_TIMEOUT_S = 240
 # Each sim batch sleeps this long per padded token, so the killed node is mid-job.
-SLOW_CONFIG = "[engine_options]\ncost_s_per_padded_token = 1e-3\n"
+SLOW_CONFIG = "[engine_options]\ncost_s_per_padded_token = 2e-3\n"
 SYSTEMS = ["You answer questions about a hardware store, in two sentences.",
            "You translate short English phrases into French.",
            "You review code snippets and name the worst problem.",
@@ -246,7 +246,7 @@ def test_launch_routes_a_workload_over_the_nodes(cluster, tmp_path):
 
 
 def test_a_node_killed_mid_job_loses_nothing_and_duplicates_nothing(cluster, tmp_path, model_dir):
-    records = job_records(450)
+    records = job_records(300)
     config = tmp_path / "slow.toml"
     config.write_text(SLOW_CONFIG)
     command = run_batch_command(cluster, tmp_path, records, model_dir, "--config", str(config))
@@ -269,12 +269,12 @@ def test_a_node_killed_mid_job_loses_nothing_and_duplicates_nothing(cluster, tmp
     assert code == 0, stderr
     report = check_once(tmp_path, records)
     total, c = report["cluster"]["total"], report["cluster"]["nodes"]["c"]
-    assert total["answered"] == 450 and total["unanswered"] == 0
-    assert c["lost"] == 1 and c["epochs"] >= 2, c
+    assert total["answered"] == 300 and total["unanswered"] == 0
+    assert c["lost"] == 1 and c["epochs"] >= 2, (c, stderr)
     assert total["resubmitted_from"] > 0, total
     # The accepted rows: one per request over all nodes' files.
     payloads = [row["payload"] for rows in node_rows(tmp_path).values() for row in rows]
-    assert len(payloads) == len(set(payloads)) == 450
+    assert len(payloads) == len(set(payloads)) == 300
 
 
 def _rows_so_far(tmp_path: Path) -> dict[str, int]:
