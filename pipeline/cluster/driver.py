@@ -48,6 +48,7 @@ from pipeline.cluster.routing import Router, RoutingPlan
 from pipeline.producer.signature import chain as shape_chain
 from pipeline.producer.workload import WorkItem
 from pipeline.runtime.settings import LaunchSettings
+from pipeline.wire.errors import PipelineError
 
 # A node's own resource: `ray start --resources '{"shape_broker_node_a": 1}'` makes it node "a".
 SLOT_RESOURCE_PREFIX = "shape_broker_node_"
@@ -81,8 +82,8 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[-1] if lines else ''}"[:300]
 
 
-class ClusterError(RuntimeError):
-    """A cluster run that cannot go on (no node left, no node found)."""
+class ClusterError(PipelineError):
+    """A cluster run that cannot go on: Ray missing or not answering, no node found or left."""
 
 
 def ray_module():
@@ -179,10 +180,12 @@ class ClusterRun:
         options = {"logging_level": "WARNING", "log_to_driver": False}
         try:
             self.ray.init(address=self.address, **options)
-        except ConnectionError:
+        except ConnectionError as exc:
             if self.address != "auto":
-                raise ClusterError(f"no Ray cluster answers at {self.address}") from None
+                raise ClusterError(f"no Ray cluster answers at {self.address}: {_first_line(exc)}") from None
             self.ray.init(**options)
+        except (RuntimeError, ValueError) as exc:  # a malformed address, a version mismatch
+            raise ClusterError(f"cannot join the Ray cluster at {self.address}: {_first_line(exc)}") from None
         self._joined_here = True
 
     def _find_nodes(self) -> dict[str, dict]:
