@@ -11,6 +11,7 @@ from __future__ import annotations
 import click
 
 from pipeline.cli.batch import run_batch
+from pipeline.cli.bench import bench
 from pipeline.cli.launch import launch
 from pipeline.cli.stages import broker, consumer, produce, status
 from pipeline.cli.tools import tools
@@ -38,5 +39,5 @@ def main() -> None:
     """Shape-aware batching broker for LLM inference pipelines."""
 
 
-for command in (launch, run_batch, broker, consumer, produce, status, tools):
+for command in (launch, run_batch, broker, consumer, produce, status, tools, bench):
     main.add_command(command)

@@ -178,3 +178,34 @@ def _print_analysis(result: dict) -> None:
     for run in result["reuse"]:
         size = "unbounded" if run["cache_tokens"] is None else f"{run['cache_tokens']:,}"
         click.echo(f"{run['order']:<14} {size:>13} {run['caches']:>6} {run['hit_tokens']:>13,} {run['reuse']:>7.1%}")
+
+
+@tools.command("check")
+@click.argument("data_dir", type=click.Path(file_okay=False))
+@click.option("--workload", required=True, help="What the producers submitted: 'demo', 'demo-chat' or a workload file.")
+@click.option("--items", type=click.IntRange(min=1), default=None, help="As given to the run (demo: how many).")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="As given to the run.")
+@click.option("--duplicate-bound", type=click.IntRange(min=0), default=None,
+              help="Fail when more duplicate results lines than this (items in flight at a fault).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def check_command(data_dir: str, workload: str, items: int | None, seed: int, duplicate_bound: int | None,
+                  as_json: bool) -> None:
+    """Every item of WORKLOAD against what runs on DATA_DIR left: results of every run, live
+    store entries, unstored ring records. Exit 1 unless lost = unexpected = corrupt = 0 (and
+    duplicates within --duplicate-bound)."""
+    import dataclasses
+
+    from pipeline.producer.demos import named_workload
+    from pipeline.reliability.sources import check_data_dir
+    from pipeline.runtime.settings import DEMO_ITEMS
+
+    verdict = check_data_dir(named_workload(workload, items, seed=seed, default_items=DEMO_ITEMS), data_dir,
+                             duplicate_bound)
+    if as_json:
+        click.echo(json.dumps({**dataclasses.asdict(verdict), "passed": verdict.passed}, indent=2))
+    else:
+        click.echo(verdict.line())
+        for kind, keys in verdict.examples.items():
+            click.echo(f"  {kind}: {', '.join(keys)}")
+    if not verdict.passed:
+        sys.exit(1)

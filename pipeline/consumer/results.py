@@ -2,12 +2,15 @@
 
     results_dir/{name}.jsonl     one JSON object per item, one line each:
     {"item_id", "batch_id", "dispatch_ns", "submit_ns", "done_ns", "pad_to_tokens", "status",
-     "prompt_tokens", "cached_tokens", "output_tokens", "output": [token ids],
+     "prompt_tokens", "prompt_xxh3", "cached_tokens", "output_tokens", "output": [token ids],
      "finish_reason": "length" or "stop" (null where nothing ran), ["text": the generated
      text, where the engine has a tokenizer,] "payload": base64 of the producer's opaque
      payload (without the generation envelope: pipeline/wire/generation.py)}
 
-in that key order, written by `result_lines` alone. The *_ns fields are time.monotonic_ns():
+in that key order, written by `result_lines` alone. `prompt_xxh3` is
+pipeline.wire.layouts.prompt_digest of the token ids the consumer read (what the engine was
+given), null where nothing could be read (STATUS_CORRUPT): the end-to-end check of a checker
+(pipeline.reliability). The *_ns fields are time.monotonic_ns():
 one clock for every process of the machine; done_ns is taken once per call, as a batch's
 lines are formatted, just before they are written. `status` is STATUS_OK, STATUS_TOO_LONG
 (longer than the contract's max input length: no output), STATUS_CORRUPT (the entry failed
@@ -69,12 +72,13 @@ STATUS_ERROR = "error"
 def result_lines(d: Descriptor, status: str, item_ids: Sequence[int], submit_ns: Sequence[int],
                  prompt_tokens: Sequence[int], cached_tokens: Sequence[int], outputs: Sequence[Sequence[int]],
                  payloads: Sequence[bytes], finish_reasons: Sequence[str] | None = None,
-                 texts: Sequence[str | None] | None = None) -> str:
+                 texts: Sequence[str | None] | None = None, digests: Sequence[int] | None = None) -> str:
     """The result lines of items of one batch and one status, as one string (lines joined by
     "\n", no trailing one; "" for no items): the batch's fields are written into the format
     once, done_ns is taken once, and when every output is as long and every finish reason
     the same (the sim engine's, or nothing ran) with no text, the whole call is one `%`
     format over all its values. `finish_reasons` None: null for every item (nothing ran).
+    `digests` (prompt_digest of each prompt) None: null for every item (nothing was read).
 
     Example, 2 items with outputs [7, 8] and [9, 10]: the format is the line's format with
     "%d,%d" for the output, repeated twice, and its values are (id0, submit0, prompt0,
@@ -89,8 +93,9 @@ def result_lines(d: Descriptor, status: str, item_ids: Sequence[int], submit_ns:
         return ""
     head = (f'{{"item_id":%d,"batch_id":{d.batch_id},"dispatch_ns":{d.dispatch_ns},"submit_ns":%d,'
             f'"done_ns":{time.monotonic_ns()},"pad_to_tokens":{d.pad_to_tokens},"status":"{status}",'
-            f'"prompt_tokens":%d,"cached_tokens":%d,"output_tokens":')
-    columns: list = [item_ids, submit_ns, prompt_tokens, cached_tokens]
+            f'"prompt_tokens":%d,"prompt_xxh3":%s,"cached_tokens":%d,"output_tokens":')
+    columns: list = [item_ids, submit_ns, prompt_tokens,
+                     list(map(str, digests)) if digests is not None else ["null"] * len(item_ids), cached_tokens]
     payload = '"payload":""}'
     if any(payloads):
         columns.append([base64.b64encode(p).decode() if p else "" for p in payloads])
@@ -101,13 +106,13 @@ def result_lines(d: Descriptor, status: str, item_ids: Sequence[int], submit_ns:
         width = widths.pop()
         reason = _finish_json(reasons.pop())
         form = f'{head}{width},"output":[{",".join(["%d"] * width)}],"finish_reason":{reason},{payload}'
-        columns[4:4] = zip(*outputs)
+        columns[5:5] = zip(*outputs)
         return "\n".join([form] * len(item_ids)) % tuple(chain.from_iterable(zip(*columns)))
     form = f'{head}%d,"output":[%s],"finish_reason":%s,{payload}'
     reason_column = [_finish_json(r) for r in finish_reasons] if finish_reasons is not None else ["null"] * len(outputs)
     if texts is not None:
         reason_column = [f'{r},"text":{json.dumps(t, ensure_ascii=True)}' for r, t in zip(reason_column, texts)]
-    columns[4:4] = [list(map(len, outputs)), [",".join(map(str, o)) for o in outputs], reason_column]
+    columns[5:5] = [list(map(len, outputs)), [",".join(map(str, o)) for o in outputs], reason_column]
     return "\n".join([form % row for row in zip(*columns)])
 
 
@@ -122,7 +127,7 @@ def _finish_json(reason: str | None) -> str:
 
 
 def error_lines(d: Descriptor, item_ids: Sequence[int], submit_ns: Sequence[int], prompt_tokens: Sequence[int],
-                messages: Sequence[str], payloads: Sequence[bytes]) -> str:
+                messages: Sequence[str], payloads: Sequence[bytes], digests: Sequence[int | None]) -> str:
     """The result lines of items the engine failed (STATUS_ERROR), as `result_lines` makes
     them (the same keys in the same order, no output, 0 cached) with "error": the engine's
     message last. json.dumps with ensure_ascii: a message is arbitrary text, and the file
@@ -131,10 +136,10 @@ def error_lines(d: Descriptor, item_ids: Sequence[int], submit_ns: Sequence[int]
     return "\n".join(json.dumps({
         "item_id": item, "batch_id": d.batch_id, "dispatch_ns": d.dispatch_ns, "submit_ns": submitted,
         "done_ns": done_ns, "pad_to_tokens": d.pad_to_tokens, "status": STATUS_ERROR, "prompt_tokens": tokens,
-        "cached_tokens": 0, "output_tokens": 0, "output": [], "finish_reason": None,
+        "prompt_xxh3": digest, "cached_tokens": 0, "output_tokens": 0, "output": [], "finish_reason": None,
         "payload": base64.b64encode(payload).decode() if payload else "", "error": message,
-    }, separators=(",", ":"), ensure_ascii=True) for item, submitted, tokens, message, payload
-        in zip(item_ids, submit_ns, prompt_tokens, messages, payloads))
+    }, separators=(",", ":"), ensure_ascii=True) for item, submitted, tokens, message, payload, digest
+        in zip(item_ids, submit_ns, prompt_tokens, messages, payloads, digests))
 
 
 class ResultsFile:

@@ -401,6 +401,17 @@ def entry_checksum(buf, offset: int, end: int, length: int) -> int:
     return xxhash.xxh3_64_intdigest(buf[offset + ENTRY_CHECKSUM_FROM:end], seed=length)
 
 
+def prompt_digest(tokens: np.ndarray) -> int:
+    """The digest a results line carries of the prompt the engine was given (`prompt_xxh3`):
+    xxh3-64 of its token ids as little-endian int32, unseeded. A checker computes the same
+    from what the producer submitted, so an item delivered with other tokens than it was
+    submitted with (damage anywhere from the producer's array to the engine) is caught end
+    to end, not only where a checksum covers it. Entries hold little-endian int32 ids, so a
+    view read from a segment hashes without a copy."""
+    ids = np.ascontiguousarray(tokens, dtype="<i4")
+    return xxhash.xxh3_64_intdigest(ids)
+
+
 # Where segments live under a data directory (the whole tree is documented in
 # pipeline.broker.storage.paths): names sort by model, shape, lane and sequence.
 #

@@ -81,10 +81,13 @@ def test_result_lines_of_outputs_of_any_width_parse_as_json():
         assert [r["submit_ns"] for r in rows] == submits and {r["batch_id"] for r in rows} == {3}
     text = result_lines(d, STATUS_OK, ids, submits, lengths, [0, 4], [[1], [2]], [b"", b""])
     assert all(json.loads(line)["payload"] == "" for line in text.split("\n"))
-    long = json.loads(result_lines(d, STATUS_TOO_LONG, [7], [8], [9000], [0], [[]], [b"p"]))
+    assert all(json.loads(line)["prompt_xxh3"] is None for line in text.split("\n"))  # nothing read
+    long = json.loads(result_lines(d, STATUS_TOO_LONG, [7], [8], [9000], [0], [[]], [b"p"], digests=[2**64 - 1]))
     assert (long["status"], long["output"], long["prompt_tokens"], long["payload"]) == ("too_long", [], 9000, "cA==")
+    assert long["prompt_xxh3"] == 2**64 - 1
     assert list(long) == ["item_id", "batch_id", "dispatch_ns", "submit_ns", "done_ns", "pad_to_tokens", "status",
-                          "prompt_tokens", "cached_tokens", "output_tokens", "output", "finish_reason", "payload"]
+                          "prompt_tokens", "prompt_xxh3", "cached_tokens", "output_tokens", "output", "finish_reason",
+                          "payload"]
     assert long["finish_reason"] is None
     assert result_lines(d, STATUS_OK, [], [], [], [], [], []) == ""
 
