@@ -82,6 +82,12 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[-1] if lines else ''}"[:300]
 
 
+def _gpus_of(node: dict) -> dict:
+    """The actor option asking for all of a Ray node's GPUs ({} for a node without any)."""
+    gpus = int(node.get("Resources", {}).get("GPU", 0))
+    return {"num_gpus": gpus} if gpus > 0 else {}
+
+
 class ClusterError(PipelineError):
     """A cluster run that cannot go on: Ray missing or not answering, no node found or left."""
 
@@ -189,7 +195,11 @@ class ClusterRun:
         self._joined_here = True
 
     def _find_nodes(self) -> dict[str, dict]:
-        """Alive nodes, each by its slot name, with the actor options that place an agent there."""
+        """Alive nodes, each by its slot name, with the actor options that place an agent
+        there. The agent asks for all of its node's GPUs: Ray then sets CUDA_VISIBLE_DEVICES
+        to them in the agent, and the node process (which inherits it) runs one consumer per
+        GPU, and no other Ray work takes them meanwhile. Without slot resources, only the
+        nodes with GPUs where any node has one, else every node."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         alive = [n for n in self.ray.nodes() if n.get("Alive")]
@@ -197,11 +207,14 @@ class ClusterRun:
         for node in alive:
             for resource in node.get("Resources", {}):
                 if resource.startswith(SLOT_RESOURCE_PREFIX):
-                    slots[resource[len(SLOT_RESOURCE_PREFIX):]] = {"resources": {resource: AGENT_SLOT_SHARE}}
+                    slots[resource[len(SLOT_RESOURCE_PREFIX):]] = {"resources": {resource: AGENT_SLOT_SHARE},
+                                                                   **_gpus_of(node)}
         if slots:
             return slots
-        return {node["NodeID"][:12]: {"scheduling_strategy": NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)}
-                for node in alive}
+        with_gpus = [node for node in alive if _gpus_of(node)]
+        return {node["NodeID"][:12]: {"scheduling_strategy": NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
+                                      **_gpus_of(node)}
+                for node in with_gpus or alive}
 
     def _epoch(self, node: NodeState) -> int:
         return self.ledger.epoch[node.slot]

@@ -95,7 +95,8 @@ class LocalCluster:
         self.record()
 
     def add(self, name: str) -> None:
-        self.nodes[name] = self.cluster.add_node(num_cpus=1, resources={SLOT + name: 1},
+        # Node b says it has a GPU (Ray's resource only): its agent gets it, and its node one consumer on it.
+        self.nodes[name] = self.cluster.add_node(num_cpus=1, num_gpus=int(name == "b"), resources={SLOT + name: 1},
                                                  object_store_memory=OBJECT_STORE_BYTES)
 
     def kill(self, name: str) -> None:
@@ -173,7 +174,7 @@ def run_batch_command(cluster: LocalCluster, tmp_path: Path, records: list[dict]
     source.write_text("".join(json.dumps(r) + "\n" for r in records))
     return [sys.executable, "-m", "pipeline", "run-batch", "--engine", "sim", "-i", str(source),
             "-o", str(tmp_path / "out.jsonl"), "--model", model_dir, "--data-dir", str(tmp_path / "job"),
-            "--report", str(tmp_path / "report.json"), "--consumers", "1", "--max-batch", "16",
+            "--report", str(tmp_path / "report.json"), "--max-batch", "16",
             "--ray", cluster.cluster.address, "--ray-node-dir", os.path.join(cluster.root, "n", tmp_path.name), *extra]
 
 
@@ -202,12 +203,14 @@ def test_a_job_is_answered_once_per_custom_id_with_each_shape_on_one_node(cluste
     from pipeline.producer.signature import chain
 
     records = job_records(240)
-    done = subprocess.run(run_batch_command(cluster, tmp_path, records, model_dir), capture_output=True, text=True,
-                          timeout=RUN_TIMEOUT_S, cwd=ROOT)
+    done = subprocess.run(run_batch_command(cluster, tmp_path, records, model_dir), capture_output=True,
+                          text=True, timeout=RUN_TIMEOUT_S, cwd=ROOT)
     cluster.record()
     assert done.returncode == 0, done.stderr
     report = check_once(tmp_path, records)
     assert report["cluster"]["total"]["answered"] == 240 and report["job"]["completed"] == 240
+    # One consumer per GPU where the node has one (b: Ray's CUDA_VISIBLE_DEVICES), else 2 CPU ones.
+    assert {slot: node["consumers"] for slot, node in report["cluster"]["nodes"].items()} == {"a": 2, "b": 1, "c": 2}
     by_node = node_rows(tmp_path)
     assert set(by_node) == set(NODES) and all(by_node.values())  # the load is spread
     # Which nodes each shape ran on: one, except a shape the plan split.
@@ -249,7 +252,7 @@ def test_a_node_killed_mid_job_loses_nothing_and_duplicates_nothing(cluster, tmp
     records = job_records(300)
     config = tmp_path / "slow.toml"
     config.write_text(SLOW_CONFIG)
-    command = run_batch_command(cluster, tmp_path, records, model_dir, "--config", str(config))
+    command = run_batch_command(cluster, tmp_path, records, model_dir, "--config", str(config), "--consumers", "1")
     log = open(tmp_path / "stderr.txt", "w+")
     job = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, cwd=ROOT)
     try:
