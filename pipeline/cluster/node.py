@@ -20,6 +20,7 @@ Owner: the node agent (`pipeline.cluster.agent`) that started it; one per data d
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import pickle
@@ -40,6 +41,8 @@ WATCH_S = 0.2
 # The spec on stdin is a pickled NodeSpec: anything longer is not one.
 MAX_SPEC_BYTES = 1 << 20
 EXIT_AGENT_GONE = 3
+# Held by the node process for its whole life (see _lock_node).
+NODE_LOCK_NAME = "cluster-node.lock"
 EXIT_CHILD_DIED = 4
 
 
@@ -62,6 +65,17 @@ def node_launcher(spec: NodeSpec) -> Launcher:
     return Launcher(spec.settings, Workload("cluster node", 0, _no_item, total_tokens=0, models=spec.models))
 
 
+def _lock_node(data_dir: str) -> int:
+    """Wait for, then hold, the node's lock: an earlier node process on this data directory
+    (its agent was lost, the node came back) may still be stopping, and its last step
+    removes the data directory's shared-memory objects, which would be this broker's.
+    NOTE: the broker's own run-directory lock is not enough: it is released when the old
+    broker exits, before the old node process removes what was left."""
+    fd = os.open(os.path.join(data_dir, NODE_LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
 def _alive(process: psutil.Process) -> bool:
     try:
         return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
@@ -78,6 +92,7 @@ def serve_node(spec: NodeSpec, agent_pid: int, out) -> int:
     signal.signal(signal.SIGINT, lambda _s, _f: stopping.append(True))
     launcher = node_launcher(spec)
     os.makedirs(launcher.data_dir, mode=0o700, exist_ok=True)
+    _lock_node(launcher.data_dir)  # held until this process exits (its fd is never closed)
     broker = start_broker(launcher.config, spec.settings.storage, spec.settings.durability)
     consumers = [start_consumer(config) for config in launcher.consumer_configs()]
     out.write(json.dumps({"socket": launcher.config.socket_path, "results_dir": launcher.results_dir,
