@@ -4,6 +4,7 @@
     python3 quickstart.py demo        run the pipeline on its embedded defaults
     python3 quickstart.py test        run the whole test suite
     python3 quickstart.py test-vllm   build the vLLM CPU test environment, run the vllm tests
+    python3 quickstart.py test-ray    build the Ray test environment, run the ray (cluster) tests
     python3 quickstart.py run-batch   a batch job: the bundled example file through the sim engine
 
 `demo` and `test` create (or reuse) a virtual environment in ./.venv and install this
@@ -17,6 +18,10 @@ few minutes the first time, then the packages that break `from vllm import LLM` 
 (VLLM_CPU_REMOVE). It builds the tiny model under ./.cache/tiny-llama (tools/tiny_llama.py:
 a config and a tokenizer trained on the standard library, nothing downloaded) and runs the
 tests marked `vllm`, where a vLLM that does not import is a failure, not a skip.
+
+`test-ray` does the same in ./.venv-ray with this package's `ray` extra (Ray pinned, a
+79 MB wheel) and the `test` extra, and runs the tests marked `ray` (a local 3-node Ray
+cluster, `tests/cluster/`), where a Ray that is missing is a failure, not a skip.
 
 `run-batch` uses ./.venv too: it builds the tiny model directory (its tokenizer and chat
 template; no weights are needed by the sim engine) and runs `pipeline run-batch` on
@@ -51,6 +56,10 @@ EXAMPLE_REQUESTS = ROOT / "examples" / "chat_requests.jsonl"
 EXAMPLE_RESPONSES = ROOT / ".cache" / "chat_responses.jsonl"
 # Makes a vLLM that cannot be imported fail the vllm tests (tests/conftest.py).
 REQUIRE_VLLM_ENV = "SHAPE_BROKER_REQUIRE_VLLM"
+RAY_VENV = ROOT / ".venv-ray"
+RAY_STAMP = RAY_VENV / ".shape-broker-install-stamp"
+# Makes a missing Ray fail the ray tests (tests/conftest.py).
+REQUIRE_RAY_ENV = "SHAPE_BROKER_REQUIRE_RAY"
 # pytest's exit code when it collected no test: a suite that ran nothing must not pass.
 PYTEST_NO_TESTS_COLLECTED = 5
 
@@ -97,24 +106,52 @@ def _ensure_vllm_venv() -> Path:
     return python
 
 
-def _test_vllm(rest: list[str]) -> int:
-    python = _ensure_vllm_venv()
-    subprocess.run([str(python), str(ROOT / "tools" / "tiny_llama.py"), str(TINY_MODEL_DIR)], cwd=ROOT, check=True)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **{REQUIRE_VLLM_ENV: "1"})
-    rc = subprocess.run([str(python), "-m", "pytest", "-m", "vllm", *rest], cwd=ROOT, env=env).returncode
+def _ensure_ray_venv() -> Path:
+    """Create .venv-ray if missing, with this package and its test and ray extras; redone
+    when pyproject.toml changes."""
+    python = RAY_VENV / "bin" / "python"
+    if not python.exists():
+        print(f"quickstart: creating virtual environment in {RAY_VENV}", flush=True)
+        venv.EnvBuilder(with_pip=True, clear=True).create(RAY_VENV)
+    want = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    if RAY_STAMP.exists() and RAY_STAMP.read_text() == want:
+        return python
+    print(f"quickstart: installing .[test,ray] into {RAY_VENV}", flush=True)
+    pip = [str(python), "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "install", "-e", ".[test,ray]"], cwd=ROOT, check=True)
+    RAY_STAMP.write_text(want)
+    return python
+
+
+def _run_marked(python: Path, marker: str, require_env: str, rest: list[str]) -> int:
+    """The tests marked `marker`, where `require_env` makes a missing package a failure."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **{require_env: "1"})
+    rc = subprocess.run([str(python), "-m", "pytest", "-m", marker, *rest], cwd=ROOT, env=env).returncode
     if rc == PYTEST_NO_TESTS_COLLECTED:
-        print("quickstart: pytest collected no vllm test; treating that as a failure", file=sys.stderr)
+        print(f"quickstart: pytest collected no {marker} test; treating that as a failure", file=sys.stderr)
         return 1
     return rc
 
 
+def _test_ray(rest: list[str]) -> int:
+    return _run_marked(_ensure_ray_venv(), "ray", REQUIRE_RAY_ENV, rest)
+
+
+def _test_vllm(rest: list[str]) -> int:
+    python = _ensure_vllm_venv()
+    subprocess.run([str(python), str(ROOT / "tools" / "tiny_llama.py"), str(TINY_MODEL_DIR)], cwd=ROOT, check=True)
+    return _run_marked(python, "vllm", REQUIRE_VLLM_ENV, rest)
+
+
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("demo", "test", "test-vllm", "run-batch"):
+    if not argv or argv[0] not in ("demo", "test", "test-vllm", "test-ray", "run-batch"):
         print(__doc__, file=sys.stderr)
         return 2
     command, rest = argv[0], argv[1:]
     if command == "test-vllm":
         return _test_vllm(rest)
+    if command == "test-ray":
+        return _test_ray(rest)
     if command == "test":
         python = _ensure_venv("test")
         env = dict(os.environ, PYTHONUNBUFFERED="1")

@@ -39,14 +39,32 @@ def vllm_import_error() -> str | None:
     return None
 
 
+# Likewise for the `ray`-marked tests (a local multi-node Ray cluster).
+RAY_ENV_COMMAND = "python3 quickstart.py test-ray"
+REQUIRE_RAY_ENV = "SHAPE_BROKER_REQUIRE_RAY"
+
+
+def _skip_without(items: list[pytest.Item], marker: str, require_env: str, why, command: str) -> None:
+    """Skip the tests marked `marker` with the reason where their package is missing,
+    unless `require_env` says the environment was built to run them (then they fail)."""
+    marked = [item for item in items if marker in item.keywords]
+    if marked and os.environ.get(require_env) != "1":
+        reason = why()
+        if reason is not None:
+            skip = pytest.mark.skip(reason=f"{reason}; `{command}` builds .venv-{marker} and runs these tests")
+            for item in marked:
+                item.add_marker(skip)
+
+
+def ray_import_error() -> str | None:
+    if importlib.util.find_spec("ray") is None:
+        return "Ray is not installed in this environment (pip install 'shape-broker[ray]')"
+    return None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    needs_vllm = [item for item in items if "vllm" in item.keywords]
-    if needs_vllm and os.environ.get(REQUIRE_VLLM_ENV) != "1":
-        why = vllm_import_error()
-        if why is not None:
-            skip_vllm = pytest.mark.skip(reason=f"{why}; `{VLLM_ENV_COMMAND}` builds .venv-vllm and runs these tests")
-            for item in needs_vllm:
-                item.add_marker(skip_vllm)
+    _skip_without(items, "ray", REQUIRE_RAY_ENV, ray_import_error, RAY_ENV_COMMAND)
+    _skip_without(items, "vllm", REQUIRE_VLLM_ENV, vllm_import_error, VLLM_ENV_COMMAND)
     if config.getoption("--run-slow"):
         return
     skip = pytest.mark.skip(reason="long stress variant: pass --run-slow")

@@ -16,7 +16,14 @@ import time
 
 import click
 
-from pipeline.cli.launch import ENGINE_OPTIONS_HELP, _finish, _run_with_progress, check_before_start, setup_logging
+from pipeline.cli.launch import (
+    ENGINE_OPTIONS_HELP,
+    _finish,
+    _run_with_progress,
+    check_before_start,
+    check_ray,
+    setup_logging,
+)
 from pipeline.consumer.engines import ENGINES
 from pipeline.runtime.tables import merged, parse_assignments, parse_engine_options
 from pipeline.wire.errors import BadInputError, PipelineError
@@ -26,6 +33,9 @@ from pipeline.wire.errors import BadInputError, PipelineError
 DEFAULT_DATA_DIR_SUFFIX = ".run"
 # The made-up output ids of the sim engine span 15 bits: a vocabulary above that is cut to it.
 SIM_VOCAB_LIMIT = 1 << 15
+# With --ray, each node's data directory is made under this name in its temporary directory
+# (short: the broker's Unix socket path must stay within 108 bytes).
+RAY_NODE_DIR_DEFAULT = "sbrk-ray"
 
 
 @click.command("run-batch")
@@ -55,9 +65,18 @@ SIM_VOCAB_LIMIT = 1 << 15
 @click.option("--set", "assignments", multiple=True, metavar="KEY=VALUE", help="A setting of the config file's form.")
 @click.option("--keep-data-dir", is_flag=True, help="Keep the default data directory after the output is written.")
 @click.option("-v", "--verbose", is_flag=True, help="Log every process's info messages to stderr.")
+@click.option("--ray", "ray_address", metavar="ADDRESS|auto",
+              help="Run on a Ray cluster (pip install 'shape-broker[ray]'): one broker and its consumers per node, "
+                   "each shape's items on one node.")
+@click.option("--ray-node-dir", type=click.Path(file_okay=False),
+              help="With --ray: the directory on each node's own disk under which its data directory is made "
+                   f"(default: {RAY_NODE_DIR_DEFAULT}-JOB in the system's temporary directory).")
+@click.option("--ray-route", type=click.Choice(["shape", "round-robin"]), default="shape", show_default=True,
+              help="With --ray: shape-affine routing, or round-robin over nodes (the baseline an actor pool is).")
 def run_batch(input_file: str, output_file: str, model_dir: str, served_model_name: str | None, data_dir: str | None,
               output_order: str, engine: str | None, engine_options: tuple[str, ...], config_path: str | None,
-              assignments: tuple[str, ...], keep_data_dir: bool, verbose: bool, **options) -> None:
+              assignments: tuple[str, ...], keep_data_dir: bool, verbose: bool, ray_address: str | None,
+              ray_node_dir: str | None, ray_route: str, **options) -> None:
     """Run an OpenAI Batch file through the broker and consumers and write one response line
     per request to the output file; run it again on the same data directory to resume."""
     from pipeline.batchjob.chat import ChatTokenizer
@@ -69,6 +88,8 @@ def run_batch(input_file: str, output_file: str, model_dir: str, served_model_na
         raise click.ClickException(f"the output file {output_file} is the input file: it would be replaced")
     own_data_dir = data_dir is None
     data_dir = data_dir or output_file + DEFAULT_DATA_DIR_SUFFIX
+    if ray_address is not None:
+        check_ray()
     try:
         engine = engine or _default_engine()
         tokenizer = ChatTokenizer.load(model_dir)
@@ -85,7 +106,11 @@ def run_batch(input_file: str, output_file: str, model_dir: str, served_model_na
     click.echo(f"run-batch: {len(batch_file.requests):,} requests in {input_file}: {len(plan.answers.answered()):,} "
                f"answered already, {len(plan.pending):,} waiting in the store, {len(plan.to_submit):,} to submit, "
                f"{refused:,} refused as bad requests; data directory {data_dir}", err=True)
-    code = _run(settings, batch_file, plan, model_dir, data_dir) if plan.to_submit or plan.pending else 0
+    if ray_address is not None and (plan.to_submit or plan.pending):
+        code = _run_on_ray(settings, batch_file, plan, model_dir, data_dir, ray_address, ray_route,
+                           ray_node_dir or _default_node_dir(plan.manifest.input_sha256))
+    else:
+        code = _run(settings, batch_file, plan, model_dir, data_dir) if plan.to_submit or plan.pending else 0
     code = _write_output(batch_file, tokenizer, plan, settings, output_file, output_order, data_dir, code)
     if code == 0 and own_data_dir and not keep_data_dir:
         shutil.rmtree(data_dir, ignore_errors=True)
@@ -137,6 +162,25 @@ def _run(settings, batch_file, plan, model_dir: str, data_dir: str) -> int:
         return _finish(settings, outcome, resume=f"pipeline run-batch ... --data-dir {data_dir}")
     finally:
         launcher.cleanup()
+
+
+def _default_node_dir(job_sha256: str) -> str:
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), f"{RAY_NODE_DIR_DEFAULT}-{job_sha256[:12]}")
+
+
+def _run_on_ray(settings, batch_file, plan, model_dir: str, data_dir: str, address: str, route: str,
+                node_dir: str) -> int:
+    """The job's requests to run on a Ray cluster (`pipeline/cluster/`); its exit status."""
+    from pipeline.cluster.batch import run_job_on_cluster
+    from pipeline.cluster.driver import ClusterError
+
+    try:
+        return run_job_on_cluster(settings, batch_file, sorted(set(plan.to_submit) | plan.pending), model_dir,
+                                  data_dir, address, node_dir, route=route)
+    except ClusterError as exc:
+        raise click.ClickException(str(exc)) from exc
 
 
 def _add_to_report(path: str, summary) -> None:

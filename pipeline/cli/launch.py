@@ -81,14 +81,22 @@ def load_launch_workload(settings: LaunchSettings, vocab_size: int):
               help="A setting of the config file's form, e.g. broker.max_age_s=30, broker.lanes.max_lanes=512, "
                    "consumer.credit_max_batches=8 (repeatable; over the file's value).")
 @click.option("-v", "--verbose", is_flag=True, help="Log every process's info messages to stderr.")
+@click.option("--ray", "ray_address", metavar="ADDRESS|auto",
+              help="Run on a Ray cluster (pip install 'shape-broker[ray]'): one broker and its consumers per node, "
+                   "each shape's items on one node.")
+@click.option("--ray-node-dir", type=click.Path(file_okay=False),
+              help="With --ray: the directory on each node's own disk under which its data directory is made.")
 def launch(config_path: str | None, verbose: bool, assignments: tuple[str, ...], engine_options: tuple[str, ...],
-           shape_order: str | None, dispatch: str | None, **options) -> None:
+           shape_order: str | None, dispatch: str | None, ray_address: str | None, ray_node_dir: str | None,
+           **options) -> None:
     """Run a workload through a broker, producers and one consumer per GPU, with live
     progress, then print the run report. With no arguments: the demo, on the embedded
     defaults (disk tier, sim engine), in a temporary data directory."""
     from pipeline.runtime.launcher import Launcher
 
     setup_logging(verbose)
+    if ray_address is not None:
+        check_ray()
     if shape_order is not None:
         assignments = (*assignments, f"broker.shape_order={shape_order}")
     if dispatch is not None:
@@ -103,6 +111,8 @@ def launch(config_path: str | None, verbose: bool, assignments: tuple[str, ...],
         raise click.ClickException(str(exc)) from exc
     if settings.plots and importlib.util.find_spec("matplotlib") is None:  # before the run, not after
         raise click.ClickException("--plots needs matplotlib: pip install 'shape-broker[plots]'")
+    if ray_address is not None:
+        sys.exit(_launch_on_ray(settings, workload, ray_address, ray_node_dir))
     launcher = Launcher(settings, workload)
     click.echo(f"launch: {workload!r}, {settings.producers} producers, storage {settings.storage}"
                + _engine_line(settings, launcher, vocab_size, vocab_from), err=True)
@@ -115,6 +125,28 @@ def launch(config_path: str | None, verbose: bool, assignments: tuple[str, ...],
     finally:
         launcher.cleanup()  # a temporary data directory stays only for a failed run's unfinished work
     sys.exit(code)
+
+
+def check_ray() -> None:
+    """Ray importable, before anything is made on disk; else a one-line error."""
+    from pipeline.cluster.driver import ClusterError, ray_module
+
+    try:
+        ray_module()
+    except ClusterError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+def _launch_on_ray(settings: LaunchSettings, workload, address: str, node_dir: str | None) -> int:
+    """The workload on a Ray cluster (`pipeline/cluster/`); its exit status."""
+    from pipeline.cluster.batch import run_workload_on_cluster
+    from pipeline.cluster.driver import ClusterError
+
+    click.echo(f"launch: {workload!r} on the Ray cluster at {address}", err=True)
+    try:
+        return run_workload_on_cluster(settings, workload, address, node_dir)
+    except ClusterError as exc:
+        raise click.ClickException(str(exc)) from exc
 
 
 def _engine_line(settings: LaunchSettings, launcher, vocab_size: int, vocab_from: str) -> str:

@@ -1,0 +1,423 @@
+"""The driver of a cluster run: a job's items over the nodes of a Ray cluster, shape-affine,
+surviving node loss, into one results file per node on the driver's disk.
+
+    run = ClusterRun(settings, keys, items, node_root="/local/sbrk", results_dir=..., address="auto")
+    report = run.run()            # every key answered once; report["total"], report["nodes"]
+
+What a run does:
+    1. connects to Ray (`address`; a cluster this process already joined is used as it is);
+    2. finds the nodes: each node that has a resource named SLOT_RESOURCE_PREFIX + NAME is
+       the node NAME (a replacement started with the same resource takes its place); where
+       no node has one, each alive node is a node of its own, by its Ray node id;
+    3. the routing plan (`routing.py`) from every item's chain and prompt tokens, and one
+       node agent per node (`agent.py`), placed there by its resource (or hard node
+       affinity), each starting the node's broker and consumers on NODE_ROOT/NAME;
+    4. sends each node its items in batches of BATCH_ITEMS, at most WINDOW_ITEMS not yet
+       answered per consumer of the node, and polls every node for finished rows, which it
+       appends to RESULTS_DIR/node-NAME.jsonl (one write per poll);
+    5. a node lost (an actor call fails, or Ray says the node is dead) is fenced off (its
+       epoch goes up: whatever it still says is dropped), leaves the router, and every item
+       it held that has no answer yet is routed again over the survivors; a node that joins
+       (or comes back) gets a new agent and epoch, and the items not yet sent whose keys it
+       now wins move to it;
+    6. stops every agent (each stops its node's consumers, then its broker) and reports per
+       node and in total.
+
+Exactly one answer per key: the driver accepts the first row for a key from the node that
+owns it at the current epoch, and drops the rest (counted: `duplicates_dropped`,
+`stale_dropped`); the caller's output is made from the accepted rows only.
+
+Owner: the calling process's main thread. Not thread-safe. Ray is imported here only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import xxhash
+
+from pipeline.cluster.agent import NodeAgent
+from pipeline.cluster.ledger import ACCEPTED, STALE, JobLedger
+from pipeline.cluster.node import NodeSpec
+from pipeline.cluster.routing import Router, RoutingPlan
+from pipeline.producer.signature import chain as shape_chain
+from pipeline.producer.workload import WorkItem
+from pipeline.runtime.settings import LaunchSettings
+from pipeline.wire.errors import PipelineError
+
+# A node's own resource: `ray start --resources '{"shape_broker_node_a": 1}'` makes it node "a".
+SLOT_RESOURCE_PREFIX = "shape_broker_node_"
+# An agent asks for this much CPU: an actor that asks for nothing ignores soft node affinity,
+# and the agent only waits on its node's broker.
+AGENT_CPUS = 0.01
+# And this much of its node's own resource, so any number of runs can share a node.
+AGENT_SLOT_SHARE = 0.001
+# Items per submit call to an agent: one pickled message of a few MiB at most.
+BATCH_ITEMS = 256
+# Items sent to a node and not answered yet, per consumer: enough for the broker to batch by
+# shape (several full batches of every shape it holds), few enough that a lost node's share
+# is small.
+WINDOW_ITEMS = 2048
+# How often each node is polled for finished rows.
+POLL_INTERVAL_S = 0.2
+# How often Ray is asked which nodes are alive (and whether new ones joined).
+NODE_CHECK_S = 1.0
+# How long the run waits for its first agents to start (a node's broker recovering its store).
+START_WAIT_S = 180.0
+# A node whose agent failed to start this many times is left out of the run (its broker
+# cannot start there: the reason is in the report), rather than retried every NODE_CHECK_S.
+MAX_AGENT_STARTS = 3
+# How long the agents get to stop their nodes at the end.
+STOP_WAIT_S = 60.0
+
+
+def _first_line(exc: BaseException) -> str:
+    """An actor's failure in one line: the last line of its traceback that says what."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[-1] if lines else ''}"[:300]
+
+
+def _gpus_of(node: dict) -> dict:
+    """The actor option asking for all of a Ray node's GPUs ({} for a node without any)."""
+    gpus = int(node.get("Resources", {}).get("GPU", 0))
+    return {"num_gpus": gpus} if gpus > 0 else {}
+
+
+class ClusterError(PipelineError):
+    """A cluster run that cannot go on: Ray missing or not answering, no node found or left."""
+
+
+def ray_module():
+    """Ray, or a one-line error saying how to get it."""
+    try:
+        import ray
+    except ImportError:
+        raise ClusterError("--ray needs Ray: pip install 'shape-broker[ray]'") from None
+    return ray
+
+
+@dataclass(slots=True)
+class NodeState:
+    """The driver's view of one node. Owner: ClusterRun."""
+
+    slot: str
+    placement: dict  # ray actor options that put the agent on this node
+    agent: object = None
+    alive: bool = False
+    info: dict = field(default_factory=dict)
+    last_poll_s: float = 0.0
+    polling: bool = False
+    counts: dict = field(default_factory=lambda: {
+        "sent": 0, "answered": 0, "resubmitted_from": 0, "stale_dropped": 0, "duplicates_dropped": 0,
+        "prompt_tokens": 0, "cached_tokens": 0, "epochs": 0, "lost": 0, "discarded_by_agent": 0, "moved_to": 0})
+
+    def window(self) -> int:
+        return WINDOW_ITEMS * max(1, int(self.info.get("consumers", 1)))
+
+
+class ClusterRun:
+    """One run of `items` (whose keys, unique ints, name them in the answers) on a Ray cluster."""
+
+    def __init__(self, settings: LaunchSettings, keys: Sequence[int], items: Sequence[WorkItem], node_root: str,
+                 results_dir: str, address: str | None, models: tuple[int, ...] = (0,),
+                 on_progress: Callable[[int, int, dict], None] | None = None,
+                 route: str = "shape") -> None:
+        assert len(keys) == len(items) and len(set(keys)) == len(keys)
+        assert route in ("shape", "round-robin"), route
+        self.ray = ray_module()
+        self.settings = settings
+        self.keys = list(keys)
+        self.items = list(items)
+        self.node_root = node_root
+        self.results_dir = results_dir
+        self.address = address
+        self.models = models
+        self.on_progress = on_progress or (lambda done, total, nodes: None)
+        self.route = route
+        self.ledger = JobLedger(len(items))
+        self.position = {key: k for k, key in enumerate(self.keys)}
+        self.nodes: dict[str, NodeState] = {}
+        self.pending: dict = {}  # ray object ref -> (slot, epoch, kind, positions)
+        self.router: Router | None = None
+        self.plan: RoutingPlan | None = None
+        self.hashes = [xxhash.xxh3_64_intdigest(b"%d" % key) for key in self.keys]
+        self._joined_here = False
+        self._files: dict[str, int] = {}
+        self._round_robin = 0
+
+    # ----------------------------------------------------------------- run
+
+    def run(self) -> dict:
+        started_s = time.monotonic()
+        ray = self.ray
+        if not ray.is_initialized():
+            self._join_cluster()
+        try:
+            found = self._find_nodes()
+            if not found:
+                raise ClusterError("the Ray cluster has no alive node")
+            chains = [shape_chain(item.components) for item in self.items]
+            loads = [float(item.length) for item in self.items]
+            self.plan = RoutingPlan.build(chains, loads, nodes=len(found))
+            for slot, placement in found.items():
+                self.nodes[slot] = NodeState(slot, placement)
+                self._start_agent(self.nodes[slot])
+            self._wait_started()
+            self.router = Router(self.plan, [s for s, n in self.nodes.items() if n.alive])
+            for k in range(len(self.items)):
+                self._assign(k)
+            self._loop()
+        finally:
+            self._stop_all()
+            for fd in self._files.values():
+                os.close(fd)
+            if self._joined_here:
+                ray.shutdown()
+        return self._report(time.monotonic() - started_s)
+
+    def _join_cluster(self) -> None:
+        """Join the cluster at `address`; "auto" is the cluster this machine runs (`ray start`),
+        or, where it runs none, a Ray of this machine alone, started here."""
+        options = {"logging_level": "WARNING", "log_to_driver": False}
+        try:
+            self.ray.init(address=self.address, **options)
+        except ConnectionError as exc:
+            if self.address != "auto":
+                raise ClusterError(f"no Ray cluster answers at {self.address}: {_first_line(exc)}") from None
+            self.ray.init(**options)
+        except (RuntimeError, ValueError) as exc:  # a malformed address, a version mismatch
+            raise ClusterError(f"cannot join the Ray cluster at {self.address}: {_first_line(exc)}") from None
+        self._joined_here = True
+
+    def _find_nodes(self) -> dict[str, dict]:
+        """Alive nodes, each by its slot name, with the actor options that place an agent
+        there. The agent asks for all of its node's GPUs: Ray then sets CUDA_VISIBLE_DEVICES
+        to them in the agent, and the node process (which inherits it) runs one consumer per
+        GPU, and no other Ray work takes them meanwhile. Without slot resources, only the
+        nodes with GPUs where any node has one, else every node."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        alive = [n for n in self.ray.nodes() if n.get("Alive")]
+        slots = {}
+        for node in alive:
+            for resource in node.get("Resources", {}):
+                if resource.startswith(SLOT_RESOURCE_PREFIX):
+                    slots[resource[len(SLOT_RESOURCE_PREFIX):]] = {"resources": {resource: AGENT_SLOT_SHARE},
+                                                                   **_gpus_of(node)}
+        if slots:
+            return slots
+        with_gpus = [node for node in alive if _gpus_of(node)]
+        return {node["NodeID"][:12]: {"scheduling_strategy": NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
+                                      **_gpus_of(node)}
+                for node in with_gpus or alive}
+
+    def _epoch(self, node: NodeState) -> int:
+        return self.ledger.epoch[node.slot]
+
+    def _start_agent(self, node: NodeState) -> None:
+        epoch = self.ledger.open(node.slot)
+        node.counts["epochs"] += 1
+        node_settings = dataclasses.replace(self.settings, data_dir=os.path.join(self.node_root, node.slot),
+                                            report=None, plots=None, metrics_port=None)
+        actor = self.ray.remote(NodeAgent).options(num_cpus=AGENT_CPUS, max_restarts=0, **node.placement)
+        node.agent = actor.remote(node.slot, epoch, NodeSpec(node_settings, self.models))
+        self.pending[node.agent.start.remote()] = (node.slot, epoch, "start", ())
+
+    def _wait_started(self) -> None:
+        """Until every agent started, or START_WAIT_S passed: a node whose agent cannot be
+        placed yet (its node is going away) joins later if it ever starts."""
+        deadline_s = time.monotonic() + START_WAIT_S
+        while any(kind == "start" for _s, _e, kind, _p in self.pending.values()) and time.monotonic() < deadline_s:
+            self._handle(self._ready(timeout_s=POLL_INTERVAL_S))
+        if not any(n.alive for n in self.nodes.values()):
+            why = "; ".join(f"{slot}: {n.info.get('lost_because', 'not placed')}" for slot, n in self.nodes.items())
+            raise ClusterError(f"no node agent started ({why})")
+
+    # ----------------------------------------------------------------- routing
+
+    def _node_for(self, k: int) -> str:
+        if self.route == "round-robin":  # the baseline: what an actor pool does
+            live = sorted(s for s, n in self.nodes.items() if n.alive)
+            self._round_robin += 1
+            return live[self._round_robin % len(live)]
+        return self.router.node_of(k, self.hashes[k])
+
+    def _assign(self, k: int) -> None:
+        self.ledger.assign(k, self._node_for(k))
+
+    # ----------------------------------------------------------------- loop
+
+    def _loop(self) -> None:
+        next_check_s = time.monotonic() + NODE_CHECK_S
+        while self.ledger.unanswered():
+            now_s = time.monotonic()
+            if now_s >= next_check_s:
+                self._check_nodes()
+                next_check_s = now_s + NODE_CHECK_S
+            for node in self.nodes.values():
+                if node.alive:
+                    self._send(node)
+                    if not node.polling and now_s - node.last_poll_s >= POLL_INTERVAL_S:
+                        node.polling, node.last_poll_s = True, now_s
+                        epoch = self._epoch(node)
+                        self.pending[node.agent.poll.remote(epoch)] = (node.slot, epoch, "poll", ())
+            if not any(n.alive for n in self.nodes.values()) and not self.pending:
+                raise ClusterError(f"every node is lost; {self.ledger.unanswered():,} items unanswered")
+            self._handle(self._ready(timeout_s=POLL_INTERVAL_S))
+            self.on_progress(len(self.ledger.answered), len(self.items), self.nodes)
+
+    def _send(self, node: NodeState) -> None:
+        epoch = self._epoch(node)
+        while batch := self.ledger.take(node.slot, BATCH_ITEMS, node.window()):
+            node.counts["sent"] += len(batch)
+            ref = node.agent.submit.remote(epoch, [self.keys[k] for k in batch], [self.items[k] for k in batch])
+            self.pending[ref] = (node.slot, epoch, "submit", tuple(batch))
+
+    def _ready(self, timeout_s: float) -> list:
+        if not self.pending:
+            time.sleep(timeout_s)
+            return []
+        refs = list(self.pending)
+        ready, _ = self.ray.wait(refs, num_returns=1, timeout=timeout_s)
+        if ready:
+            ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0)
+        return ready
+
+    def _handle(self, ready: list) -> None:
+        for ref in ready:
+            slot, epoch, kind, _positions = self.pending.pop(ref)
+            node = self.nodes[slot]
+            try:
+                value = self.ray.get(ref)
+            except self.ray.exceptions.RayError as exc:
+                if epoch == self._epoch(node) and (node.alive or kind == "start"):
+                    self._lose(node, f"{kind} failed: {_first_line(exc)}")
+                continue
+            if epoch != self._epoch(node):
+                if kind == "poll":
+                    node.counts["stale_dropped"] += len(value["rows"])
+                continue
+            if kind == "start":
+                node.info, node.alive = value, True
+                if self.router is not None:
+                    self._join(node)
+            elif kind == "poll":
+                node.polling = False
+                self._accept(node, value)
+
+    def _accept(self, node: NodeState, value: dict) -> None:
+        """A current-epoch poll's rows: the first answer of each key it owns is kept."""
+        lines = []
+        node.counts["discarded_by_agent"] = value["discarded"]
+        for key, row in value["rows"]:
+            k = self.position.get(key)
+            verdict = STALE if k is None else self.ledger.accept(node.slot, value["epoch"], k)
+            if verdict != ACCEPTED:
+                node.counts["stale_dropped" if verdict == STALE else "duplicates_dropped"] += 1
+                continue
+            node.counts["answered"] += 1
+            node.counts["prompt_tokens"] += int(row.get("prompt_tokens") or 0)
+            node.counts["cached_tokens"] += int(row.get("cached_tokens") or 0)
+            lines.append(json.dumps(row, separators=(",", ":")))
+        if lines:
+            self._append(node.slot, lines)
+
+    def _append(self, slot: str, lines: list[str]) -> None:
+        """One write of whole lines to the node's results file on the driver's disk."""
+        fd = self._files.get(slot)
+        if fd is None:
+            os.makedirs(self.results_dir, mode=0o700, exist_ok=True)
+            path = os.path.join(self.results_dir, f"node-{slot}.jsonl")
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            self._files[slot] = fd
+        os.write(fd, ("\n".join(lines) + "\n").encode())
+
+    # ----------------------------------------------------------------- membership
+
+    def _check_nodes(self) -> None:
+        """Ray's view of the nodes: a dead one is lost, a new (or returned) one joins."""
+        found = self._find_nodes()
+        for slot, node in self.nodes.items():
+            if node.alive and slot not in found:
+                self._lose(node, "Ray reports its node dead")
+        for slot, placement in found.items():
+            node = self.nodes.get(slot)
+            starting = any(s == slot and kind == "start" for s, _e, kind, _p in self.pending.values())
+            if node is None:
+                node = self.nodes[slot] = NodeState(slot, placement)
+            if not node.alive and not starting and node.counts["epochs"] < MAX_AGENT_STARTS:
+                node.placement = placement
+                self._start_agent(node)
+
+    def _lose(self, node: NodeState, why: str) -> None:
+        """Fence the node off and route what it held (unanswered) over the survivors."""
+        was_alive = node.alive
+        node.alive, node.polling = False, False
+        moved = self.ledger.close(node.slot)  # fenced: anything the old incarnation still says is dropped
+        node.counts["lost"] += int(was_alive)
+        try:
+            self.ray.kill(node.agent, no_restart=True)
+        except Exception:  # noqa: BLE001 - an actor already gone
+            pass
+        node.info["lost_because"] = why
+        if self.router is None:
+            return
+        if self.router.nodes == {node.slot}:
+            raise ClusterError(f"node {node.slot} is lost ({why}) and it was the last one")
+        self.router.remove(node.slot)
+        node.counts["resubmitted_from"] += len(moved)
+        for k in sorted(moved):
+            self._assign(k)
+
+    def _join(self, node: NodeState) -> None:
+        """A node that started after the run began: into the router, and the items not sent
+        yet whose keys it now wins move to it."""
+        self.router.add(node.slot)
+        node.counts["moved_to"] += self.ledger.move_queued(node.slot, lambda k: self._node_for(k) == node.slot)
+
+    def _stop_all(self) -> None:
+        finished = self.ledger.unanswered() == 0  # a finished run's node stores are empty: removed
+        refs = {n.agent.stop.remote(remove=finished): n for n in self.nodes.values() if n.alive and n.agent is not None}
+        if refs:
+            done, _ = self.ray.wait(list(refs), num_returns=len(refs), timeout=STOP_WAIT_S)
+            for ref in done:
+                try:
+                    refs[ref].info["stop"] = self.ray.get(ref)
+                except self.ray.exceptions.RayError:
+                    pass
+        for node in self.nodes.values():
+            if node.agent is not None:
+                try:
+                    self.ray.kill(node.agent, no_restart=True)
+                except Exception:  # noqa: BLE001 - an actor already gone
+                    pass
+
+    # ----------------------------------------------------------------- report
+
+    def _report(self, wall_s: float) -> dict:
+        nodes = {}
+        total: dict[str, int] = {}
+        for slot, node in sorted(self.nodes.items()):
+            counts = dict(node.counts)
+            counts["prefix_reuse"] = counts["cached_tokens"] / counts["prompt_tokens"] if counts["prompt_tokens"] else None
+            nodes[slot] = {**counts, "host": node.info.get("host"), "consumers": node.info.get("consumers"),
+                           "lost_because": node.info.get("lost_because")}
+            for name, value in node.counts.items():
+                total[name] = total.get(name, 0) + value
+        plan = self.plan
+        return {
+            "nodes": nodes,
+            "total": {**total, "items": len(self.items), "unanswered": self.ledger.unanswered(),
+                      "prefix_reuse": total.get("cached_tokens", 0) / total["prompt_tokens"]
+                      if total.get("prompt_tokens") else None,
+                      "wall_s": wall_s, "items_per_s": len(self.ledger.answered) / wall_s if wall_s > 0 else None},
+            "routing": {"route": self.route, "keys": len(plan.key_loads) if plan else 0,
+                        "split_shapes": plan.splits if plan else 0, "sub_keys": plan.sub_keys if plan else 0,
+                        "max_key_load_tokens": plan.max_key_load if plan else None},
+            "results_dir": self.results_dir,
+        }
