@@ -35,6 +35,9 @@ from pipeline.wire import fileops
 from pipeline.wire.errors import PipelineError
 
 TURNS = 40
+# The every-operation campaigns (--run-slow) run shorter runs, so that every k of both
+# durability levels fits in minutes: each k is a fresh copy, a run and a recovery.
+SLOW_TURNS = 15
 # Operations k tried per (kind, durability) in the default suite: spread evenly over the run.
 SAMPLE_KS = 4
 FAULT_EXIT = 4  # the child stopped on a typed error (the broker would stop or back off)
@@ -68,11 +71,11 @@ def _wait(pid: int) -> int:
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
-def _seeded_store(where, durability: Durability) -> tuple[str, str]:
+def _seeded_store(where, durability: Durability, turns: int = TURNS) -> tuple[str, str]:
     """A data directory with history (sealed, deleted and live segments) and its log."""
     os.makedirs(where)
     data_dir, log_path = str(where / "data"), str(where / "log")
-    pid = _child(data_dir, log_path, 7, durability, TURNS, fileops.FileIO())
+    pid = _child(data_dir, log_path, 7, durability, turns, fileops.FileIO())
     assert _wait(pid) == 0, open(log_path + ".err").read() if os.path.exists(log_path + ".err") else ""
     return data_dir, log_path
 
@@ -86,9 +89,9 @@ def _copy(template: tuple[str, str], where) -> tuple[str, str]:
     return data_dir, log_path
 
 
-def _count_ops(template: tuple[str, str], where, durability: Durability) -> int:
+def _count_ops(template: tuple[str, str], where, durability: Durability, turns: int) -> int:
     data_dir, log_path = _copy(template, where)
-    pid = _child(data_dir, log_path, 8, durability, TURNS, FaultyIO(FaultPlan(None)))
+    pid = _child(data_dir, log_path, 8, durability, turns, FaultyIO(FaultPlan(None)))
     assert _wait(pid) == 0
     with open(log_path + ".ops") as file:
         return json.load(file)["ops"]
@@ -101,12 +104,13 @@ def _ks(total: int, every: bool) -> list[int]:
 
 
 def fault_campaign(tmp_path, durability: Durability, kind: str, persistent: bool, every: bool) -> dict:
-    template = _seeded_store(tmp_path / "template", durability)
-    total = _count_ops(template, tmp_path / "count", durability)
+    turns = SLOW_TURNS if every else TURNS
+    template = _seeded_store(tmp_path / "template", durability, turns)
+    total = _count_ops(template, tmp_path / "count", durability, turns)
     outcomes = {"ops": total, "tried": 0, "stopped": 0, "ran_on": 0}
     for k in _ks(total, every):
         data_dir, log_path = _copy(template, tmp_path / f"k{k}")
-        pid = _child(data_dir, log_path, 8, durability, TURNS, FaultyIO(FaultPlan(k, kind, persistent)))
+        pid = _child(data_dir, log_path, 8, durability, turns, FaultyIO(FaultPlan(k, kind, persistent)))
         code = _wait(pid)
         if os.path.exists(log_path + ".err"):
             pytest.fail(f"{kind} at operation {k} ({durability.value}): an untyped error escaped:\n"
@@ -135,13 +139,14 @@ def test_every_failed_operation_loses_nothing_acknowledged(tmp_path, durability,
 
 
 def power_campaign(tmp_path, durability: Durability, mode: str, sector_bytes: int, every: bool) -> dict:
-    template = _seeded_store(tmp_path / "template", durability)
-    total = _count_ops(template, tmp_path / "count", durability)
+    turns = SLOW_TURNS if every else TURNS
+    template = _seeded_store(tmp_path / "template", durability, turns)
+    total = _count_ops(template, tmp_path / "count", durability, turns)
     figures = {"ops": total, "cuts": 0, "lost_items": 0, "cuts_losing": 0, "damaged_ranges": 0, "quarantined": 0}
     for k in _ks(total, every):
         data_dir, log_path = _copy(template, tmp_path / f"k{k}")
         layer = PowerCut(data_dir, seed=k, at_op=k, mode=mode, sector_bytes=sector_bytes)
-        code = _wait(_child(data_dir, log_path, 8, durability, TURNS, layer))
+        code = _wait(_child(data_dir, log_path, 8, durability, turns, layer))
         if os.path.exists(log_path + ".err"):
             pytest.fail(open(log_path + ".err").read())
         assert code == POWER_CUT_EXIT, (k, code)
@@ -190,9 +195,9 @@ def test_a_power_cut_at_process_durability_is_measured(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("durability", [Durability.PROCESS, Durability.POWER])
-@pytest.mark.parametrize("mode", ["drop", "keep", "garble", "mixed"])
-@pytest.mark.parametrize("sector_bytes", [512, 4096])
+@pytest.mark.parametrize("durability,mode,sector_bytes",
+                         [(Durability.POWER, m, b) for m in ("drop", "keep", "garble", "mixed") for b in (512, 4096)]
+                         + [(Durability.PROCESS, "drop", 4096), (Durability.PROCESS, "garble", 512)])
 def test_power_cut_at_every_operation(tmp_path, durability, mode, sector_bytes):
     figures = power_campaign(tmp_path, durability, mode, sector_bytes, every=True)
     print(f"\nCAMPAIGN power {durability.value} {mode} {sector_bytes}: {figures}")

@@ -203,8 +203,9 @@ test_store_at_power_durability_against_a_model = PowerStoreMachine.TestCase
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_store_against_a_model_long():
-    """2,000 sequences of 80 steps (--run-slow)."""
+    """2,000 sequences of 80 steps (--run-slow; about 10 minutes on 2 cores)."""
     from hypothesis.stateful import run_state_machine_as_test
     run_state_machine_as_test(StoreMachine, settings=_SLOW)
 
