@@ -45,6 +45,7 @@ completed; when everything is done, received + recovered = completed: difference
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass, field, fields
 
@@ -63,6 +64,9 @@ from pipeline.wire.layouts import DEFAULT_MAX_MODELS, MODEL_ID_LIMIT, Frame, Pro
 # holds several already) needs this share of what its contract lets it hold: a lane of 7
 # long prompts that fill 85% of the token budget is worth sending, 2 of them are not.
 FULL_ENOUGH_FRACTION = 0.75
+# The schedule of lane maintenance (`tick`) is rebuilt when stale entries (a shape scheduled
+# again earlier) outnumber live ones by this factor.
+_DUE_SLACK_FACTOR = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +114,8 @@ class IngestReport:
 class _Frame:
     """A frame being stored: its lane groups (lanes already assigned) with their tokens,
     how many groups are stored, and per shape the rows the selector learns of once every
-    group is stored. Kept only while a full disk holds part of it back."""
+    group is stored. Kept only while a full disk holds part of it back, or while it is
+    stored in slices (`ingest(max_groups=...)`)."""
 
     frame: Frame
     groups: list[tuple[AppendGroup, int]]
@@ -124,6 +129,13 @@ class _Frame:
         for group, _tokens in self.groups[self.stored:]:
             unstored[group.lane] = unstored.get(group.lane, 0) + len(group)
         return unstored
+
+    def unannounced_by_lane(self) -> dict[LaneKey, int]:
+        """Items per lane the selector does not know of yet (stored or not): not dispatchable."""
+        held: dict[LaneKey, int] = {}
+        for group, _tokens in self.groups[self.announced:]:
+            held[group.lane] = held.get(group.lane, 0) + len(group)
+        return held
 
     def unannounced_tokens_by_shape(self) -> dict[ShapeKey, int]:
         """Tokens of the groups the selector does not know of yet, per shape."""
@@ -208,6 +220,16 @@ class Dispatcher:
         self._waiting: _Frame | None = None  # a frame a full disk holds part of
         self._held: dict[LaneKey, int] = {}  # its items per lane, not to be dispatched yet
         self._c = DispatchCounters()
+        # Lane maintenance by schedule: a min-heap of (due_s, seq, shape) and each scheduled
+        # shape's earliest due time (heap entries that disagree are stale). A shape is ticked
+        # only once ShapeLanes.next_tick_s says a tick could change it.
+        # NOTE: ticking every shape every tick_interval_s (the first version) took 12 ms a
+        # tick on average and up to 100 ms with demo-chat's 7,829 one-item shapes: the
+        # consumers, which hold about 7 ms of one-item batches, idled 1.4-1.5 s of a 40 s run
+        # in those ticks (py-spy and a turn log against the results files' idle gaps).
+        self._due: list[tuple[float, int, ShapeKey]] = []
+        self._due_at: dict[ShapeKey, float] = {}
+        self._due_seq = 0
 
     @property
     def storage(self) -> StorageTier:
@@ -225,11 +247,18 @@ class Dispatcher:
 
     # ----------------------------------------------------------------- ingest
 
-    def ingest(self, frame: Frame, now_s: float) -> IngestReport:
+    def ingest(self, frame: Frame, now_s: float, max_groups: int | None = None) -> IngestReport | None:
         """Store a parsed frame's items: skip those already stored (idempotent ingest), group
         the rest by (model, signature), assign lanes (ShapeLanes.assign_many, in arrival
         order), append each lane's items to storage. Call `flush()` after the turn's frames,
         then release their ring records.
+
+        `max_groups`: append at most this many lane groups now (a frame of 200 new shapes
+        costs 200 segment files, some 50 ms, which the loop would spend without serving
+        anyone). Returns None while groups are left: call `store_more` (flush and dispatch
+        between calls, ingest nothing else) until it returns the report. The frame's items
+        become dispatchable only once all of it is stored, so no item of a record that is
+        not released yet is ever dispatched (`_store`).
 
         DiskFullError: the disk is full; the frame's lanes were assigned and the lane groups
         not yet stored wait here. Keep the record, stop reading rings, serve consumers, and
@@ -266,11 +295,12 @@ class Dispatcher:
         shapes = self._group_by_shape(items, rows)
         for shape, shape_rows in shapes:
             groups += self._assign_shape(shape, frame, shape_rows, now_s)
+            self._schedule(shape)
         tokens = sum(group_tokens for _group, group_tokens in groups)
         report = IngestReport(items=int(rows.size), tokens=tokens, duplicates=duplicates)
-        return self._store(_Frame(frame, groups, shapes, report))
+        return self._store(_Frame(frame, groups, shapes, report), max_groups)
 
-    def _store(self, pending: _Frame) -> IngestReport:
+    def _store(self, pending: _Frame, max_groups: int | None = None) -> IngestReport | None:
         """Append the frame's groups not stored yet; once all are, its items become
         dispatchable (the selector learns of them). A full disk holds the rest back: the
         groups already stored become dispatchable at once (`_announce`), the others wait.
@@ -281,18 +311,23 @@ class Dispatcher:
         price: a crash while a frame is held may store again, and so run again, items of it
         that were completed and deleted meanwhile: duplicates, bounded by one frame."""
         c = self._c
-        while pending.stored < len(pending.groups):
+        end = len(pending.groups) if max_groups is None else min(len(pending.groups), pending.stored + max_groups)
+        while pending.stored < end:
             group, tokens = pending.groups[pending.stored]
             try:
                 self._storage.append(group)
             except DiskFullError:
                 self._waiting = pending
                 self._announce(pending, pending.stored)
-                self._held = pending.unstored_by_lane()
+                self._held = pending.unannounced_by_lane()
                 raise
             pending.stored += 1
             c.items_received += len(group)
             c.tokens_received += tokens
+        if pending.stored < len(pending.groups):  # a slice: the rest at the next store_more
+            self._waiting = pending
+            self._held = pending.unannounced_by_lane()
+            return None
         self._waiting, self._held = None, {}
         if pending.announced:
             self._announce(pending, len(pending.groups))
@@ -324,6 +359,18 @@ class Dispatcher:
             return None
         return self._store(self._waiting)
 
+    @property
+    def storing(self) -> bool:
+        """A frame is part stored (in slices, or held by a full disk): no ingest until done."""
+        return self._waiting is not None
+
+    def store_more(self, max_groups: int | None = None) -> IngestReport | None:
+        """Append up to `max_groups` more lane groups of the frame `ingest` stored in part;
+        its report once all of it is stored (flush, then release its record), else None.
+        DiskFullError as in `ingest`."""
+        assert self._waiting is not None, "nothing is being stored"
+        return self._store(self._waiting, max_groups)
+
     def flush(self) -> None:
         """Once per loop turn, after ingesting and BEFORE releasing the turn's ring records:
         the storage tier makes its appends durable (`power`: fdatasync) and dispatchable.
@@ -348,6 +395,7 @@ class Dispatcher:
             if lanes is None:
                 lanes = self._shapes[shape] = ShapeLanes(self._lane_config)
             lanes.restore_lane(found.lane.lane, int(found.lengths.max()), found.lengths, now_s)
+            self._schedule(shape)
             tokens = int(found.lengths.sum())
             self._selector.on_queued(shape, tokens, found.submit_ns)
             recovered += int(found.lengths.size)
@@ -467,6 +515,7 @@ class Dispatcher:
         self._storage.commit(batch.lane, batch.entries, batch.consumer, batch.batch_id)
         tokens = sum(lengths)
         self._shapes[batch.lane.shape].on_dispatched(batch.lane.lane, lengths)
+        self._schedule(batch.lane.shape, batch.lane.lane)
         self._selector.on_dispatched(batch.lane.shape, tokens, batch.entries.submit_ns)
         c = self._c
         c.items_routed += len(lengths)
@@ -485,6 +534,7 @@ class Dispatcher:
         done = self._storage.complete_batch(consumer, batch.batch_id)
         for lane_key, lane_refs in done.by_lane.items():
             self._shapes[lane_key.shape].on_completed(lane_key.lane, len(lane_refs))
+            self._schedule(lane_key.shape, lane_key.lane)
         c = self._c
         c.items_completed += done.items
         c.tokens_completed += done.tokens
@@ -500,6 +550,7 @@ class Dispatcher:
         for run in self._storage.return_consumer(consumer):
             lengths = run.lengths
             self._shapes[run.lane.shape].on_returned(run.lane.lane, lengths)
+            self._schedule(run.lane.shape, run.lane.lane)
             tokens = sum(lengths)
             self._selector.on_returned(run.lane.shape, tokens, run.entries.submit_ns)
             returned += len(lengths)
@@ -507,16 +558,49 @@ class Dispatcher:
             self._c.tokens_returned += tokens
         return returned
 
-    def tick(self, now_s: float) -> None:
-        """Lane maintenance for every shape (SPEC §2); released lanes are dropped from
-        storage, and a shape with no lane left is retired (its counters are kept)."""
-        for shape, lanes in list(self._shapes.items()):
+    def tick(self, now_s: float, max_shapes: int | None = None) -> bool:
+        """Lane maintenance (SPEC §2) for every shape whose lanes are due (`_schedule`), at
+        most `max_shapes` of them (the earliest due first); released lanes are dropped from
+        storage, and a shape with no lane left is retired (its counters are kept). Ticking a
+        shape that is not due would change nothing. Returns whether due shapes were left
+        for another call (thousands of shapes go idle together once a backlog is in)."""
+        heap = self._due
+        due: list[ShapeKey] = []
+        while heap and heap[0][0] <= now_s and (max_shapes is None or len(due) < max_shapes):
+            due_s, _seq, shape = heapq.heappop(heap)
+            if self._due_at.get(shape) == due_s:  # else stale: scheduled again earlier
+                del self._due_at[shape]
+                due.append(shape)
+        for shape in due:  # each once: one rescheduled for now waits for the next tick
+            lanes = self._shapes.get(shape)
+            if lanes is None:
+                continue
             for lane in lanes.tick(now_s).released:
                 self._storage.drop_lane(LaneKey(shape.model, shape.signature, lane))
             if not lanes.lane_count:
                 _add_lane_counters(self._retired, lanes.counters)
                 del self._shapes[shape]
                 self._selector.forget(shape)
+            else:
+                self._schedule(shape)
+        return bool(heap) and heap[0][0] <= now_s
+
+    def _schedule(self, shape: ShapeKey, lane: LaneId | None = None) -> None:
+        """After an event changed the shape's lanes (`lane`: only that one): make sure the
+        shape is ticked no later than its lanes' next_tick_s. An earlier entry stays (its
+        tick is harmless and schedules the shape again)."""
+        due_s = self._shapes[shape].next_tick_s(lane)
+        if due_s is None:
+            return
+        scheduled = self._due_at.get(shape)
+        if scheduled is not None and scheduled <= due_s:
+            return
+        self._due_at[shape] = due_s
+        self._due_seq += 1
+        heapq.heappush(self._due, (due_s, self._due_seq, shape))
+        if len(self._due) > _DUE_SLACK_FACTOR * len(self._due_at) + 64:
+            self._due = [(at, n, key) for n, (key, at) in enumerate(self._due_at.items())]
+            heapq.heapify(self._due)
 
     # ----------------------------------------------------------------- counters, invariants
 
@@ -555,7 +639,7 @@ class Dispatcher:
         waiting = self._waiting
         unstored = {} if waiting is None else waiting.unstored_by_lane()
         held_tokens = {} if waiting is None else waiting.unannounced_tokens_by_shape()
-        assert self._held == unstored
+        assert self._held == ({} if waiting is None else waiting.unannounced_by_lane())
         pending = 0
         for shape, lanes in self._shapes.items():
             lanes.check_invariants()
@@ -567,6 +651,10 @@ class Dispatcher:
                 pending += view.pending_items
             dispatchable = tokens - held_tokens.get(shape, 0)
             assert self._selector.dispatchable_tokens(shape) == dispatchable, (shape, dispatchable)
+            due_s = lanes.next_tick_s()  # never ticked later than its lanes need
+            assert due_s is None or self._due_at.get(shape, float("inf")) <= due_s, (shape, due_s)
+        scheduled = {(at, key) for at, _n, key in self._due}
+        assert all((at, key) in scheduled for key, at in self._due_at.items()), "a due shape is off the heap"
         assert pending == storage.pending_items(), (pending, storage.pending_items())
         c, s = self._c, storage.counters
         received = c.items_received + c.items_recovered
