@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import operator
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -181,9 +182,13 @@ class DispatchCounters:
     lanes: LaneCounters = field(default_factory=LaneCounters)
 
 
+_LANE_COUNTER_NAMES = tuple(f.name for f in fields(LaneCounters))
+_lane_counter_values = operator.attrgetter(*_LANE_COUNTER_NAMES)
+
+
 def _add_lane_counters(total: LaneCounters, more: LaneCounters) -> None:
-    for f in fields(LaneCounters):
-        setattr(total, f.name, getattr(total, f.name) + getattr(more, f.name))
+    for name in _LANE_COUNTER_NAMES:
+        setattr(total, name, getattr(total, name) + getattr(more, name))
 
 
 class Dispatcher:
@@ -609,11 +614,12 @@ class Dispatcher:
             f.name: getattr(self._c, f.name) for f in fields(DispatchCounters)
             if f.name not in ("switches", "lanes")
         })
-        lanes = LaneCounters()
-        _add_lane_counters(lanes, self._retired)
-        for shape_lanes in self._shapes.values():
-            _add_lane_counters(lanes, shape_lanes.counters)
-            snapshot.lanes_in_use += shape_lanes.lane_count
+        # Column sums in C: status asks every 0.5 s, and field by field in Python this took
+        # 7 ms at demo-chat's 7,829 shapes (py-spy), time the consumers' batches waited.
+        rows = [_lane_counter_values(self._retired), *(_lane_counter_values(shape_lanes.counters)
+                                                        for shape_lanes in self._shapes.values())]
+        lanes = LaneCounters(*(sum(column) for column in zip(*rows)))
+        snapshot.lanes_in_use = sum(shape_lanes.lane_count for shape_lanes in self._shapes.values())
         snapshot.lanes = lanes
         snapshot.shapes = len(self._shapes)
         snapshot.switches = {r.value: n for r, n in self._selector.counters.switches.items()}
@@ -621,12 +627,15 @@ class Dispatcher:
 
     def shape_summaries(self) -> list[ShapeSummary]:
         """Every shape's queue and lanes (status and metrics), largest queued tokens first."""
-        summaries = []
-        for shape, lanes in self._shapes.items():
+        # Sorted as plain tuples, made summaries after: a key function and an object per shape
+        # before the sort cost 12 ms a status at 7,829 shapes (py-spy).
+        rows = []
+        for (model, signature), lanes in self._shapes.items():
             items, tokens, pending = lanes.totals()
-            summaries.append(ShapeSummary(shape.model, shape.signature, lanes.lane_count, items, tokens, pending))
-        summaries.sort(key=lambda s: (-s.queued_tokens, -s.pending_items, s.model, s.signature))
-        return summaries
+            rows.append((-tokens, -pending, model, signature, lanes.lane_count, items))
+        rows.sort()
+        return [ShapeSummary(model, signature, count, items, -tokens, -pending)
+                for tokens, pending, model, signature, count, items in rows]
 
     def check_invariants(self) -> None:
         """Every part's invariants, and that they agree: per lane, storage's queue length is
