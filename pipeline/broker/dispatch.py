@@ -7,6 +7,9 @@ single loop:
                                                     # then one catch-up turn (ingest all the rings
                                                     # hold, flush, release) before serving anyone
     report = dispatcher.ingest(frame, now_s)        # each parsed producer frame of this turn
+                                                    # (max_groups=N: None while part of it is left:
+                                                    # store_more(N) at the next turns, dispatching
+                                                    # between, until it returns the report)
     dispatcher.flush()                              # once per turn, then release those records
     batch = dispatcher.next_batch(consumer, contract, now_s)   # None: nothing for that model
     if batch is not None:
@@ -16,7 +19,8 @@ single loop:
             dispatcher.abandon(batch)               # nothing happened; the entries stay queued
     dispatcher.complete_batch(consumer, batch)      # NotHeldError: disconnect that consumer
     dispatcher.consumer_lost(consumer)              # its pending entries go back to the front
-    dispatcher.tick(now_s)                          # lane maintenance, e.g. every 100 ms
+    dispatcher.tick(now_s, max_shapes)              # lane maintenance, e.g. every 100 ms (True:
+                                                    # due shapes are left for the next call)
     except ShapeGuardError: stop the broker         # never caught to carry on
     except DurabilityError: stop the broker         # fsync failed: never carry on
 
@@ -65,6 +69,11 @@ from pipeline.wire.layouts import DEFAULT_MAX_MODELS, MODEL_ID_LIMIT, Frame, Pro
 # holds several already) needs this share of what its contract lets it hold: a lane of 7
 # long prompts that fill 85% of the token budget is worth sending, 2 of them are not.
 FULL_ENOUGH_FRACTION = 0.75
+# ...unless its lane took no new item for this long: waiting will not fill it then. demo-chat's
+# turns are shapes of 1-3 items, all in within the first second; held to PARTIAL_BATCHES_AHEAD
+# one-item batches (about 7 ms of work), its consumers idled at every broker hiccup longer
+# than that. A lane of the streaming demo takes an item every few ms, so it still waits.
+PARTIAL_WAIT_S = 0.25
 # The schedule of lane maintenance (`tick`) is rebuilt when stale entries (a shape scheduled
 # again earlier) outnumber live ones by this factor.
 _DUE_SLACK_FACTOR = 2
@@ -458,7 +467,8 @@ class Dispatcher:
         Nothing is committed: call `commit` once the consumer's channel took the batch, or
         `abandon` if it did not. `full_only`: None, without peeking and without switching
         shapes, unless that lane fills at least FULL_ENOUGH_FRACTION of a whole batch (the
-        contract's items, or its tokens at the lane's longest item).
+        contract's items, or its tokens at the lane's longest item) or took no item for
+        PARTIAL_WAIT_S (nothing is coming to fill it).
 
         Example: model 0's current shape A has lanes 0 (target 512, 40 items queued, 20,000
         tokens) and 1 (target 1000, 5 items, 5,000 tokens); a contract of 64 items / 16,384
@@ -484,7 +494,8 @@ class Dispatcher:
         key = LaneKey(shape.model, shape.signature, lane)
         available = lanes.queued_items(lane) - self._held.get(key, 0)
         fits = batch_items_limit(longest, contract)
-        if full_only and available < math.ceil(FULL_ENOUGH_FRACTION * fits):
+        if full_only and available < math.ceil(FULL_ENOUGH_FRACTION * fits) \
+                and now_s - lanes.last_seen_s(lane) < PARTIAL_WAIT_S:
             return None
         if switch is not None:
             self._selector.switch(shape, switch, consumer=consumer)

@@ -254,6 +254,20 @@ def test_full_only_waits_for_a_lane_that_fills_a_batch(tier):
     dispatcher.check_invariants()
 
 
+def test_full_only_takes_a_partial_batch_nothing_will_fill(tier):
+    """A lane that took no item for PARTIAL_WAIT_S will not fill by waiting: full_only gives
+    its partial batch (one item of 8) from then on, not a moment before."""
+    from pipeline.broker.dispatch import PARTIAL_WAIT_S
+    dispatcher = Dispatcher(tier)
+    dispatcher.ingest(make_frame(0, 0, [(0, 5)], [100]), 1.0)
+    by_items = Contract(0, 8, 65_536, 1000)
+    assert dispatcher.next_batch(ConsumerId(1), by_items, 1.0 + PARTIAL_WAIT_S * 0.99, full_only=True) is None
+    late = dispatcher.next_batch(ConsumerId(1), by_items, 1.0 + PARTIAL_WAIT_S, full_only=True)
+    assert late is not None and len(late.entries) == 1
+    dispatcher.commit(late)
+    dispatcher.check_invariants()
+
+
 def test_stale_commit_changes_nothing_and_the_entries_stay_dispatchable(tier):
     dispatcher = Dispatcher(tier)
     dispatcher.ingest(make_frame(0, 0, [(0, 5)] * 6, [100] * 6), 0.0)

@@ -111,6 +111,11 @@ class ShapeLanes:
         value = self._table.front_max(lane_id)
         return None if value == NOTHING_QUEUED_MAX else value
 
+    def last_seen_s(self, lane_id: LaneId) -> float:
+        """When the lane last took an item (the `now_s` of that assign)."""
+        self._assert_live(lane_id)
+        return self._table.last_seen_s[lane_id]
+
     def is_quiescing(self, lane_id: LaneId) -> bool:
         self._assert_live(lane_id)
         return lane_id in self._quiescing
