@@ -272,7 +272,10 @@ class Dispatcher:
         anyone). Returns None while groups are left: call `store_more` (flush and dispatch
         between calls, ingest nothing else) until it returns the report. The frame's items
         become dispatchable only once all of it is stored, so no item of a record that is
-        not released yet is ever dispatched (`_store`).
+        not released yet is ever dispatched (`_store`). NOTE: making each slice's groups
+        dispatchable at once, as a full disk does, was rejected: after a crash the record
+        is read again and an item completed (and deleted) meanwhile would be stored and run
+        a second time; the earlier frames' items keep the consumers busy meanwhile.
 
         DiskFullError: the disk is full; the frame's lanes were assigned and the lane groups
         not yet stored wait here. Keep the record, stop reading rings, serve consumers, and
