@@ -40,9 +40,9 @@ DISK_FULL_LOG_INTERVAL_S = 30.0
 # new shape's first group creates its segment file (0.2-0.3 ms on a 2-core machine), so 8
 # groups stay within about 2 ms; a frame of one shape (the common bulk case) is 1-2 groups.
 INGEST_STEP_GROUPS = 8
-# How long a fill may last while a consumer holds fewer batches than it needs to stay busy
-# (ConsumerSide.hungry): one-item batches of 1-2 ms run dry in the ~7 ms a consumer holds,
-# and a 10 ms slice (work_slice_s), or a whole frame of 200 new shapes (50 ms), left both
+# How long a fill storing a frame in slices may last while a consumer holds fewer batches
+# than it needs to stay busy (ConsumerSide.hungry): one-item batches of 1-2 ms run dry in
+# the ~7 ms a consumer holds, and a whole frame of 200 new shapes (50 ms) left both
 # consumers idle 1.6-1.9 s of the first seconds of demo-chat (turn log against the results
 # files' idle gaps). 2 ms leaves the turn (dispatch, control) room within that.
 HUNGRY_FILL_SLICE_S = 0.002
@@ -102,17 +102,20 @@ class ProducerSide:
     # ------------------------------------------------------------------ fill
 
     def fill(self, now_s: float, catching_up: bool = False, hungry: bool = False) -> bool:
-        """Ingest frames from every producer ring for at most one work slice (HUNGRY_FILL_SLICE_S
-        when `hungry`: a consumer is running short of batches); then flush the storage and
-        release what it stored. Returns whether anything was ingested, or a frame is still
+        """Ingest frames from every producer ring for at most one work slice (a frame stored in
+        slices: HUNGRY_FILL_SLICE_S when `hungry`, a consumer running short of batches); then
+        flush the storage and release what it stored. Returns whether anything was ingested, or a frame is still
         being stored in slices (the loop then must not sleep)."""
-        deadline = now_s + (HUNGRY_FILL_SLICE_S if hungry else self.config.work_slice_s)
+        deadline = now_s + self.config.work_slice_s
+        # A frame stored in slices stops at this one; whole frames (a few lane groups: the
+        # bulk case) still fill the work slice, as many turns cost the broker CPU per item.
+        slice_end = now_s + HUNGRY_FILL_SLICE_S if hungry else deadline
         step = None if catching_up else INGEST_STEP_GROUPS  # catching up serves nobody meanwhile
-        ingested = self._continue_held_back(deadline, step)
+        ingested = self._continue_held_back(slice_end, step)
         for producer in list(self.producers.values()):
             if producer.ring is None or self.disk_full_since_s is not None or self._held_back is not None:
                 continue
-            ingested = self._fill_from(producer, deadline, step) or ingested
+            ingested = self._fill_from(producer, deadline, slice_end, step) or ingested
         if ingested or self._storage.needs_flush:
             # A frame a full disk cut short may have left appends to flush even when no
             # record was ingested whole; the dispatcher serves nothing before a flush.
@@ -126,7 +129,7 @@ class ProducerSide:
             self.finish_unregistered()
         return ingested or (self._held_back is not None and self.disk_full_since_s is None)
 
-    def _fill_from(self, producer: ProducerPeer, deadline_s: float, step: int | None) -> bool:
+    def _fill_from(self, producer: ProducerPeer, deadline_s: float, slice_end_s: float, step: int | None) -> bool:
         """Ingest `producer`'s frames until its ring is empty, the slice ends, the disk is
         full, a frame is left part stored, or a record is bad; whether anything was ingested."""
         ingested = False
@@ -138,7 +141,7 @@ class ProducerSide:
                 frame = parse_frame(record.body, where=f"ring {producer.ring_name} position {record.start}")
                 report = self._dispatcher.ingest(frame, time.monotonic(), step)
                 if report is None:
-                    report = self._store_until(deadline_s, step)
+                    report = self._store_until(slice_end_s, step)
                 if report is None:  # the rest of the frame at the next turns
                     self._held_back = (producer, record.start, record.end)
                     break
