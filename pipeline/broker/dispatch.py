@@ -49,7 +49,6 @@ completed; when everything is done, received + recovered = completed: difference
 
 from __future__ import annotations
 
-import heapq
 import math
 import operator
 from dataclasses import dataclass, field, fields
@@ -58,6 +57,7 @@ import numpy as np
 
 from pipeline.broker.ids import BatchId, ConsumerId, EntryRef, LaneId, LaneKey, ShapeKey
 from pipeline.broker.lanes import MAX_LENGTH_TOKENS, LaneConfig, LaneCounters, ShapeLanes
+from pipeline.broker.lanes.schedule import TickSchedule
 from pipeline.broker.packing import Contract, batch_items_limit, pack
 from pipeline.broker.selection import AGE_RESOLUTION_NS, SHAPE_ORDER_MOST_TOKENS, DispatchPolicy, ShapeSelector
 from pipeline.broker.storage.base import AppendGroup, Peeked, StorageTier
@@ -74,9 +74,6 @@ FULL_ENOUGH_FRACTION = 0.75
 # one-item batches (about 7 ms of work), its consumers idled at every broker hiccup longer
 # than that. A lane of the streaming demo takes an item every few ms, so it still waits.
 PARTIAL_WAIT_S = 0.25
-# The schedule of lane maintenance (`tick`) is rebuilt when stale entries (a shape scheduled
-# again earlier) outnumber live ones by this factor.
-_DUE_SLACK_FACTOR = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,16 +231,9 @@ class Dispatcher:
         self._waiting: _Frame | None = None  # a frame a full disk holds part of
         self._held: dict[LaneKey, int] = {}  # its items per lane, not to be dispatched yet
         self._c = DispatchCounters()
-        # Lane maintenance by schedule: a min-heap of (due_s, seq, shape) and each scheduled
-        # shape's earliest due time (heap entries that disagree are stale). A shape is ticked
-        # only once ShapeLanes.next_tick_s says a tick could change it.
-        # NOTE: ticking every shape every tick_interval_s (the first version) took 12 ms a
-        # tick on average and up to 100 ms with demo-chat's 7,829 one-item shapes: the
-        # consumers, which hold about 7 ms of one-item batches, idled 1.4-1.5 s of a 40 s run
-        # in those ticks (py-spy and a turn log against the results files' idle gaps).
-        self._due: list[tuple[float, int, ShapeKey]] = []
-        self._due_at: dict[ShapeKey, float] = {}
-        self._due_seq = 0
+        # Lane maintenance by schedule: a shape is ticked only once ShapeLanes.next_tick_s
+        # says a tick could change it (lanes/schedule.py says why).
+        self._ticks = TickSchedule()
 
     @property
     def storage(self) -> StorageTier:
@@ -583,13 +573,7 @@ class Dispatcher:
         storage, and a shape with no lane left is retired (its counters are kept). Ticking a
         shape that is not due would change nothing. Returns whether due shapes were left
         for another call (thousands of shapes go idle together once a backlog is in)."""
-        heap = self._due
-        due: list[ShapeKey] = []
-        while heap and heap[0][0] <= now_s and (max_shapes is None or len(due) < max_shapes):
-            due_s, _seq, shape = heapq.heappop(heap)
-            if self._due_at.get(shape) == due_s:  # else stale: scheduled again earlier
-                del self._due_at[shape]
-                due.append(shape)
+        due = self._ticks.pop_due(now_s, max_shapes)
         for shape in due:  # each once: one rescheduled for now waits for the next tick
             lanes = self._shapes.get(shape)
             if lanes is None:
@@ -602,24 +586,13 @@ class Dispatcher:
                 self._selector.forget(shape)
             else:
                 self._schedule(shape)
-        return bool(heap) and heap[0][0] <= now_s
+        return self._ticks.any_due(now_s)
 
     def _schedule(self, shape: ShapeKey, lane: LaneId | None = None) -> None:
         """After an event changed the shape's lanes (`lane`: only that one): make sure the
         shape is ticked no later than its lanes' next_tick_s. An earlier entry stays (its
         tick is harmless and schedules the shape again)."""
-        due_s = self._shapes[shape].next_tick_s(lane)
-        if due_s is None:
-            return
-        scheduled = self._due_at.get(shape)
-        if scheduled is not None and scheduled <= due_s:
-            return
-        self._due_at[shape] = due_s
-        self._due_seq += 1
-        heapq.heappush(self._due, (due_s, self._due_seq, shape))
-        if len(self._due) > _DUE_SLACK_FACTOR * len(self._due_at) + 64:
-            self._due = [(at, n, key) for n, (key, at) in enumerate(self._due_at.items())]
-            heapq.heapify(self._due)
+        self._ticks.offer(shape, self._shapes[shape].next_tick_s(lane))
 
     # ----------------------------------------------------------------- counters, invariants
 
@@ -675,9 +648,9 @@ class Dispatcher:
             dispatchable = tokens - held_tokens.get(shape, 0)
             assert self._selector.dispatchable_tokens(shape) == dispatchable, (shape, dispatchable)
             due_s = lanes.next_tick_s()  # never ticked later than its lanes need
-            assert due_s is None or self._due_at.get(shape, float("inf")) <= due_s, (shape, due_s)
-        scheduled = {(at, key) for at, _n, key in self._due}
-        assert all((at, key) in scheduled for key, at in self._due_at.items()), "a due shape is off the heap"
+            scheduled = self._ticks.due_at(shape)
+            assert due_s is None or (scheduled is not None and scheduled <= due_s), (shape, due_s, scheduled)
+        self._ticks.check_invariants()
         assert pending == storage.pending_items(), (pending, storage.pending_items())
         c, s = self._c, storage.counters
         received = c.items_received + c.items_recovered
