@@ -87,6 +87,12 @@ class ConsumerSide:
                     handed = progress = True
         return handed
 
+    def hungry(self) -> bool:
+        """Whether some consumer has credit and holds fewer than PARTIAL_BATCHES_AHEAD batches:
+        it may run dry within a few of its batches, so the loop keeps its fill short."""
+        return any(c.credit > 0 and len(c.batches) < PARTIAL_BATCHES_AHEAD and not c.peer.closed
+                   for c in self.consumers.values())
+
     def _hand_one(self, consumer: ConsumerPeer) -> bool:
         """The consumer's next batch into its ring; whether one went."""
         # A batch that is not full waits while the consumer has enough to run: the lane may

@@ -7,6 +7,9 @@ single loop:
                                                     # then one catch-up turn (ingest all the rings
                                                     # hold, flush, release) before serving anyone
     report = dispatcher.ingest(frame, now_s)        # each parsed producer frame of this turn
+                                                    # (max_groups=N: None while part of it is left:
+                                                    # store_more(N) at the next turns, dispatching
+                                                    # between, until it returns the report)
     dispatcher.flush()                              # once per turn, then release those records
     batch = dispatcher.next_batch(consumer, contract, now_s)   # None: nothing for that model
     if batch is not None:
@@ -16,7 +19,8 @@ single loop:
             dispatcher.abandon(batch)               # nothing happened; the entries stay queued
     dispatcher.complete_batch(consumer, batch)      # NotHeldError: disconnect that consumer
     dispatcher.consumer_lost(consumer)              # its pending entries go back to the front
-    dispatcher.tick(now_s)                          # lane maintenance, e.g. every 100 ms
+    dispatcher.tick(now_s, max_shapes)              # lane maintenance, e.g. every 100 ms (True:
+                                                    # due shapes are left for the next call)
     except ShapeGuardError: stop the broker         # never caught to carry on
     except DurabilityError: stop the broker         # fsync failed: never carry on
 
@@ -46,6 +50,7 @@ completed; when everything is done, received + recovered = completed: difference
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -53,6 +58,7 @@ import numpy as np
 from pipeline.broker.firstrefs import FirstReferences
 from pipeline.broker.ids import BatchId, ConsumerId, EntryRef, LaneId, LaneKey, ShapeKey
 from pipeline.broker.lanes import MAX_LENGTH_TOKENS, LaneConfig, LaneCounters, ShapeLanes
+from pipeline.broker.lanes.schedule import TickSchedule
 from pipeline.broker.packing import Contract, batch_items_limit, pack
 from pipeline.broker.selection import AGE_RESOLUTION_NS, SHAPE_ORDER_MOST_TOKENS, DispatchPolicy, ShapeSelector
 from pipeline.broker.storage.base import AppendGroup, Peeked, StorageTier
@@ -64,6 +70,11 @@ from pipeline.wire.layouts import DEFAULT_MAX_MODELS, MODEL_ID_LIMIT, Frame, Pro
 # holds several already) needs this share of what its contract lets it hold: a lane of 7
 # long prompts that fill 85% of the token budget is worth sending, 2 of them are not.
 FULL_ENOUGH_FRACTION = 0.75
+# ...unless its lane took no new item for this long: waiting will not fill it then. demo-chat's
+# turns are shapes of 1-3 items, all in within the first second; held to PARTIAL_BATCHES_AHEAD
+# one-item batches (about 7 ms of work), its consumers idled at every broker hiccup longer
+# than that. A lane of the streaming demo takes an item every few ms, so it still waits.
+PARTIAL_WAIT_S = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +122,8 @@ class IngestReport:
 class _Frame:
     """A frame being stored: its lane groups (lanes already assigned) with their tokens,
     how many groups are stored, and per shape the rows the selector learns of once every
-    group is stored. Kept only while a full disk holds part of it back."""
+    group is stored. Kept only while a full disk holds part of it back, or while it is
+    stored in slices (`ingest(max_groups=...)`)."""
 
     frame: Frame
     groups: list[tuple[AppendGroup, int]]
@@ -125,6 +137,13 @@ class _Frame:
         for group, _tokens in self.groups[self.stored:]:
             unstored[group.lane] = unstored.get(group.lane, 0) + len(group)
         return unstored
+
+    def unannounced_by_lane(self) -> dict[LaneKey, int]:
+        """Items per lane the selector does not know of yet (stored or not): not dispatchable."""
+        held: dict[LaneKey, int] = {}
+        for group, _tokens in self.groups[self.announced:]:
+            held[group.lane] = held.get(group.lane, 0) + len(group)
+        return held
 
     def unannounced_tokens_by_shape(self) -> dict[ShapeKey, int]:
         """Tokens of the groups the selector does not know of yet, per shape."""
@@ -170,9 +189,13 @@ class DispatchCounters:
     lanes: LaneCounters = field(default_factory=LaneCounters)
 
 
+_LANE_COUNTER_NAMES = tuple(f.name for f in fields(LaneCounters))
+_lane_counter_values = operator.attrgetter(*_LANE_COUNTER_NAMES)
+
+
 def _add_lane_counters(total: LaneCounters, more: LaneCounters) -> None:
-    for f in fields(LaneCounters):
-        setattr(total, f.name, getattr(total, f.name) + getattr(more, f.name))
+    for name in _LANE_COUNTER_NAMES:
+        setattr(total, name, getattr(total, name) + getattr(more, name))
 
 
 class Dispatcher:
@@ -212,6 +235,9 @@ class Dispatcher:
         # Compulsory prefix tokens per consumer and for the whole model: the consumer side
         # calls `first_refs.start` when a consumer starts a shape.
         self.first_refs = FirstReferences()
+        # Lane maintenance by schedule: a shape is ticked only once ShapeLanes.next_tick_s
+        # says a tick could change it (lanes/schedule.py says why).
+        self._ticks = TickSchedule()
 
     @property
     def storage(self) -> StorageTier:
@@ -229,11 +255,21 @@ class Dispatcher:
 
     # ----------------------------------------------------------------- ingest
 
-    def ingest(self, frame: Frame, now_s: float) -> IngestReport:
+    def ingest(self, frame: Frame, now_s: float, max_groups: int | None = None) -> IngestReport | None:
         """Store a parsed frame's items: skip those already stored (idempotent ingest), group
         the rest by (model, signature), assign lanes (ShapeLanes.assign_many, in arrival
         order), append each lane's items to storage. Call `flush()` after the turn's frames,
         then release their ring records.
+
+        `max_groups`: append at most this many lane groups now (a frame of 200 new shapes
+        costs 200 segment files, some 50 ms, which the loop would spend without serving
+        anyone). Returns None while groups are left: call `store_more` (flush and dispatch
+        between calls, ingest nothing else) until it returns the report. The frame's items
+        become dispatchable only once all of it is stored, so no item of a record that is
+        not released yet is ever dispatched (`_store`). NOTE: making each slice's groups
+        dispatchable at once, as a full disk does, was rejected: after a crash the record
+        is read again and an item completed (and deleted) meanwhile would be stored and run
+        a second time; the earlier frames' items keep the consumers busy meanwhile.
 
         DiskFullError: the disk is full; the frame's lanes were assigned and the lane groups
         not yet stored wait here. Keep the record, stop reading rings, serve consumers, and
@@ -275,11 +311,12 @@ class Dispatcher:
         for shape, shape_rows in shapes:
             groups += self._assign_shape(shape, frame, shape_rows, now_s)
             self.first_refs.learn(shape, int(items["prefix_len"][shape_rows[0]]))
+            self._schedule(shape)
         tokens = sum(group_tokens for _group, group_tokens in groups)
         report = IngestReport(items=int(rows.size), tokens=tokens, duplicates=duplicates)
-        return self._store(_Frame(frame, groups, shapes, report))
+        return self._store(_Frame(frame, groups, shapes, report), max_groups)
 
-    def _store(self, pending: _Frame) -> IngestReport:
+    def _store(self, pending: _Frame, max_groups: int | None = None) -> IngestReport | None:
         """Append the frame's groups not stored yet; once all are, its items become
         dispatchable (the selector learns of them). A full disk holds the rest back: the
         groups already stored become dispatchable at once (`_announce`), the others wait.
@@ -290,18 +327,23 @@ class Dispatcher:
         price: a crash while a frame is held may store again, and so run again, items of it
         that were completed and deleted meanwhile: duplicates, bounded by one frame."""
         c = self._c
-        while pending.stored < len(pending.groups):
+        end = len(pending.groups) if max_groups is None else min(len(pending.groups), pending.stored + max_groups)
+        while pending.stored < end:
             group, tokens = pending.groups[pending.stored]
             try:
                 self._storage.append(group)
             except DiskFullError:
                 self._waiting = pending
                 self._announce(pending, pending.stored)
-                self._held = pending.unstored_by_lane()
+                self._held = pending.unannounced_by_lane()
                 raise
             pending.stored += 1
             c.items_received += len(group)
             c.tokens_received += tokens
+        if pending.stored < len(pending.groups):  # a slice: the rest at the next store_more
+            self._waiting = pending
+            self._held = pending.unannounced_by_lane()
+            return None
         self._waiting, self._held = None, {}
         if pending.announced:
             self._announce(pending, len(pending.groups))
@@ -333,6 +375,18 @@ class Dispatcher:
             return None
         return self._store(self._waiting)
 
+    @property
+    def storing(self) -> bool:
+        """A frame is part stored (in slices, or held by a full disk): no ingest until done."""
+        return self._waiting is not None
+
+    def store_more(self, max_groups: int | None = None) -> IngestReport | None:
+        """Append up to `max_groups` more lane groups of the frame `ingest` stored in part;
+        its report once all of it is stored (flush, then release its record), else None.
+        DiskFullError as in `ingest`."""
+        assert self._waiting is not None, "nothing is being stored"
+        return self._store(self._waiting, max_groups)
+
     def flush(self) -> None:
         """Once per loop turn, after ingesting and BEFORE releasing the turn's ring records:
         the storage tier makes its appends durable (`power`: fdatasync) and dispatchable.
@@ -362,6 +416,7 @@ class Dispatcher:
             if lanes is None:
                 lanes = self._shapes[shape] = ShapeLanes(self._lane_config)
             lanes.restore_lane(found.lane.lane, int(found.lengths.max()), found.lengths, now_s)
+            self._schedule(shape)
             tokens = int(found.lengths.sum())
             self._selector.on_queued(shape, tokens, found.submit_ns)
             recovered += int(found.lengths.size)
@@ -419,7 +474,8 @@ class Dispatcher:
         Nothing is committed: call `commit` once the consumer's channel took the batch, or
         `abandon` if it did not. `full_only`: None, without peeking and without switching
         shapes, unless that lane fills at least FULL_ENOUGH_FRACTION of a whole batch (the
-        contract's items, or its tokens at the lane's longest item).
+        contract's items, or its tokens at the lane's longest item) or took no item for
+        PARTIAL_WAIT_S (nothing is coming to fill it).
 
         Example: model 0's current shape A has lanes 0 (target 512, 40 items queued, 20,000
         tokens) and 1 (target 1000, 5 items, 5,000 tokens); a contract of 64 items / 16,384
@@ -445,7 +501,8 @@ class Dispatcher:
         key = LaneKey(shape.model, shape.signature, lane)
         available = lanes.queued_items(lane) - self._held.get(key, 0)
         fits = batch_items_limit(longest, contract)
-        if full_only and available < math.ceil(FULL_ENOUGH_FRACTION * fits):
+        if full_only and available < math.ceil(FULL_ENOUGH_FRACTION * fits) \
+                and now_s - lanes.last_seen_s(lane) < PARTIAL_WAIT_S:
             return None
         if switch is not None:
             self._selector.switch(shape, switch, consumer=consumer)
@@ -481,6 +538,7 @@ class Dispatcher:
         self._storage.commit(batch.lane, batch.entries, batch.consumer, batch.batch_id)
         tokens = sum(lengths)
         self._shapes[batch.lane.shape].on_dispatched(batch.lane.lane, lengths)
+        self._schedule(batch.lane.shape, batch.lane.lane)
         self._selector.on_dispatched(batch.lane.shape, tokens, batch.entries.submit_ns)
         c = self._c
         c.items_routed += len(lengths)
@@ -499,6 +557,7 @@ class Dispatcher:
         done = self._storage.complete_batch(consumer, batch.batch_id)
         for lane_key, lane_refs in done.by_lane.items():
             self._shapes[lane_key.shape].on_completed(lane_key.lane, len(lane_refs))
+            self._schedule(lane_key.shape, lane_key.lane)
         c = self._c
         c.items_completed += done.items
         c.tokens_completed += done.tokens
@@ -514,6 +573,7 @@ class Dispatcher:
         for run in self._storage.return_consumer(consumer):
             lengths = run.lengths
             self._shapes[run.lane.shape].on_returned(run.lane.lane, lengths)
+            self._schedule(run.lane.shape, run.lane.lane)
             tokens = sum(lengths)
             self._selector.on_returned(run.lane.shape, tokens, run.entries.submit_ns)
             returned += len(lengths)
@@ -521,16 +581,32 @@ class Dispatcher:
             self._c.tokens_returned += tokens
         return returned
 
-    def tick(self, now_s: float) -> None:
-        """Lane maintenance for every shape (SPEC §2); released lanes are dropped from
-        storage, and a shape with no lane left is retired (its counters are kept)."""
-        for shape, lanes in list(self._shapes.items()):
+    def tick(self, now_s: float, max_shapes: int | None = None) -> bool:
+        """Lane maintenance (SPEC §2) for every shape whose lanes are due (`_schedule`), at
+        most `max_shapes` of them (the earliest due first); released lanes are dropped from
+        storage, and a shape with no lane left is retired (its counters are kept). Ticking a
+        shape that is not due would change nothing. Returns whether due shapes were left
+        for another call (thousands of shapes go idle together once a backlog is in)."""
+        due = self._ticks.pop_due(now_s, max_shapes)
+        for shape in due:  # each once: one rescheduled for now waits for the next tick
+            lanes = self._shapes.get(shape)
+            if lanes is None:
+                continue
             for lane in lanes.tick(now_s).released:
                 self._storage.drop_lane(LaneKey(shape.model, shape.signature, lane))
             if not lanes.lane_count:
                 _add_lane_counters(self._retired, lanes.counters)
                 del self._shapes[shape]
                 self._selector.forget(shape)
+            else:
+                self._schedule(shape)
+        return self._ticks.any_due(now_s)
+
+    def _schedule(self, shape: ShapeKey, lane: LaneId | None = None) -> None:
+        """After an event changed the shape's lanes (`lane`: only that one): make sure the
+        shape is ticked no later than its lanes' next_tick_s. An earlier entry stays (its
+        tick is harmless and schedules the shape again)."""
+        self._ticks.offer(shape, self._shapes[shape].next_tick_s(lane))
 
     # ----------------------------------------------------------------- counters, invariants
 
@@ -539,11 +615,12 @@ class Dispatcher:
             f.name: getattr(self._c, f.name) for f in fields(DispatchCounters)
             if f.name not in ("switches", "lanes")
         })
-        lanes = LaneCounters()
-        _add_lane_counters(lanes, self._retired)
-        for shape_lanes in self._shapes.values():
-            _add_lane_counters(lanes, shape_lanes.counters)
-            snapshot.lanes_in_use += shape_lanes.lane_count
+        # Column sums in C: status asks every 0.5 s, and field by field in Python this took
+        # 7 ms at demo-chat's 7,829 shapes (py-spy), time the consumers' batches waited.
+        rows = [_lane_counter_values(self._retired), *(_lane_counter_values(shape_lanes.counters)
+                                                        for shape_lanes in self._shapes.values())]
+        lanes = LaneCounters(*(sum(column) for column in zip(*rows)))
+        snapshot.lanes_in_use = sum(shape_lanes.lane_count for shape_lanes in self._shapes.values())
         snapshot.lanes = lanes
         snapshot.shapes = len(self._shapes)
         snapshot.switches = {r.value: n for r, n in self._selector.counters.switches.items()}
@@ -551,12 +628,15 @@ class Dispatcher:
 
     def shape_summaries(self) -> list[ShapeSummary]:
         """Every shape's queue and lanes (status and metrics), largest queued tokens first."""
-        summaries = []
-        for shape, lanes in self._shapes.items():
+        # Sorted as plain tuples, made summaries after: a key function and an object per shape
+        # before the sort cost 12 ms a status at 7,829 shapes (py-spy).
+        rows = []
+        for (model, signature), lanes in self._shapes.items():
             items, tokens, pending = lanes.totals()
-            summaries.append(ShapeSummary(shape.model, shape.signature, lanes.lane_count, items, tokens, pending))
-        summaries.sort(key=lambda s: (-s.queued_tokens, -s.pending_items, s.model, s.signature))
-        return summaries
+            rows.append((-tokens, -pending, model, signature, lanes.lane_count, items))
+        rows.sort()
+        return [ShapeSummary(model, signature, count, items, -tokens, -pending)
+                for tokens, pending, model, signature, count, items in rows]
 
     def check_invariants(self) -> None:
         """Every part's invariants, and that they agree: per lane, storage's queue length is
@@ -570,7 +650,7 @@ class Dispatcher:
         waiting = self._waiting
         unstored = {} if waiting is None else waiting.unstored_by_lane()
         held_tokens = {} if waiting is None else waiting.unannounced_tokens_by_shape()
-        assert self._held == unstored
+        assert self._held == ({} if waiting is None else waiting.unannounced_by_lane())
         pending = 0
         for shape, lanes in self._shapes.items():
             lanes.check_invariants()
@@ -582,6 +662,10 @@ class Dispatcher:
                 pending += view.pending_items
             dispatchable = tokens - held_tokens.get(shape, 0)
             assert self._selector.dispatchable_tokens(shape) == dispatchable, (shape, dispatchable)
+            due_s = lanes.next_tick_s()  # never ticked later than its lanes need
+            scheduled = self._ticks.due_at(shape)
+            assert due_s is None or (scheduled is not None and scheduled <= due_s), (shape, due_s, scheduled)
+        self._ticks.check_invariants()
         assert pending == storage.pending_items(), (pending, storage.pending_items())
         c, s = self._c, storage.counters
         received = c.items_received + c.items_recovered

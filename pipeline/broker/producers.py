@@ -4,6 +4,11 @@ what the rings hold (SPEC §5).
     fill: take frames from producer rings -> Dispatcher.ingest -> storage flush -> release
           the ring records (an item leaves its ring only once stored)
 
+A frame of many new shapes (a segment file each) is stored a few lane groups at a time
+(INGEST_STEP_GROUPS), and while a consumer runs short of batches a fill lasts at most
+HUNGRY_FILL_SLICE_S, so dispatch runs between the slices; the rest of the frame is stored
+at the next turns before any other frame is read.
+
 Owner: the broker loop (one thread); not thread-safe. A full disk is backpressure: the
 record that did not fit stays in its ring, the rings are not read, and what the frame
 stored in part is retried every turn until the disk has room. After a restart `catch_up`
@@ -19,7 +24,7 @@ import time
 import psutil
 
 from pipeline.broker.config import BrokerConfig
-from pipeline.broker.dispatch import Dispatcher
+from pipeline.broker.dispatch import Dispatcher, IngestReport
 from pipeline.broker.peers import Peer, ProducerPeer, producer_ring_ids, producer_ring_name
 from pipeline.broker.state import BrokerState
 from pipeline.broker.storage.disk import DiskTier
@@ -31,6 +36,16 @@ log = logging.getLogger("pipeline.broker")
 
 # A disk that stays nearly full refuses one frame after another: said once per this.
 DISK_FULL_LOG_INTERVAL_S = 30.0
+# Lane groups a frame stores between looks at the clock: a group is one lane's items, and a
+# new shape's first group creates its segment file (0.2-0.3 ms on a 2-core machine), so 8
+# groups stay within about 2 ms; a frame of one shape (the common bulk case) is 1-2 groups.
+INGEST_STEP_GROUPS = 8
+# How long a fill storing a frame in slices may last while a consumer holds fewer batches
+# than it needs to stay busy (ConsumerSide.hungry): one-item batches of 1-2 ms run dry in
+# the ~7 ms a consumer holds, and a whole frame of 200 new shapes (50 ms) left both
+# consumers idle 1.6-1.9 s of the first seconds of demo-chat (turn log against the results
+# files' idle gaps). 2 ms leaves the turn (dispatch, control) room within that.
+HUNGRY_FILL_SLICE_S = 0.002
 
 
 class ProducerSide:
@@ -54,7 +69,8 @@ class ProducerSide:
         self.disk_full_episodes = 0  # frames a full disk held back
         self._disk_full_logged_s = -DISK_FULL_LOG_INTERVAL_S
         self.disk_full_since_s: float | None = None
-        # The record a full disk kept: its producer, start and end positions in the ring.
+        # The record whose frame the dispatcher is still storing (a full disk held it back,
+        # or it is stored in slices): its producer, start and end positions in the ring.
         self._held_back: tuple[ProducerPeer, int, int] | None = None
 
     def catch_up(self) -> None:
@@ -85,15 +101,21 @@ class ProducerSide:
 
     # ------------------------------------------------------------------ fill
 
-    def fill(self, now_s: float, catching_up: bool = False) -> bool:
-        """Ingest frames from every producer ring for at most one work slice; then flush the
-        storage and release what it stored. Returns whether anything was ingested."""
+    def fill(self, now_s: float, catching_up: bool = False, hungry: bool = False) -> bool:
+        """Ingest frames from every producer ring for at most one work slice (a frame stored in
+        slices: HUNGRY_FILL_SLICE_S when `hungry`, a consumer running short of batches); then
+        flush the storage and release what it stored. Returns whether anything was ingested, or a frame is still
+        being stored in slices (the loop then must not sleep)."""
         deadline = now_s + self.config.work_slice_s
-        ingested = self._retry_held_back()
+        # A frame stored in slices stops at this one; whole frames (a few lane groups: the
+        # bulk case) still fill the work slice, as many turns cost the broker CPU per item.
+        slice_end = now_s + HUNGRY_FILL_SLICE_S if hungry else deadline
+        step = None if catching_up else INGEST_STEP_GROUPS  # catching up serves nobody meanwhile
+        ingested = self._continue_held_back(slice_end, step)
         for producer in list(self.producers.values()):
-            if producer.ring is None or self.disk_full_since_s is not None:
+            if producer.ring is None or self.disk_full_since_s is not None or self._held_back is not None:
                 continue
-            ingested = self._fill_from(producer, deadline) or ingested
+            ingested = self._fill_from(producer, deadline, slice_end, step) or ingested
         if ingested or self._storage.needs_flush:
             # A frame a full disk cut short may have left appends to flush even when no
             # record was ingested whole; the dispatcher serves nothing before a flush.
@@ -105,11 +127,11 @@ class ProducerSide:
                     producer.unreleased_end = None
         if not catching_up:
             self.finish_unregistered()
-        return ingested
+        return ingested or (self._held_back is not None and self.disk_full_since_s is None)
 
-    def _fill_from(self, producer: ProducerPeer, deadline_s: float) -> bool:
+    def _fill_from(self, producer: ProducerPeer, deadline_s: float, slice_end_s: float, step: int | None) -> bool:
         """Ingest `producer`'s frames until its ring is empty, the slice ends, the disk is
-        full or a record is bad; whether anything was ingested."""
+        full, a frame is left part stored, or a record is bad; whether anything was ingested."""
         ingested = False
         while time.monotonic() < deadline_s:
             try:
@@ -117,7 +139,12 @@ class ProducerSide:
                 if record is None:
                     break
                 frame = parse_frame(record.body, where=f"ring {producer.ring_name} position {record.start}")
-                report = self._dispatcher.ingest(frame, time.monotonic())
+                report = self._dispatcher.ingest(frame, time.monotonic(), step)
+                if report is None:
+                    report = self._store_until(slice_end_s, step)
+                if report is None:  # the rest of the frame at the next turns
+                    self._held_back = (producer, record.start, record.end)
+                    break
             except (FrameError, BadInputError, ShmError) as exc:
                 log.error("producer %d: %s; disconnecting it", producer.producer_id, exc)
                 self._drop(producer, f"bad frame: {exc}")
@@ -147,14 +174,34 @@ class ProducerSide:
             self._disk_full_logged_s = now_s
             log.error("disk full (%d times so far), applying backpressure: %s", self.disk_full_episodes, exc)
 
-    def _retry_held_back(self) -> bool:
-        """After a full disk: store what it held back; True once it is all stored (its
+    def _store_until(self, deadline_s: float, step: int | None) -> IngestReport | None:
+        """Store more of the part-stored frame, `step` groups at a time, until it is all
+        stored (its report) or the slice ends (None). DiskFullError as in ingest."""
+        while True:
+            report = self._dispatcher.store_more(step)
+            if report is not None or time.monotonic() >= deadline_s:
+                return report
+
+    def _continue_held_back(self, deadline_s: float, step: int | None) -> bool:
+        """Store more of the frame the dispatcher holds: after a full disk, all of what it held
+        back; else (stored in slices) until the slice ends. True once it is all stored (its
         record is released with this turn's)."""
         if self._held_back is None:
             return False
+        disk_full = self.disk_full_since_s is not None
         try:
-            report = self._dispatcher.retry_pending_appends()
-        except DiskFullError:
+            if not self._dispatcher.storing:
+                report = None
+            elif disk_full:
+                report = self._dispatcher.retry_pending_appends()
+            else:
+                report = self._store_until(deadline_s, step)
+                if report is None:
+                    return False  # more at the next turn
+        except DiskFullError as exc:
+            if not disk_full:
+                self._log_disk_full(exc)
+                self.disk_full_since_s = time.monotonic()
             return False
         producer, start, end = self._held_back
         self._held_back = None
@@ -163,8 +210,9 @@ class ProducerSide:
             producer.items += report.items + report.duplicates
             if start < producer.adopted_until:
                 self.items_adopted += report.items
-        self.disk_full_since_s = None
-        log.info("disk has room again: ingest resumes")
+        if disk_full:
+            self.disk_full_since_s = None
+            log.info("disk has room again: ingest resumes")
         producer.unreleased_end = end
         return True
 

@@ -20,7 +20,9 @@ One turn of the loop (`Broker.turn`):
 
 Steps 1 and 2 each stop after `work_slice_s` (10 ms) of work so step 3 always runs: a fill
 of thousands of batches must never get a healthy consumer declared dead (SPEC §6), and
-credit a completion returns in step 3 is used within a slice.
+credit a completion returns in step 3 is used within a slice. While a consumer runs short of
+batches (ConsumerSide.hungry) the fill stops after 2 ms instead, a frame of many new shapes
+stored over several turns (producers.py), so dispatch is not starved by ingest.
 
 A gap between turns far longer than a turn can take (STALL_GAP_S) is the broker's own stall
 (SIGSTOP, a VM pause): it is counted and logged, and the broker reads what its peers sent
@@ -66,6 +68,10 @@ log = logging.getLogger("pipeline.broker")
 STALL_LOG_INTERVAL_S = 10.0
 # How long select may sleep when nothing is pending: bounds how late a tick runs.
 IDLE_WAIT_S = 0.05
+# Shapes one turn's lane maintenance ticks at most: about 2 ms. When more are due (every
+# shape of a 7,829-shape backlog goes idle within a moment), the next turns tick the rest,
+# dispatching between, rather than one tick of 40 ms or more.
+TICK_SHAPES_PER_TURN = 256
 # Shapes listed one by one in status (the rest summed as "other"): enough for a terminal
 # table and a metrics label set that stays small however many shapes a run has.
 STATUS_TOP_SHAPES = 16
@@ -130,6 +136,7 @@ class Broker:
         self._clock_s = time.monotonic()  # the loop's last look at the clock (_notice_stall)
         self._stall_logged_s = -STALL_LOG_INTERVAL_S
         self._next_tick_s = 0.0
+        self._ticks_left = False  # due shapes the last tick had no room for
         self.started_s = time.monotonic()
         self.consumer_side.remove_stale_rings()
         self.producer_side.catch_up()
@@ -160,7 +167,7 @@ class Broker:
             self.turn()
 
     def turn(self) -> None:
-        busy = self.producer_side.fill(time.monotonic())
+        busy = self.producer_side.fill(time.monotonic(), hungry=self.consumer_side.hungry())
         busy = self.consumer_side.dispatch(time.monotonic()) or busy
         self.control.serve(0.0 if busy else IDLE_WAIT_S)
         now = time.monotonic()
@@ -169,8 +176,10 @@ class Broker:
             # passed (PEP 475): read what the peers sent meanwhile before judging anyone.
             self.control.serve(0.0)
             now = time.monotonic()
+        if now >= self._next_tick_s or self._ticks_left:
+            # Lanes may age across a stall: quiescing early is harmless.
+            self._ticks_left = self.dispatcher.tick(now, TICK_SHAPES_PER_TURN)
         if now >= self._next_tick_s:
-            self.dispatcher.tick(now)  # lanes may age across a stall: quiescing early is harmless
             log_quarantined(self.storage)
             self.consumer_side.check_heartbeats(now)
             self.control.expire_unregistered(now)

@@ -121,6 +121,22 @@ class Pipeline:
         self.now_s += 0.05
         if self.rng.random() < 0.1:
             self.dispatcher.tick(self.now_s)
+            assert_nothing_due(self.dispatcher, self.now_s)
+
+
+def assert_nothing_due(dispatcher: Dispatcher, now_s: float) -> None:
+    """After a tick, ticking every shape (the reference: what the dispatcher did before it
+    scheduled its ticks) would change nothing: no quiescing lane is drained, and no active
+    lane is idle with fewer than quiesce_below_items queued (ShapeLanes.tick's own rules)."""
+    for shape in dispatcher.shapes():
+        lanes = dispatcher.lanes(shape)
+        cfg = lanes.config
+        for view in lanes.lanes():
+            if view.quiescing:
+                assert view.queued_items or view.pending_items, (shape, view)
+            else:
+                idle = now_s - view.last_seen_s >= cfg.quiesce_idle_s
+                assert not (idle and view.queued_items < cfg.quiesce_below_items), (shape, view)
 
 
 def run_to_the_end(pipeline: Pipeline, backlog: int, lost_at: int, check_every: int = 1) -> None:
@@ -238,6 +254,20 @@ def test_full_only_waits_for_a_lane_that_fills_a_batch(tier):
     dispatcher.check_invariants()
 
 
+def test_full_only_takes_a_partial_batch_nothing_will_fill(tier):
+    """A lane that took no item for PARTIAL_WAIT_S will not fill by waiting: full_only gives
+    its partial batch (one item of 8) from then on, not a moment before."""
+    from pipeline.broker.dispatch import PARTIAL_WAIT_S
+    dispatcher = Dispatcher(tier)
+    dispatcher.ingest(make_frame(0, 0, [(0, 5)], [100]), 1.0)
+    by_items = Contract(0, 8, 65_536, 1000)
+    assert dispatcher.next_batch(ConsumerId(1), by_items, 1.0 + PARTIAL_WAIT_S * 0.99, full_only=True) is None
+    late = dispatcher.next_batch(ConsumerId(1), by_items, 1.0 + PARTIAL_WAIT_S, full_only=True)
+    assert late is not None and len(late.entries) == 1
+    dispatcher.commit(late)
+    dispatcher.check_invariants()
+
+
 def test_stale_commit_changes_nothing_and_the_entries_stay_dispatchable(tier):
     dispatcher = Dispatcher(tier)
     dispatcher.ingest(make_frame(0, 0, [(0, 5)] * 6, [100] * 6), 0.0)
@@ -325,6 +355,58 @@ def test_tick_releases_idle_lanes_and_retires_shapes(tier):
     assert after.lanes_in_use == 0 and after.items_completed == 4
     dispatcher.ingest(make_frame(0, 4, [(0, 1)], [100]), 6.0)  # the shape comes back
     assert dispatcher.next_batch(ConsumerId(1), BIG, 6.0) is not None
+    dispatcher.check_invariants()
+
+
+def test_tick_visits_only_the_shapes_that_are_due(tier, monkeypatch):
+    """1,000 one-item shapes: a tick before any lane could quiesce ticks none of them; once
+    they are idle and done, one tick retires all (as ticking every shape did)."""
+    from pipeline.broker.lanes import ShapeLanes
+    dispatcher = Dispatcher(tier)
+    dispatcher.ingest(make_frame(0, 0, [(0, s) for s in range(1, 1001)], [100] * 1000), 0.0)
+    ticked = []
+    real_tick = ShapeLanes.tick
+    monkeypatch.setattr(ShapeLanes, "tick", lambda self, now_s: ticked.append(self) or real_tick(self, now_s))
+    while (batch := dispatcher.next_batch(ConsumerId(1), BIG, 1.0)) is not None:
+        dispatcher.commit(batch)
+        dispatcher.complete_batch(ConsumerId(1), batch)
+    assert dispatcher.tick(4.9) is False
+    assert ticked == [] and len(dispatcher.shapes()) == 1000
+    assert dispatcher.tick(5.0, max_shapes=300) is True  # the rest is left for the next calls
+    assert len(ticked) == 300 and len(dispatcher.shapes()) == 700
+    dispatcher.check_invariants()
+    assert dispatcher.tick(5.0) is False
+    assert len(ticked) == 1000 and not dispatcher.shapes() and not tier.lane_keys()
+    dispatcher.check_invariants()
+
+
+def test_a_frame_stored_in_slices_is_dispatchable_only_once_whole(tier):
+    """ingest(max_groups=3) of a frame of 10 shapes stores it over 4 calls; meanwhile only
+    the earlier frame's items are dispatched, though the new frame's items of the same
+    shape sit behind them in the lane; then every item is, once."""
+    dispatcher = Dispatcher(tier)
+    assert dispatcher.ingest(make_frame(0, 0, [(0, 1)] * 2, [100, 100]), 0.0).items == 2
+    frame = make_frame(0, 2, [(0, 1)] * 3 + [(0, s) for s in range(2, 11)], [100] * 12)
+    assert dispatcher.ingest(frame, 0.0, max_groups=3) is None and dispatcher.storing
+    served = []
+    for calls in range(1, 10):
+        dispatcher.flush()
+        dispatcher.check_invariants()
+        while (batch := dispatcher.next_batch(ConsumerId(1), BIG, 1.0)) is not None:
+            dispatcher.commit(batch)
+            served += batch.entries.item_ids.tolist()
+        if calls == 1:
+            assert sorted(served) == [0, 1], served  # the earlier frame only
+        report = dispatcher.store_more(3)
+        if report is not None:
+            break
+        assert served == [0, 1]
+    assert calls == 3 and report.items == 12 and not dispatcher.storing
+    dispatcher.flush()
+    while (batch := dispatcher.next_batch(ConsumerId(1), BIG, 1.0)) is not None:
+        dispatcher.commit(batch)
+        served += batch.entries.item_ids.tolist()
+    assert sorted(served) == list(range(14))
     dispatcher.check_invariants()
 
 

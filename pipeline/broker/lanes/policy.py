@@ -111,6 +111,11 @@ class ShapeLanes:
         value = self._table.front_max(lane_id)
         return None if value == NOTHING_QUEUED_MAX else value
 
+    def last_seen_s(self, lane_id: LaneId) -> float:
+        """When the lane last took an item (the `now_s` of that assign)."""
+        self._assert_live(lane_id)
+        return self._table.last_seen_s[lane_id]
+
     def is_quiescing(self, lane_id: LaneId) -> bool:
         self._assert_live(lane_id)
         return lane_id in self._quiescing
@@ -395,6 +400,34 @@ class ShapeLanes:
         for lane in released:
             self._release(lane)
         return TickResult(quiesced=tuple(sorted(quiesced)), released=tuple(released))
+
+    def next_tick_s(self, lane: LaneId | None = None) -> float | None:
+        """The earliest time at which `tick` could change anything, were nothing else to
+        happen (no assign, dispatch, completion or return): -inf when a quiescing lane is
+        drained (the next tick releases it); for an active lane with fewer than
+        `quiesce_below_items` queued, the moment it has been idle `quiesce_idle_s`; None when
+        only one of those events can give a tick something to do. `lane`: that lane only
+        (the one an event changed), else the whole shape. O(lanes) for the shape, O(1) for
+        a lane. The dispatcher ticks a shape only once this time has come, so a broker with
+        thousands of shapes does not visit each one every tick."""
+        table = self._table
+        cfg = self._cfg
+        due: float | None = None
+        if lane is None:
+            lanes: Sequence[LaneId] = [*self._active_ids, *self._quiescing]
+        elif 0 <= lane < table.size and table.target[lane] > 0:  # in use (release zeroes it)
+            lanes = (lane,)
+        else:
+            return None  # released: nothing left to tick
+        for lane_id in lanes:
+            if lane_id in self._quiescing:
+                if not table.queued_items[lane_id] and not table.pending_items[lane_id]:
+                    return -_INF
+            elif table.queued_items[lane_id] < cfg.quiesce_below_items:
+                at = table.last_seen_s[lane_id] + cfg.quiesce_idle_s
+                if due is None or at < due:
+                    due = at
+        return due
 
     def _release(self, lane: LaneId) -> None:
         self._quiescing.discard(lane)
