@@ -116,7 +116,8 @@ class ProducerSide:
                 record = producer.ring.poll()
                 if record is None:
                     break
-                frame = parse_frame(record.body, where=f"ring {producer.ring_name} position {record.start}")
+                frame = parse_frame(record.body, where=f"ring {producer.ring_name} position {record.start}",
+                                    producer_id=producer.producer_id)
                 report = self._dispatcher.ingest(frame, time.monotonic())
             except (FrameError, BadInputError, ShmError) as exc:
                 log.error("producer %d: %s; disconnecting it", producer.producer_id, exc)

@@ -119,8 +119,10 @@ class SegmentReader:
             self._drop(path)
         try:
             with open(path, "rb") as file:
-                mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
                 info = os.fstat(file.fileno())
+                if info.st_size < end:  # an empty file cannot even be mapped (ValueError)
+                    raise SegmentCorruptError(f"{path}: {info.st_size} bytes, but an entry is said to end at {end}")
+                mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
         except FileNotFoundError as exc:  # the broker deletes only what is completed: damage
             raise SegmentCorruptError(f"{path}: the segment file is gone ({exc.strerror})") from None
         except OSError as exc:  # EMFILE, ENOMEM, EACCES...: the entries are intact, try later

@@ -586,7 +586,8 @@ def _timestamp(value: object, what: str, *, optional: bool) -> float | None:
     None if optional)."""
     if value is None and optional:
         return None
-    if type(value) not in (int, float) or not math.isfinite(value) or not 0 <= value <= MAX_TIMESTAMP_MS:  # type: ignore[arg-type,operator]
+    # The range first: an integer past a float's range (10**400) makes math.isfinite raise.
+    if type(value) not in (int, float) or not 0 <= value <= MAX_TIMESTAMP_MS or not math.isfinite(value):  # type: ignore[arg-type,operator]
         raise WorkloadError(f"{what} must be a number of milliseconds in [0, {MAX_TIMESTAMP_MS:,}], got {_show(value)}")
     return float(value)  # type: ignore[arg-type]
 
