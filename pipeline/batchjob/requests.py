@@ -344,7 +344,7 @@ def _messages(raw: object) -> list[dict[str, str]]:
             raise _Refused(f"{where} has {', '.join(map(repr, unknown))}: a message has role, content and name "
                            f"only (this job makes no tool calls)", f"{where}.{unknown[0]}")
         role = message.get("role")
-        if role not in CHAT_ROLES:
+        if not isinstance(role, str) or role not in CHAT_ROLES:  # an object is not hashable
             raise _Refused(f"{where}.role {_show(role)} is not one of {', '.join(sorted(CHAT_ROLES))}",
                            f"{where}.role")
         normal = {"role": role, "content": _content(message.get("content"), where)}

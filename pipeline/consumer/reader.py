@@ -232,10 +232,14 @@ class SegmentReader:
         token_starts = offsets + ENTRY_HEADER_SIZE_BYTES
         try:
             mapped = self._mapped(path, int((token_starts + lengths * TOKEN_SIZE_BYTES).max()))
-        except SegmentCorruptError as exc:  # the file is gone or cut short: damage, named per item
-            out.failed += [(item_id, length, exc.with_traceback(None)) for item_id, length in
-                           zip(items["item_id"].tolist(), items["length"].tolist())]
+        except SegmentCorruptError:  # gone, cut short, or one entry said to end past it:
+            self._read_one_by_one(model, signature, lane, segment_seq, items, out)  # named per item
             return
+        outside = items["offset"] > np.uint64(max(0, len(mapped.view) - ENTRY_HEADER_SIZE_BYTES))
+        if outside.any():  # a header past the file (an offset of 2**63 wraps negative): named by `read`
+            self._read_one_by_one(model, signature, lane, segment_seq, items[outside], out)
+            inside = ~outside
+            items, offsets, lengths, token_starts = items[inside], offsets[inside], lengths[inside], token_starts[inside]
         headers, ends, good = gather_entry_headers(mapped.words, offsets, len(mapped.view))
         good &= (headers["length"] == lengths) & (headers["item_id"] == items["item_id"])
         payload_lens = headers["payload_len"].astype(np.int64)

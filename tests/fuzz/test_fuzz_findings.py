@@ -28,6 +28,7 @@ from tests.fuzz.targets import (
     SEGMENT_ITEMS,
     SEGMENT_KEYS,
     SEGMENT_PATH,
+    SEGMENT_SEEDS,
     SERVED_MODEL,
     chat_request,
     frame_bytes,
@@ -151,3 +152,34 @@ def test_an_empty_segment_file_is_damage_for_each_item_not_a_crash(tmp_path):
                         int(item["offset"]), int(item["length"]), int(item["item_id"]))
     finally:
         reader.close()
+
+
+@pytest.mark.parametrize("role", [{"a": 1}, ["user"], 3, None])
+def test_a_chat_role_that_is_not_a_string_refuses_that_request_alone(tmp_path, role):
+    # An object as the role made `role not in CHAT_ROLES` raise TypeError (unhashable)
+    # out of load_requests.
+    messages = [{"role": role, "content": "hi"}]
+    path = _write(tmp_path, "b.jsonl", [chat_request("a", messages=messages), chat_request("b")])
+    refused, served = load_requests(path, SERVED_MODEL).requests
+    assert refused.error.startswith("messages[0].role ") and refused.error_param == "messages[0].role"
+    assert served.error is None
+
+
+@pytest.mark.parametrize("offset", [2**63, 2**64 - 16, 2**62])
+def test_a_descriptor_offset_past_the_file_fails_that_item_alone(tmp_path, offset):
+    # An offset of 2**63 or more wrapped negative in the reader's int64 columns and indexed
+    # outside the mapping: IndexError out of read_batch.
+    path = tmp_path / SEGMENT_PATH
+    path.parent.mkdir(parents=True)
+    path.write_bytes(SEGMENT_SEEDS[1])
+    items = SEGMENT_ITEMS[1].copy()
+    items["offset"][1] = offset
+    reader = SegmentReader(str(tmp_path))
+    try:
+        got = reader.read_batch(SEGMENT_KEYS.model, SEGMENT_KEYS.signature, items)
+    finally:
+        reader.close()
+    assert sorted(got.item_ids) == sorted(int(i) for i in items["item_id"][[0, 2]])
+    (item_id, _length, error), = got.failed
+    assert item_id == int(items["item_id"][1]) and isinstance(error, SegmentCorruptError)
+    assert "an entry is said to end at" in str(error)
