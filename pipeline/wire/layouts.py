@@ -20,7 +20,7 @@ import os
 import re
 import struct
 from dataclasses import dataclass
-from typing import NewType, TypeVar
+from typing import NewType, NoReturn, TypeVar
 
 import numpy as np
 import xxhash
@@ -290,7 +290,7 @@ def _check_item_ids(items: np.ndarray, producer_id: int, count: int, where: str)
             _item_refused(items, int(gaps[0]) + 1, "seq", f"does not follow seq {int(seqs[gaps[0]])}", where)
 
 
-def _item_refused(items: np.ndarray, index: int, name: str, why: str, where: str) -> None:
+def _item_refused(items: np.ndarray, index: int, name: str, why: str, where: str) -> NoReturn:
     offset = FRAME_HEADER_SIZE_BYTES + index * ITEM_HEADER_SIZE_BYTES + _ITEM_FIELD_AT[name]
     raise FrameError(f"{where}: item {index}: {name} {int(items[name][index])} at offset {offset} {why}")
 
