@@ -38,7 +38,7 @@ sys.path.insert(0, REPO)
 INSTRUMENTED = ["pipeline", "shm"]
 # The targets' names, known before the targets are imported (the child imports them under
 # atheris's instrumentation).
-TARGET_NAMES = ["batch", "control", "descriptor", "frame", "generation", "results", "segment_read",
+TARGET_NAMES = ["batch", "catalog", "control", "descriptor", "frame", "generation", "results", "segment_read",
                 "segment_scan", "workload"]
 
 DEFAULT_VENV = "/tmp/atheris-venv"

@@ -31,6 +31,7 @@ from pipeline.batchjob.requests import load_requests
 from pipeline.broker.config import BrokerConfig
 from pipeline.broker.dispatch import Dispatcher
 from pipeline.broker.storage import DiskTier
+from pipeline.broker.storage.catalog import encode_record
 from pipeline.broker.storage.identity import SegmentKeys, boundary_checksum, identity_bytes
 from pipeline.broker.storage.scan import census_segment, scan_segment
 from pipeline.broker.storage.segment import encode_entries
@@ -52,6 +53,13 @@ from pipeline.wire.errors import (
 )
 from pipeline.wire.generation import GENERATION_HEADER_DTYPE, GenerationParams, decode_payload, encode_payload
 from pipeline.wire.layouts import (
+    CATALOG_CREATED,
+    CATALOG_DELETED,
+    CATALOG_FILE,
+    CATALOG_QUARANTINED,
+    CATALOG_RECORD_DTYPE,
+    CATALOG_RECORD_SIZE_BYTES,
+    CATALOG_SEALED,
     CHAIN_HEADER_DTYPE,
     DESCRIPTOR_HEADER_DTYPE,
     DESCRIPTOR_HEADER_SIZE_BYTES,
@@ -419,6 +427,46 @@ def _descriptor_fields(data: bytes) -> list[tuple[int, int]]:
     return out
 
 
+# ------------------------------------------------------------------------------ catalog
+
+
+def run_catalog(data: bytes) -> None:
+    """A data directory whose segment catalog is `data`, beside one intact segment (the
+    seed's three entries), opened by the broker's recovery: whatever the catalog says, the
+    store opens, its entries are delivered, and what is wrong is named in the report."""
+    root = os.path.join(SCRATCH.root, "catalog-store")
+    shutil.rmtree(root, ignore_errors=True)
+    segment = os.path.join(root, SEGMENT_PATH)
+    os.makedirs(os.path.dirname(segment))
+    with open(segment, "wb") as file:
+        file.write(SEGMENT_SEEDS[1])
+    with open(os.path.join(root, CATALOG_FILE), "wb") as file:
+        file.write(data)
+    tier = DiskTier.open(root)
+    try:
+        assert tier.recovery.live_entries == 3, tier.recovery.summary()
+    finally:
+        tier.close()
+
+
+_CATALOG_KEYS = [SEGMENT_KEYS, SegmentKeys(0, 0x5EED, 1, 2), SegmentKeys(3, 0x77, 0, 0)]
+CATALOG_SEEDS = [
+    encode_record(CATALOG_CREATED, SEGMENT_KEYS, time_ns=1) + encode_record(CATALOG_SEALED, SEGMENT_KEYS, 3, 2)
+    + bytes(CATALOG_RECORD_SIZE_BYTES * 2),
+    b"".join(encode_record(kind, keys, count, 5) for kind, keys, count in [
+        (CATALOG_CREATED, _CATALOG_KEYS[1], 0), (CATALOG_SEALED, _CATALOG_KEYS[1], 9),
+        (CATALOG_DELETED, _CATALOG_KEYS[1], 0), (CATALOG_CREATED, SEGMENT_KEYS, 0),
+        (CATALOG_CREATED, _CATALOG_KEYS[2], 0), (CATALOG_QUARANTINED, _CATALOG_KEYS[2], 0)]),
+]
+
+
+def _catalog_fields(data: bytes) -> list[tuple[int, int]]:
+    out = []
+    for at in range(0, len(data) - CATALOG_RECORD_SIZE_BYTES + 1, CATALOG_RECORD_SIZE_BYTES):
+        out += dtype_fields(CATALOG_RECORD_DTYPE, at)
+    return out
+
+
 # ------------------------------------------------------------------------------ results
 
 
@@ -534,6 +582,9 @@ GENERATION_SEEDS = [
 TARGETS: dict[str, Target] = {
     "frame": Target("frame", run_frame, FRAME_SEEDS, (FrameError, BadInputError),
                     [_frame_fields(s) for s in FRAME_SEEDS]),
+    # Recovery holds the store's bookkeeping and a compacted catalog: a fixed cost.
+    "catalog": Target("catalog", run_catalog, CATALOG_SEEDS, (), [_catalog_fields(s) for s in CATALOG_SEEDS],
+                      fixed_bytes=4 << 20),
     "control": Target("control", run_control, CONTROL_SEEDS, (ProtocolError, BadInputError),
                       [_length_prefix_fields(s) for s in CONTROL_SEEDS], per_input_byte=64, text=True),
     "segment_scan": Target("segment_scan", run_segment_scan, SEGMENT_SEEDS, (SegmentFormatError,),

@@ -9,12 +9,18 @@ import numpy as np
 import pytest
 
 from pipeline.batchjob.requests import load_requests
+from pipeline.broker.storage import DiskTier
+from pipeline.broker.storage.catalog import encode_record
+from pipeline.broker.storage.identity import SegmentKeys
 from pipeline.consumer.reader import SegmentReader
 from pipeline.producer.workload import MAX_TIMESTAMP_MS, load_workload
 from pipeline.reporting.accounting import ITEM_ID_LIMIT, result_rows, summarize_results
 from pipeline.wire.errors import FrameError, GenerationParamsError, SegmentCorruptError, WorkloadError
 from pipeline.wire.generation import GenerationParams
 from pipeline.wire.layouts import (
+    CATALOG_CREATED,
+    CATALOG_FILE,
+    CATALOG_SEALED,
     FRAME_HEADER_SIZE_BYTES,
     ITEM_HEADER_DTYPE,
     ITEM_HEADER_SIZE_BYTES,
@@ -183,3 +189,21 @@ def test_a_descriptor_offset_past_the_file_fails_that_item_alone(tmp_path, offse
     (item_id, _length, error), = got.failed
     assert item_id == int(items["item_id"][1]) and isinstance(error, SegmentCorruptError)
     assert "an entry is said to end at" in str(error)
+
+
+def test_a_catalog_record_no_segment_name_can_carry_is_named_and_the_store_opens(tmp_path):
+    # A checksummed record for model 2**32 - 1 made recovery raise SegmentNameError (naming
+    # the quarantine note of a "missing" segment): the broker could not start at all.
+    keys = SegmentKeys(2**32 - 1, 2**64 - 1, 2**32 - 1, 2**64 - 1)
+    path = tmp_path / SEGMENT_PATH
+    path.parent.mkdir(parents=True)
+    path.write_bytes(SEGMENT_SEEDS[1])
+    (tmp_path / CATALOG_FILE).write_bytes(encode_record(CATALOG_CREATED, keys) + encode_record(CATALOG_SEALED, keys, 4))
+    tier = DiskTier.open(str(tmp_path))
+    try:
+        assert tier.recovery.live_entries == 3
+        assert any("model id 4294967295 does not fit a segment file name" in line
+                   for line in tier.recovery.catalog_problems), tier.recovery.catalog_problems
+        assert not tier.recovery.ok
+    finally:
+        tier.close()
