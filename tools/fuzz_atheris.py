@@ -85,6 +85,8 @@ def random_input(target, rng: random.Random) -> bytes:
 
 
 def run_random(target, runs: int, seed: int, out_dir: str) -> dict:
+    from tests.fuzz.targets import MAX_MESSAGE_CHARS  # noqa: PLC0415 - see TARGET_NAMES
+
     rng = random.Random(f"{seed}-{target.name}")
     rejected = crashes = over_bound = 0
     slowest_s, worst_ratio, first_crash = 0.0, 0.0, None
@@ -97,9 +99,12 @@ def run_random(target, runs: int, seed: int, out_dir: str) -> dict:
             before = tracemalloc.get_traced_memory()[0]
         t0 = time.monotonic()
         try:
-            target.run(data)
-        except target.allowed:
-            rejected += 1
+            try:
+                target.run(data)
+            except target.allowed as exc:
+                rejected += 1
+                if not 0 < len(str(exc)) <= MAX_MESSAGE_CHARS:  # a rejection must say what, briefly
+                    raise AssertionError(f"a {len(str(exc))}-character message: {str(exc)[:200]}") from exc
         except Exception as exc:  # the finding: anything but the typed rejection
             crashes += 1
             if first_crash is None:
@@ -164,14 +169,15 @@ def child(name: str, libfuzzer_args: list[str]) -> None:
     import atheris  # noqa: PLC0415 - only in the child, from the campaign's venv
 
     with atheris.instrument_imports(include=INSTRUMENTED):
-        from tests.fuzz.targets import TARGETS, close_all  # noqa: PLC0415 - see TARGET_NAMES
+        from tests.fuzz.targets import MAX_MESSAGE_CHARS, TARGETS, close_all  # noqa: PLC0415 - see TARGET_NAMES
     target = TARGETS[name]
 
     def one_input(data: bytes) -> None:
         try:
             target.run(data)
-        except target.allowed:
-            pass
+        except target.allowed as exc:
+            if not 0 < len(str(exc)) <= MAX_MESSAGE_CHARS:  # a rejection must say what, briefly
+                raise AssertionError(f"a {len(str(exc))}-character message: {str(exc)[:200]}") from exc
 
     atheris.Setup([sys.argv[0], *libfuzzer_args], one_input)
     try:

@@ -53,7 +53,7 @@ from pipeline.producer.signature import INT32_MAX, INT32_MIN
 from pipeline.producer.signature import signature as shape_signature
 from pipeline.wire.errors import WorkloadError
 from pipeline.wire.generation import GenerationParams
-from pipeline.wire.textfiles import external_lines
+from pipeline.wire.textfiles import external_lines, listed
 
 # Tokens per Mooncake block: the trace's hash ids name blocks of 512 tokens (its README).
 MOONCAKE_BLOCK_TOKENS = 512
@@ -346,11 +346,11 @@ class _FileParser:
         keys = set(record)
         own, trace = bool(keys & _OWN_MARKS), bool(keys & _TRACE_MARKS)
         if own and trace:
-            raise WorkloadError(f"mixes fields of both formats: {sorted(keys)}")
+            raise WorkloadError(f"mixes fields of both formats: {listed(sorted(keys))}")
         if not own and not trace:
             raise WorkloadError(
                 f"neither format: expected 'components'/'suffix' (own format) or "
-                f"'hash_ids'/'input_length' (Mooncake), got keys {sorted(keys)}"
+                f"'hash_ids'/'input_length' (Mooncake), got keys {listed(sorted(keys))}"
             )
         kind = _OWN if own else _TRACE
         if self.kind is None:
@@ -564,7 +564,7 @@ class _DemoItems:
 def _reject_unknown(record: dict, allowed: frozenset[str]) -> None:
     unknown = sorted(set(record) - allowed)
     if unknown:
-        raise WorkloadError(f"unknown field(s) {unknown}; allowed: {sorted(allowed)}")
+        raise WorkloadError(f"unknown field(s) {listed(unknown)}; allowed: {sorted(allowed)}")
 
 
 def _integer(value: object, what: str, low: int, high: int) -> int:

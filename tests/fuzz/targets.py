@@ -98,6 +98,8 @@ FRAME_STORE_RUNS = 64
 # What any decoder may allocate whatever its input: interpreter and numpy overheads, a
 # store's bookkeeping, a line's error message.
 BASE_MEMORY_BYTES = 4 << 20
+# A rejection's message: enough for the offending value and where, never a dump of the input.
+MAX_MESSAGE_CHARS = 16_384
 # The served model a batch file is checked against.
 SERVED_MODEL = "tiny"
 # The segment every segment input is read as (its path carries these keys).

@@ -21,10 +21,8 @@ from hypothesis import strategies as st
 from pipeline.broker.storage.catalog import encode_record
 from pipeline.broker.storage.identity import SegmentKeys
 from tests.fuzz import mutations, strategies
-from tests.fuzz.targets import TARGETS, Target, close_all
+from tests.fuzz.targets import MAX_MESSAGE_CHARS, TARGETS, Target, close_all
 
-# A rejection's message: enough for the offending value and where, never a dump.
-MAX_MESSAGE_CHARS = 16_384
 DEFAULT_EXAMPLES = 200
 SLOW_EXAMPLES = 20_000
 

@@ -15,7 +15,14 @@ from pipeline.broker.storage.identity import SegmentKeys
 from pipeline.consumer.reader import SegmentReader
 from pipeline.producer.workload import MAX_TIMESTAMP_MS, load_workload
 from pipeline.reporting.accounting import ITEM_ID_LIMIT, result_rows, summarize_results
-from pipeline.wire.errors import FrameError, GenerationParamsError, SegmentCorruptError, WorkloadError
+from pipeline.wire.errors import (
+    BatchFileError,
+    FrameError,
+    GenerationParamsError,
+    ProtocolError,
+    SegmentCorruptError,
+    WorkloadError,
+)
 from pipeline.wire.generation import GenerationParams
 from pipeline.wire.layouts import (
     CATALOG_CREATED,
@@ -28,6 +35,7 @@ from pipeline.wire.layouts import (
     MAX_SEQ,
     parse_frame,
 )
+from pipeline.wire.protocol import validate
 from tests.fuzz import mutations
 from tests.fuzz.targets import (
     FRAME_PRODUCER,
@@ -207,3 +215,34 @@ def test_a_catalog_record_no_segment_name_can_carry_is_named_and_the_store_opens
         assert not tier.recovery.ok
     finally:
         tier.close()
+
+
+def test_an_unknown_message_type_is_described_not_dumped():
+    # The type's whole repr went into the error (the broker logs it and sends it back): a
+    # 30 KB message for a type that was a nested array, found by the slow fuzz variant.
+    with pytest.raises(ProtocolError, match=r"^unknown message type a JSON array of 1 elements$"):
+        validate({"type": [[1] * 10_000]})
+    with pytest.raises(ProtocolError, match=r"^unknown message type 'x'$"):
+        validate({"type": "x"})
+
+
+WIDE = {f"k{i}": i for i in range(5_000)}
+
+
+@pytest.mark.parametrize("line", [WIDE, {"suffix": [1], **WIDE}, {"suffix": [1], "hash_ids": [], **WIDE}])
+def test_a_workload_line_of_many_keys_is_named_in_a_short_message(tmp_path, line):
+    # Every key went into the message: 44 KB for a line of 5,000 keys.
+    with pytest.raises(WorkloadError) as caught:
+        load_workload(_write(tmp_path, "w.jsonl", [line]))
+    assert len(str(caught.value)) < 1000 and "and 49" in str(caught.value)
+
+
+def test_a_batch_line_or_body_of_many_keys_is_named_in_a_short_message(tmp_path):
+    line = {**chat_request("a"), **WIDE}
+    with pytest.raises(BatchFileError) as caught:
+        load_requests(_write(tmp_path, "b.jsonl", [line]), SERVED_MODEL)
+    assert len(str(caught.value)) < 1000 and "'k0', 'k1'" in str(caught.value) and "and 4990 more" in str(caught.value)
+    request = chat_request("b")
+    request["body"].update(WIDE)
+    (refused,) = load_requests(_write(tmp_path, "c.jsonl", [request]), SERVED_MODEL).requests
+    assert len(refused.error) < 1000 and refused.error.startswith("unsupported parameters 'k0', 'k1'")
