@@ -26,8 +26,10 @@ import json
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import tracemalloc
 
@@ -147,12 +149,16 @@ def run_atheris(name: str, runs: int, site: str, out_dir: str) -> dict:
     for k, seed in enumerate(TARGETS[name].seeds):
         with open(os.path.join(corpus, f"seed-{k}"), "wb") as file:
             file.write(seed)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, site])}
+    scratch = tempfile.mkdtemp(prefix="sbrk-fuzz-")  # libFuzzer exits the child: it cannot remove it
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO, site]), "SBRK_FUZZ_SCRATCH": scratch}
     command = [sys.executable, os.path.abspath(__file__), "--child", name, "--",
                f"-runs={runs}", f"-timeout={ATHERIS_TIMEOUT_S}", f"-rss_limit_mb={ATHERIS_RSS_LIMIT_MB}",
                f"-artifact_prefix={out_dir}/crash-{name}-", "-print_final_stats=1", corpus]
     started = time.monotonic()
-    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, env=env)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     log = done.stdout + done.stderr
     with open(os.path.join(out_dir, f"atheris-{name}.log"), "w") as file:
         file.write(log)

@@ -102,6 +102,8 @@ BASE_MEMORY_BYTES = 4 << 20
 MAX_MESSAGE_CHARS = 16_384
 # The served model a batch file is checked against.
 SERVED_MODEL = "tiny"
+# Where a process whose parent removes its scratch directory finds it (tools/fuzz_atheris.py).
+SCRATCH_ENV = "SBRK_FUZZ_SCRATCH"
 # The segment every segment input is read as (its path carries these keys).
 SEGMENT_KEYS = SegmentKeys(model=0, signature=0x5EED, lane=1, segment_seq=3)
 
@@ -140,8 +142,9 @@ class _Scratch:
 
     @property
     def root(self) -> str:
-        if self._root is None:
-            self._root = tempfile.mkdtemp(prefix="sbrk-fuzz-")
+        if self._root is None:  # a process that cannot clean up (libFuzzer exits it) is given one
+            self._root = os.environ.get(SCRATCH_ENV) or tempfile.mkdtemp(prefix="sbrk-fuzz-")
+            os.makedirs(self._root, exist_ok=True)
         return self._root
 
     def write(self, name: str, data: bytes) -> str:

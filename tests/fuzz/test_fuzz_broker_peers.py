@@ -65,6 +65,8 @@ def served(tmp_path):
     socket_path = BrokerConfig(data).socket_path
     consumer = start_consumer(consumer_config(tmp_path, socket_path, 0))
     try:
+        # Registered before any bad peer comes (a loaded machine starts it in seconds).
+        wait_until(lambda: "c0" in status(socket_path).consumers, 60, "the consumer registering")
         yield socket_path, str(tmp_path / "results")
     finally:
         stop(consumer)
