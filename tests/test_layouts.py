@@ -31,6 +31,7 @@ from pipeline.wire.layouts import (
     FRAME_MAGIC,
     FRAME_VERSION,
     ITEM_HEADER_DTYPE,
+    ITEM_ID_SEQ_BITS,
     LANE_ID_LIMIT,
     MODEL_ID_LIMIT,
     SEGMENT_HEADER_DTYPE,
@@ -237,6 +238,7 @@ def test_descriptor_and_frame_headers_read_back_field_by_field():
     # A frame header written by name is read back by parse_frame's positional unpack.
     items = np.zeros(1, dtype=ITEM_HEADER_DTYPE)
     items["length"], items["payload_len"] = 3, 2
+    items["item_id"] = 9 << ITEM_ID_SEQ_BITS  # producer 9's seq 0: parse_frame checks it
     head = np.zeros(1, dtype=FRAME_HEADER_DTYPE)
     head["magic"], head["version"], head["header_size"] = FRAME_MAGIC, FRAME_VERSION, FRAME_HEADER_DTYPE.itemsize
     head["producer_id"], head["item_count"], head["token_count"], head["payload_bytes"] = 9, 1, 3, 2

@@ -56,7 +56,7 @@ from pipeline.producer.signature import INT32_MAX
 from pipeline.producer.workload import MAX_LISTED_ERRORS
 from pipeline.wire.errors import BatchFileError, GenerationParamsError
 from pipeline.wire.generation import GenerationParams
-from pipeline.wire.textfiles import external_lines
+from pipeline.wire.textfiles import external_lines, listed
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -269,7 +269,7 @@ def _envelope(record: object) -> tuple[str, str, dict]:
                              f"url and body")
     unknown = sorted(set(record) - set(LINE_KEYS))
     if unknown:
-        raise BatchFileError(f"unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}: a "
+        raise BatchFileError(f"unknown key{'s' if len(unknown) > 1 else ''} {listed(unknown)}: a "
                              f"request line has custom_id, method, url and body only")
     custom_id, method, url, body = (record[key] for key in LINE_KEYS)
     if not isinstance(custom_id, str) or not custom_id:
@@ -318,7 +318,7 @@ def _check_params(given: dict, kind: str) -> None:
     if unknown:
         plural = "s" if len(unknown) > 1 else ""
         carried = [*CARRIED_PARAMS, *(["max_completion_tokens"] if kind == KIND_CHAT else [])]
-        raise _Refused(f"unsupported parameter{plural} {', '.join(map(repr, unknown))}: the engine carries only "
+        raise _Refused(f"unsupported parameter{plural} {listed(unknown)}: the engine carries only "
                        f"{', '.join(carried[:-1])} and {carried[-1]}, and a parameter it would drop is refused",
                        unknown[0])
     for name, (is_no_op, why) in NO_OP_VALUES.items():
@@ -341,10 +341,10 @@ def _messages(raw: object) -> list[dict[str, str]]:
         message = {key: value for key, value in message.items() if value is not None}
         unknown = sorted(set(message) - MESSAGE_KEYS)
         if unknown:
-            raise _Refused(f"{where} has {', '.join(map(repr, unknown))}: a message has role, content and name "
+            raise _Refused(f"{where} has {listed(unknown)}: a message has role, content and name "
                            f"only (this job makes no tool calls)", f"{where}.{unknown[0]}")
         role = message.get("role")
-        if role not in CHAT_ROLES:
+        if not isinstance(role, str) or role not in CHAT_ROLES:  # an object is not hashable
             raise _Refused(f"{where}.role {_show(role)} is not one of {', '.join(sorted(CHAT_ROLES))}",
                            f"{where}.role")
         normal = {"role": role, "content": _content(message.get("content"), where)}

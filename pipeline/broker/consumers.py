@@ -225,7 +225,8 @@ class ConsumerSide:
         if corrupt is None:
             return
         ids = set(batch.entries.item_ids.tolist())
-        if not isinstance(corrupt, list) or len(corrupt) > len(ids) or not set(corrupt) <= ids:
+        if (not isinstance(corrupt, list) or len(corrupt) > len(ids)
+                or not all(type(item) is int for item in corrupt) or not set(corrupt) <= ids):
             raise ProtocolError(f"complete: 'corrupt' must list item ids of batch {batch.batch_id}, "
                                 f"got {corrupt!r:.80}")
         rows = np.isin(batch.entries.item_ids, np.array(corrupt, dtype=np.uint64))

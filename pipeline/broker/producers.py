@@ -138,7 +138,8 @@ class ProducerSide:
                 record = producer.ring.poll()
                 if record is None:
                     break
-                frame = parse_frame(record.body, where=f"ring {producer.ring_name} position {record.start}")
+                frame = parse_frame(record.body, where=f"ring {producer.ring_name} position {record.start}",
+                                    producer_id=producer.producer_id)
                 report = self._dispatcher.ingest(frame, time.monotonic(), step)
                 if report is None:
                     report = self._store_until(slice_end_s, step)

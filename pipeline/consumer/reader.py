@@ -119,8 +119,10 @@ class SegmentReader:
             self._drop(path)
         try:
             with open(path, "rb") as file:
-                mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
                 info = os.fstat(file.fileno())
+                if info.st_size < end:  # an empty file cannot even be mapped (ValueError)
+                    raise SegmentCorruptError(f"{path}: {info.st_size} bytes, but an entry is said to end at {end}")
+                mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
         except FileNotFoundError as exc:  # the broker deletes only what is completed: damage
             raise SegmentCorruptError(f"{path}: the segment file is gone ({exc.strerror})") from None
         except OSError as exc:  # EMFILE, ENOMEM, EACCES...: the entries are intact, try later
@@ -230,10 +232,14 @@ class SegmentReader:
         token_starts = offsets + ENTRY_HEADER_SIZE_BYTES
         try:
             mapped = self._mapped(path, int((token_starts + lengths * TOKEN_SIZE_BYTES).max()))
-        except SegmentCorruptError as exc:  # the file is gone or cut short: damage, named per item
-            out.failed += [(item_id, length, exc.with_traceback(None)) for item_id, length in
-                           zip(items["item_id"].tolist(), items["length"].tolist())]
+        except SegmentCorruptError:  # gone, cut short, or one entry said to end past it:
+            self._read_one_by_one(model, signature, lane, segment_seq, items, out)  # named per item
             return
+        outside = items["offset"] > np.uint64(max(0, len(mapped.view) - ENTRY_HEADER_SIZE_BYTES))
+        if outside.any():  # a header past the file (an offset of 2**63 wraps negative): named by `read`
+            self._read_one_by_one(model, signature, lane, segment_seq, items[outside], out)
+            inside = ~outside
+            items, offsets, lengths, token_starts = items[inside], offsets[inside], lengths[inside], token_starts[inside]
         headers, ends, good = gather_entry_headers(mapped.words, offsets, len(mapped.view))
         good &= (headers["length"] == lengths) & (headers["item_id"] == items["item_id"])
         payload_lens = headers["payload_len"].astype(np.int64)

@@ -53,7 +53,7 @@ from pipeline.producer.signature import INT32_MAX, INT32_MIN
 from pipeline.producer.signature import signature as shape_signature
 from pipeline.wire.errors import WorkloadError
 from pipeline.wire.generation import GenerationParams
-from pipeline.wire.textfiles import external_lines
+from pipeline.wire.textfiles import external_lines, listed
 
 # Tokens per Mooncake block: the trace's hash ids name blocks of 512 tokens (its README).
 MOONCAKE_BLOCK_TOKENS = 512
@@ -346,11 +346,11 @@ class _FileParser:
         keys = set(record)
         own, trace = bool(keys & _OWN_MARKS), bool(keys & _TRACE_MARKS)
         if own and trace:
-            raise WorkloadError(f"mixes fields of both formats: {sorted(keys)}")
+            raise WorkloadError(f"mixes fields of both formats: {listed(sorted(keys))}")
         if not own and not trace:
             raise WorkloadError(
                 f"neither format: expected 'components'/'suffix' (own format) or "
-                f"'hash_ids'/'input_length' (Mooncake), got keys {sorted(keys)}"
+                f"'hash_ids'/'input_length' (Mooncake), got keys {listed(sorted(keys))}"
             )
         kind = _OWN if own else _TRACE
         if self.kind is None:
@@ -564,7 +564,7 @@ class _DemoItems:
 def _reject_unknown(record: dict, allowed: frozenset[str]) -> None:
     unknown = sorted(set(record) - allowed)
     if unknown:
-        raise WorkloadError(f"unknown field(s) {unknown}; allowed: {sorted(allowed)}")
+        raise WorkloadError(f"unknown field(s) {listed(unknown)}; allowed: {sorted(allowed)}")
 
 
 def _integer(value: object, what: str, low: int, high: int) -> int:
@@ -586,7 +586,8 @@ def _timestamp(value: object, what: str, *, optional: bool) -> float | None:
     None if optional)."""
     if value is None and optional:
         return None
-    if type(value) not in (int, float) or not math.isfinite(value) or not 0 <= value <= MAX_TIMESTAMP_MS:  # type: ignore[arg-type,operator]
+    # The range first: an integer past a float's range (10**400) makes math.isfinite raise.
+    if type(value) not in (int, float) or not 0 <= value <= MAX_TIMESTAMP_MS or not math.isfinite(value):  # type: ignore[arg-type,operator]
         raise WorkloadError(f"{what} must be a number of milliseconds in [0, {MAX_TIMESTAMP_MS:,}], got {_show(value)}")
     return float(value)  # type: ignore[arg-type]
 

@@ -51,6 +51,9 @@ _RESULT_FIELDS: tuple[tuple[str, type], ...] = (
 # tens of thousands of ids) and its payload (64 KiB at most, base64): 16 MiB leaves room and
 # bounds what a file of one endless line costs.
 MAX_RESULT_LINE_BYTES = 16 << 20
+# Item ids are unsigned 64-bit (pipeline.wire.layouts ITEM_HEADER_DTYPE): a line with any
+# other item_id is not a result.
+ITEM_ID_LIMIT = 1 << 64
 
 
 @dataclass(slots=True)
@@ -203,8 +206,18 @@ def _result(line: bytes) -> tuple[dict | None, str | None]:
     for name, kind in _RESULT_FIELDS:
         value = row.get(name)
         if not isinstance(value, kind) or isinstance(value, bool):
-            return None, f"not a result: field {name!r} is {value!r:.40}, not {kind.__name__}"
+            return None, f"not a result: field {name!r} is {_describe(value)}, not {kind.__name__}"
+    if not 0 <= row["item_id"] < ITEM_ID_LIMIT:  # ids go into uint64 arrays (take_stock)
+        return None, f"not a result: item_id {str(row['item_id'])[:40]} is not an item id (0 to {ITEM_ID_LIMIT - 1})"
     return row, None
+
+
+def _describe(value: object) -> str:
+    """A bounded account of a JSON value; never the repr of a container, which recurses as
+    deep as the line nested it (RecursionError) and is as long as the line."""
+    if isinstance(value, (list, dict)):
+        return f"a JSON {'array' if isinstance(value, list) else 'object'} of {len(value)} elements"
+    return f"{value!r:.40}"
 
 
 @dataclass(slots=True)

@@ -134,7 +134,12 @@ def _is_int(value: object) -> bool:
 
 
 def _is_real(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer past a float's range (10**400, from a JSON file)
+        return False
 
 
 def encode_payload(params: GenerationParams | None, payload: bytes = b"") -> bytes:

@@ -20,7 +20,7 @@ import os
 import re
 import struct
 from dataclasses import dataclass
-from typing import NewType, TypeVar
+from typing import NewType, NoReturn, TypeVar
 
 import numpy as np
 import xxhash
@@ -118,8 +118,9 @@ TOKEN_SIZE_BYTES = TOKEN_DTYPE.itemsize
 assert FRAME_HEADER_SIZE_BYTES % 16 == 0 and ITEM_HEADER_SIZE_BYTES % 16 == 0
 
 FRAME_HEADER_STRUCT = struct_for(FRAME_HEADER_DTYPE)
+ITEM_HEADER_STRUCT = struct_for(ITEM_HEADER_DTYPE)
 # Frame header and one item header packed in one call: the single-item submit path.
-SINGLE_ITEM_FRAME_STRUCT = struct.Struct("<" + FRAME_HEADER_STRUCT.format[1:] + struct_for(ITEM_HEADER_DTYPE).format[1:])
+SINGLE_ITEM_FRAME_STRUCT = struct.Struct("<" + FRAME_HEADER_STRUCT.format[1:] + ITEM_HEADER_STRUCT.format[1:])
 assert SINGLE_ITEM_FRAME_STRUCT.size == FRAME_HEADER_SIZE_BYTES + ITEM_HEADER_SIZE_BYTES
 
 
@@ -191,17 +192,21 @@ class Frame:
         return self.payloads[self.payload_starts[i]:self.payload_starts[i + 1]].tobytes()
 
 
-def parse_frame(body: np.ndarray, where: str = "frame") -> Frame:
+def parse_frame(body: np.ndarray, where: str = "frame", producer_id: int | None = None) -> Frame:
     """Parse and validate a frame from a uint8 view, without copying token data.
 
     Everything is checked against everything else (magic, version, sizes, the sums of the
-    item lengths and payload sizes) so a record written by anything else is refused with
-    FrameError naming `where` and the byte offset, never misread.
+    item lengths and payload sizes, each item's id against its producer and sequence, the
+    sequences consecutive, prefixes within their items) so a record written by anything
+    else is refused with FrameError naming `where` and the byte offset, never misread.
+    `producer_id`: the producer whose ring the record came from; a frame that names another
+    is refused (stored under that id, its items would pass for the other producer's, whose
+    own would then be skipped as already stored).
     """
     size = body.shape[0]
     if size < FRAME_HEADER_SIZE_BYTES:
         raise FrameError(f"{where}: {size} bytes, shorter than a frame header ({FRAME_HEADER_SIZE_BYTES})")
-    magic, version, header_size, producer_id, count, token_count, payload_bytes, chain_bytes = (
+    magic, version, header_size, frame_producer, count, token_count, payload_bytes, chain_bytes = (
         FRAME_HEADER_STRUCT.unpack_from(body, 0)
     )
     if magic != FRAME_MAGIC or version != FRAME_VERSION or header_size != FRAME_HEADER_SIZE_BYTES:
@@ -231,8 +236,12 @@ def parse_frame(body: np.ndarray, where: str = "frame") -> Frame:
             f"shortest item {int(lengths.min())} tokens (must be >= 1); item headers at offset "
             f"{FRAME_HEADER_SIZE_BYTES}"
         )
+    if producer_id is not None and frame_producer != producer_id:
+        raise FrameError(f"{where}: header at offset 8 names producer {frame_producer}; the record is in "
+                         f"producer {producer_id}'s ring")
+    _check_item_ids(items, frame_producer, count, where)
     return Frame(
-        producer_id=producer_id,
+        producer_id=frame_producer,
         items=items,
         tokens=body[items_end:tokens_end].view(TOKEN_DTYPE),
         token_starts=token_starts,
@@ -240,6 +249,50 @@ def parse_frame(body: np.ndarray, where: str = "frame") -> Frame:
         payload_starts=payload_starts,
         chain_section=body[tokens_end + payload_bytes:],
     )
+
+
+_ITEM_FIELD_AT = {name: ITEM_HEADER_DTYPE.fields[name][1] for name in ITEM_HEADER_DTYPE.names}
+
+
+def _check_item_ids(items: np.ndarray, producer_id: int, count: int, where: str) -> None:
+    """FrameError naming the first item (and its header's byte offset) whose id is not
+    (producer_id << ITEM_ID_SEQ_BITS) | seq, whose sequence does not follow the one before
+    it or passes MAX_SEQ, or whose prefix is longer than the item: a producer writes none of
+    these, and the store would misread them (the recovery scan takes an entry whose prefix
+    is longer than its tokens for damage; StoredSeqs relies on sequences without gaps)."""
+    if producer_id > MAX_PRODUCER_ID:
+        raise FrameError(f"{where}: header at offset 8 names producer {producer_id}, above the largest "
+                         f"producer id {MAX_PRODUCER_ID}")
+    base = producer_id << ITEM_ID_SEQ_BITS
+    seqs = items["seq"]
+    # NOTE: the well-formed frame takes one pass (scalars for a single item): the checks
+    # field by field below cost 6.4 us a single-item frame, this 0.4 us, on a parse_frame of
+    # 7.6 us (timeit of parse_frame on tests/broker/broker_frames.make_frame's bodies).
+    if count == 1:
+        item_id, seq, _sig, _ns, _model, length, prefix_len, _payload = ITEM_HEADER_STRUCT.unpack(items.tobytes())
+        if seq <= MAX_SEQ and item_id == base | seq and prefix_len <= length:
+            return
+    elif (int(seqs[-1]) <= MAX_SEQ and int(seqs[-1]) - int(seqs[0]) == count - 1 and (np.diff(seqs) == 1).all()
+          and (items["item_id"] == (seqs | np.uint64(base))).all() and (items["prefix_len"] <= items["length"]).all()):
+        return
+    checks = (
+        ("seq", seqs > MAX_SEQ, f"is above the largest sequence {MAX_SEQ}"),
+        ("item_id", items["item_id"] != (seqs & np.uint64(MAX_SEQ)) | np.uint64(base),
+         f"is not (producer {producer_id} << {ITEM_ID_SEQ_BITS}) | seq"),
+        ("prefix_len", items["prefix_len"] > items["length"], "is longer than the item's length"),
+    )
+    for name, bad, why in checks:
+        if bad.any():
+            _item_refused(items, int(np.flatnonzero(bad)[0]), name, why, where)
+    if count > 1:
+        gaps = np.flatnonzero(np.diff(seqs) != 1)
+        if gaps.size:
+            _item_refused(items, int(gaps[0]) + 1, "seq", f"does not follow seq {int(seqs[gaps[0]])}", where)
+
+
+def _item_refused(items: np.ndarray, index: int, name: str, why: str, where: str) -> NoReturn:
+    offset = FRAME_HEADER_SIZE_BYTES + index * ITEM_HEADER_SIZE_BYTES + _ITEM_FIELD_AT[name]
+    raise FrameError(f"{where}: item {index}: {name} {int(items[name][index])} at offset {offset} {why}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -137,7 +137,7 @@ def validate(message: object) -> dict:
     kind = message.get("type")
     schema = SCHEMAS.get(kind) if isinstance(kind, str) else None
     if schema is None:
-        raise ProtocolError(f"unknown message type {kind!r}")
+        raise ProtocolError(f"unknown message type {_describe(kind)}")  # never a container's whole repr
     for name, expected in schema.items():
         value = message.get(name)
         if value is None or isinstance(value, bool) or not isinstance(value, expected):

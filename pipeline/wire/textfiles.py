@@ -13,11 +13,23 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import BinaryIO
 
 # How much of an over-long line is read at a time while it is skipped.
 SKIP_CHUNK_BYTES = 1 << 20
+# Names a message lists (a line's unknown keys, say) before "and N more": a line of 5,000
+# keys made a 44 KB error message (found by tests/fuzz).
+MAX_NAMES_LISTED = 10
+# Characters of one listed name: a key may be as long as its line.
+MAX_NAME_CHARS = 40
+
+
+def listed(names: Sequence[object], limit: int = MAX_NAMES_LISTED) -> str:
+    """The first `limit` names as reprs ("'a', 'b'"), each cut to MAX_NAME_CHARS, then "and N
+    more": what a message about a line's keys says of them, bounded whatever the line."""
+    shown = ", ".join(f"{name!r:.{MAX_NAME_CHARS}}" for name in names[:limit])
+    return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
 
 
 def bounded_lines(file: BinaryIO, limit_bytes: int) -> Iterator[tuple[int, bytes | None]]:

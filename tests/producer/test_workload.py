@@ -121,7 +121,7 @@ BAD_OWN_LINES = [
     ({"timestamp_ms": 1e308, "suffix": [1]}, "in [0, 1,000,000,000,000], got float 1e+308"),
     ({"timestamp_ms": "soon", "suffix": [1]}, "timestamp_ms must be a number of milliseconds"),
     ('{"timestamp_ms": NaN, "suffix": [1]}', "got float nan"),
-    ({"suffix": [1], "paylod": "x"}, "unknown field(s) ['paylod']"),
+    ({"suffix": [1], "paylod": "x"}, "unknown field(s) 'paylod'"),
     ({"model": 0, "payload": "x"}, "neither format"),
     ({"suffix": [1], "hash_ids": [1]}, "mixes fields of both formats"),
     (MOONCAKE_GOOD, "this line is in the Mooncake format but the file is in the product's own format (set by line 1); one file holds one format"),
@@ -150,7 +150,7 @@ BAD_TRACE_LINES = [
     (trace_line(600, [1], timestamp=-5), "timestamp must be a number of milliseconds in [0, 1,000,000,000,000]"),
     ({"input_length": 600, "hash_ids": [1]}, "missing field 'timestamp'"),
     ({**MOONCAKE_GOOD, "output_length": -1}, "output_length -1 outside"),
-    ({**MOONCAKE_GOOD, "extra": 1}, "unknown field(s) ['extra']"),
+    ({**MOONCAKE_GOOD, "extra": 1}, "unknown field(s) 'extra'"),
     (GOOD, "in the product's own format but the file is in the Mooncake format (set by line 1)"),
 ]
 

@@ -37,7 +37,7 @@ import xxhash
 
 from pipeline.broker.storage.scan import SegmentKeys
 from pipeline.wire import fileops
-from pipeline.wire.errors import DiskFullError, DurabilityError, StoreReadError
+from pipeline.wire.errors import DiskFullError, DurabilityError, SegmentNameError, StoreReadError
 from pipeline.wire.layouts import (
     CATALOG_CHECKSUM_FROM,
     CATALOG_COUNT_UNKNOWN,
@@ -52,6 +52,7 @@ from pipeline.wire.layouts import (
     CATALOG_RECORD_STRUCT,
     CATALOG_SEALED,
     CATALOG_VERSION,
+    check_segment_keys,
 )
 
 # Preallocation step of the catalog file: 1,024 records (64 KiB), a few hundred segments'
@@ -158,6 +159,11 @@ def read_catalog(path: str) -> CatalogReading | None:
     reading = CatalogReading(path, records=int(records.shape[0]), damaged=damaged, torn_last=torn)
     for record in records:
         keys, kind = record_keys(record), int(record["kind"])
+        try:  # a record whose checksum holds but that no segment file name can carry: named, not kept
+            check_segment_keys(keys.model, keys.signature, keys.lane, keys.segment_seq)
+        except SegmentNameError as exc:
+            reading.damaged.append(f"{path}: a {CATALOG_KIND_NAMES[kind]} record for {keys}: {exc}")
+            continue
         lane = (keys.model, keys.signature, keys.lane)
         reading.highest_seq[lane] = max(reading.highest_seq.get(lane, -1), keys.segment_seq)
         if kind == CATALOG_CREATED:
