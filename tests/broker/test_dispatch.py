@@ -410,6 +410,23 @@ def test_a_frame_stored_in_slices_is_dispatchable_only_once_whole(tier):
     dispatcher.check_invariants()
 
 
+def test_a_frame_of_fewer_new_shapes_than_a_slice_is_stored_whole(tier):
+    """Slices are for frames of many new shapes: 12 groups of which 2 are new shapes, with
+    max_groups=3, are stored at once (2 new shapes, one short of the slice); 4 new shapes
+    are sliced."""
+    dispatcher = Dispatcher(tier)
+    known = [(0, s) for s in range(1, 11)]
+    assert dispatcher.ingest(make_frame(0, 0, known, [100] * 10), 0.0).items == 10
+    frame = make_frame(0, 10, known + [(0, 11), (0, 12)], [100] * 12)
+    report = dispatcher.ingest(frame, 0.0, max_groups=3)
+    assert report is not None and report.items == 12 and not dispatcher.storing
+    dispatcher.flush()
+    frame = make_frame(0, 22, [(0, 13), (0, 14), (0, 15), (0, 16)], [100] * 4)
+    assert dispatcher.ingest(frame, 0.0, max_groups=3) is None and dispatcher.storing  # 4 new: sliced
+    assert dispatcher.store_more(3).items == 4
+    dispatcher.check_invariants()
+
+
 def test_starvation_bound_through_the_dispatcher(tier):
     dispatcher = Dispatcher(tier, max_age_s=30.0)
     old, busy = (0, 0xA), (0, 0xB)
