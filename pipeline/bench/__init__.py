@@ -14,7 +14,11 @@ import importlib
 from pipeline.bench.harness import Comparison
 
 # Subcommand -> module, in `all`'s order: the cheap, CPU-only comparisons first.
-COMPARISON_MODULES: dict[str, str] = {}
+COMPARISON_MODULES: dict[str, str] = {
+    "padding": "pipeline.bench.padding",
+    "prefix": "pipeline.bench.prefix",
+    "run-batch": "pipeline.bench.run_batch",
+}
 
 
 def comparison(name: str) -> Comparison:

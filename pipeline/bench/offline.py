@@ -178,13 +178,15 @@ def summarise(batches: list[Batch], note: str, max_items: Sequence[int] | None =
     return SimResult(real / padded, fill, note)
 
 
-def simulate(make: Callable[[], BucketPolicy | LanePolicy], stream: np.ndarray, depth: int) -> SimResult:
+def simulate(make: Callable[[], BucketPolicy | LanePolicy], stream: np.ndarray, depth: int,
+             contract: Contract = CONTRACT) -> SimResult:
+    """The policy `make()` on `stream` held at `depth` queued items (the module docstring)."""
     policy = make()
     policy.add(stream[:depth], 0.0)
     arrived, next_tick_s = depth, TICK_EVERY_S
     batches: list[Batch] = []
     while arrived < stream.size:
-        batch = policy.take()
+        batch = policy.take(contract)
         batches.append(batch)
         now_s = arrived / ARRIVAL_RATE_ITEMS_PER_S
         policy.add(stream[arrived : arrived + batch.items], now_s)
@@ -192,7 +194,7 @@ def simulate(make: Callable[[], BucketPolicy | LanePolicy], stream: np.ndarray, 
         if now_s >= next_tick_s:
             policy.tick(now_s)
             next_tick_s = now_s + TICK_EVERY_S
-    return summarise(batches, policy.lanes_used())
+    return summarise(batches, policy.lanes_used(), [contract.max_batch_items] * len(batches))
 
 
 def check_invariants(result: SimResult) -> None:
@@ -200,12 +202,12 @@ def check_invariants(result: SimResult) -> None:
     assert 0 < result.efficiency <= 1 and 0 < result.fill <= 1, result
 
 
-def offline_optimum(stream: np.ndarray, same_packer: bool) -> SimResult:
+def offline_optimum(stream: np.ndarray, same_packer: bool, contract: Contract = CONTRACT) -> SimResult:
     """Every item of the stream known in advance, sorted longest first, packed in order: by
     the contract packer (the queue's longest, i.e. the front item, rounded up to 8), or with
     each batch padded to its own longest item, unrounded."""
     queue = deque(sorted(stream.tolist(), reverse=True))
     batches = []
     while queue:
-        batches.append(pack_contract(queue, queue[0]) if same_packer else pack_own_longest(queue))
-    return summarise(batches, "")
+        batches.append(pack_contract(queue, queue[0], contract) if same_packer else pack_own_longest(queue, contract))
+    return summarise(batches, "", [contract.max_batch_items] * len(batches))
