@@ -43,7 +43,7 @@ OFFLINE_DEPTH = 1000
 QUICK_OFFLINE_DEPTH = 200
 # Items per workload through the real processes (the demo, the log-normal file); the trace
 # has 3,993.
-ITEMS = 20_000
+ITEMS = 10_000
 QUICK_ITEMS = 300
 # Lengths streamed through each offline policy: enough batches at OFFLINE_DEPTH that the
 # optimum is judged on a stream, not on a few dozen batches (as tools/bench_lanes.py).

@@ -121,11 +121,7 @@ def named_workload(name: str, items: int | None = None, seed: int = 0, vocab_siz
 
 def demo_chat_workload(items: int, seed: int = 0, vocab_size: int = VOCAB_SIZE) -> Workload:
     """`items` chat turns in arrival order (see the module docstring); model 0."""
-    if items < 1:
-        raise ValueError(f"demo-chat workload of {items} items: need at least one")
-    if not 0 <= seed <= MAX_DEMO_SEED:
-        raise ValueError(f"demo-chat seed {seed}: must be in [0, {MAX_DEMO_SEED}]")
-    check_vocab_size(vocab_size)
+    _check_arguments(DEMO_CHAT, items, seed, vocab_size)
     rng = np.random.default_rng(seed)
     system_lengths = np.array([round(math.exp(rng.uniform(math.log(DEMO_SYSTEM_MIN_TOKENS),
                                                           math.log(DEMO_SYSTEM_MAX_TOKENS))))
@@ -154,6 +150,15 @@ def demo_chat_workload(items: int, seed: int = 0, vocab_size: int = VOCAB_SIZE) 
     return Workload(f"demo-chat(items={items}, seed={seed}"
                     f"{f', vocab_size={vocab_size}' if vocab_size != VOCAB_SIZE else ''})", items, chat,
                     total_tokens=chat.total_tokens(), models=(0,))
+
+
+def _check_arguments(name: str, items: int, seed: int, vocab_size: int) -> None:
+    """ValueError for a generator argument out of range."""
+    if items < 1:
+        raise ValueError(f"{name} workload of {items} items: need at least one")
+    if not 0 <= seed <= MAX_DEMO_SEED:
+        raise ValueError(f"{name} seed {seed}: must be in [0, {MAX_DEMO_SEED}]")
+    check_vocab_size(vocab_size)
 
 
 def _lognormal(rng: np.random.Generator, median: int, sigma: float, shape: tuple[int, int]) -> np.ndarray:
@@ -202,11 +207,7 @@ class _ChatItems:
 
 def demo_template_workload(items: int, seed: int = 0, vocab_size: int = VOCAB_SIZE) -> Workload:
     """`items` prompts over DEMO_TEMPLATE_SHAPES templates (see the module docstring); model 0."""
-    if items < 1:
-        raise ValueError(f"demo-template workload of {items} items: need at least one")
-    if not 0 <= seed <= MAX_DEMO_SEED:
-        raise ValueError(f"demo-template seed {seed}: must be in [0, {MAX_DEMO_SEED}]")
-    check_vocab_size(vocab_size)
+    _check_arguments(DEMO_TEMPLATE, items, seed, vocab_size)
     rng = np.random.default_rng(seed)
     groups = DEMO_TEMPLATE_SHAPES // DEMO_TEMPLATE_GROUP
     low, high = math.log(DEMO_TEMPLATE_COMPONENT_MIN_TOKENS), math.log(DEMO_TEMPLATE_COMPONENT_MAX_TOKENS)
