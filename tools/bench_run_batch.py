@@ -50,12 +50,10 @@ product 1c against vllm).
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -65,143 +63,21 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tools.make_bench_batch import requests as batch_requests  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-MODEL_DIR = ROOT / ".cache" / "tiny-llama"
-MODEL_NAME = "tiny-llama"
-REQUESTS = 2000
-QUICK_REQUESTS = 200
-SHAPES = 32
-# 3 MiB: 3,072 tokens of the tiny model (bf16, 1 KiB a token): about 6 of the 32 prefixes.
-KV_CACHE_MIB = 3
-MAX_MODEL_LEN = 2048
-BLOCK = 32
-ROUNDS = 2
-# A run that takes longer than this is stuck (a full run takes under a minute).
-RUN_TIMEOUT_S = 900
-
-# `vllm run-batch`'s own main, with its `run_batch` coroutine (everything after the engine is
-# up, until the output file is written) timed; nothing else changed.
-VLLM_CHILD = """
-import asyncio, json, os, sys, time
-import vllm.entrypoints.launchers.run_batch as rb
-
-span = {}
-inner = rb.run_batch
-
-async def timed(engine_client, args):
-    span["start_ns"] = time.monotonic_ns()
-    await inner(engine_client, args)
-    span["end_ns"] = time.monotonic_ns()
-
-if __name__ == "__main__":
-    rb.run_batch = timed
-    asyncio.run(rb.main(rb.parse_args()))
-    with open(os.environ["BENCH_SPAN"], "w") as f:
-        json.dump(span, f)
-"""
-
-
-def _env(scratch: Path, threads: int) -> dict[str, str]:
-    cache, tmp = scratch / "vllm-cache", scratch / "tmp"
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp.mkdir(parents=True, exist_ok=True)
-    return {**os.environ, "VLLM_CACHE_ROOT": str(cache), "TMPDIR": str(tmp), "OMP_NUM_THREADS": str(threads),
-            "PYTHONPATH": str(ROOT)}
-
-
-def _shm() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-
-
-def _timed(cmd: list[str], env: dict[str, str], log: Path) -> float:
-    """Run `cmd`, its output to `log`; its wall time. Shared-memory names it leaves behind that
-    are ours (`sbrk-`) are removed."""
-    before = _shm()
-    start = time.monotonic()
-    with open(log, "w") as out:
-        proc = subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, timeout=RUN_TIMEOUT_S)
-    wall = time.monotonic() - start
-    for name in _shm() - before:
-        if "sbrk-" in name:
-            try:
-                os.unlink(os.path.join("/dev/shm", name))
-            except OSError:
-                pass
-    if proc.returncode != 0:
-        tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
-        raise RuntimeError(f"bench_run_batch: {' '.join(cmd[:6])} ... exited {proc.returncode}; log {log}:\n{tail}")
-    return wall
-
-
-def engine_settings(kv_cache_mib: int) -> dict[str, Any]:
-    return dict(load_format="dummy", enforce_eager=True, block_size=BLOCK, kv_cache_memory_bytes=kv_cache_mib << 20,
-                max_model_len=MAX_MODEL_LEN)
-
-
-def run_vllm(batch: Path, out_dir: Path, settings: dict, threads: int) -> dict:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    output, span_file = out_dir / "out.jsonl", out_dir / "span.json"
-    env = _env(out_dir / "scratch", threads) | {"BENCH_SPAN": str(span_file)}
-    cmd = [sys.executable, "-c", VLLM_CHILD, "-i", str(batch), "-o", str(output), "--model", str(MODEL_DIR),
-           "--served-model-name", MODEL_NAME, "--load-format", settings["load_format"], "--enforce-eager",
-           "--block-size", str(settings["block_size"]), "--kv-cache-memory-bytes",
-           str(settings["kv_cache_memory_bytes"]), "--max-model-len", str(settings["max_model_len"]),
-           "--enable-prefix-caching", "--enable-prompt-tokens-details"]
-    wall = _timed(cmd, env, out_dir / "log.txt")
-    span = json.loads(span_file.read_text())
-    return dict(wall_s=wall, span_s=(span["end_ns"] - span["start_ns"]) / 1e9, output=str(output))
-
-
-def run_product(batch: Path, out_dir: Path, settings: dict, consumers: int, threads: int) -> dict:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    output, report, data = out_dir / "out.jsonl", out_dir / "report.json", out_dir / "data"
-    options = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in settings.items())
-    options += f",cpu_threads={threads},cache_dir={out_dir / 'scratch'}"
-    cmd = [sys.executable, "-m", "pipeline", "run-batch", "-i", str(batch), "-o", str(output), "--model",
-           str(MODEL_DIR), "--served-model-name", MODEL_NAME, "--engine", "vllm", "--engine-options", options,
-           "--consumers", str(consumers), "--data-dir", str(data), "--report", str(report)]
-    wall = _timed(cmd, _env(out_dir / "scratch", threads), out_dir / "log.txt")
-    rows = [json.loads(line) for path in glob.glob(str(data / "results" / "*" / "*.jsonl"))
-            for line in Path(path).read_text().splitlines() if line.strip()]
-    span = (max(r["done_ns"] for r in rows) - min(r["dispatch_ns"] for r in rows)) / 1e9
-    rep = json.loads(report.read_text())
-    per = rep["per_consumer"]
-    shutil.rmtree(data, ignore_errors=True)
-    return dict(wall_s=wall, span_s=span, output=str(output), report_wall_s=rep.get("wall_s"),
-                vllm_prefix_cache_hits=sum(c["engine_prefix_cache_hits"] for c in per.values()),
-                vllm_prefix_cache_queries=sum(c["engine_prefix_cache_queries"] for c in per.values()),
-                engine_counters_agree=rep.get("engine_counters_agree"), batches=sum(c["batches"] for c in per.values()),
-                items_per_consumer={n: c["items"] for n, c in per.items()},
-                shape_switches=rep.get("shape_switches"), shape_switches_by_reason=rep.get("shape_switches_by_reason"))
-
-
-def check_output(path: str, custom_ids: list[str]) -> dict:
-    """The output's usage sums; raises unless every custom_id is there once with status 200."""
-    seen: dict[str, int] = {}
-    prompt = cached = completion = 0
-    bad = []
-    for line in Path(path).read_text().splitlines():
-        row = json.loads(line)
-        seen[row["custom_id"]] = seen.get(row["custom_id"], 0) + 1
-        response = row.get("response") or {}
-        if response.get("status_code") != 200 or row.get("error"):
-            bad.append(row["custom_id"])
-            continue
-        usage = response["body"]["usage"]
-        prompt += usage["prompt_tokens"]
-        completion += usage["completion_tokens"]
-        cached += (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    wanted = set(custom_ids)
-    missing = sorted(wanted - set(seen))
-    twice = sorted(k for k, n in seen.items() if n > 1)
-    extra = sorted(set(seen) - wanted)
-    if bad or missing or twice or extra:
-        raise RuntimeError(f"bench_run_batch: {path}: {len(bad)} not 200 (e.g. {bad[:3]}), {len(missing)} missing, "
-                           f"{len(twice)} twice, {len(extra)} unknown")
-    return dict(lines=sum(seen.values()), prompt_tokens=prompt, cached_tokens=cached, completion_tokens=completion,
-                cached_fraction=cached / prompt if prompt else None)
+# The sides and the output check, shared with `pipeline bench run-batch`.
+from pipeline.bench.batch_sides import (  # noqa: E402
+    KV_CACHE_MIB,
+    MODEL_DIR,
+    MODEL_NAME,
+    QUICK_REQUESTS,
+    REQUESTS,
+    ROUNDS,
+    SHAPES,
+    check_output,
+    engine_settings,
+    run_product,
+    run_vllm,
+)
+from pipeline.bench.chat_batch import requests as batch_requests  # noqa: E402
 
 
 def machine() -> dict[str, Any]:

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import base64
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -45,11 +44,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # the payload -> shape map reads the workloads with this tree's code
     sys.path.insert(0, str(ROOT))
+from pipeline.bench import runs  # noqa: E402  (launch and analyze, shared with `pipeline bench prefix`)
+
 TRACE = ROOT.parent / "shared" / "workloads" / "mooncake_synthetic_trace.jsonl"
 if not TRACE.exists():
     TRACE = Path("/work/shared/workloads/mooncake_synthetic_trace.jsonl")
 CACHES = (65536, 1048576)
-BATCH_COST_PER_TOKEN_COST = 50  # cost_s_per_batch / cost_s_per_padded_token (sim's GPU figures)
+BATCH_COST_PER_TOKEN_COST = runs.BATCH_COST_PER_TOKEN_COST
 POLICIES = {
     "most-tokens": ["--shape-order", "most-tokens", "--set", "broker.affinity=false"],
     "most-tokens+aff": ["--shape-order", "most-tokens", "--set", "broker.affinity=true"],
@@ -77,38 +78,18 @@ def workloads(quick: bool) -> list[dict]:
     ]
 
 
-def python() -> list[str]:
-    return [sys.executable, "-m", "pipeline"]
-
-
-def env() -> dict:
-    e = dict(os.environ)
-    e["PYTHONPATH"] = str(ROOT) + (os.pathsep + e["PYTHONPATH"] if e.get("PYTHONPATH") else "")
-    return e
-
-
 def analyze(w: dict) -> dict:
     """The bound per cache size: the best order of `tools analyze --caches 2` at that size."""
-    out = subprocess.run(
-        [*python(), "tools", "analyze", *w["analyze"], "--block-tokens", str(w["block"]), "--caches", "2",
-         "--cache-tokens", ",".join(map(str, CACHES)), "--top", "0", "--json"],
-        capture_output=True, text=True, env=env(), check=True)
-    data = json.loads(out.stdout)
-    bounds = {}
-    for cache in CACHES:
-        rows = [r for r in data["reuse"] if r["cache_tokens"] == cache and r["caches"] == 2]
-        bounds[cache] = max(r["reuse"] for r in rows)
-    return dict(bounds=bounds, shapes=data["shapes"]["count"], input_tokens=data["input_tokens"])
+    found = runs.analyze(w["analyze"], w["block"], CACHES, caches=2)
+    return dict(bounds=found["bounds"], shapes=found["shapes"], input_tokens=found["input_tokens"])
 
 
 def launch(args: list[str], report: Path, data_dir: Path) -> dict:
     started = time.monotonic()
-    done = subprocess.run([*python(), "launch", "--consumers", "2", "--report", str(report),
-                           "--data-dir", str(data_dir), *args], capture_output=True, text=True, env=env())
-    if done.returncode != 0:
-        raise SystemExit(f"launch {' '.join(args)} failed ({done.returncode}):\n{done.stderr[-3000:]}"
-                         f"\n{done.stdout[-2000:]}")
-    rep = json.loads(report.read_text())
+    try:
+        rep = runs.launch(args, report, data_dir, keep=True)
+    except runs.BenchRunError as e:
+        raise SystemExit(str(e)) from None
     rep["_wall_cmd_s"] = time.monotonic() - started
     return rep
 
@@ -280,8 +261,8 @@ def main() -> int:
                             shutil.rmtree(data_dir, ignore_errors=True)
         demo_shapes = None
         if not only or "demo" in only:
-            demo = subprocess.run([*python(), "tools", "analyze", "demo", "--top", "0", "--json"],
-                                  capture_output=True, text=True, env=env(), check=True)
+            demo = subprocess.run([*runs.python_command(), "tools", "analyze", "demo", "--top", "0", "--json"],
+                                  capture_output=True, text=True, env=runs.child_env(), check=True)
             demo_shapes = json.loads(demo.stdout)["shapes"]["count"]
             demo_items = 20000
             demo_shape_of = shapes_by_payload("demo", demo_items)

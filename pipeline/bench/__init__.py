@@ -15,6 +15,9 @@ from pipeline.bench.harness import Comparison
 
 # Subcommand -> module, in `all`'s order: the cheap, CPU-only comparisons first.
 COMPARISON_MODULES: dict[str, str] = {
+    "padding": "pipeline.bench.padding",
+    "prefix": "pipeline.bench.prefix",
+    "run-batch": "pipeline.bench.run_batch",
     "e2e": "pipeline.bench.e2e",
     "redis": "pipeline.bench.redis_peer",
     "scaling": "pipeline.bench.scaling",

@@ -45,8 +45,8 @@ VOCAB_SIZE_HELP = ("Made-up token ids (demo, Mooncake trace) are drawn below thi
 
 
 def load_launch_workload(settings: LaunchSettings, vocab_size: int):
-    """The workload the settings name: "demo" or "demo-chat" (DEMO_ITEMS unless `items`), or a JSON-lines
-    file validated whole before anything starts (WorkloadError names every bad line); made-up
+    """The workload the settings name: "demo", "demo-chat" or "demo-template" (DEMO_ITEMS unless
+    `items`), or a JSON-lines file validated whole before anything starts (WorkloadError names every bad line); made-up
     token ids below `vocab_size`."""
     from pipeline.producer.demos import named_workload
 
@@ -56,9 +56,10 @@ def load_launch_workload(settings: LaunchSettings, vocab_size: int):
 
 @click.command()
 @click.option("--data-dir", type=click.Path(file_okay=False), help="Data directory (default: a temporary one, removed after).")
-@click.option("--workload", help="'demo' (default), 'demo-chat' (multi-turn conversations) or a JSON-lines file "
+@click.option("--workload", help="'demo' (default), 'demo-chat' (multi-turn conversations), 'demo-template' (64 long "
+                                 "templates) or a JSON-lines file "
                                  "(own format or a Mooncake trace).")
-@click.option("--items", type=int, help="Run only the first N items (demo, demo-chat: how many to generate).")
+@click.option("--items", type=int, help="Run only the first N items (demo, demo-chat, demo-template: how many to generate).")
 @click.option("--producers", type=int, help="Producer processes (default 2).")
 @click.option("--consumers", type=int, help="Consumer processes (default: one per GPU, else 2 CPU consumers).")
 @click.option("--engine", type=click.Choice(sorted(ENGINES)), help="Engine runtime of the consumers (default sim).")
@@ -76,7 +77,7 @@ def load_launch_workload(settings: LaunchSettings, vocab_size: int):
 @click.option("--report", type=click.Path(dir_okay=False), help="Write the run report as JSON here.")
 @click.option("--plots", type=click.Path(file_okay=False), help="Write PNG charts here (needs matplotlib).")
 @click.option("--metrics-port", type=int, help="Serve Prometheus metrics on this port (0: any free port).")
-@click.option("--seed", type=int, help="Seed of the demo and demo-chat workloads (default 0).")
+@click.option("--seed", type=int, help="Seed of the generated workloads (default 0).")
 @click.option("--set", "assignments", multiple=True, metavar="KEY=VALUE",
               help="A setting of the config file's form, e.g. broker.max_age_s=30, broker.lanes.max_lanes=512, "
                    "consumer.credit_max_batches=8 (repeatable; over the file's value).")

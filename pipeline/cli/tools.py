@@ -135,15 +135,15 @@ def _sizes(text: str) -> list[int]:
               help="Caches (consumers) side by side: arrival order deals items round-robin, prefix-sorted order "
                    "gives each cache one stretch of the walk.")
 @click.option("--items", type=click.IntRange(min=1), default=None,
-              help="Only the first N items (demo, demo-chat: how many to generate; default 20000).")
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of demo and demo-chat.")
+              help="Only the first N items (demo, demo-chat, demo-template: how many to generate; default 20000).")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the generated workloads.")
 @click.option("--top", type=click.IntRange(min=0), default=DEFAULT_TOP_SHAPES, show_default=True,
               help="Shapes listed, most items first.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def analyze_command(workload: str, block_tokens: int | None, cache_tokens: str, caches: int, items: int | None,
                     seed: int, top: int, as_json: bool) -> None:
-    """Shapes, shared prefixes and the prefix-reuse bound of WORKLOAD ('demo', 'demo-chat' or a
-    workload file), without running it. The cache is modelled as the sim engine's (vLLM's
+    """Shapes, shared prefixes and the prefix-reuse bound of WORKLOAD ('demo', 'demo-chat',
+    'demo-template' or a workload file), without running it. The cache is modelled as the sim engine's (vLLM's
     automatic prefix caching): full blocks, a hit is the run of leading cached blocks, LRU
     in blocks, the last token always computed."""
     from pipeline.analysis.workload import analyze_workload

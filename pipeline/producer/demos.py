@@ -1,6 +1,7 @@
-"""Generated workloads by name: "demo" (`workload.demo_workload`) and "demo-chat", the
-multi-turn one defined here, and `named_workload`, which resolves a name or a file path the
-way `pipeline launch` and `pipeline tools analyze` take them.
+"""Generated workloads by name: "demo" (`workload.demo_workload`), "demo-chat", the
+multi-turn one defined here, "demo-template", the many-template one defined here, and
+`named_workload`, which resolves a name or a file path the way `pipeline launch` and
+`pipeline tools analyze` take them.
 
 demo-chat: conversations of one to DEMO_CHAT_MAX_TURNS turns under DEMO_CHAT_SYSTEMS system
 prompts. Turn 1's prompt is the system prompt plus a user message; turn k+1's is turn k's
@@ -14,6 +15,13 @@ log-normal think time between turns, so turns of many conversations interleave, 
 chat traffic does, and a conversation's turn k+1 always arrives after its turn k. Each item
 carries its arrival time (timestamp_ms, from 0) and the payload "chat-C-T" (conversation C,
 turn T from 1). Pure code; everything follows from (items, seed, vocab_size).
+
+demo-template: DEMO_TEMPLATE_SHAPES templates with Zipf popularity, each two components of
+1,000 to 8,000 tokens (log-uniform): a system prompt shared by the DEMO_TEMPLATE_GROUP
+templates of its group, then a document of the template's own; the suffix is a log-normal
+user part. Templates of one group share their first component, so the order in which shapes
+are drained decides how often the long system prompts are recomputed. Poisson arrivals
+(timestamp_ms), payload "template-T-K" (template T, item K).
 
 NOTE: this lives beside workload.py, not in it, because workload.py is already past the
 house limit of ~600 lines; it uses workload.py's token streams and Workload.
@@ -41,7 +49,8 @@ from pipeline.producer.workload import (
 # The names a workload argument may give instead of a file.
 DEMO = "demo"
 DEMO_CHAT = "demo-chat"
-GENERATED = (DEMO, DEMO_CHAT)
+DEMO_TEMPLATE = "demo-template"
+GENERATED = (DEMO, DEMO_CHAT, DEMO_TEMPLATE)
 
 # A few system prompts (assistants): the one prefix every conversation under it shares.
 DEMO_CHAT_SYSTEMS = 4
@@ -70,27 +79,49 @@ CHAT_SYSTEM_STREAM = 0x6368_6174_7379_7374  # "chatsyst"
 CHAT_USER_STREAM = 0x6368_6174_7573_6572  # "chatuser"
 CHAT_REPLY_STREAM = 0x6368_6174_7265_706C  # "chatrepl"
 
+# demo-template: 64 templates, enough that a consumer's cache holds only a few of them at the
+# smaller cache sizes of the evaluation suite (issue 16 asks for at least 64).
+DEMO_TEMPLATE_SHAPES = 64
+# Templates per shared system prompt: 8 groups of 8, so a prefix-aware order has a shared
+# first component to stay on, and a shape-blind one recomputes it.
+DEMO_TEMPLATE_GROUP = 8
+# Each component (system prompt, template document): log-uniform 1,000 to 8,000 tokens, long
+# retrieval-style prompts whose recomputation dominates a batch's cost.
+DEMO_TEMPLATE_COMPONENT_MIN_TOKENS = 1000
+DEMO_TEMPLATE_COMPONENT_MAX_TOKENS = 8000
+# Template popularity ~ 1 / rank^1.1 (Zipf, as the demo's): with 64 templates the top one gets
+# about a fifth of the items, the rarest a fraction of a percent.
+DEMO_TEMPLATE_ZIPF_EXPONENT = 1.1
+# User parts: log-normal, median 128 tokens, sigma 1 (90% ~25 to ~660), capped (the tail
+# would otherwise add rare prompts far longer than the templates).
+DEMO_TEMPLATE_USER_MEDIAN_TOKENS = 128
+DEMO_TEMPLATE_USER_SIGMA = 1.0
+DEMO_TEMPLATE_USER_MAX_TOKENS = 4096
+# A new item every 2 ms on average (Poisson): arrival times only matter under --replay-speed.
+DEMO_TEMPLATE_GAP_MS = 2.0
+TEMPLATE_SYSTEM_STREAM = 0x7465_6D70_7379_7374  # "tempsyst"
+TEMPLATE_DOC_STREAM = 0x7465_6D70_646F_6373  # "tempdocs"
+TEMPLATE_USER_STREAM = 0x7465_6D70_7573_6572  # "tempuser"
+
 
 def named_workload(name: str, items: int | None = None, seed: int = 0, vocab_size: int = VOCAB_SIZE,
                    default_items: int = 20_000) -> Workload:
-    """"demo" or "demo-chat" generated with `items` items (`default_items` if None), or the
+    """"demo", "demo-chat" or "demo-template" generated with `items` items (`default_items` if None), or the
     workload file at path `name` (its first `items` if given). Raises WorkloadError for a
     file that cannot be used, ValueError for bad generator arguments."""
     if name == DEMO:
         return demo_workload(items or default_items, seed=seed, vocab_size=vocab_size)
     if name == DEMO_CHAT:
         return demo_chat_workload(items or default_items, seed=seed, vocab_size=vocab_size)
+    if name == DEMO_TEMPLATE:
+        return demo_template_workload(items or default_items, seed=seed, vocab_size=vocab_size)
     workload = load_workload(name, vocab_size=vocab_size)
     return workload.head(items) if items else workload
 
 
 def demo_chat_workload(items: int, seed: int = 0, vocab_size: int = VOCAB_SIZE) -> Workload:
     """`items` chat turns in arrival order (see the module docstring); model 0."""
-    if items < 1:
-        raise ValueError(f"demo-chat workload of {items} items: need at least one")
-    if not 0 <= seed <= MAX_DEMO_SEED:
-        raise ValueError(f"demo-chat seed {seed}: must be in [0, {MAX_DEMO_SEED}]")
-    check_vocab_size(vocab_size)
+    _check_arguments(DEMO_CHAT, items, seed, vocab_size)
     rng = np.random.default_rng(seed)
     system_lengths = np.array([round(math.exp(rng.uniform(math.log(DEMO_SYSTEM_MIN_TOKENS),
                                                           math.log(DEMO_SYSTEM_MAX_TOKENS))))
@@ -119,6 +150,15 @@ def demo_chat_workload(items: int, seed: int = 0, vocab_size: int = VOCAB_SIZE) 
     return Workload(f"demo-chat(items={items}, seed={seed}"
                     f"{f', vocab_size={vocab_size}' if vocab_size != VOCAB_SIZE else ''})", items, chat,
                     total_tokens=chat.total_tokens(), models=(0,))
+
+
+def _check_arguments(name: str, items: int, seed: int, vocab_size: int) -> None:
+    """ValueError for a generator argument out of range."""
+    if items < 1:
+        raise ValueError(f"{name} workload of {items} items: need at least one")
+    if not 0 <= seed <= MAX_DEMO_SEED:
+        raise ValueError(f"{name} seed {seed}: must be in [0, {MAX_DEMO_SEED}]")
+    check_vocab_size(vocab_size)
 
 
 def _lognormal(rng: np.random.Generator, median: int, sigma: float, shape: tuple[int, int]) -> np.ndarray:
@@ -163,3 +203,58 @@ class _ChatItems:
                 self._text(reply_stream, conv, earlier, int(self._replies[conv, earlier]))]))
         suffix = self._text(user_stream, conv, turn, int(self._users[conv, turn]))
         return WorkItem(0, components, suffix, f"chat-{conv}-{turn + 1}".encode(), float(self._arrival[k]), 0)
+
+
+def demo_template_workload(items: int, seed: int = 0, vocab_size: int = VOCAB_SIZE) -> Workload:
+    """`items` prompts over DEMO_TEMPLATE_SHAPES templates (see the module docstring); model 0."""
+    _check_arguments(DEMO_TEMPLATE, items, seed, vocab_size)
+    rng = np.random.default_rng(seed)
+    groups = DEMO_TEMPLATE_SHAPES // DEMO_TEMPLATE_GROUP
+    low, high = math.log(DEMO_TEMPLATE_COMPONENT_MIN_TOKENS), math.log(DEMO_TEMPLATE_COMPONENT_MAX_TOKENS)
+    system_lengths = np.rint(np.exp(rng.uniform(low, high, size=groups))).astype(np.int64)
+    doc_lengths = np.rint(np.exp(rng.uniform(low, high, size=DEMO_TEMPLATE_SHAPES))).astype(np.int64)
+    systems = [hashed_tokens(TEMPLATE_SYSTEM_STREAM ^ seed, [g], int(n), vocab_size)[0]
+               for g, n in enumerate(system_lengths)]
+    shapes = []
+    for t, n in enumerate(doc_lengths.tolist()):
+        doc = hashed_tokens(TEMPLATE_DOC_STREAM ^ seed, [t], n, vocab_size)[0]
+        doc.flags.writeable = False
+        shapes.append([systems[t // DEMO_TEMPLATE_GROUP], doc])
+    for system in systems:
+        system.flags.writeable = False
+    # Popularity by rank, the ranks dealt to templates at random so the hot ones are spread
+    # over the groups rather than all in the first.
+    popularity = 1.0 / np.arange(1, DEMO_TEMPLATE_SHAPES + 1) ** DEMO_TEMPLATE_ZIPF_EXPONENT
+    popularity = popularity[rng.permutation(DEMO_TEMPLATE_SHAPES)]
+    item_shapes = rng.choice(DEMO_TEMPLATE_SHAPES, size=items, p=popularity / popularity.sum())
+    users = rng.lognormal(math.log(DEMO_TEMPLATE_USER_MEDIAN_TOKENS), DEMO_TEMPLATE_USER_SIGMA, size=items)
+    user_lengths = np.clip(users.astype(np.int64), 1, DEMO_TEMPLATE_USER_MAX_TOKENS)
+    arrival = np.cumsum(rng.exponential(DEMO_TEMPLATE_GAP_MS, size=items))
+    prefix_lengths = system_lengths[np.arange(DEMO_TEMPLATE_SHAPES) // DEMO_TEMPLATE_GROUP] + doc_lengths
+    build = _TemplateItems(seed, vocab_size, shapes, item_shapes, user_lengths, arrival - arrival[0])
+    return Workload(f"demo-template(items={items}, seed={seed}"
+                    f"{f', vocab_size={vocab_size}' if vocab_size != VOCAB_SIZE else ''})", items, build,
+                    total_tokens=int(prefix_lengths[item_shapes].sum() + user_lengths.sum()), models=(0,))
+
+
+class _TemplateItems:
+    """Makes demo-template items on demand. Owner: one Workload; holds nothing mutable but
+    its signature cache (an idempotent insert)."""
+
+    def __init__(self, seed: int, vocab_size: int, shapes: list[list[np.ndarray]], item_shapes: np.ndarray,
+                 user_lengths: np.ndarray, arrival_ms: np.ndarray) -> None:
+        self._user_stream = TEMPLATE_USER_STREAM ^ seed
+        self._vocab_size = vocab_size
+        self._shapes = shapes
+        self._signatures: dict[int, int] = {}
+        self._item_shapes = item_shapes
+        self._user_lengths = user_lengths
+        self._arrival = arrival_ms
+
+    def __call__(self, k: int) -> WorkItem:
+        shape = int(self._item_shapes[k])
+        suffix = hashed_tokens(self._user_stream, [k], int(self._user_lengths[k]), self._vocab_size)[0]
+        item = WorkItem(0, list(self._shapes[shape]), suffix, f"template-{shape}-{k}".encode(),
+                        float(self._arrival[k]), 0, self._signatures.get(shape))
+        self._signatures.setdefault(shape, item.signature)
+        return item

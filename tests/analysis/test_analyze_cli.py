@@ -72,6 +72,17 @@ def test_demo_chat_is_analyzed():
     assert again == got
 
 
+def test_demo_template_is_analyzed():
+    result = analyze("demo-template", "--items", "400", "--seed", "1", "--caches", "2", "--cache-tokens", "32768",
+                     "--json")
+    assert result.exit_code == 0, result.output
+    got = json.loads(result.output)
+    assert got["items"] == 400 and got["block_tokens"] == 16 and got["shapes"]["count"] > 32
+    small = {r["order"]: r["reuse"] for r in got["reuse"] if r["cache_tokens"] == 32768}
+    # 32 Ki tokens hold a few templates: arrival order thrashes, the prefix-sorted walk does not.
+    assert small["prefix-sorted"] > small["arrival"] + 0.1
+
+
 @pytest.mark.skipif(not TRACE.exists(), reason="the shared Mooncake trace is not here")
 def test_mooncake_bound_at_its_512_token_blocks():
     """65.04%: full 512-token blocks only, as vLLM caches them (counting the trace's cut last

@@ -81,3 +81,65 @@ def test_launch_picks_demo_chat_with_items_and_seed():
     assert [i.payload for i in workload] == [i.payload for i in demo_chat_workload(40, seed=3)]
     assert len(named_workload("demo", 12, seed=1)) == 12
     assert len(named_workload("demo-chat", default_items=9)) == 9
+
+
+# ----------------------------------------------------------------------------- demo-template
+
+
+def test_template_shapes_components_and_popularity():
+    from pipeline.producer.demos import (
+        DEMO_TEMPLATE_COMPONENT_MAX_TOKENS,
+        DEMO_TEMPLATE_COMPONENT_MIN_TOKENS,
+        DEMO_TEMPLATE_GROUP,
+        DEMO_TEMPLATE_SHAPES,
+        DEMO_TEMPLATE_USER_MAX_TOKENS,
+        demo_template_workload,
+    )
+    workload = demo_template_workload(5000, seed=2)
+    items = list(workload)
+    assert len(items) == 5000 and workload.total_tokens == sum(i.length for i in items)
+    by_template: dict[int, list] = defaultdict(list)
+    for k, item in enumerate(items):
+        kind, template, index = item.payload.decode().split("-")
+        assert kind == "template" and int(index) == k
+        by_template[int(template)].append(item)
+    assert set(by_template) <= set(range(DEMO_TEMPLATE_SHAPES)) and len(by_template) >= 60
+    for template, group in by_template.items():
+        assert len({i.signature for i in group}) == 1  # one shape per template
+        assert all(len(i.components) == 2 for i in group)
+        for c in group[0].components:
+            assert DEMO_TEMPLATE_COMPONENT_MIN_TOKENS <= len(c) <= DEMO_TEMPLATE_COMPONENT_MAX_TOKENS
+    assert len({i.signature for i in items}) == len(by_template)
+    # Templates of a group share their system prompt; of different groups, not.
+    firsts = {t: g[0].components[0].tobytes() for t, g in by_template.items()}
+    for a in firsts:
+        for b in firsts:
+            assert (firsts[a] == firsts[b]) == (a // DEMO_TEMPLATE_GROUP == b // DEMO_TEMPLATE_GROUP)
+    # Zipf popularity: the hottest template far above the median one.
+    counts = sorted((len(g) for g in by_template.values()), reverse=True)
+    assert counts[0] > 8 * counts[len(counts) // 2]
+    users = np.array([len(i.suffix) for i in items])
+    assert users.min() >= 1 and users.max() <= DEMO_TEMPLATE_USER_MAX_TOKENS and 80 < np.median(users) < 200
+    times = [i.timestamp_ms for i in items]
+    assert times[0] == 0.0 and times == sorted(times)
+
+
+def test_template_deterministic_seeded_and_reachable_by_name():
+    from pipeline.producer.demos import demo_template_workload
+
+    def fingerprint(workload):
+        return [(i.payload, i.tokens.tobytes(), i.signature, i.timestamp_ms) for i in workload]
+    assert fingerprint(demo_template_workload(200, seed=4)) == fingerprint(demo_template_workload(200, seed=4))
+    assert fingerprint(demo_template_workload(200, seed=4)) != fingerprint(demo_template_workload(200, seed=5))
+    assert all(int(i.tokens.max()) < 50 for i in demo_template_workload(50, seed=4, vocab_size=50))
+    workload = load_launch_workload(LaunchSettings(workload="demo-template", items=30, seed=4), vocab_size=32_000)
+    assert [i.payload for i in workload] == [i.payload for i in demo_template_workload(30, seed=4)]
+    assert len(named_workload("demo-template", default_items=7)) == 7
+
+
+@pytest.mark.parametrize("args", [{"items": 0}, {"items": 5, "seed": -1}, {"items": 5, "seed": 1 << 63},
+                                  {"items": 5, "vocab_size": 0}])
+def test_template_bad_arguments_are_refused(args):
+    from pipeline.producer.demos import demo_template_workload
+    with pytest.raises(ValueError):
+        demo_template_workload(**args)
