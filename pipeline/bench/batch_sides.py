@@ -71,24 +71,15 @@ def _env(scratch: Path, threads: int) -> dict[str, str]:
             "PYTHONPATH": str(ROOT)}
 
 
-def _shm() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-
-
 def _timed(cmd: list[str], env: dict[str, str], log: Path) -> float:
-    """Run `cmd`, its output to `log`; its wall time. Shared-memory names it leaves behind that
-    are ours (`sbrk-`) are removed."""
-    before = _shm()
+    """Run `cmd`, its output to `log`; its wall time.
+    NOTE: it used to remove every `sbrk-` object that appeared in /dev/shm during the run,
+    which deleted a concurrent benchmark's live doorbell; `pipeline run-batch` removes its
+    own objects, and one it left would be a bug for `pipeline tools cleanup` to show."""
     start = time.monotonic()
     with open(log, "w") as out:
         proc = subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, timeout=RUN_TIMEOUT_S)
     wall = time.monotonic() - start
-    for name in _shm() - before:
-        if "sbrk-" in name:
-            try:
-                os.unlink(os.path.join("/dev/shm", name))
-            except OSError:
-                pass
     if proc.returncode != 0:
         tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
         raise BenchRunError(f"run-batch bench: {' '.join(cmd[:6])} ... exited {proc.returncode}; log {log}:\n{tail}")
