@@ -83,10 +83,13 @@ def test_partial_batches_wait_while_the_consumer_has_enough(tmp_path):
         held, window = [], []
         while (counters := status(socket_path)).items_completed < 60:
             c0 = counters.consumers["c0"]
-            held.append(c0.batches_held)
+            # While items keep arriving (every 3 ms); once the lane has been idle for
+            # PARTIAL_WAIT_S, a partial batch goes out beyond the bound (nothing will fill it).
+            if producer.is_alive():
+                held.append(c0.batches_held)
             window.append(c0.batches_held + c0.credit)
         producer.join(30)
-        assert max(held) <= PARTIAL_BATCHES_AHEAD
+        assert held and max(held) <= PARTIAL_BATCHES_AHEAD
         assert max(window) > PARTIAL_BATCHES_AHEAD  # the window alone would have allowed more
         assert status(socket_path).batches_routed < 60  # items joined batches while waiting
     finally:
