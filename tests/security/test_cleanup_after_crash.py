@@ -23,7 +23,7 @@ from pipeline.runtime.cleanup import apply_cleanup, held_run_lock, plan_cleanup
 from pipeline.runtime.daemon import read_pid
 from pipeline.runtime.inventory import producer_ring_names, ring_stock
 from pipeline.wire.client import broker_status
-from pipeline.wire.errors import DataDirError
+from pipeline.wire.errors import DataDirError, LiveRunError
 from tests.runtime.runs import shm_objects_of, wait_for
 from tests.security.live import COMMAND_TIMEOUT_S, ROOT, pipeline, submit
 
@@ -54,6 +54,16 @@ def kill_stage(data: str, stage: str) -> None:
     os.kill(pid, signal.SIGKILL)
     wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, 30,
              f"{stage} to die")
+    if stage == "broker":  # and its lock to go with it (CI once saw it still held just after)
+        wait_for(lambda: _lock_free(data), 30, "the dead broker's lock to be released")
+
+
+def _lock_free(data: str) -> bool:
+    try:
+        with held_run_lock(data):
+            return True
+    except LiveRunError:
+        return False
 
 
 def kill_tree(process: subprocess.Popen) -> None:
