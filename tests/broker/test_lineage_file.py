@@ -223,7 +223,8 @@ def test_a_disk_too_full_to_rewrite_the_file_keeps_the_old_one_or_runs_without(t
     def full(*_args):
         raise chains_module.DiskFullError("disk full (test)")
 
-    monkeypatch.setattr(chains_module, "_allocate", full)
+    monkeypatch.setattr(chains_module, "_allocate", full)  # growing the file
+    monkeypatch.setattr(chains_module, "write_replacement", full)  # rewriting it whole
     tier = DiskTier.open(str(tmp_path))  # the old file is used as it is: its chains come back
     try:
         assert tier.recovery.lineage_chains == 2 and any("kept as it is" in n for n in tier.recovery.lineage_notes)

@@ -255,24 +255,9 @@ class SegmentCatalog:
             if entry.entry_count is not None:
                 data += encode_record(CATALOG_SEALED, entry.keys, entry.entry_count)
         used = len(data) // CATALOG_RECORD_SIZE_BYTES
-        temp = path + CATALOG_TMP_SUFFIX
-        try:
-            fd = fileops.open_fd(temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        except OSError as exc:
-            if exc.errno in _NO_SPACE:  # no inode for the new file: the old catalog stays in use
-                raise DiskFullError(f"{temp}: disk full ({exc.strerror}) creating the compacted catalog") from exc
-            raise
-        try:
-            _allocate(fd, temp, used + reserve)
-            fileops.pwrite_all(fd, bytes(data), 0)
-            fileops.fsync(fd)
-            fileops.rename(temp, path)
-            _fsync_directory(os.path.dirname(path))
-        except BaseException:
-            fileops.close_fd(fd)
-            if os.path.exists(temp):
-                fileops.unlink(temp)
-            raise
+        chunks = -(-(used + reserve) // CATALOG_CHUNK_RECORDS)
+        fd = write_replacement(path, path + CATALOG_TMP_SUFFIX, bytes(data),
+                               chunks * CATALOG_CHUNK_RECORDS * CATALOG_RECORD_SIZE_BYTES, "segment catalog")
         return cls(path, fd, durable, used)
 
     def reserve(self, free: int) -> None:
@@ -330,6 +315,32 @@ def preallocate(fd: int, path: str, size: int, what: str) -> None:
             raise DiskFullError(f"{path}: disk full ({exc.strerror}) allocating {size} bytes for the {what}; "
                                 f"appends stop until space comes back, nothing accepted is lost") from exc
         raise
+
+
+def write_replacement(path: str, temp: str, data: bytes, size_bytes: int, what: str) -> int:
+    """Replace the file at `path` whole: `data` into `temp` (preallocated to `size_bytes`),
+    fsync, rename over `path`, directory fsync; returns the new file's descriptor, open for
+    appending records. DiskFullError when there is no room (the old file then stays as it
+    was and in use); on any failure `temp` is removed. The catalog's and the lineage file's
+    compaction."""
+    try:
+        fd = fileops.open_fd(temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    except OSError as exc:
+        if exc.errno in _NO_SPACE:  # no inode for the new file: the old one stays in use
+            raise DiskFullError(f"{temp}: disk full ({exc.strerror}) creating the compacted {what}") from exc
+        raise
+    try:
+        preallocate(fd, temp, size_bytes, what)
+        fileops.pwrite_all(fd, data, 0)
+        fileops.fsync(fd)
+        fileops.rename(temp, path)
+        _fsync_directory(os.path.dirname(path))
+    except BaseException:
+        fileops.close_fd(fd)
+        if os.path.exists(temp):
+            fileops.unlink(temp)
+        raise
+    return fd
 
 
 def _fsync_directory(path: str) -> None:

@@ -28,7 +28,6 @@ Owner: the DiskTier, in the broker's single dispatch loop; the only writer. Not 
 
 from __future__ import annotations
 
-import errno
 import os
 import time
 from collections.abc import Iterable, Sequence
@@ -38,10 +37,10 @@ import numpy as np
 import xxhash
 
 from pipeline.broker.ids import ShapeKey
-from pipeline.broker.storage.catalog import preallocate
+from pipeline.broker.storage.catalog import preallocate, write_replacement
 from pipeline.wire import fileops
 from pipeline.wire.errors import DiskFullError, DurabilityError, StoreReadError
-from pipeline.wire.fileops import errno_text, fsync_directory
+from pipeline.wire.fileops import errno_text
 from pipeline.wire.layouts import (
     LINEAGE_CHECKSUM_FROM,
     LINEAGE_FILE,
@@ -63,7 +62,6 @@ MAX_LINEAGE_RECORDS = 1 << 19
 LINEAGE_CHUNK_RECORDS = 1024
 # Suffix of the compaction's temp file beside the lineage file.
 LINEAGE_TMP_SUFFIX = ".tmp"
-_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 _Node = tuple[int, int]  # (model, signature)
 
@@ -235,24 +233,8 @@ class LineageLog:
         data = bytearray(encode_header(now))
         for (model, signature), parent, depth in nodes:
             data += encode_node(model, signature, parent, depth, now)
-        temp = path + LINEAGE_TMP_SUFFIX
-        try:
-            fd = fileops.open_fd(temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        except OSError as exc:
-            if exc.errno in _NO_SPACE:
-                raise DiskFullError(f"{temp}: disk full ({errno_text(exc)}) creating the compacted lineage file") from exc
-            raise
-        try:
-            _allocate(fd, temp, len(nodes) + LINEAGE_CHUNK_RECORDS)
-            fileops.pwrite_all(fd, bytes(data), 0)
-            fileops.fsync(fd)
-            fileops.rename(temp, path)
-            _fsync_directory(os.path.dirname(path))
-        except BaseException:
-            fileops.close_fd(fd)
-            if os.path.exists(temp):
-                fileops.unlink(temp)
-            raise
+        fd = write_replacement(path, path + LINEAGE_TMP_SUFFIX, bytes(data),
+                               _size_bytes(len(nodes) + LINEAGE_CHUNK_RECORDS), "lineage file")
         return cls(path, fd, durable, len(nodes), {node for node, _parent, _depth in nodes})
 
     def record(self, model: int, chain: Sequence[int]) -> int:
@@ -311,14 +293,12 @@ def _chain_nodes(chains: list[tuple[int, tuple[int, ...]]],
                   key=lambda n: (n[2], n[0]))
 
 
+def _size_bytes(records: int) -> int:
+    """The file's size for the header and `records` (rounded up to a chunk)."""
+    return (-(-records // LINEAGE_CHUNK_RECORDS) * LINEAGE_CHUNK_RECORDS + 1) * LINEAGE_RECORD_SIZE_BYTES
+
+
 def _allocate(fd: int, path: str, records: int) -> None:
     """Preallocate the file to hold the header and `records` (rounded up to a chunk)."""
-    chunks = -(-records // LINEAGE_CHUNK_RECORDS)
-    preallocate(fd, path, (chunks * LINEAGE_CHUNK_RECORDS + 1) * LINEAGE_RECORD_SIZE_BYTES, "lineage file")
+    preallocate(fd, path, _size_bytes(records), "lineage file")
 
-
-def _fsync_directory(path: str) -> None:
-    try:
-        fsync_directory(path or ".")
-    except OSError as exc:
-        raise DurabilityError(f"{path}: fsync of the directory failed ({errno_text(exc)})") from exc
