@@ -4,18 +4,23 @@ XREADGROUP batches in arrival order and XACK them.
 
 The server: Debian's redis-server on a free loopback port (`--bind 127.0.0.1`), its own
 directory, AOF on with `appendfsync everysec` (an acknowledged write can be lost for about a
-second on a power cut: the pairing of the broker's `process`), no RDB snapshots
+second on a power cut: the pairing of the broker's `process`) or `always` (the AOF fsynced
+before a round's replies: the pairing of `power`), no RDB snapshots
 (`--save ''`), everything else at Redis's defaults (AOF rewrites included). It dies with
 this process (PR_SET_PDEATHSIG) and is killed by its recorded pid on any failure.
 
 An item is one stream entry: `t` its token ids (int32 bytes), `s` its shape signature, `n`
-its length, `i` its index in the workload. Producers pipeline XADD (redis-py with the
+its length, `p` its cacheable prefix's length, `c` its submit time (time.monotonic_ns()), `i`
+its index in the workload (the broker's entries carry the same in their headers). Producers pipeline XADD (redis-py with the
 hiredis parser, no MULTI), PIPELINE_ITEMS a round trip. Consumers send, in one pipelined
 round trip, the XACK of the batch before, INCRBY of the done counters and XREADGROUP
 (COUNT = the batch size): a batch is the next COUNT entries in arrival order, whichever
-shapes and lengths they have. The consumer decodes each entry's tokens (a numpy view) and
-runs no engine: the Redis side's figures are an upper bound for a consumer that must still
-hand its batch to an engine.
+shapes and lengths they have. The consumer decodes each entry's tokens (a numpy view), then
+either runs no engine (`work` off: the queue alone, an upper bound for any consumer that must
+still hand its batch to an engine) or does what the broker's consumer does with a batch
+(`work` on, `ConsumerWork`): the zero-cost sim engine with its prefix cache, each prompt's
+digest, and the batch's result lines (pipeline/consumer/results.py's format and writer) in a
+results file, written before the batch is acknowledged.
 
 Owner: the `pipeline bench` process; a `RedisServer` is used by one thread.
 """
@@ -35,7 +40,15 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.bench.pipelines import FLOOD_CALL_ITEMS, FLOOD_TOKENS, STOP_TIMEOUT_S, Phase, flood_arrays, run_phase
+from pipeline.bench.pipelines import (
+    FLOOD_CALL_ITEMS,
+    FLOOD_PREFIX_TOKENS,
+    FLOOD_TOKENS,
+    STOP_TIMEOUT_S,
+    Phase,
+    flood_arrays,
+    run_phase,
+)
 from pipeline.producer.workload import Workload
 from pipeline.runtime.local import CTX, start_child
 
@@ -58,6 +71,10 @@ SERVER_STOP_TIMEOUT_S = 60.0
 # Free ports are picked by binding port 0 and handing that port to redis-server: another
 # process may take it in between, so a start that fails is retried on a new port.
 START_ATTEMPTS = 3
+# The AOF fsync policies a run may ask for: `everysec` (the peer of the broker's `process`:
+# a power cut can lose about the last second), `always` (fsync before the replies of each
+# event-loop round go out: the peer of `power`).
+APPENDFSYNC_POLICIES = ("everysec", "always")
 # prctl(2) option: the signal a process gets when its parent dies (Linux only).
 _PR_SET_PDEATHSIG = 1
 
@@ -95,8 +112,10 @@ class RedisServer:
     `pid` is recorded in `directory`/redis.pid by this class (not by the server) the moment
     it starts; `stop` kills that pid if the server does not stop gracefully."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, appendfsync: str = "everysec") -> None:
+        assert appendfsync in APPENDFSYNC_POLICIES, appendfsync
         self.directory = directory
+        self.appendfsync = appendfsync
         self.process: subprocess.Popen | None = None
         self.port = 0
 
@@ -118,7 +137,7 @@ class RedisServer:
             self.port = _free_port()
             self.process = subprocess.Popen(
                 [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.directory),
-                 "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--daemonize", "no",
+                 "--appendonly", "yes", "--appendfsync", self.appendfsync, "--save", "", "--daemonize", "no",
                  "--logfile", str(self.directory / "redis.log")],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                 preexec_fn=_die_with_parent)
@@ -200,8 +219,9 @@ class _Adder:
         self.pipe = self.client.pipeline(transaction=False)
         self.queued = 0
 
-    def add(self, tokens: np.ndarray, shape_signature: int, index: int) -> None:
-        self.pipe.xadd(STREAM, {"t": tokens.tobytes(), "s": shape_signature, "n": tokens.shape[0], "i": index})
+    def add(self, tokens: np.ndarray, shape_signature: int, prefix_len: int, index: int) -> None:
+        self.pipe.xadd(STREAM, {"t": tokens.tobytes(), "s": shape_signature, "n": tokens.shape[0], "p": prefix_len,
+                                "c": time.monotonic_ns(), "i": index})
         self.queued += 1
         if self.queued == PIPELINE_ITEMS:
             self.flush()
@@ -222,7 +242,7 @@ def flood_producer(port: int, items: int, seed: int) -> None:
     adder = _Adder(port)
     for k in range(items):
         j = k % signatures.shape[0]
-        adder.add(tokens[j * FLOOD_TOKENS:(j + 1) * FLOOD_TOKENS], int(signatures[j]), k)
+        adder.add(tokens[j * FLOOD_TOKENS:(j + 1) * FLOOD_TOKENS], int(signatures[j]), FLOOD_PREFIX_TOKENS, k)
     adder.close()
 
 
@@ -231,18 +251,60 @@ def workload_producer(port: int, workload: Workload, index: int, count: int) -> 
     entry's `i` its index in the workload."""
     adder = _Adder(port)
     for k, item in zip(range(index, len(workload), count), workload.items(index, count)):
-        adder.add(item.tokens, item.signature, k)
+        adder.add(item.tokens, item.signature, item.prefix_len, k)
     adder.close()
 
 
-def consumer(port: int, name: str, batch_items: int, stop: Any, record: str | None) -> None:
+class ConsumerWork:
+    """What the broker's consumer does with a batch it read, for a Redis batch: run it on a
+    zero-cost sim engine (the default prefix cache), digest each prompt, and append the
+    batch's result lines (`result_lines`, the broker's consumer's format) to a results file
+    through `ResultsFile`, before the batch is acknowledged.
+
+    Owner: one Redis consumer process. Not thread-safe. `close()` closes the results file.
+    """
+
+    def __init__(self, results_path: str) -> None:
+        from pipeline.consumer.engines.sim import SimEngine
+        from pipeline.consumer.results import ResultsFile
+
+        self.engine = SimEngine()
+        self.results = ResultsFile(results_path)
+        self.batches = 0
+
+    def run(self, entries: list, prompts: list[np.ndarray]) -> None:
+        from pipeline.broker.packing import pad_to_tokens
+        from pipeline.consumer.engines.base import EngineBatch
+        from pipeline.consumer.results import STATUS_OK, result_lines
+        from pipeline.wire.layouts import DESCRIPTOR_ITEM_DTYPE, Descriptor, prompt_digest
+
+        pad_to = pad_to_tokens(max(p.shape[0] for p in prompts))
+        prefix_lens = [int(fields[b"p"]) for _, fields in entries]
+        result = self.engine.run(EngineBatch(prompts, pad_to, prefix_lens))
+        self.batches += 1
+        d = Descriptor(self.batches, 0, 0, pad_to, time.monotonic_ns(), np.zeros(0, dtype=DESCRIPTOR_ITEM_DTYPE))
+        lines = result_lines(d, STATUS_OK, [int(fields[b"i"]) for _, fields in entries],
+                             [int(fields[b"c"]) for _, fields in entries], [p.shape[0] for p in prompts],
+                             result.cached_tokens, result.outputs, [b""] * len(prompts), result.finish_reasons,
+                             result.texts, [prompt_digest(p) for p in prompts])
+        self.results.write(lines.encode() + b"\n")
+
+    def close(self) -> None:
+        self.results.close()
+
+
+def consumer(port: int, name: str, batch_items: int, stop: Any, record: str | None,
+             results_path: str | None = None) -> None:
     """A consumer process: read batches of up to `batch_items` entries in arrival order, ack
     each (with the next read) until `stop` is set and the stream gives nothing. `record`: a
-    .npy path for the batches it read, as workload indices with -1 after each batch."""
+    .npy path for the batches it read, as workload indices with -1 after each batch.
+    `results_path`: do the broker's consumer's work on each batch (`ConsumerWork`), its
+    result lines in that file; None: no engine."""
     import redis
 
     client = redis.Redis(host="127.0.0.1", port=port)
     pipe = client.pipeline(transaction=False)
+    work = ConsumerWork(results_path) if results_path is not None else None
     ids: list[bytes] = []
     tokens_done = 0
     batches: list[int] = []
@@ -262,10 +324,14 @@ def consumer(port: int, name: str, batch_items: int, stop: Any, record: str | No
         ids = [entry_id for entry_id, _ in entries]
         prompts = [np.frombuffer(fields[b"t"], dtype=np.int32) for _, fields in entries]
         tokens_done = sum(p.shape[0] for p in prompts)
+        if work is not None:
+            work.run(entries, prompts)
         if record is not None:
             batches.extend(int(fields[b"i"]) for _, fields in entries)
             batches.append(-1)
     client.close()
+    if work is not None:
+        work.close()
     if record is not None:
         np.save(record, np.array(batches, dtype=np.int64))
 
@@ -279,16 +345,20 @@ def recorded_batches(path: str) -> list[list[int]]:
 
 
 def run_redis(root: Path, targets: Callable[[int], Sequence[tuple[Callable, tuple]]], items: int, consumers: int,
-              batch_items: int, record: bool, label: str) -> tuple[Phase, list[list[list[int]]] | None]:
+              batch_items: int, record: bool, label: str, work: bool = False,
+              appendfsync: str = "everysec") -> tuple[Phase, list[list[list[int]]] | None]:
     """One run through a fresh server in `root`/redis: `consumers` consumer processes, the
     producers `targets(port)` names, until the consumers count `items` done; the phase's
     figures (CPU of the server, consumers and producers) and, with `record`, each consumer's
-    batches as workload indices. Everything it started is stopped on the way out."""
+    batches as workload indices. `work`: the consumers do the broker's consumer's work on
+    each batch (`ConsumerWork`, results files in `root`/results). `appendfsync`: the
+    server's AOF policy. Everything it started is stopped on the way out."""
     records = [str(root / f"c{k}.npy") if record else None for k in range(consumers)]
-    with RedisServer(root / "redis") as server:
+    results = [str(root / "results" / f"c{k}.jsonl") if work else None for k in range(consumers)]
+    with RedisServer(root / "redis", appendfsync) as server:
         server.reset()
         stop = CTX.Event()
-        workers = [CTX.Process(target=consumer, args=(server.port, f"c{k}", batch_items, stop, records[k]),
+        workers = [CTX.Process(target=consumer, args=(server.port, f"c{k}", batch_items, stop, records[k], results[k]),
                                name=f"redis-consumer-{k}") for k in range(consumers)]
         try:
             for worker in workers:
@@ -305,8 +375,22 @@ def run_redis(root: Path, targets: Callable[[int], Sequence[tuple[Callable, tupl
     failed = [w.name for w in workers if w.exitcode != 0]
     if failed:
         raise RuntimeError(f"{label}: {', '.join(failed)} exited with a failure")
+    if work:
+        _check_results(results, items, label)
     batches = [recorded_batches(path) for path in records if path is not None] if record else None
     for path in records:
         if path is not None:
             os.unlink(path)
     return phase, batches
+
+
+def _check_results(paths: Sequence[str | None], items: int, label: str) -> None:
+    """The consumers' results files hold a line per item at least (a redelivered entry would
+    add one): the work was done, not only counted."""
+    lines = 0
+    for path in paths:
+        if path is not None and os.path.exists(path):
+            with open(path, "rb") as file:
+                lines += sum(chunk.count(b"\n") for chunk in iter(lambda: file.read(1 << 20), b""))
+    if lines < items:
+        raise RuntimeError(f"{label}: the consumers' results files hold {lines:,} lines for {items:,} items")

@@ -24,7 +24,8 @@ SHAPE_ORDER_HELP = ("Which shape a consumer drains next: prefix (the one sharing
                     "with the last, SPEC 4b; the default) or most-tokens (the design note's rule).")
 # What --dispatch says (`pipeline broker start` says it too).
 DISPATCH_HELP = ("The dispatch policy: sticky (the product's, default), or a baseline for comparison: fifo (oldest "
-                 "item first across shapes), round-robin (across shapes), no-lanes (sticky, one queue per shape).")
+                 "item first across shapes), round-robin (across shapes), no-lanes (sticky, one queue per shape, "
+                 "with the shape order and affinity set).")
 # One storage tier (segment files), two places for it: `pipeline broker start` says it too.
 STORAGE_HELP = ("Where the store's segment files live: disk (the data directory; durable, the default) or "
                 "memory (the same files on tmpfs: in RAM, gone when the broker stops).")

@@ -5,6 +5,7 @@ redis-server (skipped, saying why, where the server or redis-py with hiredis is 
 from __future__ import annotations
 
 import base64
+import json
 import os
 
 import numpy as np
@@ -21,6 +22,7 @@ from pipeline.bench.redis_streams import (
     workload_producer,
 )
 from pipeline.producer.workload import demo_workload
+from pipeline.wire.layouts import prompt_digest
 
 needs_redis = pytest.mark.skipif(redis_missing() is not None, reason=f"Redis side: {redis_missing()}")
 
@@ -95,3 +97,21 @@ def test_run_redis_counts_every_item_and_records_each_once(tmp_path):
     assert sorted(i for consumer in batches for b in consumer for i in b) == list(range(300))
     assert all(1 <= len(b) <= 16 for consumer in batches for b in consumer)
     assert not (tmp_path / "a").exists() or not any((tmp_path / "a").iterdir())
+
+
+@needs_redis
+def test_redis_consumers_doing_the_brokers_consumer_work_write_a_checked_line_per_item(tmp_path):
+    workload = demo_workload(200, seed=3)
+    phase, _ = run_redis(tmp_path / "w", lambda port: [(workload_producer, (port, workload, k, 2)) for k in range(2)],
+                         200, 2, 32, False, "work", work=True)
+    assert (phase.items, phase.tokens) == (200, workload.total_tokens)
+    rows = [json.loads(line) for k in range(2) if (tmp_path / "w" / "results" / f"c{k}.jsonl").exists()
+            for line in (tmp_path / "w" / "results" / f"c{k}.jsonl").read_text().splitlines()]
+    items = list(workload.items())
+    assert sorted(row["item_id"] for row in rows) == list(range(200))
+    for row in rows:
+        item = items[row["item_id"]]
+        assert row["status"] == "ok" and row["prompt_tokens"] == item.length
+        assert row["prompt_xxh3"] == prompt_digest(item.tokens) and len(row["output"]) == row["output_tokens"]
+        assert 0 <= row["cached_tokens"] < item.length and row["pad_to_tokens"] >= item.length
+    assert sum(row["cached_tokens"] for row in rows) > 0  # shapes repeat: the sim's cache served some
