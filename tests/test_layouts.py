@@ -246,3 +246,15 @@ def test_descriptor_and_frame_headers_read_back_field_by_field():
                          dtype=np.uint8)
     frame = parse_frame(body)
     assert frame.producer_id == 9 and frame.item_tokens(0).tolist() == [0, 1, 2] and frame.item_payload(0) == b"pq"
+
+
+def test_prompt_digests_match_prompt_digest_for_every_kind_of_array():
+    from pipeline.wire.layouts import prompt_digest, prompt_digests
+
+    rng = np.random.default_rng(5)
+    flat = rng.integers(-2**31, 2**31 - 1, size=1000, dtype=np.int64).astype(np.int32)
+    views = [flat[0:10], flat[10:300], flat[300:301]]  # what a consumer reads: contiguous <i4
+    mixed = [*views, flat[::2], flat[:7].astype(np.int64), flat[:9].astype(">i4")]
+    for prompts in (views, mixed, []):
+        assert prompt_digests(prompts) == [prompt_digest(p) for p in prompts]
+    assert len(set(prompt_digests(mixed[3:]))) == 3 and prompt_digest(flat[:7].astype(np.int64)) == prompt_digest(flat[:7])

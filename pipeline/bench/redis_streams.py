@@ -276,7 +276,7 @@ class ConsumerWork:
         from pipeline.broker.packing import pad_to_tokens
         from pipeline.consumer.engines.base import EngineBatch
         from pipeline.consumer.results import STATUS_OK, result_lines
-        from pipeline.wire.layouts import DESCRIPTOR_ITEM_DTYPE, Descriptor, prompt_digest
+        from pipeline.wire.layouts import DESCRIPTOR_ITEM_DTYPE, Descriptor, prompt_digests
 
         pad_to = pad_to_tokens(max(p.shape[0] for p in prompts))
         prefix_lens = [int(fields[b"p"]) for _, fields in entries]
@@ -286,7 +286,7 @@ class ConsumerWork:
         lines = result_lines(d, STATUS_OK, [int(fields[b"i"]) for _, fields in entries],
                              [int(fields[b"c"]) for _, fields in entries], [p.shape[0] for p in prompts],
                              result.cached_tokens, result.outputs, [b""] * len(prompts), result.finish_reasons,
-                             result.texts, [prompt_digest(p) for p in prompts])
+                             result.texts, prompt_digests(prompts))
         self.results.write(lines.encode() + b"\n")
 
     def close(self) -> None:

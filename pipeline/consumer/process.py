@@ -81,7 +81,7 @@ from pipeline.wire.errors import (
     SegmentReadError,
 )
 from pipeline.wire.generation import GENERATION_MAGIC, GenerationParams, decode_payload
-from pipeline.wire.layouts import SEGMENTS_DIR, Descriptor, descriptor_size_bytes, parse_descriptor, prompt_digest
+from pipeline.wire.layouts import SEGMENTS_DIR, Descriptor, descriptor_size_bytes, parse_descriptor, prompt_digests
 from pipeline.wire.protocol import MAX_CREDIT_BATCHES, RECONNECT_FIRST_S, RECONNECT_MAX_S, check_consumer_name
 from shm.ring import RECORD_ALIGN_BYTES, RECORD_HEADER_SIZE_BYTES, RingReader, align_up
 
@@ -575,7 +575,7 @@ def descriptors_that_fit(capacity_bytes: int, max_batch_items: int) -> int:
 
 def _digests(got: ReadBatch) -> list[int]:
     """Each read item's prompt_digest: the results line's `prompt_xxh3`."""
-    return [prompt_digest(tokens) for tokens in got.tokens]
+    return prompt_digests(got.tokens)
 
 
 def _select(got: ReadBatch, rows: list[int]) -> ReadBatch:
