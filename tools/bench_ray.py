@@ -11,7 +11,9 @@ shape; the same three nodes routed round-robin (what an actor pool does). Report
 the consumers' makespan (first dispatch to last completion over every node, one clock: the
 nodes share this machine), throughput over it, prefix reuse (cached / prompt tokens), and
 the routing's keys and splits. Throughput is also given over the driver's wall time, which
-includes starting the nodes.
+includes starting the nodes. Per node: items, batches, the routing's planned load, the
+simulated GPU seconds the cost model charged (the floor of the node's makespan, whatever
+this machine's load) and the node's own makespan; and the load average.
 """
 
 from __future__ import annotations
