@@ -11,7 +11,9 @@ shape; the same three nodes routed round-robin (what an actor pool does). Report
 the consumers' makespan (first dispatch to last completion over every node, one clock: the
 nodes share this machine), throughput over it, prefix reuse (cached / prompt tokens), and
 the routing's keys and splits. Throughput is also given over the driver's wall time, which
-includes starting the nodes.
+includes starting the nodes. Per node: items, batches, the routing's planned load, the
+simulated GPU seconds the cost model charged (the floor of the node's makespan, whatever
+this machine's load) and the node's own makespan; and the load average.
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+# And for every process the runs start (the driver, Ray's workers, the node processes they
+# spawn): a venv with the project installed in editable mode points at whichever checkout
+# installed it, which need not be this one.
+os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 # The sim's cost model: a 7B prefill on one GPU and a step's fixed cost (engines/sim.py).
 COST = {"cost_s_per_padded_token": 1e-4, "cost_s_per_batch": 5e-3}
@@ -89,14 +95,32 @@ def run(label: str, nodes: int, route: str, source: Path, model_dir: str, out: P
     if done.returncode != 0:
         raise SystemExit(f"{label}: run-batch failed: {done.stderr[-2000:]}")
     report = json.loads((out / f"{label}.json").read_text())["cluster"]
-    rows = [json.loads(line) for path in sorted(data.glob("results/ray-*/node-*.jsonl"))
-            for line in path.read_text().splitlines()]
+    by_node = {path.stem[len("node-"):]: [json.loads(line) for line in path.read_text().splitlines()]
+               for path in sorted(data.glob("results/ray-*/node-*.jsonl"))}
+    rows = [row for node_rows in by_node.values() for row in node_rows]
     makespan_s = (max(r["done_ns"] for r in rows) - min(r["dispatch_ns"] for r in rows)) / 1e9
+    planned = report["routing"].get("planned_load_tokens", {})
+    per_node = {slot: {**node_figures(node_rows), "planned_load_tokens": planned.get(slot)}
+                for slot, node_rows in by_node.items()}
     return {"run": label, "nodes": nodes, "route": route, "items": len(rows), "makespan_s": makespan_s,
             "items_per_s": len(rows) / makespan_s, "prefix_reuse": report["total"]["prefix_reuse"],
             "wall_s": report["total"]["wall_s"], "wall_items_per_s": report["total"]["items_per_s"],
             "keys": report["routing"]["keys"], "split_shapes": report["routing"]["split_shapes"],
-            "per_node_items": {slot: node["answered"] for slot, node in report["nodes"].items()}}
+            "per_node_items": {slot: node["answered"] for slot, node in report["nodes"].items()},
+            "per_node": per_node}
+
+
+def node_figures(rows: list[dict]) -> dict:
+    """One node's makespan, and what the sim's cost model charged its consumers (each batch:
+    its padded tokens less the cached ones, times the per-token cost, plus the batch cost):
+    the node's simulated GPU time, which its makespan cannot be shorter than."""
+    batches: dict[int, list[dict]] = {}
+    for row in rows:
+        batches.setdefault(row["batch_id"], []).append(row)
+    charged_tokens = sum(len(b) * b[0]["pad_to_tokens"] - sum(r["cached_tokens"] for r in b) for b in batches.values())
+    return {"items": len(rows), "batches": len(batches),
+            "makespan_s": (max(r["done_ns"] for r in rows) - min(r["dispatch_ns"] for r in rows)) / 1e9,
+            "sim_gpu_s": charged_tokens * COST["cost_s_per_padded_token"] + len(batches) * COST["cost_s_per_batch"]}
 
 
 def main() -> int:
@@ -107,7 +131,11 @@ def main() -> int:
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
+    load_at_start = os.getloadavg()
+    import pipeline
     from tools.tiny_llama import build
+
+    print(f"pipeline from {Path(pipeline.__file__).parent}", file=sys.stderr)
 
     model_dir = str(out / "tiny-llama")
     build(model_dir)
@@ -123,6 +151,14 @@ def main() -> int:
         print(f"| {r['run']} | {r['nodes']} | {r['route']} | {r['makespan_s']:.2f} | {r['items_per_s']:.1f} | "
               f"{r['items_per_s'] / base:.2f} | {r['prefix_reuse']:.1%} | {r['keys']} | {r['split_shapes']} | "
               f"{r['per_node_items']} |")
+    print()
+    print("| run | node | items | batches | planned load tokens | sim GPU s | makespan s |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        for slot, node in r["per_node"].items():
+            print(f"| {r['run']} | {slot} | {node['items']} | {node['batches']} | {node['planned_load_tokens']} | "
+                  f"{node['sim_gpu_s']:.2f} | {node['makespan_s']:.2f} |")
+    print(f"\nload average at the start: {load_at_start}, at the end: {os.getloadavg()}")
     (out / "results.json").write_text(json.dumps(results, indent=1))
     return 0
 

@@ -9,7 +9,8 @@ What a run does:
     2. finds the nodes: each node that has a resource named SLOT_RESOURCE_PREFIX + NAME is
        the node NAME (a replacement started with the same resource takes its place); where
        no node has one, each alive node is a node of its own, by its Ray node id;
-    3. the routing plan (`routing.py`) from every item's chain and prompt tokens, and one
+    3. the routing plan (`routing.py`, `job_plan`) from every item's chain and the tokens
+       its node computes (prefixes once, suffixes each), and one
        node agent per node (`agent.py`), placed there by its resource (or hard node
        affinity), each starting the node's broker and consumers on NODE_ROOT/NAME;
     4. sends each node its items in batches of BATCH_ITEMS, at most WINDOW_ITEMS not yet
@@ -44,7 +45,7 @@ import xxhash
 from pipeline.cluster.agent import NodeAgent
 from pipeline.cluster.ledger import ACCEPTED, STALE, JobLedger
 from pipeline.cluster.node import NodeSpec
-from pipeline.cluster.routing import Router, RoutingPlan
+from pipeline.cluster.routing import Router, RoutingPlan, computed_token_loads
 from pipeline.producer.signature import chain as shape_chain
 from pipeline.producer.workload import WorkItem
 from pipeline.runtime.settings import LaunchSettings
@@ -86,6 +87,19 @@ def _gpus_of(node: dict) -> dict:
     """The actor option asking for all of a Ray node's GPUs ({} for a node without any)."""
     gpus = int(node.get("Resources", {}).get("GPU", 0))
     return {"num_gpus": gpus} if gpus > 0 else {}
+
+
+def item_hash(key: int) -> int:
+    """The hash that picks a split shape's sub-key for the item named `key`."""
+    return xxhash.xxh3_64_intdigest(b"%d" % key)
+
+
+def job_plan(keys: Sequence[int], items: Sequence[WorkItem], nodes: int) -> RoutingPlan:
+    """The routing plan of a run's items over `nodes` nodes (what the driver routes by)."""
+    chains = [shape_chain(item.components) for item in items]
+    loads = computed_token_loads(chains, [[len(c) for c in item.components] for item in items],
+                                 [len(item.suffix) for item in items])
+    return RoutingPlan.build(chains, loads, [item_hash(key) for key in keys], nodes=nodes)
 
 
 class ClusterError(PipelineError):
@@ -145,7 +159,6 @@ class ClusterRun:
         self.pending: dict = {}  # ray object ref -> (slot, epoch, kind, positions)
         self.router: Router | None = None
         self.plan: RoutingPlan | None = None
-        self.hashes = [xxhash.xxh3_64_intdigest(b"%d" % key) for key in self.keys]
         self._joined_here = False
         self._files: dict[str, int] = {}
         self._round_robin = 0
@@ -161,9 +174,7 @@ class ClusterRun:
             found = self._find_nodes()
             if not found:
                 raise ClusterError("the Ray cluster has no alive node")
-            chains = [shape_chain(item.components) for item in self.items]
-            loads = [float(item.length) for item in self.items]
-            self.plan = RoutingPlan.build(chains, loads, nodes=len(found))
+            self.plan = job_plan(self.keys, self.items, nodes=len(found))
             for slot, placement in found.items():
                 self.nodes[slot] = NodeState(slot, placement)
                 self._start_agent(self.nodes[slot])
@@ -245,7 +256,7 @@ class ClusterRun:
             live = sorted(s for s, n in self.nodes.items() if n.alive)
             self._round_robin += 1
             return live[self._round_robin % len(live)]
-        return self.router.node_of(k, self.hashes[k])
+        return self.router.node_of(k)
 
     def _assign(self, k: int) -> None:
         self.ledger.assign(k, self._node_for(k))
@@ -399,6 +410,14 @@ class ClusterRun:
 
     # ----------------------------------------------------------------- report
 
+    def _placement_report(self) -> dict:
+        """Shape routing's placement: keys that fitted under no node's bound, and each node's
+        load (the plan's tokens of the keys it holds now)."""
+        if self.router is None or self.route != "shape":
+            return {}
+        return {"fallbacks": self.router.fallbacks,
+                "planned_load_tokens": {node: round(load, 1) for node, load in sorted(self.router.loads.items())}}
+
     def _report(self, wall_s: float) -> dict:
         nodes = {}
         total: dict[str, int] = {}
@@ -418,6 +437,7 @@ class ClusterRun:
                       "wall_s": wall_s, "items_per_s": len(self.ledger.answered) / wall_s if wall_s > 0 else None},
             "routing": {"route": self.route, "keys": len(plan.key_loads) if plan else 0,
                         "split_shapes": plan.splits if plan else 0, "sub_keys": plan.sub_keys if plan else 0,
-                        "max_key_load_tokens": plan.max_key_load if plan else None},
+                        "max_key_load_tokens": plan.max_key_load if plan else None,
+                        **self._placement_report()},
             "results_dir": self.results_dir,
         }

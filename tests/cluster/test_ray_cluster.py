@@ -199,7 +199,7 @@ def test_a_job_is_answered_once_per_custom_id_with_each_shape_on_one_node(cluste
 
     from pipeline.batchjob.requests import load_requests
     from pipeline.cluster.batch import job_items
-    from pipeline.cluster.routing import RoutingPlan
+    from pipeline.cluster.driver import job_plan
     from pipeline.producer.signature import chain
 
     records = job_records(240)
@@ -217,7 +217,7 @@ def test_a_job_is_answered_once_per_custom_id_with_each_shape_on_one_node(cluste
     keys, items = job_items(load_requests(str(tmp_path / "requests.jsonl"), "tiny-llama"), list(range(240)),
                             model_dir, str(tmp_path / "scratch"))
     chains = {key: chain(item.components) for key, item in zip(keys, items)}
-    plan = RoutingPlan.build([chains[k] for k in keys], [float(i.length) for i in items], nodes=3)
+    plan = job_plan(keys, items, nodes=3)
     split_shapes = {key[1] for key in plan.split}
     nodes_of = defaultdict(set)
     for node, rows in by_node.items():

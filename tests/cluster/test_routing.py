@@ -1,21 +1,35 @@
-"""The cluster's routing plan and rendezvous router against a reference: each item's key is
-the shallowest prefix of its chain light enough, a hot shape is split into sub-keys, a key's
-node is the highest-scoring live node, and a node leaving or joining moves only the keys it
-must. Pure: no Ray here."""
+"""The cluster's routing plan and bounded-load rendezvous router against references: each
+item's key is the shallowest prefix of its chain light enough, a hot shape is split into
+sub-keys, keys are placed heaviest first on their highest-ranked node with room under
+(1 + epsilon) x the mean, a node leaving moves its keys only and a node joining takes keys
+only to itself. Pure: no Ray here."""
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.cluster.routing import KEYS_PER_NODE, Router, RoutingPlan, highest_node, rendezvous_score
+from pipeline.cluster.routing import (
+    EPSILON,
+    KEYS_PER_NODE,
+    Router,
+    RoutingPlan,
+    computed_token_loads,
+    highest_node,
+    rendezvous_score,
+)
 
 # Chains of a small trie: depth 1..3, few signatures per level, so prefixes are shared.
 chains_st = st.lists(st.lists(st.integers(1, 4), min_size=1, max_size=3).map(tuple), min_size=1, max_size=60)
 loads_st = st.integers(1, 50)
 nodes_st = st.lists(st.sampled_from([f"n{k}" for k in range(8)]), min_size=1, max_size=6, unique=True)
+hashes_st = st.lists(st.integers(0, 2**64 - 1), min_size=60, max_size=60)
+# 0: the bound binds as hard as it can; EPSILON: what runs; 1e9: never binds (plain rendezvous).
+epsilon_st = st.sampled_from([0.0, EPSILON, 0.3, 1e9])
+NEVER_BINDS = 1e9
 
 
 def as_chain(path: tuple[int, ...]) -> tuple[int, ...]:
@@ -33,16 +47,46 @@ def reference_key(chains, loads, k: int, limit: float) -> tuple[int, int]:
     return (len(mine), mine[-1])
 
 
-def reference_node(key, nodes) -> str:
-    return sorted(nodes, key=lambda n: (rendezvous_score(key, n), n))[-1]
+def reference_ranking(key, nodes) -> list[str]:
+    return [n for _score, n in sorted(((rendezvous_score(key, n), n) for n in nodes), reverse=True)]
+
+
+def reference_place(route_loads: dict, keys, nodes, total: float, epsilon: float, placement: dict,
+                    node_loads: dict) -> int:
+    """Place `keys` into `placement` by the rule, one at a time, heaviest first; fallbacks."""
+    bound = (1 + epsilon) * total / len(nodes)
+    fallbacks = 0
+    for key in sorted(keys, key=lambda key: (-route_loads[key], key)):
+        ranking = reference_ranking(key, nodes)
+        room = [n for n in ranking if node_loads[n] + route_loads[key] <= bound]
+        if room:
+            node = room[0]
+        else:
+            fallbacks += 1
+            node = sorted(ranking, key=lambda n: (node_loads[n], ranking.index(n)))[0]
+        placement[key] = node
+        node_loads[node] += route_loads[key]
+    return fallbacks
+
+
+def plan_of(paths, data, nodes: int, hashes=None) -> tuple[list, list, RoutingPlan]:
+    chains = [as_chain(p) for p in paths]
+    loads = data.draw(st.lists(loads_st, min_size=len(chains), max_size=len(chains)))
+    hashes = hashes or list(range(len(chains)))
+    return chains, loads, RoutingPlan.build(chains, loads, hashes[:len(chains)], nodes=nodes)
+
+
+def node_loads(router: Router) -> dict[str, float]:
+    loads = dict.fromkeys(router.nodes, 0.0)
+    for key, node in router.placement.items():
+        loads[node] += router.plan.route_loads[key]
+    return loads
 
 
 @settings(max_examples=150, deadline=None)
-@given(paths=chains_st, data=st.data(), node_count=st.integers(1, 6))
-def test_the_plan_matches_the_reference(paths, data, node_count):
-    chains = [as_chain(p) for p in paths]
-    loads = data.draw(st.lists(loads_st, min_size=len(chains), max_size=len(chains)))
-    plan = RoutingPlan.build(chains, loads, nodes=node_count)
+@given(paths=chains_st, data=st.data(), node_count=st.integers(1, 6), hashes=hashes_st)
+def test_the_plan_matches_the_reference(paths, data, node_count, hashes):
+    chains, loads, plan = plan_of(paths, data, node_count, hashes)
     plan.check_invariants()
     limit = sum(loads) / (node_count * KEYS_PER_NODE)
     assert plan.max_key_load == limit
@@ -54,57 +98,168 @@ def test_the_plan_matches_the_reference(paths, data, node_count):
             assert all(chains[k][-1] == key[1] and len(chains[k]) == key[0]
                        for k in range(len(chains)) if plan.keys[k] == key)
     assert plan.splits == len(plan.split)
+    for k, key in enumerate(plan.keys):  # a split shape's item on sub-key hash mod k
+        assert plan.item_keys[k] == (key if key not in plan.split else (*key, hashes[k] % plan.split[key]))
+    assert plan.route_loads == {rk: sum(load for kk, load in zip(plan.item_keys, loads) if kk == rk)
+                                for rk in set(plan.item_keys)}
 
 
-@settings(max_examples=150, deadline=None)
-@given(paths=chains_st, nodes=nodes_st, hashes=st.lists(st.integers(0, 2**64 - 1), min_size=60, max_size=60))
-def test_a_key_goes_to_its_highest_scoring_node(paths, nodes, hashes):
-    chains = [as_chain(p) for p in paths]
-    plan = RoutingPlan.build(chains, [1] * len(chains), nodes=len(nodes))
-    router = Router(plan, nodes)
+@settings(max_examples=200, deadline=None)
+@given(paths=chains_st, data=st.data(), nodes=nodes_st, epsilon=epsilon_st)
+def test_the_placement_matches_the_reference_and_keeps_the_bound(paths, data, nodes, epsilon):
+    _chains, _loads, plan = plan_of(paths, data, len(nodes))
+    router = Router(plan, nodes, epsilon=epsilon)
     router.check_invariants()
-    for k in range(len(chains)):
-        key = plan.route_key(k, hashes[k])
-        assert router.node_of(k, hashes[k]) == reference_node(key, nodes) == highest_node(key, nodes)
+    expected: dict = {}
+    fallbacks = reference_place(plan.route_loads, plan.route_loads, nodes, plan.total_load, epsilon, expected,
+                                dict.fromkeys(nodes, 0.0))
+    assert router.placement == expected and router.fallbacks == fallbacks
+    assert router.loads == node_loads(router)
+    bound = (1 + epsilon) * plan.total_load / len(nodes)
+    if fallbacks == 0:
+        assert max(router.loads.values()) <= bound
+    # A key that fits nowhere goes to the least loaded node, which holds less than the mean.
+    assert max(router.loads.values()) <= max(bound, plan.total_load / len(nodes) + max(plan.route_loads.values()))
+    for key, node in router.placement.items():  # every node ranked above a key's had no room
+        ranking = reference_ranking(key, nodes)
+        for better in ranking[:ranking.index(node)]:
+            assert router.loads[better] + plan.route_loads[key] > bound, (key, node, better)
+    for k in range(len(plan.keys)):
+        assert router.node_of(k) == router.placement[plan.item_keys[k]]
+
+
+def test_no_fallback_while_keys_are_a_small_share_of_a_node():
+    """Many keys, each a small share of a node (120 families of 1..12 items over 3 nodes):
+    every key finds room, and the fullest node is within (1 + EPSILON) x the mean, where
+    plain rendezvous (the bound never binding) leaves it further off."""
+    chains = [as_chain((0, family, k)) for family in range(120) for k in range(1 + family % 12)]
+    plan = RoutingPlan.build(chains, [1] * len(chains), list(range(len(chains))), nodes=3)
+    router = Router(plan, ["a", "b", "c"])
+    router.check_invariants()
+    assert router.fallbacks == 0 and plan.splits == 0
+    assert max(router.loads.values()) <= (1 + EPSILON) * len(chains) / 3
+    plain = Router(plan, ["a", "b", "c"], epsilon=NEVER_BINDS)
+    assert max(plain.loads.values()) > (1 + EPSILON) * len(chains) / 3
 
 
 @settings(max_examples=150, deadline=None)
-@given(paths=chains_st, nodes=nodes_st, extra=st.sampled_from(["m0", "m1"]), data=st.data(),
-       hashes=st.lists(st.integers(0, 2**64 - 1), min_size=60, max_size=60))
-def test_a_node_leaving_or_joining_moves_only_what_must_move(paths, nodes, extra, data, hashes):
-    chains = [as_chain(p) for p in paths]
-    plan = RoutingPlan.build(chains, [1] * len(chains), nodes=len(nodes))
-    router = Router(plan, nodes)
-    before = [router.node_of(k, hashes[k]) for k in range(len(chains))]
-    router.add(extra)
-    joined = [router.node_of(k, hashes[k]) for k in range(len(chains))]
-    assert all(now in (was, extra) for was, now in zip(before, joined))  # only to the new node
-    router.remove(extra)
-    assert [router.node_of(k, hashes[k]) for k in range(len(chains))] == before  # and back
-    if len(nodes) > 1:
+@given(paths=chains_st, data=st.data(), nodes=nodes_st)
+def test_a_bound_that_never_binds_is_plain_rendezvous(paths, data, nodes):
+    _chains, _loads, plan = plan_of(paths, data, len(nodes))
+    router = Router(plan, nodes, epsilon=NEVER_BINDS)
+    assert router.placement == {key: highest_node(key, nodes) for key in plan.route_loads} and router.fallbacks == 0
+    before = dict(router.placement)
+    for extra in ("m0", "m1"):  # a joiner takes exactly the keys it wins; leaving, gives them back
+        router.add(extra)
+        assert router.placement == {key: highest_node(key, [*nodes, extra]) for key in plan.route_loads}
+        router.remove(extra)
+        assert router.placement == before
+    if len(nodes) > 1:  # a node that leaves and comes back wins back exactly its keys
         gone = data.draw(st.sampled_from(nodes))
         router.remove(gone)
-        after = [router.node_of(k, hashes[k]) for k in range(len(chains))]
-        assert all(now == was for was, now in zip(before, after) if was != gone)  # the rest stay
-        assert gone not in after
+        router.add(gone)
+        assert router.placement == before
+    router.check_invariants()
+
+
+@settings(max_examples=200, deadline=None)
+@given(paths=chains_st, data=st.data(), nodes=nodes_st.filter(lambda n: len(n) > 1), epsilon=epsilon_st)
+def test_a_node_leaving_moves_its_keys_and_no_other(paths, data, nodes, epsilon):
+    _chains, _loads, plan = plan_of(paths, data, len(nodes))
+    router = Router(plan, nodes, epsilon=epsilon)
+    before, before_loads = dict(router.placement), dict(router.loads)
+    gone = data.draw(st.sampled_from(nodes))
+    router.remove(gone)
+    router.check_invariants()
+    stayed = {key: node for key, node in before.items() if node != gone}
+    assert {key: router.placement[key] for key in stayed} == stayed  # not one other key moved
+    assert gone not in router.placement.values()
+    # Its keys placed by the rule over what the others already held, for the nodes left.
+    survivors = [n for n in nodes if n != gone]
+    held = dict.fromkeys(survivors, 0.0)
+    for key, node in stayed.items():
+        held[node] += plan.route_loads[key]
+    expected = dict(stayed)
+    reference_place(plan.route_loads, [k for k, n in before.items() if n == gone], survivors, plan.total_load,
+                    epsilon, expected, held)
+    assert router.placement == expected
+    bound = (1 + epsilon) * plan.total_load / len(survivors)
+    assert max(router.loads.values()) <= max(bound, *before_loads.values(),
+                                             plan.total_load / len(survivors) + max(plan.route_loads.values()))
+
+
+@settings(max_examples=200, deadline=None)
+@given(paths=chains_st, data=st.data(), nodes=nodes_st, extra=st.sampled_from(["m0", "m1"]), epsilon=epsilon_st)
+def test_a_node_joining_takes_keys_only_to_itself_within_the_bound(paths, data, nodes, extra, epsilon):
+    _chains, _loads, plan = plan_of(paths, data, len(nodes))
+    router = Router(plan, nodes, epsilon=epsilon)
+    before = dict(router.placement)
+    router.add(extra)
+    router.check_invariants()
+    bound = (1 + epsilon) * plan.total_load / (len(nodes) + 1)
+    assert router.loads[extra] <= bound
+    for key, was in before.items():
+        now = router.placement[key]
+        outranks = (rendezvous_score(key, extra), extra) > (rendezvous_score(key, was), was)
+        if now != was:  # moved: only to the joiner, only a key that ranks it above its node
+            assert now == extra and outranks, (key, was, now)
+        elif outranks:  # it would have gone, but the joiner had no room at its turn
+            assert router.loads[extra] + plan.route_loads[key] > bound, (key, was)
+
+
+@settings(max_examples=150, deadline=None)
+@given(paths=chains_st, data=st.data())
+def test_computed_token_loads_match_a_brute_force_count(paths, data):
+    """Each component's tokens shared out over the items through its prefix: the loads sum to
+    every distinct prefix's tokens once plus every suffix."""
+    chains = [as_chain(p) for p in paths]
+    # A component's length depends on its prefix only (the same prefix, the same tokens).
+    length_of = {c: 1 + c % 97 for chain in chains for c in chain}
+    tokens = [[length_of[c] for c in chain] for chain in chains]
+    suffixes = data.draw(st.lists(st.integers(0, 40), min_size=len(chains), max_size=len(chains)))
+    loads = computed_token_loads(chains, tokens, suffixes)
+    for k, chain in enumerate(chains):
+        through = [sum(1 for other in chains if other[:d] == chain[:d]) for d in range(1, len(chain) + 1)]
+        assert math.isclose(loads[k], suffixes[k] + sum(n / m for n, m in zip(tokens[k], through)))
+    distinct = {(d, c) for chain in chains for d, c in enumerate(chain, start=1)}
+    assert math.isclose(sum(loads), sum(suffixes) + sum(length_of[c] for _d, c in distinct))
+
+
+def test_computed_token_loads_of_the_empty_shape():
+    """No components: the load is the suffix (the empty shape's chain has one signature)."""
+    assert computed_token_loads([(7,), (7,)], [[], []], [5, 3]) == [5.0, 3.0]
 
 
 def test_a_common_system_prompt_does_not_send_everything_to_one_node():
     """Every prompt shares its first component; 40 few-shot families of 3 shapes under it:
     the plan routes on the second level (a family stays together), spread over the nodes."""
     chains = [as_chain((0, family, variant)) for family in range(40) for variant in range(3)]
-    plan = RoutingPlan.build(chains, [1] * len(chains), nodes=3)
+    plan = RoutingPlan.build(chains, [1] * len(chains), [0] * len(chains), nodes=3)
     assert {key[0] for key in plan.keys} == {2} and plan.splits == 0
-    nodes = {Router(plan, ["a", "b", "c"]).node_of(k, 0) for k in range(len(chains))}
-    assert nodes == {"a", "b", "c"}
+    router = Router(plan, ["a", "b", "c"])
+    placed = Counter(router.node_of(k) for k in range(len(chains)))
+    # Keys of 3 items, 40 to a node: the fullest node within the bound or one key past the mean.
+    assert set(placed) == {"a", "b", "c"} and max(placed.values()) <= max((1 + EPSILON) * 40, 40 + 3)
 
 
 def test_a_hot_shape_is_split_and_counted():
     """One shape carries half the load: split into sub-keys, the rest routed whole."""
     chains = [as_chain((0, 1))] * 100 + [as_chain((0, 2 + k % 50, k)) for k in range(100)]
-    plan = RoutingPlan.build(chains, [1] * len(chains), nodes=2)
+    plan = RoutingPlan.build(chains, [1] * len(chains), list(range(len(chains))), nodes=2)
     hot = (2, as_chain((0, 1))[-1])
     limit = 200 / (2 * KEYS_PER_NODE)
     assert plan.split == {hot: math.ceil(100 / limit)} and plan.splits == 1
     router = Router(plan, ["a", "b"])
-    assert {router.node_of(k, k) for k in range(100)} == {"a", "b"}  # the hot shape on both nodes
+    assert {router.node_of(k) for k in range(100)} == {"a", "b"}  # the hot shape on both nodes
+
+
+def test_the_last_node_cannot_leave():
+    plan = RoutingPlan.build([as_chain((0,))], [1], [0], nodes=1)
+    router = Router(plan, ["a"])
+    try:
+        router.remove("a")
+    except ValueError as exc:
+        assert "last node" in str(exc)
+    else:
+        raise AssertionError("the last node left")
+    assert router.node_of(0) == "a"
