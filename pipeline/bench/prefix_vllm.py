@@ -60,7 +60,8 @@ assert SCALE.max_prompt_tokens <= MAX_INPUT_LEN, SCALE
 BATCH_TOKENS = 6144
 SEED = 0
 # 1,600 items: 100 a template on average, ~1 Mi prompt tokens, a makespan of ~2-3 s on 2
-# cores; the run's wall (~13-25 s) is mostly two vLLM imports and the engine's start.
+# cores; the run's wall (13 s at load average 2.5, 19-32 s at 4) is mostly the imports and
+# the engine's start, by which time the producers have put in every item.
 ITEMS = 1600
 QUICK_ITEMS = 200
 # vLLM's KV cache in bytes a token: the tiny model's 2 layers x (K, V) x 4 heads x 32 dims
@@ -73,8 +74,9 @@ CACHES_MIB = (3, 32)
 # the same 2,000 items at 4 MiB took 4.0 s of makespan against 3.1 s with one, and 47 s of
 # wall against 13 s (two engines starting on the same 2 cores with the producers and broker).
 CONSUMERS = 1
-# Rounds of the alternating group at most: each run starts vLLM (~13-25 s on 2 cores), so
-# 10 sides x 3 rounds would take 7-12 minutes; 2 keep the side near 5.
+# Rounds of the alternating group at most: each run starts vLLM. Measured on 2 cores at load
+# average 3.6-4.9 (other work beside it): 2 rounds of the 10 sides took 486 s, 24 s a run, so
+# 3 would take 12 minutes; at load 2.5 a run takes ~13 s and 2 rounds ~5 minutes.
 REPEAT_CAP = 2
 KEYS = ("vllm_reuse", "prefix_reuse", "makespan_s", "busy_fraction", "busy_min", "shape_switches", "wall_s")
 
@@ -198,7 +200,8 @@ def markdown(figures: dict[str, Any]) -> str:
             f"system prompt), {w['items']:,} items, {w['shapes']} shapes, {w['input_tokens']:,} input tokens, "
             f"longest prompt {w['longest_prompt']:,}, prefixes {w['prefix_tokens'][0]:,} to "
             f"{w['prefix_tokens'][-1]:,} tokens ({sum(w['prefix_tokens']):,} in all); batches of at most "
-            f"{figures['batch_tokens']:,} padded tokens. vLLM's reuse: its own counters (prefix_cache_hits / "
+            f"{figures['batch_tokens']:,} padded tokens. Every item is in before vLLM is up (the engine's start "
+            "takes longer than the producers' work), so each policy orders the whole backlog. vLLM's reuse: its own counters (prefix_cache_hits / "
             "prefix_cache_queries); the report's: the requests' cached tokens over their prompt tokens. Bound: "
             f"`pipeline tools analyze --caches {figures['consumers']}` at the cache's tokens. "
             f"{figures['repeat']} alternating rounds (each run starts vLLM), {figures['seconds']:.0f} s in all.\n\n"
