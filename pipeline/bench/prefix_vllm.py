@@ -200,9 +200,9 @@ def markdown(figures: dict[str, Any]) -> str:
             f"system prompt), {w['items']:,} items, {w['shapes']} shapes, {w['input_tokens']:,} input tokens, "
             f"longest prompt {w['longest_prompt']:,}, prefixes {w['prefix_tokens'][0]:,} to "
             f"{w['prefix_tokens'][-1]:,} tokens ({sum(w['prefix_tokens']):,} in all); batches of at most "
-            f"{figures['batch_tokens']:,} padded tokens. Every item is in before vLLM is up (the engine's start "
-            "takes longer than the producers' work), so each policy orders the whole backlog. vLLM's reuse: its own counters (prefix_cache_hits / "
-            "prefix_cache_queries); the report's: the requests' cached tokens over their prompt tokens. Bound: "
+            f"{figures['batch_tokens']:,} padded tokens. The engine's start (most of a run's wall) outlasts the "
+            "producers' few seconds, so each policy orders the whole backlog, as an offline job's would. "
+            "vLLM's reuse: its own counters (prefix_cache_hits / prefix_cache_queries); the report's: the requests' cached tokens over their prompt tokens. Bound: "
             f"`pipeline tools analyze --caches {figures['consumers']}` at the cache's tokens. "
             f"{figures['repeat']} alternating rounds (each run starts vLLM), {figures['seconds']:.0f} s in all.\n\n"
             + table(head, rows))
