@@ -202,7 +202,8 @@ def markdown(figures: dict[str, Any]) -> str:
             f"{w['prefix_tokens'][-1]:,} tokens ({sum(w['prefix_tokens']):,} in all); batches of at most "
             f"{figures['batch_tokens']:,} padded tokens. The engine's start (most of a run's wall) outlasts the "
             "producers' few seconds, so each policy orders the whole backlog, as an offline job's would. "
-            "vLLM's reuse: its own counters (prefix_cache_hits / prefix_cache_queries); the report's: the requests' cached tokens over their prompt tokens. Bound: "
+            "vLLM's reuse: its own counters (prefix_cache_hits / prefix_cache_queries); the report's: the "
+            "requests' cached tokens over their prompt tokens. Bound: "
             f"`pipeline tools analyze --caches {figures['consumers']}` at the cache's tokens. "
             f"{figures['repeat']} alternating rounds (each run starts vLLM), {figures['seconds']:.0f} s in all.\n\n"
             + table(head, rows))
