@@ -76,7 +76,8 @@ CACHES_MIB = (3, 32)
 CONSUMERS = 1
 # Rounds of the alternating group at most: each run starts vLLM. Measured on 2 cores at load
 # average 3.6-4.9 (other work beside it): 2 rounds of the 10 sides took 486 s, 24 s a run, so
-# 3 would take 12 minutes; at load 2.5 a run takes ~13 s and 2 rounds ~5 minutes.
+# 3 would take 12 minutes; at load 2.5 a run takes ~13 s and 2 rounds ~5 minutes (inside a
+# full `pipeline bench prefix`, at load up to 9, the side took 691 s).
 REPEAT_CAP = 2
 KEYS = ("vllm_reuse", "prefix_reuse", "makespan_s", "busy_fraction", "busy_min", "shape_switches", "wall_s")
 
