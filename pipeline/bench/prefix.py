@@ -17,8 +17,12 @@ demo-chat (multi-turn), and the Mooncake synthetic trace of ../shared/workloads 
 with the reason, where absent); per workload a cache size where a few shapes fit and one where
 all do. --quick: small sizes, the small cache only, the default against fifo only.
 
-The vLLM side (engine vllm) is not run by this comparison: its target is judged None with
-the reason (VLLM_REASON: the workloads' prompts are longer than the tiny CPU model takes).
+The vLLM side (pipeline/bench/prefix_vllm.py): the same policies through `pipeline launch
+--engine vllm` on the tiny CPU model, with demo-template scaled to its 2,048 positions, at two
+KV cache sizes, judged on vLLM's own prefix-cache counters; where no interpreter imports vllm
+(always under --quick in an environment without it) its target is not judged, with the reason.
+The sim's workloads themselves do not fit that model (demo-template's prompts are 2,376 to
+14,225 tokens at 1,000 items, 18% of demo-chat's are past 2,048, most of the trace's).
 """
 
 from __future__ import annotations
@@ -28,13 +32,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.bench import runs
+from pipeline.bench import prefix_vllm, runs
 from pipeline.bench.charts import Panel, cell, grouped_bars
 from pipeline.bench.harness import BenchContext, Outcome, Target, alternate, fmt_spread, spread_of, table
+from pipeline.bench.pipelines import scaled
+from pipeline.bench.prefix_judge import BUSY_BOUND, policy_targets
 
-# A run whose consumers are busy less than this share of the makespan is not GPU-bound: its
-# makespan says more about the broker than about the policy, and the makespan target skips it.
-GPU_BOUND_BUSY = 0.8
 QUICK_POLICIES = ("default", "fifo")
 MOONCAKE_MAX_TOKENS = 262_144
 
@@ -103,8 +106,8 @@ def measure(ctx: BenchContext) -> dict[str, Any]:
     found, left_out = workloads(ctx)
     policies = QUICK_POLICIES if ctx.quick else tuple(runs.DISPATCH_POLICIES)
     counter = [0]
-    figures: dict[str, Any] = {"policies": list(policies), "left_out": left_out, "vllm": VLLM_REASON,
-                               "gpu_bound_busy": GPU_BOUND_BUSY, "workloads": {}}
+    figures: dict[str, Any] = {"policies": list(policies), "left_out": left_out, "gpu_bound_busy": BUSY_BOUND,
+                               "workloads": {}}
     for w in found:
         caches = w.caches[:1] if ctx.quick else w.caches
         bound = runs.analyze(w.analyze, w.block_tokens, caches, caches=2)
@@ -121,48 +124,14 @@ def measure(ctx: BenchContext) -> dict[str, Any]:
             "block_tokens": w.block_tokens, "cost_s_per_padded_token": w.cost_s_per_padded_token,
             "cost_s_per_batch": w.cost_s_per_padded_token * runs.BATCH_COST_PER_TOKEN_COST,
             "launch": w.launch, "caches": rows}
+    figures["vllm"] = prefix_vllm.measure(ctx, policies)
     return figures
 
 
-# The vLLM side of this comparison: not run. NOTE: the only model on this project's CPU
-# machines is the tiny one (tools/tiny_llama.py), 2,048 positions; every demo-template prompt
-# is longer (2,376 to 14,225 tokens at 1,000 items), 18% of demo-chat's (up to 4,504 at 2,000
-# items) and most of the trace's (up to ~125 Ki). Raising the positions was rejected: CPU
-# attention over a 14 Ki-token miss takes seconds on 2 cores, times 10 runs per workload.
-VLLM_REASON = ("not run: the tiny CPU model holds 2,048 positions and these workloads' prompts are longer "
-               "(demo-template 2,376-14,225 tokens, 18% of demo-chat's, most of the trace's); vLLM's own "
-               "prefix-cache counters against the product's are in `pipeline bench run-batch`")
-
-
 def judge(figures: dict[str, Any]) -> list[Target]:
-    targets = []
-    for name, w in figures["workloads"].items():
-        for cache, row in w["caches"].items():
-            got = row["policies"]
-            mine = got[runs.DEFAULT_POLICY]
-            others = {p: v for p, v in got.items() if p != runs.DEFAULT_POLICY}
-            reuse = mine["prefix_reuse"]["median"]
-            behind = [p for p, v in others.items() if v["prefix_reuse"]["median"] >= reuse]
-            targets.append(Target(
-                f"{name}, cache {int(cache):,}: default ahead of every baseline on prefix reuse", not behind,
-                f"default {100 * reuse:.1f}%, best baseline "
-                f"{100 * max(v['prefix_reuse']['median'] for v in others.values()):.1f}%, bound "
-                f"{100 * row['bound']:.1f}%" + (f"; not behind: {', '.join(behind)}" if behind else "")))
-            bound_runs = {p: v for p, v in others.items() if v["busy_min"]["median"] >= GPU_BOUND_BUSY}
-            makespan = mine["makespan_s"]["median"]
-            if mine["busy_min"]["median"] < GPU_BOUND_BUSY or not bound_runs:
-                targets.append(Target(f"{name}, cache {int(cache):,}: default ahead on makespan (GPU-bound)", None,
-                                      f"not GPU-bound: default's least busy consumer "
-                                      f"{100 * mine['busy_min']['median']:.0f}%"))
-                continue
-            slower = [p for p, v in bound_runs.items() if v["makespan_s"]["median"] <= makespan]
-            targets.append(Target(
-                f"{name}, cache {int(cache):,}: default ahead of every GPU-bound baseline on makespan", not slower,
-                f"default {makespan:.2f} s, fastest baseline "
-                f"{min(v['makespan_s']['median'] for v in bound_runs.values()):.2f} s"
-                + (f"; not slower: {', '.join(slower)}" if slower else "")))
-    targets.append(Target("the same with vLLM", None, figures["vllm"]))
-    return targets
+    targets = [t for name, w in figures["workloads"].items() for cache, row in w["caches"].items()
+               for t in policy_targets(f"{name}, cache {int(cache):,}", row["policies"], row["bound"])]
+    return targets + prefix_vllm.judge(figures["vllm"])
 
 
 def markdown(figures: dict[str, Any]) -> str:
@@ -174,10 +143,10 @@ def markdown(figures: dict[str, Any]) -> str:
             for p, v in row["policies"].items():
                 rows.append([name, f"{int(cache):,}", f"{100 * row['bound']:.1f}",
                              "" if row["arrival_order"] is None else f"{100 * row['arrival_order']:.1f}", p,
-                             fmt_spread(_scaled(v["prefix_reuse"]), ".1f"), fmt_spread(v["makespan_s"], ".2f"),
-                             f"{fmt_spread(_scaled(v['busy_fraction']), '.0f')} "
-                             f"({fmt_spread(_scaled(v['busy_min']), '.0f')})",
-                             fmt_spread(_scaled(v["padding_efficiency"]), ".2f"),
+                             fmt_spread(scaled(v["prefix_reuse"], 100), ".1f"), fmt_spread(v["makespan_s"], ".2f"),
+                             (f"{fmt_spread(scaled(v['busy_fraction'], 100), '.0f')} "
+                              f"({fmt_spread(scaled(v['busy_min'], 100), '.0f')})"),
+                             fmt_spread(scaled(v["padding_efficiency"], 100), ".2f"),
                              fmt_spread(v["shape_switches"], ",.0f")])
     sizes = "; ".join(f"{n}: {w['items']:,} items, {w['shapes']:,} shapes, {w['input_tokens']:,} input tokens, "
                       f"block {w['block_tokens']}, X = {w['cost_s_per_padded_token']:g} s a padded miss token, "
@@ -187,11 +156,7 @@ def markdown(figures: dict[str, Any]) -> str:
             "2 producers, 2 sim consumers whose cost model makes them the bottleneck. Bound: `pipeline tools "
             "analyze --caches 2` at the same cache size and block (the better of its orders); arrival order: "
             f"its figure for items dealt round-robin in arrival order. {sizes}.\n\n" + table(head, rows) + notes
-            + f"\n\nvLLM: {figures['vllm']}.")
-
-
-def _scaled(s: dict[str, Any]) -> dict[str, Any]:
-    return {**s, "median": 100 * s["median"], "min": 100 * s["min"], "max": 100 * s["max"]}
+            + "\n\n" + prefix_vllm.markdown(figures["vllm"]))
 
 
 def plot(figures: dict[str, Any]) -> Callable[[Path], None]:
@@ -204,9 +169,15 @@ def plot(figures: dict[str, Any]) -> Callable[[Path], None]:
                          + [(100 * row["bound"],) * 3])
             base = row["policies"][runs.DEFAULT_POLICY]["makespan_s"]["median"]
             makespan.append([cell(row["policies"][p]["makespan_s"], 1 / base) for p in policies])
+    vllm = figures["vllm"]
+    for mib, row in ({} if vllm["python"] is None else vllm["caches"]).items():
+        groups.append(f"vLLM, scaled\n{mib} MiB")
+        reuse.append([cell(row["policies"][p]["vllm_reuse"], 100) for p in policies] + [(100 * row["bound"],) * 3])
+        base = row["policies"][runs.DEFAULT_POLICY]["makespan_s"]["median"]
+        makespan.append([cell(row["policies"][p]["makespan_s"], 1 / base) for p in policies])
 
     def draw(path: Path) -> None:
-        grouped_bars(path, "Prefix reuse and makespan per dispatch policy (sim, GPU-bound)", [
+        grouped_bars(path, "Prefix reuse and makespan per dispatch policy (sim, GPU-bound; vLLM where run)", [
             Panel("prefix reuse", "% of input tokens", groups, [*policies, "analyze bound"], reuse),
             Panel("makespan", "x the default's", groups, policies, makespan)])
     return draw

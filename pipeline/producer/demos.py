@@ -30,6 +30,7 @@ house limit of ~600 lines; it uses workload.py's token streams and Workload.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -205,35 +206,72 @@ class _ChatItems:
         return WorkItem(0, components, suffix, f"chat-{conv}-{turn + 1}".encode(), float(self._arrival[k]), 0)
 
 
-def demo_template_workload(items: int, seed: int = 0, vocab_size: int = VOCAB_SIZE) -> Workload:
-    """`items` prompts over DEMO_TEMPLATE_SHAPES templates (see the module docstring); model 0."""
+@dataclass(slots=True, frozen=True)
+class TemplateScale:
+    """The sizes of demo-template: its templates, their groups, the components' and user
+    parts' lengths. The default is the workload `--workload demo-template` runs; a smaller
+    one fits a model of a short context (`pipeline bench prefix`'s vLLM side)."""
+
+    shapes: int = DEMO_TEMPLATE_SHAPES
+    group: int = DEMO_TEMPLATE_GROUP
+    component_min_tokens: int = DEMO_TEMPLATE_COMPONENT_MIN_TOKENS
+    component_max_tokens: int = DEMO_TEMPLATE_COMPONENT_MAX_TOKENS
+    user_median_tokens: int = DEMO_TEMPLATE_USER_MEDIAN_TOKENS
+    user_max_tokens: int = DEMO_TEMPLATE_USER_MAX_TOKENS
+
+    def problems(self) -> list[str]:
+        """What is wrong with these sizes (nothing: [])."""
+        wrong = [f"{name} must be a positive integer, got {getattr(self, name)!r}" for name in (
+            "shapes", "group", "component_min_tokens", "component_max_tokens", "user_median_tokens",
+            "user_max_tokens") if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int)
+            or getattr(self, name) < 1]
+        if not wrong and self.shapes % self.group:
+            wrong.append(f"shapes ({self.shapes}) must be a multiple of group ({self.group})")
+        if not wrong and self.component_min_tokens > self.component_max_tokens:
+            wrong.append(f"component_min_tokens {self.component_min_tokens} > component_max_tokens "
+                         f"{self.component_max_tokens}")
+        return wrong
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt these sizes can make: two longest components and the longest user part."""
+        return 2 * self.component_max_tokens + self.user_max_tokens
+
+
+def demo_template_workload(items: int, seed: int = 0, vocab_size: int = VOCAB_SIZE,
+                           scale: TemplateScale = TemplateScale()) -> Workload:
+    """`items` prompts over `scale.shapes` templates (see the module docstring); model 0.
+    ValueError for a bad argument or scale."""
     _check_arguments(DEMO_TEMPLATE, items, seed, vocab_size)
+    if scale.problems():
+        raise ValueError(f"{DEMO_TEMPLATE} scale: {'; '.join(scale.problems())}")
     rng = np.random.default_rng(seed)
-    groups = DEMO_TEMPLATE_SHAPES // DEMO_TEMPLATE_GROUP
-    low, high = math.log(DEMO_TEMPLATE_COMPONENT_MIN_TOKENS), math.log(DEMO_TEMPLATE_COMPONENT_MAX_TOKENS)
+    groups = scale.shapes // scale.group
+    low, high = math.log(scale.component_min_tokens), math.log(scale.component_max_tokens)
     system_lengths = np.rint(np.exp(rng.uniform(low, high, size=groups))).astype(np.int64)
-    doc_lengths = np.rint(np.exp(rng.uniform(low, high, size=DEMO_TEMPLATE_SHAPES))).astype(np.int64)
+    doc_lengths = np.rint(np.exp(rng.uniform(low, high, size=scale.shapes))).astype(np.int64)
     systems = [hashed_tokens(TEMPLATE_SYSTEM_STREAM ^ seed, [g], int(n), vocab_size)[0]
                for g, n in enumerate(system_lengths)]
     shapes = []
     for t, n in enumerate(doc_lengths.tolist()):
         doc = hashed_tokens(TEMPLATE_DOC_STREAM ^ seed, [t], n, vocab_size)[0]
         doc.flags.writeable = False
-        shapes.append([systems[t // DEMO_TEMPLATE_GROUP], doc])
+        shapes.append([systems[t // scale.group], doc])
     for system in systems:
         system.flags.writeable = False
     # Popularity by rank, the ranks dealt to templates at random so the hot ones are spread
     # over the groups rather than all in the first.
-    popularity = 1.0 / np.arange(1, DEMO_TEMPLATE_SHAPES + 1) ** DEMO_TEMPLATE_ZIPF_EXPONENT
-    popularity = popularity[rng.permutation(DEMO_TEMPLATE_SHAPES)]
-    item_shapes = rng.choice(DEMO_TEMPLATE_SHAPES, size=items, p=popularity / popularity.sum())
-    users = rng.lognormal(math.log(DEMO_TEMPLATE_USER_MEDIAN_TOKENS), DEMO_TEMPLATE_USER_SIGMA, size=items)
-    user_lengths = np.clip(users.astype(np.int64), 1, DEMO_TEMPLATE_USER_MAX_TOKENS)
+    popularity = 1.0 / np.arange(1, scale.shapes + 1) ** DEMO_TEMPLATE_ZIPF_EXPONENT
+    popularity = popularity[rng.permutation(scale.shapes)]
+    item_shapes = rng.choice(scale.shapes, size=items, p=popularity / popularity.sum())
+    users = rng.lognormal(math.log(scale.user_median_tokens), DEMO_TEMPLATE_USER_SIGMA, size=items)
+    user_lengths = np.clip(users.astype(np.int64), 1, scale.user_max_tokens)
     arrival = np.cumsum(rng.exponential(DEMO_TEMPLATE_GAP_MS, size=items))
-    prefix_lengths = system_lengths[np.arange(DEMO_TEMPLATE_SHAPES) // DEMO_TEMPLATE_GROUP] + doc_lengths
+    prefix_lengths = system_lengths[np.arange(scale.shapes) // scale.group] + doc_lengths
     build = _TemplateItems(seed, vocab_size, shapes, item_shapes, user_lengths, arrival - arrival[0])
+    scaled = "" if scale == TemplateScale() else f", {scale}"
     return Workload(f"demo-template(items={items}, seed={seed}"
-                    f"{f', vocab_size={vocab_size}' if vocab_size != VOCAB_SIZE else ''})", items, build,
+                    f"{f', vocab_size={vocab_size}' if vocab_size != VOCAB_SIZE else ''}{scaled})", items, build,
                     total_tokens=int(prefix_lengths[item_shapes].sum() + user_lengths.sum()), models=(0,))
 
 

@@ -39,7 +39,7 @@ def row(reuse: float, makespan: float, busy: float) -> dict:
 
 
 def prefix_figures(policies: dict[str, dict]) -> dict:
-    return {"vllm": "not run", "workloads": {"w": {"caches": {"1024": {"bound": 0.9, "policies": policies}}}}}
+    return {"vllm": {"python": None, "tried": ["x: no vllm"]}, "workloads": {"w": {"caches": {"1024": {"bound": 0.9, "policies": policies}}}}}
 
 
 def test_prefix_targets_met_missed_and_not_judged():

@@ -143,3 +143,34 @@ def test_template_bad_arguments_are_refused(args):
     from pipeline.producer.demos import demo_template_workload
     with pytest.raises(ValueError):
         demo_template_workload(**args)
+
+
+def test_template_at_a_smaller_scale_keeps_its_bounds_groups_and_popularity():
+    from pipeline.producer.demos import TemplateScale, demo_template_workload
+
+    scale = TemplateScale(shapes=12, group=3, component_min_tokens=10, component_max_tokens=40,
+                          user_median_tokens=4, user_max_tokens=9)
+    items = list(demo_template_workload(3000, seed=1, scale=scale))
+    by_template: dict[int, list] = defaultdict(list)
+    for item in items:
+        by_template[int(item.payload.decode().split("-")[1])].append(item)
+    assert set(by_template) == set(range(12))
+    for template, group in by_template.items():
+        assert all(10 <= len(c) <= 40 for c in group[0].components)
+        assert group[0].components[0].tobytes() == by_template[template // 3 * 3][0].components[0].tobytes()
+    assert len({g[0].components[0].tobytes() for g in by_template.values()}) == 4
+    assert max(len(i.suffix) for i in items) <= 9 and max(i.length for i in items) <= scale.max_prompt_tokens
+    counts = sorted((len(g) for g in by_template.values()), reverse=True)
+    assert counts[0] > 4 * counts[len(counts) // 2]
+
+
+@pytest.mark.parametrize("changes", [{"shapes": 10, "group": 4}, {"component_min_tokens": 50, "component_max_tokens": 40},
+                                     {"user_max_tokens": 0}, {"shapes": True}, {"group": 2.0}])
+def test_template_bad_scales_are_refused(changes):
+    from pipeline.producer.demos import TemplateScale, demo_template_workload
+
+    scale = TemplateScale(**{**dict(shapes=8, group=4, component_min_tokens=10, component_max_tokens=40), **changes})
+    assert scale.problems()
+    with pytest.raises(ValueError, match="scale"):
+        demo_template_workload(5, scale=scale)
+    assert not TemplateScale().problems()
