@@ -17,6 +17,7 @@ from pipeline.bench.harness import Comparison
 COMPARISON_MODULES: dict[str, str] = {
     "padding": "pipeline.bench.padding",
     "prefix": "pipeline.bench.prefix",
+    "prefix-vllm": "pipeline.bench.prefix_vllm",
     "run-batch": "pipeline.bench.run_batch",
     "e2e": "pipeline.bench.e2e",
     "redis": "pipeline.bench.redis_peer",

@@ -17,10 +17,10 @@ demo-chat (multi-turn), and the Mooncake synthetic trace of ../shared/workloads 
 with the reason, where absent); per workload a cache size where a few shapes fit and one where
 all do. --quick: small sizes, the small cache only, the default against fifo only.
 
-The vLLM side (pipeline/bench/prefix_vllm.py): the same policies through `pipeline launch
---engine vllm` on the tiny CPU model, with demo-template scaled to its 2,048 positions, at two
-KV cache sizes, judged on vLLM's own prefix-cache counters; where no interpreter imports vllm
-(always under --quick in an environment without it) its target is not judged, with the reason.
+The vLLM side is its own comparison, `pipeline bench prefix-vllm` (pipeline/bench/prefix_vllm.py):
+the same policies through `pipeline launch --engine vllm` on the tiny CPU model, with
+demo-template scaled to its 2,048 positions, at two KV cache sizes, judged on vLLM's own
+prefix-cache counters. Apart, so each section is one run and either can be rerun alone.
 The sim's workloads themselves do not fit that model (demo-template's prompts are 2,376 to
 14,225 tokens at 1,000 items, 18% of demo-chat's are past 2,048, most of the trace's).
 """
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.bench import prefix_vllm, runs
+from pipeline.bench import runs
 from pipeline.bench.charts import Panel, cell, grouped_bars
 from pipeline.bench.harness import BenchContext, Outcome, Target, alternate, fmt_spread, spread_of, table
 from pipeline.bench.pipelines import scaled
@@ -124,14 +124,13 @@ def measure(ctx: BenchContext) -> dict[str, Any]:
             "block_tokens": w.block_tokens, "cost_s_per_padded_token": w.cost_s_per_padded_token,
             "cost_s_per_batch": w.cost_s_per_padded_token * runs.BATCH_COST_PER_TOKEN_COST,
             "launch": w.launch, "caches": rows}
-    figures["vllm"] = prefix_vllm.measure(ctx, policies)
     return figures
 
 
 def judge(figures: dict[str, Any]) -> list[Target]:
     targets = [t for name, w in figures["workloads"].items() for cache, row in w["caches"].items()
                for t in policy_targets(f"{name}, cache {int(cache):,}", row["policies"], row["bound"])]
-    return targets + prefix_vllm.judge(figures["vllm"])
+    return targets
 
 
 def markdown(figures: dict[str, Any]) -> str:
@@ -156,7 +155,7 @@ def markdown(figures: dict[str, Any]) -> str:
             "2 producers, 2 sim consumers whose cost model makes them the bottleneck. Bound: `pipeline tools "
             "analyze --caches 2` at the same cache size and block (the better of its orders); arrival order: "
             f"its figure for items dealt round-robin in arrival order. {sizes}.\n\n" + table(head, rows) + notes
-            + "\n\n" + prefix_vllm.markdown(figures["vllm"]))
+            + "\n\nThe same policies on vLLM's own prefix cache: `pipeline bench prefix-vllm`, the next section.")
 
 
 def plot(figures: dict[str, Any]) -> Callable[[Path], None]:
@@ -169,15 +168,9 @@ def plot(figures: dict[str, Any]) -> Callable[[Path], None]:
                          + [(100 * row["bound"],) * 3])
             base = row["policies"][runs.DEFAULT_POLICY]["makespan_s"]["median"]
             makespan.append([cell(row["policies"][p]["makespan_s"], 1 / base) for p in policies])
-    vllm = figures["vllm"]
-    for mib, row in ({} if vllm["python"] is None else vllm["caches"]).items():
-        groups.append(f"vLLM, scaled\n{mib} MiB")
-        reuse.append([cell(row["policies"][p]["vllm_reuse"], 100) for p in policies] + [(100 * row["bound"],) * 3])
-        base = row["policies"][runs.DEFAULT_POLICY]["makespan_s"]["median"]
-        makespan.append([cell(row["policies"][p]["makespan_s"], 1 / base) for p in policies])
 
     def draw(path: Path) -> None:
-        grouped_bars(path, "Prefix reuse and makespan per dispatch policy (sim, GPU-bound; vLLM where run)", [
+        grouped_bars(path, "Prefix reuse and makespan per dispatch policy (sim, GPU-bound)", [
             Panel("prefix reuse", "% of input tokens", groups, [*policies, "analyze bound"], reuse),
             Panel("makespan", "x the default's", groups, policies, makespan)])
     return draw

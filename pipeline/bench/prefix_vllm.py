@@ -1,5 +1,5 @@
-"""The vLLM side of `pipeline bench prefix`: prefix reuse and makespan per dispatch policy with
-vLLM's own prefix cache, where an interpreter imports vllm (found as `pipeline bench
+"""`pipeline bench prefix-vllm`, the vLLM side of `pipeline bench prefix`: prefix reuse and
+makespan per dispatch policy with vLLM's own prefix cache, where an interpreter imports vllm (found as `pipeline bench
 run-batch` finds one; --quick looks only at this interpreter, so the plain test environment
 skips the side, with the reason).
 
@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.bench import batch_sides, runs
-from pipeline.bench.harness import BenchContext, Target, alternate, fmt_spread, spread_of, table
+from pipeline.bench.charts import Panel, cell, grouped_bars
+from pipeline.bench.harness import BenchContext, Outcome, Target, alternate, fmt_spread, spread_of, table
 from pipeline.bench.pipelines import scaled
 from pipeline.bench.prefix_judge import policy_targets
 from pipeline.bench.run_batch import build_model, vllm_python
@@ -209,3 +210,37 @@ def markdown(figures: dict[str, Any]) -> str:
             f"{figures['repeat']} alternating rounds (each run starts vLLM), {figures['seconds']:.0f} s in all.\n\n"
             + table(head, rows))
 
+
+
+def plot(figures: dict[str, Any]) -> Callable[[Path], None] | None:
+    """vLLM's reuse and the makespan (x the default's) per policy at each cache size; None
+    where vLLM did not run."""
+    if figures["python"] is None:
+        return None
+    groups, reuse, makespan = [], [], []
+    policies = list(next(iter(figures["caches"].values()))["policies"])
+    for mib, row in figures["caches"].items():
+        groups.append(f"{mib} MiB\n({row['cache_tokens']:,} tokens)")
+        reuse.append([cell(row["policies"][p]["vllm_reuse"], 100) for p in policies] + [(100 * row["bound"],) * 3])
+        base = row["policies"][runs.DEFAULT_POLICY]["makespan_s"]["median"]
+        makespan.append([cell(row["policies"][p]["makespan_s"], 1 / base) for p in policies])
+
+    def draw(path: Path) -> None:
+        grouped_bars(path, "Prefix reuse and makespan per dispatch policy on vLLM (tiny CPU model, scaled template)", [
+            Panel("vLLM's prefix reuse", "% of input tokens", groups, [*policies, "analyze bound"], reuse),
+            Panel("makespan", "x the default's", groups, policies, makespan)])
+    return draw
+
+
+class PrefixVllmComparison:
+    name = "prefix-vllm"
+    title = "Prefix reuse and makespan per dispatch policy, with vLLM"
+
+    def run(self, ctx: BenchContext) -> Outcome:
+        from pipeline.bench.prefix import QUICK_POLICIES
+
+        figures = measure(ctx, QUICK_POLICIES if ctx.quick else tuple(runs.DISPATCH_POLICIES))
+        return Outcome(figures, markdown(figures), judge(figures), plot(figures))
+
+
+COMPARISON = PrefixVllmComparison()

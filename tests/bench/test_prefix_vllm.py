@@ -106,11 +106,13 @@ def test_vllm_targets_met_missed_not_engine_bound_and_not_run():
     assert "x: no vllm" in prefix_vllm.markdown({"python": None, "tried": ["x: no vllm"]})
 
 
-def test_the_comparison_judges_the_vllm_side_after_the_sim_side():
+def test_the_vllm_side_is_a_comparison_of_its_own_and_the_sim_side_judges_only_its_workloads():
+    from pipeline.bench import COMPARISON_MODULES, comparison
+
+    assert comparison("prefix-vllm") is prefix_vllm.COMPARISON and "prefix-vllm" in COMPARISON_MODULES
     sim = {"prefix_reuse": spread([0.8]), "makespan_s": spread([1.0]), "busy_min": spread([0.9])}
     base = {"prefix_reuse": spread([0.5]), "makespan_s": spread([2.0]), "busy_min": spread([0.9])}
-    figures = {"workloads": {"w": {"caches": {"1024": {"bound": 0.9, "policies": {"default": sim, "fifo": base}}}}},
-               "vllm": vllm_figures({runs.DEFAULT_POLICY: row(0.9, 2, 0.9), "fifo": row(0.95, 3, 0.9)})}
-    targets = prefix.judge(figures)
-    assert [t.met for t in targets] == [True, True, False, True]
-    assert targets[2].name.startswith("vLLM") and json.dumps(figures["vllm"])
+    figures = {"workloads": {"w": {"caches": {"1024": {"bound": 0.9, "policies": {"default": sim, "fifo": base}}}}}}
+    assert [t.met for t in prefix.judge(figures)] == [True, True]
+    ran = vllm_figures({runs.DEFAULT_POLICY: row(0.9, 2, 0.9), "fifo": row(0.95, 3, 0.9)})
+    assert prefix_vllm.plot({"python": None, "tried": []}) is None and callable(prefix_vllm.plot(ran))
