@@ -33,10 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.bench import runs
-from pipeline.bench.charts import Panel, cell, grouped_bars
 from pipeline.bench.harness import BenchContext, Outcome, Target, alternate, fmt_spread, spread_of, table
 from pipeline.bench.pipelines import scaled
-from pipeline.bench.prefix_judge import BUSY_BOUND, policy_targets
+from pipeline.bench.prefix_judge import BUSY_BOUND, policy_plot, policy_targets
 
 QUICK_POLICIES = ("default", "fifo")
 MOONCAKE_MAX_TOKENS = 262_144
@@ -159,21 +158,10 @@ def markdown(figures: dict[str, Any]) -> str:
 
 
 def plot(figures: dict[str, Any]) -> Callable[[Path], None]:
-    groups, reuse, makespan = [], [], []
-    policies = figures["policies"]
-    for name, w in figures["workloads"].items():
-        for cache, row in w["caches"].items():
-            groups.append(f"{name}\n{int(cache) // 1024:,} Ki")
-            reuse.append([cell(row["policies"][p]["prefix_reuse"], 100) for p in policies]
-                         + [(100 * row["bound"],) * 3])
-            base = row["policies"][runs.DEFAULT_POLICY]["makespan_s"]["median"]
-            makespan.append([cell(row["policies"][p]["makespan_s"], 1 / base) for p in policies])
-
-    def draw(path: Path) -> None:
-        grouped_bars(path, "Prefix reuse and makespan per dispatch policy (sim, GPU-bound)", [
-            Panel("prefix reuse", "% of input tokens", groups, [*policies, "analyze bound"], reuse),
-            Panel("makespan", "x the default's", groups, policies, makespan)])
-    return draw
+    lines = [(f"{name}\n{int(cache) // 1024:,} Ki", row) for name, w in figures["workloads"].items()
+             for cache, row in w["caches"].items()]
+    return policy_plot("Prefix reuse and makespan per dispatch policy (sim, GPU-bound)", "prefix reuse", lines,
+                       figures["policies"])
 
 
 class PrefixComparison:

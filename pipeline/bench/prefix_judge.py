@@ -10,9 +10,12 @@ of a reuse figure, `makespan_s` and `busy_min` (the least busy consumer's share)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from pipeline.bench import runs
+from pipeline.bench.charts import Panel, cell, grouped_bars
 from pipeline.bench.harness import Target
 
 # A run whose consumers are busy less than this share of the makespan is not bound by its
@@ -51,3 +54,21 @@ def policy_targets(label: str, got: dict[str, dict[str, Any]], bound: float | No
         f"default {makespan:.2f} s, fastest baseline "
         f"{min(v['makespan_s']['median'] for v in bound_runs.values()):.2f} s"
         + (f"; not slower: {', '.join(slower)}" if slower else ""))]
+
+
+def policy_plot(title: str, reuse_name: str, lines: list[tuple[str, dict[str, Any]]], policies: list[str],
+                reuse_key: str = "prefix_reuse") -> Callable[[Path], None]:
+    """The plot both sides draw: per line (a group label and its row: `bound` and each
+    policy's spreads), the reuse of each policy beside analyze's bound, and the makespan as
+    a multiple of the default's."""
+    groups, reuse, makespan = [], [], []
+    for group, row in lines:
+        groups.append(group)
+        reuse.append([cell(row["policies"][p][reuse_key], 100) for p in policies] + [(100 * row["bound"],) * 3])
+        base = row["policies"][runs.DEFAULT_POLICY]["makespan_s"]["median"]
+        makespan.append([cell(row["policies"][p]["makespan_s"], 1 / base) for p in policies])
+
+    def draw(path: Path) -> None:
+        grouped_bars(path, title, [Panel(reuse_name, "% of input tokens", groups, [*policies, "analyze bound"], reuse),
+                                   Panel("makespan", "x the default's", groups, policies, makespan)])
+    return draw

@@ -28,10 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.bench import batch_sides, runs
-from pipeline.bench.charts import Panel, cell, grouped_bars
 from pipeline.bench.harness import BenchContext, Outcome, Target, alternate, fmt_spread, spread_of, table
 from pipeline.bench.pipelines import scaled
-from pipeline.bench.prefix_judge import policy_targets
+from pipeline.bench.prefix_judge import policy_plot, policy_targets
 from pipeline.bench.run_batch import build_model, vllm_python
 from pipeline.producer.demos import TemplateScale, demo_template_workload
 from pipeline.producer.workload import Workload
@@ -217,19 +216,10 @@ def plot(figures: dict[str, Any]) -> Callable[[Path], None] | None:
     where vLLM did not run."""
     if figures["python"] is None:
         return None
-    groups, reuse, makespan = [], [], []
+    lines = [(f"{mib} MiB\n({row['cache_tokens']:,} tokens)", row) for mib, row in figures["caches"].items()]
     policies = list(next(iter(figures["caches"].values()))["policies"])
-    for mib, row in figures["caches"].items():
-        groups.append(f"{mib} MiB\n({row['cache_tokens']:,} tokens)")
-        reuse.append([cell(row["policies"][p]["vllm_reuse"], 100) for p in policies] + [(100 * row["bound"],) * 3])
-        base = row["policies"][runs.DEFAULT_POLICY]["makespan_s"]["median"]
-        makespan.append([cell(row["policies"][p]["makespan_s"], 1 / base) for p in policies])
-
-    def draw(path: Path) -> None:
-        grouped_bars(path, "Prefix reuse and makespan per dispatch policy on vLLM (tiny CPU model, scaled template)", [
-            Panel("vLLM's prefix reuse", "% of input tokens", groups, [*policies, "analyze bound"], reuse),
-            Panel("makespan", "x the default's", groups, policies, makespan)])
-    return draw
+    return policy_plot("Prefix reuse and makespan per dispatch policy on vLLM (tiny CPU model, scaled template)",
+                       "vLLM's prefix reuse", lines, policies, reuse_key="vllm_reuse")
 
 
 class PrefixVllmComparison:

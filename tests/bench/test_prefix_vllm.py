@@ -5,7 +5,6 @@ the targets judged on given figures (met, missed, not judged, not run)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
