@@ -65,17 +65,19 @@ from pipeline.broker.storage.segment import (
     SegmentKeys,
     fsync_directory,
     scan_segment,
+    unlink_segment,
 )
+from pipeline.broker.storage.journal import journal_path
 from pipeline.wire import fileops
 from pipeline.wire.errors import DiskFullError, SegmentFormatError, StoreReadError
 from pipeline.wire.layouts import CATALOG_CREATED, CATALOG_DELETED, CATALOG_QUARANTINED, CATALOG_SEALED
 
 __all__ = ["MissingSegment", "Quarantined", "RecoveredSegment", "RecoveryReport", "SegmentState", "SegmentStore"]
 
-# Open segment files kept at once. Each costs a descriptor and a mapping; 512 stays far
-# below the usual 1,024-descriptor soft limit with room for sockets and rings, and covers
-# the lanes a sticky shape drains at a time.
-DEFAULT_OPEN_FILES_MAX = 512
+# Open segment files kept at once. Each costs two descriptors (the segment and its journal)
+# and a mapping; 384 (768 descriptors) stays below the usual 1,024-descriptor soft limit
+# with room for sockets and rings, and covers the lanes a sticky shape drains at a time.
+DEFAULT_OPEN_FILES_MAX = 384
 # A segment seals at this age even if not full, so a slow lane's completed work is freed
 # (a sealed, fully tombstoned segment is deleted) within minutes, not never.
 DEFAULT_SEGMENT_MAX_AGE_S = 300.0
@@ -318,18 +320,19 @@ class SegmentStore:
             self._record(CATALOG_DELETED, state.keys)  # before the unlink: never a false MISSING
             if crashpoints.ARMED:
                 crashpoints.hit("delete.before_unlink")
-            fileops.unlink(state.path)
-            if self.durability is Durability.POWER:
-                fsync_directory(os.path.dirname(state.path))
+            unlink_segment(state.path, self.durability)
         del self.segments[state.id]
 
     def _quarantine(self, path: str, keys: SegmentKeys, offset: int, why: str, entries: int = 0,
                     item_ids: tuple[int, ...] = (), identity_refused: bool = False) -> Quarantined:
-        """Move a (closed) segment to quarantine/, its move recorded first; never deleted."""
+        """Move a (closed) segment and its journal to quarantine/, the move recorded first;
+        never deleted."""
         self._record(CATALOG_QUARANTINED, keys)
         target = quarantine_target(self.data_dir, path)
         make_dirs(os.path.dirname(target))
         fileops.rename(path, target)  # same file system: the data directory
+        if os.path.exists(journal_path(path)):
+            fileops.rename(journal_path(path), journal_path(target))
         if self.durability is Durability.POWER:
             fsync_directory(os.path.dirname(path))
             fsync_directory(os.path.dirname(target))
@@ -407,8 +410,8 @@ class SegmentStore:
         try:
             if reading is not None:
                 self._catalog = SegmentCatalog.open_existing(catalog_path(self.data_dir), self._durable)
-            for path in listing.creating:
-                fileops.unlink(path)  # a crash interrupted its creation: it holds no entry
+            for path in listing.creating + listing.orphan_journals:
+                fileops.unlink(path)  # a crash interrupted its creation or deletion: no entry is in it
                 report.abandoned_creates.append(path)
             report.strays = listing.strays
             for found in listing.segments:
