@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pipeline.broker.storage.identity import SegmentKeys
-from pipeline.wire import fileops
+from pipeline.wire import fileops, layouts
 from pipeline.wire.errors import DiskFullError, DurabilityError, StoreReadError
 from pipeline.wire.layouts import (
     JOURNAL_BOUNDARY,
@@ -59,9 +59,8 @@ def journal_path(segment_path: str) -> str:
 
 
 def journal_seed(keys: SegmentKeys) -> int:
-    """The checksum seed of a segment's journal: its sequence and lane (so a journal beside
-    the wrong segment fails its checksums instead of completing foreign offsets)."""
-    return (keys.segment_seq * 0x100000001B3 ^ keys.lane << 40 ^ keys.model << 20) & 0xFFFFFFFFFFFFFFFF
+    """The checksum seed of a segment's journal (`pipeline.wire.layouts.journal_seed`)."""
+    return layouts.journal_seed(keys.model, keys.lane, keys.segment_seq)
 
 
 def encode_records(kind: int, values: np.ndarray, values2: np.ndarray | int, seed: int) -> np.ndarray:

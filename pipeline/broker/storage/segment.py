@@ -249,44 +249,13 @@ def _copy_entry_bodies(out: memoryview, out_tokens: memoryview, in_tokens: memor
             out[end:end + plen] = in_payloads[payload_at:payload_at + plen]
 
 
-# madvise(MADV_POPULATE_WRITE) (Linux 5.14): map a range's pages writable in one call. The
-# `mmap` module has no name for it before Python 3.13.
-_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
-_PAGE_BYTES = mmap.PAGESIZE
-# How far past a peek's last entry its segment's pages are mapped ahead (see
-# `_populate_for_writes`): one system call per this many bytes of a deep lane, and never
-# more of a file in the broker's RSS than what dispatch has reached plus this.
-POPULATE_AHEAD_BYTES = 1 << 20
 # The header fields a walk of back-to-back entries needs (SegmentFile.entry_offsets).
 _STEP = struct_for(ENTRY_HEADER_DTYPE, ["state", "length", "payload_len"])
-
-
-def _populate_for_writes(mapping: mmap.mmap, start: int, end: int) -> None:
-    """Map the pages of [start, end) into the broker's mapping, writable, in one call.
-
-    Why: tombstones (and the peek's header reads) go through the mapping, and without this
-    every 4 KiB page of entries costs a page fault on its first tombstone, about 0.3 faults
-    per 256-token item. Best effort: a kernel without the advice (EINVAL) is remembered and
-    not asked again.
-    NOTE: called when a batch is peeked (for the pages from it to POPULATE_AHEAD_BYTES
-    past it), not when entries are appended as before: at append time a backlog of
-    10,000,000 small entries held 1.8 GB of mapped page cache in the broker's RSS (issue 16,
-    `pipeline bench memory`); at peek time what is mapped is what dispatch reaches.
-    NOTE: only with durability `process`. In `power`, the group commit's fdatasync makes the
-    pages read-only again for dirty tracking, so they would fault anyway.
-    """
-    global _populate_supported
-    if not _populate_supported:
-        return
-    first = start - start % _PAGE_BYTES
-    try:
-        mapping.madvise(_MADV_POPULATE_WRITE, first, end - first)
-    except OSError as exc:
-        if exc.errno == errno.EINVAL:
-            _populate_supported = False
-
-
-_populate_supported = True
+# NOTE: version 1 mapped a peeked batch's pages writable ahead of its tombstones
+# (madvise MADV_POPULATE_WRITE, 1 MiB ahead). Version 2 stores nothing into the mapping, and
+# a write-populate of a shared file mapping dirties its pages: the kernel would write synced
+# sectors back again, the in-place rewrite the layout removes. Reads fault in 64 KiB at a time
+# (fault-around), and the pages mapped are still only those dispatch reaches (issue 16).
 
 
 class SegmentFile:
@@ -314,7 +283,6 @@ class SegmentFile:
         self.sealed = False
         self._unsynced = False
         self._closed = False
-        self._populated_end = 0  # pages below it were mapped writable by a peek
         self._done = np.zeros(_done_bytes(self.allocated), dtype=np.uint8)  # one bit per 16-byte slot
 
     @classmethod
@@ -571,12 +539,6 @@ class SegmentFile:
         inside = (offsets >= SEGMENT_HEADER_SIZE_BYTES) & (offsets + ENTRY_HEADER_SIZE_BYTES <= readable)
         if not inside.all():
             self._no_entry(int(offsets[np.argmin(inside)]), None)
-        if self.durability is Durability.PROCESS and offsets.shape[0]:
-            last = int(offsets[-1])
-            if last + ENTRY_HEADER_SIZE_BYTES > self._populated_end:
-                ahead = min(readable, last + POPULATE_AHEAD_BYTES)
-                _populate_for_writes(self._map, max(self._populated_end, int(offsets[0])), ahead)
-                self._populated_end = ahead
         words = np.frombuffer(self._map, dtype=np.uint64, count=readable // 8)
         try:  # the view is dropped at once: a mapping with views cannot be resized or closed
             headers, _ends, good = gather_entry_headers(words, offsets, readable)
