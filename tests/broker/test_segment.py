@@ -3,21 +3,13 @@ tails, corruption, truncation, damaged state words and identity blocks, on real 
 
 from __future__ import annotations
 
-import mmap
 import os
-import resource
 
 import numpy as np
 import pytest
 
 from pipeline.broker.storage.scan import SEARCH_FIRST_WINDOW_BYTES, census_segment
-from pipeline.broker.storage.segment import (
-    Durability,
-    SegmentFile,
-    SegmentKeys,
-    encode_entries,
-    scan_segment,
-)
+from pipeline.broker.storage.segment import Durability, SegmentFile, SegmentKeys, encode_entries, scan_segment
 from pipeline.wire.errors import SegmentCorruptError, SegmentFormatError
 from pipeline.wire.layouts import ENTRY_HEADER_SIZE_BYTES, ITEM_HEADER_DTYPE, SEGMENT_HEADER_SIZE_BYTES, segment_relpath
 

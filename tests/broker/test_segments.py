@@ -5,13 +5,12 @@ quarantined once it is done)."""
 from __future__ import annotations
 
 import os
-import struct
 
 import numpy as np
 
 from pipeline.broker.ids import LaneId, LaneKey
+from pipeline.broker.storage.journal import SegmentJournal
 from pipeline.broker.storage.paths import QUARANTINE_DIR, iter_segments
-from pipeline.broker.storage.scan import boundary_checksum
 from pipeline.broker.storage.segment import Durability, encode_entries, scan_segment
 from pipeline.broker.storage.segments import SegmentStore
 from pipeline.wire.layouts import SEGMENT_HEADER_SIZE_BYTES
@@ -109,12 +108,13 @@ def test_recovery_salvages_corruption_and_keeps_torn_tails(tmp_path):
         file.seek(int(offsets[3]) + 100)
         file.write(bytes([byte[0] ^ 0xFF]))
     # A torn tail: the last entry's write never finished and was never acknowledged (its
-    # header words still say 39 entries, crash point segment.after_write).
+    # journal's boundary still says 39 entries, crash point segment.after_write).
     last_torn = scan_segment(torn)
     last = int(last_torn.offsets[-1])
+    journal, _ = SegmentJournal.reopen(torn, last_torn.keys, durable=False)
+    journal.boundary(39, last)  # the last boundary record is the one read back
+    journal.close()
     with open(torn, "r+b") as file:
-        file.seek(72)
-        file.write(struct.pack("<QQ8xQ", 39, last, boundary_checksum(39, last)))
         file.seek(last + 70)
         file.write(bytes(last_torn.data_end - last - 70))
     torn_bytes = open(torn, "rb").read()[SEGMENT_HEADER_SIZE_BYTES:]

@@ -271,9 +271,9 @@ def _verify_segment(seg: SegmentPath, result: VerifyResult, live_ids: Counter, v
         result.counts["torn_tails"] += 1
     if not report.counts_agree:
         result.problems.append(
-            f"{seg.path}: header says {report.header_entry_count} entries / {report.header_deleted_count} "
+            f"{seg.path}: its journal says {report.header_entry_count} entries / {report.header_deleted_count} "
             f"deleted / data to {report.header_data_end}, the scan accounts for {report.accounted_entries} / "
-            f"{report.tombstone_count} / {report.boundary} (recovery rewrites the header words)"
+            f"{report.tombstone_count} / {report.boundary} (recovery records the scan's boundary)"
         )
 
 

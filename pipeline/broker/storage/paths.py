@@ -36,8 +36,8 @@ from pipeline.broker.storage.scan import SegmentKeys
 from pipeline.wire.layouts import (
     CATALOG_FILE,
     LANE_ID_LIMIT,
-    SEGMENT_JOURNAL_SUFFIX,
     MODEL_ID_LIMIT,
+    SEGMENT_JOURNAL_SUFFIX,
     SEGMENTS_DIR,
     parse_model_dir,
     parse_segment_file,

@@ -36,6 +36,7 @@ from pipeline.broker.storage.catalog import (
     read_catalog,
     write_missing_note,
 )
+from pipeline.broker.storage.journal import journal_path
 from pipeline.broker.storage.paths import (
     MISSING_SUFFIX,
     QUARANTINE_DIR,
@@ -67,7 +68,6 @@ from pipeline.broker.storage.segment import (
     scan_segment,
     unlink_segment,
 )
-from pipeline.broker.storage.journal import journal_path
 from pipeline.wire import fileops
 from pipeline.wire.errors import DiskFullError, SegmentFormatError, StoreReadError
 from pipeline.wire.layouts import CATALOG_CREATED, CATALOG_DELETED, CATALOG_QUARANTINED, CATALOG_SEALED
