@@ -27,8 +27,8 @@ read back from the entry header in the mapped segment at peek time.
 Recovery (`open`): `SegmentStore.recover()` scans every segment and salvages every whole,
 checksummed entry past any damage (`scan.py`), names and counts what cannot be delivered
 (damaged ranges, truncation, missing segments per the catalog, quarantined files, strays),
-repairs header words, deletes finished segments; then every lane's queue is rebuilt from
-the live entries in segment sequence order, file order within a segment; the (lane,
+records the scan's boundaries, deletes finished segments; then every lane's queue is
+rebuilt from the live entries in segment sequence order, file order within a segment; the (lane,
 lengths) lists go to the dispatcher once (`take_recovered_lanes`) and every live entry's
 (producer, seq) to the idempotent-ingest check (`queues.StoredSeqs`). The report stays in
 `tier.recovery` (`summary()` for the log, `damage_counts()` for status and the run report);

@@ -489,7 +489,7 @@ class SegmentFile:
         if fresh.size:
             self._mark_done(fresh)
             if crashpoints.ARMED:
-                crashpoints.hit("tombstone.before_count")
+                crashpoints.hit("tombstone.before_record")
             self.journal.completed(fresh)
             self.deleted_count += int(fresh.size)
         return int(fresh.size)

@@ -36,6 +36,7 @@ from pipeline.broker.storage.catalog import (
     read_catalog,
     write_missing_note,
 )
+from pipeline.broker.storage.identity import foreign_version
 from pipeline.broker.storage.journal import journal_path
 from pipeline.broker.storage.paths import (
     MISSING_SUFFIX,
@@ -70,7 +71,14 @@ from pipeline.broker.storage.segment import (
 )
 from pipeline.wire import fileops
 from pipeline.wire.errors import DiskFullError, SegmentFormatError, StoreReadError
-from pipeline.wire.layouts import CATALOG_CREATED, CATALOG_DELETED, CATALOG_QUARANTINED, CATALOG_SEALED
+from pipeline.wire.layouts import (
+    CATALOG_CREATED,
+    CATALOG_DELETED,
+    CATALOG_QUARANTINED,
+    CATALOG_SEALED,
+    SEGMENT_HEADER_SIZE_BYTES,
+    SEGMENT_VERSION,
+)
 
 __all__ = ["MissingSegment", "Quarantined", "RecoveredSegment", "RecoveryReport", "SegmentState", "SegmentStore"]
 
@@ -396,7 +404,7 @@ class SegmentStore:
     # ----------------------------------------------------------------- recovery
 
     def recover(self) -> RecoveryReport:
-        """Scan every segment and salvage what it holds (scan.py); repair header words;
+        """Scan every segment and salvage what it holds (scan.py); record the scan's boundary;
         delete finished segments and quarantine finished damaged ones; quarantine whole the
         segments whose identity cannot be established; name every stray, every missing
         segment (catalog against disk) and every damaged or lost entry; register the rest
@@ -441,6 +449,7 @@ class SegmentStore:
         try:
             scan = scan_segment(found.path, found.keys, name_confirmed=reading is not None and found.keys in reading.live)
         except SegmentFormatError as exc:
+            _refuse_other_layout(found.path)
             self._quarantine_unidentified(found, str(exc), reading, report)
             return
         except OSError as exc:
@@ -535,6 +544,18 @@ class SegmentStore:
         why = self._compact_catalog()
         if why:
             report.catalog_notes.append(why)
+
+
+def _refuse_other_layout(path: str) -> None:
+    """SegmentFormatError, stopping recovery, for a whole segment of another layout version:
+    its entries are intact, so quarantining it would take them from delivery. No migration:
+    version 1 rewrote tombstones and header words in place (see `pipeline.wire.layouts`)."""
+    with open(path, "rb") as file:
+        version = foreign_version(file.read(SEGMENT_HEADER_SIZE_BYTES))
+    if version is not None:
+        raise SegmentFormatError(
+            f"{path}: a segment of layout version {version}; this broker reads version {SEGMENT_VERSION} only and "
+            f"does not migrate: finish this data directory with the release that wrote it, or move it away")
 
 
 def _count_files(directory: str) -> int:
