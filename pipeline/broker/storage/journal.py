@@ -25,12 +25,14 @@ Owner: the SegmentFile of its segment (the broker's disk tier), the only writer;
 
 from __future__ import annotations
 
+import errno
 import os
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from pipeline.broker.storage.identity import SegmentKeys
+from pipeline.broker.storage.replace import write_replacement
 from pipeline.wire import fileops, layouts
 from pipeline.wire.errors import DiskFullError, DurabilityError, StoreReadError
 from pipeline.wire.layouts import (
@@ -51,7 +53,7 @@ __all__ = ["JournalReading", "SegmentJournal", "journal_path", "journal_seed", "
 # Damaged records named one by one in a reading (the count is always whole): a log line,
 # not a dump.
 DAMAGE_NAMED_MAX = 20
-_NO_SPACE = (28, 122)  # ENOSPC, EDQUOT
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 def journal_path(segment_path: str) -> str:
@@ -197,7 +199,6 @@ class SegmentJournal:
 
     @staticmethod
     def _rewrite(path: str, reading: JournalReading, seed: int) -> None:
-        from pipeline.broker.storage.catalog import write_replacement  # the catalog's compaction helper
         parts = [encode_records(JOURNAL_COMPLETED, reading.completed.astype(np.uint64), 0, seed)]
         if reading.data_end is not None:
             parts.append(encode_records(JOURNAL_BOUNDARY, np.array([reading.entry_count], dtype=np.uint64),
