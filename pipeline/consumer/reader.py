@@ -168,11 +168,11 @@ class SegmentReader:
             self._drop(path)
         return len(gone)
 
-    def _completed(self, path: str, seed: int) -> set[int]:
-        """The offsets of `path` its journal completed so far (read on from the last stop).
-        A journal that cannot be read leaves what was read: at worst a stale entry is
-        delivered again, which at-least-once allows."""
-        entry = self._maps[path]
+    @staticmethod
+    def _completed(entry: _Mapping, seed: int) -> set[int]:
+        """The offsets of a mapped segment its journal completed so far (read on from the
+        last stop). A journal that cannot be read leaves what was read: at worst a stale
+        entry is delivered again, which at-least-once allows."""
         while entry.journal_fd >= 0:
             try:
                 data = os.pread(entry.journal_fd, JOURNAL_READ_BYTES, entry.journal_pos)
@@ -212,7 +212,8 @@ class SegmentReader:
             # restarted broker reuses a lane's sequence numbers): map the path afresh.
             self._drop(path)
             return self.read(model, signature, lane, segment_seq, offset, length, item_id, _retried=True)
-        done = state == ENTRY_TOMBSTONE or offset in self._completed(path, journal_seed(model, lane, segment_seq))
+        seed = journal_seed(model, lane, segment_seq)
+        done = state == ENTRY_TOMBSTONE or offset in self._completed(self._maps[path], seed)
         if done and got_length == length and got_id == item_id:
             raise EntryCompletedError(f"{path}: offset {offset}: item {item_id} was completed already")
         if state != ENTRY_LIVE or got_length != length or got_id != item_id or end > len(view):
@@ -274,7 +275,7 @@ class SegmentReader:
             items, offsets, lengths, token_starts = items[inside], offsets[inside], lengths[inside], token_starts[inside]
         headers, ends, good = gather_entry_headers(mapped.words, offsets, len(mapped.view))
         good &= (headers["length"] == lengths) & (headers["item_id"] == items["item_id"])
-        completed = self._completed(path, journal_seed(model, lane, segment_seq))
+        completed = self._completed(mapped, journal_seed(model, lane, segment_seq))
         if completed:  # completed elsewhere: `read` names them
             good &= ~np.fromiter((at in completed for at in offsets.tolist()), dtype=bool, count=offsets.shape[0])
         payload_lens = headers["payload_len"].astype(np.int64)
