@@ -444,16 +444,23 @@ def _descriptor_fields(data: bytes) -> list[tuple[int, int]]:
 # ------------------------------------------------------------------------------ catalog
 
 
-def run_catalog(data: bytes) -> None:
-    """A data directory whose segment catalog is `data`, beside one intact segment (the
-    seed's three entries), opened by the broker's recovery: whatever the catalog says, the
-    store opens, its entries are delivered, and what is wrong is named in the report."""
-    root = os.path.join(SCRATCH.root, "catalog-store")
+def _one_segment_store(name: str) -> tuple[str, str]:
+    """A fresh scratch data directory holding the seed segment of three entries: (its root,
+    the segment's path)."""
+    root = os.path.join(SCRATCH.root, name)
     shutil.rmtree(root, ignore_errors=True)
     segment = os.path.join(root, SEGMENT_PATH)
     os.makedirs(os.path.dirname(segment))
     with open(segment, "wb") as file:
         file.write(SEGMENT_SEEDS[1])
+    return root, segment
+
+
+def run_catalog(data: bytes) -> None:
+    """A data directory whose segment catalog is `data`, beside one intact segment (the
+    seed's three entries), opened by the broker's recovery: whatever the catalog says, the
+    store opens, its entries are delivered, and what is wrong is named in the report."""
+    root, _segment = _one_segment_store("catalog-store")
     with open(os.path.join(root, CATALOG_FILE), "wb") as file:
         file.write(data)
     tier = DiskTier.open(root)
@@ -468,12 +475,7 @@ def run_journal(data: bytes) -> None:
     the scan, by recovery and by a consumer following it: whatever it holds, the store
     opens, no more entries are delivered than the segment holds, and a completion never
     names an offset where no entry starts."""
-    root = os.path.join(SCRATCH.root, "journal-store")
-    shutil.rmtree(root, ignore_errors=True)
-    segment = os.path.join(root, SEGMENT_PATH)
-    os.makedirs(os.path.dirname(segment))
-    with open(segment, "wb") as file:
-        file.write(SEGMENT_SEEDS[1])
+    root, segment = _one_segment_store("journal-store")
     with open(segment + SEGMENT_JOURNAL_SUFFIX, "wb") as file:
         file.write(data)
     report = scan_segment(segment)
