@@ -72,7 +72,7 @@ def encode_records(kind: int, values: np.ndarray, values2: np.ndarray | int, see
     words[:, 0] = JOURNAL_HEAD_WORD_BASE | kind << 48
     words[:, 1] = values
     words[:, 2] = values2
-    words[:, 3] = journal_checksums(words[:, :3], seed)
+    words[:, 3] = journal_checksums(words, seed)
     return words.view(SEGMENT_JOURNAL_DTYPE).reshape(count)
 
 

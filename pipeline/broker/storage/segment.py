@@ -487,7 +487,7 @@ class SegmentFile:
         if fresh is None:  # something to refuse: one by one, naming the offset
             fresh = self._fresh_one_by_one(offsets)
         if fresh.size:
-            self._mark_done(fresh)
+            self._mark_done(fresh)  # NOTE: ufunc.at, as two entries may share a bitmap byte
             if crashpoints.ARMED:
                 crashpoints.hit("tombstone.before_record")
             self.journal.completed(fresh)
