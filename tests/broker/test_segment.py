@@ -476,3 +476,34 @@ def test_entry_offsets_walks_back_to_back_entries_and_refuses_a_non_entry(tmp_pa
     got, after = segment.entry_offsets(int(offsets[0]), end, 10)  # a recovered run: tombstones skipped
     assert np.array_equal(got, np.concatenate([offsets[:5], offsets[7:12]])) and after == offsets[12]
     segment.close()
+
+
+def test_power_never_writes_into_a_sector_holding_synced_bytes(tmp_path):
+    # Each synced group (of entries, and of journal records) starts on a fresh 4 KiB sector:
+    # a sector being written when the power goes can then only hold unacknowledged bytes.
+    path = str(tmp_path / "p.seg")
+    frame = make_items(30, seed=5)
+    segment = SegmentFile.create(path, KEYS, Durability.POWER)
+    starts, ends = [], []
+    for chunk in np.array_split(np.arange(30), 3):
+        before = np.fromfile(path, dtype=np.uint8)
+        journal_before = np.fromfile(path + ".journal", dtype=np.uint8)
+        at = segment.append(encode_entries(*frame, indices=chunk, producer_id=4))
+        segment.sync()  # readable from here on
+        segment.tombstone_many([at])
+        segment.flush_tombstones()
+        starts.append(at)
+        ends.append(segment.data_end)
+        for old, new in ((before, np.fromfile(path, dtype=np.uint8)),
+                         (journal_before, np.fromfile(path + ".journal", dtype=np.uint8))):
+            synced_end = int(np.flatnonzero(old)[-1]) + 1 if old.any() else 0
+            first_sector_written = synced_end - synced_end % 4096
+            assert np.array_equal(new[first_sector_written:synced_end], old[first_sector_written:synced_end])
+            assert not new[synced_end:-(-synced_end // 4096) * 4096].any()  # nothing after them in their sector
+    assert starts[0] == SEGMENT_HEADER_SIZE_BYTES and all(s % 4096 == 0 and s > e for s, e in zip(starts[1:], ends))
+    offsets, end = segment.entry_offsets(starts[0], ends[-1], 27)  # the walk skips the padding
+    segment.close()
+    report = scan_segment(path)
+    assert report.entry_count == 30 and not report.damaged and not report.torn and report.tombstone_count == 3
+    assert offsets.tolist() == [o for o in report.offsets.tolist() if o not in starts] and end == ends[-1]
+    assert (report.header_entry_count, report.header_data_end) == (30, ends[-1])
