@@ -34,11 +34,10 @@ Completions are kept in memory as a bitmap over the 16-byte entry slots (one bit
 NOTE: version 1 stored a 4-byte tombstone into the shared mapping (a 4-byte pwrite at a
 random offset cost ~40 us, a mapped store nanoseconds), which put acknowledged neighbours at
 risk under power loss. The journal's one pwrite per call of 64 completions measured 576-616
-ns per completion against 545-607 for the mapped stores (best of 5, alternating, 3 pairs,
-/tmp/i17l_tomb.py of the i17l report, load average 2 on 2 shared cores); tools/bench_disk.py
+ns per completion against 545-607 for the mapped stores (SegmentFile.tombstone_many alone,
+best of 5, 3 alternating pairs, load average 2 on 2 shared cores); tools/bench_disk.py
 --quick, 3 alternating pairs at load 2-3.5: append `process` 659-756k items/s against
-618-823k, `power` 99-197k against 90-125k, completions 447-902k/s against 788-1,355k/s
-(noisy: see the report).
+618-823k, `power` 99-197k against 90-125k, completions 447-902k/s against 788-1,355k/s.
 
 Files grow in preallocated steps (posix_fallocate, doubling up to the segment limit):
 writing into allocated, zeroed space keeps appends sequential, and a zero state word marks
