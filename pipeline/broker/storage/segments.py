@@ -13,7 +13,7 @@ was lost from one that was finished.
 Open files are bounded (`open_files_max`): a segment's descriptor and mapping are opened on
 demand and the least recently used are closed, so 100,000 lanes across shapes do not exhaust
 descriptors (SPEC §5). Closing never loses anything: counts live in this process's state and
-in the segment header, which is written through the mapping before it is closed.
+in the segment's journal, which is appended to (never rewritten) before it is closed.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ class SegmentStore:
         self._next_seq: dict[LaneKey, int] = {}
         self._open: OrderedDict[SegmentId, SegmentFile] = OrderedDict()  # LRU, newest last
         self._unsynced: set[SegmentId] = set()
-        self._tombstoned: set[SegmentId] = set()  # `power`: tombstones not yet msync'ed
+        self._tombstoned: set[SegmentId] = set()  # `power`: completions not yet fdatasync'ed
         self._catalog: SegmentCatalog | None = None  # opened by recover() or the first record
         self._recovering = False
         self._quarantined: list[Quarantined] = []  # moved while running, for the broker's log
@@ -296,7 +296,7 @@ class SegmentStore:
         return aged
 
     def tombstone_many(self, segment: SegmentId, offsets: Sequence[int] | np.ndarray) -> int:
-        """Tombstone entries of one segment (state words, then its deleted count once);
+        """Complete entries of one segment (journal records, `SegmentFile.tombstone_many`);
         return how many were live. The segment is deleted whole (a damaged one: moved to
         quarantine/) when it is sealed and nothing in it is live any more."""
         state = self.segments[segment]
@@ -381,7 +381,8 @@ class SegmentStore:
         return self._file(segment).state_at(offset)
 
     def flush_tombstones(self) -> None:
-        """`power`: msync the segments that took tombstones since the last call."""
+        """`power`: fdatasync the journals of the segments that took completions since the
+        last call."""
         for segment in sorted(self._tombstoned):
             self._file(segment).flush_tombstones()
         self._tombstoned.clear()
