@@ -32,11 +32,18 @@ from pipeline.wire.layouts import (
     FRAME_VERSION,
     ITEM_HEADER_DTYPE,
     ITEM_ID_SEQ_BITS,
+    JOURNAL_BOUNDARY,
+    JOURNAL_COMPLETED,
+    JOURNAL_SEALED,
     LANE_ID_LIMIT,
     MODEL_ID_LIMIT,
     SEGMENT_HEADER_DTYPE,
     SEGMENT_HEADER_SIZE_BYTES,
     SEGMENT_IDENTITY_BYTES,
+    SEGMENT_JOURNAL_DTYPE,
+    SEGMENT_JOURNAL_MAGIC,
+    SEGMENT_JOURNAL_SUFFIX,
+    SEGMENT_JOURNAL_VERSION,
     SEGMENT_MAGIC,
     SEGMENT_SEQ_LIMIT,
     SEGMENT_VERSION,
@@ -44,6 +51,8 @@ from pipeline.wire.layouts import (
     descriptor_size_bytes,
     entry_checksum,
     entry_size_bytes,
+    journal_checksums,
+    journal_seed,
     parse_descriptor,
     parse_frame,
     parse_model_dir,
@@ -171,9 +180,19 @@ def test_a_segment_header_reads_back_field_by_field(tmp_path):
     assert (header["model"], header["lane"], header["signature"], header["segment_seq"]) == (
         KEYS.model, KEYS.lane, KEYS.signature, KEYS.segment_seq)
     assert header["identity_checksum"] == xxhash.xxh3_64_intdigest(raw[:SEGMENT_IDENTITY_BYTES].tobytes())
-    assert (header["sealed"], header["entry_count"], header["deleted_count"], header["data_end"]) == (1, 2, 1, data_end)
-    assert header["boundary_checksum"] == boundary_checksum(2, data_end)
-    assert scan_segment(path).keys == KEYS and scan_segment(path).counts_agree
+    # Version 2: the words after the identity keep their creation values (an empty segment's
+    # boundary); the seal, the boundary and the completion are journal records.
+    assert (header["sealed"], header["entry_count"], header["deleted_count"], header["data_end"]) == (
+        0, 0, 0, SEGMENT_HEADER_SIZE_BYTES)
+    assert header["boundary_checksum"] == boundary_checksum(0, SEGMENT_HEADER_SIZE_BYTES)
+    records = np.fromfile(path + SEGMENT_JOURNAL_SUFFIX, dtype=SEGMENT_JOURNAL_DTYPE)
+    assert [(int(r["kind"]), int(r["value"]), int(r["value2"])) for r in records] == [
+        (JOURNAL_BOUNDARY, 2, data_end), (JOURNAL_COMPLETED, at, 0), (JOURNAL_SEALED, 2, 0)]
+    assert (records["magic"] == SEGMENT_JOURNAL_MAGIC).all() and (records["version"] == SEGMENT_JOURNAL_VERSION).all()
+    seed = journal_seed(KEYS.model, KEYS.lane, KEYS.segment_seq)
+    words = records.view("<u8").reshape(-1, 4)
+    assert (journal_checksums(words[:, :3], seed) == words[:, 3]).all()
+    assert scan_segment(path).keys == KEYS and scan_segment(path).counts_agree and scan_segment(path).sealed
 
 
 def test_an_entry_header_reads_back_field_by_field_through_every_reader(tmp_path):

@@ -79,7 +79,7 @@ def make_group_frame(producer: int, first_seq: int, count: int, rng: np.random.G
     tokens = rng.integers(0, 50_000, count * ITEM_TOKENS, dtype=np.int32)
     token_starts = np.arange(count + 1, dtype=np.int64) * ITEM_TOKENS
     return Frame(producer, items, tokens, token_starts, np.zeros(0, dtype=np.uint8),
-                 np.zeros(count + 1, dtype=np.int64))
+                 np.zeros(count + 1, dtype=np.int64), np.zeros(0, dtype=np.uint8))
 
 
 @dataclass(slots=True)

@@ -176,8 +176,8 @@ def _markdown(steps: tuple[int, ...], tables: dict[str, list[dict[str, Any]]], r
         table(header, rows), "",
         "What keeps it flat (`pipeline/broker/storage/queues.py`): a lane keeps the offsets of its first "
         "`HOT_ENTRIES_MAX` queued entries in memory and the rest as one record per segment, read back from the file "
-        "when dispatch reaches them; a segment's pages are mapped when a peek reaches them, not when appended "
-        "(`segment.py`, `POPULATE_AHEAD_BYTES`)."])
+        "when dispatch reaches them; a segment's pages are mapped when a peek reads them, not when appended "
+        "(`segment.py`)."])
 
 
 def _plot(tables: dict[str, list[dict[str, Any]]]):

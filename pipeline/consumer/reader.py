@@ -10,6 +10,10 @@ engine's input.
 gathered and checked as numpy columns, and only the checksum (one xxh3 call) and the token
 view remain per item. An entry that fails a column check goes through `read`, one at a time,
 which remaps a file that changed and raises the error that says what is wrong.
+
+Completions are not in the segment (layout version 2 writes a segment once): they are the
+records of its journal, which the reader follows from where it last stopped (one pread per
+batch of a segment), so an entry completed elsewhere is refused with EntryCompletedError.
 """
 
 from __future__ import annotations
@@ -29,12 +33,15 @@ from pipeline.wire.layouts import (
     ENTRY_HEADER_STRUCT,
     ENTRY_LIVE,
     ENTRY_TOMBSTONE,
+    SEGMENT_JOURNAL_SUFFIX,
     SEGMENTS_DIR,
     TOKEN_DTYPE,
     TOKEN_SIZE_BYTES,
     entry_checksum,
     entry_size_bytes,
     gather_entry_headers,
+    journal_completions,
+    journal_seed,
     segment_relpath,
 )
 
@@ -43,6 +50,8 @@ from pipeline.wire.layouts import (
 DEFAULT_OPEN_MAPS_MAX = 128
 # Segment paths remembered (a few hundred bytes each); the cache restarts when full.
 PATH_CACHE_MAX = 4096
+# Bytes of a journal read per pread while following it: 2,048 records.
+JOURNAL_READ_BYTES = 64 << 10
 
 
 @dataclass(slots=True)
@@ -54,6 +63,9 @@ class _Mapping:
     words: np.ndarray  # uint64, for gathering entry headers
     tokens: np.ndarray  # int32, for slicing token views
     identity: tuple[int, int]  # (st_dev, st_ino) of the file mapped: a deleted one is dropped
+    journal_fd: int = -1  # the segment's journal, followed for completions (-1: none)
+    journal_pos: int = 0  # where the next read of it starts
+    completed: set[int] = field(default_factory=set)  # offsets its journal completed so far
 
 
 @dataclass(slots=True)
@@ -132,7 +144,7 @@ class SegmentReader:
             raise SegmentCorruptError(f"{path}: {len(view)} bytes, but an entry is said to end at {end}")
         entry = self._maps[path] = _Mapping(mapping, view, np.frombuffer(view, dtype=np.uint64, count=len(view) // 8),
                                             np.frombuffer(view, dtype=TOKEN_DTYPE, count=len(view) // TOKEN_SIZE_BYTES),
-                                            (info.st_dev, info.st_ino))
+                                            (info.st_dev, info.st_ino), _open_journal(path))
         while len(self._maps) > self.open_maps_max:
             self._drop(next(iter(self._maps)))
         return entry
@@ -156,8 +168,27 @@ class SegmentReader:
             self._drop(path)
         return len(gone)
 
+    @staticmethod
+    def _completed(entry: _Mapping, seed: int) -> set[int]:
+        """The offsets of a mapped segment its journal completed so far (read on from the
+        last stop). A journal that cannot be read leaves what was read: at worst a stale
+        entry is delivered again, which at-least-once allows."""
+        while entry.journal_fd >= 0:
+            try:
+                data = os.pread(entry.journal_fd, JOURNAL_READ_BYTES, entry.journal_pos)
+            except OSError:
+                break
+            offsets, used = journal_completions(data, seed)
+            entry.completed.update(offsets.tolist())
+            entry.journal_pos += used
+            if not used or len(data) < JOURNAL_READ_BYTES:
+                break
+        return entry.completed
+
     def _drop(self, path: str) -> None:
         entry = self._maps.pop(path)
+        if entry.journal_fd >= 0:
+            os.close(entry.journal_fd)
         mapping = entry.mapping
         del entry  # token views made from it keep the mapping alive until they go
         try:
@@ -181,7 +212,9 @@ class SegmentReader:
             # restarted broker reuses a lane's sequence numbers): map the path afresh.
             self._drop(path)
             return self.read(model, signature, lane, segment_seq, offset, length, item_id, _retried=True)
-        if state == ENTRY_TOMBSTONE and got_length == length and got_id == item_id:
+        seed = journal_seed(model, lane, segment_seq)
+        done = state == ENTRY_TOMBSTONE or offset in self._completed(self._maps[path], seed)
+        if done and got_length == length and got_id == item_id:
             raise EntryCompletedError(f"{path}: offset {offset}: item {item_id} was completed already")
         if state != ENTRY_LIVE or got_length != length or got_id != item_id or end > len(view):
             raise SegmentCorruptError(
@@ -242,6 +275,9 @@ class SegmentReader:
             items, offsets, lengths, token_starts = items[inside], offsets[inside], lengths[inside], token_starts[inside]
         headers, ends, good = gather_entry_headers(mapped.words, offsets, len(mapped.view))
         good &= (headers["length"] == lengths) & (headers["item_id"] == items["item_id"])
+        completed = self._completed(mapped, journal_seed(model, lane, segment_seq))
+        if completed:  # completed elsewhere: `read` names them
+            good &= ~np.fromiter((at in completed for at in offsets.tolist()), dtype=bool, count=offsets.shape[0])
         payload_lens = headers["payload_len"].astype(np.int64)
         if self.verify_checksums and good.any():  # entry_checksum, inlined: one call per entry
             view, digest = mapped.view, xxhash.xxh3_64_intdigest
@@ -278,3 +314,12 @@ class SegmentReader:
     def close(self) -> None:
         for path in list(self._maps):
             self._drop(path)
+
+
+def _open_journal(segment_path: str) -> int:
+    """A read-only descriptor of the segment's journal, -1 if it has none (a segment of
+    another layout version, or one being removed)."""
+    try:
+        return os.open(segment_path + SEGMENT_JOURNAL_SUFFIX, os.O_RDONLY)
+    except OSError:
+        return -1

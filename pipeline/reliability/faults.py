@@ -30,7 +30,9 @@ Owner: the process that installs the layer. Not thread-safe.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
+import json
 import mmap
 import os
 from dataclasses import dataclass, field
@@ -165,13 +167,14 @@ class PowerCut(_Counting):
     """Tracks durable images of the files under `root` and cuts the power at `at_op`."""
 
     def __init__(self, root: str, seed: int, at_op: int | None, mode: str = "mixed", sector_bytes: int = 4096,
-                 exit_process: bool = True) -> None:
+                 exit_process: bool = True, report_path: str | None = None) -> None:
         super().__init__()
         assert mode in POWER_MODES and sector_bytes in SECTOR_SIZES_BYTES, (mode, sector_bytes)
         self.root = os.path.realpath(root)
         self.rng = np.random.default_rng(seed)
         self.at_op, self.mode, self.sector_bytes = at_op, mode, sector_bytes
         self.exit_process = exit_process
+        self.report_path = report_path  # where the cut writes its CutReport (JSON), for the campaign's figures
         self._paths: dict[int, str] = {}  # fd -> path, for files under root
         self._durable: dict[str, _Durable] = {}
         self._pending: list[_NameOp] = []
@@ -263,6 +266,9 @@ class PowerCut(_Counting):
                 report.files += 1
                 self._tear(path, durable.image, report)
         self.report = report
+        if self.report_path is not None:
+            with open(self.report_path, "w") as file:
+                json.dump(dataclasses.asdict(report), file)
         if self.exit_process:
             os._exit(POWER_CUT_EXIT)
         return report

@@ -42,7 +42,7 @@ from pipeline.broker.storage import AppendGroup, DiskTier, Durability, crashpoin
 from pipeline.broker.storage.inspect import verify
 from pipeline.broker.storage.paths import iter_segments
 from pipeline.broker.storage.segment import scan_segment
-from pipeline.wire.layouts import ENTRY_HEADER_SIZE_BYTES, ENTRY_LIVE, make_item_id
+from pipeline.wire.layouts import ENTRY_HEADER_SIZE_BYTES, ENTRY_LIVE, SYNC_ALIGN_BYTES, entry_size_bytes, make_item_id
 
 PRODUCERS = 3
 SHAPES = [(0, 0x51), (0, 0x52), (1, 0x53)]
@@ -314,7 +314,7 @@ def test_kill_9_at_random_moments_long(tmp_path, seed):
 CRASH_POINTS = [
     ("segment.after_write", 0), ("segment.after_write", 40),
     ("commit.after_verify", 3), ("commit.after_advance", 3),
-    ("tombstone.before_count", 0), ("tombstone.before_count", 20),
+    ("tombstone.before_record", 0), ("tombstone.before_record", 20),
     ("delete.before_unlink", 0), ("delete.before_unlink", 2),
     ("rotate.after_seal", 0), ("rotate.after_seal", 3),
     ("create.after_rename", 0), ("create.after_rename", 5),
@@ -332,8 +332,8 @@ def test_crash_at_each_step_boundary(tmp_path, point, skip):
     tier = DiskTier.open(data_dir)
     report = tier.recovery
     tier.close()
-    if point in ("segment.after_write", "tombstone.before_count"):
-        # The header words lag the entries: the scan is authoritative and repairs them.
+    if point == "segment.after_write":
+        # The journal's boundary lags the entries: the scan is authoritative and records its own.
         assert report.repaired_counts, report.summary()
     if point == "delete.before_unlink":
         assert report.deleted, report.summary()  # sealed, all tombstoned: deleted by recovery
@@ -346,9 +346,10 @@ def test_crash_at_each_step_boundary(tmp_path, point, skip):
 
 @pytest.mark.parametrize("point", ["segment.after_write", "sync.before_fdatasync", "sync.after_fdatasync"])
 def test_power_header_words_never_run_ahead_of_the_fdatasync(tmp_path, point):
-    """The header's data_end is the commit boundary that tells corruption from a
-    torn tail; in `power` it must never claim bytes no fdatasync has made durable. A child
-    stores group A (synced), then group B, and dies at `point` before B's commit."""
+    """The journal's boundary (data_end) tells corruption from a torn tail; in `power` it
+    must never claim bytes no fdatasync has made durable. A child stores group A (synced),
+    then group B, and dies at `point` before B's commit. B starts on a fresh sector: no
+    write shares one with A's synced bytes."""
     data_dir = str(tmp_path / "data")
     lane = LaneKey(0, 0x51, LaneId(0))
     pid = os.fork()
@@ -367,7 +368,8 @@ def test_power_header_words_never_run_ahead_of_the_fdatasync(tmp_path, point):
     assert os.WEXITSTATUS(status) == crashpoints.CRASH_EXIT_CODE, point
     (seg,) = iter_segments(data_dir)
     scan = scan_segment(seg.path)
-    group_a_end = int(scan.offsets[10])  # where group B starts
+    group_a_end = int(scan.offsets[9]) + entry_size_bytes(40, 0)
+    assert int(scan.offsets[10]) == -(-group_a_end // SYNC_ALIGN_BYTES) * SYNC_ALIGN_BYTES > group_a_end, point
     assert (scan.header_entry_count, scan.header_data_end) == (10, group_a_end), point
     assert scan.entry_count == 20 and scan.is_damaged is False  # B is whole in the page cache
     # Damage in B's bytes is then a torn tail of an unacknowledged write, never corruption.

@@ -10,7 +10,6 @@ import errno
 import glob
 import os
 import shutil
-import struct
 import subprocess
 
 import numpy as np
@@ -22,9 +21,9 @@ from pipeline.broker.ids import BatchId, ConsumerId, LaneId, LaneKey, ShapeKey
 from pipeline.broker.packing import Contract
 from pipeline.broker.storage import AppendGroup, DiskTier, Durability
 from pipeline.broker.storage.inspect import verify
+from pipeline.broker.storage.journal import SegmentJournal
 from pipeline.broker.storage.paths import iter_segments, segment_path
 from pipeline.broker.storage.queues import StoredSeqs
-from pipeline.broker.storage.scan import boundary_checksum
 from pipeline.broker.storage.segment import scan_segment
 from pipeline.wire.errors import DiskFullError, DurabilityError
 from pipeline.wire.layouts import ENTRY_HEADER_SIZE_BYTES, ProducerId
@@ -191,9 +190,10 @@ def test_torn_tail_of_an_unacknowledged_write_through_recovery(tmp_path):
     path = write_lane(pristine, [6, 7, 5, 8])
     whole = scan_segment(path)
     last, end = int(whole.offsets[-1]), whole.data_end
+    journal, _ = SegmentJournal.reopen(path, whole.keys, durable=False)
+    journal.boundary(3, last)  # the boundary before the last write (the last record is the one read back)
+    journal.close()
     original = np.fromfile(path, dtype=np.uint8)
-    words = struct.pack("<QQ8xQ", 3, last, boundary_checksum(3, last))  # the header before the last write
-    original[72:104] = np.frombuffer(words, dtype=np.uint8)
     content_end = last + int(np.flatnonzero(original[last:end])[-1]) + 1
     work = str(tmp_path / "work")
     for cut in range(last + 1, content_end):  # the write stopped `cut - last` bytes in

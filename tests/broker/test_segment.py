@@ -3,22 +3,13 @@ tails, corruption, truncation, damaged state words and identity blocks, on real 
 
 from __future__ import annotations
 
-import mmap
 import os
-import resource
 
 import numpy as np
 import pytest
 
 from pipeline.broker.storage.scan import SEARCH_FIRST_WINDOW_BYTES, census_segment
-from pipeline.broker.storage.segment import (
-    POPULATE_AHEAD_BYTES,
-    Durability,
-    SegmentFile,
-    SegmentKeys,
-    encode_entries,
-    scan_segment,
-)
+from pipeline.broker.storage.segment import Durability, SegmentFile, SegmentKeys, encode_entries, scan_segment
 from pipeline.wire.errors import SegmentCorruptError, SegmentFormatError
 from pipeline.wire.layouts import ENTRY_HEADER_SIZE_BYTES, ITEM_HEADER_DTYPE, SEGMENT_HEADER_SIZE_BYTES, segment_relpath
 
@@ -109,36 +100,70 @@ def test_bulk_tombstones_and_header_columns_are_checked(tmp_path):
     segment.close()
 
 
-def test_crash_between_tombstone_and_count_is_repaired(tmp_path):
+def test_a_torn_last_journal_record_is_ignored_and_cut_away_at_reopen(tmp_path):
+    # A crash mid-append of a completion record: the completion is lost (a redelivery), the
+    # records before it stand, and reopening writes the journal afresh without the garbage.
     path = str(tmp_path / "c.seg")
     segment, _ = write_segment(path, 5)
     offsets = scan_segment(path).offsets
     segment.tombstone_many([int(offsets[2])])
+    segment.tombstone_many([int(offsets[3])])
     segment.close()
-    # Undo the count only: the state of a crash after the tombstone, before its count.
-    with open(path, "r+b") as file:
-        file.seek(88)
-        file.write((0).to_bytes(8, "little"))
+    journal = np.fromfile(path + ".journal", dtype=np.uint8)
+    journal[-5] ^= 0x40  # the last record's checksum
+    journal.tofile(path + ".journal")
     report = scan_segment(path)
-    assert not report.counts_agree and report.tombstone_count == 1
-    repaired = SegmentFile.reopen(report, Durability.PROCESS)
-    repaired.close()
-    assert scan_segment(path).counts_agree
+    assert report.tombstone_count == 1 and "torn append" in report.journal.torn and not report.journal.damaged
+    assert report.counts_agree and not report.problems()
+    SegmentFile.reopen(report, Durability.PROCESS).close()
+    again = scan_segment(path)
+    assert again.tombstone_count == 1 and not again.journal.torn and again.counts_agree
+
+
+def test_a_damaged_journal_record_before_the_last_is_named_by_offset(tmp_path):
+    path = str(tmp_path / "c.seg")
+    segment, _ = write_segment(path, 5)
+    offsets = scan_segment(path).offsets
+    for offset in offsets[:3].tolist():
+        segment.tombstone_many([offset])
+    segment.close()
+    journal = np.fromfile(path + ".journal", dtype=np.uint8)
+    damaged_at = journal.shape[0] - 2 * 32  # the second completion of three
+    journal[damaged_at + 9] ^= 0x01
+    journal.tofile(path + ".journal")
+    report = scan_segment(path)
+    assert report.journal.damaged == [f"{path}.journal: offset {damaged_at}: journal record fails its checks "
+                                      f"(magic, version, kind or checksum)"]
+    assert report.tombstone_count == 2 and report.boundary_damage and report.is_damaged is False
+    assert any(line.startswith("DAMAGED JOURNAL:") for line in report.problems())
+
+
+def test_completions_leave_the_segment_bytes_as_they_were(tmp_path):
+    # Layout version 2: a segment is written once; completions are journal records only.
+    path = str(tmp_path / "c.seg")
+    segment, _ = write_segment(path, 20)
+    before = np.fromfile(path, dtype=np.uint8)
+    offsets = scan_segment(path).offsets
+    assert segment.tombstone_many(offsets[::2].tolist()) == 10
+    segment.seal()
+    segment.close()
+    assert np.array_equal(np.fromfile(path, dtype=np.uint8), before)
+    report = scan_segment(path)
+    assert report.tombstone_count == 10 and report.sealed and report.counts_agree
+    assert os.path.getsize(path + ".journal") == 32 * (3 + 10 + 1)  # 3 boundaries, 10 completions, the seal
 
 
 def unacknowledged_last_write(path: str, count: int) -> tuple[int, int, np.ndarray]:
     """A segment of `count - 1` acknowledged entries, then one more written but not yet
-    acknowledged: its header words still say `count - 1` (the state a crash right after the
-    pwrite leaves, crash point segment.after_write). Returns (last offset, end, bytes)."""
+    acknowledged: its journal's boundary still says `count - 1` (the state a crash right after
+    the pwrite leaves, crash point segment.after_write). Returns (last offset, end, bytes)."""
     frame = make_items(count)
     segment = SegmentFile.create(path, KEYS, Durability.PROCESS)
     segment.append(encode_entries(*frame, indices=np.arange(count - 1), producer_id=4))
-    header = np.fromfile(path, dtype=np.uint8)[:SEGMENT_HEADER_SIZE_BYTES].copy()
     segment.append(encode_entries(*frame, indices=np.array([count - 1]), producer_id=4))
     segment.close()
+    os.truncate(path + ".journal", 32)  # the second boundary record was never written
     data = np.fromfile(path, dtype=np.uint8)
-    data[64:104] = header[64:104]  # sealed, entry_count, data_end, deleted_count, checksum as before
-    data.tofile(path)
     whole = scan_segment(path)
     return int(whole.offsets[-1]), whole.data_end, data
 
@@ -222,8 +247,8 @@ def test_bit_flip_mid_segment_keeps_every_other_entry(tmp_path):
 
 
 def test_zeroed_state_word_with_a_good_checksum_is_delivered_again(tmp_path):
-    # The state word is the one field the checksum does not cover: a damaged one cannot
-    # say whether the entry was completed, so it is delivered (again) as live.
+    # The state word is the one field the checksum does not cover: a damaged one is
+    # delivered (again) as live, unless the journal says the entry was completed.
     path = str(tmp_path / "f.seg")
     segment, _ = write_segment(path, 10)
     offsets = scan_segment(path).offsets
@@ -231,14 +256,14 @@ def test_zeroed_state_word_with_a_good_checksum_is_delivered_again(tmp_path):
     segment.close()
     data = np.fromfile(path, dtype=np.uint8)
     data[int(offsets[4]):int(offsets[4]) + 4] = 0
-    data[int(offsets[6]) + 1] ^= 0x01  # a tombstone with a flipped bit
+    data[int(offsets[6]) + 1] ^= 0x01  # a completed entry's state word with a flipped bit
     data.tofile(path)
     report = scan_segment(path)
-    assert report.entry_count == 10 and report.live_count == 10 and not report.damaged
-    assert [(r.offset, r.word) for r in report.repaired_states] == [(int(offsets[4]), 0), (int(offsets[6]), 0x424D4E54)]
+    assert report.entry_count == 10 and report.live_count == 9 and not report.damaged
+    assert [(r.offset, r.word) for r in report.repaired_states] == [(int(offsets[4]), 0), (int(offsets[6]), 0x4556484C)]
     SegmentFile.reopen(report, Durability.PROCESS).close()
     again = scan_segment(path)
-    assert not again.repaired_states and again.live_count == 10  # rewritten live
+    assert not again.repaired_states and again.live_count == 9 and again.tombstone_count == 1  # rewritten live
 
 
 def test_zeroed_entry_header_mid_segment_is_damage_and_the_rest_is_kept(tmp_path):
@@ -283,15 +308,13 @@ def test_truncation_at_an_entry_boundary_is_counted_from_the_header(tmp_path):
     assert report.entry_count == 20 and report.lost.entries == 8 and report.lost.item_ids == ()
 
 
-def test_header_words_past_the_file_with_nothing_missing_are_not_a_loss(tmp_path):
-    # The header's data_end is a hint with no checksum: a damaged word alone (its entry count
-    # agreeing with the entries) makes the counts disagree, not a loss.
+def test_a_boundary_past_the_file_with_nothing_missing_is_not_a_loss(tmp_path):
+    # A boundary whose entry count agrees with the entries but whose data_end runs past the
+    # file: only the end word is wrong, so the counts disagree; nothing is lost.
     path = str(tmp_path / "w.seg")
     segment, _ = write_segment(path, 5)
+    segment.journal.boundary(5, 1 << 40)
     segment.close()
-    with open(path, "r+b") as file:
-        file.seek(80)
-        file.write((1 << 40).to_bytes(8, "little"))
     report = scan_segment(path)
     assert report.lost is None and not report.damaged and not report.counts_agree
 
@@ -389,79 +412,27 @@ def test_file_grows_past_its_first_allocation(tmp_path):
 
 
 
-def _skip_without_populate() -> None:
-    probe = mmap.mmap(-1, 4096)
-    try:
-        probe.madvise(23, 0, 4096)
-    except OSError:
-        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
-    finally:
-        probe.close()
-
-
-def _tombstone_faults(segment: SegmentFile, offsets: np.ndarray) -> int:
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    assert segment.tombstone_many(offsets.tolist()) == offsets.shape[0]
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-
-
-def test_peeked_pages_are_mapped_before_their_tombstones(tmp_path):
-    # The broker tombstones through its mapping: a peek maps the pages from its entries on
-    # (MADV_POPULATE_WRITE), so a batch's tombstones cost no page fault per 4 KiB page.
-    _skip_without_populate()
-    path = str(tmp_path / "f.seg")
-    frame = make_items(600, seed=3)  # ~250 KiB of entries: about 60 pages
-    segment = SegmentFile.create(path, KEYS, Durability.PROCESS)
-    segment.append(encode_entries(*frame, indices=np.arange(600), producer_id=4))
-    offsets = scan_segment(path).offsets
-    pages = (int(offsets[-1]) - int(offsets[0])) // 4096
-    assert pages >= 40
-    segment.tombstone_many(offsets[:1].tolist())  # numpy's own first-use faults, out of the count
-    segment.entry_header_columns(offsets[1:2])  # the peek of the next batch
-    faults = _tombstone_faults(segment, offsets[1:])
-    segment.close()
-    assert faults < pages // 4, f"{faults} page faults for tombstones over {pages} pages"
-
-
-def test_an_append_maps_nothing_and_a_peek_maps_only_so_far_ahead(tmp_path):
-    # A deep backlog must not sit in the broker's RSS (issue 16): appended pages are mapped
-    # only once a peek reaches them, and then POPULATE_AHEAD_BYTES past its last entry.
-    _skip_without_populate()
-    path = str(tmp_path / "f.seg")
-    frame = make_items(8000, seed=4)  # ~3.3 MiB of entries
-    segment = SegmentFile.create(path, KEYS, Durability.PROCESS)
-    segment.append(encode_entries(*frame, indices=np.arange(8000), producer_id=4))
-    offsets = scan_segment(path).offsets
-    segment.tombstone_many(offsets[:1].tolist())  # numpy's own first-use faults, out of the count
-    near = offsets[(offsets > offsets[1]) & (offsets < offsets[1] + POPULATE_AHEAD_BYTES - 8192)]
-    far = offsets[offsets > offsets[1] + POPULATE_AHEAD_BYTES + 8192]
-    unmapped = _tombstone_faults(segment, far[:400:20])  # 20 entries, far apart: not mapped by the append
-    segment.entry_header_columns(offsets[1:2])
-    assert _tombstone_faults(segment, near[::10]) < 5  # within the window: mapped by the peek
-    beyond = _tombstone_faults(segment, far[400::40][:20])  # past it: not mapped
-    segment.close()
-    assert unmapped >= 15 and beyond >= 15, (unmapped, beyond)
-
-
 def test_a_flipped_boundary_word_cannot_turn_damage_into_a_torn_tail(tmp_path):
-    # data_end tells corruption from a torn tail; it carries a checksum with entry_count, so
-    # a flipped bit there makes every bad byte count as acknowledged damage instead.
+    # data_end tells corruption from a torn tail; journal records carry checksums, so a
+    # flipped bit in a boundary record before the last makes every bad byte count as
+    # acknowledged damage instead.
     path = str(tmp_path / "b.seg")
     segment, frame = write_segment(path, 10)
     segment.close()
     whole = scan_segment(path)
     data = np.fromfile(path, dtype=np.uint8)
-    data[int(whole.offsets[7]) + 90] ^= 0x08  # damage in entry 7
-    data[81] ^= 0x20  # data_end now points before entry 7 (a torn tail, were it believed)
-    assert int(data[80:88].view("<u8")[0]) < int(whole.offsets[7])
+    data[int(whole.offsets[7]) + 90] ^= 0x08  # damage in entry 7 (of the third group)
     data.tofile(path)
+    journal = np.fromfile(path + ".journal", dtype=np.uint8)
+    journal[32 + 17] ^= 0x20  # the second boundary's data_end: damage before the last record
+    journal.tofile(path + ".journal")
     report = scan_segment(path)
-    assert report.boundary_damage and not report.torn and not report.counts_agree
+    assert report.boundary_damage and not report.torn
     (bad,) = report.damaged
     assert bad.offset == int(whole.offsets[7]) and bad.item_id == int(frame[0]["item_id"][7])
-    SegmentFile.reopen(report, Durability.PROCESS).close()  # rewritten with a good checksum
+    SegmentFile.reopen(report, Durability.PROCESS).close()  # the damaged record stays, as evidence
     again = scan_segment(path)
-    assert not again.boundary_damage and [r.offset for r in again.damaged] == [bad.offset] and again.counts_agree
+    assert again.boundary_damage and [r.offset for r in again.damaged] == [bad.offset]
 
 
 def test_resync_past_damage_longer_than_a_search_window(tmp_path):
@@ -505,3 +476,34 @@ def test_entry_offsets_walks_back_to_back_entries_and_refuses_a_non_entry(tmp_pa
     got, after = segment.entry_offsets(int(offsets[0]), end, 10)  # a recovered run: tombstones skipped
     assert np.array_equal(got, np.concatenate([offsets[:5], offsets[7:12]])) and after == offsets[12]
     segment.close()
+
+
+def test_power_never_writes_into_a_sector_holding_synced_bytes(tmp_path):
+    # Each synced group (of entries, and of journal records) starts on a fresh 4 KiB sector:
+    # a sector being written when the power goes can then only hold unacknowledged bytes.
+    path = str(tmp_path / "p.seg")
+    frame = make_items(30, seed=5)
+    segment = SegmentFile.create(path, KEYS, Durability.POWER)
+    starts, ends = [], []
+    for chunk in np.array_split(np.arange(30), 3):
+        before = np.fromfile(path, dtype=np.uint8)
+        journal_before = np.fromfile(path + ".journal", dtype=np.uint8)
+        at = segment.append(encode_entries(*frame, indices=chunk, producer_id=4))
+        segment.sync()  # readable from here on
+        segment.tombstone_many([at])
+        segment.flush_tombstones()
+        starts.append(at)
+        ends.append(segment.data_end)
+        for old, new in ((before, np.fromfile(path, dtype=np.uint8)),
+                         (journal_before, np.fromfile(path + ".journal", dtype=np.uint8))):
+            synced_end = int(np.flatnonzero(old)[-1]) + 1 if old.any() else 0
+            first_sector_written = synced_end - synced_end % 4096
+            assert np.array_equal(new[first_sector_written:synced_end], old[first_sector_written:synced_end])
+            assert not new[synced_end:-(-synced_end // 4096) * 4096].any()  # nothing after them in their sector
+    assert starts[0] == SEGMENT_HEADER_SIZE_BYTES and all(s % 4096 == 0 and s > e for s, e in zip(starts[1:], ends))
+    offsets, end = segment.entry_offsets(starts[0], ends[-1], 27)  # the walk skips the padding
+    segment.close()
+    report = scan_segment(path)
+    assert report.entry_count == 30 and not report.damaged and not report.torn and report.tombstone_count == 3
+    assert offsets.tolist() == [o for o in report.offsets.tolist() if o not in starts] and end == ends[-1]
+    assert (report.header_entry_count, report.header_data_end) == (30, ends[-1])

@@ -5,15 +5,17 @@ quarantined once it is done)."""
 from __future__ import annotations
 
 import os
-import struct
 
 import numpy as np
+import pytest
+import xxhash
 
 from pipeline.broker.ids import LaneId, LaneKey
+from pipeline.broker.storage.journal import SegmentJournal
 from pipeline.broker.storage.paths import QUARANTINE_DIR, iter_segments
-from pipeline.broker.storage.scan import boundary_checksum
 from pipeline.broker.storage.segment import Durability, encode_entries, scan_segment
 from pipeline.broker.storage.segments import SegmentStore
+from pipeline.wire.errors import SegmentFormatError
 from pipeline.wire.layouts import SEGMENT_HEADER_SIZE_BYTES
 from tests.broker.test_segment import make_items
 
@@ -109,12 +111,13 @@ def test_recovery_salvages_corruption_and_keeps_torn_tails(tmp_path):
         file.seek(int(offsets[3]) + 100)
         file.write(bytes([byte[0] ^ 0xFF]))
     # A torn tail: the last entry's write never finished and was never acknowledged (its
-    # header words still say 39 entries, crash point segment.after_write).
+    # journal's boundary still says 39 entries, crash point segment.after_write).
     last_torn = scan_segment(torn)
     last = int(last_torn.offsets[-1])
+    journal, _ = SegmentJournal.reopen(torn, last_torn.keys, durable=False)
+    journal.boundary(39, last)  # the last boundary record is the one read back
+    journal.close()
     with open(torn, "r+b") as file:
-        file.seek(72)
-        file.write(struct.pack("<QQ8xQ", 39, last, boundary_checksum(39, last)))
         file.seek(last + 70)
         file.write(bytes(last_torn.data_end - last - 70))
     torn_bytes = open(torn, "rb").read()[SEGMENT_HEADER_SIZE_BYTES:]
@@ -186,3 +189,19 @@ def test_damaged_segment_with_nothing_left_to_deliver_is_quarantined_by_recovery
     assert os.path.exists(moved.moved_to) and not os.path.exists(state.path) and not report.deleted
     assert report.damage_counts()["entries_damaged"] == 1 and report.damage_counts()["segments_quarantined"] == 1
     assert f"QUARANTINED: {state.path}" in report.summary()
+
+
+def test_a_segment_of_the_old_layout_stops_recovery_with_one_clear_error(tmp_path):
+    # Layout version 1 rewrote tombstones and header words in place; there is no migration,
+    # and quarantining its intact entries would take them from delivery: recovery refuses.
+    store = SegmentStore(str(tmp_path))
+    fill(store, groups=2)
+    path = next(iter(store.segments.values())).path
+    store.close()
+    data = bytearray(open(path, "rb").read())
+    data[8:12] = (1).to_bytes(4, "little")
+    data[48:56] = xxhash.xxh3_64_intdigest(bytes(data[:48])).to_bytes(8, "little")  # an intact version-1 block
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(SegmentFormatError, match="layout version 1; this broker reads version 2 only and does not migrate"):
+        SegmentStore(str(tmp_path)).recover()
+    assert os.path.exists(path)  # left where it is

@@ -17,6 +17,7 @@ from click.testing import CliRunner
 
 from pipeline.broker.storage import DiskTier
 from pipeline.broker.storage.inspect import verify
+from pipeline.broker.storage.journal import SegmentJournal
 from pipeline.broker.storage.paths import make_dirs, segment_path
 from pipeline.broker.storage.segment import Durability, SegmentFile, SegmentKeys, encode_entries, scan_segment
 from pipeline.broker.storage.segments import SegmentStore
@@ -142,9 +143,9 @@ def test_torn_tail_is_a_note_not_a_failure(tmp_path):
 
 def test_verify_reports_counts_that_disagree(tmp_path):
     paths = build_store(str(tmp_path))
-    with open(paths[0], "r+b") as file:
-        file.seek(88)
-        file.write((3).to_bytes(8, "little"))  # deleted count says 3, no entry is tombstoned
+    journal, _ = SegmentJournal.reopen(paths[0], scan_segment(paths[0]).keys, durable=False)
+    journal.completed(np.array([4096 + 8]))  # a completion where no entry starts
+    journal.close()
     code, report = run_verify(str(tmp_path))
     assert code == 1 and any("deleted" in p for p in report["problems"])
 
@@ -223,7 +224,7 @@ def test_what_another_user_cannot_read_is_a_one_line_error(locked):
             for name in [".", *dirs]:
                 os.chmod(os.path.join(root, name), 0o755)
         catalog = os.path.join(data_dir, CATALOG_FILE)
-        for path in [*paths, catalog]:
+        for path in [*paths, *(p + ".journal" for p in paths), catalog]:
             os.chmod(path, 0o644)
         # Owned by root, owner-only: user nobody can neither list the one nor read the others.
         os.chmod({"segments": os.path.join(data_dir, "segments"), "segment file": paths[1],

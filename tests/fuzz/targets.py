@@ -33,6 +33,7 @@ from pipeline.broker.dispatch import Dispatcher
 from pipeline.broker.storage import DiskTier
 from pipeline.broker.storage.catalog import encode_record
 from pipeline.broker.storage.identity import SegmentKeys, boundary_checksum, identity_bytes
+from pipeline.broker.storage.journal import encode_records as encode_journal
 from pipeline.broker.storage.scan import census_segment, scan_segment
 from pipeline.broker.storage.segment import encode_entries
 from pipeline.consumer.reader import SegmentReader
@@ -72,15 +73,23 @@ from pipeline.wire.layouts import (
     FRAME_VERSION,
     ITEM_HEADER_DTYPE,
     ITEM_HEADER_SIZE_BYTES,
+    JOURNAL_BOUNDARY,
+    JOURNAL_COMPLETED,
+    JOURNAL_RECORD_SIZE_BYTES,
+    JOURNAL_SEALED,
     SEGMENT_BOUNDARY_CHECKSUM,
     SEGMENT_DATA_END,
     SEGMENT_ENTRY_COUNT,
     SEGMENT_HEADER_DTYPE,
     SEGMENT_HEADER_SIZE_BYTES,
+    SEGMENT_JOURNAL_DTYPE,
+    SEGMENT_JOURNAL_SUFFIX,
     SEGMENTS_DIR,
+    SYNC_ALIGN_BYTES,
     descriptor_size_bytes,
     encode_chains,
     frame_size_bytes,
+    journal_seed,
     make_item_id,
     parse_descriptor,
     parse_frame,
@@ -435,16 +444,23 @@ def _descriptor_fields(data: bytes) -> list[tuple[int, int]]:
 # ------------------------------------------------------------------------------ catalog
 
 
-def run_catalog(data: bytes) -> None:
-    """A data directory whose segment catalog is `data`, beside one intact segment (the
-    seed's three entries), opened by the broker's recovery: whatever the catalog says, the
-    store opens, its entries are delivered, and what is wrong is named in the report."""
-    root = os.path.join(SCRATCH.root, "catalog-store")
+def _one_segment_store(name: str) -> tuple[str, str]:
+    """A fresh scratch data directory holding the seed segment of three entries: (its root,
+    the segment's path)."""
+    root = os.path.join(SCRATCH.root, name)
     shutil.rmtree(root, ignore_errors=True)
     segment = os.path.join(root, SEGMENT_PATH)
     os.makedirs(os.path.dirname(segment))
     with open(segment, "wb") as file:
         file.write(SEGMENT_SEEDS[1])
+    return root, segment
+
+
+def run_catalog(data: bytes) -> None:
+    """A data directory whose segment catalog is `data`, beside one intact segment (the
+    seed's three entries), opened by the broker's recovery: whatever the catalog says, the
+    store opens, its entries are delivered, and what is wrong is named in the report."""
+    root, _segment = _one_segment_store("catalog-store")
     with open(os.path.join(root, CATALOG_FILE), "wb") as file:
         file.write(data)
     tier = DiskTier.open(root)
@@ -452,6 +468,48 @@ def run_catalog(data: bytes) -> None:
         assert tier.recovery.live_entries == 3, tier.recovery.summary()
     finally:
         tier.close()
+
+
+def run_journal(data: bytes) -> None:
+    """A segment's journal (`data`) beside the intact seed segment of three entries, read by
+    the scan, by recovery and by a consumer following it: whatever it holds, the store
+    opens, no more entries are delivered than the segment holds, and a completion never
+    names an offset where no entry starts."""
+    root, segment = _one_segment_store("journal-store")
+    with open(segment + SEGMENT_JOURNAL_SUFFIX, "wb") as file:
+        file.write(data)
+    report = scan_segment(segment)
+    assert report.entry_count == 3 and report.live_count + report.tombstone_count == 3, report.problems()
+    tier = DiskTier.open(root)
+    try:
+        assert tier.recovery.live_entries == report.live_count, tier.recovery.summary()
+    finally:
+        tier.close()
+    reader = SegmentReader(root)
+    try:
+        got = reader.read_batch(SEGMENT_KEYS.model, SEGMENT_KEYS.signature, SEGMENT_ITEMS[1])
+        assert len(got.item_ids) + len(got.failed) == 3
+    finally:
+        reader.close()
+
+
+_JOURNAL_SEED_KEY = journal_seed(SEGMENT_KEYS.model, SEGMENT_KEYS.lane, SEGMENT_KEYS.segment_seq)
+JOURNAL_SEEDS = [
+    b"".join(records.tobytes() for records in [
+        encode_journal(JOURNAL_BOUNDARY, np.array([3], dtype=np.uint64), len(SEGMENT_SEEDS[1]) - 256, _JOURNAL_SEED_KEY),
+        encode_journal(JOURNAL_COMPLETED, SEGMENT_OFFSETS[1][:2].astype(np.uint64), 0, _JOURNAL_SEED_KEY)]),
+    encode_journal(JOURNAL_COMPLETED, SEGMENT_OFFSETS[1][2:].astype(np.uint64), 0, _JOURNAL_SEED_KEY).tobytes()
+    + bytes(SYNC_ALIGN_BYTES - 32) + encode_journal(JOURNAL_SEALED, np.array([3], dtype=np.uint64), 0,
+                                                    _JOURNAL_SEED_KEY).tobytes(),
+]
+
+
+def _journal_fields(data: bytes) -> list[tuple[int, int]]:
+    out = []
+    for at in range(0, len(data) - JOURNAL_RECORD_SIZE_BYTES + 1, JOURNAL_RECORD_SIZE_BYTES):
+        if any(data[at:at + JOURNAL_RECORD_SIZE_BYTES]):
+            out += dtype_fields(SEGMENT_JOURNAL_DTYPE, at)
+    return out
 
 
 _CATALOG_KEYS = [SEGMENT_KEYS, SegmentKeys(0, 0x5EED, 1, 2), SegmentKeys(3, 0x77, 0, 0)]
@@ -589,6 +647,9 @@ TARGETS: dict[str, Target] = {
                     [_frame_fields(s) for s in FRAME_SEEDS]),
     # Recovery holds the store's bookkeeping and a compacted catalog: a fixed cost.
     "catalog": Target("catalog", run_catalog, CATALOG_SEEDS, (), [_catalog_fields(s) for s in CATALOG_SEEDS],
+                      fixed_bytes=4 << 20),
+    # Recovery of a one-segment store and a consumer's reader: a fixed cost, like the catalog's.
+    "journal": Target("journal", run_journal, JOURNAL_SEEDS, (), [_journal_fields(s) for s in JOURNAL_SEEDS],
                       fixed_bytes=4 << 20),
     "control": Target("control", run_control, CONTROL_SEEDS, (ProtocolError, BadInputError),
                       [_length_prefix_fields(s) for s in CONTROL_SEEDS], per_input_byte=64, text=True),

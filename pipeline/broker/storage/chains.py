@@ -37,7 +37,7 @@ import numpy as np
 import xxhash
 
 from pipeline.broker.ids import ShapeKey
-from pipeline.broker.storage.catalog import preallocate, write_replacement
+from pipeline.broker.storage.replace import preallocate, write_replacement
 from pipeline.wire import fileops
 from pipeline.wire.errors import DiskFullError, DurabilityError, StoreReadError
 from pipeline.wire.fileops import errno_text

@@ -16,9 +16,9 @@ dispatchable as soon as the write returned (the page cache survives kill -9 of a
 A full disk raises DiskFullError with nothing recorded as stored; fsync failing raises
 DurabilityError, which is fatal.
 
-Completion tombstones each entry in place through the segment's shared mapping, then its
-deleted count (`SegmentStore.tombstone_many`); a sealed segment with nothing live left is
-deleted whole.
+Completion records each entry in its segment's journal (`SegmentStore.tombstone_many`,
+`journal.py`: a segment is never written in place); a sealed segment with nothing live left
+is deleted whole, with its journal.
 
 Queued entries cost 8 bytes each in memory (their offsets, per segment run: see
 `queues`); everything else dispatch needs (item id, lengths, producer, seq, submit time) is
@@ -27,8 +27,8 @@ read back from the entry header in the mapped segment at peek time.
 Recovery (`open`): `SegmentStore.recover()` scans every segment and salvages every whole,
 checksummed entry past any damage (`scan.py`), names and counts what cannot be delivered
 (damaged ranges, truncation, missing segments per the catalog, quarantined files, strays),
-repairs header words, deletes finished segments; then every lane's queue is rebuilt from
-the live entries in segment sequence order, file order within a segment; the (lane,
+records the scan's boundaries, deletes finished segments; then every lane's queue is
+rebuilt from the live entries in segment sequence order, file order within a segment; the (lane,
 lengths) lists go to the dispatcher once (`take_recovered_lanes`) and every live entry's
 (producer, seq) to the idempotent-ingest check (`queues.StoredSeqs`). The report stays in
 `tier.recovery` (`summary()` for the log, `damage_counts()` for status and the run report);
@@ -215,7 +215,7 @@ class DiskTier(QueuedTier):
 
     def flush(self) -> None:
         """Group commit: fdatasync every segment that took appends (`power`; DurabilityError
-        is fatal), msync tombstones (`power`), then staged entries become dispatchable. Also
+        is fatal), fdatasync the journals of completed entries (`power`), then staged entries become dispatchable. Also
         seals segments past the age limit, at most once per AGE_CHECK_INTERVAL_S."""
         store = self._store
         store.sync()

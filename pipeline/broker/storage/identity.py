@@ -112,9 +112,16 @@ def establish_identity(header: bytes | memoryview, path: str, name_keys: Segment
 
 def _foreign_version(header: bytes | memoryview) -> bool:
     """An intact identity block of another format version: not damage, a format we cannot read."""
+    return foreign_version(header) is not None
+
+
+def foreign_version(header: bytes | memoryview) -> int | None:
+    """The layout version of an intact identity block of another version, else None."""
+    if len(header) < SEGMENT_IDENTITY_BYTES + 8:
+        return None
     magic, version, _size, *_rest, checksum = _IDENTITY.unpack_from(header, 0)
     intact = xxhash.xxh3_64_intdigest(bytes(header[:SEGMENT_IDENTITY_BYTES])) == checksum
-    return intact and magic == SEGMENT_MAGIC and version != SEGMENT_VERSION
+    return int(version) if intact and magic == SEGMENT_MAGIC and version != SEGMENT_VERSION else None
 
 
 def name_keys_of(path: str) -> SegmentKeys | None:

@@ -91,6 +91,9 @@ def dump_segment(path: str, max_entries: int | None = None) -> dict:
             "deleted_count": report.header_deleted_count,
             "data_end": report.header_data_end,
         },
+        "journal": None if report.journal is None else {  # what the header words were in layout version 1
+            "path": report.journal.path, "records": report.journal.records, "torn": report.journal.torn,
+            "damaged": report.journal.damaged, "damaged_records": report.journal.damaged_records},
         "scanned": _scan_summary(report),
         "entries": entries,
     }
@@ -114,7 +117,7 @@ def _scan_summary(report: ScanReport) -> dict:
 
 
 def tombstone_rows(data_dir: str) -> list[dict]:
-    """Per segment: live, tombstoned, the header's deleted count, and whether they agree."""
+    """Per segment: live, completed, the journal's completion count, and whether they agree."""
     rows = []
     for seg in _listing(data_dir).segments:
         try:
@@ -271,9 +274,9 @@ def _verify_segment(seg: SegmentPath, result: VerifyResult, live_ids: Counter, v
         result.counts["torn_tails"] += 1
     if not report.counts_agree:
         result.problems.append(
-            f"{seg.path}: header says {report.header_entry_count} entries / {report.header_deleted_count} "
+            f"{seg.path}: its journal says {report.header_entry_count} entries / {report.header_deleted_count} "
             f"deleted / data to {report.header_data_end}, the scan accounts for {report.accounted_entries} / "
-            f"{report.tombstone_count} / {report.boundary} (recovery rewrites the header words)"
+            f"{report.tombstone_count} / {report.boundary} (recovery records the scan's boundary)"
         )
 
 

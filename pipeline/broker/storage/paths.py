@@ -10,6 +10,9 @@
             l{lane:04d}-{seq:010d}.seg       one file per (lane, segment sequence)
             l....-.........seg.creating      a segment being created (renamed to .seg once its
                                              header is written; recovery removes leftovers)
+            l....-.........seg.journal       the segment's journal: completions, boundary, seal
+                                             (journal.py; one left without its segment is a
+                                             crash's leftover, removed by recovery)
       quarantine/                            evidence, never deleted by us (an operator clears it)
         m.../s.../l...-....seg[.N]           a segment moved out of segments/ with the same
                                              relative path: its identity could not be
@@ -34,6 +37,7 @@ from pipeline.wire.layouts import (
     CATALOG_FILE,
     LANE_ID_LIMIT,
     MODEL_ID_LIMIT,
+    SEGMENT_JOURNAL_SUFFIX,
     SEGMENTS_DIR,
     parse_model_dir,
     parse_segment_file,
@@ -80,10 +84,12 @@ class Stray:
 
 @dataclass(slots=True)
 class StoreListing:
-    """One walk of segments/: segments in name order, interrupted creates, strays."""
+    """One walk of segments/: segments in name order, interrupted creates, journals whose
+    segment is gone, strays."""
 
     segments: list[SegmentPath] = field(default_factory=list)
     creating: list[str] = field(default_factory=list)
+    orphan_journals: list[str] = field(default_factory=list)
     strays: list[Stray] = field(default_factory=list)
 
 
@@ -136,13 +142,20 @@ def list_store(root: str) -> StoreListing:
             if signature is None or not _is_dir(shape_entry):
                 listing.strays.append(_stray(shape_entry, "not a shape directory (s + 16 hex digits)"))
                 continue
-            for entry in _entries(shape_entry.path):
-                _classify_file(entry, model, signature, listing)
+            entries = _entries(shape_entry.path)
+            names = {entry.name for entry in entries}
+            for entry in entries:
+                _classify_file(entry, model, signature, listing, names)
     return listing
 
 
-def _classify_file(entry: os.DirEntry, model: int, signature: int, listing: StoreListing) -> None:
+def _classify_file(entry: os.DirEntry, model: int, signature: int, listing: StoreListing, names: set[str]) -> None:
     name = entry.name
+    if name.endswith(SEGMENT_JOURNAL_SUFFIX) and entry.is_file(follow_symlinks=False) and parse_segment_file(
+            name[: -len(SEGMENT_JOURNAL_SUFFIX)]) is not None:
+        if name[: -len(SEGMENT_JOURNAL_SUFFIX)] not in names:
+            listing.orphan_journals.append(entry.path)
+        return
     creating = name.endswith(CREATING_SUFFIX)
     parsed = parse_segment_file(name[: -len(CREATING_SUFFIX)] if creating else name)
     if parsed is None or not entry.is_file(follow_symlinks=False):

@@ -87,8 +87,9 @@ class MissingSegment:
 class RecoveryReport:
     """What recovery did (module docstring). `segments` are the segments kept (with live
     entries); `deleted` sealed segments found with nothing live; `repaired_counts` segments
-    whose header words disagreed with their entries (now rewritten); `adopted` segments on
-    disk the catalog did not hold (a crash between a create and its record)."""
+    whose journal's boundary disagreed with their entries (the scan's now recorded);
+    `adopted` segments on disk the catalog did not hold (a crash between a create and its
+    record)."""
 
     segments: list[RecoveredSegment] = field(default_factory=list)
     damaged: list[DamagedRange] = field(default_factory=list)

@@ -11,8 +11,13 @@ anything else is a bad range, and the scan resynchronises at the next 16-aligned
 holds a whole, checksummed entry and walks on. So one damaged entry costs that entry, never
 the entries around it.
 
-Each bad range is judged against the header's `data_end`, the commit boundary: the broker
-moves it only once the bytes below it are written (`process`) or fdatasync'ed (`power`).
+Each bad range is judged against the commit boundary, the last BOUNDARY record of the
+segment's journal (`journal.py`; the header's creation words when it holds none): the broker
+records it only once the bytes below it are written (`process`) or fdatasync'ed (`power`).
+Completions are the journal's COMPLETED records: the report's headers read ENTRY_TOMBSTONE
+for them (the state word in the file stays live, layout version 2). Zeros from the end of a
+group to the next SYNC_ALIGN_BYTES boundary followed by a whole entry there are the padding
+of `power` (see `pipeline.broker.storage.segment`), not damage.
 
     bad bytes below data_end     -> DamagedRange: acknowledged entries damaged on disk
     bad bytes at or past it      -> TornRange: a write that was never acknowledged
@@ -44,6 +49,7 @@ from pipeline.broker.storage.identity import (  # re-exported: the scan's caller
     name_keys_of,
     read_identity,
 )
+from pipeline.broker.storage.journal import JournalReading, read_journal
 from pipeline.wire import layouts
 from pipeline.wire.errors import SegmentFormatError
 from pipeline.wire.layouts import (
@@ -55,6 +61,7 @@ from pipeline.wire.layouts import (
     ENTRY_TOMBSTONE,
     SEGMENT_ENTRY_COUNT,
     SEGMENT_HEADER_SIZE_BYTES,
+    SYNC_ALIGN_BYTES,
     entry_checksum,
     entry_size_bytes,
 )
@@ -178,7 +185,9 @@ class ScanReport:
 
     `offsets[i]` and `headers[i]` (ENTRY_HEADER_DTYPE) describe the whole, checksummed
     entries in file order, as they are delivered: an entry in `repaired_states` reads live.
-    `data_end` is the end of the last of them; `header_data_end` the commit boundary.
+    `data_end` is the end of the last of them; `header_data_end` the commit boundary and
+    `header_entry_count` its count, `header_deleted_count` the completions and `sealed` the
+    seal, all from the journal (the names are the version 1 header words they replace).
     `damaged`, `torn` and `lost` name every byte range that is not whole entries (see the
     module docstring); `identity_damage` says why the identity block was salvaged, if it was.
     """
@@ -199,7 +208,8 @@ class ScanReport:
     lost: LostEntries | None = None
     repaired_states: list[RepairedState] = field(default_factory=list)
     identity_damage: str = ""
-    boundary_damage: str = ""  # the (entry_count, data_end) pair fails its checksum
+    boundary_damage: str = ""  # the boundary cannot be trusted (a checksum fails, the journal is damaged)
+    journal: JournalReading | None = None  # what the segment's journal held
 
     @property
     def entry_count(self) -> int:
@@ -261,6 +271,7 @@ class ScanReport:
         """One line per damaged, lost or repaired thing (torn tails are not problems)."""
         lines = [f"DAMAGED HEADER: {self.path}: {self.identity_damage}"] if self.identity_damage else []
         lines += [f"DAMAGED HEADER: {self.path}: {self.boundary_damage}"] if self.boundary_damage else []
+        lines += [f"DAMAGED JOURNAL: {line}" for line in (self.journal.damaged if self.journal else [])]
         lines += [f"DAMAGED: {r.describe()}" for r in self.damaged]
         lines += [] if self.lost is None else [f"LOST: {self.lost.describe()}"]
         lines += [f"STATE WORD: {r.describe()}" for r in self.repaired_states]
@@ -387,6 +398,10 @@ def _salvage_walk(buf: memoryview, size: int) -> _Walk:
         if found:
             walk.offsets += found
             walk.good_end = stop
+        padded = _after_padding(buf, stop, size)
+        if padded is not None:
+            pos = padded
+            continue
         whole = _check_entry(buf, stop, size, check_state=False)[0]
         if whole:  # the checksum holds: only the state word is bad
             walk.repaired.append((len(walk.offsets), ENTRY_STATE.read(buf, stop)))
@@ -401,6 +416,17 @@ def _salvage_walk(buf: memoryview, size: int) -> _Walk:
             return walk
         walk.bad.append((stop, resume))
         pos = resume
+
+
+def _after_padding(buf: memoryview, stop: int, size: int) -> int | None:
+    """The next SYNC_ALIGN_BYTES boundary when [stop, it) is zeros and a whole entry starts
+    there (the padding before a synced group of `power`), else None."""
+    if not stop % SYNC_ALIGN_BYTES or stop + ENTRY_STATE.end > size or ENTRY_STATE.read(buf, stop):
+        return None
+    aligned = -(-stop // SYNC_ALIGN_BYTES) * SYNC_ALIGN_BYTES
+    if aligned >= size or _first_nonzero(buf, stop, aligned) is not None:
+        return None
+    return aligned if _check_entry(buf, aligned, size)[0] else None
 
 
 def _walk_headers(buf: memoryview, start: int, end: int, size: int) -> tuple[int, bool, tuple[int, ...]]:
@@ -541,17 +567,22 @@ def scan_segment(path: str, name_keys: SegmentKeys | None = None, name_confirmed
 
 def _scan_mapped(path: str, buf: memoryview, size: int, keys: SegmentKeys, created_ns: int,
                  identity_damage: str) -> ScanReport:
+    journal = read_journal(path, keys)
     report = ScanReport(
-        path, keys, created_ns, bool(layouts.SEGMENT_SEALED.read(buf)),
-        header_entry_count=SEGMENT_ENTRY_COUNT.read(buf),
-        header_deleted_count=layouts.SEGMENT_DELETED_COUNT.read(buf),
-        header_data_end=layouts.SEGMENT_DATA_END.read(buf),
-        file_size=size, identity_damage=identity_damage,
+        path, keys, created_ns, journal.sealed,
+        header_entry_count=SEGMENT_ENTRY_COUNT.read(buf) if journal.entry_count is None else journal.entry_count,
+        header_deleted_count=int(journal.completed.shape[0]),
+        header_data_end=layouts.SEGMENT_DATA_END.read(buf) if journal.data_end is None else journal.data_end,
+        file_size=size, identity_damage=identity_damage, journal=journal,
     )
     stored = layouts.SEGMENT_BOUNDARY_CHECKSUM.read(buf)
-    if stored and stored != boundary_checksum(report.header_entry_count, report.header_data_end):
-        report.boundary_damage = (f"offset {SEGMENT_ENTRY_COUNT.offset}: entry_count {report.header_entry_count} and "
-                                  f"data_end {report.header_data_end} fail their checksum: every bad byte is "
+    header_count, header_end = SEGMENT_ENTRY_COUNT.read(buf), layouts.SEGMENT_DATA_END.read(buf)
+    if journal.damaged:
+        report.boundary_damage = (f"{journal.damaged_records} journal records damaged (first: {journal.damaged[0]}): "
+                                  f"every bad byte is judged acknowledged")
+    elif journal.data_end is None and stored and stored != boundary_checksum(header_count, header_end):
+        report.boundary_damage = (f"offset {SEGMENT_ENTRY_COUNT.offset}: entry_count {header_count} and "
+                                  f"data_end {header_end} fail their checksum: every bad byte is "
                                   f"judged acknowledged")
     walk = _salvage_walk(buf, size)
     report.data_end = walk.good_end
@@ -573,6 +604,9 @@ def _gather(report: ScanReport, buf: memoryview, walk: _Walk) -> None:
         report.headers["state"][index] = ENTRY_LIVE
         report.repaired_states.append(
             RepairedState(report.path, int(report.offsets[index]), word, int(report.headers["item_id"][index])))
+    if report.journal is not None and report.journal.completed.size and walk.offsets:
+        done = np.isin(report.offsets, report.journal.completed)
+        report.headers["state"][done] = ENTRY_TOMBSTONE
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,4 @@
-"""One segment file of the disk tier: create, append groups of entries, tombstone, seal.
+"""One segment file of the disk tier: create, append groups of entries, complete, seal.
 Reading one back (recovery, tools) is `pipeline.broker.storage.scan`.
 
 A segment holds the entries of one (model, signature, lane) (layout in `pipeline.wire.layouts`).
@@ -9,19 +9,35 @@ readable boundary (`readable_end`) moves only after that write returned (`proces
 bytes are in the page cache and survive kill -9 of any process) or after `sync()` has also
 fdatasync'ed them (`power`). Readers never see bytes past the boundary.
 
-The header's `data_end` and `entry_count` words are the commit boundary a recovery scan
-judges damage by (bad bytes below it are corruption, at or past it a torn tail), so they
-never run ahead of what is durable: `process` writes them right after the pwrite (the page
-cache is what survives), `power` only after the fdatasync that made the bytes durable.
-NOTE: in `power` the words themselves become durable with the segment's next fdatasync
-(next group commit), its seal (msync) or kernel writeback, not at once: a second
-fdatasync per group commit would double its cost. After a power cut they may therefore
-trail the last acknowledged group; damage in those bytes then reads as a torn tail, which
-is still named (never erased) but not counted as a loss.
+Written once (layout version 2): no byte of a segment is rewritten after its append, so a
+sector being written when the power goes (garbage, under the model of
+`pipeline.reliability.faults.PowerCut`) never holds acknowledged bytes. What changes lives
+in the segment's journal (`journal.py`): completions, the commit boundary, the seal. In
+`power` each synced group starts on a SYNC_ALIGN_BYTES boundary when the sector at the end
+of the data holds synced bytes (zeros before it: padding the scan skips), so no append
+writes into a sector holding synced bytes either. NOTE: the cost is up to 4 KiB of padding
+per segment per group commit in `power` (none in `process`, where nothing is synced);
+rewriting the partial sector was what lost acknowledged entries.
 
-Tombstones are written through a shared writable mapping of the file, not with a syscall
-each: a 4-byte pwrite at a random offset of a large file costs ~40 us here, a store into a
-mapped page a few nanoseconds (measured when the disk tier was built).
+The journal's BOUNDARY record (entry_count, data_end) is the commit boundary a recovery scan
+judges damage by (bad bytes below it are corruption, at or past it a torn tail), so it never
+runs ahead of what is durable: `process` writes it right after the pwrite (the page cache is
+what survives), `power` only after the fdatasync that made the bytes durable. NOTE: in
+`power` the record itself becomes durable with the journal's next sync (completions at the
+next group commit, the seal) or kernel writeback, not at once: a second fdatasync per group
+commit would double its cost. After a power cut it may therefore trail the last
+acknowledged group; damage in those bytes then reads as a torn tail, which is still named
+(never erased) but not counted as a loss.
+
+Completions are kept in memory as a bitmap over the 16-byte entry slots (one bit each,
+1/128 of the data) and appended to the journal, one pwrite per `tombstone_many`.
+NOTE: version 1 stored a 4-byte tombstone into the shared mapping (a 4-byte pwrite at a
+random offset cost ~40 us, a mapped store nanoseconds), which put acknowledged neighbours at
+risk under power loss. The journal's one pwrite per call of 64 completions measured 576-616
+ns per completion against 545-607 for the mapped stores (SegmentFile.tombstone_many alone,
+best of 5, 3 alternating pairs, load average 2 on 2 shared cores); tools/bench_disk.py
+--quick, 3 alternating pairs at load 2-3.5: append `process` 659-756k items/s against
+618-823k, `power` 99-197k against 90-125k, completions 447-902k/s against 788-1,355k/s.
 
 Files grow in preallocated steps (posix_fallocate, doubling up to the segment limit):
 writing into allocated, zeroed space keeps appends sequential, and a zero state word marks
@@ -35,14 +51,14 @@ import mmap
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from enum import Enum
 from typing import NoReturn
 
 import numpy as np
-import xxhash
 
 import pipeline.broker.storage.crashpoints as crashpoints
+from pipeline.broker.storage.encode import EncodedGroup, encode_entries  # re-exported: they lived here first
+from pipeline.broker.storage.journal import SegmentJournal, journal_path
 from pipeline.broker.storage.paths import CREATING_SUFFIX
 from pipeline.broker.storage.scan import (  # re-exported: the scan lived here first
     ScanReport,
@@ -57,7 +73,6 @@ from pipeline.wire import fileops
 from pipeline.wire.errors import DiskFullError, DurabilityError, SegmentCorruptError
 from pipeline.wire.layouts import (
     ENTRY_ALIGN_BYTES,
-    ENTRY_CHECKSUM_FROM,
     ENTRY_HEADER_DTYPE,
     ENTRY_HEADER_SIZE_BYTES,
     ENTRY_LIVE,
@@ -66,20 +81,17 @@ from pipeline.wire.layouts import (
     ENTRY_TOMBSTONE,
     SEGMENT_BOUNDARY_CHECKSUM,
     SEGMENT_DATA_END,
-    SEGMENT_DELETED_COUNT,
     SEGMENT_ENTRY_COUNT,
     SEGMENT_HEADER_SIZE_BYTES,
-    SEGMENT_SEALED,
+    SYNC_ALIGN_BYTES,
     TOKEN_SIZE_BYTES,
-    entry_size_bytes,
     gather_entry_headers,
-    scatter_entry_headers,
 )
 from shm.layout import struct_for
 
 __all__ = [
     "DEFAULT_SEGMENT_MAX_BYTES", "Durability", "EncodedGroup", "ScanReport", "SegmentFile", "SegmentKeys",
-    "encode_entries", "fsync_directory", "read_identity", "scan_segment",
+    "encode_entries", "fsync_directory", "read_identity", "scan_segment", "unlink_segment",
 ]
 
 # First preallocation of a new segment whose first group's size is not known (appends pass
@@ -158,142 +170,31 @@ class Durability(Enum):
     POWER = "power"  # also fdatasync'ed, with group commit: survives power loss
 
 
-@dataclass(slots=True)
-class EncodedGroup:
-    """Entries encoded back to back, ready for one write: `offsets[i]` is entry i's offset
-    within `data`, `sizes[i]` its size."""
-
-    data: np.ndarray
-    offsets: np.ndarray
-    sizes: np.ndarray
-
-    @property
-    def count(self) -> int:
-        return int(self.offsets.shape[0])
-
-
-# The entry header's checksum, as an index in 8-byte words from the entry's start.
-_CHECKSUM_WORD = ENTRY_HEADER_DTYPE.fields["checksum"][1] // 8
-assert _CHECKSUM_WORD * 8 == ENTRY_HEADER_DTYPE.fields["checksum"][1]
-
-
-def encode_entries(
-    items: np.ndarray,
-    tokens: np.ndarray,
-    token_starts: np.ndarray,
-    payloads: np.ndarray,
-    payload_starts: np.ndarray,
-    indices: np.ndarray,
-    producer_id: int,
-) -> EncodedGroup:
-    """Encode the items `indices` of a parsed frame as live segment entries.
-
-    `items` is a frame's ITEM_HEADER_DTYPE array, `tokens`/`payloads` its back-to-back data
-    (see `pipeline.wire.layouts.Frame`). The buffer is built whole so one pwrite writes the group,
-    and each entry is checksummed once it is built (validated before writing, SPEC §5).
-    """
-    chosen = items[indices]
-    lengths = chosen["length"].astype(np.int64)
-    payload_lens = chosen["payload_len"].astype(np.int64)
-    sizes = entry_size_bytes(lengths, payload_lens)
-    offsets = np.zeros(sizes.shape[0], dtype=np.int64)
-    np.cumsum(sizes[:-1], out=offsets[1:])
-    data = np.zeros(int(sizes.sum()), dtype=np.uint8)
-    # Headers for the whole group at once, then scattered to their offsets with one numpy
-    # assignment of 8-byte words (entries are 16-aligned); only the token copy and the
-    # checksum run per entry.
-    headers = np.zeros(sizes.shape[0], dtype=ENTRY_HEADER_DTYPE)
-    headers["state"] = ENTRY_LIVE
-    for name in ("length", "item_id", "seq", "prefix_len", "payload_len", "submit_ns"):
-        headers[name] = chosen[name]
-    headers["producer_id"] = producer_id
-    scatter_entry_headers(data.view(np.uint64), offsets, headers)
-    out = memoryview(data)
-    out_tokens = out.cast("i")
-    in_tokens = memoryview(np.ascontiguousarray(tokens))
-    in_payloads = memoryview(np.ascontiguousarray(payloads))
-    _copy_entry_bodies(out, out_tokens, in_tokens, in_payloads, offsets, lengths, token_starts[indices],
-                       payload_lens, payload_starts[indices])
-    # Checksums once every entry is whole, written as one column (the checksum word is not
-    # part of what it covers).
-    digest = xxhash.xxh3_64_intdigest
-    sums = [digest(out[at:end], seed=length) for at, end, length in
-            zip((offsets + ENTRY_CHECKSUM_FROM).tolist(), (offsets + sizes).tolist(), lengths.tolist())]
-    data.view(np.uint64)[(offsets >> 3) + _CHECKSUM_WORD] = sums
-    for view in (out_tokens, in_tokens, in_payloads, out):
-        view.release()
-    return EncodedGroup(data, offsets, sizes)
-
-
-def _copy_entry_bodies(out: memoryview, out_tokens: memoryview, in_tokens: memoryview, in_payloads: memoryview,
-                       offsets: np.ndarray, lengths: np.ndarray, starts: np.ndarray, payload_lens: np.ndarray,
-                       payload_starts: np.ndarray) -> None:
-    """Each entry's tokens and payload, copied one entry at a time.
-    NOTE: a 2-D copy for groups of equal lengths (tokens as rows of one stride) measured no
-    faster in the broker: 0.35 to 1.1 us per item against 0.5, by row length."""
-    rows = zip(offsets.tolist(), lengths.tolist(), starts.tolist(), payload_lens.tolist(), payload_starts.tolist())
-    for at, length, token_at, plen, payload_at in rows:
-        first = (at + ENTRY_HEADER_SIZE_BYTES) >> 2
-        out_tokens[first:first + length] = in_tokens[token_at:token_at + length]
-        if plen:
-            end = at + ENTRY_HEADER_SIZE_BYTES + length * TOKEN_SIZE_BYTES
-            out[end:end + plen] = in_payloads[payload_at:payload_at + plen]
-
-
-# madvise(MADV_POPULATE_WRITE) (Linux 5.14): map a range's pages writable in one call. The
-# `mmap` module has no name for it before Python 3.13.
-_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
-_PAGE_BYTES = mmap.PAGESIZE
-# How far past a peek's last entry its segment's pages are mapped ahead (see
-# `_populate_for_writes`): one system call per this many bytes of a deep lane, and never
-# more of a file in the broker's RSS than what dispatch has reached plus this.
-POPULATE_AHEAD_BYTES = 1 << 20
 # The header fields a walk of back-to-back entries needs (SegmentFile.entry_offsets).
 _STEP = struct_for(ENTRY_HEADER_DTYPE, ["state", "length", "payload_len"])
-
-
-def _populate_for_writes(mapping: mmap.mmap, start: int, end: int) -> None:
-    """Map the pages of [start, end) into the broker's mapping, writable, in one call.
-
-    Why: tombstones (and the peek's header reads) go through the mapping, and without this
-    every 4 KiB page of entries costs a page fault on its first tombstone, about 0.3 faults
-    per 256-token item. Best effort: a kernel without the advice (EINVAL) is remembered and
-    not asked again.
-    NOTE: called when a batch is peeked (for the pages from it to POPULATE_AHEAD_BYTES
-    past it), not when entries are appended as before: at append time a backlog of
-    10,000,000 small entries held 1.8 GB of mapped page cache in the broker's RSS (issue 16,
-    `pipeline bench memory`); at peek time what is mapped is what dispatch reaches.
-    NOTE: only with durability `process`. In `power`, the group commit's fdatasync makes the
-    pages read-only again for dirty tracking, so they would fault anyway.
-    """
-    global _populate_supported
-    if not _populate_supported:
-        return
-    first = start - start % _PAGE_BYTES
-    try:
-        mapping.madvise(_MADV_POPULATE_WRITE, first, end - first)
-    except OSError as exc:
-        if exc.errno == errno.EINVAL:
-            _populate_supported = False
-
-
-_populate_supported = True
+# NOTE: version 1 mapped a peeked batch's pages writable ahead of its tombstones
+# (madvise MADV_POPULATE_WRITE, 1 MiB ahead). Version 2 stores nothing into the mapping, and
+# a write-populate of a shared file mapping dirties its pages: the kernel would write synced
+# sectors back again, the in-place rewrite the layout removes. Reads fault in 64 KiB at a time
+# (fault-around), and the pages mapped are still only those dispatch reaches (issue 16).
 
 
 class SegmentFile:
-    """One segment open for appends (until sealed) and tombstones.
+    """One segment open for appends (until sealed) and completions.
 
-    Owner: the disk tier of the broker process, which is the only writer of segment files.
-    Not thread-safe. `close()` releases the descriptor and mapping; `unlink()` removes the
-    file (a sealed segment whose every entry is tombstoned).
+    Owner: the disk tier of the broker process, which is the only writer of segment files
+    and their journals. Not thread-safe. `close()` releases the descriptors and mapping;
+    `unlink()` removes the file and its journal (a sealed segment whose every entry is done).
     """
 
-    def __init__(self, path: str, fd: int, keys: SegmentKeys, durability: Durability, max_bytes: int) -> None:
+    def __init__(self, path: str, fd: int, keys: SegmentKeys, durability: Durability, max_bytes: int,
+                 journal: SegmentJournal) -> None:
         self.path = path
         self.keys = keys
         self.durability = durability
         self.max_bytes = max_bytes
         self._fd = fd
+        self.journal = journal
         self.allocated = os.fstat(fd).st_size
         self._map = mmap.mmap(fd, self.allocated)
         self.data_end = SEGMENT_HEADER_SIZE_BYTES
@@ -303,15 +204,18 @@ class SegmentFile:
         self.sealed = False
         self._unsynced = False
         self._closed = False
-        self._populated_end = 0  # pages below it were mapped writable by a peek
+        self._done = np.zeros(_done_bytes(self.allocated), dtype=np.uint8)  # one bit per 16-byte slot
 
     @classmethod
     def create(cls, path: str, keys: SegmentKeys, durability: Durability,
                max_bytes: int = DEFAULT_SEGMENT_MAX_BYTES, need_bytes: int = 0) -> SegmentFile:
-        """A new, empty, owner-only segment with its header written (and synced in `power`).
-        Built under `path + CREATING_SUFFIX` and renamed into place once its header is
-        written, so a crash mid-create never leaves a headerless file under a segment name
-        (recovery removes the leftover; kill -9 tests found the bare version quarantined)."""
+        """A new, empty, owner-only segment with its header written (and synced in `power`)
+        and an empty journal. Built under `path + CREATING_SUFFIX` and renamed into place
+        once its header is written, so a crash mid-create never leaves a headerless file
+        under a segment name (recovery removes the leftover; kill -9 tests found the bare
+        version quarantined). The journal is created first, under its own name: one
+        directory fsync makes both names durable, and recovery removes a journal whose
+        segment never got its name."""
         creating = path + CREATING_SUFFIX
         try:
             fd = fileops.open_fd(creating, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -319,6 +223,7 @@ class SegmentFile:
             if exc.errno in NO_SPACE_ERRNOS:  # no inode left (a tmpfs with nr_inodes, a full ext4)
                 raise _no_space(exc, path, 0, 0, "creating the file,") from exc
             raise
+        journal = None
         try:
             need = _page_align(SEGMENT_HEADER_SIZE_BYTES + need_bytes)
             first = need if need_bytes else min(FIRST_ALLOCATION_BYTES, max(max_bytes, SEGMENT_HEADER_SIZE_BYTES))
@@ -333,16 +238,19 @@ class SegmentFile:
             boundary = bytearray(SEGMENT_BOUNDARY_CHECKSUM.end - SEGMENT_ENTRY_COUNT.offset)
             _write_boundary(boundary, 0, SEGMENT_HEADER_SIZE_BYTES, base=-SEGMENT_ENTRY_COUNT.offset)
             fileops.pwrite_all(fd, boundary, SEGMENT_ENTRY_COUNT.offset)
+            journal = SegmentJournal.create(path, keys, durability is Durability.POWER)
             if durability is Durability.POWER:
                 _fdatasync(fd, path)
             assert not os.path.exists(path), path
             fileops.rename(creating, path)
             if durability is Durability.POWER:
                 fsync_directory(os.path.dirname(path))
-            return cls(path, fd, keys, durability, max_bytes)
+            return cls(path, fd, keys, durability, max_bytes, journal)
         except BaseException:
             fileops.close_fd(fd)
-            for leftover in (creating, path):
+            if journal is not None:
+                journal.close()
+            for leftover in (creating, path, journal_path(path)):
                 if os.path.exists(leftover):
                     fileops.unlink(leftover)
             raise
@@ -350,56 +258,72 @@ class SegmentFile:
     @classmethod
     def reopen(cls, report: ScanReport, durability: Durability,
                max_bytes: int = DEFAULT_SEGMENT_MAX_BYTES) -> SegmentFile:
-        """Reopen a scanned segment for tombstones (and appends, if not sealed): recovery,
+        """Reopen a scanned segment for completions (and appends, if not sealed): recovery,
         SPEC §5. Nothing is zeroed or truncated: damaged and torn bytes stay as evidence
         (a recovered segment is sealed, so nothing is appended over them). Repairs: a state
-        word the scan read as live (`repaired_states`) is rewritten live, so consumers and
-        tombstones accept the entry; the header's counts become the scan's, and its data_end
-        the scan's boundary (never lowered below damage, see ScanReport.boundary)."""
+        word the scan read as live (`repaired_states`) is rewritten live, so consumers accept
+        the entry (the one write into written bytes left: it follows damage, and is synced at
+        once in `power`); the journal gets the scan's boundary when its own differs (never
+        lowered below damage, see ScanReport.boundary)."""
+        journal, _reading = SegmentJournal.reopen(report.path, report.keys, durability is Durability.POWER,
+                                                  report.journal)
         fd = fileops.open_fd(report.path, os.O_RDWR)
-        segment = cls(report.path, fd, report.keys, durability, max_bytes)
+        segment = cls(report.path, fd, report.keys, durability, max_bytes, journal)
         segment.data_end = segment.readable_end = report.data_end
         segment.entry_count = report.entry_count
-        segment.deleted_count = report.tombstone_count
         segment.sealed = report.sealed
+        segment._mark_done(report.offsets[report.headers["state"] == ENTRY_TOMBSTONE])
+        segment.deleted_count = report.tombstone_count
         for repaired in report.repaired_states:
             ENTRY_STATE.write(segment._map, ENTRY_LIVE, base=repaired.offset)
-        SEGMENT_SEALED.write(segment._map, int(segment.sealed))
-        _write_boundary(segment._map, report.accounted_entries, report.boundary)
-        SEGMENT_DELETED_COUNT.write(segment._map, segment.deleted_count)
+        if report.repaired_states and durability is Durability.POWER:
+            segment._msync()
+        if (report.header_entry_count, report.header_data_end) != (report.accounted_entries, report.boundary):
+            journal.boundary(report.accounted_entries, report.boundary)
         return segment
 
     @classmethod
     def open(cls, path: str, durability: Durability, max_bytes: int = DEFAULT_SEGMENT_MAX_BYTES,
              keys: SegmentKeys | None = None) -> SegmentFile:
         """Reopen a segment this process wrote and closed (the open-file cache evicted it):
-        its header words are current, so no scan is needed. Not for recovery: after a
-        crash they are only hints (use `scan_segment` and `reopen`). `keys`: the store's
-        keys for it, which also admit a segment recovery salvaged with a damaged identity
-        block (see scan.establish_identity). The readable boundary is the header's data_end,
-        but never past the end of the file (a truncated segment keeps its boundary word)."""
+        its journal is current, so no scan is needed. Not for recovery: after a crash it is
+        only a hint (use `scan_segment` and `reopen`). `keys`: the store's keys for it, which
+        also admit a segment recovery salvaged with a damaged identity block (see
+        scan.establish_identity). The readable boundary is the journal's data_end, but never
+        past the end of the file (a truncated segment keeps its boundary)."""
         fd = fileops.open_fd(path, os.O_RDWR)
         try:
             header = os.pread(fd, SEGMENT_HEADER_SIZE_BYTES, 0)
             # `keys` are the store's: it established them (at recovery, or by creating it).
             found, _created_ns, _damage = establish_identity(header, path, keys, name_confirmed=keys is not None)
             size = os.fstat(fd).st_size
+            journal, reading = SegmentJournal.reopen(path, found, durability is Durability.POWER)
         except BaseException:
             fileops.close_fd(fd)
             raise
-        segment = cls(path, fd, found, durability, max_bytes)
-        segment.sealed = bool(SEGMENT_SEALED.read(header))
-        segment.entry_count = SEGMENT_ENTRY_COUNT.read(header)
-        data_end = min(SEGMENT_DATA_END.read(header), size)
+        segment = cls(path, fd, found, durability, max_bytes, journal)
+        segment.sealed = reading.sealed
+        segment.entry_count = reading.entry_count or 0
+        data_end = min(reading.data_end or SEGMENT_HEADER_SIZE_BYTES, size)
         segment.data_end = segment.readable_end = max(data_end, SEGMENT_HEADER_SIZE_BYTES)
-        segment.deleted_count = SEGMENT_DELETED_COUNT.read(header)
+        inside = reading.completed[reading.completed < segment.readable_end]
+        segment._mark_done(inside)
+        segment.deleted_count = int(inside.shape[0])
         return segment
+
+    def _next_at(self) -> int:
+        """Where the next group goes: the end of the data, or in `power`, when the sector
+        there holds synced bytes, the next SYNC_ALIGN_BYTES boundary (module docstring)."""
+        at = self.data_end
+        if self.durability is Durability.POWER and not self._unsynced:
+            at = -(-at // SYNC_ALIGN_BYTES) * SYNC_ALIGN_BYTES
+        return at
 
     def room_for(self, nbytes: int) -> bool:
         """Whether a group of `nbytes` may go in (an empty segment takes any group)."""
         if self.sealed:
             return False
-        return self.entry_count == 0 or self.data_end + nbytes <= self.max_bytes
+        return self.entry_count == 0 or self._next_at() + nbytes <= self.max_bytes
 
     def _grow(self, needed_end: int) -> None:
         new_size = self.allocated
@@ -416,6 +340,9 @@ class SegmentFile:
             raise
         self._map.resize(new_size)
         self.allocated = new_size
+        done = np.zeros(_done_bytes(new_size), dtype=np.uint8)
+        done[:self._done.shape[0]] = self._done
+        self._done = done
 
     def _write_all(self, data: np.ndarray, at: int) -> None:
         """pwrite until every byte is written (a full disk can cut a write short first)."""
@@ -438,7 +365,7 @@ class SegmentFile:
         partial write leaves bytes past `data_end` that the next append overwrites and a
         recovery scan drops as a torn tail."""
         assert not self.sealed and not self._closed
-        at = self.data_end
+        at = self._next_at()
         end = at + group.data.nbytes
         if end > self.allocated:
             self._grow(end)
@@ -448,15 +375,11 @@ class SegmentFile:
         self.data_end = end
         self.entry_count += group.count
         if self.durability is Durability.PROCESS:
-            self._write_boundary()
+            self.journal.boundary(self.entry_count, self.data_end)
             self.readable_end = end
         else:
-            self._unsynced = True  # the header words move in sync(), after the fdatasync
+            self._unsynced = True  # the boundary is recorded in sync(), after the fdatasync
         return at
-
-    def _write_boundary(self) -> None:
-        """The header's commit boundary: entry_count and data_end (module docstring)."""
-        _write_boundary(self._map, self.entry_count, self.data_end)
 
     @property
     def needs_sync(self) -> bool:
@@ -471,107 +394,108 @@ class SegmentFile:
             _fdatasync(self._fd, self.path)  # DurabilityError: fatal, the broker stops
             if crashpoints.ARMED:
                 crashpoints.hit("sync.after_fdatasync")
-            self._write_boundary()  # only now: the boundary never claims unsynced bytes
+            self.journal.boundary(self.entry_count, self.data_end)  # only now: never claims unsynced bytes
             self._unsynced = False
         self.readable_end = self.data_end
 
     def tombstone_many(self, offsets: Sequence[int] | np.ndarray) -> int:
-        """Mark entries completed: every state word (4-byte stores into the shared mapping),
-        then the deleted count once; a crash between the two is repaired by a scan, as for
-        one entry. Entries already tombstoned are skipped (duplicate completions). Returns
-        how many were live. SegmentCorruptError for an offset where no entry starts.
+        """Mark entries completed: their bits, then one journal record each (one pwrite).
+        Entries already completed are skipped (duplicate completions). Returns how many
+        were live. SegmentCorruptError for an offset where no entry starts.
         Example: live entries at 4096 and 5184; tombstone_many([4096, 5184, 4096]) -> 2 and
-        the header's deleted count goes up by 2."""
-        fresh = self._tombstone_columns(offsets)
+        the deleted count goes up by 2."""
+        fresh = self._fresh_columns(offsets)
         if fresh is None:  # something to refuse: one by one, naming the offset
-            fresh = self._tombstone_one_by_one(offsets)
-        if fresh:
+            fresh = self._fresh_one_by_one(offsets)
+        if fresh.size:
+            self._mark_done(fresh)  # NOTE: ufunc.at, as two entries may share a bitmap byte
             if crashpoints.ARMED:
-                crashpoints.hit("tombstone.before_count")
-            self.deleted_count += fresh
-            SEGMENT_DELETED_COUNT.write(self._map, self.deleted_count)
-        return fresh
+                crashpoints.hit("tombstone.before_record")
+            self.journal.completed(fresh)
+            self.deleted_count += int(fresh.size)
+        return int(fresh.size)
 
-    def _tombstone_columns(self, offsets: Sequence[int] | np.ndarray) -> int | None:
-        """Every state word read and written as one numpy column; how many were live, or
-        None, with nothing written, when an offset is no live or tombstoned entry."""
+    def _is_done(self, offsets: np.ndarray) -> np.ndarray:
+        slots = offsets >> 4
+        return (self._done[slots >> 3] >> (slots & 7).astype(np.uint8)) & 1 == 1
+
+    def _mark_done(self, offsets: np.ndarray) -> None:
+        slots = np.asarray(offsets, dtype=np.int64) >> 4
+        np.bitwise_or.at(self._done, slots >> 3, (1 << (slots & 7)).astype(np.uint8))
+
+    def _fresh_columns(self, offsets: Sequence[int] | np.ndarray) -> np.ndarray | None:
+        """The offsets not yet completed (sorted, unique), read as numpy columns; None when
+        an offset is no entry (nothing is marked)."""
         at = np.unique(np.asarray(offsets, dtype=np.int64))  # a duplicate completes once
         if not at.size:
-            return 0
+            return at
         if at[0] < SEGMENT_HEADER_SIZE_BYTES or at[-1] >= self.readable_end or (at & (ENTRY_ALIGN_BYTES - 1)).any():
             return None
         words = np.frombuffer(self._map, dtype=np.uint32, count=self.readable_end // 4)
         try:  # the view is dropped at once: a mapping with views cannot be resized or closed
-            states = words[at >> 2]
-            live = states == ENTRY_LIVE
-            if not (live | (states == ENTRY_TOMBSTONE)).all():
+            if not (words[at >> 2] == ENTRY_LIVE).all():
                 return None
-            words[at[live] >> 2] = ENTRY_TOMBSTONE
         finally:
             del words
-        return int(live.sum())
+        return at[~self._is_done(at)]
 
-    def _tombstone_one_by_one(self, offsets: Sequence[int] | np.ndarray) -> int:
+    def _fresh_one_by_one(self, offsets: Sequence[int] | np.ndarray) -> np.ndarray:
         """The refusal path of `tombstone_many`: entry by entry, so that the error names the
-        first offset that is neither a live nor a tombstoned entry."""
+        first offset that is no entry."""
         mapped, readable = self._map, self.readable_end
-        fresh = 0
         for offset in offsets:
             if not SEGMENT_HEADER_SIZE_BYTES <= offset < readable or offset % ENTRY_ALIGN_BYTES:
                 raise SegmentCorruptError(f"{self.path}: no entry can start at offset {offset}")
             state = ENTRY_STATE.read(mapped, offset)
-            if state == ENTRY_LIVE:
-                ENTRY_STATE.write(mapped, ENTRY_TOMBSTONE, offset)
-                fresh += 1
-            elif state != ENTRY_TOMBSTONE:
+            if state != ENTRY_LIVE:
                 raise SegmentCorruptError(f"{self.path}: offset {offset}: state word {state:#010x} is not an entry")
-        return fresh
+        raise AssertionError("unreachable: the column check refused an offset the walk accepts")
 
     def entry_header_columns(self, offsets: np.ndarray) -> np.ndarray:
         """The live entries at `offsets` (int64), as an ENTRY_HEADER_DTYPE array gathered
         from the mapping and checked as columns (validated after reading): each must start
-        16-aligned within the readable data, be live, hold a token and end before the
-        readable boundary. SegmentCorruptError naming the first offset that fails."""
+        16-aligned within the readable data, be live (not completed), hold a token and end
+        before the readable boundary. SegmentCorruptError naming the first offset that fails."""
         readable = self.readable_end
         inside = (offsets >= SEGMENT_HEADER_SIZE_BYTES) & (offsets + ENTRY_HEADER_SIZE_BYTES <= readable)
         if not inside.all():
             self._no_entry(int(offsets[np.argmin(inside)]), None)
-        if self.durability is Durability.PROCESS and offsets.shape[0]:
-            last = int(offsets[-1])
-            if last + ENTRY_HEADER_SIZE_BYTES > self._populated_end:
-                ahead = min(readable, last + POPULATE_AHEAD_BYTES)
-                _populate_for_writes(self._map, max(self._populated_end, int(offsets[0])), ahead)
-                self._populated_end = ahead
         words = np.frombuffer(self._map, dtype=np.uint64, count=readable // 8)
         try:  # the view is dropped at once: a mapping with views cannot be resized or closed
             headers, _ends, good = gather_entry_headers(words, offsets, readable)
         finally:
             del words
+        good &= ~self._is_done(offsets)
         if not good.all():
             bad = int(np.argmin(good))
-            self._no_entry(int(offsets[bad]), int(headers["state"][bad]))
+            state = int(headers["state"][bad])
+            self._no_entry(int(offsets[bad]), ENTRY_TOMBSTONE if state == ENTRY_LIVE else state)
         return headers
 
     def entry_offsets(self, start: int, end: int, count: int) -> tuple[np.ndarray, int]:
-        """The offsets of the next `count` live entries from byte `start` (tombstoned ones
-        skipped, none ending past `end` or the readable boundary), and the byte after the
-        last: a walk of the headers through the mapping (a queue's cold run read back).
-        SegmentCorruptError where the walk finds no entry.
+        """The offsets of the next `count` live entries from byte `start` (completed ones and
+        `power` padding skipped, none ending past `end` or the readable boundary), and the
+        byte after the last: a walk of the headers through the mapping (a queue's cold run
+        read back). SegmentCorruptError where the walk finds no entry.
         Example: live entries of 112 and 176 bytes at 4096 -> entry_offsets(4096, 4384, 2)
-        is ([4096, 4208], 4384); with the first tombstoned, entry_offsets(4096, 4384, 1)
+        is ([4096, 4208], 4384); with the first completed, entry_offsets(4096, 4384, 1)
         is ([4208], 4384)."""
         limit = min(end, self.readable_end)
         out: list[int] = []
         unpack, mapped, mask = _STEP.unpack_from, self._map, ENTRY_ALIGN_BYTES - 1
-        live, tombstone, header, offset = ENTRY_LIVE, ENTRY_TOMBSTONE, ENTRY_HEADER_SIZE_BYTES, start
+        live, header, offset, done = ENTRY_LIVE, ENTRY_HEADER_SIZE_BYTES, start, self._done
         while len(out) < count:
             if offset + header > limit or offset & mask:
                 self._no_entry(offset, None)
             state, length, payload_len = unpack(mapped, offset)
+            if state == ENTRY_NONE and offset % SYNC_ALIGN_BYTES:  # padding before a synced group
+                offset = -(-offset // SYNC_ALIGN_BYTES) * SYNC_ALIGN_BYTES
+                continue
             following = offset + ((header + length * TOKEN_SIZE_BYTES + payload_len + mask) & ~mask)
-            if (state != live and state != tombstone) or not length or following > limit:
+            if state != live or not length or following > limit:
                 self._no_entry(offset, state)
-            if state == live:
+            slot = offset >> 4
+            if not (done[slot >> 3] >> (slot & 7)) & 1:
                 out.append(offset)
             offset = following
         return np.array(out, dtype=np.int64), offset
@@ -583,22 +507,30 @@ class SegmentFile:
         )
 
     def state_at(self, offset: int) -> int:
-        """The state word at `offset` (ENTRY_NONE past the readable boundary or off the grid)."""
+        """The entry's state at `offset`: ENTRY_LIVE, ENTRY_TOMBSTONE once completed, or
+        ENTRY_NONE past the readable boundary or off the grid."""
         if not SEGMENT_HEADER_SIZE_BYTES <= offset < self.readable_end or offset % ENTRY_ALIGN_BYTES:
             return ENTRY_NONE
-        return ENTRY_STATE.read(self._map, offset)
+        state = ENTRY_STATE.read(self._map, offset)
+        if state == ENTRY_LIVE and self._is_done(np.array([offset], dtype=np.int64))[0]:
+            return ENTRY_TOMBSTONE
+        return state
 
     def seal(self) -> None:
-        """No more appends; the segment is deleted whole once every entry is tombstoned."""
+        """No more appends (a journal record); the segment is deleted whole once every entry
+        is completed."""
         self.sealed = True
-        SEGMENT_SEALED.write(self._map, 1)
+        self.journal.sealed(self.entry_count)
         if self.durability is Durability.POWER:
             self.flush_tombstones()
 
     def flush_tombstones(self) -> None:
-        """Write mapped tombstones and header words to disk (msync); `power` does this at
-        the group-commit points. A tombstone lost to a power cut means redelivery, which
+        """fdatasync the journal (completions, boundary, seal); `power` does this at the
+        group-commit points. A completion lost to a power cut means redelivery, which
         at-least-once delivery allows and the result files detect."""
+        self.journal.sync()
+
+    def _msync(self) -> None:
         try:
             fileops.msync(self._map, self._fd)
         except OSError as exc:
@@ -609,13 +541,27 @@ class SegmentFile:
             self._closed = True
             self._map.close()
             fileops.close_fd(self._fd)
+            self.journal.close()
 
     def unlink(self) -> None:
-        """Remove the file (after close); the directory is synced in `power`."""
+        """Remove the file and its journal (after close); the directory is synced in `power`."""
         assert self._closed
-        fileops.unlink(self.path)
-        if self.durability is Durability.POWER:
-            fsync_directory(os.path.dirname(self.path))
+        unlink_segment(self.path, self.durability)
+
+
+def unlink_segment(path: str, durability: Durability) -> None:
+    """Remove a segment and then its journal (a journal left alone by a crash between is
+    removed by recovery); the directory is synced in `power`."""
+    fileops.unlink(path)
+    if os.path.exists(journal_path(path)):
+        fileops.unlink(journal_path(path))
+    if durability is Durability.POWER:
+        fsync_directory(os.path.dirname(path))
+
+
+def _done_bytes(allocated: int) -> int:
+    """Bytes of a completion bitmap for a file of `allocated` bytes: a bit per 16-byte slot."""
+    return -(-allocated // (ENTRY_ALIGN_BYTES * 8))
 
 
 def _write_boundary(buf, entry_count: int, data_end: int, base: int = 0) -> None:

@@ -13,7 +13,7 @@ was lost from one that was finished.
 Open files are bounded (`open_files_max`): a segment's descriptor and mapping are opened on
 demand and the least recently used are closed, so 100,000 lanes across shapes do not exhaust
 descriptors (SPEC §5). Closing never loses anything: counts live in this process's state and
-in the segment header, which is written through the mapping before it is closed.
+in the segment's journal, which is appended to (never rewritten) before it is closed.
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ from pipeline.broker.storage.catalog import (
     read_catalog,
     write_missing_note,
 )
+from pipeline.broker.storage.identity import foreign_version
+from pipeline.broker.storage.journal import journal_path
 from pipeline.broker.storage.paths import (
     MISSING_SUFFIX,
     QUARANTINE_DIR,
@@ -65,17 +67,25 @@ from pipeline.broker.storage.segment import (
     SegmentKeys,
     fsync_directory,
     scan_segment,
+    unlink_segment,
 )
 from pipeline.wire import fileops
 from pipeline.wire.errors import DiskFullError, SegmentFormatError, StoreReadError
-from pipeline.wire.layouts import CATALOG_CREATED, CATALOG_DELETED, CATALOG_QUARANTINED, CATALOG_SEALED
+from pipeline.wire.layouts import (
+    CATALOG_CREATED,
+    CATALOG_DELETED,
+    CATALOG_QUARANTINED,
+    CATALOG_SEALED,
+    SEGMENT_HEADER_SIZE_BYTES,
+    SEGMENT_VERSION,
+)
 
 __all__ = ["MissingSegment", "Quarantined", "RecoveredSegment", "RecoveryReport", "SegmentState", "SegmentStore"]
 
-# Open segment files kept at once. Each costs a descriptor and a mapping; 512 stays far
-# below the usual 1,024-descriptor soft limit with room for sockets and rings, and covers
-# the lanes a sticky shape drains at a time.
-DEFAULT_OPEN_FILES_MAX = 512
+# Open segment files kept at once. Each costs two descriptors (the segment and its journal)
+# and a mapping; 384 (768 descriptors) stays below the usual 1,024-descriptor soft limit
+# with room for sockets and rings, and covers the lanes a sticky shape drains at a time.
+DEFAULT_OPEN_FILES_MAX = 384
 # A segment seals at this age even if not full, so a slow lane's completed work is freed
 # (a sealed, fully tombstoned segment is deleted) within minutes, not never.
 DEFAULT_SEGMENT_MAX_AGE_S = 300.0
@@ -126,7 +136,7 @@ class SegmentStore:
         self._next_seq: dict[LaneKey, int] = {}
         self._open: OrderedDict[SegmentId, SegmentFile] = OrderedDict()  # LRU, newest last
         self._unsynced: set[SegmentId] = set()
-        self._tombstoned: set[SegmentId] = set()  # `power`: tombstones not yet msync'ed
+        self._tombstoned: set[SegmentId] = set()  # `power`: completions not yet fdatasync'ed
         self._catalog: SegmentCatalog | None = None  # opened by recover() or the first record
         self._recovering = False
         self._quarantined: list[Quarantined] = []  # moved while running, for the broker's log
@@ -286,7 +296,7 @@ class SegmentStore:
         return aged
 
     def tombstone_many(self, segment: SegmentId, offsets: Sequence[int] | np.ndarray) -> int:
-        """Tombstone entries of one segment (state words, then its deleted count once);
+        """Complete entries of one segment (journal records, `SegmentFile.tombstone_many`);
         return how many were live. The segment is deleted whole (a damaged one: moved to
         quarantine/) when it is sealed and nothing in it is live any more."""
         state = self.segments[segment]
@@ -318,18 +328,19 @@ class SegmentStore:
             self._record(CATALOG_DELETED, state.keys)  # before the unlink: never a false MISSING
             if crashpoints.ARMED:
                 crashpoints.hit("delete.before_unlink")
-            fileops.unlink(state.path)
-            if self.durability is Durability.POWER:
-                fsync_directory(os.path.dirname(state.path))
+            unlink_segment(state.path, self.durability)
         del self.segments[state.id]
 
     def _quarantine(self, path: str, keys: SegmentKeys, offset: int, why: str, entries: int = 0,
                     item_ids: tuple[int, ...] = (), identity_refused: bool = False) -> Quarantined:
-        """Move a (closed) segment to quarantine/, its move recorded first; never deleted."""
+        """Move a (closed) segment and its journal to quarantine/, the move recorded first;
+        never deleted."""
         self._record(CATALOG_QUARANTINED, keys)
         target = quarantine_target(self.data_dir, path)
         make_dirs(os.path.dirname(target))
         fileops.rename(path, target)  # same file system: the data directory
+        if os.path.exists(journal_path(path)):
+            fileops.rename(journal_path(path), journal_path(target))
         if self.durability is Durability.POWER:
             fsync_directory(os.path.dirname(path))
             fsync_directory(os.path.dirname(target))
@@ -370,7 +381,8 @@ class SegmentStore:
         return self._file(segment).state_at(offset)
 
     def flush_tombstones(self) -> None:
-        """`power`: msync the segments that took tombstones since the last call."""
+        """`power`: fdatasync the journals of the segments that took completions since the
+        last call."""
         for segment in sorted(self._tombstoned):
             self._file(segment).flush_tombstones()
         self._tombstoned.clear()
@@ -393,7 +405,7 @@ class SegmentStore:
     # ----------------------------------------------------------------- recovery
 
     def recover(self) -> RecoveryReport:
-        """Scan every segment and salvage what it holds (scan.py); repair header words;
+        """Scan every segment and salvage what it holds (scan.py); record the scan's boundary;
         delete finished segments and quarantine finished damaged ones; quarantine whole the
         segments whose identity cannot be established; name every stray, every missing
         segment (catalog against disk) and every damaged or lost entry; register the rest
@@ -407,8 +419,8 @@ class SegmentStore:
         try:
             if reading is not None:
                 self._catalog = SegmentCatalog.open_existing(catalog_path(self.data_dir), self._durable)
-            for path in listing.creating:
-                fileops.unlink(path)  # a crash interrupted its creation: it holds no entry
+            for path in listing.creating + listing.orphan_journals:
+                fileops.unlink(path)  # a crash interrupted its creation or deletion: no entry is in it
                 report.abandoned_creates.append(path)
             report.strays = listing.strays
             for found in listing.segments:
@@ -438,6 +450,7 @@ class SegmentStore:
         try:
             scan = scan_segment(found.path, found.keys, name_confirmed=reading is not None and found.keys in reading.live)
         except SegmentFormatError as exc:
+            _refuse_other_layout(found.path)
             self._quarantine_unidentified(found, str(exc), reading, report)
             return
         except OSError as exc:
@@ -532,6 +545,18 @@ class SegmentStore:
         why = self._compact_catalog()
         if why:
             report.catalog_notes.append(why)
+
+
+def _refuse_other_layout(path: str) -> None:
+    """SegmentFormatError, stopping recovery, for a whole segment of another layout version:
+    its entries are intact, so quarantining it would take them from delivery. No migration:
+    version 1 rewrote tombstones and header words in place (see `pipeline.wire.layouts`)."""
+    with open(path, "rb") as file:
+        version = foreign_version(file.read(SEGMENT_HEADER_SIZE_BYTES))
+    if version is not None:
+        raise SegmentFormatError(
+            f"{path}: a segment of layout version {version}; this broker reads version {SEGMENT_VERSION} only and "
+            f"does not migrate: finish this data directory with the release that wrote it, or move it away")
 
 
 def _count_files(directory: str) -> int:
