@@ -82,9 +82,10 @@ from pipeline.wire.layouts import (
 
 __all__ = ["MissingSegment", "Quarantined", "RecoveredSegment", "RecoveryReport", "SegmentState", "SegmentStore"]
 
-# Open segment files kept at once. Each costs two descriptors (the segment and its journal)
-# and a mapping; 384 (768 descriptors) stays below the usual 1,024-descriptor soft limit
-# with room for sockets and rings, and covers the lanes a sticky shape drains at a time.
+# Open segment files kept at once. Each costs three descriptors (the segment, the dup its
+# mapping keeps, its journal: pipeline/runtime/processes.py's FDS_PER_OPEN_SEGMENT) and a
+# mapping; 384 (1,152 descriptors) covers the lanes a sticky shape drains at a time, and the
+# broker sizes it down to what its descriptor limit leaves (processes.open_files_budget).
 DEFAULT_OPEN_FILES_MAX = 384
 # A segment seals at this age even if not full, so a slow lane's completed work is freed
 # (a sealed, fully tombstoned segment is deleted) within minutes, not never.
