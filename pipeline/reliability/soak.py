@@ -59,7 +59,7 @@ DISK_FULL_FREE_BYTES = 3 << 20
 DISK_FULL_HOLD_S = (2.0, 6.0)
 # Gap between faults (uniform), and items of each fed workload; feeds queue at most this deep.
 FAULT_GAP_S = (0.3, 1.5)
-FEED_ITEMS = 2000
+FEED_ITEMS = 4000
 MAX_FEEDS = 2
 
 
@@ -85,11 +85,13 @@ class Soak:
     returned: list[int] = field(default_factory=list)
     rss_max: Counter = field(default_factory=Counter)
 
-    def feed(self) -> None:
-        """Keep MAX_FEEDS workloads being submitted: alternately mixed (four shapes, lengths
+    def feed(self, extra: bool = False) -> None:
+        """Keep MAX_FEEDS workloads being submitted (`extra`: one more now, under a broker
+        armed at a crash point, so that it ingests): alternately mixed (four shapes, lengths
         8 to 300) and one lane (one shape, one length: the redelivery figures read those)."""
         self.feeds = [f for f in self.feeds if not self._settled(f)]
-        while len(self.feeds) < MAX_FEEDS:
+        while len(self.feeds) < MAX_FEEDS or extra:
+            extra = False
             n = len(self.workloads)
             lane = n % 2 == 1
             path = write_workload(os.path.join(self.work, f"w{n}.jsonl"), FEED_ITEMS, n,
@@ -135,7 +137,7 @@ class Soak:
             kill_broker(stages, out)
             return
         if kind == "broker crash point":
-            crash_at(stages, out, self.rng.choice(POINTS), self.rng, lambda wait=True: None)
+            crash_at(stages, out, self.rng.choice(POINTS), self.rng, lambda wait=True: self.feed(extra=True))
             return
         if kind.startswith("consumer "):
             name = self.rng.choice(stages.consumers)
