@@ -143,6 +143,8 @@ class Soak:
             name = self.rng.choice(stages.consumers)
             before = wait_until(stages.status, 30, "the broker's status")
             at_ns = consumer_fault(stages, name, kind.split()[1])
+            if at_ns is None:
+                return  # between connections: nothing to cut
             time.sleep(stages.heartbeat_timeout_s + 1.0)  # its batch redelivered meanwhile
             after = wait_until(stages.status, 30, "the broker's status")
             self.losses.append((name, kind.split()[1], at_ns))
