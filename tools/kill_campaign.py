@@ -47,7 +47,7 @@ HEARTBEAT_TIMEOUT_S = 1.0  # the consumer campaign's (kills.consumer_faults)
 def run(name: str, args: argparse.Namespace, work: str) -> kills.Outcome:
     os.makedirs(work)
     if name == "broker":
-        broker = kills.broker_kills(work, args.broker_kills, args.seed, rounds=max(1, args.broker_kills // 10),
+        broker = kills.broker_kills(work, args.broker_kills, args.seed, rounds=max(1, args.broker_kills // 3),
                                     items_per_round=args.items)
         if not args.point_rounds:
             return broker
