@@ -125,8 +125,9 @@ class Stages:
 
     @property
     def in_flight_bound(self) -> int:
-        """Items every consumer together may hold at a fault: what one fault may deliver twice."""
-        return len(self.consumers) * self.credit * self.max_batch
+        """Items every consumer together may hold at a fault: what one fault may deliver twice
+        (its credit of batches, and the batch in hand)."""
+        return len(self.consumers) * (self.credit + 1) * self.max_batch
 
     def status(self) -> BrokerStatus | None:
         try:
