@@ -385,9 +385,10 @@ def consumer_fault(stages: Stages, name: str, kind: str) -> int | None:
 
 
 def redelivery_figures(out: Outcome, stages: Stages, losses: list, returned: list[int],
-                       keys: bytes = b"") -> None:
+                       keys: bytes = b"", faults_ns: list[int] | None = None) -> None:
     """Each loss's redelivery (`timing.redeliveries`) from every results line of the items
-    whose key starts with `keys` (those fed in one lane each)."""
+    whose key starts with `keys` (those fed in one lane each). A loss's window ends at the
+    next fault of any kind in `faults_ns` (default: the next loss)."""
     lines = []
     for path in results_dirs(stages.data_dir):
         for name in sorted(os.listdir(path)):
@@ -395,7 +396,9 @@ def redelivery_figures(out: Outcome, stages: Stages, losses: list, returned: lis
                 lines += [Line(int(r["item_id"]), name, int(r["dispatch_ns"]), int(r["done_ns"]))
                           for r in result_rows(os.path.join(path, name))
                           if base64.b64decode(r.get("payload") or "").startswith(keys)]
-    ends = [at for _, _, at in losses[1:]] + [time.monotonic_ns()]
+    now = time.monotonic_ns()
+    starts = sorted(faults_ns if faults_ns is not None else [at for _, _, at in losses])
+    ends = [next((t for t in starts if t > at), now) for _, _, at in losses]
     # A paused consumer is judged once silent for the heartbeat timeout: not before 0.9 of it.
     hold_ns = int(0.9 * stages.heartbeat_timeout_s * 1e9)
     found = redeliveries(lines, [Loss(n, k, at, end, at + (hold_ns if k == "stop" else 0))

@@ -84,6 +84,7 @@ class Soak:
     losses: list[tuple[str, str, int]] = field(default_factory=list)
     returned: list[int] = field(default_factory=list)
     rss_max: Counter = field(default_factory=Counter)
+    faults_ns: list[int] = field(default_factory=list)
 
     def feed(self, extra: bool = False) -> None:
         """Keep MAX_FEEDS workloads being submitted (`extra`: one more now, under a broker
@@ -133,6 +134,7 @@ class Soak:
 
     def fault(self, kind: str) -> None:
         stages, out = self.stages, self.out
+        self.faults_ns.append(time.monotonic_ns())  # a consumer loss's window ends at the next fault
         if kind == "broker kill -9":  # each counts its own faults (the kill before an armed start too)
             kill_broker(stages, out)
             return
@@ -219,7 +221,7 @@ def soak(work: str, duration_s: float, seed: int, use_tmpfs: bool = True) -> tup
             stages.close()
         whole = concatenate(run.workloads, os.path.join(work, "all.jsonl"))
         run.out.verdict = check(stages.data_dir, whole, run.out.bound(stages.in_flight_bound))
-        redelivery_figures(run.out, stages, run.losses, run.returned, keys=b"s")
+        redelivery_figures(run.out, stages, run.losses, run.returned, keys=b"s", faults_ns=run.faults_ns)
     finally:
         if mounted:
             subprocess.run(["umount", "-l", mount], check=False)
