@@ -74,6 +74,8 @@ def run(name: str, args: argparse.Namespace, work: str) -> kills.Outcome:
 def _merge(first: kills.Outcome, second: kills.Outcome) -> kills.Outcome:
     """Two data directories' outcomes as one row: both verdicts must pass."""
     merged = kills.Outcome(second.campaign, restart_s=first.restart_s + second.restart_s,
+                           process_start_to_serving_s=first.process_start_to_serving_s
+                           + second.process_start_to_serving_s,
                            crash_points=second.crash_points, notes=first.notes + second.notes,
                            resubmits=first.resubmits + second.resubmits, wall_s=first.wall_s + second.wall_s)
     for outcome in (first, second):
@@ -92,15 +94,16 @@ def _ms(value: float | None) -> str:
 
 def table(outcomes: list[kills.Outcome]) -> str:
     rows = ["| campaign | faults by kind | items | lost | unexpected | corrupt | duplicated (bound) | "
-            "restart-to-serving ms p50 / p99 (n) | redelivery ms p50 / p99 / max (n) | verdict |",
-            "|---|---|---:|---:|---:|---:|---:|---|---|---|"]
+            "restart-to-serving ms p50 / p99 (n) | of it, the new broker process ms p50 / p99 | redelivery ms p50 / p99 / max (n) | verdict |",
+            "|---|---|---:|---:|---:|---:|---:|---|---|---|---|"]
     for out in outcomes:
         f = out.figures()
         kinds = ", ".join(f"{kind} {count:,}" for kind, count in sorted(out.faults.items()))
-        restart, redelivery = f["restart_s"], f["redelivery_s"]
+        restart, redelivery, own = f["restart_s"], f["redelivery_s"], f["broker_process_start_to_serving_s"]
         rows.append(f"| {out.campaign} | {kinds} | {f['attempted'] or 0:,} | {f['lost']} | {f['unexpected']} | "
                     f"{f['corrupt']} | {f['duplicated']:,} ({f['duplicate_bound']:,}) | "
                     f"{_ms(restart['p50'])} / {_ms(restart['p99'])} ({restart['n']}) | "
+                    f"{_ms(own['p50'])} / {_ms(own['p99'])} | "
                     f"{_ms(redelivery['p50'])} / {_ms(redelivery['p99'])} / {_ms(redelivery['max'])} "
                     f"({redelivery['n']}) | {'PASS' if out.passed else 'FAIL'} |")
     return "\n".join(rows)

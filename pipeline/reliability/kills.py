@@ -73,6 +73,7 @@ class Outcome:
     faults: dict[str, int] = field(default_factory=dict)
     verdict: dict = field(default_factory=dict)
     restart_s: list[float] = field(default_factory=list)
+    process_start_to_serving_s: list[float] = field(default_factory=list)  # the restarted broker's own share
     redelivery: list[dict] = field(default_factory=list)
     crash_points: dict[str, dict[str, int]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
@@ -93,7 +94,9 @@ class Outcome:
         return {"campaign": self.campaign, "faults": sum(self.faults.values()), "by_kind": self.faults,
                 "passed": self.passed, **{k: self.verdict.get(k) for k in (
                     "attempted", "completed", "lost", "unexpected", "corrupt", "duplicated", "duplicate_bound")},
-                "restart_s": percentiles(self.restart_s), "redelivery_s": percentiles(latencies),
+                "restart_s": percentiles(self.restart_s),
+                "broker_process_start_to_serving_s": percentiles(self.process_start_to_serving_s),
+                "redelivery_s": percentiles(latencies),
                 "wall_s": round(self.wall_s, 1)}
 
     def to_json(self) -> dict:
@@ -160,8 +163,11 @@ def wait_drained(stages: Stages) -> None:
 # ---------------------------------------------------------------------- broker
 
 
-def _serving_again(stages: Stages, old_pid: int | None, killed_ns: int, env: dict[str, str] | None = None) -> float:
-    """Start the broker; seconds from `killed_ns` to a new broker (not `old_pid`) answering."""
+def _serving_again(stages: Stages, old_pid: int | None, killed_ns: int, env: dict[str, str] | None = None,
+                   own_s: list[float] | None = None) -> float:
+    """Start the broker; seconds from `killed_ns` to a new broker (not `old_pid`) answering.
+    `own_s` gets the share of it from the new broker process's start (its imports, recovery
+    and catch-up, without the command that spawned it)."""
     starter = spawn("broker", "start", "--data-dir", stages.data_dir, "--durability", stages.durability, "--detach",
                     "--set", f"heartbeat_timeout_s={stages.heartbeat_timeout_s}",
                     *[arg for pair in stages.broker_settings for arg in ("--set", pair)], env=env)
@@ -173,8 +179,13 @@ def _serving_again(stages: Stages, old_pid: int | None, killed_ns: int, env: dic
     try:
         wait_until(lambda: answers() or starter.poll() is not None, COMMAND_TIMEOUT_S, "a new broker")
         served_ns = time.monotonic_ns()
-        if not answers():  # the starter ended first: the armed broker died before it served
+        status = stages.status()
+        if status is None or status.pid == old_pid:  # the starter ended first: the armed broker died first
             return -1.0
+        if own_s is not None:
+            age = _process_age_s(status.pid)
+            if age is not None:
+                own_s.append(age - (time.monotonic_ns() - served_ns) / 1e9)
         return (served_ns - killed_ns) / 1e9
     finally:
         starter.communicate(timeout=COMMAND_TIMEOUT_S)
@@ -240,6 +251,19 @@ def _wait_submitting(stages: Stages, producer: subprocess.Popen) -> None:
     wait_until(storing, COMMAND_TIMEOUT_S, "the producer to submit")
 
 
+def _process_age_s(pid: int) -> float | None:
+    """Seconds since process `pid` started (/proc: its start in clock ticks since boot, to
+    1/CLK_TCK), or None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as file:
+            started_ticks = int(file.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as file:
+            uptime_s = float(file.read().split()[0])
+    except (OSError, IndexError, ValueError):
+        return None
+    return uptime_s - started_ticks / os.sysconf("SC_CLK_TCK")
+
+
 def kill_broker(stages: Stages, out: Outcome, env: dict[str, str] | None = None) -> float:
     """kill -9 of the broker, then `pipeline broker start` (with `env`); returns seconds from
     the kill to the new broker serving, or -1 when it died before it served."""
@@ -248,7 +272,7 @@ def kill_broker(stages: Stages, out: Outcome, env: dict[str, str] | None = None)
         raise RuntimeError("no live broker to kill")
     killed_ns = kill(pid)
     out.faults["broker kill -9"] = out.faults.get("broker kill -9", 0) + 1
-    served = _serving_again(stages, pid, killed_ns, env)
+    served = _serving_again(stages, pid, killed_ns, env, out.process_start_to_serving_s)
     if served >= 0:
         out.restart_s.append(served)
     return served
@@ -279,7 +303,7 @@ def crash_at(stages: Stages, out: Outcome, point: str, rng: random.Random, feed)
             counts["not_reached"] += 1
             died_ns = kill(old)
     out.faults["broker crash point"] = out.faults.get("broker crash point", 0) + 1
-    served = _serving_again(stages, old, died_ns)
+    served = _serving_again(stages, old, died_ns, own_s=out.process_start_to_serving_s)
     if served < 0:
         raise RuntimeError("a plain broker did not start after a crash point")
     out.restart_s.append(served)
