@@ -125,7 +125,7 @@ def main() -> int:
     parser.add_argument("--producer-kills", type=int, default=3)
     parser.add_argument("--launch-kills", type=int, default=3)
     parser.add_argument("--batch-kills", type=int, default=3)
-    parser.add_argument("--requests", type=int, default=400, help="Requests of the run-batch job.")
+    parser.add_argument("--requests", type=int, default=2000, help="Requests of the run-batch job.")
     parser.add_argument("--json", help="Also write every outcome (each fault's figures) to this file.")
     args = parser.parse_args()
     work = tempfile.mkdtemp(prefix="sbrk-kills-")

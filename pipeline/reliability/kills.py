@@ -264,6 +264,17 @@ def _process_age_s(pid: int) -> float | None:
     return uptime_s - started_ticks / os.sysconf("SC_CLK_TCK")
 
 
+def _wait_stored(stages: Stages, producer: subprocess.Popen, items: int) -> None:
+    """Until the broker stored `items` more items than now, or `produce` ended."""
+    base = wait_until(stages.status, COMMAND_TIMEOUT_S, "the broker's status").items_received
+
+    def stored() -> bool:
+        status = stages.status()
+        return producer.poll() is not None or (status is not None and status.items_received - base >= items)
+
+    wait_until(stored, COMMAND_TIMEOUT_S, f"{items} items stored", poll_s=0.002)
+
+
 def kill_broker(stages: Stages, out: Outcome, env: dict[str, str] | None = None) -> float:
     """kill -9 of the broker, then `pipeline broker start` (with `env`); returns seconds from
     the kill to the new broker serving, or -1 when it died before it served."""
@@ -456,8 +467,9 @@ def producer_kills(work: str, kills: int, seed: int, items: int = 3000) -> Outco
             workloads.append(path)
             producer = spawn("produce", path, "--data-dir", stages.data_dir, "--producers", "1")
             child = wait_until(lambda: _child_of(producer.pid), COMMAND_TIMEOUT_S, "the producer process")
-            _wait_submitting(stages, producer)  # its records arrive: it is writing frames now
-            time.sleep(rng.uniform(0, 0.1))
+            # Killed once the broker stored a seeded share of the file: the producer is a
+            # ring ahead of the broker then, writing frames.
+            _wait_stored(stages, producer, rng.randrange(1, items // 2))
             if gone(child):
                 out.notes.append(f"producer {k} finished before its kill")
             else:

@@ -39,7 +39,7 @@ RUN_SETTINGS = ("--consumers", str(CONSUMERS), "--max-batch", str(MAX_BATCH), "-
 # Items one kill may deliver twice: what the consumers held (their credit and the batch in hand).
 IN_FLIGHT_BOUND = CONSUMERS * (CREDIT + 1) * MAX_BATCH
 # A kill lands this long after the run was seen working, at most (uniform from 0).
-MAX_KILL_DELAY_S = 1.5
+MAX_KILL_DELAY_S = 0.6
 
 
 def _broker_lock_pid(data_dir: str) -> int | None:
@@ -53,7 +53,7 @@ def _wait_for_orphans(data_dir: str) -> None:
         wait_until(lambda: gone(pid), COMMAND_TIMEOUT_S, f"the killed run's broker (pid {pid}) to stop")
 
 
-def launch_kills(work: str, kills: int, seed: int, items: int = 1500) -> Outcome:
+def launch_kills(work: str, kills: int, seed: int, items: int = 4000) -> Outcome:
     """`kills` launches, each of a fresh workload, killed (the launcher or its broker, seeded)
     once its workload is stored; a last launch runs to its end and takes over the rest."""
     os.makedirs(work, exist_ok=True)
