@@ -73,10 +73,10 @@ def launch_kills(work: str, kills: int, seed: int, items: int = 4000) -> Outcome
                 raise RuntimeError(f"the last launch failed: exit {launch.returncode}: {_err.strip()[-1500:]}")
             break
 
-        def stored() -> bool:
+        def stored() -> bool:  # items_received: from rings, not recovered ones; adopted: earlier rings'
             status = stages.status()
             return launch.poll() is not None or (
-                status is not None and status.items_received - status.items_recovered - status.items_adopted >= items)
+                status is not None and status.items_received - status.items_adopted >= items)
 
         wait_until(stored, COMMAND_TIMEOUT_S, "the launch's workload to be stored")
         time.sleep(rng.uniform(0, MAX_KILL_DELAY_S))
