@@ -45,8 +45,6 @@ from pipeline.reliability.sources import results_dirs
 from pipeline.reliability.timing import Line, Loss, percentiles, redeliveries
 from pipeline.reporting.accounting import result_rows
 
-# Exit status of a process ended at a crash point (pipeline.broker.storage.crashpoints).
-CRASH_EXIT_CODE = 77
 # An armed broker that has not reached its crash point after this long is killed instead
 # (and the point reported as not reached in this run).
 CRASH_WAIT_S = 5.0
