@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -13,6 +12,7 @@ import numpy as np
 from pipeline.broker.config import BrokerConfig
 from pipeline.producer.client import BrokerProducer
 from pipeline.producer.signature import signature
+from pipeline.reliability.procs import wait_until as _wait_until
 from pipeline.runtime.local import CTX, stop_process
 from pipeline.runtime.local import start_broker as _start_broker
 from pipeline.wire.client import broker_status
@@ -87,13 +87,7 @@ stop = stop_process
 
 
 def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.05):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll_s)
-    raise TimeoutError(f"timed out waiting for {what}")
+    return _wait_until(predicate, timeout_s, what, poll_s)
 
 
 def read_results(results_dir: str) -> list[dict]:
