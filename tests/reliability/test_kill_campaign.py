@@ -17,7 +17,7 @@ from pipeline.reliability import kills, runs
 
 # Points every run passes while it ingests and completes (the rest need rotation or a
 # deletion, which a short run may not reach: --run-slow arms every point).
-BUSY_POINTS = ("segment.after_write", "commit.after_verify", "tombstone.before_count")
+BUSY_POINTS = ("segment.after_write", "commit.after_verify", "tombstone.before_record")
 
 
 def _assert_passed(out: kills.Outcome, faults: int) -> None:
