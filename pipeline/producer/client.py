@@ -26,6 +26,15 @@ from shm.ring import RingWriter
 
 # How often `wait_stored` looks at the ring's read position.
 DRAIN_POLL_S = 0.005
+# How long a producer's first registration keeps asking a broker that does not answer
+# (stopped, or restarting: restart-to-serving p99 7.5 s in issue 17's soak on 2 loaded
+# cores) before it fails. Without it a broker killed while `pipeline produce`'s producer
+# registered failed the whole command (3 of 12 runs in a reproduction), though the command
+# waits for a restarting broker once registered (`_reconnect`, without a bound).
+FIRST_REGISTRATION_TIMEOUT_S = 120.0
+# What a broker that is away looks like to a registration: no socket file (between a
+# broker's exit and its successor's bind), nobody listening, the connection cut, no reply.
+_BROKER_AWAY = (FileNotFoundError, ConnectionError, TimeoutError)
 
 
 class BrokerProducer(Producer):
@@ -36,12 +45,42 @@ class BrokerProducer(Producer):
     """
 
     def __init__(self, socket_path: str, *, capacity_bytes: int = DEFAULT_RING_CAPACITY_BYTES,
-                 limits: ProducerLimits = ProducerLimits(), timeout_s: float | None = None) -> None:
+                 limits: ProducerLimits = ProducerLimits(), timeout_s: float | None = None,
+                 register_timeout_s: float = FIRST_REGISTRATION_TIMEOUT_S) -> None:
         self.socket_path = socket_path
-        self.conn = Connection.connect(socket_path)
-        reply = self.conn.request({"type": "register_producer", "pid": os.getpid(), "producer_id": -1},
-                                  timeout_s=REGISTRATION_REPLY_TIMEOUT_S)
-        ring = RingWriter.create(reply["ring"], capacity_bytes, doorbell=reply["doorbell"], reattach=True)
+        deadline_s = time.monotonic() + register_timeout_s
+        backoff = RECONNECT_FIRST_S
+        while True:
+            try:
+                self._register(capacity_bytes, limits, timeout_s)
+                break
+            except _BROKER_AWAY as exc:  # a broker stopping or restarting: ask again
+                if time.monotonic() + backoff > deadline_s:
+                    raise type(exc)(f"{socket_path}: no broker took this producer's registration within "
+                                    f"{register_timeout_s:g} s: {exc}") from exc
+                time.sleep(backoff)
+                backoff = min(2 * backoff, RECONNECT_MAX_S)
+        self._conn_lock = threading.Lock()
+        self._closing = threading.Event()
+        # Why the broker refused this producer, once it has (set by the watcher thread, read
+        # by the submitting one: a str reference, replaced whole).
+        self.refused: str | None = None
+        self._monitor = threading.Thread(target=self._watch_broker, name="broker-watch", daemon=True)
+        self._monitor.start()
+
+    def _register(self, capacity_bytes: int, limits: ProducerLimits, timeout_s: float | None) -> None:
+        """One registration: connect, register (a new producer id), create the ring the
+        broker names, say ready. On any failure nothing was published: the ring and the
+        connection are removed and the error raised (a broker that went away meanwhile
+        leaves at most a half-made registration it forgets with the connection)."""
+        self.conn = Connection.connect(self.socket_path)
+        try:
+            reply = self.conn.request({"type": "register_producer", "pid": os.getpid(), "producer_id": -1},
+                                      timeout_s=REGISTRATION_REPLY_TIMEOUT_S)
+            ring = RingWriter.create(reply["ring"], capacity_bytes, doorbell=reply["doorbell"], reattach=True)
+        except BaseException:
+            self.conn.close()
+            raise
         try:
             super().__init__(ring, reply["producer_id"], limits=limits, timeout_s=timeout_s)
             self.conn.send({"type": "producer_ready", "ring": reply["ring"]})
@@ -57,13 +96,6 @@ class BrokerProducer(Producer):
             ring.unlink()
             self.conn.close()
             raise
-        self._conn_lock = threading.Lock()
-        self._closing = threading.Event()
-        # Why the broker refused this producer, once it has (set by the watcher thread, read
-        # by the submitting one: a str reference, replaced whole).
-        self.refused: str | None = None
-        self._monitor = threading.Thread(target=self._watch_broker, name="broker-watch", daemon=True)
-        self._monitor.start()
 
     def _watch_broker(self) -> None:
         """Notice the broker going away (end of file on the socket) and register again with

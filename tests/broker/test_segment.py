@@ -11,7 +11,14 @@ import pytest
 from pipeline.broker.storage.scan import SEARCH_FIRST_WINDOW_BYTES, census_segment
 from pipeline.broker.storage.segment import Durability, SegmentFile, SegmentKeys, encode_entries, scan_segment
 from pipeline.wire.errors import SegmentCorruptError, SegmentFormatError
-from pipeline.wire.layouts import ENTRY_HEADER_SIZE_BYTES, ITEM_HEADER_DTYPE, SEGMENT_HEADER_SIZE_BYTES, segment_relpath
+from pipeline.wire.layouts import (
+    ENTRY_HEADER_SIZE_BYTES,
+    ENTRY_LIVE,
+    ENTRY_TOMBSTONE,
+    ITEM_HEADER_DTYPE,
+    SEGMENT_HEADER_SIZE_BYTES,
+    segment_relpath,
+)
 
 KEYS = SegmentKeys(model=1, signature=0xDEADBEEF_12345678, lane=7, segment_seq=3)
 
@@ -151,6 +158,19 @@ def test_completions_leave_the_segment_bytes_as_they_were(tmp_path):
     report = scan_segment(path)
     assert report.tombstone_count == 10 and report.sealed and report.counts_agree
     assert os.path.getsize(path + ".journal") == 32 * (3 + 10 + 1)  # 3 boundaries, 10 completions, the seal
+
+
+def test_a_segment_holds_no_completion_bitmap_until_something_in_it_completes(tmp_path):
+    # A backlog nothing has completed yet must not grow the broker with the store.
+    segment, _ = write_segment(str(tmp_path / "b.seg"), 12)
+    offsets = scan_segment(segment.path).offsets
+    assert segment._done is None and segment.state_at(int(offsets[0])) == ENTRY_LIVE
+    assert segment.entry_offsets(int(offsets[0]), segment.readable_end, 12)[0].tolist() == offsets.tolist()
+    assert segment.tombstone_many([int(offsets[3])]) == 1
+    assert segment._done is not None and segment.state_at(int(offsets[3])) == ENTRY_TOMBSTONE
+    assert segment.entry_offsets(int(offsets[0]), segment.readable_end, 11)[0].tolist() == (
+        [o for k, o in enumerate(offsets.tolist()) if k != 3])
+    segment.close()
 
 
 def unacknowledged_last_write(path: str, count: int) -> tuple[int, int, np.ndarray]:

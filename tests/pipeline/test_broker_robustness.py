@@ -45,6 +45,43 @@ def test_producer_whose_connection_drops_registers_again_and_loses_nothing(tmp_p
         stop(broker)
 
 
+def test_a_producer_registering_while_no_broker_answers_waits_for_one_and_loses_nothing(tmp_path):
+    """The first registration retries a broker that is away (no socket file, nobody
+    listening) until one answers: a broker killed while `pipeline produce`'s producer
+    registered used to fail the whole command. A producer thread starts before any broker;
+    the broker starts once it has been refused a few times."""
+    import threading
+
+    data = str(tmp_path / "data")
+    socket_path = BrokerConfig(data).socket_path
+    made: list = []
+    thread = threading.Thread(target=lambda: made.append(BrokerProducer(socket_path, capacity_bytes=16 << 20,
+                                                                        timeout_s=30, register_timeout_s=60)))
+    thread.start()
+    thread.join(0.5)  # it is asking a data directory with no broker yet
+    assert thread.is_alive() and not made
+    broker = start_broker(data)
+    consumer = start_consumer(consumer_config(tmp_path, socket_path, 0))
+    try:
+        thread.join(60)
+        assert made, "the producer never registered"
+        producer = made[0]
+        for _ in range(40):
+            producer.submit(0, 7, TOKENS)
+        producer.close(timeout_s=30)
+        wait_until(lambda: status(socket_path).items_completed == 40, 30, "all 40 completed")
+    finally:
+        stop(consumer)
+        stop(broker)
+
+
+def test_a_first_registration_gives_up_after_its_timeout_naming_the_socket(tmp_path):
+    socket_path = BrokerConfig(str(tmp_path / "data")).socket_path
+    with pytest.raises((FileNotFoundError, ConnectionError)) as caught:
+        BrokerProducer(socket_path, capacity_bytes=1 << 20, register_timeout_s=0.3)
+    assert socket_path in str(caught.value) and "0.3 s" in str(caught.value)
+
+
 def test_a_producer_whose_goodbye_is_lost_is_forgotten_once_it_removes_its_ring(tmp_path):
     # Its connection drops and it closes before registering again: the broker never hears
     # its goodbye, and the producer process lives on. Unlinking its ring (after the broker
