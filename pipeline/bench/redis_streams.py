@@ -49,8 +49,13 @@ from pipeline.bench.pipelines import (
     flood_arrays,
     run_phase,
 )
+from pipeline.broker.packing import pad_to_tokens
+from pipeline.consumer.engines.base import EngineBatch
+from pipeline.consumer.engines.sim import SimEngine
+from pipeline.consumer.results import STATUS_OK, ResultsFile, result_lines
 from pipeline.producer.workload import Workload
 from pipeline.runtime.local import CTX, start_child
+from pipeline.wire.layouts import DESCRIPTOR_ITEM_DTYPE, Descriptor, prompt_digests
 
 # The server's program: Debian's package puts it in /usr/bin; a PATH lookup finds another.
 REDIS_SERVER = "redis-server"
@@ -255,6 +260,10 @@ def workload_producer(port: int, workload: Workload, index: int, count: int) -> 
     adder.close()
 
 
+# The descriptor a Redis batch's result lines are formatted with carries no item rows.
+_NO_ITEMS = np.zeros(0, dtype=DESCRIPTOR_ITEM_DTYPE)
+
+
 class ConsumerWork:
     """What the broker's consumer does with a batch it read, for a Redis batch: run it on a
     zero-cost sim engine (the default prefix cache), digest each prompt, and append the
@@ -265,24 +274,16 @@ class ConsumerWork:
     """
 
     def __init__(self, results_path: str) -> None:
-        from pipeline.consumer.engines.sim import SimEngine
-        from pipeline.consumer.results import ResultsFile
-
         self.engine = SimEngine()
         self.results = ResultsFile(results_path)
         self.batches = 0
 
     def run(self, entries: list, prompts: list[np.ndarray]) -> None:
-        from pipeline.broker.packing import pad_to_tokens
-        from pipeline.consumer.engines.base import EngineBatch
-        from pipeline.consumer.results import STATUS_OK, result_lines
-        from pipeline.wire.layouts import DESCRIPTOR_ITEM_DTYPE, Descriptor, prompt_digests
-
         pad_to = pad_to_tokens(max(p.shape[0] for p in prompts))
         prefix_lens = [int(fields[b"p"]) for _, fields in entries]
         result = self.engine.run(EngineBatch(prompts, pad_to, prefix_lens))
         self.batches += 1
-        d = Descriptor(self.batches, 0, 0, pad_to, time.monotonic_ns(), np.zeros(0, dtype=DESCRIPTOR_ITEM_DTYPE))
+        d = Descriptor(self.batches, 0, 0, pad_to, time.monotonic_ns(), _NO_ITEMS)
         lines = result_lines(d, STATUS_OK, [int(fields[b"i"]) for _, fields in entries],
                              [int(fields[b"c"]) for _, fields in entries], [p.shape[0] for p in prompts],
                              result.cached_tokens, result.outputs, [b""] * len(prompts), result.finish_reasons,
