@@ -41,7 +41,7 @@ SAMPLE_WIRE = json.loads("""
  "items_completed": 4000, "tokens_completed": 1580568, "items_returned": 0, "tokens_returned": 0,
  "items_recovered": 0, "items_adopted": 0,
  "tokens_recovered": 0, "duplicate_items": 0, "backlog_items": 0,
- "backlog_tokens": 0, "pending_items": 0, "shapes": 20, "lanes_in_use": 923,
+ "backlog_tokens": 0, "pending_items": 0, "shapes": 20, "shapes_seen": 20, "lanes_in_use": 923,
  "lanes": {"opened": 923, "reused": 3077, "force_fits": 0, "raises": 726, "quiesced": 0, "released": 0,
            "revived": 0, "restored": 0, "max_in_use": 923},
  "switches": {"initial": 1, "drained": 19, "starvation": 0}, "batches_routed": 924,

@@ -33,6 +33,8 @@ V1_KEYS = {
     "peers_refused", "peers_shed", "stalls", "stalled_s",
     # STATUS_VERSION 5: compulsory misses against one cache for the model, the lineage file's limit
     "compulsory_prefix_tokens", "compulsory_uncounted_starts", "lineage_chains_unrecorded",
+    # STATUS_VERSION 6: the run's distinct shapes beside the live ones
+    "shapes_seen",
 }
 LANE_KEYS = {"opened", "reused", "force_fits", "raises", "quiesced", "released", "revived", "restored", "max_in_use"}
 CONSUMER_KEYS = {"id", "pid", "credit", "batches_held", "model", "max_batch_items", "max_batch_tokens",

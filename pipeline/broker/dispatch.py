@@ -184,6 +184,7 @@ class DispatchCounters:
     duplicate_items: int = 0
     batches: int = 0
     shapes: int = 0
+    shapes_seen: int = 0
     lanes_in_use: int = 0
     switches: dict[str, int] = field(default_factory=dict)
     lanes: LaneCounters = field(default_factory=LaneCounters)
@@ -226,6 +227,11 @@ class Dispatcher:
         self._selector: DispatchPolicy = policy if policy is not None else ShapeSelector(
             max_age_s, age_resolution_ns, shape_order, affinity)
         self._shapes: dict[ShapeKey, ShapeLanes] = {}
+        # Every (model, signature) given lanes since start, retired ones included: the run's
+        # shape count (`shapes` above is the live ones, near 0 once a run's lanes retire).
+        # NOTE: an exact set, not a sketch: it holds the dict's own key objects (about 150
+        # bytes a distinct shape), the same order as each consumer's `shapes` set.
+        self._seen: set[ShapeKey] = set()
         self._retired = LaneCounters()  # counters of shapes retired by tick
         self._next_batch_id = 0
         self._outstanding: Batch | None = None
@@ -419,9 +425,7 @@ class Dispatcher:
                     f"beyond this broker's lane budget of {self._lane_config.max_lanes} (a store written with a "
                     f"larger max_lanes, or a segment named by hand): the broker cannot serve it")
             shape = found.lane.shape
-            lanes = self._shapes.get(shape)
-            if lanes is None:
-                lanes = self._shapes[shape] = ShapeLanes(self._lane_config)
+            lanes = self._shapes.get(shape) or self._new_shape(shape)
             lanes.restore_lane(found.lane.lane, int(found.lengths.max()), found.lengths, now_s)
             self._schedule(shape)
             tokens = int(found.lengths.sum())
@@ -450,14 +454,17 @@ class Dispatcher:
             for start, part in zip(starts, np.split(rows, cuts))
         ]
 
+    def _new_shape(self, shape: ShapeKey) -> ShapeLanes:
+        lanes = self._shapes[shape] = ShapeLanes(self._lane_config)
+        self._seen.add(shape)
+        return lanes
+
     def _assign_shape(
         self, shape: ShapeKey, frame: Frame, rows: np.ndarray, now_s: float
     ) -> list[tuple[AppendGroup, int]]:
         """Assign lanes to one shape's rows; return each lane's group (arrival order within
         it) and its tokens, in lane order."""
-        lanes = self._shapes.get(shape)
-        if lanes is None:
-            lanes = self._shapes[shape] = ShapeLanes(self._lane_config)
+        lanes = self._shapes.get(shape) or self._new_shape(shape)
         lengths = frame.items["length"][rows].astype(np.int64)
         lane_ids = lanes.assign_many(lengths, now_s)
         order = np.argsort(lane_ids, kind="stable")  # each lane's rows stay in arrival order
@@ -630,6 +637,7 @@ class Dispatcher:
         snapshot.lanes_in_use = sum(shape_lanes.lane_count for shape_lanes in self._shapes.values())
         snapshot.lanes = lanes
         snapshot.shapes = len(self._shapes)
+        snapshot.shapes_seen = len(self._seen)
         snapshot.switches = {r.value: n for r, n in self._selector.counters.switches.items()}
         return snapshot
 
@@ -654,6 +662,7 @@ class Dispatcher:
         storage.check_invariants()
         self._selector.check_invariants()
         self.first_refs.check_invariants()
+        assert self._shapes.keys() <= self._seen, "a live shape not counted as seen"
         waiting = self._waiting
         unstored = {} if waiting is None else waiting.unstored_by_lane()
         held_tokens = {} if waiting is None else waiting.unannounced_tokens_by_shape()

@@ -261,6 +261,7 @@ class Broker:
             backlog_tokens=sum(s.queued_tokens for s in shapes),
             pending_items=self.storage.pending_items(),
             shapes=counters.shapes,
+            shapes_seen=counters.shapes_seen,
             lanes_in_use=counters.lanes_in_use,
             lanes=LaneEvents(opened=lanes.new_lanes, reused=lanes.reuses, force_fits=lanes.force_fits,
                              raises=lanes.raises, quiesced=lanes.quiesced, released=lanes.released,

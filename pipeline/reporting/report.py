@@ -234,7 +234,8 @@ def build_report(status: BrokerStatus | None, results: ResultsSummary, wall_s: f
         "prefix_reuse": prefix_reuse(total("cache_hit_tokens_all"), prompt),
         "shape_switches": broker.shape_switches,
         "shape_switches_by_reason": switches,
-        "shapes": broker.shapes,
+        # The run's shapes, not the live ones: a finished run's lanes retire, and its shapes go.
+        "shapes": broker.shapes_seen,
         "lanes": lanes,
         "consumers_lost": broker.consumers_lost,
         "per_consumer": per_consumer,

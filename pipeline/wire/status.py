@@ -34,7 +34,8 @@ from pipeline.wire.errors import ProtocolError
 # The wire form's version: bump it with any change to the fields (see the module docstring).
 # 5: compulsory_prefix_tokens (per consumer and the whole model's), compulsory_uncounted_starts,
 #    lineage_chains_unrecorded, store_damage's lineage_problems.
-STATUS_VERSION = 5
+# 6: shapes_seen (the run's distinct shapes; `shapes` is the live ones).
+STATUS_VERSION = 6
 # The signature of the `top_shapes` row that sums every shape past the top ones.
 OTHER_SHAPE = "other"
 # busy_ns's unit.
@@ -316,6 +317,8 @@ class BrokerStatus:
     pending_items: int = _doc("Items routed and not yet completed", Export(GAUGE), default=0)
     # --- shapes and lanes
     shapes: int = _doc("(model, shape) pairs the broker holds lanes for", Export(GAUGE), default=0)
+    shapes_seen: int = _doc("Distinct (model, shape) pairs given lanes since the broker started, idle ones included",
+                            Export(COUNTER), default=0)
     lanes_in_use: int = _doc("Length lanes open now", Export(GAUGE), default=0)
     lanes: LaneEvents = _doc("Lane events summed over shapes, by event",
                              Export(COUNTER, name="lane_events", label="event"), factory=LaneEvents)

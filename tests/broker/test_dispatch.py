@@ -353,8 +353,10 @@ def test_tick_releases_idle_lanes_and_retires_shapes(tier):
     after = dispatcher.counters()
     assert after.lanes.released == after.lanes.new_lanes == before.new_lanes == 4
     assert after.lanes_in_use == 0 and after.items_completed == 4
+    assert after.shapes == 0 and after.shapes_seen == 2  # retired shapes stay counted as the run's
     dispatcher.ingest(make_frame(0, 4, [(0, 1)], [100]), 6.0)  # the shape comes back
     assert dispatcher.next_batch(ConsumerId(1), BIG, 6.0) is not None
+    assert dispatcher.counters().shapes_seen == 2  # the same shape again: not a new one
     dispatcher.check_invariants()
 
 
