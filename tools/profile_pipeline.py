@@ -39,7 +39,7 @@ import bench_pipeline  # noqa: E402  (the benchmark whose run is profiled)
 
 from pipeline.broker import consumers, control, dispatch, producers  # noqa: E402
 from pipeline.broker.storage import disk, queues  # noqa: E402
-from pipeline.consumer import process, reader  # noqa: E402
+from pipeline.consumer import process, reader, session  # noqa: E402
 from pipeline.consumer.engines import prefix_cache, sim  # noqa: E402
 
 # (owner, attribute, label): the methods timed.
@@ -56,14 +56,16 @@ TIMED = [
     (control.ControlServer, "serve", "broker: control"),
     (dispatch.Dispatcher, "complete_batch", "broker:   Dispatcher.complete_batch"),
     (disk.DiskTier, "_remove", "broker:     tombstones"),
-    (process.Consumer, "run_batch", "consumer: run_batch"),
+    (process.Consumer, "start_batch", "consumer: start_batch"),
     (reader.SegmentReader, "read_batch", "consumer:   read_batch"),
+    (reader, "journal_completions", "consumer:     journal follow (decode)"),
     (sim.SimEngine, "run", "consumer:   engine"),
     (sim.SimEngine, "_hash_blocks", "consumer:     block hashing"),
     (prefix_cache.PrefixCache, "run", "consumer:     prefix cache"),
+    (process.Consumer, "finish_batch", "consumer: finish_batch"),
     (process, "result_lines", "consumer:   result lines"),
     (process.Consumer, "_write", "consumer:   results write"),
-    (process._Session, "send", "consumer: completion messages"),
+    (session.BrokerSession, "send", "consumer: completion messages"),
 ]
 
 

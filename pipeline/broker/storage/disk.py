@@ -253,10 +253,13 @@ class DiskTier(QueuedTier):
         return None
 
     def _remove(self, lane: LaneKey, refs: list[EntryRef]) -> None:
-        for segment, run in groupby(refs, key=itemgetter(0)):
-            offsets = list(map(itemgetter(1), run))
-            done = self._store.tombstone_many(segment, offsets)
-            assert done == len(offsets), (segment, done, len(offsets))  # the pending map held them
+        count = len(refs)
+        segments = np.fromiter(map(itemgetter(0), refs), dtype=np.int64, count=count)
+        offsets = np.fromiter(map(itemgetter(1), refs), dtype=np.int64, count=count)
+        for first, end in _runs(segments):  # a segment's refs are consecutive in a batch
+            segment = SegmentId(int(segments[first]))
+            done = self._store.tombstone_many(segment, offsets[first:end])
+            assert done == end - first, (segment, done, end - first)  # the pending map held them
             if segment not in self._store.segments:  # deleted whole
                 self._read_maps.pop(segment, None)
 

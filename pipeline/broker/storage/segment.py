@@ -436,7 +436,11 @@ class SegmentFile:
     def _fresh_columns(self, offsets: Sequence[int] | np.ndarray) -> np.ndarray | None:
         """The offsets not yet completed (sorted, unique), read as numpy columns; None when
         an offset is no entry (nothing is marked)."""
-        at = np.unique(np.asarray(offsets, dtype=np.int64))  # a duplicate completes once
+        at = np.asarray(offsets, dtype=np.int64)
+        # A batch completes its entries in file order: strictly increasing needs no sort.
+        # NOTE: np.unique on every call cost 20 us of a 256-entry batch's 37 (/tmp micro-bench).
+        if at.size > 1 and not (at[1:] > at[:-1]).all():
+            at = np.unique(at)  # a duplicate completes once
         if not at.size:
             return at
         if at[0] < SEGMENT_HEADER_SIZE_BYTES or at[-1] >= self.readable_end or (at & (ENTRY_ALIGN_BYTES - 1)).any():
@@ -491,24 +495,28 @@ class SegmentFile:
         is ([4096, 4208], 4384); with the first completed, entry_offsets(4096, 4384, 1)
         is ([4208], 4384)."""
         limit = min(end, self.readable_end)
-        out: list[int] = []
+        out = np.empty(count, dtype=np.int64)
         unpack, mapped, mask = _STEP.unpack_from, self._map, ENTRY_ALIGN_BYTES - 1
-        live, header, offset, done = ENTRY_LIVE, ENTRY_HEADER_SIZE_BYTES, start, self._done
-        while len(out) < count:
-            if offset + header > limit or offset & mask:
+        live, offset, done, found = ENTRY_LIVE, start, self._done, 0
+        # Bytes of an entry past its tokens and payload, rounded up to the alignment:
+        # following = offset + (round_up + 4 * length + payload_len) & ~mask.
+        round_up = ENTRY_HEADER_SIZE_BYTES + mask
+        assert TOKEN_SIZE_BYTES == 4
+        while found < count:
+            if offset + ENTRY_HEADER_SIZE_BYTES > limit or offset & mask:
                 self._no_entry(offset, None)
             state, length, payload_len = unpack(mapped, offset)
-            if state == ENTRY_NONE and offset % SYNC_ALIGN_BYTES:  # padding before a synced group
-                offset = -(-offset // SYNC_ALIGN_BYTES) * SYNC_ALIGN_BYTES
-                continue
-            following = offset + ((header + length * TOKEN_SIZE_BYTES + payload_len + mask) & ~mask)
+            following = offset + ((round_up + (length << 2) + payload_len) & ~mask)
             if state != live or not length or following > limit:
+                if state == ENTRY_NONE and offset % SYNC_ALIGN_BYTES:  # padding before a synced group
+                    offset = -(-offset // SYNC_ALIGN_BYTES) * SYNC_ALIGN_BYTES
+                    continue
                 self._no_entry(offset, state)
-            slot = offset >> 4
-            if done is None or not (done[slot >> 3] >> (slot & 7)) & 1:
-                out.append(offset)
+            if done is None or not (done[offset >> 7] >> ((offset >> 4) & 7)) & 1:
+                out[found] = offset
+                found += 1
             offset = following
-        return np.array(out, dtype=np.int64), offset
+        return out, offset
 
     def _no_entry(self, offset: int, state: int | None) -> NoReturn:
         raise SegmentCorruptError(
