@@ -65,7 +65,10 @@ class _Mapping:
     identity: tuple[int, int]  # (st_dev, st_ino) of the file mapped: a deleted one is dropped
     journal_fd: int = -1  # the segment's journal, followed for completions (-1: none)
     journal_pos: int = 0  # where the next read of it starts
-    completed: set[int] = field(default_factory=set)  # offsets its journal completed so far
+    # Bit (offset >> 4) set for each entry its journal completed so far, one bit per 16-byte
+    # slot of the mapping (made at the first completion read). NOTE: a set of offsets was
+    # rejected: an int object and a hash per entry, updated and probed from Python per item.
+    completed: np.ndarray | None = None
 
 
 @dataclass(slots=True)
@@ -169,21 +172,24 @@ class SegmentReader:
         return len(gone)
 
     @staticmethod
-    def _completed(entry: _Mapping, seed: int) -> set[int]:
-        """The offsets of a mapped segment its journal completed so far (read on from the
-        last stop). A journal that cannot be read leaves what was read: at worst a stale
-        entry is delivered again, which at-least-once allows."""
+    def _completed(entry: _Mapping, seed: int, offsets: np.ndarray) -> np.ndarray:
+        """Which of `offsets` (int64, inside the mapping) the segment's journal completed so
+        far (read on from the last stop), as a bool column. A journal that cannot be read
+        leaves what was read: at worst a stale entry is delivered again, which
+        at-least-once allows."""
         while entry.journal_fd >= 0:
             try:
                 data = os.pread(entry.journal_fd, JOURNAL_READ_BYTES, entry.journal_pos)
             except OSError:
                 break
-            offsets, used = journal_completions(data, seed)
-            entry.completed.update(offsets.tolist())
+            done, used = journal_completions(data, seed)
+            _mark_completed(entry, done)
             entry.journal_pos += used
             if not used or len(data) < JOURNAL_READ_BYTES:
                 break
-        return entry.completed
+        if entry.completed is None:
+            return np.zeros(offsets.shape[0], dtype=bool)
+        return (entry.completed[offsets >> 7] >> ((offsets >> 4) & 7).astype(np.uint8)) & 1 == 1
 
     def _drop(self, path: str) -> None:
         entry = self._maps.pop(path)
@@ -213,7 +219,7 @@ class SegmentReader:
             self._drop(path)
             return self.read(model, signature, lane, segment_seq, offset, length, item_id, _retried=True)
         seed = journal_seed(model, lane, segment_seq)
-        done = state == ENTRY_TOMBSTONE or offset in self._completed(self._maps[path], seed)
+        done = state == ENTRY_TOMBSTONE or bool(self._completed(self._maps[path], seed, np.array([offset]))[0])
         if done and got_length == length and got_id == item_id:
             raise EntryCompletedError(f"{path}: offset {offset}: item {item_id} was completed already")
         if state != ENTRY_LIVE or got_length != length or got_id != item_id or end > len(view):
@@ -275,9 +281,7 @@ class SegmentReader:
             items, offsets, lengths, token_starts = items[inside], offsets[inside], lengths[inside], token_starts[inside]
         headers, ends, good = gather_entry_headers(mapped.words, offsets, len(mapped.view))
         good &= (headers["length"] == lengths) & (headers["item_id"] == items["item_id"])
-        completed = self._completed(mapped, journal_seed(model, lane, segment_seq))
-        if completed:  # completed elsewhere: `read` names them
-            good &= ~np.fromiter((at in completed for at in offsets.tolist()), dtype=bool, count=offsets.shape[0])
+        good &= ~self._completed(mapped, journal_seed(model, lane, segment_seq), offsets)  # `read` names them
         payload_lens = headers["payload_len"].astype(np.int64)
         if self.verify_checksums and good.any():  # entry_checksum, inlined: one call per entry
             view, digest = mapped.view, xxhash.xxh3_64_intdigest
@@ -314,6 +318,18 @@ class SegmentReader:
     def close(self) -> None:
         for path in list(self._maps):
             self._drop(path)
+
+
+def _mark_completed(entry: _Mapping, offsets: np.ndarray) -> None:
+    """Set the completion bits of `offsets` (from the journal: checksummed records of the
+    broker). One past the mapping cannot be in a descriptor read through it (a longer file
+    is mapped afresh, its journal read again from the start): skipped."""
+    offsets = offsets[(offsets >= 0) & (offsets < len(entry.view))]
+    if not offsets.size:
+        return
+    if entry.completed is None:
+        entry.completed = np.zeros((len(entry.view) >> 7) + 1, dtype=np.uint8)
+    np.bitwise_or.at(entry.completed, offsets >> 7, (1 << ((offsets >> 4) & 7)).astype(np.uint8))
 
 
 def _open_journal(segment_path: str) -> int:

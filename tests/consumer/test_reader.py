@@ -225,3 +225,27 @@ def test_a_segment_that_cannot_be_mapped_now_is_not_damage(tmp_path):
     assert reader.read_batch(2, SIG, rows).item_ids == items["item_id"].tolist()  # descriptors back: all read
     reader.close()
     segment.close()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_completions_followed_between_reads_refuse_exactly_the_completed(tmp_path, seed):
+    # The reader follows the journal from where it stopped; each batch read must refuse
+    # exactly the entries completed so far (a set of offsets is the reference), whatever
+    # order and chunks the completions came in.
+    rng = np.random.default_rng(seed)
+    path, frame, segment = store(str(tmp_path), 0, 300, seed)
+    offsets = scan_segment(path).offsets
+    reader = SegmentReader(str(tmp_path))
+    done: set[int] = set()
+    for _ in range(8):
+        chosen = rng.choice(offsets, size=int(rng.integers(1, 40)), replace=False)
+        segment.tombstone_many(chosen.tolist())  # any order, duplicates across rounds
+        done |= set(chosen.tolist())
+        rows = descriptor_items(0, offsets, frame[0])[rng.permutation(offsets.shape[0])[:120]]
+        got = reader.read_batch(2, SIG, rows)
+        refused = {item_id for item_id, _n, exc in got.failed if isinstance(exc, EntryCompletedError)}
+        expected = {int(r["item_id"]) for r in rows if int(r["offset"]) in done}
+        assert refused == expected and len(got.failed) == len(expected)
+        assert set(got.item_ids) == {int(r["item_id"]) for r in rows} - expected
+    reader.close()
+    segment.close()
