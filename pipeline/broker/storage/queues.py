@@ -560,17 +560,18 @@ class QueuedTier(StorageTier, abc.ABC):
         self._pending.check_invariants()
         self._stored.check()
         live = self._live_entries()
+        pending = self._pending.held_refs()
         queued: set[EntryRef] = set()
         for lane, queue in self._queues.items():
             queue.check()
             assert (queue.staged_count > 0) == (lane in self._staged_queues), lane
             for ref in queue.all_refs(self._cold_offsets):
                 assert ref in live and ref not in queued, f"queued entry {ref} is not live or twice"
-                assert ref not in self._pending and self._lane_of(ref.segment) == lane, ref
+                assert ref not in pending and self._lane_of(ref.segment) == lane, ref
                 queued.add(ref)
         pending_by_lane: dict[LaneKey, int] = {}
         for ref in live:
-            if ref in self._pending:
+            if ref in pending:
                 lane = self._lane_of(ref.segment)
                 pending_by_lane[lane] = pending_by_lane.get(lane, 0) + 1
             else:
