@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.broker.ids import BatchId, ConsumerId, EntryRef, LaneId, LaneKey, SegmentId
-from pipeline.broker.storage.pending import PendingMap, ReturnedRun
+from pipeline.broker.storage.pending import EntryColumns, PendingMap, ReturnedRun
 from pipeline.wire.errors import BadInputError, NotHeldError
 
 DETERMINISTIC = settings(derandomize=True, database=None, deadline=None, max_examples=200)
@@ -55,7 +55,7 @@ class Harness:
         refs = [EntryRef(SegmentId(lane_pick % len(LANES)), self.next_offset + i) for i in range(size)]
         lengths = [100 + (self.next_offset + i) % 37 for i in range(size)]
         self.next_offset += size
-        self.sut.add_batch(BatchId(self.next_batch), ConsumerId(consumer), lane, refs, lengths)
+        self.sut.add_batch(BatchId(self.next_batch), ConsumerId(consumer), lane, EntryColumns.of(refs), lengths)
         self.ref.add(self.next_batch, consumer, lane, refs, lengths)
         self.next_batch += 1
 
@@ -70,7 +70,8 @@ class Harness:
             assert self.sut.counters.completed == before  # nothing applied
             return
         done = self.sut.complete_batch(ConsumerId(consumer), BatchId(batch))
-        assert (done.by_lane, done.items, done.tokens) == want
+        by_lane = {lane: entries.refs() for lane, entries in done.by_lane.items()}
+        assert (by_lane, done.items, done.tokens) == want
 
     def lose(self, consumer: int) -> None:
         assert self.sut.consumer_lost(ConsumerId(consumer)) == self.ref.lose(consumer)
@@ -137,11 +138,11 @@ def test_docstring_example_complete_batch():
     pending = PendingMap()
     lane = LANES[0]
     a, b = _refs(0, 0, 1)
-    pending.add_batch(BatchId(7), ConsumerId(1), lane, [a, b], [500, 510])
+    pending.add_batch(BatchId(7), ConsumerId(1), lane, EntryColumns.of([a, b]), [500, 510])
     with pytest.raises(NotHeldError, match=r"consumer 2 completed batch 7, which it does not hold .held by consumer 1"):
         pending.complete_batch(ConsumerId(2), BatchId(7))
     done = pending.complete_batch(ConsumerId(1), BatchId(7))
-    assert (done.by_lane, done.items, done.tokens) == ({lane: [a, b]}, 2, 1010)
+    assert ({k: v.refs() for k, v in done.by_lane.items()}, done.items, done.tokens) == ({lane: [a, b]}, 2, 1010)
     with pytest.raises(NotHeldError, match="pending nowhere") as raised:  # a resend
         pending.complete_batch(ConsumerId(1), BatchId(7))
     assert isinstance(raised.value, BadInputError)
@@ -154,9 +155,9 @@ def test_docstring_example_consumer_lost():
     lane_l, lane_m = LANES[0], LANES[1]
     a1, a2, a3, a4 = _refs(0, 0, 1, 2, 3)
     (b1,) = _refs(1, 0)
-    pending.add_batch(BatchId(1), ConsumerId(3), lane_l, [a1, a2], [1, 2])
-    pending.add_batch(BatchId(2), ConsumerId(3), lane_m, [b1], [5])
-    pending.add_batch(BatchId(4), ConsumerId(3), lane_l, [a3, a4], [3, 4])
+    pending.add_batch(BatchId(1), ConsumerId(3), lane_l, EntryColumns.of([a1, a2]), [1, 2])
+    pending.add_batch(BatchId(2), ConsumerId(3), lane_m, EntryColumns.of([b1]), [5])
+    pending.add_batch(BatchId(4), ConsumerId(3), lane_l, EntryColumns.of([a3, a4]), [3, 4])
     assert pending.consumer_lost(ConsumerId(3)) == [
         ReturnedRun(lane_l, (a1, a2, a3, a4), (1, 2, 3, 4)), ReturnedRun(lane_m, (b1,), (5,))
     ]

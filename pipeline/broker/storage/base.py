@@ -59,12 +59,11 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import repeat
 
 import numpy as np
 
 from pipeline.broker.ids import BatchId, ConsumerId, EntryRef, LaneKey
-from pipeline.broker.storage.pending import Completion
+from pipeline.broker.storage.pending import Completion, EntryColumns, make_refs
 from pipeline.wire.layouts import Frame, ItemId, ProducerId
 
 
@@ -108,15 +107,15 @@ class Peeked(Sequence[PeekedEntry]):
     NOTE: a list of PeekedEntry (the first layout) cost about a microsecond per entry to
     build, a tenth of the broker's CPU per item."""
 
-    __slots__ = ("lane", "refs", "segments", "offsets", "lengths", "item_ids", "producer_ids", "seqs",
+    __slots__ = ("lane", "_refs", "segments", "offsets", "lengths", "item_ids", "producer_ids", "seqs",
                  "prefix_lens", "submit_ns")
 
-    def __init__(self, lane: LaneKey, refs: list[EntryRef], segments: np.ndarray, offsets: np.ndarray,
+    def __init__(self, lane: LaneKey, refs: list[EntryRef] | None, segments: np.ndarray, offsets: np.ndarray,
                  lengths: np.ndarray, item_ids: np.ndarray, producer_ids: np.ndarray, seqs: np.ndarray,
                  prefix_lens: np.ndarray, submit_ns: np.ndarray) -> None:
         self.lane = lane
-        self.refs = refs  # EntryRef per entry: the pending map's keys
-        self.segments = segments  # int64, the refs' segments and offsets as columns
+        self._refs = refs  # EntryRef per entry, made from the columns when first asked (None)
+        self.segments = segments  # int64: each entry's segment and offset, as columns
         self.offsets = offsets
         self.lengths = lengths  # int64
         self.item_ids = item_ids  # uint64
@@ -139,24 +138,29 @@ class Peeked(Sequence[PeekedEntry]):
                    column("item_id", np.uint64), column("producer_id", np.int64), column("seq", np.uint64),
                    column("prefix_len", np.int64), column("submit_ns", np.uint64))
 
+    @property
+    def refs(self) -> list[EntryRef]:
+        if self._refs is None:
+            self._refs = make_refs(self.segments.tolist(), self.offsets.tolist())
+        return self._refs
+
+    @property
+    def columns(self) -> EntryColumns:
+        return EntryColumns(self.segments, self.offsets)
+
     def __len__(self) -> int:
-        return len(self.refs)
+        return self.offsets.shape[0]
 
     def __getitem__(self, index):  # type: ignore[override]
         if isinstance(index, slice):
-            return Peeked(self.lane, self.refs[index], *(getattr(self, name)[index] for name in self.__slots__[2:]))
+            refs = None if self._refs is None else self._refs[index]
+            return Peeked(self.lane, refs, *(getattr(self, name)[index] for name in self.__slots__[2:]))
         return PeekedEntry(self.refs[index], self.lane, ItemId(int(self.item_ids[index])),
                            ProducerId(int(self.producer_ids[index])), int(self.seqs[index]),
                            int(self.lengths[index]), int(self.prefix_lens[index]), int(self.submit_ns[index]))
 
     def __iter__(self):
-        return map(self.__getitem__, range(len(self.refs)))
-
-
-def make_refs(segments: Sequence[int], offsets: Sequence[int]) -> list[EntryRef]:
-    """EntryRef(segment, offset) for each pair, built by C code: tuple.__new__ makes the
-    named tuples without running their Python constructor (half the cost)."""
-    return list(map(tuple.__new__, repeat(EntryRef), zip(segments, offsets)))
+        return map(self.__getitem__, range(len(self)))
 
 
 @dataclass(frozen=True, slots=True)

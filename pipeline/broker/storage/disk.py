@@ -43,13 +43,13 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from itertools import groupby
-from operator import itemgetter
 
 import numpy as np
 
 from pipeline.broker.ids import EntryRef, LaneKey, SegmentId
 from pipeline.broker.storage.base import AppendGroup, Peeked, RecoveredLane
 from pipeline.broker.storage.chains import LineageLog
+from pipeline.broker.storage.pending import EntryColumns
 from pipeline.broker.storage.queues import HOT_ENTRIES_MAX, QueuedTier, RefRun
 from pipeline.broker.storage.segment import Durability, encode_entries, scan_segment
 from pipeline.broker.storage.segments import Quarantined, RecoveryReport, SegmentStore
@@ -230,8 +230,7 @@ class DiskTier(QueuedTier):
 
     # ----------------------------------------------------------------- QueuedTier hooks
 
-    def _describe(self, lane: LaneKey, refs: list[EntryRef], segments: np.ndarray,
-                  offsets: np.ndarray) -> Peeked:
+    def _describe(self, lane: LaneKey, segments: np.ndarray, offsets: np.ndarray) -> Peeked:
         """The entry headers, gathered from each segment's mapping as columns and checked
         (`SegmentFile.entry_header_columns`)."""
         parts = []
@@ -241,7 +240,7 @@ class DiskTier(QueuedTier):
             assert owner == lane, f"segment {segment} of lane {tuple(owner)} queued in lane {tuple(lane)}"
             parts.append(self._store.entry_header_columns(segment, offsets[first:end]))
         headers = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        return Peeked(lane, refs, segments, offsets, headers["length"].astype(np.int64), headers["item_id"],
+        return Peeked(lane, None, segments, offsets, headers["length"].astype(np.int64), headers["item_id"],
                       headers["producer_id"].astype(np.int64), headers["seq"], headers["prefix_len"].astype(np.int64),
                       headers["submit_ns"])
 
@@ -252,10 +251,8 @@ class DiskTier(QueuedTier):
                 return f"segment {segment} is gone"
         return None
 
-    def _remove(self, lane: LaneKey, refs: list[EntryRef]) -> None:
-        count = len(refs)
-        segments = np.fromiter(map(itemgetter(0), refs), dtype=np.int64, count=count)
-        offsets = np.fromiter(map(itemgetter(1), refs), dtype=np.int64, count=count)
+    def _remove(self, lane: LaneKey, entries: EntryColumns) -> None:
+        segments, offsets = entries.segments, entries.offsets
         for first, end in _runs(segments):  # a segment's refs are consecutive in a batch
             segment = SegmentId(int(segments[first]))
             done = self._store.tombstone_many(segment, offsets[first:end])

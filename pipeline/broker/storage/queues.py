@@ -47,8 +47,8 @@ import numpy as np
 
 import pipeline.broker.storage.crashpoints as crashpoints
 from pipeline.broker.ids import BatchId, ConsumerId, EntryRef, LaneKey, SegmentId
-from pipeline.broker.storage.base import Peeked, Returned, StorageCounters, StorageTier, make_refs
-from pipeline.broker.storage.pending import Completion, PendingMap
+from pipeline.broker.storage.base import Peeked, Returned, StorageCounters, StorageTier
+from pipeline.broker.storage.pending import Completion, EntryColumns, PendingMap, make_refs
 from pipeline.wire.errors import StaleBatchError
 from pipeline.wire.layouts import ProducerId
 
@@ -171,16 +171,8 @@ class LaneQueue:
                 assert cold.start == cold.end, (cold.segment, cold.start, cold.end)
                 self.cold.popleft()
 
-    def front_columns(self, count: int) -> tuple[list[EntryRef], np.ndarray, np.ndarray]:
-        """The first `count` hot refs (fewer if fewer are hot: `warm` first), front first,
-        and their segments and offsets as int64 columns."""
-        segments, offsets = self.front_keys(count)
-        returned = min(count, len(self.returned))
-        out = list(islice(self.returned, returned))
-        if segments.shape[0] > returned:
-            out += make_refs(segments[returned:].tolist(), offsets[returned:].tolist())
-        return out, segments, offsets
-
+    def __iter__(self):
+        return map(self.__getitem__, range(len(self)))
     def front_keys(self, count: int) -> tuple[np.ndarray, np.ndarray]:
         """The first `count` hot entries' segments and offsets (fewer if fewer are hot),
         front first, as int64 columns: no ref is made."""
@@ -386,9 +378,9 @@ class QueuedTier(StorageTier, abc.ABC):
     # ----------------------------------------------------------------- for subclasses
 
     @abc.abstractmethod
-    def _describe(self, lane: LaneKey, refs: list[EntryRef], segments: np.ndarray, offsets: np.ndarray) -> Peeked:
-        """The entries `refs` (all stored in `lane`), in order, by column (`segments` and
-        `offsets` are the refs' fields as int64 columns)."""
+    def _describe(self, lane: LaneKey, segments: np.ndarray, offsets: np.ndarray) -> Peeked:
+        """The entries at `segments` and `offsets` (int64 columns; all stored in `lane`), in
+        order, by column."""
 
     @abc.abstractmethod
     def _check_segments(self, segments: np.ndarray) -> str | None:
@@ -396,7 +388,7 @@ class QueuedTier(StorageTier, abc.ABC):
         be committed (a segment is gone), or None. Touches nothing."""
 
     @abc.abstractmethod
-    def _remove(self, lane: LaneKey, refs: list[EntryRef]) -> None:
+    def _remove(self, lane: LaneKey, entries: EntryColumns) -> None:
         """The entries were completed: they are gone for good."""
 
     @abc.abstractmethod
@@ -472,7 +464,7 @@ class QueuedTier(StorageTier, abc.ABC):
             return Peeked.of(lane, [])
         if queue.cold:
             queue.warm(max_items, self._cold_offsets)
-        return self._describe(lane, *queue.front_columns(max_items))
+        return self._describe(lane, *queue.front_keys(max_items))
 
     def commit(self, lane: LaneKey, entries: Peeked, consumer: ConsumerId, batch: BatchId) -> None:
         """The three steps of SPEC §5. Example: lane queue [r5, r6, r7]; committing the peeked
@@ -487,7 +479,7 @@ class QueuedTier(StorageTier, abc.ABC):
         if count and queue is not None and self._is_front(queue, entries):
             why = self._check_segments(entries.segments)
         if why is not None:
-            front = [] if queue is None else queue.front_columns(4)[0]
+            front = [] if queue is None else make_refs(*(column.tolist() for column in queue.front_keys(4)))
             raise StaleBatchError(
                 f"batch {batch} for consumer {consumer}: its {count} entries cannot be committed "
                 f"from lane {tuple(lane)}: {why} (front now {front}); nothing was committed"
@@ -502,7 +494,7 @@ class QueuedTier(StorageTier, abc.ABC):
             crashpoints.hit("commit.after_advance")
         # Step 3: the consumer holds them.
         lengths = entries.lengths.tolist()
-        self._pending.add_batch(batch, consumer, lane, list(entries.refs), lengths)
+        self._pending.add_batch(batch, consumer, lane, entries.columns, lengths)
 
     @staticmethod
     def _is_front(queue: LaneQueue, entries: Peeked) -> bool:
@@ -512,9 +504,9 @@ class QueuedTier(StorageTier, abc.ABC):
 
     def complete_batch(self, consumer: ConsumerId, batch: BatchId) -> Completion:
         done = self._pending.complete_batch(consumer, batch)  # NotHeldError first: nothing applied
-        for lane, lane_refs in done.by_lane.items():
-            self._queues[lane].pending -= len(lane_refs)
-            self._remove(lane, lane_refs)
+        for lane, entries in done.by_lane.items():
+            self._queues[lane].pending -= len(entries)
+            self._remove(lane, entries)
         self.counters.completed_items += done.items
         self.counters.completed_tokens += done.tokens
         return done
@@ -525,10 +517,8 @@ class QueuedTier(StorageTier, abc.ABC):
             queue = self._queues[run.lane]
             queue.push_front(run.refs)  # ahead of new work, original order
             queue.pending -= len(run.refs)
-            refs = list(run.refs)
-            segments = np.array([ref.segment for ref in refs], dtype=np.int64)
-            offsets = np.array([ref.offset for ref in refs], dtype=np.int64)
-            returned.append(Returned(run.lane, self._describe(run.lane, refs, segments, offsets)))
+            entries = EntryColumns.of(run.refs)
+            returned.append(Returned(run.lane, self._describe(run.lane, entries.segments, entries.offsets)))
         return returned
 
     def drop_lane(self, lane: LaneKey) -> None:
