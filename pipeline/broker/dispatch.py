@@ -641,6 +641,13 @@ class Dispatcher:
         snapshot.switches = {r.value: n for r, n in self._selector.counters.switches.items()}
         return snapshot
 
+    def progress(self) -> dict[str, int]:
+        """The four counters of a `progress` reply, in constant time (`counters` is
+        O(shapes + lanes))."""
+        c = self._c
+        return {"items_received": c.items_received, "items_recovered": c.items_recovered,
+                "items_completed": c.items_completed, "tokens_completed": c.tokens_completed}
+
     def shape_summaries(self) -> list[ShapeSummary]:
         """Every shape's queue and lanes (status and metrics), largest queued tokens first."""
         # Sorted as plain tuples, made summaries after: a key function and an object per shape

@@ -218,6 +218,8 @@ class Broker:
         if kind == "status":
             self.control.send(sock, {"type": "status_reply", "version": STATUS_VERSION,
                                      "counters": self.status().to_wire()})
+        elif kind == "progress":
+            self.control.send(sock, {"type": "progress_reply", **self.dispatcher.progress()})
         elif kind == "register_consumer" and isinstance(owner, Peer):
             self.consumer_side.register(sock, owner, message)
         elif kind == "register_producer" and isinstance(owner, Peer):

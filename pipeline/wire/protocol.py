@@ -30,6 +30,11 @@ Messages, by sender:
                                              counters: a BrokerStatus in its wire form, read
                                              only by a client of the same version
                                              (pipeline.wire.status)
+              progress {}                    -> progress_reply {items_received, items_recovered,
+                                                items_completed, tokens_completed}
+                                             four counters in constant time, for a poller
+                                             that only waits for a run to finish (a status
+                                             is O(shapes + lanes) and a few KiB)
     broker    registered {consumer_id, descriptor_ring, data_dir, heartbeat_timeout_s}
               registered_producer {producer_id, ring, doorbell, next_seq}
               error {message}                then the broker closes the connection
@@ -113,6 +118,9 @@ SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "producer_ready": {"ring": str},
     "unregister_producer": {},
     "status": {},
+    "progress": {},
+    "progress_reply": {"items_received": int, "items_recovered": int, "items_completed": int,
+                       "tokens_completed": int},
     "registered": {"consumer_id": int, "descriptor_ring": str, "data_dir": str,
                    "heartbeat_timeout_s": (int, float)},
     "registered_producer": {"producer_id": int, "ring": str, "doorbell": str, "next_seq": int},

@@ -7,6 +7,7 @@ import os
 from dataclasses import asdict
 
 from pipeline.broker.service import BrokerConfig
+from pipeline.wire.client import broker_progress
 from pipeline.wire.layouts import Descriptor, parse_descriptor
 from pipeline.wire.protocol import Connection
 from pipeline.wire.status import STATUS_VERSION, BrokerStatus, ConsumerWork
@@ -65,6 +66,24 @@ def test_tokens_returned_counts_what_a_consumer_that_died_held(tmp_path):
     assert (final.items_returned, final.tokens_returned) == (items, tokens)
     assert (final.items_routed, final.tokens_routed) == (items, tokens)
     assert final.backlog_items == ITEMS and final.pending_items == 0 and final.items_completed == 0
+
+
+def test_progress_is_the_status_counters_a_poller_needs(tmp_path):
+    broker, socket_path = stored_workload(tmp_path)
+    try:
+        conn, ring, held = consumer_holding(socket_path, batches=1)
+        (descriptor,) = held
+        conn.send({"type": "complete", "batch_id": descriptor.batch_id, "credit": 0,
+                   "results": asdict(ConsumerWork(items_ok=len(descriptor.items)))})
+        done = wait_until(lambda: (p := broker_progress(socket_path)).items_completed and p, 30, "the completion")
+        full = status(socket_path)
+        ring.close(mark_closed=False)
+        conn.close()
+    finally:
+        assert stop(broker) == 0
+    assert done.items_completed == len(descriptor.items) == full.items_completed
+    assert (done.items_received, done.items_recovered, done.tokens_completed) == (
+        full.items_received, full.items_recovered, full.tokens_completed) == (ITEMS, 0, int(descriptor.items["length"].sum()))
 
 
 def test_results_with_a_counter_the_record_lacks_refuse_the_consumer(tmp_path):
