@@ -16,6 +16,7 @@ from pipeline.broker.storage.inspect import verify
 from pipeline.broker.storage.paths import catalog_path
 from pipeline.broker.storage.segment import Durability, encode_entries, scan_segment
 from pipeline.broker.storage.segments import SegmentStore
+from pipeline.wire.errors import DiskFullError
 from pipeline.wire.layouts import CATALOG_RECORD_SIZE_BYTES
 from tests.broker.test_segment import make_items
 
@@ -251,3 +252,28 @@ def test_catalog_follows_the_store_through_recovery(tmp_path, durability):
     assert set(read_catalog(catalog_path(str(tmp_path))).live) == keys
     report = rotating_store(str(tmp_path), durability).recover()
     assert report.ok and not report.adopted and not report.missing
+
+
+def test_a_damaged_pair_with_no_room_to_rewrite_it_still_opens_and_says_so(tmp_path, monkeypatch):
+    """The pair is rewritten at open when one file is damaged; with the disk full the store
+    opens anyway, appending after every record of either file, and the report says why."""
+    store = rotating_store(str(tmp_path))
+    fill(store, 6)
+    keys = {s.keys for s in store.segments.values()}
+    store.close()
+    path = catalog_path(str(tmp_path))
+    flip(path, 12)
+
+    def full(*_args, **_kwargs):
+        raise DiskFullError(f"{path}.tmp: disk full (injected)")
+
+    monkeypatch.setattr(catalog_module, "write_replacements", full)
+    store = rotating_store(str(tmp_path))
+    report = store.recover()
+    assert any("not rewritten at open" in note for note in report.catalog_notes), report.catalog_notes
+    assert report.ok and {s.keys for s in store.segments.values()} == keys, report.summary()
+    fill(store, 3, lane=OTHER)  # appends after the last record of either file: nothing overwritten
+    store.close()
+    monkeypatch.undo()
+    reading = read_catalog(path)
+    assert keys <= set(reading.live) and not reading.damaged, reading.damaged

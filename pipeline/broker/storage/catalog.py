@@ -338,8 +338,8 @@ class SegmentCatalog:
         try:
             return cls.write_fresh(path, live, durable, CATALOG_CHUNK_RECORDS)
         except DiskFullError as exc:
-            used = max((len(d.rstrip(b"\0")) + CATALOG_RECORD_SIZE_BYTES - 1) // CATALOG_RECORD_SIZE_BYTES
-                       for d in data if d is not None)
+            used = max(((len(d.rstrip(b"\0")) + CATALOG_RECORD_SIZE_BYTES - 1) // CATALOG_RECORD_SIZE_BYTES
+                        for d in data if d is not None), default=0)
             return cls(path, cls._open_pair(path), durable, used, f"not rewritten at open: {exc}")
 
     @staticmethod
