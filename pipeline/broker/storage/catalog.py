@@ -39,8 +39,8 @@ In `process` each record goes into both files at once, with no sync, as before.
 
 NOTE: a mirror, not padding each sync to a fresh 4 KiB sector as the journals do: a catalog
 sync is one record or a few (a delete is synced alone), so padding would take a 4 KiB
-block per sync and `reserve` a block per record still to come (64 times the reserve: 800
-MiB for 100,000 open lanes instead of 12.8); the mirror costs a second fdatasync per
+block per sync and `reserve` a block per record still to come (64 times the reserve: about 800
+MB for 100,000 open lanes instead of 12.8); the mirror costs a second fdatasync per
 catalog sync (a few per segment's lifetime, none per item) and twice the catalog's space.
 No format change: the records and the catalog's layout are those of before, so a data
 directory with no mirror opens, and gets one at that open.
