@@ -591,7 +591,9 @@ def parse_segment_relpath(relpath: str) -> tuple[int, int, int, int] | None:
 # file that disappears is noticed. One record per segment lifecycle event, never per item;
 # appended in place into preallocated space (zeros past the last record), rewritten whole
 # (compacted) at recovery and when it grows. A record whose checksum fails is damage; one
-# that is the last non-zero record is a torn append and is ignored.
+# that is the last non-zero record is a torn append and is ignored. The file has a mirror,
+# CATALOG_MIRROR_FILE, of the same layout and the same records at the same offsets, written
+# after the catalog's fdatasync in `power` (pipeline/broker/storage/catalog.py says why).
 #   off  size  field        meaning
 #     0     4  magic        b"SBC1"
 #     4     2  version      CATALOG_VERSION
@@ -606,6 +608,7 @@ def parse_segment_relpath(relpath: str) -> tuple[int, int, int, int] | None:
 #    48     8  reserved     zero
 #    56     8  checksum     xxh3-64 of bytes 0..56
 CATALOG_FILE = "segments.catalog"
+CATALOG_MIRROR_FILE = CATALOG_FILE + ".mirror"
 CATALOG_MAGIC = b"SBC1"
 # Bump when a field below moves or changes meaning.
 CATALOG_VERSION = 1

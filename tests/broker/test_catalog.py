@@ -11,11 +11,12 @@ import pytest
 
 from pipeline.broker.ids import LaneId, LaneKey
 from pipeline.broker.storage import catalog as catalog_module
-from pipeline.broker.storage.catalog import read_catalog, read_missing_note
+from pipeline.broker.storage.catalog import mirror_path, read_catalog, read_missing_note
 from pipeline.broker.storage.inspect import verify
 from pipeline.broker.storage.paths import catalog_path
 from pipeline.broker.storage.segment import Durability, encode_entries, scan_segment
 from pipeline.broker.storage.segments import SegmentStore
+from pipeline.wire.errors import DiskFullError
 from pipeline.wire.layouts import CATALOG_RECORD_SIZE_BYTES
 from tests.broker.test_segment import make_items
 
@@ -91,6 +92,7 @@ def test_no_catalog_while_segments_exist_is_reported_and_rebuilt(tmp_path):
     fill(store, 6)
     store.close()
     os.unlink(catalog_path(str(tmp_path)))
+    os.unlink(mirror_path(catalog_path(str(tmp_path))))
     report = rotating_store(str(tmp_path)).recover()
     assert report.damage_counts()["catalog_problems"] == 1 and "no catalog" in report.summary()
     reading = read_catalog(catalog_path(str(tmp_path)))
@@ -105,6 +107,14 @@ def last_record_slot(path: str) -> int:
     return int(np.flatnonzero(data.any(axis=1))[-1])
 
 
+def flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as file:
+        file.seek(offset)
+        byte = file.read(1)
+        file.seek(offset)
+        file.write(bytes([byte[0] ^ 0x99]))
+
+
 def test_a_torn_last_record_is_tolerated_and_a_damaged_one_reported(tmp_path):
     store = rotating_store(str(tmp_path))
     fill(store, 6)
@@ -116,13 +126,58 @@ def test_a_torn_last_record_is_tolerated_and_a_damaged_one_reported(tmp_path):
         file.write(b"SBC1\x01\x00\x02\x00" + b"\x07" * 20)
     report = rotating_store(str(tmp_path)).recover()
     assert report.ok and any("torn append" in note for note in report.catalog_notes)
-    slot = last_record_slot(path)
-    with open(path, "r+b") as file:  # a flipped bit in a record before the last
-        file.seek(12)
-        file.write(b"\x99")
+    for damaged in (path, mirror_path(path)):  # a flipped bit in a record before the last
+        flip(damaged, 12)
     report = rotating_store(str(tmp_path)).recover()
     assert not report.ok and report.damage_counts()["catalog_problems"] == 1
     assert f"{path}: offset 0: catalog record fails its checksum" in report.summary()
+
+
+@pytest.mark.parametrize("which", ["catalog", "mirror"])
+def test_damage_in_one_file_of_the_pair_is_healed_by_the_other(tmp_path, which):
+    """A torn write damages only the file being written (module docstring): the other holds
+    every record whole, so nothing is lost or named a problem, and the pair is rewritten."""
+    store = rotating_store(str(tmp_path))
+    fill(store, 9)
+    keys = {s.keys: s.entry_count if s.sealed else None for s in store.segments.values()}
+    store.close()
+    path = catalog_path(str(tmp_path))
+    damaged = path if which == "catalog" else mirror_path(path)
+    with open(damaged, "r+b") as file:  # a garbled sector over the first records
+        file.write(os.urandom(512))
+    reading = read_catalog(path)
+    assert not reading.damaged and any("healed" in note for note in reading.notes), reading.notes
+    assert {k: e.entry_count for k, e in reading.live.items()} == keys
+    report = rotating_store(str(tmp_path)).recover()
+    assert report.ok and not report.missing and not report.adopted, report.summary()
+    with open(path, "rb") as one, open(mirror_path(path), "rb") as other:
+        assert one.read() == other.read()  # rewritten whole, both
+
+
+@pytest.mark.parametrize("alone", [False, True])
+def test_a_deleted_segment_whose_delete_record_is_damaged_in_one_file_is_not_missing(tmp_path, alone):
+    """The finding the mirror fixes: a torn catalog sector took the synced delete record of a
+    segment beside it, and recovery named the deleted segment MISSING."""
+    store = rotating_store(str(tmp_path), Durability.POWER)
+    fill(store, 12)
+    state = min((s for s in store.segments.values() if s.sealed), key=lambda s: s.keys.segment_seq)
+    store.tombstone_many(state.id, scan_segment(state.path).offsets.tolist())  # deleted, recorded
+    store.sync()
+    path = catalog_path(str(tmp_path))
+    sector = last_record_slot(path) * CATALOG_RECORD_SIZE_BYTES // 512 * 512
+    assert sector > 0  # the segment's create record (slot 0) is in another sector
+    with open(path, "r+b") as file:  # the sector of the delete record garbled in the catalog
+        file.seek(sector)
+        file.write(os.urandom(512))
+    store.abandon()
+    if alone:  # the finding, without the mirror: a false MISSING
+        os.unlink(mirror_path(path))
+    report = rotating_store(str(tmp_path), Durability.POWER).recover()
+    missing = [m.path for m in report.missing]
+    if alone:
+        assert missing == [state.path] and report.damage_counts()["catalog_problems"] > 0, report.summary()
+    else:
+        assert not missing and report.damage_counts()["catalog_problems"] == 0, report.summary()
 
 
 def test_the_catalog_is_compacted_when_it_grows(tmp_path, monkeypatch):
@@ -166,7 +221,9 @@ def test_power_records_a_delete_durably_before_the_unlink(tmp_path, monkeypatch)
     store.tombstone_many(state.id, scan_segment(state.path).offsets.tolist())
     monkeypatch.undo()
     catalog = os.path.realpath(catalog_path(str(tmp_path)))
-    assert events.index(("fdatasync", catalog)) < events.index(("unlink", state.path)), events
+    mirror = os.path.realpath(mirror_path(catalog))
+    assert events.index(("fdatasync", catalog)) < events.index(("fdatasync", mirror)) < events.index(
+        ("unlink", state.path)), events
     store.close()
 
 
@@ -180,7 +237,8 @@ def test_power_records_a_create_durably_at_the_group_commit(tmp_path, monkeypatc
     synced.clear()
     store.sync()  # before anything of the new segment is acknowledged
     monkeypatch.undo()
-    assert os.path.realpath(catalog_path(str(tmp_path))) in synced
+    catalog = os.path.realpath(catalog_path(str(tmp_path)))
+    assert synced.index(catalog) < synced.index(mirror_path(catalog)), synced  # the mirror after the catalog
     store.close()
 
 
@@ -194,3 +252,28 @@ def test_catalog_follows_the_store_through_recovery(tmp_path, durability):
     assert set(read_catalog(catalog_path(str(tmp_path))).live) == keys
     report = rotating_store(str(tmp_path), durability).recover()
     assert report.ok and not report.adopted and not report.missing
+
+
+def test_a_damaged_pair_with_no_room_to_rewrite_it_still_opens_and_says_so(tmp_path, monkeypatch):
+    """The pair is rewritten at open when one file is damaged; with the disk full the store
+    opens anyway, appending after every record of either file, and the report says why."""
+    store = rotating_store(str(tmp_path))
+    fill(store, 6)
+    keys = {s.keys for s in store.segments.values()}
+    store.close()
+    path = catalog_path(str(tmp_path))
+    flip(path, 12)
+
+    def full(*_args, **_kwargs):
+        raise DiskFullError(f"{path}.tmp: disk full (injected)")
+
+    monkeypatch.setattr(catalog_module, "write_replacements", full)
+    store = rotating_store(str(tmp_path))
+    report = store.recover()
+    assert any("not rewritten at open" in note for note in report.catalog_notes), report.catalog_notes
+    assert report.ok and {s.keys for s in store.segments.values()} == keys, report.summary()
+    fill(store, 3, lane=OTHER)  # appends after the last record of either file: nothing overwritten
+    store.close()
+    monkeypatch.undo()
+    reading = read_catalog(path)
+    assert keys <= set(reading.live) and not reading.damaged, reading.damaged

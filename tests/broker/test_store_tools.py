@@ -23,7 +23,7 @@ from pipeline.broker.storage.segment import Durability, SegmentFile, SegmentKeys
 from pipeline.broker.storage.segments import SegmentStore
 from pipeline.cli import main
 from pipeline.wire.errors import StoreReadError
-from pipeline.wire.layouts import CATALOG_FILE
+from pipeline.wire.layouts import CATALOG_FILE, CATALOG_MIRROR_FILE
 from tests.broker.test_segment import make_items
 
 TOOLS = os.path.join(os.path.dirname(__file__), "..", "..", "tools")
@@ -153,6 +153,7 @@ def test_verify_reports_counts_that_disagree(tmp_path):
 def test_verify_fails_without_a_catalog(tmp_path):
     build_store(str(tmp_path))
     os.unlink(tmp_path / CATALOG_FILE)
+    os.unlink(tmp_path / CATALOG_MIRROR_FILE)
     code, report = run_verify(str(tmp_path))
     assert code == 1 and any("no catalog" in p for p in report["problems"])
     assert recover(str(tmp_path)).damage_counts()["catalog_problems"] == 1  # reported, rebuilt
@@ -224,7 +225,7 @@ def test_what_another_user_cannot_read_is_a_one_line_error(locked):
             for name in [".", *dirs]:
                 os.chmod(os.path.join(root, name), 0o755)
         catalog = os.path.join(data_dir, CATALOG_FILE)
-        for path in [*paths, *(p + ".journal" for p in paths), catalog]:
+        for path in [*paths, *(p + ".journal" for p in paths), catalog, os.path.join(data_dir, CATALOG_MIRROR_FILE)]:
             os.chmod(path, 0o644)
         # Owned by root, owner-only: user nobody can neither list the one nor read the others.
         os.chmod({"segments": os.path.join(data_dir, "segments"), "segment file": paths[1],

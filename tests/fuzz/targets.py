@@ -57,6 +57,7 @@ from pipeline.wire.layouts import (
     CATALOG_CREATED,
     CATALOG_DELETED,
     CATALOG_FILE,
+    CATALOG_MIRROR_FILE,
     CATALOG_QUARANTINED,
     CATALOG_RECORD_DTYPE,
     CATALOG_RECORD_SIZE_BYTES,
@@ -470,6 +471,25 @@ def run_catalog(data: bytes) -> None:
         tier.close()
 
 
+def run_catalog_pair(data: bytes) -> None:
+    """A catalog and its mirror, the input's first and second halves (the seeds: the same
+    records twice), beside the seed segment: whatever the pair holds, the store opens with
+    its entries; and where one half is a whole catalog seed, nothing of the other half's
+    damage is named a problem (the whole file holds every record)."""
+    root, _segment = _one_segment_store("catalog-pair-store")
+    half = len(data) // 2
+    for name, part in ((CATALOG_FILE, data[:half]), (CATALOG_MIRROR_FILE, data[half:])):
+        with open(os.path.join(root, name), "wb") as file:
+            file.write(part)
+    tier = DiskTier.open(root)
+    try:
+        assert tier.recovery.live_entries == 3, tier.recovery.summary()
+        if data[:half] in CATALOG_SEEDS or data[half:] in CATALOG_SEEDS:
+            assert not any("catalog record" in line for line in tier.recovery.catalog_problems), tier.recovery.summary()
+    finally:
+        tier.close()
+
+
 def run_journal(data: bytes) -> None:
     """A segment's journal (`data`) beside the intact seed segment of three entries, read by
     the scan, by recovery and by a consumer following it: whatever it holds, the store
@@ -648,6 +668,8 @@ TARGETS: dict[str, Target] = {
     # Recovery holds the store's bookkeeping and a compacted catalog: a fixed cost.
     "catalog": Target("catalog", run_catalog, CATALOG_SEEDS, (), [_catalog_fields(s) for s in CATALOG_SEEDS],
                       fixed_bytes=4 << 20),
+    "catalog_pair": Target("catalog_pair", run_catalog_pair, [seed + seed for seed in CATALOG_SEEDS], (),
+                           [_catalog_fields(s + s) for s in CATALOG_SEEDS], fixed_bytes=4 << 20),
     # Recovery of a one-segment store and a consumer's reader: a fixed cost, like the catalog's.
     "journal": Target("journal", run_journal, JOURNAL_SEEDS, (), [_journal_fields(s) for s in JOURNAL_SEEDS],
                       fixed_bytes=4 << 20),

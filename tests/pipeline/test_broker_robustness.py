@@ -173,8 +173,8 @@ def test_memory_tier_feeds_consumer_processes_and_leaves_nothing(tmp_path):
         assert done.tokens_completed == sum(50 + k for k in range(200))
         kept = set(os.listdir(memory_tier_dir(data)))
         # the store's records beside it: its segments' catalog, the shapes' chains
-        assert "segments" in kept and kept <= {"segments", "segments.catalog", "shapes.lineage"}
-        for name in ("segments", "segments.catalog", "shapes.lineage"):
+        assert "segments" in kept and kept <= {"segments", "segments.catalog", "segments.catalog.mirror", "shapes.lineage"}
+        for name in ("segments", "segments.catalog", "segments.catalog.mirror", "shapes.lineage"):
             assert not os.path.exists(os.path.join(data, name))
     finally:
         stop(consumer)

@@ -213,6 +213,7 @@ def test_a_store_that_lost_segments_is_never_reported_ok(tmp_path, damage):
     else:
         shutil.move(os.path.join(data, "segments"), os.path.join(data, "segments.away"))
         os.unlink(os.path.join(data, "segments.catalog"))
+        os.unlink(os.path.join(data, "segments.catalog.mirror"))
     report_path = tmp_path / "report.json"
     done = launch("--items", "50", "--data-dir", data, "--report", str(report_path))
     assert done.returncode == 1, done.stderr

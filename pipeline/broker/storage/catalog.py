@@ -12,7 +12,7 @@ direction:
     delete      recorded before the unlink; quarantine before the move: so a segment the
                 catalog holds and the disk lacks was lost, not deleted by us
 
-`power` durability fdatasyncs the catalog before anything that depends on it is
+`power` durability fdatasyncs the catalog (and its mirror) before anything that depends on it is
 acknowledged: a delete or quarantine record before the unlink or move, creates and seals at
 the group commit (`sync`), which comes before any item of the new segment is acknowledged.
 
@@ -23,6 +23,27 @@ for every seal and delete still to come. A torn last record (a crash mid-write) 
 a damaged record before the last is reported. The file is rewritten whole, holding only the
 live set (`compact`: temp file, fsync, rename, directory fsync) at recovery and when it
 holds more than CATALOG_COMPACT_GROWTH times the live set's records.
+
+Torn sectors. A sector being written when the power goes may read back as garbage, and a
+catalog record shares its sector with the synced records before it. So the catalog has a
+mirror (segments.catalog.mirror, CATALOG_MIRROR_FILE): the same records at the same
+offsets. In `power`, `sync()` fdatasyncs the catalog, then writes the records since the
+last sync into the mirror and fdatasyncs it; records go into the catalog only while the
+mirror is synced. At every moment one file is whole and holds every record ever synced,
+so a power cut costs no synced record: a reading is the union of both files' valid
+records, and a bad record is damage only where neither file holds it whole. A pair that
+is not whole and identical is rewritten (compacted) when it is opened, before anything is
+appended beside the damage. A compaction writes and fsyncs both new files before renaming
+either; a crash between the renames leaves two whole files whose union is the live set.
+In `process` each record goes into both files at once, with no sync, as before.
+
+NOTE: a mirror, not padding each sync to a fresh 4 KiB sector as the journals do: a catalog
+sync is one record or a few (a delete is synced alone), so padding would take a 4 KiB
+block per sync and `reserve` a block per record still to come (64 times the reserve: about 800
+MB for 100,000 open lanes instead of 12.8); the mirror costs a second fdatasync per
+catalog sync (a few per segment's lifetime, none per item) and twice the catalog's space.
+No format change: the records and the catalog's layout are those of before, so a data
+directory with no mirror opens, and gets one at that open.
 """
 
 from __future__ import annotations
@@ -34,10 +55,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
-from pipeline.broker.storage.replace import preallocate, write_replacement
+from pipeline.broker.storage.replace import preallocate, write_replacements
 from pipeline.broker.storage.scan import SegmentKeys
 from pipeline.wire import fileops
-from pipeline.wire.errors import DurabilityError, SegmentNameError, StoreReadError
+from pipeline.wire.errors import DiskFullError, DurabilityError, SegmentNameError, StoreReadError
 from pipeline.wire.layouts import (
     CATALOG_CHECKSUM_FROM,
     CATALOG_COUNT_UNKNOWN,
@@ -45,6 +66,7 @@ from pipeline.wire.layouts import (
     CATALOG_DELETED,
     CATALOG_KIND_NAMES,
     CATALOG_MAGIC,
+    CATALOG_MIRROR_FILE,
     CATALOG_MISSING,
     CATALOG_QUARANTINED,
     CATALOG_RECORD_DTYPE,
@@ -85,6 +107,7 @@ class CatalogReading:
     records: int = 0
     damaged: list[str] = field(default_factory=list)  # records before the last that fail checks
     torn_last: str = ""  # the last record failed its checks: a torn append, ignored
+    notes: list[str] = field(default_factory=list)  # damage the mirror healed (torn writes)
     highest_seq: dict[tuple[int, int, int], int] = field(default_factory=dict)  # per (model, signature, lane)
 
 
@@ -98,14 +121,25 @@ def encode_record(kind: int, keys: SegmentKeys, entry_count: int = 0, time_ns: i
     return body[:CATALOG_CHECKSUM_FROM] + checksum.to_bytes(8, "little")
 
 
-def decode_records(data: bytes, path: str) -> tuple[np.ndarray, list[str], str]:
-    """The valid records of a catalog's bytes (CATALOG_RECORD_DTYPE, in file order), the
-    damaged ones before the last non-zero record (named by offset), and the last one if it
-    is torn. Zero records past the last non-zero one are preallocated space."""
+@dataclass(slots=True)
+class _FileSlots:
+    """One catalog file decoded slot by slot: its valid records (CATALOG_RECORD_DTYPE, in
+    file order) and their slots, the bad slots before the last non-zero one (slot, why),
+    the torn tail after the last valid record, and the bytes of its slots (for `_clean`)."""
+
+    records: np.ndarray
+    valid_slots: np.ndarray
+    damaged: list[tuple[int, str]]
+    torn: str
+    raw: np.ndarray
+    partial: bool
+
+
+def _decode_slots(data: bytes, path: str) -> _FileSlots:
     whole = len(data) // CATALOG_RECORD_SIZE_BYTES
     raw = np.frombuffer(data, dtype=np.uint8, count=whole * CATALOG_RECORD_SIZE_BYTES).reshape(whole, CATALOG_RECORD_SIZE_BYTES)
     nonzero = np.flatnonzero(raw.any(axis=1))
-    partial = len(data) % CATALOG_RECORD_SIZE_BYTES and any(data[whole * CATALOG_RECORD_SIZE_BYTES:])
+    partial = bool(len(data) % CATALOG_RECORD_SIZE_BYTES and any(data[whole * CATALOG_RECORD_SIZE_BYTES:]))
     last = int(nonzero[-1]) if nonzero.size else -1
     records = raw.view(CATALOG_RECORD_DTYPE).reshape(-1)
     good, damaged, torn = [], [], ""
@@ -116,10 +150,19 @@ def decode_records(data: bytes, path: str) -> tuple[np.ndarray, list[str], str]:
         elif index == last and not partial:
             torn = f"{path}: offset {index * CATALOG_RECORD_SIZE_BYTES}: last record {why} (a torn append, ignored)"
         else:
-            damaged.append(f"{path}: offset {index * CATALOG_RECORD_SIZE_BYTES}: catalog record {why}")
+            damaged.append((index, f"{path}: offset {index * CATALOG_RECORD_SIZE_BYTES}: catalog record {why}"))
     if partial:
         torn = f"{path}: offset {whole * CATALOG_RECORD_SIZE_BYTES}: a partial last record (a torn append, ignored)"
-    return records[good], damaged, torn
+    slots = np.array(good, dtype=np.int64)
+    return _FileSlots(records[slots], slots, damaged, torn, raw[:last + 1], partial)
+
+
+def decode_records(data: bytes, path: str) -> tuple[np.ndarray, list[str], str]:
+    """The valid records of a catalog's bytes (CATALOG_RECORD_DTYPE, in file order), the
+    damaged ones before the last non-zero record (named by offset), and the last one if it
+    is torn. Zero records past the last non-zero one are preallocated space."""
+    slots = _decode_slots(data, path)
+    return slots.records, [why for _slot, why in slots.damaged], slots.torn
 
 
 def _record_problem(record: np.void, raw: np.ndarray) -> str:
@@ -149,31 +192,79 @@ def _read_bytes(path: str, what: str) -> bytes | None:
         raise StoreReadError(f"{path}: cannot read the {what} ({exc.strerror}, errno {exc.errno})") from exc
 
 
+def mirror_path(path: str) -> str:
+    """The catalog's mirror beside it (CATALOG_MIRROR_FILE)."""
+    return os.path.join(os.path.dirname(path), CATALOG_MIRROR_FILE)
+
+
 def read_catalog(path: str) -> CatalogReading | None:
-    """Replay a catalog file (None if there is none): which segments it says exist."""
-    data = _read_bytes(path, "segment catalog")
-    if data is None:
+    """Replay a catalog and its mirror (None if neither exists): which segments they say
+    exist. The records are the union of both files' valid ones; damage is a problem only
+    where no file holds the record whole (module docstring)."""
+    files = [(where, _read_bytes(where, "segment catalog")) for where in (path, mirror_path(path))]
+    decoded = [(where, _decode_slots(data, where)) for where, data in files if data is not None]
+    if not decoded:
         return None
-    records, damaged, torn = decode_records(data, path)
-    reading = CatalogReading(path, records=int(records.shape[0]), damaged=damaged, torn_last=torn)
-    for record in records:
-        keys, kind = record_keys(record), int(record["kind"])
-        try:  # a record whose checksum holds but that no segment file name can carry: named, not kept
-            check_segment_keys(keys.model, keys.signature, keys.lane, keys.segment_seq)
-        except SegmentNameError as exc:
-            reading.damaged.append(f"{path}: a {CATALOG_KIND_NAMES[kind]} record for {keys}: {exc}")
-            continue
-        lane = (keys.model, keys.signature, keys.lane)
-        reading.highest_seq[lane] = max(reading.highest_seq.get(lane, -1), keys.segment_seq)
-        if kind == CATALOG_CREATED:
-            reading.live.setdefault(keys, CatalogEntry(keys))
-        elif kind == CATALOG_SEALED:
-            reading.live[keys] = CatalogEntry(keys, int(record["entry_count"]))
-        elif kind in (CATALOG_DELETED, CATALOG_QUARANTINED):
-            reading.live.pop(keys, None)
-        else:  # a MISSING record belongs in a note file, never in the catalog
-            reading.damaged.append(f"{path}: a {CATALOG_KIND_NAMES[kind]} record for {keys} in the catalog")
+    reading = CatalogReading(path)
+    reading.damaged, reading.notes = _judge_damage(decoded)
+    if len(decoded) == 1:
+        lacking = [where for where, data in files if data is None][0]
+        reading.notes.append(f"{lacking}: missing; {decoded[0][0]} read alone (the pair is rewritten)")
+    reading.torn_last = "; ".join(slots.torn for _where, slots in decoded if slots.torn)
+    gone: set[SegmentKeys] = set()
+    seen: set[bytes] = set()
+    for _where, slots in decoded:
+        for record in slots.records:
+            if (body := record.tobytes()) not in seen:
+                seen.add(body)
+                _replay(reading, record, gone, path)
+    reading.records = len(seen)
     return reading
+
+
+def _judge_damage(decoded: list[tuple[str, _FileSlots]]) -> tuple[list[str], list[str]]:
+    """(problems, notes). Alone, a file's bad records before its last valid one are problems.
+    With its mirror: when either file is whole, it holds every record ever synced (only one
+    file is written at a time, the other already synced), so the other's bad records were
+    torn writes, healed: notes. Otherwise a bad slot is a problem unless the other file
+    holds a valid record at that slot (both write each record at the same offset)."""
+    if len(decoded) == 1:
+        return [why for _slot, why in decoded[0][1].damaged], []
+    (path_a, a), (path_b, b) = decoded
+    whole_a, whole_b = not (a.damaged or a.torn), not (b.damaged or b.torn)
+    if whole_a or whole_b:
+        notes = [f"{where}: {len(s.damaged)} damaged records, every one that was synced held whole by {other} "
+                 f"(torn writes, healed: the pair is rewritten)"
+                 for where, s, other in ((path_a, a, path_b), (path_b, b, path_a)) if s.damaged]
+        return [], notes
+    valid_b, bad_a = set(b.valid_slots.tolist()), {slot for slot, _why in a.damaged}
+    problems = [why for slot, why in a.damaged if slot not in valid_b]
+    problems += [why for slot, why in b.damaged if slot not in set(a.valid_slots.tolist()) and slot not in bad_a]
+    return problems, []
+
+
+def _replay(reading: CatalogReading, record: np.void, gone: set[SegmentKeys], path: str) -> None:
+    """One record into the reading. A deleted or quarantined segment stays gone whatever
+    else a file says of it (names are never reused while a record of them exists)."""
+    keys, kind = record_keys(record), int(record["kind"])
+    try:  # a record whose checksum holds but that no segment file name can carry: named, not kept
+        check_segment_keys(keys.model, keys.signature, keys.lane, keys.segment_seq)
+    except SegmentNameError as exc:
+        reading.damaged.append(f"{path}: a {CATALOG_KIND_NAMES[kind]} record for {keys}: {exc}")
+        return
+    lane = (keys.model, keys.signature, keys.lane)
+    reading.highest_seq[lane] = max(reading.highest_seq.get(lane, -1), keys.segment_seq)
+    if kind in (CATALOG_DELETED, CATALOG_QUARANTINED):
+        gone.add(keys)
+        reading.live.pop(keys, None)
+    elif keys in gone:
+        return
+    elif kind == CATALOG_CREATED:
+        reading.live.setdefault(keys, CatalogEntry(keys))
+    elif kind == CATALOG_SEALED:
+        reading.live[keys] = CatalogEntry(keys, int(record["entry_count"]))
+    else:  # a MISSING record belongs in a note file, never in the catalog
+        reading.damaged.append(f"{path}: a {CATALOG_KIND_NAMES[kind]} record for {keys} in the catalog")
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,43 +302,63 @@ def read_missing_note(path: str) -> MissingNote | str:
 
 
 class SegmentCatalog:
-    """The catalog file open for writing (see the module docstring).
+    """The catalog and its mirror open for writing (see the module docstring).
 
     Owner: the SegmentStore, in the broker's single dispatch loop; the only writer. Not
-    thread-safe. `close()` releases the descriptor; the file is the durable record and stays.
+    thread-safe. `close()` releases the descriptors; the files are the durable record and stay.
     """
 
-    def __init__(self, path: str, fd: int, durable: bool, used: int) -> None:
+    def __init__(self, path: str, fds: tuple[int, int], durable: bool, used: int, note: str = "") -> None:
         self.path = path
+        self.mirror = mirror_path(path)
         self.durable = durable  # `power`: fdatasync before dependents are acknowledged
-        self._fd = fd
-        self.used = used  # records in the file (the next one goes at this slot)
-        self.allocated = os.fstat(fd).st_size // CATALOG_RECORD_SIZE_BYTES
+        self._fd, self._mirror_fd = fds
+        self.used = used  # records in each file (the next one goes at this slot)
+        self.allocated = min(os.fstat(fd).st_size for fd in fds) // CATALOG_RECORD_SIZE_BYTES
         self._dirty = False
+        self._unmirrored = bytearray()  # `power`: records in the catalog, not yet in the mirror
+        self._unmirrored_slot = used
+        self.opened_note = note  # why the pair was not rewritten at open, for the recovery report
 
     @classmethod
     def open_existing(cls, path: str, durable: bool) -> SegmentCatalog:
-        """Append to the catalog as it is (a store used without recovery). The next record
-        goes after the last valid one: over a torn last record, which would otherwise read
-        as damage in the middle of the file."""
-        data = _read_bytes(path, "segment catalog") or b""
-        whole = len(data) // CATALOG_RECORD_SIZE_BYTES
-        raw = np.frombuffer(data, dtype=np.uint8, count=whole * CATALOG_RECORD_SIZE_BYTES).reshape(whole, CATALOG_RECORD_SIZE_BYTES)
-        nonzero = np.flatnonzero(raw.any(axis=1))
-        used = int(nonzero[-1]) + 1 if nonzero.size else 0
-        if used and _record_problem(raw[used - 1].view(CATALOG_RECORD_DTYPE)[0], raw[used - 1]):
-            used -= 1
+        """Append to the pair as it is (a store used without recovery, and recovery until its
+        compaction) when both files are whole and hold the same records; else first rewrite
+        both as the live set that their records say (a torn write healed before anything is
+        written after it: appending beside a damaged record would let the next torn write
+        take the only whole copy). With no room for that, append after the last non-zero
+        record of either (named in `opened_note`)."""
+        data = [_read_bytes(where, "segment catalog") for where in (path, mirror_path(path))]
+        if data[0] is not None and data[1] is not None and data[0].rstrip(b"\0") == data[1].rstrip(b"\0"):
+            slots = _decode_slots(data[0], path)
+            if not (slots.damaged or slots.torn):
+                return cls(path, cls._open_pair(path), durable, int(slots.raw.shape[0]))
+        reading = read_catalog(path)
+        live = list(reading.live.values()) if reading is not None else []
+        try:
+            return cls.write_fresh(path, live, durable, CATALOG_CHUNK_RECORDS)
+        except DiskFullError as exc:
+            used = max(((len(d.rstrip(b"\0")) + CATALOG_RECORD_SIZE_BYTES - 1) // CATALOG_RECORD_SIZE_BYTES
+                        for d in data if d is not None), default=0)
+            return cls(path, cls._open_pair(path), durable, used, f"not rewritten at open: {exc}")
+
+    @staticmethod
+    def _open_pair(path: str) -> tuple[int, int]:
         fd = fileops.open_fd(path, os.O_RDWR | os.O_CREAT, 0o600)
-        if len(data) % CATALOG_RECORD_SIZE_BYTES:  # a partial last record: cut it, it was torn
-            fileops.ftruncate(fd, whole * CATALOG_RECORD_SIZE_BYTES)
-        return cls(path, fd, durable, used)
+        try:
+            return fd, fileops.open_fd(mirror_path(path), os.O_RDWR | os.O_CREAT, 0o600)
+        except BaseException:
+            fileops.close_fd(fd)
+            raise
 
     @classmethod
     def write_fresh(cls, path: str, live: list[CatalogEntry], durable: bool, reserve: int) -> SegmentCatalog:
-        """Compaction: a new catalog holding `live` (a created and, if sealed, a sealed
-        record each) with room for `reserve` more records, made durable and renamed over
-        the old one (temp file, fsync, rename, directory fsync). DiskFullError if there is
-        no space for it: the old catalog is then untouched and still valid."""
+        """Compaction: a new catalog and mirror holding `live` (a created and, if sealed, a
+        sealed record each) with room for `reserve` more records, both written and made
+        durable before either is renamed over the old pair (then one directory fsync).
+        DiskFullError if there is no space for them: the old pair is then untouched and
+        still valid. A crash between the renames leaves a new file beside an old one: both
+        whole, and their union says what either says."""
         data = bytearray()
         for entry in sorted(live, key=lambda e: (e.keys.model, e.keys.signature, e.keys.lane, e.keys.segment_seq)):
             data += encode_record(CATALOG_CREATED, entry.keys)
@@ -255,47 +366,66 @@ class SegmentCatalog:
                 data += encode_record(CATALOG_SEALED, entry.keys, entry.entry_count)
         used = len(data) // CATALOG_RECORD_SIZE_BYTES
         chunks = -(-(used + reserve) // CATALOG_CHUNK_RECORDS)
-        fd = write_replacement(path, path + CATALOG_TMP_SUFFIX, bytes(data),
-                               chunks * CATALOG_CHUNK_RECORDS * CATALOG_RECORD_SIZE_BYTES, "segment catalog")
-        return cls(path, fd, durable, used)
+        fds = write_replacements([(path, path + CATALOG_TMP_SUFFIX), (mirror_path(path), mirror_path(path) + CATALOG_TMP_SUFFIX)],
+                                 bytes(data), chunks * CATALOG_CHUNK_RECORDS * CATALOG_RECORD_SIZE_BYTES, "segment catalog")
+        return cls(path, (fds[0], fds[1]), durable, used)
 
     def reserve(self, free: int) -> None:
-        """Make room for `free` more records now (DiskFullError if the disk has none), so
-        that the records still to come (seals, deletes) never need space."""
+        """Make room for `free` more records now in both files (DiskFullError if the disk has
+        none), so that the records still to come (seals, deletes) never need space."""
         if self.used + free > self.allocated:
-            _allocate(self._fd, self.path, self.used + free)
-            self.allocated = os.fstat(self._fd).st_size // CATALOG_RECORD_SIZE_BYTES
+            for fd, where in ((self._fd, self.path), (self._mirror_fd, self.mirror)):
+                _allocate(fd, where, self.used + free)
+            self.allocated = min(os.fstat(fd).st_size for fd in (self._fd, self._mirror_fd)) // CATALOG_RECORD_SIZE_BYTES
 
     def record(self, kind: int, keys: SegmentKeys, entry_count: int = 0) -> None:
-        """Write one record. Deletes and quarantines are made durable at once in `power`
-        (before the unlink or move they announce); creates and seals at `sync()`."""
+        """Write one record into the catalog; in `process` into the mirror too at once, in
+        `power` into the mirror at `sync()`, after the catalog's fdatasync. Deletes and
+        quarantines are made durable at once in `power` (before the unlink or move they
+        announce); creates and seals at `sync()`."""
         if self.used >= self.allocated:
             self.reserve(CATALOG_CHUNK_RECORDS)
         # NOTE: the whole record or an OSError: a short write left unnoticed here would leave a
         # torn record in the middle of the catalog once the next one is written after it.
-        fileops.pwrite_all(self._fd, encode_record(kind, keys, entry_count), self.used * CATALOG_RECORD_SIZE_BYTES)
+        body, at = encode_record(kind, keys, entry_count), self.used * CATALOG_RECORD_SIZE_BYTES
+        fileops.pwrite_all(self._fd, body, at)
+        if self.durable:
+            if not self._unmirrored:
+                self._unmirrored_slot = self.used
+            self._unmirrored += body
+        else:
+            fileops.pwrite_all(self._mirror_fd, body, at)
         self.used += 1
         self._dirty = self.durable
         if self.durable and kind in (CATALOG_DELETED, CATALOG_QUARANTINED):
             self.sync()
 
     def sync(self) -> None:
-        """`power`: fdatasync what was recorded since the last call (DurabilityError: fatal)."""
+        """`power`: fdatasync the catalog, then write the same records into the mirror and
+        fdatasync it (DurabilityError: fatal). Never both files unsynced at once."""
         if self._dirty:
-            try:
-                fileops.fdatasync(self._fd)
-            except OSError as exc:
-                raise DurabilityError(f"{self.path}: fdatasync failed ({exc.strerror}, errno {exc.errno}): "
-                                      f"the kernel may have dropped the dirty pages, so the broker must stop") from exc
+            self._fdatasync(self._fd, self.path)
+            fileops.pwrite_all(self._mirror_fd, bytes(self._unmirrored), self._unmirrored_slot * CATALOG_RECORD_SIZE_BYTES)
+            self._fdatasync(self._mirror_fd, self.mirror)
+            self._unmirrored.clear()
             self._dirty = False
+
+    @staticmethod
+    def _fdatasync(fd: int, path: str) -> None:
+        try:
+            fileops.fdatasync(fd)
+        except OSError as exc:
+            raise DurabilityError(f"{path}: fdatasync failed ({exc.strerror}, errno {exc.errno}): "
+                                  f"the kernel may have dropped the dirty pages, so the broker must stop") from exc
 
     def wants_compaction(self, live_records: int) -> bool:
         return self.used > max(CATALOG_COMPACT_MIN_RECORDS, CATALOG_COMPACT_GROWTH * live_records)
 
     def close(self) -> None:
-        if self._fd >= 0:
-            fileops.close_fd(self._fd)
-            self._fd = -1
+        for fd in (self._fd, self._mirror_fd):
+            if fd >= 0:
+                fileops.close_fd(fd)
+        self._fd = self._mirror_fd = -1
 
 
 def _allocate(fd: int, path: str, records: int) -> None:

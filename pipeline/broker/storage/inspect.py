@@ -342,7 +342,7 @@ def _check_catalog(data_dir: str, before: CatalogReading | None, listing: StoreL
                                    f"the store may have been removed; what it held cannot be checked")
         return
     result.problems += [f"CATALOG: {line}" for line in before.damaged]
-    result.notes += [before.torn_last] if before.torn_last else []
+    result.notes += ([before.torn_last] if before.torn_last else []) + before.notes
     on_disk = {seg.keys for seg in listing.segments} - {seg.keys for seg in vanished}
     candidates = [keys for keys in before.live if keys not in on_disk]
     after = read_catalog(catalog) if candidates else None

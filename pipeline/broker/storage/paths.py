@@ -4,6 +4,9 @@
       segments.catalog                       what the store holds: one record per segment
                                              lifecycle event (catalog.py); compacted through
       segments.catalog.tmp                   this name (a leftover is an interrupted compaction)
+      segments.catalog.mirror                the same records at the same offsets, written
+                                             after the catalog's fdatasync (torn sectors);
+                                             its compaction's temp: segments.catalog.mirror.tmp
       segments/                              live segments
         m{model:05d}/                        one directory per model
           s{signature:016x}/                 one per shape: shape purity is in the layout

@@ -29,8 +29,35 @@ def write_replacement(path: str, temp: str, data: bytes, size_bytes: int, what: 
     """Replace the file at `path` whole: `data` into `temp` (preallocated to `size_bytes`),
     fsync, rename over `path`, directory fsync; returns the new file's descriptor, open for
     appending records. DiskFullError when there is no room (the old file then stays as it
-    was and in use); on any failure `temp` is removed. The catalog's and the lineage file's
+    was and in use); on any failure `temp` is removed. The lineage file's and a journal's
     compaction."""
+    return write_replacements([(path, temp)], data, size_bytes, what)[0]
+
+
+def write_replacements(files: list[tuple[str, str]], data: bytes, size_bytes: int, what: str) -> list[int]:
+    """Replace every (path, temp) of one directory whole with the same `data`: each temp
+    written and fsynced first (DiskFullError there leaves every old file as it was and in
+    use), then renamed over its path in order, then one directory fsync; returns the new
+    files' descriptors in order. The catalog's compaction (the catalog and its mirror)."""
+    fds: list[int] = []
+    try:
+        for _path, temp in files:
+            fds.append(_prepared(temp, data, size_bytes, what))
+        for path, temp in files:
+            fileops.rename(temp, path)
+        _fsync_directory(os.path.dirname(files[0][0]))
+    except BaseException:
+        for fd in fds:
+            fileops.close_fd(fd)
+        for _path, temp in files:
+            if os.path.exists(temp):
+                fileops.unlink(temp)
+        raise
+    return fds
+
+
+def _prepared(temp: str, data: bytes, size_bytes: int, what: str) -> int:
+    """`temp` created, preallocated to `size_bytes`, holding `data`, fsynced; its descriptor."""
     try:
         fd = fileops.open_fd(temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     except OSError as exc:
@@ -41,12 +68,8 @@ def write_replacement(path: str, temp: str, data: bytes, size_bytes: int, what: 
         preallocate(fd, temp, size_bytes, what)
         fileops.pwrite_all(fd, data, 0)
         fileops.fsync(fd)
-        fileops.rename(temp, path)
-        _fsync_directory(os.path.dirname(path))
     except BaseException:
         fileops.close_fd(fd)
-        if os.path.exists(temp):
-            fileops.unlink(temp)
         raise
     return fd
 

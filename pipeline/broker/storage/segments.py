@@ -33,6 +33,7 @@ from pipeline.broker.storage.catalog import (
     CatalogEntry,
     CatalogReading,
     SegmentCatalog,
+    mirror_path,
     read_catalog,
     write_missing_note,
 )
@@ -420,6 +421,7 @@ class SegmentStore:
         try:
             if reading is not None:
                 self._catalog = SegmentCatalog.open_existing(catalog_path(self.data_dir), self._durable)
+                report.catalog_notes += [self._catalog.opened_note] if self._catalog.opened_note else []
             for path in listing.creating + listing.orphan_journals:
                 fileops.unlink(path)  # a crash interrupted its creation or deletion: no entry is in it
                 report.abandoned_creates.append(path)
@@ -440,10 +442,11 @@ class SegmentStore:
         except OSError as exc:
             raise StoreReadError(f"{exc.filename or self.data_dir}: cannot list the segments "
                                  f"({exc.strerror}, errno {exc.errno})") from exc
-        leftover = catalog_path(self.data_dir) + CATALOG_TMP_SUFFIX
-        if os.path.exists(leftover):
-            fileops.unlink(leftover)  # an interrupted compaction: the catalog itself is whole
-            report.catalog_notes.append(f"{leftover}: an interrupted compaction's temp file, removed")
+        for kept in (catalog_path(self.data_dir), mirror_path(catalog_path(self.data_dir))):
+            leftover = kept + CATALOG_TMP_SUFFIX
+            if os.path.exists(leftover):
+                fileops.unlink(leftover)  # an interrupted compaction: the catalog itself is whole
+                report.catalog_notes.append(f"{leftover}: an interrupted compaction's temp file, removed")
         return listing, read_catalog(catalog_path(self.data_dir))
 
     def _recover_segment(self, found: SegmentPath, reading: CatalogReading | None, report: RecoveryReport) -> None:
@@ -542,7 +545,7 @@ class SegmentStore:
                 f"rebuilt from the disk; a segment lost before this start cannot be detected")
         elif reading is not None:
             report.catalog_problems += reading.damaged
-            report.catalog_notes += [reading.torn_last] if reading.torn_last else []
+            report.catalog_notes += ([reading.torn_last] if reading.torn_last else []) + reading.notes
         why = self._compact_catalog()
         if why:
             report.catalog_notes.append(why)
