@@ -228,3 +228,54 @@ def test_a_power_cut_at_process_durability_is_measured(tmp_path):
 def test_power_cut_at_every_operation(tmp_path, durability, mode, sector_bytes, slow_turns):
     figures = power_campaign(tmp_path, durability, mode, sector_bytes, every=True, slow_turns=slow_turns)
     print(f"\nCAMPAIGN power {durability.value} {mode} {sector_bytes} turns={slow_turns}: {figures}")
+
+
+def _namespace_child(data_dir: str, layer) -> int:
+    """ensure_namespace on a fresh data directory in a child under `layer`; its exit status."""
+    from pipeline.broker.peers import ensure_namespace
+
+    pid = os.fork()
+    if pid:
+        return _wait(pid)
+    status = UNTYPED_EXIT
+    try:
+        fileops.install(layer)
+        try:
+            ensure_namespace(data_dir, ran_before=False)
+            status = 0
+        except PipelineError:
+            status = FAULT_EXIT
+    finally:
+        os._exit(status)
+
+
+def test_the_namespace_file_is_written_through_the_file_layer(tmp_path):
+    """The shared-memory namespace file (broker/peers.py) is made through fileops like every
+    store write: the layer sees its write, fsync, link, unlink and directory fsync; a fault
+    at any of them is a typed error that leaves no temporary file and no torn namespace; a
+    power cut at any of them leaves the file whole or absent, never torn."""
+    from pipeline.broker.peers import NAMESPACE_FILE, _path_namespace, ensure_namespace, namespace_for
+
+    counting = FaultyIO(FaultPlan(None))
+    previous = fileops.install(counting)
+    try:
+        ensure_namespace(str(tmp_path), ran_before=False)
+    finally:
+        fileops.install(previous)
+    assert counting.log == ["write", "fsync", "link", "unlink", "fsync_directory"]
+    for k in range(len(counting.log)):
+        for kind, persistent in (("EIO", False), ("ENOSPC", True), ("short", False)):
+            data = tmp_path / f"{kind}{k}"
+            data.mkdir()
+            code = _namespace_child(str(data), FaultyIO(FaultPlan(k, kind, persistent)))
+            assert code in (0, FAULT_EXIT), (kind, k, code)  # a short write is completed: 0
+            unlink_failed = k == 3 or (persistent and k < 3)
+            assert bool([n for n in os.listdir(data) if n.endswith(".tmp")]) == unlink_failed, (kind, k)
+            namespace_for(str(data))  # whole or absent: a torn one raises ConfigError
+        for seed in range(4):
+            data = tmp_path / f"cut{k}-{seed}"
+            data.mkdir()
+            code = _namespace_child(str(data), PowerCut(str(data), seed=seed, at_op=k, mode="mixed", sector_bytes=512))
+            assert code == POWER_CUT_EXIT, (k, seed, code)
+            found = namespace_for(str(data))
+            assert (found == _path_namespace(str(data))) == (not (data / NAMESPACE_FILE).exists()), (k, seed)
