@@ -20,6 +20,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--io-fault-turns", type=int, default=None, metavar="N",
                      help="turns of a run in tests/broker/test_io_faults.py's every-operation campaigns "
                           "(default: its SLOW_TURNS)")
+    parser.addoption("--io-fault-ks", default=None, metavar="A-B,C-D",
+                     help="only these operations k (ranges, B excluded) in those campaigns (default: every k)")
 
 
 # What builds the environment the `vllm`-marked tests need (.venv-vllm and the tiny model),

@@ -106,9 +106,9 @@ def _count_ops(template: tuple[str, str], where, durability: Durability, turns: 
         return json.load(file)["ops"]
 
 
-def _ks(total: int, every: bool) -> list[int]:
+def _ks(total: int, every: bool, only: set[int] | None = None) -> list[int]:
     if every:
-        return list(range(total))
+        return [k for k in range(total) if only is None or k in only]
     return sorted({int(k) for k in np.linspace(0, total - 1, SAMPLE_KS)})
 
 
@@ -121,13 +121,26 @@ def slow_turns(request) -> int:
     return turns
 
 
+@pytest.fixture
+def slow_ks(request) -> set[int] | None:
+    """`--io-fault-ks A-B,C-D`: the operations k the every-operation campaigns try (a
+    window of the run: a rotation's operations, say), else None: every k."""
+    spec = request.config.getoption("--io-fault-ks")
+    if not spec:
+        return None
+    try:
+        return {k for part in spec.split(",") for k in range(*map(int, part.split("-")))}
+    except ValueError as exc:
+        raise pytest.UsageError(f"--io-fault-ks {spec!r}: ranges A-B, comma-separated ({exc})") from exc
+
+
 def fault_campaign(tmp_path, durability: Durability, kind: str, persistent: bool, every: bool,
-                   slow_turns: int = SLOW_TURNS) -> dict:
+                   slow_turns: int = SLOW_TURNS, only_ks: set[int] | None = None) -> dict:
     turns = slow_turns if every else TURNS
     template = _seeded_store(tmp_path / "template", durability, turns)
     total = _count_ops(template, tmp_path / "count", durability, turns)
     outcomes = {"ops": total, "tried": 0, "stopped": 0, "ran_on": 0}
-    for k in _ks(total, every):
+    for k in _ks(total, every, only_ks):
         data_dir, log_path = _copy(template, tmp_path / f"k{k}")
         pid = _child(data_dir, log_path, 8, durability, turns, FaultyIO(FaultPlan(k, kind, persistent)))
         code = _wait(pid)
@@ -152,19 +165,20 @@ def test_a_failed_operation_loses_nothing_acknowledged(tmp_path, durability, kin
 @pytest.mark.slow
 @pytest.mark.parametrize("durability", [Durability.PROCESS, Durability.POWER])
 @pytest.mark.parametrize("kind,persistent", [("EIO", False), ("EIO", True), ("ENOSPC", True), ("short", False)])
-def test_every_failed_operation_loses_nothing_acknowledged(tmp_path, durability, kind, persistent, slow_turns):
-    outcomes = fault_campaign(tmp_path, durability, kind, persistent, every=True, slow_turns=slow_turns)
+def test_every_failed_operation_loses_nothing_acknowledged(tmp_path, durability, kind, persistent, slow_turns, slow_ks):
+    outcomes = fault_campaign(tmp_path, durability, kind, persistent, every=True, slow_turns=slow_turns,
+                              only_ks=slow_ks)
     print(f"\nCAMPAIGN faults {durability.value} {kind} persistent={persistent} turns={slow_turns}: {outcomes}")
 
 
 def power_campaign(tmp_path, durability: Durability, mode: str, sector_bytes: int, every: bool,
-                   slow_turns: int = SLOW_TURNS) -> dict:
+                   slow_turns: int = SLOW_TURNS, only_ks: set[int] | None = None) -> dict:
     turns = slow_turns if every else TURNS
     template = _seeded_store(tmp_path / "template", durability, turns)
     total = _count_ops(template, tmp_path / "count", durability, turns)
     figures = {"ops": total, "cuts": 0, "lost_items": 0, "cuts_losing": 0, "damaged_ranges": 0, "quarantined": 0,
                "torn_tails": 0, "catalog_problems": 0, "sectors_garbled": 0}
-    for k in _ks(total, every):
+    for k in _ks(total, every, only_ks):
         data_dir, log_path = _copy(template, tmp_path / f"k{k}")
         layer = PowerCut(data_dir, seed=k, at_op=k, mode=mode, sector_bytes=sector_bytes, report_path=log_path + ".cut")
         code = _wait(_child(data_dir, log_path, 8, durability, turns, layer))
@@ -225,8 +239,9 @@ def test_a_power_cut_at_process_durability_is_measured(tmp_path):
 @pytest.mark.parametrize("durability,mode,sector_bytes",
                          [(Durability.POWER, m, b) for m in ("drop", "keep", "garble", "mixed") for b in (512, 4096)]
                          + [(Durability.PROCESS, "drop", 4096), (Durability.PROCESS, "garble", 512)])
-def test_power_cut_at_every_operation(tmp_path, durability, mode, sector_bytes, slow_turns):
-    figures = power_campaign(tmp_path, durability, mode, sector_bytes, every=True, slow_turns=slow_turns)
+def test_power_cut_at_every_operation(tmp_path, durability, mode, sector_bytes, slow_turns, slow_ks):
+    figures = power_campaign(tmp_path, durability, mode, sector_bytes, every=True, slow_turns=slow_turns,
+                             only_ks=slow_ks)
     print(f"\nCAMPAIGN power {durability.value} {mode} {sector_bytes} turns={slow_turns}: {figures}")
 
 
