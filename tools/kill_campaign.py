@@ -130,12 +130,18 @@ def main() -> int:
     args = parser.parse_args()
     work = tempfile.mkdtemp(prefix="sbrk-kills-")
     outcomes = []
+    finished = False
     try:
         for name in args.only:
             outcomes.append(run(name, args, os.path.join(work, name)))
             print(json.dumps(outcomes[-1].figures()), file=sys.stderr, flush=True)
+        finished = True
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        # A failed campaign's data directories are the evidence to reproduce it from: kept.
+        if finished and all(out.passed for out in outcomes):
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            print(f"kept the data directories of a failed or stopped campaign: {work}", file=sys.stderr, flush=True)
     print(table(outcomes))
     met = redelivery_target_met(outcomes)
     print(f"\nredelivery within the heartbeat timeout ({HEARTBEAT_TIMEOUT_S:g} s) plus 1 s: {'met' if met else 'NOT met'}")

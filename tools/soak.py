@@ -37,10 +37,15 @@ def main() -> int:
     args = parser.parse_args()
     work = tempfile.mkdtemp(prefix="sbrk-soak-")
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    out = None
     try:
         out, extra = soak(work, args.duration_s, args.seed, use_tmpfs=not args.no_tmpfs)
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        # A failed soak's data directory (copied off its tmpfs) is the evidence: kept.
+        if out is not None and out.passed:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            print(f"kept the data directory of a failed or stopped soak: {work}", file=sys.stderr, flush=True)
     print(table([out]))
     latencies = [r["latency_s"] for r in out.redelivery if r["latency_s"] is not None]
     met = all(latency <= HEARTBEAT_TIMEOUT_S + 1.0 for latency in latencies)

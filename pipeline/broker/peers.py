@@ -8,6 +8,7 @@ restarts on the same directory finds the rings its producers kept writing into.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import secrets
@@ -20,7 +21,8 @@ import xxhash
 from pipeline.broker.dispatch import Batch
 from pipeline.broker.ids import ConsumerId
 from pipeline.broker.packing import Contract
-from pipeline.wire.errors import ConfigError
+from pipeline.wire import fileops
+from pipeline.wire.errors import ConfigError, FileOpError
 from pipeline.wire.protocol import MAX_REQUEST_BYTES, MessageReader
 from pipeline.wire.status import ConsumerWork
 from shm.objects import named_objects
@@ -65,18 +67,26 @@ def ensure_namespace(data_dir: str, ran_before: bool) -> str:
         return namespace_for(data_dir)
     chosen = _path_namespace(data_dir) if ran_before else secrets.token_hex(NAMESPACE_DIGITS // 2)
     temporary = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    # Through the file layer, as every write of the data directory (a fault campaign sees
+    # these operations; a failure is a FileOpError naming the file and the operation).
+    fd = fileops.open_fd(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        os.write(fd, f"{chosen}\n".encode())
-        os.fsync(fd)
+        try:
+            fileops.write_all(fd, f"{chosen}\n".encode())
+            fileops.fsync(fd)
+        finally:
+            fileops.close_fd(fd)
+        try:
+            fileops.link(temporary, path)
+        except FileOpError as exc:
+            if exc.errno != errno.EEXIST:
+                raise
+            # another start made it first: its choice stands
     finally:
-        os.close(fd)
-    try:
-        os.link(temporary, path)
-    except FileExistsError:
-        pass  # another start made it first: its choice stands
-    finally:
-        os.unlink(temporary)
+        fileops.unlink(temporary)  # also after a failed write: no temporary file is left
+    # Durable: without the file, the next start (finding the broker's state) would fall back
+    # to the path's hash, the guessable names the file replaced.
+    fileops.fsync_directory(data_dir)
     return namespace_for(data_dir)
 
 

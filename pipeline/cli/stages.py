@@ -283,11 +283,11 @@ def produce(workload_file: str, data_dir: str, producers: int, items: int | None
                                  "produce: stopping: the producers hand over what they submitted once the broker "
                                  "has stored it; Ctrl-C again leaves the rest in the producer rings, where the "
                                  f"broker on {data_dir} stores it later", err=True))
-    left = _unstored_items(data_dir, outcome.producer_ids)
-    stored = outcome.published - left
+    published, left = published_and_unstored(data_dir, outcome.ledger_entries)
+    stored = published - left
     where = (f"; {left:,} wait in the producer rings (a few may be stored already: none is stored twice), "
              f"and the broker on {data_dir} stores them once it can (nothing is lost)" if left else "")
-    unsent = len(workload) - outcome.published
+    unsent = len(workload) - published
     never = f"; {unsent:,} were never submitted: submit them again" if unsent else ""
     if outcome.failed:
         raise click.ClickException(f"{outcome.failed} of {producers} producers failed or were killed: "
@@ -329,16 +329,25 @@ class _StoreWatch:
             click.echo("produce: the broker stores again", err=True)
 
 
-def _unstored_items(data_dir: str, producer_ids: list[int]) -> int:
-    """Items the producers' rings still hold unreleased (rings left behind: a producer that
-    was killed, or stopped before the broker stored everything). A record the broker stored
-    in part and has not released yet counts whole: an upper bound by at most a frame."""
+def published_and_unstored(data_dir: str, ledger_entries: list[tuple[int, int]]) -> tuple[int, int]:
+    """Items the producers of `ledger_entries` (producer id, items its ledger says it
+    published) published, and how many of them their rings still hold unreleased (rings
+    left behind: a producer that was killed, or stopped before the broker stored everything).
+
+    Published: the ledger's count, or one past the highest sequence a ring holds where that
+    is more. The ledger counts a frame once it is published, so a producer killed between
+    publishing and recording its last frame left that frame in its ring, where it is found
+    (if the broker stored it meanwhile, it is resubmitted: at-least-once). A record the
+    broker stored in part and has not released yet counts as unstored whole: an upper bound
+    by at most a frame."""
     from pipeline.broker.peers import namespace_for, producer_ring_name
+    from pipeline.reporting.accounting import published_counts
     from pipeline.runtime.inventory import producer_ring_names, ring_stock
 
     namespace = namespace_for(data_dir)
-    ours = {producer_ring_name(namespace, producer_id) for producer_id in producer_ids}
-    return int(ring_stock(name for name in producer_ring_names(data_dir) if name in ours).item_ids.size)
+    ours = {producer_ring_name(namespace, producer_id) for producer_id, _published in ledger_entries}
+    in_rings = ring_stock(name for name in producer_ring_names(data_dir) if name in ours).item_ids
+    return sum(published_counts(ledger_entries, in_rings).values()), int(in_rings.size)
 
 
 # The broker status fields `status` shows beside the report (in their wire form in --json).

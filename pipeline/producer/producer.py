@@ -14,7 +14,7 @@ into the ring.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -164,6 +164,10 @@ class Producer:
         # still to go out with the next frame written.
         self._declared: set[tuple[int, int]] = set()
         self._pending_chains: list[tuple[int, tuple[int, ...]]] = []
+        # Called with `next_seq` after each frame `submit_many` publishes (a call of many
+        # items may be several frames): a process that counts what it published (the launch
+        # and produce ledger) is then never short by the frames of a call cut by a kill.
+        self.on_frame: Callable[[int], None] | None = None
 
     @classmethod
     def create(
@@ -334,6 +338,8 @@ class Producer:
             except RingTimeoutError as exc:
                 exc.accepted_items = start  # type: ignore[attr-defined]
                 raise
+            if self.on_frame is not None:
+                self.on_frame(self._seq)
             start = end
         ids = np.arange(first_seq, first_seq + batch.count, dtype=np.uint64)
         ids |= np.uint64(self._id_base)

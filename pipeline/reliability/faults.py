@@ -18,8 +18,8 @@ msync (the whole file: fdatasync and a whole-mapping msync write back every dirt
 mapping's stores included), or when the layer first saw it; a file created since has an
 empty one. At the cut, every sector (512 or 4096 bytes) where the file differs from its
 durable image becomes, by the seeded draw of `mode`: `drop` the durable bytes, `keep` the new
-bytes, `garble` random bytes, `mixed` one of the three per sector. Names: a creation, rename
-or unlink is durable once its directory is fsynced; at the cut a seeded prefix of the
+bytes, `garble` random bytes, `mixed` one of the three per sector. Names: a creation, rename,
+link or unlink is durable once its directory is fsynced; at the cut a seeded prefix of the
 operations not yet durable survives (a journal keeps them in order) and the rest are undone.
 This is the model of an ext4 data=ordered disk that SQLite and PostgreSQL reason with: a
 synced byte survives, an unsynced one may or may not, and a sector being written may be
@@ -103,6 +103,10 @@ class _Counting(FileIO):
     def rename(self, source: str, target: str) -> None:
         self._at("rename")
         super().rename(source, target)
+
+    def link(self, source: str, target: str) -> None:
+        self._at("link")
+        super().link(source, target)
 
     def ftruncate(self, fd: int, size: int) -> None:
         self._at("ftruncate")
@@ -246,6 +250,13 @@ class PowerCut(_Counting):
                     self._paths[fd] = dst
             return
         super().rename(source, target)
+
+    def link(self, source: str, target: str) -> None:
+        super().link(source, target)
+        if self._under(target):  # a new name, durable once its directory is fsynced
+            dst = os.path.realpath(target)
+            self._durable[dst] = _Durable(self._durable.get(os.path.realpath(source), _Durable(b"")).image)
+            self._pending.append(_NameOp("create", os.path.dirname(dst), (dst,)))
 
     def unlink(self, path: str) -> None:
         if self._under(path):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import subprocess
 import time
 from collections import Counter
@@ -224,6 +225,12 @@ def soak(work: str, duration_s: float, seed: int, use_tmpfs: bool = True) -> tup
         redelivery_figures(run.out, stages, run.losses, run.returned, keys=b"s", faults_ns=run.faults_ns)
     finally:
         if mounted:
+            if not run.out.passed:
+                # The evidence of a failed (or stopped) soak outlives the tmpfs it ran on.
+                try:
+                    shutil.copytree(mount, os.path.join(work, "kept"), symlinks=True, dirs_exist_ok=True)
+                except shutil.Error:
+                    pass  # sockets and fifos cannot be copied; the files that can are
             subprocess.run(["umount", "-l", mount], check=False)
     run.out.wall_s = time.monotonic() - started
     extra = {"duration_s": duration_s, "data_dir_fs": "tmpfs 256 MiB" if mounted else "the work directory's",

@@ -124,7 +124,7 @@ def _produce_main(socket_path: str, workload: Workload, index: int, count: int,
     """A producer process: feed its share, then wait until the broker stored all of it,
     however long that takes (a full disk, a broker restart): the launcher decides when to
     give up. SIGTERM stops the feed between submit calls; what went in is still handed over.
-    Every submit call is recorded in the ledger (how many items are in the ring)."""
+    Every frame published is recorded in the ledger (how many items are in the ring)."""
     parent = os.getppid()
     own_process_group()
     stop = stop_on_signals((signal.SIGTERM,))
@@ -135,6 +135,7 @@ def _produce_main(socket_path: str, workload: Workload, index: int, count: int,
     try:
         client = BrokerProducer(socket_path)
         ledger.registered(index, client.producer_id)
+        client.on_frame = lambda next_seq: ledger.published(index, next_seq)  # a call's frames, one by one
         try:
             items = itertools.takewhile(lambda _item: not stop(), workload.items(index, count))
             feed(client, items, replay_speed=replay_speed,
@@ -221,6 +222,7 @@ class FeedOutcome:
     published: int  # items the producers put into their rings (the ledger's count)
     forced: bool  # a second Ctrl-C killed producers that were still waiting
     producer_ids: list[int]  # the broker's ids of the producers that registered
+    ledger_entries: list[tuple[int, int]]  # (producer id, items published) of each of them
 
 
 def feed_processes(socket_path: str, workload: Workload, count: int, replay_speed: float | None,
@@ -246,8 +248,9 @@ def feed_processes(socket_path: str, workload: Workload, count: int, replay_spee
         # as long as that takes (a full disk): only a second Ctrl-C kills it.
         stop_process(process, timeout_s=float("inf"), forced=interrupts.forcing)
     failed = sum(1 for p in processes if p.exitcode != 0 and not interrupts.stopping())
+    entries = ledger.entries()
     return FeedOutcome(failed, interrupts.stopping(), ledger.total_published(), interrupts.forcing(),
-                       [producer_id for producer_id, _published in ledger.entries()])
+                       [producer_id for producer_id, _published in entries], entries)
 
 
 class Launcher:

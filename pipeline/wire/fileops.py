@@ -1,8 +1,9 @@
 """File operations of the store and the results, through one replaceable layer.
 
-Every write, pwrite, msync, fsync, fdatasync, rename, truncate, allocate, unlink and
-directory fsync of the segment files, the catalog, the broker's state file, the consumers'
-results files and a batch job's output goes through the functions below, which call the
+Every write, pwrite, msync, fsync, fdatasync, rename, link, truncate, allocate, unlink and
+directory fsync of the segment files, the catalog, the broker's state file, the data
+directory's shared-memory namespace file, the consumers' results files and a batch job's
+output goes through the functions below, which call the
 installed `FileIO`. The default passes straight to the OS; a fault campaign installs one that
 fails the k-th operation (EIO, ENOSPC, a short write) or simulates a power cut
 (`pipeline.reliability.faults`). Stores into a shared mapping (since segment layout
@@ -26,8 +27,8 @@ import os
 from pipeline.wire.errors import FileOpError
 
 # The operations a layer sees, by the name a fault plan uses.
-OPERATIONS = ("open", "pwrite", "write", "msync", "fsync", "fdatasync", "fsync_directory", "rename", "ftruncate",
-              "fallocate", "unlink")
+OPERATIONS = ("open", "pwrite", "write", "msync", "fsync", "fdatasync", "fsync_directory", "rename", "link",
+              "ftruncate", "fallocate", "unlink")
 
 
 class FileIO:
@@ -63,6 +64,9 @@ class FileIO:
 
     def rename(self, source: str, target: str) -> None:
         os.replace(source, target)
+
+    def link(self, source: str, target: str) -> None:
+        os.link(source, target)
 
     def ftruncate(self, fd: int, size: int) -> None:
         os.ftruncate(fd, size)
@@ -169,6 +173,12 @@ def fsync_directory(directory: str) -> None:
 def rename(source: str, target: str) -> None:
     """Rename over `target` if it exists (os.replace: atomic within a file system)."""
     _guarded(f"rename to {target}", lambda: _layer.rename(source, target), path=source)
+
+
+def link(source: str, target: str) -> None:
+    """A second name for `source`, refused where `target` exists (FileOpError, errno EEXIST):
+    a file made whole under a temporary name and put in place only if nobody was first."""
+    _guarded(f"link to {target}", lambda: _layer.link(source, target), path=source)
 
 
 def ftruncate(fd: int, size: int) -> None:

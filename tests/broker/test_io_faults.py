@@ -41,7 +41,14 @@ from pipeline.wire.layouts import CATALOG_FILE
 TURNS = 40
 # The every-operation campaigns (--run-slow) run shorter runs, so that every k of both
 # durability levels fits in minutes: each k is a fresh copy, a run and a recovery.
+# `--io-fault-turns N` sets another length. Every kind of operation occurs from one turn on
+# (the catch-up turn ingests every ring: segments are created, rotated and sealed; the turn
+# completes, deletes, appends and syncs every journal record kind). Counted on layout
+# version 2 (camp script in the i17camp notes): 3 turns make 817 operations at `power` and
+# 571 at `process`, 15 turns 1,924 and 1,015.
 SLOW_TURNS = 15
+# Driver.run(0) is another run (it drains everything, no turn): not a shorter one.
+MIN_SLOW_TURNS = 1
 # Operations k tried per (kind, durability) in the default suite: spread evenly over the run.
 SAMPLE_KS = 4
 FAULT_EXIT = 4  # the child stopped on a typed error (the broker would stop or back off)
@@ -101,18 +108,41 @@ def _count_ops(template: tuple[str, str], where, durability: Durability, turns: 
         return json.load(file)["ops"]
 
 
-def _ks(total: int, every: bool) -> list[int]:
+def _ks(total: int, every: bool, only: set[int] | None = None) -> list[int]:
     if every:
-        return list(range(total))
+        return [k for k in range(total) if only is None or k in only]
     return sorted({int(k) for k in np.linspace(0, total - 1, SAMPLE_KS)})
 
 
-def fault_campaign(tmp_path, durability: Durability, kind: str, persistent: bool, every: bool) -> dict:
-    turns = SLOW_TURNS if every else TURNS
+@pytest.fixture
+def slow_turns(request) -> int:
+    """The every-operation campaigns' run length (`--io-fault-turns`, else SLOW_TURNS)."""
+    turns = request.config.getoption("--io-fault-turns") or SLOW_TURNS
+    if turns < MIN_SLOW_TURNS:
+        raise pytest.UsageError(f"--io-fault-turns {turns}: below {MIN_SLOW_TURNS} a run misses operation kinds")
+    return turns
+
+
+@pytest.fixture
+def slow_ks(request) -> set[int] | None:
+    """`--io-fault-ks A-B,C-D`: the operations k the every-operation campaigns try (a
+    window of the run: a rotation's operations, say), else None: every k."""
+    spec = request.config.getoption("--io-fault-ks")
+    if not spec:
+        return None
+    try:
+        return {k for part in spec.split(",") for k in range(*map(int, part.split("-")))}
+    except ValueError as exc:
+        raise pytest.UsageError(f"--io-fault-ks {spec!r}: ranges A-B, comma-separated ({exc})") from exc
+
+
+def fault_campaign(tmp_path, durability: Durability, kind: str, persistent: bool, every: bool,
+                   slow_turns: int = SLOW_TURNS, only_ks: set[int] | None = None) -> dict:
+    turns = slow_turns if every else TURNS
     template = _seeded_store(tmp_path / "template", durability, turns)
     total = _count_ops(template, tmp_path / "count", durability, turns)
     outcomes = {"ops": total, "tried": 0, "stopped": 0, "ran_on": 0}
-    for k in _ks(total, every):
+    for k in _ks(total, every, only_ks):
         data_dir, log_path = _copy(template, tmp_path / f"k{k}")
         pid = _child(data_dir, log_path, 8, durability, turns, FaultyIO(FaultPlan(k, kind, persistent)))
         code = _wait(pid)
@@ -137,18 +167,20 @@ def test_a_failed_operation_loses_nothing_acknowledged(tmp_path, durability, kin
 @pytest.mark.slow
 @pytest.mark.parametrize("durability", [Durability.PROCESS, Durability.POWER])
 @pytest.mark.parametrize("kind,persistent", [("EIO", False), ("EIO", True), ("ENOSPC", True), ("short", False)])
-def test_every_failed_operation_loses_nothing_acknowledged(tmp_path, durability, kind, persistent):
-    outcomes = fault_campaign(tmp_path, durability, kind, persistent, every=True)
-    print(f"\nCAMPAIGN faults {durability.value} {kind} persistent={persistent}: {outcomes}")
+def test_every_failed_operation_loses_nothing_acknowledged(tmp_path, durability, kind, persistent, slow_turns, slow_ks):
+    outcomes = fault_campaign(tmp_path, durability, kind, persistent, every=True, slow_turns=slow_turns,
+                              only_ks=slow_ks)
+    print(f"\nCAMPAIGN faults {durability.value} {kind} persistent={persistent} turns={slow_turns}: {outcomes}")
 
 
-def power_campaign(tmp_path, durability: Durability, mode: str, sector_bytes: int, every: bool) -> dict:
-    turns = SLOW_TURNS if every else TURNS
+def power_campaign(tmp_path, durability: Durability, mode: str, sector_bytes: int, every: bool,
+                   slow_turns: int = SLOW_TURNS, only_ks: set[int] | None = None) -> dict:
+    turns = slow_turns if every else TURNS
     template = _seeded_store(tmp_path / "template", durability, turns)
     total = _count_ops(template, tmp_path / "count", durability, turns)
     figures = {"ops": total, "cuts": 0, "lost_items": 0, "cuts_losing": 0, "damaged_ranges": 0, "quarantined": 0,
                "torn_tails": 0, "catalog_problems": 0, "missing": 0, "sectors_garbled": 0, "catalog_sectors_garbled": 0}
-    for k in _ks(total, every):
+    for k in _ks(total, every, only_ks):
         data_dir, log_path = _copy(template, tmp_path / f"k{k}")
         layer = PowerCut(data_dir, seed=k, at_op=k, mode=mode, sector_bytes=sector_bytes, report_path=log_path + ".cut")
         code = _wait(_child(data_dir, log_path, 8, durability, turns, layer))
@@ -220,8 +252,60 @@ def test_a_power_cut_at_process_durability_is_measured(tmp_path):
 @pytest.mark.parametrize("durability,mode,sector_bytes",
                          [(Durability.POWER, m, b) for m in ("drop", "keep", "garble", "mixed") for b in (512, 4096)]
                          + [(Durability.PROCESS, "drop", 4096), (Durability.PROCESS, "garble", 512)])
-def test_power_cut_at_every_operation(tmp_path, durability, mode, sector_bytes):
-    figures = power_campaign(tmp_path, durability, mode, sector_bytes, every=True)
-    print(f"\nCAMPAIGN power {durability.value} {mode} {sector_bytes}: {figures}")
+def test_power_cut_at_every_operation(tmp_path, durability, mode, sector_bytes, slow_turns, slow_ks):
+    figures = power_campaign(tmp_path, durability, mode, sector_bytes, every=True, slow_turns=slow_turns,
+                             only_ks=slow_ks)
+    print(f"\nCAMPAIGN power {durability.value} {mode} {sector_bytes} turns={slow_turns}: {figures}")
     if durability is Durability.POWER:
         assert (figures["catalog_problems"], figures["missing"]) == (0, 0), figures
+
+
+def _namespace_child(data_dir: str, layer) -> int:
+    """ensure_namespace on a fresh data directory in a child under `layer`; its exit status."""
+    from pipeline.broker.peers import ensure_namespace
+
+    pid = os.fork()
+    if pid:
+        return _wait(pid)
+    status = UNTYPED_EXIT
+    try:
+        fileops.install(layer)
+        try:
+            ensure_namespace(data_dir, ran_before=False)
+            status = 0
+        except PipelineError:
+            status = FAULT_EXIT
+    finally:
+        os._exit(status)
+
+
+def test_the_namespace_file_is_written_through_the_file_layer(tmp_path):
+    """The shared-memory namespace file (broker/peers.py) is made through fileops like every
+    store write: the layer sees its write, fsync, link, unlink and directory fsync; a fault
+    at any of them is a typed error that leaves no temporary file and no torn namespace; a
+    power cut at any of them leaves the file whole or absent, never torn."""
+    from pipeline.broker.peers import NAMESPACE_FILE, _path_namespace, ensure_namespace, namespace_for
+
+    counting = FaultyIO(FaultPlan(None))
+    previous = fileops.install(counting)
+    try:
+        ensure_namespace(str(tmp_path), ran_before=False)
+    finally:
+        fileops.install(previous)
+    assert counting.log == ["write", "fsync", "link", "unlink", "fsync_directory"]
+    for k in range(len(counting.log)):
+        for kind, persistent in (("EIO", False), ("ENOSPC", True), ("short", False)):
+            data = tmp_path / f"{kind}{k}"
+            data.mkdir()
+            code = _namespace_child(str(data), FaultyIO(FaultPlan(k, kind, persistent)))
+            assert code in (0, FAULT_EXIT), (kind, k, code)  # a short write is completed: 0
+            unlink_failed = k == 3 or (persistent and k < 3)
+            assert bool([n for n in os.listdir(data) if n.endswith(".tmp")]) == unlink_failed, (kind, k)
+            namespace_for(str(data))  # whole or absent: a torn one raises ConfigError
+        for seed in range(4):
+            data = tmp_path / f"cut{k}-{seed}"
+            data.mkdir()
+            code = _namespace_child(str(data), PowerCut(str(data), seed=seed, at_op=k, mode="mixed", sector_bytes=512))
+            assert code == POWER_CUT_EXIT, (k, seed, code)
+            found = namespace_for(str(data))
+            assert (found == _path_namespace(str(data))) == (not (data / NAMESPACE_FILE).exists()), (k, seed)

@@ -345,6 +345,23 @@ def test_batch_that_times_out_midway_says_how_many_went_in(shm_name):
         producer.unlink()
 
 
+def test_each_frame_of_a_call_is_told_as_it_is_published(shm_name):
+    """`on_frame` hears `next_seq` after every frame, before the call returns: a ledger fed
+    by it counts the frames of a call cut short (here by a full ring; a kill -9 between two
+    frames likewise), which a count taken when the call returns never hears of."""
+    limits = ProducerLimits(max_item_tokens=1000, max_payload_bytes=0, frame_items=2)
+    producer = Producer.create(shm_name(), producer_id=1, capacity_bytes=1 << 14, limits=limits)
+    heard = []
+    producer.on_frame = heard.append
+    try:
+        with pytest.raises(RingTimeoutError):
+            producer.submit_many(0, SIG, np.zeros(5400, dtype=np.int32), [900] * 6, timeout_s=0.05)
+        assert heard == [2, 4]  # the third frame never fitted
+    finally:
+        producer.close()
+        producer.unlink()
+
+
 def test_parse_frame_refuses_foreign_records():
     body = np.zeros(100, dtype=np.uint8)
     with pytest.raises(FrameError, match="magic"):

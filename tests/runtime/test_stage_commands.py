@@ -111,3 +111,33 @@ def test_an_interrupted_produce_says_how_much_was_stored(tmp_path):
     finally:
         pipeline("broker", "stop", "--data-dir", data)
     assert shm_objects_of(data) == []
+
+
+def test_produce_counts_a_frame_its_ledger_missed_as_submitted(tmp_path):
+    """`produce` after a producer was killed: what it calls submitted is the ledger's count,
+    or one past the highest sequence its ring still holds, so a frame published just before
+    the kill (not yet in the ledger) is not asked for again. A real ring of the data
+    directory, its first frame released as a broker releases what it stored."""
+    import numpy as np
+
+    from pipeline.broker.peers import namespace_for, producer_ring_name
+    from pipeline.cli.stages import published_and_unstored
+    from pipeline.producer import Producer, ProducerLimits
+    from shm.ring import RingReader
+
+    data = str(tmp_path / "data")
+    os.makedirs(data)
+    limits = ProducerLimits(max_item_tokens=100, max_payload_bytes=0, frame_items=2)
+    producer = Producer.create(producer_ring_name(namespace_for(data), 3), producer_id=3, capacity_bytes=1 << 16,
+                               limits=limits)
+    reader = RingReader.attach(producer.ring.name)
+    try:
+        producer.submit_many(0, 7, np.ones(60, dtype=np.int32), [10] * 6)  # three frames: seqs 0-1, 2-3, 4-5
+        reader.release(reader.poll().end)  # the broker stored the first frame
+        assert published_and_unstored(data, [(3, 6)]) == (6, 4)
+        assert published_and_unstored(data, [(3, 4)]) == (6, 4)  # the last frame is in the ring, not the ledger
+        assert published_and_unstored(data, [(3, 0), (4, 5)]) == (6 + 5, 4)  # producer 4: no ring, its ledger
+    finally:
+        reader.close()
+        producer.close()
+        producer.unlink()
