@@ -40,7 +40,7 @@ sys.path.insert(0, REPO)
 INSTRUMENTED = ["pipeline", "shm"]
 # The targets' names, known before the targets are imported (the child imports them under
 # atheris's instrumentation).
-TARGET_NAMES = ["batch", "catalog", "control", "descriptor", "frame", "generation", "journal", "results",
+TARGET_NAMES = ["batch", "catalog", "catalog_pair", "control", "descriptor", "frame", "generation", "journal", "results",
                 "segment_read", "segment_scan", "workload"]
 
 DEFAULT_VENV = "/tmp/atheris-venv"

@@ -106,3 +106,13 @@ def test_catalog_records_that_pass_their_checksum_are_recovered_or_named(records
     # Byte mutations of a checksummed record only ever fail its checksum: these are records
     # a forger (or a bug) could write, every field at its boundaries, each one checksummed.
     check(TARGETS["catalog"], b"".join(records))
+
+
+def test_the_campaign_tool_knows_every_target():
+    # tools/fuzz_atheris.py names the targets without importing them (its children import
+    # them under atheris); a target added here must be one it can run.
+    import runpy
+    from pathlib import Path
+
+    tool = runpy.run_path(str(Path(__file__).resolve().parents[2] / "tools" / "fuzz_atheris.py"), run_name="tool")
+    assert tool["TARGET_NAMES"] == sorted(TARGETS)
