@@ -275,8 +275,9 @@ def _markdown(figures: dict) -> str:
         "a batch (the zero-cost sim engine with its prefix cache, a digest per prompt, the batch's result lines "
         "written to a results file before the ack: the end-to-end pairing, where only the queue differs). The "
         "broker's consumers are zero-cost sim consumers. Durability: "
-        "`process` against AOF `everysec` (neither fsyncs before it acknowledges; both lose at most the last "
-        "moments on a power cut), `power` (fdatasync before an item counts as stored) against AOF `always` "
+        "`process` against AOF `everysec` (neither fsyncs before it acknowledges; on a power cut Redis loses "
+        "about the last second, the broker what the kernel had not yet written back: up to its writeback delay, "
+        "30 s by default), `power` (fdatasync before an item counts as stored) against AOF `always` "
         "(the AOF fsynced before a round's replies go out).", "",
         table(["side", "items/s", "M tokens/s", "cores: server or broker / consumers / producers / all"], rows), ""]
     if mixed:
