@@ -425,7 +425,7 @@ class Dispatcher:
                     f"beyond this broker's lane budget of {self._lane_config.max_lanes} (a store written with a "
                     f"larger max_lanes, or a segment named by hand): the broker cannot serve it")
             shape = found.lane.shape
-            lanes = self._shapes.get(shape) or self._new_shape(shape)
+            lanes = self._lanes_of(shape)
             lanes.restore_lane(found.lane.lane, int(found.lengths.max()), found.lengths, now_s)
             self._schedule(shape)
             tokens = int(found.lengths.sum())
@@ -454,9 +454,12 @@ class Dispatcher:
             for start, part in zip(starts, np.split(rows, cuts))
         ]
 
-    def _new_shape(self, shape: ShapeKey) -> ShapeLanes:
-        lanes = self._shapes[shape] = ShapeLanes(self._lane_config)
-        self._seen.add(shape)
+    def _lanes_of(self, shape: ShapeKey) -> ShapeLanes:
+        """The shape's lanes, made (and the shape counted as seen) on its first item."""
+        lanes = self._shapes.get(shape)
+        if lanes is None:
+            lanes = self._shapes[shape] = ShapeLanes(self._lane_config)
+            self._seen.add(shape)
         return lanes
 
     def _assign_shape(
@@ -464,7 +467,7 @@ class Dispatcher:
     ) -> list[tuple[AppendGroup, int]]:
         """Assign lanes to one shape's rows; return each lane's group (arrival order within
         it) and its tokens, in lane order."""
-        lanes = self._shapes.get(shape) or self._new_shape(shape)
+        lanes = self._lanes_of(shape)
         lengths = frame.items["length"][rows].astype(np.int64)
         lane_ids = lanes.assign_many(lengths, now_s)
         order = np.argsort(lane_ids, kind="stable")  # each lane's rows stay in arrival order

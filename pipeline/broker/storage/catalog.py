@@ -125,14 +125,14 @@ def encode_record(kind: int, keys: SegmentKeys, entry_count: int = 0, time_ns: i
 class _FileSlots:
     """One catalog file decoded slot by slot: its valid records (CATALOG_RECORD_DTYPE, in
     file order) and their slots, the bad slots before the last non-zero one (slot, why),
-    the torn tail after the last valid record, and the bytes of its slots (for `_clean`)."""
+    the torn tail after the last valid record, and its slots up to the last non-zero one
+    (how many records an append goes after)."""
 
     records: np.ndarray
     valid_slots: np.ndarray
     damaged: list[tuple[int, str]]
     torn: str
     raw: np.ndarray
-    partial: bool
 
 
 def _decode_slots(data: bytes, path: str) -> _FileSlots:
@@ -154,7 +154,7 @@ def _decode_slots(data: bytes, path: str) -> _FileSlots:
     if partial:
         torn = f"{path}: offset {whole * CATALOG_RECORD_SIZE_BYTES}: a partial last record (a torn append, ignored)"
     slots = np.array(good, dtype=np.int64)
-    return _FileSlots(records[slots], slots, damaged, torn, raw[:last + 1], partial)
+    return _FileSlots(records[slots], slots, damaged, torn, raw[:last + 1])
 
 
 def decode_records(data: bytes, path: str) -> tuple[np.ndarray, list[str], str]:
@@ -237,9 +237,10 @@ def _judge_damage(decoded: list[tuple[str, _FileSlots]]) -> tuple[list[str], lis
                  f"(torn writes, healed: the pair is rewritten)"
                  for where, s, other in ((path_a, a, path_b), (path_b, b, path_a)) if s.damaged]
         return [], notes
-    valid_b, bad_a = set(b.valid_slots.tolist()), {slot for slot, _why in a.damaged}
+    valid_a, valid_b = set(a.valid_slots.tolist()), set(b.valid_slots.tolist())
+    bad_a = {slot for slot, _why in a.damaged}
     problems = [why for slot, why in a.damaged if slot not in valid_b]
-    problems += [why for slot, why in b.damaged if slot not in set(a.valid_slots.tolist()) and slot not in bad_a]
+    problems += [why for slot, why in b.damaged if slot not in valid_a and slot not in bad_a]
     return problems, []
 
 

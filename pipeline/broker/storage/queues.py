@@ -171,8 +171,6 @@ class LaneQueue:
                 assert cold.start == cold.end, (cold.segment, cold.start, cold.end)
                 self.cold.popleft()
 
-    def __iter__(self):
-        return map(self.__getitem__, range(len(self)))
     def front_keys(self, count: int) -> tuple[np.ndarray, np.ndarray]:
         """The first `count` hot entries' segments and offsets (fewer if fewer are hot),
         front first, as int64 columns: no ref is made."""
