@@ -178,7 +178,8 @@ class ConsumerSide:
         self._control.bind(sock, consumer)
         self._control.send(sock, {"type": "registered", "consumer_id": consumer_id, "descriptor_ring": ring_name,
                                   "data_dir": self._storage_dir,
-                                  "heartbeat_timeout_s": self.config.heartbeat_timeout_s})
+                                  "heartbeat_timeout_s": self.config.heartbeat_timeout_s,
+                                  "durability": self._storage.durability.value})
         log.info("consumer %d (%s) registered: %s", consumer_id, name, contract)
 
     def _check_name_free(self, name: str) -> None:

@@ -305,6 +305,7 @@ class Consumer:
             backoff = RECONNECT_FIRST_S
             pause_s = 0.0
             try:
+                self._results.sync_writes(session.durability == "power" or self.config.fsync_results)
                 self._serve(session, stop)
             except ResultsDiskFullError as exc:
                 self.counters.results_disk_full += 1

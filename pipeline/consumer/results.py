@@ -191,6 +191,21 @@ class ResultsFile:
                 self.close()
                 raise
 
+    def sync_writes(self, on: bool) -> None:
+        """fsync every write from now on (`on`) or not. Turned on, what the file already
+        holds is fsynced at once, with its directory (lines written for a broker at
+        `process` become durable before a broker at `power` counts on them). A failed fsync
+        raises ResultsWriteError, fatal even for ENOSPC: it is never retried as if nothing
+        happened (the kernel may have dropped the pages it could not write)."""
+        if on and not self._fsync:
+            try:
+                fileops.fsync(self._fd)
+                fileops.fsync_directory(os.path.dirname(self.path) or ".")
+            except OSError as exc:
+                raise ResultsWriteError(f"{self.path}: fsync of the results file failed: {errno_text(exc)}",
+                                        self.path, self._size, exc.errno) from exc
+        self._fsync = on
+
     @property
     def size_bytes(self) -> int:
         """The file's length as this writer left it (every write whole)."""

@@ -13,7 +13,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from pipeline.wire.errors import ProtocolError, RegistrationRefusedError, ShmError
-from pipeline.wire.protocol import Connection, encode
+from pipeline.wire.protocol import DURABILITY_LEVELS, Connection, encode
 from shm.ring import RingReader
 
 if TYPE_CHECKING:
@@ -36,6 +36,10 @@ class BrokerSession:
             raise
         self.consumer_id = reply["consumer_id"]
         self.data_dir = reply["data_dir"]
+        # The broker's durability level: at `power` the results a consumer reports complete
+        # must be on disk first (the broker's completion record is fdatasync'ed: a result
+        # only in the page cache would be lost by a power cut with its item marked done).
+        self.durability: str = reply["durability"]
         self._interval_s = float(reply["heartbeat_timeout_s"]) / 4
         self._stop = threading.Event()
         self._broken = threading.Event()
@@ -59,6 +63,8 @@ class BrokerSession:
                                            f"tokens, max input {config.max_input_len}): {reply['message']}")
         if reply["type"] != "registered":
             raise ProtocolError(f"register_consumer: the broker answered {reply['type']!r}, not 'registered'")
+        if reply["durability"] not in DURABILITY_LEVELS:
+            raise ProtocolError(f"registered: durability {reply['durability']!r:.40} is not one of {DURABILITY_LEVELS}")
         return reply
 
     def hand_back(self) -> int:

@@ -113,8 +113,12 @@ class History:
         else:
             self._held.add(key)
 
+    def lost_keys(self) -> list[ItemKey]:
+        """Acknowledged keys neither completed nor held, sorted."""
+        return sorted(self._acknowledged - self._completed - self._held)
+
     def verdict(self, duplicate_bound: int | None = None) -> Verdict:
-        lost = sorted(self._acknowledged - self._completed - self._held)
+        lost = self.lost_keys()
         duplicated = sum(n - 1 for n in self._lines.values() if n > 1)
         dupes = [k for k, n in self._lines.items() if n > 1]
         examples = {name: [_show(k) for k in keys[:MAX_EXAMPLES]] for name, keys in

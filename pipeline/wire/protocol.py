@@ -35,7 +35,8 @@ Messages, by sender:
                                              four counters in constant time, for a poller
                                              that only waits for a run to finish (a status
                                              is O(shapes + lanes) and a few KiB)
-    broker    registered {consumer_id, descriptor_ring, data_dir, heartbeat_timeout_s}
+    broker    registered {consumer_id, descriptor_ring, data_dir, heartbeat_timeout_s,
+                          durability}  (`power`: the consumer fsyncs its results)
               registered_producer {producer_id, ring, doorbell, next_seq}
               error {message}                then the broker closes the connection
 
@@ -106,6 +107,10 @@ def check_consumer_name(name: str) -> str:
                                 f"not starting with '.'")
     return name
 
+# The durability levels a `registered` reply names (the values of
+# pipeline.broker.storage.Durability; a test keeps the two equal).
+DURABILITY_LEVELS = ("process", "power")
+
 # Required fields of each message type and their types (bool is not an int here).
 SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "register_consumer": {"model": int, "max_batch_items": int, "max_batch_tokens": int,
@@ -122,7 +127,7 @@ SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "progress_reply": {"items_received": int, "items_recovered": int, "items_completed": int,
                        "tokens_completed": int},
     "registered": {"consumer_id": int, "descriptor_ring": str, "data_dir": str,
-                   "heartbeat_timeout_s": (int, float)},
+                   "heartbeat_timeout_s": (int, float), "durability": str},
     "registered_producer": {"producer_id": int, "ring": str, "doorbell": str, "next_seq": int},
     "status_reply": {"version": int, "counters": dict},  # pipeline.wire.status: the record and its version
     "error": {"message": str},
