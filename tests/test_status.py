@@ -35,6 +35,8 @@ V1_KEYS = {
     "compulsory_prefix_tokens", "compulsory_uncounted_starts", "lineage_chains_unrecorded",
     # STATUS_VERSION 6: the run's distinct shapes beside the live ones
     "shapes_seen",
+    # STATUS_VERSION 7: the periodic syncs of durability `process` (sync_interval_s)
+    "periodic_syncs", "periodic_sync_failures", "periodic_sync_max_s",
 }
 LANE_KEYS = {"opened", "reused", "force_fits", "raises", "quiesced", "released", "revived", "restored", "max_in_use"}
 CONSUMER_KEYS = {"id", "pid", "credit", "batches_held", "model", "max_batch_items", "max_batch_tokens",

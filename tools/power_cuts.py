@@ -26,6 +26,7 @@ def main() -> int:
     parser.add_argument("--feed-gap-s", type=float, default=4.0)
     parser.add_argument("--cut-gap-s", type=float, nargs=2, default=(2.0, 6.0))
     parser.add_argument("--max-cuts", type=int, default=16)
+    parser.add_argument("--sync-interval-s", type=float, help="the live broker's sync_interval_s (process)")
     parser.add_argument("--work", help="work directory (default: a temporary one under /work or /tmp)")
     parser.add_argument("--json", help="write the report here")
     args = parser.parse_args()
@@ -36,7 +37,8 @@ def main() -> int:
     work = args.work or tempfile.mkdtemp(prefix="powercuts-", dir="/work" if os.path.isdir("/work") else None)
     campaign = PowerCutCampaign(work, durability=args.durability, seed=args.seed, feeds=args.feeds,
                                 items_per_feed=args.items_per_feed, feed_gap_s=args.feed_gap_s,
-                                cut_gap_s=tuple(args.cut_gap_s), max_cuts=args.max_cuts)
+                                cut_gap_s=tuple(args.cut_gap_s), max_cuts=args.max_cuts,
+                                sync_interval_s=args.sync_interval_s)
     report = campaign.run()
     for cut in report.cuts:
         print(f"cut {cut.index}: acknowledged {cut.acknowledged:,}, lost {cut.lost:,}, window "

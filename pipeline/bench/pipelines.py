@@ -75,10 +75,12 @@ class PipelineSpec:
     consumers: int = 2
     batch_items: int = 64
     engine_options: dict = field(default_factory=dict)
+    sync_interval_s: float | None = None  # the broker's (durability `process`: periodic syncfs)
 
     @property
     def label(self) -> str:
-        return f"{self.storage}/{self.durability}, {self.batch_items}-item"
+        sync = "" if self.sync_interval_s is None else f", syncfs every {self.sync_interval_s:g} s"
+        return f"{self.storage}/{self.durability}{sync}, {self.batch_items}-item"
 
 
 @dataclass(slots=True)
@@ -223,7 +225,7 @@ class Pipeline:
 
     def __enter__(self) -> Pipeline:
         try:
-            config = BrokerConfig(self.data_dir)
+            config = BrokerConfig(self.data_dir, sync_interval_s=self.spec.sync_interval_s)
             self.socket_path = config.socket_path
             self.broker = start_broker(config, self.spec.storage, self.spec.durability)
             self.consumers = [start_consumer(ConsumerConfig(

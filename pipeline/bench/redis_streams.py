@@ -268,14 +268,15 @@ class ConsumerWork:
     """What the broker's consumer does with a batch it read, for a Redis batch: run it on a
     zero-cost sim engine (the default prefix cache), digest each prompt, and append the
     batch's result lines (`result_lines`, the broker's consumer's format) to a results file
-    through `ResultsFile`, before the batch is acknowledged.
+    through `ResultsFile`, before the batch is acknowledged (`fsync`: on disk first, as the
+    broker's consumers do when the broker is at `power`: the pairing of AOF `always`).
 
     Owner: one Redis consumer process. Not thread-safe. `close()` closes the results file.
     """
 
-    def __init__(self, results_path: str) -> None:
+    def __init__(self, results_path: str, fsync: bool = False) -> None:
         self.engine = SimEngine()
-        self.results = ResultsFile(results_path)
+        self.results = ResultsFile(results_path, fsync=fsync)
         self.batches = 0
 
     def run(self, entries: list, prompts: list[np.ndarray]) -> None:
@@ -295,17 +296,17 @@ class ConsumerWork:
 
 
 def consumer(port: int, name: str, batch_items: int, stop: Any, record: str | None,
-             results_path: str | None = None) -> None:
+             results_path: str | None = None, fsync_results: bool = False) -> None:
     """A consumer process: read batches of up to `batch_items` entries in arrival order, ack
     each (with the next read) until `stop` is set and the stream gives nothing. `record`: a
     .npy path for the batches it read, as workload indices with -1 after each batch.
     `results_path`: do the broker's consumer's work on each batch (`ConsumerWork`), its
-    result lines in that file; None: no engine."""
+    result lines in that file (fsynced before the ack with `fsync_results`); None: no engine."""
     import redis
 
     client = redis.Redis(host="127.0.0.1", port=port)
     pipe = client.pipeline(transaction=False)
-    work = ConsumerWork(results_path) if results_path is not None else None
+    work = ConsumerWork(results_path, fsync_results) if results_path is not None else None
     ids: list[bytes] = []
     tokens_done = 0
     batches: list[int] = []
@@ -353,13 +354,15 @@ def run_redis(root: Path, targets: Callable[[int], Sequence[tuple[Callable, tupl
     figures (CPU of the server, consumers and producers) and, with `record`, each consumer's
     batches as workload indices. `work`: the consumers do the broker's consumer's work on
     each batch (`ConsumerWork`, results files in `root`/results). `appendfsync`: the
-    server's AOF policy. Everything it started is stopped on the way out."""
+    server's AOF policy; at `always` the consumers fsync their results before each ack, as
+    the broker's consumers do at `power`. Everything it started is stopped on the way out."""
     records = [str(root / f"c{k}.npy") if record else None for k in range(consumers)]
     results = [str(root / "results" / f"c{k}.jsonl") if work else None for k in range(consumers)]
     with RedisServer(root / "redis", appendfsync) as server:
         server.reset()
         stop = CTX.Event()
-        workers = [CTX.Process(target=consumer, args=(server.port, f"c{k}", batch_items, stop, records[k], results[k]),
+        workers = [CTX.Process(target=consumer, args=(server.port, f"c{k}", batch_items, stop, records[k], results[k],
+                                                              appendfsync == "always"),
                                name=f"redis-consumer-{k}") for k in range(consumers)]
         try:
             for worker in workers:

@@ -80,6 +80,12 @@ MAX_SOCKET_PATH_BYTES = 107
 MAX_AGE_BOUND_S = 7 * 86_400.0
 # A contract's numbers end up in u4 fields (descriptor item counts, token lengths).
 MAX_CONTRACT_NUMBER = 2**32 - 1
+# `sync_interval_s` (durability `process`: a syncfs of the data directory's filesystem this
+# often; pipeline/broker/periodic_sync.py): under 10 ms the syncs would be back to back on a
+# loaded disk (one took 5-60 ms here), and over an hour bounds nothing the kernel's own
+# writeback (30 s by default) does not already.
+MIN_SYNC_INTERVAL_S = 0.01
+MAX_SYNC_INTERVAL_S = 3600.0
 # A consumer's descriptor ring: a 64-item descriptor is 2 KiB, so 1 MiB holds hundreds of
 # batches, far more than any credit a consumer asks for.
 DESCRIPTOR_RING_BYTES = 1 << 20
@@ -121,6 +127,10 @@ class BrokerConfig:
     # or a baseline for comparison (pipeline/broker/baselines.py: fifo, round-robin; no-lanes
     # is sticky with one length lane per shape).
     dispatch: str = DISPATCH_STICKY
+    # Durability `process` on disk: syncfs the data directory's filesystem this often, so a
+    # power cut loses at most about this much acknowledged work (None, the default: the
+    # kernel's writeback, up to about 35 s; pipeline/broker/periodic_sync.py).
+    sync_interval_s: float | None = None
 
     def dispatch_policy(self):
         """The dispatch policy and the lane settings this config names (for the Dispatcher)."""
@@ -152,6 +162,12 @@ class BrokerConfig:
                 self.max_age_s, bool) and math.isfinite(self.max_age_s) and 0 < self.max_age_s <= MAX_AGE_BOUND_S):
             raise ConfigError(f"broker setting max_age_s {self.max_age_s!r} must be a number of seconds in "
                               f"(0, {MAX_AGE_BOUND_S:g}], or unset for no starvation bound")
+        if self.sync_interval_s is not None and not (
+                isinstance(self.sync_interval_s, (int, float)) and not isinstance(self.sync_interval_s, bool)
+                and MIN_SYNC_INTERVAL_S <= self.sync_interval_s <= MAX_SYNC_INTERVAL_S):
+            raise ConfigError(f"broker setting sync_interval_s {self.sync_interval_s!r} must be a number of seconds "
+                              f"from {MIN_SYNC_INTERVAL_S:g} to {MAX_SYNC_INTERVAL_S:g}, or unset for the kernel's "
+                              f"writeback")
         if self.shape_order not in SHAPE_ORDERS:
             raise ConfigError(f"broker setting shape_order {self.shape_order!r} must be one of "
                               f"{', '.join(SHAPE_ORDERS)}")

@@ -46,8 +46,10 @@ from pipeline.broker.consumers import ConsumerSide
 from pipeline.broker.control import ControlServer, Owner
 from pipeline.broker.dispatch import Dispatcher
 from pipeline.broker.peers import ConsumerPeer, Peer, ProducerPeer, doorbell_name, namespace_for, producer_ring_ids
+from pipeline.broker.periodic_sync import PeriodicSync
 from pipeline.broker.producers import ProducerSide
 from pipeline.broker.state import STATE_NAME, BrokerState, lock_run_dir
+from pipeline.broker.storage import Durability
 from pipeline.broker.storage.disk import DiskTier
 from pipeline.broker.store_health import log_quarantined, log_recovery, note_store_was_kept, store_damage
 from pipeline.broker.wakeup import Wakeup
@@ -120,6 +122,10 @@ class Broker:
         self.dispatcher.recover(time.monotonic())  # before any ingest (disk tier)
         durable = self.storage_dir == os.path.realpath(config.data_dir)
         note_store_was_kept(storage, self.state, config.data_dir, durable, ran_before=self.state.generation > 1)
+        self.periodic_sync: PeriodicSync | None = None
+        if durable and config.sync_interval_s is not None and storage.durability is Durability.PROCESS:
+            self.periodic_sync = PeriodicSync(config.data_dir, config.sync_interval_s)
+            self._opened.append(self.periodic_sync.close)
         log_recovery(storage)
         self.state.keep_ids_above([*storage.stored_producers(), *producer_ring_ids(self.namespace)])
         self.wakeup = Wakeup(doorbell_name(self.namespace))
@@ -246,6 +252,7 @@ class Broker:
         shapes = self.dispatcher.shape_summaries()
         connected = {c.name: c for c in self.consumer_side.consumers.values()}
         lanes = counters.lanes
+        sync = self.periodic_sync
         return BrokerStatus(
             items_received=counters.items_received,
             tokens_received=counters.tokens_received,
@@ -265,6 +272,9 @@ class Broker:
             shapes=counters.shapes,
             shapes_seen=counters.shapes_seen,
             lanes_in_use=counters.lanes_in_use,
+            periodic_syncs=sync.syncs if sync is not None else 0,
+            periodic_sync_failures=sync.failures if sync is not None else 0,
+            periodic_sync_max_s=sync.max_sync_s if sync is not None else 0.0,
             lanes=LaneEvents(opened=lanes.new_lanes, reused=lanes.reuses, force_fits=lanes.force_fits,
                              raises=lanes.raises, quiesced=lanes.quiesced, released=lanes.released,
                              revived=lanes.revived, restored=lanes.restored, max_in_use=lanes.max_in_use),
@@ -306,6 +316,8 @@ class Broker:
         self.control.close()
         # No producer ring names the doorbell any more; one a producer outlives a crash with stays.
         self.wakeup.close(unlink_doorbell=not producers_left)
+        if self.periodic_sync is not None:
+            self.periodic_sync.close()
         self.storage.close()
         os.close(self._lock_fd)
 

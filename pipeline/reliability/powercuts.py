@@ -53,8 +53,8 @@ IMAGE_INODE_COUNT = 16_384
 # The ext4 journal's size: the default for 16 GiB (256 MiB) would be copied with each cut.
 JOURNAL_SIZE_MIB = 32
 # A copy that saw the device write is taken again after this pause, this often at most.
-SNAPSHOT_RETRY_S = 0.05
-SNAPSHOT_TRIES_MAX = 100
+SNAPSHOT_RETRY_S = 0.02
+SNAPSHOT_TRIES_MAX = 500
 # Fields of /sys/block/<dev>/stat that move when the device writes or flushes (write I/Os,
 # write merges, write sectors; discards; flushes) and the in-flight count (Linux's
 # Documentation/block/stat.rst: 0-based indexes).
@@ -151,6 +151,7 @@ class Cut:
 @dataclass
 class PowerCutReport:
     durability: str
+    sync_interval_s: float | None
     seed: int
     items: int
     cuts: list[Cut] = field(default_factory=list)
@@ -197,7 +198,7 @@ class PowerCutCampaign:
 
     def __init__(self, work: str, *, durability: str, seed: int, feeds: int = 12, items_per_feed: int = 6000,
                  feed_gap_s: float = 4.0, cut_gap_s: tuple[float, float] = (2.0, 6.0), batch_cost_s: float = 0.02,
-                 max_cuts: int = 16) -> None:
+                 max_cuts: int = 16, sync_interval_s: float | None = None) -> None:
         self.work = work
         self.durability = durability
         self.rng = random.Random(seed)
@@ -207,7 +208,10 @@ class PowerCutCampaign:
         self.cut_gap_s = cut_gap_s
         self.batch_cost_s = batch_cost_s
         self.max_cuts = max_cuts
-        self.report = PowerCutReport(durability, seed, feeds * items_per_feed, kernel=kernel_settings())
+        # The live broker's `sync_interval_s` (durability `process`: its bound on the window).
+        self.broker_settings = () if sync_interval_s is None else (f"sync_interval_s={sync_interval_s}",)
+        self.report = PowerCutReport(durability, sync_interval_s, seed, feeds * items_per_feed,
+                                     kernel=kernel_settings())
         self.paths = [write_workload(os.path.join(work, f"w{n}.jsonl"), items_per_feed, seed * 1000 + n,
                                      key=f"p{n}") for n in range(feeds)]
 
@@ -216,7 +220,7 @@ class PowerCutCampaign:
         live = LoopFilesystem(os.path.join(self.work, "disk.img"), os.path.join(self.work, "live"), fresh=True)
         try:
             stages = Stages(os.path.join(live.mountpoint, "data"), durability=self.durability,
-                            batch_cost_s=self.batch_cost_s)
+                            batch_cost_s=self.batch_cost_s, broker_settings=self.broker_settings)
             stages.start()
             try:
                 self._live(stages, live)

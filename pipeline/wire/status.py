@@ -35,7 +35,8 @@ from pipeline.wire.errors import ProtocolError
 # 5: compulsory_prefix_tokens (per consumer and the whole model's), compulsory_uncounted_starts,
 #    lineage_chains_unrecorded, store_damage's lineage_problems.
 # 6: shapes_seen (the run's distinct shapes; `shapes` is the live ones).
-STATUS_VERSION = 6
+# 7: periodic_syncs, periodic_sync_failures, periodic_sync_max_s (sync_interval_s at `process`).
+STATUS_VERSION = 7
 # The signature of the `top_shapes` row that sums every shape past the top ones.
 OTHER_SHAPE = "other"
 # busy_ns's unit.
@@ -320,6 +321,13 @@ class BrokerStatus:
     shapes_seen: int = _doc("Distinct (model, shape) pairs given lanes since the broker started, idle ones included",
                             Export(COUNTER), default=0)
     lanes_in_use: int = _doc("Length lanes open now", Export(GAUGE), default=0)
+    # --- sync_interval_s at durability `process` (pipeline/broker/periodic_sync.py)
+    periodic_syncs: int = _doc("syncfs calls of the data directory's filesystem (sync_interval_s)", Export(COUNTER),
+                               default=0)
+    periodic_sync_failures: int = _doc("syncfs calls that failed (a writeback error: logged, not retried)",
+                                       Export(COUNTER), default=0)
+    periodic_sync_max_s: float = _doc("The longest syncfs: the loss bound is sync_interval_s plus this",
+                                      Export(GAUGE), default=0.0)
     lanes: LaneEvents = _doc("Lane events summed over shapes, by event",
                              Export(COUNTER, name="lane_events", label="event"), factory=LaneEvents)
     switches: dict[str, int] = _doc("Changes of a model's current shape, by reason",

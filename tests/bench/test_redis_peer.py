@@ -115,3 +115,23 @@ def test_redis_consumers_doing_the_brokers_consumer_work_write_a_checked_line_pe
         assert row["prompt_xxh3"] == prompt_digest(item.tokens) and len(row["output"]) == row["output_tokens"]
         assert 0 <= row["cached_tokens"] < item.length and row["pad_to_tokens"] >= item.length
     assert sum(row["cached_tokens"] for row in rows) > 0  # shapes repeat: the sim's cache served some
+
+
+def test_the_aof_always_peers_consumers_fsync_their_results_as_the_brokers_do_at_power(tmp_path):
+    from pipeline.bench.redis_streams import ConsumerWork
+    from pipeline.wire import fileops
+    from tests.consumer.test_results_durability import Recording
+
+    prompts = [np.arange(1, 40, dtype=np.int32), np.arange(5, 70, dtype=np.int32)]
+    entries = [(b"1-0", {b"p": b"0", b"i": b"0", b"c": b"0"}), (b"1-1", {b"p": b"0", b"i": b"1", b"c": b"0"})]
+    for fsync in (False, True):
+        path = str(tmp_path / f"{fsync}.jsonl")
+        work = ConsumerWork(path, fsync=fsync)
+        layer = Recording()
+        previous = fileops.install(layer)
+        try:
+            work.run(entries, prompts)
+        finally:
+            fileops.install(previous)
+            work.close()
+        assert layer.fsynced == ([path] if fsync else [])
