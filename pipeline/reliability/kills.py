@@ -418,10 +418,13 @@ def consumer_fault(stages: Stages, name: str, kind: str) -> int | None:
 
 
 def redelivery_figures(out: Outcome, stages: Stages, losses: list, returned: list[int],
-                       keys: bytes = b"", faults_ns: list[int] | None = None) -> None:
+                       keys: bytes = b"", faults_ns: list[int] | None = None,
+                       brokers_changed: list[bool] | None = None) -> None:
     """Each loss's redelivery (`timing.redeliveries`) from every results line of the items
     whose key starts with `keys` (those fed in one lane each). A loss's window ends at the
-    next fault of any kind in `faults_ns` (default: the next loss)."""
+    next fault of any kind in `faults_ns` (default: the next loss). `brokers_changed`: per
+    loss, whether another broker served at the window's end than at its start (an armed
+    broker that reached its crash point in it): its items came back through recovery."""
     lines = []
     for path in results_dirs(stages.data_dir):
         for name in sorted(os.listdir(path)):
@@ -436,9 +439,11 @@ def redelivery_figures(out: Outcome, stages: Stages, losses: list, returned: lis
     hold_ns = int(0.9 * stages.heartbeat_timeout_s * 1e9)
     found = redeliveries(lines, [Loss(n, k, at, end, at + (hold_ns if k == "stop" else 0))
                                  for (n, k, at), end in zip(losses, ends)])
-    for event, broker_count in zip(found, returned):
+    changed = brokers_changed if brokers_changed is not None else [False] * len(found)
+    for event, broker_count, restarted in zip(found, returned, changed):
         out.redelivery.append({"kind": event.loss.kind, "consumer": event.loss.consumer, "items": event.items,
-                               "returned_by_broker": broker_count, "latency_s": event.latency_s})
+                               "returned_by_broker": broker_count, "latency_s": event.latency_s,
+                               "broker_restarted": restarted})
     mismatched = sum(1 for r in out.redelivery if r["items"] != r["returned_by_broker"])
     if mismatched:
         out.notes.append(f"{mismatched} of {len(found)} losses: items found redelivered in the results differ "

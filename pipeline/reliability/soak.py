@@ -84,6 +84,7 @@ class Soak:
     workloads: list[str] = field(default_factory=list)
     losses: list[tuple[str, str, int]] = field(default_factory=list)
     returned: list[int] = field(default_factory=list)
+    brokers_changed: list[bool] = field(default_factory=list)  # per loss: another broker at its end
     rss_max: Counter = field(default_factory=Counter)
     faults_ns: list[int] = field(default_factory=list)
 
@@ -152,6 +153,7 @@ class Soak:
             after = wait_until(stages.status, 30, "the broker's status")
             self.losses.append((name, kind.split()[1], at_ns))
             self.returned.append(after.items_returned - before.items_returned)
+            self.brokers_changed.append((after.pid, after.generation) != (before.pid, before.generation))
         elif kind == "producer kill -9":
             children = [c for f in self.feeds if f.process.poll() is None for c in _children(f.process.pid)]
             if not children:
@@ -222,7 +224,8 @@ def soak(work: str, duration_s: float, seed: int, use_tmpfs: bool = True) -> tup
             stages.close()
         whole = concatenate(run.workloads, os.path.join(work, "all.jsonl"))
         run.out.verdict = check(stages.data_dir, whole, run.out.bound(stages.in_flight_bound))
-        redelivery_figures(run.out, stages, run.losses, run.returned, keys=b"s", faults_ns=run.faults_ns)
+        redelivery_figures(run.out, stages, run.losses, run.returned, keys=b"s", faults_ns=run.faults_ns,
+                           brokers_changed=run.brokers_changed)
     finally:
         if mounted:
             if not run.out.passed:
