@@ -91,3 +91,13 @@ def test_only_the_window_until_the_next_fault_counts():
     # from later, the same lines give the same answer.
     (paused,) = redeliveries(lines, [Loss("a", "stop", 22 * 10 - 5, 10**9, returned_ns=22 * 10 - 1)])
     assert paused.items == len(sent_back)
+
+
+def test_a_soak_judges_only_the_losses_whose_redelivery_it_can_measure():
+    from pipeline.reliability.soak import judged_redeliveries
+
+    rows = [{"items": 32, "returned_by_broker": 32, "latency_s": 0.1, "broker_restarted": False},
+            {"items": 0, "returned_by_broker": 32, "latency_s": None, "broker_restarted": False},  # mixed-feed items
+            {"items": 88, "returned_by_broker": 32, "latency_s": 56.8, "broker_restarted": False},  # not only its own
+            {"items": 32, "returned_by_broker": 32, "latency_s": 9.0, "broker_restarted": True}]
+    assert judged_redeliveries(rows) == ([0.1], {"premise not held": 2, "broker restarted in the window": 1})
