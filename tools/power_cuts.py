@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import signal
 import sys
 import tempfile
 
@@ -34,12 +36,16 @@ def main() -> int:
     if why is not None:
         print(f"error: this campaign {why}", file=sys.stderr)
         return 2
+    # SIGTERM unwinds like Ctrl-C, so the campaign's finally blocks unmount and detach.
+    signal.signal(signal.SIGTERM, lambda _signum, _frame: sys.exit(143))
     work = args.work or tempfile.mkdtemp(prefix="powercuts-", dir="/work" if os.path.isdir("/work") else None)
     campaign = PowerCutCampaign(work, durability=args.durability, seed=args.seed, feeds=args.feeds,
                                 items_per_feed=args.items_per_feed, feed_gap_s=args.feed_gap_s,
                                 cut_gap_s=tuple(args.cut_gap_s), max_cuts=args.max_cuts,
                                 sync_interval_s=args.sync_interval_s)
     report = campaign.run()
+    if not args.work:
+        shutil.rmtree(work, ignore_errors=True)
     for cut in report.cuts:
         print(f"cut {cut.index}: acknowledged {cut.acknowledged:,}, lost {cut.lost:,}, window "
               f"{'-' if cut.window_ms is None else f'{cut.window_ms:,.0f} ms'} (newest lost "

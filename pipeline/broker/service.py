@@ -80,8 +80,10 @@ STATUS_TOP_SHAPES = 16
 
 
 class Broker:
-    """The broker's single-owner loop. Owner: the broker process's main thread; only the
-    doorbell watcher thread (wakeup.py) runs beside it, and it touches nothing but a pipe.
+    """The broker's single-owner loop. Owner: the broker process's main thread; beside it
+    run only the doorbell watcher thread (wakeup.py), which touches nothing but a pipe, and
+    with `sync_interval_s` the periodic sync thread (periodic_sync.py), which touches nothing
+    but a directory descriptor of its own.
 
     `run(stop)` serves until `stop()` is true; `close()` releases the socket, rings and
     storage (the data directory stays: it is the durable store).
@@ -95,7 +97,7 @@ class Broker:
         tmpfs); consumers are told to read from there.
 
         Start-up, in order: the state file (one more generation), recovery (before any
-        ingest), the producer id floor, the doorbell, the socket, then the catch-up with the
+        ingest), the periodic sync (`sync_interval_s`), the producer id floor, the doorbell, the socket, then the catch-up with the
         rings an earlier run left, before anyone is served. If a step fails, what it opened
         is released (last first) before the error goes on; the storage, and a lock the
         caller passed, stay the caller's to close."""
@@ -123,9 +125,14 @@ class Broker:
         durable = self.storage_dir == os.path.realpath(config.data_dir)
         note_store_was_kept(storage, self.state, config.data_dir, durable, ran_before=self.state.generation > 1)
         self.periodic_sync: PeriodicSync | None = None
-        if durable and config.sync_interval_s is not None and storage.durability is Durability.PROCESS:
-            self.periodic_sync = PeriodicSync(config.data_dir, config.sync_interval_s)
-            self._opened.append(self.periodic_sync.close)
+        if config.sync_interval_s is not None:
+            if durable and storage.durability is Durability.PROCESS:
+                self.periodic_sync = PeriodicSync(config.data_dir, config.sync_interval_s)
+                self._opened.append(self.periodic_sync.close)
+            else:
+                log.warning("sync_interval_s %g s has no effect here: %s", config.sync_interval_s,
+                            "durability power syncs before it acknowledges" if durable
+                            else "the memory tier's files live in RAM")
         log_recovery(storage)
         self.state.keep_ids_above([*storage.stored_producers(), *producer_ring_ids(self.namespace)])
         self.wakeup = Wakeup(doorbell_name(self.namespace))
@@ -316,9 +323,9 @@ class Broker:
         self.control.close()
         # No producer ring names the doorbell any more; one a producer outlives a crash with stays.
         self.wakeup.close(unlink_doorbell=not producers_left)
-        if self.periodic_sync is not None:
-            self.periodic_sync.close()
         self.storage.close()
+        if self.periodic_sync is not None:
+            self.periodic_sync.close()  # its last syncfs covers what closing the storage wrote
         os.close(self._lock_fd)
 
 

@@ -203,7 +203,7 @@ class ResultsFile:
                 fileops.fsync_directory(os.path.dirname(self.path) or ".")
             except OSError as exc:
                 raise ResultsWriteError(f"{self.path}: fsync of the results file failed: {errno_text(exc)}",
-                                        self.path, self._size, exc.errno) from exc
+                                        self.path, self._size, exc.errno or 0) from exc
         self._fsync = on
 
     @property

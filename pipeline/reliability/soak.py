@@ -85,6 +85,7 @@ class Soak:
     losses: list[tuple[str, str, int]] = field(default_factory=list)
     returned: list[int] = field(default_factory=list)
     brokers_changed: list[bool] = field(default_factory=list)  # per loss: another broker at its end
+    _loss_broker: tuple[int, int] | None = None  # the last loss's broker (pid, generation), until its window ends
     rss_max: Counter = field(default_factory=Counter)
     faults_ns: list[int] = field(default_factory=list)
 
@@ -134,8 +135,17 @@ class Soak:
             except (psutil.Error, TypeError, ValueError):
                 pass
 
+    def end_loss_window(self) -> None:
+        """The last consumer loss's window ends (the next fault, or the run's end): whether
+        another broker serves now than at the loss (or none does)."""
+        if self._loss_broker is not None:
+            status = self.stages.status()
+            self.brokers_changed[-1] = status is None or (status.pid, status.generation) != self._loss_broker
+            self._loss_broker = None
+
     def fault(self, kind: str) -> None:
         stages, out = self.stages, self.out
+        self.end_loss_window()
         self.faults_ns.append(time.monotonic_ns())  # a consumer loss's window ends at the next fault
         if kind == "broker kill -9":  # each counts its own faults (the kill before an armed start too)
             kill_broker(stages, out)
@@ -154,6 +164,7 @@ class Soak:
             self.losses.append((name, kind.split()[1], at_ns))
             self.returned.append(after.items_returned - before.items_returned)
             self.brokers_changed.append((after.pid, after.generation) != (before.pid, before.generation))
+            self._loss_broker = (before.pid, before.generation)  # judged again at the window's end
         elif kind == "producer kill -9":
             children = [c for f in self.feeds if f.process.poll() is None for c in _children(f.process.pid)]
             if not children:
@@ -219,6 +230,7 @@ def soak(work: str, duration_s: float, seed: int, use_tmpfs: bool = True) -> tup
                 run.feeds = [f for f in run.feeds if not run._settled(f)]
                 time.sleep(0.1)
             wait_drained(stages)
+            run.end_loss_window()
             run.sample()
         finally:
             stages.close()

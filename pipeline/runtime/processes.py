@@ -35,6 +35,7 @@ from pipeline.runtime.datadir import owner_only_umask, prepare_data_dir
 from pipeline.runtime.signals import stop_on_signals
 from pipeline.wire.errors import ConfigError, DurabilityError, PipelineError, ShapeGuardError
 from pipeline.wire.layouts import BROKER_STATE_NAME
+from pipeline.wire.protocol import DURABILITY_LEVELS
 
 log = logging.getLogger("pipeline")
 
@@ -45,7 +46,6 @@ EXIT_FATAL = 2
 # arrays), so the default collected every batch and promoted live ones into full collections.
 GC_YOUNG_THRESHOLD = 50_000
 STORAGE_KINDS = ("disk", "memory")
-DURABILITY_LEVELS = ("process", "power")
 # Where the memory tier keeps its segment files: tmpfs on Linux, so pages stay in RAM.
 MEMORY_TIER_ROOT = "/dev/shm"
 

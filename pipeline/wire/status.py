@@ -326,7 +326,7 @@ class BrokerStatus:
                                default=0)
     periodic_sync_failures: int = _doc("syncfs calls that failed (a writeback error: logged, not retried)",
                                        Export(COUNTER), default=0)
-    periodic_sync_max_s: float = _doc("The longest syncfs: the loss bound is sync_interval_s plus this",
+    periodic_sync_max_s: float = _doc("The longest syncfs: the loss bound is sync_interval_s plus twice this",
                                       Export(GAUGE), default=0.0)
     lanes: LaneEvents = _doc("Lane events summed over shapes, by event",
                              Export(COUNTER, name="lane_events", label="event"), factory=LaneEvents)

@@ -94,3 +94,24 @@ def test_no_sync_interval_no_syncs(tmp_path):
         assert stages.status().periodic_syncs == 0
     finally:
         stages.close()
+
+
+def test_closing_syncs_once_more_what_was_written_since(tmp_path):
+    sync = PeriodicSync(str(tmp_path), MAX_SYNC_INTERVAL_S)  # the thread never wakes in this test
+    path = tmp_path / "late"
+    path.write_bytes(b"y" * (1 << 20))
+    if dirty_pages(str(path)) is None:
+        sync.close()
+        pytest.skip("cachestat(2) is not available (Linux 6.5+)")
+    sync.close()
+    assert (sync.syncs, dirty_pages(str(path))) == (1, 0)
+
+
+def test_at_power_the_setting_starts_no_thread(tmp_path):
+    stages = Stages(str(tmp_path / "data"), consumers=(), durability="power",
+                    broker_settings=("sync_interval_s=0.05",))
+    stages.start()
+    try:
+        assert stages.status().periodic_syncs == 0  # power fdatasyncs before it acknowledges
+    finally:
+        stages.close()

@@ -28,3 +28,12 @@ def test_a_short_power_cut_campaign(tmp_path, durability):
     assert figures["cuts"] >= 2  # unexpected = corrupt = 0 is asserted per cut as it is judged
     if durability == "power":
         assert figures["items_lost"] == 0, report.to_json()
+
+
+def test_only_whole_frames_of_the_current_feed_count_as_acknowledged():
+    from pipeline.reliability.powercuts import acknowledged_prefix
+
+    assert acknowledged_prefix(4000, 2000, 256) == 4000  # two whole feeds
+    assert acknowledged_prefix(4000 + 255, 2000, 256) == 4000  # a frame being stored
+    assert acknowledged_prefix(4000 + 256, 2000, 256) == 4256
+    assert acknowledged_prefix(5999, 2000, 256) == 4000 + 1792
