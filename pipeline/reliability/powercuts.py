@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pipeline.producer.feed import DEFAULT_CHUNK_ITEMS
 from pipeline.producer.workload import Workload, load_workload
 from pipeline.reliability.checker import ItemKey
-from pipeline.reliability.kills import wait_drained
+from pipeline.reliability.kills import concatenate, wait_drained
 from pipeline.reliability.procs import COMMAND_TIMEOUT_S, Stages, spawn, write_workload
 from pipeline.reliability.sources import attempted, deliver_results, hold_leftovers, results_dirs
 from pipeline.reliability.timing import percentiles
@@ -264,9 +264,10 @@ class PowerCutCampaign:
             live.close()
             os.unlink(live.image)
         order = [ItemKey(f"p{n}-{i}".encode()) for n in range(self.feeds) for i in range(self.items_per_feed)]
+        workload = load_workload(concatenate(self.paths, os.path.join(self.work, "all.jsonl")))
         try:
             for cut in self.report.cuts:
-                self._judge(cut, order, submit_ns)
+                self._judge(cut, workload, order, submit_ns)
         finally:
             for cut in self.report.cuts:  # a failed run's copies are not kept (16 GiB sparse each)
                 image = os.path.join(self.work, f"cut{cut.index}.img")
@@ -316,7 +317,7 @@ class PowerCutCampaign:
             time.sleep(SNAPSHOT_RETRY_S)
         raise PowerCutError(f"no quiet instant of {disk.device} in {SNAPSHOT_TRIES_MAX} tries")
 
-    def _judge(self, cut: Cut, order: list[ItemKey], submit_ns: dict[ItemKey, int]) -> None:
+    def _judge(self, cut: Cut, workload: Workload, order: list[ItemKey], submit_ns: dict[ItemKey, int]) -> None:
         """Reboot onto the cut's image: mount it, run the product to the end on it, count."""
         image = os.path.join(self.work, f"cut{cut.index}.img")
         disk = LoopFilesystem(image, os.path.join(self.work, "judged"), fresh=False)
@@ -329,13 +330,12 @@ class PowerCutCampaign:
                 wait_drained(stages)
             finally:
                 stages.close()
-            history = attempted(_workload(self.paths, self.work))
+            history = attempted(workload)
             for key in order[:cut.acknowledged]:
                 history.acknowledge(key)
-            for path in results_dirs(data_dir):
-                deliver_results(history, path)
+            lines = sum(deliver_results(history, path) for path in results_dirs(data_dir))
             cut.recovered_items = hold_leftovers(history, data_dir)
-            cut.delivered_after = _result_lines(data_dir) - before
+            cut.delivered_after = lines - before
             lost = history.lost_keys()
             verdict = history.verdict()
             if verdict.unexpected or verdict.corrupt:
@@ -345,16 +345,6 @@ class PowerCutCampaign:
         finally:
             disk.close()
             os.unlink(image)
-
-
-def _workload(paths: list[str], work: str) -> Workload:
-    whole = os.path.join(work, "all.jsonl")
-    if not os.path.exists(whole):
-        with open(whole, "w") as out:
-            for path in paths:
-                with open(path) as part:
-                    out.write(part.read())
-    return load_workload(whole)
 
 
 def _result_lines(data_dir: str) -> int:

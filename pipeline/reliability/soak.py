@@ -84,7 +84,7 @@ class Soak:
     workloads: list[str] = field(default_factory=list)
     losses: list[tuple[str, str, int]] = field(default_factory=list)
     returned: list[int] = field(default_factory=list)
-    brokers_changed: list[bool] = field(default_factory=list)  # per loss: another broker at its end
+    brokers_changed: list[bool] = field(default_factory=list)  # per loss: another broker (or none) at its end
     _loss_broker: tuple[int, int] | None = None  # the last loss's broker (pid, generation), until its window ends
     rss_max: Counter = field(default_factory=Counter)
     faults_ns: list[int] = field(default_factory=list)
@@ -140,7 +140,7 @@ class Soak:
         another broker serves now than at the loss (or none does)."""
         if self._loss_broker is not None:
             status = self.stages.status()
-            self.brokers_changed[-1] = status is None or (status.pid, status.generation) != self._loss_broker
+            self.brokers_changed.append(status is None or (status.pid, status.generation) != self._loss_broker)
             self._loss_broker = None
 
     def fault(self, kind: str) -> None:
@@ -163,8 +163,7 @@ class Soak:
             after = wait_until(stages.status, 30, "the broker's status")
             self.losses.append((name, kind.split()[1], at_ns))
             self.returned.append(after.items_returned - before.items_returned)
-            self.brokers_changed.append((after.pid, after.generation) != (before.pid, before.generation))
-            self._loss_broker = (before.pid, before.generation)  # judged again at the window's end
+            self._loss_broker = (before.pid, before.generation)  # judged at the window's end
         elif kind == "producer kill -9":
             children = [c for f in self.feeds if f.process.poll() is None for c in _children(f.process.pid)]
             if not children:

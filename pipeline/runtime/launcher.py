@@ -219,9 +219,7 @@ def start_producers(socket_path: str, workload: Workload, count: int, replay_spe
 class FeedOutcome:
     failed: int  # producers that exited with an error
     interrupted: bool  # Ctrl-C: the producers stopped feeding and handed over what they had
-    published: int  # items the producers put into their rings (the ledger's count)
     forced: bool  # a second Ctrl-C killed producers that were still waiting
-    producer_ids: list[int]  # the broker's ids of the producers that registered
     ledger_entries: list[tuple[int, int]]  # (producer id, items published) of each of them
 
 
@@ -248,9 +246,7 @@ def feed_processes(socket_path: str, workload: Workload, count: int, replay_spee
         # as long as that takes (a full disk): only a second Ctrl-C kills it.
         stop_process(process, timeout_s=float("inf"), forced=interrupts.forcing)
     failed = sum(1 for p in processes if p.exitcode != 0 and not interrupts.stopping())
-    entries = ledger.entries()
-    return FeedOutcome(failed, interrupts.stopping(), ledger.total_published(), interrupts.forcing(),
-                       [producer_id for producer_id, _published in entries], entries)
+    return FeedOutcome(failed, interrupts.stopping(), interrupts.forcing(), ledger.entries())
 
 
 class Launcher:
