@@ -89,7 +89,7 @@ def run_batch(input_file: str, output_file: str, model_dir: str, served_model_na
     own_data_dir = data_dir is None
     data_dir = data_dir or output_file + DEFAULT_DATA_DIR_SUFFIX
     if ray_address is not None:
-        check_ray()
+        check_ray(ray_address)
     try:
         engine = engine or _default_engine()
         tokenizer = ChatTokenizer.load(model_dir)

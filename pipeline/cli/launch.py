@@ -98,7 +98,7 @@ def launch(config_path: str | None, verbose: bool, assignments: tuple[str, ...],
 
     setup_logging(verbose)
     if ray_address is not None:
-        check_ray()
+        check_ray(ray_address)
     if shape_order is not None:
         assignments = (*assignments, f"broker.shape_order={shape_order}")
     if dispatch is not None:
@@ -129,12 +129,14 @@ def launch(config_path: str | None, verbose: bool, assignments: tuple[str, ...],
     sys.exit(code)
 
 
-def check_ray() -> None:
-    """Ray importable, before anything is made on disk; else a one-line error."""
-    from pipeline.cluster.driver import ClusterError, ray_module
+def check_ray(address: str) -> None:
+    """Ray importable and something answering at `address`, before anything is made on disk;
+    else a one-line error."""
+    from pipeline.cluster.driver import ClusterError, check_address_answers, ray_module
 
     try:
         ray_module()
+        check_address_answers(address)
     except ClusterError as exc:
         raise click.ClickException(str(exc)) from exc
 

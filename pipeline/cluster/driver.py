@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -75,12 +76,34 @@ START_WAIT_S = 180.0
 MAX_AGENT_STARTS = 3
 # How long the agents get to stop their nodes at the end.
 STOP_WAIT_S = 60.0
+# How long a HOST:PORT given to --ray gets to accept a TCP connection before the run fails.
+# NOTE: ray.init on an address where nothing listens retries for minutes (measured: still
+# retrying when stopped at 400 s, printing a warning every 5 s); a head node's GCS accepts
+# in well under a second on a network that can reach it at all.
+CONNECT_PROBE_S = 5.0
 
 
 def _first_line(exc: BaseException) -> str:
     """An actor's failure in one line: the last line of its traceback that says what."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     return f"{type(exc).__name__}: {lines[-1] if lines else ''}"[:300]
+
+
+def check_address_answers(address: str, timeout_s: float = CONNECT_PROBE_S) -> None:
+    """ClusterError unless something accepts a TCP connection at `address` (HOST:PORT, the
+    head node's GCS) within `timeout_s`. "auto" and Ray Client addresses (ray://...) are
+    left to Ray."""
+    if address == "auto" or "://" in address:
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ClusterError(f"--ray {address!r}: expected HOST:PORT (the head node's address), or auto")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        raise ClusterError(f"no Ray cluster answers at {address}: {exc.strerror or exc} "
+                           f"(nothing accepted a connection within {timeout_s:g} s)") from None
 
 
 def _gpus_of(node: dict) -> dict:
@@ -195,6 +218,7 @@ class ClusterRun:
         """Join the cluster at `address`; "auto" is the cluster this machine runs (`ray start`),
         or, where it runs none, a Ray of this machine alone, started here."""
         options = {"logging_level": "WARNING", "log_to_driver": False}
+        check_address_answers(self.address)
         try:
             self.ray.init(address=self.address, **options)
         except ConnectionError as exc:

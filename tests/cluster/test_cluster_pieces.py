@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.cluster.agent import ResultsTail
+from pipeline.cluster.driver import ClusterError, check_address_answers
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,4 +47,51 @@ def test_without_ray_the_command_says_how_to_get_it_and_makes_nothing(tmp_path):
                           capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 1
     assert done.stderr.strip() == "Error: --ray needs Ray: pip install 'shape-broker[ray]'"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["requests.jsonl"]
+
+
+def _closed_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_an_address_that_answers_passes_and_one_that_does_not_is_a_cluster_error():
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        check_address_answers(f"127.0.0.1:{server.getsockname()[1]}", timeout_s=2.0)
+    port = _closed_port()
+    with pytest.raises(ClusterError, match=f"no Ray cluster answers at 127.0.0.1:{port}: Connection refused"):
+        check_address_answers(f"127.0.0.1:{port}", timeout_s=2.0)
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1", ":6379", "head:", "head:port", "head:0", "head:65536"])
+def test_an_address_without_a_usable_port_is_refused_as_such(address):
+    with pytest.raises(ClusterError, match="expected HOST:PORT"):
+        check_address_answers(address)
+
+
+@pytest.mark.parametrize("address", ["auto", "ray://head:10001"])
+def test_auto_and_ray_client_addresses_are_left_to_ray(address):
+    check_address_answers(address, timeout_s=0.01)  # nothing is probed: no error
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("command", ["run-batch", "launch"])
+def test_a_ray_address_nothing_answers_at_fails_at_once_in_one_line_and_makes_nothing(tmp_path, command):
+    # ray.init itself retries such an address for minutes.
+    source = tmp_path / "requests.jsonl"
+    source.write_text(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                                  "body": {"model": "m", "prompt": "hi"}}) + "\n")
+    address = f"127.0.0.1:{_closed_port()}"
+    args = (["run-batch", "--engine", "sim", "-i", str(source), "-o", str(tmp_path / "out.jsonl"),
+             "--model", str(tmp_path)] if command == "run-batch" else
+            ["launch", "--data-dir", str(tmp_path / "data")])
+    done = subprocess.run([sys.executable, "-m", "pipeline", *args, "--ray", address],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.strip() == (f"Error: no Ray cluster answers at {address}: Connection refused "
+                                   "(nothing accepted a connection within 5 s)")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["requests.jsonl"]
