@@ -75,8 +75,10 @@ def encode_entries(
     out_tokens = out.cast("i")
     in_tokens = memoryview(np.ascontiguousarray(tokens))
     in_payloads = memoryview(np.ascontiguousarray(payloads))
-    _copy_entry_bodies(out, out_tokens, in_tokens, in_payloads, offsets, lengths, token_starts[indices],
-                       payload_lens, payload_starts[indices])
+    if not _copy_uniform_bodies(data, tokens, payloads, lengths, token_starts[indices], payload_lens,
+                                payload_starts[indices]):
+        _copy_entry_bodies(out, out_tokens, in_tokens, in_payloads, offsets, lengths, token_starts[indices],
+                           payload_lens, payload_starts[indices])
     # Checksums once every entry is whole, written as one column (the checksum word is not
     # part of what it covers).
     digest = xxhash.xxh3_64_intdigest
@@ -86,6 +88,29 @@ def encode_entries(
     for view in (out_tokens, in_tokens, in_payloads, out):
         view.release()
     return EncodedGroup(data, offsets, sizes)
+
+
+def _copy_uniform_bodies(data: np.ndarray, tokens: np.ndarray, payloads: np.ndarray, lengths: np.ndarray,
+                         starts: np.ndarray, payload_lens: np.ndarray, payload_starts: np.ndarray) -> bool:
+    """Every entry's tokens with one 2-D copy, where that is exact: the entries all have one
+    length and no payload (so one size: `data` is rows of it), and each one's tokens start at a
+    multiple of that length in `tokens` (a frame of equal-length items: its rows of it). False:
+    not so, nothing copied.
+    A token-id job of fixed-length items takes it for every group; a chat job's items differ
+    in length and take the loop below.
+    NOTE: the broker's CPU an item fell from 3.7 to 3.5 us with it (`tools/bench_pipeline.py
+    --against HEAD --batch-items 256 --repeat 3`, 256-token items, 2026-12-02), where
+    `_copy_entry_bodies`' note found a 2-D copy of groups of equal lengths no faster: that
+    one grouped rows first, this one copies a frame's rows as they lie."""
+    length = int(lengths[0])
+    if (payload_lens.any() or (lengths != length).any() or tokens.shape[0] % length
+            or (starts % length).any()):
+        return False
+    rows = data.reshape(lengths.shape[0], -1)
+    first = ENTRY_HEADER_SIZE_BYTES
+    end = first + length * TOKEN_SIZE_BYTES
+    rows[:, first:end] = tokens.reshape(-1, length)[starts // length].view(np.uint8)
+    return True
 
 
 def _copy_entry_bodies(out: memoryview, out_tokens: memoryview, in_tokens: memoryview, in_payloads: memoryview,
