@@ -103,7 +103,7 @@ def _copy_uniform_bodies(data: np.ndarray, tokens: np.ndarray, payloads: np.ndar
     `_copy_entry_bodies`' note found a 2-D copy of groups of equal lengths no faster: that
     one grouped rows first, this one copies a frame's rows as they lie."""
     length = int(lengths[0])
-    if (payload_lens.any() or (lengths != length).any() or tokens.shape[0] % length
+    if (length <= 0 or payload_lens.any() or (lengths != length).any() or tokens.shape[0] % length
             or (starts % length).any()):
         return False
     rows = data.reshape(lengths.shape[0], -1)
