@@ -75,10 +75,10 @@ def encode_entries(
     out_tokens = out.cast("i")
     in_tokens = memoryview(np.ascontiguousarray(tokens))
     in_payloads = memoryview(np.ascontiguousarray(payloads))
-    if not _copy_uniform_bodies(data, tokens, payloads, lengths, token_starts[indices], payload_lens,
-                                payload_starts[indices]):
-        _copy_entry_bodies(out, out_tokens, in_tokens, in_payloads, offsets, lengths, token_starts[indices],
-                           payload_lens, payload_starts[indices])
+    starts = token_starts[indices]
+    if not _copy_uniform_bodies(data, tokens, lengths, starts, payload_lens):
+        _copy_entry_bodies(out, out_tokens, in_tokens, in_payloads, offsets, lengths, starts, payload_lens,
+                           payload_starts[indices])
     # Checksums once every entry is whole, written as one column (the checksum word is not
     # part of what it covers).
     digest = xxhash.xxh3_64_intdigest
@@ -90,8 +90,8 @@ def encode_entries(
     return EncodedGroup(data, offsets, sizes)
 
 
-def _copy_uniform_bodies(data: np.ndarray, tokens: np.ndarray, payloads: np.ndarray, lengths: np.ndarray,
-                         starts: np.ndarray, payload_lens: np.ndarray, payload_starts: np.ndarray) -> bool:
+def _copy_uniform_bodies(data: np.ndarray, tokens: np.ndarray, lengths: np.ndarray, starts: np.ndarray,
+                         payload_lens: np.ndarray) -> bool:
     """Every entry's tokens with one 2-D copy, where that is exact: the entries all have one
     length and no payload (so one size: `data` is rows of it), and each one's tokens start at a
     multiple of that length in `tokens` (a frame of equal-length items: its rows of it). False:
