@@ -169,3 +169,58 @@ def test_a_small_extension_is_left_to_the_consumer_running_its_prefix():
     assert pick(selector, A) == z
     assert selector.counters.per_consumer[B][SwitchReason.TAKEOVER] == 0
     selector.check_invariants()
+
+
+def test_a_small_shapes_late_items_wait_for_the_consumer_that_computed_its_prefix():
+    """Its home outlives the shape: drained and retired, then new items come."""
+    selector = selector_with(True, {SMALL_1: 500, SMALL_2: 400})
+    assert pick(selector, A) == SMALL_1
+    assert pick(selector, B) == SMALL_2
+    drain(selector, SMALL_1)
+    selector.forget(SMALL_1)  # the dispatcher retired it: no lane left
+    other = ShapeKey(0, 0x9)
+    for shape, tokens in ((SMALL_1, 300), (other, 200)):
+        selector.on_queued(shape, tokens, [0])
+    drain(selector, SMALL_2)
+    assert selector.home(SMALL_1) == A
+    assert pick(selector, B) == other  # not SMALL_1: A's cache holds its prefix
+    assert pick(selector, A) == SMALL_1
+    assert selector.counters.switches[SwitchReason.TAKEOVER] == 0
+    drain(selector, SMALL_1)
+    drain(selector, other)
+    selector.on_queued(SMALL_1, 100, [0])
+    assert pick(selector, B) == SMALL_1  # nothing else: B takes it over rather than idle
+    assert selector.counters.per_consumer[B][SwitchReason.TAKEOVER] == 1
+    assert selector.home(SMALL_1) == B  # B's cache holds it now
+    selector.check_invariants()
+
+
+def test_a_lost_consumers_homes_are_forgotten():
+    selector = selector_with(True, {SMALL_1: 500, SMALL_2: 400})
+    assert pick(selector, A) == SMALL_1 and pick(selector, B) == SMALL_2
+    drain(selector, SMALL_1)
+    selector.on_queued(SMALL_1, 300, [0])
+    selector.consumer_lost(A)
+    assert selector.home(SMALL_1) is None
+    drain(selector, SMALL_2)
+    assert pick(selector, B) == SMALL_1
+    assert selector.counters.per_consumer[B][SwitchReason.TAKEOVER] == 0  # a plain switch: nobody else has it
+    selector.check_invariants()
+
+
+def test_homes_are_bounded_least_recent_first(monkeypatch):
+    from pipeline.broker import selection
+
+    monkeypatch.setattr(selection, "HOME_SHAPES_MAX", 4)
+    selector = ShapeSelector(affinity=True)
+    shapes = [ShapeKey(0, 0x100 + k) for k in range(5)]
+    for k, shape in enumerate(shapes):
+        selector.on_queued(shape, 100, [0])
+        assert pick(selector, A) == shape
+        drain(selector, shape)
+        if k == 3:  # at the bound: every home kept
+            assert [selector.home(s) for s in shapes[:4]] == [A] * 4
+            selector.check_invariants()
+    assert selector.home(shapes[0]) is None  # one past it: the least recently switched to went
+    assert [selector.home(s) for s in shapes[1:]] == [A] * 4
+    selector.check_invariants()
