@@ -73,11 +73,11 @@ from pipeline.broker.storage.scan import (  # re-exported: the scan lived here f
     read_identity,
     scan_segment,
 )
+from pipeline.broker.storage.walk import walk_entries
 from pipeline.wire import fileops
 from pipeline.wire.errors import DiskFullError, DurabilityError, SegmentCorruptError
 from pipeline.wire.layouts import (
     ENTRY_ALIGN_BYTES,
-    ENTRY_HEADER_DTYPE,
     ENTRY_HEADER_SIZE_BYTES,
     ENTRY_LIVE,
     ENTRY_NONE,
@@ -88,10 +88,8 @@ from pipeline.wire.layouts import (
     SEGMENT_ENTRY_COUNT,
     SEGMENT_HEADER_SIZE_BYTES,
     SYNC_ALIGN_BYTES,
-    TOKEN_SIZE_BYTES,
     gather_entry_headers,
 )
-from shm.layout import struct_for
 
 __all__ = [
     "DEFAULT_SEGMENT_MAX_BYTES", "Durability", "EncodedGroup", "ScanReport", "SegmentFile", "SegmentKeys",
@@ -174,8 +172,6 @@ class Durability(Enum):
     POWER = "power"  # also fdatasync'ed, with group commit: survives power loss
 
 
-# The header fields a walk of back-to-back entries needs (SegmentFile.entry_offsets).
-_STEP = struct_for(ENTRY_HEADER_DTYPE, ["state", "length", "payload_len"])
 # NOTE: version 1 mapped a peeked batch's pages writable ahead of its tombstones
 # (madvise MADV_POPULATE_WRITE, 1 MiB ahead). Version 2 stores nothing into the mapping, and
 # a write-populate of a shared file mapping dirties its pages: the kernel would write synced
@@ -490,33 +486,13 @@ class SegmentFile:
         """The offsets of the next `count` live entries from byte `start` (completed ones and
         `power` padding skipped, none ending past `end` or the readable boundary), and the
         byte after the last: a walk of the headers through the mapping (a queue's cold run
-        read back). SegmentCorruptError where the walk finds no entry.
+        read back: pipeline/broker/storage/walk.py). SegmentCorruptError where the walk finds
+        no entry.
         Example: live entries of 112 and 176 bytes at 4096 -> entry_offsets(4096, 4384, 2)
         is ([4096, 4208], 4384); with the first completed, entry_offsets(4096, 4384, 1)
         is ([4208], 4384)."""
-        limit = min(end, self.readable_end)
-        out = np.empty(count, dtype=np.int64)
-        unpack, mapped, mask = _STEP.unpack_from, self._map, ENTRY_ALIGN_BYTES - 1
-        live, offset, done, found = ENTRY_LIVE, start, self._done, 0
-        # Bytes of an entry past its tokens and payload, rounded up to the alignment:
-        # following = offset + (round_up + 4 * length + payload_len) & ~mask.
-        round_up = ENTRY_HEADER_SIZE_BYTES + mask
-        assert TOKEN_SIZE_BYTES == 4
-        while found < count:
-            if offset + ENTRY_HEADER_SIZE_BYTES > limit or offset & mask:
-                self._no_entry(offset, None)
-            state, length, payload_len = unpack(mapped, offset)
-            following = offset + ((round_up + (length << 2) + payload_len) & ~mask)
-            if state != live or not length or following > limit:
-                if state == ENTRY_NONE and offset % SYNC_ALIGN_BYTES:  # padding before a synced group
-                    offset = -(-offset // SYNC_ALIGN_BYTES) * SYNC_ALIGN_BYTES
-                    continue
-                self._no_entry(offset, state)
-            if done is None or not (done[offset >> 7] >> ((offset >> 4) & 7)) & 1:
-                out[found] = offset
-                found += 1
-            offset = following
-        return out, offset
+        # The limit is named "readable up to" in the error: the entries end there at most.
+        return walk_entries(self._map, self._done, start, min(end, self.readable_end), count, self.path)
 
     def _no_entry(self, offset: int, state: int | None) -> NoReturn:
         raise SegmentCorruptError(
