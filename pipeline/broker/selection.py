@@ -22,11 +22,8 @@ on (`affinity=True`), a small shape (its dispatchable tokens at most
 AFFINITY_BATCHES_PER_CONSUMER full batches per consumer of the model) that another consumer
 already serves is not taken: it runs on that one consumer, so its prefix is computed once,
 not once per consumer; nor one whose chain another consumer's current shape shares more of
-(with the prefix order: it waits for the consumer whose cache holds most of its prefix), nor
-one whose prefix another consumer still registered last computed (its home: the consumer
-that last switched to it, remembered after the shape drains and retires, HOME_SHAPES_MAX
-shapes, so a document's late second request goes where its first one ran); a large shape is
-still joined by every consumer. A consumer that finds nothing else takes one
+(with the prefix order: it waits for the consumer whose cache holds most of its prefix); a
+large shape is still joined by every consumer. A consumer that finds nothing else takes one
 of those over rather than idle (reason `takeover`, counted).
 
 Shape orders (`shape_order`):
@@ -52,7 +49,6 @@ from __future__ import annotations
 
 import enum
 import heapq
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -80,11 +76,6 @@ SHAPE_ORDERS = (SHAPE_ORDER_MOST_TOKENS, SHAPE_ORDER_PREFIX)
 # consumer saves; a batch each or more, and splitting it finishes sooner than the prefix
 # costs.
 AFFINITY_BATCHES_PER_CONSUMER = 1
-# Affinity: shapes whose last consumer (the one that last switched to it, whose cache computed
-# its prefix) is remembered after the shape drains and retires, least recently switched to
-# forgotten first. A shape's items can come minutes apart (a trace's two requests of one
-# document); 65,536 entries of a few hundred bytes each stay under ~20 MB.
-HOME_SHAPES_MAX = 65_536
 
 
 class SwitchReason(enum.Enum):
@@ -209,10 +200,6 @@ class ShapeSelector:
         self._tokens: dict[ShapeKey, int] = {}
         self._ages: dict[ShapeKey, _Ages] = {}
         self._oldest: dict[ShapeKey, int] = {}  # shape -> its entry in by_age
-        # Affinity: the consumer that last switched to each shape (its "home"), kept after
-        # the shape drains or retires, least recent first: a small shape's late items wait
-        # for it rather than compute its prefix on another consumer.
-        self._homes: OrderedDict[ShapeKey, ConsumerId] = OrderedDict()
         self.counters = SelectorCounters()
 
     # ----------------------------------------------------------------- read-only state
@@ -405,9 +392,6 @@ class ShapeSelector:
             others = state.serving.get(signature)
             if others:
                 return others == {consumer}  # small and another's: its own
-            home = self._homes.get(ShapeKey(model, signature))
-            if home is not None and home != consumer and home in state.consumers:
-                return False  # small, and another consumer still here computed its prefix
             return not self._closer_elsewhere(state, model, consumer, mine, signature)
         return eligible
 
@@ -431,22 +415,9 @@ class ShapeSelector:
             self._release(state, moved)
             state.current[moved] = shape.signature
             state.serving.setdefault(shape.signature, set()).add(moved)
-        if self.affinity:
-            self._set_home(shape, consumer)
         self.counters.switches[reason] += 1
         mine = self.counters.per_consumer.setdefault(consumer, dict.fromkeys(SwitchReason, 0))
         mine[reason] += 1
-
-    def home(self, shape: ShapeKey) -> ConsumerId | None:
-        """The consumer that last switched to `shape` (affinity only; None: none remembered)."""
-        return self._homes.get(shape)
-
-    def _set_home(self, shape: ShapeKey, consumer: ConsumerId) -> None:
-        homes = self._homes
-        homes[shape] = consumer
-        homes.move_to_end(shape)
-        if len(homes) > HOME_SHAPES_MAX:
-            homes.popitem(last=False)
 
     def _release(self, state: _Model, consumer: ConsumerId) -> None:
         """The consumer no longer serves its current shape."""
@@ -462,9 +433,6 @@ class ShapeSelector:
         for state in self._models.values():
             self._release(state, consumer)
             state.consumers.discard(consumer)
-        # Its cache is gone with it (a consumer that comes back registers under a new id).
-        for shape in [s for s, home in self._homes.items() if home == consumer]:
-            del self._homes[shape]
 
     def _starving(self, state: _Model, model: int, now_s: float, mine: int | None) -> int | None:
         """The signature to switch to for starvation, or None."""
@@ -524,10 +492,5 @@ class ShapeSelector:
                 serving.setdefault(signature, set()).add(consumer)
                 assert consumer in state.consumers, consumer
             assert serving == state.serving, (serving, state.serving)
-        assert len(self._homes) <= HOME_SHAPES_MAX, len(self._homes)
-        assert self.affinity or not self._homes, "homes are kept with affinity only"
-        for shape, home in self._homes.items():
-            state = self._models.get(shape.model)
-            assert state is not None and home in state.consumers, (shape, home)
         if self._trie is not None:
             self._trie.check_invariants()
