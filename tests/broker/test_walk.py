@@ -5,6 +5,7 @@ gather), mixed sizes, completed entries, `power` padding, and too few entries.""
 from __future__ import annotations
 
 import tempfile
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -48,7 +49,7 @@ def test_the_walk_matches_the_scan(groups, power, seed, data):
         path = f"{root}/w.seg"
         segment = SegmentFile.create(path, KEYS, Durability.POWER if power else Durability.PROCESS)
         bounds = np.cumsum([0] + [n for n, _length, _p in groups])
-        for a, b in zip(bounds[:-1], bounds[1:]):  # one append (and, at power, one synced group) each
+        for a, b in pairwise(bounds):  # one append (and, at power, one synced group) each
             segment.append(encode_entries(*items, indices=np.arange(a, b), producer_id=3))
             segment.sync()
         every = scan_segment(path).offsets

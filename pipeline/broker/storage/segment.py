@@ -73,7 +73,7 @@ from pipeline.broker.storage.scan import (  # re-exported: the scan lived here f
     read_identity,
     scan_segment,
 )
-from pipeline.broker.storage.walk import walk_entries
+from pipeline.broker.storage.walk import no_entry, walk_entries
 from pipeline.wire import fileops
 from pipeline.wire.errors import DiskFullError, DurabilityError, SegmentCorruptError
 from pipeline.wire.layouts import (
@@ -491,14 +491,11 @@ class SegmentFile:
         Example: live entries of 112 and 176 bytes at 4096 -> entry_offsets(4096, 4384, 2)
         is ([4096, 4208], 4384); with the first completed, entry_offsets(4096, 4384, 1)
         is ([4208], 4384)."""
-        # The limit is named "readable up to" in the error: the entries end there at most.
-        return walk_entries(self._map, self._done, start, min(end, self.readable_end), count, self.path)
+        return walk_entries(self._map, self._done, start, min(end, self.readable_end), count, self.path,
+                            self.readable_end)
 
     def _no_entry(self, offset: int, state: int | None) -> NoReturn:
-        raise SegmentCorruptError(
-            f"{self.path}: offset {offset}: no live entry there (readable up to {self.readable_end}, "
-            f"state {'-' if state is None else hex(state)})"
-        )
+        no_entry(self.path, offset, self.readable_end, state)
 
     def state_at(self, offset: int) -> int:
         """The entry's state at `offset`: ENTRY_LIVE, ENTRY_TOMBSTONE once completed, or
