@@ -73,7 +73,7 @@ from pipeline.broker.storage.scan import (  # re-exported: the scan lived here f
     read_identity,
     scan_segment,
 )
-from pipeline.broker.storage.walk import no_entry, walk_entries
+from pipeline.broker.storage.walk import done_at, no_entry, walk_entries
 from pipeline.wire import fileops
 from pipeline.wire.errors import DiskFullError, DurabilityError, SegmentCorruptError
 from pipeline.wire.layouts import (
@@ -418,10 +418,7 @@ class SegmentFile:
         return int(fresh.size)
 
     def _is_done(self, offsets: np.ndarray) -> np.ndarray:
-        if self._done is None:
-            return np.zeros(offsets.shape[0], dtype=bool)
-        slots = offsets >> 4
-        return (self._done[slots >> 3] >> (slots & 7).astype(np.uint8)) & 1 == 1
+        return done_at(self._done, offsets)
 
     def _mark_done(self, offsets: np.ndarray) -> None:
         if self._done is None:

@@ -112,10 +112,18 @@ def _strided(mapped, done: np.ndarray | None, start: int, limit: int, count: int
     run = fits if same.all() else int(np.argmin(same))
     taken = starts[:run]
     if done is not None:
-        slots = taken >> 4
-        taken = taken[(done[slots >> 3] >> (slots & 7).astype(np.uint8)) & 1 == 0]
+        taken = taken[~done_at(done, taken)]
     out[:taken.shape[0]] = taken
     return taken.shape[0], start + run * size
+
+
+def done_at(done: np.ndarray | None, offsets: np.ndarray) -> np.ndarray:
+    """Whether each entry at `offsets` (int64) is marked completed in the done bitmap (a bit
+    per 16-byte slot; None: nothing completed yet)."""
+    if done is None:
+        return np.zeros(offsets.shape[0], dtype=bool)
+    slots = offsets >> 4
+    return (done[slots >> 3] >> (slots & 7).astype(np.uint8)) & 1 == 1
 
 
 def no_entry(path: str, offset: int, readable_end: int, state: int | None) -> NoReturn:
