@@ -22,6 +22,7 @@ import numpy as np
 import xxhash
 
 from pipeline.wire.errors import SignatureError, TokenArrayError
+from pipeline.wire.protocol import EMPTY_SHAPE_SIGNATURE
 
 Signature = NewType("Signature", int)
 
@@ -63,6 +64,10 @@ def reduce_hashes(hashes: Sequence[int]) -> Signature:
             raise SignatureError(f"component hash {h} is not an unsigned 64-bit value")
     packed = struct.pack(f"<{len(hashes)}Q", *hashes)
     return Signature(xxhash.xxh3_64_intdigest(packed, seed=SIGNATURE_SEED))
+
+
+# The broker knows the empty shape by this constant of the wire protocol (it hashes nothing).
+assert reduce_hashes([]) == EMPTY_SHAPE_SIGNATURE, hex(reduce_hashes([]))
 
 
 def signature(components: Iterable[Component]) -> Signature:

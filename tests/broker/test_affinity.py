@@ -12,6 +12,7 @@ import pytest
 from pipeline.broker.ids import ConsumerId, ShapeKey
 from pipeline.broker.selection import AFFINITY_BATCHES_PER_CONSUMER, ShapeSelector, SwitchReason
 from pipeline.wire.errors import ShapeGuardError
+from pipeline.wire.protocol import EMPTY_SHAPE_SIGNATURE
 
 A, B = ConsumerId(1), ConsumerId(2)
 BATCH = 1000  # tokens a full batch of these consumers' contract holds
@@ -63,6 +64,23 @@ def test_small_shapes_go_one_to_a_consumer_large_ones_to_all():
     selector.check_invariants()
 
 
+@pytest.mark.parametrize("order", ["most-tokens", "prefix"])
+def test_every_consumer_may_drain_the_empty_shape_however_small(order):
+    # The empty shape has no prefix: held to A while small, B would start SMALL_1 (A's next
+    # shape, cold on B) and its late items would run on A: a prefix computed twice.
+    empty = ShapeKey(0, EMPTY_SHAPE_SIGNATURE)
+    selector = selector_with(True, {empty: 1800, SMALL_1: 1500, SMALL_2: 900}, order)
+    pick(selector, B)
+    selector.consumer_lost(B)  # B asked once: two consumers count, small is 2,000 or less
+    assert pick(selector, A) == empty
+    assert pick(selector, B) == empty  # small, A's, yet no takeover: it has no prefix to share
+    assert selector.counters.per_consumer[B][SwitchReason.TAKEOVER] == 0
+    drain(selector, empty)
+    assert pick(selector, A) == SMALL_1
+    assert pick(selector, B) == SMALL_2  # any other small shape stays with its one consumer
+    selector.check_invariants()
+
+
 def test_without_affinity_the_consumers_of_a_model_move_together():
     selector = selector_with(False, {LARGE: 20 * BATCH, SMALL_1: 1500, SMALL_2: 900})
     assert pick(selector, A) == LARGE and pick(selector, B) == LARGE
@@ -93,7 +111,7 @@ def test_the_guard_checks_each_consumers_own_shape_and_a_lost_one_holds_none():
 @pytest.mark.parametrize("order", ["most-tokens", "prefix"])
 def test_a_seeded_random_run_never_idles_a_consumer_and_keeps_every_invariant(affinity, order):
     rng = random.Random(11)
-    shapes = [ShapeKey(0, s) for s in range(1, 12)]
+    shapes = [ShapeKey(0, s) for s in (*range(1, 12), EMPTY_SHAPE_SIGNATURE)]
     selector = ShapeSelector(affinity=affinity, shape_order=order)
     if order == "prefix":
         for s in shapes:  # two families of prefixes

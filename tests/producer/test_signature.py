@@ -8,8 +8,9 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.producer.signature import SIGNATURE_SEED, check_signature, component_hash, reduce_hashes, signature
+from pipeline.producer.signature import SIGNATURE_SEED, chain, check_signature, component_hash, reduce_hashes, signature
 from pipeline.wire.errors import SignatureError, TokenArrayError
+from pipeline.wire.protocol import EMPTY_SHAPE_SIGNATURE
 
 SYSTEM = b"You are a helpful assistant."
 FEWSHOT = np.array([101, 2023, 2003, 1037, 7099, 102], dtype=np.int32)
@@ -27,6 +28,14 @@ def test_fixed_signature_vectors():
     assert signature([SYSTEM]) == 10088404843962264903
     assert signature([SYSTEM, FEWSHOT]) == 6667015889525726805
     assert signature([FEWSHOT, SYSTEM]) == 14437888777119761887
+
+
+def test_the_broker_knows_the_empty_shape_by_the_wire_constant():
+    # The broker cannot hash (it never imports the producer): the constant it reads the
+    # empty shape by must be what producers declare for prompts without components.
+    assert signature([]) == reduce_hashes([]) == EMPTY_SHAPE_SIGNATURE
+    assert chain([]) == (EMPTY_SHAPE_SIGNATURE,)
+    assert signature([b""]) != EMPTY_SHAPE_SIGNATURE  # one empty component is a component
 
 
 def test_reduction_is_xxh3_of_the_packed_hash_vector():
