@@ -115,7 +115,7 @@ class BrokerConfig:
     max_age_s: float | None = None
     # Which shape a consumer drains next (pipeline/broker/selection.py): prefix (the longest
     # shared chain prefix first, SPEC §4b) or most-tokens (the design note's rule); and shape
-    # affinity across consumers (a small shape runs on one consumer; off, the model's
+    # affinity across consumers (a small shape with a prefix runs on one consumer; off, the model's
     # consumers drain one shape together, as the note has it). The defaults are the product's
     # by the figures (BENCHMARKS.md, "Scheduling beyond the design note"): prefix with
     # affinity took 98.9 to 99.5% of the prefix-reuse bound on the Mooncake trace and the

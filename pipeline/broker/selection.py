@@ -25,15 +25,18 @@ not once per consumer; nor one whose chain another consumer's current shape shar
 (with the prefix order: it waits for the consumer whose cache holds most of its prefix); a
 large shape is still joined by every consumer, and so is the empty shape (prompts without
 cacheable components: EMPTY_SHAPE_SIGNATURE), however small, since it has no prefix to
-compute once. A consumer that finds nothing else takes one of those over rather than idle
-(reason `takeover`, counted).
+compute once. A consumer that finds nothing else takes another's small shape over rather
+than idle (reason `takeover`, counted).
 NOTE: holding the empty shape to one consumer, as any small shape (the rule before), cost
 the Mooncake slice of `pipeline bench prefix` 0.6 points of prefix reuse at both cache sizes
 (14.2% against the bound's 14.8%): in the run's first batches the empty shape was still
 small and the other consumer's, so that consumer took the next small shape instead, whose
 second item was not stored yet and ran on the other consumer seconds later, its 107-block
 prefix computed twice. Joining the empty shape, the small shapes wait until both items are
-in; the slice then reached 14.8% at both caches in four launches (makespan unchanged).
+in; the slice then reached 14.8% at both caches in four launches (makespan unchanged). The
+price, as for any large shape: an empty shape refilled as fast as it drains keeps every
+consumer (sticky draining), and a small shape nobody serves waits for it to drain or for
+`max_age_s`, the starvation bound (off by default), to pass (tests/broker/test_affinity.py).
 
 Shape orders (`shape_order`):
     most-tokens   the shape with the most dispatchable tokens (the design note's rule)
@@ -68,7 +71,7 @@ from sortedcontainers import SortedList
 from pipeline.broker.ids import ConsumerId, ShapeKey
 from pipeline.broker.lineage import ShapeTrie
 from pipeline.wire.errors import BadInputError, ShapeGuardError
-from pipeline.wire.protocol import EMPTY_SHAPE_SIGNATURE
+from pipeline.wire.shapes import EMPTY_SHAPE_SIGNATURE
 
 # Width of an arrival-time bucket for the starvation bound: a tenth of a second is far finer
 # than any useful bound (seconds to minutes) and keeps the buckets of a shape's backlog few.
@@ -389,7 +392,8 @@ class ShapeSelector:
 
     def _free_for(self, state: _Model, model: int, consumer: ConsumerId, batch_tokens: int):
         """Which shapes `consumer` may switch to: all (None) without affinity; with it, none
-        that is small and already served by another consumer."""
+        that is small (the empty shape is never small) and already served by another
+        consumer, nor one another consumer's cache holds more of."""
         if not self.affinity:
             return None
         small_tokens = AFFINITY_BATCHES_PER_CONSUMER * max(batch_tokens, 1) * len(state.consumers)

@@ -22,7 +22,7 @@ import numpy as np
 import xxhash
 
 from pipeline.wire.errors import SignatureError, TokenArrayError
-from pipeline.wire.protocol import EMPTY_SHAPE_SIGNATURE
+from pipeline.wire.shapes import EMPTY_SHAPE_SIGNATURE
 
 Signature = NewType("Signature", int)
 

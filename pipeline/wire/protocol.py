@@ -107,13 +107,6 @@ def check_consumer_name(name: str) -> str:
                                 f"not starting with '.'")
     return name
 
-# The signature of the empty shape: prompts with no cacheable components (SPEC §1), the
-# reduction of no component hashes (pipeline.producer.signature checks the two agree at
-# import). The broker is content-blind, but this one signature it may know: such a shape has
-# no prefix for a consumer's cache to keep, so affinity has nothing to save by holding it
-# to one consumer (pipeline/broker/selection.py).
-EMPTY_SHAPE_SIGNATURE = 0x192E_616B_F1CE_9F44
-
 # The durability levels a `registered` reply names (the values of
 # pipeline.broker.storage.Durability; a test keeps the two equal).
 DURABILITY_LEVELS = ("process", "power")

@@ -1,7 +1,8 @@
 """Shape affinity across consumers (pipeline/broker/selection.py, SPEC §4b): the current shape
 is per consumer; a small shape runs on the one consumer that took it, a large one on every
-consumer; a consumer that finds only others' small shapes takes one over rather than idle;
-without affinity the model's consumers move together, as the design note has it."""
+consumer, and so does the empty shape (no prefix to compute once); a consumer that finds only
+others' small shapes takes one over rather than idle; without affinity the model's consumers
+move together, as the design note has it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from pipeline.broker.ids import ConsumerId, ShapeKey
 from pipeline.broker.selection import AFFINITY_BATCHES_PER_CONSUMER, ShapeSelector, SwitchReason
 from pipeline.wire.errors import ShapeGuardError
-from pipeline.wire.protocol import EMPTY_SHAPE_SIGNATURE
+from pipeline.wire.shapes import EMPTY_SHAPE_SIGNATURE
 
 A, B = ConsumerId(1), ConsumerId(2)
 BATCH = 1000  # tokens a full batch of these consumers' contract holds
@@ -81,6 +82,27 @@ def test_every_consumer_may_drain_the_empty_shape_however_small(order):
     selector.check_invariants()
 
 
+def test_a_refilling_empty_shape_holds_its_consumers_as_a_large_one_does_until_the_age_bound():
+    # The price of the rule: the empty shape, refilled as fast as it is drained, keeps both
+    # consumers (sticky draining, as any shape that never drains), so a small shape nobody
+    # serves waits; the starvation bound is what ends that wait, for it as for any shape.
+    empty = ShapeKey(0, EMPTY_SHAPE_SIGNATURE)
+    for max_age_s, served_at in ((None, None), (5.0, 6)):
+        selector = ShapeSelector(affinity=True, shape_order="prefix", max_age_s=max_age_s)
+        selector.on_queued(SMALL_1, 900, [0])  # small and nobody's, since time 0
+        first = None
+        for second in range(12):
+            selector.on_queued(empty, 1500, [second * 1_000_000_000])
+            chosen = selector.select(0, float(second), consumer=(A, B)[second % 2], batch_tokens=BATCH)
+            if chosen == SMALL_1:
+                first = second
+                break
+            assert chosen == empty
+            selector.on_dispatched(empty, 1500, [second * 1_000_000_000])  # the tick's items, all taken
+            selector.check_invariants()
+        assert first == served_at, (max_age_s, first)
+
+
 def test_without_affinity_the_consumers_of_a_model_move_together():
     selector = selector_with(False, {LARGE: 20 * BATCH, SMALL_1: 1500, SMALL_2: 900})
     assert pick(selector, A) == LARGE and pick(selector, B) == LARGE
@@ -114,8 +136,9 @@ def test_a_seeded_random_run_never_idles_a_consumer_and_keeps_every_invariant(af
     shapes = [ShapeKey(0, s) for s in (*range(1, 12), EMPTY_SHAPE_SIGNATURE)]
     selector = ShapeSelector(affinity=affinity, shape_order=order)
     if order == "prefix":
-        for s in shapes:  # two families of prefixes
-            selector.declare(0, (100 + s.signature % 2, s.signature))
+        for s in shapes:  # two families of prefixes, and the empty shape at the top, as producers declare it
+            selector.declare(0, (s.signature,) if s.signature == EMPTY_SHAPE_SIGNATURE
+                             else (100 + s.signature % 2, s.signature))
     consumers = [ConsumerId(k) for k in range(3)]
     for _ in range(2000):
         action = rng.random()

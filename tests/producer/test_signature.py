@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from pipeline.producer.signature import SIGNATURE_SEED, chain, check_signature, component_hash, reduce_hashes, signature
 from pipeline.wire.errors import SignatureError, TokenArrayError
-from pipeline.wire.protocol import EMPTY_SHAPE_SIGNATURE
+from pipeline.wire.shapes import EMPTY_SHAPE_SIGNATURE
 
 SYSTEM = b"You are a helpful assistant."
 FEWSHOT = np.array([101, 2023, 2003, 1037, 7099, 102], dtype=np.int32)
