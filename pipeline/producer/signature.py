@@ -66,7 +66,7 @@ def reduce_hashes(hashes: Sequence[int]) -> Signature:
     return Signature(xxhash.xxh3_64_intdigest(packed, seed=SIGNATURE_SEED))
 
 
-# The broker knows the empty shape by this constant of the wire protocol (it hashes nothing).
+# The broker knows the empty shape by this shared constant (pipeline/wire/shapes.py; it hashes nothing).
 assert reduce_hashes([]) == EMPTY_SHAPE_SIGNATURE, hex(reduce_hashes([]))
 
 
