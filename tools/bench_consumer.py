@@ -4,6 +4,7 @@
     .venv/bin/python tools/bench_consumer.py                 # 200,000 items, about 10 s
     .venv/bin/python tools/bench_consumer.py --profile 25    # and cProfile's top 25
     .venv/bin/python tools/bench_consumer.py --engine-only   # the sim engine's share alone
+    .venv/bin/python tools/bench_consumer.py --batch-items 256   # the redis comparison's batches
 
 The workload is `tools/bench_pipeline.py`'s: 256-token items of 8 shapes (a 128-token prefix
 per shape, 128 random tokens after it), no payload. They are stored in real segment files
@@ -20,6 +21,7 @@ import argparse
 import cProfile
 import os
 import pstats
+import resource
 import shutil
 import sys
 import tempfile
@@ -46,7 +48,7 @@ from pipeline.wire.layouts import (  # noqa: E402
 TOKENS = 256
 PREFIX_TOKENS = 128
 SHAPES = 8
-BATCH_ITEMS = 64
+BATCH_ITEMS = 64  # the default contract; `pipeline bench redis` runs 256 (--batch-items)
 # Batches of one shape in a row: sticky draining takes a shape's lane a few batches at a time.
 RUN_BATCHES = 4
 MODEL = 0
@@ -78,14 +80,14 @@ def _store(data_dir: str, items_per_shape: int) -> list[tuple[int, np.ndarray]]:
     return shapes
 
 
-def _descriptors(shapes: list[tuple[int, np.ndarray]]) -> list[np.ndarray]:
+def _descriptors(shapes: list[tuple[int, np.ndarray]], batch_items: int) -> list[np.ndarray]:
     """Descriptor records, RUN_BATCHES batches of one shape after another, round robin."""
     out, batch_id = [], 0
     per_shape = shapes[0][1].shape[0]
-    for first in range(0, per_shape, BATCH_ITEMS * RUN_BATCHES):
+    for first in range(0, per_shape, batch_items * RUN_BATCHES):
         for sig, rows in shapes:
-            for start in range(first, min(first + BATCH_ITEMS * RUN_BATCHES, per_shape), BATCH_ITEMS):
-                part = rows[start:start + BATCH_ITEMS]
+            for start in range(first, min(first + batch_items * RUN_BATCHES, per_shape), batch_items):
+                part = rows[start:start + batch_items]
                 buf = np.zeros(descriptor_size_bytes(part.shape[0]), dtype=np.uint8)
                 write_descriptor(buf, 0, batch_id, sig, MODEL, TOKENS, time.monotonic_ns(), part)
                 out.append(buf)
@@ -117,28 +119,33 @@ def main() -> int:
     parser.add_argument("--warm-items", type=int, default=100_000,
                         help="items run first, untimed, so the prefix cache is full and evicting")
     parser.add_argument("--profile", type=int, default=0, metavar="N", help="cProfile the timed run; print top N")
+    parser.add_argument("--batch-items", type=int, default=BATCH_ITEMS, help="items a descriptor")
     parser.add_argument("--engine-only", action="store_true", help="time only engine.run (batches read beforehand)")
     args = parser.parse_args()
     root = tempfile.mkdtemp(prefix="bench-consumer-")
     try:
         total = args.items + args.warm_items
-        per_shape = -(-total // (SHAPES * BATCH_ITEMS)) * BATCH_ITEMS
-        records = _descriptors(_store(root, per_shape))
-        warm = args.warm_items // BATCH_ITEMS
+        batch = args.batch_items
+        per_shape = -(-total // (SHAPES * batch)) * batch
+        records = _descriptors(_store(root, per_shape), batch)
+        warm = args.warm_items // batch
         consumer = Consumer(ConsumerConfig("unused.sock", os.path.join(root, "results"), "c0"))
         consumer._reader = SegmentReader(root)
         _run(consumer, records[:warm], args.engine_only)
-        timed = records[warm:warm + args.items // BATCH_ITEMS]
+        timed = records[warm:warm + args.items // batch]
         profiler = cProfile.Profile() if args.profile else None
         if profiler:
             profiler.enable()
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         seconds = _run(consumer, timed, args.engine_only)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
         if profiler:
             profiler.disable()
             pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
-        items = len(timed) * BATCH_ITEMS
+        items = len(timed) * batch
         what = "engine.run" if args.engine_only else "run_batch"
-        print(f"{what}: {items} items, {seconds:.2f} s CPU, {1e6 * seconds / items:.2f} us per item"
+        print(f"{what}: {items} items, {seconds:.2f} s CPU, {1e6 * seconds / items:.2f} us per item,"
+              f" {faults / items:.2f} page faults per item"
               f" (cache hit tokens {consumer.engine.counters.cache_hit_tokens},"
               f" evicted blocks {consumer.engine.counters.extra['evicted_blocks']})")
         consumer._results.close()

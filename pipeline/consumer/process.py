@@ -81,7 +81,7 @@ from pipeline.wire.errors import (
     SegmentReadError,
 )
 from pipeline.wire.generation import GENERATION_MAGIC, GenerationParams, decode_payload
-from pipeline.wire.layouts import SEGMENTS_DIR, Descriptor, descriptor_size_bytes, parse_descriptor, prompt_digests
+from pipeline.wire.layouts import SEGMENTS_DIR, Descriptor, descriptor_size_bytes, parse_descriptor
 from pipeline.wire.protocol import MAX_CREDIT_BATCHES, RECONNECT_FIRST_S, RECONNECT_MAX_S, check_consumer_name
 from shm.ring import RECORD_ALIGN_BYTES, RECORD_HEADER_SIZE_BYTES, RingReader, align_up
 
@@ -454,7 +454,7 @@ class Consumer:
             count = len(long.item_ids)
             started.lines.append(result_lines(descriptor, STATUS_TOO_LONG, long.item_ids, long.submit_ns,
                                               long.lengths, [0] * count, [[]] * count, long.payloads,
-                                              digests=_digests(long)))
+                                              digests=long.digests))
             started.statuses[STATUS_TOO_LONG] = count
             keep = [i for i, n in enumerate(got.lengths) if n <= limit]
             got, params = _select(got, keep), [params[i] for i in keep]
@@ -465,6 +465,8 @@ class Consumer:
     def _split_payloads(self, started: _Started, got: ReadBatch) -> tuple[ReadBatch, list[GenerationParams | None]]:
         """The items' own payloads and generation parameters (pipeline/wire/generation.py);
         items whose envelope is malformed are answered with the error and left out."""
+        if not any(got.payloads):  # no item carries a payload (token-id producers): nothing to split
+            return got, [None] * len(got.payloads)
         params: list[GenerationParams | None] = []
         bad: list[int] = []
         messages: list[str] = []
@@ -483,7 +485,7 @@ class Consumer:
             return got, params
         wrong = _select(got, bad)
         started.lines.append(error_lines(started.descriptor, wrong.item_ids, wrong.submit_ns, wrong.lengths, messages,
-                                         [b""] * len(bad), _digests(wrong)))
+                                         [b""] * len(bad), wrong.digests))
         started.statuses[STATUS_ERROR] += len(bad)
         log.warning("%s: batch %d: %d items with malformed generation parameters, first: %s", self.config.name,
                     started.descriptor.batch_id, len(bad), messages[0])
@@ -528,12 +530,12 @@ class Consumer:
         if not failed:
             started.lines.append(result_lines(d, STATUS_OK, got.item_ids, got.submit_ns, got.lengths,
                                               result.cached_tokens, result.outputs, got.payloads,
-                                              result.finish_reasons, result.texts, _digests(got)))
+                                              result.finish_reasons, result.texts, got.digests))
             return len(got.item_ids), 0
         assert result.errors is not None
         bad = _select(got, failed)
         started.lines.append(error_lines(d, bad.item_ids, bad.submit_ns, bad.lengths,
-                                         [str(result.errors[i]) for i in failed], bad.payloads, _digests(bad)))
+                                         [str(result.errors[i]) for i in failed], bad.payloads, bad.digests))
         log.warning("%s: batch %d: the engine failed %d of %d items, first: %s", self.config.name,
                     d.batch_id, len(failed), len(got.item_ids), result.errors[failed[0]])
         ran = [i for i, error in enumerate(result.errors) if error is None]
@@ -542,7 +544,7 @@ class Consumer:
         started.lines.append(result_lines(d, STATUS_OK, good.item_ids, good.submit_ns, good.lengths,
                                           [result.cached_tokens[i] for i in ran], [result.outputs[i] for i in ran],
                                           good.payloads, [result.finish_reasons[i] for i in ran], texts,
-                                          _digests(good)))
+                                          good.digests))
         return len(ran), len(failed)
 
     def _write(self, lines: list[str]) -> None:
@@ -574,12 +576,8 @@ def descriptors_that_fit(capacity_bytes: int, max_batch_items: int) -> int:
     return max(1, (capacity_bytes - record + RECORD_ALIGN_BYTES) // record)
 
 
-def _digests(got: ReadBatch) -> list[int]:
-    """Each read item's prompt_digest: the results line's `prompt_xxh3`."""
-    return prompt_digests(got.tokens)
-
-
 def _select(got: ReadBatch, rows: list[int]) -> ReadBatch:
     """The entries `rows` of a read batch (the ones a batch runs)."""
     return ReadBatch(*([column[i] for i in rows] for column in
-                       (got.item_ids, got.tokens, got.lengths, got.prefix_lens, got.payloads, got.submit_ns)))
+                       (got.item_ids, got.tokens, got.lengths, got.prefix_lens, got.payloads, got.submit_ns,
+                        got.digests)))

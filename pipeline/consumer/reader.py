@@ -83,6 +83,7 @@ class ReadBatch:
     prefix_lens: list[int] = field(default_factory=list)
     payloads: list[bytes] = field(default_factory=list)
     submit_ns: list[int] = field(default_factory=list)
+    digests: list[int] = field(default_factory=list)  # each prompt's prompt_digest
     failed: list[tuple[int, int, Exception]] = field(default_factory=list)
 
     def add(self, item: ReadItem) -> None:
@@ -92,17 +93,20 @@ class ReadBatch:
         self.prefix_lens.append(item.prefix_len)
         self.payloads.append(item.payload)
         self.submit_ns.append(item.submit_ns)
+        self.digests.append(item.digest)
 
 
 @dataclass(slots=True)
 class ReadItem:
-    """One item as the consumer hands it on: a read-only view of its tokens and its fields."""
+    """One item as the consumer hands it on: a read-only view of its tokens and its fields,
+    and the prompt_digest of its tokens (the results line's `prompt_xxh3`)."""
 
     item_id: int
     tokens: np.ndarray
     prefix_len: int
     payload: bytes
     submit_ns: int
+    digest: int
 
 
 class SegmentReader:
@@ -233,7 +237,8 @@ class SegmentReader:
         tokens = np.frombuffer(view, dtype=TOKEN_DTYPE, count=length, offset=tokens_at)
         payload_at = tokens_at + length * TOKEN_SIZE_BYTES
         payload = bytes(view[payload_at:payload_at + payload_len])
-        return ReadItem(item_id, tokens, prefix_len, payload, submit_ns)
+        return ReadItem(item_id, tokens, prefix_len, payload, submit_ns,
+                        xxhash.xxh3_64_intdigest(view[tokens_at:payload_at]))
 
     def _path(self, model: int, signature: int, lane: int, segment_seq: int) -> str:
         key = (model, signature, lane, segment_seq)
@@ -292,16 +297,17 @@ class SegmentReader:
             self._read_one_by_one(model, signature, lane, segment_seq, items[~good], out)
             items, lengths, headers, token_starts = items[good], lengths[good], headers[good], token_starts[good]
             payload_lens = payload_lens[good]
-        tokens = mapped.tokens
+        tokens, view, digest = mapped.tokens, mapped.view, xxhash.xxh3_64_intdigest
+        token_ends = token_starts + lengths * TOKEN_SIZE_BYTES
         out.tokens += [tokens[at:at + n] for at, n in zip((token_starts >> 2).tolist(), lengths.tolist())]
+        # prompt_digest of each, from the mapping's bytes (entries hold little-endian int32)
+        out.digests += [digest(view[at:end]) for at, end in zip(token_starts.tolist(), token_ends.tolist())]
         out.item_ids += items["item_id"].tolist()
         out.lengths += lengths.tolist()
         out.prefix_lens += headers["prefix_len"].tolist()
         out.submit_ns += headers["submit_ns"].tolist()
         if payload_lens.any():
-            view = mapped.view
-            payload_starts = token_starts + lengths * TOKEN_SIZE_BYTES
-            out.payloads += [bytes(view[at:at + n]) for at, n in zip(payload_starts.tolist(), payload_lens.tolist())]
+            out.payloads += [bytes(view[at:at + n]) for at, n in zip(token_ends.tolist(), payload_lens.tolist())]
         else:
             out.payloads += [b""] * lengths.shape[0]
 

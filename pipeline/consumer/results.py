@@ -94,9 +94,10 @@ def result_lines(d: Descriptor, status: str, item_ids: Sequence[int], submit_ns:
         return ""
     head = (f'{{"item_id":%d,"batch_id":{d.batch_id},"dispatch_ns":{d.dispatch_ns},"submit_ns":%d,'
             f'"done_ns":{time.monotonic_ns()},"pad_to_tokens":{d.pad_to_tokens},"status":"{status}",'
-            f'"prompt_tokens":%d,"prompt_xxh3":%s,"cached_tokens":%d,"output_tokens":')
-    columns: list = [item_ids, submit_ns, prompt_tokens,
-                     list(map(str, digests)) if digests is not None else ["null"] * len(item_ids), cached_tokens]
+            f'"prompt_tokens":%d,"prompt_xxh3":{"%d" if digests is not None else "null"},"cached_tokens":%d,'
+            f'"output_tokens":')
+    columns: list = [item_ids, submit_ns, prompt_tokens] + ([digests] if digests is not None else []) + [cached_tokens]
+    at = len(columns)  # where the output columns go
     payload = '"payload":""}'
     if any(payloads):
         columns.append([base64.b64encode(p).decode() if p else "" for p in payloads])
@@ -107,13 +108,13 @@ def result_lines(d: Descriptor, status: str, item_ids: Sequence[int], submit_ns:
         width = widths.pop()
         reason = _finish_json(reasons.pop())
         form = f'{head}{width},"output":[{",".join(["%d"] * width)}],"finish_reason":{reason},{payload}'
-        columns[5:5] = zip(*outputs)
+        columns[at:at] = zip(*outputs)
         return "\n".join([form] * len(item_ids)) % tuple(chain.from_iterable(zip(*columns)))
     form = f'{head}%d,"output":[%s],"finish_reason":%s,{payload}'
     reason_column = [_finish_json(r) for r in finish_reasons] if finish_reasons is not None else ["null"] * len(outputs)
     if texts is not None:
         reason_column = [f'{r},"text":{json.dumps(t, ensure_ascii=True)}' for r, t in zip(reason_column, texts)]
-    columns[5:5] = [list(map(len, outputs)), [",".join(map(str, o)) for o in outputs], reason_column]
+    columns[at:at] = [list(map(len, outputs)), [",".join(map(str, o)) for o in outputs], reason_column]
     return "\n".join([form % row for row in zip(*columns)])
 
 

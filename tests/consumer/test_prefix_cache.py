@@ -93,3 +93,21 @@ def test_a_prompt_longer_than_the_capacity_keeps_its_head():
     _check(cache, reference, [[([1, 2], 2)], [([5, 6, 7, 8, 9], 5)]])
     assert cache.keys_lru() == [7, 6, 5]  # touched 9, 8, 7, 6, 5: the last three stay
     _check(cache, reference, [[([5, 6, 7, 1], 0), ([2], 1)]])
+
+
+@settings(max_examples=150, derandomize=True, deadline=None)
+@given(st.lists(st.one_of(st.integers(0, 40), st.integers(0, 2**64 - 1), st.sampled_from([2**63, 2**64 - 1])),
+                min_size=1, max_size=300))
+def test_group_sort_puts_equal_keys_side_by_side(values):
+    # Small keys share their high bits with unequal ones (the
+    # fallback), large ones do not (the packed sort); either way each distinct key is one
+    # run, `order` is a permutation and `head` marks exactly the runs' starts.
+    from pipeline.consumer.engines.prefix_cache import _group_sort
+
+    keys = np.array(values, dtype=np.uint64)
+    order, by_key, head = _group_sort(keys)
+    assert sorted(order.tolist()) == list(range(keys.shape[0]))
+    assert np.array_equal(by_key, keys[order])
+    runs = [key for k, key in enumerate(by_key.tolist()) if head[k]]
+    assert len(runs) == len(set(runs)) == len(set(values))
+    assert head[0] and all(head[k] == (by_key[k] != by_key[k - 1]) for k in range(1, keys.shape[0]))

@@ -11,7 +11,7 @@ from pipeline.broker.storage.paths import make_dirs, segment_path
 from pipeline.broker.storage.segment import Durability, SegmentFile, SegmentKeys, encode_entries, scan_segment
 from pipeline.consumer.reader import SegmentReader
 from pipeline.wire.errors import EntryCompletedError, SegmentCorruptError, SegmentReadError
-from pipeline.wire.layouts import DESCRIPTOR_ITEM_DTYPE
+from pipeline.wire.layouts import DESCRIPTOR_ITEM_DTYPE, prompt_digest
 from tests.broker.test_segment import make_items
 
 SIG = 0xFEED_0000_0000_0001
@@ -131,6 +131,8 @@ def test_read_batch_gives_zero_copy_views_and_checks_every_entry(tmp_path):
         ref = one.read(2, SIG, int(row["lane"]), 0, int(row["offset"]), int(row["length"]), item_id)
         assert np.array_equal(got.tokens[k], ref.tokens) and got.lengths[k] == ref.tokens.shape[0]
         assert (got.prefix_lens[k], got.payloads[k], got.submit_ns[k]) == (ref.prefix_len, ref.payload, ref.submit_ns)
+        # The digest of the tokens as read, both ways: what the results line's prompt_xxh3 says.
+        assert got.digests[k] == ref.digest == prompt_digest(np.array(ref.tokens, dtype=np.int64))
         path = path_a if row["lane"] == 4 else path_b
         region = np.frombuffer(reader._maps[path].view, dtype=np.uint8).__array_interface__["data"][0]
         assert got.tokens[k].__array_interface__["data"][0] == region + int(row["offset"]) + 64
