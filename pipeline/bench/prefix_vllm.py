@@ -4,7 +4,7 @@ run-batch` finds one; --quick looks only at this interpreter, so the plain test 
 skips the side, with the reason).
 
 Each run is `pipeline launch --engine vllm` under that interpreter: 2 producers, CONSUMERS
-consumer on the tiny model (tools/tiny_llama.py, random weights, MAX_MODEL_LEN positions),
+consumers (by cache size) on the tiny model (tools/tiny_llama.py, random weights, MAX_MODEL_LEN positions),
 vLLM's KV cache set explicitly (`kv_cache_memory_bytes`: CACHES_MIB, one where a few of the
 workload's prefixes fit and one where all do), prefix caching on, MAX_NEW_TOKENS generated a
 prompt, the contract's padded tokens a batch scaled with the prompts (BATCH_TOKENS).
@@ -70,10 +70,16 @@ KV_BYTES_PER_TOKEN = 2 * 2 * 4 * 32 * 2
 # 3 MiB (3,072 tokens: a few of the 16 prefixes, 216 to 1,043 tokens at seed 0, with the
 # running batch's) and 32 MiB (32,768 tokens: all of them, 9,365 tokens, with room to spare).
 CACHES_MIB = (3, 32)
-# One consumer: what fits 2 cores. NOTE: 2 consumers (one vLLM thread each) were rejected:
-# the same 2,000 items at 4 MiB took 4.0 s of makespan against 3.1 s with one, and 47 s of
-# wall against 13 s (two engines starting on the same 2 cores with the producers and broker).
-CONSUMERS = 1
+# Consumers a run, by cache size. Where a few prefixes fit, one: what fits 2 cores. NOTE: 2
+# consumers (one vLLM thread each) were rejected there: the same 2,000 items at 4 MiB took
+# 4.0 s of makespan against 3.1 s with one, and 47 s of wall against 13 s (two engines
+# starting on the same 2 cores with the producers and broker). Where all fit, one consumer
+# reaches the bound in any order (each prefix computed once and kept: every policy had
+# 94.4%, the bound, at 44b08b1), so the line could not tell the policies apart; with two,
+# as the sim lines have, it tells them apart by where each shape runs (a prefix computed on
+# both consumers is computed twice), which is what the policies differ in when all fit.
+CONSUMERS = {3: 1, 32: 2}
+assert set(CONSUMERS) == set(CACHES_MIB)
 # Rounds of the alternating group at most: each run starts vLLM. Measured on 2 cores at load
 # average 3.6-4.9 (other work beside it): 2 rounds of the 10 sides took 486 s, 24 s a run, so
 # 3 would take 12 minutes; at load 2.5 a run takes ~13 s and 2 rounds ~5 minutes (inside a
@@ -134,7 +140,8 @@ def measure(ctx: BenchContext, policies: tuple[str, ...]) -> dict[str, Any]:
     shape = write_workload(scaled_workload(ctx.size(ITEMS, QUICK_ITEMS), vocab), path)
     caches = CACHES_MIB[:1] if ctx.quick else CACHES_MIB
     tokens = [(mib << 20) // KV_BYTES_PER_TOKEN for mib in caches]
-    bound = runs.analyze([str(path)], batch_sides.BLOCK, tokens, caches=CONSUMERS)
+    bounds = {n: runs.analyze([str(path)], batch_sides.BLOCK, tokens, caches=n) for n in
+              sorted({CONSUMERS[mib] for mib in caches})}
     launch = ["--workload", str(path), "--engine", "vllm", "--max-input-len", str(MAX_INPUT_LEN),
               "--max-tokens", str(BATCH_TOKENS)]
     counter, rows = [0], {}
@@ -144,18 +151,19 @@ def measure(ctx: BenchContext, policies: tuple[str, ...]) -> dict[str, Any]:
                 counter[0] += 1
                 tag = f"prefix-vllm-{counter[0]}"
                 args = [*launch, "--engine-options", engine_options(mib), *runs.DISPATCH_POLICIES[policy]]
-                report = runs.launch(args, ctx.work_dir / f"{tag}.json", ctx.work_dir / tag, consumers=CONSUMERS,
+                report = runs.launch(args, ctx.work_dir / f"{tag}.json", ctx.work_dir / tag, consumers=CONSUMERS[mib],
                                      python=[python, "-m", "pipeline"])
                 return run_figures(report)
             return run
         got = alternate([(p, side(p)) for p in policies], min(ctx.repeat, REPEAT_CAP))
-        rows[str(mib)] = {"cache_tokens": cache_tokens, "bound": bound["bounds"][cache_tokens],
-                          "arrival_order": bound["arrival"][cache_tokens],
+        bound = bounds[CONSUMERS[mib]]
+        rows[str(mib)] = {"cache_tokens": cache_tokens, "consumers": CONSUMERS[mib],
+                          "bound": bound["bounds"][cache_tokens], "arrival_order": bound["arrival"][cache_tokens],
                           "policies": {p: {k: spread_of(r, k) for k in KEYS} for p, r in got.items()}}
         ctx.log(f"  vLLM, cache {mib} MiB: vLLM's reuse " + ", ".join(
             f"{p} {100 * v['vllm_reuse']['median']:.1f}%" for p, v in rows[str(mib)]["policies"].items()))
     return {"python": python, "tried": tried, "workload": shape, "scale": repr(SCALE), "seed": SEED,
-            "consumers": CONSUMERS, "max_model_len": MAX_MODEL_LEN, "max_new_tokens": MAX_NEW_TOKENS,
+            "max_model_len": MAX_MODEL_LEN, "max_new_tokens": MAX_NEW_TOKENS,
             "batch_tokens": BATCH_TOKENS, "block_tokens": batch_sides.BLOCK, "threads": len(os.sched_getaffinity(0)),
             "repeat": min(ctx.repeat, REPEAT_CAP), "launch": launch, "caches": rows,
             "seconds": round(time.monotonic() - start_s, 1)}
@@ -178,12 +186,14 @@ def judge(figures: dict[str, Any]) -> list[Target]:
 def markdown(figures: dict[str, Any]) -> str:
     if figures["python"] is None:
         return f"vLLM: {not_run(figures)}."
-    head = ["cache", "bound %", "arrival-order % (analyze)", "policy", "vLLM's reuse %", "report's reuse %",
+    head = ["cache", "consumers", "bound %", "arrival-order % (analyze)", "policy", "vLLM's reuse %",
+            "report's reuse %",
             "makespan s", "busy % (least busy consumer)", "shape switches", "wall s"]
     rows = []
     for mib, row in figures["caches"].items():
         for p, v in row["policies"].items():
-            rows.append([f"{mib} MiB ({row['cache_tokens']:,} tokens)", f"{100 * row['bound']:.1f}",
+            rows.append([f"{mib} MiB ({row['cache_tokens']:,} tokens)", str(row["consumers"]),
+                         f"{100 * row['bound']:.1f}",
                          "" if row["arrival_order"] is None else f"{100 * row['arrival_order']:.1f}", p,
                          fmt_spread(scaled(v["vllm_reuse"], 100), ".1f"),
                          fmt_spread(scaled(v["prefix_reuse"], 100), ".1f"), fmt_spread(v["makespan_s"], ".2f"),
@@ -191,9 +201,11 @@ def markdown(figures: dict[str, Any]) -> str:
                           f"({fmt_spread(scaled(v['busy_min'], 100), '.0f')})"),
                          fmt_spread(v["shape_switches"], ",.0f"), fmt_spread(v["wall_s"], ".1f")])
     w = figures["workload"]
-    return ("With vLLM: `pipeline launch --engine vllm`, 2 producers, "
-            f"{figures['consumers']} consumer (a second one on these {figures['threads']} cores made the makespan "
-            "longer: the engines and the processes that feed them share the cores), vLLM's CPU build on the tiny model "
+    return ("With vLLM: `pipeline launch --engine vllm`, 2 producers, 1 consumer where a few prefixes fit (a "
+            f"second one on these {figures['threads']} cores made the makespan longer: the engines and the processes "
+            "that feed them share the cores) and 2 where all fit (with one, every order reaches the bound; with two, "
+            "the policies differ in where each shape runs, and a prefix computed on both is computed twice), "
+            "vLLM's CPU build on the tiny model "
             f"(random weights, {figures['max_model_len']:,} positions, block {figures['block_tokens']}, "
             f"{figures['max_new_tokens']} new tokens a prompt), its KV cache set to each size, prefix caching on, "
             f"interpreter `{figures['python']}`. Workload: demo-template scaled to the model ({figures['scale']}: "
@@ -205,7 +217,7 @@ def markdown(figures: dict[str, Any]) -> str:
             "producers' few seconds, so each policy orders the whole backlog, as an offline job's would. "
             "vLLM's reuse: its own counters (prefix_cache_hits / prefix_cache_queries); the report's: the "
             "requests' cached tokens over their prompt tokens. Bound: "
-            f"`pipeline tools analyze --caches {figures['consumers']}` at the cache's tokens. "
+            "`pipeline tools analyze --caches N` (N the consumers) at the cache's tokens. "
             f"{figures['repeat']} alternating rounds (each run starts vLLM), {figures['seconds']:.0f} s in all.\n\n"
             + table(head, rows))
 

@@ -115,3 +115,22 @@ def test_the_vllm_side_is_a_comparison_of_its_own_and_the_sim_side_judges_only_i
     assert [t.met for t in prefix.judge(figures)] == [True, True]
     ran = vllm_figures({runs.DEFAULT_POLICY: row(0.9, 2, 0.9), "fifo": row(0.95, 3, 0.9)})
     assert prefix_vllm.plot({"python": None, "tried": []}) is None and callable(prefix_vllm.plot(ran))
+
+
+def test_where_all_prefixes_fit_two_consumers_run_and_the_table_says_so():
+    # With one consumer every order reaches the bound where all fit (nothing to tell apart);
+    # two make where each shape runs count, as on the sim lines.
+    small, large = prefix_vllm.CACHES_MIB
+    assert (prefix_vllm.CONSUMERS[small], prefix_vllm.CONSUMERS[large]) == (1, 2)
+    full = {"vllm_reuse": spread([0.9]), "prefix_reuse": spread([0.9]), "makespan_s": spread([2.0]),
+            "busy_fraction": spread([0.7]), "busy_min": spread([0.6]), "shape_switches": spread([16]),
+            "wall_s": spread([14.0])}
+    figures = {"python": "py", "threads": 2, "max_model_len": 2048, "block_tokens": 32, "max_new_tokens": 2,
+               "scale": "s", "batch_tokens": 6144, "repeat": 2, "seconds": 10,
+               "workload": {"items": 10, "shapes": 2, "input_tokens": 100, "longest_prompt": 20,
+                            "prefix_tokens": [5, 7]},
+               "caches": {str(mib): {"cache_tokens": mib * 1024, "consumers": prefix_vllm.CONSUMERS[mib],
+                                     "bound": 0.95, "arrival_order": 0.5, "policies": {runs.DEFAULT_POLICY: full}}
+                          for mib in prefix_vllm.CACHES_MIB}}
+    text = prefix_vllm.markdown(figures)
+    assert f"| {small} MiB (3,072 tokens) | 1 | 95.0 |" in text and f"| {large} MiB (32,768 tokens) | 2 | 95.0 |" in text
