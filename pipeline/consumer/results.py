@@ -8,8 +8,9 @@
      payload (without the generation envelope: pipeline/wire/generation.py)}
 
 in that key order, written by `result_lines` alone. `prompt_xxh3` is
-pipeline.wire.layouts.prompt_digest of the token ids the consumer read (what the engine was
-given), null where nothing could be read (STATUS_CORRUPT): the end-to-end check of a checker
+pipeline.wire.layouts.prompt_digest of the token ids the consumer read (taken from the
+mapped entry as it is read: the engine is handed views of those same bytes, which the broker
+never rewrites), null where nothing could be read (STATUS_CORRUPT): the end-to-end check of a checker
 (pipeline.reliability). The *_ns fields are time.monotonic_ns():
 one clock for every process of the machine; done_ns is taken once per call, as a batch's
 lines are formatted, just before they are written. `status` is STATUS_OK, STATUS_TOO_LONG

@@ -481,8 +481,9 @@ def prompt_digest(tokens: np.ndarray) -> int:
 
 def prompt_digests(prompts: Sequence[np.ndarray]) -> list[int]:
     """`prompt_digest` of each prompt: one xxh3 call each when every prompt is already
-    contiguous little-endian int32 (a consumer's views of segment entries), which saves
-    about half the per-prompt cost (160 against 340 ns for 256-token prompts)."""
+    contiguous little-endian int32 (the Redis peer's consumers' views of stream entries;
+    the broker's consumers digest entries as they read them: pipeline/consumer/reader.py),
+    which saves about half the per-prompt cost (160 against 340 ns for 256-token prompts)."""
     if all(p.dtype == _PROMPT_DTYPE and p.flags.c_contiguous for p in prompts):
         digest = xxhash.xxh3_64_intdigest
         return [digest(p) for p in prompts]

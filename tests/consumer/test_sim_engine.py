@@ -198,6 +198,21 @@ def test_compulsory_misses_match_a_reference_and_bound_the_hit_rate(block, capac
         assert c.cacheable_hit_tokens + c.compulsory_miss_tokens <= c.cacheable_tokens
 
 
+def test_a_block_built_to_collide_under_two_ids_a_word_hashes_apart():
+    # Every id must enter a block's content through a whole 64-bit weight. With two ids a
+    # 64-bit word (rejected in review: sim.py's NOTE), ids 1 and 3 were the high halves of
+    # words 0 and 1 and weighed only those words' weights times 2**32, so this block, whose
+    # ids 1 and 3 cancel mod 2**32 against the first two weights, hashed as a block of zeros.
+    engine = SimEngine(block_size_tokens=16)
+    w0, w1 = (int(v) for v in engine._weights[:2])
+    x = (-w0 * pow(w1, -1, 1 << 32)) % (1 << 32)
+    assert (w0 + x * w1) % (1 << 32) == 0
+    other = np.zeros(16, dtype=np.int32)
+    other[1], other[3] = 1, np.array([x], dtype=np.uint32).view(np.int32)[0]
+    zeros, built = engine.block_hashes([np.zeros(16, dtype=np.int32), other])
+    assert zeros != built
+
+
 def test_runs_of_zero_tokens_hash_apart():
     # A block of zeros must not hash to 0: then every leading run of zero blocks (padding)
     # would chain to the same hash whatever its length, and a 1-block prompt would "hit" a

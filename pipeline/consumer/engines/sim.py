@@ -59,13 +59,13 @@ GPU_STEP_OVERHEAD_S = 5e-3
 OUTPUT_ID_RANGE = 1 << 15
 _U64 = np.uint64
 # Chained block hash, computed for every block of a prompt at once with numpy:
-#   c_j = mix(sum_k words_j[k] * W_k + S)           block j's content (mod 2**64)
+#   c_j = mix(sum_k tokens[j*B + k] * W_k + S)      block j's content (mod 2**64)
 #   H_i = mix(sum_{j<=i} c_j * P**(i-j))            chains every block before it
-# where words_j are block j's int32 token ids two by two as 64-bit words (the first of a
-# pair in the low half; an odd block's last id alone, zero-extended).
-# NOTE: words of two ids, not one id a word: the block matrix is the batch's tokens viewed
-# in place rather than a uint64 copy of them, and the product has half the terms (4,096
-# blocks of 16: 19 against 40 us on a 2-core AMD EPYC).
+# NOTE: two ids a 64-bit word (the batch's int32 tokens viewed in place, half the products:
+# 19 against 40 us for 4,096 blocks) was rejected in review: an id in a word's high half
+# enters the sum as id * W * 2**32, through only W's low 32 bits, so blocks that differ
+# only there collided at 2**-32 (5 pairs in 200,000 random blocks). Each id gets a whole
+# 64-bit weight (tests/consumer/test_sim_engine.py builds such a pair).
 # NOTE: xxh3 per block was rejected: one call per block from Python costs ~5 us for a
 # 256-token prompt, which would make the simulator, not the broker, the bottleneck. A 64-bit
 # polynomial hash with a strong finaliser is ample for a simulator's cache keys.
@@ -80,16 +80,6 @@ def _ragged_local(counts: np.ndarray) -> np.ndarray:
     """0..n-1 for each n of `counts`, back to back: [2, 0, 3] -> [0, 1, 0, 1, 2]."""
     total = int(counts.sum())
     return np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-
-
-def _block_words(blocks: np.ndarray) -> np.ndarray:
-    """A (blocks x B) int32 matrix as (blocks x ceil(B/2)) 64-bit words of two ids each: a
-    view when B is even, a copy with a zero column after an odd B's last id."""
-    if blocks.shape[1] % 2:
-        padded = np.zeros((blocks.shape[0], blocks.shape[1] + 1), dtype=np.int32)
-        padded[:, :-1] = blocks
-        blocks = padded
-    return blocks.view(np.uint64)
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
@@ -145,7 +135,7 @@ class SimEngine(Engine):
         self._capacity_blocks = self.config.capacity_tokens // block
         self._cache = PrefixCache(self._capacity_blocks)
         rng = np.random.default_rng(0x5EED)
-        self._weights = rng.integers(1, 1 << 63, size=(block + 1) // 2, dtype=np.uint64) | _U64(1)
+        self._weights = rng.integers(1, 1 << 63, size=block, dtype=np.uint64) | _U64(1)
         self._powers = np.ones(1, dtype=np.uint64)
         self._inverse_powers = np.ones(1, dtype=np.uint64)
         self.counters.extra.update(evicted_blocks=0, charged_tokens=0, charged_ns=0)
@@ -182,14 +172,14 @@ class SimEngine(Engine):
         if total == 0:
             return np.zeros(0, dtype=np.uint64), layout
         self._ensure_powers(int(layout.counts.max()))
-        tokens = np.concatenate(prompts, dtype=np.int32)  # one copy of the batch, as an engine's input tensor
+        tokens = np.concatenate(prompts)  # one copy of the batch, as an engine's input tensor
         whole = layout.counts * block
         if not (whole == lengths).all():  # drop each prompt's partial last block
             tails = np.repeat(np.cumsum(lengths) - lengths + whole, lengths - whole)
             tokens = np.delete(tokens, tails + _ragged_local(lengths - whole))
         # NOTE: a matrix product, not a multiply and a sum over axis 1: the same sums (uint64
         # arithmetic wraps either way) at half the cost, without a (blocks x B) temporary.
-        content = _mix(_block_words(tokens.reshape(total, block)) @ self._weights + _CONTENT_SEED)
+        content = _mix(tokens.reshape(total, block).astype(np.uint64) @ self._weights + _CONTENT_SEED)
         scaled = content * self._inverse_powers[layout.local]
         running = np.cumsum(scaled, dtype=np.uint64)
         before = (running - scaled)[layout.prompt_start]  # the sum before each block's prompt
