@@ -38,6 +38,7 @@ from pipeline.wire.layouts import (
     TOKEN_DTYPE,
     TOKEN_SIZE_BYTES,
     entry_checksum,
+    entry_prompt_digest,
     entry_size_bytes,
     gather_entry_headers,
     journal_completions,
@@ -238,7 +239,7 @@ class SegmentReader:
         payload_at = tokens_at + length * TOKEN_SIZE_BYTES
         payload = bytes(view[payload_at:payload_at + payload_len])
         return ReadItem(item_id, tokens, prefix_len, payload, submit_ns,
-                        xxhash.xxh3_64_intdigest(view[tokens_at:payload_at]))
+                        entry_prompt_digest(view, tokens_at, payload_at))
 
     def _path(self, model: int, signature: int, lane: int, segment_seq: int) -> str:
         key = (model, signature, lane, segment_seq)
@@ -300,7 +301,7 @@ class SegmentReader:
         tokens, view, digest = mapped.tokens, mapped.view, xxhash.xxh3_64_intdigest
         token_ends = token_starts + lengths * TOKEN_SIZE_BYTES
         out.tokens += [tokens[at:at + n] for at, n in zip((token_starts >> 2).tolist(), lengths.tolist())]
-        # prompt_digest of each, from the mapping's bytes (entries hold little-endian int32)
+        # entry_prompt_digest, inlined: one call per entry
         out.digests += [digest(view[at:end]) for at, end in zip(token_starts.tolist(), token_ends.tolist())]
         out.item_ids += items["item_id"].tolist()
         out.lengths += lengths.tolist()

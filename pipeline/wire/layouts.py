@@ -479,6 +479,13 @@ def prompt_digest(tokens: np.ndarray) -> int:
     return xxhash.xxh3_64_intdigest(ids)
 
 
+def entry_prompt_digest(buf, tokens_at: int, tokens_end: int) -> int:
+    """`prompt_digest` of an entry's tokens at [tokens_at, tokens_end) of `buf` (a
+    memoryview or numpy array of a segment: entries hold little-endian int32 ids, so the
+    bytes hash as they lie, without a view or a copy)."""
+    return xxhash.xxh3_64_intdigest(buf[tokens_at:tokens_end])
+
+
 def prompt_digests(prompts: Sequence[np.ndarray]) -> list[int]:
     """`prompt_digest` of each prompt: one xxh3 call each when every prompt is already
     contiguous little-endian int32 (the Redis peer's consumers' views of stream entries;

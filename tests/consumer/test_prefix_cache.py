@@ -99,9 +99,9 @@ def test_a_prompt_longer_than_the_capacity_keeps_its_head():
 @given(st.lists(st.one_of(st.integers(0, 40), st.integers(0, 2**64 - 1), st.sampled_from([2**63, 2**64 - 1])),
                 min_size=1, max_size=300))
 def test_group_sort_puts_equal_keys_side_by_side(values):
-    # Small keys share their high bits with unequal ones (the
-    # fallback), large ones do not (the packed sort); either way each distinct key is one
-    # run, `order` is a permutation and `head` marks exactly the runs' starts.
+    # Small keys share their high bits with unequal ones (the fallback), large ones do not
+    # (the packed sort); either way each distinct key is one run, `order` is a permutation
+    # and `head` marks exactly the runs' starts.
     from pipeline.consumer.engines.prefix_cache import _group_sort
 
     keys = np.array(values, dtype=np.uint64)
