@@ -80,6 +80,14 @@ CACHES_MIB = (3, 32)
 # both consumers is computed twice), which is what the policies differ in when all fit.
 CONSUMERS = {3: 1, 32: 2}
 assert set(CONSUMERS) == set(CACHES_MIB)
+# Every run sets `broker.min_consumers` to its consumers: dispatch starts once all of them
+# have registered (pipeline/broker/start_gate.py). NOTE: without it the line measured which
+# engine loaded first: the two vLLM consumers register up to seconds apart, longer than the
+# whole makespan (1-1.5 s), and the first one up ran the head of every shape alone. At
+# 6654ba3+ a no-lanes run's second consumer got no batch at all (94.37%, every prefix computed
+# once, as one consumer's), while runs where both started together gave the sticky baselines
+# 94.02-94.19%; with the gate, sticky+most-tokens 93.94-94.06% and no-lanes 93.88-93.99% in
+# four runs, the default 94.19-94.20%.
 # Rounds of the alternating group at most: each run starts vLLM. Measured on 2 cores at load
 # average 3.6-4.9 (other work beside it): 2 rounds of the 10 sides took 486 s, 24 s a run, so
 # 3 would take 12 minutes; at load 2.5 a run takes ~13 s and 2 rounds ~5 minutes (inside a
@@ -150,7 +158,8 @@ def measure(ctx: BenchContext, policies: tuple[str, ...]) -> dict[str, Any]:
             def run() -> dict:
                 counter[0] += 1
                 tag = f"prefix-vllm-{counter[0]}"
-                args = [*launch, "--engine-options", engine_options(mib), *runs.DISPATCH_POLICIES[policy]]
+                args = [*launch, "--engine-options", engine_options(mib), "--set",
+                        f"broker.min_consumers={CONSUMERS[mib]}", *runs.DISPATCH_POLICIES[policy]]
                 report = runs.launch(args, ctx.work_dir / f"{tag}.json", ctx.work_dir / tag, consumers=CONSUMERS[mib],
                                      python=[python, "-m", "pipeline"])
                 return run_figures(report)
@@ -215,6 +224,8 @@ def markdown(figures: dict[str, Any]) -> str:
             f"{w['prefix_tokens'][-1]:,} tokens ({sum(w['prefix_tokens']):,} in all); batches of at most "
             f"{figures['batch_tokens']:,} padded tokens. The engine's start (most of a run's wall) outlasts the "
             "producers' few seconds, so each policy orders the whole backlog, as an offline job's would. "
+            "Dispatch starts once every consumer of the run has registered (`broker.min_consumers`): "
+            "the engines load seconds apart, longer than a run's makespan. "
             "vLLM's reuse: its own counters (prefix_cache_hits / prefix_cache_queries); the report's: the "
             "requests' cached tokens over their prompt tokens. Bound: "
             "`pipeline tools analyze --caches N` (N the consumers) at the cache's tokens. "

@@ -86,6 +86,13 @@ MAX_CONTRACT_NUMBER = 2**32 - 1
 # writeback (30 s by default) does not already.
 MIN_SYNC_INTERVAL_S = 0.01
 MAX_SYNC_INTERVAL_S = 3600.0
+# `min_consumers_wait_s` (pipeline/broker/start_gate.py): the longest dispatch waits for
+# `min_consumers` to register. 30 s by default, as Spark's maxRegisteredResourcesWaitingTime:
+# long enough for engines loading a model side by side, short enough that a consumer that
+# never comes costs a job only that. At most a day, as the heartbeat timeout: a longer wait
+# would hold a whole job for a consumer that is not coming.
+DEFAULT_MIN_CONSUMERS_WAIT_S = 30.0
+MAX_MIN_CONSUMERS_WAIT_S = 86_400.0
 # A consumer's descriptor ring: a 64-item descriptor is 2 KiB, so 1 MiB holds hundreds of
 # batches, far more than any credit a consumer asks for.
 DESCRIPTOR_RING_BYTES = 1 << 20
@@ -131,6 +138,10 @@ class BrokerConfig:
     # power cut loses at most about this much acknowledged work (None, the default: the
     # kernel's writeback, up to about 35 s; pipeline/broker/periodic_sync.py).
     sync_interval_s: float | None = None
+    # Dispatch starts once this many consumers have registered, or min_consumers_wait_s after
+    # the broker started (pipeline/broker/start_gate.py; 0, the default: at the first one).
+    min_consumers: int = 0
+    min_consumers_wait_s: float = DEFAULT_MIN_CONSUMERS_WAIT_S
 
     def dispatch_policy(self):
         """The dispatch policy and the lane settings this config names (for the Dispatcher)."""
@@ -168,6 +179,15 @@ class BrokerConfig:
             raise ConfigError(f"broker setting sync_interval_s {self.sync_interval_s!r} must be a number of seconds "
                               f"from {MIN_SYNC_INTERVAL_S:g} to {MAX_SYNC_INTERVAL_S:g}, or unset for the kernel's "
                               f"writeback")
+        if isinstance(self.min_consumers, bool) or not isinstance(self.min_consumers, int) or not (
+                0 <= self.min_consumers <= self.max_consumers):
+            raise ConfigError(f"broker setting min_consumers {self.min_consumers!r} must be an integer from 0 to "
+                              f"max_consumers ({self.max_consumers!r})")
+        if isinstance(self.min_consumers_wait_s, bool) or not (
+                isinstance(self.min_consumers_wait_s, (int, float))
+                and 0 <= self.min_consumers_wait_s <= MAX_MIN_CONSUMERS_WAIT_S):
+            raise ConfigError(f"broker setting min_consumers_wait_s {self.min_consumers_wait_s!r} must be a number "
+                              f"of seconds from 0 to {MAX_MIN_CONSUMERS_WAIT_S:g}")
         if self.shape_order not in SHAPE_ORDERS:
             raise ConfigError(f"broker setting shape_order {self.shape_order!r} must be one of "
                               f"{', '.join(SHAPE_ORDERS)}")

@@ -24,6 +24,7 @@ from pipeline.broker.dispatch import Batch, Dispatcher
 from pipeline.broker.ids import ConsumerId
 from pipeline.broker.packing import Contract
 from pipeline.broker.peers import ConsumerPeer, ConsumerTotals, Peer, consumer_ring_name, object_prefix
+from pipeline.broker.start_gate import StartGate
 from pipeline.broker.storage.disk import DiskTier
 from pipeline.wire.errors import BadInputError, ProtocolError, RingTimeoutError, ShmError
 from pipeline.wire.layouts import DESCRIPTOR_ITEM_DTYPE, descriptor_size_bytes, write_descriptor
@@ -61,6 +62,10 @@ class ConsumerSide:
         self.consumers_lost = 0
         self.totals_by_name: dict[str, ConsumerTotals] = {}
         self.routed = RoutedTotals()
+        self._gate = StartGate(config.min_consumers, config.min_consumers_wait_s, time.monotonic())
+        if self._gate.opened_s is None:
+            log.info("dispatch waits for %d consumers to register (at most %g s)", config.min_consumers,
+                     config.min_consumers_wait_s)
 
     def remove_stale_rings(self) -> None:
         """Descriptor rings of earlier broker runs (a crash leaves them: the consumers only
@@ -76,7 +81,13 @@ class ConsumerSide:
     # -------------------------------------------------------------- dispatch
 
     def dispatch(self, now_s: float) -> bool:
-        """Hand batches to consumers with credit, round robin, for at most one work slice."""
+        """Hand batches to consumers with credit, round robin, for at most one work slice
+        (none before the start gate opens: min_consumers)."""
+        if self._gate.opened_s is None:
+            if not self._gate.is_open(now_s, len(self.consumers)):
+                return False
+            log.info("dispatch starts: %d consumers registered (min_consumers %d) after %.1f s",
+                     self._gate.opened_with, self._gate.min_consumers, now_s - self._gate.started_s)
         deadline = now_s + self.config.work_slice_s
         handed = False
         progress = True

@@ -119,18 +119,26 @@ class ShapeTrie:
             self._unplace(shape)
 
     def next_shape(self, model: int, after: int | None,
-                   eligible: Callable[[int], bool] = lambda _signature: True) -> int | None:
+                   eligible: Callable[[int], bool] = lambda _signature: True,
+                   preferred: Callable[[int], bool] | None = None) -> int | None:
         """The eligible shape of `model` with dispatchable tokens sharing the longest chain
         prefix with shape `after` (None, or a shape the trie no longer has: the root), ties
-        by most tokens, then the lower signature; None when there is none."""
+        first by `preferred` (a preferred one before any other at the same depth), then by
+        most tokens, then the lower signature; None when there is none."""
         at: _NodeKey | None = (model, after) if (model, after) in self._nodes else (model, None)
         while at is not None:
             node = self._nodes.get(at)
             if node is None:  # a model without any shape yet
                 return None
+            fallback = None
             for _tokens, signature in node.work:
                 if eligible(signature):
-                    return signature
+                    if preferred is None or preferred(signature):
+                        return signature
+                    if fallback is None:
+                        fallback = signature
+            if fallback is not None:
+                return fallback
             at = node.parent
         return None
 

@@ -364,9 +364,9 @@ class ShapeSelector:
             joined = self._joinable(state, model, eligible)
             if joined is not None:
                 return ShapeKey(model, joined), reason
-        following = self._next(state, model, mine, eligible)
+        following = self._next(state, model, consumer, mine, eligible)
         if following is None:  # only others' small shapes have work: take one rather than idle
-            following, reason = self._next(state, model, mine, None), SwitchReason.TAKEOVER
+            following, reason = self._next(state, model, consumer, mine, None), SwitchReason.TAKEOVER
         assert following is not None, (model, mine)  # by_tokens is not empty
         return ShapeKey(model, following), reason
 
@@ -381,10 +381,18 @@ class ShapeSelector:
                 best = (-tokens, signature)
         return None if best is None else best[1]
 
-    def _next(self, state: _Model, model: int, after: int | None, eligible) -> int | None:
-        """The next shape in the shape order among the `eligible` (None: every one)."""
+    def _next(self, state: _Model, model: int, consumer: ConsumerId, after: int | None, eligible) -> int | None:
+        """The next shape in the shape order among the `eligible` (None: every one). In the
+        prefix order with affinity, of the shapes sharing as much of the chain, one no other
+        consumer serves comes first: joining another's shape computes its prefix a second
+        time, while a shape nobody serves has its prefix computed here once (a large shape is
+        still joined where it is the only one that close, as SPEC §4b has it)."""
         if self._trie is not None:
-            return self._trie.next_shape(model, after, eligible or (lambda _signature: True))
+            preferred = None
+            if self.affinity:
+                def preferred(signature: int) -> bool:
+                    return state.serving.get(signature, {consumer}) <= {consumer}
+            return self._trie.next_shape(model, after, eligible or (lambda _signature: True), preferred)
         for _tokens, signature in state.by_tokens:
             if eligible is None or eligible(signature):
                 return signature

@@ -210,3 +210,24 @@ def test_a_small_extension_is_left_to_the_consumer_running_its_prefix():
     assert pick(selector, A) == z
     assert selector.counters.per_consumer[B][SwitchReason.TAKEOVER] == 0
     selector.check_invariants()
+
+
+def test_of_shapes_sharing_as_much_one_nobody_serves_comes_before_joining_a_large_one():
+    # A group of three templates under one system prompt (0x40). A and B drain g1 (large:
+    # both); then A takes g2, the bigger sibling. B, done with g1 as well, shares the system
+    # prompt with g2 and g3 alike: it takes g3, which nobody serves, rather than compute g2's
+    # own prefix a second time beside A (g2 is large, so joining it was allowed).
+    selector = ShapeSelector(affinity=True, shape_order="prefix")
+    g1, g2, g3 = (ShapeKey(0, s) for s in (0x41, 0x42, 0x43))
+    for chain in ((0x40, 0x41), (0x40, 0x42), (0x40, 0x43)):
+        selector.declare(0, chain)
+    for shape, tokens in ((g1, 40 * BATCH), (g2, 30 * BATCH), (g3, 20 * BATCH)):
+        selector.on_queued(shape, tokens, [0])
+    assert pick(selector, A) == g1 and pick(selector, B) == g1
+    drain(selector, g1)
+    assert pick(selector, A) == g2
+    assert pick(selector, B) == g3
+    drain(selector, g3)
+    assert pick(selector, B) == g2  # the only one left at that depth, and large: B joins A
+    assert sum(c[SwitchReason.TAKEOVER] for c in selector.counters.per_consumer.values()) == 0
+    selector.check_invariants()

@@ -14,8 +14,9 @@ from pipeline.broker.lineage import ShapeTrie
 
 
 def reference_next(chains: dict[int, tuple[int, ...]], tokens: dict[int, int], after: int | None,
-                   eligible=lambda s: True) -> int | None:
-    """Every shape with tokens scored by its common chain prefix with `after`'s chain."""
+                   eligible=lambda s: True, preferred=lambda s: True) -> int | None:
+    """Every shape with tokens scored by its common chain prefix with `after`'s chain, then
+    whether it is preferred, then its tokens."""
     last = chains.get(after, ()) if after is not None else ()
 
     def common(chain: tuple[int, ...]) -> int:
@@ -24,8 +25,8 @@ def reference_next(chains: dict[int, tuple[int, ...]], tokens: dict[int, int], a
             n += 1
         return n
 
-    candidates = [(-common(chains[s]), -t, s) for s, t in tokens.items() if t and eligible(s)]
-    return min(candidates)[2] if candidates else None
+    candidates = [(-common(chains[s]), not preferred(s), -t, s) for s, t in tokens.items() if t and eligible(s)]
+    return min(candidates)[-1] if candidates else None
 
 
 def random_chains(rng: random.Random, shapes: int) -> dict[int, tuple[int, ...]]:
@@ -67,6 +68,10 @@ def test_next_shape_matches_the_reference(seed, shapes, steps):
         banned = {s for s in chains if rng.random() < 0.2}
         want = reference_next(view, tokens, after, lambda s: s not in banned)
         assert trie.next_shape(0, after, lambda s: s not in banned) == want
+        # Served elsewhere (affinity): a preferred shape first among those sharing as much.
+        others = {s for s in chains if rng.random() < 0.3}
+        want = reference_next(view, tokens, after, lambda s: s not in banned, lambda s: s not in others)
+        assert trie.next_shape(0, after, lambda s: s not in banned, lambda s: s not in others) == want
 
 
 def test_a_shape_extending_the_last_one_comes_before_a_bigger_stranger():
