@@ -12,7 +12,8 @@ after the other keeps that prefix in a consumer's cache. The broker sees only th
 
 Next-shape order (`next_shape`): the shape with dispatchable tokens sharing the longest chain
 prefix with the one just run (a depth-first walk: the shapes below it first, then those below
-its parent, and so on up to the root), ties by most dispatchable tokens, then the lower
+its parent, and so on up to the root), ties first by the caller's `preferred` (the selector's
+affinity: a shape no other consumer serves), then by most dispatchable tokens, then the lower
 signature. Each node keeps its subtree's shapes with tokens, most first, so a choice walks up
 one path and stops at the first eligible shape it meets.
 

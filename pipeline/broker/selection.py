@@ -41,7 +41,9 @@ consumer (sticky draining), and a small shape nobody serves waits for it to drai
 Shape orders (`shape_order`):
     most-tokens   the shape with the most dispatchable tokens (the design note's rule)
     prefix        the shape sharing the longest chain prefix with the one just drained,
-                  ties by most tokens (SPEC §4b; the chains producers declare, kept in a
+                  ties (with affinity) first by whether another consumer serves it (one
+                  nobody serves first: joining computes its prefix a second time), then by
+                  most tokens (SPEC §4b; the chains producers declare, kept in a
                   trie: `pipeline/broker/lineage.py`); without chains it is most-tokens
 
 Starvation bound (beyond the design note; off unless `max_age_s` is set): when some other
