@@ -88,6 +88,11 @@ assert set(CONSUMERS) == set(CACHES_MIB)
 # once, as one consumer's), while runs where both started together gave the sticky baselines
 # 94.02-94.19%; with the gate, sticky+most-tokens 93.94-94.06% and no-lanes 93.88-93.99% in
 # four runs, the default 94.19-94.20%.
+# The gate's wait: far above an engine's start here (a run's whole wall is 16-32 s, and 24 s
+# at load 4-5), so the gate opens at the count, not because a slow engine ran out the
+# default 30 s; the run's own timeout (runs.CHILD_TIMEOUT_S) still bounds a consumer that
+# never comes.
+GATE_WAIT_S = 600
 # Rounds of the alternating group at most: each run starts vLLM. Measured on 2 cores at load
 # average 3.6-4.9 (other work beside it): 2 rounds of the 10 sides took 486 s, 24 s a run, so
 # 3 would take 12 minutes; at load 2.5 a run takes ~13 s and 2 rounds ~5 minutes (inside a
@@ -162,7 +167,8 @@ def measure(ctx: BenchContext, policies: tuple[str, ...]) -> dict[str, Any]:
                 counter[0] += 1
                 tag = f"prefix-vllm-{counter[0]}"
                 args = [*launch, "--engine-options", engine_options(mib), "--set",
-                        f"broker.min_consumers={CONSUMERS[mib]}", *runs.DISPATCH_POLICIES[policy]]
+                        f"broker.min_consumers={CONSUMERS[mib]}", "--set",
+                        f"broker.min_consumers_wait_s={GATE_WAIT_S}", *runs.DISPATCH_POLICIES[policy]]
                 report = runs.launch(args, ctx.work_dir / f"{tag}.json", ctx.work_dir / tag, consumers=CONSUMERS[mib],
                                      python=[python, "-m", "pipeline"])
                 return run_figures(report)

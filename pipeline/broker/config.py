@@ -179,15 +179,6 @@ class BrokerConfig:
             raise ConfigError(f"broker setting sync_interval_s {self.sync_interval_s!r} must be a number of seconds "
                               f"from {MIN_SYNC_INTERVAL_S:g} to {MAX_SYNC_INTERVAL_S:g}, or unset for the kernel's "
                               f"writeback")
-        if isinstance(self.min_consumers, bool) or not isinstance(self.min_consumers, int) or not (
-                0 <= self.min_consumers <= self.max_consumers):
-            raise ConfigError(f"broker setting min_consumers {self.min_consumers!r} must be an integer from 0 to "
-                              f"max_consumers ({self.max_consumers!r})")
-        if isinstance(self.min_consumers_wait_s, bool) or not (
-                isinstance(self.min_consumers_wait_s, (int, float))
-                and 0 <= self.min_consumers_wait_s <= MAX_MIN_CONSUMERS_WAIT_S):
-            raise ConfigError(f"broker setting min_consumers_wait_s {self.min_consumers_wait_s!r} must be a number "
-                              f"of seconds from 0 to {MAX_MIN_CONSUMERS_WAIT_S:g}")
         if self.shape_order not in SHAPE_ORDERS:
             raise ConfigError(f"broker setting shape_order {self.shape_order!r} must be one of "
                               f"{', '.join(SHAPE_ORDERS)}")
@@ -204,6 +195,16 @@ class BrokerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= ceiling:
                 raise ConfigError(f"broker setting {name} {value!r} must be an integer from 1 to {ceiling}")
+        # After the ceilings: it is checked against max_consumers.
+        if isinstance(self.min_consumers, bool) or not isinstance(self.min_consumers, int) or not (
+                0 <= self.min_consumers <= self.max_consumers):
+            raise ConfigError(f"broker setting min_consumers {self.min_consumers!r} must be an integer from 0 to "
+                              f"max_consumers ({self.max_consumers!r})")
+        if isinstance(self.min_consumers_wait_s, bool) or not (
+                isinstance(self.min_consumers_wait_s, (int, float))
+                and 0 <= self.min_consumers_wait_s <= MAX_MIN_CONSUMERS_WAIT_S):
+            raise ConfigError(f"broker setting min_consumers_wait_s {self.min_consumers_wait_s!r} must be a number "
+                              f"of seconds from 0 to {MAX_MIN_CONSUMERS_WAIT_S:g}")
 
     @property
     def run_dir(self) -> str:

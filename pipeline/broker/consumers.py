@@ -62,8 +62,8 @@ class ConsumerSide:
         self.consumers_lost = 0
         self.totals_by_name: dict[str, ConsumerTotals] = {}
         self.routed = RoutedTotals()
-        self._gate = StartGate(config.min_consumers, config.min_consumers_wait_s, time.monotonic())
-        if self._gate.opened_s is None:
+        self._gate = StartGate(config.min_consumers, config.min_consumers_wait_s)
+        if self._gate.gating:
             log.info("dispatch waits for %d consumers to register (at most %g s)", config.min_consumers,
                      config.min_consumers_wait_s)
 
@@ -86,8 +86,9 @@ class ConsumerSide:
         if self._gate.opened_s is None:
             if not self._gate.is_open(now_s, len(self.consumers)):
                 return False
-            log.info("dispatch starts: %d consumers registered (min_consumers %d) after %.1f s",
-                     self._gate.opened_with, self._gate.min_consumers, now_s - self._gate.started_s)
+            if self._gate.min_consumers > 1:
+                log.info("dispatch starts: %d consumers registered (min_consumers %d) after %.1f s",
+                         self._gate.opened_with, self._gate.min_consumers, now_s - self._gate.started_s)
         deadline = now_s + self.config.work_slice_s
         handed = False
         progress = True
@@ -101,6 +102,8 @@ class ConsumerSide:
     def hungry(self) -> bool:
         """Whether some consumer has credit and holds fewer than PARTIAL_BATCHES_AHEAD batches:
         it may run dry within a few of its batches, so the loop keeps its fill short."""
+        if self._gate.gating:
+            return False  # nothing can be dispatched yet: fill in whole slices
         return any(c.credit > 0 and len(c.batches) < PARTIAL_BATCHES_AHEAD and not c.peer.closed
                    for c in self.consumers.values())
 

@@ -13,9 +13,10 @@ after the other keeps that prefix in a consumer's cache. The broker sees only th
 Next-shape order (`next_shape`): the shape with dispatchable tokens sharing the longest chain
 prefix with the one just run (a depth-first walk: the shapes below it first, then those below
 its parent, and so on up to the root), ties first by the caller's `preferred` (the selector's
-affinity: a shape no other consumer serves), then by most dispatchable tokens, then the lower
-signature. Each node keeps its subtree's shapes with tokens, most first, so a choice walks up
-one path and stops at the first eligible shape it meets.
+affinity: a shape no other consumer serves; looked for a bounded way past the first eligible
+one), then by most dispatchable tokens, then the lower signature. Each node keeps its
+subtree's shapes with tokens, most first, so a choice walks up one path and stops at the
+first eligible shape it meets (or a preferred one a bounded few entries after it).
 
 Memory: one node per distinct prefix signature of a live shape, at most MAX_TRIE_NODES in
 all (model roots aside). Past it, a new shape's missing prefixes are not kept: it hangs
@@ -41,6 +42,14 @@ from pipeline.broker.ids import ShapeKey
 # ~256 MiB at worst; a run of 100,000 shapes three prefix levels deep needs 200,000. A
 # shape's own node is always kept: one per live shape, as the dispatcher keeps its lanes.
 MAX_TRIE_NODES = 1 << 19
+
+# Entries of a level looked at past its first eligible shape for a preferred one: each
+# costs an `eligible` call (a few trie walks for a small shape), and a level can hold 100,000
+# shapes, so an unbounded look would cost a switch tens of milliseconds (43 ms at 20,000
+# ineligible shapes, measured). Non-preferred shapes (served by another consumer) number at
+# most the consumers, so a preferred one is found within this many unless most entries
+# after them are ineligible, and then the first eligible shape is taken as before.
+PREFERRED_LOOKAHEAD = 32
 
 _NodeKey = tuple[int, int | None]  # (model, prefix signature); None: the model's root
 
@@ -124,20 +133,26 @@ class ShapeTrie:
                    preferred: Callable[[int], bool] | None = None) -> int | None:
         """The eligible shape of `model` with dispatchable tokens sharing the longest chain
         prefix with shape `after` (None, or a shape the trie no longer has: the root), ties
-        first by `preferred` (a preferred one before any other at the same depth), then by
-        most tokens, then the lower signature; None when there is none."""
+        first by `preferred` (a preferred one before any other at the same depth, looked for
+        among the PREFERRED_LOOKAHEAD entries after the first eligible one), then by most
+        tokens, then the lower signature; None when there is none."""
         at: _NodeKey | None = (model, after) if (model, after) in self._nodes else (model, None)
         while at is not None:
             node = self._nodes.get(at)
             if node is None:  # a model without any shape yet
                 return None
-            fallback = None
+            fallback, looked = None, 0
             for _tokens, signature in node.work:
-                if eligible(signature):
+                if fallback is not None:  # only a preferred one beats it now: the cheap test first
+                    looked += 1
+                    if looked > PREFERRED_LOOKAHEAD:
+                        break
+                    if preferred(signature) and eligible(signature):
+                        return signature
+                elif eligible(signature):
                     if preferred is None or preferred(signature):
                         return signature
-                    if fallback is None:
-                        fallback = signature
+                    fallback = signature
             if fallback is not None:
                 return fallback
             at = node.parent

@@ -23,9 +23,10 @@ AFFINITY_BATCHES_PER_CONSUMER full batches per consumer of the model) that anoth
 already serves is not taken: it runs on that one consumer, so its prefix is computed once,
 not once per consumer; nor one whose chain another consumer's current shape shares more of
 (with the prefix order: it waits for the consumer whose cache holds most of its prefix); a
-large shape is still joined by every consumer, and so is the empty shape (prompts without
-cacheable components: EMPTY_SHAPE_SIGNATURE), however small, since it has no prefix to
-compute once. A consumer that finds nothing else takes another's small shape over rather
+large shape may still be joined by every consumer (in the prefix order, where no shape as
+close is free: see `_next`), and so may the empty shape (prompts without cacheable
+components: EMPTY_SHAPE_SIGNATURE), however small, since it has no prefix to compute once.
+A consumer that finds nothing else takes another's small shape over rather
 than idle (reason `takeover`, counted).
 NOTE: holding the empty shape to one consumer, as any small shape (the rule before), cost
 the Mooncake slice of `pipeline bench prefix` 0.6 points of prefix reuse at both cache sizes
@@ -387,13 +388,17 @@ class ShapeSelector:
         """The next shape in the shape order among the `eligible` (None: every one). In the
         prefix order with affinity, of the shapes sharing as much of the chain, one no other
         consumer serves comes first: joining another's shape computes its prefix a second
-        time, while a shape nobody serves has its prefix computed here once (a large shape is
-        still joined where it is the only one that close, as SPEC §4b has it)."""
+        time, while a shape nobody serves has its prefix computed here once. SPEC §4b lets
+        every consumer drain a large shape, and one still joins it where no shape as close
+        is free; the preference only orders the ties of the longest-chain rule. The empty
+        shape is always preferred: it has no prefix to compute twice, and joining it keeps
+        small shapes waiting for all their items (the NOTE above)."""
         if self._trie is not None:
             preferred = None
             if self.affinity:
                 def preferred(signature: int) -> bool:
-                    return state.serving.get(signature, {consumer}) <= {consumer}
+                    others = state.serving.get(signature)
+                    return signature == EMPTY_SHAPE_SIGNATURE or not others or others == {consumer}
             return self._trie.next_shape(model, after, eligible or (lambda _signature: True), preferred)
         for _tokens, signature in state.by_tokens:
             if eligible is None or eligible(signature):

@@ -231,3 +231,20 @@ def test_of_shapes_sharing_as_much_one_nobody_serves_comes_before_joining_a_larg
     assert pick(selector, B) == g2  # the only one left at that depth, and large: B joins A
     assert sum(c[SwitchReason.TAKEOVER] for c in selector.counters.per_consumer.values()) == 0
     selector.check_invariants()
+
+
+def test_the_empty_shape_is_joined_before_a_small_shape_nobody_serves():
+    # The empty shape has no prefix to compute twice: joining it (A serves it) keeps a small
+    # shape waiting for all its items, as the NOTE in selection.py measured on the Mooncake
+    # trace; the preference for unserved shapes must not send B to the small one first.
+    selector = ShapeSelector(affinity=True, shape_order="prefix")
+    first, empty, small = ShapeKey(0, 0x50), ShapeKey(0, EMPTY_SHAPE_SIGNATURE), ShapeKey(0, 0x51)
+    for chain in ((0x50,), (0x51,)):
+        selector.declare(0, chain)
+    for shape, tokens in ((first, 80 * BATCH), (empty, 50 * BATCH), (small, 900)):
+        selector.on_queued(shape, tokens, [0])
+    assert pick(selector, A) == first and pick(selector, B) == first
+    drain(selector, first)
+    assert pick(selector, A) == empty  # the most tokens at the root
+    assert pick(selector, B) == empty  # not the small shape nobody serves
+    selector.check_invariants()

@@ -135,3 +135,20 @@ def test_a_seeded_random_run_keeps_every_invariant():
             trie.set_tokens(key, 0)
             trie.forget(key)
         trie.check_invariants()
+
+
+def test_a_preferred_shape_is_looked_for_a_bounded_way_past_the_first_eligible():
+    from pipeline.broker.lineage import PREFERRED_LOOKAHEAD
+
+    served, wanted = 1, 2
+    # At the root, by tokens: the served shape, then `gap` ineligible ones, then the preferred
+    # one, found only within the lookahead.
+    for gap in (PREFERRED_LOOKAHEAD - 1, PREFERRED_LOOKAHEAD):
+        trie = ShapeTrie()
+        trie.set_tokens(ShapeKey(0, served), 10_000)
+        for k in range(gap):
+            trie.set_tokens(ShapeKey(0, 100 + k), 5_000 - k)
+        trie.set_tokens(ShapeKey(0, wanted), 10)
+        got = trie.next_shape(0, None, lambda s: s < 100, lambda s: s != served)
+        assert got == (wanted if gap < PREFERRED_LOOKAHEAD else served), gap
+        trie.check_invariants()
