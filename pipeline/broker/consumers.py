@@ -83,12 +83,11 @@ class ConsumerSide:
     def dispatch(self, now_s: float) -> bool:
         """Hand batches to consumers with credit, round robin, for at most one work slice
         (none before the start gate opens: min_consumers)."""
-        if self._gate.opened_s is None:
+        if self._gate.gating:
             if not self._gate.is_open(now_s, len(self.consumers)):
                 return False
-            if self._gate.min_consumers > 1:
-                log.info("dispatch starts: %d consumers registered (min_consumers %d) after %.1f s",
-                         self._gate.opened_with, self._gate.min_consumers, now_s - self._gate.started_s)
+            log.info("dispatch starts: %d consumers registered (min_consumers %d) after %.1f s",
+                     self._gate.opened_with, self._gate.min_consumers, now_s - self._gate.started_s)
         deadline = now_s + self.config.work_slice_s
         handed = False
         progress = True
