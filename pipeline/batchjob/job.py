@@ -1,188 +1,418 @@
-"""A batch job's state on its data directory: which requests have their answer, which wait
-in the store, and which are still to be submitted. This is what makes a job resumable.
+"""A batch job: an OpenAI Batch file through the pipeline into one output line per request,
+resumable after any stop, in memory that does not grow with the file.
 
-    DATA_DIR/job/manifest.json     the job: its input file's sha256, the served model, when
-                                   it started (every response's `created`); written once
-    DATA_DIR/job/rejected/*.jsonl  requests a producer could not make a prompt of (a chat
-                                   template that refused the conversation): {"index", "message"}
-    DATA_DIR/results/run-*/        the consumers' results files, one directory per run
+    job = BatchJob(spec, say=print)
+    job.prepare()        # paths checked, the data directory locked, the input scanned (or
+                         # checked against the job's manifest), what earlier runs answered
+    code = job.run()     # the pipeline on what is left: the launcher, with the job's producers
+    code = job.finish(code)   # the output (and error file, summary, report) once all is answered
 
-Every item of a job carries its request's index (0-based, in file order) as its payload,
-in ASCII digits (`request_payload`). A rerun on the same data directory reads back:
-    answered   a results line of any run (ok, too long, an engine error), or a rejection
-    pending    an item still in the store or in a producer ring (the broker delivers it)
-    to submit  every other request without a per-request error of its own
-so nothing answered runs again and nothing pending is submitted twice. A results line of a
-corrupt entry (the store damaged it) is not an answer: the request is submitted again from
-its line in the file.
-
-Owner: the process running the job (the launcher's parent); the rejection logs are written
-by producer processes, each its own file, one whole line per write.
+The job's files (DATA_DIR/job/): its manifest (`manifest.py`: what the job is and everything
+its answers depend on), the input's sparse index (`input.idx`), the answer log and its
+records (`answers.py`; with `--output-order completion` the log is the output file itself),
+where the collector read each results file up to (`collect.py`), producers' refusals
+(`rejections.py`), the lock a running job holds, and its status (`status.json`, for
+`pipeline status`). A run plans from them: answered requests are not run again, requests
+still in the store or a producer ring are delivered by the broker (not submitted again),
+and only the rest are submitted.
 """
 
 from __future__ import annotations
 
-import base64
+import fcntl
 import json
 import os
-from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
-from pipeline.batchjob.output import write_output
-from pipeline.reporting.accounting import ResultsSummary, result_rows
-from pipeline.wire.errors import JobMismatchError
-from pipeline.wire.textfiles import bounded_lines
+import numpy as np
 
-JOB_DIR = "job"
-MANIFEST_NAME = "manifest.json"
-REJECTED_DIR = "rejected"
-RESULTS_DIR = "results"
-# A results line of these statuses answers its request for good; a corrupt one does not.
-ANSWER_STATUSES = frozenset({"ok", "too_long", "error"})
-# The manifest and a rejection line are small: anything longer is not ours.
-MAX_JOB_LINE_BYTES = 1 << 16
-# Longest payload that can be a request index: 20 digits hold any int64.
-MAX_INDEX_DIGITS = 20
+from pipeline.batchjob.answers import LOG_NAME, AnswerLog
+from pipeline.batchjob.assemble import write_in_input_order
+from pipeline.batchjob.collect import Collector
+from pipeline.batchjob.layout import JOB_PAYLOAD_SIZE_BYTES, LOG_ERRORS, LOG_OUTPUT, decode_job_payload
+from pipeline.batchjob.manifest import (
+    JOB_DIR,
+    JobManifest,
+    depends_on,
+    differences,
+    load_manifest,
+    mismatch_error,
+    write_manifest,
+)
+from pipeline.batchjob.paths import (
+    OutputPath,
+    check_data_dir_is_the_jobs,
+    check_input,
+    check_outputs,
+    remove_data_dir,
+    remove_partial,
+    replace_file,
+)
+from pipeline.batchjob.progress import JobCounts, JobTracker, JobView
+from pipeline.batchjob.scan import InputScan, input_digest, read_index, scan_input, write_index
+from pipeline.batchjob.workload import JobInput, JobWorkload, PromptLimits
+from pipeline.runtime.datadir import check_data_dir
+from pipeline.runtime.inventory import pending_payloads, producer_ring_names
+from pipeline.runtime.settings import LaunchSettings
+from pipeline.wire.errors import GenerationParamsError, JobPathError
+from pipeline.wire.generation import decode_payload
 
-
-def request_payload(index: int) -> bytes:
-    """The payload of request `index`'s item: its index in ASCII digits."""
-    return b"%d" % index
-
-
-def request_index(payload: bytes) -> int | None:
-    """The request index a payload names, or None if it names none (not a job's item)."""
-    if not payload or len(payload) > MAX_INDEX_DIGITS or not payload.isdigit():
-        return None
-    return int(payload)
-
-
-@dataclass(slots=True, frozen=True)
-class JobManifest:
-    """What a job's data directory is for. Written at a job's first run; a later run on the
-    same directory must be for the same input file (by content) and served model."""
-
-    input_sha256: str
-    input_path: str
-    served_model: str
-    requests: int
-    created_s: int  # Unix time of the first run: every response's `created`
-
-    @classmethod
-    def load_or_create(cls, data_dir: str, wanted: JobManifest) -> JobManifest:
-        """The data directory's manifest (written now from `wanted` if it has none);
-        JobMismatchError if it is another job's."""
-        path = os.path.join(data_dir, JOB_DIR, MANIFEST_NAME)
-        try:
-            with open(path, "rb") as f:
-                raw = f.read(MAX_JOB_LINE_BYTES + 1)
-        except FileNotFoundError:
-            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-            write_output(path, [json.dumps(asdict(wanted))])  # whole or not at all, as the output
-            return wanted
-        try:
-            have = cls(**json.loads(raw))
-        except (ValueError, TypeError) as exc:
-            raise JobMismatchError(f"{path}: not a job manifest ({exc}); use another --data-dir") from None
-        if (have.input_sha256, have.served_model) != (wanted.input_sha256, wanted.served_model):
-            raise JobMismatchError(
-                f"{data_dir} holds another job: {have.input_path} (sha256 {have.input_sha256[:12]}..., model "
-                f"{have.served_model!r}), not {wanted.input_path} (sha256 {wanted.input_sha256[:12]}..., model "
-                f"{wanted.served_model!r}); use another --data-dir, or remove it to start over")
-        return have
-
-
-class RejectionLog:
-    """A producer's log of requests it could not make a prompt of. Owner: one producer
-    process (its own file); each rejection is one O_APPEND write of one whole line, so a
-    kill leaves whole lines (a torn last one is skipped when read, and that request is
-    simply made again by the next run). `close()` is explicit."""
-
-    def __init__(self, data_dir: str, name: str) -> None:
-        folder = os.path.join(data_dir, JOB_DIR, REJECTED_DIR)
-        os.makedirs(folder, mode=0o700, exist_ok=True)
-        self.path = os.path.join(folder, f"{name}.jsonl")
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
-
-    def reject(self, index: int, message: str) -> None:
-        line = json.dumps({"index": index, "message": message[:MAX_JOB_LINE_BYTES // 2]}, ensure_ascii=True)
-        os.write(self._fd, line.encode() + b"\n")
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+OUTPUT_ORDERS = ("input", "completion")
+LOCK_NAME = "lock"
+STATUS_NAME = "status.json"
+INDEX_NAME = "input.idx"
+# How often the job's status file and the collector's read positions are saved while it runs.
+SAVE_INTERVAL_S = 2.0
 
 
 @dataclass(slots=True)
-class Answers:
-    """Every request answered so far: its results line (an ok one where a request has
-    several: a redelivered batch), in the order they were answered, and the rejections."""
+class JobSpec:
+    """What the user asked for (the command line, parsed and checked)."""
 
-    rows: dict[int, dict] = field(default_factory=dict)
-    order: list[int] = field(default_factory=list)  # request indices, first answer first
-    rejected: dict[int, str] = field(default_factory=dict)
-    bad_lines: int = 0  # results lines that are not results (a torn line), skipped
-
-    def answered(self) -> set[int]:
-        return set(self.rows) | set(self.rejected)
-
-    def add_row(self, row: dict) -> None:
-        index = request_index(base64.b64decode(row.get("payload") or ""))
-        if index is None or row.get("status") not in ANSWER_STATUSES:
-            return
-        have = self.rows.get(index)
-        if have is None:
-            self.rows[index] = row
-            self.order.append(index)
-        elif have["status"] != "ok" and row["status"] == "ok":
-            self.rows[index] = row  # a redelivered batch answered it properly after all
+    input_path: str
+    output_path: str
+    model_dir: str
+    served_model: str
+    settings: LaunchSettings  # data_dir set
+    data_dir_given: bool
+    output_order: str = "input"
+    error_file: str | None = None
+    report_path: str | None = None
+    summary_path: str | None = None
+    overwrite: bool = False
+    keep_data_dir: bool = False
+    limits: PromptLimits = field(default_factory=PromptLimits)
 
 
-def read_answers(data_dir: str) -> Answers:
-    """What every run of the job on `data_dir` answered (results lines of all runs, in the
-    order of their run directories, then of their files and lines) and rejected."""
-    answers = Answers()
-    seen = ResultsSummary()
-    results = os.path.join(data_dir, RESULTS_DIR)
-    for run in sorted(os.listdir(results)) if os.path.isdir(results) else []:
-        folder = os.path.join(results, run)
-        for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
-            if name.endswith(".jsonl"):
-                for row in result_rows(os.path.join(folder, name), seen):
-                    answers.add_row(row)
-    rejected = os.path.join(data_dir, JOB_DIR, REJECTED_DIR)
-    for name in sorted(os.listdir(rejected)) if os.path.isdir(rejected) else []:
-        for row in _json_lines(os.path.join(rejected, name), answers):
-            if isinstance(row.get("index"), int) and row["index"] not in answers.rows:
-                answers.rejected.setdefault(row["index"], str(row.get("message", "")))
-    answers.bad_lines += seen.bad_lines
-    return answers
+@dataclass(slots=True)
+class JobSummary:
+    """What a job answered, across its runs, and how this run went."""
+
+    requests: int
+    completed: int
+    failed: int
+    failed_by_status: dict[int, int]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    run_wall_s: float
+    run_answered: int
+    paced_by: str
+    output_written: bool
+
+    def as_json(self) -> dict:
+        found = {k: getattr(self, k) for k in self.__slots__}
+        found["failed_by_status"] = {str(k): v for k, v in self.failed_by_status.items()}
+        found["total_tokens"] = self.prompt_tokens + self.completion_tokens
+        found["cached_share"] = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
+        found["run_requests_per_s"] = self.run_answered / self.run_wall_s if self.run_wall_s > 0 else None
+        return found
 
 
-def _json_lines(path: str, answers: Answers) -> Iterable[dict]:
-    """The JSON objects of a rejection log's lines; anything else (a torn last line) is
-    counted as a bad line."""
-    with open(path, "rb") as file:
-        yield from _objects(bounded_lines(file, MAX_JOB_LINE_BYTES), answers)
+class BatchJob:
+    """See the module's doc. Owner: the command's main thread; not thread-safe."""
 
+    def __init__(self, spec: JobSpec, say: Callable[[str], None], show: Callable[[JobView, float], None]) -> None:
+        assert spec.output_order in OUTPUT_ORDERS, spec.output_order
+        self.spec = spec
+        self.data_dir = spec.settings.data_dir
+        assert self.data_dir is not None
+        self.say = say
+        self.show = show
+        self._lock_fd = -1
+        self._created_data_dir = False
+        self.manifest: JobManifest | None = None
+        self.job_input: JobInput | None = None
+        self.log: AnswerLog | None = None
+        self.collector: Collector | None = None
+        self._input_fd = -1
+        self.pending = 0
+        self.skip = np.zeros(0, dtype=np.uint8)
+        self.tracker: JobTracker | None = None
+        self.report: dict | None = None
+        self._run_started_s = time.monotonic()
+        self._answered_before = 0
+        self._saved_s = 0.0
+        self._producers_busy: float | None = None
 
-def _objects(lines: Iterable[tuple[int, bytes | None]], answers: Answers) -> Iterable[dict]:
-    for _line, raw in lines:
-        if raw is None:
-            answers.bad_lines += 1
-            continue
-        try:
-            row = json.loads(raw)
-        except ValueError:
-            answers.bad_lines += 1
-            continue
-        if isinstance(row, dict):
-            yield row
+    # ------------------------------------------------------------------ prepare
+
+    def prepare(self) -> None:
+        """Everything checked and read before anything starts (the module's doc)."""
+        spec = self.spec
+        input_path = check_input(spec.input_path)
+        have = load_manifest(self.data_dir) if os.path.isdir(self.data_dir) else None
+        check_data_dir_is_the_jobs(self.data_dir, has_manifest=have is not None)
+        check_outputs(self._outputs(), input_path, self.data_dir, self._own_outputs(have), spec.overwrite)
+        self._make_data_dir()
+        self._lock()
+        wanted, scan = self._wanted_manifest(input_path, have)
+        if have is not None:
+            changed = differences(have, wanted)
+            if changed:
+                raise mismatch_error(self.data_dir, have, changed)
+            self.manifest = have
         else:
-            answers.bad_lines += 1
+            self.manifest = wanted
+            write_index(os.path.join(self.data_dir, JOB_DIR, INDEX_NAME), scan)
+            write_manifest(self.data_dir, wanted)
+        index = scan.index if have is None else read_index(os.path.join(self.data_dir, JOB_DIR, INDEX_NAME),
+                                                           self.manifest)
+        self.job_input = JobInput(input_path, self.manifest.requests, index)
+        self._open_answers()
+
+    def _outputs(self) -> list[OutputPath]:
+        spec = self.spec
+        found = [OutputPath("output file", os.path.abspath(spec.output_path))]
+        for role, path in (("error file", spec.error_file), ("run report", spec.report_path),
+                           ("job summary", spec.summary_path)):
+            if path is not None:
+                found.append(OutputPath(role, os.path.abspath(path)))
+        return found
+
+    def _own_outputs(self, have: JobManifest | None) -> list[str]:
+        """Outputs the job wrote before: its completion-order output and error file (its
+        answer log, appended across runs)."""
+        if have is None or have.output_order != "completion":
+            return []
+        return [p for p in (have.output_path, have.error_file) if p is not None]
+
+    def _make_data_dir(self) -> None:
+        check_data_dir(self.data_dir)
+        if not os.path.lexists(self.data_dir):
+            os.makedirs(self.data_dir, mode=0o700)
+            self._created_data_dir = True
+        os.makedirs(os.path.join(self.data_dir, JOB_DIR), mode=0o700, exist_ok=True)
+
+    def _lock(self) -> None:
+        """Hold the job's lock for the whole run: one run of a job at a time."""
+        path = os.path.join(self.data_dir, JOB_DIR, LOCK_NAME)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise JobPathError(f"a run of this job holds {self.data_dir} (pid {holder}): wait for it to finish, or "
+                               f"stop it (Ctrl-C where it runs) and run this again") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+
+    def _wanted_manifest(self, input_path: str, have: JobManifest | None) -> tuple[JobManifest, InputScan]:
+        """This run's idea of the job: a fresh scan of the input for a new job (refused with
+        its bad lines), its digest alone for a resume."""
+        spec = self.spec
+        if have is None:
+            scan = scan_input(input_path, os.path.join(self.data_dir, JOB_DIR, "scan"), on_progress=self._scanning)
+        else:
+            size, digest = input_digest(input_path)
+            scan = InputScan(input_path, size, digest, have.requests)
+        fields = dict(
+            created_s=int(time.time()), input_path=input_path, input_bytes=scan.input_bytes,
+            input_xxh3=scan.input_xxh3, requests=scan.requests, served_model=spec.served_model,
+            output_path=os.path.abspath(spec.output_path), output_order=spec.output_order,
+            error_file=os.path.abspath(spec.error_file) if spec.error_file else None,
+            depends_on=depends_on(spec.model_dir, spec.settings.engine, spec.settings.engine_options,
+                                  spec.settings.max_input_len))
+        return (JobManifest.new(**fields) if have is None else replace(have, **fields)), scan
+
+    def _scanning(self, read_bytes: int, requests: int) -> None:
+        self.say(f"run-batch: checking {self.spec.input_path}: {read_bytes / 1e6:,.0f} MB read, {requests:,} "
+                 f"requests so far")
+
+    def _open_answers(self) -> None:
+        from pipeline.batchjob.chat import ChatTokenizer
+
+        manifest = self.manifest
+        if manifest.output_order == "completion":
+            remove_partial(manifest.output_path)
+            logs = {LOG_OUTPUT: manifest.output_path}
+            if manifest.error_file is not None:
+                logs[LOG_ERRORS] = manifest.error_file
+        else:
+            logs = {LOG_OUTPUT: os.path.join(self.data_dir, JOB_DIR, LOG_NAME)}
+        self.log = AnswerLog.open(self.data_dir, manifest.requests, logs)
+        self._input_fd = os.open(manifest.input_path, os.O_RDONLY | os.O_CLOEXEC)
+        tokenizer = ChatTokenizer.load(self.spec.model_dir)
+        error_log = LOG_ERRORS if LOG_ERRORS in logs else LOG_OUTPUT
+        self.collector = Collector(self.data_dir, manifest, self._input_fd, tokenizer.decode, self.log, error_log)
+        while self.collector.collect():
+            pass
+        self.collector.save()
+        self._answered_before = self.log.done
+        self.skip = self.log.done_bits().copy()
+        self.pending = self._mark_pending(self.skip)
+        self.tracker = JobTracker(manifest.requests)
+
+    def _mark_pending(self, skip: np.ndarray) -> int:
+        """Set the bits of requests an earlier run left in the store or a ring; how many."""
+        found = 0
+        for _item, payload in pending_payloads(self.data_dir, producer_ring_names(self.data_dir)):
+            try:
+                _params, own = decode_payload(payload)
+            except GenerationParamsError:
+                continue
+            mine = decode_job_payload(own, self.manifest.job_id) if len(own) == JOB_PAYLOAD_SIZE_BYTES else None
+            if mine is not None and mine[0] < self.manifest.requests:
+                index = mine[0]
+                if not skip[index >> 3] >> (index & 7) & 1:
+                    skip[index >> 3] |= 1 << (index & 7)
+                    found += 1
+        return found
+
+    # ------------------------------------------------------------------ run
+
+    @property
+    def to_submit(self) -> int:
+        return self.manifest.requests - int(np.unpackbits(self.skip, bitorder="little")[:self.manifest.requests].sum())
+
+    def run(self) -> int:
+        """The pipeline on what is left; the launcher's exit status (0 when nothing was left)."""
+        from pipeline.runtime.launcher import Launcher
+
+        self._run_started_s = time.monotonic()
+        if not self.to_submit and not self.pending:
+            return 0
+        workload = JobWorkload(self.job_input, self.skip, self.manifest, self.spec.model_dir, self.data_dir,
+                               self.spec.limits)
+        launcher = Launcher(self.spec.settings, workload, on_status=self._poll, summarize=self.collector.summary)
+        self.collector.tally(launcher.results_dir)
+        try:
+            outcome = launcher.run()
+        finally:
+            self._catch_up()
+            launcher.cleanup()
+        self.report = outcome.report
+        self.report["outcome"] = outcome.why
+        self._producers_busy = launcher.producers_busy_share()
+        if outcome.why not in ("completed", "interrupted"):
+            self.say(f"run-batch: the run stopped: {outcome.why}")
+        return outcome.exit_code
+
+    def _poll(self, _status, now_s: float) -> None:
+        """Every watch of the launcher: new answers into the log, progress, saved state."""
+        self.collector.collect()
+        self.tracker.observe(self._counts(), now_s)
+        self.show(self.tracker.view(), now_s)
+        if now_s - self._saved_s >= SAVE_INTERVAL_S:
+            self._saved_s = now_s
+            self.collector.save()
+            self.write_status("running")
+
+    def _catch_up(self) -> None:
+        self.collect_all()
+        self.write_status("stopped")
+
+    def collect_all(self) -> None:
+        """Every answer written so far into the log (a run's end)."""
+        while self.collector.collect():
+            pass
+        self.collector.save()
+
+    def _counts(self) -> JobCounts:
+        log = self.log
+        return JobCounts(log.done, log.failed, log.usage.prompt_tokens, log.usage.completion_tokens,
+                         log.usage.cached_tokens, dict(log.by_status))
+
+    def write_status(self, state: str) -> None:
+        """The job's status file (`pipeline status --data-dir`): its view and state."""
+        self.tracker.observe(self._counts(), time.monotonic())
+        status = {"state": state, "pid": os.getpid(), "updated_s": int(time.time()),
+                  "input": self.manifest.input_path, "output": self.manifest.output_path,
+                  "output_order": self.manifest.output_order, **self.tracker.view().as_json()}
+        replace_file(os.path.join(self.data_dir, JOB_DIR, STATUS_NAME), [json.dumps(status).encode() + b"\n"])
+
+    # ------------------------------------------------------------------ finish
+
+    def finish(self, code: int) -> tuple[int, JobSummary]:
+        """The output once every request has its answer; the summary; the exit status."""
+        log = self.log
+        written = log.done == self.manifest.requests
+        if written:
+            self._write_outputs()
+        summary = self._summary(written)
+        if written:
+            self._write_summaries(summary)
+            self.write_status("completed")
+            code = 0
+        else:
+            self.write_status("stopped")
+            code = code or 1
+        return code, summary
+
+    def _write_outputs(self) -> None:
+        manifest = self.manifest
+        if manifest.output_order == "completion":
+            self.log.sync()
+            return
+        write_in_input_order(self.data_dir, os.path.join(self.data_dir, JOB_DIR, LOG_NAME), manifest.requests,
+                             manifest.output_path, manifest.error_file, os.path.join(self.data_dir, JOB_DIR, "merge"))
+
+    def _summary(self, written: bool) -> JobSummary:
+        log = self.log
+        failed = {code: n for code, n in sorted(log.by_status.items()) if code != 200}
+        wall_s = time.monotonic() - self._run_started_s
+        return JobSummary(self.manifest.requests, log.by_status.get(200, 0), log.failed, failed,
+                          log.usage.prompt_tokens, log.usage.completion_tokens, log.usage.cached_tokens, wall_s,
+                          log.done - self._answered_before, self._paced_by(), written)
+
+    def _paced_by(self) -> str:
+        """Which stage paced this run: the producers making prompts, or the engines."""
+        if self.report is None:
+            return "nothing ran"
+        consumers = self.report.get("busy_fraction")
+        producers = self._producers_busy
+        if producers is not None and producers >= 0.8 and (consumers is None or producers > consumers):
+            return f"making prompts (the producers were busy {producers:.0%} of the run)"
+        if consumers is not None and consumers >= 0.8:
+            return f"the engines (the consumers were busy {consumers:.0%} of the run)"
+        shown = ", ".join(f"{name} busy {share:.0%}" for name, share in (("producers", producers),
+                                                                            ("consumers", consumers))
+                          if share is not None)
+        return f"no stage was busy most of the run ({shown}): the hand-offs between them, or the start"
+
+    def _write_summaries(self, summary: JobSummary) -> None:
+        """The summary beside the output, and the run report, after the output."""
+        spec = self.spec
+        if spec.summary_path is not None:
+            replace_file(spec.summary_path, [json.dumps({"job": summary.as_json()}, indent=1).encode() + b"\n"])
+        if spec.report_path is not None:
+            report = dict(self.report or {})
+            report["job"] = summary.as_json()
+            replace_file(spec.report_path, [json.dumps(report, indent=1, default=str).encode() + b"\n"])
+
+    def close(self, remove: bool) -> list[str]:
+        """Release the job's files; with `remove`, remove the data directory (what the
+        product made in it); the names left there."""
+        if self.log is not None:
+            self.log.close()
+        if self._input_fd >= 0:
+            os.close(self._input_fd)
+            self._input_fd = -1
+        left: list[str] = []
+        if remove:
+            left = remove_data_dir(self.data_dir)
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+        return left
+
+    def abandon_new(self) -> None:
+        """A job refused before anything ran in a data directory it created: remove it."""
+        if self._created_data_dir:
+            self.close(remove=True)
 
 
-def pending_requests(payloads: Iterable[bytes]) -> set[int]:
-    """The request indices of the items a stopped run left in the store and the rings."""
-    return {index for index in map(request_index, payloads) if index is not None}
+def job_workload(data_dir: str, model_dir: str) -> JobWorkload:
+    """Every request of the job on `data_dir` as its producers make them (a checker's view:
+    `pipeline/reliability`), from the job's manifest and input index."""
+    manifest = load_manifest(data_dir)
+    if manifest is None:
+        raise JobPathError(f"{data_dir}: not a batch job's data directory (no job manifest)")
+    index = read_index(os.path.join(data_dir, JOB_DIR, INDEX_NAME), manifest)
+    skip = np.zeros((manifest.requests + 7) // 8, dtype=np.uint8)
+    return JobWorkload(JobInput(manifest.input_path, manifest.requests, index), skip, manifest, model_dir, data_dir,
+                       PromptLimits())

@@ -1,4 +1,4 @@
-"""An OpenAI Batch request file (`pipeline run-batch -i`), read and validated whole (issue 14).
+"""A batch file's request, its body checked: what a producer makes a prompt of.
 
 One JSON object a line, as OpenAI's Batch API and `vllm run-batch` take it:
 
@@ -6,27 +6,18 @@ One JSON object a line, as OpenAI's Batch API and `vllm run-batch` take it:
      "body": {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}],
               "max_completion_tokens": 64, "temperature": 0}}
 
-Two kinds of problem, told apart by whether the line is a request at all:
-
-- **The file's**: a line that is not UTF-8 or JSON, not an object, without one of custom_id,
-  method, url, body (or with another key), a custom_id that is not a non-empty string or is
-  used twice (both lines named), a method other than "POST", a url that is not a string, a
-  body that is not an object, a line over MAX_REQUEST_LINE_BYTES, more than
-  MAX_BATCH_REQUESTS requests, or no request at all. Any of them refuses the whole job
-  before anything runs: one BatchFileError lists the first MAX_LISTED_ERRORS lines as
-  `path:line: why` and the total, as `load_workload` does and for its reasons (a half-run
-  job is hard to resume, and an offline job should fail before it spends GPU time).
-- **A request's**: a well-formed line whose body this job cannot serve. It does not refuse
-  the file; the request keeps its error (`BatchRequest.error`, the parameter in
-  `error_param`) and is answered with status 400 in the output, as OpenAI answers a bad
-  request inside a batch, while the others run:
-  an endpoint other than CHAT_URL and COMPLETIONS_URL; a body.model other than the served
-  model (or none); messages that are not a non-empty list of {role, content} with a role
-  of CHAT_ROLES; content that is not text (a string, or a list of {"type": "text"} parts
-  joined with "\\n" as vLLM joins them: an image, audio or file part is refused, named); a
-  prompt that is not one string or one list of token ids (several prompts: refused); a
-  parameter the engine cannot honour (below); a value GenerationParams refuses (its
-  message, prefixed with the parameter's name).
+The file's own rules (a line that is not a request at all) are `scan.py`'s, checked once
+before the job starts. Here, a well-formed line whose body this job cannot serve: the
+request keeps its error (`BatchRequest.error`, the parameter in `error_param`) and is
+answered with status 400 in the output, as OpenAI answers a bad request inside a batch,
+while the others run:
+an endpoint other than CHAT_URL and COMPLETIONS_URL; a body.model other than the served
+model (or none); messages that are not a non-empty list of {role, content} with a role
+of CHAT_ROLES; content that is not text (a string, or a list of {"type": "text"} parts
+joined with "\\n" as vLLM joins them: an image, audio or file part is refused, named); a
+prompt that is not one string or one list of token ids (several prompts: refused); a
+parameter the engine cannot honour (below); a value GenerationParams refuses (its
+message, prefixed with the parameter's name).
 
 Parameters. The engine carries max_tokens, temperature, top_p, seed and stop (a string or a
 list of strings) per item (`pipeline/wire/generation.py`); for chat, max_completion_tokens
@@ -46,36 +37,23 @@ same reason: the envelope does not carry them (a new GenerationParams field woul
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
+
+from pipeline.batchjob.scan import envelope
 from pipeline.producer.signature import INT32_MAX
-from pipeline.producer.workload import MAX_LISTED_ERRORS
-from pipeline.wire.errors import BatchFileError, GenerationParamsError
+from pipeline.wire.errors import GenerationParamsError
 from pipeline.wire.generation import GenerationParams
-from pipeline.wire.textfiles import external_lines, listed
+from pipeline.wire.textfiles import listed
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 KIND_CHAT = "chat"
 KIND_COMPLETION = "completion"
 ENDPOINTS = {CHAT_URL: KIND_CHAT, COMPLETIONS_URL: KIND_COMPLETION}
-# The Batch API's one method (OpenAI: "Currently only POST is supported").
-METHOD = "POST"
-# The keys of a request line, all required, nothing else (OpenAI's request input object).
-LINE_KEYS = ("custom_id", "method", "url", "body")
-
-# The longest request line read (bytes before its newline): a prompt at the broker's largest item (262,144 tokens, ~4
-# characters each) is ~1 MiB of text, ~6 MiB if every character were a \\u escape; 16 MiB,
-# as for workload files, leaves room and bounds what a file of one endless line can cost.
-MAX_REQUEST_LINE_BYTES = 16 << 20
-# The most requests in one file: 20x OpenAI's 50,000 per batch, so any file made for OpenAI
-# runs here, while the requests (held in memory with their text until the output is
-# written) stay bounded. A bigger job is split into several files.
-MAX_BATCH_REQUESTS = 1 << 20
 
 # Chat roles a message may take. OpenAI's "developer" is its newer name for "system" (the
 # chat template decides how to render it); "tool" and "function" answer tool calls, which
@@ -153,20 +131,6 @@ class BatchRequest:
     error_param: str | None = None
 
 
-@dataclass(slots=True)
-class BatchFile:
-    """A validated batch file: its requests in file order (those with an error included),
-    its path, the sha256 of its bytes (hex: a resumed job refuses another file), and how
-    many requests are chat, completion, and refused (an error: not counted by kind)."""
-
-    path: str
-    sha256: str
-    requests: list[BatchRequest]
-    chat_count: int
-    completion_count: int
-    error_count: int
-
-
 class _Refused(Exception):
     """A request this job cannot serve: the message and the parameter it names. Internal:
     caught in `_request` and kept as the request's error, never raised out of this module."""
@@ -176,111 +140,15 @@ class _Refused(Exception):
         self.param = param
 
 
-def load_requests(path: str | os.PathLike[str], served_model: str) -> BatchFile:
-    """Read and validate a batch file (see the module docstring) for a job serving
-    `served_model` (body.model must equal it). A problem of the file raises one
-    BatchFileError naming the first bad lines and the total; a request's own problem is
-    kept as its error. Nothing is submitted here."""
-    name = os.fspath(path)
-    parser = _FileParser(name, served_model)
-    for number, raw in external_lines(name, MAX_REQUEST_LINE_BYTES, BatchFileError, "batch file"):
-        if raw is None:
-            parser.bad(number, f"longer than {MAX_REQUEST_LINE_BYTES:,} bytes (the longest prompt fits in far less)")
-        elif not parser.add(number, raw):
-            break
-    return parser.finish()
-
-
-class _FileParser:
-    """Checks one file line by line, keeping its requests, the line of each custom_id and
-    the first errors. Owner: `load_requests`, for one file; single-threaded."""
-
-    def __init__(self, path: str, served_model: str) -> None:
-        self.path = path
-        self.served_model = served_model
-        self.digest = hashlib.sha256()
-        self.requests: list[BatchRequest] = []
-        self.id_lines: dict[str, int] = {}
-        self.errors: list[str] = []
-        self.bad_lines = 0
-        self.stopped_at = 0  # the line where reading stopped (too many requests), or 0
-
-    def add(self, line: int, raw: bytes) -> bool:
-        """Take line `line`; False when reading must stop (one request too many)."""
-        self.digest.update(raw)
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            self.bad(line, f"not UTF-8 ({exc.reason} at byte {exc.start})")
-            return True
-        if not text.strip():
-            return True
-        try:
-            record = json.loads(text)
-        except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
-            self.bad(line, f"not JSON ({exc})")
-            return True
-        try:
-            custom_id, url, body = _envelope(record)
-        except BatchFileError as exc:
-            self.bad(line, str(exc))
-            return True
-        first = self.id_lines.setdefault(custom_id, line)
-        if first != line:
-            self.bad(line, f"custom_id {custom_id!r} is used by line {first} too (each request needs its own: the "
-                           f"output is matched to the input by it)")
-            return True
-        if len(self.requests) == MAX_BATCH_REQUESTS:
-            self.bad(line, f"more than {MAX_BATCH_REQUESTS:,} requests in one file; split it into several jobs")
-            self.stopped_at = line
-            return False
-        self.requests.append(_request(len(self.requests), line, custom_id, url, body, self.served_model))
-        return True
-
-    def bad(self, line: int, why: str) -> None:
-        """Line `line` is not a request: counted, and named among the first errors."""
-        self.bad_lines += 1
-        if len(self.errors) < MAX_LISTED_ERRORS:
-            self.errors.append(f"{self.path}:{line}: {why}")
-
-    def finish(self) -> BatchFile:
-        if self.bad_lines:
-            plural = "s" if self.bad_lines != 1 else ""
-            upto = f" up to line {self.stopped_at}, where reading stopped" if self.stopped_at else ""
-            shown = f", the first {len(self.errors)}" if self.bad_lines > len(self.errors) else ""
-            raise BatchFileError(
-                f"{self.path}: {self.bad_lines} bad line{plural}{upto}; nothing was submitted and the job does "
-                f"not start{shown}:\n  " + "\n  ".join(self.errors))
-        if not self.requests:
-            raise BatchFileError(f"{self.path}: no requests (the file is empty or blank)")
-        kinds = [r.kind for r in self.requests if r.error is None]
-        return BatchFile(self.path, self.digest.hexdigest(), self.requests, kinds.count(KIND_CHAT),
-                         kinds.count(KIND_COMPLETION), len(self.requests) - len(kinds))
-
-
-def _envelope(record: object) -> tuple[str, str, dict]:
-    """(custom_id, url, body) of a request line; BatchFileError (the reason alone) if it is
-    not one."""
-    if not isinstance(record, dict):
-        raise BatchFileError(f"a request must be a JSON object, got {_show(record)}")
-    missing = [key for key in LINE_KEYS if key not in record]
-    if missing:
-        raise BatchFileError(f"missing {', '.join(map(repr, missing))}: a request line has custom_id, method, "
-                             f"url and body")
-    unknown = sorted(set(record) - set(LINE_KEYS))
-    if unknown:
-        raise BatchFileError(f"unknown key{'s' if len(unknown) > 1 else ''} {listed(unknown)}: a "
-                             f"request line has custom_id, method, url and body only")
-    custom_id, method, url, body = (record[key] for key in LINE_KEYS)
-    if not isinstance(custom_id, str) or not custom_id:
-        raise BatchFileError(f"custom_id must be a non-empty string, got {_show(custom_id)}")
-    if method != METHOD:
-        raise BatchFileError(f"method must be {METHOD!r} (the Batch API's only method), got {_show(method)}")
-    if not isinstance(url, str):
-        raise BatchFileError(f"url must be a string (an endpoint such as {CHAT_URL!r}), got {_show(url)}")
-    if not isinstance(body, dict):
-        raise BatchFileError(f"body must be a JSON object (the endpoint's request), got {_show(body)}")
-    return custom_id, url, body
+def parse_line(raw: bytes, index: int, line: int, served_model: str) -> BatchRequest:
+    """The request on one line of a scanned batch file (`scan.py` accepted it: its envelope
+    is well-formed); what its body asks that this job cannot serve is kept as its error."""
+    env = envelope(raw)
+    try:
+        body = msgspec.json.decode(env.body)
+    except msgspec.DecodeError:  # valid JSON msgspec does not take (a lone surrogate)
+        body = json.loads(bytes(env.body))
+    return _request(index, line, env.custom_id, env.url, body, served_model)
 
 
 def _request(index: int, line: int, custom_id: str, url: str, body: dict, served_model: str) -> BatchRequest:

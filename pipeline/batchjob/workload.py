@@ -1,88 +1,293 @@
-"""A batch job as a workload: its requests made into items in the producer processes.
+"""A batch job as a workload: each producer reads its share of the input file by offset and
+makes each request's item itself.
 
-The launcher forks its producers with the workload; each producer takes a round-robin share
-of the requests to submit and makes their items itself: it loads the model directory's
-tokenizer once (in its own process: a tokenizer is the producer's business, and the broker
-never sees text), renders each chat request through the chat template, tokenizes it, and
-cuts the prompt into its shape's components (`chat.py`). A request whose prompt cannot be
-made (the template refused the conversation) is written to the producer's rejection log
-(`job.py`) and answered with an error line at the end; every other one becomes one item
-whose payload is its request index, with its generation parameters.
+    workload = JobWorkload(job_input, skip_bits, manifest, model_dir, data_dir, limits)
+    len(workload)                    # requests to submit in this run
+    workload.shares(2)               # [(first, end), (first, end)]: request index ranges
 
-    workload = JobWorkload(batch_file, indices=[0, 2, 5], model_dir="/models/x", data_dir=data)
-    len(workload)  # 3: what the producers will submit
+The launcher forks its producers with the workload; nothing parsed crosses the fork (the
+workload holds the input's path, its sparse index and one bit per request: which to skip,
+answered or still in the store). Producer k takes a contiguous range of request indices
+holding about 1/count of the requests to submit, seeks to its first line through the sparse
+index, and for each request it takes: parses the line's body (`requests.py`), makes the
+prompt with the model's tokenizer and chat template (`chat.py`, loaded in the producer: the
+broker never sees text), and submits it as one item whose payload names the job and the
+request (`layout.encode_job_payload`), with its generation parameters. A request it cannot
+make an item of is answered by the producer itself (`rejections.py`): a body the job cannot
+serve, a prompt the template or tokenizer fails on (any exception: they are foreign code),
+one longer than the model's context or the broker's item cap. One bad request never takes
+another with it.
+
+Foreign code runs under limits per request (`PromptLimits`): memory (RLIMIT_DATA, set in the
+producer after its tokenizer is loaded: a template that allocates past it fails that request
+with MemoryError) and time (the producer says which request it is on and since when, in the
+launcher's ledger; the launcher stops a producer that runs past the limit on one request,
+or that dies on one, answers that request 400 naming the limit, and starts a producer again
+after it: `on_stuck`, `produce(..., start_at=...)`).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+import resource
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
+import xxhash
 
 from pipeline.batchjob.chat import ChatTokenizer
-from pipeline.batchjob.job import RejectionLog, request_payload
-from pipeline.batchjob.requests import BatchFile, BatchRequest
+from pipeline.batchjob.layout import INDEX_STRIDE, encode_job_payload
+from pipeline.batchjob.manifest import JobManifest
+from pipeline.batchjob.rejections import RejectionLog
+from pipeline.batchjob.requests import BatchRequest, parse_line
+from pipeline.batchjob.scan import MAX_REQUEST_LINE_BYTES
 from pipeline.producer.workload import WorkItem, Workload
 from pipeline.wire.errors import BadInputError
 
 # The one model id a job's items use (a job runs one served model).
 JOB_MODEL = 0
+HTTP_BAD_REQUEST = 400
+CODE_CONTEXT_LENGTH = "context_length_exceeded"
+# How long the chat template and tokenizer may take on one request, by default: a real
+# prompt takes milliseconds (a 3,000-turn conversation under a second), so a minute only
+# ever stops a template that loops or a tokenizer that backtracks without end.
+DEFAULT_PROMPT_TIME_LIMIT_S = 60.0
+# How much memory a producer may allocate past what it holds once its tokenizer is loaded,
+# by default: a prompt at the broker's item cap takes a few MiB to render and tokenize, so
+# 2 GiB stops only a template that builds strings without end.
+DEFAULT_PROMPT_MEMORY_LIMIT_BYTES = 2 << 30
+
+
+@dataclass(slots=True, frozen=True)
+class PromptLimits:
+    """Bounds on the foreign code a request runs in its producer, and the longest prompt."""
+
+    time_s: float = DEFAULT_PROMPT_TIME_LIMIT_S
+    memory_bytes: int = DEFAULT_PROMPT_MEMORY_LIMIT_BYTES
+    max_prompt_tokens: int | None = None  # the model's context less one, or --max-input-len
+    item_cap_tokens: int = 262_144  # the broker's largest item (ProducerLimits.max_item_tokens)
+
+
+@dataclass(slots=True, frozen=True)
+class JobInput:
+    """The scanned input: its path, request count and sparse index (`scan.InputScan`)."""
+
+    path: str
+    requests: int
+    index: np.ndarray
+
+
+class Watch(Protocol):
+    """The launcher's ledger slot of one producer (`pipeline/runtime/inventory.py`)."""
+
+    def busy(self, position: int) -> None: ...
+
+    def idle(self) -> None: ...
+
+    def resume_at(self, position: int) -> None: ...
 
 
 class JobWorkload(Workload):
-    """The requests of `batch_file` named by `indices`, made into items on demand.
+    """See the module's doc. Immutable after construction; forked into the producers."""
 
-    Owner: the job runner; the producer processes each iterate their share (fork-shared,
-    read-only: each makes its own tokenizer and rejection log). `total_tokens` is 0: tokens
-    are known only once the producers have tokenized."""
+    item_stock = False  # the job accounts by request (its answer log), not by broker item
 
-    def __init__(self, batch_file: BatchFile, indices: Sequence[int], model_dir: str, data_dir: str) -> None:
-        super().__init__(f"{batch_file.path} (job)", len(indices), self._unused, total_tokens=0, models=(JOB_MODEL,))
-        self.batch_file = batch_file
-        self.indices = list(indices)
+    def __init__(self, job_input: JobInput, skip: np.ndarray, manifest: JobManifest, model_dir: str, data_dir: str,
+                 limits: PromptLimits) -> None:
+        todo = job_input.requests - int(np.unpackbits(skip, bitorder="little")[:job_input.requests].sum())
+        super().__init__(f"{job_input.path} (job)", todo, _unused, total_tokens=0, models=(JOB_MODEL,))
+        self.job_input = job_input
+        self.skip = skip
+        self.manifest = manifest
         self.model_dir = model_dir
         self.data_dir = data_dir
+        self.limits = limits
+        self.busy_limit_s = limits.time_s
 
-    @staticmethod
-    def _unused(_k: int) -> WorkItem:
-        raise AssertionError("a job's items are made by `items`, with the producer's tokenizer")
+    def shares(self, count: int) -> list[tuple[int, int]]:
+        """`count` contiguous ranges of request indices, cut at sparse-index entries, each
+        holding about as many requests to submit."""
+        n = self.job_input.requests
+        blocks = (n + INDEX_STRIDE - 1) // INDEX_STRIDE
+        bits = np.unpackbits(self.skip, bitorder="little")[:n]
+        padded = np.zeros(blocks * INDEX_STRIDE, dtype=np.int64)
+        padded[:n] = 1 - bits
+        todo = np.cumsum(padded.reshape(blocks, INDEX_STRIDE).sum(axis=1))
+        total = int(todo[-1]) if blocks else 0
+        cuts = [0] + [int(np.searchsorted(todo, total * k / count, side="left")) + 1 for k in range(1, count)] + [blocks]
+        cuts = [min(max(c, 0), blocks) for c in cuts]
+        for k in range(1, len(cuts)):
+            cuts[k] = max(cuts[k], cuts[k - 1])
+        return [(cuts[k] * INDEX_STRIDE, min(cuts[k + 1] * INDEX_STRIDE, n)) for k in range(count)]
 
     def items(self, producer_index: int = 0, producer_count: int = 1) -> Iterator[WorkItem]:
-        """Producer `producer_index`'s share of the requests, made into items in file order;
-        rejected requests are logged and left out."""
-        if producer_count < 1 or not 0 <= producer_index < producer_count:
-            raise ValueError(f"producer {producer_index} of {producer_count}: need 0 <= index < count")
+        """Share `producer_index` of `producer_count`'s items as a producer makes them, made
+        in this process with a tokenizer of its own and without limits; a request no item
+        can be made of is left out (a checker's view of what the job submits)."""
+        first, end = self.shares(producer_count)[producer_index]
         tokenizer = ChatTokenizer.load(self.model_dir)
-        log: RejectionLog | None = None
+        log = _NoLog()
+        for index, line, offset, raw in self.lines(first, end):
+            if not self.skipped(index):
+                item = self.make(raw, (index, offset, len(raw), xxhash.xxh3_64_intdigest(raw)), line, tokenizer, log)
+                if item is not None:
+                    yield item
+
+    def skipped(self, index: int) -> bool:
+        return bool(self.skip[index >> 3] >> (index & 7) & 1)
+
+    def produce(self, submit: Callable[[Iterator[WorkItem], Callable[[int], None]], None], producer_index: int,
+                producer_count: int, watch: Watch, stop: Callable[[], bool], start_at: int | None = None) -> None:
+        """Producer `producer_index`'s loop: its share's items through `submit(items,
+        on_submitted)` (the launcher's feed; `on_submitted(n)` after each call with the items
+        submitted so far), from `start_at` when the launcher restarts it."""
+        first, end = self.shares(producer_count)[producer_index]
+        if start_at is not None:
+            first = max(first, start_at)
+        tokenizer = ChatTokenizer.load(self.model_dir)
+        limit_memory(self.limits.memory_bytes)
+        log = RejectionLog(self.data_dir, f"p{producer_index}-{os.getpid()}")
+        positions: deque[tuple[int, int]] = deque()  # (items yielded, the last one's index)
         try:
-            for k in range(producer_index, len(self.indices), producer_count):
-                request = self.batch_file.requests[self.indices[k]]
-                try:
-                    yield make_item(tokenizer, request)
-                except BadInputError as exc:
-                    if log is None:
-                        log = RejectionLog(self.data_dir, f"p{producer_index}-{os.getpid()}")
-                    log.reject(request.index, str(exc))
+            items = self._items(first, end, tokenizer, log, watch, stop, positions)
+
+            def on_submitted(count: int) -> None:
+                last = None
+                while positions and positions[0][0] <= count:
+                    last = positions.popleft()[1]
+                if last is not None:
+                    watch.resume_at(last + 1)
+
+            submit(items, on_submitted)
         finally:
-            if log is not None:
+            log.close()
+
+    def _items(self, first: int, end: int, tokenizer: ChatTokenizer, log: RejectionLog, watch: Watch,
+               stop: Callable[[], bool], positions: deque) -> Iterator[WorkItem]:
+        yielded = 0
+        for index, line, offset, raw in self.lines(first, end):
+            if stop():
+                return
+            if self.skipped(index):
+                continue
+            where = (index, offset, len(raw), xxhash.xxh3_64_intdigest(raw))
+            watch.busy(index)
+            item = self.make(raw, where, line, tokenizer, log)
+            watch.idle()
+            if item is not None:
+                yielded += 1
+                positions.append((yielded, index))
+                yield item
+
+    def lines(self, first: int, end: int) -> Iterator[tuple[int, int, int, bytes]]:
+        """(index, line number, byte offset, line without its newline) of requests first..end-1."""
+        if first >= end:
+            return
+        entry = self.job_input.index[first // INDEX_STRIDE]
+        index, line, offset = first // INDEX_STRIDE * INDEX_STRIDE, int(entry["line"]), int(entry["offset"])
+        with open(self.job_input.path, "rb") as f:
+            f.seek(offset)
+            while index < end:
+                raw = f.readline(MAX_REQUEST_LINE_BYTES + 2)
+                if not raw:
+                    return
+                start, offset, line = offset, offset + len(raw), line + 1
+                raw = raw[:-1] if raw.endswith(b"\n") else raw
+                if not raw.strip():
+                    continue
+                if index >= first:
+                    yield index, line - 1, start, raw
+                index += 1
+
+    def make(self, raw: bytes, where: tuple[int, int, int, int], line: int, tokenizer: ChatTokenizer,
+              log: RejectionLog) -> WorkItem | None:
+        """The request's item; None when it was answered here (logged)."""
+        param = None
+        try:
+            request = parse_line(raw, where[0], line, self.manifest.served_model)
+            if request.error is not None:
+                log.reject(where, HTTP_BAD_REQUEST, request.error, request.error_param)
+                return None
+            param = "messages" if request.kind == "chat" else "prompt"
+            return self._made(request, where, tokenizer, log)
+        except BadInputError as exc:
+            log.reject(where, HTTP_BAD_REQUEST, str(exc), param)
+        except MemoryError:
+            log.reject(where, HTTP_BAD_REQUEST, f"making this request's prompt needed more than the "
+                       f"{self.limits.memory_bytes:,}-byte memory limit of the chat template and tokenizer "
+                       f"(--prompt-memory-limit-mb)", param)
+        except Exception as exc:  # noqa: BLE001 - template and tokenizer are foreign code: this request's failure
+            log.reject(where, HTTP_BAD_REQUEST, f"making this request's prompt failed: {type(exc).__name__}: "
+                       f"{_one_line(exc)}", param)
+        return None
+
+    def _made(self, request: BatchRequest, where: tuple[int, int, int, int], tokenizer: ChatTokenizer,
+              log: RejectionLog) -> WorkItem | None:
+        if request.kind == "chat":
+            prompt = tokenizer.chat_prompt(request.messages)
+        else:
+            prompt = tokenizer.completion_prompt(request.prompt)
+        length = int(prompt.tokens.shape[0])
+        if not length:
+            raise BadInputError("the prompt is empty")
+        limit, what = self._prompt_limit()
+        if length > limit:
+            log.reject(where, HTTP_BAD_REQUEST, f"the prompt is {length:,} tokens, more than the {limit:,} {what}: "
+                       f"shorten it", "messages" if request.kind == "chat" else "prompt", CODE_CONTEXT_LENGTH)
+            return None
+        prefix = prompt.prefix_len
+        payload = encode_job_payload(self.manifest.job_id, *where)
+        return WorkItem(model=JOB_MODEL, components=list(prompt.components),
+                        suffix=np.asarray(prompt.tokens[prefix:], dtype=np.int32), payload=payload,
+                        timestamp_ms=None, line=0, params=request.params)
+
+    def _prompt_limit(self) -> tuple[int, str]:
+        cap = self.limits.item_cap_tokens
+        given = self.limits.max_prompt_tokens
+        if given is not None and given < cap:
+            return given, "this job runs (the model's context less one token, or --max-input-len)"
+        return cap, "the broker takes in one item"
+
+    def on_stuck(self, position: int, why: str) -> None:
+        """The launcher stopped a producer on request `position` (`why`: past the time limit,
+        or it died there): that request is answered 400 here."""
+        for index, _line, offset, raw in self.lines(position, position + 1):
+            log = RejectionLog(self.data_dir, "supervisor")
+            try:
+                log.reject((index, offset, len(raw), xxhash.xxh3_64_intdigest(raw)), HTTP_BAD_REQUEST,
+                           f"making this request's prompt was stopped: {why}", None)
+            finally:
                 log.close()
 
     def __repr__(self) -> str:
-        return f"BatchJob({self.batch_file.path!r}, {len(self.indices)} requests to submit)"
+        return f"BatchJob({self.job_input.path!r}, {len(self)} requests to submit)"
 
 
-def make_item(tokenizer: ChatTokenizer, request: BatchRequest) -> WorkItem:
-    """One request's item: its prompt's components and the rest, its index as the payload,
-    its generation parameters. BadInputError where no prompt can be made of it."""
-    if request.kind == "chat":
-        prompt = tokenizer.chat_prompt(request.messages)
-    else:
-        prompt = tokenizer.completion_prompt(request.prompt)
-    prefix = sum(len(c) for c in prompt.components)
-    suffix = np.asarray(prompt.tokens[prefix:], dtype=np.int32)
-    if prompt.tokens.shape[0] == 0:
-        raise BadInputError(f"request {request.custom_id!r} (line {request.line}): the prompt is empty")
-    return WorkItem(model=JOB_MODEL, components=list(prompt.components), suffix=suffix,
-                    payload=request_payload(request.index), timestamp_ms=None, line=request.line,
-                    params=request.params)
+class _NoLog:
+    """A rejection log that keeps nothing (`items`: a view, not a run)."""
+
+    def reject(self, *_args, **_kwargs) -> None:
+        pass
+
+
+def _unused(_k: int) -> WorkItem:
+    raise AssertionError("a job's items are made by `produce`, with the producer's tokenizer")
+
+
+def limit_memory(margin_bytes: int) -> None:
+    """Cap this process's data memory (RLIMIT_DATA) at what it holds now plus `margin_bytes`."""
+    with open("/proc/self/status", "rb") as f:
+        held_kib = next(int(line.split()[1]) for line in f if line.startswith(b"VmData:"))
+    _soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    want = held_kib * 1024 + margin_bytes
+    if hard != resource.RLIM_INFINITY:
+        want = min(want, hard)
+    resource.setrlimit(resource.RLIMIT_DATA, (want, hard))
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 300 else text[:297] + "..."

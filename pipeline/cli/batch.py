@@ -2,47 +2,57 @@
 pipeline, into an output file of one response line per request; resumable.
 
 The flags of `vllm run-batch` where they mean the same (-i, -o, --model,
---served-model-name), and the product's own (data directory, producers, consumers, the
-consumer contract, engine, config file). The job's state lives on its data directory
-(`pipeline/runtime/batchrun.py`); the same command again finishes a stopped job.
+--served-model-name), and the product's own (data directory, output order, error file,
+producers, consumers, the consumer contract, engine, config file). This module parses and
+checks them; the job is `pipeline/batchjob/job.py`'s. The same command again finishes a
+stopped job.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
-import shutil
+import signal
 import sys
-import time
 
 import click
 
-from pipeline.cli.launch import (
-    ENGINE_OPTIONS_HELP,
-    _finish,
-    _run_with_progress,
-    check_before_start,
-    check_ray,
-    setup_logging,
-)
+from pipeline.batchjob.job import BatchJob, JobSpec, JobSummary
+from pipeline.batchjob.progress import JobView, format_job_line
+from pipeline.batchjob.workload import DEFAULT_PROMPT_MEMORY_LIMIT_BYTES, DEFAULT_PROMPT_TIME_LIMIT_S, PromptLimits
+from pipeline.cli.launch import ENGINE_OPTIONS_HELP, check_before_start, check_ray, setup_logging
 from pipeline.consumer.engines import ENGINES
 from pipeline.runtime.tables import merged, parse_assignments, parse_engine_options
-from pipeline.wire.errors import BadInputError, PipelineError
+from pipeline.wire.errors import BadInputError, PipelineError, SettingsError
 
 # The data directory a job uses when none is given: beside its output file, so that the
 # same command finds it again after a crash.
 DEFAULT_DATA_DIR_SUFFIX = ".run"
+# The job's summary (counts and usage, JSON) beside its output when none is named.
+SUMMARY_SUFFIX = ".summary.json"
 # The made-up output ids of the sim engine span 15 bits: a vocabulary above that is cut to it.
 SIM_VOCAB_LIMIT = 1 << 15
 # With --ray, each node's data directory is made under this name in its temporary directory
 # (short: the broker's Unix socket path must stay within 108 bytes).
 RAY_NODE_DIR_DEFAULT = "sbrk-ray"
+# Settings of a launch config that mean nothing to a batch job (its requests come from -i).
+NOT_FOR_JOBS = frozenset({"workload", "items", "replay_speed", "seed", "vocab_size"})
+# Producers by default: the cores this process may use (tokenizing is a job's heaviest
+# stage), at most this many (each holds a tokenizer and a 64 MiB ring).
+MAX_DEFAULT_PRODUCERS = 16
+# Limits of the prompt limits' options: a second to a day, 64 MiB to 1 TiB.
+PROMPT_TIME_LIMIT_RANGE_S = (1.0, 86_400.0)
+PROMPT_MEMORY_LIMIT_RANGE_MB = (64, 1 << 20)
+# A progress line this often when stderr is not a terminal (a log file of an hour-long job
+# stays ~700 lines).
+LOG_INTERVAL_S = 5.0
 
 
 @click.command("run-batch")
 @click.option("-i", "--input-file", "input_file", required=True, type=click.Path(dir_okay=False),
               help="The requests: an OpenAI Batch file (JSON lines; /v1/chat/completions, /v1/completions).")
 @click.option("-o", "--output-file", "output_file", required=True, type=click.Path(dir_okay=False),
-              help="The responses, one line per request (written whole once every request has its answer).")
+              help="The responses, one line per request.")
 @click.option("--model", "model_dir", required=True, type=click.Path(file_okay=False, exists=True),
               help="The model directory: its tokenizer and chat template (and, for vllm, its weights).")
 @click.option("--served-model-name", help="The model name requests must ask for (default: the directory's name).")
@@ -50,18 +60,32 @@ RAY_NODE_DIR_DEFAULT = "sbrk-ray"
               help=f"The job's data directory (default: the output file's name with {DEFAULT_DATA_DIR_SUFFIX}, "
                    f"removed once the output is written). The same command on it resumes the job.")
 @click.option("--output-order", type=click.Choice(["input", "completion"]), default="input", show_default=True,
-              help="Output lines in the input file's order, or in the order answers came.")
+              help="input: the input file's order, written at the end; completion: each answer appended as it comes, "
+                   "so the output can be read while the job runs.")
+@click.option("--error-file", type=click.Path(dir_okay=False),
+              help="Failed requests go here, and only successes to the output (as OpenAI's batches do).")
+@click.option("--overwrite", is_flag=True, help="Replace output, error, summary and report files that exist.")
+@click.option("--summary-file", type=click.Path(dir_okay=False),
+              help=f"The job's summary as JSON (default: the output file's name with {SUMMARY_SUFFIX}).")
 @click.option("--engine", type=click.Choice(sorted(ENGINES)),
               help="Engine of the consumers (default vllm where it is installed; sim makes up outputs).")
 @click.option("--engine-options", "engine_options", multiple=True, metavar="KEY=VALUE,...", help=ENGINE_OPTIONS_HELP)
-@click.option("--producers", type=int, help="Producer processes: they tokenize (default 2).")
+@click.option("--producers", type=int, help="Producer processes: they tokenize (default: the cores, at most 16).")
 @click.option("--consumers", type=int, help="Consumer processes (default: one per GPU, else 2).")
 @click.option("--max-batch", type=int, help="Consumer contract: items per batch (default 64).")
 @click.option("--max-tokens", type=int, help="Consumer contract: padded tokens per batch (default 65536).")
 @click.option("--max-input-len", type=int,
               help="Longest prompt run (default: the model's context less one token); longer ones are answered 400.")
+@click.option("--prompt-time-limit-s", type=click.FloatRange(*PROMPT_TIME_LIMIT_RANGE_S),
+              default=DEFAULT_PROMPT_TIME_LIMIT_S, show_default=True,
+              help="Longest the chat template and tokenizer may take on one request; past it, that request is "
+                   "answered 400.")
+@click.option("--prompt-memory-limit-mb", type=click.IntRange(*PROMPT_MEMORY_LIMIT_RANGE_MB),
+              default=DEFAULT_PROMPT_MEMORY_LIMIT_BYTES >> 20, show_default=True,
+              help="Memory the chat template and tokenizer may take in a producer beyond its tokenizer; past it, "
+                   "the request is answered 400.")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False, exists=True), help="TOML file of launch options.")
-@click.option("--report", type=click.Path(dir_okay=False), help="Write the run report as JSON here.")
+@click.option("--report", type=click.Path(dir_okay=False), help="Write the full run report as JSON here.")
 @click.option("--set", "assignments", multiple=True, metavar="KEY=VALUE", help="A setting of the config file's form.")
 @click.option("--keep-data-dir", is_flag=True, help="Keep the default data directory after the output is written.")
 @click.option("-v", "--verbose", is_flag=True, help="Log every process's info messages to stderr.")
@@ -73,48 +97,58 @@ RAY_NODE_DIR_DEFAULT = "sbrk-ray"
                    f"(default: {RAY_NODE_DIR_DEFAULT}-JOB in the system's temporary directory).")
 @click.option("--ray-route", type=click.Choice(["shape", "round-robin"]), default="shape", show_default=True,
               help="With --ray: shape-affine routing, or round-robin over nodes (the baseline an actor pool is).")
-def run_batch(input_file: str, output_file: str, model_dir: str, served_model_name: str | None, data_dir: str | None,
-              output_order: str, engine: str | None, engine_options: tuple[str, ...], config_path: str | None,
+def run_batch(input_file: str, output_file: str, model_dir: str, served_model_name: str | None,
+              data_dir: str | None, output_order: str, error_file: str | None, overwrite: bool,
+              summary_file: str | None, engine: str | None, engine_options: tuple[str, ...],
+              prompt_time_limit_s: float, prompt_memory_limit_mb: int, config_path: str | None,
               assignments: tuple[str, ...], keep_data_dir: bool, verbose: bool, ray_address: str | None,
               ray_node_dir: str | None, ray_route: str, **options) -> None:
     """Run an OpenAI Batch file through the broker and consumers and write one response line
     per request to the output file; run it again on the same data directory to resume."""
-    from pipeline.batchjob.chat import ChatTokenizer
-    from pipeline.batchjob.requests import load_requests
-    from pipeline.runtime.batchrun import plan_job
-
     setup_logging(verbose)
-    if os.path.exists(output_file) and os.path.samefile(input_file, output_file):
-        raise click.ClickException(f"the output file {output_file} is the input file: it would be replaced")
-    own_data_dir = data_dir is None
-    data_dir = data_dir or output_file + DEFAULT_DATA_DIR_SUFFIX
     if ray_address is not None:
         check_ray(ray_address)
     try:
-        engine = engine or _default_engine()
-        tokenizer = ChatTokenizer.load(model_dir)
-        served = served_model_name or os.path.basename(os.path.normpath(model_dir))
-        batch_file = load_requests(input_file, served)
-        given = parse_engine_options(engine_options) if engine_options else {}
-        settings = _settings(config_path, assignments, options, data_dir, engine, given, model_dir, tokenizer)
-        check_before_start(settings)
-        os.makedirs(data_dir, mode=0o700, exist_ok=True)
-        plan = plan_job(batch_file, data_dir, served, now_s=time.time())
+        spec = _spec(input_file, output_file, model_dir, served_model_name, data_dir, output_order, error_file,
+                     overwrite, summary_file, engine, engine_options, config_path, assignments, keep_data_dir,
+                     PromptLimits(prompt_time_limit_s, prompt_memory_limit_mb << 20), options)
+        job = BatchJob(spec, say=lambda text: click.echo(text, err=True), show=_Progress())
+        _prepare(job)
     except (BadInputError, PipelineError) as exc:
         raise click.ClickException(str(exc)) from exc
-    refused = sum(1 for r in batch_file.requests if r.error is not None)
-    click.echo(f"run-batch: {len(batch_file.requests):,} requests in {input_file}: {len(plan.answers.answered()):,} "
-               f"answered already, {len(plan.pending):,} waiting in the store, {len(plan.to_submit):,} to submit, "
-               f"{refused:,} refused as bad requests; data directory {data_dir}", err=True)
-    if ray_address is not None and (plan.to_submit or plan.pending):
-        code = _run_on_ray(settings, batch_file, plan, model_dir, data_dir, ray_address, ray_route,
-                           ray_node_dir or _default_node_dir(plan.manifest.input_sha256))
-    else:
-        code = _run(settings, batch_file, plan, model_dir, data_dir) if plan.to_submit or plan.pending else 0
-    code = _write_output(batch_file, tokenizer, plan, settings, output_file, output_order, data_dir, code)
-    if code == 0 and own_data_dir and not keep_data_dir:
-        shutil.rmtree(data_dir, ignore_errors=True)
-    sys.exit(code)
+    sys.exit(_run(job, spec, ray_address, ray_route, ray_node_dir))
+
+
+def _spec(input_file, output_file, model_dir, served_model_name, data_dir, output_order, error_file, overwrite,
+          summary_file, engine, engine_options, config_path, assignments, keep_data_dir, limits, options) -> JobSpec:
+    """The job the command asks for, every option checked (SettingsError and the like)."""
+    from pipeline.batchjob.chat import ChatTokenizer
+    from pipeline.runtime.settings import load_toml
+
+    file_settings = load_toml(config_path) if config_path else {}
+    wrong = sorted(NOT_FOR_JOBS & set(file_settings))
+    if wrong:
+        raise SettingsError(f"{config_path}: {', '.join(wrong)}: not settings of a batch job (its requests come "
+                            f"from -i); remove them")
+    data_dir_given = data_dir is not None or "data_dir" in file_settings
+    data_dir = data_dir or file_settings.get("data_dir") or output_file + DEFAULT_DATA_DIR_SUFFIX
+    engine = engine or _default_engine()
+    tokenizer = ChatTokenizer.load(model_dir)  # a broken model directory: one line, before anything
+    given = parse_engine_options(engine_options) if engine_options else {}
+    settings = _settings(config_path, assignments, options, data_dir, engine, given, model_dir, tokenizer)
+    check_before_start(settings)
+    if settings.plots and importlib.util.find_spec("matplotlib") is None:
+        raise SettingsError("plots: needs matplotlib (pip install 'shape-broker[plots]'), checked before the job runs")
+    served = served_model_name or os.path.basename(os.path.normpath(model_dir))
+    return JobSpec(input_file, output_file, model_dir, served, settings, data_dir_given, output_order, error_file,
+                   settings.report, summary_file or output_file + SUMMARY_SUFFIX, overwrite, keep_data_dir,
+                   limits if settings.max_input_len is None else _with_prompt_limit(limits, settings.max_input_len))
+
+
+def _with_prompt_limit(limits: PromptLimits, max_input_len: int) -> PromptLimits:
+    from dataclasses import replace
+
+    return replace(limits, max_prompt_tokens=max_input_len)
 
 
 def _default_engine() -> str:
@@ -130,8 +164,8 @@ def _default_engine() -> str:
 def _settings(config_path, assignments, options: dict, data_dir: str, engine: str, given: dict, model_dir: str,
               tokenizer):
     """The launch settings of the job: the engine's options with the model's own (vllm: the
-    model directory; sim: output ids within the tokenizer's vocabulary), and the longest
-    prompt from the model's context unless given."""
+    model directory; sim: output ids within the tokenizer's vocabulary), the longest prompt
+    from the model's context unless given, producers from the cores."""
     from pipeline.runtime.settings import LaunchSettings, model_context_len
 
     engine_options = dict(given)
@@ -142,80 +176,108 @@ def _settings(config_path, assignments, options: dict, data_dir: str, engine: st
     if options.get("max_input_len") is None:
         context = engine_options.get("max_model_len") or model_context_len(os.path.join(model_dir, "config.json"))
         options["max_input_len"] = context - 1 if context else None
+    if options.get("producers") is None:
+        options["producers"] = max(1, min(len(os.sched_getaffinity(0)), MAX_DEFAULT_PRODUCERS))
     overrides = merged(options | {"data_dir": data_dir, "engine": engine, "engine_options": engine_options},
                        parse_assignments(assignments))
     return LaunchSettings.resolve(config_path, overrides)
 
 
-def _run(settings, batch_file, plan, model_dir: str, data_dir: str) -> int:
-    """One run of the pipeline on what the job has to do; its exit status."""
-    from pipeline.batchjob.workload import JobWorkload
-    from pipeline.runtime.launcher import Launcher
+def _prepare(job: BatchJob) -> None:
+    """The job's checks and reads; a refused new job leaves no data directory behind."""
+    try:
+        job.prepare()
+    except BaseException:
+        job.abandon_new()
+        raise
+    manifest = job.manifest
+    click.echo(f"run-batch: {manifest.requests:,} requests in {manifest.input_path}: {job.log.done:,} answered "
+               f"already ({job.log.failed:,} failed), {job.pending:,} waiting in the store, {job.to_submit:,} to "
+               f"submit; data directory {job.data_dir}", err=True)
 
-    workload = JobWorkload(batch_file, plan.to_submit, model_dir, data_dir)
-    launcher = Launcher(settings, workload)
+
+def _run(job: BatchJob, spec: JobSpec, ray_address: str | None, ray_route: str, ray_node_dir: str | None) -> int:
+    """Run what is left, write what is done; the exit status. SIGHUP stops the job as
+    Ctrl-C does (a closed terminal), so the resume line is always said."""
+    signal.signal(signal.SIGHUP, signal.default_int_handler)
+    code = 1
     try:
         try:
-            outcome = _run_with_progress(launcher, len(workload))
-        except (ValueError, RuntimeError, TimeoutError, OSError) as exc:
-            raise click.ClickException(str(exc)) from exc
-        return _finish(settings, outcome, resume=f"pipeline run-batch ... --data-dir {data_dir}")
-    finally:
-        launcher.cleanup()
+            if ray_address is not None:
+                code = _run_on_ray(job, ray_address, ray_route, ray_node_dir)
+            else:
+                code = job.run()
+        except KeyboardInterrupt:
+            code = 130
+        except (ValueError, RuntimeError, TimeoutError, OSError, PipelineError) as exc:
+            click.echo(f"run-batch: {exc}", err=True)
+            code = 1
+        code, summary = job.finish(code)
+    except BaseException:
+        job.close(remove=False)
+        raise
+    _say_summary(summary, spec, job)
+    remove = summary.output_written and not spec.data_dir_given and not spec.keep_data_dir
+    left = job.close(remove=remove)
+    if left:
+        click.echo(f"run-batch: {job.data_dir} was kept: it holds {', '.join(left[:5])}, which the job did not make",
+                   err=True)
+    return code
 
 
-def _default_node_dir(job_sha256: str) -> str:
-    import tempfile
+def _say_summary(summary: JobSummary, spec: JobSpec, job: BatchJob) -> None:
+    if not summary.output_written:
+        left = summary.requests - summary.completed - summary.failed
+        click.echo(f"run-batch: {left:,} of {summary.requests:,} requests have no answer yet; the same command "
+                   f"finishes the job (data directory {job.data_dir})", err=True)
+        return
+    failed = ", ".join(f"{count:,} with status {status}" for status, count in summary.failed_by_status.items())
+    cached = f" ({summary.cached_tokens / summary.prompt_tokens:.1%} cached)" if summary.prompt_tokens else ""
+    rate = summary.run_answered / summary.run_wall_s if summary.run_wall_s > 0 else 0.0
+    click.echo(f"run-batch: {summary.completed:,} completed, {summary.failed:,} failed{f' ({failed})' if failed else ''}"
+               f"; usage: {summary.prompt_tokens:,} prompt tokens{cached}, {summary.completion_tokens:,} completion "
+               f"tokens; this run: {summary.run_answered:,} answered in {summary.run_wall_s:,.1f} s ({rate:,.0f} "
+               f"requests/s), paced by {summary.paced_by}", err=True)
+    outputs = [spec.output_path] + [p for p in (spec.error_file, spec.summary_path, spec.report_path) if p]
+    click.echo(f"run-batch: wrote {', '.join(outputs)}", err=True)
 
-    return os.path.join(tempfile.gettempdir(), f"{RAY_NODE_DIR_DEFAULT}-{job_sha256[:12]}")
+
+class _Progress:
+    """The job's progress on stderr: one line redrawn on a terminal, a line every
+    LOG_INTERVAL_S otherwise."""
+
+    def __init__(self) -> None:
+        self.tty = sys.stderr.isatty()
+        self.next_s = 0.0
+
+    def __call__(self, view: JobView, now_s: float) -> None:
+        if now_s < self.next_s and view.to_do:
+            return
+        self.next_s = now_s + (0.5 if self.tty else LOG_INTERVAL_S)
+        line = format_job_line(view)
+        if self.tty:
+            sys.stderr.write("\r\x1b[2K" + line)
+            if not view.to_do:
+                sys.stderr.write("\n")
+        else:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
 
 
-def _run_on_ray(settings, batch_file, plan, model_dir: str, data_dir: str, address: str, route: str,
-                node_dir: str) -> int:
+def _run_on_ray(job: BatchJob, address: str, route: str, node_dir: str | None) -> int:
     """The job's requests to run on a Ray cluster (`pipeline/cluster/`); its exit status."""
     from pipeline.cluster.batch import run_job_on_cluster
     from pipeline.cluster.driver import ClusterError
 
+    node_dir = node_dir or os.path.join(_tempdir(), f"{RAY_NODE_DIR_DEFAULT}-{job.manifest.input_xxh3[:12]}")
     try:
-        return run_job_on_cluster(settings, batch_file, sorted(set(plan.to_submit) | plan.pending), model_dir,
-                                  data_dir, address, node_dir, route=route)
+        return run_job_on_cluster(job, address, node_dir, route=route)
     except ClusterError as exc:
         raise click.ClickException(str(exc)) from exc
 
 
-def _add_to_report(path: str, summary) -> None:
-    """The job's summary under "job" in the run report's JSON (a report of its own when this
-    run ran nothing: every request was answered before)."""
-    import dataclasses
-    import json
+def _tempdir() -> str:
+    import tempfile
 
-    try:
-        with open(path) as f:
-            report = json.load(f)
-    except (OSError, ValueError):
-        report = {}
-    report["job"] = {**dataclasses.asdict(summary), "unanswered": len(summary.unanswered),
-                     "failed_by_status": {str(k): v for k, v in summary.failed_by_status.items()}}
-    with open(path, "w") as f:
-        json.dump(report, f, indent=1)
+    return tempfile.gettempdir()
 
-
-def _write_output(batch_file, tokenizer, plan, settings, output_file: str, order: str, data_dir: str,
-                  code: int) -> int:
-    """The output file, once every request has its answer; the job's summary; the exit status."""
-    from pipeline.batchjob.job import read_answers
-    from pipeline.runtime.batchrun import finish_job
-
-    summary = finish_job(batch_file, read_answers(data_dir), tokenizer, plan.manifest, output_file, order)
-    if not summary.output_written:
-        click.echo(f"run-batch: {len(summary.unanswered):,} of {summary.requests:,} requests have no answer yet; "
-                   f"the same command finishes the job (data directory {data_dir})", err=True)
-        return code or 1
-    if settings.report:
-        _add_to_report(settings.report, summary)
-    usage = summary.usage
-    failed = ", ".join(f"{count:,} with status {status}" for status, count in sorted(summary.failed_by_status.items()))
-    click.echo(f"run-batch: {summary.completed:,} completed, {summary.failed:,} failed{f' ({failed})' if failed else ''}"
-               f"; usage: {usage.prompt_tokens:,} prompt tokens ({usage.cached_tokens:,} cached), "
-               f"{usage.completion_tokens:,} completion tokens; output: {output_file}", err=True)
-    return code

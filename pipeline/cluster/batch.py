@@ -19,13 +19,11 @@ import os
 import sys
 import time
 
-from pipeline.batchjob.chat import ChatTokenizer
-from pipeline.batchjob.job import RejectionLog
-from pipeline.batchjob.requests import BatchFile
-from pipeline.batchjob.workload import JOB_MODEL, make_item
+import xxhash
+
+from pipeline.batchjob.workload import JOB_MODEL
 from pipeline.cluster.driver import ClusterRun
 from pipeline.runtime.settings import LaunchSettings
-from pipeline.wire.errors import BadInputError
 
 # The whole job's progress line goes to stderr at most this often.
 PROGRESS_EVERY_S = 2.0
@@ -52,39 +50,45 @@ class ProgressLine:
               f"resubmitted ({per_node})", file=self.out, flush=True)
 
 
-def job_items(batch_file: BatchFile, indices: list[int], model_dir: str, data_dir: str):
-    """The items of the requests `indices` (their keys: the request indices), rejections logged."""
-    tokenizer = ChatTokenizer.load(model_dir)
+def job_items(job) -> tuple[list[int], list]:
+    """The items of the job's requests to submit (their keys: the request indices), made in
+    the driver as a producer makes them (routing needs each item's shape); a request no item
+    can be made of is answered in the driver's rejection log."""
+    from pipeline.batchjob.chat import ChatTokenizer
+    from pipeline.batchjob.rejections import RejectionLog
+    from pipeline.batchjob.workload import JobWorkload
+
+    workload = JobWorkload(job.job_input, job.skip, job.manifest, job.spec.model_dir, job.data_dir, job.spec.limits)
+    tokenizer = ChatTokenizer.load(job.spec.model_dir)
+    log = RejectionLog(job.data_dir, f"driver-{os.getpid()}")
     keys, items = [], []
-    log: RejectionLog | None = None
     try:
-        for index in indices:
-            request = batch_file.requests[index]
-            try:
-                items.append(make_item(tokenizer, request))
+        for index, line, offset, raw in workload.lines(0, job.manifest.requests):
+            if workload.skipped(index):
+                continue
+            item = workload.make(raw, (index, offset, len(raw), xxhash.xxh3_64_intdigest(raw)), line, tokenizer, log)
+            if item is not None:
                 keys.append(index)
-            except BadInputError as exc:
-                log = log or RejectionLog(data_dir, f"driver-{os.getpid()}")
-                log.reject(index, str(exc))
+                items.append(item)
     finally:
-        if log is not None:
-            log.close()
+        log.close()
     return keys, items
 
 
-def run_job_on_cluster(settings: LaunchSettings, batch_file: BatchFile, indices: list[int], model_dir: str,
-                       data_dir: str, address: str, node_root: str, route: str = "shape") -> int:
-    """Run the requests `indices` of the job on the cluster; 0 when each has its answer."""
-    keys, items = job_items(batch_file, indices, model_dir, data_dir)
+def run_job_on_cluster(job, address: str, node_root: str, route: str = "shape") -> int:
+    """Run the job's requests still to submit on the cluster; 0 when each has its answer."""
+    keys, items = job_items(job)
     if not items:
         return 0
+    settings = job.spec.settings
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    results_dir = os.path.join(data_dir, "results", f"ray-{stamp}-{os.getpid()}")
+    results_dir = os.path.join(job.data_dir, "results", f"ray-{stamp}-{os.getpid()}")
     run = ClusterRun(settings, keys, items, node_root=node_root, results_dir=results_dir, address=address,
                      models=(JOB_MODEL,), on_progress=ProgressLine("run-batch"), route=route)
     report = run.run()
-    write_cluster_report(settings, report)
+    job.report = {"cluster": report}
     print(summary_line("run-batch", report), file=sys.stderr)
+    job.collect_all()
     return 0 if report["total"]["unanswered"] == 0 else 1
 
 

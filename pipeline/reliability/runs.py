@@ -21,8 +21,8 @@ import os
 import random
 import time
 
-from pipeline.batchjob.requests import load_requests
-from pipeline.batchjob.workload import JobWorkload
+from pipeline.batchjob.scan import envelope
+from pipeline.batchjob.job import job_workload
 from pipeline.reliability.kills import Outcome, check, concatenate
 from pipeline.reliability.procs import COMMAND_TIMEOUT_S, Stages, gone, kill, spawn, wait_until, write_workload
 from pipeline.reliability.sources import check_data_dir, results_dirs
@@ -136,17 +136,17 @@ def run_batch_kills(work: str, kills: int, seed: int, requests_path: str, model_
         if job.returncode != 0 and not killed:
             raise RuntimeError(f"run-batch failed on its own: exit {job.returncode}: {_err.strip()[-1500:]}")
         _wait_for_orphans(data)
-    batch = load_requests(requests_path, os.path.basename(model_dir.rstrip("/")))
+    with open(requests_path, "rb") as file:
+        wanted = [envelope(line.rstrip(b"\n")).custom_id for line in file if line.strip()]
     with open(output) as file:
         rows = [json.loads(line) for line in file]
     ids = [row["custom_id"] for row in rows]
-    if ids != [r.custom_id for r in batch.requests] or {row["response"]["status_code"] for row in rows} != {200}:
-        out.notes.append(f"output file: {len(rows)} lines for {len(batch.requests)} requests, statuses "
+    if ids != wanted or {row["response"]["status_code"] for row in rows} != {200}:
+        out.notes.append(f"output file: {len(rows)} lines for {len(wanted)} requests, statuses "
                          f"{sorted({row['response']['status_code'] for row in rows})}: not one 200 line per request")
         out.verdict = {"passed": False}
     else:
-        workload = JobWorkload(batch, range(len(batch.requests)), model_dir, data)
-        verdict = check_data_dir(workload, data, out.bound(IN_FLIGHT_BOUND))
+        verdict = check_data_dir(job_workload(data, model_dir), data, out.bound(IN_FLIGHT_BOUND))
         out.verdict = {**dataclasses.asdict(verdict), "passed": verdict.passed}
     out.wall_s = time.monotonic() - started
     return out

@@ -57,7 +57,7 @@ def deliver_results(history: History, results_dir: str) -> int:
 def hold_leftovers(history: History, data_dir: str) -> int:
     """Every live store entry and unstored producer-ring record of `data_dir` into `history`
     as held; returns how many were found."""
-    found = pending_payloads(data_dir, producer_ring_names(data_dir))
+    found = dict(pending_payloads(data_dir, producer_ring_names(data_dir)))  # an item in store and ring: once
     for payload in found.values():
         history.hold(ItemKey(payload))
     return len(found)

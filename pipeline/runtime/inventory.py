@@ -31,7 +31,8 @@ where ids say exactly which items are where.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -48,43 +49,106 @@ UNREGISTERED = -1
 
 
 class ProducerLedger:
-    """How many items each producer process of a run has published into its ring, in memory
-    shared across fork: slot k holds producer k's broker-assigned id and its published count.
+    """What each producer process of a run is doing, in memory shared across fork: slot k
+    holds producer k's broker-assigned id, how many items it has published into its ring,
+    and, for a workload whose producers run foreign code (a batch job's chat template and
+    tokenizer), which request it is making and since when (`busy`), and from which request
+    a producer started again in its place would go on (`resume_at`: everything before it
+    is published or answered).
 
     Owner: the launcher creates it before forking the producers; producer k writes only its
-    own two slots, the launcher only reads. Process-safe under that rule: each slot is one
-    aligned 8-byte word, written by one process (one store on x86-64, never torn).
+    own words, the launcher only reads (and resets a slot before it starts a producer again
+    in it). Process-safe under that rule: each word is one aligned 8-byte word, written by
+    one process (one store on x86-64, never torn). `busy` writes the request first and the
+    time last, and `idle` clears the time, so a reader that sees a time sees its request.
     A producer killed between publishing a frame and recording it leaves the count short by
     that frame: `take_stock` then takes the highest sequence found anywhere as published.
     """
+
+    # producer id, published, busy since (monotonic ns, 0: idle), busy at, resume at, busy ns in all
+    _WORDS = 6
 
     def __init__(self, slots) -> None:
         self._slots = slots
 
     @classmethod
     def create(cls, ctx, producers: int) -> ProducerLedger:
-        slots = ctx.RawArray("q", 2 * producers)
+        ledger = cls(ctx.RawArray("q", cls._WORDS * producers))
         for index in range(producers):
-            slots[2 * index] = UNREGISTERED
-        return cls(slots)
+            ledger.reset(index)
+        return ledger
+
+    def reset(self, index: int) -> None:
+        """Slot `index` as before its producer started (the launcher, before a restart)."""
+        base = self._WORDS * index
+        self._slots[base:base + self._WORDS] = [UNREGISTERED, 0, 0, 0, -1, 0]
 
     @property
     def producers(self) -> int:
-        return len(self._slots) // 2
+        return len(self._slots) // self._WORDS
 
     def registered(self, index: int, producer_id: int) -> None:
-        self._slots[2 * index] = producer_id
+        self._slots[self._WORDS * index] = producer_id
 
     def published(self, index: int, items: int) -> None:
-        self._slots[2 * index + 1] = items
+        self._slots[self._WORDS * index + 1] = items
+
+    def busy(self, index: int, position: int) -> None:
+        self._slots[self._WORDS * index + 3] = position
+        self._slots[self._WORDS * index + 2] = time.monotonic_ns()
+
+    def idle(self, index: int) -> None:
+        since = self._slots[self._WORDS * index + 2]
+        if since:
+            self._slots[self._WORDS * index + 5] += time.monotonic_ns() - since
+        self._slots[self._WORDS * index + 2] = 0
+
+    def busy_ns(self, index: int) -> int:
+        """How long producer `index` has been busy in all (its finished requests)."""
+        return self._slots[self._WORDS * index + 5]
+
+    def resume_at(self, index: int, position: int) -> None:
+        self._slots[self._WORDS * index + 4] = position
+
+    def busy_with(self, index: int) -> tuple[int, int] | None:
+        """(since, monotonic ns; the request) producer `index` is making, or None."""
+        since = self._slots[self._WORDS * index + 2]
+        return (since, self._slots[self._WORDS * index + 3]) if since else None
+
+    def resume_position(self, index: int) -> int | None:
+        position = self._slots[self._WORDS * index + 4]
+        return None if position < 0 else position
+
+    def slot(self, index: int) -> LedgerSlot:
+        return LedgerSlot(self, index)
 
     def entries(self) -> list[tuple[int, int]]:
         """(producer id, items published) of every producer that registered."""
-        rows = [(self._slots[2 * k], self._slots[2 * k + 1]) for k in range(self.producers)]
+        rows = [(self._slots[self._WORDS * k], self._slots[self._WORDS * k + 1]) for k in range(self.producers)]
         return [(producer_id, items) for producer_id, items in rows if producer_id != UNREGISTERED]
+
+    def total_published_by(self, index: int) -> int:
+        return self._slots[self._WORDS * index + 1]
 
     def total_published(self) -> int:
         return sum(items for _producer_id, items in self.entries())
+
+
+@dataclass(slots=True)
+class LedgerSlot:
+    """One producer's view of its own slot (what a workload's `produce` is handed)."""
+
+    ledger: ProducerLedger
+    index: int
+
+    def busy(self, position: int) -> None:
+        self.ledger.busy(self.index, position)
+
+    def idle(self) -> None:
+        self.ledger.idle(self.index)
+
+    def resume_at(self, position: int) -> None:
+        self.ledger.resume_at(self.index, position)
 
 
 def producer_ring_names(data_dir: str) -> list[str]:
@@ -134,21 +198,26 @@ class StoreStock:
     models: set[int] = field(default_factory=set)
 
 
-def pending_payloads(storage_dir: str, ring_names: Iterable[str]) -> dict[int, bytes]:
-    """The payloads of every item an earlier run left here unfinished, by item id: live in
-    the store (`storage_dir`'s segments) or in a producer ring never stored. A job reads its
-    own request numbers from them, so that a resumed job submits none of those again (the
-    broker delivers them). Unreadable rings are skipped: `ring_stock` names them."""
-    found = live_payloads([f.path for f in iter_segments(storage_dir)]) if os.path.isdir(storage_dir) else {}
+def pending_payloads(storage_dir: str, ring_names: Iterable[str]) -> Iterator[tuple[int, bytes]]:
+    """(item id, payload) of every item an earlier run left here unfinished: live in the
+    store (`storage_dir`'s segments) or in a producer ring never stored, one segment or ring
+    at a time (an item in both is given twice). A job reads its own request numbers from
+    them, so that a resumed job submits none of those again (the broker delivers them).
+    Unreadable rings are skipped: `ring_stock` names them."""
+    if os.path.isdir(storage_dir):
+        yield from live_payloads([f.path for f in iter_segments(storage_dir)])
     for name in ring_names:
         try:
-            for position, body in enumerate(unreleased_records(name)):
-                frame = parse_frame(np.frombuffer(body, dtype=np.uint8), where=f"ring {name} record {position}")
-                for i, item in enumerate(frame.items["item_id"].tolist()):
-                    found[int(item)] = frame.item_payload(i)
-        except (ShmError, FrameError):
+            bodies = unreleased_records(name)
+        except ShmError:
             continue
-    return found
+        for position, body in enumerate(bodies):
+            try:
+                frame = parse_frame(np.frombuffer(body, dtype=np.uint8), where=f"ring {name} record {position}")
+            except FrameError:
+                break
+            for i, item in enumerate(frame.items["item_id"].tolist()):
+                yield int(item), frame.item_payload(i)
 
 
 def store_stock(storage_dir: str) -> StoreStock:

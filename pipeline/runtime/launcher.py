@@ -40,6 +40,7 @@ import shutil
 import signal
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -47,7 +48,7 @@ import psutil
 
 from pipeline.consumer.process import ConsumerConfig
 from pipeline.producer.workload import Workload
-from pipeline.reporting.accounting import Stock, summarize_results, take_stock
+from pipeline.reporting.accounting import ResultsSummary, Stock, summarize_results, take_stock
 from pipeline.runtime.gpus import detect_gpus
 from pipeline.runtime.inventory import (
     ProducerLedger,
@@ -92,6 +93,9 @@ PRODUCER_STOP_TIMEOUT_S = 30.0
 # How often a producer waiting for the broker to store its records checks that its parent
 # still lives (an orphan leaves its ring for the next broker and exits).
 ORPHAN_CHECK_S = 1.0
+# How long a stopping producer that is making one request's prompt (foreign code, which may
+# never return) is given before it is killed: a real prompt takes milliseconds.
+BUSY_STOP_GRACE_S = 2.0
 # How long a consumer may take to finish its batch in hand, and the broker to close its
 # files, before they are killed.
 STOP_TIMEOUT_S = 30.0
@@ -120,11 +124,13 @@ class LaunchOutcome:
 
 
 def _produce_main(socket_path: str, workload: Workload, index: int, count: int,
-                  replay_speed: float | None, ledger: ProducerLedger) -> None:
+                  replay_speed: float | None, ledger: ProducerLedger, start_at: int | None) -> None:
     """A producer process: feed its share, then wait until the broker stored all of it,
     however long that takes (a full disk, a broker restart): the launcher decides when to
     give up. SIGTERM stops the feed between submit calls; what went in is still handed over.
-    Every frame published is recorded in the ledger (how many items are in the ring)."""
+    Every frame published is recorded in the ledger (how many items are in the ring). A
+    workload with its own loop (`produce`: a batch job's) is handed the feed, its ledger
+    slot and where to start (`start_at`, when the launcher starts it again)."""
     parent = os.getppid()
     own_process_group()
     stop = stop_on_signals((signal.SIGTERM,))
@@ -136,11 +142,22 @@ def _produce_main(socket_path: str, workload: Workload, index: int, count: int,
         client = BrokerProducer(socket_path)
         ledger.registered(index, client.producer_id)
         client.on_frame = lambda next_seq: ledger.published(index, next_seq)  # a call's frames, one by one
+
+        def submit(items, on_submitted=lambda _count: None) -> None:
+            def progress(totals) -> None:
+                ledger.published(index, client.next_seq)
+                on_submitted(totals.items)
+
+            feed(client, items, replay_speed=replay_speed, on_progress=progress)
+
         try:
-            items = itertools.takewhile(lambda _item: not stop(), workload.items(index, count))
-            feed(client, items, replay_speed=replay_speed,
-                 on_progress=lambda _totals: ledger.published(index, client.next_seq))
+            produce = getattr(workload, "produce", None)
+            if produce is not None:
+                produce(submit, index, count, ledger.slot(index), stop, start_at)
+            else:
+                submit(itertools.takewhile(lambda _item: not stop(), workload.items(index, count)))
         finally:
+            ledger.idle(index)
             ledger.published(index, client.next_seq)
             _hand_over(client, parent)
     except Exception as exc:  # noqa: BLE001 - a child reports any failure by its status
@@ -190,7 +207,7 @@ class Interrupts:
         def handle(_signum, _frame) -> None:
             interrupts.count += 1
 
-        for signum in (signal.SIGINT, signal.SIGTERM):
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: a closed terminal
             signal.signal(signum, handle)
         return interrupts
 
@@ -203,16 +220,21 @@ class Interrupts:
 
 def start_producers(socket_path: str, workload: Workload, count: int, replay_speed: float | None,
                     ledger: ProducerLedger) -> list:
-    """`count` producer processes, producer k feeding items k, k + count, ... of `workload`
-    and recording what it published in slot k of `ledger`."""
+    """`count` producer processes, producer k feeding its share of `workload` (items k,
+    k + count, ..., or the workload's own shares) and recording what it does in slot k of
+    `ledger`."""
     assert ledger.producers == count, (ledger.producers, count)
-    processes = []
-    for index in range(count):
-        process = CTX.Process(target=_produce_main, name=f"producer-{index}",
-                              args=(socket_path, workload, index, count, replay_speed, ledger))
-        start_child(process)
-        processes.append(process)
-    return processes
+    return [start_producer(socket_path, workload, index, count, replay_speed, ledger) for index in range(count)]
+
+
+def start_producer(socket_path: str, workload: Workload, index: int, count: int, replay_speed: float | None,
+                   ledger: ProducerLedger, start_at: int | None = None):
+    """Producer `index` of `count`, started (again, from `start_at`, after the launcher
+    stopped one on a request it could not make)."""
+    process = CTX.Process(target=_produce_main, name=f"producer-{index}",
+                          args=(socket_path, workload, index, count, replay_speed, ledger, start_at))
+    start_child(process)
+    return process
 
 
 @dataclass(slots=True)
@@ -256,10 +278,14 @@ class Launcher:
     thread-safe. `on_status(status, now_s)` is called with every status the watch loop
     reads (the live progress display hooks in there)."""
 
-    def __init__(self, settings: LaunchSettings, workload: Workload, on_status=None) -> None:
+    def __init__(self, settings: LaunchSettings, workload: Workload, on_status=None,
+                 summarize: Callable[[str], ResultsSummary] = summarize_results) -> None:
+        """`summarize(results_dir)`: this run's results, for the report (a batch job's
+        collector has read them already, and passes its own)."""
         self.settings = settings
         self.workload = workload
         self.on_status = on_status or (lambda status, now_s: None)
+        self._summarize = summarize
         self.on_metrics = lambda port: None  # told the metrics port (0 picks a free one)
         self._own_data_dir = settings.data_dir is None
         self.data_dir = settings.data_dir or tempfile.mkdtemp(prefix="shape-broker-")
@@ -278,6 +304,15 @@ class Launcher:
         self.consumers: list = []
         self.producers: list = []
         self.ledger = ProducerLedger.create(CTX, settings.producers)
+        # Items published by producers the launcher stopped on a request and started again.
+        self._retired_published = 0
+        self._retired_busy_ns = 0
+        self.restarts = 0
+        # When the producers started, and when the watch first saw them all gone.
+        self._producers_span_ns: list[int] = [0, 0]
+        # Stock by item id (every item found in results, store or rings) is taken unless the
+        # workload accounts for its own (a batch job: by request, in its answer log).
+        self.item_stock = getattr(workload, "item_stock", True)
         self.metrics = None
         self.interrupts = Interrupts()
         self.keep_data_dir = False
@@ -322,6 +357,7 @@ class Launcher:
             self.on_metrics(self.metrics.port)
         for config in self.consumer_configs():
             self.consumers.append(start_consumer(config))
+        self._producers_span_ns[0] = time.monotonic_ns()
         self.producers = start_producers(self.config.socket_path, self.workload, s.producers, s.replay_speed,
                                          self.ledger)
 
@@ -333,6 +369,8 @@ class Launcher:
         counting on the broker's items_recovered: a count cannot say which items, and one
         unexplained item would hide one lost (seen in review). A fresh data directory has no
         store to scan; a stopped run's is read at page-cache speed."""
+        if not self.item_stock:
+            return StoreStock()
         rings = ring_stock(producer_ring_names(self.data_dir))
         store = store_stock(self.data_dir) if self.settings.storage == "disk" else StoreStock()
         taken_over = StoreStock(np.union1d(store.item_ids, rings.item_ids), store.models | rings.models)
@@ -386,6 +424,7 @@ class Launcher:
         while True:
             if stop():
                 return status, "interrupted"
+            self._supervise()
             failed = self._failure()
             if failed:
                 return status, failed
@@ -423,7 +462,48 @@ class Launcher:
     def _done(self, status: BrokerStatus) -> bool:
         if any(process.exitcode is None for process in self.producers):
             return False
-        return status.items_received_all >= self.ledger.total_published() and status.items_unfinished == 0
+        if not self._producers_span_ns[1]:
+            self._producers_span_ns[1] = time.monotonic_ns()
+        published = self.ledger.total_published() + self._retired_published
+        return status.items_received_all >= published and status.items_unfinished == 0
+
+    def _supervise(self) -> None:
+        """A producer of a workload with a time limit per request (`busy_limit_s`: a batch
+        job's chat template and tokenizer) that runs past it on one request, or dies on one,
+        is stopped; the workload answers that request (`on_stuck`), and a producer starts
+        again in its place after it. Its ring keeps what it published, for the broker."""
+        limit_s = getattr(self.workload, "busy_limit_s", None)
+        if limit_s is None:
+            return
+        now_ns = time.monotonic_ns()
+        for index, process in enumerate(self.producers):
+            busy = self.ledger.busy_with(index)
+            if busy is None:
+                continue
+            since_ns, position = busy
+            if process.exitcode is None:
+                if now_ns - since_ns < limit_s * 1e9:
+                    continue
+                process.kill()
+                process.join(BROKER_EXIT_WAIT_S)
+                why = (f"it ran past the {limit_s:g}-second time limit of the chat template and tokenizer "
+                       f"(--prompt-time-limit-s)")
+            elif process.exitcode != 0:
+                why = (f"the producer making it died ({_exit_text(process.exitcode)}): the chat template or "
+                       f"tokenizer crashed, or ran out of memory")
+            else:
+                continue
+            log.warning("producer %d stopped on request %d: %s; it is answered 400 and a producer starts again",
+                        index, position, why)
+            self.workload.on_stuck(position, why)
+            resume = self.ledger.resume_position(index)
+            self._retired_published += self.ledger.total_published_by(index)
+            self._retired_busy_ns += self.ledger.busy_ns(index)
+            self.ledger.reset(index)
+            self.restarts += 1
+            self.producers[index] = start_producer(self.config.socket_path, self.workload, index,
+                                                   self.settings.producers, self.settings.replay_speed, self.ledger,
+                                                   start_at=resume)
 
     # ----------------------------------------------------------------- stop
 
@@ -434,8 +514,8 @@ class Launcher:
         def forced() -> bool:  # a second Ctrl-C, or a dead broker: nobody to hand work to
             return self.interrupts.forcing() or self.broker is None or not self.broker.is_alive()
 
-        for process in self.producers:
-            stop_process(process, timeout_s=PRODUCER_STOP_TIMEOUT_S, forced=forced)
+        for index, process in enumerate(self.producers):
+            stop_process(process, timeout_s=PRODUCER_STOP_TIMEOUT_S, forced=lambda k=index: forced() or self._stuck(k))
         for process in self.consumers:
             stop_process(process, timeout_s=STOP_TIMEOUT_S, forced=forced)
         if not forced():
@@ -451,6 +531,21 @@ class Launcher:
         if self.broker is not None:
             stop_process(self.broker, timeout_s=STOP_TIMEOUT_S, forced=self.interrupts.forcing)
         return final
+
+    def producers_busy_share(self) -> float | None:
+        """The share of their lifetime the producers spent making items (a workload that
+        reports it: a batch job's prompts); None before they all finished."""
+        start_ns, end_ns = self._producers_span_ns
+        if not end_ns or end_ns <= start_ns or not self.producers:
+            return None
+        busy = self._retired_busy_ns + sum(self.ledger.busy_ns(k) for k in range(len(self.producers)))
+        return min(1.0, busy / (len(self.producers) * (end_ns - start_ns)))
+
+    def _stuck(self, index: int) -> bool:
+        """Producer `index` has been in foreign code (a chat template) for more than
+        BUSY_STOP_GRACE_S: a stop does not wait for it (its ring keeps what it published)."""
+        busy = self.ledger.busy_with(index)
+        return busy is not None and time.monotonic_ns() - busy[0] > BUSY_STOP_GRACE_S * 1e9
 
     def _fresh_status(self) -> BrokerStatus | None:
         """The broker's status now, or None if it cannot answer (the last one read stands)."""
@@ -468,12 +563,13 @@ class Launcher:
         completed = why == "completed"
         rings = ring_stock(producer_ring_names(self.data_dir))
         try:
-            results = summarize_results(self.results_dir)
-            stock = self._take_stock(results, rings, completed)
+            results = self._summarize(self.results_dir)
+            stock = self._take_stock(results, rings, completed) if self.item_stock else None
         except BaseException:
             self._keep_everything(rings)  # nothing counted: nothing may be discarded
             raise
-        unfinished = stock.in_store + stock.in_rings
+        unfinished = stock.in_store + stock.in_rings if stock is not None else (
+            len(rings.rings_holding) + (final.items_unfinished if final is not None else 1))
         durable = self.settings.storage == "disk"
         if durable and self._own_data_dir and unfinished and why not in ("completed", "interrupted"):
             self.keep_data_dir = True  # a failure must not discard work: say how to finish it
@@ -482,8 +578,8 @@ class Launcher:
         from pipeline.reporting.report import build_report
 
         again = np.fromiter(results.item_ids, dtype=np.uint64, count=len(results.item_ids))
-        report = build_report(final, results, wall_s, stock=stock, store_kept=kept,
-                              not_submitted=max(0, len(self.workload) - stock.accepted) if not completed else 0,
+        not_submitted = max(0, len(self.workload) - stock.accepted) if stock is not None and not completed else 0
+        report = build_report(final, results, wall_s, stock=stock, store_kept=kept, not_submitted=not_submitted,
                               unreadable_rings=rings.unreadable,
                               duplicates_across_runs=int(np.intersect1d(self._done_before, again).size))
         report["settings"] = self.process_settings()
@@ -546,6 +642,16 @@ class Launcher:
         a failed run kept it for its unfinished work."""
         if self._own_data_dir and not self.keep_data_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
+
+
+def _exit_text(code: int) -> str:
+    """A child's exit code in words: "exit status 1", "killed by SIGABRT"."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
 
 
 def _process_state(pid: int) -> str:

@@ -202,8 +202,18 @@ class DataDirError(PipelineError):
 
 
 class JobMismatchError(DataDirError):
-    """A batch job's data directory holds another job (another input file, by content, or
-    another served model): resuming there would mix two jobs' answers."""
+    """A batch job's data directory holds a job this run would change (another input file,
+    by content; another served model, tokenizer, chat template, model config, weights,
+    engine or engine option that changes answers; another output): resuming there would mix
+    answers made two ways. The message names what changed and what the user can do."""
+
+
+class JobPathError(BadInputError):
+    """A path a batch job would write, replace or delete is not the job's to touch: an
+    output that is the input or another output, inside the data directory, a device, FIFO,
+    socket, directory or symlink, an existing file not the job's own (without --overwrite),
+    a directory the job cannot write to; or a data directory that is not a job's. Checked
+    before anything runs; the message names the path and what to do."""
 
 
 class LiveRunError(DataDirError):

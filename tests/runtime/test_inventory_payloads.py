@@ -22,7 +22,7 @@ def test_the_live_entries_payloads_are_read_back_and_completed_ones_are_not(tmp_
     segment.append(encode_entries(*frame, indices=np.arange(5), producer_id=1))
     segment.tombstone_many([int(scan_segment(path).offsets[2])])  # completed: not pending
     segment.close()
-    found = pending_payloads(str(tmp_path), [])
+    found = dict(pending_payloads(str(tmp_path), []))
     expected = {int(items["item_id"][k]): payloads[starts[k]:starts[k + 1]].tobytes() for k in (0, 1, 3, 4)}
     assert found == expected
-    assert pending_payloads(str(tmp_path / "nothing here"), []) == {}
+    assert dict(pending_payloads(str(tmp_path / "nothing here"), [])) == {}

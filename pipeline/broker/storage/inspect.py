@@ -12,6 +12,7 @@ import json
 import os
 import stat
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -156,11 +157,11 @@ def live_items(paths: list[str]) -> tuple[set[int], set[int]]:
     return ids, models
 
 
-def live_payloads(paths: list[str]) -> dict[int, bytes]:
-    """The payloads of the live entries of these segment files, by item id (what a job
-    needs to know which of its requests a stopped run left in the store). Read with the
-    code recovery uses; a file gone since it was named, or not a segment, is skipped."""
-    found: dict[int, bytes] = {}
+def live_payloads(paths: list[str]) -> Iterator[tuple[int, bytes]]:
+    """(item id, payload) of each live entry of these segment files, one file at a time
+    (what a job needs to know which of its requests a stopped run left in the store). Read
+    with the code recovery uses; a file gone since it was named, or not a segment, is
+    skipped."""
     for path in paths:
         try:
             report = scan_segment(path)
@@ -168,13 +169,14 @@ def live_payloads(paths: list[str]) -> dict[int, bytes]:
             if not live.size:
                 continue
             with open(path, "rb") as f:
+                found = []
                 for row in live.tolist():
                     header = report.headers[row]
                     at = int(report.offsets[row]) + ENTRY_HEADER_SIZE_BYTES + int(header["length"]) * TOKEN_SIZE_BYTES
-                    found[int(header["item_id"])] = os.pread(f.fileno(), int(header["payload_len"]), at)
+                    found.append((int(header["item_id"]), os.pread(f.fileno(), int(header["payload_len"]), at)))
         except (SegmentFormatError, OSError):
             continue
-    return found
+        yield from found
 
 
 @dataclass(slots=True)

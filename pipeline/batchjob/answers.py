@@ -1,0 +1,260 @@
+"""The job's answers: one output line per request, appended as each answer is known, and a
+record per answer that says which request it is for (`layout.ANSWER_RECORD_DTYPE`).
+
+    log = AnswerLog.open(data_dir, requests=N, logs={LOG_OUTPUT: path, LOG_ERRORS: path})
+    log.is_done(17)                          # has request 17 its line?
+    log.append([Answer(17, line, 200, LOG_OUTPUT, 12, 16, 8)])
+    log.done, log.by_status, log.usage       # across every run of the job
+
+Owner: the process running the job; one writer (the data directory's job lock says who).
+Each append writes the lines (one write per log), then their records (one write): a line is
+an answer once its record is written. Opening recovers from any stop: records past the first
+one whose check fails (torn, zero-filled by a power cut) or whose line is not whole in its
+log are cut off, and so is every byte of a log past its last recorded line, so each request
+has at most one line, whole, in every log, across any number of resumes. What was cut is
+answered again from the results files, which outlive the answer log (`collect.py`).
+
+Memory: one bit per request (which are answered) and a few counters; the records stay on
+disk and are read in RECOVERY_CHUNK_RECORDS at a time.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pipeline.batchjob.layout import (
+    ANSWER_RECORD_DTYPE,
+    ANSWER_RECORD_SIZE_BYTES,
+    MAX_RECORD_COUNT,
+    answer_record,
+    valid_records,
+)
+from pipeline.batchjob.manifest import JOB_DIR
+from pipeline.wire import fileops
+from pipeline.wire.errors import JobPathError
+
+RECORDS_NAME = "answers.bin"
+# The answer log of an input-order job (merged into the output at the end).
+LOG_NAME = "answers.jsonl"
+# Records read at a time on recovery and by the merge (which reads their lines with them:
+# ~10 MiB of typical lines): 640 KiB.
+RECOVERY_CHUNK_RECORDS = 1 << 14
+FILE_MODE = 0o600
+_APPEND = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+
+
+@dataclass(slots=True)
+class Answer:
+    """One request's output line (its newline included) and what its record says."""
+
+    index: int
+    line: bytes
+    status_code: int
+    log: int
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class Usage:
+    """Tokens of the completed requests, as their output lines' usage adds up."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(slots=True)
+class Recovered:
+    """What opening the log cut off: records (and their lines) that were not whole."""
+
+    records_cut: int = 0
+    log_bytes_cut: dict[int, int] = field(default_factory=dict)
+
+
+def records_path(data_dir: str) -> str:
+    return os.path.join(data_dir, JOB_DIR, RECORDS_NAME)
+
+
+class AnswerLog:
+    """See the module's doc. `close()` is explicit and idempotent."""
+
+    def __init__(self, data_dir: str, requests: int, logs: Mapping[int, str]) -> None:
+        self.requests = requests
+        self.paths = dict(logs)
+        self._done = bytearray((requests + 7) // 8)
+        self.done = 0
+        self.by_status: dict[int, int] = {}
+        self.usage = Usage()
+        self.duplicates = 0  # answers offered for requests that had theirs (redelivered batches)
+        self._ends: dict[int, int] = {log: 0 for log in logs}
+        self._records_path = records_path(data_dir)
+        self._fds: dict[int, int] = {}
+        self._records_fd = -1
+        self.recovered = Recovered()
+
+    @classmethod
+    def open(cls, data_dir: str, requests: int, logs: Mapping[int, str]) -> AnswerLog:
+        """The job's answers so far, recovered (the module's doc), open for appending."""
+        log = cls(data_dir, requests, logs)
+        try:
+            log._open_files()
+            log._recover()
+        except BaseException:
+            log.close()
+            raise
+        return log
+
+    def _open_files(self) -> None:
+        os.makedirs(os.path.dirname(self._records_path), mode=0o700, exist_ok=True)
+        self._records_fd = _open_append(self._records_path)
+        for log, path in self.paths.items():
+            self._fds[log] = _open_append(path)
+
+    def _recover(self) -> None:
+        sizes = {log: os.fstat(fd).st_size for log, fd in self._fds.items()}
+        kept = 0
+        size = os.fstat(self._records_fd).st_size
+        with open(self._records_path, "rb") as f:
+            while kept * ANSWER_RECORD_SIZE_BYTES < size:
+                raw = f.read(RECOVERY_CHUNK_RECORDS * ANSWER_RECORD_SIZE_BYTES)
+                records = valid_records(raw)
+                records = records[:_whole_lines(records, sizes)]
+                self._count(records)
+                kept += records.size
+                if records.size < RECOVERY_CHUNK_RECORDS:
+                    break
+        if kept * ANSWER_RECORD_SIZE_BYTES < size:
+            self.recovered.records_cut = (size - kept * ANSWER_RECORD_SIZE_BYTES) // ANSWER_RECORD_SIZE_BYTES
+            fileops.ftruncate(self._records_fd, kept * ANSWER_RECORD_SIZE_BYTES)
+        for log, fd in self._fds.items():
+            if sizes[log] > self._ends[log]:
+                self.recovered.log_bytes_cut[log] = sizes[log] - self._ends[log]
+                fileops.ftruncate(fd, self._ends[log])
+
+    def _count(self, records: np.ndarray) -> None:
+        """Take recovered records into the bit set, the counts and the logs' ends."""
+        if not records.size:
+            return
+        index = records["index"].astype(np.int64)
+        bits = np.frombuffer(self._done, dtype=np.uint8)
+        np.bitwise_or.at(bits, index >> 3, (1 << (index & 7)).astype(np.uint8))
+        self.done += int(records.size)
+        codes, counts = np.unique(records["status_code"], return_counts=True)
+        for code, count in zip(codes.tolist(), counts.tolist()):
+            self.by_status[code] = self.by_status.get(code, 0) + count
+        ok = records["status_code"] == 200
+        self.usage.prompt_tokens += int(records["prompt_tokens"][ok].sum())
+        self.usage.completion_tokens += int(records["completion_tokens"][ok].sum())
+        self.usage.cached_tokens += int(records["cached_tokens"][ok].sum())
+        for log in self._ends:
+            mine = records[records["log"] == log]
+            if mine.size:
+                self._ends[log] = int(mine["log_offset"][-1]) + int(mine["line_bytes"][-1])
+
+    def is_done(self, index: int) -> bool:
+        return bool(self._done[index >> 3] >> (index & 7) & 1)
+
+    def done_bits(self) -> np.ndarray:
+        """A copy of the answered set, one bit per request (bit k of byte k // 8)."""
+        return np.frombuffer(bytes(self._done), dtype=np.uint8)
+
+    def append(self, answers: Sequence[Answer]) -> int:
+        """Append the answers of requests that have none yet (a second answer of a request
+        is counted in `duplicates` and dropped); how many were new."""
+        fresh = []
+        for answer in answers:
+            assert 0 <= answer.index < self.requests, (answer.index, self.requests)
+            if self.is_done(answer.index):
+                self.duplicates += 1
+                continue
+            self._done[answer.index >> 3] |= 1 << (answer.index & 7)
+            fresh.append(answer)
+        if not fresh:
+            return 0
+        records = []
+        for log in sorted({a.log for a in fresh}):
+            lines = [a for a in fresh if a.log == log]
+            at = self._ends[log]
+            for answer in lines:
+                records.append(_record(answer, at))
+                at += len(answer.line)
+            fileops.write_all(self._fds[log], b"".join(a.line for a in lines))
+            self._ends[log] = at
+        fileops.write_all(self._records_fd, b"".join(records))
+        for answer in fresh:
+            self.done += 1
+            self.by_status[answer.status_code] = self.by_status.get(answer.status_code, 0) + 1
+            if answer.status_code == 200:
+                self.usage.prompt_tokens += answer.prompt_tokens
+                self.usage.completion_tokens += answer.completion_tokens
+                self.usage.cached_tokens += answer.cached_tokens
+        return len(fresh)
+
+    @property
+    def failed(self) -> int:
+        return self.done - self.by_status.get(200, 0)
+
+    def sync(self) -> None:
+        """Every line and record written so far on disk (the end of a job)."""
+        for fd in (*self._fds.values(), self._records_fd):
+            fileops.fsync(fd)
+
+    def check_invariants(self) -> None:
+        bits = np.unpackbits(np.frombuffer(self._done, dtype=np.uint8), bitorder="little")
+        assert int(bits.sum()) == self.done == sum(self.by_status.values()), (bits.sum(), self.done)
+        assert not bits[self.requests:].any()
+        assert os.fstat(self._records_fd).st_size == self.done * ANSWER_RECORD_SIZE_BYTES
+        for log, fd in self._fds.items():
+            assert os.fstat(fd).st_size == self._ends[log], (log, self._ends[log])
+
+    def close(self) -> None:
+        for fd in (*self._fds.values(), self._records_fd):
+            if fd >= 0:
+                os.close(fd)
+        self._fds, self._records_fd = {}, -1
+
+
+def _record(answer: Answer, log_offset: int) -> bytes:
+    counts = (answer.prompt_tokens, answer.completion_tokens, answer.cached_tokens)
+    assert all(0 <= c <= MAX_RECORD_COUNT for c in counts), counts
+    return answer_record(answer.index, log_offset, len(answer.line), answer.status_code, answer.log, *counts)
+
+
+def _whole_lines(records: np.ndarray, sizes: Mapping[int, int]) -> int:
+    """How many leading records have their line whole in a log of ours."""
+    known = np.isin(records["log"], list(sizes))
+    ends = records["log_offset"] + records["line_bytes"]
+    limit = np.array([sizes.get(int(log), 0) for log in records["log"].tolist()], dtype=np.uint64) \
+        if records.size else np.zeros(0, dtype=np.uint64)
+    bad = np.flatnonzero(~known | (ends > limit))
+    return int(bad[0]) if bad.size else int(records.size)
+
+
+def _open_append(path: str) -> int:
+    try:
+        fd = os.open(path, _APPEND, FILE_MODE)
+    except OSError as exc:
+        raise JobPathError(f"{path}: cannot open it to append answers: {exc.strerror}") from exc
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise JobPathError(f"{path}: not a regular file: the job appends its answers only to regular files")
+    return fd
+
+
+def record_chunks(data_dir: str):
+    """The job's answer records, RECOVERY_CHUNK_RECORDS at a time (for the merge: the log
+    was opened, so every record is valid)."""
+    with open(records_path(data_dir), "rb") as f:
+        while raw := f.read(RECOVERY_CHUNK_RECORDS * ANSWER_RECORD_SIZE_BYTES):
+            yield np.frombuffer(raw, dtype=ANSWER_RECORD_DTYPE)

@@ -1,0 +1,136 @@
+"""The output of an input-order job: its answer log's lines put in the input's order, in
+memory that does not depend on the job's size.
+
+    write_in_input_order(data_dir, log_path, requests, output, error_file, work_dir)
+
+The answer log (`answers.py`) holds one line per request in the order answers came, and a
+record per line (request index, where the line is, its status). The merge reads the records
+once to size its buckets (contiguous ranges of request indices, each holding at most
+BUCKET_BYTES of lines), reads the log once, sequentially, appending each line to its
+bucket's file, then reads the buckets in order, each sorted in memory by request index, into
+the output (and, with an error file, every line whose status is not 200 there instead).
+Every read and write is sequential; memory is one bucket and the records of one chunk.
+NOTE: a heap merge of sorted runs reading lines back from the log by offset was rejected: its
+reads are random over a log of gigabytes.
+
+The output files are written whole or not at all (`paths.replace_file` semantics: a kill
+leaves the older file, or none).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+
+import numpy as np
+
+from pipeline.batchjob.answers import record_chunks
+from pipeline.batchjob.paths import ReplacingFile
+from shm.layout import checked_dtype, struct_for
+
+# Bytes of lines a bucket holds at most (a single request's line may exceed it alone): what
+# the merge holds in memory at a time, besides one chunk of records.
+BUCKET_BYTES = 64 << 20
+# Index ranges the records are first counted in to cut the buckets: at 100 million requests
+# a range is ~1,500 requests.
+HISTOGRAM_RANGES = 1 << 16
+# Most buckets open at once: a file descriptor each (a 64 GB log fits).
+MAX_BUCKETS = 1024
+
+# A line's header in a bucket file.
+#   off  size  field        meaning
+#     0     8  index        the request's index
+#     8     4  line_bytes   bytes of the line that follows, its newline included
+#    12     2  status_code  the response's status (200 goes to the output, else maybe the error file)
+#    14     2  reserved     zero
+BUCKET_ENTRY_DTYPE = checked_dtype(
+    [
+        ("index", 0, "<u8", "request index"),
+        ("line_bytes", 8, "<u4", "bytes of the line"),
+        ("status_code", 12, "<u2", "HTTP status"),
+    ],
+    itemsize=16,
+)
+_HEADER = BUCKET_ENTRY_DTYPE.itemsize
+_ENTRY = struct_for(BUCKET_ENTRY_DTYPE)
+
+
+def bucket_bounds(data_dir: str, requests: int, bucket_bytes: int = BUCKET_BYTES) -> np.ndarray:
+    """Start indices of the buckets, then `requests`: ranges cut where the lines' bytes
+    (counted per HISTOGRAM_RANGES range of indices) reach `bucket_bytes`."""
+    ranges = min(HISTOGRAM_RANGES, max(requests, 1))
+    width = -(-requests // ranges)
+    sizes = np.zeros(ranges, dtype=np.int64)
+    for records in record_chunks(data_dir):
+        np.add.at(sizes, (records["index"] // width).astype(np.intp), records["line_bytes"].astype(np.int64))
+    limit = max(bucket_bytes, int(sizes.sum()) // MAX_BUCKETS + 1)
+    cuts, held = [0], 0
+    for k, size in enumerate(sizes.tolist()):
+        if held and held + size > limit:
+            cuts.append(k * width)
+            held = 0
+        held += size
+    return np.array(cuts + [requests], dtype=np.int64)
+
+
+def write_in_input_order(data_dir: str, log_path: str, requests: int, output: str, error_file: str | None,
+                         work_dir: str, bucket_bytes: int = BUCKET_BYTES) -> None:
+    """The merge of the module's doc."""
+    bounds = bucket_bounds(data_dir, requests, bucket_bytes)
+    os.makedirs(work_dir, mode=0o700, exist_ok=True)
+    try:
+        _distribute(data_dir, log_path, bounds, work_dir)
+        out = ReplacingFile(output)
+        errors = ReplacingFile(error_file) if error_file is not None else out
+        try:
+            for k in range(len(bounds) - 1):
+                for line, status in _sorted_bucket(_bucket_path(work_dir, k)):
+                    (out if status == 200 else errors).write(line)
+            out.commit()
+            if errors is not out:
+                errors.commit()
+        finally:
+            out.abandon()
+            errors.abandon()
+    finally:
+        shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def _distribute(data_dir: str, log_path: str, bounds: np.ndarray, work_dir: str) -> None:
+    """Each line of the log, with its header, appended to its bucket's file."""
+    files = [open(_bucket_path(work_dir, k), "wb") for k in range(len(bounds) - 1)]
+    try:
+        with open(log_path, "rb") as log:
+            for records in record_chunks(data_dir):
+                start = int(records["log_offset"][0])
+                log.seek(start)
+                raw = log.read(int(records["log_offset"][-1]) + int(records["line_bytes"][-1]) - start)
+                bucket = np.searchsorted(bounds, records["index"].astype(np.int64), side="right") - 1
+                index, size = records["index"].tolist(), records["line_bytes"].tolist()
+                status, at = records["status_code"].tolist(), (records["log_offset"] - start).tolist()
+                for k in np.unique(bucket).tolist():
+                    files[k].write(b"".join(_ENTRY.pack(index[r], size[r], status[r]) + raw[at[r]:at[r] + size[r]]
+                                            for r in np.flatnonzero(bucket == k).tolist()))
+    finally:
+        for f in files:
+            f.close()
+
+
+def _sorted_bucket(path: str) -> Iterator[tuple[bytes, int]]:
+    """A bucket's lines in request order, with their status codes."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    entries = []
+    at = 0
+    while at < len(raw):
+        index, length, status = _ENTRY.unpack_from(raw, at)
+        entries.append((index, at + _HEADER, length, status))
+        at += _HEADER + length
+    entries.sort()
+    for _index, start, length, status in entries:
+        yield raw[start:start + length], status
+
+
+def _bucket_path(work_dir: str, k: int) -> str:
+    return os.path.join(work_dir, f"bucket-{k:04d}.bin")

@@ -1,0 +1,262 @@
+"""Turning what the consumers and producers wrote into the job's answers, as it is written.
+
+    collector = Collector(data_dir, manifest, input_fd, tokenizer, log)
+    collector.collect()          # every poll: new whole lines of every file, to the log
+
+Where answers come from:
+    DATA_DIR/results/**/*.jsonl      consumers' results rows (every run's, a staged
+                                     consumer's, a Ray node's), `pipeline/consumer/results.py`
+    DATA_DIR/job/rejected/*.jsonl    requests a producer answered itself (a body the job
+                                     cannot serve, a prompt too long, a template that failed),
+                                     `rejections.py`
+
+Each file is read from where the last poll stopped, whole lines only (a line being written
+is read at the next poll). A row is this job's when its payload is (`layout.decode_job_payload`:
+the job's id and the request's index and line); its request's line is read back from the
+input by offset and checked against the payload's digest, so an answer can only ever go to
+its own request. A row whose request has its line already (a redelivered batch) is dropped
+and counted; a row of a damaged entry (status corrupt) answers nothing: the request is
+submitted again by the next run.
+
+Where each file was read up to is saved in DATA_DIR/job/collected.json after the log took
+what it read, so a resume reads only what is new; a lost or stale one costs a second read,
+never an answer (the log drops what it has).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import msgspec
+import xxhash
+
+from pipeline.batchjob.answers import Answer, AnswerLog
+from pipeline.batchjob.layout import LOG_OUTPUT, decode_job_payload
+from pipeline.batchjob.manifest import JOB_DIR, JobManifest
+from pipeline.batchjob.output import (
+    HTTP_OK,
+    ROW_CORRUPT,
+    ROW_OK,
+    RequestRef,
+    error_line,
+    response_line,
+    row_error,
+    row_usage,
+)
+from pipeline.batchjob.paths import replace_file
+from pipeline.batchjob.requests import ENDPOINTS
+from pipeline.batchjob.scan import MAX_REQUEST_LINE_BYTES, envelope
+from pipeline.reporting.accounting import ResultsSummary
+from pipeline.wire.errors import BatchFileError, BatchOutputError, JobMismatchError
+
+RESULTS_DIR = "results"
+REJECTED_DIR = "rejected"
+COLLECTED_NAME = "collected.json"
+# Bytes of one file read per poll: a poll takes what a few seconds of a fast job wrote and
+# returns, so the launcher's watch loop keeps its pace.
+READ_LIMIT_BYTES = 32 << 20
+# A results or rejection line longer than this is not one of ours (a row holds a prompt's
+# output ids, at most a context's worth of tokens, ~8 bytes each).
+MAX_ROW_BYTES = 64 << 20
+
+
+@dataclass(slots=True)
+class CollectCounts:
+    """What collecting found that is not an answer of this job."""
+
+    foreign_rows: int = 0  # rows of items that are not this job's (another run's store)
+    bad_lines: int = 0  # lines that are not rows (torn by a kill, damaged)
+    corrupt: int = 0  # rows of entries the store damaged: those requests run again
+    examples: list[str] = field(default_factory=list)
+
+
+class Collector:
+    """See the module's doc. Owner: the job's process, one per run; not thread-safe."""
+
+    def __init__(self, data_dir: str, manifest: JobManifest, input_fd: int, decode: Callable[[list[int]], str],
+                 log: AnswerLog, error_log: int) -> None:
+        self.data_dir = data_dir
+        self.manifest = manifest
+        self.input_fd = input_fd
+        self.decode = decode
+        self.log = log
+        self.error_log = error_log  # LOG_ERRORS where failures go to their own file, else LOG_OUTPUT
+        self.counts = CollectCounts()
+        self._path = os.path.join(data_dir, JOB_DIR, COLLECTED_NAME)
+        self._offsets: dict[str, int] = _load_offsets(self._path)
+        # This run's results, for its report (`tally`, `summary`): the rows are read here once.
+        self._tally_dir: str | None = None
+        self._tally = ResultsSummary()
+
+    def collect(self) -> int:
+        """Read what every answer file gained since the last call; how many new answers."""
+        added = 0
+        for relative in self._files():
+            added += self._collect_file(relative)
+        return added
+
+    def _files(self) -> Iterator[str]:
+        """Answer files by their path inside the data directory, results first."""
+        for top in (RESULTS_DIR, os.path.join(JOB_DIR, REJECTED_DIR)):
+            root = os.path.join(self.data_dir, top)
+            for folder, dirs, names in os.walk(root):
+                dirs.sort()
+                for name in sorted(names):
+                    if name.endswith(".jsonl"):
+                        yield os.path.relpath(os.path.join(folder, name), self.data_dir)
+
+    def _collect_file(self, relative: str) -> int:
+        path = os.path.join(self.data_dir, relative)
+        start = self._offsets.get(relative, 0)
+        try:
+            with open(path, "rb") as f:
+                f.seek(start)
+                raw = f.read(READ_LIMIT_BYTES)
+        except OSError:
+            return 0
+        end = raw.rfind(b"\n") + 1
+        if not end:
+            return 0
+        rejected = relative.startswith(JOB_DIR)
+        tally = self._tally if os.path.dirname(path) == self._tally_dir else None
+        consumer = os.path.basename(path)[:-len(".jsonl")]
+        answers = []
+        for line in raw[:end].split(b"\n")[:-1]:
+            answer = self._answer(line, rejected, path, tally, consumer)
+            if answer is not None:
+                answers.append(answer)
+        added = self.log.append(answers)
+        self._offsets[relative] = start + end
+        return added
+
+    def save(self) -> None:
+        """Record where each file was read up to (after the log has what was read)."""
+        replace_file(self._path, [json.dumps(self._offsets, sort_keys=True).encode()])
+
+    def tally(self, results_dir: str) -> None:
+        """Count the rows of `results_dir` (this run's) for `summary`."""
+        self._tally_dir = os.path.abspath(results_dir)
+        self._tally = ResultsSummary()
+
+    def summary(self, results_dir: str) -> ResultsSummary:
+        """This run's results as `summarize_results` would read them (without item ids:
+        the job counts by request; a duplicate is a row whose request had its line)."""
+        assert os.path.abspath(results_dir) == self._tally_dir, (results_dir, self._tally_dir)
+        self.collect()
+        tally = self._tally
+        tally.items = tally.lines - self.log.duplicates
+        tally.duplicates = self.log.duplicates
+        return tally
+
+    def _answer(self, line: bytes, rejected: bool, path: str, tally: ResultsSummary | None = None,
+                consumer: str = "") -> Answer | None:
+        try:
+            row = msgspec.json.decode(line)
+        except msgspec.DecodeError:
+            try:
+                row = json.loads(line)
+            except (ValueError, RecursionError):
+                self._bad(path, "not JSON", tally)
+                return None
+        if not isinstance(row, dict):
+            self._bad(path, "not an object", tally)
+            return None
+        if tally is not None:
+            _count_row(tally, row, consumer)
+        try:
+            return self._rejection(row) if rejected else self._result(row)
+        except (BatchOutputError, KeyError, TypeError, ValueError) as exc:
+            self._bad(path, str(exc)[:200])
+            return None
+
+    def _result(self, row: dict) -> Answer | None:
+        found = decode_job_payload(base64.b64decode(row.get("payload") or ""), self.manifest.job_id)
+        if found is None:
+            self.counts.foreign_rows += 1
+            return None
+        index, offset, length, digest = found
+        if index >= self.manifest.requests or self.log.is_done(index):
+            self.log.duplicates += index < self.manifest.requests
+            return None
+        status = row.get("status")
+        if status == ROW_CORRUPT:
+            self.counts.corrupt += 1
+            return None
+        request = self._request(index, offset, length, digest)
+        tag = self.manifest.id_tag
+        if status != ROW_OK:
+            line, code = row_error(request, row, tag)
+            return Answer(index, line.encode() + b"\n", code, self.error_log)
+        text = row["text"] if isinstance(row.get("text"), str) else self.decode(row["output"])
+        line = response_line(request, row, text, self.manifest.served_model, self.manifest.created_s, tag)
+        prompt, completion, cached = row_usage(row)
+        return Answer(index, line.encode() + b"\n", HTTP_OK, LOG_OUTPUT, prompt, completion, cached)
+
+    def _rejection(self, row: dict) -> Answer | None:
+        index, offset, length, digest = (int(row[k]) for k in ("index", "offset", "length", "line_xxh3"))
+        if index >= self.manifest.requests or self.log.is_done(index):
+            return None
+        request = self._request(index, offset, length, digest)
+        status = int(row["status"])
+        line = error_line(request, status, str(row["message"]), row.get("param"), tag=self.manifest.id_tag,
+                          code=row.get("code"))
+        return Answer(index, line.encode() + b"\n", status, self.error_log)
+
+    def _request(self, index: int, offset: int, length: int, digest: int) -> RequestRef:
+        """The request's line read back from the input: its custom_id and kind."""
+        raw = os.pread(self.input_fd, min(length, MAX_REQUEST_LINE_BYTES), offset)
+        if len(raw) != length or xxhash.xxh3_64_intdigest(raw) != digest:
+            raise JobMismatchError(f"{self.manifest.input_path}: the line of request {index} at byte {offset} is not "
+                                   f"what the job read there: the input file changed while the job ran; restore "
+                                   f"it to finish the job")
+        try:
+            env = envelope(raw)
+        except BatchFileError as exc:
+            raise JobMismatchError(f"{self.manifest.input_path}: byte {offset}: {exc}") from None
+        return RequestRef(env.custom_id, ENDPOINTS.get(env.url), index)
+
+    def _bad(self, path: str, why: str, tally: ResultsSummary | None = None) -> None:
+        self.counts.bad_lines += 1
+        if len(self.counts.examples) < 10:
+            self.counts.examples.append(f"{path}: {why}")
+        if tally is not None:
+            tally.bad_lines += 1
+            if len(tally.bad_line_examples) < 10:
+                tally.bad_line_examples.append(f"{path}: {why}")
+
+
+def _count_row(tally: ResultsSummary, row: dict, consumer: str) -> None:
+    """One results row into a run's summary (what `summarize_results` adds up)."""
+    prompt, cached = row.get("prompt_tokens"), row.get("cached_tokens")
+    prompt = prompt if type(prompt) is int else 0
+    cached = cached if type(cached) is int else 0
+    mine = tally.per_consumer.setdefault(consumer, {"lines": 0, "prompt_tokens": 0, "cached_tokens": 0,
+                                                    "bad_lines": 0})
+    mine["lines"] += 1
+    mine["prompt_tokens"] += prompt
+    mine["cached_tokens"] += cached
+    tally.lines += 1
+    tally.prompt_tokens += prompt
+    tally.cached_tokens += cached
+    status = str(row.get("status"))
+    tally.by_status[status] = tally.by_status.get(status, 0) + 1
+    dispatch, done = row.get("dispatch_ns"), row.get("done_ns")
+    if type(dispatch) is int and (tally.first_dispatch_ns is None or dispatch < tally.first_dispatch_ns):
+        tally.first_dispatch_ns = dispatch
+    if type(done) is int and (tally.last_done_ns is None or done > tally.last_done_ns):
+        tally.last_done_ns = done
+
+
+def _load_offsets(path: str) -> dict[str, int]:
+    try:
+        with open(path, "rb") as f:
+            found = json.loads(f.read(1 << 24))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(found, dict):
+        return {}
+    return {k: v for k, v in found.items() if isinstance(k, str) and isinstance(v, int) and v >= 0}

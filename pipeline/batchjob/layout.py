@@ -1,0 +1,184 @@
+"""The batch job's binary records: what its items carry, its input's index, its answers.
+
+Three layouts, each declared once here with its table and checked at import:
+
+- JOB_PAYLOAD_DTYPE: the opaque payload of every item a job submits (behind the generation
+  envelope, `pipeline/wire/generation.py`). It names the job (a random 64-bit id drawn
+  when the job is created) and the request (its index, and where its line is in the input
+  file with a digest of the line's bytes), so an answer is matched to its own request of
+  its own job and nothing else: an item of another job, of `pipeline launch` or of
+  `pipeline produce` on the same data directory never matches (`decode_job_payload`).
+- INDEX_ENTRY_DTYPE: the input's sparse index (`job/input.idx`), one entry every
+  INDEX_STRIDE requests: the byte offset and line number of that request's line, so a
+  producer starts its share anywhere in the file without reading what comes before it.
+- ANSWER_RECORD_DTYPE: one record per answered request (`job/answers.bin`), written after
+  its output line: which request, where its line is, its status and usage. The records are
+  the job's ledger of answers: a resume reads them (not the lines) to know what is done and
+  the usage so far, and the input-order merge reads them to place each line.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from shm.layout import checked_dtype, struct_for
+
+JOB_PAYLOAD_MAGIC = b"SBJR"
+# Bump when a field below moves or changes meaning: an item of another version is no answer.
+JOB_PAYLOAD_VERSION = 1
+
+# A job item's payload.
+#   off  size  field        meaning
+#     0     4  magic        b"SBJR"
+#     4     2  version      JOB_PAYLOAD_VERSION
+#     6     2  reserved     zero
+#     8     8  job_id       the job's random id (its manifest): whose item this is
+#    16     8  index        the request's index among the input's requests (0-based)
+#    24     8  offset       byte offset of the request's line in the input file
+#    32     4  length       bytes of that line, without its newline
+#    36     4  reserved     zero
+#    40     8  line_xxh3    xxh3-64 of the line's bytes: the line read back is that line
+JOB_PAYLOAD_DTYPE = checked_dtype(
+    [
+        ("magic", 0, "|S4", "b'SBJR'"),
+        ("version", 4, "<u2", "JOB_PAYLOAD_VERSION"),
+        ("job_id", 8, "<u8", "the job's id"),
+        ("index", 16, "<u8", "request index"),
+        ("offset", 24, "<u8", "line's byte offset"),
+        ("length", 32, "<u4", "line's bytes"),
+        ("line_xxh3", 40, "<u8", "xxh3 of the line"),
+    ],
+    itemsize=48,
+)
+JOB_PAYLOAD_SIZE_BYTES = JOB_PAYLOAD_DTYPE.itemsize
+_PAYLOAD = struct_for(JOB_PAYLOAD_DTYPE)
+
+# Requests between two entries of the input's sparse index: a producer starting its share
+# reads at most this many lines it does not take (about 2 MB of a typical batch file),
+# and the index of a 100-million-request file is 24,415 entries (390 KB).
+INDEX_STRIDE = 4096
+
+INDEX_MAGIC = b"SBJI"
+INDEX_VERSION = 1
+# The sparse index file's header.
+#   off  size  field          meaning
+#     0     4  magic          b"SBJI"
+#     4     2  version        INDEX_VERSION
+#     6     2  reserved       zero
+#     8     8  stride         requests between entries (INDEX_STRIDE when written)
+#    16     8  requests       requests in the input
+#    24     8  input_bytes    the input file's size
+#    32    16  input_xxh3     xxh3-128 of the input's bytes (big-endian digest bytes)
+#    48     8  entries        index entries after the header
+#    56     8  header_xxh3    xxh3-64 of bytes 0..56
+INDEX_HEADER_DTYPE = checked_dtype(
+    [
+        ("magic", 0, "|S4", "b'SBJI'"),
+        ("version", 4, "<u2", "INDEX_VERSION"),
+        ("stride", 8, "<u8", "requests between entries"),
+        ("requests", 16, "<u8", "requests in the input"),
+        ("input_bytes", 24, "<u8", "input size"),
+        ("input_xxh3", 32, "|S16", "xxh3-128 of the input"),
+        ("entries", 48, "<u8", "entries that follow"),
+        ("header_xxh3", 56, "<u8", "xxh3 of bytes 0..56"),
+    ],
+    itemsize=64,
+)
+# One entry: request k * stride starts at `offset`, on line `line`.
+#   off  size  field   meaning
+#     0     8  offset  byte offset of the request's line
+#     8     8  line    its 1-based line number (blank lines are not requests)
+INDEX_ENTRY_DTYPE = checked_dtype(
+    [
+        ("offset", 0, "<u8", "line's byte offset"),
+        ("line", 8, "<u8", "1-based line number"),
+    ],
+    itemsize=16,
+)
+
+# Which file an answer's line went to.
+LOG_OUTPUT = 0
+LOG_ERRORS = 1
+
+# One answered request.
+#   off  size  field              meaning
+#     0     8  index              the request's index
+#     8     8  log_offset         byte offset of its output line in its log
+#    16     4  line_bytes         bytes of that line, its newline included
+#    20     2  status_code        the response's HTTP status (200, 400, 500)
+#    22     1  log                LOG_OUTPUT or LOG_ERRORS: which file holds the line
+#    23     1  reserved           zero
+#    24     4  prompt_tokens      usage of a completed request (0 for a failed one)
+#    28     4  completion_tokens
+#    32     4  cached_tokens
+#    36     4  check              `record_check` of the 9 words before it: a torn or
+#                                 zero-filled record (a power cut) is never read as one
+ANSWER_RECORD_DTYPE = checked_dtype(
+    [
+        ("index", 0, "<u8", "request index"),
+        ("log_offset", 8, "<u8", "line's offset in its log"),
+        ("line_bytes", 16, "<u4", "line's bytes"),
+        ("status_code", 20, "<u2", "HTTP status"),
+        ("log", 22, "|u1", "which log"),
+        ("prompt_tokens", 24, "<u4", "prompt tokens"),
+        ("completion_tokens", 28, "<u4", "completion tokens"),
+        ("cached_tokens", 32, "<u4", "cached prompt tokens"),
+        ("check", 36, "<u4", "record_check of words 0..9"),
+    ],
+    itemsize=40,
+)
+ANSWER_RECORD_SIZE_BYTES = ANSWER_RECORD_DTYPE.itemsize
+_CHECKED_WORDS = 9
+# record_check's constants: a 32-bit FNV-style mix, odd multiplier, nonzero start (so a
+# record of zeros does not check).
+_CHECK_START = np.uint32(0x811C_9DC5)
+_CHECK_PRIME = np.uint32(0x0100_0193)
+_RECORD = struct_for(ANSWER_RECORD_DTYPE, [n for n in ANSWER_RECORD_DTYPE.names if n != "check"])
+# Counts in a record are u4: a request's tokens are far below (a prompt is at most the
+# broker's item cap, 262,144 tokens; n choices of the longest context stay under 2**32).
+MAX_RECORD_COUNT = (1 << 32) - 1
+
+
+def encode_job_payload(job_id: int, index: int, offset: int, length: int, line_xxh3: int) -> bytes:
+    return _PAYLOAD.pack(JOB_PAYLOAD_MAGIC, JOB_PAYLOAD_VERSION, job_id, index, offset, length, line_xxh3)
+
+
+def decode_job_payload(payload: bytes, job_id: int) -> tuple[int, int, int, int] | None:
+    """(index, offset, length, line_xxh3) of an item of job `job_id`; None for any other
+    payload (another job's, another version, not a job item at all)."""
+    if len(payload) != JOB_PAYLOAD_SIZE_BYTES or not payload.startswith(JOB_PAYLOAD_MAGIC):
+        return None
+    _magic, version, owner, index, offset, length, digest = _PAYLOAD.unpack(payload)
+    if version != JOB_PAYLOAD_VERSION or owner != job_id:
+        return None
+    return index, offset, length, digest
+
+
+def record_check(words: np.ndarray) -> np.ndarray:
+    """The check of records given as rows of their first 9 little-endian u32 words.
+    NOTE: a mix numpy computes over every record at once, rather than xxh3 per record: a
+    resume checks millions of records, and a Python call per record was 1 us each."""
+    check = np.full(words.shape[0], _CHECK_START, dtype=np.uint32)
+    with np.errstate(over="ignore"):
+        for k in range(_CHECKED_WORDS):
+            check = (check ^ words[:, k]) * _CHECK_PRIME
+            check ^= check >> np.uint32(15)
+    return check
+
+
+def answer_record(index: int, log_offset: int, line_bytes: int, status_code: int, log: int,
+                  prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> bytes:
+    """One record's bytes, its check computed."""
+    body = _RECORD.pack(index, log_offset, line_bytes, status_code, log, prompt_tokens, completion_tokens,
+                        cached_tokens)
+    words = np.frombuffer(body, dtype="<u4").reshape(1, _CHECKED_WORDS)
+    return body + record_check(words).astype("<u4").tobytes()
+
+
+def valid_records(raw: bytes) -> np.ndarray:
+    """The leading records of `raw` whose checks hold, as an ANSWER_RECORD_DTYPE array; the
+    first bad one (torn, zero-filled) and everything after it are left out."""
+    whole = len(raw) // ANSWER_RECORD_SIZE_BYTES
+    records = np.frombuffer(raw, dtype=ANSWER_RECORD_DTYPE, count=whole)
+    words = np.frombuffer(raw, dtype="<u4", count=whole * ANSWER_RECORD_SIZE_BYTES // 4).reshape(whole, -1)
+    bad = np.flatnonzero(record_check(words[:, :_CHECKED_WORDS]) != records["check"])
+    return records[:bad[0]] if bad.size else records

@@ -1,0 +1,188 @@
+"""What a job's data directory is for, and everything its answers depend on.
+
+    DATA_DIR/job/manifest.json   written once, when the job is created (whole or not at all)
+
+A job is its input file (by size and xxh3-128 of its bytes), its served model name, and what
+turns a request into an answer: the model directory's tokenizer, chat template and configs
+(by content), the model's weights (by name, size and modification time: hashing gigabytes at
+every start costs more than it guards), the engine and its options that change answers, and
+the longest prompt run. A run on a data directory whose manifest disagrees on any of them is
+refused, naming what changed and what the user can do: answers made one way are never mixed
+with answers made another, and an output line is never decoded with another tokenizer than
+the one that made its tokens. Where the output goes (its path, order and error file) is part
+of the job too: with `--output-order completion` the output file is the job's answer log.
+
+The job's id (`job_id`, 64 random bits drawn at creation) is in every item's payload
+(`layout.py`): an answer is matched to its own request of its own job, never by position.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import stat
+from dataclasses import asdict, dataclass, field
+
+import xxhash
+
+from pipeline.batchjob.paths import replace_file
+from pipeline.wire.errors import JobMismatchError
+
+JOB_DIR = "job"
+MANIFEST_NAME = "manifest.json"
+MANIFEST_VERSION = 2
+# The manifest is small: anything longer is not ours.
+MAX_MANIFEST_BYTES = 1 << 20
+# Files of a model directory that make its prompts and answers (read by content: all are
+# small but the tokenizer, whose 2-35 MB hash in milliseconds).
+MODEL_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json",
+               "generation_config.json", "special_tokens_map.json")
+# A model's weights, known by name, size and mtime: a new checkpoint in place changes them.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+# Engine options that change how fast or where a job runs, never what it answers: a resume
+# may change them (more GPU memory, another cache directory, the sim's cost model).
+RESOURCE_OPTIONS = frozenset({"cpu_threads", "cache_dir", "gpu_memory_utilization", "kv_cache_memory_bytes",
+                              "enforce_eager", "cost_s_per_padded_token", "cost_s_per_batch", "cache_tokens",
+                              "block_size", "max_num_seqs", "max_num_batched_tokens", "swap_space",
+                              "llm_kwargs.disable_log_stats"})
+# Bytes of a model file hashed at a time.
+HASH_CHUNK_BYTES = 1 << 20
+
+
+@dataclass(slots=True, frozen=True)
+class JobManifest:
+    job_id: int
+    created_s: int  # Unix time of the job's first run: every response's `created`
+    input_path: str
+    input_bytes: int
+    input_xxh3: str
+    requests: int
+    served_model: str
+    output_path: str
+    output_order: str
+    error_file: str | None
+    depends_on: dict[str, str] = field(default_factory=dict)
+    version: int = MANIFEST_VERSION
+
+    @classmethod
+    def new(cls, **fields) -> JobManifest:
+        return cls(job_id=secrets.randbits(63), **fields)
+
+    @property
+    def id_tag(self) -> str:
+        """What makes the job's output ids (`batch_req_<tag>_<index>`): its input's digest."""
+        return self.input_xxh3[:12]
+
+
+def manifest_path(data_dir: str) -> str:
+    return os.path.join(data_dir, JOB_DIR, MANIFEST_NAME)
+
+
+def load_manifest(data_dir: str) -> JobManifest | None:
+    """The data directory's job manifest; None where there is none; JobMismatchError for
+    one that is not ours (unreadable, another version)."""
+    path = manifest_path(data_dir)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise JobMismatchError(f"{path}: cannot read the job manifest ({exc.strerror}); use another --data-dir") from exc
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise JobMismatchError(f"{path}: not a regular file; use another --data-dir")
+        raw = os.read(fd, MAX_MANIFEST_BYTES + 1)
+    finally:
+        os.close(fd)
+    try:
+        fields = json.loads(raw)
+        if fields.get("version") != MANIFEST_VERSION:
+            raise ValueError(f"version {fields.get('version')!r}, this program reads {MANIFEST_VERSION}")
+        return JobManifest(**fields)
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise JobMismatchError(f"{path}: not a job manifest of this version ({exc}); finish that job with the "
+                               f"version that started it, or use another --data-dir") from None
+
+
+def write_manifest(data_dir: str, manifest: JobManifest) -> None:
+    """Write a new job's manifest, whole or not at all."""
+    path = manifest_path(data_dir)
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    replace_file(path, [json.dumps(asdict(manifest), indent=1).encode() + b"\n"])
+
+
+def differences(have: JobManifest, wanted: JobManifest) -> list[str]:
+    """What `wanted` (this run) changes of the job `have` describes, in words; empty when
+    this run may finish that job."""
+    changed = []
+    if (have.input_bytes, have.input_xxh3) != (wanted.input_bytes, wanted.input_xxh3):
+        changed.append(f"the input file changed since the job started: it was {have.input_bytes:,} bytes with xxh3 "
+                       f"{have.input_xxh3[:16]}... ({have.input_path}), it is {wanted.input_bytes:,} bytes with "
+                       f"xxh3 {wanted.input_xxh3[:16]}... ({wanted.input_path})")
+    for name in ("served_model", "output_path", "output_order", "error_file"):
+        if getattr(have, name) != getattr(wanted, name):
+            changed.append(f"{name.replace('_', ' ')}: {getattr(have, name)!r} then, {getattr(wanted, name)!r} now")
+    for key in sorted(set(have.depends_on) | set(wanted.depends_on)):
+        was, now = have.depends_on.get(key, "absent"), wanted.depends_on.get(key, "absent")
+        if was != now:
+            changed.append(f"{key}: {_short(was)} then, {_short(now)} now")
+    return changed
+
+
+def mismatch_error(data_dir: str, have: JobManifest, changed: list[str]) -> JobMismatchError:
+    """The refusal of a run that would change a job: what changed and what to do."""
+    lines = "\n  ".join(changed[:10])
+    return JobMismatchError(
+        f"{data_dir} holds a job this run would change, so its answers would not all be made the same way:\n  "
+        f"{lines}\nTo finish that job, run it as it was started (the same input, model directory, engine options "
+        f"and output); to run this one from the start instead, give another --data-dir (the {have.requests:,}-"
+        f"request job in {data_dir} stays as it is).")
+
+
+def _short(value: str) -> str:
+    return value if len(value) <= 70 else value[:67] + "..."
+
+
+def depends_on(model_dir: str, engine: str, engine_options: dict[str, object], max_input_len: int | None) -> dict[str, str]:
+    """Everything a job's answers depend on besides its input, as name -> digest or value."""
+    found: dict[str, str] = {}
+    for name in MODEL_FILES:
+        found[f"model file {name}"] = _file_digest(os.path.join(model_dir, name))
+    found["model weights"] = _weights_digest(model_dir)
+    found["engine"] = engine
+    for key, value in sorted(engine_options.items()):
+        if key not in RESOURCE_OPTIONS:
+            found[f"engine option {key}"] = json.dumps(value, sort_keys=True, default=str)
+    found["max input length"] = str(max_input_len)
+    return found
+
+
+def _file_digest(path: str) -> str:
+    """xxh3-128 of a model file's bytes; "absent" for none."""
+    try:
+        with open(path, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return "not a regular file"
+            hasher = xxhash.xxh3_128()
+            while chunk := f.read(HASH_CHUNK_BYTES):
+                hasher.update(chunk)
+            return "xxh3 " + hasher.hexdigest()
+    except FileNotFoundError:
+        return "absent"
+    except OSError as exc:
+        return f"unreadable ({exc.strerror})"
+
+
+def _weights_digest(model_dir: str) -> str:
+    """The weight files' names, sizes and modification times, digested; "none" without any."""
+    rows = []
+    try:
+        entries = sorted(os.scandir(model_dir), key=lambda e: e.name)
+    except OSError as exc:
+        return f"unreadable ({exc.strerror})"
+    for entry in entries:
+        if entry.name.endswith(WEIGHT_SUFFIXES):
+            info = entry.stat()
+            rows.append(f"{entry.name}:{info.st_size}:{info.st_mtime_ns}")
+    return "xxh3 " + xxhash.xxh3_128_hexdigest("\n".join(rows)) if rows else "none"

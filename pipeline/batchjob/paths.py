@@ -1,0 +1,283 @@
+"""Every path a batch job writes, replaces or deletes, checked before the job starts.
+
+The rule: a job never writes, replaces or deletes a path it did not create, and never a
+device, a FIFO, a socket, a directory or a symlink's target.
+
+- Its outputs (the output file, the error file, the run report, the summary beside the
+  output) are told apart from each other and from the input (by path and, where they exist,
+  by file identity), are never inside the data directory (which is removed at the end), and
+  each is either absent, or a regular file the job itself wrote (its manifest names it; the
+  output of `--output-order completion` is appended across resumes), or a regular file the
+  user allows to be replaced (`--overwrite`). Their directories must be writable: a probe
+  file is made and removed there before anything runs, so an unwritable directory is not
+  found after every request ran.
+- Its data directory is absent (created now), empty, or a job's own (it holds a job
+  manifest). A directory of other files (the user's, or a store `pipeline launch` or
+  `pipeline produce` made) is refused: its items and results are not this job's.
+- A file is replaced by writing a new one and renaming it over (`replace_file`): an unnamed
+  temporary file (O_TMPFILE) linked in at the end, so a kill in the middle leaves nothing;
+  where the file system has no O_TMPFILE, a named one that the next run removes.
+- At the end, the default data directory is removed entry by entry, only the entries the
+  product makes (`PRODUCT_ENTRIES`); anything else found there stays, with the directory.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import stat
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from pipeline.wire import fileops
+from pipeline.wire.errors import JobPathError
+from pipeline.wire.fileops import errno_text
+
+# What the product makes in a data directory (the store, its catalog and lineage, the
+# broker's state and namespace, the run's pid and lock files, results, the job's own files,
+# quarantined damage, the vLLM cache of a temporary directory).
+PRODUCT_ENTRIES = frozenset({"segments", "segments.catalog", "segments.catalog.mirror", "shapes.lineage",
+                             "broker-state.json", "shm-namespace", "run", "results", "job", "quarantine",
+                             "engine-cache"})
+# The suffix of a named temporary file beside a file being replaced (where O_TMPFILE is not
+# supported): fixed, so that the next run finds and removes one a kill left.
+PARTIAL_SUFFIX = ".partial"
+FILE_MODE = 0o600
+# Bytes gathered into one write when a file is written from lines.
+WRITE_CHUNK_BYTES = 1 << 20
+
+
+@dataclass(slots=True, frozen=True)
+class OutputPath:
+    """One file the job writes: its role (for messages), its absolute path, and whether it
+    may already exist (the job's own, or --overwrite)."""
+
+    role: str
+    path: str
+
+
+def check_input(path: str) -> str:
+    """The input's absolute path: an existing regular file."""
+    info = _stat(path, follow=True)
+    if info is None:
+        raise JobPathError(f"input file {path}: does not exist")
+    if not stat.S_ISREG(info.st_mode):
+        raise JobPathError(f"input file {path}: not a regular file ({_kind(info)}): a batch file is read twice, "
+                           f"checked then run")
+    return os.path.abspath(path)
+
+
+def check_outputs(outputs: list[OutputPath], input_path: str, data_dir: str, own: Iterable[str],
+                  overwrite: bool) -> None:
+    """The checks of the module's doc for every output; `own`: paths the job wrote before
+    (it may append to or replace them)."""
+    own_paths = {os.path.abspath(p) for p in own}
+    seen: dict[str, str] = {os.path.realpath(input_path): "the input file"}
+    data_real = os.path.realpath(data_dir)
+    for out in outputs:
+        real = os.path.realpath(out.path)
+        if real in seen:
+            raise JobPathError(f"{out.role} {out.path} is also {seen[real]}: give each its own path")
+        if real == data_real or real.startswith(data_real + os.sep):
+            raise JobPathError(f"{out.role} {out.path} is inside the data directory {data_dir}, which the job "
+                               f"removes when it is done: put it elsewhere")
+        seen[real] = f"the {out.role}"
+        info = _stat(out.path, follow=False)
+        if info is not None:
+            _check_existing(out, info, input_path, own_paths, overwrite)
+        probe_directory(os.path.dirname(out.path) or ".", out)
+
+
+def _check_existing(out: OutputPath, info: os.stat_result, input_path: str, own: set[str], overwrite: bool) -> None:
+    if stat.S_ISLNK(info.st_mode):
+        raise JobPathError(f"{out.role} {out.path} is a symbolic link: give the path it points to, if that is "
+                           f"what you mean (the job never writes through a link)")
+    if not stat.S_ISREG(info.st_mode):
+        raise JobPathError(f"{out.role} {out.path} is {_kind(info)}, not a regular file: the job writes only "
+                           f"regular files (for no output at all, use a scratch file)")
+    if os.path.samefile(out.path, input_path):
+        raise JobPathError(f"{out.role} {out.path} is the input file: it would be replaced")
+    if out.path not in own and not overwrite:
+        raise JobPathError(f"{out.role} {out.path} exists: pass --overwrite to replace it, or give another path")
+
+
+def probe_directory(directory: str, out: OutputPath) -> None:
+    """Make and remove a file in `directory`, so a directory the job cannot write to is
+    refused now, not when the answers are ready."""
+    try:
+        fd = os.open(directory, os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, FILE_MODE)
+        os.close(fd)
+        return
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            raise JobPathError(f"{out.role} {out.path}: cannot write in {directory}: {errno_text(exc)}") from exc
+    probe = os.path.join(directory, f".{os.path.basename(out.path)}.probe-{os.getpid()}")
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE))
+        os.unlink(probe)
+    except OSError as exc:
+        raise JobPathError(f"{out.role} {out.path}: cannot write in {directory}: {errno_text(exc)}") from exc
+
+
+def check_data_dir_is_the_jobs(data_dir: str, has_manifest: bool) -> None:
+    """A data directory a job may use: absent, empty, or a job's own (`has_manifest`)."""
+    info = _stat(data_dir, follow=False)
+    if info is None or has_manifest:
+        return
+    if not stat.S_ISDIR(info.st_mode):
+        raise JobPathError(f"data directory {data_dir} is {_kind(info)}, not a directory")
+    entries = sorted(os.listdir(data_dir))
+    if entries:
+        product = [name for name in entries if name in PRODUCT_ENTRIES]
+        what = ("a store or results of another run (pipeline launch or produce): its items are not this job's"
+                if product else "files that are not the product's")
+        raise JobPathError(f"data directory {data_dir} exists and is not a batch job's: it holds {what} "
+                           f"({', '.join(entries[:5])}{', ...' if len(entries) > 5 else ''}); give another "
+                           f"--data-dir")
+
+
+def remove_data_dir(data_dir: str) -> list[str]:
+    """Remove what the product made in `data_dir`, then the directory if nothing else is in
+    it; the names left behind (not the product's), for a warning."""
+    left = []
+    for name in sorted(os.listdir(data_dir)):
+        path = os.path.join(data_dir, name)
+        if name not in PRODUCT_ENTRIES:
+            left.append(name)
+        elif os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            _unlink_quietly(path)
+    if not left:
+        try:
+            os.rmdir(data_dir)
+        except OSError:
+            left = sorted(os.listdir(data_dir))
+    return left
+
+
+class ReplacingFile:
+    """A file written anew and put in place of `path` at `commit()`, whole or not at all
+    (the module's doc); `abandon()` (idempotent, and a no-op after commit) drops it. Writes
+    are gathered into WRITE_CHUNK_BYTES. OSError from the file system is raised as it is."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._directory = os.path.dirname(os.path.abspath(path))
+        self._fd, self._temp = _temporary(self._directory, path)
+        self._chunk: list[bytes] = []
+        self._held = 0
+        try:
+            os.fchmod(self._fd, FILE_MODE)
+        except BaseException:
+            self.abandon()
+            raise
+
+    def write(self, data: bytes) -> None:
+        self._chunk.append(data)
+        self._held += len(data)
+        if self._held >= WRITE_CHUNK_BYTES:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._chunk:
+            fileops.write_all(self._fd, b"".join(self._chunk))
+            self._chunk, self._held = [], 0
+
+    def commit(self) -> None:
+        self._flush()
+        fileops.fsync(self._fd)
+        if self._temp is None:
+            self._temp = _link_unnamed(self._fd, self._directory, self.path)
+        os.close(self._fd)
+        self._fd = -1
+        fileops.rename(self._temp, self.path)
+        self._temp = None
+        fileops.fsync_directory(self._directory)
+
+    def abandon(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        if self._temp is not None:
+            _unlink_quietly(self._temp)
+            self._temp = None
+
+
+def replace_file(path: str, chunks: Iterable[bytes]) -> None:
+    """Write `chunks` as the file `path`, whole or not at all (the module's doc), fsynced
+    with its directory."""
+    out = ReplacingFile(path)
+    try:
+        for chunk in chunks:
+            out.write(chunk)
+        out.commit()
+    finally:
+        out.abandon()
+
+
+def partial_path(path: str) -> str:
+    return os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}{PARTIAL_SUFFIX}")
+
+
+def remove_partial(path: str) -> None:
+    """Remove the named temporary file a kill left beside `path` (a regular file only)."""
+    partial = partial_path(path)
+    info = _stat(partial, follow=False)
+    if info is not None and stat.S_ISREG(info.st_mode):
+        _unlink_quietly(partial)
+
+
+def _temporary(directory: str, path: str) -> tuple[int, str | None]:
+    """An unnamed file in `directory` (name None), or, without O_TMPFILE, the fixed partial
+    name beside `path` (created fresh)."""
+    try:
+        return os.open(directory, os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, FILE_MODE), None
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            raise
+    remove_partial(path)
+    partial = partial_path(path)
+    return os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, FILE_MODE), partial
+
+
+def _link_unnamed(fd: int, directory: str, path: str) -> str:
+    """Give the unnamed file a name beside `path` (then renamed over it): the fixed partial
+    name, replacing one a kill left between this link and the rename."""
+    partial = partial_path(path)
+    remove_partial(path)
+    # A directory fd makes os.link call linkat(AT_SYMLINK_FOLLOW), which links the file the
+    # /proc link names; plain link(2) would try to link the /proc symlink itself.
+    dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.link(f"/proc/self/fd/{fd}", os.path.basename(partial), dst_dir_fd=dir_fd, follow_symlinks=True)
+    finally:
+        os.close(dir_fd)
+    return partial
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _stat(path: str, follow: bool) -> os.stat_result | None:
+    try:
+        return os.stat(path) if follow else os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise JobPathError(f"{path}: cannot be checked ({exc.strerror})") from exc
+
+
+def _kind(info: os.stat_result) -> str:
+    mode = info.st_mode
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISLNK, "a symbolic link")):
+        if test(mode):
+            return name
+    return "a regular file" if stat.S_ISREG(mode) else "a special file"

@@ -1,0 +1,415 @@
+"""One pass over a batch file: every file-level rule checked, in memory that does not grow
+with the file, and the little the job keeps of it.
+
+    scan = scan_input("requests.jsonl", work_dir="DATA/job/scan", on_progress=show)
+    scan.requests, scan.input_xxh3, scan.index   # count, digest, sparse index entries
+
+A line is a request when it is UTF-8 JSON, an object with exactly custom_id, method, url and
+body, a non-empty string custom_id used by no other line, method "POST", a string url and
+an object body, within MAX_REQUEST_LINE_BYTES (blank lines are skipped). Anything else is the
+file's problem: the job refuses to start, naming the first MAX_LISTED_ERRORS lines as
+`path:line: why` and the total (BatchFileError). What a body asks for is a request's own
+problem, answered 400 by the producer that makes its prompt (`requests.py`); the scan does
+not parse bodies beyond checking they are JSON objects.
+
+What the scan keeps: the request count, the input's size and xxh3-128, and a sparse index
+(every INDEX_STRIDE-th request's byte offset and line number, `layout.py`), from which a
+producer reads its share of the file by offset. Duplicate custom_ids are found by spilling
+(digest, offset, line) records into SPILL_PARTITIONS files by the digest's top bits and
+sorting each partition alone, so memory stays bounded whatever the file's size; two
+custom_ids with the same digest are told apart by reading both lines, never assumed equal.
+NOTE: a set of every custom_id (the first design) held 1 to 2 GB at a million requests.
+
+The envelope is decoded with msgspec, which skips the body's JSON while validating it (0.6 us a
+line against 3.2 us for json.loads, a 560-byte chat request); a line msgspec refuses is
+decoded again with the json module, which decides and words the error (msgspec refuses a
+lone surrogate escape that JSON allows, and that is a request's problem, not the file's).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+import xxhash
+
+from pipeline.batchjob.layout import (
+    INDEX_ENTRY_DTYPE,
+    INDEX_HEADER_DTYPE,
+    INDEX_MAGIC,
+    INDEX_STRIDE,
+    INDEX_VERSION,
+)
+from pipeline.wire.errors import BatchFileError
+from pipeline.wire.textfiles import file_kind, listed
+from shm.layout import checked_dtype
+
+# The longest request line read (bytes before its newline): a prompt at the broker's largest
+# item (262,144 tokens, ~4 characters each) is ~1 MiB of text, ~6 MiB if every character
+# were a \u escape; 16 MiB leaves room and bounds what a file of one endless line costs.
+MAX_REQUEST_LINE_BYTES = 16 << 20
+# The most requests in one file. The job keeps one bit per request in memory (which are
+# answered), shared by its producers: 32 MiB at this limit; everything else it keeps per
+# request is on disk.
+MAX_BATCH_REQUESTS = 1 << 28
+# How many bad lines the error lists before the total: enough to show the pattern, few
+# enough that a file of nothing but bad lines does not bury the message.
+MAX_LISTED_ERRORS = 10
+# Bytes read at a time: large enough that a read and a digest update per block cost nothing
+# beside the lines, small enough to be a rounding error of the job's memory.
+READ_BLOCK_BYTES = 4 << 20
+# Partitions of the custom_id digests, by their top bits: at MAX_BATCH_REQUESTS a
+# partition is ~1 million records (32 MiB) sorted at a time.
+SPILL_PARTITIONS = 256
+# Records gathered before they are spilled (2 MiB); a file of fewer requests never spills.
+SPILL_BUFFER_RECORDS = 1 << 16
+# The keys of a request line, all required, nothing else (OpenAI's request input object).
+LINE_KEYS = ("custom_id", "method", "url", "body")
+# The Batch API's one method (OpenAI: "Currently only POST is supported").
+METHOD = "POST"
+# The index file's header check covers the bytes before it.
+_HEADER_CHECKED_BYTES = 56
+# What progress is reported every so often: bytes read (the caller turns it into a line).
+PROGRESS_EVERY_BYTES = 64 << 20
+
+# A custom_id's digest and where its line is (spilled to the scan's work directory).
+#   off  size  field    meaning
+#     0     8  digest   xxh3-64 of the custom_id's UTF-8 (surrogates passed through)
+#     8     8  offset   byte offset of the line
+#    16     8  line     1-based line number
+DIGEST_RECORD_DTYPE = checked_dtype(
+    [
+        ("digest", 0, "<u8", "xxh3 of the custom_id"),
+        ("offset", 8, "<u8", "line's byte offset"),
+        ("line", 16, "<u8", "1-based line number"),
+    ],
+    itemsize=24,
+)
+
+
+class Envelope(msgspec.Struct, forbid_unknown_fields=True):
+    """A request line's keys as msgspec decodes them; the body stays raw JSON."""
+
+    custom_id: str
+    method: str
+    url: str
+    body: msgspec.Raw
+
+
+_ENVELOPE = msgspec.json.Decoder(Envelope)
+
+
+@dataclass(slots=True)
+class InputScan:
+    """What the job keeps of its input file."""
+
+    path: str
+    input_bytes: int
+    input_xxh3: str  # xxh3-128, hex
+    requests: int
+    index: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=INDEX_ENTRY_DTYPE))
+
+
+def envelope(raw: bytes) -> Envelope:
+    """A request line's envelope, or BatchFileError saying why the line is not a request."""
+    try:
+        env = _ENVELOPE.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return _slow_envelope(raw)
+    if env.method != METHOD or not env.custom_id or memoryview(env.body)[:1] != b"{":
+        return _slow_envelope(raw)
+    return env
+
+
+def _slow_envelope(raw: bytes) -> Envelope:
+    """The json module's verdict on a line msgspec refused, with the reason in words."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BatchFileError(f"not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    try:
+        record = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise BatchFileError(f"not JSON ({exc})") from None
+    if not isinstance(record, dict):
+        raise BatchFileError(f"a request must be a JSON object, got {show(record)}")
+    missing = [key for key in LINE_KEYS if key not in record]
+    if missing:
+        raise BatchFileError(f"missing {', '.join(map(repr, missing))}: a request line has custom_id, method, "
+                             f"url and body")
+    unknown = sorted(set(record) - set(LINE_KEYS))
+    if unknown:
+        raise BatchFileError(f"unknown key{'s' if len(unknown) > 1 else ''} {listed(unknown)}: a request line has "
+                             f"custom_id, method, url and body only")
+    custom_id, method, url, body = (record[key] for key in LINE_KEYS)
+    if not isinstance(custom_id, str) or not custom_id:
+        raise BatchFileError(f"custom_id must be a non-empty string, got {show(custom_id)}")
+    if method != METHOD:
+        raise BatchFileError(f"method must be {METHOD!r} (the Batch API's only method), got {show(method)}")
+    if not isinstance(url, str):
+        raise BatchFileError(f"url must be a string (an endpoint such as '/v1/chat/completions'), got {show(url)}")
+    if not isinstance(body, dict):
+        raise BatchFileError(f"body must be a JSON object (the endpoint's request), got {show(body)}")
+    # Valid JSON msgspec would not take (a lone surrogate): the body's problem, not the file's.
+    return Envelope(custom_id, method, url, msgspec.Raw(json.dumps(body).encode()))
+
+
+def custom_id_digest(custom_id: str) -> int:
+    return xxhash.xxh3_64_intdigest(custom_id.encode("utf-8", "surrogatepass"))
+
+
+class _Errors:
+    """The file's bad lines: the first MAX_LISTED_ERRORS kept (by line), all counted."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.found: list[tuple[int, str]] = []
+        self.count = 0
+
+    def add(self, line: int, why: str) -> None:
+        self.count += 1
+        self.found.append((line, why))
+        if len(self.found) > 4 * MAX_LISTED_ERRORS:  # keep the earliest lines, bounded
+            self.found = sorted(self.found)[:MAX_LISTED_ERRORS]
+
+    def raise_if_any(self, stopped_at: int) -> None:
+        if not self.count:
+            return
+        shown = sorted(self.found)[:MAX_LISTED_ERRORS]
+        plural = "s" if self.count != 1 else ""
+        upto = f" up to line {stopped_at}, where reading stopped" if stopped_at else ""
+        first = f", the first {len(shown)}" if self.count > len(shown) else ""
+        raise BatchFileError(f"{self.path}: {self.count:,} bad line{plural}{upto}; nothing was submitted and the job "
+                             f"does not start{first}:\n  " + "\n  ".join(f"{self.path}:{n}: {why}" for n, why in shown))
+
+
+class _Digests:
+    """Every request's custom_id digest, spilled by partition to `work_dir` once there are
+    more than SPILL_BUFFER_RECORDS of them."""
+
+    def __init__(self, work_dir: str) -> None:
+        self.work_dir = work_dir
+        self.buffer = np.zeros(SPILL_BUFFER_RECORDS, dtype=DIGEST_RECORD_DTYPE)
+        self.filled = 0
+        self.spilled = False
+
+    def add(self, digest: int, offset: int, line: int) -> None:
+        self.buffer[self.filled] = (digest, offset, line)
+        self.filled += 1
+        if self.filled == SPILL_BUFFER_RECORDS:
+            self._spill()
+
+    def _spill(self) -> None:
+        if not self.spilled:
+            os.makedirs(self.work_dir, mode=0o700, exist_ok=True)
+            self.spilled = True
+        records = self.buffer[:self.filled]
+        part = (records["digest"] >> np.uint64(56)).astype(np.intp) * SPILL_PARTITIONS >> 8
+        order = np.argsort(part, kind="stable")
+        cuts = np.searchsorted(part[order], np.arange(SPILL_PARTITIONS + 1))
+        for k in range(SPILL_PARTITIONS):
+            if cuts[k] < cuts[k + 1]:
+                with open(self._part_path(k), "ab") as f:
+                    f.write(records[order[cuts[k]:cuts[k + 1]]].tobytes())
+        self.filled = 0
+
+    def _part_path(self, k: int) -> str:
+        return os.path.join(self.work_dir, f"ids-{k:03d}.bin")
+
+    def partitions(self):
+        """Each partition's records, one at a time."""
+        if not self.spilled:
+            yield self.buffer[:self.filled]
+            return
+        self._spill()
+        for k in range(SPILL_PARTITIONS):
+            path = self._part_path(k)
+            if os.path.exists(path):
+                yield np.fromfile(path, dtype=DIGEST_RECORD_DTYPE)
+
+    def close(self) -> None:
+        if self.spilled:
+            shutil.rmtree(self.work_dir, ignore_errors=True)
+
+
+def scan_input(path: str, work_dir: str, on_progress: Callable[[int, int], None] | None = None) -> InputScan:
+    """Check the batch file at `path` (the module's doc) and return what the job keeps;
+    BatchFileError naming its bad lines. `on_progress(bytes_read, requests)` is called every
+    PROGRESS_EVERY_BYTES. `work_dir` holds the spilled digests while it runs."""
+    digests = _Digests(work_dir)
+    errors = _Errors(path)
+    try:
+        with _open_input(path) as f:
+            scan, stopped_at = _read(f, path, digests, errors, on_progress)
+        _duplicates(path, digests, errors)
+    finally:
+        digests.close()
+    errors.raise_if_any(stopped_at)
+    if not scan.requests:
+        raise BatchFileError(f"{path}: no requests (the file is empty or blank)")
+    return scan
+
+
+def _open_input(path: str):
+    try:
+        f = open(path, "rb")
+    except OSError as exc:
+        raise BatchFileError(f"{path}: cannot read the batch file ({exc.strerror or exc})") from exc
+    kind = file_kind(f.fileno())
+    if kind != "file":
+        f.close()
+        raise BatchFileError(f"{path}: a batch file must be a regular file (it is read twice: checked, then run), "
+                             f"not a {kind}")
+    return f
+
+
+def _read(f, path: str, digests: _Digests, errors: _Errors,
+          on_progress: Callable[[int, int], None] | None) -> tuple[InputScan, int]:
+    """The pass itself: lines out of blocks, each checked; (what is kept, the line where
+    reading stopped at the request limit or 0)."""
+    hasher = xxhash.xxh3_128()
+    index: list[tuple[int, int]] = []
+    requests, line, offset, carry, skipping = 0, 0, 0, b"", False
+    next_progress = PROGRESS_EVERY_BYTES
+    while True:
+        block = f.read(READ_BLOCK_BYTES)
+        hasher.update(block)
+        pieces = (carry + block).split(b"\n") if block else [carry] if carry else []
+        carry = pieces.pop() if block else b""
+        for raw in pieces:
+            start = offset
+            offset += len(raw) + 1
+            line += 1
+            if skipping:  # the tail of an over-long line
+                skipping = False
+                continue
+            if len(raw) > MAX_REQUEST_LINE_BYTES:
+                errors.add(line, f"longer than {MAX_REQUEST_LINE_BYTES:,} bytes (the longest prompt fits in far less)")
+                continue
+            if not raw.strip():
+                continue
+            try:
+                env = envelope(raw)
+            except BatchFileError as exc:
+                errors.add(line, str(exc))
+                continue
+            if requests == MAX_BATCH_REQUESTS:
+                errors.add(line, f"more than {MAX_BATCH_REQUESTS:,} requests in one file; split it into several jobs")
+                return InputScan(path, offset, hasher.hexdigest(), requests, _index(index)), line
+            if requests % INDEX_STRIDE == 0:
+                index.append((start, line))
+            digests.add(custom_id_digest(env.custom_id), start, line)
+            requests += 1
+        if len(carry) > MAX_REQUEST_LINE_BYTES and not skipping:
+            errors.add(line + 1, f"longer than {MAX_REQUEST_LINE_BYTES:,} bytes (the longest prompt fits in far less)")
+            offset += len(carry)
+            carry, skipping = b"", True
+        elif skipping and len(carry) > READ_BLOCK_BYTES:
+            offset += len(carry)
+            carry = b""
+        if on_progress is not None and offset >= next_progress:
+            on_progress(offset, requests)
+            next_progress = offset + PROGRESS_EVERY_BYTES
+        if not block:
+            break
+    return InputScan(path, offset, hasher.hexdigest(), requests, _index(index)), 0
+
+
+def _index(entries: list[tuple[int, int]]) -> np.ndarray:
+    return np.array(entries, dtype=INDEX_ENTRY_DTYPE) if entries else np.zeros(0, dtype=INDEX_ENTRY_DTYPE)
+
+
+def _duplicates(path: str, digests: _Digests, errors: _Errors) -> None:
+    """Every line whose custom_id an earlier line uses, named with that earlier line."""
+    with open(path, "rb") as f:
+        for records in digests.partitions():
+            if records.size < 2:
+                continue
+            records = np.sort(records, order=["digest", "line"])
+            starts = np.flatnonzero(np.r_[True, records["digest"][1:] != records["digest"][:-1]])
+            ends = np.r_[starts[1:], records.size]
+            for start, end in zip(starts.tolist(), ends.tolist()):
+                if end - start > 1:
+                    _resolve(f, records[start:end], errors)
+
+
+def _resolve(f, group: np.ndarray, errors: _Errors) -> None:
+    """Records sharing a digest, in line order: each line whose custom_id (read back from
+    the file) a line before it has is a duplicate. Distinct custom_ids of one 64-bit digest
+    are a handful at most, so `first` stays small however large the group."""
+    first: dict[str, int] = {}
+    for offset, line in zip(group["offset"].tolist(), group["line"].tolist()):
+        custom_id = _custom_id_at(f, offset)
+        seen = first.setdefault(custom_id, line)
+        if seen != line:
+            errors.add(line, f"custom_id {custom_id!r:.80} is used by line {seen} too (each request needs its "
+                             f"own: the output is matched to the input by it)")
+
+
+def _custom_id_at(f, offset: int) -> str:
+    f.seek(offset)
+    return envelope(f.readline(MAX_REQUEST_LINE_BYTES + 1).rstrip(b"\n")).custom_id
+
+
+def show(value: object) -> str:
+    """A JSON value for a message: its JSON type and a bounded rendering."""
+    kinds = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
+             float: "a number"}
+    if value is None:
+        return "null"
+    text = json.dumps(value, ensure_ascii=True)
+    return f"{kinds.get(type(value), type(value).__name__)} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+def input_digest(path: str) -> tuple[int, str]:
+    """(size, xxh3-128 hex) of the input's bytes: a resumed job's check that its input is
+    the one it scanned (a read at memory speed; no line is parsed)."""
+    hasher = xxhash.xxh3_128()
+    size = 0
+    with _open_input(path) as f:
+        while block := f.read(READ_BLOCK_BYTES):
+            hasher.update(block)
+            size += len(block)
+    return size, hasher.hexdigest()
+
+
+def write_index(path: str, scan: InputScan) -> None:
+    """The sparse index as a file (`layout.INDEX_HEADER_DTYPE` then its entries)."""
+    from pipeline.batchjob.paths import replace_file
+
+    header = np.zeros(1, dtype=INDEX_HEADER_DTYPE)
+    header[0] = (INDEX_MAGIC, INDEX_VERSION, INDEX_STRIDE, scan.requests, scan.input_bytes,
+                 bytes.fromhex(scan.input_xxh3), len(scan.index), 0)
+    raw = header.tobytes()
+    header["header_xxh3"] = xxhash.xxh3_64_intdigest(raw[:_HEADER_CHECKED_BYTES])
+    replace_file(path, [header.tobytes(), scan.index.astype(INDEX_ENTRY_DTYPE).tobytes()])
+
+
+def read_index(path: str, manifest) -> np.ndarray:
+    """The sparse index of the job `manifest` describes; JobMismatchError for a file that is
+    not it (damaged, or of another input)."""
+    from pipeline.wire.errors import JobMismatchError
+
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as exc:
+        raise JobMismatchError(f"{path}: cannot read the job's input index ({exc.strerror}); use another "
+                               f"--data-dir") from exc
+    size = INDEX_HEADER_DTYPE.itemsize
+    header = np.frombuffer(raw[:size], dtype=INDEX_HEADER_DTYPE)[0] if len(raw) >= size else None
+    wrong = header is None or (
+        header["magic"] != INDEX_MAGIC or int(header["version"]) != INDEX_VERSION
+        or int(header["header_xxh3"]) != xxhash.xxh3_64_intdigest(raw[:_HEADER_CHECKED_BYTES])
+        or int(header["stride"]) != INDEX_STRIDE or int(header["requests"]) != manifest.requests
+        or bytes(header["input_xxh3"]).hex() != manifest.input_xxh3
+        or len(raw) != size + int(header["entries"]) * INDEX_ENTRY_DTYPE.itemsize
+        or int(header["entries"]) != -(-manifest.requests // INDEX_STRIDE))
+    if wrong:
+        raise JobMismatchError(f"{path}: not the input index of this job (damaged?); use another --data-dir")
+    return np.frombuffer(raw, dtype=INDEX_ENTRY_DTYPE, offset=size).copy()
