@@ -63,6 +63,8 @@ OUTPUT_ORDERS = ("input", "completion")
 LOCK_NAME = "lock"
 STATUS_NAME = "status.json"
 INDEX_NAME = "input.idx"
+# The files a finished run wrote, by identity: a rerun may replace them, and nothing else.
+WRITTEN_NAME = "written.json"
 # How often the job's status file and the collector's read positions are saved while it runs.
 SAVE_INTERVAL_S = 2.0
 
@@ -103,12 +105,19 @@ class JobSummary:
     output_written: bool
 
     def as_json(self) -> dict:
-        found = {k: getattr(self, k) for k in self.__slots__}
-        found["failed_by_status"] = {str(k): v for k, v in self.failed_by_status.items()}
-        found["total_tokens"] = self.prompt_tokens + self.completion_tokens
-        found["cached_share"] = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
-        found["run_requests_per_s"] = self.run_answered / self.run_wall_s if self.run_wall_s > 0 else None
-        return found
+        """As OpenAI's batch object counts them (request_counts, usage), and this run."""
+        return {
+            "request_counts": {"total": self.requests, "completed": self.completed, "failed": self.failed},
+            "failed_by_status": {str(k): v for k, v in self.failed_by_status.items()},
+            "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                      "total_tokens": self.prompt_tokens + self.completion_tokens,
+                      "cached_tokens": self.cached_tokens},
+            "cached_share": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None,
+            "this_run": {"wall_s": self.run_wall_s, "answered": self.run_answered,
+                         "requests_per_s": self.run_answered / self.run_wall_s if self.run_wall_s > 0 else None,
+                         "paced_by": self.paced_by},
+            "output_written": self.output_written,
+        }
 
 
 class BatchJob:
@@ -174,10 +183,21 @@ class BatchJob:
 
     def _own_outputs(self, have: JobManifest | None) -> list[str]:
         """Outputs the job wrote before: its completion-order output and error file (its
-        answer log, appended across runs)."""
-        if have is None or have.output_order != "completion":
+        answer log, appended across runs), and every file a finished run wrote that is still
+        that file (same inode, size and modification time: not replaced since)."""
+        if have is None:
             return []
-        return [p for p in (have.output_path, have.error_file) if p is not None]
+        own = [p for p in (have.output_path, have.error_file) if p is not None] \
+            if have.output_order == "completion" else []
+        try:
+            with open(os.path.join(self.data_dir, JOB_DIR, WRITTEN_NAME), "rb") as f:
+                written = json.loads(f.read(1 << 20))
+        except (OSError, ValueError):
+            return own
+        for path, identity in written.items() if isinstance(written, dict) else ():
+            if _identity(path) == identity:
+                own.append(path)
+        return own
 
     def _make_data_dir(self) -> None:
         check_data_dir(self.data_dir)
@@ -383,6 +403,9 @@ class BatchJob:
             report = dict(self.report or {})
             report["job"] = summary.as_json()
             replace_file(spec.report_path, [json.dumps(report, indent=1, default=str).encode() + b"\n"])
+        written = {out.path: _identity(out.path) for out in self._outputs()}
+        replace_file(os.path.join(self.data_dir, JOB_DIR, WRITTEN_NAME),
+                     [json.dumps({p: i for p, i in written.items() if i is not None}).encode()])
 
     def close(self, remove: bool) -> list[str]:
         """Release the job's files; with `remove`, remove the data directory (what the
@@ -406,6 +429,15 @@ class BatchJob:
             self.close(remove=True)
 
 
+def _identity(path: str) -> list[int] | None:
+    """A regular file's (device, inode, size, modification time); None for anything else."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return None
+    return [info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns] if os.path.isfile(path) else None
+
+
 def job_workload(data_dir: str, model_dir: str) -> JobWorkload:
     """Every request of the job on `data_dir` as its producers make them (a checker's view:
     `pipeline/reliability`), from the job's manifest and input index."""
@@ -416,3 +448,37 @@ def job_workload(data_dir: str, model_dir: str) -> JobWorkload:
     skip = np.zeros((manifest.requests + 7) // 8, dtype=np.uint8)
     return JobWorkload(JobInput(manifest.input_path, manifest.requests, index), skip, manifest, model_dir, data_dir,
                        PromptLimits())
+
+
+def job_status(data_dir: str) -> dict | None:
+    """What `pipeline status` says of the job on `data_dir` (None: no job there): its last
+    saved view and state, with `running` from the job's lock (held by a live run or not),
+    so a run killed without a word reads as stopped."""
+    manifest = load_manifest(data_dir)
+    if manifest is None:
+        return None
+    try:
+        with open(os.path.join(data_dir, JOB_DIR, STATUS_NAME), "rb") as f:
+            saved = json.loads(f.read(1 << 20))
+    except (OSError, ValueError):
+        saved = {"state": "not started", "requests": manifest.requests, "done": 0, "failed": 0,
+                 "to_do": manifest.requests}
+    saved["running"] = _lock_held(os.path.join(data_dir, JOB_DIR, LOCK_NAME))
+    if saved.get("state") == "running" and not saved["running"]:
+        saved["state"] = "stopped"  # its process is gone without a word (kill -9, a power cut)
+    saved.update(input=manifest.input_path, output=manifest.output_path, requests=manifest.requests)
+    return saved
+
+
+def _lock_held(path: str) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)

@@ -65,6 +65,9 @@ MESSAGE_KEYS = frozenset({"role", "content", "name"})
 # What separates the text parts of one message's content: vLLM's join, so a file gives the
 # same prompt here as with `vllm run-batch`.
 TEXT_PART_SEPARATOR = "\n"
+# OpenAI's range of temperature is 0 to 2: above it sampling is noise, and a file written
+# for OpenAI never holds more.
+MAX_TEMPERATURE = 2.0
 # Generation parameters the engine carries (besides max_completion_tokens for chat).
 CARRIED_PARAMS = ("max_tokens", "temperature", "top_p", "seed", "stop")
 # Accepted and ignored: bookkeeping (user, metadata, safety_identifier), storage and routing
@@ -288,6 +291,10 @@ def _params(given: dict, kind: str) -> GenerationParams:
         raise _Refused(f"stop must be a string or an array of strings, got {_show(stop)}", "stop")
     values = {"max_tokens": max_tokens, "temperature": given.get("temperature"), "top_p": given.get("top_p"),
               "seed": given.get("seed"), "stop": stop}
+    temperature = values["temperature"]
+    if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature > MAX_TEMPERATURE:
+        raise _Refused(f"temperature {_json(temperature)} is over {MAX_TEMPERATURE:g}: OpenAI's API takes 0 to "
+                       f"{MAX_TEMPERATURE:g}", "temperature")
     for name, value in values.items():
         try:
             GenerationParams(**{name: value})

@@ -68,6 +68,7 @@ class PromptLimits:
     time_s: float = DEFAULT_PROMPT_TIME_LIMIT_S
     memory_bytes: int = DEFAULT_PROMPT_MEMORY_LIMIT_BYTES
     max_prompt_tokens: int | None = None  # the model's context less one, or --max-input-len
+    context_tokens: int | None = None  # the model's context: prompt and new tokens together
     item_cap_tokens: int = 262_144  # the broker's largest item (ProducerLimits.max_item_tokens)
 
 
@@ -237,6 +238,14 @@ class JobWorkload(Workload):
         if length > limit:
             log.reject(where, HTTP_BAD_REQUEST, f"the prompt is {length:,} tokens, more than the {limit:,} {what}: "
                        f"shorten it", "messages" if request.kind == "chat" else "prompt", CODE_CONTEXT_LENGTH)
+            return None
+        asked = request.params.max_tokens
+        context = self.limits.context_tokens
+        if asked is not None and context is not None and length + asked > context:
+            name = "max_completion_tokens" if request.kind == "chat" else "max_tokens"
+            log.reject(where, HTTP_BAD_REQUEST, f"'max_tokens' or 'max_completion_tokens' is too large: {asked}. This "
+                       f"model's maximum context length is {context} tokens and your request has {length} input "
+                       f"tokens ({asked} > {context} - {length})", name)
             return None
         prefix = prompt.prefix_len
         payload = encode_job_payload(self.manifest.job_id, *where)

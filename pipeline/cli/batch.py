@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from dataclasses import replace
 import signal
 import sys
 
@@ -140,15 +141,17 @@ def _spec(input_file, output_file, model_dir, served_model_name, data_dir, outpu
     if settings.plots and importlib.util.find_spec("matplotlib") is None:
         raise SettingsError("plots: needs matplotlib (pip install 'shape-broker[plots]'), checked before the job runs")
     served = served_model_name or os.path.basename(os.path.normpath(model_dir))
+    limits = replace(limits, max_prompt_tokens=settings.max_input_len, context_tokens=_context(settings, model_dir))
     return JobSpec(input_file, output_file, model_dir, served, settings, data_dir_given, output_order, error_file,
-                   settings.report, summary_file or output_file + SUMMARY_SUFFIX, overwrite, keep_data_dir,
-                   limits if settings.max_input_len is None else _with_prompt_limit(limits, settings.max_input_len))
+                   settings.report, summary_file or output_file + SUMMARY_SUFFIX, overwrite, keep_data_dir, limits)
 
 
-def _with_prompt_limit(limits: PromptLimits, max_input_len: int) -> PromptLimits:
-    from dataclasses import replace
+def _context(settings, model_dir: str) -> int | None:
+    """The model's context in tokens: the engine's max_model_len, else its config.json's."""
+    from pipeline.runtime.settings import model_context_len
 
-    return replace(limits, max_prompt_tokens=max_input_len)
+    given = settings.engine_options.get("max_model_len")
+    return given if isinstance(given, int) else model_context_len(os.path.join(model_dir, "config.json"))
 
 
 def _default_engine() -> str:

@@ -14,7 +14,8 @@ from pipeline.broker.config import DISPATCH_POLICIES
 from pipeline.broker.selection import SHAPE_ORDERS
 from pipeline.consumer.engines import ENGINES
 from pipeline.runtime.processes import DURABILITY_LEVELS, STORAGE_KINDS
-from pipeline.runtime.settings import DEMO_ITEMS, LaunchSettings, workload_vocab_size
+from pipeline.runtime.gpus import detect_gpus
+from pipeline.runtime.settings import DEFAULT_CPU_CONSUMERS, DEMO_ITEMS, LaunchSettings, workload_vocab_size
 from pipeline.runtime.tables import broker_config, merged, parse_assignments, parse_engine_options
 from pipeline.wire.errors import BadInputError, PipelineError, SettingsError
 from pipeline.wire.status import BrokerStatus
@@ -184,6 +185,12 @@ def check_before_start(settings: LaunchSettings) -> None:
         config = broker_config(os.path.join(tempfile.gettempdir(), "shape-broker-XXXXXXXX"),  # mkdtemp's length
                                settings.broker, "settings")
     config.check_contract(0, settings.max_batch, settings.max_tokens, settings.max_input_len)
+    consumers = settings.consumers or len(detect_gpus()) or DEFAULT_CPU_CONSUMERS
+    if config.min_consumers > consumers:
+        raise SettingsError(f"broker.min_consumers {config.min_consumers} is more than the {consumers} consumers this "
+                            f"run starts: dispatch would wait broker.min_consumers_wait_s "
+                            f"({config.min_consumers_wait_s:g} s) for consumers that never come; lower it or raise "
+                            f"--consumers")
 
 
 def _run_with_progress(launcher, workload_items: int):

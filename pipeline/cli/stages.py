@@ -357,18 +357,43 @@ STATUS_FIELDS: tuple[str, ...] = (
 )
 
 
+def _job_status(data_dir: str, as_json: bool) -> bool:
+    """The job's view, from its own files, if `data_dir` is a batch job's; whether it was."""
+    from pipeline.batchjob.job import job_status
+    from pipeline.batchjob.progress import format_duration
+
+    found = job_status(data_dir)
+    if found is None:
+        return False
+    if as_json:
+        click.echo(json.dumps({"job": found}, indent=2, sort_keys=True))
+        return True
+    rate = found.get("requests_per_s")
+    eta = f", ETA {format_duration(found.get('eta_s'))}" if found.get("eta_s") and found["running"] else ""
+    pace = f", {rate:,.0f} requests/s" if rate and found["running"] else ""
+    click.echo(f"job {found['state']}{' (its process runs)' if found['running'] else ''}: {found['done']:,} of "
+               f"{found['requests']:,} requests answered, {found['failed']:,} failed, {found['to_do']:,} to do"
+               f"{pace}{eta}; input {found['input']}, output {found['output']}")
+    if not found["running"] and found["to_do"]:
+        click.echo(f"the same run-batch command (with --data-dir {data_dir}) finishes it")
+    return True
+
+
 @click.command()
 @data_dir_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable: the report's counters and more.")
 @click.option("--results-dir", type=click.Path(file_okay=False),
               help="Results files to account (default DATA_DIR/results).")
 def status(data_dir: str, as_json: bool, results_dir: str | None) -> None:
-    """The running broker's counters, backlog and consumers, with the results accounted."""
+    """The running broker's counters, backlog and consumers, with the results accounted; on
+    a batch job's data directory, the job (running or stopped) in its requests."""
     from pipeline.reporting.accounting import summarize_results
     from pipeline.reporting.report import build_report, render_report
     from pipeline.wire.client import broker_status
 
     check_data_dir(data_dir)
+    if _job_status(data_dir, as_json):
+        return
     config = BrokerConfig(data_dir)
     try:
         counters = broker_status(config.socket_path)

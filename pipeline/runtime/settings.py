@@ -239,6 +239,11 @@ def model_vocab_size(path: str) -> int:
     return value
 
 
+# The longest context a model's config.json may declare: 16 Mi tokens, past every model's
+# (Llama 4 Scout's 10 Mi is the longest seen); a larger number is a broken config.
+MAX_CONTEXT_TOKENS = 1 << 24
+
+
 def model_context_len(path: str) -> int | None:
     """A Hugging Face config.json's context length (`max_position_embeddings`, top level or
     in `text_config`); None where it names none. SettingsError if the file cannot be read."""
@@ -246,8 +251,11 @@ def model_context_len(path: str) -> int | None:
     text_config = document.get("text_config")
     value = document.get("max_position_embeddings",
                          text_config.get("max_position_embeddings") if isinstance(text_config, dict) else None)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+    if value is None:
         return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 2 <= value <= MAX_CONTEXT_TOKENS:
+        raise SettingsError(f"{path}: max_position_embeddings {value!r:.40} is not a context length (an integer "
+                            f"from 2 to {MAX_CONTEXT_TOKENS:,}): fix the model's config.json, or give --max-input-len")
     return value
 
 
