@@ -215,15 +215,20 @@ class JobWorkload(Workload):
             param = "messages" if request.kind == "chat" else "prompt"
             return self._made(request, where, tokenizer, log)
         except BadInputError as exc:
-            log.reject(where, HTTP_BAD_REQUEST, str(exc), param)
+            if isinstance(exc.__cause__, MemoryError):  # the template's own failure, wrapped
+                log.reject(where, HTTP_BAD_REQUEST, self._memory_message(), param)
+            else:
+                log.reject(where, HTTP_BAD_REQUEST, str(exc), param)
         except MemoryError:
-            log.reject(where, HTTP_BAD_REQUEST, f"making this request's prompt needed more than the "
-                       f"{self.limits.memory_bytes:,}-byte memory limit of the chat template and tokenizer "
-                       f"(--prompt-memory-limit-mb)", param)
+            log.reject(where, HTTP_BAD_REQUEST, self._memory_message(), param)
         except Exception as exc:  # noqa: BLE001 - template and tokenizer are foreign code: this request's failure
             log.reject(where, HTTP_BAD_REQUEST, f"making this request's prompt failed: {type(exc).__name__}: "
                        f"{_one_line(exc)}", param)
         return None
+
+    def _memory_message(self) -> str:
+        return (f"making this request's prompt needed more than the {self.limits.memory_bytes >> 20:,} MiB memory "
+                f"limit of the chat template and tokenizer (--prompt-memory-limit-mb)")
 
     def _made(self, request: BatchRequest, where: tuple[int, int, int, int], tokenizer: ChatTokenizer,
               log: RejectionLog) -> WorkItem | None:
@@ -262,7 +267,9 @@ class JobWorkload(Workload):
 
     def on_stuck(self, position: int, why: str) -> None:
         """The launcher stopped a producer on request `position` (`why`: past the time limit,
-        or it died there): that request is answered 400 here."""
+        or it died there): that request is answered 400 here, and skipped by the producer the
+        launcher starts again (forked from this process after this call)."""
+        self.skip[position >> 3] |= np.uint8(1 << (position & 7))
         for index, _line, offset, raw in self.lines(position, position + 1):
             log = RejectionLog(self.data_dir, "supervisor")
             try:

@@ -138,7 +138,7 @@ def _spec(input_file, output_file, model_dir, served_model_name, data_dir, outpu
     given = parse_engine_options(engine_options) if engine_options else {}
     settings = _settings(config_path, assignments, options, data_dir, engine, given, model_dir, tokenizer)
     check_before_start(settings)
-    if settings.plots and importlib.util.find_spec("matplotlib") is None:
+    if settings.plots and not _importable("matplotlib"):
         raise SettingsError("plots: needs matplotlib (pip install 'shape-broker[plots]'), checked before the job runs")
     served = served_model_name or os.path.basename(os.path.normpath(model_dir))
     limits = replace(limits, max_prompt_tokens=settings.max_input_len, context_tokens=_context(settings, model_dir))
@@ -152,6 +152,13 @@ def _context(settings, model_dir: str) -> int | None:
 
     given = settings.engine_options.get("max_model_len")
     return given if isinstance(given, int) else model_context_len(os.path.join(model_dir, "config.json"))
+
+
+def _importable(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:
+        return False
 
 
 def _default_engine() -> str:
