@@ -18,6 +18,7 @@ import click
 
 from pipeline.cli.launch import (
     ENGINE_OPTIONS_HELP,
+    METRICS_TOKEN_HELP,
     _finish,
     _run_with_progress,
     check_before_start,
@@ -62,6 +63,8 @@ RAY_NODE_DIR_DEFAULT = "sbrk-ray"
               help="Longest prompt run (default: the model's context less one token); longer ones are answered 400.")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False, exists=True), help="TOML file of launch options.")
 @click.option("--report", type=click.Path(dir_okay=False), help="Write the run report as JSON here.")
+@click.option("--metrics-port", type=int, help="Serve Prometheus metrics on this port, as `pipeline launch` does.")
+@click.option("--metrics-token-file", type=click.Path(dir_okay=False), help=METRICS_TOKEN_HELP)
 @click.option("--set", "assignments", multiple=True, metavar="KEY=VALUE", help="A setting of the config file's form.")
 @click.option("--keep-data-dir", is_flag=True, help="Keep the default data directory after the output is written.")
 @click.option("-v", "--verbose", is_flag=True, help="Log every process's info messages to stderr.")
