@@ -384,7 +384,8 @@ class MetricsServer:
     `idle_timeout_s` after its last progress; `fetch` runs on that thread. It has its own
     registry, not prometheus_client's global one: two servers in a process (tests) do not
     collide and no process metrics slip in. Counters, read by tests: `refused_connections`
-    (closed at once past the bound), `timed_out_connections`, `responses` by status.
+    (closed at once past the bound), `timed_out_connections`, `responses` by status; and
+    `open_connections`.
     """
 
     def __init__(self, listener: socket.socket, registry: CollectorRegistry, token: bytes | None,
@@ -425,6 +426,11 @@ class MetricsServer:
     @property
     def port(self) -> int:
         return self._listener.getsockname()[1]
+
+    @property
+    def open_connections(self) -> int:
+        """Connections held now (read from another thread: a moment's count)."""
+        return len(self._connections)
 
     def close(self) -> None:
         """Stop serving, close every connection and the listening socket, join the thread."""
@@ -482,8 +488,8 @@ class MetricsServer:
                 self._stopping.wait(ACCEPT_BACKOFF_S)
                 return
             if len(self._connections) >= MAX_METRICS_CONNECTIONS:
+                self.refused_connections += 1  # counted first: a peer that sees the close may read the count
                 sock.close()
-                self.refused_connections += 1
                 _log_doubling(self.refused_connections, "metrics: connections closed at once so far: %d (each "
                               f"found MAX_METRICS_CONNECTIONS = {MAX_METRICS_CONNECTIONS} open)")
                 continue
