@@ -148,8 +148,9 @@ def test_socket_rows_match_both_addresses_and_skip_time_wait():
              row.format(peer, ours, "06", 0),       # TIME_WAIT lists uid 0, whoever it was
              row.format(ours, peer, "01", 1000),    # our end of the connection, not theirs
              row.format(peer, ours, "01", 1234)]
-    assert socket_uids(lines, local, remote) == {1234}
-    assert socket_uids(lines[:3], local, remote) == set()
+    assert socket_uids("".join(lines), local, remote) == {1234}
+    assert socket_uids("".join(lines[:3]), local, remote) == set()
+    assert socket_uids("".join(lines).rstrip("\n"), local, remote) == {1234}  # a last row without its newline
 
 
 # ---------------------------------------------------------------------- a bearer token

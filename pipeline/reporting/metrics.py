@@ -44,7 +44,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -226,6 +226,9 @@ MAX_REQUEST_HEAD_BYTES = 8192
 MAX_TOKEN_FILE_BYTES = 4096
 # What `Authorization: Bearer` carries: an RFC 6750 b64token.
 TOKEN_PATTERN = re.compile(rb"[A-Za-z0-9\-._~+/]+=*")
+# Connections accepted in one turn of the serving thread before the open ones get theirs: a
+# flood of connects (each closed at once past the bound) cannot starve a scrape in progress.
+ACCEPTS_PER_TURN = 4 * MAX_METRICS_CONNECTIONS
 # After an accept fails for want of descriptors or memory the listener rests this long: a
 # readable listener whose accept fails would spin the thread (and take the GIL from the loop).
 ACCEPT_BACKOFF_S = 0.1
@@ -275,24 +278,30 @@ def peer_uid(peer: tuple, local: tuple, tables: tuple[str, ...] = PROC_NET_TCP) 
     getpeername() and getsockname()), from the kernel's socket tables: the row whose local
     address is the peer's and whose remote address is ours. None when there is no such row
     (the peer is on another host, or gone; not Linux) or the rows disagree."""
+    theirs, ours = proc_addresses(peer), proc_addresses(local)
     uids: set[int] = set()
     for table in tables:
         try:
-            with open(table) as lines:
-                uids |= socket_uids(lines, proc_addresses(peer), proc_addresses(local))
+            with open(table) as file:
+                uids |= socket_uids(file.read(), theirs, ours)
         except OSError:
             continue
     return uids.pop() if len(uids) == 1 else None
 
 
-def socket_uids(lines: Iterable[str], local: set[str], remote: set[str]) -> set[int]:
-    """The uids of the /proc/net/tcp rows (sl, local, remote, state, 3 more fields, uid, ...)
-    whose local and remote addresses are among `local` and `remote`, TIME_WAIT rows aside."""
+def socket_uids(table: str, local: set[str], remote: set[str]) -> set[int]:
+    """The uids of the rows of a /proc/net/tcp table (sl, local, remote, state, 3 more fields,
+    uid, ...) whose local and remote addresses are among `local` and `remote`, TIME_WAIT rows
+    aside. Rows are found by a substring search: a table lists every socket of the host."""
     uids = set()
-    for line in lines:
-        fields = line.split(None, 8)
-        if len(fields) > 7 and fields[1] in local and fields[2] in remote and fields[3] != TCP_TIME_WAIT:
-            uids.add(int(fields[7]))
+    for address in local:
+        at = table.find(address)
+        while at >= 0:
+            end = table.find("\n", at)
+            fields = table[table.rfind("\n", 0, at) + 1:end if end >= 0 else None].split(None, 8)
+            if len(fields) > 7 and fields[1] == address and fields[2] in remote and fields[3] != TCP_TIME_WAIT:
+                uids.add(int(fields[7]))
+            at = table.find(address, at + 1)
     return uids
 
 
@@ -391,6 +400,7 @@ class MetricsServer:
     def __init__(self, listener: socket.socket, registry: CollectorRegistry, token: bytes | None,
                  idle_timeout_s: float) -> None:
         self._listener = listener
+        self.port: int = listener.getsockname()[1]
         self._registry = registry
         self._token = token
         self.idle_timeout_s = idle_timeout_s
@@ -422,10 +432,6 @@ class MetricsServer:
         server = cls(listener, registry, token, idle_timeout_s)
         server._thread.start()
         return server
-
-    @property
-    def port(self) -> int:
-        return self._listener.getsockname()[1]
 
     @property
     def open_connections(self) -> int:
@@ -476,7 +482,7 @@ class MetricsServer:
 
     def _accept(self) -> None:
         """Every connection waiting: each held, or closed at once past MAX_METRICS_CONNECTIONS."""
-        while True:
+        for _ in range(ACCEPTS_PER_TURN):
             try:
                 sock, _ = self._listener.accept()
             except BlockingIOError:
