@@ -55,7 +55,8 @@ def test_broker_start_refuses_a_token_file_others_can_read_in_one_line_before_an
     result = CliRunner().invoke(main, ["broker", "start", "--data-dir", str(data), "--metrics-port", "0",
                                        "--metrics-token-file", str(token)])
     assert result.exit_code == 1
-    assert result.output == f"Error: metrics_token_file {token}: mode 0644 lets other users at the token: chmod 600 {token}\n"
+    assert result.output == (f"Error: metrics_token_file {token}: mode 0644 lets other users at the token: "
+                             f"chmod 600 {token}\n")
     assert not data.exists()
     result = CliRunner().invoke(main, ["broker", "start", "--data-dir", str(data), "--metrics-token-file", str(token)])
     assert result.exit_code == 1 and "--metrics-token-file is given without --metrics-port" in result.output

@@ -120,8 +120,8 @@ def broker() -> None:
 @click.option("--detach", is_flag=True, help="Run in the background (pid and log files in DATA_DIR/run).")
 @click.option("-v", "--verbose", is_flag=True)
 def broker_start(data_dir: str, storage: str, durability: str, heartbeat_timeout_s: float,
-                 metrics_port: int | None, metrics_token_file: str | None, assignments: tuple[str, ...], shape_order: str | None,
-                 dispatch: str | None, detach: bool, verbose: bool) -> None:
+                 metrics_port: int | None, metrics_token_file: str | None, assignments: tuple[str, ...],
+                 shape_order: str | None, dispatch: str | None, detach: bool, verbose: bool) -> None:
     """Run the broker until stopped (Ctrl-C or `pipeline broker stop`)."""
     if shape_order is not None:
         assignments = (*assignments, f"shape_order={shape_order}")
