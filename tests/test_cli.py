@@ -46,3 +46,17 @@ def test_each_baseline_dispatch_policy_runs_a_launch_that_balances(tmp_path, pol
     assert figures["accounting_ok"] is True and figures["settings"]["changed"]["broker.dispatch"] == policy
     if policy == "round-robin":
         assert figures["shape_switches_by_reason"]["order"] > 0
+
+
+def test_broker_start_refuses_a_token_file_others_can_read_in_one_line_before_anything_starts(tmp_path):
+    token, data = tmp_path / "token", tmp_path / "data"
+    token.write_text("abc\n")
+    token.chmod(0o644)
+    result = CliRunner().invoke(main, ["broker", "start", "--data-dir", str(data), "--metrics-port", "0",
+                                       "--metrics-token-file", str(token)])
+    assert result.exit_code == 1
+    assert result.output == (f"Error: metrics_token_file {token}: mode 0644 lets other users at the token: "
+                             f"chmod 600 {token}\n")
+    assert not data.exists()
+    result = CliRunner().invoke(main, ["broker", "start", "--data-dir", str(data), "--metrics-token-file", str(token)])
+    assert result.exit_code == 1 and "--metrics-token-file is given without --metrics-port" in result.output

@@ -1,4 +1,5 @@
-"""Prometheus metrics: the exposition of statuses, and a real endpoint over a real broker."""
+"""Prometheus metrics: the exposition of statuses, and a real endpoint over a real broker.
+The endpoint's access and bounds: tests/test_metrics_endpoint.py."""
 
 from __future__ import annotations
 

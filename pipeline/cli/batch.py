@@ -21,7 +21,7 @@ import click
 from pipeline.batchjob.job import BatchJob, JobSpec, JobSummary
 from pipeline.batchjob.progress import JobView, format_job_line
 from pipeline.batchjob.workload import DEFAULT_PROMPT_MEMORY_LIMIT_BYTES, DEFAULT_PROMPT_TIME_LIMIT_S, PromptLimits
-from pipeline.cli.launch import ENGINE_OPTIONS_HELP, check_before_start, check_ray, setup_logging
+from pipeline.cli.launch import ENGINE_OPTIONS_HELP, METRICS_TOKEN_HELP, check_before_start, check_ray, setup_logging
 from pipeline.consumer.engines import ENGINES
 from pipeline.runtime.tables import merged, parse_assignments, parse_engine_options
 from pipeline.wire.errors import BadInputError, PipelineError, SettingsError
@@ -87,6 +87,8 @@ LOG_INTERVAL_S = 5.0
                    "the request is answered 400.")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False, exists=True), help="TOML file of launch options.")
 @click.option("--report", type=click.Path(dir_okay=False), help="Write the full run report as JSON here.")
+@click.option("--metrics-port", type=int, help="Serve Prometheus metrics on this port, as `pipeline launch` does.")
+@click.option("--metrics-token-file", type=click.Path(dir_okay=False), help=METRICS_TOKEN_HELP)
 @click.option("--set", "assignments", multiple=True, metavar="KEY=VALUE", help="A setting of the config file's form.")
 @click.option("--keep-data-dir", is_flag=True, help="Keep the default data directory after the output is written.")
 @click.option("-v", "--verbose", is_flag=True, help="Log every process's info messages to stderr.")

@@ -31,6 +31,10 @@ DISPATCH_HELP = ("The dispatch policy: sticky (the product's, default), or a bas
 STORAGE_HELP = ("Where the store's segment files live: disk (the data directory; durable, the default) or "
                 "memory (the same files on tmpfs: in RAM, gone when the broker stops).")
 
+# What --metrics-token-file says (`pipeline broker start` and `run-batch` say it too).
+METRICS_TOKEN_HELP = ("A file (0600, yours) of one bearer token: the metrics are then served to any request with "
+                      "`Authorization: Bearer TOKEN` (Prometheus: authorization.credentials_file), and only to those.")
+
 
 def setup_logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, stream=sys.stderr,
@@ -78,7 +82,9 @@ def load_launch_workload(settings: LaunchSettings, vocab_size: int):
 @click.option("--config", "config_path", type=click.Path(dir_okay=False, exists=True), help="TOML file of these options.")
 @click.option("--report", type=click.Path(dir_okay=False), help="Write the run report as JSON here.")
 @click.option("--plots", type=click.Path(file_okay=False), help="Write PNG charts here (needs matplotlib).")
-@click.option("--metrics-port", type=int, help="Serve Prometheus metrics on this port (0: any free port).")
+@click.option("--metrics-port", type=int, help="Serve Prometheus metrics on this port (0: any free port), on the "
+                                               "loopback, to your own processes only (or see --metrics-token-file).")
+@click.option("--metrics-token-file", type=click.Path(dir_okay=False), help=METRICS_TOKEN_HELP)
 @click.option("--seed", type=int, help="Seed of the generated workloads (default 0).")
 @click.option("--set", "assignments", multiple=True, metavar="KEY=VALUE",
               help="A setting of the config file's form, e.g. broker.max_age_s=30, broker.lanes.max_lanes=512, "

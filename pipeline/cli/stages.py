@@ -20,7 +20,14 @@ import click
 
 from pipeline.broker.config import DEFAULT_HEARTBEAT_TIMEOUT_S, DISPATCH_POLICIES, BrokerConfig
 from pipeline.broker.selection import SHAPE_ORDERS
-from pipeline.cli.launch import DISPATCH_HELP, ENGINE_OPTIONS_HELP, SHAPE_ORDER_HELP, STORAGE_HELP, setup_logging
+from pipeline.cli.launch import (
+    DISPATCH_HELP,
+    ENGINE_OPTIONS_HELP,
+    METRICS_TOKEN_HELP,
+    SHAPE_ORDER_HELP,
+    STORAGE_HELP,
+    setup_logging,
+)
 from pipeline.consumer.engines import ENGINES
 from pipeline.runtime import daemon
 from pipeline.runtime.datadir import check_data_dir, prepare_data_dir
@@ -102,7 +109,10 @@ def broker() -> None:
 @click.option("--durability", type=click.Choice(DURABILITY_LEVELS), default="process", show_default=True)
 @click.option("--heartbeat-timeout-s", type=float, default=DEFAULT_HEARTBEAT_TIMEOUT_S, show_default=True,
               help="A consumer silent this long is declared dead.")
-@click.option("--metrics-port", type=click.IntRange(0, 65535), help="Serve Prometheus metrics on this port.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535),
+              help="Serve Prometheus metrics on this port, on the loopback, to your own processes only (or see "
+                   "--metrics-token-file).")
+@click.option("--metrics-token-file", type=click.Path(dir_okay=False), help=METRICS_TOKEN_HELP)
 @click.option("--set", "assignments", multiple=True, metavar="KEY=VALUE",
               help="A broker setting, as in a launch config's [broker] table: max_age_s=30, lanes.max_lanes=512 (repeatable).")
 @click.option("--shape-order", type=click.Choice(SHAPE_ORDERS), help=SHAPE_ORDER_HELP)
@@ -110,8 +120,8 @@ def broker() -> None:
 @click.option("--detach", is_flag=True, help="Run in the background (pid and log files in DATA_DIR/run).")
 @click.option("-v", "--verbose", is_flag=True)
 def broker_start(data_dir: str, storage: str, durability: str, heartbeat_timeout_s: float,
-                 metrics_port: int | None, assignments: tuple[str, ...], shape_order: str | None,
-                 dispatch: str | None, detach: bool, verbose: bool) -> None:
+                 metrics_port: int | None, metrics_token_file: str | None, assignments: tuple[str, ...],
+                 shape_order: str | None, dispatch: str | None, detach: bool, verbose: bool) -> None:
     """Run the broker until stopped (Ctrl-C or `pipeline broker stop`)."""
     if shape_order is not None:
         assignments = (*assignments, f"shape_order={shape_order}")
@@ -119,6 +129,7 @@ def broker_start(data_dir: str, storage: str, durability: str, heartbeat_timeout
         assignments = (*assignments, f"dispatch={dispatch}")
     table = {"heartbeat_timeout_s": heartbeat_timeout_s} | parse_assignments(assignments)
     config = broker_config(data_dir, table, "the command line")  # SettingsError: one line (cli.py)
+    metrics_token_file = _checked_token_file(metrics_token_file, metrics_port)
     prepare_data_dir(data_dir)  # created owner-only, or refused if another user could change it
     files = _refuse_if_running("broker", data_dir)
     if detach:
@@ -126,6 +137,8 @@ def broker_start(data_dir: str, storage: str, durability: str, heartbeat_timeout
                 "--heartbeat-timeout-s", repr(heartbeat_timeout_s)]
         if metrics_port is not None:
             argv += ["--metrics-port", str(metrics_port)]
+        if metrics_token_file is not None:
+            argv += ["--metrics-token-file", metrics_token_file]
         argv += [arg for pair in assignments for arg in ("--set", pair)]
         _detach("broker", data_dir, argv, lambda pid: _broker_answers(config.socket_path, pid))
         return
@@ -137,7 +150,21 @@ def broker_start(data_dir: str, storage: str, durability: str, heartbeat_timeout
         click.echo(f"broker serving {config.socket_path}", err=True)
 
     _serve_with_pid_file(files, lambda write_pid: serve_broker(
-        config, storage, durability, metrics_port=metrics_port, on_ready=lambda: ready(write_pid)))
+        config, storage, durability, metrics_port=metrics_port, metrics_token_file=metrics_token_file,
+        on_ready=lambda: ready(write_pid)))
+
+
+def _checked_token_file(path: str | None, port: int | None) -> str | None:
+    """The metrics token file as an absolute path (a detached broker runs elsewhere), read
+    now: one line if it is refused, before anything starts."""
+    if path is None:
+        return None
+    if port is None:
+        raise click.ClickException("--metrics-token-file is given without --metrics-port: no metrics are served")
+    from pipeline.reporting.metrics import read_token_file
+
+    read_token_file(path)  # SettingsError: one line (cli.py)
+    return os.path.abspath(path)
 
 
 @broker.command("stop")

@@ -353,7 +353,8 @@ class Launcher:
             from pipeline.reporting.metrics import MetricsServer
 
             socket_path = self.config.socket_path
-            self.metrics = MetricsServer.start(s.metrics_port, lambda: broker_status(socket_path))
+            self.metrics = MetricsServer.start(s.metrics_port, lambda: broker_status(socket_path),
+                                               token_file=s.metrics_token_file)
             self.on_metrics(self.metrics.port)
         for config in self.consumer_configs():
             self.consumers.append(start_consumer(config))

@@ -128,9 +128,11 @@ def open_storage(data_dir: str, storage: str, durability: str, open_files_max: i
 
 
 def serve_broker(config: BrokerConfig, storage: str = "disk", durability: str = "process",
-                 on_ready: Callable[[], None] | None = None, metrics_port: int | None = None) -> int:
+                 on_ready: Callable[[], None] | None = None, metrics_port: int | None = None,
+                 metrics_token_file: str | None = None) -> int:
     """Run a broker until SIGTERM/SIGINT. `on_ready` is called once it serves (after
-    recovery and the catch-up turn). `metrics_port`: serve Prometheus metrics there."""
+    recovery and the catch-up turn). `metrics_port`: serve Prometheus metrics there (to
+    requests with the token in `metrics_token_file`, if given; else to this user only)."""
     stop = stop_on_signals()
     owner_only_umask()
     try:
@@ -142,7 +144,12 @@ def serve_broker(config: BrokerConfig, storage: str = "disk", durability: str = 
     except (PipelineError, ValueError, OSError) as exc:
         log.critical("the broker cannot start: %s", exc)
         return EXIT_FATAL
-    metrics = _start_metrics(metrics_port, config.socket_path)
+    try:
+        metrics = _start_metrics(metrics_port, metrics_token_file, config.socket_path)
+    except (PipelineError, OSError) as exc:  # a metrics port in use, a token file refused
+        log.critical("the broker cannot start: %s", exc)
+        _close_broker(broker, opened)
+        return EXIT_FATAL
     log.info("broker %d serving %s (%s, %s)", os.getpid(), config.socket_path, storage, durability)
     if on_ready is not None:
         on_ready()
@@ -183,7 +190,7 @@ def _close_broker(broker: Broker, opened: OpenedStorage) -> None:
         shutil.rmtree(opened.directory, ignore_errors=True)
 
 
-def _start_metrics(port: int | None, socket_path: str):
+def _start_metrics(port: int | None, token_file: str | None, socket_path: str):
     """A Prometheus endpoint whose scrapes ask this broker for its status over its own socket,
     so the HTTP thread never touches the loop's state."""
     if port is None:
@@ -191,7 +198,7 @@ def _start_metrics(port: int | None, socket_path: str):
     from pipeline.reporting.metrics import MetricsServer
     from pipeline.wire.client import broker_status
 
-    server = MetricsServer.start(port, lambda: broker_status(socket_path))
+    server = MetricsServer.start(port, lambda: broker_status(socket_path), token_file=token_file)
     log.info("metrics on http://127.0.0.1:%d/metrics", server.port)
     return server
 

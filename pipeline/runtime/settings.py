@@ -101,6 +101,7 @@ class LaunchSettings:
     report: str | None = None
     plots: str | None = None
     metrics_port: int | None = None
+    metrics_token_file: str | None = None  # the metrics need this bearer token (else: this user only)
     seed: int = 0
     vocab_size: int | None = None  # made-up token ids below this (None: see workload_vocab_size)
     broker: dict = field(default_factory=dict)  # the broker's own settings (tables.py)
@@ -153,6 +154,12 @@ class LaunchSettings:
         check_replay_speed(self.replay_speed)
         if self.metrics_port is not None:
             _check_range("metrics_port", self.metrics_port, 0, 65535)
+        if self.metrics_token_file is not None:
+            if self.metrics_port is None:
+                raise SettingsError("metrics_token_file is given without metrics_port: no metrics are served")
+            from pipeline.reporting.metrics import read_token_file
+
+            read_token_file(self.metrics_token_file)  # a 0600 file of ours with one token, or refused now
         for key in ("report", "plots"):
             if getattr(self, key) is not None:
                 check_output_path(key, getattr(self, key), directory=key == "plots")
@@ -306,7 +313,8 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "data_dir": (str,), "workload": (str,), "items": (int,), "producers": (int,), "consumers": (int,),
     "engine": (str,), "engine_options": (dict,), "storage": (str,), "durability": (str,),
     "max_batch": (int,), "max_tokens": (int,), "max_input_len": (int,), "replay_speed": (float, int),
-    "report": (str,), "plots": (str,), "metrics_port": (int,), "seed": (int,), "vocab_size": (int,),
+    "report": (str,), "plots": (str,), "metrics_port": (int,),
+    "metrics_token_file": (str,), "seed": (int,), "vocab_size": (int,),
     "broker": (dict,),
     "consumer": (dict,),
 }

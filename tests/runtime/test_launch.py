@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -183,12 +184,16 @@ def test_ctrl_c_stops_everything_in_order_and_a_rerun_finishes_the_rest(tmp_path
     """SIGINT to the launcher, as a terminal's Ctrl-C sends it (children run in their own
     process groups): exit status 130, a report, no process, no shared-memory object; what was
     stored stays in the data directory and the next launch on it completes it. The metrics
-    endpoint is scraped while the run is going."""
+    endpoint is scraped while the run is going (with the token of its token file)."""
     data, port, report_path = str(tmp_path / "data"), free_port(), tmp_path / "stopped.json"
     slow = tmp_path / "slow.toml"  # consumers that cannot finish before the Ctrl-C
     slow.write_text("items = 20000\nconsumers = 2\n[engine_options]\ncost_s_per_padded_token = 2e-6\n")
+    token = tmp_path / "token"
+    token.write_text("launch-token\n")
+    token.chmod(0o600)
     launcher = subprocess.Popen([sys.executable, "-m", "pipeline", "launch", "--config", str(slow), "--data-dir", data,
-                                 "--metrics-port", str(port), "--report", str(report_path)],
+                                 "--metrics-port", str(port), "--metrics-token-file", str(token),
+                                 "--report", str(report_path)],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     children: list = []
     try:
@@ -196,7 +201,11 @@ def test_ctrl_c_stops_everything_in_order_and_a_rerun_finishes_the_rest(tmp_path
         # broker, 2 consumers, and the producers that have not finished feeding yet
         children = psutil.Process(launcher.pid).children(recursive=True)
         assert len(children) >= 3
-        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10)
+        scrape = urllib.request.Request(f"http://127.0.0.1:{port}/metrics",
+                                        headers={"Authorization": "Bearer launch-token"})
+        body = urllib.request.urlopen(scrape, timeout=10).read().decode()
         metrics = {s.name: s.value for f in text_string_to_metric_families(body) for s in f.samples if not s.labels}
         assert metrics["shape_broker_up"] == 1 and metrics["shape_broker_items_received_total"] > 0
     finally:

@@ -87,3 +87,16 @@ def test_a_missing_config_file_is_an_error(tmp_path):
 def test_names_and_engine_options_are_checked_before_anything_starts(tmp_path, text, message):
     with pytest.raises(SettingsError, match=message):
         LaunchSettings.resolve(write(tmp_path, text))
+
+
+def test_a_metrics_token_file_is_read_before_anything_starts(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("abc\n")
+    token.chmod(0o644)
+    path = write(tmp_path, f'metrics_port = 0\nmetrics_token_file = "{token}"\n')
+    with pytest.raises(SettingsError, match=rf"{path}: metrics_token_file {token}: mode 0644 .*: chmod 600 {token}$"):
+        LaunchSettings.resolve(path)
+    token.chmod(0o600)
+    assert LaunchSettings.resolve(path).metrics_token_file == str(token)
+    with pytest.raises(SettingsError, match="metrics_token_file is given without metrics_port: no metrics are served"):
+        LaunchSettings.resolve(None, {"metrics_token_file": str(token)})
