@@ -1,9 +1,15 @@
-"""Batch files for the batchjob tests: request lines and files made of them."""
+"""Batch files for the batchjob tests: request lines and files made of them; a file system
+without O_TMPFILE."""
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from unittest import mock
 
 from pipeline.batchjob.requests import CHAT_URL, COMPLETIONS_URL
 
@@ -42,3 +48,17 @@ def line_of(size: int) -> bytes:
     raw = json.dumps(line).encode()
     assert len(raw) == size
     return raw
+
+
+@contextmanager
+def without_tmpfile() -> Iterator[None]:
+    """os.open as on a file system without O_TMPFILE (EOPNOTSUPP), for the block."""
+    real = os.open
+
+    def refusing(path, flags, *args, **kwargs):
+        if (flags & os.O_TMPFILE) == os.O_TMPFILE:
+            raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP), path)
+        return real(path, flags, *args, **kwargs)
+
+    with mock.patch.object(os, "open", refusing):
+        yield
