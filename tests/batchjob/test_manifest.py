@@ -120,7 +120,8 @@ JOB_CHANGES = [
      "the input file changed since the job started: it was 1,000 bytes with xxh3 abababababababab... "
      "(/jobs/a.jsonl), it is 1,000 bytes with xxh3 cdcdcdcdcdcdcdcd... (/jobs/a.jsonl)"),
     ("served model", dict(served_model="big"), "served model: 'tiny' then, 'big' now"),
-    ("output path", dict(output_path="/elsewhere.jsonl"), "output path: '/jobs/out.jsonl' then, '/elsewhere.jsonl' now"),
+    ("output path", dict(output_path="/elsewhere.jsonl"),
+     "output path: '/jobs/out.jsonl' then, '/elsewhere.jsonl' now"),
     ("output order", dict(output_order="completion"), "output order: 'input' then, 'completion' now"),
     ("error file", dict(error_file="/jobs/errors.jsonl"), "error file: None then, '/jobs/errors.jsonl' now"),
     ("engine", dict(engine="vllm"), "engine: sim then, vllm now"),

@@ -55,7 +55,8 @@ def lines_at(path: Path) -> list[tuple[int, bytes]]:
 
 
 def test_a_good_file_gives_its_count_size_digest_and_first_index_entry(tmp_path: Path) -> None:
-    spaced = '{ "body" : {"model": "tiny", "prompt": "x"},  "url": "/v1/completions", "method": "POST", "custom_id": "c"}'
+    spaced = ('{ "body" : {"model": "tiny", "prompt": "x"},  "url": "/v1/completions", "method": "POST", '
+              '"custom_id": "c"}')
     path = write(tmp_path / "in.jsonl", "", "  ", chat("a", max_completion_tokens=5), completion("b", n=3), spaced)
     found = scan_input(str(path), str(tmp_path / "work"))
     data = path.read_bytes()
@@ -141,7 +142,8 @@ FILE_PROBLEMS = [
     ("method lower case", {**chat(), "method": "post"}, "method must be 'POST'"),
     ("method a number", {**chat(), "method": 1}, "method must be 'POST' (the Batch API's only method), got a number"),
     ("url a number", {**chat(), "url": 5}, "url must be a string"),
-    ("url null", {**chat(), "url": None}, "url must be a string (an endpoint such as '/v1/chat/completions'), got null"),
+    ("url null", {**chat(), "url": None},
+     "url must be a string (an endpoint such as '/v1/chat/completions'), got null"),
     ("body an array", {**chat(), "body": []}, "body must be a JSON object"),
     ("body a string", {**chat(), "body": "{}"}, "body must be a JSON object (the endpoint's request), got a string"),
     ("body null", {**chat(), "body": None}, "body must be a JSON object (the endpoint's request), got null"),
