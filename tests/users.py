@@ -5,7 +5,8 @@ root, no useradd or setpriv, no system Python).
 The hostile side runs as that user with the system's Python (the test's virtual environment
 may not be readable by others), under setpriv, which execs in place: the process a test
 kills is the hostile one itself (runuser forks, and killing it would leave its child
-running, and the user undeletable).
+running, and the user undeletable). A check that runs in-process takes that user's
+effective ids for a block instead (`effective`).
 """
 
 from __future__ import annotations
@@ -66,3 +67,20 @@ def other_user() -> Iterator[OtherUser]:
     finally:
         removed = subprocess.run(["userdel", name], capture_output=True, text=True)
         assert removed.returncode == 0, f"userdel {name}: {removed.stderr.strip()}"
+
+
+@contextmanager
+def effective(user: OtherUser) -> Iterator[None]:
+    """This process's effective user and group those of `user` (no supplementary groups) for
+    the block, without a fork: what it may open or create there is what that user may. For a
+    check that runs in-process (a path's permissions); root only, as `other_user` is."""
+    uid, gid, groups = os.geteuid(), os.getegid(), os.getgroups()
+    os.setgroups([])
+    os.setegid(user.gid)
+    os.seteuid(user.uid)
+    try:
+        yield
+    finally:
+        os.seteuid(uid)
+        os.setegid(gid)
+        os.setgroups(groups)

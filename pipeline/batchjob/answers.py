@@ -45,7 +45,10 @@ LOG_NAME = "answers.jsonl"
 # ~10 MiB of typical lines): 640 KiB.
 RECOVERY_CHUNK_RECORDS = 1 << 14
 FILE_MODE = 0o600
-_APPEND = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+# Bytes of a log's end read at a time on recovery, looking for where its data ends.
+TAIL_READ_BYTES = 1 << 16
+# Read too: recovery looks at a log's last bytes. O_NONBLOCK: a FIFO is refused, not waited on.
+_APPEND = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
 
 
 @dataclass(slots=True)
@@ -122,7 +125,7 @@ class AnswerLog:
             self._fds[log] = _open_append(path)
 
     def _recover(self) -> None:
-        sizes = {log: os.fstat(fd).st_size for log, fd in self._fds.items()}
+        sizes = {log: _data_end(fd) for log, fd in self._fds.items()}
         kept = 0
         size = os.fstat(self._records_fd).st_size
         with open(self._records_path, "rb") as f:
@@ -135,11 +138,12 @@ class AnswerLog:
                 if records.size < RECOVERY_CHUNK_RECORDS:
                     break
         if kept * ANSWER_RECORD_SIZE_BYTES < size:
-            self.recovered.records_cut = (size - kept * ANSWER_RECORD_SIZE_BYTES) // ANSWER_RECORD_SIZE_BYTES
+            self.recovered.records_cut = -(-(size - kept * ANSWER_RECORD_SIZE_BYTES) // ANSWER_RECORD_SIZE_BYTES)
             fileops.ftruncate(self._records_fd, kept * ANSWER_RECORD_SIZE_BYTES)
         for log, fd in self._fds.items():
-            if sizes[log] > self._ends[log]:
-                self.recovered.log_bytes_cut[log] = sizes[log] - self._ends[log]
+            size = os.fstat(fd).st_size
+            if size > self._ends[log]:
+                self.recovered.log_bytes_cut[log] = size - self._ends[log]
                 fileops.ftruncate(fd, self._ends[log])
 
     def _count(self, records: np.ndarray) -> None:
@@ -239,6 +243,19 @@ def _whole_lines(records: np.ndarray, sizes: Mapping[int, int]) -> int:
         if records.size else np.zeros(0, dtype=np.uint64)
     bad = np.flatnonzero(~known | (ends > limit))
     return int(bad[0]) if bad.size else int(records.size)
+
+
+def _data_end(fd: int) -> int:
+    """Where a log's lines end: its size, less a tail of zero bytes (a power cut may leave a
+    file's last blocks zero-filled, and a line never holds a zero byte)."""
+    end = os.fstat(fd).st_size
+    while end:
+        start = max(0, end - TAIL_READ_BYTES)
+        data = os.pread(fd, end - start, start).rstrip(b"\0")
+        if data:
+            return start + len(data)
+        end = start
+    return 0
 
 
 def _open_append(path: str) -> int:

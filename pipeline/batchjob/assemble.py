@@ -61,6 +61,7 @@ def bucket_bounds(data_dir: str, requests: int, bucket_bytes: int = BUCKET_BYTES
     (counted per HISTOGRAM_RANGES range of indices) reach `bucket_bytes`."""
     ranges = min(HISTOGRAM_RANGES, max(requests, 1))
     width = -(-requests // ranges)
+    ranges = -(-requests // width) if width else 1  # none past the last request
     sizes = np.zeros(ranges, dtype=np.int64)
     for records in record_chunks(data_dir):
         np.add.at(sizes, (records["index"] // width).astype(np.intp), records["line_bytes"].astype(np.int64))

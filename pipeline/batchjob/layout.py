@@ -179,6 +179,7 @@ def valid_records(raw: bytes) -> np.ndarray:
     first bad one (torn, zero-filled) and everything after it are left out."""
     whole = len(raw) // ANSWER_RECORD_SIZE_BYTES
     records = np.frombuffer(raw, dtype=ANSWER_RECORD_DTYPE, count=whole)
-    words = np.frombuffer(raw, dtype="<u4", count=whole * ANSWER_RECORD_SIZE_BYTES // 4).reshape(whole, -1)
+    words = np.frombuffer(raw, dtype="<u4", count=whole * ANSWER_RECORD_SIZE_BYTES // 4)
+    words = words.reshape(whole, ANSWER_RECORD_SIZE_BYTES // 4)
     bad = np.flatnonzero(record_check(words[:, :_CHECKED_WORDS]) != records["check"])
     return records[:bad[0]] if bad.size else records

@@ -84,7 +84,7 @@ def load_manifest(data_dir: str) -> JobManifest | None:
     one that is not ours (unreadable, another version)."""
     path = manifest_path(data_dir)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO: not waited on
     except FileNotFoundError:
         return None
     except OSError as exc:
@@ -95,6 +95,9 @@ def load_manifest(data_dir: str) -> JobManifest | None:
         raw = os.read(fd, MAX_MANIFEST_BYTES + 1)
     finally:
         os.close(fd)
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise JobMismatchError(f"{path}: longer than {MAX_MANIFEST_BYTES:,} bytes, not a job manifest; use another "
+                               f"--data-dir")
     try:
         fields = json.loads(raw)
         if fields.get("version") != MANIFEST_VERSION:
@@ -185,4 +188,4 @@ def _weights_digest(model_dir: str) -> str:
         if entry.name.endswith(WEIGHT_SUFFIXES):
             info = entry.stat()
             rows.append(f"{entry.name}:{info.st_size}:{info.st_mtime_ns}")
-    return "xxh3 " + xxhash.xxh3_128_hexdigest("\n".join(rows)) if rows else "none"
+    return "xxh3 " + xxhash.xxh3_128_hexdigest("\n".join(rows).encode("utf-8", "surrogateescape")) if rows else "none"

@@ -121,9 +121,21 @@ def envelope(raw: bytes) -> Envelope:
         env = _ENVELOPE.decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError):
         return _slow_envelope(raw)
-    if env.method != METHOD or not env.custom_id or memoryview(env.body)[:1] != b"{":
+    if env.method != METHOD or not env.custom_id or memoryview(env.body)[:1] != b"{" or not _utf8(raw):
         return _slow_envelope(raw)
     return env
+
+
+def _utf8(raw: bytes) -> bool:
+    """Whether the line is UTF-8: msgspec checks the strings it decodes, not the body's bytes
+    it skips (most lines are ASCII, which costs one scan of the bytes)."""
+    if raw.isascii():
+        return True
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _slow_envelope(raw: bytes) -> Envelope:
@@ -205,7 +217,8 @@ class _Digests:
             self._spill()
 
     def _spill(self) -> None:
-        if not self.spilled:
+        if not self.spilled:  # what a killed scan spilled there is of another pass
+            shutil.rmtree(self.work_dir, ignore_errors=True)
             os.makedirs(self.work_dir, mode=0o700, exist_ok=True)
             self.spilled = True
         records = self.buffer[:self.filled]
@@ -256,16 +269,16 @@ def scan_input(path: str, work_dir: str, on_progress: Callable[[int, int], None]
 
 
 def _open_input(path: str):
-    try:
-        f = open(path, "rb")
+    try:  # O_NONBLOCK: a FIFO without a writer is refused below, not waited on
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         raise BatchFileError(f"{path}: cannot read the batch file ({exc.strerror or exc})") from exc
-    kind = file_kind(f.fileno())
+    kind = file_kind(fd)
     if kind != "file":
-        f.close()
+        os.close(fd)
         raise BatchFileError(f"{path}: a batch file must be a regular file (it is read twice: checked, then run), "
                              f"not a {kind}")
-    return f
+    return open(fd, "rb")
 
 
 def _read(f, path: str, digests: _Digests, errors: _Errors,
@@ -283,7 +296,7 @@ def _read(f, path: str, digests: _Digests, errors: _Errors,
         carry = pieces.pop() if block else b""
         for raw in pieces:
             start = offset
-            offset += len(raw) + 1
+            offset += len(raw) + bool(block)  # at the end, the last line has no newline
             line += 1
             if skipping:  # the tail of an over-long line
                 skipping = False

@@ -1,207 +1,55 @@
-"""pipeline.batchjob.requests: a batch file is checked whole; the file's problems refuse the job
-(path:line named, the first 10 and the total), a request's own problems become its error."""
+"""pipeline.batchjob.requests: a scanned line's body, checked by parse_line: what the job
+cannot serve becomes the request's error (answered 400, naming the parameter), never the
+file's or another request's problem. The file's own rules are test_scan.py's."""
 
 from __future__ import annotations
 
-import hashlib
 import json
-from pathlib import Path
 
 import pytest
 
-from pipeline.batchjob import requests as batch_requests
 from pipeline.batchjob.requests import (
     CHAT_URL,
     COMPLETIONS_URL,
     KIND_CHAT,
     KIND_COMPLETION,
-    MAX_REQUEST_LINE_BYTES,
-    load_requests,
+    BatchRequest,
+    parse_line,
 )
-from pipeline.producer.workload import MAX_LISTED_ERRORS
-from pipeline.wire.errors import BadInputError, BatchFileError, WorkloadError
 from pipeline.wire.generation import MAX_STOP_STRINGS, GenerationParams
-
-MODEL = "tiny"
-
-
-def chat(custom_id: str = "req-1", **body: object) -> dict:
-    return {"custom_id": custom_id, "method": "POST", "url": CHAT_URL,
-            "body": {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], **body}}
+from tests.batchjob.batchfiles import MODEL, chat, completion, encode
 
 
-def completion(custom_id: str = "req-1", **body: object) -> dict:
-    return {"custom_id": custom_id, "method": "POST", "url": COMPLETIONS_URL,
-            "body": {"model": MODEL, "prompt": "Once upon a time", **body}}
+def one(line: object, index: int = 0, number: int = 1) -> BatchRequest:
+    """The request of one line (a dict as JSON, or its bytes)."""
+    return parse_line(encode(line), index, number, MODEL)
 
 
-def write(path: Path, *lines: object) -> Path:
-    """Each line: a dict (as JSON), or a str / bytes written as it is."""
-    data = b"".join((line if isinstance(line, bytes) else
-                     (line if isinstance(line, str) else json.dumps(line)).encode()) + b"\n" for line in lines)
-    path.write_bytes(data)
-    return path
+# --- a good line ------------------------------------------------------------------------------
 
 
-def one(tmp_path: Path, line: dict):
-    """The one request of a file holding `line`."""
-    (request,) = load_requests(write(tmp_path / "in.jsonl", line), MODEL).requests
-    return request
-
-
-def refusal(tmp_path: Path, *lines: object) -> str:
-    with pytest.raises(BatchFileError) as caught:
-        load_requests(write(tmp_path / "in.jsonl", *lines), MODEL)
-    return str(caught.value)
-
-
-# --- a good file ------------------------------------------------------------------------------
-
-
-def test_a_good_file_gives_its_requests_in_order_with_their_lines_hash_and_counts(tmp_path: Path) -> None:
-    path = write(tmp_path / "in.jsonl",
-                 chat("a", max_completion_tokens=64, temperature=0, stop=["\n\n", "END"], seed=7, top_p=0.9),
-                 "", "   ",
-                 completion("b", prompt=[1, 2, 3], max_tokens=5, stop="."),
-                 completion("c", n=3))
-    batch = load_requests(path, MODEL)
-    a, b, c = batch.requests
+def test_good_lines_give_their_requests_with_index_line_and_parameters() -> None:
+    a = one(chat("a", max_completion_tokens=64, temperature=0, stop=["\n\n", "END"], seed=7, top_p=0.9), 0, 1)
     assert (a.index, a.line, a.custom_id, a.url, a.kind) == (0, 1, "a", CHAT_URL, KIND_CHAT)
     assert a.messages == [{"role": "user", "content": "Hi"}] and a.prompt is None and a.error is None
     assert a.params == GenerationParams(max_tokens=64, temperature=0, top_p=0.9, seed=7, stop=("\n\n", "END"))
-    assert (b.index, b.line, b.kind, b.prompt, b.messages) == (1, 4, KIND_COMPLETION, [1, 2, 3], None)
+    b = one(completion("b", prompt=[1, 2, 3], max_tokens=5, stop="."), 1, 4)
+    assert (b.index, b.line, b.url, b.kind, b.prompt, b.messages) == (1, 4, COMPLETIONS_URL, KIND_COMPLETION,
+                                                                      [1, 2, 3], None)
     assert b.params == GenerationParams(max_tokens=5, stop=(".",))
+    c = one(completion("c", n=3), 2, 5)
     assert (c.index, c.line, c.error_param) == (2, 5, "n")
-    assert batch.path == str(path)
-    assert batch.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
-    assert (batch.chat_count, batch.completion_count, batch.error_count) == (1, 1, 1)
 
 
-def test_the_error_is_a_workload_error_and_a_bad_input_error() -> None:
-    assert issubclass(BatchFileError, WorkloadError) and issubclass(BatchFileError, BadInputError)
-
-
-def test_a_file_without_a_last_newline_reads_its_last_line(tmp_path: Path) -> None:
-    path = tmp_path / "in.jsonl"
-    path.write_text(json.dumps(chat("a")) + "\n" + json.dumps(chat("b")))
-    assert [r.custom_id for r in load_requests(path, MODEL).requests] == ["a", "b"]
-
-
-# --- the file's problems ----------------------------------------------------------------------
-
-
-def _without(line: dict, key: str) -> dict:
-    line = dict(line)
-    del line[key]
-    return line
-
-
-FILE_PROBLEMS = [
-    ("not json", '{"custom_id": "x",', "not JSON"),
-    ("not utf-8", b'{"custom_id": "\xff"}', "not UTF-8"),
-    ("an array", "[1, 2]", "must be a JSON object, got an array"),
-    ("a string", '"hello"', "must be a JSON object, got a string"),
-    ("no custom_id", _without(chat(), "custom_id"), "missing 'custom_id'"),
-    ("no method", _without(chat(), "method"), "missing 'method'"),
-    ("no url", _without(chat(), "url"), "missing 'url'"),
-    ("no body", _without(chat(), "body"), "missing 'body'"),
-    ("two missing", _without(_without(chat(), "body"), "url"), "missing 'url', 'body'"),
-    ("unknown key", {**chat(), "priority": 1}, "unknown key 'priority'"),
-    ("custom_id a number", {**chat(), "custom_id": 17}, "custom_id must be a non-empty string, got a number 17"),
-    ("custom_id empty", {**chat(), "custom_id": ""}, "custom_id must be a non-empty string"),
-    ("custom_id null", {**chat(), "custom_id": None}, "custom_id must be a non-empty string, got null"),
-    ("method GET", {**chat(), "method": "GET"}, "method must be 'POST'"),
-    ("method lower case", {**chat(), "method": "post"}, "method must be 'POST'"),
-    ("url a number", {**chat(), "url": 5}, "url must be a string"),
-    ("body an array", {**chat(), "body": []}, "body must be a JSON object"),
-    ("body null", {**chat(), "body": None}, "body must be a JSON object (the endpoint's request), got null"),
-]
-
-
-@pytest.mark.parametrize(("line", "why"), [(line, why) for _, line, why in FILE_PROBLEMS],
-                         ids=[name for name, _, _ in FILE_PROBLEMS])
-def test_a_line_that_is_not_a_request_refuses_the_file_naming_path_and_line(tmp_path: Path, line: object,
-                                                                            why: str) -> None:
-    message = refusal(tmp_path, chat("good"), line)
-    path = tmp_path / "in.jsonl"
-    assert f"{path}: 1 bad line;" in message and "the job does not start" in message
-    assert f"{path}:2: " in message and why in message
-    assert f"{path}:1:" not in message
-
-
-def test_the_first_ten_bad_lines_are_listed_with_the_total(tmp_path: Path) -> None:
-    bad = [{**chat(f"r{k}"), "method": "GET"} for k in range(15)]
-    message = refusal(tmp_path, chat("good"), *bad)
-    path = tmp_path / "in.jsonl"
-    assert "15 bad lines" in message and f"the first {MAX_LISTED_ERRORS}" in message
-    listed = [line.removeprefix(f"  {path}:") for line in message.splitlines()[1:]]
-    assert [line.split(":")[0] for line in listed] == [str(n) for n in range(2, 2 + MAX_LISTED_ERRORS)]
-
-
-def test_a_duplicate_custom_id_names_both_lines(tmp_path: Path) -> None:
-    message = refusal(tmp_path, chat("a"), chat("b"), completion("a"))
-    assert f"{tmp_path / 'in.jsonl'}:3: custom_id 'a' is used by line 1 too" in message
-
-
-def test_every_duplicate_is_named_against_the_first_line(tmp_path: Path) -> None:
-    message = refusal(tmp_path, chat("a"), chat("a"), chat("a"))
-    assert "2 bad lines" in message
-    assert ":2: custom_id 'a' is used by line 1" in message and ":3: custom_id 'a' is used by line 1" in message
-
-
-@pytest.mark.parametrize("text", ["", "\n\n  \n"], ids=["empty", "blank"])
-def test_a_file_without_requests_is_refused(tmp_path: Path, text: str) -> None:
-    path = tmp_path / "in.jsonl"
-    path.write_text(text)
-    with pytest.raises(BatchFileError, match="no requests"):
-        load_requests(path, MODEL)
-
-
-def test_a_missing_file_a_directory_and_a_device_are_refused(tmp_path: Path) -> None:
-    with pytest.raises(BatchFileError, match="cannot read the batch file"):
-        load_requests(tmp_path / "absent.jsonl", MODEL)
-    with pytest.raises(BatchFileError, match="cannot read the batch file"):
-        load_requests(tmp_path, MODEL)
-    with pytest.raises(BatchFileError, match="must be a file or a pipe, not a device"):
-        load_requests("/dev/zero", MODEL)
-
-
-def _line_of(size: int) -> bytes:
-    """A chat request line of exactly `size` bytes (without its newline)."""
-    line = chat("big")
-    line["body"]["messages"][0]["content"] = ""
-    pad = size - len(json.dumps(line).encode())
-    line["body"]["messages"][0]["content"] = "a" * pad
-    raw = json.dumps(line).encode()
-    assert len(raw) == size
-    return raw
-
-
-def test_a_line_at_the_size_limit_is_read_and_one_byte_more_is_refused(tmp_path: Path) -> None:
-    path = write(tmp_path / "in.jsonl", _line_of(MAX_REQUEST_LINE_BYTES), chat("next"))
-    batch = load_requests(path, MODEL)
-    assert [r.custom_id for r in batch.requests] == ["big", "next"]
-    assert len(batch.requests[0].messages[0]["content"]) > MAX_REQUEST_LINE_BYTES - 200
-    message = refusal(tmp_path, chat("first"), _line_of(MAX_REQUEST_LINE_BYTES + 1), chat("next"))
-    assert f"{tmp_path / 'in.jsonl'}:2: longer than {MAX_REQUEST_LINE_BYTES:,} bytes" in message
-    assert "1 bad line;" in message
-
-
-def test_requests_up_to_the_limit_are_read_and_one_more_stops_the_file(tmp_path: Path,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    # The real limit is a million requests; the check is the same at 3.
-    monkeypatch.setattr(batch_requests, "MAX_BATCH_REQUESTS", 3)
-    lines = [chat(f"r{k}") for k in range(4)]
-    assert len(load_requests(write(tmp_path / "in.jsonl", *lines[:3]), MODEL).requests) == 3
-    message = refusal(tmp_path, *lines, {"not": "a request"})
-    assert f"{tmp_path / 'in.jsonl'}:4: more than 3 requests in one file" in message
-    assert "up to line 4, where reading stopped" in message and ":5:" not in message
-
-
-def test_a_request_with_an_error_counts_against_the_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(batch_requests, "MAX_BATCH_REQUESTS", 2)
-    message = refusal(tmp_path, chat("a", n=2), chat("b", top_k=1), chat("c"))
-    assert ":3: more than 2 requests" in message
+def test_a_line_the_scan_took_through_json_gives_the_same_request() -> None:
+    """A line msgspec refuses and the json module takes (a lone surrogate) is parsed alike."""
+    line = chat("s\ud800", messages=[{"role": "user", "content": "a \udfff b"}], max_tokens=3)
+    request = one(line)
+    assert request.custom_id == "s\ud800" and request.error is None
+    assert request.messages == [{"role": "user", "content": "a \udfff b"}]
+    assert request.params == GenerationParams(max_tokens=3)
+    spaced = json.dumps(chat("t"), indent=2).replace("\n", " ").encode()
+    assert one(spaced).messages == [{"role": "user", "content": "Hi"}]
 
 
 # --- a request's own problems -----------------------------------------------------------------
@@ -299,26 +147,22 @@ REQUEST_PROBLEMS = [
 
 @pytest.mark.parametrize(("line", "param", "why"), [(line, param, why) for _, line, param, why in REQUEST_PROBLEMS],
                          ids=[name for name, *_ in REQUEST_PROBLEMS])
-def test_a_request_the_job_cannot_serve_keeps_its_error_naming_the_parameter(tmp_path: Path, line: dict, param: str,
+def test_a_request_the_job_cannot_serve_keeps_its_error_naming_the_parameter(line: dict, param: str,
                                                                             why: str) -> None:
-    path = write(tmp_path / "in.jsonl", chat("before"), {**line, "custom_id": "bad"}, completion("after"))
-    batch = load_requests(path, MODEL)
-    before, bad, after = batch.requests
-    assert before.error is None and after.error is None
+    bad = one({**line, "custom_id": "bad"}, 1, 2)
     assert bad.error_param == param
     assert why in bad.error
     assert (bad.index, bad.line, bad.custom_id) == (1, 2, "bad")
     assert bad.messages is None and bad.prompt is None and bad.params == GenerationParams()
-    assert batch.error_count == 1 and batch.chat_count + batch.completion_count == 2
 
 
-def test_an_unsupported_endpoint_has_no_kind(tmp_path: Path) -> None:
-    assert one(tmp_path, {**chat(), "url": "/v1/embeddings"}).kind is None
+def test_an_unsupported_endpoint_has_no_kind() -> None:
+    assert one({**chat(), "url": "/v1/embeddings"}).kind is None
 
 
-def test_stop_strings_at_the_limit_are_taken(tmp_path: Path) -> None:
+def test_stop_strings_at_the_limit_are_taken() -> None:
     stops = [str(k) for k in range(MAX_STOP_STRINGS)]
-    assert one(tmp_path, chat(stop=stops)).params.stop == tuple(stops)
+    assert one(chat(stop=stops)).params.stop == tuple(stops)
 
 
 # --- what is accepted -------------------------------------------------------------------------
@@ -346,13 +190,13 @@ ACCEPTED = [
 
 @pytest.mark.parametrize(("line", "params"), [(line, params) for _, line, params in ACCEPTED],
                          ids=[name for name, *_ in ACCEPTED])
-def test_what_the_engine_does_anyway_is_accepted(tmp_path: Path, line: dict, params: GenerationParams) -> None:
-    request = one(tmp_path, line)
+def test_what_the_engine_does_anyway_is_accepted(line: dict, params: GenerationParams) -> None:
+    request = one(line)
     assert request.error is None, request.error
     assert request.params == params
 
 
-def test_chat_messages_are_normalised_to_role_and_text(tmp_path: Path) -> None:
+def test_chat_messages_are_normalised_to_role_and_text() -> None:
     line = chat(messages=[
         {"role": "developer", "content": "Be brief."},
         {"role": "system", "content": [{"type": "text", "text": "Rule 1."}, {"type": "text", "text": "Rule 2."}]},
@@ -360,7 +204,7 @@ def test_chat_messages_are_normalised_to_role_and_text(tmp_path: Path) -> None:
         {"role": "assistant", "content": "Hello.", "tool_calls": None, "refusal": None},
         {"role": "user", "content": ""},
     ])
-    assert one(tmp_path, line).messages == [
+    assert one(line).messages == [
         {"role": "developer", "content": "Be brief."},
         {"role": "system", "content": "Rule 1.\nRule 2."},
         {"role": "user", "content": "Hi", "name": "ann"},
@@ -371,7 +215,7 @@ def test_chat_messages_are_normalised_to_role_and_text(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("prompt", "expected"), [("text", "text"), (["text"], "text"), ([5, 6], [5, 6]),
                                                   ([[5, 6]], [5, 6]), ([0, 2**31 - 1], [0, 2**31 - 1])])
-def test_one_prompt_as_text_or_token_ids_is_taken(tmp_path: Path, prompt: object, expected: object) -> None:
-    request = one(tmp_path, completion(prompt=prompt))
+def test_one_prompt_as_text_or_token_ids_is_taken(prompt: object, expected: object) -> None:
+    request = one(completion(prompt=prompt))
     assert request.error is None and request.prompt == expected and request.kind == KIND_COMPLETION
 

@@ -1,0 +1,245 @@
+"""pipeline.batchjob.manifest: a job is pinned to everything its answers depend on; a run that
+changes any of it is refused naming each change, and a change of resources only is not one."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from pipeline.batchjob.manifest import (
+    MANIFEST_VERSION,
+    MAX_MANIFEST_BYTES,
+    MODEL_FILES,
+    RESOURCE_OPTIONS,
+    JobManifest,
+    depends_on,
+    differences,
+    load_manifest,
+    manifest_path,
+    mismatch_error,
+    write_manifest,
+)
+from pipeline.wire.errors import JobMismatchError
+
+ENGINE_OPTIONS = {"seed": 1, "max_model_len": 2048, "dtype": "float16", "cpu_threads": 4,
+                  "gpu_memory_utilization": 0.9}
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    path = tmp_path / "model"
+    path.mkdir()
+    (path / "tokenizer.json").write_text('{"model": {"vocab": {"a": 0}}}')
+    (path / "tokenizer_config.json").write_text('{"bos_token": "<s>"}')
+    (path / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    (path / "config.json").write_text('{"max_position_embeddings": 2048}')
+    (path / "model.safetensors").write_bytes(b"\0" * 64)
+    (path / "README.md").write_text("not part of the job")
+    return path
+
+
+def manifest(model_dir: Path, engine: str = "sim", options: dict | None = None, max_input_len: int | None = 1024,
+             **fields: object) -> JobManifest:
+    base = dict(job_id=7, created_s=1_700_000_000, input_path="/jobs/a.jsonl", input_bytes=1000,
+                input_xxh3="ab" * 16, requests=10, served_model="tiny", output_path="/jobs/out.jsonl",
+                output_order="input", error_file=None,
+                depends_on=depends_on(str(model_dir), engine, ENGINE_OPTIONS if options is None else options,
+                                      max_input_len))
+    base.update(fields)
+    return JobManifest(**base)
+
+
+def _rewrite(name: str, text: str) -> Callable[[Path], None]:
+    return lambda model: (model / name).write_text(text)
+
+
+def _grow_weights(model: Path) -> None:
+    with open(model / "model.safetensors", "ab") as f:
+        f.write(b"\0")
+
+
+def _touch_weights(model: Path) -> None:
+    info = os.stat(model / "model.safetensors")
+    os.utime(model / "model.safetensors", ns=(info.st_atime_ns, info.st_mtime_ns + 1_000_000_000))
+
+
+def _directory_for(name: str) -> Callable[[Path], None]:
+    def change(model: Path) -> None:
+        (model / name).unlink()
+        (model / name).mkdir()
+    return change
+
+
+MODEL_CHANGES = [
+    ("tokenizer", _rewrite("tokenizer.json", '{"model": {"vocab": {"b": 0}}}'), "model file tokenizer.json: xxh3 "),
+    ("template", _rewrite("chat_template.jinja", "{{ messages }}"), "model file chat_template.jinja: xxh3 "),
+    ("tokenizer config", _rewrite("tokenizer_config.json", "{}"), "model file tokenizer_config.json"),
+    ("model config", _rewrite("config.json", '{"max_position_embeddings": 4096}'), "model file config.json"),
+    ("a model file added", _rewrite("generation_config.json", "{}"),
+     "model file generation_config.json: absent then, xxh3 "),
+    ("a model file removed", lambda model: (model / "tokenizer_config.json").unlink(),
+     "model file tokenizer_config.json: xxh3 "),
+    ("a model file made a directory", _directory_for("chat_template.jinja"),
+     "model file chat_template.jinja: xxh3 "),
+    ("weights' size", _grow_weights, "model weights: xxh3 "),
+    ("weights' mtime", _touch_weights, "model weights: xxh3 "),
+    ("weights added", lambda model: (model / "extra.bin").write_bytes(b"1"), "model weights: xxh3 "),
+    ("weights removed", lambda model: (model / "model.safetensors").unlink(), "then, none now"),
+]
+
+
+@pytest.mark.parametrize(("change", "words"), [(c, w) for _, c, w in MODEL_CHANGES], ids=[n for n, *_ in MODEL_CHANGES])
+def test_a_changed_model_directory_is_named(model_dir: Path, change: Callable[[Path], None], words: str) -> None:
+    have = manifest(model_dir)
+    change(model_dir)
+    changed = differences(have, manifest(model_dir))
+    assert len(changed) == 1, changed
+    assert words in changed[0] and " then, " in changed[0] and changed[0].endswith(" now")
+
+
+def test_files_of_the_model_directory_that_make_no_answer_are_not_the_jobs(model_dir: Path) -> None:
+    have = manifest(model_dir)
+    (model_dir / "README.md").write_text("edited")
+    (model_dir / "notes.txt").write_text("new")
+    assert differences(have, manifest(model_dir)) == []
+    assert set(have.depends_on) == {f"model file {name}" for name in MODEL_FILES} | {
+        "model weights", "engine", "max input length", "engine option seed", "engine option max_model_len",
+        "engine option dtype"}
+
+
+JOB_CHANGES = [
+    ("input", dict(input_bytes=1001, input_xxh3="cd" * 16, input_path="/jobs/b.jsonl"),
+     "the input file changed since the job started: it was 1,000 bytes with xxh3 abababababababab... "
+     "(/jobs/a.jsonl), it is 1,001 bytes with xxh3 cdcdcdcdcdcdcdcd... (/jobs/b.jsonl)"),
+    ("input, same size", dict(input_xxh3="cd" * 16),
+     "the input file changed since the job started: it was 1,000 bytes with xxh3 abababababababab... "
+     "(/jobs/a.jsonl), it is 1,000 bytes with xxh3 cdcdcdcdcdcdcdcd... (/jobs/a.jsonl)"),
+    ("served model", dict(served_model="big"), "served model: 'tiny' then, 'big' now"),
+    ("output path", dict(output_path="/elsewhere.jsonl"),
+     "output path: '/jobs/out.jsonl' then, '/elsewhere.jsonl' now"),
+    ("output order", dict(output_order="completion"), "output order: 'input' then, 'completion' now"),
+    ("error file", dict(error_file="/jobs/errors.jsonl"), "error file: None then, '/jobs/errors.jsonl' now"),
+    ("engine", dict(engine="vllm"), "engine: sim then, vllm now"),
+    ("an answer's option", dict(options={**ENGINE_OPTIONS, "seed": 2}), "engine option seed: 1 then, 2 now"),
+    ("an option added", dict(options={**ENGINE_OPTIONS, "quantization": "fp8"}),
+     "engine option quantization: absent then, \"fp8\" now"),
+    ("an option removed", dict(options={k: v for k, v in ENGINE_OPTIONS.items() if k != "dtype"}),
+     "engine option dtype: \"float16\" then, absent now"),
+    ("max input length", dict(max_input_len=None), "max input length: 1024 then, None now"),
+]
+
+
+@pytest.mark.parametrize(("fields", "words"), [(f, w) for _, f, w in JOB_CHANGES], ids=[n for n, *_ in JOB_CHANGES])
+def test_each_change_of_the_job_is_named(model_dir: Path, fields: dict, words: str) -> None:
+    assert differences(manifest(model_dir), manifest(model_dir, **fields)) == [words]
+
+
+def test_every_change_is_named_at_once(model_dir: Path) -> None:
+    have = manifest(model_dir)
+    (model_dir / "tokenizer.json").write_text("{}")
+    wanted = manifest(model_dir, engine="vllm", served_model="big", input_xxh3="00" * 16)
+    changed = differences(have, wanted)
+    assert len(changed) == 4
+    assert changed[0].startswith("the input file changed") and changed[1].startswith("served model")
+    assert [line.split(":")[0] for line in changed[2:]] == ["engine", "model file tokenizer.json"]
+
+
+@pytest.mark.parametrize("option", sorted(RESOURCE_OPTIONS))
+def test_an_option_of_resources_only_is_no_change(model_dir: Path, option: str) -> None:
+    have = manifest(model_dir)
+    for value in (12345, "elsewhere", None):
+        assert differences(have, manifest(model_dir, options={**ENGINE_OPTIONS, option: value})) == []
+    assert differences(have, manifest(model_dir, options={k: v for k, v in ENGINE_OPTIONS.items() if k != option})) \
+        == []
+
+
+def test_where_the_input_is_and_when_a_run_started_are_no_change(model_dir: Path) -> None:
+    have = manifest(model_dir)
+    assert differences(have, manifest(model_dir, input_path="/moved/a.jsonl", created_s=1, job_id=9)) == []
+
+
+def test_the_refusal_names_the_changes_and_what_to_do(model_dir: Path) -> None:
+    have = manifest(model_dir)
+    changed = [f"change {k}" for k in range(12)]
+    error = mismatch_error("/data/job-1", have, changed)
+    assert isinstance(error, JobMismatchError)
+    text = str(error)
+    assert "/data/job-1 holds a job this run would change" in text
+    assert "change 9" in text and "change 10" not in text
+    assert "run it as it was started" in text and "give another --data-dir" in text
+    assert "the 10-request job in /data/job-1 stays as it is" in text
+
+
+def test_a_long_value_is_shortened_in_a_change(model_dir: Path) -> None:
+    changed = differences(manifest(model_dir), manifest(model_dir, options={**ENGINE_OPTIONS, "seed": "x" * 500}))
+    assert len(changed) == 1 and len(changed[0]) < 200 and "..." in changed[0]
+
+
+# --- the manifest file ------------------------------------------------------------------------
+
+
+def test_a_manifest_is_written_owner_only_and_reads_back(model_dir: Path, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    assert load_manifest(str(data)) is None
+    wanted = manifest(model_dir)
+    write_manifest(str(data), wanted)
+    assert load_manifest(str(data)) == wanted
+    assert os.stat(manifest_path(str(data))).st_mode & 0o777 == 0o600
+    assert os.stat(data / "job").st_mode & 0o777 == 0o700
+
+
+def test_new_jobs_have_their_own_ids(model_dir: Path) -> None:
+    fields = {k: v for k, v in dataclasses.asdict(manifest(model_dir)).items() if k not in ("job_id", "version")}
+    ids = {JobManifest.new(**fields).job_id for _ in range(20)}
+    assert len(ids) == 20 and all(0 <= job_id < 1 << 63 for job_id in ids)
+    assert JobManifest.new(**fields).id_tag == "ab" * 6
+
+
+def _written(tmp_path: Path, text: bytes) -> str:
+    path = Path(manifest_path(str(tmp_path)))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(text)
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize(("text", "words"), [
+    (b"{not json", "not a job manifest of this version"),
+    (b"[1, 2]", "not a job manifest of this version"),
+    (b'{"version": 1}', f"version 1, this program reads {MANIFEST_VERSION}"),
+    (json.dumps({"version": MANIFEST_VERSION, "job_id": 1}).encode(), "not a job manifest of this version"),
+    (b"\xff\xfe", "not a job manifest of this version"),
+])
+def test_a_manifest_that_is_not_ours_is_refused(tmp_path: Path, text: bytes, words: str) -> None:
+    with pytest.raises(JobMismatchError, match=words):
+        load_manifest(_written(tmp_path, text))
+
+
+def test_a_manifest_at_the_size_limit_is_read_and_one_byte_more_is_refused(model_dir: Path, tmp_path: Path) -> None:
+    raw = json.dumps(dataclasses.asdict(manifest(model_dir))).encode()
+    data = _written(tmp_path, raw + b" " * (MAX_MANIFEST_BYTES - len(raw)))
+    assert load_manifest(data) == manifest(model_dir)
+    data = _written(tmp_path, raw + b" " * (MAX_MANIFEST_BYTES + 1 - len(raw)))
+    with pytest.raises(JobMismatchError, match=f"longer than {MAX_MANIFEST_BYTES:,} bytes"):
+        load_manifest(data)
+
+
+@pytest.mark.parametrize("kind", ["symlink", "directory", "fifo"])
+def test_a_manifest_that_is_not_a_regular_file_is_refused(model_dir: Path, tmp_path: Path, kind: str) -> None:
+    data = tmp_path / "data"
+    path = Path(manifest_path(str(data)))
+    path.parent.mkdir(parents=True)
+    if kind == "symlink":
+        real = tmp_path / "real.json"
+        real.write_text(json.dumps(dataclasses.asdict(manifest(model_dir))))
+        path.symlink_to(real)
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        os.mkfifo(path)  # no writer: refused, not waited on
+    with pytest.raises(JobMismatchError, match="use another --data-dir"):
+        load_manifest(str(data))
