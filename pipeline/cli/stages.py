@@ -384,17 +384,10 @@ STATUS_FIELDS: tuple[str, ...] = (
 )
 
 
-def _job_status(data_dir: str, as_json: bool) -> bool:
-    """The job's view, from its own files, if `data_dir` is a batch job's; whether it was."""
-    from pipeline.batchjob.job import job_status
+def _say_job(found: dict, data_dir: str) -> None:
+    """A batch job's view, from its own files (running or stopped)."""
     from pipeline.batchjob.progress import format_duration
 
-    found = job_status(data_dir)
-    if found is None:
-        return False
-    if as_json:
-        click.echo(json.dumps({"job": found}, indent=2, sort_keys=True))
-        return True
     rate = found.get("requests_per_s")
     eta = f", ETA {format_duration(found.get('eta_s'))}" if found.get("eta_s") and found["running"] else ""
     pace = f", {rate:,.0f} requests/s" if rate and found["running"] else ""
@@ -403,7 +396,6 @@ def _job_status(data_dir: str, as_json: bool) -> bool:
                f"{pace}{eta}; input {found['input']}, output {found['output']}")
     if not found["running"] and found["to_do"]:
         click.echo(f"the same run-batch command (with --data-dir {data_dir}) finishes it")
-    return True
 
 
 @click.command()
@@ -414,21 +406,31 @@ def _job_status(data_dir: str, as_json: bool) -> bool:
 def status(data_dir: str, as_json: bool, results_dir: str | None) -> None:
     """The running broker's counters, backlog and consumers, with the results accounted; on
     a batch job's data directory, the job (running or stopped) in its requests."""
-    from pipeline.reporting.accounting import summarize_results
+    from pipeline.reporting.accounting import ResultsSummary, summarize_results
     from pipeline.reporting.report import build_report, render_report
     from pipeline.wire.client import broker_status
 
+    from pipeline.batchjob.job import job_status
+
     check_data_dir(data_dir)
-    if _job_status(data_dir, as_json):
-        return
+    job = job_status(data_dir)
     config = BrokerConfig(data_dir)
     try:
         counters = broker_status(config.socket_path)
     except (OSError, TimeoutError) as exc:
-        raise click.ClickException(f"no broker answers on {config.socket_path} ({exc})") from exc
+        if job is None:
+            raise click.ClickException(f"no broker answers on {config.socket_path} ({exc})") from exc
+        if as_json:
+            click.echo(json.dumps({"job": job}, indent=2, sort_keys=True))
+        else:
+            _say_job(job, data_dir)
+        return
     except ProtocolError as exc:  # an error reply, or a status of another version: never misread
         raise click.ClickException(f"cannot read the status of the broker on {config.socket_path} ({exc})") from exc
-    results = summarize_results(results_dir or os.path.join(data_dir, RESULTS_DIR))
+    # A job's results are its answer log's to count: reading every row of a large job here
+    # would take as long as the job's own collecting did.
+    results = summarize_results(results_dir or os.path.join(data_dir, RESULTS_DIR)) \
+        if results_dir or job is None else ResultsSummary()
     # The broker's uptime is the window its busy counters cover (the results span runs).
     report = build_report(counters, results, counters.uptime_s, makespan_s=counters.uptime_s)
     # NOTE: a live broker's counters cover its own life only, while results files span
@@ -437,6 +439,10 @@ def status(data_dir: str, as_json: bool, results_dir: str | None) -> None:
     report.update(lost=None, accounting_ok=None)
     wire = counters.to_wire()
     report.update({key: wire[key] for key in STATUS_FIELDS})
+    if job is not None:
+        report["job"] = job
+        if not as_json:
+            _say_job(job, data_dir)
     if as_json:
         click.echo(json.dumps(report, indent=2, sort_keys=True))
         return
