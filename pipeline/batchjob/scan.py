@@ -206,11 +206,16 @@ class _Digests:
 
     def __init__(self, work_dir: str) -> None:
         self.work_dir = work_dir
-        self.buffer = np.zeros(SPILL_BUFFER_RECORDS, dtype=DIGEST_RECORD_DTYPE)
+        # Grown by doubling up to SPILL_BUFFER_RECORDS: a small file never holds the whole buffer.
+        self.buffer = np.zeros(min(SPILL_BUFFER_RECORDS, 64), dtype=DIGEST_RECORD_DTYPE)
         self.filled = 0
         self.spilled = False
 
     def add(self, digest: int, offset: int, line: int) -> None:
+        if self.filled == len(self.buffer):
+            grown = np.zeros(min(2 * len(self.buffer), SPILL_BUFFER_RECORDS), dtype=DIGEST_RECORD_DTYPE)
+            grown[:self.filled] = self.buffer
+            self.buffer = grown
         self.buffer[self.filled] = (digest, offset, line)
         self.filled += 1
         if self.filled == SPILL_BUFFER_RECORDS:
@@ -289,8 +294,10 @@ def _read(f, path: str, digests: _Digests, errors: _Errors,
     index: list[tuple[int, int]] = []
     requests, line, offset, carry, skipping = 0, 0, 0, b"", False
     next_progress = PROGRESS_EVERY_BYTES
+    size = os.fstat(f.fileno()).st_size
     while True:
-        block = f.read(READ_BLOCK_BYTES)
+        # No more than the file holds (and a byte, to see its end): read(n) allocates n first.
+        block = f.read(max(1, min(READ_BLOCK_BYTES, size - offset + 1)))
         hasher.update(block)
         pieces = (carry + block).split(b"\n") if block else [carry] if carry else []
         carry = pieces.pop() if block else b""

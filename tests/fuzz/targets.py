@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipeline.batchjob.requests import load_requests
+from pipeline.batchjob.requests import BatchRequest, parse_line
+from pipeline.batchjob.scan import scan_input
 from pipeline.broker.config import BrokerConfig
 from pipeline.broker.dispatch import Dispatcher
 from pipeline.broker.storage import DiskTier
@@ -614,12 +615,20 @@ WORKLOAD_SEEDS = [
 # ---------------------------------------------------------------------------- batch files
 
 
+def load_batch(path: str, served: str) -> list[BatchRequest]:
+    """A batch file's requests as `pipeline run-batch` reads them: the scan's file rules
+    (BatchFileError), then each line's body as its producer parses it."""
+    scan_input(path, os.path.join(os.path.dirname(path), "scan-work"))
+    with open(path, "rb") as f:
+        lines = [(number, line.rstrip(b"\n")) for number, line in enumerate(f, 1) if line.strip()]
+    return [parse_line(raw, index, number, served) for index, (number, raw) in enumerate(lines)]
+
+
 def run_batch(data: bytes) -> None:
     """A batch request file loaded as `pipeline run-batch` loads it, then each request's
     parameters put in the envelope a producer writes (a request refused keeps its error)."""
     path = SCRATCH.write("batch.jsonl", data)
-    batch = load_requests(path, SERVED_MODEL)
-    for request in batch.requests:
+    for request in load_batch(path, SERVED_MODEL):
         assert (request.error is None) == (request.kind is not None and (request.messages or request.prompt)
                                            is not None), request
         if request.error is None:
