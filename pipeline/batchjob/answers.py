@@ -30,8 +30,7 @@ import numpy as np
 from pipeline.batchjob.layout import (
     ANSWER_RECORD_DTYPE,
     ANSWER_RECORD_SIZE_BYTES,
-    MAX_RECORD_COUNT,
-    answer_record,
+    make_records,
     valid_records,
 )
 from pipeline.batchjob.manifest import JOB_DIR
@@ -45,6 +44,9 @@ LOG_NAME = "answers.jsonl"
 # ~10 MiB of typical lines): 640 KiB.
 RECOVERY_CHUNK_RECORDS = 1 << 14
 FILE_MODE = 0o600
+# A record's fields in the order `append` gathers them (all but the check).
+_COLUMNS = ("index", "log_offset", "line_bytes", "status_code", "log", "prompt_tokens", "completion_tokens",
+            "cached_tokens")
 # Bytes of a log's end read at a time on recovery, looking for where its data ends.
 TAIL_READ_BYTES = 1 << 16
 # Read too: recovery looks at a log's last bytes. O_NONBLOCK: a FIFO is refused, not waited on.
@@ -186,16 +188,19 @@ class AnswerLog:
             fresh.append(answer)
         if not fresh:
             return 0
-        records = []
+        columns: dict[str, list[int]] = {name: [] for name in _COLUMNS}
         for log in sorted({a.log for a in fresh}):
             lines = [a for a in fresh if a.log == log]
             at = self._ends[log]
             for answer in lines:
-                records.append(_record(answer, at))
+                for name, value in zip(_COLUMNS, (answer.index, at, len(answer.line), answer.status_code, answer.log,
+                                                  answer.prompt_tokens, answer.completion_tokens,
+                                                  answer.cached_tokens)):
+                    columns[name].append(value)
                 at += len(answer.line)
             fileops.write_all(self._fds[log], b"".join(a.line for a in lines))
             self._ends[log] = at
-        fileops.write_all(self._records_fd, b"".join(records))
+        fileops.write_all(self._records_fd, make_records(columns))
         for answer in fresh:
             self.done += 1
             self.by_status[answer.status_code] = self.by_status.get(answer.status_code, 0) + 1
@@ -227,12 +232,6 @@ class AnswerLog:
             if fd >= 0:
                 os.close(fd)
         self._fds, self._records_fd = {}, -1
-
-
-def _record(answer: Answer, log_offset: int) -> bytes:
-    counts = (answer.prompt_tokens, answer.completion_tokens, answer.cached_tokens)
-    assert all(0 <= c <= MAX_RECORD_COUNT for c in counts), counts
-    return answer_record(answer.index, log_offset, len(answer.line), answer.status_code, answer.log, *counts)
 
 
 def _whole_lines(records: np.ndarray, sizes: Mapping[int, int]) -> int:

@@ -165,13 +165,29 @@ def record_check(words: np.ndarray) -> np.ndarray:
     return check
 
 
+def make_records(columns: dict[str, list[int]]) -> bytes:
+    """Records from their columns (every field but `check`, equal lengths), checks computed
+    over all of them at once; their bytes."""
+    records = np.zeros(len(columns["index"]), dtype=ANSWER_RECORD_DTYPE)
+    for name, values in columns.items():
+        if name in ("prompt_tokens", "completion_tokens", "cached_tokens") and values:
+            assert 0 <= min(values) and max(values) <= MAX_RECORD_COUNT, (name, min(values), max(values))
+        records[name] = values
+    words = records.view("<u4").reshape(records.size, -1)
+    records["check"] = record_check(words[:, :_CHECKED_WORDS])
+    return records.tobytes()
+
+
 def answer_record(index: int, log_offset: int, line_bytes: int, status_code: int, log: int,
                   prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> bytes:
     """One record's bytes, its check computed."""
-    body = _RECORD.pack(index, log_offset, line_bytes, status_code, log, prompt_tokens, completion_tokens,
-                        cached_tokens)
-    words = np.frombuffer(body, dtype="<u4").reshape(1, _CHECKED_WORDS)
-    return body + record_check(words).astype("<u4").tobytes()
+    if not 0 <= min(prompt_tokens, completion_tokens, cached_tokens) or max(
+            prompt_tokens, completion_tokens, cached_tokens) > MAX_RECORD_COUNT:
+        _RECORD.pack(index, log_offset, line_bytes, status_code, log, prompt_tokens, completion_tokens,
+                     cached_tokens)  # raises struct.error, as it always did for an out-of-range count
+    return make_records({"index": [index], "log_offset": [log_offset], "line_bytes": [line_bytes],
+                         "status_code": [status_code], "log": [log], "prompt_tokens": [prompt_tokens],
+                         "completion_tokens": [completion_tokens], "cached_tokens": [cached_tokens]})
 
 
 def valid_records(raw: bytes) -> np.ndarray:

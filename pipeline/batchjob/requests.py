@@ -295,13 +295,17 @@ def _params(given: dict, kind: str) -> GenerationParams:
     if isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature > MAX_TEMPERATURE:
         raise _Refused(f"temperature {_json(temperature)} is over {MAX_TEMPERATURE:g}: OpenAI's API takes 0 to "
                        f"{MAX_TEMPERATURE:g}", "temperature")
-    for name, value in values.items():
+    try:
+        return GenerationParams(**values)
+    except GenerationParamsError:
+        pass
+    for name, value in values.items():  # which one: checked alone, so the error names it
         try:
             GenerationParams(**{name: value})
         except GenerationParamsError as exc:
             param = max_name if name == "max_tokens" else name
             raise _Refused(f"invalid {param}: {exc}", param) from None
-    return GenerationParams(**values)
+    raise AssertionError(f"parameters {values!r} fail together but not one by one")
 
 
 def _json(value: object) -> str:
