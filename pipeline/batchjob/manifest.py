@@ -43,7 +43,7 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 # Engine options that change how fast or where a job runs, never what it answers: a resume
 # may change them (more GPU memory, another cache directory, the sim's cost model).
 RESOURCE_OPTIONS = frozenset({"cpu_threads", "cache_dir", "gpu_memory_utilization", "kv_cache_memory_bytes",
-                              "enforce_eager", "cost_s_per_padded_token", "cost_s_per_batch", "cache_tokens",
+                              "enforce_eager", "cost_s_per_padded_token", "cost_s_per_batch", "capacity_tokens", "block_size_tokens",
                               "block_size", "max_num_seqs", "max_num_batched_tokens", "swap_space",
                               "llm_kwargs.disable_log_stats"})
 # Bytes of a model file hashed at a time.
