@@ -18,8 +18,15 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.runtime.datadir import check_data_dir, prepare_data_dir
-from pipeline.wire.errors import DataDirError
+from pipeline.runtime.datadir import (
+    check_data_dir,
+    describe_holder,
+    hold_for_launch,
+    launch_lock_path,
+    lock_holder,
+    prepare_data_dir,
+)
+from pipeline.wire.errors import DataDirError, DataDirInUseError
 from tests.runtime.test_launch import ROOT, RUN_TIMEOUT_S
 
 # A uid no account uses here: "another local user".
@@ -230,3 +237,30 @@ def test_objects_another_user_made_under_a_path_derived_name_do_not_stop_a_run(t
     finally:
         for name in names:
             os.unlink(f"/dev/shm/{name}")
+
+
+def test_one_launch_at_a_time_holds_a_data_directory_and_a_second_is_told_who(tmp_path):
+    data = str(tmp_path / "data")
+    assert lock_holder(launch_lock_path(data)) is None  # no file: nobody, and none made
+    assert not os.path.exists(launch_lock_path(data))
+    held = hold_for_launch(data)
+    try:
+        assert stat.S_IMODE(os.stat(os.path.dirname(launch_lock_path(data))).st_mode) == 0o700
+        assert lock_holder(launch_lock_path(data)) == str(os.getpid())
+        # Another open of the file is another holder, in this process too (flock).
+        with pytest.raises(DataDirInUseError, match=f"another run is using the data directory {data}: "
+                                                    f"pid {os.getpid()} holds {launch_lock_path(data)}"):
+            hold_for_launch(data)
+        assert lock_holder(launch_lock_path(data)) == str(os.getpid())  # the refused one changed nothing
+    finally:
+        os.close(held)
+    assert lock_holder(launch_lock_path(data)) is None
+    os.close(hold_for_launch(data))  # free again
+
+
+def test_the_holder_of_a_lock_is_described_as_gone_once_its_process_is():
+    child = subprocess.Popen(["true"])
+    child.wait()
+    assert describe_holder(str(child.pid)) == f"pid {child.pid} (gone; the processes of its run are still stopping)"
+    assert describe_holder(str(os.getpid())) == f"pid {os.getpid()}"
+    assert describe_holder("unknown") == "a process (its pid not written yet)"
