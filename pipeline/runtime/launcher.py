@@ -64,7 +64,6 @@ from pipeline.runtime.inventory import (
 )
 from pipeline.runtime.local import (
     CTX,
-    MEMORY_TIER_MIN_BYTES,
     STOP_POLL_S,
     ShmNeeds,
     claim_data_dir,
@@ -301,7 +300,7 @@ class Launcher:
         the run (`claim_data_dir`)."""
         os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
         needs = ShmNeeds(self.settings.producers, self.consumer_count, self.config.descriptor_ring_bytes,
-                         store_bytes=MEMORY_TIER_MIN_BYTES if self.settings.storage == "memory" else 0)
+                         memory_tier=self.settings.storage == "memory")
         held = claim_data_dir(self.data_dir, needs)
         try:
             return self._run()

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from pipeline.broker.config import BrokerConfig
+from pipeline.broker.storage.segment import disk_reserve_bytes
 from pipeline.consumer.process import ConsumerConfig
 from pipeline.producer.producer import DEFAULT_RING_CAPACITY_BYTES
 from pipeline.runtime.cleanup import apply_cleanup, held_broker_lock, plan_cleanup
@@ -157,33 +158,37 @@ def remove_leftovers(data_dir: str, keep_rings: Iterable[str] = frozenset()) -> 
 
 # ---------------------------------------------------------------------- what a run needs
 
-# The memory tier's store lives on /dev/shm too. Its least: the smallest store seen to run
-# a many-shape workload to completion (8 MiB, its free-space reserve included: the demo on
-# an 8 MiB disk, tests/runtime/test_disk_full.py); below it the store pauses for space.
-MEMORY_TIER_MIN_BYTES = 8 << 20
+# The memory tier's store lives on /dev/shm too, and stops growing while less than its
+# reserve would stay free there (`disk_reserve_bytes`: 2% of /dev/shm, 1 to 256 MiB). Room
+# it needs above that: the default demo, hundreds of lanes, finished on an 8 MiB disk that
+# held its 1 MiB reserve and 5 MB of results besides (tests/runtime/test_disk_full.py);
+# below it the store spends the run paused for space.
+MEMORY_TIER_WORKING_BYTES = 8 << 20
 _MIB = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
 class ShmNeeds:
-    """What a run creates in /dev/shm, by kind: a ring per producer and per consumer, the
-    broker's doorbell (none for producers that join a running broker), and the memory
-    tier's store (0 on the disk tier)."""
+    """What a run creates in /dev/shm: a ring per producer and per consumer, the broker's
+    doorbell (none for producers that join a running broker), and the memory tier's store."""
 
     producers: int
     consumers: int = 0
     descriptor_ring_bytes: int = 0
-    store_bytes: int = 0
+    memory_tier: bool = False
     doorbells: int = 1
     producer_ring_bytes: int = DEFAULT_RING_CAPACITY_BYTES
 
     def producer_bytes(self) -> int:
         return ring_footprint_bytes(self.producer_ring_bytes)
 
-    def total_bytes(self, producers: int | None = None) -> int:
+    def store_bytes(self, shm_total_bytes: int) -> int:
+        return disk_reserve_bytes(shm_total_bytes) + MEMORY_TIER_WORKING_BYTES if self.memory_tier else 0
+
+    def total_bytes(self, shm_total_bytes: int, producers: int | None = None) -> int:
         producers = self.producers if producers is None else producers
         return (producers * self.producer_bytes() + self.consumers * ring_footprint_bytes(self.descriptor_ring_bytes)
-                + self.doorbells * SEMAPHORE_FOOTPRINT_BYTES + self.store_bytes)
+                + self.doorbells * SEMAPHORE_FOOTPRINT_BYTES + self.store_bytes(shm_total_bytes))
 
 
 def check_shm_space(needs: ShmNeeds) -> None:
@@ -192,19 +197,20 @@ def check_shm_space(needs: ShmNeeds) -> None:
     reserved whole at its creation, so a run that passes gets no SIGBUS from a short
     /dev/shm; one that fills meanwhile still gets ShmSpaceError at the creation."""
     free, total = shm_space()
-    need = needs.total_bytes()
+    need = needs.total_bytes(total)
     if need <= free:
         return
     parts = [f"{needs.producers} producer rings of {needs.producer_bytes() / _MIB:.1f} MiB"]
     if needs.consumers:
         parts.append(f"{needs.consumers} consumer descriptor rings of "
                      f"{ring_footprint_bytes(needs.descriptor_ring_bytes) / _MIB:.1f} MiB")
-    if needs.store_bytes:
-        parts.append(f"the memory tier's store (at least {needs.store_bytes / _MIB:.1f} MiB)")
+    if needs.memory_tier:
+        parts.append(f"the memory tier's store (at least {needs.store_bytes(total) / _MIB:.1f} MiB, the 2% of "
+                     f"/dev/shm it leaves free included)")
     if needs.doorbells:
         parts.append("the doorbell")
     size_mib = -(-(total - free + need) // _MIB)
-    fits = max((k for k in range(needs.producers) if needs.total_bytes(k) <= free), default=0)
+    fits = max((k for k in range(needs.producers) if needs.total_bytes(total, k) <= free), default=0)
     lower = f", or lower --producers to {fits}" if fits else ""
     raise ShmSpaceError(f"{DEV_SHM} has {free / _MIB:.1f} MiB free of {total / _MIB:.1f} MiB, and this run needs "
                         f"{need / _MIB:.1f} MiB there ({', '.join(parts)}): raise it to at least "
