@@ -151,7 +151,7 @@ def remove_leftovers(data_dir: str, keep_rings: Iterable[str] = frozenset()) -> 
         log.info("nothing removed: %s", exc)
         return []
     for found in plan.keep:
-        if found.name and found.name.rsplit(".", 1)[0] not in kept and found.name not in kept:
+        if found.name and found.name.rsplit(".", 1)[0] not in kept:  # a kept ring, or its NAME.d, NAME.s
             log.warning("left in %s: %s %s: %s", DEV_SHM, found.kind, found.path, found.why)
     return [found.name or found.path for found in removed]
 

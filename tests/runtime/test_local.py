@@ -27,10 +27,13 @@ from tests.consumer.tmpfs import with_small_dev_shm
 from tests.runtime.runs import shm_objects_of
 from tests.runtime.test_launch import ROOT, RUN_TIMEOUT_S
 
-# A run that lasts seconds on 2 cores (consumers take 2 us per padded token): the second
-# command, started a fraction of a second later, meets it running.
+# Commands that race run with lagging producers (tests/runtime/lagging_launch.py: 1 s a
+# submit call of 256 items): the one that gets the data directory runs 10 s or more, so
+# the other, started a fraction of a second later, meets it running however loaded the
+# machine is (with plain producers a run-batch on a loaded machine once ended before the
+# second one had even started).
 ITEMS = 6000
-SLOW = "[engine_options]\ncost_s_per_padded_token = 2e-6\n"
+REQUESTS = 1000
 # Docker's default /dev/shm.
 DOCKER_SHM_BYTES = 64 << 20
 
@@ -40,8 +43,8 @@ def pipeline(*args: str) -> subprocess.CompletedProcess:
                           timeout=RUN_TIMEOUT_S, cwd=ROOT)
 
 
-def start(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "pipeline", *args], stdout=subprocess.PIPE,
+def start_lagging(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tests.runtime.lagging_launch", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=ROOT)
 
 
@@ -56,9 +59,9 @@ def one_line_error(err: str) -> str:
 def race(first: list[str], second: list[str], gap_s: float) -> tuple[subprocess.CompletedProcess, ...]:
     """Start two commands `gap_s` apart; (the one that ended first, the other), each with
     its output; the first must end while the other still runs."""
-    a = start(*first)
+    a = start_lagging(*first)
     time.sleep(gap_s)
-    b = start(*second)
+    b = start_lagging(*second)
     try:
         deadline = time.monotonic() + RUN_TIMEOUT_S
         while a.poll() is None and b.poll() is None and time.monotonic() < deadline:
@@ -78,11 +81,10 @@ def race(first: list[str], second: list[str], gap_s: float) -> tuple[subprocess.
 
 @pytest.mark.parametrize("gap_s", [0.1, 0.3])
 def test_of_two_launches_started_together_on_one_data_directory_the_second_is_refused_at_once(tmp_path, gap_s):
-    data, config = str(tmp_path / "data"), tmp_path / "slow.toml"
-    config.write_text(SLOW)
+    data = str(tmp_path / "data")
     reports = [str(tmp_path / "a.json"), str(tmp_path / "b.json")]
-    refused, ran = race(*(["launch", "--items", str(ITEMS), "--config", str(config), "--data-dir", data,
-                           "--report", report] for report in reports), gap_s=gap_s)
+    refused, ran = race(*(["launch", "--items", str(ITEMS), "--data-dir", data, "--report", report]
+                          for report in reports), gap_s=gap_s)
     assert refused.returncode == 1
     line = one_line_error(refused.stderr)
     assert f"another run is using the data directory {data}: pid " in line and "launch.lock" in line
@@ -97,10 +99,10 @@ def test_a_run_batch_started_on_a_job_in_progress_is_refused_and_the_job_complet
     from tools.tiny_llama import build
 
     model = str(build(tmp_path / "tiny-llama"))
-    records = example_requests(400, "tiny-llama")
+    records = example_requests(REQUESTS, "tiny-llama")
     source, out, config = tmp_path / "requests.jsonl", tmp_path / "out.jsonl", tmp_path / "slow.toml"
     source.write_text("".join(json.dumps(r) + "\n" for r in records))
-    config.write_text("[engine_options]\ncost_s_per_padded_token = 2e-5\n")
+    config.write_text("[engine_options]\ncost_s_per_padded_token = 1e-3\n")
     command = ["run-batch", "--engine", "sim", "-i", str(source), "-o", str(out), "--model", model,
                "--config", str(config)]
     refused, ran = race(command, command, gap_s=0.2)
