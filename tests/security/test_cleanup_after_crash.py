@@ -68,17 +68,29 @@ def _lock_free(data: str) -> bool:
 
 
 def kill_tree(process: subprocess.Popen) -> None:
-    """SIGKILL a command and every process under it."""
+    """SIGKILL a command and every process under it, all stopped first: a child that saw its
+    parent die first would get its PDEATHSIG (SIGTERM) and begin a graceful stop, removing
+    what a crash leaves (seen: a broker that unlinked its descriptor rings and socket)."""
     try:
         tree = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
     except psutil.NoSuchProcess:
         tree = []
-    for member in tree:
-        try:
-            member.kill()
-        except psutil.NoSuchProcess:
-            pass
+    for action in ("suspend", "kill"):
+        for member in tree:
+            try:
+                getattr(member, action)()
+            except psutil.NoSuchProcess:
+                pass
     process.wait()
+    wait_for(lambda: all(_dead(member) for member in tree), 30, "the killed processes to exit")
+
+
+def _dead(process: psutil.Process) -> bool:
+    """Gone, or a zombie (its descriptors, locks and mappings are released by then)."""
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
     psutil.wait_procs(tree, timeout=30)
 
 
