@@ -22,7 +22,7 @@ remove the first one's shared-memory objects as leftovers.
 
     data_dir = prepare_data_dir("/data/run1")     # created 0700, or checked; DataDirError
     check_data_dir("/data/run1")                  # a client: checked, never created
-    fd = hold_for_launch("/data/run1")            # DataDirInUseError; os.close(fd) ends it
+    fd = hold_for_launch("/data/run1")            # DataDirInUseError; release_launch(fd)
 """
 
 from __future__ import annotations
@@ -154,12 +154,29 @@ def launch_lock_path(data_dir: str) -> str:
     return os.path.join(data_dir, RUN_DIR, LAUNCH_LOCK_NAME)
 
 
+# The descriptors of the launch locks this process holds. A forked child closes its copies
+# at once, so a lock is the launcher's alone (the pid in it is the holder) and is free the
+# moment the launcher is gone. NOTE: children sharing it, so that a killed launcher's run
+# held the data directory until its last orphan exited, was rejected: a rerun right after
+# a crash was then refused for as long as an orphan lingered, while what the orphans still
+# use is kept anyway (the broker's lock, and a clean-up never removes what a process maps).
+_launch_holds: set[int] = set()
+
+
+def _drop_inherited_holds() -> None:
+    for fd in _launch_holds:
+        os.close(fd)
+    _launch_holds.clear()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_holds)
+
+
 def hold_for_launch(data_dir: str) -> int:
     """Take the data directory for one launcher's run: an exclusive, non-blocking flock on
-    run/launch.lock, with this pid written in it. Returns its descriptor: closing it ends
-    the hold. Processes forked meanwhile share it, so a run holds the data directory until
-    its last process exits (a killed launcher's children stop on their own). Refuses at
-    once (DataDirInUseError, naming the pid that holds it) when another run holds it."""
+    run/launch.lock, with this pid written in it. Returns its descriptor, for
+    `release_launch`. Refuses at once (DataDirInUseError, naming the pid that holds it) when
+    another run holds it."""
     path = launch_lock_path(data_dir)
     os.makedirs(os.path.dirname(path), mode=DIRECTORY_MODE, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
@@ -172,9 +189,16 @@ def hold_for_launch(data_dir: str) -> int:
             raise
         raise DataDirInUseError(f"another run is using the data directory {data_dir}: {describe_holder(holder)} "
                                 f"holds {path}; wait for it to end, or use another --data-dir") from None
+    _launch_holds.add(fd)
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
+
+
+def release_launch(fd: int) -> None:
+    """End a hold `hold_for_launch` took."""
+    _launch_holds.discard(fd)
+    os.close(fd)
 
 
 def lock_holder(path: str) -> str | None:
@@ -198,17 +222,8 @@ def lock_holder(path: str) -> str | None:
 
 
 def describe_holder(holder: str) -> str:
-    """'pid 12' for a lock's holder, saying when that process is gone (the run's other
-    processes, which share its lock, are still stopping)."""
-    if not holder.isdigit():
-        return "a process (its pid not written yet)"
-    try:
-        os.kill(int(holder), 0)
-    except ProcessLookupError:
-        return f"pid {holder} (gone; the processes of its run are still stopping)"
-    except PermissionError:
-        pass  # another user's process: alive
-    return f"pid {holder}"
+    """'pid 12' for a lock's holder as its file says ('a process' before it is written)."""
+    return f"pid {holder}" if holder.isdigit() else "a process (its pid not written yet)"
 
 
 def _pid_in(fd: int) -> str:

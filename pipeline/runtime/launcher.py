@@ -53,6 +53,7 @@ import psutil
 from pipeline.consumer.process import ConsumerConfig
 from pipeline.producer.workload import Workload
 from pipeline.reporting.accounting import Stock, summarize_results, take_stock
+from pipeline.runtime.datadir import release_launch
 from pipeline.runtime.gpus import detect_gpus
 from pipeline.runtime.inventory import (
     ProducerLedger,
@@ -305,7 +306,7 @@ class Launcher:
         try:
             return self._run()
         finally:
-            os.close(held)
+            release_launch(held)
 
     def _run(self) -> LaunchOutcome:
         self.interrupts = Interrupts.install()

@@ -21,7 +21,7 @@ from pipeline.broker.storage.segment import disk_reserve_bytes
 from pipeline.consumer.process import ConsumerConfig
 from pipeline.producer.producer import DEFAULT_RING_CAPACITY_BYTES
 from pipeline.runtime.cleanup import apply_cleanup, held_broker_lock, plan_cleanup
-from pipeline.runtime.datadir import hold_for_launch
+from pipeline.runtime.datadir import hold_for_launch, release_launch
 from pipeline.runtime.processes import serve_broker, serve_consumer
 from pipeline.wire.errors import DataDirError, DataDirInUseError, LiveRunError, ShmSpaceError
 from shm.objects import DEV_SHM, RAISE_HINT, SEMAPHORE_FOOTPRINT_BYTES, shm_space
@@ -220,8 +220,8 @@ def check_shm_space(needs: ShmNeeds) -> None:
 def claim_data_dir(data_dir: str, needs: ShmNeeds) -> int:
     """Before a launcher starts anything: hold `data_dir` for its run (`hold_for_launch`),
     refuse it if a broker already serves it (a staged one: a launch starts its own), and
-    check that /dev/shm holds what the run needs. The lock's descriptor (closing it ends
-    the hold); DataDirInUseError or ShmSpaceError, with nothing started or removed."""
+    check that /dev/shm holds what the run needs. The lock's descriptor (`release_launch`
+    ends the hold); DataDirInUseError or ShmSpaceError, with nothing started or removed."""
     fd = hold_for_launch(data_dir)
     try:
         with held_broker_lock(data_dir, f"a launch starts a broker of its own; feed that one with `pipeline produce "
@@ -230,6 +230,6 @@ def claim_data_dir(data_dir: str, needs: ShmNeeds) -> int:
             pass
         check_shm_space(needs)
     except BaseException:
-        os.close(fd)
+        release_launch(fd)
         raise
     return fd

@@ -20,11 +20,11 @@ import pytest
 
 from pipeline.runtime.datadir import (
     check_data_dir,
-    describe_holder,
     hold_for_launch,
     launch_lock_path,
     lock_holder,
     prepare_data_dir,
+    release_launch,
 )
 from pipeline.wire.errors import DataDirError, DataDirInUseError
 from tests.runtime.test_launch import ROOT, RUN_TIMEOUT_S
@@ -253,14 +253,24 @@ def test_one_launch_at_a_time_holds_a_data_directory_and_a_second_is_told_who(tm
             hold_for_launch(data)
         assert lock_holder(launch_lock_path(data)) == str(os.getpid())  # the refused one changed nothing
     finally:
-        os.close(held)
+        release_launch(held)
     assert lock_holder(launch_lock_path(data)) is None
-    os.close(hold_for_launch(data))  # free again
+    release_launch(hold_for_launch(data))  # free again
 
 
-def test_the_holder_of_a_lock_is_described_as_gone_once_its_process_is():
-    child = subprocess.Popen(["true"])
-    child.wait()
-    assert describe_holder(str(child.pid)) == f"pid {child.pid} (gone; the processes of its run are still stopping)"
-    assert describe_holder(str(os.getpid())) == f"pid {os.getpid()}"
-    assert describe_holder("unknown") == "a process (its pid not written yet)"
+def _wait(event) -> None:
+    event.wait(30)
+
+
+def test_a_launch_hold_is_the_launchers_alone_not_its_forked_childrens(tmp_path, ctx):
+    data = str(tmp_path / "data")
+    held = hold_for_launch(data)
+    done = ctx.Event()
+    child = ctx.Process(target=_wait, args=(done,))
+    child.start()
+    try:
+        release_launch(held)
+        assert child.is_alive() and lock_holder(launch_lock_path(data)) is None  # the child never held it
+    finally:
+        done.set()
+        child.join(30)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from pipeline.runtime.datadir import hold_for_launch
+from pipeline.runtime.datadir import hold_for_launch, release_launch
 from tests.consumer.tmpfs import with_small_dev_shm
 from tests.runtime.runs import free_port, shm_objects_of, wait_for
 
@@ -100,7 +100,7 @@ def test_no_broker_starts_on_the_data_directory_of_a_launch_in_progress(tmp_path
         assert done.returncode == 1 and f"a run is in progress on {data} (pid {os.getpid()}," in done.stderr
         assert not os.path.exists(os.path.join(data, "run", "broker.lock"))
     finally:
-        os.close(held)
+        release_launch(held)
 
 
 def test_a_produce_that_dev_shm_cannot_hold_is_refused_before_a_producer_starts(tmp_path):

@@ -21,7 +21,7 @@ from pipeline.broker.config import BrokerConfig
 from pipeline.producer.client import BrokerProducer
 from pipeline.runtime.cleanup import apply_cleanup, held_run_lock, plan_cleanup
 from pipeline.runtime.daemon import read_pid
-from pipeline.runtime.datadir import hold_for_launch
+from pipeline.runtime.datadir import hold_for_launch, release_launch
 from pipeline.runtime.inventory import producer_ring_names, ring_stock
 from pipeline.wire.client import broker_status
 from pipeline.wire.errors import DataDirError, LiveRunError
@@ -257,7 +257,7 @@ def test_cleanup_refuses_while_a_launch_holds_the_data_directory(tmp_path):
         assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
         assert f"a run is in progress on {data} (pid {os.getpid()}, a `pipeline launch` or `run-batch`" in done.stderr
     finally:
-        os.close(held)
+        release_launch(held)
     assert cleanup(data, "--yes").returncode == 0
 
 
