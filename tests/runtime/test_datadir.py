@@ -258,17 +258,19 @@ def test_one_launch_at_a_time_holds_a_data_directory_and_a_second_is_told_who(tm
     release_launch(hold_for_launch(data))  # free again
 
 
-def _wait(event) -> None:
-    event.wait(30)
+def _wait(running, done) -> None:
+    running.set()  # after the fork's hooks: the child has closed what it must by now
+    done.wait(30)
 
 
 def test_a_launch_hold_is_the_launchers_alone_not_its_forked_childrens(tmp_path, ctx):
     data = str(tmp_path / "data")
     held = hold_for_launch(data)
-    done = ctx.Event()
-    child = ctx.Process(target=_wait, args=(done,))
+    running, done = ctx.Event(), ctx.Event()
+    child = ctx.Process(target=_wait, args=(running, done))
     child.start()
     try:
+        assert running.wait(30)
         release_launch(held)
         assert child.is_alive() and lock_holder(launch_lock_path(data)) is None  # the child never held it
     finally:
