@@ -10,6 +10,7 @@ from shm.errors import (
     RingClosedError,
     RingTimeoutError,
     ShmError,
+    ShmSpaceError,
     StaleObjectError,
 )
 
@@ -20,5 +21,6 @@ __all__ = [
     "RingClosedError",
     "RingTimeoutError",
     "ShmError",
+    "ShmSpaceError",
     "StaleObjectError",
 ]

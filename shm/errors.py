@@ -7,6 +7,8 @@ offending value.
 
 from __future__ import annotations
 
+import errno
+
 
 class ShmError(Exception):
     """Base of every error from `shm/`."""
@@ -38,3 +40,14 @@ class ObjectExistsError(ShmError, FileExistsError):
 
 class ObjectMissingError(ShmError, FileNotFoundError):
     """`attach` found no object of that name."""
+
+
+class ShmSpaceError(ShmError, OSError):
+    """/dev/shm has no room for what is being created (ENOSPC): an object, at its creation,
+    or a run, before it starts. The message names what, its size, and what is free. Its
+    pages are reserved at creation, so a shortage is this error then and never a SIGBUS
+    on a later write."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.errno = errno.ENOSPC

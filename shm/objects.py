@@ -6,6 +6,7 @@ leftover from a crashed run is found by name and checked before anything reads i
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import re
@@ -13,7 +14,7 @@ import stat
 
 import posix_ipc
 
-from shm.errors import ObjectExistsError, ObjectMissingError, ShmError, StaleObjectError
+from shm.errors import ObjectExistsError, ObjectMissingError, ShmError, ShmSpaceError, StaleObjectError
 
 # Owner read/write only: SPEC §7, every shared-memory object is created owner-only.
 OWNER_ONLY_MODE = 0o600
@@ -25,6 +26,14 @@ _NAME_RE = re.compile(r"^/[A-Za-z0-9_.\-]+$")
 # leading '/'): the one place that knows it.
 DEV_SHM = "/dev/shm"
 _SEMAPHORE_FILE_PREFIX = "sem."
+# What an object takes in /dev/shm (tmpfs counts whole pages): a shared-memory object its
+# size rounded up to pages; a named semaphore one page (sem_open writes a 32-byte sem_t).
+PAGE_BYTES = mmap.PAGESIZE
+SEMAPHORE_FOOTPRINT_BYTES = PAGE_BYTES
+# errno values that mean "no room": a full tmpfs, or a tmpfs quota.
+_NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# Where /dev/shm's size is set, for the messages of a shortage.
+RAISE_HINT = "`docker run --shm-size=...`, or as root `mount -o remount,size=... /dev/shm`"
 
 
 def object_name(prefix: str, run_id: str, role: str) -> str:
@@ -53,10 +62,39 @@ def create_shared_memory(name: str, size_bytes: int) -> tuple[mmap.mmap, int]:
         # fchmod too: the creation mode is filtered by the umask, which may be stricter but never
         # looser, and we want the mode stated, not inherited.
         os.fchmod(shm.fd, OWNER_ONLY_MODE)
+        _reserve(name, shm.fd, size_bytes)
         mapping = mmap.mmap(shm.fd, size_bytes)
         return mapping, os.fstat(shm.fd).st_ino
+    except BaseException:
+        unlink_quietly([name], [])  # made here, with O_EXCL: ours to remove, and half made
+        raise
     finally:
         shm.close_fd()
+
+
+def _reserve(name: str, fd: int, size_bytes: int) -> None:
+    """Allocate every page of a new object now. ftruncate alone makes it sparse on tmpfs: a
+    full /dev/shm would show up later as SIGBUS on the first write to a page it cannot back,
+    in whichever process writes it. ShmSpaceError (the object, its size, what is free)."""
+    try:
+        os.posix_fallocate(fd, 0, size_bytes)
+    except OSError as exc:
+        if exc.errno not in _NO_SPACE_ERRNOS:
+            raise
+        free, total = shm_space()
+        raise ShmSpaceError(f"{DEV_SHM} has no room for shared-memory object {name} of {size_bytes:,} bytes: "
+                            f"{free:,} of its {total:,} bytes are free; raise its size ({RAISE_HINT})") from exc
+
+
+def shm_space() -> tuple[int, int]:
+    """(free, total) bytes of the file system of /dev/shm."""
+    info = os.statvfs(DEV_SHM)
+    return info.f_bavail * info.f_frsize, info.f_blocks * info.f_frsize
+
+
+def object_footprint_bytes(size_bytes: int) -> int:
+    """What a shared-memory object of `size_bytes` takes in /dev/shm: whole pages."""
+    return -(-size_bytes // PAGE_BYTES) * PAGE_BYTES
 
 
 def attach_shared_memory(name: str) -> tuple[mmap.mmap, int]:
@@ -97,6 +135,12 @@ def open_semaphore(name: str, create: bool) -> posix_ipc.Semaphore:
         raise kind(f"semaphore {name}: {exc}") from exc
     except posix_ipc.PermissionsError as exc:  # another user's semaphore under our name
         raise StaleObjectError(f"semaphore {name} is not ours: no permission to open it ({exc})") from exc
+    except OSError as exc:  # sem_open writes its sem_t: a full /dev/shm refuses it
+        if not create or exc.errno not in _NO_SPACE_ERRNOS:
+            raise
+        free, total = shm_space()
+        raise ShmSpaceError(f"{DEV_SHM} has no room for semaphore {name} ({SEMAPHORE_FOOTPRINT_BYTES:,} bytes): "
+                            f"{free:,} of its {total:,} bytes are free; raise its size ({RAISE_HINT})") from exc
     # /dev/shm is sticky, so nobody else can replace our file; unless we (or root) unlinked
     # and someone recreated it between the check and the open. Checked again: same file.
     try:

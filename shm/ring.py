@@ -49,9 +49,11 @@ from shm.errors import (
 )
 from shm.layout import checked_dtype, field_offset, struct_for
 from shm.objects import (
+    SEMAPHORE_FOOTPRINT_BYTES,
     Doorbell,
     attach_shared_memory,
     create_shared_memory,
+    object_footprint_bytes,
     object_path,
     open_semaphore,
     unlink_quietly,
@@ -190,6 +192,12 @@ def _sem_names(name: str) -> tuple[str, str]:
     return f"{name}.d", f"{name}.s"
 
 
+def ring_footprint_bytes(capacity_bytes: int) -> int:
+    """What a ring of `capacity_bytes` takes in /dev/shm: its object (header and data, all
+    reserved at creation) and its two semaphores (`_sem_names`)."""
+    return object_footprint_bytes(HEADER_SIZE_BYTES + capacity_bytes) + 2 * SEMAPHORE_FOOTPRINT_BYTES
+
+
 def _wake(sem: posix_ipc.Semaphore) -> None:
     # Post only when no wake-up is pending, so the count stays bounded (module docstring).
     if sem.value == 0:
@@ -292,16 +300,16 @@ class SharedRing:
                 f"ring capacity {capacity_bytes} must be a power of two in "
                 f"[{MIN_CAPACITY_BYTES}, {MAX_CAPACITY_BYTES}]"
             )
-        mapping, _ = create_shared_memory(name, HEADER_SIZE_BYTES + capacity_bytes)
+        bell = (doorbell or "").encode()
+        if len(bell) > RING_HEADER_DTYPE.fields["doorbell"][0].itemsize:
+            raise ValueError(f"doorbell name {doorbell!r} is longer than the header field")
+        mapping, _ = create_shared_memory(name, HEADER_SIZE_BYTES + capacity_bytes)  # every page reserved
         # Touch every page now: a page's first write costs a fault (about 1 GB/s against
         # 8-9 GB/s for a page already mapped), which would otherwise land on the first lap
         # of the hot path. 64 MiB takes about 10 ms.
         zeros = np.frombuffer(mapping, dtype=np.uint8)
         zeros.fill(0)
         del zeros
-        bell = (doorbell or "").encode()
-        if len(bell) > RING_HEADER_DTYPE.fields["doorbell"][0].itemsize:
-            raise ValueError(f"doorbell name {doorbell!r} is longer than the header field")
         mapping[_OFF_DOORBELL:_OFF_DOORBELL + len(bell)] = bell
         # Identity last: an attacher that finds the magic finds the rest written.
         _INIT.pack_into(

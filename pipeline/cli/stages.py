@@ -30,7 +30,13 @@ from pipeline.cli.launch import (
 )
 from pipeline.consumer.engines import ENGINES
 from pipeline.runtime import daemon
-from pipeline.runtime.datadir import check_data_dir, prepare_data_dir
+from pipeline.runtime.datadir import (
+    check_data_dir,
+    describe_holder,
+    launch_lock_path,
+    lock_holder,
+    prepare_data_dir,
+)
 from pipeline.runtime.processes import DURABILITY_LEVELS, STORAGE_KINDS
 from pipeline.runtime.settings import (
     DEFAULT_MAX_BATCH_ITEMS,
@@ -131,6 +137,11 @@ def broker_start(data_dir: str, storage: str, durability: str, heartbeat_timeout
     config = broker_config(data_dir, table, "the command line")  # SettingsError: one line (cli.py)
     metrics_token_file = _checked_token_file(metrics_token_file, metrics_port)
     prepare_data_dir(data_dir)  # created owner-only, or refused if another user could change it
+    launcher = lock_holder(launch_lock_path(data_dir))
+    if launcher is not None:  # its broker may be starting: this one would take its place
+        raise click.ClickException(f"a run is in progress on {data_dir} ({describe_holder(launcher)}, a `pipeline "
+                                   f"launch` or `run-batch`, holds {launch_lock_path(data_dir)}): it runs a broker "
+                                   f"of its own; use another --data-dir")
     files = _refuse_if_running("broker", data_dir)
     if detach:
         argv = ["broker", "start", "--data-dir", data_dir, "--storage", storage, "--durability", durability,
@@ -291,6 +302,7 @@ def produce(workload_file: str, data_dir: str, producers: int, items: int | None
     broker stores once it can: nothing submitted is lost."""
     from pipeline.producer.workload import load_workload
     from pipeline.runtime.launcher import feed_processes
+    from pipeline.runtime.local import ShmNeeds, check_shm_space
 
     check_data_dir(data_dir)
     config = BrokerConfig(data_dir)
@@ -298,6 +310,7 @@ def produce(workload_file: str, data_dir: str, producers: int, items: int | None
     setup_logging(False)  # a producer's failure is said on stderr
     if not _broker_answers(config.socket_path):
         raise click.ClickException(f"no broker answers on {config.socket_path}: start one first")
+    check_shm_space(ShmNeeds(producers, doorbells=0))  # the broker's objects exist: only the rings are new
     try:
         workload = load_workload(workload_file)
     except BadInputError as exc:

@@ -192,9 +192,10 @@ def _print_analysis(result: dict) -> None:
 def cleanup_command(data_dir: str, yes: bool, discard_unstored: bool, as_json: bool) -> None:
     """What a crashed run of DATA_DIR left: its rings, semaphores and memory tier in
     /dev/shm, stale pid files and a socket nobody listens on; listed, and removed with
-    --yes. Nothing of a live run (refused while a broker holds the data directory's lock,
-    and whatever a live process still maps), of another data directory or of another user
-    is touched, nor a ring holding items never stored (unless --discard-unstored)."""
+    --yes. Nothing of a live run (refused while a broker or a launch holds the data
+    directory, and whatever a live process still maps), of another data directory or of
+    another user is touched, nor a ring holding items never stored (unless
+    --discard-unstored)."""
     from pipeline.runtime.cleanup import apply_cleanup, held_run_lock, plan_cleanup
 
     with held_run_lock(data_dir):

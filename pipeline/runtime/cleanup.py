@@ -11,12 +11,13 @@ A broker, producer or consumer killed with SIGKILL cannot unlink what it made. L
         pid files of stage processes that are gone (broker.pid, consumer-NAME.pid, and a
         pid file's temporary NAME.pid.PID.tmp), the broker socket nobody listens on
 
-and nothing else is touched: not the store, the results, the logs, the lock file, nor
+and nothing else is touched: not the store, the results, the logs, the lock files, nor
 anything of another data directory (another namespace) or of another user.
 
 Kept, and said why:
-- everything, while a broker runs on the data directory (it holds run/broker.lock): the
-  cleanup refuses (LiveRunError). It holds that lock itself while it looks and removes, so
+- everything, while a broker runs on the data directory (it holds run/broker.lock), or a
+  launcher does (run/launch.lock: its broker may be starting or just stopped): the cleanup
+  refuses (LiveRunError). It holds the broker's lock itself while it looks and removes, so
   no broker starts meanwhile;
 - what a live process still maps (a producer waiting for a broker maps its ring and the
   doorbell; a consumer its old descriptor ring and segment files), and the pid file of a
@@ -30,6 +31,10 @@ Kept, and said why:
 
     plan = plan_cleanup(data_dir)         # inside held_run_lock(data_dir)
     removed = apply_cleanup(plan)
+
+A launcher's clean-up after its run (`pipeline.runtime.local.remove_leftovers`) is this
+same plan, inside `held_broker_lock` (the launcher holds run/launch.lock itself), with the
+rings it keeps for the next broker named.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ from pipeline.broker.config import SOCKET_NAME, BrokerConfig
 from pipeline.broker.peers import NAMESPACE_FILE, namespace_for, object_prefix
 from pipeline.broker.state import LOCK_NAME
 from pipeline.runtime import daemon
-from pipeline.runtime.datadir import check_data_dir
+from pipeline.runtime.datadir import check_data_dir, describe_holder, launch_lock_path, lock_holder
 from pipeline.runtime.inventory import ring_stock
 from pipeline.wire.errors import DataDirError, LiveRunError
 from pipeline.wire.layouts import BROKER_STATE_NAME
@@ -89,11 +94,26 @@ class CleanupPlan:
 
 @contextmanager
 def held_run_lock(data_dir: str) -> Iterator[None]:
-    """Hold the data directory's broker lock for the block: LiveRunError if a broker holds
-    it (its pid said). No lock file (no broker ever ran there): nothing to hold; the file is
-    never created here (the cleanup makes nothing). DataDirError first for a path that is
-    not a data directory of ours (`plan_cleanup`'s check)."""
+    """`pipeline tools cleanup`'s hold of a data directory: DataDirError first for a path
+    that is not a data directory of ours (`plan_cleanup`'s check), LiveRunError if a
+    launcher holds it (its pid said), then `held_broker_lock` for the block."""
     _check_is_data_dir(data_dir)
+    launcher = lock_holder(launch_lock_path(data_dir))
+    if launcher is not None:
+        raise LiveRunError(f"a run is in progress on {data_dir} ({describe_holder(launcher)}, a `pipeline launch` or "
+                           f"`run-batch`, holds {launch_lock_path(data_dir)}): cleanup touches nothing of a live run; "
+                           f"it removes what it leaves itself when it ends (Ctrl-C stops it)")
+    with held_broker_lock(data_dir, f"cleanup touches nothing of a live run; stop it first (`pipeline broker stop "
+                                    f"--data-dir {data_dir}`, or end its launch)"):
+        yield
+
+
+@contextmanager
+def held_broker_lock(data_dir: str, refusal: str, error: type[LiveRunError] = LiveRunError) -> Iterator[None]:
+    """Hold the data directory's broker lock for the block, so no broker starts meanwhile:
+    `error` naming the data directory, the pid holding the lock and `refusal` (what is not
+    done, and what to do) if a broker holds it. No lock file (no broker ever ran there):
+    nothing to hold; the file is never created here (a cleanup makes nothing)."""
     path = os.path.join(BrokerConfig(data_dir).run_dir, LOCK_NAME)
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
@@ -107,24 +127,26 @@ def held_run_lock(data_dir: str) -> Iterator[None]:
             if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
                 raise
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            raise LiveRunError(f"a broker is running on {data_dir} (pid {holder} holds {path}): cleanup touches "
-                               f"nothing of a live run; stop it first (`pipeline broker stop --data-dir "
-                               f"{data_dir}`, or end its launch)") from exc
+            raise error(f"a broker is running on {data_dir} ({describe_holder(holder)} holds {path}): "
+                        f"{refusal}") from exc
         yield
     finally:
         os.close(fd)  # closing releases the lock
 
 
-def plan_cleanup(data_dir: str, discard_unstored: bool = False) -> CleanupPlan:
+def plan_cleanup(data_dir: str, discard_unstored: bool = False,
+                 keep_rings: frozenset[str] = frozenset()) -> CleanupPlan:
     """Everything a stopped or crashed run of `data_dir` left (module docstring), sorted into
-    remove and keep. Call it holding `held_run_lock`. DataDirError for a path that is not a
-    data directory, or one another user could change (it decides what gets removed)."""
+    remove and keep; the rings named in `keep_rings` (the caller keeps them for the next
+    broker) and their semaphores are kept whatever they hold. Call it holding
+    `held_run_lock` (or `held_broker_lock`). DataDirError for a path that is not a data
+    directory, or one another user could change (it decides what gets removed)."""
     _check_is_data_dir(data_dir)
     prefix = object_prefix(namespace_for(data_dir))
     plan = CleanupPlan(os.path.realpath(data_dir), prefix)
     in_use = processes_mapping(prefix)
     shared, semaphores = named_objects(prefix)
-    kept_rings = _plan_shared_memory(plan, shared, in_use, discard_unstored)
+    kept_rings = _plan_shared_memory(plan, shared, in_use, discard_unstored, keep_rings)
     _plan_semaphores(plan, semaphores, in_use, kept_rings)
     _plan_memory_tier(plan, in_use)
     _plan_run_dir(plan, BrokerConfig(data_dir).run_dir)
@@ -161,14 +183,16 @@ def _users(in_use: dict[str, set[int]], path: str) -> str:
 
 
 def _plan_shared_memory(plan: CleanupPlan, shared: list[str], in_use: dict[str, set[int]],
-                        discard_unstored: bool) -> set[str]:
+                        discard_unstored: bool, keep_rings: frozenset[str]) -> set[str]:
     """Rings and other shared-memory objects; returns the names of the rings kept (their
     semaphores stay with them)."""
     kept: set[str] = set()
     for name in shared:
         path = object_path(name)
         kind, why = _ring_kind(plan.prefix, name), ""
-        reason = _not_ours(path) or _users(in_use, path)
+        reason = _not_ours(path) or _users(in_use, path) or (
+            "kept for the next broker on this data directory: it holds records the broker has not stored"
+            if name in keep_rings else "")
         if not reason and kind == "producer ring":
             reason, why = _unstored(name, discard_unstored)
         if reason:

@@ -15,16 +15,25 @@ directory it cannot trust before reading or writing anything there:
 Everything the product creates is owner-only whatever the umask: `owner_only_umask()` at
 each entry point, and explicit modes where files are created.
 
+One run at a time: a launcher (`pipeline launch`, `run-batch`) holds run/launch.lock for
+its whole run, beside the broker's run/broker.lock. A second launcher on the same data
+directory would otherwise start while the first runs and, once its own broker was refused,
+remove the first one's shared-memory objects as leftovers.
+
     data_dir = prepare_data_dir("/data/run1")     # created 0700, or checked; DataDirError
     check_data_dir("/data/run1")                  # a client: checked, never created
+    fd = hold_for_launch("/data/run1")            # DataDirInUseError; release_launch(fd)
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import stat
 
-from pipeline.wire.errors import DataDirError
+from pipeline.broker.config import RUN_DIR
+from pipeline.wire.errors import DataDirError, DataDirInUseError
 
 # Directories of a data directory: owner-only (SPEC §7, §12; files are made 0600 where made).
 DIRECTORY_MODE = 0o700
@@ -33,7 +42,9 @@ OWNER_ONLY_UMASK = 0o077
 # Permission bits that let another user change a directory's entries.
 _WRITABLE_BY_OTHERS = stat.S_IWGRP | stat.S_IWOTH
 # Directories inside a data directory that clients look at (the broker checks the whole tree).
-CLIENT_CHECKED = ("run", "results")
+CLIENT_CHECKED = (RUN_DIR, "results")
+# In the run directory: held by a launcher for its whole run (module docstring).
+LAUNCH_LOCK_NAME = "launch.lock"
 
 
 def owner_only_umask() -> None:
@@ -137,3 +148,83 @@ def _lstat(path: str) -> os.stat_result:
         return os.lstat(path)
     except OSError as exc:
         raise DataDirError(f"cannot check {path}: {exc.strerror}") from exc
+
+
+def launch_lock_path(data_dir: str) -> str:
+    return os.path.join(data_dir, RUN_DIR, LAUNCH_LOCK_NAME)
+
+
+# The descriptors of the launch locks this process holds. A forked child closes its copies
+# at once, so a lock is the launcher's alone (the pid in it is the holder) and is free the
+# moment the launcher is gone. NOTE: children sharing it, so that a killed launcher's run
+# held the data directory until its last orphan exited, was rejected: a rerun right after
+# a crash was then refused for as long as an orphan lingered, while what the orphans still
+# use is kept anyway (the broker's lock, and a clean-up never removes what a process maps).
+_launch_holds: set[int] = set()
+
+
+def _drop_inherited_holds() -> None:
+    for fd in _launch_holds:
+        os.close(fd)
+    _launch_holds.clear()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_holds)
+
+
+def hold_for_launch(data_dir: str) -> int:
+    """Take the data directory for one launcher's run: an exclusive, non-blocking flock on
+    run/launch.lock, with this pid written in it. Returns its descriptor, for
+    `release_launch`. Refuses at once (DataDirInUseError, naming the pid that holds it) when
+    another run holds it."""
+    path = launch_lock_path(data_dir)
+    os.makedirs(os.path.dirname(path), mode=DIRECTORY_MODE, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        holder = _pid_in(fd)
+        os.close(fd)
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise
+        raise DataDirInUseError(f"another run is using the data directory {data_dir}: {describe_holder(holder)} "
+                                f"holds {path}; wait for it to end, or use another --data-dir") from None
+    _launch_holds.add(fd)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def release_launch(fd: int) -> None:
+    """End a hold `hold_for_launch` took."""
+    _launch_holds.discard(fd)
+    os.close(fd)
+
+
+def lock_holder(path: str) -> str | None:
+    """Who holds the flock on `path`: the pid written in it ("unknown" before it is written),
+    or None when nobody does or there is no such file (it is never created here). Another
+    process's view: a lock this process holds reads as held."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+            return _pid_in(fd)
+        return None
+    finally:
+        os.close(fd)  # closing releases a shared lock taken above
+
+
+def describe_holder(holder: str) -> str:
+    """'pid 12' for a lock's holder as its file says ('a process' before it is written)."""
+    return f"pid {holder}" if holder.isdigit() else "a process (its pid not written yet)"
+
+
+def _pid_in(fd: int) -> str:
+    return os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"

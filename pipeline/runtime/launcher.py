@@ -19,6 +19,11 @@ What a run does, in order:
        store or in a producer ring, or counted lost;
     7. the report: the broker's final counters, the results files and the stock.
 
+Before any of it the launcher takes the data directory for the whole run (run/launch.lock)
+and checks that /dev/shm holds what the run creates there: a second launch on the data
+directory, one on a data directory a broker already serves, and one /dev/shm cannot hold
+are refused at once, with nothing started and nothing removed.
+
 Ctrl-C (SIGINT) reaches only this process (children run in their own process groups): the
 first one stops the run in the order above and still prints the report of what was done; a
 second one kills every child. Either way no process is left, and no shared-memory object
@@ -49,6 +54,7 @@ import psutil
 from pipeline.consumer.process import ConsumerConfig
 from pipeline.producer.workload import Workload
 from pipeline.reporting.accounting import ResultsSummary, Stock, summarize_results, take_stock
+from pipeline.runtime.datadir import release_launch
 from pipeline.runtime.gpus import detect_gpus
 from pipeline.runtime.inventory import (
     ProducerLedger,
@@ -61,6 +67,8 @@ from pipeline.runtime.inventory import (
 from pipeline.runtime.local import (
     CTX,
     STOP_POLL_S,
+    ShmNeeds,
+    claim_data_dir,
     own_process_group,
     remove_leftovers,
     start_broker,
@@ -323,6 +331,19 @@ class Launcher:
         self._done_before = np.zeros(0, dtype=np.uint64)
 
     def run(self) -> LaunchOutcome:
+        """The run, holding the data directory throughout: refused at once, with nothing
+        started or removed, when another run or a broker holds it or /dev/shm cannot hold
+        the run (`claim_data_dir`)."""
+        os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
+        needs = ShmNeeds(self.settings.producers, self.consumer_count, self.config.descriptor_ring_bytes,
+                         memory_tier=self.settings.storage == "memory")
+        held = claim_data_dir(self.data_dir, needs)
+        try:
+            return self._run()
+        finally:
+            release_launch(held)
+
+    def _run(self) -> LaunchOutcome:
         self.interrupts = Interrupts.install()
         stop = self.interrupts.stopping
         started_s = time.monotonic()
@@ -346,7 +367,6 @@ class Launcher:
 
     def _start(self) -> None:
         s = self.settings
-        os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
         self.taken_over = self._earlier_work()
         self.broker = start_broker(self.config, s.storage, s.durability)
         if s.metrics_port is not None:
@@ -625,9 +645,10 @@ class Launcher:
         self._clean_up(rings, keep_rings=durable and (not self._own_data_dir or self.keep_data_dir))
 
     def _clean_up(self, rings: RingStock, keep_rings: bool) -> None:
-        """Remove what the stopped processes left in /dev/shm, except the producer rings that
-        hold records never stored when the store outlives the run (the next broker on the
-        data directory stores them first); and a memory tier a killed broker left."""
+        """Remove what the stopped processes left in /dev/shm (a memory tier a killed broker
+        left too), except the producer rings that hold records never stored when the store
+        outlives the run (the next broker on the data directory stores them first), and
+        anything a live process uses (`remove_leftovers`)."""
         keep = set(rings.rings_holding) if keep_rings else set()
         left = remove_leftovers(self.data_dir, keep_rings=keep)
         if left:
@@ -635,8 +656,6 @@ class Launcher:
         if keep:
             log.warning("%d producer rings hold records the broker has not stored: they stay for the next "
                         "broker on %s", len(keep), self.data_dir)
-        if self.settings.storage == "memory":
-            shutil.rmtree(memory_tier_dir(self.data_dir), ignore_errors=True)
 
     def cleanup(self) -> None:
         """Remove the temporary data directory (a given one is the user's: it stays), unless

@@ -7,18 +7,27 @@ Processes are forked from the caller, so they share its imports and start in mil
 from __future__ import annotations
 
 import ctypes
+import logging
 import multiprocessing as mp
 import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from pipeline.broker.config import BrokerConfig
-from pipeline.broker.peers import namespace_for, object_prefix
+from pipeline.broker.storage.segment import disk_reserve_bytes
 from pipeline.consumer.process import ConsumerConfig
+from pipeline.producer.producer import DEFAULT_RING_CAPACITY_BYTES
+from pipeline.runtime.cleanup import apply_cleanup, held_broker_lock, plan_cleanup
+from pipeline.runtime.datadir import hold_for_launch, release_launch
 from pipeline.runtime.processes import serve_broker, serve_consumer
-from shm.objects import named_objects, unlink_quietly
+from pipeline.wire.errors import DataDirError, DataDirInUseError, LiveRunError, ShmSpaceError
+from shm.objects import DEV_SHM, RAISE_HINT, SEMAPHORE_FOOTPRINT_BYTES, shm_space
+from shm.ring import ring_footprint_bytes
+
+log = logging.getLogger("pipeline")
 
 CTX = mp.get_context("fork")
 # How long to wait for a new broker's socket to answer.
@@ -120,15 +129,107 @@ def stop_process(process, sig: int = signal.SIGTERM, timeout_s: float = 20.0,
     return process.exitcode
 
 
-def remove_leftovers(data_dir: str, keep_rings: set[str] = frozenset()) -> list[str]:
-    """Unlink the shared-memory objects and semaphores named for `data_dir`'s runs: what a
-    killed broker, producer or consumer could not remove, except the rings named in
-    `keep_rings` (names as for shm_open) and their semaphores. Only for a caller that owns
-    every process of the data directory (the launcher, after stopping them all)."""
-    kept = {"/" + name.lstrip("/") for name in keep_rings}
-    # Not the tmpfs store's directory (its broker removes it); not a ring that holds unstored
-    # records, nor its semaphores (NAME.d, NAME.s); not another user's object under our name.
-    shared, semaphores = named_objects(object_prefix(namespace_for(data_dir)))
-    removed = [name for name in shared if name not in kept and unlink_quietly([name], [])]
-    removed += [name for name in semaphores if name.rsplit(".", 1)[0] not in kept and unlink_quietly([], [name])]
-    return removed
+def remove_leftovers(data_dir: str, keep_rings: Iterable[str] = frozenset()) -> list[str]:
+    """Remove what stopped processes of `data_dir`'s runs left: in /dev/shm its rings,
+    semaphores and memory tier, in run/ stale pid files and a dead socket; every producer
+    ring's unstored records are discarded but those of the rings named in `keep_rings`
+    (names as for shm_open), which stay with their semaphores for the next broker. It is
+    `pipeline tools cleanup`'s plan (pipeline/runtime/cleanup.py), so nothing of a live run
+    goes: nothing at all while a broker holds the data directory's lock (a warning says so),
+    and never what a live process maps (a `pipeline produce` waiting for a broker, a staged
+    consumer). For the process that stopped the data directory's broker (a launcher, a
+    node, a benchmark). Returns the names (the path, for a file) of what it removed."""
+    kept = frozenset("/" + name.lstrip("/") for name in keep_rings)
+    try:
+        with held_broker_lock(data_dir, "nothing of it is removed"):
+            plan = plan_cleanup(data_dir, discard_unstored=True, keep_rings=kept)
+            removed = apply_cleanup(plan)
+    except LiveRunError as exc:
+        log.warning("%s", exc)
+        return []
+    except DataDirError as exc:  # not (or no longer) a data directory: nothing of a run to remove
+        log.info("nothing removed: %s", exc)
+        return []
+    for found in plan.keep:
+        if found.name and found.name.rsplit(".", 1)[0] not in kept:  # a kept ring, or its NAME.d, NAME.s
+            log.warning("left in %s: %s %s: %s", DEV_SHM, found.kind, found.path, found.why)
+    return [found.name or found.path for found in removed]
+
+
+# ---------------------------------------------------------------------- what a run needs
+
+# The memory tier's store lives on /dev/shm too, and stops growing while less than its
+# reserve would stay free there (`disk_reserve_bytes`: 2% of /dev/shm, 1 to 256 MiB). Room
+# it needs above that: the default demo, hundreds of lanes, finished on an 8 MiB disk that
+# held its 1 MiB reserve and 5 MB of results besides (tests/runtime/test_disk_full.py);
+# below it the store spends the run paused for space.
+MEMORY_TIER_WORKING_BYTES = 8 << 20
+_MIB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class ShmNeeds:
+    """What a run creates in /dev/shm: a ring per producer and per consumer, the broker's
+    doorbell (none for producers that join a running broker), and the memory tier's store."""
+
+    producers: int
+    consumers: int = 0
+    descriptor_ring_bytes: int = 0
+    memory_tier: bool = False
+    doorbells: int = 1
+    producer_ring_bytes: int = DEFAULT_RING_CAPACITY_BYTES
+
+    def producer_bytes(self) -> int:
+        return ring_footprint_bytes(self.producer_ring_bytes)
+
+    def store_bytes(self, shm_total_bytes: int) -> int:
+        return disk_reserve_bytes(shm_total_bytes) + MEMORY_TIER_WORKING_BYTES if self.memory_tier else 0
+
+    def total_bytes(self, shm_total_bytes: int, producers: int | None = None) -> int:
+        producers = self.producers if producers is None else producers
+        return (producers * self.producer_bytes() + self.consumers * ring_footprint_bytes(self.descriptor_ring_bytes)
+                + self.doorbells * SEMAPHORE_FOOTPRINT_BYTES + self.store_bytes(shm_total_bytes))
+
+
+def check_shm_space(needs: ShmNeeds) -> None:
+    """Refuse a run that /dev/shm cannot hold, before anything starts (ShmSpaceError: what it
+    needs, what is free, what to raise, or how many producers would fit). Every object is
+    reserved whole at its creation, so a run that passes gets no SIGBUS from a short
+    /dev/shm; one that fills meanwhile still gets ShmSpaceError at the creation."""
+    free, total = shm_space()
+    need = needs.total_bytes(total)
+    if need <= free:
+        return
+    parts = [f"{needs.producers} producer rings of {needs.producer_bytes() / _MIB:.1f} MiB"]
+    if needs.consumers:
+        parts.append(f"{needs.consumers} consumer descriptor rings of "
+                     f"{ring_footprint_bytes(needs.descriptor_ring_bytes) / _MIB:.1f} MiB")
+    if needs.memory_tier:
+        parts.append(f"the memory tier's store (at least {needs.store_bytes(total) / _MIB:.1f} MiB, the 2% of "
+                     f"/dev/shm it leaves free included)")
+    if needs.doorbells:
+        parts.append("the doorbell")
+    size_mib = -(-(total - free + need) // _MIB)
+    fits = max((k for k in range(needs.producers) if needs.total_bytes(total, k) <= free), default=0)
+    lower = f", or lower --producers to {fits}" if fits else ""
+    raise ShmSpaceError(f"{DEV_SHM} has {free / _MIB:.1f} MiB free of {total / _MIB:.1f} MiB, and this run needs "
+                        f"{need / _MIB:.1f} MiB there ({', '.join(parts)}): raise it to at least "
+                        f"{size_mib} MiB ({RAISE_HINT.replace('...', f'{size_mib}m')}){lower}")
+
+
+def claim_data_dir(data_dir: str, needs: ShmNeeds) -> int:
+    """Before a launcher starts anything: hold `data_dir` for its run (`hold_for_launch`),
+    refuse it if a broker already serves it (a staged one: a launch starts its own), and
+    check that /dev/shm holds what the run needs. The lock's descriptor (`release_launch`
+    ends the hold); DataDirInUseError or ShmSpaceError, with nothing started or removed."""
+    fd = hold_for_launch(data_dir)
+    try:
+        with held_broker_lock(data_dir, f"a launch starts a broker of its own; feed that one with `pipeline produce "
+                                        f"FILE --data-dir {data_dir}`, or stop it first (`pipeline broker stop "
+                                        f"--data-dir {data_dir}`)", error=DataDirInUseError):
+            pass
+        check_shm_space(needs)
+    except BaseException:
+        release_launch(fd)
+        raise
+    return fd

@@ -40,7 +40,11 @@ raises one of these, with the offending value, path and byte offset in the messa
     ├── DataDirError                         a data directory (or one of its directories)
     │   │                                    owned by another user or writable by group or
     │   │                                    others: refused, with how to fix it
-    │   └── LiveRunError                     a broker runs on it: `tools cleanup` refuses
+    │   └── LiveRunError                     a live run holds it (its broker or its
+    │       │                                launcher): `tools cleanup` refuses, and no
+    │       │                                clean-up removes anything of it
+    │       └── DataDirInUseError            `launch` or `run-batch` refused at once: another
+    │                                        run or a broker holds it (also RuntimeError)
     ├── ProducerRefusedError                 the broker refused a producer (its reason named);
     │                                        what it published and was not stored is named
     ├── FrameError                           a ring record is not a valid submission frame
@@ -79,7 +83,9 @@ raises one of these, with the offending value, path and byte offset in the messa
                                              already have dropped the data)
 
 The shared-memory errors of `shm/` (which cannot import this package) are re-exported here
-so callers catch everything from one module: `except (PipelineError, ShmError)`.
+so callers catch everything from one module: `except (PipelineError, ShmError)`. Among
+them ShmSpaceError (also OSError, errno ENOSPC): /dev/shm has no room for an object at its
+creation, or for a run before it starts.
 """
 
 from __future__ import annotations
@@ -93,6 +99,7 @@ from shm.errors import (
     RingClosedError,
     RingTimeoutError,
     ShmError,
+    ShmSpaceError,
     StaleObjectError,
 )
 
@@ -217,9 +224,16 @@ class JobPathError(BadInputError):
 
 
 class LiveRunError(DataDirError):
-    """A broker runs on the data directory (it holds run/broker.lock): `pipeline tools
-    cleanup` touches nothing of a live run. The message names the data directory, the pid
-    and how to stop it."""
+    """A live run holds the data directory: a broker (run/broker.lock) or a launcher
+    (run/launch.lock). `pipeline tools cleanup` touches nothing of a live run. The message
+    names the data directory, the pid and how to stop it."""
+
+
+class DataDirInUseError(LiveRunError, RuntimeError):
+    """`pipeline launch` or `run-batch` refused before anything started: another launcher
+    holds the data directory, or a broker serves it. Nothing was read, started or removed.
+    A RuntimeError too, as a broker that cannot start raises (`start_broker`): every caller
+    of a launch already says those in one line."""
 
 
 class ProducerRefusedError(PipelineError):
@@ -379,6 +393,7 @@ __all__ = [
     "ConsumerNameError",
     "ContractError",
     "DataDirError",
+    "DataDirInUseError",
     "DiskFullError",
     "DurabilityError",
     "FileOpError",
@@ -414,6 +429,7 @@ __all__ = [
     "SettingsError",
     "ShapeGuardError",
     "ShmError",
+    "ShmSpaceError",
     "SignatureError",
     "StaleBatchError",
     "StaleObjectError",

@@ -1,4 +1,6 @@
-"""A small real tmpfs for tests of a full results disk: mounted for one test, always unmounted.
+"""A small real tmpfs for tests of a full results disk: mounted for one test, always unmounted;
+and a command run with a small /dev/shm of its own (a private mount namespace: the
+machine's /dev/shm is untouched).
 
 Needs root and a kernel that lets it mount (skips with the reason otherwise).
 """
@@ -57,3 +59,21 @@ def fill(directory: str, leave_bytes: int = 0) -> str:
     finally:
         os.close(fd)
     return path
+
+
+def with_small_dev_shm(size_bytes: int, command: list[str], timeout_s: float, **popen) -> subprocess.CompletedProcess:
+    """Run `command` (stdout and stderr captured as text) in a private mount namespace whose
+    /dev/shm is a fresh tmpfs of `size_bytes` (rounded up to pages): what a container's
+    /dev/shm looks like (Docker's default is 64 MiB). Skips without root or unshare."""
+    if os.geteuid() != 0:
+        pytest.skip("a private /dev/shm needs root (unshare --mount, mount -t tmpfs)")
+    private = ["unshare", "--mount", "--propagation", "private", "sh", "-c"]
+    mount = f"mount -t tmpfs -o size={size_bytes},mode=1777 tmpfs /dev/shm"
+    try:
+        probe = subprocess.run([*private, mount], capture_output=True, text=True)
+    except FileNotFoundError as exc:
+        pytest.skip(f"no unshare here: {exc}")
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs on /dev/shm in a private mount namespace: {probe.stderr.strip()}")
+    return subprocess.run([*private, f'{mount} && exec "$@"', "sh", *command], capture_output=True, text=True,
+                          timeout=timeout_s, **popen)

@@ -18,8 +18,15 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.runtime.datadir import check_data_dir, prepare_data_dir
-from pipeline.wire.errors import DataDirError
+from pipeline.runtime.datadir import (
+    check_data_dir,
+    hold_for_launch,
+    launch_lock_path,
+    lock_holder,
+    prepare_data_dir,
+    release_launch,
+)
+from pipeline.wire.errors import DataDirError, DataDirInUseError
 from tests.runtime.test_launch import ROOT, RUN_TIMEOUT_S
 
 # A uid no account uses here: "another local user".
@@ -230,3 +237,42 @@ def test_objects_another_user_made_under_a_path_derived_name_do_not_stop_a_run(t
     finally:
         for name in names:
             os.unlink(f"/dev/shm/{name}")
+
+
+def test_one_launch_at_a_time_holds_a_data_directory_and_a_second_is_told_who(tmp_path):
+    data = str(tmp_path / "data")
+    assert lock_holder(launch_lock_path(data)) is None  # no file: nobody, and none made
+    assert not os.path.exists(launch_lock_path(data))
+    held = hold_for_launch(data)
+    try:
+        assert stat.S_IMODE(os.stat(os.path.dirname(launch_lock_path(data))).st_mode) == 0o700
+        assert lock_holder(launch_lock_path(data)) == str(os.getpid())
+        # Another open of the file is another holder, in this process too (flock).
+        with pytest.raises(DataDirInUseError, match=f"another run is using the data directory {data}: "
+                                                    f"pid {os.getpid()} holds {launch_lock_path(data)}"):
+            hold_for_launch(data)
+        assert lock_holder(launch_lock_path(data)) == str(os.getpid())  # the refused one changed nothing
+    finally:
+        release_launch(held)
+    assert lock_holder(launch_lock_path(data)) is None
+    release_launch(hold_for_launch(data))  # free again
+
+
+def _wait(running, done) -> None:
+    running.set()  # after the fork's hooks: the child has closed what it must by now
+    done.wait(30)
+
+
+def test_a_launch_hold_is_the_launchers_alone_not_its_forked_childrens(tmp_path, ctx):
+    data = str(tmp_path / "data")
+    held = hold_for_launch(data)
+    running, done = ctx.Event(), ctx.Event()
+    child = ctx.Process(target=_wait, args=(running, done))
+    child.start()
+    try:
+        assert running.wait(30)
+        release_launch(held)
+        assert child.is_alive() and lock_holder(launch_lock_path(data)) is None  # the child never held it
+    finally:
+        done.set()
+        child.join(30)

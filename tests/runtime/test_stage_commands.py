@@ -13,6 +13,8 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from pipeline.runtime.datadir import hold_for_launch, release_launch
+from tests.consumer.tmpfs import with_small_dev_shm
 from tests.runtime.runs import free_port, shm_objects_of, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -87,6 +89,32 @@ def test_status_and_produce_without_a_broker_say_so(tmp_path):
         done = subprocess.run([sys.executable, "-m", "pipeline", *args], capture_output=True, text=True,
                               timeout=COMMAND_TIMEOUT_S, cwd=ROOT)
         assert done.returncode == 1 and "no broker answers" in done.stderr
+
+
+def test_no_broker_starts_on_the_data_directory_of_a_launch_in_progress(tmp_path):
+    data = str(tmp_path / "data")
+    held = hold_for_launch(data)  # as a launch holds it before its own broker starts
+    try:
+        done = subprocess.run([sys.executable, "-m", "pipeline", "broker", "start", "--data-dir", data, "--detach"],
+                              capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, cwd=ROOT)
+        assert done.returncode == 1 and f"a run is in progress on {data} (pid {os.getpid()}," in done.stderr
+        assert not os.path.exists(os.path.join(data, "run", "broker.lock"))
+    finally:
+        release_launch(held)
+
+
+def test_a_produce_that_dev_shm_cannot_hold_is_refused_before_a_producer_starts(tmp_path):
+    data, workload = str(tmp_path / "data"), tmp_path / "jobs.jsonl"
+    write_workload(workload, 50)
+    command = f"{sys.executable} -m pipeline"
+    script = (f"{command} broker start --data-dir {data} --detach >/dev/null && "
+              f"{command} produce {workload} --data-dir {data} --producers 2; code=$?; "
+              f"{command} broker stop --data-dir {data} >/dev/null; exit $code")
+    done = with_small_dev_shm(100 << 20, ["sh", "-c", script], timeout_s=COMMAND_TIMEOUT_S, cwd=ROOT)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert ("this run needs 128.0 MiB there (2 producer rings of 64.0 MiB): raise it to at least 129 MiB "
+            "(`docker run --shm-size=129m`, or as root `mount -o remount,size=129m /dev/shm`), or lower "
+            "--producers to 1") in done.stderr
 
 
 def test_an_interrupted_produce_says_how_much_was_stored(tmp_path):

@@ -21,6 +21,7 @@ from pipeline.broker.config import BrokerConfig
 from pipeline.producer.client import BrokerProducer
 from pipeline.runtime.cleanup import apply_cleanup, held_run_lock, plan_cleanup
 from pipeline.runtime.daemon import read_pid
+from pipeline.runtime.datadir import hold_for_launch, release_launch
 from pipeline.runtime.inventory import producer_ring_names, ring_stock
 from pipeline.wire.client import broker_status
 from pipeline.wire.errors import DataDirError, LiveRunError
@@ -67,17 +68,29 @@ def _lock_free(data: str) -> bool:
 
 
 def kill_tree(process: subprocess.Popen) -> None:
-    """SIGKILL a command and every process under it."""
+    """SIGKILL a command and every process under it, all stopped first: a child that saw its
+    parent die first would get its PDEATHSIG (SIGTERM) and begin a graceful stop, removing
+    what a crash leaves (seen: a broker that unlinked its descriptor rings and socket)."""
     try:
         tree = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
     except psutil.NoSuchProcess:
         tree = []
-    for member in tree:
-        try:
-            member.kill()
-        except psutil.NoSuchProcess:
-            pass
+    for action in ("suspend", "kill"):
+        for member in tree:
+            try:
+                getattr(member, action)()
+            except psutil.NoSuchProcess:
+                pass
     process.wait()
+    wait_for(lambda: all(_dead(member) for member in tree), 30, "the killed processes to exit")
+
+
+def _dead(process: psutil.Process) -> bool:
+    """Gone, or a zombie (its descriptors, locks and mappings are released by then)."""
+    try:
+        return process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
     psutil.wait_procs(tree, timeout=30)
 
 
@@ -232,6 +245,20 @@ def test_what_is_not_a_trusted_data_directory_is_refused_in_one_line(tmp_path, m
         plan_cleanup(data)
     done = cleanup(data, "--yes")
     assert done.returncode == 1 and message in done.stderr and done.stderr.count("\n") == 1, done.stderr
+
+
+def test_cleanup_refuses_while_a_launch_holds_the_data_directory(tmp_path):
+    """A launch holds its data directory before its broker starts and after it stops (it
+    takes stock, then removes what is left itself): the cleanup refuses then too."""
+    data = str(tmp_path / "data")
+    held = hold_for_launch(data)
+    try:
+        done = cleanup(data, "--yes")
+        assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+        assert f"a run is in progress on {data} (pid {os.getpid()}, a `pipeline launch` or `run-batch`" in done.stderr
+    finally:
+        release_launch(held)
+    assert cleanup(data, "--yes").returncode == 0
 
 
 def test_cleanup_after_a_killed_launch(tmp_path):

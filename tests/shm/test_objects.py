@@ -1,23 +1,32 @@
 """Named POSIX objects: per-run names, name checks, doorbell wake-ups across processes, the
 owner and mode checks before an existing semaphore is opened (another user's, or one
-others may use, is refused; test_control_users.py plants one as a second user), and the one
+others may use, is refused; test_control_users.py plants one as a second user), the one
 listing of what exists under a prefix, and which processes map what (what a cleanup must
-leave)."""
+leave); every page of a new object reserved at its creation, so a /dev/shm without room is
+a ShmSpaceError then (a real small /dev/shm: at the limit and one page past), never a SIGBUS
+on a later write."""
 
 from __future__ import annotations
 
+import errno
+import json
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
-from shm.errors import ObjectExistsError, ObjectMissingError, ShmError, StaleObjectError
+import shm.objects
+from shm.errors import ObjectExistsError, ObjectMissingError, ShmError, ShmSpaceError, StaleObjectError
 from shm.objects import (
     DEV_SHM,
     MAX_NAME_LENGTH,
+    PAGE_BYTES,
     Doorbell,
     check_name,
     create_shared_memory,
     named_objects,
+    object_footprint_bytes,
     object_name,
     object_path,
     open_semaphore,
@@ -25,6 +34,10 @@ from shm.objects import (
     semaphore_path,
     unlink_quietly,
 )
+from shm.ring import HEADER_SIZE_BYTES, ring_footprint_bytes
+from tests.consumer.tmpfs import with_small_dev_shm
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_object_names_are_per_run_and_checked():
@@ -127,3 +140,66 @@ def test_processes_mapping_names_the_live_processes_that_map_an_object(shm_name,
         child.join(30)
     assert processes_mapping(shm_name.tag) == {}  # it unmapped and exited: nobody uses them
     unlink_quietly([name, mine], [bell])
+
+
+def test_every_page_of_a_new_object_is_reserved_at_its_creation(shm_name):
+    name = shm_name("ring")
+    size = 3 * PAGE_BYTES + 1
+    mapping, _inode = create_shared_memory(name, size)
+    try:
+        # tmpfs counts st_blocks in 512-byte units of the pages it holds: all of them, unwritten.
+        assert os.stat(object_path(name)).st_blocks * 512 == object_footprint_bytes(size) == 4 * PAGE_BYTES
+    finally:
+        mapping.close()
+        unlink_quietly([name], [])
+
+
+def test_no_room_at_creation_is_a_typed_error_naming_the_object_and_nothing_is_left(shm_name, monkeypatch):
+    def full(_fd: int, _offset: int, _length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shm.objects.os, "posix_fallocate", full)
+    name = shm_name("ring")
+    with pytest.raises(ShmSpaceError, match=rf"no room for shared-memory object {name} of 1,048,576 bytes: "
+                                            rf"[\d,]+ of its [\d,]+ bytes are free; raise its size") as caught:
+        create_shared_memory(name, 1 << 20)
+    assert caught.value.errno == errno.ENOSPC and isinstance(caught.value, OSError)
+    assert not os.path.exists(object_path(name))  # made with O_EXCL, half made: removed
+
+
+# Run in a private /dev/shm of exactly one ring's footprint: the ring fits; with one page
+# less its second semaphore finds no room; with the object's last page gone, the object.
+_RING_AT_THE_LIMIT = """
+import json, os, subprocess, sys
+from shm.errors import ShmSpaceError
+from shm.ring import RingWriter
+capacity, footprint, page = (int(arg) for arg in sys.argv[1:])
+found = {}
+ring = RingWriter.create("/limit-ring", capacity)
+found["fits"] = sorted(os.listdir("/dev/shm"))
+ring.close()
+ring.unlink()
+for name, size in (("semaphore", footprint - page), ("object", footprint - 3 * page)):
+    subprocess.run(["mount", "-o", f"remount,size={size}", "/dev/shm"], check=True)
+    try:
+        RingWriter.create("/limit-ring", capacity)
+    except ShmSpaceError as exc:
+        found[name] = [str(exc), exc.errno, sorted(os.listdir("/dev/shm"))]
+print(json.dumps(found))
+"""
+
+
+def test_a_ring_in_a_dev_shm_of_exactly_its_size_fits_and_one_page_less_is_a_typed_error():
+    capacity = 1 << 20
+    footprint = ring_footprint_bytes(capacity)
+    assert footprint == HEADER_SIZE_BYTES + capacity + 2 * PAGE_BYTES  # the object and its two semaphores
+    done = with_small_dev_shm(footprint, [sys.executable, "-c", _RING_AT_THE_LIMIT, str(capacity), str(footprint),
+                                          str(PAGE_BYTES)], timeout_s=60, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout)
+    assert found["fits"] == ["limit-ring", "sem.limit-ring.d", "sem.limit-ring.s"]
+    message, code, left = found["semaphore"]
+    assert "no room for semaphore /limit-ring.s" in message and code == errno.ENOSPC and left == []
+    message, code, left = found["object"]
+    assert f"no room for shared-memory object /limit-ring of {HEADER_SIZE_BYTES + capacity:,} bytes" in message
+    assert code == errno.ENOSPC and left == []
