@@ -28,10 +28,16 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from pipeline.batchjob.answers import LOG_NAME, AnswerLog
+from pipeline.batchjob.answers import LOG_NAME, AnswerLog, records_path
 from pipeline.batchjob.assemble import write_in_input_order
 from pipeline.batchjob.collect import Collector
-from pipeline.batchjob.layout import JOB_PAYLOAD_SIZE_BYTES, LOG_ERRORS, LOG_OUTPUT, decode_job_payload
+from pipeline.batchjob.layout import (
+    ANSWER_RECORD_SIZE_BYTES,
+    JOB_PAYLOAD_SIZE_BYTES,
+    LOG_ERRORS,
+    LOG_OUTPUT,
+    decode_job_payload,
+)
 from pipeline.batchjob.manifest import (
     JOB_DIR,
     JobManifest,
@@ -464,6 +470,12 @@ def job_status(data_dir: str) -> dict | None:
         saved = {"state": "not started", "requests": manifest.requests, "done": 0, "failed": 0,
                  "to_do": manifest.requests}
     saved["running"] = _lock_held(os.path.join(data_dir, JOB_DIR, LOCK_NAME))
+    try:  # the answer records are the count (the saved view lags by up to SAVE_INTERVAL_S)
+        done = os.stat(records_path(data_dir)).st_size // ANSWER_RECORD_SIZE_BYTES
+    except OSError:
+        done = saved.get("done", 0)
+    if done != saved.get("done"):
+        saved.update(done=done, to_do=manifest.requests - done, eta_s=None)
     if saved.get("state") == "running" and not saved["running"]:
         saved["state"] = "stopped"  # its process is gone without a word (kill -9, a power cut)
     saved.update(input=manifest.input_path, output=manifest.output_path, requests=manifest.requests)

@@ -15,6 +15,7 @@ from pipeline.broker.selection import SHAPE_ORDERS
 from pipeline.consumer.engines import ENGINES
 from pipeline.runtime.processes import DURABILITY_LEVELS, STORAGE_KINDS
 from pipeline.runtime.gpus import detect_gpus
+from pipeline.runtime.local import ShmNeeds, check_shm_space
 from pipeline.runtime.settings import DEFAULT_CPU_CONSUMERS, DEMO_ITEMS, LaunchSettings, workload_vocab_size
 from pipeline.runtime.tables import broker_config, merged, parse_assignments, parse_engine_options
 from pipeline.wire.errors import BadInputError, PipelineError, SettingsError
@@ -192,6 +193,8 @@ def check_before_start(settings: LaunchSettings) -> None:
                                settings.broker, "settings")
     config.check_contract(0, settings.max_batch, settings.max_tokens, settings.max_input_len)
     consumers = settings.consumers or len(detect_gpus()) or DEFAULT_CPU_CONSUMERS
+    check_shm_space(ShmNeeds(settings.producers, consumers, config.descriptor_ring_bytes,
+                             memory_tier=settings.storage == "memory"))
     if config.min_consumers > consumers:
         raise SettingsError(f"broker.min_consumers {config.min_consumers} is more than the {consumers} consumers this "
                             f"run starts: dispatch would wait broker.min_consumers_wait_s "

@@ -104,6 +104,9 @@ ORPHAN_CHECK_S = 1.0
 # How long a stopping producer that is making one request's prompt (foreign code, which may
 # never return) is given before it is killed: a real prompt takes milliseconds.
 BUSY_STOP_GRACE_S = 2.0
+# Signals that mean a producer's own code crashed (foreign code: a tokenizer's abort on a
+# failed allocation, a segfault), as opposed to a kill from outside (SIGKILL, SIGTERM).
+CRASH_SIGNALS = frozenset({signal.SIGABRT, signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE})
 # How long a consumer may take to finish its batch in hand, and the broker to close its
 # files, before they are killed.
 STOP_TIMEOUT_S = 30.0
@@ -316,6 +319,7 @@ class Launcher:
         self._retired_published = 0
         self._retired_busy_ns = 0
         self.restarts = 0
+        self._deaths: dict[int, int] = {}  # request -> producers that died on it
         # When the producers started, and when the watch first saw them all gone.
         self._producers_span_ns: list[int] = [0, 0]
         # Stock by item id (every item found in results, store or rings) is taken unless the
@@ -490,43 +494,51 @@ class Launcher:
 
     def _supervise(self) -> None:
         """A producer of a workload with a time limit per request (`busy_limit_s`: a batch
-        job's chat template and tokenizer) that runs past it on one request, or dies on one,
-        is stopped; the workload answers that request (`on_stuck`), and a producer starts
-        again in its place after it. Its ring keeps what it published, for the broker."""
+        job's chat template and tokenizer) that runs past it on one request, or crashes on
+        one (SIGABRT, SIGSEGV: foreign code), or dies on the same one twice (the kernel's
+        OOM killer), is stopped; the workload answers that request (`on_stuck`). A producer
+        killed from outside while on a request is only started again. Either way a producer
+        starts again in its place after what it published; its ring keeps that for the broker."""
         limit_s = getattr(self.workload, "busy_limit_s", None)
         if limit_s is None:
             return
-        now_ns = time.monotonic_ns()
         for index, process in enumerate(self.producers):
             busy = self.ledger.busy_with(index)
             if busy is None:
                 continue
             since_ns, position = busy
             if process.exitcode is None:
-                if now_ns - since_ns < limit_s * 1e9:
+                if time.monotonic_ns() - since_ns < limit_s * 1e9:
                     continue
                 process.kill()
                 process.join(BROKER_EXIT_WAIT_S)
                 why = (f"it ran past the {limit_s:g}-second time limit of the chat template and tokenizer "
                        f"(--prompt-time-limit-s)")
             elif process.exitcode != 0:
+                self._deaths[position] = self._deaths.get(position, 0) + 1
+                crashed = -process.exitcode in CRASH_SIGNALS or self._deaths[position] > 1
                 why = (f"the producer making it died ({_exit_text(process.exitcode)}): the chat template or "
-                       f"tokenizer crashed, or ran out of memory")
+                       f"tokenizer crashed, or ran out of memory") if crashed else ""
             else:
                 continue
+            self._restart_producer(index, position, why)
+
+    def _restart_producer(self, index: int, position: int, why: str) -> None:
+        """Start producer `index` again after what it published; `why` (not empty): the
+        request it was on is answered by the workload and skipped."""
+        if why:
             log.warning("producer %d stopped on request %d: %s; it is answered 400 and a producer starts again",
                         index, position, why)
             self.workload.on_stuck(position, why)
-            resume = self.ledger.resume_position(index)
-            self._retired_published += self.ledger.total_published_by(index)
-            self._retired_busy_ns += self.ledger.busy_ns(index)
-            self.ledger.reset(index)
-            self.restarts += 1
-            self.producers[index] = start_producer(self.config.socket_path, self.workload, index,
-                                                   self.settings.producers, self.settings.replay_speed, self.ledger,
-                                                   start_at=resume)
-
-    # ----------------------------------------------------------------- stop
+        else:
+            log.warning("producer %d was killed on request %d; a producer starts again", index, position)
+        resume = self.ledger.resume_position(index)
+        self._retired_published += self.ledger.total_published_by(index)
+        self._retired_busy_ns += self.ledger.busy_ns(index)
+        self.ledger.reset(index)
+        self.restarts += 1
+        self.producers[index] = start_producer(self.config.socket_path, self.workload, index, self.settings.producers,
+                                               self.settings.replay_speed, self.ledger, start_at=resume)
 
     def _stop(self, final: BrokerStatus | None, completed: bool) -> BrokerStatus | None:
         """Stop every child in dependency order; a second Ctrl-C kills them instead, and so

@@ -107,7 +107,7 @@ def test_a_run_batch_started_on_a_job_in_progress_is_refused_and_the_job_complet
                "--config", str(config)]
     refused, ran = race(command, command, gap_s=0.2)
     assert refused.returncode == 1
-    assert "another run is using the data directory" in one_line_error(refused.stderr)
+    assert "a run of this job holds" in one_line_error(refused.stderr)  # the job's own lock, before the launch's
     assert "finishes the job" not in refused.stderr
     assert ran.returncode == 0, ran.stderr
     rows = [json.loads(line) for line in out.read_text().splitlines()]
