@@ -110,19 +110,19 @@ class JobWorkload(Workload):
 
     def shares(self, count: int) -> list[tuple[int, int]]:
         """`count` contiguous ranges of request indices, cut at sparse-index entries, each
-        holding about as many requests to submit."""
+        holding about as many requests to submit (to within a stride)."""
         n = self.job_input.requests
         blocks = (n + INDEX_STRIDE - 1) // INDEX_STRIDE
-        bits = np.unpackbits(self.skip, bitorder="little")[:n]
         padded = np.zeros(blocks * INDEX_STRIDE, dtype=np.int64)
-        padded[:n] = 1 - bits
+        padded[:n] = 1 - np.unpackbits(self.skip, bitorder="little")[:n]
         todo = np.cumsum(padded.reshape(blocks, INDEX_STRIDE).sum(axis=1))
         total = int(todo[-1]) if blocks else 0
-        cuts = [0] + [int(np.searchsorted(todo, total * k / count, side="left")) + 1 for k in range(1, count)] + [blocks]
-        cuts = [min(max(c, 0), blocks) for c in cuts]
-        for k in range(1, len(cuts)):
-            cuts[k] = max(cuts[k], cuts[k - 1])
-        return [(cuts[k] * INDEX_STRIDE, min(cuts[k + 1] * INDEX_STRIDE, n)) for k in range(count)]
+        cuts = [0]
+        for k in range(1, count):  # the first block boundary with a k/count share of the work before it
+            cuts.append(max(cuts[-1], min(blocks, int(np.searchsorted(todo, total * k / count, side="left")) + 1)))
+        cuts.append(blocks)
+        starts = [min(c * INDEX_STRIDE, n) for c in cuts]
+        return [(starts[k], starts[k + 1]) for k in range(count)]
 
     def items(self, producer_index: int = 0, producer_count: int = 1) -> Iterator[WorkItem]:
         """Share `producer_index` of `producer_count`'s items as a producer makes them, made

@@ -1,0 +1,132 @@
+"""pipeline.batchjob.workload: the producers' side of a job. Shares cover every request to
+submit once and are balanced; a producer reads its lines by offset exactly as the scan
+counted them; every request either becomes its item (its payload naming the job and the
+line) or is answered by the producer, naming why."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xxhash
+
+from pipeline.batchjob import layout
+from pipeline.batchjob.layout import decode_job_payload
+from pipeline.batchjob.manifest import JobManifest
+from pipeline.batchjob.scan import scan_input
+from pipeline.batchjob.workload import JobInput, JobWorkload, PromptLimits
+from tests.support.jobs import build_model, chat, completion
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return build_model(tmp_path_factory.mktemp("model") / "tiny-llama")
+
+
+class Log:
+    """A rejection log that keeps what it is told."""
+
+    def __init__(self) -> None:
+        self.rejected: list[tuple] = []
+
+    def reject(self, where, status, message, param=None, code=None) -> None:
+        self.rejected.append((where[0], status, message, param, code))
+
+
+def workload(tmp_path: Path, model_dir: str, records: list[dict], blank_every: int = 0, skip: set[int] = frozenset(),
+             limits: PromptLimits | None = None) -> JobWorkload:
+    path = tmp_path / "in.jsonl"
+    with open(path, "w") as f:
+        for k, record in enumerate(records):
+            f.write(json.dumps(record) + "\n")
+            if blank_every and k % blank_every == 0:
+                f.write("\n   \n")
+    scan = scan_input(str(path), str(tmp_path / "scan"))
+    bits = np.zeros((scan.requests + 7) // 8, dtype=np.uint8)
+    for index in skip:
+        bits[index >> 3] |= np.uint8(1 << (index & 7))
+    manifest = JobManifest.new(created_s=0, input_path=str(path), input_bytes=scan.input_bytes,
+                               input_xxh3=scan.input_xxh3, requests=scan.requests, served_model="tiny-llama",
+                               output_path=str(tmp_path / "out"), output_order="input", error_file=None)
+    return JobWorkload(JobInput(str(path), scan.requests, scan.index), bits, manifest, model_dir, str(tmp_path),
+                       limits or PromptLimits())
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_shares_cover_every_request_to_submit_once_and_are_balanced(tmp_path, model_dir, monkeypatch, seed):
+    monkeypatch.setattr(layout, "INDEX_STRIDE", 16)
+    import pipeline.batchjob.scan as scan_module
+    import pipeline.batchjob.workload as workload_module
+
+    monkeypatch.setattr(scan_module, "INDEX_STRIDE", 16)
+    monkeypatch.setattr(workload_module, "INDEX_STRIDE", 16)
+    rng = random.Random(seed)
+    count = rng.randrange(1, 400)
+    skip = {k for k in range(count) if rng.random() < rng.choice((0.0, 0.3, 0.9))}
+    job = workload(tmp_path, model_dir, [completion(f"c{k}", [1, 2]) for k in range(count)], skip=skip)
+    for producers in (1, 2, 3, 7):
+        shares = job.shares(producers)
+        assert len(shares) == producers and shares[0][0] == 0 and shares[-1][1] == count
+        assert all(a[1] == b[0] for a, b in zip(shares, shares[1:]))  # contiguous, disjoint, whole
+        todo = [sum(1 for k in range(a, b) if k not in skip) for a, b in shares]
+        assert sum(todo) == len(job) == count - len(skip)
+        assert max(todo) - min(todo) <= 2 * 16 + 1  # balanced to a stride
+
+
+def test_a_producer_reads_its_lines_by_offset_as_the_scan_counted_them(tmp_path, model_dir, monkeypatch):
+    import pipeline.batchjob.scan as scan_module
+    import pipeline.batchjob.workload as workload_module
+
+    monkeypatch.setattr(scan_module, "INDEX_STRIDE", 8)
+    monkeypatch.setattr(workload_module, "INDEX_STRIDE", 8)
+    records = [chat(f"r{k}", f"q {k}") for k in range(60)]
+    job = workload(tmp_path, model_dir, records, blank_every=7)
+    raw = (tmp_path / "in.jsonl").read_bytes()
+    for first, end in ((0, 60), (13, 29), (8, 9), (59, 60), (30, 30)):
+        got = list(job.lines(first, end))
+        assert [index for index, *_ in got] == list(range(first, end))
+        for index, line, offset, text in got:
+            assert raw[offset:offset + len(text)] == text and json.loads(text)["custom_id"] == f"r{index}"
+            assert raw.splitlines()[line - 1] == text
+
+
+def test_an_item_names_its_job_and_line_and_carries_the_requests_parameters(tmp_path, model_dir):
+    job = workload(tmp_path, model_dir, [chat("a", "hi", temperature=0.5, max_tokens=7)])
+    (index, _line, offset, raw) = next(job.lines(0, 1))
+    items = list(job.items())
+    (item,) = items
+    assert decode_job_payload(item.payload, job.manifest.job_id) == (0, offset, len(raw), xxhash.xxh3_64_intdigest(raw))
+    assert decode_job_payload(item.payload, job.manifest.job_id + 1) is None
+    assert item.params.max_tokens == 7 and item.params.temperature == 0.5
+    assert item.components and item.prefix_len < item.length  # the system prompt is a component
+
+
+@pytest.mark.parametrize("record, param, words", [
+    (chat("x", model="other"), "model", "not served"),
+    (chat("x", "a \ud800 b"), "messages", ""),
+    (completion("x", [5] * 300), "prompt", "more than the 100"),
+    (chat("x", max_tokens=5000), "max_tokens", "maximum context length is 2048"),
+    (chat("x", temperature=3), "temperature", "over 2"),
+])
+def test_a_request_no_item_can_be_made_of_is_answered_by_the_producer(tmp_path, model_dir, record, param, words):
+    job = workload(tmp_path, model_dir, [record], limits=PromptLimits(max_prompt_tokens=100, context_tokens=2048))
+    log = Log()
+    (index, line, offset, raw) = next(job.lines(0, 1))
+    from pipeline.batchjob.chat import ChatTokenizer
+
+    assert job.make(raw, (index, offset, len(raw), 0), line, ChatTokenizer.load(model_dir), log) is None
+    ((rejected, status, message, named, _code),) = log.rejected
+    assert (rejected, status) == (0, 400) and (named == param or param in message) and words in message
+
+
+def test_a_request_the_launcher_stopped_on_is_answered_and_skipped(tmp_path, model_dir):
+    job = workload(tmp_path, model_dir, [chat(f"r{k}") for k in range(5)])
+    job.on_stuck(3, "it ran past the limit")
+    assert job.skipped(3) and not job.skipped(2)
+    (line,) = (tmp_path / "job" / "rejected" / "supervisor.jsonl").read_text().splitlines()
+    row = json.loads(line)
+    assert row["index"] == 3 and row["status"] == 400 and "ran past the limit" in row["message"]
+    assert [decode_job_payload(i.payload, job.manifest.job_id)[0] for i in job.items()] == [0, 1, 2, 4]
