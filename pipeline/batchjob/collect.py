@@ -86,6 +86,8 @@ class Collector:
         self.log = log
         self.error_log = error_log  # LOG_ERRORS where failures go to their own file, else LOG_OUTPUT
         self.counts = CollectCounts()
+        # Submit-to-answer latencies of the answers taken since the caller last emptied it.
+        self.latencies_s: list[float] = []
         self._path = os.path.join(data_dir, JOB_DIR, COLLECTED_NAME)
         self._offsets: dict[str, int] = _load_offsets(self._path)
         # This run's results, for its report (`tally`, `summary`): the rows are read here once.
@@ -178,7 +180,7 @@ class Collector:
         if found is None:
             self.counts.foreign_rows += 1
             return None
-        index, offset, length, digest = found
+        index, offset, length, digest, made_ns = found
         if index >= self.manifest.requests or self.log.is_done(index):
             self.log.duplicates += index < self.manifest.requests
             return None
@@ -191,6 +193,9 @@ class Collector:
         if status != ROW_OK:
             line, code = row_error(request, row, tag)
             return Answer(index, line.encode() + b"\n", code, self.error_log)
+        done_ns = row.get("done_ns")
+        if made_ns and type(done_ns) is int and done_ns >= made_ns:
+            self.latencies_s.append((done_ns - made_ns) / 1e9)
         text = row["text"] if isinstance(row.get("text"), str) else self.decode(row["output"])
         line = response_line(request, row, text, self.manifest.served_model, self.manifest.created_s, tag)
         prompt, completion, cached = row_usage(row)

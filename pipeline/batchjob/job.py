@@ -58,6 +58,7 @@ from pipeline.batchjob.paths import (
 )
 from pipeline.batchjob.progress import JobCounts, JobTracker, JobView
 from pipeline.batchjob.scan import InputScan, input_digest, read_index, scan_input, write_index
+from pipeline.batchjob.telemetry import JobTelemetry
 from pipeline.batchjob.workload import JobInput, JobWorkload, PromptLimits
 from pipeline.runtime.datadir import check_data_dir
 from pipeline.runtime.inventory import pending_payloads, producer_ring_names
@@ -272,6 +273,7 @@ class BatchJob:
         self.skip = self.log.done_bits().copy()
         self.pending = self._mark_pending(self.skip)
         self.tracker = JobTracker(manifest.requests)
+        self.telemetry = JobTelemetry(self.log)
 
     def _mark_pending(self, skip: np.ndarray) -> int:
         """Set the bits of requests an earlier run left in the store or a ring; how many."""
@@ -304,7 +306,8 @@ class BatchJob:
             return 0
         workload = JobWorkload(self.job_input, self.skip, self.manifest, self.spec.model_dir, self.data_dir,
                                self.spec.limits)
-        launcher = Launcher(self.spec.settings, workload, on_status=self._poll, summarize=self.collector.summary)
+        launcher = Launcher(self.spec.settings, workload, on_status=self._poll, summarize=self.collector.summary,
+                            metrics=self.telemetry)
         self.collector.tally(launcher.results_dir)
         try:
             outcome = launcher.run()
@@ -321,6 +324,8 @@ class BatchJob:
     def _poll(self, _status, now_s: float) -> None:
         """Every watch of the launcher: new answers into the log, progress, saved state."""
         self.collector.collect()
+        self.telemetry.observe(self.collector.latencies_s)
+        self.collector.latencies_s.clear()
         self.tracker.observe(self._counts(), now_s)
         self.show(self.tracker.view(), now_s)
         if now_s - self._saved_s >= SAVE_INTERVAL_S:

@@ -37,6 +37,8 @@ JOB_PAYLOAD_VERSION = 1
 #    32     4  length       bytes of that line, without its newline
 #    36     4  reserved     zero
 #    40     8  line_xxh3    xxh3-64 of the line's bytes: the line read back is that line
+#    48     8  made_ns      when the producer made the item (CLOCK_MONOTONIC, the machine's
+#                           one clock): the job's latency from submit to answer
 JOB_PAYLOAD_DTYPE = checked_dtype(
     [
         ("magic", 0, "|S4", "b'SBJR'"),
@@ -46,8 +48,9 @@ JOB_PAYLOAD_DTYPE = checked_dtype(
         ("offset", 24, "<u8", "line's byte offset"),
         ("length", 32, "<u4", "line's bytes"),
         ("line_xxh3", 40, "<u8", "xxh3 of the line"),
+        ("made_ns", 48, "<u8", "when the item was made"),
     ],
-    itemsize=48,
+    itemsize=56,
 )
 JOB_PAYLOAD_SIZE_BYTES = JOB_PAYLOAD_DTYPE.itemsize
 _PAYLOAD = struct_for(JOB_PAYLOAD_DTYPE)
@@ -138,19 +141,19 @@ _RECORD = struct_for(ANSWER_RECORD_DTYPE, [n for n in ANSWER_RECORD_DTYPE.names 
 MAX_RECORD_COUNT = (1 << 32) - 1
 
 
-def encode_job_payload(job_id: int, index: int, offset: int, length: int, line_xxh3: int) -> bytes:
-    return _PAYLOAD.pack(JOB_PAYLOAD_MAGIC, JOB_PAYLOAD_VERSION, job_id, index, offset, length, line_xxh3)
+def encode_job_payload(job_id: int, index: int, offset: int, length: int, line_xxh3: int, made_ns: int = 0) -> bytes:
+    return _PAYLOAD.pack(JOB_PAYLOAD_MAGIC, JOB_PAYLOAD_VERSION, job_id, index, offset, length, line_xxh3, made_ns)
 
 
-def decode_job_payload(payload: bytes, job_id: int) -> tuple[int, int, int, int] | None:
-    """(index, offset, length, line_xxh3) of an item of job `job_id`; None for any other
-    payload (another job's, another version, not a job item at all)."""
+def decode_job_payload(payload: bytes, job_id: int) -> tuple[int, int, int, int, int] | None:
+    """(index, offset, length, line_xxh3, made_ns) of an item of job `job_id`; None for any
+    other payload (another job's, another version, not a job item at all)."""
     if len(payload) != JOB_PAYLOAD_SIZE_BYTES or not payload.startswith(JOB_PAYLOAD_MAGIC):
         return None
-    _magic, version, owner, index, offset, length, digest = _PAYLOAD.unpack(payload)
+    _magic, version, owner, index, offset, length, digest, made_ns = _PAYLOAD.unpack(payload)
     if version != JOB_PAYLOAD_VERSION or owner != job_id:
         return None
-    return index, offset, length, digest
+    return index, offset, length, digest, made_ns
 
 
 def record_check(words: np.ndarray) -> np.ndarray:

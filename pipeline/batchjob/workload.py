@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import resource
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -253,7 +254,7 @@ class JobWorkload(Workload):
                        f"tokens ({asked} > {context} - {length})", name)
             return None
         prefix = prompt.prefix_len
-        payload = encode_job_payload(self.manifest.job_id, *where)
+        payload = encode_job_payload(self.manifest.job_id, *where, time.monotonic_ns())
         return WorkItem(model=JOB_MODEL, components=list(prompt.components),
                         suffix=np.asarray(prompt.tokens[prefix:], dtype=np.int32), payload=payload,
                         timestamp_ms=None, line=0, params=request.params)

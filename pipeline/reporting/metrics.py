@@ -416,13 +416,17 @@ class MetricsServer:
 
     @classmethod
     def start(cls, port: int, fetch: Callable[[], BrokerStatus], host: str = "127.0.0.1",
-              token_file: str | None = None, idle_timeout_s: float = METRICS_IDLE_TIMEOUT_S) -> MetricsServer:
+              token_file: str | None = None, idle_timeout_s: float = METRICS_IDLE_TIMEOUT_S,
+              extra=None) -> MetricsServer:
         """Listen on host:port (port 0: a free port, read back from `port`). The default host
         is the loopback: a metrics port is opened to the network only when asked. A token file
-        is read now (SettingsError if it is not a 0600 file of ours holding one token)."""
+        is read now (SettingsError if it is not a 0600 file of ours holding one token).
+        `extra`: another collector served beside the broker's (a batch job's)."""
         token = None if token_file is None else read_token_file(token_file)
         registry = CollectorRegistry()
         registry.register(StatusCollector(fetch))
+        if extra is not None:
+            registry.register(extra)
         try:
             family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
             listener = socket.create_server((host, port), family=family)

@@ -290,13 +290,15 @@ class Launcher:
     reads (the live progress display hooks in there)."""
 
     def __init__(self, settings: LaunchSettings, workload: Workload, on_status=None,
-                 summarize: Callable[[str], ResultsSummary] = summarize_results) -> None:
+                 summarize: Callable[[str], ResultsSummary] = summarize_results, metrics=None) -> None:
         """`summarize(results_dir)`: this run's results, for the report (a batch job's
-        collector has read them already, and passes its own)."""
+        collector has read them already, and passes its own). `metrics`: a prometheus_client
+        collector served beside the broker's (a batch job's), with --metrics-port."""
         self.settings = settings
         self.workload = workload
         self.on_status = on_status or (lambda status, now_s: None)
         self._summarize = summarize
+        self._extra_metrics = metrics
         self.on_metrics = lambda port: None  # told the metrics port (0 picks a free one)
         self._own_data_dir = settings.data_dir is None
         self.data_dir = settings.data_dir or tempfile.mkdtemp(prefix="shape-broker-")
@@ -378,7 +380,7 @@ class Launcher:
 
             socket_path = self.config.socket_path
             self.metrics = MetricsServer.start(s.metrics_port, lambda: broker_status(socket_path),
-                                               token_file=s.metrics_token_file)
+                                               token_file=s.metrics_token_file, extra=self._extra_metrics)
             self.on_metrics(self.metrics.port)
         for config in self.consumer_configs():
             self.consumers.append(start_consumer(config))

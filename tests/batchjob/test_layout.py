@@ -38,7 +38,7 @@ U64_MAX = (1 << 64) - 1
 def test_a_payload_decodes_to_its_request_for_its_own_job(index: int, offset: int, length: int, digest: int) -> None:
     payload = encode_job_payload(JOB_ID, index, offset, length, digest)
     assert len(payload) == JOB_PAYLOAD_SIZE_BYTES == JOB_PAYLOAD_DTYPE.itemsize
-    assert decode_job_payload(payload, JOB_ID) == (index, offset, length, digest)
+    assert decode_job_payload(payload, JOB_ID) == (index, offset, length, digest, 0)
     record = np.frombuffer(payload, dtype=JOB_PAYLOAD_DTYPE)[0]
     assert (record["magic"], int(record["version"]), int(record["job_id"]), int(record["index"])) == (
         JOB_PAYLOAD_MAGIC, JOB_PAYLOAD_VERSION, JOB_ID, index)

@@ -125,3 +125,28 @@ def test_a_random_run_keeps_the_invariants_after_every_observation() -> None:
             assert len(samples) < 2 or samples[-2][0] == now  # no time passed over the window
         format_job_line(view)
     assert tracker.view().to_do == 0
+
+
+def test_the_jobs_metrics_count_answers_by_status_and_latencies_in_buckets():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from pipeline.batchjob.telemetry import LATENCY_BUCKETS_S, JobTelemetry
+
+    class Log:
+        requests = 10
+        by_status = {200: 6, 400: 1}
+
+    telemetry = JobTelemetry(Log())
+    telemetry.observe([0.01, 0.3, 0.3, 7.0, LATENCY_BUCKETS_S[-1] * 2])
+    telemetry.observe([])
+    registry = CollectorRegistry()
+    registry.register(telemetry)
+    text = generate_latest(registry).decode()
+    assert 'shape_broker_job_requests_answered_total{status="200"} 6.0' in text
+    assert 'shape_broker_job_requests_answered_total{status="400"} 1.0' in text
+    assert "shape_broker_job_requests_to_do 3.0" in text
+    assert 'shape_broker_job_request_latency_seconds_bucket{le="0.05"} 1.0' in text
+    assert 'shape_broker_job_request_latency_seconds_bucket{le="0.5"} 3.0' in text
+    assert 'shape_broker_job_request_latency_seconds_bucket{le="10"} 4.0' in text
+    assert 'shape_broker_job_request_latency_seconds_bucket{le="+Inf"} 5.0' in text
+    assert "shape_broker_job_request_latency_seconds_count 5.0" in text
