@@ -12,16 +12,19 @@ requests of a system prompt, a few-shot block of three exchanges and a short use
 (system and few-shot shared by groups of requests, as a batch file built from one template
 has them); 14-message conversations (no two share a prefix); one long conversation (a
 prompt's work must be linear in its turns); plain completions. Each row gets a fresh
-tokenizer (a cold memo), and the best of `--rounds` runs is kept (the machine is shared).
+tokenizer (a cold memo), and the best of `--rounds` runs is kept. Rates are per second of
+the process's CPU time (all its threads): on 2 cores with 2 producers, CPU per token is what
+bounds a job, and it moves far less than wall time on a machine shared with other work.
 
 With --baseline TREE (a checkout of an older commit, e.g. `git worktree add /tmp/base
 HEAD~1`), each round runs the same rows on TREE's `pipeline` and on this tree's, one after
 the other, each in a process of its own, and prints both: before and after, in one run.
 
-The last table is the batch interface's question: the rests of the few-shot requests
+The last tables are the batch interface's question: the rests of the few-shot requests
 (what a producer tokenizes per request after a shared prefix) tokenized one `encode` at a
-time, or by `encode_batch` / `encode_batch_fast` in groups. Texts are slices of the
-standard library's sources.
+time, or by `encode_batch` / `encode_batch_fast` (tokenizers' threaded calls) in groups, in
+one process and in --rest-processes processes at once (as that many producers on this
+machine's cores). Texts are slices of the standard library's sources.
 """
 
 from __future__ import annotations
@@ -135,33 +138,34 @@ def time_rows(model_dir: Path, requests: int) -> dict[str, tuple[float, float]]:
                 continue
             tokenizer = make()
             prompt = tokenizer.completion_prompt if label == "completions" else tokenizer.chat_prompt
-            start = time.perf_counter()
+            start = time.process_time()
             tokens = sum(len(prompt(item).tokens) for item in items)
-            elapsed = time.perf_counter() - start
+            elapsed = time.process_time() - start
             rows[f"{name:26s} {label}"] = (tokens / elapsed, len(items) / elapsed)
     return rows
 
 
-def time_rests(model_dir: Path, requests: int) -> list[tuple[str, float]]:
-    """Tokens/s of the few-shot requests' rests (after the shared prefix), one at a time or
-    in groups, with the special-marker tokenizer (where only the rest is tokenized)."""
+def time_rests(model_dir: Path, requests: int) -> list[tuple[str, float, float]]:
+    """(label, tokens per CPU second, tokens per wall second) of the few-shot requests' rests
+    (what follows the shared prefix), one `encode` at a time or in groups, with the
+    special-marker tokenizer (where only the rest is tokenized)."""
     tokenizer = tokenizers_under_test(model_dir)[1][1]()
     rust, lead = tokenizer._tokenizer, tokenizer._splits.lead
     rests = []
     for messages in workloads(requests)["system + few-shot + user"]:
         whole = tokenizer.render(messages, add_generation_prompt=True)
         rests.append(lead + whole[len(tokenizer.render(messages[:-1], add_generation_prompt=False)):])
-    rows = []
-    start = time.perf_counter()
-    tokens = sum(len(rust.encode(r, add_special_tokens=False).ids) for r in rests)
-    rows.append(("encode, one at a time", tokens / (time.perf_counter() - start)))
+    calls = [("encode, one at a time", lambda: [rust.encode(r, add_special_tokens=False) for r in rests])]
     for method in ("encode_batch", "encode_batch_fast"):
         for size in BATCH_SIZES:
             call = getattr(rust, method)
-            start = time.perf_counter()
-            tokens = sum(len(e.ids) for k in range(0, len(rests), size)
-                         for e in call(rests[k:k + size], add_special_tokens=False))
-            rows.append((f"{method}, {size} per call", tokens / (time.perf_counter() - start)))
+            calls.append((f"{method}, {size} per call", lambda call=call, size=size: [
+                e for k in range(0, len(rests), size) for e in call(rests[k:k + size], add_special_tokens=False)]))
+    rows = []
+    for label, run in calls:
+        cpu, wall = time.process_time(), time.perf_counter()
+        tokens = sum(len(e.ids) for e in run())
+        rows.append((label, tokens / (time.process_time() - cpu), tokens / (time.perf_counter() - wall)))
     return rows
 
 
@@ -183,10 +187,17 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, default=None)
     parser.add_argument("--baseline", type=Path, default=None, help="an older tree to time beside this one")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rest-processes", type=int, default=2,
+                        help="processes timing the rests at once, as that many producers would")
     parser.add_argument("--rows-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--rests-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rows_only:  # a child of run_tree: `pipeline` is its PYTHONPATH's
         print(json.dumps(time_rows(args.model_dir, args.requests)))
+        return
+    if args.rests_only:  # a child of main: one of --rest-processes
+        sys.path.insert(0, str(ROOT))
+        print(json.dumps(time_rests(args.model_dir, args.requests)))
         return
     sys.path.insert(0, str(ROOT))
     from tools.tiny_llama import build
@@ -206,9 +217,16 @@ def main() -> None:
         cells = "".join(f"{figures[n][row][0] / 1e3:16.0f}k {figures[n][row][1]:8.1f}" for n in trees)
         ratio = f"  {figures['after'][row][0] / figures['before'][row][0]:11.2f}x" if len(trees) > 1 else ""
         print(f"  {row:62s}{cells}{ratio}")
-    print("rests of the few-shot requests (special markers), this tree:")
-    for label, rate in time_rests(model_dir, args.requests):
-        print(f"  {label:42s} {rate / 1e3:9.0f}k tokens/s")
+    for processes in sorted({1, args.rest_processes}):
+        print(f"rests of the few-shot requests (special markers), this tree, {processes} process(es) at once:")
+        children = [subprocess.Popen([sys.executable, __file__, "--rests-only", "--model-dir", str(model_dir),
+                                      "--requests", str(args.requests)], stdout=subprocess.PIPE, text=True,
+                                     env={**os.environ, "PYTHONPATH": str(ROOT)}) for _ in range(processes)]
+        outputs = [json.loads(child.communicate()[0]) for child in children]
+        for k, (label, _, _) in enumerate(outputs[0]):
+            cpu = sum(out[k][1] for out in outputs) / processes
+            wall = sum(out[k][2] for out in outputs)
+            print(f"  {label:32s} {cpu / 1e3:7.0f}k tokens per CPU second, {wall / 1e3:7.0f}k per wall second in all")
     low, high = GPU_PREFILL_TOKENS_PER_S
     print(f"compare: broker ingest ~{BROKER_TOKENS_PER_S / 1e6:.0f}M tokens/s; a GPU's 7B prefill "
           f"{low // 1000}-{high // 1000}k tokens/s")

@@ -305,8 +305,7 @@ class ChatTokenizer:
                 entry.split = self._splits.prefix_split(entry.text, n, own_ids, own_spans)
                 entry.split_known = True
             learned.append(entry)
-        for entry in learned:
-            self._memo.resize(entry)
+        self._memo.resize(learned)
 
     def _after_prefix(self, text: str, last: PrefixEntry, fail: OnTokenizerError) -> np.ndarray | None:
         """The prompt's tokens from its last prefix's and its rest's alone, where that is
@@ -335,7 +334,7 @@ class ChatTokenizer:
             ends = _advancing_ends(tokens, ladder)
             if exact_rest and all(len(e.ids) <= len(last.ids) for e in ladder):  # type: ignore[arg-type]
                 last.ends = ends
-                self._memo.resize(last)
+                self._memo.resize([last])
         return [tokens[a:b] for a, b in zip((0, *ends), ends)]
 
     def _tokenize(self, text: str, fail: OnTokenizerError, *, add_special_tokens: bool = False) -> Encoding:

@@ -42,8 +42,8 @@ MAX_COMPONENTS = MAX_CHAIN_DEPTH
 # Bytes of prefix renders (their text, token ids and keys) one memo keeps: a producer's shared
 # system prompts, tool schemas and few-shot blocks (tens of KB each) fit by the thousand.
 MEMO_BYTES = 64 << 20
-# What an entry costs beyond its text, ids and key: the entry, its dictionary slot, the key
-# tuple and the ids array's header (measured with sys.getsizeof: ~350 bytes).
+# What an entry costs beyond its text, ids, key text and ends: the entry, its dictionary
+# slot, the key tuple, the ids array's header and its split (tracemalloc: about 400 bytes).
 ENTRY_OVERHEAD_BYTES = 400
 # The parent of a request's first prefix.
 ROOT_UID = 0
@@ -107,31 +107,38 @@ class PrefixMemo:
         ladder: list[PrefixEntry] = []
         parent, start, keyed = ROOT_UID, 0, True
         for j in boundary_indices(last_user):
-            key = _key(parent, messages[start:j + 1], tools) if keyed else None
+            key = _key(parent, messages, start, j + 1, tools) if keyed else None
             entry = self._entries.get(key) if key is not None else None
             if entry is None:
                 self.misses += 1
                 self._last_uid += 1
-                entry = PrefixEntry(uid=self._last_uid, key=key, text=render(messages[:j + 1]))
-                keyed = self._add(entry)
+                entry = PrefixEntry(self._last_uid, key, render(messages[:j + 1]))
+                entry.size_bytes = entry.measure()
+                if key is None or entry.size_bytes > self._limit:  # its children could never be found
+                    entry.key, keyed = None, False
             else:
                 self.hits += 1
-                self._entries.move_to_end(key)
             ladder.append(entry)
             parent, start = entry.uid, j + 1
-        for entry in reversed(ladder):  # parents last: more recent than their children
-            if entry.key is not None and self._entries.get(entry.key) is entry:
+        for entry in reversed(ladder):  # kept, parents last: more recent than their children
+            if entry.key is None:
+                continue
+            if entry.key in self._entries:
                 self._entries.move_to_end(entry.key)
+            else:
+                self._entries[entry.key] = entry
+                self._bytes += entry.size_bytes
         self._evict()  # only now: evicting while walking could drop a parent of this walk
         return ladder
 
-    def resize(self, entry: PrefixEntry) -> None:
-        """Account for what was filled into `entry` since it was added."""
-        size = entry.measure()
-        if entry.key is not None and self._entries.get(entry.key) is entry:
-            self._bytes += size - entry.size_bytes
-            self._evict()
-        entry.size_bytes = size
+    def resize(self, entries: Sequence[PrefixEntry]) -> None:
+        """Account for what was filled into `entries` since they were added."""
+        for entry in entries:
+            size = entry.measure()
+            if entry.key is not None and self._entries.get(entry.key) is entry:
+                self._bytes += size - entry.size_bytes
+            entry.size_bytes = size
+        self._evict()
 
     def check_invariants(self) -> None:
         assert self._bytes == sum(e.size_bytes for e in self._entries.values()), self._bytes
@@ -140,28 +147,20 @@ class PrefixMemo:
         assert len({e.uid for e in self._entries.values()}) == len(self._entries)
         assert all(ROOT_UID < e.uid <= self._last_uid for e in self._entries.values())
 
-    def _add(self, entry: PrefixEntry) -> bool:
-        """Keep `entry` if it fits; whether it is kept (its children are only kept if it is:
-        a child of an entry not kept could never be found again)."""
-        entry.size_bytes = entry.measure()
-        if entry.key is None or entry.size_bytes > self._limit:
-            entry.key = None
-            return False
-        self._entries[entry.key] = entry
-        self._bytes += entry.size_bytes
-        return True
-
     def _evict(self) -> None:
         while self._bytes > self._limit:
             _, evicted = self._entries.popitem(last=False)
             self._bytes -= evicted.size_bytes
 
 
-def _key(parent: int, messages: Sequence[Any], tools: Any) -> Key | None:
-    """(parent uid, the messages' JSON text, with the tools for a first prefix): exact for
-    JSON values, which is what a request holds. None for values JSON cannot write."""
+def _key(parent: int, messages: Sequence[Any], start: int, end: int, tools: Any) -> Key | None:
+    """(parent uid, the JSON text of messages[start:end], with the tools for a first prefix):
+    exact for JSON values, which is what a request holds. None for values JSON cannot write."""
     try:
-        text = _KEY_JSON.encode([tools, messages] if parent == ROOT_UID else messages)
+        if parent == ROOT_UID:
+            text = _KEY_JSON.encode([tools, messages[start:end]])
+        else:  # one message (an object) or several (a list): never the same text
+            text = _KEY_JSON.encode(messages[start] if end == start + 1 else messages[start:end])
     except (TypeError, ValueError, RecursionError):
         return None
     return parent, text

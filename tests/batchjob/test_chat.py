@@ -371,10 +371,6 @@ def test_template_environment_matches_transformers(trained):
     # tojson keeps <, &, ' and non-ASCII as they are; break works; trim/lstrip blocks eat
     # the newline after a block and the spaces before one.
     assert text == '{"role": "user", "content": "<a> & \'é\'"}<go>'
-    # Values are escaped where a template asks for it, decided when it runs.
-    escaping = ChatTokenizer(trained[0], "{% autoescape true %}{{ messages[0]['content'] }}{% endautoescape %}"
-                                         "{% autoescape 1 == 2 %}{{ messages[0]['content'] }}{% endautoescape %}")
-    assert escaping.render([{"role": "user", "content": "<&>"}], add_generation_prompt=False) == "&lt;&amp;&gt;<&>"
     with pytest.raises(ChatRequestError, match="no bad roles"):
         tokenizer.chat_prompt([{"role": "bad", "content": "x"}])
 
@@ -468,17 +464,7 @@ def test_a_template_failure_is_its_requests_error(trained, template, failure):
         tokenizer.chat_prompt([{"role": "user", "content": "x"}])
 
 
-def test_nothing_of_the_template_runs_at_load(trained):
-    import tracemalloc
-
-    size = 20_000_000  # characters each construct would allocate if folded at load
-    for template in ["{{ 'A' * N }}", "{{ 'A' | center(N) }}", "{% if 'A' * N %}{% endif %}", "{{ ['A'] * N }}",
-                     "{% autoescape 'A' | center(N) %}x{% endautoescape %}", "{{ ('A' * N) | length }}"]:
-        tracemalloc.start()
-        ChatTokenizer(trained[0], template.replace("N", str(size)))
-        peak = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
-        assert peak < size // 10, (template, peak)
+def test_a_template_that_does_not_compile_is_the_model_directorys_error(trained):
     with pytest.raises(ModelDirError, match="the chat template does not compile: RecursionError"):
         ChatTokenizer(trained[0], "{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}")
 

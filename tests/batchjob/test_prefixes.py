@@ -90,7 +90,7 @@ def test_memory_stays_under_the_limit_and_parents_outlive_children(limit_bytes):
         for entry in ladder:  # what chat.py fills in, accounted for
             if entry.ids is None:
                 entry.ids = np.arange(len(entry.text), dtype=np.int32)
-                memo.resize(entry)
+                memo.resize([entry])
         memo.check_invariants()
         kept = {e.uid for e in memo._entries.values()}
         assert all(e.key[0] == 0 or e.key[0] in kept for e in memo._entries.values())
