@@ -438,7 +438,8 @@ class FailingTokenizer(CountingTokenizer):
 
 def test_any_tokenizer_failure_is_its_requests_error(trained):
     for failure in [RuntimeError("the model broke"), PanicException("index out of bounds"), MemoryError()]:
-        tokenizer = ChatTokenizer(FailingTokenizer(trained[0], failure), CHATML, bos_token=BOS)  # type: ignore[arg-type]
+        failing = FailingTokenizer(trained[0], failure)
+        tokenizer = ChatTokenizer(failing, CHATML, bos_token=BOS)  # type: ignore[arg-type]
         with pytest.raises(ChatRequestError, match=f"the tokenizer failed on this request's prompt: "
                                                    f"{type(failure).__name__}"):
             tokenizer.chat_prompt([{"role": "user", "content": "boom"}])

@@ -145,7 +145,8 @@ def test_the_work_of_a_chat_prompt_is_linear_in_its_turns(template, monkeypatch)
         tokenizer, renders, texts = _chat_tokenizer(template), [], []
         render, tokenize = tokenizer.render, tokenizer._tokenize
         monkeypatch.setattr(tokenizer, "render", lambda m, **kw: renders.append(len(m)) or render(m, **kw))
-        monkeypatch.setattr(tokenizer, "_tokenize", lambda text, *a, **kw: texts.append(text) or tokenize(text, *a, **kw))
+        monkeypatch.setattr(tokenizer, "_tokenize",
+                            lambda text, *a, **kw: texts.append(text) or tokenize(text, *a, **kw))
         prompt = tokenizer.chat_prompt(_conversation(messages))
         assert len(prompt.components) == MAX_COMPONENTS
         return len(renders), sum(renders), len(texts), sum(len(t) for t in texts)
