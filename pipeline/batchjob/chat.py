@@ -301,13 +301,14 @@ class ChatTokenizer:
                 entry.ids = entry.ids if entry.ids is not None else _frozen(own_ids)
             else:
                 own_ids, own_spans = ids, spans  # type: ignore[assignment]
-                if entry.ids is None:  # a copy: an entry holds no other prompt's memory
-                    entry.ids = tokens[:n].copy()
+                if entry.ids is None:  # a kept entry holds a copy: no other prompt's memory
+                    entry.ids = tokens[:n] if entry.key is None else tokens[:n].copy()
                     entry.ids.flags.writeable = False
             if entry is last:
                 entry.split = self._splits.prefix_split(entry.text, n, own_ids, own_spans)
                 entry.split_known = True
-            learned.append(entry)
+            if entry.key is not None:
+                learned.append(entry)
         self._memo.resize(learned)
 
     def _after_prefix(self, text: str, last: PrefixEntry, fail: OnTokenizerError) -> np.ndarray | None:

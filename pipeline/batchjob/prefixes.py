@@ -1,5 +1,5 @@
 """A chat request's prefix renders: which of them bound its components, and a bounded memo
-that renders and tokenizes each shared one once per producer.
+so that a producer renders and tokenizes each shared one at most twice, not once a request.
 
 A request's components end where the chat template rendered with messages[:j+1] and no
 generation prompt ends, for messages j before its last user message (chat.py). Only
@@ -15,6 +15,15 @@ messages and tools. Requests of one shape (a system prompt and a few-shot block)
 same entries; a conversation's turn k+1 finds turn k's. Least recently used entries go
 first, and an entry is always used no later than its parent, so a parent outlives its
 children (an entry whose parent is gone could never be found again).
+
+A prefix is kept from its second sight: the first only records a hash of the messages up to
+it (SEEN_PREFIXES of them), so a prefix no other request shares (a request's own system
+prompt, a conversation's history) is never kept, and the first two requests of a shape
+render and tokenize its prefix, the others none. NOTE: keeping every prefix from its first
+sight was rejected: on conversations that share nothing (tools/bench_tokenize.py's
+14-message ones) the churn of kept and evicted renders made the tokenizer and the template
+10-15% slower (encode 0.92 ms a prompt against 0.84 with nothing kept), for one prefix
+render and tokenization saved per shape.
 
     memo = PrefixMemo()
     ladder = memo.ladder(messages, tools, last_user, render=lambda prefix: template(prefix))
@@ -45,6 +54,10 @@ MEMO_BYTES = 64 << 20
 # What an entry costs beyond its text, ids, key text and ends: the entry, its dictionary
 # slot, the key tuple, the ids array's header and its split (tracemalloc: about 400 bytes).
 ENTRY_OVERHEAD_BYTES = 400
+# Prefixes seen once that the memo remembers, as hashes, to keep them when seen again (about
+# 140 bytes each, 2.3 MB in all): a shape whose requests come within 16,384 new prefixes of
+# each other is kept; one spread wider is rendered and tokenized once more.
+SEEN_PREFIXES = 1 << 14
 # The parent of a request's first prefix.
 ROOT_UID = 0
 
@@ -58,8 +71,9 @@ class PrefixEntry:
     """One prefix render: its text, and what chat.py learns about it (filled in once)."""
 
     uid: int
-    key: Key | None  # None: not in the memo (its messages have no JSON text, or it is too big)
+    key: Key | None  # None: not in the memo (seen once, too big, or messages with no JSON text)
     text: str
+    chain: int  # a hash of the messages up to it: its identity whatever its parent's uid
     ids: np.ndarray | None = None  # tokenize(text), int32, read-only
     split_known: bool = False  # `split` is set (it is used when the entry is a request's last prefix)
     split: PrefixSplit | None = None  # where what follows it may be tokenized alone (`splits.py`)
@@ -88,6 +102,7 @@ class PrefixMemo:
 
     def __init__(self, limit_bytes: int = MEMO_BYTES) -> None:
         self._entries: OrderedDict[Key, PrefixEntry] = OrderedDict()
+        self._seen: OrderedDict[int, None] = OrderedDict()  # chains seen once, oldest first
         self._limit = limit_bytes
         self._bytes = 0
         self._last_uid = ROOT_UID
@@ -105,19 +120,22 @@ class PrefixMemo:
         """The entries of the request's boundaries (`boundary_indices`), rendering
         messages[:j+1] with `render` for those not kept; [] without a user message."""
         ladder: list[PrefixEntry] = []
-        parent, start, keyed = ROOT_UID, 0, True
+        parent, start, chain, kept = ROOT_UID, 0, 0, True
         for j in boundary_indices(last_user):
-            key = _key(parent, messages, start, j + 1, tools) if keyed else None
-            entry = self._entries.get(key) if key is not None else None
+            key = _key(parent, messages, start, j + 1, tools) if chain is not None else None
+            entry = self._entries.get(key) if key is not None and kept else None
             if entry is None:
                 self.misses += 1
                 self._last_uid += 1
-                entry = PrefixEntry(self._last_uid, key, render(messages[:j + 1]))
+                chain = None if key is None else hash((chain, key[1]))
+                entry = PrefixEntry(self._last_uid, None, render(messages[:j + 1]), chain or 0)
                 entry.size_bytes = entry.measure()
-                if key is None or entry.size_bytes > self._limit:  # its children could never be found
-                    entry.key, keyed = None, False
+                if self._admit(chain, kept) and entry.size_bytes <= self._limit:
+                    entry.key = key
+                kept = entry.key is not None  # the children of an entry not kept cannot be
             else:
                 self.hits += 1
+                chain = entry.chain
             ladder.append(entry)
             parent, start = entry.uid, j + 1
         for entry in reversed(ladder):  # kept, parents last: more recent than their children
@@ -146,6 +164,21 @@ class PrefixMemo:
         assert all(key == entry.key for key, entry in self._entries.items())
         assert len({e.uid for e in self._entries.values()}) == len(self._entries)
         assert all(ROOT_UID < e.uid <= self._last_uid for e in self._entries.values())
+        assert len(self._seen) <= SEEN_PREFIXES
+
+    def _admit(self, chain: int | None, parent_kept: bool) -> bool:
+        """Whether a prefix not in the memo is kept now: at its second sight, under a kept
+        parent (and its messages have a JSON text). The first sight is recorded."""
+        if chain is None:
+            return False
+        if chain in self._seen:
+            if parent_kept:
+                del self._seen[chain]
+            return parent_kept
+        self._seen[chain] = None
+        if len(self._seen) > SEEN_PREFIXES:
+            self._seen.popitem(last=False)
+        return False
 
     def _evict(self) -> None:
         while self._bytes > self._limit:

@@ -319,12 +319,13 @@ def test_a_shapes_rest_is_tokenized_alone_only_where_exact(families, family):
     tokenizer = ChatTokenizer(families[family]._tokenizer, FAMILIES[family][2], bos_token=families[family]._bos_token,
                               eos_token=EOS)
     shots = [("what is the answer", "the answer of the question")]
-    for user in ["hello", "world of help", "hel lo", "the question"]:
+    for user in ["hello", "world of help", "hel lo", "the question", "of the world"]:
         _check_against_plain(tokenizer, _chat("you are the system", shots, user))
-    # The first is tokenized whole, each later one's rest alone where that is exact: not in
-    # "crossing" for the users starting "hel", never where no special token ends a message.
+    # The first two are tokenized whole (the shape's prefix is kept from its second sight),
+    # each later one's rest alone where that is exact: not in "crossing" for the users
+    # starting "hel", never where no special token ends a message.
     assert tokenizer.rests_tokenized == FAMILIES[family][3]
-    assert tokenizer.prompts_tokenized == 4 - FAMILIES[family][3]
+    assert tokenizer.prompts_tokenized == 5 - FAMILIES[family][3]
 
 
 class CountingTokenizer:
@@ -341,22 +342,24 @@ class CountingTokenizer:
         return getattr(self.inner, name)
 
 
-def test_a_shapes_prefix_is_rendered_and_tokenized_once(trained):
+def test_a_shapes_prefix_is_rendered_and_tokenized_twice_then_never(trained):
     counting = CountingTokenizer(trained[0])
     tokenizer = ChatTokenizer(counting, CHATML, bos_token=BOS, eos_token=EOS)  # type: ignore[arg-type]
     renders: list[int] = []
     render = tokenizer.render
     tokenizer.render = lambda messages, **kw: renders.append(len(messages)) or render(messages, **kw)  # type: ignore
-    counting.texts.clear()
     shots = [("hello", "world")]
-    tokenizer.chat_prompt(_chat("the system", shots, "question"))
-    assert renders == [4, 1, 2, 3] and len(counting.texts) == 1  # the prompt, its prefixes; tokenized whole
-    renders.clear(), counting.texts.clear()
-    prompt = tokenizer.chat_prompt(_chat("the system", shots, "another question"))
-    rest = IM_START + "user\nanother question" + IM_END + "\n" + IM_START + "assistant\n"
-    assert renders == [4] and len(counting.texts) == 1 and counting.texts[0].endswith(rest)
-    assert len(counting.texts[0]) <= len(rest) + max(len(t) for t in (BOS, EOS, IM_START, IM_END))
-    assert len(prompt.components) == 3
+    for user in ["question", "another question"]:  # the prompt, its prefixes; tokenized whole
+        renders.clear(), counting.texts.clear()
+        tokenizer.chat_prompt(_chat("the system", shots, user))
+        assert renders == [4, 1, 2, 3] and len(counting.texts) == 1
+    for user in ["a third question", "the last question"]:
+        renders.clear(), counting.texts.clear()
+        prompt = tokenizer.chat_prompt(_chat("the system", shots, user))
+        rest = IM_START + f"user\n{user}" + IM_END + "\n" + IM_START + "assistant\n"
+        assert renders == [4] and len(counting.texts) == 1 and counting.texts[0].endswith(rest)
+        assert len(counting.texts[0]) <= len(rest) + max(len(t) for t in (BOS, EOS, IM_START, IM_END))
+        assert len(prompt.components) == 3
 
 
 # -- templates as transformers renders them ---------------------------------------------------

@@ -1,7 +1,7 @@
 """The prefix memo (pipeline/batchjob/prefixes.py): which prefix renders bound a request's
 components (MAX_COMPONENTS, at the limit and past it, in chat prompts too), entries found by
-exactly the messages and tools the template saw, rendered once, and the memory bound kept
-(least recently used first, a parent never before its children); the work of a chat prompt
+exactly the messages and tools the template saw, kept from their second sight, and the memory
+bound kept (least recently used first, a parent never before its children); the work of a chat prompt
 linear in its turns. A render here is a plain function of the messages (the memo never looks
 inside it), or a chat template over a character-level tokenizer built without training."""
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from pipeline.batchjob.chat import ChatTokenizer, last_user_index
-from pipeline.batchjob.prefixes import MAX_COMPONENTS, PrefixMemo, boundary_indices
+from pipeline.batchjob.prefixes import MAX_COMPONENTS, SEEN_PREFIXES, PrefixMemo, boundary_indices
 from pipeline.wire.layouts import MAX_CHAIN_DEPTH
 
 
@@ -40,24 +40,45 @@ def test_boundaries_at_the_limit_and_past_it():
     assert boundary_indices(3000) == [*range(MAX_COMPONENTS - 1), 2999]
 
 
-def test_a_shared_prefix_is_rendered_once_and_a_longer_conversation_reuses_it():
+def test_a_shared_prefix_is_rendered_twice_and_a_longer_conversation_reuses_it():
     memo, render = PrefixMemo(), Renders()
     messages = _messages(6)
     first = memo.ladder(messages, None, 5, render)
     assert [e.text for e in first] == [render(messages[:j + 1]) for j in range(5)]
+    assert len(memo) == 0  # seen once: nothing kept
+    second = memo.ladder(messages[:5] + [{"role": "user", "content": "other"}], None, 5, render)
+    assert len(memo) == 5 and all(a is not b for a, b in zip(first, second))  # the whole chain, at once
     render.calls.clear()
-    again = memo.ladder(messages[:5] + [{"role": "user", "content": "other"}], None, 5, render)
-    assert render.calls == [] and all(a is b for a, b in zip(first, again, strict=True))
-    longer = memo.ladder(messages + [{"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}],
-                         None, 7, render)
-    assert render.calls == [6, 7] and all(a is b for a, b in zip(first, longer[:5]))  # turn k+1 finds turn k's
-    assert (memo.hits, memo.misses) == (10, 7)
+    third = memo.ladder(messages, None, 5, render)
+    assert render.calls == [] and all(a is b for a, b in zip(second, third, strict=True))
+    longer = messages + [{"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}]
+    for renders in ([6, 7], [6, 7], []):  # turn k+1 finds turn k's prefixes, and keeps its own
+        render.calls.clear()
+        ladder = memo.ladder(longer, None, 7, render)
+        assert render.calls == renders and all(a is b for a, b in zip(second, ladder[:5]))
+    assert (memo.hits, memo.misses) == (5 + 5 + 5 + 7, 5 + 5 + 2 + 2)
+    memo.check_invariants()
+
+
+def test_a_prefix_is_kept_only_if_seen_again_within_seen_prefixes():
+    memo, render = PrefixMemo(), Renders()
+
+    def sight(k: int) -> None:
+        memo.ladder([{"role": "system", "content": f"s{k}"}, {"role": "user", "content": "u"}], None, 1, render)
+
+    for k in range(SEEN_PREFIXES + 1):  # each seen once: only remembered, the first one forgotten
+        sight(k)
+    assert len(memo) == 0
+    sight(1)  # SEEN_PREFIXES - 1 new prefixes since it: still remembered, kept
+    sight(0)  # SEEN_PREFIXES new prefixes since it: forgotten, seen "once" again
+    assert [e.text for e in memo._entries.values()] == [render([{"role": "system", "content": "s1"}])]
     memo.check_invariants()
 
 
 def test_entries_are_keyed_by_exactly_what_the_template_sees():
     memo, render = PrefixMemo(), Renders()
     base = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    memo.ladder(base, None, 1, render)
     entry = memo.ladder(base, None, 1, render)[0]
     for other, tools in [([{"content": "s", "role": "system"}], None),  # key order: a template may iterate it
                          ([{"role": "system", "content": "s", "name": "n"}], None),
@@ -65,7 +86,8 @@ def test_entries_are_keyed_by_exactly_what_the_template_sees():
                          ([{"role": "system", "content": "s"}], [{"type": "function"}]),
                          ([{"role": "system", "content": 1}], None), ([{"role": "system", "content": 1.0}], None),
                          ([{"role": "system", "content": True}], None)]:
-        assert memo.ladder(other + base[1:], tools, 1, render)[0] is not entry
+        for _ in range(2):
+            assert memo.ladder(other + base[1:], tools, 1, render)[0] is not entry
     assert memo.ladder(base, None, 1, render)[0] is entry
     memo.check_invariants()
 
@@ -74,10 +96,10 @@ def test_values_json_cannot_write_are_rendered_each_time():
     memo, render = PrefixMemo(), Renders()
     messages = [{"role": "system", "content": "s", "extra": {1, 2}}, {"role": "user", "content": "u"},
                 {"role": "user", "content": "v"}]
-    for _ in range(2):
+    for _ in range(3):
         ladder = memo.ladder(messages, None, 2, render)
         assert all(e.key is None for e in ladder)  # and their children are not kept either
-    assert render.calls == [1, 2, 1, 2] and len(memo) == 0
+    assert render.calls == [1, 2] * 3 and len(memo) == 0
 
 
 @pytest.mark.parametrize("limit_bytes", [0, 3000, 20_000])
@@ -104,7 +126,8 @@ def test_an_entry_over_the_limit_is_not_kept_nor_its_children():
     memo, render = PrefixMemo(3000), Renders()
     messages = [{"role": "system", "content": "x" * 5000}, {"role": "user", "content": "a"},
                 {"role": "user", "content": "b"}]
-    memo.ladder(messages, None, 2, render)
+    for _ in range(3):
+        memo.ladder(messages, None, 2, render)
     assert len(memo) == 0
     memo.check_invariants()
 
