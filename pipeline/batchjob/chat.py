@@ -18,8 +18,9 @@ to the last token both share; a boundary that does not advance past the previous
 dropped (components are never empty). Turn k+1 of a conversation then starts with turn k's
 components, so the broker's shape chains see the conversation grow.
 
-Each prefix render and its tokens are kept in a bounded memo (`prefixes.py`), so a shape's
-prefix is rendered and tokenized once per producer, not once per request. A request renders
+Prefix renders and their tokens are kept in a bounded memo (`prefixes.py`), so a shape's
+prefix is rendered and tokenized by its first two requests in a producer, not by every one
+(a prefix is kept from its second sight). A request renders
 its whole prompt; where that starts with its last prefix render P and the tokenizer cuts
 there before anything else (beside an added token such as ChatML's <|im_start|> or Llama 3's
 <|eot_id|>: `splits.py`), only the rest is tokenized, and the prompt's tokens are P's and the
@@ -38,8 +39,8 @@ rejected: it is wrong where a prefix render ends in whitespace that merges alone
 inside the prompt (" \n" before a letter: the pre-tokenizer's whitespace rule looks ahead),
 and the property test finds that case.
 NOTE: tokenizing the rests of a group of requests in one `encode_batch` was rejected: two
-producers' worth on this machine's 2 cores made 1.66-1.77 M tokens/s in all that way, 2.04 M
-one `encode` at a time (`encode_batch_fast`, without offsets: 2.04-2.05 M, no gain; bench_tokenize).
+processes at once on this machine's 2 cores made 0.87-1.02 M tokens per CPU second that way,
+0.90-1.05 M one `encode` at a time (`encode_batch_fast`, no offsets: 0.95-1.09 M; bench_tokenize).
 """
 
 from __future__ import annotations
