@@ -7,7 +7,7 @@
 On the tiny model of tools/tiny_llama.py (built into .cache/tiny-llama if no directory is
 given; its chat template delimits messages with plain text, so each prompt is tokenized
 whole), and on the same tokenizer with the template's role markers as special tokens (each
-shared prefix tokenized once, then only each prompt's rest). Workloads, all seeded: chat
+shared prefix tokenized by its first two requests, then only each prompt's rest). Workloads, all seeded: chat
 requests of a system prompt, a few-shot block of three exchanges and a short user turn
 (system and few-shot shared by groups of requests, as a batch file built from one template
 has them); 14-message conversations (no two share a prefix); one long conversation (a
@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # The default model directory (the vLLM tests build the same one there).
 DEFAULT_MODEL_DIR = ROOT / ".cache" / "tiny-llama"
 # Distinct system prompts and few-shot blocks: groups of requests share one (a batch file of
-# one task), so a prefix is tokenized once per group and the memo's hits are what is timed.
+# one task), so a prefix is tokenized by its group's first requests and the memo's hits are what is timed.
 SHARED_PREFIXES = 20
 # Characters of each part: a system prompt of ~400 tokens, few-shot turns of ~60, a user turn of ~150.
 SYSTEM_CHARS, SHOT_CHARS, USER_CHARS = 1500, 200, 500

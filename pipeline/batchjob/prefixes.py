@@ -7,10 +7,10 @@ MAX_COMPONENTS of them are used: the first MAX_COMPONENTS - 1 messages' and the 
 The work of a request is then linear in its length, and turn k+1 of a long conversation
 still starts with turn k's first components.
 
-The memo holds each prefix render once, keyed by exactly what the template saw: an entry is
-found by its parent entry (the previous boundary's) and the JSON text of the messages
-between the two (the first also holds the tools), so a request finds all its prefixes with
-one dictionary look-up each, and two requests share an entry exactly when they share those
+The memo holds prefix renders keyed by exactly what the template saw: an entry is found by
+its parent entry (the previous boundary's) and the JSON text of the messages between the
+two (the first also holds the tools), so a request finds all its prefixes with one
+dictionary look-up each, and two requests share an entry exactly when they share those
 messages and tools. Requests of one shape (a system prompt and a few-shot block) find the
 same entries; a conversation's turn k+1 finds turn k's. Least recently used entries go
 first, and an entry is always used no later than its parent, so a parent outlives its

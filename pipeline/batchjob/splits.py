@@ -78,10 +78,10 @@ class AddedTokenSplits:
                 completions.setdefault(token.content[:k], set()).add(token.content[k:])
         self._completions = {prefix: tuple(sorted(rest)) for prefix, rest in completions.items()}
         self._longest = max((len(t.content) for t in first_pass.values()), default=0)
-        starts: dict[str, list[str]] = {}
-        for content in self.clean.values():
-            starts.setdefault(content[0], []).append(content)
-        self._starts = {first: tuple(texts) for first, texts in starts.items()}
+        # A look-up per length, not a scan of the tokens: some vocabularies add thousands.
+        self._texts = frozenset(self.clean.values())
+        self._lengths = sorted({len(text) for text in self._texts})
+        self._firsts = frozenset(text[0] for text in self._texts)
         # LEAD: the clean token that fewest tokens could extend (none, in every tokenizer
         # seen), then the shortest, then the lowest id: a fixed choice.
         self.lead_id, self.lead = min(self.clean.items(), key=lambda item: (
@@ -116,7 +116,7 @@ class AddedTokenSplits:
     def starts_with_token(self, rest: str) -> bool:
         """The first pass starts `rest` with an added token (a clean token's text begins it:
         leftmost-longest then matches some token at 0)."""
-        return any(rest.startswith(t) for t in self._starts.get(rest[:1], ()))
+        return rest[:1] in self._firsts and any(rest[:k] in self._texts for k in self._lengths)
 
     def drop_lead(self, ids: Sequence[int]) -> Sequence[int] | None:
         """The ids of `lead + rest` without LEAD's; None if they do not start with it. LEAD is

@@ -1,7 +1,7 @@
 """The chat tokenizer: model directories loaded (and refused, naming the path), chat prompts
 rendered as transformers renders them, their components (shared prefixes get one shape, a
 conversation's turns chain, a merge across a message boundary moves the boundary back, at
-most MAX_COMPONENTS of them), a shape's prefix tokenized once and the prompts equal to the
+most MAX_COMPONENTS of them), a shape's prefix tokenized by its first two requests only and the prompts equal to the
 plain method on generated conversations for several tokenizer families, a prompt's work
 linear in its turns, completion prompts, and every failure of the template or the tokenizer
 a typed error of its request.
@@ -274,7 +274,7 @@ def test_no_user_message_means_no_components(chatml):
     assert prompt.components == [] and len(prompt.tokens) > 0
 
 
-# -- a shape's prefix once, and the prompts of every tokenizer family equal to the plain method
+# -- a shape's prefix kept, and the prompts of every tokenizer family equal to the plain method
 
 # Pieces of contents: letters the tokenizers merge, whitespace, non-ASCII, "▁", and the added
 # tokens' own text, whole or in part (a request may contain them: they are tokenized as the
