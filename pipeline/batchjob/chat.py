@@ -5,57 +5,70 @@
     prompt = tokenizer.completion_prompt("Once upon a time")  # components: none
 
 A chat prompt is rendered the way transformers' `apply_chat_template` renders it (Jinja in an
-immutable sandbox, trim_blocks and lstrip_blocks, `raise_exception`, a `tojson` that does
-not escape HTML, loop controls) and tokenized without adding special tokens again: the
+immutable sandbox: `template.py`) and tokenized without adding special tokens again: the
 template writes bos itself, as vLLM's chat endpoint does. Nothing here imports transformers.
 
 Components (SPEC §1: the cacheable prefix parts, back to back a prefix of the tokens): one
 per message before the last user message (the system prompt, a tool schema or few-shot
-turns, earlier turns of a conversation). The boundary after message j is where the template
-rendered with messages[:j+1] and no generation prompt ends, as tokens: the longest common
-token prefix of that render's tokens and the whole prompt's. Where the tokenizer merges
-across the message boundary the boundary so moves back to the last token both share; a
-boundary that does not advance past the previous one is dropped (components are never
-empty). Turn k+1 of a conversation then starts with turn k's components, so the broker's
-shape chains see the conversation grow.
+turns, earlier turns of a conversation), at most MAX_COMPONENTS (`prefixes.py`). The boundary
+after message j is where the template rendered with messages[:j+1] and no generation prompt
+ends, as tokens: the longest common token prefix of that render's tokens and the whole
+prompt's. Where the tokenizer merges across the message boundary the boundary so moves back
+to the last token both share; a boundary that does not advance past the previous one is
+dropped (components are never empty). Turn k+1 of a conversation then starts with turn k's
+components, so the broker's shape chains see the conversation grow.
 
-Finding the boundaries the plain way tokenizes every prefix render: quadratic in turns. The
-fast path (`_fast_boundary`) reads the boundary off the whole prompt's own token offsets
-where it falls beside a special token (ChatML's <|im_start|>, Llama 3's <|eot_id|>, ...):
-tokenizers split the text at added tokens before anything else, so the text before one is
-tokenized alone and the prefix render's tokens are exactly the prompt's first tokens.
-Elsewhere (templates that delimit messages with plain text) the prefix render is tokenized,
-through a bounded memo keyed by its text (shared system prompts and few-shot blocks are
-tokenized once per producer). tests/batchjob/test_chat.py checks both against the plain way.
+Prefix renders and their tokens are kept in a bounded memo (`prefixes.py`), so a shape's
+prefix is rendered and tokenized by its first two requests in a producer, not by every one
+(a prefix is kept from its second sight). A request renders
+its whole prompt; where that starts with its last prefix render P and the tokenizer cuts
+there before anything else (beside an added token such as ChatML's <|im_start|> or Llama 3's
+<|eot_id|>: `splits.py`), only the rest is tokenized, and the prompt's tokens are P's and the
+rest's: exactly those of tokenizing the whole prompt. Elsewhere (templates that delimit
+messages with plain text, where the tokenizer may merge across the boundary) the whole prompt
+is tokenized. tests/batchjob/test_chat.py checks both against the plain way on several
+tokenizer families.
+
+The template is foreign code, compiled so that nothing of it runs at load and rendered per
+request: whatever it raises, like whatever the tokenizer raises (a lone surrogate, which JSON
+allows and UTF-8 does not, among them), is that request's ChatRequestError. Bounds on its
+time and memory are the producer supervisor's.
 
 NOTE: reading every boundary off the prompt's token offsets (a token boundary at the cut) was
 rejected: it is wrong where a prefix render ends in whitespace that merges alone but is split
 inside the prompt (" \n" before a letter: the pre-tokenizer's whitespace rule looks ahead),
-and the property test finds that case. Measured (tools/bench_tokenize.py, tiny model, 2
-shared cores): the plain way 205k tokens/s for system + few-shot + user, 133k for 13-message
-conversations; with the memo 779k and 136k; with special-token markers (fast path) 752k and
-701k; a plain `encode` of a completion 1.0M. `encode_batch` (1.0-1.3M tokens/s in chunks of
-16-256) is no faster than `encode` one at a time on 2 cores, so chat_prompt encodes one by one.
+and the property test finds that case.
+NOTE: tokenizing the rests of a group of requests in one `encode_batch` was rejected: two
+processes at once on this machine's 2 cores made 0.87-1.02 M tokens per CPU second that way,
+0.90-1.05 M one `encode` at a time (`encode_batch_fast`, no offsets: 0.95-1.09 M; bench_tokenize).
 """
 
 from __future__ import annotations
 
 import json
 import stat
-from bisect import bisect_left
-from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pipeline.wire.errors import ChatRequestError, ModelDirError, NoChatTemplateError, TokenArrayError
+from pipeline.batchjob.prefixes import MEMO_BYTES, PrefixEntry, PrefixMemo
+from pipeline.batchjob.splits import AddedTokenSplits, Spans
+from pipeline.batchjob.template import compile_chat_template
+from pipeline.wire.errors import (
+    BadInputError,
+    ChatRequestError,
+    ModelDirError,
+    NoChatTemplateError,
+    TokenArrayError,
+)
 
 if TYPE_CHECKING:
     from jinja2 import Template
-    from tokenizers import Tokenizer
+    from tokenizers import Encoding, Tokenizer
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -70,13 +83,15 @@ MAX_TOKENIZER_BYTES = 256 << 20
 # Largest tokenizer_config.json or chat_template.jinja read (real configs are < 1 MB, with
 # their added_tokens_decoder tables).
 MAX_CONFIG_BYTES = 16 << 20
-# Characters of prefix renders whose tokens the memo keeps (about 4 bytes of ids per 3-4
-# characters plus the key: ~100 MB at most); a producer's shared system prompts and few-shot
-# blocks fit many times over, so each is tokenized once.
-MEMO_CHARS = 16 << 20
 # How a message's list of text parts becomes the string a template expects: vLLM's "string"
 # content format joins the parts' texts with a newline.
 CONTENT_PART_SEPARATOR = "\n"
+# A Rust panic inside the tokenizer reaches Python as pyo3's PanicException, a BaseException
+# (not an Exception) that no module exports: it is known by its name.
+RUST_PANIC = "PanicException"
+
+# Builds the typed error of a tokenizer failure: (the exception, the text tokenized).
+OnTokenizerError = Callable[[BaseException, str], BadInputError]
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,13 +116,13 @@ class ChatTokenizer:
     """A model's tokenizer (tokenizers' Rust one) and its chat template (Jinja).
 
     Owner: one producer process (or one command). Not thread-safe: `chat_prompt` updates the
-    memo of prefix tokenizations; make one per thread. `load` reads files; everything else
-    is pure computation.
+    memo of prefix renders; make one per thread. `load` reads files; everything else is pure
+    computation.
     """
 
     def __init__(self, tokenizer: Tokenizer, chat_template: str | None, *, bos_token: str | None = None,
                  eos_token: str | None = None, add_bos_token: bool | None = None, source: str = "<memory>",
-                 memo_chars: int = MEMO_CHARS) -> None:
+                 memo_bytes: int = MEMO_BYTES) -> None:
         """`source` names the model directory in messages. A template that does not compile
         raises ModelDirError."""
         # NOTE: a tokenizer.json saved with truncation or padding on would cut or pad every
@@ -118,15 +133,15 @@ class ChatTokenizer:
         self._source = source
         self._bos_token, self._eos_token = bos_token, eos_token
         self._template = _compile(chat_template, source) if chat_template is not None else None
-        self._special_ids = _clean_special_tokens(tokenizer)
-        self._memo: OrderedDict[str, np.ndarray] = OrderedDict()
-        self._memo_chars = 0
-        self._memo_limit = memo_chars
+        self._splits = AddedTokenSplits(tokenizer)
+        self._memo = PrefixMemo(memo_bytes)
+        # Chat prompts whose rest alone was tokenized after a kept prefix, and those tokenized whole.
+        self.rests_tokenized = self.prompts_tokenized = 0
         self._bos_id = tokenizer.token_to_id(bos_token) if bos_token is not None else None
         self._bos_fix = self._bos_rule(add_bos_token)
 
     @classmethod
-    def load(cls, model_dir: str | Path, *, memo_chars: int = MEMO_CHARS) -> ChatTokenizer:
+    def load(cls, model_dir: str | Path, *, memo_bytes: int = MEMO_BYTES) -> ChatTokenizer:
         """MODEL_DIR/tokenizer.json and tokenizer_config.json (its chat template, bos and eos
         tokens, add_bos_token), or ModelDirError naming the path. A directory without a chat
         template loads: its chat requests are refused (NoChatTemplateError)."""
@@ -160,7 +175,7 @@ class ChatTokenizer:
             raise ModelDirError(f"{config_path}: add_bos_token must be true or false, got {add_bos!r}")
         return cls(tokenizer, template, bos_token=_token_text(config, "bos_token", config_path),
                    eos_token=_token_text(config, "eos_token", config_path), add_bos_token=add_bos,
-                   source=template_source if template is not None else str(root), memo_chars=memo_chars)
+                   source=template_source if template is not None else str(root), memo_bytes=memo_bytes)
 
     # -- the tokenizer ------------------------------------------------------------------
 
@@ -180,13 +195,19 @@ class ChatTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """`text`'s token ids; with add_special_tokens, as the model's tokenizer adds them for a
-        plain prompt (its post-processor, and add_bos_token as transformers applies it)."""
-        return self._fix_bos(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids,
-                             add_special_tokens)
+        plain prompt (its post-processor, and add_bos_token as transformers applies it).
+        TokenArrayError where the tokenizer fails on it (a lone surrogate, named)."""
+        encoding = self._tokenize(text, _text_error, add_special_tokens=add_special_tokens)
+        return self._fix_bos(encoding.ids, add_special_tokens)
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool) -> list[list[int]]:
         """`encode` of each text, in one call of the Rust tokenizer (its threads)."""
-        encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        try:
+            encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=add_special_tokens)
+        except BaseException as exc:
+            if not _is_failure(exc):
+                raise
+            return [self.encode(text, add_special_tokens) for text in texts]  # the failing one's own error
         return [self._fix_bos(e.ids, add_special_tokens) for e in encodings]
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -214,30 +235,33 @@ class ChatTokenizer:
             return self._template.render(**variables)
         except Exception as exc:  # a template is foreign code: any failure is this request's
             raise ChatRequestError(f"the chat template of {self._source} failed on this request: "
-                                   f"{type(exc).__name__}: {_one_line(exc)}") from exc
+                                   f"{_describe(exc)}") from exc
 
     def chat_prompt(self, messages: object, tools: object = None) -> ChatPrompt:
-        """A chat request's prompt (`messages` as the request has them: role and content, the
-        content a string or a list of text parts) and its components (the module's doc)."""
+        """A chat request's prompt (`messages` as the request's JSON has them: role and
+        content, the content a string or a list of text parts) and its components (the
+        module's doc). ChatRequestError for anything about the request that makes no prompt."""
         checked = check_messages(messages)
         checked_tools = _check_tools(tools)
         text = self.render(checked, add_generation_prompt=True, tools=checked_tools)
-        encoding = self._tokenizer.encode(text, add_special_tokens=False)
-        tokens = np.array(encoding.ids, dtype=np.int32)
+        fail = partial(_chat_text_error, checked, checked_tools, text)
+        render_prefix = partial(self.render, add_generation_prompt=False, tools=checked_tools)
+        ladder = self._memo.ladder(checked, checked_tools, last_user_index(checked), render_prefix)
+        tokens = self._after_prefix(text, ladder[-1], fail) if ladder else None
+        exact_rest = tokens is not None
+        ids: list[int] | None = None
+        encoding: Encoding | None = None
+        if tokens is None:
+            self.prompts_tokenized += 1
+            encoding = self._tokenize(text, fail)
+            ids = encoding.ids  # each read builds a list: once
+            tokens = np.array(ids, dtype=np.int32)
         if not len(tokens):
             raise ChatRequestError(f"the chat template of {self._source} rendered an empty prompt")
         tokens.flags.writeable = False
-        components: list[np.ndarray] = []
-        start, ids, offsets = 0, encoding.ids, encoding.offsets if self._special_ids else []
-        for j in range(last_user_index(checked)):
-            prefix_text = self.render(checked[:j + 1], add_generation_prompt=False, tools=checked_tools)
-            end = _fast_boundary(text, prefix_text, ids, offsets, self._special_ids)
-            if end is None:
-                end = _common_prefix(self._prefix_tokens(prefix_text), tokens)
-            if end > start:
-                components.append(tokens[start:end])
-                start = end
-        return ChatPrompt(tokens, components)
+        if ladder:
+            self._learn(ladder, text, tokens, ids, encoding, fail)
+        return ChatPrompt(tokens, self._components(tokens, ladder, exact_rest))
 
     def completion_prompt(self, prompt: object) -> ChatPrompt:
         """A /v1/completions prompt: a string is encoded with the special tokens a plain prompt
@@ -245,7 +269,9 @@ class ChatTokenizer:
         checked to be an int in [0, vocab_size). No components: a plain prompt declares no
         template structure to cut it at, so its shape is the empty one (SPEC §1)."""
         if isinstance(prompt, str):
-            ids = self.encode(prompt, add_special_tokens=True)
+            fail = partial(_text_error, what="the completion prompt")
+            encoding = self._tokenize(prompt, fail, add_special_tokens=True)
+            ids = self._fix_bos(encoding.ids, True)
         elif isinstance(prompt, list):
             ids = _check_ids(prompt, self.vocab_size)
         else:
@@ -258,20 +284,72 @@ class ChatTokenizer:
 
     # -- inside -------------------------------------------------------------------------
 
-    def _prefix_tokens(self, text: str) -> np.ndarray:
-        """tokenize(text) without special tokens, through the bounded memo (LRU by characters)."""
-        hit = self._memo.get(text)
-        if hit is not None:
-            self._memo.move_to_end(text)
-            return hit
-        ids = np.array(self._tokenizer.encode(text, add_special_tokens=False).ids, dtype=np.int32)
-        if len(text) <= self._memo_limit:
-            self._memo[text] = ids
-            self._memo_chars += len(text)
-            while self._memo_chars > self._memo_limit:
-                evicted, _ = self._memo.popitem(last=False)
-                self._memo_chars -= len(evicted)
-        return ids
+    def _learn(self, ladder: list[PrefixEntry], text: str, tokens: np.ndarray, ids: list[int] | None,
+               spans: Spans | None, fail: OnTokenizerError) -> None:
+        """Fill in what the ladder's entries do not know yet: their token ids, and the last
+        one's split. Read off the whole prompt's encoding (`ids`, `spans`, when it was
+        tokenized whole) where its first pass cuts at the entry's end, else tokenized alone:
+        once per entry while it stays in the memo."""
+        last = ladder[-1]
+        learned = []
+        for entry in ladder:
+            if entry.ids is not None and (entry is not last or entry.split_known):
+                continue
+            n = None if ids is None or spans is None else self._splits.read_off(text, entry.text, ids, spans)
+            if n is None:
+                encoding = self._tokenize(entry.text, fail)
+                own_ids, own_spans, n = encoding.ids, encoding, len(encoding)
+                entry.ids = entry.ids if entry.ids is not None else _frozen(own_ids)
+            else:
+                own_ids, own_spans = ids, spans  # type: ignore[assignment]
+                if entry.ids is None:  # a kept entry holds a copy: no other prompt's memory
+                    entry.ids = tokens[:n] if entry.key is None else tokens[:n].copy()
+                    entry.ids.flags.writeable = False
+            if entry is last:
+                entry.split = self._splits.prefix_split(entry.text, n, own_ids, own_spans)
+                entry.split_known = True
+            if entry.key is not None:
+                learned.append(entry)
+        self._memo.resize(learned)
+
+    def _after_prefix(self, text: str, last: PrefixEntry, fail: OnTokenizerError) -> np.ndarray | None:
+        """The prompt's tokens from its last prefix's and its rest's alone, where that is
+        exact (`splits.py`); None where the whole prompt must be tokenized."""
+        if last.split is None or not text.startswith(last.text):
+            return None
+        assert last.ids is not None
+        rest = text[len(last.text):]
+        if not self._splits.rest_is_exact(last.split, rest):
+            return None
+        tail = self._splits.drop_lead(self._tokenize(self._splits.lead + rest, fail).ids)
+        if tail is None:
+            return None
+        self.rests_tokenized += 1
+        return np.concatenate((last.ids, np.array(tail, dtype=np.int32)))
+
+    def _components(self, tokens: np.ndarray, ladder: list[PrefixEntry], exact_rest: bool) -> list[np.ndarray]:
+        """The advancing prefix ends as views of `tokens`. With an exact rest every prompt of
+        the last prefix starts with its tokens, so its ends are kept with it (each entry's
+        tokens are no longer than the last's: else they would reach into the rest)."""
+        if not ladder:
+            return []
+        last = ladder[-1]
+        ends = last.ends if exact_rest else None
+        if ends is None:
+            ends = _advancing_ends(tokens, ladder)
+            if exact_rest and all(len(e.ids) <= len(last.ids) for e in ladder):  # type: ignore[arg-type]
+                last.ends = ends
+                self._memo.resize([last])
+        return [tokens[a:b] for a, b in zip((0, *ends), ends)]
+
+    def _tokenize(self, text: str, fail: OnTokenizerError, *, add_special_tokens: bool = False) -> Encoding:
+        """The tokenizer's encoding of `text`; whatever it raises is `fail`'s typed error."""
+        try:
+            return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except BaseException as exc:
+            if not _is_failure(exc):
+                raise
+            raise fail(exc, text) from exc
 
     def _bos_rule(self, add_bos_token: bool | None) -> int:
         """+1: prepend bos to a plain prompt; -1: drop the bos the post-processor put first;
@@ -348,50 +426,69 @@ def _check_tools(tools: object) -> list[dict[str, Any]] | None:
     return tools
 
 
-def _fast_boundary(text: str, prefix_text: str, ids: list[int], offsets: list[tuple[int, int]],
-                   special_ids: dict[int, str]) -> int | None:
-    """The token count of `prefix_text` read off the whole prompt's tokens, or None where
-    that cannot be known without tokenizing it.
+def _advancing_ends(tokens: np.ndarray, ladder: list[PrefixEntry]) -> tuple[int, ...]:
+    """Each prefix's end in `tokens` (its longest common token prefix with them), those that
+    do not advance past the previous one dropped."""
+    ends: list[int] = []
+    prompt = tokens.tobytes()
+    for entry in ladder:
+        assert entry.ids is not None
+        if prompt.startswith(entry.ids.tobytes()):  # the usual case, in a memcmp
+            end = len(entry.ids)
+        else:
+            n = min(len(entry.ids), len(tokens))
+            differ = np.flatnonzero(entry.ids[:n] != tokens[:n])
+            end = int(differ[0]) if len(differ) else n
+        if end > (ends[-1] if ends else 0):
+            ends.append(end)
+    return tuple(ends)
 
-    Known when prefix_text is a character prefix of text and ends where a clean special
-    token (`_clean_special_tokens`) of the prompt starts or ends: tokenizers split the text
-    at added tokens first and tokenize each piece between them alone, so the prefix's
-    tokens are then exactly the prompt's tokens before that point."""
-    cut = len(prefix_text)
-    if cut == len(text):
-        return len(ids) if prefix_text == text else None
-    if not special_ids or not text.startswith(prefix_text):
+
+def _frozen(ids: Sequence[int]) -> np.ndarray:
+    array = np.array(ids, dtype=np.int32)
+    array.flags.writeable = False
+    return array
+
+
+def _is_failure(exc: BaseException) -> bool:
+    """A failure of foreign code (every Exception, and a Rust panic), not an interrupt or exit."""
+    return isinstance(exc, Exception) or type(exc).__name__ == RUST_PANIC
+
+
+def _chat_text_error(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, prompt: str,
+                     exc: BaseException, text: str) -> ChatRequestError:
+    """A tokenizer failure on a chat request: the field holding a lone surrogate where one
+    does, else where the rendered text does, else the tokenizer's own message."""
+    try:
+        found = _surrogate_in(messages, "messages") or _surrogate_in(tools, "tools")
+    except RecursionError:  # nested deeper than Python walks: the rendered text is named
+        found = None
+    found = found or _surrogate_in(prompt, "the rendered prompt") or _surrogate_in(text, "a prefix render")
+    return ChatRequestError(found or f"the tokenizer failed on this request's prompt: {_describe(exc)}")
+
+
+def _text_error(exc: BaseException, text: str, what: str = "the text") -> TokenArrayError:
+    """A tokenizer failure on a plain text (a completion prompt)."""
+    return TokenArrayError(_surrogate_in(text, what) or f"the tokenizer failed on {what}: {_describe(exc)}")
+
+
+def _surrogate_in(value: object, path: str) -> str | None:
+    """Where a request's JSON value holds a lone surrogate (the one thing a str holds that
+    UTF-8 cannot), as an error message. For errors only: it walks the whole value."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return (f"{path} has a lone surrogate U+{ord(value[exc.start]):04X} at character {exc.start}: "
+                    f"not Unicode text (JSON allows the escape, UTF-8 and the tokenizer do not)")
         return None
-    # Starts do not decrease, and (start, end) >= (cut,) exactly when start >= cut: bisection
-    # finds the first token at or after the cut. The index is right even if they did not:
-    # what is checked below is that token n itself sits at the cut.
-    n = bisect_left(offsets, (cut,))
-    if n < len(ids) and offsets[n][0] == cut and _is_special_at(ids[n], offsets[n], text, special_ids):
-        return n
-    if n > 0 and offsets[n - 1][1] == cut and _is_special_at(ids[n - 1], offsets[n - 1], text, special_ids):
-        return n
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = (_surrogate_in(key, f"{path} (a key)") if isinstance(key, str) else None) or \
+            _surrogate_in(item, f"{path}.{key}" if isinstance(value, dict) else f"{path}[{key}]")
+        if found:
+            return found
     return None
-
-
-def _is_special_at(token: int, span: tuple[int, int], text: str, special_ids: dict[int, str]) -> bool:
-    """`token` is a clean special token and its span is its own text (so the offsets are true)."""
-    content = special_ids.get(token)
-    return content is not None and text[span[0]:span[1]] == content
-
-
-def _clean_special_tokens(tokenizer: Tokenizer) -> dict[int, str]:
-    """id -> text of the added tokens the fast path may cut beside: matched before
-    normalization (normalized=False) and eating no whitespace around them (no lstrip, rstrip,
-    single_word), so the text on either side is tokenized exactly as it would be alone."""
-    return {token_id: added.content for token_id, added in tokenizer.get_added_tokens_decoder().items()
-            if not (added.normalized or added.lstrip or added.rstrip or added.single_word)}
-
-
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    """Length of the longest common prefix of two int32 arrays."""
-    n = min(len(a), len(b))
-    differ = np.flatnonzero(a[:n] != b[:n])
-    return int(differ[0]) if len(differ) else n
 
 
 def _check_ids(prompt: list, vocab_size: int) -> list[int]:
@@ -412,28 +509,15 @@ def _check_ids(prompt: list, vocab_size: int) -> list[int]:
 
 
 def _compile(template: str, source: str) -> Template:
-    """The template compiled as transformers compiles chat templates, or ModelDirError."""
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    """`template.py`'s compiled template, or ModelDirError."""
+    from jinja2 import TemplateSyntaxError
 
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-               separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-        # Jinja's own tojson escapes <, >, & and ' for HTML: a prompt wants the JSON as it is.
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    # NOTE: transformers also defines strftime_now (today's date). Left out on purpose: a
-    # prompt must be a function of its request alone, or a job resumed tomorrow makes other
-    # tokens and shapes for the same requests; templates that use it test `is defined`.
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
     try:
-        return env.from_string(template)
-    except jinja2.TemplateSyntaxError as exc:
+        return compile_chat_template(template)
+    except TemplateSyntaxError as exc:
         raise ModelDirError(f"{source}: the chat template does not compile: line {exc.lineno}: {exc.message}") from exc
+    except Exception as exc:  # foreign text: the parser's RecursionError, MemoryError...
+        raise ModelDirError(f"{source}: the chat template does not compile: {_describe(exc)}") from exc
 
 
 def _config_template(config: dict, path: Path) -> str | None:
@@ -495,6 +579,12 @@ def _read_text(path: Path, limit_bytes: int) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ModelDirError(f"{path}: not UTF-8 text (byte {exc.start})") from exc
+
+
+def _describe(exc: BaseException) -> str:
+    """An exception's type and one-line message (MemoryError and the like carry none)."""
+    message = _one_line(exc)
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
 
 
 def _one_line(exc: BaseException) -> str:

@@ -5,7 +5,8 @@ raises one of these, with the offending value, path and byte offset in the messa
 
     PipelineError
     ├── BadInputError (also ValueError)      a producer's item is malformed; nothing was written
-    │   ├── TokenArrayError                  empty, not 1-D, non-integer, or ids outside int32
+    │   ├── TokenArrayError                  empty, not 1-D, non-integer, or ids outside int32;
+    │   │                                    or a text the tokenizer fails on (a lone surrogate)
     │   ├── ItemTooLongError                 more tokens than the configured record limit
     │   ├── PayloadTooLargeError             payload above the configured limit
     │   ├── ModelIdError                     model id outside [0, max_models)
@@ -15,7 +16,8 @@ raises one of these, with the offending value, path and byte offset in the messa
     │   │                                    (path:line named); the job does not start
     │   ├── ChatRequestError                 a chat request cannot be made a prompt: its
     │   │   │                                messages are malformed, or the model's chat
-    │   │   │                                template failed on them (what, and where)
+    │   │   │                                template or tokenizer failed on them (what, and
+    │   │   │                                where: a lone surrogate's field and position)
     │   │   └── NoChatTemplateError          the model directory has no chat template: chat
     │   │                                    requests are refused, completions still work
     │   ├── ContractError                    a consumer contract has a zero, negative or
@@ -113,7 +115,9 @@ class BadInputError(PipelineError, ValueError):
 
 
 class TokenArrayError(BadInputError):
-    """Token ids are empty, not one-dimensional, not integers, or outside int32."""
+    """Token ids are empty, not one-dimensional, not integers, or outside int32; or a text to
+    tokenize (a completion prompt) the tokenizer fails on: a lone surrogate (valid in JSON,
+    not in UTF-8) is named with its position."""
 
 
 class ItemTooLongError(BadInputError):
@@ -155,8 +159,10 @@ class BatchFileError(WorkloadError):
 class ChatRequestError(BadInputError):
     """A chat request cannot be made into a prompt: its messages are not a list of
     {role, content} objects (the message and field named), or the model's chat template
-    raised on them (`raise_exception`, a type error inside the template) or rendered nothing.
-    That request is refused; the others are not affected."""
+    raised on them (anything: `raise_exception`, a type error, MemoryError, RecursionError)
+    or rendered nothing, or the tokenizer failed on the rendered text (a lone surrogate, valid
+    in JSON and not in UTF-8: its field and position named). That request is refused; the
+    others are not affected."""
 
 
 class NoChatTemplateError(ChatRequestError):

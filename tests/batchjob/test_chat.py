@@ -1,11 +1,15 @@
 """The chat tokenizer: model directories loaded (and refused, naming the path), chat prompts
 rendered as transformers renders them, their components (shared prefixes get one shape, a
-conversation's turns chain, a merge across a message boundary moves the boundary back), the
-fast path equal to the plain method on generated conversations, completion prompts.
+conversation's turns chain, a merge across a message boundary moves the boundary back, at
+most MAX_COMPONENTS of them), a shape's prefix tokenized by its first two requests only and the prompts equal to the
+plain method on generated conversations for several tokenizer families, a prompt's work
+linear in its turns, completion prompts, and every failure of the template or the tokenizer
+a typed error of its request.
 
 Tokenizers are trained here with the `tokenizers` library on a small corpus (well under a
 second each, once per module): one whose messages are delimited by special tokens (ChatML),
-one trained so that the end of one message and the start of the next merge into one token.
+one trained so that the end of one message and the start of the next merge into one token,
+and one of each family `FAMILIES` names.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.batchjob.chat import ChatPrompt, ChatTokenizer, check_messages, last_user_index
+from pipeline.batchjob.prefixes import boundary_indices
 from pipeline.producer.signature import signature
 from pipeline.wire.errors import (
     BadInputError,
@@ -41,17 +46,56 @@ CONCAT = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generat
 LAST_DIFFERS = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
                 "{% if loop.last %}" + IM_END + "{% else %}\n{% endif %}{% endfor %}"
                 "{% if add_generation_prompt %}assistant:{% endif %}")
-WORDS = ["hello", "help", "world", "system", "user", "assistant", "answer", "question", "the", "of", "lo", "hel"]
+LLAMA3 = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+          "{{ m['content'] }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}"
+          "<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+MISTRAL = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}{{ m['content'] }}{{ eos_token }}"
+           "{% else %}[INST] {{ m['content'] }} [/INST]{% endif %}{% endfor %}")
+BERT = ("[CLS]{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}[SEP]{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}")
+# ChatML without the newline after <|im_end|>, and an added token that crosses the message
+# boundary where the next user turn starts with "hel": a cut there is refused, elsewhere taken.
+TIGHT = CHATML.replace(IM_END + "\n", IM_END)
+CROSSING = IM_END + IM_START + "user\nhel"
+LLAMA3_TOKENS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+# name: (tokenizer kind for _train, its added tokens, template, prompts of a shape whose rest
+# is tokenized alone in test_a_shapes_rest_is_tokenized_alone_only_where_exact).
+FAMILIES = {
+    "chatml": ("bytelevel", [BOS, EOS, IM_START, IM_END], CHATML, 3),
+    "llama3": ("bytelevel+space", LLAMA3_TOKENS, LLAMA3, 3),
+    "mistral-first": ("first", [BOS, EOS], MISTRAL, 3),
+    "mistral-always": ("always", [BOS, EOS, "[INST]", "[/INST]"], MISTRAL, 3),
+    "wordpiece": ("wordpiece", ["[UNK]", "[CLS]", "[SEP]"], BERT, 3),
+    "crossing": ("bytelevel", [BOS, EOS, IM_START, IM_END, CROSSING], TIGHT, 2),
+    "concat": ("merging", [BOS, EOS], CONCAT, 0),  # no special token between messages: never
+    "last": ("bytelevel", [BOS, EOS, IM_START, IM_END], LAST_DIFFERS, 0),  # no prefix renders a prefix
+}
+WORDS = ["hello", "help", "world", "system", "user", "assistant", "answer", "question", "the", "of", "lo", "hel",
+         "caf\u00e9", "\u4e16\u754c", "\u2581x", "Ab"]
 
 
-def _train(specials: list[str], corpus: list[str], vocab_size: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def _train(specials: list[str], corpus: list[str], vocab_size: int, kind: str = "bytelevel"):
+    """A tokenizer of one family: byte-level BPE (GPT-2; "bytelevel+space" with a prefix
+    space, as Llama 3's), BPE over Metaspace ("first" or "always": Llama 2, Mistral), or
+    WordPiece behind BERT's normalizer (lowercase, accents stripped)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    if kind == "wordpiece":
+        tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+        tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
+        tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False)
+    elif kind in ("first", "always"):
+        tokenizer = Tokenizer(models.BPE())
+        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme=kind)
+        tokenizer.decoder = decoders.Metaspace(prepend_scheme=kind)
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False)
+    else:
+        tokenizer = Tokenizer(models.BPE())
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=kind == "bytelevel+space")
+        tokenizer.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator(corpus, trainer)
     return tokenizer
 
@@ -61,7 +105,7 @@ def _corpus(seed: int, lines: int) -> list[str]:
     cut between them is then tokenized otherwise alone than inside the whole prompt (the
     pre-tokenizer's whitespace rule looks ahead), which a cut read off token offsets misses."""
     rng = np.random.default_rng(seed)
-    return [" ".join(rng.choice(WORDS, size=8)) + (" \n" if k % 2 else "\n") for k in range(lines)]
+    return [" ".join(rng.choice(WORDS[:12], size=8)) + (" \n" if k % 2 else "\n") for k in range(lines)]
 
 
 def _write_model(directory: Path, tokenizer, **config) -> Path:
@@ -101,13 +145,27 @@ def chatml(models) -> ChatTokenizer:
     return ChatTokenizer.load(models["chatml"])
 
 
+@pytest.fixture(scope="module")
+def families(trained) -> dict[str, ChatTokenizer]:
+    """Each of FAMILIES, its memo small (20,000 bytes) so that entries are evicted too."""
+    rng = np.random.default_rng(2)
+    corpus = [" ".join(rng.choice(WORDS, size=8)) + "\n" for _ in range(400)]
+    out = {}
+    for name, (kind, specials, template, _) in FAMILIES.items():
+        tokenizer = trained[1] if kind == "merging" else _train(specials, corpus, 600, kind)
+        bos = "<|begin_of_text|>" if name == "llama3" else BOS
+        out[name] = ChatTokenizer(tokenizer, template, bos_token=bos, eos_token=EOS, memo_bytes=20_000)
+    return out
+
+
 def reference_prompt(tokenizer: ChatTokenizer, messages: list[dict]) -> tuple[np.ndarray, list[np.ndarray]]:
-    """The plain method: render and tokenize every prefix conversation, cut at the longest
-    common token prefix with the whole prompt, drop cuts that do not advance."""
+    """The plain method: render and tokenize the whole prompt and every prefix conversation
+    that bounds a component, cut at the longest common token prefix with the whole prompt,
+    drop cuts that do not advance."""
     checked = check_messages(messages)
     full = np.array(tokenizer.encode(tokenizer.render(checked, add_generation_prompt=True), False), dtype=np.int32)
     components, start = [], 0
-    for j in range(last_user_index(checked)):
+    for j in boundary_indices(last_user_index(checked)):
         prefix = tokenizer.encode(tokenizer.render(checked[:j + 1], add_generation_prompt=False), False)
         end = 0
         while end < min(len(prefix), len(full)) and prefix[end] == full[end]:
@@ -216,26 +274,25 @@ def test_no_user_message_means_no_components(chatml):
     assert prompt.components == [] and len(prompt.tokens) > 0
 
 
-# -- the fast path against the plain method --------------------------------------------------
+# -- a shape's prefix kept, and the prompts of every tokenizer family equal to the plain method
 
-# Pieces of contents: letters the tokenizers merge, whitespace, non-ASCII, and the special
-# tokens' own text (a request may contain them: they are tokenized as the special tokens).
-PIECE = st.sampled_from(list("helowrd tsyquin\n") + ["é", "\u4e16", IM_START, IM_END, BOS, "hel", "lo", "  ", " \n"])
-TEXT = st.lists(PIECE, max_size=12).map("".join)
+# Pieces of contents: letters the tokenizers merge, whitespace, non-ASCII, "▁", and the added
+# tokens' own text, whole or in part (a request may contain them: they are tokenized as the
+# added tokens, and may cross a message boundary).
+PIECE = st.sampled_from(list("helowrd tsyquinA\n") + ["\u00e9", "\u4e16", "\u2581", "  ", " \n", "hel", "lo",
+                                                      IM_START, IM_END, BOS, EOS, "<|im_", "[INST]", "[SEP]",
+                                                      "<|eot_id|>", "<|start_header_id|>"])
+TEXT = st.lists(PIECE, max_size=10).map("".join)
 MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": TEXT})
+USER = st.fixed_dictionaries({"role": st.just("user"), "content": TEXT})
+# A shared start and a few endings (each ends with a user turn): requests of one shape, and
+# conversations a turn or two apart.
+BATCH = st.tuples(st.lists(MESSAGE, max_size=5),
+                  st.lists(st.tuples(st.lists(MESSAGE, max_size=2), USER).map(lambda t: [*t[0], t[1]]),
+                           min_size=1, max_size=3))
 
 
-@pytest.fixture(scope="module")
-def small_memo(models) -> dict[str, ChatTokenizer]:
-    """Each model with a memo of 64 characters: hits, misses and evictions all happen."""
-    return {name: ChatTokenizer.load(path, memo_chars=64) for name, path in models.items()}
-
-
-@pytest.mark.parametrize("model", ["chatml", "concat", "last"])
-@settings(max_examples=150, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(messages=st.lists(MESSAGE, min_size=1, max_size=7))
-def test_components_equal_the_plain_method(small_memo, model, messages):
-    tokenizer = small_memo[model]
+def _check_against_plain(tokenizer: ChatTokenizer, messages: list[dict]) -> None:
     try:
         full, components = reference_prompt(tokenizer, messages)
     except ChatRequestError:  # an empty render: refused by both
@@ -248,12 +305,61 @@ def test_components_equal_the_plain_method(small_memo, model, messages):
     _assert_prefix(prompt)
 
 
-def test_the_fast_path_answers_for_special_token_delimiters(chatml, monkeypatch):
-    # ChatML: every boundary sits before <|im_start|>, so no prefix render is tokenized.
-    calls = []
-    monkeypatch.setattr(chatml, "_prefix_tokens", lambda text: calls.append(text))
-    prompt = chatml.chat_prompt(_chat("the system", [("hello", "world")], "question"))
-    assert len(prompt.components) == 3 and calls == []
+@pytest.mark.parametrize("family", list(FAMILIES))
+@settings(max_examples=60, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batch=BATCH)
+def test_prompts_equal_the_plain_method(families, family, batch):
+    start, endings = batch
+    for ending in endings:
+        _check_against_plain(families[family], start + ending)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_shapes_rest_is_tokenized_alone_only_where_exact(families, family):
+    tokenizer = ChatTokenizer(families[family]._tokenizer, FAMILIES[family][2], bos_token=families[family]._bos_token,
+                              eos_token=EOS)
+    shots = [("what is the answer", "the answer of the question")]
+    for user in ["hello", "world of help", "hel lo", "the question", "of the world"]:
+        _check_against_plain(tokenizer, _chat("you are the system", shots, user))
+    # The first two are tokenized whole (the shape's prefix is kept from its second sight),
+    # each later one's rest alone where that is exact: not in "crossing" for the users
+    # starting "hel", never where no special token ends a message.
+    assert tokenizer.rests_tokenized == FAMILIES[family][3]
+    assert tokenizer.prompts_tokenized == 5 - FAMILIES[family][3]
+
+
+class CountingTokenizer:
+    """A Rust tokenizer that records the texts it is asked to encode."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.texts = inner, []
+
+    def encode(self, text: str, add_special_tokens: bool = True):
+        self.texts.append(text)
+        return self.inner.encode(text, add_special_tokens=add_special_tokens)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+def test_a_shapes_prefix_is_rendered_and_tokenized_twice_then_never(trained):
+    counting = CountingTokenizer(trained[0])
+    tokenizer = ChatTokenizer(counting, CHATML, bos_token=BOS, eos_token=EOS)  # type: ignore[arg-type]
+    renders: list[int] = []
+    render = tokenizer.render
+    tokenizer.render = lambda messages, **kw: renders.append(len(messages)) or render(messages, **kw)  # type: ignore
+    shots = [("hello", "world")]
+    for user in ["question", "another question"]:  # the prompt, its prefixes; tokenized whole
+        renders.clear(), counting.texts.clear()
+        tokenizer.chat_prompt(_chat("the system", shots, user))
+        assert renders == [4, 1, 2, 3] and len(counting.texts) == 1
+    for user in ["a third question", "the last question"]:
+        renders.clear(), counting.texts.clear()
+        prompt = tokenizer.chat_prompt(_chat("the system", shots, user))
+        rest = IM_START + f"user\n{user}" + IM_END + "\n" + IM_START + "assistant\n"
+        assert renders == [4] and len(counting.texts) == 1 and counting.texts[0].endswith(rest)
+        assert len(counting.texts[0]) <= len(rest) + max(len(t) for t in (BOS, EOS, IM_START, IM_END))
+        assert len(prompt.components) == 3
 
 
 # -- templates as transformers renders them ---------------------------------------------------
@@ -283,6 +389,88 @@ def test_messages_are_checked_and_text_parts_joined(chatml):
             chatml.chat_prompt(bad)
     with pytest.raises(ChatRequestError, match="tools"):
         chatml.chat_prompt([{"role": "user", "content": "x"}], tools="all")
+
+
+# -- foreign code fails per request ------------------------------------------------------------
+
+# Renders each message's name and the tools, so that a surrogate in them reaches the tokenizer.
+NAMED = ("{% for m in messages %}" + IM_START + "{{ m['role'] }}{% if m.name is defined %} {{ m.name }}{% endif %}\n"
+         "{{ m['content'] }}" + IM_END + "{% endfor %}{% if tools %}{{ tools | tojson }}{% endif %}"
+         "{% if add_generation_prompt %}" + IM_START + "assistant\n{% endif %}")
+
+
+def test_a_lone_surrogate_is_its_requests_error_naming_where(trained):
+    tokenizer = ChatTokenizer(trained[0], NAMED, bos_token=BOS)
+    shared = [{"role": "system", "content": "the system"}, {"role": "user", "content": "hello"}]
+    tokenizer.chat_prompt(shared)  # the shape's prefix kept: the next ones tokenize their rest alone
+    parts = [{"type": "text", "text": "ok"}, {"type": "text", "text": "\ud800"}]
+    tool = [{"type": "function", "function": {"name": "f", "description": "x\ud83d"}}]
+    for messages, tools, where in [
+            (shared[:1] + [{"role": "user", "content": "a\ud800b"}], None, r"messages\[1\]\.content has a lone "
+                                                                           r"surrogate U\+D800 at character 1"),
+            ([{"role": "system", "content": "s", "name": "\udc80"}, shared[1]], None, r"messages\[0\]\.name .* 0"),
+            ([{"role": "user", "content": parts}], None, r"messages\[0\]\.content .* character 3"),
+            (shared, tool, r"tools\[0\]\.function\.description .*U\+D83D at character 1")]:
+        with pytest.raises(ChatRequestError, match=where):
+            tokenizer.chat_prompt(messages, tools)
+    tokenizer = ChatTokenizer(trained[0], "{{ '\\udfff' }}" + CHATML, bos_token=BOS)  # the template's own
+    with pytest.raises(ChatRequestError, match="the rendered prompt has a lone surrogate U\\+DFFF at character 0"):
+        tokenizer.chat_prompt(shared)
+    with pytest.raises(TokenArrayError, match=r"the completion prompt has a lone surrogate U\+D800 at character 2"):
+        tokenizer.completion_prompt("ab\ud800")
+    with pytest.raises(TokenArrayError, match=r"U\+D800 at character 0"):
+        tokenizer.encode_batch(["fine", "\ud800"], False)
+
+
+class PanicException(BaseException):
+    """What a Rust panic in the tokenizer reaches Python as (pyo3's, by its name)."""
+
+
+class FailingTokenizer(CountingTokenizer):
+    """Raises `failure` for a text that holds "boom"."""
+
+    def __init__(self, inner, failure: BaseException) -> None:
+        super().__init__(inner)
+        self.failure = failure
+
+    def encode(self, text: str, add_special_tokens: bool = True):
+        if "boom" in text:
+            raise self.failure
+        return super().encode(text, add_special_tokens)
+
+
+def test_any_tokenizer_failure_is_its_requests_error(trained):
+    for failure in [RuntimeError("the model broke"), PanicException("index out of bounds"), MemoryError()]:
+        failing = FailingTokenizer(trained[0], failure)
+        tokenizer = ChatTokenizer(failing, CHATML, bos_token=BOS)  # type: ignore[arg-type]
+        with pytest.raises(ChatRequestError, match=f"the tokenizer failed on this request's prompt: "
+                                                   f"{type(failure).__name__}"):
+            tokenizer.chat_prompt([{"role": "user", "content": "boom"}])
+        with pytest.raises(TokenArrayError, match=f"the tokenizer failed on the completion prompt: "
+                                                  f"{type(failure).__name__}"):
+            tokenizer.completion_prompt("boom")
+        assert len(tokenizer.chat_prompt([{"role": "user", "content": "fine"}]).tokens)  # the next one works
+    tokenizer = ChatTokenizer(FailingTokenizer(trained[0], KeyboardInterrupt()), CHATML)  # type: ignore[arg-type]
+    with pytest.raises(KeyboardInterrupt):  # an interrupt is not the request's failure
+        tokenizer.chat_prompt([{"role": "user", "content": "boom"}])
+
+
+@pytest.mark.parametrize("template, failure", [
+    ("{{ 'A' * 4611686018427387904 }}", "MemoryError"),
+    ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "RecursionError: maximum recursion depth"),
+    ("{{ raise_exception('no such role') }}", "TemplateError: no such role"),
+    ("{{ 1 // 0 }}", "ZeroDivisionError"),
+    ("{{ messages.append(1) }}", "SecurityError"),
+])
+def test_a_template_failure_is_its_requests_error(trained, template, failure):
+    tokenizer = ChatTokenizer(trained[0], template)  # it loads: nothing of it runs at load
+    with pytest.raises(ChatRequestError, match=f"the chat template of <memory> failed on this request: {failure}"):
+        tokenizer.chat_prompt([{"role": "user", "content": "x"}])
+
+
+def test_a_template_that_does_not_compile_is_the_model_directorys_error(trained):
+    with pytest.raises(ModelDirError, match="the chat template does not compile: RecursionError"):
+        ChatTokenizer(trained[0], "{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}")
 
 
 # -- model directories ------------------------------------------------------------------------
