@@ -41,9 +41,13 @@ VOCAB_SIZE = 4096
 # Cap on the training text: the standard library's sources are ~40 MB, and the first
 # ~8 MB give the same 4,096 merges in a fraction of the time.
 MAX_TRAINING_BYTES = 8 << 20
-SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"]
-CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+# Llama 3's: bos, eos, pad, then the header and end-of-turn tokens its chat template writes
+# around every message (as every current chat model marks turns with special tokens).
+SPECIAL_TOKENS = ["<|begin_of_text|>", "<|end_of_text|>", "<|pad|>", "<|start_header_id|>", "<|end_header_id|>",
+                  "<|eot_id|>"]
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+                 "{{ m['content'] }}<|eot_id|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
 STAMP_FILE = ".tiny-llama-stamp"
 
 

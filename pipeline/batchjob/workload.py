@@ -96,6 +96,10 @@ class JobWorkload(Workload):
     """See the module's doc. Immutable after construction; forked into the producers."""
 
     item_stock = False  # the job accounts by request (its answer log), not by broker item
+    # Items per submit call: a frame of a job mixes dozens of shapes and their lanes, and the
+    # broker appends once per (shape, lane) of a frame; 4,096 items made its CPU per item 2.5x
+    # smaller than 256 did (3.4 s against 8.6 s for 100,000 chat requests of 40 shapes).
+    feed_chunk_items = 4096
 
     def __init__(self, job_input: JobInput, skip: np.ndarray, manifest: JobManifest, model_dir: str, data_dir: str,
                  limits: PromptLimits) -> None:

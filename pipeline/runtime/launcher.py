@@ -146,7 +146,7 @@ def _produce_main(socket_path: str, workload: Workload, index: int, count: int,
     own_process_group()
     stop = stop_on_signals((signal.SIGTERM,))
     from pipeline.producer.client import BrokerProducer
-    from pipeline.producer.feed import feed
+    from pipeline.producer.feed import DEFAULT_CHUNK_ITEMS, feed
 
     code = 0
     try:
@@ -159,7 +159,8 @@ def _produce_main(socket_path: str, workload: Workload, index: int, count: int,
                 ledger.published(index, client.next_seq)
                 on_submitted(totals.items)
 
-            feed(client, items, replay_speed=replay_speed, on_progress=progress)
+            feed(client, items, replay_speed=replay_speed, on_progress=progress,
+                 chunk_items=getattr(workload, "feed_chunk_items", DEFAULT_CHUNK_ITEMS))
 
         try:
             produce = getattr(workload, "produce", None)
