@@ -23,6 +23,7 @@ COMPARISON_MODULES: dict[str, str] = {
     "redis": "pipeline.bench.redis_peer",
     "scaling": "pipeline.bench.scaling",
     "memory": "pipeline.bench.memory",
+    "job-scale": "pipeline.bench.job_scale",
 }
 
 
