@@ -164,7 +164,8 @@ def main(argv: list[str]) -> int:
     if command == "run-batch":
         subprocess.run([str(python), str(ROOT / "tools" / "tiny_llama.py"), str(TINY_MODEL_DIR)], cwd=ROOT, check=True)
         return subprocess.run([str(python), "-m", "pipeline", "run-batch", "-i", str(EXAMPLE_REQUESTS), "-o",
-                               str(EXAMPLE_RESPONSES), "--model", str(TINY_MODEL_DIR), "--engine", "sim", *rest],
+                               str(EXAMPLE_RESPONSES), "--model", str(TINY_MODEL_DIR), "--engine", "sim",
+                               "--overwrite", *rest],
                               cwd=ROOT).returncode
     return subprocess.run([str(python), "-m", "pipeline", "launch", *rest], cwd=ROOT).returncode
 

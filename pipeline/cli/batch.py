@@ -252,6 +252,11 @@ def _say_summary(summary: JobSummary, spec: JobSpec, job: BatchJob) -> None:
                f"requests/s), paced by {summary.paced_by}", err=True)
     outputs = [spec.output_path] + [p for p in (spec.error_file, spec.summary_path, spec.report_path) if p]
     click.echo(f"run-batch: wrote {', '.join(outputs)}", err=True)
+    report = job.report or {}
+    if report.get("store_damaged") or report.get("store_damage", {}).get("quarantine_files"):
+        click.echo(f"run-batch: the store held damaged entries ({report.get('items_undeliverable', 0):,} could not be "
+                   f"delivered; their requests ran again from the input): the damaged files are in "
+                   f"{job.data_dir}/quarantine (`pipeline tools verify {job.data_dir}` names them)", err=True)
 
 
 class _Progress:

@@ -221,3 +221,24 @@ def test_a_consumer_someone_joins_to_a_running_job_answers_for_it(tmp_path, mode
     check_one_line_each(tmp_path / "out.jsonl")
     lines = answered_lines(data)
     assert lines <= REQUESTS + 64 * 3, lines  # nothing the joined consumer answered ran again
+
+
+def test_damaged_segments_whose_requests_all_got_answers_make_a_complete_output_and_exit_0(tmp_path, model_dir):
+    args = slow_args(tmp_path, "--model", model_dir, "--keep-data-dir")
+    data = tmp_path / "data"
+    job = start_batch(*args)
+    wait_until(lambda: answered_lines(data) >= 40, "answers")
+    job.send_signal(signal.SIGINT)
+    job.communicate(timeout=RUN_TIMEOUT_S)
+    damaged = 0
+    for path in sorted(data.glob("segments/**/*.seg"))[:3]:
+        raw = bytearray(path.read_bytes())
+        for offset in range(4096 + 200, len(raw) - 100, 3000):  # inside entries, past the header page
+            raw[offset] ^= 0xFF
+            damaged += 1
+        path.write_bytes(raw)
+    assert damaged
+    again = run_batch(*args)
+    assert again.returncode == 0, again.stderr
+    check_one_line_each(tmp_path / "out.jsonl")
+    assert "damaged" in again.stderr and "Traceback" not in again.stderr
