@@ -245,8 +245,6 @@ class ClusterRun:
         to them in the agent, and the node process (which inherits it) runs one consumer per
         GPU, and no other Ray work takes them meanwhile. Without slot resources, only the
         nodes with GPUs where any node has one, else every node."""
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
         alive = [n for n in self.ray.nodes() if n.get("Alive")]
         slots = {}
         for node in alive:
@@ -256,6 +254,8 @@ class ClusterRun:
                                                                    **_gpus_of(node)}
         if slots:
             return slots
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
         with_gpus = [node for node in alive if _gpus_of(node)]
         return {node["NodeID"][:12]: {"scheduling_strategy": NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
                                       **_gpus_of(node)}

@@ -8,39 +8,15 @@ from __future__ import annotations
 
 from collections import Counter
 
-import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.cluster.routing import Router, RoutingPlan
 from pipeline.cluster.stream import MAX_CURSORS, Cursor, Routes, item_hash, tally_items
 from pipeline.producer.signature import chain
-from pipeline.producer.workload import WorkItem
 
 
-class ListSource:
-    """Items in memory under sparse keys, counting each item it makes."""
-
-    def __init__(self, keys: int, shapes: dict[int, tuple[int, ...]], suffix_tokens: int = 3) -> None:
-        self.keys = keys
-        self.shapes = shapes  # key -> path of component ids (its shape)
-        self.suffix_tokens = suffix_tokens
-        self.made: Counter = Counter()
-
-    def _item(self, key: int) -> WorkItem:
-        self.made[key] += 1
-        components = [np.full(2 + c % 3, c, dtype=np.int32) for c in self.shapes[key]]
-        return WorkItem(model=0, components=components, suffix=np.zeros(self.suffix_tokens, dtype=np.int32),
-                        payload=b"%d" % key, timestamp_ms=None, line=0)
-
-    def scan(self):
-        return ((k, self._item(k)) for k in sorted(self.shapes))
-
-    def items(self, wanted):
-        return ((k, self._item(k)) for k in sorted(self.shapes) if wanted(k))
-
-
-def planned(source: ListSource, nodes: list[str]):
+def planned(source, nodes: list[str]):
     tally = tally_items(source)
     plan = RoutingPlan.build(tally.chains, tally.loads(), nodes=len(nodes))
     router = Router(plan, nodes)
@@ -54,8 +30,8 @@ node_names = [f"n{k}" for k in range(20)]
 
 @settings(max_examples=100, deadline=None)
 @given(shapes=shapes_st, node_count=st.integers(1, 20))
-def test_the_cursors_share_out_every_tallied_item_once(shapes, node_count):
-    source = ListSource(300, shapes)
+def test_the_cursors_share_out_every_tallied_item_once(list_source, shapes, node_count):
+    source = list_source(300, shapes)
     tally, plan, router, routes = planned(source, node_names[:node_count])
     tally.check_invariants()
     routes.check_invariants()
@@ -71,15 +47,15 @@ def test_the_cursors_share_out_every_tallied_item_once(shapes, node_count):
         assert owners[k] == [nodes.index(first) % MAX_CURSORS]
         shape = tally.shape(k)
         assert routes.route_key(k) == plan.route_key(shape, item_hash(k))
-        assert chain([np.full(2 + c % 3, c, dtype=np.int32) for c in shapes[k]]) == tally.chains[shape]
+        assert chain(list_source.components(shapes[k])) == tally.chains[shape]
 
 
 @settings(max_examples=100, deadline=None)
 @given(shapes=shapes_st, node_count=st.integers(2, 6), data=st.data())
-def test_pass_two_reads_each_item_once_while_nodes_leave_and_join(shapes, node_count, data):
+def test_pass_two_reads_each_item_once_while_nodes_leave_and_join(list_source, shapes, node_count, data):
     """Cursors read in any interleaving; a node leaves (and another joins) part way: each
     item is made once in pass 2, and goes to its key's node at the time it is read."""
-    source = ListSource(300, shapes)
+    source = list_source(300, shapes)
     nodes = node_names[:node_count]
     _tally, _plan, router, routes = planned(source, nodes)
     source.made.clear()
@@ -107,9 +83,9 @@ def test_pass_two_reads_each_item_once_while_nodes_leave_and_join(shapes, node_c
     assert source.made == Counter(shapes.keys())  # pass 2: every item made once, by its own cursor
 
 
-def test_more_nodes_than_cursors_share_them():
+def test_more_nodes_than_cursors_share_them(list_source):
     shapes = {k: (k % 40,) for k in range(400)}  # 40 shapes, 10 items each
-    source = ListSource(400, shapes)
+    source = list_source(400, shapes)
     _tally, _plan, router, routes = planned(source, node_names)
     assert len(set(router.placement.values())) == 20 and routes.cursors == MAX_CURSORS
     assert {routes.cursor_of(k) for k in shapes} == set(range(MAX_CURSORS))
