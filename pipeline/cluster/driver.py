@@ -501,7 +501,8 @@ class ClusterRun:
             "nodes": nodes,
             "total": {**total, "items": self.tally.count if self.tally else 0,
                       "unanswered": ledger.unanswered() if ledger else 0,
-                      "prefix_reuse": total["cached_tokens"] / total["prompt_tokens"] if total["prompt_tokens"] else None,
+                      "prefix_reuse": total["cached_tokens"] / total["prompt_tokens"]
+                      if total["prompt_tokens"] else None,
                       "wall_s": wall_s, "items_per_s": answered / wall_s if wall_s > 0 else None},
             "routing": {"route": self.route, "keys": len(plan.key_loads) if plan else 0,
                         "split_shapes": plan.splits if plan else 0, "sub_keys": plan.sub_keys if plan else 0,
