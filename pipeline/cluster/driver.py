@@ -184,7 +184,7 @@ class ClusterRun:
         self.plan_pass_s = 0.0
         self.make_s = 0.0  # pass 2's time in the source (reading and making items)
         self.nodes: dict[str, NodeState] = {}
-        self.pending: dict = {}  # ray object ref -> (slot, epoch, kind, keys sent)
+        self.pending: dict = {}  # ray object ref -> (slot, epoch, kind)
         self.router: Router | None = None
         self.plan: RoutingPlan | None = None
         self._joined_here = False
@@ -271,13 +271,13 @@ class ClusterRun:
                                             report=None, plots=None, metrics_port=None)
         actor = self.ray.remote(NodeAgent).options(num_cpus=AGENT_CPUS, max_restarts=0, **node.placement)
         node.agent = actor.remote(node.slot, epoch, NodeSpec(node_settings, self.models))
-        self.pending[node.agent.start.remote()] = (node.slot, epoch, "start", ())
+        self.pending[node.agent.start.remote()] = (node.slot, epoch, "start")
 
     def _wait_started(self) -> None:
         """Until every agent started, or START_WAIT_S passed: a node whose agent cannot be
         placed yet (its node is going away) joins later if it ever starts."""
         deadline_s = time.monotonic() + START_WAIT_S
-        while any(kind == "start" for _s, _e, kind, _p in self.pending.values()) and time.monotonic() < deadline_s:
+        while any(kind == "start" for _s, _e, kind in self.pending.values()) and time.monotonic() < deadline_s:
             self._handle(self._ready(timeout_s=POLL_INTERVAL_S))
         if not any(n.alive for n in self.nodes.values()):
             why = "; ".join(f"{slot}: {n.info.get('lost_because', 'not placed')}" for slot, n in self.nodes.items())
@@ -332,7 +332,7 @@ class ClusterRun:
                     if not node.polling and now_s - node.last_poll_s >= POLL_INTERVAL_S:
                         node.polling, node.last_poll_s = True, now_s
                         epoch = self._epoch(node)
-                        self.pending[node.agent.poll.remote(epoch)] = (node.slot, epoch, "poll", ())
+                        self.pending[node.agent.poll.remote(epoch)] = (node.slot, epoch, "poll")
             if not any(n.alive for n in self.nodes.values()) and not self.pending:
                 raise ClusterError(f"every node is lost; {self.ledger.unanswered():,} items unanswered")
             self._handle(self._ready(timeout_s=POLL_INTERVAL_S))
@@ -354,7 +354,7 @@ class ClusterRun:
             node.counts["sent"] += len(batch)
             sent += len(batch)
             ref = node.agent.submit.remote(epoch, batch, [self.ledger.work[k] for k in batch])
-            self.pending[ref] = (node.slot, epoch, "submit", tuple(batch))
+            self.pending[ref] = (node.slot, epoch, "submit")
         return sent
 
     def _ready(self, timeout_s: float) -> list:
@@ -369,7 +369,7 @@ class ClusterRun:
 
     def _handle(self, ready: list) -> None:
         for ref in ready:
-            slot, epoch, kind, _keys = self.pending.pop(ref)
+            slot, epoch, kind = self.pending.pop(ref)
             node = self.nodes[slot]
             try:
                 value = self.ray.get(ref)
@@ -425,7 +425,7 @@ class ClusterRun:
                 self._lose(node, "Ray reports its node dead")
         for slot, placement in found.items():
             node = self.nodes.get(slot)
-            starting = any(s == slot and kind == "start" for s, _e, kind, _p in self.pending.values())
+            starting = any(s == slot and kind == "start" for s, _e, kind in self.pending.values())
             if node is None:
                 node = self.nodes[slot] = NodeState(slot, placement)
             if not node.alive and not starting and node.counts["epochs"] < MAX_AGENT_STARTS:
