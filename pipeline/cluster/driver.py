@@ -1,27 +1,35 @@
 """The driver of a cluster run: a job's items over the nodes of a Ray cluster, shape-affine,
 surviving node loss, into one results file per node on the driver's disk.
 
-    run = ClusterRun(settings, keys, items, node_root="/local/sbrk", results_dir=..., address="auto")
+    run = ClusterRun(settings, source, node_root="/local/sbrk", results_dir=..., address="auto")
     report = run.run()            # every key answered once; report["total"], report["nodes"]
 
+`source` (`stream.ItemSource`) is read twice and never held: the run's memory grows with the
+items in flight and the job's distinct shapes, not with its length (`stream.py`).
+
 What a run does:
-    1. connects to Ray (`address`; a cluster this process already joined is used as it is);
-    2. finds the nodes: each node that has a resource named SLOT_RESOURCE_PREFIX + NAME is
+    1. pass 1: reads every item of the source once, keeping per shape its chain and the
+       tokens its node computes (prefixes once, suffixes each) and per key its shape id
+       (`stream.tally_items`); nothing more happens for a source with no item;
+    2. connects to Ray (`address`; a cluster this process already joined is used as it is);
+    3. finds the nodes: each node that has a resource named SLOT_RESOURCE_PREFIX + NAME is
        the node NAME (a replacement started with the same resource takes its place); where
        no node has one, each alive node is a node of its own, by its Ray node id;
-    3. the routing plan (`routing.py`, `job_plan`) from every item's chain and the tokens
-       its node computes (prefixes once, suffixes each), and one
-       node agent per node (`agent.py`), placed there by its resource (or hard node
-       affinity), each starting the node's broker and consumers on NODE_ROOT/NAME;
-    4. sends each node its items in batches of BATCH_ITEMS, at most WINDOW_ITEMS not yet
-       answered per consumer of the node, and polls every node for finished rows, which it
-       appends to RESULTS_DIR/node-NAME.jsonl (one write per poll);
-    5. a node lost (an actor call fails, or Ray says the node is dead) is fenced off (its
+    4. the routing plan (`routing.py`) from the shapes, and one node agent per node
+       (`agent.py`), placed there by its resource (or hard node affinity), each starting the
+       node's broker and consumers on NODE_ROOT/NAME;
+    5. pass 2: reads the items again through one cursor per node (`stream.Cursor`), each
+       item routed as it is read to its key's node's queue while that holds fewer than
+       READ_AHEAD_ITEMS, sends each node its queue in batches of BATCH_ITEMS, at most
+       WINDOW_ITEMS not yet answered per consumer of the node, and polls every node for
+       finished rows, which it appends to RESULTS_DIR/node-NAME.jsonl (one write per poll);
+    6. a node lost (an actor call fails, or Ray says the node is dead) is fenced off (its
        epoch goes up: whatever it still says is dropped), leaves the router, and every item
-       it held that has no answer yet is routed again over the survivors; a node that joins
-       (or comes back) gets a new agent and epoch, and the items not yet sent whose keys it
-       now wins move to it;
-    6. stops every agent (each stops its node's consumers, then its broker) and reports per
+       it held that has no answer yet is routed again over the survivors from what the
+       driver keeps of the items in flight; items not read yet go to the survivors as they
+       are read; a node that joins (or comes back) gets a new agent and epoch, and the
+       items queued and not yet sent whose keys it now wins move to it;
+    7. stops every agent (each stops its node's consumers, then its broker) and reports per
        node and in total.
 
 Exactly one answer per key: the driver accepts the first row for a key from the node that
@@ -38,17 +46,15 @@ import json
 import os
 import socket
 import time
-from collections.abc import Callable, Sequence
+import resource
+from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import xxhash
 
 from pipeline.cluster.agent import NodeAgent
 from pipeline.cluster.ledger import ACCEPTED, STALE, JobLedger
 from pipeline.cluster.node import NodeSpec
-from pipeline.cluster.routing import Router, RoutingPlan, computed_token_loads
-from pipeline.producer.signature import chain as shape_chain
-from pipeline.producer.workload import WorkItem
+from pipeline.cluster.routing import Router, RoutingPlan, ShapeTally
+from pipeline.cluster.stream import Cursor, ItemSource, Routes, tally_items
 from pipeline.runtime.settings import LaunchSettings
 from pipeline.wire.errors import PipelineError
 
@@ -61,6 +67,10 @@ AGENT_CPUS = 0.01
 AGENT_SLOT_SHARE = 0.001
 # Items per submit call to an agent: one pickled message of a few MiB at most.
 BATCH_ITEMS = 256
+# Items routed to a node and not sent yet, at most (a cursor whose next item goes to a node
+# with this many waits): one batch ready to send whenever the node's window opens; more
+# would only hold items in the driver that the node cannot take yet.
+READ_AHEAD_ITEMS = BATCH_ITEMS
 # Items sent to a node and not answered yet, per consumer: enough for the broker to batch by
 # shape (several full batches of every shape it holds), few enough that a lost node's share
 # is small.
@@ -112,19 +122,6 @@ def _gpus_of(node: dict) -> dict:
     return {"num_gpus": gpus} if gpus > 0 else {}
 
 
-def item_hash(key: int) -> int:
-    """The hash that picks a split shape's sub-key for the item named `key`."""
-    return xxhash.xxh3_64_intdigest(b"%d" % key)
-
-
-def job_plan(keys: Sequence[int], items: Sequence[WorkItem], nodes: int) -> RoutingPlan:
-    """The routing plan of a run's items over `nodes` nodes (what the driver routes by)."""
-    chains = [shape_chain(item.components) for item in items]
-    loads = computed_token_loads(chains, [[len(c) for c in item.components] for item in items],
-                                 [len(item.suffix) for item in items])
-    return RoutingPlan.build(chains, loads, [item_hash(key) for key in keys], nodes=nodes)
-
-
 class ClusterError(PipelineError):
     """A cluster run that cannot go on: Ray missing or not answering, no node found or left."""
 
@@ -138,6 +135,11 @@ def ray_module():
     return ray
 
 
+# What the report counts per node (and in total).
+NODE_COUNTS = ("sent", "answered", "resubmitted_from", "stale_dropped", "duplicates_dropped", "prompt_tokens",
+               "cached_tokens", "epochs", "lost", "discarded_by_agent", "moved_to")
+
+
 @dataclass(slots=True)
 class NodeState:
     """The driver's view of one node. Owner: ClusterRun."""
@@ -149,37 +151,40 @@ class NodeState:
     info: dict = field(default_factory=dict)
     last_poll_s: float = 0.0
     polling: bool = False
-    counts: dict = field(default_factory=lambda: {
-        "sent": 0, "answered": 0, "resubmitted_from": 0, "stale_dropped": 0, "duplicates_dropped": 0,
-        "prompt_tokens": 0, "cached_tokens": 0, "epochs": 0, "lost": 0, "discarded_by_agent": 0, "moved_to": 0})
+    counts: dict = field(default_factory=lambda: dict.fromkeys(NODE_COUNTS, 0))
 
     def window(self) -> int:
         return WINDOW_ITEMS * max(1, int(self.info.get("consumers", 1)))
 
 
 class ClusterRun:
-    """One run of `items` (whose keys, unique ints, name them in the answers) on a Ray cluster."""
+    """One run of a source's items (their keys name them in the answers) on a Ray cluster.
 
-    def __init__(self, settings: LaunchSettings, keys: Sequence[int], items: Sequence[WorkItem], node_root: str,
-                 results_dir: str, address: str | None, models: tuple[int, ...] = (0,),
+    `on_progress(answered, items, nodes)` while it runs, `on_planning(items read)` in pass 1."""
+
+    def __init__(self, settings: LaunchSettings, source: ItemSource, node_root: str, results_dir: str,
+                 address: str | None, models: tuple[int, ...] = (0,),
                  on_progress: Callable[[int, int, dict], None] | None = None,
-                 route: str = "shape") -> None:
-        assert len(keys) == len(items) and len(set(keys)) == len(keys)
+                 on_planning: Callable[[int], None] | None = None, route: str = "shape") -> None:
         assert route in ("shape", "round-robin"), route
         self.ray = ray_module()
         self.settings = settings
-        self.keys = list(keys)
-        self.items = list(items)
+        self.source = source
         self.node_root = node_root
         self.results_dir = results_dir
         self.address = address
         self.models = models
         self.on_progress = on_progress or (lambda done, total, nodes: None)
+        self.on_planning = on_planning
         self.route = route
-        self.ledger = JobLedger(len(items))
-        self.position = {key: k for k, key in enumerate(self.keys)}
+        self.tally: ShapeTally | None = None
+        self.ledger: JobLedger | None = None
+        self.routes: Routes | None = None
+        self.cursors: list[Cursor] = []
+        self.plan_pass_s = 0.0
+        self.make_s = 0.0  # pass 2's time in the source (reading and making items)
         self.nodes: dict[str, NodeState] = {}
-        self.pending: dict = {}  # ray object ref -> (slot, epoch, kind, positions)
+        self.pending: dict = {}  # ray object ref -> (slot, epoch, kind)
         self.router: Router | None = None
         self.plan: RoutingPlan | None = None
         self._joined_here = False
@@ -190,6 +195,10 @@ class ClusterRun:
 
     def run(self) -> dict:
         started_s = time.monotonic()
+        self.tally = tally_items(self.source, self.on_planning)
+        self.plan_pass_s = time.monotonic() - started_s
+        if not self.tally.count:
+            return self._report(time.monotonic() - started_s)
         ray = self.ray
         if not ray.is_initialized():
             self._join_cluster()
@@ -197,14 +206,15 @@ class ClusterRun:
             found = self._find_nodes()
             if not found:
                 raise ClusterError("the Ray cluster has no alive node")
-            self.plan = job_plan(self.keys, self.items, nodes=len(found))
+            self.plan = RoutingPlan.build(self.tally.chains, self.tally.loads(), nodes=len(found))
+            self.ledger = JobLedger(self.source.keys, self.tally.count)
             for slot, placement in found.items():
                 self.nodes[slot] = NodeState(slot, placement)
                 self._start_agent(self.nodes[slot])
             self._wait_started()
             self.router = Router(self.plan, [s for s, n in self.nodes.items() if n.alive])
-            for k in range(len(self.items)):
-                self._assign(k)
+            self.routes = Routes(self.tally, self.plan, self.router.placement)
+            self.cursors = self._open_cursors()
             self._loop()
         finally:
             self._stop_all()
@@ -235,8 +245,6 @@ class ClusterRun:
         to them in the agent, and the node process (which inherits it) runs one consumer per
         GPU, and no other Ray work takes them meanwhile. Without slot resources, only the
         nodes with GPUs where any node has one, else every node."""
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
         alive = [n for n in self.ray.nodes() if n.get("Alive")]
         slots = {}
         for node in alive:
@@ -246,6 +254,8 @@ class ClusterRun:
                                                                    **_gpus_of(node)}
         if slots:
             return slots
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
         with_gpus = [node for node in alive if _gpus_of(node)]
         return {node["NodeID"][:12]: {"scheduling_strategy": NodeAffinitySchedulingStrategy(node["NodeID"], soft=False),
                                       **_gpus_of(node)}
@@ -261,13 +271,13 @@ class ClusterRun:
                                             report=None, plots=None, metrics_port=None)
         actor = self.ray.remote(NodeAgent).options(num_cpus=AGENT_CPUS, max_restarts=0, **node.placement)
         node.agent = actor.remote(node.slot, epoch, NodeSpec(node_settings, self.models))
-        self.pending[node.agent.start.remote()] = (node.slot, epoch, "start", ())
+        self.pending[node.agent.start.remote()] = (node.slot, epoch, "start")
 
     def _wait_started(self) -> None:
         """Until every agent started, or START_WAIT_S passed: a node whose agent cannot be
         placed yet (its node is going away) joins later if it ever starts."""
         deadline_s = time.monotonic() + START_WAIT_S
-        while any(kind == "start" for _s, _e, kind, _p in self.pending.values()) and time.monotonic() < deadline_s:
+        while any(kind == "start" for _s, _e, kind in self.pending.values()) and time.monotonic() < deadline_s:
             self._handle(self._ready(timeout_s=POLL_INTERVAL_S))
         if not any(n.alive for n in self.nodes.values()):
             why = "; ".join(f"{slot}: {n.info.get('lost_because', 'not placed')}" for slot, n in self.nodes.items())
@@ -275,43 +285,77 @@ class ClusterRun:
 
     # ----------------------------------------------------------------- routing
 
+    def _open_cursors(self) -> list[Cursor]:
+        """Pass 2's cursors: one per node the run started on (`stream.py`); one in all for
+        round-robin, which routes no key."""
+        if self.route == "round-robin":
+            return [Cursor(self.source.items(lambda k: self.tally.shape_of[k] != 0))]
+        return [Cursor(self.source.items(self.routes.wanted_by(c))) for c in range(self.routes.cursors)]
+
     def _node_for(self, k: int) -> str:
         if self.route == "round-robin":  # the baseline: what an actor pool does
             live = sorted(s for s, n in self.nodes.items() if n.alive)
             self._round_robin += 1
             return live[self._round_robin % len(live)]
-        return self.router.node_of(k)
+        return self.router.node_of(self.routes.route_key(k))
 
-    def _assign(self, k: int) -> None:
-        self.ledger.assign(k, self._node_for(k))
+    def _fill(self) -> None:
+        """Items from each cursor into their nodes' queues, while the next one's node has
+        fewer than READ_AHEAD_ITEMS queued (a cursor's next item waits in the cursor)."""
+        for cursor in self.cursors:
+            while True:
+                started_s = time.monotonic()
+                ahead = cursor.peek()
+                self.make_s += time.monotonic() - started_s
+                if ahead is None:
+                    break
+                k, item = ahead
+                node = self._node_for(k)
+                if self.ledger.queued(node) >= READ_AHEAD_ITEMS:
+                    break
+                self.ledger.assign(k, node, item)
+                cursor.pop()
 
     # ----------------------------------------------------------------- loop
 
     def _loop(self) -> None:
         next_check_s = time.monotonic() + NODE_CHECK_S
-        while self.ledger.unanswered():
+        while self.ledger.in_flight() or not all(cursor.done for cursor in self.cursors):
             now_s = time.monotonic()
             if now_s >= next_check_s:
                 self._check_nodes()
                 next_check_s = now_s + NODE_CHECK_S
+            self._feed()
+            now_s = time.monotonic()
             for node in self.nodes.values():
                 if node.alive:
-                    self._send(node)
                     if not node.polling and now_s - node.last_poll_s >= POLL_INTERVAL_S:
                         node.polling, node.last_poll_s = True, now_s
                         epoch = self._epoch(node)
-                        self.pending[node.agent.poll.remote(epoch)] = (node.slot, epoch, "poll", ())
+                        self.pending[node.agent.poll.remote(epoch)] = (node.slot, epoch, "poll")
             if not any(n.alive for n in self.nodes.values()) and not self.pending:
                 raise ClusterError(f"every node is lost; {self.ledger.unanswered():,} items unanswered")
             self._handle(self._ready(timeout_s=POLL_INTERVAL_S))
-            self.on_progress(len(self.ledger.answered), len(self.items), self.nodes)
+            self.on_progress(self.ledger.answered, self.ledger.items, self.nodes)
 
-    def _send(self, node: NodeState) -> None:
+    def _feed(self) -> None:
+        """Read, route and send until every live node's window is full or what it would
+        take next is not read yet (its cursor waits on another node's room, or is done)."""
+        while True:
+            self._fill()
+            if not sum(self._send(node) for node in self.nodes.values() if node.alive):
+                return
+
+    def _send(self, node: NodeState) -> int:
+        """Batches of the node's queue while its window has room; how many items went."""
         epoch = self._epoch(node)
+        sent = 0
         while batch := self.ledger.take(node.slot, BATCH_ITEMS, node.window()):
             node.counts["sent"] += len(batch)
-            ref = node.agent.submit.remote(epoch, [self.keys[k] for k in batch], [self.items[k] for k in batch])
-            self.pending[ref] = (node.slot, epoch, "submit", tuple(batch))
+            sent += len(batch)
+            ref = node.agent.submit.remote(epoch, batch, [self.ledger.work[k] for k in batch])
+            self.pending[ref] = (node.slot, epoch, "submit")
+        return sent
 
     def _ready(self, timeout_s: float) -> list:
         if not self.pending:
@@ -325,7 +369,7 @@ class ClusterRun:
 
     def _handle(self, ready: list) -> None:
         for ref in ready:
-            slot, epoch, kind, _positions = self.pending.pop(ref)
+            slot, epoch, kind = self.pending.pop(ref)
             node = self.nodes[slot]
             try:
                 value = self.ray.get(ref)
@@ -350,8 +394,7 @@ class ClusterRun:
         lines = []
         node.counts["discarded_by_agent"] = value["discarded"]
         for key, row in value["rows"]:
-            k = self.position.get(key)
-            verdict = STALE if k is None else self.ledger.accept(node.slot, value["epoch"], k)
+            verdict = self.ledger.accept(node.slot, value["epoch"], key)
             if verdict != ACCEPTED:
                 node.counts["stale_dropped" if verdict == STALE else "duplicates_dropped"] += 1
                 continue
@@ -382,7 +425,7 @@ class ClusterRun:
                 self._lose(node, "Ray reports its node dead")
         for slot, placement in found.items():
             node = self.nodes.get(slot)
-            starting = any(s == slot and kind == "start" for s, _e, kind, _p in self.pending.values())
+            starting = any(s == slot and kind == "start" for s, _e, kind in self.pending.values())
             if node is None:
                 node = self.nodes[slot] = NodeState(slot, placement)
             if not node.alive and not starting and node.counts["epochs"] < MAX_AGENT_STARTS:
@@ -406,8 +449,8 @@ class ClusterRun:
             raise ClusterError(f"node {node.slot} is lost ({why}) and it was the last one")
         self.router.remove(node.slot)
         node.counts["resubmitted_from"] += len(moved)
-        for k in sorted(moved):
-            self._assign(k)
+        for k, work in moved:
+            self.ledger.assign(k, self._node_for(k), work)
 
     def _join(self, node: NodeState) -> None:
         """A node that started after the run began: into the router, and the items not sent
@@ -416,7 +459,7 @@ class ClusterRun:
         node.counts["moved_to"] += self.ledger.move_queued(node.slot, lambda k: self._node_for(k) == node.slot)
 
     def _stop_all(self) -> None:
-        finished = self.ledger.unanswered() == 0  # a finished run's node stores are empty: removed
+        finished = self.ledger is not None and self.ledger.unanswered() == 0  # its node stores are empty: removed
         refs = {n.agent.stop.remote(remove=finished): n for n in self.nodes.values() if n.alive and n.agent is not None}
         if refs:
             done, _ = self.ray.wait(list(refs), num_returns=len(refs), timeout=STOP_WAIT_S)
@@ -444,24 +487,29 @@ class ClusterRun:
 
     def _report(self, wall_s: float) -> dict:
         nodes = {}
-        total: dict[str, int] = {}
+        total = dict.fromkeys(NODE_COUNTS, 0)
         for slot, node in sorted(self.nodes.items()):
             counts = dict(node.counts)
             counts["prefix_reuse"] = counts["cached_tokens"] / counts["prompt_tokens"] if counts["prompt_tokens"] else None
             nodes[slot] = {**counts, "host": node.info.get("host"), "consumers": node.info.get("consumers"),
                            "lost_because": node.info.get("lost_because")}
             for name, value in node.counts.items():
-                total[name] = total.get(name, 0) + value
-        plan = self.plan
+                total[name] += value
+        plan, ledger = self.plan, self.ledger
+        answered = ledger.answered if ledger else 0
         return {
             "nodes": nodes,
-            "total": {**total, "items": len(self.items), "unanswered": self.ledger.unanswered(),
-                      "prefix_reuse": total.get("cached_tokens", 0) / total["prompt_tokens"]
-                      if total.get("prompt_tokens") else None,
-                      "wall_s": wall_s, "items_per_s": len(self.ledger.answered) / wall_s if wall_s > 0 else None},
+            "total": {**total, "items": self.tally.count if self.tally else 0,
+                      "unanswered": ledger.unanswered() if ledger else 0,
+                      "prefix_reuse": total["cached_tokens"] / total["prompt_tokens"]
+                      if total["prompt_tokens"] else None,
+                      "wall_s": wall_s, "items_per_s": answered / wall_s if wall_s > 0 else None},
             "routing": {"route": self.route, "keys": len(plan.key_loads) if plan else 0,
                         "split_shapes": plan.splits if plan else 0, "sub_keys": plan.sub_keys if plan else 0,
                         "max_key_load_tokens": plan.max_key_load if plan else None,
                         **self._placement_report()},
+            "driver": {"shapes": len(self.tally.chains) if self.tally else 0, "plan_pass_s": self.plan_pass_s,
+                       "make_s": self.make_s, "cursors": len(self.cursors),
+                       "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024},
             "results_dir": self.results_dir,
         }

@@ -1,14 +1,18 @@
 """Shape-affine routing of a job's items over the nodes of a cluster (pure: no I/O, no clock).
 
-    loads = computed_token_loads(chains, component_tokens, suffix_tokens)
-    plan = RoutingPlan.build(chains, loads, hashes, nodes=3)  # once per job, from every item
-    router = Router(plan, ["node-a", "node-b", "node-c"])       # bounded-load placement
-    router.node_of(k)                                          # item k's node
-    router.remove("node-b"); router.node_of(k)                 # only node-b's keys moved
+    tally = ShapeTally(keys=n)                                 # pass 1 over the job's items:
+    tally.add(k, chain, component_tokens, suffix_tokens)       #   per shape its load, per key its shape
+    plan = RoutingPlan.build(tally.chains, tally.loads(), nodes=3)   # once per job, per shape
+    router = Router(plan, ["node-a", "node-b", "node-c"])      # bounded-load placement
+    router.node_of(plan.route_key(tally.shape(k), item_hash))  # item k's node
+    router.remove("node-b")                                    # only node-b's keys moved
 
-The load of an item (`computed_token_loads`): what its node's GPU computes when routing does
-its job, i.e. when each distinct chain prefix is computed once and served from the prefix
-cache after: the item's suffix tokens plus, for each of its components, the component's
+Everything here is per shape (or per key of the plan), never per item but for pass 1's 4-byte
+shape id per key: a job of any length plans in memory that grows with its distinct shapes.
+
+The load of an item (`computed_token_loads` sums it over a shape's items): what its node's
+GPU computes when routing does its job, i.e. when each distinct chain prefix is computed once
+and served from the prefix cache after: the item's suffix tokens plus, for each of its components, the component's
 tokens divided by the number of the job's items whose chains pass through that prefix. The
 loads sum to the job's distinct prefix tokens plus its suffix tokens, and they add up over
 any set of items, as the trie weights and the bound below need.
@@ -32,8 +36,8 @@ prefix again. The rule here takes the shallowest prefix that is light enough:
     KEYS_PER_NODE); an item whose whole chain is heavier than that is on a hot shape.
 
 A hot shape (its own items alone, the leaf of the trie, weigh more than `max_key_load`) is
-split into k = ceil(load / max_key_load) sub-keys (key, 0..k-1), each routed on its own; an
-item goes to sub-key item_hash mod k. `RoutingPlan.splits` counts the split shapes and
+split into k = ceil(load / max_key_load) sub-keys (key, 0..k-1), each routed on its own and
+weighing load / k in the plan; an item goes to sub-key item_hash mod k. `RoutingPlan.splits` counts the split shapes and
 `sub_keys` their sub-keys. The plan is made once per job with the node count at its start, so
 a node that leaves or joins later changes no key, only where keys go.
 
@@ -75,6 +79,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import xxhash
 
 # Keys per node the plan aims at: enough keys that heaviest-first placement under the bound
@@ -99,6 +104,10 @@ RENDEZVOUS_SEED = 0x5348_4150_455F_5244  # "SHAPE_RD"
 # fullest node 4.6% over the mean and its makespan the run's.
 EPSILON = 0.01
 
+# Keys of a run (pass 1 keeps a uint32 shape id per key, 0 for none): request indices of a job
+# of at most the batch file's limit, far below this.
+MAX_KEYS = (1 << 32) - 1
+
 RouteKey = tuple  # (depth, signature) or (depth, signature, sub_key)
 
 
@@ -118,55 +127,119 @@ def highest_node(key: RouteKey, nodes: Iterable[str]) -> str:
     return max(nodes, key=lambda node: (rendezvous_score(key, node), node))
 
 
+class ShapeTally:
+    """Pass 1 of a run, item by item: each distinct shape's chain, its components' token
+    counts, its items and their suffix tokens, and each key's shape (`shape_of[k]`: 0 for a
+    key with no item, else its shape's id + 1, so the array starts as untouched zero pages).
+
+    Per shape a few hundred bytes (its chain and counts); per key 4 bytes: pass 2 finds
+    each item's route without making it again (see `pipeline.cluster.stream`)."""
+
+    def __init__(self, keys: int) -> None:
+        check_key_space(keys)
+        self.shape_of = np.zeros(keys, dtype=np.uint32)
+        self.ids: dict[tuple[int, int], int] = {}  # (depth, signature) of a chain's last prefix -> shape id
+        self.chains: list[tuple[int, ...]] = []
+        self.component_tokens: list[tuple[int, ...]] = []
+        self.items: list[int] = []
+        self.suffix_tokens: list[int] = []
+        self.count = 0
+
+    def add(self, key: int, chain: Sequence[int], component_tokens: Sequence[int], suffix_tokens: int) -> int:
+        """Key `key`'s item (each key once) has this shape; the shape's id."""
+        assert chain and len(component_tokens) <= len(chain), (chain, component_tokens)
+        assert self.shape_of[key] == 0, key
+        leaf = (len(chain), chain[-1])
+        shape = self.ids.get(leaf)
+        if shape is None:
+            shape = self.ids[leaf] = len(self.chains)
+            self.chains.append(tuple(chain))
+            self.component_tokens.append(tuple(component_tokens))
+            self.items.append(0)
+            self.suffix_tokens.append(0)
+        self.items[shape] += 1
+        self.suffix_tokens[shape] += suffix_tokens
+        self.shape_of[key] = shape + 1
+        self.count += 1
+        return shape
+
+    def shape(self, key: int) -> int | None:
+        """Key `key`'s shape id; None for a key with no item."""
+        found = int(self.shape_of[key])
+        return found - 1 if found else None
+
+    def loads(self) -> list[float]:
+        """Each shape's load (`computed_token_loads`)."""
+        return computed_token_loads(self.chains, self.component_tokens, self.items, self.suffix_tokens)
+
+    def check_invariants(self) -> None:
+        shapes = len(self.chains)
+        assert len(self.component_tokens) == len(self.items) == len(self.suffix_tokens) == len(self.ids) == shapes
+        assert sum(self.items) == self.count == int(np.count_nonzero(self.shape_of))
+        assert all(n >= 1 for n in self.items)
+        assert all(self.ids[(len(c), c[-1])] == shape for shape, c in enumerate(self.chains))
+        assert int(self.shape_of.max(initial=0)) <= shapes
+        assert np.bincount(self.shape_of, minlength=shapes + 1)[1:].tolist() == self.items
+
+
+def check_key_space(keys: int) -> None:
+    """ValueError unless a run's keys (0..keys-1) fit pass 1's per-key shape ids."""
+    if not 0 <= keys <= MAX_KEYS:
+        raise ValueError(f"a cluster run's keys must be fewer than {MAX_KEYS + 1:,}, got {keys:,}")
+
+
 def computed_token_loads(chains: Sequence[Sequence[int]], component_tokens: Sequence[Sequence[int]],
-                         suffix_tokens: Sequence[int]) -> list[float]:
-    """Each item's load (the module's rule): its suffix tokens, plus each of its components'
-    tokens over the number of items whose chains pass through that component's prefix."""
-    assert len(chains) == len(component_tokens) == len(suffix_tokens)
-    sharing = Counter((depth, sig) for item_chain in chains for depth, sig in enumerate(item_chain, start=1))
+                         items: Sequence[int], suffix_tokens: Sequence[int]) -> list[float]:
+    """Each shape's load, its items' together (the module's rule): their suffix tokens, plus
+    for each of its components the component's tokens times the shape's items over the
+    items whose chains pass through that component's prefix."""
+    assert len(chains) == len(component_tokens) == len(items) == len(suffix_tokens)
+    sharing: Counter = Counter()
+    for shape_chain, count in zip(chains, items):
+        for depth, sig in enumerate(shape_chain, start=1):
+            sharing[(depth, sig)] += count
     loads = []
-    for item_chain, tokens, suffix in zip(chains, component_tokens, suffix_tokens):
-        assert len(tokens) <= len(item_chain), (len(tokens), len(item_chain))  # none: the empty shape's chain
-        shared = sum(n / sharing[(depth, sig)] for depth, (sig, n) in enumerate(zip(item_chain, tokens), start=1))
+    for shape_chain, tokens, count, suffix in zip(chains, component_tokens, items, suffix_tokens):
+        assert len(tokens) <= len(shape_chain), (len(tokens), len(shape_chain))  # none: the empty shape's chain
+        shared = sum(n * count / sharing[(depth, sig)]
+                     for depth, (sig, n) in enumerate(zip(shape_chain, tokens), start=1))
         loads.append(float(suffix) + shared)
     return loads
 
 
 @dataclass(slots=True)
 class RoutingPlan:
-    """Each item's routing key, made once from the whole job (see the module's rule).
+    """Each shape's routing key, made once from the whole job's shapes (see the module's rule).
 
-    `keys[k]` is item k's key (depth, signature): the depth (1-based) of the chain prefix it
-    routes on; `split[key]` the number of sub-keys of a hot shape's key; `item_keys[k]` the
-    key item k is placed by (with its sub-key where split) and `route_loads` their loads."""
+    `shape_keys[s]` is shape s's key (depth, signature): the depth (1-based) of the chain
+    prefix its items route on; `split[key]` the number of sub-keys of a hot shape's key;
+    `route_loads` the load of each key an item is placed by (a split key's sub-keys share
+    its load evenly); `route_key(s, h)` the one an item of shape s with hash h is placed by."""
 
-    keys: list[tuple[int, int]]
+    shape_keys: list[tuple[int, int]]
     split: dict[tuple[int, int], int]
     max_key_load: float
     total_load: float
     key_loads: dict[tuple[int, int], float] = field(default_factory=dict)
-    item_keys: list[RouteKey] = field(default_factory=list)
     route_loads: dict[RouteKey, float] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, chains: Sequence[Sequence[int]], loads: Sequence[float], hashes: Sequence[int],
-              nodes: int) -> RoutingPlan:
-        """The plan of items with these chains, loads and hashes (a split shape's items go
-        to sub-key hash mod k) for `nodes` nodes."""
-        assert len(chains) == len(loads) == len(hashes), (len(chains), len(loads), len(hashes))
+    def build(cls, chains: Sequence[Sequence[int]], loads: Sequence[float], nodes: int) -> RoutingPlan:
+        """The plan of distinct shapes with these chains and loads for `nodes` nodes."""
+        assert len(chains) == len(loads), (len(chains), len(loads))
         assert nodes >= 1, nodes
         total = float(sum(loads))
         max_key_load = total / (nodes * KEYS_PER_NODE) if total > 0 else 1.0
         subtree: dict[tuple[int, int], float] = {}
-        for item_chain, load in zip(chains, loads):
-            for depth, sig in enumerate(item_chain, start=1):
+        for shape_chain, load in zip(chains, loads):
+            for depth, sig in enumerate(shape_chain, start=1):
                 subtree[(depth, sig)] = subtree.get((depth, sig), 0.0) + load
         keys: list[tuple[int, int]] = []
         key_loads: dict[tuple[int, int], float] = {}
-        for item_chain, load in zip(chains, loads):
-            assert item_chain, "every shape has a chain of at least one signature"
-            key = (len(item_chain), item_chain[-1])
-            for depth, sig in enumerate(item_chain, start=1):
+        for shape_chain, load in zip(chains, loads):
+            assert shape_chain, "every shape has a chain of at least one signature"
+            key = (len(shape_chain), shape_chain[-1])
+            for depth, sig in enumerate(shape_chain, start=1):
                 if subtree[(depth, sig)] <= max_key_load:
                     key = (depth, sig)
                     break
@@ -174,12 +247,21 @@ class RoutingPlan:
             key_loads[key] = key_loads.get(key, 0.0) + load
         split = {key: min(MAX_SUB_KEYS, math.ceil(load / max_key_load))
                  for key, load in key_loads.items() if load > max_key_load}
-        item_keys: list[RouteKey] = [key if key not in split else (*key, h % split[key])
-                                     for key, h in zip(keys, hashes)]
+        # NOTE: a sub-key's load is its key's over the sub-keys, not its own items' (hash mod
+        # k deals them out evenly, up to chance): the exact figure needs each item's hash in
+        # pass 1, and k is only known once every shape's load is.
         route_loads: dict[RouteKey, float] = {}
-        for route_key, load in zip(item_keys, loads):
-            route_loads[route_key] = route_loads.get(route_key, 0.0) + load
-        return cls(keys, split, max_key_load, total, key_loads, item_keys, route_loads)
+        for key, load in key_loads.items():
+            parts = split.get(key, 1)
+            for part in range(parts):
+                route_loads[key if parts == 1 else (*key, part)] = load / parts
+        return cls(keys, split, max_key_load, total, key_loads, route_loads)
+
+    def route_key(self, shape: int, item_hash: int) -> RouteKey:
+        """The key an item of shape `shape` whose hash is `item_hash` is placed by."""
+        key = self.shape_keys[shape]
+        parts = self.split.get(key)
+        return key if parts is None else (*key, item_hash % parts)
 
     @property
     def splits(self) -> int:
@@ -200,10 +282,10 @@ class RoutingPlan:
             # A key over the limit is a hot shape's leaf, split; any other fits the limit.
             assert load <= self.max_key_load or key in self.split, (key, load, self.max_key_load)
             assert parts == 1 or load > self.max_key_load, (key, parts, load)
-        assert set(self.keys) == set(self.key_loads)
-        assert len(self.item_keys) == len(self.keys) and set(self.item_keys) == set(self.route_loads)
-        for key, route_key in zip(self.keys, self.item_keys):
-            assert route_key[:2] == key and (len(route_key) == 3) == (key in self.split), (key, route_key)
+        assert set(self.shape_keys) == set(self.key_loads)
+        expected = {key if key not in self.split else (*key, part)
+                    for key in self.key_loads for part in range(self.split.get(key, 1))}
+        assert set(self.route_loads) == expected
 
 
 class Router:
@@ -251,9 +333,9 @@ class Router:
             self.placement[key] = node
             self.loads[node] += load
 
-    def node_of(self, k: int) -> str:
-        """Item k's node."""
-        return self.placement[self.plan.item_keys[k]]
+    def node_of(self, route_key: RouteKey) -> str:
+        """Where the items of `route_key` go now."""
+        return self.placement[route_key]
 
     def add(self, node: str) -> None:
         """A node joins (or comes back): it takes the keys that rank it above their node,

@@ -1,6 +1,7 @@
 """`pipeline run-batch --ray` on a local 3-node Ray cluster (`ray.cluster_utils.Cluster`),
 sim consumers, the tiny model's tokenizer: every custom_id answered exactly once, each
-shape's items on one node except where the split rule split it, and a node killed mid-job
+shape's items on one node except where the split rule split it, the driver's peak memory
+the same for a job four times longer, and a node killed mid-job
 (`remove_node(..., allow_graceful=False)`) and brought back loses nothing and duplicates no
 line. Nothing is left running or in /dev/shm afterwards.
 
@@ -43,6 +44,17 @@ SLOT = "shape_broker_node_"
 RUN_TIMEOUT_S = 240
 # Each sim batch sleeps this long per padded token, so the killed node is mid-job.
 SLOW_CONFIG = "[engine_options]\ncost_s_per_padded_token = 2e-3\n"
+# The driver holds what is in flight: up to 2,048 items per consumer (5 consumers here) and a
+# batch per node queued. Both sizes are past that, so only what grows with the job differs.
+MEMORY_SIZES = (12_000, 48_000)
+# The driver's peak RSS at the larger size over the smaller, at most. Measured: 1.14 (159 and
+# 181 MB); a driver holding every item it made reached 1.62 (164 and 265 MB).
+MEMORY_GROWTH_RATIO = 1.3
+# Runs the command given after it and says its peak RSS (its largest child's: the command) on
+# stderr's last line.
+PEAK_RSS_WRAPPER = ("import resource, subprocess, sys; code = subprocess.call(sys.argv[1:]); "
+                    "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024, file=sys.stderr); "
+                    "sys.exit(code)")
 SYSTEMS = ["You answer questions about a hardware store, in two sentences.",
            "You translate short English phrases into French.",
            "You review code snippets and name the worst problem.",
@@ -197,10 +209,12 @@ def node_rows(tmp_path: Path) -> dict[str, list[dict]]:
 def test_a_job_is_answered_once_per_custom_id_with_each_shape_on_one_node(cluster, tmp_path, model_dir):
     import base64
 
-    from pipeline.batchjob.requests import load_requests
-    from pipeline.cluster.batch import job_items
-    from pipeline.cluster.driver import job_plan
-    from pipeline.producer.signature import chain
+    from pipeline.batchjob.job import job_workload
+    from pipeline.batchjob.layout import decode_job_payload
+    from pipeline.batchjob.manifest import load_manifest
+    from pipeline.cluster.batch import JobSource
+    from pipeline.cluster.routing import RoutingPlan
+    from pipeline.cluster.stream import tally_items
 
     records = job_records(240)
     done = subprocess.run(run_batch_command(cluster, tmp_path, records, model_dir), capture_output=True,
@@ -208,27 +222,50 @@ def test_a_job_is_answered_once_per_custom_id_with_each_shape_on_one_node(cluste
     cluster.record()
     assert done.returncode == 0, done.stderr
     report = check_once(tmp_path, records)
-    assert report["cluster"]["total"]["answered"] == 240 and report["job"]["completed"] == 240
+    assert report["cluster"]["total"]["answered"] == 240 and report["job"]["request_counts"]["completed"] == 240
     # One consumer per GPU where the node has one (b: Ray's CUDA_VISIBLE_DEVICES), else 2 CPU ones.
     assert {slot: node["consumers"] for slot, node in report["cluster"]["nodes"].items()} == {"a": 2, "b": 1, "c": 2}
     by_node = node_rows(tmp_path)
     assert set(by_node) == set(NODES) and all(by_node.values())  # the load is spread
-    # Which nodes each shape ran on: one, except a shape the plan split.
-    keys, items = job_items(load_requests(str(tmp_path / "requests.jsonl"), "tiny-llama"), list(range(240)),
-                            model_dir, str(tmp_path / "scratch"))
-    chains = {key: chain(item.components) for key, item in zip(keys, items)}
-    plan = job_plan(keys, items, nodes=3)
+    # Which nodes each shape ran on: one, except a shape the plan split (the driver's plan, made again).
+    source = JobSource(job_workload(str(tmp_path / "job"), model_dir), model_dir, str(tmp_path / "scratch"))
+    try:
+        tally = tally_items(source)
+    finally:
+        source.close()
+    plan = RoutingPlan.build(tally.chains, tally.loads(), nodes=3)
     split_shapes = {key[1] for key in plan.split}
+    job_id = load_manifest(str(tmp_path / "job")).job_id
     nodes_of = defaultdict(set)
     for node, rows in by_node.items():
         for row in rows:
-            nodes_of[chains[int(base64.b64decode(row["payload"]))][-1]].add(node)
-    assert len(nodes_of) == 24
+            index = decode_job_payload(base64.b64decode(row["payload"]), job_id)[0]
+            nodes_of[tally.chains[tally.shape(index)][-1]].add(node)
+    assert len(nodes_of) == 24 and report["cluster"]["driver"]["shapes"] == 24
     crossing = {shape for shape, nodes in nodes_of.items() if len(nodes) > 1}
     assert crossing <= split_shapes, "a shape crossed nodes without being split"
     assert report["cluster"]["routing"]["split_shapes"] == plan.splits
     assert report["cluster"]["total"]["cached_tokens"] > 0
     assert "0 nodes lost" in done.stderr
+
+
+def test_the_drivers_memory_does_not_grow_with_the_job(cluster, tmp_path, model_dir):
+    """The same job at two sizes, both past what the driver keeps in flight: its peak RSS
+    (the whole command, start to output written) hardly moves."""
+    peaks = []
+    for count in MEMORY_SIZES:
+        run_dir = tmp_path / f"n{count}"
+        run_dir.mkdir()
+        records = job_records(count)
+        command = [sys.executable, "-c", PEAK_RSS_WRAPPER, *run_batch_command(cluster, run_dir, records, model_dir)]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=ROOT)
+        cluster.record()
+        assert done.returncode == 0, done.stderr
+        report = check_once(run_dir, records)
+        assert report["cluster"]["total"]["answered"] == count and report["cluster"]["driver"]["cursors"] == 3
+        peaks.append(int(done.stderr.splitlines()[-1]))
+    assert peaks[1] <= MEMORY_GROWTH_RATIO * peaks[0], f"peak RSS {peaks[0]:,} B at {MEMORY_SIZES[0]:,} " \
+        f"requests, {peaks[1]:,} B at {MEMORY_SIZES[1]:,}"
 
 
 def test_launch_routes_a_workload_over_the_nodes(cluster, tmp_path):

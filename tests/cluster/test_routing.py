@@ -1,8 +1,8 @@
-"""The cluster's routing plan and bounded-load rendezvous router against references: each
-item's key is the shallowest prefix of its chain light enough, a hot shape is split into
-sub-keys, keys are placed heaviest first on their highest-ranked node with room under
-(1 + epsilon) x the mean, a node leaving moves its keys only and a node joining takes keys
-only to itself. Pure: no Ray here."""
+"""The cluster's routing plan and bounded-load rendezvous router against references: pass 1's
+tally keeps per shape what per-item loads would sum to, each shape's key is the shallowest
+prefix of its chain light enough, a hot shape is split into sub-keys, keys are placed
+heaviest first on their highest-ranked node with room under (1 + epsilon) x the mean, a node
+leaving moves its keys only and a node joining takes keys only to itself. Pure: no Ray here."""
 
 from __future__ import annotations
 
@@ -12,11 +12,16 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import pytest
+
 from pipeline.cluster.routing import (
     EPSILON,
     KEYS_PER_NODE,
+    MAX_KEYS,
     Router,
     RoutingPlan,
+    ShapeTally,
+    check_key_space,
     computed_token_loads,
     highest_node,
     rendezvous_score,
@@ -38,7 +43,7 @@ def as_chain(path: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def reference_key(chains, loads, k: int, limit: float) -> tuple[int, int]:
-    """Item k's key by brute force: the shallowest prefix whose items weigh at most `limit`."""
+    """Shape k's key by brute force: the shallowest prefix whose shapes weigh at most `limit`."""
     mine = chains[k]
     for depth in range(1, len(mine) + 1):
         weight = sum(load for c, load in zip(chains, loads) if c[:depth] == mine[:depth])
@@ -69,11 +74,11 @@ def reference_place(route_loads: dict, keys, nodes, total: float, epsilon: float
     return fallbacks
 
 
-def plan_of(paths, data, nodes: int, hashes=None) -> tuple[list, list, RoutingPlan]:
-    chains = [as_chain(p) for p in paths]
+def plan_of(paths, data, nodes: int) -> tuple[list, list, RoutingPlan]:
+    """A plan of the distinct shapes of `paths`, each with a drawn load."""
+    chains = list(dict.fromkeys(as_chain(p) for p in paths))
     loads = data.draw(st.lists(loads_st, min_size=len(chains), max_size=len(chains)))
-    hashes = hashes or list(range(len(chains)))
-    return chains, loads, RoutingPlan.build(chains, loads, hashes[:len(chains)], nodes=nodes)
+    return chains, loads, RoutingPlan.build(chains, loads, nodes=nodes)
 
 
 def node_loads(router: Router) -> dict[str, float]:
@@ -86,22 +91,26 @@ def node_loads(router: Router) -> dict[str, float]:
 @settings(max_examples=150, deadline=None)
 @given(paths=chains_st, data=st.data(), node_count=st.integers(1, 6), hashes=hashes_st)
 def test_the_plan_matches_the_reference(paths, data, node_count, hashes):
-    chains, loads, plan = plan_of(paths, data, node_count, hashes)
+    chains, loads, plan = plan_of(paths, data, node_count)
     plan.check_invariants()
     limit = sum(loads) / (node_count * KEYS_PER_NODE)
     assert plan.max_key_load == limit
-    assert plan.keys == [reference_key(chains, loads, k, limit) for k in range(len(chains))]
-    for key in set(plan.keys):
-        weight = sum(load for kk, load in zip(plan.keys, loads) if kk == key)
-        assert plan.split.get(key, 1) == (math.ceil(weight / limit) if weight > limit else 1)
+    assert plan.shape_keys == [reference_key(chains, loads, k, limit) for k in range(len(chains))]
+    expected_routes = {}
+    for key in set(plan.shape_keys):
+        weight = sum(load for kk, load in zip(plan.shape_keys, loads) if kk == key)
+        parts = math.ceil(weight / limit) if weight > limit else 1
+        assert plan.split.get(key, 1) == parts
         if key in plan.split:  # only a whole shape (the leaf of its chain) is ever split
-            assert all(chains[k][-1] == key[1] and len(chains[k]) == key[0]
-                       for k in range(len(chains)) if plan.keys[k] == key)
+            assert [c for c, kk in zip(chains, plan.shape_keys) if kk == key] == [c for c in chains
+                                                                                 if (len(c), c[-1]) == key]
+        expected_routes.update({key if parts == 1 else (*key, j): weight / parts for j in range(parts)})
     assert plan.splits == len(plan.split)
-    for k, key in enumerate(plan.keys):  # a split shape's item on sub-key hash mod k
-        assert plan.item_keys[k] == (key if key not in plan.split else (*key, hashes[k] % plan.split[key]))
-    assert plan.route_loads == {rk: sum(load for kk, load in zip(plan.item_keys, loads) if kk == rk)
-                                for rk in set(plan.item_keys)}
+    for shape, h in zip(range(len(chains)), hashes):  # a split shape's item on sub-key hash mod k
+        key = plan.shape_keys[shape]
+        assert plan.route_key(shape, h) == (key if key not in plan.split else (*key, h % plan.split[key]))
+    assert plan.route_loads.keys() == expected_routes.keys()
+    assert all(math.isclose(plan.route_loads[rk], load) for rk, load in expected_routes.items())
 
 
 @settings(max_examples=200, deadline=None)
@@ -124,8 +133,9 @@ def test_the_placement_matches_the_reference_and_keeps_the_bound(paths, data, no
         ranking = reference_ranking(key, nodes)
         for better in ranking[:ranking.index(node)]:
             assert router.loads[better] + plan.route_loads[key] > bound, (key, node, better)
-    for k in range(len(plan.keys)):
-        assert router.node_of(k) == router.placement[plan.item_keys[k]]
+    for shape in range(len(plan.shape_keys)):
+        route_key = plan.route_key(shape, shape)
+        assert router.node_of(route_key) == router.placement[route_key]
 
 
 def test_no_fallback_while_keys_are_a_small_share_of_a_node():
@@ -133,7 +143,7 @@ def test_no_fallback_while_keys_are_a_small_share_of_a_node():
     every key finds room, and the fullest node is within (1 + EPSILON) x the mean, where
     plain rendezvous (the bound never binding) leaves it further off."""
     chains = [as_chain((0, family, k)) for family in range(120) for k in range(1 + family % 12)]
-    plan = RoutingPlan.build(chains, [1] * len(chains), list(range(len(chains))), nodes=3)
+    plan = RoutingPlan.build(chains, [1] * len(chains), nodes=3)
     router = Router(plan, ["a", "b", "c"])
     router.check_invariants()
     assert router.fallbacks == 0 and plan.splits == 0
@@ -209,52 +219,74 @@ def test_a_node_joining_takes_keys_only_to_itself_within_the_bound(paths, data, 
 
 @settings(max_examples=150, deadline=None)
 @given(paths=chains_st, data=st.data())
-def test_computed_token_loads_match_a_brute_force_count(paths, data):
-    """Each component's tokens shared out over the items through its prefix: the loads sum to
-    every distinct prefix's tokens once plus every suffix."""
+def test_the_tally_sums_per_shape_what_each_item_would_weigh(paths, data):
+    """Items into pass 1's tally (some keys left without an item): per shape, its items and
+    their suffixes; its load is its items' per-item loads summed (each component's tokens
+    shared out over the items through its prefix), and the loads sum to every distinct
+    prefix's tokens once plus every suffix."""
     chains = [as_chain(p) for p in paths]
     # A component's length depends on its prefix only (the same prefix, the same tokens).
     length_of = {c: 1 + c % 97 for chain in chains for c in chain}
     tokens = [[length_of[c] for c in chain] for chain in chains]
     suffixes = data.draw(st.lists(st.integers(0, 40), min_size=len(chains), max_size=len(chains)))
-    loads = computed_token_loads(chains, tokens, suffixes)
+    keys = data.draw(st.lists(st.integers(0, 199), min_size=len(chains), max_size=len(chains), unique=True))
+    tally = ShapeTally(keys=200)
+    for key, chain, shape_tokens, suffix in zip(keys, chains, tokens, suffixes):
+        tally.add(key, chain, shape_tokens, suffix)
+    tally.check_invariants()
+    assert tally.count == len(chains) and len(tally.chains) == len(set(chains))
+    assert [tally.chains[tally.shape(key)] for key in keys] == chains
+    assert all(tally.shape(key) is None for key in set(range(200)) - set(keys))
+    per_item = {}
     for k, chain in enumerate(chains):
         through = [sum(1 for other in chains if other[:d] == chain[:d]) for d in range(1, len(chain) + 1)]
-        assert math.isclose(loads[k], suffixes[k] + sum(n / m for n, m in zip(tokens[k], through)))
+        per_item[k] = suffixes[k] + sum(n / m for n, m in zip(tokens[k], through))
+    loads = tally.loads()
+    for shape, chain in enumerate(tally.chains):
+        assert math.isclose(loads[shape], sum(load for k, load in per_item.items() if chains[k] == chain))
     distinct = {(d, c) for chain in chains for d, c in enumerate(chain, start=1)}
     assert math.isclose(sum(loads), sum(suffixes) + sum(length_of[c] for _d, c in distinct))
 
 
 def test_computed_token_loads_of_the_empty_shape():
     """No components: the load is the suffix (the empty shape's chain has one signature)."""
-    assert computed_token_loads([(7,), (7,)], [[], []], [5, 3]) == [5.0, 3.0]
+    assert computed_token_loads([(7,)], [[]], [2], [8]) == [8.0]
+
+
+def test_the_key_space_is_checked_at_its_limit():
+    check_key_space(MAX_KEYS)  # the largest: every shape id + 1 fits a uint32
+    with pytest.raises(ValueError, match="fewer than 4,294,967,296"):
+        check_key_space(MAX_KEYS + 1)
+    with pytest.raises(ValueError):
+        check_key_space(-1)
 
 
 def test_a_common_system_prompt_does_not_send_everything_to_one_node():
     """Every prompt shares its first component; 40 few-shot families of 3 shapes under it:
     the plan routes on the second level (a family stays together), spread over the nodes."""
     chains = [as_chain((0, family, variant)) for family in range(40) for variant in range(3)]
-    plan = RoutingPlan.build(chains, [1] * len(chains), [0] * len(chains), nodes=3)
-    assert {key[0] for key in plan.keys} == {2} and plan.splits == 0
+    plan = RoutingPlan.build(chains, [1] * len(chains), nodes=3)
+    assert {key[0] for key in plan.shape_keys} == {2} and plan.splits == 0
     router = Router(plan, ["a", "b", "c"])
-    placed = Counter(router.node_of(k) for k in range(len(chains)))
+    placed = Counter(router.node_of(plan.route_key(shape, 0)) for shape in range(len(chains)))
     # Keys of 3 items, 40 to a node: the fullest node within the bound or one key past the mean.
     assert set(placed) == {"a", "b", "c"} and max(placed.values()) <= max((1 + EPSILON) * 40, 40 + 3)
 
 
 def test_a_hot_shape_is_split_and_counted():
     """One shape carries half the load: split into sub-keys, the rest routed whole."""
-    chains = [as_chain((0, 1))] * 100 + [as_chain((0, 2 + k % 50, k)) for k in range(100)]
-    plan = RoutingPlan.build(chains, [1] * len(chains), list(range(len(chains))), nodes=2)
+    chains = [as_chain((0, 1))] + [as_chain((0, 2 + k % 50, k)) for k in range(100)]
+    plan = RoutingPlan.build(chains, [100] + [1] * 100, nodes=2)
     hot = (2, as_chain((0, 1))[-1])
     limit = 200 / (2 * KEYS_PER_NODE)
     assert plan.split == {hot: math.ceil(100 / limit)} and plan.splits == 1
+    plan.check_invariants()
     router = Router(plan, ["a", "b"])
-    assert {router.node_of(k) for k in range(100)} == {"a", "b"}  # the hot shape on both nodes
+    assert {router.node_of(plan.route_key(0, h)) for h in range(100)} == {"a", "b"}  # the hot shape on both
 
 
 def test_the_last_node_cannot_leave():
-    plan = RoutingPlan.build([as_chain((0,))], [1], [0], nodes=1)
+    plan = RoutingPlan.build([as_chain((0,))], [1], nodes=1)
     router = Router(plan, ["a"])
     try:
         router.remove("a")
@@ -262,4 +294,4 @@ def test_the_last_node_cannot_leave():
         assert "last node" in str(exc)
     else:
         raise AssertionError("the last node left")
-    assert router.node_of(0) == "a"
+    assert router.node_of(plan.route_key(0, 0)) == "a"
