@@ -54,6 +54,7 @@ JOB_PAYLOAD_DTYPE = checked_dtype(
 )
 JOB_PAYLOAD_SIZE_BYTES = JOB_PAYLOAD_DTYPE.itemsize
 _PAYLOAD = struct_for(JOB_PAYLOAD_DTYPE)
+_MADE_NS_OFFSET = int(JOB_PAYLOAD_DTYPE.fields["made_ns"][1])
 
 # Requests between two entries of the input's sparse index: a producer starting its share
 # reads at most this many lines it does not take (about 2 MB of a typical batch file),
@@ -179,6 +180,14 @@ def make_records(columns: dict[str, list[int]]) -> bytes:
     words = records.view("<u4").reshape(records.size, -1)
     records["check"] = record_check(words[:, :_CHECKED_WORDS])
     return records.tobytes()
+
+
+def item_key(payload: bytes) -> bytes:
+    """What names an item for a checker: its payload, with a job item's `made_ns` zeroed (the
+    same request made again, in a resumed run, is the same item)."""
+    if len(payload) != JOB_PAYLOAD_SIZE_BYTES or not payload.startswith(JOB_PAYLOAD_MAGIC):
+        return payload
+    return payload[:_MADE_NS_OFFSET] + bytes(8)
 
 
 def answer_record(index: int, log_offset: int, line_bytes: int, status_code: int, log: int,

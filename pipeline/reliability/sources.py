@@ -16,12 +16,23 @@ import os
 
 import numpy as np
 
+from pipeline.batchjob.layout import item_key
 from pipeline.producer.workload import Workload
 from pipeline.reliability.checker import History, ItemKey
 from pipeline.reporting.accounting import result_rows
 from pipeline.runtime.inventory import pending_payloads, producer_ring_names
 from pipeline.wire.errors import ResultsFileError
+from pipeline.wire.errors import GenerationParamsError
+from pipeline.wire.generation import decode_payload
 from pipeline.wire.layouts import prompt_digest
+
+
+def stored_own_payload(payload: bytes) -> bytes:
+    """A stored payload without its generation envelope: the producer's own (the key)."""
+    try:
+        return decode_payload(payload)[1]
+    except GenerationParamsError:
+        return payload
 
 
 def attempted(workload: Workload) -> History:
@@ -31,7 +42,7 @@ def attempted(workload: Workload) -> History:
     history = History()
     for item in workload:
         prompt = np.concatenate([*item.components, item.suffix]) if item.components else item.suffix
-        history.attempt(ItemKey(item.payload), prompt_digest(prompt))
+        history.attempt(ItemKey(item_key(item.payload)), prompt_digest(prompt))
     return history
 
 
@@ -50,7 +61,7 @@ def deliver_results(history: History, results_dir: str) -> int:
             except (binascii.Error, TypeError) as exc:
                 raise ResultsFileError(f"{results_dir}/{name}: item {row.get('item_id')}: payload is not base64 "
                                        f"({exc})") from None
-            history.deliver(ItemKey(key), str(row["status"]), digest if isinstance(digest, int) else None)
+            history.deliver(ItemKey(item_key(key)), str(row["status"]), digest if isinstance(digest, int) else None)
     return lines
 
 
@@ -59,7 +70,7 @@ def hold_leftovers(history: History, data_dir: str) -> int:
     as held; returns how many were found."""
     found = dict(pending_payloads(data_dir, producer_ring_names(data_dir)))  # an item in store and ring: once
     for payload in found.values():
-        history.hold(ItemKey(payload))
+        history.hold(ItemKey(item_key(stored_own_payload(payload))))
     return len(found)
 
 

@@ -47,9 +47,9 @@ def records(count: int = REQUESTS) -> list[dict]:
     return [chat(f"r{k}", f"question {k} " + "word " * (k % 7), system=systems[k % 5]) for k in range(count)]
 
 
-def slow_args(tmp_path: Path, *more: str, count: int = REQUESTS, slow: bool = True) -> list[str]:
+def slow_args(tmp_path: Path, *more: str, count: int = REQUESTS, slow: bool = True, cost: str = "") -> list[str]:
     config = tmp_path / "slow.toml"
-    config.write_text(SLOW_CONFIG if slow else "")
+    config.write_text(f"[engine_options]\ncost_s_per_padded_token = {cost}\n" if cost else SLOW_CONFIG if slow else "")
     source = write_requests(tmp_path / "in.jsonl", records(count))
     return ["-i", str(source), "-o", str(tmp_path / "out.jsonl"), "--data-dir", str(tmp_path / "data"),
             "--config", str(config), *more]
@@ -126,7 +126,7 @@ def test_a_job_killed_at_a_random_moment_is_finished_with_one_line_per_custom_id
 
 
 def test_a_stopped_jobs_status_comes_from_its_files_and_says_how_to_finish_it(tmp_path, model_dir):
-    args = slow_args(tmp_path, "--model", model_dir)
+    args = slow_args(tmp_path, "--model", model_dir, cost="2e-3")  # a minute: `status` takes seconds on a busy host
     data = tmp_path / "data"
     job = start_batch(*args)
     wait_until(lambda: status(data, must=False).get("job", {}).get("done", 0) >= 20, "answers in the job's log")
