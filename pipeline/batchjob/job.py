@@ -311,9 +311,15 @@ class BatchJob:
         self.collector.tally(launcher.results_dir)
         try:
             outcome = launcher.run()
+        except BaseException:
+            try:  # what was answered before the failure is kept; the failure is what is said
+                self._catch_up()
+            except Exception as exc:  # noqa: BLE001 - the first error stands
+                self.say(f"run-batch: the answers written so far could not all be read back: {exc}")
+            raise
         finally:
-            self._catch_up()
             launcher.cleanup()
+        self._catch_up()
         self.report = outcome.report
         self.report["outcome"] = outcome.why
         self._producers_busy = launcher.producers_busy_share()

@@ -348,7 +348,18 @@ class Launcher:
         try:
             return self._run()
         finally:
+            self._kill_left()
             release_launch(held)
+
+    def _kill_left(self) -> None:
+        """Kill any child still alive: a run that ends by an exception in its own stop (a data
+        directory removed under it) must not leave a broker and consumers serving nobody,
+        and its own exit waiting for them."""
+        for process in [*self.producers, *self.consumers, *([self.broker] if self.broker is not None else [])]:
+            if process.is_alive():
+                log.warning("%s (pid %d) still ran at the end of the run: killed", process.name, process.pid)
+                process.kill()
+                process.join(BROKER_EXIT_WAIT_S)
 
     def _run(self) -> LaunchOutcome:
         self.interrupts = Interrupts.install()

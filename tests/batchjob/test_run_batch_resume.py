@@ -129,11 +129,13 @@ def test_a_stopped_jobs_status_comes_from_its_files_and_says_how_to_finish_it(tm
     args = slow_args(tmp_path, "--model", model_dir, cost="2e-3")  # a minute: `status` takes seconds on a busy host
     data = tmp_path / "data"
     job = start_batch(*args)
-    wait_until(lambda: status(data, must=False).get("job", {}).get("done", 0) >= 20, "answers in the job's log")
-    running = status(data)["job"]
-    assert running["running"] and running["requests"] == REQUESTS
-    os.kill(job.pid, signal.SIGKILL)
-    job.communicate(timeout=RUN_TIMEOUT_S)
+    try:
+        wait_until(lambda: status(data, must=False).get("job", {}).get("done", 0) >= 20, "answers in the job's log")
+        running = status(data)["job"]
+        assert running["running"] and running["requests"] == REQUESTS
+    finally:
+        os.kill(job.pid, signal.SIGKILL)
+        job.communicate(timeout=RUN_TIMEOUT_S)
     wait_for_orphans(data)
     stopped = status(data)["job"]
     assert stopped["state"] == "stopped" and not stopped["running"]

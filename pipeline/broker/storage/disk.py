@@ -251,6 +251,11 @@ class DiskTier(QueuedTier):
                 return f"segment {segment} is gone"
         return None
 
+    def _dispatched(self, segments: np.ndarray, offsets: np.ndarray) -> None:
+        last = np.flatnonzero(np.r_[segments[1:] != segments[:-1], True])  # each segment's last entry
+        for at in last.tolist():
+            self._store.release_below(int(segments[at]), int(offsets[at]))
+
     def _remove(self, lane: LaneKey, entries: EntryColumns) -> None:
         segments, offsets = entries.segments, entries.offsets
         for first, end in _runs(segments):  # a segment's refs are consecutive in a batch

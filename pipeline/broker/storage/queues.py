@@ -385,6 +385,10 @@ class QueuedTier(StorageTier, abc.ABC):
         """Commit step 1, the tier's part: why entries of these segments (int64 ids) cannot
         be committed (a segment is gone), or None. Touches nothing."""
 
+    def _dispatched(self, segments: np.ndarray, offsets: np.ndarray) -> None:
+        """Entries at `segments`/`offsets` (file order within each segment) were committed to a
+        consumer: a tier may let go of what it holds for them."""
+
     @abc.abstractmethod
     def _remove(self, lane: LaneKey, entries: EntryColumns) -> None:
         """The entries were completed: they are gone for good."""
@@ -488,6 +492,7 @@ class QueuedTier(StorageTier, abc.ABC):
         # Step 2: advance the lane's cursor.
         queue.pop_front(count)
         queue.pending += count
+        self._dispatched(entries.segments, entries.offsets)
         if crashpoints.ARMED:
             crashpoints.hit("commit.after_advance")
         # Step 3: the consumer holds them.

@@ -179,6 +179,11 @@ class Durability(Enum):
 # (fault-around), and the pages mapped are still only those dispatch reaches (issue 16).
 
 
+# Pages dropped from a segment's mapping at a time, at least: a call per megabyte of entries
+# dispatched costs nothing beside them.
+RELEASE_STEP_BYTES = 1 << 20
+
+
 class SegmentFile:
     """One segment open for appends (until sealed) and completions.
 
@@ -206,6 +211,8 @@ class SegmentFile:
         self._closed = False
         # One bit per 16-byte slot once something in the segment completed (module docstring).
         self._done: np.ndarray | None = None
+        # Pages below this were dropped from the mapping (`release_below`).
+        self._released_to = 0
 
     @classmethod
     def create(cls, path: str, keys: SegmentKeys, durability: Durability,
@@ -490,6 +497,18 @@ class SegmentFile:
         is ([4208], 4384)."""
         return walk_entries(self._map, self._done, start, min(end, self.readable_end), count, self.path,
                             self.readable_end)
+
+    def release_below(self, offset: int) -> None:
+        """Drop the mapping's pages wholly below `offset` (entries dispatched: read again
+        only if a consumer is lost, when they fault back in): the broker's memory then holds
+        the pages around each lane's front, not its whole backlog. MADV_DONTNEED on a shared
+        file mapping unmaps pages and keeps their data (the page cache, the file).
+        NOTE: kept mapped, a 300,000-request job's dispatched pages were 120 MB of the
+        broker's 446 MB peak PSS, growing with the job's size."""
+        aligned = offset // mmap.PAGESIZE * mmap.PAGESIZE
+        if aligned - self._released_to >= RELEASE_STEP_BYTES and not self._closed:
+            self._map.madvise(mmap.MADV_DONTNEED, self._released_to, aligned - self._released_to)
+            self._released_to = aligned
 
     def _no_entry(self, offset: int, state: int | None) -> NoReturn:
         no_entry(self.path, offset, self.readable_end, state)

@@ -368,6 +368,13 @@ class SegmentStore:
         if segment is not None:
             self.seal(segment)
 
+    def release_below(self, segment: SegmentId, offset: int) -> None:
+        """Entries of `segment` below `offset` were dispatched: drop their pages from the
+        mapping if the file is open (`SegmentFile.release_below`)."""
+        file = self._open.get(segment)
+        if file is not None:
+            file.release_below(offset)
+
     def readable_end(self, segment: SegmentId) -> int:
         return self._file(segment).readable_end
 
