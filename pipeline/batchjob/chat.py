@@ -217,14 +217,19 @@ class ChatTokenizer:
     # -- prompts ------------------------------------------------------------------------
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool,
-               tools: Sequence[Mapping[str, Any]] | None = None) -> str:
-        """The chat template applied to (already checked) messages: the prompt's text."""
+               tools: Sequence[Mapping[str, Any]] | None = None, template_kwargs: Mapping[str, Any] | None = None
+               ) -> str:
+        """The chat template applied to (already checked) messages: the prompt's text.
+        `template_kwargs` (a request's chat_template_kwargs) are the template's variables too,
+        beneath those the renderer sets (messages, tools, add_generation_prompt, the special
+        tokens), as vLLM merges them."""
         if self._template is None:
             raise NoChatTemplateError(
                 f"{self._source}: the model has no chat template (no chat_template in "
                 f"{TOKENIZER_CONFIG_FILE}, no {CHAT_TEMPLATE_FILE}); chat requests are refused, "
                 f"completions (/v1/completions) still work")
-        variables: dict[str, Any] = {"messages": messages, "add_generation_prompt": add_generation_prompt}
+        variables: dict[str, Any] = dict(template_kwargs or {})
+        variables.update(messages=messages, add_generation_prompt=add_generation_prompt)
         if tools is not None:
             variables["tools"] = tools
         if self._bos_token is not None:
@@ -237,16 +242,22 @@ class ChatTokenizer:
             raise ChatRequestError(f"the chat template of {self._source} failed on this request: "
                                    f"{_describe(exc)}") from exc
 
-    def chat_prompt(self, messages: object, tools: object = None) -> ChatPrompt:
+    def chat_prompt(self, messages: object, tools: object = None, template_kwargs: object = None) -> ChatPrompt:
         """A chat request's prompt (`messages` as the request's JSON has them: role and
-        content, the content a string or a list of text parts) and its components (the
-        module's doc). ChatRequestError for anything about the request that makes no prompt."""
+        content, the content a string or a list of text parts; `tools` and `template_kwargs`
+        given to the template) and its components (the module's doc). ChatRequestError for
+        anything about the request that makes no prompt."""
         checked = check_messages(messages)
         checked_tools = _check_tools(tools)
-        text = self.render(checked, add_generation_prompt=True, tools=checked_tools)
+        if template_kwargs is not None and not isinstance(template_kwargs, dict):
+            raise ChatRequestError(f"chat_template_kwargs must be an object, got {_show(template_kwargs)}")
+        kwargs = template_kwargs or None
+        text = self.render(checked, add_generation_prompt=True, tools=checked_tools, template_kwargs=kwargs)
         fail = partial(_chat_text_error, checked, checked_tools, text)
-        render_prefix = partial(self.render, add_generation_prompt=False, tools=checked_tools)
-        ladder = self._memo.ladder(checked, checked_tools, last_user_index(checked), render_prefix)
+        render_prefix = partial(self.render, add_generation_prompt=False, tools=checked_tools, template_kwargs=kwargs)
+        # The memo keys a prefix by what the template saw: the tools, and the kwargs where given.
+        seen = checked_tools if kwargs is None else {"tools": checked_tools, "chat_template_kwargs": kwargs}
+        ladder = self._memo.ladder(checked, seen, last_user_index(checked), render_prefix)
         tokens = self._after_prefix(text, ladder[-1], fail) if ladder else None
         exact_rest = tokens is not None
         ids: list[int] | None = None

@@ -40,10 +40,12 @@ import numpy as np
 import xxhash
 
 from pipeline.batchjob.chat import ChatTokenizer
-from pipeline.batchjob.layout import INDEX_STRIDE, encode_job_payload
+from pipeline.batchjob.layout import INDEX_STRIDE, JOB_FLAG_READS_BODY, encode_job_payload
 from pipeline.batchjob.manifest import JobManifest
+from pipeline.batchjob.params import Refused
 from pipeline.batchjob.rejections import RejectionLog
 from pipeline.batchjob.requests import BatchRequest, parse_line
+from pipeline.batchjob.sampling import ModelFacts
 from pipeline.batchjob.scan import MAX_REQUEST_LINE_BYTES
 from pipeline.producer.workload import WorkItem, Workload
 from pipeline.wire.errors import BadInputError
@@ -135,6 +137,7 @@ class JobWorkload(Workload):
         can be made of is left out (a checker's view of what the job submits)."""
         first, end = self.shares(producer_count)[producer_index]
         tokenizer = ChatTokenizer.load(self.model_dir)
+        self._facts = ModelFacts.load(self.model_dir, tokenizer.vocab_size)
         log = _NoLog()
         for index, line, offset, raw in self.lines(first, end):
             if not self.skipped(index):
@@ -154,6 +157,7 @@ class JobWorkload(Workload):
         if start_at is not None:
             first = max(first, start_at)
         tokenizer = ChatTokenizer.load(self.model_dir)
+        self._facts = ModelFacts.load(self.model_dir, tokenizer.vocab_size)
         limit_memory(self.limits.memory_bytes)
         log = RejectionLog(self.data_dir, f"p{producer_index}-{os.getpid()}")
         positions: deque[tuple[int, int]] = deque()  # (items yielded, the last one's index)
@@ -213,7 +217,7 @@ class JobWorkload(Workload):
         """The request's item; None when it was answered here (logged)."""
         param = None
         try:
-            request = parse_line(raw, where[0], line, self.manifest.served_model)
+            request = parse_line(raw, where[0], line, self.manifest.served_model, self.manifest.tool_calling)
             if request.error is not None:
                 log.reject(where, HTTP_BAD_REQUEST, request.error, request.error_param)
                 return None
@@ -238,7 +242,7 @@ class JobWorkload(Workload):
     def _made(self, request: BatchRequest, where: tuple[int, int, int, int], tokenizer: ChatTokenizer,
               log: RejectionLog) -> WorkItem | None:
         if request.kind == "chat":
-            prompt = tokenizer.chat_prompt(request.messages)
+            prompt = tokenizer.chat_prompt(request.messages, request.tools.tools, request.template_kwargs)
         else:
             prompt = tokenizer.completion_prompt(request.prompt)
         length = int(prompt.tokens.shape[0])
@@ -257,11 +261,17 @@ class JobWorkload(Workload):
                        f"model's maximum context length is {context} tokens and your request has {length} input "
                        f"tokens ({asked} > {context} - {length})", name)
             return None
+        try:
+            params = self._facts.params_for(request.params, length, context)
+        except Refused as refused:
+            log.reject(where, HTTP_BAD_REQUEST, str(refused), refused.param)
+            return None
         prefix = prompt.prefix_len
-        payload = encode_job_payload(self.manifest.job_id, *where, time.monotonic_ns())
+        flags = JOB_FLAG_READS_BODY if request.answer_reads_body else 0
+        payload = encode_job_payload(self.manifest.job_id, *where, time.monotonic_ns(), flags)
         return WorkItem(model=JOB_MODEL, components=list(prompt.components),
                         suffix=np.asarray(prompt.tokens[prefix:], dtype=np.int32), payload=payload,
-                        timestamp_ms=None, line=0, params=request.params)
+                        timestamp_ms=None, line=0, params=params)
 
     def _prompt_limit(self) -> tuple[int, str]:
         cap = self.limits.item_cap_tokens
