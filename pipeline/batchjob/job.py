@@ -268,7 +268,8 @@ class BatchJob:
         self._input_fd = os.open(manifest.input_path, os.O_RDONLY | os.O_CLOEXEC)
         tokenizer = ChatTokenizer.load(self.spec.model_dir)
         error_log = LOG_ERRORS if LOG_ERRORS in logs else LOG_OUTPUT
-        self.collector = Collector(self.data_dir, manifest, self._input_fd, tokenizer.decode, self.log, error_log)
+        self.collector = Collector(self.data_dir, manifest, self._input_fd, tokenizer.decode, self.log, error_log,
+                                   tokenizer.token_text)
         while self.collector.collect():
             pass
         self.collector.save()

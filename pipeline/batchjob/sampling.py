@@ -135,8 +135,9 @@ class ModelFacts:
         try:
             resolved = self.defaults.resolve(params, prompt_tokens, context_tokens)
         except GenerationParamsError:
-            raise Refused(f"min_tokens must be less than or equal to max_tokens={params.max_tokens or 'the rest of '
-                          f'the context'}, got {params.min_tokens}.", "min_tokens") from None
+            bound = params.max_tokens if params.max_tokens is not None else "the rest of the context"
+            raise Refused(f"min_tokens must be less than or equal to max_tokens={bound}, got {params.min_tokens}.",
+                          "min_tokens") from None
         tokens = resolved.samples * (resolved.max_tokens or 0)
         if tokens > MAX_ANSWER_TOKENS:
             raise Refused(f"n={resolved.samples} samples of up to {resolved.max_tokens:,} tokens are {tokens:,} tokens, "
@@ -147,3 +148,11 @@ class ModelFacts:
                           f"{MAX_ANSWER_LOGPROBS:,} log probabilities one answer of this job holds: give a smaller n, "
                           f"max_tokens or top_logprobs", "logprobs")
         return resolved
+
+
+def sim_answer_options(model_dir: str, tokenizer: Any, vocab_size: int) -> dict[str, Any]:
+    """The sim engine's options that give a job's answers their shape: the model directory
+    whose tokenizer decodes its text, and the model's end-of-sequence token (where it falls
+    within the sim's vocabulary)."""
+    eos = tokenizer.eos_token_id
+    return {"tokenizer": model_dir, **({"eos_token_id": eos} if eos is not None and eos < vocab_size else {})}

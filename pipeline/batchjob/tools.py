@@ -225,3 +225,15 @@ def _hermes(text: str) -> tuple[str | None, list[dict]]:
         return text, []
     content = text[:text.find(HERMES_START)]
     return (content or None), calls
+
+
+def tool_calling(parser: str | None, auto: bool) -> ToolCalling:
+    """The job's tool-call settings from vLLM's two flags, or SettingsError (one line)."""
+    from pipeline.wire.errors import SettingsError
+
+    calling = ToolCalling(parser, auto)
+    problem = calling.problem()
+    if problem is not None:
+        raise SettingsError(problem)
+    return calling
+

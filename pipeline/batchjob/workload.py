@@ -114,6 +114,7 @@ class JobWorkload(Workload):
         self.data_dir = data_dir
         self.limits = limits
         self.busy_limit_s = limits.time_s
+        self._facts: ModelFacts | None = None  # read in the process that makes items
 
     def shares(self, count: int) -> list[tuple[int, int]]:
         """`count` contiguous ranges of request indices, cut at sparse-index entries, each
@@ -137,7 +138,6 @@ class JobWorkload(Workload):
         can be made of is left out (a checker's view of what the job submits)."""
         first, end = self.shares(producer_count)[producer_index]
         tokenizer = ChatTokenizer.load(self.model_dir)
-        self._facts = ModelFacts.load(self.model_dir, tokenizer.vocab_size)
         log = _NoLog()
         for index, line, offset, raw in self.lines(first, end):
             if not self.skipped(index):
@@ -157,7 +157,7 @@ class JobWorkload(Workload):
         if start_at is not None:
             first = max(first, start_at)
         tokenizer = ChatTokenizer.load(self.model_dir)
-        self._facts = ModelFacts.load(self.model_dir, tokenizer.vocab_size)
+        self.model_facts(tokenizer)  # read before the memory limit, as the tokenizer is
         limit_memory(self.limits.memory_bytes)
         log = RejectionLog(self.data_dir, f"p{producer_index}-{os.getpid()}")
         positions: deque[tuple[int, int]] = deque()  # (items yielded, the last one's index)
@@ -262,7 +262,7 @@ class JobWorkload(Workload):
                        f"tokens ({asked} > {context} - {length})", name)
             return None
         try:
-            params = self._facts.params_for(request.params, length, context)
+            params = self.model_facts(tokenizer).params_for(request.params, length, context)
         except Refused as refused:
             log.reject(where, HTTP_BAD_REQUEST, str(refused), refused.param)
             return None
@@ -272,6 +272,12 @@ class JobWorkload(Workload):
         return WorkItem(model=JOB_MODEL, components=list(prompt.components),
                         suffix=np.asarray(prompt.tokens[prefix:], dtype=np.int32), payload=payload,
                         timestamp_ms=None, line=0, params=params)
+
+    def model_facts(self, tokenizer: ChatTokenizer) -> ModelFacts:
+        """The model's sampling defaults and vocabulary, read once per process."""
+        if self._facts is None:
+            self._facts = ModelFacts.load(self.model_dir, tokenizer.vocab_size)
+        return self._facts
 
     def _prompt_limit(self) -> tuple[int, str]:
         cap = self.limits.item_cap_tokens
