@@ -49,6 +49,8 @@ params_strategy = st.builds(
     logit_bias=st.dictionaries(st.integers(0, 1 << 20), st.floats(-100, 100), max_size=8).map(
         lambda d: tuple(d.items())),
     structured=st.none() | st.tuples(st.sampled_from(STRUCTURED_KINDS), st.text(max_size=40)),
+    disable_any_whitespace=st.booleans(),
+    disable_additional_properties=st.booleans(),
 )
 
 

@@ -58,10 +58,11 @@ CARRIED = {KIND_CHAT: CARRIED_COMMON + ("max_completion_tokens", "top_logprobs",
 # (the output is not constrained), so they are refused with the replacement named.
 REMOVED_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                   "guided_grammar": "grammar", "guided_decoding_backend": None, "guided_whitespace_pattern": None}
-# Keys of `structured_outputs`: one constraint, and vLLM's options that this job does not carry.
+# Keys of `structured_outputs`: one constraint, vLLM's options of it that are carried, and
+# those that are not (refused at any value but their default).
 STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
-STRUCTURED_OPTIONS = {"disable_any_whitespace": False, "disable_additional_properties": False,
-                      "whitespace_pattern": None}
+STRUCTURED_FLAGS = ("disable_any_whitespace", "disable_additional_properties")
+STRUCTURED_OPTIONS = {"whitespace_pattern": None}
 _BOOLS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output")
 _NUMBERS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 _INTEGERS = ("seed", "n", "top_k", "min_tokens")
@@ -97,6 +98,10 @@ def sampling_params(given: dict[str, Any], kind: str) -> GenerationParams:
     if "logit_bias" in given:
         values["logit_bias"] = _logit_bias(given["logit_bias"])
     values["structured"] = structured_output(given)
+    options = given.get("structured_outputs")
+    for name in STRUCTURED_FLAGS if isinstance(options, dict) else ():
+        if options.get(name) is not None:
+            values[name] = _bool(options, name)
     if kind == KIND_COMPLETION and given.get("echo") is True and values["logprobs"] is not None:
         raise Refused("echo with logprobs returns the prompt's log probabilities, which this job does not compute: "
                       "ask for one of them", "echo")
@@ -276,7 +281,8 @@ def _structured_outputs(raw: object) -> tuple[str, str] | None:
         return None
     if not isinstance(raw, dict):
         raise Refused(f"structured_outputs must be an object, got {_show(raw)}", "structured_outputs")
-    unknown = sorted(set(raw) - set(STRUCTURED_KEYS) - set(STRUCTURED_OPTIONS) - {"structural_tag"})
+    unknown = sorted(set(raw) - set(STRUCTURED_KEYS) - set(STRUCTURED_FLAGS) - set(STRUCTURED_OPTIONS)
+                     - {"structural_tag"})
     changed = sorted(k for k, default in STRUCTURED_OPTIONS.items() if raw.get(k, default) not in (default, None))
     if unknown or changed or raw.get("structural_tag") is not None:
         named = (unknown + changed + (["structural_tag"] if raw.get("structural_tag") is not None else [])

@@ -8,7 +8,8 @@ known, so every engine answers the same request the same way (the engines' own d
 never apply to a job's items):
 - max_tokens: the rest of the context (context less the prompt), or less where the model's
   generation config sets max_new_tokens (vLLM's get_max_tokens); a completion's own default
-  of 16 is `params.py`'s, as vLLM's CompletionRequest has it.
+  of 16 is `params.py`'s, as vLLM's CompletionRequest has it. At most MAX_NEW_TOKENS (a
+  context of ten million tokens gets a million new ones at most).
 - temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty and
   frequency_penalty: the model's generation_config.json where it sets them (vLLM's
   `--generation-config auto`, its default), else vLLM's neutral values (VLLM_NEUTRAL: a
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pipeline.wire.errors import GenerationParamsError, ModelDirError
-from pipeline.wire.generation import GenerationParams
+from pipeline.wire.generation import MAX_NEW_TOKENS, GenerationParams
 
 GENERATION_CONFIG_FILE = "generation_config.json"
 # A generation config is a few hundred bytes; anything past this is not one.
@@ -83,7 +84,7 @@ class SamplingDefaults:
                                   if getattr(params, name) is None}
         bounds = [b for b in (params.max_tokens if params.max_tokens is not None else self.max_tokens,
                               context_tokens - prompt_tokens if context_tokens is not None else None) if b is not None]
-        max_tokens = min(bounds) if bounds else None
+        max_tokens = min(*bounds, MAX_NEW_TOKENS) if bounds else None  # a context past a million: the envelope's cap
         if max_tokens is not None and max_tokens != params.max_tokens:
             filled["max_tokens"] = max(max_tokens, 1)
         return replace(params, **filled) if filled else params
@@ -96,6 +97,8 @@ MAX_ANSWER_TOKENS = 1 << 20
 # Log probabilities of one request (n x max_tokens x (logprobs + 1) entries, ~40 bytes each
 # in its row): half a million keep the row within collect.MAX_ROW_BYTES with its tokens.
 MAX_ANSWER_LOGPROBS = 1 << 19
+# vLLM samples greedily below this temperature (_SAMPLING_EPS), and then refuses n > 1.
+GREEDY_BELOW = 1e-5
 CONFIG_FILE = "config.json"
 MAX_CONFIG_BYTES = 16 << 20
 
@@ -138,6 +141,8 @@ class ModelFacts:
             bound = params.max_tokens if params.max_tokens is not None else "the rest of the context"
             raise Refused(f"min_tokens must be less than or equal to max_tokens={bound}, got {params.min_tokens}.",
                           "min_tokens") from None
+        if resolved.samples > 1 and resolved.temperature is not None and resolved.temperature < GREEDY_BELOW:
+            raise Refused(f"n must be 1 when using greedy sampling, got {resolved.samples}.", "n")
         tokens = resolved.samples * (resolved.max_tokens or 0)
         if tokens > MAX_ANSWER_TOKENS:
             raise Refused(f"n={resolved.samples} samples of up to {resolved.max_tokens:,} tokens are {tokens:,} tokens, "

@@ -112,7 +112,9 @@ _STOP_LEN = struct.Struct("<H")
 _KNOWN_MASK = (1 << 13) - 1
 # The header's booleans: set where the item asks the opposite of vLLM's default.
 FLAG_IGNORE_EOS, FLAG_KEEP_SPECIAL_TOKENS, FLAG_INCLUDE_STOP_STR = 1, 2, 4
-_KNOWN_FLAGS = 7
+# The structured-output constraint's options (vLLM's StructuredOutputsParams names them).
+FLAG_NO_ANY_WHITESPACE, FLAG_NO_ADDITIONAL_PROPERTIES = 8, 16
+_KNOWN_FLAGS = 31
 # Scalar parameters: (field, set bit). Their order is the header's.
 _SCALARS = (("max_tokens", SET_MAX_TOKENS), ("temperature", SET_TEMPERATURE), ("top_p", SET_TOP_P),
             ("seed", SET_SEED), ("n", SET_N), ("top_k", SET_TOP_K), ("min_p", SET_MIN_P),
@@ -162,7 +164,8 @@ _UINT32 = 1 << 32
 class GenerationParams:
     """How one item is generated, in vLLM's SamplingParams' names and ranges; None (or an
     empty tuple, or a boolean at vLLM's default): the engine's default. `structured`: a
-    structured-output constraint, (kind of STRUCTURED_KINDS, spec text), or None."""
+    structured-output constraint, (kind of STRUCTURED_KINDS, spec text), or None, with its
+    options disable_any_whitespace and disable_additional_properties."""
 
     max_tokens: int | None = None
     temperature: float | None = None
@@ -183,6 +186,8 @@ class GenerationParams:
     stop_token_ids: tuple[int, ...] = ()
     logit_bias: tuple[tuple[int, float], ...] = ()
     structured: tuple[str, str] | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
 
     def __post_init__(self) -> None:
         wrong = self.problems()
@@ -194,7 +199,8 @@ class GenerationParams:
         wrong = [why for why in (_scalar_problem(name, getattr(self, name)) for name, _bit in _SCALARS) if why]
         if self.min_tokens is not None and self.max_tokens is not None and self.min_tokens > self.max_tokens:
             wrong.append(f"min_tokens {self.min_tokens} must be at most max_tokens {self.max_tokens}")
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "disable_any_whitespace",
+                     "disable_additional_properties"):
             if not isinstance(getattr(self, name), bool):
                 wrong.append(f"{name} {getattr(self, name)!r} must be true or false")
         wrong.extend(_stop_problems(self.stop))
@@ -205,7 +211,8 @@ class GenerationParams:
 
     def overrides(self) -> dict[str, object]:
         """The parameters this item gives, by vLLM's SamplingParams names (what it changes
-        from the defaults); `structured` is left to the engine (its own type)."""
+        from the defaults); `structured` and its options are left to the engine (vLLM's
+        StructuredOutputsParams)."""
         out: dict[str, object] = {name: getattr(self, name) for name, _bit in _SCALARS
                                   if getattr(self, name) is not None}
         if self.stop:
@@ -325,7 +332,9 @@ def encode_payload(params: GenerationParams | None, payload: bytes = b"") -> byt
             mask |= bit
     mask |= SET_STOP if p.stop else 0
     flags = ((FLAG_IGNORE_EOS if p.ignore_eos else 0) | (0 if p.skip_special_tokens else FLAG_KEEP_SPECIAL_TOKENS)
-             | (FLAG_INCLUDE_STOP_STR if p.include_stop_str_in_output else 0))
+             | (FLAG_INCLUDE_STOP_STR if p.include_stop_str_in_output else 0)
+             | (FLAG_NO_ANY_WHITESPACE if p.disable_any_whitespace else 0)
+             | (FLAG_NO_ADDITIONAL_PROPERTIES if p.disable_additional_properties else 0))
     stops = b"".join(_STOP_LEN.pack(len(raw)) + raw for raw in (s.encode("utf-8") for s in p.stop))
     stop_ids = np.array(p.stop_token_ids, dtype=STOP_TOKEN_DTYPE).tobytes()
     bias = np.array(list(p.logit_bias), dtype=LOGIT_BIAS_DTYPE).tobytes() if p.logit_bias else b""
@@ -384,7 +393,9 @@ def decode_payload(data: bytes) -> tuple[GenerationParams | None, bytes]:
         **given, stop=stops, stop_token_ids=stop_ids,
         logit_bias=tuple(zip(bias["token"].tolist(), bias["bias"].tolist())), structured=structured,
         ignore_eos=bool(flags & FLAG_IGNORE_EOS), skip_special_tokens=not flags & FLAG_KEEP_SPECIAL_TOKENS,
-        include_stop_str_in_output=bool(flags & FLAG_INCLUDE_STOP_STR))
+        include_stop_str_in_output=bool(flags & FLAG_INCLUDE_STOP_STR),
+        disable_any_whitespace=bool(flags & FLAG_NO_ANY_WHITESPACE),
+        disable_additional_properties=bool(flags & FLAG_NO_ADDITIONAL_PROPERTIES))
     return params, data[at:]
 
 

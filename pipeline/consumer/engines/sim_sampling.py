@@ -6,8 +6,9 @@
 Nothing here is a model: token ids are a hash of the prompt, the sample and the position.
 What it honours is what changes the shape of an answer, as vLLM would:
 - n samples (all the same where the temperature is 0: greedy; else each its own);
-- an end of sequence after `natural_tokens` made-up tokens (the model "finishes"), with
-  the eos token in the ids and finish reason "stop"; ignore_eos runs on to max_tokens;
+- an end of sequence after `natural_tokens` made-up tokens (the model "finishes"; its eos
+  comes nowhere else), with the eos token in the ids and finish reason "stop"; ignore_eos
+  runs on to max_tokens;
   without an eos token known, the natural end is finish reason "length" (the sim's old way);
 - max_tokens (finish "length") and min_tokens (no eos or stop token before it: vLLM masks
   them);
@@ -94,8 +95,9 @@ class MadeUpSampler:
         ids: list[int] = []
         for k in range(limit):
             token = _mix(key + _GOLDEN * (k + 1)) % self.vocab_size
-            for _ in range(self.vocab_size if k < min_tokens else 0):  # vLLM masks them before min_tokens
-                if token not in stops:
+            held = stops if k < min_tokens else {self.eos_token_id}  # vLLM masks stop tokens before min_tokens;
+            for _ in range(self.vocab_size):  # the made-up model says its eos where it ends, nowhere else
+                if token not in held:
                     break
                 token = (token + 1) % self.vocab_size
             if k == natural and eos is not None:

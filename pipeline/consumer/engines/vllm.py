@@ -315,7 +315,9 @@ class VllmEngine(Engine):
         if params.structured is not None:
             from vllm.sampling_params import StructuredOutputsParams
 
-            given["structured_outputs"] = StructuredOutputsParams(**_structured(*params.structured))
+            given["structured_outputs"] = StructuredOutputsParams(
+                **_structured(*params.structured), disable_any_whitespace=params.disable_any_whitespace,
+                disable_additional_properties=params.disable_additional_properties)
         return SamplingParams(**given)
 
     def run(self, batch: EngineBatch) -> EngineResult:
