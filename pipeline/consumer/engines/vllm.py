@@ -309,7 +309,10 @@ class VllmEngine(Engine):
                 self._default_params = SamplingParams(max_tokens=o.max_tokens, temperature=o.temperature,
                                                       top_p=o.top_p, seed=o.seed)
             return self._default_params
-        given = params.overrides()
+        from vllm.sampling_params import RequestOutputKind
+
+        # FINAL_ONLY: a request's n samples come out together, once, when the last one ends.
+        given: dict[str, Any] = {**params.overrides(), "output_kind": RequestOutputKind.FINAL_ONLY}
         if params.max_tokens is None:
             given["max_tokens"] = max(1, self._max_model_len - prompt_tokens)
         if params.structured is not None:
