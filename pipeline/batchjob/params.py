@@ -25,6 +25,7 @@ import json
 import math
 from typing import Any
 
+from pipeline.batchjob.scan import show
 from pipeline.wire.errors import GenerationParamsError
 from pipeline.wire.generation import (
     MAX_LOGIT_BIAS,
@@ -133,7 +134,7 @@ def _max_tokens(given: dict[str, Any], kind: str) -> int | None:
         return COMPLETION_DEFAULT_MAX_TOKENS if kind == KIND_COMPLETION else None
     value = given[name]
     if not _is_int(value) or value < 1:
-        raise Refused(f"{name} must be at least 1, got {_json(value)}.", name)
+        raise Refused(f"{name} must be at least 1, got {json_snippet(value)}.", name)
     return value
 
 
@@ -143,7 +144,7 @@ def _stop(stop: object) -> tuple[str, ...]:
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise Refused(f"stop must be a string or an array of strings, got {_show(stop)}", "stop")
+        raise Refused(f"stop must be a string or an array of strings, got {show(stop)}", "stop")
     if len(stop) > MAX_STOP_STRINGS:
         raise Refused(f"stop: {len(stop)} stop strings, at most {MAX_STOP_STRINGS} (vLLM's VLLM_MAX_STOP_STRINGS "
                       f"and OpenAI's limit)", "stop")
@@ -155,21 +156,21 @@ def _stop(stop: object) -> tuple[str, ...]:
 def _bool(given: dict[str, Any], name: str) -> bool:
     value = given[name]
     if not isinstance(value, bool):
-        raise Refused(f"{name} must be true or false, got {_show(value)}", name)
+        raise Refused(f"{name} must be true or false, got {show(value)}", name)
     return value
 
 
 def _number(given: dict[str, Any], name: str) -> float | int:
     value = given[name]
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
-        raise Refused(f"{name} must be a finite number, got {_show(value)}", name)
+        raise Refused(f"{name} must be a finite number, got {show(value)}", name)
     return value
 
 
 def _integer(given: dict[str, Any], name: str) -> int:
     value = given[name]
     if not _is_int(value):
-        raise Refused(f"{name} must be an integer, got {_show(value)}", name)
+        raise Refused(f"{name} must be an integer, got {show(value)}", name)
     return value
 
 
@@ -181,12 +182,12 @@ def _logprobs(given: dict[str, Any], kind: str) -> int | None:
             return None
         count, name = given["logprobs"], "logprobs"
         if not _is_int(count):
-            raise Refused(f"`logprobs` must be an integer, got {_show(count)}", name)
+            raise Refused(f"`logprobs` must be an integer, got {show(count)}", name)
     else:
         wanted = _bool(given, "logprobs") if "logprobs" in given else False
         count, name = given.get("top_logprobs", 0), "top_logprobs"
         if not _is_int(count):
-            raise Refused(f"`top_logprobs` must be an integer, got {_show(count)}", name)
+            raise Refused(f"`top_logprobs` must be an integer, got {show(count)}", name)
         if count != 0 and not wanted:
             raise Refused("when using `top_logprobs`, `logprobs` must be set to true.", name)
         if not wanted:
@@ -201,7 +202,7 @@ def _logprobs(given: dict[str, Any], kind: str) -> int | None:
 
 def _token_ids(ids: object) -> tuple[int, ...]:
     if not isinstance(ids, list) or not all(_is_int(t) for t in ids):
-        raise Refused(f"stop_token_ids must contain only integers, got {_show(ids)}", "stop_token_ids")
+        raise Refused(f"stop_token_ids must contain only integers, got {show(ids)}", "stop_token_ids")
     ids = list(dict.fromkeys(ids))  # vLLM drops repeats
     if len(ids) > MAX_STOP_TOKEN_IDS:
         raise Refused(f"stop_token_ids: {len(ids)} token ids, at most {MAX_STOP_TOKEN_IDS}", "stop_token_ids")
@@ -215,7 +216,7 @@ def _logit_bias(bias: object) -> tuple[tuple[int, float], ...]:
     """{"token id": bias} as (id, bias) pairs; ids are checked against the vocabulary where
     the model is known (the producer)."""
     if not isinstance(bias, dict):
-        raise Refused(f"logit_bias must be an object of token ids to biases, got {_show(bias)}", "logit_bias")
+        raise Refused(f"logit_bias must be an object of token ids to biases, got {show(bias)}", "logit_bias")
     if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
         raise Refused(f"logit_bias: {len(bias):,} tokens, at most {MAX_LOGIT_BIAS_ENTRIES:,} (the envelope's "
                       f"limit)", "logit_bias")
@@ -230,7 +231,7 @@ def _logit_bias(bias: object) -> tuple[tuple[int, float], ...]:
             raise Refused(f"token_id(s) [{token}] in logit_bias contain out-of-vocab token ids", "logit_bias")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value) \
                 or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
-            raise Refused(f"logit_bias[{key!r}] is {_show(value)}: a bias is a number from -{MAX_LOGIT_BIAS:g} to "
+            raise Refused(f"logit_bias[{key!r}] is {show(value)}: a bias is a number from -{MAX_LOGIT_BIAS:g} to "
                           f"{MAX_LOGIT_BIAS:g} (OpenAI's range)", "logit_bias")
         out[token] = float(value)
     return tuple(out.items())
@@ -267,12 +268,12 @@ def _response_format(form: object) -> tuple[str, str] | None:
                           "response_format")
         if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
             raise Refused(f"response_format.json_schema must be an object with a name and a schema, got "
-                          f"{_show(spec)}", "response_format")
+                          f"{show(spec)}", "response_format")
         if spec.get("schema") is None:
             raise Refused("You must use one kind of structured outputs constraint but none are specified: "
                           "response_format.json_schema has no schema", "response_format")
         return "json", check_schema(spec["schema"], "response_format")
-    raise Refused(f"response_format type {_show(kind)}: this job takes text, json_object and json_schema "
+    raise Refused(f"response_format type {show(kind)}: this job takes text, json_object and json_schema "
                   f"(structural_tag is not carried)", "response_format")
 
 
@@ -280,7 +281,7 @@ def _structured_outputs(raw: object) -> tuple[str, str] | None:
     if raw is None:
         return None
     if not isinstance(raw, dict):
-        raise Refused(f"structured_outputs must be an object, got {_show(raw)}", "structured_outputs")
+        raise Refused(f"structured_outputs must be an object, got {show(raw)}", "structured_outputs")
     unknown = sorted(set(raw) - set(STRUCTURED_KEYS) - set(STRUCTURED_FLAGS) - set(STRUCTURED_OPTIONS)
                      - {"structural_tag"})
     changed = sorted(k for k, default in STRUCTURED_OPTIONS.items() if raw.get(k, default) not in (default, None))
@@ -310,10 +311,10 @@ def _structured_outputs(raw: object) -> tuple[str, str] | None:
         return "json_object", ""
     if kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
-            raise Refused(f"Choice '{_json(value)}' must be a non-empty list of strings", where)
+            raise Refused(f"Choice '{json_snippet(value)}' must be a non-empty list of strings", where)
         return "choice", json.dumps(value, ensure_ascii=False)
     if not isinstance(value, str) or (kind == "grammar" and not value.strip()):
-        raise Refused(f"{where} must be a non-empty string, got {_show(value)}", where)
+        raise Refused(f"{where} must be a non-empty string, got {show(value)}", where)
     if kind == "regex" and "\x00" in value:
         raise Refused("structured_outputs.regex must not contain a NUL character ('\\x00')", where)
     return kind, value
@@ -324,7 +325,7 @@ def check_schema(schema: object, param: str) -> str:
     import jsonschema
 
     if not isinstance(schema, (dict, bool)):
-        raise Refused(f"{param}: a JSON schema is an object, got {_show(schema)}", param)
+        raise Refused(f"{param}: a JSON schema is an object, got {show(schema)}", param)
     if _nesting_exceeds(schema, MAX_SCHEMA_NESTING):
         raise Refused(f"The JSON schema is nested too deeply: objects and arrays may nest at most "
                       f"{MAX_SCHEMA_NESTING} levels", param)
@@ -362,17 +363,7 @@ def _cut(text: str) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
-def _json(value: object) -> str:
+def json_snippet(value: object) -> str:
     """A value as JSON for a message, cut to 60 characters."""
     text = json.dumps(value, ensure_ascii=True)
     return text if len(text) <= 60 else text[:57] + "..."
-
-
-_JSON_TYPES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
-               float: "a number", type(None): "null"}
-
-
-def _show(value: object) -> str:
-    """A JSON value for a message: its JSON type and a bounded rendering."""
-    kind = _JSON_TYPES.get(type(value), type(value).__name__)
-    return "null" if value is None else f"{kind} {_json(value)}"

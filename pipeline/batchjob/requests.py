@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgspec
@@ -46,18 +46,19 @@ from pipeline.batchjob.params import (
     KIND_COMPLETION,
     REMOVED_GUIDED,
     Refused,
+    json_snippet,
     sampling_params,
 )
-from pipeline.batchjob.scan import envelope
+from pipeline.batchjob.scan import envelope, show
 from pipeline.batchjob.tools import RequestTools, ToolCalling, check_tools, keeps_special_tokens, tool_constraint
 from pipeline.producer.signature import INT32_MAX
+from pipeline.wire.errors import GenerationParamsError
 from pipeline.wire.generation import GenerationParams
 from pipeline.wire.textfiles import listed
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 ENDPOINTS = {CHAT_URL: KIND_CHAT, COMPLETIONS_URL: KIND_COMPLETION}
-__all__ = ["KIND_CHAT", "KIND_COMPLETION", "BatchRequest", "parse_line", "request_of"]
 
 # Chat roles a message may take. OpenAI's "developer" is its newer name for "system" (the
 # chat template decides how to render it); "tool" answers a tool call of an earlier turn.
@@ -164,7 +165,7 @@ def _chat_request(request: BatchRequest, given: dict, calling: ToolCalling) -> B
     tools = check_tools(given, calling)
     kwargs = given.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
-        raise Refused(f"chat_template_kwargs must be an object, got {_show(kwargs)}", "chat_template_kwargs")
+        raise Refused(f"chat_template_kwargs must be an object, got {show(kwargs)}", "chat_template_kwargs")
     constraint = tool_constraint(tools)
     params = request.params
     if constraint is not None:
@@ -181,10 +182,6 @@ def _chat_request(request: BatchRequest, given: dict, calling: ToolCalling) -> B
 
 
 def _with(params: GenerationParams, **changes: Any) -> GenerationParams:
-    from dataclasses import replace
-
-    from pipeline.wire.errors import GenerationParamsError
-
     try:
         return replace(params, **changes)
     except GenerationParamsError as exc:
@@ -195,7 +192,7 @@ def _check_model(model: object, served_model: str) -> None:
     if model is None:
         raise Refused("you must provide a model parameter", "model")
     if model != served_model:
-        raise Refused(f"the model {_show(model)} is not served by this job, which serves {served_model!r}", "model")
+        raise Refused(f"the model {show(model)} is not served by this job, which serves {served_model!r}", "model")
 
 
 def _check_params(given: dict, kind: str) -> None:
@@ -216,7 +213,7 @@ def _check_params(given: dict, kind: str) -> None:
                       unknown[0])
     for name, (is_no_op, why) in NO_OP_VALUES.items():
         if name in given and not is_no_op(given[name]):
-            raise Refused(f"{name}={_json(given[name])} is not supported: {why}", name)
+            raise Refused(f"{name}={json_snippet(given[name])} is not supported: {why}", name)
 
 
 def _messages(raw: object) -> list[dict[str, Any]]:
@@ -225,13 +222,13 @@ def _messages(raw: object) -> list[dict[str, Any]]:
     if raw is None:
         raise Refused("missing required parameter 'messages'", "messages")
     if not isinstance(raw, list) or not raw:
-        raise Refused(f"messages must be a non-empty array of {{role, content}} objects, got {_show(raw)}",
+        raise Refused(f"messages must be a non-empty array of {{role, content}} objects, got {show(raw)}",
                       "messages")
     out = []
     for k, message in enumerate(raw):
         where = f"messages[{k}]"
         if not isinstance(message, dict):
-            raise Refused(f"{where} must be an object with role and content, got {_show(message)}", where)
+            raise Refused(f"{where} must be an object with role and content, got {show(message)}", where)
         message = {key: value for key, value in message.items() if value is not None}
         unknown = sorted(set(message) - MESSAGE_KEYS)
         if unknown:
@@ -239,19 +236,19 @@ def _messages(raw: object) -> list[dict[str, Any]]:
                           f"tool_call_id only", f"{where}.{unknown[0]}")
         role = message.get("role")
         if not isinstance(role, str) or role not in CHAT_ROLES:  # an object is not hashable
-            raise Refused(f"{where}.role {_show(role)} is not one of {', '.join(sorted(CHAT_ROLES))}",
+            raise Refused(f"{where}.role {show(role)} is not one of {', '.join(sorted(CHAT_ROLES))}",
                           f"{where}.role")
         calls = message.get("tool_calls")
         if calls is not None and (role != "assistant" or not isinstance(calls, list)
                                   or not all(isinstance(c, dict) for c in calls)):
-            raise Refused(f"{where}.tool_calls: an assistant message's array of tool calls, got {_show(calls)}",
+            raise Refused(f"{where}.tool_calls: an assistant message's array of tool calls, got {show(calls)}",
                           f"{where}.tool_calls")
         bare = calls and "content" not in message  # an assistant's tool calls alone
         normal: dict[str, Any] = {"role": role, "content": None if bare else _content(message.get("content"), where)}
         for key in ("name", "tool_call_id"):
             if key in message:
                 if not isinstance(message[key], str):
-                    raise Refused(f"{where}.{key} must be a string, got {_show(message[key])}", f"{where}.{key}")
+                    raise Refused(f"{where}.{key} must be a string, got {show(message[key])}", f"{where}.{key}")
                 normal[key] = message[key]
         if calls:
             normal["tool_calls"] = calls
@@ -265,7 +262,7 @@ def _content(content: object, where: str) -> str:
         return content
     if not isinstance(content, list) or not content:
         raise Refused(f"{where}.content must be a string or a non-empty array of text parts, got "
-                       f"{_show(content)}", f"{where}.content")
+                       f"{show(content)}", f"{where}.content")
     texts = []
     for j, part in enumerate(content):
         at = f"{where}.content[{j}]"
@@ -273,7 +270,7 @@ def _content(content: object, where: str) -> str:
         if kind != "text" and isinstance(kind, str):
             raise Refused(f"{at} is of type {kind!r}: this job takes text only", at)
         if kind != "text" or set(part) != {"type", "text"} or not isinstance(part["text"], str):
-            raise Refused(f"{at} must be a text part {{\"type\": \"text\", \"text\": string}}, got {_show(part)}",
+            raise Refused(f"{at} must be a text part {{\"type\": \"text\", \"text\": string}}, got {show(part)}",
                            at)
         texts.append(part["text"])
     return TEXT_PART_SEPARATOR.join(texts)
@@ -294,25 +291,9 @@ def _prompt(raw: object) -> str | list[int]:
             raise Refused("the prompt is empty", "prompt")
         return raw
     if not isinstance(raw, list) or not raw:
-        raise Refused(f"prompt must be a string or a non-empty array of token ids, got {_show(raw)}", "prompt")
+        raise Refused(f"prompt must be a string or a non-empty array of token ids, got {show(raw)}", "prompt")
     for k, token in enumerate(raw):
         if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token <= INT32_MAX:
-            raise Refused(f"prompt[{k}] is {_show(token)}, not a token id (an integer from 0 to {INT32_MAX})",
+            raise Refused(f"prompt[{k}] is {show(token)}, not a token id (an integer from 0 to {INT32_MAX})",
                            "prompt")
     return list(raw)
-
-
-def _json(value: object) -> str:
-    """A value as JSON for a message, cut to 60 characters."""
-    text = json.dumps(value, ensure_ascii=True)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-_JSON_TYPES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
-               float: "a number", type(None): "null"}
-
-
-def _show(value: object) -> str:
-    """A JSON value for a message: its JSON type and a bounded rendering."""
-    kind = _JSON_TYPES.get(type(value), type(value).__name__)
-    return "null" if value is None else f"{kind} {_json(value)}"

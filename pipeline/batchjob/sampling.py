@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
+from pipeline.batchjob.modelfiles import read_model_text
 from pipeline.wire.errors import GenerationParamsError, ModelDirError
 from pipeline.wire.generation import MAX_NEW_TOKENS, GenerationParams
 
@@ -53,21 +54,16 @@ class SamplingDefaults:
     def load(cls, model_dir: str) -> SamplingDefaults:
         """MODEL_DIR/generation_config.json's defaults (none without the file);
         ModelDirError naming the file for one that is not a generation config."""
-        path = os.path.join(model_dir, GENERATION_CONFIG_FILE)
-        try:
-            with open(path, "rb") as f:
-                raw = f.read(MAX_GENERATION_CONFIG_BYTES + 1)
-        except FileNotFoundError:
+        path = Path(model_dir) / GENERATION_CONFIG_FILE
+        if not path.exists():
             return cls()
-        except OSError as exc:
-            raise ModelDirError(f"{path}: cannot be read ({exc.strerror})") from exc
+        text = read_model_text(path, MAX_GENERATION_CONFIG_BYTES, "a generation config is optional")
         try:
-            config = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
+            config = json.loads(text)
+        except ValueError as exc:
             raise ModelDirError(f"{path}: not valid JSON ({exc})") from exc
-        if len(raw) > MAX_GENERATION_CONFIG_BYTES or not isinstance(config, dict):
-            raise ModelDirError(f"{path}: not a generation config (a JSON object under "
-                                f"{MAX_GENERATION_CONFIG_BYTES:,} bytes)")
+        if not isinstance(config, dict):
+            raise ModelDirError(f"{path}: not a generation config (a JSON object)")
         values = {name: config[name] for name in VLLM_NEUTRAL if config.get(name) is not None}
         for name, value in values.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -100,6 +96,7 @@ MAX_ANSWER_LOGPROBS = 1 << 19
 # vLLM samples greedily below this temperature (_SAMPLING_EPS), and then refuses n > 1.
 GREEDY_BELOW = 1e-5
 CONFIG_FILE = "config.json"
+# A config.json is kilobytes (its tables of added tokens live elsewhere); past this, not one.
 MAX_CONFIG_BYTES = 16 << 20
 
 
@@ -116,10 +113,9 @@ class ModelFacts:
     def load(cls, model_dir: str, tokenizer_vocab_size: int) -> ModelFacts:
         vocab = None
         try:
-            with open(os.path.join(model_dir, CONFIG_FILE), "rb") as f:
-                config = json.loads(f.read(MAX_CONFIG_BYTES))
+            config = json.loads(read_model_text(Path(model_dir) / CONFIG_FILE, MAX_CONFIG_BYTES, CONFIG_FILE))
             vocab = config.get("vocab_size") if isinstance(config, dict) else None
-        except (OSError, ValueError):
+        except (ModelDirError, ValueError):  # the tokenizer's vocabulary then
             pass
         if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
             vocab = tokenizer_vocab_size
