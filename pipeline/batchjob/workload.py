@@ -12,7 +12,9 @@ holding about 1/count of the requests to submit, seeks to its first line through
 index, and for each request it takes: parses the line's body (`requests.py`), makes the
 prompt with the model's tokenizer and chat template (`chat.py`, loaded in the producer: the
 broker never sees text), and submits it as one item whose payload names the job and the
-request (`layout.encode_job_payload`), with its generation parameters. A request it cannot
+request (`layout.encode_job_payload`), with its generation parameters, every default vLLM's
+server would fill in filled in here (`sampling.py`: the rest of the context, the model's
+generation config). A request it cannot
 make an item of is answered by the producer itself (`rejections.py`): a body the job cannot
 serve, a prompt the template or tokenizer fails on (any exception: they are foreign code),
 one longer than the model's context or the broker's item cap. One bad request never takes
