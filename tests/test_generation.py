@@ -8,12 +8,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.wire.errors import GenerationParamsError
+from pipeline.batchjob.layout import JOB_PAYLOAD_SIZE_BYTES
+from pipeline.producer.producer import DEFAULT_MAX_PAYLOAD_BYTES
 from pipeline.wire.generation import (
     GENERATION_HEADER_SIZE_BYTES,
     GENERATION_MAGIC,
+    MAX_ENVELOPE_BYTES,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_LOGPROBS,
     MAX_NEW_TOKENS,
+    MAX_SAMPLES,
     MAX_STOP_STRING_BYTES,
     MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_STRUCTURED_OUTPUT_BYTES,
+    STRUCTURED_KINDS,
     GenerationParams,
     decode_payload,
     encode_payload,
@@ -25,7 +34,23 @@ params_strategy = st.builds(
     temperature=st.none() | st.floats(0, 100, allow_nan=False),
     top_p=st.none() | st.floats(0, 1, exclude_min=True),
     seed=st.none() | st.integers(-(1 << 63), (1 << 63) - 1),
-    stop=st.lists(st.text(min_size=1, max_size=20), max_size=4).map(tuple),
+    stop=st.lists(st.text(min_size=1, max_size=20), max_size=MAX_STOP_STRINGS).map(tuple),
+    n=st.none() | st.integers(1, MAX_SAMPLES),
+    top_k=st.none() | st.integers(-1, 1000),
+    min_p=st.none() | st.floats(0, 1),
+    presence_penalty=st.none() | st.floats(-2, 2),
+    frequency_penalty=st.none() | st.floats(-2, 2),
+    repetition_penalty=st.none() | st.floats(0.01, 10),
+    logprobs=st.none() | st.integers(0, MAX_LOGPROBS),
+    ignore_eos=st.booleans(),
+    skip_special_tokens=st.booleans(),
+    include_stop_str_in_output=st.booleans(),
+    stop_token_ids=st.lists(st.integers(0, (1 << 32) - 1), max_size=8).map(tuple),
+    logit_bias=st.dictionaries(st.integers(0, 1 << 20), st.floats(-100, 100), max_size=8).map(
+        lambda d: tuple(d.items())),
+    structured=st.none() | st.tuples(st.sampled_from(STRUCTURED_KINDS), st.text(max_size=40)),
+    disable_any_whitespace=st.booleans(),
+    disable_additional_properties=st.booleans(),
 )
 
 
@@ -62,7 +87,7 @@ def test_garbage_after_the_magic_is_a_typed_error_or_an_envelope_never_a_crash(t
 
 def test_malformed_envelopes_name_what_is_wrong():
     good = encode_payload(GenerationParams(max_tokens=4, stop=("END",)), b"x")
-    with pytest.raises(GenerationParamsError, match="shorter than its 48-byte header"):
+    with pytest.raises(GenerationParamsError, match=f"shorter than its {GENERATION_HEADER_SIZE_BYTES}-byte header"):
         decode_payload(good[:20])
     with pytest.raises(GenerationParamsError, match="stop strings end at byte"):
         decode_payload(good[:GENERATION_HEADER_SIZE_BYTES + 2])
@@ -83,11 +108,24 @@ def test_malformed_envelopes_name_what_is_wrong():
     ("seed", (1 << 63) - 1, 1 << 63),
     ("stop", ("s",) * MAX_STOP_STRINGS, ("s",) * (MAX_STOP_STRINGS + 1)),
     ("stop", ("é" * (MAX_STOP_STRING_BYTES // 2),), ("é" * (MAX_STOP_STRING_BYTES // 2 + 1),)),
+    ("n", MAX_SAMPLES, MAX_SAMPLES + 1),
+    ("logprobs", MAX_LOGPROBS, MAX_LOGPROBS + 1),
+    ("top_k", -1, -2),
+    ("min_p", 1.0, 1.01),
+    ("presence_penalty", -2.0, -2.01),
+    ("frequency_penalty", 2.0, 2.01),
+    ("repetition_penalty", 1e-9, 0.0),
+    ("min_tokens", 0, -1),
+    ("stop_token_ids", (7,) * MAX_STOP_TOKEN_IDS, (7,) * (MAX_STOP_TOKEN_IDS + 1)),
+    ("logit_bias", tuple((k, 100.0) for k in range(MAX_LOGIT_BIAS_ENTRIES)),
+     tuple((k, 1.0) for k in range(MAX_LOGIT_BIAS_ENTRIES + 1))),
+    ("logit_bias", ((5, -100.0),), ((5, -100.5),)),
+    ("structured", ("json", "x" * MAX_STRUCTURED_OUTPUT_BYTES), ("json", "x" * (MAX_STRUCTURED_OUTPUT_BYTES + 1))),
 ])
 def test_limits_at_and_past(field, at_limit, past_limit):
     params = GenerationParams(**{field: at_limit})
     assert decode_payload(encode_payload(params))[0] == params
-    with pytest.raises(GenerationParamsError, match=field if field != "stop" else "stop"):
+    with pytest.raises(GenerationParamsError, match=field.split("_")[0] if field != "structured" else "structured"):
         GenerationParams(**{field: past_limit})
 
 
@@ -101,3 +139,28 @@ def test_wrong_types_are_refused(wrong):
 def test_a_stop_string_that_is_not_valid_unicode_is_refused_up_front():
     with pytest.raises(GenerationParamsError, match="not valid Unicode"):
         GenerationParams(stop=("\ud800",))
+
+
+def test_the_largest_envelope_and_a_jobs_payload_fit_the_producers_payload_limit():
+    largest = GenerationParams(
+        stop=tuple(chr(0x100 + k) * (MAX_STOP_STRING_BYTES // 2) for k in range(MAX_STOP_STRINGS)),
+        stop_token_ids=tuple(range(MAX_STOP_TOKEN_IDS)),
+        logit_bias=tuple((k, 1.5) for k in range(MAX_LOGIT_BIAS_ENTRIES)),
+        structured=("json", "s" * MAX_STRUCTURED_OUTPUT_BYTES))
+    stored = encode_payload(largest, b"j" * JOB_PAYLOAD_SIZE_BYTES)
+    assert len(stored) == MAX_ENVELOPE_BYTES + JOB_PAYLOAD_SIZE_BYTES <= DEFAULT_MAX_PAYLOAD_BYTES
+    assert decode_payload(stored) == (largest, b"j" * JOB_PAYLOAD_SIZE_BYTES)
+
+
+def test_min_tokens_past_max_tokens_is_refused_as_vllm_refuses_it():
+    assert GenerationParams(max_tokens=5, min_tokens=5).min_tokens == 5
+    with pytest.raises(GenerationParamsError, match="min_tokens 6 must be at most max_tokens 5"):
+        GenerationParams(max_tokens=5, min_tokens=6)
+
+
+def test_overrides_are_vllms_sampling_parameters_the_item_changes():
+    params = GenerationParams(max_tokens=8, n=2, logprobs=3, stop=("x",), stop_token_ids=(4,),
+                              logit_bias=((9, -100.0),), skip_special_tokens=False, structured=("regex", "a+"))
+    assert params.overrides() == {"max_tokens": 8, "n": 2, "logprobs": 3, "stop": ["x"], "stop_token_ids": [4],
+                                  "logit_bias": {9: -100.0}, "skip_special_tokens": False}
+    assert GenerationParams().overrides() == {} and params.samples == 2 and GenerationParams().samples == 1

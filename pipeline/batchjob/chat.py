@@ -46,7 +46,6 @@ processes at once on this machine's 2 cores made 0.87-1.02 M tokens per CPU seco
 from __future__ import annotations
 
 import json
-import stat
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -55,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pipeline.batchjob.modelfiles import check_model_file, read_model_text
 from pipeline.batchjob.prefixes import MEMO_BYTES, PrefixEntry, PrefixMemo
 from pipeline.batchjob.splits import AddedTokenSplits, Spans
 from pipeline.batchjob.template import compile_chat_template
@@ -83,6 +83,7 @@ MAX_TOKENIZER_BYTES = 256 << 20
 # Largest tokenizer_config.json or chat_template.jinja read (real configs are < 1 MB, with
 # their added_tokens_decoder tables).
 MAX_CONFIG_BYTES = 16 << 20
+_NEEDS = f"a model directory needs {TOKENIZER_FILE} and {TOKENIZER_CONFIG_FILE}"
 # How a message's list of text parts becomes the string a template expects: vLLM's "string"
 # content format joins the parts' texts with a newline.
 CONTENT_PART_SEPARATOR = "\n"
@@ -152,21 +153,21 @@ class ChatTokenizer:
             raise ModelDirError(f"{root}: not a model directory (expected {TOKENIZER_FILE} and "
                                 f"{TOKENIZER_CONFIG_FILE} in it)")
         tokenizer_path = root / TOKENIZER_FILE
-        _check_regular(tokenizer_path, MAX_TOKENIZER_BYTES)
+        check_model_file(tokenizer_path, MAX_TOKENIZER_BYTES, _NEEDS)
         try:
             tokenizer = Tokenizer.from_file(str(tokenizer_path))
         except Exception as exc:  # the Rust side raises plain Exception for every parse error
             raise ModelDirError(f"{tokenizer_path}: not a tokenizer file ({_one_line(exc)})") from exc
         config_path = root / TOKENIZER_CONFIG_FILE
         try:
-            config = json.loads(_read_text(config_path, MAX_CONFIG_BYTES))
+            config = json.loads(read_model_text(config_path, MAX_CONFIG_BYTES, _NEEDS))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ModelDirError(f"{config_path}: not valid JSON ({_one_line(exc)})") from exc
         if not isinstance(config, dict):
             raise ModelDirError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
         template_file = root / CHAT_TEMPLATE_FILE
         if template_file.exists():
-            template: str | None = _read_text(template_file, MAX_CONFIG_BYTES)
+            template: str | None = read_model_text(template_file, MAX_CONFIG_BYTES, _NEEDS)
             template_source = str(template_file)
         else:
             template, template_source = _config_template(config, config_path), str(config_path)
@@ -214,17 +215,24 @@ class ChatTokenizer:
         """The text of `ids`, special tokens skipped (what a completion answers with)."""
         return self._tokenizer.decode(list(ids), skip_special_tokens=True)
 
+    def token_text(self, token: int) -> str:
+        """One token's text, a special token's too (a logprob's token, as vLLM decodes it)."""
+        return self._tokenizer.decode([token], skip_special_tokens=False)
+
     # -- prompts ------------------------------------------------------------------------
 
     def render(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool,
-               tools: Sequence[Mapping[str, Any]] | None = None) -> str:
-        """The chat template applied to (already checked) messages: the prompt's text."""
+               tools: Sequence[Mapping[str, Any]] | None = None, template_kwargs: Mapping[str, Any] | None = None
+               ) -> str:
+        """The chat template applied to (already checked) messages: the prompt's text;
+        `template_kwargs` are variables beneath the renderer's own, as vLLM merges them."""
         if self._template is None:
             raise NoChatTemplateError(
                 f"{self._source}: the model has no chat template (no chat_template in "
                 f"{TOKENIZER_CONFIG_FILE}, no {CHAT_TEMPLATE_FILE}); chat requests are refused, "
                 f"completions (/v1/completions) still work")
-        variables: dict[str, Any] = {"messages": messages, "add_generation_prompt": add_generation_prompt}
+        variables: dict[str, Any] = dict(template_kwargs or {})
+        variables.update(messages=messages, add_generation_prompt=add_generation_prompt)
         if tools is not None:
             variables["tools"] = tools
         if self._bos_token is not None:
@@ -237,16 +245,19 @@ class ChatTokenizer:
             raise ChatRequestError(f"the chat template of {self._source} failed on this request: "
                                    f"{_describe(exc)}") from exc
 
-    def chat_prompt(self, messages: object, tools: object = None) -> ChatPrompt:
+    def chat_prompt(self, messages: object, tools: object = None, template_kwargs: object = None) -> ChatPrompt:
         """A chat request's prompt (`messages` as the request's JSON has them: role and
-        content, the content a string or a list of text parts) and its components (the
-        module's doc). ChatRequestError for anything about the request that makes no prompt."""
-        checked = check_messages(messages)
-        checked_tools = _check_tools(tools)
-        text = self.render(checked, add_generation_prompt=True, tools=checked_tools)
+        content, the content a string or a list of text parts; tools and chat_template_kwargs
+        for the template) and its components (the module's doc). ChatRequestError for
+        anything about the request that makes no prompt."""
+        checked, checked_tools = check_messages(messages), _check_tools(tools)
+        kwargs = dict(template_kwargs) if isinstance(template_kwargs, dict) and template_kwargs else None
+        text = self.render(checked, add_generation_prompt=True, tools=checked_tools, template_kwargs=kwargs)
         fail = partial(_chat_text_error, checked, checked_tools, text)
-        render_prefix = partial(self.render, add_generation_prompt=False, tools=checked_tools)
-        ladder = self._memo.ladder(checked, checked_tools, last_user_index(checked), render_prefix)
+        render_prefix = partial(self.render, add_generation_prompt=False, tools=checked_tools, template_kwargs=kwargs)
+        # The memo keys a prefix by what the template saw: the tools, and the kwargs where given.
+        seen = checked_tools if kwargs is None else {"tools": checked_tools, "chat_template_kwargs": kwargs}
+        ladder = self._memo.ladder(checked, seen, last_user_index(checked), render_prefix)
         tokens = self._after_prefix(text, ladder[-1], fail) if ladder else None
         exact_rest = tokens is not None
         ids: list[int] | None = None
@@ -548,37 +559,6 @@ def _token_text(config: dict, key: str, path: Path) -> str | None:
         raise ModelDirError(f"{path}: {key} must be a string or an object with a string content, "
                             f"got {_show(config.get(key))}")
     return value
-
-
-def _check_regular(path: Path, limit_bytes: int) -> None:
-    """`path` is a readable regular file of at most `limit_bytes`, or ModelDirError."""
-    try:
-        info = path.stat()
-    except FileNotFoundError:
-        raise ModelDirError(f"{path}: missing (a model directory needs {TOKENIZER_FILE} and "
-                            f"{TOKENIZER_CONFIG_FILE})") from None
-    except OSError as exc:
-        raise ModelDirError(f"{path}: cannot be read ({exc.strerror})") from exc
-    if not stat.S_ISREG(info.st_mode):
-        raise ModelDirError(f"{path}: not a regular file")
-    if info.st_size > limit_bytes:
-        raise ModelDirError(f"{path}: {info.st_size:,} bytes, more than the {limit_bytes:,} a model file may have")
-
-
-def _read_text(path: Path, limit_bytes: int) -> str:
-    """A small UTF-8 file's text (bounded: read at most limit+1 bytes), or ModelDirError."""
-    _check_regular(path, limit_bytes)
-    try:
-        with open(path, "rb") as file:
-            data = file.read(limit_bytes + 1)
-    except OSError as exc:
-        raise ModelDirError(f"{path}: cannot be read ({exc.strerror})") from exc
-    if len(data) > limit_bytes:
-        raise ModelDirError(f"{path}: more than the {limit_bytes:,} bytes a model file may have")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ModelDirError(f"{path}: not UTF-8 text (byte {exc.start})") from exc
 
 
 def _describe(exc: BaseException) -> str:

@@ -35,7 +35,8 @@ import msgspec
 import xxhash
 
 from pipeline.batchjob.answers import Answer, AnswerLog
-from pipeline.batchjob.layout import LOG_OUTPUT, decode_job_payload
+from pipeline.batchjob.choices import AnswerShape, Texts, make_choices
+from pipeline.batchjob.layout import JOB_FLAG_READS_BODY, LOG_OUTPUT, decode_job_payload, job_payload_flags
 from pipeline.batchjob.manifest import JOB_DIR, JobManifest
 from pipeline.batchjob.output import (
     HTTP_OK,
@@ -48,7 +49,7 @@ from pipeline.batchjob.output import (
     row_usage,
 )
 from pipeline.batchjob.paths import replace_file
-from pipeline.batchjob.requests import ENDPOINTS
+from pipeline.batchjob.requests import ENDPOINTS, parse_line
 from pipeline.batchjob.scan import MAX_REQUEST_LINE_BYTES, envelope
 from pipeline.reporting.accounting import ResultsSummary
 from pipeline.wire.errors import BatchFileError, BatchOutputError, JobMismatchError
@@ -59,8 +60,9 @@ COLLECTED_NAME = "collected.json"
 # Bytes of one file read per poll: a poll takes what a few seconds of a fast job wrote and
 # returns, so the launcher's watch loop keeps its pace.
 READ_LIMIT_BYTES = 32 << 20
-# A results or rejection line longer than this is not one of ours (a row holds a prompt's
-# output ids, at most a context's worth of tokens, ~8 bytes each).
+# A results or rejection line longer than this is not one of ours (a row holds a request's
+# output ids and texts, its samples' and their logprobs within sampling.MAX_ANSWER_TOKENS and
+# MAX_ANSWER_LOGPROBS): a row longer than a read is read on to here.
 MAX_ROW_BYTES = 64 << 20
 
 
@@ -78,11 +80,13 @@ class Collector:
     """See the module's doc. Owner: the job's process, one per run; not thread-safe."""
 
     def __init__(self, data_dir: str, manifest: JobManifest, input_fd: int, decode: Callable[[list[int]], str],
-                 log: AnswerLog, error_log: int) -> None:
+                 log: AnswerLog, error_log: int, token_text: Callable[[int], str] | None = None) -> None:
         self.data_dir = data_dir
         self.manifest = manifest
         self.input_fd = input_fd
         self.decode = decode
+        # One token's text, special tokens kept (a logprob's token): decode's where not given.
+        self.texts = Texts(decode, token_text or (lambda token: decode([token])))
         self.log = log
         self.error_log = error_log  # LOG_ERRORS where failures go to their own file, else LOG_OUTPUT
         self.counts = CollectCounts()
@@ -118,6 +122,8 @@ class Collector:
             with open(path, "rb") as f:
                 f.seek(start)
                 raw = f.read(READ_LIMIT_BYTES)
+                if len(raw) == READ_LIMIT_BYTES and b"\n" not in raw:  # one row longer than a read
+                    raw += f.read(MAX_ROW_BYTES - READ_LIMIT_BYTES)
         except OSError:
             return 0
         end = raw.rfind(b"\n") + 1
@@ -176,7 +182,8 @@ class Collector:
             return None
 
     def _result(self, row: dict) -> Answer | None:
-        found = decode_job_payload(base64.b64decode(row.get("payload") or ""), self.manifest.job_id)
+        payload = base64.b64decode(row.get("payload") or "")
+        found = decode_job_payload(payload, self.manifest.job_id)
         if found is None:
             self.counts.foreign_rows += 1
             return None
@@ -196,8 +203,14 @@ class Collector:
         done_ns = row.get("done_ns")
         if made_ns and type(done_ns) is int and done_ns >= made_ns:
             self.latencies_s.append((done_ns - made_ns) / 1e9)
-        text = row["text"] if isinstance(row.get("text"), str) else self.decode(row["output"])
-        line = response_line(request, row, text, self.manifest.served_model, self.manifest.created_s, tag)
+        if job_payload_flags(payload) & JOB_FLAG_READS_BODY or "samples" in row:
+            shape = self._shape(index, offset, length)
+            choices = make_choices(row, shape, self.texts, f"call_{tag}_{index}")
+            line = response_line(request, row, None, self.manifest.served_model, self.manifest.created_s, tag,
+                                 choices)
+        else:
+            text = row["text"] if isinstance(row.get("text"), str) else self.decode(row["output"])
+            line = response_line(request, row, text, self.manifest.served_model, self.manifest.created_s, tag)
         prompt, completion, cached = row_usage(row)
         return Answer(index, line.encode() + b"\n", HTTP_OK, LOG_OUTPUT, prompt, completion, cached)
 
@@ -223,6 +236,13 @@ class Collector:
         except BatchFileError as exc:
             raise JobMismatchError(f"{self.manifest.input_path}: byte {offset}: {exc}") from None
         return RequestRef(env.custom_id, ENDPOINTS.get(env.url), index)
+
+    def _shape(self, index: int, offset: int, length: int) -> AnswerShape:
+        """What the request asked its answer to hold: its line parsed again (checked against
+        its digest by `_request` just before)."""
+        raw = os.pread(self.input_fd, length, offset)
+        request = parse_line(raw, index, 0, self.manifest.served_model, self.manifest.tool_calling)
+        return AnswerShape.of(request, self.manifest.tool_calling, self.texts)
 
     def _bad(self, path: str, why: str, tally: ResultsSummary | None = None) -> None:
         self.counts.bad_lines += 1

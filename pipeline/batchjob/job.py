@@ -59,6 +59,7 @@ from pipeline.batchjob.paths import (
 from pipeline.batchjob.progress import JobCounts, JobTracker, JobView
 from pipeline.batchjob.scan import InputScan, input_digest, read_index, scan_input, write_index
 from pipeline.batchjob.telemetry import JobTelemetry
+from pipeline.batchjob.tools import ToolCalling
 from pipeline.batchjob.workload import JobInput, JobWorkload, PromptLimits
 from pipeline.runtime.datadir import check_data_dir
 from pipeline.runtime.inventory import pending_payloads, producer_ring_names
@@ -93,6 +94,7 @@ class JobSpec:
     overwrite: bool = False
     keep_data_dir: bool = False
     limits: PromptLimits = field(default_factory=PromptLimits)
+    tool_calling: ToolCalling = field(default_factory=ToolCalling)
 
 
 @dataclass(slots=True)
@@ -242,6 +244,7 @@ class BatchJob:
             input_xxh3=scan.input_xxh3, requests=scan.requests, served_model=spec.served_model,
             output_path=os.path.abspath(spec.output_path), output_order=spec.output_order,
             error_file=os.path.abspath(spec.error_file) if spec.error_file else None,
+            tool_call_parser=spec.tool_calling.parser, enable_auto_tool_choice=spec.tool_calling.auto,
             depends_on=depends_on(spec.model_dir, spec.settings.engine, spec.settings.engine_options,
                                   spec.settings.max_input_len))
         return (JobManifest.new(**fields) if have is None else replace(have, **fields)), scan
@@ -265,7 +268,8 @@ class BatchJob:
         self._input_fd = os.open(manifest.input_path, os.O_RDONLY | os.O_CLOEXEC)
         tokenizer = ChatTokenizer.load(self.spec.model_dir)
         error_log = LOG_ERRORS if LOG_ERRORS in logs else LOG_OUTPUT
-        self.collector = Collector(self.data_dir, manifest, self._input_fd, tokenizer.decode, self.log, error_log)
+        self.collector = Collector(self.data_dir, manifest, self._input_fd, tokenizer.decode, self.log, error_log,
+                                   tokenizer.token_text)
         while self.collector.collect():
             pass
         self.collector.save()

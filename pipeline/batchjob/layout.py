@@ -20,6 +20,7 @@ Three layouts, each declared once here with its table and checked at import:
 from __future__ import annotations
 
 import numpy as np
+
 from shm.layout import checked_dtype, struct_for
 
 JOB_PAYLOAD_MAGIC = b"SBJR"
@@ -30,7 +31,7 @@ JOB_PAYLOAD_VERSION = 1
 #   off  size  field        meaning
 #     0     4  magic        b"SBJR"
 #     4     2  version      JOB_PAYLOAD_VERSION
-#     6     2  reserved     zero
+#     6     2  flags        JOB_FLAG_* bits (zero in items of older versions: none set)
 #     8     8  job_id       the job's random id (its manifest): whose item this is
 #    16     8  index        the request's index among the input's requests (0-based)
 #    24     8  offset       byte offset of the request's line in the input file
@@ -43,6 +44,7 @@ JOB_PAYLOAD_DTYPE = checked_dtype(
     [
         ("magic", 0, "|S4", "b'SBJR'"),
         ("version", 4, "<u2", "JOB_PAYLOAD_VERSION"),
+        ("flags", 6, "<u2", "JOB_FLAG_* bits"),
         ("job_id", 8, "<u8", "the job's id"),
         ("index", 16, "<u8", "request index"),
         ("offset", 24, "<u8", "line's byte offset"),
@@ -55,6 +57,11 @@ JOB_PAYLOAD_DTYPE = checked_dtype(
 JOB_PAYLOAD_SIZE_BYTES = JOB_PAYLOAD_DTYPE.itemsize
 _PAYLOAD = struct_for(JOB_PAYLOAD_DTYPE)
 _MADE_NS_OFFSET = int(JOB_PAYLOAD_DTYPE.fields["made_ns"][1])
+# The request's answer is made with more than its results row (logprobs, an echo, tool calls):
+# the collector reads the request's body again (`requests.BatchRequest.answer_reads_body`).
+JOB_FLAG_READS_BODY = 1
+_FLAGS = struct_for(JOB_PAYLOAD_DTYPE, ["flags"])
+_FLAGS_OFFSET = JOB_PAYLOAD_DTYPE.fields["flags"][1]
 
 # Requests between two entries of the input's sparse index: a producer starting its share
 # reads at most this many lines it does not take (about 2 MB of a typical batch file),
@@ -142,8 +149,10 @@ _RECORD = struct_for(ANSWER_RECORD_DTYPE, [n for n in ANSWER_RECORD_DTYPE.names 
 MAX_RECORD_COUNT = (1 << 32) - 1
 
 
-def encode_job_payload(job_id: int, index: int, offset: int, length: int, line_xxh3: int, made_ns: int = 0) -> bytes:
-    return _PAYLOAD.pack(JOB_PAYLOAD_MAGIC, JOB_PAYLOAD_VERSION, job_id, index, offset, length, line_xxh3, made_ns)
+def encode_job_payload(job_id: int, index: int, offset: int, length: int, line_xxh3: int, made_ns: int = 0,
+                       flags: int = 0) -> bytes:
+    return _PAYLOAD.pack(JOB_PAYLOAD_MAGIC, JOB_PAYLOAD_VERSION, flags, job_id, index, offset, length, line_xxh3,
+                         made_ns)
 
 
 def decode_job_payload(payload: bytes, job_id: int) -> tuple[int, int, int, int, int] | None:
@@ -151,10 +160,15 @@ def decode_job_payload(payload: bytes, job_id: int) -> tuple[int, int, int, int,
     other payload (another job's, another version, not a job item at all)."""
     if len(payload) != JOB_PAYLOAD_SIZE_BYTES or not payload.startswith(JOB_PAYLOAD_MAGIC):
         return None
-    _magic, version, owner, index, offset, length, digest, made_ns = _PAYLOAD.unpack(payload)
+    _magic, version, _flags, owner, index, offset, length, digest, made_ns = _PAYLOAD.unpack(payload)
     if version != JOB_PAYLOAD_VERSION or owner != job_id:
         return None
     return index, offset, length, digest, made_ns
+
+
+def job_payload_flags(payload: bytes) -> int:
+    """The JOB_FLAG_* bits of a job item's payload (one `decode_job_payload` accepted)."""
+    return _FLAGS.unpack_from(payload, _FLAGS_OFFSET)[0]
 
 
 def record_check(words: np.ndarray) -> np.ndarray:

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 import xxhash
 
 from pipeline.batchjob.paths import replace_file
+from pipeline.batchjob.tools import ToolCalling
 from pipeline.wire.errors import JobMismatchError
 
 JOB_DIR = "job"
@@ -64,10 +65,18 @@ class JobManifest:
     error_file: str | None
     depends_on: dict[str, str] = field(default_factory=dict)
     version: int = MANIFEST_VERSION
+    # vLLM's --tool-call-parser and --enable-auto-tool-choice: how tool calls are read
+    # (absent in the manifests of jobs made before them: no parser).
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
 
     @classmethod
     def new(cls, **fields) -> JobManifest:
         return cls(job_id=secrets.randbits(63), **fields)
+
+    @property
+    def tool_calling(self) -> ToolCalling:
+        return ToolCalling(self.tool_call_parser, self.enable_auto_tool_choice)
 
     @property
     def id_tag(self) -> str:
@@ -123,7 +132,8 @@ def differences(have: JobManifest, wanted: JobManifest) -> list[str]:
         changed.append(f"the input file changed since the job started: it was {have.input_bytes:,} bytes with xxh3 "
                        f"{have.input_xxh3[:16]}... ({have.input_path}), it is {wanted.input_bytes:,} bytes with "
                        f"xxh3 {wanted.input_xxh3[:16]}... ({wanted.input_path})")
-    for name in ("served_model", "output_path", "output_order", "error_file"):
+    for name in ("served_model", "output_path", "output_order", "error_file", "tool_call_parser",
+                 "enable_auto_tool_choice"):
         if getattr(have, name) != getattr(wanted, name):
             changed.append(f"{name.replace('_', ' ')}: {getattr(have, name)!r} then, {getattr(wanted, name)!r} now")
     for key in sorted(set(have.depends_on) | set(wanted.depends_on)):

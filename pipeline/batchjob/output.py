@@ -1,6 +1,7 @@
 """A batch job's output lines: one OpenAI Batch output line per request.
 
-A request that ran (results row status "ok"):
+A request that ran (results row status "ok"), with one plain choice (several, logprobs,
+tool calls and an echo: `choices.py`):
 
     {"id": "batch_req_<hash12>_<index>", "custom_id": "req-17",
      "response": {"status_code": 200, "request_id": "req_<hash12>_<index>", "body": {
@@ -78,10 +79,11 @@ class RequestRef:
     index: int
 
 
-def response_line(request: RequestRef, row: Mapping[str, object], text: str, served_model: str, created: int,
-                  tag: str) -> str:
+def response_line(request: RequestRef, row: Mapping[str, object], text: str | None, served_model: str, created: int,
+                  tag: str, choices: list[dict] | None = None) -> str:
     """The output line of a request that ran (`row`: its results row, status ok; `text`: the
-    generated text), without a newline."""
+    generated text of its one plain choice, or `choices` made by `choices.make_choices`),
+    without a newline. Usage counts every choice's tokens (the row's output_tokens)."""
     if row.get("status") != ROW_OK:
         raise BatchOutputError(f"request {request.custom_id!r} did not run (status {row.get('status')!r}): it "
                                f"takes an error_line")
@@ -99,7 +101,8 @@ def response_line(request: RequestRef, row: Mapping[str, object], text: str, ser
         body_id, kind = f"cmpl-{tag}-{request.index}", "text_completion"
         choice = {"index": 0, "text": text}
     choice.update(logprobs=None, finish_reason=finish)
-    body = {"id": body_id, "object": kind, "created": created, "model": served_model, "choices": [choice],
+    body = {"id": body_id, "object": kind, "created": created, "model": served_model,
+            "choices": choices if choices is not None else [choice],
             "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                       "prompt_tokens_details": {"cached_tokens": cached}}}
     return _line(request, tag, HTTP_OK, body)

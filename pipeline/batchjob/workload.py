@@ -12,7 +12,9 @@ holding about 1/count of the requests to submit, seeks to its first line through
 index, and for each request it takes: parses the line's body (`requests.py`), makes the
 prompt with the model's tokenizer and chat template (`chat.py`, loaded in the producer: the
 broker never sees text), and submits it as one item whose payload names the job and the
-request (`layout.encode_job_payload`), with its generation parameters. A request it cannot
+request (`layout.encode_job_payload`), with its generation parameters, every default vLLM's
+server would fill in filled in here (`sampling.py`: the rest of the context, the model's
+generation config). A request it cannot
 make an item of is answered by the producer itself (`rejections.py`): a body the job cannot
 serve, a prompt the template or tokenizer fails on (any exception: they are foreign code),
 one longer than the model's context or the broker's item cap. One bad request never takes
@@ -40,10 +42,12 @@ import numpy as np
 import xxhash
 
 from pipeline.batchjob.chat import ChatTokenizer
-from pipeline.batchjob.layout import INDEX_STRIDE, encode_job_payload
+from pipeline.batchjob.layout import INDEX_STRIDE, JOB_FLAG_READS_BODY, encode_job_payload
 from pipeline.batchjob.manifest import JobManifest
+from pipeline.batchjob.params import Refused
 from pipeline.batchjob.rejections import RejectionLog
 from pipeline.batchjob.requests import BatchRequest, parse_line
+from pipeline.batchjob.sampling import ModelFacts
 from pipeline.batchjob.scan import MAX_REQUEST_LINE_BYTES
 from pipeline.producer.workload import WorkItem, Workload
 from pipeline.wire.errors import BadInputError
@@ -112,6 +116,7 @@ class JobWorkload(Workload):
         self.data_dir = data_dir
         self.limits = limits
         self.busy_limit_s = limits.time_s
+        self._facts: ModelFacts | None = None  # read in the process that makes items
 
     def shares(self, count: int) -> list[tuple[int, int]]:
         """`count` contiguous ranges of request indices, cut at sparse-index entries, each
@@ -154,6 +159,7 @@ class JobWorkload(Workload):
         if start_at is not None:
             first = max(first, start_at)
         tokenizer = ChatTokenizer.load(self.model_dir)
+        self.model_facts(tokenizer)  # read before the memory limit, as the tokenizer is
         limit_memory(self.limits.memory_bytes)
         log = RejectionLog(self.data_dir, f"p{producer_index}-{os.getpid()}")
         positions: deque[tuple[int, int]] = deque()  # (items yielded, the last one's index)
@@ -213,7 +219,7 @@ class JobWorkload(Workload):
         """The request's item; None when it was answered here (logged)."""
         param = None
         try:
-            request = parse_line(raw, where[0], line, self.manifest.served_model)
+            request = parse_line(raw, where[0], line, self.manifest.served_model, self.manifest.tool_calling)
             if request.error is not None:
                 log.reject(where, HTTP_BAD_REQUEST, request.error, request.error_param)
                 return None
@@ -238,7 +244,7 @@ class JobWorkload(Workload):
     def _made(self, request: BatchRequest, where: tuple[int, int, int, int], tokenizer: ChatTokenizer,
               log: RejectionLog) -> WorkItem | None:
         if request.kind == "chat":
-            prompt = tokenizer.chat_prompt(request.messages)
+            prompt = tokenizer.chat_prompt(request.messages, request.tools.tools, request.template_kwargs)
         else:
             prompt = tokenizer.completion_prompt(request.prompt)
         length = int(prompt.tokens.shape[0])
@@ -257,11 +263,23 @@ class JobWorkload(Workload):
                        f"model's maximum context length is {context} tokens and your request has {length} input "
                        f"tokens ({asked} > {context} - {length})", name)
             return None
+        try:
+            params = self.model_facts(tokenizer).params_for(request.params, length, context)
+        except Refused as refused:
+            log.reject(where, HTTP_BAD_REQUEST, str(refused), refused.param)
+            return None
         prefix = prompt.prefix_len
-        payload = encode_job_payload(self.manifest.job_id, *where, time.monotonic_ns())
+        flags = JOB_FLAG_READS_BODY if request.answer_reads_body else 0
+        payload = encode_job_payload(self.manifest.job_id, *where, time.monotonic_ns(), flags)
         return WorkItem(model=JOB_MODEL, components=list(prompt.components),
                         suffix=np.asarray(prompt.tokens[prefix:], dtype=np.int32), payload=payload,
-                        timestamp_ms=None, line=0, params=request.params)
+                        timestamp_ms=None, line=0, params=params)
+
+    def model_facts(self, tokenizer: ChatTokenizer) -> ModelFacts:
+        """The model's sampling defaults and vocabulary, read once per process."""
+        if self._facts is None:
+            self._facts = ModelFacts.load(self.model_dir, tokenizer.vocab_size)
+        return self._facts
 
     def _prompt_limit(self) -> tuple[int, str]:
         cap = self.limits.item_cap_tokens

@@ -20,6 +20,8 @@ import click
 
 from pipeline.batchjob.job import BatchJob, JobSpec, JobSummary
 from pipeline.batchjob.progress import JobView, format_job_line
+from pipeline.batchjob.sampling import sim_answer_options
+from pipeline.batchjob.tools import tool_calling
 from pipeline.batchjob.workload import DEFAULT_PROMPT_MEMORY_LIMIT_BYTES, DEFAULT_PROMPT_TIME_LIMIT_S, PromptLimits
 from pipeline.cli.launch import ENGINE_OPTIONS_HELP, METRICS_TOKEN_HELP, check_before_start, check_ray, setup_logging
 from pipeline.consumer.engines import ENGINES
@@ -85,6 +87,9 @@ LOG_INTERVAL_S = 5.0
               default=DEFAULT_PROMPT_MEMORY_LIMIT_BYTES >> 20, show_default=True,
               help="Memory the chat template and tokenizer may take in a producer beyond its tokenizer; past it, "
                    "the request is answered 400.")
+@click.option("--tool-call-parser", help="vLLM's: the parser of tool calls in answers (this job reads hermes).")
+@click.option("--enable-auto-tool-choice", is_flag=True,
+              help="vLLM's: tool_choice auto (the default with tools) reads tool calls; needs --tool-call-parser.")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False, exists=True), help="TOML file of launch options.")
 @click.option("--report", type=click.Path(dir_okay=False), help="Write the full run report as JSON here.")
 @click.option("--metrics-port", type=int, help="Serve Prometheus metrics on this port, as `pipeline launch` does.")
@@ -105,7 +110,8 @@ def run_batch(input_file: str, output_file: str, model_dir: str, served_model_na
               summary_file: str | None, engine: str | None, engine_options: tuple[str, ...],
               prompt_time_limit_s: float, prompt_memory_limit_mb: int, config_path: str | None,
               assignments: tuple[str, ...], keep_data_dir: bool, verbose: bool, ray_address: str | None,
-              ray_node_dir: str | None, ray_route: str, **options) -> None:
+              ray_node_dir: str | None, ray_route: str, tool_call_parser: str | None, enable_auto_tool_choice: bool,
+              **options) -> None:
     """Run an OpenAI Batch file through the broker and consumers and write one response line
     per request to the output file; run it again on the same data directory to resume."""
     setup_logging(verbose)
@@ -115,6 +121,7 @@ def run_batch(input_file: str, output_file: str, model_dir: str, served_model_na
         spec = _spec(input_file, output_file, model_dir, served_model_name, data_dir, output_order, error_file,
                      overwrite, summary_file, engine, engine_options, config_path, assignments, keep_data_dir,
                      PromptLimits(prompt_time_limit_s, prompt_memory_limit_mb << 20), options)
+        spec.tool_calling = tool_calling(tool_call_parser, enable_auto_tool_choice)
         job = BatchJob(spec, say=lambda text: click.echo(text, err=True), show=_Progress())
         _prepare(job)
     except (BadInputError, PipelineError) as exc:
@@ -185,6 +192,7 @@ def _settings(config_path, assignments, options: dict, data_dir: str, engine: st
         engine_options.setdefault("model", model_dir)
     else:
         engine_options.setdefault("vocab_size", min(tokenizer.vocab_size, SIM_VOCAB_LIMIT))
+        engine_options = {**sim_answer_options(model_dir, tokenizer, engine_options["vocab_size"]), **engine_options}
     if options.get("max_input_len") is None:
         context = engine_options.get("max_model_len") or model_context_len(os.path.join(model_dir, "config.json"))
         options["max_input_len"] = context - 1 if context else None

@@ -4,10 +4,15 @@
     {"item_id", "batch_id", "dispatch_ns", "submit_ns", "done_ns", "pad_to_tokens", "status",
      "prompt_tokens", "prompt_xxh3", "cached_tokens", "output_tokens", "output": [token ids],
      "finish_reason": "length" or "stop" (null where nothing ran), ["text": the generated
-     text, where the engine has a tokenizer,] "payload": base64 of the producer's opaque
-     payload (without the generation envelope: pipeline/wire/generation.py)}
+     text, where the engine has a tokenizer,] ["samples": every output of an item that asked
+     for several (n) or for logprobs, each {"output", "finish_reason", ["text",] ["logprobs":
+     per token, [[token id, logprob, token text or null], ...], the sampled token first]},]
+     "payload": base64 of the producer's opaque payload (without the generation envelope:
+     pipeline/wire/generation.py)}
 
-in that key order, written by `result_lines` alone. `prompt_xxh3` is
+in that key order, written by `result_lines` alone. With "samples", "output", "finish_reason"
+and "text" are the first sample's (for readers of one output) and "output_tokens" counts
+every sample's tokens (the usage of all n completions). `prompt_xxh3` is
 pipeline.wire.layouts.prompt_digest of the token ids the consumer read (taken from the
 mapped entry as it is read: the engine is handed views of those same bytes, which the broker
 never rewrites), null where nothing could be read (STATUS_CORRUPT): the end-to-end check of a checker
@@ -52,6 +57,7 @@ import time
 from collections.abc import Sequence
 from itertools import chain
 
+from pipeline.consumer.engines.base import Sample
 from pipeline.wire import fileops
 from pipeline.wire.errors import ResultsDiskFullError, ResultsFileError, ResultsWriteError
 from pipeline.wire.fileops import errno_text
@@ -74,7 +80,8 @@ STATUS_ERROR = "error"
 def result_lines(d: Descriptor, status: str, item_ids: Sequence[int], submit_ns: Sequence[int],
                  prompt_tokens: Sequence[int], cached_tokens: Sequence[int], outputs: Sequence[Sequence[int]],
                  payloads: Sequence[bytes], finish_reasons: Sequence[str] | None = None,
-                 texts: Sequence[str | None] | None = None, digests: Sequence[int] | None = None) -> str:
+                 texts: Sequence[str | None] | None = None, digests: Sequence[int] | None = None,
+                 samples: Sequence[list[Sample] | None] | None = None) -> str:
     """The result lines of items of one batch and one status, as one string (lines joined by
     "\n", no trailing one; "" for no items): the batch's fields are written into the format
     once, done_ns is taken once, and when every output is as long and every finish reason
@@ -93,6 +100,9 @@ def result_lines(d: Descriptor, status: str, item_ids: Sequence[int], submit_ns:
     """
     if not item_ids:
         return ""
+    if samples is not None and any(m is not None for m in samples):
+        return _with_samples(d, status, item_ids, submit_ns, prompt_tokens, cached_tokens, outputs, payloads,
+                             finish_reasons, texts, digests, samples)
     head = (f'{{"item_id":%d,"batch_id":{d.batch_id},"dispatch_ns":{d.dispatch_ns},"submit_ns":%d,'
             f'"done_ns":{time.monotonic_ns()},"pad_to_tokens":{d.pad_to_tokens},"status":"{status}",'
             f'"prompt_tokens":%d,"prompt_xxh3":{"%d" if digests is not None else "null"},"cached_tokens":%d,'
@@ -117,6 +127,48 @@ def result_lines(d: Descriptor, status: str, item_ids: Sequence[int], submit_ns:
         reason_column = [f'{r},"text":{json.dumps(t, ensure_ascii=True)}' for r, t in zip(reason_column, texts)]
     columns[at:at] = [list(map(len, outputs)), [",".join(map(str, o)) for o in outputs], reason_column]
     return "\n".join([form % row for row in zip(*columns)])
+
+
+def _with_samples(d: Descriptor, status: str, item_ids: Sequence[int], submit_ns: Sequence[int],
+                  prompt_tokens: Sequence[int], cached_tokens: Sequence[int], outputs: Sequence[Sequence[int]],
+                  payloads: Sequence[bytes], finish_reasons: Sequence[str] | None, texts: Sequence[str | None] | None,
+                  digests: Sequence[int] | None, samples: Sequence[list[Sample] | None]) -> str:
+    """`result_lines` of a batch where some items have samples: the others through
+    `result_lines` itself, these with json.dumps (they are few, and their texts and
+    logprobs need escaping anyway)."""
+    plain = [i for i, m in enumerate(samples) if m is None]
+    lines = []
+    if plain:
+        def pick(column):
+            return [column[i] for i in plain] if column is not None else None
+
+        lines.append(result_lines(d, status, pick(item_ids), pick(submit_ns), pick(prompt_tokens),
+                                  pick(cached_tokens), pick(outputs), pick(payloads), pick(finish_reasons),
+                                  pick(texts), pick(digests)))
+    done_ns = time.monotonic_ns()
+    for i, mine in enumerate(samples):
+        if mine is None:
+            continue
+        row = {"item_id": item_ids[i], "batch_id": d.batch_id, "dispatch_ns": d.dispatch_ns, "submit_ns": submit_ns[i],
+               "done_ns": done_ns, "pad_to_tokens": d.pad_to_tokens, "status": status,
+               "prompt_tokens": prompt_tokens[i], "prompt_xxh3": digests[i] if digests is not None else None,
+               "cached_tokens": cached_tokens[i], "output_tokens": sum(len(s.token_ids) for s in mine),
+               "output": list(outputs[i]), "finish_reason": finish_reasons[i] if finish_reasons is not None else None}
+        if texts is not None and texts[i] is not None:
+            row["text"] = texts[i]
+        row["samples"] = [_sample_json(s) for s in mine]
+        row["payload"] = base64.b64encode(payloads[i]).decode() if payloads[i] else ""
+        lines.append(json.dumps(row, separators=(",", ":"), ensure_ascii=True))
+    return "\n".join(lines)
+
+
+def _sample_json(sample: Sample) -> dict:
+    out: dict = {"output": list(sample.token_ids), "finish_reason": sample.finish_reason}
+    if sample.text is not None:
+        out["text"] = sample.text
+    if sample.logprobs is not None:
+        out["logprobs"] = [[list(entry) for entry in token] for token in sample.logprobs]
+    return out
 
 
 def _finish_json(reason: str | None) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ import xxhash
 from pipeline.batchjob import layout
 from pipeline.batchjob.layout import decode_job_payload
 from pipeline.batchjob.manifest import JobManifest
+from pipeline.batchjob.params import COMPLETION_DEFAULT_MAX_TOKENS
 from pipeline.batchjob.scan import scan_input
 from pipeline.batchjob.workload import JobInput, JobWorkload, PromptLimits
 from tests.support.jobs import build_model, chat, completion
@@ -104,12 +106,40 @@ def test_an_item_names_its_job_and_line_and_carries_the_requests_parameters(tmp_
     assert item.components and item.prefix_len < item.length  # the system prompt is a component
 
 
+def test_what_a_request_does_not_give_is_vllms_servers_default(tmp_path, model_dir):
+    """max_tokens the rest of the context (a completion: 16), temperature 1 and vLLM's
+    neutral values, or the model's generation config's where it sets them."""
+    limits = PromptLimits(max_prompt_tokens=2047, context_tokens=2048)
+    job = workload(tmp_path, model_dir, [chat("a", "hi", max_tokens=None), completion("b", max_tokens=None)],
+                   limits=limits)
+    first, second = job.items()
+    assert first.params.max_tokens == 2048 - first.length
+    assert (first.params.temperature, first.params.top_p, first.params.top_k, first.params.min_p) == (1.0, 1.0, 0, 0.0)
+    assert (first.params.repetition_penalty, first.params.presence_penalty, first.params.frequency_penalty) == (
+        1.0, 0.0, 0.0)
+    assert second.params.max_tokens == COMPLETION_DEFAULT_MAX_TOKENS
+    tuned = tmp_path / "tuned"
+    shutil.copytree(model_dir, tuned)
+    (tuned / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.9, "top_k": 20,
+                                                              "max_new_tokens": 64, "eos_token_id": [1, 5]}))
+    (tmp_path / "t").mkdir()
+    job = workload(tmp_path / "t", str(tuned), [chat("a", "hi", max_tokens=None), chat("b", "hi", temperature=0)],
+                   limits=limits)
+    first, second = job.items()
+    assert (first.params.max_tokens, first.params.temperature, first.params.top_p, first.params.top_k) == (
+        64, 0.6, 0.9, 20)
+    assert second.params.temperature == 0 and second.params.top_p == 0.9  # the request's own first
+
+
 @pytest.mark.parametrize("record, param, words", [
     (chat("x", model="other"), "model", "not served"),
     (chat("x", "a \ud800 b"), "messages", ""),
     (completion("x", [5] * 300), "prompt", "more than the 100"),
     (chat("x", max_tokens=5000), "max_tokens", "maximum context length is 2048"),
-    (chat("x", temperature=3), "temperature", "over 2"),
+    (chat("x", temperature=3), "temperature", "must be in [0, 2]"),
+    (chat("x", logit_bias={"4096": 5}), "logit_bias", "token_id(s) [4096] in logit_bias contain out-of-vocab"),
+    (chat("x", stop_token_ids=[1, 99999]), "stop_token_ids", "Vocabulary size: 4096"),
+    (chat("x", max_tokens=None, min_tokens=2040), "min_tokens", "max_tokens=the rest of the context"),
 ])
 def test_a_request_no_item_can_be_made_of_is_answered_by_the_producer(tmp_path, model_dir, record, param, words):
     job = workload(tmp_path, model_dir, [record], limits=PromptLimits(max_prompt_tokens=100, context_tokens=2048))

@@ -14,6 +14,7 @@ import xxhash
 from pipeline.batchjob.layout import (
     ANSWER_RECORD_DTYPE,
     ANSWER_RECORD_SIZE_BYTES,
+    JOB_FLAG_READS_BODY,
     JOB_PAYLOAD_DTYPE,
     JOB_PAYLOAD_MAGIC,
     JOB_PAYLOAD_SIZE_BYTES,
@@ -24,6 +25,7 @@ from pipeline.batchjob.layout import (
     answer_record,
     decode_job_payload,
     encode_job_payload,
+    job_payload_flags,
     record_check,
     valid_records,
 )
@@ -42,7 +44,14 @@ def test_a_payload_decodes_to_its_request_for_its_own_job(index: int, offset: in
     record = np.frombuffer(payload, dtype=JOB_PAYLOAD_DTYPE)[0]
     assert (record["magic"], int(record["version"]), int(record["job_id"]), int(record["index"])) == (
         JOB_PAYLOAD_MAGIC, JOB_PAYLOAD_VERSION, JOB_ID, index)
-    assert payload[6:8] == b"\0\0" and payload[36:40] == b"\0\0\0\0"  # reserved bytes are zero
+    assert payload[6:8] == b"\0\0" and payload[36:40] == b"\0\0\0\0"  # no flags; reserved bytes are zero
+    assert job_payload_flags(payload) == 0
+
+
+def test_a_payloads_flags_ride_beside_its_request_and_do_not_change_it() -> None:
+    flagged = encode_job_payload(JOB_ID, 5, 6, 7, 8, 9, flags=JOB_FLAG_READS_BODY)
+    assert job_payload_flags(flagged) == JOB_FLAG_READS_BODY == int(np.frombuffer(flagged, JOB_PAYLOAD_DTYPE)[0]["flags"])
+    assert decode_job_payload(flagged, JOB_ID) == decode_job_payload(encode_job_payload(JOB_ID, 5, 6, 7, 8, 9), JOB_ID)
 
 
 def _with_version(payload: bytes, version: int) -> bytes:

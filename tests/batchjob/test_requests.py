@@ -16,8 +16,41 @@ from pipeline.batchjob.requests import (
     BatchRequest,
     parse_line,
 )
-from pipeline.wire.generation import MAX_STOP_STRINGS, GenerationParams
+from pipeline.batchjob.params import COMPLETION_DEFAULT_MAX_TOKENS
+from pipeline.batchjob.tools import MAX_TOOLS_BYTES, ToolCalling
+from pipeline.wire.generation import (
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_LOGPROBS,
+    MAX_NEW_TOKENS,
+    MAX_SAMPLES,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_STRUCTURED_OUTPUT_BYTES,
+    GenerationParams,
+)
 from tests.batchjob.batchfiles import MODEL, chat, completion, encode
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def _schema(schema: object) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+
+
+def _deep(levels: int) -> dict:
+    """A schema whose objects nest `levels` deep (vLLM counts objects and arrays)."""
+    schema: dict = {"type": "string"}
+    for _ in range(levels - 1):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def _sized(size: int) -> dict:
+    """A schema of exactly `size` bytes of compact JSON."""
+    bare = len(json.dumps({"type": "string", "description": ""}, separators=(",", ":")))
+    return {"type": "string", "description": "x" * (size - bare)}
 
 
 def one(line: object, index: int = 0, number: int = 1) -> BatchRequest:
@@ -37,8 +70,11 @@ def test_good_lines_give_their_requests_with_index_line_and_parameters() -> None
     assert (b.index, b.line, b.url, b.kind, b.prompt, b.messages) == (1, 4, COMPLETIONS_URL, KIND_COMPLETION,
                                                                       [1, 2, 3], None)
     assert b.params == GenerationParams(max_tokens=5, stop=(".",))
-    c = one(completion("c", n=3), 2, 5)
-    assert (c.index, c.line, c.error_param) == (2, 5, "n")
+    c = one(completion("c", n=3, logprobs=2, echo=True, max_tokens=None), 2, 5)
+    assert (c.index, c.line, c.error_param) == (2, 5, "echo")  # echo with logprobs: the prompt's, not carried
+    d = one(completion("d", n=3, top_k=5, min_p=0.1, repetition_penalty=1.1, ignore_eos=True))
+    assert d.params == GenerationParams(max_tokens=16, n=3, top_k=5, min_p=0.1, repetition_penalty=1.1,
+                                        ignore_eos=True)
 
 
 def test_a_line_the_scan_took_through_json_gives_the_same_request() -> None:
@@ -62,43 +98,95 @@ def _messages(*messages: object) -> dict:
 REQUEST_PROBLEMS = [
     # (name, the line, the parameter named, in the message)
     ("endpoint", {**chat(), "url": "/v1/embeddings"}, "url", "unsupported endpoint '/v1/embeddings'"),
-    ("n 2", chat(n=2), "n", "n=2 is not supported"),
-    ("n true", chat(n=True), "n", "n=true is not supported"),
+    ("n 0", chat(n=0), "n", "n 0 must be an integer from 1"),
+    ("n past the limit", chat(n=MAX_SAMPLES + 1), "n", f"n {MAX_SAMPLES + 1} must be an integer from 1 to {MAX_SAMPLES}"),
+    ("n true", chat(n=True), "n", "n must be an integer, got a boolean true"),
     ("stream", chat(stream=True), "stream", "stream=true is not supported"),
-    ("stream_options", chat(stream_options={"include_usage": True}), "stream_options", "not streamed"),
+    ("stream_options", chat(stream_options={"include_usage": True}), "stream_options", "only be defined when"),
     ("another model", chat(model="big"), "model", "the model a string \"big\" is not served by this job"),
     ("no model", {**chat(), "body": {"messages": [{"role": "user", "content": "x"}]}}, "model",
      "you must provide a model"),
     ("model a number", chat(model=3), "model", "a number 3"),
-    ("logprobs", chat(logprobs=True), "logprobs", "log probabilities"),
-    ("top_logprobs", chat(top_logprobs=2), "top_logprobs", "top_logprobs=2"),
-    ("completion logprobs", completion(logprobs=1), "logprobs", "logprobs=1"),
-    ("logit_bias", chat(logit_bias={"50256": -100}), "logit_bias", "bias"),
-    ("presence_penalty", chat(presence_penalty=0.5), "presence_penalty", "presence_penalty=0.5"),
-    ("frequency_penalty", chat(frequency_penalty=1), "frequency_penalty", "frequency penalty"),
+    ("logprobs a number on chat", chat(logprobs=1), "logprobs", "logprobs must be true or false"),
+    ("top_logprobs without logprobs", chat(top_logprobs=2), "top_logprobs", "`logprobs` must be set to true"),
+    ("top_logprobs past the limit", chat(logprobs=True, top_logprobs=MAX_LOGPROBS + 1), "top_logprobs",
+     f"greater than max allowed: {MAX_LOGPROBS}"),
+    ("top_logprobs -1", chat(logprobs=True, top_logprobs=-1), "top_logprobs", "the whole vocabulary"),
+    ("completion logprobs past the limit", completion(logprobs=MAX_LOGPROBS + 1), "logprobs",
+     f"greater than max allowed: {MAX_LOGPROBS}"),
+    ("completion logprobs negative", completion(logprobs=-2), "logprobs", "must be a positive value or -1"),
+    ("logit_bias past 100", chat(logit_bias={"50": -100.5}), "logit_bias", "from -100 to 100"),
+    ("logit_bias a word", chat(logit_bias={"the": 5}), "logit_bias", "cannot be converted to integer token IDs"),
+    ("logit_bias negative id", chat(logit_bias={"-1": 5}), "logit_bias", "out-of-vocab"),
+    ("logit_bias too many", chat(logit_bias={str(k): 1 for k in range(MAX_LOGIT_BIAS_ENTRIES + 1)}), "logit_bias",
+     f"at most {MAX_LOGIT_BIAS_ENTRIES:,}"),
+    ("presence_penalty past 2", chat(presence_penalty=2.5), "presence_penalty", "presence_penalty 2.5"),
+    ("repetition_penalty 0", chat(repetition_penalty=0), "repetition_penalty", "repetition_penalty 0"),
+    ("top_k -2", chat(top_k=-2), "top_k", "top_k -2"),
+    ("min_p past 1", chat(min_p=1.5), "min_p", "min_p 1.5"),
+    ("min_tokens past max_tokens", chat(min_tokens=5, max_tokens=4), "min_tokens",
+     "min_tokens must be less than or equal to max_tokens=4, got 5"),
+    ("ignore_eos a string", chat(ignore_eos="yes"), "ignore_eos", "must be true or false"),
+    ("stop_token_ids a string", chat(stop_token_ids="2"), "stop_token_ids", "only integers"),
+    ("stop_token_ids too many", chat(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS + 1))), "stop_token_ids",
+     f"at most {MAX_STOP_TOKEN_IDS}"),
     ("best_of", completion(best_of=2), "best_of", "best_of must be 1"),
-    ("echo", completion(echo=True), "echo", "not echoed"),
+    ("echo with logprobs", completion(echo=True, logprobs=1), "echo", "prompt's log probabilities"),
     ("suffix", completion(suffix="!"), "suffix", "suffix"),
-    ("tools", chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools", "no tool calls"),
-    ("tool_choice", chat(tool_choice="auto"), "tool_choice", "tool_choice=\"auto\""),
-    ("functions", chat(functions=[{"name": "f"}]), "functions", "function calls"),
-    ("response_format", chat(response_format={"type": "json_object"}), "response_format", "only text"),
-    ("unknown", chat(top_k=5), "top_k", "unsupported parameter 'top_k'"),
-    ("unknowns listed", chat(top_k=5, min_p=0.1, repetition_penalty=1.1), "min_p",
-     "unsupported parameters 'min_p', 'repetition_penalty', 'top_k'"),
+    ("beam search", chat(use_beam_search=True), "use_beam_search", "beam search"),
+    ("guided_json", chat(guided_json={"type": "object"}), "guided_json", "structured_outputs: {'json': ...}"),
+    ("tools empty", chat(tools=[]), "tools", "`tools` must not be an empty array"),
+    ("tools auto without the flags", chat(tools=[TOOL]), "tool_choice", "--enable-auto-tool-choice"),
+    ("tool_choice without tools", chat(tool_choice="auto"), "tool_choice", "`tools` must be set"),
+    ("tool_choice named, no parser", chat(tools=[TOOL], tool_choice=NAMED), "tool_choice",
+     'tool_choice=function "get_weather" requires --tool-call-parser'),
+    ("tool_choice names another", chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "x"}}),
+     "tool_choice", "does not match any of the specified `tools`"),
+    ("tool_choice a word", chat(tools=[TOOL], tool_choice="always"), "tool_choice", "Invalid value for `tool_choice`"),
+    ("a tool without a name", chat(tools=[{"type": "function", "function": {}}]), "tools[0]", "tools[0] must be"),
+    ("tools too large", chat(tools=[{"type": "function", "function": {"name": "f", "description": "x" * MAX_TOOLS_BYTES}}]),
+     "tools", f"more than the {MAX_TOOLS_BYTES:,}"),
+    ("functions", chat(functions=[{"name": "f"}]), "functions", "give tools"),
+    ("response_format json_schema without one", chat(response_format={"type": "json_schema"}), "response_format",
+     "the 'json_schema' field must be provided"),
+    ("response_format a bad schema", chat(response_format=_schema({"type": "objects"})), "response_format",
+     "not a valid JSON schema: at type"),
+    ("response_format nested too deep", chat(response_format=_schema(_deep(65))), "response_format",
+     "nested too deeply"),
+    ("response_format schema too large", chat(response_format=_schema(
+        {"type": "object", "description": "x" * MAX_STRUCTURED_OUTPUT_BYTES})), "response_format",
+     f"more than the {MAX_STRUCTURED_OUTPUT_BYTES:,}"),
+    ("response_format structural_tag", chat(response_format={"type": "structural_tag"}), "response_format",
+     "structural_tag is not carried"),
+    ("two constraints", chat(response_format={"type": "json_object"}, structured_outputs={"regex": "a+"}),
+     "structured_outputs", "multiple are specified"),
+    ("structured_outputs two kinds", chat(structured_outputs={"regex": "a", "choice": ["a"]}), "structured_outputs",
+     "multiple are specified: regex, choice"),
+    ("structured_outputs empty choice", chat(structured_outputs={"choice": []}), "structured_outputs.choice",
+     "non-empty list"),
+    ("structured_outputs whitespace pattern", chat(structured_outputs={"regex": "a", "whitespace_pattern": " "}),
+     "structured_outputs.whitespace_pattern", "not carried"),
+    ("structured_outputs json_object false", chat(structured_outputs={"json_object": False}),
+     "structured_outputs.json_object", "must be True if set"),
+    ("chat_template_kwargs a list", chat(chat_template_kwargs=[1]), "chat_template_kwargs", "must be an object"),
+    ("unknown", chat(prompt_logprobs=1), "prompt_logprobs", "unsupported parameter 'prompt_logprobs'"),
+    ("unknowns listed", chat(bad_words=["x"], allowed_token_ids=[1], prompt_logprobs=1), "allowed_token_ids",
+     "unsupported parameters 'allowed_token_ids', 'bad_words', 'prompt_logprobs'"),
     ("max_completion_tokens on a completion", completion(max_completion_tokens=5), "max_completion_tokens",
      "unsupported parameter 'max_completion_tokens'"),
+    ("top_logprobs on a completion", completion(top_logprobs=5), "top_logprobs", "unsupported parameter"),
     ("no messages", {**chat(), "body": {"model": MODEL}}, "messages", "missing required parameter 'messages'"),
     ("messages an object", chat(messages={"role": "user"}), "messages", "must be a non-empty array"),
     ("messages empty", chat(messages=[]), "messages", "must be a non-empty array"),
     ("message a string", chat(**_messages("hi")), "messages[0]", "messages[0] must be an object"),
-    ("role tool", chat(**_messages({"role": "tool", "content": "42", "tool_call_id": "c"})), "messages[0].tool_call_id",
-     "'tool_call_id'"),
-    ("role tool alone", chat(**_messages({"role": "tool", "content": "42"})), "messages[0].role", "\"tool\""),
+    ("role tool with tool_calls", chat(**_messages({"role": "tool", "content": "4", "tool_calls": [{}]})),
+     "messages[0].tool_calls", "an assistant message's array of tool calls"),
     ("role unknown", chat(**_messages({"role": "robot", "content": "x"})), "messages[0].role", "\"robot\""),
     ("no role", chat(**_messages({"content": "x"})), "messages[0].role", "role null"),
-    ("tool_calls", chat(**_messages({"role": "assistant", "content": "x", "tool_calls": []})),
-     "messages[0].tool_calls", "no tool calls"),
+    ("tool_calls an object", chat(**_messages({"role": "assistant", "content": "x", "tool_calls": {}})),
+     "messages[0].tool_calls", "array of tool calls"),
+    ("audio", chat(**_messages({"role": "assistant", "content": "x", "audio": {}})), "messages[0].audio",
+     "tool_call_id only"),
     ("content a number", chat(**_messages({"role": "user", "content": 5})), "messages[0].content",
      "content must be a string or a non-empty array of text parts"),
     ("no content", chat(**_messages({"role": "user"})), "messages[0].content", "got null"),
@@ -126,22 +214,22 @@ REQUEST_PROBLEMS = [
     ("prompt bool id", completion(prompt=[True]), "prompt", "prompt[0] is a boolean"),
     ("prompt float id", completion(prompt=[1.5]), "prompt", "not a token id"),
     ("prompt mixed", completion(prompt=["a", 1]), "prompt", "prompt[0] is a string"),
-    ("max_tokens 0", chat(max_tokens=0), "max_tokens", "invalid max_tokens: generation parameters: max_tokens 0"),
+    ("max_tokens 0", chat(max_tokens=0), "max_tokens", "max_tokens must be at least 1, got 0."),
     ("max_completion_tokens 0", chat(max_completion_tokens=0), "max_completion_tokens",
-     "invalid max_completion_tokens: generation parameters: max_tokens 0 must be an integer"),
-    ("max_tokens a string", completion(max_tokens="5"), "max_tokens", "must be an integer"),
-    ("both max tokens, different", chat(max_tokens=10, max_completion_tokens=20), "max_tokens",
-     "max_tokens=10 and max_completion_tokens=20 differ"),
+     "max_completion_tokens must be at least 1, got 0."),
+    ("max_tokens a string", completion(max_tokens="5"), "max_tokens", "must be at least 1, got \"5\""),
+    ("max_tokens past the limit", completion(max_tokens=MAX_NEW_TOKENS + 1), "max_tokens", "max_tokens 1048577"),
     ("temperature negative", chat(temperature=-0.5), "temperature", "temperature -0.5 must be a finite number"),
-    ("temperature a string", chat(temperature="hot"), "temperature", "temperature 'hot'"),
-    ("top_p 0", chat(top_p=0), "top_p", "top_p 0 must be a number in (0, 1]"),
+    ("temperature over 2", chat(temperature=2.5), "temperature", "temperature must be in [0, 2], got 2.5."),
+    ("temperature a string", chat(temperature="hot"), "temperature", "temperature must be a finite number"),
+    ("top_p 0", chat(top_p=0), "top_p", "top_p 0 must be a finite number in (0, 1]"),
     ("top_p past 1", completion(top_p=1.5), "top_p", "top_p 1.5"),
-    ("seed past int64", chat(seed=2**63), "seed", "must be a 64-bit signed integer"),
+    ("seed past int64", chat(seed=2**63), "seed", "seed 9223372036854775808 must be an integer"),
     ("stop a number", chat(stop=5), "stop", "stop must be a string or an array of strings, got a number 5"),
     ("stop list with a number", chat(stop=["a", 1]), "stop", "stop must be a string or an array of strings"),
-    ("stop empty", chat(stop=""), "stop", "non-empty strings"),
+    ("stop empty", chat(stop=""), "stop", "stop cannot contain an empty string."),
     ("too many stops", chat(stop=[str(k) for k in range(MAX_STOP_STRINGS + 1)]), "stop",
-     f"{MAX_STOP_STRINGS + 1} stop strings, limit {MAX_STOP_STRINGS}"),
+     f"{MAX_STOP_STRINGS + 1} stop strings, at most {MAX_STOP_STRINGS}"),
 ]
 
 
@@ -174,17 +262,57 @@ ACCEPTED = [
     ("ignored bookkeeping", chat(user="u-1", metadata={"k": "v"}, store=False, service_tier="auto",
                                  prompt_cache_key="p", safety_identifier="s", parallel_tool_calls=True),
      GenerationParams()),
-    ("no-op values", chat(n=1, stream=False, logprobs=False, presence_penalty=0, frequency_penalty=0.0,
-                          logit_bias={}, tools=[], tool_choice="none", response_format={"type": "text"}),
-     GenerationParams()),
-    ("completion no-op values", completion(best_of=1, echo=False, suffix="", logprobs=None), GenerationParams()),
+    ("no-op values", chat(stream=False, logprobs=False, tool_choice="none", response_format={"type": "text"},
+                          use_beam_search=False), GenerationParams()),
+    ("completion no-op values", completion(best_of=1, echo=False, suffix=""),
+     GenerationParams(max_tokens=COMPLETION_DEFAULT_MAX_TOKENS)),
+    ("a completion's default max_tokens", completion(max_tokens=None),
+     GenerationParams(max_tokens=COMPLETION_DEFAULT_MAX_TOKENS)),
     ("max_completion_tokens", chat(max_completion_tokens=32), GenerationParams(max_tokens=32)),
     ("max_tokens on chat", chat(max_tokens=16), GenerationParams(max_tokens=16)),
-    ("both max tokens, equal", chat(max_tokens=16, max_completion_tokens=16), GenerationParams(max_tokens=16)),
+    ("max_completion_tokens wins, as in vLLM", chat(max_tokens=10, max_completion_tokens=20),
+     GenerationParams(max_tokens=20)),
     ("stop a string", chat(stop="###"), GenerationParams(stop=("###",))),
-    ("stop a list", completion(stop=["a", "b"]), GenerationParams(stop=("a", "b"))),
+    ("stop a list", completion(stop=["a", "b"]), GenerationParams(max_tokens=16, stop=("a", "b"))),
     ("stop an empty list", chat(stop=[]), GenerationParams()),
-    ("greedy", completion(temperature=0, top_p=1, seed=-5), GenerationParams(temperature=0, top_p=1, seed=-5)),
+    ("greedy", completion(temperature=0, top_p=1, seed=-5),
+     GenerationParams(max_tokens=16, temperature=0, top_p=1, seed=-5)),
+    ("n and penalties", chat(n=4, presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.2, top_k=-1,
+                             min_p=0.05, min_tokens=2),
+     GenerationParams(n=4, presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.2, top_k=-1, min_p=0.05,
+                      min_tokens=2)),
+    ("output booleans", chat(ignore_eos=True, skip_special_tokens=False, include_stop_str_in_output=True),
+     GenerationParams(ignore_eos=True, skip_special_tokens=False, include_stop_str_in_output=True)),
+    ("stop token ids, repeats dropped", chat(stop_token_ids=[7, 3, 7]), GenerationParams(stop_token_ids=(7, 3))),
+    ("logit bias", chat(logit_bias={"50": -100, "7": 2.5}), GenerationParams(logit_bias=((50, -100.0), (7, 2.5)))),
+    ("logit bias at the limits", chat(logit_bias={str(k): 100 for k in range(MAX_LOGIT_BIAS_ENTRIES)}),
+     GenerationParams(logit_bias=tuple((k, 100.0) for k in range(MAX_LOGIT_BIAS_ENTRIES)))),
+    ("chat logprobs", chat(logprobs=True), GenerationParams(logprobs=0)),
+    ("chat top_logprobs at the limit", chat(logprobs=True, top_logprobs=MAX_LOGPROBS),
+     GenerationParams(logprobs=MAX_LOGPROBS)),
+    ("completion logprobs", completion(logprobs=0), GenerationParams(max_tokens=16, logprobs=0)),
+    ("json_object", chat(response_format={"type": "json_object"}), GenerationParams(structured=("json_object", ""))),
+    ("json_schema", chat(response_format=_schema({"type": "object", "properties": {"a": {"type": "integer"}}})),
+     GenerationParams(structured=("json", '{"type":"object","properties":{"a":{"type":"integer"}}}'))),
+    ("json_schema nested at the limit", chat(response_format=_schema(_deep(64))),
+     GenerationParams(structured=("json", json.dumps(_deep(64), separators=(",", ":"))))),
+    ("json_schema at the size limit", chat(response_format=_schema(_sized(MAX_STRUCTURED_OUTPUT_BYTES))),
+     GenerationParams(structured=("json", json.dumps(_sized(MAX_STRUCTURED_OUTPUT_BYTES), separators=(",", ":"))))),
+    ("structured_outputs json text", chat(structured_outputs={"json": '{"type": "string"}'}),
+     GenerationParams(structured=("json", '{"type":"string"}'))),
+    ("structured_outputs regex", completion(structured_outputs={"regex": "[0-9]+", "whitespace_pattern": None}),
+     GenerationParams(max_tokens=16, structured=("regex", "[0-9]+"))),
+    ("structured_outputs choice", chat(structured_outputs={"choice": ["yes", "no"]}),
+     GenerationParams(structured=("choice", '["yes", "no"]'))),
+    ("structured_outputs grammar", chat(structured_outputs={"grammar": "root ::= \"a\""}),
+     GenerationParams(structured=("grammar", "root ::= \"a\""))),
+    ("structured_outputs options", chat(structured_outputs={"json": {"type": "object"}, "disable_any_whitespace": True,
+                                                            "disable_additional_properties": True}),
+     GenerationParams(structured=("json", '{"type":"object"}'), disable_any_whitespace=True,
+                      disable_additional_properties=True)),
+    ("tools with tool_choice none", chat(tools=[TOOL], tool_choice="none"), GenerationParams()),
+    ("echo", completion(echo=True), GenerationParams(max_tokens=16)),
+    ("chat_template_kwargs", chat(chat_template_kwargs={"enable_thinking": False}), GenerationParams()),
 ]
 
 

@@ -165,3 +165,27 @@ def test_a_finish_reason_out_of_the_ordinary_still_makes_a_json_line():
     d = Descriptor(batch_id=1, signature=SIG, model=0, pad_to_tokens=8, dispatch_ns=1, items=np.zeros(0))
     raw = result_lines(d, STATUS_OK, [1], [2], [3], [0], [[5]], [b""], ['abort "by" user\u00e9'])
     assert raw.isascii() and json.loads(raw)["finish_reason"] == 'abort "by" user\u00e9'
+
+
+def test_result_lines_carry_every_sample_of_an_item_that_asked_for_several_or_for_logprobs():
+    from pipeline.consumer.engines.base import Sample
+    from pipeline.consumer.results import STATUS_OK, result_lines
+    from pipeline.wire.layouts import Descriptor
+
+    d = Descriptor(batch_id=3, signature=SIG, model=0, pad_to_tokens=16, dispatch_ns=9, items=np.zeros(0))
+    two = [Sample([7, 8], "stop", "a\u00e9"), Sample([9], "length", None, [[(9, -0.5, "x"), (4, -1.25, None)]])]
+    text = result_lines(d, STATUS_OK, [1, 2], [5, 6], [10, 12], [0, 4], [[7, 8], [3]], [b"p", b""], ["stop", "length"],
+                        ["a\u00e9", "zz"], [11, 12], [two, None])
+    assert text.isascii()
+    rows = {row["item_id"]: row for row in map(json.loads, text.split("\n"))}
+    plain, sampled = rows[2], rows[1]
+    assert "samples" not in plain and plain["text"] == "zz" and plain["output_tokens"] == 1
+    assert sampled["output"] == [7, 8] and sampled["finish_reason"] == "stop" and sampled["text"] == "a\u00e9"
+    assert sampled["output_tokens"] == 3  # every sample's tokens: the usage of all n completions
+    assert sampled["samples"] == [{"output": [7, 8], "finish_reason": "stop", "text": "a\u00e9"},
+                                  {"output": [9], "finish_reason": "length", "logprobs": [[[9, -0.5, "x"],
+                                                                                           [4, -1.25, None]]]}]
+    assert list(sampled) == ["item_id", "batch_id", "dispatch_ns", "submit_ns", "done_ns", "pad_to_tokens", "status",
+                             "prompt_tokens", "prompt_xxh3", "cached_tokens", "output_tokens", "output",
+                             "finish_reason", "text", "samples", "payload"]
+    assert base64.b64decode(sampled["payload"]) == b"p" and sampled["prompt_xxh3"] == 11

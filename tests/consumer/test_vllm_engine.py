@@ -223,14 +223,16 @@ def test_each_item_has_its_own_generation_parameters(engine):
     engine.reset_cache()
     rng = np.random.default_rng(4)
     prompts = [rng.integers(TOKEN_LOW, TOKEN_HIGH, 40, dtype=np.int32) for _ in range(4)]
-    free = engine.run(EngineBatch([prompts[0]], 40, [0], [GenerationParams(max_tokens=12)]))
+    # An item's parameters alone make its sampling (vLLM's own defaults for the rest, never the
+    # engine options): these ask for greedy decoding themselves.
+    free = engine.run(EngineBatch([prompts[0]], 40, [0], [GenerationParams(max_tokens=12, temperature=0)]))
     # The first text the model writes for prompts[0] (greedy): a stop string inside it ends
     # the generation there, with reason "stop", and the text stops before it.
     text = free.texts[0]
     assert free.finish_reasons == ["length"] and len(free.outputs[0]) == 12 and isinstance(text, str)
     stop = next((text[k:k + 3] for k in range(1, len(text) - 3) if text[k:k + 3].strip()), None)
-    params = [GenerationParams(max_tokens=12, stop=(stop,)) if stop else GenerationParams(max_tokens=12),
-              GenerationParams(max_tokens=3), None,
+    params = [GenerationParams(max_tokens=12, temperature=0, stop=(stop,) if stop else ()),
+              GenerationParams(max_tokens=3, temperature=0), None,
               GenerationParams(max_tokens=5, temperature=1.0, top_p=0.9, seed=7)]
     first = engine.run(EngineBatch(prompts, 40, [0] * 4, params))
     again = engine.run(EngineBatch(prompts, 40, [0] * 4, params))

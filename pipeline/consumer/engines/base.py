@@ -100,6 +100,24 @@ CHECK_KEYS = ("engine_prefix_cache_queries", "engine_prefix_cache_hits", "engine
               "engine_checked_cache_hit_tokens")
 
 
+# One token's log probabilities as an engine gives them: the sampled token's (token id, log
+# probability, its text where the engine decodes it) first, then the top alternatives in
+# rank order (vLLM's per-position dict, in its order), the sampled one not repeated.
+TokenLogprobs = list[tuple[int, float, str | None]]
+
+
+@dataclass(slots=True)
+class Sample:
+    """One of an item's outputs (`GenerationParams.n` of them): its token ids, why it
+    stopped, its text where the engine decodes it, and its tokens' log probabilities where
+    the item asked for them (one TokenLogprobs per token id)."""
+
+    token_ids: list[int]
+    finish_reason: str
+    text: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+
+
 @dataclass(slots=True)
 class EngineResult:
     """Per prompt: generated token ids (a list of ints: what an engine's detokenizer-free
@@ -109,7 +127,10 @@ class EngineResult:
     the others (a real engine's refusal of one prompt, an out-of-memory): per prompt, the
     engine's message, or None for a prompt that ran; a failed prompt's output is [] and its
     cached tokens 0. None: every prompt ran. `counted`: what the prompts that ran added to
-    the engine's counters."""
+    the engine's counters. `samples`, where an item asked for more than one output or for
+    log probabilities: per prompt, every Sample (outputs[i], finish_reasons[i] and texts[i]
+    are then its first one's), or None for a prompt that asked for neither; None: no prompt
+    did. `counted.output_tokens` counts every sample's tokens."""
 
     outputs: list[list[int]]
     cached_tokens: list[int]
@@ -117,6 +138,7 @@ class EngineResult:
     counted: EngineCounters
     texts: list[str | None] | None = None
     errors: list[str | None] | None = None
+    samples: list[list[Sample] | None] | None = None
 
 
 class Engine(abc.ABC):

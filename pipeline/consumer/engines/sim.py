@@ -11,8 +11,11 @@ always computed, as an engine must produce logits. Capacity is in tokens (whole 
 evicted least recently used, and a prompt's blocks are touched tail first so a prefix's head
 outlives its tail, as vLLM frees a request's blocks in reverse order.
 
-Output: a few made-up ids per prompt (`output_tokens`), or as many as an item's
-`max_tokens` asks for; every prompt finishes by length.
+Output: a few made-up ids per prompt (`output_tokens`), finishing by length. An item with
+generation parameters gets the shape of a real answer instead (`sim_sampling.py`: n
+samples, an end of sequence after `output_tokens` tokens where `eos_token_id` is known,
+max and min tokens, stop strings and token ids, logprobs), its text decoded with the model's
+tokenizer where `tokenizer` names a model directory (`pipeline run-batch` sets both).
 
 Cost model, to emulate a GPU's time (a consumer-bound run, as on GPUs, compared on
 makespan): each batch sleeps `cost_s_per_padded_token` for every padded token its cache did
@@ -27,16 +30,17 @@ run. What was charged is counted (`extra`: charged_tokens, charged_ns; a batch's
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import numpy as np
 
-from pipeline.consumer.engines.base import FINISH_LENGTH, Engine, EngineBatch, EngineCounters, EngineResult
+from pipeline.consumer.engines.base import FINISH_LENGTH, Engine, EngineBatch, EngineCounters, EngineResult, Sample
 from pipeline.consumer.engines.prefix_cache import BatchLayout, PrefixCache
+from pipeline.consumer.engines.sim_sampling import MadeUpSampler, SimRefusal
 from pipeline.wire.errors import EngineOptionsError
-from pipeline.wire.generation import GenerationParams
 from pipeline.wire.status import NS_PER_S
 
 # vLLM's default KV block size.
@@ -103,6 +107,10 @@ class SimConfig:
     # and per batch. 0 by default: the embedded demo runs at the broker's speed.
     cost_s_per_padded_token: float = 0.0
     cost_s_per_batch: float = 0.0
+    # The model directory whose tokenizer.json decodes made-up ids into text (stop strings
+    # are found in it), and the model's end-of-sequence token: None for neither.
+    tokenizer: str | None = None
+    eos_token_id: int | None = None
 
 
 class SimEngine(Engine):
@@ -139,6 +147,12 @@ class SimEngine(Engine):
         self._powers = np.ones(1, dtype=np.uint64)
         self._inverse_powers = np.ones(1, dtype=np.uint64)
         self.counters.extra.update(evicted_blocks=0, charged_tokens=0, charged_ns=0)
+        eos = self.config.eos_token_id
+        if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int) or not 0 <= eos < self.config.vocab_size):
+            raise EngineOptionsError(f"sim engine: eos_token_id {eos!r} must be a token id below vocab_size "
+                                     f"{self.config.vocab_size}")
+        self._sampler = MadeUpSampler(self.config.output_tokens, self.config.vocab_size, eos,
+                                      _decoder(self.config.tokenizer))
 
     def _ensure_powers(self, count: int) -> None:
         if count <= self._powers.shape[0]:
@@ -195,11 +209,10 @@ class SimEngine(Engine):
         cacheable = np.asarray(batch.prefix_lens, dtype=np.int64) // block * block
         hits, compulsory_blocks = self._cache.run(flat, layout, cacheable // block)
         cached = np.minimum(hits * block, (lengths - 1) // block * block)
-        outputs = self._outputs(prompts, flat, layout.counts)
-        if batch.params:
-            _apply_max_tokens(outputs, batch.params)
+        outputs, seeds = self._outputs(prompts, flat, layout.counts)
         if self.config.vocab_size != OUTPUT_ID_RANGE:
             outputs = [[t % self.config.vocab_size for t in o] for o in outputs]
+        made = self._made_up(batch, seeds, outputs) if batch.params else None
         padded, hit = count * batch.pad_to_tokens, int(cached.sum())
         counted = EngineCounters(
             batches=1, prompts=count, prompt_tokens=int(lengths.sum()), padded_tokens=padded,
@@ -208,9 +221,28 @@ class SimEngine(Engine):
             output_tokens=sum(map(len, outputs)))
         self._charge(counted, padded - hit)
         counted.busy_ns = time.perf_counter_ns() - start_ns
-        self.counters.add(counted)
+        result = EngineResult(outputs, cached.tolist(), [FINISH_LENGTH] * count, counted)
+        if made is not None:
+            _fill(result, *made)
+        self.counters.add(result.counted)
         self.counters.extra["evicted_blocks"] = self._cache.evicted_blocks
-        return EngineResult(outputs, cached.tolist(), [FINISH_LENGTH] * count, counted)
+        return result
+
+    def _made_up(self, batch: EngineBatch, seeds: list[int], outputs: list[list[int]]
+                 ) -> tuple[list[list[Sample] | None], list[str | None]]:
+        """Each item with parameters' samples (`sim_sampling.py`), or its refusal; None and
+        no error for an item without parameters (it keeps its made-up `outputs`)."""
+        samples: list[list[Sample] | None] = []
+        errors: list[str | None] = []
+        for i, seed in enumerate(seeds):
+            params = batch.params_of(i)
+            try:
+                samples.append(self._sampler.samples(seed, params) if params is not None else None)
+                errors.append(None)
+            except SimRefusal as refusal:
+                samples.append(None)
+                errors.append(str(refusal))
+        return samples, errors
 
     def charge_ns(self, tokens: int) -> int:
         """What the cost model charges a batch whose cache did not serve `tokens` of its
@@ -227,9 +259,11 @@ class SimEngine(Engine):
         if charged_ns > 0:
             time.sleep(charged_ns / NS_PER_S)
 
-    def _outputs(self, prompts: Sequence[np.ndarray], flat: np.ndarray, counts: np.ndarray) -> list[list[int]]:
+    def _outputs(self, prompts: Sequence[np.ndarray], flat: np.ndarray, counts: np.ndarray
+                 ) -> tuple[list[list[int]], list[int]]:
         """Each prompt's output ids: bytes of its last block's hash (of its last token when
-        it has no full block), a deterministic stand-in for generated tokens."""
+        it has no full block), a deterministic stand-in for generated tokens; and that hash
+        (the seed of an item's made-up samples)."""
         shifts = np.arange(self.config.output_tokens, dtype=np.uint64) * _U64(8)
         seeds = flat[np.maximum(np.cumsum(counts) - 1, 0)] if flat.shape[0] else np.zeros(len(prompts), dtype=np.uint64)
         outputs = (seeds[:, None] >> shifts) & _U64(0x7FFF)
@@ -237,14 +271,42 @@ class SimEngine(Engine):
         if short.size:  # a last token may be negative: shift it as a signed number
             last = np.array([int(prompts[i][-1]) for i in short.tolist()], dtype=np.int64)
             outputs[short] = ((last[:, None] >> shifts.astype(np.int64)) & 0x7FFF).astype(np.uint64)
-        return outputs.tolist()
+            seeds = seeds.copy()
+            seeds[short] = last.astype(np.uint64)
+        return outputs.tolist(), seeds.tolist()
 
 
-def _apply_max_tokens(outputs: list[list[int]], params: Sequence[GenerationParams | None]) -> None:
-    """Give each item that names its max new tokens that many output ids, in place: its own
-    ids repeated, each mixed with its position (made up, deterministic, within 15 bits)."""
-    for i, p in enumerate(params):
-        if p is None or p.max_tokens is None:
-            continue
-        base = outputs[i] or [0]
-        outputs[i] = [(base[k % len(base)] ^ (k * 0x9E37)) & 0x7FFF for k in range(p.max_tokens)]
+def _fill(result: EngineResult, samples: list[list[Sample] | None], errors: list[str | None]) -> None:
+    """Put the made-up samples into a batch's result: each item's first sample as its output,
+    every sample where an item asked for several or for logprobs, refusals as errors (no
+    output, nothing cached), and the output tokens counted again over every sample."""
+    texts: list[str | None] = [None] * len(samples)
+    for i, mine in enumerate(samples):
+        if errors[i] is not None:
+            result.outputs[i], result.cached_tokens[i] = [], 0
+        elif mine is not None:
+            first = mine[0]
+            result.outputs[i], result.finish_reasons[i], texts[i] = first.token_ids, first.finish_reason, first.text
+    result.texts = texts if any(t is not None for t in texts) else None
+    if any(e is not None for e in errors):
+        result.errors = errors
+    if any(m is not None and (len(m) > 1 or m[0].logprobs is not None) for m in samples):
+        result.samples = [m if m is not None and (len(m) > 1 or m[0].logprobs is not None) else None
+                          for m in samples]
+    result.counted.output_tokens = sum(
+        sum(len(s.token_ids) for s in samples[i]) if samples[i] is not None else len(result.outputs[i])  # type: ignore[union-attr]
+        for i in range(len(samples)) if errors[i] is None)
+
+
+def _decoder(model_dir: str | None):
+    """decode(ids, skip_special_tokens) of a model directory's tokenizer.json; None without one."""
+    if model_dir is None:
+        return None
+    from tokenizers import Tokenizer
+
+    path = os.path.join(model_dir, "tokenizer.json")
+    try:
+        tokenizer = Tokenizer.from_file(path)
+    except Exception as exc:  # the Rust side raises plain Exception for every parse error
+        raise EngineOptionsError(f"sim engine: tokenizer {path}: {exc}") from exc
+    return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)

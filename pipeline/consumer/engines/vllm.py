@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import json
 import os
 import tempfile
 import time
@@ -44,7 +45,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from pipeline.consumer.engines.base import CHECK_KEYS, FINISH_LENGTH, Engine, EngineBatch, EngineCounters, EngineResult
+from pipeline.consumer.engines.base import (
+    CHECK_KEYS,
+    FINISH_LENGTH,
+    Engine,
+    EngineBatch,
+    EngineCounters,
+    EngineResult,
+    Sample,
+    TokenLogprobs,
+)
 from pipeline.consumer.engines.block_refs import BlockReferences
 from pipeline.wire.errors import EngineOptionsError, EngineUnavailableError
 from pipeline.wire.generation import GenerationParams
@@ -56,8 +66,9 @@ INSTALL_HINT = ("pip install 'shape-broker[vllm]' on a GPU machine, or `python3 
 # vLLM's default KV block size on GPUs (the CPU backend wants multiples of 32). The engine
 # passes it explicitly: the cacheable-token accounting must use the engine's own blocks.
 DEFAULT_BLOCK_SIZE_TOKENS = 16
-# Generation defaults, where an item gives none of its own (pipeline/wire/generation.py).
-# Greedy, so that a run's outputs repeat; 16 new tokens, about a short answer's worth.
+# Generation defaults of an item without parameters (a token-id workload's, `pipeline
+# launch`): greedy, so that a run's outputs repeat; 16 new tokens, a short answer's worth.
+# A batch job's items never take them: their producer fills in vLLM's server's defaults.
 DEFAULT_MAX_TOKENS = 16
 DEFAULT_TEMPERATURE = 0.0
 DEFAULT_TOP_P = 1.0
@@ -181,12 +192,13 @@ class _Running:
     reasons: list[str]
     texts: list[str | None]
     errors: list[str | None]
+    samples: list[list[Sample] | None]  # an item's every sample, where it asked for several or logprobs
     left: int  # requests still running
 
     @classmethod
     def of(cls, batch: EngineBatch) -> _Running:
         n = len(batch.prompts)
-        return cls(batch, [[] for _ in range(n)], [0] * n, [""] * n, [None] * n, [None] * n, n)
+        return cls(batch, [[] for _ in range(n)], [0] * n, [""] * n, [None] * n, [None] * n, [None] * n, n)
 
 
 class VllmEngine(Engine):
@@ -222,6 +234,7 @@ class VllmEngine(Engine):
         self._batch_tokens: dict[int, int] = {}  # KV tokens an unfinished batch may take
         self._mean_request_tokens = 0.0
         self._default_params: Any = None
+        self._max_model_len = 0
         self._run_keys = 0
         # Nanoseconds of scheduler steps since the last batch finished: the next one to
         # finish carries them (EngineCounters.busy_ns), so their sum is vLLM's busy time.
@@ -271,7 +284,8 @@ class VllmEngine(Engine):
         cache = config.cache_config
         kv_tokens = getattr(cache, "kv_cache_size_tokens", None) or (cache.num_gpu_blocks or 0) * cache.block_size
         self._kv_tokens = int(kv_tokens) or None
-        self._default_params = self._sampling(None)
+        self._max_model_len = int(self._llm.llm_engine.vllm_config.model_config.max_model_len)
+        self._default_params = None
         self._metrics_base = self._read_metrics()
         return self._llm
 
@@ -282,15 +296,32 @@ class VllmEngine(Engine):
                 totals[metric.name] += int(metric.value)
         return totals
 
-    def _sampling(self, params: GenerationParams | None) -> Any:
-        """vLLM's SamplingParams: the engine options' defaults, with the item's own over them."""
-        if params is None and self._default_params is not None:
-            return self._default_params
+    def _sampling(self, params: GenerationParams | None, prompt_tokens: int = 0) -> Any:
+        """vLLM's SamplingParams. An item's own parameters alone (a job's producer filled in
+        every default, as vLLM's server would: the engine options never change a request's
+        answer); where it gives no max_tokens, the rest of the context (vLLM's server's
+        default). An item without parameters (a token-id workload's): the engine options."""
         from vllm import SamplingParams
 
-        o = self.options
-        given = dict(max_tokens=o.max_tokens, temperature=o.temperature, top_p=o.top_p, seed=o.seed)
-        return SamplingParams(**{**given, **(params.overrides() if params is not None else {})})
+        if params is None:
+            if self._default_params is None:
+                o = self.options
+                self._default_params = SamplingParams(max_tokens=o.max_tokens, temperature=o.temperature,
+                                                      top_p=o.top_p, seed=o.seed)
+            return self._default_params
+        from vllm.sampling_params import RequestOutputKind
+
+        # FINAL_ONLY: a request's n samples come out together, once, when the last one ends.
+        given: dict[str, Any] = {**params.overrides(), "output_kind": RequestOutputKind.FINAL_ONLY}
+        if params.max_tokens is None:
+            given["max_tokens"] = max(1, self._max_model_len - prompt_tokens)
+        if params.structured is not None:
+            from vllm.sampling_params import StructuredOutputsParams
+
+            given["structured_outputs"] = StructuredOutputsParams(
+                **_structured(*params.structured), disable_any_whitespace=params.disable_any_whitespace,
+                disable_additional_properties=params.disable_additional_properties)
+        return SamplingParams(**given)
 
     def run(self, batch: EngineBatch) -> EngineResult:
         """One batch to the end, alone (nothing else may be in flight)."""
@@ -316,7 +347,7 @@ class VllmEngine(Engine):
             request_id = f"{key}.{i}"
             try:
                 llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt.tolist()),
-                                           self._sampling(batch.params_of(i)))
+                                           self._sampling(batch.params_of(i), len(prompt)))
             except self._item_errors as exc:
                 running.errors[i] = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
                 running.left -= 1
@@ -347,7 +378,11 @@ class VllmEngine(Engine):
         need = prefix
         for i, prompt in enumerate(batch.prompts):
             params = batch.params_of(i)
-            new = params.max_tokens if params is not None and params.max_tokens is not None else self.options.max_tokens
+            if params is None:
+                new = self.options.max_tokens
+            else:  # every sample's new tokens (the samples share the prompt's blocks)
+                new = params.samples * (params.max_tokens if params.max_tokens is not None else
+                                        max(1, self._max_model_len - len(prompt)))
             own = len(prompt) - min(prefix, batch.prefix_lens[i]) + new
             need += own
             self._mean_request_tokens += 0.05 * (own + prefix - self._mean_request_tokens) if \
@@ -375,11 +410,14 @@ class VllmEngine(Engine):
     def _record(self, output: Any) -> None:
         key, i = self._requests.pop(output.request_id)
         running = self._running[key]
-        completion = output.outputs[0]
-        running.outputs[i] = list(completion.token_ids)
+        samples = [Sample(list(c.token_ids), str(c.finish_reason or FINISH_LENGTH),
+                          c.text if isinstance(c.text, str) else None, _logprobs(c.logprobs))
+                   for c in sorted(output.outputs, key=lambda c: c.index)]
+        first = samples[0]
+        running.outputs[i], running.reasons[i], running.texts[i] = first.token_ids, first.finish_reason, first.text
         running.cached[i] = int(output.num_cached_tokens or 0)
-        running.reasons[i] = str(completion.finish_reason or FINISH_LENGTH)
-        running.texts[i] = completion.text if isinstance(completion.text, str) else None
+        if len(samples) > 1 or first.logprobs is not None:
+            running.samples[i] = samples
         running.left -= 1
         if running.left == 0:
             self._finish(key)
@@ -402,12 +440,15 @@ class VllmEngine(Engine):
         self._batch_tokens.pop(key, None)
         ok = [i for i, error in enumerate(running.errors) if error is None]
         b = running.batch
+        generated = sum(sum(len(x.token_ids) for x in running.samples[i]) if running.samples[i] is not None  # type: ignore[union-attr]
+                        else len(running.outputs[i]) for i in ok)
         counted = self._count([b.prompts[i] for i in ok], [b.prefix_lens[i] for i in ok],
-                              [running.cached[i] for i in ok], sum(len(running.outputs[i]) for i in ok))
+                              [running.cached[i] for i in ok], generated)
         reasons = [reason or "error" for reason in running.reasons]
         errors = running.errors if len(ok) < len(running.errors) else None
+        samples = running.samples if any(m is not None for m in running.samples) else None
         self._finished.append((key, EngineResult(running.outputs, running.cached, reasons, counted,
-                                                 running.texts, errors)))
+                                                 running.texts, errors, samples)))
 
     def _count(self, prompts: Sequence, prefix_lens: Sequence[int], cached: Sequence[int],
                output_tokens: int) -> EngineCounters:
@@ -472,3 +513,32 @@ class VllmEngine(Engine):
             self.abort()
             self._llm = None
             gc.collect()
+
+
+# vLLM's floor of a log probability in its answers (-inf is not JSON).
+MIN_LOGPROB = -9999.0
+
+
+def _logprobs(found: Any) -> list[TokenLogprobs] | None:
+    """A completion's sample logprobs as (token id, log probability, decoded token) per
+    position, in vLLM's order (the sampled token first); None where none were asked for."""
+    if found is None:
+        return None
+    out = []
+    for position in found:
+        out.append([(int(token), _floor(lp.logprob), lp.decoded_token if isinstance(lp.decoded_token, str) else None)
+                    for token, lp in (position or {}).items()])
+    return out
+
+
+def _floor(logprob: float) -> float:
+    return max(float(logprob), MIN_LOGPROB) if logprob == logprob else MIN_LOGPROB  # NaN: the floor
+
+
+def _structured(kind: str, spec: str) -> dict[str, Any]:
+    """StructuredOutputsParams' arguments of an envelope's constraint (generation.py)."""
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind in ("json", "choice"):
+        return {kind: json.loads(spec)}
+    return {kind: spec}

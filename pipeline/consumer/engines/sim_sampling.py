@@ -1,0 +1,146 @@
+"""The sim engine's made-up generation for items with parameters: the shape of a real answer.
+
+    sampler = MadeUpSampler(natural_tokens=4, vocab_size=4096, eos_token_id=1, decode=decode)
+    samples = sampler.samples(prompt_seed, params)      # [Sample] x n, or SimRefusal
+
+Nothing here is a model: token ids are a hash of the prompt, the sample and the position.
+What it honours is what changes the shape of an answer, as vLLM would:
+- n samples (all the same where the temperature is 0: greedy; else each its own);
+- an end of sequence after `natural_tokens` made-up tokens (the model "finishes"; its eos
+  comes nowhere else), with the eos token in the ids and finish reason "stop"; ignore_eos
+  runs on to max_tokens;
+  without an eos token known, the natural end is finish reason "length" (the sim's old way);
+- max_tokens (finish "length") and min_tokens (no eos or stop token before it: vLLM masks
+  them);
+- stop_token_ids (stop there, finish "stop");
+- stop strings, found in the decoded text: the tokens up to the one that completes the
+  string, the text cut before it (or after it with include_stop_str_in_output);
+- skip_special_tokens in the text, and the stop token's text left out of it as vLLM does;
+- logprobs of the asked size: the sampled token first (rank 1), then made-up alternatives
+  with falling log probabilities, deterministic.
+It refuses (SimRefusal, the item's error) stop strings without a tokenizer to decode with.
+Sampling parameters that only move probabilities (temperature's value, top_p, top_k, min_p,
+penalties, logit_bias, a structured-output constraint) change nothing here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pipeline.consumer.engines.base import FINISH_LENGTH, FINISH_STOP, Sample, TokenLogprobs
+from pipeline.wire.generation import GenerationParams
+
+_MASK = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+# Made-up log probabilities: the sampled token's, then each alternative this much lower.
+_TOP_LOGPROB = -0.25
+_LOGPROB_STEP = 1.5
+
+Decode = Callable[[list[int], bool], str]
+
+
+class SimRefusal(Exception):
+    """An item the sim cannot make up an answer for (its message is the item's error)."""
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finaliser."""
+    x &= _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+@dataclass(slots=True, frozen=True)
+class MadeUpSampler:
+    """Made-up answers of `natural_tokens` tokens before an end of sequence, ids below
+    `vocab_size`; `decode(ids, skip_special_tokens)` where the sim has a tokenizer."""
+
+    natural_tokens: int
+    vocab_size: int
+    eos_token_id: int | None = None
+    decode: Decode | None = None
+
+    def samples(self, prompt_seed: int, params: GenerationParams) -> list[Sample]:
+        if params.stop and self.decode is None:
+            raise SimRefusal("the sim engine finds stop strings in decoded text, and it has no tokenizer (engine "
+                             "option tokenizer: a model directory)")
+        greedy = params.temperature == 0
+        out = []
+        for s in range(params.samples):
+            key = _mix(prompt_seed) if greedy else _mix(prompt_seed ^ _mix((params.seed or 0) + _GOLDEN * (s + 1)))
+            out.append(self._one(key, params))
+        return out
+
+    def _one(self, key: int, params: GenerationParams) -> Sample:
+        ids, reason, by_token = self._ids(key, params)
+        text = None
+        if self.decode is not None:
+            ids, reason, text = self._text(ids, reason, by_token, params)
+        logprobs = None if params.logprobs is None else [self._logprobs(key, k, t, params.logprobs)
+                                                          for k, t in enumerate(ids)]
+        return Sample(ids, reason, text, logprobs)
+
+    def _ids(self, key: int, params: GenerationParams) -> tuple[list[int], str, bool]:
+        """The token ids, the finish reason, and whether a stop token (eos or a stop token
+        id) ended them."""
+        stops = set(params.stop_token_ids)
+        eos = None if params.ignore_eos else self.eos_token_id
+        if eos is not None:
+            stops.add(eos)
+        min_tokens = params.min_tokens or 0
+        natural = max(self.natural_tokens, min_tokens)
+        limit = params.max_tokens if params.max_tokens is not None else natural + (eos is not None)
+        ids: list[int] = []
+        for k in range(limit):
+            token = _mix(key + _GOLDEN * (k + 1)) % self.vocab_size
+            held = stops if k < min_tokens else {self.eos_token_id}  # vLLM masks stop tokens before min_tokens;
+            for _ in range(self.vocab_size):  # the made-up model says its eos where it ends, nowhere else
+                if token not in held:
+                    break
+                token = (token + 1) % self.vocab_size
+            if k == natural and eos is not None:
+                token = eos
+            ids.append(token)
+            if token in stops and k >= min_tokens:
+                return ids, FINISH_STOP, True
+            if k + 1 == natural and eos is None and params.max_tokens is None:
+                break
+        return ids, FINISH_LENGTH, False
+
+    def _text(self, ids: list[int], reason: str, by_token: bool, params: GenerationParams
+              ) -> tuple[list[int], str, str]:
+        """The ids cut at the first stop string, the finish reason and the text."""
+        decode = self.decode
+        assert decode is not None
+        shown = ids[:-1] if by_token and not params.include_stop_str_in_output else ids
+        text = decode(shown, params.skip_special_tokens)
+        found = [(text.find(s), s) for s in params.stop if s in text]
+        if not found:
+            return ids, reason, text
+        at, stop = min(found)
+        low, high = 1, len(shown)  # the fewest tokens whose text holds the stop string
+        while low < high:
+            mid = (low + high) // 2
+            if stop in decode(shown[:mid], params.skip_special_tokens):
+                high = mid
+            else:
+                low = mid + 1
+        end = at + len(stop) if params.include_stop_str_in_output else at
+        return shown[:low], FINISH_STOP, text[:end]
+
+    def _logprobs(self, key: int, position: int, token: int, count: int) -> TokenLogprobs:
+        """The sampled token (rank 1) and `count - 1` made-up alternatives after it."""
+        entries: TokenLogprobs = [(token, _TOP_LOGPROB, self._token_text(token))]
+        seen = {token}
+        for rank in range(1, count):
+            other = _mix(key ^ _mix(position * _GOLDEN + rank)) % self.vocab_size
+            while other in seen:
+                other = (other + 1) % self.vocab_size
+            seen.add(other)
+            entries.append((other, _TOP_LOGPROB - _LOGPROB_STEP * rank, self._token_text(other)))
+        return entries
+
+    def _token_text(self, token: int) -> str | None:
+        return self.decode([token], False) if self.decode is not None else None
