@@ -55,11 +55,12 @@ READ_CHUNK_BYTES = 8 << 20
 
 
 def write_requests(path: Path, count: int) -> None:
-    """`count` chat requests, SYSTEM_PROMPTS system prompts in turn, short user turns."""
+    """`count` chat requests, SYSTEM_PROMPTS system prompts in turn, short user turns, 16 new
+    tokens each (ignore_eos: the sim ends an answer early at its end-of-sequence token)."""
     systems = [json.dumps(f"You are assistant {k} of our support team. " + "Answer briefly, politely and "
                           f"precisely; cite the manual where you can. " * (4 + k % 9))[1:-1] for k in range(SYSTEM_PROMPTS)]
     head = '{"custom_id":"req-%d","method":"POST","url":"/v1/chat/completions","body":{"model":"tiny-llama",' \
-           '"messages":[{"role":"system","content":"%s"},{"role":"user","content":"%s?"}],"max_tokens":16}}\n'
+           '"messages":[{"role":"system","content":"%s"},{"role":"user","content":"%s?"}],"max_tokens":16,"ignore_eos":true}}\n'
     with open(path, "w") as f:
         chunk = []
         for i in range(count):
