@@ -42,6 +42,11 @@ VLLM_NEUTRAL: dict[str, float | int] = {"repetition_penalty": 1.0, "presence_pen
 MAX_NEW_TOKENS_KEY = "max_new_tokens"
 
 
+# Parameter sets `resolve` keeps (each a GenerationParams and its key): a job's requests ask
+# a handful of sets; a file of as many sets as requests clears it now and then.
+RESOLVED_MEMO_ENTRIES = 4096
+
+
 @dataclass(slots=True, frozen=True)
 class SamplingDefaults:
     """The model's sampling defaults (`values`, by VLLM_NEUTRAL's names) and its default of
@@ -49,6 +54,8 @@ class SamplingDefaults:
 
     values: dict[str, Any] = field(default_factory=dict)
     max_tokens: int | None = None
+    # Parameters already resolved, by (asked, max_tokens filled in): `resolve`'s memo.
+    _resolved: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def load(cls, model_dir: str) -> SamplingDefaults:
@@ -83,7 +90,16 @@ class SamplingDefaults:
         max_tokens = min(*bounds, MAX_NEW_TOKENS) if bounds else None  # a context past a million: the envelope's cap
         if max_tokens is not None and max_tokens != params.max_tokens:
             filled["max_tokens"] = max(max_tokens, 1)
-        return replace(params, **filled) if filled else params
+        if not filled:
+            return params
+        key = (params, filled.get("max_tokens"))
+        found = self._resolved.get(key)
+        if found is None:  # a job's requests mostly ask the same: each set checked once
+            found = replace(params, **filled)
+            if len(self._resolved) >= RESOLVED_MEMO_ENTRIES:
+                self._resolved.clear()
+            self._resolved[key] = found
+        return found
 
 
 # Every sample's tokens of one request (n times max_tokens): its results row holds each

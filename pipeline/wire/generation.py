@@ -196,7 +196,11 @@ class GenerationParams:
 
     def problems(self) -> list[str]:
         """What is out of range (empty when nothing is)."""
-        wrong = [why for why in (_scalar_problem(name, getattr(self, name)) for name, _bit in _SCALARS) if why]
+        wrong = []
+        for name, _bit in _SCALARS:
+            value = getattr(self, name)
+            if value is not None and (why := _scalar_problem(name, value)):
+                wrong.append(why)
         if self.min_tokens is not None and self.max_tokens is not None and self.min_tokens > self.max_tokens:
             wrong.append(f"min_tokens {self.min_tokens} must be at most max_tokens {self.max_tokens}")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "disable_any_whitespace",
