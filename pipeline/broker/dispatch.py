@@ -60,6 +60,7 @@ from pipeline.broker.ids import BatchId, ConsumerId, EntryRef, LaneId, LaneKey, 
 from pipeline.broker.lanes import MAX_LENGTH_TOKENS, LaneConfig, LaneCounters, ShapeLanes
 from pipeline.broker.lanes.schedule import TickSchedule
 from pipeline.broker.packing import Contract, batch_items_limit, pack
+from pipeline.broker.pool import SolitaryPool, is_pool, pool_shape
 from pipeline.broker.selection import AGE_RESOLUTION_NS, SHAPE_ORDER_MOST_TOKENS, DispatchPolicy, ShapeSelector
 from pipeline.broker.storage.base import AppendGroup, Peeked, StorageTier
 from pipeline.broker.storage.pending import Completion
@@ -219,6 +220,8 @@ class Dispatcher:
         shape_order: str = SHAPE_ORDER_MOST_TOKENS,
         affinity: bool = False,
         policy: DispatchPolicy | None = None,
+        pool_max_items: int = 0,
+        pool_min_shapes: int = 0,
     ) -> None:
         assert 1 <= max_models <= MODEL_ID_LIMIT, max_models  # BrokerConfig checks it
         self._storage = storage
@@ -227,6 +230,9 @@ class Dispatcher:
         self._selector: DispatchPolicy = policy if policy is not None else ShapeSelector(
             max_age_s, age_resolution_ns, shape_order, affinity)
         self._shapes: dict[ShapeKey, ShapeLanes] = {}
+        # Which shapes' items go to their model's solitary pool (pool.py; off at 0), and the
+        # chain of every live shape.
+        self._pool = SolitaryPool(pool_max_items, pool_min_shapes)
         # Every (model, signature) given lanes since start, retired ones included: the run's
         # shape count (`shapes` above is the live ones, near 0 once a run's lanes retire).
         # NOTE: an exact set, not a sketch: it holds the dict's own key objects (about 150
@@ -252,6 +258,10 @@ class Dispatcher:
     @property
     def selector(self) -> ShapeSelector:
         return self._selector
+
+    @property
+    def pool(self) -> SolitaryPool:
+        return self._pool
 
     def lanes(self, shape: ShapeKey) -> ShapeLanes | None:
         return self._shapes.get(shape)
@@ -303,7 +313,7 @@ class Dispatcher:
         if frame.chain_section.size:  # the producer's new shapes' lineage, before their items
             for model, chain in decode_chains(frame.chain_section, f"producer {frame.producer_id}'s frame"):
                 if model < self._max_models:
-                    self._selector.declare(model, chain)
+                    self._declare(model, chain)
                     self.first_refs.declare(model, chain)
                     # Durable at this turn's flush, before the items are acknowledged: a
                     # restart declares it again for the shapes it recovers (`recover`).
@@ -313,7 +323,7 @@ class Dispatcher:
         duplicates = len(items) - rows.size
         self._c.duplicate_items += duplicates
         groups: list[tuple[AppendGroup, int]] = []
-        shapes = self._group_by_shape(items, rows)
+        shapes = self._route(items, rows)
         if max_groups is not None and sum(shape not in self._shapes for shape, _ in shapes) < max_groups:
             # Slices are for frames of many new shapes (a segment file each, the cost that
             # held dispatch back); a frame of known shapes is stored whole. NOTE: slicing
@@ -323,7 +333,6 @@ class Dispatcher:
             max_groups = None
         for shape, shape_rows in shapes:
             groups += self._assign_shape(shape, frame, shape_rows, now_s)
-            self.first_refs.learn(shape, int(items["prefix_len"][shape_rows[0]]))
             self._schedule(shape)
         tokens = sum(group_tokens for _group, group_tokens in groups)
         report = IngestReport(items=int(rows.size), tokens=tokens, duplicates=duplicates)
@@ -415,10 +424,12 @@ class Dispatcher:
         assert not self._shapes and not self._c.items_received, "recover() comes first"
         for model, chain in self._storage.take_recovered_chains():  # before the lanes: placed once
             if model < self._max_models:
-                self._selector.declare(model, chain)
+                self._pool.declare(model, chain)
                 self.first_refs.declare(model, chain)
+        found_lanes = sorted(self._storage.take_recovered_lanes(), key=lambda r: tuple(r.lane))
+        self._adopt_shapes(found_lanes)
         recovered = 0
-        for found in sorted(self._storage.take_recovered_lanes(), key=lambda r: tuple(r.lane)):
+        for found in found_lanes:
             if found.lane.lane >= self._lane_config.max_lanes:  # a file name's lane id, from outside
                 raise StorageError(
                     f"recovered lane {tuple(found.lane)} ({found.lengths.size} items): lane id {found.lane.lane} is "
@@ -435,6 +446,51 @@ class Dispatcher:
         self._c.items_recovered += recovered
         assert self._c.items_recovered == self._storage.counters.recovered_items, "recovered twice"
         return recovered
+
+    def _adopt_shapes(self, found_lanes: list) -> None:
+        """Recovery: the shapes the reopened tier holds, their pooled items (by each pool
+        entry's own shape) and their own lanes, to the pool before any lane is rebuilt."""
+        pooled: dict[ShapeKey, int] = {}
+        own: set[ShapeKey] = set()
+        for found in found_lanes:
+            if is_pool(found.lane.shape):
+                signatures, counts = np.unique(found.signatures, return_counts=True)
+                for signature, count in zip(signatures.tolist(), counts.tolist()):
+                    shape = ShapeKey(found.lane.model, signature)
+                    pooled[shape] = pooled.get(shape, 0) + count
+            else:
+                own.add(found.lane.shape)
+        for shape in sorted(pooled.keys() | own):
+            self._pool.adopt(shape, pooled.get(shape, 0), shape in own)
+            self._seen.add(shape)
+
+    def _declare(self, model: int, chain) -> None:
+        """A shape's chain: the pool keeps it while the shape lives; the selector's trie
+        learns it when the shape gets lanes of its own (`_lanes_of`)."""
+        self._pool.declare(model, chain)
+        shape = ShapeKey(model, int(chain[-1]))
+        if shape in self._shapes:
+            self._selector.declare(model, chain)
+
+    def _route(self, items: np.ndarray, rows: np.ndarray) -> list[tuple[ShapeKey, np.ndarray]]:
+        """The frame's new rows per shape they go to (`_group_by_shape`), in (model,
+        signature) order, where the rows of every shape the solitary pool takes (pool.py)
+        go to their model's pool as one more shape, a shape's rows together (so its items
+        of one length lane ride one batch)."""
+        routed: list[tuple[ShapeKey, np.ndarray]] = []
+        pooled: dict[int, list[np.ndarray]] = {}
+        shapes = self._group_by_shape(items, rows)
+        to_pool = self._pool.route_many([(shape, int(shape_rows.size)) for shape, shape_rows in shapes])
+        for (shape, shape_rows), pooling in zip(shapes, to_pool):
+            self._seen.add(shape)
+            self.first_refs.learn(shape, int(items["prefix_len"][shape_rows[0]]))
+            if pooling:
+                pooled.setdefault(shape.model, []).append(shape_rows)
+            else:
+                routed.append((shape, shape_rows))
+        for model, parts in pooled.items():
+            routed.append((pool_shape(model), np.concatenate(parts) if len(parts) > 1 else parts[0]))
+        return routed
 
     @staticmethod
     def _group_by_shape(items: np.ndarray, rows: np.ndarray) -> list[tuple[ShapeKey, np.ndarray]]:
@@ -455,11 +511,15 @@ class Dispatcher:
         ]
 
     def _lanes_of(self, shape: ShapeKey) -> ShapeLanes:
-        """The shape's lanes, made (and the shape counted as seen) on its first item."""
+        """The shape's lanes, made on its first item of its own (a shape's chain goes to the
+        selector's trie then: a pooled shape has no place in its order)."""
         lanes = self._shapes.get(shape)
         if lanes is None:
             lanes = self._shapes[shape] = ShapeLanes(self._lane_config)
-            self._seen.add(shape)
+            if not is_pool(shape):
+                chain = self._pool.chain_of(shape)
+                if len(chain) > 1:
+                    self._selector.declare(shape.model, chain)
         return lanes
 
     def _assign_shape(
@@ -528,7 +588,9 @@ class Dispatcher:
         assert len(front) == limit, (key, len(front), limit)
         packing = pack(front.lengths.tolist(), longest, contract)
         entries = front[: packing.count]
-        self._selector.guard(entries.lane.shape, f"batch for consumer {consumer}", consumer=consumer)
+        what = f"batch for consumer {consumer}"
+        self._selector.guard(entries.lane.shape, what, consumer=consumer)
+        self._pool.guard(entries.lane.shape, entries.signatures, what, consumer)  # each chunk's own shape
         assert entries.lane == key, (entries.lane, key)  # right shape, wrong lane: a storage bug
         batch = Batch(BatchId(self._next_batch_id), consumer, key, packing.pad_to_tokens, entries,
                       None if switch is None else switch.value)
@@ -575,6 +637,10 @@ class Dispatcher:
         for lane_key, lane_refs in done.by_lane.items():
             self._shapes[lane_key.shape].on_completed(lane_key.lane, len(lane_refs))
             self._schedule(lane_key.shape, lane_key.lane)
+        if is_pool(batch.lane.shape):
+            signatures, counts = np.unique(batch.entries.signatures, return_counts=True)
+            for signature, count in zip(signatures.tolist(), counts.tolist()):
+                self._pool.done(ShapeKey(batch.model, signature), count)
         c = self._c
         c.items_completed += done.items
         c.tokens_completed += done.tokens
@@ -615,6 +681,8 @@ class Dispatcher:
                 _add_lane_counters(self._retired, lanes.counters)
                 del self._shapes[shape]
                 self._selector.forget(shape)
+                if not is_pool(shape):
+                    self._pool.own_retired(shape)
             else:
                 self._schedule(shape)
         return self._ticks.any_due(now_s)
@@ -626,6 +694,21 @@ class Dispatcher:
         self._ticks.offer(shape, self._shapes[shape].next_tick_s(lane))
 
     # ----------------------------------------------------------------- counters, invariants
+
+    def _check_pool(self) -> None:
+        """Every shape with lanes of its own is live in the pool with them, and the pool's
+        items per model are its lanes' items, queued or pending."""
+        pool = self._pool
+        pool.check_invariants()
+        pooled: dict[int, int] = {}
+        for shape in self._shapes:
+            if is_pool(shape):
+                queued, _tokens, pending = self._shapes[shape].totals()
+                pooled[shape.model] = queued + pending
+            else:
+                assert shape in self._seen and pool.owns_lanes(shape), f"{shape} has lanes the pool does not know of"
+        assert pool.pooled_by_model() == {m: n for m, n in pooled.items() if n}, (pool.pooled_by_model(), pooled)
+        assert pool.own_shapes() == {s for s in self._shapes if not is_pool(s)}
 
     def counters(self) -> DispatchCounters:
         snapshot = DispatchCounters(**{
@@ -639,7 +722,7 @@ class Dispatcher:
         lanes = LaneCounters(*(sum(column) for column in zip(*rows)))
         snapshot.lanes_in_use = sum(shape_lanes.lane_count for shape_lanes in self._shapes.values())
         snapshot.lanes = lanes
-        snapshot.shapes = len(self._shapes)
+        snapshot.shapes = self._pool.live_shapes  # every live shape: own lanes or pooled items
         snapshot.shapes_seen = len(self._seen)
         snapshot.switches = {r.value: n for r, n in self._selector.counters.switches.items()}
         return snapshot
@@ -672,7 +755,7 @@ class Dispatcher:
         storage.check_invariants()
         self._selector.check_invariants()
         self.first_refs.check_invariants()
-        assert self._shapes.keys() <= self._seen, "a live shape not counted as seen"
+        self._check_pool()
         waiting = self._waiting
         unstored = {} if waiting is None else waiting.unstored_by_lane()
         held_tokens = {} if waiting is None else waiting.unannounced_tokens_by_shape()

@@ -54,7 +54,9 @@ from pipeline.broker.storage.disk import DiskTier
 from pipeline.broker.store_health import log_quarantined, log_recovery, note_store_was_kept, store_damage
 from pipeline.broker.wakeup import Wakeup
 from pipeline.wire.errors import ProtocolError, ShmError
+from pipeline.wire.shapes import POOL_SIGNATURE
 from pipeline.wire.status import (
+    POOL_SHAPE,
     STATUS_VERSION,
     BrokerStatus,
     ConnectedConsumer,
@@ -124,7 +126,8 @@ class Broker:
         self.state = self._next_generation()
         self.namespace = namespace_for(config.data_dir)
         policy, lanes = config.dispatch_policy()
-        self.dispatcher = Dispatcher(storage, lane_config=lanes, max_models=config.max_models, policy=policy)
+        self.dispatcher = Dispatcher(storage, lane_config=lanes, max_models=config.max_models, policy=policy,
+                                     pool_max_items=config.pool_items, pool_min_shapes=config.pool_min_shapes)
         self.dispatcher.recover(time.monotonic())  # before any ingest (disk tier)
         durable = self.storage_dir == os.path.realpath(config.data_dir)
         note_store_was_kept(storage, self.state, config.data_dir, durable, ran_before=self.state.generation > 1)
@@ -292,6 +295,8 @@ class Broker:
             shapes=counters.shapes,
             shapes_seen=counters.shapes_seen,
             lanes_in_use=counters.lanes_in_use,
+            pool_items=self.dispatcher.pool.counters.items,
+            pool_shapes=self.dispatcher.pool.counters.shapes,
             periodic_syncs=sync.syncs if sync is not None else 0,
             periodic_sync_failures=sync.failures if sync is not None else 0,
             periodic_sync_max_s=sync.max_sync_s if sync is not None else 0.0,
@@ -345,8 +350,8 @@ class Broker:
 def _top_shapes(shapes: list, top: int) -> list[dict]:
     """The `top` shapes by queued tokens, then one "other" row summing the rest: bounded
     output (and bounded metric labels) whatever the number of shapes."""
-    rows = [{"model": s.model, "signature": f"{s.signature:016x}", "lanes": s.lanes,
-             "queued_items": s.queued_items, "queued_tokens": s.queued_tokens, "pending_items": s.pending_items}
+    rows = [{"model": s.model, "signature": POOL_SHAPE if s.signature == POOL_SIGNATURE else f"{s.signature:016x}",
+             "lanes": s.lanes, "queued_items": s.queued_items, "queued_tokens": s.queued_tokens, "pending_items": s.pending_items}
             for s in shapes[:top]]
     rest = shapes[top:]
     if rest:

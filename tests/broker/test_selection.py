@@ -164,7 +164,7 @@ def test_docstring_example():
     assert selector.select(0, 0.0, consumer=C0) == c
     assert selector.counters.switches == {
         SwitchReason.INITIAL: 1, SwitchReason.DRAINED: 1, SwitchReason.STARVATION: 0, SwitchReason.TAKEOVER: 0,
-        SwitchReason.ORDER: 0,
+        SwitchReason.ORDER: 0, SwitchReason.YIELD: 0,
     }
     assert selector.counters.per_consumer == {C0: selector.counters.switches}
     selector.check_invariants()
