@@ -50,19 +50,27 @@ completed; when everything is done, received + recovered = completed: difference
 from __future__ import annotations
 
 import math
-import operator
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 
 import numpy as np
 
+from pipeline.broker.dispatch_records import (  # Batch and IngestReport: imported from here too
+    Batch,
+    DispatchCounters,
+    IngestReport,
+    ShapeSummary,
+    add_lane_counters,
+    StoringFrame,
+    lane_counter_values,
+)
 from pipeline.broker.firstrefs import FirstReferences
-from pipeline.broker.ids import BatchId, ConsumerId, EntryRef, LaneId, LaneKey, ShapeKey
+from pipeline.broker.ids import BatchId, ConsumerId, LaneId, LaneKey, ShapeKey
 from pipeline.broker.lanes import MAX_LENGTH_TOKENS, LaneConfig, LaneCounters, ShapeLanes
 from pipeline.broker.lanes.schedule import TickSchedule
 from pipeline.broker.packing import Contract, batch_items_limit, pack
 from pipeline.broker.pool import SolitaryPool, is_pool, pool_shape
 from pipeline.broker.selection import AGE_RESOLUTION_NS, SHAPE_ORDER_MOST_TOKENS, DispatchPolicy, ShapeSelector
-from pipeline.broker.storage.base import AppendGroup, Peeked, StorageTier
+from pipeline.broker.storage.base import AppendGroup, StorageTier
 from pipeline.broker.storage.pending import Completion
 from pipeline.wire.errors import DiskFullError, ItemTooLongError, ModelIdError, StorageError
 from pipeline.wire.layouts import DEFAULT_MAX_MODELS, MODEL_ID_LIMIT, Frame, ProducerId, decode_chains
@@ -76,128 +84,6 @@ FULL_ENOUGH_FRACTION = 0.75
 # one-item batches (about 7 ms of work), its consumers idled at every broker hiccup longer
 # than that. A lane of the streaming demo takes an item every few ms, so it still waits.
 PARTIAL_WAIT_S = 0.25
-
-
-@dataclass(frozen=True, slots=True)
-class Batch:
-    """A batch for one consumer: entries of one lane (so one shape), front first, each padded
-    to `pad_to_tokens`, by column (`entries[i]` makes a PeekedEntry). Not the consumer's
-    until `Dispatcher.commit`."""
-
-    batch_id: BatchId
-    consumer: ConsumerId
-    lane: LaneKey
-    pad_to_tokens: int
-    entries: Peeked
-    switch: str | None = None  # why the consumer changed shape for this batch (None: it did not)
-
-    @property
-    def model(self) -> int:
-        return self.lane.model
-
-    @property
-    def signature(self) -> int:
-        return self.lane.signature
-
-    @property
-    def refs(self) -> list[EntryRef]:
-        return self.entries.refs
-
-    @property
-    def real_tokens(self) -> int:
-        return int(self.entries.lengths.sum())
-
-    @property
-    def padded_tokens(self) -> int:
-        return len(self.entries) * self.pad_to_tokens
-
-
-@dataclass(frozen=True, slots=True)
-class IngestReport:
-    items: int  # newly stored
-    tokens: int
-    duplicates: int  # skipped: already stored (StorageTier.already_stored)
-
-
-@dataclass(slots=True)
-class _Frame:
-    """A frame being stored: its lane groups (lanes already assigned) with their tokens,
-    how many groups are stored, and per shape the rows the selector learns of once every
-    group is stored. Kept only while a full disk holds part of it back, or while it is
-    stored in slices (`ingest(max_groups=...)`)."""
-
-    frame: Frame
-    groups: list[tuple[AppendGroup, int]]
-    shapes: list[tuple[ShapeKey, np.ndarray]]
-    report: IngestReport
-    stored: int = 0
-    announced: int = 0  # groups the selector was told of one by one (a full disk held the frame)
-
-    def unstored_by_lane(self) -> dict[LaneKey, int]:
-        unstored: dict[LaneKey, int] = {}
-        for group, _tokens in self.groups[self.stored:]:
-            unstored[group.lane] = unstored.get(group.lane, 0) + len(group)
-        return unstored
-
-    def unannounced_by_lane(self) -> dict[LaneKey, int]:
-        """Items per lane the selector does not know of yet (stored or not): not dispatchable."""
-        held: dict[LaneKey, int] = {}
-        for group, _tokens in self.groups[self.announced:]:
-            held[group.lane] = held.get(group.lane, 0) + len(group)
-        return held
-
-    def unannounced_tokens_by_shape(self) -> dict[ShapeKey, int]:
-        """Tokens of the groups the selector does not know of yet, per shape."""
-        tokens: dict[ShapeKey, int] = {}
-        for group, group_tokens in self.groups[self.announced:]:
-            tokens[group.lane.shape] = tokens.get(group.lane.shape, 0) + group_tokens
-        return tokens
-
-
-@dataclass(frozen=True, slots=True)
-class ShapeSummary:
-    """One shape's queue, for status and metrics."""
-
-    model: int
-    signature: int
-    lanes: int  # in use (active and quiescing)
-    queued_items: int
-    queued_tokens: int
-    pending_items: int  # dispatched, not completed
-
-
-@dataclass(slots=True)
-class DispatchCounters:
-    """A snapshot of the dispatcher's totals (see the module docstring for the identities).
-    `lanes` sums every shape's LaneCounters, field by field (retired shapes included;
-    its max_in_use is the sum of the shapes' maxima); `lanes_in_use` is the current total."""
-
-    items_received: int = 0
-    tokens_received: int = 0
-    items_routed: int = 0
-    tokens_routed: int = 0
-    items_returned: int = 0
-    tokens_returned: int = 0
-    items_completed: int = 0
-    tokens_completed: int = 0
-    items_recovered: int = 0
-    tokens_recovered: int = 0
-    duplicate_items: int = 0
-    batches: int = 0
-    shapes: int = 0
-    shapes_seen: int = 0
-    lanes_in_use: int = 0
-    switches: dict[str, int] = field(default_factory=dict)
-    lanes: LaneCounters = field(default_factory=LaneCounters)
-
-
-_LANE_COUNTER_NAMES = tuple(f.name for f in fields(LaneCounters))
-_lane_counter_values = operator.attrgetter(*_LANE_COUNTER_NAMES)
-
-
-def _add_lane_counters(total: LaneCounters, more: LaneCounters) -> None:
-    for name in _LANE_COUNTER_NAMES:
-        setattr(total, name, getattr(total, name) + getattr(more, name))
 
 
 class Dispatcher:
@@ -241,7 +127,7 @@ class Dispatcher:
         self._retired = LaneCounters()  # counters of shapes retired by tick
         self._next_batch_id = 0
         self._outstanding: Batch | None = None
-        self._waiting: _Frame | None = None  # a frame a full disk holds part of
+        self._waiting: StoringFrame | None = None  # a frame a full disk holds part of
         self._held: dict[LaneKey, int] = {}  # its items per lane, not to be dispatched yet
         self._c = DispatchCounters()
         # Compulsory prefix tokens per consumer and for the whole model: the consumer side
@@ -336,9 +222,9 @@ class Dispatcher:
             self._schedule(shape)
         tokens = sum(group_tokens for _group, group_tokens in groups)
         report = IngestReport(items=int(rows.size), tokens=tokens, duplicates=duplicates)
-        return self._store(_Frame(frame, groups, shapes, report), max_groups)
+        return self._store(StoringFrame(frame, groups, shapes, report), max_groups)
 
-    def _store(self, pending: _Frame, max_groups: int | None = None) -> IngestReport | None:
+    def _store(self, pending: StoringFrame, max_groups: int | None = None) -> IngestReport | None:
         """Append the frame's groups not stored yet; once all are, its items become
         dispatchable (the selector learns of them). A full disk holds the rest back: the
         groups already stored become dispatchable at once (`_announce`), the others wait.
@@ -376,7 +262,7 @@ class Dispatcher:
             self._selector.on_queued(shape, int(lengths.sum()), submit_ns[rows])
         return pending.report
 
-    def _announce(self, pending: _Frame, upto: int) -> None:
+    def _announce(self, pending: StoringFrame, upto: int) -> None:
         """Tell the selector of the frame's stored groups it does not know of yet, one by one."""
         submit_ns = pending.frame.items["submit_ns"]
         for group, tokens in pending.groups[pending.announced:upto]:
@@ -678,7 +564,7 @@ class Dispatcher:
             for lane in lanes.tick(now_s).released:
                 self._storage.drop_lane(LaneKey(shape.model, shape.signature, lane))
             if not lanes.lane_count:
-                _add_lane_counters(self._retired, lanes.counters)
+                add_lane_counters(self._retired, lanes.counters)
                 del self._shapes[shape]
                 self._selector.forget(shape)
                 if not is_pool(shape):
@@ -717,7 +603,7 @@ class Dispatcher:
         })
         # Column sums in C: status asks every 0.5 s, and field by field in Python this took
         # 7 ms at demo-chat's 7,829 shapes (py-spy), time the consumers' batches waited.
-        rows = [_lane_counter_values(self._retired), *(_lane_counter_values(shape_lanes.counters)
+        rows = [lane_counter_values(self._retired), *(lane_counter_values(shape_lanes.counters)
                                                         for shape_lanes in self._shapes.values())]
         lanes = LaneCounters(*(sum(column) for column in zip(*rows)))
         snapshot.lanes_in_use = sum(shape_lanes.lane_count for shape_lanes in self._shapes.values())
