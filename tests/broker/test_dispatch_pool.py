@@ -123,25 +123,18 @@ class ForgingTier(DiskTier):
         return Peeked.of(lane, [dataclasses.replace(e, signature=self.signature) for e in front])
 
 
-@pytest.mark.parametrize("forged", [4242, POOL_SIGNATURE])
-def test_guard_stops_a_pool_batch_holding_a_shape_that_is_not_pooled(tmp_path, forged):
+@pytest.mark.parametrize("forged,max_items,signatures,match", [
+    (4242, 8, (1, 2), "no item in the pool"),  # a pool batch: only shapes with items in the pool
+    (POOL_SIGNATURE, 8, (1, 2), "no item in the pool"),
+    (4242, 0, (1, 1), "not the batch's shape"),  # a shape's batch: only that shape
+])
+def test_guard_stops_a_batch_holding_a_chunk_that_may_not_ride_in_it(tmp_path, forged, max_items, signatures, match):
     tier = ForgingTier.open(str(tmp_path))
     tier.signature = forged
-    dispatcher = dispatcher_on(tier)
-    dispatcher.ingest(make_frame(1, 0, [(0, 1), (0, 2)], [10, 10]), 0.0)
+    dispatcher = dispatcher_on(tier, max_items=max_items)
+    dispatcher.ingest(make_frame(1, 0, [(0, s) for s in signatures], [10, 10]), 0.0)
     dispatcher.flush()
-    with pytest.raises(ShapeGuardError, match="no item in the pool"):
-        dispatcher.next_batch(C1, CONTRACT, 0.0)
-    tier.close()
-
-
-def test_guard_stops_a_batch_holding_a_chunk_of_another_shape(tmp_path):
-    tier = ForgingTier.open(str(tmp_path))
-    tier.signature = 4242
-    dispatcher = dispatcher_on(tier, max_items=0)
-    dispatcher.ingest(make_frame(1, 0, [(0, 1), (0, 1)], [10, 10]), 0.0)
-    dispatcher.flush()
-    with pytest.raises(ShapeGuardError, match="not the batch's shape"):
+    with pytest.raises(ShapeGuardError, match=match):
         dispatcher.next_batch(C1, CONTRACT, 0.0)
     tier.close()
 
