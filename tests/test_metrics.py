@@ -43,7 +43,7 @@ SAMPLE_WIRE = json.loads("""
  "items_recovered": 0, "items_adopted": 0,
  "tokens_recovered": 0, "duplicate_items": 0, "backlog_items": 0,
  "backlog_tokens": 0, "pending_items": 0, "shapes": 20, "shapes_seen": 20, "lanes_in_use": 923,
- "periodic_syncs": 0, "periodic_sync_failures": 0, "periodic_sync_max_s": 0.0,
+ "periodic_syncs": 0, "periodic_sync_failures": 0, "periodic_sync_max_s": 0.0, "pool_items": 0, "pool_shapes": 0,
  "lanes": {"opened": 923, "reused": 3077, "force_fits": 0, "raises": 726, "quiesced": 0, "released": 0,
            "revived": 0, "restored": 0, "max_in_use": 923},
  "switches": {"initial": 1, "drained": 19, "starvation": 0}, "batches_routed": 924,
@@ -264,7 +264,7 @@ def wait_for_threads(before: set[threading.Thread]) -> list[threading.Thread]:
 def test_endpoint_over_a_real_broker(tmp_path):
     threads_before = set(threading.enumerate())
     data = str(tmp_path / "data")
-    config = BrokerConfig(data)
+    config = BrokerConfig(data, pool_max_items=0)  # shapes of their own: labels bounded however many
     broker = start_broker(config, "disk", "process")
     server = None
     try:

@@ -208,6 +208,13 @@ def test_recovered_items_count_as_received(tmp_path):
     assert report["accounting_ok"] is True
 
 
+def test_the_brokers_loop_stalls_are_in_the_report(tmp_path):
+    assert report_of(SAMPLE_STATUS, sample_results(tmp_path), wall_s=1.0)["stalls"] == 0
+    status = replace(SAMPLE_STATUS, stalls=3, stalled_s=1.75)
+    report = report_of(status, sample_results(tmp_path), wall_s=1.0)
+    assert (report["stalls"], report["stalled_s"]) == (3, 1.75)
+
+
 def test_nothing_cacheable_and_no_consumer_totals(tmp_path):
     status = replace(SAMPLE_STATUS, per_consumer={})  # e.g. a broker restarted after the consumers finished
     report = report_of(status, sample_results(tmp_path), wall_s=0.0)

@@ -37,6 +37,8 @@ V1_KEYS = {
     "shapes_seen",
     # STATUS_VERSION 7: the periodic syncs of durability `process` (sync_interval_s)
     "periodic_syncs", "periodic_sync_failures", "periodic_sync_max_s",
+    # STATUS_VERSION 8: the solitary pool
+    "pool_items", "pool_shapes",
 }
 LANE_KEYS = {"opened", "reused", "force_fits", "raises", "quiesced", "released", "revived", "restored", "max_in_use"}
 CONSUMER_KEYS = {"id", "pid", "credit", "batches_held", "model", "max_batch_items", "max_batch_tokens",

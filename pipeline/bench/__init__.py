@@ -20,6 +20,7 @@ COMPARISON_MODULES: dict[str, str] = {
     "prefix-vllm": "pipeline.bench.prefix_vllm",
     "run-batch": "pipeline.bench.run_batch",
     "e2e": "pipeline.bench.e2e",
+    "shapes": "pipeline.bench.shapes",
     "redis": "pipeline.bench.redis_peer",
     "scaling": "pipeline.bench.scaling",
     "memory": "pipeline.bench.memory",

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 
 from pipeline.broker.lanes import LaneConfig
 from pipeline.broker.packing import Contract
+from pipeline.broker.pool import MAX_POOL_ITEMS
 from pipeline.broker.selection import SHAPE_ORDER_PREFIX, SHAPE_ORDERS
 
 DISPATCH_STICKY = "sticky"
@@ -96,6 +97,19 @@ MAX_MIN_CONSUMERS_WAIT_S = 86_400.0
 # A consumer's descriptor ring: a 64-item descriptor is 2 KiB, so 1 MiB holds hundreds of
 # batches, far more than any credit a consumer asks for.
 DESCRIPTOR_RING_BYTES = 1 << 20
+# `pool_max_items` by default: the default contract's batch (64 items). A shape that fills
+# batches of its own needs no pool; one with fewer items would ride one-item batches alone.
+DEFAULT_POOL_MAX_ITEMS = 64
+# `pool_min_shapes` by default: a model's live shapes before the pool takes any (pool.py says
+# why). Below it each shape has its file, switch and batches, about 2 ms a shape here; the
+# prefix comparison's workloads hold 28 to 166 shapes, so 256 keeps them as they were. It
+# costs 5,000 requests with their own system prompts 256 one-item batches first: 1.35x the
+# time of the same requests sharing one (`pipeline bench shapes`) against about 1.05x with
+# no bound (and 5.7x without the pool).
+DEFAULT_POOL_MIN_SHAPES = 256
+# `pool_min_shapes` at most: past a million live shapes the per-shape path's memory (a few
+# KiB a shape) is gigabytes; a bound above it would leave the pool off in practice.
+MAX_POOL_MIN_SHAPES = 1 << 20
 
 
 @dataclass(slots=True)
@@ -134,6 +148,13 @@ class BrokerConfig:
     # or a baseline for comparison (pipeline/broker/baselines.py: fifo, round-robin; no-lanes
     # is sticky with one length lane per shape).
     dispatch: str = DISPATCH_STICKY
+    # The solitary pool (pipeline/broker/pool.py): a shape whose chain shares nothing with
+    # any other live shape's keeps up to this many items in its model's pool, batched with
+    # the other such shapes' items (0: off, every shape has lanes of its own). The sticky
+    # policy's only: the baselines stand for the queues users have, one per shape.
+    pool_max_items: int = DEFAULT_POOL_MAX_ITEMS
+    # ...once its model holds at least this many live shapes (0: from the first).
+    pool_min_shapes: int = DEFAULT_POOL_MIN_SHAPES
     # Durability `process` on disk: syncfs the data directory's filesystem this often, so a
     # power cut loses at most about this much acknowledged work (None, the default: the
     # kernel's writeback, up to about 35 s; pipeline/broker/periodic_sync.py).
@@ -152,6 +173,11 @@ class BrokerConfig:
         policy = policy_class(self.max_age_s, shape_order=self.shape_order, affinity=self.affinity)
         lanes = replace(self.lanes, max_lanes=1) if self.dispatch == DISPATCH_NO_LANES else self.lanes
         return policy, lanes
+
+    @property
+    def pool_items(self) -> int:
+        """The solitary pool's `max_items` for the Dispatcher: 0 (off) under a baseline."""
+        return self.pool_max_items if self.dispatch == DISPATCH_STICKY else 0
 
     def __post_init__(self) -> None:
         path_bytes = len(os.fsencode(self.socket_path))
@@ -187,6 +213,14 @@ class BrokerConfig:
                               f"{', '.join(DISPATCH_POLICIES)}")
         if not isinstance(self.affinity, bool):
             raise ConfigError(f"broker setting affinity {self.affinity!r} must be true or false")
+        if isinstance(self.pool_max_items, bool) or not isinstance(self.pool_max_items, int) or not (
+                0 <= self.pool_max_items <= MAX_POOL_ITEMS):
+            raise ConfigError(f"broker setting pool_max_items {self.pool_max_items!r} must be an integer from 0 (no "
+                              f"pool) to {MAX_POOL_ITEMS}")
+        if isinstance(self.pool_min_shapes, bool) or not isinstance(self.pool_min_shapes, int) or not (
+                0 <= self.pool_min_shapes <= MAX_POOL_MIN_SHAPES):
+            raise ConfigError(f"broker setting pool_min_shapes {self.pool_min_shapes!r} must be an integer from 0 to "
+                              f"{MAX_POOL_MIN_SHAPES}")
         if not isinstance(self.lanes, LaneConfig):
             raise ConfigError(f"broker setting lanes {self.lanes!r} must be a LaneConfig")
         ceilings = {"descriptor_ring_bytes": 1 << 40, "max_models": MODEL_ID_LIMIT, "max_consumers": 1 << 20,

@@ -21,8 +21,9 @@ import numpy as np
 
 from pipeline.broker.config import BrokerConfig
 from pipeline.broker.dispatch import Batch, Dispatcher
-from pipeline.broker.ids import ConsumerId
+from pipeline.broker.ids import ConsumerId, ShapeKey
 from pipeline.broker.packing import Contract
+from pipeline.broker.pool import is_pool
 from pipeline.broker.peers import ConsumerPeer, ConsumerTotals, Peer, consumer_ring_name, object_prefix
 from pipeline.broker.start_gate import StartGate
 from pipeline.broker.storage.disk import DiskTier
@@ -123,11 +124,23 @@ class ConsumerSide:
         self.routed.add(batch, consumer.contract)
         if batch.switch is not None:
             self._count_switch(consumer.totals, batch)
+        if is_pool(batch.lane.shape):  # every chunk starts a shape of its own
+            consumer.totals.compulsory_prefix_tokens += self._start_pooled(consumer.name, batch)
+        elif batch.switch is not None:
             consumer.totals.compulsory_prefix_tokens += self._dispatcher.first_refs.start(
                 consumer.name, batch.lane.shape, int(batch.entries.prefix_lens[0]))
         consumer.batches[batch.batch_id] = batch
         consumer.credit -= 1
         return True
+
+    def _start_pooled(self, name: str, batch: Batch) -> int:
+        """The compulsory prefix tokens of a pool batch: each of its shapes starts on the
+        consumer's cache (most once: they share nothing, so their prefixes are new)."""
+        entries, first_refs = batch.entries, self._dispatcher.first_refs
+        signatures, first = np.unique(entries.signatures, return_index=True)
+        prefix_lens = entries.prefix_lens[first].tolist()
+        return sum(first_refs.start(name, ShapeKey(batch.model, signature), prefix_len)
+                   for signature, prefix_len in zip(signatures.tolist(), prefix_lens))
 
     def _count_switch(self, totals: ConsumerTotals, batch: Batch) -> None:
         """A consumer started a shape with this batch: its switches, the shapes it served, and
@@ -136,7 +149,8 @@ class ConsumerSide:
         totals.switches[batch.switch] = totals.switches.get(batch.switch, 0) + 1
         shape = batch.lane.shape
         if shape not in totals.shapes:
-            if any(shape in other.shapes for other in self.totals_by_name.values() if other is not totals):
+            if not is_pool(shape) and any(  # the pool's shapes share no prefix to split
+                    shape in other.shapes for other in self.totals_by_name.values() if other is not totals):
                 totals.split_prefix_tokens += int(batch.entries.prefix_lens[0])
             totals.shapes.add(shape)
 

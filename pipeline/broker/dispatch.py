@@ -50,18 +50,27 @@ completed; when everything is done, received + recovered = completed: difference
 from __future__ import annotations
 
 import math
-import operator
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 
 import numpy as np
 
+from pipeline.broker.dispatch_records import (  # Batch and IngestReport: imported from here too
+    Batch,
+    DispatchCounters,
+    IngestReport,
+    ShapeSummary,
+    add_lane_counters,
+    StoringFrame,
+    lane_counter_values,
+)
 from pipeline.broker.firstrefs import FirstReferences
-from pipeline.broker.ids import BatchId, ConsumerId, EntryRef, LaneId, LaneKey, ShapeKey
+from pipeline.broker.ids import BatchId, ConsumerId, LaneId, LaneKey, ShapeKey
 from pipeline.broker.lanes import MAX_LENGTH_TOKENS, LaneConfig, LaneCounters, ShapeLanes
 from pipeline.broker.lanes.schedule import TickSchedule
 from pipeline.broker.packing import Contract, batch_items_limit, pack
+from pipeline.broker.pool import SolitaryPool, is_pool, pool_shape
 from pipeline.broker.selection import AGE_RESOLUTION_NS, SHAPE_ORDER_MOST_TOKENS, DispatchPolicy, ShapeSelector
-from pipeline.broker.storage.base import AppendGroup, Peeked, StorageTier
+from pipeline.broker.storage.base import AppendGroup, StorageTier
 from pipeline.broker.storage.pending import Completion
 from pipeline.wire.errors import DiskFullError, ItemTooLongError, ModelIdError, StorageError
 from pipeline.wire.layouts import DEFAULT_MAX_MODELS, MODEL_ID_LIMIT, Frame, ProducerId, decode_chains
@@ -75,128 +84,6 @@ FULL_ENOUGH_FRACTION = 0.75
 # one-item batches (about 7 ms of work), its consumers idled at every broker hiccup longer
 # than that. A lane of the streaming demo takes an item every few ms, so it still waits.
 PARTIAL_WAIT_S = 0.25
-
-
-@dataclass(frozen=True, slots=True)
-class Batch:
-    """A batch for one consumer: entries of one lane (so one shape), front first, each padded
-    to `pad_to_tokens`, by column (`entries[i]` makes a PeekedEntry). Not the consumer's
-    until `Dispatcher.commit`."""
-
-    batch_id: BatchId
-    consumer: ConsumerId
-    lane: LaneKey
-    pad_to_tokens: int
-    entries: Peeked
-    switch: str | None = None  # why the consumer changed shape for this batch (None: it did not)
-
-    @property
-    def model(self) -> int:
-        return self.lane.model
-
-    @property
-    def signature(self) -> int:
-        return self.lane.signature
-
-    @property
-    def refs(self) -> list[EntryRef]:
-        return self.entries.refs
-
-    @property
-    def real_tokens(self) -> int:
-        return int(self.entries.lengths.sum())
-
-    @property
-    def padded_tokens(self) -> int:
-        return len(self.entries) * self.pad_to_tokens
-
-
-@dataclass(frozen=True, slots=True)
-class IngestReport:
-    items: int  # newly stored
-    tokens: int
-    duplicates: int  # skipped: already stored (StorageTier.already_stored)
-
-
-@dataclass(slots=True)
-class _Frame:
-    """A frame being stored: its lane groups (lanes already assigned) with their tokens,
-    how many groups are stored, and per shape the rows the selector learns of once every
-    group is stored. Kept only while a full disk holds part of it back, or while it is
-    stored in slices (`ingest(max_groups=...)`)."""
-
-    frame: Frame
-    groups: list[tuple[AppendGroup, int]]
-    shapes: list[tuple[ShapeKey, np.ndarray]]
-    report: IngestReport
-    stored: int = 0
-    announced: int = 0  # groups the selector was told of one by one (a full disk held the frame)
-
-    def unstored_by_lane(self) -> dict[LaneKey, int]:
-        unstored: dict[LaneKey, int] = {}
-        for group, _tokens in self.groups[self.stored:]:
-            unstored[group.lane] = unstored.get(group.lane, 0) + len(group)
-        return unstored
-
-    def unannounced_by_lane(self) -> dict[LaneKey, int]:
-        """Items per lane the selector does not know of yet (stored or not): not dispatchable."""
-        held: dict[LaneKey, int] = {}
-        for group, _tokens in self.groups[self.announced:]:
-            held[group.lane] = held.get(group.lane, 0) + len(group)
-        return held
-
-    def unannounced_tokens_by_shape(self) -> dict[ShapeKey, int]:
-        """Tokens of the groups the selector does not know of yet, per shape."""
-        tokens: dict[ShapeKey, int] = {}
-        for group, group_tokens in self.groups[self.announced:]:
-            tokens[group.lane.shape] = tokens.get(group.lane.shape, 0) + group_tokens
-        return tokens
-
-
-@dataclass(frozen=True, slots=True)
-class ShapeSummary:
-    """One shape's queue, for status and metrics."""
-
-    model: int
-    signature: int
-    lanes: int  # in use (active and quiescing)
-    queued_items: int
-    queued_tokens: int
-    pending_items: int  # dispatched, not completed
-
-
-@dataclass(slots=True)
-class DispatchCounters:
-    """A snapshot of the dispatcher's totals (see the module docstring for the identities).
-    `lanes` sums every shape's LaneCounters, field by field (retired shapes included;
-    its max_in_use is the sum of the shapes' maxima); `lanes_in_use` is the current total."""
-
-    items_received: int = 0
-    tokens_received: int = 0
-    items_routed: int = 0
-    tokens_routed: int = 0
-    items_returned: int = 0
-    tokens_returned: int = 0
-    items_completed: int = 0
-    tokens_completed: int = 0
-    items_recovered: int = 0
-    tokens_recovered: int = 0
-    duplicate_items: int = 0
-    batches: int = 0
-    shapes: int = 0
-    shapes_seen: int = 0
-    lanes_in_use: int = 0
-    switches: dict[str, int] = field(default_factory=dict)
-    lanes: LaneCounters = field(default_factory=LaneCounters)
-
-
-_LANE_COUNTER_NAMES = tuple(f.name for f in fields(LaneCounters))
-_lane_counter_values = operator.attrgetter(*_LANE_COUNTER_NAMES)
-
-
-def _add_lane_counters(total: LaneCounters, more: LaneCounters) -> None:
-    for name in _LANE_COUNTER_NAMES:
-        setattr(total, name, getattr(total, name) + getattr(more, name))
 
 
 class Dispatcher:
@@ -219,6 +106,8 @@ class Dispatcher:
         shape_order: str = SHAPE_ORDER_MOST_TOKENS,
         affinity: bool = False,
         policy: DispatchPolicy | None = None,
+        pool_max_items: int = 0,
+        pool_min_shapes: int = 0,
     ) -> None:
         assert 1 <= max_models <= MODEL_ID_LIMIT, max_models  # BrokerConfig checks it
         self._storage = storage
@@ -227,6 +116,9 @@ class Dispatcher:
         self._selector: DispatchPolicy = policy if policy is not None else ShapeSelector(
             max_age_s, age_resolution_ns, shape_order, affinity)
         self._shapes: dict[ShapeKey, ShapeLanes] = {}
+        # Which shapes' items go to their model's solitary pool (pool.py; off at 0), and the
+        # chain of every live shape.
+        self._pool = SolitaryPool(pool_max_items, pool_min_shapes)
         # Every (model, signature) given lanes since start, retired ones included: the run's
         # shape count (`shapes` above is the live ones, near 0 once a run's lanes retire).
         # NOTE: an exact set, not a sketch: it holds the dict's own key objects (about 150
@@ -235,7 +127,7 @@ class Dispatcher:
         self._retired = LaneCounters()  # counters of shapes retired by tick
         self._next_batch_id = 0
         self._outstanding: Batch | None = None
-        self._waiting: _Frame | None = None  # a frame a full disk holds part of
+        self._waiting: StoringFrame | None = None  # a frame a full disk holds part of
         self._held: dict[LaneKey, int] = {}  # its items per lane, not to be dispatched yet
         self._c = DispatchCounters()
         # Compulsory prefix tokens per consumer and for the whole model: the consumer side
@@ -252,6 +144,10 @@ class Dispatcher:
     @property
     def selector(self) -> ShapeSelector:
         return self._selector
+
+    @property
+    def pool(self) -> SolitaryPool:
+        return self._pool
 
     def lanes(self, shape: ShapeKey) -> ShapeLanes | None:
         return self._shapes.get(shape)
@@ -303,7 +199,7 @@ class Dispatcher:
         if frame.chain_section.size:  # the producer's new shapes' lineage, before their items
             for model, chain in decode_chains(frame.chain_section, f"producer {frame.producer_id}'s frame"):
                 if model < self._max_models:
-                    self._selector.declare(model, chain)
+                    self._declare(model, chain)
                     self.first_refs.declare(model, chain)
                     # Durable at this turn's flush, before the items are acknowledged: a
                     # restart declares it again for the shapes it recovers (`recover`).
@@ -313,7 +209,7 @@ class Dispatcher:
         duplicates = len(items) - rows.size
         self._c.duplicate_items += duplicates
         groups: list[tuple[AppendGroup, int]] = []
-        shapes = self._group_by_shape(items, rows)
+        shapes = self._route(items, rows)
         if max_groups is not None and sum(shape not in self._shapes for shape, _ in shapes) < max_groups:
             # Slices are for frames of many new shapes (a segment file each, the cost that
             # held dispatch back); a frame of known shapes is stored whole. NOTE: slicing
@@ -323,13 +219,12 @@ class Dispatcher:
             max_groups = None
         for shape, shape_rows in shapes:
             groups += self._assign_shape(shape, frame, shape_rows, now_s)
-            self.first_refs.learn(shape, int(items["prefix_len"][shape_rows[0]]))
             self._schedule(shape)
         tokens = sum(group_tokens for _group, group_tokens in groups)
         report = IngestReport(items=int(rows.size), tokens=tokens, duplicates=duplicates)
-        return self._store(_Frame(frame, groups, shapes, report), max_groups)
+        return self._store(StoringFrame(frame, groups, shapes, report), max_groups)
 
-    def _store(self, pending: _Frame, max_groups: int | None = None) -> IngestReport | None:
+    def _store(self, pending: StoringFrame, max_groups: int | None = None) -> IngestReport | None:
         """Append the frame's groups not stored yet; once all are, its items become
         dispatchable (the selector learns of them). A full disk holds the rest back: the
         groups already stored become dispatchable at once (`_announce`), the others wait.
@@ -367,7 +262,7 @@ class Dispatcher:
             self._selector.on_queued(shape, int(lengths.sum()), submit_ns[rows])
         return pending.report
 
-    def _announce(self, pending: _Frame, upto: int) -> None:
+    def _announce(self, pending: StoringFrame, upto: int) -> None:
         """Tell the selector of the frame's stored groups it does not know of yet, one by one."""
         submit_ns = pending.frame.items["submit_ns"]
         for group, tokens in pending.groups[pending.announced:upto]:
@@ -415,10 +310,12 @@ class Dispatcher:
         assert not self._shapes and not self._c.items_received, "recover() comes first"
         for model, chain in self._storage.take_recovered_chains():  # before the lanes: placed once
             if model < self._max_models:
-                self._selector.declare(model, chain)
+                self._pool.declare(model, chain)
                 self.first_refs.declare(model, chain)
+        found_lanes = sorted(self._storage.take_recovered_lanes(), key=lambda r: tuple(r.lane))
+        self._adopt_shapes(found_lanes)
         recovered = 0
-        for found in sorted(self._storage.take_recovered_lanes(), key=lambda r: tuple(r.lane)):
+        for found in found_lanes:
             if found.lane.lane >= self._lane_config.max_lanes:  # a file name's lane id, from outside
                 raise StorageError(
                     f"recovered lane {tuple(found.lane)} ({found.lengths.size} items): lane id {found.lane.lane} is "
@@ -435,6 +332,51 @@ class Dispatcher:
         self._c.items_recovered += recovered
         assert self._c.items_recovered == self._storage.counters.recovered_items, "recovered twice"
         return recovered
+
+    def _adopt_shapes(self, found_lanes: list) -> None:
+        """Recovery: the shapes the reopened tier holds, their pooled items (by each pool
+        entry's own shape) and their own lanes, to the pool before any lane is rebuilt."""
+        pooled: dict[ShapeKey, int] = {}
+        own: set[ShapeKey] = set()
+        for found in found_lanes:
+            if is_pool(found.lane.shape):
+                signatures, counts = np.unique(found.signatures, return_counts=True)
+                for signature, count in zip(signatures.tolist(), counts.tolist()):
+                    shape = ShapeKey(found.lane.model, signature)
+                    pooled[shape] = pooled.get(shape, 0) + count
+            else:
+                own.add(found.lane.shape)
+        for shape in sorted(pooled.keys() | own):
+            self._pool.adopt(shape, pooled.get(shape, 0), shape in own)
+            self._seen.add(shape)
+
+    def _declare(self, model: int, chain) -> None:
+        """A shape's chain: the pool keeps it while the shape lives; the selector's trie
+        learns it when the shape gets lanes of its own (`_lanes_of`)."""
+        self._pool.declare(model, chain)
+        shape = ShapeKey(model, int(chain[-1]))
+        if shape in self._shapes:
+            self._selector.declare(model, chain)
+
+    def _route(self, items: np.ndarray, rows: np.ndarray) -> list[tuple[ShapeKey, np.ndarray]]:
+        """The frame's new rows per shape they go to (`_group_by_shape`), in (model,
+        signature) order, where the rows of every shape the solitary pool takes (pool.py)
+        go to their model's pool as one more shape, a shape's rows together (so its items
+        of one length lane ride one batch)."""
+        routed: list[tuple[ShapeKey, np.ndarray]] = []
+        pooled: dict[int, list[np.ndarray]] = {}
+        shapes = self._group_by_shape(items, rows)
+        to_pool = self._pool.route_many([(shape, int(shape_rows.size)) for shape, shape_rows in shapes])
+        for (shape, shape_rows), pooling in zip(shapes, to_pool):
+            self._seen.add(shape)
+            self.first_refs.learn(shape, int(items["prefix_len"][shape_rows[0]]))
+            if pooling:
+                pooled.setdefault(shape.model, []).append(shape_rows)
+            else:
+                routed.append((shape, shape_rows))
+        for model, parts in pooled.items():
+            routed.append((pool_shape(model), np.concatenate(parts) if len(parts) > 1 else parts[0]))
+        return routed
 
     @staticmethod
     def _group_by_shape(items: np.ndarray, rows: np.ndarray) -> list[tuple[ShapeKey, np.ndarray]]:
@@ -455,11 +397,15 @@ class Dispatcher:
         ]
 
     def _lanes_of(self, shape: ShapeKey) -> ShapeLanes:
-        """The shape's lanes, made (and the shape counted as seen) on its first item."""
+        """The shape's lanes, made on its first item of its own (a shape's chain goes to the
+        selector's trie then: a pooled shape has no place in its order)."""
         lanes = self._shapes.get(shape)
         if lanes is None:
             lanes = self._shapes[shape] = ShapeLanes(self._lane_config)
-            self._seen.add(shape)
+            if not is_pool(shape):
+                chain = self._pool.chain_of(shape)
+                if len(chain) > 1:
+                    self._selector.declare(shape.model, chain)
         return lanes
 
     def _assign_shape(
@@ -528,7 +474,9 @@ class Dispatcher:
         assert len(front) == limit, (key, len(front), limit)
         packing = pack(front.lengths.tolist(), longest, contract)
         entries = front[: packing.count]
-        self._selector.guard(entries.lane.shape, f"batch for consumer {consumer}", consumer=consumer)
+        what = f"batch for consumer {consumer}"
+        self._selector.guard(entries.lane.shape, what, consumer=consumer)
+        self._pool.guard(entries.lane.shape, entries.signatures, what, consumer)  # each chunk's own shape
         assert entries.lane == key, (entries.lane, key)  # right shape, wrong lane: a storage bug
         batch = Batch(BatchId(self._next_batch_id), consumer, key, packing.pad_to_tokens, entries,
                       None if switch is None else switch.value)
@@ -575,6 +523,10 @@ class Dispatcher:
         for lane_key, lane_refs in done.by_lane.items():
             self._shapes[lane_key.shape].on_completed(lane_key.lane, len(lane_refs))
             self._schedule(lane_key.shape, lane_key.lane)
+        if is_pool(batch.lane.shape):
+            signatures, counts = np.unique(batch.entries.signatures, return_counts=True)
+            for signature, count in zip(signatures.tolist(), counts.tolist()):
+                self._pool.done(ShapeKey(batch.model, signature), count)
         c = self._c
         c.items_completed += done.items
         c.tokens_completed += done.tokens
@@ -612,9 +564,11 @@ class Dispatcher:
             for lane in lanes.tick(now_s).released:
                 self._storage.drop_lane(LaneKey(shape.model, shape.signature, lane))
             if not lanes.lane_count:
-                _add_lane_counters(self._retired, lanes.counters)
+                add_lane_counters(self._retired, lanes.counters)
                 del self._shapes[shape]
                 self._selector.forget(shape)
+                if not is_pool(shape):
+                    self._pool.own_retired(shape)
             else:
                 self._schedule(shape)
         return self._ticks.any_due(now_s)
@@ -627,6 +581,21 @@ class Dispatcher:
 
     # ----------------------------------------------------------------- counters, invariants
 
+    def _check_pool(self) -> None:
+        """Every shape with lanes of its own is live in the pool with them, and the pool's
+        items per model are its lanes' items, queued or pending."""
+        pool = self._pool
+        pool.check_invariants()
+        pooled: dict[int, int] = {}
+        for shape in self._shapes:
+            if is_pool(shape):
+                queued, _tokens, pending = self._shapes[shape].totals()
+                pooled[shape.model] = queued + pending
+            else:
+                assert shape in self._seen and pool.owns_lanes(shape), f"{shape} has lanes the pool does not know of"
+        assert pool.pooled_by_model() == {m: n for m, n in pooled.items() if n}, (pool.pooled_by_model(), pooled)
+        assert pool.own_shapes() == {s for s in self._shapes if not is_pool(s)}
+
     def counters(self) -> DispatchCounters:
         snapshot = DispatchCounters(**{
             f.name: getattr(self._c, f.name) for f in fields(DispatchCounters)
@@ -634,12 +603,12 @@ class Dispatcher:
         })
         # Column sums in C: status asks every 0.5 s, and field by field in Python this took
         # 7 ms at demo-chat's 7,829 shapes (py-spy), time the consumers' batches waited.
-        rows = [_lane_counter_values(self._retired), *(_lane_counter_values(shape_lanes.counters)
+        rows = [lane_counter_values(self._retired), *(lane_counter_values(shape_lanes.counters)
                                                         for shape_lanes in self._shapes.values())]
         lanes = LaneCounters(*(sum(column) for column in zip(*rows)))
         snapshot.lanes_in_use = sum(shape_lanes.lane_count for shape_lanes in self._shapes.values())
         snapshot.lanes = lanes
-        snapshot.shapes = len(self._shapes)
+        snapshot.shapes = self._pool.live_shapes  # every live shape: own lanes or pooled items
         snapshot.shapes_seen = len(self._seen)
         snapshot.switches = {r.value: n for r, n in self._selector.counters.switches.items()}
         return snapshot
@@ -672,7 +641,7 @@ class Dispatcher:
         storage.check_invariants()
         self._selector.check_invariants()
         self.first_refs.check_invariants()
-        assert self._shapes.keys() <= self._seen, "a live shape not counted as seen"
+        self._check_pool()
         waiting = self._waiting
         unstored = {} if waiting is None else waiting.unstored_by_lane()
         held_tokens = {} if waiting is None else waiting.unannounced_tokens_by_shape()

@@ -55,9 +55,18 @@ switching back and forth would serve neither. Arrival times are kept per shape i
 `age_resolution_ns` (ages read at most one bucket high), so the bookkeeping is a few dict
 updates per batch, not one per item.
 
+The solitary pool (`pipeline/broker/pool.py`: POOL_SIGNATURE, the shapes that share nothing,
+batched together) is a shape here, with three differences, all because it has no prefix for
+a cache to keep: it comes last in the shape order (a consumer takes it when no other shape
+it may take has work, before taking over another's small shape); it is not sticky (a
+consumer on it moves to such a shape as soon as one has work: reason `yield`); and it is
+never small (affinity lets every consumer drain it, as the empty shape). So shapes that share
+are ordered and held as they were, and the shapes of the pool, each of which would have come
+last as a shape of a few tokens of its own, are served where those came.
+
 Every switch is counted by its reason, in all and per consumer: initial (the consumer had
 no current shape), drained (its current shape had no dispatchable tokens), starvation,
-takeover (affinity: only other consumers' small shapes were left).
+takeover (affinity: only other consumers' small shapes were left), yield (see above).
 """
 
 from __future__ import annotations
@@ -74,7 +83,7 @@ from sortedcontainers import SortedList
 from pipeline.broker.ids import ConsumerId, ShapeKey
 from pipeline.broker.lineage import ShapeTrie
 from pipeline.wire.errors import BadInputError, ShapeGuardError
-from pipeline.wire.shapes import EMPTY_SHAPE_SIGNATURE
+from pipeline.wire.shapes import EMPTY_SHAPE_SIGNATURE, POOL_SIGNATURE
 
 # Width of an arrival-time bucket for the starvation bound: a tenth of a second is far finer
 # than any useful bound (seconds to minutes) and keeps the buckets of a shape's backlog few.
@@ -100,6 +109,7 @@ class SwitchReason(enum.Enum):
     STARVATION = "starvation"  # another shape's oldest item waited longer than max_age_s
     TAKEOVER = "takeover"  # affinity: only other consumers' small shapes had work left
     ORDER = "order"  # a baseline policy's order moved on (FIFO, round-robin: pipeline/broker/baselines.py)
+    YIELD = "yield"  # the solitary pool gave way to a shape with work (the pool has no cache to keep)
 
 
 @dataclass(slots=True)
@@ -358,20 +368,46 @@ class ShapeSelector:
             if starving is not None:
                 return ShapeKey(model, starving), SwitchReason.STARVATION
         if mine is not None and self._tokens.get(ShapeKey(model, mine), 0) > 0:
-            return ShapeKey(model, mine), None
+            if mine != POOL_SIGNATURE:
+                return ShapeKey(model, mine), None
+            instead = self._instead_of_pool(state, model, consumer, now_s, batch_tokens)
+            return (ShapeKey(model, mine), None) if instead is None else (ShapeKey(model, instead), SwitchReason.YIELD)
         if not state.by_tokens:
             return None
         reason = SwitchReason.INITIAL if mine is None else SwitchReason.DRAINED
-        eligible = self._free_for(state, model, consumer, batch_tokens)
+        eligible = self._not_pool(self._free_for(state, model, consumer, batch_tokens))
         if mine is None:  # a consumer new to the model joins what the others drain, as the note has it
             joined = self._joinable(state, model, eligible)
             if joined is not None:
                 return ShapeKey(model, joined), reason
         following = self._next(state, model, consumer, mine, eligible)
+        if following is None and self._tokens.get(ShapeKey(model, POOL_SIGNATURE), 0) > 0:
+            following = POOL_SIGNATURE  # last, but before another consumer's small shape
         if following is None:  # only others' small shapes have work: take one rather than idle
             following, reason = self._next(state, model, consumer, mine, None), SwitchReason.TAKEOVER
         assert following is not None, (model, mine)  # by_tokens is not empty
         return ShapeKey(model, following), reason
+
+    @staticmethod
+    def _not_pool(eligible):
+        """`eligible` (None: every shape) without the solitary pool, which comes last."""
+        if eligible is None:
+            return lambda signature: signature != POOL_SIGNATURE
+        return lambda signature: signature != POOL_SIGNATURE and eligible(signature)
+
+    def _instead_of_pool(self, state: _Model, model: int, consumer: ConsumerId, now_s: float,
+                         batch_tokens: int) -> int | None:
+        """For a consumer on the pool: the shape it moves to, the one it would take were the
+        pool drained, if that is not the pool (None: it stays). The pool stays while its own
+        oldest item is over the starvation bound."""
+        if len(state.by_tokens) == 1:  # the pool alone has work: the common case, in O(1)
+            return None
+        if self._max_age_ns is not None:
+            oldest = self._oldest.get(ShapeKey(model, POOL_SIGNATURE))
+            if oldest is not None and self._over_bound(oldest, now_s):
+                return None
+        eligible = self._not_pool(self._free_for(state, model, consumer, batch_tokens))
+        return self._next(state, model, consumer, POOL_SIGNATURE, eligible)
 
     def _joinable(self, state: _Model, model: int, eligible) -> int | None:
         """The shape other consumers serve with the most dispatchable tokens that this one
@@ -416,8 +452,8 @@ class ShapeSelector:
         mine = state.current.get(consumer)
 
         def eligible(signature: int) -> bool:
-            if signature == EMPTY_SHAPE_SIGNATURE:
-                return True  # no prefix: nothing to compute once, so every consumer may drain it
+            if signature in (EMPTY_SHAPE_SIGNATURE, POOL_SIGNATURE):
+                return True  # no prefix to share: nothing to compute once, so every consumer may drain it
             if self._tokens.get(ShapeKey(model, signature), 0) > small_tokens:
                 return True  # large: every consumer drains it
             others = state.serving.get(signature)

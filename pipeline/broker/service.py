@@ -54,7 +54,9 @@ from pipeline.broker.storage.disk import DiskTier
 from pipeline.broker.store_health import log_quarantined, log_recovery, note_store_was_kept, store_damage
 from pipeline.broker.wakeup import Wakeup
 from pipeline.wire.errors import ProtocolError, ShmError
+from pipeline.wire.shapes import POOL_SIGNATURE
 from pipeline.wire.status import (
+    POOL_SHAPE,
     STATUS_VERSION,
     BrokerStatus,
     ConnectedConsumer,
@@ -70,10 +72,14 @@ log = logging.getLogger("pipeline.broker")
 STALL_LOG_INTERVAL_S = 10.0
 # How long select may sleep when nothing is pending: bounds how late a tick runs.
 IDLE_WAIT_S = 0.05
-# Shapes one turn's lane maintenance ticks at most: about 2 ms. When more are due (every
-# shape of a 7,829-shape backlog goes idle within a moment), the next turns tick the rest,
-# dispatching between, rather than one tick of 40 ms or more.
-TICK_SHAPES_PER_TURN = 256
+# Lane maintenance ticks due shapes this many at a time, and stops once a turn has spent
+# TICK_BUDGET_S on it; the next turns tick the rest, dispatching between (every shape of a
+# 7,829-shape backlog goes idle within a moment). A shape's tick can cost a file: a released
+# lane seals its segment, and a finished one is deleted (unlink took 2-3 ms a file here).
+# NOTE: a fixed 256 shapes a turn (no clock) took 0.3-0.8 s a turn with 100,000 one-item
+# shapes, 382 turns over 50 ms and 17 loop stalls (a run of `pipeline launch`).
+TICK_SHAPES_PER_CALL = 8
+TICK_BUDGET_S = 0.005
 # Shapes listed one by one in status (the rest summed as "other"): enough for a terminal
 # table and a metrics label set that stays small however many shapes a run has.
 STATUS_TOP_SHAPES = 16
@@ -120,7 +126,8 @@ class Broker:
         self.state = self._next_generation()
         self.namespace = namespace_for(config.data_dir)
         policy, lanes = config.dispatch_policy()
-        self.dispatcher = Dispatcher(storage, lane_config=lanes, max_models=config.max_models, policy=policy)
+        self.dispatcher = Dispatcher(storage, lane_config=lanes, max_models=config.max_models, policy=policy,
+                                     pool_max_items=config.pool_items, pool_min_shapes=config.pool_min_shapes)
         self.dispatcher.recover(time.monotonic())  # before any ingest (disk tier)
         durable = self.storage_dir == os.path.realpath(config.data_dir)
         note_store_was_kept(storage, self.state, config.data_dir, durable, ran_before=self.state.generation > 1)
@@ -181,7 +188,7 @@ class Broker:
 
     def turn(self) -> None:
         busy = self.producer_side.fill(time.monotonic(), hungry=self.consumer_side.hungry())
-        busy = self.consumer_side.dispatch(time.monotonic()) or busy
+        busy = self.consumer_side.dispatch(time.monotonic()) or busy or self._ticks_left
         self.control.serve(0.0 if busy else IDLE_WAIT_S)
         now = time.monotonic()
         if self._notice_stall(now):
@@ -191,12 +198,21 @@ class Broker:
             now = time.monotonic()
         if now >= self._next_tick_s or self._ticks_left:
             # Lanes may age across a stall: quiescing early is harmless.
-            self._ticks_left = self.dispatcher.tick(now, TICK_SHAPES_PER_TURN)
+            self._ticks_left = self._tick_lanes(now)
         if now >= self._next_tick_s:
             log_quarantined(self.storage)
             self.consumer_side.check_heartbeats(now)
             self.control.expire_unregistered(now)
             self._next_tick_s = now + self.config.tick_interval_s
+
+    def _tick_lanes(self, now_s: float) -> bool:
+        """Lane maintenance for at most TICK_BUDGET_S (at least one call); whether due shapes
+        are left for the next turns."""
+        deadline = time.monotonic() + TICK_BUDGET_S
+        while True:
+            left = self.dispatcher.tick(now_s, TICK_SHAPES_PER_CALL)
+            if not left or time.monotonic() >= deadline:
+                return left
 
     def _notice_stall(self, now_s: float) -> bool:
         """Whether the loop stalled since its last look at the clock (one look a turn, so
@@ -279,6 +295,8 @@ class Broker:
             shapes=counters.shapes,
             shapes_seen=counters.shapes_seen,
             lanes_in_use=counters.lanes_in_use,
+            pool_items=self.dispatcher.pool.counters.items,
+            pool_shapes=self.dispatcher.pool.counters.shapes,
             periodic_syncs=sync.syncs if sync is not None else 0,
             periodic_sync_failures=sync.failures if sync is not None else 0,
             periodic_sync_max_s=sync.max_sync_s if sync is not None else 0.0,
@@ -332,8 +350,8 @@ class Broker:
 def _top_shapes(shapes: list, top: int) -> list[dict]:
     """The `top` shapes by queued tokens, then one "other" row summing the rest: bounded
     output (and bounded metric labels) whatever the number of shapes."""
-    rows = [{"model": s.model, "signature": f"{s.signature:016x}", "lanes": s.lanes,
-             "queued_items": s.queued_items, "queued_tokens": s.queued_tokens, "pending_items": s.pending_items}
+    rows = [{"model": s.model, "signature": POOL_SHAPE if s.signature == POOL_SIGNATURE else f"{s.signature:016x}",
+             "lanes": s.lanes, "queued_items": s.queued_items, "queued_tokens": s.queued_tokens, "pending_items": s.pending_items}
             for s in shapes[:top]]
     rest = shapes[top:]
     if rest:

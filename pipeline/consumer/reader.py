@@ -212,7 +212,7 @@ class SegmentReader:
         """The entry at `offset`, checked against what the descriptor says it is."""
         path = self._path(model, signature, lane, segment_seq)
         view = self._view(path, offset + ENTRY_HEADER_SIZE_BYTES + length * TOKEN_SIZE_BYTES)
-        state, got_length, checksum, got_id, _seq, _producer, prefix_len, payload_len, submit_ns = (
+        state, got_length, checksum, got_id, _seq, _producer, prefix_len, payload_len, submit_ns, _shape = (
             ENTRY_HEADER_STRUCT.unpack_from(view, offset)
         )
         end = offset + entry_size_bytes(got_length, payload_len)

@@ -22,7 +22,7 @@ import numpy as np
 import xxhash
 
 from pipeline.wire.errors import SignatureError, TokenArrayError
-from pipeline.wire.shapes import EMPTY_SHAPE_SIGNATURE
+from pipeline.wire.shapes import EMPTY_SHAPE_SIGNATURE, POOL_SIGNATURE
 
 Signature = NewType("Signature", int)
 
@@ -100,4 +100,6 @@ def check_signature(value: object) -> int:
     as_int = int(value)
     if not 0 <= as_int <= UINT64_MAX:
         raise SignatureError(f"signature {as_int} is not an unsigned 64-bit value")
+    if as_int == POOL_SIGNATURE:
+        raise SignatureError(f"signature {as_int:#018x} is reserved: it names the broker's solitary pool")
     return as_int

@@ -61,6 +61,8 @@ Definitions (every figure is an int or a float; a ratio with nothing to divide i
   engines ran, what the Mooncake paper calls the cache ratio): unlike the rate above it does
   not depend on what each system declares cacheable, so it compares with other systems.
 - shape_switches = the sum of the broker's switch counts; shape_switches_by_reason keeps them.
+- stalls = gaps in the broker's loop long enough to be its own stall (`stalled_s`: their
+  seconds, summed): a loop that kept its yield has none.
 - items_per_s and tokens_per_s = completed over the launcher's wall time (wall_s).
 - makespan_s = from the first dispatch to the last completion: the earliest dispatch_ns and
   the latest done_ns of the run's results lines (one monotonic clock for the machine). Not
@@ -238,6 +240,8 @@ def build_report(status: BrokerStatus | None, results: ResultsSummary, wall_s: f
         "shapes": broker.shapes_seen,
         "lanes": lanes,
         "consumers_lost": broker.consumers_lost,
+        "stalls": broker.stalls,
+        "stalled_s": broker.stalled_s,
         "per_consumer": per_consumer,
         "engine_counters_agree": _engines_agree(per_consumer),
         "split_prefix_tokens": total("split_prefix_tokens"),

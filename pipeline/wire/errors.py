@@ -10,7 +10,8 @@ raises one of these, with the offending value, path and byte offset in the messa
     │   ├── ItemTooLongError                 more tokens than the configured record limit
     │   ├── PayloadTooLargeError             payload above the configured limit
     │   ├── ModelIdError                     model id outside [0, max_models)
-    │   ├── SignatureError                   signature not an unsigned 64-bit integer
+    │   ├── SignatureError                   signature not an unsigned 64-bit integer, or
+    │   │                                    the solitary pool's own (POOL_SIGNATURE)
     │   ├── WorkloadError                    a workload file has bad lines (path:line named)
     │   │   └── BatchFileError               an OpenAI Batch request file has malformed lines
     │   │                                    (path:line named); the job does not start
@@ -139,7 +140,8 @@ class ModelIdError(BadInputError):
 
 
 class SignatureError(BadInputError):
-    """A shape signature is not an unsigned 64-bit integer."""
+    """A shape signature is not an unsigned 64-bit integer, or is the one the broker keeps
+    for its solitary pool (`pipeline.wire.shapes.POOL_SIGNATURE`)."""
 
 
 class WorkloadError(BadInputError):

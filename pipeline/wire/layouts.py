@@ -27,6 +27,7 @@ import numpy as np
 import xxhash
 
 from pipeline.wire.errors import FrameError, SegmentNameError
+from pipeline.wire.shapes import POOL_SIGNATURE
 from shm.layout import Field, checked_dtype, field_offset, struct_for
 
 ItemId = NewType("ItemId", int)
@@ -146,6 +147,9 @@ def encode_chains(chains: list[tuple[int, tuple[int, ...]]]) -> bytes:
     return b"".join(parts)
 
 
+_POOL_REFUSED = "is the solitary pool's own signature, which no producer may use"
+
+
 def decode_chains(section: np.ndarray, where: str = "chains") -> list[tuple[int, tuple[int, ...]]]:
     """A frame's chain section as (model, chain) pairs; FrameError naming the byte offset
     for one that does not fill it exactly or breaks the limits."""
@@ -160,6 +164,9 @@ def decode_chains(section: np.ndarray, where: str = "chains") -> list[tuple[int,
             raise FrameError(f"{where}: the chain at byte {at} has depth {depth} (1 to {MAX_CHAIN_DEPTH}) and "
                              f"would end at byte {end} of {size}")
         signatures = section[at + CHAIN_HEADER_DTYPE.itemsize:end].view(SIGNATURE_DTYPE)
+        if (signatures == np.uint64(POOL_SIGNATURE)).any():
+            raise FrameError(f"{where}: the chain at byte {at} holds signature {POOL_SIGNATURE:#018x}, which "
+                             f"{_POOL_REFUSED}")
         chains.append((int(model), tuple(int(s) for s in signatures)))
         at = end
     return chains
@@ -241,6 +248,9 @@ def parse_frame(body: np.ndarray, where: str = "frame", producer_id: int | None 
         raise FrameError(f"{where}: header at offset 8 names producer {frame_producer}; the record is in "
                          f"producer {producer_id}'s ring")
     _check_item_ids(items, frame_producer, count, where)
+    pooled = items["signature"] == np.uint64(POOL_SIGNATURE)
+    if pooled.any():
+        _item_refused(items, int(np.flatnonzero(pooled)[0]), "signature", _POOL_REFUSED, where)
     return Frame(
         producer_id=frame_producer,
         items=items,
@@ -300,7 +310,10 @@ def _item_refused(items: np.ndarray, index: int, name: str, why: str, where: str
 # Segment files (the disk tier, SPEC §5)
 #
 # A segment holds entries of one (model, signature, lane), so shape purity is a property of
-# the layout. The header page holds the routing keys once. Entries follow from
+# the layout; every entry also names its own shape (`signature`), which is the segment's,
+# but in the segments of a model's solitary pool (signature POOL_SIGNATURE,
+# `pipeline.wire.shapes`), whose entries are of many shapes that share nothing.
+# The header page holds the routing keys once. Entries follow from
 # SEGMENT_HEADER_SIZE_BYTES on, 16-aligned:
 #
 #     file:  SEGMENT_HEADER (one page) | ENTRY_HEADER tokens payload pad | ENTRY_HEADER ... | zeros
@@ -321,7 +334,9 @@ def _item_refused(items: np.ndarray, index: int, name: str, why: str, where: str
 SEGMENT_MAGIC = b"SBSEGMT1"
 # Bump when a field below moves or changes meaning; segments of another version are refused
 # (version 1 rewrote tombstones and header words in place: no migration, see above).
-SEGMENT_VERSION = 2
+# Version 3: the entry's shape (`signature`) in what was reserved; a version 2 entry has
+# zeros there, which would read as a shape.
+SEGMENT_VERSION = 3
 # One page: entries start page-aligned, and the header's mutable words stay in one page.
 SEGMENT_HEADER_SIZE_BYTES = 4096
 # Entries start on 16-byte boundaries so token ids (after a 64-byte header) are 16-aligned
@@ -391,7 +406,7 @@ SEGMENT_IDENTITY_BYTES = 48
 #    40     4  payload_len  opaque payload bytes after the tokens
 #    44     4  reserved     zero
 #    48     8  submit_ns    producer's submit time (monotonic ns), for latency
-#    56     8  reserved     zero
+#    56     8  signature    the item's shape (SPEC §1): the segment's, but in a pool segment
 # Then `length` int32 token ids (16-aligned), the payload, and zeros to the next 16 bytes.
 ENTRY_HEADER_DTYPE = checked_dtype(
     [
@@ -404,6 +419,7 @@ ENTRY_HEADER_DTYPE = checked_dtype(
         ("prefix_len", 36, "<u4", "prefix tokens"),
         ("payload_len", 40, "<u4", "payload bytes"),
         ("submit_ns", 48, "<u8", "submit time"),
+        ("signature", 56, "<u8", "the item's shape"),
     ],
     itemsize=64,
 )

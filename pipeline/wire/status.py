@@ -36,9 +36,12 @@ from pipeline.wire.errors import ProtocolError
 #    lineage_chains_unrecorded, store_damage's lineage_problems.
 # 6: shapes_seen (the run's distinct shapes; `shapes` is the live ones).
 # 7: periodic_syncs, periodic_sync_failures, periodic_sync_max_s (sync_interval_s at `process`).
-STATUS_VERSION = 7
+# 8: pool_items, pool_shapes (the solitary pool, pipeline/broker/pool.py).
+STATUS_VERSION = 8
 # The signature of the `top_shapes` row that sums every shape past the top ones.
 OTHER_SHAPE = "other"
+# The signature of a model's solitary pool's row (its many shapes' items, batched together).
+POOL_SHAPE = "pool"
 # busy_ns's unit.
 NS_PER_S = 1_000_000_000
 # Metric kinds (prometheus_client's counter and gauge families).
@@ -250,7 +253,7 @@ class TopShape:
     (signature OTHER_SHAPE, model -1): bounded output and bounded metric labels."""
 
     model: int = _doc("The shape's model (-1 on the other row)")
-    signature: str = _doc("The shape's signature in 16 hex digits, or OTHER_SHAPE")
+    signature: str = _doc("The shape's signature in 16 hex digits, POOL_SHAPE or OTHER_SHAPE")
     lanes: int = _doc("Length lanes this shape holds", Export(GAUGE))
     queued_items: int = _doc("Items queued in this shape's lanes", Export(GAUGE))
     queued_tokens: int = _doc("Tokens queued in this shape's lanes", Export(GAUGE))
@@ -317,10 +320,14 @@ class BrokerStatus:
     backlog_tokens: int = _doc("Tokens of the items stored and not yet routed", Export(GAUGE), default=0)
     pending_items: int = _doc("Items routed and not yet completed", Export(GAUGE), default=0)
     # --- shapes and lanes
-    shapes: int = _doc("(model, shape) pairs the broker holds lanes for", Export(GAUGE), default=0)
-    shapes_seen: int = _doc("Distinct (model, shape) pairs given lanes since the broker started, idle ones included",
-                            Export(COUNTER), default=0)
+    shapes: int = _doc("(model, shape) pairs the broker holds items of, in lanes of their own or in the solitary "
+                       "pool", Export(GAUGE), default=0)
+    shapes_seen: int = _doc("Distinct (model, shape) pairs given items since the broker started, idle and pooled "
+                            "ones included", Export(COUNTER), default=0)
     lanes_in_use: int = _doc("Length lanes open now", Export(GAUGE), default=0)
+    pool_items: int = _doc("Items stored in a model's solitary pool: of shapes that shared nothing with another "
+                           "live shape, batched together", Export(COUNTER), default=0)
+    pool_shapes: int = _doc("Shapes whose items went to the solitary pool", Export(COUNTER), default=0)
     # --- sync_interval_s at durability `process` (pipeline/broker/periodic_sync.py)
     periodic_syncs: int = _doc("syncfs calls of the data directory's filesystem (sync_interval_s)", Export(COUNTER),
                                default=0)

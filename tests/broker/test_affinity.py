@@ -60,7 +60,7 @@ def test_small_shapes_go_one_to_a_consumer_large_ones_to_all():
     assert pick(selector, B) == SMALL_1  # only A's small shape is left: a takeover, not an idle B
     counts = selector.counters.per_consumer
     assert counts[A] == {SwitchReason.INITIAL: 1, SwitchReason.DRAINED: 1, SwitchReason.STARVATION: 0,
-                         SwitchReason.TAKEOVER: 0, SwitchReason.ORDER: 0}
+                         SwitchReason.TAKEOVER: 0, SwitchReason.ORDER: 0, SwitchReason.YIELD: 0}
     assert counts[B][SwitchReason.TAKEOVER] == 1 and sum(selector.counters.switches.values()) == 5
     selector.check_invariants()
 
@@ -112,7 +112,7 @@ def test_without_affinity_the_consumers_of_a_model_move_together():
     assert pick(selector, B) == SMALL_1
     assert selector.counters.per_consumer[B] == {SwitchReason.INITIAL: 1, SwitchReason.DRAINED: 0,
                                                  SwitchReason.STARVATION: 0, SwitchReason.TAKEOVER: 0,
-                                                 SwitchReason.ORDER: 0}
+                                                 SwitchReason.ORDER: 0, SwitchReason.YIELD: 0}
     selector.check_invariants()
 
 

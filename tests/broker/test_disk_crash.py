@@ -43,9 +43,14 @@ from pipeline.broker.storage.inspect import verify
 from pipeline.broker.storage.paths import iter_segments
 from pipeline.broker.storage.segment import scan_segment
 from pipeline.wire.layouts import ENTRY_HEADER_SIZE_BYTES, ENTRY_LIVE, SYNC_ALIGN_BYTES, entry_size_bytes, make_item_id
+from pipeline.wire.shapes import POOL_SIGNATURE
 
 PRODUCERS = 3
 SHAPES = [(0, 0x51), (0, 0x52), (1, 0x53)]
+# With the solitary pool on (`pooled`): those and 40 more shapes that share nothing, most
+# with a few items live at a time (pooled), some past POOL_ITEMS (lanes of their own).
+POOLED_SHAPES = SHAPES + [(k % 2, 0x1000 + k) for k in range(40)]
+POOL_ITEMS = 4
 # Frames a simulated ring holds beyond its producer's released position; the driver reads
 # at most this many frames of one producer per turn, so every stored, unreleased frame is
 # among them.
@@ -62,15 +67,16 @@ def frame_size(producer: int, first: int) -> int:
     return 1 + (first * 2654435761 + producer * 40503) % MAX_FRAME_ITEMS
 
 
-def item_spec(producer: int, seq: int) -> tuple[tuple[int, int], int]:
+def item_spec(producer: int, seq: int, pooled: bool = False) -> tuple[tuple[int, int], int]:
     """(shape, length) of a producer's item: a pure function, so anyone can check it."""
     mixed = seq * 2246822519 + producer * 3266489917
-    return SHAPES[mixed % len(SHAPES)], 5 + (mixed >> 7) % 250
+    shapes = POOLED_SHAPES if pooled else SHAPES
+    return shapes[mixed % len(shapes)], 5 + (mixed >> 7) % 250
 
 
-def ring_frame(producer: int, first: int):
+def ring_frame(producer: int, first: int, pooled: bool = False):
     count = frame_size(producer, first)
-    specs = [item_spec(producer, seq) for seq in range(first, first + count)]
+    specs = [item_spec(producer, seq, pooled) for seq in range(first, first + count)]
     return make_frame(producer, first, [s for s, _ in specs], [n for _, n in specs], submit_ns=first)
 
 
@@ -118,10 +124,11 @@ class Log:
 class Driver:
     """The broker loop in miniature, in a child process (see the module docstring)."""
 
-    def __init__(self, data_dir: str, log_path: str, seed: int, durability: Durability) -> None:
+    def __init__(self, data_dir: str, log_path: str, seed: int, durability: Durability, pooled: bool = False) -> None:
         self.rng = np.random.default_rng(seed)
+        self.pooled = pooled
         self.tier = DiskTier.open(data_dir, durability, segment_max_bytes=SEGMENT_BYTES)
-        self.dispatcher = Dispatcher(self.tier)
+        self.dispatcher = Dispatcher(self.tier, pool_max_items=POOL_ITEMS if pooled else 0)
         self.dispatcher.recover(0.0)
         self.log_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         self.position = Log.read(log_path).released
@@ -138,7 +145,7 @@ class Driver:
         for producer, frames in frames_by_producer.items():
             for _ in range(frames):
                 first = self.position[producer]
-                frame = ring_frame(producer, first)
+                frame = ring_frame(producer, first, self.pooled)
                 self.dispatcher.ingest(frame, self.now_s)
                 released.append(f"A {producer} {first} {len(frame.items)}\n")
                 self.position[producer] = first + len(frame.items)
@@ -152,9 +159,9 @@ class Driver:
         if batch is None:
             return
         for entry in batch.entries:
-            (shape, length) = item_spec(entry.producer_id, entry.seq)
+            (shape, length) = item_spec(entry.producer_id, entry.seq, self.pooled)
             tokens = self.tier.read_tokens(entry.ref)
-            if (entry.lane.shape != shape or entry.length != length or entry.item_id != make_item_id(entry.producer_id, entry.seq)
+            if ((entry.lane.model, entry.signature) != shape or entry.length != length or entry.item_id != make_item_id(entry.producer_id, entry.seq)
                     or not np.array_equal(tokens, token_ids(entry.item_id, length))):
                 self.write(f"X {entry.producer_id}:{entry.seq} at {tuple(entry.ref)}\n")
                 os._exit(CORRUPT_EXIT)
@@ -199,7 +206,7 @@ class Driver:
 
 
 def run_child(data_dir: str, log_path: str, seed: int, durability: Durability, turns: int,
-              crash_point: tuple[str, int] | None = None) -> int:
+              crash_point: tuple[str, int] | None = None, pooled: bool = False) -> int:
     """Fork a driver; return its pid. It exits 0 after `turns` turns (0: after draining
     everything), CRASH_EXIT_CODE at the crash point, 1 with a traceback in
     log_path + '.err' on any error."""
@@ -210,7 +217,7 @@ def run_child(data_dir: str, log_path: str, seed: int, durability: Durability, t
     try:
         if crash_point is not None:
             crashpoints.arm(*crash_point)
-        Driver(data_dir, log_path, seed, durability).run(turns)
+        Driver(data_dir, log_path, seed, durability, pooled).run(turns)
         status = 0
     except BaseException:
         with open(log_path + ".err", "a") as file:
@@ -230,7 +237,7 @@ def wait(pid: int, log_path: str) -> int:
     return code
 
 
-def check_after_recovery(data_dir: str, log_path: str, crashes: int) -> tuple[Log, set]:
+def check_after_recovery(data_dir: str, log_path: str, crashes: int, pooled: bool = False) -> tuple[Log, set]:
     """Recover the store, verify it, and check it against the log (module docstring)."""
     tier = DiskTier.open(data_dir)
     assert not tier.recovery.quarantined, tier.recovery.summary()
@@ -239,7 +246,7 @@ def check_after_recovery(data_dir: str, log_path: str, crashes: int) -> tuple[Lo
     assert result.ok, result.problems
     log = Log.read(log_path)
     assert not log.corrupt, log.corrupt
-    live = live_items(data_dir)
+    live = live_items(data_dir, pooled=pooled)
     lost = log.accepted - set(log.completed) - live
     assert not lost, f"accepted items lost: {sorted(lost)[:10]}"
     unexpected = live - log.accepted - log.in_rings()
@@ -250,10 +257,11 @@ def check_after_recovery(data_dir: str, log_path: str, crashes: int) -> tuple[Lo
     return log, live
 
 
-def live_items(data_dir: str, name_confirmed: bool = False) -> set[tuple[int, int]]:
-    """(producer, seq) of every live entry, each checked against what its producer sent.
-    `name_confirmed`: a segment whose identity block is damaged is read under its file name's
-    keys (as recovery does when its catalog knows the name)."""
+def live_items(data_dir: str, name_confirmed: bool = False, pooled: bool = False) -> set[tuple[int, int]]:
+    """(producer, seq) of every live entry, each checked against what its producer sent (a
+    pool segment's entries each of a shape of their own). `name_confirmed`: a segment whose
+    identity block is damaged is read under its file name's keys (as recovery does when its
+    catalog knows the name)."""
     live = set()
     for seg in iter_segments(data_dir):
         scan = scan_segment(seg.path, seg.keys, name_confirmed=name_confirmed) if name_confirmed else scan_segment(seg.path)
@@ -262,8 +270,9 @@ def live_items(data_dir: str, name_confirmed: bool = False) -> set[tuple[int, in
             if header["state"] != ENTRY_LIVE:
                 continue
             producer, seq = int(header["producer_id"]), int(header["seq"])
-            shape, length = item_spec(producer, seq)
-            assert (seg.model, seg.signature) == shape and header["length"] == length, (producer, seq)
+            shape, length = item_spec(producer, seq, pooled)
+            assert (seg.model, int(header["signature"])) == shape and header["length"] == length, (producer, seq)
+            assert seg.signature in (shape[1], POOL_SIGNATURE), (seg.path, producer, seq)
             at = offset + ENTRY_HEADER_SIZE_BYTES
             tokens = data[at:at + 4 * length].view(np.int32)
             assert np.array_equal(tokens, token_ids(int(header["item_id"]), length)), (producer, seq)
@@ -272,35 +281,41 @@ def live_items(data_dir: str, name_confirmed: bool = False) -> set[tuple[int, in
     return live
 
 
-def drain_and_check(data_dir: str, log_path: str, crashes: int) -> None:
+def drain_and_check(data_dir: str, log_path: str, crashes: int, pooled: bool = False) -> None:
     """A last child runs with no kill until the work is done; then everything accepted was
     completed, the store holds nothing the rings would not present again."""
-    pid = run_child(data_dir, log_path, seed=999, durability=Durability.PROCESS, turns=0)
+    pid = run_child(data_dir, log_path, seed=999, durability=Durability.PROCESS, turns=0, pooled=pooled)
     assert wait(pid, log_path) == 0
-    log, live = check_after_recovery(data_dir, log_path, crashes)
+    log, live = check_after_recovery(data_dir, log_path, crashes, pooled)
     assert log.accepted <= set(log.completed), "accepted items never completed"
     assert not live and log.accepted
 
 
-def kill_loop(tmp_path, seed: int, kills: int) -> None:
+def kill_loop(tmp_path, seed: int, kills: int, pooled: bool = False) -> None:
     data_dir, log_path = str(tmp_path / "data"), str(tmp_path / "log")
     rng = np.random.default_rng(seed)
     done = 0
     for cycle in range(kills):
         durability = Durability.POWER if cycle % 3 == 2 else Durability.PROCESS
-        pid = run_child(data_dir, log_path, seed * 1000 + cycle, durability, turns=10**6)
+        pid = run_child(data_dir, log_path, seed * 1000 + cycle, durability, turns=10**6, pooled=pooled)
         time.sleep(float(rng.uniform(0.002, 0.045)))  # a random moment: recovery, ingest, ...
         os.kill(pid, signal.SIGKILL)
         assert wait(pid, log_path) == -signal.SIGKILL, "the child ended before the kill"
         done += 1
-        check_after_recovery(data_dir, log_path, crashes=done)
-    drain_and_check(data_dir, log_path, crashes=done)
+        check_after_recovery(data_dir, log_path, crashes=done, pooled=pooled)
+    drain_and_check(data_dir, log_path, crashes=done, pooled=pooled)
     assert done == kills
 
 
 def test_kill_9_at_random_moments(tmp_path):
     """60 kills of a child driving the disk tier under load, checked after each recovery."""
     kill_loop(tmp_path, seed=1, kills=60)
+
+
+def test_kill_9_at_random_moments_with_the_solitary_pool(tmp_path):
+    """The same with 43 shapes, most of them pooled: the pool's segments, its shapes' items
+    found again by their own signatures, those that outgrow it."""
+    kill_loop(tmp_path, seed=11, kills=40, pooled=True)
 
 
 @pytest.mark.slow
@@ -321,13 +336,19 @@ CRASH_POINTS = [
 ]
 
 
-@pytest.mark.parametrize("point,skip", CRASH_POINTS)
-def test_crash_at_each_step_boundary(tmp_path, point, skip):
+# The same with the solitary pool on, but rotation: its lanes, recycled at every tick of the
+# driver, hold too few items between two to fill a segment.
+POOLED_CRASH_POINTS = [(point, skip) for point, skip in CRASH_POINTS if point != "rotate.after_seal"]
+
+
+@pytest.mark.parametrize("point,skip,pooled", [(p, k, False) for p, k in CRASH_POINTS]
+                         + [(p, k, True) for p, k in POOLED_CRASH_POINTS])
+def test_crash_at_each_step_boundary(tmp_path, point, skip, pooled):
     data_dir, log_path = str(tmp_path / "data"), str(tmp_path / "log")
-    pid = run_child(data_dir, log_path, seed=7, durability=Durability.PROCESS, turns=150)
+    pid = run_child(data_dir, log_path, seed=7, durability=Durability.PROCESS, turns=150, pooled=pooled)
     assert wait(pid, log_path) == 0  # a store with history first
     pid = run_child(data_dir, log_path, seed=8, durability=Durability.PROCESS, turns=1000,
-                    crash_point=(point, skip))
+                    crash_point=(point, skip), pooled=pooled)
     assert wait(pid, log_path) == crashpoints.CRASH_EXIT_CODE, f"{point} was never reached"
     tier = DiskTier.open(data_dir)
     report = tier.recovery
@@ -340,8 +361,8 @@ def test_crash_at_each_step_boundary(tmp_path, point, skip):
     if point == "create.after_rename":
         assert report.adopted and report.ok, report.summary()  # on disk, not in the catalog yet
     assert not report.missing, report.summary()  # the catalog is never ahead of the files
-    check_after_recovery(data_dir, log_path, crashes=1)
-    drain_and_check(data_dir, log_path, crashes=1)
+    check_after_recovery(data_dir, log_path, crashes=1, pooled=pooled)
+    drain_and_check(data_dir, log_path, crashes=1, pooled=pooled)
 
 
 @pytest.mark.parametrize("point", ["segment.after_write", "sync.before_fdatasync", "sync.after_fdatasync"])

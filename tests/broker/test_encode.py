@@ -26,6 +26,7 @@ def _frame(lengths: list[int], payload_lens: list[int], seed: int):
     items["seq"] = np.arange(len(lengths))
     items["prefix_len"] = [rng.integers(0, n + 1) for n in lengths]
     items["submit_ns"] = rng.integers(0, 2**62, len(lengths))
+    items["signature"] = rng.integers(0, 2**63, len(lengths), dtype=np.uint64)
     tokens = rng.integers(-2**31, 2**31, sum(lengths), dtype=np.int64).astype(np.int32)
     payloads = rng.integers(0, 256, sum(payload_lens), dtype=np.uint8)
     return (items, tokens, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64), payloads,
@@ -37,7 +38,7 @@ def _reference(items, tokens, token_starts, payloads, payload_starts, indices, p
     for i in indices.tolist():
         header = np.zeros(1, dtype=ENTRY_HEADER_DTYPE)
         header["state"], header["producer_id"] = ENTRY_LIVE, producer_id
-        for name in ("length", "item_id", "seq", "prefix_len", "payload_len", "submit_ns"):
+        for name in ("length", "item_id", "seq", "prefix_len", "payload_len", "submit_ns", "signature"):
             header[name] = items[name][i]
         length, plen = int(items["length"][i]), int(items["payload_len"][i])
         body = (tokens[token_starts[i]:token_starts[i] + length].astype("<i4").tobytes()

@@ -191,17 +191,20 @@ def test_damaged_segment_with_nothing_left_to_deliver_is_quarantined_by_recovery
     assert f"QUARANTINED: {state.path}" in report.summary()
 
 
-def test_a_segment_of_the_old_layout_stops_recovery_with_one_clear_error(tmp_path):
-    # Layout version 1 rewrote tombstones and header words in place; there is no migration,
-    # and quarantining its intact entries would take them from delivery: recovery refuses.
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_segment_of_an_old_layout_stops_recovery_with_one_clear_error(tmp_path, version):
+    # Layout version 1 rewrote tombstones and header words in place, version 2 had zeros where
+    # an entry names its shape; there is no migration, and quarantining its intact entries
+    # would take them from delivery: recovery refuses.
     store = SegmentStore(str(tmp_path))
     fill(store, groups=2)
     path = next(iter(store.segments.values())).path
     store.close()
     data = bytearray(open(path, "rb").read())
-    data[8:12] = (1).to_bytes(4, "little")
-    data[48:56] = xxhash.xxh3_64_intdigest(bytes(data[:48])).to_bytes(8, "little")  # an intact version-1 block
+    data[8:12] = version.to_bytes(4, "little")
+    data[48:56] = xxhash.xxh3_64_intdigest(bytes(data[:48])).to_bytes(8, "little")  # an intact old block
     open(path, "wb").write(bytes(data))
-    with pytest.raises(SegmentFormatError, match="layout version 1; this broker reads version 2 only and does not migrate"):
+    with pytest.raises(SegmentFormatError,
+                       match=f"layout version {version}; this broker reads version 3 only and does not migrate"):
         SegmentStore(str(tmp_path)).recover()
     assert os.path.exists(path)  # left where it is

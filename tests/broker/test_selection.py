@@ -14,9 +14,11 @@ from hypothesis import strategies as st
 from pipeline.broker.ids import ConsumerId, ShapeKey
 from pipeline.broker.selection import ShapeSelector, SwitchReason
 from pipeline.wire.errors import BadInputError, PipelineError, ShapeGuardError
+from pipeline.wire.shapes import POOL_SIGNATURE
 
 DETERMINISTIC = settings(derandomize=True, database=None, deadline=None, max_examples=200)
-SHAPES = [ShapeKey(0, 5), ShapeKey(0, 9), ShapeKey(0, 2), ShapeKey(1, 5), ShapeKey(1, 7)]
+# With model 0's solitary pool (pipeline/broker/pool.py): last in the order, and it gives way.
+SHAPES = [ShapeKey(0, 5), ShapeKey(0, 9), ShapeKey(0, 2), ShapeKey(1, 5), ShapeKey(1, 7), ShapeKey(0, POOL_SIGNATURE)]
 NS = 1_000_000_000
 C0 = ConsumerId(0)  # the one consumer of these tests (the multi-consumer policy: test_affinity.py)
 
@@ -54,13 +56,19 @@ class RefSelector:
                 if (signature != current and self.starving(bucket, now_s)
                         and not (own is not None and self.starving(own, now_s))):
                     return self.switch(model, signature, SwitchReason.STARVATION)
+        # The pool last: ranked after every shape with tokens, whatever its own tokens.
+        ranked = sorted((s.signature == POOL_SIGNATURE, -self.tokens(s), s.signature) for s in shapes if self.tokens(s))
         if current is not None and self.tokens(ShapeKey(model, current)) > 0:
-            return ShapeKey(model, current)
-        ranked = sorted((-self.tokens(s), s.signature) for s in shapes if self.tokens(s))
+            if current != POOL_SIGNATURE or ranked[0][2] == POOL_SIGNATURE:
+                return ShapeKey(model, current)
+            own = self.oldest_bucket(ShapeKey(model, current)) if self.max_age_s is not None else None
+            if own is not None and self.starving(own, now_s):
+                return ShapeKey(model, current)  # the pool serves its own starving work
+            return self.switch(model, ranked[0][2], SwitchReason.YIELD)  # the pool gives way
         if not ranked:
             return None
         reason = SwitchReason.INITIAL if current is None else SwitchReason.DRAINED
-        return self.switch(model, ranked[0][1], reason)
+        return self.switch(model, ranked[0][2], reason)
 
     def switch(self, model: int, signature: int, reason: SwitchReason) -> ShapeKey:
         self.current[model] = signature
@@ -150,6 +158,42 @@ def test_seeded_stress(seed, max_age_s):
             harness.run(("select", int(rng.integers(2)), float(rng.choice([0.0, 0.2, 1.0, 3.0]))))
 
 
+@pytest.mark.parametrize("seed,max_age_s,least_yields", [(11, None, 10), (12, 30.0, 1)])
+def test_seeded_stress_around_the_pool(seed, max_age_s, least_yields):
+    """Model 0 only, the pool's items coming and the others' going most: the pool is often the
+    one shape with work when the consumer switches, and others come while it is served."""
+    rng = np.random.default_rng(seed)
+    harness = Harness(max_age_s)
+    pool, others = SHAPES.index(ShapeKey(0, POOL_SIGNATURE)), [0, 1, 2]
+    yields = 0
+    for _ in range(600):
+        roll = rng.random()
+        if roll < 0.3:  # mostly the pool's items come, mostly the others' go
+            pick = pool if rng.random() < 0.7 else int(rng.choice(others))
+            harness.run(("queue", pick, rng.integers(1, 3000, int(rng.integers(1, 4))).tolist(), 0.0))
+        elif roll < 0.65:
+            pick = pool if rng.random() < 0.2 else int(rng.choice(others))
+            harness.run(("dispatch", pick, rng.integers(0, 100, int(rng.integers(1, 4))).tolist()))
+        else:
+            harness.run(("select", 0, float(rng.choice([0.0, 0.2, 3.0]))))
+        yields = harness.sut.counters.switches[SwitchReason.YIELD]
+    assert yields >= least_yields, yields  # the case this stress is for happened (starving work holds the pool)
+
+
+def test_the_pool_comes_last_and_gives_way_to_a_shape_with_work():
+    pool, a = ShapeKey(0, POOL_SIGNATURE), ShapeKey(0, 0xA)
+    selector = ShapeSelector()
+    selector.on_queued(pool, 9000, [0])
+    selector.on_queued(a, 100, [0])
+    assert selector.select(0, 0.0, consumer=C0) == a  # a shape before the pool, whatever the tokens
+    selector.on_dispatched(a, 100, [0])
+    assert selector.select(0, 0.0, consumer=C0) == pool  # drained: the pool
+    selector.on_queued(a, 50, [0])
+    assert selector.select(0, 0.0, consumer=C0) == a  # the pool gives way at once
+    assert selector.counters.switches[SwitchReason.YIELD] == 1
+    selector.check_invariants()
+
+
 def test_docstring_example():
     a, b, c = ShapeKey(0, 0xA), ShapeKey(0, 0xB), ShapeKey(0, 0xC)
     selector = ShapeSelector()
@@ -164,7 +208,7 @@ def test_docstring_example():
     assert selector.select(0, 0.0, consumer=C0) == c
     assert selector.counters.switches == {
         SwitchReason.INITIAL: 1, SwitchReason.DRAINED: 1, SwitchReason.STARVATION: 0, SwitchReason.TAKEOVER: 0,
-        SwitchReason.ORDER: 0,
+        SwitchReason.ORDER: 0, SwitchReason.YIELD: 0,
     }
     assert selector.counters.per_consumer == {C0: selector.counters.switches}
     selector.check_invariants()

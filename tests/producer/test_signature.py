@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from pipeline.producer.signature import SIGNATURE_SEED, chain, check_signature, component_hash, reduce_hashes, signature
 from pipeline.wire.errors import SignatureError, TokenArrayError
-from pipeline.wire.shapes import EMPTY_SHAPE_SIGNATURE
+from pipeline.wire.shapes import EMPTY_SHAPE_SIGNATURE, POOL_SIGNATURE
 
 SYSTEM = b"You are a helpful assistant."
 FEWSHOT = np.array([101, 2023, 2003, 1037, 7099, 102], dtype=np.int32)
@@ -99,6 +99,12 @@ def test_signature_takes_a_list_not_one_component():
 def test_check_signature_refuses_non_u64(value):
     with pytest.raises(SignatureError):
         check_signature(value)
+
+
+def test_check_signature_refuses_the_solitary_pools_own():
+    with pytest.raises(SignatureError, match="reserved: it names the broker's solitary pool"):
+        check_signature(POOL_SIGNATURE)
+    assert check_signature(POOL_SIGNATURE + 1) == POOL_SIGNATURE + 1  # the one value only
 
 
 def test_check_signature_accepts_numpy_unsigned():

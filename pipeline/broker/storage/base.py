@@ -98,6 +98,7 @@ class PeekedEntry:
     length: int
     prefix_len: int
     submit_ns: int
+    signature: int  # the item's own shape: the lane's, but in a pool lane (the entry header's)
 
 
 class Peeked(Sequence[PeekedEntry]):
@@ -108,11 +109,11 @@ class Peeked(Sequence[PeekedEntry]):
     build, a tenth of the broker's CPU per item."""
 
     __slots__ = ("lane", "_refs", "segments", "offsets", "lengths", "item_ids", "producer_ids", "seqs",
-                 "prefix_lens", "submit_ns")
+                 "prefix_lens", "submit_ns", "signatures")
 
     def __init__(self, lane: LaneKey, refs: list[EntryRef] | None, segments: np.ndarray, offsets: np.ndarray,
                  lengths: np.ndarray, item_ids: np.ndarray, producer_ids: np.ndarray, seqs: np.ndarray,
-                 prefix_lens: np.ndarray, submit_ns: np.ndarray) -> None:
+                 prefix_lens: np.ndarray, submit_ns: np.ndarray, signatures: np.ndarray) -> None:
         self.lane = lane
         self._refs = refs  # EntryRef per entry, made from the columns when first asked (None)
         self.segments = segments  # int64: each entry's segment and offset, as columns
@@ -123,6 +124,7 @@ class Peeked(Sequence[PeekedEntry]):
         self.seqs = seqs
         self.prefix_lens = prefix_lens
         self.submit_ns = submit_ns  # uint64
+        self.signatures = signatures  # uint64: each entry's own shape (the entry header's)
 
     @classmethod
     def of(cls, lane: LaneKey, entries: Sequence[PeekedEntry]) -> Peeked:
@@ -136,7 +138,7 @@ class Peeked(Sequence[PeekedEntry]):
         return cls(stored.pop(), refs, np.array([r.segment for r in refs], dtype=np.int64),
                    np.array([r.offset for r in refs], dtype=np.int64), column("length", np.int64),
                    column("item_id", np.uint64), column("producer_id", np.int64), column("seq", np.uint64),
-                   column("prefix_len", np.int64), column("submit_ns", np.uint64))
+                   column("prefix_len", np.int64), column("submit_ns", np.uint64), column("signature", np.uint64))
 
     @property
     def refs(self) -> list[EntryRef]:
@@ -157,7 +159,8 @@ class Peeked(Sequence[PeekedEntry]):
             return Peeked(self.lane, refs, *(getattr(self, name)[index] for name in self.__slots__[2:]))
         return PeekedEntry(self.refs[index], self.lane, ItemId(int(self.item_ids[index])),
                            ProducerId(int(self.producer_ids[index])), int(self.seqs[index]),
-                           int(self.lengths[index]), int(self.prefix_lens[index]), int(self.submit_ns[index]))
+                           int(self.lengths[index]), int(self.prefix_lens[index]), int(self.submit_ns[index]),
+                           int(self.signatures[index]))
 
     def __iter__(self):
         return map(self.__getitem__, range(len(self)))
@@ -172,6 +175,7 @@ class RecoveredLane:
     lane: LaneKey
     lengths: np.ndarray  # int64
     submit_ns: np.ndarray  # uint64
+    signatures: np.ndarray  # uint64: each entry's own shape (a pool lane's are many)
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,7 +46,7 @@ from itertools import groupby
 
 import numpy as np
 
-from pipeline.broker.ids import EntryRef, LaneKey, SegmentId
+from pipeline.broker.ids import EntryRef, LaneKey, SegmentId, ShapeKey
 from pipeline.broker.storage.base import AppendGroup, Peeked, RecoveredLane
 from pipeline.broker.storage.chains import LineageLog
 from pipeline.broker.storage.pending import EntryColumns
@@ -63,6 +63,7 @@ from pipeline.wire.layouts import (
     entry_checksum,
     entry_size_bytes,
 )
+from pipeline.wire.shapes import POOL_SIGNATURE
 
 # flush() seals segments past the age limit at most this often: the check walks every lane's
 # open segment, which is cheap once a second and wasteful once per loop turn.
@@ -85,8 +86,8 @@ class DiskTier(QueuedTier):
         """Use `DiskTier.open`."""
         super().__init__(hot_entries_max)
         self._store = store
-        live = {kept.state.lane.shape for kept in recovery.segments}
-        self._lineage, found = LineageLog.recover(store.data_dir, live, store.durability is Durability.POWER)
+        self._lineage, found = LineageLog.recover(store.data_dir, _live_shapes(recovery),
+                                                  store.durability is Durability.POWER)
         self._recovered_chains = found.chains
         recovery.lineage_problems += found.problems
         recovery.lineage_notes += found.notes
@@ -136,7 +137,7 @@ class DiskTier(QueuedTier):
         kept = sorted(recovery.segments, key=lambda k: (tuple(k.state.lane), k.state.keys.segment_seq))
         seqs: dict[int, list[np.ndarray]] = {}
         for lane, segments in groupby(kept, key=lambda k: k.state.lane):
-            lengths, submits = [], []
+            lengths, submits, shapes = [], [], []
             for segment in segments:
                 headers = segment.report.headers
                 live = headers["state"] == ENTRY_LIVE
@@ -152,10 +153,12 @@ class DiskTier(QueuedTier):
                 self._record_recovered(lane, segment.state.id, offsets, int(lane_lengths.sum()), end)
                 lengths.append(lane_lengths)
                 submits.append(headers["submit_ns"][live])
+                shapes.append(headers["signature"][live])
                 for producer in np.unique(headers["producer_id"][live]).tolist():
                     mine = live & (headers["producer_id"] == producer)
                     seqs.setdefault(producer, []).append(headers["seq"][mine])
-            self._recovered_lanes.append(RecoveredLane(lane, np.concatenate(lengths), np.concatenate(submits)))
+            self._recovered_lanes.append(RecoveredLane(lane, np.concatenate(lengths), np.concatenate(submits),
+                                                       np.concatenate(shapes)))
         for producer, found in seqs.items():
             self._stored.add_recovered(ProducerId(producer), np.concatenate(found))
 
@@ -195,7 +198,8 @@ class DiskTier(QueuedTier):
         if not len(rows):
             return RefRun(SegmentId(-1), rows[:0].astype(np.int64))
         items = frame.items[rows]
-        assert (items["model"] == lane.model).all() and (items["signature"] == lane.signature).all(), lane
+        assert (items["model"] == lane.model).all(), lane
+        assert lane.signature == POOL_SIGNATURE or (items["signature"] == lane.signature).all(), lane
         encoded = encode_entries(frame.items, frame.tokens, frame.token_starts, frame.payloads,
                                  frame.payload_starts, rows, group.producer_id)
         try:
@@ -242,7 +246,7 @@ class DiskTier(QueuedTier):
         headers = parts[0] if len(parts) == 1 else np.concatenate(parts)
         return Peeked(lane, None, segments, offsets, headers["length"].astype(np.int64), headers["item_id"],
                       headers["producer_id"].astype(np.int64), headers["seq"], headers["prefix_len"].astype(np.int64),
-                      headers["submit_ns"])
+                      headers["submit_ns"], headers["signature"])
 
     def _check_segments(self, segments: np.ndarray) -> str | None:
         known = self._store.segments
@@ -356,6 +360,21 @@ class DiskTier(QueuedTier):
         self._read_maps.clear()
         self._lineage.close()  # closing writes nothing
         self._store.abandon()
+
+
+def _live_shapes(recovery: RecoveryReport) -> set[ShapeKey]:
+    """The shapes whose items recovery kept: a segment's, or in a pool segment (signature
+    POOL_SIGNATURE) each live entry's own."""
+    live: set[ShapeKey] = set()
+    for kept in recovery.segments:
+        lane = kept.state.lane
+        if lane.signature != POOL_SIGNATURE:
+            live.add(lane.shape)
+            continue
+        headers = kept.report.headers
+        shapes = np.unique(headers["signature"][headers["state"] == ENTRY_LIVE]).tolist()
+        live.update(ShapeKey(lane.model, signature) for signature in shapes)
+    return live
 
 
 def _runs(segments: np.ndarray) -> list[tuple[int, int]]:

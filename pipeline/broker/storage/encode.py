@@ -67,7 +67,7 @@ def encode_entries(
     # checksum run per entry.
     headers = np.zeros(sizes.shape[0], dtype=ENTRY_HEADER_DTYPE)
     headers["state"] = ENTRY_LIVE
-    for name in ("length", "item_id", "seq", "prefix_len", "payload_len", "submit_ns"):
+    for name in ("length", "item_id", "seq", "prefix_len", "payload_len", "submit_ns", "signature"):
         headers[name] = chosen[name]
     headers["producer_id"] = producer_id
     scatter_entry_headers(data.view(np.uint64), offsets, headers)
