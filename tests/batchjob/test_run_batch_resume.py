@@ -106,7 +106,9 @@ def check_one_line_each(out: Path, count: int = REQUESTS) -> dict[str, dict]:
 def test_a_job_killed_at_a_random_moment_is_finished_with_one_line_per_custom_id(tmp_path, model_dir, target, order):
     # A producer is killed while it still feeds: a file it takes seconds to tokenize.
     count = PRODUCER_KILL_REQUESTS if target == "producer" else REQUESTS
-    args = slow_args(tmp_path, "--model", model_dir, "--output-order", order, count=count, slow=target != "producer")
+    # Slow enough that the kill lands mid-job on a loaded machine (`status` takes seconds there).
+    args = slow_args(tmp_path, "--model", model_dir, "--output-order", order, count=count, slow=target != "producer",
+                     cost="6e-4" if target != "producer" else "")
     data = tmp_path / "data"
     rng = random.Random(f"{target}-{order}")
     job = start_batch(*args)
