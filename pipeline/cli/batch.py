@@ -21,7 +21,7 @@ import click
 from pipeline.batchjob.job import BatchJob, JobSpec, JobSummary
 from pipeline.batchjob.progress import JobView, format_job_line
 from pipeline.batchjob.workload import DEFAULT_PROMPT_MEMORY_LIMIT_BYTES, DEFAULT_PROMPT_TIME_LIMIT_S, PromptLimits
-from pipeline.cli.launch import ENGINE_OPTIONS_HELP, METRICS_TOKEN_HELP, check_before_start, check_ray, setup_logging
+from pipeline.cli.launch import ENGINE_OPTIONS_HELP, MAX_BATCH_TOKENS_HELP, METRICS_TOKEN_HELP, check_before_start, check_ray, setup_logging
 from pipeline.consumer.engines import ENGINES
 from pipeline.runtime.tables import merged, parse_assignments, parse_engine_options
 from pipeline.wire.errors import BadInputError, PipelineError, SettingsError
@@ -37,7 +37,7 @@ SIM_VOCAB_LIMIT = 1 << 15
 # (short: the broker's Unix socket path must stay within 108 bytes).
 RAY_NODE_DIR_DEFAULT = "sbrk-ray"
 # Settings of a launch config that mean nothing to a batch job (its requests come from -i).
-NOT_FOR_JOBS = frozenset({"workload", "items", "replay_speed", "seed", "vocab_size"})
+NOT_FOR_JOBS = frozenset({"workload", "items", "replay_speed", "workload_seed", "vocab_size"})
 # Producers by default: the cores this process may use (tokenizing is a job's heaviest
 # stage), at most this many (each holds a tokenizer and a 64 MiB ring).
 MAX_DEFAULT_PRODUCERS = 16
@@ -74,7 +74,7 @@ LOG_INTERVAL_S = 5.0
 @click.option("--producers", type=int, help="Producer processes: they tokenize (default: the cores, at most 16).")
 @click.option("--consumers", type=int, help="Consumer processes (default: one per GPU, else 2).")
 @click.option("--max-batch", type=int, help="Consumer contract: items per batch (default 64).")
-@click.option("--max-tokens", type=int, help="Consumer contract: padded tokens per batch (default 65536).")
+@click.option("--max-batch-tokens", type=int, help=MAX_BATCH_TOKENS_HELP)
 @click.option("--max-input-len", type=int,
               help="Longest prompt run (default: the model's context less one token); longer ones are answered 400.")
 @click.option("--prompt-time-limit-s", type=click.FloatRange(*PROMPT_TIME_LIMIT_RANGE_S),

@@ -47,6 +47,8 @@ def setup_logging(verbose: bool) -> None:
 ENGINE_OPTIONS_HELP = ("The engine's options, KEY=VALUE,KEY=VALUE (repeatable; values as in TOML: 32, 0.9, true, "
                        "text), over the config file's [engine_options]: vllm takes model=DIR, "
                        "gpu_memory_utilization=0.9, ...")
+# What --max-batch-tokens says (run-batch and `pipeline consumer start` say it too).
+MAX_BATCH_TOKENS_HELP = "Consumer contract: padded tokens per batch (default 65536)."
 VOCAB_SIZE_HELP = ("Made-up token ids (demo, Mooncake trace) are drawn below this (default: a vllm model's "
                    "config.json vocab_size, else 32000).")
 
@@ -57,7 +59,7 @@ def load_launch_workload(settings: LaunchSettings, vocab_size: int):
     token ids below `vocab_size`."""
     from pipeline.producer.demos import named_workload
 
-    return named_workload(settings.workload, settings.items, seed=settings.seed, vocab_size=vocab_size,
+    return named_workload(settings.workload, settings.items, seed=settings.workload_seed, vocab_size=vocab_size,
                           default_items=DEMO_ITEMS)
 
 
@@ -77,7 +79,7 @@ def load_launch_workload(settings: LaunchSettings, vocab_size: int):
 @click.option("--storage", type=click.Choice(STORAGE_KINDS), help=STORAGE_HELP)
 @click.option("--durability", type=click.Choice(DURABILITY_LEVELS), help="Disk durability (default process).")
 @click.option("--max-batch", type=int, help="Consumer contract: items per batch (default 64).")
-@click.option("--max-tokens", type=int, help="Consumer contract: padded tokens per batch (default 65536).")
+@click.option("--max-batch-tokens", type=int, help=MAX_BATCH_TOKENS_HELP)
 @click.option("--max-input-len", type=int, help="Consumer contract: longest prompt (default 8192).")
 @click.option("--replay-speed", type=float, help="Honour the workload's timestamps, X times faster.")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False, exists=True), help="TOML file of these options.")
@@ -86,7 +88,7 @@ def load_launch_workload(settings: LaunchSettings, vocab_size: int):
 @click.option("--metrics-port", type=int, help="Serve Prometheus metrics on this port (0: any free port), on the "
                                                "loopback, to your own processes only (or see --metrics-token-file).")
 @click.option("--metrics-token-file", type=click.Path(dir_okay=False), help=METRICS_TOKEN_HELP)
-@click.option("--seed", type=int, help="Seed of the generated workloads (default 0).")
+@click.option("--workload-seed", type=int, help="Seed of the generated workloads (default 0).")
 @click.option("--set", "assignments", multiple=True, metavar="KEY=VALUE",
               help="A setting of the config file's form, e.g. broker.max_age_s=30, broker.lanes.max_lanes=512, "
                    "consumer.credit_max_batches=8 (repeatable; over the file's value).")
@@ -191,7 +193,7 @@ def check_before_start(settings: LaunchSettings) -> None:
     else:
         config = broker_config(os.path.join(tempfile.gettempdir(), "shape-broker-XXXXXXXX"),  # mkdtemp's length
                                settings.broker, "settings")
-    config.check_contract(0, settings.max_batch, settings.max_tokens, settings.max_input_len)
+    config.check_contract(0, settings.max_batch, settings.max_batch_tokens, settings.max_input_len)
     consumers = settings.consumers or len(detect_gpus()) or DEFAULT_CPU_CONSUMERS
     check_shm_space(ShmNeeds(settings.producers, consumers, config.descriptor_ring_bytes,
                              memory_tier=settings.storage == "memory"))

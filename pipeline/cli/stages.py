@@ -201,7 +201,7 @@ def consumer() -> None:
 @click.option("--name", help="Consumer name (default gpuN with --gpu, else cpu-PID); names its results file.")
 @click.option("--model", type=int, default=0, show_default=True)
 @click.option("--max-batch", type=int, default=DEFAULT_MAX_BATCH_ITEMS, show_default=True)
-@click.option("--max-tokens", type=int, default=DEFAULT_MAX_BATCH_TOKENS, show_default=True)
+@click.option("--max-batch-tokens", type=int, default=DEFAULT_MAX_BATCH_TOKENS, show_default=True)
 @click.option("--max-input-len", type=int, default=DEFAULT_MAX_INPUT_LEN, show_default=True)
 @click.option("--engine", type=click.Choice(sorted(ENGINES)), default="sim", show_default=True)
 @click.option("--engine-options", "engine_options", multiple=True, metavar="KEY=VALUE,...",
@@ -212,7 +212,7 @@ def consumer() -> None:
               help="A consumer setting, as in a launch config's [consumer] table: credit_max_batches=8 (repeatable).")
 @click.option("--detach", is_flag=True, help="Run in the background (pid and log files in DATA_DIR/run).")
 @click.option("-v", "--verbose", is_flag=True)
-def consumer_start(data_dir: str, name: str | None, model: int, max_batch: int, max_tokens: int,
+def consumer_start(data_dir: str, name: str | None, model: int, max_batch: int, max_batch_tokens: int,
                    max_input_len: int, engine: str, engine_options: tuple[str, ...], gpu: str | None,
                    assignments: tuple[str, ...], detach: bool, verbose: bool) -> None:
     """Run a consumer until stopped (Ctrl-C or `pipeline consumer stop`); it reconnects if
@@ -231,7 +231,7 @@ def consumer_start(data_dir: str, name: str | None, model: int, max_batch: int, 
     files = _refuse_if_running(stage, data_dir)
     if detach:
         argv = ["consumer", "start", "--data-dir", data_dir, "--name", name, "--model", str(model),
-                "--max-batch", str(max_batch), "--max-tokens", str(max_tokens), "--max-input-len",
+                "--max-batch", str(max_batch), "--max-batch-tokens", str(max_batch_tokens), "--max-input-len",
                 str(max_input_len), "--engine", engine]
         if gpu is not None:
             argv += ["--gpu", gpu]
@@ -243,7 +243,7 @@ def consumer_start(data_dir: str, name: str | None, model: int, max_batch: int, 
 
     setup_logging(True)
     consumer_config = ConsumerConfig(config.socket_path, os.path.join(data_dir, RESULTS_DIR), name, model=model,
-                                     max_batch_items=max_batch, max_batch_tokens=max_tokens,
+                                     max_batch_items=max_batch, max_batch_tokens=max_batch_tokens,
                                      max_input_len=max_input_len, engine=engine, engine_options=options, gpu=gpu,
                                      **own)
     def serve(write_pid) -> int:

@@ -437,7 +437,7 @@ class Launcher:
                 f"gpu-{k}" if gpu is not None and count == len(gpus) else f"consumer{k}")
             configs.append(ConsumerConfig(
                 self.config.socket_path, self.results_dir, name, model=models[k % len(models)],
-                max_batch_items=s.max_batch, max_batch_tokens=s.max_tokens, max_input_len=s.max_input_len,
+                max_batch_items=s.max_batch, max_batch_tokens=s.max_batch_tokens, max_input_len=s.max_input_len,
                 engine=s.engine, engine_options=dict(self.engine_options), gpu=gpu, **self._consumer_settings))
         return configs
 

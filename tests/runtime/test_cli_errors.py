@@ -35,7 +35,7 @@ def one_line_error(done: subprocess.CompletedProcess, *words: str) -> None:
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--seed", "-1"], ["seed must be in [0,", "-1"]),
+    (["--workload-seed", "-1"], ["workload_seed must be in [0,", "-1"]),
     (["--replay-speed", "nan"], ["replay_speed must be a finite number above 0", "nan"]),
     (["--replay-speed", "inf"], ["replay_speed must be a finite number above 0", "inf"]),
     (["--producers", "100000"], ["producers must be in [1, 128]"]),
