@@ -14,7 +14,7 @@ from pipeline.broker.config import DISPATCH_POLICIES
 from pipeline.broker.selection import SHAPE_ORDERS
 from pipeline.consumer.engines import ENGINES
 from pipeline.runtime.processes import DURABILITY_LEVELS, STORAGE_KINDS
-from pipeline.runtime.gpus import detect_gpus
+from pipeline.runtime.gpus import consumer_placements, detect_gpus, gpus_per_engine
 from pipeline.runtime.local import ShmNeeds, check_shm_space
 from pipeline.runtime.settings import DEFAULT_CPU_CONSUMERS, DEMO_ITEMS, LaunchSettings, workload_vocab_size
 from pipeline.runtime.tables import broker_config, merged, parse_assignments, parse_engine_options
@@ -178,8 +178,9 @@ def _engine_line(settings: LaunchSettings, launcher, vocab_size: int, vocab_from
 
 def check_before_start(settings: LaunchSettings) -> None:
     """What can be refused before any process starts: a data directory another user could
-    change, one whose socket path does not fit a Unix socket, and a consumer contract the
-    broker would refuse (consumers would otherwise retry forever against it)."""
+    change, one whose socket path does not fit a Unix socket, a consumer contract the
+    broker would refuse (consumers would otherwise retry forever against it), and GPUs that
+    do not divide into engines of tensor x pipeline parallel size."""
     from pipeline.runtime.datadir import check_data_dir
     from pipeline.runtime.inventory import producer_ring_names
 
@@ -194,7 +195,9 @@ def check_before_start(settings: LaunchSettings) -> None:
         config = broker_config(os.path.join(tempfile.gettempdir(), "shape-broker-XXXXXXXX"),  # mkdtemp's length
                                settings.broker, "settings")
     config.check_contract(0, settings.max_batch, settings.max_batch_tokens, settings.max_input_len)
-    consumers = settings.consumers or len(detect_gpus()) or DEFAULT_CPU_CONSUMERS
+    placements = consumer_placements(detect_gpus(), gpus_per_engine(settings.engine_options), settings.consumers,
+                                     DEFAULT_CPU_CONSUMERS)  # GPUs that do not divide into engines: refused
+    consumers = len(placements)
     check_shm_space(ShmNeeds(settings.producers, consumers, config.descriptor_ring_bytes,
                              memory_tier=settings.storage == "memory"))
     if config.min_consumers > consumers:

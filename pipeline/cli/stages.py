@@ -207,7 +207,8 @@ def consumer() -> None:
 @click.option("--engine-options", "engine_options", multiple=True, metavar="KEY=VALUE,...",
               help=ENGINE_OPTIONS_HELP.replace(", over the config file's [engine_options]", "")
               + " Used as given: nothing is filled in for a CPU (see README, Running on vLLM).")
-@click.option("--gpu", help="Pin to this GPU: an index or a GPU-/MIG- UUID (CUDA_VISIBLE_DEVICES).")
+@click.option("--gpu", help="Pin to this GPU: an index or a GPU-/MIG- UUID (CUDA_VISIBLE_DEVICES); an engine over "
+                            "several GPUs (tensor or pipeline parallel) takes them comma-separated: 0,1.")
 @click.option("--set", "assignments", multiple=True, metavar="KEY=VALUE",
               help="A consumer setting, as in a launch config's [consumer] table: credit_max_batches=8 (repeatable).")
 @click.option("--detach", is_flag=True, help="Run in the background (pid and log files in DATA_DIR/run).")

@@ -67,7 +67,7 @@ def test_unknown_and_wrong_options_are_refused_by_name(installed):
         (dict(top_p=0), "top_p"),
         (dict(temperature=-1), "temperature"),
         (dict(enforce_eager="yes"), "enforce_eager must be true or false"),
-        (dict(tensor_parallel_size=2), "needs in_process = false"),
+        (dict(pipeline_parallel_size=0), "pipeline_parallel_size must be a positive integer"),
         (dict(llm_kwargs={"enable_prefix_caching": False}), "llm_kwargs may not set enable_prefix_caching"),
         (dict(llm_kwargs={"block_size": 64}), "llm_kwargs may not set block_size"),
     ]
@@ -83,8 +83,13 @@ def test_the_llm_keywords_carry_the_accounting_settings():
     assert kwargs["block_size"] == vllm_engine.DEFAULT_BLOCK_SIZE_TOKENS and kwargs["kv_cache_memory_bytes"] == 5
     assert kwargs["distributed_executor_backend"] == "uni" and kwargs["max_num_seqs"] == 8
     assert "gpu_memory_utilization" not in kwargs
-    multi = VllmOptions.parse(dict(model="m", tensor_parallel_size=2, in_process=False)).llm_kwargs_all()
-    assert "distributed_executor_backend" not in multi and multi["tensor_parallel_size"] == 2
+    own_process = VllmOptions.parse(dict(model="m", in_process=False)).llm_kwargs_all()
+    assert "distributed_executor_backend" not in own_process  # vLLM's default for one GPU
+    for in_process in (True, False):  # an engine over several GPUs: one worker process per GPU, either way
+        multi = VllmOptions.parse(dict(model="m", tensor_parallel_size=2, pipeline_parallel_size=2,
+                                       in_process=in_process)).llm_kwargs_all()
+        assert multi["distributed_executor_backend"] == "mp"
+        assert (multi["tensor_parallel_size"], multi["pipeline_parallel_size"]) == (2, 2)
 
 
 def test_without_vllm_the_engine_is_refused_with_the_command_that_installs_it(monkeypatch):

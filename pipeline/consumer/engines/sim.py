@@ -103,6 +103,11 @@ class SimConfig:
     # and per batch. 0 by default: the embedded demo runs at the broker's speed.
     cost_s_per_padded_token: float = 0.0
     cost_s_per_batch: float = 0.0
+    # vLLM's engine flags the product reads whatever the engine (the context a job checks
+    # prompts against; GPUs per engine), taken so that one set of flags runs either engine.
+    max_model_len: int | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
 
 
 class SimEngine(Engine):
@@ -127,7 +132,7 @@ class SimEngine(Engine):
         self.config = config or SimConfig(**overrides)
         block = self.config.block_size_tokens
         if block <= 0 or self.config.capacity_tokens < block or self.config.output_tokens < 0 \
-                or not 1 <= self.config.vocab_size <= OUTPUT_ID_RANGE:
+                or not 1 <= self.config.vocab_size <= OUTPUT_ID_RANGE or not _positive_sizes(self.config):
             raise EngineOptionsError(f"sim engine: bad config {self.config}")
         costs = (self.config.cost_s_per_padded_token, self.config.cost_s_per_batch)
         if not all(type(c) in (int, float) and math.isfinite(c) and c >= 0 for c in costs):
@@ -248,3 +253,9 @@ def _apply_max_tokens(outputs: list[list[int]], params: Sequence[GenerationParam
             continue
         base = outputs[i] or [0]
         outputs[i] = [(base[k % len(base)] ^ (k * 0x9E37)) & 0x7FFF for k in range(p.max_tokens)]
+
+
+def _positive_sizes(config: SimConfig) -> bool:
+    """vLLM's sizes (max_model_len, tensor and pipeline parallel) are positive integers, as vLLM checks."""
+    sizes = (config.tensor_parallel_size, config.pipeline_parallel_size, config.max_model_len or 1)
+    return all(type(size) is int and size > 0 for size in sizes)

@@ -85,16 +85,16 @@ class VllmOptions:
     max_model_len: int | None = None
     block_size: int = DEFAULT_BLOCK_SIZE_TOKENS
     dtype: str = "auto"
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = 1  # GPUs of a pipeline stage; the launcher gives the engine
+    pipeline_parallel_size: int = 1  # tensor x pipeline GPUs (CUDA_VISIBLE_DEVICES)
     enforce_eager: bool = False
     load_format: str = "auto"  # "dummy": random weights, nothing read (the CPU tests' tiny model)
     max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = DEFAULT_TEMPERATURE
     top_p: float = DEFAULT_TOP_P
     seed: int | None = None
-    # The engine core in the consumer's own process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the
-    # "uni" executor): one process per consumer, as the CPU tests need; tensor parallel
-    # needs False.
+    # The engine core in the consumer's own process (VLLM_ENABLE_V1_MULTIPROCESSING=0; with
+    # one GPU the "uni" executor, so one process per consumer), else in a process of its own.
     in_process: bool = True
     cache_dir: str | None = None  # VLLM_CACHE_ROOT and TMPDIR go under it (the run's directory)
     cpu_threads: int | None = None  # OMP_NUM_THREADS: 1 where two engines share 2 cores
@@ -119,8 +119,8 @@ class VllmOptions:
         wrong = []
         if not isinstance(self.model, str) or not self.model:
             wrong.append("model (a model directory) is required")
-        for name in ("kv_cache_memory_bytes", "max_model_len", "block_size", "tensor_parallel_size", "max_tokens",
-                     "cpu_threads"):
+        for name in ("kv_cache_memory_bytes", "max_model_len", "block_size", "tensor_parallel_size",
+                     "pipeline_parallel_size", "max_tokens", "cpu_threads"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 wrong.append(f"{name} must be a positive integer, got {value!r}")
@@ -140,8 +140,6 @@ class VllmOptions:
         for name in ("dtype", "load_format", "cache_dir"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 wrong.append(f"{name} must be a string, got {getattr(self, name)!r}")
-        if self.in_process and self.tensor_parallel_size != 1:
-            wrong.append("tensor_parallel_size above 1 needs in_process = false (one process per GPU)")
         if not isinstance(self.llm_kwargs, dict):
             wrong.append(f"llm_kwargs must be a table, got {self.llm_kwargs!r}")
         else:
@@ -155,15 +153,23 @@ class VllmOptions:
         """The keyword arguments of `vllm.LLM`."""
         kwargs: dict[str, Any] = {
             "model": self.model, "block_size": self.block_size, "dtype": self.dtype,
-            "tensor_parallel_size": self.tensor_parallel_size, "enforce_eager": self.enforce_eager,
-            "load_format": self.load_format, **FIXED_LLM_KWARGS,
+            "tensor_parallel_size": self.tensor_parallel_size, "pipeline_parallel_size": self.pipeline_parallel_size,
+            "enforce_eager": self.enforce_eager, "load_format": self.load_format, **FIXED_LLM_KWARGS,
         }
         for name in ("kv_cache_memory_bytes", "gpu_memory_utilization", "max_model_len", "seed"):
             if getattr(self, name) is not None:
                 kwargs[name] = getattr(self, name)
-        if self.in_process:
+        # One process per GPU beyond the first: vLLM's multiprocessing executor starts them.
+        if self.world_size > 1:
+            kwargs["distributed_executor_backend"] = "mp"
+        elif self.in_process:
             kwargs["distributed_executor_backend"] = "uni"
         return {**kwargs, **self.llm_kwargs}
+
+    @property
+    def world_size(self) -> int:
+        """The GPUs (on the CPU build, worker processes) of one engine."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 def _number_in(value: object, low: float, high: float) -> bool:
@@ -247,6 +253,10 @@ class VllmEngine(Engine):
             tempfile.tempdir = None  # gettempdir() remembers its first answer: ask TMPDIR again
         if o.cpu_threads is not None:
             os.environ["OMP_NUM_THREADS"] = str(o.cpu_threads)
+            # vLLM's CPU workers bind their threads to cores of their own NUMA node by default,
+            # which refuses tensor parallel on a one-node machine and puts every consumer's
+            # worker on the same cores: the launcher's share of threads stands instead.
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
     def _ensure_llm(self) -> Any:
         """The process's `LLM`, started on the first call (2 to 19 s on the CPU)."""
