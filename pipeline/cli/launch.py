@@ -7,11 +7,19 @@ import logging
 import os
 import sys
 import tempfile
+from dataclasses import replace
 
 import click
 
 from pipeline.broker.config import DISPATCH_POLICIES
 from pipeline.broker.selection import SHAPE_ORDERS
+from pipeline.cli.engine_flags import (
+    CONTEXT_SETTINGS,
+    VLLM_FLAGS_HELP,
+    EngineFlags,
+    engine_flag_options,
+    own_option_names,
+)
 from pipeline.consumer.engines import ENGINES
 from pipeline.runtime.processes import DURABILITY_LEVELS, STORAGE_KINDS
 from pipeline.runtime.gpus import consumer_placements, detect_gpus, gpus_per_engine
@@ -63,7 +71,7 @@ def load_launch_workload(settings: LaunchSettings, vocab_size: int):
                           default_items=DEMO_ITEMS)
 
 
-@click.command()
+@click.command(context_settings=CONTEXT_SETTINGS, epilog=VLLM_FLAGS_HELP)
 @click.option("--data-dir", type=click.Path(file_okay=False), help="Data directory (default: a temporary one, removed after).")
 @click.option("--workload", help="'demo' (default), 'demo-chat' (multi-turn conversations), 'demo-template' (64 long "
                                  "templates) or a JSON-lines file "
@@ -98,9 +106,11 @@ def load_launch_workload(settings: LaunchSettings, vocab_size: int):
                    "each shape's items on one node.")
 @click.option("--ray-node-dir", type=click.Path(file_okay=False),
               help="With --ray: the directory on each node's own disk under which its data directory is made.")
-def launch(config_path: str | None, verbose: bool, assignments: tuple[str, ...], engine_options: tuple[str, ...],
-           shape_order: str | None, dispatch: str | None, ray_address: str | None, ray_node_dir: str | None,
-           **options) -> None:
+@engine_flag_options(jobs=False)
+@click.pass_context
+def launch(ctx: click.Context, config_path: str | None, verbose: bool, assignments: tuple[str, ...],
+           engine_options: tuple[str, ...], shape_order: str | None, dispatch: str | None, ray_address: str | None,
+           ray_node_dir: str | None, **options) -> None:
     """Run a workload through a broker, producers and one consumer per GPU, with live
     progress, then print the run report. With no arguments: the demo, on the embedded
     defaults (disk tier, sim engine), in a temporary data directory."""
@@ -113,14 +123,22 @@ def launch(config_path: str | None, verbose: bool, assignments: tuple[str, ...],
         assignments = (*assignments, f"broker.shape_order={shape_order}")
     if dispatch is not None:
         assignments = (*assignments, f"broker.dispatch={dispatch}")
+    flags = None
     try:
-        given = {"engine_options": parse_engine_options(engine_options) if engine_options else None}
-        settings = LaunchSettings.resolve(config_path, merged(options | given, parse_assignments(assignments)))
+        given = parse_engine_options(engine_options) if engine_options else {}
+        flags = EngineFlags.take(options, ctx.args, given)
+        settings = LaunchSettings.resolve(config_path, merged(options | {"engine_options": given or None},
+                                                              parse_assignments(assignments)))
+        settings = context_bounds_input(flags.applied(settings, own_option_names(launch)), options)
         check_before_start(settings)
+        flags.check_with_vllm(settings)
         vocab_size, vocab_from = workload_vocab_size(settings)
         workload = load_launch_workload(settings, vocab_size)
     except (BadInputError, PipelineError) as exc:
         raise click.ClickException(str(exc)) from exc
+    finally:
+        if flags is not None:
+            flags.close()
     if settings.plots and importlib.util.find_spec("matplotlib") is None:  # before the run, not after
         raise click.ClickException("--plots needs matplotlib: pip install 'shape-broker[plots]'")
     if ray_address is not None:
@@ -137,6 +155,17 @@ def launch(config_path: str | None, verbose: bool, assignments: tuple[str, ...],
     finally:
         launcher.cleanup()  # a temporary data directory stays only for a failed run's unfinished work
     sys.exit(code)
+
+
+def context_bounds_input(settings: LaunchSettings, options: dict) -> LaunchSettings:
+    """Where the engine's context (max_model_len) is given and --max-input-len is not, the
+    longest prompt is the context less one token (vLLM needs room for one output token)."""
+    context = settings.engine_options.get("max_model_len")
+    if options.get("max_input_len") is not None or not isinstance(context, int) or context < 2:
+        return settings
+    settings = replace(settings, max_input_len=context - 1)
+    settings.checked("the command line")
+    return settings
 
 
 def check_ray(address: str) -> None:

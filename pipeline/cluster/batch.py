@@ -58,8 +58,9 @@ def job_items(job) -> tuple[list[int], list]:
     from pipeline.batchjob.rejections import RejectionLog
     from pipeline.batchjob.workload import JobWorkload
 
-    workload = JobWorkload(job.job_input, job.skip, job.manifest, job.spec.model_dir, job.data_dir, job.spec.limits)
-    tokenizer = ChatTokenizer.load(job.spec.model_dir)
+    workload = JobWorkload(job.job_input, job.skip, job.manifest, job.spec.model_dir, job.data_dir, job.spec.limits,
+                           job.spec.chat_template)
+    tokenizer = workload.tokenizer()
     log = RejectionLog(job.data_dir, f"driver-{os.getpid()}")
     keys, items = [], []
     try:

@@ -14,6 +14,7 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from pipeline.consumer.engines.base import MAX_PARALLEL_SIZE
 from pipeline.wire.errors import SettingsError
 
 # How CUDA_VISIBLE_DEVICES names a device other than by index.

@@ -53,6 +53,20 @@ def test_launch_options_are_checked_before_anything_starts(tmp_path, args, words
     assert not data.exists()  # refused before the broker (or anything) started
 
 
+@pytest.mark.parametrize("visible, args, words", [
+    ("0,1,2", ["-tp", "2"], ["3 GPUs (0,1,2) do not divide into engines of 2"]),
+    ("0,1,2,3,4,5", ["-tp", "2", "-pp", "2"], ["6 GPUs", "do not divide into engines of 4"]),
+    ("", ["--dtype", "bfloat16"], ["--dtype: not options of this command", "the sim engine takes of them only"]),
+    ("", ["--seed", "3"], ["--seed: vLLM's engine flag", "--workload-seed"]),
+])
+def test_launch_refuses_engine_flags_it_cannot_honour_before_anything_starts(tmp_path, monkeypatch, visible, args,
+                                                                             words):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    data = tmp_path / "data"
+    one_line_error(pipeline("launch", "--items", "10", "--data-dir", str(data), *args), *words)
+    assert not data.exists()
+
+
 def test_produce_refuses_a_replay_speed_that_is_not_a_number(tmp_path):
     done = pipeline("produce", __file__, "--data-dir", str(tmp_path), "--replay-speed", "nan")
     one_line_error(done, "replay_speed must be a finite number above 0")

@@ -34,6 +34,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from pipeline.consumer.engines.base import FINISH_LENGTH, Engine, EngineBatch, EngineCounters, EngineResult
+from pipeline.consumer.engines.base import MAX_PARALLEL_SIZE
 from pipeline.consumer.engines.prefix_cache import BatchLayout, PrefixCache
 from pipeline.wire.errors import EngineOptionsError
 from pipeline.wire.generation import GenerationParams
@@ -257,5 +258,6 @@ def _apply_max_tokens(outputs: list[list[int]], params: Sequence[GenerationParam
 
 def _positive_sizes(config: SimConfig) -> bool:
     """vLLM's sizes (max_model_len, tensor and pipeline parallel) are positive integers, as vLLM checks."""
-    sizes = (config.tensor_parallel_size, config.pipeline_parallel_size, config.max_model_len or 1)
-    return all(type(size) is int and size > 0 for size in sizes)
+    sizes = (config.tensor_parallel_size, config.pipeline_parallel_size)
+    return all(type(size) is int and 0 < size <= MAX_PARALLEL_SIZE for size in sizes) and (
+        config.max_model_len is None or type(config.max_model_len) is int and config.max_model_len > 1)

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from pipeline.consumer.engines.base import CHECK_KEYS, FINISH_LENGTH, Engine, EngineBatch, EngineCounters, EngineResult
+from pipeline.consumer.engines.base import MAX_PARALLEL_SIZE
 from pipeline.consumer.engines.block_refs import BlockReferences
 from pipeline.wire.errors import EngineOptionsError, EngineUnavailableError
 from pipeline.wire.generation import GenerationParams
@@ -124,6 +125,9 @@ class VllmOptions:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 wrong.append(f"{name} must be a positive integer, got {value!r}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if isinstance(getattr(self, name), int) and getattr(self, name) > MAX_PARALLEL_SIZE:
+                wrong.append(f"{name} must be at most {MAX_PARALLEL_SIZE}, got {getattr(self, name)}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             wrong.append(f"seed must be an integer, got {self.seed!r}")
         if self.kv_cache_memory_bytes is not None and self.gpu_memory_utilization is not None:
