@@ -79,7 +79,7 @@ LOG_INTERVAL_S = 5.0
               help="Engine of the consumers (default vllm where it is installed; sim makes up outputs).")
 @click.option("--engine-options", "engine_options", multiple=True, metavar="KEY=VALUE,...", help=ENGINE_OPTIONS_HELP)
 @click.option("--producers", type=int, help="Producer processes: they tokenize (default: the cores, at most 16).")
-@click.option("--consumers", type=int, help="Consumer processes (default: one per GPU, else 2).")
+@click.option("--consumers", type=int, help="Consumer processes (default: one per engine's GPUs, else 2).")
 @click.option("--max-batch", type=int, help="Consumer contract: items per batch (default 64).")
 @click.option("--max-batch-tokens", type=int, help=MAX_BATCH_TOKENS_HELP)
 @click.option("--max-input-len", type=int,

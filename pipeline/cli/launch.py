@@ -78,7 +78,7 @@ def load_launch_workload(settings: LaunchSettings, vocab_size: int):
                                  "(own format or a Mooncake trace).")
 @click.option("--items", type=int, help="Run only the first N items (demo, demo-chat, demo-template: how many to generate).")
 @click.option("--producers", type=int, help="Producer processes (default 2).")
-@click.option("--consumers", type=int, help="Consumer processes (default: one per GPU, else 2 CPU consumers).")
+@click.option("--consumers", type=int, help="Consumer processes (default: one per engine's GPUs, else 2 CPU consumers).")
 @click.option("--engine", type=click.Choice(sorted(ENGINES)), help="Engine runtime of the consumers (default sim).")
 @click.option("--engine-options", "engine_options", multiple=True, metavar="KEY=VALUE,...", help=ENGINE_OPTIONS_HELP)
 @click.option("--vocab-size", type=int, help=VOCAB_SIZE_HELP)

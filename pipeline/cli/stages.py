@@ -37,6 +37,7 @@ from pipeline.runtime.datadir import (
     lock_holder,
     prepare_data_dir,
 )
+from pipeline.runtime.gpus import gpus_per_engine
 from pipeline.runtime.processes import DURABILITY_LEVELS, STORAGE_KINDS
 from pipeline.runtime.settings import (
     DEFAULT_MAX_BATCH_ITEMS,
@@ -48,7 +49,7 @@ from pipeline.runtime.settings import (
     check_replay_speed,
 )
 from pipeline.runtime.tables import broker_config, consumer_settings, parse_assignments, parse_engine_options
-from pipeline.wire.errors import BadInputError, PipelineError, ProtocolError
+from pipeline.wire.errors import BadInputError, PipelineError, ProtocolError, SettingsError
 from pipeline.wire.protocol import check_consumer_name
 
 # A graceful stop (a batch in hand finished, files closed) gets this long before SIGKILL.
@@ -228,6 +229,9 @@ def consumer_start(data_dir: str, name: str | None, model: int, max_batch: int, 
     own = consumer_settings(parse_assignments(assignments), "the command line")
     options = parse_engine_options(engine_options)
     check_engine_options(engine, options)  # a typo is refused here, not in the detached child's log
+    if gpu is not None and len(gpu.split(",")) != gpus_per_engine(options):
+        raise SettingsError(f"--gpu {gpu}: {len(gpu.split(','))} GPUs for an engine of {gpus_per_engine(options)} "
+                            f"(tensor_parallel_size x pipeline_parallel_size in --engine-options): give as many")
     stage = f"consumer-{name}"
     files = _refuse_if_running(stage, data_dir)
     if detach:

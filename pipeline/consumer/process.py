@@ -269,12 +269,13 @@ class Consumer:
         """Serve batches until `stop()` is true, reconnecting whenever the broker goes away.
         Raises RegistrationRefusedError (the broker refused this consumer) and
         ResultsWriteError (results cannot be written, the disk being full aside): both are
-        fatal. The results file and the segment maps are closed either way. The engine starts
-        (loads its model) before the first registration."""
+        fatal. The engine, the results file and the segment maps are closed either way. The
+        engine starts (loads its model) before the first registration."""
         try:
             self.engine.start()
             self._serve_sessions(stop)
         finally:
+            self.engine.close()  # an engine's own processes (vLLM's engine core) stop with the consumer
             if self._results is not None:
                 self._results.close()
             if self._reader is not None:

