@@ -57,7 +57,7 @@ import numpy as np
 
 from pipeline.batchjob.prefixes import MEMO_BYTES, PrefixEntry, PrefixMemo
 from pipeline.batchjob.splits import AddedTokenSplits, Spans
-from pipeline.batchjob.template import compile_chat_template
+from pipeline.batchjob.template import compile_chat_template, read_text_file
 from pipeline.wire.errors import (
     BadInputError,
     ChatRequestError,
@@ -568,19 +568,9 @@ def _check_regular(path: Path, limit_bytes: int) -> None:
 
 
 def _read_text(path: Path, limit_bytes: int) -> str:
-    """A small UTF-8 file's text (bounded: read at most limit+1 bytes), or ModelDirError."""
+    """A small regular UTF-8 file's text (bounded), or ModelDirError naming the path."""
     _check_regular(path, limit_bytes)
-    try:
-        with open(path, "rb") as file:
-            data = file.read(limit_bytes + 1)
-    except OSError as exc:
-        raise ModelDirError(f"{path}: cannot be read ({exc.strerror})") from exc
-    if len(data) > limit_bytes:
-        raise ModelDirError(f"{path}: more than the {limit_bytes:,} bytes a model file may have")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ModelDirError(f"{path}: not UTF-8 text (byte {exc.start})") from exc
+    return read_text_file(path, limit_bytes, str(path))
 
 
 def _describe(exc: BaseException) -> str:

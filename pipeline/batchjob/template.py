@@ -38,22 +38,30 @@ def read_chat_template(value: str) -> str:
     """--chat-template's template: the file `value` names, else `value` itself where it
     holds Jinja's characters; ModelDirError for a path that cannot be read (vLLM's rule:
     text with none of `{`, `}` or a newline is a path)."""
-    try:
-        if os.path.exists(value) and not os.path.isfile(value):  # a FIFO would block the read
-            raise ModelDirError(f"--chat-template {value}: not a regular file")
-        with open(value, "rb") as file:
-            data = file.read(MAX_TEMPLATE_BYTES + 1)
-    except OSError as exc:
+    if os.path.exists(value) and not os.path.isfile(value):  # a FIFO would block the read
+        raise ModelDirError(f"--chat-template {value}: not a regular file")
+    if not os.path.exists(value):
         if any(char in value for char in JINJA_CHARS):
             return value
-        raise ModelDirError(f"--chat-template {value}: looks like a file's path (no {{, }} or newline), and cannot be "
-                            f"read: {exc.strerror or exc}") from None
-    if len(data) > MAX_TEMPLATE_BYTES:
-        raise ModelDirError(f"--chat-template {value}: more than the {MAX_TEMPLATE_BYTES:,} bytes a template may have")
+        raise ModelDirError(f"--chat-template {value}: looks like a file's path (no {{, }} or newline), and there is "
+                            f"no such file")
+    return read_text_file(value, MAX_TEMPLATE_BYTES, f"--chat-template {value}")
+
+
+def read_text_file(path: str | os.PathLike, limit_bytes: int, what: str) -> str:
+    """A small UTF-8 file's text (bounded: at most limit+1 bytes read), or ModelDirError
+    naming `what` (the path, or the option that named it)."""
+    try:
+        with open(path, "rb") as file:
+            data = file.read(limit_bytes + 1)
+    except OSError as exc:
+        raise ModelDirError(f"{what}: cannot be read ({exc.strerror})") from exc
+    if len(data) > limit_bytes:
+        raise ModelDirError(f"{what}: more than the {limit_bytes:,} bytes it may have")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ModelDirError(f"--chat-template {value}: not UTF-8 text (byte {exc.start})") from None
+        raise ModelDirError(f"{what}: not UTF-8 text (byte {exc.start})") from exc
 
 
 def compile_chat_template(source: str) -> Template:

@@ -64,7 +64,7 @@ def test_chat_template_flag_is_a_file_or_the_template_itself_as_vllm_takes_it(tm
     assert read_chat_template(str(path)) == "{{ messages }}"
     assert read_chat_template("{% for m in messages %}{{ m.content }}{% endfor %}").startswith("{% for m")
     assert read_chat_template("line one\nline two") == "line one\nline two"  # a newline: a template
-    with pytest.raises(ModelDirError, match="looks like a file's path .* cannot be read: No such file"):
+    with pytest.raises(ModelDirError, match="looks like a file's path .* no such file"):
         read_chat_template(str(tmp_path / "missing.jinja"))
     with pytest.raises(ModelDirError, match="not a regular file"):
         read_chat_template(str(tmp_path))
@@ -75,7 +75,7 @@ def test_a_chat_template_file_at_the_size_limit_is_read_and_one_byte_more_is_ref
     path.write_bytes(b"x" * MAX_TEMPLATE_BYTES)
     assert len(read_chat_template(str(path))) == MAX_TEMPLATE_BYTES
     path.write_bytes(b"x" * (MAX_TEMPLATE_BYTES + 1))
-    with pytest.raises(ModelDirError, match="more than the"):
+    with pytest.raises(ModelDirError, match="more than the 16,777,216 bytes it may have"):
         read_chat_template(str(path))
     path.write_bytes(b"\xff{{ x }}")
     with pytest.raises(ModelDirError, match="not UTF-8"):
