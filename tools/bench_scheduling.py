@@ -69,7 +69,7 @@ def workloads(quick: bool) -> list[dict]:
     chat_items = 1000 if quick else 10000
     return [
         dict(name="mooncake", workload=str(TRACE), items=400 if quick else None, block=512, cost=2e-6,
-             launch=["--workload", str(TRACE), "--max-input-len", "262144", "--max-tokens", "262144",
+             launch=["--workload", str(TRACE), "--max-input-len", "262144", "--max-batch-tokens", "262144",
                      *items_trace],
              analyze=[str(TRACE), *items_trace]),
         dict(name="demo-chat", workload="demo-chat", items=chat_items, block=16, cost=1.5e-5,

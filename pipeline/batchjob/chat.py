@@ -57,7 +57,7 @@ import numpy as np
 from pipeline.batchjob.modelfiles import check_model_file, read_model_text
 from pipeline.batchjob.prefixes import MEMO_BYTES, PrefixEntry, PrefixMemo
 from pipeline.batchjob.splits import AddedTokenSplits, Spans
-from pipeline.batchjob.template import compile_chat_template
+from pipeline.batchjob.template import compile_chat_template, read_text_file
 from pipeline.wire.errors import (
     BadInputError,
     ChatRequestError,
@@ -142,10 +142,11 @@ class ChatTokenizer:
         self._bos_fix = self._bos_rule(add_bos_token)
 
     @classmethod
-    def load(cls, model_dir: str | Path, *, memo_bytes: int = MEMO_BYTES) -> ChatTokenizer:
-        """MODEL_DIR/tokenizer.json and tokenizer_config.json (its chat template, bos and eos
-        tokens, add_bos_token), or ModelDirError naming the path. A directory without a chat
-        template loads: its chat requests are refused (NoChatTemplateError)."""
+    def load(cls, model_dir: str | Path, *, memo_bytes: int = MEMO_BYTES,
+             chat_template: str | None = None) -> ChatTokenizer:
+        """MODEL_DIR/tokenizer.json and tokenizer_config.json (its chat template, or `chat_template`
+        over it as vLLM's --chat-template; bos and eos tokens, add_bos_token), or ModelDirError naming
+        the path. Without a chat template it loads: chat requests are refused (NoChatTemplateError)."""
         from tokenizers import Tokenizer
 
         root = Path(model_dir)
@@ -166,8 +167,10 @@ class ChatTokenizer:
         if not isinstance(config, dict):
             raise ModelDirError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
         template_file = root / CHAT_TEMPLATE_FILE
-        if template_file.exists():
-            template: str | None = read_model_text(template_file, MAX_CONFIG_BYTES, _NEEDS)
+        if chat_template is not None:
+            template, template_source = chat_template, "--chat-template"
+        elif template_file.exists():
+            template = read_model_text(template_file, MAX_CONFIG_BYTES, _NEEDS)
             template_source = str(template_file)
         else:
             template, template_source = _config_template(config, config_path), str(config_path)

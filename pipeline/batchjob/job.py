@@ -95,6 +95,7 @@ class JobSpec:
     keep_data_dir: bool = False
     limits: PromptLimits = field(default_factory=PromptLimits)
     tool_calling: ToolCalling = field(default_factory=ToolCalling)
+    chat_template: str | None = None  # --chat-template's text, over the model directory's
 
 
 @dataclass(slots=True)
@@ -246,7 +247,7 @@ class BatchJob:
             error_file=os.path.abspath(spec.error_file) if spec.error_file else None,
             tool_call_parser=spec.tool_calling.parser, enable_auto_tool_choice=spec.tool_calling.auto,
             depends_on=depends_on(spec.model_dir, spec.settings.engine, spec.settings.engine_options,
-                                  spec.settings.max_input_len))
+                                  spec.settings.max_input_len, spec.chat_template))
         return (JobManifest.new(**fields) if have is None else replace(have, **fields)), scan
 
     def _scanning(self, read_bytes: int, requests: int) -> None:
@@ -266,7 +267,7 @@ class BatchJob:
             logs = {LOG_OUTPUT: os.path.join(self.data_dir, JOB_DIR, LOG_NAME)}
         self.log = AnswerLog.open(self.data_dir, manifest.requests, logs)
         self._input_fd = os.open(manifest.input_path, os.O_RDONLY | os.O_CLOEXEC)
-        tokenizer = ChatTokenizer.load(self.spec.model_dir)
+        tokenizer = ChatTokenizer.load(self.spec.model_dir, chat_template=self.spec.chat_template)
         error_log = LOG_ERRORS if LOG_ERRORS in logs else LOG_OUTPUT
         self.collector = Collector(self.data_dir, manifest, self._input_fd, tokenizer.decode, self.log, error_log,
                                    tokenizer.token_text)
@@ -309,7 +310,7 @@ class BatchJob:
         if not self.to_submit and not self.pending:
             return 0
         workload = JobWorkload(self.job_input, self.skip, self.manifest, self.spec.model_dir, self.data_dir,
-                               self.spec.limits)
+                               self.spec.limits, self.spec.chat_template)
         launcher = Launcher(self.spec.settings, workload, on_status=self._poll, summarize=self.collector.summary,
                             metrics=self.telemetry)
         self.collector.tally(launcher.results_dir)
@@ -459,16 +460,17 @@ def _identity(path: str) -> list[int] | None:
     return [info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns] if os.path.isfile(path) else None
 
 
-def job_workload(data_dir: str, model_dir: str) -> JobWorkload:
+def job_workload(data_dir: str, model_dir: str, chat_template: str | None = None) -> JobWorkload:
     """Every request of the job on `data_dir` as its producers make them (a checker's view:
-    `pipeline/reliability`), from the job's manifest and input index."""
+    `pipeline/reliability`), from the job's manifest and input index (and the job's
+    --chat-template, where it had one)."""
     manifest = load_manifest(data_dir)
     if manifest is None:
         raise JobPathError(f"{data_dir}: not a batch job's data directory (no job manifest)")
     index = read_index(os.path.join(data_dir, JOB_DIR, INDEX_NAME), manifest)
     skip = np.zeros((manifest.requests + 7) // 8, dtype=np.uint8)
     return JobWorkload(JobInput(manifest.input_path, manifest.requests, index), skip, manifest, model_dir, data_dir,
-                       PromptLimits())
+                       PromptLimits(), chat_template)
 
 
 def job_status(data_dir: str) -> dict | None:

@@ -42,11 +42,13 @@ MODEL_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
 # A model's weights, known by name, size and mtime: a new checkpoint in place changes them.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 # Engine options that change how fast or where a job runs, never what it answers: a resume
-# may change them (more GPU memory, another cache directory, the sim's cost model).
+# may change them (more GPU memory, another cache directory, the sim's cost model, more GPUs
+# per engine: tensor parallel reorders sums as another batch's composition does).
 RESOURCE_OPTIONS = frozenset({"cpu_threads", "cache_dir", "gpu_memory_utilization", "kv_cache_memory_bytes",
                               "enforce_eager", "cost_s_per_padded_token", "cost_s_per_batch", "capacity_tokens", "block_size_tokens",
-                              "block_size", "max_num_seqs", "max_num_batched_tokens", "swap_space",
-                              "llm_kwargs.disable_log_stats"})
+                              "block_size", "tensor_parallel_size", "pipeline_parallel_size", "in_process",
+                              *(f"llm_kwargs.{key}" for key in ("max_num_seqs", "max_num_batched_tokens", "swap_space",
+                                                                "cpu_offload_gb", "distributed_executor_backend"))})
 # Bytes of a model file hashed at a time.
 HASH_CHUNK_BYTES = 1 << 20
 
@@ -157,18 +159,35 @@ def _short(value: str) -> str:
     return value if len(value) <= 70 else value[:67] + "..."
 
 
-def depends_on(model_dir: str, engine: str, engine_options: dict[str, object], max_input_len: int | None) -> dict[str, str]:
-    """Everything a job's answers depend on besides its input, as name -> digest or value."""
+def depends_on(model_dir: str, engine: str, engine_options: dict[str, object], max_input_len: int | None,
+               chat_template: str | None = None) -> dict[str, str]:
+    """Everything a job's answers depend on besides its input, as name -> digest or value
+    (`chat_template`: --chat-template's text, by content; named only where given, so a job
+    started without it resumes without it)."""
     found: dict[str, str] = {}
     for name in MODEL_FILES:
         found[f"model file {name}"] = _file_digest(os.path.join(model_dir, name))
+    if chat_template is not None:
+        found["chat template (--chat-template)"] = "xxh3 " + xxhash.xxh3_128_hexdigest(chat_template.encode("utf-8"))
     found["model weights"] = _weights_digest(model_dir)
     found["engine"] = engine
-    for key, value in sorted(engine_options.items()):
+    for key, value in sorted(_flat(engine_options).items()):
         if key not in RESOURCE_OPTIONS:
             found[f"engine option {key}"] = json.dumps(value, sort_keys=True, default=str)
     found["max input length"] = str(max_input_len)
     return found
+
+
+def _flat(engine_options: dict[str, object]) -> dict[str, object]:
+    """The options with llm_kwargs' keys one by one (llm_kwargs.max_num_seqs), as the flags
+    set them: each is judged on its own (a resource, or what answers depend on)."""
+    flat = {key: value for key, value in engine_options.items() if key != "llm_kwargs"}
+    kwargs = engine_options.get("llm_kwargs")
+    if isinstance(kwargs, dict):
+        flat |= {f"llm_kwargs.{key}": value for key, value in kwargs.items()}
+    elif "llm_kwargs" in engine_options:
+        flat["llm_kwargs"] = kwargs
+    return flat
 
 
 def _file_digest(path: str) -> str:

@@ -11,15 +11,57 @@ template then does, it does per render, where the caller makes its failure the r
 
     template = compile_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     template.render(messages=[...], add_generation_prompt=True)
+
+`read_chat_template` reads `--chat-template` as vLLM's flag takes it: a file's path, or the
+template's text itself.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from typing import TYPE_CHECKING, Any
+
+from pipeline.wire.errors import ModelDirError
 
 if TYPE_CHECKING:
     from jinja2 import Template
+
+# Largest chat template read from a file (real ones are a few KiB, tool-calling ones ~20 KiB;
+# tokenizer_config.json, which may hold one, is read up to 16 MiB): past it, not a template.
+MAX_TEMPLATE_BYTES = 16 << 20
+# What tells a template's text from a path, as vLLM tells them: a path holds none of these.
+JINJA_CHARS = "{}\n"
+
+
+def read_chat_template(value: str) -> str:
+    """--chat-template's template: the file `value` names, else `value` itself where it
+    holds Jinja's characters; ModelDirError for a path that cannot be read (vLLM's rule:
+    text with none of `{`, `}` or a newline is a path)."""
+    if os.path.exists(value) and not os.path.isfile(value):  # a FIFO would block the read
+        raise ModelDirError(f"--chat-template {value}: not a regular file")
+    if not os.path.exists(value):
+        if any(char in value for char in JINJA_CHARS):
+            return value
+        raise ModelDirError(f"--chat-template {value}: looks like a file's path (no {{, }} or newline), and there is "
+                            f"no such file")
+    return read_text_file(value, MAX_TEMPLATE_BYTES, f"--chat-template {value}")
+
+
+def read_text_file(path: str | os.PathLike, limit_bytes: int, what: str) -> str:
+    """A small UTF-8 file's text (bounded: at most limit+1 bytes read), or ModelDirError
+    naming `what` (the path, or the option that named it)."""
+    try:
+        with open(path, "rb") as file:
+            data = file.read(limit_bytes + 1)
+    except OSError as exc:
+        raise ModelDirError(f"{what}: cannot be read ({exc.strerror})") from exc
+    if len(data) > limit_bytes:
+        raise ModelDirError(f"{what}: more than the {limit_bytes:,} bytes it may have")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ModelDirError(f"{what}: not UTF-8 text (byte {exc.start})") from exc
 
 
 def compile_chat_template(source: str) -> Template:

@@ -1,7 +1,7 @@
 """A batch job as a workload: each producer reads its share of the input file by offset and
 makes each request's item itself.
 
-    workload = JobWorkload(job_input, skip_bits, manifest, model_dir, data_dir, limits)
+    workload = JobWorkload(job_input, skip_bits, manifest, model_dir, data_dir, limits, chat_template)
     len(workload)                    # requests to submit in this run
     workload.shares(2)               # [(first, end), (first, end)]: request index ranges
 
@@ -106,13 +106,14 @@ class JobWorkload(Workload):
     feed_chunk_items = 4096
 
     def __init__(self, job_input: JobInput, skip: np.ndarray, manifest: JobManifest, model_dir: str, data_dir: str,
-                 limits: PromptLimits) -> None:
+                 limits: PromptLimits, chat_template: str | None = None) -> None:
         todo = job_input.requests - int(np.unpackbits(skip, bitorder="little")[:job_input.requests].sum())
         super().__init__(f"{job_input.path} (job)", todo, _unused, total_tokens=0, models=(JOB_MODEL,))
         self.job_input = job_input
         self.skip = skip
         self.manifest = manifest
         self.model_dir = model_dir
+        self.chat_template = chat_template  # --chat-template's, over the model directory's
         self.data_dir = data_dir
         self.limits = limits
         self.busy_limit_s = limits.time_s
@@ -139,13 +140,17 @@ class JobWorkload(Workload):
         in this process with a tokenizer of its own and without limits; a request no item
         can be made of is left out (a checker's view of what the job submits)."""
         first, end = self.shares(producer_count)[producer_index]
-        tokenizer = ChatTokenizer.load(self.model_dir)
+        tokenizer = self.tokenizer()
         log = _NoLog()
         for index, line, offset, raw in self.lines(first, end):
             if not self.skipped(index):
                 item = self.make(raw, (index, offset, len(raw), xxhash.xxh3_64_intdigest(raw)), line, tokenizer, log)
                 if item is not None:
                     yield item
+
+    def tokenizer(self) -> ChatTokenizer:
+        """The model's tokenizer with the job's chat template, as every producer loads it."""
+        return ChatTokenizer.load(self.model_dir, chat_template=self.chat_template)
 
     def skipped(self, index: int) -> bool:
         return bool(self.skip[index >> 3] >> (index & 7) & 1)
@@ -158,7 +163,7 @@ class JobWorkload(Workload):
         first, end = self.shares(producer_count)[producer_index]
         if start_at is not None:
             first = max(first, start_at)
-        tokenizer = ChatTokenizer.load(self.model_dir)
+        tokenizer = self.tokenizer()
         self.model_facts(tokenizer)  # read before the memory limit, as the tokenizer is
         limit_memory(self.limits.memory_bytes)
         log = RejectionLog(self.data_dir, f"p{producer_index}-{os.getpid()}")

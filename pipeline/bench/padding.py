@@ -109,7 +109,7 @@ def workloads(ctx: BenchContext) -> list[PaddingWorkload]:
     else:
         found.append(PaddingWorkload(
             "Mooncake trace", ["--workload", str(trace), "--max-input-len", str(TRACE_MAX_TOKENS),
-                               "--max-tokens", str(TRACE_MAX_TOKENS)], str(trace), None,
+                               "--max-batch-tokens", str(TRACE_MAX_TOKENS)], str(trace), None,
             Contract(0, offline.MAX_BATCH_ITEMS, TRACE_MAX_TOKENS, TRACE_MAX_TOKENS)))
     return found
 

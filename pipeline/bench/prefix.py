@@ -82,7 +82,7 @@ def workloads(ctx: BenchContext) -> tuple[list[PrefixWorkload], list[str]]:
     # of its prefixes, 1 Mi most.
     found.append(PrefixWorkload(
         "mooncake", ["--workload", str(trace), "--items", str(lines), "--max-input-len", str(MOONCAKE_MAX_TOKENS),
-                     "--max-tokens", str(MOONCAKE_MAX_TOKENS)], [str(trace), "--items", str(lines)],
+                     "--max-batch-tokens", str(MOONCAKE_MAX_TOKENS)], [str(trace), "--items", str(lines)],
         512, 2e-6, (65_536, 1_048_576), lines))
     return found, []
 

@@ -54,7 +54,7 @@ SCALE = TemplateScale(shapes=16, group=4, component_min_tokens=1000 // SCALE_DIV
                       component_max_tokens=8000 // SCALE_DIVISOR, user_median_tokens=128 // SCALE_DIVISOR,
                       user_max_tokens=4000 // SCALE_DIVISOR)
 assert SCALE.max_prompt_tokens <= MAX_INPUT_LEN, SCALE
-# Padded tokens a batch (--max-tokens): the sim side's 65,536 scaled as the prompts are, so a
+# Padded tokens a batch (--max-batch-tokens): the sim side's 65,536 scaled as the prompts are, so a
 # batch holds about as many items (~8) and the order of batches decides the reuse, not the
 # sharing inside one batch.
 BATCH_TOKENS = 6144
@@ -159,7 +159,7 @@ def measure(ctx: BenchContext, policies: tuple[str, ...]) -> dict[str, Any]:
     bounds = {n: runs.analyze([str(path)], batch_sides.BLOCK, tokens, caches=n) for n in
               sorted({CONSUMERS[mib] for mib in caches})}
     launch = ["--workload", str(path), "--engine", "vllm", "--max-input-len", str(MAX_INPUT_LEN),
-              "--max-tokens", str(BATCH_TOKENS)]
+              "--max-batch-tokens", str(BATCH_TOKENS)]
     counter, rows = [0], {}
     for mib, cache_tokens in zip(caches, tokens):
         def side(policy: str, mib: int = mib) -> Callable[[], dict]:

@@ -23,7 +23,14 @@ from pipeline.batchjob.progress import JobView, format_job_line
 from pipeline.batchjob.sampling import sim_answer_options
 from pipeline.batchjob.tools import tool_calling
 from pipeline.batchjob.workload import DEFAULT_PROMPT_MEMORY_LIMIT_BYTES, DEFAULT_PROMPT_TIME_LIMIT_S, PromptLimits
-from pipeline.cli.launch import ENGINE_OPTIONS_HELP, METRICS_TOKEN_HELP, check_before_start, check_ray, setup_logging
+from pipeline.cli.engine_flags import (
+    CONTEXT_SETTINGS,
+    VLLM_FLAGS_HELP,
+    EngineFlags,
+    engine_flag_options,
+    own_option_names,
+)
+from pipeline.cli.launch import ENGINE_OPTIONS_HELP, MAX_BATCH_TOKENS_HELP, METRICS_TOKEN_HELP, check_before_start, check_ray, setup_logging
 from pipeline.consumer.engines import ENGINES
 from pipeline.runtime.tables import merged, parse_assignments, parse_engine_options
 from pipeline.wire.errors import BadInputError, PipelineError, SettingsError
@@ -39,7 +46,7 @@ SIM_VOCAB_LIMIT = 1 << 15
 # (short: the broker's Unix socket path must stay within 108 bytes).
 RAY_NODE_DIR_DEFAULT = "sbrk-ray"
 # Settings of a launch config that mean nothing to a batch job (its requests come from -i).
-NOT_FOR_JOBS = frozenset({"workload", "items", "replay_speed", "seed", "vocab_size"})
+NOT_FOR_JOBS = frozenset({"workload", "items", "replay_speed", "workload_seed", "vocab_size"})
 # Producers by default: the cores this process may use (tokenizing is a job's heaviest
 # stage), at most this many (each holds a tokenizer and a 64 MiB ring).
 MAX_DEFAULT_PRODUCERS = 16
@@ -51,7 +58,7 @@ PROMPT_MEMORY_LIMIT_RANGE_MB = (64, 1 << 20)
 LOG_INTERVAL_S = 5.0
 
 
-@click.command("run-batch")
+@click.command("run-batch", context_settings=CONTEXT_SETTINGS, epilog=VLLM_FLAGS_HELP)
 @click.option("-i", "--input-file", "input_file", required=True, type=click.Path(dir_okay=False),
               help="The requests: an OpenAI Batch file (JSON lines; /v1/chat/completions, /v1/completions).")
 @click.option("-o", "--output-file", "output_file", required=True, type=click.Path(dir_okay=False),
@@ -74,9 +81,9 @@ LOG_INTERVAL_S = 5.0
               help="Engine of the consumers (default vllm where it is installed; sim makes up outputs).")
 @click.option("--engine-options", "engine_options", multiple=True, metavar="KEY=VALUE,...", help=ENGINE_OPTIONS_HELP)
 @click.option("--producers", type=int, help="Producer processes: they tokenize (default: the cores, at most 16).")
-@click.option("--consumers", type=int, help="Consumer processes (default: one per GPU, else 2).")
+@click.option("--consumers", type=int, help="Consumer processes (default: one per engine's GPUs, else 2).")
 @click.option("--max-batch", type=int, help="Consumer contract: items per batch (default 64).")
-@click.option("--max-tokens", type=int, help="Consumer contract: padded tokens per batch (default 65536).")
+@click.option("--max-batch-tokens", type=int, help=MAX_BATCH_TOKENS_HELP)
 @click.option("--max-input-len", type=int,
               help="Longest prompt run (default: the model's context less one token); longer ones are answered 400.")
 @click.option("--prompt-time-limit-s", type=click.FloatRange(*PROMPT_TIME_LIMIT_RANGE_S),
@@ -105,6 +112,7 @@ LOG_INTERVAL_S = 5.0
                    f"(default: {RAY_NODE_DIR_DEFAULT}-JOB in the system's temporary directory).")
 @click.option("--ray-route", type=click.Choice(["shape", "round-robin"]), default="shape", show_default=True,
               help="With --ray: shape-affine routing, or round-robin over nodes (the baseline an actor pool is).")
+@engine_flag_options(jobs=True)
 def run_batch(input_file: str, output_file: str, model_dir: str, served_model_name: str | None,
               data_dir: str | None, output_order: str, error_file: str | None, overwrite: bool,
               summary_file: str | None, engine: str | None, engine_options: tuple[str, ...],
@@ -117,22 +125,30 @@ def run_batch(input_file: str, output_file: str, model_dir: str, served_model_na
     setup_logging(verbose)
     if ray_address is not None:
         check_ray(ray_address)
+    flags = None
     try:
+        given = parse_engine_options(engine_options) if engine_options else {}
+        flags = EngineFlags.take(options, click.get_current_context().args, given)
         spec = _spec(input_file, output_file, model_dir, served_model_name, data_dir, output_order, error_file,
-                     overwrite, summary_file, engine, engine_options, config_path, assignments, keep_data_dir,
+                     overwrite, summary_file, engine, flags, config_path, assignments, keep_data_dir,
                      PromptLimits(prompt_time_limit_s, prompt_memory_limit_mb << 20), options)
         spec.tool_calling = tool_calling(tool_call_parser, enable_auto_tool_choice)
         job = BatchJob(spec, say=lambda text: click.echo(text, err=True), show=_Progress())
         _prepare(job)
     except (BadInputError, PipelineError) as exc:
         raise click.ClickException(str(exc)) from exc
+    finally:
+        if flags is not None:
+            flags.close()
     sys.exit(_run(job, spec, ray_address, ray_route, ray_node_dir))
 
 
 def _spec(input_file, output_file, model_dir, served_model_name, data_dir, output_order, error_file, overwrite,
-          summary_file, engine, engine_options, config_path, assignments, keep_data_dir, limits, options) -> JobSpec:
+          summary_file, engine, flags: EngineFlags, config_path, assignments, keep_data_dir, limits,
+          options) -> JobSpec:
     """The job the command asks for, every option checked (SettingsError and the like)."""
     from pipeline.batchjob.chat import ChatTokenizer
+    from pipeline.batchjob.template import read_chat_template
     from pipeline.runtime.settings import load_toml
 
     file_settings = load_toml(config_path) if config_path else {}
@@ -143,16 +159,18 @@ def _spec(input_file, output_file, model_dir, served_model_name, data_dir, outpu
     data_dir_given = data_dir is not None or "data_dir" in file_settings
     data_dir = data_dir or file_settings.get("data_dir") or output_file + DEFAULT_DATA_DIR_SUFFIX
     engine = engine or _default_engine()
-    tokenizer = ChatTokenizer.load(model_dir)  # a broken model directory: one line, before anything
-    given = parse_engine_options(engine_options) if engine_options else {}
-    settings = _settings(config_path, assignments, options, data_dir, engine, given, model_dir, tokenizer)
+    template = read_chat_template(flags.chat_template) if flags.chat_template is not None else None
+    tokenizer = ChatTokenizer.load(model_dir, chat_template=template)  # broken: one line, before anything
+    settings = _settings(config_path, assignments, options, data_dir, engine, flags, model_dir, tokenizer)
     check_before_start(settings)
+    flags.check_with_vllm(settings)
     if settings.plots and not _importable("matplotlib"):
         raise SettingsError("plots: needs matplotlib (pip install 'shape-broker[plots]'), checked before the job runs")
     served = served_model_name or os.path.basename(os.path.normpath(model_dir))
     limits = replace(limits, max_prompt_tokens=settings.max_input_len, context_tokens=_context(settings, model_dir))
     return JobSpec(input_file, output_file, model_dir, served, settings, data_dir_given, output_order, error_file,
-                   settings.report, summary_file or output_file + SUMMARY_SUFFIX, overwrite, keep_data_dir, limits)
+                   settings.report, summary_file or output_file + SUMMARY_SUFFIX, overwrite, keep_data_dir, limits,
+                   template)
 
 
 def _context(settings, model_dir: str) -> int | None:
@@ -180,27 +198,31 @@ def _default_engine() -> str:
                                f"or pass --engine sim (made-up outputs)")
 
 
-def _settings(config_path, assignments, options: dict, data_dir: str, engine: str, given: dict, model_dir: str,
-              tokenizer):
+def _settings(config_path, assignments, options: dict, data_dir: str, engine: str, flags: EngineFlags,
+              model_dir: str, tokenizer):
     """The launch settings of the job: the engine's options with the model's own (vllm: the
-    model directory; sim: output ids within the tokenizer's vocabulary), the longest prompt
-    from the model's context unless given, producers from the cores."""
-    from pipeline.runtime.settings import LaunchSettings, model_context_len
+    model directory; sim: output ids within the tokenizer's vocabulary) and the engine
+    flags', the longest prompt from the model's context unless given, producers from the
+    cores."""
+    from pipeline.runtime.settings import LaunchSettings
 
-    engine_options = dict(given)
+    engine_options = dict(flags.given)
     if engine == "vllm":
         engine_options.setdefault("model", model_dir)
     else:
         engine_options.setdefault("vocab_size", min(tokenizer.vocab_size, SIM_VOCAB_LIMIT))
         engine_options = {**sim_answer_options(model_dir, tokenizer, engine_options["vocab_size"]), **engine_options}
-    if options.get("max_input_len") is None:
-        context = engine_options.get("max_model_len") or model_context_len(os.path.join(model_dir, "config.json"))
-        options["max_input_len"] = context - 1 if context else None
     if options.get("producers") is None:
         options["producers"] = max(1, min(len(os.sched_getaffinity(0)), MAX_DEFAULT_PRODUCERS))
     overrides = merged(options | {"data_dir": data_dir, "engine": engine, "engine_options": engine_options},
                        parse_assignments(assignments))
-    return LaunchSettings.resolve(config_path, overrides)
+    settings = flags.applied(LaunchSettings.resolve(config_path, overrides), own_option_names(run_batch))
+    if options.get("max_input_len") is None:
+        context = _context(settings, model_dir)
+        if context:
+            settings = replace(settings, max_input_len=context - 1)
+            settings.checked("the command line")
+    return settings
 
 
 def _prepare(job: BatchJob) -> None:

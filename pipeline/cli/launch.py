@@ -7,14 +7,22 @@ import logging
 import os
 import sys
 import tempfile
+from dataclasses import replace
 
 import click
 
 from pipeline.broker.config import DISPATCH_POLICIES
 from pipeline.broker.selection import SHAPE_ORDERS
+from pipeline.cli.engine_flags import (
+    CONTEXT_SETTINGS,
+    VLLM_FLAGS_HELP,
+    EngineFlags,
+    engine_flag_options,
+    own_option_names,
+)
 from pipeline.consumer.engines import ENGINES
 from pipeline.runtime.processes import DURABILITY_LEVELS, STORAGE_KINDS
-from pipeline.runtime.gpus import detect_gpus
+from pipeline.runtime.gpus import consumer_placements, detect_gpus, gpus_per_engine
 from pipeline.runtime.local import ShmNeeds, check_shm_space
 from pipeline.runtime.settings import DEFAULT_CPU_CONSUMERS, DEMO_ITEMS, LaunchSettings, workload_vocab_size
 from pipeline.runtime.tables import broker_config, merged, parse_assignments, parse_engine_options
@@ -47,6 +55,8 @@ def setup_logging(verbose: bool) -> None:
 ENGINE_OPTIONS_HELP = ("The engine's options, KEY=VALUE,KEY=VALUE (repeatable; values as in TOML: 32, 0.9, true, "
                        "text), over the config file's [engine_options]: vllm takes model=DIR, "
                        "gpu_memory_utilization=0.9, ...")
+# What --max-batch-tokens says (run-batch and `pipeline consumer start` say it too).
+MAX_BATCH_TOKENS_HELP = "Consumer contract: padded tokens per batch (default 65536)."
 VOCAB_SIZE_HELP = ("Made-up token ids (demo, Mooncake trace) are drawn below this (default: a vllm model's "
                    "config.json vocab_size, else 32000).")
 
@@ -57,18 +67,18 @@ def load_launch_workload(settings: LaunchSettings, vocab_size: int):
     token ids below `vocab_size`."""
     from pipeline.producer.demos import named_workload
 
-    return named_workload(settings.workload, settings.items, seed=settings.seed, vocab_size=vocab_size,
+    return named_workload(settings.workload, settings.items, seed=settings.workload_seed, vocab_size=vocab_size,
                           default_items=DEMO_ITEMS)
 
 
-@click.command()
+@click.command(context_settings=CONTEXT_SETTINGS, epilog=VLLM_FLAGS_HELP)
 @click.option("--data-dir", type=click.Path(file_okay=False), help="Data directory (default: a temporary one, removed after).")
 @click.option("--workload", help="'demo' (default), 'demo-chat' (multi-turn conversations), 'demo-template' (64 long "
                                  "templates) or a JSON-lines file "
                                  "(own format or a Mooncake trace).")
 @click.option("--items", type=int, help="Run only the first N items (demo, demo-chat, demo-template: how many to generate).")
 @click.option("--producers", type=int, help="Producer processes (default 2).")
-@click.option("--consumers", type=int, help="Consumer processes (default: one per GPU, else 2 CPU consumers).")
+@click.option("--consumers", type=int, help="Consumer processes (default: one per engine's GPUs, else 2 CPU consumers).")
 @click.option("--engine", type=click.Choice(sorted(ENGINES)), help="Engine runtime of the consumers (default sim).")
 @click.option("--engine-options", "engine_options", multiple=True, metavar="KEY=VALUE,...", help=ENGINE_OPTIONS_HELP)
 @click.option("--vocab-size", type=int, help=VOCAB_SIZE_HELP)
@@ -77,7 +87,7 @@ def load_launch_workload(settings: LaunchSettings, vocab_size: int):
 @click.option("--storage", type=click.Choice(STORAGE_KINDS), help=STORAGE_HELP)
 @click.option("--durability", type=click.Choice(DURABILITY_LEVELS), help="Disk durability (default process).")
 @click.option("--max-batch", type=int, help="Consumer contract: items per batch (default 64).")
-@click.option("--max-tokens", type=int, help="Consumer contract: padded tokens per batch (default 65536).")
+@click.option("--max-batch-tokens", type=int, help=MAX_BATCH_TOKENS_HELP)
 @click.option("--max-input-len", type=int, help="Consumer contract: longest prompt (default 8192).")
 @click.option("--replay-speed", type=float, help="Honour the workload's timestamps, X times faster.")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False, exists=True), help="TOML file of these options.")
@@ -86,7 +96,7 @@ def load_launch_workload(settings: LaunchSettings, vocab_size: int):
 @click.option("--metrics-port", type=int, help="Serve Prometheus metrics on this port (0: any free port), on the "
                                                "loopback, to your own processes only (or see --metrics-token-file).")
 @click.option("--metrics-token-file", type=click.Path(dir_okay=False), help=METRICS_TOKEN_HELP)
-@click.option("--seed", type=int, help="Seed of the generated workloads (default 0).")
+@click.option("--workload-seed", type=int, help="Seed of the generated workloads (default 0).")
 @click.option("--set", "assignments", multiple=True, metavar="KEY=VALUE",
               help="A setting of the config file's form, e.g. broker.max_age_s=30, broker.lanes.max_lanes=512, "
                    "consumer.credit_max_batches=8 (repeatable; over the file's value).")
@@ -96,9 +106,11 @@ def load_launch_workload(settings: LaunchSettings, vocab_size: int):
                    "each shape's items on one node.")
 @click.option("--ray-node-dir", type=click.Path(file_okay=False),
               help="With --ray: the directory on each node's own disk under which its data directory is made.")
-def launch(config_path: str | None, verbose: bool, assignments: tuple[str, ...], engine_options: tuple[str, ...],
-           shape_order: str | None, dispatch: str | None, ray_address: str | None, ray_node_dir: str | None,
-           **options) -> None:
+@engine_flag_options(jobs=False)
+@click.pass_context
+def launch(ctx: click.Context, config_path: str | None, verbose: bool, assignments: tuple[str, ...],
+           engine_options: tuple[str, ...], shape_order: str | None, dispatch: str | None, ray_address: str | None,
+           ray_node_dir: str | None, **options) -> None:
     """Run a workload through a broker, producers and one consumer per GPU, with live
     progress, then print the run report. With no arguments: the demo, on the embedded
     defaults (disk tier, sim engine), in a temporary data directory."""
@@ -111,14 +123,22 @@ def launch(config_path: str | None, verbose: bool, assignments: tuple[str, ...],
         assignments = (*assignments, f"broker.shape_order={shape_order}")
     if dispatch is not None:
         assignments = (*assignments, f"broker.dispatch={dispatch}")
+    flags = None
     try:
-        given = {"engine_options": parse_engine_options(engine_options) if engine_options else None}
-        settings = LaunchSettings.resolve(config_path, merged(options | given, parse_assignments(assignments)))
+        given = parse_engine_options(engine_options) if engine_options else {}
+        flags = EngineFlags.take(options, ctx.args, given)
+        settings = LaunchSettings.resolve(config_path, merged(options | {"engine_options": given or None},
+                                                              parse_assignments(assignments)))
+        settings = context_bounds_input(flags.applied(settings, own_option_names(launch)), options)
         check_before_start(settings)
+        flags.check_with_vllm(settings)
         vocab_size, vocab_from = workload_vocab_size(settings)
         workload = load_launch_workload(settings, vocab_size)
     except (BadInputError, PipelineError) as exc:
         raise click.ClickException(str(exc)) from exc
+    finally:
+        if flags is not None:
+            flags.close()
     if settings.plots and importlib.util.find_spec("matplotlib") is None:  # before the run, not after
         raise click.ClickException("--plots needs matplotlib: pip install 'shape-broker[plots]'")
     if ray_address is not None:
@@ -135,6 +155,17 @@ def launch(config_path: str | None, verbose: bool, assignments: tuple[str, ...],
     finally:
         launcher.cleanup()  # a temporary data directory stays only for a failed run's unfinished work
     sys.exit(code)
+
+
+def context_bounds_input(settings: LaunchSettings, options: dict) -> LaunchSettings:
+    """Where the engine's context (max_model_len) is given and --max-input-len is not, the
+    longest prompt is the context less one token (vLLM needs room for one output token)."""
+    context = settings.engine_options.get("max_model_len")
+    if options.get("max_input_len") is not None or not isinstance(context, int) or context < 2:
+        return settings
+    settings = replace(settings, max_input_len=context - 1)
+    settings.checked("the command line")
+    return settings
 
 
 def check_ray(address: str) -> None:
@@ -176,8 +207,9 @@ def _engine_line(settings: LaunchSettings, launcher, vocab_size: int, vocab_from
 
 def check_before_start(settings: LaunchSettings) -> None:
     """What can be refused before any process starts: a data directory another user could
-    change, one whose socket path does not fit a Unix socket, and a consumer contract the
-    broker would refuse (consumers would otherwise retry forever against it)."""
+    change, one whose socket path does not fit a Unix socket, a consumer contract the
+    broker would refuse (consumers would otherwise retry forever against it), and GPUs that
+    do not divide into engines of tensor x pipeline parallel size."""
     from pipeline.runtime.datadir import check_data_dir
     from pipeline.runtime.inventory import producer_ring_names
 
@@ -191,8 +223,10 @@ def check_before_start(settings: LaunchSettings) -> None:
     else:
         config = broker_config(os.path.join(tempfile.gettempdir(), "shape-broker-XXXXXXXX"),  # mkdtemp's length
                                settings.broker, "settings")
-    config.check_contract(0, settings.max_batch, settings.max_tokens, settings.max_input_len)
-    consumers = settings.consumers or len(detect_gpus()) or DEFAULT_CPU_CONSUMERS
+    config.check_contract(0, settings.max_batch, settings.max_batch_tokens, settings.max_input_len)
+    placements = consumer_placements(detect_gpus(), gpus_per_engine(settings.engine_options), settings.consumers,
+                                     DEFAULT_CPU_CONSUMERS)  # GPUs that do not divide into engines: refused
+    consumers = len(placements)
     check_shm_space(ShmNeeds(settings.producers, consumers, config.descriptor_ring_bytes,
                              memory_tier=settings.storage == "memory"))
     if config.min_consumers > consumers:

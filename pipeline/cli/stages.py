@@ -37,6 +37,7 @@ from pipeline.runtime.datadir import (
     lock_holder,
     prepare_data_dir,
 )
+from pipeline.runtime.gpus import gpus_per_engine
 from pipeline.runtime.processes import DURABILITY_LEVELS, STORAGE_KINDS
 from pipeline.runtime.settings import (
     DEFAULT_MAX_BATCH_ITEMS,
@@ -48,7 +49,7 @@ from pipeline.runtime.settings import (
     check_replay_speed,
 )
 from pipeline.runtime.tables import broker_config, consumer_settings, parse_assignments, parse_engine_options
-from pipeline.wire.errors import BadInputError, PipelineError, ProtocolError
+from pipeline.wire.errors import BadInputError, PipelineError, ProtocolError, SettingsError
 from pipeline.wire.protocol import check_consumer_name
 
 # A graceful stop (a batch in hand finished, files closed) gets this long before SIGKILL.
@@ -201,18 +202,19 @@ def consumer() -> None:
 @click.option("--name", help="Consumer name (default gpuN with --gpu, else cpu-PID); names its results file.")
 @click.option("--model", type=int, default=0, show_default=True)
 @click.option("--max-batch", type=int, default=DEFAULT_MAX_BATCH_ITEMS, show_default=True)
-@click.option("--max-tokens", type=int, default=DEFAULT_MAX_BATCH_TOKENS, show_default=True)
+@click.option("--max-batch-tokens", type=int, default=DEFAULT_MAX_BATCH_TOKENS, show_default=True)
 @click.option("--max-input-len", type=int, default=DEFAULT_MAX_INPUT_LEN, show_default=True)
 @click.option("--engine", type=click.Choice(sorted(ENGINES)), default="sim", show_default=True)
 @click.option("--engine-options", "engine_options", multiple=True, metavar="KEY=VALUE,...",
               help=ENGINE_OPTIONS_HELP.replace(", over the config file's [engine_options]", "")
               + " Used as given: nothing is filled in for a CPU (see README, Running on vLLM).")
-@click.option("--gpu", help="Pin to this GPU: an index or a GPU-/MIG- UUID (CUDA_VISIBLE_DEVICES).")
+@click.option("--gpu", help="Pin to this GPU: an index or a GPU-/MIG- UUID (CUDA_VISIBLE_DEVICES); an engine over "
+                            "several GPUs (tensor or pipeline parallel) takes them comma-separated: 0,1.")
 @click.option("--set", "assignments", multiple=True, metavar="KEY=VALUE",
               help="A consumer setting, as in a launch config's [consumer] table: credit_max_batches=8 (repeatable).")
 @click.option("--detach", is_flag=True, help="Run in the background (pid and log files in DATA_DIR/run).")
 @click.option("-v", "--verbose", is_flag=True)
-def consumer_start(data_dir: str, name: str | None, model: int, max_batch: int, max_tokens: int,
+def consumer_start(data_dir: str, name: str | None, model: int, max_batch: int, max_batch_tokens: int,
                    max_input_len: int, engine: str, engine_options: tuple[str, ...], gpu: str | None,
                    assignments: tuple[str, ...], detach: bool, verbose: bool) -> None:
     """Run a consumer until stopped (Ctrl-C or `pipeline consumer stop`); it reconnects if
@@ -227,11 +229,14 @@ def consumer_start(data_dir: str, name: str | None, model: int, max_batch: int, 
     own = consumer_settings(parse_assignments(assignments), "the command line")
     options = parse_engine_options(engine_options)
     check_engine_options(engine, options)  # a typo is refused here, not in the detached child's log
+    if gpu is not None and len(gpu.split(",")) != gpus_per_engine(options):
+        raise SettingsError(f"--gpu {gpu}: {len(gpu.split(','))} GPUs for an engine of {gpus_per_engine(options)} "
+                            f"(tensor_parallel_size x pipeline_parallel_size in --engine-options): give as many")
     stage = f"consumer-{name}"
     files = _refuse_if_running(stage, data_dir)
     if detach:
         argv = ["consumer", "start", "--data-dir", data_dir, "--name", name, "--model", str(model),
-                "--max-batch", str(max_batch), "--max-tokens", str(max_tokens), "--max-input-len",
+                "--max-batch", str(max_batch), "--max-batch-tokens", str(max_batch_tokens), "--max-input-len",
                 str(max_input_len), "--engine", engine]
         if gpu is not None:
             argv += ["--gpu", gpu]
@@ -243,7 +248,7 @@ def consumer_start(data_dir: str, name: str | None, model: int, max_batch: int, 
 
     setup_logging(True)
     consumer_config = ConsumerConfig(config.socket_path, os.path.join(data_dir, RESULTS_DIR), name, model=model,
-                                     max_batch_items=max_batch, max_batch_tokens=max_tokens,
+                                     max_batch_items=max_batch, max_batch_tokens=max_batch_tokens,
                                      max_input_len=max_input_len, engine=engine, engine_options=options, gpu=gpu,
                                      **own)
     def serve(write_pid) -> int:

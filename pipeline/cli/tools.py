@@ -136,7 +136,8 @@ def _sizes(text: str) -> list[int]:
                    "gives each cache one stretch of the walk.")
 @click.option("--items", type=click.IntRange(min=1), default=None,
               help="Only the first N items (demo, demo-chat, demo-template: how many to generate; default 20000).")
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the generated workloads.")
+@click.option("--workload-seed", "seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Seed of the generated workloads.")
 @click.option("--top", type=click.IntRange(min=0), default=DEFAULT_TOP_SHAPES, show_default=True,
               help="Shapes listed, most items first.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
@@ -222,7 +223,8 @@ def cleanup_command(data_dir: str, yes: bool, discard_unstored: bool, as_json: b
 @click.argument("data_dir", type=click.Path(file_okay=False))
 @click.option("--workload", required=True, help="What the producers submitted: 'demo', 'demo-chat' or a workload file.")
 @click.option("--items", type=click.IntRange(min=1), default=None, help="As given to the run (demo: how many).")
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="As given to the run.")
+@click.option("--workload-seed", "seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="As given to the run.")
 @click.option("--duplicate-bound", type=click.IntRange(min=0), default=None,
               help="Fail when more duplicate results lines than this (items in flight at a fault).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")

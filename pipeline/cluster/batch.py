@@ -69,19 +69,18 @@ class JobSource:
     makes the items pass 1 made). `close()` is explicit."""
 
     def __init__(self, workload: JobWorkload, model_dir: str, data_dir: str) -> None:
-        from pipeline.batchjob.chat import ChatTokenizer
         from pipeline.batchjob.rejections import RejectionLog
 
         self.workload = workload
         self.keys = workload.job_input.requests
-        self.tokenizer = ChatTokenizer.load(model_dir)
+        self.tokenizer = workload.tokenizer()
         self.log = RejectionLog(data_dir, f"driver-{os.getpid()}")
 
     @classmethod
     def of(cls, job) -> JobSource:
         """The source of a prepared `BatchJob`'s requests still to submit."""
         workload = JobWorkload(job.job_input, job.skip, job.manifest, job.spec.model_dir, job.data_dir,
-                               job.spec.limits)
+                               job.spec.limits, job.spec.chat_template)
         return cls(workload, job.spec.model_dir, job.data_dir)
 
     def scan(self) -> Iterator[tuple[int, WorkItem]]:

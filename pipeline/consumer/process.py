@@ -118,7 +118,7 @@ class ConsumerConfig:
     max_input_len: int = 8192
     engine: str = "sim"
     engine_options: dict = field(default_factory=dict)
-    gpu: str | None = None  # a CUDA_VISIBLE_DEVICES value: an index or a GPU-/MIG- UUID
+    gpu: str | None = None  # a CUDA_VISIBLE_DEVICES value: the engine's GPUs, by index or GPU-/MIG- UUID
     credit: int | None = None  # batches ahead, fixed; None: sized from batch times (credit.py)
     ahead_s: float = DEFAULT_AHEAD_S  # seconds of work kept queued when `credit` is None
     credit_min_batches: int = MIN_CREDIT  # the sized window's bounds (credit.py)
@@ -238,7 +238,7 @@ class _Pace:
 
 
 class Consumer:
-    """Runs batches for one GPU (or the CPU). Owner: the consumer process. Not thread-safe
+    """Runs batches for one engine: its GPUs (or the CPU). Owner: the consumer process. Not thread-safe
     apart from the heartbeat thread inside its session."""
 
     def __init__(self, config: ConsumerConfig, engine: Engine | None = None) -> None:
@@ -269,12 +269,13 @@ class Consumer:
         """Serve batches until `stop()` is true, reconnecting whenever the broker goes away.
         Raises RegistrationRefusedError (the broker refused this consumer) and
         ResultsWriteError (results cannot be written, the disk being full aside): both are
-        fatal. The results file and the segment maps are closed either way. The engine starts
-        (loads its model) before the first registration."""
+        fatal. The engine, the results file and the segment maps are closed either way. The
+        engine starts (loads its model) before the first registration."""
         try:
             self.engine.start()
             self._serve_sessions(stop)
         finally:
+            self.engine.close()  # an engine's own processes (vLLM's engine core) stop with the consumer
             if self._results is not None:
                 self._results.close()
             if self._reader is not None:

@@ -5,7 +5,7 @@
 
 What a run does, in order:
     1. the broker (its data directory: given, or a temporary one removed afterwards);
-    2. one consumer per GPU (pinned with CUDA_VISIBLE_DEVICES), or `consumers` CPU ones;
+    2. one consumer per engine's GPUs (pinned with CUDA_VISIBLE_DEVICES), or `consumers` CPU ones;
     3. the producers, each feeding its round-robin share of the workload and recording in a
        shared ledger how many items it has put into its ring;
     4. a watch loop: the broker's status twice a second -> live progress; the run is done
@@ -55,7 +55,7 @@ from pipeline.consumer.process import ConsumerConfig
 from pipeline.producer.workload import Workload
 from pipeline.reporting.accounting import ResultsSummary, Stock, summarize_results, take_stock
 from pipeline.runtime.datadir import release_launch
-from pipeline.runtime.gpus import detect_gpus
+from pipeline.runtime.gpus import consumer_placements, detect_gpus, gpus_per_engine
 from pipeline.runtime.inventory import (
     ProducerLedger,
     RingStock,
@@ -308,7 +308,9 @@ class Launcher:
         self.config = broker_config(self.data_dir, settings.broker, "settings")  # checked by LaunchSettings
         self._consumer_settings = consumer_settings(settings.consumer, "settings")  # every consumer's, likewise
         self.gpus = detect_gpus()
-        self.consumer_count = settings.consumers or len(self.gpus) or DEFAULT_CPU_CONSUMERS
+        self.placements = consumer_placements(self.gpus, gpus_per_engine(settings.engine_options), settings.consumers,
+                                              DEFAULT_CPU_CONSUMERS)
+        self.consumer_count = len(self.placements)
         # What each consumer's engine runs with: the settings', plus what this machine needs
         # that the user did not give (a vllm engine without a GPU), shown by the launch line.
         self.engine_options, self.engine_filled = engine_options_for_host(
@@ -430,26 +432,24 @@ class Launcher:
         return np.intersect1d(taken_over, np.fromiter(found, dtype=np.uint64, count=len(found)))
 
     def consumer_configs(self) -> list[ConsumerConfig]:
-        """One consumer per GPU (or `consumers` of them, spread over the GPUs), each serving one
-        of the models in turn: the workload's, and those of what an earlier run left here (a
-        model nobody serves would keep the run from ever finishing); CPU consumers where
-        there is no GPU."""
+        """One consumer per engine's GPUs (`consumer_placements`: or `consumers` of them, spread
+        over the groups), each serving one of the models in turn: the workload's, and those of
+        what an earlier run left here (a model nobody serves would keep the run from ever
+        finishing); CPU consumers where there is no GPU."""
         s = self.settings
-        gpus, count = self.gpus, self.consumer_count
+        count = self.consumer_count
         models = sorted(set(self.workload.models) | self.taken_over.models)
         if count < len(models):
             raise ValueError(f"the workload and what earlier runs left here use {len(models)} models "
                              f"({models[:10]}) but only {count} consumers run: each consumer serves one model "
                              f"(raise --consumers)")
         configs = []
-        for k in range(count):
-            gpu = gpus[k % len(gpus)] if gpus else None
-            name = f"gpu{gpu}" if gpu is not None and gpu.isdigit() and count == len(gpus) else (
-                f"gpu-{k}" if gpu is not None and count == len(gpus) else f"consumer{k}")
+        for k, placement in enumerate(self.placements):
             configs.append(ConsumerConfig(
-                self.config.socket_path, self.results_dir, name, model=models[k % len(models)],
-                max_batch_items=s.max_batch, max_batch_tokens=s.max_tokens, max_input_len=s.max_input_len,
-                engine=s.engine, engine_options=dict(self.engine_options), gpu=gpu, **self._consumer_settings))
+                self.config.socket_path, self.results_dir, placement.name, model=models[k % len(models)],
+                max_batch_items=s.max_batch, max_batch_tokens=s.max_batch_tokens, max_input_len=s.max_input_len,
+                engine=s.engine, engine_options=dict(self.engine_options), gpu=placement.gpu,
+                **self._consumer_settings))
         return configs
 
     # ----------------------------------------------------------------- watch

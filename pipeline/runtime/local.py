@@ -126,7 +126,21 @@ def stop_process(process, sig: int = signal.SIGTERM, timeout_s: float = 20.0,
     if process.is_alive():
         process.kill()
         process.join(5)
+    _kill_group_left(process.pid)
     return process.exitcode
+
+
+def _kill_group_left(pid: int | None) -> None:
+    """Kill what is left of a stopped child's process group: the processes it started (a
+    vllm consumer's engine core and workers) outlive it when it was killed, holding memory
+    (a GPU's) that the next engine needs. Children run in their own groups, led by their pid
+    (`own_process_group`); a group that is gone is nothing to do."""
+    if pid is None:
+        return
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def remove_leftovers(data_dir: str, keep_rings: Iterable[str] = frozenset()) -> list[str]:

@@ -44,7 +44,7 @@ from pipeline.wire.layouts import MAX_SEQ
 # The demo: enough items to show lanes, shape switches and a warm cache, and short enough to
 # finish in seconds on a 2-core machine (the target: well under a minute including start-up).
 DEMO_ITEMS = 20_000
-# CPU consumers when the machine has no GPU (one per GPU otherwise).
+# CPU consumers when the machine has no GPU (one per engine's GPUs otherwise).
 DEFAULT_CPU_CONSUMERS = 2
 DEFAULT_PRODUCERS = 2
 # The consumer contract's defaults: a vLLM-like engine's max_num_seqs, a token budget of
@@ -74,6 +74,13 @@ MAX_MODEL_CONFIG_BYTES = 16 << 20
 CPU_VLLM_BLOCK_SIZE_TOKENS = 32
 CPU_VLLM_KV_CACHE_BYTES = 1 << 30
 ENGINE_CACHE_DIR = "engine-cache"
+# Settings that took another name, so that no setting of ours reads as a vLLM flag of another
+# meaning (vLLM's max_tokens is a request's new tokens, its seed the engine's sampling seed):
+# the old name is refused, naming the new one.
+RENAMED_SETTINGS = {
+    "max_tokens": "max_batch_tokens (the consumer contract's padded tokens per batch; max_tokens is a request's)",
+    "seed": "workload_seed (the seed of generated workloads; seed is the engine's, vLLM's --seed)",
+}
 # The demo's seed goes to numpy's generator, which takes any non-negative integer; 2**63 - 1
 # keeps it a TOML integer.
 MAX_SEED = 2**63 - 1
@@ -82,7 +89,8 @@ MAX_SEED = 2**63 - 1
 @dataclass(slots=True)
 class LaunchSettings:
     """Everything `pipeline launch` needs. `data_dir` None: a temporary directory, removed
-    after the run. `consumers` None: one per GPU, or DEFAULT_CPU_CONSUMERS without GPUs.
+    after the run. `consumers` None: one per engine's GPUs (gpus.py), or DEFAULT_CPU_CONSUMERS
+    without GPUs.
     `items` None: the whole workload file (or DEMO_ITEMS for the demo)."""
 
     data_dir: str | None = None
@@ -95,14 +103,14 @@ class LaunchSettings:
     storage: str = "disk"
     durability: str = "process"
     max_batch: int = DEFAULT_MAX_BATCH_ITEMS
-    max_tokens: int = DEFAULT_MAX_BATCH_TOKENS
+    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
     max_input_len: int = DEFAULT_MAX_INPUT_LEN
     replay_speed: float | None = None
     report: str | None = None
     plots: str | None = None
     metrics_port: int | None = None
     metrics_token_file: str | None = None  # the metrics need this bearer token (else: this user only)
-    seed: int = 0
+    workload_seed: int = 0
     vocab_size: int | None = None  # made-up token ids below this (None: see workload_vocab_size)
     broker: dict = field(default_factory=dict)  # the broker's own settings (tables.py)
     consumer: dict = field(default_factory=dict)  # every consumer's own settings (tables.py)
@@ -133,6 +141,8 @@ class LaunchSettings:
         known = {f.name: f for f in fields(self)}
         changes = {}
         for key, value in values.items():
+            if key in RENAMED_SETTINGS:
+                raise SettingsError(f"{source}: {key} is now {RENAMED_SETTINGS[key]}")
             if key not in known:
                 raise SettingsError(f"{source}: unknown setting {key!r} (known: {', '.join(sorted(known))})")
             value = _typed(key, value, _TYPES[key], source)
@@ -140,7 +150,7 @@ class LaunchSettings:
         return replace(self, **changes)
 
     def check(self) -> None:
-        for key in ("max_batch", "max_tokens", "max_input_len"):
+        for key in ("max_batch", "max_batch_tokens", "max_input_len"):
             if getattr(self, key) <= 0:
                 raise SettingsError(f"{key} must be positive, got {getattr(self, key)}")
         _check_range("producers", self.producers, 1, MAX_PRODUCER_PROCESSES)
@@ -148,7 +158,7 @@ class LaunchSettings:
             _check_range("consumers", self.consumers, 1, MAX_CONSUMER_PROCESSES)
         if self.items is not None:
             _check_range("items", self.items, 1, MAX_ITEMS)
-        _check_range("seed", self.seed, 0, MAX_SEED)
+        _check_range("workload_seed", self.workload_seed, 0, MAX_SEED)
         if self.vocab_size is not None:
             _check_range("vocab_size", self.vocab_size, 1, MAX_VOCAB_SIZE)
         check_replay_speed(self.replay_speed)
@@ -312,9 +322,9 @@ def check_output_path(key: str, path: str, directory: bool) -> None:
 _TYPES: dict[str, tuple[type, ...]] = {
     "data_dir": (str,), "workload": (str,), "items": (int,), "producers": (int,), "consumers": (int,),
     "engine": (str,), "engine_options": (dict,), "storage": (str,), "durability": (str,),
-    "max_batch": (int,), "max_tokens": (int,), "max_input_len": (int,), "replay_speed": (float, int),
+    "max_batch": (int,), "max_batch_tokens": (int,), "max_input_len": (int,), "replay_speed": (float, int),
     "report": (str,), "plots": (str,), "metrics_port": (int,),
-    "metrics_token_file": (str,), "seed": (int,), "vocab_size": (int,),
+    "metrics_token_file": (str,), "workload_seed": (int,), "vocab_size": (int,),
     "broker": (dict,),
     "consumer": (dict,),
 }

@@ -62,18 +62,18 @@ def test_small_file_table(small_file):
 
 
 def test_demo_chat_is_analyzed():
-    result = analyze("demo-chat", "--items", "300", "--seed", "2", "--json")
+    result = analyze("demo-chat", "--items", "300", "--workload-seed", "2", "--json")
     assert result.exit_code == 0, result.output
     got = json.loads(result.output)
     assert got["items"] == 300 and got["block_tokens"] == 16
     assert got["shapes"]["max_depth"] >= 3  # turns chain: each extends the one before
     assert got["bound"]["reuse"] > 0.5  # every later turn reuses its whole earlier conversation
-    again = json.loads(analyze("demo-chat", "--items", "300", "--seed", "2", "--json").output)
+    again = json.loads(analyze("demo-chat", "--items", "300", "--workload-seed", "2", "--json").output)
     assert again == got
 
 
 def test_demo_template_is_analyzed():
-    result = analyze("demo-template", "--items", "400", "--seed", "1", "--caches", "2", "--cache-tokens", "32768",
+    result = analyze("demo-template", "--items", "400", "--workload-seed", "1", "--caches", "2", "--cache-tokens", "32768",
                      "--json")
     assert result.exit_code == 0, result.output
     got = json.loads(result.output)

@@ -518,6 +518,15 @@ def test_chat_template_jinja_file_wins_over_the_config(trained, tmp_path):
     assert ChatTokenizer.load(model).render([{"role": "user", "content": "x"}], add_generation_prompt=True) == "filex"
 
 
+def test_a_template_given_on_the_command_line_wins_over_the_directorys(trained, tmp_path):
+    model = _write_model(tmp_path / "jinja", trained[0], chat_template="config", bos_token=BOS)
+    (model / "chat_template.jinja").write_text("file{{ messages[0]['content'] }}")
+    tokenizer = ChatTokenizer.load(model, chat_template="flag{{ messages[0]['content'] }}")
+    assert tokenizer.render([{"role": "user", "content": "x"}], add_generation_prompt=True) == "flagx"
+    with pytest.raises(ModelDirError, match="--chat-template: the chat template does not compile"):
+        ChatTokenizer.load(model, chat_template="{% for %}")
+
+
 def test_named_default_template_and_token_objects(models):
     tokenizer = ChatTokenizer.load(models["last"])
     assert tokenizer.render([{"role": "user", "content": "hi"}], add_generation_prompt=True) == \

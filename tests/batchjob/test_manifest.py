@@ -44,12 +44,12 @@ def model_dir(tmp_path: Path) -> Path:
 
 
 def manifest(model_dir: Path, engine: str = "sim", options: dict | None = None, max_input_len: int | None = 1024,
-             **fields: object) -> JobManifest:
+             chat_template: str | None = None, **fields: object) -> JobManifest:
     base = dict(job_id=7, created_s=1_700_000_000, input_path="/jobs/a.jsonl", input_bytes=1000,
                 input_xxh3="ab" * 16, requests=10, served_model="tiny", output_path="/jobs/out.jsonl",
                 output_order="input", error_file=None,
                 depends_on=depends_on(str(model_dir), engine, ENGINE_OPTIONS if options is None else options,
-                                      max_input_len))
+                                      max_input_len, chat_template))
     base.update(fields)
     return JobManifest(**base)
 
@@ -156,6 +156,29 @@ def test_an_option_of_resources_only_is_no_change(model_dir: Path, option: str) 
         assert differences(have, manifest(model_dir, options={**ENGINE_OPTIONS, option: value})) == []
     assert differences(have, manifest(model_dir, options={k: v for k, v in ENGINE_OPTIONS.items() if k != option})) \
         == []
+
+
+def test_llm_kwargs_are_judged_one_by_one(model_dir: Path) -> None:
+    """vLLM's flags without a VllmOptions field land in llm_kwargs: a resource among them
+    (--max-num-seqs) may change on a resume, one that changes answers (--quantization) may not."""
+    def options(**kwargs: object) -> dict:
+        return {**ENGINE_OPTIONS, "llm_kwargs": kwargs}
+
+    have = manifest(model_dir, options=options(max_num_seqs=8, quantization="fp8"))
+    assert differences(have, manifest(model_dir, options=options(max_num_seqs=64, quantization="fp8"))) == []
+    assert differences(have, manifest(model_dir, options=options(max_num_seqs=8))) == [
+        'engine option llm_kwargs.quantization: "fp8" then, absent now']
+
+
+def test_the_chat_template_flag_counts_by_content(model_dir: Path) -> None:
+    have = manifest(model_dir, chat_template="{{ messages }}")
+    assert have.depends_on["chat template (--chat-template)"].startswith("xxh3 ")
+    assert differences(have, manifest(model_dir, chat_template="{{ messages }}")) == []
+    changed = differences(have, manifest(model_dir, chat_template="{{ messages[0] }}"))
+    assert len(changed) == 1 and changed[0].startswith("chat template (--chat-template): xxh3 ")
+    assert differences(have, manifest(model_dir)) == [
+        f"chat template (--chat-template): {have.depends_on['chat template (--chat-template)']} then, absent now"]
+    assert "chat template (--chat-template)" not in manifest(model_dir).depends_on  # a job without it resumes
 
 
 def test_where_the_input_is_and_when_a_run_started_are_no_change(model_dir: Path) -> None:

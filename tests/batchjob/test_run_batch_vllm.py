@@ -1,5 +1,7 @@
 """`pipeline run-batch --engine vllm` on the tiny model (marked `vllm`): real completions,
-and every response's cached_tokens are vLLM's own, summing to vLLM's prefix_cache_hits."""
+and every response's cached_tokens are vLLM's own, summing to vLLM's prefix_cache_hits;
+vLLM's engine flags as vLLM reads them, what vLLM would refuse refused before anything
+starts, and an engine over two workers (tensor parallel 2 on the CPU build)."""
 
 from __future__ import annotations
 
@@ -13,8 +15,9 @@ from tests.batchjob.test_run_batch import ROOT, check_output, write_requests
 from tests.consumer.test_vllm_engine import MODEL_DIR
 from tools.make_batch_example import requests as example_requests
 
-# Two engines' first start on 2 cores, then the job.
-RUN_TIMEOUT_S = 300
+# Two engines' first start on 2 cores (each an engine core and a worker process of its own,
+# 1 to 3 minutes on this loaded machine), then the job.
+RUN_TIMEOUT_S = 600
 
 
 @pytest.mark.vllm
@@ -27,7 +30,8 @@ def test_real_completions_whose_cached_tokens_are_vllms_own(tmp_path):
     out, report = tmp_path / "out.jsonl", tmp_path / "report.json"
     done = subprocess.run([sys.executable, "-m", "pipeline", "run-batch", "-i", str(source), "-o", str(out),
                            "--model", str(MODEL_DIR), "--engine", "vllm", "--report", str(report),
-                           "--engine-options", "load_format=dummy,max_model_len=2048,kv_cache_memory_bytes=8388608"],
+                           "--load-format", "dummy", "--max-model-len", "2K", "--kv-cache-memory-bytes", "8M",
+                           "--max-num-seqs", "16"],
                           capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = check_output(out, records)
@@ -38,7 +42,50 @@ def test_real_completions_whose_cached_tokens_are_vllms_own(tmp_path):
     cached = sum(b["usage"]["prompt_tokens_details"]["cached_tokens"] for b in bodies)
     prompt = sum(b["usage"]["prompt_tokens"] for b in bodies)
     figures = json.loads(report.read_text())
+    options = figures["settings"]["engine"]["options"]  # each flag the engine option of its name, as vLLM read it
+    assert (options["load_format"], options["max_model_len"], options["kv_cache_memory_bytes"]) == ("dummy", 2048,
+                                                                                                   8 << 20)
+    assert options["llm_kwargs"] == {"max_num_seqs": 16}
     per_consumer = figures["per_consumer"].values()
     assert figures["engine_counters_agree"] is True
     assert cached == sum(c["engine_prefix_cache_hits"] for c in per_consumer) > 0
     assert prompt == sum(c["engine_prefix_cache_queries"] for c in per_consumer)
+
+
+def _run_batch(tmp_path, *flags: str, requests: int = 8) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    from tools.tiny_llama import build
+
+    build(MODEL_DIR)
+    records = example_requests(requests, MODEL_DIR.name)
+    source = write_requests(tmp_path / "requests.jsonl", records)
+    done = subprocess.run([sys.executable, "-m", "pipeline", "run-batch", "-i", str(source), "-o",
+                           str(tmp_path / "out.jsonl"), "--model", str(MODEL_DIR), "--engine", "vllm",
+                           "--data-dir", str(tmp_path / "data"), "--load-format", "dummy", *flags],
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=ROOT)
+    return done, records
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("flags, words", [
+    (["--dtype", "float33"], "vLLM: argument --dtype: invalid choice: 'float33'"),
+    (["--max-model-len", "4096"], "max_model_len (4096) is greater than the derived max_model_len"),
+    (["--no-enable-prefix-caching"], "--enable-prefix-caching: prefix caching stays on"),
+])
+def test_what_vllm_would_refuse_is_refused_in_one_line_before_anything_starts(tmp_path, flags, words):
+    done, _records = _run_batch(tmp_path, *flags)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
+    assert done.returncode == 1 and len(errors) == 1 and words in errors[0], done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and not (tmp_path / "data").exists()
+
+
+@pytest.mark.vllm
+def test_tensor_parallel_2_runs_on_the_cpu_build(tmp_path):
+    """One engine of two workers (vLLM's multiprocessing executor; each worker's threads
+    unbound, as vLLM's CPU binding needs a NUMA node per worker)."""
+    done, records = _run_batch(tmp_path, "-tp", "2", "--consumers", "1", "--report", str(tmp_path / "report.json"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = check_output(tmp_path / "out.jsonl", records)
+    assert {row["response"]["status_code"] for row in rows} == {200}
+    figures = json.loads((tmp_path / "report.json").read_text())
+    assert figures["settings"]["engine"]["options"]["tensor_parallel_size"] == 2
+    assert figures["engine_counters_agree"] is True

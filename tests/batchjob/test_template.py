@@ -10,7 +10,8 @@ import tracemalloc
 import jinja2
 import pytest
 
-from pipeline.batchjob.template import compile_chat_template
+from pipeline.batchjob.template import MAX_TEMPLATE_BYTES, compile_chat_template, read_chat_template
+from pipeline.wire.errors import ModelDirError
 
 # Characters each construct below would allocate if it were evaluated at load.
 FOLDED_CHARS = 20_000_000
@@ -55,3 +56,27 @@ def test_what_does_not_compile_raises_what_jinja_raises():
         compile_chat_template("{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}")
     with pytest.raises(jinja2.exceptions.SecurityError):  # the sandbox: at render
         compile_chat_template("{{ x.append(1) }}").render(x=[])
+
+
+def test_chat_template_flag_is_a_file_or_the_template_itself_as_vllm_takes_it(tmp_path):
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages }}")
+    assert read_chat_template(str(path)) == "{{ messages }}"
+    assert read_chat_template("{% for m in messages %}{{ m.content }}{% endfor %}").startswith("{% for m")
+    assert read_chat_template("line one\nline two") == "line one\nline two"  # a newline: a template
+    with pytest.raises(ModelDirError, match="looks like a file's path .* no such file"):
+        read_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ModelDirError, match="not a regular file"):
+        read_chat_template(str(tmp_path))
+
+
+def test_a_chat_template_file_at_the_size_limit_is_read_and_one_byte_more_is_refused(tmp_path):
+    path = tmp_path / "big.jinja"
+    path.write_bytes(b"x" * MAX_TEMPLATE_BYTES)
+    assert len(read_chat_template(str(path))) == MAX_TEMPLATE_BYTES
+    path.write_bytes(b"x" * (MAX_TEMPLATE_BYTES + 1))
+    with pytest.raises(ModelDirError, match="more than the 16,777,216 bytes it may have"):
+        read_chat_template(str(path))
+    path.write_bytes(b"\xff{{ x }}")
+    with pytest.raises(ModelDirError, match="not UTF-8"):
+        read_chat_template(str(path))

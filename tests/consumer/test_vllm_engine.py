@@ -67,7 +67,7 @@ def test_unknown_and_wrong_options_are_refused_by_name(installed):
         (dict(top_p=0), "top_p"),
         (dict(temperature=-1), "temperature"),
         (dict(enforce_eager="yes"), "enforce_eager must be true or false"),
-        (dict(tensor_parallel_size=2), "needs in_process = false"),
+        (dict(pipeline_parallel_size=0), "pipeline_parallel_size must be a positive integer"),
         (dict(llm_kwargs={"enable_prefix_caching": False}), "llm_kwargs may not set enable_prefix_caching"),
         (dict(llm_kwargs={"block_size": 64}), "llm_kwargs may not set block_size"),
     ]
@@ -81,10 +81,21 @@ def test_the_llm_keywords_carry_the_accounting_settings():
     kwargs = VllmOptions.parse(dict(model="m", kv_cache_memory_bytes=5, llm_kwargs={"max_num_seqs": 8})).llm_kwargs_all()
     assert kwargs["enable_prefix_caching"] is True and kwargs["disable_log_stats"] is False
     assert kwargs["block_size"] == vllm_engine.DEFAULT_BLOCK_SIZE_TOKENS and kwargs["kv_cache_memory_bytes"] == 5
-    assert kwargs["distributed_executor_backend"] == "uni" and kwargs["max_num_seqs"] == 8
+    assert "distributed_executor_backend" not in kwargs and kwargs["max_num_seqs"] == 8  # vLLM's own default
     assert "gpu_memory_utilization" not in kwargs
-    multi = VllmOptions.parse(dict(model="m", tensor_parallel_size=2, in_process=False)).llm_kwargs_all()
-    assert "distributed_executor_backend" not in multi and multi["tensor_parallel_size"] == 2
+    inside = VllmOptions.parse(dict(model="m", in_process=True)).llm_kwargs_all()
+    assert inside["distributed_executor_backend"] == "uni"  # one GPU, stepped in the consumer's process
+    for in_process in (True, False):  # an engine over several GPUs: one worker process per GPU, either way
+        multi = VllmOptions.parse(dict(model="m", tensor_parallel_size=2, pipeline_parallel_size=2,
+                                       in_process=in_process)).llm_kwargs_all()
+        assert multi["distributed_executor_backend"] == "mp"
+        assert (multi["tensor_parallel_size"], multi["pipeline_parallel_size"]) == (2, 2)
+
+
+def test_vllms_sockets_stay_where_their_names_fit_a_socket_path():
+    longest = "/" + "t" * (vllm_engine.UNIX_SOCKET_PATH_MAX_CHARS - vllm_engine.RPC_SOCKET_NAME_CHARS - 1)
+    assert vllm_engine.rpc_directory(longest) == longest  # at the limit: DIR/UUID4 is 107 characters
+    assert vllm_engine.rpc_directory(longest + "t") == "/tmp"
 
 
 def test_without_vllm_the_engine_is_refused_with_the_command_that_installs_it(monkeypatch):
@@ -279,3 +290,61 @@ def test_an_abort_drops_unfinished_batches_and_the_check_still_agrees(engine):
     assert sorted(engine.abort()) == [1, 2] and engine.poll() == []
     engine.run(EngineBatch(prompts[:1], 300, [0]))
     _agree(engine)
+
+
+def _engine_processes() -> dict[int, str]:
+    """vLLM's engine core and worker processes under this one (by vLLM's process titles)."""
+    import psutil
+
+    found = {}
+    for child in psutil.Process().children(recursive=True):
+        try:
+            name = " ".join(child.cmdline()) or child.name()
+        except psutil.Error:
+            continue
+        if "VLLM::" in name:
+            found[child.pid] = name
+    return found
+
+
+@pytest.mark.vllm
+def test_by_default_the_engine_core_runs_in_a_process_of_its_own_which_close_stops(engine):
+    """vLLM's default (in_process false): the engine core steps in its own process while the
+    consumer works, and `close` stops it and its worker (a consumer ends with os._exit)."""
+    had = set(_engine_processes())  # the module's engine's, itself in its own process
+    assert any("EngineCore" in name for name in _engine_processes().values())
+    environ = dict(os.environ)
+    own = make_engine("vllm", **ENGINE_OPTIONS)
+    try:
+        result = own.run(EngineBatch([np.arange(TOKEN_LOW, TOKEN_LOW + 64, dtype=np.int32)], 64, [0]))
+        assert result.errors is None and len(result.outputs[0]) == 2
+        started = {pid: name for pid, name in _engine_processes().items() if pid not in had}
+        assert any("EngineCore" in name for name in started.values()), started
+        _agree(own)
+    finally:
+        own.close()
+        os.environ.clear()
+        os.environ.update(environ)
+    import psutil
+
+    assert not [pid for pid in started if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+
+
+@pytest.mark.vllm
+def test_in_process_the_engine_core_steps_in_the_consumer_and_the_counters_agree(engine):
+    environ = dict(os.environ)
+    had = set(_engine_processes())
+    inside = make_engine("vllm", **ENGINE_OPTIONS, in_process=True)
+    try:
+        rng = np.random.default_rng(12)
+        prefix = rng.integers(TOKEN_LOW, TOKEN_HIGH, 96, dtype=np.int32)
+        items = [np.concatenate([prefix, rng.integers(TOKEN_LOW, TOKEN_HIGH, 8, dtype=np.int32)]) for _ in range(3)]
+        inside.run(EngineBatch(items[:1], 104, [96]))
+        result = inside.run(EngineBatch(items[1:], 104, [96, 96]))
+        assert result.errors is None and sum(result.cached_tokens) == 2 * (96 // BLOCK * BLOCK)
+        assert set(_engine_processes()) == had  # no process of its own
+        _agree(inside)
+    finally:
+        inside.close()
+        os.environ.clear()
+        os.environ.update(environ)

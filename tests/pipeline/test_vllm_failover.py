@@ -25,6 +25,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 from pipeline.broker.config import BrokerConfig
@@ -159,8 +160,14 @@ def test_a_consumer_killed_mid_batch_loses_nothing_and_the_survivor_counts_what_
             return held is not None and held.batches_held == 1 and done.batches >= 1 and s
 
         at_kill = wait_until(running_its_second_batch, RUN_TIMEOUT_S, "the victim running a batch", poll_s=POLL_S)
+        engine_processes = psutil.Process(processes["victim"].pid).children(recursive=True)  # vLLM's engine core
         os.kill(processes["victim"].pid, signal.SIGKILL)
         processes["victim"].join(30)
+        for process in engine_processes:  # as a launcher kills a killed consumer's process group
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
+                pass
         lost = wait_until(lambda: (s := status(socket_path)).consumers_lost == 1 and s, RUN_TIMEOUT_S,
                           "the broker noticing the kill", poll_s=POLL_S)
         done = wait_until(lambda: (s := status(socket_path)).items_completed == len(ids) and s, RUN_TIMEOUT_S,

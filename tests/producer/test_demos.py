@@ -76,7 +76,7 @@ def test_bad_arguments_are_refused(args):
 
 
 def test_launch_picks_demo_chat_with_items_and_seed():
-    workload = load_launch_workload(LaunchSettings(workload="demo-chat", items=40, seed=3), vocab_size=32_000)
+    workload = load_launch_workload(LaunchSettings(workload="demo-chat", items=40, workload_seed=3), vocab_size=32_000)
     assert len(workload) == 40 and workload.source.startswith("demo-chat(items=40, seed=3")
     assert [i.payload for i in workload] == [i.payload for i in demo_chat_workload(40, seed=3)]
     assert len(named_workload("demo", 12, seed=1)) == 12
@@ -132,7 +132,7 @@ def test_template_deterministic_seeded_and_reachable_by_name():
     assert fingerprint(demo_template_workload(200, seed=4)) == fingerprint(demo_template_workload(200, seed=4))
     assert fingerprint(demo_template_workload(200, seed=4)) != fingerprint(demo_template_workload(200, seed=5))
     assert all(int(i.tokens.max()) < 50 for i in demo_template_workload(50, seed=4, vocab_size=50))
-    workload = load_launch_workload(LaunchSettings(workload="demo-template", items=30, seed=4), vocab_size=32_000)
+    workload = load_launch_workload(LaunchSettings(workload="demo-template", items=30, workload_seed=4), vocab_size=32_000)
     assert [i.payload for i in workload] == [i.payload for i in demo_template_workload(30, seed=4)]
     assert len(named_workload("demo-template", default_items=7)) == 7
 

@@ -35,7 +35,7 @@ def one_line_error(done: subprocess.CompletedProcess, *words: str) -> None:
 
 
 @pytest.mark.parametrize("args, words", [
-    (["--seed", "-1"], ["seed must be in [0,", "-1"]),
+    (["--workload-seed", "-1"], ["workload_seed must be in [0,", "-1"]),
     (["--replay-speed", "nan"], ["replay_speed must be a finite number above 0", "nan"]),
     (["--replay-speed", "inf"], ["replay_speed must be a finite number above 0", "inf"]),
     (["--producers", "100000"], ["producers must be in [1, 128]"]),
@@ -51,6 +51,25 @@ def test_launch_options_are_checked_before_anything_starts(tmp_path, args, words
     done = pipeline("launch", "--items", "10", "--data-dir", str(data), *args)
     one_line_error(done, *words)
     assert not data.exists()  # refused before the broker (or anything) started
+
+
+@pytest.mark.parametrize("visible, args, words", [
+    ("0,1,2", ["-tp", "2"], ["3 GPUs (0,1,2) do not divide into engines of 2"]),
+    ("0,1,2,3,4,5", ["-tp", "2", "-pp", "2"], ["6 GPUs", "do not divide into engines of 4"]),
+    ("", ["--dtype", "bfloat16"], ["--dtype: not options of this command", "the sim engine takes of them only"]),
+    ("", ["--seed", "3"], ["--seed: vLLM's engine flag", "--workload-seed"]),
+])
+def test_launch_refuses_engine_flags_it_cannot_honour_before_anything_starts(tmp_path, monkeypatch, visible, args,
+                                                                             words):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    data = tmp_path / "data"
+    one_line_error(pipeline("launch", "--items", "10", "--data-dir", str(data), *args), *words)
+    assert not data.exists()
+
+
+def test_a_consumer_stage_pinned_to_gpus_that_are_not_its_engines_is_refused(tmp_path):
+    done = pipeline("consumer", "start", "--data-dir", str(tmp_path / "data"), "--gpu", "0,1")
+    one_line_error(done, "--gpu 0,1: 2 GPUs for an engine of 1")
 
 
 def test_produce_refuses_a_replay_speed_that_is_not_a_number(tmp_path):

@@ -126,7 +126,7 @@ def test_mooncake_trace_runs_with_long_prompts(tmp_path):
     with open(TRACE) as source:
         head.write_text("".join(next(source) for _ in range(120)))
     data, report_path = tmp_path / "data", tmp_path / "report.json"
-    done = launch("--workload", str(head), "--max-input-len", "16384", "--max-tokens", "262144",
+    done = launch("--workload", str(head), "--max-input-len", "16384", "--max-batch-tokens", "262144",
                   "--data-dir", str(data), "--report", str(report_path))
     assert done.returncode == 0, done.stderr
     report = json.loads(report_path.read_text())

@@ -259,3 +259,47 @@ def test_a_dev_shm_of_exactly_what_a_run_needs_runs_it_and_one_page_less_is_refu
         assert not os.path.exists(os.path.join(data, "results"))  # nothing started
     else:
         assert found == {"exit": 0, "items_with_results": items, "lost": 0}, done.stderr
+
+
+def _leaves_a_grandchild(ready) -> None:
+    """A child as the launcher starts one, that starts a process of its own (as a vllm
+    consumer starts vLLM's engine core) and says its pid."""
+    from pipeline.runtime.local import own_process_group
+
+    own_process_group()
+    grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    ready.send(grandchild.pid)
+    time.sleep(600)
+
+
+def test_what_a_killed_child_started_is_stopped_with_it():
+    import signal
+
+    from pipeline.runtime.local import CTX, start_child, stop_process
+
+    ready, child_end = CTX.Pipe(duplex=False)
+    child = CTX.Process(target=_leaves_a_grandchild, args=(child_end,))
+    start_child(child)
+    grandchild = ready.recv()
+    try:
+        os.kill(child.pid, signal.SIGKILL)  # as kill -9 of a consumer: its engine core would live on
+        child.join(10)
+        assert _state(grandchild) not in ("gone", "Z")
+        stop_process(child)
+        deadline = time.monotonic() + 10
+        while _state(grandchild) not in ("gone", "Z") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _state(grandchild) in ("gone", "Z")
+    finally:
+        try:
+            os.kill(grandchild, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"

@@ -43,7 +43,9 @@ def test_a_launch_table_is_read_like_the_top_level(tmp_path):
     ("replay_speed = 0\n", "replay_speed must be a finite number above 0"),
     ("replay_speed = nan\n", "replay_speed must be a finite number above 0"),
     ("metrics_port = 70000\n", r"metrics_port must be in \[0, 65,535\]"),
-    ("seed = -1\n", r"seed must be in \[0, "),
+    ("workload_seed = -1\n", r"workload_seed must be in \[0, "),
+    ("seed = 3\n", "seed is now workload_seed"),
+    ("max_tokens = 4096\n", "max_tokens is now max_batch_tokens"),
     ("producers = 129\n", r"producers must be in \[1, 128\]"),
     ("consumers = 129\n", r"consumers must be in \[1, 128\]"),
     ('report = "/nonexistent-dir/r.json"\n', "the directory /nonexistent-dir does not exist"),
@@ -62,7 +64,8 @@ def test_a_bad_value_on_the_command_line_is_named_so(tmp_path):
 
 
 @pytest.mark.parametrize("key, at_limit, past", [("producers", 128, 129), ("consumers", 128, 129),
-                                                 ("items", (1 << 40) - 1, 1 << 40), ("seed", 2**63 - 1, 2**63)])
+                                                 ("items", (1 << 40) - 1, 1 << 40),
+                                                 ("workload_seed", 2**63 - 1, 2**63)])
 def test_counts_are_accepted_at_their_limit_and_refused_one_past(tmp_path, key, at_limit, past):
     assert getattr(LaunchSettings.resolve(None, {key: at_limit}), key) == at_limit
     with pytest.raises(SettingsError, match=f"{key} must be in"):

@@ -30,6 +30,11 @@ import numpy as np
 
 from pipeline.wire.generation import GenerationParams
 
+# The largest tensor or pipeline parallel size an engine takes (each its GPUs, or on vLLM's
+# CPU build its worker processes): a node holds 8 GPUs (16 at most today), and 64 worker
+# processes on one machine is past any use. An engine over several nodes is vLLM's
+# multi-node mode, which the launcher does not start.
+MAX_PARALLEL_SIZE = 64
 # Why a prompt's generation stopped, as vLLM and OpenAI's API name it.
 FINISH_LENGTH = "length"  # max new tokens reached
 FINISH_STOP = "stop"  # an end-of-sequence token or a stop string

@@ -37,7 +37,15 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from pipeline.consumer.engines.base import FINISH_LENGTH, Engine, EngineBatch, EngineCounters, EngineResult, Sample
+from pipeline.consumer.engines.base import (
+    FINISH_LENGTH,
+    MAX_PARALLEL_SIZE,
+    Engine,
+    EngineBatch,
+    EngineCounters,
+    EngineResult,
+    Sample,
+)
 from pipeline.consumer.engines.prefix_cache import BatchLayout, PrefixCache
 from pipeline.consumer.engines.sim_sampling import MadeUpSampler, SimRefusal
 from pipeline.wire.errors import EngineOptionsError
@@ -111,6 +119,11 @@ class SimConfig:
     # are found in it), and the model's end-of-sequence token: None for neither.
     tokenizer: str | None = None
     eos_token_id: int | None = None
+    # vLLM's engine flags the product reads whatever the engine (the context a job checks
+    # prompts against; GPUs per engine), taken so that one set of flags runs either engine.
+    max_model_len: int | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
 
 
 class SimEngine(Engine):
@@ -135,7 +148,7 @@ class SimEngine(Engine):
         self.config = config or SimConfig(**overrides)
         block = self.config.block_size_tokens
         if block <= 0 or self.config.capacity_tokens < block or self.config.output_tokens < 0 \
-                or not 1 <= self.config.vocab_size <= OUTPUT_ID_RANGE:
+                or not 1 <= self.config.vocab_size <= OUTPUT_ID_RANGE or not _positive_sizes(self.config):
             raise EngineOptionsError(f"sim engine: bad config {self.config}")
         costs = (self.config.cost_s_per_padded_token, self.config.cost_s_per_batch)
         if not all(type(c) in (int, float) and math.isfinite(c) and c >= 0 for c in costs):
@@ -310,3 +323,10 @@ def _decoder(model_dir: str | None):
     except Exception as exc:  # the Rust side raises plain Exception for every parse error
         raise EngineOptionsError(f"sim engine: tokenizer {path}: {exc}") from exc
     return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
+
+
+def _positive_sizes(config: SimConfig) -> bool:
+    """vLLM's sizes (max_model_len, tensor and pipeline parallel) are positive integers, as vLLM checks."""
+    sizes = (config.tensor_parallel_size, config.pipeline_parallel_size)
+    return all(type(size) is int and 0 < size <= MAX_PARALLEL_SIZE for size in sizes) and (
+        config.max_model_len is None or type(config.max_model_len) is int and config.max_model_len > 1)

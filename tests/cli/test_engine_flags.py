@@ -1,0 +1,140 @@
+"""vLLM's engine flags on run-batch and launch: the declared ones parsed as vLLM reads them,
+each the engine option of its name, refused in one line where the engine cannot take them
+(pure: no process started; the commands themselves are in tests/batchjob/test_run_batch_flags.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.cli.engine_flags import EngineFlags, parse_context_len
+from pipeline.consumer.engines.vllm_args import REFUSED_FLAGS, engine_options_of, plain
+from pipeline.runtime.settings import MAX_CONTEXT_TOKENS, LaunchSettings
+from pipeline.wire.errors import EngineOptionsError, SettingsError
+
+OWN = ["--max-batch-tokens", "--max-batch", "--max-input-len", "--consumers"]
+
+
+@pytest.mark.parametrize("text, tokens", [("1024", 1024), ("8k", 8000), ("32K", 32768), ("25.6k", 25600),
+                                          ("1M", 1 << 20), (" 2048 ", 2048), ("2", 2),
+                                          (str(MAX_CONTEXT_TOKENS), MAX_CONTEXT_TOKENS)])
+def test_a_context_length_reads_as_vllm_reads_it(text, tokens):
+    assert parse_context_len(text) == tokens
+
+
+@pytest.mark.parametrize("text, message", [("auto", "known only once vLLM has loaded"), ("-1", "known only once"),
+                                           ("1.5K", "no decimals with a binary suffix"), ("x", "not a length"),
+                                           ("1", "a context is 2 to"),
+                                           (str(MAX_CONTEXT_TOKENS + 1), "a context is 2 to")])
+def test_a_context_length_vllm_would_not_take_or_we_cannot_use_is_refused(text, message):
+    import click
+
+    with pytest.raises(click.BadParameter, match=message):
+        parse_context_len(text)
+
+
+def take(extra=(), given=None, **declared):
+    options = {"max_model_len": None, "tensor_parallel_size": None, "pipeline_parallel_size": None, "seed": None,
+               "chat_template": None, "producers": 3, **declared}
+    flags = EngineFlags.take(options, list(extra), given or {})
+    assert options == {"producers": 3}  # the flags are out of the command's own options
+    return flags
+
+
+def test_the_declared_flags_become_the_engine_options_of_their_names():
+    flags = take(max_model_len="8k", tensor_parallel_size=2, pipeline_parallel_size=2)
+    settings = flags.applied(LaunchSettings(), OWN)
+    assert {k: settings.engine_options[k] for k in ("max_model_len", "tensor_parallel_size",
+                                                    "pipeline_parallel_size")} == {
+        "max_model_len": 8000, "tensor_parallel_size": 2, "pipeline_parallel_size": 2}
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--lora-modules", "a=/x"], "--lora-modules: LoRA adapters are not served yet"),
+    (["--max-tokens", "4096"], "--max-tokens: now --max-batch-tokens"),
+    (["input.jsonl"], "unexpected argument 'input.jsonl'"),
+])
+def test_flags_this_command_does_not_take_are_refused_before_anything(extra, message):
+    with pytest.raises(SettingsError, match=message):
+        take(extra)
+
+
+def test_the_sim_takes_vllms_sizes_and_refuses_the_rest_naming_why():
+    with pytest.raises(SettingsError, match="--seed: vLLM's engine flag, and the sim engine makes up its outputs.*"
+                                            "--workload-seed"):
+        take(seed=3).applied(LaunchSettings(), OWN)
+    with pytest.raises(SettingsError, match="--gpu-memory-utilization, --dtype: not options of this command; vLLM's "
+                                            "engine flags are the vllm engine's"):
+        take(["--gpu-memory-utilization", "0.5", "--dtype=bfloat16"]).applied(LaunchSettings(), OWN)
+
+
+def test_a_typo_of_our_own_option_is_named():
+    with pytest.raises(SettingsError, match="--max-batch-token: did you mean --max-batch-tokens"):
+        take(["--max-batch-token", "5"]).applied(LaunchSettings(), OWN)
+
+
+def test_one_way_to_say_a_thing_a_flag_and_engine_options_giving_the_same_key_is_refused():
+    with pytest.raises(SettingsError, match="--max-model-len and --engine-options max_model_len: give it once"):
+        take(given={"max_model_len": 1024}, max_model_len="2k").applied(LaunchSettings(), OWN)
+    flags = take(given={"llm_kwargs": {"max_num_seqs": 4}})
+    with pytest.raises(SettingsError, match="--max-num-seqs and --engine-options llm_kwargs.max_num_seqs"):
+        flags._refuse_clashes({"llm_kwargs": {"max_num_seqs": 8}})
+
+
+def test_a_flag_over_the_config_files_engine_options_wins(tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text("[engine_options]\nmax_model_len = 512\n")
+    settings = take(max_model_len="1024").applied(LaunchSettings.resolve(str(config)), OWN)
+    assert settings.engine_options["max_model_len"] == 1024
+
+
+def test_vllms_parsed_flags_go_where_engine_options_put_them():
+    options = engine_options_of({"gpu_memory_utilization": 0.8, "dtype": "bfloat16", "max_num_seqs": 64,
+                                 "quantization": "fp8"})
+    assert options == {"gpu_memory_utilization": 0.8, "dtype": "bfloat16",
+                       "llm_kwargs": {"max_num_seqs": 64, "quantization": "fp8"}}
+
+
+@pytest.mark.parametrize("dest", sorted(REFUSED_FLAGS))
+def test_vllm_flags_the_product_sets_itself_are_refused_with_why(dest):
+    with pytest.raises(EngineOptionsError, match=f"--{dest.replace('_', '-')}: "):
+        engine_options_of({dest: True})
+
+
+def test_parsed_values_become_plain_table_values():
+    import enum
+    from dataclasses import dataclass, field
+
+    class Mode(enum.Enum):
+        A = "a"
+
+    @dataclass
+    class Config:
+        mode: Mode = Mode.A
+        sizes: list = field(default_factory=list)
+        level: int = 0
+
+    assert plain(Config(level=3, sizes=[1])) == {"sizes": [1], "level": 3}  # defaults left out
+    assert plain({"m": Mode.A, "s": {2, 1}, "t": (1, "x")}) == {"m": "a", "s": [1, 2], "t": [1, "x"]}
+
+
+@pytest.mark.parametrize("flag", ["-tp", "-pp", "--tensor-parallel-size", "--pipeline-parallel-size"])
+def test_parallel_sizes_are_taken_at_their_limit_and_refused_one_past(flag):
+    import click
+
+    from pipeline.cli.launch import launch
+    from pipeline.consumer.engines.base import MAX_PARALLEL_SIZE
+
+    context = launch.make_context("launch", [flag, str(MAX_PARALLEL_SIZE)])
+    assert MAX_PARALLEL_SIZE in (context.params["tensor_parallel_size"], context.params["pipeline_parallel_size"])
+    with pytest.raises(click.BadParameter, match=f"{MAX_PARALLEL_SIZE + 1} is not in the range"):
+        launch.make_context("launch", [flag, str(MAX_PARALLEL_SIZE + 1)])
+
+
+def test_flags_click_does_not_know_are_kept_in_order_for_vllms_parser():
+    from pipeline.cli.batch import run_batch
+
+    context = run_batch.make_context("run-batch", ["-i", "a", "-o", "b", "--model", ".", "-tp", "2",
+                                                   "--gpu-memory-utilization", "0.8", "-q", "fp8", "--enforce-eager",
+                                                   "--dtype=bfloat16", "--max-model-len", "8k"])
+    assert context.args == ["--gpu-memory-utilization", "0.8", "-q", "fp8", "--enforce-eager", "--dtype=bfloat16"]
+    assert (context.params["tensor_parallel_size"], context.params["max_model_len"]) == (2, "8k")
