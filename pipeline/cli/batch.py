@@ -170,7 +170,7 @@ def _spec(input_file, output_file, model_dir, served_model_name, data_dir, outpu
     limits = replace(limits, max_prompt_tokens=settings.max_input_len, context_tokens=_context(settings, model_dir))
     return JobSpec(input_file, output_file, model_dir, served, settings, data_dir_given, output_order, error_file,
                    settings.report, summary_file or output_file + SUMMARY_SUFFIX, overwrite, keep_data_dir, limits,
-                   template)
+                   chat_template=template)
 
 
 def _context(settings, model_dir: str) -> int | None:
