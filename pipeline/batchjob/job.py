@@ -40,11 +40,13 @@ from pipeline.batchjob.layout import (
 )
 from pipeline.batchjob.manifest import (
     JOB_DIR,
+    MODEL_COPY_DIR,
     JobManifest,
     depends_on,
     differences,
     load_manifest,
     mismatch_error,
+    snapshot_model_files,
     write_manifest,
 )
 from pipeline.batchjob.outfiles import OWN, OwnFiles, Publish, Target, identity, open_log
@@ -60,17 +62,27 @@ from pipeline.batchjob.progress import JobCounts, JobTracker, JobView
 from pipeline.batchjob.scan import InputScan, input_digest, read_index, scan_input, write_index
 from pipeline.batchjob.telemetry import JobTelemetry
 from pipeline.batchjob.tools import ToolCalling
-from pipeline.batchjob.workload import JobInput, JobWorkload, PromptLimits
+from pipeline.batchjob.workload import INPUT_CHANGED_NAME, JobInput, JobWorkload, PromptLimits
+from pipeline.reporting.progress import DISK_FULL_ALERT
 from pipeline.runtime.datadir import check_data_dir
 from pipeline.runtime.inventory import pending_payloads, producer_ring_names
 from pipeline.runtime.settings import LaunchSettings
-from pipeline.wire.errors import GenerationParamsError, JobPathError
+from pipeline.wire.errors import (
+    FileOpError,
+    GenerationParamsError,
+    InputChangedError,
+    JobOutputError,
+    JobPathError,
+    PipelineError,
+)
+from pipeline.wire.fileops import errno_text
 from pipeline.wire.generation import decode_payload
 
 OUTPUT_ORDERS = ("input", "completion")
 LOCK_NAME = "lock"
 STATUS_NAME = "status.json"
 INDEX_NAME = "input.idx"
+LINES_NAME = "lines.bin"
 # How often the job's status file and the collector's read positions are saved while it runs.
 SAVE_INTERVAL_S = 2.0
 
@@ -139,6 +151,7 @@ class BatchJob:
         self.say = say
         self.show = show
         self._lock_fd = -1
+        self.model_files = self.spec.model_dir  # the job's copies of the model's files, once made
         self._created_data_dir = False
         self.manifest: JobManifest | None = None
         self.job_input: JobInput | None = None
@@ -174,14 +187,18 @@ class BatchJob:
             changed = differences(have, wanted)
             if changed:
                 raise mismatch_error(self.data_dir, have, changed)
-            self.manifest = have
+            self.manifest = replace(have, input_path=input_path)  # the same bytes, wherever they are now
+            if have.input_path != input_path:
+                write_manifest(self.data_dir, self.manifest)
         else:
             self.manifest = wanted
             write_index(os.path.join(self.data_dir, JOB_DIR, INDEX_NAME), scan)
             write_manifest(self.data_dir, wanted)
         index = scan.index if have is None else read_index(os.path.join(self.data_dir, JOB_DIR, INDEX_NAME),
                                                            self.manifest)
-        self.job_input = JobInput(input_path, self.manifest.requests, index)
+        self.job_input = JobInput(input_path, self.manifest.requests, index,
+                                  os.path.join(self.data_dir, JOB_DIR, LINES_NAME))
+        _remove_quietly(os.path.join(self.data_dir, JOB_DIR, INPUT_CHANGED_NAME))  # of an earlier run
         self._open_answers()
 
     def _outputs(self) -> list[OutputPath]:
@@ -220,10 +237,13 @@ class BatchJob:
         its bad lines), its digest alone for a resume."""
         spec = self.spec
         if have is None:
-            scan = scan_input(input_path, os.path.join(self.data_dir, JOB_DIR, "scan"), on_progress=self._scanning)
+            job_dir = os.path.join(self.data_dir, JOB_DIR)
+            scan = scan_input(input_path, os.path.join(job_dir, "scan"), os.path.join(job_dir, LINES_NAME),
+                              on_progress=self._scanning)
         else:
             size, digest = input_digest(input_path)
             scan = InputScan(input_path, size, digest, have.requests)
+        self.model_files = snapshot_model_files(spec.model_dir, os.path.join(self.data_dir, JOB_DIR, MODEL_COPY_DIR))
         fields = dict(
             created_s=int(time.time()), input_path=input_path, input_bytes=scan.input_bytes,
             input_xxh3=scan.input_xxh3, requests=scan.requests, served_model=spec.served_model,
@@ -231,7 +251,7 @@ class BatchJob:
             error_file=os.path.abspath(spec.error_file) if spec.error_file else None,
             tool_call_parser=spec.tool_calling.parser, enable_auto_tool_choice=spec.tool_calling.auto,
             depends_on=depends_on(spec.model_dir, spec.settings.engine, spec.settings.engine_options,
-                                  spec.settings.max_input_len, spec.chat_template))
+                                  spec.settings.max_input_len, spec.chat_template, self.model_files))
         return (JobManifest.new(**fields) if have is None else replace(have, **fields)), scan
 
     def _scanning(self, read_bytes: int, requests: int) -> None:
@@ -248,7 +268,7 @@ class BatchJob:
             logs, opened = {LOG_OUTPUT: os.path.join(self.data_dir, JOB_DIR, LOG_NAME)}, None
         self.log = AnswerLog.open(self.data_dir, manifest.requests, logs, opened)
         self._input_fd = os.open(self.job_input.path, os.O_RDONLY | os.O_CLOEXEC)
-        tokenizer = ChatTokenizer.load(self.spec.model_dir, chat_template=self.spec.chat_template)
+        tokenizer = ChatTokenizer.load(self.model_files, chat_template=self.spec.chat_template)
         error_log = LOG_ERRORS if LOG_ERRORS in logs else LOG_OUTPUT
         self.collector = Collector(self.data_dir, manifest, self._input_fd, tokenizer.decode, self.log, error_log,
                                    tokenizer.token_text)
@@ -313,7 +333,7 @@ class BatchJob:
         self._run_started_s = time.monotonic()
         if not self.to_submit and not self.pending:
             return 0
-        workload = JobWorkload(self.job_input, self.skip, self.manifest, self.spec.model_dir, self.data_dir,
+        workload = JobWorkload(self.job_input, self.skip, self.manifest, self.model_files, self.data_dir,
                                self.spec.limits, self.spec.chat_template)
         launcher = Launcher(self.spec.settings, workload, on_status=self._poll, summarize=self.collector.summary,
                             metrics=self.telemetry)
@@ -336,13 +356,18 @@ class BatchJob:
             self.say(f"run-batch: the run stopped: {outcome.why}")
         return outcome.exit_code
 
-    def _poll(self, _status, now_s: float) -> None:
+    def _poll(self, status, now_s: float) -> None:
         """Every watch of the launcher: new answers into the log, progress, saved state."""
         self.collector.collect()
         self.telemetry.observe(self.collector.latencies_s)
         self.collector.latencies_s.clear()
         self.tracker.observe(self._counts(), now_s)
-        self.show(self.tracker.view(), now_s)
+        view = self.tracker.view()
+        if self.collector.disk_full:
+            view.alert = f"DISK FULL: answers wait in the results files until {self.data_dir}'s disk has room"
+        elif getattr(status, "disk_full", False):
+            view.alert = DISK_FULL_ALERT
+        self.show(view, now_s)
         if now_s - self._saved_s >= SAVE_INTERVAL_S:
             self._saved_s = now_s
             self.collector.save()
@@ -377,16 +402,32 @@ class BatchJob:
         """The output once every request has its answer; the summary; the exit status."""
         log = self.log
         written = log.done == self.manifest.requests
-        if written:
-            self._write_outputs()
         summary = self._summary(written)
         if written:
-            self._write_summaries(summary)
+            try:
+                self._write_outputs()
+                self._write_summaries(summary)
+            except OSError as exc:
+                if isinstance(exc, PipelineError) and not isinstance(exc, FileOpError):
+                    raise  # a path's own problem (JobPathError), said as it is
+                raise JobOutputError(f"cannot write the outputs ({', '.join(t.path for t in self.targets.values())}): "
+                                     f"{errno_text(exc)}; every answer is kept in {self.data_dir}: once the disk or "
+                                     f"directory takes it, the same command writes them without running anything") \
+                    from exc
             self.write_status("completed")
             code = 0
         else:
             self.write_status("stopped")
             code = code or 1
+            try:
+                with open(os.path.join(self.data_dir, JOB_DIR, INPUT_CHANGED_NAME), "rb") as f:
+                    changed = f.read(4096).decode(errors="replace")
+            except FileNotFoundError:
+                changed = None
+            if changed is not None:
+                raise InputChangedError(f"{changed}. The answers so far are kept: with the input as it was, the same "
+                                        f"command finishes the job; to run the file as it is now, give another "
+                                        f"--data-dir")
         return code, summary
 
     def _write_outputs(self) -> None:
@@ -479,7 +520,8 @@ def job_workload(data_dir: str, model_dir: str, chat_template: str | None = None
         raise JobPathError(f"{data_dir}: not a batch job's data directory (no job manifest)")
     index = read_index(os.path.join(data_dir, JOB_DIR, INDEX_NAME), manifest)
     skip = np.zeros((manifest.requests + 7) // 8, dtype=np.uint8)
-    return JobWorkload(JobInput(manifest.input_path, manifest.requests, index), skip, manifest, model_dir, data_dir,
+    return JobWorkload(JobInput(manifest.input_path, manifest.requests, index,
+                                os.path.join(data_dir, JOB_DIR, LINES_NAME)), skip, manifest, model_dir, data_dir,
                        PromptLimits(), chat_template)
 
 
@@ -507,6 +549,13 @@ def job_status(data_dir: str) -> dict | None:
         saved["state"] = "stopped"  # its process is gone without a word (kill -9, a power cut)
     saved.update(input=manifest.input_path, output=manifest.output_path, requests=manifest.requests)
     return saved
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _lock_held(path: str) -> bool:

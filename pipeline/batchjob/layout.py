@@ -1,6 +1,6 @@
 """The batch job's binary records: what its items carry, its input's index, its answers.
 
-Three layouts, each declared once here with its table and checked at import:
+Four layouts, each declared once here with its table and checked at import:
 
 - JOB_PAYLOAD_DTYPE: the opaque payload of every item a job submits (behind the generation
   envelope, `pipeline/wire/generation.py`). It names the job (a random 64-bit id drawn
@@ -11,6 +11,9 @@ Three layouts, each declared once here with its table and checked at import:
 - INDEX_ENTRY_DTYPE: the input's sparse index (`job/input.idx`), one entry every
   INDEX_STRIDE requests: the byte offset and line number of that request's line, so a
   producer starts its share anywhere in the file without reading what comes before it.
+- LINE_DIGEST_DTYPE: one per request (`job/lines.bin`), the xxh3-64 of its line's bytes as
+  the scan read them: a producer reads each line back by offset and makes nothing of a line
+  that is not that one (the input edited in place while the job runs).
 - ANSWER_RECORD_DTYPE: one record per answered request (`job/answers.bin`), written after
   its output line: which request, where its line is, its status and usage. The records are
   the job's ledger of answers: a resume reads them (not the lines) to know what is done and
@@ -105,6 +108,11 @@ INDEX_ENTRY_DTYPE = checked_dtype(
     ],
     itemsize=16,
 )
+
+# One per request, in request order, nothing else in the file (its size is 8 x requests).
+#   off  size  field      meaning
+#     0     8  line_xxh3  xxh3-64 of the request's line, without its newline
+LINE_DIGEST_DTYPE = checked_dtype([("line_xxh3", 0, "<u8", "xxh3 of the line")], itemsize=8)
 
 # Which file an answer's line went to.
 LOG_OUTPUT = 0

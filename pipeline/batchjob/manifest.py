@@ -1,6 +1,14 @@
 """What a job's data directory is for, and everything its answers depend on.
 
     DATA_DIR/job/manifest.json   written once, when the job is created (whole or not at all)
+    DATA_DIR/job/model/          the model's files of MODEL_FILES as this run found them
+
+A run copies the model directory's small files into the job (`snapshot_model_files`), and
+its producers and answers read the copies: a model directory edited while a job runs (a
+template saved, a tokenizer replaced) changes nothing mid-run, a restarted producer included;
+the next run compares the new copies with the manifest and refuses if they differ.
+NOTE: checking digests at each producer's load was rejected: a file may change between the
+check and the load; a copy hashed as it is made cannot.
 
 A job is its input file (by size and xxh3-128 of its bytes), its served model name, and what
 turns a request into an answer: the model directory's tokenizer, chat template and configs
@@ -21,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import stat
 from dataclasses import asdict, dataclass, field
 
@@ -32,6 +41,7 @@ from pipeline.wire.errors import JobMismatchError
 
 JOB_DIR = "job"
 MANIFEST_NAME = "manifest.json"
+MODEL_COPY_DIR = "model"
 MANIFEST_VERSION = 2
 # The manifest is small: anything longer is not ours.
 MAX_MANIFEST_BYTES = 1 << 20
@@ -43,9 +53,10 @@ MODEL_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 # Engine options that change how fast or where a job runs, never what it answers: a resume
 # may change them (more GPU memory, another cache directory, the sim's cost model, more GPUs
-# per engine: tensor parallel reorders sums as another batch's composition does).
+# per engine: tensor parallel reorders sums as another batch's composition does). Not the
+# sim's block size: its made-up answers come from its block hashes.
 RESOURCE_OPTIONS = frozenset({"cpu_threads", "cache_dir", "gpu_memory_utilization", "kv_cache_memory_bytes",
-                              "enforce_eager", "cost_s_per_padded_token", "cost_s_per_batch", "capacity_tokens", "block_size_tokens",
+                              "enforce_eager", "cost_s_per_padded_token", "cost_s_per_batch", "capacity_tokens",
                               "block_size", "tensor_parallel_size", "pipeline_parallel_size", "in_process",
                               *(f"llm_kwargs.{key}" for key in ("max_num_seqs", "max_num_batched_tokens", "swap_space",
                                                                 "cpu_offload_gb", "distributed_executor_backend"))})
@@ -160,13 +171,14 @@ def _short(value: str) -> str:
 
 
 def depends_on(model_dir: str, engine: str, engine_options: dict[str, object], max_input_len: int | None,
-               chat_template: str | None = None) -> dict[str, str]:
+               chat_template: str | None = None, files_dir: str | None = None) -> dict[str, str]:
     """Everything a job's answers depend on besides its input, as name -> digest or value
     (`chat_template`: --chat-template's text, by content; named only where given, so a job
-    started without it resumes without it)."""
+    started without it resumes without it; `files_dir`: where the model's files are read,
+    the job's copies of them, else `model_dir`)."""
     found: dict[str, str] = {}
     for name in MODEL_FILES:
-        found[f"model file {name}"] = _file_digest(os.path.join(model_dir, name))
+        found[f"model file {name}"] = _file_digest(os.path.join(files_dir or model_dir, name))
     if chat_template is not None:
         found["chat template (--chat-template)"] = "xxh3 " + xxhash.xxh3_128_hexdigest(chat_template.encode("utf-8"))
     found["model weights"] = _weights_digest(model_dir)
@@ -188,6 +200,29 @@ def _flat(engine_options: dict[str, object]) -> dict[str, object]:
     elif "llm_kwargs" in engine_options:
         flat["llm_kwargs"] = kwargs
     return flat
+
+
+def snapshot_model_files(model_dir: str, into: str) -> str:
+    """Copies of MODEL_FILES from `model_dir` (links followed: a hub cache links its files)
+    made anew in the directory `into` (0700, replaced whole); `into`. A file absent, or not a
+    regular file, is not copied (its digest says so, as the original's would)."""
+    fresh = into + ".new"
+    shutil.rmtree(fresh, ignore_errors=True)
+    os.mkdir(fresh, 0o700)
+    for name in MODEL_FILES:
+        try:
+            source = open(os.path.join(model_dir, name), "rb")
+        except OSError:
+            continue
+        with source:
+            if not stat.S_ISREG(os.fstat(source.fileno()).st_mode):
+                continue
+            with open(os.path.join(fresh, name), "xb") as copy:
+                os.fchmod(copy.fileno(), 0o600)
+                shutil.copyfileobj(source, copy, HASH_CHUNK_BYTES)
+    shutil.rmtree(into, ignore_errors=True)
+    os.rename(fresh, into)
+    return into
 
 
 def _file_digest(path: str) -> str:

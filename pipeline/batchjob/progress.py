@@ -49,6 +49,7 @@ class JobView:
     completion_tokens: int = 0
     cached_tokens: int = 0
     by_status: dict[int, int] = field(default_factory=dict)
+    alert: str = ""  # what holds the job up (a full disk), said on the line
 
     def as_json(self) -> dict:
         fields = asdict(self)
@@ -102,8 +103,9 @@ def format_job_line(view: JobView) -> str:
     rate = f"{view.requests_per_s:,.0f} requests/s" if view.requests_per_s is not None else "starting"
     tokens = f", {view.tokens_per_s:,.0f} tokens/s" if view.tokens_per_s is not None else ""
     eta = f", ETA {format_duration(view.eta_s)}" if view.eta_s is not None and view.to_do else ""
+    alert = f"; {view.alert}" if view.alert else ""
     return (f"run-batch: {view.done:,} of {view.requests:,} requests answered ({share}), {view.failed:,} failed, "
-            f"{view.to_do:,} to do; {rate}{tokens}{eta}")
+            f"{view.to_do:,} to do; {rate}{tokens}{eta}{alert}")
 
 
 def format_duration(seconds: float | None) -> str:

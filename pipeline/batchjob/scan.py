@@ -1,7 +1,7 @@
 """One pass over a batch file: every file-level rule checked, in memory that does not grow
 with the file, and the little the job keeps of it.
 
-    scan = scan_input("requests.jsonl", work_dir="DATA/job/scan", on_progress=show)
+    scan = scan_input("requests.jsonl", "DATA/job/scan", "DATA/job/lines.bin", on_progress=show)
     scan.requests, scan.input_xxh3, scan.index   # count, digest, sparse index entries
 
 A line is a request when it is UTF-8 JSON, an object with exactly custom_id, method, url and
@@ -12,9 +12,10 @@ file's problem: the job refuses to start, naming the first MAX_LISTED_ERRORS lin
 problem, answered 400 by the producer that makes its prompt (`requests.py`); the scan does
 not parse bodies beyond checking they are JSON objects.
 
-What the scan keeps: the request count, the input's size and xxh3-128, and a sparse index
+What the scan keeps: the request count, the input's size and xxh3-128, a sparse index
 (every INDEX_STRIDE-th request's byte offset and line number, `layout.py`), from which a
-producer reads its share of the file by offset. Duplicate custom_ids are found by spilling
+producer reads its share of the file by offset, and each line's digest (`lines.bin`, 8 bytes
+a request, written as it reads), against which a producer checks each line it reads back. Duplicate custom_ids are found by spilling
 (digest, offset, line) records into SPILL_PARTITIONS files by the digest's top bits and
 sorting each partition alone, so memory stays bounded whatever the file's size; two
 custom_ids with the same digest are told apart by reading both lines, never assumed equal.
@@ -44,6 +45,7 @@ from pipeline.batchjob.layout import (
     INDEX_MAGIC,
     INDEX_STRIDE,
     INDEX_VERSION,
+    LINE_DIGEST_DTYPE,
 )
 from pipeline.wire.errors import BatchFileError
 from pipeline.wire.textfiles import file_kind, listed
@@ -255,22 +257,73 @@ class _Digests:
             shutil.rmtree(self.work_dir, ignore_errors=True)
 
 
-def scan_input(path: str, work_dir: str, on_progress: Callable[[int, int], None] | None = None) -> InputScan:
+def scan_input(path: str, work_dir: str, lines_path: str,
+               on_progress: Callable[[int, int], None] | None = None) -> InputScan:
     """Check the batch file at `path` (the module's doc) and return what the job keeps;
     BatchFileError naming its bad lines. `on_progress(bytes_read, requests)` is called every
-    PROGRESS_EVERY_BYTES. `work_dir` holds the spilled digests while it runs."""
+    PROGRESS_EVERY_BYTES. `work_dir` holds the spilled digests while it runs; the lines'
+    digests are at `lines_path` once it returns (whole or not at all)."""
     digests = _Digests(work_dir)
+    lines = _LineDigests(lines_path)
     errors = _Errors(path)
     try:
         with _open_input(path) as f:
-            scan, stopped_at = _read(f, path, digests, errors, on_progress)
+            scan, stopped_at = _read(f, path, digests, lines, errors, on_progress)
         _duplicates(path, digests, errors)
+        errors.raise_if_any(stopped_at)
+        if not scan.requests:
+            raise BatchFileError(f"{path}: no requests (the file is empty or blank)")
+        lines.commit()
     finally:
         digests.close()
-    errors.raise_if_any(stopped_at)
-    if not scan.requests:
-        raise BatchFileError(f"{path}: no requests (the file is empty or blank)")
+        lines.abandon()
     return scan
+
+
+class _LineDigests:
+    """Each request's line digest, written to `path` (LINE_DIGEST_DTYPE) in parts of
+    SPILL_BUFFER_RECORDS, whole or not at all."""
+
+    def __init__(self, path: str) -> None:
+        from pipeline.batchjob.paths import ReplacingFile
+
+        self.out = ReplacingFile(path)
+        self.buffer = np.zeros(SPILL_BUFFER_RECORDS, dtype=LINE_DIGEST_DTYPE)
+        self.filled = 0
+
+    def add(self, digest: int) -> None:
+        self.buffer[self.filled] = digest
+        self.filled += 1
+        if self.filled == SPILL_BUFFER_RECORDS:
+            self._flush()
+
+    def _flush(self) -> None:
+        self.out.write(self.buffer[:self.filled].tobytes())
+        self.filled = 0
+
+    def commit(self) -> None:
+        self._flush()
+        self.out.commit()
+
+    def abandon(self) -> None:
+        self.out.abandon()
+
+
+def read_line_digests(path: str, requests: int) -> np.ndarray:
+    """The job's line digests (`lines.bin`), mapped read-only (the page cache holds them, a
+    process's memory does not grow with the job); JobMismatchError for a file that is not
+    the job's (another size)."""
+    from pipeline.wire.errors import JobMismatchError
+
+    try:
+        size = os.stat(path).st_size
+    except OSError as exc:
+        raise JobMismatchError(f"{path}: cannot read the job's line digests ({exc.strerror}); use another "
+                               f"--data-dir") from exc
+    if size != requests * LINE_DIGEST_DTYPE.itemsize:
+        raise JobMismatchError(f"{path}: {size:,} bytes, not the line digests of this job's {requests:,} requests "
+                               f"(damaged?); use another --data-dir")
+    return np.memmap(path, dtype=LINE_DIGEST_DTYPE, mode="r")["line_xxh3"]
 
 
 def _open_input(path: str):
@@ -286,7 +339,7 @@ def _open_input(path: str):
     return open(fd, "rb")
 
 
-def _read(f, path: str, digests: _Digests, errors: _Errors,
+def _read(f, path: str, digests: _Digests, lines: _LineDigests, errors: _Errors,
           on_progress: Callable[[int, int], None] | None) -> tuple[InputScan, int]:
     """The pass itself: lines out of blocks, each checked; (what is kept, the line where
     reading stopped at the request limit or 0)."""
@@ -324,6 +377,7 @@ def _read(f, path: str, digests: _Digests, errors: _Errors,
             if requests % INDEX_STRIDE == 0:
                 index.append((start, line))
             digests.add(custom_id_digest(env.custom_id), start, line)
+            lines.add(xxhash.xxh3_64_intdigest(raw))
             requests += 1
         if len(carry) > MAX_REQUEST_LINE_BYTES and not skipping:
             errors.add(line + 1, f"longer than {MAX_REQUEST_LINE_BYTES:,} bytes (the longest prompt fits in far less)")

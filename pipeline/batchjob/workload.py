@@ -43,14 +43,15 @@ import xxhash
 
 from pipeline.batchjob.chat import ChatTokenizer
 from pipeline.batchjob.layout import INDEX_STRIDE, JOB_FLAG_READS_BODY, encode_job_payload
-from pipeline.batchjob.manifest import JobManifest
+from pipeline.batchjob.manifest import JOB_DIR, JobManifest
 from pipeline.batchjob.params import Refused
+from pipeline.batchjob.paths import replace_file
 from pipeline.batchjob.rejections import RejectionLog
 from pipeline.batchjob.requests import BatchRequest, parse_line
 from pipeline.batchjob.sampling import ModelFacts
-from pipeline.batchjob.scan import MAX_REQUEST_LINE_BYTES
+from pipeline.batchjob.scan import MAX_REQUEST_LINE_BYTES, read_line_digests
 from pipeline.producer.workload import WorkItem, Workload
-from pipeline.wire.errors import BadInputError
+from pipeline.wire.errors import BadInputError, InputChangedError
 
 # The one model id a job's items use (a job runs one served model).
 JOB_MODEL = 0
@@ -64,6 +65,9 @@ DEFAULT_PROMPT_TIME_LIMIT_S = 60.0
 # by default: a prompt at the broker's item cap takes a few MiB to render and tokenize, so
 # 2 GiB stops only a template that builds strings without end.
 DEFAULT_PROMPT_MEMORY_LIMIT_BYTES = 2 << 30
+
+# What a producer that read a changed line leaves in DATA_DIR/job: its message.
+INPUT_CHANGED_NAME = "input-changed"
 
 
 @dataclass(slots=True, frozen=True)
@@ -79,11 +83,13 @@ class PromptLimits:
 
 @dataclass(slots=True, frozen=True)
 class JobInput:
-    """The scanned input: its path, request count and sparse index (`scan.InputScan`)."""
+    """The scanned input: its path, request count, sparse index (`scan.InputScan`) and the
+    path of its lines' digests (`scan.read_line_digests`)."""
 
     path: str
     requests: int
     index: np.ndarray
+    lines_path: str
 
 
 class Watch(Protocol):
@@ -118,6 +124,7 @@ class JobWorkload(Workload):
         self.limits = limits
         self.busy_limit_s = limits.time_s
         self._facts: ModelFacts | None = None  # read in the process that makes items
+        self._line_digests: np.ndarray | None = None  # mapped there too
 
     def shares(self, count: int) -> list[tuple[int, int]]:
         """`count` contiguous ranges of request indices, cut at sparse-index entries, each
@@ -144,7 +151,7 @@ class JobWorkload(Workload):
         log = _NoLog()
         for index, line, offset, raw in self.lines(first, end):
             if not self.skipped(index):
-                item = self.make(raw, (index, offset, len(raw), xxhash.xxh3_64_intdigest(raw)), line, tokenizer, log)
+                item = self.make(raw, self._where(index, line, offset, raw), line, tokenizer, log)
                 if item is not None:
                     yield item
 
@@ -179,6 +186,9 @@ class JobWorkload(Workload):
                     watch.resume_at(last + 1)
 
             submit(items, on_submitted)
+        except InputChangedError as exc:  # the job stops, saying so (`BatchJob.finish`)
+            replace_file(os.path.join(self.data_dir, JOB_DIR, INPUT_CHANGED_NAME), [str(exc).encode()])
+            raise
         finally:
             log.close()
 
@@ -190,7 +200,7 @@ class JobWorkload(Workload):
                 return
             if self.skipped(index):
                 continue
-            where = (index, offset, len(raw), xxhash.xxh3_64_intdigest(raw))
+            where = self._where(index, line, offset, raw)
             watch.busy(index)
             item = self.make(raw, where, line, tokenizer, log)
             watch.idle()
@@ -198,6 +208,17 @@ class JobWorkload(Workload):
                 yielded += 1
                 positions.append((yielded, index))
                 yield item
+
+    def _where(self, index: int, line: int, offset: int, raw: bytes) -> tuple[int, int, int, int]:
+        """(index, offset, length, digest) of a request's line as read now; InputChangedError
+        where it is not the line the job's scan read (the file was edited in place)."""
+        if self._line_digests is None:
+            self._line_digests = read_line_digests(self.job_input.lines_path, self.job_input.requests)
+        digest = xxhash.xxh3_64_intdigest(raw)
+        if digest != int(self._line_digests[index]):
+            raise InputChangedError(f"{self.job_input.path}:{line}: request {index} (byte {offset}) is not the line "
+                                    f"the job read when it started: the input file was changed while the job ran")
+        return index, offset, len(raw), digest
 
     def lines(self, first: int, end: int) -> Iterator[tuple[int, int, int, bytes]]:
         """(index, line number, byte offset, line without its newline) of requests first..end-1."""

@@ -270,8 +270,10 @@ def _run(job: BatchJob, spec: JobSpec, ray_address: str | None, ray_route: str, 
 def _say_summary(summary: JobSummary, spec: JobSpec, job: BatchJob) -> None:
     if not summary.output_written:
         left = summary.requests - summary.completed - summary.failed
+        full = ("; its disk was full: make room on it first" if job.collector is not None and job.collector.disk_full
+                else "")
         click.echo(f"run-batch: {left:,} of {summary.requests:,} requests have no answer yet; the same command "
-                   f"finishes the job (data directory {job.data_dir})", err=True)
+                   f"finishes the job (data directory {job.data_dir}{full})", err=True)
         return
     failed = ", ".join(f"{count:,} with status {status}" for status, count in summary.failed_by_status.items())
     cached = f" ({summary.cached_tokens / summary.prompt_tokens:.1%} cached)" if summary.prompt_tokens else ""

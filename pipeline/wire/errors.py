@@ -223,12 +223,22 @@ class JobMismatchError(DataDirError):
     answers made two ways. The message names what changed and what the user can do."""
 
 
+class InputChangedError(JobMismatchError):
+    """A batch job's input file changed in place while the job ran: a line read back is not
+    the one the job's scan read. The message names the line."""
+
+
 class JobPathError(BadInputError):
     """A path a batch job would write, replace or delete is not the job's to touch: an
     output that is the input or another output, inside the data directory, a device, FIFO,
     socket, directory or symlink, an existing file not the job's own (without --overwrite),
     a directory the job cannot write to; or a data directory that is not a job's. Checked
     before anything runs; the message names the path and what to do."""
+
+
+class JobOutputError(PipelineError):
+    """A batch job's outputs could not be written at its end (a full disk, a read-only
+    directory); every answer is kept, and the message says how to write them."""
 
 
 class LiveRunError(DataDirError):

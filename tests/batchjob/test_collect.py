@@ -66,7 +66,7 @@ def _job(tmp_path: Path, errors_apart: bool) -> Iterator[Job]:
     path = write(tmp_path / "in.jsonl", *lines)
     data = tmp_path / "data"
     (data / "job").mkdir(parents=True)
-    found = scan_input(str(path), str(data / "job" / "scan"))
+    found = scan_input(str(path), str(data / "job" / "scan"), str(data / "job" / "lines.bin"))
     assert found.requests == REQUESTS
     manifest = JobManifest.new(created_s=CREATED, input_path=str(path), input_bytes=found.input_bytes,
                                input_xxh3=found.input_xxh3, requests=found.requests, served_model=MODEL,

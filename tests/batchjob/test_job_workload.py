@@ -19,6 +19,7 @@ from pipeline.batchjob.layout import decode_job_payload
 from pipeline.batchjob.manifest import JobManifest
 from pipeline.batchjob.params import COMPLETION_DEFAULT_MAX_TOKENS
 from pipeline.batchjob.scan import scan_input
+from pipeline.wire.errors import InputChangedError
 from pipeline.batchjob.workload import JobInput, JobWorkload, PromptLimits
 from tests.support.jobs import build_model, chat, completion
 
@@ -46,15 +47,15 @@ def workload(tmp_path: Path, model_dir: str, records: list[dict], blank_every: i
             f.write(json.dumps(record) + "\n")
             if blank_every and k % blank_every == 0:
                 f.write("\n   \n")
-    scan = scan_input(str(path), str(tmp_path / "scan"))
+    scan = scan_input(str(path), str(tmp_path / "scan"), str(tmp_path / "lines.bin"))
     bits = np.zeros((scan.requests + 7) // 8, dtype=np.uint8)
     for index in skip:
         bits[index >> 3] |= np.uint8(1 << (index & 7))
     manifest = JobManifest.new(created_s=0, input_path=str(path), input_bytes=scan.input_bytes,
                                input_xxh3=scan.input_xxh3, requests=scan.requests, served_model="tiny-llama",
                                output_path=str(tmp_path / "out"), output_order="input", error_file=None)
-    return JobWorkload(JobInput(str(path), scan.requests, scan.index), bits, manifest, model_dir, str(tmp_path),
-                       limits or PromptLimits())
+    job_input = JobInput(str(path), scan.requests, scan.index, str(tmp_path / "lines.bin"))
+    return JobWorkload(job_input, bits, manifest, model_dir, str(tmp_path), limits or PromptLimits())
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -160,3 +161,16 @@ def test_a_request_the_launcher_stopped_on_is_answered_and_skipped(tmp_path, mod
     row = json.loads(line)
     assert row["index"] == 3 and row["status"] == 400 and "ran past the limit" in row["message"]
     assert [decode_job_payload(i.payload, job.manifest.job_id)[0] for i in job.items()] == [0, 1, 2, 4]
+
+
+def test_a_line_edited_in_place_after_the_scan_is_no_request(tmp_path, model_dir):
+    records = [completion(f"c{k}", f"prompt number {k}") for k in range(30)]
+    job = workload(tmp_path, model_dir, records)
+    assert len(list(job.items())) == 30
+    raw = (tmp_path / "in.jsonl").read_bytes()
+    at = raw.index(b"prompt number 17")
+    (tmp_path / "in.jsonl").write_bytes(raw[:at] + b"PROMPT" + raw[at + 6:])  # same size, same offsets
+    made = []
+    with pytest.raises(InputChangedError, match=r"in.jsonl:18: request 17 \(byte \d+\) is not the line the job read"):
+        made.extend(item.payload for item in job.items())
+    assert len(made) == 17  # the requests before it

@@ -9,6 +9,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pipeline.batchjob.manifest import (
@@ -24,6 +25,7 @@ from pipeline.batchjob.manifest import (
     mismatch_error,
     write_manifest,
 )
+from pipeline.consumer.engines import EngineBatch, SimConfig, make_engine
 from pipeline.wire.errors import JobMismatchError
 
 ENGINE_OPTIONS = {"seed": 1, "max_model_len": 2048, "dtype": "float16", "cpu_threads": 4,
@@ -156,6 +158,26 @@ def test_an_option_of_resources_only_is_no_change(model_dir: Path, option: str) 
         assert differences(have, manifest(model_dir, options={**ENGINE_OPTIONS, option: value})) == []
     assert differences(have, manifest(model_dir, options={k: v for k, v in ENGINE_OPTIONS.items() if k != option})) \
         == []
+
+
+@pytest.mark.parametrize("option", sorted(RESOURCE_OPTIONS & set(SimConfig.__dataclass_fields__)))
+def test_a_sim_option_of_resources_only_changes_no_answer(option: str) -> None:
+    """What the resume rule trusts, checked against the sim itself: its answers (tokens and
+    finish reasons) are the same whatever the option's value."""
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 1000, n, dtype=np.int32) for n in (7, 40, 130)]
+    batch = EngineBatch(prompts, 130, [0, 32, 64])
+    default = getattr(SimConfig(), option)
+    changed = {int: lambda v: v * 2 + 16, float: lambda v: v + 1e-9}[type(default)](default)
+    answers = [make_engine("sim", **({option: value} if value is not None else {})).run(batch)
+               for value in (None, changed)]
+    assert answers[0].outputs == answers[1].outputs and answers[0].finish_reasons == answers[1].finish_reasons
+
+
+def test_the_sims_block_size_is_part_of_what_answers_depend_on(model_dir: Path) -> None:
+    have = manifest(model_dir, options={**ENGINE_OPTIONS, "block_size_tokens": 16})
+    assert differences(have, manifest(model_dir, options={**ENGINE_OPTIONS, "block_size_tokens": 32})) == [
+        "engine option block_size_tokens: 16 then, 32 now"]
 
 
 def test_llm_kwargs_are_judged_one_by_one(model_dir: Path) -> None:

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT_S = 180
 # Each batch of the slow runs sleeps in the sim's cost model, so a job lasts seconds and a
 # kill lands in the middle of it.
-SLOW = "[engine_options]\ncost_s_per_padded_token = 2e-4\n"
+SLOW = "[engine_options]\ncost_s_per_padded_token = 1e-3\n"
 
 
 @pytest.fixture(scope="module")

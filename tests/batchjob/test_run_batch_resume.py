@@ -96,6 +96,20 @@ def kill_target(job: subprocess.Popen, data: Path, target: str) -> None:
     os.kill(found[0], signal.SIGKILL)
 
 
+def stopped_after(args: list[str], data: Path, answers: int, signum: int = signal.SIGINT) -> tuple[int, str]:
+    """A job started with `args`, sent `signum` once `answers` result lines exist: its exit
+    status and stderr."""
+    job = start_batch(*args)
+    try:
+        wait_until(lambda: answered_lines(data) >= answers, "answers")
+        job.send_signal(signum)
+        _out, err = job.communicate(timeout=RUN_TIMEOUT_S)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    return job.returncode, err
+
+
 def check_one_line_each(out: Path, count: int = REQUESTS) -> dict[str, dict]:
     rows = rows_by_id(out)
     assert set(rows) == {f"r{k}" for k in range(count)}
@@ -156,11 +170,8 @@ def test_a_stopped_jobs_status_comes_from_its_files_and_says_how_to_finish_it(tm
 def test_a_closed_terminal_stops_the_job_saying_how_to_finish_it(tmp_path, model_dir):
     args = slow_args(tmp_path, "--model", model_dir, cost=STOPPED_COST)
     data = tmp_path / "data"
-    job = start_batch(*args)
-    wait_until(lambda: answered_lines(data) >= 20, "answers")
-    job.send_signal(signal.SIGHUP)
-    _out, err = job.communicate(timeout=RUN_TIMEOUT_S)
-    assert job.returncode != 0 and "the same command finishes the job" in err and "Traceback" not in err
+    code, err = stopped_after(args, data, 20, signal.SIGHUP)
+    assert code != 0 and "the same command finishes the job" in err and "Traceback" not in err
     assert run_batch(*args).returncode == 0
     check_one_line_each(tmp_path / "out.jsonl")
 
@@ -190,10 +201,7 @@ def test_a_resume_with_another_tokenizer_or_engine_option_is_refused_saying_what
     model = copy_model(model_dir, tmp_path / "m" / "tiny-llama")
     args = slow_args(tmp_path, "--model", str(model), cost=STOPPED_COST)
     data = tmp_path / "data"
-    job = start_batch(*args)
-    wait_until(lambda: answered_lines(data) >= 20, "answers")
-    job.send_signal(signal.SIGINT)
-    job.communicate(timeout=RUN_TIMEOUT_S)
+    stopped_after(args, data, 20)
     tokenizer = model / "tokenizer.json"
     original = tokenizer.read_text()
     tokenizer.write_text(original + " ")  # the same JSON; another file
@@ -241,10 +249,7 @@ def test_a_consumer_someone_joins_to_a_running_job_does_not_answer_for_it(tmp_pa
 def test_damaged_segments_whose_requests_all_got_answers_make_a_complete_output_and_exit_0(tmp_path, model_dir):
     args = slow_args(tmp_path, "--model", model_dir, "--keep-data-dir")
     data = tmp_path / "data"
-    job = start_batch(*args)
-    wait_until(lambda: answered_lines(data) >= 40, "answers")
-    job.send_signal(signal.SIGINT)
-    job.communicate(timeout=RUN_TIMEOUT_S)
+    stopped_after(args, data, 40)
     damaged = 0
     for path in sorted(data.glob("segments/**/*.seg"))[:3]:
         raw = bytearray(path.read_bytes())
@@ -257,3 +262,103 @@ def test_damaged_segments_whose_requests_all_got_answers_make_a_complete_output_
     assert again.returncode == 0, again.stderr
     check_one_line_each(tmp_path / "out.jsonl")
     assert "damaged" in again.stderr and "Traceback" not in again.stderr
+
+
+def test_a_job_whose_input_moved_resumes_from_the_path_given_now(tmp_path, model_dir):
+    args = slow_args(tmp_path, "--model", model_dir, cost=STOPPED_COST)
+    stopped_after(args, tmp_path / "data", 20)
+    moved = tmp_path / "moved.jsonl"
+    os.rename(tmp_path / "in.jsonl", moved)
+    at = args.index("-i") + 1
+    args[at] = str(moved)
+    done = run_batch(*args)
+    assert done.returncode == 0 and str(moved) in done.stderr, done.stderr
+    check_one_line_each(tmp_path / "out.jsonl")
+
+
+def test_a_model_directory_edited_mid_run_changes_no_answer(tmp_path, model_dir):
+    """The template saved anew and a producer killed (so one loads the model again): every
+    answer is the one the model as it was at the start makes."""
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    count = PRODUCER_KILL_REQUESTS
+    done = run_batch(*slow_args(reference, "--model", model_dir, count=count, slow=False))
+    assert done.returncode == 0, done.stderr
+    model = copy_model(model_dir, tmp_path / "m" / "tiny-llama")
+    args = slow_args(tmp_path, "--model", str(model), count=count, slow=False)
+    job = start_batch(*args)
+    try:
+        wait_until(lambda: answered_lines(tmp_path / "data") >= 1 or job.poll() is not None, "answers")
+        config = json.loads((model / "tokenizer_config.json").read_text())
+        config["chat_template"] = "EDITED " + config["chat_template"]
+        (model / "tokenizer_config.json").write_text(json.dumps(config))
+        kill_target(job, tmp_path / "data", "producer")
+        job.communicate(timeout=RUN_TIMEOUT_S)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0
+    got, want = rows_by_id(tmp_path / "out.jsonl"), rows_by_id(reference / "out.jsonl")
+    assert set(got) == set(want)
+    usage = {cid: row["response"]["body"]["usage"]["prompt_tokens"] for cid, row in got.items()}
+    assert usage == {cid: row["response"]["body"]["usage"]["prompt_tokens"] for cid, row in want.items()}
+    assert texts(tmp_path / "out.jsonl") == texts(reference / "out.jsonl")
+
+
+def test_an_input_edited_in_place_mid_run_stops_the_job_and_nothing_of_it_is_answered(tmp_path, model_dir):
+    """Same size, same offsets, another question on lines near the end of each producer's
+    share: no answer is made of an edited line; the job stops naming it; with the file as it
+    was, the same command finishes with the answers of the original."""
+    count = PRODUCER_KILL_REQUESTS
+    args = slow_args(tmp_path, "--model", model_dir, count=count, slow=False)
+    source = tmp_path / "in.jsonl"
+    original = source.read_bytes()
+    starts = [0] + [k + 1 for k, byte in enumerate(original) if byte == ord("\n")]
+    edited = [count // 2 - 5, count - 5]
+    job = start_batch(*args)
+    try:
+        wait_until(lambda: answered_lines(tmp_path / "data") >= 1 or job.poll() is not None, "answers")
+        with open(source, "r+b") as f:
+            for index in edited:
+                line = original[starts[index]:starts[index + 1]]
+                f.seek(starts[index])
+                f.write(line.replace(b"question", b"QUESTION"))
+        _out, err = job.communicate(timeout=RUN_TIMEOUT_S)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    if job.returncode == 0:  # the producers had read every line before the edit: nothing to catch
+        pytest.skip("the job read its whole input before the edit landed")
+    assert job.returncode == 1 and "the input file was changed while the job ran" in err and "Traceback" not in err, err
+    assert not (tmp_path / "out.jsonl").exists()
+    refused = run_batch(*args)
+    assert refused.returncode == 1 and "the input file changed since the job started" in refused.stderr
+    source.write_bytes(original)
+    done = run_batch(*args)
+    assert done.returncode == 0, done.stderr
+    check_one_line_each(tmp_path / "out.jsonl", count)
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    assert run_batch(*slow_args(reference, "--model", model_dir, count=count, slow=False)).returncode == 0
+    got, want = texts(tmp_path / "out.jsonl"), texts(reference / "out.jsonl")
+    assert [got[f"r{k}"] for k in edited] == [want[f"r{k}"] for k in edited]
+
+
+def test_outputs_that_do_not_fit_at_the_end_are_written_by_the_same_command_without_running(tmp_path, model_dir):
+    from tests.consumer.tmpfs import small_tmpfs
+
+    small = tmp_path / "small"
+    with small_tmpfs(str(small), 64 << 10):
+        args = slow_args(tmp_path, "--model", model_dir, slow=False)
+        args[args.index("-o") + 1] = str(small / "out.jsonl")
+        failed = run_batch(*args)
+        assert failed.returncode == 1 and "Traceback" not in failed.stderr, failed.stderr
+        assert "cannot write the outputs" in failed.stderr and "No space left on device" in failed.stderr
+        assert "the same command writes them without running anything" in failed.stderr
+        assert os.listdir(small) == []
+        remounted = subprocess.run(["mount", "-o", "remount,size=4m", str(small)], capture_output=True, text=True)
+        assert remounted.returncode == 0, remounted.stderr
+        done = run_batch(*args)
+        assert done.returncode == 0, done.stderr
+        assert f"{REQUESTS:,} answered already" in done.stderr and "0 to submit" in done.stderr
+        check_one_line_each(small / "out.jsonl")

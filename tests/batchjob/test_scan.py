@@ -33,7 +33,7 @@ from tests.batchjob.batchfiles import MODEL, chat, completion, line_of, write
 
 
 def scan(tmp_path: Path, *lines: object, last_newline: bool = True) -> InputScan:
-    return scan_input(str(write(tmp_path / "in.jsonl", *lines, last_newline=last_newline)), str(tmp_path / "work"))
+    return scan_input(str(write(tmp_path / "in.jsonl", *lines, last_newline=last_newline)), str(tmp_path / "work"), str(tmp_path / "lines.bin"))
 
 
 def refusal(tmp_path: Path, *lines: object, last_newline: bool = True) -> str:
@@ -58,7 +58,7 @@ def test_a_good_file_gives_its_count_size_digest_and_first_index_entry(tmp_path:
     spaced = ('{ "body" : {"model": "tiny", "prompt": "x"},  "url": "/v1/completions", "method": "POST", '
               '"custom_id": "c"}')
     path = write(tmp_path / "in.jsonl", "", "  ", chat("a", max_completion_tokens=5), completion("b", n=3), spaced)
-    found = scan_input(str(path), str(tmp_path / "work"))
+    found = scan_input(str(path), str(tmp_path / "work"), str(tmp_path / "lines.bin"))
     data = path.read_bytes()
     assert (found.path, found.requests, found.input_bytes) == (str(path), 3, len(data))
     assert found.input_xxh3 == xxhash.xxh3_128_hexdigest(data)
@@ -198,21 +198,21 @@ def test_a_file_without_requests_is_refused(tmp_path: Path, text: str) -> None:
     path = tmp_path / "in.jsonl"
     path.write_text(text)
     with pytest.raises(BatchFileError, match="no requests"):
-        scan_input(str(path), str(tmp_path / "work"))
+        scan_input(str(path), str(tmp_path / "work"), str(tmp_path / "lines.bin"))
 
 
 def test_a_missing_file_a_directory_a_device_and_a_fifo_are_refused(tmp_path: Path) -> None:
     with pytest.raises(BatchFileError, match="cannot read the batch file"):
-        scan_input(str(tmp_path / "absent.jsonl"), str(tmp_path / "work"))
+        scan_input(str(tmp_path / "absent.jsonl"), str(tmp_path / "work"), str(tmp_path / "lines.bin"))
     for path, kind in ((str(tmp_path), "directory"), ("/dev/zero", "device"), ("/dev/null", "device")):
         with pytest.raises(BatchFileError, match=f"must be a regular file .*, not a {kind}"):
-            scan_input(path, str(tmp_path / "work"))
+            scan_input(path, str(tmp_path / "work"), str(tmp_path / "lines.bin"))
         with pytest.raises(BatchFileError, match=f"not a {kind}"):
             input_digest(path)
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)  # opened without a writer: refused, not waited on
     with pytest.raises(BatchFileError, match="not a pipe"):
-        scan_input(str(fifo), str(tmp_path / "work"))
+        scan_input(str(fifo), str(tmp_path / "work"), str(tmp_path / "lines.bin"))
     with pytest.raises(BatchFileError, match="not a pipe"):
         input_digest(str(fifo))
 
@@ -338,7 +338,7 @@ def test_digests_a_killed_scan_left_behind_are_not_read(tmp_path: Path, monkeypa
         stale = np.array([(digest, 0, 100 + k)], dtype=DIGEST_RECORD_DTYPE)
         with open(work / f"ids-{digest >> 56:03d}.bin", "ab") as f:
             f.write(stale.tobytes())
-    assert scan_input(str(path), str(work)).requests == 20
+    assert scan_input(str(path), str(work), str(tmp_path / "lines.bin")).requests == 20
     assert not work.exists()
 
 
@@ -353,7 +353,7 @@ def test_the_sparse_index_points_at_each_strides_line_and_its_number(tmp_path: P
         if k % 1000 == 999:
             lines.extend(["", "\t"])
     path = write(tmp_path / "in.jsonl", *lines)
-    found = scan_input(str(path), str(tmp_path / "work"))
+    found = scan_input(str(path), str(tmp_path / "work"), str(tmp_path / "lines.bin"))
     assert found.requests == count and len(found.index) == 3
     at = lines_at(path)
     for entry, k in zip(found.index.tolist(), (0, INDEX_STRIDE, 2 * INDEX_STRIDE)):
@@ -368,7 +368,7 @@ def test_progress_is_reported_as_bytes_read_and_requests(tmp_path: Path, monkeyp
     monkeypatch.setattr(scan_module, "PROGRESS_EVERY_BYTES", 500)
     path = write(tmp_path / "in.jsonl", *(chat(f"r{k}") for k in range(50)))
     calls: list[tuple[int, int]] = []
-    found = scan_input(str(path), str(tmp_path / "work"), on_progress=lambda read, requests: calls.append(
+    found = scan_input(str(path), str(tmp_path / "work"), str(tmp_path / "lines.bin"), on_progress=lambda read, requests: calls.append(
         (read, requests)))
     size = path.stat().st_size
     assert len(calls) >= size // (2 * 500)

@@ -37,7 +37,7 @@ def peak_kib():
 
 gc.collect()
 before = peak_kib()
-found = scan_input(sys.argv[1], sys.argv[2])
+found = scan_input(sys.argv[1], sys.argv[2], sys.argv[2] + ".lines")
 print(json.dumps({"requests": found.requests, "growth_kib": peak_kib() - before}))
 """
 

@@ -618,7 +618,8 @@ WORKLOAD_SEEDS = [
 def load_batch(path: str, served: str) -> list[BatchRequest]:
     """A batch file's requests as `pipeline run-batch` reads them: the scan's file rules
     (BatchFileError), then each line's body as its producer parses it."""
-    scan_input(path, os.path.join(os.path.dirname(path), "scan-work"))
+    scan_input(path, os.path.join(os.path.dirname(path), "scan-work"),
+               os.path.join(os.path.dirname(path), "lines.bin"))
     with open(path, "rb") as f:
         lines = [(number, line.rstrip(b"\n")) for number, line in enumerate(f, 1) if line.strip()]
     return [parse_line(raw, index, number, served) for index, (number, raw) in enumerate(lines)]
