@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from pipeline.broker.config import BrokerConfig
-from pipeline.reporting.metrics import (
+from pipeline.reporting.metrics_endpoint import (
     MAX_METRICS_CONNECTIONS,
     MAX_REQUEST_HEAD_BYTES,
     MAX_TOKEN_FILE_BYTES,

@@ -173,7 +173,7 @@ def _checked_token_file(path: str | None, port: int | None) -> str | None:
         return None
     if port is None:
         raise click.ClickException("--metrics-token-file is given without --metrics-port: no metrics are served")
-    from pipeline.reporting.metrics import read_token_file
+    from pipeline.reporting.metrics_endpoint import read_token_file
 
     read_token_file(path)  # SettingsError: one line (cli.py)
     return os.path.abspath(path)

@@ -390,7 +390,7 @@ class Launcher:
         self.taken_over = self._earlier_work()
         self.broker = start_broker(self.config, s.storage, s.durability)
         if s.metrics_port is not None:
-            from pipeline.reporting.metrics import MetricsServer
+            from pipeline.reporting.metrics_endpoint import MetricsServer
 
             socket_path = self.config.socket_path
             self.metrics = MetricsServer.start(s.metrics_port, lambda: broker_status(socket_path),
