@@ -15,6 +15,7 @@ import os
 import pwd
 import shutil
 import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,6 +27,21 @@ import pytest
 SYSTEM_PYTHON = "/usr/bin/python3"
 # A hang guard for one hostile snippet (each takes well under a second).
 SNIPPET_TIMEOUT_S = 30
+
+
+def python_for(uid: int, gid: int, imports: str = "sys", cwd: str | None = None) -> str:
+    """An interpreter that user `uid` can run and `import {imports}` with (from `cwd`): this
+    test's own, else the system's; pytest.skip naming why where neither (a home or a root
+    directory others cannot traverse, as on some CI machines)."""
+    why = []
+    for python in dict.fromkeys([sys.executable, SYSTEM_PYTHON]):
+        probe = subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--", python, "-c",
+                                f"import {imports}"], capture_output=True, text=True, cwd=cwd,
+                               timeout=SNIPPET_TIMEOUT_S, env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+        if probe.returncode == 0:
+            return python
+        why.append(f"{python}: {probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else probe.returncode}")
+    pytest.skip(f"uid {uid} can run no Python that imports {imports} ({'; '.join(why)})")
 
 
 @dataclass

@@ -35,7 +35,8 @@ from pipeline.batchjob.layout import (
 )
 from pipeline.batchjob.manifest import JOB_DIR
 from pipeline.wire import fileops
-from pipeline.wire.errors import JobPathError
+from pipeline.wire.errors import AnswerLogWriteError, JobPathError
+from pipeline.wire.fileops import errno_text
 
 RECORDS_NAME = "answers.bin"
 # The answer log of an input-order job (merged into the output at the end).
@@ -109,9 +110,12 @@ class AnswerLog:
         self.recovered = Recovered()
 
     @classmethod
-    def open(cls, data_dir: str, requests: int, logs: Mapping[int, str]) -> AnswerLog:
-        """The job's answers so far, recovered (the module's doc), open for appending."""
+    def open(cls, data_dir: str, requests: int, logs: Mapping[int, str],
+             opened: Mapping[int, int] | None = None) -> AnswerLog:
+        """The job's answers so far, recovered (the module's doc), open for appending.
+        `opened`: logs the caller opened (for appending) itself, by log; the log owns them."""
         log = cls(data_dir, requests, logs)
+        log._fds.update(opened or {})
         try:
             log._open_files()
             log._recover()
@@ -124,7 +128,8 @@ class AnswerLog:
         os.makedirs(os.path.dirname(self._records_path), mode=0o700, exist_ok=True)
         self._records_fd = _open_append(self._records_path)
         for log, path in self.paths.items():
-            self._fds[log] = _open_append(path)
+            if log not in self._fds:
+                self._fds[log] = _open_append(path)
 
     def _recover(self) -> None:
         sizes = {log: _data_end(fd) for log, fd in self._fds.items()}
@@ -177,38 +182,73 @@ class AnswerLog:
 
     def append(self, answers: Sequence[Answer]) -> int:
         """Append the answers of requests that have none yet (a second answer of a request
-        is counted in `duplicates` and dropped); how many were new."""
-        fresh = []
+        is counted in `duplicates` and dropped); how many were new. All or nothing: a write
+        that fails (ENOSPC) is cut back from every file it touched and AnswerLogWriteError
+        raised (its errno kept), with nothing counted, so the same answers can be offered
+        again once there is room."""
+        fresh, taken = [], set()
         for answer in answers:
             assert 0 <= answer.index < self.requests, (answer.index, self.requests)
-            if self.is_done(answer.index):
+            if self.is_done(answer.index) or answer.index in taken:
                 self.duplicates += 1
                 continue
-            self._done[answer.index >> 3] |= 1 << (answer.index & 7)
+            taken.add(answer.index)
             fresh.append(answer)
         if not fresh:
             return 0
         columns: dict[str, list[int]] = {name: [] for name in _COLUMNS}
+        ends = dict(self._ends)
+        chunks: dict[int, bytes] = {}
         for log in sorted({a.log for a in fresh}):
             lines = [a for a in fresh if a.log == log]
-            at = self._ends[log]
             for answer in lines:
-                for name, value in zip(_COLUMNS, (answer.index, at, len(answer.line), answer.status_code, answer.log,
-                                                  answer.prompt_tokens, answer.completion_tokens,
+                for name, value in zip(_COLUMNS, (answer.index, ends[log], len(answer.line), answer.status_code,
+                                                  answer.log, answer.prompt_tokens, answer.completion_tokens,
                                                   answer.cached_tokens)):
                     columns[name].append(value)
-                at += len(answer.line)
-            fileops.write_all(self._fds[log], b"".join(a.line for a in lines))
-            self._ends[log] = at
-        fileops.write_all(self._records_fd, make_records(columns))
+                ends[log] += len(answer.line)
+            chunks[log] = b"".join(a.line for a in lines)
+        self._write_whole(chunks, make_records(columns))
+        self._ends = ends
+        self._count_fresh(fresh)
+        return len(fresh)
+
+    def _write_whole(self, chunks: dict[int, bytes], records: bytes) -> None:
+        """Every log's lines, then the records; on failure every file cut back to its size
+        before the call (the logs end at `_ends`, the records at done x record size)."""
+        written: list[int] = []
+        try:
+            for log, data in chunks.items():
+                written.append(self._fds[log])
+                fileops.write_all(self._fds[log], data)
+            written.append(self._records_fd)
+            fileops.write_all(self._records_fd, records)
+        except OSError as exc:
+            sizes = {self._records_fd: self.done * ANSWER_RECORD_SIZE_BYTES,
+                     **{self._fds[log]: self._ends[log] for log in self._fds}}
+            for fd in written:
+                try:
+                    fileops.ftruncate(fd, sizes[fd])
+                except OSError as cut:
+                    raise AnswerLogWriteError(f"appending answers failed ({errno_text(exc)}) and cutting the "
+                                              f"partial write back failed too ({errno_text(cut)}): the next run "
+                                              f"recovers the log", exc.errno) from exc
+            raise AnswerLogWriteError(f"appending answers failed: {errno_text(exc)}; nothing of it was kept",
+                                      exc.errno) from exc
+
+    def _count_fresh(self, fresh: Sequence[Answer]) -> None:
         for answer in fresh:
+            self._done[answer.index >> 3] |= 1 << (answer.index & 7)
             self.done += 1
             self.by_status[answer.status_code] = self.by_status.get(answer.status_code, 0) + 1
             if answer.status_code == 200:
                 self.usage.prompt_tokens += answer.prompt_tokens
                 self.usage.completion_tokens += answer.completion_tokens
                 self.usage.cached_tokens += answer.cached_tokens
-        return len(fresh)
+
+    def fds(self) -> dict[int, int]:
+        """The logs' descriptors, by log (the caller checks they are still its files)."""
+        return dict(self._fds)
 
     @property
     def failed(self) -> int:

@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Protocol
 
 import numpy as np
 
 from pipeline.batchjob.answers import record_chunks
-from pipeline.batchjob.paths import ReplacingFile
 from shm.layout import checked_dtype, struct_for
 
 # Bytes of lines a bucket holds at most (a single request's line may exceed it alone): what
@@ -75,25 +75,37 @@ def bucket_bounds(data_dir: str, requests: int, bucket_bytes: int = BUCKET_BYTES
     return np.array(cuts + [requests], dtype=np.int64)
 
 
-def write_in_input_order(data_dir: str, log_path: str, requests: int, output: str, error_file: str | None,
-                         work_dir: str, bucket_bytes: int = BUCKET_BYTES) -> None:
-    """The merge of the module's doc."""
+class Sink(Protocol):
+    """A file written whole or not at all (`paths.ReplacingFile`, `outfiles.Publish`)."""
+
+    def write(self, data: bytes) -> None: ...
+
+    def commit(self) -> object: ...
+
+    def abandon(self) -> None: ...
+
+
+def write_in_input_order(data_dir: str, log_path: str, requests: int, out: Callable[[], Sink],
+                         errors: Callable[[], Sink] | None, work_dir: str, bucket_bytes: int = BUCKET_BYTES) -> list:
+    """The merge of the module's doc, into the sinks `out()` and `errors()` make (none: the
+    errors go to the output too); what each commit returned, output first."""
     bounds = bucket_bounds(data_dir, requests, bucket_bytes)
     os.makedirs(work_dir, mode=0o700, exist_ok=True)
     try:
         _distribute(data_dir, log_path, bounds, work_dir)
-        out = ReplacingFile(output)
-        errors = ReplacingFile(error_file) if error_file is not None else out
+        output = out()
+        failed = errors() if errors is not None else output
         try:
             for k in range(len(bounds) - 1):
                 for line, status in _sorted_bucket(_bucket_path(work_dir, k)):
-                    (out if status == 200 else errors).write(line)
-            out.commit()
-            if errors is not out:
-                errors.commit()
+                    (output if status == 200 else failed).write(line)
+            made = [output.commit()]
+            if failed is not output:
+                made.append(failed.commit())
+            return made
         finally:
-            out.abandon()
-            errors.abandon()
+            output.abandon()
+            failed.abandon()
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
 

@@ -26,7 +26,9 @@ never an answer (the log drops what it has).
 from __future__ import annotations
 
 import base64
+import errno
 import json
+import logging
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -34,7 +36,7 @@ from dataclasses import dataclass, field
 import msgspec
 import xxhash
 
-from pipeline.batchjob.answers import Answer, AnswerLog
+from pipeline.batchjob.answers import Answer, AnswerLog, records_path
 from pipeline.batchjob.choices import AnswerShape, Texts, make_choices
 from pipeline.batchjob.layout import JOB_FLAG_READS_BODY, LOG_OUTPUT, decode_job_payload, job_payload_flags
 from pipeline.batchjob.manifest import JOB_DIR, JobManifest
@@ -52,7 +54,9 @@ from pipeline.batchjob.paths import replace_file
 from pipeline.batchjob.requests import ENDPOINTS, parse_line
 from pipeline.batchjob.scan import MAX_REQUEST_LINE_BYTES, envelope
 from pipeline.reporting.accounting import ResultsSummary
-from pipeline.wire.errors import BatchFileError, BatchOutputError, JobMismatchError
+from pipeline.wire.errors import AnswerLogWriteError, BatchFileError, BatchOutputError, JobMismatchError
+
+log = logging.getLogger("pipeline.job")
 
 RESULTS_DIR = "results"
 REJECTED_DIR = "rejected"
@@ -60,6 +64,13 @@ COLLECTED_NAME = "collected.json"
 # Bytes of one file read per poll: a poll takes what a few seconds of a fast job wrote and
 # returns, so the launcher's watch loop keeps its pace.
 READ_LIMIT_BYTES = 32 << 20
+# Bytes of output lines gathered before they go to the log: a poll's rows can make lines far
+# longer than themselves (a custom_id of a megabyte in every line), and memory stays at this.
+APPEND_BYTES = 16 << 20
+# A job's own results: its launcher's runs, its Ray driver's.
+OWN_RUN_PREFIXES = ("run-", "ray-")
+# errno values of a full disk (the answer log's: wait for room).
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 # A results or rejection line longer than this is not one of ours (a row holds a request's
 # output ids and texts, its samples' and their logprobs within sampling.MAX_ANSWER_TOKENS and
 # MAX_ANSWER_LOGPROBS): a row longer than a read is read on to here.
@@ -90,6 +101,8 @@ class Collector:
         self.log = log
         self.error_log = error_log  # LOG_ERRORS where failures go to their own file, else LOG_OUTPUT
         self.counts = CollectCounts()
+        self.disk_full = False  # the last append found no room: answers wait in the results files
+        self._warned_foreign = False
         # Submit-to-answer latencies of the answers taken since the caller last emptied it.
         self.latencies_s: list[float] = []
         self._path = os.path.join(data_dir, JOB_DIR, COLLECTED_NAME)
@@ -99,23 +112,42 @@ class Collector:
         self._tally = ResultsSummary()
 
     def collect(self) -> int:
-        """Read what every answer file gained since the last call; how many new answers."""
+        """Read what every answer file gained since the last call; how many new answers
+        (0 while the disk of the answer log is full: `disk_full`)."""
         added = 0
-        for relative in self._files():
-            added += self._collect_file(relative)
+        try:
+            for relative in self._files():
+                added += self._collect_file(relative)
+        except _DiskFull:
+            return 0
         return added
 
     def _files(self) -> Iterator[str]:
-        """Answer files by their path inside the data directory, results first."""
-        for top in (RESULTS_DIR, os.path.join(JOB_DIR, REJECTED_DIR)):
-            root = os.path.join(self.data_dir, top)
-            for folder, dirs, names in os.walk(root):
-                dirs.sort()
-                for name in sorted(names):
-                    if name.endswith(".jsonl"):
-                        yield os.path.relpath(os.path.join(folder, name), self.data_dir)
+        """Answer files by their path inside the data directory: the results of the job's own
+        runs (its launcher's `run-*`, its Ray driver's `ray-*`), then its producers'
+        refusals. A results file of a consumer the job did not start (`pipeline consumer
+        start` on its data directory) is not read: that consumer may run another engine, or
+        the same with other options, and its answers would not be the job's."""
+        results = os.path.join(self.data_dir, RESULTS_DIR)
+        runs = sorted(entry.name for entry in _scandir(results) if entry.is_dir(follow_symlinks=False)
+                      and entry.name.startswith(OWN_RUN_PREFIXES))
+        for run in runs:
+            folder = os.path.join(results, run)
+            for entry in sorted(_scandir(folder), key=lambda e: e.name):
+                if entry.name.endswith(".jsonl"):
+                    yield os.path.join(RESULTS_DIR, run, entry.name)
+        for entry in sorted(_scandir(os.path.join(self.data_dir, JOB_DIR, REJECTED_DIR)), key=lambda e: e.name):
+            if entry.name.endswith(".jsonl"):
+                yield os.path.join(JOB_DIR, REJECTED_DIR, entry.name)
+        foreign = [e.name for e in _scandir(results) if e.name.endswith(".jsonl")]
+        if foreign and not self._warned_foreign:
+            self._warned_foreign = True
+            log.warning("results of consumers this job did not start are not its answers: %s", ", ".join(foreign[:5]))
 
     def _collect_file(self, relative: str) -> int:
+        """The new whole lines of one file into the log, APPEND_BYTES of answers at a time;
+        the file's read position moves past each part only once the log has it. A full disk
+        (AnswerLogWriteError ENOSPC) stops here until the next call (`disk_full`)."""
         path = os.path.join(self.data_dir, relative)
         start = self._offsets.get(relative, 0)
         try:
@@ -130,15 +162,36 @@ class Collector:
         if not end:
             return 0
         rejected = relative.startswith(JOB_DIR)
-        tally = self._tally if os.path.dirname(path) == self._tally_dir else None
+        counted = ResultsSummary() if os.path.dirname(path) == self._tally_dir else None
         consumer = os.path.basename(path)[:-len(".jsonl")]
-        answers = []
+        answers: list[Answer] = []
+        held = added = 0
+        at = 0  # bytes of raw read past, whose answers are in `answers` or the log
         for line in raw[:end].split(b"\n")[:-1]:
-            answer = self._answer(line, rejected, path, tally, consumer)
+            at += len(line) + 1
+            answer = self._answer(line, rejected, path, counted, consumer)
             if answer is not None:
                 answers.append(answer)
-        added = self.log.append(answers)
-        self._offsets[relative] = start + end
+                held += len(answer.line)
+            if held >= APPEND_BYTES:
+                added += self._append(relative, start + at, answers, counted)
+                answers, held, counted = [], 0, ResultsSummary() if counted is not None else None
+        return added + self._append(relative, start + at, answers, counted)
+
+    def _append(self, relative: str, end: int, answers: list[Answer], counted: ResultsSummary | None) -> int:
+        """Answers into the log, then the file's read position to `end`; 0 when the disk is
+        full (the same lines are read again next time)."""
+        try:
+            added = self.log.append(answers)
+        except AnswerLogWriteError as exc:
+            if exc.errno not in DISK_FULL_ERRNOS:
+                raise
+            self.disk_full = True
+            raise _DiskFull from exc
+        self.disk_full = False
+        self._offsets[relative] = end
+        if counted is not None:
+            _merge_counts(self._tally, counted)
         return added
 
     def save(self) -> None:
@@ -274,6 +327,46 @@ def _count_row(tally: ResultsSummary, row: dict, consumer: str) -> None:
         tally.first_dispatch_ns = dispatch
     if type(done) is int and (tally.last_done_ns is None or done > tally.last_done_ns):
         tally.last_done_ns = done
+
+
+class _DiskFull(Exception):
+    """Internal: an append found the disk full; `collect` stops reading for this call."""
+
+
+def _scandir(path: str) -> list[os.DirEntry]:
+    try:
+        return list(os.scandir(path))
+    except OSError:
+        return []
+
+
+def _merge_counts(into: ResultsSummary, part: ResultsSummary) -> None:
+    """`part`'s rows (counted by `_count_row`) added to `into`."""
+    for consumer, counts in part.per_consumer.items():
+        mine = into.per_consumer.setdefault(consumer, dict.fromkeys(counts, 0))
+        for key, value in counts.items():
+            mine[key] = mine.get(key, 0) + value
+    into.lines += part.lines
+    into.prompt_tokens += part.prompt_tokens
+    into.cached_tokens += part.cached_tokens
+    into.bad_lines += part.bad_lines
+    into.bad_line_examples.extend(part.bad_line_examples[:max(0, 10 - len(into.bad_line_examples))])
+    for status, count in part.by_status.items():
+        into.by_status[status] = into.by_status.get(status, 0) + count
+    for name, pick in (("first_dispatch_ns", min), ("last_done_ns", max)):
+        theirs, mine = getattr(part, name), getattr(into, name)
+        if theirs is not None:
+            setattr(into, name, theirs if mine is None else pick(mine, theirs))
+
+
+def forget_answers(data_dir: str) -> None:
+    """Drop the job's answer records and where the results files were read up to: every
+    answer is collected again from the results files (its logs made anew by the caller)."""
+    for path in (records_path(data_dir), os.path.join(data_dir, JOB_DIR, COLLECTED_NAME)):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def _load_offsets(path: str) -> dict[str, int]:

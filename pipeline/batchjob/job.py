@@ -30,7 +30,7 @@ import numpy as np
 
 from pipeline.batchjob.answers import LOG_NAME, AnswerLog, records_path
 from pipeline.batchjob.assemble import write_in_input_order
-from pipeline.batchjob.collect import Collector
+from pipeline.batchjob.collect import Collector, forget_answers
 from pipeline.batchjob.layout import (
     ANSWER_RECORD_SIZE_BYTES,
     JOB_PAYLOAD_SIZE_BYTES,
@@ -47,13 +47,13 @@ from pipeline.batchjob.manifest import (
     mismatch_error,
     write_manifest,
 )
+from pipeline.batchjob.outfiles import OWN, OwnFiles, Publish, Target, identity, open_log
 from pipeline.batchjob.paths import (
     OutputPath,
     check_data_dir_is_the_jobs,
     check_input,
     check_outputs,
     remove_data_dir,
-    remove_partial,
     replace_file,
 )
 from pipeline.batchjob.progress import JobCounts, JobTracker, JobView
@@ -71,8 +71,6 @@ OUTPUT_ORDERS = ("input", "completion")
 LOCK_NAME = "lock"
 STATUS_NAME = "status.json"
 INDEX_NAME = "input.idx"
-# The files a finished run wrote, by identity: a rerun may replace them, and nothing else.
-WRITTEN_NAME = "written.json"
 # How often the job's status file and the collector's read positions are saved while it runs.
 SAVE_INTERVAL_S = 2.0
 
@@ -164,9 +162,13 @@ class BatchJob:
         input_path = check_input(spec.input_path)
         have = load_manifest(self.data_dir) if os.path.isdir(self.data_dir) else None
         check_data_dir_is_the_jobs(self.data_dir, has_manifest=have is not None)
-        check_outputs(self._outputs(), input_path, self.data_dir, self._own_outputs(have), spec.overwrite)
+        self.own_files = OwnFiles(self.data_dir)
+        outputs = self._outputs()
+        expects = check_outputs(outputs, input_path, self.data_dir, self.own_files.own, spec.overwrite)
         self._make_data_dir()
         self._lock()
+        self.targets = {out.role: Target.open(out.role, out.path, expect, self.own_files.own(out.path))
+                        for out, expect in zip(outputs, expects)}
         wanted, scan = self._wanted_manifest(input_path, have)
         if have is not None:
             changed = differences(have, wanted)
@@ -190,24 +192,6 @@ class BatchJob:
             if path is not None:
                 found.append(OutputPath(role, os.path.abspath(path)))
         return found
-
-    def _own_outputs(self, have: JobManifest | None) -> list[str]:
-        """Outputs the job wrote before: its completion-order output and error file (its
-        answer log, appended across runs), and every file a finished run wrote that is still
-        that file (same inode, size and modification time: not replaced since)."""
-        if have is None:
-            return []
-        own = [p for p in (have.output_path, have.error_file) if p is not None] \
-            if have.output_order == "completion" else []
-        try:
-            with open(os.path.join(self.data_dir, JOB_DIR, WRITTEN_NAME), "rb") as f:
-                written = json.loads(f.read(1 << 20))
-        except (OSError, ValueError):
-            return own
-        for path, identity in written.items() if isinstance(written, dict) else ():
-            if _identity(path) == identity:
-                own.append(path)
-        return own
 
     def _make_data_dir(self) -> None:
         check_data_dir(self.data_dir)
@@ -259,14 +243,11 @@ class BatchJob:
 
         manifest = self.manifest
         if manifest.output_order == "completion":
-            remove_partial(manifest.output_path)
-            logs = {LOG_OUTPUT: manifest.output_path}
-            if manifest.error_file is not None:
-                logs[LOG_ERRORS] = manifest.error_file
+            logs, opened = self._completion_logs()
         else:
-            logs = {LOG_OUTPUT: os.path.join(self.data_dir, JOB_DIR, LOG_NAME)}
-        self.log = AnswerLog.open(self.data_dir, manifest.requests, logs)
-        self._input_fd = os.open(manifest.input_path, os.O_RDONLY | os.O_CLOEXEC)
+            logs, opened = {LOG_OUTPUT: os.path.join(self.data_dir, JOB_DIR, LOG_NAME)}, None
+        self.log = AnswerLog.open(self.data_dir, manifest.requests, logs, opened)
+        self._input_fd = os.open(self.job_input.path, os.O_RDONLY | os.O_CLOEXEC)
         tokenizer = ChatTokenizer.load(self.spec.model_dir, chat_template=self.spec.chat_template)
         error_log = LOG_ERRORS if LOG_ERRORS in logs else LOG_OUTPUT
         self.collector = Collector(self.data_dir, manifest, self._input_fd, tokenizer.decode, self.log, error_log,
@@ -279,6 +260,29 @@ class BatchJob:
         self.pending = self._mark_pending(self.skip)
         self.tracker = JobTracker(manifest.requests)
         self.telemetry = JobTelemetry(self.log)
+
+    def _completion_logs(self) -> tuple[dict[int, str], dict[int, int]]:
+        """The completion-order output (and error file): the job's own files, appended to, or,
+        where one is missing or not the file the job made (replaced, edited, or allowed to
+        be replaced: --overwrite), all of them made anew and the answers collected again
+        from the results files, which hold every one."""
+        targets = {LOG_OUTPUT: self.targets["output file"]}
+        if "error file" in self.targets:
+            targets[LOG_ERRORS] = self.targets["error file"]
+        fresh = any(t.expect != OWN or t.current() is None for t in targets.values())
+        if fresh:
+            forget_answers(self.data_dir)
+        opened: dict[int, int] = {}
+        try:
+            for log, target in targets.items():
+                opened[log] = open_log(target, fresh)
+                if fresh:
+                    self.own_files.made(target.path, identity(os.fstat(opened[log])))
+        except BaseException:
+            for fd in opened.values():
+                os.close(fd)
+            raise
+        return {log: t.path for log, t in targets.items()}, opened
 
     def _mark_pending(self, skip: np.ndarray) -> int:
         """Set the bits of requests an earlier run left in the store or a ring; how many."""
@@ -388,10 +392,22 @@ class BatchJob:
     def _write_outputs(self) -> None:
         manifest = self.manifest
         if manifest.output_order == "completion":
+            for log, fd in self.log.fds().items():  # still the files it appended to (not replaced meanwhile)
+                target = self.targets["output file" if log == LOG_OUTPUT else "error file"]
+                now = target.current()
+                if now is None or identity(now) != identity(os.fstat(fd)):
+                    raise JobPathError(f"{target.role} {target.path} was replaced or removed while the job ran: its "
+                                       f"answers are kept; the same command writes it anew from them (with "
+                                       f"--overwrite if a file of yours is there now)")
             self.log.sync()
             return
-        write_in_input_order(self.data_dir, os.path.join(self.data_dir, JOB_DIR, LOG_NAME), manifest.requests,
-                             manifest.output_path, manifest.error_file, os.path.join(self.data_dir, JOB_DIR, "merge"))
+        output = self.targets["output file"]
+        errors = self.targets.get("error file")
+        made = write_in_input_order(self.data_dir, os.path.join(self.data_dir, JOB_DIR, LOG_NAME), manifest.requests,
+                                    lambda: Publish(output), (lambda: Publish(errors)) if errors else None,
+                                    os.path.join(self.data_dir, JOB_DIR, "merge"))
+        for target, done in zip((output, errors), made):
+            self.own_files.made(target.path, done)
 
     def _summary(self, written: bool) -> JobSummary:
         log = self.log
@@ -418,16 +434,17 @@ class BatchJob:
 
     def _write_summaries(self, summary: JobSummary) -> None:
         """The summary beside the output, and the run report, after the output."""
-        spec = self.spec
-        if spec.summary_path is not None:
-            replace_file(spec.summary_path, [json.dumps({"job": summary.as_json()}, indent=1).encode() + b"\n"])
-        if spec.report_path is not None:
-            report = dict(self.report or {})
-            report["job"] = summary.as_json()
-            replace_file(spec.report_path, [json.dumps(report, indent=1, default=str).encode() + b"\n"])
-        written = {out.path: _identity(out.path) for out in self._outputs()}
-        replace_file(os.path.join(self.data_dir, JOB_DIR, WRITTEN_NAME),
-                     [json.dumps({p: i for p, i in written.items() if i is not None}).encode()])
+        found = {"job summary": {"job": summary.as_json()}, "run report": {**(self.report or {}),
+                                                                           "job": summary.as_json()}}
+        for role, document in found.items():
+            target = self.targets.get(role)
+            if target is not None:
+                out = Publish(target)
+                try:
+                    out.write(json.dumps(document, indent=1, default=str).encode() + b"\n")
+                    self.own_files.made(target.path, out.commit())
+                finally:
+                    out.abandon()
 
     def close(self, remove: bool) -> list[str]:
         """Release the job's files; with `remove`, remove the data directory (what the
@@ -437,6 +454,8 @@ class BatchJob:
         if self._input_fd >= 0:
             os.close(self._input_fd)
             self._input_fd = -1
+        for target in getattr(self, "targets", {}).values():
+            target.close()
         left: list[str] = []
         if remove:
             left = remove_data_dir(self.data_dir)
@@ -449,15 +468,6 @@ class BatchJob:
         """A job refused before anything ran in a data directory it created: remove it."""
         if self._created_data_dir:
             self.close(remove=True)
-
-
-def _identity(path: str) -> list[int] | None:
-    """A regular file's (device, inode, size, modification time); None for anything else."""
-    try:
-        info = os.lstat(path)
-    except OSError:
-        return None
-    return [info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns] if os.path.isfile(path) else None
 
 
 def job_workload(data_dir: str, model_dir: str, chat_template: str | None = None) -> JobWorkload:

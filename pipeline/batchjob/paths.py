@@ -27,7 +27,7 @@ import errno
 import os
 import shutil
 import stat
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from pipeline.wire import fileops
@@ -68,13 +68,14 @@ def check_input(path: str) -> str:
     return os.path.abspath(path)
 
 
-def check_outputs(outputs: list[OutputPath], input_path: str, data_dir: str, own: Iterable[str],
-                  overwrite: bool) -> None:
-    """The checks of the module's doc for every output; `own`: paths the job wrote before
-    (it may append to or replace them)."""
-    own_paths = {os.path.abspath(p) for p in own}
+def check_outputs(outputs: list[OutputPath], input_path: str, data_dir: str, own: Callable[[str], list[int] | None],
+                  overwrite: bool) -> list[str]:
+    """The checks of the module's doc for every output, and what the job expects at each
+    (`outfiles`: "absent", "own", "replace"); `own(path)`: the (device, inode) of the file
+    the job made there before, or None."""
     seen: dict[str, str] = {os.path.realpath(input_path): "the input file"}
     data_real = os.path.realpath(data_dir)
+    expects = []
     for out in outputs:
         real = os.path.realpath(out.path)
         if real in seen:
@@ -84,12 +85,13 @@ def check_outputs(outputs: list[OutputPath], input_path: str, data_dir: str, own
                                f"removes when it is done: put it elsewhere")
         seen[real] = f"the {out.role}"
         info = _stat(out.path, follow=False)
-        if info is not None:
-            _check_existing(out, info, input_path, own_paths, overwrite)
+        expects.append("absent" if info is None else _check_existing(out, info, input_path, own, overwrite))
         probe_directory(os.path.dirname(out.path) or ".", out)
+    return expects
 
 
-def _check_existing(out: OutputPath, info: os.stat_result, input_path: str, own: set[str], overwrite: bool) -> None:
+def _check_existing(out: OutputPath, info: os.stat_result, input_path: str, own: Callable[[str], list[int] | None],
+                    overwrite: bool) -> str:
     if stat.S_ISLNK(info.st_mode):
         raise JobPathError(f"{out.role} {out.path} is a symbolic link: give the path it points to, if that is "
                            f"what you mean (the job never writes through a link)")
@@ -98,8 +100,15 @@ def _check_existing(out: OutputPath, info: os.stat_result, input_path: str, own:
                            f"regular files (for no output at all, use a scratch file)")
     if os.path.samefile(out.path, input_path):
         raise JobPathError(f"{out.role} {out.path} is the input file: it would be replaced")
-    if out.path not in own and not overwrite:
+    mine = own(out.path)
+    if mine is not None and mine == [info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns][:len(mine)]:
+        return "own"
+    if info.st_nlink > 1:
+        raise JobPathError(f"{out.role} {out.path} is a hard link ({info.st_nlink} names): replacing or appending "
+                           f"to it would change the other names' file too; give another path")
+    if not overwrite:
         raise JobPathError(f"{out.role} {out.path} exists: pass --overwrite to replace it, or give another path")
+    return "replace"
 
 
 def probe_directory(directory: str, out: OutputPath) -> None:
@@ -157,6 +166,27 @@ def remove_data_dir(data_dir: str) -> list[str]:
     return left
 
 
+class ChunkBuffer:
+    """Small writes gathered into writes of WRITE_CHUNK_BYTES."""
+
+    __slots__ = ("_chunk", "_held")
+
+    def __init__(self) -> None:
+        self._chunk: list[bytes] = []
+        self._held = 0
+
+    def add(self, fd: int, data: bytes) -> None:
+        self._chunk.append(data)
+        self._held += len(data)
+        if self._held >= WRITE_CHUNK_BYTES:
+            self.flush(fd)
+
+    def flush(self, fd: int) -> None:
+        if self._chunk:
+            fileops.write_all(fd, b"".join(self._chunk))
+            self._chunk, self._held = [], 0
+
+
 class ReplacingFile:
     """A file written anew and put in place of `path` at `commit()`, whole or not at all
     (the module's doc); `abandon()` (idempotent, and a no-op after commit) drops it. Writes
@@ -166,8 +196,7 @@ class ReplacingFile:
         self.path = path
         self._directory = os.path.dirname(os.path.abspath(path))
         self._fd, self._temp = _temporary(self._directory, path)
-        self._chunk: list[bytes] = []
-        self._held = 0
+        self._buffer = ChunkBuffer()
         try:
             os.fchmod(self._fd, FILE_MODE)
         except BaseException:
@@ -175,18 +204,10 @@ class ReplacingFile:
             raise
 
     def write(self, data: bytes) -> None:
-        self._chunk.append(data)
-        self._held += len(data)
-        if self._held >= WRITE_CHUNK_BYTES:
-            self._flush()
-
-    def _flush(self) -> None:
-        if self._chunk:
-            fileops.write_all(self._fd, b"".join(self._chunk))
-            self._chunk, self._held = [], 0
+        self._buffer.add(self._fd, data)
 
     def commit(self) -> None:
-        self._flush()
+        self._buffer.flush(self._fd)
         fileops.fsync(self._fd)
         if self._temp is None:
             self._temp = _link_unnamed(self._fd, self._directory, self.path)

@@ -8,6 +8,8 @@ traceback: a traceback is for our own bugs.
 
 from __future__ import annotations
 
+import errno
+
 import click
 
 from pipeline.cli.batch import run_batch
@@ -29,6 +31,8 @@ class _Commands(click.Group):
         except (PipelineError, ShmError) as exc:
             raise click.ClickException(str(exc)) from exc
         except OSError as exc:
+            if exc.errno == errno.EBADF:  # a descriptor we closed: our bug, with its traceback
+                raise
             where = f" ({exc.filename})" if exc.filename and str(exc.filename) not in str(exc) else ""
             raise click.ClickException(f"{exc}{where}") from exc
 

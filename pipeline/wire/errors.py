@@ -356,6 +356,15 @@ class ResultsDiskFullError(ResultsWriteError):
     holds, waits with backoff, and registers again."""
 
 
+class AnswerLogWriteError(StorageError, OSError):
+    """An append to a batch job's answer log failed and was cut back whole (nothing of it
+    kept, nothing counted): `errno` says why; ENOSPC means wait for room and offer the same
+    answers again (they are still in the results files)."""
+
+    def __init__(self, message: str, errno_value: int | None) -> None:
+        OSError.__init__(self, errno_value or 0, message)
+
+
 class BatchOutputError(StorageError):
     """A batch job's output file cannot be written (no directory, no permission, the disk
     full, a failed fsync): the message names the path and the errno. The output is written

@@ -5,6 +5,7 @@ its end, at any byte."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
@@ -26,7 +27,7 @@ from pipeline.batchjob.layout import (
     MAX_RECORD_COUNT,
     valid_records,
 )
-from pipeline.wire.errors import JobPathError
+from pipeline.wire.errors import AnswerLogWriteError, JobPathError
 
 STATUSES = (200, 400, 500)
 
@@ -305,3 +306,29 @@ def test_any_crash_leaves_one_whole_line_per_answered_request_and_its_counts(two
                 _check(log, data, logs, offered)
         finally:
             log.close()
+
+
+def test_an_append_that_finds_the_disk_full_keeps_nothing_and_a_later_one_lands_where_it_should(tmp_path):
+    from tests.consumer.tmpfs import fill, small_tmpfs
+
+    with small_tmpfs(str(tmp_path / "disk"), size_bytes=1 << 20) as disk:
+        out = os.path.join(disk, "out.jsonl")
+        log = AnswerLog.open(disk, 4000, {LOG_OUTPUT: out})
+        log.append([Answer(k, line(k), 200, LOG_OUTPUT, 3, 1, 0) for k in range(10)])
+        filler = fill(disk, leave_bytes=8192)  # room for part of the next append only
+        with pytest.raises(AnswerLogWriteError) as caught:
+            log.append([Answer(k, line(k, pad=200), 200, LOG_OUTPUT, 3, 1, 0) for k in range(10, 200)])
+        assert caught.value.errno == errno.ENOSPC
+        assert log.done == 10 and not log.is_done(10)
+        log.check_invariants()  # every file cut back to what it held
+        os.unlink(filler)
+        assert log.append([Answer(k, line(k), 200, LOG_OUTPUT, 3, 1, 0) for k in range(10, 200)]) == 190
+        log.close()
+        log = AnswerLog.open(disk, 4000, {LOG_OUTPUT: out})
+        log.check_invariants()
+        raw = open(out, "rb").read()
+        records = valid_records(open(records_path(disk), "rb").read())
+        for record in records:  # every record points at its own line
+            start = int(record["log_offset"])
+            assert raw[start:start + int(record["line_bytes"])] == line(int(record["index"]))
+        log.close()

@@ -20,7 +20,13 @@ from pipeline.batchjob.answers import Answer, AnswerLog
 from pipeline.batchjob.assemble import bucket_bounds, write_in_input_order
 from pipeline.batchjob.layout import LOG_OUTPUT
 from pipeline.wire import fileops
+from pipeline.batchjob.paths import ReplacingFile
 from tests.batchjob.batchfiles import without_tmpfile
+
+
+def sink(path):
+    """A maker of the sink the merge writes `path` through."""
+    return lambda: ReplacingFile(str(path))
 
 
 class _NoSync(fileops.FileIO):
@@ -93,8 +99,8 @@ def _merge_and_check(requests: int, answers: list[tuple[int, int, int]], bucket_
         work = data / "job" / "merge"
         error_file = out / "errors.jsonl" if split else None
         with nullcontext() if tmpfile else without_tmpfile():
-            write_in_input_order(str(data), str(log_path), requests, str(out / "output.jsonl"),
-                                 str(error_file) if split else None, str(work), bucket_bytes)
+            write_in_input_order(str(data), str(log_path), requests, sink(out / "output.jsonl"),
+                                 sink(error_file) if split else None, str(work), bucket_bytes)
         expected_output, expected_errors = _expected(answers, split)
         assert (out / "output.jsonl").read_bytes() == expected_output
         written = ["errors.jsonl", "output.jsonl"] if split else ["output.jsonl"]
@@ -150,7 +156,7 @@ def test_a_failure_in_the_middle_leaves_no_output_and_no_temporary_file(tmp_path
     monkeypatch.setattr(assemble, "_sorted_bucket", failing)
     work = data / "job" / "merge"
     with nullcontext() if tmpfile else without_tmpfile(), pytest.raises(OSError, match="Input/output error"):
-        write_in_input_order(str(data), str(log_path), 30, str(out / "output.jsonl"), str(out / "errors.jsonl"),
+        write_in_input_order(str(data), str(log_path), 30, sink(out / "output.jsonl"), sink(out / "errors.jsonl"),
                              str(work), bucket_bytes=20_000)
     assert len(calls) == 3
     assert os.listdir(out) == (["output.jsonl"] if older else [])
@@ -158,7 +164,7 @@ def test_a_failure_in_the_middle_leaves_no_output_and_no_temporary_file(tmp_path
         assert (out / "output.jsonl").read_bytes() == b"the older output\n"
     assert not work.exists()
     monkeypatch.setattr(assemble, "_sorted_bucket", real)
-    write_in_input_order(str(data), str(log_path), 30, str(out / "output.jsonl"), str(out / "errors.jsonl"),
+    write_in_input_order(str(data), str(log_path), 30, sink(out / "output.jsonl"), sink(out / "errors.jsonl"),
                          str(work))
     assert len((out / "output.jsonl").read_bytes().splitlines()) == 20
     assert len((out / "errors.jsonl").read_bytes().splitlines()) == 10

@@ -141,13 +141,21 @@ def test_rows_of_this_job_become_lines_of_their_own_requests(job: Job) -> None:
 
 def test_rows_that_are_not_this_jobs_never_answer(job: Job) -> None:
     other = base64.b64encode(b"".join([b"SBJR", bytes(44)])).decode()
-    append(results(job, "launch-run"), row(job.payload(0, job_id=job.manifest.job_id ^ 1)),
+    append(results(job, "run-2"), row(job.payload(0, job_id=job.manifest.job_id ^ 1)),
            row(base64.b64encode(b"0").decode()), row(base64.b64encode(b"3").decode()),  # `pipeline launch` items
            row(base64.b64encode(b"17" * 24).decode()), row(""), row(other), row(job.payload(2), status="corrupt"))
     collector = job.collector()
     assert collector.collect() == 0
     assert collector.counts.foreign_rows == 6 and collector.counts.corrupt == 1
     assert job.log.done == 0 and Path(job.logs[LOG_OUTPUT]).read_bytes() == b""
+
+
+def test_results_of_consumers_the_job_did_not_start_are_not_read(job: Job) -> None:
+    joined = job.data / "results" / "joined.jsonl"  # `pipeline consumer start --data-dir` writes here
+    append(joined, row(job.payload(0)))
+    append(results(job, "staged-run"), row(job.payload(1)))
+    append(results(job, "ray-20261205T000000Z-1", "node-a"), row(job.payload(2)))
+    assert job.collector().collect() == 1 and job.log.is_done(2) and not job.log.is_done(0) and not job.log.is_done(1)
 
 
 def test_a_payload_past_the_jobs_requests_answers_nothing(job: Job) -> None:

@@ -47,7 +47,14 @@ def check(job: Path, *paths: str | Path, own: tuple[str, ...] = (), overwrite: b
     """check_outputs of an output file and more outputs, for the job in `job`."""
     roles = ["output file", "error file", "run report", "job summary"]
     outputs = [OutputPath(role, os.path.abspath(path)) for role, path in zip(roles, paths)]
-    check_outputs(outputs, str(job / "in.jsonl"), str(job / "data"), own, overwrite)
+
+    def stored(path: str) -> list[int] | None:  # the identity the job stored for its own files
+        if path not in own:
+            return None
+        info = os.stat(path)
+        return [info.st_dev, info.st_ino]
+
+    check_outputs(outputs, str(job / "in.jsonl"), str(job / "data"), stored, overwrite)
 
 
 @pytest.fixture

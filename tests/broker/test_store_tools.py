@@ -25,6 +25,7 @@ from pipeline.cli import main
 from pipeline.wire.errors import StoreReadError
 from pipeline.wire.layouts import CATALOG_FILE, CATALOG_MIRROR_FILE
 from tests.broker.test_segment import make_items
+from tests.users import python_for
 
 TOOLS = os.path.join(os.path.dirname(__file__), "..", "..", "tools")
 
@@ -217,6 +218,7 @@ def test_an_unreadable_store_is_a_one_line_error(tmp_path):
 def test_what_another_user_cannot_read_is_a_one_line_error(locked):
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         pytest.skip("needs root and setpriv to run verify as another user")
+    python = python_for(65534, 65534, "pipeline.cli", cwd=os.path.dirname(TOOLS))
     top = tempfile.mkdtemp(prefix="verify-other-user-", dir="/tmp")  # a path user nobody can reach
     try:
         data_dir = os.path.join(top, "data")
@@ -230,7 +232,7 @@ def test_what_another_user_cannot_read_is_a_one_line_error(locked):
         # Owned by root, owner-only: user nobody can neither list the one nor read the others.
         os.chmod({"segments": os.path.join(data_dir, "segments"), "segment file": paths[1],
                   "catalog": catalog}[locked], 0o700)
-        done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable,
+        done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python,
                                "-m", "pipeline", "tools", "verify", data_dir],
                               capture_output=True, text=True, cwd=os.path.dirname(TOOLS),
                               env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})

@@ -288,8 +288,11 @@ def test_an_abort_drops_unfinished_batches_and_the_check_still_agrees(engine):
         engine.submit(key, EngineBatch(prompts[2 * key - 2:2 * key], 300, [0, 0]))
     engine.poll()  # vLLM schedules (and counts) some of them
     assert sorted(engine.abort()) == [1, 2] and engine.poll() == []
-    engine.run(EngineBatch(prompts[:1], 300, [0]))
-    _agree(engine)
+    before = _agree(engine)
+    engine.run(EngineBatch(prompts[:1], 300, [0]))  # the aborted requests' counts arrive by its end
+    engine.run(EngineBatch(prompts[3:], 300, [0]))  # checked again
+    after = _agree(engine)
+    assert after["engine_checked_prompt_tokens"] - before["engine_checked_prompt_tokens"] == 300, (before, after)
 
 
 def _engine_processes() -> dict[int, str]:

@@ -38,7 +38,7 @@ def test_each_item_is_generated_by_its_own_parameters_and_gets_its_payload_back(
     try:
         with BrokerProducer(socket_path, capacity_bytes=4 << 20, timeout_s=30) as client:
             for k in range(40):  # one at a time: max_tokens 1..8, or none
-                params = GenerationParams(max_tokens=k % 9, seed=k, stop=("###",)) if k % 9 else None
+                params = GenerationParams(max_tokens=k % 9, seed=k) if k % 9 else None
                 payload = f"req-{k}".encode() if k % 3 else GENERATION_MAGIC + b"-like payload"
                 tokens = rng.integers(0, 1000, 30, dtype=np.int32)
                 item = client.submit(0, 7, tokens, 10, payload=payload, params=params)

@@ -28,6 +28,7 @@ from pipeline.runtime.datadir import (
 )
 from pipeline.wire.errors import DataDirError, DataDirInUseError
 from tests.runtime.test_launch import ROOT, RUN_TIMEOUT_S
+from tests.users import python_for
 
 # A uid no account uses here: "another local user".
 OTHER_UID = 54321
@@ -151,7 +152,8 @@ def test_another_user_cannot_pose_as_the_broker_of_an_open_data_directory(reques
     (data / "run").mkdir(parents=True)
     os.chmod(data, 0o777)
     fake = subprocess.Popen(
-        ["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups", sys.executable, "-c",
+        ["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups",
+         python_for(OTHER_UID, OTHER_UID, "os, shutil, socket"), "-c",
          "import os, shutil, socket, sys; run = sys.argv[1]; shutil.move(run, run + '.old'); os.mkdir(run); "
          "s = socket.socket(socket.AF_UNIX); s.bind(os.path.join(run, 'broker.sock')); s.listen(); "
          "print('ready', flush=True); s.settimeout(20); c, _ = s.accept(); print('TALKED', flush=True)",
@@ -226,7 +228,8 @@ def test_objects_another_user_made_under_a_path_derived_name_do_not_stop_a_run(t
     prefix = object_prefix(_path_namespace(data))
     names = [f"{prefix}p0", f"{prefix}g1-c0", f"sem.{prefix}bell", f"sem.{prefix}p0.d", f"sem.{prefix}p0.s"]
     made = subprocess.run(
-        ["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups", sys.executable, "-c",
+        ["setpriv", f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups", python_for(OTHER_UID, OTHER_UID),
+         "-c",
          "import sys\nfor n in sys.argv[1:]:\n    open('/dev/shm/' + n, 'wb').write(b'\\0' * 4096)", *names],
         capture_output=True, text=True)
     assert made.returncode == 0, made.stderr
