@@ -5,11 +5,28 @@
     server.close()
 
 The endpoint is its owner's, like every other object of a run (SPEC §7, §12). It listens on
-the loopback and answers only a connection whose other end is a socket of this user (Linux
-lists each TCP socket's owner in /proc/net/tcp and tcp6); anything else is answered 403.
-With a token file (`--metrics-token-file`, 0600) it answers instead any request carrying
-`Authorization: Bearer TOKEN`, what Prometheus sends from `authorization: credentials_file`:
-a Prometheus running as another user scrapes that way.
+the loopback and serves only a connection whose other end is a socket of this user (Linux
+lists each TCP socket's owner in /proc/net/tcp and tcp6): any other is closed as soon as it
+is accepted, before anything is read from it (the log says why). With a token file (`--metrics-token-file`,
+0600) it answers instead any request carrying `Authorization: Bearer TOKEN`, what Prometheus
+sends from `authorization: credentials_file`: a Prometheus running as another user scrapes
+that way.
+
+What a hostile local process can do to the owner's scrapes: without a token, another user
+can take no place at all (its connections are closed at accept), only cost the serving
+thread an accept and a share of one read of the socket tables a connection. Whatever the
+mode, a client that holds places, idle or sending a byte at a time, starves no one: a
+connection finding every place held takes the place of the one idle the longest (request
+bytes are no progress; an answered connection goes first). A turn of the serving thread reads
+the open connections' requests before it accepts, and accepts no more than it can hold
+without closing one accepted in that turn: the rest wait in the listener's queue, in the
+order they came, so a burst of connects pushes a scrape back, never out. What remains, with
+a token (every local user may connect) or from the owner's own processes: connecting faster
+than a scrape sends its request. A scrape loses its place only when its request arrives
+after MAX_METRICS_CONNECTIONS connections made after it; that scrape fails and the next one
+tries again.
+NOTE: a 403 sent at accept is not: the close that follows it, with the peer's request unread
+or still coming, resets the connection, and the peer lost the 403 in 3 of 8 tries.
 NOTE: a Unix socket (owner-only by its mode) is not used: Prometheus scrapes only TCP targets.
 NOTE: prometheus_client's start_http_server is not used: it answers each connection on a
 thread of its own, with no timeout (600 idle connections held 597 threads).
@@ -17,6 +34,7 @@ thread of its own, with no timeout (600 idle connections held 597 threads).
 
 from __future__ import annotations
 
+import errno
 import hmac
 import http.client
 import io
@@ -39,7 +57,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from pipeline.reporting.metrics import StatusCollector
-from pipeline.wire.errors import SettingsError
+from pipeline.wire.errors import MetricsPortError, SettingsError
 from pipeline.wire.status import BrokerStatus
 
 log = logging.getLogger("pipeline.metrics")
@@ -50,7 +68,8 @@ CLOSE_TIMEOUT_S = 10.0
 
 # Connections the endpoint holds at once. Prometheus scrapes a target over one connection at
 # a time; an HA pair, a second scraper and a person with curl need a handful. Past it a new
-# connection is closed at once (counted): descriptors and buffers stay bounded whoever connects.
+# connection takes the place of one held, the one idle the longest (counted): descriptors and
+# buffers stay bounded whoever connects, and holding places starves no scrape.
 MAX_METRICS_CONNECTIONS = 16
 # A connection is closed this long after its last progress (its accept, or a part of the
 # answer taken): its whole request head must arrive within it, so one that sends nothing, or a
@@ -64,8 +83,8 @@ MAX_REQUEST_HEAD_BYTES = 8192
 MAX_TOKEN_FILE_BYTES = 4096
 # What `Authorization: Bearer` carries: an RFC 6750 b64token.
 TOKEN_PATTERN = re.compile(rb"[A-Za-z0-9\-._~+/]+=*")
-# Connections accepted in one turn of the serving thread before the open ones get theirs: a
-# flood of connects (each closed at once past the bound) cannot starve a scrape in progress.
+# Connections accepted (foreign ones closed at once included) in one turn of the serving thread
+# before the open ones get theirs: a flood of connects cannot starve a scrape in progress.
 ACCEPTS_PER_TURN = 4 * MAX_METRICS_CONNECTIONS
 # After an accept fails for want of descriptors or memory the listener rests this long: a
 # readable listener whose accept fails would spin the thread (and take the GIL from the loop).
@@ -80,6 +99,21 @@ METRICS_PATHS = ("/metrics", "/")
 # the peer's leftovers read and dropped until it closes, so that closing sends no reset that
 # could destroy the answer in the peer's buffer.
 REQUEST, ANSWER, DRAIN = "request", "answer", "drain"
+
+
+def bind_metrics_port(port: int, host: str = "127.0.0.1") -> socket.socket:
+    """A listening socket on host:port (port 0: a free one, read back with getsockname()),
+    for a MetricsServer to serve: bound before a command's long work, so a port in use is
+    said first (MetricsPortError, one line naming it) and a port 0 is known from the start."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        return socket.create_server((host, port), family=family)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise MetricsPortError(f"metrics port {port} ({host}:{port}) is in use: another process listens there; "
+                                   f"give another --metrics-port, or 0 for any free one") from None
+        raise MetricsPortError(f"metrics port {port} ({host}:{port}): cannot listen there: "
+                               f"{exc.strerror or exc}") from None
 
 
 def read_token_file(path: str) -> bytes:
@@ -111,20 +145,28 @@ def read_token_file(path: str) -> bytes:
     return token
 
 
-def peer_uid(peer: tuple, local: tuple, tables: tuple[str, ...] = PROC_NET_TCP) -> int | None:
-    """The uid owning the other end of an accepted TCP connection (`peer`, `local`: its
-    getpeername() and getsockname()), from the kernel's socket tables: the row whose local
-    address is the peer's and whose remote address is ours. None when there is no such row
-    (the peer is on another host, or gone; not Linux) or the rows disagree."""
-    theirs, ours = proc_addresses(peer), proc_addresses(local)
-    uids: set[int] = set()
+def peer_uids(endpoints: list[tuple[tuple, tuple] | None],
+              tables: tuple[str, ...] = PROC_NET_TCP) -> list[int | None]:
+    """The uid owning the other end of each accepted TCP connection (its getpeername() and
+    getsockname(); None: unknown), from one read of the kernel's socket tables: the row whose
+    local address is the peer's and whose remote address is ours. None where there is no such
+    row (the peer is on another host, or gone; not Linux) or the rows disagree."""
+    texts = []
     for table in tables:
         try:
             with open(table) as file:
-                uids |= socket_uids(file.read(), theirs, ours)
+                texts.append(file.read())
         except OSError:
             continue
-    return uids.pop() if len(uids) == 1 else None
+    found: list[int | None] = []
+    for pair in endpoints:
+        uids: set[int] = set()
+        if pair is not None:
+            theirs, ours = proc_addresses(pair[0]), proc_addresses(pair[1])
+            for text in texts:
+                uids |= socket_uids(text, theirs, ours)
+        found.append(uids.pop() if len(uids) == 1 else None)
+    return found
 
 
 def socket_uids(table: str, local: set[str], remote: set[str]) -> set[int]:
@@ -157,11 +199,10 @@ def proc_addresses(endpoint: tuple) -> set[str]:
             for packed in forms}
 
 
-def answer(head: bytes, token: bytes | None, peer_is_owner: Callable[[], bool],
-           render: Callable[[str], tuple[bytes, str]]) -> tuple[int, bytes]:
+def answer(head: bytes, token: bytes | None, render: Callable[[str], tuple[bytes, str]]) -> tuple[int, bytes]:
     """The status and whole HTTP response for one request head (up to its blank line, or
     MAX_REQUEST_HEAD_BYTES of one without). With a token, a request needs it (`Authorization:
-    Bearer`); without one, only the owner's processes are answered (`peer_is_owner`)."""
+    Bearer`); without one, the connection's peer was found to be the owner's at accept."""
     end = head.find(b"\r\n\r\n", 0, MAX_REQUEST_HEAD_BYTES)
     if end < 0:
         return _response(431, f"a request head is at most {MAX_REQUEST_HEAD_BYTES:,} bytes")
@@ -173,13 +214,9 @@ def answer(head: bytes, token: bytes | None, peer_is_owner: Callable[[], bool],
         headers = None
     if headers is None or len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
         return _response(400, "not an HTTP/1 request")
-    if token is not None:
-        if not _bearer_matches(headers.get_all("Authorization") or [], token):
-            return _response(401, "this endpoint needs its bearer token (Authorization: Bearer ...)",
-                             extra=("WWW-Authenticate: Bearer",))
-    elif not peer_is_owner():
-        return _response(403, f"this endpoint answers only its owner's processes (uid {os.geteuid()}) on this "
-                              f"host, or a request with its bearer token")
+    if token is not None and not _bearer_matches(headers.get_all("Authorization") or [], token):
+        return _response(401, "this endpoint needs its bearer token (Authorization: Bearer ...)",
+                         extra=("WWW-Authenticate: Bearer",))
     method, path = parts[0], parts[1].split(b"?")[0].decode("latin-1")
     if method not in (b"GET", b"HEAD"):
         return _response(405, "only GET and HEAD", extra=("Allow: GET, HEAD",))
@@ -223,16 +260,17 @@ class MetricsServer:
     """An HTTP endpoint serving the metrics of `fetch()` in the Prometheus text format, to
     its owner only: with a token file, to a request that carries the token; without, to a
     process of this user on this host (the uid of the connection's other end, from the
-    kernel's socket tables; anything else is answered 403).
+    kernel's socket tables; any other connection is closed at accept).
 
     Owner: the process that starts it (broker or launcher), which calls `close()` once. One
     daemon thread serves every connection (a selector, non-blocking sockets: threads do not
     grow with connections), at most MAX_METRICS_CONNECTIONS at once, each closed
-    `idle_timeout_s` after its last progress; `fetch` runs on that thread. It has its own
-    registry, not prometheus_client's global one: two servers in a process (tests) do not
-    collide and no process metrics slip in. Counters, read by tests: `refused_connections`
-    (closed at once past the bound), `timed_out_connections`, `responses` by status; and
-    `open_connections`.
+    `idle_timeout_s` after its last progress or to make room for a new one; `fetch` runs on
+    that thread. It has its own registry, not prometheus_client's global one: two servers in
+    a process (tests) do not collide and no process metrics slip in. Counters, read by tests:
+    `foreign_connections` (closed at accept: not the owner's),
+    `evicted_connections` (closed to make room), `timed_out_connections`, `responses` by
+    status; and `open_connections`.
     """
 
     def __init__(self, listener: socket.socket, registry: CollectorRegistry, token: bytes | None,
@@ -247,29 +285,28 @@ class MetricsServer:
         self._connections: dict[socket.socket, _Connection] = {}
         self._stopping = threading.Event()
         self._closed = False
-        self.refused_connections = 0
+        self.foreign_connections = 0
+        self.evicted_connections = 0
         self.timed_out_connections = 0
         self.responses: Counter[int] = Counter()
         self._thread = threading.Thread(target=self._serve, name="metrics-http", daemon=True)
 
     @classmethod
-    def start(cls, port: int, fetch: Callable[[], BrokerStatus], host: str = "127.0.0.1",
+    def start(cls, port: int | socket.socket, fetch: Callable[[], BrokerStatus], host: str = "127.0.0.1",
               token_file: str | None = None, idle_timeout_s: float = METRICS_IDLE_TIMEOUT_S,
               extra=None) -> MetricsServer:
-        """Listen on host:port (port 0: a free port, read back from `port`). The default host
-        is the loopback: a metrics port is opened to the network only when asked. A token file
-        is read now (SettingsError if it is not a 0600 file of ours holding one token).
+        """Listen on host:port (port 0: a free port, read back from `port`; MetricsPortError
+        where it cannot), or serve a socket of `bind_metrics_port` (`port`), closed with the
+        server. The default host is the loopback: a metrics port is opened to the network only
+        when asked. A token file is read now (SettingsError if it is not a 0600 file of ours
+        holding one token).
         `extra`: another collector served beside the broker's (a batch job's)."""
         token = None if token_file is None else read_token_file(token_file)
         registry = CollectorRegistry()
         registry.register(StatusCollector(fetch))
         if extra is not None:
             registry.register(extra)
-        try:
-            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
-            listener = socket.create_server((host, port), family=family)
-        except OSError as exc:  # a port in use, say: the message names it
-            raise OSError(exc.errno, f"metrics port {host}:{port}: {exc.strerror}") from exc
+        listener = port if isinstance(port, socket.socket) else bind_metrics_port(port, host)
         listener.setblocking(False)
         server = cls(listener, registry, token, idle_timeout_s)
         server._thread.start()
@@ -304,11 +341,12 @@ class MetricsServer:
         self._selector.register(self._wake_r, selectors.EVENT_READ)
         try:
             while not self._stopping.is_set():
-                for key, _ in self._selector.select(self._wait_s(time.monotonic())):
-                    if key.fileobj is self._listener:
-                        self._accept()
-                    elif key.data is not None:
+                events = self._selector.select(self._wait_s(time.monotonic()))
+                for key, _ in events:  # the open connections first: a request read is not pushed out by new ones
+                    if key.data is not None:
                         self._advance(key.data)
+                if any(key.fileobj is self._listener for key, _ in events):
+                    self._accept()
                 self._expire(time.monotonic())
         finally:
             for conn in list(self._connections.values()):
@@ -323,28 +361,66 @@ class MetricsServer:
         return max(0.0, min(conn.deadline_s for conn in self._connections.values()) - now_s)
 
     def _accept(self) -> None:
-        """Every connection waiting: each held, or closed at once past MAX_METRICS_CONNECTIONS."""
-        for _ in range(ACCEPTS_PER_TURN):
-            try:
-                sock, _ = self._listener.accept()
-            except BlockingIOError:
+        """The connections waiting, as many as can be held without closing one accepted in
+        this turn (the rest stay queued, in order): without a token, each whose peer is not
+        the owner's closed at once; each other one held, in the place of
+        one held before this turn when every place is taken (`_eviction_order`)."""
+        evictable = sorted(self._connections.values(), key=_eviction_order)
+        room, budget = MAX_METRICS_CONNECTIONS, ACCEPTS_PER_TURN  # every one held now came in an earlier turn
+        deadline_s = time.monotonic() + self.idle_timeout_s
+        while room and budget:
+            asked = min(room, budget)
+            accepted = self._accept_waiting(asked)
+            budget -= asked
+            socks = [sock for sock, _ in accepted] if self._token is not None or not accepted else \
+                self._owners_only(accepted)
+            for sock in socks:
+                if len(self._connections) >= MAX_METRICS_CONNECTIONS:
+                    assert evictable, "room counts only places free or held before this turn"
+                    self.evicted_connections += 1
+                    self._drop(evictable.pop(0))
+                    _log_doubling(self.evicted_connections, "metrics: connections closed to make room so far: %d "
+                                  f"(all MAX_METRICS_CONNECTIONS = {MAX_METRICS_CONNECTIONS} places were held; the "
+                                  f"one idle the longest gave its place)")
+                sock.setblocking(False)
+                conn = _Connection(sock, deadline_s)
+                self._connections[sock] = conn
+                self._selector.register(sock, selectors.EVENT_READ, conn)
+                room -= 1
+            if len(accepted) < asked:  # the queue is empty (or an accept failed): the next turn
                 return
+
+    def _accept_waiting(self, limit: int) -> list[tuple[socket.socket, tuple]]:
+        """Up to `limit` connections from the listener, with their peers' addresses."""
+        accepted = []
+        for _ in range(limit):
+            try:
+                accepted.append(self._listener.accept())
+            except BlockingIOError:
+                break
             except ConnectionError:  # reset before it was accepted
                 continue
             except OSError as exc:  # out of descriptors or memory
                 log.warning("metrics: cannot accept a connection (%s); trying again in %.1f s", exc, ACCEPT_BACKOFF_S)
                 self._stopping.wait(ACCEPT_BACKOFF_S)
-                return
-            if len(self._connections) >= MAX_METRICS_CONNECTIONS:
-                self.refused_connections += 1  # counted first: a peer that sees the close may read the count
-                sock.close()
-                _log_doubling(self.refused_connections, "metrics: connections closed at once so far: %d (each "
-                              f"found MAX_METRICS_CONNECTIONS = {MAX_METRICS_CONNECTIONS} open)")
+                break
+        return accepted
+
+    def _owners_only(self, accepted: list[tuple[socket.socket, tuple]]) -> list[socket.socket]:
+        """The sockets whose peer is a socket of this user (one read of the kernel's tables for
+        them all); each other one closed now, before anything is read from it (counted:
+        `foreign_connections`)."""
+        uids = peer_uids([_endpoints(sock, peer) for sock, peer in accepted])
+        owners = []
+        for (sock, _), uid in zip(accepted, uids):
+            if uid == os.geteuid():
+                owners.append(sock)
                 continue
-            sock.setblocking(False)
-            conn = _Connection(sock, time.monotonic() + self.idle_timeout_s)
-            self._connections[sock] = conn
-            self._selector.register(sock, selectors.EVENT_READ, conn)
+            self.foreign_connections += 1  # counted first: a peer that sees the close may read the count
+            sock.close()
+            _log_doubling(self.foreign_connections, "metrics: connections not of your processes closed so far: "
+                          f"%d (without --metrics-token-file only uid {os.geteuid()}'s processes are served)")
+        return owners
 
     def _advance(self, conn: _Connection) -> None:
         try:
@@ -365,11 +441,10 @@ class MetricsServer:
             self._drop(conn)
 
     def _answer(self, conn: _Connection) -> None:
-        code, response = answer(bytes(conn.head), self._token, lambda: self._peer_is_owner(conn.sock), self._render)
+        code, response = answer(bytes(conn.head), self._token, self._render)
         self.responses[code] += 1
-        if code in (401, 403):
-            _log_doubling(self.responses[code], f"metrics: requests answered {code} so far: %d (without the token, "
-                                                f"or from another user)")
+        if code == 401:
+            _log_doubling(self.responses[code], "metrics: requests answered 401 so far: %d (without the token)")
         conn.phase, conn.head, conn.unsent = ANSWER, bytearray(), memoryview(response)
         self._selector.modify(conn.sock, selectors.EVENT_WRITE, conn)
         self._send(conn)  # an answer mostly fits the socket's buffer: sent now
@@ -382,12 +457,6 @@ class MetricsServer:
             conn.sock.shutdown(socket.SHUT_WR)
             conn.phase = DRAIN
             self._selector.modify(conn.sock, selectors.EVENT_READ, conn)
-
-    def _peer_is_owner(self, sock: socket.socket) -> bool:
-        try:
-            return peer_uid(sock.getpeername(), sock.getsockname()) == os.geteuid()
-        except OSError:  # the peer is gone
-            return False
 
     def _render(self, accept: str) -> tuple[bytes, str]:
         """The registry's exposition in the format the scraper accepts (text, or OpenMetrics)."""
@@ -404,6 +473,20 @@ class MetricsServer:
         self._selector.unregister(conn.sock)
         del self._connections[conn.sock]
         conn.sock.close()
+
+
+def _eviction_order(conn: _Connection) -> tuple[bool, float]:
+    """Which held connection gives its place first: one whose answer was all sent (nothing is
+    lost), then the one idle the longest (its last progress the oldest)."""
+    return conn.phase != DRAIN, conn.deadline_s
+
+
+def _endpoints(sock: socket.socket, peer: tuple) -> tuple[tuple, tuple] | None:
+    """An accepted connection's peer and local addresses (None: it is gone already)."""
+    try:
+        return peer, sock.getsockname()
+    except OSError:
+        return None
 
 
 def _log_doubling(count: int, message: str) -> None:
