@@ -331,7 +331,7 @@ def test_one_thread_serves_however_many_connect(server):
     sockets = [idle(server.port) for _ in range(IDLE_CONNECTIONS)]
     try:
         closed = IDLE_CONNECTIONS - MAX_METRICS_CONNECTIONS
-        wait_for(lambda: server.evicted_connections == closed, SETTLE_TIMEOUT_S, "every connection past the bound closed")
+        wait_for(lambda: server.evicted_connections == closed, SETTLE_TIMEOUT_S, "each past the bound closed")
         assert threading.active_count() <= threads + THREADS_SLACK
         assert server.open_connections == MAX_METRICS_CONNECTIONS
         assert sum(not still_open(sock) for sock in sockets) == closed
