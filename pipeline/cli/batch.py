@@ -135,6 +135,8 @@ def run_batch(input_file: str, output_file: str, model_dir: str, served_model_na
                      overwrite, summary_file, engine, flags, config_path, assignments, keep_data_dir,
                      PromptLimits(prompt_time_limit_s, prompt_memory_limit_mb << 20), options)
         spec.tool_calling = tool_calling(tool_call_parser, enable_auto_tool_choice)
+        if ray_address is not None and spec.settings.metrics_port is not None:  # bound by prepare, never served
+            raise SettingsError("metrics_port: a job on a Ray cluster (--ray) serves no metrics; drop --metrics-port")
         job = BatchJob(spec, say=lambda text: click.echo(text, err=True), show=_Progress())
         _prepare(job)
     except (BadInputError, PipelineError) as exc:

@@ -1,6 +1,7 @@
 """`pipeline run-batch --metrics-port`: the port is bound before the input is scanned, so a
 port in use is refused in one line with no data directory left behind, and the port a 0
-picked is said at the start and kept in the job's status (real commands, the sim engine)."""
+picked is said at the start and kept in the job's status (real commands, the sim engine); on
+a Ray cluster, where nothing would serve it, the option is refused."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import socket
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
+from pipeline.cli import batch, main
 from tests.support.jobs import build_model, chat, rows_by_id, run_batch, write_requests
 
 
@@ -45,3 +48,14 @@ def test_a_metrics_port_0_is_said_and_kept_in_the_jobs_status(tmp_path, model_di
     status = json.loads(Path(data, "job", "status.json").read_text())
     assert status["metrics_port"] == int(said[0])
     assert sorted(rows_by_id(out)) == [f"r{k}" for k in range(4)]
+
+
+def test_a_metrics_port_on_a_ray_cluster_run_is_refused_before_anything(tmp_path, model_dir, monkeypatch):
+    """A job on Ray serves no metrics: a port would be bound and said, and never answered."""
+    monkeypatch.setattr(batch, "check_ray", lambda address: None)  # no cluster needed to be refused
+    job = write_requests(tmp_path / "in.jsonl", [chat("r0")])
+    out = tmp_path / "out.jsonl"
+    result = CliRunner().invoke(main, ["run-batch", "--engine", "sim", "-i", str(job), "-o", str(out), "--model",
+                                       model_dir, "--ray", "auto", "--metrics-port", "0"])
+    assert result.exit_code == 1 and "serves no metrics" in result.output, result.output
+    assert not out.exists() and not (tmp_path / "out.jsonl.run").exists()
