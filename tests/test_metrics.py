@@ -26,10 +26,10 @@ from pipeline.reporting.metrics import (
     COUNTERS,
     GAUGES,
     LANE_EVENTS,
-    MetricsServer,
     StatusCollector,
     render,
 )
+from pipeline.reporting.metrics_endpoint import MetricsServer
 from pipeline.runtime.local import start_broker, stop_process
 from pipeline.wire.client import broker_status
 from pipeline.wire.errors import ProtocolError

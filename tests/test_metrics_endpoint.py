@@ -1,9 +1,12 @@
 """The metrics endpoint's access and bounds, over real sockets: this user's processes are
-answered and a peer whose uid is not ours (or cannot be found) is not; with a token file,
-only requests carrying the token; at most MAX_METRICS_CONNECTIONS at once (one past it is
-closed at once) on one thread, however many connect; a connection that sends nothing, or
-not all of its request, is closed after the idle timeout; a request head of at most
-MAX_REQUEST_HEAD_BYTES. Another user's requests: tests/security/test_metrics_users.py.
+answered and a connection whose peer's uid is not ours (or cannot be found) is closed at
+accept; with a token file, only requests carrying the token; at most
+MAX_METRICS_CONNECTIONS at once (one past it takes the place of the one idle the longest, so
+a client holding every place starves no scrape; a burst of connects waits in the listener's
+queue) on one thread, however many connect; a connection that sends nothing, or not all of
+its request, is closed after the idle timeout; a request head of at most
+MAX_REQUEST_HEAD_BYTES; a port in use is refused in one line. Another user's connections, for
+real: tests/security/test_metrics_users.py.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -18,21 +22,23 @@ import psutil
 import pytest
 
 from pipeline.broker.config import BrokerConfig
-from pipeline.reporting.metrics import (
+from pipeline.reporting import metrics_endpoint
+from pipeline.reporting.metrics_endpoint import (
     MAX_METRICS_CONNECTIONS,
     MAX_REQUEST_HEAD_BYTES,
     MAX_TOKEN_FILE_BYTES,
     MetricsServer,
-    answer,
-    peer_uid,
+    bind_metrics_port,
+    peer_uids,
     proc_addresses,
     read_token_file,
     socket_uids,
 )
 from pipeline.runtime.local import start_broker, stop_process
-from pipeline.wire.errors import SettingsError
+from pipeline.wire.errors import MetricsPortError, SettingsError
 from pipeline.wire.status import BrokerStatus
 from tests.runtime.runs import free_port, wait_for
+from tests.support.holders import holder_command, holding
 
 TOKEN = b"0123456789abcdef0123456789abcdef"
 # A hang guard for one exchange with the endpoint (each takes milliseconds).
@@ -46,6 +52,10 @@ IDLE_CONNECTIONS = 20 * MAX_METRICS_CONNECTIONS
 THREADS_SLACK = 1
 # A hang guard for the endpoint to notice a connection closed by its peer.
 SETTLE_TIMEOUT_S = 10.0
+# Scrapes made while a hostile client holds every place, one every SCRAPE_INTERVAL_S: the
+# holder's bytes trickle in meanwhile.
+HOSTILE_SCRAPES = 30
+SCRAPE_INTERVAL_S = 0.1
 
 
 def write_token(tmp_path, data: bytes = TOKEN + b"\n", mode: int = 0o600, name: str = "token") -> str:
@@ -124,20 +134,53 @@ def test_the_uid_of_a_loopback_peer_is_found_in_the_kernel_tables_ipv4_and_ipv4_
     with socket.create_server(("127.0.0.1", 0)) as listener:
         port = listener.getsockname()[1]
         with socket.create_connection(("127.0.0.1", port)) as client, listener.accept()[0] as accepted:
-            assert peer_uid(accepted.getpeername(), accepted.getsockname()) == os.geteuid()
+            assert peer_uids([(accepted.getpeername(), accepted.getsockname())]) == [os.geteuid()]
             assert client  # kept open while looked up
         if not socket.has_ipv6:
             return
         with socket.socket(socket.AF_INET6) as client6:  # listed in tcp6, as ::ffff:127.0.0.1
             client6.connect(("::ffff:127.0.0.1", port))
             with listener.accept()[0] as accepted:
-                assert peer_uid(accepted.getpeername(), accepted.getsockname()) == os.geteuid()
+                assert peer_uids([(accepted.getpeername(), accepted.getsockname())]) == [os.geteuid()]
 
 
-def test_a_peer_with_no_row_has_no_uid_and_is_answered_403():
-    assert peer_uid(("127.0.0.1", 1), ("127.0.0.1", 2)) is None
-    code, response = answer(b"GET /metrics HTTP/1.1\r\n\r\n", None, lambda: False, lambda accept: (b"", "text/plain"))
-    assert code == 403 and b"403 Forbidden" in response
+def test_a_peer_with_no_row_has_no_uid():
+    assert peer_uids([(("127.0.0.1", 1), ("127.0.0.1", 2)), None]) == [None, None]
+
+
+def test_a_connection_whose_peer_is_not_ours_is_closed_at_accept_before_anything_is_read(server, monkeypatch):
+    """A peer of another user is told apart from ours by the kernel's tables alone: here the
+    tables' answer is made "no uid" (tests/security/test_metrics_users.py has a real user)."""
+    monkeypatch.setattr(metrics_endpoint, "peer_uids", lambda endpoints: [None] * len(endpoints))
+    with idle(server.port) as sock:
+        assert closed_by_endpoint(sock)  # closed with nothing sent: no request was waited for
+    assert server.foreign_connections == 1 and server.open_connections == 0 and server.responses == {}
+
+
+def test_without_a_token_another_users_connections_hold_no_place_and_starve_no_scrape(server, monkeypatch):
+    """The hostile client of the test with a token below, its sockets made another user's in
+    the kernel's tables as the endpoint reads them: each of its connections is closed at
+    accept (it reconnects at once, again and again), and every scrape of ours is answered."""
+    holders: list[int] = []
+    real_peer_uids = metrics_endpoint.peer_uids
+
+    def faked(endpoints: list) -> list:
+        try:
+            theirs = {conn.laddr for pid in holders for conn in psutil.Process(pid).net_connections("tcp")}
+        except psutil.NoSuchProcess:  # killed at the block's end
+            theirs = set()
+        return [None if pair is not None and pair[0] in theirs else uid
+                for pair, uid in zip(endpoints, real_peer_uids(endpoints))]
+
+    monkeypatch.setattr(metrics_endpoint, "peer_uids", faked)
+    with holding(holder_command(server.port, MAX_METRICS_CONNECTIONS), started=holders.append):
+        wait_for(lambda: server.foreign_connections > MAX_METRICS_CONNECTIONS, SETTLE_TIMEOUT_S, "reconnects refused")
+        codes = []
+        for _ in range(HOSTILE_SCRAPES):
+            codes.append(get_or_none(server.port))
+            time.sleep(SCRAPE_INTERVAL_S)
+    assert codes == [200] * HOSTILE_SCRAPES
+    assert server.responses == {200: HOSTILE_SCRAPES} and server.evicted_connections == 0
 
 
 def test_socket_rows_match_both_addresses_and_skip_time_wait():
@@ -156,7 +199,8 @@ def test_socket_rows_match_both_addresses_and_skip_time_wait():
 # ---------------------------------------------------------------------- a bearer token
 
 
-def test_with_a_token_only_requests_carrying_it_are_answered(tmp_path):
+def test_with_a_token_only_requests_carrying_it_are_answered(tmp_path, monkeypatch):
+    monkeypatch.setattr(metrics_endpoint, "peer_uids", lambda endpoints: [None] * len(endpoints))  # not asked
     with MetricsServer.start(0, lambda: BrokerStatus(), token_file=write_token(tmp_path)) as server:
         assert get(server.port)[0] == 401
         assert get(server.port, {"Authorization": "Bearer wrong"})[0] == 401
@@ -165,6 +209,7 @@ def test_with_a_token_only_requests_carrying_it_are_answered(tmp_path):
         assert get(server.port, {"Authorization": "bearer " + TOKEN.decode()})[0] == 200  # the scheme in any case
         response = exchange(server.port, b"GET /metrics HTTP/1.1\r\n\r\n")
         assert status_of(response) == 401 and b"\r\nWWW-Authenticate: Bearer\r\n" in response
+        assert server.foreign_connections == 0
 
 
 @pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o620])
@@ -202,22 +247,73 @@ def test_a_token_file_at_its_size_limit_is_read_and_one_byte_past_it_refused(tmp
 # ---------------------------------------------------------------------- bounds
 
 
-def test_connections_at_the_bound_are_held_and_one_past_it_is_closed_at_once(server):
+def test_connections_at_the_bound_are_held_and_one_past_it_takes_the_place_of_the_idlest(server):
     held = [idle(server.port) for _ in range(MAX_METRICS_CONNECTIONS)]
     try:
-        with idle(server.port) as past:
-            assert closed_by_endpoint(past)
-        assert server.refused_connections == 1
+        wait_for(lambda: server.open_connections == MAX_METRICS_CONNECTIONS, SETTLE_TIMEOUT_S, "all held")
         assert all(still_open(sock) for sock in held)
-        held[-1].sendall(b"GET /metrics HTTP/1.1\r\n\r\n")  # the last one in is served
-        assert status_of(read_to_end(held[-1])) == 200
+        for sock in held:
+            sock.sendall(b"GET /metr")  # bytes of a request are no progress: the first accepted is the idlest
+        past = idle(server.port)
+        held.append(past)
+        assert closed_by_endpoint(held.pop(0))
+        assert server.evicted_connections == 1
+        assert all(still_open(sock) for sock in held)
+        past.sendall(b"GET /metrics HTTP/1.1\r\n\r\n")  # the last one in is served
+        assert status_of(read_to_end(past)) == 200
         held.pop().close()  # its place is freed once the client closes too
         wait_for(lambda: server.open_connections < MAX_METRICS_CONNECTIONS, SETTLE_TIMEOUT_S, "a place freed")
         assert get(server.port)[0] == 200
+        assert server.evicted_connections == 1
     finally:
         for sock in held:
             sock.close()
     assert server.timed_out_connections == 0
+
+
+def test_a_burst_of_connects_waits_in_the_queue_and_pushes_out_none_accepted_with_it():
+    """Connections that arrive while the serving thread is busy are accepted, at most
+    MAX_METRICS_CONNECTIONS a turn, in the places of those held before (an answered one
+    first); the one past that waits in the listener's queue to the next turn, where the
+    idlest of the burst, whose request had its turn to be read, gives its place."""
+    release = threading.Event()
+
+    def slow_fetch() -> BrokerStatus:
+        release.wait(EXCHANGE_TIMEOUT_S)
+        return BrokerStatus()
+
+    with MetricsServer.start(0, slow_fetch) as server, idle(server.port) as first:
+        first.sendall(b"GET /metrics HTTP/1.1\r\n\r\n")
+        wait_for(lambda: server.open_connections == 1, SETTLE_TIMEOUT_S, "the first held")
+        burst = [idle(server.port) for _ in range(MAX_METRICS_CONNECTIONS + 1)]  # queued: the thread is in fetch
+        try:
+            release.set()
+            assert status_of(read_to_end(first)) == 200  # answered, then closed to make room
+            assert closed_by_endpoint(burst[0])
+            wait_for(lambda: server.open_connections == MAX_METRICS_CONNECTIONS, SETTLE_TIMEOUT_S, "the last placed")
+            assert server.evicted_connections == 2
+            assert all(still_open(sock) for sock in burst[1:])
+            burst[-1].sendall(b"GET /metrics HTTP/1.1\r\n\r\n")
+            assert status_of(read_to_end(burst[-1])) == 200
+        finally:
+            for sock in burst:
+                sock.close()
+
+
+def test_with_a_token_a_client_holding_every_place_and_trickling_bytes_starves_no_scrape(tmp_path):
+    """The hostile client sends a byte on each of MAX_METRICS_CONNECTIONS connections every
+    half second and opens a new one whenever the endpoint closes one; each scrape, with the
+    token, takes the place of the idlest and is answered."""
+    bearer = {"Authorization": "Bearer " + TOKEN.decode()}
+    with MetricsServer.start(0, lambda: BrokerStatus(), token_file=write_token(tmp_path)) as server:
+        with holding(holder_command(server.port, MAX_METRICS_CONNECTIONS)):
+            wait_for(lambda: server.open_connections == MAX_METRICS_CONNECTIONS, SETTLE_TIMEOUT_S, "every place held")
+            codes = []
+            for _ in range(HOSTILE_SCRAPES):
+                codes.append(get_or_none(server.port, bearer))
+                time.sleep(SCRAPE_INTERVAL_S)
+        assert codes == [200] * HOSTILE_SCRAPES
+        assert server.evicted_connections >= HOSTILE_SCRAPES and server.responses == {200: HOSTILE_SCRAPES}
 
 
 @pytest.mark.parametrize("sent", [b"", b"GET /metrics HTTP/1.1\r\nHost: x\r\n"])
@@ -234,10 +330,11 @@ def test_one_thread_serves_however_many_connect(server):
     threads = threading.active_count()
     sockets = [idle(server.port) for _ in range(IDLE_CONNECTIONS)]
     try:
-        for sock in sockets[MAX_METRICS_CONNECTIONS:]:
-            assert closed_by_endpoint(sock)
+        closed = IDLE_CONNECTIONS - MAX_METRICS_CONNECTIONS
+        wait_for(lambda: server.evicted_connections == closed, SETTLE_TIMEOUT_S, "each past the bound closed")
         assert threading.active_count() <= threads + THREADS_SLACK
-        assert server.refused_connections == IDLE_CONNECTIONS - MAX_METRICS_CONNECTIONS
+        assert server.open_connections == MAX_METRICS_CONNECTIONS
+        assert sum(not still_open(sock) for sock in sockets) == closed
     finally:
         for sock in sockets:
             sock.close()
@@ -251,8 +348,8 @@ def test_idle_connections_add_no_thread_to_a_broker(tmp_path):
         assert get(port)[0] == 200
         threads = psutil.Process(broker.pid).num_threads()
         sockets = [idle(port) for _ in range(IDLE_CONNECTIONS)]
-        for sock in sockets[MAX_METRICS_CONNECTIONS:]:
-            assert closed_by_endpoint(sock)
+        wait_for(lambda: sum(not still_open(sock) for sock in sockets) == IDLE_CONNECTIONS - MAX_METRICS_CONNECTIONS,
+                 SETTLE_TIMEOUT_S, "every connection past the bound closed")
         assert psutil.Process(broker.pid).num_threads() <= threads + THREADS_SLACK
         for sock in sockets:
             sock.close()
@@ -263,10 +360,33 @@ def test_idle_connections_add_no_thread_to_a_broker(tmp_path):
         assert stop_process(broker) == 0
 
 
-def get_or_none(port: int) -> int | None:
-    """The status of a scrape; None when the endpoint closed the connection (it was full)."""
+# ---------------------------------------------------------------------- the port
+
+
+def test_a_port_in_use_is_refused_in_one_line_naming_it():
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(MetricsPortError) as refused:
+            bind_metrics_port(port)
+        assert str(refused.value) == (f"metrics port {port} (127.0.0.1:{port}) is in use: another process listens "
+                                      f"there; give another --metrics-port, or 0 for any free one")
+        with pytest.raises(MetricsPortError, match=f"metrics port {port} "):
+            MetricsServer.start(port, lambda: BrokerStatus())
+
+
+def test_a_port_bound_first_is_the_one_served():
+    listener = bind_metrics_port(0)
+    port = listener.getsockname()[1]
+    assert port != 0
+    with MetricsServer.start(listener, lambda: BrokerStatus()) as server:
+        assert server.port == port and get(port)[0] == 200
+    assert listener.fileno() == -1  # closed with the server
+
+
+def get_or_none(port: int, headers: dict | None = None) -> int | None:
+    """The status of a scrape; None when the endpoint closed the connection."""
     try:
-        return get(port)[0]
+        return get(port, headers)[0]
     except (ConnectionError, urllib.error.URLError):
         return None
 

@@ -2,8 +2,9 @@
 resumable after any stop, in memory that does not grow with the file.
 
     job = BatchJob(spec, say=print)
-    job.prepare()        # paths checked, the data directory locked, the input scanned (or
-                         # checked against the job's manifest), what earlier runs answered
+    job.prepare()        # the metrics port bound, paths checked, the data directory locked,
+                         # the input scanned (or checked against the job's manifest), what
+                         # earlier runs answered
     code = job.run()     # the pipeline on what is left: the launcher, with the job's producers
     code = job.finish(code)   # the output (and error file, summary, report) once all is answered
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -166,12 +168,16 @@ class BatchJob:
         self._answered_before = 0
         self._saved_s = 0.0
         self._producers_busy: float | None = None
+        # --metrics-port's socket, bound first thing (the launcher's once the job runs), and its port.
+        self.metrics_listener: socket.socket | None = None
+        self.metrics_port: int | None = None
 
     # ------------------------------------------------------------------ prepare
 
     def prepare(self) -> None:
         """Everything checked and read before anything starts (the module's doc)."""
         spec = self.spec
+        self._bind_metrics()
         input_path = check_input(spec.input_path)
         have = load_manifest(self.data_dir) if os.path.isdir(self.data_dir) else None
         check_data_dir_is_the_jobs(self.data_dir, has_manifest=have is not None)
@@ -200,6 +206,18 @@ class BatchJob:
                                   os.path.join(self.data_dir, JOB_DIR, LINES_NAME))
         _remove_quietly(os.path.join(self.data_dir, JOB_DIR, INPUT_CHANGED_NAME))  # of an earlier run
         self._open_answers()
+
+    def _bind_metrics(self) -> None:
+        """The metrics port bound before any long work (the input's scan) and before the data
+        directory is made: one in use is refused in one line (MetricsPortError) with nothing
+        left behind; the port a 0 picked is said now, and kept in the status file."""
+        if self.spec.settings.metrics_port is None:
+            return
+        from pipeline.reporting.metrics_endpoint import bind_metrics_port
+
+        self.metrics_listener = bind_metrics_port(self.spec.settings.metrics_port)
+        self.metrics_port = self.metrics_listener.getsockname()[1]
+        self.say(f"run-batch: metrics: http://127.0.0.1:{self.metrics_port}/metrics")
 
     def _outputs(self) -> list[OutputPath]:
         spec = self.spec
@@ -337,6 +355,7 @@ class BatchJob:
                                self.spec.limits, self.spec.chat_template)
         launcher = Launcher(self.spec.settings, workload, on_status=self._poll, summarize=self.collector.summary,
                             metrics=self.telemetry)
+        launcher.metrics_listener, self.metrics_listener = self.metrics_listener, None
         self.collector.tally(launcher.results_dir)
         try:
             outcome = launcher.run()
@@ -393,7 +412,8 @@ class BatchJob:
         self.tracker.observe(self._counts(), time.monotonic())
         status = {"state": state, "pid": os.getpid(), "updated_s": int(time.time()),
                   "input": self.manifest.input_path, "output": self.manifest.output_path,
-                  "output_order": self.manifest.output_order, **self.tracker.view().as_json()}
+                  "output_order": self.manifest.output_order, "metrics_port": self.metrics_port,
+                  **self.tracker.view().as_json()}
         replace_file(os.path.join(self.data_dir, JOB_DIR, STATUS_NAME), [json.dumps(status).encode() + b"\n"])
 
     # ------------------------------------------------------------------ finish
@@ -497,6 +517,8 @@ class BatchJob:
             self._input_fd = -1
         for target in getattr(self, "targets", {}).values():
             target.close()
+        if self.metrics_listener is not None:  # never served: nothing was left to run
+            self.metrics_listener.close()
         left: list[str] = []
         if remove:
             left = remove_data_dir(self.data_dir)
@@ -506,7 +528,10 @@ class BatchJob:
         return left
 
     def abandon_new(self) -> None:
-        """A job refused before anything ran in a data directory it created: remove it."""
+        """A job refused before anything ran: its metrics port freed, and a data directory it
+        created removed."""
+        if self.metrics_listener is not None:
+            self.metrics_listener.close()
         if self._created_data_dir:
             self.close(remove=True)
 

@@ -99,7 +99,9 @@ LOG_INTERVAL_S = 5.0
               help="vLLM's: tool_choice auto (the default with tools) reads tool calls; needs --tool-call-parser.")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False, exists=True), help="TOML file of launch options.")
 @click.option("--report", type=click.Path(dir_okay=False), help="Write the full run report as JSON here.")
-@click.option("--metrics-port", type=int, help="Serve Prometheus metrics on this port, as `pipeline launch` does.")
+@click.option("--metrics-port", type=int,
+              help="Serve Prometheus metrics on this port (0: any free one, said at the start), as `pipeline launch` "
+                   "does.")
 @click.option("--metrics-token-file", type=click.Path(dir_okay=False), help=METRICS_TOKEN_HELP)
 @click.option("--set", "assignments", multiple=True, metavar="KEY=VALUE", help="A setting of the config file's form.")
 @click.option("--keep-data-dir", is_flag=True, help="Keep the default data directory after the output is written.")
@@ -133,6 +135,8 @@ def run_batch(input_file: str, output_file: str, model_dir: str, served_model_na
                      overwrite, summary_file, engine, flags, config_path, assignments, keep_data_dir,
                      PromptLimits(prompt_time_limit_s, prompt_memory_limit_mb << 20), options)
         spec.tool_calling = tool_calling(tool_call_parser, enable_auto_tool_choice)
+        if ray_address is not None and spec.settings.metrics_port is not None:  # bound by prepare, never served
+            raise SettingsError("metrics_port: a job on a Ray cluster (--ray) serves no metrics; drop --metrics-port")
         job = BatchJob(spec, say=lambda text: click.echo(text, err=True), show=_Progress())
         _prepare(job)
     except (BadInputError, PipelineError) as exc:

@@ -173,7 +173,7 @@ def _checked_token_file(path: str | None, port: int | None) -> str | None:
         return None
     if port is None:
         raise click.ClickException("--metrics-token-file is given without --metrics-port: no metrics are served")
-    from pipeline.reporting.metrics import read_token_file
+    from pipeline.reporting.metrics_endpoint import read_token_file
 
     read_token_file(path)  # SettingsError: one line (cli.py)
     return os.path.abspath(path)
@@ -409,9 +409,11 @@ def _say_job(found: dict, data_dir: str) -> None:
     rate = found.get("requests_per_s")
     eta = f", ETA {format_duration(found.get('eta_s'))}" if found.get("eta_s") and found["running"] else ""
     pace = f", {rate:,.0f} requests/s" if rate and found["running"] else ""
+    port = found.get("metrics_port")
+    metrics = f"; metrics on http://127.0.0.1:{port}/metrics" if port is not None and found["running"] else ""
     click.echo(f"job {found['state']}{' (its process runs)' if found['running'] else ''}: {found['done']:,} of "
                f"{found['requests']:,} requests answered, {found['failed']:,} failed, {found['to_do']:,} to do"
-               f"{pace}{eta}; input {found['input']}, output {found['output']}")
+               f"{pace}{eta}; input {found['input']}, output {found['output']}{metrics}")
     if not found["running"] and found["to_do"]:
         click.echo(f"the same run-batch command (with --data-dir {data_dir}) finishes it")
 

@@ -43,6 +43,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -301,6 +302,9 @@ class Launcher:
         self._summarize = summarize
         self._extra_metrics = metrics
         self.on_metrics = lambda port: None  # told the metrics port (0 picks a free one)
+        # The metrics port's socket (`bind_metrics_port`), bound by `run` unless its owner bound
+        # it before its own long work; the MetricsServer's once it serves.
+        self.metrics_listener: socket.socket | None = None
         self._own_data_dir = settings.data_dir is None
         self.data_dir = settings.data_dir or tempfile.mkdtemp(prefix="shape-broker-")
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
@@ -342,16 +346,24 @@ class Launcher:
     def run(self) -> LaunchOutcome:
         """The run, holding the data directory throughout: refused at once, with nothing
         started or removed, when another run or a broker holds it or /dev/shm cannot hold
-        the run (`claim_data_dir`)."""
-        os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
-        needs = ShmNeeds(self.settings.producers, self.consumer_count, self.config.descriptor_ring_bytes,
-                         memory_tier=self.settings.storage == "memory")
-        held = claim_data_dir(self.data_dir, needs)
+        the run (`claim_data_dir`), or the metrics port is in use (MetricsPortError)."""
+        if self.settings.metrics_port is not None and self.metrics_listener is None:
+            from pipeline.reporting.metrics_endpoint import bind_metrics_port
+
+            self.metrics_listener = bind_metrics_port(self.settings.metrics_port)
         try:
-            return self._run()
+            os.makedirs(self.data_dir, mode=0o700, exist_ok=True)
+            needs = ShmNeeds(self.settings.producers, self.consumer_count, self.config.descriptor_ring_bytes,
+                             memory_tier=self.settings.storage == "memory")
+            held = claim_data_dir(self.data_dir, needs)
+            try:
+                return self._run()
+            finally:
+                self._kill_left()
+                release_launch(held)
         finally:
-            self._kill_left()
-            release_launch(held)
+            if self.metrics_listener is not None:  # never served: the run failed before
+                self.metrics_listener.close()
 
     def _kill_left(self) -> None:
         """Kill any child still alive: a run that ends by an exception in its own stop (a data
@@ -390,11 +402,13 @@ class Launcher:
         self.taken_over = self._earlier_work()
         self.broker = start_broker(self.config, s.storage, s.durability)
         if s.metrics_port is not None:
-            from pipeline.reporting.metrics import MetricsServer
+            from pipeline.reporting.metrics_endpoint import MetricsServer
 
             socket_path = self.config.socket_path
-            self.metrics = MetricsServer.start(s.metrics_port, lambda: broker_status(socket_path),
+            self.metrics = MetricsServer.start(self.metrics_listener or s.metrics_port,
+                                               lambda: broker_status(socket_path),
                                                token_file=s.metrics_token_file, extra=self._extra_metrics)
+            self.metrics_listener = None  # the server's now
             self.on_metrics(self.metrics.port)
         for config in self.consumer_configs():
             self.consumers.append(start_consumer(config))
@@ -630,6 +644,7 @@ class Launcher:
                               unreadable_rings=rings.unreadable,
                               duplicates_across_runs=int(np.intersect1d(self._done_before, again).size))
         report["settings"] = self.process_settings()
+        report["metrics_port"] = self.metrics.port if self.metrics is not None else None
         return report
 
     def process_settings(self) -> dict:

@@ -195,7 +195,7 @@ def _start_metrics(port: int | None, token_file: str | None, socket_path: str):
     so the HTTP thread never touches the loop's state."""
     if port is None:
         return None
-    from pipeline.reporting.metrics import MetricsServer
+    from pipeline.reporting.metrics_endpoint import MetricsServer
     from pipeline.wire.client import broker_status
 
     server = MetricsServer.start(port, lambda: broker_status(socket_path), token_file=token_file)

@@ -167,7 +167,7 @@ class LaunchSettings:
         if self.metrics_token_file is not None:
             if self.metrics_port is None:
                 raise SettingsError("metrics_token_file is given without metrics_port: no metrics are served")
-            from pipeline.reporting.metrics import read_token_file
+            from pipeline.reporting.metrics_endpoint import read_token_file
 
             read_token_file(self.metrics_token_file)  # a 0600 file of ours with one token, or refused now
         for key in ("report", "plots"):

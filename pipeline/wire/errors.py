@@ -203,6 +203,11 @@ class SettingsError(BadInputError):
     the message names where it came from (a file, the command line) and the key."""
 
 
+class MetricsPortError(SettingsError):
+    """The metrics port cannot be listened on (another process listens there, or it is not
+    ours to take). Found before anything runs; the message names the port and the way out."""
+
+
 class UntrustedPeerError(PipelineError):
     """The control socket is not a socket owned by this user, or the process serving (or
     connecting to) it runs as another user: it may be posing as the broker (or a client).

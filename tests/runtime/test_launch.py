@@ -11,7 +11,9 @@ import base64
 import glob
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import urllib.error
@@ -143,6 +145,27 @@ def test_a_malformed_workload_line_refuses_the_run_before_anything_starts(tmp_pa
     assert result.exit_code == 1
     assert f"{workload}:2" in result.output and "nothing was submitted" in result.output
     assert not data.exists()  # refused before the broker (or anything) started
+
+
+def test_a_metrics_port_in_use_refuses_the_run_in_one_line_before_anything_starts(tmp_path):
+    data = tmp_path / "data"
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(main, ["launch", "--items", "200", "--data-dir", str(data),
+                                           "--metrics-port", str(port)])
+    assert result.exit_code == 1
+    assert result.output.endswith(f"Error: metrics port {port} (127.0.0.1:{port}) is in use: another process "
+                                  f"listens there; give another --metrics-port, or 0 for any free one\n")
+    assert not data.exists()  # refused before the data directory (or anything) was made
+
+
+def test_a_metrics_port_0_is_said_and_in_the_report(tmp_path):
+    report_path = tmp_path / "report.json"
+    done = launch("--items", "200", "--metrics-port", "0", "--report", str(report_path))
+    assert done.returncode == 0, done.stderr
+    said = re.findall(r"^metrics: http://127\.0\.0\.1:(\d+)/metrics$", done.stderr, re.MULTILINE)
+    assert len(said) == 1 and int(said[0]) > 0, done.stderr
+    assert json.loads(report_path.read_text())["metrics_port"] == int(said[0])
 
 
 def completed_items(socket_path: str) -> int:

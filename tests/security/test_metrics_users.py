@@ -1,26 +1,33 @@
 """A second local user against a broker's metrics endpoint (SPEC §7, §12): a broker started
-with `--metrics-port` answers its owner and refuses that user 403; started with
-`--metrics-token-file` it answers only requests carrying the token, that user's included
-(a Prometheus running as another user scrapes that way). The broker is a real detached
+with `--metrics-port` answers its owner and closes that user's connections at accept (so
+that user's connections, however many and however held, starve no scrape of the owner's);
+started with `--metrics-token-file` it answers only requests carrying the token, that
+user's included (a Prometheus running as another user scrapes that way). The broker is a real detached
 process (`pipeline broker start`); the user runs as a throwaway account (`tests/users.py`),
 skipped, with the reason, where none can be made.
 """
 
 from __future__ import annotations
 
+import time
 import urllib.error
 import urllib.request
 
 import pytest
 
+from pipeline.reporting.metrics_endpoint import MAX_METRICS_CONNECTIONS
 from tests.runtime.runs import free_port
 from tests.security.live import pipeline
+from tests.support.holders import HOLDER, holder_args, holding
 from tests.users import other_user as make_other_user
 
 TOKEN = "0123456789abcdef0123456789abcdef"
+# Scrapes of the owner's while the other user holds connections, one every SCRAPE_INTERVAL_S.
+HOSTILE_SCRAPES = 30
+SCRAPE_INTERVAL_S = 0.1
 
 # What the other user runs: one GET of argv[1], with the Authorization header argv[2] if
-# given; prints the HTTP status.
+# given; prints the HTTP status, or "closed" when the endpoint closed the connection unanswered.
 SCRAPE = r"""
 import sys, urllib.error, urllib.request
 headers = {"Authorization": sys.argv[2]} if len(sys.argv) > 2 else {}
@@ -29,6 +36,8 @@ try:
         print(response.status)
 except urllib.error.HTTPError as exc:
     print(exc.code)
+except (ConnectionError, urllib.error.URLError, OSError):
+    print("closed")
 """
 
 
@@ -38,8 +47,9 @@ def other_user():
         yield user
 
 
-def scrape_as(user, url: str, *authorization: str) -> int:
-    return int(user.run(SCRAPE, url, *authorization))
+def scrape_as(user, url: str, *authorization: str) -> int | str:
+    said = user.run(SCRAPE, url, *authorization).strip()
+    return said if said == "closed" else int(said)
 
 
 def scrape_as_owner(url: str, *authorization: str) -> int:
@@ -55,14 +65,31 @@ def start_broker(data: str, port: int, *options: str) -> None:
     pipeline("broker", "start", "--data-dir", data, "--detach", "--metrics-port", str(port), *options)
 
 
-def test_another_user_is_refused_403_and_the_owner_answered(other_user, tmp_path):
+def test_another_users_connections_are_closed_and_the_owner_answered(other_user, tmp_path):
     data, port = str(tmp_path / "data"), free_port()
     url = f"http://127.0.0.1:{port}/metrics"
     start_broker(data, port)
     try:
         assert scrape_as_owner(url) == 200
-        assert scrape_as(other_user, url) == 403
-        assert scrape_as(other_user, url, f"Bearer {TOKEN}") == 403  # no token file: a token opens nothing
+        assert scrape_as(other_user, url) == "closed"
+        assert scrape_as(other_user, url, f"Bearer {TOKEN}") == "closed"  # no token file: a token opens nothing
+    finally:
+        pipeline("broker", "stop", "--data-dir", data)
+
+
+def test_another_user_holding_connections_starves_no_scrape_of_the_owner(other_user, tmp_path):
+    """That user opens MAX_METRICS_CONNECTIONS connections, sends a byte on each every half
+    second and reconnects whenever one is closed; every scrape of the owner's is answered."""
+    data, port = str(tmp_path / "data"), free_port()
+    url = f"http://127.0.0.1:{port}/metrics"
+    start_broker(data, port)
+    try:
+        with holding(other_user.command(HOLDER, *holder_args(port, MAX_METRICS_CONNECTIONS))):
+            codes = []
+            for _ in range(HOSTILE_SCRAPES):
+                codes.append(scrape_as_owner(url))
+                time.sleep(SCRAPE_INTERVAL_S)
+        assert codes == [200] * HOSTILE_SCRAPES
     finally:
         pipeline("broker", "stop", "--data-dir", data)
 
