@@ -9,7 +9,8 @@ once to size its buckets (contiguous ranges of request indices, each holding at 
 BUCKET_BYTES of lines), reads the log once, sequentially, appending each line to its
 bucket's file, then reads the buckets in order, each sorted in memory by request index, into
 the output (and, with an error file, every line whose status is not 200 there instead).
-Every read and write is sequential; memory is one bucket and the records of one chunk.
+Every read and write is sequential; memory is one bucket, the records of one chunk and
+DISTRIBUTE_READ_BYTES of lines.
 NOTE: a heap merge of sorted runs reading lines back from the log by offset was rejected: its
 reads are random over a log of gigabytes.
 
@@ -37,6 +38,9 @@ BUCKET_BYTES = 64 << 20
 HISTOGRAM_RANGES = 1 << 16
 # Most buckets open at once: a file descriptor each (a 64 GB log fits).
 MAX_BUCKETS = 1024
+# Bytes of the log read at a time while the lines go to their buckets (one line longer than
+# it is read alone): what the merge holds besides a bucket, whatever the lines' sizes.
+DISTRIBUTE_READ_BYTES = 16 << 20
 
 # A line's header in a bucket file.
 #   off  size  field        meaning
@@ -115,19 +119,36 @@ def _distribute(data_dir: str, log_path: str, bounds: np.ndarray, work_dir: str)
     files = [open(_bucket_path(work_dir, k), "wb") for k in range(len(bounds) - 1)]
     try:
         with open(log_path, "rb") as log:
-            for records in record_chunks(data_dir):
-                start = int(records["log_offset"][0])
-                log.seek(start)
-                raw = log.read(int(records["log_offset"][-1]) + int(records["line_bytes"][-1]) - start)
-                bucket = np.searchsorted(bounds, records["index"].astype(np.int64), side="right") - 1
-                index, size = records["index"].tolist(), records["line_bytes"].tolist()
-                status, at = records["status_code"].tolist(), (records["log_offset"] - start).tolist()
-                for k in np.unique(bucket).tolist():
-                    files[k].write(b"".join(_ENTRY.pack(index[r], size[r], status[r]) + raw[at[r]:at[r] + size[r]]
-                                            for r in np.flatnonzero(bucket == k).tolist()))
+            for chunk in record_chunks(data_dir):
+                for records in read_parts(chunk, DISTRIBUTE_READ_BYTES):
+                    _distribute_part(log, records, bounds, files)
     finally:
         for f in files:
             f.close()
+
+
+def read_parts(records: np.ndarray, read_bytes: int) -> Iterator[np.ndarray]:
+    """`records` (in log order) cut into runs whose lines span at most `read_bytes` of the
+    log, or one line alone where it is longer."""
+    start = 0
+    ends = np.cumsum(records["line_bytes"].astype(np.int64))
+    while start < records.size:
+        before = int(ends[start - 1]) if start else 0
+        stop = max(start + 1, int(np.searchsorted(ends, before + read_bytes, side="right")))
+        yield records[start:stop]
+        start = stop
+
+
+def _distribute_part(log, records: np.ndarray, bounds: np.ndarray, files: list) -> None:
+    start = int(records["log_offset"][0])
+    log.seek(start)
+    raw = log.read(int(records["log_offset"][-1]) + int(records["line_bytes"][-1]) - start)
+    bucket = np.searchsorted(bounds, records["index"].astype(np.int64), side="right") - 1
+    index, size = records["index"].tolist(), records["line_bytes"].tolist()
+    status, at = records["status_code"].tolist(), (records["log_offset"] - start).tolist()
+    for k in np.unique(bucket).tolist():
+        files[k].write(b"".join(_ENTRY.pack(index[r], size[r], status[r]) + raw[at[r]:at[r] + size[r]]
+                                for r in np.flatnonzero(bucket == k).tolist()))
 
 
 def _sorted_bucket(path: str) -> Iterator[tuple[bytes, int]]:

@@ -11,14 +11,15 @@ from contextlib import nullcontext
 from pathlib import Path
 from unittest import mock
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.batchjob import assemble
 from pipeline.batchjob.answers import Answer, AnswerLog
-from pipeline.batchjob.assemble import bucket_bounds, write_in_input_order
-from pipeline.batchjob.layout import LOG_OUTPUT
+from pipeline.batchjob.assemble import bucket_bounds, read_parts, write_in_input_order
+from pipeline.batchjob.layout import ANSWER_RECORD_DTYPE, LOG_OUTPUT
 from pipeline.wire import fileops
 from pipeline.batchjob.paths import ReplacingFile
 from tests.batchjob.batchfiles import without_tmpfile
@@ -77,15 +78,29 @@ def jobs(draw) -> tuple[int, list[tuple[int, int, int]]]:
 @settings(max_examples=100, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(job=jobs(), bucket_bytes=st.one_of(st.integers(1, 600), st.just(assemble.BUCKET_BYTES)),
        ranges=st.sampled_from([3, 7, assemble.HISTOGRAM_RANGES]), buckets=st.sampled_from([4, assemble.MAX_BUCKETS]),
-       split=st.booleans(), tmpfile=st.booleans())
+       split=st.booleans(), tmpfile=st.booleans(), read_bytes=st.sampled_from([1, 700, assemble.DISTRIBUTE_READ_BYTES]))
 def test_the_merge_is_the_lines_sorted_by_request(job, bucket_bytes: int, ranges: int, buckets: int, split: bool,
-                                                  tmpfile: bool) -> None:
+                                                  tmpfile: bool, read_bytes: int) -> None:
     requests, answers = job
     previous = fileops.install(_NoSync())
     try:
-        _merge_and_check(requests, answers, bucket_bytes, ranges, buckets, split, tmpfile)
+        with mock.patch.object(assemble, "DISTRIBUTE_READ_BYTES", read_bytes):
+            _merge_and_check(requests, answers, bucket_bytes, ranges, buckets, split, tmpfile)
     finally:
         fileops.install(previous)
+
+
+@given(sizes=st.lists(st.integers(1, 5000), max_size=60), read_bytes=st.integers(1, 20_000))
+def test_the_log_is_read_in_parts_of_at_most_the_read_size_or_one_line(sizes: list[int], read_bytes: int) -> None:
+    records = np.zeros(len(sizes), dtype=ANSWER_RECORD_DTYPE)
+    records["line_bytes"] = sizes
+    records["log_offset"] = np.cumsum([0] + sizes[:-1])
+    parts = list(read_parts(records, read_bytes))
+    assert np.array_equal(np.concatenate(parts) if parts else records[:0], records)
+    for part in parts:
+        assert part.size == 1 or int(part["line_bytes"].sum()) <= read_bytes
+    for part, after in zip(parts, parts[1:]):  # each part as long as it may be
+        assert int(part["line_bytes"].sum()) + int(after["line_bytes"][0]) > read_bytes
 
 
 def _merge_and_check(requests: int, answers: list[tuple[int, int, int]], bucket_bytes: int, ranges: int,
