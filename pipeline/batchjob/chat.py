@@ -291,7 +291,7 @@ class ChatTokenizer:
         else:
             raise TokenArrayError(f"a completion prompt is a string or a list of token ids, got {_show(prompt)}")
         if not ids:
-            raise TokenArrayError(f"the completion prompt {_show(prompt)} has no tokens")
+            raise TokenArrayError(f"the completion prompt has no tokens, got {_show(prompt)}")
         tokens = np.array(ids, dtype=np.int32)
         tokens.flags.writeable = False
         return ChatPrompt(tokens, [])
@@ -518,7 +518,7 @@ def _check_ids(prompt: list, vocab_size: int) -> list[int]:
             return prompt
     index, token = next((k, t) for k, t in enumerate(prompt)
                         if type(t) is not int or not 0 <= t < vocab_size)
-    raise TokenArrayError(f"prompt[{index}]: token id {_show(token)} is not an integer in [0, {vocab_size}) "
+    raise TokenArrayError(f"prompt[{index}] is {_show(token)}: a token id is an integer in [0, {vocab_size}) "
                           f"(the model's vocabulary)")
 
 

@@ -32,7 +32,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -410,14 +410,40 @@ def _custom_id_at(f, offset: int) -> str:
     return envelope(f.readline(MAX_REQUEST_LINE_BYTES + 1).rstrip(b"\n")).custom_id
 
 
-def show(value: object) -> str:
-    """A JSON value for a message: its JSON type and a bounded rendering."""
-    kinds = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
+def json_kind(value: object) -> str:
+    """A JSON value's type as OpenAI's errors name it ("an integer", "an object")."""
+    kinds = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "an integer",
              float: "a number"}
+    return "null" if value is None else kinds.get(type(value), type(value).__name__)
+
+
+def show(value: object) -> str:
+    """A JSON value after "got": its JSON type and a bounded rendering."""
     if value is None:
         return "null"
     text = json.dumps(value, ensure_ascii=True)
-    return f"{kinds.get(type(value), type(value).__name__)} {text if len(text) <= 60 else text[:57] + '...'}"
+    return f"{json_kind(value)} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+def snippet(text: str) -> str:
+    """A string from a request for a message: escaped as JSON (a control character shows as
+    \\n), cut to 60 characters."""
+    escaped = json.dumps(text, ensure_ascii=True)[1:-1]
+    return escaped if len(escaped) <= 60 else escaped[:57] + "..."
+
+
+def invalid_type(where: str, expected: str, value: object) -> str:
+    """OpenAI's message for a parameter of the wrong JSON type."""
+    return f"Invalid type for '{where}': expected {expected}, but got {json_kind(value)} instead."
+
+
+def invalid_value(value: str, supported: Sequence[str]) -> str:
+    """OpenAI's message for a string parameter outside its values (the parameter is the
+    error's `param`), the values listed as OpenAI lists them ("'a', 'b', and 'c'")."""
+    names = [f"'{name}'" for name in supported]
+    last = f"{',' if len(names) > 2 else ''} and {names[-1]}" if len(names) > 1 else names[-1]
+    choices = ", ".join(names[:-1]) + last
+    return f"Invalid value: '{snippet(value)}'. Supported values are: {choices}."
 
 
 def input_digest(path: str) -> tuple[int, str]:
