@@ -209,7 +209,7 @@ class ChatTokenizer:
         try:
             encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=add_special_tokens)
         except BaseException as exc:
-            if not _is_failure(exc):
+            if not foreign_failure(exc):
                 raise
             return [self.encode(text, add_special_tokens) for text in texts]  # the failing one's own error
         return [self._fix_bos(e.ids, add_special_tokens) for e in encodings]
@@ -361,7 +361,7 @@ class ChatTokenizer:
         try:
             return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
         except BaseException as exc:
-            if not _is_failure(exc):
+            if not foreign_failure(exc):
                 raise
             raise fail(exc, text) from exc
 
@@ -464,7 +464,7 @@ def _frozen(ids: Sequence[int]) -> np.ndarray:
     return array
 
 
-def _is_failure(exc: BaseException) -> bool:
+def foreign_failure(exc: BaseException) -> bool:
     """A failure of foreign code (every Exception, and a Rust panic), not an interrupt or exit."""
     return isinstance(exc, Exception) or type(exc).__name__ == RUST_PANIC
 

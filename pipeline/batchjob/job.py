@@ -251,7 +251,7 @@ class BatchJob:
         tokenizer = ChatTokenizer.load(self.spec.model_dir, chat_template=self.spec.chat_template)
         error_log = LOG_ERRORS if LOG_ERRORS in logs else LOG_OUTPUT
         self.collector = Collector(self.data_dir, manifest, self._input_fd, tokenizer.decode, self.log, error_log,
-                                   tokenizer.token_text)
+                                   tokenizer.token_text, tokenizer.vocab_size)
         while self.collector.collect():
             pass
         self.collector.save()
