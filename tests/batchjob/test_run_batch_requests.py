@@ -123,8 +123,13 @@ def test_a_broken_context_length_in_the_models_config_is_a_one_line_error(tmp_pa
     (broken / "config.json").write_text(config)
     done = run_batch("-i", str(write_requests(tmp_path / "in.jsonl", good(2))), "-o", str(tmp_path / "out.jsonl"),
                      "--model", str(broken))
-    one_line_error(done, *words)
+    one_line_error(done, *words, "--max-model-len")
+    assert "--max-input-len" not in done.stderr  # it bounds prompts, and the context is still needed
     assert not (tmp_path / "out.jsonl.run").exists()
+    given = run_batch("-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), "--model", str(broken),
+                      "--max-model-len", "2048", "--max-input-len", "100")  # what the message says works
+    assert given.returncode == 0, given.stderr
+    assert len(rows_by_id(tmp_path / "out.jsonl")) == 2
 
 
 @pytest.mark.parametrize("config, words", [("items = 5\n", ["items", "not settings of a batch job"]),
