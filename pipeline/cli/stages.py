@@ -444,6 +444,8 @@ def status(data_dir: str, as_json: bool, results_dir: str | None) -> None:
 
     from pipeline.batchjob.job import job_status
 
+    if not os.path.isdir(data_dir):
+        raise click.ClickException(f"no data directory at {data_dir}")
     check_data_dir(data_dir)
     job = job_status(data_dir)
     config = BrokerConfig(data_dir)
