@@ -209,7 +209,7 @@ class ChatTokenizer:
         try:
             encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=add_special_tokens)
         except BaseException as exc:
-            if not _is_failure(exc):
+            if not foreign_failure(exc):
                 raise
             return [self.encode(text, add_special_tokens) for text in texts]  # the failing one's own error
         return [self._fix_bos(e.ids, add_special_tokens) for e in encodings]
@@ -291,7 +291,7 @@ class ChatTokenizer:
         else:
             raise TokenArrayError(f"a completion prompt is a string or a list of token ids, got {_show(prompt)}")
         if not ids:
-            raise TokenArrayError(f"the completion prompt {_show(prompt)} has no tokens")
+            raise TokenArrayError(f"the completion prompt has no tokens, got {_show(prompt)}")
         tokens = np.array(ids, dtype=np.int32)
         tokens.flags.writeable = False
         return ChatPrompt(tokens, [])
@@ -361,7 +361,7 @@ class ChatTokenizer:
         try:
             return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
         except BaseException as exc:
-            if not _is_failure(exc):
+            if not foreign_failure(exc):
                 raise
             raise fail(exc, text) from exc
 
@@ -464,7 +464,7 @@ def _frozen(ids: Sequence[int]) -> np.ndarray:
     return array
 
 
-def _is_failure(exc: BaseException) -> bool:
+def foreign_failure(exc: BaseException) -> bool:
     """A failure of foreign code (every Exception, and a Rust panic), not an interrupt or exit."""
     return isinstance(exc, Exception) or type(exc).__name__ == RUST_PANIC
 
@@ -518,7 +518,7 @@ def _check_ids(prompt: list, vocab_size: int) -> list[int]:
             return prompt
     index, token = next((k, t) for k, t in enumerate(prompt)
                         if type(t) is not int or not 0 <= t < vocab_size)
-    raise TokenArrayError(f"prompt[{index}]: token id {_show(token)} is not an integer in [0, {vocab_size}) "
+    raise TokenArrayError(f"prompt[{index}] is {_show(token)}: a token id is an integer in [0, {vocab_size}) "
                           f"(the model's vocabulary)")
 
 

@@ -16,7 +16,8 @@ the job's id and the request's index and line); its request's line is read back 
 input by offset and checked against the payload's digest, so an answer can only ever go to
 its own request. A row whose request has its line already (a redelivered batch) is dropped
 and counted; a row of a damaged entry (status corrupt) answers nothing: the request is
-submitted again by the next run.
+submitted again by the next run. An answer's text is decoded on a bound (`decoding.py`): a
+decoder that fails on it or expands it past the bound answers that request 500.
 
 Where each file was read up to is saved in DATA_DIR/job/collected.json after the log took
 what it read, so a resume reads only what is new; a lost or stale one costs a second read,
@@ -38,10 +39,12 @@ import xxhash
 
 from pipeline.batchjob.answers import Answer, AnswerLog, records_path
 from pipeline.batchjob.choices import AnswerShape, Texts, make_choices
+from pipeline.batchjob.decoding import AnswerDecoder
 from pipeline.batchjob.layout import JOB_FLAG_READS_BODY, LOG_OUTPUT, decode_job_payload, job_payload_flags
 from pipeline.batchjob.manifest import JOB_DIR, JobManifest
 from pipeline.batchjob.output import (
     HTTP_OK,
+    HTTP_SERVER_ERROR,
     ROW_CORRUPT,
     ROW_OK,
     RequestRef,
@@ -54,7 +57,13 @@ from pipeline.batchjob.paths import replace_file
 from pipeline.batchjob.requests import ENDPOINTS, parse_line
 from pipeline.batchjob.scan import MAX_REQUEST_LINE_BYTES, envelope
 from pipeline.reporting.accounting import ResultsSummary
-from pipeline.wire.errors import AnswerLogWriteError, BatchFileError, BatchOutputError, JobMismatchError
+from pipeline.wire.errors import (
+    AnswerLogWriteError,
+    AnswerTextError,
+    BatchFileError,
+    BatchOutputError,
+    JobMismatchError,
+)
 
 log = logging.getLogger("pipeline.job")
 
@@ -91,13 +100,13 @@ class Collector:
     """See the module's doc. Owner: the job's process, one per run; not thread-safe."""
 
     def __init__(self, data_dir: str, manifest: JobManifest, input_fd: int, decode: Callable[[list[int]], str],
-                 log: AnswerLog, error_log: int, token_text: Callable[[int], str] | None = None) -> None:
+                 log: AnswerLog, error_log: int, token_text: Callable[[int], str] | None = None,
+                 vocab_size: int = 0) -> None:
         self.data_dir = data_dir
         self.manifest = manifest
         self.input_fd = input_fd
-        self.decode = decode
         # One token's text, special tokens kept (a logprob's token): decode's where not given.
-        self.texts = Texts(decode, token_text or (lambda token: decode([token])))
+        self.decoder = AnswerDecoder(decode, token_text or (lambda token: decode([token])), vocab_size)
         self.log = log
         self.error_log = error_log  # LOG_ERRORS where failures go to their own file, else LOG_OUTPUT
         self.counts = CollectCounts()
@@ -256,14 +265,19 @@ class Collector:
         done_ns = row.get("done_ns")
         if made_ns and type(done_ns) is int and done_ns >= made_ns:
             self.latencies_s.append((done_ns - made_ns) / 1e9)
-        if job_payload_flags(payload) & JOB_FLAG_READS_BODY or "samples" in row:
-            shape = self._shape(index, offset, length)
-            choices = make_choices(row, shape, self.texts, f"call_{tag}_{index}")
-            line = response_line(request, row, None, self.manifest.served_model, self.manifest.created_s, tag,
-                                 choices)
-        else:
-            text = row["text"] if isinstance(row.get("text"), str) else self.decode(row["output"])
-            line = response_line(request, row, text, self.manifest.served_model, self.manifest.created_s, tag)
+        texts = self.decoder.texts()
+        try:
+            if job_payload_flags(payload) & JOB_FLAG_READS_BODY or "samples" in row:
+                shape = self._shape(index, offset, length, texts)
+                choices = make_choices(row, shape, texts, f"call_{tag}_{index}")
+                line = response_line(request, row, None, self.manifest.served_model, self.manifest.created_s, tag,
+                                     choices)
+            else:
+                text = row["text"] if isinstance(row.get("text"), str) else texts.decode(row["output"])
+                line = response_line(request, row, text, self.manifest.served_model, self.manifest.created_s, tag)
+        except AnswerTextError as exc:  # the model's decoder on this answer: this request's failure
+            line = error_line(request, HTTP_SERVER_ERROR, str(exc), tag=tag)
+            return Answer(index, line.encode() + b"\n", HTTP_SERVER_ERROR, self.error_log)
         prompt, completion, cached = row_usage(row)
         return Answer(index, line.encode() + b"\n", HTTP_OK, LOG_OUTPUT, prompt, completion, cached)
 
@@ -290,12 +304,12 @@ class Collector:
             raise JobMismatchError(f"{self.manifest.input_path}: byte {offset}: {exc}") from None
         return RequestRef(env.custom_id, ENDPOINTS.get(env.url), index)
 
-    def _shape(self, index: int, offset: int, length: int) -> AnswerShape:
+    def _shape(self, index: int, offset: int, length: int, texts: Texts) -> AnswerShape:
         """What the request asked its answer to hold: its line parsed again (checked against
         its digest by `_request` just before)."""
         raw = os.pread(self.input_fd, length, offset)
         request = parse_line(raw, index, 0, self.manifest.served_model, self.manifest.tool_calling)
-        return AnswerShape.of(request, self.manifest.tool_calling, self.texts)
+        return AnswerShape.of(request, self.manifest.tool_calling, texts)
 
     def _bad(self, path: str, why: str, tally: ResultsSummary | None = None) -> None:
         self.counts.bad_lines += 1

@@ -33,8 +33,8 @@ import numpy as np
 from pipeline.batchjob.answers import LOG_NAME, AnswerLog, records_path
 from pipeline.batchjob.assemble import write_in_input_order
 from pipeline.batchjob.collect import Collector, forget_answers
+from pipeline.batchjob.jobstatus import answered, saved_view
 from pipeline.batchjob.layout import (
-    ANSWER_RECORD_SIZE_BYTES,
     JOB_PAYLOAD_SIZE_BYTES,
     LOG_ERRORS,
     LOG_OUTPUT,
@@ -289,7 +289,7 @@ class BatchJob:
         tokenizer = ChatTokenizer.load(self.model_files, chat_template=self.spec.chat_template)
         error_log = LOG_ERRORS if LOG_ERRORS in logs else LOG_OUTPUT
         self.collector = Collector(self.data_dir, manifest, self._input_fd, tokenizer.decode, self.log, error_log,
-                                   tokenizer.token_text)
+                                   tokenizer.token_text, tokenizer.vocab_size)
         while self.collector.collect():
             pass
         self.collector.save()
@@ -557,17 +557,11 @@ def job_status(data_dir: str) -> dict | None:
     manifest = load_manifest(data_dir)
     if manifest is None:
         return None
-    try:
-        with open(os.path.join(data_dir, JOB_DIR, STATUS_NAME), "rb") as f:
-            saved = json.loads(f.read(1 << 20))
-    except (OSError, ValueError):
-        saved = {"state": "not started", "requests": manifest.requests, "done": 0, "failed": 0,
-                 "to_do": manifest.requests}
+    saved = saved_view(os.path.join(data_dir, JOB_DIR, STATUS_NAME), manifest.requests)
     saved["running"] = _lock_held(os.path.join(data_dir, JOB_DIR, LOCK_NAME))
-    try:  # the answer records are the count (the saved view lags by up to SAVE_INTERVAL_S)
-        done = os.stat(records_path(data_dir)).st_size // ANSWER_RECORD_SIZE_BYTES
-    except OSError:
-        done = saved.get("done", 0)
+    # The answer records are the count (the saved view lags by up to SAVE_INTERVAL_S).
+    done = answered(records_path(data_dir), manifest.requests)
+    done = saved.get("done", 0) if done is None else done
     if done != saved.get("done"):
         saved.update(done=done, to_do=manifest.requests - done, eta_s=None)
     if saved.get("state") == "running" and not saved["running"]:

@@ -124,10 +124,27 @@ def load_manifest(data_dir: str) -> JobManifest | None:
         fields = json.loads(raw)
         if fields.get("version") != MANIFEST_VERSION:
             raise ValueError(f"version {fields.get('version')!r}, this program reads {MANIFEST_VERSION}")
-        return JobManifest(**fields)
+        return _checked(JobManifest(**fields))
+    except JobMismatchError as exc:
+        raise JobMismatchError(f"{path}: damaged ({exc}); use another --data-dir") from None
     except (ValueError, TypeError, AttributeError) as exc:
         raise JobMismatchError(f"{path}: not a job manifest of this version ({exc}); finish that job with the "
                                f"version that started it, or use another --data-dir") from None
+
+
+def _checked(manifest: JobManifest) -> JobManifest:
+    """The manifest, if its numbers and texts are of their types (a damaged file's are not)."""
+    for name in ("job_id", "created_s", "input_bytes", "requests"):
+        value = getattr(manifest, name)
+        if type(value) is not int or value < (1 if name == "requests" else 0):
+            raise JobMismatchError(f"{name} {value!r:.40} is not a {'positive' if name == 'requests' else 'whole'} "
+                                   f"number")
+    for name in ("input_path", "input_xxh3", "served_model", "output_path", "output_order"):
+        if not isinstance(getattr(manifest, name), str):
+            raise JobMismatchError(f"{name} {getattr(manifest, name)!r:.40} is not a string")
+    if not isinstance(manifest.depends_on, dict):
+        raise JobMismatchError(f"depends_on {manifest.depends_on!r:.40} is not an object")
+    return manifest
 
 
 def write_manifest(data_dir: str, manifest: JobManifest) -> None:

@@ -25,7 +25,7 @@ import json
 import math
 from typing import Any
 
-from pipeline.batchjob.scan import show
+from pipeline.batchjob.scan import invalid_type, invalid_value, show
 from pipeline.wire.errors import GenerationParamsError
 from pipeline.wire.generation import (
     MAX_LOGIT_BIAS,
@@ -59,6 +59,8 @@ CARRIED = {KIND_CHAT: CARRIED_COMMON + ("max_completion_tokens", "top_logprobs",
 # (the output is not constrained), so they are refused with the replacement named.
 REMOVED_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                   "guided_grammar": "grammar", "guided_decoding_backend": None, "guided_whitespace_pattern": None}
+# The response_format types carried (structural_tag, vLLM's fourth, is not).
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 # Keys of `structured_outputs`: one constraint, vLLM's options of it that are carried, and
 # those that are not (refused at any value but their default).
 STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
@@ -256,7 +258,9 @@ def structured_output(given: dict[str, Any]) -> tuple[str, str] | None:
 def _response_format(form: object) -> tuple[str, str] | None:
     if form is None:
         return None
-    kind = form.get("type") if isinstance(form, dict) else None
+    if not isinstance(form, dict):
+        raise Refused(invalid_type("response_format", "an object", form), "response_format")
+    kind = form.get("type")
     if kind == "text":
         return None
     if kind == "json_object":
@@ -273,8 +277,10 @@ def _response_format(form: object) -> tuple[str, str] | None:
             raise Refused("You must use one kind of structured outputs constraint but none are specified: "
                           "response_format.json_schema has no schema", "response_format")
         return "json", check_schema(spec["schema"], "response_format")
-    raise Refused(f"response_format type {show(kind)}: this job takes text, json_object and json_schema "
-                  f"(structural_tag is not carried)", "response_format")
+    if not isinstance(kind, str):
+        raise Refused(invalid_type("response_format.type", "a string", kind), "response_format")
+    raise Refused(f"{invalid_value(kind, RESPONSE_FORMAT_TYPES)} This job does not carry structural_tag.",
+                  "response_format")
 
 
 def _structured_outputs(raw: object) -> tuple[str, str] | None:

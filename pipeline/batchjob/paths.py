@@ -30,6 +30,7 @@ import stat
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from pipeline.runtime.datadir import check_not_shared
 from pipeline.wire import fileops
 from pipeline.wire.errors import JobPathError
 from pipeline.wire.fileops import errno_text
@@ -130,7 +131,9 @@ def probe_directory(directory: str, out: OutputPath) -> None:
 
 
 def check_data_dir_is_the_jobs(data_dir: str, has_manifest: bool) -> None:
-    """A data directory a job may use: absent, empty, or a job's own (`has_manifest`)."""
+    """A data directory a job may use: absent, empty, or a job's own (`has_manifest`); never
+    a shared system directory (/, /tmp: `check_not_shared`)."""
+    check_not_shared(data_dir)
     info = _stat(data_dir, follow=False)
     if info is None or has_manifest:
         return

@@ -49,7 +49,7 @@ from pipeline.batchjob.params import (
     json_snippet,
     sampling_params,
 )
-from pipeline.batchjob.scan import envelope, show
+from pipeline.batchjob.scan import envelope, invalid_type, invalid_value, show, snippet
 from pipeline.batchjob.tools import RequestTools, ToolCalling, check_tools, keeps_special_tokens, tool_constraint
 from pipeline.producer.signature import INT32_MAX
 from pipeline.wire.errors import GenerationParamsError
@@ -62,7 +62,7 @@ ENDPOINTS = {CHAT_URL: KIND_CHAT, COMPLETIONS_URL: KIND_COMPLETION}
 
 # Chat roles a message may take. OpenAI's "developer" is its newer name for "system" (the
 # chat template decides how to render it); "tool" answers a tool call of an earlier turn.
-CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 # Keys of a chat message, all passed to the chat template: "name", an assistant's earlier
 # "tool_calls" and a tool message's "tool_call_id"; others (audio, refusal) are refused.
 MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
@@ -191,8 +191,10 @@ def _with(params: GenerationParams, **changes: Any) -> GenerationParams:
 def _check_model(model: object, served_model: str) -> None:
     if model is None:
         raise Refused("you must provide a model parameter", "model")
-    if model != served_model:
-        raise Refused(f"the model {show(model)} is not served by this job, which serves {served_model!r}", "model")
+    if not isinstance(model, str):
+        raise Refused(invalid_type("model", "a string", model), "model")
+    if model != served_model:  # vLLM's words, and the name this job serves
+        raise Refused(f"The model `{snippet(model)}` does not exist (this job serves `{served_model}`).", "model")
 
 
 def _check_params(given: dict, kind: str) -> None:
@@ -220,7 +222,7 @@ def _messages(raw: object) -> list[dict[str, Any]]:
     """A chat request's messages as [{"role", "content": text, ["name", "tool_calls",
     "tool_call_id"]}]; an assistant's message with tool calls may have no content (None)."""
     if raw is None:
-        raise Refused("missing required parameter 'messages'", "messages")
+        raise Refused("Missing required parameter: 'messages'.", "messages")
     if not isinstance(raw, list) or not raw:
         raise Refused(f"messages must be a non-empty array of {{role, content}} objects, got {show(raw)}",
                       "messages")
@@ -235,9 +237,12 @@ def _messages(raw: object) -> list[dict[str, Any]]:
             raise Refused(f"{where} has {listed(unknown)}: a message has role, content, name, tool_calls and "
                           f"tool_call_id only", f"{where}.{unknown[0]}")
         role = message.get("role")
-        if not isinstance(role, str) or role not in CHAT_ROLES:  # an object is not hashable
-            raise Refused(f"{where}.role {show(role)} is not one of {', '.join(sorted(CHAT_ROLES))}",
-                          f"{where}.role")
+        if role is None:
+            raise Refused(f"Missing required parameter: '{where}.role'.", f"{where}.role")
+        if not isinstance(role, str):
+            raise Refused(invalid_type(f"{where}.role", "a string", role), f"{where}.role")
+        if role not in CHAT_ROLES:
+            raise Refused(invalid_value(role, CHAT_ROLES), f"{where}.role")
         calls = message.get("tool_calls")
         if calls is not None and (role != "assistant" or not isinstance(calls, list)
                                   or not all(isinstance(c, dict) for c in calls)):
@@ -280,7 +285,7 @@ def _prompt(raw: object) -> str | list[int]:
     """A completion's one prompt: non-empty text, or a non-empty list of token ids (a list
     holding one of these is that prompt)."""
     if raw is None:
-        raise Refused("missing required parameter 'prompt'", "prompt")
+        raise Refused("Missing required parameter: 'prompt'.", "prompt")
     if isinstance(raw, list) and len(raw) == 1 and isinstance(raw[0], (str, list)):
         raw = raw[0]  # ["text"] and [[1, 2]] are one prompt
     elif isinstance(raw, list) and len(raw) > 1 and all(isinstance(p, (str, list)) for p in raw):

@@ -6,7 +6,7 @@ with the file, and the little the job keeps of it.
 
 A line is a request when it is UTF-8 JSON, an object with exactly custom_id, method, url and
 body, a non-empty string custom_id used by no other line, method "POST", a string url and
-an object body, within MAX_REQUEST_LINE_BYTES (blank lines are skipped). Anything else is the
+an object body, within MAX_REQUEST_LINE_BYTES and MAX_JSON_NESTING (blank lines are skipped). Anything else is the
 file's problem: the job refuses to start, naming the first MAX_LISTED_ERRORS lines as
 `path:line: why` and the total (BatchFileError). What a body asks for is a request's own
 problem, answered 400 by the producer that makes its prompt (`requests.py`); the scan does
@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -55,6 +56,18 @@ from shm.layout import checked_dtype
 # item (262,144 tokens, ~4 characters each) is ~1 MiB of text, ~6 MiB if every character
 # were a \u escape; 16 MiB leaves room and bounds what a file of one endless line costs.
 MAX_REQUEST_LINE_BYTES = 16 << 20
+# How deep a request line's JSON may nest (objects and arrays, the line's own object
+# counted): serde_json's default recursion limit. A real request, a tool's JSON Schema
+# included, nests a few dozen deep; the decoders (msgspec, json, the chat template) recurse
+# once a level on a stack shared with their caller, within the interpreter's 1,000 frames,
+# so a line nested deeper than this would fail by where it is parsed, not by what it is.
+MAX_JSON_NESTING = 128
+# Bytes of a line whose nesting is counted at a time (the counts are 4 bytes a bracket).
+_NESTING_BLOCK_BYTES = 1 << 20
+# A JSON string (its escapes included): brackets in it do not nest.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_OPENERS, _CLOSERS = frozenset(b"[{"), frozenset(b"]}")
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in _OPENERS | _CLOSERS)
 # The most requests in one file. The job keeps one bit per request in memory (which are
 # answered), shared by its producers: 32 MiB at this limit; everything else it keeps per
 # request is on disk.
@@ -121,11 +134,31 @@ def envelope(raw: bytes) -> Envelope:
     """A request line's envelope, or BatchFileError saying why the line is not a request."""
     try:
         env = _ENVELOPE.decode(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
         return _slow_envelope(raw)
     if env.method != METHOD or not env.custom_id or memoryview(env.body)[:1] != b"{" or not _utf8(raw):
         return _slow_envelope(raw)
+    _check_nesting(raw)
     return env
+
+
+def _check_nesting(raw: bytes) -> None:
+    """BatchFileError for a line nested deeper than MAX_JSON_NESTING. A line with no more
+    brackets than the limit cannot nest deeper (two counts at memory speed); the rest have
+    their strings blanked and their brackets' running depth counted a block at a time."""
+    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_NESTING:
+        return
+    brackets = _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    depth = 0
+    for start in range(0, len(brackets), _NESTING_BLOCK_BYTES):
+        block = np.frombuffer(brackets, dtype=np.uint8, count=min(_NESTING_BLOCK_BYTES, len(brackets) - start),
+                              offset=start)
+        steps = np.where((block == ord("[")) | (block == ord("{")), 1, -1).astype(np.int32)
+        running = depth + np.cumsum(steps)
+        if running.max() > MAX_JSON_NESTING:
+            raise BatchFileError(f"nested deeper than {MAX_JSON_NESTING} levels of objects and arrays (a request "
+                                 f"nests a few dozen at most)")
+        depth = int(running[-1])
 
 
 def _utf8(raw: bytes) -> bool:
@@ -146,6 +179,7 @@ def _slow_envelope(raw: bytes) -> Envelope:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise BatchFileError(f"not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    _check_nesting(raw)
     try:
         record = json.loads(text)
     except (ValueError, RecursionError) as exc:
@@ -430,14 +464,40 @@ def _custom_id_at(f, offset: int) -> str:
     return envelope(f.readline(MAX_REQUEST_LINE_BYTES + 1).rstrip(b"\n")).custom_id
 
 
-def show(value: object) -> str:
-    """A JSON value for a message: its JSON type and a bounded rendering."""
-    kinds = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
+def json_kind(value: object) -> str:
+    """A JSON value's type as OpenAI's errors name it ("an integer", "an object")."""
+    kinds = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "an integer",
              float: "a number"}
+    return "null" if value is None else kinds.get(type(value), type(value).__name__)
+
+
+def show(value: object) -> str:
+    """A JSON value after "got": its JSON type and a bounded rendering."""
     if value is None:
         return "null"
     text = json.dumps(value, ensure_ascii=True)
-    return f"{kinds.get(type(value), type(value).__name__)} {text if len(text) <= 60 else text[:57] + '...'}"
+    return f"{json_kind(value)} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+def snippet(text: str) -> str:
+    """A string from a request for a message: escaped as JSON (a control character shows as
+    \\n), cut to 60 characters."""
+    escaped = json.dumps(text, ensure_ascii=True)[1:-1]
+    return escaped if len(escaped) <= 60 else escaped[:57] + "..."
+
+
+def invalid_type(where: str, expected: str, value: object) -> str:
+    """OpenAI's message for a parameter of the wrong JSON type."""
+    return f"Invalid type for '{where}': expected {expected}, but got {json_kind(value)} instead."
+
+
+def invalid_value(value: str, supported: Sequence[str]) -> str:
+    """OpenAI's message for a string parameter outside its values (the parameter is the
+    error's `param`), the values listed as OpenAI lists them ("'a', 'b', and 'c'")."""
+    names = [f"'{name}'" for name in supported]
+    last = f"{',' if len(names) > 2 else ''} and {names[-1]}" if len(names) > 1 else names[-1]
+    choices = ", ".join(names[:-1]) + last
+    return f"Invalid value: '{snippet(value)}'. Supported values are: {choices}."
 
 
 def input_digest(path: str) -> tuple[int, str]:

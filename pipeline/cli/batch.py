@@ -31,6 +31,7 @@ from pipeline.cli.engine_flags import (
     own_option_names,
 )
 from pipeline.cli.launch import ENGINE_OPTIONS_HELP, MAX_BATCH_TOKENS_HELP, METRICS_TOKEN_HELP, check_before_start, check_ray, setup_logging
+from pipeline.cli.numbers import FiniteFloat
 from pipeline.consumer.engines import ENGINES
 from pipeline.runtime.tables import merged, parse_assignments, parse_engine_options
 from pipeline.wire.errors import BadInputError, PipelineError, SettingsError
@@ -86,7 +87,7 @@ LOG_INTERVAL_S = 5.0
 @click.option("--max-batch-tokens", type=int, help=MAX_BATCH_TOKENS_HELP)
 @click.option("--max-input-len", type=int,
               help="Longest prompt run (default: the model's context less one token); longer ones are answered 400.")
-@click.option("--prompt-time-limit-s", type=click.FloatRange(*PROMPT_TIME_LIMIT_RANGE_S),
+@click.option("--prompt-time-limit-s", type=FiniteFloat(*PROMPT_TIME_LIMIT_RANGE_S),
               default=DEFAULT_PROMPT_TIME_LIMIT_S, show_default=True,
               help="Longest the chat template and tokenizer may take on one request; past it, that request is "
                    "answered 400.")

@@ -20,6 +20,7 @@ from pipeline.cli.engine_flags import (
     engine_flag_options,
     own_option_names,
 )
+from pipeline.cli.numbers import FiniteFloat
 from pipeline.consumer.engines import ENGINES
 from pipeline.runtime.processes import DURABILITY_LEVELS, STORAGE_KINDS
 from pipeline.runtime.gpus import consumer_placements, detect_gpus, gpus_per_engine
@@ -89,7 +90,8 @@ def load_launch_workload(settings: LaunchSettings, vocab_size: int):
 @click.option("--max-batch", type=int, help="Consumer contract: items per batch (default 64).")
 @click.option("--max-batch-tokens", type=int, help=MAX_BATCH_TOKENS_HELP)
 @click.option("--max-input-len", type=int, help="Consumer contract: longest prompt (default 8192).")
-@click.option("--replay-speed", type=float, help="Honour the workload's timestamps, X times faster.")
+@click.option("--replay-speed", type=FiniteFloat(min=0, min_open=True),
+              help="Honour the workload's timestamps, X times faster.")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False, exists=True), help="TOML file of these options.")
 @click.option("--report", type=click.Path(dir_okay=False), help="Write the run report as JSON here.")
 @click.option("--plots", type=click.Path(file_okay=False), help="Write PNG charts here (needs matplotlib).")

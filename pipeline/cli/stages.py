@@ -18,7 +18,13 @@ import time
 
 import click
 
-from pipeline.broker.config import DEFAULT_HEARTBEAT_TIMEOUT_S, DISPATCH_POLICIES, BrokerConfig
+from pipeline.broker.config import (
+    DEFAULT_HEARTBEAT_TIMEOUT_S,
+    DISPATCH_POLICIES,
+    MAX_HEARTBEAT_TIMEOUT_S,
+    MIN_HEARTBEAT_TIMEOUT_S,
+    BrokerConfig,
+)
 from pipeline.broker.selection import SHAPE_ORDERS
 from pipeline.cli.launch import (
     DISPATCH_HELP,
@@ -28,6 +34,7 @@ from pipeline.cli.launch import (
     STORAGE_HELP,
     setup_logging,
 )
+from pipeline.cli.numbers import FiniteFloat
 from pipeline.consumer.engines import ENGINES
 from pipeline.runtime import daemon
 from pipeline.runtime.datadir import (
@@ -54,6 +61,9 @@ from pipeline.wire.protocol import check_consumer_name
 
 # A graceful stop (a batch in hand finished, files closed) gets this long before SIGKILL.
 DEFAULT_STOP_TIMEOUT_S = 30.0
+# A stop timeout: 0 kills at once; past a day, a stage that ignores SIGTERM would hold the
+# command that long.
+STOP_TIMEOUT_RANGE_S = (0.0, 86_400.0)
 # While its producers wait for the broker (a full disk, a broker that does not answer),
 # `produce` says so again this often.
 PRODUCE_WAIT_REPORT_S = 30.0
@@ -114,7 +124,8 @@ def broker() -> None:
 @data_dir_option
 @click.option("--storage", type=click.Choice(STORAGE_KINDS), default="disk", show_default=True, help=STORAGE_HELP)
 @click.option("--durability", type=click.Choice(DURABILITY_LEVELS), default="process", show_default=True)
-@click.option("--heartbeat-timeout-s", type=float, default=DEFAULT_HEARTBEAT_TIMEOUT_S, show_default=True,
+@click.option("--heartbeat-timeout-s", type=FiniteFloat(MIN_HEARTBEAT_TIMEOUT_S, MAX_HEARTBEAT_TIMEOUT_S),
+              default=DEFAULT_HEARTBEAT_TIMEOUT_S, show_default=True,
               help="A consumer silent this long is declared dead.")
 @click.option("--metrics-port", type=click.IntRange(0, 65535),
               help="Serve Prometheus metrics on this port, on the loopback, to your own processes only (or see "
@@ -181,7 +192,8 @@ def _checked_token_file(path: str | None, port: int | None) -> str | None:
 
 @broker.command("stop")
 @data_dir_option
-@click.option("--timeout-s", type=float, default=DEFAULT_STOP_TIMEOUT_S, show_default=True,
+@click.option("--timeout-s", type=FiniteFloat(*STOP_TIMEOUT_RANGE_S), default=DEFAULT_STOP_TIMEOUT_S,
+              show_default=True,
               help="Graceful stop first; killed after this.")
 def broker_stop(data_dir: str, timeout_s: float) -> None:
     """Stop the broker: SIGTERM (it closes its files), SIGKILL after the timeout."""
@@ -271,7 +283,8 @@ def _consumer_registered(socket_path: str, name: str, pid: int) -> bool:
 @consumer.command("stop")
 @data_dir_option
 @click.option("--name", help="The consumer to stop (default: every consumer of DATA_DIR).")
-@click.option("--timeout-s", type=float, default=DEFAULT_STOP_TIMEOUT_S, show_default=True,
+@click.option("--timeout-s", type=FiniteFloat(*STOP_TIMEOUT_RANGE_S), default=DEFAULT_STOP_TIMEOUT_S,
+              show_default=True,
               help="Graceful stop first (finishes its batch in hand); killed after this.")
 def consumer_stop(data_dir: str, name: str | None, timeout_s: float) -> None:
     """Stop consumers: each finishes its batch in hand and says goodbye (batches it held
@@ -298,7 +311,8 @@ def consumer_stop(data_dir: str, name: str | None, timeout_s: float) -> None:
 @click.option("--producers", type=click.IntRange(min=1, max=MAX_PRODUCER_PROCESSES), default=1, show_default=True,
               help="Producer processes.")
 @click.option("--items", type=click.IntRange(min=1, max=MAX_ITEMS), help="Submit only the first N items.")
-@click.option("--replay-speed", type=float, help="Honour the file's timestamps, X times faster.")
+@click.option("--replay-speed", type=FiniteFloat(min=0, min_open=True),
+              help="Honour the file's timestamps, X times faster.")
 def produce(workload_file: str, data_dir: str, producers: int, items: int | None, replay_speed: float | None) -> None:
     """Submit a workload file to the running broker; exits once all of it is stored. While
     the broker cannot store (its disk is full, it is stopped or restarting) the items wait
@@ -432,6 +446,8 @@ def status(data_dir: str, as_json: bool, results_dir: str | None) -> None:
 
     from pipeline.batchjob.job import job_status
 
+    if not os.path.isdir(data_dir):
+        raise click.ClickException(f"no data directory at {data_dir}")
     check_data_dir(data_dir)
     job = job_status(data_dir)
     config = BrokerConfig(data_dir)

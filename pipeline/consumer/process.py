@@ -527,6 +527,7 @@ class Consumer:
         the engine's message for items it failed (EngineResult.errors; an engine error is
         that item's answer, never a lost item or a crashed consumer). Returns (ok, failed)."""
         got, d = started.got, started.descriptor
+        result.fail_long_texts()
         failed = [i for i, error in enumerate(result.errors or ()) if error is not None]
         if not failed:
             started.lines.append(result_lines(d, STATUS_OK, got.item_ids, got.submit_ns, got.lengths,

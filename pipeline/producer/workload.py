@@ -605,7 +605,7 @@ def _token_array(value: object, what: str) -> np.ndarray:
         index, token = next((k, t) for k, t in enumerate(value)
                             if type(t) is not int or not INT32_MIN <= t <= INT32_MAX)
         raise WorkloadError(
-            f"{what}[{index}]: token id {_show(token)} is not an integer in int32 "
+            f"{what}[{index}] is {_show(token)}: a token id is an integer in int32 "
             f"[{INT32_MIN}, {INT32_MAX}]"
         )
     return array.astype(np.int32)

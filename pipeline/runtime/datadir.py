@@ -70,6 +70,7 @@ def check_data_dir(path: str, whole_tree: bool = False) -> None:
     the command then says what is missing (no broker answers there)."""
     if not os.path.lexists(path):
         return
+    check_not_shared(path)
     real = os.path.realpath(path)
     _check_ancestors(os.path.dirname(real) or "/")
     _check_own_directory(real, "data directory")
@@ -82,6 +83,27 @@ def check_data_dir(path: str, whole_tree: bool = False) -> None:
             inside = os.path.join(real, name)
             if os.path.lexists(inside):
                 _check_own_directory(inside, "directory")
+
+
+def check_not_shared(path: str) -> None:
+    """DataDirError for a data directory that is a shared system directory: / or one that
+    everyone may write with the sticky bit (/tmp, /dev/shm). Its mode is the system's (a
+    chmod would break every other user of it) and its entries are not a run's: the run goes
+    in a directory of its own inside it."""
+    real = os.path.realpath(path)
+    try:
+        mode = os.stat(real).st_mode
+    except OSError:
+        return  # missing or unreadable: the caller's checks say so
+    if not stat.S_ISDIR(mode):
+        return
+    if real == "/":
+        raise DataDirError(f"data directory {path} is the root directory: give a directory of your own for the "
+                           f"run, such as {os.path.join(os.path.expanduser('~'), 'run1')}")
+    if mode & stat.S_IWOTH and mode & stat.S_ISVTX:
+        raise DataDirError(f"data directory {path} is a directory everyone shares (mode "
+                           f"{stat.S_IMODE(mode):04o}, as /tmp): give a directory of your own inside it, such as "
+                           f"{os.path.join(real, 'run1')} (leave its mode as it is)")
 
 
 def _unreadable(exc: OSError) -> None:

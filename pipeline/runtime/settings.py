@@ -263,8 +263,11 @@ MAX_CONTEXT_TOKENS = 1 << 24
 
 def model_context_len(path: str) -> int | None:
     """A Hugging Face config.json's context length (`max_position_embeddings`, top level or
-    in `text_config`); None where it names none. SettingsError if the file cannot be read."""
-    document = _model_config(path, "for its context length", "give --max-input-len")
+    in `text_config`); None where it names none. SettingsError if the file cannot be read.
+    The fix it names is --max-model-len (the context itself, prompt and output tokens: a job
+    checks max_tokens against it), not --max-input-len (which bounds prompts only)."""
+    fix = "give the model's context with --max-model-len"
+    document = _model_config(path, "for its context length", fix)
     text_config = document.get("text_config")
     value = document.get("max_position_embeddings",
                          text_config.get("max_position_embeddings") if isinstance(text_config, dict) else None)
@@ -272,7 +275,7 @@ def model_context_len(path: str) -> int | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not 2 <= value <= MAX_CONTEXT_TOKENS:
         raise SettingsError(f"{path}: max_position_embeddings {value!r:.40} is not a context length (an integer "
-                            f"from 2 to {MAX_CONTEXT_TOKENS:,}): fix the model's config.json, or give --max-input-len")
+                            f"from 2 to {MAX_CONTEXT_TOKENS:,}): fix the model's config.json, or {fix}")
     return value
 
 

@@ -389,6 +389,13 @@ class BatchOutputError(StorageError):
     is not a number of tokens, an unknown status, no row for a request that ran)."""
 
 
+class AnswerTextError(BatchOutputError):
+    """A request's answer text cannot be made from its tokens: the model's tokenizer
+    decoder failed on them (any exception, a Rust panic), or decoded them to more than
+    `decoding.MAX_ANSWER_TEXT_CHARS`. That request is answered with status 500 naming why;
+    the others are not affected."""
+
+
 class DiskFullError(StorageError):
     """The disk is full (ENOSPC): appends stop, producers feel backpressure, nothing that was
     accepted is lost; appends resume when space comes back."""

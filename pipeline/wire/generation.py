@@ -128,6 +128,14 @@ STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 # A million new tokens: more than any model's context, so no real request is refused here
 # (the job refuses max tokens past the model's context where the request enters).
 MAX_NEW_TOKENS = 1 << 20
+# The most characters of text one answer may hold (its samples' texts and their logprob
+# tokens' together), whoever decodes it (an engine into its results row, the job into its
+# output line): eight a token at MAX_NEW_TOKENS, where a real vocabulary's tokens average
+# under five; at six bytes a character (JSON's \u escapes, the files are ASCII) a row stays
+# within the job's 64 MiB row limit. Past it a decoder expands tokens (a Replace decoder
+# of a megabyte's content), and the item is failed, never truncated: cut text would not be
+# the tokens its usage counts.
+MAX_ANSWER_TEXT_CHARS = 8 << 20
 # vLLM's default limit of stop strings (VLLM_MAX_STOP_STRINGS) and OpenAI's: a request with
 # more is refused by both.
 MAX_STOP_STRINGS = 4

@@ -544,6 +544,10 @@ def test_completion_prompts(chatml):
                      (5, "a string or a list")]:
         with pytest.raises(TokenArrayError, match=why):
             chatml.completion_prompt(bad)
+    with pytest.raises(TokenArrayError) as caught:
+        chatml.completion_prompt([1, chatml.vocab_size])
+    assert str(caught.value) == (f"prompt[1] is int {chatml.vocab_size}: a token id is an integer in "
+                                 f"[0, {chatml.vocab_size}) (the model's vocabulary)")
 
 
 def test_add_bos_token_applies_to_plain_prompts_only(trained, tmp_path):

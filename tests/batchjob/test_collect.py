@@ -16,6 +16,7 @@ import pytest
 import xxhash
 
 from pipeline.batchjob import collect as collect_module
+from pipeline.batchjob import decoding as decoding_module
 from pipeline.batchjob.answers import AnswerLog
 from pipeline.batchjob.collect import Collector
 from pipeline.batchjob.layout import LOG_ERRORS, LOG_OUTPUT, encode_job_payload
@@ -290,3 +291,33 @@ def test_this_runs_rows_are_tallied_for_its_summary(job: Job) -> None:
     assert summary.lines == 3 and summary.duplicates == 1 and summary.items == 2
     assert summary.by_status == {"ok": 2, "too_long": 1} and summary.cached_tokens == 36
     assert summary.per_consumer["c0"]["lines"] == 3
+
+
+class PanicException(BaseException):
+    """What a Rust panic in the tokenizer's decoder reaches Python as (pyo3's, by its name)."""
+
+
+def test_a_decoder_that_fails_or_expands_answers_its_request_500_and_the_job_goes_on(
+        job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(decoding_module, "MAX_ANSWER_TEXT_CHARS", 100)
+
+    def hostile(ids: list[int]) -> str:
+        if 7 in ids:
+            raise PanicException("called `Result::unwrap()` on an `Err` value: RetryLimitInMatch")
+        return "y" * (1000 if 8 in ids else 1) * len(ids)
+
+    append(results(job), row(job.payload(0), output=[1, 7]), row(job.payload(1), output=[8, 1]),
+           row(job.payload(4), output=[1, 2]),
+           row(job.payload(5), output=[1], samples=[{"output": [8], "finish_reason": "stop"}]))
+    job.log = AnswerLog.open(str(job.data), job.manifest.requests, job.logs)
+    collector = Collector(str(job.data), job.manifest, job.input_fd, hostile, job.log, LOG_OUTPUT, vocab_size=100)
+    assert collector.collect() == 4 and collector.counts.bad_lines == 0
+    lines = {line["custom_id"]: line for line in job.lines()}
+    assert lines["eps\ud800"]["response"]["body"]["choices"][0]["message"]["content"] == "yy"
+    for custom_id, words in [("alpha", "failed to decode this answer's tokens: PanicException: called"),
+                             ("beta", "decodes this answer's tokens to more than 100 characters"),
+                             ("zeta", "more than 100 characters")]:
+        response = lines[custom_id]["response"]
+        assert response["status_code"] == 500 and words in response["body"]["error"]["message"]
+        assert response["body"]["error"]["type"] == "server_error"
+    assert job.log.by_status == {200: 1, 500: 3}

@@ -133,7 +133,7 @@ def test_what_a_request_does_not_give_is_vllms_servers_default(tmp_path, model_d
 
 
 @pytest.mark.parametrize("record, param, words", [
-    (chat("x", model="other"), "model", "not served"),
+    (chat("x", model="other"), "model", "The model `other` does not exist"),
     (chat("x", "a \ud800 b"), "messages", ""),
     (completion("x", [5] * 300), "prompt", "more than the 100"),
     (chat("x", max_tokens=5000), "max_tokens", "maximum context length is 2048"),

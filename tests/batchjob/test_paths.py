@@ -382,3 +382,17 @@ def test_abandon_is_idempotent_and_does_nothing_after_commit(job: Path, tmpfile:
     dropped.abandon()
     dropped.abandon()
     assert sorted(os.listdir(job)) == ["in.jsonl", "out.jsonl"]
+
+
+def test_a_shared_system_directory_is_refused_as_a_jobs_data_directory_before_its_entries_are_read(
+        tmp_path: Path) -> None:
+    from pipeline.wire.errors import DataDirError
+
+    with pytest.raises(DataDirError, match="is the root directory"):
+        check_data_dir_is_the_jobs("/", has_manifest=False)  # not "holds a store of another run" for its /run
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    (shared / "run").mkdir()
+    with pytest.raises(DataDirError, match=f"such as {shared / 'run1'}"):
+        check_data_dir_is_the_jobs(str(shared), has_manifest=True)

@@ -123,8 +123,13 @@ def test_a_broken_context_length_in_the_models_config_is_a_one_line_error(tmp_pa
     (broken / "config.json").write_text(config)
     done = run_batch("-i", str(write_requests(tmp_path / "in.jsonl", good(2))), "-o", str(tmp_path / "out.jsonl"),
                      "--model", str(broken))
-    one_line_error(done, *words)
+    one_line_error(done, *words, "--max-model-len")
+    assert "--max-input-len" not in done.stderr  # it bounds prompts, and the context is still needed
     assert not (tmp_path / "out.jsonl.run").exists()
+    given = run_batch("-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), "--model", str(broken),
+                      "--max-model-len", "2048", "--max-input-len", "100")  # what the message says works
+    assert given.returncode == 0, given.stderr
+    assert len(rows_by_id(tmp_path / "out.jsonl")) == 2
 
 
 @pytest.mark.parametrize("config, words", [("items = 5\n", ["items", "not settings of a batch job"]),
@@ -162,3 +167,52 @@ def test_plots_without_matplotlib_are_refused_before_the_job_starts(tmp_path, mo
                      "--model", model_dir, "--set", f"plots={tmp_path / 'charts'}", env=env)
     one_line_error(done, "matplotlib")
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def hostile_decoder_model(model_dir: str, tmp_path: Path, replacement: str, then: tuple[str, str] | None = None) -> str:
+    """A copy of the tiny model whose tokenizer's decoder turns each token into `replacement`
+    (then replaces the regex `then[0]` with `then[1]`)."""
+    path = copy_model(model_dir, tmp_path / "tiny-llama")
+    tokenizer = json.loads((path / "tokenizer.json").read_text())
+    steps = [{"type": "Replace", "pattern": {"Regex": "[\\s\\S]+"}, "content": replacement}]
+    if then is not None:
+        steps.append({"type": "Replace", "pattern": {"Regex": then[0]}, "content": then[1]})
+    tokenizer["decoder"] = {"type": "Sequence", "decoders": steps}
+    (path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return str(path)
+
+
+def server_error_of(rows: dict[str, dict], custom_id: str) -> str:
+    row = rows[custom_id]
+    assert row["response"]["status_code"] == 500, row
+    return row["response"]["body"]["error"]["message"]
+
+
+def test_a_decoder_that_panics_answers_each_request_500_and_the_job_finishes(tmp_path, model_dir):
+    model = hostile_decoder_model(model_dir, tmp_path, "x" * 40, then=("(x+x+)+y", "z"))  # onig's retry limit
+    records = [chat("a"), completion("b"), chat("c", logprobs=True, top_logprobs=2)]
+    out = tmp_path / "out.jsonl"
+    done = run_batch("-i", str(write_requests(tmp_path / "in.jsonl", records)), "-o", str(out), "--model", model)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    rows = rows_by_id(out)
+    for custom_id in ("a", "b", "c"):
+        assert "failed to decode the answer: PanicException" in server_error_of(rows, custom_id)
+
+
+def test_a_decoder_that_expands_each_token_is_refused_at_the_answer_text_limit(tmp_path, model_dir):
+    from pipeline.wire.generation import MAX_ANSWER_TEXT_CHARS
+
+    model = hostile_decoder_model(model_dir, tmp_path, "x" * (1 << 20))  # a MiB a token
+    at_limit = MAX_ANSWER_TEXT_CHARS >> 20
+    records = [chat("long", max_tokens=4 * at_limit, ignore_eos=True),
+               chat("at-limit", max_tokens=at_limit, ignore_eos=True),
+               chat("past", max_tokens=at_limit + 1, ignore_eos=True)]
+    out = tmp_path / "out.jsonl"
+    done = run_batch("-i", str(write_requests(tmp_path / "in.jsonl", records)), "-o", str(out), "--model", model)
+    assert done.returncode == 0, done.stderr
+    rows = rows_by_id(out)
+    assert rows["at-limit"]["response"]["body"]["choices"][0]["message"]["content"] == "x" * MAX_ANSWER_TEXT_CHARS
+    for custom_id in ("long", "past"):
+        assert f"more than {MAX_ANSWER_TEXT_CHARS:,} (its decoder expands tokens)" in server_error_of(rows, custom_id)
+    assert out.stat().st_size < 2 * MAX_ANSWER_TEXT_CHARS

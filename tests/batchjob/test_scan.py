@@ -19,6 +19,7 @@ from pipeline.batchjob.manifest import JobManifest
 from pipeline.batchjob.requests import parse_line
 from pipeline.batchjob.scan import (
     DIGEST_RECORD_DTYPE,
+    MAX_JSON_NESTING,
     MAX_LISTED_ERRORS,
     MAX_REQUEST_LINE_BYTES,
     InputScan,
@@ -124,7 +125,7 @@ FILE_PROBLEMS = [
     ("not utf-8 in a body", json.dumps(chat()).replace("Hi", "H\xe9").encode("latin-1"), "not UTF-8"),
     ("an array", "[1, 2]", "must be a JSON object, got an array"),
     ("a string", '"hello"', "must be a JSON object, got a string"),
-    ("a number", "17", "must be a JSON object, got a number 17"),
+    ("a number", "17", "must be a JSON object, got an integer 17"),
     ("null", "null", "must be a JSON object, got null"),
     ("no custom_id", _without(chat(), "custom_id"), "missing 'custom_id'"),
     ("no method", _without(chat(), "method"), "missing 'method'"),
@@ -134,13 +135,13 @@ FILE_PROBLEMS = [
     ("an empty object", {}, "missing 'custom_id', 'method', 'url', 'body'"),
     ("unknown key", {**chat(), "priority": 1}, "unknown key 'priority'"),
     ("unknown keys", {**chat(), "priority": 1, "extra": 2}, "unknown keys 'extra', 'priority'"),
-    ("custom_id a number", {**chat(), "custom_id": 17}, "custom_id must be a non-empty string, got a number 17"),
+    ("custom_id a number", {**chat(), "custom_id": 17}, "custom_id must be a non-empty string, got an integer 17"),
     ("custom_id empty", {**chat(), "custom_id": ""}, "custom_id must be a non-empty string, got a string \"\""),
     ("custom_id null", {**chat(), "custom_id": None}, "custom_id must be a non-empty string, got null"),
     ("custom_id an object", {**chat(), "custom_id": {"id": 1}}, "custom_id must be a non-empty string, got an object"),
     ("method GET", {**chat(), "method": "GET"}, "method must be 'POST'"),
     ("method lower case", {**chat(), "method": "post"}, "method must be 'POST'"),
-    ("method a number", {**chat(), "method": 1}, "method must be 'POST' (the Batch API's only method), got a number"),
+    ("method a number", {**chat(), "method": 1}, "method must be 'POST' (the Batch API's only method), got an integer 1"),
     ("url a number", {**chat(), "url": 5}, "url must be a string"),
     ("url null", {**chat(), "url": None},
      "url must be a string (an endpoint such as '/v1/chat/completions'), got null"),
@@ -222,6 +223,36 @@ def test_a_line_at_the_size_limit_is_read_and_one_byte_more_is_refused(tmp_path:
     message = refusal(tmp_path, chat("first"), line_of(MAX_REQUEST_LINE_BYTES + 1), chat("next"))
     assert f"{tmp_path / 'in.jsonl'}:2: longer than {MAX_REQUEST_LINE_BYTES:,} bytes" in message
     assert "1 bad line;" in message
+
+
+def nested(custom_id: str, depth: int, inner: str = "[]") -> str:
+    """A chat request line whose JSON nests `depth` levels (the line's own object counted),
+    the extra levels as arrays in an unknown body field."""
+    arrays = depth - 2  # the line's object and its body
+    return (f'{{"custom_id": "{custom_id}", "method": "POST", "url": "/v1/chat/completions", "body": '
+            f'{{"model": "{MODEL}", "messages": [], "x": {"[" * (arrays - 1)}{inner}{"]" * (arrays - 1)}}}}}')
+
+
+def test_a_line_nested_at_the_limit_is_read_and_one_level_more_is_refused(tmp_path: Path) -> None:
+    assert scan(tmp_path, nested("a", MAX_JSON_NESTING), chat("b")).requests == 2
+    assert parse_line(nested("a", MAX_JSON_NESTING).encode(), 0, 1, MODEL).custom_id == "a"  # a producer parses it
+    message = refusal(tmp_path, chat("a"), nested("b", MAX_JSON_NESTING + 1), chat("c"))
+    assert f"{tmp_path / 'in.jsonl'}:2: nested deeper than {MAX_JSON_NESTING} levels" in message
+    assert "1 bad line;" in message
+
+
+@pytest.mark.parametrize("depth", [1000, 5000, 100_000])
+def test_a_line_nested_past_the_interpreters_recursion_is_a_bad_line_not_a_crash(tmp_path: Path, depth: int) -> None:
+    message = refusal(tmp_path, chat("a"), nested("b", depth), nested("c", depth, inner="[}"), chat("d"))
+    assert "2 bad lines" in message
+    assert [line.split(":")[1] for line in message.splitlines()[1:]] == ["2", "3"]
+    assert message.count(f"nested deeper than {MAX_JSON_NESTING} levels") == 2
+
+
+def test_brackets_in_strings_do_not_nest(tmp_path: Path) -> None:
+    line = chat("a", messages=[{"role": "user", "content": "[{" * 5000 + '\\"]' + "}]" * 7}])
+    deep_key = chat("b", **{'x"[[[' * 100: ["[" * 300]})
+    assert scan(tmp_path, line, deep_key, nested("c", MAX_JSON_NESTING, inner=r'["[[[\\", "\\\"]]"]')).requests == 3
 
 
 def test_an_over_long_line_across_many_blocks_is_one_bad_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

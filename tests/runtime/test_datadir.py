@@ -20,6 +20,7 @@ import pytest
 
 from pipeline.runtime.datadir import (
     check_data_dir,
+    check_not_shared,
     hold_for_launch,
     launch_lock_path,
     lock_holder,
@@ -126,6 +127,30 @@ def test_a_directory_above_that_others_can_write_is_refused_unless_sticky(tmp_pa
     assert not (shared / "data").exists()
     os.chmod(shared, 0o1777)  # like /tmp: others cannot rename what is ours
     prepare_data_dir(str(shared / "data"))
+
+
+@pytest.mark.parametrize("mode", [0o1777, 0o1773, 0o1757])
+def test_a_shared_sticky_directory_is_refused_as_a_data_directory_with_a_subdirectory_advised(tmp_path, mode):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, mode)
+    for check in (check_data_dir, prepare_data_dir, check_not_shared):
+        with pytest.raises(DataDirError) as caught:
+            check(str(shared))
+        assert f"such as {shared / 'run1'}" in str(caught.value) and "chmod" not in str(caught.value)
+    assert stat.S_IMODE(os.stat(shared).st_mode) == mode and os.listdir(shared) == []
+    os.chmod(shared, mode & ~stat.S_ISVTX & ~0o002 if mode & 0o002 else mode & ~stat.S_ISVTX)
+    check_not_shared(str(shared))  # not sticky, or not everyone's: the other checks judge it
+
+
+def test_the_root_directory_and_the_systems_tmp_are_refused_as_data_directories(tmp_path):
+    with pytest.raises(DataDirError, match="is the root directory: give a directory of your own"):
+        check_data_dir("/")
+    tmp = tempfile.gettempdir()
+    if stat.S_IMODE(os.stat(tmp).st_mode) & 0o1002 == 0o1002:
+        done = pipeline("status", "--data-dir", tmp)
+        assert done.returncode == 1 and f"such as {os.path.join(os.path.realpath(tmp), 'run1')}" in done.stderr
+        assert "chmod" not in done.stderr and "Traceback" not in done.stderr
 
 
 @needs_root

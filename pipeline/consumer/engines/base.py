@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from pipeline.wire.generation import GenerationParams
+from pipeline.wire.generation import MAX_ANSWER_TEXT_CHARS, GenerationParams
 
 # The largest tensor or pipeline parallel size an engine takes (each its GPUs, or on vLLM's
 # CPU build its worker processes): a node holds 8 GPUs (16 at most today), and 64 worker
@@ -144,6 +144,20 @@ class EngineResult:
     texts: list[str | None] | None = None
     errors: list[str | None] | None = None
     samples: list[list[Sample] | None] | None = None
+
+    def fail_long_texts(self) -> None:
+        """Prompts whose texts (every sample's, their logprob tokens') are longer than
+        MAX_ANSWER_TEXT_CHARS become the engine's failures: their results row would be past
+        what a job reads, and such text is the model's decoder expanding tokens."""
+        for i in range(len(self.outputs)):
+            chars = len(self.texts[i] or "") if self.texts is not None else 0
+            for sample in (self.samples[i] or ()) if self.samples is not None else ():
+                chars += len(sample.text or "") + sum(len(entry[2] or "") for token in sample.logprobs or ()
+                                                      for entry in token)
+            if chars > MAX_ANSWER_TEXT_CHARS and (self.errors is None or self.errors[i] is None):
+                self.errors = self.errors if self.errors is not None else [None] * len(self.outputs)
+                self.errors[i] = (f"the model's tokenizer decoded this answer to {chars:,} characters, more than "
+                                  f"{MAX_ANSWER_TEXT_CHARS:,} (its decoder expands tokens)")
 
 
 class Engine(abc.ABC):

@@ -322,7 +322,17 @@ def _decoder(model_dir: str | None):
         tokenizer = Tokenizer.from_file(path)
     except Exception as exc:  # the Rust side raises plain Exception for every parse error
         raise EngineOptionsError(f"sim engine: tokenizer {path}: {exc}") from exc
-    return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip)
+
+    def decode(ids: list[int], skip: bool) -> str:
+        try:
+            return tokenizer.decode(ids, skip_special_tokens=skip)
+        except BaseException as exc:  # the model's decoder is foreign code: a Rust panic is a BaseException
+            if not isinstance(exc, Exception) and type(exc).__name__ != "PanicException":
+                raise
+            words = " ".join(str(exc).split())[:200]
+            raise SimRefusal(f"the model's tokenizer failed to decode the answer: {type(exc).__name__}: "
+                             f"{words}") from None
+    return decode
 
 
 def _positive_sizes(config: SimConfig) -> bool:

@@ -1,0 +1,88 @@
+"""What `pipeline status` reads of a job's files, each checked: a damaged file is named in
+one line (JobMismatchError), never read as numbers it does not hold.
+
+    view = saved_view(path, requests)        # job/status.json, or a not-started view
+    done = answered(records_path, requests)  # job/answers.bin's record count
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from pipeline.batchjob.layout import ANSWER_RECORD_SIZE_BYTES, valid_records
+from pipeline.wire.errors import JobMismatchError
+
+# The most bytes of a saved view read: it is a few hundred.
+MAX_STATUS_BYTES = 1 << 20
+# The saved view's counts, each a whole number.
+COUNTS = ("requests", "done", "failed", "to_do")
+# Its rates and times, each a number or null.
+FIGURES = ("eta_s", "requests_per_s")
+
+
+def saved_view(path: str, requests: int) -> dict:
+    """The job's last saved view (job/status.json); a not-started one where the file is
+    missing (a job that never ran); JobMismatchError naming the file where it is damaged."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_STATUS_BYTES + 1)
+    except FileNotFoundError:
+        return {"state": "not started", "requests": requests, "done": 0, "failed": 0, "to_do": requests}
+    except OSError as exc:
+        raise JobMismatchError(f"{path}: cannot read the job's status ({exc.strerror})") from exc
+    try:
+        saved = json.loads(raw)
+    except ValueError:
+        saved = None
+    why = _wrong(saved) if len(raw) <= MAX_STATUS_BYTES else f"longer than {MAX_STATUS_BYTES:,} bytes"
+    if why:
+        raise JobMismatchError(f"{path}: damaged ({why}); the job's answers are kept elsewhere, and its next run "
+                               f"writes this file again")
+    return saved
+
+
+def _wrong(saved: object) -> str | None:
+    if not isinstance(saved, dict):
+        return "not a JSON object"
+    if not isinstance(saved.get("state"), str):
+        return f"state {saved.get('state')!r:.40} is not a word"
+    for key in COUNTS:
+        value = saved.get(key, 0)
+        if type(value) is not int or value < 0:
+            return f"{key} {value!r:.40} is not a count"
+    for key in FIGURES:
+        value = saved.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+            return f"{key} {value!r:.40} is not a number"
+    return None
+
+
+def answered(path: str, requests: int) -> int | None:
+    """How many answer records job/answers.bin holds (None: no file); JobMismatchError naming
+    it where it is not whole records, holds more than the job's requests, or its first or
+    last record fails its check (the file is read there only: a job's records may be many)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise JobMismatchError(f"{path}: cannot read the job's answer records ({exc.strerror})") from exc
+    try:
+        size = os.fstat(fd).st_size
+        count = size // ANSWER_RECORD_SIZE_BYTES
+        why = None
+        if size % ANSWER_RECORD_SIZE_BYTES:
+            why = f"{size:,} bytes are not whole {ANSWER_RECORD_SIZE_BYTES}-byte records"
+        elif count > requests:
+            why = f"{count:,} records, more than the job's {requests:,} requests"
+        elif count:
+            ends = (0, (count - 1) * ANSWER_RECORD_SIZE_BYTES)
+            if any(valid_records(os.pread(fd, ANSWER_RECORD_SIZE_BYTES, at)).size != 1 for at in ends):
+                why = "a record fails its check"
+    finally:
+        os.close(fd)
+    if why:
+        raise JobMismatchError(f"{path}: damaged ({why}); the next run-batch on this data directory recovers "
+                               f"the records that check")
+    return count

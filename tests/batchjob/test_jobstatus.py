@@ -1,0 +1,99 @@
+"""pipeline.batchjob.jobstatus and `pipeline status` on a job's data directory: each job
+file is checked as it is read, and a damaged one is named in one line, never a traceback or
+numbers it does not hold; a data directory that is not there is said to be missing."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from pipeline.batchjob.answers import records_path
+from pipeline.batchjob.jobstatus import answered, saved_view
+from pipeline.batchjob.layout import ANSWER_RECORD_SIZE_BYTES, LOG_OUTPUT, answer_record
+from pipeline.batchjob.manifest import JOB_DIR, JobManifest, manifest_path, write_manifest
+from pipeline.cli import main
+from pipeline.wire.errors import JobMismatchError
+
+REQUESTS = 10
+GOOD_VIEW = {"state": "stopped", "requests": REQUESTS, "done": 2, "failed": 1, "to_do": 8, "eta_s": None,
+             "requests_per_s": 3.5}
+
+
+def job_dir(tmp_path: Path, records: int = 2) -> Path:
+    data = tmp_path / "data"
+    data.mkdir(mode=0o700)
+    write_manifest(str(data), JobManifest(7, 1_700_000_000, "/jobs/in.jsonl", 1000, "ab" * 16, REQUESTS, "tiny",
+                                          "/jobs/out.jsonl", "input", None))
+    (data / JOB_DIR / "status.json").write_text(json.dumps(GOOD_VIEW))
+    Path(records_path(str(data))).write_bytes(b"".join(answer_record(k, 0, 10, 200, LOG_OUTPUT, 1, 1, 0)
+                                                        for k in range(records)))
+    return data
+
+
+def status(data: Path | str) -> tuple[int, str]:
+    done = CliRunner().invoke(main, ["status", "--data-dir", str(data)])
+    assert done.exception is None or isinstance(done.exception, SystemExit), done.exception
+    return done.exit_code, done.output
+
+
+def test_a_stopped_jobs_status_reads_its_files(tmp_path: Path) -> None:
+    code, said = status(job_dir(tmp_path))
+    assert code == 0 and "job stopped: 2 of 10 requests answered, 1 failed, 8 to do" in said
+
+
+@pytest.mark.parametrize("text, why", [("[]", "not a JSON object"), ('"x"', "not a JSON object"),
+                                       ('{"state": 5}', "state 5 is not a word"),
+                                       ('{"state": "stopped", "done": "2"}', "done '2' is not a count"),
+                                       ('{"state": "stopped", "to_do": -1}', "to_do -1 is not a count"),
+                                       ('{"state": "stopped", "eta_s": "soon"}', "eta_s 'soon' is not a number"),
+                                       ("{not json", "not a JSON object")])
+def test_a_damaged_saved_view_is_named_in_one_line(tmp_path: Path, text: str, why: str) -> None:
+    data = job_dir(tmp_path)
+    path = data / JOB_DIR / "status.json"
+    path.write_text(text)
+    with pytest.raises(JobMismatchError, match=f"damaged \\({why}\\)"):
+        saved_view(str(path), REQUESTS)
+    code, said = status(data)
+    assert code == 1 and f"Error: {path}: damaged ({why})" in said and said.count("\n") == 1
+
+
+def test_a_missing_saved_view_is_a_job_not_started(tmp_path: Path) -> None:
+    assert saved_view(str(tmp_path / "none.json"), 4)["state"] == "not started"
+
+
+@pytest.mark.parametrize("requests, why", [('"x"', "requests 'x' is not a positive number"),
+                                           ("-5", "requests -5 is not a positive number"),
+                                           ("0", "requests 0 is not a positive number")])
+def test_a_damaged_manifest_is_named_in_one_line(tmp_path: Path, requests: str, why: str) -> None:
+    data = job_dir(tmp_path)
+    path = Path(manifest_path(str(data)))
+    path.write_text(path.read_text().replace(f'"requests": {REQUESTS}', f'"requests": {requests}'))
+    code, said = status(data)
+    assert code == 1 and f"{path}: damaged ({why})" in said and said.count("\n") == 1
+
+
+def test_answer_records_at_the_jobs_requests_count_and_damaged_ones_are_named(tmp_path: Path) -> None:
+    data = job_dir(tmp_path, records=REQUESTS)
+    path = records_path(str(data))
+    assert answered(path, REQUESTS) == REQUESTS
+    with pytest.raises(JobMismatchError, match="more than the job's 9 requests"):
+        answered(path, REQUESTS - 1)
+    Path(path).write_bytes(os.urandom(100 * ANSWER_RECORD_SIZE_BYTES))
+    code, said = status(data)
+    assert code == 1 and f"{path}: damaged (" in said and "100" not in said.split("damaged")[0]
+    Path(path).write_bytes(os.urandom(5 * ANSWER_RECORD_SIZE_BYTES))
+    with pytest.raises(JobMismatchError, match="a record fails its check"):
+        answered(path, REQUESTS)
+    Path(path).write_bytes(b"\0" * (ANSWER_RECORD_SIZE_BYTES + 1))
+    with pytest.raises(JobMismatchError, match="not whole"):
+        answered(path, REQUESTS)
+    assert answered(str(tmp_path / "none.bin"), REQUESTS) is None
+
+
+def test_a_data_directory_that_is_not_there_is_said_to_be_missing(tmp_path: Path) -> None:
+    code, said = status(tmp_path / "nonexistent")
+    assert code == 1 and said == f"Error: no data directory at {tmp_path / 'nonexistent'}\n"
