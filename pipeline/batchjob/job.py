@@ -61,7 +61,7 @@ from pipeline.batchjob.scan import InputScan, input_digest, read_index, scan_inp
 from pipeline.batchjob.telemetry import JobTelemetry
 from pipeline.batchjob.tools import ToolCalling
 from pipeline.batchjob.workload import JobInput, JobWorkload, PromptLimits
-from pipeline.runtime.datadir import check_data_dir
+from pipeline.runtime.datadir import check_data_dir, describe_holder, hold_lock, holder_gone, release_lock
 from pipeline.runtime.inventory import pending_payloads, producer_ring_names
 from pipeline.runtime.settings import LaunchSettings
 from pipeline.wire.errors import GenerationParamsError, JobPathError
@@ -201,19 +201,20 @@ class BatchJob:
         os.makedirs(os.path.join(self.data_dir, JOB_DIR), mode=0o700, exist_ok=True)
 
     def _lock(self) -> None:
-        """Hold the job's lock for the whole run: one run of a job at a time."""
+        """Hold the job's lock for the whole run: one run of a job at a time. Held by this
+        process alone: its children (broker, consumers, producers) never hold it, so a run
+        killed without a word frees it at once."""
         path = os.path.join(self.data_dir, JOB_DIR, LOCK_NAME)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise JobPathError(f"a run of this job holds {self.data_dir} (pid {holder}): wait for it to finish, or "
-                               f"stop it (Ctrl-C where it runs) and run this again") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._lock_fd = fd
+        held = hold_lock(path)
+        if isinstance(held, int):
+            self._lock_fd = held
+            return
+        if holder_gone(held):
+            raise JobPathError(f"{path} is held by a process an earlier run of this job left (pid {held}, which "
+                               f"started it, is gone): it exits within seconds of its parent; if it does not, "
+                               f"find it with `fuser {path}`, stop it, and run this again")
+        raise JobPathError(f"a run of this job holds {self.data_dir} ({describe_holder(held)}): wait for it to "
+                           f"finish, or stop it (Ctrl-C where it runs) and run this again")
 
     def _wanted_manifest(self, input_path: str, have: JobManifest | None) -> tuple[JobManifest, InputScan]:
         """This run's idea of the job: a fresh scan of the input for a new job (refused with
@@ -460,7 +461,7 @@ class BatchJob:
         if remove:
             left = remove_data_dir(self.data_dir)
         if self._lock_fd >= 0:
-            os.close(self._lock_fd)
+            release_lock(self._lock_fd)
             self._lock_fd = -1
         return left
 

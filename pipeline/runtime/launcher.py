@@ -88,7 +88,7 @@ from pipeline.runtime.tables import (
     shown,
 )
 from pipeline.wire.client import broker_status
-from pipeline.wire.errors import PipelineError
+from pipeline.wire.errors import PipelineError, ProducerStoppedError
 from pipeline.wire.status import BrokerStatus
 
 log = logging.getLogger("pipeline.launch")
@@ -150,7 +150,10 @@ def _produce_main(socket_path: str, workload: Workload, index: int, count: int,
 
     code = 0
     try:
-        client = BrokerProducer(socket_path)
+        try:
+            client = BrokerProducer(socket_path, give_up=stop)
+        except ProducerStoppedError:
+            os._exit(0)  # stopped (its parent gone, or a stop) before it published anything
         ledger.registered(index, client.producer_id)
         client.on_frame = lambda next_seq: ledger.published(index, next_seq)  # a call's frames, one by one
 
