@@ -22,6 +22,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -71,8 +72,12 @@ OUTPUT_ORDERS = ("input", "completion")
 LOCK_NAME = "lock"
 STATUS_NAME = "status.json"
 INDEX_NAME = "input.idx"
+SCAN_DIR = "scan"
 # How often the job's status file and the collector's read positions are saved while it runs.
 SAVE_INTERVAL_S = 2.0
+# What a new job's prepare makes in its job directory before the manifest: the lock, the
+# scan's work files, the input's index.
+UNFINISHED_SCAN_NAMES = frozenset({LOCK_NAME, SCAN_DIR, INDEX_NAME})
 
 
 @dataclass(slots=True)
@@ -140,6 +145,7 @@ class BatchJob:
         self.show = show
         self._lock_fd = -1
         self._created_data_dir = False
+        self._new_job = False
         self.manifest: JobManifest | None = None
         self.job_input: JobInput | None = None
         self.log: AnswerLog | None = None
@@ -161,12 +167,18 @@ class BatchJob:
         spec = self.spec
         input_path = check_input(spec.input_path)
         have = load_manifest(self.data_dir) if os.path.isdir(self.data_dir) else None
-        check_data_dir_is_the_jobs(self.data_dir, has_manifest=have is not None)
+        unfinished = have is None and self._unfinished_scan()
+        check_data_dir_is_the_jobs(self.data_dir, has_manifest=have is not None or unfinished)
+        self._new_job = have is None
         self.own_files = OwnFiles(self.data_dir)
         outputs = self._outputs()
         expects = check_outputs(outputs, input_path, self.data_dir, self.own_files.own, spec.overwrite)
         self._make_data_dir()
         self._lock()
+        if unfinished:  # checked again under the lock: the scan of a new job made this directory
+            self._created_data_dir = True
+            self.say(f"run-batch: {self.data_dir} holds what a stopped check of an input left (no job was made "
+                     f"there): it is checked again")
         self.targets = {out.role: Target.open(out.role, out.path, expect, self.own_files.own(out.path))
                         for out, expect in zip(outputs, expects)}
         wanted, scan = self._wanted_manifest(input_path, have)
@@ -183,6 +195,16 @@ class BatchJob:
                                                            self.manifest)
         self.job_input = JobInput(input_path, self.manifest.requests, index)
         self._open_answers()
+
+    def _unfinished_scan(self) -> bool:
+        """The data directory holds only what a new job's prepare makes before its manifest
+        (its lock, the scan's work files, the input's index): a new job stopped there (kill
+        -9), taken over by the same command once the lock is free."""
+        try:
+            return (os.listdir(self.data_dir) == [JOB_DIR]
+                    and set(os.listdir(os.path.join(self.data_dir, JOB_DIR))) <= UNFINISHED_SCAN_NAMES)
+        except OSError:
+            return False
 
     def _outputs(self) -> list[OutputPath]:
         spec = self.spec
@@ -221,7 +243,7 @@ class BatchJob:
         its bad lines), its digest alone for a resume."""
         spec = self.spec
         if have is None:
-            scan = scan_input(input_path, os.path.join(self.data_dir, JOB_DIR, "scan"), on_progress=self._scanning)
+            scan = scan_input(input_path, os.path.join(self.data_dir, JOB_DIR, SCAN_DIR), on_progress=self._scanning)
         else:
             size, digest = input_digest(input_path)
             scan = InputScan(input_path, size, digest, have.requests)
@@ -466,9 +488,16 @@ class BatchJob:
         return left
 
     def abandon_new(self) -> None:
-        """A job refused before anything ran in a data directory it created: remove it."""
-        if self._created_data_dir:
+        """A new job refused or stopped before anything ran: remove the data directory it
+        created, or, in one that was there, what it made there (its job directory); a job
+        that does not hold its lock (another run's) touches nothing."""
+        if self._lock_fd < 0 or not self._new_job:
+            self.close(remove=False)
+        elif self._created_data_dir:
             self.close(remove=True)
+        else:
+            shutil.rmtree(os.path.join(self.data_dir, JOB_DIR), ignore_errors=True)
+            self.close(remove=False)
 
 
 def job_workload(data_dir: str, model_dir: str, chat_template: str | None = None) -> JobWorkload:

@@ -77,6 +77,7 @@ from pipeline.runtime.local import (
     stop_process,
 )
 from pipeline.runtime.processes import memory_tier_dir
+from pipeline.runtime.prompttime import PromptTimer, process_cpu_ns, process_state
 from pipeline.runtime.settings import DEFAULT_CPU_CONSUMERS, LaunchSettings, engine_options_for_host
 from pipeline.runtime.signals import stop_on_signals
 from pipeline.runtime.tables import (
@@ -328,6 +329,7 @@ class Launcher:
         self._retired_busy_ns = 0
         self.restarts = 0
         self._deaths: dict[int, int] = {}  # request -> producers that died on it
+        self._prompt_timers: dict[int, PromptTimer] = {}  # producer index -> its time on its request
         # When the producers started, and when the watch first saw them all gone.
         self._producers_span_ns: list[int] = [0, 0]
         # Stock by item id (every item found in results, store or rings) is taken unless the
@@ -525,12 +527,13 @@ class Launcher:
                 continue
             since_ns, position = busy
             if process.exitcode is None:
-                if time.monotonic_ns() - since_ns < limit_s * 1e9:
+                if not self._ran_past(index, since_ns, limit_s, process.pid):
                     continue
                 process.kill()
                 process.join(BROKER_EXIT_WAIT_S)
                 why = (f"it ran past the {limit_s:g}-second time limit of the chat template and tokenizer "
-                       f"(--prompt-time-limit-s)")
+                       f"(--prompt-time-limit-s; the time the producer ran or was blocked on it, not time it "
+                       f"was paused or waited for a core)")
             elif process.exitcode != 0:
                 self._deaths[position] = self._deaths.get(position, 0) + 1
                 crashed = -process.exitcode in CRASH_SIGNALS or self._deaths[position] > 1
@@ -539,6 +542,18 @@ class Launcher:
             else:
                 continue
             self._restart_producer(index, position, why)
+
+    def _ran_past(self, index: int, since_ns: int, limit_s: float, pid: int) -> bool:
+        """Producer `index` (process `pid`) has been charged its time limit on the request
+        it started at `since_ns` (`prompttime`)."""
+        timer = self._prompt_timers.get(index)
+        if timer is None or timer.limit_s != limit_s:
+            timer = self._prompt_timers[index] = PromptTimer(limit_s)
+        cpu_ns = process_cpu_ns(pid)
+        if cpu_ns is None:
+            return False  # gone meanwhile: its exit status is judged on the next pass
+        timer.observe(since_ns, self.ledger.busy_cpu_from(index), time.monotonic_ns(), cpu_ns, process_state(pid))
+        return timer.ran_past()
 
     def _restart_producer(self, index: int, position: int, why: str) -> None:
         """Start producer `index` again after what it published; `why` (not empty): the
