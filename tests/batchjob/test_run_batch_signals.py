@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from pipeline.runtime.prompttime import process_cpu_ns, process_state
+from tools.tiny_llama import CHAT_TEMPLATE
 from tests.support.jobs import (
     ROOT,
     SLOW_CONFIG,
@@ -40,9 +41,9 @@ SCAN_REQUESTS = 300_000
 # How long a rerun right after a kill -9 may take to finish a small job: the orphans of the
 # killed run once held it for FIRST_REGISTRATION_TIMEOUT_S (120 s).
 RERUN_LIMIT_S = 90.0
-# A template that spins on every request (tens of ms of CPU), so that a producer is making
+# A template that spins on every request (about 40 ms of CPU), so that a producer is making
 # a prompt most of the time.
-SPINS = "{% for i in range(30000) %}{% endfor %}"
+SPINS = "{% set ns = namespace(n=0) %}{% for i in range(10000) %}{% set ns.n = ns.n + i %}{% endfor %}"
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +97,8 @@ def test_a_rerun_right_after_kill_9_finishes_the_job_at_once(tmp_path, model_dir
 
 
 def test_a_producer_paused_past_the_time_limit_is_not_charged_for_the_pause(tmp_path, model_dir):
-    model = copy_model(model_dir, tmp_path / "spins")
-    (model / "chat_template.jinja").write_text(SPINS + (Path(model_dir) / "chat_template.jinja").read_text())
+    model = copy_model(model_dir, tmp_path / "spins" / "tiny-llama")
+    (model / "chat_template.jinja").write_text(SPINS + CHAT_TEMPLATE)
     args = job_args(tmp_path, str(model), 400, "--producers", "1", "--prompt-time-limit-s", "1")
     job = start_batch(*args)
     try:
@@ -120,6 +121,7 @@ def test_a_producer_paused_past_the_time_limit_is_not_charged_for_the_pause(tmp_
     refused = {k: r["response"]["body"] for k, r in rows.items() if r["response"]["status_code"] != 200}
     assert not refused, refused
     assert "time limit" not in err
+    assert process_cpu_ns(producer) is None and process_state(producer) == ""  # gone reads as gone
 
 
 def big_input(path: Path) -> Path:

@@ -3,7 +3,7 @@ never time paused from outside, waiting for a core, or unseen. Pure: a simulated
 
 from __future__ import annotations
 
-from pipeline.runtime.prompttime import MAX_PASS_GAP_S, PromptTimer, process_cpu_ns, process_state
+from pipeline.runtime.prompttime import MAX_PASS_GAP_S, PromptTimer
 
 S = 1_000_000_000  # ns in a second
 EPISODE = 7_000 * S  # the ledger's busy-since stamp of the request in hand
@@ -73,6 +73,3 @@ def test_a_new_request_starts_from_nothing():
     timer.check_invariants()
     assert timer.charged_ns() == 0 and not timer.ran_past()
 
-
-def test_a_process_gone_reads_as_gone():
-    assert process_cpu_ns(2**22 + 12345) is None and process_state(2**22 + 12345) == ""
