@@ -492,14 +492,21 @@ class RingWriter(SharedRing):
 
     def __init__(self, name: str, mapping: mmap.mmap, creator: bool) -> None:
         super().__init__(name, mapping, creator)
-        self._write_pos = self.write_pos
-        self._read_pos_seen = self.read_pos
-        if self.writer_closed:
-            self._u32[_I_WRITER_CLOSED] = 0  # a reattaching writer reopens it
-        self._u32[_I_WRITER_PID] = os.getpid()
-        self._pending_end: int | None = None
-        bell = self.doorbell_name
-        self._doorbell = Doorbell.attach(bell) if bell else None
+        self._doorbell: Doorbell | None = None
+        try:
+            self._write_pos = self.write_pos
+            self._read_pos_seen = self.read_pos
+            if self.writer_closed:
+                self._u32[_I_WRITER_CLOSED] = 0  # a reattaching writer reopens it
+            self._u32[_I_WRITER_PID] = os.getpid()
+            self._pending_end: int | None = None
+            bell = self.doorbell_name
+            self._doorbell = Doorbell.attach(bell) if bell else None  # gone: its broker is stopping
+        except BaseException:
+            # The views go before the caller closes the map: a live view made that close
+            # raise BufferError, which hid the real error.
+            SharedRing.close(self)
+            raise
         self._writer_closed = False
 
     def reserve(self, body_size_bytes: int, timeout_s: float | None = None) -> int:

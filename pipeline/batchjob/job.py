@@ -23,6 +23,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import socket
 import time
 from collections.abc import Callable
@@ -66,7 +67,7 @@ from pipeline.batchjob.telemetry import JobTelemetry
 from pipeline.batchjob.tools import ToolCalling
 from pipeline.batchjob.workload import INPUT_CHANGED_NAME, JobInput, JobWorkload, PromptLimits
 from pipeline.reporting.progress import DISK_FULL_ALERT
-from pipeline.runtime.datadir import check_data_dir
+from pipeline.runtime.datadir import check_data_dir, describe_holder, hold_lock, holder_gone, release_lock
 from pipeline.runtime.inventory import pending_payloads, producer_ring_names
 from pipeline.runtime.settings import LaunchSettings
 from pipeline.wire.errors import (
@@ -85,8 +86,13 @@ LOCK_NAME = "lock"
 STATUS_NAME = "status.json"
 INDEX_NAME = "input.idx"
 LINES_NAME = "lines.bin"
+SCAN_DIR = "scan"
 # How often the job's status file and the collector's read positions are saved while it runs.
 SAVE_INTERVAL_S = 2.0
+# What a new job's prepare makes in its job directory before the manifest: the lock, the
+# scan's work files, the input's index.
+UNFINISHED_SCAN_NAMES = frozenset({LOCK_NAME, SCAN_DIR, INDEX_NAME, LINES_NAME, f".{LINES_NAME}.partial",
+                                   MODEL_COPY_DIR, f"{MODEL_COPY_DIR}.new"})
 
 
 @dataclass(slots=True)
@@ -155,6 +161,7 @@ class BatchJob:
         self._lock_fd = -1
         self.model_files = self.spec.model_dir  # the job's copies of the model's files, once made
         self._created_data_dir = False
+        self._new_job = False
         self.manifest: JobManifest | None = None
         self.job_input: JobInput | None = None
         self.log: AnswerLog | None = None
@@ -180,12 +187,18 @@ class BatchJob:
         self._bind_metrics()
         input_path = check_input(spec.input_path)
         have = load_manifest(self.data_dir) if os.path.isdir(self.data_dir) else None
-        check_data_dir_is_the_jobs(self.data_dir, has_manifest=have is not None)
+        unfinished = have is None and self._unfinished_scan()
+        check_data_dir_is_the_jobs(self.data_dir, has_manifest=have is not None or unfinished)
+        self._new_job = have is None
         self.own_files = OwnFiles(self.data_dir)
         outputs = self._outputs()
         expects = check_outputs(outputs, input_path, self.data_dir, self.own_files.own, spec.overwrite)
         self._make_data_dir()
         self._lock()
+        if unfinished:  # checked again under the lock: the scan of a new job made this directory
+            self._created_data_dir = True
+            self.say(f"run-batch: {self.data_dir} holds what a stopped check of an input left (no job was made "
+                     f"there): it is checked again")
         self.targets = {out.role: Target.open(out.role, out.path, expect, self.own_files.own(out.path))
                         for out, expect in zip(outputs, expects)}
         wanted, scan = self._wanted_manifest(input_path, have)
@@ -219,6 +232,16 @@ class BatchJob:
         self.metrics_port = self.metrics_listener.getsockname()[1]
         self.say(f"run-batch: metrics: http://127.0.0.1:{self.metrics_port}/metrics")
 
+    def _unfinished_scan(self) -> bool:
+        """The data directory holds only what a new job's prepare makes before its manifest
+        (its lock, the scan's work files, the input's index): a new job stopped there (kill
+        -9), taken over by the same command once the lock is free."""
+        try:
+            return (os.listdir(self.data_dir) == [JOB_DIR]
+                    and set(os.listdir(os.path.join(self.data_dir, JOB_DIR))) <= UNFINISHED_SCAN_NAMES)
+        except OSError:
+            return False
+
     def _outputs(self) -> list[OutputPath]:
         spec = self.spec
         found = [OutputPath("output file", os.path.abspath(spec.output_path))]
@@ -236,19 +259,20 @@ class BatchJob:
         os.makedirs(os.path.join(self.data_dir, JOB_DIR), mode=0o700, exist_ok=True)
 
     def _lock(self) -> None:
-        """Hold the job's lock for the whole run: one run of a job at a time."""
+        """Hold the job's lock for the whole run: one run of a job at a time. Held by this
+        process alone: its children (broker, consumers, producers) never hold it, so a run
+        killed without a word frees it at once."""
         path = os.path.join(self.data_dir, JOB_DIR, LOCK_NAME)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise JobPathError(f"a run of this job holds {self.data_dir} (pid {holder}): wait for it to finish, or "
-                               f"stop it (Ctrl-C where it runs) and run this again") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._lock_fd = fd
+        held = hold_lock(path)
+        if isinstance(held, int):
+            self._lock_fd = held
+            return
+        if holder_gone(held):
+            raise JobPathError(f"{path} is held by a process an earlier run of this job left (pid {held}, which "
+                               f"started it, is gone): it exits within seconds of its parent; if it does not, "
+                               f"find it with `fuser {path}`, stop it, and run this again")
+        raise JobPathError(f"a run of this job holds {self.data_dir} ({describe_holder(held)}): wait for it to "
+                           f"finish, or stop it (Ctrl-C where it runs) and run this again")
 
     def _wanted_manifest(self, input_path: str, have: JobManifest | None) -> tuple[JobManifest, InputScan]:
         """This run's idea of the job: a fresh scan of the input for a new job (refused with
@@ -256,7 +280,7 @@ class BatchJob:
         spec = self.spec
         if have is None:
             job_dir = os.path.join(self.data_dir, JOB_DIR)
-            scan = scan_input(input_path, os.path.join(job_dir, "scan"), os.path.join(job_dir, LINES_NAME),
+            scan = scan_input(input_path, os.path.join(job_dir, SCAN_DIR), os.path.join(job_dir, LINES_NAME),
                               on_progress=self._scanning)
         else:
             size, digest = input_digest(input_path)
@@ -523,17 +547,23 @@ class BatchJob:
         if remove:
             left = remove_data_dir(self.data_dir)
         if self._lock_fd >= 0:
-            os.close(self._lock_fd)
+            release_lock(self._lock_fd)
             self._lock_fd = -1
         return left
 
     def abandon_new(self) -> None:
-        """A job refused before anything ran: its metrics port freed, and a data directory it
-        created removed."""
+        """A new job refused or stopped before anything ran: its metrics port freed; the data
+        directory it created removed, or, in one that was there, what it made there (its job
+        directory); a job that does not hold its lock (another run's) touches nothing."""
         if self.metrics_listener is not None:
             self.metrics_listener.close()
-        if self._created_data_dir:
+        if self._lock_fd < 0 or not self._new_job:
+            self.close(remove=False)
+        elif self._created_data_dir:
             self.close(remove=True)
+        else:
+            shutil.rmtree(os.path.join(self.data_dir, JOB_DIR), ignore_errors=True)
+            self.close(remove=False)
 
 
 def job_workload(data_dir: str, model_dir: str, chat_template: str | None = None) -> JobWorkload:

@@ -19,6 +19,7 @@ import sys
 import click
 
 from pipeline.batchjob.job import BatchJob, JobSpec, JobSummary
+from pipeline.batchjob.manifest import load_manifest
 from pipeline.batchjob.progress import JobView, format_job_line
 from pipeline.batchjob.sampling import sim_answer_options
 from pipeline.batchjob.tools import tool_calling
@@ -230,13 +231,44 @@ def _settings(config_path, assignments, options: dict, data_dir: str, engine: st
     return settings
 
 
+# Signals that stop a job while it prepares: Ctrl-C, a kill, a closed terminal.
+_PREPARE_STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class _StopSignal(KeyboardInterrupt):
+    """One of _PREPARE_STOPS while the job prepares."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop_signal(signum: int, _frame) -> None:
+    for other in _PREPARE_STOPS:  # the first one stops it; more would cut its clean-up short
+        signal.signal(other, signal.SIG_IGN)
+    raise _StopSignal(signum)
+
+
 def _prepare(job: BatchJob) -> None:
-    """The job's checks and reads; a refused new job leaves no data directory behind."""
+    """The job's checks and reads; a refused new job leaves no data directory behind. A stop
+    (SIGINT, SIGTERM, SIGHUP) meanwhile ends the command in one line, with the shell's
+    status for that signal: a new job's data directory removed, a resumed job's kept."""
+    held = {signum: signal.signal(signum, _stop_signal) for signum in _PREPARE_STOPS}
     try:
-        job.prepare()
-    except BaseException:
-        job.abandon_new()
-        raise
+        try:
+            job.prepare()
+        except BaseException:
+            job.abandon_new()
+            raise
+    except _StopSignal as stop:
+        signum = stop.signum
+        kept = (f"the same command resumes the job (data directory {job.data_dir})" if os.path.isdir(job.data_dir)
+                and load_manifest(job.data_dir) is not None else "nothing was kept")
+        click.echo(f"run-batch: stopped ({signal.Signals(signum).name}) while checking the input; {kept}", err=True)
+        sys.exit(128 + signum)
+    finally:
+        for signum, handler in held.items():
+            signal.signal(signum, handler)
     manifest = job.manifest
     click.echo(f"run-batch: {manifest.requests:,} requests in {manifest.input_path}: {job.log.done:,} answered "
                f"already ({job.log.failed:,} failed), {job.pending:,} waiting in the store, {job.to_submit:,} to "

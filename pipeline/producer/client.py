@@ -16,11 +16,12 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
 from pipeline.producer.producer import DEFAULT_RING_CAPACITY_BYTES, Producer, ProducerLimits
-from pipeline.wire.errors import ProducerRefusedError, ProtocolError
+from pipeline.wire.errors import ProducerRefusedError, ProducerStoppedError, ProtocolError
 from pipeline.wire.protocol import RECONNECT_FIRST_S, RECONNECT_MAX_S, REGISTRATION_REPLY_TIMEOUT_S, Connection
 from shm.ring import RingWriter
 
@@ -46,7 +47,11 @@ class BrokerProducer(Producer):
 
     def __init__(self, socket_path: str, *, capacity_bytes: int = DEFAULT_RING_CAPACITY_BYTES,
                  limits: ProducerLimits = ProducerLimits(), timeout_s: float | None = None,
-                 register_timeout_s: float = FIRST_REGISTRATION_TIMEOUT_S) -> None:
+                 register_timeout_s: float = FIRST_REGISTRATION_TIMEOUT_S,
+                 give_up: Callable[[], bool] = lambda: False) -> None:
+        """Registered with the broker on `socket_path`, asking again while it is away, for
+        up to `register_timeout_s`; ProducerStoppedError as soon as `give_up()` (this process
+        is stopping: its parent is gone, or it was told to stop) finds it away."""
         self.socket_path = socket_path
         deadline_s = time.monotonic() + register_timeout_s
         backoff = RECONNECT_FIRST_S
@@ -55,6 +60,9 @@ class BrokerProducer(Producer):
                 self._register(capacity_bytes, limits, timeout_s)
                 break
             except _BROKER_AWAY as exc:  # a broker stopping or restarting: ask again
+                if give_up():
+                    raise ProducerStoppedError(f"{socket_path}: this producer stopped before a broker took its "
+                                               f"registration ({exc}); it published nothing") from exc
                 if time.monotonic() + backoff > deadline_s:
                     raise type(exc)(f"{socket_path}: no broker took this producer's registration within "
                                     f"{register_timeout_s:g} s: {exc}") from exc

@@ -23,6 +23,7 @@ remove the first one's shared-memory objects as leftovers.
     data_dir = prepare_data_dir("/data/run1")     # created 0700, or checked; DataDirError
     check_data_dir("/data/run1")                  # a client: checked, never created
     fd = hold_for_launch("/data/run1")            # DataDirInUseError; release_launch(fd)
+    held = hold_lock(path)                        # a descriptor, or the holder's pid (str)
 """
 
 from __future__ import annotations
@@ -176,32 +177,31 @@ def launch_lock_path(data_dir: str) -> str:
     return os.path.join(data_dir, RUN_DIR, LAUNCH_LOCK_NAME)
 
 
-# The descriptors of the launch locks this process holds. A forked child closes its copies
-# at once, so a lock is the launcher's alone (the pid in it is the holder) and is free the
-# moment the launcher is gone. NOTE: children sharing it, so that a killed launcher's run
-# held the data directory until its last orphan exited, was rejected: a rerun right after
-# a crash was then refused for as long as an orphan lingered, while what the orphans still
-# use is kept anyway (the broker's lock, and a clean-up never removes what a process maps).
-_launch_holds: set[int] = set()
+# The descriptors of the locks this process holds (`hold_lock`: the launch lock, a batch
+# job's lock). A forked child closes its copies at once, so a lock is its taker's alone
+# (the pid in it is the holder) and is free the moment that process is gone. NOTE: children
+# sharing it, so that a killed launcher's run held the data directory until its last orphan
+# exited, was rejected: a rerun right after a crash was then refused for as long as an
+# orphan lingered, while what the orphans still use is kept anyway (the broker's lock, and a
+# clean-up never removes what a process maps).
+_holds: set[int] = set()
 
 
 def _drop_inherited_holds() -> None:
-    for fd in _launch_holds:
+    for fd in _holds:
         os.close(fd)
-    _launch_holds.clear()
+    _holds.clear()
 
 
 os.register_at_fork(after_in_child=_drop_inherited_holds)
 
 
-def hold_for_launch(data_dir: str) -> int:
-    """Take the data directory for one launcher's run: an exclusive, non-blocking flock on
-    run/launch.lock, with this pid written in it. Returns its descriptor, for
-    `release_launch`. Refuses at once (DataDirInUseError, naming the pid that holds it) when
-    another run holds it."""
-    path = launch_lock_path(data_dir)
-    os.makedirs(os.path.dirname(path), mode=DIRECTORY_MODE, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+def hold_lock(path: str) -> int | str:
+    """An exclusive, non-blocking flock on `path` (created 0600), with this pid written in
+    it, held by this process alone (never by a child it forks): its descriptor, for
+    `release_lock`; or, when another process holds it, that holder as its file names it
+    (`describe_holder`)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
@@ -209,18 +209,33 @@ def hold_for_launch(data_dir: str) -> int:
         os.close(fd)
         if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
             raise
-        raise DataDirInUseError(f"another run is using the data directory {data_dir}: {describe_holder(holder)} "
-                                f"holds {path}; wait for it to end, or use another --data-dir") from None
-    _launch_holds.add(fd)
+        return holder
+    _holds.add(fd)
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
 
 
-def release_launch(fd: int) -> None:
-    """End a hold `hold_for_launch` took."""
-    _launch_holds.discard(fd)
+def release_lock(fd: int) -> None:
+    """End a hold `hold_lock` took."""
+    _holds.discard(fd)
     os.close(fd)
+
+
+def hold_for_launch(data_dir: str) -> int:
+    """Take the data directory for one launcher's run: `hold_lock` on run/launch.lock.
+    Returns its descriptor, for `release_launch`. Refuses at once (DataDirInUseError,
+    naming the pid that holds it) when another run holds it."""
+    path = launch_lock_path(data_dir)
+    os.makedirs(os.path.dirname(path), mode=DIRECTORY_MODE, exist_ok=True)
+    held = hold_lock(path)
+    if isinstance(held, str):
+        raise DataDirInUseError(f"another run is using the data directory {data_dir}: {describe_holder(held)} "
+                                f"holds {path}; wait for it to end, or use another --data-dir")
+    return held
+
+
+release_launch = release_lock
 
 
 def lock_holder(path: str) -> str | None:
@@ -246,6 +261,21 @@ def lock_holder(path: str) -> str | None:
 def describe_holder(holder: str) -> str:
     """'pid 12' for a lock's holder as its file says ('a process' before it is written)."""
     return f"pid {holder}" if holder.isdigit() else "a process (its pid not written yet)"
+
+
+def holder_gone(holder: str) -> bool:
+    """The pid a held lock's file names no longer runs: a process that pid left behind
+    (one forked before its locks were dropped in children, or given the descriptor) still
+    holds it, so stopping "where it runs" is no advice."""
+    if not holder.isdigit():
+        return False
+    try:
+        os.kill(int(holder), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # it runs, as another user
+    return False
 
 
 def _pid_in(fd: int) -> str:

@@ -59,14 +59,16 @@ class ProducerLedger:
     Owner: the launcher creates it before forking the producers; producer k writes only its
     own words, the launcher only reads (and resets a slot before it starts a producer again
     in it). Process-safe under that rule: each word is one aligned 8-byte word, written by
-    one process (one store on x86-64, never torn). `busy` writes the request first and the
-    time last, and `idle` clears the time, so a reader that sees a time sees its request.
+    one process (one store on x86-64, never torn). `busy` writes the request and CPU clock
+    first and the time last, and `idle` clears the time, so a reader that sees a time sees
+    its request.
     A producer killed between publishing a frame and recording it leaves the count short by
     that frame: `take_stock` then takes the highest sequence found anywhere as published.
     """
 
-    # producer id, published, busy since (monotonic ns, 0: idle), busy at, resume at, busy ns in all
-    _WORDS = 6
+    # producer id, published, busy since (monotonic ns, 0: idle), busy at, resume at, busy ns in
+    # all, the producer's CPU clock when it got busy (ns: `prompttime`)
+    _WORDS = 7
 
     def __init__(self, slots) -> None:
         self._slots = slots
@@ -81,7 +83,7 @@ class ProducerLedger:
     def reset(self, index: int) -> None:
         """Slot `index` as before its producer started (the launcher, before a restart)."""
         base = self._WORDS * index
-        self._slots[base:base + self._WORDS] = [UNREGISTERED, 0, 0, 0, -1, 0]
+        self._slots[base:base + self._WORDS] = [UNREGISTERED, 0, 0, 0, -1, 0, 0]
 
     @property
     def producers(self) -> int:
@@ -95,6 +97,7 @@ class ProducerLedger:
 
     def busy(self, index: int, position: int) -> None:
         self._slots[self._WORDS * index + 3] = position
+        self._slots[self._WORDS * index + 6] = time.process_time_ns()
         self._slots[self._WORDS * index + 2] = time.monotonic_ns()
 
     def idle(self, index: int) -> None:
@@ -114,6 +117,10 @@ class ProducerLedger:
         """(since, monotonic ns; the request) producer `index` is making, or None."""
         since = self._slots[self._WORDS * index + 2]
         return (since, self._slots[self._WORDS * index + 3]) if since else None
+
+    def busy_cpu_from(self, index: int) -> int:
+        """Producer `index`'s CPU clock (ns) when it started the request it is on."""
+        return self._slots[self._WORDS * index + 6]
 
     def resume_position(self, index: int) -> int | None:
         position = self._slots[self._WORDS * index + 4]

@@ -78,6 +78,7 @@ from pipeline.runtime.local import (
     stop_process,
 )
 from pipeline.runtime.processes import memory_tier_dir
+from pipeline.runtime.prompttime import PromptTimer, process_cpu_ns, process_state
 from pipeline.runtime.settings import DEFAULT_CPU_CONSUMERS, LaunchSettings, engine_options_for_host
 from pipeline.runtime.signals import stop_on_signals
 from pipeline.runtime.tables import (
@@ -89,7 +90,7 @@ from pipeline.runtime.tables import (
     shown,
 )
 from pipeline.wire.client import broker_status
-from pipeline.wire.errors import PipelineError
+from pipeline.wire.errors import PipelineError, ProducerStoppedError
 from pipeline.wire.status import BrokerStatus
 
 log = logging.getLogger("pipeline.launch")
@@ -151,7 +152,10 @@ def _produce_main(socket_path: str, workload: Workload, index: int, count: int,
 
     code = 0
     try:
-        client = BrokerProducer(socket_path)
+        try:
+            client = BrokerProducer(socket_path, give_up=stop)
+        except ProducerStoppedError:
+            os._exit(0)  # stopped (its parent gone, or a stop) before it published anything
         ledger.registered(index, client.producer_id)
         client.on_frame = lambda next_seq: ledger.published(index, next_seq)  # a call's frames, one by one
 
@@ -329,6 +333,7 @@ class Launcher:
         self._retired_busy_ns = 0
         self.restarts = 0
         self._deaths: dict[int, int] = {}  # request -> producers that died on it
+        self._prompt_timers: dict[int, PromptTimer] = {}  # producer index -> its time on its request
         # When the producers started, and when the watch first saw them all gone.
         self._producers_span_ns: list[int] = [0, 0]
         # Stock by item id (every item found in results, store or rings) is taken unless the
@@ -536,12 +541,13 @@ class Launcher:
                 continue
             since_ns, position = busy
             if process.exitcode is None:
-                if time.monotonic_ns() - since_ns < limit_s * 1e9:
+                if not self._ran_past(index, since_ns, limit_s, process.pid):
                     continue
                 process.kill()
                 process.join(BROKER_EXIT_WAIT_S)
                 why = (f"it ran past the {limit_s:g}-second time limit of the chat template and tokenizer "
-                       f"(--prompt-time-limit-s)")
+                       f"(--prompt-time-limit-s; the time the producer ran or was blocked on it, not time it "
+                       f"was paused or waited for a core)")
             elif process.exitcode != 0:
                 self._deaths[position] = self._deaths.get(position, 0) + 1
                 crashed = -process.exitcode in CRASH_SIGNALS or self._deaths[position] > 1
@@ -550,6 +556,18 @@ class Launcher:
             else:
                 continue
             self._restart_producer(index, position, why)
+
+    def _ran_past(self, index: int, since_ns: int, limit_s: float, pid: int) -> bool:
+        """Producer `index` (process `pid`) has been charged its time limit on the request
+        it started at `since_ns` (`prompttime`)."""
+        timer = self._prompt_timers.get(index)
+        if timer is None or timer.limit_s != limit_s:
+            timer = self._prompt_timers[index] = PromptTimer(limit_s)
+        cpu_ns = process_cpu_ns(pid)
+        if cpu_ns is None:
+            return False  # gone meanwhile: its exit status is judged on the next pass
+        timer.observe(since_ns, self.ledger.busy_cpu_from(index), time.monotonic_ns(), cpu_ns, process_state(pid))
+        return timer.ran_past()
 
     def _restart_producer(self, index: int, position: int, why: str) -> None:
         """Start producer `index` again after what it published; `why` (not empty): the

@@ -39,12 +39,19 @@ _PR_SET_PDEATHSIG = 1
 
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# The pid of the process that forked this one through `start_child` (set in the parent just
+# before the fork, so the child finds it in its copy of memory): a child whose parent is no
+# longer it was orphaned before it could ask for PR_SET_PDEATHSIG. NOTE: comparing with 1
+# was rejected: under a subreaper (a container's init, systemd --user) orphans get its pid.
+_forked_by = 0
 
 
 def start_child(process) -> None:
     """`process.start()` with SIGINT and SIGTERM blocked across the fork: the child starts
     with them blocked (delivered once it unblocks them in `own_process_group`), so neither
     runs the parent's Python handlers in the child."""
+    global _forked_by
+    _forked_by = os.getpid()
     signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
     try:
         process.start()
@@ -65,7 +72,8 @@ def own_process_group() -> None:
     os.setpgid(0, 0)
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() == 1:  # the parent died before prctl: nobody will stop us
+        parent = os.getppid()
+        if (parent != _forked_by) if _forked_by else (parent == 1):  # the parent died before prctl
             os._exit(1)
 
 

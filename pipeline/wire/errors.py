@@ -48,6 +48,7 @@ raises one of these, with the offending value, path and byte offset in the messa
     │       │                                clean-up removes anything of it
     │       └── DataDirInUseError            `launch` or `run-batch` refused at once: another
     │                                        run or a broker holds it (also RuntimeError)
+    ├── ProducerStoppedError                 a producer stopped before any broker took its registration
     ├── ProducerRefusedError                 the broker refused a producer (its reason named);
     │                                        what it published and was not stored is named
     ├── FrameError                           a ring record is not a valid submission frame
@@ -259,6 +260,11 @@ class DataDirInUseError(LiveRunError, RuntimeError):
     of a launch already says those in one line."""
 
 
+class ProducerStoppedError(PipelineError):
+    """A producer told to stop (SIGTERM; its parent died) while no broker had taken its
+    registration yet: it gives up at once, having published nothing."""
+
+
 class ProducerRefusedError(PipelineError):
     """The broker refused this producer (a record that is not a valid frame, a model id it
     does not serve): the message carries the broker's reason. Records the producer published
@@ -453,6 +459,7 @@ __all__ = [
     "PayloadTooLargeError",
     "PipelineError",
     "ProducerRefusedError",
+    "ProducerStoppedError",
     "ProtocolError",
     "RecordTooLargeError",
     "RegistrationRefusedError",

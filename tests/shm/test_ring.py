@@ -575,3 +575,11 @@ def test_a_ring_whose_semaphore_its_creator_unlinked_is_missing_not_a_crash(shm_
     finally:
         writer.close()
         writer.unlink()
+
+
+def test_a_writer_whose_doorbell_is_gone_fails_with_that_not_a_buffer_error(shm_name):
+    """A broker that stops while a producer registers unlinks the doorbell it named: the
+    ring's creation fails on it, its views released before the map is closed, and nothing
+    of the ring is left (the fixture checks)."""
+    with pytest.raises(ObjectMissingError):
+        RingWriter.create(shm_name(), 4096, doorbell=shm_name("bell"))
