@@ -57,7 +57,7 @@ import numpy as np
 from pipeline.batchjob.modelfiles import check_model_file, read_model_text
 from pipeline.batchjob.prefixes import MEMO_BYTES, PrefixEntry, PrefixMemo
 from pipeline.batchjob.splits import AddedTokenSplits, Spans
-from pipeline.batchjob.template import compile_chat_template, read_text_file
+from pipeline.batchjob.template import compile_chat_template
 from pipeline.wire.errors import (
     BadInputError,
     ChatRequestError,

@@ -20,7 +20,6 @@ and only the rest are submitted.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
@@ -31,10 +30,9 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from pipeline.batchjob.answers import LOG_NAME, AnswerLog, records_path
+from pipeline.batchjob.answers import LOG_NAME, AnswerLog
 from pipeline.batchjob.assemble import write_in_input_order
 from pipeline.batchjob.collect import Collector, forget_answers
-from pipeline.batchjob.jobstatus import answered, saved_view
 from pipeline.batchjob.layout import (
     JOB_PAYLOAD_SIZE_BYTES,
     LOG_ERRORS,
@@ -42,8 +40,13 @@ from pipeline.batchjob.layout import (
     decode_job_payload,
 )
 from pipeline.batchjob.manifest import (
+    INDEX_NAME,
     JOB_DIR,
+    LINES_NAME,
+    LOCK_NAME,
     MODEL_COPY_DIR,
+    SCAN_DIR,
+    STATUS_NAME,
     JobManifest,
     depends_on,
     differences,
@@ -82,11 +85,6 @@ from pipeline.wire.fileops import errno_text
 from pipeline.wire.generation import decode_payload
 
 OUTPUT_ORDERS = ("input", "completion")
-LOCK_NAME = "lock"
-STATUS_NAME = "status.json"
-INDEX_NAME = "input.idx"
-LINES_NAME = "lines.bin"
-SCAN_DIR = "scan"
 # How often the job's status file and the collector's read positions are saved while it runs.
 SAVE_INTERVAL_S = 2.0
 # What a new job's prepare makes in its job directory before the manifest: the lock, the
@@ -566,56 +564,8 @@ class BatchJob:
             self.close(remove=False)
 
 
-def job_workload(data_dir: str, model_dir: str, chat_template: str | None = None) -> JobWorkload:
-    """Every request of the job on `data_dir` as its producers make them (a checker's view:
-    `pipeline/reliability`), from the job's manifest and input index (and the job's
-    --chat-template, where it had one)."""
-    manifest = load_manifest(data_dir)
-    if manifest is None:
-        raise JobPathError(f"{data_dir}: not a batch job's data directory (no job manifest)")
-    index = read_index(os.path.join(data_dir, JOB_DIR, INDEX_NAME), manifest)
-    skip = np.zeros((manifest.requests + 7) // 8, dtype=np.uint8)
-    return JobWorkload(JobInput(manifest.input_path, manifest.requests, index,
-                                os.path.join(data_dir, JOB_DIR, LINES_NAME)), skip, manifest, model_dir, data_dir,
-                       PromptLimits(), chat_template)
-
-
-def job_status(data_dir: str) -> dict | None:
-    """What `pipeline status` says of the job on `data_dir` (None: no job there): its last
-    saved view and state, with `running` from the job's lock (held by a live run or not),
-    so a run killed without a word reads as stopped."""
-    manifest = load_manifest(data_dir)
-    if manifest is None:
-        return None
-    saved = saved_view(os.path.join(data_dir, JOB_DIR, STATUS_NAME), manifest.requests)
-    saved["running"] = _lock_held(os.path.join(data_dir, JOB_DIR, LOCK_NAME))
-    # The answer records are the count (the saved view lags by up to SAVE_INTERVAL_S).
-    done = answered(records_path(data_dir), manifest.requests)
-    done = saved.get("done", 0) if done is None else done
-    if done != saved.get("done"):
-        saved.update(done=done, to_do=manifest.requests - done, eta_s=None)
-    if saved.get("state") == "running" and not saved["running"]:
-        saved["state"] = "stopped"  # its process is gone without a word (kill -9, a power cut)
-    saved.update(input=manifest.input_path, output=manifest.output_path, requests=manifest.requests)
-    return saved
-
-
 def _remove_quietly(path: str) -> None:
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
-
-
-def _lock_held(path: str) -> bool:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)

@@ -7,10 +7,13 @@ one line (JobMismatchError), never read as numbers it does not hold.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 
+from pipeline.batchjob.answers import records_path
 from pipeline.batchjob.layout import ANSWER_RECORD_SIZE_BYTES, valid_records
+from pipeline.batchjob.manifest import JOB_DIR, LOCK_NAME, STATUS_NAME, load_manifest
 from pipeline.wire.errors import JobMismatchError
 
 # The most bytes of a saved view read: it is a few hundred.
@@ -86,3 +89,37 @@ def answered(path: str, requests: int) -> int | None:
         raise JobMismatchError(f"{path}: damaged ({why}); the next run-batch on this data directory recovers "
                                f"the records that check")
     return count
+
+
+def job_status(data_dir: str) -> dict | None:
+    """What `pipeline status` says of the job on `data_dir` (None: no job there): its last
+    saved view and state, with `running` from the job's lock (held by a live run or not),
+    so a run killed without a word reads as stopped."""
+    manifest = load_manifest(data_dir)
+    if manifest is None:
+        return None
+    saved = saved_view(os.path.join(data_dir, JOB_DIR, STATUS_NAME), manifest.requests)
+    saved["running"] = _lock_held(os.path.join(data_dir, JOB_DIR, LOCK_NAME))
+    # The answer records are the count (the saved view lags by up to SAVE_INTERVAL_S).
+    done = answered(records_path(data_dir), manifest.requests)
+    done = saved.get("done", 0) if done is None else done
+    if done != saved.get("done"):
+        saved.update(done=done, to_do=manifest.requests - done, eta_s=None)
+    if saved.get("state") == "running" and not saved["running"]:
+        saved["state"] = "stopped"  # its process is gone without a word (kill -9, a power cut)
+    saved.update(input=manifest.input_path, output=manifest.output_path, requests=manifest.requests)
+    return saved
+
+
+def _lock_held(path: str) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)

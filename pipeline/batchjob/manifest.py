@@ -42,6 +42,12 @@ from pipeline.wire.errors import JobMismatchError
 JOB_DIR = "job"
 MANIFEST_NAME = "manifest.json"
 MODEL_COPY_DIR = "model"
+# The job directory's other files (`job.py`, `scan.py`, `jobstatus.py`).
+LOCK_NAME = "lock"
+STATUS_NAME = "status.json"
+INDEX_NAME = "input.idx"
+LINES_NAME = "lines.bin"
+SCAN_DIR = "scan"
 MANIFEST_VERSION = 2
 # The manifest is small: anything longer is not ours.
 MAX_MANIFEST_BYTES = 1 << 20

@@ -43,15 +43,15 @@ import xxhash
 
 from pipeline.batchjob.chat import ChatTokenizer
 from pipeline.batchjob.layout import INDEX_STRIDE, JOB_FLAG_READS_BODY, encode_job_payload
-from pipeline.batchjob.manifest import JOB_DIR, JobManifest
+from pipeline.batchjob.manifest import INDEX_NAME, JOB_DIR, LINES_NAME, JobManifest, load_manifest
 from pipeline.batchjob.params import Refused
 from pipeline.batchjob.paths import replace_file
 from pipeline.batchjob.rejections import RejectionLog
 from pipeline.batchjob.requests import BatchRequest, parse_line
 from pipeline.batchjob.sampling import ModelFacts
-from pipeline.batchjob.scan import MAX_REQUEST_LINE_BYTES, read_line_digests
+from pipeline.batchjob.scan import MAX_REQUEST_LINE_BYTES, read_index, read_line_digests
 from pipeline.producer.workload import WorkItem, Workload
-from pipeline.wire.errors import BadInputError, InputChangedError
+from pipeline.wire.errors import BadInputError, InputChangedError, JobPathError
 
 # The one model id a job's items use (a job runs one served model).
 JOB_MODEL = 0
@@ -356,3 +356,17 @@ def limit_memory(margin_bytes: int) -> None:
 def _one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     return text if len(text) <= 300 else text[:297] + "..."
+
+
+def job_workload(data_dir: str, model_dir: str, chat_template: str | None = None) -> JobWorkload:
+    """Every request of the job on `data_dir` as its producers make them (a checker's view:
+    `pipeline/reliability`), from the job's manifest and input index (and the job's
+    --chat-template, where it had one)."""
+    manifest = load_manifest(data_dir)
+    if manifest is None:
+        raise JobPathError(f"{data_dir}: not a batch job's data directory (no job manifest)")
+    index = read_index(os.path.join(data_dir, JOB_DIR, INDEX_NAME), manifest)
+    skip = np.zeros((manifest.requests + 7) // 8, dtype=np.uint8)
+    return JobWorkload(JobInput(manifest.input_path, manifest.requests, index,
+                                os.path.join(data_dir, JOB_DIR, LINES_NAME)), skip, manifest, model_dir, data_dir,
+                       PromptLimits(), chat_template)

@@ -444,7 +444,7 @@ def status(data_dir: str, as_json: bool, results_dir: str | None) -> None:
     from pipeline.reporting.report import build_report, render_report
     from pipeline.wire.client import broker_status
 
-    from pipeline.batchjob.job import job_status
+    from pipeline.batchjob.jobstatus import job_status
 
     if not os.path.isdir(data_dir):
         raise click.ClickException(f"no data directory at {data_dir}")

@@ -22,7 +22,7 @@ import random
 import time
 
 from pipeline.batchjob.scan import envelope
-from pipeline.batchjob.job import job_workload
+from pipeline.batchjob.workload import job_workload
 from pipeline.reliability.kills import Outcome, check, concatenate
 from pipeline.reliability.procs import COMMAND_TIMEOUT_S, Stages, gone, kill, spawn, wait_until, write_workload
 from pipeline.reliability.sources import check_data_dir, results_dirs

@@ -14,7 +14,6 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from pipeline.consumer.engines.base import MAX_PARALLEL_SIZE
 from pipeline.wire.errors import SettingsError
 
 # How CUDA_VISIBLE_DEVICES names a device other than by index.

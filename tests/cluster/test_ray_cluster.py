@@ -209,7 +209,7 @@ def node_rows(tmp_path: Path) -> dict[str, list[dict]]:
 def test_a_job_is_answered_once_per_custom_id_with_each_shape_on_one_node(cluster, tmp_path, model_dir):
     import base64
 
-    from pipeline.batchjob.job import job_workload
+    from pipeline.batchjob.workload import job_workload
     from pipeline.batchjob.layout import decode_job_payload
     from pipeline.batchjob.manifest import load_manifest
     from pipeline.cluster.batch import JobSource

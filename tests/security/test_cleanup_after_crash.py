@@ -91,7 +91,6 @@ def _dead(process: psutil.Process) -> bool:
         return process.status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
-    psutil.wait_procs(tree, timeout=30)
 
 
 def unstored_items(data: str) -> int:
