@@ -91,6 +91,12 @@ CONTENT_PART_SEPARATOR = "\n"
 # (not an Exception) that no module exports: it is known by its name.
 RUST_PANIC = "PanicException"
 
+# Peak memory of the Rust tokenizer per byte of text it tokenizes: 1.88 GiB for 12 MiB of
+# text with the tiny model's (BPE) tokenizer. Past its memory limit it aborts the process
+# (SIGABRT, not a MemoryError), so a text that would need more than a producer's limit is
+# refused before it is tokenized (`max_text_bytes`).
+TOKENIZE_BYTES_PER_TEXT_BYTE = 160
+
 # Builds the typed error of a tokenizer failure: (the exception, the text tokenized).
 OnTokenizerError = Callable[[BaseException, str], BadInputError]
 
@@ -140,6 +146,9 @@ class ChatTokenizer:
         self.rests_tokenized = self.prompts_tokenized = 0
         self._bos_id = tokenizer.token_to_id(bos_token) if bos_token is not None else None
         self._bos_fix = self._bos_rule(add_bos_token)
+        # The longest text tokenized (UTF-8 bytes); None: no bound (a producer sets it from
+        # its memory limit, TOKENIZE_BYTES_PER_TEXT_BYTE).
+        self.max_text_bytes: int | None = None
 
     @classmethod
     def load(cls, model_dir: str | Path, *, memo_bytes: int = MEMO_BYTES,
@@ -206,6 +215,8 @@ class ChatTokenizer:
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool) -> list[list[int]]:
         """`encode` of each text, in one call of the Rust tokenizer (its threads)."""
+        for text in texts:
+            self._check_size(text)
         try:
             encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=add_special_tokens)
         except BaseException as exc:
@@ -356,8 +367,22 @@ class ChatTokenizer:
                 self._memo.resize([last])
         return [tokens[a:b] for a, b in zip((0, *ends), ends)]
 
+    def _check_size(self, text: str) -> None:
+        """BadInputError for a text past `max_text_bytes` (its memory to tokenize, stated)."""
+        limit = self.max_text_bytes
+        if limit is None or len(text) <= limit // 4:  # 4 bytes a character at most: no need to count
+            return
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if size > limit:
+            need = size * TOKENIZE_BYTES_PER_TEXT_BYTE
+            raise BadInputError(f"the prompt's text is {size:,} bytes: tokenizing it takes about {need >> 20:,} MiB, "
+                                f"more than the {limit * TOKENIZE_BYTES_PER_TEXT_BYTE >> 20:,} MiB memory limit of "
+                                f"the chat template and tokenizer (--prompt-memory-limit-mb); no context holds a "
+                                f"prompt this long")
+
     def _tokenize(self, text: str, fail: OnTokenizerError, *, add_special_tokens: bool = False) -> Encoding:
         """The tokenizer's encoding of `text`; whatever it raises is `fail`'s typed error."""
+        self._check_size(text)
         try:
             return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
         except BaseException as exc:

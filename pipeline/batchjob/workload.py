@@ -41,7 +41,7 @@ from typing import Protocol
 import numpy as np
 import xxhash
 
-from pipeline.batchjob.chat import ChatTokenizer
+from pipeline.batchjob.chat import TOKENIZE_BYTES_PER_TEXT_BYTE, ChatTokenizer
 from pipeline.batchjob.layout import INDEX_STRIDE, JOB_FLAG_READS_BODY, encode_job_payload
 from pipeline.batchjob.manifest import INDEX_NAME, JOB_DIR, LINES_NAME, JobManifest, load_manifest
 from pipeline.batchjob.params import Refused
@@ -171,6 +171,7 @@ class JobWorkload(Workload):
         if start_at is not None:
             first = max(first, start_at)
         tokenizer = self.tokenizer()
+        tokenizer.max_text_bytes = self.limits.memory_bytes // TOKENIZE_BYTES_PER_TEXT_BYTE
         self.model_facts(tokenizer)  # read before the memory limit, as the tokenizer is
         limit_memory(self.limits.memory_bytes)
         log = RejectionLog(self.data_dir, f"p{producer_index}-{os.getpid()}")

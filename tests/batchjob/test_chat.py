@@ -582,3 +582,21 @@ def test_tiny_llama_loads_and_renders(tiny):
     assert np.array_equal(full, prompt.tokens)
     assert [c.tolist() for c in components] == [c.tolist() for c in prompt.components]
     assert tiny.completion_prompt("def main():").tokens[0] != 0  # add_bos_token is false there
+
+
+def test_a_text_past_the_size_bound_is_refused_before_it_is_tokenized(chatml: ChatTokenizer) -> None:
+    text = "hello world " * 100
+    size = len(text.encode())
+    try:
+        chatml.max_text_bytes = size  # at the bound: tokenized
+        assert chatml.encode(text, False) == chatml.encode_batch([text], False)[0]
+        chatml.max_text_bytes = size - 1  # one byte past it: refused, by both ways in
+        with pytest.raises(BadInputError, match=f"the prompt's text is {size:,} bytes: tokenizing it takes about"):
+            chatml.encode(text, False)
+        with pytest.raises(BadInputError, match="--prompt-memory-limit-mb"):
+            chatml.encode_batch(["short", text], False)
+        chatml.max_text_bytes = len("é" * 10) * 2 - 1  # bytes, not characters
+        with pytest.raises(BadInputError):
+            chatml.encode("é" * 10, False)
+    finally:
+        chatml.max_text_bytes = None

@@ -107,6 +107,22 @@ def test_a_template_with_a_huge_constant_loads_and_fails_only_the_request_that_r
     assert "memory limit" in error_of(rows, "bad")["message"]
 
 
+def test_a_text_too_large_to_tokenize_within_the_memory_limit_is_answered_400_before_it_is_tokenized(tmp_path,
+                                                                                                      model_dir):
+    """64 MiB of prompt memory holds the tokenizing of about 400 KiB of text: a 600 KB prompt
+    is refused saying so (the Rust tokenizer would abort the producer), one of 300 KB runs."""
+    records = good(3) + [chat("ok-fits", "word " * 60_000), chat("bad", "word " * 120_000)]
+    done = run_batch("-i", str(write_requests(tmp_path / "in.jsonl", records)), "-o", str(tmp_path / "out.jsonl"),
+                     "--model", model_dir, "--prompt-memory-limit-mb", "64", "--max-model-len", "200000",
+                     "--max-input-len", "200000")
+    assert done.returncode == 0, done.stderr
+    rows = rows_by_id(tmp_path / "out.jsonl")
+    message = error_of(rows, "bad")["message"]
+    assert "bytes: tokenizing it takes about" in message and "--prompt-memory-limit-mb" in message, message
+    assert rows["ok-fits"]["response"]["status_code"] == 200
+    assert "starts again" not in done.stderr  # no producer died on it
+
+
 def one_line_error(done, *words: str) -> None:
     assert done.returncode == 1, done.stderr
     assert "Traceback" not in done.stderr and done.stderr.count("\n") == 1, done.stderr
