@@ -45,13 +45,14 @@ from pipeline.batchjob.output import (
     ROW_CORRUPT,
     ROW_OK,
     RequestRef,
+    embedding_line,
     error_line,
     response_line,
     row_error,
     row_usage,
 )
 from pipeline.batchjob.paths import replace_file
-from pipeline.batchjob.requests import ENDPOINTS, parse_line
+from pipeline.batchjob.requests import ENDPOINTS, KIND_EMBEDDING, parse_line
 from pipeline.batchjob.scan import MAX_REQUEST_LINE_BYTES, envelope
 from pipeline.reporting.accounting import ResultsSummary
 from pipeline.wire.errors import AnswerLogWriteError, BatchFileError, BatchOutputError, JobMismatchError
@@ -256,7 +257,11 @@ class Collector:
         done_ns = row.get("done_ns")
         if made_ns and type(done_ns) is int and done_ns >= made_ns:
             self.latencies_s.append((done_ns - made_ns) / 1e9)
-        if job_payload_flags(payload) & JOB_FLAG_READS_BODY or "samples" in row:
+        reads_body = job_payload_flags(payload) & JOB_FLAG_READS_BODY
+        if request.kind == KIND_EMBEDDING:
+            line = embedding_line(request, row, self._encoding(index, offset, length) if reads_body else "float",
+                                  self.manifest.served_model, self.manifest.created_s, tag)
+        elif reads_body or "samples" in row:
             shape = self._shape(index, offset, length)
             choices = make_choices(row, shape, self.texts, f"call_{tag}_{index}")
             line = response_line(request, row, None, self.manifest.served_model, self.manifest.created_s, tag,
@@ -296,6 +301,13 @@ class Collector:
         raw = os.pread(self.input_fd, length, offset)
         request = parse_line(raw, index, 0, self.manifest.served_model, self.manifest.tool_calling)
         return AnswerShape.of(request, self.manifest.tool_calling, self.texts)
+
+    def _encoding(self, index: int, offset: int, length: int) -> str:
+        """An embeddings request's encoding_format: its line parsed again (checked by `_request`)."""
+        request = parse_line(os.pread(self.input_fd, length, offset), index, 0, self.manifest.served_model)
+        if request.embedding is None:
+            raise BatchOutputError(f"request {request.custom_id!r} ran but reads as refused now: {request.error}")
+        return request.embedding.encoding_format
 
     def _bad(self, path: str, why: str, tally: ResultsSummary | None = None) -> None:
         self.counts.bad_lines += 1

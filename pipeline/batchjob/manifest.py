@@ -82,6 +82,9 @@ class JobManifest:
     # (absent in the manifests of jobs made before them: no parser).
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    # What the engine does, generate or pool (`embeddings.job_runner`): which endpoints the
+    # job answers (absent in manifests of jobs made before embeddings: generate).
+    runner: str = "generate"
 
     @classmethod
     def new(cls, **fields) -> JobManifest:

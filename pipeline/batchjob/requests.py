@@ -11,7 +11,7 @@ before the job starts. Here, a well-formed line whose body this job cannot serve
 request keeps its error (`BatchRequest.error`, the parameter in `error_param`) and is
 answered with status 400 in the output, as OpenAI answers a bad request inside a batch,
 while the others run:
-an endpoint other than CHAT_URL and COMPLETIONS_URL; a body.model other than the served
+an endpoint other than CHAT_URL, COMPLETIONS_URL and EMBEDDINGS_URL (`embeddings.py`); a body.model other than the served
 model (or none); messages that are not a non-empty list of {role, content} with a role
 of CHAT_ROLES; content that is not text (a string, or a list of {"type": "text"} parts
 joined with "\\n" as vLLM joins them: an image, audio or file part is refused, named); a
@@ -40,6 +40,13 @@ from typing import Any
 
 import msgspec
 
+from pipeline.batchjob.embeddings import (
+    EMBEDDING_KEYS,
+    EMBEDDINGS_URL,
+    KIND_EMBEDDING,
+    EmbeddingInputs,
+    embedding_inputs,
+)
 from pipeline.batchjob.params import (
     CARRIED,
     KIND_CHAT,
@@ -58,7 +65,9 @@ from pipeline.wire.textfiles import listed
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
-ENDPOINTS = {CHAT_URL: KIND_CHAT, COMPLETIONS_URL: KIND_COMPLETION}
+ENDPOINTS = {CHAT_URL: KIND_CHAT, COMPLETIONS_URL: KIND_COMPLETION, EMBEDDINGS_URL: KIND_EMBEDDING}
+# The body key a request's prompt is in, by kind (an error's `param`).
+PROMPT_PARAMS = {KIND_CHAT: "messages", KIND_COMPLETION: "prompt", KIND_EMBEDDING: "input"}
 
 # Chat roles a message may take. OpenAI's "developer" is its newer name for "system" (the
 # chat template decides how to render it); "tool" answers a tool call of an earlier turn.
@@ -99,7 +108,8 @@ NO_OP_VALUES: dict[str, tuple[Callable[[object], bool], str]] = {
 class BatchRequest:
     """One request of a batch file. `index`: its place among the file's requests (0-based,
     file order; the output's ids derive from it); `line`: its 1-based line in the file.
-    `kind` is KIND_CHAT or KIND_COMPLETION (None: an unsupported endpoint); `messages`
+    `kind` is KIND_CHAT, KIND_COMPLETION or KIND_EMBEDDING (None: an unsupported endpoint);
+    `embedding`: an embeddings request's inputs and answer form; `messages`
     (chat: [{"role", "content": text, ...}], text parts joined) or `prompt` (a completion:
     text, or token ids). `params`: the generation parameters it gives (the producer fills
     in the defaults: `sampling.py`); `tools`, `template_kwargs` (chat_template_kwargs) and
@@ -119,12 +129,15 @@ class BatchRequest:
     tools: RequestTools = field(default_factory=lambda: RequestTools(None, "none"))
     template_kwargs: dict[str, Any] | None = None
     echo: bool = False
+    embedding: EmbeddingInputs | None = None
 
     @property
     def answer_reads_body(self) -> bool:
         """Whether its answer is made with more than its results row: logprobs (their count),
-        an echo, or tool calls to read (the collector reads the request again)."""
-        return self.params.logprobs is not None or self.echo or self.tools.parsed
+        an echo, tool calls to read, or embeddings in base64 (the collector reads the request
+        again)."""
+        return (self.params.logprobs is not None or self.echo or self.tools.parsed
+                or (self.embedding is not None and self.embedding.encoding_format != "float"))
 
 
 def parse_line(raw: bytes, index: int, line: int, served_model: str, calling: ToolCalling = ToolCalling()
@@ -145,9 +158,14 @@ def request_of(index: int, line: int, custom_id: str, url: str, body: dict, serv
     kind = ENDPOINTS.get(url)
     try:
         if kind is None:
-            raise Refused(f"unsupported endpoint {url!r}: this job serves {CHAT_URL} and {COMPLETIONS_URL}", "url")
+            raise Refused(f"unsupported endpoint {url!r}: this job serves {CHAT_URL}, {COMPLETIONS_URL} and "
+                          f"{EMBEDDINGS_URL}", "url")
         given = {key: value for key, value in body.items() if value is not None}  # null: not given
         _check_model(given.get("model"), served_model)
+        if kind == KIND_EMBEDDING:
+            _check_embedding_keys(given)
+            return BatchRequest(index, line, custom_id, url, kind, None, None, GenerationParams(),
+                                embedding=embedding_inputs(given))
         _check_params(given, kind)
         params = sampling_params(given, kind)
         if kind == KIND_COMPLETION:
@@ -193,6 +211,14 @@ def _check_model(model: object, served_model: str) -> None:
         raise Refused("you must provide a model parameter", "model")
     if model != served_model:
         raise Refused(f"the model {show(model)} is not served by this job, which serves {served_model!r}", "model")
+
+
+def _check_embedding_keys(given: dict) -> None:
+    unknown = sorted(set(given) - EMBEDDING_KEYS - IGNORED_PARAMS)
+    if unknown:
+        plural = "s" if len(unknown) > 1 else ""
+        raise Refused(f"unsupported parameter{plural} {listed(unknown)}: an embeddings request takes "
+                      f"{', '.join(sorted(EMBEDDING_KEYS))} (and user, ignored)", unknown[0])
 
 
 def _check_params(given: dict, kind: str) -> None:

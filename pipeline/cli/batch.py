@@ -18,6 +18,7 @@ import sys
 
 import click
 
+from pipeline.batchjob.embeddings import RUNNER_POOLING, job_runner
 from pipeline.batchjob.job import BatchJob, JobSpec, JobSummary
 from pipeline.batchjob.progress import JobView, format_job_line
 from pipeline.batchjob.sampling import sim_answer_options
@@ -221,11 +222,28 @@ def _settings(config_path, assignments, options: dict, data_dir: str, engine: st
     overrides = merged(options | {"data_dir": data_dir, "engine": engine, "engine_options": engine_options},
                        parse_assignments(assignments))
     settings = flags.applied(LaunchSettings.resolve(config_path, overrides), own_option_names(run_batch))
+    if job_runner(settings.engine_options, model_dir) == RUNNER_POOLING:
+        return _pooling(settings, model_dir, options.get("max_input_len") is None)
     if options.get("max_input_len") is None:
         context = _context(settings, model_dir)
         if context:
             settings = replace(settings, max_input_len=context - 1)
             settings.checked("the command line")
+    return settings
+
+
+def _pooling(settings, model_dir: str, default_input_len: bool):
+    """A pooling job's settings: an item holds a request's every input (each checked against
+    the context by the producer), so it may be as long as a batch by default; the sim's
+    embeddings as large as the model's."""
+    from pipeline.batchjob.embeddings import EmbeddingFacts
+
+    size = EmbeddingFacts.load(model_dir).size
+    if settings.engine != "vllm" and size is not None:
+        settings = replace(settings, engine_options={"embedding_size": size, **settings.engine_options})
+    if default_input_len:
+        settings = replace(settings, max_input_len=settings.max_batch_tokens)
+    settings.checked("the command line")
     return settings
 
 

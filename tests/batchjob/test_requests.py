@@ -97,7 +97,7 @@ def _messages(*messages: object) -> dict:
 
 REQUEST_PROBLEMS = [
     # (name, the line, the parameter named, in the message)
-    ("endpoint", {**chat(), "url": "/v1/embeddings"}, "url", "unsupported endpoint '/v1/embeddings'"),
+    ("endpoint", {**chat(), "url": "/v1/rerank"}, "url", "unsupported endpoint '/v1/rerank'"),
     ("n 0", chat(n=0), "n", "n 0 must be an integer from 1"),
     ("n past the limit", chat(n=MAX_SAMPLES + 1), "n", f"n {MAX_SAMPLES + 1} must be an integer from 1 to {MAX_SAMPLES}"),
     ("n true", chat(n=True), "n", "n must be an integer, got a boolean true"),
@@ -245,7 +245,7 @@ def test_a_request_the_job_cannot_serve_keeps_its_error_naming_the_parameter(lin
 
 
 def test_an_unsupported_endpoint_has_no_kind() -> None:
-    assert one({**chat(), "url": "/v1/embeddings"}).kind is None
+    assert one({**chat(), "url": "/v1/rerank"}).kind is None
 
 
 def test_stop_strings_at_the_limit_are_taken() -> None:

@@ -135,7 +135,10 @@ class EngineResult:
     the engine's counters. `samples`, where an item asked for more than one output or for
     log probabilities: per prompt, every Sample (outputs[i], finish_reasons[i] and texts[i]
     are then its first one's), or None for a prompt that asked for neither; None: no prompt
-    did. `counted.output_tokens` counts every sample's tokens."""
+    did. `counted.output_tokens` counts every sample's tokens. `embeddings`, where some item
+    was to embed (GenerationParams.embed): per prompt, each of its inputs' embedding (float32,
+    in input order; its output is [] and its finish reason FINISH_STOP), or None for an item
+    generated; None: no item was to embed."""
 
     outputs: list[list[int]]
     cached_tokens: list[int]
@@ -144,6 +147,17 @@ class EngineResult:
     texts: list[str | None] | None = None
     errors: list[str | None] | None = None
     samples: list[list[Sample] | None] | None = None
+    embeddings: list[list[np.ndarray] | None] | None = None
+
+
+def embedding_inputs(prompt: np.ndarray, params: GenerationParams) -> list[np.ndarray]:
+    """An item to embed's inputs: views of its prompt, cut at its input lengths; ValueError
+    where they do not add up to the prompt (an envelope that is not this prompt's)."""
+    ends = np.cumsum(params.input_lengths)
+    if not len(ends) or int(ends[-1]) != len(prompt):
+        raise ValueError(f"the inputs to embed are {int(ends[-1]) if len(ends) else 0} tokens together, and the "
+                         f"prompt {len(prompt)}")
+    return np.split(prompt, ends[:-1].tolist())
 
 
 class Engine(abc.ABC):
