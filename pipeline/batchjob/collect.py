@@ -52,7 +52,7 @@ from pipeline.batchjob.output import (
     row_usage,
 )
 from pipeline.batchjob.paths import replace_file
-from pipeline.batchjob.requests import ENDPOINTS, KIND_EMBEDDING, parse_line
+from pipeline.batchjob.requests import ENDPOINTS, KIND_EMBEDDING, BatchRequest, parse_line
 from pipeline.batchjob.scan import MAX_REQUEST_LINE_BYTES, envelope
 from pipeline.reporting.accounting import ResultsSummary
 from pipeline.wire.errors import AnswerLogWriteError, BatchFileError, BatchOutputError, JobMismatchError
@@ -258,14 +258,15 @@ class Collector:
         if made_ns and type(done_ns) is int and done_ns >= made_ns:
             self.latencies_s.append((done_ns - made_ns) / 1e9)
         reads_body = job_payload_flags(payload) & JOB_FLAG_READS_BODY
+        asked = self._parsed(index, offset, length) if reads_body or "samples" in row else None
+        model = asked.model if asked is not None and asked.model is not None else self.manifest.served_model
         if request.kind == KIND_EMBEDDING:
-            line = embedding_line(request, row, self._encoding(index, offset, length) if reads_body else "float",
-                                  self.manifest.served_model, self.manifest.created_s, tag)
-        elif reads_body or "samples" in row:
-            shape = self._shape(index, offset, length)
+            form = asked.embedding.encoding_format if asked is not None and asked.embedding is not None else "float"
+            line = embedding_line(request, row, form, model, self.manifest.created_s, tag)
+        elif asked is not None:
+            shape = AnswerShape.of(asked, self.manifest.tool_calling, self.texts)
             choices = make_choices(row, shape, self.texts, f"call_{tag}_{index}")
-            line = response_line(request, row, None, self.manifest.served_model, self.manifest.created_s, tag,
-                                 choices)
+            line = response_line(request, row, None, model, self.manifest.created_s, tag, choices)
         else:
             text = row["text"] if isinstance(row.get("text"), str) else self.decode(row["output"])
             line = response_line(request, row, text, self.manifest.served_model, self.manifest.created_s, tag)
@@ -295,19 +296,16 @@ class Collector:
             raise JobMismatchError(f"{self.manifest.input_path}: byte {offset}: {exc}") from None
         return RequestRef(env.custom_id, ENDPOINTS.get(env.url), index)
 
-    def _shape(self, index: int, offset: int, length: int) -> AnswerShape:
-        """What the request asked its answer to hold: its line parsed again (checked against
-        its digest by `_request` just before)."""
+    def _parsed(self, index: int, offset: int, length: int) -> BatchRequest:
+        """What the request asked its answer to hold (its model, its choices' shape, its
+        embeddings' encoding): its line parsed again (checked against its digest by
+        `_request` just before)."""
         raw = os.pread(self.input_fd, length, offset)
-        request = parse_line(raw, index, 0, self.manifest.served_model, self.manifest.tool_calling)
-        return AnswerShape.of(request, self.manifest.tool_calling, self.texts)
-
-    def _encoding(self, index: int, offset: int, length: int) -> str:
-        """An embeddings request's encoding_format: its line parsed again (checked by `_request`)."""
-        request = parse_line(os.pread(self.input_fd, length, offset), index, 0, self.manifest.served_model)
-        if request.embedding is None:
+        request = parse_line(raw, index, 0, self.manifest.served_model, self.manifest.tool_calling,
+                             self.manifest.adapters)
+        if request.error is not None:
             raise BatchOutputError(f"request {request.custom_id!r} ran but reads as refused now: {request.error}")
-        return request.embedding.encoding_format
+        return request
 
     def _bad(self, path: str, why: str, tally: ResultsSummary | None = None) -> None:
         self.counts.bad_lines += 1

@@ -270,6 +270,7 @@ class BatchJob:
             error_file=os.path.abspath(spec.error_file) if spec.error_file else None,
             tool_call_parser=spec.tool_calling.parser, enable_auto_tool_choice=spec.tool_calling.auto,
             runner=job_runner(spec.settings.engine_options, spec.model_dir),
+            adapters=[m["name"] for m in spec.settings.engine_options.get("lora_modules", [])],
             depends_on=depends_on(spec.model_dir, spec.settings.engine, spec.settings.engine_options,
                                   spec.settings.max_input_len, spec.chat_template, self.model_files))
         return (JobManifest.new(**fields) if have is None else replace(have, **fields)), scan

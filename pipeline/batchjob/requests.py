@@ -11,9 +11,10 @@ before the job starts. Here, a well-formed line whose body this job cannot serve
 request keeps its error (`BatchRequest.error`, the parameter in `error_param`) and is
 answered with status 400 in the output, as OpenAI answers a bad request inside a batch,
 while the others run:
-an endpoint other than CHAT_URL, COMPLETIONS_URL and EMBEDDINGS_URL (`embeddings.py`); a body.model other than the served
-model (or none); messages that are not a non-empty list of {role, content} with a role
-of CHAT_ROLES; content that is not text (a string, or a list of {"type": "text"} parts
+an endpoint other than CHAT_URL, COMPLETIONS_URL and EMBEDDINGS_URL (`embeddings.py`); a
+body.model other than the served model or one of its LoRA adapters (`--lora-modules`: a
+request naming adapter k runs on the broker's model LORA_FIRST_MODEL + k) (or none);
+messages that are not a non-empty list of {role, content} with a role of CHAT_ROLES; content that is not text (a string, or a list of {"type": "text"} parts
 joined with "\\n" as vLLM joins them: an image, audio or file part is refused, named); a
 prompt that is not one string or one list of token ids (several prompts: refused); a
 parameter the job does not carry, or a value vLLM refuses (`params.py`, `tools.py`).
@@ -34,7 +35,7 @@ what it asked for. Refused, the user learns it from the output, request by reque
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -60,7 +61,7 @@ from pipeline.batchjob.scan import envelope, show
 from pipeline.batchjob.tools import RequestTools, ToolCalling, check_tools, keeps_special_tokens, tool_constraint
 from pipeline.producer.signature import INT32_MAX
 from pipeline.wire.errors import GenerationParamsError
-from pipeline.wire.generation import GenerationParams
+from pipeline.wire.generation import LORA_FIRST_MODEL, GenerationParams
 from pipeline.wire.textfiles import listed
 
 CHAT_URL = "/v1/chat/completions"
@@ -130,38 +131,52 @@ class BatchRequest:
     template_kwargs: dict[str, Any] | None = None
     echo: bool = False
     embedding: EmbeddingInputs | None = None
+    model_id: int = 0  # 0: the served model; LORA_FIRST_MODEL + k: its adapter k
+    model: str | None = None  # the model the body names, where it is one this job serves
 
     @property
     def answer_reads_body(self) -> bool:
         """Whether its answer is made with more than its results row: logprobs (their count),
         an echo, tool calls to read, or embeddings in base64 (the collector reads the request
         again)."""
-        return (self.params.logprobs is not None or self.echo or self.tools.parsed
+        return (self.params.logprobs is not None or self.echo or self.tools.parsed or self.model_id != 0
                 or (self.embedding is not None and self.embedding.encoding_format != "float"))
 
 
-def parse_line(raw: bytes, index: int, line: int, served_model: str, calling: ToolCalling = ToolCalling()
-               ) -> BatchRequest:
+def parse_line(raw: bytes, index: int, line: int, served_model: str, calling: ToolCalling = ToolCalling(),
+               adapters: Sequence[str] = ()) -> BatchRequest:
     """The request on one line of a scanned batch file (`scan.py` accepted it: its envelope
-    is well-formed); what its body asks that this job cannot serve is kept as its error."""
+    is well-formed); what its body asks that this job cannot serve is kept as its error.
+    `adapters`: the LoRA adapters' names, in order (`--lora-modules`)."""
     env = envelope(raw)
     try:
         body = msgspec.json.decode(env.body)
     except msgspec.DecodeError:  # valid JSON msgspec does not take (a lone surrogate)
         body = json.loads(bytes(env.body))
-    return request_of(index, line, env.custom_id, env.url, body, served_model, calling)
+    return request_of(index, line, env.custom_id, env.url, body, served_model, calling, adapters)
 
 
 def request_of(index: int, line: int, custom_id: str, url: str, body: dict, served_model: str,
-               calling: ToolCalling = ToolCalling()) -> BatchRequest:
-    """The request of a well-formed line; what it cannot be served with is kept as its error."""
+               calling: ToolCalling = ToolCalling(), adapters: Sequence[str] = ()) -> BatchRequest:
+    """The request of a well-formed line; what it cannot be served with is kept as its error
+    (`model_id`: the model it runs on, its adapter's where it names one)."""
+    request = _request_of(index, line, custom_id, url, body, served_model, calling, adapters)
+    if request.error is None:
+        request.model = body["model"]
+        if request.model != served_model:
+            request.model_id = LORA_FIRST_MODEL + list(adapters).index(request.model)
+    return request
+
+
+def _request_of(index: int, line: int, custom_id: str, url: str, body: dict, served_model: str,
+                calling: ToolCalling, adapters: Sequence[str]) -> BatchRequest:
     kind = ENDPOINTS.get(url)
     try:
         if kind is None:
             raise Refused(f"unsupported endpoint {url!r}: this job serves {CHAT_URL}, {COMPLETIONS_URL} and "
                           f"{EMBEDDINGS_URL}", "url")
         given = {key: value for key, value in body.items() if value is not None}  # null: not given
-        _check_model(given.get("model"), served_model)
+        _check_model(given.get("model"), served_model, adapters)
         if kind == KIND_EMBEDDING:
             _check_embedding_keys(given)
             return BatchRequest(index, line, custom_id, url, kind, None, None, GenerationParams(),
@@ -206,11 +221,13 @@ def _with(params: GenerationParams, **changes: Any) -> GenerationParams:
         raise Refused(f"the tools' JSON schema: {exc}", "tools") from None
 
 
-def _check_model(model: object, served_model: str) -> None:
+def _check_model(model: object, served_model: str, adapters: Sequence[str]) -> None:
     if model is None:
         raise Refused("you must provide a model parameter", "model")
-    if model != served_model:
-        raise Refused(f"the model {show(model)} is not served by this job, which serves {served_model!r}", "model")
+    if model != served_model and model not in adapters:
+        with_adapters = f" and the LoRA adapters {listed(list(adapters))}" if adapters else ""
+        raise Refused(f"the model {show(model)} is not served by this job, which serves {served_model!r}"
+                      f"{with_adapters}", "model")
 
 
 def _check_embedding_keys(given: dict) -> None:

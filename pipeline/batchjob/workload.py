@@ -53,7 +53,7 @@ from pipeline.batchjob.sampling import ModelFacts
 from pipeline.batchjob.scan import MAX_REQUEST_LINE_BYTES, read_line_digests
 from pipeline.producer.workload import WorkItem, Workload
 from pipeline.wire.errors import BadInputError, InputChangedError
-from pipeline.wire.generation import GenerationParams
+from pipeline.wire.generation import LORA_FIRST_MODEL, GenerationParams
 
 # The one model id a job's items use (a job runs one served model).
 JOB_MODEL = 0
@@ -116,7 +116,9 @@ class JobWorkload(Workload):
     def __init__(self, job_input: JobInput, skip: np.ndarray, manifest: JobManifest, model_dir: str, data_dir: str,
                  limits: PromptLimits, chat_template: str | None = None) -> None:
         todo = job_input.requests - int(np.unpackbits(skip, bitorder="little")[:job_input.requests].sum())
-        super().__init__(f"{job_input.path} (job)", todo, _unused, total_tokens=0, models=(JOB_MODEL,))
+        # the served model's items and each LoRA adapter's (its model id LORA_FIRST_MODEL + k)
+        models = (JOB_MODEL, *range(LORA_FIRST_MODEL, LORA_FIRST_MODEL + len(manifest.adapters)))
+        super().__init__(f"{job_input.path} (job)", todo, _unused, total_tokens=0, models=models)
         self.job_input = job_input
         self.skip = skip
         self.manifest = manifest
@@ -248,7 +250,8 @@ class JobWorkload(Workload):
         """The request's item; None when it was answered here (logged)."""
         param = None
         try:
-            request = parse_line(raw, where[0], line, self.manifest.served_model, self.manifest.tool_calling)
+            request = parse_line(raw, where[0], line, self.manifest.served_model, self.manifest.tool_calling,
+                                 self.manifest.adapters)
             if request.error is not None:
                 log.reject(where, HTTP_BAD_REQUEST, request.error, request.error_param)
                 return None
@@ -306,7 +309,7 @@ class JobWorkload(Workload):
         prefix = prompt.prefix_len
         flags = JOB_FLAG_READS_BODY if request.answer_reads_body else 0
         payload = encode_job_payload(self.manifest.job_id, *where, time.monotonic_ns(), flags)
-        return WorkItem(model=JOB_MODEL, components=list(prompt.components),
+        return WorkItem(model=request.model_id, components=list(prompt.components),
                         suffix=np.asarray(prompt.tokens[prefix:], dtype=np.int32), payload=payload,
                         timestamp_ms=None, line=0, params=params)
 
@@ -342,7 +345,7 @@ class JobWorkload(Workload):
         params = GenerationParams(embed=True, input_lengths=lengths, dimensions=asked.dimensions)
         flags = JOB_FLAG_READS_BODY if request.answer_reads_body else 0
         payload = encode_job_payload(self.manifest.job_id, *where, time.monotonic_ns(), flags)
-        return WorkItem(model=JOB_MODEL, components=[], suffix=np.concatenate(parts).astype(np.int32, copy=False),
+        return WorkItem(model=request.model_id, components=[], suffix=np.concatenate(parts).astype(np.int32, copy=False),
                         payload=payload, timestamp_ms=None, line=0, params=params)
 
     def model_facts(self, tokenizer: ChatTokenizer) -> ModelFacts:

@@ -27,6 +27,7 @@ from typing import Any
 
 import click
 
+from pipeline.cli.lora_flag import take_lora_modules
 from pipeline.consumer.engines.base import MAX_PARALLEL_SIZE
 from pipeline.runtime.settings import MAX_CONTEXT_TOKENS, LaunchSettings
 from pipeline.wire.errors import SettingsError
@@ -35,7 +36,7 @@ from pipeline.wire.errors import SettingsError
 CONTEXT_SETTINGS = {"ignore_unknown_options": True, "allow_extra_args": True}
 # The declared flags the sim engine takes (vLLM's sizes; the sim makes up its outputs, so a
 # seed or a weights format would mean nothing to it).
-SIM_FLAGS = ("max_model_len", "tensor_parallel_size", "pipeline_parallel_size", "runner")
+SIM_FLAGS = ("max_model_len", "tensor_parallel_size", "pipeline_parallel_size", "runner", "lora_modules")
 # What `--help` says of the flags vLLM's parser reads.
 VLLM_FLAGS_HELP = (
     "vLLM's engine flags, by vLLM's names and meanings (`vllm serve --help`), with --engine vllm: "
@@ -45,7 +46,6 @@ VLLM_FLAGS_HELP = (
 # Flags this command does not take, and why: vLLM's server flags that are not engine flags,
 # and the product's old names.
 NOT_TAKEN = {
-    "--lora-modules": "LoRA adapters are not served yet (each adapter is to be a model of its own to the broker)",
     "--max-tokens": "now --max-batch-tokens (the consumer contract's padded tokens per batch; a request's "
                     "max_tokens is its own)",
 }
@@ -131,13 +131,16 @@ class EngineFlags:
     def take(cls, options: dict[str, Any], extra: Sequence[str], given: dict[str, Any]) -> EngineFlags:
         """The flags out of a command's keyword arguments (removed from `options`); `given`:
         the command's --engine-options."""
-        declared = {name: options.pop(name) for name in ("max_model_len", "tensor_parallel_size",
-                                                        "pipeline_parallel_size", "runner", "seed")}
+        declared = {name: options.pop(name, None) for name in ("max_model_len", "tensor_parallel_size",
+                                                              "pipeline_parallel_size", "runner", "seed")}
         if declared["max_model_len"] is not None:
             try:
                 declared["max_model_len"] = parse_context_len(declared["max_model_len"])
             except click.BadParameter as exc:
                 raise SettingsError(f"--max-model-len {declared['max_model_len']}: {exc.message}") from None
+        lora_modules, extra = take_lora_modules(extra)
+        if lora_modules:
+            declared["lora_modules"] = lora_modules
         named = _named(extra)
         if any(flag in NOT_TAKEN for flag in named):
             raise SettingsError("; ".join(f"{flag}: {NOT_TAKEN[flag]}" for flag in named if flag in NOT_TAKEN))

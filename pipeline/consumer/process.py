@@ -209,7 +209,8 @@ class _Started:
 
     def engine_batch(self) -> EngineBatch:
         got = self.got
-        return EngineBatch(got.tokens, self.descriptor.pad_to_tokens, got.prefix_lens, self.params)
+        return EngineBatch(got.tokens, self.descriptor.pad_to_tokens, got.prefix_lens, self.params,
+                           int(self.descriptor.model))
 
 
 @dataclass(slots=True)

@@ -165,6 +165,13 @@ MAX_PENALTY = 2.0
 # Inputs of one embeddings request: OpenAI's limit of an input array (vLLM sets none); their
 # lengths take 8 KiB of the envelope at most.
 MAX_EMBEDDING_INPUTS = 2048
+# LoRA adapters (an engine's option `lora_modules`, [{"name", "path"}]): adapter k is model
+# id LORA_FIRST_MODEL + k to the broker, the base model 0, so shapes never mix adapters and
+# an item's adapter is its model's (nothing in the envelope).
+LORA_FIRST_MODEL = 1
+# Adapters of one run: each is a model of its own, served by a consumer of its own (the
+# launcher's one model per consumer), so more than a node's engines is past any use.
+MAX_LORA_MODULES = 64
 # An embedding's dimensions at most: past any model's hidden size (the largest are 16,384).
 MAX_EMBEDDING_DIMENSIONS = 1 << 20
 MAX_ENVELOPE_BYTES = (GENERATION_HEADER_SIZE_BYTES + MAX_STOP_STRINGS * (_STOP_LEN.size + MAX_STOP_STRING_BYTES)

@@ -347,3 +347,16 @@ def test_one_prompt_as_text_or_token_ids_is_taken(prompt: object, expected: obje
     request = one(completion(prompt=prompt))
     assert request.error is None and request.prompt == expected and request.kind == KIND_COMPLETION
 
+
+
+def test_a_request_naming_a_lora_adapter_runs_on_its_model_id_and_reads_its_body_back() -> None:
+    from pipeline.wire.generation import LORA_FIRST_MODEL
+
+    adapters = ("sql", "chat")
+    base = parse_line(encode(chat()), 0, 1, MODEL, adapters=adapters)
+    assert (base.model_id, base.model, base.answer_reads_body) == (0, MODEL, False)
+    second = parse_line(encode(chat(model="chat")), 0, 1, MODEL, adapters=adapters)
+    assert (second.error, second.model_id, second.model) == (None, LORA_FIRST_MODEL + 1, "chat")
+    assert second.answer_reads_body  # the answer names the adapter: the collector reads which
+    other = parse_line(encode(chat(model="nope")), 0, 1, MODEL, adapters=adapters)
+    assert other.error_param == "model" and "the LoRA adapters 'sql', 'chat'" in other.error

@@ -315,3 +315,15 @@ def test_an_item_to_embed_the_sim_cannot_make_is_that_items_error():
     assert result.embeddings == [None, None]
     with pytest.raises(Exception, match="bad config"):
         SimEngine(runner="embed")
+
+
+def test_a_lora_adapters_batch_gets_answers_of_its_own_the_same_every_time():
+    prompts = [np.arange(1, 40, dtype=np.int32), np.arange(5, 9, dtype=np.int32)]  # one past a block, one short
+
+    def outputs(model: int) -> list[list[int]]:
+        return SimEngine().run(EngineBatch(prompts, 64, [0, 0], model=model)).outputs
+
+    base, first, second = outputs(0), outputs(1), outputs(2)
+    assert base != first and first != second and base != second
+    assert all(a != b for a, b in zip(base, first))  # every prompt's answer
+    assert outputs(1) == first and outputs(0) == base

@@ -44,7 +44,8 @@ FINISH_STOP = "stop"  # an end-of-sequence token or a stop string
 class EngineBatch:
     """One batch as the engine sees it.
 
-    `prompts[i]` is item i's token ids (int32; a zero-copy view into a segment file, so
+    `model` is the batch's model id (every item's): 0 the base model, LORA_FIRST_MODEL + k
+    (`pipeline/wire/generation.py`) the engine's adapter k. `prompts[i]` is item i's token ids (int32; a zero-copy view into a segment file, so
     engines must not write to it); every prompt is padded to `pad_to_tokens` for the cost of
     the batch. `prefix_lens[i]` is how many leading tokens the shape's components cover
     (cache accounting only). `params[i]`: item i's generation parameters, None for the
@@ -55,6 +56,7 @@ class EngineBatch:
     pad_to_tokens: int
     prefix_lens: Sequence[int]
     params: Sequence[GenerationParams | None] = ()
+    model: int = 0
 
     def params_of(self, i: int) -> GenerationParams | None:
         return self.params[i] if self.params else None

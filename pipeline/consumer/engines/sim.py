@@ -18,7 +18,9 @@ max and min tokens, stop strings and token ids, logprobs), its text decoded with
 tokenizer where `tokenizer` names a model directory (`pipeline run-batch` sets both). An
 item to embed gets one made-up embedding per input: `embedding_size` normal numbers drawn
 from a generator seeded with the input's token ids (cut to the item's dimensions), scaled
-to unit norm as vLLM normalizes an embedding; the same input, the same embedding.
+to unit norm as vLLM normalizes an embedding; the same input, the same embedding. A batch of
+a LoRA adapter's model id (EngineBatch.model) gets other made-up outputs than the base
+model's for the same prompts, the same ones every time: its seeds are mixed with the id.
 
 Cost model, to emulate a GPU's time (a consumer-bound run, as on GPUs, compared on
 makespan): each batch sleeps `cost_s_per_padded_token` for every padded token its cache did
@@ -36,7 +38,7 @@ import math
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -137,6 +139,9 @@ class SimConfig:
     pipeline_parallel_size: int = 1
     runner: str = "auto"
     embedding_size: int = DEFAULT_EMBEDDING_SIZE
+    # vLLM's --lora-modules ([{"name", "path"}]): a batch of an adapter's model id gets
+    # answers of its own (module docstring); nothing is read from the adapters.
+    lora_modules: list = field(default_factory=list)
 
 
 class SimEngine(Engine):
@@ -237,7 +242,7 @@ class SimEngine(Engine):
         cacheable = np.asarray(batch.prefix_lens, dtype=np.int64) // block * block
         hits, compulsory_blocks = self._cache.run(flat, layout, cacheable // block)
         cached = np.minimum(hits * block, (lengths - 1) // block * block)
-        outputs, seeds = self._outputs(prompts, flat, layout.counts)
+        outputs, seeds = self._outputs(prompts, flat, layout.counts, batch.model)
         if self.config.vocab_size != OUTPUT_ID_RANGE:
             outputs = [[t % self.config.vocab_size for t in o] for o in outputs]
         made = self._made_up(batch, seeds, outputs) if batch.params else None
@@ -315,7 +320,7 @@ class SimEngine(Engine):
         if charged_ns > 0:
             time.sleep(charged_ns / NS_PER_S)
 
-    def _outputs(self, prompts: Sequence[np.ndarray], flat: np.ndarray, counts: np.ndarray
+    def _outputs(self, prompts: Sequence[np.ndarray], flat: np.ndarray, counts: np.ndarray, model: int = 0
                  ) -> tuple[list[list[int]], list[int]]:
         """Each prompt's output ids: bytes of its last block's hash (of its last token when
         it has no full block), a deterministic stand-in for generated tokens; and that hash
@@ -329,6 +334,9 @@ class SimEngine(Engine):
             outputs[short] = ((last[:, None] >> shifts.astype(np.int64)) & 0x7FFF).astype(np.uint64)
             seeds = seeds.copy()
             seeds[short] = last.astype(np.uint64)
+        if model:  # an adapter's answers: the base model's seeds mixed with its id
+            seeds = _mix(seeds ^ _mix(np.full(len(prompts), model, dtype=np.uint64)))
+            outputs = (seeds[:, None] >> shifts) & _U64(0x7FFF)
         return outputs.tolist(), seeds.tolist()
 
 

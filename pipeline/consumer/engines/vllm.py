@@ -21,7 +21,8 @@ vLLM request each, added to the `LLMEngine` as the batch is submitted and steppe
 `poll`: the consumer feeds the next batches while earlier ones run (see VllmEngine). Each
 request samples with the item's own generation parameters over the engine options'
 defaults. Prefix caching is on and the engine's statistics kept (`get_metrics()` needs
-them). Per item the result is the generated token ids, the text (vLLM detokenizes where
+them). A batch of an adapter's model id (`lora_modules`) runs every item on that adapter (vLLM's
+LoRARequest, its id the model id). Per item the result is the generated token ids, the text (vLLM detokenizes where
 the model has a tokenizer), the finish reason and vLLM's own `num_cached_tokens`. An item to
 embed (GenerationParams.embed; the engine's runner "pooling") is one vLLM pooling request
 per input ("embed" task: `vllm_requests.py`), done when all are, its cached tokens theirs
@@ -70,6 +71,7 @@ from pipeline.consumer.engines.vllm_options import VllmOptions
 from pipeline.consumer.engines.vllm_requests import (
     embedding_of,
     logprobs_of,
+    lora_request,
     part_of,
     pooling_requests,
     structured_args,
@@ -280,11 +282,12 @@ class VllmEngine(Engine):
         for i, prompt in enumerate(batch.prompts):
             params = batch.params_of(i)
             try:
+                adapter = lora_request(self.options.lora_modules, batch.model)
                 if params is not None and params.embed:
-                    self._add_parts(key, i, prompt, params, running)
+                    self._add_parts(key, i, prompt, params, running, adapter)
                     continue
                 llm.llm_engine.add_request(f"{key}.{i}", TokensPrompt(prompt_token_ids=prompt.tolist()),
-                                           self._sampling(params, len(prompt)))
+                                           self._sampling(params, len(prompt)), lora_request=adapter)
             except self._item_errors as exc:
                 running.errors[i] = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
                 running.left -= 1
@@ -293,13 +296,14 @@ class VllmEngine(Engine):
         if running.left == 0:
             self._finish(key)
 
-    def _add_parts(self, key: int, i: int, prompt: Any, params: GenerationParams, running: _Running) -> None:
+    def _add_parts(self, key: int, i: int, prompt: Any, params: GenerationParams, running: _Running,
+                   adapter: Any) -> None:
         """An item to embed: each input its own pooling request; vLLM's refusal of one
         withdraws those added before it and is the item's error."""
         added: list[str] = []
         try:
             for request_id, tokens, pooling in pooling_requests(key, i, prompt, params):
-                self._llm.llm_engine.add_request(request_id, tokens, pooling)
+                self._llm.llm_engine.add_request(request_id, tokens, pooling, lora_request=adapter)
                 self._requests[request_id] = (key, i)
                 added.append(request_id)
         except self._item_errors:

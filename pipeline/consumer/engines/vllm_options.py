@@ -48,6 +48,9 @@ class VllmOptions:
     cache_dir: str | None = None  # VLLM_CACHE_ROOT and TMPDIR go under it (the run's directory)
     cpu_threads: int | None = None  # OMP_NUM_THREADS: 1 where two engines share 2 cores
     llm_kwargs: dict = field(default_factory=dict)  # passed to vllm.LLM as they are
+    # vLLM's --lora-modules ([{"name", "path"}]): adapter k serves the broker's model k + 1
+    # (base.LORA_FIRST_MODEL), and LoRA is enabled (vLLM's enable_lora) where there are any.
+    lora_modules: list = field(default_factory=list)
 
     @classmethod
     def parse(cls, options: dict[str, Any]) -> VllmOptions:
@@ -94,6 +97,10 @@ class VllmOptions:
         for name in ("dtype", "load_format", "cache_dir"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 wrong.append(f"{name} must be a string, got {getattr(self, name)!r}")
+        if not isinstance(self.lora_modules, list) or not all(
+                isinstance(m, dict) and set(m) == {"name", "path"} and all(isinstance(v, str) and v for v in m.values())
+                for m in self.lora_modules):
+            wrong.append(f"lora_modules must be a list of {{name, path}} tables, got {self.lora_modules!r}")
         if not isinstance(self.llm_kwargs, dict):
             wrong.append(f"llm_kwargs must be a table, got {self.llm_kwargs!r}")
         else:
@@ -119,6 +126,8 @@ class VllmOptions:
             kwargs["distributed_executor_backend"] = "mp"
         elif self.in_process:
             kwargs["distributed_executor_backend"] = "uni"
+        if self.lora_modules:
+            kwargs["enable_lora"] = True
         return {**kwargs, **self.llm_kwargs}
 
     @property

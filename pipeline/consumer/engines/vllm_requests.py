@@ -1,6 +1,6 @@
 """What goes into one vLLM request and comes out of it, besides the engine's bookkeeping
 (`vllm.py`): a structured-output constraint's arguments, a sample's log probabilities, and
-an item to embed's pooling requests and their embeddings. Nothing here imports vLLM at
+an item to embed's pooling requests and their embeddings, a LoRA adapter's request. Nothing here imports vLLM at
 import time.
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.consumer.engines.base import TokenLogprobs, embedding_inputs
-from pipeline.wire.generation import GenerationParams
+from pipeline.wire.generation import LORA_FIRST_MODEL, GenerationParams
 
 # vLLM's floor of a log probability in its answers (-inf is not JSON).
 MIN_LOGPROB = -9999.0
@@ -63,3 +63,17 @@ def part_of(request_id: str) -> int:
 def embedding_of(output: Any) -> np.ndarray:
     """A pooling request's embedding as float32 values, off the device."""
     return output.outputs.data.detach().float().cpu().numpy().astype(np.float32, copy=False)
+
+
+def lora_request(modules: list[dict[str, str]], model: int) -> Any:
+    """vLLM's LoRARequest of the adapter serving model id `model` (its id the model id), or
+    None for the base model; ValueError for a model id no adapter serves."""
+    if model < LORA_FIRST_MODEL:
+        return None
+    k = model - LORA_FIRST_MODEL
+    if k >= len(modules):
+        raise ValueError(f"model id {model} names LoRA adapter {k}, and the engine has {len(modules)} "
+                         f"(lora_modules)")
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(lora_name=modules[k]["name"], lora_int_id=model, lora_path=modules[k]["path"])
