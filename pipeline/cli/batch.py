@@ -138,6 +138,8 @@ def run_batch(input_file: str, output_file: str, model_dir: str, served_model_na
         spec.tool_calling = tool_calling(tool_call_parser, enable_auto_tool_choice)
         if ray_address is not None and spec.settings.metrics_port is not None:  # bound by prepare, never served
             raise SettingsError("metrics_port: a job on a Ray cluster (--ray) serves no metrics; drop --metrics-port")
+        if ray_address is not None and spec.settings.engine_options.get("lora_modules"):  # nodes serve model 0
+            raise SettingsError("--lora-modules: a job on a Ray cluster (--ray) serves the base model only")
         job = BatchJob(spec, say=lambda text: click.echo(text, err=True), show=_Progress())
         _prepare(job)
     except (BadInputError, PipelineError) as exc:
