@@ -170,6 +170,13 @@ def job_runner(engine_options: dict[str, Any], model_dir: str) -> str:
     return RUNNER_GENERATE
 
 
+def served_by(engine_options: dict[str, Any], model_dir: str) -> dict[str, Any]:
+    """What a job's manifest says it serves: its runner, and its LoRA adapters' names in order
+    (`--lora-modules`: a request naming adapter k runs on the broker's model k + 1)."""
+    return {"runner": job_runner(engine_options, model_dir),
+            "adapters": [module["name"] for module in engine_options.get("lora_modules") or ()]}
+
+
 def endpoint_refusal(url: str, kind: str | None, runner: str) -> str | None:
     """vLLM's run-batch message for a request the job's runner does not serve, or None."""
     if kind is None or (kind == KIND_EMBEDDING) == (runner == RUNNER_POOLING):
