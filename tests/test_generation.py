@@ -13,6 +13,8 @@ from pipeline.producer.producer import DEFAULT_MAX_PAYLOAD_BYTES
 from pipeline.wire.generation import (
     GENERATION_HEADER_SIZE_BYTES,
     GENERATION_MAGIC,
+    MAX_EMBEDDING_DIMENSIONS,
+    MAX_EMBEDDING_INPUTS,
     MAX_ENVELOPE_BYTES,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGPROBS,
@@ -146,7 +148,8 @@ def test_the_largest_envelope_and_a_jobs_payload_fit_the_producers_payload_limit
         stop=tuple(chr(0x100 + k) * (MAX_STOP_STRING_BYTES // 2) for k in range(MAX_STOP_STRINGS)),
         stop_token_ids=tuple(range(MAX_STOP_TOKEN_IDS)),
         logit_bias=tuple((k, 1.5) for k in range(MAX_LOGIT_BIAS_ENTRIES)),
-        structured=("json", "s" * MAX_STRUCTURED_OUTPUT_BYTES))
+        structured=("json", "s" * MAX_STRUCTURED_OUTPUT_BYTES), embed=True,
+        input_lengths=tuple(range(1, MAX_EMBEDDING_INPUTS + 1)), dimensions=MAX_EMBEDDING_DIMENSIONS)
     stored = encode_payload(largest, b"j" * JOB_PAYLOAD_SIZE_BYTES)
     assert len(stored) == MAX_ENVELOPE_BYTES + JOB_PAYLOAD_SIZE_BYTES <= DEFAULT_MAX_PAYLOAD_BYTES
     assert decode_payload(stored) == (largest, b"j" * JOB_PAYLOAD_SIZE_BYTES)
@@ -164,3 +167,26 @@ def test_overrides_are_vllms_sampling_parameters_the_item_changes():
     assert params.overrides() == {"max_tokens": 8, "n": 2, "logprobs": 3, "stop": ["x"], "stop_token_ids": [4],
                                   "logit_bias": {9: -100.0}, "skip_special_tokens": False}
     assert GenerationParams().overrides() == {} and params.samples == 2 and GenerationParams().samples == 1
+
+
+def test_an_item_to_embed_keeps_its_inputs_lengths_and_dimensions():
+    params = GenerationParams(embed=True, input_lengths=(3, 1, 7), dimensions=64)
+    assert decode_payload(encode_payload(params, b"job")) == (params, b"job")
+    assert decode_payload(encode_payload(GenerationParams(embed=True, input_lengths=(5,)), b""))[0].dimensions is None
+
+
+@pytest.mark.parametrize("inputs, dimensions, ok", [
+    (MAX_EMBEDDING_INPUTS, MAX_EMBEDDING_DIMENSIONS, True), (MAX_EMBEDDING_INPUTS + 1, 1, False),
+    (1, MAX_EMBEDDING_DIMENSIONS + 1, False), (1, 0, False), (0, None, False)])
+def test_an_embeddings_inputs_and_dimensions_are_checked_at_their_limits(inputs, dimensions, ok):
+    make = lambda: GenerationParams(embed=True, input_lengths=(1,) * inputs, dimensions=dimensions)  # noqa: E731
+    if ok:
+        assert len(make().input_lengths) == inputs
+    else:
+        with pytest.raises(GenerationParamsError):
+            make()
+
+
+def test_input_lengths_without_embed_are_refused():
+    with pytest.raises(GenerationParamsError, match="an embedding's"):
+        GenerationParams(input_lengths=(3,))

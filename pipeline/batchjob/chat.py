@@ -57,6 +57,7 @@ import numpy as np
 from pipeline.batchjob.modelfiles import check_model_file, read_model_text
 from pipeline.batchjob.prefixes import MEMO_BYTES, PrefixEntry, PrefixMemo
 from pipeline.batchjob.splits import AddedTokenSplits, Spans
+from pipeline.batchjob.scan import show
 from pipeline.batchjob.template import compile_chat_template
 from pipeline.wire.errors import (
     BadInputError,
@@ -91,10 +92,8 @@ CONTENT_PART_SEPARATOR = "\n"
 # (not an Exception) that no module exports: it is known by its name.
 RUST_PANIC = "PanicException"
 
-# Peak memory of the Rust tokenizer per byte of text it tokenizes: 1.88 GiB for 12 MiB of
-# text with the tiny model's (BPE) tokenizer. Past its memory limit it aborts the process
-# (SIGABRT, not a MemoryError), so a text that would need more than a producer's limit is
-# refused before it is tokenized (`max_text_bytes`).
+# The Rust tokenizer's peak memory per byte of text (1.88 GiB for 12 MiB, the tiny model's
+# BPE): past a memory limit it aborts (SIGABRT), so a text needing more is refused first.
 TOKENIZE_BYTES_PER_TEXT_BYTE = 160
 
 # Builds the typed error of a tokenizer failure: (the exception, the text tokenized).
@@ -146,9 +145,7 @@ class ChatTokenizer:
         self.rests_tokenized = self.prompts_tokenized = 0
         self._bos_id = tokenizer.token_to_id(bos_token) if bos_token is not None else None
         self._bos_fix = self._bos_rule(add_bos_token)
-        # The longest text tokenized (UTF-8 bytes); None: no bound (a producer sets it from
-        # its memory limit, TOKENIZE_BYTES_PER_TEXT_BYTE).
-        self.max_text_bytes: int | None = None
+        self.max_text_bytes: int | None = None  # longest text tokenized; a producer's from its memory limit
 
     @classmethod
     def load(cls, model_dir: str | Path, *, memo_bytes: int = MEMO_BYTES,
@@ -300,9 +297,9 @@ class ChatTokenizer:
         elif isinstance(prompt, list):
             ids = _check_ids(prompt, self.vocab_size)
         else:
-            raise TokenArrayError(f"a completion prompt is a string or a list of token ids, got {_show(prompt)}")
+            raise TokenArrayError(f"a completion prompt is a string or a list of token ids, got {show(prompt)}")
         if not ids:
-            raise TokenArrayError(f"the completion prompt has no tokens, got {_show(prompt)}")
+            raise TokenArrayError(f"the completion prompt has no tokens, got {show(prompt)}")
         tokens = np.array(ids, dtype=np.int32)
         tokens.flags.writeable = False
         return ChatPrompt(tokens, [])
@@ -370,10 +367,8 @@ class ChatTokenizer:
     def _check_size(self, text: str) -> None:
         """BadInputError for a text past `max_text_bytes` (its memory to tokenize, stated)."""
         limit = self.max_text_bytes
-        if limit is None or len(text) <= limit // 4:  # 4 bytes a character at most: no need to count
-            return
-        size = len(text.encode("utf-8", "surrogatepass"))
-        if size > limit:
+        size = 0 if limit is None or len(text) <= limit // 4 else len(text.encode("utf-8", "surrogatepass"))
+        if limit is not None and size > limit:  # (4 bytes a character at most: short texts are not counted)
             need = size * TOKENIZE_BYTES_PER_TEXT_BYTE
             raise BadInputError(f"the prompt's text is {size:,} bytes: tokenizing it takes about {need >> 20:,} MiB, "
                                 f"more than the {limit * TOKENIZE_BYTES_PER_TEXT_BYTE >> 20:,} MiB memory limit of "
@@ -420,20 +415,20 @@ def check_messages(messages: object) -> list[dict[str, Any]]:
     one string); other fields (name, tool_calls...) pass through. ChatRequestError names the
     message and field."""
     if not isinstance(messages, list) or not messages:
-        raise ChatRequestError(f"messages must be a non-empty list of messages, got {_show(messages)}")
+        raise ChatRequestError(f"messages must be a non-empty list of messages, got {show(messages)}")
     checked = []
     for k, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise ChatRequestError(f"messages[{k}] must be an object with role and content, got {_show(message)}")
+            raise ChatRequestError(f"messages[{k}] must be an object with role and content, got {show(message)}")
         role = message.get("role")
         if not isinstance(role, str) or not role:
-            raise ChatRequestError(f"messages[{k}].role must be a non-empty string, got {_show(role)}")
+            raise ChatRequestError(f"messages[{k}].role must be a non-empty string, got {show(role)}")
         content = message.get("content")
         if isinstance(content, list):
             content = _join_parts(content, k)
         elif content is not None and not isinstance(content, str):
             raise ChatRequestError(f"messages[{k}].content must be a string, a list of text parts or "
-                                   f"null, got {_show(content)}")
+                                   f"null, got {show(content)}")
         checked.append({**message, "content": content})
     return checked
 
@@ -452,7 +447,7 @@ def _join_parts(parts: list, k: int) -> str:
     for n, part in enumerate(parts):
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
             raise ChatRequestError(f"messages[{k}].content[{n}] must be a text part "
-                                   f'{{"type": "text", "text": ...}}, got {_show(part)} (only text is supported)')
+                                   f'{{"type": "text", "text": ...}}, got {show(part)} (only text is supported)')
         texts.append(part["text"])
     return CONTENT_PART_SEPARATOR.join(texts)
 
@@ -461,7 +456,7 @@ def _check_tools(tools: object) -> list[dict[str, Any]] | None:
     if tools is None:
         return None
     if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
-        raise ChatRequestError(f"tools must be a list of tool objects, got {_show(tools)}")
+        raise ChatRequestError(f"tools must be a list of tool objects, got {show(tools)}")
     return tools
 
 
@@ -543,7 +538,7 @@ def _check_ids(prompt: list, vocab_size: int) -> list[int]:
             return prompt
     index, token = next((k, t) for k, t in enumerate(prompt)
                         if type(t) is not int or not 0 <= t < vocab_size)
-    raise TokenArrayError(f"prompt[{index}] is {_show(token)}: a token id is an integer in [0, {vocab_size}) "
+    raise TokenArrayError(f"prompt[{index}] is {show(token)}: a token id is an integer in [0, {vocab_size}) "
                           f"(the model's vocabulary)")
 
 
@@ -571,10 +566,10 @@ def _config_template(config: dict, path: Path) -> str | None:
         if chosen is None:
             return None
         if not isinstance(chosen, str):
-            raise ModelDirError(f"{path}: chat_template {DEFAULT_TEMPLATE_NAME!r} must be a string, got {_show(chosen)}")
+            raise ModelDirError(f"{path}: chat_template {DEFAULT_TEMPLATE_NAME!r} must be a string, got {show(chosen)}")
         return chosen
     raise ModelDirError(f"{path}: chat_template must be a string or a list of {{name, template}} objects, "
-                        f"got {_show(template)}")
+                        f"got {show(template)}")
 
 
 def _token_text(config: dict, key: str, path: Path) -> str | None:
@@ -585,7 +580,7 @@ def _token_text(config: dict, key: str, path: Path) -> str | None:
         value = value.get("content")
     if value is not None and not isinstance(value, str):
         raise ModelDirError(f"{path}: {key} must be a string or an object with a string content, "
-                            f"got {_show(config.get(key))}")
+                            f"got {show(config.get(key))}")
     return value
 
 
@@ -598,9 +593,3 @@ def _describe(exc: BaseException) -> str:
 def _one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     return text if len(text) <= 200 else text[:197] + "..."
-
-
-def _show(value: object) -> str:
-    """A value for an error message: its type and a bounded repr."""
-    text = repr(value)
-    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"

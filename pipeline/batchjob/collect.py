@@ -38,7 +38,7 @@ import msgspec
 import xxhash
 
 from pipeline.batchjob.answers import Answer, AnswerLog, records_path
-from pipeline.batchjob.choices import AnswerShape, Texts, make_choices
+from pipeline.batchjob.choices import AnswerShape, make_choices
 from pipeline.batchjob.decoding import AnswerDecoder
 from pipeline.batchjob.layout import JOB_FLAG_READS_BODY, LOG_OUTPUT, decode_job_payload, job_payload_flags
 from pipeline.batchjob.manifest import JOB_DIR, JobManifest
@@ -48,13 +48,14 @@ from pipeline.batchjob.output import (
     ROW_CORRUPT,
     ROW_OK,
     RequestRef,
+    embedding_line,
     error_line,
     response_line,
     row_error,
     row_usage,
 )
 from pipeline.batchjob.paths import replace_file
-from pipeline.batchjob.requests import ENDPOINTS, parse_line
+from pipeline.batchjob.requests import ENDPOINTS, KIND_EMBEDDING, BatchRequest, parse_line
 from pipeline.batchjob.scan import MAX_REQUEST_LINE_BYTES, envelope
 from pipeline.reporting.accounting import ResultsSummary
 from pipeline.wire.errors import (
@@ -266,12 +267,17 @@ class Collector:
         if made_ns and type(done_ns) is int and done_ns >= made_ns:
             self.latencies_s.append((done_ns - made_ns) / 1e9)
         texts = self.decoder.texts()
+        reads_body = job_payload_flags(payload) & JOB_FLAG_READS_BODY
+        asked = self._parsed(index, offset, length) if reads_body or "samples" in row else None
+        model = asked.model if asked is not None and asked.model is not None else self.manifest.served_model
         try:
-            if job_payload_flags(payload) & JOB_FLAG_READS_BODY or "samples" in row:
-                shape = self._shape(index, offset, length, texts)
+            if request.kind == KIND_EMBEDDING:
+                form = asked.embedding.encoding_format if asked is not None and asked.embedding is not None else "float"
+                line = embedding_line(request, row, form, model, self.manifest.created_s, tag)
+            elif asked is not None:
+                shape = AnswerShape.of(asked, self.manifest.tool_calling, texts)
                 choices = make_choices(row, shape, texts, f"call_{tag}_{index}")
-                line = response_line(request, row, None, self.manifest.served_model, self.manifest.created_s, tag,
-                                     choices)
+                line = response_line(request, row, None, model, self.manifest.created_s, tag, choices)
             else:
                 text = row["text"] if isinstance(row.get("text"), str) else texts.decode(row["output"])
                 line = response_line(request, row, text, self.manifest.served_model, self.manifest.created_s, tag)
@@ -304,12 +310,16 @@ class Collector:
             raise JobMismatchError(f"{self.manifest.input_path}: byte {offset}: {exc}") from None
         return RequestRef(env.custom_id, ENDPOINTS.get(env.url), index)
 
-    def _shape(self, index: int, offset: int, length: int, texts: Texts) -> AnswerShape:
-        """What the request asked its answer to hold: its line parsed again (checked against
-        its digest by `_request` just before)."""
+    def _parsed(self, index: int, offset: int, length: int) -> BatchRequest:
+        """What the request asked its answer to hold (its model, its choices' shape, its
+        embeddings' encoding): its line parsed again (checked against its digest by
+        `_request` just before)."""
         raw = os.pread(self.input_fd, length, offset)
-        request = parse_line(raw, index, 0, self.manifest.served_model, self.manifest.tool_calling)
-        return AnswerShape.of(request, self.manifest.tool_calling, texts)
+        request = parse_line(raw, index, 0, self.manifest.served_model, self.manifest.tool_calling,
+                             self.manifest.adapters)
+        if request.error is not None:
+            raise BatchOutputError(f"request {request.custom_id!r} ran but reads as refused now: {request.error}")
+        return request
 
     def _bad(self, path: str, why: str, tally: ResultsSummary | None = None) -> None:
         self.counts.bad_lines += 1

@@ -33,6 +33,7 @@ import numpy as np
 from pipeline.batchjob.answers import LOG_NAME, AnswerLog
 from pipeline.batchjob.assemble import write_in_input_order
 from pipeline.batchjob.collect import Collector, forget_answers
+from pipeline.batchjob.embeddings import served_by
 from pipeline.batchjob.layout import (
     JOB_PAYLOAD_SIZE_BYTES,
     LOG_ERRORS,
@@ -290,6 +291,7 @@ class BatchJob:
             output_path=os.path.abspath(spec.output_path), output_order=spec.output_order,
             error_file=os.path.abspath(spec.error_file) if spec.error_file else None,
             tool_call_parser=spec.tool_calling.parser, enable_auto_tool_choice=spec.tool_calling.auto,
+            **served_by(spec.settings.engine_options, spec.model_dir),
             depends_on=depends_on(spec.model_dir, spec.settings.engine, spec.settings.engine_options,
                                   spec.settings.max_input_len, spec.chat_template, self.model_files))
         return (JobManifest.new(**fields) if have is None else replace(have, **fields)), scan

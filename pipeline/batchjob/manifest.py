@@ -88,6 +88,12 @@ class JobManifest:
     # (absent in the manifests of jobs made before them: no parser).
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    # What the engine does, generate or pool (`embeddings.job_runner`): which endpoints the
+    # job answers (absent in manifests of jobs made before embeddings: generate).
+    runner: str = "generate"
+    # vLLM's --lora-modules names, in order: a request whose model names adapter k runs on
+    # the broker's model k + 1 (absent in manifests of jobs made before adapters: none).
+    adapters: list[str] = field(default_factory=list)
 
     @classmethod
     def new(cls, **fields) -> JobManifest:
@@ -210,7 +216,19 @@ def depends_on(model_dir: str, engine: str, engine_options: dict[str, object], m
         if key not in RESOURCE_OPTIONS:
             found[f"engine option {key}"] = json.dumps(value, sort_keys=True, default=str)
     found["max input length"] = str(max_input_len)
+    for module in engine_options.get("lora_modules") or ():  # type: ignore[union-attr]
+        found[f"LoRA adapter {module['name']}"] = _adapter_digest(module["path"])
     return found
+
+
+def _adapter_digest(path: str) -> str:
+    """A LoRA adapter directory's files by name and content (adapters are MBs: read whole)."""
+    try:
+        names = sorted(e.name for e in os.scandir(path) if e.is_file())
+    except OSError as exc:
+        return f"unreadable ({exc.strerror})"
+    return "xxh3 " + xxhash.xxh3_128_hexdigest("\n".join(f"{n} {_file_digest(os.path.join(path, n))}"
+                                                          for n in names).encode())
 
 
 def _flat(engine_options: dict[str, object]) -> dict[str, object]:

@@ -13,7 +13,13 @@ tool calls and an echo: `choices.py`):
      "error": null}
 
 and for /v1/completions a body of "id": "cmpl-...", "object": "text_completion", choices
-[{"index": 0, "text": <text>, "logprobs": null, "finish_reason"}], the same usage.
+[{"index": 0, "text": <text>, "logprobs": null, "finish_reason"}], the same usage. For
+/v1/embeddings (`embedding_line`), OpenAI's embeddings response, one embedding per input:
+
+    "body": {"id": "embd-<hash12>-<index>", "object": "list", "created": <unix s>,
+             "model": <served>, "data": [{"object": "embedding", "index": 0,
+             "embedding": [floats] | base64 of little-endian float32}],
+             "usage": {"prompt_tokens", "total_tokens"}}
 
 A request that did not (`error_line`):
 
@@ -45,11 +51,14 @@ job; every JSON reader reads the escapes as the same text.
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from pipeline.batchjob.requests import KIND_CHAT
+import numpy as np
+
+from pipeline.batchjob.requests import KIND_CHAT, PROMPT_PARAMS
 from pipeline.wire.errors import BatchOutputError
 
 HTTP_OK = 200
@@ -108,6 +117,27 @@ def response_line(request: RequestRef, row: Mapping[str, object], text: str | No
     return _line(request, tag, HTTP_OK, body)
 
 
+def embedding_line(request: RequestRef, row: Mapping[str, object], encoding_format: str, served_model: str,
+                   created: int, tag: str) -> str:
+    """The output line of an embeddings request that ran (`row`: its results row, status ok,
+    its "embeddings" the base64 of each input's little-endian float32 vector), each embedding
+    as floats (the float32 values, as vLLM writes them) or as that base64."""
+    vectors = row.get("embeddings")
+    if row.get("status") != ROW_OK or not isinstance(vectors, list) or not vectors \
+            or not all(isinstance(v, str) for v in vectors):
+        raise BatchOutputError(f"results row of request {request.custom_id!r}: no embeddings (status "
+                               f"{row.get('status')!r})")
+    if encoding_format == "float":
+        made: list = [np.frombuffer(base64.b64decode(v, validate=True), dtype="<f4").tolist() for v in vectors]
+    else:
+        made = list(vectors)
+    prompt = _count(row, "prompt_tokens")
+    body = {"id": f"embd-{tag}-{request.index}", "object": "list", "created": created, "model": served_model,
+            "data": [{"object": "embedding", "index": k, "embedding": e} for k, e in enumerate(made)],
+            "usage": {"prompt_tokens": prompt, "total_tokens": prompt}}
+    return _line(request, tag, HTTP_OK, body)
+
+
 def error_line(request: RequestRef, status_code: int, message: str, param: str | None = None, *, tag: str,
                code: str | None = None) -> str:
     """The output line of a request that failed with HTTP status `status_code` (400 or 500):
@@ -123,7 +153,7 @@ def row_error(request: RequestRef, row: Mapping[str, object], tag: str) -> tuple
     module docstring); BatchOutputError for a status that answers nothing (corrupt: the
     request runs again) or that no consumer writes."""
     status = row.get("status")
-    prompt = "messages" if request.kind == KIND_CHAT else "prompt"
+    prompt = PROMPT_PARAMS.get(request.kind, "prompt")  # type: ignore[arg-type]
     if status == ROW_TOO_LONG:
         return error_line(request, HTTP_BAD_REQUEST, f"the prompt is {row.get('prompt_tokens')} tokens, longer than "
                           f"this job's consumers take: shorten it", prompt, tag=tag,

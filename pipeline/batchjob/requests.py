@@ -11,9 +11,10 @@ before the job starts. Here, a well-formed line whose body this job cannot serve
 request keeps its error (`BatchRequest.error`, the parameter in `error_param`) and is
 answered with status 400 in the output, as OpenAI answers a bad request inside a batch,
 while the others run:
-an endpoint other than CHAT_URL and COMPLETIONS_URL; a body.model other than the served
-model (or none); messages that are not a non-empty list of {role, content} with a role
-of CHAT_ROLES; content that is not text (a string, or a list of {"type": "text"} parts
+an endpoint other than CHAT_URL, COMPLETIONS_URL and EMBEDDINGS_URL (`embeddings.py`); a
+body.model other than the served model or one of its LoRA adapters (`--lora-modules`: a
+request naming adapter k runs on the broker's model LORA_FIRST_MODEL + k) (or none);
+messages that are not a non-empty list of {role, content} with a role of CHAT_ROLES; content that is not text (a string, or a list of {"type": "text"} parts
 joined with "\\n" as vLLM joins them: an image, audio or file part is refused, named); a
 prompt that is not one string or one list of token ids (several prompts: refused); a
 parameter the job does not carry, or a value vLLM refuses (`params.py`, `tools.py`).
@@ -34,12 +35,19 @@ what it asked for. Refused, the user learns it from the output, request by reque
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgspec
 
+from pipeline.batchjob.embeddings import (
+    EMBEDDING_KEYS,
+    EMBEDDINGS_URL,
+    KIND_EMBEDDING,
+    EmbeddingInputs,
+    embedding_inputs,
+)
 from pipeline.batchjob.params import (
     CARRIED,
     KIND_CHAT,
@@ -53,12 +61,14 @@ from pipeline.batchjob.scan import envelope, invalid_type, invalid_value, show, 
 from pipeline.batchjob.tools import RequestTools, ToolCalling, check_tools, keeps_special_tokens, tool_constraint
 from pipeline.producer.signature import INT32_MAX
 from pipeline.wire.errors import GenerationParamsError
-from pipeline.wire.generation import GenerationParams
+from pipeline.wire.generation import LORA_FIRST_MODEL, GenerationParams
 from pipeline.wire.textfiles import listed
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
-ENDPOINTS = {CHAT_URL: KIND_CHAT, COMPLETIONS_URL: KIND_COMPLETION}
+ENDPOINTS = {CHAT_URL: KIND_CHAT, COMPLETIONS_URL: KIND_COMPLETION, EMBEDDINGS_URL: KIND_EMBEDDING}
+# The body key a request's prompt is in, by kind (an error's `param`).
+PROMPT_PARAMS = {KIND_CHAT: "messages", KIND_COMPLETION: "prompt", KIND_EMBEDDING: "input"}
 
 # Chat roles a message may take. OpenAI's "developer" is its newer name for "system" (the
 # chat template decides how to render it); "tool" answers a tool call of an earlier turn.
@@ -99,7 +109,8 @@ NO_OP_VALUES: dict[str, tuple[Callable[[object], bool], str]] = {
 class BatchRequest:
     """One request of a batch file. `index`: its place among the file's requests (0-based,
     file order; the output's ids derive from it); `line`: its 1-based line in the file.
-    `kind` is KIND_CHAT or KIND_COMPLETION (None: an unsupported endpoint); `messages`
+    `kind` is KIND_CHAT, KIND_COMPLETION or KIND_EMBEDDING (None: an unsupported endpoint);
+    `embedding`: an embeddings request's inputs and answer form; `messages`
     (chat: [{"role", "content": text, ...}], text parts joined) or `prompt` (a completion:
     text, or token ids). `params`: the generation parameters it gives (the producer fills
     in the defaults: `sampling.py`); `tools`, `template_kwargs` (chat_template_kwargs) and
@@ -119,35 +130,57 @@ class BatchRequest:
     tools: RequestTools = field(default_factory=lambda: RequestTools(None, "none"))
     template_kwargs: dict[str, Any] | None = None
     echo: bool = False
+    embedding: EmbeddingInputs | None = None
+    model_id: int = 0  # 0: the served model; LORA_FIRST_MODEL + k: its adapter k
+    model: str | None = None  # the model the body names, where it is one this job serves
 
     @property
     def answer_reads_body(self) -> bool:
         """Whether its answer is made with more than its results row: logprobs (their count),
-        an echo, or tool calls to read (the collector reads the request again)."""
-        return self.params.logprobs is not None or self.echo or self.tools.parsed
+        an echo, tool calls to read, or embeddings in base64 (the collector reads the request
+        again)."""
+        return (self.params.logprobs is not None or self.echo or self.tools.parsed or self.model_id != 0
+                or (self.embedding is not None and self.embedding.encoding_format != "float"))
 
 
-def parse_line(raw: bytes, index: int, line: int, served_model: str, calling: ToolCalling = ToolCalling()
-               ) -> BatchRequest:
+def parse_line(raw: bytes, index: int, line: int, served_model: str, calling: ToolCalling = ToolCalling(),
+               adapters: Sequence[str] = ()) -> BatchRequest:
     """The request on one line of a scanned batch file (`scan.py` accepted it: its envelope
-    is well-formed); what its body asks that this job cannot serve is kept as its error."""
+    is well-formed); what its body asks that this job cannot serve is kept as its error.
+    `adapters`: the LoRA adapters' names, in order (`--lora-modules`)."""
     env = envelope(raw)
     try:
         body = msgspec.json.decode(env.body)
     except msgspec.DecodeError:  # valid JSON msgspec does not take (a lone surrogate)
         body = json.loads(bytes(env.body))
-    return request_of(index, line, env.custom_id, env.url, body, served_model, calling)
+    return request_of(index, line, env.custom_id, env.url, body, served_model, calling, adapters)
 
 
 def request_of(index: int, line: int, custom_id: str, url: str, body: dict, served_model: str,
-               calling: ToolCalling = ToolCalling()) -> BatchRequest:
-    """The request of a well-formed line; what it cannot be served with is kept as its error."""
+               calling: ToolCalling = ToolCalling(), adapters: Sequence[str] = ()) -> BatchRequest:
+    """The request of a well-formed line; what it cannot be served with is kept as its error
+    (`model_id`: the model it runs on, its adapter's where it names one)."""
+    request = _request_of(index, line, custom_id, url, body, served_model, calling, adapters)
+    if request.error is None:
+        request.model = body["model"]
+        if request.model != served_model:
+            request.model_id = LORA_FIRST_MODEL + list(adapters).index(request.model)
+    return request
+
+
+def _request_of(index: int, line: int, custom_id: str, url: str, body: dict, served_model: str,
+                calling: ToolCalling, adapters: Sequence[str]) -> BatchRequest:
     kind = ENDPOINTS.get(url)
     try:
         if kind is None:
-            raise Refused(f"unsupported endpoint {url!r}: this job serves {CHAT_URL} and {COMPLETIONS_URL}", "url")
+            raise Refused(f"unsupported endpoint {url!r}: this job serves {CHAT_URL}, {COMPLETIONS_URL} and "
+                          f"{EMBEDDINGS_URL}", "url")
         given = {key: value for key, value in body.items() if value is not None}  # null: not given
-        _check_model(given.get("model"), served_model)
+        _check_model(given.get("model"), served_model, adapters)
+        if kind == KIND_EMBEDDING:
+            _check_embedding_keys(given)
+            return BatchRequest(index, line, custom_id, url, kind, None, None, GenerationParams(),
+                                embedding=embedding_inputs(given))
         _check_params(given, kind)
         params = sampling_params(given, kind)
         if kind == KIND_COMPLETION:
@@ -188,13 +221,23 @@ def _with(params: GenerationParams, **changes: Any) -> GenerationParams:
         raise Refused(f"the tools' JSON schema: {exc}", "tools") from None
 
 
-def _check_model(model: object, served_model: str) -> None:
+def _check_model(model: object, served_model: str, adapters: Sequence[str]) -> None:
     if model is None:
         raise Refused("you must provide a model parameter", "model")
     if not isinstance(model, str):
         raise Refused(invalid_type("model", "a string", model), "model")
-    if model != served_model:  # vLLM's words, and the name this job serves
-        raise Refused(f"The model `{snippet(model)}` does not exist (this job serves `{served_model}`).", "model")
+    if model != served_model and model not in adapters:  # vLLM's words, and the names this job serves
+        with_adapters = f" and the LoRA adapters {listed(list(adapters))}" if adapters else ""
+        raise Refused(f"The model `{snippet(model)}` does not exist (this job serves `{served_model}`"
+                      f"{with_adapters}).", "model")
+
+
+def _check_embedding_keys(given: dict) -> None:
+    unknown = sorted(set(given) - EMBEDDING_KEYS - IGNORED_PARAMS)
+    if unknown:
+        plural = "s" if len(unknown) > 1 else ""
+        raise Refused(f"unsupported parameter{plural} {listed(unknown)}: an embeddings request takes "
+                      f"{', '.join(sorted(EMBEDDING_KEYS))} (and user, ignored)", unknown[0])
 
 
 def _check_params(given: dict, kind: str) -> None:

@@ -42,16 +42,18 @@ import numpy as np
 import xxhash
 
 from pipeline.batchjob.chat import TOKENIZE_BYTES_PER_TEXT_BYTE, ChatTokenizer
+from pipeline.batchjob.embeddings import KIND_EMBEDDING, EmbeddingFacts, endpoint_refusal
 from pipeline.batchjob.layout import INDEX_STRIDE, JOB_FLAG_READS_BODY, encode_job_payload
 from pipeline.batchjob.manifest import INDEX_NAME, JOB_DIR, LINES_NAME, JobManifest, load_manifest
 from pipeline.batchjob.params import Refused
 from pipeline.batchjob.paths import replace_file
 from pipeline.batchjob.rejections import RejectionLog
-from pipeline.batchjob.requests import BatchRequest, parse_line
+from pipeline.batchjob.requests import PROMPT_PARAMS, BatchRequest, parse_line
 from pipeline.batchjob.sampling import ModelFacts
 from pipeline.batchjob.scan import MAX_REQUEST_LINE_BYTES, read_index, read_line_digests
 from pipeline.producer.workload import WorkItem, Workload
 from pipeline.wire.errors import BadInputError, InputChangedError, JobPathError
+from pipeline.wire.generation import LORA_FIRST_MODEL, GenerationParams
 
 # The one model id a job's items use (a job runs one served model).
 JOB_MODEL = 0
@@ -114,7 +116,9 @@ class JobWorkload(Workload):
     def __init__(self, job_input: JobInput, skip: np.ndarray, manifest: JobManifest, model_dir: str, data_dir: str,
                  limits: PromptLimits, chat_template: str | None = None) -> None:
         todo = job_input.requests - int(np.unpackbits(skip, bitorder="little")[:job_input.requests].sum())
-        super().__init__(f"{job_input.path} (job)", todo, _unused, total_tokens=0, models=(JOB_MODEL,))
+        # the served model's items and each LoRA adapter's (its model id LORA_FIRST_MODEL + k)
+        models = (JOB_MODEL, *range(LORA_FIRST_MODEL, LORA_FIRST_MODEL + len(manifest.adapters)))
+        super().__init__(f"{job_input.path} (job)", todo, _unused, total_tokens=0, models=models)
         self.job_input = job_input
         self.skip = skip
         self.manifest = manifest
@@ -124,6 +128,7 @@ class JobWorkload(Workload):
         self.limits = limits
         self.busy_limit_s = limits.time_s
         self._facts: ModelFacts | None = None  # read in the process that makes items
+        self._embedding_facts: EmbeddingFacts | None = None  # there too
         self._line_digests: np.ndarray | None = None  # mapped there too
 
     def shares(self, count: int) -> list[tuple[int, int]]:
@@ -246,11 +251,18 @@ class JobWorkload(Workload):
         """The request's item; None when it was answered here (logged)."""
         param = None
         try:
-            request = parse_line(raw, where[0], line, self.manifest.served_model, self.manifest.tool_calling)
+            request = parse_line(raw, where[0], line, self.manifest.served_model, self.manifest.tool_calling,
+                                 self.manifest.adapters)
             if request.error is not None:
                 log.reject(where, HTTP_BAD_REQUEST, request.error, request.error_param)
                 return None
-            param = "messages" if request.kind == "chat" else "prompt"
+            refusal = endpoint_refusal(request.url, request.kind, self.manifest.runner)
+            if refusal is not None:
+                log.reject(where, HTTP_BAD_REQUEST, refusal, "url")
+                return None
+            param = PROMPT_PARAMS[request.kind]  # type: ignore[index]
+            if request.kind == KIND_EMBEDDING:
+                return self._embedding(request, where, tokenizer, log)
             return self._made(request, where, tokenizer, log)
         except BadInputError as exc:
             if isinstance(exc.__cause__, MemoryError):  # the template's own failure, wrapped
@@ -298,9 +310,44 @@ class JobWorkload(Workload):
         prefix = prompt.prefix_len
         flags = JOB_FLAG_READS_BODY if request.answer_reads_body else 0
         payload = encode_job_payload(self.manifest.job_id, *where, time.monotonic_ns(), flags)
-        return WorkItem(model=JOB_MODEL, components=list(prompt.components),
+        return WorkItem(model=request.model_id, components=list(prompt.components),
                         suffix=np.asarray(prompt.tokens[prefix:], dtype=np.int32), payload=payload,
                         timestamp_ms=None, line=0, params=params)
+
+    def _embedding(self, request: BatchRequest, where: tuple[int, int, int, int], tokenizer: ChatTokenizer,
+                   log: RejectionLog) -> WorkItem | None:
+        """An embeddings request's item: its inputs' tokens back to back, each input's length
+        in its parameters; None where it was answered here (an input past the context, all of
+        them past the broker's item, dimensions the model cannot give)."""
+        asked = request.embedding
+        assert asked is not None
+        if self._embedding_facts is None:
+            self._embedding_facts = EmbeddingFacts.load(self.model_dir)
+        try:
+            self._embedding_facts.check(asked.dimensions, self.manifest.served_model)
+        except Refused as refused:
+            log.reject(where, HTTP_BAD_REQUEST, str(refused), refused.param)
+            return None
+        parts = [tokenizer.completion_prompt(one).tokens for one in asked.inputs]
+        lengths = tuple(int(p.shape[0]) for p in parts)
+        limit, what = self._prompt_limit()
+        context = self.limits.context_tokens or limit
+        longest = max(lengths)
+        if longest > context:  # vLLM's message
+            log.reject(where, HTTP_BAD_REQUEST, f"This model's maximum context length is {context} tokens. However, "
+                       f"you requested {longest} tokens in the input for embedding generation (input "
+                       f"{lengths.index(longest)}). Please reduce the length of the input.", "input",
+                       CODE_CONTEXT_LENGTH)
+            return None
+        if sum(lengths) > limit:  # one item holds them all
+            log.reject(where, HTTP_BAD_REQUEST, f"the {len(lengths):,} inputs are {sum(lengths):,} tokens together, "
+                       f"more than the {limit:,} {what}: split the request", "input", CODE_CONTEXT_LENGTH)
+            return None
+        params = GenerationParams(embed=True, input_lengths=lengths, dimensions=asked.dimensions)
+        flags = JOB_FLAG_READS_BODY if request.answer_reads_body else 0
+        payload = encode_job_payload(self.manifest.job_id, *where, time.monotonic_ns(), flags)
+        return WorkItem(model=request.model_id, components=[], suffix=np.concatenate(parts).astype(np.int32, copy=False),
+                        payload=payload, timestamp_ms=None, line=0, params=params)
 
     def model_facts(self, tokenizer: ChatTokenizer) -> ModelFacts:
         """The model's sampling defaults and vocabulary, read once per process."""

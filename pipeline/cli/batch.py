@@ -18,6 +18,7 @@ import sys
 
 import click
 
+from pipeline.batchjob.embeddings import RUNNER_POOLING, job_runner
 from pipeline.batchjob.job import BatchJob, JobSpec, JobSummary
 from pipeline.batchjob.manifest import load_manifest
 from pipeline.batchjob.progress import JobView, format_job_line
@@ -139,6 +140,8 @@ def run_batch(input_file: str, output_file: str, model_dir: str, served_model_na
         spec.tool_calling = tool_calling(tool_call_parser, enable_auto_tool_choice)
         if ray_address is not None and spec.settings.metrics_port is not None:  # bound by prepare, never served
             raise SettingsError("metrics_port: a job on a Ray cluster (--ray) serves no metrics; drop --metrics-port")
+        if ray_address is not None and spec.settings.engine_options.get("lora_modules"):  # nodes serve model 0
+            raise SettingsError("--lora-modules: a job on a Ray cluster (--ray) serves the base model only")
         job = BatchJob(spec, say=lambda text: click.echo(text, err=True), show=_Progress())
         _prepare(job)
     except (BadInputError, PipelineError) as exc:
@@ -223,6 +226,8 @@ def _settings(config_path, assignments, options: dict, data_dir: str, engine: st
     overrides = merged(options | {"data_dir": data_dir, "engine": engine, "engine_options": engine_options},
                        parse_assignments(assignments))
     settings = flags.applied(LaunchSettings.resolve(config_path, overrides), own_option_names(run_batch))
+    if job_runner(settings.engine_options, model_dir) == RUNNER_POOLING:
+        return _pooling(settings, model_dir, options.get("max_input_len") is None)
     if options.get("max_input_len") is None:
         context = _context(settings, model_dir)
         if context:
@@ -247,6 +252,21 @@ def _stop_signal(signum: int, _frame) -> None:
     for other in _PREPARE_STOPS:  # the first one stops it; more would cut its clean-up short
         signal.signal(other, signal.SIG_IGN)
     raise _StopSignal(signum)
+
+
+def _pooling(settings, model_dir: str, default_input_len: bool):
+    """A pooling job's settings: an item holds a request's every input (each checked against
+    the context by the producer), so it may be as long as a batch by default; the sim's
+    embeddings as large as the model's."""
+    from pipeline.batchjob.embeddings import EmbeddingFacts
+
+    size = EmbeddingFacts.load(model_dir).size
+    if settings.engine != "vllm" and size is not None:
+        settings = replace(settings, engine_options={"embedding_size": size, **settings.engine_options})
+    if default_input_len:
+        settings = replace(settings, max_input_len=settings.max_batch_tokens)
+    settings.checked("the command line")
+    return settings
 
 
 def _prepare(job: BatchJob) -> None:

@@ -7,7 +7,8 @@ escape hatch for what has no flag, `VllmOptions`' own options such as `cpu_threa
 Declared here, so that they work without vLLM (the sim engine, a machine without it) and
 show in `--help`: the flags the product reads itself, `--max-model-len` (the context a job
 checks prompts and max_tokens against), `--tensor-parallel-size` / `-tp` and
-`--pipeline-parallel-size` / `-pp` (GPUs per engine: the launcher's groups), `--seed`, and
+`--pipeline-parallel-size` / `-pp` (GPUs per engine: the launcher's groups), `--runner`
+(generate or pool: which endpoints a job answers, `pipeline/batchjob/embeddings.py`), `--seed`, and
 on run-batch `--chat-template` (the producers' template). Every other vLLM engine flag
 (`--gpu-memory-utilization`, `--dtype`, `--quantization`, `--kv-cache-dtype`,
 `--max-num-seqs`, `--max-num-batched-tokens`, `--enforce-eager`, `--load-format`,
@@ -26,6 +27,7 @@ from typing import Any
 
 import click
 
+from pipeline.cli.lora_flag import take_lora_modules
 from pipeline.consumer.engines.base import MAX_PARALLEL_SIZE
 from pipeline.runtime.settings import MAX_CONTEXT_TOKENS, LaunchSettings
 from pipeline.wire.errors import SettingsError
@@ -34,7 +36,7 @@ from pipeline.wire.errors import SettingsError
 CONTEXT_SETTINGS = {"ignore_unknown_options": True, "allow_extra_args": True}
 # The declared flags the sim engine takes (vLLM's sizes; the sim makes up its outputs, so a
 # seed or a weights format would mean nothing to it).
-SIM_FLAGS = ("max_model_len", "tensor_parallel_size", "pipeline_parallel_size")
+SIM_FLAGS = ("max_model_len", "tensor_parallel_size", "pipeline_parallel_size", "runner", "lora_modules")
 # What `--help` says of the flags vLLM's parser reads.
 VLLM_FLAGS_HELP = (
     "vLLM's engine flags, by vLLM's names and meanings (`vllm serve --help`), with --engine vllm: "
@@ -44,7 +46,6 @@ VLLM_FLAGS_HELP = (
 # Flags this command does not take, and why: vLLM's server flags that are not engine flags,
 # and the product's old names.
 NOT_TAKEN = {
-    "--lora-modules": "LoRA adapters are not served yet (each adapter is to be a model of its own to the broker)",
     "--max-tokens": "now --max-batch-tokens (the consumer contract's padded tokens per batch; a request's "
                     "max_tokens is its own)",
 }
@@ -86,6 +87,10 @@ def engine_flag_options(jobs: bool) -> Callable:
                           "parallel GPUs, as many consumers as whole groups fit."),
         click.option("--pipeline-parallel-size", "-pp", "pipeline_parallel_size", type=sizes,
                      help="vLLM's: pipeline stages of one engine (see --tensor-parallel-size)."),
+        click.option("--runner", "runner", type=click.Choice(["auto", "generate", "pooling"]),
+                     help="vLLM's: whether the engine generates or pools (embeddings); auto: by the model's "
+                          "architecture." + (" A request to an endpoint it does not serve is answered 400." if jobs
+                                             else "")),
         click.option("--seed", "seed", type=int, help="vLLM's: the engine's random seed (vllm engine)."),
     ]
     if jobs:
@@ -126,13 +131,16 @@ class EngineFlags:
     def take(cls, options: dict[str, Any], extra: Sequence[str], given: dict[str, Any]) -> EngineFlags:
         """The flags out of a command's keyword arguments (removed from `options`); `given`:
         the command's --engine-options."""
-        declared = {name: options.pop(name) for name in ("max_model_len", "tensor_parallel_size",
-                                                        "pipeline_parallel_size", "seed")}
+        declared = {name: options.pop(name, None) for name in ("max_model_len", "tensor_parallel_size",
+                                                              "pipeline_parallel_size", "runner", "seed")}
         if declared["max_model_len"] is not None:
             try:
                 declared["max_model_len"] = parse_context_len(declared["max_model_len"])
             except click.BadParameter as exc:
                 raise SettingsError(f"--max-model-len {declared['max_model_len']}: {exc.message}") from None
+        lora_modules, extra = take_lora_modules(extra)
+        if lora_modules:
+            declared["lora_modules"] = lora_modules
         named = _named(extra)
         if any(flag in NOT_TAKEN for flag in named):
             raise SettingsError("; ".join(f"{flag}: {NOT_TAKEN[flag]}" for flag in named if flag in NOT_TAKEN))

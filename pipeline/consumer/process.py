@@ -209,7 +209,8 @@ class _Started:
 
     def engine_batch(self) -> EngineBatch:
         got = self.got
-        return EngineBatch(got.tokens, self.descriptor.pad_to_tokens, got.prefix_lens, self.params)
+        return EngineBatch(got.tokens, self.descriptor.pad_to_tokens, got.prefix_lens, self.params,
+                           int(self.descriptor.model))
 
 
 @dataclass(slots=True)
@@ -532,7 +533,8 @@ class Consumer:
         if not failed:
             started.lines.append(result_lines(d, STATUS_OK, got.item_ids, got.submit_ns, got.lengths,
                                               result.cached_tokens, result.outputs, got.payloads,
-                                              result.finish_reasons, result.texts, got.digests, result.samples))
+                                              result.finish_reasons, result.texts, got.digests, result.samples,
+                                              result.embeddings))
             return len(got.item_ids), 0
         assert result.errors is not None
         bad = _select(got, failed)
@@ -544,10 +546,11 @@ class Consumer:
         good = _select(got, ran)
         texts = [result.texts[i] for i in ran] if result.texts is not None else None
         samples = [result.samples[i] for i in ran] if result.samples is not None else None
+        embeddings = [result.embeddings[i] for i in ran] if result.embeddings is not None else None
         started.lines.append(result_lines(d, STATUS_OK, good.item_ids, good.submit_ns, good.lengths,
                                           [result.cached_tokens[i] for i in ran], [result.outputs[i] for i in ran],
                                           good.payloads, [result.finish_reasons[i] for i in ran], texts,
-                                          good.digests, samples))
+                                          good.digests, samples, embeddings))
         return len(ran), len(failed)
 
     def _write(self, lines: list[str]) -> None:

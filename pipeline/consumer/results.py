@@ -7,6 +7,8 @@
      text, where the engine has a tokenizer,] ["samples": every output of an item that asked
      for several (n) or for logprobs, each {"output", "finish_reason", ["text",] ["logprobs":
      per token, [[token id, logprob, token text or null], ...], the sampled token first]},]
+     ["embeddings": an item to embed's embeddings, one per input, each the base64 of its
+     little-endian float32 values (exact, and a third of the digits of JSON floats),]
      "payload": base64 of the producer's opaque payload (without the generation envelope:
      pipeline/wire/generation.py)}
 
@@ -57,6 +59,8 @@ import time
 from collections.abc import Sequence
 from itertools import chain
 
+import numpy as np
+
 from pipeline.consumer.engines.base import Sample
 from pipeline.wire import fileops
 from pipeline.wire.errors import ResultsDiskFullError, ResultsFileError, ResultsWriteError
@@ -81,7 +85,8 @@ def result_lines(d: Descriptor, status: str, item_ids: Sequence[int], submit_ns:
                  prompt_tokens: Sequence[int], cached_tokens: Sequence[int], outputs: Sequence[Sequence[int]],
                  payloads: Sequence[bytes], finish_reasons: Sequence[str] | None = None,
                  texts: Sequence[str | None] | None = None, digests: Sequence[int] | None = None,
-                 samples: Sequence[list[Sample] | None] | None = None) -> str:
+                 samples: Sequence[list[Sample] | None] | None = None,
+                 embeddings: Sequence[list[np.ndarray] | None] | None = None) -> str:
     """The result lines of items of one batch and one status, as one string (lines joined by
     "\n", no trailing one; "" for no items): the batch's fields are written into the format
     once, done_ns is taken once, and when every output is as long and every finish reason
@@ -100,9 +105,13 @@ def result_lines(d: Descriptor, status: str, item_ids: Sequence[int], submit_ns:
     """
     if not item_ids:
         return ""
-    if samples is not None and any(m is not None for m in samples):
+    if embeddings is not None and any(e is not None for e in embeddings):
+        samples = samples if samples is not None else [None] * len(item_ids)
+    else:
+        embeddings = None
+    if samples is not None and any(m is not None for m in samples) or embeddings is not None:
         return _with_samples(d, status, item_ids, submit_ns, prompt_tokens, cached_tokens, outputs, payloads,
-                             finish_reasons, texts, digests, samples)
+                             finish_reasons, texts, digests, samples, embeddings)
     head = (f'{{"item_id":%d,"batch_id":{d.batch_id},"dispatch_ns":{d.dispatch_ns},"submit_ns":%d,'
             f'"done_ns":{time.monotonic_ns()},"pad_to_tokens":{d.pad_to_tokens},"status":"{status}",'
             f'"prompt_tokens":%d,"prompt_xxh3":{"%d" if digests is not None else "null"},"cached_tokens":%d,'
@@ -132,11 +141,13 @@ def result_lines(d: Descriptor, status: str, item_ids: Sequence[int], submit_ns:
 def _with_samples(d: Descriptor, status: str, item_ids: Sequence[int], submit_ns: Sequence[int],
                   prompt_tokens: Sequence[int], cached_tokens: Sequence[int], outputs: Sequence[Sequence[int]],
                   payloads: Sequence[bytes], finish_reasons: Sequence[str] | None, texts: Sequence[str | None] | None,
-                  digests: Sequence[int] | None, samples: Sequence[list[Sample] | None]) -> str:
-    """`result_lines` of a batch where some items have samples: the others through
-    `result_lines` itself, these with json.dumps (they are few, and their texts and
+                  digests: Sequence[int] | None, samples: Sequence[list[Sample] | None],
+                  embeddings: Sequence[list[np.ndarray] | None] | None = None) -> str:
+    """`result_lines` of a batch where some items have samples or embeddings: the others
+    through `result_lines` itself, these with json.dumps (they are few, and their texts and
     logprobs need escaping anyway)."""
-    plain = [i for i, m in enumerate(samples) if m is None]
+    mine_of = [m is not None or (embeddings is not None and embeddings[i] is not None) for i, m in enumerate(samples)]
+    plain = [i for i, special in enumerate(mine_of) if not special]
     lines = []
     if plain:
         def pick(column):
@@ -147,16 +158,21 @@ def _with_samples(d: Descriptor, status: str, item_ids: Sequence[int], submit_ns
                                   pick(texts), pick(digests)))
     done_ns = time.monotonic_ns()
     for i, mine in enumerate(samples):
-        if mine is None:
+        if not mine_of[i]:
             continue
         row = {"item_id": item_ids[i], "batch_id": d.batch_id, "dispatch_ns": d.dispatch_ns, "submit_ns": submit_ns[i],
                "done_ns": done_ns, "pad_to_tokens": d.pad_to_tokens, "status": status,
                "prompt_tokens": prompt_tokens[i], "prompt_xxh3": digests[i] if digests is not None else None,
-               "cached_tokens": cached_tokens[i], "output_tokens": sum(len(s.token_ids) for s in mine),
+               "cached_tokens": cached_tokens[i],
+               "output_tokens": sum(len(s.token_ids) for s in mine) if mine is not None else len(outputs[i]),
                "output": list(outputs[i]), "finish_reason": finish_reasons[i] if finish_reasons is not None else None}
         if texts is not None and texts[i] is not None:
             row["text"] = texts[i]
-        row["samples"] = [_sample_json(s) for s in mine]
+        if mine is not None:
+            row["samples"] = [_sample_json(s) for s in mine]
+        if embeddings is not None and embeddings[i] is not None:
+            row["embeddings"] = [base64.b64encode(np.asarray(e, dtype="<f4").tobytes()).decode()
+                                 for e in embeddings[i]]  # type: ignore[union-attr]
         row["payload"] = base64.b64encode(payloads[i]).decode() if payloads[i] else ""
         lines.append(json.dumps(row, separators=(",", ":"), ensure_ascii=True))
     return "\n".join(lines)

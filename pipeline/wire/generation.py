@@ -8,7 +8,12 @@ constraint...) travel there, in an envelope in front of the producer's own paylo
 
     payload:  GENERATION_HEADER | stop strings (u2 length + UTF-8, each)
               | stop token ids (<u4 each) | logit bias (LOGIT_BIAS_DTYPE each)
-              | structured-output spec (UTF-8) | the producer's payload
+              | structured-output spec (UTF-8) | input lengths (<u4 each)
+              | the producer's payload
+
+An item to embed (FLAG_EMBED: an engine pools it instead of generating) holds the token ids
+of each input of its request back to back; the input lengths say where each ends, and the
+engine embeds each input on its own (vLLM's /v1/embeddings answers a list of inputs so).
 
 The producer writes the envelope (`encode_payload`) only for an item that has parameters,
 and for one whose own payload happens to begin with GENERATION_MAGIC (so a plain payload is
@@ -39,7 +44,7 @@ from shm.layout import checked_dtype, struct_for
 
 GENERATION_MAGIC = b"SBGP"
 # Bump when a field below moves or changes meaning; envelopes of another version are refused.
-GENERATION_VERSION = 2
+GENERATION_VERSION = 3
 
 # Generation envelope header, at the start of a payload.
 #   off  size  field               meaning
@@ -66,9 +71,9 @@ GENERATION_VERSION = 2
 #    98     1  structured_kind     STRUCTURED_KINDS' index + 1 (0: no constraint)
 #    99     1  reserved            zero
 #   100     2  logit_bias_count    logit bias entries after the stop token ids
-#   102     2  reserved            zero
+#   102     2  input_count         input lengths after the structured-output spec (embed)
 #   104     4  structured_bytes    UTF-8 bytes of the structured-output spec
-#   108     4  reserved            zero
+#   108     4  dimensions          an embedding's dimensions (vLLM's Matryoshka cut; 0: the model's)
 GENERATION_HEADER_DTYPE = checked_dtype(
     [
         ("magic", 0, "|S4", "b'SBGP'"),
@@ -93,7 +98,9 @@ GENERATION_HEADER_DTYPE = checked_dtype(
         ("stop_token_count", 96, "<u2", "stop token ids"),
         ("structured_kind", 98, "|u1", "structured-output kind"),
         ("logit_bias_count", 100, "<u2", "logit bias entries"),
+        ("input_count", 102, "<u2", "input lengths (embed)"),
         ("structured_bytes", 104, "<u4", "bytes of the structured spec"),
+        ("dimensions", 108, "<u4", "embedding dimensions"),
     ],
     itemsize=112,
 )
@@ -105,6 +112,7 @@ _HEADER = struct_for(GENERATION_HEADER_DTYPE)
 #     4     8  bias   float64, added to its logit, in [-100, 100]
 LOGIT_BIAS_DTYPE = checked_dtype([("token", 0, "<u4", "token id"), ("bias", 4, "<f8", "bias")], itemsize=12)
 STOP_TOKEN_DTYPE = np.dtype("<u4")
+INPUT_LENGTH_DTYPE = np.dtype("<u4")
 _STOP_LEN = struct.Struct("<H")
 
 (SET_MAX_TOKENS, SET_TEMPERATURE, SET_TOP_P, SET_SEED, SET_STOP, SET_N, SET_TOP_K, SET_MIN_P, SET_PRESENCE,
@@ -114,7 +122,9 @@ _KNOWN_MASK = (1 << 13) - 1
 FLAG_IGNORE_EOS, FLAG_KEEP_SPECIAL_TOKENS, FLAG_INCLUDE_STOP_STR = 1, 2, 4
 # The structured-output constraint's options (vLLM's StructuredOutputsParams names them).
 FLAG_NO_ANY_WHITESPACE, FLAG_NO_ADDITIONAL_PROPERTIES = 8, 16
-_KNOWN_FLAGS = 31
+# The item is pooled into one embedding per input (vLLM's "embed" pooling task), not generated.
+FLAG_EMBED = 32
+_KNOWN_FLAGS = 63
 # Scalar parameters: (field, set bit). Their order is the header's.
 _SCALARS = (("max_tokens", SET_MAX_TOKENS), ("temperature", SET_TEMPERATURE), ("top_p", SET_TOP_P),
             ("seed", SET_SEED), ("n", SET_N), ("top_k", SET_TOP_K), ("min_p", SET_MIN_P),
@@ -160,9 +170,22 @@ MAX_LOGIT_BIAS = 100.0
 MAX_STRUCTURED_OUTPUT_BYTES = 32 << 10
 # vLLM's range of the penalties.
 MAX_PENALTY = 2.0
+# Inputs of one embeddings request: OpenAI's limit of an input array (vLLM sets none); their
+# lengths take 8 KiB of the envelope at most.
+MAX_EMBEDDING_INPUTS = 2048
+# LoRA adapters (an engine's option `lora_modules`, [{"name", "path"}]): adapter k is model
+# id LORA_FIRST_MODEL + k to the broker, the base model 0, so shapes never mix adapters and
+# an item's adapter is its model's (nothing in the envelope).
+LORA_FIRST_MODEL = 1
+# Adapters of one run: each is a model of its own, served by a consumer of its own (the
+# launcher's one model per consumer), so more than a node's engines is past any use.
+MAX_LORA_MODULES = 64
+# An embedding's dimensions at most: past any model's hidden size (the largest are 16,384).
+MAX_EMBEDDING_DIMENSIONS = 1 << 20
 MAX_ENVELOPE_BYTES = (GENERATION_HEADER_SIZE_BYTES + MAX_STOP_STRINGS * (_STOP_LEN.size + MAX_STOP_STRING_BYTES)
                       + MAX_STOP_TOKEN_IDS * STOP_TOKEN_DTYPE.itemsize
-                      + MAX_LOGIT_BIAS_ENTRIES * LOGIT_BIAS_DTYPE.itemsize + MAX_STRUCTURED_OUTPUT_BYTES)
+                      + MAX_LOGIT_BIAS_ENTRIES * LOGIT_BIAS_DTYPE.itemsize + MAX_STRUCTURED_OUTPUT_BYTES
+                      + MAX_EMBEDDING_INPUTS * INPUT_LENGTH_DTYPE.itemsize)
 _INT64 = 1 << 63
 _INT32 = 1 << 31
 _UINT32 = 1 << 32
@@ -173,7 +196,9 @@ class GenerationParams:
     """How one item is generated, in vLLM's SamplingParams' names and ranges; None (or an
     empty tuple, or a boolean at vLLM's default): the engine's default. `structured`: a
     structured-output constraint, (kind of STRUCTURED_KINDS, spec text), or None, with its
-    options disable_any_whitespace and disable_additional_properties."""
+    options disable_any_whitespace and disable_additional_properties. `embed`: the item is
+    pooled, one embedding per input (`input_lengths`: each input's tokens, back to back in
+    the prompt), of `dimensions` (None: the model's own)."""
 
     max_tokens: int | None = None
     temperature: float | None = None
@@ -196,6 +221,9 @@ class GenerationParams:
     structured: tuple[str, str] | None = None
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
+    embed: bool = False
+    input_lengths: tuple[int, ...] = ()
+    dimensions: int | None = None
 
     def __post_init__(self) -> None:
         wrong = self.problems()
@@ -212,13 +240,14 @@ class GenerationParams:
         if self.min_tokens is not None and self.max_tokens is not None and self.min_tokens > self.max_tokens:
             wrong.append(f"min_tokens {self.min_tokens} must be at most max_tokens {self.max_tokens}")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "disable_any_whitespace",
-                     "disable_additional_properties"):
+                     "disable_additional_properties", "embed"):
             if not isinstance(getattr(self, name), bool):
                 wrong.append(f"{name} {getattr(self, name)!r} must be true or false")
         wrong.extend(_stop_problems(self.stop))
         wrong.extend(_id_list_problems(self.stop_token_ids, self.logit_bias))
         if self.structured is not None:
             wrong.extend(_structured_problems(self.structured))
+        wrong.extend(_embed_problems(self.embed, self.input_lengths, self.dimensions))
         return wrong
 
     def overrides(self) -> dict[str, object]:
@@ -317,6 +346,18 @@ def _structured_problems(structured: object) -> list[str]:
     return []
 
 
+def _embed_problems(embed: object, lengths: object, dimensions: object) -> list[str]:
+    if embed is not True:
+        return [] if lengths == () and dimensions is None else ["input_lengths and dimensions are an embedding's"]
+    if not isinstance(lengths, tuple) or not lengths or not all(_is_int(n) and 0 < n < _UINT32 for n in lengths):
+        return [f"input_lengths {str(lengths)[:60]} must be a non-empty tuple of positive token counts"]
+    if len(lengths) > MAX_EMBEDDING_INPUTS:
+        return [f"{len(lengths)} inputs to embed, limit {MAX_EMBEDDING_INPUTS}"]
+    if dimensions is not None and not (_is_int(dimensions) and 1 <= dimensions <= MAX_EMBEDDING_DIMENSIONS):
+        return [f"dimensions {dimensions!r} must be an integer from 1 to {MAX_EMBEDDING_DIMENSIONS}"]
+    return []
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -346,10 +387,12 @@ def encode_payload(params: GenerationParams | None, payload: bytes = b"") -> byt
     flags = ((FLAG_IGNORE_EOS if p.ignore_eos else 0) | (0 if p.skip_special_tokens else FLAG_KEEP_SPECIAL_TOKENS)
              | (FLAG_INCLUDE_STOP_STR if p.include_stop_str_in_output else 0)
              | (FLAG_NO_ANY_WHITESPACE if p.disable_any_whitespace else 0)
-             | (FLAG_NO_ADDITIONAL_PROPERTIES if p.disable_additional_properties else 0))
+             | (FLAG_NO_ADDITIONAL_PROPERTIES if p.disable_additional_properties else 0)
+             | (FLAG_EMBED if p.embed else 0))
     stops = b"".join(_STOP_LEN.pack(len(raw)) + raw for raw in (s.encode("utf-8") for s in p.stop))
     stop_ids = np.array(p.stop_token_ids, dtype=STOP_TOKEN_DTYPE).tobytes()
     bias = np.array(list(p.logit_bias), dtype=LOGIT_BIAS_DTYPE).tobytes() if p.logit_bias else b""
+    lengths = np.array(p.input_lengths, dtype=INPUT_LENGTH_DTYPE).tobytes()
     kind, spec = (STRUCTURED_KINDS.index(p.structured[0]) + 1, p.structured[1].encode("utf-8")) \
         if p.structured is not None else (0, b"")
     header = _HEADER.pack(
@@ -357,8 +400,8 @@ def encode_payload(params: GenerationParams | None, payload: bytes = b"") -> byt
         float(p.temperature or 0.0), float(p.top_p or 0.0), p.seed or 0, len(p.stop), flags, len(stops), p.n or 0,
         p.top_k or 0, float(p.min_p or 0.0), float(p.presence_penalty or 0.0), float(p.frequency_penalty or 0.0),
         float(p.repetition_penalty or 0.0), p.min_tokens or 0, p.logprobs or 0, len(p.stop_token_ids), kind,
-        len(p.logit_bias), len(spec))
-    return b"".join((header, stops, stop_ids, bias, spec, payload))
+        len(p.logit_bias), len(p.input_lengths), len(spec), p.dimensions or 0)
+    return b"".join((header, stops, stop_ids, bias, spec, lengths, payload))
 
 
 def decode_payload(data: bytes) -> tuple[GenerationParams | None, bytes]:
@@ -381,7 +424,8 @@ def decode_payload(data: bytes) -> tuple[GenerationParams | None, bytes]:
     at = GENERATION_HEADER_SIZE_BYTES
     sections = (("stop strings", h["stop_bytes"]), ("stop token ids", h["stop_token_count"] * STOP_TOKEN_DTYPE.itemsize),
                 ("logit bias", h["logit_bias_count"] * LOGIT_BIAS_DTYPE.itemsize),
-                ("structured-output spec", h["structured_bytes"]))
+                ("structured-output spec", h["structured_bytes"]),
+                ("input lengths", h["input_count"] * INPUT_LENGTH_DTYPE.itemsize))
     bounds = []
     for what, length in sections:
         if at + length > len(data):
@@ -407,7 +451,9 @@ def decode_payload(data: bytes) -> tuple[GenerationParams | None, bytes]:
         ignore_eos=bool(flags & FLAG_IGNORE_EOS), skip_special_tokens=not flags & FLAG_KEEP_SPECIAL_TOKENS,
         include_stop_str_in_output=bool(flags & FLAG_INCLUDE_STOP_STR),
         disable_any_whitespace=bool(flags & FLAG_NO_ANY_WHITESPACE),
-        disable_additional_properties=bool(flags & FLAG_NO_ADDITIONAL_PROPERTIES))
+        disable_additional_properties=bool(flags & FLAG_NO_ADDITIONAL_PROPERTIES), embed=bool(flags & FLAG_EMBED),
+        input_lengths=tuple(np.frombuffer(data, INPUT_LENGTH_DTYPE, h["input_count"], bounds[4][0]).tolist()),
+        dimensions=h["dimensions"] or None)
     return params, data[at:]
 
 

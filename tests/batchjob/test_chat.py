@@ -546,7 +546,7 @@ def test_completion_prompts(chatml):
             chatml.completion_prompt(bad)
     with pytest.raises(TokenArrayError) as caught:
         chatml.completion_prompt([1, chatml.vocab_size])
-    assert str(caught.value) == (f"prompt[1] is int {chatml.vocab_size}: a token id is an integer in "
+    assert str(caught.value) == (f"prompt[1] is an integer {chatml.vocab_size}: a token id is an integer in "
                                  f"[0, {chatml.vocab_size}) (the model's vocabulary)")
 
 

@@ -288,3 +288,19 @@ def test_a_manifest_that_is_not_a_regular_file_is_refused(model_dir: Path, tmp_p
         os.mkfifo(path)  # no writer: refused, not waited on
     with pytest.raises(JobMismatchError, match="use another --data-dir"):
         load_manifest(str(data))
+
+
+def test_each_lora_adapter_is_pinned_by_its_files_contents(tmp_path, model_dir):
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": 8}')
+    (adapter / "adapter_model.safetensors").write_bytes(b"\1" * 64)
+    options = {"lora_modules": [{"name": "sql", "path": str(adapter)}]}
+    before = depends_on(str(model_dir), "vllm", options, 2047)
+    assert before["LoRA adapter sql"].startswith("xxh3 ")
+    assert depends_on(str(model_dir), "vllm", options, 2047) == before  # read again: the same
+    (adapter / "adapter_model.safetensors").write_bytes(b"\2" * 64)  # new weights of the same size and name
+    after = depends_on(str(model_dir), "vllm", options, 2047)
+    assert after["LoRA adapter sql"] != before["LoRA adapter sql"]
+    assert {k: v for k, v in after.items() if k != "LoRA adapter sql"} == \
+        {k: v for k, v in before.items() if k != "LoRA adapter sql"}

@@ -3,8 +3,10 @@ not change between runs of a job, and an error line for every results status tha
 
 from __future__ import annotations
 
+import base64
 import json
 
+import numpy as np
 import pytest
 
 from pipeline.batchjob import output
@@ -16,7 +18,7 @@ from pipeline.batchjob.output import (
     row_error,
     row_usage,
 )
-from pipeline.batchjob.requests import KIND_CHAT, KIND_COMPLETION
+from pipeline.batchjob.requests import KIND_CHAT, KIND_COMPLETION, KIND_EMBEDDING
 from pipeline.consumer import results
 from pipeline.wire.errors import BatchOutputError
 
@@ -162,3 +164,24 @@ def test_lines_are_ascii_json_that_reads_back_as_the_text() -> None:
         assert parsed["custom_id"] == "id-\ud800 \n"
     parsed = json.loads(response_line(odd, row(), text, MODEL, CREATED, TAG))
     assert parsed["response"]["body"]["choices"][0]["message"]["content"] == text
+
+
+def test_an_embeddings_answer_is_openais_list_of_embeddings_in_input_order_with_usage():
+    vectors = [np.array([0.6, -0.8], dtype="<f4"), np.array([1.0, 0.0], dtype="<f4")]
+    encoded = [base64.b64encode(v.tobytes()).decode() for v in vectors]
+    ran = row(prompt_tokens=9, output=[], output_tokens=0, finish_reason="stop", embeddings=encoded)
+    line = json.loads(output.embedding_line(request(4, KIND_EMBEDDING), ran, "float", MODEL, CREATED, TAG))
+    assert set(line) == LINE_KEYS and line["response"]["status_code"] == 200
+    body = line["response"]["body"]
+    assert body == {"id": f"embd-{TAG}-4", "object": "list", "created": CREATED, "model": MODEL,
+                    "data": [{"object": "embedding", "index": 0, "embedding": vectors[0].tolist()},
+                             {"object": "embedding", "index": 1, "embedding": [1.0, 0.0]}],
+                    "usage": {"prompt_tokens": 9, "total_tokens": 9}}
+    as_base64 = json.loads(output.embedding_line(request(4, KIND_EMBEDDING), ran, "base64", MODEL, CREATED, TAG))
+    assert [d["embedding"] for d in as_base64["response"]["body"]["data"]] == encoded  # vLLM's: float32, little-endian
+
+
+@pytest.mark.parametrize("embeddings", [None, [], [7], ["not base64!"], [base64.b64encode(b"abc").decode()]])
+def test_an_embeddings_row_without_whole_embeddings_is_refused(embeddings):
+    with pytest.raises((BatchOutputError, ValueError)):
+        output.embedding_line(request(4, KIND_EMBEDDING), row(embeddings=embeddings), "float", MODEL, CREATED, TAG)

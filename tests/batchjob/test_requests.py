@@ -97,7 +97,7 @@ def _messages(*messages: object) -> dict:
 
 REQUEST_PROBLEMS = [
     # (name, the line, the parameter named, in the message)
-    ("endpoint", {**chat(), "url": "/v1/embeddings"}, "url", "unsupported endpoint '/v1/embeddings'"),
+    ("endpoint", {**chat(), "url": "/v1/rerank"}, "url", "unsupported endpoint '/v1/rerank'"),
     ("n 0", chat(n=0), "n", "n 0 must be an integer from 1"),
     ("n past the limit", chat(n=MAX_SAMPLES + 1), "n", f"n {MAX_SAMPLES + 1} must be an integer from 1 to {MAX_SAMPLES}"),
     ("n true", chat(n=True), "n", "n must be an integer, got a boolean true"),
@@ -256,7 +256,7 @@ def test_a_request_the_job_cannot_serve_keeps_its_error_naming_the_parameter(lin
 
 
 def test_an_unsupported_endpoint_has_no_kind() -> None:
-    assert one({**chat(), "url": "/v1/embeddings"}).kind is None
+    assert one({**chat(), "url": "/v1/rerank"}).kind is None
 
 
 def test_stop_strings_at_the_limit_are_taken() -> None:
@@ -358,3 +358,16 @@ def test_one_prompt_as_text_or_token_ids_is_taken(prompt: object, expected: obje
     request = one(completion(prompt=prompt))
     assert request.error is None and request.prompt == expected and request.kind == KIND_COMPLETION
 
+
+
+def test_a_request_naming_a_lora_adapter_runs_on_its_model_id_and_reads_its_body_back() -> None:
+    from pipeline.wire.generation import LORA_FIRST_MODEL
+
+    adapters = ("sql", "chat")
+    base = parse_line(encode(chat()), 0, 1, MODEL, adapters=adapters)
+    assert (base.model_id, base.model, base.answer_reads_body) == (0, MODEL, False)
+    second = parse_line(encode(chat(model="chat")), 0, 1, MODEL, adapters=adapters)
+    assert (second.error, second.model_id, second.model) == (None, LORA_FIRST_MODEL + 1, "chat")
+    assert second.answer_reads_body  # the answer names the adapter: the collector reads which
+    other = parse_line(encode(chat(model="nope")), 0, 1, MODEL, adapters=adapters)
+    assert other.error_param == "model" and "the LoRA adapters 'sql', 'chat'" in other.error

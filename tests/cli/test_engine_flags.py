@@ -49,7 +49,6 @@ def test_the_declared_flags_become_the_engine_options_of_their_names():
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--lora-modules", "a=/x"], "--lora-modules: LoRA adapters are not served yet"),
     (["--max-tokens", "4096"], "--max-tokens: now --max-batch-tokens"),
     (["input.jsonl"], "unexpected argument 'input.jsonl'"),
 ])
@@ -138,3 +137,46 @@ def test_flags_click_does_not_know_are_kept_in_order_for_vllms_parser():
                                                    "--dtype=bfloat16", "--max-model-len", "8k"])
     assert context.args == ["--gpu-memory-utilization", "0.8", "-q", "fp8", "--enforce-eager", "--dtype=bfloat16"]
     assert (context.params["tensor_parallel_size"], context.params["max_model_len"]) == (2, "8k")
+
+
+def _adapter(path, name: str = "adapter_config.json"):
+    path.mkdir()
+    (path / name).write_text("{}")
+    return str(path)
+
+
+def test_lora_modules_are_read_as_vllm_reads_them_name_path_or_json_several_to_a_flag(tmp_path):
+    a, b, c = (_adapter(tmp_path / n) for n in "abc")
+    flags = take(["--lora-modules", f"sql={a}", f'{{"name": "chat", "path": "{b}", "base_model_name": "x"}}',
+                  "--dtype", "half", f"--lora-modules=third={c}"])
+    assert flags.declared["lora_modules"] == [{"name": "sql", "path": a}, {"name": "chat", "path": b},
+                                              {"name": "third", "path": c}]
+    assert flags.extra == ["--dtype", "half"]  # what is left for vLLM's parser
+    sim = take(["--lora-modules", f"sql={a}"])
+    settings = sim.applied(LaunchSettings(), OWN)  # the sim takes adapters too: its answers differ by adapter
+    assert settings.engine_options["lora_modules"][0] == {"name": "sql", "path": a}
+
+
+@pytest.mark.parametrize("values, message", [
+    ([], "expected at least one NAME=PATH"),
+    (["{not json"], "invalid JSON format for --lora-modules"),
+    (['{"name": "x"}'], "invalid fields for --lora-modules"),
+    (['{"name": "x", "path": "/p", "rank": 8}'], "invalid fields for --lora-modules"),
+    (["a=/nowhere"], "no adapter_config.json there"),
+    (["=/p"], "adapter name '' is empty"),
+])
+def test_lora_modules_vllm_would_refuse_are_refused_in_one_line(values, message):
+    with pytest.raises(SettingsError, match=message):
+        take(["--lora-modules", *values])
+
+
+def test_an_adapter_named_twice_or_past_the_limit_is_refused(tmp_path):
+    from pipeline.wire.generation import MAX_LORA_MODULES
+
+    a = _adapter(tmp_path / "a")
+    with pytest.raises(SettingsError, match="'x' is given twice"):
+        take(["--lora-modules", f"x={a}", "--lora-modules", f"x={a}"])
+    assert len(take(["--lora-modules", *(f"m{k}={a}" for k in range(MAX_LORA_MODULES))]).declared["lora_modules"]) \
+        == MAX_LORA_MODULES
+    with pytest.raises(SettingsError, match=f"{MAX_LORA_MODULES + 1} adapters, at most {MAX_LORA_MODULES}"):
+        take(["--lora-modules", *(f"m{k}={a}" for k in range(MAX_LORA_MODULES + 1))])

@@ -189,3 +189,19 @@ def test_result_lines_carry_every_sample_of_an_item_that_asked_for_several_or_fo
                              "prompt_tokens", "prompt_xxh3", "cached_tokens", "output_tokens", "output",
                              "finish_reason", "text", "samples", "payload"]
     assert base64.b64decode(sampled["payload"]) == b"p" and sampled["prompt_xxh3"] == 11
+
+
+def test_result_lines_carry_each_inputs_embedding_as_base64_of_little_endian_float32():
+    from pipeline.consumer.results import STATUS_OK, result_lines
+    from pipeline.wire.layouts import Descriptor
+
+    d = Descriptor(batch_id=3, signature=SIG, model=0, pad_to_tokens=16, dispatch_ns=9, items=np.zeros(0))
+    vectors = [np.array([0.25, -1.5], dtype=np.float32), np.array([3.0, 0.5], dtype=np.float32)]
+    raw = result_lines(d, STATUS_OK, [1, 2], [5, 6], [10, 12], [0, 4], [[], [8, 9]], [b"", b"p"], ["stop", "length"],
+                       embeddings=[vectors, None])
+    rows = {r["item_id"]: r for r in map(json.loads, raw.split("\n"))}
+    decoded = [np.frombuffer(base64.b64decode(e), dtype="<f4") for e in rows[1]["embeddings"]]
+    assert all(np.array_equal(x, v) for x, v in zip(decoded, vectors)) and len(decoded) == 2
+    assert rows[1]["output"] == [] and rows[1]["output_tokens"] == 0 and "samples" not in rows[1]
+    assert "embeddings" not in rows[2] and rows[2]["output"] == [8, 9]
+    assert list(rows[1])[-2:] == ["embeddings", "payload"]

@@ -284,3 +284,46 @@ def test_bad_costs_are_refused_naming_them(options):
 
     with pytest.raises(EngineOptionsError, match="costs must be finite seconds >= 0"):
         make_engine("sim", **options)
+
+
+def test_an_item_to_embed_gets_a_unit_embedding_per_input_the_same_for_the_same_input():
+    from pipeline.wire.generation import GenerationParams
+
+    engine = SimEngine(embedding_size=16)
+    a, b = np.arange(3, 10, dtype=np.int32), np.arange(20, 24, dtype=np.int32)
+    both = GenerationParams(embed=True, input_lengths=(7, 4))
+    result = engine.run(EngineBatch([np.concatenate([a, b]), a], 32, [0, 0], [both, None]))
+    first, second = result.embeddings[0]
+    assert result.embeddings[1] is None and result.outputs[0] == [] and result.finish_reasons[0] == "stop"
+    assert len(result.outputs[1]) == 4 and result.counted.output_tokens == 4  # the generated item's alone
+    assert first.dtype == np.float32 and first.shape == second.shape == (16,)
+    assert abs(float(np.linalg.norm(first)) - 1) < 1e-6 and not np.allclose(first, second)
+    again = SimEngine(embedding_size=16).run(EngineBatch([a], 32, [0], [GenerationParams(embed=True, input_lengths=(7,))]))
+    assert np.array_equal(again.embeddings[0][0], first)  # the same input, the same embedding, in any batch
+    cut = engine.run(EngineBatch([a], 32, [0], [GenerationParams(embed=True, input_lengths=(7,), dimensions=4)]))
+    assert cut.embeddings[0][0].shape == (4,) and abs(float(np.linalg.norm(cut.embeddings[0][0])) - 1) < 1e-6
+
+
+def test_an_item_to_embed_the_sim_cannot_make_is_that_items_error():
+    from pipeline.wire.generation import GenerationParams
+
+    engine = SimEngine(embedding_size=16)
+    a = np.arange(3, 10, dtype=np.int32)
+    result = engine.run(EngineBatch([a, a], 32, [0, 0], [GenerationParams(embed=True, input_lengths=(7,), dimensions=17),
+                                                      GenerationParams(embed=True, input_lengths=(3, 3))]))
+    assert "16 dimensions, not 17" in result.errors[0] and "6 tokens together, and the prompt 7" in result.errors[1]
+    assert result.embeddings == [None, None]
+    with pytest.raises(Exception, match="bad config"):
+        SimEngine(runner="embed")
+
+
+def test_a_lora_adapters_batch_gets_answers_of_its_own_the_same_every_time():
+    prompts = [np.arange(1, 40, dtype=np.int32), np.arange(5, 9, dtype=np.int32)]  # one past a block, one short
+
+    def outputs(model: int) -> list[list[int]]:
+        return SimEngine().run(EngineBatch(prompts, 64, [0, 0], model=model)).outputs
+
+    base, first, second = outputs(0), outputs(1), outputs(2)
+    assert base != first and first != second and base != second
+    assert all(a != b for a, b in zip(base, first))  # every prompt's answer
+    assert outputs(1) == first and outputs(0) == base

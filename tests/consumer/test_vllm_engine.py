@@ -18,6 +18,7 @@ import pytest
 
 from pipeline.consumer.engines import ENGINES, EngineBatch, make_engine
 from pipeline.consumer.engines import vllm as vllm_engine
+from pipeline.consumer.engines import vllm_options
 from pipeline.consumer.engines.vllm import VllmEngine, VllmOptions
 from pipeline.wire.errors import EngineOptionsError, EngineUnavailableError
 
@@ -80,7 +81,8 @@ def test_unknown_and_wrong_options_are_refused_by_name(installed):
 def test_the_llm_keywords_carry_the_accounting_settings():
     kwargs = VllmOptions.parse(dict(model="m", kv_cache_memory_bytes=5, llm_kwargs={"max_num_seqs": 8})).llm_kwargs_all()
     assert kwargs["enable_prefix_caching"] is True and kwargs["disable_log_stats"] is False
-    assert kwargs["block_size"] == vllm_engine.DEFAULT_BLOCK_SIZE_TOKENS and kwargs["kv_cache_memory_bytes"] == 5
+    assert kwargs["block_size"] == vllm_options.DEFAULT_BLOCK_SIZE_TOKENS and kwargs["kv_cache_memory_bytes"] == 5
+    assert kwargs["runner"] == "auto"  # vLLM's default: by the model's architecture
     assert "distributed_executor_backend" not in kwargs and kwargs["max_num_seqs"] == 8  # vLLM's own default
     assert "gpu_memory_utilization" not in kwargs
     inside = VllmOptions.parse(dict(model="m", in_process=True)).llm_kwargs_all()

@@ -630,8 +630,8 @@ def run_batch(data: bytes) -> None:
     parameters put in the envelope a producer writes (a request refused keeps its error)."""
     path = SCRATCH.write("batch.jsonl", data)
     for request in load_batch(path, SERVED_MODEL):
-        assert (request.error is None) == (request.kind is not None and (request.messages or request.prompt)
-                                           is not None), request
+        asks = request.messages or request.prompt or (request.embedding.inputs if request.embedding else None)
+        assert (request.error is None) == (request.kind is not None and asks is not None), request
         if request.error is None:
             assert decode_payload(encode_payload(request.params, b"id"))[1] == b"id"
 
@@ -647,6 +647,8 @@ BATCH_SEEDS = [
             "body": {"model": SERVED_MODEL, "prompt": [1, 2, 3], "max_tokens": 5, "stop": ["\n"], "seed": 3}}),
     _lines(chat_request("req-3", messages=[{"role": "system", "content": [{"type": "text", "text": "be brief"}]},
                                            {"role": "user", "content": "x", "name": "ann"}], top_p=0.5, n=1)),
+    _lines({"custom_id": "emb-1", "method": "POST", "url": "/v1/embeddings",
+            "body": {"model": SERVED_MODEL, "input": ["a", [1, 2]], "encoding_format": "base64"}}),
 ]
 
 
@@ -666,6 +668,7 @@ GENERATION_SEEDS = [
     encode_payload(GenerationParams(max_tokens=4, temperature=0.7, top_p=0.9, seed=-3, stop=("END", "\n")), b"x"),
     encode_payload(GenerationParams(max_tokens=1), b""),
     encode_payload(None, b"SBGP looks like an envelope"),
+    encode_payload(GenerationParams(embed=True, input_lengths=(3, 1, 9), dimensions=32), b"job"),
 ]
 
 

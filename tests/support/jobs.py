@@ -45,6 +45,11 @@ def completion(custom_id: str, prompt: object = "Once upon a time", **body) -> d
             "body": {"model": SERVED, "prompt": prompt, "max_tokens": 4, **body}}
 
 
+def embedding(custom_id: str, input: object = "A passage to embed", **body) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/embeddings",
+            "body": {"model": SERVED, "input": input, **body}}
+
+
 def write_requests(path: Path, records: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path

@@ -44,7 +44,8 @@ FINISH_STOP = "stop"  # an end-of-sequence token or a stop string
 class EngineBatch:
     """One batch as the engine sees it.
 
-    `prompts[i]` is item i's token ids (int32; a zero-copy view into a segment file, so
+    `model` is the batch's model id (every item's): 0 the base model, LORA_FIRST_MODEL + k
+    (`pipeline/wire/generation.py`) the engine's adapter k. `prompts[i]` is item i's token ids (int32; a zero-copy view into a segment file, so
     engines must not write to it); every prompt is padded to `pad_to_tokens` for the cost of
     the batch. `prefix_lens[i]` is how many leading tokens the shape's components cover
     (cache accounting only). `params[i]`: item i's generation parameters, None for the
@@ -55,6 +56,7 @@ class EngineBatch:
     pad_to_tokens: int
     prefix_lens: Sequence[int]
     params: Sequence[GenerationParams | None] = ()
+    model: int = 0
 
     def params_of(self, i: int) -> GenerationParams | None:
         return self.params[i] if self.params else None
@@ -135,7 +137,10 @@ class EngineResult:
     the engine's counters. `samples`, where an item asked for more than one output or for
     log probabilities: per prompt, every Sample (outputs[i], finish_reasons[i] and texts[i]
     are then its first one's), or None for a prompt that asked for neither; None: no prompt
-    did. `counted.output_tokens` counts every sample's tokens."""
+    did. `counted.output_tokens` counts every sample's tokens. `embeddings`, where some item
+    was to embed (GenerationParams.embed): per prompt, each of its inputs' embedding (float32,
+    in input order; its output is [] and its finish reason FINISH_STOP), or None for an item
+    generated; None: no item was to embed."""
 
     outputs: list[list[int]]
     cached_tokens: list[int]
@@ -144,6 +149,7 @@ class EngineResult:
     texts: list[str | None] | None = None
     errors: list[str | None] | None = None
     samples: list[list[Sample] | None] | None = None
+    embeddings: list[list[np.ndarray] | None] | None = None
 
     def fail_long_texts(self) -> None:
         """Prompts whose texts (every sample's, their logprob tokens') are longer than
@@ -158,6 +164,16 @@ class EngineResult:
                 self.errors = self.errors if self.errors is not None else [None] * len(self.outputs)
                 self.errors[i] = (f"the model's tokenizer decoded this answer to {chars:,} characters, more than "
                                   f"{MAX_ANSWER_TEXT_CHARS:,} (its decoder expands tokens)")
+
+
+def embedding_inputs(prompt: np.ndarray, params: GenerationParams) -> list[np.ndarray]:
+    """An item to embed's inputs: views of its prompt, cut at its input lengths; ValueError
+    where they do not add up to the prompt (an envelope that is not this prompt's)."""
+    ends = np.cumsum(params.input_lengths)
+    if not len(ends) or int(ends[-1]) != len(prompt):
+        raise ValueError(f"the inputs to embed are {int(ends[-1]) if len(ends) else 0} tokens together, and the "
+                         f"prompt {len(prompt)}")
+    return np.split(prompt, ends[:-1].tolist())
 
 
 class Engine(abc.ABC):

@@ -15,7 +15,12 @@ Output: a few made-up ids per prompt (`output_tokens`), finishing by length. An 
 generation parameters gets the shape of a real answer instead (`sim_sampling.py`: n
 samples, an end of sequence after `output_tokens` tokens where `eos_token_id` is known,
 max and min tokens, stop strings and token ids, logprobs), its text decoded with the model's
-tokenizer where `tokenizer` names a model directory (`pipeline run-batch` sets both).
+tokenizer where `tokenizer` names a model directory (`pipeline run-batch` sets both). An
+item to embed gets one made-up embedding per input: `embedding_size` normal numbers drawn
+from a generator seeded with the input's token ids (cut to the item's dimensions), scaled
+to unit norm as vLLM normalizes an embedding; the same input, the same embedding. A batch of
+a LoRA adapter's model id (EngineBatch.model) gets other made-up outputs than the base
+model's for the same prompts, the same ones every time: its seeds are mixed with the id.
 
 Cost model, to emulate a GPU's time (a consumer-bound run, as on GPUs, compared on
 makespan): each batch sleeps `cost_s_per_padded_token` for every padded token its cache did
@@ -33,18 +38,20 @@ import math
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
 from pipeline.consumer.engines.base import (
     FINISH_LENGTH,
+    FINISH_STOP,
     MAX_PARALLEL_SIZE,
     Engine,
     EngineBatch,
     EngineCounters,
     EngineResult,
     Sample,
+    embedding_inputs,
 )
 from pipeline.consumer.engines.prefix_cache import BatchLayout, PrefixCache
 from pipeline.consumer.engines.sim_sampling import MadeUpSampler, SimRefusal
@@ -58,6 +65,12 @@ DEFAULT_CAPACITY_TOKENS = 1 << 20
 # Generated tokens per prompt: the sim stands for the prefill-heavy batch work the broker
 # schedules; a few output ids are enough to carry a result.
 DEFAULT_OUTPUT_TOKENS = 4
+# A made-up embedding's size when no model's is given (`pipeline run-batch` gives the model's
+# hidden size): a small embedding model's order.
+DEFAULT_EMBEDDING_SIZE = 64
+# vLLM's --runner values: what the engine serves (a job reads it; the sim does what each
+# item asks).
+SIM_RUNNERS = ("auto", "generate", "pooling")
 
 # Cost-model figures for a GPU-bound run (engine options `cost_s_per_padded_token`,
 # `cost_s_per_batch`; the defaults are 0). Prefill of a 7B model: ~2 * 7e9 = 14 GFLOP per
@@ -124,6 +137,11 @@ class SimConfig:
     max_model_len: int | None = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    runner: str = "auto"
+    embedding_size: int = DEFAULT_EMBEDDING_SIZE
+    # vLLM's --lora-modules ([{"name", "path"}]): a batch of an adapter's model id gets
+    # answers of its own (module docstring); nothing is read from the adapters.
+    lora_modules: list = field(default_factory=list)
 
 
 class SimEngine(Engine):
@@ -148,7 +166,9 @@ class SimEngine(Engine):
         self.config = config or SimConfig(**overrides)
         block = self.config.block_size_tokens
         if block <= 0 or self.config.capacity_tokens < block or self.config.output_tokens < 0 \
-                or not 1 <= self.config.vocab_size <= OUTPUT_ID_RANGE or not _positive_sizes(self.config):
+                or not 1 <= self.config.vocab_size <= OUTPUT_ID_RANGE or not _positive_sizes(self.config) \
+                or self.config.runner not in SIM_RUNNERS or type(self.config.embedding_size) is not int \
+                or self.config.embedding_size < 1:
             raise EngineOptionsError(f"sim engine: bad config {self.config}")
         costs = (self.config.cost_s_per_padded_token, self.config.cost_s_per_batch)
         if not all(type(c) in (int, float) and math.isfinite(c) and c >= 0 for c in costs):
@@ -222,7 +242,7 @@ class SimEngine(Engine):
         cacheable = np.asarray(batch.prefix_lens, dtype=np.int64) // block * block
         hits, compulsory_blocks = self._cache.run(flat, layout, cacheable // block)
         cached = np.minimum(hits * block, (lengths - 1) // block * block)
-        outputs, seeds = self._outputs(prompts, flat, layout.counts)
+        outputs, seeds = self._outputs(prompts, flat, layout.counts, batch.model)
         if self.config.vocab_size != OUTPUT_ID_RANGE:
             outputs = [[t % self.config.vocab_size for t in o] for o in outputs]
         made = self._made_up(batch, seeds, outputs) if batch.params else None
@@ -237,6 +257,8 @@ class SimEngine(Engine):
         result = EngineResult(outputs, cached.tolist(), [FINISH_LENGTH] * count, counted)
         if made is not None:
             _fill(result, *made)
+            if any(p is not None and p.embed for p in batch.params):
+                self._embed(result, batch)
         self.counters.add(result.counted)
         self.counters.extra["evicted_blocks"] = self._cache.evicted_blocks
         return result
@@ -250,12 +272,38 @@ class SimEngine(Engine):
         for i, seed in enumerate(seeds):
             params = batch.params_of(i)
             try:
-                samples.append(self._sampler.samples(seed, params) if params is not None else None)
+                samples.append(self._sampler.samples(seed, params) if params is not None and not params.embed
+                               else None)
                 errors.append(None)
             except SimRefusal as refusal:
                 samples.append(None)
                 errors.append(str(refusal))
         return samples, errors
+
+    def _embed(self, result: EngineResult, batch: EngineBatch) -> None:
+        """Each item to embed's made-up embeddings (module docstring) in place of its output."""
+        size = self.config.embedding_size
+        embeddings: list[list[np.ndarray] | None] = [None] * len(batch.prompts)
+        errors = result.errors or [None] * len(batch.prompts)
+        for i, prompt in enumerate(batch.prompts):
+            params = batch.params_of(i)
+            if params is None or not params.embed or errors[i] is not None:
+                continue
+            result.counted.output_tokens -= len(result.outputs[i])
+            result.outputs[i], result.finish_reasons[i] = [], FINISH_STOP
+            dims = params.dimensions or size
+            if dims > size:
+                errors[i], result.cached_tokens[i] = f"the sim's embeddings have {size} dimensions, not {dims}", 0
+                continue
+            try:
+                parts = embedding_inputs(prompt, params)
+            except ValueError as exc:
+                errors[i], result.cached_tokens[i] = str(exc), 0
+                continue
+            embeddings[i] = [_unit(np.random.default_rng(part.astype(np.uint32)).standard_normal(size)[:dims])
+                             for part in parts]
+        result.errors = errors if any(e is not None for e in errors) else None
+        result.embeddings = embeddings
 
     def charge_ns(self, tokens: int) -> int:
         """What the cost model charges a batch whose cache did not serve `tokens` of its
@@ -272,7 +320,7 @@ class SimEngine(Engine):
         if charged_ns > 0:
             time.sleep(charged_ns / NS_PER_S)
 
-    def _outputs(self, prompts: Sequence[np.ndarray], flat: np.ndarray, counts: np.ndarray
+    def _outputs(self, prompts: Sequence[np.ndarray], flat: np.ndarray, counts: np.ndarray, model: int = 0
                  ) -> tuple[list[list[int]], list[int]]:
         """Each prompt's output ids: bytes of its last block's hash (of its last token when
         it has no full block), a deterministic stand-in for generated tokens; and that hash
@@ -286,6 +334,9 @@ class SimEngine(Engine):
             outputs[short] = ((last[:, None] >> shifts.astype(np.int64)) & 0x7FFF).astype(np.uint64)
             seeds = seeds.copy()
             seeds[short] = last.astype(np.uint64)
+        if model:  # an adapter's answers: the base model's seeds mixed with its id
+            seeds = _mix(seeds ^ _mix(np.full(len(prompts), model, dtype=np.uint64)))
+            outputs = (seeds[:, None] >> shifts) & _U64(0x7FFF)
         return outputs.tolist(), seeds.tolist()
 
 
@@ -309,6 +360,10 @@ def _fill(result: EngineResult, samples: list[list[Sample] | None], errors: list
     result.counted.output_tokens = sum(
         sum(len(s.token_ids) for s in samples[i]) if samples[i] is not None else len(result.outputs[i])  # type: ignore[union-attr]
         for i in range(len(samples)) if errors[i] is None)
+
+
+def _unit(vector: np.ndarray) -> np.ndarray:
+    return (vector / np.linalg.norm(vector)).astype(np.float32)
 
 
 def _decoder(model_dir: str | None):

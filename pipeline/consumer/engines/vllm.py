@@ -21,9 +21,12 @@ vLLM request each, added to the `LLMEngine` as the batch is submitted and steppe
 `poll`: the consumer feeds the next batches while earlier ones run (see VllmEngine). Each
 request samples with the item's own generation parameters over the engine options'
 defaults. Prefix caching is on and the engine's statistics kept (`get_metrics()` needs
-them). Per item the result is the generated token ids, the text (vLLM detokenizes where
-the model has a tokenizer), the finish reason and vLLM's own `num_cached_tokens`; the
-counters are the sim engine's, measured against vLLM:
+them). A batch of an adapter's model id (`lora_modules`) runs every item on that adapter (vLLM's
+LoRARequest, its id the model id). Per item the result is the generated token ids, the text (vLLM detokenizes where
+the model has a tokenizer), the finish reason and vLLM's own `num_cached_tokens`. An item to
+embed (GenerationParams.embed; the engine's runner "pooling") is one vLLM pooling request
+per input ("embed" task: `vllm_requests.py`), done when all are, its cached tokens theirs
+summed. The counters are the sim engine's, measured against vLLM:
     prompt_tokens = padded_tokens      vLLM does not pad
     cache_hit_tokens                   the sum of `num_cached_tokens`
     cacheable / compulsory_miss        whole blocks of the shapes' components (block_refs.py)
@@ -46,47 +49,43 @@ from __future__ import annotations
 
 import gc
 import importlib.util
-import json
 import os
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from typing import Any
 
 from pipeline.consumer.engines.base import (
     CHECK_KEYS,
     FINISH_LENGTH,
-    MAX_PARALLEL_SIZE,
+    FINISH_STOP,
     Engine,
     EngineBatch,
     EngineCounters,
     EngineResult,
     Sample,
-    TokenLogprobs,
 )
 from pipeline.consumer.engines.block_refs import BlockReferences
-from pipeline.wire.errors import EngineOptionsError, EngineUnavailableError
+from pipeline.consumer.engines.vllm_options import VllmOptions
+from pipeline.consumer.engines.vllm_requests import (
+    embedding_of,
+    logprobs_of,
+    lora_request,
+    part_of,
+    pooling_requests,
+    structured_args,
+)
+from pipeline.wire.errors import EngineUnavailableError
 from pipeline.wire.generation import GenerationParams
 
 # What builds an environment with vLLM, for the message when it is missing: the GPU extra,
 # or on a CPU-only machine the test environment.
 INSTALL_HINT = ("pip install 'shape-broker[vllm]' on a GPU machine, or `python3 quickstart.py test-vllm` for "
                 "the CPU test environment (.venv-vllm)")
-# vLLM's default KV block size on GPUs (the CPU backend wants multiples of 32). The engine
-# passes it explicitly: the cacheable-token accounting must use the engine's own blocks.
-DEFAULT_BLOCK_SIZE_TOKENS = 16
-# Generation defaults of an item without parameters (a token-id workload's, `pipeline
-# launch`): greedy, so that a run's outputs repeat; 16 new tokens, a short answer's worth.
-# A batch job's items never take them: their producer fills in vLLM's server's defaults.
-DEFAULT_MAX_TOKENS = 16
-DEFAULT_TEMPERATURE = 0.0
-DEFAULT_TOP_P = 1.0
 # vLLM's counters of its prefix cache, read from `LLM.get_metrics()`.
 QUERIES_METRIC = "vllm:prefix_cache_queries"
 HITS_METRIC = "vllm:prefix_cache_hits"
-# Settings the accounting depends on: never taken from `llm_kwargs`.
-FIXED_LLM_KWARGS = {"enable_prefix_caching": True, "disable_log_stats": False}
 # A Unix socket's path holds at most 107 bytes; vLLM names its sockets DIR/UUID4 (a slash and
 # 36 characters past its RPC directory).
 UNIX_SOCKET_PATH_MAX_CHARS = 107
@@ -106,113 +105,6 @@ def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-@dataclass(slots=True, frozen=True)
-class VllmOptions:
-    """The `engine_options` of a vllm consumer (`--engine-options` / `[engine_options]`)."""
-
-    model: str = ""  # a model directory (or a hub name where the machine reaches a hub)
-    kv_cache_memory_bytes: int | None = None  # the KV cache's size; or a GPU memory fraction:
-    gpu_memory_utilization: float | None = None
-    max_model_len: int | None = None
-    block_size: int = DEFAULT_BLOCK_SIZE_TOKENS
-    dtype: str = "auto"
-    tensor_parallel_size: int = 1  # GPUs of a pipeline stage; the launcher gives the engine
-    pipeline_parallel_size: int = 1  # tensor x pipeline GPUs (CUDA_VISIBLE_DEVICES)
-    enforce_eager: bool = False
-    load_format: str = "auto"  # "dummy": random weights, nothing read (the CPU tests' tiny model)
-    max_tokens: int = DEFAULT_MAX_TOKENS
-    temperature: float = DEFAULT_TEMPERATURE
-    top_p: float = DEFAULT_TOP_P
-    seed: int | None = None
-    # The engine core in the consumer's own process (VLLM_ENABLE_V1_MULTIPROCESSING=0; with
-    # one GPU the "uni" executor, so one process per consumer) instead of vLLM's default, a
-    # process of its own that schedules and runs steps while the consumer reads segments,
-    # writes results and talks to the broker (see VllmEngine).
-    in_process: bool = False
-    cache_dir: str | None = None  # VLLM_CACHE_ROOT and TMPDIR go under it (the run's directory)
-    cpu_threads: int | None = None  # OMP_NUM_THREADS: 1 where two engines share 2 cores
-    llm_kwargs: dict = field(default_factory=dict)  # passed to vllm.LLM as they are
-
-    @classmethod
-    def parse(cls, options: dict[str, Any]) -> VllmOptions:
-        """The options, checked without loading anything; EngineOptionsError names every
-        unknown or wrong one."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise EngineOptionsError(f"vllm engine: unknown options {', '.join(unknown)}; known: "
-                                     f"{', '.join(sorted(known))}")
-        parsed = cls(**options)
-        wrong = parsed._problems()
-        if wrong:
-            raise EngineOptionsError("vllm engine: " + "; ".join(wrong))
-        return parsed
-
-    def _problems(self) -> list[str]:
-        wrong = []
-        if not isinstance(self.model, str) or not self.model:
-            wrong.append("model (a model directory) is required")
-        for name in ("kv_cache_memory_bytes", "max_model_len", "block_size", "tensor_parallel_size",
-                     "pipeline_parallel_size", "max_tokens", "cpu_threads"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-                wrong.append(f"{name} must be a positive integer, got {value!r}")
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-            if isinstance(getattr(self, name), int) and getattr(self, name) > MAX_PARALLEL_SIZE:
-                wrong.append(f"{name} must be at most {MAX_PARALLEL_SIZE}, got {getattr(self, name)}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            wrong.append(f"seed must be an integer, got {self.seed!r}")
-        if self.kv_cache_memory_bytes is not None and self.gpu_memory_utilization is not None:
-            wrong.append("give kv_cache_memory_bytes or gpu_memory_utilization, not both")
-        if self.gpu_memory_utilization is not None and not _number_in(self.gpu_memory_utilization, 0, 1):
-            wrong.append(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        if not _number_in(self.top_p, 0, 1):
-            wrong.append(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not (_number_in(self.temperature, -1, float("inf")) and self.temperature >= 0):
-            wrong.append(f"temperature must be a number >= 0, got {self.temperature!r}")
-        for name in ("enforce_eager", "in_process"):
-            if not isinstance(getattr(self, name), bool):
-                wrong.append(f"{name} must be true or false, got {getattr(self, name)!r}")
-        for name in ("dtype", "load_format", "cache_dir"):
-            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
-                wrong.append(f"{name} must be a string, got {getattr(self, name)!r}")
-        if not isinstance(self.llm_kwargs, dict):
-            wrong.append(f"llm_kwargs must be a table, got {self.llm_kwargs!r}")
-        else:
-            clash = sorted(set(self.llm_kwargs) & ({f.name for f in fields(self)} | set(FIXED_LLM_KWARGS)))
-            if clash:
-                wrong.append(f"llm_kwargs may not set {', '.join(clash)} (an engine option, or a setting the "
-                             f"cache accounting needs)")
-        return wrong
-
-    def llm_kwargs_all(self) -> dict[str, Any]:
-        """The keyword arguments of `vllm.LLM`."""
-        kwargs: dict[str, Any] = {
-            "model": self.model, "block_size": self.block_size, "dtype": self.dtype,
-            "tensor_parallel_size": self.tensor_parallel_size, "pipeline_parallel_size": self.pipeline_parallel_size,
-            "enforce_eager": self.enforce_eager, "load_format": self.load_format, **FIXED_LLM_KWARGS,
-        }
-        for name in ("kv_cache_memory_bytes", "gpu_memory_utilization", "max_model_len", "seed"):
-            if getattr(self, name) is not None:
-                kwargs[name] = getattr(self, name)
-        # One process per GPU beyond the first: vLLM's multiprocessing executor starts them.
-        if self.world_size > 1:
-            kwargs["distributed_executor_backend"] = "mp"
-        elif self.in_process:
-            kwargs["distributed_executor_backend"] = "uni"
-        return {**kwargs, **self.llm_kwargs}
-
-    @property
-    def world_size(self) -> int:
-        """The GPUs (on the CPU build, worker processes) of one engine."""
-        return self.tensor_parallel_size * self.pipeline_parallel_size
-
-
-def _number_in(value: object, low: float, high: float) -> bool:
-    """A real number (not a bool) in (low, high]."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and low < value <= high
-
-
 @dataclass(slots=True)
 class _Running:
     """A batch submitted to vLLM and not finished: what its requests returned so far."""
@@ -224,12 +116,15 @@ class _Running:
     texts: list[str | None]
     errors: list[str | None]
     samples: list[list[Sample] | None]  # an item's every sample, where it asked for several or logprobs
-    left: int  # requests still running
+    left: int  # items still running
+    embeddings: list[list | None]  # an item to embed's embeddings by input, as they come
+    parts_left: list[int]  # an item to embed's inputs still running
 
     @classmethod
     def of(cls, batch: EngineBatch) -> _Running:
         n = len(batch.prompts)
-        return cls(batch, [[] for _ in range(n)], [0] * n, [""] * n, [None] * n, [None] * n, [None] * n, n)
+        return cls(batch, [[] for _ in range(n)], [0] * n, [""] * n, [None] * n, [None] * n, [None] * n, n,
+                   [None] * n, [0] * n)
 
 
 class VllmEngine(Engine):
@@ -360,7 +255,7 @@ class VllmEngine(Engine):
             from vllm.sampling_params import StructuredOutputsParams
 
             given["structured_outputs"] = StructuredOutputsParams(
-                **_structured(*params.structured), disable_any_whitespace=params.disable_any_whitespace,
+                **structured_args(*params.structured), disable_any_whitespace=params.disable_any_whitespace,
                 disable_additional_properties=params.disable_additional_properties)
         return SamplingParams(**given)
 
@@ -385,17 +280,40 @@ class VllmEngine(Engine):
         self._running[key] = running
         self._batch_tokens[key] = self._kv_need(batch)
         for i, prompt in enumerate(batch.prompts):
-            request_id = f"{key}.{i}"
+            params = batch.params_of(i)
             try:
-                llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt.tolist()),
-                                           self._sampling(batch.params_of(i), len(prompt)))
+                adapter = lora_request(self.options.lora_modules, batch.model)
+                if params is not None and params.embed:
+                    self._add_parts(key, i, prompt, params, running, adapter)
+                    continue
+                llm.llm_engine.add_request(f"{key}.{i}", TokensPrompt(prompt_token_ids=prompt.tolist()),
+                                           self._sampling(params, len(prompt)), lora_request=adapter)
             except self._item_errors as exc:
                 running.errors[i] = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
                 running.left -= 1
                 continue
-            self._requests[request_id] = (key, i)
+            self._requests[f"{key}.{i}"] = (key, i)
         if running.left == 0:
             self._finish(key)
+
+    def _add_parts(self, key: int, i: int, prompt: Any, params: GenerationParams, running: _Running,
+                   adapter: Any) -> None:
+        """An item to embed: each input its own pooling request; vLLM's refusal of one
+        withdraws those added before it and is the item's error."""
+        added: list[str] = []
+        try:
+            for request_id, tokens, pooling in pooling_requests(key, i, prompt, params):
+                self._llm.llm_engine.add_request(request_id, tokens, pooling, lora_request=adapter)
+                self._requests[request_id] = (key, i)
+                added.append(request_id)
+        except self._item_errors:
+            if added:
+                self._llm.llm_engine.abort_request(added)
+                for request_id in added:
+                    del self._requests[request_id]
+            raise
+        running.embeddings[i] = [None] * len(added)
+        running.parts_left[i] = len(added)
 
     def start(self) -> None:
         self._ensure_llm()
@@ -421,6 +339,8 @@ class VllmEngine(Engine):
             params = batch.params_of(i)
             if params is None:
                 new = self.options.max_tokens
+            elif params.embed:
+                new = 0
             else:  # every sample's new tokens (the samples share the prompt's blocks)
                 new = params.samples * (params.max_tokens if params.max_tokens is not None else
                                         max(1, self._max_model_len - len(prompt)))
@@ -452,8 +372,11 @@ class VllmEngine(Engine):
     def _record(self, output: Any) -> None:
         key, i = self._requests.pop(output.request_id)
         running = self._running[key]
+        if running.embeddings[i] is not None:
+            self._record_part(key, running, i, output)
+            return
         samples = [Sample(list(c.token_ids), str(c.finish_reason or FINISH_LENGTH),
-                          c.text if isinstance(c.text, str) else None, _logprobs(c.logprobs))
+                          c.text if isinstance(c.text, str) else None, logprobs_of(c.logprobs))
                    for c in sorted(output.outputs, key=lambda c: c.index)]
         first = samples[0]
         running.outputs[i], running.reasons[i], running.texts[i] = first.token_ids, first.finish_reason, first.text
@@ -464,10 +387,21 @@ class VllmEngine(Engine):
         if running.left == 0:
             self._finish(key)
 
+    def _record_part(self, key: int, running: _Running, i: int, output: Any) -> None:
+        """One input's embedding of an item to embed; the item ends with its last input."""
+        running.embeddings[i][part_of(output.request_id)] = embedding_of(output)  # type: ignore[index]
+        running.cached[i] += int(getattr(output, "num_cached_tokens", 0) or 0)
+        running.parts_left[i] -= 1
+        if running.parts_left[i] == 0:
+            running.reasons[i] = FINISH_STOP
+            running.left -= 1
+            if running.left == 0:
+                self._finish(key)
+
     def _fail_running(self, message: str) -> None:
         """Every unfinished request fails with `message` (and is dropped from vLLM)."""
         self._llm.llm_engine.abort_request(list(self._requests))
-        for key, i in list(self._requests.values()):
+        for key, i in dict.fromkeys(self._requests.values()):  # an item to embed's inputs once
             running = self._running[key]
             running.errors[i] = message
             running.left -= 1
@@ -489,8 +423,10 @@ class VllmEngine(Engine):
         reasons = [reason or "error" for reason in running.reasons]
         errors = running.errors if len(ok) < len(running.errors) else None
         samples = running.samples if any(m is not None for m in running.samples) else None
-        self._finished.append((key, EngineResult(running.outputs, running.cached, reasons, counted,
-                                                 running.texts, errors, samples)))
+        embeddings = [e if e is not None and running.errors[i] is None else None
+                      for i, e in enumerate(running.embeddings)]
+        self._finished.append((key, EngineResult(running.outputs, running.cached, reasons, counted, running.texts,
+                                                 errors, samples, embeddings if any(embeddings) else None)))
 
     def _count(self, prompts: Sequence, prefix_lens: Sequence[int], cached: Sequence[int],
                output_tokens: int) -> EngineCounters:
@@ -571,32 +507,3 @@ class VllmEngine(Engine):
             if core is not None:
                 core.shutdown()
             gc.collect()
-
-
-# vLLM's floor of a log probability in its answers (-inf is not JSON).
-MIN_LOGPROB = -9999.0
-
-
-def _logprobs(found: Any) -> list[TokenLogprobs] | None:
-    """A completion's sample logprobs as (token id, log probability, decoded token) per
-    position, in vLLM's order (the sampled token first); None where none were asked for."""
-    if found is None:
-        return None
-    out = []
-    for position in found:
-        out.append([(int(token), _floor(lp.logprob), lp.decoded_token if isinstance(lp.decoded_token, str) else None)
-                    for token, lp in (position or {}).items()])
-    return out
-
-
-def _floor(logprob: float) -> float:
-    return max(float(logprob), MIN_LOGPROB) if logprob == logprob else MIN_LOGPROB  # NaN: the floor
-
-
-def _structured(kind: str, spec: str) -> dict[str, Any]:
-    """StructuredOutputsParams' arguments of an envelope's constraint (generation.py)."""
-    if kind == "json_object":
-        return {"json_object": True}
-    if kind in ("json", "choice"):
-        return {kind: json.loads(spec)}
-    return {kind: spec}

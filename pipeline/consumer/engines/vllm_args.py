@@ -34,7 +34,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from pipeline.consumer.engines.vllm import FIXED_LLM_KWARGS, VllmOptions
+from pipeline.consumer.engines.vllm_options import FIXED_LLM_KWARGS, VllmOptions
 from pipeline.wire.errors import EngineOptionsError, EngineUnavailableError
 
 # How long the child may take to import vLLM and answer: 3 to 15 s measured on this 2-core
