@@ -20,6 +20,8 @@ and only the rest are submitted.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import shutil
@@ -158,6 +160,7 @@ class BatchJob:
         self.say = say
         self.show = show
         self._lock_fd = -1
+        self._save_full = False  # the last save of the status found the disk full
         self.model_files = self.spec.model_dir  # the job's copies of the model's files, once made
         self._created_data_dir = False
         self._new_job = False
@@ -189,7 +192,7 @@ class BatchJob:
         unfinished = have is None and self._unfinished_scan()
         check_data_dir_is_the_jobs(self.data_dir, has_manifest=have is not None or unfinished)
         self._new_job = have is None
-        self.own_files = OwnFiles(self.data_dir)
+        self.own_files = OwnFiles(self.data_dir, have.log_mark if have is not None else None)
         outputs = self._outputs()
         expects = check_outputs(outputs, input_path, self.data_dir, self.own_files.own, spec.overwrite)
         self._make_data_dir()
@@ -216,7 +219,8 @@ class BatchJob:
                                                            self.manifest)
         self.job_input = JobInput(input_path, self.manifest.requests, index,
                                   os.path.join(self.data_dir, JOB_DIR, LINES_NAME))
-        _remove_quietly(os.path.join(self.data_dir, JOB_DIR, INPUT_CHANGED_NAME))  # of an earlier run
+        with contextlib.suppress(FileNotFoundError):  # of an earlier run
+            os.unlink(os.path.join(self.data_dir, JOB_DIR, INPUT_CHANGED_NAME))
         self._open_answers()
 
     def _bind_metrics(self) -> None:
@@ -337,7 +341,7 @@ class BatchJob:
         opened: dict[int, int] = {}
         try:
             for log, target in targets.items():
-                opened[log] = open_log(target, fresh)
+                opened[log] = open_log(target, fresh, self.manifest.log_mark)
                 if fresh:
                     self.own_files.made(target.path, identity(os.fstat(opened[log])))
         except BaseException:
@@ -377,7 +381,7 @@ class BatchJob:
             return 0
         workload = JobWorkload(self.job_input, self.skip, self.manifest, self.model_files, self.data_dir,
                                self.spec.limits, self.spec.chat_template)
-        launcher = Launcher(self.spec.settings, workload, on_status=self._poll, summarize=self.collector.summary,
+        launcher = Launcher(self._run_settings(), workload, on_status=self._poll, summarize=self.collector.summary,
                             metrics=self.telemetry)
         launcher.metrics_listener, self.metrics_listener = self.metrics_listener, None
         self.collector.tally(launcher.results_dir)
@@ -399,22 +403,42 @@ class BatchJob:
             self.say(f"run-batch: the run stopped: {outcome.why}")
         return outcome.exit_code
 
+    def _run_settings(self) -> LaunchSettings:
+        """The launch settings, with the sim's tokenizer read from the job's copy of the model's
+        files (as the producers' is), not the model directory, which may change meanwhile."""
+        settings = self.spec.settings
+        options = settings.engine_options
+        if options.get("tokenizer") == self.spec.model_dir:
+            settings = replace(settings, engine_options={**options, "tokenizer": self.model_files})
+        return settings
+
     def _poll(self, status, now_s: float) -> None:
         """Every watch of the launcher: new answers into the log, progress, saved state."""
         self.collector.collect()
         self.telemetry.observe(self.collector.latencies_s)
         self.collector.latencies_s.clear()
         self.tracker.observe(self._counts(), now_s)
+        if now_s - self._saved_s >= SAVE_INTERVAL_S:
+            self._saved_s = now_s
+            self._save()
         view = self.tracker.view()
-        if self.collector.disk_full:
+        if self.collector.disk_full or self._save_full:
             view.alert = f"DISK FULL: answers wait in the results files until {self.data_dir}'s disk has room"
         elif getattr(status, "disk_full", False):
             view.alert = DISK_FULL_ALERT
         self.show(view, now_s)
-        if now_s - self._saved_s >= SAVE_INTERVAL_S:
-            self._saved_s = now_s
+
+    def _save(self) -> None:
+        """The read positions and the status file, as the run goes; a full disk skips a save
+        (the next one writes both: both are rebuilt from the answer log and results anyway)."""
+        try:
             self.collector.save()
             self.write_status("running")
+            self._save_full = False
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            self._save_full = True
 
     def _catch_up(self) -> None:
         self.collect_all()
@@ -564,10 +588,3 @@ class BatchJob:
         else:
             shutil.rmtree(os.path.join(self.data_dir, JOB_DIR), ignore_errors=True)
             self.close(remove=False)
-
-
-def _remove_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

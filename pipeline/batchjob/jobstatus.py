@@ -10,33 +10,45 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import stat
 
 from pipeline.batchjob.answers import records_path
 from pipeline.batchjob.layout import ANSWER_RECORD_SIZE_BYTES, valid_records
 from pipeline.batchjob.manifest import JOB_DIR, LOCK_NAME, STATUS_NAME, load_manifest
+from pipeline.batchjob.scan import MAX_BATCH_REQUESTS
 from pipeline.wire.errors import JobMismatchError
 
+# What a new job's run does before it has a manifest.
+CHECKING = "checking its input"
 # The most bytes of a saved view read: it is a few hundred.
 MAX_STATUS_BYTES = 1 << 20
 # The saved view's counts, each a whole number.
 COUNTS = ("requests", "done", "failed", "to_do")
 # Its rates and times, each a number or null.
 FIGURES = ("eta_s", "requests_per_s")
+# The largest rate or time a view may hold (a year of seconds, a billion requests a second):
+# past it the file is damaged, not a figure to print.
+MAX_FIGURE = 1e9
 
 
 def saved_view(path: str, requests: int) -> dict:
     """The job's last saved view (job/status.json); a not-started one where the file is
     missing (a job that never ran); JobMismatchError naming the file where it is damaged."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_STATUS_BYTES + 1)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO: not waited on
     except FileNotFoundError:
         return {"state": "not started", "requests": requests, "done": 0, "failed": 0, "to_do": requests}
     except OSError as exc:
         raise JobMismatchError(f"{path}: cannot read the job's status ({exc.strerror})") from exc
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise JobMismatchError(f"{path}: damaged (not a regular file); the job's next run writes it again")
+        raw = os.read(fd, MAX_STATUS_BYTES + 1)
+    finally:
+        os.close(fd)
+    try:
         saved = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         saved = None
     why = _wrong(saved) if len(raw) <= MAX_STATUS_BYTES else f"longer than {MAX_STATUS_BYTES:,} bytes"
     if why:
@@ -52,11 +64,12 @@ def _wrong(saved: object) -> str | None:
         return f"state {saved.get('state')!r:.40} is not a word"
     for key in COUNTS:
         value = saved.get(key, 0)
-        if type(value) is not int or value < 0:
+        if type(value) is not int or not 0 <= value <= MAX_BATCH_REQUESTS:
             return f"{key} {value!r:.40} is not a count"
     for key in FIGURES:
         value = saved.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not 0 <= value <= MAX_FIGURE):
             return f"{key} {value!r:.40} is not a number"
     return None
 
@@ -66,16 +79,19 @@ def answered(path: str, requests: int) -> int | None:
     it where it is not whole records, holds more than the job's requests, or its first or
     last record fails its check (the file is read there only: a job's records may be many)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO: not waited on
     except FileNotFoundError:
         return None
     except OSError as exc:
         raise JobMismatchError(f"{path}: cannot read the job's answer records ({exc.strerror})") from exc
     try:
-        size = os.fstat(fd).st_size
+        info = os.fstat(fd)
+        size = info.st_size
         count = size // ANSWER_RECORD_SIZE_BYTES
         why = None
-        if size % ANSWER_RECORD_SIZE_BYTES:
+        if not stat.S_ISREG(info.st_mode):
+            why = "not a regular file"
+        elif size % ANSWER_RECORD_SIZE_BYTES:
             why = f"{size:,} bytes are not whole {ANSWER_RECORD_SIZE_BYTES}-byte records"
         elif count > requests:
             why = f"{count:,} records, more than the job's {requests:,} requests"
@@ -96,8 +112,9 @@ def job_status(data_dir: str) -> dict | None:
     saved view and state, with `running` from the job's lock (held by a live run or not),
     so a run killed without a word reads as stopped."""
     manifest = load_manifest(data_dir)
-    if manifest is None:
-        return None
+    if manifest is None:  # a new job's run checks its input (its manifest comes after), or no job
+        return {"state": CHECKING, "running": True} if _lock_held(os.path.join(data_dir, JOB_DIR, LOCK_NAME)) \
+            else None
     saved = saved_view(os.path.join(data_dir, JOB_DIR, STATUS_NAME), manifest.requests)
     saved["running"] = _lock_held(os.path.join(data_dir, JOB_DIR, LOCK_NAME))
     # The answer records are the count (the saved view lags by up to SAVE_INTERVAL_S).
@@ -113,7 +130,7 @@ def job_status(data_dir: str) -> dict | None:
 
 def _lock_held(path: str) -> bool:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return False
     try:

@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 import xxhash
 
 from pipeline.batchjob.paths import replace_file
+from pipeline.batchjob.scan import MAX_BATCH_REQUESTS
 from pipeline.batchjob.tools import ToolCalling
 from pipeline.wire.errors import JobMismatchError
 
@@ -100,6 +101,11 @@ class JobManifest:
         return cls(job_id=secrets.randbits(63), **fields)
 
     @property
+    def log_mark(self) -> bytes:
+        """What the job's completion-order logs carry (`outfiles.LOG_MARK_XATTR`): its id."""
+        return f"{self.job_id:016x}".encode()
+
+    @property
     def tool_calling(self) -> ToolCalling:
         return ToolCalling(self.tool_call_parser, self.enable_auto_tool_choice)
 
@@ -139,7 +145,7 @@ def load_manifest(data_dir: str) -> JobManifest | None:
         return _checked(JobManifest(**fields))
     except JobMismatchError as exc:
         raise JobMismatchError(f"{path}: damaged ({exc}); use another --data-dir") from None
-    except (ValueError, TypeError, AttributeError) as exc:
+    except (ValueError, TypeError, AttributeError, RecursionError) as exc:
         raise JobMismatchError(f"{path}: not a job manifest of this version ({exc}); finish that job with the "
                                f"version that started it, or use another --data-dir") from None
 
@@ -148,9 +154,10 @@ def _checked(manifest: JobManifest) -> JobManifest:
     """The manifest, if its numbers and texts are of their types (a damaged file's are not)."""
     for name in ("job_id", "created_s", "input_bytes", "requests"):
         value = getattr(manifest, name)
-        if type(value) is not int or value < (1 if name == "requests" else 0):
-            raise JobMismatchError(f"{name} {value!r:.40} is not a {'positive' if name == 'requests' else 'whole'} "
-                                   f"number")
+        most = MAX_BATCH_REQUESTS if name == "requests" else (1 << 64) - 1
+        if type(value) is not int or not (1 if name == "requests" else 0) <= value <= most:
+            raise JobMismatchError(f"{name} {value!r:.40} is not a {'request count' if name == 'requests' else 'whole'}"
+                                   f" number")
     for name in ("input_path", "input_xxh3", "served_model", "output_path", "output_order"):
         if not isinstance(getattr(manifest, name), str):
             raise JobMismatchError(f"{name} {getattr(manifest, name)!r:.40} is not a string")

@@ -3,7 +3,7 @@ so that nothing the user made in the meantime is replaced.
 
     target = Target.open("output file", "/runs/out.jsonl", expect=ABSENT)   # at the check
     out = Publish(target); out.write(b"..."); out.commit()                 # at the end
-    fd = open_log(target)                                                   # completion order
+    fd = open_log(target, fresh, mark)                                      # completion order
 
 A `Target` is fixed when the job's paths are checked: its directory is opened then (every
 later write is relative to that descriptor, so swapping a directory in the path for a
@@ -29,6 +29,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import secrets
 import stat
 from dataclasses import dataclass
 
@@ -42,10 +43,15 @@ ABSENT = "absent"
 OWN = "own"
 REPLACE = "replace"
 OWN_FILES_NAME = "outputs.json"
-# The fixed name of a replacement while it is renamed into place (a kill between its link and
-# the rename leaves it; the next write of the same file removes it).
+# A file is written under a random name of this form beside its target before it is linked
+# or renamed into place (without O_TMPFILE a kill may leave one; nothing else is ever removed).
 PARTIAL_PREFIX = "."
 PARTIAL_SUFFIX = ".partial"
+# Random names tried for a temporary file before giving up (a clash is 1 in 2**48 a try).
+PARTIAL_ATTEMPTS = 8
+# The extended attribute a completion-order log carries: the job's id. A file the user made
+# at the name later, even on the inode number a deleted log had, lacks it.
+LOG_MARK_XATTR = "user.shape_broker.job"
 _OPEN_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 
 
@@ -71,6 +77,7 @@ class Target:
     name: str
     expect: str
     own: list[int] | None = None  # OWN: the (device, inode) the job wrote
+    seen: list[int] | None = None  # REPLACE: the file --overwrite allowed (`sealed_identity`)
 
     @classmethod
     def open(cls, role: str, path: str, expect: str, own: list[int] | None = None) -> Target:
@@ -79,7 +86,10 @@ class Target:
             dir_fd = os.open(directory, _OPEN_DIR)
         except OSError as exc:
             raise JobPathError(f"{role} {path}: cannot open its directory {directory}: {errno_text(exc)}") from exc
-        return cls(role, path, dir_fd, os.path.basename(path), expect, own)
+        target = cls(role, path, dir_fd, os.path.basename(path), expect, own)
+        found = target.current() if expect == REPLACE else None
+        target.seen = sealed_identity(found) if found is not None else None
+        return target
 
     def current(self) -> os.stat_result | None:
         try:
@@ -88,14 +98,15 @@ class Target:
             return None
 
     def check_replaceable(self) -> None:
-        """What is at the name now may be replaced (OWN: still the job's file; REPLACE: still a
-        regular file with one link); JobPathError otherwise. Nothing there passes."""
+        """What is at the name now may be replaced (OWN: still the job's file; REPLACE: still the
+        file `--overwrite` allowed, unchanged, one link); JobPathError otherwise. Nothing there
+        passes."""
         info = self.current()
         if info is None:
             return
         if self.expect == OWN and self.own is not None and sealed_identity(info)[:len(self.own)] == self.own:
             return
-        if self.expect == REPLACE and stat.S_ISREG(info.st_mode) and info.st_nlink == 1:
+        if self.expect == REPLACE and info.st_nlink == 1 and sealed_identity(info) == self.seen:
             return
         why = ("is a hard link to another name (the change would reach it too)"
                if stat.S_ISREG(info.st_mode) and info.st_nlink > 1 else "is not the file this job wrote or was "
@@ -122,10 +133,7 @@ class Publish:
         except OSError as exc:
             if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
                 raise
-            self._named = _partial(target.name)
-            _unlink_quietly(self._named, target.dir_fd)
-            self._fd = os.open(self._named, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
-                               FILE_MODE, dir_fd=target.dir_fd)
+            self._named, self._fd = _create_partial(target)
         self._buffer = ChunkBuffer()
         os.fchmod(self._fd, FILE_MODE)
 
@@ -147,11 +155,9 @@ class Publish:
                                    f"command, which writes it without running anything") from None
         else:
             target.check_replaceable()
-            partial = self._named or _partial(target.name)
             if not self._named:
-                _unlink_quietly(partial, target.dir_fd)
-                os.link(source, partial, dst_dir_fd=target.dir_fd, follow_symlinks=True)
-            os.rename(partial, target.name, src_dir_fd=target.dir_fd, dst_dir_fd=target.dir_fd)
+                self._named = _link_partial(source, target)
+            os.rename(self._named, target.name, src_dir_fd=target.dir_fd, dst_dir_fd=target.dir_fd)
             self._named = None
         made = sealed_identity(os.fstat(self._fd))
         os.fsync(target.dir_fd)
@@ -167,41 +173,99 @@ class Publish:
             self._named = None
 
 
-def open_log(target: Target, fresh: bool) -> int:
+def open_log(target: Target, fresh: bool, mark: bytes) -> int:
     """The completion-order log at `target`, open for appending: the job's own file as it is
-    (fresh False), or a new empty one (fresh True: absent, or allowed to be replaced, then
-    truncated). JobPathError for anything else at the name."""
-    flags = os.O_RDWR | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK  # read: recovery finds the end
-    if fresh and target.expect == ABSENT:
-        flags |= os.O_CREAT | os.O_EXCL
-    elif fresh and target.current() is None:
-        flags |= os.O_CREAT | os.O_EXCL
-    try:
-        fd = os.open(target.name, flags, FILE_MODE, dir_fd=target.dir_fd)
-    except FileExistsError:
-        raise JobPathError(f"{target.role} {target.path} appeared before the job could create it: move it away "
-                           f"(or pass --overwrite)") from None
-    except OSError as exc:
-        raise JobPathError(f"{target.role} {target.path}: cannot open it to append answers: {errno_text(exc)}") from exc
-    info = os.fstat(fd)
-    good = stat.S_ISREG(info.st_mode) and info.st_nlink == 1 and (fresh or identity(info) == target.own)
-    if not good:
+    (fresh False: the same inode, carrying the job's `mark`), or a new empty one (fresh True:
+    made under a name of its own and linked in where nothing is, or renamed over what may be
+    replaced: a file another job appends to is never cut). JobPathError for anything else."""
+    if not fresh:
+        try:
+            fd = os.open(target.name, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK,
+                         dir_fd=target.dir_fd)  # read too: recovery finds the end; NONBLOCK: a FIFO never waits
+        except OSError as exc:
+            raise JobPathError(f"{target.role} {target.path}: cannot open it to append answers: "
+                               f"{errno_text(exc)}") from exc
+        info = os.fstat(fd)
+        if stat.S_ISREG(info.st_mode) and info.st_nlink == 1 and identity(info) == target.own and marked(fd, mark):
+            os.set_blocking(fd, True)
+            return fd
         os.close(fd)
         target.check_replaceable()  # raises, naming what is wrong
-        raise JobPathError(f"{target.role} {target.path} is not the file this job wrote")
-    os.set_blocking(fd, True)
-    if fresh:
-        os.ftruncate(fd, 0)
-        os.fchmod(fd, FILE_MODE)
+        raise JobPathError(f"{target.role} {target.path} is not the file this job wrote: move it away (or pass "
+                           f"--overwrite) and run the same command")
+    name, fd = _create_partial(target)
+    try:
+        _mark(fd, mark)
+        if target.expect == ABSENT or target.current() is None:
+            try:  # fails if anything appeared at the name: never replaces it
+                os.link(name, target.name, src_dir_fd=target.dir_fd, dst_dir_fd=target.dir_fd)
+            except FileExistsError:
+                raise JobPathError(f"{target.role} {target.path} appeared before the job could create it: move it "
+                                   f"away (or pass --overwrite)") from None
+        else:
+            target.check_replaceable()
+            os.rename(name, target.name, src_dir_fd=target.dir_fd, dst_dir_fd=target.dir_fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    finally:
+        _unlink_quietly(name, target.dir_fd)  # (renamed: gone already)
+    os.fsync(target.dir_fd)
     return fd
+
+
+def marked(fd: int, mark: bytes) -> bool:
+    """The file carries the job's mark (LOG_MARK_XATTR), or its file system keeps no extended
+    attributes (then its device and inode alone say it is the job's)."""
+    try:
+        return os.getxattr(fd, LOG_MARK_XATTR) == mark
+    except OSError as exc:
+        return exc.errno in (errno.ENOTSUP, errno.EOPNOTSUPP)
+
+
+def _mark(fd: int, mark: bytes) -> None:
+    try:
+        os.setxattr(fd, LOG_MARK_XATTR, mark)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise
+
+
+def _create_partial(target: Target) -> tuple[str, int]:
+    """A new empty file (0600) beside the target under a name of its own, open for reading
+    and appending: (its name, its descriptor). Never a name someone else made."""
+    for _attempt in range(PARTIAL_ATTEMPTS):
+        name = f"{PARTIAL_PREFIX}{target.name}.{secrets.token_hex(6)}{PARTIAL_SUFFIX}"
+        try:
+            fd = os.open(name, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
+                         FILE_MODE, dir_fd=target.dir_fd)
+        except FileExistsError:
+            continue
+        os.fchmod(fd, FILE_MODE)
+        return name, fd
+    raise JobPathError(f"{target.role} {target.path}: no free temporary name beside it after {PARTIAL_ATTEMPTS} tries")
+
+
+def _link_partial(source: str, target: Target) -> str:
+    """The unnamed file `source` (/proc/self/fd/N) linked beside the target under a name of
+    its own; that name."""
+    for _attempt in range(PARTIAL_ATTEMPTS):
+        name = f"{PARTIAL_PREFIX}{target.name}.{secrets.token_hex(6)}{PARTIAL_SUFFIX}"
+        try:
+            os.link(source, name, dst_dir_fd=target.dir_fd, follow_symlinks=True)
+            return name
+        except FileExistsError:
+            continue
+    raise JobPathError(f"{target.role} {target.path}: no free temporary name beside it after {PARTIAL_ATTEMPTS} tries")
 
 
 class OwnFiles:
     """The files the job made for the user, by path: their (device, inode) (DATA_DIR/job/
     outputs.json). Written whole after each file is made."""
 
-    def __init__(self, data_dir: str) -> None:
+    def __init__(self, data_dir: str, mark: bytes | None = None) -> None:
         self.path = os.path.join(data_dir, JOB_DIR, OWN_FILES_NAME)
+        self.mark = mark  # the job's completion-order logs carry it (`open_log`)
         self.files: dict[str, list[int]] = {}
         try:
             with open(self.path, "rb") as f:
@@ -212,15 +276,24 @@ class OwnFiles:
             pass
 
     def own(self, path: str) -> list[int] | None:
-        return self.files.get(os.path.abspath(path))
+        """What the job recorded of the file it made at `path`; None for none, or for a log
+        (recorded by device and inode) that lacks the job's mark: another file on the inode
+        number of one deleted."""
+        found = self.files.get(os.path.abspath(path))
+        if found is None or len(found) != 2 or self.mark is None:
+            return found
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            return found  # nothing there (or not a file): the path checks say what
+        try:
+            return found if marked(fd, self.mark) else None
+        finally:
+            os.close(fd)
 
     def made(self, path: str, made: list[int]) -> None:
         self.files[os.path.abspath(path)] = made
         replace_file(self.path, [json.dumps(self.files).encode()])
-
-
-def _partial(name: str) -> str:
-    return f"{PARTIAL_PREFIX}{name}{PARTIAL_SUFFIX}"
 
 
 def _unlink_quietly(name: str, dir_fd: int) -> None:

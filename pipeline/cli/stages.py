@@ -418,8 +418,12 @@ STATUS_FIELDS: tuple[str, ...] = (
 
 def _say_job(found: dict, data_dir: str) -> None:
     """A batch job's view, from its own files (running or stopped)."""
+    from pipeline.batchjob.jobstatus import CHECKING
     from pipeline.batchjob.progress import format_duration
 
+    if found["state"] == CHECKING:
+        click.echo(f"job {CHECKING} (its process runs): no request runs before the check ends")
+        return
     rate = found.get("requests_per_s")
     eta = f", ETA {format_duration(found.get('eta_s'))}" if found.get("eta_s") and found["running"] else ""
     pace = f", {rate:,.0f} requests/s" if rate and found["running"] else ""

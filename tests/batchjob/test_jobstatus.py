@@ -16,6 +16,7 @@ from pipeline.batchjob.jobstatus import answered, saved_view
 from pipeline.batchjob.layout import ANSWER_RECORD_SIZE_BYTES, LOG_OUTPUT, answer_record
 from pipeline.batchjob.manifest import JOB_DIR, JobManifest, manifest_path, write_manifest
 from pipeline.cli import main
+from pipeline.batchjob.scan import MAX_BATCH_REQUESTS
 from pipeline.wire.errors import JobMismatchError
 
 REQUESTS = 10
@@ -50,7 +51,9 @@ def test_a_stopped_jobs_status_reads_its_files(tmp_path: Path) -> None:
                                        ('{"state": "stopped", "done": "2"}', "done '2' is not a count"),
                                        ('{"state": "stopped", "to_do": -1}', "to_do -1 is not a count"),
                                        ('{"state": "stopped", "eta_s": "soon"}', "eta_s 'soon' is not a number"),
-                                       ("{not json", "not a JSON object")])
+                                       ("{not json", "not a JSON object"), ("[" * 100_000, "not a JSON object"),
+                                       ('{"state": "stopped", "done": 1e400}', "done inf is not a count"),
+                                       ('{"state": "stopped", "eta_s": 5000000000.0}', "eta_s 5000000000.0 is not a number")])
 def test_a_damaged_saved_view_is_named_in_one_line(tmp_path: Path, text: str, why: str) -> None:
     data = job_dir(tmp_path)
     path = data / JOB_DIR / "status.json"
@@ -65,9 +68,12 @@ def test_a_missing_saved_view_is_a_job_not_started(tmp_path: Path) -> None:
     assert saved_view(str(tmp_path / "none.json"), 4)["state"] == "not started"
 
 
-@pytest.mark.parametrize("requests, why", [('"x"', "requests 'x' is not a positive number"),
-                                           ("-5", "requests -5 is not a positive number"),
-                                           ("0", "requests 0 is not a positive number")])
+@pytest.mark.parametrize("requests, why", [('"x"', "requests 'x' is not a request count number"),
+                                           ("-5", "requests -5 is not a request count number"),
+                                           ("0", "requests 0 is not a request count number"),
+                                           (str(MAX_BATCH_REQUESTS + 1), f"requests {MAX_BATCH_REQUESTS + 1} is not "
+                                                                         f"a request count number"),
+                                           (str(2**70), f"requests {2**70} is not a request count number")])
 def test_a_damaged_manifest_is_named_in_one_line(tmp_path: Path, requests: str, why: str) -> None:
     data = job_dir(tmp_path)
     path = Path(manifest_path(str(data)))
@@ -97,3 +103,28 @@ def test_answer_records_at_the_jobs_requests_count_and_damaged_ones_are_named(tm
 def test_a_data_directory_that_is_not_there_is_said_to_be_missing(tmp_path: Path) -> None:
     code, said = status(tmp_path / "nonexistent")
     assert code == 1 and said == f"Error: no data directory at {tmp_path / 'nonexistent'}\n"
+
+
+@pytest.mark.parametrize("name", ["status.json", "answers.bin", "lock"])
+def test_a_fifo_among_the_jobs_files_is_named_not_waited_on(tmp_path: Path, name: str) -> None:
+    data = job_dir(tmp_path)
+    path = data / JOB_DIR / name
+    if path.exists():
+        path.unlink()
+    os.mkfifo(path)  # no writer: a blocking open would wait for ever
+    code, said = status(data)
+    if name == "lock":  # a lock nobody holds: the job stopped
+        assert code == 0 and "job stopped" in said
+    else:
+        assert code == 1 and f"{path}: " in said and "not a regular file" in said and said.count("\n") == 1
+
+
+def test_a_new_jobs_run_checking_its_input_is_said_so(tmp_path: Path) -> None:
+    import fcntl
+
+    data = tmp_path / "data"
+    (data / JOB_DIR).mkdir(parents=True, mode=0o700)
+    with open(data / JOB_DIR / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        code, said = status(data)
+    assert code == 0 and said == "job checking its input (its process runs): no request runs before the check ends\n"

@@ -17,6 +17,8 @@ from pipeline.batchjob.outfiles import ABSENT, OWN, REPLACE, OwnFiles, Publish, 
 from pipeline.wire.errors import JobPathError
 from tests.batchjob.batchfiles import without_tmpfile
 
+MARK = b"0123456789abcdef"
+
 
 @pytest.fixture(params=[True, False], ids=["O_TMPFILE", "a named temporary file"])
 def tmpfile(request: pytest.FixtureRequest) -> Iterator[bool]:
@@ -108,20 +110,20 @@ def test_a_directory_swapped_for_a_symlink_mid_run_does_not_redirect_the_write(t
 def test_a_completion_log_is_the_jobs_own_file_or_a_fresh_one(tmp_path: Path) -> None:
     path = tmp_path / "out.jsonl"
     target = Target.open("output file", str(path), ABSENT)
-    fd = open_log(target, fresh=True)
+    fd = open_log(target, True, MARK)
     os.write(fd, b"line\n")
     own = identity(os.fstat(fd))
     os.close(fd)
     target.close()
     again = Target.open("output file", str(path), OWN, own)
-    fd = open_log(again, fresh=False)  # appended to, as it is
+    fd = open_log(again, False, MARK)  # appended to, as it is
     os.write(fd, b"more\n")
     os.close(fd)
     assert path.read_text() == "line\nmore\n"
     os.rename(path, tmp_path / "kept")  # (kept: a new file may get a deleted one's inode number)
     path.write_text("the user's\n")  # another file at the name: not appended to
     with pytest.raises(JobPathError, match="not the file this job wrote"):
-        open_log(again, fresh=False)
+        open_log(again, False, MARK)
     assert path.read_text() == "the user's\n"
     again.close()
 
@@ -131,12 +133,12 @@ def test_a_fifo_at_a_completion_logs_name_is_refused_without_blocking(tmp_path: 
     target = Target.open("output file", str(path), REPLACE)
     os.mkfifo(path)  # no reader: a blocking open for writing would hang
     with pytest.raises(JobPathError, match="is not the file this job wrote"):
-        open_log(target, fresh=True)
+        open_log(target, True, MARK)
     assert path.is_fifo()
     target.close()
     target = Target.open("output file", str(path), ABSENT)
     with pytest.raises(JobPathError, match="appeared before the job could create it"):
-        open_log(target, fresh=True)
+        open_log(target, True, MARK)
     target.close()
 
 
@@ -148,3 +150,66 @@ def test_own_files_are_remembered_by_path_across_opens(tmp_path: Path) -> None:
     assert OwnFiles(str(tmp_path)).own(str(tmp_path / "out.jsonl")) == [1, 2]
     (tmp_path / "job" / "outputs.json").write_text("[not a map")
     assert OwnFiles(str(tmp_path)).own(str(tmp_path / "out.jsonl")) is None
+
+
+def test_a_file_replaced_after_the_check_is_not_what_overwrite_allowed(tmp_path: Path, tmpfile: bool) -> None:
+    path = tmp_path / "out.jsonl"
+    path.write_text("the file --overwrite named\n")
+    target = Target.open("output file", str(path), REPLACE)
+    (tmp_path / "x.tmp").write_text("another, put there since\n")
+    os.rename(tmp_path / "x.tmp", path)
+    with pytest.raises(JobPathError, match="is not the file this job wrote or was allowed to replace"):
+        publish(target)
+    assert path.read_text() == "another, put there since\n"
+
+
+def test_a_fresh_log_never_cuts_the_file_another_job_appends_to(tmp_path: Path) -> None:
+    path = tmp_path / "same.jsonl"
+    first = Target.open("output file", str(path), ABSENT)
+    theirs = open_log(first, True, b"job-a")
+    os.write(theirs, b"job a's answer\n")
+    second = Target.open("output file", str(path), REPLACE)  # job b, --overwrite
+    mine = open_log(second, True, b"job-b")
+    os.write(mine, b"job b's answer\n")
+    os.write(theirs, b"job a's second answer\n")
+    assert os.pread(theirs, 100, 0) == b"job a's answer\njob a's second answer\n"  # its own inode, whole
+    assert path.read_bytes() == b"job b's answer\n"
+    assert identity(os.fstat(theirs)) != identity(os.stat(path))  # job a sees its file replaced at its end
+    for fd in (theirs, mine):
+        os.close(fd)
+    first.close()
+    second.close()
+    assert sorted(os.listdir(tmp_path)) == ["same.jsonl"]
+
+
+def test_a_file_made_on_a_deleted_logs_inode_number_is_not_the_jobs(tmp_path: Path) -> None:
+    path = tmp_path / "out.jsonl"
+    target = Target.open("output file", str(path), ABSENT)
+    fd = open_log(target, True, MARK)
+    own = identity(os.fstat(fd))
+    os.close(fd)
+    target.close()
+    files = OwnFiles(str(tmp_path), MARK)
+    (tmp_path / "job").mkdir()
+    files.made(str(path), own)
+    assert files.own(str(path)) == own
+    os.unlink(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)  # the user's file: maybe the same inode number
+    os.close(fd)
+    os.truncate(path, 0)
+    if identity(os.stat(path)) == own:  # the case itself: the device and inode say "the job's"
+        assert files.own(str(path)) is None
+    again = Target.open("output file", str(path), OWN, identity(os.stat(path)))
+    with pytest.raises(JobPathError, match="is not the file this job wrote"):
+        open_log(again, False, MARK)
+    again.close()
+
+
+def test_temporary_names_beside_the_output_are_never_a_users(tmp_path: Path, tmpfile: bool) -> None:
+    path = tmp_path / "out.jsonl"
+    path.write_text("old\n")
+    (tmp_path / ".out.jsonl.partial").write_text("the user's own file of that name\n")
+    publish(Target.open("output file", str(path), REPLACE))
+    assert path.read_text() == "answers\n"
+    assert (tmp_path / ".out.jsonl.partial").read_text() == "the user's own file of that name\n"
+    assert sorted(os.listdir(tmp_path)) == [".out.jsonl.partial", "out.jsonl"]

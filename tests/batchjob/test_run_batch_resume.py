@@ -11,6 +11,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -362,3 +363,63 @@ def test_outputs_that_do_not_fit_at_the_end_are_written_by_the_same_command_with
         assert done.returncode == 0, done.stderr
         assert f"{REQUESTS:,} answered already" in done.stderr and "0 to submit" in done.stderr
         check_one_line_each(small / "out.jsonl")
+
+
+def test_a_data_directory_whose_disk_fills_for_a_while_finishes_the_job_once_there_is_room(tmp_path, model_dir):
+    from tests.consumer.tmpfs import fill, small_tmpfs
+
+    disk = tmp_path / "disk"
+    with small_tmpfs(str(disk), 64 << 20):
+        args = slow_args(tmp_path, "--model", model_dir)
+        args[args.index("--data-dir") + 1] = str(disk / "data")
+        job = start_batch(*args)
+        try:
+            wait_until(lambda: answered_lines(disk / "data") >= 20 or job.poll() is not None, "answers")
+            filler = fill(str(disk))
+            time.sleep(3)  # several of the job's saves (every 2 s) meet the full disk
+            os.unlink(filler)
+            _out, err = job.communicate(timeout=RUN_TIMEOUT_S)
+        finally:
+            if job.poll() is None:
+                job.kill()
+        assert job.returncode == 0 and "Traceback" not in err, err
+        check_one_line_each(tmp_path / "out.jsonl")
+
+
+def test_a_tokenizer_replaced_as_the_job_starts_decodes_no_answer(tmp_path, model_dir):
+    """The swap lands between the job's copy of the model's files and its consumers' start:
+    the sim's stop strings are found in text decoded by the copy, so no answer changes."""
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    records = [chat(f"r{k}", f"question {k}", stop=["e"], max_tokens=16) for k in range(300)]
+    write_requests(reference / "in.jsonl", records)
+    args = ["-o", "out.jsonl", "--data-dir", "data", "--config", str(write_config(tmp_path))]
+    done = run_batch("-i", str(reference / "in.jsonl"), *fix(args, reference), "--model", model_dir)
+    assert done.returncode == 0, done.stderr
+    model = copy_model(model_dir, tmp_path / "m" / "tiny-llama")
+    write_requests(tmp_path / "in.jsonl", records)
+    job = start_batch("-i", str(tmp_path / "in.jsonl"), *fix(args, tmp_path), "--model", str(model))
+    try:
+        wait_until(lambda: (tmp_path / "data" / "job" / "model" / "tokenizer.json").exists() or job.poll() is not None,
+                   "the job's copy of the model's files")
+        tokenizer = json.loads((model / "tokenizer.json").read_text())
+        tokenizer["decoder"] = {"type": "Sequence", "decoders": [tokenizer["decoder"], {
+            "type": "Replace", "pattern": {"String": "e"}, "content": "Q"}]}
+        (model / "tokenizer.json").write_text(json.dumps(tokenizer))
+        job.communicate(timeout=RUN_TIMEOUT_S)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0
+    assert texts(tmp_path / "out.jsonl") == texts(reference / "out.jsonl")
+
+
+def write_config(tmp_path: Path) -> Path:
+    config = tmp_path / "slow.toml"
+    config.write_text(SLOW_CONFIG)
+    return config
+
+
+def fix(args: list[str], where: Path) -> list[str]:
+    """`args` with its relative paths under `where`."""
+    return [str(where / a) if a in ("out.jsonl", "data") else a for a in args]
