@@ -17,6 +17,7 @@ from pipeline.batchjob.layout import ANSWER_RECORD_SIZE_BYTES, valid_records
 from pipeline.batchjob.manifest import JOB_DIR, LOCK_NAME, STATUS_NAME, load_manifest
 from pipeline.batchjob.scan import MAX_BATCH_REQUESTS
 from pipeline.wire.errors import JobMismatchError
+from pipeline.wire.textfiles import read_small_file
 
 # What a new job's run does before it has a manifest.
 CHECKING = "checking its input"
@@ -35,17 +36,12 @@ def saved_view(path: str, requests: int) -> dict:
     """The job's last saved view (job/status.json); a not-started one where the file is
     missing (a job that never ran); JobMismatchError naming the file where it is damaged."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO: not waited on
-    except FileNotFoundError:
-        return {"state": "not started", "requests": requests, "done": 0, "failed": 0, "to_do": requests}
+        raw = read_small_file(path, MAX_STATUS_BYTES)
     except OSError as exc:
-        raise JobMismatchError(f"{path}: cannot read the job's status ({exc.strerror})") from exc
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise JobMismatchError(f"{path}: damaged (not a regular file); the job's next run writes it again")
-        raw = os.read(fd, MAX_STATUS_BYTES + 1)
-    finally:
-        os.close(fd)
+        raise JobMismatchError(f"{path}: damaged, cannot read it ({exc.strerror}); the job's next run writes it "
+                               f"again") from exc
+    if raw is None:
+        return {"state": "not started", "requests": requests, "done": 0, "failed": 0, "to_do": requests}
     try:
         saved = json.loads(raw)
     except (ValueError, RecursionError):

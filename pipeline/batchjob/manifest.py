@@ -39,6 +39,7 @@ from pipeline.batchjob.paths import replace_file
 from pipeline.batchjob.scan import MAX_BATCH_REQUESTS
 from pipeline.batchjob.tools import ToolCalling
 from pipeline.wire.errors import JobMismatchError
+from pipeline.wire.textfiles import read_small_file
 
 JOB_DIR = "job"
 MANIFEST_NAME = "manifest.json"
@@ -124,17 +125,11 @@ def load_manifest(data_dir: str) -> JobManifest | None:
     one that is not ours (unreadable, another version)."""
     path = manifest_path(data_dir)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)  # a FIFO: not waited on
-    except FileNotFoundError:
-        return None
+        raw = read_small_file(path, MAX_MANIFEST_BYTES)
     except OSError as exc:
         raise JobMismatchError(f"{path}: cannot read the job manifest ({exc.strerror}); use another --data-dir") from exc
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise JobMismatchError(f"{path}: not a regular file; use another --data-dir")
-        raw = os.read(fd, MAX_MANIFEST_BYTES + 1)
-    finally:
-        os.close(fd)
+    if raw is None:
+        return None
     if len(raw) > MAX_MANIFEST_BYTES:
         raise JobMismatchError(f"{path}: longer than {MAX_MANIFEST_BYTES:,} bytes, not a job manifest; use another "
                                f"--data-dir")

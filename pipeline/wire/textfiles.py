@@ -11,6 +11,7 @@ file linked to /dev/zero grew to 10 GB in 30 s).
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from collections.abc import Iterator, Sequence
@@ -77,3 +78,20 @@ def file_kind(fd: int) -> str:
     if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
         return "device"
     return "directory" if stat.S_ISDIR(mode) else "special file"
+
+
+def read_small_file(path: str, limit_bytes: int) -> bytes | None:
+    """Up to `limit_bytes` + 1 bytes of the regular file at `path` (more than `limit_bytes`:
+    the caller's "too long"); None where there is none. A FIFO or device is never waited on
+    or read: OSError EINVAL naming its kind; a symlink is not followed (ELOOP)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    try:
+        kind = file_kind(fd)
+        if kind != "file":
+            raise OSError(errno.EINVAL, f"not a regular file but a {kind}", path)
+        return os.read(fd, limit_bytes + 1)
+    finally:
+        os.close(fd)
