@@ -73,7 +73,7 @@ from pipeline.batchjob.telemetry import JobTelemetry
 from pipeline.batchjob.tools import ToolCalling
 from pipeline.batchjob.workload import INPUT_CHANGED_NAME, JobInput, JobWorkload, PromptLimits
 from pipeline.reporting.progress import DISK_FULL_ALERT
-from pipeline.runtime.datadir import check_data_dir, describe_holder, hold_lock, holder_gone, release_lock
+from pipeline.runtime.datadir import check_data_dir, check_room, describe_holder, hold_lock, holder_gone, release_lock
 from pipeline.runtime.inventory import pending_payloads, producer_ring_names
 from pipeline.runtime.settings import LaunchSettings
 from pipeline.wire.errors import (
@@ -256,6 +256,7 @@ class BatchJob:
 
     def _make_data_dir(self) -> None:
         check_data_dir(self.data_dir)
+        check_room(self.data_dir)
         if not os.path.lexists(self.data_dir):
             os.makedirs(self.data_dir, mode=0o700)
             self._created_data_dir = True

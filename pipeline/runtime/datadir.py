@@ -46,6 +46,9 @@ _WRITABLE_BY_OTHERS = stat.S_IWGRP | stat.S_IWOTH
 CLIENT_CHECKED = (RUN_DIR, "results")
 # In the run directory: held by a launcher for its whole run (module docstring).
 LAUNCH_LOCK_NAME = "launch.lock"
+# Free space a data directory needs beyond the store's reserve for a run to start: the first
+# segments' allocations, the results and a job's own files of a small run.
+MIN_WORK_ROOM_BYTES = 4 << 20
 
 
 def owner_only_umask() -> None:
@@ -280,3 +283,20 @@ def holder_gone(holder: str) -> bool:
 
 def _pid_in(fd: int) -> str:
     return os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+
+
+def check_room(data_dir: str) -> None:
+    """DataDirError where the data directory's file system (or, before it is made, its nearest
+    existing parent's) has too little free for a run to start: its store could never take an
+    item, and the run would wait for ever."""
+    from pipeline.broker.storage.segment import disk_reserve_bytes
+
+    existing = os.path.abspath(data_dir)
+    while not os.path.isdir(existing) and existing != os.path.dirname(existing):
+        existing = os.path.dirname(existing)  # where it will be made: the same file system
+    info = os.statvfs(existing)
+    free, reserve = info.f_bavail * info.f_frsize, disk_reserve_bytes(info.f_blocks * info.f_frsize)
+    if free < reserve + MIN_WORK_ROOM_BYTES:
+        raise DataDirError(f"{data_dir} is on a file system with {free:,} bytes free: a run needs at least "
+                           f"{reserve + MIN_WORK_ROOM_BYTES:,} ({reserve:,} its store keeps free for results, and room "
+                           f"to work): make room there, or give --data-dir on another disk")

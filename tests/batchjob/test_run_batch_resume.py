@@ -423,3 +423,15 @@ def write_config(tmp_path: Path) -> Path:
 def fix(args: list[str], where: Path) -> list[str]:
     """`args` with its relative paths under `where`."""
     return [str(where / a) if a in ("out.jsonl", "data") else a for a in args]
+
+
+def test_a_data_directory_on_a_disk_too_small_to_ever_hold_an_item_is_refused_at_once(tmp_path, model_dir):
+    from tests.consumer.tmpfs import small_tmpfs
+
+    disk = tmp_path / "disk"
+    with small_tmpfs(str(disk), 1 << 20):
+        args = slow_args(tmp_path, "--model", model_dir)
+        args[args.index("--data-dir") + 1] = str(disk / "data")
+        done = run_batch(*args)
+        assert done.returncode == 1 and "bytes free: a run needs at least" in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr and os.listdir(disk) == []
