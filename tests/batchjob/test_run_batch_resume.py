@@ -12,6 +12,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -366,12 +368,10 @@ def test_outputs_that_do_not_fit_at_the_end_are_written_by_the_same_command_with
 
 
 def test_a_data_directory_whose_disk_fills_for_a_while_finishes_the_job_once_there_is_room(tmp_path, model_dir):
-    from tests.consumer.tmpfs import fill, small_tmpfs
+    from tests.consumer.tmpfs import fill
 
     disk = tmp_path / "disk"
-    with small_tmpfs(str(disk), 64 << 20):
-        args = slow_args(tmp_path, "--model", model_dir)
-        args[args.index("--data-dir") + 1] = str(disk / "data")
+    with data_dir_on_tmpfs(tmp_path, model_dir, disk, 64 << 20) as args:
         job = start_batch(*args)
         try:
             wait_until(lambda: answered_lines(disk / "data") >= 20 or job.poll() is not None, "answers")
@@ -426,12 +426,19 @@ def fix(args: list[str], where: Path) -> list[str]:
 
 
 def test_a_data_directory_on_a_disk_too_small_to_ever_hold_an_item_is_refused_at_once(tmp_path, model_dir):
-    from tests.consumer.tmpfs import small_tmpfs
-
     disk = tmp_path / "disk"
-    with small_tmpfs(str(disk), 1 << 20):
-        args = slow_args(tmp_path, "--model", model_dir)
-        args[args.index("--data-dir") + 1] = str(disk / "data")
+    with data_dir_on_tmpfs(tmp_path, model_dir, disk, 1 << 20) as args:
         done = run_batch(*args)
         assert done.returncode == 1 and "bytes free: a run needs at least" in done.stderr, done.stderr
         assert "Traceback" not in done.stderr and os.listdir(disk) == []
+
+
+@contextmanager
+def data_dir_on_tmpfs(tmp_path: Path, model_dir: str, disk: Path, size_bytes: int) -> Iterator[list[str]]:
+    """A slow job's arguments with its data directory on a tmpfs of `size_bytes` at `disk`."""
+    from tests.consumer.tmpfs import small_tmpfs
+
+    with small_tmpfs(str(disk), size_bytes):
+        args = slow_args(tmp_path, "--model", model_dir)
+        args[args.index("--data-dir") + 1] = str(disk / "data")
+        yield args
