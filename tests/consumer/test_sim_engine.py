@@ -327,3 +327,31 @@ def test_a_lora_adapters_batch_gets_answers_of_its_own_the_same_every_time():
     assert base != first and first != second and base != second
     assert all(a != b for a, b in zip(base, first))  # every prompt's answer
     assert outputs(1) == first and outputs(0) == base
+
+
+def test_a_decoder_that_expands_tokens_is_refused_before_the_text_is_built(tmp_path):
+    """A model whose decoder makes a MiB of each token: an answer at the bound decodes, one
+    past it is refused from the tokens' own lengths, without a text past the bound in memory."""
+    import json
+    import tracemalloc
+
+    from tokenizers import Tokenizer, models
+
+    from pipeline.consumer.engines.sim import _decoder
+    from pipeline.consumer.engines.sim_sampling import SimRefusal
+    from pipeline.wire.generation import MAX_ANSWER_TEXT_CHARS
+
+    tokenizer = json.loads(Tokenizer(models.WordLevel({"a": 0, "b": 1}, unk_token="a")).to_str())
+    tokenizer["decoder"] = {"type": "Replace", "pattern": {"Regex": "[\\s\\S]+"}, "content": "x" * (1 << 20)}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    decode = _decoder(str(tmp_path))
+    at_bound = MAX_ANSWER_TEXT_CHARS >> 20
+    assert len(decode([0] * at_bound, True)) == MAX_ANSWER_TEXT_CHARS
+    tracemalloc.start()
+    try:
+        with pytest.raises(SimRefusal, match=f"more than {MAX_ANSWER_TEXT_CHARS:,} \\(its decoder expands tokens\\)"):
+            decode([1] * (64 * at_bound), True)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20  # a token's text at a time, not the answer's

@@ -56,6 +56,7 @@ from pipeline.consumer.engines.base import (
 from pipeline.consumer.engines.prefix_cache import BatchLayout, PrefixCache
 from pipeline.consumer.engines.sim_sampling import MadeUpSampler, SimRefusal
 from pipeline.wire.errors import EngineOptionsError
+from pipeline.wire.generation import MAX_ANSWER_TEXT_CHARS
 from pipeline.wire.status import NS_PER_S
 
 # vLLM's default KV block size.
@@ -378,7 +379,9 @@ def _decoder(model_dir: str | None):
     except Exception as exc:  # the Rust side raises plain Exception for every parse error
         raise EngineOptionsError(f"sim engine: tokenizer {path}: {exc}") from exc
 
-    def decode(ids: list[int], skip: bool) -> str:
+    lengths: dict[tuple[int, bool], int] = {}  # each token's decoded length, learned once
+
+    def raw(ids: list[int], skip: bool) -> str:
         try:
             return tokenizer.decode(ids, skip_special_tokens=skip)
         except BaseException as exc:  # the model's decoder is foreign code: a Rust panic is a BaseException
@@ -387,6 +390,19 @@ def _decoder(model_dir: str | None):
             words = " ".join(str(exc).split())[:200]
             raise SimRefusal(f"the model's tokenizer failed to decode the answer: {type(exc).__name__}: "
                              f"{words}") from None
+
+    def decode(ids: list[int], skip: bool) -> str:
+        """The text of `ids`, never built past MAX_ANSWER_TEXT_CHARS (by the tokens' own
+        lengths, added up first): a decoder that expands tokens costs no memory here."""
+        total = 0
+        for token in ids:
+            if (token, skip) not in lengths:
+                lengths[token, skip] = len(raw([token], skip))
+            total += lengths[token, skip]
+            if total > MAX_ANSWER_TEXT_CHARS:
+                raise SimRefusal(f"the model's tokenizer decodes this answer to more characters than an answer "
+                                 f"holds, more than {MAX_ANSWER_TEXT_CHARS:,} (its decoder expands tokens)")
+        return raw(ids, skip)
     return decode
 
 
