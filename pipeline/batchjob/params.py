@@ -135,7 +135,9 @@ def _max_tokens(given: dict[str, Any], kind: str) -> int | None:
     if name not in given:
         return COMPLETION_DEFAULT_MAX_TOKENS if kind == KIND_COMPLETION else None
     value = given[name]
-    if not _is_int(value) or value < 1:
+    if not _is_int(value):
+        raise Refused(invalid_type(name, "an integer", value), name)
+    if value < 1:
         raise Refused(f"{name} must be at least 1, got {json_snippet(value)}.", name)
     return value
 

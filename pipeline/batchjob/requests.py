@@ -35,6 +35,7 @@ what it asked for. Refused, the user learns it from the output, request by reque
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -60,7 +61,7 @@ from pipeline.batchjob.params import (
 from pipeline.batchjob.scan import envelope, invalid_type, invalid_value, show, snippet
 from pipeline.batchjob.tools import RequestTools, ToolCalling, check_tools, keeps_special_tokens, tool_constraint
 from pipeline.producer.signature import INT32_MAX
-from pipeline.wire.errors import GenerationParamsError
+from pipeline.wire.errors import BadInputError, GenerationParamsError
 from pipeline.wire.generation import LORA_FIRST_MODEL, GenerationParams
 from pipeline.wire.textfiles import listed
 
@@ -151,8 +152,12 @@ def parse_line(raw: bytes, index: int, line: int, served_model: str, calling: To
     env = envelope(raw)
     try:
         body = msgspec.json.decode(env.body)
-    except msgspec.DecodeError:  # valid JSON msgspec does not take (a lone surrogate)
-        body = json.loads(bytes(env.body))
+    except msgspec.DecodeError:  # valid JSON msgspec does not take (a lone surrogate, a huge number)
+        try:
+            body = json.loads(bytes(env.body))
+        except ValueError:  # Python's own bound on a number's digits
+            raise BadInputError(f"the request's body holds a number of more than {sys.get_int_max_str_digits():,} "
+                                f"digits, more than any parameter takes") from None
     return request_of(index, line, env.custom_id, env.url, body, served_model, calling, adapters)
 
 

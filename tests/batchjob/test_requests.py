@@ -228,7 +228,7 @@ REQUEST_PROBLEMS = [
     ("max_tokens 0", chat(max_tokens=0), "max_tokens", "max_tokens must be at least 1, got 0."),
     ("max_completion_tokens 0", chat(max_completion_tokens=0), "max_completion_tokens",
      "max_completion_tokens must be at least 1, got 0."),
-    ("max_tokens a string", completion(max_tokens="5"), "max_tokens", "must be at least 1, got \"5\""),
+    ("max_tokens a string", completion(max_tokens="5"), "max_tokens", "expected an integer, but got a string instead"),
     ("max_tokens past the limit", completion(max_tokens=MAX_NEW_TOKENS + 1), "max_tokens", "max_tokens 1048577"),
     ("temperature negative", chat(temperature=-0.5), "temperature", "temperature -0.5 must be a finite number"),
     ("temperature over 2", chat(temperature=2.5), "temperature", "temperature must be in [0, 2], got 2.5."),
@@ -371,3 +371,15 @@ def test_a_request_naming_a_lora_adapter_runs_on_its_model_id_and_reads_its_body
     assert second.answer_reads_body  # the answer names the adapter: the collector reads which
     other = parse_line(encode(chat(model="nope")), 0, 1, MODEL, adapters=adapters)
     assert other.error_param == "model" and "the LoRA adapters 'sql', 'chat'" in other.error
+
+
+def test_a_number_past_pythons_digit_bound_and_a_fractional_max_tokens_are_worded_as_such() -> None:
+    from pipeline.wire.errors import BadInputError
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    line = json.dumps({"custom_id": "x", "method": "POST", "url": "/v1/chat/completions", "body": body})
+    with pytest.raises(BadInputError, match="a number of more than 4,300 digits, more than any parameter takes"):
+        parse_line(line.replace('"hi"}]', '"hi"}], "seed": ' + "9" * 5000).encode(), 0, 1, "m")
+    request = parse_line(line.replace('"hi"}]', '"hi"}], "max_completion_tokens": 8.5').encode(), 0, 1, "m")
+    assert request.error == ("Invalid type for 'max_completion_tokens': expected an integer, but got a "
+                             "number instead.")
