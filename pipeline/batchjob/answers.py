@@ -217,11 +217,14 @@ class AnswerLog:
         """Every log's lines, then the records; on failure every file cut back to its size
         before the call (the logs end at `_ends`, the records at done x record size)."""
         written: list[int] = []
+        where = self._records_path
         try:
             for log, data in chunks.items():
                 written.append(self._fds[log])
+                where = self.paths[log]
                 fileops.write_all(self._fds[log], data)
             written.append(self._records_fd)
+            where = self._records_path
             fileops.write_all(self._records_fd, records)
         except OSError as exc:
             sizes = {self._records_fd: self.done * ANSWER_RECORD_SIZE_BYTES,
@@ -230,11 +233,11 @@ class AnswerLog:
                 try:
                     fileops.ftruncate(fd, sizes[fd])
                 except OSError as cut:
-                    raise AnswerLogWriteError(f"appending answers failed ({errno_text(exc)}) and cutting the "
-                                              f"partial write back failed too ({errno_text(cut)}): the next run "
-                                              f"recovers the log", exc.errno) from exc
-            raise AnswerLogWriteError(f"appending answers failed: {errno_text(exc)}; nothing of it was kept",
-                                      exc.errno) from exc
+                    raise AnswerLogWriteError(f"appending answers to {where} failed ({errno_text(exc)}) and "
+                                              f"cutting the partial write back failed too ({errno_text(cut)}): the "
+                                              f"next run recovers the log", exc.errno, where) from exc
+            raise AnswerLogWriteError(f"appending answers to {where} failed: {errno_text(exc)}; nothing of it was "
+                                      f"kept", exc.errno, where) from exc
 
     def _count_fresh(self, fresh: Sequence[Answer]) -> None:
         for answer in fresh:

@@ -112,6 +112,7 @@ class Collector:
         self.error_log = error_log  # LOG_ERRORS where failures go to their own file, else LOG_OUTPUT
         self.counts = CollectCounts()
         self.disk_full = False  # the last append found no room: answers wait in the results files
+        self.disk_full_path: str | None = None  # the file whose disk it was
         self._warned_foreign = False
         # Submit-to-answer latencies of the answers taken since the caller last emptied it.
         self.latencies_s: list[float] = []
@@ -197,6 +198,7 @@ class Collector:
             if exc.errno not in DISK_FULL_ERRNOS:
                 raise
             self.disk_full = True
+            self.disk_full_path = exc.path
             raise _DiskFull from exc
         self.disk_full = False
         self._offsets[relative] = end

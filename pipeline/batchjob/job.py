@@ -84,7 +84,6 @@ from pipeline.wire.errors import (
     JobPathError,
     PipelineError,
 )
-from pipeline.wire.fileops import errno_text
 from pipeline.wire.generation import decode_payload
 
 OUTPUT_ORDERS = ("input", "completion")
@@ -424,7 +423,8 @@ class BatchJob:
             self._save()
         view = self.tracker.view()
         if self.collector.disk_full or self._save_full:
-            view.alert = f"DISK FULL: answers wait in the results files until {self.data_dir}'s disk has room"
+            full = (self.collector.disk_full_path if self.collector.disk_full else None) or self.data_dir
+            view.alert = f"DISK FULL: answers wait in the results files until the disk of {full} has room"
         elif getattr(status, "disk_full", False):
             view.alert = DISK_FULL_ALERT
         self.show(view, now_s)
@@ -480,8 +480,8 @@ class BatchJob:
                 if isinstance(exc, PipelineError) and not isinstance(exc, FileOpError):
                     raise  # a path's own problem (JobPathError), said as it is
                 raise JobOutputError(f"cannot write the outputs ({', '.join(t.path for t in self.targets.values())}): "
-                                     f"{errno_text(exc)}; every answer is kept in {self.data_dir}: once the disk or "
-                                     f"directory takes it, the same command writes them without running anything") \
+                                     f"{exc}; every answer is kept in {self.data_dir}: once the disk or directory "
+                                     f"named takes it, the same command writes them without running anything") \
                     from exc
             self.write_status("completed")
             code = 0

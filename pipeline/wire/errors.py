@@ -382,8 +382,9 @@ class AnswerLogWriteError(StorageError, OSError):
     kept, nothing counted): `errno` says why; ENOSPC means wait for room and offer the same
     answers again (they are still in the results files)."""
 
-    def __init__(self, message: str, errno_value: int | None) -> None:
+    def __init__(self, message: str, errno_value: int | None, path: str | None = None) -> None:
         OSError.__init__(self, errno_value or 0, message)
+        self.path = path  # the file whose write failed: its disk is the one full
 
 
 class BatchOutputError(StorageError):
