@@ -44,6 +44,9 @@ LOG_NAME = "answers.jsonl"
 # Records read at a time on recovery and by the merge (which reads their lines with them:
 # ~10 MiB of typical lines): 640 KiB.
 RECOVERY_CHUNK_RECORDS = 1 << 14
+# Records at the end of the log checked against a completion-order output's lines when a
+# run opens it (`log_fits_records`): an edit anywhere before them moves their lines.
+LOG_CHECK_RECORDS = 1024
 FILE_MODE = 0o600
 # A record's fields in the order `append` gathers them (all but the check).
 _COLUMNS = ("index", "log_offset", "line_bytes", "status_code", "log", "prompt_tokens", "completion_tokens",
@@ -317,3 +320,25 @@ def record_chunks(data_dir: str):
     with open(records_path(data_dir), "rb") as f:
         while raw := f.read(RECOVERY_CHUNK_RECORDS * ANSWER_RECORD_SIZE_BYTES):
             yield np.frombuffer(raw, dtype=ANSWER_RECORD_DTYPE)
+
+
+def log_fits_records(data_dir: str, log: int, fd: int) -> bool:
+    """Whether the log open at `fd` still holds, where the last LOG_CHECK_RECORDS records of
+    `log` say, whole lines: a line of it deleted or changed in length in place (an editor's
+    save) moves every later line, so the tail's lines no longer start and end where their
+    records say. (The records' own checks are `valid_records`'.)"""
+    try:
+        with open(records_path(data_dir), "rb") as f:
+            size = os.fstat(f.fileno()).st_size // ANSWER_RECORD_SIZE_BYTES * ANSWER_RECORD_SIZE_BYTES
+            f.seek(max(0, size - LOG_CHECK_RECORDS * ANSWER_RECORD_SIZE_BYTES))
+            records = valid_records(f.read(LOG_CHECK_RECORDS * ANSWER_RECORD_SIZE_BYTES))
+    except FileNotFoundError:
+        return True
+    end = os.fstat(fd).st_size
+    for offset, length in zip(records["log_offset"][records["log"] == log].tolist(),
+                              records["line_bytes"][records["log"] == log].tolist()):
+        if offset + length > end or os.pread(fd, 1, offset + length - 1) != b"\n":
+            return False
+        if offset and os.pread(fd, 1, offset - 1) != b"\n":
+            return False
+    return True

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from pipeline.batchjob.answers import LOG_NAME, AnswerLog
+from pipeline.batchjob.answers import LOG_NAME, AnswerLog, log_fits_records
 from pipeline.batchjob.assemble import write_in_input_order
 from pipeline.batchjob.collect import Collector, forget_answers
 from pipeline.batchjob.embeddings import served_by
@@ -335,15 +335,20 @@ class BatchJob:
         targets = {LOG_OUTPUT: self.targets["output file"]}
         if "error file" in self.targets:
             targets[LOG_ERRORS] = self.targets["error file"]
-        fresh = any(t.expect != OWN or t.current() is None for t in targets.values())
-        if fresh:
-            forget_answers(self.data_dir)
         opened: dict[int, int] = {}
         try:
+            if all(t.expect == OWN and t.current() is not None for t in targets.values()):
+                for log, target in targets.items():
+                    opened[log] = open_log(target, False, self.manifest.log_mark)
+                if all(log_fits_records(self.data_dir, log, fd) for log, fd in opened.items()):
+                    return {log: t.path for log, t in targets.items()}, opened
+                for fd in opened.values():  # edited in place since: made anew below
+                    os.close(fd)
+                opened.clear()
+            forget_answers(self.data_dir)
             for log, target in targets.items():
-                opened[log] = open_log(target, fresh, self.manifest.log_mark)
-                if fresh:
-                    self.own_files.made(target.path, identity(os.fstat(opened[log])))
+                opened[log] = open_log(target, True, self.manifest.log_mark)
+                self.own_files.made(target.path, identity(os.fstat(opened[log])))
         except BaseException:
             for fd in opened.values():
                 os.close(fd)

@@ -442,3 +442,17 @@ def data_dir_on_tmpfs(tmp_path: Path, model_dir: str, disk: Path, size_bytes: in
         args = slow_args(tmp_path, "--model", model_dir)
         args[args.index("--data-dir") + 1] = str(disk / "data")
         yield args
+
+
+def test_a_completion_order_output_edited_in_place_between_runs_is_made_anew_whole(tmp_path, model_dir):
+    args = slow_args(tmp_path, "--model", model_dir, "--output-order", "completion", cost=STOPPED_COST)
+    stopped_after(args, tmp_path / "data", 20)
+    out = tmp_path / "out.jsonl"
+    lines = out.read_bytes().splitlines(keepends=True)
+    assert len(lines) > 5
+    with open(out, "r+b") as f:  # an editor saving in place: the same inode, a line fewer
+        f.write(b"".join(lines[:4] + lines[5:]))
+        f.truncate()
+    done = run_batch(*args)
+    assert done.returncode == 0, done.stderr
+    check_one_line_each(out)  # every line JSON, one per custom_id
