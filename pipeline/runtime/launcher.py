@@ -116,6 +116,9 @@ STOP_TIMEOUT_S = 30.0
 # is the clearer message, and a killed process can take a moment to be reaped on a loaded
 # machine (1 s was seen to fall short).
 BROKER_EXIT_WAIT_S = 5.0
+# Times a producer killed between requests is started again: a kill from outside is rare; one
+# that keeps coming (memory the node lacks) stops the run, saying so.
+MAX_IDLE_RESTARTS = 3
 # A broker that lives but does not answer (SIGSTOP, a VM pause, a disk stall) is waited for;
 # the launcher says so this often.
 UNANSWERED_WARN_INTERVAL_S = 10.0
@@ -333,6 +336,7 @@ class Launcher:
         self._retired_busy_ns = 0
         self.restarts = 0
         self._deaths: dict[int, int] = {}  # request -> producers that died on it
+        self._idle_deaths: dict[int, int] = {}  # producer -> times it was killed between requests
         self._prompt_timers: dict[int, PromptTimer] = {}  # producer index -> its time on its request
         # When the producers started, and when the watch first saw them all gone.
         self._producers_span_ns: list[int] = [0, 0]
@@ -538,6 +542,7 @@ class Launcher:
         for index, process in enumerate(self.producers):
             busy = self.ledger.busy_with(index)
             if busy is None:
+                self._restart_if_killed_between_requests(index, process)
                 continue
             since_ns, position = busy
             if process.exitcode is None:
@@ -556,6 +561,16 @@ class Launcher:
             else:
                 continue
             self._restart_producer(index, position, why)
+
+    def _restart_if_killed_between_requests(self, index: int, process) -> None:
+        """A producer killed by a signal between requests (kill -9, the OOM killer while it
+        submits) starts again after what it published, at most MAX_IDLE_RESTARTS times; one
+        that failed on its own (an exit status: the input changed) is not."""
+        code = process.exitcode
+        if code is None or code >= 0 or self._idle_deaths.get(index, 0) >= MAX_IDLE_RESTARTS:
+            return
+        self._idle_deaths[index] = self._idle_deaths.get(index, 0) + 1
+        self._restart_producer(index, -1, "")
 
     def _ran_past(self, index: int, since_ns: int, limit_s: float, pid: int) -> bool:
         """Producer `index` (process `pid`) has been charged its time limit on the request
@@ -576,8 +591,10 @@ class Launcher:
             log.warning("producer %d stopped on request %d: %s; it is answered 400 and a producer starts again",
                         index, position, why)
             self.workload.on_stuck(position, why)
-        else:
+        elif position >= 0:
             log.warning("producer %d was killed on request %d; a producer starts again", index, position)
+        else:
+            log.warning("producer %d was killed between requests; a producer starts again", index)
         resume = self.ledger.resume_position(index)
         self._retired_published += self.ledger.total_published_by(index)
         self._retired_busy_ns += self.ledger.busy_ns(index)
