@@ -174,7 +174,7 @@ def test_a_chat_role_that_is_not_a_string_refuses_that_request_alone(tmp_path, r
     messages = [{"role": role, "content": "hi"}]
     path = _write(tmp_path, "b.jsonl", [chat_request("a", messages=messages), chat_request("b")])
     refused, served = load_batch(path, SERVED_MODEL)
-    assert refused.error.startswith("messages[0].role ") and refused.error_param == "messages[0].role"
+    assert "'messages[0].role'" in refused.error and refused.error_param == "messages[0].role"
     assert served.error is None
 
 

@@ -36,8 +36,6 @@ def one_line_error(done: subprocess.CompletedProcess, *words: str) -> None:
 
 @pytest.mark.parametrize("args, words", [
     (["--workload-seed", "-1"], ["workload_seed must be in [0,", "-1"]),
-    (["--replay-speed", "nan"], ["replay_speed must be a finite number above 0", "nan"]),
-    (["--replay-speed", "inf"], ["replay_speed must be a finite number above 0", "inf"]),
     (["--producers", "100000"], ["producers must be in [1, 128]"]),
     (["--report", "/nonexistent-dir/report.json"], ["report /nonexistent-dir/report.json", "does not exist"]),
     (["--max-batch", "20000"], ["max_batch_items 20000"]),
@@ -72,9 +70,13 @@ def test_a_consumer_stage_pinned_to_gpus_that_are_not_its_engines_is_refused(tmp
     one_line_error(done, "--gpu 0,1: 2 GPUs for an engine of 1")
 
 
-def test_produce_refuses_a_replay_speed_that_is_not_a_number(tmp_path):
-    done = pipeline("produce", __file__, "--data-dir", str(tmp_path), "--replay-speed", "nan")
-    one_line_error(done, "replay_speed must be a finite number above 0")
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_a_replay_speed_that_is_not_a_finite_number_is_a_usage_error(tmp_path, value):
+    for command in (["launch", "--items", "10"], ["produce", __file__]):
+        done = pipeline(*command, "--data-dir", str(tmp_path / "data"), "--replay-speed", value)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        assert f"Invalid value for '--replay-speed': '{value}' is not a finite number" in done.stderr
+        assert not (tmp_path / "data").exists()
 
 
 def test_a_payload_that_is_not_unicode_text_names_the_line(tmp_path):

@@ -85,10 +85,15 @@ def test_stages_start_produce_status_and_stop(tmp_path):
 
 def test_status_and_produce_without_a_broker_say_so(tmp_path):
     data = str(tmp_path / "data")
-    for args in (["status", "--data-dir", data], ["produce", __file__, "--data-dir", data]):
+    for args, said in ((["status", "--data-dir", data], f"no data directory at {data}"),
+                       (["produce", __file__, "--data-dir", data], "no broker answers")):
         done = subprocess.run([sys.executable, "-m", "pipeline", *args], capture_output=True, text=True,
                               timeout=COMMAND_TIMEOUT_S, cwd=ROOT)
-        assert done.returncode == 1 and "no broker answers" in done.stderr
+        assert done.returncode == 1 and said in done.stderr, done.stderr
+    os.makedirs(data, mode=0o700)
+    done = subprocess.run([sys.executable, "-m", "pipeline", "status", "--data-dir", data], capture_output=True,
+                          text=True, timeout=COMMAND_TIMEOUT_S, cwd=ROOT)
+    assert done.returncode == 1 and "no broker answers" in done.stderr, done.stderr
 
 
 def test_no_broker_starts_on_the_data_directory_of_a_launch_in_progress(tmp_path):
