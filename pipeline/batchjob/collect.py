@@ -111,8 +111,9 @@ class Collector:
         self.log = log
         self.error_log = error_log  # LOG_ERRORS where failures go to their own file, else LOG_OUTPUT
         self.counts = CollectCounts()
-        self.disk_full = False  # the last append found no room: answers wait in the results files
-        self.disk_full_path: str | None = None  # the file whose disk it was
+        # The file whose write the last append found without room (answers wait in the
+        # results files); None when it found room.
+        self.disk_full_path: str | None = None
         self._warned_foreign = False
         # Submit-to-answer latencies of the answers taken since the caller last emptied it.
         self.latencies_s: list[float] = []
@@ -121,6 +122,10 @@ class Collector:
         # This run's results, for its report (`tally`, `summary`): the rows are read here once.
         self._tally_dir: str | None = None
         self._tally = ResultsSummary()
+
+    @property
+    def disk_full(self) -> bool:
+        return self.disk_full_path is not None
 
     def collect(self) -> int:
         """Read what every answer file gained since the last call; how many new answers
@@ -197,10 +202,9 @@ class Collector:
         except AnswerLogWriteError as exc:
             if exc.errno not in DISK_FULL_ERRNOS:
                 raise
-            self.disk_full = True
-            self.disk_full_path = exc.path
+            self.disk_full_path = exc.path or self.data_dir
             raise _DiskFull from exc
-        self.disk_full = False
+        self.disk_full_path = None
         self._offsets[relative] = end
         if counted is not None:
             _merge_counts(self._tally, counted)

@@ -428,7 +428,7 @@ class BatchJob:
             self._save()
         view = self.tracker.view()
         if self.collector.disk_full or self._save_full:
-            full = (self.collector.disk_full_path if self.collector.disk_full else None) or self.data_dir
+            full = self.collector.disk_full_path or self.data_dir
             view.alert = f"DISK FULL: answers wait in the results files until the disk of {full} has room"
         elif getattr(status, "disk_full", False):
             view.alert = DISK_FULL_ALERT

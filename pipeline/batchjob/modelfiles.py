@@ -7,6 +7,7 @@ from __future__ import annotations
 import stat
 from pathlib import Path
 
+from pipeline.batchjob.template import read_text_file
 from pipeline.wire.errors import ModelDirError
 
 
@@ -28,14 +29,4 @@ def check_model_file(path: Path, limit_bytes: int, missing: str) -> None:
 def read_model_text(path: Path, limit_bytes: int, missing: str) -> str:
     """A small UTF-8 file's text (bounded: read at most limit+1 bytes), or ModelDirError."""
     check_model_file(path, limit_bytes, missing)
-    try:
-        with open(path, "rb") as file:
-            data = file.read(limit_bytes + 1)
-    except OSError as exc:
-        raise ModelDirError(f"{path}: cannot be read ({exc.strerror})") from exc
-    if len(data) > limit_bytes:
-        raise ModelDirError(f"{path}: more than the {limit_bytes:,} bytes a model file may have")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ModelDirError(f"{path}: not UTF-8 text (byte {exc.start})") from exc
+    return read_text_file(path, limit_bytes, str(path))

@@ -328,7 +328,7 @@ def _say_summary(summary: JobSummary, spec: JobSpec, job: BatchJob) -> None:
     if not summary.output_written:
         left = summary.requests - summary.completed - summary.failed
         collector = job.collector
-        full = (f"; the disk of {collector.disk_full_path or job.data_dir} was full: make room on it first"
+        full = (f"; the disk of {collector.disk_full_path} was full: make room on it first"
                 if collector is not None and collector.disk_full else "")
         click.echo(f"run-batch: {left:,} of {summary.requests:,} requests have no answer yet; the same command "
                    f"finishes the job (data directory {job.data_dir}{full})", err=True)
