@@ -60,7 +60,7 @@ from dataclasses import dataclass, field, fields
 from pipeline.consumer.credit import BATCH_TIME_WEIGHT, DEFAULT_AHEAD_S, MAX_CREDIT, MIN_CREDIT, CreditWindow
 from pipeline.consumer.engines import Engine, EngineBatch, make_engine
 from pipeline.consumer.engines.base import BATCH_TOTALS, CHECK_KEYS, EngineCounters, EngineResult
-from pipeline.consumer.reader import ReadBatch, SegmentReader
+from pipeline.consumer.reader import ReadBatch, ReadSpan, SegmentReader
 from pipeline.consumer.results import (
     STATUS_CORRUPT,
     STATUS_ERROR,
@@ -202,6 +202,7 @@ class _Started:
     got: ReadBatch
     started_s: float
     params: list[GenerationParams | None] = field(default_factory=list)
+    spans: list[ReadSpan] = field(default_factory=list)  # of the read: released once finished
     lines: list[str] = field(default_factory=list)
     corrupt: list[int] = field(default_factory=list)
     statuses: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
@@ -434,7 +435,7 @@ class Consumer:
         the descriptor: its ring record may be released once this returns."""
         got = self._reader.read_batch(descriptor.model, descriptor.signature, descriptor.items)
         started = _Started(dataclasses.replace(descriptor, items=descriptor.items.copy()), ReadBatch(),
-                           time.monotonic())
+                           time.monotonic(), spans=got.spans)
         corrupt_lengths: list[int] = []
         for item_id, length, exc in got.failed:
             if isinstance(exc, EntryCompletedError):
@@ -507,6 +508,7 @@ class Consumer:
             started.statuses[STATUS_OK] += ok
             started.statuses[STATUS_ERROR] += failed
         self._write(started.lines)
+        self._reader.release(started.spans)
         c = self.counters
         c.batches += 1
         c.items += sum(started.statuses.values())

@@ -72,6 +72,10 @@ class _Mapping:
     completed: np.ndarray | None = None
 
 
+# What a batch read touched in one segment: (its mapping, first byte, end byte).
+ReadSpan = tuple[_Mapping, int, int]
+
+
 @dataclass(slots=True)
 class ReadBatch:
     """A descriptor's entries that read back good, by column in descriptor order, and the
@@ -86,6 +90,9 @@ class ReadBatch:
     submit_ns: list[int] = field(default_factory=list)
     digests: list[int] = field(default_factory=list)  # each prompt's prompt_digest
     failed: list[tuple[int, int, Exception]] = field(default_factory=list)
+    # (mapping, first byte, end) of each segment the entries were read from: handed to
+    # `SegmentReader.release` once the engine is done with the views.
+    spans: list[ReadSpan] = field(default_factory=list)
 
     def add(self, item: ReadItem) -> None:
         self.item_ids.append(item.item_id)
@@ -286,6 +293,8 @@ class SegmentReader:
             inside = ~outside
             items, offsets, lengths, token_starts = items[inside], offsets[inside], lengths[inside], token_starts[inside]
         headers, ends, good = gather_entry_headers(mapped.words, offsets, len(mapped.view))
+        if offsets.size:
+            out.spans.append((mapped, int(offsets.min()), min(len(mapped.view), int(ends.max()))))
         good &= (headers["length"] == lengths) & (headers["item_id"] == items["item_id"])
         good &= ~self._completed(mapped, journal_seed(model, lane, segment_seq), offsets)  # `read` names them
         payload_lens = headers["payload_len"].astype(np.int64)
@@ -321,6 +330,21 @@ class SegmentReader:
                 # Without its traceback: the frames it holds would hold `out`, a cycle that
                 # keeps a segment's mapping open until the (rarely run) cycle collector.
                 out.failed.append((item_id, length, exc.with_traceback(None)))
+
+    @staticmethod
+    def release(spans: list[ReadSpan]) -> None:
+        """Drop the pages of a finished batch's `spans` from this process's mappings: they
+        stay in the page cache (a later read is a minor fault), but what the consumer holds
+        resident follows the batches in flight, not every segment it has read (up to
+        DEFAULT_OPEN_MAPS_MAX mappings of a segment's 64 MiB). A view still pointing there
+        (a neighbour in another batch) reads the same bytes again: the file is not changed
+        under a live entry."""
+        page = mmap.PAGESIZE
+        for entry, start, end in spans:
+            low = start // page * page
+            if entry.mapping.closed or end <= low:
+                continue
+            entry.mapping.madvise(mmap.MADV_DONTNEED, low, end - low)
 
     def close(self) -> None:
         for path in list(self._maps):

@@ -251,3 +251,38 @@ def test_completions_followed_between_reads_refuse_exactly_the_completed(tmp_pat
         assert set(got.item_ids) == {int(r["item_id"]) for r in rows} - expected
     reader.close()
     segment.close()
+
+
+def _resident_kib(path: str) -> int:
+    """Rss of this process's mapping of `path` (/proc/self/smaps), KiB."""
+    rss, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            if "-" in line.split(" ", 1)[0]:
+                inside = line.rstrip().endswith(path)
+            elif inside and line.startswith("Rss:"):
+                rss += int(line.split()[1])
+    return rss
+
+
+def test_a_finished_batch_s_pages_leave_the_consumer_s_memory(tmp_path):
+    # Without the release, every page a consumer read stays resident in its mapping until
+    # the segment is deleted; with it, a finished batch's pages go and the views still
+    # read the same tokens (from the page cache).
+    path, (items, tokens, starts, _payloads, _pstarts), segment = store(str(tmp_path), 0, 4000, 3)
+    offsets = scan_segment(path).offsets
+    reader = SegmentReader(str(tmp_path))
+    got = reader.read_batch(2, SIG, descriptor_items(0, offsets, items))
+    assert not got.failed and got.spans
+    before = _resident_kib(path)
+    assert before >= os.path.getsize(path) // 1024 // 2  # the batch's read touched the segment
+    SegmentReader.release(got.spans)
+    # What stays is at the span's edges: the segment's header and the kernel's fault-around
+    # (it maps up to 64 KiB of cached pages around each fault).
+    assert _resident_kib(path) <= 64 + 4 < before
+    for i in (0, 1999, 3999):
+        assert np.array_equal(got.tokens[i], tokens[starts[i]:starts[i + 1]])
+    SegmentReader.release(got.spans)  # twice, or after the mapping is closed: nothing to do
+    del got
+    reader.close()
+    segment.close()
