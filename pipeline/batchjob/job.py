@@ -36,6 +36,7 @@ from pipeline.batchjob.answers import LOG_NAME, AnswerLog, log_fits_records
 from pipeline.batchjob.assemble import write_in_input_order
 from pipeline.batchjob.collect import Collector, forget_answers
 from pipeline.batchjob.embeddings import served_by
+from pipeline.batchjob.jobstatus import WRITING
 from pipeline.batchjob.layout import (
     JOB_PAYLOAD_SIZE_BYTES,
     LOG_ERRORS,
@@ -448,7 +449,8 @@ class BatchJob:
 
     def _catch_up(self) -> None:
         self.collect_all()
-        self.write_status("stopped")
+        # Every answer in: what is left is writing the outputs (a merge of a big job takes a while).
+        self.write_status(WRITING if self.log.done == self.manifest.requests else "stopped")
 
     def collect_all(self) -> None:
         """Every answer written so far into the log (a run's end)."""

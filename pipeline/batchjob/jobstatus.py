@@ -21,6 +21,8 @@ from pipeline.wire.textfiles import read_small_file
 
 # What a new job's run does before it has a manifest.
 CHECKING = "checking its input"
+# Every answer is in and the outputs are being written (a big job's merge takes a while).
+WRITING = "writing its output"
 # The most bytes of a saved view read: it is a few hundred.
 MAX_STATUS_BYTES = 1 << 20
 # The saved view's counts, each a whole number.
@@ -118,7 +120,7 @@ def job_status(data_dir: str) -> dict | None:
     done = saved.get("done", 0) if done is None else done
     if done != saved.get("done"):
         saved.update(done=done, to_do=manifest.requests - done, eta_s=None)
-    if saved.get("state") == "running" and not saved["running"]:
+    if saved.get("state") in ("running", WRITING) and not saved["running"]:
         saved["state"] = "stopped"  # its process is gone without a word (kill -9, a power cut)
     saved.update(input=manifest.input_path, output=manifest.output_path, requests=manifest.requests)
     return saved

@@ -434,6 +434,8 @@ def _say_job(found: dict, data_dir: str) -> None:
                f"{pace}{eta}; input {found['input']}, output {found['output']}{metrics}")
     if not found["running"] and found["to_do"]:
         click.echo(f"the same run-batch command (with --data-dir {data_dir}) finishes it")
+    elif not found["running"] and found["state"] != "completed":
+        click.echo(f"the same run-batch command (with --data-dir {data_dir}) writes its output")
 
 
 @click.command()

@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline.batchjob.answers import records_path
-from pipeline.batchjob.jobstatus import answered, saved_view
+from pipeline.batchjob.jobstatus import WRITING, answered, saved_view
 from pipeline.batchjob.layout import ANSWER_RECORD_SIZE_BYTES, LOG_OUTPUT, answer_record
 from pipeline.batchjob.manifest import JOB_DIR, JobManifest, manifest_path, write_manifest
 from pipeline.cli import main
@@ -128,3 +128,18 @@ def test_a_new_jobs_run_checking_its_input_is_said_so(tmp_path: Path) -> None:
         fcntl.flock(lock, fcntl.LOCK_EX)
         code, said = status(data)
     assert code == 0 and said == "job checking its input (its process runs): no request runs before the check ends\n"
+
+
+def test_a_job_writing_its_output_is_said_so_and_stopped_once_its_process_is_gone(tmp_path: Path) -> None:
+    import fcntl
+
+    data = job_dir(tmp_path, records=REQUESTS)
+    (data / JOB_DIR / "status.json").write_text(json.dumps({**GOOD_VIEW, "state": WRITING, "done": REQUESTS,
+                                                            "to_do": 0}))
+    with open(data / JOB_DIR / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        code, said = status(data)
+    assert code == 0 and said.startswith(f"job {WRITING} (its process runs): 10 of 10 requests answered"), said
+    code, said = status(data)  # the lock released: its process is gone before the output was written
+    assert code == 0 and said.startswith("job stopped: 10 of 10 requests answered"), said
+    assert said.endswith(f"the same run-batch command (with --data-dir {data}) writes its output\n"), said
