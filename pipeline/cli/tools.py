@@ -264,7 +264,7 @@ def check_command(data_dir: str, workload: str, items: int | None, seed: int, du
               help="The job's summary to hold to the files (default: the output's name with .summary.json, where "
                    "that exists).")
 @click.option("--work-dir", type=click.Path(file_okay=False),
-              help="Where the audit's temporary files go, ~100 bytes a request (default: the system's temporary "
+              help="Where the audit's temporary files go, 72 bytes a request (default: the system's temporary "
                    "directory).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def check_job_command(input_file: str, output_file: str, error_file: str | None, output_order: str,
