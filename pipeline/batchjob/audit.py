@@ -63,6 +63,7 @@ from pipeline.batchjob.auditrules import (
     status_of,
     summary_problems,
 )
+from pipeline.batchjob.job import OUTPUT_ORDERS
 from pipeline.batchjob.output import HTTP_OK
 from pipeline.batchjob.scan import (
     MAX_BATCH_REQUESTS,
@@ -78,7 +79,6 @@ from pipeline.wire.fileops import errno_text
 from pipeline.wire.textfiles import file_kind, read_small_file
 from shm.layout import checked_dtype
 
-ORDERS = ("input", "completion")
 # The most requests read from an input: a job's (the scan's limit); past it no job ran the
 # file, and reading stops.
 MAX_REQUESTS = MAX_BATCH_REQUESTS
@@ -172,7 +172,7 @@ def audit_job(files: JobFiles, order: str, work_dir: str,
     """The audit of the module's doc. `work_dir` (made if absent) holds its spills while it
     runs; `digest` is the custom_id's (another only where a test makes digests collide).
     AuditFileError for a file that cannot be read."""
-    assert order in ORDERS, order
+    assert order in OUTPUT_ORDERS, order
     audit = _Audit(files, order, work_dir, digest)
     try:
         audit.run()

@@ -185,7 +185,8 @@ def test_a_custom_id_the_input_uses_twice_is_the_inputs_problem(tmp_path: Path) 
     assert result.examples["input"] == [f"{files.input_path}:4: custom_id 'a' is used by line 1 too"]
 
 
-def test_spilled_digests_and_many_buckets_give_the_same_verdict(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_spilled_digests_and_many_buckets_give_the_same_verdict(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     requests = [chat(f"r-{k}", n=1 + k % 2) for k in range(300)]
     answers = lines_of(requests, {k: 400 for k in range(0, 300, 7)})
     del answers[40]
@@ -204,7 +205,8 @@ def test_spilled_digests_and_many_buckets_give_the_same_verdict(tmp_path: Path, 
 def test_the_summary_beside_the_output_is_held_to_the_files(tmp_path: Path) -> None:
     summary = {"job": {"request_counts": {"total": 10, "completed": 8, "failed": 2},
                        "failed_by_status": {"400": 1, "500": 1},
-                       "usage": {"prompt_tokens": 96, "completion_tokens": 24, "total_tokens": 120, "cached_tokens": 32},
+                       "usage": {"prompt_tokens": 96, "completion_tokens": 24, "total_tokens": 120,
+                                 "cached_tokens": 32},
                        "output_written": True}}
     result = check(make_job(tmp_path / "agrees", lines_of(REQUESTS), summary=summary))
     assert result.ok and result.line().endswith("; the summary agrees"), result.examples
@@ -256,6 +258,32 @@ def test_requests_up_to_the_limit_are_read_and_one_more_stops_the_input(tmp_path
     assert result.counts == {"input": 1, "unexpected": 1} and result.requests == 3
     assert result.examples["input"] == [f"{files.input_path}:5: more than 3 requests, more than a job runs; reading "
                                         f"stopped here"]
+
+
+def test_a_request_line_at_the_length_limit_is_read_and_one_byte_more_is_the_inputs_problem(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    files = make_job(tmp_path, lines_of(REQUESTS, {}))
+    longest = max(len(json.dumps(r)) for r in REQUESTS)
+    monkeypatch.setattr(audit_module, "MAX_REQUEST_LINE_BYTES", longest)  # the scan's, 16 MiB
+    assert check(files).ok
+    monkeypatch.setattr(audit_module, "MAX_REQUEST_LINE_BYTES", longest - 1)
+    result = check(files)
+    assert result.counts["input"] == result.counts["unexpected"] >= 1
+    assert f"longer than {longest - 1:,} bytes: no job reads it" in result.examples["input"][0]
+
+
+def test_a_summary_at_the_length_limit_is_read_and_one_byte_more_is_not_a_jobs(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    summary = {"job": {"request_counts": {"total": 3, "completed": 3, "failed": 0}, "failed_by_status": {},
+                       "usage": {"prompt_tokens": 36, "completion_tokens": 9, "total_tokens": 45, "cached_tokens": 12},
+                       "output_written": True}}
+    files = make_job(tmp_path, lines_of(REQUESTS[:3], {}), requests=REQUESTS[:3], summary=summary)
+    size = Path(files.summary_path).stat().st_size
+    monkeypatch.setattr(audit_module, "MAX_SUMMARY_BYTES", size)
+    assert check(files).ok
+    monkeypatch.setattr(audit_module, "MAX_SUMMARY_BYTES", size - 1)
+    assert check(files).examples == {"summary": [f"{files.summary_path}: not a job's summary (longer than "
+                                                 f"{size - 1:,} bytes)"]}
 
 
 # --- files that cannot be read ------------------------------------------------------------------

@@ -110,7 +110,8 @@ def _body(request: dict, change=None) -> dict:
 
 BODY_DAMAGE = [
     (chat("c"), lambda b: b.update(model="other"), 'model "other", the request asked for "tiny"'),
-    (chat("c"), lambda b: b.update(object="text_completion"), "the answer of /v1/chat/completions is 'chat.completion'"),
+    (chat("c"), lambda b: b.update(object="text_completion"),
+     "the answer of /v1/chat/completions is 'chat.completion'"),
     (completion("p"), lambda b: b.update(object="chat.completion"), "is 'text_completion'"),
     (embedding("e"), lambda b: b.update(object="embedding"), "the answer of /v1/embeddings is 'list'"),
     (chat("c", n=3), lambda b: b["choices"].pop(), "2 choices, the request asked for n=3"),
