@@ -32,7 +32,7 @@ import numpy as np
 
 from pipeline.batchjob.embeddings import KIND_EMBEDDING, embedding_inputs
 from pipeline.batchjob.output import HTTP_OK
-from pipeline.batchjob.params import KIND_CHAT, Refused
+from pipeline.batchjob.params import KIND_CHAT, KIND_COMPLETION, Refused
 from pipeline.batchjob.requests import ENDPOINTS
 from pipeline.batchjob.scan import show
 from pipeline.wire.textfiles import listed
@@ -69,7 +69,7 @@ ERROR_KEYS = ("code", "message")
 # An HTTP status code: three digits.
 HTTP_STATUS_RANGE = (100, 599)
 # Each endpoint's answer object (OpenAI's).
-OBJECTS = {KIND_CHAT: "chat.completion", "completion": "text_completion", KIND_EMBEDDING: "list"}
+OBJECTS = {KIND_CHAT: "chat.completion", KIND_COMPLETION: "text_completion", KIND_EMBEDDING: "list"}
 EMBEDDING_OBJECT = "embedding"
 # Characters of a value from a file that a message shows.
 SAID_CHARS = 60

@@ -1,7 +1,7 @@
 """`pipeline tools ...`: read-only commands over the store (dump, tombstones, verify),
-`check` (every submitted item against what runs left), `check-job` (a finished batch job's
-output against its input), `analyze`, a workload's figures without running it, and
-`cleanup`, which removes what a crashed run of a data directory left (dry run unless --yes).
+`check` (every submitted item against what runs left), `analyze`, a workload's figures
+without running it, and `cleanup`, which removes what a crashed run of a data directory
+left (dry run unless --yes).
 
 Every StorageError (a file that is not a segment, a directory or file that cannot be read)
 is one line on stderr and exit status 1, never a traceback.
