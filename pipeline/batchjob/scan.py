@@ -33,7 +33,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -236,9 +236,22 @@ class _Errors:
                              f"does not start{first}:\n  " + "\n  ".join(f"{self.path}:{n}: {why}" for n, why in shown))
 
 
-class _Digests:
-    """Every request's custom_id digest, spilled by partition to `work_dir` once there are
-    more than SPILL_BUFFER_RECORDS of them."""
+def partition_of(digests: np.ndarray) -> np.ndarray:
+    """Each digest's partition (of SPILL_PARTITIONS), by its top bits."""
+    return (digests >> np.uint64(56)).astype(np.intp) * SPILL_PARTITIONS >> 8
+
+
+def _by_partition(records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(an order of `records` by partition, where each partition starts in it, then the end)."""
+    part = partition_of(records["digest"])
+    order = np.argsort(part, kind="stable")
+    return order, np.searchsorted(part[order], np.arange(SPILL_PARTITIONS + 1))
+
+
+class DigestSpill:
+    """Digest records (DIGEST_RECORD_DTYPE), spilled by partition to `work_dir` once there
+    are more than SPILL_BUFFER_RECORDS of them. Two spills' k-th parts hold the records of the
+    same digests, so they are compared a part at a time."""
 
     def __init__(self, work_dir: str) -> None:
         self.work_dir = work_dir
@@ -263,9 +276,7 @@ class _Digests:
             os.makedirs(self.work_dir, mode=0o700, exist_ok=True)
             self.spilled = True
         records = self.buffer[:self.filled]
-        part = (records["digest"] >> np.uint64(56)).astype(np.intp) * SPILL_PARTITIONS >> 8
-        order = np.argsort(part, kind="stable")
-        cuts = np.searchsorted(part[order], np.arange(SPILL_PARTITIONS + 1))
+        order, cuts = _by_partition(records)
         for k in range(SPILL_PARTITIONS):
             if cuts[k] < cuts[k + 1]:
                 with open(self._part_path(k), "ab") as f:
@@ -275,16 +286,20 @@ class _Digests:
     def _part_path(self, k: int) -> str:
         return os.path.join(self.work_dir, f"ids-{k:03d}.bin")
 
-    def partitions(self):
-        """Each partition's records, one at a time."""
+    def parts(self) -> Iterator[np.ndarray]:
+        """Each partition's records, k = 0 to SPILL_PARTITIONS - 1, one at a time (empty
+        where it has none)."""
         if not self.spilled:
-            yield self.buffer[:self.filled]
+            records = self.buffer[:self.filled]
+            order, cuts = _by_partition(records)
+            for k in range(SPILL_PARTITIONS):
+                yield records[order[cuts[k]:cuts[k + 1]]]
             return
         self._spill()
         for k in range(SPILL_PARTITIONS):
             path = self._part_path(k)
-            if os.path.exists(path):
-                yield np.fromfile(path, dtype=DIGEST_RECORD_DTYPE)
+            yield np.fromfile(path, dtype=DIGEST_RECORD_DTYPE) if os.path.exists(path) else \
+                np.zeros(0, dtype=DIGEST_RECORD_DTYPE)
 
     def close(self) -> None:
         if self.spilled:
@@ -297,7 +312,7 @@ def scan_input(path: str, work_dir: str, lines_path: str,
     BatchFileError naming its bad lines. `on_progress(bytes_read, requests)` is called every
     PROGRESS_EVERY_BYTES. `work_dir` holds the spilled digests while it runs; the lines'
     digests are at `lines_path` once it returns (whole or not at all)."""
-    digests = _Digests(work_dir)
+    digests = DigestSpill(work_dir)
     lines = _LineDigests(lines_path)
     errors = _Errors(path)
     try:
@@ -373,19 +388,19 @@ def _open_input(path: str):
     return open(fd, "rb")
 
 
-def _read(f, path: str, digests: _Digests, lines: _LineDigests, errors: _Errors,
-          on_progress: Callable[[int, int], None] | None) -> tuple[InputScan, int]:
-    """The pass itself: lines out of blocks, each checked; (what is kept, the line where
-    reading stopped at the request limit or 0)."""
-    hasher = xxhash.xxh3_128()
-    index: list[tuple[int, int]] = []
-    requests, line, offset, carry, skipping = 0, 0, 0, b"", False
-    next_progress = PROGRESS_EVERY_BYTES
+def read_lines(f, max_line_bytes: int, on_block: Callable[[bytes], None] | None = None
+               ) -> Iterator[tuple[int, int, bytes | None]]:
+    """Every line of the binary file `f`, read READ_BLOCK_BYTES at a time: (its byte offset,
+    its 1-based number, its bytes without the newline), or None for the bytes of a line
+    longer than `max_line_bytes` (skipped a block at a time, never held whole). The last line
+    may lack its newline. `on_block(block)` sees each block as it is read."""
+    line, offset, carry, skipping = 0, 0, b"", False
     size = os.fstat(f.fileno()).st_size
     while True:
         # No more than the file holds (and a byte, to see its end): read(n) allocates n first.
         block = f.read(max(1, min(READ_BLOCK_BYTES, size - offset + 1)))
-        hasher.update(block)
+        if on_block is not None:
+            on_block(block)
         pieces = (carry + block).split(b"\n") if block else [carry] if carry else []
         carry = pieces.pop() if block else b""
         for raw in pieces:
@@ -395,47 +410,65 @@ def _read(f, path: str, digests: _Digests, lines: _LineDigests, errors: _Errors,
             if skipping:  # the tail of an over-long line
                 skipping = False
                 continue
-            if len(raw) > MAX_REQUEST_LINE_BYTES:
-                errors.add(line, f"longer than {MAX_REQUEST_LINE_BYTES:,} bytes (the longest prompt fits in far less)")
-                continue
-            if not raw.strip():
-                continue
-            try:
-                env = envelope(raw)
-            except BatchFileError as exc:
-                errors.add(line, str(exc))
-                continue
-            if requests == MAX_BATCH_REQUESTS:
-                errors.add(line, f"more than {MAX_BATCH_REQUESTS:,} requests in one file; split it into several jobs")
-                return InputScan(path, offset, hasher.hexdigest(), requests, _index(index)), line
-            if requests % INDEX_STRIDE == 0:
-                index.append((start, line))
-            digests.add(custom_id_digest(env.custom_id), start, line)
-            lines.add(xxhash.xxh3_64_intdigest(raw))
-            requests += 1
-        if len(carry) > MAX_REQUEST_LINE_BYTES and not skipping:
-            errors.add(line + 1, f"longer than {MAX_REQUEST_LINE_BYTES:,} bytes (the longest prompt fits in far less)")
+            yield start, line, raw if len(raw) <= max_line_bytes else None
+        if len(carry) > max_line_bytes and not skipping:
+            yield offset, line + 1, None
             offset += len(carry)
             carry, skipping = b"", True
         elif skipping and len(carry) > READ_BLOCK_BYTES:
             offset += len(carry)
             carry = b""
-        if on_progress is not None and offset >= next_progress:
-            on_progress(offset, requests)
-            next_progress = offset + PROGRESS_EVERY_BYTES
         if not block:
-            break
-    return InputScan(path, offset, hasher.hexdigest(), requests, _index(index)), 0
+            return
+
+
+def _read(f, path: str, digests: DigestSpill, lines: _LineDigests, errors: _Errors,
+          on_progress: Callable[[int, int], None] | None) -> tuple[InputScan, int]:
+    """The pass itself: each line checked; (what is kept, the line where reading stopped at
+    the request limit or 0)."""
+    hasher = xxhash.xxh3_128()
+    index: list[tuple[int, int]] = []
+    requests, read = 0, 0
+    next_progress = PROGRESS_EVERY_BYTES
+
+    def block_read(block: bytes) -> None:
+        nonlocal read
+        hasher.update(block)
+        read += len(block)
+
+    for start, line, raw in read_lines(f, MAX_REQUEST_LINE_BYTES, block_read):
+        if on_progress is not None and start >= next_progress:
+            on_progress(start, requests)
+            next_progress = start + PROGRESS_EVERY_BYTES
+        if raw is None:
+            errors.add(line, f"longer than {MAX_REQUEST_LINE_BYTES:,} bytes (the longest prompt fits in far less)")
+            continue
+        if not raw.strip():
+            continue
+        try:
+            env = envelope(raw)
+        except BatchFileError as exc:
+            errors.add(line, str(exc))
+            continue
+        if requests == MAX_BATCH_REQUESTS:
+            errors.add(line, f"more than {MAX_BATCH_REQUESTS:,} requests in one file; split it into several jobs")
+            return InputScan(path, start, hasher.hexdigest(), requests, _index(index)), line
+        if requests % INDEX_STRIDE == 0:
+            index.append((start, line))
+        digests.add(custom_id_digest(env.custom_id), start, line)
+        lines.add(xxhash.xxh3_64_intdigest(raw))
+        requests += 1
+    return InputScan(path, read, hasher.hexdigest(), requests, _index(index)), 0
 
 
 def _index(entries: list[tuple[int, int]]) -> np.ndarray:
     return np.array(entries, dtype=INDEX_ENTRY_DTYPE) if entries else np.zeros(0, dtype=INDEX_ENTRY_DTYPE)
 
 
-def _duplicates(path: str, digests: _Digests, errors: _Errors) -> None:
+def _duplicates(path: str, digests: DigestSpill, errors: _Errors) -> None:
     """Every line whose custom_id an earlier line uses, named with that earlier line."""
     with open(path, "rb") as f:
-        for records in digests.partitions():
+        for records in digests.parts():
             if records.size < 2:
                 continue
             records = np.sort(records, order=["digest", "line"])

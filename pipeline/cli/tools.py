@@ -249,3 +249,53 @@ def check_command(data_dir: str, workload: str, items: int | None, seed: int, du
             click.echo(f"  {kind}: {', '.join(keys)}")
     if not verdict.passed:
         sys.exit(1)
+
+
+@tools.command("check-job")
+@click.option("-i", "--input-file", "input_file", required=True, type=click.Path(dir_okay=False),
+              help="The job's requests (run-batch's -i).")
+@click.option("-o", "--output-file", "output_file", required=True, type=click.Path(dir_okay=False),
+              help="The job's output (run-batch's -o).")
+@click.option("--error-file", type=click.Path(dir_okay=False),
+              help="The job's error file, where it had one: failures there, only successes in the output.")
+@click.option("--output-order", type=click.Choice(["input", "completion"]), default="input", show_default=True,
+              help="As the job ran: input also checks that the answers follow their requests' order.")
+@click.option("--summary-file", type=click.Path(dir_okay=False),
+              help="The job's summary to hold to the files (default: the output's name with .summary.json, where "
+                   "that exists).")
+@click.option("--work-dir", type=click.Path(file_okay=False),
+              help="Where the audit's temporary files go, 72 bytes a request (default: the system's temporary "
+                   "directory).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def check_job_command(input_file: str, output_file: str, error_file: str | None, output_order: str,
+                      summary_file: str | None, work_dir: str | None, as_json: bool) -> None:
+    """A finished batch job's output (and error file) against its input: each request's
+    custom_id answered exactly once; each line an OpenAI batch output line; failures in the
+    error file where there is one; answers in input order; each 200 answer fits its request
+    (model, object, choices, usage); the job's summary agrees. Streams the files, in memory
+    that does not depend on their length. Exit 1 on any problem, naming examples path:line."""
+    import os
+    import tempfile
+
+    from pipeline.batchjob.audit import JobFiles, audit_job
+    from pipeline.batchjob.auditrules import TITLES
+    from pipeline.cli.batch import SUMMARY_SUFFIX
+
+    if summary_file is None and os.path.lexists(output_file + SUMMARY_SUFFIX):
+        summary_file = output_file + SUMMARY_SUFFIX
+    files = JobFiles(input_file, output_file, error_file, summary_file)
+    with tempfile.TemporaryDirectory(prefix="check-job-", dir=work_dir) as scratch:
+        result = audit_job(files, output_order, scratch)
+    if as_json:
+        click.echo(json.dumps(result.as_json(), indent=2))
+    else:
+        click.echo(f"check-job: {result.line()}")
+        for kind, count in result.counts.items():
+            shown = result.examples.get(kind, [])
+            click.echo(f"{kind} ({count:,}): {TITLES[kind]}")
+            for example in shown:
+                click.echo(f"  {example}")
+            if count > len(shown):
+                click.echo(f"  ... and {count - len(shown):,} more")
+    if not result.ok:
+        sys.exit(1)

@@ -15,6 +15,9 @@ raises one of these, with the offending value, path and byte offset in the messa
     │   ├── WorkloadError                    a workload file has bad lines (path:line named)
     │   │   └── BatchFileError               an OpenAI Batch request file has malformed lines
     │   │                                    (path:line named); the job does not start
+    │   ├── AuditFileError                   a file `tools check-job` reads is absent, not a
+    │   │                                    regular file, unreadable or changed while read
+    │   │                                    (path and byte offset named)
     │   ├── ChatRequestError                 a chat request cannot be made a prompt: its
     │   │   │                                messages are malformed, or the model's chat
     │   │   │                                template or tokenizer failed on them (what, and
@@ -157,6 +160,14 @@ class BatchFileError(WorkloadError):
     twice): the first lines are named as path:line with what is wrong, and the total. Raised
     before anything is submitted. A well-formed request the engine cannot serve is not this
     error: it is answered in the output file (`pipeline.batchjob.requests`)."""
+
+
+class AuditFileError(BadInputError):
+    """A file `pipeline tools check-job` reads (a job's input, output, error file or summary)
+    cannot be audited: it is absent, not a regular file, unreadable (the errno's words and
+    the byte offset where reading stopped), or it changed between the audit's passes over it
+    (a line where another was). What is wrong inside a file that reads is the audit's verdict,
+    not this error."""
 
 
 class ChatRequestError(BadInputError):
@@ -431,6 +442,7 @@ class DurabilityError(StorageError):
 
 
 __all__ = [
+    "AuditFileError",
     "BadInputError",
     "BatchFileError",
     "BatchOutputError",
