@@ -97,7 +97,10 @@ class CacheReplay:
             counts = np.array([p.keys.shape[0] for p in batch], dtype=np.int64)
             lengths = np.array([p.length for p in batch], dtype=np.int64)
             flat = np.concatenate([p.keys for p in batch]) if counts.sum() else np.zeros(0, dtype=np.uint64)
-            hits, _ = self.caches[cache].run(flat, BatchLayout.of(counts), counts)
+            # No block is named cacheable: compulsory misses are not counted here, and a block
+            # once named cacheable keeps its index entry after eviction (an index growing with
+            # every distinct block replayed, not with the cache).
+            hits, _ = self.caches[cache].run(flat, BatchLayout.of(counts), np.zeros_like(counts))
             most = np.minimum(counts * block, (lengths - 1) // block * block)
             cached = np.minimum(hits * block, most)
             self.prompts += len(batch)

@@ -306,18 +306,26 @@ class DigestSpill:
             shutil.rmtree(self.work_dir, ignore_errors=True)
 
 
-def scan_input(path: str, work_dir: str, lines_path: str,
-               on_progress: Callable[[int, int], None] | None = None) -> InputScan:
+# What the pass hands each request line to, as it reads it (`scan_input`'s on_request):
+# (request index, 1-based line number, byte offset, the line without its newline).
+OnRequest = Callable[[int, int, int, bytes], None]
+
+
+def scan_input(path: str, work_dir: str, lines_path: str | None,
+               on_progress: Callable[[int, int], None] | None = None,
+               on_request: OnRequest | None = None) -> InputScan:
     """Check the batch file at `path` (the module's doc) and return what the job keeps;
     BatchFileError naming its bad lines. `on_progress(bytes_read, requests)` is called every
     PROGRESS_EVERY_BYTES. `work_dir` holds the spilled digests while it runs; the lines'
-    digests are at `lines_path` once it returns (whole or not at all)."""
+    digests are at `lines_path` once it returns (whole or not at all; None: not kept).
+    `on_request` is given each request line in the same pass, until the first bad line (a
+    file with one does not run, so the rest is only checked)."""
     digests = DigestSpill(work_dir)
     lines = _LineDigests(lines_path)
     errors = _Errors(path)
     try:
         with _open_input(path) as f:
-            scan, stopped_at = _read(f, path, digests, lines, errors, on_progress)
+            scan, stopped_at = _read(f, path, digests, lines, errors, on_progress, on_request)
         _duplicates(path, digests, errors)
         errors.raise_if_any(stopped_at)
         if not scan.requests:
@@ -331,31 +339,36 @@ def scan_input(path: str, work_dir: str, lines_path: str,
 
 class _LineDigests:
     """Each request's line digest, written to `path` (LINE_DIGEST_DTYPE) in parts of
-    SPILL_BUFFER_RECORDS, whole or not at all."""
+    SPILL_BUFFER_RECORDS, whole or not at all; none kept without a path."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str | None) -> None:
         from pipeline.batchjob.paths import ReplacingFile
 
-        self.out = ReplacingFile(path)
-        self.buffer = np.zeros(SPILL_BUFFER_RECORDS, dtype=LINE_DIGEST_DTYPE)
+        self.out = ReplacingFile(path) if path is not None else None
+        self.buffer = np.zeros(SPILL_BUFFER_RECORDS if path is not None else 0, dtype=LINE_DIGEST_DTYPE)
         self.filled = 0
 
     def add(self, digest: int) -> None:
+        if self.out is None:
+            return
         self.buffer[self.filled] = digest
         self.filled += 1
         if self.filled == SPILL_BUFFER_RECORDS:
             self._flush()
 
     def _flush(self) -> None:
-        self.out.write(self.buffer[:self.filled].tobytes())
+        if self.out is not None:
+            self.out.write(self.buffer[:self.filled].tobytes())
         self.filled = 0
 
     def commit(self) -> None:
         self._flush()
-        self.out.commit()
+        if self.out is not None:
+            self.out.commit()
 
     def abandon(self) -> None:
-        self.out.abandon()
+        if self.out is not None:
+            self.out.abandon()
 
 
 def read_line_digests(path: str, requests: int) -> np.ndarray:
@@ -423,7 +436,7 @@ def read_lines(f, max_line_bytes: int, on_block: Callable[[bytes], None] | None 
 
 
 def _read(f, path: str, digests: DigestSpill, lines: _LineDigests, errors: _Errors,
-          on_progress: Callable[[int, int], None] | None) -> tuple[InputScan, int]:
+          on_progress: Callable[[int, int], None] | None, on_request: OnRequest | None) -> tuple[InputScan, int]:
     """The pass itself: each line checked; (what is kept, the line where reading stopped at
     the request limit or 0)."""
     hasher = xxhash.xxh3_128()
@@ -457,6 +470,8 @@ def _read(f, path: str, digests: DigestSpill, lines: _LineDigests, errors: _Erro
             index.append((start, line))
         digests.add(custom_id_digest(env.custom_id), start, line)
         lines.add(xxhash.xxh3_64_intdigest(raw))
+        if on_request is not None and not errors.count:
+            on_request(requests, line, start, raw)
         requests += 1
     return InputScan(path, read, hasher.hexdigest(), requests, _index(index)), 0
 

@@ -135,23 +135,52 @@ def _sizes(text: str) -> list[int]:
               help="Caches (consumers) side by side: arrival order deals items round-robin, prefix-sorted order "
                    "gives each cache one stretch of the walk.")
 @click.option("--items", type=click.IntRange(min=1), default=None,
-              help="Only the first N items (demo, demo-chat, demo-template: how many to generate; default 20000).")
+              help="Only the first N items (demo, demo-chat, demo-template: how many to generate; default 20000; a "
+                   "batch file: its first N requests, the whole file still checked).")
 @click.option("--workload-seed", "seed", type=click.IntRange(min=0), default=0, show_default=True,
               help="Seed of the generated workloads.")
 @click.option("--top", type=click.IntRange(min=0), default=DEFAULT_TOP_SHAPES, show_default=True,
               help="Shapes listed, most items first.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--model", "model_dir", type=click.Path(file_okay=False, exists=True),
+              help="WORKLOAD is an OpenAI Batch file (run-batch's -i), its prompts made with this model directory's "
+                   "tokenizer and chat template, as run-batch's producers make them.")
+@click.option("--served-model-name", help="With --model: the model name requests must ask for (default: the "
+                                          "directory's name), as run-batch.")
+@click.option("--chat-template", help="With --model: the chat template, over the directory's (a file or the "
+                                      "template itself), as run-batch.")
 def analyze_command(workload: str, block_tokens: int | None, cache_tokens: str, caches: int, items: int | None,
-                    seed: int, top: int, as_json: bool) -> None:
+                    seed: int, top: int, as_json: bool, model_dir: str | None, served_model_name: str | None,
+                    chat_template: str | None) -> None:
     """Shapes, shared prefixes and the prefix-reuse bound of WORKLOAD ('demo', 'demo-chat',
     'demo-template' or a workload file), without running it. The cache is modelled as the sim engine's (vLLM's
     automatic prefix caching): full blocks, a hit is the run of leading cached blocks, LRU
-    in blocks, the last token always computed."""
+    in blocks, the last token always computed.
+
+    With --model, WORKLOAD is an OpenAI Batch file, read in one pass in memory that does not
+    grow with its requests: its requests, shapes (the chains of prefix signatures run-batch's
+    producers declare), prompt tokens, tokens in prefixes shared by 2+ requests, and what a
+    cache of each size serves in arrival order (the sim's cache, block for block) and in the
+    product's shape-grouped order, with its bound (an unbounded cache). The grouped order is
+    modelled from per-shape figures: shapes walked one after another (those sharing leading
+    components next to each other), each shape's requests together; a request finds its
+    shape's declared prefix, in full blocks, while the cache holds it (a shape's first
+    request: what it shares with the shape before it), never its own tokens after it. Text
+    requests share beyond their declared prefixes is counted in arrival order only. A file
+    run-batch would refuse is refused the same way (path:line)."""
     from pipeline.analysis.workload import analyze_workload
     from pipeline.producer.demos import named_workload
     from pipeline.runtime.settings import DEMO_ITEMS
 
     sizes = _sizes(cache_tokens)
+    if model_dir is not None:
+        from pipeline.cli.analyze_batch import analyze_batch_file
+
+        analyze_batch_file(workload, model_dir, served_model_name, chat_template, block_tokens, sizes, caches, items,
+                           top, as_json)
+        return
+    if served_model_name is not None or chat_template is not None:
+        raise click.ClickException("--served-model-name and --chat-template are for a batch file: give --model")
     try:
         loaded = named_workload(workload, items, seed=seed, default_items=DEMO_ITEMS)
         result = analyze_workload(loaded, block_tokens, sizes, caches, top)

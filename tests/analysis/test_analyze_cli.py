@@ -1,5 +1,6 @@
 """`pipeline tools analyze`: figures worked out by hand on a small own-format file, the JSON
-and the table, demo-chat, the Mooncake trace's bound, and one-line errors."""
+and the table, demo-chat, the Mooncake trace's bound, and one-line errors; an OpenAI Batch
+file with --model, its figures computed here with the tokenizer alone."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline.cli import main
+from tests.support.jobs import SERVED, build_model, chat, completion, write_requests
+from tests.support.reuse import reference_cached
 
 TRACE = Path(__file__).resolve().parents[2].parent / "shared" / "workloads" / "mooncake_synthetic_trace.jsonl"
 # Four prompts; with 2-token blocks: (1 2) is in the first three, (1 2 3 4) too, the rest once.
@@ -113,3 +116,124 @@ def test_a_bad_file_lists_its_lines(tmp_path):
     result = analyze(str(path))
     assert result.exit_code == 1
     assert f"{path}:2: not JSON" in result.output
+
+
+# --- a batch file (--model) ---------------------------------------------------------------------
+
+SYSTEM_A = "You are a careful assistant. Answer every question in one short sentence, and say so when unsure."
+SYSTEM_B = "Translate the user's words into French."
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return build_model(tmp_path_factory.mktemp("model") / SERVED)
+
+
+def batch_file(path: Path) -> Path:
+    return write_requests(path, [
+        chat("a0", "What is the capital of Peru?", system=SYSTEM_A),
+        chat("b0", "Good morning", system=SYSTEM_B),
+        chat("a1", "How far is the moon?", system=SYSTEM_A),
+        chat("c", "Hello there", system=None),
+        chat("x", "Hi", model="gpt-4o"),  # a model the job does not serve: answered 400
+        chat("a2", "Why is the sky blue?", system=SYSTEM_A),
+        chat("b1", "Thank you very much", system=SYSTEM_B),
+        completion("d", [5, 6, 7, 8, 9]),
+    ])
+
+
+def rendered(model_dir: str, path: Path) -> list[tuple[list[int], int]]:
+    """Each request's prompt tokens and its declared prefix's length, from the tokenizer and
+    the tiny model's chat template written out here (its turns delimited by special tokens:
+    a prefix's tokens are the prompt's first ones)."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+
+    def turn(role: str, text: str) -> str:
+        return f"<|start_header_id|>{role}<|end_header_id|>\n\n{text}<|eot_id|>"
+
+    out = []
+    for line in path.read_text().splitlines():
+        body = json.loads(line)["body"]
+        if body["model"] != SERVED:
+            continue
+        if "prompt" in body:
+            out.append((body["prompt"], 0))
+            continue
+        turns = [turn(m["role"], m["content"]) for m in body["messages"]]
+        whole = "<|begin_of_text|>" + "".join(turns) + "<|start_header_id|>assistant<|end_header_id|>\n\n"
+        tokens = tokenizer.encode(whole, add_special_tokens=False).ids
+        prefix = tokenizer.encode("<|begin_of_text|>" + turns[0], add_special_tokens=False).ids if len(turns) > 1 else []
+        assert tokens[:len(prefix)] == prefix
+        out.append((tokens, len(prefix)))
+    return out
+
+
+def test_a_batch_files_figures(tmp_path, model_dir):
+    path = batch_file(tmp_path / "requests.jsonl")
+    result = analyze(str(path), "--model", model_dir, "--cache-tokens", "16,65536", "--json")
+    assert result.exit_code == 0, result.output
+    got = json.loads(result.output)
+    prompts = rendered(model_dir, path)
+    assert (got["requests"], got["analyzed"], got["made"], got["served_model"]) == (8, 8, 7, SERVED)
+    assert got["refused"]["count"] == 1 and got["refused"]["examples"][0]["line"] == 5
+    assert got["prompt_tokens"] == sum(len(tokens) for tokens, _ in prompts)
+    assert got["shapes"]["count"] == 3 and got["shapes"]["max_depth"] == 1  # A, B and no prefix
+    a, b = prompts[0][1], prompts[1][1]
+    assert got["shared_prefix"]["request_tokens"] == 3 * a + 2 * b and got["shared_prefix"]["distinct_tokens"] == a + b
+    assert [(s["requests"], s["prefix_tokens"], s["first_line"]) for s in got["shapes"]["top"]] == [
+        (3, a, 1), (2, b, 2), (2, 0, 4)]
+    # Shape-grouped: the later requests of A and B find their prefix's full blocks (one
+    # block of cache holds one); the first of each shape and the unprefixed ones nothing.
+    later = [prompts[k] for k in (2, 4, 5)]  # a1, a2, b1 (the refused request made no prompt)
+
+    def grouped(capacity_blocks: int) -> int:
+        return sum(min(prefix // 16, capacity_blocks, (len(tokens) - 1) // 16) * 16 for tokens, prefix in later)
+
+    rows = {(r["order"], r["cache_tokens"]): r["hit_tokens"] for r in got["reuse"]}
+    assert rows == {
+        ("arrival", 16): sum(reference_cached([t for t, _ in prompts], 16, 1)),
+        ("shape-grouped", 16): grouped(1),
+        ("arrival", 65536): sum(reference_cached([t for t, _ in prompts], 16, None)),
+        ("shape-grouped", 65536): grouped(4096),
+    }
+    assert got["bound"]["hit_tokens"] == grouped(1 << 30) > 0
+
+
+def test_a_batch_files_table(tmp_path, model_dir):
+    path = batch_file(tmp_path / "requests.jsonl")
+    result = analyze(str(path), "--model", model_dir, "--cache-tokens", "4096", "--items", "7")
+    assert result.exit_code == 0, result.output
+    assert f"batch file: {path}: 8 requests, the first 7 analyzed (model {model_dir}, served as {SERVED})" in result.output
+    assert "1 would be answered 400 by run-batch's producers" in result.output
+    assert "line 5: The model `gpt-4o` does not exist" in result.output
+    assert "6 prompts" in result.output and "3 shapes" in result.output
+    assert re.search(r"^shape-grouped +4,096 ", result.output, re.M), result.output
+
+
+def test_a_bad_batch_file_names_its_lines(tmp_path, model_dir):
+    path = tmp_path / "requests.jsonl"
+    path.write_text(json.dumps(chat("a")) + "\n" + '{"custom_id": "b"}\n' + json.dumps(chat("a")) + "\n")
+    result = analyze(str(path), "--model", model_dir)
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert f"Error: {path}: 2 bad lines" in result.output
+    assert f"{path}:2: missing 'method', 'url', 'body'" in result.output
+    assert f"{path}:3: custom_id 'a' is used by line 1 too" in result.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--caches", "2"], "--caches 2: a batch file is analyzed through one cache"),
+    (["--cache-tokens", str(16 << 20 << 1)], "at most 1,048,576 blocks"),
+    (["--chat-template", "no-such-file"], "--chat-template no-such-file: looks like a file's path"),
+])
+def test_a_batch_files_bad_options_are_one_line(tmp_path, model_dir, args, message):
+    path = batch_file(tmp_path / "requests.jsonl")
+    result = analyze(str(path), "--model", model_dir, *args)
+    assert result.exit_code != 0 and message in result.output
+    assert "Traceback" not in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_batch_file_options_need_the_model(tmp_path):
+    result = analyze("demo", "--served-model-name", "x")
+    assert result.exit_code != 0 and "give --model" in result.output

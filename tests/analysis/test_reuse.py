@@ -5,7 +5,7 @@ random workloads; check_invariants through a seeded stress run; the limits at an
 from __future__ import annotations
 
 import random
-from collections import Counter, OrderedDict
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -21,27 +21,7 @@ from pipeline.analysis.workload import (
     check_analysis_limits,
     prompt_blocks,
 )
-
-
-def reference_cached(prompts: list[list[int]], block: int, capacity: int | None) -> list[int]:
-    """Each prompt's cached tokens, one LRU cache, prompts in the given order: the leading
-    full blocks already cached (a block named by every token up to its end), touched tail
-    first, least recently used evicted past `capacity` blocks; the last token computed."""
-    cache: OrderedDict[tuple[int, ...], None] = OrderedDict()
-    out = []
-    for tokens in prompts:
-        full = len(tokens) // block
-        names = [tuple(tokens[:(i + 1) * block]) for i in range(full)]
-        hits = 0
-        while hits < full and names[hits] in cache:
-            hits += 1
-        out.append(min(hits * block, (len(tokens) - 1) // block * block))
-        for name in reversed(names):
-            cache[name] = None
-            cache.move_to_end(name)
-        while capacity is not None and len(cache) > capacity:
-            cache.popitem(last=False)
-    return out
+from tests.support.reuse import reference_cached
 
 
 # Prompts that share prefixes: each is a cut of one of a few base prompts plus a short own

@@ -408,6 +408,26 @@ def test_progress_is_reported_as_bytes_read_and_requests(tmp_path: Path, monkeyp
     assert all(500 <= read <= size and 0 < requests <= found.requests for read, requests in calls)
 
 
+def test_each_request_line_is_handed_on_in_the_same_pass(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(scan_module, "READ_BLOCK_BYTES", 64)  # lines across blocks
+    path = write(tmp_path / "in.jsonl", chat("a"), "", "  ", completion("b"), chat("c"), last_newline=False)
+    seen: list[tuple[int, int, int, bytes]] = []
+    found = scan_input(str(path), str(tmp_path / "work"), None, on_request=lambda *request: seen.append(request))
+    assert found.requests == 3 and [(index, line) for index, line, _, _ in seen] == [(0, 1), (1, 4), (2, 5)]
+    data = path.read_bytes()
+    assert all(data[offset:offset + len(raw)] == raw and json.loads(raw) for _, _, offset, raw in seen)
+    assert not os.path.exists(tmp_path / "work")  # nothing spilled, and no line digests kept
+
+
+def test_no_request_is_handed_on_after_the_first_bad_line(tmp_path: Path) -> None:
+    path = write(tmp_path / "in.jsonl", chat("a"), chat("b"), "not json", chat("c"), chat("a"))
+    seen: list[int] = []
+    with pytest.raises(BatchFileError, match=r"in\.jsonl:3: not JSON") as error:
+        scan_input(str(path), str(tmp_path / "work"), None, on_request=lambda index, *_: seen.append(index))
+    assert "in.jsonl:5: custom_id 'a' is used by line 1 too" in str(error.value)
+    assert seen == [0, 1]
+
+
 # --- the index file -------------------------------------------------------------------------------
 
 

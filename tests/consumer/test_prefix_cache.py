@@ -111,3 +111,25 @@ def test_group_sort_puts_equal_keys_side_by_side(values):
     runs = [key for k, key in enumerate(by_key.tolist()) if head[k]]
     assert len(runs) == len(set(runs)) == len(set(values))
     assert head[0] and all(head[k] == (by_key[k] != by_key[k - 1]) for k in range(1, keys.shape[0]))
+
+
+def test_remembered_layouts_stay_within_their_count_and_blocks(monkeypatch):
+    from pipeline.consumer.engines import prefix_cache
+
+    layouts = prefix_cache._Layouts()
+    monkeypatch.setattr(prefix_cache, "_LAYOUTS", layouts)
+    monkeypatch.setattr(prefix_cache, "LAYOUT_CACHE_MAX_BLOCKS", 100)
+    monkeypatch.setattr(prefix_cache, "LAYOUT_CACHE_MAX", 4)
+    first = BatchLayout.of(np.array([30, 20], dtype=np.int64))
+    assert BatchLayout.of(np.array([30, 20], dtype=np.int64)) is first  # remembered
+    BatchLayout.of(np.array([50], dtype=np.int64))
+    assert (len(layouts.by_counts), layouts.blocks) == (2, 100)  # at the block limit: both kept
+    BatchLayout.of(np.array([1], dtype=np.int64))
+    assert (len(layouts.by_counts), layouts.blocks) == (1, 1)  # one block past it: forgotten, then kept
+    for k in range(2, 5):
+        BatchLayout.of(np.array([k], dtype=np.int64))
+    assert len(layouts.by_counts) == 4  # at the count limit
+    BatchLayout.of(np.array([9], dtype=np.int64))
+    assert (len(layouts.by_counts), layouts.blocks) == (1, 9)  # past it
+    alone = BatchLayout.of(np.array([101], dtype=np.int64))
+    assert alone.counts.tolist() == [101] and (len(layouts.by_counts), layouts.blocks) == (0, 0)  # never kept

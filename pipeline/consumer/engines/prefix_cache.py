@@ -57,6 +57,11 @@ SCAN_MIN_ENTRIES = 256
 # Batch layouts remembered (a batch's shape: blocks per prompt); a consumer's batches have
 # a handful of shapes, and the cache restarts when full.
 LAYOUT_CACHE_MAX = 256
+# Blocks of the remembered layouts together (five int64 a block: 2.5 MiB): 64 layouts of
+# 64 prompts of 16 blocks fit, a handful of 64-block prompts' too, while batches of long
+# prompts that never repeat (an analysis's, of every length) restart the cache instead of
+# holding hundreds of MB of layouts.
+LAYOUT_CACHE_MAX_BLOCKS = 1 << 16
 
 _NO_SLOT = -1
 _U64 = np.uint64
@@ -399,15 +404,32 @@ class BatchLayout:
     @staticmethod
     def of(counts: np.ndarray) -> BatchLayout:
         key = counts.tobytes()
-        layout = _LAYOUTS.get(key)
+        layout = _LAYOUTS.by_counts.get(key)
         if layout is None:
-            if len(_LAYOUTS) >= LAYOUT_CACHE_MAX:
-                _LAYOUTS.clear()
-            layout = _LAYOUTS[key] = BatchLayout(counts.astype(np.int64))
+            layout = BatchLayout(counts.astype(np.int64))
+            _LAYOUTS.remember(key, layout)
         return layout
 
 
-_LAYOUTS: dict[bytes, BatchLayout] = {}
+class _Layouts:
+    """The remembered layouts (`BatchLayout.of`), within LAYOUT_CACHE_MAX of them and
+    LAYOUT_CACHE_MAX_BLOCKS blocks together: past either, they are forgotten all at once."""
+
+    def __init__(self) -> None:
+        self.by_counts: dict[bytes, BatchLayout] = {}
+        self.blocks = 0
+
+    def remember(self, key: bytes, layout: BatchLayout) -> None:
+        blocks = layout.prompt.shape[0]
+        if len(self.by_counts) >= LAYOUT_CACHE_MAX or self.blocks + blocks > LAYOUT_CACHE_MAX_BLOCKS:
+            self.by_counts.clear()
+            self.blocks = 0
+        if blocks <= LAYOUT_CACHE_MAX_BLOCKS:
+            self.by_counts[key] = layout
+            self.blocks += blocks
+
+
+_LAYOUTS = _Layouts()
 
 
 def _group_sort(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
