@@ -1,6 +1,7 @@
 """`pipeline tools ...`: read-only commands over the store (dump, tombstones, verify),
-`check` (every submitted item against what runs left), `analyze`, a workload's figures
-without running it, and `cleanup`, which removes what a crashed run of a data directory
+`check` (every submitted item against what runs left), `check-job` (a finished batch job's
+output against its input), `analyze`, a workload's or a batch file's figures without running
+it, and `cleanup`, which removes what a crashed run of a data directory
 left (dry run unless --yes).
 
 Every StorageError (a file that is not a segment, a directory or file that cannot be read)
@@ -33,8 +34,8 @@ def _one_line_errors(command: Callable) -> Callable:
 
 @click.group("tools")
 def tools() -> None:
-    """Inspect and verify the disk tier's segment files (read-only); analyze a workload;
-    clean up after a crashed run."""
+    """Inspect and verify the disk tier's segment files (read-only); audit a finished job's
+    output against its input; analyze a workload or a batch file; clean up after a crashed run."""
 
 
 @tools.command("dump-segment")
