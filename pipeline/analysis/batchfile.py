@@ -31,18 +31,21 @@ token computed: min(found, (length - 1) // B) * B, the sim engine's and vLLM's r
   leading components are next to each other), each shape's requests together in file
   order, through one LRU cache of C blocks. With p the
   full blocks of a request's prefix (its declared components):
-  * a request after the first of its shape finds min(p, C) blocks: the request before it
-    is of its shape and left its own leading blocks most recent;
+  * a request after the first of its shape finds min(p + t, C) blocks, t the full blocks
+    after its prefix it shares with the request of its shape before it (up to
+    TAIL_COMPARE_BLOCKS): that request is the one just before it and left its own leading
+    blocks most recent;
   * a shape's first request finds min(q, C), q the full blocks of the deepest prefix level
     it shares with the shapes walked before it (those of the shape just before it);
-  * the blocks of a request's own tokens, after its prefix, are never found.
+  * no other block of a request's own tokens, after its prefix, is found.
   This equals replaying that order through the LRU when no two requests share a full block
-  beyond their common declared prefix. What it does not count: text two requests share
-  beyond it (two system prompts that begin alike, user turns that open alike, identical
-  requests, completions, which declare no prefix); the arrival figure counts those, so on
-  such files it can be the larger one.
+  beyond their common declared prefix except neighbours of one shape. What it does not
+  count: other text two requests share beyond it (two system prompts that begin alike,
+  requests of a shape that share text with an earlier one but not with the one before,
+  completions, which declare no prefix); the arrival figure counts those, so on such files
+  it can be the larger one.
 - bound: the shape-grouped model with an unbounded cache: each declared prefix computed
-  once. A structural figure, not a prediction of speed: decoding and scheduling are not in it.
+  once, and what neighbours of a shape share after it once. A structural figure, not a prediction of speed: decoding and scheduling are not in it.
 """
 
 from __future__ import annotations
@@ -71,6 +74,10 @@ SHAPE_GROUPED = "shape-grouped"
 # (~100 MB here), allocated up front. 16 Mi tokens of 16-token blocks: more KV than the
 # GPUs of a whole node hold for a 7B model (an 80 GB GPU holds ~0.5 Mi tokens of it).
 MAX_REPLAY_CACHE_BLOCKS = 1 << 20
+# Blocks after a shape's prefix kept of its last request, to count what the next request of
+# the shape shares with it (a user turn's template header and opening words): 256 bytes a
+# shape, so 100,000 shapes keep 25 MiB; text shared further than 512 tokens is not counted.
+TAIL_COMPARE_BLOCKS = 32
 # What a model's id is multiplied by to make its block keys its own (splitmix64's increment).
 MODEL_KEY_MIX = 0x9E37_79B9_7F4A_7C15
 # Level rows allocated at first; the columns double as prefixes come.
@@ -101,6 +108,8 @@ class BatchFileAnalysis:
         self._cols = {name: np.zeros(FIRST_ROWS, dtype=dtype) for name, dtype in _COLUMNS}
         self._rows = 0
         self._pending: list[tuple[WorkItem, int, bool]] = []  # (item, its shape's row, first of its shape)
+        # Per shape row: the block keys after its prefix of its last request (TAIL_COMPARE_BLOCKS).
+        self._tails: dict[int, np.ndarray] = {}
         # Per capacity: blocks found by the requests after the first of their shape (shape-grouped).
         self._later_blocks = [0] * len(self._capacities)
         self.requests = 0  # hashed and counted (`add`ed, less the pending)
@@ -158,6 +167,7 @@ class BatchFileAnalysis:
                              [item.model for item in items])
         for replay in self._arrival:
             replay.feed(0, prompts)
+        own += self._shared_tails(rows.tolist(), own.tolist(), prompts)
         np.add.at(self._cols["requests"], rows, 1)
         np.add.at(self._cols["tokens"], rows, lengths)
         most = (lengths - 1) // self.block_tokens
@@ -166,6 +176,21 @@ class BatchFileAnalysis:
             self._later_blocks[k] += int(np.minimum(found, most)[later].sum())
         self.requests += len(items)
         self.prompt_tokens += int(lengths.sum())
+
+    def _shared_tails(self, rows: list[int], own: list[int], prompts: list[PromptBlocks]) -> np.ndarray:
+        """Per request, the full blocks after its prefix it shares with the last request of
+        its shape before it (0 for a shape's first): keys are chained, so the shared blocks
+        are the leading run of equal keys."""
+        shared = np.zeros(len(rows), dtype=np.int64)
+        for k, (row, start, prompt) in enumerate(zip(rows, own, prompts)):
+            tail = prompt.keys[start:start + TAIL_COMPARE_BLOCKS]
+            before = self._tails.get(row)
+            if before is not None:
+                n = min(tail.shape[0], before.shape[0])
+                differ = np.flatnonzero(tail[:n] != before[:n])
+                shared[k] = differ[0] if differ.size else n
+            self._tails[row] = tail.copy()
+        return shared
 
     def finish(self, top: int = DEFAULT_TOP_SHAPES) -> dict:
         """Every figure, as a JSON-ready dict (`top`: shapes listed, most requests first)."""
@@ -239,6 +264,7 @@ class BatchFileAnalysis:
         assert (col["parent"] < np.arange(n)).all()
         assert int(col["requests"].sum()) == self.requests and int(col["tokens"].sum()) == self.prompt_tokens
         assert len(self._pending) < HASH_BATCH_PROMPTS
+        assert len(self._tails) <= n and all(t.shape[0] <= TAIL_COMPARE_BLOCKS for t in self._tails.values())
         sized = list(zip(self.cache_tokens, self._later_blocks))
         assert all(a_blocks <= b_blocks for a, a_blocks in sized for b, b_blocks in sized if a <= b), sized
         assert all(blocks <= self._later_blocks[-1] for blocks in self._later_blocks)

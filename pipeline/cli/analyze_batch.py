@@ -83,7 +83,7 @@ def _print(result: dict) -> None:
                f"{result['block_tokens']} tokens; {shapes['count']:,} shapes, chain depth up to {shapes['max_depth']}")
     click.echo(f"in prefixes shared by 2+ requests: {shared['request_tokens']:,} tokens ({shared['share']:.1%} of "
                f"prompt tokens), {shared['distinct_tokens']:,} distinct")
-    click.echo(f"bound (one unbounded cache, shape-grouped, declared prefixes): {bound['reuse']:.1%} of prompt tokens "
+    click.echo(f"bound (one unbounded cache, shape-grouped): {bound['reuse']:.1%} of prompt tokens "
                f"from cache")
     if shapes["top"]:
         click.echo(f"\n{'requests':>9} {'tokens':>12} {'prefix':>7} {'components':>10} {'first line':>10}  signature")
@@ -95,5 +95,6 @@ def _print(result: dict) -> None:
         click.echo(f"{run['order']:<14} {run['cache_tokens']:>13,} {run['hit_tokens']:>13,} {run['reuse']:>7.1%}")
     arrival = {run["cache_tokens"]: run["hit_tokens"] for run in result["reuse"] if run["order"] == ARRIVAL}
     if any(run["hit_tokens"] < arrival[run["cache_tokens"]] for run in result["reuse"] if run["order"] != ARRIVAL):
-        click.echo("(arrival finds more where requests share full blocks beyond their declared prefixes, such as "
-                   "user turns that open alike; the shape-grouped model counts declared prefixes only)")
+        click.echo("(arrival finds more where requests share full blocks beyond their declared prefixes with a "
+                   "request other than the one of their shape before them; the shape-grouped model does not count "
+                   "those)")

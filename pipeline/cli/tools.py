@@ -166,8 +166,9 @@ def analyze_command(workload: str, block_tokens: int | None, cache_tokens: str, 
     modelled from per-shape figures: shapes walked one after another (those sharing leading
     components next to each other), each shape's requests together; a request finds its
     shape's declared prefix, in full blocks, while the cache holds it (a shape's first
-    request: what it shares with the shape before it), never its own tokens after it. Text
-    requests share beyond their declared prefixes is counted in arrival order only. A file
+    request: what it shares with the shape before it), and of its own tokens what it shares
+    with the request of its shape before it (up to 32 blocks). Other text requests share
+    beyond their declared prefixes is counted in arrival order only. A file
     run-batch would refuse is refused the same way (path:line)."""
     from pipeline.analysis.workload import analyze_workload
     from pipeline.producer.demos import named_workload

@@ -11,7 +11,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from pipeline.analysis.batchfile import MAX_REPLAY_CACHE_BLOCKS, SHAPE_GROUPED, BatchFileAnalysis
+from pipeline.analysis.batchfile import MAX_REPLAY_CACHE_BLOCKS, SHAPE_GROUPED, TAIL_COMPARE_BLOCKS, BatchFileAnalysis
 from pipeline.analysis.reuse import ARRIVAL, CacheReplay
 from pipeline.analysis.workload import prompt_blocks
 from pipeline.producer.signature import chain
@@ -71,9 +71,11 @@ def test_no_requests():
     assert got["bound"]["hit_tokens"] == 0 and got["shared_prefix"]["share"] == 0.0
 
 
-def _random_items(rng: random.Random) -> list[WorkItem]:
+def _random_items(rng: random.Random, stems: bool = False) -> list[WorkItem]:
     """Requests over a random tree of components, each token drawn once (so two requests
-    share a full block only inside a common declared prefix), in random order."""
+    share a full block only inside a common declared prefix), in random order. With `stems`
+    every request of a shape opens its own tokens with its shape's stem (a user turn's
+    template header): requests of a shape share text after their declared prefix too."""
     fresh = iter(range(1000, 10 ** 9))
 
     def tokens(low: int, high: int) -> list[int]:
@@ -84,10 +86,11 @@ def _random_items(rng: random.Random) -> list[WorkItem]:
         parent = rng.choice(shapes)
         if len(parent) < 4:
             shapes.append(parent + [tokens(1, 40)])
+    stem = [tokens(0, TAIL_COMPARE_BLOCKS) if stems else [] for _ in shapes]  # within what is compared
     out = []
     for _ in range(rng.randint(1, 80)):
-        components = rng.choice(shapes)
-        out.append(item(components, tokens(1, 30), model=rng.choice((0, 0, 0, 1))))
+        k = rng.randrange(len(shapes))
+        out.append(item(shapes[k], stem[k] + tokens(1, 30), model=rng.choice((0, 0, 0, 1))))
     return out
 
 
@@ -110,10 +113,11 @@ def _walk_replay(items: list[WorkItem], block: int, capacity_blocks: int) -> int
     return _replay([items[k] for k in walk], block, capacity_blocks)
 
 
+@pytest.mark.parametrize("stems", (False, True))
 @pytest.mark.parametrize("seed", range(40))
-def test_shape_grouped_model_is_the_lru_on_its_walk(seed):
+def test_shape_grouped_model_is_the_lru_on_its_walk(seed, stems):
     rng = random.Random(seed)
-    items = _random_items(rng)
+    items = _random_items(rng, stems)
     block = rng.choice((1, 2, 4, 16))
     sizes = sorted({block * rng.randint(1, 6), block * rng.randint(1, 60)})
     got = analyze(items, block, sizes)
@@ -125,6 +129,17 @@ def test_shape_grouped_model_is_the_lru_on_its_walk(seed):
     arrival = {r["cache_tokens"]: r["hit_tokens"] for r in got["reuse"] if r["order"] == ARRIVAL}
     for size in sizes:
         assert arrival[size] == _replay(items, block, size // block)
+
+
+@pytest.mark.parametrize("stem_blocks", (TAIL_COMPARE_BLOCKS, TAIL_COMPARE_BLOCKS + 1))
+def test_text_shared_after_the_prefix_counts_up_to_what_is_compared(stem_blocks):
+    # Blocks of one token: a 4-token prefix, then a stem both requests open with, then
+    # their own token. The second finds the prefix and the stem, at most
+    # TAIL_COMPARE_BLOCKS of it.
+    stem = list(range(100, 100 + stem_blocks))
+    got = analyze([item([[1, 2, 3, 4]], stem + [7]), item([[1, 2, 3, 4]], stem + [8])], 1, [4096])
+    grouped = {r["cache_tokens"]: r["hit_tokens"] for r in got["reuse"] if r["order"] == SHAPE_GROUPED}
+    assert grouped[4096] == got["bound"]["hit_tokens"] == 4 + min(stem_blocks, TAIL_COMPARE_BLOCKS)
 
 
 def _peak_bytes(requests: int) -> int:
