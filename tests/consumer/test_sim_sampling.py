@@ -117,3 +117,36 @@ def test_the_engine_returns_first_samples_as_outputs_every_sample_where_asked_an
     assert result.errors == [None, None, None, result.errors[3]] and "no tokenizer" in result.errors[3]
     assert result.outputs[3] == [] and result.cached_tokens[3] == 0
     assert result.counted.output_tokens == 4 + 3 + sum(len(s.token_ids) for s in pair)
+
+
+def _wide(chars_per_token: int) -> MadeUpSampler:
+    """A sampler whose every token decodes to `chars_per_token` characters (a decoder that
+    expands tokens), its lengths known without building the texts."""
+    return MadeUpSampler(natural_tokens=4, vocab_size=VOCAB, eos_token_id=EOS,
+                         decode=lambda ids, skip: "x" * chars_per_token * len(ids),
+                         token_chars=lambda token: chars_per_token)
+
+
+def test_logprob_tokens_count_into_the_answer_s_characters_before_they_are_made():
+    from pipeline.wire.generation import MAX_ANSWER_TEXT_CHARS
+
+    # 4 tokens of text and 4 x 4 logprob tokens: 20 tokens' characters in the answer.
+    params = GenerationParams(max_tokens=4, ignore_eos=True, logprobs=4)
+    (sample,) = one(params, sampler=_wide(MAX_ANSWER_TEXT_CHARS // 20))
+    assert len(sample.logprobs) == 4 and len(sample.text) == 4 * (MAX_ANSWER_TEXT_CHARS // 20)
+    with pytest.raises(SimRefusal, match="and its logprob tokens to more than"):
+        one(params, sampler=_wide(MAX_ANSWER_TEXT_CHARS // 20 + 1))
+
+
+def test_a_batch_s_answers_together_stay_within_their_budget():
+    from pipeline.consumer.engines.sim_sampling import MAX_BATCH_ANSWER_CHARS, CharBudget
+
+    params = GenerationParams(max_tokens=4, ignore_eos=True)
+    sampler, budget = _wide(MAX_BATCH_ANSWER_CHARS // 64), CharBudget()  # an answer: 1/16 of the budget
+    for seed in range(16):
+        sampler.samples(seed, params, budget)
+    assert budget.left == 0
+    with pytest.raises(SimRefusal, match=f"more than {MAX_BATCH_ANSWER_CHARS:,} characters together"):
+        sampler.samples(16, params, budget)
+    assert budget.left == 0  # a refused answer charges nothing
+    assert len(sampler.samples(16, params)[0].text) == MAX_BATCH_ANSWER_CHARS // 16  # alone it fits

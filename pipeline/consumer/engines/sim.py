@@ -54,7 +54,7 @@ from pipeline.consumer.engines.base import (
     embedding_inputs,
 )
 from pipeline.consumer.engines.prefix_cache import BatchLayout, PrefixCache
-from pipeline.consumer.engines.sim_sampling import MadeUpSampler, SimRefusal
+from pipeline.consumer.engines.sim_sampling import CharBudget, Decode, MadeUpSampler, SimRefusal, TokenChars
 from pipeline.wire.errors import EngineOptionsError
 from pipeline.wire.generation import MAX_ANSWER_TEXT_CHARS
 from pipeline.wire.status import NS_PER_S
@@ -186,7 +186,7 @@ class SimEngine(Engine):
             raise EngineOptionsError(f"sim engine: eos_token_id {eos!r} must be a token id below vocab_size "
                                      f"{self.config.vocab_size}")
         self._sampler = MadeUpSampler(self.config.output_tokens, self.config.vocab_size, eos,
-                                      _decoder(self.config.tokenizer))
+                                      *_decoder(self.config.tokenizer))
 
     def _ensure_powers(self, count: int) -> None:
         if count <= self._powers.shape[0]:
@@ -270,10 +270,11 @@ class SimEngine(Engine):
         no error for an item without parameters (it keeps its made-up `outputs`)."""
         samples: list[list[Sample] | None] = []
         errors: list[str | None] = []
+        budget = CharBudget()  # what the batch's answers hold until its results are written
         for i, seed in enumerate(seeds):
             params = batch.params_of(i)
             try:
-                samples.append(self._sampler.samples(seed, params) if params is not None and not params.embed
+                samples.append(self._sampler.samples(seed, params, budget) if params is not None and not params.embed
                                else None)
                 errors.append(None)
             except SimRefusal as refusal:
@@ -367,10 +368,11 @@ def _unit(vector: np.ndarray) -> np.ndarray:
     return (vector / np.linalg.norm(vector)).astype(np.float32)
 
 
-def _decoder(model_dir: str | None):
-    """decode(ids, skip_special_tokens) of a model directory's tokenizer.json; None without one."""
+def _decoder(model_dir: str | None) -> tuple[Decode | None, TokenChars | None]:
+    """decode(ids, skip_special_tokens) and token_chars(id) of a model directory's
+    tokenizer.json; None and None without one."""
     if model_dir is None:
-        return None
+        return None, None
     from tokenizers import Tokenizer
 
     path = os.path.join(model_dir, "tokenizer.json")
@@ -391,19 +393,22 @@ def _decoder(model_dir: str | None):
             raise SimRefusal(f"the model's tokenizer failed to decode the answer: {type(exc).__name__}: "
                              f"{words}") from None
 
+    def token_chars(token: int, skip: bool = False) -> int:
+        if (token, skip) not in lengths:
+            lengths[token, skip] = len(raw([token], skip))
+        return lengths[token, skip]
+
     def decode(ids: list[int], skip: bool) -> str:
         """The text of `ids`, never built past MAX_ANSWER_TEXT_CHARS (by the tokens' own
         lengths, added up first): a decoder that expands tokens costs no memory here."""
         total = 0
         for token in ids:
-            if (token, skip) not in lengths:
-                lengths[token, skip] = len(raw([token], skip))
-            total += lengths[token, skip]
+            total += token_chars(token, skip)
             if total > MAX_ANSWER_TEXT_CHARS:
                 raise SimRefusal(f"the model's tokenizer decodes this answer to more characters than an answer "
                                  f"holds, more than {MAX_ANSWER_TEXT_CHARS:,} (its decoder expands tokens)")
         return raw(ids, skip)
-    return decode
+    return decode, token_chars
 
 
 def _positive_sizes(config: SimConfig) -> bool:

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pipeline.consumer.engines.base import FINISH_LENGTH, FINISH_STOP, Sample, TokenLogprobs
-from pipeline.wire.generation import GenerationParams
+from pipeline.wire.generation import MAX_ANSWER_TEXT_CHARS, GenerationParams
 
 _MASK = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -38,6 +38,13 @@ _TOP_LOGPROB = -0.25
 _LOGPROB_STEP = 1.5
 
 Decode = Callable[[list[int], bool], str]
+# A token's decoded length (skip_special_tokens off), learned without building long texts.
+TokenChars = Callable[[int], int]
+# The characters one batch's answers decode to together, texts and logprob tokens: what a
+# consumer holds of them until its results are written (up to 4 bytes a character). 64 Mi:
+# 256 answers of 256 Ki characters each, far past a batch of real answers; past it a
+# decoder expands tokens, and the answers past it are failed.
+MAX_BATCH_ANSWER_CHARS = 64 << 20
 
 
 class SimRefusal(Exception):
@@ -52,17 +59,35 @@ def _mix(x: int) -> int:
     return x ^ (x >> 31)
 
 
+@dataclass(slots=True)
+class CharBudget:
+    """The characters a batch's answers may still decode to (MAX_BATCH_ANSWER_CHARS at first)."""
+
+    left: int = MAX_BATCH_ANSWER_CHARS
+
+    def charge(self, chars: int) -> None:
+        if chars > self.left:
+            raise SimRefusal(f"this batch's answers decode to more than {MAX_BATCH_ANSWER_CHARS:,} characters "
+                             f"together (the model's decoder expands tokens)")
+        self.left -= chars
+
+
 @dataclass(slots=True, frozen=True)
 class MadeUpSampler:
     """Made-up answers of `natural_tokens` tokens before an end of sequence, ids below
-    `vocab_size`; `decode(ids, skip_special_tokens)` where the sim has a tokenizer."""
+    `vocab_size`; `decode(ids, skip_special_tokens)` and `token_chars(id)` where the sim has
+    a tokenizer."""
 
     natural_tokens: int
     vocab_size: int
     eos_token_id: int | None = None
     decode: Decode | None = None
+    token_chars: TokenChars | None = None
 
-    def samples(self, prompt_seed: int, params: GenerationParams) -> list[Sample]:
+    def samples(self, prompt_seed: int, params: GenerationParams, budget: CharBudget | None = None) -> list[Sample]:
+        """The `n` samples of one item; SimRefusal for one it cannot answer, and for one
+        whose text and logprob tokens pass MAX_ANSWER_TEXT_CHARS or what is left of `budget`
+        (charged with what each sample keeps)."""
         if params.stop and self.decode is None:
             raise SimRefusal("the sim engine finds stop strings in decoded text, and it has no tokenizer (engine "
                              "option tokenizer: a model directory)")
@@ -70,16 +95,24 @@ class MadeUpSampler:
         out = []
         for s in range(params.samples):
             key = _mix(prompt_seed) if greedy else _mix(prompt_seed ^ _mix((params.seed or 0) + _GOLDEN * (s + 1)))
-            out.append(self._one(key, params))
+            out.append(self._one(key, params, budget or CharBudget()))
         return out
 
-    def _one(self, key: int, params: GenerationParams) -> Sample:
+    def _one(self, key: int, params: GenerationParams, budget: CharBudget) -> Sample:
         ids, reason, by_token = self._ids(key, params)
         text = None
         if self.decode is not None:
             ids, reason, text = self._text(ids, reason, by_token, params)
-        logprobs = None if params.logprobs is None else [self._logprobs(key, k, t, params.logprobs)
-                                                          for k, t in enumerate(ids)]
+        ranked = None if params.logprobs is None else [self._ranked(key, k, t, params.logprobs)
+                                                        for k, t in enumerate(ids)]
+        chars = len(text or "")
+        if ranked is not None and self.token_chars is not None:  # counted before a token string is made
+            chars += sum(self.token_chars(token) for tokens in ranked for token in tokens)
+        if chars > MAX_ANSWER_TEXT_CHARS:
+            raise SimRefusal(f"the model's tokenizer decodes this answer and its logprob tokens to more than "
+                             f"{MAX_ANSWER_TEXT_CHARS:,} characters (its decoder expands tokens)")
+        budget.charge(chars)
+        logprobs = None if ranked is None else [self._logprobs(tokens) for tokens in ranked]
         return Sample(ids, reason, text, logprobs)
 
     def _ids(self, key: int, params: GenerationParams) -> tuple[list[int], str, bool]:
@@ -130,17 +163,21 @@ class MadeUpSampler:
         end = at + len(stop) if params.include_stop_str_in_output else at
         return shown[:low], FINISH_STOP, text[:end]
 
-    def _logprobs(self, key: int, position: int, token: int, count: int) -> TokenLogprobs:
+    def _ranked(self, key: int, position: int, token: int, count: int) -> list[int]:
         """The sampled token (rank 1) and `count - 1` made-up alternatives after it."""
-        entries: TokenLogprobs = [(token, _TOP_LOGPROB, self._token_text(token))]
-        seen = {token}
+        ranked, seen = [token], {token}
         for rank in range(1, count):
             other = _mix(key ^ _mix(position * _GOLDEN + rank)) % self.vocab_size
             while other in seen:
                 other = (other + 1) % self.vocab_size
             seen.add(other)
-            entries.append((other, _TOP_LOGPROB - _LOGPROB_STEP * rank, self._token_text(other)))
-        return entries
+            ranked.append(other)
+        return ranked
+
+    def _logprobs(self, ranked: list[int]) -> TokenLogprobs:
+        """Falling made-up log probabilities of `ranked`, each token with its text."""
+        return [(token, _TOP_LOGPROB - _LOGPROB_STEP * rank, self._token_text(token))
+                for rank, token in enumerate(ranked)]
 
     def _token_text(self, token: int) -> str | None:
         return self.decode([token], False) if self.decode is not None else None
