@@ -28,6 +28,7 @@ from typing import Protocol
 import numpy as np
 
 from pipeline.batchjob.answers import record_chunks
+from pipeline.wire.errors import JobOutputError
 from shm.layout import checked_dtype, struct_for
 
 # Bytes of lines a bucket holds at most (a single request's line may exceed it alone): what
@@ -94,9 +95,17 @@ def write_in_input_order(data_dir: str, log_path: str, requests: int, out: Calla
     """The merge of the module's doc, into the sinks `out()` and `errors()` make (none: the
     errors go to the output too); what each commit returned, output first."""
     bounds = bucket_bounds(data_dir, requests, bucket_bytes)
-    os.makedirs(work_dir, mode=0o700, exist_ok=True)
     try:
-        _distribute(data_dir, log_path, bounds, work_dir)
+        try:
+            os.makedirs(work_dir, mode=0o700, exist_ok=True)
+            _distribute(data_dir, log_path, bounds, work_dir)
+        except OSError as exc:  # the merge's own copy, in the data directory: not the outputs' disk
+            need = os.path.getsize(log_path) if os.path.exists(log_path) else 0
+            raise JobOutputError(f"the merge into input order could not write its work files in {work_dir} "
+                                 f"({exc.strerror or exc}): it needs about {need:,} bytes free on the data "
+                                 f"directory's disk; every answer is kept in {data_dir}: make room there (or move "
+                                 f"the data directory to a larger disk and give it as --data-dir) and the same "
+                                 f"command writes the outputs without running anything") from exc
         output = out()
         failed = errors() if errors is not None else output
         try:

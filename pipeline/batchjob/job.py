@@ -2,9 +2,8 @@
 resumable after any stop, in memory that does not grow with the file.
 
     job = BatchJob(spec, say=print)
-    job.prepare()        # the metrics port bound, paths checked, the data directory locked,
-                         # the input scanned (or checked against the job's manifest), what
-                         # earlier runs answered
+    job.prepare()        # paths checked, the data directory locked, the input scanned (or
+                         # checked against the job's manifest), what earlier runs answered
     code = job.run()     # the pipeline on what is left: the launcher, with the job's producers
     code = job.finish(code)   # the output (and error file, summary, report) once all is answered
 
@@ -13,15 +12,13 @@ its answers depend on), the input's sparse index (`input.idx`), the answer log a
 records (`answers.py`; with `--output-order completion` the log is the output file itself),
 where the collector read each results file up to (`collect.py`), producers' refusals
 (`rejections.py`), the lock a running job holds, and its status (`status.json`, for
-`pipeline status`). A run plans from them: answered requests are not run again, requests
-still in the store or a producer ring are delivered by the broker (not submitted again),
-and only the rest are submitted.
+`pipeline status`). A run plans from them: answered requests are not run again, those still
+in the store or a producer ring are delivered by the broker, and only the rest submitted.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import shutil
@@ -67,6 +64,7 @@ from pipeline.batchjob.paths import (
     check_outputs,
     remove_data_dir,
     replace_file,
+    unless_disk_full,
 )
 from pipeline.batchjob.progress import JobCounts, JobTracker, JobView
 from pipeline.batchjob.scan import InputScan, input_digest, read_index, scan_input, write_index
@@ -195,7 +193,7 @@ class BatchJob:
         self.own_files = OwnFiles(self.data_dir, have.log_mark if have is not None else None)
         outputs = self._outputs()
         expects = check_outputs(outputs, input_path, self.data_dir, self.own_files.own, spec.overwrite)
-        self._make_data_dir()
+        self._make_data_dir(have is None)
         self._lock()
         if unfinished:  # checked again under the lock: the scan of a new job made this directory
             self._created_data_dir = True
@@ -254,9 +252,10 @@ class BatchJob:
                 found.append(OutputPath(role, os.path.abspath(path)))
         return found
 
-    def _make_data_dir(self) -> None:
+    def _make_data_dir(self, new_job: bool) -> None:
         check_data_dir(self.data_dir)
-        check_room(self.data_dir)
+        if new_job:  # a resume is checked once it knows whether anything is left to run (`run`)
+            check_room(self.data_dir)
         if not os.path.lexists(self.data_dir):
             os.makedirs(self.data_dir, mode=0o700)
             self._created_data_dir = True
@@ -319,9 +318,7 @@ class BatchJob:
         error_log = LOG_ERRORS if LOG_ERRORS in logs else LOG_OUTPUT
         self.collector = Collector(self.data_dir, manifest, self._input_fd, tokenizer.decode, self.log, error_log,
                                    tokenizer.token_text, tokenizer.vocab_size)
-        while self.collector.collect():
-            pass
-        self.collector.save()
+        self.collect_all()
         self._answered_before = self.log.done
         self.skip = self.log.done_bits().copy()
         self.pending = self._mark_pending(self.skip)
@@ -385,6 +382,8 @@ class BatchJob:
         self._run_started_s = time.monotonic()
         if not self.to_submit and not self.pending:
             return 0
+        if not self._new_job:
+            check_room(self.data_dir, holds_work=True)
         workload = JobWorkload(self.job_input, self.skip, self.manifest, self.model_files, self.data_dir,
                                self.spec.limits, self.spec.chat_template)
         launcher = Launcher(self._run_settings(), workload, on_status=self._poll, summarize=self.collector.summary,
@@ -438,14 +437,11 @@ class BatchJob:
     def _save(self) -> None:
         """The read positions and the status file, as the run goes; a full disk skips a save
         (the next one writes both: both are rebuilt from the answer log and results anyway)."""
-        try:
+        self._save_full = True
+        with unless_disk_full():
             self.collector.save()
             self.write_status("running")
             self._save_full = False
-        except OSError as exc:
-            if exc.errno != errno.ENOSPC:
-                raise
-            self._save_full = True
 
     def _catch_up(self) -> None:
         self.collect_all()
@@ -453,10 +449,12 @@ class BatchJob:
         self.write_status(WRITING if self.log.done == self.manifest.requests else "stopped")
 
     def collect_all(self) -> None:
-        """Every answer written so far into the log (a run's end)."""
+        """Every answer written so far into the log (a run's start and end); the read
+        positions saved unless the disk is full (they are rebuilt from the log and results)."""
         while self.collector.collect():
             pass
-        self.collector.save()
+        with unless_disk_full():
+            self.collector.save()
 
     def _counts(self) -> JobCounts:
         log = self.log
@@ -464,13 +462,15 @@ class BatchJob:
                          log.usage.cached_tokens, dict(log.by_status))
 
     def write_status(self, state: str) -> None:
-        """The job's status file (`pipeline status --data-dir`): its view and state."""
+        """The job's status file (`pipeline status --data-dir`): its view and state. A full
+        disk leaves the last one (`pipeline status` counts the answer records anyway)."""
         self.tracker.observe(self._counts(), time.monotonic())
         status = {"state": state, "pid": os.getpid(), "updated_s": int(time.time()),
                   "input": self.manifest.input_path, "output": self.manifest.output_path,
                   "output_order": self.manifest.output_order, "metrics_port": self.metrics_port,
                   **self.tracker.view().as_json()}
-        replace_file(os.path.join(self.data_dir, JOB_DIR, STATUS_NAME), [json.dumps(status).encode() + b"\n"])
+        with unless_disk_full():
+            replace_file(os.path.join(self.data_dir, JOB_DIR, STATUS_NAME), [json.dumps(status).encode() + b"\n"])
 
     # ------------------------------------------------------------------ finish
 
@@ -596,3 +596,4 @@ class BatchJob:
         else:
             shutil.rmtree(os.path.join(self.data_dir, JOB_DIR), ignore_errors=True)
             self.close(remove=False)
+

@@ -248,7 +248,12 @@ def _flat(engine_options: dict[str, object]) -> dict[str, object]:
 def snapshot_model_files(model_dir: str, into: str) -> str:
     """Copies of MODEL_FILES from `model_dir` (links followed: a hub cache links its files)
     made anew in the directory `into` (0700, replaced whole); `into`. A file absent, or not a
-    regular file, is not copied (its digest says so, as the original's would)."""
+    regular file, is not copied (its digest says so, as the original's would). A copy that
+    holds the same bytes already (a resume) is kept: a run whose disk is full then writes
+    nothing here."""
+    if os.path.isdir(into) and all(_copied(os.path.join(model_dir, name)) == _file_digest(os.path.join(into, name))
+                                   for name in MODEL_FILES):
+        return into
     fresh = into + ".new"
     shutil.rmtree(fresh, ignore_errors=True)
     os.mkdir(fresh, 0o700)
@@ -266,6 +271,12 @@ def snapshot_model_files(model_dir: str, into: str) -> str:
     shutil.rmtree(into, ignore_errors=True)
     os.rename(fresh, into)
     return into
+
+
+def _copied(path: str) -> str:
+    """The digest a copy of the model file at `path` has: what is not copied is absent."""
+    digest = _file_digest(path)
+    return digest if digest.startswith("xxh3 ") else "absent"
 
 
 def _file_digest(path: str) -> str:

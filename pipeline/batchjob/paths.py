@@ -23,11 +23,12 @@ device, a FIFO, a socket, a directory or a symlink's target.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
 import stat
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from pipeline.runtime.datadir import check_not_shared
@@ -305,3 +306,14 @@ def _kind(info: os.stat_result) -> str:
         if test(mode):
             return name
     return "a regular file" if stat.S_ISREG(mode) else "a special file"
+
+
+@contextlib.contextmanager
+def unless_disk_full() -> Iterator[None]:
+    """The block's write skipped where the disk is full (ENOSPC): for the job's own files
+    that are rebuilt from its answers (read positions, the status file)."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise

@@ -285,10 +285,11 @@ def _pid_in(fd: int) -> str:
     return os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
 
 
-def check_room(data_dir: str) -> None:
+def check_room(data_dir: str, holds_work: bool = False) -> None:
     """DataDirError where the data directory's file system (or, before it is made, its nearest
     existing parent's) has too little free for a run to start: its store could never take an
-    item, and the run would wait for ever."""
+    item, and the run would wait for ever. `holds_work`: the directory holds an earlier run's
+    work, which moves with it."""
     from pipeline.broker.storage.segment import disk_reserve_bytes
 
     existing = os.path.abspath(data_dir)
@@ -299,4 +300,6 @@ def check_room(data_dir: str) -> None:
     if free < reserve + MIN_WORK_ROOM_BYTES:
         raise DataDirError(f"{data_dir} is on a file system with {free:,} bytes free: a run needs at least "
                            f"{reserve + MIN_WORK_ROOM_BYTES:,} ({reserve:,} its store keeps free for results, and room "
-                           f"to work): make room there, or give --data-dir on another disk")
+                           f"to work): make room there, or "
+                           + (f"move {data_dir} whole to a larger disk and give its new path as --data-dir (what "
+                              f"it holds goes with it)" if holds_work else "give --data-dir on another disk"))

@@ -377,6 +377,34 @@ def test_outputs_that_do_not_fit_at_the_end_are_written_by_the_same_command_with
         check_one_line_each(small / "out.jsonl")
 
 
+def test_a_full_data_directory_disk_at_the_merge_is_named_and_a_resume_with_nothing_to_run_is_not_refused(
+        tmp_path, model_dir):
+    # Every answer is in, the outputs' disk too small: then the data directory's own disk
+    # is filled. A rerun has nothing to run (no room check for a store it does not need);
+    # its merge cannot copy the answers there, and says that disk, not the outputs'.
+    from tests.consumer.tmpfs import fill, small_tmpfs
+
+    small, disk = tmp_path / "small", tmp_path / "disk"
+    with small_tmpfs(str(small), 64 << 10), small_tmpfs(str(disk), 64 << 20):
+        args = slow_args(tmp_path, "--model", model_dir, slow=False)
+        args[args.index("-o") + 1] = str(small / "out.jsonl")
+        args[args.index("--data-dir") + 1] = str(disk / "data")
+        failed = run_batch(*args)
+        assert failed.returncode == 1 and "cannot write the outputs" in failed.stderr, failed.stderr
+        filler = fill(str(disk))
+        merge = run_batch(*args)
+        assert merge.returncode == 1 and "Traceback" not in merge.stderr, merge.stderr
+        assert "a run needs at least" not in merge.stderr, merge.stderr
+        assert f"could not write its work files in {disk / 'data'}" in merge.stderr, merge.stderr
+        assert "on the data directory's disk" in merge.stderr and "cannot write the outputs" not in merge.stderr
+        os.unlink(filler)
+        remounted = subprocess.run(["mount", "-o", "remount,size=4m", str(small)], capture_output=True, text=True)
+        assert remounted.returncode == 0, remounted.stderr
+        done = run_batch(*args)
+        assert done.returncode == 0, done.stderr
+        check_one_line_each(small / "out.jsonl")
+
+
 def test_a_data_directory_whose_disk_fills_for_a_while_finishes_the_job_once_there_is_room(tmp_path, model_dir):
     from tests.consumer.tmpfs import fill
 
