@@ -47,6 +47,8 @@ OWN_FILES_NAME = "outputs.json"
 # or renamed into place (without O_TMPFILE a kill may leave one; nothing else is ever removed).
 PARTIAL_PREFIX = "."
 PARTIAL_SUFFIX = ".partial"
+# The longest file name where the file system does not say (Linux's NAME_MAX).
+DEFAULT_NAME_MAX_BYTES = 255
 # Random names tried for a temporary file before giving up (a clash is 1 in 2**48 a try).
 PARTIAL_ATTEMPTS = 8
 # The extended attribute a completion-order log carries: the job's id. A file the user made
@@ -231,11 +233,23 @@ def _mark(fd: int, mark: bytes) -> None:
             raise
 
 
+def _partial_name(target: Target) -> str:
+    """A random temporary name beside the target: `.NAME.<12 hex>.partial`, NAME cut so the
+    whole fits the file system's longest name (a target's own name may be that long)."""
+    try:
+        name_max = os.fpathconf(target.dir_fd, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        name_max = DEFAULT_NAME_MAX_BYTES
+    tail = f".{secrets.token_hex(6)}{PARTIAL_SUFFIX}"
+    room = name_max - len(PARTIAL_PREFIX) - len(tail)
+    return PARTIAL_PREFIX + os.fsdecode(os.fsencode(target.name)[:room]) + tail
+
+
 def _create_partial(target: Target) -> tuple[str, int]:
     """A new empty file (0600) beside the target under a name of its own, open for reading
     and appending: (its name, its descriptor). Never a name someone else made."""
     for _attempt in range(PARTIAL_ATTEMPTS):
-        name = f"{PARTIAL_PREFIX}{target.name}.{secrets.token_hex(6)}{PARTIAL_SUFFIX}"
+        name = _partial_name(target)
         try:
             fd = os.open(name, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
                          FILE_MODE, dir_fd=target.dir_fd)
@@ -250,7 +264,7 @@ def _link_partial(source: str, target: Target) -> str:
     """The unnamed file `source` (/proc/self/fd/N) linked beside the target under a name of
     its own; that name."""
     for _attempt in range(PARTIAL_ATTEMPTS):
-        name = f"{PARTIAL_PREFIX}{target.name}.{secrets.token_hex(6)}{PARTIAL_SUFFIX}"
+        name = _partial_name(target)
         try:
             os.link(source, name, dst_dir_fd=target.dir_fd, follow_symlinks=True)
             return name

@@ -184,9 +184,8 @@ class BrokerConfig:
         if path_bytes > MAX_SOCKET_PATH_BYTES:
             raise ConfigError(
                 f"data directory {self.data_dir}: its broker socket {self.socket_path} is {path_bytes} bytes "
-                f"long, and a Unix socket path holds at most {MAX_SOCKET_PATH_BYTES}: use a data directory "
-                f"whose path is at most {MAX_SOCKET_PATH_BYTES - path_bytes + len(os.fsencode(self.data_dir))} "
-                f"bytes")
+                f"long, and a Unix socket path holds at most {MAX_SOCKET_PATH_BYTES}: give --data-dir a path "
+                f"of at most {MAX_SOCKET_PATH_BYTES - path_bytes + len(os.fsencode(self.data_dir))} bytes")
         if not (isinstance(self.heartbeat_timeout_s, (int, float)) and math.isfinite(self.heartbeat_timeout_s)
                 and MIN_HEARTBEAT_TIMEOUT_S <= self.heartbeat_timeout_s <= MAX_HEARTBEAT_TIMEOUT_S):
             raise ConfigError(f"heartbeat timeout {self.heartbeat_timeout_s!r} s must be a number from "

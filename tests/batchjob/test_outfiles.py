@@ -213,3 +213,18 @@ def test_temporary_names_beside_the_output_are_never_a_users(tmp_path: Path, tmp
     assert path.read_text() == "answers\n"
     assert (tmp_path / ".out.jsonl.partial").read_text() == "the user's own file of that name\n"
     assert sorted(os.listdir(tmp_path)) == [".out.jsonl.partial", "out.jsonl"]
+
+
+@pytest.mark.parametrize("length", [1, 233, 234, 255])
+def test_a_name_as_long_as_the_file_system_allows_is_written_and_replaced(tmp_path: Path, tmpfile: bool,
+                                                                          length: int) -> None:
+    # The temporary name beside it adds 22 bytes: it is cut to fit, never longer than a name may be.
+    path = tmp_path / ("c" * length)
+    publish(Target.open("output file", str(path), ABSENT))
+    assert path.read_bytes() == b"answers\n"
+    publish(Target.open("output file", str(path), REPLACE), b"again\n")
+    assert path.read_bytes() == b"again\n" and os.listdir(tmp_path) == [path.name]
+    log = Target.open("error file", str(tmp_path / ("e" * length)), ABSENT)
+    os.close(open_log(log, True, MARK))  # a completion-order log is made under a temporary name too
+    log.close()
+    assert sorted(os.listdir(tmp_path)) == sorted([path.name, "e" * length])

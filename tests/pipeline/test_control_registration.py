@@ -75,7 +75,8 @@ def test_a_socket_path_too_long_is_refused_before_anything_is_created(tmp_path):
     assert len(config.socket_path) == MAX_SOCKET_PATH_BYTES
     past = at_limit + "x"
     with pytest.raises(ConfigError, match=f"is {MAX_SOCKET_PATH_BYTES + 1} bytes long, and a Unix socket path "
-                                          f"holds at most {MAX_SOCKET_PATH_BYTES}"):
+                                          f"holds at most {MAX_SOCKET_PATH_BYTES}: give --data-dir a path of "
+                                          f"at most {len(at_limit)} bytes"):
         BrokerConfig(past)
     assert not os.path.exists(past)
     broker = start_broker_process(config)  # a path at the limit binds and serves
