@@ -27,6 +27,7 @@ else.
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import secrets
@@ -190,6 +191,11 @@ def open_log(target: Target, fresh: bool, mark: bytes) -> int:
         info = os.fstat(fd)
         if stat.S_ISREG(info.st_mode) and info.st_nlink == 1 and identity(info) == target.own and marked(fd, mark):
             os.set_blocking(fd, True)
+            try:
+                _hold(fd, target)
+            except BaseException:
+                os.close(fd)
+                raise
             return fd
         os.close(fd)
         target.check_replaceable()  # raises, naming what is wrong
@@ -197,6 +203,7 @@ def open_log(target: Target, fresh: bool, mark: bytes) -> int:
                            f"--overwrite) and run the same command")
     name, fd = _create_partial(target)
     try:
+        _hold(fd, target)
         _mark(fd, mark)
         if target.expect == ABSENT or target.current() is None:
             try:  # fails if anything appeared at the name: never replaces it
@@ -214,6 +221,18 @@ def open_log(target: Target, fresh: bool, mark: bytes) -> int:
         _unlink_quietly(name, target.dir_fd)  # (renamed: gone already)
     os.fsync(target.dir_fd)
     return fd
+
+
+def _hold(fd: int, target: Target) -> None:
+    """An exclusive lock on `fd`'s file, held while it is open: two runs of one job (from
+    copies of its data directory: the same job, the same mark) never append to one log."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise
+        raise JobPathError(f"{target.role} {target.path}: another run of this job appends to it (from a copy of its "
+                           f"data directory?): let it finish, or stop it, and run this again") from None
 
 
 def marked(fd: int, mark: bytes) -> bool:

@@ -228,3 +228,19 @@ def test_a_name_as_long_as_the_file_system_allows_is_written_and_replaced(tmp_pa
     os.close(open_log(log, True, MARK))  # a completion-order log is made under a temporary name too
     log.close()
     assert sorted(os.listdir(tmp_path)) == sorted([path.name, "e" * length])
+
+
+def test_a_log_another_run_of_the_job_appends_to_is_refused(tmp_path: Path) -> None:
+    # Two runs of one job from copies of its data directory: the same job, the same mark,
+    # the same file. The second is refused while the first holds the log open.
+    path = tmp_path / "out.jsonl"
+    first = Target.open("output file", str(path), ABSENT)
+    fd = open_log(first, True, MARK)
+    own = identity(os.fstat(fd))
+    second = Target.open("output file", str(path), OWN, own)
+    with pytest.raises(JobPathError, match="another run of this job appends to it"):
+        open_log(second, False, MARK)
+    os.close(fd)  # the first run ends: the log is the second's to append to
+    os.close(open_log(second, False, MARK))
+    first.close()
+    second.close()
