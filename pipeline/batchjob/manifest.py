@@ -216,11 +216,27 @@ def depends_on(model_dir: str, engine: str, engine_options: dict[str, object], m
     found["engine"] = engine
     for key, value in sorted(_flat(engine_options).items()):
         if key not in RESOURCE_OPTIONS:
-            found[f"engine option {key}"] = json.dumps(value, sort_keys=True, default=str)
+            found[f"engine option {key}"] = json.dumps(_by_content(value, model_dir), sort_keys=True, default=str)
     found["max input length"] = str(max_input_len)
     for module in engine_options.get("lora_modules") or ():  # type: ignore[union-attr]
         found[f"LoRA adapter {module['name']}"] = _adapter_digest(module["path"])
     return found
+
+
+# What an engine option naming the model directory is recorded as: the directory's files are
+# pinned by digest, so where it is and how its path is spelled change no answer.
+MODEL_DIR_VALUE = "the model directory"
+
+
+def _by_content(value: object, model_dir: str) -> object:
+    """An option's value as answers depend on it: a path of the model directory (the sim's
+    tokenizer, vLLM's model) as MODEL_DIR_VALUE, adapters without their paths (each adapter
+    is pinned by digest, "LoRA adapter NAME")."""
+    if isinstance(value, str) and value and os.path.realpath(value) == os.path.realpath(model_dir):
+        return MODEL_DIR_VALUE
+    if isinstance(value, list) and all(isinstance(v, dict) and "path" in v for v in value) and value:
+        return [{k: v for k, v in module.items() if k != "path"} for module in value]
+    return value
 
 
 def _adapter_digest(path: str) -> str:

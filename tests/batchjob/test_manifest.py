@@ -304,3 +304,24 @@ def test_each_lora_adapter_is_pinned_by_its_files_contents(tmp_path, model_dir):
     assert after["LoRA adapter sql"] != before["LoRA adapter sql"]
     assert {k: v for k, v in after.items() if k != "LoRA adapter sql"} == \
         {k: v for k, v in before.items() if k != "LoRA adapter sql"}
+
+
+def test_the_model_directory_and_adapters_are_pinned_by_content_not_by_how_their_path_is_spelled(
+        tmp_path, model_dir, monkeypatch):
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"r": 8}')
+    monkeypatch.chdir(tmp_path)
+    spelled = [str(model_dir), "model", "model/", "./model/../model", str(model_dir) + "/"]
+    seen = {json.dumps(depends_on(path, "sim", {"tokenizer": path, "lora_modules": [
+        {"name": "sql", "path": str(adapter) if k % 2 else "adapter/"}]}, 2047), sort_keys=True)
+        for k, path in enumerate(spelled)}
+    assert len(seen) == 1
+    moved = tmp_path / "moved"
+    os.rename(model_dir, moved)  # the same files elsewhere: the same job
+    again = depends_on(str(moved), "sim", {"tokenizer": str(moved), "lora_modules": [
+        {"name": "sql", "path": "adapter"}]}, 2047)
+    assert json.dumps(again, sort_keys=True) in seen
+    other = depends_on(str(moved), "sim", {"tokenizer": str(tmp_path / "elsewhere"), "lora_modules": [
+        {"name": "sql", "path": "adapter"}]}, 2047)
+    assert other["engine option tokenizer"] != again["engine option tokenizer"]  # another tokenizer: named
