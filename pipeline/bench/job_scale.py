@@ -58,7 +58,7 @@ def write_requests(path: Path, count: int) -> None:
     """`count` chat requests, SYSTEM_PROMPTS system prompts in turn, short user turns, 16 new
     tokens each (ignore_eos: the sim ends an answer early at its end-of-sequence token)."""
     systems = [json.dumps(f"You are assistant {k} of our support team. " + "Answer briefly, politely and "
-                          f"precisely; cite the manual where you can. " * (4 + k % 9))[1:-1] for k in range(SYSTEM_PROMPTS)]
+                          "precisely; cite the manual where you can. " * (4 + k % 9))[1:-1] for k in range(SYSTEM_PROMPTS)]
     head = '{"custom_id":"req-%d","method":"POST","url":"/v1/chat/completions","body":{"model":"tiny-llama",' \
            '"messages":[{"role":"system","content":"%s"},{"role":"user","content":"%s?"}],"max_tokens":16,"ignore_eos":true}}\n'
     with open(path, "w") as f:
@@ -72,12 +72,19 @@ def write_requests(path: Path, count: int) -> None:
         f.write("".join(chunk))
 
 
+# The parts of a process's PSS the peak is broken into (/proc/PID/smaps_rollup): its heap and
+# other private memory, the files it maps (segments, libraries), shared memory (the rings).
+PSS_PARTS = ("Pss_Anon", "Pss_File", "Pss_Shmem")
+
+
 class TreeSampler:
-    """The peak total PSS of a process and its descendants, sampled on a thread."""
+    """The peak total PSS of a process and its descendants, sampled on a thread, and its
+    parts (PSS_PARTS) at that peak."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
         self.peak_bytes = 0
+        self.peak_parts = dict.fromkeys(PSS_PARTS, 0)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -89,18 +96,32 @@ class TreeSampler:
                 tree += tree[0].children(recursive=True)
             except psutil.Error:
                 continue
-            total = 0
+            parts = dict.fromkeys(PSS_PARTS + ("Pss",), 0)
             for process in tree:
-                try:
-                    total += process.memory_full_info().pss
-                except psutil.Error:
-                    pass
-            self.peak_bytes = max(self.peak_bytes, total)
+                for key, value in _rollup(process.pid).items():
+                    parts[key] += value
+            if parts["Pss"] > self.peak_bytes:
+                self.peak_bytes = parts.pop("Pss")
+                self.peak_parts = parts
 
     def stop(self) -> int:
         self._stop.set()
         self._thread.join()
         return self.peak_bytes
+
+
+def _rollup(pid: int) -> dict[str, int]:
+    """A process's PSS and its PSS_PARTS in bytes; nothing for one gone meanwhile."""
+    found: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as rollup:
+            for line in rollup:
+                key, _, value = line.partition(":")
+                if key == "Pss" or key in PSS_PARTS:
+                    found[key] = int(value.split()[0]) * 1024
+    except (OSError, ValueError):
+        return {}
+    return found
 
 
 def run_job(source: Path, work: Path, tree: Path | None = None, kill_at_half: int | None = None) -> dict[str, Any]:
@@ -125,7 +146,8 @@ def run_job(source: Path, work: Path, tree: Path | None = None, kill_at_half: in
     wall_s = (time.monotonic_ns() - started_ns) / 1e9
     if job.returncode != 0 and not killed:
         raise RuntimeError(f"run-batch failed ({job.returncode}): {err[-2000:]}")
-    return {"wall_s": wall_s, "peak_pss_bytes": peak, "first_dispatch_s": _first_dispatch_s(data, started_ns),
+    return {"wall_s": wall_s, "peak_pss_bytes": peak, "peak_pss_parts_bytes": sampler.peak_parts,
+            "first_dispatch_s": _first_dispatch_s(data, started_ns),
             "killed": killed, "out": str(out), "data": str(data), "stderr_tail": err[-600:]}
 
 
@@ -282,14 +304,13 @@ def judge(figures: dict[str, Any]) -> list[Target]:
 
 
 def markdown(figures: dict[str, Any]) -> str:
-    head = ["tree", "requests", "requests/s", "peak total PSS MiB", "first dispatch s", "output"]
-    rows = [[figures["baseline_rev"], f"{figures['baseline']['requests']:,}",
-             f"{figures['baseline']['requests_per_s']:,.0f}", f"{figures['baseline']['peak_pss_bytes'] / 2**20:,.0f}",
-             _seconds(figures["baseline"]["first_dispatch_s"]), "ok" if figures["baseline"]["output_ok"] else "WRONG"]]
-    for count, row in sorted(figures["sizes"].items(), key=lambda kv: int(kv[0])):
-        rows.append(["this", f"{int(count):,}", f"{row['requests_per_s']:,.0f}",
-                     f"{row['peak_pss_bytes'] / 2**20:,.0f}", _seconds(row["first_dispatch_s"]),
-                     "ok" if row["output_ok"] else "WRONG"])
+    head = ["tree", "requests", "requests/s", "peak total PSS MiB", "of it anon / file / shmem MiB",
+            "first dispatch s", "output"]
+    runs = [(figures["baseline_rev"], figures["baseline"])]
+    runs += [("this", row) for _count, row in sorted(figures["sizes"].items(), key=lambda kv: int(kv[0]))]
+    rows = [[tree, f"{row['requests']:,}", f"{row['requests_per_s']:,.0f}", f"{row['peak_pss_bytes'] / 2**20:,.0f}",
+             " / ".join(f"{row.get('peak_pss_parts_bytes', {}).get(part, 0) / 2**20:,.0f}" for part in PSS_PARTS),
+             _seconds(row["first_dispatch_s"]), "ok" if row["output_ok"] else "WRONG"] for tree, row in runs]
     resume = figures["resume"]
     return (f"`pipeline run-batch --engine sim` (zero cost) on chat requests over {SYSTEM_PROMPTS} system prompts, "
             "16 new tokens each, the tiny model (Llama 3's turn tokens); each size a fresh command, total PSS of the "
