@@ -24,7 +24,6 @@ import contextlib
 import errno
 import json
 import os
-import shutil
 import socket
 import time
 from collections.abc import Callable
@@ -33,7 +32,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from pipeline.batchjob.answers import LOG_NAME, AnswerLog, log_fits_records
-from pipeline.batchjob.assemble import write_in_input_order
+from pipeline.batchjob.assemble import MERGE_DIR, write_in_input_order
 from pipeline.batchjob.collect import Collector, forget_answers
 from pipeline.batchjob.embeddings import served_by
 from pipeline.batchjob.layout import (
@@ -48,6 +47,7 @@ from pipeline.batchjob.manifest import (
     LINES_NAME,
     LOCK_NAME,
     MODEL_COPY_DIR,
+    MODEL_COPY_NEW_SUFFIX,
     SCAN_DIR,
     STATUS_NAME,
     JobManifest,
@@ -59,14 +59,8 @@ from pipeline.batchjob.manifest import (
     write_manifest,
 )
 from pipeline.batchjob.outfiles import OWN, OwnFiles, Publish, Target, identity, open_log
-from pipeline.batchjob.paths import (
-    OutputPath,
-    check_data_dir_is_the_jobs,
-    check_input,
-    check_outputs,
-    remove_data_dir,
-    replace_file,
-)
+from pipeline.batchjob.jobfiles import check_data_dir_is_the_jobs, remove_data_dir, remove_job_dir
+from pipeline.batchjob.paths import OutputPath, check_input, check_outputs, replace_file
 from pipeline.batchjob.progress import JobCounts, JobTracker, JobView
 from pipeline.batchjob.scan import InputScan, input_digest, read_index, scan_input, write_index
 from pipeline.batchjob.telemetry import JobTelemetry
@@ -92,7 +86,7 @@ SAVE_INTERVAL_S = 2.0
 # What a new job's prepare makes in its job directory before the manifest: the lock, the
 # scan's work files, the input's index.
 UNFINISHED_SCAN_NAMES = frozenset({LOCK_NAME, SCAN_DIR, INDEX_NAME, LINES_NAME, f".{LINES_NAME}.partial",
-                                   MODEL_COPY_DIR, f"{MODEL_COPY_DIR}.new"})
+                                   MODEL_COPY_DIR, f"{MODEL_COPY_DIR}{MODEL_COPY_NEW_SUFFIX}"})
 
 
 @dataclass(slots=True)
@@ -520,7 +514,7 @@ class BatchJob:
         errors = self.targets.get("error file")
         made = write_in_input_order(self.data_dir, os.path.join(self.data_dir, JOB_DIR, LOG_NAME), manifest.requests,
                                     lambda: Publish(output), (lambda: Publish(errors)) if errors else None,
-                                    os.path.join(self.data_dir, JOB_DIR, "merge"))
+                                    os.path.join(self.data_dir, JOB_DIR, MERGE_DIR))
         for target, done in zip((output, errors), made):
             self.own_files.made(target.path, done)
 
@@ -592,5 +586,5 @@ class BatchJob:
         elif self._created_data_dir:
             self.close(remove=True)
         else:
-            shutil.rmtree(os.path.join(self.data_dir, JOB_DIR), ignore_errors=True)
+            remove_job_dir(self.data_dir)
             self.close(remove=False)

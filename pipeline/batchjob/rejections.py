@@ -22,6 +22,9 @@ import os
 from pipeline.batchjob.manifest import JOB_DIR
 
 REJECTED_DIR = "rejected"
+# The logs' names (NAME.jsonl): a producer's p{index}-{pid}, the job's supervisor's, a Ray
+# driver's driver-{pid}.
+REJECTED_NAMES = r"(p\d+-\d+|supervisor|driver-\d+)\.jsonl"
 # A message is a sentence or two; one that runs longer (a template's exception text) is cut.
 MAX_MESSAGE_CHARS = 4096
 FILE_MODE = 0o600

@@ -77,6 +77,7 @@ from pipeline.runtime.local import (
     start_consumer,
     stop_process,
 )
+from pipeline.runtime.madefiles import RESULTS_DIR
 from pipeline.runtime.processes import memory_tier_dir
 from pipeline.runtime.prompttime import PromptTimer, process_cpu_ns, process_state
 from pipeline.runtime.settings import DEFAULT_CPU_CONSUMERS, LaunchSettings, engine_options_for_host
@@ -315,7 +316,7 @@ class Launcher:
         self._own_data_dir = settings.data_dir is None
         self.data_dir = settings.data_dir or tempfile.mkdtemp(prefix="shape-broker-")
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        self.results_dir = os.path.join(self.data_dir, "results", f"run-{stamp}-{os.getpid()}")
+        self.results_dir = os.path.join(self.data_dir, RESULTS_DIR, f"run-{stamp}-{os.getpid()}")
         self.config = broker_config(self.data_dir, settings.broker, "settings")  # checked by LaunchSettings
         self._consumer_settings = consumer_settings(settings.consumer, "settings")  # every consumer's, likewise
         self.gpus = detect_gpus()

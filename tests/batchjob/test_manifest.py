@@ -23,10 +23,11 @@ from pipeline.batchjob.manifest import (
     load_manifest,
     manifest_path,
     mismatch_error,
+    snapshot_model_files,
     write_manifest,
 )
 from pipeline.consumer.engines import EngineBatch, SimConfig, make_engine
-from pipeline.wire.errors import JobMismatchError
+from pipeline.wire.errors import JobMismatchError, JobPathError
 
 ENGINE_OPTIONS = {"seed": 1, "max_model_len": 2048, "dtype": "float16", "cpu_threads": 4,
                   "gpu_memory_utilization": 0.9}
@@ -304,3 +305,15 @@ def test_each_lora_adapter_is_pinned_by_its_files_contents(tmp_path, model_dir):
     assert after["LoRA adapter sql"] != before["LoRA adapter sql"]
     assert {k: v for k, v in after.items() if k != "LoRA adapter sql"} == \
         {k: v for k, v in before.items() if k != "LoRA adapter sql"}
+
+
+def test_the_copy_of_the_models_files_is_made_anew_and_a_file_of_the_users_in_it_stays(tmp_path: Path,
+                                                                                      model_dir: Path) -> None:
+    into = str(tmp_path / "job" / "model")
+    os.makedirs(into)
+    assert snapshot_model_files(str(model_dir), into) == into
+    assert sorted(os.listdir(into)) == sorted(name for name in MODEL_FILES if (model_dir / name).exists())
+    Path(into, "notes.txt").write_text("mine")
+    with pytest.raises(JobPathError, match=r"model holds notes.txt, which the job did not make"):
+        snapshot_model_files(str(model_dir), into)
+    assert Path(into, "notes.txt").read_text() == "mine"

@@ -134,3 +134,23 @@ def test_the_default_data_directory_goes_but_files_the_user_put_in_it_stay(tmp_p
     assert again.returncode == 0, again.stderr
     assert (data / "mine.txt").read_text() == "keep me" and sorted(os.listdir(data)) == ["mine.txt"]
     assert "was kept" in again.stderr
+
+
+def test_files_the_user_put_inside_the_data_directorys_folders_stay_and_are_named(tmp_path, job, model_dir):
+    out = tmp_path / "out.jsonl"
+    first = run_batch("-i", str(job), "-o", str(out), "--model", model_dir, "--keep-data-dir")
+    assert first.returncode == 0, first.stderr
+    data = tmp_path / "out.jsonl.run"
+    (run,) = (data / "results").iterdir()
+    theirs = {"job/notes.txt": "mine2", "results/mydir/x": "m3", "segments/keep.seg": "m4",
+              f"results/{run.name}/mine.txt": "m5"}
+    for name, text in theirs.items():
+        (data / name).parent.mkdir(exist_ok=True)
+        (data / name).write_text(text)
+    again = run_batch("-i", str(job), "-o", str(out), "--model", model_dir)
+    assert again.returncode == 0, again.stderr
+    assert {name: (data / name).read_text() for name in theirs} == theirs
+    left = sorted(str(p.relative_to(data)) for p in data.rglob("*"))
+    assert left == sorted({*theirs, "job", "results", "results/mydir", f"results/{run.name}", "segments"})
+    assert "was kept: it holds" in again.stderr and "job/notes.txt" in again.stderr, again.stderr
+    assert len(rows_by_id(out)) == 6
