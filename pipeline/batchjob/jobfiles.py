@@ -57,6 +57,10 @@ JOB_MADE = Made(
              (named(MERGE_DIR), MERGE_MADE),
              (named(REJECTED_DIR), Made(files=matching(REJECTED_NAMES)))))
 DATA_DIR_MADE = RUN_MADE.with_folders((named(JOB_DIR), JOB_MADE))
+# What a new job's prepare makes in its job directory before the manifest: the lock, the
+# scan's work files, the input's index, the copy of the model's files.
+UNFINISHED_SCAN_NAMES = frozenset({LOCK_NAME, SCAN_DIR, INDEX_NAME, LINES_NAME, f".{LINES_NAME}{PARTIAL_SUFFIX}",
+                                   MODEL_COPY_DIR, f"{MODEL_COPY_DIR}{MODEL_COPY_NEW_SUFFIX}"})
 
 
 def check_data_dir_is_the_jobs(data_dir: str, has_manifest: bool) -> None:
@@ -76,6 +80,17 @@ def check_data_dir_is_the_jobs(data_dir: str, has_manifest: bool) -> None:
         raise JobPathError(f"data directory {data_dir} exists and is not a batch job's: it holds {what} "
                            f"({', '.join(entries[:5])}{', ...' if len(entries) > 5 else ''}); give another "
                            f"--data-dir")
+
+
+def holds_unfinished_scan(data_dir: str) -> bool:
+    """The data directory holds only what a new job's prepare makes before its manifest
+    (UNFINISHED_SCAN_NAMES): a new job stopped there (kill -9), taken over by the same
+    command once the lock is free."""
+    try:
+        return (os.listdir(data_dir) == [JOB_DIR]
+                and set(os.listdir(os.path.join(data_dir, JOB_DIR))) <= UNFINISHED_SCAN_NAMES)
+    except OSError:
+        return False
 
 
 def remove_data_dir(data_dir: str, identity: tuple[int, int] | None = None) -> list[str]:

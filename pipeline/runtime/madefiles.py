@@ -21,8 +21,9 @@ batch job's files), so a file named otherwise is not the product's, whatever its
 - it returns what it left, relative to the top (a mount point marked so), for a message.
 
 `anything` marks a folder handed whole to a program that names its own files (vLLM's cache
-and temporary directory under `engine-cache/`): all of it is that program's, still never
-past a link or a mount point.
+and temporary directory under `engine-cache/`): all of it is that program's, links and
+sockets too (removing a link never touches what it points to), still never entered past a
+link or a mount point.
 
     kept = remove_made("/data/out.jsonl.run", made)   # ["job/notes.txt", "results (a mount point: ...)"]
 """
@@ -229,7 +230,7 @@ class _Walk:
             inner = made.folder(name) if stat.S_ISDIR(info.st_mode) else None
             if inner is not None:
                 self._folder(fd, name, info, inner, os.path.join(real, name), where)
-            elif made.file(name) and (stat.S_ISREG(info.st_mode) or stat.S_ISSOCK(info.st_mode)):
+            elif made.file(name) and (made.anything or stat.S_ISREG(info.st_mode) or stat.S_ISSOCK(info.st_mode)):
                 try:
                     os.unlink(name, dir_fd=fd)
                 except FileNotFoundError:
