@@ -21,7 +21,6 @@ leaves the older file, or none).
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
@@ -29,6 +28,7 @@ import numpy as np
 
 from pipeline.batchjob.answers import record_chunks
 from pipeline.wire.errors import JobOutputError
+from pipeline.runtime.madefiles import Made, matching, remove_made
 from shm.layout import checked_dtype, struct_for
 
 # Bytes of lines a bucket holds at most (a single request's line may exceed it alone): what
@@ -42,6 +42,10 @@ MAX_BUCKETS = 1024
 # Bytes of the log read at a time while the lines go to their buckets (one line longer than
 # it is read alone): what the merge holds besides a bucket, whatever the lines' sizes.
 DISTRIBUTE_READ_BYTES = 16 << 20
+# The merge's work folder (in the job directory) and what it holds: the buckets' files.
+MERGE_DIR = "merge"
+BUCKET_PREFIX = "bucket-"
+MERGE_MADE = Made(files=matching(BUCKET_PREFIX + r"\d{4}\.bin"))
 
 # A line's header in a bucket file.
 #   off  size  field        meaning
@@ -120,7 +124,7 @@ def write_in_input_order(data_dir: str, log_path: str, requests: int, out: Calla
             output.abandon()
             failed.abandon()
     finally:
-        shutil.rmtree(work_dir, ignore_errors=True)
+        remove_made(work_dir, MERGE_MADE)
 
 
 def _distribute(data_dir: str, log_path: str, bounds: np.ndarray, work_dir: str) -> None:
@@ -176,4 +180,4 @@ def _sorted_bucket(path: str) -> Iterator[tuple[bytes, int]]:
 
 
 def _bucket_path(work_dir: str, k: int) -> str:
-    return os.path.join(work_dir, f"bucket-{k:04d}.bin")
+    return os.path.join(work_dir, f"{BUCKET_PREFIX}{k:04d}.bin")

@@ -56,8 +56,10 @@ from pipeline.batchjob.output import (
 )
 from pipeline.batchjob.paths import replace_file
 from pipeline.batchjob.requests import ENDPOINTS, KIND_EMBEDDING, BatchRequest, parse_line
+from pipeline.batchjob.rejections import REJECTED_DIR
 from pipeline.batchjob.scan import MAX_REQUEST_LINE_BYTES, envelope
 from pipeline.reporting.accounting import ResultsSummary
+from pipeline.runtime.madefiles import RESULTS_DIR
 from pipeline.wire.errors import (
     AnswerLogWriteError,
     AnswerTextError,
@@ -68,8 +70,6 @@ from pipeline.wire.errors import (
 
 log = logging.getLogger("pipeline.job")
 
-RESULTS_DIR = "results"
-REJECTED_DIR = "rejected"
 COLLECTED_NAME = "collected.json"
 # Bytes of one file read per poll: a poll takes what a few seconds of a fast job wrote and
 # returns, so the launcher's watch loop keeps its pace.

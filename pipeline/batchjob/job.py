@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import socket
 import time
 from collections.abc import Callable
@@ -30,7 +29,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from pipeline.batchjob.answers import LOG_NAME, AnswerLog, log_fits_records
-from pipeline.batchjob.assemble import write_in_input_order
+from pipeline.batchjob.assemble import MERGE_DIR, write_in_input_order
 from pipeline.batchjob.collect import Collector, forget_answers
 from pipeline.batchjob.embeddings import served_by
 from pipeline.batchjob.jobstatus import WRITING
@@ -57,15 +56,13 @@ from pipeline.batchjob.manifest import (
     write_manifest,
 )
 from pipeline.batchjob.outfiles import OWN, OwnFiles, Publish, Target, identity, open_log
-from pipeline.batchjob.paths import (
-    OutputPath,
+from pipeline.batchjob.jobfiles import (
     check_data_dir_is_the_jobs,
-    check_input,
-    check_outputs,
+    holds_unfinished_scan,
     remove_data_dir,
-    replace_file,
-    unless_disk_full,
+    remove_job_dir,
 )
+from pipeline.batchjob.paths import OutputPath, check_input, check_outputs, replace_file, unless_disk_full
 from pipeline.batchjob.progress import JobCounts, JobTracker, JobView
 from pipeline.batchjob.scan import InputScan, input_digest, read_index, scan_input, write_index
 from pipeline.batchjob.telemetry import JobTelemetry
@@ -75,7 +72,9 @@ from pipeline.reporting.progress import DISK_FULL_ALERT
 from pipeline.runtime.datadir import check_data_dir, check_room, describe_holder, hold_lock, holder_gone, release_lock
 from pipeline.runtime.inventory import pending_payloads, producer_ring_names
 from pipeline.runtime.settings import LaunchSettings
+from pipeline.wire.dirpin import DirPin, moved_message, real_parent
 from pipeline.wire.errors import (
+    DataDirMovedError,
     FileOpError,
     GenerationParamsError,
     InputChangedError,
@@ -88,12 +87,6 @@ from pipeline.wire.generation import decode_payload
 OUTPUT_ORDERS = ("input", "completion")
 # How often the job's status file and the collector's read positions are saved while it runs.
 SAVE_INTERVAL_S = 2.0
-# What a new job's prepare makes in its job directory before the manifest: the lock, the
-# scan's work files, the input's index.
-UNFINISHED_SCAN_NAMES = frozenset({LOCK_NAME, SCAN_DIR, INDEX_NAME, LINES_NAME, f".{LINES_NAME}.partial",
-                                   MODEL_COPY_DIR, f"{MODEL_COPY_DIR}.new"})
-
-
 @dataclass(slots=True)
 class JobSpec:
     """What the user asked for (the command line, parsed and checked)."""
@@ -153,8 +146,9 @@ class BatchJob:
     def __init__(self, spec: JobSpec, say: Callable[[str], None], show: Callable[[JobView, float], None]) -> None:
         assert spec.output_order in OUTPUT_ORDERS, spec.output_order
         self.spec = spec
-        self.data_dir = spec.settings.data_dir
-        assert self.data_dir is not None
+        assert spec.settings.data_dir is not None
+        self.data_dir = real_parent(spec.settings.data_dir)
+        self.pin: DirPin | None = None  # the data directory as prepare checked it
         self.say = say
         self.show = show
         self._lock_fd = -1
@@ -187,7 +181,7 @@ class BatchJob:
         self._bind_metrics()
         input_path = check_input(spec.input_path)
         have = load_manifest(self.data_dir) if os.path.isdir(self.data_dir) else None
-        unfinished = have is None and self._unfinished_scan()
+        unfinished = have is None and holds_unfinished_scan(self.data_dir)
         check_data_dir_is_the_jobs(self.data_dir, has_manifest=have is not None or unfinished)
         self._new_job = have is None
         self.own_files = OwnFiles(self.data_dir, have.log_mark if have is not None else None)
@@ -195,6 +189,7 @@ class BatchJob:
         expects = check_outputs(outputs, input_path, self.data_dir, self.own_files.own, spec.overwrite)
         self._make_data_dir(have is None)
         self._lock()
+        self.pin = DirPin.take(self.data_dir)
         if unfinished:  # checked again under the lock: the scan of a new job made this directory
             self._created_data_dir = True
             self.say(f"run-batch: {self.data_dir} holds what a stopped check of an input left (no job was made "
@@ -232,16 +227,6 @@ class BatchJob:
         self.metrics_listener = bind_metrics_port(self.spec.settings.metrics_port)
         self.metrics_port = self.metrics_listener.getsockname()[1]
         self.say(f"run-batch: metrics: http://127.0.0.1:{self.metrics_port}/metrics")
-
-    def _unfinished_scan(self) -> bool:
-        """The data directory holds only what a new job's prepare makes before its manifest
-        (its lock, the scan's work files, the input's index): a new job stopped there (kill
-        -9), taken over by the same command once the lock is free."""
-        try:
-            return (os.listdir(self.data_dir) == [JOB_DIR]
-                    and set(os.listdir(os.path.join(self.data_dir, JOB_DIR))) <= UNFINISHED_SCAN_NAMES)
-        except OSError:
-            return False
 
     def _outputs(self) -> list[OutputPath]:
         spec = self.spec
@@ -385,14 +370,18 @@ class BatchJob:
         if not self._new_job:
             check_room(self.data_dir, holds_work=True)
         workload = JobWorkload(self.job_input, self.skip, self.manifest, self.model_files, self.data_dir,
-                               self.spec.limits, self.spec.chat_template)
+                               self.spec.limits, self.spec.chat_template, pin=self.pin)
         launcher = Launcher(self._run_settings(), workload, on_status=self._poll, summarize=self.collector.summary,
                             metrics=self.telemetry)
         launcher.metrics_listener, self.metrics_listener = self.metrics_listener, None
+        launcher.data_dir_pin = self.pin
         self.collector.tally(launcher.results_dir)
         try:
             outcome = launcher.run()
-        except BaseException:
+        except BaseException as failed:
+            moved = self.pin.moved()
+            if moved:  # whatever failed first, by path, failed for this: nothing is read or written there
+                raise DataDirMovedError(moved_message(self.data_dir, moved)) from failed
             try:  # what was answered before the failure is kept; the failure is what is said
                 self._catch_up()
             except Exception as exc:  # noqa: BLE001 - the first error stands
@@ -411,14 +400,15 @@ class BatchJob:
     def _run_settings(self) -> LaunchSettings:
         """The launch settings, with the sim's tokenizer read from the job's copy of the model's
         files (as the producers' is), not the model directory, which may change meanwhile."""
-        settings = self.spec.settings
+        settings = replace(self.spec.settings, data_dir=self.data_dir)
         options = settings.engine_options
         if options.get("tokenizer") == self.spec.model_dir:
             settings = replace(settings, engine_options={**options, "tokenizer": self.model_files})
         return settings
 
     def _poll(self, status, now_s: float) -> None:
-        """Every watch of the launcher: new answers into the log, progress, saved state."""
+        """Every watch of the launcher (each after its check of the data directory's pin):
+        new answers into the log, progress, saved state."""
         self.collector.collect()
         self.telemetry.observe(self.collector.latencies_s)
         self.collector.latencies_s.clear()
@@ -451,6 +441,7 @@ class BatchJob:
     def collect_all(self) -> None:
         """Every answer written so far into the log (a run's start and end); the read
         positions saved unless the disk is full (they are rebuilt from the log and results)."""
+        self.pin.check()
         while self.collector.collect():
             pass
         with unless_disk_full():
@@ -476,6 +467,7 @@ class BatchJob:
 
     def finish(self, code: int) -> tuple[int, JobSummary]:
         """The output once every request has its answer; the summary; the exit status."""
+        self.pin.check()
         log = self.log
         written = log.done == self.manifest.requests
         summary = self._summary(written)
@@ -522,7 +514,7 @@ class BatchJob:
         errors = self.targets.get("error file")
         made = write_in_input_order(self.data_dir, os.path.join(self.data_dir, JOB_DIR, LOG_NAME), manifest.requests,
                                     lambda: Publish(output), (lambda: Publish(errors)) if errors else None,
-                                    os.path.join(self.data_dir, JOB_DIR, "merge"))
+                                    os.path.join(self.data_dir, JOB_DIR, MERGE_DIR))
         for target, done in zip((output, errors), made):
             self.own_files.made(target.path, done)
 
@@ -577,7 +569,7 @@ class BatchJob:
             self.metrics_listener.close()
         left: list[str] = []
         if remove:
-            left = remove_data_dir(self.data_dir)
+            left = remove_data_dir(self.data_dir, self.pin.identity if self.pin is not None else None)
         if self._lock_fd >= 0:
             release_lock(self._lock_fd)
             self._lock_fd = -1
@@ -594,6 +586,6 @@ class BatchJob:
         elif self._created_data_dir:
             self.close(remove=True)
         else:
-            shutil.rmtree(os.path.join(self.data_dir, JOB_DIR), ignore_errors=True)
+            remove_job_dir(self.data_dir)
             self.close(remove=False)
 

@@ -38,12 +38,15 @@ import xxhash
 from pipeline.batchjob.paths import replace_file
 from pipeline.batchjob.scan import MAX_BATCH_REQUESTS
 from pipeline.batchjob.tools import ToolCalling
-from pipeline.wire.errors import JobMismatchError
+from pipeline.runtime.madefiles import Made, named, remove_made
+from pipeline.wire.errors import JobMismatchError, JobPathError
 from pipeline.wire.textfiles import read_small_file
 
 JOB_DIR = "job"
 MANIFEST_NAME = "manifest.json"
 MODEL_COPY_DIR = "model"
+# The next copy is made beside the current one under its name plus this, then renamed over it.
+MODEL_COPY_NEW_SUFFIX = ".new"
 # The job directory's other files (`job.py`, `scan.py`, `jobstatus.py`).
 LOCK_NAME = "lock"
 STATUS_NAME = "status.json"
@@ -59,6 +62,8 @@ MODEL_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                "generation_config.json", "special_tokens_map.json")
 # A model's weights, known by name, size and mtime: a new checkpoint in place changes them.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+# What the job's copy of the model holds: copies of MODEL_FILES, nothing else.
+MODEL_COPY_MADE = Made(files=named(*MODEL_FILES))
 # Engine options that change how fast or where a job runs, never what it answers: a resume
 # may change them (more GPU memory, another cache directory, the sim's cost model, more GPUs
 # per engine: tensor parallel reorders sums as another batch's composition does). Not the
@@ -270,8 +275,8 @@ def snapshot_model_files(model_dir: str, into: str) -> str:
     if os.path.isdir(into) and all(_copied(os.path.join(model_dir, name)) == _file_digest(os.path.join(into, name))
                                    for name in MODEL_FILES):
         return into
-    fresh = into + ".new"
-    shutil.rmtree(fresh, ignore_errors=True)
+    fresh = into + MODEL_COPY_NEW_SUFFIX
+    _clear_model_copy(fresh)
     os.mkdir(fresh, 0o700)
     for name in MODEL_FILES:
         try:
@@ -284,7 +289,7 @@ def snapshot_model_files(model_dir: str, into: str) -> str:
             with open(os.path.join(fresh, name), "xb") as copy:
                 os.fchmod(copy.fileno(), 0o600)
                 shutil.copyfileobj(source, copy, HASH_CHUNK_BYTES)
-    shutil.rmtree(into, ignore_errors=True)
+    _clear_model_copy(into)
     os.rename(fresh, into)
     return into
 
@@ -293,6 +298,15 @@ def _copied(path: str) -> str:
     """The digest a copy of the model file at `path` has: what is not copied is absent."""
     digest = _file_digest(path)
     return digest if digest.startswith("xxh3 ") else "absent"
+
+
+def _clear_model_copy(path: str) -> None:
+    """Remove a copy of the model's files (`MODEL_COPY_MADE`): JobPathError naming what a
+    user put there, which stays."""
+    kept = remove_made(path, MODEL_COPY_MADE)
+    if kept:
+        raise JobPathError(f"{path} holds {', '.join(kept[:5])}, which the job did not make: the job keeps its "
+                           f"copies of the model's files there; move them out and run the same command again")
 
 
 def _file_digest(path: str) -> str:

@@ -16,7 +16,9 @@ schema) and vLLM's `structured_outputs` ({json | regex | choice | grammar | json
 of them}) become one constraint (kind, spec) in the envelope, as vLLM merges them
 (response_format over structured_outputs; two constraints at once refused). A JSON schema
 is checked with jsonschema's meta-schema check (what draft its $schema names, else the
-latest), its nesting against vLLM's limit, its size against MAX_STRUCTURED_OUTPUT_BYTES.
+latest), its nesting against vLLM's limit, its size against MAX_STRUCTURED_OUTPUT_BYTES; a
+regex or a grammar, once its size is checked, against what vLLM refuses whichever of its
+backends reads it (`constraints.py`: without vLLM, what all of them refuse).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import json
 import math
 from typing import Any
 
+from pipeline.batchjob.constraints import grammar_problem, regex_problem
 from pipeline.batchjob.scan import invalid_type, invalid_value, show
 from pipeline.wire.errors import GenerationParamsError
 from pipeline.wire.generation import (
@@ -254,6 +257,10 @@ def structured_output(given: dict[str, Any]) -> tuple[str, str] | None:
         raise Refused(f"the structured-output constraint is {len(found[1].encode('utf-8', 'surrogatepass')):,} "
                       f"bytes of JSON, more than the {MAX_STRUCTURED_OUTPUT_BYTES:,} this job carries per request",
                       "response_format" if from_format is not None else "structured_outputs")
+    if found is not None and found[0] in ("regex", "grammar"):  # its syntax, once its size is known to be bounded
+        problem = (regex_problem if found[0] == "regex" else grammar_problem)(found[1])
+        if problem is not None:
+            raise Refused(problem, f"structured_outputs.{found[0]}")
     return found
 
 

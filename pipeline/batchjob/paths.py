@@ -11,14 +11,11 @@ device, a FIFO, a socket, a directory or a symlink's target.
   user allows to be replaced (`--overwrite`). Their directories must be writable: a probe
   file is made and removed there before anything runs, so an unwritable directory is not
   found after every request ran.
-- Its data directory is absent (created now), empty, or a job's own (it holds a job
-  manifest). A directory of other files (the user's, or a store `pipeline launch` or
-  `pipeline produce` made) is refused: its items and results are not this job's.
+- Its data directory: what it may hold when the job takes it, and what the job removes of it
+  at the end, are `jobfiles.py`'s.
 - A file is replaced by writing a new one and renaming it over (`replace_file`): an unnamed
   temporary file (O_TMPFILE) linked in at the end, so a kill in the middle leaves nothing;
   where the file system has no O_TMPFILE, a named one that the next run removes.
-- At the end, the default data directory is removed entry by entry, only the entries the
-  product makes (`PRODUCT_ENTRIES`); anything else found there stays, with the directory.
 """
 
 from __future__ import annotations
@@ -26,22 +23,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import shutil
 import stat
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from pipeline.runtime.datadir import check_not_shared
 from pipeline.wire import fileops
 from pipeline.wire.errors import JobPathError
 from pipeline.wire.fileops import errno_text
 
-# What the product makes in a data directory (the store, its catalog and lineage, the
-# broker's state and namespace, the run's pid and lock files, results, the job's own files,
-# quarantined damage, the vLLM cache of a temporary directory).
-PRODUCT_ENTRIES = frozenset({"segments", "segments.catalog", "segments.catalog.mirror", "shapes.lineage",
-                             "broker-state.json", "shm-namespace", "run", "results", "job", "quarantine",
-                             "engine-cache"})
 # The suffix of a named temporary file beside a file being replaced (where O_TMPFILE is not
 # supported): fixed, so that the next run finds and removes one a kill left.
 PARTIAL_SUFFIX = ".partial"
@@ -61,11 +50,11 @@ class OutputPath:
 
 def check_input(path: str) -> str:
     """The input's absolute path: an existing regular file."""
-    info = _stat(path, follow=True)
+    info = stat_or_none(path, follow=True)
     if info is None:
         raise JobPathError(f"input file {path}: does not exist")
     if not stat.S_ISREG(info.st_mode):
-        raise JobPathError(f"input file {path}: not a regular file ({_kind(info)}): a batch file is read twice, "
+        raise JobPathError(f"input file {path}: not a regular file ({path_kind(info)}): a batch file is read twice, "
                            f"checked then run")
     return os.path.abspath(path)
 
@@ -86,7 +75,7 @@ def check_outputs(outputs: list[OutputPath], input_path: str, data_dir: str, own
             raise JobPathError(f"{out.role} {out.path} is inside the data directory {data_dir}, which the job "
                                f"removes when it is done: put it elsewhere")
         seen[real] = f"the {out.role}"
-        info = _stat(out.path, follow=False)
+        info = stat_or_none(out.path, follow=False)
         expects.append("absent" if info is None else _check_existing(out, info, input_path, own, overwrite))
         probe_directory(os.path.dirname(out.path) or ".", out)
     return expects
@@ -98,7 +87,7 @@ def _check_existing(out: OutputPath, info: os.stat_result, input_path: str, own:
         raise JobPathError(f"{out.role} {out.path} is a symbolic link: give the path it points to, if that is "
                            f"what you mean (the job never writes through a link)")
     if not stat.S_ISREG(info.st_mode):
-        raise JobPathError(f"{out.role} {out.path} is {_kind(info)}, not a regular file: the job writes only "
+        raise JobPathError(f"{out.role} {out.path} is {path_kind(info)}, not a regular file: the job writes only "
                            f"regular files (for no output at all, use a scratch file)")
     if os.path.samefile(out.path, input_path):
         raise JobPathError(f"{out.role} {out.path} is the input file: it would be replaced")
@@ -129,45 +118,6 @@ def probe_directory(directory: str, out: OutputPath) -> None:
         os.unlink(probe)
     except OSError as exc:
         raise JobPathError(f"{out.role} {out.path}: cannot write in {directory}: {errno_text(exc)}") from exc
-
-
-def check_data_dir_is_the_jobs(data_dir: str, has_manifest: bool) -> None:
-    """A data directory a job may use: absent, empty, or a job's own (`has_manifest`); never
-    a shared system directory (/, /tmp: `check_not_shared`)."""
-    check_not_shared(data_dir)
-    info = _stat(data_dir, follow=False)
-    if info is None or has_manifest:
-        return
-    if not stat.S_ISDIR(info.st_mode):
-        raise JobPathError(f"data directory {data_dir} is {_kind(info)}, not a directory")
-    entries = sorted(os.listdir(data_dir))
-    if entries:
-        product = [name for name in entries if name in PRODUCT_ENTRIES]
-        what = ("a store or results of another run (pipeline launch or produce): its items are not this job's"
-                if product else "files that are not the product's")
-        raise JobPathError(f"data directory {data_dir} exists and is not a batch job's: it holds {what} "
-                           f"({', '.join(entries[:5])}{', ...' if len(entries) > 5 else ''}); give another "
-                           f"--data-dir")
-
-
-def remove_data_dir(data_dir: str) -> list[str]:
-    """Remove what the product made in `data_dir`, then the directory if nothing else is in
-    it; the names left behind (not the product's), for a warning."""
-    left = []
-    for name in sorted(os.listdir(data_dir)):
-        path = os.path.join(data_dir, name)
-        if name not in PRODUCT_ENTRIES:
-            left.append(name)
-        elif os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            _unlink_quietly(path)
-    if not left:
-        try:
-            os.rmdir(data_dir)
-        except OSError:
-            left = sorted(os.listdir(data_dir))
-    return left
 
 
 class ChunkBuffer:
@@ -249,7 +199,7 @@ def partial_path(path: str) -> str:
 def remove_partial(path: str) -> None:
     """Remove the named temporary file a kill left beside `path` (a regular file only)."""
     partial = partial_path(path)
-    info = _stat(partial, follow=False)
+    info = stat_or_none(partial, follow=False)
     if info is not None and stat.S_ISREG(info.st_mode):
         _unlink_quietly(partial)
 
@@ -289,7 +239,7 @@ def _unlink_quietly(path: str) -> None:
         pass
 
 
-def _stat(path: str, follow: bool) -> os.stat_result | None:
+def stat_or_none(path: str, follow: bool) -> os.stat_result | None:
     try:
         return os.stat(path) if follow else os.lstat(path)
     except FileNotFoundError:
@@ -298,7 +248,7 @@ def _stat(path: str, follow: bool) -> os.stat_result | None:
         raise JobPathError(f"{path}: cannot be checked ({exc.strerror})") from exc
 
 
-def _kind(info: os.stat_result) -> str:
+def path_kind(info: os.stat_result) -> str:
     mode = info.st_mode
     for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
                        (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),

@@ -20,8 +20,12 @@ import json
 import os
 
 from pipeline.batchjob.manifest import JOB_DIR
+from pipeline.wire.dirpin import DirPin
 
 REJECTED_DIR = "rejected"
+# The logs' names (NAME.jsonl): a producer's p{index}-{pid}, the job's supervisor's, a Ray
+# driver's driver-{pid}.
+REJECTED_NAMES = r"(p\d+-\d+|supervisor|driver-\d+)\.jsonl"
 # A message is a sentence or two; one that runs longer (a template's exception text) is cut.
 MAX_MESSAGE_CHARS = 4096
 FILE_MODE = 0o600
@@ -30,7 +34,11 @@ FILE_MODE = 0o600
 class RejectionLog:
     """See the module's doc. `close()` is explicit."""
 
-    def __init__(self, data_dir: str, name: str) -> None:
+    def __init__(self, data_dir: str, name: str, pin: DirPin | None = None) -> None:
+        """`pin`: the data directory as the job checked it (DataDirMovedError, nothing made,
+        when its path leads elsewhere now)."""
+        if pin is not None:
+            pin.check()
         folder = os.path.join(data_dir, JOB_DIR, REJECTED_DIR)
         os.makedirs(folder, mode=0o700, exist_ok=True)
         self.path = os.path.join(folder, f"{name}.jsonl")

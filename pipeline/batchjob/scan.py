@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -48,6 +47,7 @@ from pipeline.batchjob.layout import (
     INDEX_VERSION,
     LINE_DIGEST_DTYPE,
 )
+from pipeline.runtime.madefiles import Made, matching, remove_made
 from pipeline.wire.errors import BatchFileError
 from pipeline.wire.textfiles import file_kind, listed
 from shm.layout import checked_dtype
@@ -83,6 +83,9 @@ READ_BLOCK_BYTES = 4 << 20
 SPILL_PARTITIONS = 256
 # Records gathered before they are spilled (2 MiB); a file of fewer requests never spills.
 SPILL_BUFFER_RECORDS = 1 << 16
+# The spilled partitions' files in the scan's work folder, and what it holds: nothing else.
+SPILL_PREFIX = "ids-"
+SCAN_MADE = Made(files=matching(SPILL_PREFIX + r"\d{3}\.bin"))
 # The keys of a request line, all required, nothing else (OpenAI's request input object).
 LINE_KEYS = ("custom_id", "method", "url", "body")
 # The Batch API's one method (OpenAI: "Currently only POST is supported").
@@ -272,7 +275,7 @@ class DigestSpill:
 
     def _spill(self) -> None:
         if not self.spilled:  # what a killed scan spilled there is of another pass
-            shutil.rmtree(self.work_dir, ignore_errors=True)
+            remove_made(self.work_dir, SCAN_MADE)
             os.makedirs(self.work_dir, mode=0o700, exist_ok=True)
             self.spilled = True
         records = self.buffer[:self.filled]
@@ -284,7 +287,7 @@ class DigestSpill:
         self.filled = 0
 
     def _part_path(self, k: int) -> str:
-        return os.path.join(self.work_dir, f"ids-{k:03d}.bin")
+        return os.path.join(self.work_dir, f"{SPILL_PREFIX}{k:03d}.bin")
 
     def parts(self) -> Iterator[np.ndarray]:
         """Each partition's records, k = 0 to SPILL_PARTITIONS - 1, one at a time (empty
@@ -303,7 +306,7 @@ class DigestSpill:
 
     def close(self) -> None:
         if self.spilled:
-            shutil.rmtree(self.work_dir, ignore_errors=True)
+            remove_made(self.work_dir, SCAN_MADE)
 
 
 # What the pass hands each request line to, as it reads it (`scan_input`'s on_request):

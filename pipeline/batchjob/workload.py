@@ -52,6 +52,7 @@ from pipeline.batchjob.requests import PROMPT_PARAMS, BatchRequest, parse_line
 from pipeline.batchjob.sampling import ModelFacts
 from pipeline.batchjob.scan import MAX_REQUEST_LINE_BYTES, read_index, read_line_digests
 from pipeline.producer.workload import WorkItem, Workload
+from pipeline.wire.dirpin import DirPin
 from pipeline.wire.errors import BadInputError, InputChangedError, JobPathError
 from pipeline.wire.generation import LORA_FIRST_MODEL, GenerationParams
 
@@ -114,7 +115,7 @@ class JobWorkload(Workload):
     feed_chunk_items = 4096
 
     def __init__(self, job_input: JobInput, skip: np.ndarray, manifest: JobManifest, model_dir: str, data_dir: str,
-                 limits: PromptLimits, chat_template: str | None = None) -> None:
+                 limits: PromptLimits, chat_template: str | None = None, pin: DirPin | None = None) -> None:
         todo = job_input.requests - int(np.unpackbits(skip, bitorder="little")[:job_input.requests].sum())
         # the served model's items and each LoRA adapter's (its model id LORA_FIRST_MODEL + k)
         models = (JOB_MODEL, *range(LORA_FIRST_MODEL, LORA_FIRST_MODEL + len(manifest.adapters)))
@@ -125,6 +126,7 @@ class JobWorkload(Workload):
         self.model_dir = model_dir
         self.chat_template = chat_template  # --chat-template's, over the model directory's
         self.data_dir = data_dir
+        self.pin = pin  # the data directory as the job checked it: nothing is made by path elsewhere
         self.limits = limits
         self.busy_limit_s = limits.time_s
         self._facts: ModelFacts | None = None  # read in the process that makes items
@@ -179,7 +181,7 @@ class JobWorkload(Workload):
         tokenizer.max_text_bytes = self.limits.memory_bytes // TOKENIZE_BYTES_PER_TEXT_BYTE
         self.model_facts(tokenizer)  # read before the memory limit, as the tokenizer is
         limit_memory(self.limits.memory_bytes)
-        log = RejectionLog(self.data_dir, f"p{producer_index}-{os.getpid()}")
+        log = RejectionLog(self.data_dir, f"p{producer_index}-{os.getpid()}", self.pin)
         positions: deque[tuple[int, int]] = deque()  # (items yielded, the last one's index)
         try:
             items = self._items(first, end, tokenizer, log, watch, stop, positions)
@@ -193,6 +195,8 @@ class JobWorkload(Workload):
 
             submit(items, on_submitted)
         except InputChangedError as exc:  # the job stops, saying so (`BatchJob.finish`)
+            if self.pin is not None:
+                self.pin.check()
             replace_file(os.path.join(self.data_dir, JOB_DIR, INPUT_CHANGED_NAME), [str(exc).encode()])
             raise
         finally:
@@ -368,7 +372,7 @@ class JobWorkload(Workload):
         launcher starts again (forked from this process after this call)."""
         self.skip[position >> 3] |= np.uint8(1 << (position & 7))
         for index, _line, offset, raw in self.lines(position, position + 1):
-            log = RejectionLog(self.data_dir, "supervisor")
+            log = RejectionLog(self.data_dir, "supervisor", self.pin)
             try:
                 log.reject((index, offset, len(raw), xxhash.xxh3_64_intdigest(raw)), HTTP_BAD_REQUEST,
                            f"making this request's prompt was stopped: {why}", None)

@@ -22,6 +22,8 @@ LOCK_NAME = "broker.lock"
 STATE_NAME = BROKER_STATE_NAME
 # A state file that does not parse is kept, renamed with this suffix (and a time), as evidence.
 DAMAGED_SUFFIX = ".damaged"
+# The state file is written under its name plus this suffix, then renamed over it.
+TEMPORARY_SUFFIX = ".tmp"
 
 
 class BrokerState:
@@ -57,7 +59,7 @@ class BrokerState:
                 self.lost = True
 
     def save(self) -> None:
-        temporary = self.path + ".tmp"
+        temporary = self.path + TEMPORARY_SUFFIX
         fd = fileops.open_fd(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.fchmod(fd, 0o600)  # owner-only whatever the umask (SPEC §12)

@@ -36,7 +36,7 @@ from pipeline.cli.launch import ENGINE_OPTIONS_HELP, MAX_BATCH_TOKENS_HELP, METR
 from pipeline.cli.numbers import FiniteFloat
 from pipeline.consumer.engines import ENGINES
 from pipeline.runtime.tables import merged, parse_assignments, parse_engine_options
-from pipeline.wire.errors import BadInputError, PipelineError, SettingsError
+from pipeline.wire.errors import BadInputError, DataDirMovedError, PipelineError, SettingsError
 
 # The data directory a job uses when none is given: beside its output file, so that the
 # same command finds it again after a crash.
@@ -308,6 +308,8 @@ def _run(job: BatchJob, spec: JobSpec, ray_address: str | None, ray_route: str, 
                 code = job.run()
         except KeyboardInterrupt:
             code = 130
+        except DataDirMovedError:
+            raise  # nothing more is read or written there: said once, as the command's error
         except (ValueError, RuntimeError, TimeoutError, OSError, PipelineError) as exc:
             click.echo(f"run-batch: {exc}", err=True)
             code = 1

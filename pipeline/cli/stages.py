@@ -45,6 +45,7 @@ from pipeline.runtime.datadir import (
     prepare_data_dir,
 )
 from pipeline.runtime.gpus import gpus_per_engine
+from pipeline.runtime.madefiles import RESULTS_DIR
 from pipeline.runtime.processes import DURABILITY_LEVELS, STORAGE_KINDS
 from pipeline.runtime.settings import (
     DEFAULT_MAX_BATCH_ITEMS,
@@ -67,7 +68,6 @@ STOP_TIMEOUT_RANGE_S = (0.0, 86_400.0)
 # While its producers wait for the broker (a full disk, a broker that does not answer),
 # `produce` says so again this often.
 PRODUCE_WAIT_REPORT_S = 30.0
-RESULTS_DIR = "results"
 
 data_dir_option = click.option("--data-dir", required=True, type=click.Path(file_okay=False),
                                help="The pipeline's data directory.")

@@ -71,6 +71,7 @@ from pipeline.consumer.results import (
     result_lines,
 )
 from pipeline.consumer.session import BrokerSession
+from pipeline.wire.dirpin import DirPin
 from pipeline.wire.errors import (
     EntryCompletedError,
     GenerationParamsError,
@@ -256,6 +257,7 @@ class Consumer:
             log.warning("%s: results disk full: %s; the consumer waits for space", config.name, exc)
         self.counters = ConsumerCounters()
         self._reader: SegmentReader | None = None
+        self._pin: DirPin | None = None  # the data directory as the first session found it
         self._checks_sent: dict[str, int] = {}  # the engine's check_totals as last reported
 
     def _open_results(self) -> None:
@@ -343,8 +345,10 @@ class Consumer:
             self._reader = None
 
     def _serve(self, session: BrokerSession, stop) -> None:
+        if self._pin is None or self._pin.path != session.data_dir:
+            self._pin = DirPin.take(session.data_dir)  # the first time: the folder the broker serves
         if self._reader is None or self._reader.root != os.path.join(session.data_dir, SEGMENTS_DIR):
-            self._reader = SegmentReader(session.data_dir)
+            self._reader = SegmentReader(session.data_dir, pin=self._pin)
         credit = self._credit_window(session.ring)
         session.send({"type": "request_work", "credit": credit.start()})
         pace = _Pace()

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
+from pipeline.wire.dirpin import DirPin, moved_message
 from pipeline.wire.errors import EntryCompletedError, SegmentCorruptError, SegmentReadError
 from pipeline.wire.layouts import (
     ENTRY_CHECKSUM_FROM,
@@ -124,8 +125,12 @@ class SegmentReader:
     engine still holds keeps its mapping alive until the view goes).
     """
 
-    def __init__(self, data_dir: str, open_maps_max: int = DEFAULT_OPEN_MAPS_MAX, verify_checksums: bool = True) -> None:
+    def __init__(self, data_dir: str, open_maps_max: int = DEFAULT_OPEN_MAPS_MAX, verify_checksums: bool = True,
+                 pin: DirPin | None = None) -> None:
+        """`pin`: the data directory as the consumer first found it: a segment missing because
+        its path leads elsewhere now is not read (SegmentReadError), never taken for damage."""
         self.root = os.path.join(data_dir, SEGMENTS_DIR)
+        self.pin = pin
         self.open_maps_max = open_maps_max
         self.verify_checksums = verify_checksums
         self._maps: OrderedDict[str, _Mapping] = OrderedDict()
@@ -151,6 +156,9 @@ class SegmentReader:
                     raise SegmentCorruptError(f"{path}: {info.st_size} bytes, but an entry is said to end at {end}")
                 mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
         except FileNotFoundError as exc:  # the broker deletes only what is completed: damage
+            moved = self.pin.moved() if self.pin is not None else ""
+            if moved:
+                raise SegmentReadError(f"{path}: cannot be read: {moved_message(self.pin.path, moved)}") from None
             raise SegmentCorruptError(f"{path}: the segment file is gone ({exc.strerror})") from None
         except OSError as exc:  # EMFILE, ENOMEM, EACCES...: the entries are intact, try later
             raise SegmentReadError(f"{path}: cannot map the segment now ({exc.strerror})") from None

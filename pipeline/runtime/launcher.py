@@ -77,6 +77,7 @@ from pipeline.runtime.local import (
     start_consumer,
     stop_process,
 )
+from pipeline.runtime.madefiles import RESULTS_DIR
 from pipeline.runtime.processes import memory_tier_dir
 from pipeline.runtime.prompttime import PromptTimer, process_cpu_ns, process_state
 from pipeline.runtime.settings import DEFAULT_CPU_CONSUMERS, LaunchSettings, engine_options_for_host
@@ -90,7 +91,8 @@ from pipeline.runtime.tables import (
     shown,
 )
 from pipeline.wire.client import broker_status
-from pipeline.wire.errors import PipelineError, ProducerStoppedError
+from pipeline.wire.dirpin import DirPin, moved_message
+from pipeline.wire.errors import DataDirMovedError, PipelineError, ProducerStoppedError
 from pipeline.wire.status import BrokerStatus
 
 log = logging.getLogger("pipeline.launch")
@@ -312,10 +314,13 @@ class Launcher:
         # The metrics port's socket (`bind_metrics_port`), bound by `run` unless its owner bound
         # it before its own long work; the MetricsServer's once it serves.
         self.metrics_listener: socket.socket | None = None
+        # The data directory as its owner checked it (a batch job's), else as `run` finds it:
+        # the run stops once its path leads elsewhere (`pipeline.wire.dirpin`).
+        self.data_dir_pin: DirPin | None = None
         self._own_data_dir = settings.data_dir is None
         self.data_dir = settings.data_dir or tempfile.mkdtemp(prefix="shape-broker-")
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        self.results_dir = os.path.join(self.data_dir, "results", f"run-{stamp}-{os.getpid()}")
+        self.results_dir = os.path.join(self.data_dir, RESULTS_DIR, f"run-{stamp}-{os.getpid()}")
         self.config = broker_config(self.data_dir, settings.broker, "settings")  # checked by LaunchSettings
         self._consumer_settings = consumer_settings(settings.consumer, "settings")  # every consumer's, likewise
         self.gpus = detect_gpus()
@@ -366,6 +371,8 @@ class Launcher:
                              memory_tier=self.settings.storage == "memory")
             held = claim_data_dir(self.data_dir, needs)
             try:
+                self.data_dir_pin = self.data_dir_pin or DirPin.take(self.data_dir)
+                self.data_dir_pin.check()
                 return self._run()
             finally:
                 self._kill_left()
@@ -393,11 +400,16 @@ class Launcher:
         try:
             self._start()
             final, why = self._watch(stop)
+            self.data_dir_pin.check()  # a process that failed as its files went away failed for this
             code = {"completed": EXIT_OK, "interrupted": EXIT_INTERRUPTED}.get(why, EXIT_FAILED)
-        except BaseException:
+        except BaseException as failed:
             # A start that failed (a broker that cannot start, a metrics port in use): stop
-            # what did start and remove what it left, keeping whatever holds work.
+            # what did start and remove what it left, keeping whatever holds work. A data
+            # directory that moved is left as a kill leaves it: nothing is touched by path.
             self._stop(final, completed=False)
+            moved = self.data_dir_pin.moved()
+            if moved:
+                raise DataDirMovedError(moved_message(self.data_dir, moved)) from failed
             self._keep_everything(ring_stock(producer_ring_names(self.data_dir)))
             raise
         final = self._stop(final, completed=why == "completed")
@@ -486,6 +498,7 @@ class Launcher:
         while True:
             if stop():
                 return status, "interrupted"
+            self.data_dir_pin.check()
             self._supervise()
             failed = self._failure()
             if failed:

@@ -33,7 +33,8 @@ from pipeline.broker.storage.disk import DiskTier
 from pipeline.consumer.process import Consumer, ConsumerConfig
 from pipeline.runtime.datadir import owner_only_umask, prepare_data_dir
 from pipeline.runtime.signals import stop_on_signals
-from pipeline.wire.errors import ConfigError, DurabilityError, PipelineError, ShapeGuardError
+from pipeline.wire.dirpin import DirPin, moved_message
+from pipeline.wire.errors import ConfigError, DataDirMovedError, DurabilityError, PipelineError, ShapeGuardError
 from pipeline.wire.layouts import BROKER_STATE_NAME
 from pipeline.wire.protocol import DURABILITY_LEVELS
 
@@ -137,6 +138,7 @@ def serve_broker(config: BrokerConfig, storage: str = "disk", durability: str = 
     owner_only_umask()
     try:
         prepare_data_dir(config.data_dir)  # owner-only, or refused (another user could change it)
+        pin = DirPin.take(config.data_dir)
         lock_fd = lock_run_dir(config.run_dir)  # before recovery touches any file
         ensure_namespace(config.data_dir, ran_before=os.path.exists(os.path.join(config.data_dir, BROKER_STATE_NAME)))
         opened = open_storage(config.data_dir, storage, durability, open_files_budget(config))
@@ -154,15 +156,23 @@ def serve_broker(config: BrokerConfig, storage: str = "disk", durability: str = 
     if on_ready is not None:
         on_ready()
     quiet_gc()
+    fatal = False
     try:
         broker.run(stop)
-    except (ShapeGuardError, DurabilityError) as exc:
+    except (ShapeGuardError, DurabilityError, DataDirMovedError) as exc:
         log.critical("FATAL, stopping the broker: %s", exc)
+        fatal = True
         return EXIT_FATAL
     finally:
         if metrics is not None:
             metrics.close()
-        _close_broker(broker, opened)
+        # A data directory that moved is left as a kill leaves it (closing writes and
+        # removes by path): the next broker on it recovers it once it is back.
+        moved = pin.moved()
+        if not moved:
+            _close_broker(broker, opened)
+        elif not fatal:
+            log.warning("stopping without closing its files: %s", moved_message(config.data_dir, moved))
     return EXIT_OK
 
 

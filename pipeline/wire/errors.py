@@ -46,6 +46,9 @@ raises one of these, with the offending value, path and byte offset in the messa
     ├── DataDirError                         a data directory (or one of its directories)
     │   │                                    owned by another user or writable by group or
     │   │                                    others: refused, with how to fix it
+    │   ├── DataDirMovedError                the data directory's path no longer leads to the
+    │   │                                    folder the run started in (moved, or a link put
+    │   │                                    in its place): the run stops, writing nowhere else
     │   └── LiveRunError                     a live run holds it (its broker or its
     │       │                                launcher): `tools cleanup` refuses, and no
     │       │                                clean-up removes anything of it
@@ -231,6 +234,14 @@ class DataDirError(PipelineError):
     by another user or writable by group or others (who could replace its files: the
     socket, the segments), or it is not a directory. Nothing was read or written there; the
     message names the path, its owner and mode, and how to fix it."""
+
+
+class DataDirMovedError(DataDirError):
+    """The data directory's path no longer leads to the folder the run checked and started in
+    (`pipeline.wire.dirpin`): the folder, or one above it, was moved or removed, or a link or
+    another folder was put at its name while the run went on. Nothing more is written by
+    path: the run stops there. The message names the path, what it leads to now, and that
+    the same command continues once the folder is back."""
 
 
 class JobMismatchError(DataDirError):

@@ -23,10 +23,11 @@ from pipeline.batchjob.manifest import (
     load_manifest,
     manifest_path,
     mismatch_error,
+    snapshot_model_files,
     write_manifest,
 )
 from pipeline.consumer.engines import EngineBatch, SimConfig, make_engine
-from pipeline.wire.errors import JobMismatchError
+from pipeline.wire.errors import JobMismatchError, JobPathError
 
 ENGINE_OPTIONS = {"seed": 1, "max_model_len": 2048, "dtype": "float16", "cpu_threads": 4,
                   "gpu_memory_utilization": 0.9}
@@ -325,3 +326,17 @@ def test_the_model_directory_and_adapters_are_pinned_by_content_not_by_how_their
     other = depends_on(str(moved), "sim", {"tokenizer": str(tmp_path / "elsewhere"), "lora_modules": [
         {"name": "sql", "path": "adapter"}]}, 2047)
     assert other["engine option tokenizer"] != again["engine option tokenizer"]  # another tokenizer: named
+
+
+def test_the_copy_of_the_models_files_is_made_anew_and_a_file_of_the_users_in_it_stays(tmp_path: Path,
+                                                                                      model_dir: Path) -> None:
+    into = str(tmp_path / "job" / "model")
+    os.makedirs(into)
+    assert snapshot_model_files(str(model_dir), into) == into
+    assert sorted(os.listdir(into)) == sorted(name for name in MODEL_FILES if (model_dir / name).exists())
+    Path(into, "notes.txt").write_text("mine")
+    assert snapshot_model_files(str(model_dir), into) == into  # the same bytes: kept as it is
+    (model_dir / "tokenizer_config.json").write_text('{"bos_token": "<b>"}')  # another file: made anew
+    with pytest.raises(JobPathError, match=r"model holds notes.txt, which the job did not make"):
+        snapshot_model_files(str(model_dir), into)
+    assert Path(into, "notes.txt").read_text() == "mine"

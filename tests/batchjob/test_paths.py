@@ -18,15 +18,12 @@ import pytest
 
 from pipeline.batchjob.paths import (
     PARTIAL_SUFFIX,
-    PRODUCT_ENTRIES,
     WRITE_CHUNK_BYTES,
     OutputPath,
     ReplacingFile,
-    check_data_dir_is_the_jobs,
     check_input,
     check_outputs,
     partial_path,
-    remove_data_dir,
     remove_partial,
     replace_file,
 )
@@ -184,82 +181,6 @@ def test_an_output_in_a_directory_the_job_cannot_write_is_refused_before_the_job
             shutil.rmtree(top)
 
 
-# --- the data directory -----------------------------------------------------------------------
-
-
-def test_a_data_directory_absent_empty_or_a_jobs_own_is_taken(job: Path) -> None:
-    check_data_dir_is_the_jobs(str(job / "data"), has_manifest=False)
-    (job / "data").mkdir()
-    check_data_dir_is_the_jobs(str(job / "data"), has_manifest=False)
-    (job / "data" / "segments").mkdir()
-    (job / "data" / "notes.txt").write_text("x")
-    check_data_dir_is_the_jobs(str(job / "data"), has_manifest=True)
-
-
-@pytest.mark.parametrize("entry", sorted(PRODUCT_ENTRIES - {"job"}) + ["job"])
-def test_a_data_directory_of_another_run_is_refused(job: Path, entry: str) -> None:
-    (job / "data").mkdir()
-    (job / "data" / entry).mkdir()
-    with pytest.raises(JobPathError, match=f"holds a store or results of another run .*\\({entry}\\); give another"):
-        check_data_dir_is_the_jobs(str(job / "data"), has_manifest=False)
-
-
-def test_a_data_directory_of_the_users_files_is_refused_naming_them(job: Path) -> None:
-    (job / "data").mkdir()
-    for k in range(7):
-        (job / "data" / f"photo-{k}.jpg").write_text("x")
-    with pytest.raises(JobPathError, match=r"files that are not the product's \(photo-0.jpg, .*photo-4.jpg, \.\.\.\)"):
-        check_data_dir_is_the_jobs(str(job / "data"), has_manifest=False)
-
-
-def test_a_data_directory_that_is_not_a_directory_is_refused(job: Path) -> None:
-    (job / "data").write_text("x")
-    with pytest.raises(JobPathError, match="is a regular file, not a directory"):
-        check_data_dir_is_the_jobs(str(job / "data"), has_manifest=False)
-    (job / "data").unlink()
-    (job / "elsewhere").mkdir()
-    (job / "data").symlink_to(job / "elsewhere")
-    with pytest.raises(JobPathError, match="is a symbolic link, not a directory"):
-        check_data_dir_is_the_jobs(str(job / "data"), has_manifest=False)
-
-
-def _product_tree(data: Path) -> None:
-    (data / "segments").mkdir(parents=True)
-    (data / "segments" / "seg-0.bin").write_bytes(b"x")
-    (data / "results" / "run-1").mkdir(parents=True)
-    (data / "job").mkdir()
-    (data / "broker-state.json").write_text("{}")
-    (data / "segments.catalog").write_text("x")
-
-
-def test_removing_a_data_directory_removes_what_the_product_made(job: Path) -> None:
-    _product_tree(job / "data")
-    assert remove_data_dir(str(job / "data")) == []
-    assert not (job / "data").exists()
-
-
-def test_removing_a_data_directory_keeps_every_file_that_is_not_the_products(job: Path) -> None:
-    data = job / "data"
-    _product_tree(data)
-    (data / "notes.txt").write_text("mine")
-    (data / "photos").mkdir()
-    (data / "photos" / "a.jpg").write_text("mine")
-    assert remove_data_dir(str(data)) == ["notes.txt", "photos"]
-    assert sorted(os.listdir(data)) == ["notes.txt", "photos"]
-    assert (data / "photos" / "a.jpg").read_text() == "mine"
-
-
-def test_removing_a_data_directory_removes_links_not_their_targets(job: Path) -> None:
-    data, elsewhere = job / "data", job / "elsewhere"
-    data.mkdir()
-    elsewhere.mkdir()
-    (elsewhere / "keep.txt").write_text("mine")
-    (data / "results").symlink_to(elsewhere)
-    (data / "broker-state.json").symlink_to(elsewhere / "keep.txt")
-    assert remove_data_dir(str(data)) == []
-    assert not data.exists() and (elsewhere / "keep.txt").read_text() == "mine"
-
-
 # --- replacing a file -------------------------------------------------------------------------
 
 
@@ -382,17 +303,3 @@ def test_abandon_is_idempotent_and_does_nothing_after_commit(job: Path, tmpfile:
     dropped.abandon()
     dropped.abandon()
     assert sorted(os.listdir(job)) == ["in.jsonl", "out.jsonl"]
-
-
-def test_a_shared_system_directory_is_refused_as_a_jobs_data_directory_before_its_entries_are_read(
-        tmp_path: Path) -> None:
-    from pipeline.wire.errors import DataDirError
-
-    with pytest.raises(DataDirError, match="is the root directory"):
-        check_data_dir_is_the_jobs("/", has_manifest=False)  # not "holds a store of another run" for its /run
-    shared = tmp_path / "shared"
-    shared.mkdir()
-    shared.chmod(0o1777)
-    (shared / "run").mkdir()
-    with pytest.raises(DataDirError, match=f"such as {shared / 'run1'}"):
-        check_data_dir_is_the_jobs(str(shared), has_manifest=True)

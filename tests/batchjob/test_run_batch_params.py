@@ -127,6 +127,8 @@ def test_what_vllm_refuses_is_answered_400_naming_the_parameter_and_the_rest_run
             "type": "json_schema", "json_schema": {"name": "a", "schema": {"type": 5}}}),
         chat("guided", guided_json={"type": "object"}), chat("past-context", max_tokens=5000),
         chat("auto-tools", tools=[TOOL]), chat("fine", max_tokens=None),
+        chat("bad-regex", structured_outputs={"regex": "(a+)+$("}),
+        chat("bad-grammar", structured_outputs={"grammar": "root ::= ("}),
     ]
     answers = run(tmp_path, model_dir, records)
     assert error(answers, "greedy-n")["param"] == "n"
@@ -136,6 +138,10 @@ def test_what_vllm_refuses_is_answered_400_naming_the_parameter_and_the_rest_run
     assert "structured_outputs" in error(answers, "guided")["message"]
     assert "maximum context length is 2048" in error(answers, "past-context")["message"]
     assert "--enable-auto-tool-choice" in error(answers, "auto-tools")["message"]
+    assert error(answers, "bad-regex")["param"] == "structured_outputs.regex"
+    assert "unclosed group" in error(answers, "bad-regex")["message"]
+    assert error(answers, "bad-grammar")["param"] == "structured_outputs.grammar"
+    assert "Invalid grammar specification: expected ')'" in error(answers, "bad-grammar")["message"]
     assert body(answers, "fine")["choices"][0]["finish_reason"] == "stop"
 
 

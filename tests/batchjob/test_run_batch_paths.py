@@ -10,7 +10,21 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.jobs import ROOT, RUN_TIMEOUT_S, build_model, chat, rows_by_id, run_batch, write_requests
+from tests.support.jobs import (
+    ROOT,
+    RUN_TIMEOUT_S,
+    answered_lines,
+    build_model,
+    chat,
+    rows_by_id,
+    run_batch,
+    start_batch,
+    wait_until,
+    write_requests,
+)
+
+# The sim's cost where a test changes a path while the job runs: it lasts seconds.
+SLOW_COST = "[engine_options]\ncost_s_per_padded_token = 1e-3\n"
 
 
 @pytest.fixture(scope="module")
@@ -134,3 +148,94 @@ def test_the_default_data_directory_goes_but_files_the_user_put_in_it_stay(tmp_p
     assert again.returncode == 0, again.stderr
     assert (data / "mine.txt").read_text() == "keep me" and sorted(os.listdir(data)) == ["mine.txt"]
     assert "was kept" in again.stderr
+
+
+def test_files_the_user_put_inside_the_data_directorys_folders_stay_and_are_named(tmp_path, job, model_dir):
+    out = tmp_path / "out.jsonl"
+    first = run_batch("-i", str(job), "-o", str(out), "--model", model_dir, "--keep-data-dir")
+    assert first.returncode == 0, first.stderr
+    data = tmp_path / "out.jsonl.run"
+    (run,) = (data / "results").iterdir()
+    theirs = {"job/notes.txt": "mine2", "results/mydir/x": "m3", "segments/keep.seg": "m4",
+              f"results/{run.name}/mine.txt": "m5"}
+    for name, text in theirs.items():
+        (data / name).parent.mkdir(exist_ok=True)
+        (data / name).write_text(text)
+    again = run_batch("-i", str(job), "-o", str(out), "--model", model_dir)
+    assert again.returncode == 0, again.stderr
+    assert {name: (data / name).read_text() for name in theirs} == theirs
+    left = sorted(str(p.relative_to(data)) for p in data.rglob("*"))
+    assert left == sorted({*theirs, "job", "results", "results/mydir", f"results/{run.name}", "segments"})
+    assert "was kept: it holds" in again.stderr and "job/notes.txt" in again.stderr, again.stderr
+    assert len(rows_by_id(out)) == 6
+
+
+def _slow_job(tmp_path: Path, folder: Path) -> list[str]:
+    """A job of 400 requests lasting seconds, its output (and default data directory) in `folder`."""
+    source = write_requests(tmp_path / "in.jsonl", [chat(f"r{k}", f"question {k} " + "word " * (k % 7))
+                                                    for k in range(400)])
+    config = tmp_path / "slow.toml"
+    config.write_text(SLOW_COST)
+    return ["-i", str(source), "-o", str(folder / "out.jsonl"), "--config", str(config)]
+
+
+def _answers(path: Path) -> dict[str, object]:
+    return {key: (row["response"]["status_code"], row["response"]["body"]["choices"])
+            for key, row in rows_by_id(path).items()}
+
+
+def _tree(top: Path) -> list[str]:
+    return sorted(str(p.relative_to(top)) for p in top.rglob("*"))
+
+
+def test_an_output_folder_moved_away_mid_run_for_a_link_stops_the_job_writing_nothing_there(tmp_path, model_dir):
+    folder, moved, victim = tmp_path / "d", tmp_path / "d.orig", tmp_path / "victim"
+    folder.mkdir()
+    victim.mkdir()
+    (victim / "keep.txt").write_text("precious")
+    args = [*_slow_job(tmp_path, folder), "--model", model_dir]
+    job = start_batch(*args)
+    try:
+        wait_until(lambda: answered_lines(folder / "out.jsonl.run") >= 20 or job.poll() is not None, "answers")
+        assert job.poll() is None, "the job ended before the folder moved"
+        folder.rename(moved)
+        folder.symlink_to(victim)
+        _out, err = job.communicate(timeout=RUN_TIMEOUT_S)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 1, err
+    assert _tree(victim) == ["keep.txt"] and (victim / "keep.txt").read_text() == "precious"
+    assert "Traceback" not in err, err
+    said = [line for line in err.splitlines() if line.startswith("Error:")]
+    assert len(said) == 1 and "not the folder this run started in" in said[0], err
+    assert "the same command continues" in said[0] and str(folder / "out.jsonl.run") in said[0]
+    folder.unlink()
+    moved.rename(folder)
+    again = run_batch(*args)
+    assert again.returncode == 0, again.stderr
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    assert run_batch(*_slow_job(reference, reference), "--model", model_dir).returncode == 0
+    assert _answers(folder / "out.jsonl") == _answers(reference / "out.jsonl")
+
+
+def test_a_folder_link_pointed_elsewhere_mid_run_changes_nothing_for_the_job(tmp_path, model_dir):
+    first, second, link = tmp_path / "a", tmp_path / "b", tmp_path / "link"
+    first.mkdir()
+    second.mkdir()
+    link.symlink_to(first)
+    args = [*_slow_job(tmp_path, link), "--model", model_dir]
+    job = start_batch(*args)
+    try:
+        wait_until(lambda: answered_lines(first / "out.jsonl.run") >= 20 or job.poll() is not None, "answers")
+        assert job.poll() is None, "the job ended before the link changed"
+        (tmp_path / "link.new").symlink_to(second)
+        (tmp_path / "link.new").rename(link)  # as `ln -sfn b link` does
+        _out, err = job.communicate(timeout=RUN_TIMEOUT_S)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, err
+    assert _tree(second) == []  # the job went on in the folder it checked, and only there
+    assert len(rows_by_id(first / "out.jsonl")) == 400 and not (first / "out.jsonl.run").exists()

@@ -15,7 +15,7 @@ from pipeline.broker.storage.journal import SegmentJournal
 from pipeline.broker.storage.paths import QUARANTINE_DIR, iter_segments
 from pipeline.broker.storage.segment import Durability, encode_entries, scan_segment
 from pipeline.broker.storage.segments import SegmentStore
-from pipeline.wire.errors import SegmentFormatError
+from pipeline.wire.errors import DataDirMovedError, SegmentFormatError
 from pipeline.wire.layouts import SEGMENT_HEADER_SIZE_BYTES
 from tests.broker.test_segment import make_items
 
@@ -208,3 +208,28 @@ def test_a_segment_of_an_old_layout_stops_recovery_with_one_clear_error(tmp_path
                        match=f"layout version {version}; this broker reads version 3 only and does not migrate"):
         SegmentStore(str(tmp_path)).recover()
     assert os.path.exists(path)  # left where it is
+
+
+def test_a_data_directory_moved_away_is_written_nowhere_else(tmp_path):
+    """The data directory moved and a folder put at its name: a new segment, a quarantine,
+    a delete by path would land in that folder, so each stops with DataDirMovedError; the
+    moved folder keeps everything, and a store opened there once it is back recovers it."""
+    data, other = tmp_path / "data", tmp_path / "data.orig"
+    store = SegmentStore(str(data), segment_max_bytes=40_000, open_files_max=1)
+    written = fill(store, groups=3)
+    data.rename(other)
+    data.mkdir()  # someone else's folder under the name
+    frame = make_items(40, seed=9)
+    with pytest.raises(DataDirMovedError, match=f"the data directory {data} is not the folder"):
+        store.append(LaneKey(5, 0xC3, LaneId(0)), encode_entries(*frame, indices=np.arange(40), producer_id=1),
+                     now_s=99.0)
+    sealed = next(iter(written))[0]
+    with pytest.raises(DataDirMovedError):
+        store.keep_damaged(sealed, "a test's damage")
+    assert os.listdir(data) == []
+    store.abandon()
+    data.rmdir()
+    other.rename(data)
+    again = SegmentStore(str(data))
+    assert again.recover().live_entries == len(written)
+    again.close()

@@ -10,6 +10,7 @@ import pytest
 from pipeline.broker.storage.paths import make_dirs, segment_path
 from pipeline.broker.storage.segment import Durability, SegmentFile, SegmentKeys, encode_entries, scan_segment
 from pipeline.consumer.reader import SegmentReader
+from pipeline.wire.dirpin import DirPin
 from pipeline.wire.errors import EntryCompletedError, SegmentCorruptError, SegmentReadError
 from pipeline.wire.layouts import DESCRIPTOR_ITEM_DTYPE, prompt_digest
 from tests.broker.test_segment import make_items
@@ -196,6 +197,30 @@ def test_a_segment_that_is_gone_fails_its_items_one_by_one_not_the_reader(tmp_pa
     got = SegmentReader(str(tmp_path)).read_batch(2, SIG, rows)
     assert got.item_ids == [] and [item for item, _n, _exc in got.failed] == items["item_id"].tolist()
     assert all(isinstance(exc, SegmentCorruptError) and "the segment file is gone" in str(exc) for *_x, exc in got.failed)
+
+
+def test_a_segment_missing_because_the_data_directory_moved_is_not_damage(tmp_path):
+    """The data directory moved away and a link to another folder put at its name: its
+    segments are intact where the folder went, so nothing is failed as corrupt (that would
+    answer intact items that never ran); the reader raises SegmentReadError naming it."""
+    data, elsewhere = tmp_path / "data", tmp_path / "elsewhere"
+    path, (items, *_rest), segment = store(str(data), 0, 5, 1)
+    offsets = scan_segment(path).offsets
+    segment.close()
+    reader = SegmentReader(str(data), pin=DirPin.take(str(data)))
+    data.rename(tmp_path / "data.orig")
+    elsewhere.mkdir()
+    data.symlink_to(elsewhere)
+    rows = np.zeros(5, dtype=DESCRIPTOR_ITEM_DTYPE)
+    rows["lane"], rows["offset"], rows["length"], rows["item_id"] = 0, offsets, items["length"], items["item_id"]
+    with pytest.raises(SegmentReadError, match=f"the data directory {data} is not the folder this run started in"):
+        reader.read_batch(2, SIG, rows)
+    assert os.listdir(elsewhere) == []
+    data.unlink()
+    (tmp_path / "data.orig").rename(data)
+    got = reader.read_batch(2, SIG, rows)  # back: read as if nothing happened
+    assert got.item_ids == items["item_id"].tolist() and not got.failed
+    reader.close()
 
 
 def test_a_segment_that_cannot_be_mapped_now_is_not_damage(tmp_path):

@@ -71,6 +71,7 @@ from pipeline.broker.storage.segment import (
     unlink_segment,
 )
 from pipeline.wire import fileops
+from pipeline.wire.dirpin import DirPin
 from pipeline.wire.errors import DiskFullError, SegmentFormatError, StoreReadError
 from pipeline.wire.layouts import (
     CATALOG_CREATED,
@@ -133,6 +134,8 @@ class SegmentStore:
         self.segment_max_age_s = segment_max_age_s
         self.open_files_max = open_files_max
         make_dirs(os.path.join(data_dir, SEGMENTS_DIR))
+        # Checked before a file is made, opened, moved or removed by path (`pipeline.wire.dirpin`).
+        self._pin = DirPin.take(data_dir)
         self.segments: dict[SegmentId, SegmentState] = {}
         self._appending: dict[LaneKey, SegmentId] = {}  # each lane's open (unsealed) segment
         self._next_seq: dict[LaneKey, int] = {}
@@ -154,6 +157,7 @@ class SegmentStore:
             self._open.move_to_end(segment)
             return file
         state = self.segments[segment]
+        self._pin.check()
         file = SegmentFile.open(state.path, self.durability, self.segment_max_bytes, keys=state.keys)
         self._admit(segment, file)
         return file
@@ -178,6 +182,7 @@ class SegmentStore:
         # that those never fail for space (DiskFullError here is backpressure, as below).
         sealed = len(self.segments) - len(self._appending)
         self._catalog_file().reserve(2 * (len(self._appending) + 1) + sealed + 1)
+        self._pin.check()
         try:
             make_dirs(os.path.dirname(path))
         except OSError as exc:
@@ -224,6 +229,7 @@ class SegmentStore:
     def _compact_catalog(self) -> str:
         """Rewrite the catalog as the live set; "" or, when the disk has no room for the new
         file, why not (the old catalog stays valid and in use)."""
+        self._pin.check()
         live = [CatalogEntry(s.keys, s.entry_count if s.sealed else None) for s in self.segments.values()]
         reserve = 2 * len(self._appending) + len(self.segments) + 16
         try:
@@ -327,6 +333,7 @@ class SegmentStore:
                                                      f"quarantine/ ({exc.strerror}): it stays where it is",
                                                      state.path, 0, (), False))
         else:
+            self._pin.check()
             self._record(CATALOG_DELETED, state.keys)  # before the unlink: never a false MISSING
             if crashpoints.ARMED:
                 crashpoints.hit("delete.before_unlink")
@@ -337,6 +344,7 @@ class SegmentStore:
                     item_ids: tuple[int, ...] = (), identity_refused: bool = False) -> Quarantined:
         """Move a (closed) segment and its journal to quarantine/, the move recorded first;
         never deleted."""
+        self._pin.check()
         self._record(CATALOG_QUARANTINED, keys)
         target = quarantine_target(self.data_dir, path)
         make_dirs(os.path.dirname(target))
@@ -354,6 +362,7 @@ class SegmentStore:
         state = self.segments.get(segment)
         if state is not None and not state.damage:
             state.damage = why
+            self._pin.check()
             make_dirs(os.path.dirname(quarantine_target(self.data_dir, state.path)))
 
     def take_quarantined(self) -> list[Quarantined]:

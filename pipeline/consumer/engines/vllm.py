@@ -92,6 +92,10 @@ UNIX_SOCKET_PATH_MAX_CHARS = 107
 RPC_SOCKET_NAME_CHARS = 37
 # An engine error's message is cut to this in a result line (a traceback is for the log).
 MAX_ERROR_CHARS = 2000
+# Under the cache_dir option: vLLM's cache (VLLM_CACHE_ROOT) and its processes' TMPDIR, each
+# filled by vLLM and torch with names of their own.
+CACHE_SUBDIR = "vllm-cache"
+TMP_SUBDIR = "tmp"
 
 
 def rpc_directory(system_tmp: str) -> str:
@@ -184,7 +188,7 @@ class VllmEngine(Engine):
             # TMPDIR by default; under a data directory the name can pass a socket path's
             # length, so they stay in the system's temporary directory.
             os.environ.setdefault("VLLM_RPC_BASE_PATH", rpc_directory(tempfile.gettempdir()))
-            cache, tmp = os.path.join(o.cache_dir, "vllm-cache"), os.path.join(o.cache_dir, "tmp")
+            cache, tmp = os.path.join(o.cache_dir, CACHE_SUBDIR), os.path.join(o.cache_dir, TMP_SUBDIR)
             os.makedirs(cache, exist_ok=True)
             os.makedirs(tmp, exist_ok=True)
             os.environ["VLLM_CACHE_ROOT"] = cache
