@@ -309,7 +309,7 @@ def test_damage_without_a_loss_is_never_ok(tmp_path):
     assert damaged["lost"] == 0 and damaged["accounting_ok"] is False
     out = io.StringIO()
     render_report(damaged, Console(file=out, width=200))
-    assert "DAMAGED: 1 items could not be delivered" in out.getvalue()
+    assert "DAMAGED: 1 item could not be delivered" in out.getvalue()
     results = summarize_results(write_results(tmp_path / "corrupt", {"c0": [line(0, "corrupt")] + [
         line(i) for i in range(1, ALL_ITEMS)]}))
     answered = report_of(SAMPLE_STATUS, results, wall_s=1.0)

@@ -76,7 +76,7 @@ from pipeline.batchjob.scan import (
 )
 from pipeline.wire.errors import AuditFileError, BatchFileError
 from pipeline.wire.fileops import errno_text
-from pipeline.wire.textfiles import file_kind, read_small_file
+from pipeline.wire.textfiles import counted, file_kind, read_small_file
 from shm.layout import checked_dtype
 
 # The most requests read from an input: a job's (the scan's limit); past it no job ran the
@@ -150,12 +150,13 @@ class AuditResult:
         if not self.ok:
             kinds = ", ".join(f"{self.counts[k]:,} {k}" for k in KINDS if self.counts.get(k))
             total = sum(self.counts.values())
-            return (f"FAILED: {total:,} problem{'s' if total != 1 else ''} ({kinds}); {self.requests:,} requests, "
+            return (f"FAILED: {counted(total, 'problem')} ({kinds}); {counted(self.requests, 'request')}, "
                     f"{self.answered:,} answered")
         failed = ", ".join(f"{n:,} with status {code}" for code, n in t.failed_by_status().items())
         cached = f" ({t.cached_tokens / t.prompt_tokens:.1%} cached)" if t.prompt_tokens else ""
-        return (f"OK: {self.requests:,} requests, each answered once: {t.completed:,} completed, {t.failed:,} failed"
-                f"{f' ({failed})' if failed else ''}; usage {t.prompt_tokens:,} prompt tokens{cached}, "
+        return (f"OK: {counted(self.requests, 'request')}, each answered once: {t.completed:,} completed, "
+                f"{t.failed:,} failed{f' ({failed})' if failed else ''}; usage "
+                f"{counted(t.prompt_tokens, 'prompt token')}{cached}, "
                 f"{t.completion_tokens:,} completion{'; in input order' if self.order == 'input' else ''}"
                 f"{'; the summary agrees' if self.files.summary_path else ''}")
 

@@ -32,10 +32,10 @@ import numpy as np
 
 from pipeline.batchjob.embeddings import KIND_EMBEDDING, embedding_inputs
 from pipeline.batchjob.output import HTTP_OK
-from pipeline.batchjob.params import KIND_CHAT, KIND_COMPLETION, Refused
+from pipeline.batchjob.params import KIND_CHAT, KIND_COMPLETION, Refused, whole_number
 from pipeline.batchjob.requests import ENDPOINTS
 from pipeline.batchjob.scan import show
-from pipeline.wire.textfiles import listed
+from pipeline.wire.textfiles import counted, listed
 
 # The files an audit reads, as examples name them.
 INPUT_FILE, OUTPUT_FILE, ERROR_FILE, SUMMARY_FILE = range(4)
@@ -193,13 +193,13 @@ def body_problem(url: str, request: dict[str, Any], body: dict[str, Any]) -> str
 
 
 def _choices_problem(kind: str, request: dict[str, Any], choices: object) -> str | None:
-    n = request.get("n")
-    wanted = n if type(n) is int else 1
+    n = whole_number(request.get("n"))
+    wanted = n if n is not None else 1
     if not isinstance(choices, list):
         return f"choices must be an array, got {show(choices)}"
     if len(choices) != wanted:
-        asked = f"n={n}" if type(n) is int else "one (no n)"
-        return f"{len(choices)} choices, the request asked for {asked}"
+        asked = f"n={n}" if n is not None else "one (no n)"
+        return f"{counted(len(choices), 'choice')}, the request asked for {asked}"
     for k, choice in enumerate(choices):
         if not isinstance(choice, dict) or choice.get("index") != k:
             return f"choices[{k}] must be an object of index {k}, got {show(choice)}"
@@ -219,8 +219,8 @@ def _embeddings_problem(request: dict[str, Any], data: object) -> str | None:
     except Refused as refused:
         return f"answered 200, but the request is one a job refuses: {refused}"
     if not isinstance(data, list) or len(data) != len(inputs):
-        got = f"{len(data)} embeddings" if isinstance(data, list) else f"data {show(data)}"
-        return f"{got}, the request gave {len(inputs)} input{'s' if len(inputs) != 1 else ''}"
+        got = counted(len(data), "embedding") if isinstance(data, list) else f"data {show(data)}"
+        return f"{got}, the request gave {counted(len(inputs), 'input')}"
     for k, item in enumerate(data):
         if not isinstance(item, dict) or item.get("object") != EMBEDDING_OBJECT or item.get("index") != k:
             return f"data[{k}] must be an {EMBEDDING_OBJECT} object of index {k}, got {show(item)}"

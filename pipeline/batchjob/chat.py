@@ -285,21 +285,23 @@ class ChatTokenizer:
             self._learn(ladder, text, tokens, ids, encoding, fail)
         return ChatPrompt(tokens, self._components(tokens, ladder, exact_rest))
 
-    def completion_prompt(self, prompt: object) -> ChatPrompt:
-        """A /v1/completions prompt: a string is encoded with the special tokens a plain prompt
-        gets (as vLLM does for a completion); a list of token ids is taken as it is, each id
-        checked to be an int in [0, vocab_size). No components: a plain prompt declares no
-        template structure to cut it at, so its shape is the empty one (SPEC §1)."""
+    def completion_prompt(self, prompt: object, what: str = "the completion prompt",
+                          param: str = "prompt") -> ChatPrompt:
+        """A /v1/completions prompt (or another plain text, an embeddings input: `what` it is,
+        the request's `param` holding it, for messages): a string is encoded with the special
+        tokens a plain prompt gets (as vLLM does for a completion); a list of token ids is taken
+        as it is, each id checked to be an int in [0, vocab_size). No components: a plain prompt
+        declares no template structure to cut it at, so its shape is the empty one (SPEC §1)."""
         if isinstance(prompt, str):
-            fail = partial(_text_error, what="the completion prompt")
+            fail = partial(_text_error, what=what)
             encoding = self._tokenize(prompt, fail, add_special_tokens=True)
             ids = self._fix_bos(encoding.ids, True)
         elif isinstance(prompt, list):
-            ids = _check_ids(prompt, self.vocab_size)
+            ids = _check_ids(prompt, self.vocab_size, param)
         else:
-            raise TokenArrayError(f"a completion prompt is a string or a list of token ids, got {show(prompt)}")
+            raise TokenArrayError(f"{param} is a string or a list of token ids, got {show(prompt)}")
         if not ids:
-            raise TokenArrayError(f"the completion prompt has no tokens, got {show(prompt)}")
+            raise TokenArrayError(f"{what} has no tokens, got {show(prompt)}")
         tokens = np.array(ids, dtype=np.int32)
         tokens.flags.writeable = False
         return ChatPrompt(tokens, [])
@@ -525,7 +527,7 @@ def _surrogate_in(value: object, path: str) -> str | None:
     return None
 
 
-def _check_ids(prompt: list, vocab_size: int) -> list[int]:
+def _check_ids(prompt: list, vocab_size: int, param: str) -> list[int]:
     """A list of token ids (ints, not bools) in [0, vocab_size), or TokenArrayError naming the
     first bad one."""
     if not prompt:
@@ -538,7 +540,7 @@ def _check_ids(prompt: list, vocab_size: int) -> list[int]:
             return prompt
     index, token = next((k, t) for k, t in enumerate(prompt)
                         if type(t) is not int or not 0 <= t < vocab_size)
-    raise TokenArrayError(f"prompt[{index}] is {show(token)}: a token id is an integer in [0, {vocab_size}) "
+    raise TokenArrayError(f"{param}[{index}] is {show(token)}: a token id is an integer in [0, {vocab_size}) "
                           f"(the model's vocabulary)")
 
 

@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.batchjob.modelfiles import read_model_text
-from pipeline.batchjob.params import Refused
-from pipeline.batchjob.scan import show
+from pipeline.batchjob.params import Refused, not_an_integer, whole_number
+from pipeline.batchjob.scan import invalid_type, invalid_value, show
 from pipeline.producer.signature import INT32_MAX
 from pipeline.wire.errors import ModelDirError
 from pipeline.wire.generation import MAX_EMBEDDING_INPUTS
@@ -117,19 +117,24 @@ def embedding_inputs(given: dict[str, Any]) -> EmbeddingInputs:
     """An embeddings body's inputs and answer form (its keys checked by the caller), or
     Refused naming the parameter."""
     form = given.get("encoding_format", "float")
+    if not isinstance(form, str):
+        raise Refused(invalid_type("encoding_format", "a string", form), "encoding_format")
     if form not in ENCODING_FORMATS:
-        raise Refused(f"encoding_format {show(form)} is not supported: give one of {', '.join(ENCODING_FORMATS)}",
-                      "encoding_format")
+        raise Refused(invalid_value(form, ENCODING_FORMATS), "encoding_format")
     dimensions = given.get("dimensions")
-    if dimensions is not None and (isinstance(dimensions, bool) or not isinstance(dimensions, int)
-                                   or dimensions < 1):
-        raise Refused(f"dimensions must be a positive integer, got {show(dimensions)}", "dimensions")
+    if dimensions is not None:
+        count = whole_number(dimensions)
+        if count is None:
+            raise Refused(not_an_integer("dimensions", dimensions), "dimensions")
+        if count < 1:
+            raise Refused(f"dimensions must be at least 1, got {count}.", "dimensions")
+        dimensions = count
     return EmbeddingInputs(_inputs(given.get("input")), form, dimensions)
 
 
 def _inputs(raw: object) -> tuple[str | list[int], ...]:
     if raw is None:
-        raise Refused("missing required parameter 'input'", "input")
+        raise Refused("Missing required parameter: 'input'.", "input")
     if isinstance(raw, str):
         return (raw,)
     if not isinstance(raw, list) or not raw:

@@ -32,7 +32,7 @@ from pipeline.batchjob.answers import LOG_NAME, AnswerLog, log_fits_records
 from pipeline.batchjob.assemble import MERGE_DIR, write_in_input_order
 from pipeline.batchjob.collect import Collector, forget_answers
 from pipeline.batchjob.embeddings import served_by
-from pipeline.batchjob.jobstatus import WRITING
+from pipeline.batchjob.jobstatus import WRITING, input_changed_note
 from pipeline.batchjob.layout import (
     JOB_PAYLOAD_SIZE_BYTES,
     LOG_ERRORS,
@@ -41,6 +41,7 @@ from pipeline.batchjob.layout import (
 )
 from pipeline.batchjob.manifest import (
     INDEX_NAME,
+    INPUT_CHANGED_NAME,
     JOB_DIR,
     LINES_NAME,
     LOCK_NAME,
@@ -67,7 +68,7 @@ from pipeline.batchjob.progress import JobCounts, JobTracker, JobView
 from pipeline.batchjob.scan import InputScan, input_digest, read_index, scan_input, write_index
 from pipeline.batchjob.telemetry import JobTelemetry
 from pipeline.batchjob.tools import ToolCalling
-from pipeline.batchjob.workload import INPUT_CHANGED_NAME, JobInput, JobWorkload, PromptLimits
+from pipeline.batchjob.workload import JobInput, JobWorkload, PromptLimits
 from pipeline.reporting.progress import DISK_FULL_ALERT
 from pipeline.runtime.datadir import check_data_dir, check_room, describe_holder, hold_lock, holder_gone, release_lock
 from pipeline.runtime.inventory import pending_payloads, producer_ring_names
@@ -83,6 +84,7 @@ from pipeline.wire.errors import (
     PipelineError,
 )
 from pipeline.wire.generation import decode_payload
+from pipeline.wire.textfiles import counted, printable
 
 OUTPUT_ORDERS = ("input", "completion")
 # How often the job's status file and the collector's read positions are saved while it runs.
@@ -192,8 +194,8 @@ class BatchJob:
         self.pin = DirPin.take(self.data_dir)
         if unfinished:  # checked again under the lock: the scan of a new job made this directory
             self._created_data_dir = True
-            self.say(f"run-batch: {self.data_dir} holds what a stopped check of an input left (no job was made "
-                     f"there): it is checked again")
+            self.say(f"run-batch: {printable(self.data_dir)} holds what a stopped check of an input left (no job was "
+                     f"made there): it is checked again")
         self.targets = {out.role: Target.open(out.role, out.path, expect, self.own_files.own(out.path))
                         for out, expect in zip(outputs, expects)}
         wanted, scan = self._wanted_manifest(input_path, have)
@@ -286,8 +288,8 @@ class BatchJob:
         return (JobManifest.new(**fields) if have is None else replace(have, **fields)), scan
 
     def _scanning(self, read_bytes: int, requests: int) -> None:
-        self.say(f"run-batch: checking {self.spec.input_path}: {read_bytes / 1e6:,.0f} MB read, {requests:,} "
-                 f"requests so far")
+        self.say(f"run-batch: checking {printable(self.spec.input_path)}: {read_bytes / 1e6:,.0f} MB read, "
+                 f"{counted(requests, 'request')} so far")
 
     def _open_answers(self) -> None:
         from pipeline.batchjob.chat import ChatTokenizer
@@ -487,11 +489,7 @@ class BatchJob:
         else:
             self.write_status("stopped")
             code = code or 1
-            try:
-                with open(os.path.join(self.data_dir, JOB_DIR, INPUT_CHANGED_NAME), "rb") as f:
-                    changed = f.read(4096).decode(errors="replace")
-            except FileNotFoundError:
-                changed = None
+            changed = input_changed_note(self.data_dir)
             if changed is not None:
                 raise InputChangedError(f"{changed}. The answers so far are kept: with the input as it was, the same "
                                         f"command finishes the job; to run the file as it is now, give another "

@@ -44,6 +44,7 @@ from pipeline.batchjob.workload import INPUT_CHANGED_NAME
 from pipeline.runtime.datadir import check_not_shared
 from pipeline.runtime.madefiles import RUN_MADE, Made, matching, named, remove_made
 from pipeline.wire.errors import JobPathError
+from pipeline.wire.textfiles import printable
 
 # The job's files in job/, each also under the named temporary `replace_file` writes it
 # through where the file system has no O_TMPFILE (.NAME.partial).
@@ -63,6 +64,12 @@ UNFINISHED_SCAN_NAMES = frozenset({LOCK_NAME, SCAN_DIR, INDEX_NAME, LINES_NAME, 
                                    MODEL_COPY_DIR, f"{MODEL_COPY_DIR}{MODEL_COPY_NEW_SUFFIX}"})
 
 
+# What a broker's store and state are made of: a directory holding one of these (and no job
+# manifest) is another run's, not only not empty.
+STORE_ENTRIES = frozenset({"segments", "segments.catalog", "segments.catalog.mirror", "shapes.lineage",
+                           "broker-state.json", "shm-namespace"})
+
+
 def check_data_dir_is_the_jobs(data_dir: str, has_manifest: bool) -> None:
     """A data directory a job may use: absent, empty, or a job's own (`has_manifest`); never
     a shared system directory (/, /tmp: `check_not_shared`)."""
@@ -74,12 +81,12 @@ def check_data_dir_is_the_jobs(data_dir: str, has_manifest: bool) -> None:
         raise JobPathError(f"data directory {data_dir} is {path_kind(info)}, not a directory")
     entries = sorted(os.listdir(data_dir))
     if entries:
-        product = [name for name in entries if DATA_DIR_MADE.knows(name)]
-        what = ("a store or results of another run (pipeline launch or produce): its items are not this job's"
-                if product else "files that are not the product's")
-        raise JobPathError(f"data directory {data_dir} exists and is not a batch job's: it holds {what} "
-                           f"({', '.join(entries[:5])}{', ...' if len(entries) > 5 else ''}); give another "
-                           f"--data-dir")
+        held = ", ".join(map(printable, entries[:5])) + (", ..." if len(entries) > 5 else "")
+        store = ("; they are a store of another run (pipeline launch or produce), whose items are not this job's"
+                 if STORE_ENTRIES & set(entries) else "")
+        raise JobPathError(f"data directory {data_dir} is not empty and is not a batch job's data directory (it has "
+                           f"no job manifest): it holds {held}{store}; give another --data-dir (a new or empty "
+                           f"directory)")
 
 
 def holds_unfinished_scan(data_dir: str) -> bool:

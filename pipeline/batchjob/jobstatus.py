@@ -3,6 +3,7 @@ one line (JobMismatchError), never read as numbers it does not hold.
 
     view = saved_view(path, requests)        # job/status.json, or a not-started view
     done = answered(records_path, requests)  # job/answers.bin's record count
+    why = input_changed(data_dir, manifest)  # the input is no longer the job's: why, or None
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ import stat
 
 from pipeline.batchjob.answers import records_path
 from pipeline.batchjob.layout import ANSWER_RECORD_SIZE_BYTES, valid_records
-from pipeline.batchjob.manifest import JOB_DIR, LOCK_NAME, STATUS_NAME, load_manifest
+from pipeline.batchjob.manifest import INPUT_CHANGED_NAME, JOB_DIR, LOCK_NAME, STATUS_NAME, JobManifest, load_manifest
 from pipeline.batchjob.scan import MAX_BATCH_REQUESTS
 from pipeline.wire.errors import JobMismatchError
-from pipeline.wire.textfiles import read_small_file
+from pipeline.wire.textfiles import counted, read_small_file
 
 # What a new job's run does before it has a manifest.
 CHECKING = "checking its input"
@@ -29,6 +30,8 @@ MAX_STATUS_BYTES = 1 << 20
 COUNTS = ("requests", "done", "failed", "to_do")
 # Its rates and times, each a number or null.
 FIGURES = ("eta_s", "requests_per_s")
+# The most bytes of a producer's note that the input changed read: its message is a line.
+MAX_NOTE_BYTES = 4096
 # The largest rate or time a view may hold (a year of seconds, a billion requests a second):
 # past it the file is damaged, not a figure to print.
 MAX_FIGURE = 1e9
@@ -92,7 +95,7 @@ def answered(path: str, requests: int) -> int | None:
         elif size % ANSWER_RECORD_SIZE_BYTES:
             why = f"{size:,} bytes are not whole {ANSWER_RECORD_SIZE_BYTES}-byte records"
         elif count > requests:
-            why = f"{count:,} records, more than the job's {requests:,} requests"
+            why = f"{counted(count, 'record')}, more than the job's {counted(requests, 'request')}"
         elif count:
             ends = (0, (count - 1) * ANSWER_RECORD_SIZE_BYTES)
             if any(valid_records(os.pread(fd, ANSWER_RECORD_SIZE_BYTES, at)).size != 1 for at in ends):
@@ -103,6 +106,35 @@ def answered(path: str, requests: int) -> int | None:
         raise JobMismatchError(f"{path}: damaged ({why}); the next run-batch on this data directory recovers "
                                f"the records that check")
     return count
+
+
+def input_changed_note(data_dir: str) -> str | None:
+    """The note a producer left on finding a line of the input changed (INPUT_CHANGED_NAME),
+    or None."""
+    try:
+        note = read_small_file(os.path.join(data_dir, JOB_DIR, INPUT_CHANGED_NAME), MAX_NOTE_BYTES)
+    except OSError:
+        return None
+    return note[:MAX_NOTE_BYTES].decode("utf-8", errors="replace").strip() if note else None
+
+
+def input_changed(data_dir: str, manifest: JobManifest) -> str | None:
+    """Why the job's input is no longer the one it scanned, where that is known without
+    reading it: a producer's note that a line changed while the job ran (INPUT_CHANGED_NAME,
+    removed by the next run the input lets go on), or an input of another size now; None
+    otherwise (the next run compares its digest; an input gone from its path may be given
+    from wherever a copy of it is)."""
+    note = input_changed_note(data_dir)
+    if note is not None:
+        return note
+    try:
+        size = os.stat(manifest.input_path).st_size
+    except OSError:
+        return None
+    if size != manifest.input_bytes:
+        return (f"the input file {manifest.input_path} is {size:,} bytes now; the job's was "
+                f"{manifest.input_bytes:,} bytes")
+    return None
 
 
 def job_status(data_dir: str) -> dict | None:
@@ -122,7 +154,8 @@ def job_status(data_dir: str) -> dict | None:
         saved.update(done=done, to_do=manifest.requests - done, eta_s=None)
     if saved.get("state") in ("running", WRITING) and not saved["running"]:
         saved["state"] = "stopped"  # its process is gone without a word (kill -9, a power cut)
-    saved.update(input=manifest.input_path, output=manifest.output_path, requests=manifest.requests)
+    saved.update(input=manifest.input_path, output=manifest.output_path, requests=manifest.requests,
+                 input_changed=input_changed(data_dir, manifest) if not saved["running"] else None)
     return saved
 
 

@@ -53,6 +53,8 @@ STATUS_NAME = "status.json"
 INDEX_NAME = "input.idx"
 LINES_NAME = "lines.bin"
 SCAN_DIR = "scan"
+# What a producer that read a changed line leaves (its message), read by `jobstatus.py`.
+INPUT_CHANGED_NAME = "input-changed"
 MANIFEST_VERSION = 2
 # The manifest is small: anything longer is not ours.
 MAX_MANIFEST_BYTES = 1 << 20

@@ -137,11 +137,11 @@ def _max_tokens(given: dict[str, Any], kind: str) -> int | None:
     name = "max_completion_tokens" if kind == KIND_CHAT and "max_completion_tokens" in given else "max_tokens"
     if name not in given:
         return COMPLETION_DEFAULT_MAX_TOKENS if kind == KIND_COMPLETION else None
-    value = given[name]
-    if not _is_int(value):
-        raise Refused(invalid_type(name, "an integer", value), name)
+    value = whole_number(given[name])
+    if value is None:
+        raise Refused(not_an_integer(name, given[name]), name)
     if value < 1:
-        raise Refused(f"{name} must be at least 1, got {json_snippet(value)}.", name)
+        raise Refused(f"{name} must be at least 1, got {value}.", name)
     return value
 
 
@@ -175,10 +175,31 @@ def _number(given: dict[str, Any], name: str) -> float | int:
 
 
 def _integer(given: dict[str, Any], name: str) -> int:
-    value = given[name]
-    if not _is_int(value):
-        raise Refused(f"{name} must be an integer, got {show(value)}", name)
+    value = whole_number(given[name])
+    if value is None:
+        raise Refused(f"{name} must be an integer, got {show(given[name])}", name)
     return value
+
+
+def whole_number(value: object) -> int | None:
+    """An integer parameter as vLLM's pydantic models read one (lax mode): an integer, or a
+    finite number with no fractional part (8.0 is 8); None for anything else (8.5, null).
+    NOTE: pydantic's lax mode also takes "8" and true as integers; a string or a boolean is
+    refused here, as every other parameter of the wrong JSON type is."""
+    if _is_int(value):
+        return value
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    return None
+
+
+def not_an_integer(name: str, value: object) -> str:
+    """OpenAI's message for an integer parameter given anything else (`whole_number` None),
+    a number with a fractional part said to be one."""
+    if isinstance(value, float) and math.isfinite(value):
+        return (f"Invalid type for '{name}': expected an integer, but got a number with a fractional part "
+                f"({json_snippet(value)}) instead.")
+    return invalid_type(name, "an integer", value)
 
 
 def _logprobs(given: dict[str, Any], kind: str) -> int | None:
@@ -187,14 +208,16 @@ def _logprobs(given: dict[str, Any], kind: str) -> int | None:
     if kind == KIND_COMPLETION:
         if "logprobs" not in given:
             return None
-        count, name = given["logprobs"], "logprobs"
-        if not _is_int(count):
-            raise Refused(f"`logprobs` must be an integer, got {show(count)}", name)
+        name = "logprobs"
+        count = whole_number(given[name])
+        if count is None:
+            raise Refused(f"`logprobs` must be an integer, got {show(given[name])}", name)
     else:
         wanted = _bool(given, "logprobs") if "logprobs" in given else False
-        count, name = given.get("top_logprobs", 0), "top_logprobs"
-        if not _is_int(count):
-            raise Refused(f"`top_logprobs` must be an integer, got {show(count)}", name)
+        name = "top_logprobs"
+        count = whole_number(given.get(name, 0))
+        if count is None:
+            raise Refused(f"`top_logprobs` must be an integer, got {show(given[name])}", name)
         if count != 0 and not wanted:
             raise Refused("when using `top_logprobs`, `logprobs` must be set to true.", name)
         if not wanted:

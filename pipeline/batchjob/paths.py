@@ -4,8 +4,9 @@ The rule: a job never writes, replaces or deletes a path it did not create, and 
 device, a FIFO, a socket, a directory or a symlink's target.
 
 - Its outputs (the output file, the error file, the run report, the summary beside the
-  output) are told apart from each other and from the input (by path and, where they exist,
-  by file identity), are never inside the data directory (which is removed at the end), and
+  output) are told apart from each other and from the input (by path, by their directory's
+  identity with their name, and by file identity where they exist: two spellings of one file
+  through a bind mount or a link are one), are never inside the data directory, and
   each is either absent, or a regular file the job itself wrote (its manifest names it; the
   output of `--output-order completion` is appended across resumes), or a regular file the
   user allows to be replaced (`--overwrite`). Their directories must be writable: a probe
@@ -64,24 +65,59 @@ def check_outputs(outputs: list[OutputPath], input_path: str, data_dir: str, own
     """The checks of the module's doc for every output, and what the job expects at each
     (`outfiles`: "absent", "own", "replace"); `own(path)`: the (device, inode) of the file
     the job made there before, or None."""
-    seen: dict[str, str] = {os.path.realpath(input_path): "the input file"}
+    seen = dict.fromkeys(_spellings(input_path), "the input file")
     data_real = os.path.realpath(data_dir)
-    expects = []
+    data_info = _quiet_stat(data_dir)
+    expects: list[str] = []
+    for out in outputs:  # apart first: two names of one file are said as such, whatever is there
+        keys = _spellings(out.path)
+        also = next((seen[key] for key in keys if key in seen), None)
+        if also is not None:
+            raise JobPathError(f"{out.role} {out.path} is also {also}: give each its own path")
+        if _inside(out.path, data_real, data_info):
+            raise JobPathError(f"{out.role} {out.path} is inside the data directory {data_dir}, where the job keeps "
+                               f"its own files (a default data directory is removed once the output is written): "
+                               f"put it elsewhere")
+        seen.update(dict.fromkeys(keys, f"the {out.role}"))
     for out in outputs:
-        real = os.path.realpath(out.path)
-        if real in seen:
-            raise JobPathError(f"{out.role} {out.path} is also {seen[real]}: give each its own path")
-        if real == data_real or real.startswith(data_real + os.sep):
-            raise JobPathError(f"{out.role} {out.path} is inside the data directory {data_dir}, which the job "
-                               f"removes when it is done: put it elsewhere")
-        seen[real] = f"the {out.role}"
         info = stat_or_none(out.path, follow=False)
-        expects.append("absent" if info is None else _check_existing(out, info, input_path, own, overwrite))
+        expects.append("absent" if info is None else _check_existing(out, info, own, overwrite))
         probe_directory(os.path.dirname(out.path) or ".", out)
     return expects
 
 
-def _check_existing(out: OutputPath, info: os.stat_result, input_path: str, own: Callable[[str], list[int] | None],
+def _spellings(path: str) -> list[object]:
+    """Keys under which two spellings of one file meet: its real path; its directory's
+    (device, inode) with its name (a bind mount, or another way to the same directory); the
+    file's own (device, inode) where it exists (a hard link)."""
+    keys: list[object] = [os.path.realpath(path)]
+    parent = _quiet_stat(os.path.dirname(path) or ".")
+    if parent is not None:
+        keys.append((parent.st_dev, parent.st_ino, os.path.basename(path)))
+    info = _quiet_stat(path)
+    if info is not None:
+        keys.append((info.st_dev, info.st_ino))
+    return keys
+
+
+def _inside(path: str, data_real: str, data_info: os.stat_result | None) -> bool:
+    """`path` is the data directory or inside it: by real path, or by the directory's
+    (device, inode) met on the way up from `path` (a bind mount of it)."""
+    real = os.path.realpath(path)
+    if real == data_real or real.startswith(data_real + os.sep):
+        return True
+    while data_info is not None:
+        info = _quiet_stat(path)
+        if info is not None and (info.st_dev, info.st_ino) == (data_info.st_dev, data_info.st_ino):
+            return True
+        parent = os.path.dirname(path)
+        if parent == path:
+            return False
+        path = parent
+    return False
+
+
+def _check_existing(out: OutputPath, info: os.stat_result, own: Callable[[str], list[int] | None],
                     overwrite: bool) -> str:
     if stat.S_ISLNK(info.st_mode):
         raise JobPathError(f"{out.role} {out.path} is a symbolic link: give the path it points to, if that is "
@@ -89,8 +125,6 @@ def _check_existing(out: OutputPath, info: os.stat_result, input_path: str, own:
     if not stat.S_ISREG(info.st_mode):
         raise JobPathError(f"{out.role} {out.path} is {path_kind(info)}, not a regular file: the job writes only "
                            f"regular files (for no output at all, use a scratch file)")
-    if os.path.samefile(out.path, input_path):
-        raise JobPathError(f"{out.role} {out.path} is the input file: it would be replaced")
     mine = own(out.path)
     if mine is not None and mine == [info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns][:len(mine)]:
         return "own"
@@ -246,6 +280,15 @@ def stat_or_none(path: str, follow: bool) -> os.stat_result | None:
         return None
     except OSError as exc:
         raise JobPathError(f"{path}: cannot be checked ({exc.strerror})") from exc
+
+
+def _quiet_stat(path: str) -> os.stat_result | None:
+    """The file at `path` (links followed), or None where there is none or it cannot be read:
+    for comparing paths, where a path that cannot be read is told apart by its spelling."""
+    try:
+        return os.stat(path)
+    except (OSError, ValueError):
+        return None
 
 
 def path_kind(info: os.stat_result) -> str:

@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import asdict, dataclass, field
 
+from pipeline.wire.textfiles import counted
+
 # Rates are taken over this much of the latest observations: long enough to smooth batch
 # completions, short enough that the ETA follows a change of pace within seconds.
 RATE_WINDOW_S = 10.0
@@ -104,8 +106,8 @@ def format_job_line(view: JobView) -> str:
     tokens = f", {view.tokens_per_s:,.0f} tokens/s" if view.tokens_per_s is not None else ""
     eta = f", ETA {format_duration(view.eta_s)}" if view.eta_s is not None and view.to_do else ""
     alert = f"; {view.alert}" if view.alert else ""
-    return (f"run-batch: {view.done:,} of {view.requests:,} requests answered ({share}), {view.failed:,} failed, "
-            f"{view.to_do:,} to do; {rate}{tokens}{eta}{alert}")
+    return (f"run-batch: {view.done:,} of {counted(view.requests, 'request')} answered ({share}), "
+            f"{view.failed:,} failed, {view.to_do:,} to do; {rate}{tokens}{eta}{alert}")
 
 
 def format_duration(seconds: float | None) -> str:

@@ -49,7 +49,7 @@ from pipeline.batchjob.layout import (
 )
 from pipeline.runtime.madefiles import Made, matching, remove_made
 from pipeline.wire.errors import BatchFileError
-from pipeline.wire.textfiles import file_kind, listed
+from pipeline.wire.textfiles import counted, file_kind, listed
 from shm.layout import checked_dtype
 
 # The longest request line read (bytes before its newline): a prompt at the broker's largest
@@ -386,8 +386,8 @@ def read_line_digests(path: str, requests: int) -> np.ndarray:
         raise JobMismatchError(f"{path}: cannot read the job's line digests ({exc.strerror}); use another "
                                f"--data-dir") from exc
     if size != requests * LINE_DIGEST_DTYPE.itemsize:
-        raise JobMismatchError(f"{path}: {size:,} bytes, not the line digests of this job's {requests:,} requests "
-                               f"(damaged?); use another --data-dir")
+        raise JobMismatchError(f"{path}: {size:,} bytes, not the line digests of this job's "
+                               f"{counted(requests, 'request')} (damaged?); use another --data-dir")
     return np.memmap(path, dtype=LINE_DIGEST_DTYPE, mode="r")["line_xxh3"]
 
 

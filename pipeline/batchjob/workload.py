@@ -44,7 +44,7 @@ import xxhash
 from pipeline.batchjob.chat import TOKENIZE_BYTES_PER_TEXT_BYTE, ChatTokenizer
 from pipeline.batchjob.embeddings import KIND_EMBEDDING, EmbeddingFacts, endpoint_refusal
 from pipeline.batchjob.layout import INDEX_STRIDE, JOB_FLAG_READS_BODY, encode_job_payload
-from pipeline.batchjob.manifest import INDEX_NAME, JOB_DIR, LINES_NAME, JobManifest, load_manifest
+from pipeline.batchjob.manifest import INDEX_NAME, INPUT_CHANGED_NAME, JOB_DIR, LINES_NAME, JobManifest, load_manifest
 from pipeline.batchjob.params import Refused
 from pipeline.batchjob.paths import replace_file
 from pipeline.batchjob.rejections import RejectionLog
@@ -68,9 +68,6 @@ DEFAULT_PROMPT_TIME_LIMIT_S = 60.0
 # by default: a prompt at the broker's item cap takes a few MiB to render and tokenize, so
 # 2 GiB stops only a template that builds strings without end.
 DEFAULT_PROMPT_MEMORY_LIMIT_BYTES = 2 << 30
-
-# What a producer that read a changed line leaves in DATA_DIR/job: its message.
-INPUT_CHANGED_NAME = "input-changed"
 
 
 @dataclass(slots=True, frozen=True)
@@ -332,7 +329,9 @@ class JobWorkload(Workload):
         except Refused as refused:
             log.reject(where, HTTP_BAD_REQUEST, str(refused), refused.param)
             return None
-        parts = [tokenizer.completion_prompt(one).tokens for one in asked.inputs]
+        names = [f"input[{k}]" for k in range(len(asked.inputs))] if len(asked.inputs) > 1 else ["input"]
+        parts = [tokenizer.completion_prompt(one, f"the embeddings {name}", name).tokens
+                 for one, name in zip(asked.inputs, names)]
         lengths = tuple(int(p.shape[0]) for p in parts)
         limit, what = self._prompt_limit()
         context = self.limits.context_tokens or limit
@@ -344,8 +343,10 @@ class JobWorkload(Workload):
                        CODE_CONTEXT_LENGTH)
             return None
         if sum(lengths) > limit:  # one item holds them all
-            log.reject(where, HTTP_BAD_REQUEST, f"the {len(lengths):,} inputs are {sum(lengths):,} tokens together, "
-                       f"more than the {limit:,} {what}: split the request", "input", CODE_CONTEXT_LENGTH)
+            said = (f"the input is {sum(lengths):,} tokens, more than the {limit:,} {what}: shorten it"
+                    if len(lengths) == 1 else f"the {len(lengths):,} inputs are {sum(lengths):,} tokens together, "
+                    f"more than the {limit:,} {what}: split the request")
+            log.reject(where, HTTP_BAD_REQUEST, said, "input", CODE_CONTEXT_LENGTH)
             return None
         params = GenerationParams(embed=True, input_lengths=lengths, dimensions=asked.dimensions)
         flags = JOB_FLAG_READS_BODY if request.answer_reads_body else 0

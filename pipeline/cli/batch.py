@@ -37,6 +37,7 @@ from pipeline.cli.numbers import FiniteFloat
 from pipeline.consumer.engines import ENGINES
 from pipeline.runtime.tables import merged, parse_assignments, parse_engine_options
 from pipeline.wire.errors import BadInputError, DataDirMovedError, PipelineError, SettingsError
+from pipeline.wire.textfiles import counted, for_terminal, printable
 
 # The data directory a job uses when none is given: beside its output file, so that the
 # same command finds it again after a crash.
@@ -142,7 +143,7 @@ def run_batch(input_file: str, output_file: str, model_dir: str, served_model_na
             raise SettingsError("metrics_port: a job on a Ray cluster (--ray) serves no metrics; drop --metrics-port")
         if ray_address is not None and spec.settings.engine_options.get("lora_modules"):  # nodes serve model 0
             raise SettingsError("--lora-modules: a job on a Ray cluster (--ray) serves the base model only")
-        job = BatchJob(spec, say=lambda text: click.echo(text, err=True), show=_Progress())
+        job = BatchJob(spec, say=_say, show=_Progress())
         _prepare(job)
     except (BadInputError, PipelineError) as exc:
         raise click.ClickException(str(exc)) from exc
@@ -171,7 +172,7 @@ def _spec(input_file, output_file, model_dir, served_model_name, data_dir, outpu
     template = read_chat_template(flags.chat_template) if flags.chat_template is not None else None
     tokenizer = ChatTokenizer.load(model_dir, chat_template=template)  # broken: one line, before anything
     settings = _settings(config_path, assignments, options, data_dir, engine, flags, model_dir, tokenizer)
-    check_before_start(settings)
+    check_before_start(settings, lora_adapters=len(settings.engine_options.get("lora_modules") or ()))
     flags.check_with_vllm(settings)
     if settings.plots and not _importable("matplotlib"):
         raise SettingsError("plots: needs matplotlib (pip install 'shape-broker[plots]'), checked before the job runs")
@@ -282,22 +283,24 @@ def _prepare(job: BatchJob) -> None:
             raise
     except _StopSignal as stop:
         signum = stop.signum
-        kept = (f"the same command resumes the job (data directory {job.data_dir})" if os.path.isdir(job.data_dir)
-                and load_manifest(job.data_dir) is not None else "nothing was kept")
-        click.echo(f"run-batch: stopped ({signal.Signals(signum).name}) while checking the input; {kept}", err=True)
+        kept = (f"the same command resumes the job (data directory {printable(job.data_dir)})"
+                if os.path.isdir(job.data_dir) and load_manifest(job.data_dir) is not None else "nothing was kept")
+        _say(f"run-batch: stopped ({signal.Signals(signum).name}) while checking the input; {kept}")
         sys.exit(128 + signum)
     finally:
         for signum, handler in held.items():
             signal.signal(signum, handler)
     manifest = job.manifest
-    click.echo(f"run-batch: {manifest.requests:,} requests in {manifest.input_path}: {job.log.done:,} answered "
-               f"already ({job.log.failed:,} failed), {job.pending:,} waiting in the store, {job.to_submit:,} to "
-               f"submit; data directory {job.data_dir}", err=True)
+    _say(f"run-batch: {counted(manifest.requests, 'request')} in {printable(manifest.input_path)}: {job.log.done:,} "
+         f"answered already ({job.log.failed:,} failed), {job.pending:,} waiting in the store, {job.to_submit:,} to "
+         f"submit; data directory {printable(job.data_dir)}")
 
 
 def _run(job: BatchJob, spec: JobSpec, ray_address: str | None, ray_route: str, ray_node_dir: str | None) -> int:
     """Run what is left, write what is done; the exit status. SIGHUP stops the job as
     Ctrl-C does (a closed terminal), so the resume line is always said."""
+    from pipeline.runtime.launcher import EXIT_INTERRUPTED
+
     signal.signal(signal.SIGHUP, signal.default_int_handler)
     code = 1
     try:
@@ -311,44 +314,54 @@ def _run(job: BatchJob, spec: JobSpec, ray_address: str | None, ray_route: str, 
         except DataDirMovedError:
             raise  # nothing more is read or written there: said once, as the command's error
         except (ValueError, RuntimeError, TimeoutError, OSError, PipelineError) as exc:
-            click.echo(f"run-batch: {exc}", err=True)
+            _say(f"run-batch: {exc}")
             code = 1
+        stopped_by_failure = code not in (0, EXIT_INTERRUPTED)
         code, summary = job.finish(code)
     except BaseException:
         job.close(remove=False)
         raise
-    _say_summary(summary, spec, job)
+    _say_summary(summary, spec, job, stopped_by_failure)
     remove = summary.output_written and not spec.data_dir_given and not spec.keep_data_dir
     left = job.close(remove=remove)
     if left:
-        click.echo(f"run-batch: {job.data_dir} was kept: it holds {', '.join(left[:5])}, which the job did not make",
-                   err=True)
+        _say(f"run-batch: {printable(job.data_dir)} was kept: it holds {', '.join(map(printable, left[:5]))}, which the job "
+             f"did not make")
     return code
 
 
-def _say_summary(summary: JobSummary, spec: JobSpec, job: BatchJob) -> None:
+def _say(text: str) -> None:
+    """A line of the job's on stderr, with what a terminal would act on escaped."""
+    click.echo(for_terminal(text), err=True)
+
+
+def _say_summary(summary: JobSummary, spec: JobSpec, job: BatchJob, stopped_by_failure: bool) -> None:
+    """The job's end in a line or two; `stopped_by_failure`: the run stopped on a failure
+    (said above), not a stop the user asked for."""
+    data_dir = printable(job.data_dir)
     if not summary.output_written:
         left = summary.requests - summary.completed - summary.failed
         collector = job.collector
-        full = (f"; the disk of {collector.disk_full_path} was full: make room on it first"
+        full = (f"; the disk of {printable(collector.disk_full_path)} was full: make room on it first"
                 if collector is not None and collector.disk_full else "")
-        click.echo(f"run-batch: {left:,} of {summary.requests:,} requests have no answer yet; the same command "
-                   f"finishes the job (data directory {job.data_dir}{full})", err=True)
+        when = "once what stopped the run (above) is dealt with, " if stopped_by_failure else ""
+        _say(f"run-batch: {left:,} of {counted(summary.requests, 'request')} {'has' if left == 1 else 'have'} no "
+             f"answer yet; {when}the same command finishes the job (data directory {data_dir}{full})")
         return
     failed = ", ".join(f"{count:,} with status {status}" for status, count in summary.failed_by_status.items())
     cached = f" ({summary.cached_tokens / summary.prompt_tokens:.1%} cached)" if summary.prompt_tokens else ""
     rate = summary.run_answered / summary.run_wall_s if summary.run_wall_s > 0 else 0.0
-    click.echo(f"run-batch: {summary.completed:,} completed, {summary.failed:,} failed{f' ({failed})' if failed else ''}"
-               f"; usage: {summary.prompt_tokens:,} prompt tokens{cached}, {summary.completion_tokens:,} completion "
-               f"tokens; this run: {summary.run_answered:,} answered in {summary.run_wall_s:,.1f} s ({rate:,.0f} "
-               f"requests/s), paced by {summary.paced_by}", err=True)
+    _say(f"run-batch: {summary.completed:,} completed, {summary.failed:,} failed{f' ({failed})' if failed else ''}"
+         f"; usage: {counted(summary.prompt_tokens, 'prompt token')}{cached}, "
+         f"{counted(summary.completion_tokens, 'completion token')}; this run: {summary.run_answered:,} answered in "
+         f"{summary.run_wall_s:,.1f} s ({rate:,.0f} requests/s), paced by {summary.paced_by}")
     outputs = [spec.output_path] + [p for p in (spec.error_file, spec.summary_path, spec.report_path) if p]
-    click.echo(f"run-batch: wrote {', '.join(outputs)}", err=True)
+    _say(f"run-batch: wrote {', '.join(map(printable, outputs))}")
     report = job.report or {}
     if report.get("store_damaged") or report.get("store_damage", {}).get("quarantine_files"):
-        click.echo(f"run-batch: the store held damaged entries ({report.get('items_undeliverable', 0):,} could not be "
-                   f"delivered; their requests ran again from the input): the damaged files are in "
-                   f"{job.data_dir}/quarantine (`pipeline tools verify {job.data_dir}` names them)", err=True)
+        _say(f"run-batch: the store held damaged entries ({report.get('items_undeliverable', 0):,} could not be "
+             f"delivered; their requests ran again from the input): the damaged files are in "
+             f"{printable(os.path.join(job.data_dir, 'quarantine'))} (`pipeline tools verify {data_dir}` names them)")
 
 
 class _Progress:
@@ -363,7 +376,7 @@ class _Progress:
         if now_s < self.next_s and view.to_do:
             return
         self.next_s = now_s + (0.5 if self.tty else LOG_INTERVAL_S)
-        line = format_job_line(view)
+        line = for_terminal(format_job_line(view))
         if self.tty:
             sys.stderr.write("\r\x1b[2K" + line)
             if not view.to_do:

@@ -59,6 +59,7 @@ from pipeline.runtime.settings import (
 from pipeline.runtime.tables import broker_config, consumer_settings, parse_assignments, parse_engine_options
 from pipeline.wire.errors import BadInputError, PipelineError, ProtocolError, SettingsError
 from pipeline.wire.protocol import check_consumer_name
+from pipeline.wire.textfiles import counted, for_terminal, printable
 
 # A graceful stop (a batch in hand finished, files closed) gets this long before SIGKILL.
 DEFAULT_STOP_TIMEOUT_S = 30.0
@@ -349,12 +350,12 @@ def produce(workload_file: str, data_dir: str, producers: int, items: int | None
     unsent = len(workload) - published
     never = f"; {unsent:,} were never submitted: submit them again" if unsent else ""
     if outcome.failed:
-        raise click.ClickException(f"{outcome.failed} of {producers} producers failed or were killed: "
-                                   f"{stored:,} of {len(workload):,} items stored{where}{never}")
+        raise click.ClickException(f"{outcome.failed} of {counted(producers, 'producer')} failed or were killed: "
+                                   f"{stored:,} of {counted(len(workload), 'item')} stored{where}{never}")
     if outcome.interrupted:
-        click.echo(f"interrupted: {stored:,} of {len(workload):,} items stored{where}{never}", err=True)
+        click.echo(f"interrupted: {stored:,} of {counted(len(workload), 'item')} stored{where}{never}", err=True)
         sys.exit(130)
-    click.echo(f"submitted {len(workload)} items, {workload.total_tokens} tokens: all stored")
+    click.echo(f"submitted {counted(len(workload), 'item')}, {counted(workload.total_tokens, 'token')}: all stored")
 
 
 class _StoreWatch:
@@ -429,13 +430,23 @@ def _say_job(found: dict, data_dir: str) -> None:
     pace = f", {rate:,.0f} requests/s" if rate and found["running"] else ""
     port = found.get("metrics_port")
     metrics = f"; metrics on http://127.0.0.1:{port}/metrics" if port is not None and found["running"] else ""
-    click.echo(f"job {found['state']}{' (its process runs)' if found['running'] else ''}: {found['done']:,} of "
-               f"{found['requests']:,} requests answered, {found['failed']:,} failed, {found['to_do']:,} to do"
-               f"{pace}{eta}; input {found['input']}, output {found['output']}{metrics}")
-    if not found["running"] and found["to_do"]:
-        click.echo(f"the same run-batch command (with --data-dir {data_dir}) finishes it")
+    _say(f"job {printable(found['state'])}{' (its process runs)' if found['running'] else ''}: {found['done']:,} of "
+         f"{counted(found['requests'], 'request')} answered, {found['failed']:,} failed, {found['to_do']:,} to do"
+         f"{pace}{eta}; input {printable(found['input'])}, output {printable(found['output'])}{metrics}")
+    changed = found.get("input_changed")
+    command = f"the same run-batch command (with --data-dir {printable(data_dir)})"
+    if not found["running"] and found["state"] != "completed" and changed:
+        _say(f"its input changed ({changed}), and a run refuses it: with the input as it was, {command} finishes the "
+             f"job; to run the file as it is now, give another --data-dir")
+    elif not found["running"] and found["to_do"]:
+        _say(f"{command} finishes it")
     elif not found["running"] and found["state"] != "completed":
-        click.echo(f"the same run-batch command (with --data-dir {data_dir}) writes its output")
+        _say(f"{command} writes its output")
+
+
+def _say(line: str) -> None:
+    """A line of `status` on stdout, with what a terminal would act on escaped."""
+    click.echo(for_terminal(line))
 
 
 @click.command()
@@ -453,7 +464,7 @@ def status(data_dir: str, as_json: bool, results_dir: str | None) -> None:
     from pipeline.batchjob.jobstatus import job_status
 
     if not os.path.isdir(data_dir):
-        raise click.ClickException(f"no data directory at {data_dir}")
+        raise click.ClickException(f"no data directory at {printable(data_dir)}")
     check_data_dir(data_dir)
     job = job_status(data_dir)
     config = BrokerConfig(data_dir)
@@ -489,8 +500,8 @@ def status(data_dir: str, as_json: bool, results_dir: str | None) -> None:
         click.echo(json.dumps(report, indent=2, sort_keys=True))
         return
     render_report(report)
-    click.echo(f"backlog {report['backlog_items']} items / {report['backlog_tokens']} tokens, "
-               f"pending {report['pending_items']}, consumers: {', '.join(report['consumers']) or 'none'}; "
-               f"peers refused {report['peers_refused']}, shed {report['peers_shed']}; "
-               f"broker stalls {report['stalls']} ({report['stalled_s']:.1f} s)"
-               + ("; DISK FULL: ingest paused" if report["disk_full"] else ""))
+    _say(f"backlog {report['backlog_items']} items / {report['backlog_tokens']} tokens, "
+         f"pending {report['pending_items']}, consumers: {', '.join(report['consumers']) or 'none'}; "
+         f"peers refused {report['peers_refused']}, shed {report['peers_shed']}; "
+         f"broker stalls {report['stalls']} ({report['stalled_s']:.1f} s)"
+         + ("; DISK FULL: ingest paused" if report["disk_full"] else ""))

@@ -130,6 +130,7 @@ from pipeline.wire.status import (
     prefix_reuse,
     ratio,
 )
+from pipeline.wire.textfiles import counted
 
 # The engine's own prefix-cache counters and ours over the same requests (ConsumerWork).
 ENGINE_CHECK_KEYS = ("engine_prefix_cache_queries", "engine_prefix_cache_hits", "engine_checked_prompt_tokens",
@@ -386,7 +387,7 @@ def accounting_verdict(report: dict) -> str:
     if not report["accounting_ok"]:
         if not report["lost"] and (report.get("store_damaged") or report["items_corrupt"]) \
                 and not report.get("items_unexpected"):
-            return (f"[bold red]DAMAGED: {damage + report['items_corrupt']:,} items could not be delivered "
+            return (f"[bold red]DAMAGED: {counted(damage + report['items_corrupt'], 'item')} could not be delivered "
                     f"({report['items_corrupt']:,} answered corrupt, {damage:,} undeliverable in the store"
                     f"{_unknown_damage(report)}; each named in the logs)[/bold red]")
         if report["broker_status_missing"] and not report["lost"] and not report.get("items_unexpected"):
@@ -487,12 +488,13 @@ def render_report(report: dict, console: Console | None = None) -> None:
     console = console or Console()
     console.print(_accounting_table(report))
     if report.get("store_damaged"):
-        console.print(f"[bold red]STORE DAMAGE: {report['items_undeliverable']:,} stored items cannot be delivered"
+        console.print(f"[bold red]STORE DAMAGE: {counted(report['items_undeliverable'], 'stored item')} cannot be "
+                      f"delivered"
                       f"{_unknown_damage(report)} (each named in the broker's log; `pipeline tools verify "
                       f"DATA_DIR` lists them)[/bold red]")
     elif report.get("store_damage", {}).get("quarantine_files"):
-        console.print(f"[yellow]quarantine/ holds {report['store_damage']['quarantine_files']:,} files earlier damage "
-                      f"left (`pipeline tools verify DATA_DIR` names them; remove them once looked at)[/yellow]")
+        console.print(f"[yellow]quarantine/ holds {counted(report['store_damage']['quarantine_files'], 'file')} "
+                      f"earlier damage left (`pipeline tools verify DATA_DIR` names them; remove them once looked at)[/yellow]")
     console.print(_pairs_table("Efficiency", _efficiency_rows(report)))
     console.print(_pairs_table("Lanes", [(key.replace("_", " "), format_count(value))
                                          for key, value in report["lanes"].items()]))

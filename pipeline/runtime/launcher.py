@@ -94,6 +94,7 @@ from pipeline.wire.client import broker_status
 from pipeline.wire.dirpin import DirPin, moved_message
 from pipeline.wire.errors import DataDirMovedError, PipelineError, ProducerStoppedError
 from pipeline.wire.status import BrokerStatus
+from pipeline.wire.textfiles import counted
 
 log = logging.getLogger("pipeline.launch")
 
@@ -476,8 +477,8 @@ class Launcher:
         models = sorted(set(self.workload.models) | self.taken_over.models)
         if count < len(models):
             raise ValueError(f"the workload and what earlier runs left here use {len(models)} models "
-                             f"({models[:10]}) but only {count} consumers run: each consumer serves one model "
-                             f"(raise --consumers)")
+                             f"({models[:10]}) but only {counted(count, 'consumer')} {'runs' if count == 1 else 'run'}: "
+                             f"each consumer serves one model (raise --consumers)")
         configs = []
         for k, placement in enumerate(self.placements):
             configs.append(ConsumerConfig(

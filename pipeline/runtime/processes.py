@@ -78,6 +78,8 @@ FDS_PER_OPEN_SEGMENT = 3
 # Fewer open segment files than this and a sticky shape's lanes thrash the cache: a broker
 # whose descriptor limit leaves less refuses to start, saying so, rather than fail later.
 MIN_OPEN_SEGMENT_FILES = 16
+# The soft limit a broker asks for where the hard one is unlimited.
+_RAISED_UNLIMITED = 1 << 16
 
 
 def open_files_budget(config: BrokerConfig) -> int:
@@ -89,20 +91,38 @@ def open_files_budget(config: BrokerConfig) -> int:
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard == resource.RLIM_INFINITY or soft < hard:
-        wanted = 1 << 16 if hard == resource.RLIM_INFINITY else hard
+        wanted = _RAISED_UNLIMITED if hard == resource.RLIM_INFINITY else hard
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, wanted), hard))
             soft = max(soft, wanted)
         except (OSError, ValueError):
             pass
+    peers, need = broker_descriptors(config)
+    if soft < need:
+        raise descriptor_limit_error(soft, config)
+    return min(DEFAULT_OPEN_FILES_MAX, (soft - BROKER_FD_HEADROOM - peers) // FDS_PER_OPEN_SEGMENT)
+
+
+def broker_descriptors(config: BrokerConfig) -> tuple[int, int]:
+    """(the descriptors a broker's peers hold at their limits, the fewest a broker needs)."""
     peers = config.max_consumers + config.max_producers + config.max_unregistered_peers
-    budget = (soft - BROKER_FD_HEADROOM - peers) // FDS_PER_OPEN_SEGMENT
-    if budget < MIN_OPEN_SEGMENT_FILES:
-        need = BROKER_FD_HEADROOM + peers + MIN_OPEN_SEGMENT_FILES * FDS_PER_OPEN_SEGMENT
-        raise ConfigError(f"the descriptor limit (ulimit -n) is {soft}: a broker needs at least {need} "
-                          f"({peers} for its peers at their limits, {MIN_OPEN_SEGMENT_FILES} segment files); "
-                          f"raise it (ulimit -n {max(need, 1024)})")
-    return min(DEFAULT_OPEN_FILES_MAX, budget)
+    return peers, BROKER_FD_HEADROOM + peers + MIN_OPEN_SEGMENT_FILES * FDS_PER_OPEN_SEGMENT
+
+
+def descriptor_limit_error(limit: int, config: BrokerConfig) -> ConfigError:
+    peers, need = broker_descriptors(config)
+    return ConfigError(f"the descriptor limit (ulimit -n) is {limit}: a broker needs at least {need} ({peers} for "
+                       f"its peers at their limits, {MIN_OPEN_SEGMENT_FILES} segment files); raise it (ulimit -n "
+                       f"{max(need, 1024)})")
+
+
+def check_descriptor_limit(config: BrokerConfig) -> None:
+    """ConfigError, before anything starts, where the most a broker may raise its descriptor
+    limit to (the hard limit) is less than it needs (`open_files_budget`)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    most = max(soft, _RAISED_UNLIMITED) if hard == resource.RLIM_INFINITY else hard
+    if most < broker_descriptors(config)[1]:
+        raise descriptor_limit_error(most, config)
 
 
 def open_storage(data_dir: str, storage: str, durability: str, open_files_max: int | None = None) -> OpenedStorage:

@@ -7,6 +7,11 @@ file linked to /dev/zero grew to 10 GB in 30 s).
 
     for number, line in bounded_lines(file, MAX_LINE_BYTES):
         if line is None: ...  # line `number` was longer than the limit
+
+And how a message shows what came from outside: a path or string from a file or the user
+through `printable` (escaped where a terminal would act on it), every message on its way to
+the terminal through `for_terminal` (the net under the values that were not), counts through
+`counted` ("1 request", "2 requests").
 """
 
 from __future__ import annotations
@@ -31,6 +36,29 @@ def listed(names: Sequence[object], limit: int = MAX_NAMES_LISTED) -> str:
     more": what a message about a line's keys says of them, bounded whatever the line."""
     shown = ", ".join(f"{name!r:.{MAX_NAME_CHARS}}" for name in names[:limit])
     return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
+
+
+def printable(text: str) -> str:
+    """A path or string from a file or the user, for a message: as it is where every
+    character is printable; else as Python's repr (quoted, each control, format or lone
+    surrogate character escaped: \\x1b, \\r, \\n, \\u202e, \\udcff), so a name can neither
+    move the cursor, recolour or hide the terminal's text, nor start a line of its own."""
+    return text if text.isprintable() else repr(text)
+
+
+def for_terminal(message: str) -> str:
+    """A message on its way to the terminal: its line breaks kept, every other character
+    that is not printable escaped as `printable` escapes it (so a value that did not pass
+    through `printable` still cannot act on the terminal)."""
+    if message.replace("\n", "").isprintable():
+        return message
+    return "".join(c if c == "\n" or c.isprintable() else repr(c)[1:-1] for c in message)
+
+
+def counted(count: int, noun: str, plural: str | None = None) -> str:
+    """`count` with thousands separators and `noun`, plural (`plural`, else noun + "s") unless
+    the count is 1: "1 request", "2,000 requests"."""
+    return f"{count:,} {noun if count == 1 else plural or noun + 's'}"
 
 
 def bounded_lines(file: BinaryIO, limit_bytes: int) -> Iterator[tuple[int, bytes | None]]:

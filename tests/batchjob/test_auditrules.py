@@ -115,12 +115,14 @@ BODY_DAMAGE = [
     (completion("p"), lambda b: b.update(object="chat.completion"), "is 'text_completion'"),
     (embedding("e"), lambda b: b.update(object="embedding"), "the answer of /v1/embeddings is 'list'"),
     (chat("c", n=3), lambda b: b["choices"].pop(), "2 choices, the request asked for n=3"),
+    (chat("c", n=2), lambda b: b["choices"].pop(), "1 choice, the request asked for n=2"),
     (chat("c"), lambda b: b["choices"].append(dict(b["choices"][0], index=1)), "2 choices, the request asked for one"),
     (chat("c", n=2), lambda b: b["choices"].reverse(), "choices[0] must be an object of index 0"),
     (chat("c"), lambda b: b["choices"][0].pop("message"), "choices[0].message must be an object with a role"),
     (completion("p"), lambda b: b["choices"][0].update(text=None), "choices[0].text must be a string"),
     (chat("c"), lambda b: b["choices"][0].update(finish_reason=None), "choices[0].finish_reason must be a string"),
-    (embedding("e", input=["a", "b"]), lambda b: b["data"].pop(), "1 embeddings, the request gave 2 inputs"),
+    (embedding("e", input=["a", "b"]), lambda b: b["data"].pop(), "1 embedding, the request gave 2 inputs"),
+    (embedding("e", input=["a"]), lambda b: b["data"].append(b["data"][0]), "2 embeddings, the request gave 1 input"),
     (embedding("e", input=["a", "b"]), lambda b: b["data"][1].update(index=0), "data[1] must be an embedding object"),
     (chat("c"), lambda b: b["usage"].update(total_tokens=1), "usage.total_tokens 1 is not prompt_tokens 12 + "
                                                                "completion_tokens 3"),
@@ -138,6 +140,13 @@ def test_each_way_a_200_answer_does_not_fit_its_request_is_named(request_: dict,
     assert body_problem(request_["url"], request_["body"], _body(request_)) is None
     why = body_problem(request_["url"], request_["body"], _body(request_, change))
     assert why is not None and words in why, why
+
+
+def test_n_a_whole_number_asks_for_that_many_choices_as_the_job_reads_it() -> None:
+    request_ = chat("c", n=2)
+    body = _body(request_)
+    assert body_problem(request_["url"], {**request_["body"], "n": 2.0}, body) is None
+    assert "2 choices, the request asked for n=3" in body_problem(request_["url"], {**request_["body"], "n": 3.0}, body)
 
 
 def test_an_endpoint_no_job_serves_is_held_to_its_model_and_usage_only() -> None:

@@ -5,6 +5,7 @@ cut its embeddings), and which endpoints a job serves by its runner, as vLLM dec
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -36,20 +37,32 @@ def test_every_form_of_input_is_a_tuple_of_inputs(given, inputs):
 
 
 @pytest.mark.parametrize("body, param, words", [
-    ({}, "input", "missing required parameter 'input'"),
+    ({}, "input", "Missing required parameter: 'input'."),
     ({"input": []}, "input", "input must be a string"),
     ({"input": [[]]}, "input", "input[0] must be a string or a non-empty array"),
     ({"input": [[1, -2]]}, "input", "input[0] holds an integer -2, not a token id"),
     ({"input": [[1, True]]}, "input", "not a token id"),
     ({"input": {"text": "x"}}, "input", "input must be a string"),
-    ({"input": "x", "encoding_format": "bytes"}, "encoding_format", "encoding_format a string \"bytes\""),
-    ({"input": "x", "dimensions": 0}, "dimensions", "dimensions must be a positive integer"),
-    ({"input": "x", "dimensions": True}, "dimensions", "dimensions must be a positive integer"),
+    ({"input": "x", "encoding_format": "bytes"}, "encoding_format",
+     "Invalid value: 'bytes'. Supported values are: 'float' and 'base64'."),
+    ({"input": "x", "encoding_format": "int8"}, "encoding_format",
+     "Invalid value: 'int8'. Supported values are: 'float' and 'base64'."),
+    ({"input": "x", "encoding_format": 8}, "encoding_format",
+     "Invalid type for 'encoding_format': expected a string, but got an integer instead."),
+    ({"input": "x", "dimensions": 0}, "dimensions", "dimensions must be at least 1, got 0."),
+    ({"input": "x", "dimensions": True}, "dimensions",
+     "Invalid type for 'dimensions': expected an integer, but got a boolean instead."),
+    ({"input": "x", "dimensions": 8.5}, "dimensions",
+     "Invalid type for 'dimensions': expected an integer, but got a number with a fractional part (8.5) instead."),
 ])
 def test_what_vllm_refuses_is_refused_naming_the_parameter(body, param, words):
-    with pytest.raises(Refused, match=words.replace("[", r"\[").replace("(", r"\(")) as caught:
+    with pytest.raises(Refused, match=re.escape(words)) as caught:
         embedding_inputs(body)
     assert caught.value.param == param
+
+
+def test_dimensions_a_whole_number_is_that_integer_as_vllm_reads_it():
+    assert embedding_inputs({"input": "x", "dimensions": 8.0}) == EmbeddingInputs(("x",), "float", 8)
 
 
 def test_inputs_up_to_the_limit_are_taken_and_one_past_it_refused():

@@ -28,6 +28,10 @@ def test_before_two_observations_there_is_no_rate() -> None:
     assert format_job_line(view) == ("run-batch: 40 of 100 requests answered (40.0%), 2 failed, 60 to do; starting")
 
 
+def test_a_job_of_one_request_says_one_request() -> None:
+    assert format_job_line(JobTracker(1).view()) == "run-batch: 0 of 1 request answered (0.0%), 0 failed, 1 to do; starting"
+
+
 def test_a_steady_pace_gives_its_rates_and_eta() -> None:
     tracker = JobTracker(1000)
     for second in range(6):

@@ -5,6 +5,7 @@ user's, in whatever folder, naming it."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from pipeline.batchjob.answers import LOG_NAME, RECORDS_NAME
 from pipeline.batchjob.jobfiles import (
     DATA_DIR_MADE,
     JOB_MADE,
+    STORE_ENTRIES,
     check_data_dir_is_the_jobs,
     remove_data_dir,
     remove_job_dir,
@@ -53,20 +55,35 @@ def test_a_data_directory_absent_empty_or_a_jobs_own_is_taken(tmp_path: Path) ->
     check_data_dir_is_the_jobs(str(tmp_path / "data"), has_manifest=True)
 
 
-@pytest.mark.parametrize("entry", TOP_ENTRIES)
-def test_a_data_directory_of_another_run_is_refused(tmp_path: Path, entry: str) -> None:
-    assert DATA_DIR_MADE.knows(entry)
+@pytest.mark.parametrize("entry", sorted(STORE_ENTRIES))
+def test_a_data_directory_holding_a_store_of_another_run_is_refused_saying_so(tmp_path: Path, entry: str) -> None:
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / entry).mkdir()
-    with pytest.raises(JobPathError, match=f"holds a store or results of another run .*\\({entry}\\); give another"):
+    (tmp_path / "data" / "results").mkdir()
+    held = re.escape(", ".join(sorted([entry, "results"])))
+    with pytest.raises(JobPathError, match=f"is not empty and is not a batch job's data directory .*: it holds "
+                                           f"{held}; they are a store of another run"):
         check_data_dir_is_the_jobs(str(tmp_path / "data"), has_manifest=False)
+
+
+@pytest.mark.parametrize("entry", sorted(set(TOP_ENTRIES) - STORE_ENTRIES) + ["photo"])
+def test_a_data_directory_of_the_users_files_is_refused_as_not_empty_not_as_another_runs(tmp_path: Path,
+                                                                                          entry: str) -> None:
+    (tmp_path / "data" / entry / "mine").mkdir(parents=True)  # results/mine/x: the user's folder, not a run's
+    (tmp_path / "data" / entry / "mine" / "x").write_text("x")
+    with pytest.raises(JobPathError) as refused:
+        check_data_dir_is_the_jobs(str(tmp_path / "data"), has_manifest=False)
+    said = str(refused.value)
+    assert f"is not empty and is not a batch job's data directory (it has no job manifest): it holds {entry}; " \
+           f"give another --data-dir" in said, said
+    assert "another run" not in said and "store" not in said
 
 
 def test_a_data_directory_of_the_users_files_is_refused_naming_them(tmp_path: Path) -> None:
     (tmp_path / "data").mkdir()
     for k in range(7):
         (tmp_path / "data" / f"photo-{k}.jpg").write_text("x")
-    with pytest.raises(JobPathError, match=r"files that are not the product's \(photo-0.jpg, .*photo-4.jpg, \.\.\.\)"):
+    with pytest.raises(JobPathError, match=r"it holds photo-0.jpg, .*photo-4.jpg, \.\.\.; give another"):
         check_data_dir_is_the_jobs(str(tmp_path / "data"), has_manifest=False)
 
 

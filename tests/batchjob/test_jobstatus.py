@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from pipeline.batchjob.answers import records_path
 from pipeline.batchjob.jobstatus import WRITING, answered, saved_view
 from pipeline.batchjob.layout import ANSWER_RECORD_SIZE_BYTES, LOG_OUTPUT, answer_record
-from pipeline.batchjob.manifest import JOB_DIR, JobManifest, manifest_path, write_manifest
+from pipeline.batchjob.manifest import INPUT_CHANGED_NAME, JOB_DIR, JobManifest, manifest_path, write_manifest
 from pipeline.cli import main
 from pipeline.batchjob.scan import MAX_BATCH_REQUESTS
 from pipeline.wire.errors import JobMismatchError
@@ -24,10 +24,10 @@ GOOD_VIEW = {"state": "stopped", "requests": REQUESTS, "done": 2, "failed": 1, "
              "requests_per_s": 3.5}
 
 
-def job_dir(tmp_path: Path, records: int = 2) -> Path:
+def job_dir(tmp_path: Path, records: int = 2, input_path: str = "/jobs/in.jsonl") -> Path:
     data = tmp_path / "data"
     data.mkdir(mode=0o700)
-    write_manifest(str(data), JobManifest(7, 1_700_000_000, "/jobs/in.jsonl", 1000, "ab" * 16, REQUESTS, "tiny",
+    write_manifest(str(data), JobManifest(7, 1_700_000_000, input_path, 1000, "ab" * 16, REQUESTS, "tiny",
                                           "/jobs/out.jsonl", "input", None))
     (data / JOB_DIR / "status.json").write_text(json.dumps(GOOD_VIEW))
     Path(records_path(str(data))).write_bytes(b"".join(answer_record(k, 0, 10, 200, LOG_OUTPUT, 1, 1, 0)
@@ -143,3 +143,33 @@ def test_a_job_writing_its_output_is_said_so_and_stopped_once_its_process_is_gon
     code, said = status(data)  # the lock released: its process is gone before the output was written
     assert code == 0 and said.startswith("job stopped: 10 of 10 requests answered"), said
     assert said.endswith(f"the same run-batch command (with --data-dir {data}) writes its output\n"), said
+
+
+@pytest.mark.parametrize("change", ["none", "note", "size"])
+def test_a_job_whose_input_changed_is_said_so_not_that_the_same_command_finishes_it(tmp_path: Path,
+                                                                                     change: str) -> None:
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(b"x" * (1000 if change != "size" else 999))  # the manifest's 1,000 bytes
+    data = job_dir(tmp_path, input_path=str(source))
+    if change == "note":  # what a producer that read a changed line leaves
+        (data / JOB_DIR / INPUT_CHANGED_NAME).write_text(f"{source}:3: request 2 (byte 200) is not the line the job "
+                                                         f"read when it started")
+    code, said = status(data)
+    last = said.splitlines()[-1]
+    assert code == 0 and said.startswith("job stopped: 2 of 10 requests answered"), said
+    if change == "none":
+        assert last == f"the same run-batch command (with --data-dir {data}) finishes it"
+        return
+    why = (f"{source}:3: request 2 (byte 200) is not the line the job read when it started" if change == "note"
+           else f"the input file {source} is 999 bytes now; the job's was 1,000 bytes")
+    assert last == (f"its input changed ({why}), and a run refuses it: with the input as it was, the same run-batch "
+                    f"command (with --data-dir {data}) finishes the job; to run the file as it is now, give another "
+                    f"--data-dir"), last
+
+
+def test_paths_from_the_jobs_files_are_shown_escaped_never_as_control_characters(tmp_path: Path) -> None:
+    hostile = "/jobs/\x1b[31mRED\n\r\x1b]0;title\x07.jsonl"
+    data = job_dir(tmp_path, input_path=hostile)
+    code, said = status(data)
+    assert code == 0 and not any(c in said for c in "\x1b\r\x07") and said.count("\n") == 2, said
+    assert f"input {hostile!r}, output /jobs/out.jsonl" in said

@@ -6,9 +6,12 @@ a file is replaced whole or not at all, owner-only, leaving nothing when it fail
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import nullcontext
@@ -30,6 +33,7 @@ from pipeline.batchjob.paths import (
 from pipeline.wire import fileops
 from pipeline.wire.errors import JobPathError
 from tests.batchjob.batchfiles import without_tmpfile
+from tests.support.jobs import ROOT
 from tests.users import effective, other_user
 
 
@@ -130,7 +134,7 @@ def test_an_output_that_is_the_input_is_refused(job: Path) -> None:
     with pytest.raises(JobPathError, match="is also the input file"):
         check(job, job / "link.jsonl", overwrite=True)
     os.link(job / "in.jsonl", job / "hard.jsonl")  # another name of the same file
-    with pytest.raises(JobPathError, match="output file .*hard.jsonl is the input file: it would be replaced"):
+    with pytest.raises(JobPathError, match="output file .*hard.jsonl is also the input file"):
         check(job, job / "hard.jsonl", overwrite=True)
 
 
@@ -141,11 +145,56 @@ def test_two_outputs_the_same_are_refused(job: Path) -> None:
         check(job, job / "out.jsonl", job / "errors.jsonl", job / "report.json", job / "." / "report.json")
 
 
+def test_two_outputs_that_are_hard_links_of_one_file_are_one_file(job: Path) -> None:
+    (job / "out.jsonl").write_text("the user's\n")
+    os.link(job / "out.jsonl", job / "errors.jsonl")
+    with pytest.raises(JobPathError, match="error file .*errors.jsonl is also the output file"):
+        check(job, job / "out.jsonl", job / "errors.jsonl", overwrite=True)
+
+
+# Run in a private mount namespace where TOP/bm is TOP bind-mounted: every path below names
+# a file of TOP by another spelling, which no real path resolves.
+_THROUGH_A_BIND_MOUNT = """
+import json, os, subprocess, sys
+from pipeline.batchjob.paths import OutputPath, check_outputs
+from pipeline.wire.errors import JobPathError
+top = sys.argv[1]
+subprocess.run(["mount", "--bind", top, os.path.join(top, "bm")], check=True)
+found = []
+for paths in (["out.jsonl", "bm/out.jsonl"], ["bm/in.jsonl"], ["bm/data/out.jsonl"]):
+    outputs = [OutputPath(role, os.path.join(top, path)) for role, path in zip(("output file", "error file"), paths)]
+    try:
+        check_outputs(outputs, os.path.join(top, "in.jsonl"), os.path.join(top, "data"), lambda path: None, True)
+        found.append(None)
+    except JobPathError as exc:
+        found.append(str(exc))
+print(json.dumps([found, sorted(os.listdir(top))]))
+"""
+
+
+def test_outputs_that_are_one_file_through_a_bind_mount_are_refused_before_anything_is_made(job: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("a bind mount needs root")
+    (job / "bm").mkdir()
+    (job / "data").mkdir()
+    private = ["unshare", "--mount", "--propagation", "private"]
+    done = subprocess.run([*private, sys.executable, "-c", _THROUGH_A_BIND_MOUNT, str(job)], capture_output=True,
+                          text=True, cwd=ROOT, timeout=60)
+    if done.returncode != 0 and "unshare" in done.stderr:
+        pytest.skip(f"no private mount namespace here: {done.stderr.strip()}")
+    assert done.returncode == 0, done.stderr
+    (error_file, output_file, inside), left = json.loads(done.stdout)
+    assert error_file.startswith(f"error file {job}/bm/out.jsonl is also the output file"), error_file
+    assert output_file.startswith(f"output file {job}/bm/in.jsonl is also the input file"), output_file
+    assert inside.startswith(f"output file {job}/bm/data/out.jsonl is inside the data directory"), inside
+    assert left == ["bm", "data", "in.jsonl"]
+
+
 @pytest.mark.parametrize("where", ["data/out.jsonl", "data/job/out.jsonl", "data", "link/out.jsonl"])
 def test_an_output_inside_the_data_directory_is_refused(job: Path, where: str) -> None:
     (job / "data" / "job").mkdir(parents=True)
     (job / "link").symlink_to(job / "data")
-    with pytest.raises(JobPathError, match="is inside the data directory .* which the job removes"):
+    with pytest.raises(JobPathError, match="is inside the data directory .*, where the job keeps its own files"):
         check(job, job / where, overwrite=True)
 
 

@@ -233,6 +233,12 @@ REQUEST_PROBLEMS = [
     ("max_completion_tokens 0", chat(max_completion_tokens=0), "max_completion_tokens",
      "max_completion_tokens must be at least 1, got 0."),
     ("max_tokens a string", completion(max_tokens="5"), "max_tokens", "expected an integer, but got a string instead"),
+    ("max_tokens true", completion(max_tokens=True), "max_tokens", "expected an integer, but got a boolean instead"),
+    ("max_tokens a fraction", completion(max_tokens=8.5), "max_tokens",
+     "expected an integer, but got a number with a fractional part (8.5) instead."),
+    ("seed a fraction", chat(seed=3.5), "seed", "seed must be an integer, got a number 3.5"),
+    ("top_logprobs a fraction", chat(logprobs=True, top_logprobs=1.5), "top_logprobs",
+     "`top_logprobs` must be an integer, got a number 1.5"),
     ("max_tokens past the limit", completion(max_tokens=MAX_NEW_TOKENS + 1), "max_tokens", "max_tokens 1048577"),
     ("temperature negative", chat(temperature=-0.5), "temperature", "temperature -0.5 must be a finite number"),
     ("temperature over 2", chat(temperature=2.5), "temperature", "temperature must be in [0, 2], got 2.5."),
@@ -328,6 +334,12 @@ ACCEPTED = [
     ("tools with tool_choice none", chat(tools=[TOOL], tool_choice="none"), GenerationParams()),
     ("echo", completion(echo=True), GenerationParams(max_tokens=16)),
     ("chat_template_kwargs", chat(chat_template_kwargs={"enable_thinking": False}), GenerationParams()),
+    # vLLM's pydantic models read an integer parameter in lax mode: 8.0 is 8.
+    ("integers as whole numbers", chat(max_completion_tokens=8.0, n=2.0, seed=3.0, top_k=5.0, min_tokens=1.0,
+                                       logprobs=True, top_logprobs=2.0),
+     GenerationParams(max_tokens=8, n=2, seed=3, top_k=5, min_tokens=1, logprobs=2)),
+    ("completion logprobs a whole number", completion(max_tokens=4.0, logprobs=1.0),
+     GenerationParams(max_tokens=4, logprobs=1)),
 ]
 
 
@@ -386,4 +398,4 @@ def test_a_number_past_pythons_digit_bound_and_a_fractional_max_tokens_are_worde
         parse_line(line.replace('"hi"}]', '"hi"}], "seed": ' + "9" * 5000).encode(), 0, 1, "m")
     request = parse_line(line.replace('"hi"}]', '"hi"}], "max_completion_tokens": 8.5').encode(), 0, 1, "m")
     assert request.error == ("Invalid type for 'max_completion_tokens': expected an integer, but got a "
-                             "number instead.")
+                             "number with a fractional part (8.5) instead.")

@@ -87,3 +87,20 @@ def test_inputs_past_the_context_or_past_one_item_together_are_refused_naming_th
     assert long["code"] == together["code"] == "context_length_exceeded" and long["param"] == "input"
     assert "the 2 inputs are 120 tokens together, more than the 100" in together["message"]
     assert rows["fits"]["response"]["body"]["usage"]["prompt_tokens"] == 100  # at the limit
+
+
+def test_an_input_with_no_tokens_or_an_id_past_the_vocabulary_is_named_as_an_embeddings_input(tmp_path, model_dir):
+    records = [embedding("empty", ""), embedding("second-empty", ["a passage", ""]),
+               embedding("past-vocabulary", [[5], [1_000_000]]), embedding("int8", "x", encoding_format="int8")]
+    out = tmp_path / "out.jsonl"
+    done = run_batch("-i", str(write_requests(tmp_path / "r.jsonl", records)), "-o", str(out), "--model", model_dir,
+                     "--runner", "pooling")
+    assert done.returncode == 0, done.stderr
+    errors = {name: row["response"]["body"]["error"] for name, row in rows_by_id(out).items()}
+    assert {name: error["param"] for name, error in errors.items()} == {
+        "empty": "input", "second-empty": "input", "past-vocabulary": "input", "int8": "encoding_format"}
+    assert errors["empty"]["message"] == 'the embeddings input has no tokens, got a string ""'
+    assert errors["second-empty"]["message"] == 'the embeddings input[1] has no tokens, got a string ""'
+    assert errors["past-vocabulary"]["message"].startswith("input[1][0] is an integer 1000000: a token id is an "
+                                                           "integer in [0, ")
+    assert errors["int8"]["message"] == "Invalid value: 'int8'. Supported values are: 'float' and 'base64'."

@@ -6,10 +6,12 @@ starts. Real commands, the sim engine, the tiny model, GPUs named by CUDA_VISIBL
 from __future__ import annotations
 
 import os
+import resource
+import subprocess
 
 import pytest
 
-from tests.support.jobs import build_model, chat, rows_by_id, run_batch, write_requests
+from tests.support.jobs import ROOT, RUN_TIMEOUT_S, build_model, chat, command, rows_by_id, run_batch, write_requests
 
 # A template of our own: every message's content, nothing else (the tiny model's own
 # wraps each turn in header tokens, so the same requests make longer prompts).
@@ -98,4 +100,14 @@ def test_what_a_run_cannot_take_is_refused_before_anything_starts(tmp_path, mode
                      "--model", model_dir, "--data-dir", str(data), *flags,
                      env={**os.environ, "CUDA_VISIBLE_DEVICES": visible})
     refused(done, *words)
-    assert not data.exists()
+    assert not data.exists() and "checking" not in done.stderr and "same command" not in done.stderr
+
+
+def test_a_descriptor_limit_the_broker_cannot_run_under_is_refused_before_the_input_is_read(tmp_path, model_dir):
+    data = tmp_path / "data"
+    args = command("-i", str(write_requests(tmp_path / "in.jsonl", [chat("a")])), "-o", str(tmp_path / "out.jsonl"),
+                   "--model", model_dir, "--data-dir", str(data))
+    done = subprocess.run(args, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=ROOT,
+                          preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64)))
+    refused(done, "the descriptor limit (ulimit -n) is 64: a broker needs at least", "raise it (ulimit -n 1024)")
+    assert not data.exists() and "same command" not in done.stderr

@@ -50,6 +50,20 @@ def test_requests_naming_adapters_run_on_them_with_answers_of_their_own(tmp_path
     assert _answers(rows_by_id(tmp_path / "again.jsonl")) == answers  # the same adapter, the same answers
 
 
+def test_fewer_consumers_than_models_is_refused_in_one_line_before_the_input_is_read(tmp_path, model_dir):
+    flags = ("--model", model_dir, "--lora-modules", f"la={_adapter(tmp_path / 'a')}", f"lb={_adapter(tmp_path / 'b')}")
+    source = write_requests(tmp_path / "r.jsonl", [chat(f"r{k}") for k in range(30)])
+    done = run_batch("-i", str(source), "-o", str(tmp_path / "out.jsonl"), "--data-dir", str(tmp_path / "data"),
+                     *flags)  # 2 consumers by default
+    assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith("Error: --lora-modules: the base model and 2 LoRA adapters are 3 models, each "
+                                  "served by a consumer of its own, and this run starts 2 consumers: pass "
+                                  "--consumers 3 or more")
+    assert not (tmp_path / "data").exists() and not (tmp_path / "out.jsonl").exists()
+    at_the_limit = run_batch("-i", str(source), "-o", str(tmp_path / "out.jsonl"), "--consumers", "3", *flags)
+    assert at_the_limit.returncode == 0, at_the_limit.stderr
+
+
 def test_a_job_resumed_with_an_adapter_whose_weights_changed_is_refused_naming_it(tmp_path, model_dir):
     sql = _adapter(tmp_path / "sql")
     source = write_requests(tmp_path / "r.jsonl", [chat("a", model="sql"), chat("b")])

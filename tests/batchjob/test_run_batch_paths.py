@@ -239,3 +239,16 @@ def test_a_folder_link_pointed_elsewhere_mid_run_changes_nothing_for_the_job(tmp
     assert job.returncode == 0, err
     assert _tree(second) == []  # the job went on in the folder it checked, and only there
     assert len(rows_by_id(first / "out.jsonl")) == 400 and not (first / "out.jsonl.run").exists()
+
+
+def test_paths_with_control_characters_are_said_escaped_and_one_request_is_one(tmp_path, model_dir):
+    source = write_requests(tmp_path / "in\x1b[31m.jsonl", [chat("only")])
+    out = tmp_path / "out\x1b]0;title\x07\r.jsonl"
+    done = run_batch("-i", str(source), "-o", str(out), "--model", model_dir)
+    assert done.returncode == 0, done.stderr
+    assert not any(c in done.stderr for c in "\x1b\r\x07"), done.stderr
+    assert f"run-batch: 1 request in {str(source)!r}: 0 answered already" in done.stderr
+    assert f"run-batch: wrote {str(out)!r}, {str(out) + '.summary.json'!r}" in done.stderr
+    again = run_batch("-i", str(source), "-o", str(out), "--model", model_dir)  # exists: refused naming it
+    refused(again, "exists: pass --overwrite")
+    assert not any(c in again.stderr for c in "\x1b\r\x07") and "out\\x1b]0;title\\x07\\r.jsonl" in again.stderr

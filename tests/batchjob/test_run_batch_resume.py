@@ -139,14 +139,18 @@ def test_a_job_killed_at_a_random_moment_is_finished_with_one_line_per_custom_id
     data = tmp_path / "data"
     rng = random.Random(f"{target}-{order}")
     job = start_batch(*args)
+    killed = False
     try:
         wait_until(lambda: answered_lines(data) >= rng.randrange(1, 120) or job.poll() is not None, "answers")
         if job.poll() is None:
             kill_target(job, data, target)
-        job.communicate(timeout=RUN_TIMEOUT_S)
+            killed = True
+        _out, err = job.communicate(timeout=RUN_TIMEOUT_S)
     finally:
         if job.poll() is None:
             job.kill()
+    if killed and target in ("broker", "consumer"):  # a failure stopped the run: said as one
+        assert "once what stopped the run (above) is dealt with, the same command finishes the job" in err, err
     wait_for_orphans(data)
     again = run_batch(*args)
     assert again.returncode == 0, again.stderr

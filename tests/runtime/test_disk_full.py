@@ -95,7 +95,7 @@ def test_produce_waits_for_space_and_says_so_and_nothing_is_lost(tmp_path, reque
             os.unlink(filler)  # space comes back
             out, err = produce.communicate(timeout=RUN_TIMEOUT_S)
             assert produce.returncode == 0, err
-            assert f"submitted {ITEMS} items" in out and "all stored" in out
+            assert f"submitted {ITEMS:,} items" in out and "all stored" in out
             assert status(data)["items_received"] == ITEMS
             complete_everything(tmp_path, data, ITEMS)
         finally:

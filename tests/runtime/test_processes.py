@@ -22,16 +22,16 @@ def test_quiet_gc_freezes_start_up_objects_and_raises_the_young_threshold():
     assert done.stdout.strip() == "ok"
 
 
-def budget_under(soft: int, hard: int) -> str:
-    """`open_files_budget` of a default broker in a fresh interpreter whose descriptor limit
-    is (soft, hard): the budget and the soft limit after, or the error."""
+def budget_under(soft: int, hard: int, call: str = "open_files_budget") -> str:
+    """`open_files_budget` (or `call`) of a default broker in a fresh interpreter whose
+    descriptor limit is (soft, hard): what it returns and the soft limit after, or the error."""
     code = (
         "import resource\n"
         f"resource.setrlimit(resource.RLIMIT_NOFILE, ({soft}, {hard}))\n"
         "from pipeline.broker.config import BrokerConfig\n"
-        "from pipeline.runtime.processes import open_files_budget\n"
+        f"from pipeline.runtime.processes import {call}\n"
         "try:\n"
-        "    print(open_files_budget(BrokerConfig('/tmp/x')), resource.getrlimit(resource.RLIMIT_NOFILE)[0])\n"
+        f"    print({call}(BrokerConfig('/tmp/x')), resource.getrlimit(resource.RLIMIT_NOFILE)[0])\n"
         "except Exception as exc:\n"
         "    print(type(exc).__name__, exc)\n"
     )
@@ -58,3 +58,17 @@ def test_the_broker_keeps_no_more_segment_files_open_than_its_descriptor_limit_a
     least = BROKER_FD_HEADROOM + peers + MIN_OPEN_SEGMENT_FILES * FDS_PER_OPEN_SEGMENT
     assert budget_under(least, least) == f"{MIN_OPEN_SEGMENT_FILES} {least}"  # at the limit
     assert budget_under(least - 1, least - 1).startswith(f"ConfigError the descriptor limit (ulimit -n) is {least - 1}")
+
+
+def test_a_descriptor_limit_a_broker_cannot_raise_to_its_need_is_refused_before_anything_starts():
+    """The check before a run (`check_before_start`): the hard limit is what a broker may
+    raise its own to; at its need the run goes on (whatever the soft limit), one below it is
+    refused with what to raise, and nothing is raised in the checking process."""
+    from pipeline.broker.config import BrokerConfig
+    from pipeline.runtime.processes import broker_descriptors
+
+    least = broker_descriptors(BrokerConfig("/tmp/x"))[1]
+    assert budget_under(64, least, "check_descriptor_limit") == "None 64"  # at the limit
+    refused = budget_under(64, least - 1, "check_descriptor_limit")
+    assert refused.startswith(f"ConfigError the descriptor limit (ulimit -n) is {least - 1}: a broker needs at "
+                              f"least {least}"), refused
