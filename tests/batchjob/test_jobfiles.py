@@ -12,7 +12,6 @@ import pytest
 
 from pipeline.batchjob.answers import LOG_NAME, RECORDS_NAME
 from pipeline.batchjob.jobfiles import (
-    DATA_DIR_MADE,
     JOB_MADE,
     STORE_ENTRIES,
     check_data_dir_is_the_jobs,
