@@ -33,7 +33,7 @@ from pipeline.batchjob.paths import (
 from pipeline.wire import fileops
 from pipeline.wire.errors import JobPathError
 from tests.batchjob.batchfiles import without_tmpfile
-from tests.users import effective, other_user
+from tests.support.users import effective, other_user
 
 
 @pytest.fixture
