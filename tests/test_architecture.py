@@ -9,7 +9,8 @@ import ast
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support.repo import ROOT
+
 DOCUMENT = ROOT / "ARCHITECTURE.md"
 PACKAGES = ("pipeline", "shm")
 # What a pure module may not import: the side effects its process loop owns instead.

@@ -4,7 +4,6 @@ The endpoint's access and bounds: tests/test_metrics_endpoint.py."""
 from __future__ import annotations
 
 import copy
-import json
 import os
 import threading
 import time
@@ -33,56 +32,8 @@ from pipeline.reporting.metrics_endpoint import MetricsServer
 from pipeline.runtime.local import start_broker, stop_process
 from pipeline.wire.client import broker_status
 from pipeline.wire.errors import ProtocolError
-from pipeline.wire.status import STATUS_VERSION, BrokerStatus, TopShape
-
-# Real output of `broker_status` after a 4000-item run (its wire form), top_shapes trimmed to
-# 2 rows + "other".
-SAMPLE_WIRE = json.loads("""
-{"items_received": 4000, "tokens_received": 1580568, "items_routed": 4000, "tokens_routed": 1580568,
- "items_completed": 4000, "tokens_completed": 1580568, "items_returned": 0, "tokens_returned": 0,
- "items_recovered": 0, "items_adopted": 0,
- "tokens_recovered": 0, "duplicate_items": 0, "backlog_items": 0,
- "backlog_tokens": 0, "pending_items": 0, "shapes": 20, "shapes_seen": 20, "lanes_in_use": 923,
- "periodic_syncs": 0, "periodic_sync_failures": 0, "periodic_sync_max_s": 0.0, "pool_items": 0, "pool_shapes": 0,
- "lanes": {"opened": 923, "reused": 3077, "force_fits": 0, "raises": 726, "quiesced": 0, "released": 0,
-           "revived": 0, "restored": 0, "max_in_use": 923},
- "switches": {"initial": 1, "drained": 19, "starvation": 0}, "batches_routed": 924,
- "padded_tokens_routed": 1615456, "batch_fill_sum": 63.1478271484375,
- "top_shapes": [
-   {"model": 0, "signature": "1a35f69c347a5143", "lanes": 44, "queued_items": 0, "queued_tokens": 0,
-    "pending_items": 0},
-   {"model": 0, "signature": "1ae547ad907fc925", "lanes": 47, "queued_items": 0, "queued_tokens": 0,
-    "pending_items": 0},
-   {"model": -1, "signature": "other", "lanes": 190, "queued_items": 0, "queued_tokens": 0, "pending_items": 0}],
- "consumers": {
-   "c1": {"id": 0, "pid": 6274, "credit": 2, "batches_held": 0, "model": 0, "max_batch_items": 64,
-          "max_batch_tokens": 65536, "max_input_len": 8192},
-   "c0": {"id": 1, "pid": 6273, "credit": 2, "batches_held": 0, "model": 0, "max_batch_items": 64,
-          "max_batch_tokens": 65536, "max_input_len": 8192}},
- "per_consumer": {
-   "c1": {"connected": true, "batches": 463, "switches": {"initial": 1, "drained": 9}, "shapes_served": 10, "split_prefix_tokens": 0, "compulsory_prefix_tokens": 2320, "items_ok": 1928, "items_too_long": 0, "items_corrupt": 0, "items_error": 0,
-          "prompt_tokens": 753713, "padded_tokens": 770784, "cacheable_tokens": 220816,
-          "cache_hit_tokens": 218496, "cacheable_hit_tokens": 218496, "output_tokens": 7712,
-          "compulsory_miss_tokens": 2320, "engine_prefix_cache_queries": 0,
-          "engine_prefix_cache_hits": 0, "engine_checked_prompt_tokens": 0, "engine_checked_cache_hit_tokens": 0,
-          "busy_ns": 1500000000},
-   "c0": {"connected": true, "batches": 461, "switches": {"drained": 10}, "shapes_served": 10, "split_prefix_tokens": 0, "compulsory_prefix_tokens": 2320, "items_ok": 2072, "items_too_long": 0, "items_corrupt": 0, "items_error": 0,
-          "prompt_tokens": 826855, "padded_tokens": 844672, "cacheable_tokens": 240416,
-          "cache_hit_tokens": 238096, "cacheable_hit_tokens": 238096, "output_tokens": 8288,
-          "compulsory_miss_tokens": 2320, "engine_prefix_cache_queries": 0,
-          "engine_prefix_cache_hits": 0, "engine_checked_prompt_tokens": 0, "engine_checked_cache_hit_tokens": 0,
-          "busy_ns": 1250000000}},
- "uptime_s": 0.63, "pid": 6270, "generation": 1, "producers": {}, "consumers_lost": 0, "disk_full": false,
- "store_damage": {}, "peers_refused": 0, "peers_shed": 0, "stalls": 0, "stalled_s": 0.0,
- "compulsory_prefix_tokens": 4000, "compulsory_uncounted_starts": 0, "lineage_chains_unrecorded": 0}
-""")
-
-
-def status_of(wire: dict) -> BrokerStatus:
-    return BrokerStatus.from_wire(wire, version=STATUS_VERSION)
-
-
-SAMPLE = status_of(SAMPLE_WIRE)
+from pipeline.wire.status import BrokerStatus, TopShape
+from tests.support.statuses import SAMPLE, SAMPLE_WIRE, status_of
 
 P = "shape_broker_"
 # Shapes submitted in the end-to-end test: more than the status's top rows, so "other" appears.

@@ -9,7 +9,7 @@ import pytest
 
 from pipeline.reporting.plots import MISSING_MATPLOTLIB, top_shapes, write_plots
 from pipeline.reporting.progress import ProgressTracker
-from tests.test_progress import status_at
+from tests.support.statuses import status_at
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -17,49 +17,15 @@ from pipeline.reporting.progress import (
     format_duration,
     format_view_line,
 )
-from pipeline.wire.status import BrokerStatus, ConsumerTotalsRow, ConsumerWork, TopShape
-
-# The synthetic run's rates, per second.
-RECEIVED_ITEMS_PER_S = 100
-ROUTED_ITEMS_PER_S = 90
-COMPLETED_ITEMS_PER_S = 80
-TOKENS_PER_ITEM = 400
-# Consumer c1 changes pace at this time (padding and cache hit rate get better).
-C1_CHANGE_S = 10.0
-
-
-def consumer_row(prompt: float, padded: float, cacheable: float, hits: float, compulsory: int,
-                 connected: bool = True) -> ConsumerTotalsRow:
-    return ConsumerTotalsRow(connected=connected, batches=0, work=ConsumerWork(
-        items_ok=0, prompt_tokens=int(prompt), padded_tokens=int(padded), cacheable_tokens=int(cacheable),
-        cache_hit_tokens=int(hits), cacheable_hit_tokens=int(hits), compulsory_miss_tokens=compulsory))
-
-
-def status_at(t: float, generation: int = 1, shapes: dict[str, int] | None = None) -> BrokerStatus:
-    """The broker's status t seconds into the synthetic run: counters linear in t, so a rate
-    over any interval is exact. c0 runs at 90 % padding efficiency and a 75 % hit rate
-    (hits 300/s of cacheable 500/s less 100 compulsory, once); c1 at 50 % and 50 % until
-    C1_CHANGE_S, then 80 % and 100 %."""
-    received, routed, completed = (int(rate * t) for rate in (RECEIVED_ITEMS_PER_S, ROUTED_ITEMS_PER_S,
-                                                              COMPLETED_ITEMS_PER_S))
-    before, after = min(t, C1_CHANGE_S), max(0.0, t - C1_CHANGE_S)
-    compulsory = 100 if t > 0 else 0
-    top = tuple(TopShape(model=0, signature=name, lanes=3, queued_items=tokens // TOKENS_PER_ITEM,
-                         queued_tokens=tokens, pending_items=0) for name, tokens in (shapes or {}).items())
-    return BrokerStatus(
-        items_received=received, tokens_received=received * TOKENS_PER_ITEM,
-        items_routed=routed, tokens_routed=routed * TOKENS_PER_ITEM,
-        items_completed=completed, tokens_completed=completed * TOKENS_PER_ITEM,
-        items_recovered=0, tokens_recovered=0,
-        backlog_items=received - routed, backlog_tokens=(received - routed) * TOKENS_PER_ITEM,
-        pending_items=routed - completed, shapes=3, lanes_in_use=10 + int(t),
-        switches={"initial": 1, "drained": int(t // 5)}, top_shapes=top, generation=generation,
-        per_consumer={
-            "c0": consumer_row(900 * t, 1000 * t, 500 * t, 300 * t, compulsory),
-            "c1": consumer_row(500 * before + 800 * after, 1000 * t, 500 * t,
-                               200 * before + 500 * after, compulsory, connected=t < 20),
-        },
-    )
+from tests.support.statuses import (
+    C1_CHANGE_S,
+    COMPLETED_ITEMS_PER_S,
+    RECEIVED_ITEMS_PER_S,
+    ROUTED_ITEMS_PER_S,
+    TOKENS_PER_ITEM,
+    consumer_row,
+    status_at,
+)
 
 
 def poll_times(count: int, seed: int = 7) -> list[float]:

@@ -23,8 +23,8 @@ from pipeline.reporting.report import (
     write_report_json,
 )
 from pipeline.wire.status import BrokerStatus
-from tests.test_metrics import SAMPLE as SAMPLE_STATUS  # a real status; figures below are from it
-from tests.test_metrics import SAMPLE_WIRE, status_of
+from tests.support.statuses import SAMPLE as SAMPLE_STATUS  # a real status; figures below are from it
+from tests.support.statuses import SAMPLE_WIRE, status_of
 
 # In the sample, consumer c1 ran items 0..1927 and c0 items 1928..3999.
 C1_ITEMS = 1928

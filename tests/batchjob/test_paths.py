@@ -34,7 +34,7 @@ from pipeline.wire import fileops
 from pipeline.wire.errors import JobPathError
 from tests.batchjob.batchfiles import without_tmpfile
 from tests.support.jobs import ROOT
-from tests.users import effective, other_user
+from tests.support.users import effective, other_user
 
 
 @pytest.fixture

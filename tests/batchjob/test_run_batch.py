@@ -16,11 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.jobs import RUN_TIMEOUT_S, check_output, run_batch, write_requests
+from tests.support.repo import ROOT
 from tools.make_batch_example import requests as example_requests
 
-ROOT = Path(__file__).resolve().parents[2]
-# A run on 2 cores: the tiny model's tokenizer in 2 producers, 2 sim consumers.
-RUN_TIMEOUT_S = 180
 # Each batch of the slow runs sleeps in the sim's cost model, so a job lasts seconds and a
 # kill lands in the middle of it.
 SLOW = "[engine_options]\ncost_s_per_padded_token = 1e-3\n"
@@ -33,29 +32,6 @@ def model_dir(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("model") / "tiny-llama"
     build(path)
     return str(path)
-
-
-def write_requests(path: Path, records: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
-
-
-def run_batch(*args: str, timeout_s: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline", "run-batch", "--engine", "sim", *args],
-                          capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
-
-
-def output_rows(path: Path) -> list[dict]:
-    raw = path.read_text()
-    assert raw.endswith("\n") and raw.isascii()
-    return [json.loads(line) for line in raw.splitlines()]
-
-
-def check_output(path: Path, records: list[dict]) -> list[dict]:
-    """Exactly one line per request, in input order; every well-formed request completed."""
-    rows = output_rows(path)
-    assert [row["custom_id"] for row in rows] == [r["custom_id"] for r in records]
-    return rows
 
 
 def test_a_job_of_chat_and_completion_requests_gets_one_answer_each(tmp_path, model_dir):

@@ -11,8 +11,9 @@ import sys
 
 import pytest
 
-from tests.batchjob.test_run_batch import ROOT, check_output, write_requests
-from tests.consumer.test_vllm_engine import MODEL_DIR
+from tests.support.jobs import check_output, write_requests
+from tests.support.repo import ROOT
+from tests.support.tiny_vllm import MODEL_DIR
 from tools.make_batch_example import requests as example_requests
 
 # Two engines' first start on 2 cores (each an engine core and a worker process of its own,

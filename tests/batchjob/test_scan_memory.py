@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 from tests.batchjob.batchfiles import chat
+from tests.support.repo import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 SMALL_REQUESTS = 20_000
 LARGE_REQUESTS = 200_000
 # A typical chat request line (the scan's doc measures at 560 bytes): the small file is

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.repo import ROOT
+
 # Two vLLM engine starts on 2 cores, the tiny model built if missing, then the jobs.
 RUN_TIMEOUT_S = 900
 

@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.bench import COMPARISON_MODULES
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.repo import ROOT
 
 
 @pytest.mark.parametrize("name", list(COMPARISON_MODULES))

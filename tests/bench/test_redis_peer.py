@@ -120,7 +120,7 @@ def test_redis_consumers_doing_the_brokers_consumer_work_write_a_checked_line_pe
 def test_the_aof_always_peers_consumers_fsync_their_results_as_the_brokers_do_at_power(tmp_path):
     from pipeline.bench.redis_streams import ConsumerWork
     from pipeline.wire import fileops
-    from tests.consumer.test_results_durability import Recording
+    from tests.support.recording_io import Recording
 
     prompts = [np.arange(1, 40, dtype=np.int32), np.arange(5, 70, dtype=np.int32)]
     entries = [(b"1-0", {b"p": b"0", b"i": b"0", b"c": b"0"}), (b"1-1", {b"p": b"0", b"i": b"1", b"c": b"0"})]

@@ -18,7 +18,7 @@ from pipeline.broker.storage.segment import Durability, encode_entries, scan_seg
 from pipeline.broker.storage.segments import SegmentStore
 from pipeline.wire.errors import DiskFullError
 from pipeline.wire.layouts import CATALOG_RECORD_SIZE_BYTES
-from tests.broker.test_segment import make_items
+from tests.support.segments import make_items
 
 LANE = LaneKey(0, 0xC1, LaneId(0))
 OTHER = LaneKey(0, 0xC1, LaneId(1))

@@ -1,6 +1,6 @@
 """I/O-fault and power-cut campaigns over the disk tier (issue 17, items 2 and 3), with the
-driver and the checks of test_disk_crash (a child process runs the broker loop in
-miniature and logs what it acknowledged; the parent recovers and checks by item).
+driver and the checks of tests/support/disk_crash.py (a child process runs the broker loop
+in miniature and logs what it acknowledged; the parent recovers and checks by item).
 
 - Faults: a counting run says how many file operations (pwrite, write, msync, fsync,
   fdatasync, directory fsync, rename, ftruncate, fallocate, unlink) a run of TURNS turns
@@ -30,13 +30,13 @@ import traceback
 
 import numpy as np
 import pytest
-from test_disk_crash import CONTRACT_ITEMS, Driver, Log, check_after_recovery, live_items
 
 from pipeline.broker.storage import Durability
 from pipeline.reliability.faults import POWER_CUT_EXIT, FaultPlan, FaultyIO, PowerCut
 from pipeline.wire import fileops
 from pipeline.wire.errors import PipelineError
 from pipeline.wire.layouts import CATALOG_FILE
+from tests.support.disk_crash import CONTRACT_ITEMS, Driver, Log, check_after_recovery, live_items
 
 TURNS = 40
 # The every-operation campaigns (--run-slow) run shorter runs, so that every k of both

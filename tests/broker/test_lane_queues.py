@@ -8,34 +8,8 @@ from collections import deque
 import numpy as np
 import pytest
 
-from pipeline.broker.ids import LaneId
 from pipeline.broker.lanes.queues import NOTHING_QUEUED, LaneTable, group_suffix_minima
-
-
-def window_entries(keys: list[int], head: int) -> list[tuple[int, int]]:
-    """What a monotonic min-deque must hold for `keys` (the main part, front first, the first
-    key at sequence number `head`): every key smaller than all later ones, with its number."""
-    expected: list[tuple[int, int]] = []
-    lowest = NOTHING_QUEUED
-    for seq in reversed(range(len(keys))):
-        if keys[seq] < lowest:
-            lowest = keys[seq]
-            expected.append((head + seq, lowest))
-    expected.reverse()
-    return expected
-
-
-def check_windows(table: LaneTable, lane: LaneId, main: list[int], returned: list[int]) -> None:
-    """The lane's row matches its queue by brute force: `returned` (front first) ahead of
-    `main` (arrival order)."""
-    whole = returned + main
-    assert [value for value, _, _ in reversed(table.returned[lane])] == returned
-    assert table.queued_items[lane] == len(whole) and table.queued_tokens[lane] == sum(whole)
-    assert table.qmin[lane] == min(whole, default=NOTHING_QUEUED), (lane, whole)
-    assert table.front_max(lane) == max(whole, default=0), (lane, whole)
-    head = table.head_seq[lane]
-    assert list(table.mins[lane]) == window_entries(main, head), (lane, main)
-    assert list(table.maxs[lane]) == window_entries([-v for v in main], head), (lane, main)
+from tests.support.lanes_audit import check_windows
 
 
 def test_group_suffix_minima_docstring_example():

@@ -1,6 +1,7 @@
 """ShapeLanes (pipeline/broker/lanes/) against a small reference written here, and
-assign_many against repeated assign, each ShapeLanes under the audit of test_lanes_audit.py.
-Deterministic: hypothesis is derandomised, stress runs use fixed seeds."""
+assign_many against repeated assign, each ShapeLanes under the audit of
+tests/support/lanes_audit.py. Deterministic: hypothesis is derandomised, stress runs use
+fixed seeds."""
 
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_lanes_audit import AuditedLanes
 
 from pipeline.broker.ids import LaneId
 from pipeline.broker.lanes import MAX_LENGTH_TOKENS, LaneCounters, ShapeLanes, TickResult, WasteMeasure
 from pipeline.wire.errors import BadInputError
+from tests.support.lanes_audit import AuditedLanes
 
 DETERMINISTIC = settings(
     derandomize=True,

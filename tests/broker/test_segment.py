@@ -9,36 +9,16 @@ import numpy as np
 import pytest
 
 from pipeline.broker.storage.scan import SEARCH_FIRST_WINDOW_BYTES, census_segment
-from pipeline.broker.storage.segment import Durability, SegmentFile, SegmentKeys, encode_entries, scan_segment
+from pipeline.broker.storage.segment import Durability, SegmentFile, encode_entries, scan_segment
 from pipeline.wire.errors import SegmentCorruptError, SegmentFormatError
 from pipeline.wire.layouts import (
     ENTRY_HEADER_SIZE_BYTES,
     ENTRY_LIVE,
     ENTRY_TOMBSTONE,
-    ITEM_HEADER_DTYPE,
     SEGMENT_HEADER_SIZE_BYTES,
     segment_relpath,
 )
-
-KEYS = SegmentKeys(model=1, signature=0xDEADBEEF_12345678, lane=7, segment_seq=3)
-
-
-def make_items(count: int, seed: int = 0):
-    """A frame's worth of items (as the ring delivers them): headers, tokens, payloads."""
-    rng = np.random.default_rng(seed)
-    items = np.zeros(count, dtype=ITEM_HEADER_DTYPE)
-    items["item_id"] = np.arange(count) + 1000
-    items["seq"] = np.arange(count)
-    items["signature"] = KEYS.signature
-    items["length"] = rng.integers(1, 400, size=count)
-    items["prefix_len"] = np.minimum(items["length"], 5)
-    items["payload_len"] = rng.integers(0, 30, size=count)
-    items["submit_ns"] = 123
-    token_starts = np.concatenate([[0], np.cumsum(items["length"])]).astype(np.int64)
-    tokens = rng.integers(0, 50_000, size=int(token_starts[-1]), dtype=np.int32)
-    payload_starts = np.concatenate([[0], np.cumsum(items["payload_len"])]).astype(np.int64)
-    payloads = rng.integers(0, 256, size=int(payload_starts[-1]), dtype=np.uint8)
-    return items, tokens, token_starts, payloads, payload_starts
+from tests.support.segments import KEYS, make_items
 
 
 def write_segment(path: str, count: int, seed: int = 0, groups: int = 3) -> tuple[SegmentFile, tuple]:

@@ -24,8 +24,8 @@ from pipeline.broker.storage.segments import SegmentStore
 from pipeline.cli import main
 from pipeline.wire.errors import StoreReadError
 from pipeline.wire.layouts import CATALOG_FILE, CATALOG_MIRROR_FILE
-from tests.broker.test_segment import make_items
-from tests.users import python_for
+from tests.support.segments import make_items
+from tests.support.users import python_for
 
 TOOLS = os.path.join(os.path.dirname(__file__), "..", "..", "tools")
 

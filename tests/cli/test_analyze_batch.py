@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from tests.support.jobs import SERVED, build_model, chat
+from tests.support.repo import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 SMALL_REQUESTS = 2_000
 LARGE_REQUESTS = 20_000
 # Each request's system prompt (one of three): long enough that the small file is already

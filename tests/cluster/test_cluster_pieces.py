@@ -8,14 +8,12 @@ import json
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from pipeline.cluster.agent import ResultsTail
 from pipeline.cluster.driver import ClusterError, check_address_answers
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.repo import ROOT
 
 
 def row(item_id: int) -> bytes:

@@ -30,9 +30,10 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.support.repo import ROOT
+
 pytestmark = pytest.mark.ray
 
-ROOT = Path(__file__).resolve().parents[2]
 # Health checks every 500 ms, 4 misses: a killed node is dead to Ray within about 2 s.
 HEALTH_CONFIG = {"health_check_period_ms": 500, "health_check_failure_threshold": 4,
                  "health_check_initial_delay_ms": 500}

@@ -14,7 +14,7 @@ from pipeline.consumer.process import CORRUPT_KEY, Consumer, ConsumerConfig
 from pipeline.consumer.reader import SegmentReader
 from pipeline.wire.layouts import DESCRIPTOR_ITEM_DTYPE, descriptor_size_bytes, parse_descriptor, write_descriptor
 from pipeline.wire.status import ConsumerWork
-from tests.consumer.test_reader import SIG, store
+from tests.support.segments import SIG, store
 
 
 def test_run_batch_writes_a_parseable_line_per_item(tmp_path):

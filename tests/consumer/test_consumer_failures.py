@@ -24,8 +24,8 @@ from pipeline.reporting.accounting import summarize_results
 from pipeline.runtime.local import start_consumer
 from tests.consumer.tmpfs import fill, small_tmpfs
 from tests.pipeline.harness import Workload, produce, start_broker, status, stop, wait_until
+from tests.support.repo import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 PAGE_BYTES = 4096
 # Generous: these only keep a hang from hanging the suite; nothing is timed.
 WAIT_S = 60.0

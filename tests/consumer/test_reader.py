@@ -7,25 +7,12 @@ import os
 import numpy as np
 import pytest
 
-from pipeline.broker.storage.paths import make_dirs, segment_path
-from pipeline.broker.storage.segment import Durability, SegmentFile, SegmentKeys, encode_entries, scan_segment
+from pipeline.broker.storage.segment import encode_entries, scan_segment
 from pipeline.consumer.reader import SegmentReader
 from pipeline.wire.dirpin import DirPin
 from pipeline.wire.errors import EntryCompletedError, SegmentCorruptError, SegmentReadError
 from pipeline.wire.layouts import DESCRIPTOR_ITEM_DTYPE, prompt_digest
-from tests.broker.test_segment import make_items
-
-SIG = 0xFEED_0000_0000_0001
-
-
-def store(data_dir: str, lane: int, count: int, seed: int, first_id: int = 1000) -> tuple[str, tuple, SegmentFile]:
-    path = segment_path(data_dir, 2, SIG, lane, 0)
-    make_dirs(os.path.dirname(path))
-    frame = make_items(count, seed)
-    frame[0]["item_id"] += first_id - 1000
-    segment = SegmentFile.create(path, SegmentKeys(2, SIG, lane, 0), Durability.PROCESS)
-    segment.append(encode_entries(*frame, indices=np.arange(count), producer_id=1))
-    return path, frame, segment
+from tests.support.segments import SIG, make_items, store
 
 
 def test_tokens_are_zero_copy_views_of_the_segment(tmp_path):

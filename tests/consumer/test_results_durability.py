@@ -15,19 +15,9 @@ from pipeline.consumer.results import ResultsFile
 from pipeline.reliability.procs import Stages, pipeline, write_workload
 from pipeline.wire import fileops
 from pipeline.wire.protocol import DURABILITY_LEVELS
+from tests.support.recording_io import Recording
 
 ITEMS = 60
-
-
-class Recording(fileops.FileIO):
-    """Straight to the OS, noting the path of every fsync'ed descriptor."""
-
-    def __init__(self) -> None:
-        self.fsynced: list[str] = []
-
-    def fsync(self, fd: int) -> None:
-        self.fsynced.append(os.readlink(f"/proc/self/fd/{fd}"))
-        super().fsync(fd)
 
 
 def _consume(tmp_path, durability: str) -> tuple[list[str], str]:

@@ -14,7 +14,7 @@ from pipeline.consumer.engines.sim import SimConfig, SimEngine
 from pipeline.consumer.process import Consumer, ConsumerConfig
 from pipeline.consumer.reader import SegmentReader
 from pipeline.wire.layouts import DESCRIPTOR_ITEM_DTYPE, descriptor_size_bytes, write_descriptor
-from tests.consumer.test_reader import SIG, store
+from tests.support.segments import SIG, store
 
 
 @dataclass

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,23 +20,7 @@ from pipeline.consumer.engines import vllm as vllm_engine
 from pipeline.consumer.engines import vllm_options
 from pipeline.consumer.engines.vllm import VllmEngine, VllmOptions
 from pipeline.wire.errors import EngineOptionsError, EngineUnavailableError
-
-ROOT = Path(__file__).resolve().parents[2]
-# The tiny model, and vLLM's caches across runs (its first start writes a model-info cache
-# and takes 12 to 19 s; later starts 2 to 5 s). Both gitignored.
-MODEL_DIR = ROOT / ".cache" / "tiny-llama"
-CACHE_DIR = ROOT / ".cache" / "vllm-test"
-# Block size 32: the CPU backend wants multiples of 32.
-BLOCK = 32
-# 2 MiB of KV cache: 2,048 tokens of the tiny model (bf16: 1 KiB a token), about 4 of the
-# prefixes below, so 16 shapes in round-robin order evict each other's blocks.
-KV_CACHE_BYTES = 2 << 20
-MAX_MODEL_LEN = 1024
-ENGINE_OPTIONS = dict(model=str(MODEL_DIR), load_format="dummy", enforce_eager=True, block_size=BLOCK,
-                      kv_cache_memory_bytes=KV_CACHE_BYTES, max_model_len=MAX_MODEL_LEN, max_tokens=2,
-                      seed=0, cache_dir=str(CACHE_DIR))
-# Token ids of the prompts: above the tokenizer's 3 special tokens, below its vocabulary.
-TOKEN_LOW, TOKEN_HIGH = 3, 4096
+from tests.support.tiny_vllm import BLOCK, ENGINE_OPTIONS, MAX_MODEL_LEN, MODEL_DIR, TOKEN_HIGH, TOKEN_LOW
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from shm.ring import RingReader, RingWriter
 from tests.fuzz import mutations, strategies
 from tests.fuzz.targets import TARGETS, frame_bytes
 from tests.pipeline.harness import read_results, start_broker, status, stop, wait_until
-from tests.pipeline.test_end_to_end import consumer_config
+from tests.support.contracts import consumer_config
 
 TOKENS = np.arange(40, dtype=np.int32)
 GOOD_ITEMS = 30

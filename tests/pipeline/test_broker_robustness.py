@@ -20,8 +20,8 @@ from pipeline.wire.errors import ProtocolError
 from pipeline.wire.protocol import Connection
 from shm.ring import RingWriter
 from tests.pipeline.harness import read_results, start_broker, status, stop, wait_until
-from tests.pipeline.test_end_to_end import consumer_config
 from tests.runtime.runs import shm_objects_of
+from tests.support.contracts import consumer_config
 
 TOKENS = np.arange(300, dtype=np.int32)
 

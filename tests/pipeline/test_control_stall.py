@@ -11,7 +11,7 @@ from collections import Counter
 from pipeline.broker.config import BrokerConfig
 from pipeline.runtime.local import start_consumer
 from tests.pipeline.harness import Workload, read_results, start_broker, start_producer, status, stop, wait_until
-from tests.pipeline.test_end_to_end import consumer_config
+from tests.support.contracts import consumer_config
 
 HEARTBEAT_TIMEOUT_S = 1.0
 

@@ -2,7 +2,7 @@
 (or a server process) of another user, the broker refuses connections of another user, and
 a semaphore another user created under our name is refused, never used (SPEC §7, §12).
 
-The hostile side runs as a throwaway user made for the test (`tests/users.py`); skipped,
+The hostile side runs as a throwaway user made for the test (`tests/support/users.py`); skipped,
 with the reason, where that user cannot be made.
 """
 
@@ -23,7 +23,8 @@ from pipeline.wire.protocol import Connection
 from shm.errors import StaleObjectError
 from shm.objects import Doorbell, open_semaphore, semaphore_path, unlink_quietly
 from tests.pipeline.harness import status, stop
-from tests.users import other_user as make_other_user
+from tests.support.users import CREATE_SEMAPHORE
+from tests.support.users import other_user as make_other_user
 
 SERVE_SOCKET = """
 import socket, sys
@@ -58,15 +59,6 @@ try:
 except OSError as exc:
     print("recv:", exc)
 print(data.decode(errors="replace"))
-"""
-
-CREATE_SEMAPHORE = """
-import ctypes, os, sys
-libc = ctypes.CDLL("libc.so.6", use_errno=True)
-libc.sem_open.restype = ctypes.c_void_p
-libc.sem_open.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_uint]
-if not libc.sem_open(sys.argv[1].encode(), os.O_CREAT | os.O_EXCL, 0o600, 0):
-    sys.exit(f"sem_open: {os.strerror(ctypes.get_errno())}")
 """
 
 

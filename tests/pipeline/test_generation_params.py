@@ -20,9 +20,8 @@ from pipeline.producer.client import BrokerProducer
 from pipeline.runtime.local import start_consumer
 from pipeline.wire.generation import GENERATION_MAGIC, GenerationParams
 from pipeline.wire.layouts import DESCRIPTOR_ITEM_DTYPE, descriptor_size_bytes, parse_descriptor, write_descriptor
-from tests.broker.test_segment import make_items
-from tests.consumer.test_reader import SIG
 from tests.pipeline.harness import read_results, start_broker, status, stop, wait_until
+from tests.support.segments import SIG, make_items
 
 # The sim engine's output tokens where an item names none (SimConfig's default).
 SIM_DEFAULT_OUTPUT_TOKENS = 4

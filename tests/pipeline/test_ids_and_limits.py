@@ -136,7 +136,7 @@ def test_damage_a_consumer_finds_keeps_its_segment_as_evidence(tmp_path):
     from pipeline.broker.storage.scan import scan_segment
     from pipeline.runtime.local import start_consumer
     from tests.pipeline.harness import read_results
-    from tests.pipeline.test_end_to_end import consumer_config
+    from tests.support.contracts import consumer_config
 
     data = str(tmp_path / "data")
     broker = start_broker(data)

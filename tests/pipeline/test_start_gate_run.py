@@ -8,8 +8,8 @@ import time
 
 from pipeline.broker.config import BrokerConfig
 from pipeline.runtime.local import start_broker, start_consumer
-from tests.pipeline.harness import Workload, start_producer, status, stop, wait_until
-from tests.pipeline.test_end_to_end import check_run, consumer_config, read_results
+from tests.pipeline.harness import Workload, read_results, start_producer, status, stop, wait_until
+from tests.support.contracts import check_run, consumer_config
 
 WORKLOAD = Workload(items_per_producer=400)
 TOTAL = WORKLOAD.producers * WORKLOAD.items_per_producer

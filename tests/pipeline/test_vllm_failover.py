@@ -33,9 +33,16 @@ from pipeline.consumer.engines import EngineBatch, make_engine
 from pipeline.consumer.process import ConsumerConfig
 from pipeline.producer.client import BrokerProducer
 from pipeline.producer.signature import signature
-from tests.consumer.test_vllm_engine import CACHE_DIR, ENGINE_OPTIONS, MAX_MODEL_LEN, MODEL_DIR, TOKEN_HIGH, TOKEN_LOW
 from tests.pipeline.harness import start_broker, status, stop, wait_until
-from tests.pipeline.test_vllm_pipeline import serve_and_record
+from tests.support.tiny_vllm import (
+    CACHE_DIR,
+    ENGINE_OPTIONS,
+    MAX_MODEL_LEN,
+    MODEL_DIR,
+    TOKEN_HIGH,
+    TOKEN_LOW,
+    serve_and_record,
+)
 
 SHAPES = 8
 ITEMS_PER_SHAPE = 8

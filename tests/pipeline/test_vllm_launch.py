@@ -15,7 +15,8 @@ import sys
 
 import pytest
 
-from tests.consumer.test_vllm_engine import MODEL_DIR, ROOT
+from tests.support.repo import ROOT
+from tests.support.tiny_vllm import MODEL_DIR
 
 ITEMS = 200
 # The tiny model's context is 2,048 tokens; vLLM wants room for one output token, and

@@ -11,21 +11,27 @@ to a JSON file as it stops: vLLM's own counters live in that process alone.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import multiprocessing as mp
-import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from pipeline.broker.config import BrokerConfig
-from pipeline.consumer.process import Consumer, ConsumerConfig
+from pipeline.consumer.process import ConsumerConfig
 from pipeline.producer.client import BrokerProducer
 from pipeline.producer.signature import signature
-from tests.consumer.test_vllm_engine import CACHE_DIR, ENGINE_OPTIONS, MAX_MODEL_LEN, MODEL_DIR, TOKEN_HIGH, TOKEN_LOW
 from tests.pipeline.harness import read_results, start_broker, status, stop, wait_until
+from tests.support.tiny_vllm import (
+    CACHE_DIR,
+    ENGINE_OPTIONS,
+    MAX_MODEL_LEN,
+    MODEL_DIR,
+    TOKEN_HIGH,
+    TOKEN_LOW,
+    serve_and_record,
+)
 
 SHAPES = 8
 ITEMS_PER_SHAPE = 6
@@ -33,15 +39,6 @@ ITEMS_PER_SHAPE = 6
 CONTRACT = dict(max_batch_items=8, max_batch_tokens=8 * MAX_MODEL_LEN, max_input_len=MAX_MODEL_LEN - 8)
 # Each engine's first start on the CPU takes up to ~20 s (two at once on 2 cores: longer).
 RUN_TIMEOUT_S = 240
-
-
-def serve_and_record(config: ConsumerConfig, stop_path: str, counters_path: str) -> None:
-    """A consumer until `stop_path` exists; then its engine's counters into `counters_path`."""
-    consumer = Consumer(config)
-    consumer.run(lambda: os.path.exists(stop_path))
-    c = consumer.engine.counters
-    Path(counters_path).write_text(json.dumps({**dataclasses.asdict(c), **c.extra}))
-    consumer.engine.close()
 
 
 def _produce(socket_path: str) -> int:

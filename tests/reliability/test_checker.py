@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.reliability.checker import History, ItemKey
+from tests.support.repo import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 
 # One step of a random history: (kind, key index, digest matches?)
 _steps = st.lists(st.tuples(st.sampled_from(["ack", "deliver", "corrupt-status", "hold"]),

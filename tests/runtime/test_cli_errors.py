@@ -8,30 +8,15 @@ import os
 import socket
 import struct
 import subprocess
-import sys
 import threading
 
 import pytest
 
 from pipeline.wire.status import STATUS_VERSION
 from tests.runtime.runs import shm_objects_of
-from tests.runtime.test_launch import ROOT, RUN_TIMEOUT_S
+from tests.support.commands import one_line_error, pipeline
 
 IS_ROOT = os.geteuid() == 0
-
-
-def pipeline(*args: str, cwd=ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline", *args], capture_output=True, text=True,
-                          timeout=RUN_TIMEOUT_S, cwd=cwd)
-
-
-def one_line_error(done: subprocess.CompletedProcess, *words: str) -> None:
-    assert done.returncode == 1, (done.returncode, done.stdout, done.stderr)
-    assert "Traceback" not in done.stderr, done.stderr
-    lines = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
-    assert len(lines) == 1, done.stderr
-    for word in words:
-        assert word in done.stderr, (word, done.stderr)
 
 
 @pytest.mark.parametrize("args, words", [

@@ -28,8 +28,9 @@ from pipeline.runtime.datadir import (
     release_launch,
 )
 from pipeline.wire.errors import DataDirError, DataDirInUseError
-from tests.runtime.test_launch import ROOT, RUN_TIMEOUT_S
-from tests.users import python_for
+from tests.support.commands import RUN_TIMEOUT_S
+from tests.support.repo import ROOT
+from tests.support.users import python_for
 
 # A uid no account uses here: "another local user".
 OTHER_UID = 54321

@@ -17,7 +17,8 @@ import pytest
 from pipeline.reporting.accounting import summarize_results
 from tests.consumer.tmpfs import fill, small_tmpfs
 from tests.runtime.runs import shm_objects_of, wait_for
-from tests.runtime.test_launch import ROOT, RUN_TIMEOUT_S
+from tests.support.commands import RUN_TIMEOUT_S
+from tests.support.repo import ROOT
 
 ITEMS = 3000
 TOKENS_PER_ITEM = 400

@@ -20,7 +20,7 @@ from pipeline.runtime.settings import (
 )
 from pipeline.runtime.tables import MAX_KEY_PARTS, parse_engine_options
 from pipeline.wire.errors import SettingsError
-from tests.runtime.test_cli_errors import one_line_error, pipeline
+from tests.support.commands import one_line_error, pipeline
 
 
 def test_engine_options_are_typed_as_toml_scalars():

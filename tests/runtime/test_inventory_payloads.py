@@ -10,7 +10,7 @@ import numpy as np
 from pipeline.broker.storage.paths import make_dirs, segment_path
 from pipeline.broker.storage.segment import Durability, SegmentFile, SegmentKeys, encode_entries, scan_segment
 from pipeline.runtime.inventory import pending_payloads
-from tests.broker.test_segment import make_items
+from tests.support.segments import make_items
 
 
 def test_the_live_entries_payloads_are_read_back_and_completed_ones_are_not(tmp_path):

@@ -12,13 +12,11 @@ import glob
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import psutil
 import pytest
@@ -29,19 +27,13 @@ from pipeline.cli import main
 from pipeline.reporting.accounting import summarize_results
 from pipeline.runtime.processes import memory_tier_dir
 from pipeline.wire.client import broker_status
-from tests.runtime.runs import free_port, shm_objects_of, wait_for
+from tests.runtime.runs import free_port, shm_objects_of
+from tests.support.commands import interrupt, launch, while_running
+from tests.support.repo import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 TRACE = ROOT.parent / "shared" / "workloads" / "mooncake_synthetic_trace.jsonl"
-# Generous: a run here takes seconds; this only keeps a hung run from hanging the suite.
-RUN_TIMEOUT_S = 240
 # The sim's cost per batch in the GPU-bound run: 30 ms, long beside the broker's work on a batch.
 BATCH_COST_S = 0.03
-
-
-def launch(*args: str, timeout_s: float = RUN_TIMEOUT_S) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pipeline", "launch", *args], capture_output=True, text=True,
-                          timeout=timeout_s, cwd=ROOT)
 
 
 def run_results_dir(data_dir: str) -> str:
@@ -173,34 +165,6 @@ def completed_items(socket_path: str) -> int:
         return broker_status(socket_path, timeout_s=1.0).items_completed
     except (OSError, TimeoutError):
         return 0
-
-
-def while_running(launcher: subprocess.Popen, predicate, what: str):
-    """Wait for `predicate()` while the launch runs; fail at once, with its output, if the
-    launch ends first (rather than timing out on something that can no longer happen)."""
-    def check():
-        if launcher.poll() is not None:
-            out, err = launcher.communicate()
-            raise AssertionError(f"the launch ended ({launcher.returncode}) before {what}:\n{out}\n{err}")
-        return predicate()
-
-    return wait_for(check, 60, what)
-
-
-def interrupt(launcher: subprocess.Popen, children: list, signals: int) -> str:
-    """Send `signals` SIGINTs (a Ctrl-C each) to a running launch; check it exits 130 and
-    leaves no child running; its stdout. A launch that failed before is killed, and fails."""
-    try:
-        for _ in range(signals if launcher.poll() is None else 0):
-            launcher.send_signal(signal.SIGINT)
-        out, err = launcher.communicate(timeout=RUN_TIMEOUT_S)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-    assert launcher.returncode == 130, err
-    gone, alive = psutil.wait_procs(children, timeout=5)
-    assert alive == []
-    return out
 
 
 def test_ctrl_c_stops_everything_in_order_and_a_rerun_finishes_the_rest(tmp_path):

@@ -23,7 +23,8 @@ import pytest
 from pipeline.reporting.accounting import summarize_results
 from pipeline.wire.layouts import make_item_id
 from tests.runtime.runs import shm_objects_of
-from tests.runtime.test_launch import ROOT, RUN_TIMEOUT_S, interrupt, launch, while_running
+from tests.support.commands import RUN_TIMEOUT_S, interrupt, launch, while_running
+from tests.support.repo import ROOT
 
 # A run long enough to be stopped in the middle: consumers that take 2 us per padded token.
 ITEMS = 6000

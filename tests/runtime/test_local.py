@@ -25,7 +25,8 @@ from shm.objects import PAGE_BYTES, create_shared_memory, object_path, unlink_qu
 from shm.ring import HEADER_SIZE_BYTES
 from tests.consumer.tmpfs import with_small_dev_shm
 from tests.runtime.runs import shm_objects_of
-from tests.runtime.test_launch import ROOT, RUN_TIMEOUT_S
+from tests.support.commands import RUN_TIMEOUT_S
+from tests.support.repo import ROOT
 
 # Commands that race run with lagging producers (tests/runtime/lagging_launch.py: 1 s a
 # submit call of 256 items): the one that gets the data directory runs 10 s or more, so

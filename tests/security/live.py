@@ -18,7 +18,6 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -29,8 +28,8 @@ from pipeline.producer.signature import signature
 from pipeline.wire.client import broker_status
 from shm.objects import DEV_SHM
 from tests.pipeline.harness import wait_until
+from tests.support.repo import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 # A hang guard for one command (each takes about a second).
 COMMAND_TIMEOUT_S = 120
 # Items for model 0 (the consumer serves it: results) and for model 1 (nobody serves it:

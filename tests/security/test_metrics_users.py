@@ -3,7 +3,7 @@ with `--metrics-port` answers its owner and closes that user's connections at ac
 that user's connections, however many and however held, starve no scrape of the owner's);
 started with `--metrics-token-file` it answers only requests carrying the token, that
 user's included (a Prometheus running as another user scrapes that way). The broker is a real detached
-process (`pipeline broker start`); the user runs as a throwaway account (`tests/users.py`),
+process (`pipeline broker start`); the user runs as a throwaway account (`tests/support/users.py`),
 skipped, with the reason, where none can be made.
 """
 
@@ -19,7 +19,7 @@ from pipeline.reporting.metrics_endpoint import MAX_METRICS_CONNECTIONS
 from tests.runtime.runs import free_port
 from tests.security.live import pipeline
 from tests.support.holders import HOLDER, holder_args, holding
-from tests.users import other_user as make_other_user
+from tests.support.users import other_user as make_other_user
 
 TOKEN = "0123456789abcdef0123456789abcdef"
 # Scrapes of the owner's while the other user holds connections, one every SCRAPE_INTERVAL_S.

@@ -4,7 +4,7 @@ open, connect to, replace or delete anything the run made, in the data directory
 
 The data directory's parent is open to everyone (0755), so what keeps that user out is the
 data directory's own 0700 and each object's 0600, nothing above them. Each attempt must
-fail with EACCES or EPERM. Run as a throwaway user (`tests/users.py`); skipped, with the
+fail with EACCES or EPERM. Run as a throwaway user (`tests/support/users.py`); skipped, with the
 reason, where none can be made.
 """
 
@@ -21,9 +21,9 @@ from pipeline.runtime.datadir import prepare_data_dir
 from pipeline.wire.client import broker_status
 from shm.objects import DEV_SHM, object_path, semaphore_path, unlink_quietly
 from tests.pipeline.harness import wait_until
-from tests.pipeline.test_control_users import CREATE_SEMAPHORE
 from tests.security.live import SERVED_ITEMS, live_run, submit
-from tests.users import other_user as make_other_user
+from tests.support.users import CREATE_SEMAPHORE
+from tests.support.users import other_user as make_other_user
 
 # Every way to get at a path the hostile user tries, and what it prints: {path: {try: outcome}}
 # (an errno name, or "ok" where the attempt worked). Its own scratch files are removed.

@@ -12,7 +12,6 @@ import errno
 import json
 import os
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -36,8 +35,7 @@ from shm.objects import (
 )
 from shm.ring import HEADER_SIZE_BYTES, ring_footprint_bytes
 from tests.consumer.tmpfs import with_small_dev_shm
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.repo import ROOT
 
 
 def test_object_names_are_per_run_and_checked():

@@ -2,8 +2,8 @@
 connections open to a port, each sending one byte of a request head (never a whole one)
 every TRICKLE_INTERVAL_S, and each replaced by a new connection as soon as the endpoint
 closes it. It runs as this user (`holder_command`) or as another one (`HOLDER` under
-tests/users.py `OtherUser.command`, with the system's Python), and prints "holding" once its
-first connections are made.
+tests/support/users.py `OtherUser.command`, with the system's Python), and prints "holding"
+once its first connections are made.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.repo import ROOT
+
 # A run on 2 cores: the tiny model's tokenizer in the producers, 2 sim consumers.
 RUN_TIMEOUT_S = 180
 # Each batch of a slow run sleeps in the sim's cost model, so a job lasts seconds and a stop
@@ -71,6 +72,13 @@ def output_rows(path: Path) -> list[dict]:
     raw = path.read_text()
     assert raw.endswith("\n") and raw.isascii()
     return [json.loads(line) for line in raw.splitlines()]
+
+
+def check_output(path: Path, records: list[dict]) -> list[dict]:
+    """Exactly one line per request, in input order; every well-formed request completed."""
+    rows = output_rows(path)
+    assert [row["custom_id"] for row in rows] == [r["custom_id"] for r in records]
+    return rows
 
 
 def rows_by_id(path: Path) -> dict[str, dict]:

@@ -28,6 +28,17 @@ SYSTEM_PYTHON = "/usr/bin/python3"
 # A hang guard for one hostile snippet (each takes well under a second).
 SNIPPET_TIMEOUT_S = 30
 
+# A hostile snippet (`OtherUser.run(CREATE_SEMAPHORE, name)`): a POSIX semaphore created
+# under `name` by that user, as a squatter would plant it.
+CREATE_SEMAPHORE = """
+import ctypes, os, sys
+libc = ctypes.CDLL("libc.so.6", use_errno=True)
+libc.sem_open.restype = ctypes.c_void_p
+libc.sem_open.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_uint]
+if not libc.sem_open(sys.argv[1].encode(), os.O_CREAT | os.O_EXCL, 0o600, 0):
+    sys.exit(f"sem_open: {os.strerror(ctypes.get_errno())}")
+"""
+
 
 def python_for(uid: int, gid: int, imports: str = "sys", cwd: str | None = None) -> str:
     """An interpreter that user `uid` can run and `import {imports}` with (from `cwd`): this

@@ -1,0 +1,46 @@
+"""Items as the ring delivers them, and segment files holding them, for the tests of the
+store and of the consumer's reader."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from pipeline.broker.storage.paths import make_dirs, segment_path
+from pipeline.broker.storage.segment import Durability, SegmentFile, SegmentKeys, encode_entries
+from pipeline.wire.layouts import ITEM_HEADER_DTYPE
+
+KEYS = SegmentKeys(model=1, signature=0xDEADBEEF_12345678, lane=7, segment_seq=3)
+# The shape signature of the segments `store` writes.
+SIG = 0xFEED_0000_0000_0001
+
+
+def make_items(count: int, seed: int = 0):
+    """A frame's worth of items (as the ring delivers them): headers, tokens, payloads."""
+    rng = np.random.default_rng(seed)
+    items = np.zeros(count, dtype=ITEM_HEADER_DTYPE)
+    items["item_id"] = np.arange(count) + 1000
+    items["seq"] = np.arange(count)
+    items["signature"] = KEYS.signature
+    items["length"] = rng.integers(1, 400, size=count)
+    items["prefix_len"] = np.minimum(items["length"], 5)
+    items["payload_len"] = rng.integers(0, 30, size=count)
+    items["submit_ns"] = 123
+    token_starts = np.concatenate([[0], np.cumsum(items["length"])]).astype(np.int64)
+    tokens = rng.integers(0, 50_000, size=int(token_starts[-1]), dtype=np.int32)
+    payload_starts = np.concatenate([[0], np.cumsum(items["payload_len"])]).astype(np.int64)
+    payloads = rng.integers(0, 256, size=int(payload_starts[-1]), dtype=np.uint8)
+    return items, tokens, token_starts, payloads, payload_starts
+
+
+def store(data_dir: str, lane: int, count: int, seed: int, first_id: int = 1000) -> tuple[str, tuple, SegmentFile]:
+    """`count` items of model 2, shape SIG, in segment 0 of `lane` under `data_dir`, ids from
+    `first_id`: the segment's path, its frame and the open segment."""
+    path = segment_path(data_dir, 2, SIG, lane, 0)
+    make_dirs(os.path.dirname(path))
+    frame = make_items(count, seed)
+    frame[0]["item_id"] += first_id - 1000
+    segment = SegmentFile.create(path, SegmentKeys(2, SIG, lane, 0), Durability.PROCESS)
+    segment.append(encode_entries(*frame, indices=np.arange(count), producer_id=1))
+    return path, frame, segment
