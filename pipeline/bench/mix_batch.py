@@ -103,15 +103,19 @@ def answers_of(lines: Iterable[str]) -> dict[str, Answer]:
     return {row["custom_id"]: answer_of(row) for row in rows}
 
 
-def usage_by_kind(answers: Mapping[str, Answer]) -> dict[str, dict[str, int]]:
-    """Requests, prompt, cached and completion tokens summed per kind."""
-    out = {kind: dict(requests=0, prompt_tokens=0, cached_tokens=0, completion_tokens=0) for kind in KINDS}
+def usage_by_kind(answers: Mapping[str, Answer], block: int) -> dict[str, dict[str, int]]:
+    """Requests, prompt, cached and completion tokens summed per kind, and the cacheable
+    tokens: the most a prefix cache of `block`-token blocks can serve, every full block of
+    a prompt but one holding its last token (vLLM computes at least one)."""
+    out = {kind: dict(requests=0, prompt_tokens=0, cached_tokens=0, completion_tokens=0, cacheable_tokens=0)
+           for kind in KINDS}
     for a in answers.values():
         row = out[a.kind]
         row["requests"] += 1
         row["prompt_tokens"] += a.prompt_tokens
         row["cached_tokens"] += a.cached_tokens
         row["completion_tokens"] += a.completion_tokens
+        row["cacheable_tokens"] += (a.prompt_tokens - 1) // block * block
     return out
 
 

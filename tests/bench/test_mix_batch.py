@@ -55,8 +55,9 @@ def test_answers_are_the_same_token_for_token_where_greedy_and_by_count_where_sa
         "plain": (1, 1), "json_schema": (1, 0), "logprobs": (1, 0), "n2": (1, 1)}
     assert got["logprobs"]["differ"] == ["r-1-s0-logprobs"] and got["logprobs"]["max_logprob_diff"] is None
     assert mix_batch.greedy_share(got) == (1, 3)
-    usage = mix_batch.usage_by_kind(first)
-    assert usage["n2"] == {"requests": 1, "prompt_tokens": 100, "cached_tokens": 96, "completion_tokens": 2}
+    usage = mix_batch.usage_by_kind(first, 32)
+    assert usage["n2"] == {"requests": 1, "prompt_tokens": 100, "cached_tokens": 96, "completion_tokens": 2,
+                           "cacheable_tokens": 96}
     assert usage["logprobs"]["cached_tokens"] == 32
 
 
@@ -71,3 +72,9 @@ def test_a_sampled_answer_with_fewer_choices_is_not_the_same():
     first = mix_batch.answers_of([_line("r-3-s1-n2", ["x", "y"])])
     second = mix_batch.answers_of([_line("r-3-s1-n2", ["x"])])
     assert mix_batch.agreement(first, second)["n2"]["same"] == 0
+
+
+def test_the_cacheable_tokens_leave_the_last_prompt_token_to_compute():
+    answers = mix_batch.answers_of([_line("r-0-s0-plain", ["a"]), _line("r-1-s0-plain", ["b"])])
+    assert mix_batch.usage_by_kind(answers, 50)["plain"]["cacheable_tokens"] == 2 * 50  # 100 tokens: 1 block
+    assert mix_batch.usage_by_kind(answers, 33)["plain"]["cacheable_tokens"] == 2 * 99

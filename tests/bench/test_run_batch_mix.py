@@ -55,5 +55,5 @@ def test_the_section_states_the_engine_flags_and_a_row_per_kind():
                     "--kv-cache-memory-bytes 3145728 ", "KV cache 3 MiB", "1 engine thread(s) on 2 cores"):
         assert setting in text
     assert all(f"| {kind} | 100 |" in text for kind in mix_batch.KINDS)
-    assert "| logprobs | 100 | 100 | 100 | 100 | 99 of 100 | 100 of 100 | 100 of 100 | 0 |" in text
+    assert "| logprobs | 100 | 100 | 100 | 100 | 100 | 99 of 100 | 100 of 100 | 100 of 100 | 0 |" in text
 
