@@ -162,8 +162,9 @@ def markdown(figures: dict[str, Any]) -> str:
             f"`plain` (temperature 0), `json_schema` (temperature 0, `response_format` of a two-key schema, "
             f"at most {mix_batch.JSON_MAX_COMPLETION_TOKENS} tokens), `logprobs` (temperature 0, "
             f"`top_logprobs: {mix_batch.TOP_LOGPROBS}`) and `n2` (`n: {mix_batch.SAMPLES}`, temperature "
-            f"{mix_batch.SAMPLED_TEMPERATURE:g}, no seed: vLLM refuses n > 1 at temperature 0, and a seeded request "
-            "kills `vllm run-batch`'s engine core on this CPU build, whose generators have no offset to rewind). "
+            f"{mix_batch.SAMPLED_TEMPERATURE:g}, `min_tokens` its max tokens, no seed: vLLM refuses n > 1 at "
+            "temperature 0, and a seeded request kills `vllm run-batch`'s engine core on this CPU build, whose "
+            "generators have no offset to rewind). "
             "Engine settings, the same vLLM flags on both command lines: the tiny model with random weights, "
             f"`{' '.join(batch_sides.vllm_flags(e))}` (KV cache {e['kv_cache_memory_bytes'] >> 20} MiB; "
             "max num seqs and batched tokens are vLLM's server defaults on the CPU, which `vllm.LLM` has larger), "
@@ -178,9 +179,11 @@ def markdown(figures: dict[str, Any]) -> str:
             "usage.prompt_tokens_details.cached_tokens, summed; cacheable: the most a cache of these blocks "
             "could serve, every full block of each prompt but one holding its last token. For `n: 2` vLLM's usage "
             "reports the cached tokens of the sample that finished last, which has reused the blocks its sibling "
-            "computed: both sides sit at the cacheable ceiling there. Span and wall as in the run-batch comparison "
-            "above; on both sides most of the span passes before the first answer, while vLLM's worker compiles "
-            "its logprobs rank kernel (torch.compile of batched_count_greater_than, Inductor on the CPU) at the "
+            "computed: both sides sit at the cacheable ceiling there (hence `min_tokens`: without it a sample "
+            "that stopped early left its sibling to report, a block short, on either side at random). Span and "
+            "wall as in the run-batch comparison above; on both sides most of the span passes before the first "
+            "answer, while vLLM's worker compiles its logprobs rank kernel (torch.compile of "
+            "batched_count_greater_than, Inductor on the CPU) at the "
             f"first request with logprobs. Interpreter: `{figures['vllm']}`.\n\n" + sides + "\n\n" + kinds)
 
 

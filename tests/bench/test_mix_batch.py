@@ -22,6 +22,7 @@ def test_the_file_mixes_every_kind_over_its_own_system_prompts():
         assert ("response_format" in body) == (kind == "json_schema")
         assert body.get("top_logprobs") == (mix_batch.TOP_LOGPROBS if kind == "logprobs" else None)
         assert body.get("n") == (mix_batch.SAMPLES if kind == "n2" else None)
+        assert body.get("min_tokens") == (body["max_completion_tokens"] if kind == "n2" else None)
         assert "seed" not in body
     assert mix_batch.requests(40, 8, "m", seed=0) == reqs
 
