@@ -19,6 +19,7 @@ COMPARISON_MODULES: dict[str, str] = {
     "prefix": "pipeline.bench.prefix",
     "prefix-vllm": "pipeline.bench.prefix_vllm",
     "run-batch": "pipeline.bench.run_batch",
+    "run-batch-mix": "pipeline.bench.run_batch_mix",
     "e2e": "pipeline.bench.e2e",
     "shapes": "pipeline.bench.shapes",
     "redis": "pipeline.bench.redis_peer",

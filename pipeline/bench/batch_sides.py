@@ -4,11 +4,14 @@ as a user runs it, on the same batch file and vLLM settings: `vllm run-batch` (i
 check of an output file. Shared by `pipeline bench run-batch` and tools/bench_run_batch.py
 (which documents the method in full).
 
-Both sides get the tiny model (tools/tiny_llama.py, random weights: load_format dummy),
-enforce_eager, block_size BLOCK, max_model_len MAX_MODEL_LEN, prefix caching on,
-kv_cache_memory_bytes KV_CACHE_MIB MiB per engine, OMP_NUM_THREADS = the threads given,
-VLLM_CACHE_ROOT and TMPDIR in the run's scratch directory. `python` is an interpreter
-that imports vllm (this process need not).
+Both sides get the same vLLM engine flags (`vllm_flags`): the tiny model (tools/tiny_llama.py,
+random weights: load_format dummy), enforce_eager, block_size BLOCK, max_model_len
+MAX_MODEL_LEN, dtype DTYPE, engine seed ENGINE_SEED, max_num_seqs MAX_NUM_SEQS,
+max_num_batched_tokens MAX_NUM_BATCHED_TOKENS, kv_cache_memory_bytes KV_CACHE_MIB MiB per
+engine, prefix caching on; OMP_NUM_THREADS and the product's cpu_threads = the threads given
+(engine_threads()); VLLM_CACHE_ROOT and TMPDIR in the run's scratch directory; vLLM's
+defaults for every other setting (the engine core in its own process, chunked prefill, vLLM's
+own thread binding). `python` is an interpreter that imports vllm (this process need not).
 
 Functions only; each call starts one child and waits for it.
 """
@@ -26,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.bench.runs import BenchRunError
+from pipeline.runtime.settings import CPU_CORES_KEPT
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = ROOT / ".cache" / "tiny-llama"
@@ -38,6 +42,16 @@ KV_CACHE_MIB = 3
 MAX_MODEL_LEN = 2048
 BLOCK = 32
 ROUNDS = 2
+# What vLLM picks on the CPU for the tiny model's float32 config anyway, stated on both sides.
+DTYPE = "bfloat16"
+# vLLM's default engine seed, stated on both sides.
+ENGINE_SEED = 0
+# vLLM's server defaults on the CPU, what `vllm run-batch` takes untold; `vllm.LLM` (the
+# product's engine) has 256 and 4,096 there, so both sides are told.
+MAX_NUM_SEQS = 128
+MAX_NUM_BATCHED_TOKENS = 2048
+# Settings only the product takes (its engine options of its own), not vLLM flags.
+PRODUCT_OPTIONS = ("in_process",)
 # A run that takes longer than this is stuck (a full run takes under a minute).
 RUN_TIMEOUT_S = 900
 
@@ -86,9 +100,34 @@ def _timed(cmd: list[str], env: dict[str, str], log: Path) -> float:
     return wall
 
 
+def engine_threads() -> int:
+    """The engine's OMP threads on both sides: the cores less the one kept for the processes
+    around the engine. `vllm run-batch` on the CPU build binds its worker to the cores less one
+    it reserves for its scheduler process whatever OMP_NUM_THREADS says (VLLM_CPU_OMP_THREADS_BIND
+    auto); the product's launch keeps CPU_CORES_KEPT by default.
+    NOTE: every core for the product (cpu_threads 2 on 2 cores, against vLLM's 1) made its
+    scheduler steps 25x slower on a loaded machine (150 ms against 6 ms), two OMP threads
+    spinning at barriers against vLLM's busy engine core; the comparison was then of threads."""
+    return max(1, len(os.sched_getaffinity(0)) - CPU_CORES_KEPT)
+
+
 def engine_settings(kv_cache_mib: int) -> dict[str, Any]:
     return dict(load_format="dummy", enforce_eager=True, block_size=BLOCK, kv_cache_memory_bytes=kv_cache_mib << 20,
-                max_model_len=MAX_MODEL_LEN)
+                max_model_len=MAX_MODEL_LEN, dtype=DTYPE, seed=ENGINE_SEED, max_num_seqs=MAX_NUM_SEQS,
+                max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
+
+
+def vllm_flags(settings: dict[str, Any]) -> list[str]:
+    """The settings as vLLM's engine flags, the same list on both sides' command lines (the
+    product reads them with vLLM's own parser); a true setting is its flag alone."""
+    out = []
+    for name, value in settings.items():
+        if name in PRODUCT_OPTIONS:
+            continue
+        assert value is not False, f"setting {name}: false is vLLM's default, leave it out"
+        flag = "--" + name.replace("_", "-")
+        out += [flag] if value is True else [flag, str(value)]
+    return out
 
 
 def run_vllm(batch: Path, out_dir: Path, settings: dict, threads: int, python: str = sys.executable) -> dict:
@@ -97,10 +136,8 @@ def run_vllm(batch: Path, out_dir: Path, settings: dict, threads: int, python: s
     output, span_file = out_dir / "out.jsonl", out_dir / "span.json"
     env = _env(out_dir / "scratch", threads) | {"BENCH_SPAN": str(span_file)}
     cmd = [python, "-c", VLLM_CHILD, "-i", str(batch), "-o", str(output), "--model", str(MODEL_DIR),
-           "--served-model-name", MODEL_NAME, "--load-format", settings["load_format"], "--enforce-eager",
-           "--block-size", str(settings["block_size"]), "--kv-cache-memory-bytes",
-           str(settings["kv_cache_memory_bytes"]), "--max-model-len", str(settings["max_model_len"]),
-           "--enable-prefix-caching", "--enable-prompt-tokens-details"]
+           "--served-model-name", MODEL_NAME, *vllm_flags(settings), "--enable-prefix-caching",
+           "--enable-prompt-tokens-details"]
     wall = _timed(cmd, env, out_dir / "log.txt")
     span = json.loads(span_file.read_text())
     return dict(wall_s=wall, span_s=(span["end_ns"] - span["start_ns"]) / 1e9, output=str(output))
@@ -112,11 +149,13 @@ def run_product(batch: Path, out_dir: Path, settings: dict, consumers: int, thre
     output, vLLM's own prefix-cache counters from the run report."""
     out_dir.mkdir(parents=True, exist_ok=True)
     output, report, data = out_dir / "out.jsonl", out_dir / "report.json", out_dir / "data"
-    options = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in settings.items())
-    options += f",cpu_threads={threads},cache_dir={out_dir / 'scratch'}"
+    options = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in settings.items()
+               if k in PRODUCT_OPTIONS]
+    options += [f"cpu_threads={threads}", f"cache_dir={out_dir / 'scratch'}"]
     cmd = [python, "-m", "pipeline", "run-batch", "-i", str(batch), "-o", str(output), "--model",
-           str(MODEL_DIR), "--served-model-name", MODEL_NAME, "--engine", "vllm", "--engine-options", options,
-           "--consumers", str(consumers), "--data-dir", str(data), "--report", str(report)]
+           str(MODEL_DIR), "--served-model-name", MODEL_NAME, "--engine", "vllm", *vllm_flags(settings),
+           "--engine-options", ",".join(options), "--consumers", str(consumers), "--data-dir", str(data),
+           "--report", str(report)]
     wall = _timed(cmd, _env(out_dir / "scratch", threads), out_dir / "log.txt")
     rows = [json.loads(line) for path in glob.glob(str(data / "results" / "*" / "*.jsonl"))
             for line in Path(path).read_text().splitlines() if line.strip()]

@@ -2,8 +2,8 @@
 tools/make_bench_batch.py): OpenAI Batch requests in many shapes with Zipf-like popularity,
 in shuffled (arrival) order; seeded.
 
-A shape is a system prompt and a few-shot block (SYSTEMS system prompts, each with
-shapes / SYSTEMS few-shot blocks of 2 to 4 turns): the prefix vLLM can serve from its cache,
+A shape is a system prompt and a few-shot block (SYSTEMS system prompts unless told, each
+with shapes / SYSTEMS few-shot blocks of 2 to 4 turns): the prefix vLLM can serve from its cache,
 a few hundred tokens with the tiny tokenizer (tools/tiny_llama.py: about 1.5 tokens a word).
 Shape k is drawn with weight 1 / (k + 1) ** ZIPF_S; every request has a short user turn of
 its own (a question and a number), max_completion_tokens MAX_COMPLETION_TOKENS and
@@ -47,12 +47,13 @@ def _text(rng: random.Random, sentences: int) -> str:
     return " ".join(_sentence(rng, 6, 16) for _ in range(sentences))
 
 
-def shapes(count: int, rng: random.Random) -> list[list[dict]]:
-    """Each shape's messages before the user turn: a system prompt and its few-shot turns."""
-    systems = [f"You are a {ROLES[k % len(ROLES)]}. " + _text(rng, rng.randint(3, 8)) for k in range(SYSTEMS)]
+def shapes(count: int, rng: random.Random, systems: int = SYSTEMS) -> list[list[dict]]:
+    """Each shape's messages before the user turn: one of `systems` system prompts and its
+    few-shot turns."""
+    prompts = [f"You are a {ROLES[k % len(ROLES)]}. " + _text(rng, rng.randint(3, 8)) for k in range(systems)]
     out = []
     for k in range(count):
-        messages = [{"role": "system", "content": systems[k % SYSTEMS]}]
+        messages = [{"role": "system", "content": prompts[k % systems]}]
         for _ in range(rng.randint(2, 4)):
             messages += [{"role": "user", "content": _text(rng, rng.randint(1, 3))},
                          {"role": "assistant", "content": _text(rng, rng.randint(1, 4))}]
@@ -60,11 +61,11 @@ def shapes(count: int, rng: random.Random) -> list[list[dict]]:
     return out
 
 
-def requests(count: int, shape_count: int, model: str, seed: int = 0) -> list[dict]:
+def requests(count: int, shape_count: int, model: str, seed: int = 0, systems: int = SYSTEMS) -> list[dict]:
     """Every request in arrival order; custom_id `req-K-sS`: K its index before the shuffle,
     S its shape."""
     rng = random.Random(seed)
-    prefixes = shapes(shape_count, rng)
+    prefixes = shapes(shape_count, rng, systems)
     weights = [1 / (k + 1) ** ZIPF_S for k in range(shape_count)]
     # Every shape at least once, the rest by popularity.
     drawn = list(range(shape_count)) + rng.choices(range(shape_count), weights, k=count - shape_count)

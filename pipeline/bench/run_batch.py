@@ -97,7 +97,7 @@ def measure(ctx: BenchContext) -> dict[str, Any]:
     batch.write_text("".join(_json_line(r) for r in reqs))
     ids = [r["custom_id"] for r in reqs]
     settings = batch_sides.engine_settings(batch_sides.KV_CACHE_MIB)
-    threads = len(os.sched_getaffinity(0))
+    threads = batch_sides.engine_threads()
     counter = [0]
 
     def side(name: str, run: Callable[[Path], dict]) -> tuple[str, Callable[[], dict]]:
@@ -150,8 +150,9 @@ def markdown(figures: dict[str, Any]) -> str:
     return (f"`vllm run-batch` against `pipeline run-batch --engine vllm --consumers 1` on the same file: "
             f"{figures['requests']:,} chat requests over {figures['shapes']} shapes (Zipf-like, shuffled; "
             "pipeline/bench/chat_batch.py), the tiny model with random weights, vLLM on CPU "
-            f"({figures['threads']} threads), block {e['block_size']}, KV cache {e['kv_cache_memory_bytes'] >> 20} MiB "
-            "(a few of the shapes' prefixes), prefix caching on. Cached tokens: the output files' "
+            f"({figures['threads']} engine threads on both sides: the cores less one), the same vLLM flags on both "
+            f"command lines: `{' '.join(batch_sides.vllm_flags(e))}` (KV cache {e['kv_cache_memory_bytes'] >> 20} "
+            "MiB: a few of the shapes' prefixes), prefix caching on. Cached tokens: the output files' "
             "usage.prompt_tokens_details.cached_tokens. Span: the product's first dispatch to last completion; "
             "vLLM's run_batch coroutine (file read to output written). Wall: the whole command, engine start "
             f"included. Interpreter: `{figures['vllm']}`.\n\n" + table(head, rows))

@@ -78,8 +78,10 @@ Definitions (every figure is an int or a float; a ratio with nothing to divide i
 - engine_counters_agree: whether every engine that keeps prefix-cache counters of its own
   (vLLM's prefix_cache_hits / prefix_cache_queries) counted what ours did over the same
   requests (engine_checked_*: the requests that finished while nothing else ran, taken when
-  its engine was idle; at the end of a run that is all of them); None where no engine keeps
-  any (sim). False is a failure of the run, as a mismatch of the accounting is.
+  its engine was idle; at the end of a run that is all of them, less the stretches that ran
+  a request of several samples, which vLLM looks up once per sample); None where nothing was
+  checked (the sim keeps no counters; a job whose every stretch ran several samples). False
+  is a failure of the run, as a mismatch of the accounting is.
 
 per_consumer[name] also has the consumer's shape switches (`shape_switches`, and by reason),
 how many distinct shapes it was handed (`shapes_served`: the current shape is per consumer,

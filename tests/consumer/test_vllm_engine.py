@@ -280,6 +280,26 @@ def test_an_abort_drops_unfinished_batches_and_the_check_still_agrees(engine):
     assert after["engine_checked_prompt_tokens"] - before["engine_checked_prompt_tokens"] == 300, (before, after)
 
 
+@pytest.mark.vllm
+def test_a_request_of_several_samples_is_left_out_of_the_check_which_still_agrees(engine):
+    """vLLM looks a prompt of n samples up n times, and its output reports one sample's
+    cached tokens: that stretch is not checked, the next one is."""
+    from pipeline.wire.generation import GenerationParams
+
+    engine.reset_cache()
+    rng = np.random.default_rng(13)
+    prompts = [rng.integers(TOKEN_LOW, TOKEN_HIGH, 200, dtype=np.int32) for _ in range(3)]
+    before = _agree(engine)
+    result = engine.run(EngineBatch(prompts[:2], 200, [0, 0], [GenerationParams(max_tokens=3, temperature=1.0, n=2),
+                                                               None]))
+    assert result.errors is None and result.samples is not None and len(result.samples[0]) == 2
+    skipped = _agree(engine)
+    assert skipped["engine_checked_prompt_tokens"] == before["engine_checked_prompt_tokens"]
+    engine.run(EngineBatch(prompts[2:], 200, [0]))
+    after = _agree(engine)
+    assert after["engine_checked_prompt_tokens"] - skipped["engine_checked_prompt_tokens"] == 200
+
+
 def _engine_processes() -> dict[int, str]:
     """vLLM's engine core and worker processes under this one (by vLLM's process titles)."""
     import psutil

@@ -174,6 +174,7 @@ class VllmEngine(Engine):
         self._metrics_base: dict[str, int] = {QUERIES_METRIC: 0, HITS_METRIC: 0}
         self._ours_base = (0, 0)
         self._unsettled = self._finished_since_drop = False
+        self._several_samples = False  # a request of n > 1 samples ran since the last check
         self._checked = dict.fromkeys(CHECK_KEYS, 0)
         self.counters.extra.update(prefix_cache_queries=0, prefix_cache_hits=0)
 
@@ -292,6 +293,7 @@ class VllmEngine(Engine):
                     continue
                 llm.llm_engine.add_request(f"{key}.{i}", TokensPrompt(prompt_token_ids=prompt.tolist()),
                                            self._sampling(params, len(prompt)), lora_request=adapter)
+                self._several_samples |= params is not None and params.samples > 1
             except self._item_errors as exc:
                 running.errors[i] = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
                 running.left -= 1
@@ -451,9 +453,12 @@ class VllmEngine(Engine):
     def _take_check(self) -> None:
         """Nothing runs: vLLM's counters since the last check count exactly the requests
         that finished since, as ours do. Add both sides to `check_totals`; after requests
-        were dropped, start checking here instead."""
-        if self._unsettled:
-            self._unsettled = not self._finished_since_drop
+        were dropped, or after a request of several samples (vLLM looks its prompt up once
+        per sample, and its output reports one sample's cached tokens), start checking here
+        instead."""
+        if self._unsettled or self._several_samples:
+            self._unsettled = self._unsettled and not self._finished_since_drop
+            self._several_samples = False
             self._rebase_check()
             return
         now = self._read_metrics()
