@@ -350,7 +350,7 @@ def produce(workload_file: str, data_dir: str, producers: int, items: int | None
     unsent = len(workload) - published
     never = f"; {unsent:,} were never submitted: submit them again" if unsent else ""
     if outcome.failed:
-        raise click.ClickException(f"{outcome.failed} of {counted(producers, 'producer')} failed or were killed: "
+        raise click.ClickException(f"producers failed or were killed: {outcome.failed:,} of {producers:,}; "
                                    f"{stored:,} of {counted(len(workload), 'item')} stored{where}{never}")
     if outcome.interrupted:
         click.echo(f"interrupted: {stored:,} of {counted(len(workload), 'item')} stored{where}{never}", err=True)
