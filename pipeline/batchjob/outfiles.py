@@ -35,7 +35,7 @@ import stat
 from dataclasses import dataclass
 
 from pipeline.batchjob.manifest import JOB_DIR
-from pipeline.batchjob.paths import FILE_MODE, ChunkBuffer, replace_file
+from pipeline.batchjob.paths import FILE_MODE, PARTIAL_PREFIX, PARTIAL_SUFFIX, ChunkBuffer, replace_file
 from pipeline.wire import fileops
 from pipeline.wire.errors import JobPathError
 from pipeline.wire.fileops import errno_text
@@ -44,10 +44,9 @@ ABSENT = "absent"
 OWN = "own"
 REPLACE = "replace"
 OWN_FILES_NAME = "outputs.json"
-# A file is written under a random name of this form beside its target before it is linked
-# or renamed into place (without O_TMPFILE a kill may leave one; nothing else is ever removed).
-PARTIAL_PREFIX = "."
-PARTIAL_SUFFIX = ".partial"
+# A file is written under a random name `PARTIAL_PREFIX NAME .<hex> PARTIAL_SUFFIX` beside its
+# target before it is linked or renamed into place (without O_TMPFILE a kill may leave one;
+# nothing else is ever removed).
 # The longest file name where the file system does not say (Linux's NAME_MAX).
 DEFAULT_NAME_MAX_BYTES = 255
 # Random names tried for a temporary file before giving up (a clash is 1 in 2**48 a try).

@@ -32,8 +32,10 @@ from pipeline.wire import fileops
 from pipeline.wire.errors import JobPathError
 from pipeline.wire.fileops import errno_text
 
-# The suffix of a named temporary file beside a file being replaced (where O_TMPFILE is not
-# supported): fixed, so that the next run finds and removes one a kill left.
+# The name of a temporary file beside a file being replaced: `.NAME.partial` here (fixed, so
+# that the next run finds and removes one a kill left), with a random part before the suffix
+# for the user's outputs (`outfiles.py`, where O_TMPFILE is not supported).
+PARTIAL_PREFIX = "."
 PARTIAL_SUFFIX = ".partial"
 FILE_MODE = 0o600
 # Bytes gathered into one write when a file is written from lines.
@@ -227,7 +229,7 @@ def replace_file(path: str, chunks: Iterable[bytes]) -> None:
 
 
 def partial_path(path: str) -> str:
-    return os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}{PARTIAL_SUFFIX}")
+    return os.path.join(os.path.dirname(os.path.abspath(path)), f"{PARTIAL_PREFIX}{os.path.basename(path)}{PARTIAL_SUFFIX}")
 
 
 def remove_partial(path: str) -> None:

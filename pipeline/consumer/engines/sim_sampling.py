@@ -92,10 +92,11 @@ class MadeUpSampler:
             raise SimRefusal("the sim engine finds stop strings in decoded text, and it has no tokenizer (engine "
                              "option tokenizer: a model directory)")
         greedy = params.temperature == 0
+        budget = budget or CharBudget()  # alone: the item's samples together, as a batch of one
         out = []
         for s in range(params.samples):
             key = _mix(prompt_seed) if greedy else _mix(prompt_seed ^ _mix((params.seed or 0) + _GOLDEN * (s + 1)))
-            out.append(self._one(key, params, budget or CharBudget()))
+            out.append(self._one(key, params, budget))
         return out
 
     def _one(self, key: int, params: GenerationParams, budget: CharBudget) -> Sample:
