@@ -69,7 +69,7 @@ class CreditWindow:
     outstanding: int = 0
     mean_batch_s: float | None = None
     # Batches the window never goes below (at most max_credit): what a pipelined engine
-    # needs to keep its running set full (the consumer's _Pace); 0 for none.
+    # needs to keep its running set full (`Pace`); 0 for none.
     floor: int = 0
 
     def __post_init__(self) -> None:
@@ -106,3 +106,28 @@ class CreditWindow:
         assert self.min_credit <= self.window <= self.max_credit or self.window == 0, self
         assert 0 <= self.outstanding <= self.max_credit, self
         assert self.mean_batch_s is None or self.mean_batch_s >= 0, self
+
+
+@dataclass(slots=True)
+class Pace:
+    """How fast this consumer completes batches, for its credit window. Pure (the caller
+    passes the clock). Owner: the consumer's main thread, one per broker session.
+
+    A batch's time is from its start or the last completion, whichever is later: with the
+    engine pipelined, batches overlap, and what the window must cover is the time between
+    completions. The floor it returns keeps a pipelined engine's running set full (vLLM's
+    max_num_seqs prompts, in batches of the mean size seen) with `min_credit` batches
+    waiting in the ring beyond it; 0 for an engine that runs one batch at a time."""
+
+    batch_s: float = 0.0
+    last_done_s: float = float("-inf")
+    mean_items: float = 0.0
+
+    def completed(self, started_s: float, now_s: float, items: int, running_prompts: int, min_credit: int) -> int:
+        self.batch_s = max(0.0, now_s - max(started_s, self.last_done_s))
+        self.last_done_s = now_s
+        self.mean_items = items if self.mean_items == 0 else self.mean_items + BATCH_TIME_WEIGHT * (
+            items - self.mean_items)
+        if running_prompts == 0:
+            return 0
+        return math.ceil(running_prompts / max(self.mean_items, 1.0)) + min_credit

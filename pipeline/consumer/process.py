@@ -5,9 +5,11 @@
         while the engine has room: take a batch descriptor from its ring -> map the items'
             tokens from the segment files (zero-copy) -> split each payload's generation
             parameters off (pipeline/wire/generation.py) -> release the descriptor ->
-            submit the batch to the engine
-        poll the engine -> for each batch it finished: write every item's result to the
-            results file (one write, all or nothing: results.py) -> report the completion
+            submit the batch to the engine, in slices by the answers they may hold
+            (slices.py: one slice for a batch of ordinary requests)
+        poll the engine -> for each slice it finished: write its items' results to the
+            results file (one write, all or nothing: results.py) -> for each batch whose
+            every slice is written: report the completion
 
 A synchronous engine (sim) runs each batch as it is submitted, so the loop is one batch at
 a time. A pipelined one (vllm) gets the next batches while the last ones still run: the
@@ -30,8 +32,8 @@ When things go wrong:
     the broker refuses the registration          FATAL: RegistrationRefusedError out of run()
                                                  with the broker's reason (exit status 2);
                                                  the same contract would be refused again
-    results disk full (ENOSPC, EDQUOT)           nothing of that batch is kept and it is not
-                                                 reported complete; say goodbye (the broker
+    results disk full (ENOSPC, EDQUOT)           nothing of that slice is kept and its batch
+                                                 is not reported complete; say goodbye (the broker
                                                  takes back every batch held, at once), log
                                                  a WARNING, wait RESULTS_FULL_FIRST_WAIT_S,
                                                  doubling up to RESULTS_FULL_MAX_WAIT_S while
@@ -52,15 +54,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field, fields
 
-from pipeline.consumer.credit import BATCH_TIME_WEIGHT, DEFAULT_AHEAD_S, MAX_CREDIT, MIN_CREDIT, CreditWindow
+from pipeline.consumer.credit import DEFAULT_AHEAD_S, MAX_CREDIT, MIN_CREDIT, CreditWindow, Pace
 from pipeline.consumer.engines import Engine, EngineBatch, make_engine
-from pipeline.consumer.engines.base import BATCH_TOTALS, CHECK_KEYS, EngineCounters, EngineResult
-from pipeline.consumer.reader import ReadBatch, ReadSpan, SegmentReader
+from pipeline.consumer.engines.base import BATCH_TOTALS, CHECK_KEYS, EngineResult
+from pipeline.consumer.reader import ReadBatch, SegmentReader
 from pipeline.consumer.results import (
     STATUS_CORRUPT,
     STATUS_ERROR,
@@ -71,6 +73,7 @@ from pipeline.consumer.results import (
     result_lines,
 )
 from pipeline.consumer.session import BrokerSession
+from pipeline.consumer.slices import HeldBatch, select_rows
 from pipeline.wire.dirpin import DirPin
 from pipeline.wire.errors import (
     EntryCompletedError,
@@ -191,55 +194,6 @@ class FullDiskBackoff:
         return wait
 
 
-@dataclass(slots=True)
-class _Started:
-    """A batch taken from the ring and not completed yet. Owner: the consumer's main thread.
-
-    `got`: the items the engine runs (their own payloads, the generation envelope split
-    off), `params` theirs (empty: none has any); `lines`: result lines of the items already
-    answered (corrupt, too long, malformed parameters); `statuses`: items by status."""
-
-    descriptor: Descriptor
-    got: ReadBatch
-    started_s: float
-    params: list[GenerationParams | None] = field(default_factory=list)
-    spans: list[ReadSpan] = field(default_factory=list)  # of the read: released once finished
-    lines: list[str] = field(default_factory=list)
-    corrupt: list[int] = field(default_factory=list)
-    statuses: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
-        (STATUS_OK, STATUS_TOO_LONG, STATUS_CORRUPT, STATUS_ERROR), 0))
-
-    def engine_batch(self) -> EngineBatch:
-        got = self.got
-        return EngineBatch(got.tokens, self.descriptor.pad_to_tokens, got.prefix_lens, self.params,
-                           int(self.descriptor.model))
-
-
-@dataclass(slots=True)
-class _Pace:
-    """How fast this consumer completes batches, for its credit window. Pure (the caller
-    passes the clock). Owner: the consumer's main thread, one per broker session.
-
-    A batch's time is from its start or the last completion, whichever is later: with the
-    engine pipelined, batches overlap, and what the window must cover is the time between
-    completions. The floor it returns keeps a pipelined engine's running set full (vLLM's
-    max_num_seqs prompts, in batches of the mean size seen) with `min_credit` batches
-    waiting in the ring beyond it; 0 for an engine that runs one batch at a time."""
-
-    batch_s: float = 0.0
-    last_done_s: float = float("-inf")
-    mean_items: float = 0.0
-
-    def completed(self, started_s: float, now_s: float, items: int, running_prompts: int, min_credit: int) -> int:
-        self.batch_s = max(0.0, now_s - max(started_s, self.last_done_s))
-        self.last_done_s = now_s
-        self.mean_items = items if self.mean_items == 0 else self.mean_items + BATCH_TIME_WEIGHT * (
-            items - self.mean_items)
-        if running_prompts == 0:
-            return 0
-        return math.ceil(running_prompts / max(self.mean_items, 1.0)) + min_credit
-
-
 class Consumer:
     """Runs batches for one engine: its GPUs (or the CPU). Owner: the consumer process. Not thread-safe
     apart from the heartbeat thread inside its session."""
@@ -259,6 +213,11 @@ class Consumer:
         self._reader: SegmentReader | None = None
         self._pin: DirPin | None = None  # the data directory as the first session found it
         self._checks_sent: dict[str, int] = {}  # the engine's check_totals as last reported
+        # Slices submitted to the engine, by engine key, and slices waiting for room in it;
+        # both of the current session only (the broker takes their batches back at goodbye).
+        self._running: dict[int, tuple[HeldBatch, ReadBatch]] = {}
+        self._waiting: deque[tuple[int, HeldBatch, ReadBatch, EngineBatch]] = deque()
+        self._next_key = 0
 
     def _open_results(self) -> None:
         """Open (or create) the results file; ResultsDiskFullError when there is no room to
@@ -351,39 +310,45 @@ class Consumer:
             self._reader = SegmentReader(session.data_dir, pin=self._pin)
         credit = self._credit_window(session.ring)
         session.send({"type": "request_work", "credit": credit.start()})
-        pace = _Pace()
-        in_flight: dict[int, _Started] = {}
+        pace = Pace()
+        in_flight: dict[int, HeldBatch] = {}
         sweep_s = time.monotonic() + DROP_DELETED_INTERVAL_S
         try:
             while not stop():
                 if time.monotonic() >= sweep_s:
                     self._reader.drop_deleted()  # a deleted segment's space is freed only once unmapped
                     sweep_s = time.monotonic() + DROP_DELETED_INTERVAL_S
-                done = self._feed(session, in_flight) + self.engine.poll()
-                if done:
+                done = self._feed(session, in_flight)
+                polled = self.engine.poll()
+                if done or polled:
                     # Woken from a SIGSTOP declared dead, the broker gave these batches to
                     # another consumer: their results must not be written here too.
                     session.check_open()
-                for batch_id, result in done:
-                    started = in_flight[batch_id]  # held until completed (hand_back counts it)
-                    summary = self.finish_batch(started, result)
+                done += [started for key, result in polled if (started := self._slice_ended(key, result))]
+                for started in done:  # held in in_flight until completed (hand_back counts it)
+                    summary = self.finish_batch(started)
                     self._complete(session, credit, pace, started, summary)
-                    del in_flight[batch_id]
+                    del in_flight[started.descriptor.batch_id]
         finally:
             session.in_engine = len(in_flight)  # hand_back's count
             dropped = self.engine.abort()  # unfinished: the broker takes them back at goodbye
+            self._running.clear()
+            self._waiting.clear()
             if dropped:
-                log.info("%s: %d batches left unfinished in the engine; the broker hands them out again",
+                log.info("%s: %d slices of batches left unfinished in the engine; the broker hands them out again",
                          self.config.name, len(dropped))
         session.send({"type": "goodbye"})
 
-    def _feed(self, session: BrokerSession, in_flight: dict[int, _Started]) -> list[tuple[int, None]]:
-        """Give the engine batches from the ring while it has room (a synchronous engine
-        runs each here), waiting up to POLL_S for one only while nothing is in flight.
-        Returns the batches with nothing for the engine (every item too long or corrupt),
-        done already."""
-        ready: list[tuple[int, None]] = []
+    def _feed(self, session: BrokerSession, in_flight: dict[int, HeldBatch]) -> list[HeldBatch]:
+        """Give the engine slices of batches from the ring while it has room (a synchronous
+        engine runs each here), waiting up to POLL_S for a batch only while nothing is in
+        flight. Returns the batches with nothing for the engine (every item too long or
+        corrupt), done already."""
+        ready: list[HeldBatch] = []
         while self.engine.wants_more():
+            if self._waiting:
+                self._submit(*self._waiting.popleft())
+                continue
             record = session.ring.peek(timeout_s=0 if in_flight else POLL_S)
             if record is None:
                 session.check_open()  # a broker that went away is noticed within POLL_S
@@ -395,13 +360,33 @@ class Consumer:
             started = self.start_batch(descriptor)
             session.ring.release(record.end)  # start_batch copied what it needs of the record
             in_flight[descriptor.batch_id] = started
-            if started.got.item_ids:
-                self.engine.submit(descriptor.batch_id, started.engine_batch())
-            else:
-                ready.append((descriptor.batch_id, None))
+            slices = started.slices(self.config.max_input_len)
+            for part, batch in slices:
+                self._waiting.append((self._next_key, started, part, batch))
+                self._next_key += 1
+            if not slices:
+                ready.append(started)
         return ready
 
-    def _complete(self, session: BrokerSession, credit: CreditWindow, pace: _Pace, started: _Started,
+    def _submit(self, key: int, started: HeldBatch, part: ReadBatch, batch: EngineBatch) -> None:
+        self._running[key] = (started, part)
+        self.engine.submit(key, batch)
+
+    def _slice_ended(self, key: int, result: EngineResult) -> HeldBatch | None:
+        """Write an ended slice's lines (with any of its batch's not written yet); its batch
+        once every slice of it ended, else None. A failed write raises ResultsWriteError
+        (ResultsDiskFullError for a full disk) with nothing of the slice in the file."""
+        started, part = self._running.pop(key)
+        ok, failed = self._engine_lines(started, part, result)
+        self._write(started.lines)
+        started.lines.clear()
+        started.statuses[STATUS_OK] += ok
+        started.statuses[STATUS_ERROR] += failed
+        started.counted.add(result.counted)
+        started.slices_left -= 1
+        return started if started.slices_left == 0 else None
+
+    def _complete(self, session: BrokerSession, credit: CreditWindow, pace: Pace, started: HeldBatch,
                   summary: dict) -> None:
         """Report a batch whose results are written, with the credit it returns."""
         now_s = time.monotonic()
@@ -429,16 +414,19 @@ class Consumer:
         """Run one batch to the end and write its results; return the completion's summary
         (`finish_batch`). The serving loop does the same in steps, many batches at once."""
         started = self.start_batch(descriptor)
-        result = self.engine.run(started.engine_batch()) if started.got.item_ids else None
-        return self.finish_batch(started, result)
+        for part, batch in started.slices(self.config.max_input_len):
+            self._running[self._next_key] = (started, part)
+            self._slice_ended(self._next_key, self.engine.run(batch))
+            self._next_key += 1
+        return self.finish_batch(started)
 
-    def start_batch(self, descriptor: Descriptor) -> _Started:
+    def start_batch(self, descriptor: Descriptor) -> HeldBatch:
         """Read a batch's entries and answer those the engine will not run: corrupt ones
         (failed their checks), too long ones (over the contract's max input length), and
         ones whose generation envelope is malformed (STATUS_ERROR). Copies what it keeps of
         the descriptor: its ring record may be released once this returns."""
         got = self._reader.read_batch(descriptor.model, descriptor.signature, descriptor.items)
-        started = _Started(dataclasses.replace(descriptor, items=descriptor.items.copy()), ReadBatch(),
+        started = HeldBatch(dataclasses.replace(descriptor, items=descriptor.items.copy()), ReadBatch(),
                            time.monotonic(), spans=got.spans)
         corrupt_lengths: list[int] = []
         for item_id, length, exc in got.failed:
@@ -457,19 +445,19 @@ class Consumer:
         got, params = self._split_payloads(started, got)
         limit = self.config.max_input_len
         if got.lengths and max(got.lengths) > limit:
-            long = _select(got, [i for i, n in enumerate(got.lengths) if n > limit])
+            long = select_rows(got, [i for i, n in enumerate(got.lengths) if n > limit])
             count = len(long.item_ids)
             started.lines.append(result_lines(descriptor, STATUS_TOO_LONG, long.item_ids, long.submit_ns,
                                               long.lengths, [0] * count, [[]] * count, long.payloads,
                                               digests=long.digests))
             started.statuses[STATUS_TOO_LONG] = count
             keep = [i for i, n in enumerate(got.lengths) if n <= limit]
-            got, params = _select(got, keep), [params[i] for i in keep]
+            got, params = select_rows(got, keep), [params[i] for i in keep]
         started.got = got
         started.params = params if any(p is not None for p in params) else []
         return started
 
-    def _split_payloads(self, started: _Started, got: ReadBatch) -> tuple[ReadBatch, list[GenerationParams | None]]:
+    def _split_payloads(self, started: HeldBatch, got: ReadBatch) -> tuple[ReadBatch, list[GenerationParams | None]]:
         """The items' own payloads and generation parameters (pipeline/wire/generation.py);
         items whose envelope is malformed are answered with the error and left out."""
         if not any(got.payloads):  # no item carries a payload (token-id producers): nothing to split
@@ -490,7 +478,7 @@ class Consumer:
             params.append(item_params)
         if not bad:
             return got, params
-        wrong = _select(got, bad)
+        wrong = select_rows(got, bad)
         started.lines.append(error_lines(started.descriptor, wrong.item_ids, wrong.submit_ns, wrong.lengths, messages,
                                          [b""] * len(bad), wrong.digests))
         started.statuses[STATUS_ERROR] += len(bad)
@@ -498,20 +486,16 @@ class Consumer:
                     started.descriptor.batch_id, len(bad), messages[0])
         excluded = set(bad)
         keep = [i for i in range(len(got.item_ids)) if i not in excluded]
-        return _select(got, keep), [params[i] for i in keep]
+        return select_rows(got, keep), [params[i] for i in keep]
 
-    def finish_batch(self, started: _Started, result: EngineResult | None) -> dict:
-        """Write a batch's result lines (with the engine's `result`, None where it ran
-        nothing) and return the completion's summary: items by status, what the engine
-        counted over the batch, its own counters' check, and CORRUPT_KEY. A failed write
-        raises ResultsWriteError (ResultsDiskFullError for a full disk) with nothing of the
-        batch in the file and nothing counted."""
-        got = started.got
-        if result is not None:
-            ok, failed = self._engine_lines(started, result)
-            started.statuses[STATUS_OK] += ok
-            started.statuses[STATUS_ERROR] += failed
-        self._write(started.lines)
+    def finish_batch(self, started: HeldBatch) -> dict:
+        """Write a batch's result lines not written yet (each slice's were as it ended) and
+        return the completion's summary: items by status, what the engine counted over the
+        batch, its own counters' check, and CORRUPT_KEY. A failed write raises
+        ResultsWriteError (ResultsDiskFullError for a full disk) with nothing counted."""
+        if started.lines:
+            self._write(started.lines)
+            started.lines.clear()
         self._reader.release(started.spans)
         c = self.counters
         c.batches += 1
@@ -519,21 +503,21 @@ class Consumer:
         c.items_too_long += started.statuses[STATUS_TOO_LONG]
         c.items_corrupt += started.statuses[STATUS_CORRUPT]
         c.items_error += started.statuses[STATUS_ERROR]
-        c.prompt_tokens += sum(got.lengths)
-        counted = result.counted if result is not None else EngineCounters()
+        c.prompt_tokens += sum(started.got.lengths)
         check = self.engine.check_totals()
         summary = {**{f"items_{k}": v for k, v in started.statuses.items()},
-                   **{k: getattr(counted, k) for k in BATCH_TOTALS},
+                   **{k: getattr(started.counted, k) for k in BATCH_TOTALS},
                    **{k: check.get(k, 0) - self._checks_sent.get(k, 0) for k in CHECK_KEYS},
                    CORRUPT_KEY: started.corrupt}
         self._checks_sent = check
         return summary
 
-    def _engine_lines(self, started: _Started, result: EngineResult) -> tuple[int, int]:
-        """Append the lines of the items the engine ran: STATUS_OK, and STATUS_ERROR with
-        the engine's message for items it failed (EngineResult.errors; an engine error is
-        that item's answer, never a lost item or a crashed consumer). Returns (ok, failed)."""
-        got, d = started.got, started.descriptor
+    def _engine_lines(self, started: HeldBatch, got: ReadBatch, result: EngineResult) -> tuple[int, int]:
+        """Append the lines of the items the engine ran in one slice (`got`): STATUS_OK, and
+        STATUS_ERROR with the engine's message for items it failed (EngineResult.errors; an
+        engine error is that item's answer, never a lost item or a crashed consumer).
+        Returns (ok, failed)."""
+        d = started.descriptor
         result.fail_long_texts()
         failed = [i for i, error in enumerate(result.errors or ()) if error is not None]
         if not failed:
@@ -543,13 +527,13 @@ class Consumer:
                                               result.embeddings))
             return len(got.item_ids), 0
         assert result.errors is not None
-        bad = _select(got, failed)
+        bad = select_rows(got, failed)
         started.lines.append(error_lines(d, bad.item_ids, bad.submit_ns, bad.lengths,
                                          [str(result.errors[i]) for i in failed], bad.payloads, bad.digests))
         log.warning("%s: batch %d: the engine failed %d of %d items, first: %s", self.config.name,
                     d.batch_id, len(failed), len(got.item_ids), result.errors[failed[0]])
         ran = [i for i, error in enumerate(result.errors) if error is None]
-        good = _select(got, ran)
+        good = select_rows(got, ran)
         texts = [result.texts[i] for i in ran] if result.texts is not None else None
         samples = [result.samples[i] for i in ran] if result.samples is not None else None
         embeddings = [result.embeddings[i] for i in ran] if result.embeddings is not None else None
@@ -586,10 +570,3 @@ def descriptors_that_fit(capacity_bytes: int, max_batch_items: int) -> int:
     but only 30 whatever the wrap."""
     record = RECORD_HEADER_SIZE_BYTES + align_up(descriptor_size_bytes(max_batch_items))
     return max(1, (capacity_bytes - record + RECORD_ALIGN_BYTES) // record)
-
-
-def _select(got: ReadBatch, rows: list[int]) -> ReadBatch:
-    """The entries `rows` of a read batch (the ones a batch runs)."""
-    return ReadBatch(*([column[i] for i in rows] for column in
-                       (got.item_ids, got.tokens, got.lengths, got.prefix_lens, got.payloads, got.submit_ns,
-                        got.digests)))

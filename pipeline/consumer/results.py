@@ -1,4 +1,5 @@
-"""A consumer's results file: each batch's result lines appended at once, all or nothing.
+"""A consumer's results file: each engine run's result lines appended at once, all or nothing
+(a batch's, or a slice of a batch asking for much answer: consumer/slices.py).
 
     results_dir/{name}.jsonl     one JSON object per item, one line each:
     {"item_id", "batch_id", "dispatch_ns", "submit_ns", "done_ns", "pad_to_tokens", "status",

@@ -4,8 +4,6 @@ batches held counted when they are handed back."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from pipeline.broker.storage.segment import scan_segment
@@ -15,48 +13,7 @@ from pipeline.consumer.process import Consumer, ConsumerConfig
 from pipeline.consumer.reader import SegmentReader
 from pipeline.wire.layouts import DESCRIPTOR_ITEM_DTYPE, descriptor_size_bytes, write_descriptor
 from tests.support.segments import SIG, store
-
-
-@dataclass
-class _Record:
-    body: memoryview
-    start: int
-    end: int
-
-
-class _Ring:
-    name = "fake"
-    capacity_bytes = 1 << 20
-
-    def __init__(self, bodies):
-        self.records = [_Record(np.frombuffer(b, dtype=np.uint8), i, i + 1) for i, b in enumerate(bodies)]
-        self.released = 0
-
-    def peek(self, timeout_s=0.0):
-        return self.records[self.released] if self.released < len(self.records) else None
-
-    def release(self, end):
-        self.released = end
-
-    def poll(self):
-        return self.peek()
-
-
-class _Session:
-    def __init__(self, data_dir, bodies, events):
-        self.ring = _Ring(bodies)
-        self.data_dir = data_dir
-        self.events = events
-        self.sent = []
-
-    def check_open(self):
-        pass
-
-    def send(self, *messages):
-        for m in messages:
-            self.sent.append(m)
-            if m["type"] == "complete":
-                self.events.append(("complete", m["batch_id"]))
+from tests.support.sessions import FakeSession as _Session
 
 
 def _descriptors(tmp_path, batches, per_batch=3):
@@ -100,7 +57,7 @@ def test_a_synchronous_engine_completes_each_batch_before_taking_the_next(tmp_pa
     consumer._results.close()
     consumer._reader.close()
     segment.close()
-    assert events[:4] == [("submit", 100), ("complete", 100), ("submit", 101), ("complete", 101)], events
+    assert events[:4] == [("submit", 0), ("complete", 100), ("submit", 1), ("complete", 101)], events
 
 
 class _Pipelined(Engine):
