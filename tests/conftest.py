@@ -1,10 +1,13 @@
-"""Shared test fixtures: unique shared-memory names per test, and checks that nothing leaks."""
+"""Shared test fixtures: unique shared-memory names per test, and checks that nothing leaks;
+and the unit tier kept pure: a test marked with no tier that starts a process fails."""
 
 from __future__ import annotations
 
 import importlib.util
 import multiprocessing as mp
+import multiprocessing.process
 import os
+import subprocess
 import uuid
 
 import pytest
@@ -76,6 +79,38 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+# The markers of the tiers whose tests may start processes (pyproject.toml says what each
+# holds); a test with none of them is a unit test.
+PROCESS_TIERS = ("integration", "campaign", "vllm", "ray")
+# Every way a test starts a process, with its name in the error: subprocess.run and the like
+# go through Popen, every multiprocessing context through BaseProcess.start, os.spawn* and
+# pty.fork through os.fork.
+PROCESS_STARTERS = ((os, "fork", "os.fork"), (os, "forkpty", "os.forkpty"), (os, "posix_spawn", "os.posix_spawn"),
+                    (os, "posix_spawnp", "os.posix_spawnp"), (os, "system", "os.system"),
+                    (subprocess.Popen, "__init__", "subprocess.Popen"),
+                    (multiprocessing.process.BaseProcess, "start", "multiprocessing's Process.start"))
+
+
+def _refuse(what: str):
+    def refused(*args, **kwargs):
+        # pytest.fail raises a BaseException: code under test that catches Exception or
+        # OSError around the call does not swallow it.
+        pytest.fail(f"a unit test started a process ({what}): mark it `integration` (it runs real processes) or "
+                    "`campaign` (pyproject.toml), or keep its work in this process")
+    return refused
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """Setup, call and teardown of a unit test run with every process starter refused."""
+    if any(item.get_closest_marker(tier) for tier in PROCESS_TIERS):
+        return (yield)
+    with pytest.MonkeyPatch.context() as patch:
+        for owner, name, what in PROCESS_STARTERS:
+            patch.setattr(owner, name, _refuse(what))
+        return (yield)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

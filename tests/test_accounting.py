@@ -86,6 +86,7 @@ def test_a_line_past_the_limit_is_skipped_in_bounded_memory(tmp_path, monkeypatc
     assert all("longer than 1,000 bytes" in e for e in summary.bad_line_examples)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("what", ["file", "directory"])
 def test_an_unreadable_results_file_or_directory_is_an_error_naming_it(tmp_path, what):
     # Root reads anything, so as root the summary runs in a child that dropped to uid

@@ -17,12 +17,14 @@ def test_group_help_lists_commands():
     assert "launch" in result.output
 
 
+@pytest.mark.integration
 def test_module_entry_point_runs():
     done = subprocess.run([sys.executable, "-m", "pipeline", "--version"], capture_output=True, text=True)
     assert done.returncode == 0
     assert "version" in done.stdout
 
 
+@pytest.mark.integration
 def test_the_shape_order_is_an_option_and_the_report_shows_it(tmp_path):
     import json
 
@@ -34,6 +36,7 @@ def test_the_shape_order_is_an_option_and_the_report_shows_it(tmp_path):
     assert settings["broker"]["shape_order"] == "most-tokens" and settings["changed"]["broker.shape_order"] == "most-tokens"
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("policy", ["fifo", "round-robin", "no-lanes"])
 def test_each_baseline_dispatch_policy_runs_a_launch_that_balances(tmp_path, policy):
     import json

@@ -212,6 +212,7 @@ def wait_for_threads(before: set[threading.Thread]) -> list[threading.Thread]:
     return left
 
 
+@pytest.mark.integration
 def test_endpoint_over_a_real_broker(tmp_path):
     threads_before = set(threading.enumerate())
     data = str(tmp_path / "data")

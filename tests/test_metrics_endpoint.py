@@ -157,6 +157,7 @@ def test_a_connection_whose_peer_is_not_ours_is_closed_at_accept_before_anything
     assert server.foreign_connections == 1 and server.open_connections == 0 and server.responses == {}
 
 
+@pytest.mark.integration
 def test_without_a_token_another_users_connections_hold_no_place_and_starve_no_scrape(server, monkeypatch):
     """The hostile client of the test with a token below, its sockets made another user's in
     the kernel's tables as the endpoint reads them: each of its connections is closed at
@@ -300,6 +301,7 @@ def test_a_burst_of_connects_waits_in_the_queue_and_pushes_out_none_accepted_wit
                 sock.close()
 
 
+@pytest.mark.integration
 def test_with_a_token_a_client_holding_every_place_and_trickling_bytes_starves_no_scrape(tmp_path):
     """The hostile client sends a byte on each of MAX_METRICS_CONNECTIONS connections every
     half second and opens a new one whenever the endpoint closes one; each scrape, with the
@@ -340,6 +342,7 @@ def test_one_thread_serves_however_many_connect(server):
             sock.close()
 
 
+@pytest.mark.integration
 def test_idle_connections_add_no_thread_to_a_broker(tmp_path):
     port = free_port()
     broker = start_broker(BrokerConfig(str(tmp_path / "data")), metrics_port=port)

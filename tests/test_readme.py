@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+from tests.support.repo import ROOT
+
+README = ROOT / "README.md"
 
 
 def test_readme_python_example_runs(shm_name):
@@ -21,7 +22,8 @@ def test_readme_quick_start_is_two_commands():
     assert commands == ["python3 quickstart.py demo", "python3 quickstart.py test"], block
     ci = (README.parent / ".ci" / "run").read_text()
     # CI runs the README's test command itself (under a time limit) first, nothing in its
-    # place, then the optional engines' suites.
-    runs = [line for line in ci.splitlines() if "quickstart.py" in line and not line.lstrip().startswith("#")]
-    assert runs and runs[0].rstrip().endswith("python3 quickstart.py test"), runs
-    assert any(line.rstrip().endswith("python3 quickstart.py test-vllm -q -p no:cacheprovider") for line in runs), runs
+    # place, then the campaigns, then the optional engines' suites.
+    runs = [line.rstrip() for line in ci.splitlines() if "quickstart.py" in line and not line.lstrip().startswith("#")]
+    tails = ["python3 quickstart.py test", "python3 quickstart.py test-campaigns",
+             "python3 quickstart.py test-vllm -q -p no:cacheprovider", "python3 quickstart.py test-ray -q -p no:cacheprovider"]
+    assert len(runs) == len(tails) and all(run.endswith(tail) for run, tail in zip(runs, tails)), runs

@@ -1,10 +1,14 @@
-"""The test suite's own layout rules, checked against its files: no test module imports
-another test module (a helper two of them share lives in tests/support/), anywhere in the
-file, in any form of import."""
+"""The test suite's own rules: no test module imports another test module (a helper two of
+them share lives in tests/support/), anywhere in the file, in any form of import; and a
+unit test (one marked with no tier) that starts a process fails (tests/conftest.py)."""
 
 from __future__ import annotations
 
 import ast
+import multiprocessing as mp
+import os
+import subprocess
+
 import pytest
 
 from tests.support.repo import ROOT
@@ -79,3 +83,33 @@ def test_no_test_module_imports_another_test_module():
 ])
 def test_every_form_of_importing_a_test_module_is_found(source, found):
     assert imported_test_modules(source, "tests.runtime.test_x") == found
+
+
+def _fork_and_exit() -> None:
+    if os.fork() == 0:  # only where the guard is missing: the child leaves at once
+        os._exit(0)
+
+
+def _reaped(pid: int) -> None:
+    os.waitpid(pid, 0)
+
+
+STARTS = {
+    "subprocess.run": lambda: subprocess.run(["true"], check=True),
+    "os.system": lambda: os.system("true"),
+    "os.fork": _fork_and_exit,
+    "os.posix_spawn": lambda: _reaped(os.posix_spawn("/bin/true", ["true"], os.environ)),
+    "a fork context's Process": lambda: mp.get_context("fork").Process(target=int).start(),
+    "a spawn context's Process": lambda: mp.get_context("spawn").Process(target=int).start(),
+}
+
+
+@pytest.mark.parametrize("start", list(STARTS))
+def test_a_unit_test_that_starts_a_process_fails(start):
+    with pytest.raises(pytest.fail.Exception, match="a unit test started a process"):
+        STARTS[start]()
+
+
+@pytest.mark.integration
+def test_an_integration_test_may_start_a_process():
+    assert subprocess.run(["true"]).returncode == 0

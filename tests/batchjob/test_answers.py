@@ -308,6 +308,7 @@ def test_any_crash_leaves_one_whole_line_per_answered_request_and_its_counts(two
             log.close()
 
 
+@pytest.mark.integration
 def test_an_append_that_finds_the_disk_full_keeps_nothing_and_a_later_one_lands_where_it_should(tmp_path):
     from tests.consumer.tmpfs import fill, small_tmpfs
 

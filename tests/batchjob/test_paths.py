@@ -214,6 +214,7 @@ def test_an_output_in_a_missing_directory_is_refused_before_the_job(job: Path) -
         check(job, job / "absent" / "out.jsonl")
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("tmpfile", [True, False], ids=["O_TMPFILE", "a probe file"])
 def test_an_output_in_a_directory_the_job_cannot_write_is_refused_before_the_job(tmpfile: bool) -> None:
     with other_user() as user:

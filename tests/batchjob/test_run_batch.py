@@ -20,6 +20,8 @@ from tests.support.jobs import RUN_TIMEOUT_S, check_output, run_batch, write_req
 from tests.support.repo import ROOT
 from tools.make_batch_example import requests as example_requests
 
+pytestmark = pytest.mark.integration
+
 # Each batch of the slow runs sleeps in the sim's cost model, so a job lasts seconds and a
 # kill lands in the middle of it.
 SLOW = "[engine_options]\ncost_s_per_padded_token = 1e-3\n"

@@ -12,6 +12,8 @@ import pytest
 
 from tests.support.jobs import build_model, chat, embedding, rows_by_id, run_batch, write_requests
 
+pytestmark = pytest.mark.integration
+
 # The tiny model's hidden size: the sim's embeddings are as large as the model's.
 TINY_EMBEDDING_SIZE = 128
 

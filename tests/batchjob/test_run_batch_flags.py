@@ -13,6 +13,8 @@ import pytest
 
 from tests.support.jobs import ROOT, RUN_TIMEOUT_S, build_model, chat, command, rows_by_id, run_batch, write_requests
 
+pytestmark = pytest.mark.integration
+
 # A template of our own: every message's content, nothing else (the tiny model's own
 # wraps each turn in header tokens, so the same requests make longer prompts).
 BARE_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"

@@ -16,6 +16,8 @@ from click.testing import CliRunner
 from pipeline.cli import batch, main
 from tests.support.jobs import build_model, chat, rows_by_id, run_batch, write_requests
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:

@@ -13,6 +13,8 @@ import pytest
 
 from tests.support.jobs import build_model, chat, completion, copy_model, rows_by_id, run_batch, write_requests
 
+pytestmark = pytest.mark.integration
+
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 # The tiny model's template (Llama 3's turns), with the tools and a `terse` argument rendered.

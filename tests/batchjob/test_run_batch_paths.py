@@ -26,6 +26,8 @@ from tests.support.jobs import (
 # The sim's cost where a test changes a path while the job runs: it lasts seconds.
 SLOW_COST = "[engine_options]\ncost_s_per_padded_token = 1e-3\n"
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:

@@ -12,6 +12,8 @@ import pytest
 
 from tests.support.jobs import build_model, chat, completion, copy_model, rows_by_id, run_batch, write_requests
 
+pytestmark = pytest.mark.integration
+
 # The tiny model's template, with a branch that misbehaves on one request's content.
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")

@@ -37,6 +37,8 @@ from tests.support.jobs import (
     write_requests,
 )
 
+pytestmark = pytest.mark.integration
+
 REQUESTS = 400
 PRODUCER_KILL_REQUESTS = 20_000
 # The sim's cost where a test stops the job after its first answers: slow enough that the

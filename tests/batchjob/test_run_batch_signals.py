@@ -33,6 +33,8 @@ from tests.support.jobs import (
     write_requests,
 )
 
+pytestmark = pytest.mark.integration
+
 REQUESTS = 300
 PRODUCER_RING = re.compile(r"/dev/shm/sbrk-[0-9a-f]+-p\d+")
 CONSUMER_RING = re.compile(r"/dev/shm/sbrk-[0-9a-f]+-g\d+-c\d+")

@@ -10,8 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.batchjob.batchfiles import chat
 from tests.support.repo import ROOT
+
+pytestmark = pytest.mark.integration
 
 SMALL_REQUESTS = 20_000
 LARGE_REQUESTS = 200_000

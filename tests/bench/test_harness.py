@@ -41,6 +41,7 @@ def test_spread_and_its_format():
         spread([])
 
 
+@pytest.mark.integration
 def test_machine_info_names_what_a_reader_needs():
     info = machine_info()
     assert info["cores"] >= 1 and len(info["load_average"]) == 3
@@ -71,6 +72,7 @@ class _Fake:
                        [Target("a beats b", True, "1.5 against 1.0"), Target("c ran", None, "c not installed")], plot)
 
 
+@pytest.mark.integration
 def test_run_comparison_writes_json_plot_and_section(tmp_path: Path):
     ctx = BenchContext(quick=True, repeat=1, work_dir=tmp_path / "w", out_dir=tmp_path / "out", log=lambda _: None)
     page = tmp_path / "BENCHMARKS.md"

@@ -93,6 +93,7 @@ def test_flood_targets_share_every_item(items, producers):
     assert len({args[2] for _, args in targets}) == producers  # a seed each
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("storage", ["memory", "disk"])
 def test_a_pipeline_completes_every_item_and_leaves_nothing(tmp_path, storage):
     root = tmp_path / "run"

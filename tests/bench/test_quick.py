@@ -14,6 +14,8 @@ import pytest
 from pipeline.bench import COMPARISON_MODULES
 from tests.support.repo import ROOT
 
+pytestmark = pytest.mark.campaign
+
 
 @pytest.mark.parametrize("name", list(COMPARISON_MODULES))
 def test_quick_run_writes_its_figures_and_section(name: str, tmp_path: Path):

@@ -70,6 +70,7 @@ def test_recorded_batches_round_trip(tmp_path):
     assert recorded_batches(path) == []
 
 
+@pytest.mark.campaign
 @needs_redis
 def test_a_server_starts_answers_and_is_gone_after(tmp_path):
     with RedisServer(tmp_path / "redis") as server:
@@ -84,6 +85,7 @@ def test_a_server_starts_answers_and_is_gone_after(tmp_path):
         os.kill(pid, 0)
 
 
+@pytest.mark.campaign
 @needs_redis
 def test_run_redis_counts_every_item_and_records_each_once(tmp_path):
     phase, none = run_redis(tmp_path / "a", lambda port: [(flood_producer, (port, 300, k)) for k in range(2)],
@@ -99,6 +101,7 @@ def test_run_redis_counts_every_item_and_records_each_once(tmp_path):
     assert not (tmp_path / "a").exists() or not any((tmp_path / "a").iterdir())
 
 
+@pytest.mark.campaign
 @needs_redis
 def test_redis_consumers_doing_the_brokers_consumer_work_write_a_checked_line_per_item(tmp_path):
     workload = demo_workload(200, seed=3)

@@ -21,6 +21,8 @@ from pipeline.wire.layouts import SYNC_ALIGN_BYTES, entry_size_bytes
 from tests.broker.broker_frames import make_frame
 from tests.support.disk_crash import check_after_recovery, drain_and_check, kill_loop, run_child, wait
 
+pytestmark = pytest.mark.campaign
+
 
 def test_kill_9_at_random_moments(tmp_path):
     """60 kills of a child driving the disk tier under load, checked after each recovery."""

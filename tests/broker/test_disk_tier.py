@@ -321,6 +321,7 @@ def small_tmpfs(tmp_path):
         subprocess.run(["umount", "-l", str(mount_point)], check=True)
 
 
+@pytest.mark.integration
 def test_the_store_leaves_its_reserve_free_for_results(small_tmpfs):
     """Allocation stops while less than the reserve would stay free (for the consumers'
     results on the same disk): a DiskFullError naming it, before the kernel's ENOSPC."""
@@ -344,6 +345,7 @@ def test_the_store_leaves_its_reserve_free_for_results(small_tmpfs):
     tier.close()
 
 
+@pytest.mark.integration
 def test_enospc_on_a_real_full_disk_loses_nothing(small_tmpfs, monkeypatch):
     # The kernel's ENOSPC itself (a disk someone else filled under the reserve's check):
     # with no reserve the appends run into it.
@@ -462,6 +464,7 @@ def test_entry_locations_name_the_segment_files(tmp_path):
     tier.close()
 
 
+@pytest.mark.campaign
 @pytest.mark.slow
 def test_one_hundred_thousand_lanes_with_bounded_open_files(tmp_path):
     # SPEC §5: 100,000 lanes across shapes must not exhaust descriptors (the soft limit here
@@ -478,6 +481,7 @@ def test_one_hundred_thousand_lanes_with_bounded_open_files(tmp_path):
     tier.close()
 
 
+@pytest.mark.integration
 def test_running_out_of_inodes_is_backpressure_not_a_crash(tmp_path):
     """A file system with no inode left refuses a new shape's directory or segment file with
     ENOSPC: that is a full disk (DiskFullError, the frame held back), never an OSError that

@@ -38,6 +38,8 @@ from pipeline.wire.errors import PipelineError
 from pipeline.wire.layouts import CATALOG_FILE
 from tests.support.disk_crash import CONTRACT_ITEMS, Driver, Log, check_after_recovery, live_items
 
+pytestmark = pytest.mark.campaign
+
 TURNS = 40
 # The every-operation campaigns (--run-slow) run shorter runs, so that every k of both
 # durability levels fits in minutes: each k is a fresh copy, a run and a recovery.

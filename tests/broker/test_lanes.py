@@ -364,6 +364,7 @@ def test_mixed_assign_and_assign_many_on_one_instance(seed, calls):
 # ------------------------------------------------------------------------- seeded stress
 
 
+@pytest.mark.campaign
 @pytest.mark.parametrize("seed,max_lanes,measure", [
     (1, 2048, WasteMeasure.QUEUED_MIN),
     (2, 2048, WasteMeasure.LITERAL),

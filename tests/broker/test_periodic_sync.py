@@ -70,6 +70,7 @@ def test_a_periodic_sync_writes_back_what_was_written_in_its_directory(tmp_path)
     sync.close()  # idempotent
 
 
+@pytest.mark.integration
 def test_a_broker_at_process_with_a_sync_interval_leaves_nothing_dirty_after_two_syncs(tmp_path):
     stages = Stages(str(tmp_path / "data"), consumers=(), broker_settings=("sync_interval_s=0.05",))
     stages.start()
@@ -87,6 +88,7 @@ def test_a_broker_at_process_with_a_sync_interval_leaves_nothing_dirty_after_two
         stages.close()
 
 
+@pytest.mark.integration
 def test_no_sync_interval_no_syncs(tmp_path):
     stages = Stages(str(tmp_path / "data"), consumers=())
     stages.start()
@@ -107,6 +109,7 @@ def test_closing_syncs_once_more_what_was_written_since(tmp_path):
     assert (sync.syncs, dirty_pages(str(path))) == (1, 0)
 
 
+@pytest.mark.integration
 def test_at_power_the_setting_starts_no_thread(tmp_path):
     stages = Stages(str(tmp_path / "data"), consumers=(), durability="power",
                     broker_settings=("sync_interval_s=0.05",))

@@ -188,6 +188,7 @@ def test_matches_reference(kind, ops):
         harness.close()
 
 
+@pytest.mark.campaign
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("seed", [1, 2])
 def test_seeded_stress(kind, seed):

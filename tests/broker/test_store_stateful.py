@@ -202,6 +202,7 @@ test_store_against_a_model = StoreMachine.TestCase
 test_store_at_power_durability_against_a_model = PowerStoreMachine.TestCase
 
 
+@pytest.mark.campaign
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_store_against_a_model_long():

@@ -202,6 +202,7 @@ def test_dump_segment_of_a_non_segment_is_a_clear_error(tmp_path):
     assert result.exit_code != 0 and "magic" in result.output
 
 
+@pytest.mark.integration
 def test_an_unreadable_store_is_a_one_line_error(tmp_path):
     build_store(str(tmp_path))
     shutil.rmtree(tmp_path / "segments")
@@ -214,6 +215,7 @@ def test_an_unreadable_store_is_a_one_line_error(tmp_path):
     assert len(done.stderr.strip().splitlines()) == 1 and "cannot read the store" in done.stderr
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("locked", ["segments", "segment file", "catalog"])
 def test_what_another_user_cannot_read_is_a_one_line_error(locked):
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
@@ -247,6 +249,7 @@ def test_what_another_user_cannot_read_is_a_one_line_error(locked):
     assert expected in done.stderr, done.stderr
 
 
+@pytest.mark.integration
 def test_thin_script_runs_the_same_command(tmp_path):
     build_store(str(tmp_path))
     done = subprocess.run([sys.executable, os.path.join(TOOLS, "verify.py"), str(tmp_path)],

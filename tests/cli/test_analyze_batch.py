@@ -16,6 +16,8 @@ import pytest
 from tests.support.jobs import SERVED, build_model, chat
 from tests.support.repo import ROOT
 
+pytestmark = pytest.mark.integration
+
 SMALL_REQUESTS = 2_000
 LARGE_REQUESTS = 20_000
 # Each request's system prompt (one of three): long enough that the small file is already

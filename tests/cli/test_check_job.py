@@ -17,6 +17,8 @@ from click.testing import CliRunner, Result
 from pipeline.cli import main
 from tests.support.jobs import build_model, chat, completion, run_batch, write_requests
 
+pytestmark = pytest.mark.integration
+
 REQUESTS = [chat(f"chat-{k}", content=f"Hello {k}") for k in range(8)] + [
     chat("two", n=2, temperature=1.0), completion("story"), chat("bad-param", top_k="many"),
     chat("other-model", model="nope"), *(completion(f"text-{k}", prompt=f"Once {k}") for k in range(6))]

@@ -35,6 +35,7 @@ def test_the_tail_reads_whole_lines_once_and_waits_for_a_line_being_written(tmp_
     assert [r["item_id"] for r in tail.rows()] == [5] and tail.bad_lines == 1
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(importlib.util.find_spec("ray") is not None, reason="Ray is installed here")
 def test_without_ray_the_command_says_how_to_get_it_and_makes_nothing(tmp_path):
     source = tmp_path / "requests.jsonl"

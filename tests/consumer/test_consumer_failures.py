@@ -18,6 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from pipeline.broker.config import BrokerConfig
 from pipeline.consumer.process import ConsumerConfig
 from pipeline.reporting.accounting import summarize_results
@@ -25,6 +27,8 @@ from pipeline.runtime.local import start_consumer
 from tests.consumer.tmpfs import fill, small_tmpfs
 from tests.pipeline.harness import Workload, produce, start_broker, status, stop, wait_until
 from tests.support.repo import ROOT
+
+pytestmark = pytest.mark.integration
 
 PAGE_BYTES = 4096
 # Generous: these only keep a hang from hanging the suite; nothing is timed.

@@ -17,6 +17,8 @@ from pipeline.wire import fileops
 from pipeline.wire.protocol import DURABILITY_LEVELS
 from tests.support.recording_io import Recording
 
+pytestmark = pytest.mark.integration
+
 ITEMS = 60
 
 

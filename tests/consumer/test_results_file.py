@@ -123,6 +123,7 @@ def test_a_short_write_then_an_error_leaves_nothing_of_the_batch(tmp_path, monke
     assert path.read_bytes() == lines(1, 4)
 
 
+@pytest.mark.integration
 def test_a_full_tmpfs_keeps_nothing_of_a_batch_and_takes_it_whole_once_space_is_back(tmp_path, monkeypatch):
     with small_tmpfs(str(tmp_path / "disk")) as disk:
         path = os.path.join(disk, "c0.jsonl")
@@ -158,6 +159,7 @@ def test_a_full_tmpfs_keeps_nothing_of_a_batch_and_takes_it_whole_once_space_is_
         assert open(path, "rb").read() == before + batch
 
 
+@pytest.mark.integration
 def test_a_torn_tail_on_a_full_disk_is_terminated_by_the_next_write(tmp_path):
     with small_tmpfs(str(tmp_path / "disk")) as disk:
         path = os.path.join(disk, "c0.jsonl")
@@ -177,6 +179,7 @@ def test_a_torn_tail_on_a_full_disk_is_terminated_by_the_next_write(tmp_path):
         assert open(path, "rb").read() == before + b"\n" + lines(3)
 
 
+@pytest.mark.integration
 def test_a_second_writer_is_never_cut(tmp_path):
     # Two processes appending to one results file is a misconfiguration; the writer that
     # fails must then not cut the file back (it would cut the other one's lines).

@@ -25,6 +25,8 @@ from tests.fuzz.targets import TARGETS, frame_bytes
 from tests.pipeline.harness import read_results, start_broker, status, stop, wait_until
 from tests.support.contracts import consumer_config
 
+pytestmark = pytest.mark.campaign
+
 TOKENS = np.arange(40, dtype=np.int32)
 GOOD_ITEMS = 30
 # Fuzzed control streams sent, each on its own connection, per kind (arbitrary, mutants).

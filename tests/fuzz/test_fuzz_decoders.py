@@ -68,12 +68,14 @@ def _fuzz(name: str, kind: str, examples: int) -> None:
     run()
 
 
+@pytest.mark.campaign
 @pytest.mark.parametrize("kind", ["arbitrary", "mutants"])
 @pytest.mark.parametrize("name", sorted(TARGETS))
 def test_fuzzed_input_is_decoded_or_rejected_with_a_typed_error(name, kind):
     _fuzz(name, kind, DEFAULT_EXAMPLES)
 
 
+@pytest.mark.campaign
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["arbitrary", "mutants"])
 @pytest.mark.parametrize("name", sorted(TARGETS))
@@ -100,6 +102,7 @@ _catalog_record = st.builds(
     st.integers(0, 7) | st.just(0xFFFF), _field(4), _field(4), _field(8), _field(8), _field(8))
 
 
+@pytest.mark.campaign
 @settings(max_examples=DEFAULT_EXAMPLES, **_SETTINGS)
 @given(records=st.lists(_catalog_record, max_size=6))
 def test_catalog_records_that_pass_their_checksum_are_recovered_or_named(records):

@@ -8,6 +8,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 
 from pipeline.broker.config import BrokerConfig
 from pipeline.reporting.accounting import reconcile, summarize_results, take_stock
@@ -16,6 +17,8 @@ from pipeline.wire.layouts import parse_descriptor
 from pipeline.wire.protocol import Connection
 from shm.ring import RingReader
 from tests.pipeline.harness import Workload, start_broker, start_producer, status, stop, wait_until
+
+pytestmark = pytest.mark.integration
 
 
 def test_results_of_a_consumer_that_died_before_completing_count_once(tmp_path):

@@ -23,6 +23,8 @@ from tests.pipeline.harness import read_results, start_broker, status, stop, wai
 from tests.runtime.runs import shm_objects_of
 from tests.support.contracts import consumer_config
 
+pytestmark = pytest.mark.integration
+
 TOKENS = np.arange(300, dtype=np.int32)
 
 

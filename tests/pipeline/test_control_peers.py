@@ -21,6 +21,8 @@ from pipeline.wire.protocol import MAX_MESSAGE_BYTES, MAX_REQUEST_BYTES, Connect
 from pipeline.wire.status import BrokerStatus
 from tests.pipeline.harness import status, stop, wait_until
 
+pytestmark = pytest.mark.integration
+
 REGISTER = {"type": "register_consumer", "model": 0, "max_batch_items": 8, "max_batch_tokens": 4096,
             "max_input_len": 512, "pid": 1}
 

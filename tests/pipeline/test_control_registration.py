@@ -22,6 +22,8 @@ from shm.ring import max_body_bytes
 from tests.pipeline.harness import status, stop
 from tests.runtime.runs import shm_objects_of
 
+pytestmark = pytest.mark.integration
+
 CONTRACT = {"model": 0, "max_batch_items": 8, "max_batch_tokens": 4096, "max_input_len": 512}
 
 

@@ -8,10 +8,14 @@ import signal
 import time
 from collections import Counter
 
+import pytest
+
 from pipeline.broker.config import BrokerConfig
 from pipeline.runtime.local import start_consumer
 from tests.pipeline.harness import Workload, read_results, start_broker, start_producer, status, stop, wait_until
 from tests.support.contracts import consumer_config
+
+pytestmark = pytest.mark.integration
 
 HEARTBEAT_TIMEOUT_S = 1.0
 

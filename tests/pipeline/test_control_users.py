@@ -26,6 +26,8 @@ from tests.pipeline.harness import status, stop
 from tests.support.users import CREATE_SEMAPHORE
 from tests.support.users import other_user as make_other_user
 
+pytestmark = pytest.mark.integration
+
 SERVE_SOCKET = """
 import socket, sys
 server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -8,12 +8,16 @@ the minimum.
 
 from __future__ import annotations
 
+import pytest
+
 from pipeline.broker.config import BrokerConfig
 from pipeline.broker.consumers import PARTIAL_BATCHES_AHEAD
 from pipeline.consumer.credit import INITIAL_CREDIT, MAX_CREDIT, MIN_CREDIT
 from pipeline.consumer.process import ConsumerConfig
 from pipeline.runtime.local import CTX, start_consumer
 from tests.pipeline.harness import Workload, start_broker, start_producer, status, stop, wait_until
+
+pytestmark = pytest.mark.integration
 
 
 def _windows_seen(tmp_path, ahead_s: float, **bounds: int) -> tuple[list[int], int]:

@@ -28,6 +28,8 @@ from pipeline.wire.protocol import Connection
 from tests.pipeline.harness import Workload, read_results, start_broker, start_producer, status, stop, wait_until
 from tests.support.contracts import CONTRACTS, check_run, consumer_config
 
+pytestmark = pytest.mark.integration
+
 
 def test_full_run_two_producers_two_consumers(tmp_path):
     data = str(tmp_path / "data")

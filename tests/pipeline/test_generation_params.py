@@ -10,6 +10,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 
 from pipeline.broker.config import BrokerConfig
 from pipeline.broker.storage.paths import make_dirs, segment_path
@@ -22,6 +23,8 @@ from pipeline.wire.generation import GENERATION_MAGIC, GenerationParams
 from pipeline.wire.layouts import DESCRIPTOR_ITEM_DTYPE, descriptor_size_bytes, parse_descriptor, write_descriptor
 from tests.pipeline.harness import read_results, start_broker, status, stop, wait_until
 from tests.support.segments import SIG, make_items
+
+pytestmark = pytest.mark.integration
 
 # The sim engine's output tokens where an item names none (SimConfig's default).
 SIM_DEFAULT_OUTPUT_TOKENS = 4

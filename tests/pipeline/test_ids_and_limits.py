@@ -19,6 +19,8 @@ from pipeline.wire.layouts import DEFAULT_MAX_MODELS, MODEL_ID_LIMIT
 from tests.pipeline.harness import start_broker, status, stop, wait_until
 from tests.runtime.runs import shm_objects_of
 
+pytestmark = pytest.mark.integration
+
 TOKENS = np.arange(50, dtype=np.int32)
 
 

@@ -21,6 +21,8 @@ from pipeline.producer.signature import chain, signature
 from pipeline.runtime.local import CTX, start_consumer
 from tests.pipeline.harness import batches_of, read_results, start_broker, status, stop, wait_until
 
+pytestmark = pytest.mark.integration
+
 RNG = np.random.default_rng(15)
 SYSTEM, FEWSHOT, TURN, OTHER = (RNG.integers(0, 50_000, size=64, dtype=np.int32) for _ in range(4))
 # name -> (components, items, suffix tokens): "system" has the most tokens, "other" more than

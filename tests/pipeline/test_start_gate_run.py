@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from pipeline.broker.config import BrokerConfig
 from pipeline.runtime.local import start_broker, start_consumer
 from tests.pipeline.harness import Workload, read_results, start_producer, status, stop, wait_until
 from tests.support.contracts import check_run, consumer_config
+
+pytestmark = pytest.mark.integration
 
 WORKLOAD = Workload(items_per_producer=400)
 TOTAL = WORKLOAD.producers * WORKLOAD.items_per_producer

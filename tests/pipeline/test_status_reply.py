@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from dataclasses import asdict
 
+import pytest
+
 from pipeline.broker.service import BrokerConfig
 from pipeline.wire.client import broker_progress
 from pipeline.wire.layouts import Descriptor, parse_descriptor
@@ -13,6 +15,8 @@ from pipeline.wire.protocol import Connection
 from pipeline.wire.status import STATUS_VERSION, BrokerStatus, ConsumerWork
 from shm.ring import RingReader
 from tests.pipeline.harness import Workload, start_broker, start_producer, status, stop, wait_until
+
+pytestmark = pytest.mark.integration
 
 # Items the producer stores before a consumer comes, and the contract's batch size.
 ITEMS = 60

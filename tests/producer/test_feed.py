@@ -127,6 +127,7 @@ def test_bad_options_are_refused(options):
         feed(RecordingClient(), [item()], **options)
 
 
+@pytest.mark.integration
 def test_a_workload_file_fed_through_a_real_broker(tmp_path):
     lines = [{"model": k % 2, "components": [[7, 8, 9], [k % 3 + 1] * 50], "suffix": list(range(k + 1)),
               "payload": f"job-{k}"} for k in range(120)]

@@ -204,6 +204,7 @@ def producer_proc(name: str, count: int) -> None:
     producer.close()
 
 
+@pytest.mark.integration
 def test_second_process_reads_every_item_across_wraparound(shm_name, ctx):
     # A 1 MiB ring laps many times; every item's tokens are checked against its sequence.
     reader = RingReader.create(shm_name(), 1 << 20)

@@ -10,12 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.reliability.checker import History, ItemKey
 from tests.support.repo import ROOT
-
 
 # One step of a random history: (kind, key index, digest matches?)
 _steps = st.lists(st.tuples(st.sampled_from(["ack", "deliver", "corrupt-status", "hold"]),
@@ -110,6 +110,7 @@ def _check(data_dir: Path, *extra: str) -> tuple[int, dict]:
     return done.returncode, json.loads(done.stdout)
 
 
+@pytest.mark.integration
 def test_a_real_run_passes_and_each_tampering_is_caught(tmp_path: Path):
     data = tmp_path / "data"
     launched = _pipeline("launch", "--items", "600", "--data-dir", str(data), "--consumers", "2")

@@ -15,6 +15,8 @@ import pytest
 from pipeline.broker.storage.crashpoints import POINTS
 from pipeline.reliability import kills, runs
 
+pytestmark = pytest.mark.campaign
+
 # Points every run passes while it ingests and completes (the rest need rotation or a
 # deletion, which a short run may not reach: --run-slow arms every point).
 BUSY_POINTS = ("segment.after_write", "commit.after_verify", "tombstone.before_record")

@@ -16,6 +16,7 @@ def test_the_window_runs_from_the_oldest_and_newest_lost_items_submit_to_the_cut
     assert lost_window(10_000_000, [], submits) == (None, None)
 
 
+@pytest.mark.campaign
 @pytest.mark.slow
 @pytest.mark.parametrize("durability", ["power", "process"])
 def test_a_short_power_cut_campaign(tmp_path, durability):

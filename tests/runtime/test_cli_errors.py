@@ -16,6 +16,8 @@ from pipeline.wire.status import STATUS_VERSION
 from tests.runtime.runs import shm_objects_of
 from tests.support.commands import one_line_error, pipeline
 
+pytestmark = pytest.mark.integration
+
 IS_ROOT = os.geteuid() == 0
 
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import psutil
+import pytest
 
 from pipeline.runtime import daemon
 
@@ -27,6 +28,7 @@ def start(code: str, pid_path: str, *args: str) -> subprocess.Popen:
     return process
 
 
+@pytest.mark.integration
 def test_stop_is_graceful_then_the_pid_file_goes(tmp_path):
     pid_path, marker = str(tmp_path / "broker.pid"), tmp_path / "exited"
     process = start(GRACEFUL, pid_path, str(marker))
@@ -36,6 +38,7 @@ def test_stop_is_graceful_then_the_pid_file_goes(tmp_path):
     assert daemon.stop_stage(pid_path, timeout_s=1) == "not running"
 
 
+@pytest.mark.integration
 def test_a_stage_that_ignores_sigterm_is_killed_after_the_timeout(tmp_path):
     pid_path = str(tmp_path / "consumer-c0.pid")
     process = start(STUBBORN, pid_path)
@@ -44,6 +47,7 @@ def test_a_stage_that_ignores_sigterm_is_killed_after_the_timeout(tmp_path):
     assert not psutil.pid_exists(process.pid)
 
 
+@pytest.mark.integration
 def test_a_pid_reused_by_another_program_is_never_signalled(tmp_path):
     pid_path = str(tmp_path / "broker.pid")
     other = subprocess.Popen(["sleep", "30"])
@@ -57,6 +61,7 @@ def test_a_pid_reused_by_another_program_is_never_signalled(tmp_path):
         other.wait()
 
 
+@pytest.mark.integration
 def test_a_recycled_pid_with_another_start_time_is_not_the_stage(tmp_path):
     pid_path = str(tmp_path / "broker.pid")
     process = start(GRACEFUL, pid_path, str(tmp_path / "exited"))

@@ -54,6 +54,7 @@ def modes(root) -> dict[str, int]:
     return found
 
 
+@pytest.mark.integration
 def test_everything_a_run_creates_is_owner_only_even_under_umask_000(tmp_path):
     """Under umask 000 the earlier code made a 0777 data directory and 0666 results and
     state files; under the default umask 0755 and 0644."""
@@ -68,6 +69,7 @@ def test_everything_a_run_creates_is_owner_only_even_under_umask_000(tmp_path):
     assert stat.S_IMODE(os.stat(report).st_mode) == 0o600
 
 
+@pytest.mark.integration
 def test_detached_stages_write_owner_only_logs_and_pid_files(tmp_path):
     data = tmp_path / "data"
     try:
@@ -81,6 +83,7 @@ def test_detached_stages_write_owner_only_logs_and_pid_files(tmp_path):
         pipeline("broker", "stop", "--data-dir", str(data))
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("mode", [0o777, 0o770, 0o702])
 def test_a_data_directory_others_can_write_is_refused_by_every_command(tmp_path, mode):
     data = tmp_path / "data"
@@ -144,6 +147,7 @@ def test_a_shared_sticky_directory_is_refused_as_a_data_directory_with_a_subdire
     check_not_shared(str(shared))  # not sticky, or not everyone's: the other checks judge it
 
 
+@pytest.mark.integration
 def test_the_root_directory_and_the_systems_tmp_are_refused_as_data_directories(tmp_path):
     with pytest.raises(DataDirError, match="is the root directory: give a directory of your own"):
         check_data_dir("/")
@@ -154,6 +158,7 @@ def test_the_root_directory_and_the_systems_tmp_are_refused_as_data_directories(
         assert "chmod" not in done.stderr and "Traceback" not in done.stderr
 
 
+@pytest.mark.integration
 @needs_root
 def test_a_data_directory_owned_by_another_user_is_refused(tmp_path):
     data = tmp_path / "data"
@@ -165,6 +170,7 @@ def test_a_data_directory_owned_by_another_user_is_refused(tmp_path):
     assert done.returncode == 1 and f"owned by uid {OTHER_UID}" in done.stderr, done.stderr
 
 
+@pytest.mark.integration
 @needs_root
 def test_another_user_cannot_pose_as_the_broker_of_an_open_data_directory(request):
     """What the hostile run did: with a 0777 data directory, another user replaced run/ and
@@ -243,6 +249,7 @@ def test_shared_memory_names_are_not_derived_from_the_path(tmp_path):
     assert ensure_namespace(legacy, ran_before=True) == _path_namespace(legacy)
 
 
+@pytest.mark.integration
 @needs_root
 def test_objects_another_user_made_under_a_path_derived_name_do_not_stop_a_run(tmp_path):
     """Another user who knows the data directory's path creates shared memory and semaphores
@@ -292,6 +299,7 @@ def _wait(running, done) -> None:
     done.wait(30)
 
 
+@pytest.mark.integration
 def test_a_launch_hold_is_the_launchers_alone_not_its_forked_childrens(tmp_path, ctx):
     data = str(tmp_path / "data")
     held = hold_for_launch(data)

@@ -20,6 +20,8 @@ from tests.runtime.runs import shm_objects_of, wait_for
 from tests.support.commands import RUN_TIMEOUT_S
 from tests.support.repo import ROOT
 
+pytestmark = pytest.mark.integration
+
 ITEMS = 3000
 TOKENS_PER_ITEM = 400
 
@@ -153,6 +155,7 @@ def test_a_store_that_fills_its_disk_drains_it_as_consumers_complete(tmp_path):
         assert summarize_results(os.path.join(data, "results")).items == 6000
 
 
+@pytest.mark.campaign
 @pytest.mark.slow
 def test_the_demo_finishes_on_a_disk_smaller_than_its_results_and_store(tmp_path):
     """The default demo (20,000 items, hundreds of lanes) on an 8 MiB disk that also holds

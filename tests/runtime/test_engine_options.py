@@ -164,6 +164,7 @@ def test_the_default_vocabulary_keeps_the_demo_and_traces_as_they_were(tmp_path)
     assert np.array_equal(wide, next(iter(load_workload(str(trace), vocab_size=VOCAB_SIZE))).tokens)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("args, words", [
     (["--engine-options", "block_size_tokens"], ["--engine-options 'block_size_tokens'", "expected KEY=VALUE"]),
     (["--engine-options", "bogus=1"], ["bogus"]),  # the sim engine's own refusal
@@ -176,12 +177,14 @@ def test_launch_refuses_bad_engine_options_in_one_line(tmp_path, args, words):
     assert not data.exists()  # refused before anything started
 
 
+@pytest.mark.integration
 def test_consumer_start_refuses_bad_engine_options_in_one_line(tmp_path):
     for args, word in ((["--engine-options", "x"], "--engine-options 'x'"),
                        (["--engine", "vllm", "--engine-options", "model=/m,nope=2"], "unknown options nope")):
         one_line_error(pipeline("consumer", "start", "--data-dir", str(tmp_path / "q"), *args), word)
 
 
+@pytest.mark.integration
 def test_a_launch_passes_its_engine_options_to_the_engine(tmp_path):
     """A real run with the sim engine's block size from --engine-options over the file's."""
     config = tmp_path / "run.toml"

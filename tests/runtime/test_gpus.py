@@ -29,11 +29,13 @@ def fake_smi(tmp_path, monkeypatch, body: str) -> None:
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
 
 
+@pytest.mark.integration
 def test_nvidia_smi_lists_the_gpus(tmp_path, monkeypatch):
     fake_smi(tmp_path, monkeypatch, 'echo "GPU 0: NVIDIA H200 (UUID: GPU-a)"; echo "GPU 1: NVIDIA H200 (UUID: GPU-b)"')
     assert detect_gpus() == ["0", "1"]
 
 
+@pytest.mark.integration
 def test_a_failing_nvidia_smi_means_no_gpu(tmp_path, monkeypatch):
     fake_smi(tmp_path, monkeypatch, 'echo "NVIDIA-SMI has failed" >&2; exit 9')
     assert detect_gpus() == []
@@ -116,6 +118,7 @@ def test_the_launcher_gives_each_consumer_an_engines_gpus(tmp_path, monkeypatch,
     assert [(c.name, c.gpu) for c in configs] == expected
 
 
+@pytest.mark.integration
 def test_nvidia_smi_gpus_are_grouped_too(tmp_path, monkeypatch):
     fake_smi(tmp_path, monkeypatch, "for k in 0 1 2 3; do echo \"GPU $k: NVIDIA H100 (UUID: GPU-$k)\"; done")
     placements = consumer_placements(detect_gpus(), gpus_per_engine({"tensor_parallel_size": 4}), None, 2)

@@ -31,6 +31,8 @@ from tests.runtime.runs import free_port, shm_objects_of
 from tests.support.commands import interrupt, launch, while_running
 from tests.support.repo import ROOT
 
+pytestmark = pytest.mark.integration
+
 TRACE = ROOT.parent / "shared" / "workloads" / "mooncake_synthetic_trace.jsonl"
 # The sim's cost per batch in the GPU-bound run: 30 ms, long beside the broker's work on a batch.
 BATCH_COST_S = 0.03

@@ -26,6 +26,8 @@ from tests.runtime.runs import shm_objects_of
 from tests.support.commands import RUN_TIMEOUT_S, interrupt, launch, while_running
 from tests.support.repo import ROOT
 
+pytestmark = pytest.mark.integration
+
 # A run long enough to be stopped in the middle: consumers that take 2 us per padded token.
 ITEMS = 6000
 SLOW = "consumers = 2\n[engine_options]\ncost_s_per_padded_token = 2e-6\n"

@@ -14,10 +14,13 @@ import signal
 import time
 
 import numpy as np
+import pytest
 
 from pipeline.producer.workload import WorkItem, Workload
 from pipeline.runtime.launcher import Launcher
 from pipeline.runtime.settings import LaunchSettings
+
+pytestmark = pytest.mark.integration
 
 ITEMS = 600
 HANG_AT = 137

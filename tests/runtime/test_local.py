@@ -28,6 +28,8 @@ from tests.runtime.runs import shm_objects_of
 from tests.support.commands import RUN_TIMEOUT_S
 from tests.support.repo import ROOT
 
+pytestmark = pytest.mark.integration
+
 # Commands that race run with lagging producers (tests/runtime/lagging_launch.py: 1 s a
 # submit call of 256 items): the one that gets the data directory runs 10 s or more, so
 # the other, started a fraction of a second later, meets it running however loaded the

@@ -5,6 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.integration
+
 
 def test_quiet_gc_freezes_start_up_objects_and_raises_the_young_threshold():
     # In a fresh interpreter: the test runner's own collector settings stay as they are.

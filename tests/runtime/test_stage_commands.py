@@ -11,12 +11,15 @@ import sys
 import urllib.request
 from pathlib import Path
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pipeline.runtime.datadir import hold_for_launch, release_launch
 from tests.consumer.tmpfs import with_small_dev_shm
 from tests.runtime.runs import free_port, shm_objects_of, wait_for
 from tests.support.repo import ROOT
+
+pytestmark = pytest.mark.integration
 
 # Generous: each command takes about a second; this only keeps a hang from hanging the suite.
 COMMAND_TIMEOUT_S = 120

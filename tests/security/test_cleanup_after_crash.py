@@ -28,6 +28,8 @@ from pipeline.wire.errors import DataDirError, LiveRunError
 from tests.runtime.runs import shm_objects_of, wait_for
 from tests.security.live import COMMAND_TIMEOUT_S, ROOT, pipeline, submit
 
+pytestmark = pytest.mark.integration
+
 # Items of the replayed workload, 10 ms apart: `produce` is still submitting when killed.
 REPLAYED_ITEMS = 5000
 

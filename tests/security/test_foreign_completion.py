@@ -30,6 +30,8 @@ from pipeline.wire.status import ConsumerWork
 from shm.ring import RingReader
 from tests.pipeline.harness import Workload, start_broker, start_producer, status, stop, wait_until
 
+pytestmark = pytest.mark.integration
+
 ITEMS = 64
 BATCH_ITEMS = 8
 

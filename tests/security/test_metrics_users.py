@@ -21,6 +21,8 @@ from tests.security.live import pipeline
 from tests.support.holders import HOLDER, holder_args, holding
 from tests.support.users import other_user as make_other_user
 
+pytestmark = pytest.mark.integration
+
 TOKEN = "0123456789abcdef0123456789abcdef"
 # Scrapes of the owner's while the other user holds connections, one every SCRAPE_INTERVAL_S.
 HOSTILE_SCRAPES = 30

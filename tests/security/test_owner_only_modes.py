@@ -14,6 +14,8 @@ import pytest
 
 from tests.security.live import live_run
 
+pytestmark = pytest.mark.integration
+
 # Every object kind a serving run holds in /dev/shm: at least the producer ring, the
 # descriptor ring, two semaphores of each, and the doorbell.
 MIN_SHM_OBJECTS = 7

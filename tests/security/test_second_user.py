@@ -25,6 +25,8 @@ from tests.security.live import SERVED_ITEMS, live_run, submit
 from tests.support.users import CREATE_SEMAPHORE
 from tests.support.users import other_user as make_other_user
 
+pytestmark = pytest.mark.integration
+
 # Every way to get at a path the hostile user tries, and what it prints: {path: {try: outcome}}
 # (an errno name, or "ok" where the attempt worked). Its own scratch files are removed.
 TRY_EVERYTHING = r"""

@@ -121,6 +121,7 @@ def _map_and_wait(name: str, bell: str, mapped, release) -> None:
     sem.close()
 
 
+@pytest.mark.integration
 def test_processes_mapping_names_the_live_processes_that_map_an_object(shm_name, ctx):
     name, bell, mine = shm_name("ring"), shm_name("bell"), shm_name("mine")
     mapped, release = ctx.Event(), ctx.Event()
@@ -187,6 +188,7 @@ print(json.dumps(found))
 """
 
 
+@pytest.mark.integration
 def test_a_ring_in_a_dev_shm_of_exactly_its_size_fits_and_one_page_less_is_a_typed_error():
     capacity = 1 << 20
     footprint = ring_footprint_bytes(capacity)

@@ -103,12 +103,14 @@ def stream_through_second_process(shm_name, ctx, count: int, seed: int, max_size
     assert child.exitcode == 0
 
 
+@pytest.mark.campaign
 def test_two_processes_two_million_records_across_wraparound(shm_name, ctx):
     # A 64 KiB ring and records of 0..300 bytes: the ring laps about 6,000 times and record
     # starts land on every 16-byte offset of the data region.
     stream_through_second_process(shm_name, ctx, 2_000_000, seed=11, max_size=300, capacity=1 << 16)
 
 
+@pytest.mark.campaign
 @pytest.mark.slow
 def test_two_processes_twenty_million_records(shm_name, ctx):
     stream_through_second_process(shm_name, ctx, 20_000_000, seed=12, max_size=200, capacity=1 << 14)
@@ -181,6 +183,7 @@ def slow_reader_proc(name: str, count: int, pipe) -> None:
     reader.close(mark_closed=False)
 
 
+@pytest.mark.integration
 def test_full_ring_times_out_then_blocks_until_released(shm_name, ctx):
     name = shm_name()
     writer = RingWriter.create(name, 4096)
@@ -222,6 +225,7 @@ def killed_writer_proc(name: str, record_size: int, pipe) -> None:
     signal.pause()
 
 
+@pytest.mark.integration
 def test_writer_killed_mid_record_leaves_no_torn_record(shm_name, ctx):
     name = shm_name()
     reader = RingReader.create(name, 1 << 16)
@@ -256,6 +260,7 @@ def busy_writer_proc(name: str, seed: int) -> None:
         i += 1
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("kill_round", range(10))
 def test_writer_killed_at_random_moments(shm_name, ctx, kill_round):
     # Big records so a SIGKILL often lands inside a copy; every record the reader sees must
@@ -483,6 +488,7 @@ def doorbell_waiter_proc(bell_name: str, names: list[str], expected: int, pipe) 
     bell.close()
 
 
+@pytest.mark.integration
 def test_one_reader_sleeps_on_a_doorbell_for_many_rings(shm_name, ctx):
     bell = Doorbell.create(shm_name("bell"))
     names = [shm_name() for _ in range(3)]
