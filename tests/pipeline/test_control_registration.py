@@ -185,7 +185,8 @@ def test_a_consumer_may_ask_for_credit_up_to_the_limit(tmp_path):
 
 def test_a_producer_whose_registration_fails_half_way_raises_that_error(tmp_path, monkeypatch):
     # The broker answered the registration, then the connection broke before producer_ready
-    # went out: the ring is removed and the error is the broken pipe itself.
+    # went out: the ring is removed and the error is the broken pipe itself, once the
+    # producer's asking again (a broker restarting looks the same) runs out of time.
     from pipeline.broker.config import BrokerConfig
     from pipeline.producer.client import BrokerProducer
     from pipeline.wire.protocol import Connection
@@ -203,7 +204,7 @@ def test_a_producer_whose_registration_fails_half_way_raises_that_error(tmp_path
     monkeypatch.setattr(Connection, "send", send)
     try:
         with pytest.raises(BrokenPipeError):
-            BrokerProducer(BrokerConfig(data).socket_path)
+            BrokerProducer(BrokerConfig(data).socket_path, register_timeout_s=1.0)
     finally:
         monkeypatch.undo()
         assert stop(broker) == 0
