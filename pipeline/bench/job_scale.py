@@ -54,13 +54,16 @@ WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu 
 READ_CHUNK_BYTES = 8 << 20
 
 
-def write_requests(path: Path, count: int) -> None:
+def write_requests(path: Path, count: int, ignore_eos: bool = True) -> None:
     """`count` chat requests, SYSTEM_PROMPTS system prompts in turn, short user turns, 16 new
-    tokens each (ignore_eos: the sim ends an answer early at its end-of-sequence token)."""
+    tokens each (ignore_eos: the sim ends an answer early at its end-of-sequence token).
+    Without `ignore_eos` for BASELINE_REV, which refuses the parameter and whose sim always
+    generates max_tokens: the same answers' length either way."""
     systems = [json.dumps(f"You are assistant {k} of our support team. " + "Answer briefly, politely and "
                           "precisely; cite the manual where you can. " * (4 + k % 9))[1:-1] for k in range(SYSTEM_PROMPTS)]
     head = '{"custom_id":"req-%d","method":"POST","url":"/v1/chat/completions","body":{"model":"tiny-llama",' \
-           '"messages":[{"role":"system","content":"%s"},{"role":"user","content":"%s?"}],"max_tokens":16,"ignore_eos":true}}\n'
+           '"messages":[{"role":"system","content":"%s"},{"role":"user","content":"%s?"}],"max_tokens":16' + \
+           (',"ignore_eos":true}}\n' if ignore_eos else '}}\n')
     with open(path, "w") as f:
         chunk = []
         for i in range(count):
@@ -212,10 +215,10 @@ def baseline_tree(ctx: BenchContext) -> Path:
 
 
 def _sized(ctx: BenchContext, count: int, name: str, tree: Path | None = None) -> dict[str, Any]:
-    source = ctx.work_dir / f"requests-{count}.jsonl"
+    source = ctx.work_dir / (f"requests-{count}.jsonl" if tree is None else f"requests-{count}-{name}.jsonl")
     if not source.exists():
         ctx.log(f"  writing {count:,} requests")
-        write_requests(source, count)
+        write_requests(source, count, ignore_eos=tree is None)
     work = ctx.work_dir / f"{name}-{count}"
     work.mkdir(parents=True, exist_ok=True)
     ctx.log(f"  {name}: {count:,} requests")
@@ -283,7 +286,12 @@ def judge(figures: dict[str, Any]) -> list[Target]:
         Target("requests/s at the largest within 10% of the smallest", rate >= 0.9,
                f"{large['requests_per_s']:,.0f} against {small['requests_per_s']:,.0f}: {rate:.2f}x"),
     ]
-    if at_base is not None:
+    if at_base is not None and not figures["baseline"]["output_ok"]:
+        targets.append(Target(f"at {figures['baseline_size']:,} requests, at least 4x the requests/s of "
+                              f"{figures['baseline_rev']}", False,
+                              "not judged: the baseline did not answer every request: "
+                              + figures["baseline"]["stderr_tail"][-300:]))
+    elif at_base is not None:
         speedup = at_base["requests_per_s"] / figures["baseline"]["requests_per_s"]
         targets.append(Target(f"at {figures['baseline_size']:,} requests, at least 4x the requests/s of "
                               f"{figures['baseline_rev']}", speedup >= 4,
