@@ -172,6 +172,7 @@ print(json.dumps([found, sorted(os.listdir(top))]))
 """
 
 
+@pytest.mark.integration  # mount(8): a process
 def test_outputs_that_are_one_file_through_a_bind_mount_are_refused_before_anything_is_made(job: Path) -> None:
     if os.geteuid() != 0:
         pytest.skip("a bind mount needs root")

@@ -108,6 +108,7 @@ def test_what_has_a_products_name_but_not_its_kind_stays(tmp_path: Path) -> None
                                                            f"{SEGMENTS_DIR}/{LINEAGE_FILE}"])
 
 
+@pytest.mark.integration  # mount(8): a process
 def test_a_folder_on_another_file_system_is_not_entered(tmp_path: Path) -> None:
     data = tmp_path / "data"
     _run_tree(data)
@@ -119,6 +120,7 @@ def test_a_folder_on_another_file_system_is_not_entered(tmp_path: Path) -> None:
         assert (mounted / "consumer0.jsonl").read_text() == "on another disk"
 
 
+@pytest.mark.integration  # mount(8): a process
 def test_a_bind_mount_of_the_same_disk_is_not_entered(tmp_path: Path) -> None:
     data, theirs = tmp_path / "data", tmp_path / "theirs"
     _write(theirs, "consumer0.jsonl", "the user's")
