@@ -64,7 +64,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # The sides and the output check, shared with `pipeline bench run-batch`.
-from pipeline.bench.batch_sides import (  # noqa: E402
+from lab.bench.batch_sides import (  # noqa: E402
     KV_CACHE_MIB,
     MODEL_DIR,
     MODEL_NAME,
@@ -77,7 +77,7 @@ from pipeline.bench.batch_sides import (  # noqa: E402
     run_product,
     run_vllm,
 )
-from pipeline.bench.chat_batch import requests as batch_requests  # noqa: E402
+from lab.bench.chat_batch import requests as batch_requests  # noqa: E402
 
 
 def machine() -> dict[str, Any]:

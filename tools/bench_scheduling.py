@@ -44,7 +44,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # the payload -> shape map reads the workloads with this tree's code
     sys.path.insert(0, str(ROOT))
-from pipeline.bench import runs  # noqa: E402  (launch and analyze, shared with `pipeline bench prefix`)
+from lab.bench import runs  # noqa: E402  (launch and analyze, shared with `pipeline bench prefix`)
 
 TRACE = ROOT.parent / "shared" / "workloads" / "mooncake_synthetic_trace.jsonl"
 if not TRACE.exists():

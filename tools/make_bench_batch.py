@@ -10,7 +10,7 @@ a few hundred tokens with the tiny tokenizer (tools/tiny_llama.py: about 1.5 tok
 Shape k is drawn with weight 1 / (k + 1) ** ZIPF_S; every request has a short user turn of
 its own (a question and a number), max_completion_tokens MAX_COMPLETION_TOKENS and
 temperature 0. The file's order is the arrival order: a seeded shuffle
-(pipeline/bench/chat_batch.py).
+(lab/bench/chat_batch.py).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # One generator, shared with `pipeline bench run-batch`.
-from pipeline.bench.chat_batch import requests  # noqa: E402
+from lab.bench.chat_batch import requests  # noqa: E402
 
 
 def main() -> None:
