@@ -1,8 +1,8 @@
 """The two sides of the run-batch comparison (issue 14), each a fresh process of the command
 as a user runs it, on the same batch file and vLLM settings: `vllm run-batch` (its own
 `main`, its `run_batch` coroutine timed) and `pipeline run-batch --engine vllm`; and the
-check of an output file. Shared by `pipeline bench run-batch` and tools/bench_run_batch.py
-(which documents the method in full).
+check of an output file. Shared by `pipeline bench run-batch` and `run-batch-mix` and by
+tools/bench_engine_process.py.
 
 Both sides get the same vLLM engine flags (`vllm_flags`): the tiny model (tools/tiny_llama.py,
 random weights: load_format dummy), enforce_eager, block_size BLOCK, max_model_len
@@ -35,13 +35,11 @@ ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = ROOT / ".cache" / "tiny-llama"
 MODEL_NAME = "tiny-llama"
 REQUESTS = 2000
-QUICK_REQUESTS = 200
 SHAPES = 32
 # 3 MiB: 3,072 tokens of the tiny model (bf16, 1 KiB a token): about 6 of the 32 prefixes.
 KV_CACHE_MIB = 3
 MAX_MODEL_LEN = 2048
 BLOCK = 32
-ROUNDS = 2
 # What vLLM picks on the CPU for the tiny model's float32 config anyway, stated on both sides.
 DTYPE = "bfloat16"
 # vLLM's default engine seed, stated on both sides.

@@ -1,5 +1,5 @@
 """The chat batch file of the run-batch comparison (issue 14; `pipeline bench run-batch` and
-tools/make_bench_batch.py): OpenAI Batch requests in many shapes with Zipf-like popularity,
+tools/bench_engine_process.py): OpenAI Batch requests in many shapes with Zipf-like popularity,
 in shuffled (arrival) order; seeded.
 
 A shape is a system prompt and a few-shot block (SYSTEMS system prompts unless told, each

@@ -8,8 +8,8 @@ the latency phases run first, then the throughput phase:
 - throughput: 2 producers flood 256-token items (8 shapes) into a broker with 2 consumers;
   items/s and tokens/s from the producers' start to the broker counting the last completed,
   and each process's CPU over it (cores used by role);
-- latency: one producer paces items at a fixed low rate (LOW_RATE_PER_S, as
-  tools/bench_pipeline.py), then at a loaded rate (LOADED_RATE_PER_S, about a third of what
+- latency: one producer paces items at a fixed low rate (LOW_RATE_PER_S),
+  then at a loaded rate (LOADED_RATE_PER_S, about a third of what
   the slowest side takes when flooded); a results line's `done_ns - submit_ns` (submit to
   result written, one monotonic clock), p50, p99 and max.
 """
@@ -40,7 +40,7 @@ CONSUMERS = 2
 # Items per throughput run: about 1 M (4 to 8 s a run here), and a smoke run's worth.
 FLOOD_ITEMS = 1_000_000
 QUICK_FLOOD_ITEMS = 10_000
-# Low load: one call per item, 400 items/s (tools/bench_pipeline.py's rate), 2,000 items.
+# Low load: one call per item, 400 items/s, 2,000 items.
 LOW_RATE_PER_S = 400.0
 LOW_ITEMS, QUICK_LOW_ITEMS = 2000, 40
 # Under load: 50,000 items/s, about a third of the slowest side's flood rate here (the

@@ -9,7 +9,7 @@ named for it in /dev/shm).
         phase = pipe.run_producers([(flood, (pipe.socket_path, 100_000, 0))], 100_000)
         phase.items_per_s, phase.cpu_s
 
-The flood workload is tools/bench_pipeline.py's: 256-token items over 8 shapes (a 128-token
+The flood workload: 256-token items over 8 shapes (a 128-token
 shared prefix each), `submit_many` in calls of 4,096 items.
 
 Owner: the `pipeline bench` process; a `Pipeline` is used by one thread.
@@ -40,13 +40,13 @@ from pipeline.runtime.local import CTX, remove_leftovers, start_broker, start_ch
 from pipeline.runtime.processes import memory_tier_dir
 from pipeline.wire.client import broker_progress
 
-# The flood workload (tools/bench_pipeline.py's): 256-token items, 8 shapes whose first 128
+# The flood workload: 256-token items, 8 shapes whose first 128
 # tokens are the shape's shared prefix, 4,096 items per submit_many call.
 FLOOD_TOKENS = 256
 FLOOD_SHAPES = 8
 FLOOD_PREFIX_TOKENS = 128
 FLOOD_CALL_ITEMS = 4096
-# Token ids below this (a 50 k vocabulary, as tools/bench_pipeline.py).
+# Token ids below this (a 50 k vocabulary).
 FLOOD_VOCAB = 50_000
 # The consumers' contract beside their item count: 65,536 tokens a batch (256 items of 256
 # tokens fill it exactly), prompts up to 8,192 tokens.
@@ -259,7 +259,7 @@ class Pipeline:
         """Items and tokens the broker has counted completed.
         NOTE: the `progress` request, not a status: polled every POLL_S, a status (built,
         encoded, decoded and validated, a few KiB) took 3% of the broker's throughput from
-        the run it measured (tools/bench_pipeline.py --one 500000 256 with a 20 ms poll:
+        the run it measured (500,000 flood items, 256-item batches, with a 20 ms poll:
         123,116-128,245 items/s against 127,572-132,467 polling every 500 ms), where Redis's
         side asks an MGET of two keys."""
         progress = broker_progress(self.socket_path)

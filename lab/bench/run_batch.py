@@ -1,9 +1,9 @@
 """`pipeline bench run-batch`: the engine's own batch runner, `vllm run-batch`, against
 `pipeline run-batch --engine vllm --consumers 1` on the same chat batch file with the same
-vLLM settings (lab/bench/batch_sides.py; the method of tools/bench_run_batch.py):
-cached prompt tokens (the output files' usage.prompt_tokens_details.cached_tokens, summed)
-and processing time (the span: the product's first dispatch to last completion, vLLM's
-`run_batch` coroutine), alternating and repeated, each side a fresh process.
+vLLM settings (lab/bench/batch_sides.py): cached prompt tokens (the output files'
+usage.prompt_tokens_details.cached_tokens, summed) and processing time (the span: the
+product's first dispatch to last completion, vLLM's `run_batch` coroutine), alternating and
+repeated, each side a fresh process.
 
 The sides need an interpreter that imports vllm. Full size looks for one: this one, then
 the `.venv-vllm` of this checkout and of the repository's main checkout (a worktree's

@@ -1,7 +1,7 @@
 """Running the product as a user does, for the comparisons that measure real processes:
 `pipeline launch` with a dispatch policy and the sim engine's cost model, its --json run
 report, and `pipeline tools analyze`'s prefix-reuse bound. Shared by `pipeline bench
-padding` and `prefix` and by tools/bench_scheduling.py.
+padding`, `prefix`, `prefix-vllm` and `shapes`.
 
 Functions only; each call starts and waits for one child process (not thread-safe with
 respect to the data directory it is given).
