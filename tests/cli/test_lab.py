@@ -1,15 +1,18 @@
 """`pipeline bench` (pipeline/cli/lab.py): the lab's commands under the product's, the lab
-imported only when the command runs, and one line saying what to install where it cannot be."""
+imported only when the command runs, one line saying what to install where it cannot be; the
+package shipping the lab, and the test extra installing the lab's packages."""
 
 from __future__ import annotations
 
 import sys
+import tomllib
 
 import pytest
 from click.testing import CliRunner
 
 from pipeline.cli import lab as cli_lab
 from pipeline.cli import main
+from tests.support.repo import ROOT
 
 
 @pytest.fixture
@@ -35,10 +38,7 @@ def test_bench_without_the_lab_says_what_to_install_in_one_line(lab_missing, arg
 def test_bench_serves_the_lab_commands():
     from lab.cli import bench
 
-    result = CliRunner().invoke(main, ["bench", "--help"])
-    assert result.exit_code == 0, result.output
-    for name in bench.list_commands(None):
-        assert name in result.output
+    assert cli_lab.bench.list_commands(None) == bench.list_commands(None)
     assert cli_lab.bench.get_command(None, "e2e") is bench.get_command(None, "e2e")
 
 
@@ -46,3 +46,10 @@ def test_the_install_line_is_the_labs_own():
     from lab.bench.harness import LAB_INSTALL
 
     assert cli_lab.LAB_INSTALL == LAB_INSTALL == "pip install 'shape-broker[lab]'"
+
+
+def test_the_package_ships_the_lab_and_the_test_extra_holds_its_packages():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "lab*" in project["tool"]["setuptools"]["packages"]["find"]["include"]
+    extras = project["project"]["optional-dependencies"]
+    assert set(extras["lab"]) <= set(extras["test"])
