@@ -1,7 +1,9 @@
 """ARCHITECTURE.md's dependency rules, checked against the code: every import (top-level or
-inside a function; not those only for type checking) of every module under pipeline/ and shm/ must follow the arrows the
-document's `dependencies` block declares, the module graph must have no cycle, and the
-modules the document calls pure must import no clock, process, socket or shared memory."""
+inside a function; not those only for type checking) of every module under pipeline/, shm/
+and lab/ must follow the arrows the document's `dependencies` block declares, or be one of
+its `lazy` block's imports and made inside a function; the module graph must have no cycle,
+and the modules the document calls pure must import no clock, process, socket or shared
+memory."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from pathlib import Path
 from tests.support.repo import ROOT
 
 DOCUMENT = ROOT / "ARCHITECTURE.md"
-PACKAGES = ("pipeline", "shm")
+PACKAGES = ("pipeline", "shm", "lab")
 # What a pure module may not import: the side effects its process loop owns instead.
 IMPURE_MODULES = frozenset({"time", "os", "socket", "selectors", "threading", "multiprocessing", "subprocess",
                             "signal", "mmap", "posix_ipc", "psutil", "shm"})
@@ -41,10 +43,16 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
-    """Every module of ours that `path` imports, anywhere in the file."""
+def _imports(path: Path, modules: dict[str, Path], top_level_only: bool = False) -> set[str]:
+    """Every module of ours that `path` imports, anywhere in the file (or outside every
+    function: what importing the module itself imports)."""
+    nodes = _nodes(path)
+    if top_level_only:
+        inside = {id(node) for function in nodes if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef))
+                  for node in ast.walk(function)}
+        nodes = [node for node in nodes if id(node) not in inside]
     out: set[str] = set()
-    for node in _nodes(path):
+    for node in nodes:
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names = [f"{node.module}.{alias.name}" for alias in node.names]
             out.update(name for name in names if name in modules)
@@ -71,9 +79,9 @@ def _block(name: str) -> list[str]:
     return [line.split("#")[0].strip() for line in match.group(1).splitlines() if line.split("#")[0].strip()]
 
 
-def _rules() -> dict[str, set[str]]:
+def _rules(block: str = "dependencies") -> dict[str, set[str]]:
     rules = {}
-    for line in _block("dependencies"):
+    for line in _block(block):
         unit, _, allowed = line.partition("->")
         rules[unit.strip()] = set(allowed.split())
     return rules
@@ -94,15 +102,27 @@ def _allowed(unit: str, arrows: set[str]) -> bool:
 
 
 def test_every_import_follows_the_documented_arrows():
-    modules, rules = _modules(), _rules()
+    modules, rules, lazy = _modules(), _rules(), _rules("lazy")
     wrong = []
     for name, path in modules.items():
         source = _unit_of(name, rules)
+        eager = _imports(path, modules, top_level_only=True)
         for target in _imports(path, modules):
             unit = _unit_of(target, rules)
+            if target in lazy.get(name, set()) and target not in eager:
+                continue
             if unit != source and not _allowed(unit, rules[source]):
                 wrong.append(f"{name} imports {target}: {source} -> {unit} is not an arrow of ARCHITECTURE.md")
     assert not wrong, "\n".join(wrong)
+
+
+def test_each_lazy_import_is_made_and_only_inside_a_function():
+    modules, lazy = _modules(), _rules("lazy")
+    for name, targets in lazy.items():
+        assert name in modules, f"ARCHITECTURE.md's lazy block names {name}, which is no module"
+        assert targets <= _imports(modules[name], modules), f"{name} no longer imports {targets}: drop the line"
+        assert not targets & _imports(modules[name], modules, top_level_only=True), \
+            f"{name} imports {targets} when it is imported itself, not only inside a function"
 
 
 def test_every_documented_unit_exists_and_arrows_point_one_way():

@@ -6,8 +6,8 @@
     .venv/bin/python tools/bench_consumer.py --engine-only   # the sim engine's share alone
     .venv/bin/python tools/bench_consumer.py --batch-items 256   # the redis comparison's batches
 
-The workload is `tools/bench_pipeline.py`'s: 256-token items of 8 shapes (a 128-token prefix
-per shape, 128 random tokens after it), no payload. They are stored in real segment files
+The workload is `pipeline bench e2e`'s flood (lab/bench/pipelines.py): 256-token items of
+8 shapes (a 128-token prefix per shape, 128 random tokens after it), no payload. They are stored in real segment files
 (one per shape, as the broker's disk tier writes them) and handed to one consumer as 64-item
 descriptors, a run of batches per shape as sticky draining gives, on the default sim engine
 (1 Mi tokens of prefix cache, 16-token blocks, zero cost). The results file is written and

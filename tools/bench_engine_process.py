@@ -5,11 +5,11 @@ default), on a decode-heavy job, in the same invocation.
     PYTHONPATH=. .venv-vllm/bin/python tools/bench_engine_process.py                # 128 requests, 2 rounds
     PYTHONPATH=. .venv-vllm/bin/python tools/bench_engine_process.py --requests 32 --rounds 1
 
-The job: the run-batch comparison's chat batch file (pipeline/bench/chat_batch.py: 8 shapes
+The job: the run-batch comparison's chat batch file (lab/bench/chat_batch.py: 8 shapes
 here) with every request's max_completion_tokens raised to --new-tokens (96: decode-heavy,
 ~8 new tokens for each prompt token of a request's own turn), through `pipeline run-batch
 --engine vllm --consumers 1` with the same engine settings as the run-batch comparison
-(pipeline/bench/batch_sides.py: the tiny model, random weights, enforce_eager, block 32)
+(lab/bench/batch_sides.py: the tiny model, random weights, enforce_eager, block 32)
 and cpu_threads 1, once with `--engine-options in_process=true` (the engine core stepped in
 the consumer's process) and once with in_process=false (vLLM's own process), alternating
 which runs first in each round.
@@ -35,8 +35,8 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pipeline.bench.batch_sides import KV_CACHE_MIB, MODEL_DIR, MODEL_NAME, check_output, engine_settings, run_product  # noqa: E402
-from pipeline.bench.chat_batch import requests as batch_requests  # noqa: E402
+from lab.bench.batch_sides import KV_CACHE_MIB, MODEL_DIR, MODEL_NAME, check_output, engine_settings, run_product  # noqa: E402
+from lab.bench.chat_batch import requests as batch_requests  # noqa: E402
 
 MODES = {"in process": True, "own process": False}
 

@@ -46,7 +46,7 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 import numpy as np  # noqa: E402
 
 # The offline policies, shared with `pipeline bench padding`.
-from pipeline.bench.offline import (  # noqa: E402
+from lab.bench.offline import (  # noqa: E402
     ARRIVAL_RATE_ITEMS_PER_S,
     CONTRACT,
     DEFAULT_POLICY,
@@ -164,7 +164,7 @@ def lane_summary(values: np.ndarray, measure: WasteMeasure) -> str:
 
 
 # ----------------------------------------------------------------------------- (b) policies
-# pipeline/bench/offline.py: Batch, the packers, BucketPolicy, LanePolicy, POLICIES, simulate,
+# lab/bench/offline.py: Batch, the packers, BucketPolicy, LanePolicy, POLICIES, simulate,
 # offline_optimum (one implementation, shared with `pipeline bench padding`).
 
 

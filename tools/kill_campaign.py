@@ -5,7 +5,7 @@ check`: one table (and JSON with --json).
     .venv/bin/python tools/kill_campaign.py                       # a few of each kind
     .venv/bin/python tools/kill_campaign.py --broker-kills 1000 --point-rounds 12 --only broker
 
-Campaigns (pipeline/reliability/kills.py and runs.py):
+Campaigns (lab/reliability/kills.py and runs.py):
     broker      kill -9 of the broker at random moments while `pipeline produce` submits and
                 consumers complete, then each named crash point armed in `--point-rounds`
                 more starts (PIPELINE_CRASH_POINT, at `power`: the sync points exist there);
@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from pipeline.broker.storage.crashpoints import POINTS  # noqa: E402
-from pipeline.reliability import kills, runs  # noqa: E402
+from lab.reliability import kills, runs  # noqa: E402
 
 CAMPAIGNS = ("broker", "consumer", "producer", "launch", "run-batch")
 HEARTBEAT_TIMEOUT_S = 1.0  # the consumer campaign's (kills.consumer_faults)

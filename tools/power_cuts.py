@@ -1,5 +1,5 @@
 """Power cuts on a real kernel: the loss window of a durability level, in items and
-milliseconds (`pipeline.reliability.powercuts`). Needs root, losetup and mkfs.ext4.
+milliseconds (`lab.reliability.powercuts`). Needs root, losetup and mkfs.ext4.
 
     sudo .venv/bin/python tools/power_cuts.py --durability process --seed 1 --json out.json
 """
@@ -16,7 +16,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pipeline.reliability.powercuts import PowerCutCampaign, available  # noqa: E402
+from lab.reliability.powercuts import PowerCutCampaign, available  # noqa: E402
 
 
 def main() -> int:

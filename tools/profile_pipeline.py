@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Where the end-to-end pipeline's time goes: `tools/bench_pipeline.py`'s throughput run,
-with three instruments.
+"""Where the end-to-end pipeline's time goes: the throughput run of `pipeline bench e2e`
+(lab/bench/pipelines.py: 2 flood producers, a broker on the disk tier at durability
+`process`, 2 zero-cost sim consumers), with three instruments.
 
     .venv/bin/python tools/profile_pipeline.py                    # 64-item batches, 1 M items
     .venv/bin/python tools/profile_pipeline.py --batch-items 256 --items 250000
@@ -31,16 +32,16 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import bench_pipeline  # noqa: E402  (the benchmark whose run is profiled)
-
+from lab.bench.pipelines import Phase, Pipeline, PipelineSpec, flood_targets  # noqa: E402  (the run profiled)
 from pipeline.broker import consumers, control, dispatch, producers  # noqa: E402
 from pipeline.broker.storage import disk, queues  # noqa: E402
 from pipeline.consumer import process, reader, session  # noqa: E402
 from pipeline.consumer.engines import prefix_cache, sim  # noqa: E402
+from pipeline.runtime.local import CTX  # noqa: E402
 
 # (owner, attribute, label): the methods timed.
 TIMED = [
@@ -150,29 +151,32 @@ def main() -> int:
     parser.add_argument("--batch-items", type=int, default=64)
     args = parser.parse_args()
     out_dir = tempfile.mkdtemp(prefix="profile-pipeline-")
+    work = Path(tempfile.mkdtemp(prefix="profile-pipeline-run-"))
     _install(out_dir)
     sampler = _StateSampler()
-    start_child = bench_pipeline.CTX.Process.start
+    start_child = CTX.Process.start
 
     def start_and_watch(self):  # every process the run forks: broker, consumers, producers
         start_child(self)
         sampler.pids.add(self.pid)
 
-    bench_pipeline.CTX.Process.start = start_and_watch
+    CTX.Process.start = start_and_watch
     sampler.start()
     try:
-        result = bench_pipeline.throughput(args.items, args.batch_items, None)
+        with Pipeline(work / "run", PipelineSpec(batch_items=args.batch_items)) as pipe:
+            phase = pipe.run_producers(flood_targets(pipe.socket_path, 2, 2 * args.items), 2 * args.items)
     finally:
         sampler.stop()
-        bench_pipeline.CTX.Process.start = start_child
-    _print(result, out_dir, sampler, 2 * args.items)
+        CTX.Process.start = start_child
+        shutil.rmtree(work, ignore_errors=True)
+    _print(phase, out_dir, sampler, 2 * args.items)
     shutil.rmtree(out_dir, ignore_errors=True)
     return 0
 
 
-def _print(result: dict, out_dir: str, sampler: _StateSampler, items: int) -> None:
-    print(f"{result['items_per_s']:,.0f} items/s; CPU us per item: "
-          + ", ".join(f"{name} {us:.2f}" for name, us in result["cpu_us_per_item"].items()))
+def _print(phase: Phase, out_dir: str, sampler: _StateSampler, items: int) -> None:
+    print(f"{phase.items_per_s:,.0f} items/s; CPU us per item: "
+          + ", ".join(f"{name} {1e6 * seconds / phase.items:.2f}" for name, seconds in phase.cpu_s.items()))
     merged: dict[str, list[float]] = {}
     for name in os.listdir(out_dir):
         with open(os.path.join(out_dir, name)) as file:

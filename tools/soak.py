@@ -7,7 +7,7 @@ disk fills; then `pipeline tools check` on every item, and the figures.
     nice -n 19 .venv/bin/python tools/soak.py [--duration-s 600] [--seed 0] [--json FILE] [--no-tmpfs]
 
 As root the data directory is on a 256 MiB tmpfs mounted for the run (else on the
-temporary directory's file system). See pipeline/reliability/soak.py.
+temporary directory's file system). See lab/reliability/soak.py.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pipeline.reliability.soak import judged_redeliveries, soak  # noqa: E402
+from lab.reliability.soak import judged_redeliveries, soak  # noqa: E402
 from tools.kill_campaign import HEARTBEAT_TIMEOUT_S, table  # noqa: E402
 
 

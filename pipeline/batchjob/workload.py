@@ -413,7 +413,7 @@ def _one_line(exc: BaseException) -> str:
 
 def job_workload(data_dir: str, model_dir: str, chat_template: str | None = None) -> JobWorkload:
     """Every request of the job on `data_dir` as its producers make them (a checker's view:
-    `pipeline/reliability`), from the job's manifest and input index (and the job's
+    `pipeline/audit`), from the job's manifest and input index (and the job's
     --chat-template, where it had one)."""
     manifest = load_manifest(data_dir)
     if manifest is None:

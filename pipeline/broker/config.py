@@ -27,8 +27,8 @@ SOCKET_NAME = "broker.sock"
 # SPEC §6: the loop yields at least every 100 ms of fill (or dispatch) work. 10 ms, because
 # dispatch waits for the fill, and credit a completion returns waits for the next dispatch:
 # with 100 ms, quick consumers sat idle while the broker ingested alone (one process of five
-# runnable for most of a run's first second, tools/profile_pipeline.py). tools/bench_pipeline
-# workload, alternating: 179 k against 142-170 k items/s at 64-item batches, 246-258 k
+# runnable for most of a run's first second, tools/profile_pipeline.py). The flood of
+# `pipeline bench e2e`, alternating: 179 k against 142-170 k items/s at 64-item batches, 246-258 k
 # against 241-247 k at 256. One frame (about 10 ms at 4,096 items) is the unit of work anyway.
 # NOTE: it costs some fill on shallow streams with quick consumers (the demo's mean batch
 # fill 0.21 against 0.25, the Mooncake trace's 0.22 against 0.24; shape switches unchanged).

@@ -41,7 +41,7 @@ log = logging.getLogger("pipeline.broker")
 # consumer's window (consumer/credit.py) reaches 64 batches, and filling it with partial
 # batches of shallow lanes took the demo's mean batch fill from 0.25 to 0.14-0.16 while they
 # only waited in its ring. 2 starved consumers of deep queues whenever the current shape's
-# lane ran short (tools/bench_pipeline.py: 139 k and 225 k items/s against 165 k and 242 k).
+# lane ran short (the flood of `pipeline bench e2e`: 139 k and 225 k items/s against 165 k and 242 k).
 PARTIAL_BATCHES_AHEAD = 4
 
 

@@ -14,7 +14,7 @@ import errno
 import click
 
 from pipeline.cli.batch import run_batch
-from pipeline.cli.bench import bench
+from pipeline.cli.lab import bench
 from pipeline.cli.launch import launch
 from pipeline.cli.stages import broker, consumer, produce, status
 from pipeline.cli.tools import tools

@@ -267,7 +267,7 @@ def check_command(data_dir: str, workload: str, items: int | None, seed: int, du
     import dataclasses
 
     from pipeline.producer.demos import named_workload
-    from pipeline.reliability.sources import check_data_dir
+    from pipeline.audit.sources import check_data_dir
     from pipeline.runtime.settings import DEMO_ITEMS
 
     verdict = check_data_dir(named_workload(workload, items, seed=seed, default_items=DEMO_ITEMS), data_dir,

@@ -15,7 +15,7 @@ product sizes a socket buffer: `window = ceil(ahead_s / mean batch time)`, clamp
 
 NOTE: a fixed credit was rejected: 4 batches left the zero-cost pipeline's consumers idle
 while the broker ingested a frame (132 k items/s at 64-item batches; 153 k at credit 32, by
-tools/bench_pipeline.py), while 32 would hold half a minute of GPU work per consumer at the
+the flood of `pipeline bench e2e`), while 32 would hold half a minute of GPU work per consumer at the
 end of a real run, where one consumer finishes it alone and the others sit idle.
 """
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 # Seconds of work kept queued: the broker's longest stretch without dispatching is one
 # producer frame's ingest (4,096 items at about 2 us: 8 ms) plus a control pass; 25 ms
-# covers it about three times over. Swept with tools/bench_pipeline.py: see BENCHMARKS.md.
+# covers it about three times over. Swept with the flood of `pipeline bench e2e`: see BENCHMARKS.md.
 DEFAULT_AHEAD_S = 0.025
 # One batch running and one waiting: a slow engine needs no more, since its batch time hides
 # the broker's turn many times over.

@@ -19,7 +19,7 @@ every sample's tokens (the usage of all n completions). `prompt_xxh3` is
 pipeline.wire.layouts.prompt_digest of the token ids the consumer read (taken from the
 mapped entry as it is read: the engine is handed views of those same bytes, which the broker
 never rewrites), null where nothing could be read (STATUS_CORRUPT): the end-to-end check of a checker
-(pipeline.reliability). The *_ns fields are time.monotonic_ns():
+(lab.reliability). The *_ns fields are time.monotonic_ns():
 one clock for every process of the machine; done_ns is taken once per call, as a batch's
 lines are formatted, just before they are written. `status` is STATUS_OK, STATUS_TOO_LONG
 (longer than the contract's max input length: no output), STATUS_CORRUPT (the entry failed

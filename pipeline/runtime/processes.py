@@ -202,7 +202,7 @@ def quiet_gc() -> None:
     GC_YOUNG_THRESHOLD allocations. Reference counting still frees everything at once; only
     the search for cycles, which the loops do not make, runs less.
 
-    NOTE: measured in the broker with tools/bench_pipeline.py's workload: the collector took
+    NOTE: measured in the broker with the flood workload of `pipeline bench e2e`: the collector took
     0.29 us per item (8% of the broker's CPU), half of it in five full collections that each
     walked every object numpy and the imports had made.
     """

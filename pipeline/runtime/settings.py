@@ -204,7 +204,7 @@ def check_engine_options(engine: str, options: dict) -> None:
 
 
 # Cores a CPU launch keeps for the broker, the producers (they tokenize) and the launcher,
-# outside the engines' OMP threads. Measured (tools/bench_run_batch.py, 2 cores, one vllm
+# outside the engines' OMP threads. Measured (`pipeline bench run-batch`'s sides, 2 cores, one vllm
 # consumer): 2 threads gave a processing span of 5.4 to 12.9 s and 1 thread 5.1 to 5.7 s;
 # an engine that takes every core competes with the processes that feed it.
 CPU_CORES_KEPT = 1

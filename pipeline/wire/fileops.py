@@ -6,7 +6,7 @@ directory's shared-memory namespace file, the consumers' results files and a bat
 output goes through the functions below, which call the
 installed `FileIO`. The default passes straight to the OS; a fault campaign installs one that
 fails the k-th operation (EIO, ENOSPC, a short write) or simulates a power cut
-(`pipeline.reliability.faults`). Stores into a shared mapping (since segment layout
+(`lab.reliability.faults`). Stores into a shared mapping (since segment layout
 version 2 only recovery's rewrite of a damaged state word) are not calls and cannot fail one
 by one; they are covered where they become durable (the msync that writes them back, which
 the layer sees) and by the power-cut simulation, which compares the file's bytes with what

@@ -170,7 +170,7 @@ class ConsumerWork:
         NOTE: the well-formed message takes a fast path (one key-set comparison and a type
         check per value): the general decoder cost 11.4 us a completion against 1.0 us for
         the dict sum it replaced, about 3% of the broker's throughput at 64-item batches
-        (tools/bench_pipeline.py). Anything else goes through the decoder, which names
+        (the flood of `pipeline bench e2e`). Anything else goes through the decoder, which names
         what is wrong."""
         if type(results) is dict and results.keys() == _WORK_KEYS and all(type(v) is int for v in results.values()):
             return cls(**results)

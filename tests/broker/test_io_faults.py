@@ -10,7 +10,7 @@ in miniature and logs what it acknowledged; the parent recovers and checks by it
   (or run on, where the error is one it handles), never an untyped one, and recovery must
   find every acknowledged item, nothing unexpected, nothing corrupt.
 - Power cuts: at operation k every file of the data directory becomes what a power cut
-  leaves (pipeline.reliability.faults.PowerCut: unsynced sectors dropped, kept or garbled,
+  leaves (lab.reliability.faults.PowerCut: unsynced sectors dropped, kept or garbled,
   512 or 4096 bytes; name operations not yet made durable undone from a seeded point on).
   At `power` durability no acknowledged item may be lost, whatever happens to the sectors
   being written (dropped, kept, garbled, mixed; 512 or 4096 bytes): segments are written
@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 
 from pipeline.broker.storage import Durability
-from pipeline.reliability.faults import POWER_CUT_EXIT, FaultPlan, FaultyIO, PowerCut
+from lab.reliability.faults import POWER_CUT_EXIT, FaultPlan, FaultyIO, PowerCut
 from pipeline.wire import fileops
 from pipeline.wire.errors import PipelineError
 from pipeline.wire.layouts import CATALOG_FILE

@@ -12,7 +12,7 @@ import pytest
 
 from pipeline.broker.config import MAX_SYNC_INTERVAL_S, MIN_SYNC_INTERVAL_S, BrokerConfig
 from pipeline.broker.periodic_sync import PeriodicSync
-from pipeline.reliability.procs import Stages, pipeline, wait_until, write_workload
+from lab.reliability.procs import Stages, pipeline, wait_until, write_workload
 from pipeline.wire.errors import ConfigError
 
 SYS_CACHESTAT = 451  # x86-64 and arm64

@@ -24,10 +24,9 @@ from pipeline.broker.storage.segments import SegmentStore
 from pipeline.cli import main
 from pipeline.wire.errors import StoreReadError
 from pipeline.wire.layouts import CATALOG_FILE, CATALOG_MIRROR_FILE
+from tests.support.repo import ROOT
 from tests.support.segments import make_items
 from tests.support.users import python_for
-
-TOOLS = os.path.join(os.path.dirname(__file__), "..", "..", "tools")
 
 
 def build_store(data_dir: str) -> list[str]:
@@ -220,7 +219,7 @@ def test_an_unreadable_store_is_a_one_line_error(tmp_path):
 def test_what_another_user_cannot_read_is_a_one_line_error(locked):
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         pytest.skip("needs root and setpriv to run verify as another user")
-    python = python_for(65534, 65534, "pipeline.cli", cwd=os.path.dirname(TOOLS))
+    python = python_for(65534, 65534, "pipeline.cli", cwd=str(ROOT))
     top = tempfile.mkdtemp(prefix="verify-other-user-", dir="/tmp")  # a path user nobody can reach
     try:
         data_dir = os.path.join(top, "data")
@@ -236,7 +235,7 @@ def test_what_another_user_cannot_read_is_a_one_line_error(locked):
                   "catalog": catalog}[locked], 0o700)
         done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python,
                                "-m", "pipeline", "tools", "verify", data_dir],
-                              capture_output=True, text=True, cwd=os.path.dirname(TOOLS),
+                              capture_output=True, text=True, cwd=str(ROOT),
                               env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
     finally:
         shutil.rmtree(top)
@@ -247,15 +246,6 @@ def test_what_another_user_cannot_read_is_a_one_line_error(locked):
     expected = {"segments": "segments: cannot read the store", "segment file": f"{paths[1]}: cannot read the segment",
                 "catalog": f"{catalog}: cannot read the segment catalog"}[locked]
     assert expected in done.stderr, done.stderr
-
-
-@pytest.mark.integration
-def test_thin_script_runs_the_same_command(tmp_path):
-    build_store(str(tmp_path))
-    done = subprocess.run([sys.executable, os.path.join(TOOLS, "verify.py"), str(tmp_path)],
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.strip().endswith("OK")
 
 
 def test_live_items_are_the_stored_entries_not_yet_completed(tmp_path):

@@ -12,7 +12,7 @@ import pytest
 
 from pipeline.consumer.process import Consumer, ConsumerConfig
 from pipeline.consumer.results import ResultsFile
-from pipeline.reliability.procs import Stages, pipeline, write_workload
+from lab.reliability.procs import Stages, pipeline, write_workload
 from pipeline.wire import fileops
 from pipeline.wire.protocol import DURABILITY_LEVELS
 from tests.support.recording_io import Recording

@@ -12,7 +12,7 @@ import numpy as np
 from pipeline.broker.config import BrokerConfig
 from pipeline.producer.client import BrokerProducer
 from pipeline.producer.signature import signature
-from pipeline.reliability.procs import wait_until as _wait_until
+from lab.reliability.procs import wait_until as _wait_until
 from pipeline.runtime.local import CTX, stop_process
 from pipeline.runtime.local import start_broker as _start_broker
 from pipeline.wire.client import broker_status

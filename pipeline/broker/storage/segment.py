@@ -11,7 +11,7 @@ fdatasync'ed them (`power`). Readers never see bytes past the boundary.
 
 Written once (layout version 2): no byte of a segment is rewritten after its append, so a
 sector being written when the power goes (garbage, under the model of
-`pipeline.reliability.faults.PowerCut`) never holds acknowledged bytes. What changes lives
+`lab.reliability.faults.PowerCut`) never holds acknowledged bytes. What changes lives
 in the segment's journal (`journal.py`): completions, the commit boundary, the seal. In
 `power` each synced group starts on a SYNC_ALIGN_BYTES boundary when the sector at the end
 of the data holds synced bytes (zeros before it: padding the scan skips), so no append

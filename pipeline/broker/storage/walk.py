@@ -13,8 +13,8 @@ are read at once and checked as columns, and the walk goes on entry by entry fro
 that differs (and tries again after `power`'s padding, where the next synced group starts).
 Mixed lengths pay one extra header read a call for the attempt. A run that ends early has
 had headers read up to `count` entries ahead: at most a batch's worth of pages.
-NOTE: the entry-by-entry walk was 7% of the broker's turn in `tools/bench_pipeline.py --one
-300000 256` (py-spy, 1,494 broker samples; ~0.4 us an entry), the largest leaf after the
+NOTE: the entry-by-entry walk was 7% of the broker's turn in the flood of `pipeline bench
+e2e` (300,000 items, 256-item batches; py-spy, 1,494 broker samples; ~0.4 us an entry), the largest leaf after the
 pwrite.
 
 Pure: no I/O beyond reading the buffer it is given; the caller (SegmentFile) owns the mapping.
