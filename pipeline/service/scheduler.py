@@ -79,6 +79,9 @@ class Scheduler:
     # ------------------------------------------------------------------ the thread
 
     def start(self) -> None:
+        """Recover (in the caller's thread: the API serves every batch's progress as its job
+        left it from the first request on), then run the loop in its own thread."""
+        self.recover()
         self._thread = threading.Thread(target=self._main, name="scheduler", daemon=True)
         self._thread.start()
 
@@ -92,7 +95,6 @@ class Scheduler:
         """The loop; runs are started (and so stopped) from this thread alone: a child's
         parent-death signal follows the thread that started it."""
         try:
-            self.recover()
             while not self._stop.is_set():
                 self.tick()
                 self._stop.wait(SCHEDULER_TICK_S)
@@ -100,10 +102,19 @@ class Scheduler:
             self.executor.shutdown(JOB_STOP_WAIT_S)
 
     def recover(self) -> None:
-        """What a kill left between a batch's end and its work's removal: removed."""
+        """What a kill left between a batch's end and its work's removal, removed; every
+        other batch's progress read from its job's files (nothing is started here)."""
         for batch in self.store.all_batches():
             if batch.life.ended:
                 self.executor.discard(self.run_of(batch))
+            else:
+                self._counts(batch, self.executor.poll(self.run_of(batch)))
+
+    def _counts(self, batch: BatchRecord, progress: Progress) -> None:
+        if progress.usage is not None:  # the job's status files exist
+            with self.store.lock:
+                batch.completed, batch.failed = progress.done - progress.failed, progress.failed
+                batch.usage = progress.usage
 
     def run_of(self, batch: BatchRecord) -> BatchRun:
         return BatchRun(batch.id, self.store.content_path(batch.input_file_id), self.store.work_dir(batch),
@@ -128,10 +139,7 @@ class Scheduler:
             self.executor.cancel(run)
         progress = self.executor.poll(run)
         self.last[batch.id] = progress
-        if progress.usage is not None:  # the job's status files exist
-            with self.store.lock:
-                batch.completed, batch.failed = progress.done - progress.failed, progress.failed
-                batch.usage = progress.usage
+        self._counts(batch, progress)
         if progress.state == RUNNING and life.status == VALIDATING:
             self._change(batch, JOB_RUNNING, now)
         if progress.state == ENDED:
