@@ -130,7 +130,8 @@ def _checked_jobs(data_dir: str, options: dict, extra: list[str]) -> tuple[str, 
     from pipeline.batchjob.workload import PromptLimits
     from pipeline.runtime.tables import parse_engine_options
 
-    given = parse_engine_options(options.pop("engine_options")) if options["engine_options"] else {}
+    raw_engine_options = options.pop("engine_options")
+    given = parse_engine_options(raw_engine_options) if raw_engine_options else {}
     flags = EngineFlags.take(options, extra, given)
     try:
         limits = PromptLimits(options.pop("prompt_time_limit_s"), options.pop("prompt_memory_limit_mb") << 20)

@@ -67,6 +67,9 @@ MAX_JOB_FAILURES = 3
 # How long a stopping server waits for its jobs to stop gracefully (each keeps what it
 # answered) before killing them; a killed job is resumed as well, only with less kept in order.
 JOB_STOP_WAIT_S = 60.0
+# How long a stopping server lets the requests in flight finish (an upload's check of a
+# large file takes seconds), before its jobs are stopped.
+REQUESTS_STOP_WAIT_S = 30
 # Lines of a failed job's log kept in its batch's errors: the last lines say why.
 JOB_LOG_TAIL_LINES = 5
 # Bytes of a job's log read for that tail.

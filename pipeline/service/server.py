@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from pipeline.service.app import ServiceConfig, make_app
 from pipeline.service.auth import Tenants, check_host
+from pipeline.service.limits import REQUESTS_STOP_WAIT_S
 from pipeline.service.runner import RunBatchExecutor
 from pipeline.service.scheduler import Scheduler
 from pipeline.service.states import TERMINAL
@@ -71,7 +72,8 @@ def serve(options: ServeOptions, say) -> None:
             f"resumed) in {store.data_dir}; {len(options.tenants or ()) or 'no'} API keys; "
             f"http://{shown}:{port}/v1")
         config = uvicorn.Config(app, log_level="info" if options.verbose else "warning",
-                                access_log=options.verbose, lifespan="on", timeout_graceful_shutdown=30)
+                                access_log=options.verbose, lifespan="on",
+                                timeout_graceful_shutdown=REQUESTS_STOP_WAIT_S)
         uvicorn.Server(config).run(sockets=[sock])
     finally:
         store.close()
