@@ -1,7 +1,8 @@
 """How a batch is executed, behind one small interface the scheduler drives:
 
     executor.start(run)       run it (again after a stop or a restart: what was answered stays)
-    executor.poll(run)        its Progress: waiting, busy, checking, running or ended (and how)
+    executor.poll(run)        its Progress: waiting, busy, checking, running, or ended (and how:
+                              said once, at the poll that finds it; waiting after that)
     executor.cancel(run)      stop it gracefully: what was answered is kept
     executor.answers(run)     what a stopped run answered: its output and error lines, which requests
     executor.discard(run)     its work files, once the batch's own files are written
@@ -47,7 +48,7 @@ WAITING = "waiting"  # not running (never started, or stopped)
 BUSY = "busy"  # a job an earlier server started still stops (its lock held)
 CHECKING = CHECKING  # the job checks its input
 RUNNING = "running"  # the job runs its requests
-ENDED = "ended"  # the run ended (see its outcome), until it is started again
+ENDED = "ended"  # the run ended (see its outcome): said once
 # Outcomes of an ended run.
 ANSWERED_ALL = "answered all"
 STOPPED = "stopped"
@@ -141,7 +142,6 @@ class RunBatchExecutor(Executor):
     def __init__(self, job_args: list[str]) -> None:
         self.job_args = list(job_args)
         self.children: dict[str, subprocess.Popen] = {}
-        self.ended: dict[str, Progress] = {}
         self._signalled: set[str] = set()
 
     def command(self, run: BatchRun) -> list[str]:
@@ -164,7 +164,6 @@ class RunBatchExecutor(Executor):
         finally:
             os.close(log_fd)
         self.children[run.batch_id] = child
-        self.ended.pop(run.batch_id, None)
         self._signalled.discard(run.batch_id)
         log.info("batch %s: job started (pid %d, %s)", run.batch_id, child.pid, run.work_dir)
         return True
@@ -172,8 +171,6 @@ class RunBatchExecutor(Executor):
     def poll(self, run: BatchRun) -> Progress:
         child = self.children.get(run.batch_id)
         if child is None:
-            if run.batch_id in self.ended:
-                return self.ended[run.batch_id]
             progress = _job_progress(run, WAITING)
             if _held(run):
                 progress.state = BUSY
@@ -189,7 +186,6 @@ class RunBatchExecutor(Executor):
             progress.outcome = STOPPED
         else:
             progress.outcome, progress.message = FAILED, _log_tail(run, code)
-        self.ended[run.batch_id] = progress
         log.info("batch %s: job ended (%s, exit status %d)", run.batch_id, progress.outcome, code)
         return progress
 
@@ -218,7 +214,6 @@ class RunBatchExecutor(Executor):
 
     def discard(self, run: BatchRun) -> None:
         assert run.batch_id not in self.children, run.batch_id
-        self.ended.pop(run.batch_id, None)
         data = os.path.join(run.work_dir, DATA_NAME)
         left = remove_data_dir(data) if os.path.isdir(data) else []
         if left:

@@ -72,8 +72,7 @@ class Scheduler:
             if not batch.life.takes(CANCEL):
                 raise ApiError(HTTP_BAD_REQUEST, f"batch {batch_id} is {batch.life.status}: only a validating or "
                                                  f"in_progress batch can be cancelled", "batch_id")
-            batch.life.step(CANCEL, int(self.clock()))
-            self.store.save_batch(batch)
+            self.store.step(batch, CANCEL, int(self.clock()))
             return batch
 
     # ------------------------------------------------------------------ the thread
@@ -165,9 +164,7 @@ class Scheduler:
                 self.store.save_batch(batch)
 
     def _change(self, batch: BatchRecord, event: str, now: int) -> None:
-        with self.store.lock:
-            batch.life.step(event, now)
-            self.store.save_batch(batch)
+        self.store.step(batch, event, now)
 
     def _finalize(self, batch: BatchRecord, run: BatchRun, now: int) -> None:
         """The batch's files from what its run answered, then its terminal status (each step
@@ -189,12 +186,11 @@ class Scheduler:
                 made.append(file_id)
             else:
                 remove_quietly(self.store.content_path(file_id))
-        with self.store.lock:
+        with self.store.lock:  # the file ids show once the status is terminal (saved by `step`)
             batch.output_file_id = output_id if output_id in made else None
             batch.error_file_id = error_id if error_id in made else None
             batch.completed, batch.failed, batch.usage = answers.completed, answers.failed, dict(answers.usage)
-            batch.life.step(FINALIZED, now)
-            self.store.save_batch(batch)
+            self.store.step(batch, FINALIZED, now)
         log.info("batch %s: %s (%d completed, %d failed of %d)", batch.id, batch.life.status, batch.completed,
                  batch.failed, batch.total)
         self.executor.discard(run)

@@ -27,6 +27,7 @@ import os
 import secrets
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import BinaryIO
 
 from pipeline.batchjob.paths import replace_file
@@ -172,6 +173,18 @@ class Store:
         with self.lock:
             replace_file(os.path.join(self._dir(BATCHES_DIR), record.id + RECORD_SUFFIX),
                          [json.dumps(record.as_json()).encode()])
+
+    def step(self, record: BatchRecord, event: str, now: int) -> None:
+        """Apply a status event to the batch and save it; where the save fails (a full
+        disk), the batch stays as it was, in memory as on disk, and the error is raised."""
+        with self.lock:
+            before = replace(record.life)
+            record.life.step(event, now)
+            try:
+                self.save_batch(record)
+            except BaseException:
+                record.life = before
+                raise
 
     # ------------------------------------------------------------------ files
 
