@@ -1,6 +1,7 @@
 """How a batch is executed, behind one small interface the scheduler drives:
 
-    executor.start(run)       run it (again after a stop or a restart: what was answered stays)
+    executor.start(run)       run it
+    executor.resume(run)      run it again after a stop, a failure or a restart: what was answered stays
     executor.poll(run)        its Progress: waiting, busy, checking, running, or ended (and how:
                               said once, at the poll that finds it; waiting after that)
     executor.cancel(run)      stop it gracefully: what was answered is kept
@@ -113,7 +114,11 @@ class Executor(ABC):
 
     @abstractmethod
     def start(self, run: BatchRun) -> bool:
-        """Run it (or again); False where it cannot start yet (BUSY)."""
+        """Run it; False where it cannot start yet (BUSY)."""
+
+    @abstractmethod
+    def resume(self, run: BatchRun) -> bool:
+        """Run what is left of it (it ran before); False where it cannot start yet (BUSY)."""
 
     @abstractmethod
     def poll(self, run: BatchRun) -> Progress: ...
@@ -168,18 +173,22 @@ class RunBatchExecutor(Executor):
         log.info("batch %s: job started (pid %d, %s)", run.batch_id, child.pid, run.work_dir)
         return True
 
+    def resume(self, run: BatchRun) -> bool:
+        """The same command: run-batch resumes a job on its data directory."""
+        return self.start(run)
+
     def poll(self, run: BatchRun) -> Progress:
         child = self.children.get(run.batch_id)
         if child is None:
-            progress = _job_progress(run, WAITING)
+            progress = job_progress(run)
             if _held(run):
                 progress.state = BUSY
             return progress
         code = child.poll()
         if code is None:
-            return _job_progress(run, RUNNING)
+            return job_progress(run, RUNNING)
         del self.children[run.batch_id]
-        progress = _job_progress(run, ENDED)
+        progress = job_progress(run, ENDED)
         if code == EXIT_ANSWERED:
             progress.outcome = ANSWERED_ALL
         elif code in EXIT_STOPPED:
@@ -246,8 +255,9 @@ class RunBatchExecutor(Executor):
         self.children.clear()
 
 
-def _job_progress(run: BatchRun, state: str) -> Progress:
-    """The job's counts from its own status files; CHECKING while it checks its input."""
+def job_progress(run: BatchRun, state: str = WAITING) -> Progress:
+    """The job's counts from its own status files; CHECKING while a RUNNING job checks its
+    input."""
     try:
         status = job_status(os.path.join(run.work_dir, DATA_NAME)) if os.path.isdir(run.work_dir) else None
     except (JobMismatchError, OSError):

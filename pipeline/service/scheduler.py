@@ -208,4 +208,5 @@ class Scheduler:
                 continue
             # BUSY: a run an earlier server started still stops; it is resumed once it let go.
             if progress.state == WAITING or (progress.state == ENDED and progress.outcome != ANSWERED_ALL):
-                self.executor.start(self.run_of(batch))
+                ran = progress.usage is not None or batch.job_failures  # its job's files exist
+                (self.executor.resume if ran else self.executor.start)(self.run_of(batch))

@@ -115,10 +115,7 @@ class Store:
     def _load(self) -> None:
         for name in os.listdir(self._dir(UPLOADS_DIR)):  # what a killed upload left
             _remove_tree(os.path.join(self._dir(UPLOADS_DIR), name))
-        for record in self._records(BATCHES_DIR):
-            batch = self._parsed(record, batch_record)
-            self.batches[batch.id] = batch
-            self._next_seq = max(self._next_seq, batch.seq + 1)
+        self.load_batches()
         contents = set()
         for name in os.listdir(self._dir(FILES_DIR)):
             if name.endswith(CONTENT_SUFFIX):
@@ -133,6 +130,13 @@ class Store:
         for orphan in contents - set(self.files):  # renamed in, its record never written
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.content_path(orphan))
+
+    def load_batches(self) -> None:
+        """The batches' records (read-only: `pipeline status` reads them beside a server)."""
+        for record in self._records(BATCHES_DIR):
+            batch = self._parsed(record, batch_record)
+            self.batches[batch.id] = batch
+            self._next_seq = max(self._next_seq, batch.seq + 1)
 
     def _records(self, folder: str) -> Iterator[str]:
         for name in sorted(os.listdir(self._dir(folder))):
