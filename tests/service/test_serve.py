@@ -14,7 +14,7 @@ import sys
 import psutil
 import pytest
 
-from tests.support.commands import one_line_error
+from tests.support.commands import one_line_error, pipeline
 from tests.support.jobs import build_model, chat, completion
 from tests.support.repo import ROOT
 from tests.support.service import (
@@ -81,6 +81,8 @@ def test_a_batch_from_upload_to_its_output(tmp_path, model_dir, servers):
     assert listed == {source.id: "batch", done.output_file_id: "batch_output", done.error_file_id: "batch_output"}
     assert modes(server.data_dir) == {("dir", 0o700), ("file", 0o600)}
     assert not os.listdir(server.data_dir / "jobs"), "a finished batch's job files are removed"
+    status = pipeline("status", "--data-dir", str(server.data_dir))
+    assert status.returncode == 0 and f"{done.id} completed" in status.stderr + status.stdout, status
     metrics = _get(server, "/metrics")
     assert 'shape_broker_service_batches{status="completed"} 1.0' in metrics
     assert _get(server, "/health") == '{"status":"ok"}'
