@@ -37,8 +37,6 @@ JOB_OPTIONS = ("model_dir", "served_model_name", "engine", "engine_options", "pr
                "tensor_parallel_size", "pipeline_parallel_size", "runner", "seed", "chat_template")
 # Options whose value is a path: handed to the jobs absolute (they may run elsewhere).
 PATH_OPTIONS = ("model_dir", "config_path")
-# The exit status of a server stopped by Ctrl-C (the shell's for SIGINT).
-EXIT_INTERRUPTED = 130
 # The job directory checked before serving: a long sequence number, so every later job's
 # broker socket path fits where this one's does.
 SAMPLE_JOB_DIR = os.path.join("jobs", "99999999", "data")
@@ -101,6 +99,8 @@ def serve(data_dir: str, host: str, port: int, api_keys: str | None, max_concurr
     except (BadInputError, PipelineError) as exc:
         raise click.ClickException(str(exc)) from exc
     except KeyboardInterrupt:  # Ctrl-C, after the graceful stop (uvicorn raises it again once stopped)
+        from pipeline.runtime.launcher import EXIT_INTERRUPTED
+
         sys.exit(EXIT_INTERRUPTED)
 
 
