@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -56,6 +57,8 @@ from pipeline.wire.errors import ApiError
 MULTIPART_OVERHEAD_BYTES = 64 << 10
 HTTP_LENGTH_REQUIRED = 411
 PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
+# Whose a request is (its tenant's name), or ApiError 401.
+TenantOf = Callable[[Request], str]
 
 
 @dataclass(slots=True)
@@ -132,7 +135,7 @@ def _errors(app: FastAPI) -> None:
         return JSONResponse(error_body(error), status_code=HTTP_BAD_REQUEST)
 
 
-def _files(app: FastAPI, store: Store, scheduler: Scheduler, tenant, config: ServiceConfig) -> None:
+def _files(app: FastAPI, store: Store, scheduler: Scheduler, tenant: TenantOf, config: ServiceConfig) -> None:
     @app.post("/v1/files")
     async def upload(request: Request) -> dict:
         owner = tenant(request)
@@ -183,7 +186,7 @@ def _files(app: FastAPI, store: Store, scheduler: Scheduler, tenant, config: Ser
         return {"id": file_id, "object": "file", "deleted": True}
 
 
-def _batches(app: FastAPI, store: Store, scheduler: Scheduler, tenant, config: ServiceConfig) -> None:
+def _batches(app: FastAPI, store: Store, scheduler: Scheduler, tenant: TenantOf, config: ServiceConfig) -> None:
     @app.post("/v1/batches")
     async def create(request: Request) -> dict:
         owner = tenant(request)
@@ -228,7 +231,7 @@ async def _json_body(request: Request) -> object:
         raise ApiError(HTTP_BAD_REQUEST, "We could not parse the JSON body of your request.") from None
 
 
-def _int(query, name: str) -> int | None:
+def _int(query: Mapping[str, str], name: str) -> int | None:
     value = query.get(name)
     if value is None:
         return None

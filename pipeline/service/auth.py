@@ -25,7 +25,13 @@ import os
 import re
 import stat
 
-from pipeline.service.limits import MAX_API_KEYS, MAX_KEY_CHARS, MAX_KEY_FILE_BYTES, MAX_TENANT_NAME_CHARS, MIN_KEY_CHARS
+from pipeline.service.limits import (
+    MAX_API_KEYS,
+    MAX_KEY_CHARS,
+    MAX_KEY_FILE_BYTES,
+    MAX_TENANT_NAME_CHARS,
+    MIN_KEY_CHARS,
+)
 from pipeline.wire.errors import ApiKeysError, SettingsError
 from pipeline.wire.textfiles import read_small_file
 
