@@ -17,14 +17,16 @@ from pipeline.cli.batch import job_spec, run_batch
 from pipeline.cli.engine_flags import CONTEXT_SETTINGS, VLLM_FLAGS_HELP, EngineFlags
 from pipeline.cli.launch import setup_logging
 from pipeline.service.limits import (
+    COMPLETION_WINDOW_S,
     DEFAULT_KEY_MAX_ACTIVE_BATCHES,
     DEFAULT_KEY_MAX_STORED_BYTES,
     DEFAULT_MAX_CONCURRENT_BATCHES,
     DEFAULT_MAX_UPLOAD_BYTES,
+    MAX_ACTIVE_BATCHES_LIMIT,
     MAX_CONCURRENT_BATCHES,
+    MAX_STORED_BYTES_LIMIT,
     MAX_UPLOAD_BYTES_LIMIT,
     TEST_WINDOW_RANGE_S,
-    COMPLETION_WINDOW_S,
 )
 from pipeline.wire.errors import BadInputError, PipelineError
 from pipeline.wire.textfiles import for_terminal
@@ -66,10 +68,10 @@ def _job_options(command: click.Command) -> click.Command:
               help="Batches whose jobs run at once (each its own broker and engines), in submission order.")
 @click.option("--max-upload-bytes", type=click.IntRange(1, MAX_UPLOAD_BYTES_LIMIT), default=DEFAULT_MAX_UPLOAD_BYTES,
               show_default=True, help="The largest file an upload may be.")
-@click.option("--key-max-stored-bytes", type=click.IntRange(1, MAX_UPLOAD_BYTES_LIMIT << 10),
+@click.option("--key-max-stored-bytes", type=click.IntRange(1, MAX_STORED_BYTES_LIMIT),
               default=DEFAULT_KEY_MAX_STORED_BYTES, show_default=True,
               help="Bytes of files one tenant may store; an upload past it is refused (429).")
-@click.option("--key-max-active-batches", type=click.IntRange(1, 1_000_000), default=DEFAULT_KEY_MAX_ACTIVE_BATCHES,
+@click.option("--key-max-active-batches", type=click.IntRange(1, MAX_ACTIVE_BATCHES_LIMIT), default=DEFAULT_KEY_MAX_ACTIVE_BATCHES,
               show_default=True, help="Batches of one tenant not ended at once; a create past it is refused (429).")
 @click.option("--test-completion-window-s", type=click.IntRange(*TEST_WINDOW_RANGE_S),
               help=f"For tests: the deadline a '24h' completion window means, in seconds (default "

@@ -23,6 +23,10 @@ DEFAULT_KEY_MAX_STORED_BYTES = 100 << 30
 # A tenant's batches not yet ended (waiting or running): a create past it is refused, so
 # one tenant cannot queue so much that everyone else waits behind it for days.
 DEFAULT_KEY_MAX_ACTIVE_BATCHES = 100
+# What the options take: a tenant's bytes up to a PiB (more than one machine holds); its
+# active batches up to 100,000 (every record is in the server's memory, ~1 KiB each).
+MAX_STORED_BYTES_LIMIT = 1 << 50
+MAX_ACTIVE_BATCHES_LIMIT = 100_000
 # One upload's bytes: OpenAI's per-file limit (512 MB). A bigger job is split, or the
 # option raised.
 DEFAULT_MAX_UPLOAD_BYTES = 512 << 20
