@@ -72,7 +72,8 @@ def _job_options(command: click.Command) -> click.Command:
               default=DEFAULT_KEY_MAX_STORED_BYTES, show_default=True,
               help="Bytes of files one tenant may store; an upload past it is refused (429).")
 @click.option("--key-max-active-batches", type=click.IntRange(1, MAX_ACTIVE_BATCHES_LIMIT),
-              default=DEFAULT_KEY_MAX_ACTIVE_BATCHES, show_default=True, help="Batches of one tenant not ended at once; a create past it is refused (429).")
+              default=DEFAULT_KEY_MAX_ACTIVE_BATCHES, show_default=True,
+              help="Batches of one tenant not ended at once; a create past it is refused (429).")
 @click.option("--test-completion-window-s", type=click.IntRange(*TEST_WINDOW_RANGE_S),
               help=f"For tests: the deadline a '24h' completion window means, in seconds (default "
                    f"{COMPLETION_WINDOW_S:,}).")
