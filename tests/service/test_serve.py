@@ -35,6 +35,8 @@ pytestmark = pytest.mark.integration
 # Requests of a batch that lasts about half a minute on a slow server's sim engine, so a
 # cancel, a deadline or a kill lands in it.
 SLOW_REQUESTS = 1200
+# A kill test's whole run: three server starts and a slow batch, on 2 busy cores.
+LONG_TEST_S = 900
 KEY_A = "sk-team-a-" + "a" * 24
 KEY_B = "sk-team-b-" + "b" * 24
 
@@ -178,6 +180,7 @@ def test_two_keys_cannot_see_each_others_objects_and_lists_page(tmp_path, model_
     assert KEY_A not in server.log() and KEY_B not in server.log()
 
 
+@pytest.mark.timeout(LONG_TEST_S)
 def test_a_server_stopped_then_killed_mid_batch_resumes_with_one_line_per_request(tmp_path, model_dir, servers):
     server = serve(servers, tmp_path, model_dir, slow=True)
     client = server.client()
