@@ -241,11 +241,7 @@ class Store:
         return record
 
     def file(self, owner: str, file_id: str) -> FileRecord:
-        with self.lock:
-            found = self.files.get(file_id)
-            if found is None or found.owner != owner:
-                raise not_found("file", file_id, "file_id")
-            return found
+        return self._owned(self.files, owner, file_id, "file")
 
     def list_files(self, owner: str, purpose: str | None, ascending: bool) -> list[FileRecord]:
         with self.lock:
@@ -295,10 +291,14 @@ class Store:
             return batch
 
     def batch(self, owner: str, batch_id: str) -> BatchRecord:
+        return self._owned(self.batches, owner, batch_id, "batch")
+
+    def _owned(self, table: dict, owner: str, object_id: str, kind: str):
+        """The `kind` of id `object_id` if it is `owner`'s; the 404 of a missing one if not."""
         with self.lock:
-            found = self.batches.get(batch_id)
+            found = table.get(object_id)
             if found is None or found.owner != owner:
-                raise not_found("batch", batch_id, "batch_id")
+                raise not_found(kind, object_id, f"{kind}_id")
             return found
 
     def list_batches(self, owner: str) -> list[BatchRecord]:

@@ -117,12 +117,19 @@ def test_a_malformed_upload_and_a_wrong_endpoint_are_400_with_openais_body(tmp_p
         client.batches.create(input_file_id="file-missing", endpoint="/v1/completions", completion_window="24h")
 
 
-def test_cancel_mid_run_keeps_what_was_answered(tmp_path, model_dir, servers):
-    server = serve(servers, tmp_path, model_dir, slow=True)
+def slow_batch(servers: list, tmp_path, model_dir: str, *args: str):
+    """A slow server and a batch of SLOW_REQUESTS on it: (server, client, its input file, its
+    requests, the batch as created)."""
+    server = serve(servers, tmp_path, model_dir, *args, slow=True)
     client = server.client()
     records = [chat(f"r{k}", f"question {k}") for k in range(SLOW_REQUESTS)]
     source = upload(client, requests_file(tmp_path / "in.jsonl", records))
     batch = client.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h")
+    return server, client, source, records, batch
+
+
+def test_cancel_mid_run_keeps_what_was_answered(tmp_path, model_dir, servers):
+    server, client, _source, records, batch = slow_batch(servers, tmp_path, model_dir)
     wait_batch(client, batch.id, lambda b: b.request_counts.completed > 0, "the first answers")
     cancelling = client.batches.cancel(batch.id)
     assert cancelling.status == "cancelling" and cancelling.cancelling_at is not None
@@ -135,11 +142,8 @@ def test_cancel_mid_run_keeps_what_was_answered(tmp_path, model_dir, servers):
 
 
 def test_a_batch_past_its_window_ends_expired_with_what_was_answered(tmp_path, model_dir, servers):
-    server = serve(servers, tmp_path, model_dir, "--test-completion-window-s", "20", slow=True)
-    client = server.client()
-    records = [chat(f"r{k}", f"question {k}") for k in range(SLOW_REQUESTS)]
-    source = upload(client, requests_file(tmp_path / "in.jsonl", records))
-    batch = client.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h")
+    server, client, _source, records, batch = slow_batch(servers, tmp_path, model_dir, "--test-completion-window-s",
+                                                         "20")
     assert batch.expires_at == batch.created_at + 20
     done = wait_batch(client, batch.id, ended, "the batch to end")
     assert done.status == "expired" and done.expired_at >= done.expires_at, server.log()
@@ -182,11 +186,7 @@ def test_two_keys_cannot_see_each_others_objects_and_lists_page(tmp_path, model_
 
 @pytest.mark.timeout(LONG_TEST_S)
 def test_a_server_stopped_then_killed_mid_batch_resumes_with_one_line_per_request(tmp_path, model_dir, servers):
-    server = serve(servers, tmp_path, model_dir, slow=True)
-    client = server.client()
-    records = [chat(f"r{k}", f"question {k}") for k in range(SLOW_REQUESTS)]
-    source = upload(client, requests_file(tmp_path / "in.jsonl", records))
-    batch = client.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h")
+    server, client, source, records, batch = slow_batch(servers, tmp_path, model_dir)
     first = wait_batch(client, batch.id, lambda b: b.request_counts.completed > 0, "the first answers")
     jobs = psutil.Process(server.process.pid).children()
     assert server.stop(signal.SIGTERM) in (0, -signal.SIGTERM)
