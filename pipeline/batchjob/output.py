@@ -36,8 +36,14 @@ output reads ours, status code and message from one place.
 NOTE: vLLM's convention (`vllm run-batch`: the message as a string in the top-level
 "error", response.body null) was rejected: OpenAI's schema makes that top-level "error" an
 object {code, message} kept for failures without an HTTP response (batch_expired,
-batch_cancelled), which this job does not have, and a client would find no "param" to
-point at.
+batch_cancelled), and a client would find no "param" to point at.
+
+A request a batch never ran, because the batch was cancelled or its completion window ended
+first (`unrun_line`, the batch service's error file), has that top-level error and no
+response, as OpenAI writes it:
+
+    {"id": ..., "custom_id": ..., "response": null,
+     "error": {"code": "batch_cancelled" | "batch_expired", "message": ...}}
 
 Ids are deterministic for a job: made of the job's tag (the first hex digits of its input's
 digest, `JobManifest.id_tag`) and the request's index, and `created` is the job's start
@@ -146,6 +152,21 @@ def error_line(request: RequestRef, status_code: int, message: str, param: str |
         raise BatchOutputError(f"status code {status_code!r}: an error line takes one of {sorted(ERROR_TYPES)}")
     body = {"error": {"message": message, "type": ERROR_TYPES[status_code], "param": param, "code": code}}
     return _line(request, tag, status_code, body)
+
+
+# OpenAI's codes and words for a request a batch never ran.
+CODE_CANCELLED = "batch_cancelled"
+CODE_EXPIRED = "batch_expired"
+UNRUN_MESSAGES = {CODE_CANCELLED: "This request was not executed because the batch was cancelled.",
+                  CODE_EXPIRED: "This request could not be executed before the completion window expired."}
+
+
+def unrun_line(custom_id: str, index: int, tag: str, code: str) -> str:
+    """The error line of a request its batch never ran (`code`: CODE_CANCELLED or
+    CODE_EXPIRED), without a newline; the id as the job would have given its answer."""
+    line = {"id": f"batch_req_{tag}_{index}", "custom_id": custom_id, "response": None,
+            "error": {"code": code, "message": UNRUN_MESSAGES[code]}}
+    return json.dumps(line, separators=(",", ":"), ensure_ascii=True)
 
 
 def row_error(request: RequestRef, row: Mapping[str, object], tag: str) -> tuple[str, int]:

@@ -16,6 +16,7 @@ import click
 from pipeline.cli.batch import run_batch
 from pipeline.cli.lab import bench
 from pipeline.cli.launch import launch
+from pipeline.cli.serve import serve
 from pipeline.cli.stages import broker, consumer, produce, status
 from pipeline.cli.tools import tools
 from pipeline.runtime.datadir import owner_only_umask
@@ -48,5 +49,5 @@ def main() -> None:
     """Shape-aware batching broker for LLM inference pipelines."""
 
 
-for command in (launch, run_batch, broker, consumer, produce, status, tools, bench):
+for command in (launch, run_batch, serve, broker, consumer, produce, status, tools, bench):
     main.add_command(command)

@@ -135,7 +135,7 @@ def run_batch(input_file: str, output_file: str, model_dir: str, served_model_na
     try:
         given = parse_engine_options(engine_options) if engine_options else {}
         flags = EngineFlags.take(options, click.get_current_context().args, given)
-        spec = _spec(input_file, output_file, model_dir, served_model_name, data_dir, output_order, error_file,
+        spec = job_spec(input_file, output_file, model_dir, served_model_name, data_dir, output_order, error_file,
                      overwrite, summary_file, engine, flags, config_path, assignments, keep_data_dir,
                      PromptLimits(prompt_time_limit_s, prompt_memory_limit_mb << 20), options)
         spec.tool_calling = tool_calling(tool_call_parser, enable_auto_tool_choice)
@@ -153,10 +153,11 @@ def run_batch(input_file: str, output_file: str, model_dir: str, served_model_na
     sys.exit(_run(job, spec, ray_address, ray_route, ray_node_dir))
 
 
-def _spec(input_file, output_file, model_dir, served_model_name, data_dir, output_order, error_file, overwrite,
-          summary_file, engine, flags: EngineFlags, config_path, assignments, keep_data_dir, limits,
-          options) -> JobSpec:
-    """The job the command asks for, every option checked (SettingsError and the like)."""
+def job_spec(input_file, output_file, model_dir, served_model_name, data_dir, output_order, error_file, overwrite,
+             summary_file, engine, flags: EngineFlags, config_path, assignments, keep_data_dir, limits,
+             options) -> JobSpec:
+    """The job the command asks for, every option checked (SettingsError and the like);
+    `pipeline serve` checks the options of its jobs with it before it serves."""
     from pipeline.batchjob.chat import ChatTokenizer
     from pipeline.batchjob.template import read_chat_template
     from pipeline.runtime.settings import load_toml

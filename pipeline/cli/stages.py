@@ -417,6 +417,26 @@ STATUS_FIELDS: tuple[str, ...] = (
 )
 
 
+def _say_service(data_dir: str, as_json: bool) -> bool:
+    """A batch service's batches (`pipeline serve`'s data directory), a line each; False
+    where `data_dir` is not one."""
+    from pipeline.service.status import service_status
+
+    found = service_status(data_dir)
+    if found is None:
+        return False
+    if as_json:
+        click.echo(json.dumps(found, indent=2, sort_keys=True))
+        return True
+    server = f"pid {found['server']} serves it" if found["server"] else "no server runs on it"
+    _say(f"batch service ({server}): {counted(len(found['batches']), 'batch', 'batches')}")
+    for batch in found["batches"]:
+        counts = batch["request_counts"]
+        _say(f"{batch['id']} {batch['status']} ({printable(batch['owner'])}): {counts['completed']:,} completed, "
+             f"{counts['failed']:,} failed of {counted(counts['total'], 'request')}; expires at {batch['expires_at']}")
+    return True
+
+
 def _say_job(found: dict, data_dir: str) -> None:
     """A batch job's view, from its own files (running or stopped)."""
     from pipeline.batchjob.jobstatus import CHECKING
@@ -456,7 +476,8 @@ def _say(line: str) -> None:
               help="Results files to account (default DATA_DIR/results).")
 def status(data_dir: str, as_json: bool, results_dir: str | None) -> None:
     """The running broker's counters, backlog and consumers, with the results accounted; on
-    a batch job's data directory, the job (running or stopped) in its requests."""
+    a batch job's data directory, the job (running or stopped) in its requests; on a batch
+    service's (`pipeline serve`), each batch's status and requests."""
     from pipeline.reporting.accounting import ResultsSummary, summarize_results
     from pipeline.reporting.report import build_report, render_report
     from pipeline.wire.client import broker_status
@@ -466,6 +487,8 @@ def status(data_dir: str, as_json: bool, results_dir: str | None) -> None:
     if not os.path.isdir(data_dir):
         raise click.ClickException(f"no data directory at {printable(data_dir)}")
     check_data_dir(data_dir)
+    if _say_service(data_dir, as_json):
+        return
     job = job_status(data_dir)
     config = BrokerConfig(data_dir)
     try:

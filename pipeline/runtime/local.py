@@ -77,6 +77,24 @@ def own_process_group() -> None:
             os._exit(1)
 
 
+def stop_with_parent() -> Callable[[], None]:
+    """A `preexec_fn` for a command this process starts (subprocess): the child gets SIGTERM
+    (a graceful stop) when this process dies, however it dies, and exits at once where this
+    process died before it asked. prctl is looked up here, before the fork: the child of a
+    threaded process calls nothing that may take a lock another thread held.
+    NOTE: the signal comes when the *thread* that started the child ends: start commands
+    from a thread that lives as long as the process (the scheduler's)."""
+    parent = os.getpid()
+    prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+    def preexec() -> None:
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+            if os.getppid() != parent:
+                os._exit(1)
+    return preexec
+
+
 def _broker_main(config: BrokerConfig, storage: str, durability: str, ready, metrics_port: int | None) -> None:
     own_process_group()
     os._exit(serve_broker(config, storage, durability, on_ready=lambda: ready.send("ready"),

@@ -28,7 +28,11 @@ raises one of these, with the offending value, path and byte offset in the messa
     │   │                                    non-integer number
     │   ├── NotHeldError                     a consumer completes an entry it does not hold
     │   ├── SettingsError                    a run's setting is unknown, mistyped or out of
-    │   │                                    range (its file or the command line named)
+    │   │   │                                range (its file or the command line named)
+    │   │   └── ApiKeysError                 the batch service's key file is unreadable, open
+    │   │                                    to others or has a bad line (path:line named)
+    │   ├── ApiError                         a request to the batch service is refused: its
+    │   │                                    HTTP status, OpenAI's error type, param, code
     │   └── ProtocolError                    a control message is malformed (length, JSON,
     │       │                                type, fields); the peer is disconnected
     │       └── ConsumerNameError            a consumer name that cannot name a results file
@@ -216,6 +220,27 @@ class EngineUnavailableError(PipelineError):
 class SettingsError(BadInputError):
     """A setting of a run is wrong (an unknown key, a wrong type, a value out of range);
     the message names where it came from (a file, the command line) and the key."""
+
+
+class ApiKeysError(SettingsError):
+    """The batch service's API key file (`pipeline serve --api-keys`) cannot be used: it is
+    missing, unreadable, too big, readable by others, or a line is not a key (too short, too
+    long, a space inside, a name that is not a word, a key given twice): path:line named,
+    never the key itself."""
+
+
+class ApiError(BadInputError):
+    """A request to the batch service (`pipeline serve`) refused: the HTTP status, and
+    OpenAI's error object (message, type, param, code) it is answered with."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type
 
 
 class MetricsPortError(SettingsError):

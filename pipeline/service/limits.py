@@ -1,0 +1,80 @@
+"""The batch service's limits, each checked where the outside world enters (a request, the
+key file, the command line), with its reason."""
+
+from __future__ import annotations
+
+# The one completion window OpenAI's Batch API takes, and the deadline it means.
+COMPLETION_WINDOW = "24h"
+COMPLETION_WINDOW_S = 24 * 3600
+# The test option's range for the deadline a "24h" window means: a second (a test that
+# expires a batch at once) to the real window.
+TEST_WINDOW_RANGE_S = (1, COMPLETION_WINDOW_S)
+
+# Batches whose jobs run at once. One: each batch's job runs its own broker and consumers,
+# and two vLLM engines on one GPU would split its memory between them; jobs that share a
+# broker (and its prefix cache) are the next step, not more jobs side by side.
+DEFAULT_MAX_CONCURRENT_BATCHES = 1
+# The most the option takes: every running job holds producers, a broker and consumers.
+MAX_CONCURRENT_BATCHES = 64
+
+# A tenant's stored bytes (its uploads and the outputs made for it): OpenAI's project file
+# storage is 100 GB; an upload past it is refused (outputs are always written).
+DEFAULT_KEY_MAX_STORED_BYTES = 100 << 30
+# A tenant's batches not yet ended (waiting or running): a create past it is refused, so
+# one tenant cannot queue so much that everyone else waits behind it for days.
+DEFAULT_KEY_MAX_ACTIVE_BATCHES = 100
+# What the options take: a tenant's bytes up to a PiB (more than one machine holds); its
+# active batches up to 100,000 (every record is in the server's memory, ~1 KiB each).
+MAX_STORED_BYTES_LIMIT = 1 << 50
+MAX_ACTIVE_BATCHES_LIMIT = 100_000
+# One upload's bytes: OpenAI's per-file limit (512 MB). A bigger job is split, or the
+# option raised.
+DEFAULT_MAX_UPLOAD_BYTES = 512 << 20
+# What the upload size options take: a byte to 1 TiB (what one disk holds, give or take).
+MAX_UPLOAD_BYTES_LIMIT = 1 << 40
+
+# The key file: read whole, at most this many bytes (10,000 keys of 64 characters with
+# names fit in 1 MiB).
+MAX_KEY_FILE_BYTES = 1 << 20
+# Keys in the file: lookups are a hash; the bound keeps a wrong file (a log) from loading.
+MAX_API_KEYS = 10_000
+# A key is a password: at least 16 characters (of a 62-letter alphabet, ~95 bits), at most
+# 256 (a header's worth; longer is a pasted file, not a key).
+MIN_KEY_CHARS = 16
+MAX_KEY_CHARS = 256
+# A tenant's name: what its records say it owns, in logs and metrics.
+MAX_TENANT_NAME_CHARS = 64
+
+# OpenAI's metadata: at most 16 pairs, keys up to 64 characters, values up to 512.
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+# An uploaded file's name as its record keeps it (a file system's name limit).
+MAX_FILENAME_CHARS = 255
+# A request body of JSON (a batch create): far above any real one, far below memory.
+MAX_JSON_BODY_BYTES = 64 << 10
+
+# Listing: OpenAI's ranges and defaults (batches 1..100, default 20; files 1..10,000, default
+# 10,000).
+BATCH_LIST_LIMIT_RANGE = (1, 100)
+BATCH_LIST_DEFAULT = 20
+FILE_LIST_LIMIT_RANGE = (1, 10_000)
+FILE_LIST_DEFAULT = 10_000
+
+# How often the scheduler looks at its batches: progress is seen within this, and a status
+# file read per running job costs microseconds.
+SCHEDULER_TICK_S = 0.5
+# A job run that fails (not one stopped) is run again, keeping what it answered, at most this
+# many times before its batch fails: a passing failure (a crashed consumer) gets retries, a
+# lasting one (a model that cannot load) does not loop for the whole window.
+MAX_JOB_FAILURES = 3
+# How long a stopping server waits for its jobs to stop gracefully (each keeps what it
+# answered) before killing them; a killed job is resumed as well, only with less kept in order.
+JOB_STOP_WAIT_S = 60.0
+# How long a stopping server lets the requests in flight finish (an upload's check of a
+# large file takes seconds), before its jobs are stopped.
+REQUESTS_STOP_WAIT_S = 30
+# Lines of a failed job's log kept in its batch's errors: the last lines say why.
+JOB_LOG_TAIL_LINES = 5
+# Bytes of a job's log read for that tail.
+JOB_LOG_TAIL_BYTES = 16 << 10
