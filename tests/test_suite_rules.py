@@ -113,3 +113,12 @@ def test_a_unit_test_that_starts_a_process_fails(start):
 @pytest.mark.integration
 def test_an_integration_test_may_start_a_process():
     assert subprocess.run(["true"]).returncode == 0
+
+
+def test_every_test_module_has_a_name_of_its_own():
+    # Test folders are not packages: pytest imports each test file by its bare name (its
+    # folder on sys.path), so two files of one name in two folders fail the collection.
+    by_name: dict[str, list[str]] = {}
+    for path in TESTS.rglob("test_*.py"):
+        by_name.setdefault(path.name, []).append(str(path.relative_to(TESTS)))
+    assert not {name: paths for name, paths in by_name.items() if len(paths) > 1}
