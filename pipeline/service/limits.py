@@ -49,6 +49,12 @@ MAX_TENANT_NAME_CHARS = 64
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
+# A batch's priority: its metadata's "priority", an integer in vLLM's sense (the lower, the
+# sooner), 0 when not given. The range is far past any ladder of priorities a team keeps; a
+# value beyond it is a mistake (a timestamp, an id in the wrong field) worth a 400.
+PRIORITY_KEY = "priority"
+DEFAULT_PRIORITY = 0
+PRIORITY_RANGE = (-1_000_000, 1_000_000)
 # An uploaded file's name as its record keeps it (a file system's name limit).
 MAX_FILENAME_CHARS = 255
 # A request body of JSON (a batch create): far above any real one, far below memory.

@@ -12,11 +12,15 @@ shows, so a restart reads no input file. Its `owner` is the tenant's name, never
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pipeline.service.limits import (
+    DEFAULT_PRIORITY,
+    PRIORITY_KEY,
+    PRIORITY_RANGE,
     COMPLETION_WINDOW,
     MAX_METADATA_KEY_CHARS,
     MAX_METADATA_PAIRS,
@@ -205,7 +209,21 @@ def check_metadata(metadata: Any) -> dict[str, str] | None:
             raise ApiError(HTTP_BAD_REQUEST, f"metadata key {key[:MAX_METADATA_KEY_CHARS]!r}: keys are at most "
                                              f"{MAX_METADATA_KEY_CHARS} characters, values at most "
                                              f"{MAX_METADATA_VALUE_CHARS}", "metadata")
+    if PRIORITY_KEY in metadata:
+        value = metadata[PRIORITY_KEY]
+        low, high = PRIORITY_RANGE
+        if not re.fullmatch(r"[+-]?[0-9]{1,12}", value.strip()) or not low <= int(value) <= high:
+            raise ApiError(HTTP_BAD_REQUEST, f"metadata {PRIORITY_KEY} {value[:20]!r}: an integer from {low:,} to "
+                                             f"{high:,} (the lower, the sooner; 0 by default)", "metadata")
     return dict(metadata)
+
+
+def priority_of(metadata: dict[str, str] | None) -> int:
+    """A batch's priority (checked by `check_metadata` when it was created): the lower, the
+    sooner, as vLLM's; DEFAULT_PRIORITY without one."""
+    if not metadata or PRIORITY_KEY not in metadata:
+        return DEFAULT_PRIORITY
+    return int(metadata[PRIORITY_KEY])
 
 
 def check_endpoint_of_lines(urls: Sequence[str], endpoint: str) -> None:

@@ -8,8 +8,9 @@ Each tick, for each batch not ended, in submission order:
   (it keeps what it answered) up to MAX_JOB_FAILURES times, then the batch `failed`;
 - a batch finalizing, or stopping with no run left, gets its output and error files
   (`finalize.py`), and only then its terminal status (`states.py`);
-then batches waiting for a slot (validating, or a run that stopped) start, in submission
-order, while fewer than `max_concurrent` runs are going. A restart is the same loop on the
+then batches waiting for a slot (validating, or a run that stopped) start while fewer than
+`max_concurrent` runs are going: by priority and submission order, and a batch at risk of
+its deadline first, a running one making way for it where needed (`admission.py`). A restart is the same loop on the
 records as they were: what ran is resumed, what was stopping is finished.
 
 The API's threads only create records and mark cancels (`cancel`), under the store's lock;
@@ -24,10 +25,21 @@ import time
 from collections.abc import Callable
 
 from pipeline.batchjob.output import CODE_CANCELLED, CODE_EXPIRED
+from pipeline.service.admission import Admission, Candidate, Pace
 from pipeline.service.finalize import remove_quietly, write_batch_files
 from pipeline.service.limits import JOB_STOP_WAIT_S, MAX_JOB_FAILURES, SCHEDULER_TICK_S
-from pipeline.service.objects import HTTP_BAD_REQUEST, BatchRecord
-from pipeline.service.runner import ANSWERED_ALL, ENDED, FAILED, RUNNING, WAITING, BatchRun, Executor, Progress
+from pipeline.service.objects import HTTP_BAD_REQUEST, BatchRecord, priority_of
+from pipeline.service.runner import (
+    ANSWERED_ALL,
+    CHECKING,
+    ENDED,
+    FAILED,
+    RUNNING,
+    WAITING,
+    BatchRun,
+    Executor,
+    Progress,
+)
 from pipeline.service.states import (
     ANSWERED,
     CANCEL,
@@ -47,6 +59,8 @@ from pipeline.wire.errors import ApiError
 log = logging.getLogger("pipeline.service")
 
 STOP_CODES = {STOP_CANCEL: CODE_CANCELLED, STOP_EXPIRE: CODE_EXPIRED}
+# Progress states of a run that holds one of the max_concurrent slots.
+HOLDS_SLOT = (RUNNING, CHECKING)
 
 
 class Scheduler:
@@ -59,6 +73,9 @@ class Scheduler:
         self.max_concurrent = max_concurrent
         self.clock = clock
         self.last: dict[str, Progress] = {}  # each batch's latest poll
+        self.admission = Admission(max_concurrent)
+        self.pace = Pace()
+        self.preempted: set[str] = set()  # runs stopping to make way (admission.py)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -139,6 +156,11 @@ class Scheduler:
         progress = self.executor.poll(run)
         self.last[batch.id] = progress
         self._counts(batch, progress)
+        if progress.state in HOLDS_SLOT:
+            self.pace.observe(batch.id, self.clock(), progress.done)
+        else:
+            self.preempted.discard(batch.id)
+            self.pace.stopped(batch.id)
         if progress.state == RUNNING and life.status == VALIDATING:
             self._change(batch, JOB_RUNNING, now)
         if progress.state == ENDED:
@@ -197,16 +219,34 @@ class Scheduler:
         self.last.pop(batch.id, None)
 
     def _admit(self) -> None:
-        """Start waiting batches, in submission order, while runs are fewer than the limit."""
+        """Start runs, and stop one where a batch at risk of its deadline needs its slot, as
+        the admission rule says (admission.py)."""
         if self._stop.is_set():
             return
+        now = self.clock()
+        batches = {}
+        candidates = []
         for batch in self.store.unfinished():
-            if self.executor.running() >= self.max_concurrent:
-                return
             progress = self.last.get(batch.id)
-            if batch.life.status not in RUNNABLE or batch.life.stop is not None or progress is None:
+            if progress is None:
                 continue
+            running = progress.state in HOLDS_SLOT
             # BUSY: a run an earlier server started still stops; it is resumed once it let go.
-            if progress.state == WAITING or (progress.state == ENDED and progress.outcome != ANSWERED_ALL):
-                ran = progress.usage is not None or batch.job_failures  # its job's files exist
-                (self.executor.resume if ran else self.executor.start)(self.run_of(batch))
+            resumable = progress.state == WAITING or (progress.state == ENDED and progress.outcome != ANSWERED_ALL)
+            if not running and (batch.life.status not in RUNNABLE or batch.life.stop is not None or not resumable):
+                continue
+            batches[batch.id] = batch
+            stopping = running and (batch.life.stop is not None or batch.id in self.preempted)
+            candidates.append(Candidate(batch.id, batch.seq, priority_of(batch.metadata), batch.life.expires_at,
+                                        max(0, batch.total - batch.completed - batch.failed), running, stopping))
+        decision = self.admission.decide(candidates, now, self.pace.rate_rps, self.pace.start_s)
+        for batch_id in decision.preempt:
+            log.info("batch %s: stops for batch %s, whose deadline is at risk; it resumes when a slot frees",
+                     batch_id, decision.urgent[0])
+            self.preempted.add(batch_id)
+            self.executor.cancel(self.run_of(batches[batch_id]))
+        for batch_id in decision.start:
+            batch = batches[batch_id]
+            ran = self.last[batch_id].usage is not None or batch.job_failures  # its job's files exist
+            if (self.executor.resume if ran else self.executor.start)(self.run_of(batch)):
+                self.pace.started(batch_id, now, batch.completed + batch.failed)

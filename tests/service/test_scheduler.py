@@ -213,3 +213,54 @@ def test_a_restart_reads_the_records_and_resumes_what_ran(tmp_path):
         assert script.calls[-1] == ("resume", batch.id)
     finally:
         again.close()
+
+
+def batch_of(store: Store, clock: Clock, requests: int, window_s: int, metadata: dict | None = None):
+    lines = "".join(json.dumps({"custom_id": f"r{k}", "method": "POST", "url": "/v1/completions", "body": {}}) + "\n"
+                    for k in range(requests)).encode()
+    source = store.upload(OWNER, "in.jsonl", io.BytesIO(lines), len(lines), len(lines), QUOTA, int(clock()))
+    return store.create_batch(OWNER, BatchCreate(source.id, "/v1/completions", metadata), "m", window_s, 10,
+                              int(clock()))
+
+
+def test_a_batch_at_risk_of_its_deadline_runs_first_and_the_long_one_resumes(store):
+    clock, script = Clock(), Script()
+    scheduler = Scheduler(store, script, max_concurrent=1, clock=clock)
+    long = batch_of(store, clock, 400, WINDOW_S)
+    scheduler.tick()
+    clock.now += 1
+    script.answer(long.id, range(10))
+    scheduler.tick()  # its first answers: a run starts in 1 s
+    clock.now += 2
+    script.answer(long.id, range(50))
+    scheduler.tick()  # 40 answers in 2 s: 20 a second, 350 left (17.5 s)
+    assert (scheduler.pace.start_s, scheduler.pace.rate_rps) == (1.0, 20.0)
+    short = batch_of(store, clock, 40, 10)  # 2 s of work, due in 10: behind the long one it ends at 21.5 s
+    scheduler.tick()
+    assert script.calls[-1] == ("cancel", long.id) and long.id in scheduler.preempted
+    scheduler.tick()  # the long run stopped; the short one takes its slot
+    assert script.calls[-1] == ("start", short.id) and long.life.status == "in_progress"
+    clock.now += 3
+    script.answer(short.id, range(40))
+    script.end(short.id, ANSWERED_ALL)
+    scheduler.tick()
+    assert short.life.status == "completed" and short.life.completed_at <= short.life.expires_at
+    assert script.calls[-1] == ("resume", long.id)
+    script.answer(long.id, range(400))
+    script.end(long.id, ANSWERED_ALL)
+    scheduler.tick()
+    assert long.life.status == "completed" and long.completed == 400
+
+
+def test_priority_orders_the_waiting_batches(store):
+    clock, script = Clock(), Script()
+    scheduler = Scheduler(store, script, max_concurrent=1, clock=clock)
+    first = batch_of(store, clock, 4, WINDOW_S)
+    later = batch_of(store, clock, 4, WINDOW_S)
+    sooner = batch_of(store, clock, 4, WINDOW_S, {"priority": "-1"})
+    scheduler.tick()
+    assert script.calls == [("start", sooner.id)]
+    script.answer(sooner.id, range(4))
+    script.end(sooner.id, ANSWERED_ALL)
+    scheduler.tick()
+    assert script.calls[-1] == ("start", first.id) and later.life.status == "validating"

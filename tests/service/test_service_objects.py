@@ -7,7 +7,12 @@ import json
 
 import pytest
 
-from pipeline.service.limits import MAX_METADATA_KEY_CHARS, MAX_METADATA_PAIRS, MAX_METADATA_VALUE_CHARS
+from pipeline.service.limits import (
+    MAX_METADATA_KEY_CHARS,
+    MAX_METADATA_PAIRS,
+    MAX_METADATA_VALUE_CHARS,
+    PRIORITY_RANGE,
+)
 from pipeline.service.objects import (
     BatchRecord,
     FileRecord,
@@ -16,6 +21,7 @@ from pipeline.service.objects import (
     check_endpoint_of_lines,
     check_limit,
     check_metadata,
+    priority_of,
     error_body,
     file_object,
     file_record,
@@ -144,3 +150,15 @@ def test_every_line_must_be_for_the_batchs_endpoint():
     with pytest.raises(ApiError) as refused:
         check_endpoint_of_lines(["/v1/completions", "/v1/chat/completions"], "/v1/completions")
     assert refused.value.code == "mismatched_endpoint"
+
+
+def test_a_priority_in_metadata_is_an_integer_in_its_range():
+    low, high = PRIORITY_RANGE
+    for value in (str(low), str(high), "0", " 7", "+3"):
+        assert check_metadata({"priority": value}) == {"priority": value}
+        assert priority_of({"priority": value}) == int(value)
+    assert priority_of(None) == priority_of({"team": "a"}) == 0
+    for value in (str(low - 1), str(high + 1), "high", "1.5", "", "1" * 13):
+        with pytest.raises(ApiError, match="priority") as raised:
+            check_metadata({"priority": value})
+        assert raised.value.status == 400 and raised.value.param == "metadata"
