@@ -17,7 +17,6 @@ from pipeline.cli.batch import job_spec, run_batch
 from pipeline.cli.engine_flags import CONTEXT_SETTINGS, VLLM_FLAGS_HELP, EngineFlags
 from pipeline.cli.launch import setup_logging
 from pipeline.service.limits import (
-    COMPLETION_WINDOW_S,
     DEFAULT_KEY_MAX_ACTIVE_BATCHES,
     DEFAULT_KEY_MAX_STORED_BYTES,
     DEFAULT_MAX_CONCURRENT_BATCHES,
@@ -75,8 +74,8 @@ def _job_options(command: click.Command) -> click.Command:
               default=DEFAULT_KEY_MAX_ACTIVE_BATCHES, show_default=True,
               help="Batches of one tenant not ended at once; a create past it is refused (429).")
 @click.option("--test-completion-window-s", type=click.IntRange(*TEST_WINDOW_RANGE_S),
-              help=f"For tests: the deadline a '24h' completion window means, in seconds (default "
-                   f"{COMPLETION_WINDOW_S:,}).")
+              help="For tests: every batch's deadline, in seconds after its creation, whatever its completion "
+                   "window.")
 @click.option("-v", "--verbose", is_flag=True, help="Log the service's and the HTTP server's info messages.")
 def serve(data_dir: str, host: str, port: int, api_keys: str | None, max_concurrent_batches: int,
           max_upload_bytes: int, key_max_stored_bytes: int, key_max_active_batches: int,
@@ -95,7 +94,7 @@ def serve(data_dir: str, host: str, port: int, api_keys: str | None, max_concurr
         check_host(host, tenants)
         job_args = _job_args(ctx, options)
         model, endpoints = _checked_jobs(data_dir, dict(options), list(ctx.args))
-        api = ServiceConfig(model, endpoints, test_completion_window_s or COMPLETION_WINDOW_S, max_upload_bytes,
+        api = ServiceConfig(model, endpoints, test_completion_window_s, max_upload_bytes,
                             key_max_stored_bytes, key_max_active_batches)
         serve_forever(ServeOptions(data_dir, host, port, tenants, job_args, max_concurrent_batches, api, verbose),
                       say=lambda line: click.echo(for_terminal(line), err=True))

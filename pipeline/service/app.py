@@ -4,7 +4,7 @@
     POST   /v1/files                      upload (multipart: file, purpose "batch")
     GET    /v1/files[?purpose&limit&order&after]
     GET    /v1/files/{id}                 DELETE /v1/files/{id}       GET /v1/files/{id}/content
-    POST   /v1/batches                    {input_file_id, endpoint, completion_window "24h", metadata}
+    POST   /v1/batches                    {input_file_id, endpoint, completion_window ("24h"), metadata}
     GET    /v1/batches[?after&limit]      GET /v1/batches/{id}        POST /v1/batches/{id}/cancel
     GET    /health                        GET /metrics (Prometheus text)
 
@@ -48,6 +48,7 @@ from pipeline.service.objects import (
     file_object,
     list_page,
     parse_batch_create,
+    window_seconds,
 )
 from pipeline.service.scheduler import Scheduler
 from pipeline.service.store import Store
@@ -67,7 +68,7 @@ class ServiceConfig:
 
     model: str  # the served model's name (a batch object's `model`)
     endpoints: tuple[str, ...]
-    window_s: int  # the deadline a "24h" window means
+    test_window_s: int | None  # for tests: every batch's deadline, whatever its window
     max_upload_bytes: int
     key_max_stored_bytes: int
     key_max_active_batches: int
@@ -192,7 +193,8 @@ def _batches(app: FastAPI, store: Store, scheduler: Scheduler, tenant: TenantOf,
         owner = tenant(request)
         body = await _json_body(request)
         wanted = parse_batch_create(body, config.endpoints)
-        batch = await run_in_threadpool(store.create_batch, owner, wanted, config.model, config.window_s,
+        window_s = config.test_window_s or window_seconds(wanted.completion_window)
+        batch = await run_in_threadpool(store.create_batch, owner, wanted, config.model, window_s,
                                         config.key_max_active_batches, int(scheduler.clock()))
         return batch_object(batch)
 

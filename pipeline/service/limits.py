@@ -3,10 +3,16 @@ key file, the command line), with its reason."""
 
 from __future__ import annotations
 
-# The one completion window OpenAI's Batch API takes, and the deadline it means.
+# OpenAI's completion window (the one its Batch API takes), the default, and the deadline it
+# means. Other windows are taken too, a number of seconds, minutes or hours ("90m", "2h"):
+# a batch's window is its deadline, which the scheduler orders by (admission.py).
 COMPLETION_WINDOW = "24h"
 COMPLETION_WINDOW_S = 24 * 3600
-# The test option's range for the deadline a "24h" window means: a second (a test that
+COMPLETION_WINDOW_UNITS_S = {"s": 1, "m": 60, "h": 3600}
+# The windows taken: a minute (shorter is less than a vLLM engine's start, missed by any
+# batch) to a week (Bedrock's longest batch window; longer is a mistake, not a plan).
+COMPLETION_WINDOW_RANGE_S = (60, 7 * 24 * 3600)
+# The test option's range for the deadline of every batch, whatever its window: a second (a test that
 # expires a batch at once) to the real window.
 TEST_WINDOW_RANGE_S = (1, COMPLETION_WINDOW_S)
 

@@ -22,6 +22,8 @@ from pipeline.service.limits import (
     PRIORITY_KEY,
     PRIORITY_RANGE,
     COMPLETION_WINDOW,
+    COMPLETION_WINDOW_RANGE_S,
+    COMPLETION_WINDOW_UNITS_S,
     MAX_METADATA_KEY_CHARS,
     MAX_METADATA_PAIRS,
     MAX_METADATA_VALUE_CHARS,
@@ -73,6 +75,7 @@ class BatchRecord:
     life: Lifecycle
     total: int
     metadata: dict[str, str] | None = None
+    completion_window: str = COMPLETION_WINDOW  # as the create said; its deadline is in `life`
     completed: int = 0
     failed: int = 0
     usage: dict[str, int] | None = None  # prompt_tokens, completion_tokens, cached_tokens
@@ -122,7 +125,8 @@ def batch_object(record: BatchRecord) -> dict:
     return {
         "id": record.id, "object": "batch", "endpoint": record.endpoint, "model": record.model,
         "errors": {"object": "list", "data": record.errors} if record.errors else None,
-        "input_file_id": record.input_file_id, "completion_window": COMPLETION_WINDOW, "status": life.status,
+        "input_file_id": record.input_file_id, "completion_window": record.completion_window,
+        "status": life.status,
         "output_file_id": record.output_file_id if ended else None,
         "error_file_id": record.error_file_id if ended else None,
         "created_at": life.created_at, "expires_at": life.expires_at, **life.stamps(),
@@ -172,6 +176,7 @@ class BatchCreate:
     input_file_id: str
     endpoint: str
     metadata: dict[str, str] | None
+    completion_window: str = COMPLETION_WINDOW  # checked: `window_seconds` takes it
 
 
 def parse_batch_create(body: Any, endpoints: Sequence[str]) -> BatchCreate:
@@ -188,10 +193,22 @@ def parse_batch_create(body: Any, endpoints: Sequence[str]) -> BatchCreate:
     if body["endpoint"] not in endpoints:
         raise ApiError(HTTP_BAD_REQUEST, f"endpoint {body['endpoint'][:100]!r}: this server runs batches of "
                                          f"{', '.join(endpoints)}", "endpoint")
-    if body["completion_window"] != COMPLETION_WINDOW:
-        raise ApiError(HTTP_BAD_REQUEST, f"completion_window {body['completion_window'][:20]!r}: only "
-                                         f"{COMPLETION_WINDOW!r} is supported", "completion_window")
-    return BatchCreate(body["input_file_id"], body["endpoint"], check_metadata(body.get("metadata")))
+    window = body["completion_window"]
+    window_seconds(window)
+    return BatchCreate(body["input_file_id"], body["endpoint"], check_metadata(body.get("metadata")), window)
+
+
+def window_seconds(window: str) -> int:
+    """A completion window's seconds: "24h" (OpenAI's), or any number of seconds, minutes or
+    hours in COMPLETION_WINDOW_RANGE_S; ApiError 400 otherwise."""
+    low, high = COMPLETION_WINDOW_RANGE_S
+    match = re.fullmatch(r"([0-9]{1,7})([smh])", window)
+    seconds = int(match.group(1)) * COMPLETION_WINDOW_UNITS_S[match.group(2)] if match else None
+    if seconds is None or not low <= seconds <= high:
+        raise ApiError(HTTP_BAD_REQUEST, f"completion_window {window[:20]!r}: {COMPLETION_WINDOW!r} (OpenAI's), or "
+                                         f"seconds, minutes or hours from {low // 60} minute to {high // 3600} hours "
+                                         f"(\"90m\", \"2h\")", "completion_window")
+    return seconds
 
 
 def check_metadata(metadata: Any) -> dict[str, str] | None:

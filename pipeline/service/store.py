@@ -284,7 +284,8 @@ class Store:
                                               f"(--key-max-active-batches): wait for one to end or cancel one",
                                None, "rate_limit_exceeded", type="requests")
             batch = BatchRecord(new_id("batch_"), owner, self._next_seq, source.id, create.endpoint, model,
-                                Lifecycle.new(now, window_s), source.requests, create.metadata)
+                                Lifecycle.new(now, window_s), source.requests, create.metadata,
+                                create.completion_window)
             self.save_batch(batch)
             self._next_seq += 1
             self.batches[batch.id] = batch

@@ -68,9 +68,11 @@ def test_a_batch_from_upload_to_its_output(tmp_path, model_dir, servers):
     source = upload(client, requests_file(tmp_path / "in.jsonl", records))
     assert (source.purpose, source.bytes, source.filename) == ("batch", (tmp_path / "in.jsonl").stat().st_size,
                                                                "in.jsonl")
-    batch = client.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h",
-                                  metadata={"team": "a"})
-    assert (batch.status, batch.request_counts.total, batch.metadata) == ("validating", 21, {"team": "a"})
+    metadata = {"team": "a", "priority": "-1"}
+    batch = client.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="90m",
+                                  metadata=metadata)
+    assert (batch.status, batch.request_counts.total, batch.metadata) == ("validating", 21, metadata)
+    assert (batch.completion_window, batch.expires_at - batch.created_at) == ("90m", 90 * 60)
     done = wait_batch(client, batch.id, ended, "the batch to end")
     assert done.status == "completed", server.log()
     assert (done.request_counts.completed, done.request_counts.failed) == (20, 1)

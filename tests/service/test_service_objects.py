@@ -11,6 +11,7 @@ from pipeline.service.limits import (
     MAX_METADATA_KEY_CHARS,
     MAX_METADATA_PAIRS,
     MAX_METADATA_VALUE_CHARS,
+    COMPLETION_WINDOW_RANGE_S,
     PRIORITY_RANGE,
 )
 from pipeline.service.objects import (
@@ -22,6 +23,7 @@ from pipeline.service.objects import (
     check_limit,
     check_metadata,
     priority_of,
+    window_seconds,
     error_body,
     file_object,
     file_record,
@@ -137,7 +139,7 @@ def test_a_create_body_is_checked_key_by_key():
     body = {"input_file_id": "file-1", "endpoint": "/v1/completions", "completion_window": "24h"}
     assert parse_batch_create(body, ENDPOINTS).endpoint == "/v1/completions"
     for wrong, param in (({**body, "endpoint": "/v1/responses"}, "endpoint"),
-                         ({**body, "completion_window": "48h"}, "completion_window"),
+                         ({**body, "completion_window": "24 h"}, "completion_window"),
                          ({**body, "output_expires_after": {}}, "output_expires_after"),
                          ({k: v for k, v in body.items() if k != "input_file_id"}, "input_file_id")):
         with pytest.raises(ApiError) as refused:
@@ -162,3 +164,16 @@ def test_a_priority_in_metadata_is_an_integer_in_its_range():
         with pytest.raises(ApiError, match="priority") as raised:
             check_metadata({"priority": value})
         assert raised.value.status == 400 and raised.value.param == "metadata"
+
+
+def test_a_completion_window_is_a_duration_in_its_range():
+    low, high = COMPLETION_WINDOW_RANGE_S
+    body = {"input_file_id": "file-1", "endpoint": "/v1/completions"}
+    for window, seconds in (("24h", 86_400), (f"{low}s", low), ("1m", 60), ("90m", 5_400), (f"{high // 3600}h", high)):
+        assert window_seconds(window) == seconds
+        assert parse_batch_create({**body, "completion_window": window}, ENDPOINTS).completion_window == window
+    for window in (f"{low - 1}s", f"{high + 1}s", f"{high // 3600 + 1}h", "0m", "1d", "h", "24", "1.5h", "-1h",
+                   "9" * 8 + "s"):
+        with pytest.raises(ApiError, match="completion_window") as refused:
+            window_seconds(window)
+        assert (refused.value.status, refused.value.param) == (400, "completion_window")
