@@ -26,6 +26,7 @@ COMPARISON_MODULES: dict[str, str] = {
     "scaling": "lab.bench.scaling",
     "memory": "lab.bench.memory",
     "job-scale": "lab.bench.job_scale",
+    "serve": "lab.bench.serve",
 }
 
 
