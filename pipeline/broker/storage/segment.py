@@ -172,11 +172,10 @@ class Durability(Enum):
     POWER = "power"  # also fdatasync'ed, with group commit: survives power loss
 
 
-# NOTE: version 1 mapped a peeked batch's pages writable ahead of its tombstones
-# (madvise MADV_POPULATE_WRITE, 1 MiB ahead). Version 2 stores nothing into the mapping, and
-# a write-populate of a shared file mapping dirties its pages: the kernel would write synced
-# sectors back again, the in-place rewrite the layout removes. Reads fault in 64 KiB at a time
-# (fault-around), and the pages mapped are still only those dispatch reaches (issue 16).
+# NOTE: mapping a peeked batch's pages writable ahead (madvise MADV_POPULATE_WRITE) was
+# rejected: a write-populate of a shared file mapping dirties its pages, and the kernel would
+# write synced sectors back again, the in-place rewrite the layout forbids. Reads fault in
+# 64 KiB at a time (fault-around), and the pages mapped are only those dispatch reaches.
 
 
 # Pages dropped from a segment's mapping at a time, at least: reads fault in 64 KiB at a time
