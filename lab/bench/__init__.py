@@ -1,5 +1,5 @@
 """`pipeline bench`: the product side by side with what users would pick instead, every side
-measured in the same run (issue 16).
+measured in the same run.
 
 Each comparison is a module here exposing `COMPARISON` (see `harness.Comparison`); this
 registry names them in the order `pipeline bench all` runs them. A module is imported only

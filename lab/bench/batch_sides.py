@@ -1,4 +1,4 @@
-"""The two sides of the run-batch comparison (issue 14), each a fresh process of the command
+"""The two sides of the run-batch comparison, each a fresh process of the command
 as a user runs it, on the same batch file and vLLM settings: `vllm run-batch` (its own
 `main`, its `run_batch` coroutine timed) and `pipeline run-batch --engine vllm`; and the
 check of an output file. Shared by `pipeline bench run-batch` and `run-batch-mix` and by
@@ -85,8 +85,8 @@ def _env(scratch: Path, threads: int) -> dict[str, str]:
 
 def _timed(cmd: list[str], env: dict[str, str], log: Path) -> float:
     """Run `cmd`, its output to `log`; its wall time.
-    NOTE: it used to remove every `sbrk-` object that appeared in /dev/shm during the run,
-    which deleted a concurrent benchmark's live doorbell; `pipeline run-batch` removes its
+    NOTE: removing every `sbrk-` object that appears in /dev/shm during the run was rejected:
+    it deleted a concurrent benchmark's live doorbell; `pipeline run-batch` removes its
     own objects, and one it left would be a bug for `pipeline tools cleanup` to show."""
     start = time.monotonic()
     with open(log, "w") as out:

@@ -1,4 +1,4 @@
-"""The chat batch file of the run-batch comparison (issue 14; `pipeline bench run-batch` and
+"""The chat batch file of the run-batch comparison (`pipeline bench run-batch` and
 tools/bench_engine_process.py): OpenAI Batch requests in many shapes with Zipf-like popularity,
 in shuffled (arrival) order; seeded.
 

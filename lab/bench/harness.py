@@ -40,7 +40,7 @@ import numpy as np
 # How to install the lab's packages (pipeline/cli/lab.py says the same where the lab itself
 # cannot be imported; tests/cli/test_lab.py holds the two equal).
 LAB_INSTALL = "pip install 'shape-broker[lab]'"
-SUITE_HEADING = "## Evaluation suite: `pipeline bench` (issue 16)"
+SUITE_HEADING = "## The evaluation suite: `pipeline bench`"
 SUITE_PREAMBLE = (
     "Every section below is written by the command in its first line, which also writes the raw figures "
     "(a JSON file) and the plot beside it; rerun it to reproduce the section. Medians are of alternating, "

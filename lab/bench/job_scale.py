@@ -14,7 +14,7 @@ consumers write CLOCK_MONOTONIC, the machine's one clock). The resume: the time 
 second command's start to its first new dispatch, against the time to read every file of
 the job's answers once (the results files and the job's answer log and records).
 
-Targets (issue 33): the largest job completes; its peak PSS within 1.3x of the smallest's and
+Targets: the largest job completes; its peak PSS within 1.3x of the smallest's and
 under 2 GiB; its requests/s within 10% of the smallest's; at BASELINE_SIZE at least 4x the
 baseline tree's requests/s; first dispatch under 10 s at 1,000,000 and under 60 s at
 10,000,000; the resume's first new dispatch within 2x the read, and one line per custom_id.
@@ -40,7 +40,7 @@ SIZES = (100_000, 1_000_000, 10_000_000)
 QUICK_SIZES = (2_000, 20_000)
 BASELINE_SIZE = 1_000_000
 QUICK_BASELINE_SIZE = 2_000
-# The tree before this issue's streaming job path: the side-by-side baseline.
+# The tree before the streaming job path: the side-by-side baseline.
 BASELINE_REV = "cc205da"
 SYSTEM_PROMPTS = 40
 SAMPLE_INTERVAL_S = 0.5

@@ -1,5 +1,5 @@
 """`pipeline bench memory`: the broker's resident memory as the backlog grows from 10,000 to
-10,000,000 queued items, no consumer draining it (issue 16).
+10,000,000 queued items, no consumer draining it.
 
 One broker per side and run, fed by one producer in this process (`submit_many`, calls of
 SUBMIT_CALL_ITEMS small items: SHAPES shapes, lengths from ITEM_LENGTHS, so several shapes

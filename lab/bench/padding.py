@@ -59,7 +59,7 @@ LOGNORMAL_SEED = 20240601
 TRACE_MAX_TOKENS = 262_144
 # The product's lanes must stay within this much padding efficiency of the offline optimum
 # (the lane policy's acceptance target, tools/bench_lanes.py), and the real runs under the
-# default policy at or above REAL_EFFICIENCY (issue 15's demo target).
+# default policy at or above REAL_EFFICIENCY (the demo's target).
 GAP_TO_OPTIMUM = 0.01
 REAL_EFFICIENCY = 0.985
 OFFLINE_POLICIES: dict[str, Callable[[], offline.BucketPolicy | offline.LanePolicy]] = {

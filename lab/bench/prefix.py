@@ -61,9 +61,9 @@ def workloads(ctx: BenchContext) -> tuple[list[PrefixWorkload], list[str]]:
     # a few templates, 1 Mi all 64 (about 280 Ki tokens of prefixes).
     # Sizes and X: consumers >80% busy under every policy at full size (measured at load average
     # 13 on 2 cores: demo-template 83-89%, demo-chat 87-93%, the trace 82-89%), a run ~5-15 s.
-    # demo-template's X was 1e-5 until a 2-core AMD EPYC machine ran its default at 79% busy
-    # (least busy consumer, 1 Mi cache, 2026-12-02): its makespan line went unjudged. At 2e-5
-    # its sim time doubles while the broker's and producers' CPU time stays.
+    # NOTE: demo-template at X = 1e-5 was rejected: a 2-core AMD EPYC machine ran its default
+    # at 79% busy (least busy consumer, 1 Mi cache), and its makespan line went unjudged. At
+    # 2e-5 its sim time doubles while the broker's and producers' CPU time stays.
     template = ctx.size(800, 80)
     # demo-chat: 64 Ki tokens hold a few conversations' chains, 1 Mi all of them at this size.
     # Its batches are small (a shape a conversation turn), so X is larger for the consumers to

@@ -72,34 +72,26 @@ KV_BYTES_PER_TOKEN = 2 * 2 * 4 * 32 * 2
 CACHES_MIB = (3, 32)
 # Consumers a run, by cache size. Where a few prefixes fit, one: what fits 2 cores. NOTE: 2
 # consumers (one vLLM thread each) were rejected there: the same 2,000 items at 4 MiB took
-# 4.0 s of makespan against 3.1 s with one, and 47 s of wall against 13 s (two engines
-# starting on the same 2 cores with the producers and broker). Where all fit, one consumer
-# reaches the bound in any order (each prefix computed once and kept: every policy had
-# 94.4%, the bound, at 44b08b1), so the line could not tell the policies apart; with two,
-# as the sim lines have, it tells them apart by where each shape runs (a prefix computed on
-# both consumers is computed twice), which is what the policies differ in when all fit.
+# 4.0 s of makespan against 3.1 s with one, and 47 s of wall against 13 s. Where all fit, two:
+# one consumer reaches the bound in any order (every policy had 94.4%, the bound), while two,
+# as the sim lines have, tell the policies apart by where each shape runs (a prefix computed
+# on both consumers is computed twice).
 CONSUMERS = {3: 1, 32: 2}
 assert set(CONSUMERS) == set(CACHES_MIB)
 # Every run sets `broker.min_consumers` to its consumers: dispatch starts once all of them
-# have registered (pipeline/broker/start_gate.py). NOTE: without it the line measured which
-# engine loaded first: the two vLLM consumers register up to seconds apart, longer than the
-# whole makespan (1-1.5 s), and the first one up ran the head of every shape alone. At
-# 6654ba3+ a no-lanes run's second consumer got no batch at all (94.37%, every prefix computed
-# once, as one consumer's), while runs where both started together gave the sticky baselines
-# 94.02-94.19%; with the gate, sticky+most-tokens 93.94-94.06% and no-lanes 93.88-93.99% in
-# four runs, the default 94.19-94.20%.
+# have registered (pipeline/broker/start_gate.py): the two vLLM consumers register up to
+# seconds apart, longer than the whole makespan (1-1.5 s). NOTE: without the gate the line
+# measured which engine loaded first: a no-lanes run whose second consumer got no batch at all
+# had one consumer's 94.37%; with it, no-lanes 93.88-93.99% against the default's 94.19-94.20%.
 # The gate's wait: far above an engine's start here (a run's whole wall is 16-32 s, and 24 s
 # at load 4-5), so the gate opens at the count, not because a slow engine ran out the
 # default 30 s; the run's own timeout (runs.CHILD_TIMEOUT_S) still bounds a consumer that
 # never comes.
 GATE_WAIT_S = 600
-# Rounds of the alternating group at most: each run starts vLLM. Measured on 2 cores at load
-# average 3.6-4.9 (other work beside it): 2 rounds of the 10 sides took 486 s, 24 s a run, so
-# 3 would take 12 minutes; at load 2.5 a run takes ~13 s and 2 rounds ~5 minutes (inside a
-# full `pipeline bench prefix`, at load up to 9, the side took 691 s). NOTE: 3, not 2, since
-# the start gate: runs take 16-22 s at load ~1 (2 rounds 440 s at cbd311d), and on the 32
-# MiB line the default and the best baseline were 0.07 points apart with 2 rounds (at
-# 9e8f6ec: 94.11-94.25% against no-lanes' 94.07-94.15%), where a median of 2 is a mean.
+# Rounds of the alternating group at most: each run starts vLLM, 13 to 24 s a run on 2 cores
+# by the load, so 3 rounds of the 10 sides take 6.5 to 12 minutes. NOTE: 2 rounds were
+# rejected: on the 32 MiB line the default and the best baseline were 0.07 points apart
+# (94.11-94.25% against no-lanes' 94.07-94.15%), where a median of 2 is a mean.
 REPEAT_CAP = 3
 KEYS = ("vllm_reuse", "prefix_reuse", "makespan_s", "busy_fraction", "busy_min", "shape_switches", "wall_s")
 

@@ -11,7 +11,7 @@ shares the git directory). --quick looks only at this interpreter, so the quick 
 the plain test environment stays fast; the `vllm`-marked test runs --quick under
 .venv-vllm. Where none imports vllm, the figures say why and the targets are not judged.
 
-Target (issue 14): the product serves at least 2x the cached prompt tokens of `vllm
+Target: the product serves at least 2x the cached prompt tokens of `vllm
 run-batch` on the same file, and finishes faster (on the span).
 """
 
@@ -32,7 +32,7 @@ from lab.bench.chat_batch import requests
 from lab.bench.harness import BenchContext, Outcome, Target, alternate, fmt_spread, spread_of, table
 
 QUICK_REQUESTS = 60
-# The product's cached tokens must be at least this multiple of vLLM's (issue 14's target).
+# The product's cached tokens must be at least this multiple of vLLM's (the comparison's target).
 CACHED_RATIO = 2.0
 SIDES = ("vllm run-batch", "pipeline run-batch")
 # Finding out whether an interpreter imports vllm (find_spec: no import, a second or so).

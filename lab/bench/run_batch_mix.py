@@ -10,7 +10,7 @@ too, the noise floor), and the cached prompt tokens (usage.prompt_tokens_details
 span and wall of each run as run_batch.py measures them. Without an interpreter that
 imports vllm (run_batch.vllm_python), the figures say why and nothing is judged.
 
-Targets (issue 34): the same answers where sampling is greedy, token for token on at least
+Targets: the same answers where sampling is greedy, token for token on at least
 SAME_SHARE of the requests; at least the cached prompt tokens of `vllm run-batch` on every
 request kind; no slower (the span).
 """
@@ -35,7 +35,7 @@ QUICK_REQUESTS = 40
 # A few dozen system prompts: every shape its own.
 SHAPES = 36
 QUICK_SHAPES = 8
-# Batches of another composition may flip a near tie of the greedy choice (issue 34's target).
+# Batches of another composition may flip a near tie of the greedy choice.
 SAME_SHARE = 0.99
 SIDE_KEYS = ("span_s", "wall_s", "prompt_tokens", "cached_tokens", "completion_tokens")
 KIND_KEYS = ("prompt_tokens", "cached_tokens", "completion_tokens", "cacheable_tokens")

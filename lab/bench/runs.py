@@ -26,9 +26,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # pipeline/broker/baselines.py. no-lanes is the design note's broker without length lanes
 # (one FIFO queue per shape, drained sticky, most tokens next, no affinity): what a user gets
 # from per-shape queues alone.
-# NOTE: no-lanes with the product's order and affinity (`--dispatch no-lanes` alone) was the
-# baseline at 1a49c79: it tied the default on prefix reuse within 0.1 point on 5 of 6 lines
-# of `pipeline bench prefix`, by construction (the same shape order and consumers, one lane
+# NOTE: no-lanes with the product's order and affinity (`--dispatch no-lanes` alone) was
+# rejected as the baseline: it tied the default on prefix reuse within 0.1 point on 5 of 6
+# lines of `pipeline bench prefix`, by construction (the same shape order and consumers, one lane
 # per shape), so it measured what lanes do for padding and makespan, not a policy a user
 # would pick instead; the padding comparison still shows that (both have one lane a shape).
 DISPATCH_POLICIES: dict[str, list[str]] = {

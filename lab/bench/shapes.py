@@ -13,7 +13,7 @@ Each side a fresh process, alternating and repeated (harness.alternate); the two
 pair hold the same number of items of the same lengths. The tiny model's tokenizer and chat
 template make the prompts (tools/tiny_llama.py, built when missing).
 
-Targets (issue 33, item 6): the requests with their own system prompts within 1.5x the time
+Targets: the requests with their own system prompts within 1.5x the time
 of those sharing one; the distinct shapes at no less than half the items/s of the few; no
 stall of the broker's loop in any run of the distinct shapes.
 """

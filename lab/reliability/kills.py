@@ -1,4 +1,4 @@
-"""Kill campaigns through the stage commands (issue 17, item 4): kill -9 of the broker at
+"""Kill campaigns through the stage commands: kill -9 of the broker at
 random moments and at each named crash point, faults of consumers (SIGKILL, SIGSTOP then
 SIGCONT after the heartbeat timeout, the control socket shut down under it), kill -9 of a
 producer while it submits. After each fault the stage is started again the way a user (or

@@ -1,4 +1,4 @@
-"""Power cuts on a real kernel (issue 17, item 2: the loss window at `process`, in items and
+"""Power cuts on a real kernel (the loss window at `process`, in items and
 milliseconds): a live run on an ext4 filesystem of its own, on a loop device, whose disk
 image is copied at seeded random moments. A copy holds exactly what had reached the "disk"
 at that moment: what the page cache still held dirty (written, not yet written back by

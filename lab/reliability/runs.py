@@ -1,4 +1,4 @@
-"""Kill campaigns through the whole-run commands (issue 17, item 4): kill -9 of the launcher
+"""Kill campaigns through the whole-run commands: kill -9 of the launcher
 or of its broker under `pipeline launch`, and of the `pipeline run-batch` process, its
 broker or a consumer; after each kill the run is taken up again the way a user does it (the
 next `pipeline launch` on the data directory takes over what the killed one left; the same

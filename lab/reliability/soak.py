@@ -1,4 +1,4 @@
-"""A soak (issue 17, item 8): for `duration_s`, workloads fed one after another through the
+"""A soak: for `duration_s`, workloads fed one after another through the
 stage commands while faults of every kind land at seeded random moments; at the end
 `pipeline tools check` judges every item, with the run's figures.
 

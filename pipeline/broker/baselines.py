@@ -1,4 +1,4 @@
-"""Baseline dispatch policies, for comparison only (issue 16: the evaluation suite): what a
+"""Baseline dispatch policies, for comparison only (the evaluation suite's): what a
 plain queue would hand a consumer, on the same DispatchPolicy interface as the product's
 ShapeSelector, the same lanes and packing. Not recommendations: they leave the prefix
 cache cold, which is what they are there to show.

@@ -138,7 +138,8 @@ class BrokerConfig:
     # shared chain prefix first, SPEC §4b) or most-tokens (the design note's rule); and shape
     # affinity across consumers (a small shape with a prefix runs on one consumer; off, the model's
     # consumers drain one shape together, as the note has it). The defaults are the product's
-    # by the figures (BENCHMARKS.md, "Scheduling beyond the design note"): prefix with
+    # by the figures (docs/history/BENCHMARKS-history.md, "Scheduling beyond the design
+    # note"): prefix with
     # affinity took 98.9 to 99.5% of the prefix-reuse bound on the Mooncake trace and the
     # multi-turn demo-chat where the note's policy took 14 to 87%, in 0.44 to 0.87 of its
     # makespan, and the embedded demo ran the same (padding 98.55%, one switch per shape).

@@ -37,11 +37,11 @@ from shm.ring import RingWriter, SharedRing
 log = logging.getLogger("pipeline.broker")
 
 # A batch that is not full goes only to a consumer holding fewer batches than this (one
-# running, three waiting: the fixed credit consumers had before their window). A quick
-# consumer's window (consumer/credit.py) reaches 64 batches, and filling it with partial
-# batches of shallow lanes took the demo's mean batch fill from 0.25 to 0.14-0.16 while they
-# only waited in its ring. 2 starved consumers of deep queues whenever the current shape's
-# lane ran short (the flood of `pipeline bench e2e`: 139 k and 225 k items/s against 165 k and 242 k).
+# running, three waiting). A quick consumer's window (consumer/credit.py) reaches 64 batches,
+# and filling it with partial batches of shallow lanes takes the demo's mean batch fill from
+# 0.25 to 0.14-0.16 while they only wait in its ring.
+# NOTE: 2 was rejected: consumers of deep queues starved whenever the current shape's lane ran
+# short (the flood of `pipeline bench e2e`: 139 k and 225 k items/s against 165 k and 242 k).
 PARTIAL_BATCHES_AHEAD = 4
 
 

@@ -1,5 +1,5 @@
-"""Compulsory prefix tokens, per consumer and against one cache for the whole model (issue 15
-item 5): what splitting shapes across consumers cost.
+"""Compulsory prefix tokens, per consumer and against one cache for the whole model: what
+splitting shapes across consumers cost.
 
 A compulsory miss is a block's first reference (the 3C model): no order avoids it. Each
 consumer's engine counts its own (`block_refs.py`, by token blocks); their sum pays once per

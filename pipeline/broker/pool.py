@@ -48,12 +48,11 @@ document asked about several times) rides pool batches an item at a time, on whi
 consumer, and pays its prefix for each. With a few hundred shapes the per-shape path costs
 little (a file, a switch, a batch each) and keeps such a shape's items together, so the pool
 only takes shapes once a model is that crowded.
-NOTE: with no such bound, the Mooncake slice of `pipeline bench prefix --quick` (55 shapes,
-nearly all solitary, many of two or three items) fell from 6.2% prefix reuse to 2.1-4.3%
-(max_items 1 to 64; the shapes of two items lost half their hits). Sharding the pool by
-signature (64 shards, each a shape to the selector, a small one held by one consumer) was
-tried instead: 6.2% in two runs of three, 4.9% in the third, at 2.2x the batches of a
-single pool on 5,000 one-item shapes (224 against 102, mean fill 0.35 against 0.77).
+NOTE: no such bound was rejected: the Mooncake slice of `pipeline bench prefix --quick` (55
+shapes, nearly all solitary) got 2.1-4.3% prefix reuse against 6.2% (max_items 1 to 64).
+NOTE: sharding the pool by signature (64 shards, each a shape to the selector) was rejected:
+6.2% in two runs of three, 4.9% in the third, at 2.2x the batches of a single pool on 5,000
+one-item shapes (224 against 102, mean fill 0.35 against 0.77).
 
 Memory: per live shape, its chain and a few counters, and one entry per element of its chain
 (about 250 bytes a one-level shape, as the dispatcher's own set of the run's shapes);

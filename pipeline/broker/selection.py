@@ -28,14 +28,10 @@ close is free: see `_next`), and so may the empty shape (prompts without cacheab
 components: EMPTY_SHAPE_SIGNATURE), however small, since it has no prefix to compute once.
 A consumer that finds nothing else takes another's small shape over rather
 than idle (reason `takeover`, counted).
-NOTE: holding the empty shape to one consumer, as any small shape (the rule before), cost
-the Mooncake slice of `pipeline bench prefix` 0.6 points of prefix reuse at both cache sizes
-(14.2% against the bound's 14.8%): in the run's first batches the empty shape was still
-small and the other consumer's, so that consumer took the next small shape instead, whose
-second item was not stored yet and ran on the other consumer seconds later, its 107-block
-prefix computed twice. Joining the empty shape, the small shapes wait until both items are
-in; the slice then reached 14.8% at both caches in four launches (makespan unchanged). The
-price, as for any large shape: an empty shape refilled as fast as it drains keeps every
+NOTE: holding the empty shape to one consumer, as any small shape, cost the Mooncake slice
+of `pipeline bench prefix` 0.6 points of prefix reuse (14.2% held against 14.8% joined, the bound).
+Joining it, the small shapes wait until both their items are in rather than run each item on
+another consumer, their prefix computed twice. The price, as for any large shape: an empty shape refilled as fast as it drains keeps every
 consumer (sticky draining), and a small shape nobody serves waits for it to drain or for
 `max_age_s`, the starvation bound (off by default), to pass (tests/broker/test_affinity.py).
 

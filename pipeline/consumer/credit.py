@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 # Seconds of work kept queued: the broker's longest stretch without dispatching is one
 # producer frame's ingest (4,096 items at about 2 us: 8 ms) plus a control pass; 25 ms
-# covers it about three times over. Swept with the flood of `pipeline bench e2e`: see BENCHMARKS.md.
+# covers it about three times over. Swept with the flood of `pipeline bench e2e`
+# (docs/history/BENCHMARKS-history.md).
 DEFAULT_AHEAD_S = 0.025
 # One batch running and one waiting: a slow engine needs no more, since its batch time hides
 # the broker's turn many times over.

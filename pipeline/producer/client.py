@@ -28,10 +28,10 @@ from shm.ring import RingWriter
 # How often `wait_stored` looks at the ring's read position.
 DRAIN_POLL_S = 0.005
 # How long a producer's first registration keeps asking a broker that does not answer
-# (stopped, or restarting: restart-to-serving p99 7.5 s in issue 17's soak on 2 loaded
-# cores) before it fails. Without it a broker killed while `pipeline produce`'s producer
-# registered failed the whole command (3 of 12 runs in a reproduction), though the command
-# waits for a restarting broker once registered (`_reconnect`, without a bound).
+# (stopped, or restarting: restart-to-serving p99 7.5 s in a soak on 2 loaded cores,
+# RELIABILITY.md) before it fails. Without it a broker killed while `pipeline produce`'s
+# producer registers fails the whole command (3 of 12 runs), though the command waits for a
+# restarting broker once registered (`_reconnect`, without a bound).
 FIRST_REGISTRATION_TIMEOUT_S = 120.0
 # What a broker that is away looks like to a registration: no socket file (between a
 # broker's exit and its successor's bind), nobody listening, the connection cut, no reply.

@@ -91,7 +91,7 @@ started after another consumer had started it, what splitting shapes across cons
 at most, on top of the compulsory misses one cache for the whole model would have paid;
 `split_prefix_tokens` at the top is their sum.
 
-Compulsory misses against one cache for the whole model (issue 15): the broker counts, from
+Compulsory misses against one cache for the whole model: the broker counts, from
 the shapes' prefix lengths and chains (`pipeline/broker/firstrefs.py`, content-blind, in
 tokens), the prefix tokens first referenced by each consumer's cache
 (per_consumer[name]["compulsory_prefix_tokens"], summed at the top as

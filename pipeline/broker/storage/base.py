@@ -105,7 +105,7 @@ class Peeked(Sequence[PeekedEntry]):
     """A lane's front entries in dispatch order, by column: what dispatch reads (`peek_many`)
     without an object per entry. Indexing makes PeekedEntry objects on demand (tests,
     tools, the rare paths); a slice is a Peeked of the same columns' slices.
-    NOTE: a list of PeekedEntry (the first layout) cost about a microsecond per entry to
+    NOTE: a list of PeekedEntry cost about a microsecond per entry to
     build, a tenth of the broker's CPU per item."""
 
     __slots__ = ("lane", "_refs", "segments", "offsets", "lengths", "item_ids", "producer_ids", "seqs",

@@ -98,8 +98,8 @@ def _copy_uniform_bodies(data: np.ndarray, tokens: np.ndarray, lengths: np.ndarr
     not so, nothing copied.
     A token-id job of fixed-length items takes it for every group; a chat job's items differ
     in length and take the loop below.
-    NOTE: the broker's CPU an item fell from 3.7 to 3.5 us with it (the flood of `pipeline
-    bench e2e`, 256-item batches, 3 runs alternating with the code without it, 2026-12-02), where
+    NOTE: the broker's CPU an item is 3.5 us with it against 3.7 without (the flood of
+    `pipeline bench e2e`, 256-item batches, 3 runs alternating), where
     `_copy_entry_bodies`' note found a 2-D copy of groups of equal lengths no faster: that
     one grouped rows first, this one copies a frame's rows as they lie."""
     length = int(lengths[0])

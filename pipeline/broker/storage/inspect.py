@@ -92,7 +92,7 @@ def dump_segment(path: str, max_entries: int | None = None) -> dict:
             "deleted_count": report.header_deleted_count,
             "data_end": report.header_data_end,
         },
-        "journal": None if report.journal is None else {  # what the header words were in layout version 1
+        "journal": None if report.journal is None else {  # completions, boundary and seal: not header words
             "path": report.journal.path, "records": report.journal.records, "torn": report.journal.torn,
             "damaged": report.journal.damaged, "damaged_records": report.journal.damaged_records},
         "scanned": _scan_summary(report),

@@ -1,12 +1,12 @@
 """A segment's journal: the append-only record of what changes about a segment once its
 entries are written (layout SEGMENT_JOURNAL_DTYPE in `pipeline.wire.layouts`).
 
-Segments are written once (layout version 2): a completion is a COMPLETED record here, not a
-tombstone stored into the entry's state word; the commit boundary (entry_count, data_end) is
-a BOUNDARY record after each group commit, and the seal a SEALED record, not header words.
-Why: under power loss a sector being written may read back as garbage, and every in-place
-write of version 1 shared its sector with acknowledged bytes (RELIABILITY.md: 492 of 1,083
-cuts with garbled 512-byte sectors lost acknowledged items).
+Segments are written once: a completion is a COMPLETED record here, the commit boundary
+(entry_count, data_end) a BOUNDARY record after each group commit, and the seal a SEALED
+record. Why: under power loss a sector being written may read back as garbage.
+NOTE: in-place writes (a tombstone in the entry's state word, boundary words in the header)
+were rejected: they share a sector with acknowledged bytes, and 492 of 1,083 simulated power
+cuts with garbled 512-byte sectors lost acknowledged items (docs/history/RELIABILITY-history.md).
 
 Appends never rewrite a sector holding synced records either: in `power`, the first write
 after a sync starts at the next SYNC_ALIGN_BYTES boundary (the zeros before it are padding,
@@ -14,10 +14,10 @@ which the reader skips). A record that fails its checks is damage when a valid o
 it, named by path and byte offset; after the last valid one it is a torn append, ignored.
 
 Durability: COMPLETED and SEALED records reach the disk at `sync()` (the group-commit
-points where version 1 msync'ed its tombstones): a completion lost to a power cut means a
+points): a completion lost to a power cut means a
 redelivery, which at-least-once allows. A BOUNDARY record is written after the fdatasync
-that made its entries durable and becomes durable with the journal's next sync, as the
-header words did (see `pipeline.broker.storage.segment`).
+that made its entries durable and becomes durable with the journal's next sync (see
+`pipeline.broker.storage.segment`).
 
 Owner: the SegmentFile of its segment (the broker's disk tier), the only writer; readers
 (`read_journal`) are recovery, the tools and consumers. Not thread-safe.

@@ -17,15 +17,15 @@ it, so an entry leaves the map with its batch and a batch is either held or gone
 completion of a batch (a resend) finds it gone and raises NotHeldError, which refuses the
 consumer: nothing is ever counted completed twice.
 NOTE: completions of single entries, with a window of recently completed refs per consumer
-to tell a resend from a foreign entry, were dropped: the broker never completed anything
-but whole batches, and the window cost a set update per completion and about 2.5 MB per
+to tell a resend from a foreign entry, were rejected: the broker completes nothing but
+whole batches, and the window cost a set update per completion and about 2.5 MB per
 consumer for a case the batch id already decides.
 
 Cost: nothing per entry; a batch's entries are kept as the columns the commit had.
-NOTE: a dict from each ref to its batch (the first layout) was dropped: only invariant
-checks and tests asked it, and its update and deletes cost 28 us of a 256-entry batch
-(0.11 us an item, a fiftieth of the broker's CPU per item at the time). `holder` and
-`held_refs` now walk the open batches (O(pending)); they are for checks and tools.
+NOTE: a dict from each ref to its batch was rejected: only invariant checks and tests ask
+it, and its update and deletes cost 28 us of a 256-entry batch (0.11 us an item, a fiftieth
+of the broker's CPU per item). `holder` and `held_refs` walk the open batches (O(pending));
+they are for checks and tools.
 """
 
 from __future__ import annotations

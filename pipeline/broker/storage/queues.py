@@ -28,10 +28,10 @@ Past HOT_ENTRIES_MAX hot entries a lane's further runs are *cold*: one record pe
 left in the segment file itself. When the front reaches a cold run, `warm` reads the next
 offsets back from the file (the subclass's `_cold_offsets`: a walk of the entry headers,
 in the page cache) into a hot run. So the broker's memory for a lane is bounded by the hot
-window and one record per segment, however deep the backlog (issue 16: 10,000,000 queued
-entries held 80 MB of offset arrays before; now about 128 KiB a lane).
-NOTE: a deque of EntryRef per entry (about 120 bytes each, the first layout) was rejected:
-a tier holding millions of queued entries would spend gigabytes on it.
+window and one record per segment, however deep the backlog (about 128 KiB a lane).
+NOTE: offset arrays of every queued entry were rejected: 80 MB at 10,000,000 queued entries.
+NOTE: a deque of EntryRef per entry (about 120 bytes each) was rejected: a tier holding
+millions of queued entries would spend gigabytes on it.
 Runs appended but not yet dispatchable (durability `power` until the group commit) wait in
 the lane's `staged` list and join the back of the queue at `flush()`.
 """

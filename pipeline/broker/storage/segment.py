@@ -35,13 +35,10 @@ pwrite per `tombstone_many`.
 NOTE: a bitmap made with the segment was rejected: a backlog nothing has completed yet then
 grows the broker by 1/128 of the store (`pipeline bench memory` at 10,000,000 queued items:
 anonymous + file-backed RSS 49.1 MiB against 35.7 MiB at 10,000, 19 MiB of it bitmaps).
-NOTE: version 1 stored a 4-byte tombstone into the shared mapping (a 4-byte pwrite at a
-random offset cost ~40 us, a mapped store nanoseconds), which put acknowledged neighbours at
-risk under power loss. The journal's one pwrite per call of 64 completions measured 576-616
-ns per completion against 545-607 for the mapped stores (SegmentFile.tombstone_many alone,
-best of 5, 3 alternating pairs, load average 2 on 2 shared cores); tools/bench_disk.py
---quick, 3 alternating pairs at load 2-3.5: append `process` 659-756k items/s against
-618-823k, `power` 99-197k against 90-125k, completions 447-902k/s against 788-1,355k/s.
+NOTE: a 4-byte tombstone stored into the shared mapping was rejected: it puts acknowledged
+neighbours at risk under power loss, and the journal's one pwrite per call of 64 completions
+costs 576-616 ns per completion against 545-607 for the mapped stores
+(SegmentFile.tombstone_many alone, best of 5, 3 alternating pairs).
 
 Files grow in preallocated steps (posix_fallocate, doubling up to the segment limit):
 writing into allocated, zeroed space keeps appends sequential, and a zero state word marks
@@ -172,11 +169,10 @@ class Durability(Enum):
     POWER = "power"  # also fdatasync'ed, with group commit: survives power loss
 
 
-# NOTE: version 1 mapped a peeked batch's pages writable ahead of its tombstones
-# (madvise MADV_POPULATE_WRITE, 1 MiB ahead). Version 2 stores nothing into the mapping, and
-# a write-populate of a shared file mapping dirties its pages: the kernel would write synced
-# sectors back again, the in-place rewrite the layout removes. Reads fault in 64 KiB at a time
-# (fault-around), and the pages mapped are still only those dispatch reaches (issue 16).
+# NOTE: mapping a peeked batch's pages writable ahead (madvise MADV_POPULATE_WRITE) was
+# rejected: a write-populate of a shared file mapping dirties its pages, and the kernel would
+# write synced sectors back again, the in-place rewrite the layout forbids. Reads fault in
+# 64 KiB at a time (fault-around), and the pages mapped are only those dispatch reaches.
 
 
 # Pages dropped from a segment's mapping at a time, at least: reads fault in 64 KiB at a time

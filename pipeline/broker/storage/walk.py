@@ -1,7 +1,7 @@
 """Walking a segment's back-to-back entries from a known entry (a queue's cold run read back).
 
-A lane queue keeps at most its hot window of entry offsets in memory (issue 16: the work
-lives on disk, not in the broker); past it, the next entries are found by reading each
+A lane queue keeps at most its hot window of entry offsets in memory (the work lives on
+disk, not in the broker); past it, the next entries are found by reading each
 header's length and payload size to step to the one after. `walk_entries` does that for one
 segment's mapping, skipping completed entries (the segment's done bitmap) and `power`'s
 padding before a synced group, and raises SegmentCorruptError (with the file and offset)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from lab.bench.harness import (
+    DEFAULT_MARKDOWN,
     SUITE_HEADING,
     BenchContext,
     Outcome,
@@ -22,6 +23,7 @@ from lab.bench.harness import (
     table,
     write_section,
 )
+from tests.support.repo import ROOT
 
 
 def test_alternate_rotates_which_side_goes_first():
@@ -59,6 +61,12 @@ def test_write_section_appends_under_the_heading_then_replaces_in_place(tmp_path
     assert text.count(SUITE_HEADING) == 1
     assert "alpha-body" not in text and text.index("rewritten") < text.index("second")
     assert text.count("<!-- pipeline bench one -->") == 1
+
+
+def test_the_repository_page_holds_the_suite_heading_once():
+    # A comparison run for the first time appends its section under this heading; a page
+    # without it would grow a second suite heading at its end.
+    assert (ROOT / DEFAULT_MARKDOWN).read_text().count(SUITE_HEADING) == 1
 
 
 class _Fake:
