@@ -196,6 +196,7 @@ def _batches(app: FastAPI, store: Store, scheduler: Scheduler, tenant: TenantOf,
         window_s = config.test_window_s or window_seconds(wanted.completion_window)
         batch = await run_in_threadpool(store.create_batch, owner, wanted, config.model, window_s,
                                         config.key_max_active_batches, int(scheduler.clock()))
+        scheduler.wake()
         return batch_object(batch)
 
     @app.get("/v1/batches")

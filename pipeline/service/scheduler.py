@@ -77,6 +77,9 @@ class Scheduler:
         self.pace = Pace()
         self.preempted: set[str] = set()  # runs stopping to make way (admission.py)
         self._stop = threading.Event()
+        # Set by a create or a cancel (and the stop): the loop's next tick comes at once, so a
+        # batch starts (or stops) without waiting out the tick.
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ the API's side
@@ -90,7 +93,12 @@ class Scheduler:
                 raise ApiError(HTTP_BAD_REQUEST, f"batch {batch_id} is {batch.life.status}: only a validating or "
                                                  f"in_progress batch can be cancelled", "batch_id")
             self.store.step(batch, CANCEL, int(self.clock()))
-            return batch
+        self.wake()
+        return batch
+
+    def wake(self) -> None:
+        """Tick now (a batch was created or cancelled), not at the next SCHEDULER_TICK_S."""
+        self._wake.set()
 
     # ------------------------------------------------------------------ the thread
 
@@ -104,6 +112,7 @@ class Scheduler:
     def stop(self) -> None:
         """Stop the loop and every run gracefully (each keeps what it answered)."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join()
 
@@ -113,7 +122,8 @@ class Scheduler:
         try:
             while not self._stop.is_set():
                 self.tick()
-                self._stop.wait(SCHEDULER_TICK_S)
+                self._wake.wait(SCHEDULER_TICK_S)
+                self._wake.clear()
         finally:
             self.executor.shutdown(JOB_STOP_WAIT_S)
 
