@@ -251,7 +251,7 @@ class Scheduler:
                                         max(0, batch.total - batch.completed - batch.failed), running, stopping))
         decision = self.admission.decide(candidates, now, self.pace.rate_rps, self.pace.start_s)
         for batch_id in decision.preempt:
-            log.info("batch %s: stops for batch %s, whose deadline is at risk; it resumes when a slot frees",
+            log.warning("batch %s: stops for batch %s, whose deadline is at risk; it resumes when a slot frees",
                      batch_id, decision.urgent[0])
             self.preempted.add(batch_id)
             self.executor.cancel(self.run_of(batches[batch_id]))
