@@ -73,7 +73,8 @@ from pipeline.broker.selection import AGE_RESOLUTION_NS, SHAPE_ORDER_MOST_TOKENS
 from pipeline.broker.storage.base import AppendGroup, StorageTier
 from pipeline.broker.storage.pending import Completion
 from pipeline.wire.errors import DiskFullError, ItemTooLongError, ModelIdError, StorageError
-from pipeline.wire.layouts import DEFAULT_MAX_MODELS, MODEL_ID_LIMIT, Frame, ProducerId, decode_chains
+from pipeline.wire.layouts.frames import Frame, ProducerId, decode_chains
+from pipeline.wire.layouts.names import DEFAULT_MAX_MODELS, MODEL_ID_LIMIT
 
 # A batch offered only if it is full enough (`next_batch(full_only=True)`, for a consumer that
 # holds several already) needs this share of what its contract lets it hold: a lane of 7

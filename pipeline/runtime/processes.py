@@ -35,7 +35,7 @@ from pipeline.runtime.datadir import owner_only_umask, prepare_data_dir
 from pipeline.runtime.signals import stop_on_signals
 from pipeline.wire.dirpin import DirPin, moved_message
 from pipeline.wire.errors import ConfigError, DataDirMovedError, DurabilityError, PipelineError, ShapeGuardError
-from pipeline.wire.layouts import BROKER_STATE_NAME
+from pipeline.wire.layouts.names import BROKER_STATE_NAME
 from pipeline.wire.protocol import DURABILITY_LEVELS
 
 log = logging.getLogger("pipeline")

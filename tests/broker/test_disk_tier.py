@@ -26,7 +26,8 @@ from pipeline.broker.storage.paths import iter_segments, segment_path
 from pipeline.broker.storage.queues import StoredSeqs
 from pipeline.broker.storage.segment import scan_segment
 from pipeline.wire.errors import DiskFullError, DurabilityError
-from pipeline.wire.layouts import ENTRY_HEADER_SIZE_BYTES, ProducerId
+from pipeline.wire.layouts.frames import ProducerId
+from pipeline.wire.layouts.segments import ENTRY_HEADER_SIZE_BYTES
 
 LANE_A = LaneKey(0, 0xA1, LaneId(0))
 LANE_B = LaneKey(0, 0xA1, LaneId(1))

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from pipeline.consumer.credit import BATCH_TIME_WEIGHT, INITIAL_CREDIT, MAX_CREDIT, MIN_CREDIT, CreditWindow
 from pipeline.consumer.process import ConsumerConfig, descriptors_that_fit
-from pipeline.wire.layouts import descriptor_size_bytes
+from pipeline.wire.layouts.descriptors import descriptor_size_bytes
 from shm.ring import RECORD_ALIGN_BYTES, RECORD_HEADER_SIZE_BYTES, RingReader, RingWriter, align_up
 
 

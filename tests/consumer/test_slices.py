@@ -16,7 +16,12 @@ from pipeline.consumer.process import CORRUPT_KEY, Consumer, ConsumerConfig
 from pipeline.consumer.reader import SegmentReader
 from pipeline.consumer.slices import MAX_SLICE_ANSWER_TOKENS, answer_tokens, cut_slices
 from pipeline.wire.generation import GenerationParams, encode_payload
-from pipeline.wire.layouts import DESCRIPTOR_ITEM_DTYPE, descriptor_size_bytes, parse_descriptor, write_descriptor
+from pipeline.wire.layouts.descriptors import (
+    DESCRIPTOR_ITEM_DTYPE,
+    descriptor_size_bytes,
+    parse_descriptor,
+    write_descriptor,
+)
 from tests.support.segments import SIG, make_items
 from tests.support.sessions import FakeSession
 

@@ -20,7 +20,12 @@ from pipeline.consumer.reader import SegmentReader
 from pipeline.producer.client import BrokerProducer
 from pipeline.runtime.local import start_consumer
 from pipeline.wire.generation import GENERATION_MAGIC, GenerationParams
-from pipeline.wire.layouts import DESCRIPTOR_ITEM_DTYPE, descriptor_size_bytes, parse_descriptor, write_descriptor
+from pipeline.wire.layouts.descriptors import (
+    DESCRIPTOR_ITEM_DTYPE,
+    descriptor_size_bytes,
+    parse_descriptor,
+    write_descriptor,
+)
 from tests.pipeline.harness import read_results, start_broker, status, stop, wait_until
 from tests.support.segments import SIG, make_items
 

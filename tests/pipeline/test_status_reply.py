@@ -10,7 +10,7 @@ import pytest
 
 from pipeline.broker.service import BrokerConfig
 from pipeline.wire.client import broker_progress
-from pipeline.wire.layouts import Descriptor, parse_descriptor
+from pipeline.wire.layouts.descriptors import Descriptor, parse_descriptor
 from pipeline.wire.protocol import Connection
 from pipeline.wire.status import STATUS_VERSION, BrokerStatus, ConsumerWork
 from shm.ring import RingReader

@@ -22,7 +22,7 @@ from pipeline.wire.errors import (
     TokenArrayError,
 )
 from pipeline.wire.generation import GENERATION_MAGIC, decode_payload
-from pipeline.wire.layouts import ITEM_ID_SEQ_BITS, parse_frame
+from pipeline.wire.layouts.frames import ITEM_ID_SEQ_BITS, parse_frame
 from shm.objects import create_shared_memory
 from shm.ring import HEADER_SIZE_BYTES, RingReader, RingWriter
 

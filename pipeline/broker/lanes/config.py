@@ -18,7 +18,7 @@ from pipeline.broker.lanes.bulk import (
     VECTOR_SHORT_RUN_ITEMS,
 )
 from pipeline.wire.errors import BadInputError
-from pipeline.wire.layouts import LANE_ID_LIMIT
+from pipeline.wire.layouts.names import LANE_ID_LIMIT
 
 # The lane budget per shape. 128 saturated under sustained load (every shape at full pressure,
 # waste climbing without limit), so the design note SPEC.md comes from raised it to 2,048;

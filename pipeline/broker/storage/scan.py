@@ -50,9 +50,9 @@ from pipeline.broker.storage.identity import (  # re-exported: the scan's caller
     read_identity,
 )
 from pipeline.broker.storage.journal import JournalReading, read_journal
-from pipeline.wire import layouts
 from pipeline.wire.errors import SegmentFormatError
-from pipeline.wire.layouts import (
+from pipeline.wire.layouts import segments
+from pipeline.wire.layouts.segments import (
     ENTRY_ALIGN_BYTES,
     ENTRY_HEADER_DTYPE,
     ENTRY_HEADER_SIZE_BYTES,
@@ -363,7 +363,7 @@ def _walk_entries(buf: memoryview, size: int, start: int = SEGMENT_HEADER_SIZE_B
     unpack = _WALK.unpack_from
     digest = xxhash.xxh3_64_intdigest
     live, tomb = ENTRY_LIVE, ENTRY_TOMBSTONE
-    header, align_mask, skip = ENTRY_HEADER_SIZE_BYTES, ENTRY_ALIGN_BYTES - 1, layouts.ENTRY_CHECKSUM_FROM
+    header, align_mask, skip = ENTRY_HEADER_SIZE_BYTES, ENTRY_ALIGN_BYTES - 1, segments.ENTRY_CHECKSUM_FROM
     while offset + header <= size:
         state, length, checksum, prefix_len, payload_len = unpack(buf, offset)
         if state != live and state != tomb:
@@ -456,7 +456,7 @@ def _damaged(path: str, buf: memoryview, size: int, start: int, end: int) -> Dam
     entry (the one whose header is at `start`, if any is readable there), which the
     header's entry count may top up: headers that do not chain may have been misread."""
     count, walked, ids = _walk_headers(buf, start, end, size)
-    if start + ENTRY_STATE.end <= size and ENTRY_STATE.read(buf, start) == layouts.ENTRY_NONE:
+    if start + ENTRY_STATE.end <= size and ENTRY_STATE.read(buf, start) == segments.ENTRY_NONE:
         why = f"zero state word at {start}"
     else:
         why = _check_entry(buf, start, size)[1] or "bad bytes"
@@ -572,11 +572,11 @@ def _scan_mapped(path: str, buf: memoryview, size: int, keys: SegmentKeys, creat
         path, keys, created_ns, journal.sealed,
         header_entry_count=SEGMENT_ENTRY_COUNT.read(buf) if journal.entry_count is None else journal.entry_count,
         header_deleted_count=int(journal.completed.shape[0]),
-        header_data_end=layouts.SEGMENT_DATA_END.read(buf) if journal.data_end is None else journal.data_end,
+        header_data_end=segments.SEGMENT_DATA_END.read(buf) if journal.data_end is None else journal.data_end,
         file_size=size, identity_damage=identity_damage, journal=journal,
     )
-    stored = layouts.SEGMENT_BOUNDARY_CHECKSUM.read(buf)
-    header_count, header_end = SEGMENT_ENTRY_COUNT.read(buf), layouts.SEGMENT_DATA_END.read(buf)
+    stored = segments.SEGMENT_BOUNDARY_CHECKSUM.read(buf)
+    header_count, header_end = SEGMENT_ENTRY_COUNT.read(buf), segments.SEGMENT_DATA_END.read(buf)
     if journal.damaged:
         report.boundary_damage = (f"{journal.damaged_records} journal records damaged (first: {journal.damaged[0]}): "
                                   f"every bad byte is judged acknowledged")

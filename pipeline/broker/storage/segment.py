@@ -76,7 +76,7 @@ from pipeline.broker.storage.scan import (  # re-exported: the scan lived here f
 from pipeline.broker.storage.walk import done_at, no_entry, walk_entries
 from pipeline.wire import fileops
 from pipeline.wire.errors import DiskFullError, DurabilityError, SegmentCorruptError
-from pipeline.wire.layouts import (
+from pipeline.wire.layouts.segments import (
     ENTRY_ALIGN_BYTES,
     ENTRY_HEADER_SIZE_BYTES,
     ENTRY_LIVE,

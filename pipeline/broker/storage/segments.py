@@ -73,14 +73,8 @@ from pipeline.broker.storage.segment import (
 from pipeline.wire import fileops
 from pipeline.wire.dirpin import DirPin
 from pipeline.wire.errors import DiskFullError, SegmentFormatError, StoreReadError
-from pipeline.wire.layouts import (
-    CATALOG_CREATED,
-    CATALOG_DELETED,
-    CATALOG_QUARANTINED,
-    CATALOG_SEALED,
-    SEGMENT_HEADER_SIZE_BYTES,
-    SEGMENT_VERSION,
-)
+from pipeline.wire.layouts.catalog import CATALOG_CREATED, CATALOG_DELETED, CATALOG_QUARANTINED, CATALOG_SEALED
+from pipeline.wire.layouts.segments import SEGMENT_HEADER_SIZE_BYTES, SEGMENT_VERSION
 
 __all__ = ["MissingSegment", "Quarantined", "RecoveredSegment", "RecoveryReport", "SegmentState", "SegmentStore"]
 
