@@ -88,7 +88,8 @@ from pipeline.wire.generation import GENERATION_MAGIC, GenerationParams, decode_
 from pipeline.wire.layouts.descriptors import Descriptor, descriptor_size_bytes, parse_descriptor
 from pipeline.wire.layouts.names import SEGMENTS_DIR
 from pipeline.wire.protocol import MAX_CREDIT_BATCHES, RECONNECT_FIRST_S, RECONNECT_MAX_S, check_consumer_name
-from shm.ring import RECORD_ALIGN_BYTES, RECORD_HEADER_SIZE_BYTES, RingReader, align_up
+from shm.ring import RingReader
+from shm.ring_layout import RECORD_ALIGN_BYTES, RECORD_HEADER_SIZE_BYTES, align_up
 
 log = logging.getLogger("pipeline.consumer")
 

@@ -42,7 +42,7 @@ from pipeline.broker.storage.inspect import live_items, live_payloads
 from pipeline.broker.storage.paths import iter_segments
 from pipeline.wire.errors import FrameError, ShmError
 from pipeline.wire.layouts.frames import parse_frame
-from shm.ring import unreleased_records
+from shm.ring_layout import unreleased_records
 
 # A ledger slot not written yet (its producer has not registered).
 UNREGISTERED = -1

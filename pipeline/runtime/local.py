@@ -25,7 +25,7 @@ from pipeline.runtime.datadir import hold_for_launch, release_launch
 from pipeline.runtime.processes import serve_broker, serve_consumer
 from pipeline.wire.errors import DataDirError, DataDirInUseError, LiveRunError, ShmSpaceError
 from shm.objects import DEV_SHM, RAISE_HINT, SEMAPHORE_FOOTPRINT_BYTES, shm_space
-from shm.ring import ring_footprint_bytes
+from shm.ring_layout import ring_footprint_bytes
 
 log = logging.getLogger("pipeline")
 
