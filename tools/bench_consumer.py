@@ -37,13 +37,13 @@ from pipeline.consumer.engines import EngineBatch  # noqa: E402
 from pipeline.consumer.process import Consumer, ConsumerConfig  # noqa: E402
 from pipeline.consumer.reader import SegmentReader  # noqa: E402
 from pipeline.producer.signature import signature  # noqa: E402
-from pipeline.wire.layouts.descriptors import ( # noqa: E402
+from pipeline.wire.layouts.descriptors import (  # noqa: E402
     DESCRIPTOR_ITEM_DTYPE,
     descriptor_size_bytes,
     parse_descriptor,
     write_descriptor,
 )
-from pipeline.wire.layouts.frames import ITEM_HEADER_DTYPE
+from pipeline.wire.layouts.frames import ITEM_HEADER_DTYPE  # noqa: E402
 
 TOKENS = 256
 PREFIX_TOKENS = 128

@@ -65,7 +65,6 @@ from pipeline.broker.storage.encode import EncodedGroup, encode_entries  # re-ex
 from pipeline.broker.storage.journal import SegmentJournal, journal_path
 from pipeline.broker.storage.paths import CREATING_SUFFIX
 from pipeline.broker.storage.scan import (  # re-exported: the scan lived here first
-    ScanReport,
     SegmentKeys,
     boundary_checksum,
     establish_identity,
@@ -73,6 +72,7 @@ from pipeline.broker.storage.scan import (  # re-exported: the scan lived here f
     read_identity,
     scan_segment,
 )
+from pipeline.broker.storage.scan_report import ScanReport
 from pipeline.broker.storage.walk import done_at, no_entry, walk_entries
 from pipeline.wire import fileops
 from pipeline.wire.errors import DiskFullError, DurabilityError, SegmentCorruptError
