@@ -321,8 +321,8 @@ def produce(workload_file: str, data_dir: str, producers: int, items: int | None
     130) and says how many items are stored and how many wait in the rings, which the
     broker stores once it can: nothing submitted is lost."""
     from pipeline.producer.workload import load_workload
-    from pipeline.runtime.launcher import feed_processes
     from pipeline.runtime.local import ShmNeeds, check_shm_space
+    from pipeline.runtime.producer_processes import feed_processes
 
     check_data_dir(data_dir)
     config = BrokerConfig(data_dir)

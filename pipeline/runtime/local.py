@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import psutil
+
 from pipeline.broker.config import BrokerConfig
 from pipeline.broker.storage.segment import disk_reserve_bytes
 from pipeline.consumer.process import ConsumerConfig
@@ -273,3 +275,21 @@ def claim_data_dir(data_dir: str, needs: ShmNeeds) -> int:
         release_launch(fd)
         raise
     return fd
+
+
+def exit_text(code: int) -> str:
+    """A child's exit code in words: "exit status 1", "killed by SIGABRT"."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+def process_status(pid: int) -> str:
+    """A process's state in words ("stopped" for a SIGSTOPped one), for messages."""
+    try:
+        return psutil.Process(pid).status()
+    except psutil.Error:
+        return "gone"
