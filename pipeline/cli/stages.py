@@ -232,7 +232,7 @@ def consumer_start(data_dir: str, name: str | None, model: int, max_batch: int, 
                    assignments: tuple[str, ...], detach: bool, verbose: bool) -> None:
     """Run a consumer until stopped (Ctrl-C or `pipeline consumer stop`); it reconnects if
     the broker restarts. Results go to DATA_DIR/results/NAME.jsonl."""
-    from pipeline.consumer.process import ConsumerConfig
+    from pipeline.consumer.config import ConsumerConfig
 
     if name is None:  # a GPU's UUID may hold '/' (MIG-GPU-.../1/0): not in a file name
         name = re.sub(r"[^A-Za-z0-9._-]", "-", f"gpu{gpu}") if gpu is not None else f"cpu-{os.getpid()}"

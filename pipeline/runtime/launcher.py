@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipeline.consumer.process import ConsumerConfig
+from pipeline.consumer.config import ConsumerConfig
 from pipeline.producer.workload import Workload
 from pipeline.reporting.accounting import ResultsSummary, Stock, summarize_results, take_stock
 from pipeline.runtime.datadir import release_launch

@@ -30,7 +30,8 @@ from pipeline.broker.peers import ensure_namespace, namespace_for, object_prefix
 from pipeline.broker.service import Broker
 from pipeline.broker.state import lock_run_dir
 from pipeline.broker.storage.disk import DiskTier
-from pipeline.consumer.process import Consumer, ConsumerConfig
+from pipeline.consumer.config import ConsumerConfig
+from pipeline.consumer.process import Consumer
 from pipeline.runtime.datadir import owner_only_umask, prepare_data_dir
 from pipeline.runtime.signals import stop_on_signals
 from pipeline.wire.dirpin import DirPin, moved_message

@@ -9,8 +9,9 @@ import json
 import numpy as np
 
 from pipeline.broker.storage.segment import scan_segment
+from pipeline.consumer.config import ConsumerConfig
 from pipeline.consumer.engines import Engine, EngineBatch, EngineCounters, EngineResult
-from pipeline.consumer.process import CORRUPT_KEY, Consumer, ConsumerConfig
+from pipeline.consumer.process import CORRUPT_KEY, Consumer
 from pipeline.consumer.reader import SegmentReader
 from pipeline.wire.layouts.descriptors import (
     DESCRIPTOR_ITEM_DTYPE,

@@ -15,7 +15,8 @@ import pytest
 from pipeline.broker.config import BrokerConfig
 from pipeline.broker.storage.paths import make_dirs, segment_path
 from pipeline.broker.storage.segment import Durability, SegmentFile, SegmentKeys, encode_entries, scan_segment
-from pipeline.consumer.process import CORRUPT_KEY, Consumer, ConsumerConfig
+from pipeline.consumer.config import ConsumerConfig
+from pipeline.consumer.process import CORRUPT_KEY, Consumer
 from pipeline.consumer.reader import SegmentReader
 from pipeline.producer.client import BrokerProducer
 from pipeline.runtime.local import start_consumer
