@@ -12,9 +12,10 @@ import pytest
 import xxhash
 
 from pipeline.broker.storage.catalog import encode_record
+from pipeline.broker.storage.diskio import Durability
 from pipeline.broker.storage.paths import make_dirs, segment_path
 from pipeline.broker.storage.scan import boundary_checksum
-from pipeline.broker.storage.segment import Durability, SegmentFile, SegmentKeys, encode_entries, scan_segment
+from pipeline.broker.storage.segment import SegmentFile, SegmentKeys, encode_entries, scan_segment
 from pipeline.consumer.reader import SegmentReader
 from pipeline.wire.errors import FrameError, SegmentNameError
 from pipeline.wire.layouts.catalog import CATALOG_MAGIC, CATALOG_RECORD_DTYPE, CATALOG_SEALED, CATALOG_VERSION

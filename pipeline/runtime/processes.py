@@ -129,7 +129,7 @@ def check_descriptor_limit(config: BrokerConfig) -> None:
 def open_storage(data_dir: str, storage: str, durability: str, open_files_max: int | None = None) -> OpenedStorage:
     """The storage tier named by `storage` ("disk" or "memory"), recovered if on disk.
     `open_files_max`: segment files kept open at once (default: the store's)."""
-    from pipeline.broker.storage.segment import Durability
+    from pipeline.broker.storage.diskio import Durability
 
     if storage not in STORAGE_KINDS:
         raise ValueError(f"storage must be one of {', '.join(STORAGE_KINDS)}, got {storage!r}")

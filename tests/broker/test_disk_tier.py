@@ -326,7 +326,7 @@ def small_tmpfs(tmp_path):
 def test_the_store_leaves_its_reserve_free_for_results(small_tmpfs):
     """Allocation stops while less than the reserve would stay free (for the consumers'
     results on the same disk): a DiskFullError naming it, before the kernel's ENOSPC."""
-    from pipeline.broker.storage.segment import disk_reserve_bytes
+    from pipeline.broker.storage.diskio import disk_reserve_bytes
 
     data_dir = os.path.join(small_tmpfs, "data")
     tier = DiskTier.open(data_dir, segment_max_bytes=64 << 10)

@@ -16,10 +16,11 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline.broker.storage import DiskTier
+from pipeline.broker.storage.diskio import Durability
 from pipeline.broker.storage.inspect import verify
 from pipeline.broker.storage.journal import SegmentJournal
 from pipeline.broker.storage.paths import make_dirs, segment_path
-from pipeline.broker.storage.segment import Durability, SegmentFile, SegmentKeys, encode_entries, scan_segment
+from pipeline.broker.storage.segment import SegmentFile, SegmentKeys, encode_entries, scan_segment
 from pipeline.broker.storage.segments import SegmentStore
 from pipeline.cli import main
 from pipeline.wire.errors import StoreReadError
