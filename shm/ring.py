@@ -47,30 +47,26 @@ from shm.errors import (
     ShmError,
     StaleObjectError,
 )
-from shm.layout import checked_dtype, field_offset, struct_for
-from shm.objects import (
-    SEMAPHORE_FOOTPRINT_BYTES,
-    Doorbell,
-    attach_shared_memory,
-    create_shared_memory,
-    object_footprint_bytes,
-    object_path,
-    open_semaphore,
-    unlink_quietly,
+from shm.layout import field_offset, struct_for
+from shm.objects import Doorbell, attach_shared_memory, create_shared_memory, open_semaphore, unlink_quietly
+from shm.ring_layout import (
+    HEADER_SIZE_BYTES,
+    IDENTITY_STRUCT,
+    MAX_CAPACITY_BYTES,
+    MIN_CAPACITY_BYTES,
+    RECORD_ALIGN_BYTES,
+    RECORD_DATA,
+    RECORD_HEADER_SIZE_BYTES,
+    RECORD_STRUCT,
+    RECORD_WRAP,
+    RING_HEADER_DTYPE,
+    RING_LAYOUT_VERSION,
+    RING_MAGIC,
+    align_up,
+    max_body_bytes,
+    semaphore_names,
 )
 
-RING_MAGIC = b"SHMRING1"
-# Bump when any field below moves or changes meaning; a ring of another version is reported.
-RING_LAYOUT_VERSION = 1
-# The control block takes one page so the data region starts page-aligned.
-HEADER_SIZE_BYTES = 4096
-# Records start on 16-byte boundaries. The record header is 16 bytes, so the gap left at
-# the end of the data region is always 0 or >= 16 and a wrap marker always fits in it.
-RECORD_ALIGN_BYTES = 16
-# One page: below this the header page would outweigh the data.
-MIN_CAPACITY_BYTES = 4096
-# 1 TiB: far above any sane ring, low enough to catch a unit mistake (bits for bytes).
-MAX_CAPACITY_BYTES = 1 << 40
 # Polls a reader makes before it sleeps. Sleeping costs the writer a futex wake (a system
 # call, microseconds) on its next record; a writer submitting one item every ~1.5 us would
 # pay it on every item if the reader slept the moment it caught up. 256 empty polls are
@@ -80,71 +76,10 @@ SPIN_POLLS = 256
 # (see the module NOTE) and how late a closed peer is noticed.
 WAIT_SLICE_S = 0.02
 
-# Control block at the start of the object (cache lines split by owner so the writer's and
-# the reader's stores do not bounce one line between cores).
-#   off  size  field          meaning
-#     0     8  magic          b"SHMRING1": this object is one of our rings
-#     8     4  layout_version RING_LAYOUT_VERSION; another version is reported, never read
-#    12     4  header_size    bytes before the data region (HEADER_SIZE_BYTES)
-#    16     8  capacity       bytes in the data region, a power of two
-#    24     4  creator_pid    process that created the object
-#    28     4  record_align   RECORD_ALIGN_BYTES
-#    32     8  created_ns     wall clock at creation (time.time_ns), for reports
-#    64     8  write_pos      end of the last published record (writer stores, reader loads)
-#    72     4  writer_closed  1 once the writer closed: nothing more will be published
-#    76     4  writer_pid     pid of the process writing
-#   128     8  read_pos       everything before it is released and may be overwritten
-#   136     4  reader_closed  1 once the reader closed: writes fail with RingClosedError
-#   140     4  reader_pid     pid of the process reading
-#   192    64  doorbell       name of the shared doorbell the writer rings too, NUL padded
-RING_HEADER_DTYPE = checked_dtype(
-    [
-        ("magic", 0, "|S8", "b'SHMRING1'"),
-        ("layout_version", 8, "<u4", "RING_LAYOUT_VERSION"),
-        ("header_size", 12, "<u4", "bytes before the data region"),
-        ("capacity", 16, "<u8", "data region bytes, power of two"),
-        ("creator_pid", 24, "<u4", "creating process"),
-        ("record_align", 28, "<u4", "RECORD_ALIGN_BYTES"),
-        ("created_ns", 32, "<u8", "creation wall clock"),
-        ("write_pos", 64, "<u8", "end of published records"),
-        ("writer_closed", 72, "<u4", "writer closed flag"),
-        ("writer_pid", 76, "<u4", "writing process"),
-        ("read_pos", 128, "<u8", "end of released records"),
-        ("reader_closed", 136, "<u4", "reader closed flag"),
-        ("reader_pid", 140, "<u4", "reading process"),
-        ("doorbell", 192, "|S64", "doorbell semaphore name"),
-    ],
-    itemsize=256,
-)
-assert RING_HEADER_DTYPE.itemsize <= HEADER_SIZE_BYTES
-
-# Record header, at the start of every record in the data region.
-#   off  size  field      meaning
-#     0     4  body_size  bytes of body after this header (unpadded)
-#     4     2  kind       RECORD_DATA, or RECORD_WRAP: skip to the start of the data region
-#     6     2  reserved   zero
-#     8     8  pos        the record's own start position: a mismatch means a misread
-RECORD_HEADER_DTYPE = checked_dtype(
-    [
-        ("body_size", 0, "<u4", "body bytes"),
-        ("kind", 4, "<u2", "data or wrap"),
-        ("pos", 8, "<u8", "own start position"),
-    ],
-    itemsize=16,
-)
-RECORD_HEADER_SIZE_BYTES = RECORD_HEADER_DTYPE.itemsize
-assert RECORD_HEADER_SIZE_BYTES % RECORD_ALIGN_BYTES == 0
-RECORD_DATA = 1
-RECORD_WRAP = 2
-
-_IDENTITY = struct_for(RING_HEADER_DTYPE, ["magic", "layout_version", "header_size", "capacity"])
 _INIT = struct_for(
     RING_HEADER_DTYPE,
     ["magic", "layout_version", "header_size", "capacity", "creator_pid", "record_align", "created_ns"],
 )
-_RECORD = struct_for(RECORD_HEADER_DTYPE)
-# Both positions in one read, for `unreleased_records` (nobody writes them then).
-_POSITIONS = struct_for(RING_HEADER_DTYPE, ["write_pos", "read_pos"])
 # The position and flag words are shared between processes while both run, so each is
 # stored and loaded as one aligned access, through memoryviews cast to 'Q' and 'I' (an
 # item assignment there is one memcpy of the item's size: one 8-byte move on x86-64).
@@ -170,32 +105,6 @@ assert _OFF_WRITE_POS % 8 == 0 and _OFF_READ_POS % 8 == 0
 
 
 _ALIGN_MASK = RECORD_ALIGN_BYTES - 1
-
-
-def align_up(n: int, align: int = RECORD_ALIGN_BYTES) -> int:
-    return (n + align - 1) & ~(align - 1)
-
-
-def max_body_bytes(capacity_bytes: int) -> int:
-    """Largest record body a ring of this capacity takes.
-
-    A record may take at most half the ring. A record that does not fit before the end of
-    the data region wraps to its start, and the gap it skips is spent too. With a record of
-    S <= capacity/2 bytes at offset o where o + S > capacity, o > capacity/2 >= S, so the
-    skipped gap plus the record (capacity - o + S) is at most capacity: once the reader has
-    caught up, it always fits. A bigger record could wait for space forever.
-    """
-    return capacity_bytes // 2 - RECORD_HEADER_SIZE_BYTES
-
-
-def _sem_names(name: str) -> tuple[str, str]:
-    return f"{name}.d", f"{name}.s"
-
-
-def ring_footprint_bytes(capacity_bytes: int) -> int:
-    """What a ring of `capacity_bytes` takes in /dev/shm: its object (header and data, all
-    reserved at creation) and its two semaphores (`_sem_names`)."""
-    return object_footprint_bytes(HEADER_SIZE_BYTES + capacity_bytes) + 2 * SEMAPHORE_FOOTPRINT_BYTES
 
 
 def _wake(sem: posix_ipc.Semaphore) -> None:
@@ -246,7 +155,7 @@ class SharedRing:
         self._map = mapping
         # Identity first, read straight from the map: no view exists yet, so a caller that
         # gets StaleObjectError can still close the map.
-        magic, version, header_size, capacity = _IDENTITY.unpack_from(mapping, 0)
+        magic, version, header_size, capacity = IDENTITY_STRUCT.unpack_from(mapping, 0)
         self._check_identity(magic, version, header_size, capacity, len(mapping))
         # The semaphores before any view too: a ring whose creator unlinked it between our
         # open of the memory and of its semaphores raises ObjectMissingError here, and the
@@ -271,7 +180,7 @@ class SharedRing:
     def _open_semaphores(name: str, creator: bool) -> tuple:
         """The ring's data and space semaphores, or neither (the first is closed if the
         second cannot be opened)."""
-        data_name, space_name = _sem_names(name)
+        data_name, space_name = semaphore_names(name)
         data_sem = open_semaphore(data_name, create=creator)
         try:
             return data_sem, open_semaphore(space_name, create=creator)
@@ -342,7 +251,7 @@ class SharedRing:
             return cls(name, mapping, creator=True)
         except BaseException:
             mapping.close()
-            unlink_quietly([name], list(_sem_names(name)))
+            unlink_quietly([name], list(semaphore_names(name)))
             raise
 
     @classmethod
@@ -413,71 +322,13 @@ class SharedRing:
             raise ShmError(f"ring {self.name}: only its creator unlinks it")
         if not self._unlinked:
             self._unlinked = True
-            unlink_quietly([self.name], list(_sem_names(self.name)))
+            unlink_quietly([self.name], list(semaphore_names(self.name)))
 
     @staticmethod
     def unlink_leftover(name: str) -> list[str]:
         """Remove a reported leftover ring's objects by name; returns what was there."""
-        return unlink_quietly([name], list(_sem_names(name)))
+        return unlink_quietly([name], list(semaphore_names(name)))
 
-
-def unreleased_records(name: str) -> list[bytes]:
-    """The bodies of the records a ring holds that its reader has not released, in order,
-    read without changing anything: no position, flag or pid is written and no semaphore
-    is opened. For whoever takes stock of a stopped run (nobody reads or writes the ring
-    any more): what a crashed reader left unstored. StaleObjectError if the object is not
-    one of our rings or a record does not follow the layout; ObjectMissingError if it is
-    gone. Each body is a copy: the mapping is closed before this returns."""
-    mapping, _ = attach_shared_memory(name)
-    try:
-        if len(mapping) < HEADER_SIZE_BYTES:
-            raise StaleObjectError(f"ring {name}: object of {len(mapping)} bytes is smaller than a ring header")
-        magic, version, header_size, capacity = _IDENTITY.unpack_from(mapping, 0)
-        if magic != RING_MAGIC or version != RING_LAYOUT_VERSION or header_size != HEADER_SIZE_BYTES \
-                or capacity & (capacity - 1) or header_size + capacity != len(mapping):
-            raise StaleObjectError(f"ring {name}: magic {magic!r}, version {version}, header size "
-                                   f"{header_size}, capacity {capacity}: not a ring of this layout")
-        write_pos, read_pos = _POSITIONS.unpack_from(mapping, _OFF_WRITE_POS)
-        return _walk_records(name, memoryview(mapping)[HEADER_SIZE_BYTES:], capacity, read_pos, write_pos)
-    finally:
-        mapping.close()
-
-
-def unfinished_ring(name: str) -> bool:
-    """Whether the shared-memory object `name` is a ring its creator never finished making:
-    empty (it died before sizing it) or with its identity block all zeros (before writing
-    it; the identity is written last, `_create_mapping`). No writer ever had such a ring,
-    so it holds no record: what a cleanup may remove although `unreleased_records` cannot
-    read it. False for a ring, for anything else, and for what is gone."""
-    try:
-        with open(object_path(name), "rb") as file:
-            size = os.fstat(file.fileno()).st_size
-            identity = file.read(_IDENTITY.size)
-    except FileNotFoundError:
-        return False
-    return size == 0 or (size >= HEADER_SIZE_BYTES and identity == bytes(_IDENTITY.size))
-
-
-def _walk_records(name: str, data: memoryview, capacity: int, pos: int, end_pos: int) -> list[bytes]:
-    """Copies of the bodies of the records in [pos, end_pos) of a ring's data region."""
-    bodies = []
-    try:
-        while pos < end_pos:
-            offset = pos & (capacity - 1)
-            body_size, kind, own = _RECORD.unpack_from(data, offset)
-            if kind == RECORD_WRAP and own == pos:
-                pos += capacity - offset
-                continue
-            end = pos + RECORD_HEADER_SIZE_BYTES + align_up(body_size)
-            if kind != RECORD_DATA or own != pos or end > end_pos:
-                raise StaleObjectError(f"ring {name}: record at position {pos} has kind {kind}, size "
-                                       f"{body_size}, own position {own}; write_pos {end_pos}")
-            start = offset + RECORD_HEADER_SIZE_BYTES
-            bodies.append(bytes(data[start:start + body_size]))
-            pos = end
-    finally:
-        data.release()
-    return bodies
 
 
 class RingWriter(SharedRing):
@@ -534,10 +385,10 @@ class RingWriter(SharedRing):
         if pos + need - self._read_pos_seen > self.capacity_bytes:
             self._read_pos_seen = self._wait_for_space(pos + need, timeout_s)
         if total > tail:
-            _RECORD.pack_into(self.buf, offset, tail - RECORD_HEADER_SIZE_BYTES, RECORD_WRAP, pos)
+            RECORD_STRUCT.pack_into(self.buf, offset, tail - RECORD_HEADER_SIZE_BYTES, RECORD_WRAP, pos)
             pos += tail
             offset = 0
-        _RECORD.pack_into(self.buf, offset, body_size_bytes, RECORD_DATA, pos)
+        RECORD_STRUCT.pack_into(self.buf, offset, body_size_bytes, RECORD_DATA, pos)
         self._pending_end = pos + total
         return offset + RECORD_HEADER_SIZE_BYTES
 
@@ -630,12 +481,12 @@ class RingReader(SharedRing):
             if cursor == self._write_pos_seen:
                 return None
         offset = cursor & self._mask
-        body_size, kind, pos = _RECORD.unpack_from(self.buf, offset)
+        body_size, kind, pos = RECORD_STRUCT.unpack_from(self.buf, offset)
         if kind == RECORD_WRAP:
             self._check_record(cursor, pos, body_size + RECORD_HEADER_SIZE_BYTES, self.capacity_bytes - offset)
             cursor += self.capacity_bytes - offset
             offset = 0
-            body_size, kind, pos = _RECORD.unpack_from(self.buf, 0)
+            body_size, kind, pos = RECORD_STRUCT.unpack_from(self.buf, 0)
         end = cursor + RECORD_HEADER_SIZE_BYTES + align_up(body_size)
         if kind != RECORD_DATA or pos != cursor or end > self._write_pos_seen:
             self._corrupt(cursor, body_size, kind, pos)

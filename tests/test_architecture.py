@@ -2,8 +2,8 @@
 inside a function; not those only for type checking) of every module under pipeline/, shm/
 and lab/ must follow the arrows the document's `dependencies` block declares, or be one of
 its `lazy` block's imports and made inside a function; the module graph must have no cycle,
-and the modules the document calls pure must import no clock, process, socket or shared
-memory."""
+type-only imports included, and the modules the document calls pure must import no clock,
+process, socket or shared memory."""
 
 from __future__ import annotations
 
@@ -29,12 +29,13 @@ def _modules() -> dict[str, Path]:
     return found
 
 
-def _nodes(path: Path) -> list[ast.AST]:
+def _nodes(path: Path, type_only: bool = False) -> list[ast.AST]:
     """Every node of the file but those under `if TYPE_CHECKING:` (names for annotations
-    only, never imported when the code runs)."""
+    only, never imported when the code runs), unless `type_only`."""
     tree = ast.parse(path.read_text())
-    skipped = {id(node) for block in ast.walk(tree) if isinstance(block, ast.If) and _is_type_checking(block.test)
-               for child in block.body for node in ast.walk(child)}
+    skipped = set() if type_only else {
+        id(node) for block in ast.walk(tree) if isinstance(block, ast.If) and _is_type_checking(block.test)
+        for child in block.body for node in ast.walk(child)}
     return [node for node in ast.walk(tree) if id(node) not in skipped]
 
 
@@ -43,10 +44,11 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _imports(path: Path, modules: dict[str, Path], top_level_only: bool = False) -> set[str]:
+def _imports(path: Path, modules: dict[str, Path], top_level_only: bool = False, type_only: bool = False) -> set[str]:
     """Every module of ours that `path` imports, anywhere in the file (or outside every
-    function: what importing the module itself imports)."""
-    nodes = _nodes(path)
+    function: what importing the module itself imports; with `type_only`, the imports for
+    annotations too)."""
+    nodes = _nodes(path, type_only)
     if top_level_only:
         inside = {id(node) for function in nodes if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef))
                   for node in ast.walk(function)}
@@ -135,8 +137,10 @@ def test_every_documented_unit_exists_and_arrows_point_one_way():
 
 
 def test_the_module_graph_has_no_cycle():
+    """Type-only imports count: a circle through them is two modules that cannot be read or
+    changed apart, whatever runs first."""
     modules = _modules()
-    graph = {name: _imports(path, modules) - {name} for name, path in modules.items()}
+    graph = {name: _imports(path, modules, type_only=True) - {name} for name, path in modules.items()}
     state: dict[str, int] = {}  # 1: on the path, 2: done
 
     def visit(name: str, path: list[str]) -> None:

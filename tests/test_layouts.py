@@ -12,54 +12,60 @@ import pytest
 import xxhash
 
 from pipeline.broker.storage.catalog import encode_record
+from pipeline.broker.storage.diskio import Durability
 from pipeline.broker.storage.paths import make_dirs, segment_path
 from pipeline.broker.storage.scan import boundary_checksum
-from pipeline.broker.storage.segment import Durability, SegmentFile, SegmentKeys, encode_entries, scan_segment
+from pipeline.broker.storage.segment import SegmentFile, SegmentKeys, encode_entries, scan_segment
 from pipeline.consumer.reader import SegmentReader
 from pipeline.wire.errors import FrameError, SegmentNameError
-from pipeline.wire.layouts import (
-    CATALOG_MAGIC,
-    CATALOG_RECORD_DTYPE,
-    CATALOG_SEALED,
-    CATALOG_VERSION,
+from pipeline.wire.layouts.catalog import CATALOG_MAGIC, CATALOG_RECORD_DTYPE, CATALOG_SEALED, CATALOG_VERSION
+from pipeline.wire.layouts.descriptors import (
     DESCRIPTOR_HEADER_DTYPE,
     DESCRIPTOR_ITEM_DTYPE,
     DESCRIPTOR_MAGIC,
-    ENTRY_HEADER_DTYPE,
-    ENTRY_LIVE,
+    descriptor_size_bytes,
+    parse_descriptor,
+    write_descriptor,
+)
+from pipeline.wire.layouts.frames import (
     FRAME_HEADER_DTYPE,
     FRAME_MAGIC,
     FRAME_VERSION,
     ITEM_HEADER_DTYPE,
     ITEM_ID_SEQ_BITS,
+    parse_frame,
+)
+from pipeline.wire.layouts.journal import (
     JOURNAL_BOUNDARY,
     JOURNAL_COMPLETED,
     JOURNAL_SEALED,
-    LANE_ID_LIMIT,
-    MODEL_ID_LIMIT,
-    SEGMENT_HEADER_DTYPE,
-    SEGMENT_HEADER_SIZE_BYTES,
-    SEGMENT_IDENTITY_BYTES,
     SEGMENT_JOURNAL_DTYPE,
     SEGMENT_JOURNAL_MAGIC,
-    SEGMENT_JOURNAL_SUFFIX,
     SEGMENT_JOURNAL_VERSION,
-    SEGMENT_MAGIC,
-    SEGMENT_SEQ_LIMIT,
-    SEGMENT_VERSION,
-    SIGNATURE_LIMIT,
-    descriptor_size_bytes,
-    entry_checksum,
-    entry_size_bytes,
     journal_checksums,
     journal_seed,
-    parse_descriptor,
-    parse_frame,
+)
+from pipeline.wire.layouts.names import (
+    LANE_ID_LIMIT,
+    MODEL_ID_LIMIT,
+    SEGMENT_JOURNAL_SUFFIX,
+    SEGMENT_SEQ_LIMIT,
+    SIGNATURE_LIMIT,
     parse_model_dir,
     parse_segment_file,
     parse_segment_relpath,
     segment_relpath,
-    write_descriptor,
+)
+from pipeline.wire.layouts.segments import (
+    ENTRY_HEADER_DTYPE,
+    ENTRY_LIVE,
+    SEGMENT_HEADER_DTYPE,
+    SEGMENT_HEADER_SIZE_BYTES,
+    SEGMENT_IDENTITY_BYTES,
+    SEGMENT_MAGIC,
+    SEGMENT_VERSION,
+    entry_checksum,
+    entry_size_bytes,
 )
 from shm.layout import Field, struct_for
 
@@ -268,7 +274,7 @@ def test_descriptor_and_frame_headers_read_back_field_by_field():
 
 
 def test_prompt_digests_match_prompt_digest_for_every_kind_of_array():
-    from pipeline.wire.layouts import prompt_digest, prompt_digests
+    from pipeline.wire.layouts.segments import prompt_digest, prompt_digests
 
     rng = np.random.default_rng(5)
     flat = rng.integers(-2**31, 2**31 - 1, size=1000, dtype=np.int64).astype(np.int32)

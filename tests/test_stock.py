@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.reporting.accounting import accepted_ids, take_stock
-from pipeline.wire.layouts import ITEM_ID_SEQ_BITS, make_item_id
+from pipeline.wire.layouts.frames import ITEM_ID_SEQ_BITS, make_item_id
 
 
 def ids(producer: int, seqs) -> np.ndarray:

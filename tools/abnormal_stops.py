@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from pipeline.broker.peers import namespace_for, object_prefix  # noqa: E402
 from pipeline.reporting.accounting import summarize_results  # noqa: E402
-from pipeline.wire.layouts import make_item_id  # noqa: E402
+from pipeline.wire.layouts.frames import make_item_id  # noqa: E402
 
 SLOW = "consumers = 2\n[engine_options]\ncost_s_per_padded_token = 2e-6\n"
 STOP_AT_RECEIVED = 3000

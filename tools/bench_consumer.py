@@ -31,19 +31,21 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from pipeline.broker.storage.diskio import Durability  # noqa: E402
 from pipeline.broker.storage.paths import make_dirs, segment_path  # noqa: E402
-from pipeline.broker.storage.segment import Durability, SegmentFile, SegmentKeys, encode_entries, scan_segment  # noqa: E402
+from pipeline.broker.storage.segment import SegmentFile, SegmentKeys, encode_entries, scan_segment  # noqa: E402
+from pipeline.consumer.config import ConsumerConfig  # noqa: E402
 from pipeline.consumer.engines import EngineBatch  # noqa: E402
-from pipeline.consumer.process import Consumer, ConsumerConfig  # noqa: E402
+from pipeline.consumer.process import Consumer  # noqa: E402
 from pipeline.consumer.reader import SegmentReader  # noqa: E402
 from pipeline.producer.signature import signature  # noqa: E402
-from pipeline.wire.layouts import (  # noqa: E402
+from pipeline.wire.layouts.descriptors import (  # noqa: E402
     DESCRIPTOR_ITEM_DTYPE,
-    ITEM_HEADER_DTYPE,
     descriptor_size_bytes,
     parse_descriptor,
     write_descriptor,
 )
+from pipeline.wire.layouts.frames import ITEM_HEADER_DTYPE  # noqa: E402
 
 TOKENS = 256
 PREFIX_TOKENS = 128

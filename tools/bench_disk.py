@@ -47,7 +47,8 @@ from pipeline.broker.ids import BatchId, ConsumerId, LaneId, LaneKey
 from pipeline.broker.storage import AppendGroup, DiskTier, Durability
 from pipeline.broker.storage.segment import encode_entries
 from pipeline.broker.storage.segments import SegmentStore
-from pipeline.wire.layouts import ITEM_HEADER_DTYPE, ITEM_ID_SEQ_BITS, Frame, entry_size_bytes
+from pipeline.wire.layouts.frames import ITEM_HEADER_DTYPE, ITEM_ID_SEQ_BITS, Frame
+from pipeline.wire.layouts.segments import entry_size_bytes
 
 ITEM_TOKENS = 256
 # Bytes of one such item as a segment entry: 64-byte header, tokens, no payload, 16-aligned.

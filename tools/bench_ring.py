@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeline.producer import Producer
-from pipeline.wire.layouts import FRAME_HEADER_STRUCT, FRAME_MAGIC, FRAME_VERSION, frame_size_bytes, parse_frame
+from pipeline.wire.layouts.frames import FRAME_HEADER_STRUCT, FRAME_MAGIC, FRAME_VERSION, frame_size_bytes, parse_frame
 from shm.ring import RingReader, RingWriter
 
 SIGNATURE = 0x1234_5678_9ABC_DEF0

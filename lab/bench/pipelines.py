@@ -31,7 +31,7 @@ import numpy as np
 import psutil
 
 from pipeline.broker.config import BrokerConfig
-from pipeline.consumer.process import ConsumerConfig
+from pipeline.consumer.config import ConsumerConfig
 from pipeline.producer.client import BrokerProducer
 from pipeline.producer.feed import feed
 from pipeline.producer.signature import signature

@@ -50,7 +50,8 @@ from lab.bench.pipelines import (
     scaled,
 )
 from pipeline.consumer.engines.sim import DEFAULT_BLOCK_SIZE_TOKENS, DEFAULT_CAPACITY_TOKENS, SimEngine
-from pipeline.producer.workload import Workload, demo_workload
+from pipeline.producer.demos import demo_workload
+from pipeline.producer.workload import Workload
 
 PRODUCERS = 2
 CONSUMERS = 2

@@ -56,7 +56,8 @@ from pipeline.consumer.engines.sim import SimEngine
 from pipeline.consumer.results import STATUS_OK, ResultsFile, result_lines
 from pipeline.producer.workload import Workload
 from pipeline.runtime.local import CTX, start_child
-from pipeline.wire.layouts import DESCRIPTOR_ITEM_DTYPE, Descriptor, prompt_digests
+from pipeline.wire.layouts.descriptors import DESCRIPTOR_ITEM_DTYPE, Descriptor
+from pipeline.wire.layouts.segments import prompt_digests
 
 # The server's program: Debian's package puts it in /usr/bin; a PATH lookup finds another.
 REDIS_SERVER = "redis-server"

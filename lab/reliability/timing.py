@@ -21,7 +21,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from pipeline.wire.layouts import ITEM_ID_SEQ_BITS, MAX_SEQ
+from pipeline.wire.layouts.frames import ITEM_ID_SEQ_BITS, MAX_SEQ
 
 
 @dataclass(frozen=True, slots=True)

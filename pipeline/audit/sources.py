@@ -24,7 +24,7 @@ from pipeline.runtime.inventory import pending_payloads, producer_ring_names
 from pipeline.wire.errors import ResultsFileError
 from pipeline.wire.errors import GenerationParamsError
 from pipeline.wire.generation import decode_payload
-from pipeline.wire.layouts import prompt_digest
+from pipeline.wire.layouts.segments import prompt_digest
 
 
 def stored_own_payload(payload: bytes) -> bytes:

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.batchjob.splits import PrefixSplit
-from pipeline.wire.layouts import MAX_CHAIN_DEPTH
+from pipeline.wire.layouts.frames import MAX_CHAIN_DEPTH
 
 # Components a chat prompt is cut into at most: a shape's chain of prefix signatures has one
 # level per component, and the broker keeps MAX_CHAIN_DEPTH levels (a deeper chain loses its

@@ -19,8 +19,9 @@ DISPATCH_NO_LANES = "no-lanes"
 # `--dispatch`: the product's sticky policy, and the evaluation's baselines.
 DISPATCH_POLICIES = (DISPATCH_STICKY, "fifo", "round-robin", DISPATCH_NO_LANES)
 from pipeline.wire.errors import ConfigError, ContractError
-from pipeline.wire.layouts import DEFAULT_MAX_MODELS, MODEL_ID_LIMIT, descriptor_size_bytes
-from shm.ring import max_body_bytes
+from pipeline.wire.layouts.descriptors import descriptor_size_bytes
+from pipeline.wire.layouts.names import DEFAULT_MAX_MODELS, MODEL_ID_LIMIT
+from shm.ring_layout import max_body_bytes
 
 RUN_DIR = "run"
 SOCKET_NAME = "broker.sock"

@@ -28,7 +28,7 @@ from pipeline.broker.peers import ConsumerPeer, ConsumerTotals, Peer, consumer_r
 from pipeline.broker.start_gate import StartGate
 from pipeline.broker.storage.disk import DiskTier
 from pipeline.wire.errors import BadInputError, ProtocolError, RingTimeoutError, ShmError
-from pipeline.wire.layouts import DESCRIPTOR_ITEM_DTYPE, descriptor_size_bytes, write_descriptor
+from pipeline.wire.layouts.descriptors import DESCRIPTOR_ITEM_DTYPE, descriptor_size_bytes, write_descriptor
 from pipeline.wire.protocol import MAX_CREDIT_BATCHES, check_consumer_name
 from pipeline.wire.status import ConsumerWork
 from shm.objects import named_objects

@@ -50,7 +50,6 @@ completed; when everything is done, received + recovered = completed: difference
 from __future__ import annotations
 
 import math
-from dataclasses import fields
 
 import numpy as np
 
@@ -59,21 +58,31 @@ from pipeline.broker.dispatch_records import (  # Batch and IngestReport: import
     DispatchCounters,
     IngestReport,
     ShapeSummary,
-    add_lane_counters,
     StoringFrame,
-    lane_counter_values,
+    add_lane_counters,
+    summarize_shapes,
+    total_lane_counters,
 )
 from pipeline.broker.firstrefs import FirstReferences
+from pipeline.broker.grouping import (
+    check_frame_limits,
+    check_recovered_lane,
+    first_unheld_lane,
+    group_by_shape,
+    lane_groups,
+    recovered_shapes,
+)
 from pipeline.broker.ids import BatchId, ConsumerId, LaneId, LaneKey, ShapeKey
-from pipeline.broker.lanes import MAX_LENGTH_TOKENS, LaneConfig, LaneCounters, ShapeLanes
+from pipeline.broker.lanes import LaneConfig, LaneCounters, ShapeLanes
 from pipeline.broker.lanes.schedule import TickSchedule
 from pipeline.broker.packing import Contract, batch_items_limit, pack
 from pipeline.broker.pool import SolitaryPool, is_pool, pool_shape
 from pipeline.broker.selection import AGE_RESOLUTION_NS, SHAPE_ORDER_MOST_TOKENS, DispatchPolicy, ShapeSelector
 from pipeline.broker.storage.base import AppendGroup, StorageTier
 from pipeline.broker.storage.pending import Completion
-from pipeline.wire.errors import DiskFullError, ItemTooLongError, ModelIdError, StorageError
-from pipeline.wire.layouts import DEFAULT_MAX_MODELS, MODEL_ID_LIMIT, Frame, ProducerId, decode_chains
+from pipeline.wire.errors import DiskFullError
+from pipeline.wire.layouts.frames import Frame, ProducerId, decode_chains
+from pipeline.wire.layouts.names import DEFAULT_MAX_MODELS, MODEL_ID_LIMIT
 
 # A batch offered only if it is full enough (`next_batch(full_only=True)`, for a consumer that
 # holds several already) needs this share of what its contract lets it hold: a lane of 7
@@ -185,17 +194,7 @@ class Dispatcher:
         assert self._waiting is None, "retry_pending_appends() must succeed before more ingest"
         assert self._c.items_recovered == self._storage.counters.recovered_items, "recover() first"
         items = frame.items
-        too_long = np.flatnonzero(items["length"] > MAX_LENGTH_TOKENS)
-        if too_long.size:  # checked before anything is assigned or stored
-            index = int(too_long[0])
-            raise ItemTooLongError(
-                f"producer {frame.producer_id}: item {index} has {int(items['length'][index])} "
-                f"tokens, above the broker's limit of {MAX_LENGTH_TOKENS}"
-            )
-        if int(items["model"].max()) >= self._max_models:  # refused, never stored (and skipped at restart)
-            index = int(np.flatnonzero(items["model"] >= self._max_models)[0])
-            raise ModelIdError(f"producer {frame.producer_id}: item {index} is for model "
-                               f"{int(items['model'][index])}; this broker serves models 0..{self._max_models - 1}")
+        check_frame_limits(frame, self._max_models)  # before anything is assigned or stored
         if frame.chain_section.size:  # the producer's new shapes' lineage, before their items
             for model, chain in decode_chains(frame.chain_section, f"producer {frame.producer_id}'s frame"):
                 if model < self._max_models:
@@ -313,14 +312,13 @@ class Dispatcher:
                 self._pool.declare(model, chain)
                 self.first_refs.declare(model, chain)
         found_lanes = sorted(self._storage.take_recovered_lanes(), key=lambda r: tuple(r.lane))
-        self._adopt_shapes(found_lanes)
+        pooled, own = recovered_shapes(found_lanes)  # to the pool before any lane is rebuilt
+        for shape in sorted(pooled.keys() | own):
+            self._pool.adopt(shape, pooled.get(shape, 0), shape in own)
+            self._seen.add(shape)
         recovered = 0
         for found in found_lanes:
-            if found.lane.lane >= self._lane_config.max_lanes:  # a file name's lane id, from outside
-                raise StorageError(
-                    f"recovered lane {tuple(found.lane)} ({found.lengths.size} items): lane id {found.lane.lane} is "
-                    f"beyond this broker's lane budget of {self._lane_config.max_lanes} (a store written with a "
-                    f"larger max_lanes, or a segment named by hand): the broker cannot serve it")
+            check_recovered_lane(found, self._lane_config.max_lanes)
             shape = found.lane.shape
             lanes = self._lanes_of(shape)
             lanes.restore_lane(found.lane.lane, int(found.lengths.max()), found.lengths, now_s)
@@ -333,23 +331,6 @@ class Dispatcher:
         assert self._c.items_recovered == self._storage.counters.recovered_items, "recovered twice"
         return recovered
 
-    def _adopt_shapes(self, found_lanes: list) -> None:
-        """Recovery: the shapes the reopened tier holds, their pooled items (by each pool
-        entry's own shape) and their own lanes, to the pool before any lane is rebuilt."""
-        pooled: dict[ShapeKey, int] = {}
-        own: set[ShapeKey] = set()
-        for found in found_lanes:
-            if is_pool(found.lane.shape):
-                signatures, counts = np.unique(found.signatures, return_counts=True)
-                for signature, count in zip(signatures.tolist(), counts.tolist()):
-                    shape = ShapeKey(found.lane.model, signature)
-                    pooled[shape] = pooled.get(shape, 0) + count
-            else:
-                own.add(found.lane.shape)
-        for shape in sorted(pooled.keys() | own):
-            self._pool.adopt(shape, pooled.get(shape, 0), shape in own)
-            self._seen.add(shape)
-
     def _declare(self, model: int, chain) -> None:
         """A shape's chain: the pool keeps it while the shape lives; the selector's trie
         learns it when the shape gets lanes of its own (`_lanes_of`)."""
@@ -359,13 +340,13 @@ class Dispatcher:
             self._selector.declare(model, chain)
 
     def _route(self, items: np.ndarray, rows: np.ndarray) -> list[tuple[ShapeKey, np.ndarray]]:
-        """The frame's new rows per shape they go to (`_group_by_shape`), in (model,
+        """The frame's new rows per shape they go to (`grouping.group_by_shape`), in (model,
         signature) order, where the rows of every shape the solitary pool takes (pool.py)
         go to their model's pool as one more shape, a shape's rows together (so its items
         of one length lane ride one batch)."""
         routed: list[tuple[ShapeKey, np.ndarray]] = []
         pooled: dict[int, list[np.ndarray]] = {}
-        shapes = self._group_by_shape(items, rows)
+        shapes = group_by_shape(items, rows)
         to_pool = self._pool.route_many([(shape, int(shape_rows.size)) for shape, shape_rows in shapes])
         for (shape, shape_rows), pooling in zip(shapes, to_pool):
             self._seen.add(shape)
@@ -377,24 +358,6 @@ class Dispatcher:
         for model, parts in pooled.items():
             routed.append((pool_shape(model), np.concatenate(parts) if len(parts) > 1 else parts[0]))
         return routed
-
-    @staticmethod
-    def _group_by_shape(items: np.ndarray, rows: np.ndarray) -> list[tuple[ShapeKey, np.ndarray]]:
-        """Rows per (model, signature), each in arrival order; shapes in (model, sig) order."""
-        if not rows.size:
-            return []
-        models = items["model"][rows]
-        signatures = items["signature"][rows]
-        if (models == models[0]).all() and (signatures == signatures[0]).all():
-            return [(ShapeKey(int(models[0]), int(signatures[0])), rows)]  # the common case
-        order = np.lexsort((signatures, models))  # stable: arrival order within a shape
-        models, signatures, rows = models[order], signatures[order], rows[order]
-        cuts = np.flatnonzero((np.diff(models) != 0) | (np.diff(signatures) != 0)) + 1
-        starts = [0, *cuts.tolist()]
-        return [
-            (ShapeKey(int(models[start]), int(signatures[start])), part)
-            for start, part in zip(starts, np.split(rows, cuts))
-        ]
 
     def _lanes_of(self, shape: ShapeKey) -> ShapeLanes:
         """The shape's lanes, made on its first item of its own (a shape's chain goes to the
@@ -413,19 +376,7 @@ class Dispatcher:
     ) -> list[tuple[AppendGroup, int]]:
         """Assign lanes to one shape's rows; return each lane's group (arrival order within
         it) and its tokens, in lane order."""
-        lanes = self._lanes_of(shape)
-        lengths = frame.items["length"][rows].astype(np.int64)
-        lane_ids = lanes.assign_many(lengths, now_s)
-        order = np.argsort(lane_ids, kind="stable")  # each lane's rows stay in arrival order
-        sorted_lanes = lane_ids[order]
-        cuts = np.flatnonzero(np.diff(sorted_lanes)) + 1
-        starts = [0, *cuts.tolist()]
-        group_tokens = np.add.reduceat(lengths[order], starts).tolist()
-        groups = []
-        for lane_rows, first, tokens in zip(np.split(rows[order], cuts), starts, group_tokens):
-            key = LaneKey(shape.model, shape.signature, LaneId(int(sorted_lanes[first])))
-            groups.append((AppendGroup(key, frame, lane_rows), int(tokens)))
-        return groups
+        return lane_groups(self._lanes_of(shape), shape, frame, rows, now_s)
 
     # ----------------------------------------------------------------- dispatch
 
@@ -457,7 +408,7 @@ class Dispatcher:
         lanes = self._shapes[shape]
         lane = lanes.fullest_lane()  # lanes in descending queued-token order: the first fits
         if self._held:
-            lane = self._first_unheld_lane(shape, lanes)
+            lane = first_unheld_lane(shape, lanes, self._held)
         assert lane is not None, shape
         longest = lanes.queued_max(lane)
         assert longest is not None, (shape, lane)
@@ -483,15 +434,6 @@ class Dispatcher:
         self._next_batch_id += 1
         self._outstanding = batch
         return batch
-
-    def _first_unheld_lane(self, shape: ShapeKey, lanes: ShapeLanes) -> LaneId | None:
-        """While a full disk holds part of a frame back: the first lane, in descending
-        queued-token order, with stored items before the unstored ones at its back (the
-        pad-to still counts those)."""
-        for lane in lanes.lanes_by_queued_tokens():
-            if lanes.queued_items(lane) > self._held.get(LaneKey(shape.model, shape.signature, lane), 0):
-                return lane
-        return None
 
     def commit(self, batch: Batch) -> None:
         """The consumer's channel took the batch: storage commits it (SPEC §5's three steps;
@@ -597,17 +539,9 @@ class Dispatcher:
         assert pool.own_shapes() == {s for s in self._shapes if not is_pool(s)}
 
     def counters(self) -> DispatchCounters:
-        snapshot = DispatchCounters(**{
-            f.name: getattr(self._c, f.name) for f in fields(DispatchCounters)
-            if f.name not in ("switches", "lanes")
-        })
-        # Column sums in C: status asks every 0.5 s, and field by field in Python this took
-        # 7 ms at demo-chat's 7,829 shapes (py-spy), time the consumers' batches waited.
-        rows = [lane_counter_values(self._retired), *(lane_counter_values(shape_lanes.counters)
-                                                        for shape_lanes in self._shapes.values())]
-        lanes = LaneCounters(*(sum(column) for column in zip(*rows)))
+        snapshot = self._c.scalars()
         snapshot.lanes_in_use = sum(shape_lanes.lane_count for shape_lanes in self._shapes.values())
-        snapshot.lanes = lanes
+        snapshot.lanes = total_lane_counters(self._retired, self._shapes.values())
         snapshot.shapes = self._pool.live_shapes  # every live shape: own lanes or pooled items
         snapshot.shapes_seen = len(self._seen)
         snapshot.switches = {r.value: n for r, n in self._selector.counters.switches.items()}
@@ -622,15 +556,7 @@ class Dispatcher:
 
     def shape_summaries(self) -> list[ShapeSummary]:
         """Every shape's queue and lanes (status and metrics), largest queued tokens first."""
-        # Sorted as plain tuples, made summaries after: a key function and an object per shape
-        # before the sort cost 12 ms a status at 7,829 shapes (py-spy).
-        rows = []
-        for (model, signature), lanes in self._shapes.items():
-            items, tokens, pending = lanes.totals()
-            rows.append((-tokens, -pending, model, signature, lanes.lane_count, items))
-        rows.sort()
-        return [ShapeSummary(model, signature, count, items, -tokens, -pending)
-                for tokens, pending, model, signature, count, items in rows]
+        return summarize_shapes(self._shapes)
 
     def check_invariants(self) -> None:
         """Every part's invariants, and that they agree: per lane, storage's queue length is

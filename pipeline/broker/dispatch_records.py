@@ -5,14 +5,15 @@ Pure data: no I/O, no clock."""
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields
 
 import numpy as np
 
 from pipeline.broker.ids import BatchId, ConsumerId, EntryRef, LaneKey, ShapeKey
-from pipeline.broker.lanes import LaneCounters
+from pipeline.broker.lanes import LaneCounters, ShapeLanes
 from pipeline.broker.storage.base import AppendGroup, Peeked
-from pipeline.wire.layouts import Frame
+from pipeline.wire.layouts.frames import Frame
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,11 +128,37 @@ class DispatchCounters:
     switches: dict[str, int] = field(default_factory=dict)
     lanes: LaneCounters = field(default_factory=LaneCounters)
 
+    def scalars(self) -> DispatchCounters:
+        """A copy of the counts, without `switches` and `lanes` (the caller fills those in)."""
+        return DispatchCounters(**{f.name: getattr(self, f.name) for f in fields(DispatchCounters)
+                                   if f.name not in ("switches", "lanes")})
+
 
 LANE_COUNTER_NAMES = tuple(f.name for f in fields(LaneCounters))
 lane_counter_values = operator.attrgetter(*LANE_COUNTER_NAMES)
 
 
+def total_lane_counters(retired: LaneCounters, shapes: Iterable[ShapeLanes]) -> LaneCounters:
+    """The lane counters of the retired shapes and of every live one, summed."""
+    # Column sums in C: status asks every 0.5 s, and field by field in Python this took
+    # 7 ms at demo-chat's 7,829 shapes (py-spy), time the consumers' batches waited.
+    rows = [lane_counter_values(retired), *(lane_counter_values(shape_lanes.counters) for shape_lanes in shapes)]
+    return LaneCounters(*(sum(column) for column in zip(*rows)))
+
+
 def add_lane_counters(total: LaneCounters, more: LaneCounters) -> None:
     for name in LANE_COUNTER_NAMES:
         setattr(total, name, getattr(total, name) + getattr(more, name))
+
+
+def summarize_shapes(shapes: dict[ShapeKey, ShapeLanes]) -> list[ShapeSummary]:
+    """Every shape's queue and lanes (status and metrics), largest queued tokens first."""
+    # Sorted as plain tuples, made summaries after: a key function and an object per shape
+    # before the sort cost 12 ms a status at 7,829 shapes (py-spy).
+    rows = []
+    for (model, signature), lanes in shapes.items():
+        items, tokens, pending = lanes.totals()
+        rows.append((-tokens, -pending, model, signature, lanes.lane_count, items))
+    rows.sort()
+    return [ShapeSummary(model, signature, count, items, -tokens, -pending)
+            for tokens, pending, model, signature, count, items in rows]

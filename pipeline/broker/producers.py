@@ -29,7 +29,7 @@ from pipeline.broker.peers import Peer, ProducerPeer, producer_ring_ids, produce
 from pipeline.broker.state import BrokerState
 from pipeline.broker.storage.disk import DiskTier
 from pipeline.wire.errors import BadInputError, DiskFullError, FrameError, ProtocolError, ShmError
-from pipeline.wire.layouts import MAX_PRODUCER_ID, parse_frame
+from pipeline.wire.layouts.frames import MAX_PRODUCER_ID, parse_frame
 from shm.ring import RingReader, SharedRing
 
 log = logging.getLogger("pipeline.broker")

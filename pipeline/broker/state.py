@@ -14,7 +14,8 @@ from collections.abc import Iterable
 
 from pipeline.wire import fileops
 from pipeline.wire.errors import PipelineError
-from pipeline.wire.layouts import BROKER_STATE_NAME, MAX_PRODUCER_ID
+from pipeline.wire.layouts.frames import MAX_PRODUCER_ID
+from pipeline.wire.layouts.names import BROKER_STATE_NAME
 
 log = logging.getLogger("pipeline.broker")
 

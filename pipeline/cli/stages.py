@@ -232,7 +232,7 @@ def consumer_start(data_dir: str, name: str | None, model: int, max_batch: int, 
                    assignments: tuple[str, ...], detach: bool, verbose: bool) -> None:
     """Run a consumer until stopped (Ctrl-C or `pipeline consumer stop`); it reconnects if
     the broker restarts. Results go to DATA_DIR/results/NAME.jsonl."""
-    from pipeline.consumer.process import ConsumerConfig
+    from pipeline.consumer.config import ConsumerConfig
 
     if name is None:  # a GPU's UUID may hold '/' (MIG-GPU-.../1/0): not in a file name
         name = re.sub(r"[^A-Za-z0-9._-]", "-", f"gpu{gpu}") if gpu is not None else f"cpu-{os.getpid()}"
@@ -321,8 +321,8 @@ def produce(workload_file: str, data_dir: str, producers: int, items: int | None
     130) and says how many items are stored and how many wait in the rings, which the
     broker stores once it can: nothing submitted is lost."""
     from pipeline.producer.workload import load_workload
-    from pipeline.runtime.launcher import feed_processes
     from pipeline.runtime.local import ShmNeeds, check_shm_space
+    from pipeline.runtime.producer_processes import feed_processes
 
     check_data_dir(data_dir)
     config = BrokerConfig(data_dir)

@@ -28,23 +28,19 @@ import xxhash
 
 from pipeline.wire.dirpin import DirPin, moved_message
 from pipeline.wire.errors import EntryCompletedError, SegmentCorruptError, SegmentReadError
-from pipeline.wire.layouts import (
+from pipeline.wire.layouts.frames import TOKEN_DTYPE, TOKEN_SIZE_BYTES
+from pipeline.wire.layouts.journal import journal_completions, journal_seed
+from pipeline.wire.layouts.names import SEGMENT_JOURNAL_SUFFIX, SEGMENTS_DIR, segment_relpath
+from pipeline.wire.layouts.segments import (
     ENTRY_CHECKSUM_FROM,
     ENTRY_HEADER_SIZE_BYTES,
     ENTRY_HEADER_STRUCT,
     ENTRY_LIVE,
     ENTRY_TOMBSTONE,
-    SEGMENT_JOURNAL_SUFFIX,
-    SEGMENTS_DIR,
-    TOKEN_DTYPE,
-    TOKEN_SIZE_BYTES,
     entry_checksum,
     entry_prompt_digest,
     entry_size_bytes,
     gather_entry_headers,
-    journal_completions,
-    journal_seed,
-    segment_relpath,
 )
 
 # Segment mappings a consumer keeps open: a sticky shape drains a handful of lanes at a

@@ -66,7 +66,7 @@ from pipeline.consumer.engines.base import Sample
 from pipeline.wire import fileops
 from pipeline.wire.errors import ResultsDiskFullError, ResultsFileError, ResultsWriteError
 from pipeline.wire.fileops import errno_text
-from pipeline.wire.layouts import Descriptor
+from pipeline.wire.layouts.descriptors import Descriptor
 
 # Every results file is owner-only, whatever the umask (SPEC §7, §12).
 RESULTS_FILE_MODE = 0o600

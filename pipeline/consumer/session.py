@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import TYPE_CHECKING
 
+from pipeline.consumer.config import ConsumerConfig
 from pipeline.wire.errors import ProtocolError, RegistrationRefusedError, ShmError
 from pipeline.wire.protocol import DURABILITY_LEVELS, Connection, encode
 from shm.ring import RingReader
-
-if TYPE_CHECKING:
-    from pipeline.consumer.process import ConsumerConfig
 
 
 class BrokerSession:

@@ -28,7 +28,7 @@ from pipeline.consumer.engines.base import EngineBatch, EngineCounters
 from pipeline.consumer.reader import ReadBatch, ReadSpan
 from pipeline.consumer.results import STATUS_CORRUPT, STATUS_ERROR, STATUS_OK, STATUS_TOO_LONG
 from pipeline.wire.generation import GenerationParams
-from pipeline.wire.layouts import Descriptor
+from pipeline.wire.layouts.descriptors import Descriptor
 
 # The most answer tokens one engine run of a consumer may ask for: ~320 MB held at ~77 bytes
 # a token (measured: 64 requests of 1 Mi tokens each held 1,233 MB at 16 of them). Four of

@@ -25,7 +25,7 @@ from pipeline.producer.producer import DEFAULT_FRAME_BYTES
 from pipeline.producer.signature import chain as shape_chain
 from pipeline.producer.workload import WorkItem
 from pipeline.wire.generation import GenerationParams
-from pipeline.wire.layouts import TOKEN_SIZE_BYTES
+from pipeline.wire.layouts.frames import TOKEN_SIZE_BYTES
 
 # Items per submit_many call: enough that the per-call cost (validation, one frame header)
 # vanishes, few enough that a replay's due items go out without waiting for a full call.

@@ -30,8 +30,7 @@ from pipeline.wire.errors import (
     TokenArrayError,
 )
 from pipeline.wire.generation import GENERATION_MAGIC, GenerationParams, encode_payload
-from pipeline.wire.layouts import (
-    DEFAULT_MAX_MODELS,
+from pipeline.wire.layouts.frames import (
     FRAME_HEADER_SIZE_BYTES,
     FRAME_HEADER_STRUCT,
     FRAME_MAGIC,
@@ -41,7 +40,6 @@ from pipeline.wire.layouts import (
     MAX_CHAIN_DEPTH,
     MAX_PRODUCER_ID,
     MAX_SEQ,
-    MODEL_ID_LIMIT,
     SINGLE_ITEM_FRAME_STRUCT,
     TOKEN_SIZE_BYTES,
     ItemId,
@@ -49,6 +47,7 @@ from pipeline.wire.layouts import (
     frame_size_bytes,
     make_item_id,
 )
+from pipeline.wire.layouts.names import DEFAULT_MAX_MODELS, MODEL_ID_LIMIT
 from shm.ring import RingWriter
 
 # 256 Ki tokens: above the longest prompt in the Mooncake trace (191,378 tokens) and the

@@ -74,31 +74,6 @@ MAX_HASH_ID = (1 << 63) - 1
 # spelled as ASCII so they are recognisable).
 BLOCK_STREAM = 0x6D6F_6F6E_6361_6B65  # "mooncake"
 FILL_STREAM = 0x6669_6C6C_7461_696C  # "filltail"
-DEMO_PREFIX_STREAM = 0x6465_6D6F_7072_6566  # "demopref"
-DEMO_SUFFIX_STREAM = 0x6465_6D6F_7375_6666  # "demosuff"
-
-# Largest demo seed: it is mixed into 64-bit token streams.
-MAX_DEMO_SEED = (1 << 63) - 1
-# The embedded demo workload. 16 shapes: several per consumer, so shape selection and sticky
-# draining have work to do, yet each shape gets many items in a short demo.
-DEMO_SHAPES = 16
-# System prompts, log-uniform from a one-line instruction to a long policy prompt.
-DEMO_SYSTEM_MIN_TOKENS = 32
-DEMO_SYSTEM_MAX_TOKENS = 1024
-# Half the templates add a few-shot block of a few examples.
-DEMO_FEWSHOT_SHARE = 0.5
-DEMO_FEWSHOT_MIN_TOKENS = 64
-DEMO_FEWSHOT_MAX_TOKENS = 1024
-# Shape popularity ~ 1 / rank^1.1 (Zipf): a few hot templates and a long tail, as in real
-# jobs; with 16 shapes the top one gets a third of the items and the rarest 1.6%.
-DEMO_ZIPF_EXPONENT = 1.1
-# User parts: log-normal, median 200 tokens (a chat turn), sigma 0.8 (90% of them between
-# ~55 and ~750 tokens), so lanes see a realistic spread of lengths.
-DEMO_SUFFIX_MEDIAN_TOKENS = 200
-DEMO_SUFFIX_SIGMA = 0.8
-# Cap on a user part: the log-normal's far tail would otherwise add rare very long prompts
-# that dominate a short demo's padding figures.
-DEMO_SUFFIX_MAX_TOKENS = 4096
 
 _OWN_KEYS = frozenset({"model", "components", "suffix", "payload", "timestamp_ms"})
 _TRACE_KEYS = frozenset({"timestamp", "input_length", "output_length", "hash_ids"})
@@ -491,74 +466,6 @@ class _TraceItems:
         suffix = prompt[prefix_blocks * MOONCAKE_BLOCK_TOKENS:record.input_length]
         return WorkItem(0, components, suffix, str(record.line).encode(), record.timestamp_ms,
                         record.line, signature)
-
-
-def demo_workload(items: int, seed: int = 0, models: int = 1, vocab_size: int = VOCAB_SIZE) -> Workload:
-    """The embedded default workload: `items` prompts over DEMO_SHAPES template shapes.
-
-    Each shape is a system prompt, plus a few-shot block for about half of them; shape s
-    belongs to model s % models; popularity is Zipf-like; user parts are log-normal (see the
-    DEMO_ constants); token ids are below `vocab_size`. Everything follows from (items,
-    seed, models, vocab_size), and the default vocab_size gives the same prompts as before
-    it was a parameter; item k's payload is "demo-k".
-    """
-    if items < 1:
-        raise ValueError(f"demo workload of {items} items: need at least one")
-    if not 0 <= seed <= MAX_DEMO_SEED:
-        raise ValueError(f"demo seed {seed}: must be in [0, {MAX_DEMO_SEED}]")
-    if not 1 <= models <= DEMO_SHAPES:
-        raise ValueError(f"demo with {models} models: need 1 to {DEMO_SHAPES} (one model per shape at most)")
-    check_vocab_size(vocab_size)
-    rng = np.random.default_rng(seed)
-    shapes = [_demo_shape(rng, seed, s, vocab_size) for s in range(DEMO_SHAPES)]
-    popularity = 1.0 / np.arange(1, DEMO_SHAPES + 1) ** DEMO_ZIPF_EXPONENT
-    item_shapes = rng.choice(DEMO_SHAPES, size=items, p=popularity / popularity.sum())
-    lognormal = rng.lognormal(math.log(DEMO_SUFFIX_MEDIAN_TOKENS), DEMO_SUFFIX_SIGMA, size=items)
-    suffix_lengths = np.clip(lognormal.astype(np.int64), 1, DEMO_SUFFIX_MAX_TOKENS)
-    prefix_lengths = np.array([sum(len(c) for c in shape) for shape in shapes])
-    shape_models = np.arange(DEMO_SHAPES) % models
-    build = _DemoItems(seed, shapes, shape_models, item_shapes, suffix_lengths, vocab_size)
-    vocab = f", vocab_size={vocab_size}" if vocab_size != VOCAB_SIZE else ""  # the default's name as before
-    return Workload(f"demo(items={items}, seed={seed}, models={models}{vocab})", items, build,
-                    total_tokens=int(prefix_lengths[item_shapes].sum() + suffix_lengths.sum()),
-                    models=tuple(int(m) for m in np.unique(shape_models[item_shapes])))
-
-
-def _demo_shape(rng: np.random.Generator, seed: int, shape: int, vocab_size: int) -> list[np.ndarray]:
-    """Shape `shape`'s components: a system prompt and maybe a few-shot block (read-only)."""
-    stream = DEMO_PREFIX_STREAM ^ seed
-    system_tokens = _log_uniform(rng, DEMO_SYSTEM_MIN_TOKENS, DEMO_SYSTEM_MAX_TOKENS)
-    components = [hashed_tokens(stream, [2 * shape], system_tokens, vocab_size)[0]]
-    if rng.random() < DEMO_FEWSHOT_SHARE:
-        fewshot_tokens = _log_uniform(rng, DEMO_FEWSHOT_MIN_TOKENS, DEMO_FEWSHOT_MAX_TOKENS)
-        components.append(hashed_tokens(stream, [2 * shape + 1], fewshot_tokens, vocab_size)[0])
-    for component in components:
-        component.flags.writeable = False
-    return components
-
-
-def _log_uniform(rng: np.random.Generator, low: int, high: int) -> int:
-    return round(math.exp(rng.uniform(math.log(low), math.log(high))))
-
-
-class _DemoItems:
-    """Makes demo items on demand. Owner: one Workload; holds nothing mutable."""
-
-    def __init__(self, seed: int, shapes: list[list[np.ndarray]], shape_models: np.ndarray,
-                 item_shapes: np.ndarray, suffix_lengths: np.ndarray, vocab_size: int) -> None:
-        self._suffix_stream = DEMO_SUFFIX_STREAM ^ seed
-        self._vocab_size = vocab_size
-        self._shapes = shapes
-        self._signatures = [int(shape_signature(components)) for components in shapes]
-        self._shape_models = shape_models
-        self._item_shapes = item_shapes
-        self._suffix_lengths = suffix_lengths
-
-    def __call__(self, k: int) -> WorkItem:
-        shape = int(self._item_shapes[k])
-        suffix = hashed_tokens(self._suffix_stream, [k], int(self._suffix_lengths[k]), self._vocab_size)[0]
-        return WorkItem(int(self._shape_models[shape]), list(self._shapes[shape]), suffix,
-                        f"demo-{k}".encode(), None, 0, self._signatures[shape])
 
 
 def _reject_unknown(record: dict, allowed: frozenset[str]) -> None:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pipeline.wire.errors import ResultsFileError
-from pipeline.wire.layouts import ITEM_ID_SEQ_BITS, MAX_SEQ, make_item_id
+from pipeline.wire.layouts.frames import ITEM_ID_SEQ_BITS, MAX_SEQ, make_item_id
 from pipeline.wire.status import NS_PER_S, BrokerStatus
 from pipeline.wire.textfiles import bounded_lines
 

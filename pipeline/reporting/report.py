@@ -200,16 +200,47 @@ def build_report(status: BrokerStatus | None, results: ResultsSummary, wall_s: f
     per_consumer = {name: consumer_figures(broker.per_consumer.get(name, ConsumerTotalsRow()),
                                            results.per_consumer.get(name, {}), makespan)
                     for name in names}
-
-    def total(key: str) -> int:
-        return sum(row[key] for row in per_consumer.values())
-
-    prompt, padded = total("prompt_tokens"), total("padded_tokens")
-    efficiency = padding_efficiency(prompt, padded) if padded else broker.routed_padding_efficiency
-    cacheable, hits, compulsory = total("cacheable_tokens"), total("cache_hit_tokens"), total("compulsory_miss_tokens")
-    switches = dict(broker.switches)
     # Without a status: the lane counters the report always shows, at 0.
     lanes = {key: 0 for key in LANE_KEYS} | ({} if status is None else asdict(status.lanes))
+    compulsory_per_consumer = _total(per_consumer, "compulsory_prefix_tokens")
+    return {
+        **_stock_figures(accounted, broker, results, stock, missing=missing, store_kept=store_kept,
+                         not_submitted=not_submitted, unreadable_rings=unreadable_rings,
+                         duplicates_across_runs=duplicates_across_runs),
+        **_batch_figures(broker, per_consumer),
+        "shape_switches": broker.shape_switches,
+        "shape_switches_by_reason": dict(broker.switches),
+        # The run's shapes, not the live ones: a finished run's lanes retire, and its shapes go.
+        "shapes": broker.shapes_seen,
+        "lanes": lanes,
+        "consumers_lost": broker.consumers_lost,
+        "stalls": broker.stalls,
+        "stalled_s": broker.stalled_s,
+        "per_consumer": per_consumer,
+        "engine_counters_agree": _engines_agree(per_consumer),
+        "split_prefix_tokens": _total(per_consumer, "split_prefix_tokens"),
+        "compulsory_prefix_tokens_per_consumer": compulsory_per_consumer,
+        "compulsory_prefix_tokens_model": broker.compulsory_prefix_tokens,
+        "split_cost_tokens": compulsory_per_consumer - broker.compulsory_prefix_tokens,
+        "compulsory_uncounted_starts": broker.compulsory_uncounted_starts,
+        "wall_s": wall_s,
+        "items_per_s": ratio(accounted["items_completed"], wall_s),
+        "tokens_per_s": ratio(accounted["tokens_completed"], wall_s),
+        "makespan_s": makespan,
+        "busy_s": sum(row["busy_s"] for row in per_consumer.values()),
+        "busy_fraction": _mean_busy_fraction(per_consumer),
+    }
+
+
+def _total(per_consumer: dict, key: str) -> int:
+    return sum(row[key] for row in per_consumer.values())
+
+
+def _stock_figures(accounted: dict, broker: BrokerStatus, results: ResultsSummary, stock: Stock | None, *,
+                   missing: bool, store_kept: bool, not_submitted: int, unreadable_rings: Sequence[str],
+                   duplicates_across_runs: int) -> dict:
+    """The report's accounting: where every item is, what the store and the results files
+    hold that is damaged, and whether it all balances."""
     damage = broker.store_damage
     undeliverable = sum(damage.get(key, 0) for key in UNDELIVERABLE_KEYS)
     store_damaged = any(count for key, count in damage.items() if key not in REPAIR_KEYS)
@@ -228,38 +259,26 @@ def build_report(status: BrokerStatus | None, results: ResultsSummary, wall_s: f
         "results_torn_lines": results.torn_lines,
         "results_bad_lines": results.bad_lines,
         "results_bad_line_examples": list(results.bad_line_examples),
+    }
+
+
+def _batch_figures(broker: BrokerStatus, per_consumer: dict) -> dict:
+    """The report's padding and cache figures, over every consumer's batches."""
+    prompt, padded = _total(per_consumer, "prompt_tokens"), _total(per_consumer, "padded_tokens")
+    efficiency = padding_efficiency(prompt, padded) if padded else broker.routed_padding_efficiency
+    cacheable, hits = _total(per_consumer, "cacheable_tokens"), _total(per_consumer, "cache_hit_tokens")
+    compulsory, hits_all = _total(per_consumer, "compulsory_miss_tokens"), _total(per_consumer, "cache_hit_tokens_all")
+    return {
         "padding_efficiency": efficiency,
         "mean_batch_fill": broker.mean_batch_fill,
         "batches_routed": broker.batches_routed,
         "cacheable_tokens": cacheable,
         "cache_hit_tokens": hits,
-        "cache_hit_tokens_all": total("cache_hit_tokens_all"),
+        "cache_hit_tokens_all": hits_all,
         "compulsory_miss_tokens": compulsory,
         "cache_hit_rate": cache_hit_rate(hits, cacheable, compulsory),
-        "prefix_reuse": prefix_reuse(total("cache_hit_tokens_all"), prompt),
-        "shape_switches": broker.shape_switches,
-        "shape_switches_by_reason": switches,
-        # The run's shapes, not the live ones: a finished run's lanes retire, and its shapes go.
-        "shapes": broker.shapes_seen,
-        "lanes": lanes,
-        "consumers_lost": broker.consumers_lost,
-        "stalls": broker.stalls,
-        "stalled_s": broker.stalled_s,
-        "per_consumer": per_consumer,
-        "engine_counters_agree": _engines_agree(per_consumer),
-        "split_prefix_tokens": total("split_prefix_tokens"),
-        "compulsory_prefix_tokens_per_consumer": total("compulsory_prefix_tokens"),
-        "compulsory_prefix_tokens_model": broker.compulsory_prefix_tokens,
-        "split_cost_tokens": total("compulsory_prefix_tokens") - broker.compulsory_prefix_tokens,
-        "compulsory_uncounted_starts": broker.compulsory_uncounted_starts,
-        "wall_s": wall_s,
-        "items_per_s": ratio(accounted["items_completed"], wall_s),
-        "tokens_per_s": ratio(accounted["tokens_completed"], wall_s),
-        "makespan_s": makespan,
-        "busy_s": sum(row["busy_s"] for row in per_consumer.values()),
-        "busy_fraction": _mean_busy_fraction(per_consumer),
+        "prefix_reuse": prefix_reuse(hits_all, prompt),
     }
-
 
 def _mean_busy_fraction(per_consumer: dict) -> float | None:
     """The consumers' busy fractions, averaged; None without a makespan or a consumer."""

@@ -57,9 +57,9 @@ from pipeline.runtime import daemon
 from pipeline.runtime.datadir import check_data_dir, describe_holder, launch_lock_path, lock_holder
 from pipeline.runtime.inventory import ring_stock
 from pipeline.wire.errors import DataDirError, LiveRunError
-from pipeline.wire.layouts import BROKER_STATE_NAME
+from pipeline.wire.layouts.names import BROKER_STATE_NAME
 from shm.objects import DEV_SHM, named_objects, object_path, processes_mapping, semaphore_path, unlink_quietly
-from shm.ring import unfinished_ring
+from shm.ring_layout import unfinished_ring
 
 # A stage pid file (daemon.StageFiles) and the temporary a writer killed mid-write leaves.
 _PID_FILE_RE = re.compile(r"^(broker|consumer-.+)\.pid$")

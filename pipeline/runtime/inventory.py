@@ -40,9 +40,10 @@ import numpy as np
 from pipeline.broker.peers import namespace_for, producer_ring_ids, producer_ring_name
 from pipeline.broker.storage.inspect import live_items, live_payloads
 from pipeline.broker.storage.paths import iter_segments
+from pipeline.reporting.accounting import summarize_results
 from pipeline.wire.errors import FrameError, ShmError
-from pipeline.wire.layouts import parse_frame
-from shm.ring import unreleased_records
+from pipeline.wire.layouts.frames import parse_frame
+from shm.ring_layout import unreleased_records
 
 # A ledger slot not written yet (its producer has not registered).
 UNREGISTERED = -1
@@ -235,3 +236,16 @@ def store_stock(storage_dir: str) -> StoreStock:
         return StoreStock()
     ids, models = live_items([found.path for found in iter_segments(storage_dir)])
     return StoreStock(np.fromiter(ids, dtype=np.uint64, count=len(ids)), models)
+
+
+def results_of_earlier_runs(results_dir: str, taken_over: np.ndarray) -> np.ndarray:
+    """The taken-over items that already have a result in an earlier run's files, beside
+    `results_dir` (their consumer wrote it and the broker died before the completion
+    arrived): they run again here, duplicates across runs that this run's report counts.
+    Read only when something is taken over: a finished run's results are never read again."""
+    earlier = os.path.dirname(results_dir)
+    found: set[int] = set()
+    for name in sorted(os.listdir(earlier)) if os.path.isdir(earlier) else []:
+        if name.startswith("run-") and os.path.join(earlier, name) != results_dir:
+            found |= summarize_results(os.path.join(earlier, name)).item_ids
+    return np.intersect1d(taken_over, np.fromiter(found, dtype=np.uint64, count=len(found)))

@@ -38,7 +38,6 @@ so a data directory reused across runs never mixes two runs' accounting.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import shutil
@@ -50,9 +49,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-import psutil
 
-from pipeline.consumer.process import ConsumerConfig
+from pipeline.consumer.config import ConsumerConfig
 from pipeline.producer.workload import Workload
 from pipeline.reporting.accounting import ResultsSummary, Stock, summarize_results, take_stock
 from pipeline.runtime.datadir import release_launch
@@ -62,6 +60,7 @@ from pipeline.runtime.inventory import (
     RingStock,
     StoreStock,
     producer_ring_names,
+    results_of_earlier_runs,
     ring_stock,
     store_stock,
 )
@@ -70,18 +69,19 @@ from pipeline.runtime.local import (
     STOP_POLL_S,
     ShmNeeds,
     claim_data_dir,
-    own_process_group,
+    exit_text,
+    process_status,
     remove_leftovers,
     start_broker,
-    start_child,
     start_consumer,
     stop_process,
 )
 from pipeline.runtime.madefiles import RESULTS_DIR
 from pipeline.runtime.processes import memory_tier_dir
+from pipeline.runtime.producer_processes import start_producer, start_producers
 from pipeline.runtime.prompttime import PromptTimer, process_cpu_ns, process_state
 from pipeline.runtime.settings import DEFAULT_CPU_CONSUMERS, LaunchSettings, engine_options_for_host
-from pipeline.runtime.signals import stop_on_signals
+from pipeline.runtime.signals import Interrupts
 from pipeline.runtime.tables import (
     BROKER_OWN_OPTIONS,
     CONSUMER_OWN_OPTIONS,
@@ -92,7 +92,7 @@ from pipeline.runtime.tables import (
 )
 from pipeline.wire.client import broker_status
 from pipeline.wire.dirpin import DirPin, moved_message
-from pipeline.wire.errors import DataDirMovedError, PipelineError, ProducerStoppedError
+from pipeline.wire.errors import DataDirMovedError, PipelineError
 from pipeline.wire.status import BrokerStatus
 from pipeline.wire.textfiles import counted
 
@@ -103,9 +103,6 @@ WATCH_INTERVAL_S = 0.5
 # How long a stopping producer may wait for the broker to store what it already published
 # before it is killed (its ring then keeps what was not stored, for the next broker).
 PRODUCER_STOP_TIMEOUT_S = 30.0
-# How often a producer waiting for the broker to store its records checks that its parent
-# still lives (an orphan leaves its ring for the next broker and exits).
-ORPHAN_CHECK_S = 1.0
 # How long a stopping producer that is making one request's prompt (foreign code, which may
 # never return) is given before it is killed: a real prompt takes milliseconds.
 BUSY_STOP_GRACE_S = 2.0
@@ -140,158 +137,6 @@ class LaunchOutcome:
     results_dir: str
     history: list = field(default_factory=list)
     data_dir_kept: bool = False  # a temporary data directory kept for its unfinished work
-
-
-def _produce_main(socket_path: str, workload: Workload, index: int, count: int,
-                  replay_speed: float | None, ledger: ProducerLedger, start_at: int | None) -> None:
-    """A producer process: feed its share, then wait until the broker stored all of it,
-    however long that takes (a full disk, a broker restart): the launcher decides when to
-    give up. SIGTERM stops the feed between submit calls; what went in is still handed over.
-    Every frame published is recorded in the ledger (how many items are in the ring). A
-    workload with its own loop (`produce`: a batch job's) is handed the feed, its ledger
-    slot and where to start (`start_at`, when the launcher starts it again)."""
-    parent = os.getppid()
-    own_process_group()
-    stop = stop_on_signals((signal.SIGTERM,))
-    from pipeline.producer.client import BrokerProducer
-    from pipeline.producer.feed import DEFAULT_CHUNK_ITEMS, feed
-
-    code = 0
-    try:
-        try:
-            client = BrokerProducer(socket_path, give_up=stop)
-        except ProducerStoppedError:
-            os._exit(0)  # stopped (its parent gone, or a stop) before it published anything
-        ledger.registered(index, client.producer_id)
-        client.on_frame = lambda next_seq: ledger.published(index, next_seq)  # a call's frames, one by one
-
-        def submit(items, on_submitted=lambda _count: None) -> None:
-            def progress(totals) -> None:
-                ledger.published(index, client.next_seq)
-                on_submitted(totals.items)
-
-            feed(client, items, replay_speed=replay_speed, on_progress=progress,
-                 chunk_items=getattr(workload, "feed_chunk_items", DEFAULT_CHUNK_ITEMS))
-
-        try:
-            produce = getattr(workload, "produce", None)
-            if produce is not None:
-                produce(submit, index, count, ledger.slot(index), stop, start_at)
-            else:
-                submit(itertools.takewhile(lambda _item: not stop(), workload.items(index, count)))
-        finally:
-            ledger.idle(index)
-            ledger.published(index, client.next_seq)
-            _hand_over(client, parent)
-    except Exception as exc:  # noqa: BLE001 - a child reports any failure by its status
-        log.error("producer %d: %s: %s", index, type(exc).__name__, exc)
-        code = 1
-    os._exit(code)
-
-
-def _hand_over(client, parent: int) -> None:
-    """Wait until the broker stored everything the producer published, for as long as its
-    parent (the launcher, or `produce`) lives; then unregister and remove the ring. An
-    orphan (its parent was killed: the broker is stopping too) gives up the wait and leaves
-    its ring as it is, with what is not stored, for the next broker on the data directory
-    (TimeoutError: the producer fails)."""
-    while True:
-        try:
-            client.wait_stored(timeout_s=ORPHAN_CHECK_S)
-        except TimeoutError:
-            if os.getppid() == parent:
-                continue
-            try:
-                client.close(timeout_s=0)  # unless all got stored meanwhile, the ring stays
-            except TimeoutError:
-                raise TimeoutError(f"its parent is gone: what it published and the broker did not store "
-                                   f"stays in its ring {client.ring.name} for the next broker on the data "
-                                   f"directory") from None
-            return
-        client.close()
-        return
-
-
-@dataclass(slots=True)
-class Interrupts:
-    """How many stop signals (SIGINT, SIGTERM) the launcher got: one asks for an orderly
-    stop, two for a forceful one. The handler only counts: the launcher's code checks, so a
-    second Ctrl-C can never cut its stop, report or clean-up short.
-    NOTE: not `stop_on_signals`, whose second signal ends the process at once, and not a
-    KeyboardInterrupt raised by the handler: either would skip killing the children and
-    removing what they leave. Owner: the launcher's main thread."""
-
-    count: int = 0
-
-    @classmethod
-    def install(cls) -> Interrupts:
-        interrupts = cls()
-
-        def handle(_signum, _frame) -> None:
-            interrupts.count += 1
-
-        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: a closed terminal
-            signal.signal(signum, handle)
-        return interrupts
-
-    def stopping(self) -> bool:
-        return self.count >= 1
-
-    def forcing(self) -> bool:
-        return self.count >= 2
-
-
-def start_producers(socket_path: str, workload: Workload, count: int, replay_speed: float | None,
-                    ledger: ProducerLedger) -> list:
-    """`count` producer processes, producer k feeding its share of `workload` (items k,
-    k + count, ..., or the workload's own shares) and recording what it does in slot k of
-    `ledger`."""
-    assert ledger.producers == count, (ledger.producers, count)
-    return [start_producer(socket_path, workload, index, count, replay_speed, ledger) for index in range(count)]
-
-
-def start_producer(socket_path: str, workload: Workload, index: int, count: int, replay_speed: float | None,
-                   ledger: ProducerLedger, start_at: int | None = None):
-    """Producer `index` of `count`, started (again, from `start_at`, after the launcher
-    stopped one on a request it could not make)."""
-    process = CTX.Process(target=_produce_main, name=f"producer-{index}",
-                          args=(socket_path, workload, index, count, replay_speed, ledger, start_at))
-    start_child(process)
-    return process
-
-
-@dataclass(slots=True)
-class FeedOutcome:
-    failed: int  # producers that exited with an error
-    interrupted: bool  # Ctrl-C: the producers stopped feeding and handed over what they had
-    forced: bool  # a second Ctrl-C killed producers that were still waiting
-    ledger_entries: list[tuple[int, int]]  # (producer id, items published) of each of them
-
-
-def feed_processes(socket_path: str, workload: Workload, count: int, replay_speed: float | None,
-                   on_wait=None, on_stopping=None) -> FeedOutcome:
-    """Feed `workload` through `count` producer processes and wait until all of it is stored
-    (or Ctrl-C: the producers then stop feeding and hand over what they submitted; a second
-    Ctrl-C kills them, and their rings keep what was not stored yet). `on_wait(published)`
-    is called every second while producers run (`produce` reports the broker's state), and
-    `on_stopping()` once at the first Ctrl-C while producers still run."""
-    interrupts = Interrupts.install()
-    ledger = ProducerLedger.create(CTX, count)
-    processes = start_producers(socket_path, workload, count, replay_speed, ledger)
-    next_report_s = time.monotonic() + 1.0
-    while any(p.is_alive() for p in processes) and not interrupts.stopping():
-        processes[0].join(STOP_POLL_S)  # any of them: the loop checks them all
-        if on_wait is not None and time.monotonic() >= next_report_s:
-            on_wait(ledger.total_published())
-            next_report_s = time.monotonic() + 1.0
-    if on_stopping is not None and interrupts.stopping() and any(p.is_alive() for p in processes):
-        on_stopping()
-    for process in processes:
-        # Stopping: a producer still waits for the broker to store what it published, for
-        # as long as that takes (a full disk): only a second Ctrl-C kills it.
-        stop_process(process, timeout_s=float("inf"), forced=interrupts.forcing)
-    failed = sum(1 for p in processes if p.exitcode != 0 and not interrupts.stopping())
-    return FeedOutcome(failed, interrupts.stopping(), interrupts.forcing(), ledger.entries())
 
 
 class Launcher:
@@ -452,20 +297,8 @@ class Launcher:
         store = store_stock(self.data_dir) if self.settings.storage == "disk" else StoreStock()
         taken_over = StoreStock(np.union1d(store.item_ids, rings.item_ids), store.models | rings.models)
         if taken_over.item_ids.size:
-            self._done_before = self._results_of_earlier_runs(taken_over.item_ids)
+            self._done_before = results_of_earlier_runs(self.results_dir, taken_over.item_ids)
         return taken_over
-
-    def _results_of_earlier_runs(self, taken_over: np.ndarray) -> np.ndarray:
-        """The taken-over items that already have a result in an earlier run's files (their
-        consumer wrote it and the broker died before the completion arrived): they run
-        again here, duplicates across runs that this run's report counts. Read only when
-        something is taken over: a finished run's results are never read again."""
-        earlier = os.path.dirname(self.results_dir)
-        found: set[int] = set()
-        for name in sorted(os.listdir(earlier)) if os.path.isdir(earlier) else []:
-            if name.startswith("run-") and os.path.join(earlier, name) != self.results_dir:
-                found |= summarize_results(os.path.join(earlier, name)).item_ids
-        return np.intersect1d(taken_over, np.fromiter(found, dtype=np.uint64, count=len(found)))
 
     def consumer_configs(self) -> list[ConsumerConfig]:
         """One consumer per engine's GPUs (`consumer_placements`: or `consumers` of them, spread
@@ -516,7 +349,7 @@ class Launcher:
                 if now_s - warned_s >= UNANSWERED_WARN_INTERVAL_S:
                     warned_s = now_s
                     log.warning("the broker (pid %d, %s) has not answered for %.0f s (%s); waiting for it "
-                                "(Ctrl-C stops the run)", self.broker.pid, _process_state(self.broker.pid),
+                                "(Ctrl-C stops the run)", self.broker.pid, process_status(self.broker.pid),
                                 now_s - unanswered_since_s, exc)
                 continue
             self.on_status(status, time.monotonic())
@@ -570,7 +403,7 @@ class Launcher:
             elif process.exitcode != 0:
                 self._deaths[position] = self._deaths.get(position, 0) + 1
                 crashed = -process.exitcode in CRASH_SIGNALS or self._deaths[position] > 1
-                why = (f"the producer making it died ({_exit_text(process.exitcode)}): the chat template or "
+                why = (f"the producer making it died ({exit_text(process.exitcode)}): the chat template or "
                        f"tokenizer crashed, or ran out of memory") if crashed else ""
             else:
                 continue
@@ -753,20 +586,3 @@ class Launcher:
         if self._own_data_dir and not self.keep_data_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
 
-
-def _exit_text(code: int) -> str:
-    """A child's exit code in words: "exit status 1", "killed by SIGABRT"."""
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit status {code}"
-
-
-def _process_state(pid: int) -> str:
-    """A process's state in words ("stopped" for a SIGSTOPped one), for messages."""
-    try:
-        return psutil.Process(pid).status()
-    except psutil.Error:
-        return "gone"

@@ -16,16 +16,18 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import psutil
+
 from pipeline.broker.config import BrokerConfig
-from pipeline.broker.storage.segment import disk_reserve_bytes
-from pipeline.consumer.process import ConsumerConfig
+from pipeline.broker.storage.diskio import disk_reserve_bytes
+from pipeline.consumer.config import ConsumerConfig
 from pipeline.producer.producer import DEFAULT_RING_CAPACITY_BYTES
 from pipeline.runtime.cleanup import apply_cleanup, held_broker_lock, plan_cleanup
 from pipeline.runtime.datadir import hold_for_launch, release_launch
 from pipeline.runtime.processes import serve_broker, serve_consumer
 from pipeline.wire.errors import DataDirError, DataDirInUseError, LiveRunError, ShmSpaceError
 from shm.objects import DEV_SHM, RAISE_HINT, SEMAPHORE_FOOTPRINT_BYTES, shm_space
-from shm.ring import ring_footprint_bytes
+from shm.ring_layout import ring_footprint_bytes
 
 log = logging.getLogger("pipeline")
 
@@ -273,3 +275,21 @@ def claim_data_dir(data_dir: str, needs: ShmNeeds) -> int:
         release_launch(fd)
         raise
     return fd
+
+
+def exit_text(code: int) -> str:
+    """A child's exit code in words: "exit status 1", "killed by SIGABRT"."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+def process_status(pid: int) -> str:
+    """A process's state in words ("stopped" for a SIGSTOPped one), for messages."""
+    try:
+        return psutil.Process(pid).status()
+    except psutil.Error:
+        return "gone"

@@ -49,11 +49,10 @@ from pipeline.consumer.engines.vllm import CACHE_SUBDIR, TMP_SUBDIR
 from pipeline.runtime.datadir import LAUNCH_LOCK_NAME
 from pipeline.runtime.settings import ENGINE_CACHE_DIR
 from pipeline.wire.errors import DataDirMovedError
-from pipeline.wire.layouts import (
+from pipeline.wire.layouts.catalog import CATALOG_FILE, CATALOG_MIRROR_FILE
+from pipeline.wire.layouts.lineage import LINEAGE_FILE
+from pipeline.wire.layouts.names import (
     BROKER_STATE_NAME,
-    CATALOG_FILE,
-    CATALOG_MIRROR_FILE,
-    LINEAGE_FILE,
     SEGMENT_JOURNAL_SUFFIX,
     SEGMENTS_DIR,
     parse_model_dir,

@@ -30,12 +30,13 @@ from pipeline.broker.peers import ensure_namespace, namespace_for, object_prefix
 from pipeline.broker.service import Broker
 from pipeline.broker.state import lock_run_dir
 from pipeline.broker.storage.disk import DiskTier
-from pipeline.consumer.process import Consumer, ConsumerConfig
+from pipeline.consumer.config import ConsumerConfig
+from pipeline.consumer.process import Consumer
 from pipeline.runtime.datadir import owner_only_umask, prepare_data_dir
 from pipeline.runtime.signals import stop_on_signals
 from pipeline.wire.dirpin import DirPin, moved_message
 from pipeline.wire.errors import ConfigError, DataDirMovedError, DurabilityError, PipelineError, ShapeGuardError
-from pipeline.wire.layouts import BROKER_STATE_NAME
+from pipeline.wire.layouts.names import BROKER_STATE_NAME
 from pipeline.wire.protocol import DURABILITY_LEVELS
 
 log = logging.getLogger("pipeline")
@@ -128,7 +129,7 @@ def check_descriptor_limit(config: BrokerConfig) -> None:
 def open_storage(data_dir: str, storage: str, durability: str, open_files_max: int | None = None) -> OpenedStorage:
     """The storage tier named by `storage` ("disk" or "memory"), recovered if on disk.
     `open_files_max`: segment files kept open at once (default: the store's)."""
-    from pipeline.broker.storage.segment import Durability
+    from pipeline.broker.storage.diskio import Durability
 
     if storage not in STORAGE_KINDS:
         raise ValueError(f"storage must be one of {', '.join(STORAGE_KINDS)}, got {storage!r}")

@@ -39,7 +39,7 @@ from pipeline.broker.config import MAX_CONSUMERS, MAX_PRODUCERS
 from pipeline.producer.workload import MAX_VOCAB_SIZE, VOCAB_SIZE
 from pipeline.runtime.tables import PROCESS_TABLES, broker_config, consumer_settings, merged
 from pipeline.wire.errors import EngineUnavailableError, SettingsError
-from pipeline.wire.layouts import MAX_SEQ
+from pipeline.wire.layouts.frames import MAX_SEQ
 
 # The demo: enough items to show lanes, shape switches and a warm cache, and short enough to
 # finish in seconds on a 2-core machine (the target: well under a minute including start-up).

@@ -27,7 +27,7 @@ from dataclasses import MISSING, Field, asdict, fields, is_dataclass
 from typing import Any
 
 from pipeline.broker.config import BrokerConfig
-from pipeline.consumer.process import ConsumerConfig
+from pipeline.consumer.config import ConsumerConfig
 from pipeline.wire.errors import BadInputError, ConfigError, SettingsError
 
 # Fields of the processes' settings objects that come from options of their own, never a table.

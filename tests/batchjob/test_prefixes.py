@@ -12,7 +12,7 @@ import pytest
 
 from pipeline.batchjob.chat import ChatTokenizer, last_user_index
 from pipeline.batchjob.prefixes import MAX_COMPONENTS, SEEN_PREFIXES, PrefixMemo, boundary_indices
-from pipeline.wire.layouts import MAX_CHAIN_DEPTH
+from pipeline.wire.layouts.frames import MAX_CHAIN_DEPTH
 
 
 class Renders:

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pipeline.wire.layouts import (
+from pipeline.wire.layouts.frames import (
     FRAME_HEADER_SIZE_BYTES,
     FRAME_HEADER_STRUCT,
     FRAME_MAGIC,

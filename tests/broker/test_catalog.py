@@ -12,12 +12,13 @@ import pytest
 from pipeline.broker.ids import LaneId, LaneKey
 from pipeline.broker.storage import catalog as catalog_module
 from pipeline.broker.storage.catalog import mirror_path, read_catalog, read_missing_note
+from pipeline.broker.storage.diskio import Durability
 from pipeline.broker.storage.inspect import verify
 from pipeline.broker.storage.paths import catalog_path
-from pipeline.broker.storage.segment import Durability, encode_entries, scan_segment
+from pipeline.broker.storage.segment import encode_entries, scan_segment
 from pipeline.broker.storage.segments import SegmentStore
 from pipeline.wire.errors import DiskFullError
-from pipeline.wire.layouts import CATALOG_RECORD_SIZE_BYTES
+from pipeline.wire.layouts.catalog import CATALOG_RECORD_SIZE_BYTES
 from tests.support.segments import make_items
 
 LANE = LaneKey(0, 0xC1, LaneId(0))

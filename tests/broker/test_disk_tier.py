@@ -26,7 +26,8 @@ from pipeline.broker.storage.paths import iter_segments, segment_path
 from pipeline.broker.storage.queues import StoredSeqs
 from pipeline.broker.storage.segment import scan_segment
 from pipeline.wire.errors import DiskFullError, DurabilityError
-from pipeline.wire.layouts import ENTRY_HEADER_SIZE_BYTES, ProducerId
+from pipeline.wire.layouts.frames import ProducerId
+from pipeline.wire.layouts.segments import ENTRY_HEADER_SIZE_BYTES
 
 LANE_A = LaneKey(0, 0xA1, LaneId(0))
 LANE_B = LaneKey(0, 0xA1, LaneId(1))
@@ -325,7 +326,7 @@ def small_tmpfs(tmp_path):
 def test_the_store_leaves_its_reserve_free_for_results(small_tmpfs):
     """Allocation stops while less than the reserve would stay free (for the consumers'
     results on the same disk): a DiskFullError naming it, before the kernel's ENOSPC."""
-    from pipeline.broker.storage.segment import disk_reserve_bytes
+    from pipeline.broker.storage.diskio import disk_reserve_bytes
 
     data_dir = os.path.join(small_tmpfs, "data")
     tier = DiskTier.open(data_dir, segment_max_bytes=64 << 10)

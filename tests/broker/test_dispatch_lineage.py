@@ -15,7 +15,7 @@ from pipeline.broker.storage import DiskTier
 from pipeline.producer.producer import Producer, ProducerLimits
 from pipeline.producer.signature import chain, signature
 from pipeline.wire.errors import FrameError
-from pipeline.wire.layouts import MAX_CHAIN_DEPTH, decode_chains, encode_chains, parse_frame
+from pipeline.wire.layouts.frames import MAX_CHAIN_DEPTH, decode_chains, encode_chains, parse_frame
 from shm.ring import RingReader
 
 SYSTEM, FEWSHOT, OTHER = (np.arange(k, k + 64, dtype=np.int32) for k in (0, 1000, 5000))

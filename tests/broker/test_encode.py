@@ -9,13 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.broker.storage.encode import encode_entries
-from pipeline.wire.layouts import (
-    ENTRY_CHECKSUM_FROM,
-    ENTRY_HEADER_DTYPE,
-    ENTRY_LIVE,
-    ITEM_HEADER_DTYPE,
-    entry_size_bytes,
-)
+from pipeline.wire.layouts.frames import ITEM_HEADER_DTYPE
+from pipeline.wire.layouts.segments import ENTRY_CHECKSUM_FROM, ENTRY_HEADER_DTYPE, ENTRY_LIVE, entry_size_bytes
 
 
 def _frame(lengths: list[int], payload_lens: list[int], seed: int):

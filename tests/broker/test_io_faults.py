@@ -35,7 +35,7 @@ from pipeline.broker.storage import Durability
 from lab.reliability.faults import POWER_CUT_EXIT, FaultPlan, FaultyIO, PowerCut
 from pipeline.wire import fileops
 from pipeline.wire.errors import PipelineError
-from pipeline.wire.layouts import CATALOG_FILE
+from pipeline.wire.layouts.catalog import CATALOG_FILE
 from tests.support.disk_crash import CONTRACT_ITEMS, Driver, Log, check_after_recovery, live_items
 
 pytestmark = pytest.mark.campaign

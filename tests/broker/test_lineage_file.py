@@ -17,7 +17,8 @@ from pipeline.broker.packing import Contract
 from pipeline.broker.storage import DiskTier, Durability
 from pipeline.broker.storage import chains as chains_module
 from pipeline.broker.storage.chains import MAX_LINEAGE_RECORDS, lineage_path, read_lineage
-from pipeline.wire.layouts import LINEAGE_RECORD_SIZE_BYTES, MAX_CHAIN_DEPTH
+from pipeline.wire.layouts.frames import MAX_CHAIN_DEPTH
+from pipeline.wire.layouts.lineage import LINEAGE_RECORD_SIZE_BYTES
 from tests.broker.broker_frames import make_frame
 
 CONTRACT = Contract(model=0, max_batch_items=8, max_batch_tokens=1 << 20, max_input_len=1 << 16)

@@ -17,7 +17,7 @@ from pipeline.broker.storage.paths import list_store
 from pipeline.broker.storage.segment import encode_entries
 from pipeline.broker.storage.segments import SegmentStore
 from pipeline.wire.errors import BadInputError, SegmentNameError
-from pipeline.wire.layouts import LANE_ID_LIMIT, MODEL_ID_LIMIT, SEGMENT_SEQ_LIMIT
+from pipeline.wire.layouts.names import LANE_ID_LIMIT, MODEL_ID_LIMIT, SEGMENT_SEQ_LIMIT
 from tests.support.segments import make_items
 
 

@@ -27,7 +27,7 @@ from pipeline.broker.storage import AppendGroup, DiskTier
 from pipeline.broker.storage.inspect import verify
 from pipeline.broker.storage.paths import iter_segments
 from pipeline.broker.storage.segment import scan_segment
-from pipeline.wire.layouts import SEGMENT_HEADER_SIZE_BYTES, entry_size_bytes
+from pipeline.wire.layouts.segments import SEGMENT_HEADER_SIZE_BYTES, entry_size_bytes
 
 LANES = [LaneKey(0, 0x71, LaneId(0)), LaneKey(0, 0x71, LaneId(1)), LaneKey(1, 0x72, LaneId(0))]
 SEGMENT_BYTES = 12 << 10

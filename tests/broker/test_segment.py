@@ -8,15 +8,16 @@ import os
 import numpy as np
 import pytest
 
+from pipeline.broker.storage.diskio import Durability
 from pipeline.broker.storage.scan import SEARCH_FIRST_WINDOW_BYTES, census_segment
-from pipeline.broker.storage.segment import Durability, SegmentFile, encode_entries, scan_segment
+from pipeline.broker.storage.segment import SegmentFile, encode_entries, scan_segment
 from pipeline.wire.errors import SegmentCorruptError, SegmentFormatError
-from pipeline.wire.layouts import (
+from pipeline.wire.layouts.names import segment_relpath
+from pipeline.wire.layouts.segments import (
     ENTRY_HEADER_SIZE_BYTES,
     ENTRY_LIVE,
     ENTRY_TOMBSTONE,
     SEGMENT_HEADER_SIZE_BYTES,
-    segment_relpath,
 )
 from tests.support.segments import KEYS, make_items
 

@@ -11,12 +11,13 @@ import pytest
 import xxhash
 
 from pipeline.broker.ids import LaneId, LaneKey
+from pipeline.broker.storage.diskio import Durability
 from pipeline.broker.storage.journal import SegmentJournal
 from pipeline.broker.storage.paths import QUARANTINE_DIR, iter_segments
-from pipeline.broker.storage.segment import Durability, encode_entries, scan_segment
+from pipeline.broker.storage.segment import encode_entries, scan_segment
 from pipeline.broker.storage.segments import SegmentStore
 from pipeline.wire.errors import DataDirMovedError, SegmentFormatError
-from pipeline.wire.layouts import SEGMENT_HEADER_SIZE_BYTES
+from pipeline.wire.layouts.segments import SEGMENT_HEADER_SIZE_BYTES
 from tests.support.segments import make_items
 
 LANES = [LaneKey(0, 0xA1, LaneId(0)), LaneKey(0, 0xA1, LaneId(1)), LaneKey(2, 0xB2, LaneId(0))]

@@ -20,7 +20,7 @@ from pipeline.broker.ids import BatchId, ConsumerId, LaneId, LaneKey, SegmentId
 from pipeline.broker.storage import AppendGroup, DiskTier, Durability, Peeked, StorageTier
 from pipeline.broker.storage.queues import HOT_ENTRIES_MAX, LaneQueue
 from pipeline.wire.errors import NotHeldError, StaleBatchError
-from pipeline.wire.layouts import ProducerId
+from pipeline.wire.layouts.frames import ProducerId
 
 DETERMINISTIC = settings(derandomize=True, database=None, deadline=None, max_examples=150)
 LANES = [LaneKey(0, 0xAB, LaneId(0)), LaneKey(0, 0xAB, LaneId(1)), LaneKey(2, 0xCD, LaneId(0))]

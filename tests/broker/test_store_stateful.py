@@ -34,7 +34,8 @@ from pipeline.broker.packing import Contract
 from pipeline.broker.storage import DiskTier, Durability
 from pipeline.broker.storage.paths import iter_segments
 from pipeline.broker.storage.segment import scan_segment
-from pipeline.wire.layouts import ENTRY_HEADER_SIZE_BYTES, ENTRY_LIVE, TOKEN_SIZE_BYTES
+from pipeline.wire.layouts.frames import TOKEN_SIZE_BYTES
+from pipeline.wire.layouts.segments import ENTRY_HEADER_SIZE_BYTES, ENTRY_LIVE
 
 SHAPES = [(0, 0x71), (0, 0x72), (1, 0x73)]
 CONTRACTS = {1: Contract(0, 8, 4096, 1024), 2: Contract(1, 8, 4096, 1024), 3: Contract(0, 4, 4096, 1024)}

@@ -16,14 +16,15 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline.broker.storage import DiskTier
+from pipeline.broker.storage.diskio import Durability
 from pipeline.broker.storage.inspect import verify
 from pipeline.broker.storage.journal import SegmentJournal
 from pipeline.broker.storage.paths import make_dirs, segment_path
-from pipeline.broker.storage.segment import Durability, SegmentFile, SegmentKeys, encode_entries, scan_segment
+from pipeline.broker.storage.segment import SegmentFile, SegmentKeys, encode_entries, scan_segment
 from pipeline.broker.storage.segments import SegmentStore
 from pipeline.cli import main
 from pipeline.wire.errors import StoreReadError
-from pipeline.wire.layouts import CATALOG_FILE, CATALOG_MIRROR_FILE
+from pipeline.wire.layouts.catalog import CATALOG_FILE, CATALOG_MIRROR_FILE
 from tests.support.repo import ROOT
 from tests.support.segments import make_items
 from tests.support.users import python_for
@@ -262,7 +263,7 @@ def test_live_items_are_the_stored_entries_not_yet_completed(tmp_path):
 
 def test_verify_names_a_damaged_lineage_record(tmp_path):
     from pipeline.broker.storage.chains import lineage_path
-    from pipeline.wire.layouts import LINEAGE_RECORD_SIZE_BYTES
+    from pipeline.wire.layouts.lineage import LINEAGE_RECORD_SIZE_BYTES
 
     build_store(str(tmp_path))
     tier = DiskTier.open(str(tmp_path))

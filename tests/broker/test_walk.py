@@ -13,9 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.broker.storage import walk
-from pipeline.broker.storage.segment import Durability, SegmentFile, SegmentKeys, encode_entries, scan_segment
+from pipeline.broker.storage.diskio import Durability
+from pipeline.broker.storage.segment import SegmentFile, SegmentKeys, encode_entries, scan_segment
 from pipeline.wire.errors import SegmentCorruptError
-from pipeline.wire.layouts import ITEM_HEADER_DTYPE, entry_size_bytes
+from pipeline.wire.layouts.frames import ITEM_HEADER_DTYPE
+from pipeline.wire.layouts.segments import entry_size_bytes
 
 KEYS = SegmentKeys(model=1, signature=0x5EED_0000_1234_5678, lane=2, segment_seq=9)
 

@@ -9,10 +9,16 @@ import json
 import numpy as np
 
 from pipeline.broker.storage.segment import scan_segment
+from pipeline.consumer.config import ConsumerConfig
 from pipeline.consumer.engines import Engine, EngineBatch, EngineCounters, EngineResult
-from pipeline.consumer.process import CORRUPT_KEY, Consumer, ConsumerConfig
+from pipeline.consumer.process import CORRUPT_KEY, Consumer
 from pipeline.consumer.reader import SegmentReader
-from pipeline.wire.layouts import DESCRIPTOR_ITEM_DTYPE, descriptor_size_bytes, parse_descriptor, write_descriptor
+from pipeline.wire.layouts.descriptors import (
+    DESCRIPTOR_ITEM_DTYPE,
+    descriptor_size_bytes,
+    parse_descriptor,
+    write_descriptor,
+)
 from pipeline.wire.status import ConsumerWork
 from tests.support.segments import SIG, store
 
@@ -67,7 +73,7 @@ def test_consumer_pins_its_gpu(tmp_path, monkeypatch):
 
 def test_result_lines_of_outputs_of_any_width_parse_as_json():
     from pipeline.consumer.results import STATUS_OK, STATUS_TOO_LONG, result_lines
-    from pipeline.wire.layouts import Descriptor
+    from pipeline.wire.layouts.descriptors import Descriptor
 
     d = Descriptor(batch_id=3, signature=SIG, model=0, pad_to_tokens=16, dispatch_ns=9, items=np.zeros(0))
     ids, submits, lengths, payloads = [1, 2], [5, 6], [10, 12], [b"", b"x%y"]
@@ -94,7 +100,7 @@ def test_result_lines_of_outputs_of_any_width_parse_as_json():
 
 def test_result_lines_carry_finish_reasons_and_texts_escaped():
     from pipeline.consumer.results import STATUS_OK, result_lines
-    from pipeline.wire.layouts import Descriptor
+    from pipeline.wire.layouts.descriptors import Descriptor
 
     d = Descriptor(batch_id=3, signature=SIG, model=0, pad_to_tokens=16, dispatch_ns=9, items=np.zeros(0))
     # One reason for all, no text: the one-format fast path.
@@ -160,7 +166,7 @@ def test_an_engine_error_on_some_items_is_their_result_with_the_message(tmp_path
 
 def test_a_finish_reason_out_of_the_ordinary_still_makes_a_json_line():
     from pipeline.consumer.results import STATUS_OK, result_lines
-    from pipeline.wire.layouts import Descriptor
+    from pipeline.wire.layouts.descriptors import Descriptor
 
     d = Descriptor(batch_id=1, signature=SIG, model=0, pad_to_tokens=8, dispatch_ns=1, items=np.zeros(0))
     raw = result_lines(d, STATUS_OK, [1], [2], [3], [0], [[5]], [b""], ['abort "by" user\u00e9'])
@@ -170,7 +176,7 @@ def test_a_finish_reason_out_of_the_ordinary_still_makes_a_json_line():
 def test_result_lines_carry_every_sample_of_an_item_that_asked_for_several_or_for_logprobs():
     from pipeline.consumer.engines.base import Sample
     from pipeline.consumer.results import STATUS_OK, result_lines
-    from pipeline.wire.layouts import Descriptor
+    from pipeline.wire.layouts.descriptors import Descriptor
 
     d = Descriptor(batch_id=3, signature=SIG, model=0, pad_to_tokens=16, dispatch_ns=9, items=np.zeros(0))
     two = [Sample([7, 8], "stop", "a\u00e9"), Sample([9], "length", None, [[(9, -0.5, "x"), (4, -1.25, None)]])]
@@ -193,7 +199,7 @@ def test_result_lines_carry_every_sample_of_an_item_that_asked_for_several_or_fo
 
 def test_result_lines_carry_each_inputs_embedding_as_base64_of_little_endian_float32():
     from pipeline.consumer.results import STATUS_OK, result_lines
-    from pipeline.wire.layouts import Descriptor
+    from pipeline.wire.layouts.descriptors import Descriptor
 
     d = Descriptor(batch_id=3, signature=SIG, model=0, pad_to_tokens=16, dispatch_ns=9, items=np.zeros(0))
     vectors = [np.array([0.25, -1.5], dtype=np.float32), np.array([3.0, 0.5], dtype=np.float32)]

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.broker.config import BrokerConfig
-from pipeline.consumer.process import ConsumerConfig
+from pipeline.consumer.config import ConsumerConfig
 from pipeline.reporting.accounting import summarize_results
 from pipeline.runtime.local import start_consumer
 from tests.consumer.tmpfs import fill, small_tmpfs
@@ -38,7 +38,7 @@ WAIT_S = 60.0
 CONSUMER_MAIN = (
     "import json, sys\n"
     "from pipeline.cli.launch import setup_logging\n"
-    "from pipeline.consumer.process import ConsumerConfig\n"
+    "from pipeline.consumer.config import ConsumerConfig\n"
     "from pipeline.runtime.processes import serve_consumer\n"
     "setup_logging(True)\n"
     "sys.exit(serve_consumer(ConsumerConfig(**json.loads(sys.argv[1]))))\n"

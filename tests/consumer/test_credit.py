@@ -9,10 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pipeline.consumer.config import ConsumerConfig
 from pipeline.consumer.credit import BATCH_TIME_WEIGHT, INITIAL_CREDIT, MAX_CREDIT, MIN_CREDIT, CreditWindow
-from pipeline.consumer.process import ConsumerConfig, descriptors_that_fit
-from pipeline.wire.layouts import descriptor_size_bytes
-from shm.ring import RECORD_ALIGN_BYTES, RECORD_HEADER_SIZE_BYTES, RingReader, RingWriter, align_up
+from pipeline.consumer.process import descriptors_that_fit
+from pipeline.wire.layouts.descriptors import descriptor_size_bytes
+from shm.ring import RingReader, RingWriter
+from shm.ring_layout import RECORD_ALIGN_BYTES, RECORD_HEADER_SIZE_BYTES, align_up
 
 
 def _reference_windows(batch_times: list[float], ahead_s: float, low: int, high: int) -> list[tuple[int, int]]:

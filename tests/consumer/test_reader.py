@@ -11,7 +11,8 @@ from pipeline.broker.storage.segment import encode_entries, scan_segment
 from pipeline.consumer.reader import SegmentReader
 from pipeline.wire.dirpin import DirPin
 from pipeline.wire.errors import EntryCompletedError, SegmentCorruptError, SegmentReadError
-from pipeline.wire.layouts import DESCRIPTOR_ITEM_DTYPE, prompt_digest
+from pipeline.wire.layouts.descriptors import DESCRIPTOR_ITEM_DTYPE
+from pipeline.wire.layouts.segments import prompt_digest
 from tests.support.segments import SIG, make_items, store
 
 

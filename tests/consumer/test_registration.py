@@ -10,7 +10,8 @@ import threading
 
 import pytest
 
-from pipeline.consumer.process import Consumer, ConsumerConfig
+from pipeline.consumer.config import ConsumerConfig
+from pipeline.consumer.process import Consumer
 from pipeline.wire.errors import RegistrationRefusedError
 from pipeline.wire.protocol import MessageReader, encode
 

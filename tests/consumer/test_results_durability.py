@@ -10,7 +10,8 @@ import os
 
 import pytest
 
-from pipeline.consumer.process import Consumer, ConsumerConfig
+from pipeline.consumer.config import ConsumerConfig
+from pipeline.consumer.process import Consumer
 from pipeline.consumer.results import ResultsFile
 from lab.reliability.procs import Stages, pipeline, write_workload
 from pipeline.wire import fileops

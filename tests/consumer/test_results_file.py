@@ -11,7 +11,8 @@ import stat
 
 import pytest
 
-from pipeline.consumer.process import ConsumerConfig, FullDiskBackoff
+from pipeline.consumer.config import ConsumerConfig
+from pipeline.consumer.process import FullDiskBackoff
 from pipeline.consumer.results import ResultsFile
 from pipeline.reporting.accounting import summarize_results
 from pipeline.wire.errors import ResultsDiskFullError, ResultsFileError, ResultsWriteError

@@ -7,11 +7,12 @@ from __future__ import annotations
 import numpy as np
 
 from pipeline.broker.storage.segment import scan_segment
+from pipeline.consumer.config import ConsumerConfig
 from pipeline.consumer.engines import Engine, EngineCounters, EngineResult
 from pipeline.consumer.engines.sim import SimConfig, SimEngine
-from pipeline.consumer.process import Consumer, ConsumerConfig
+from pipeline.consumer.process import Consumer
 from pipeline.consumer.reader import SegmentReader
-from pipeline.wire.layouts import DESCRIPTOR_ITEM_DTYPE, descriptor_size_bytes, write_descriptor
+from pipeline.wire.layouts.descriptors import DESCRIPTOR_ITEM_DTYPE, descriptor_size_bytes, write_descriptor
 from tests.support.segments import SIG, store
 from tests.support.sessions import FakeSession as _Session
 

@@ -9,14 +9,21 @@ import os
 
 import numpy as np
 
+from pipeline.broker.storage.diskio import Durability
 from pipeline.broker.storage.paths import make_dirs, segment_path
-from pipeline.broker.storage.segment import Durability, SegmentFile, SegmentKeys, encode_entries, scan_segment
+from pipeline.broker.storage.segment import SegmentFile, SegmentKeys, encode_entries, scan_segment
+from pipeline.consumer.config import ConsumerConfig
 from pipeline.consumer.engines import Engine, EngineCounters, EngineResult
-from pipeline.consumer.process import CORRUPT_KEY, Consumer, ConsumerConfig
+from pipeline.consumer.process import CORRUPT_KEY, Consumer
 from pipeline.consumer.reader import SegmentReader
 from pipeline.consumer.slices import MAX_SLICE_ANSWER_TOKENS, answer_tokens, cut_slices
 from pipeline.wire.generation import GenerationParams, encode_payload
-from pipeline.wire.layouts import DESCRIPTOR_ITEM_DTYPE, descriptor_size_bytes, parse_descriptor, write_descriptor
+from pipeline.wire.layouts.descriptors import (
+    DESCRIPTOR_ITEM_DTYPE,
+    descriptor_size_bytes,
+    parse_descriptor,
+    write_descriptor,
+)
 from tests.support.segments import SIG, make_items
 from tests.support.sessions import FakeSession
 

@@ -54,7 +54,7 @@ from pipeline.wire.errors import (
     WorkloadError,
 )
 from pipeline.wire.generation import GENERATION_HEADER_DTYPE, GenerationParams, decode_payload, encode_payload
-from pipeline.wire.layouts import (
+from pipeline.wire.layouts.catalog import (
     CATALOG_CREATED,
     CATALOG_DELETED,
     CATALOG_FILE,
@@ -63,11 +63,17 @@ from pipeline.wire.layouts import (
     CATALOG_RECORD_DTYPE,
     CATALOG_RECORD_SIZE_BYTES,
     CATALOG_SEALED,
-    CHAIN_HEADER_DTYPE,
+)
+from pipeline.wire.layouts.descriptors import (
     DESCRIPTOR_HEADER_DTYPE,
     DESCRIPTOR_HEADER_SIZE_BYTES,
     DESCRIPTOR_ITEM_DTYPE,
-    ENTRY_HEADER_DTYPE,
+    descriptor_size_bytes,
+    parse_descriptor,
+    write_descriptor,
+)
+from pipeline.wire.layouts.frames import (
+    CHAIN_HEADER_DTYPE,
     FRAME_HEADER_DTYPE,
     FRAME_HEADER_SIZE_BYTES,
     FRAME_HEADER_STRUCT,
@@ -75,28 +81,28 @@ from pipeline.wire.layouts import (
     FRAME_VERSION,
     ITEM_HEADER_DTYPE,
     ITEM_HEADER_SIZE_BYTES,
+    encode_chains,
+    frame_size_bytes,
+    make_item_id,
+    parse_frame,
+)
+from pipeline.wire.layouts.journal import (
     JOURNAL_BOUNDARY,
     JOURNAL_COMPLETED,
     JOURNAL_RECORD_SIZE_BYTES,
     JOURNAL_SEALED,
+    SEGMENT_JOURNAL_DTYPE,
+    journal_seed,
+)
+from pipeline.wire.layouts.names import SEGMENT_JOURNAL_SUFFIX, SEGMENTS_DIR, segment_relpath
+from pipeline.wire.layouts.segments import (
+    ENTRY_HEADER_DTYPE,
     SEGMENT_BOUNDARY_CHECKSUM,
     SEGMENT_DATA_END,
     SEGMENT_ENTRY_COUNT,
     SEGMENT_HEADER_DTYPE,
     SEGMENT_HEADER_SIZE_BYTES,
-    SEGMENT_JOURNAL_DTYPE,
-    SEGMENT_JOURNAL_SUFFIX,
-    SEGMENTS_DIR,
     SYNC_ALIGN_BYTES,
-    descriptor_size_bytes,
-    encode_chains,
-    frame_size_bytes,
-    journal_seed,
-    make_item_id,
-    parse_descriptor,
-    parse_frame,
-    segment_relpath,
-    write_descriptor,
 )
 from pipeline.wire.protocol import MAX_REQUEST_BYTES, MessageReader, check_consumer_name, encode
 from pipeline.wire.status import ConsumerWork

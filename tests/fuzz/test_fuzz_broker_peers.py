@@ -16,7 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from pipeline.broker.config import BrokerConfig
 from pipeline.producer.client import BrokerProducer
 from pipeline.runtime.local import start_consumer
-from pipeline.wire.layouts import CHAIN_HEADER_DTYPE, FRAME_HEADER_SIZE_BYTES, ITEM_HEADER_DTYPE, parse_descriptor
+from pipeline.wire.layouts.descriptors import parse_descriptor
+from pipeline.wire.layouts.frames import CHAIN_HEADER_DTYPE, FRAME_HEADER_SIZE_BYTES, ITEM_HEADER_DTYPE
 from pipeline.wire.protocol import Connection
 from pipeline.wire.status import ConsumerWork
 from shm.ring import RingReader, RingWriter

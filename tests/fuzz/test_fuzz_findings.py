@@ -23,10 +23,8 @@ from pipeline.wire.errors import (
     WorkloadError,
 )
 from pipeline.wire.generation import GenerationParams
-from pipeline.wire.layouts import (
-    CATALOG_CREATED,
-    CATALOG_FILE,
-    CATALOG_SEALED,
+from pipeline.wire.layouts.catalog import CATALOG_CREATED, CATALOG_FILE, CATALOG_SEALED
+from pipeline.wire.layouts.frames import (
     FRAME_HEADER_SIZE_BYTES,
     ITEM_HEADER_DTYPE,
     ITEM_HEADER_SIZE_BYTES,

@@ -13,7 +13,7 @@ import pytest
 from pipeline.broker.config import BrokerConfig
 from pipeline.reporting.accounting import reconcile, summarize_results, take_stock
 from pipeline.runtime.inventory import store_stock
-from pipeline.wire.layouts import parse_descriptor
+from pipeline.wire.layouts.descriptors import parse_descriptor
 from pipeline.wire.protocol import Connection
 from shm.ring import RingReader
 from tests.pipeline.harness import Workload, start_broker, start_producer, status, stop, wait_until

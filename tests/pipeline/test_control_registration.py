@@ -16,9 +16,9 @@ from pipeline.broker.state import lock_run_dir
 from pipeline.runtime.local import start_broker as start_broker_process
 from pipeline.runtime.processes import open_storage
 from pipeline.wire.errors import ConfigError, ContractError, ProtocolError
-from pipeline.wire.layouts import descriptor_size_bytes
+from pipeline.wire.layouts.descriptors import descriptor_size_bytes
 from pipeline.wire.protocol import MAX_CONSUMER_NAME_LENGTH, MAX_CREDIT_BATCHES, Connection
-from shm.ring import max_body_bytes
+from shm.ring_layout import max_body_bytes
 from tests.pipeline.harness import status, stop
 from tests.runtime.runs import shm_objects_of
 

@@ -12,8 +12,8 @@ import pytest
 
 from pipeline.broker.config import BrokerConfig
 from pipeline.broker.consumers import PARTIAL_BATCHES_AHEAD
+from pipeline.consumer.config import ConsumerConfig
 from pipeline.consumer.credit import INITIAL_CREDIT, MAX_CREDIT, MIN_CREDIT
-from pipeline.consumer.process import ConsumerConfig
 from pipeline.runtime.local import CTX, start_consumer
 from tests.pipeline.harness import Workload, start_broker, start_producer, status, stop, wait_until
 

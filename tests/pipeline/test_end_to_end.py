@@ -18,7 +18,7 @@ import pytest
 
 from pipeline.broker.config import BrokerConfig
 from pipeline.broker.peers import namespace_for
-from pipeline.consumer.process import ConsumerConfig
+from pipeline.consumer.config import ConsumerConfig
 from pipeline.producer.client import BrokerProducer
 from pipeline.reporting.accounting import reconcile, summarize_results, take_stock
 from pipeline.runtime.inventory import store_stock

@@ -13,14 +13,21 @@ import numpy as np
 import pytest
 
 from pipeline.broker.config import BrokerConfig
+from pipeline.broker.storage.diskio import Durability
 from pipeline.broker.storage.paths import make_dirs, segment_path
-from pipeline.broker.storage.segment import Durability, SegmentFile, SegmentKeys, encode_entries, scan_segment
-from pipeline.consumer.process import CORRUPT_KEY, Consumer, ConsumerConfig
+from pipeline.broker.storage.segment import SegmentFile, SegmentKeys, encode_entries, scan_segment
+from pipeline.consumer.config import ConsumerConfig
+from pipeline.consumer.process import CORRUPT_KEY, Consumer
 from pipeline.consumer.reader import SegmentReader
 from pipeline.producer.client import BrokerProducer
 from pipeline.runtime.local import start_consumer
 from pipeline.wire.generation import GENERATION_MAGIC, GenerationParams
-from pipeline.wire.layouts import DESCRIPTOR_ITEM_DTYPE, descriptor_size_bytes, parse_descriptor, write_descriptor
+from pipeline.wire.layouts.descriptors import (
+    DESCRIPTOR_ITEM_DTYPE,
+    descriptor_size_bytes,
+    parse_descriptor,
+    write_descriptor,
+)
 from tests.pipeline.harness import read_results, start_broker, status, stop, wait_until
 from tests.support.segments import SIG, make_items
 

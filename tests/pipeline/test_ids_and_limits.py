@@ -15,7 +15,7 @@ from pipeline.producer.client import BrokerProducer
 from pipeline.producer.producer import ProducerLimits
 from pipeline.runtime.local import remove_leftovers
 from pipeline.wire.errors import ConfigError, ModelIdError, ProducerRefusedError, ProtocolError
-from pipeline.wire.layouts import DEFAULT_MAX_MODELS, MODEL_ID_LIMIT
+from pipeline.wire.layouts.names import DEFAULT_MAX_MODELS, MODEL_ID_LIMIT
 from tests.pipeline.harness import start_broker, status, stop, wait_until
 from tests.runtime.runs import shm_objects_of
 
@@ -101,7 +101,7 @@ def test_producer_ids_are_handed_out_up_to_the_last_an_item_id_holds(tmp_path):
     kept aside as damaged, not trusted (10**20 made the start spin forever)."""
     import json
 
-    from pipeline.wire.layouts import MAX_PRODUCER_ID
+    from pipeline.wire.layouts.frames import MAX_PRODUCER_ID
 
     data = tmp_path / "data"
     data.mkdir(mode=0o700)

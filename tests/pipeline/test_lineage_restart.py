@@ -15,7 +15,7 @@ import pytest
 
 from pipeline.broker.config import BrokerConfig
 from pipeline.broker.storage.chains import lineage_path
-from pipeline.consumer.process import ConsumerConfig
+from pipeline.consumer.config import ConsumerConfig
 from pipeline.producer.client import BrokerProducer
 from pipeline.producer.signature import chain, signature
 from pipeline.runtime.local import CTX, start_consumer

@@ -10,7 +10,7 @@ import pytest
 
 from pipeline.broker.service import BrokerConfig
 from pipeline.wire.client import broker_progress
-from pipeline.wire.layouts import Descriptor, parse_descriptor
+from pipeline.wire.layouts.descriptors import Descriptor, parse_descriptor
 from pipeline.wire.protocol import Connection
 from pipeline.wire.status import STATUS_VERSION, BrokerStatus, ConsumerWork
 from shm.ring import RingReader
@@ -130,7 +130,7 @@ def test_each_consumers_switches_and_shapes_reach_the_status(tmp_path):
     """Two shapes through one real consumer: its row counts its switches and shapes."""
     import numpy as np
 
-    from pipeline.consumer.process import ConsumerConfig
+    from pipeline.consumer.config import ConsumerConfig
     from pipeline.producer.client import BrokerProducer
     from pipeline.runtime.local import start_consumer
 
@@ -155,7 +155,7 @@ def test_each_consumers_switches_and_shapes_reach_the_status(tmp_path):
 def test_a_shape_two_consumers_started_counts_its_prefix_once_as_split(tmp_path):
     import numpy as np
 
-    from pipeline.consumer.process import ConsumerConfig
+    from pipeline.consumer.config import ConsumerConfig
     from pipeline.producer.client import BrokerProducer
     from pipeline.runtime.local import start_consumer
 

@@ -29,8 +29,8 @@ import psutil
 import pytest
 
 from pipeline.broker.config import BrokerConfig
+from pipeline.consumer.config import ConsumerConfig
 from pipeline.consumer.engines import EngineBatch, make_engine
-from pipeline.consumer.process import ConsumerConfig
 from pipeline.producer.client import BrokerProducer
 from pipeline.producer.signature import signature
 from tests.pipeline.harness import start_broker, status, stop, wait_until

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from pipeline.broker.config import BrokerConfig
-from pipeline.consumer.process import ConsumerConfig
+from pipeline.consumer.config import ConsumerConfig
 from pipeline.producer.client import BrokerProducer
 from pipeline.producer.signature import signature
 from tests.pipeline.harness import read_results, start_broker, status, stop, wait_until

@@ -22,9 +22,10 @@ from pipeline.wire.errors import (
     TokenArrayError,
 )
 from pipeline.wire.generation import GENERATION_MAGIC, decode_payload
-from pipeline.wire.layouts import ITEM_ID_SEQ_BITS, parse_frame
+from pipeline.wire.layouts.frames import ITEM_ID_SEQ_BITS, parse_frame
 from shm.objects import create_shared_memory
-from shm.ring import HEADER_SIZE_BYTES, RingReader, RingWriter
+from shm.ring import RingReader, RingWriter
+from shm.ring_layout import HEADER_SIZE_BYTES
 
 SIG = signature([b"system prompt", b"few-shot block"])
 SMALL = ProducerLimits(max_item_tokens=1000, max_payload_bytes=100, max_models=4, frame_items=16)

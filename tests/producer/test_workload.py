@@ -14,13 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.producer import ProducerLimits, signature
+from pipeline.producer.demos import DEMO_SHAPES, demo_workload
 from pipeline.producer.workload import (
     BLOCK_STREAM,
-    DEMO_SHAPES,
     MAX_LISTED_ERRORS,
     MAX_TIMESTAMP_MS,
     VOCAB_SIZE,
-    demo_workload,
     hashed_tokens,
     load_workload,
     shared_block_runs,

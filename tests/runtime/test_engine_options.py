@@ -9,7 +9,8 @@ import json
 import numpy as np
 import pytest
 
-from pipeline.producer.workload import MAX_VOCAB_SIZE, VOCAB_SIZE, demo_workload, load_workload
+from pipeline.producer.demos import demo_workload
+from pipeline.producer.workload import MAX_VOCAB_SIZE, VOCAB_SIZE, load_workload
 from pipeline.runtime.settings import (
     CPU_VLLM_BLOCK_SIZE_TOKENS,
     CPU_VLLM_KV_CACHE_BYTES,

@@ -54,7 +54,7 @@ def test_no_nvidia_smi_means_no_gpu(tmp_path, monkeypatch):
     ("", None, [("consumer0", None), ("consumer1", None)]),  # no GPU: two CPU consumers
 ])
 def test_the_launcher_starts_one_consumer_per_gpu_pinned_to_it(tmp_path, monkeypatch, visible, consumers, expected):
-    from pipeline.producer.workload import demo_workload
+    from pipeline.producer.demos import demo_workload
     from pipeline.runtime.launcher import Launcher
     from pipeline.runtime.settings import LaunchSettings
 
@@ -108,7 +108,7 @@ def test_each_consumer_is_one_engine_over_its_group(gpus, per_engine, consumers,
     ("0,1,2,3,4,5,6,7", 8, [("gpu0_1_2_3_4_5_6_7", "0,1,2,3,4,5,6,7")]),
 ])
 def test_the_launcher_gives_each_consumer_an_engines_gpus(tmp_path, monkeypatch, visible, tensor_parallel, expected):
-    from pipeline.producer.workload import demo_workload
+    from pipeline.producer.demos import demo_workload
     from pipeline.runtime.launcher import Launcher
     from pipeline.runtime.settings import LaunchSettings
 

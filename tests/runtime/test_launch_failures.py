@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from pipeline.reporting.accounting import summarize_results
-from pipeline.wire.layouts import make_item_id
+from pipeline.wire.layouts.frames import make_item_id
 from tests.runtime.runs import shm_objects_of
 from tests.support.commands import RUN_TIMEOUT_S, interrupt, launch, while_running
 from tests.support.repo import ROOT

@@ -22,7 +22,7 @@ from pipeline.broker.peers import namespace_for, object_prefix
 from pipeline.producer.producer import DEFAULT_RING_CAPACITY_BYTES
 from pipeline.runtime.local import remove_leftovers
 from shm.objects import PAGE_BYTES, create_shared_memory, object_path, unlink_quietly
-from shm.ring import HEADER_SIZE_BYTES
+from shm.ring_layout import HEADER_SIZE_BYTES
 from tests.consumer.tmpfs import with_small_dev_shm
 from tests.runtime.runs import shm_objects_of
 from tests.support.commands import RUN_TIMEOUT_S

@@ -18,15 +18,9 @@ from pipeline.runtime.daemon import StageFiles
 from pipeline.runtime.madefiles import RESULTS_DIR, RUN_MADE, Made, matching, named, remove_made
 from pipeline.runtime.settings import ENGINE_CACHE_DIR
 from pipeline.wire.errors import DataDirMovedError
-from pipeline.wire.layouts import (
-    BROKER_STATE_NAME,
-    CATALOG_FILE,
-    CATALOG_MIRROR_FILE,
-    LINEAGE_FILE,
-    SEGMENT_JOURNAL_SUFFIX,
-    SEGMENTS_DIR,
-    segment_relpath,
-)
+from pipeline.wire.layouts.catalog import CATALOG_FILE, CATALOG_MIRROR_FILE
+from pipeline.wire.layouts.lineage import LINEAGE_FILE
+from pipeline.wire.layouts.names import BROKER_STATE_NAME, SEGMENT_JOURNAL_SUFFIX, SEGMENTS_DIR, segment_relpath
 from tests.consumer.tmpfs import small_tmpfs
 
 

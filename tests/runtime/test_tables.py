@@ -17,7 +17,7 @@ from pipeline.runtime.tables import (
     parse_assignments,
 )
 from pipeline.wire.errors import SettingsError
-from pipeline.wire.layouts import LANE_ID_LIMIT
+from pipeline.wire.layouts.names import LANE_ID_LIMIT
 from pipeline.wire.protocol import MAX_CREDIT_BATCHES
 
 

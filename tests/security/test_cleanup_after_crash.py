@@ -294,7 +294,7 @@ def test_producer_rings_are_judged_by_what_they_hold(tmp_path):
     from pipeline.producer.producer import Producer
     from pipeline.runtime.datadir import prepare_data_dir
     from shm.objects import create_shared_memory
-    from shm.ring import HEADER_SIZE_BYTES, MIN_CAPACITY_BYTES
+    from shm.ring_layout import HEADER_SIZE_BYTES, MIN_CAPACITY_BYTES
 
     data = str(tmp_path / "data")
     prepare_data_dir(data)

@@ -24,7 +24,7 @@ from dataclasses import asdict
 import pytest
 
 from pipeline.broker.config import BrokerConfig
-from pipeline.wire.layouts import Descriptor, parse_descriptor
+from pipeline.wire.layouts.descriptors import Descriptor, parse_descriptor
 from pipeline.wire.protocol import Connection
 from pipeline.wire.status import ConsumerWork
 from shm.ring import RingReader

@@ -33,7 +33,7 @@ from shm.objects import (
     semaphore_path,
     unlink_quietly,
 )
-from shm.ring import HEADER_SIZE_BYTES, ring_footprint_bytes
+from shm.ring_layout import HEADER_SIZE_BYTES, ring_footprint_bytes
 from tests.consumer.tmpfs import with_small_dev_shm
 from tests.support.repo import ROOT
 

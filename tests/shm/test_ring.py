@@ -23,7 +23,8 @@ from shm.errors import (
     StaleObjectError,
 )
 from shm.objects import OWNER_ONLY_MODE, Doorbell, create_shared_memory, semaphore_mode
-from shm.ring import (
+from shm.ring import RingReader, RingWriter, SharedRing
+from shm.ring_layout import (
     HEADER_SIZE_BYTES,
     RECORD_ALIGN_BYTES,
     RECORD_DATA,
@@ -32,9 +33,6 @@ from shm.ring import (
     RING_HEADER_DTYPE,
     RING_LAYOUT_VERSION,
     RING_MAGIC,
-    RingReader,
-    RingWriter,
-    SharedRing,
     max_body_bytes,
     unreleased_records,
 )

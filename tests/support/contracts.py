@@ -6,7 +6,7 @@ from __future__ import annotations
 import base64
 from collections import Counter
 
-from pipeline.consumer.process import ConsumerConfig
+from pipeline.consumer.config import ConsumerConfig
 from tests.pipeline.harness import Workload, batches_of
 
 CONTRACTS = [dict(max_batch_items=64, max_batch_tokens=32_768, max_input_len=100_000),

@@ -42,7 +42,8 @@ from pipeline.broker.storage import DiskTier, Durability, crashpoints
 from pipeline.broker.storage.inspect import verify
 from pipeline.broker.storage.paths import iter_segments
 from pipeline.broker.storage.segment import scan_segment
-from pipeline.wire.layouts import ENTRY_HEADER_SIZE_BYTES, ENTRY_LIVE, make_item_id
+from pipeline.wire.layouts.frames import make_item_id
+from pipeline.wire.layouts.segments import ENTRY_HEADER_SIZE_BYTES, ENTRY_LIVE
 from pipeline.wire.shapes import POOL_SIGNATURE
 from tests.broker.broker_frames import make_frame, token_ids
 

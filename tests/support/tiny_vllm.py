@@ -9,7 +9,8 @@ import json
 import os
 from pathlib import Path
 
-from pipeline.consumer.process import Consumer, ConsumerConfig
+from pipeline.consumer.config import ConsumerConfig
+from pipeline.consumer.process import Consumer
 from tests.support.repo import ROOT
 
 # The tiny model, and vLLM's caches across runs (its first start writes a model-info cache

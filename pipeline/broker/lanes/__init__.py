@@ -17,10 +17,10 @@ Who calls what, in one broker loop:
 
 The modules, each importing only those above it:
 
-    bulk.py     assign_many's vectorised placement and its tuning settings
-    config.py   the policy's constants, LaneConfig, LaneCounters, TickResult, LaneView,
-                length checks
+    config.py   the policy's constants (assign_many's tuning settings among them),
+                LaneConfig, LaneCounters, TickResult, LaneView, length checks
     queues.py   LaneTable: every per-lane field, the queue events, the min/max windows
+    bulk.py     assign_many's vectorised placement, through ShapeLanes' public view
     policy.py   ShapeLanes: place, tick, the queue events' entry points, restore_lane
 
 Lane ids are `pipeline.broker.ids.LaneId`.

@@ -1,5 +1,5 @@
 """Vectorised bulk placement: how `ShapeLanes.assign_many` decides many items' lanes at once,
-with exactly the results of repeated `assign`, and the settings that tune its speed.
+with exactly the results of repeated `assign`.
 
 Most items change no decision state: they join their upper candidate without a raise, and
 are no shorter than its queued minimum (under the queued-minimum measure 1,976 of the
@@ -16,41 +16,51 @@ Example: lanes 500 and 1000 (queued minima 495 and 990), lengths [995, 1000, 498
 the first three are accepted by numpy (lanes 1000, 1000, 500), 700 opens a lane in the
 scalar path, 999 is judged again and joins lane 1000.
 
-These functions are assign_many's body, split from lanes/policy.py by concern: they read the
-ShapeLanes' active lanes and LaneTable and place state-changing items with its scalar
-`_place`, exactly as its own methods would; they keep no state between calls.
+These functions are assign_many's body, split from lanes/policy.py by concern: they read a
+ShapeLanes through its public view (`LanePlacer`) and place state-changing items with its
+scalar `place_virtual`, exactly as its own methods would; they keep no state between calls.
+Their speed settings are LaneConfig's `vector_*` / `scalar_*` fields (lanes/config.py).
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from pipeline.broker.ids import LaneId
-
-if TYPE_CHECKING:
-    from pipeline.broker.lanes.policy import ShapeLanes
-
-# assign_many calls shorter than this just loop `assign`: building the numpy view of the lane
-# state (tens of microseconds) costs more than it saves on a handful of items.
-VECTOR_MIN_CALL_ITEMS = 64
-# First window of items judged at once by assign_many; it then doubles after a window without
-# a state change and shrinks to about twice the observed run after one.
-VECTOR_FIRST_WINDOW_ITEMS = 256
-# Largest window: bounds the numpy work thrown away when a state change cuts a window short.
-VECTOR_MAX_WINDOW_ITEMS = 16384
-# A vectorised run shorter than this means state changes are dense (e.g. the literal measure
-# raises on about a third of items); one numpy pass then costs more than the scalar path...
-# (0: never fall back; tests use it to send every state change through the view refresh.)
-VECTOR_SHORT_RUN_ITEMS = 8
-# ...so this many items go through the scalar path before numpy is tried again.
-SCALAR_STRETCH_ITEMS = 512
+from pipeline.broker.lanes.config import LaneConfig, LaneCounters
 
 # Lane ids in assign_many's result. int32: max_lanes is far below 2**31.
 LANE_DTYPE = np.int32
+
+
+class LanePlacer(Protocol):
+    """What place_all reads of one shape's lanes and places through: ShapeLanes' public view."""
+
+    counters: LaneCounters
+
+    @property
+    def config(self) -> LaneConfig: ...
+
+    @property
+    def threshold(self) -> float: ...
+
+    @property
+    def lane_count(self) -> int: ...
+
+    @property
+    def literal(self) -> bool: ...
+
+    def active_lanes(self) -> tuple[list[int], list[LaneId]]: ...
+
+    def queued_minima(self) -> list[int]: ...
+
+    def target(self, lane_id: LaneId) -> int: ...
+
+    def place_virtual(self, length: int) -> LaneId: ...
 
 
 @dataclass(slots=True)
@@ -66,7 +76,7 @@ class _VectorView:
     at_cap: bool
 
 
-def place_all(lanes: ShapeLanes, values: np.ndarray) -> np.ndarray:
+def place_all(lanes: LanePlacer, values: np.ndarray) -> np.ndarray:
     """Decide every item's lane, in order, opening and raising lanes as repeated `assign`
     would; lane ids as LANE_DTYPE. Queues are untouched (the caller folds the items in), but
     each lane's cached queued minimum is kept current as if each item were queued at once,
@@ -91,59 +101,51 @@ def place_all(lanes: ShapeLanes, values: np.ndarray) -> np.ndarray:
             i = _place_stretch(lanes, values, out, i, cfg.scalar_stretch_items)
             view = None
         else:
-            out[i] = lane = _place_virtual(lanes, int(values[i]))
+            out[i] = lane = lanes.place_virtual(int(values[i]))
             i += 1
             view = _refresh_view(lanes, view, lane)
     return out
 
 
-def _place_virtual(lanes: ShapeLanes, length: int) -> LaneId:
-    """ShapeLanes._place, plus the queued minimum as if the item were already queued."""
-    lane = lanes._place(length)
-    qmin = lanes._table.qmin
-    if length < qmin[lane]:
-        qmin[lane] = length
-    return lane
-
-
 def _place_stretch(
-    lanes: ShapeLanes, values: np.ndarray, out: np.ndarray, start: int, count: int
+    lanes: LanePlacer, values: np.ndarray, out: np.ndarray, start: int, count: int
 ) -> int:
     """Scalar path for `count` items from `start`; returns the index after them."""
     stop = min(start + count, values.size)
-    out[start:stop] = [_place_virtual(lanes, value) for value in values[start:stop].tolist()]
+    out[start:stop] = [lanes.place_virtual(value) for value in values[start:stop].tolist()]
     return stop
 
 
-def _vector_view(lanes: ShapeLanes) -> _VectorView:
-    active_ids = lanes._active_ids
-    targets = np.array(lanes._active_targets, dtype=np.int64)
+def _vector_view(lanes: LanePlacer) -> _VectorView:
+    active_targets, active_ids = lanes.active_lanes()
+    targets = np.array(active_targets, dtype=np.int64)
     ids = np.array(active_ids, dtype=np.int64)
-    qmin = lanes._table.qmin
+    qmin = lanes.queued_minima()
     queued_min = np.array([qmin[lane] for lane in active_ids], dtype=np.int64)
-    reference = targets if lanes._literal else np.minimum(queued_min, targets)
+    reference = targets if lanes.literal else np.minimum(queued_min, targets)
     return _VectorView(
         targets=targets, ids=ids, queued_min=queued_min, reference=reference,
         threshold=lanes.threshold, at_cap=lanes.lane_count >= lanes.config.max_lanes,
     )
 
 
-def _refresh_view(lanes: ShapeLanes, view: _VectorView, lane: LaneId) -> _VectorView | None:
+def _refresh_view(lanes: LanePlacer, view: _VectorView, lane: LaneId) -> _VectorView | None:
     """Bring `view` up to date after the scalar path placed an item in `lane`; None when
     the active set changed (a lane opened or came back), so the view must be rebuilt."""
-    if len(lanes._active_ids) != view.targets.size:
+    active_targets, active_ids = lanes.active_lanes()
+    if len(active_ids) != view.targets.size:
         return None
-    table = lanes._table
-    target = table.target[lane]
-    pos = bisect_left(lanes._active_targets, target)
+    target = lanes.target(lane)
+    pos = bisect_left(active_targets, target)
+    queued_min = lanes.queued_minima()[lane]
     view.targets[pos] = target
-    view.queued_min[pos] = table.qmin[lane]
-    if not lanes._literal:
-        view.reference[pos] = min(table.qmin[lane], target)
+    view.queued_min[pos] = queued_min
+    if not lanes.literal:
+        view.reference[pos] = min(queued_min, target)
     return view
 
 
-def _accept_run(lanes: ShapeLanes, view: _VectorView, chunk: np.ndarray, out: np.ndarray) -> int:
+def _accept_run(lanes: LanePlacer, view: _VectorView, chunk: np.ndarray, out: np.ndarray) -> int:
     """Judge `chunk` against `view` (the state before it) and accept its longest prefix
     of items that change no decision state, writing their lanes to `out`. Returns the
     prefix length. Same formulas as `_place`, so the float fractions are bit-identical."""
@@ -164,7 +166,7 @@ def _accept_run(lanes: ShapeLanes, view: _VectorView, chunk: np.ndarray, out: np
     )
     if not view.at_cap:
         ok &= ~opens
-    if not lanes._literal:
+    if not lanes.literal:
         ok &= chunk >= view.queued_min[upper]  # else the item is the lane's new minimum
     run = int(np.argmin(ok)) if not ok.all() else chunk.size
     if run:

@@ -10,15 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeline.broker.ids import LaneId
-from pipeline.broker.lanes.bulk import (
-    SCALAR_STRETCH_ITEMS,
-    VECTOR_FIRST_WINDOW_ITEMS,
-    VECTOR_MAX_WINDOW_ITEMS,
-    VECTOR_MIN_CALL_ITEMS,
-    VECTOR_SHORT_RUN_ITEMS,
-)
 from pipeline.wire.errors import BadInputError
-from pipeline.wire.layouts import LANE_ID_LIMIT
+from pipeline.wire.layouts.names import LANE_ID_LIMIT
 
 # The lane budget per shape. 128 saturated under sustained load (every shape at full pressure,
 # waste climbing without limit), so the design note SPEC.md comes from raised it to 2,048;
@@ -40,6 +33,22 @@ QUIESCE_IDLE_S = 5.0
 # ...if it also holds fewer queued items than this: a lane with real backlog keeps its identity
 # (and its on-disk segments) instead of being drained and reopened (SPEC §2).
 QUIESCE_BELOW_ITEMS = 4
+# The speed settings of assign_many's vectorised placement (lanes/bulk.py; never its results).
+# assign_many calls shorter than this just loop `assign`: building the numpy view of the lane
+# state (tens of microseconds) costs more than it saves on a handful of items.
+VECTOR_MIN_CALL_ITEMS = 64
+# First window of items judged at once by assign_many; it then doubles after a window without
+# a state change and shrinks to about twice the observed run after one.
+VECTOR_FIRST_WINDOW_ITEMS = 256
+# Largest window: bounds the numpy work thrown away when a state change cuts a window short.
+VECTOR_MAX_WINDOW_ITEMS = 16384
+# A vectorised run shorter than this means state changes are dense (e.g. the literal measure
+# raises on about a third of items); one numpy pass then costs more than the scalar path...
+# (0: never fall back; tests use it to send every state change through the view refresh.)
+VECTOR_SHORT_RUN_ITEMS = 8
+# ...so this many items go through the scalar path before numpy is tried again.
+SCALAR_STRETCH_ITEMS = 512
+
 # Lengths are int32 in the segment entry layout (SPEC §5); anything longer is bad input. The
 # bound also keeps every length and waste exactly representable in float64.
 MAX_LENGTH_TOKENS = 2**31 - 1
@@ -60,7 +69,7 @@ class WasteMeasure(enum.Enum):
 @dataclass(frozen=True, slots=True)
 class LaneConfig:
     """Every constant of the lane policy; defaults are the module constants above, and the
-    `vector_*` / `scalar_*` tuning of assign_many those of lanes/bulk.py (they change its
+    `vector_*` / `scalar_*` tuning of assign_many's placement (lanes/bulk.py: they change its
     speed, never its results)."""
 
     max_lanes: int = MAX_LANES

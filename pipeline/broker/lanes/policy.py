@@ -204,6 +204,32 @@ class ShapeLanes:
         self._table.fold_all(values, lanes, now_s, qmin_current=not self._literal)
         return lanes
 
+    # ----------------------------------------------------------------- what lanes/bulk.py reads
+
+    @property
+    def literal(self) -> bool:
+        """Raises are measured against the lane's target (WasteMeasure.LITERAL)."""
+        return self._literal
+
+    def active_lanes(self) -> tuple[list[int], list[LaneId]]:
+        """The active lanes' targets (strictly increasing) and their ids, in that order: the
+        lists themselves, which the caller only reads."""
+        return self._active_targets, self._active_ids
+
+    def queued_minima(self) -> list[int]:
+        """Each lane id's shortest queued length, NOTHING_QUEUED where its queue is empty: the
+        list itself, which the caller only reads."""
+        return self._table.qmin
+
+    def place_virtual(self, length: int) -> LaneId:
+        """`_place`, plus the lane's queued minimum as if the item were already queued:
+        assign_many's scalar path, whose queues are folded in after (`LaneTable.fold_all`)."""
+        lane = self._place(length)
+        qmin = self._table.qmin
+        if length < qmin[lane]:
+            qmin[lane] = length
+        return lane
+
     def _place(self, length: int) -> LaneId:
         """Decide the lane for `length`, open or raise it as needed; queues untouched."""
         targets = self._active_targets

@@ -17,7 +17,7 @@ from pipeline.broker.storage.base import (
     StorageTier,
 )
 from pipeline.broker.storage.disk import DiskTier
-from pipeline.broker.storage.segment import Durability
+from pipeline.broker.storage.diskio import Durability
 
 __all__ = [
     "AppendGroup",

@@ -64,7 +64,7 @@ import numpy as np
 
 from pipeline.broker.ids import BatchId, ConsumerId, EntryRef, LaneKey
 from pipeline.broker.storage.pending import Completion, EntryColumns, make_refs
-from pipeline.wire.layouts import Frame, ItemId, ProducerId
+from pipeline.wire.layouts.frames import Frame, ItemId, ProducerId
 
 
 @dataclass(frozen=True, slots=True)

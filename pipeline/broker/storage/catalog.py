@@ -59,7 +59,7 @@ from pipeline.broker.storage.replace import preallocate, write_replacements
 from pipeline.broker.storage.scan import SegmentKeys
 from pipeline.wire import fileops
 from pipeline.wire.errors import DiskFullError, DurabilityError, SegmentNameError, StoreReadError
-from pipeline.wire.layouts import (
+from pipeline.wire.layouts.catalog import (
     CATALOG_CHECKSUM_FROM,
     CATALOG_COUNT_UNKNOWN,
     CATALOG_CREATED,
@@ -74,8 +74,8 @@ from pipeline.wire.layouts import (
     CATALOG_RECORD_STRUCT,
     CATALOG_SEALED,
     CATALOG_VERSION,
-    check_segment_keys,
 )
+from pipeline.wire.layouts.names import check_segment_keys
 
 # Preallocation step of the catalog file: 1,024 records (64 KiB), a few hundred segments'
 # lifecycles, so growing it is a per-hundreds-of-segments cost.

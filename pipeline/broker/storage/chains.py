@@ -41,7 +41,8 @@ from pipeline.broker.storage.replace import preallocate, write_replacement
 from pipeline.wire import fileops
 from pipeline.wire.errors import DiskFullError, DurabilityError, StoreReadError
 from pipeline.wire.fileops import errno_text
-from pipeline.wire.layouts import (
+from pipeline.wire.layouts.frames import MAX_CHAIN_DEPTH
+from pipeline.wire.layouts.lineage import (
     LINEAGE_CHECKSUM_FROM,
     LINEAGE_FILE,
     LINEAGE_HEADER_DTYPE,
@@ -52,7 +53,6 @@ from pipeline.wire.layouts import (
     LINEAGE_RECORD_SIZE_BYTES,
     LINEAGE_RECORD_STRUCT,
     LINEAGE_VERSION,
-    MAX_CHAIN_DEPTH,
 )
 
 # Records the file holds at most, the header aside: the trie's MAX_TRIE_NODES (one record

@@ -49,20 +49,14 @@ import numpy as np
 from pipeline.broker.ids import EntryRef, LaneKey, SegmentId, ShapeKey
 from pipeline.broker.storage.base import AppendGroup, Peeked, RecoveredLane
 from pipeline.broker.storage.chains import LineageLog
+from pipeline.broker.storage.diskio import Durability
 from pipeline.broker.storage.pending import EntryColumns
 from pipeline.broker.storage.queues import HOT_ENTRIES_MAX, QueuedTier, RefRun
-from pipeline.broker.storage.segment import Durability, encode_entries, scan_segment
+from pipeline.broker.storage.segment import encode_entries, scan_segment
 from pipeline.broker.storage.segments import Quarantined, RecoveryReport, SegmentStore
 from pipeline.wire.errors import DiskFullError, SegmentCorruptError
-from pipeline.wire.layouts import (
-    ENTRY_HEADER_SIZE_BYTES,
-    ENTRY_LIVE,
-    TOKEN_DTYPE,
-    TOKEN_SIZE_BYTES,
-    ProducerId,
-    entry_checksum,
-    entry_size_bytes,
-)
+from pipeline.wire.layouts.frames import TOKEN_DTYPE, TOKEN_SIZE_BYTES, ProducerId
+from pipeline.wire.layouts.segments import ENTRY_HEADER_SIZE_BYTES, ENTRY_LIVE, entry_checksum, entry_size_bytes
 from pipeline.wire.shapes import POOL_SIGNATURE
 
 # flush() seals segments past the age limit at most this often: the check walks every lane's

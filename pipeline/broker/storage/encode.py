@@ -8,12 +8,12 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from pipeline.wire.layouts import (
+from pipeline.wire.layouts.frames import TOKEN_SIZE_BYTES
+from pipeline.wire.layouts.segments import (
     ENTRY_CHECKSUM_FROM,
     ENTRY_HEADER_DTYPE,
     ENTRY_HEADER_SIZE_BYTES,
     ENTRY_LIVE,
-    TOKEN_SIZE_BYTES,
     entry_size_bytes,
     scatter_entry_headers,
 )

@@ -10,13 +10,13 @@ from dataclasses import dataclass
 import xxhash
 
 from pipeline.wire.errors import SegmentFormatError
-from pipeline.wire.layouts import (
+from pipeline.wire.layouts.names import parse_segment_relpath
+from pipeline.wire.layouts.segments import (
     SEGMENT_HEADER_DTYPE,
     SEGMENT_HEADER_SIZE_BYTES,
     SEGMENT_IDENTITY_BYTES,
     SEGMENT_MAGIC,
     SEGMENT_VERSION,
-    parse_segment_relpath,
 )
 from shm.layout import struct_for
 

@@ -30,16 +30,12 @@ from pipeline.broker.storage.paths import (
     segment_path,
     store_dirs,
 )
-from pipeline.broker.storage.scan import EntryCensus, ScanReport, census_segment, name_keys_of, scan_segment
+from pipeline.broker.storage.scan import EntryCensus, census_segment, name_keys_of, scan_segment
+from pipeline.broker.storage.scan_report import ScanReport
 from pipeline.wire.errors import SegmentFormatError, StoreReadError
-from pipeline.wire.layouts import (
-    BROKER_STATE_NAME,
-    ENTRY_HEADER_SIZE_BYTES,
-    ENTRY_LIVE,
-    ENTRY_TOMBSTONE,
-    SEGMENTS_DIR,
-    TOKEN_SIZE_BYTES,
-)
+from pipeline.wire.layouts.frames import TOKEN_SIZE_BYTES
+from pipeline.wire.layouts.names import BROKER_STATE_NAME, SEGMENTS_DIR
+from pipeline.wire.layouts.segments import ENTRY_HEADER_SIZE_BYTES, ENTRY_LIVE, ENTRY_TOMBSTONE
 
 _STATE_NAMES = {ENTRY_LIVE: "live", ENTRY_TOMBSTONE: "tombstone"}
 

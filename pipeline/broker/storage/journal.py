@@ -33,9 +33,10 @@ import numpy as np
 
 from pipeline.broker.storage.identity import SegmentKeys
 from pipeline.broker.storage.replace import write_replacement
-from pipeline.wire import fileops, layouts
+from pipeline.wire import fileops
 from pipeline.wire.errors import DiskFullError, DurabilityError, StoreReadError
-from pipeline.wire.layouts import (
+from pipeline.wire.layouts import journal as journal_layout
+from pipeline.wire.layouts.journal import (
     JOURNAL_BOUNDARY,
     JOURNAL_COMPLETED,
     JOURNAL_HEAD_WORD_BASE,
@@ -43,10 +44,10 @@ from pipeline.wire.layouts import (
     JOURNAL_RECORD_SIZE_BYTES,
     JOURNAL_SEALED,
     SEGMENT_JOURNAL_DTYPE,
-    SEGMENT_JOURNAL_SUFFIX,
-    SYNC_ALIGN_BYTES,
     journal_checksums,
 )
+from pipeline.wire.layouts.names import SEGMENT_JOURNAL_SUFFIX
+from pipeline.wire.layouts.segments import SYNC_ALIGN_BYTES
 
 __all__ = ["JournalReading", "SegmentJournal", "journal_path", "journal_seed", "read_journal"]
 
@@ -61,8 +62,8 @@ def journal_path(segment_path: str) -> str:
 
 
 def journal_seed(keys: SegmentKeys) -> int:
-    """The checksum seed of a segment's journal (`pipeline.wire.layouts.journal_seed`)."""
-    return layouts.journal_seed(keys.model, keys.lane, keys.segment_seq)
+    """The checksum seed of a segment's journal (`pipeline.wire.layouts.journal.journal_seed`)."""
+    return journal_layout.journal_seed(keys.model, keys.lane, keys.segment_seq)
 
 
 def encode_records(kind: int, values: np.ndarray, values2: np.ndarray | int, seed: int) -> np.ndarray:

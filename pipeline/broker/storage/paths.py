@@ -36,8 +36,8 @@ import os
 from dataclasses import dataclass, field
 
 from pipeline.broker.storage.scan import SegmentKeys
-from pipeline.wire.layouts import (
-    CATALOG_FILE,
+from pipeline.wire.layouts.catalog import CATALOG_FILE
+from pipeline.wire.layouts.names import (
     LANE_ID_LIMIT,
     MODEL_ID_LIMIT,
     SEGMENT_JOURNAL_SUFFIX,

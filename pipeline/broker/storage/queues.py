@@ -50,7 +50,7 @@ from pipeline.broker.ids import BatchId, ConsumerId, EntryRef, LaneKey, SegmentI
 from pipeline.broker.storage.base import Peeked, Returned, StorageCounters, StorageTier
 from pipeline.broker.storage.pending import Completion, EntryColumns, PendingMap, make_refs
 from pipeline.wire.errors import StaleBatchError
-from pipeline.wire.layouts import ProducerId
+from pipeline.wire.layouts.frames import ProducerId
 
 # Queued entries of a lane whose offsets stay in memory (8 bytes each): beyond it, a lane's
 # further appends are kept as one record per segment and their offsets read back from the

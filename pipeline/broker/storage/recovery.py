@@ -32,7 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pipeline.broker.storage.paths import Stray
-from pipeline.broker.storage.scan import DamagedRange, LostEntries, RepairedState, ScanReport, SegmentKeys, TornRange
+from pipeline.broker.storage.scan import SegmentKeys
+from pipeline.broker.storage.scan_report import DamagedRange, LostEntries, RepairedState, ScanReport, TornRange
 from pipeline.wire.status import DAMAGE_KEYS, REPAIR_KEYS
 
 

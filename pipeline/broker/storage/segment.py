@@ -47,22 +47,28 @@ the end of the data for a scan.
 
 from __future__ import annotations
 
-import errno
 import mmap
 import os
 import time
 from collections.abc import Sequence
-from enum import Enum
 from typing import NoReturn
 
 import numpy as np
 
 import pipeline.broker.storage.crashpoints as crashpoints
+from pipeline.broker.storage.diskio import (
+    NO_SPACE_ERRNOS,
+    Durability,
+    disk_reserve_bytes,
+    durability_error,
+    fdatasync,
+    fsync_directory,
+    no_space_error,
+)
 from pipeline.broker.storage.encode import EncodedGroup, encode_entries  # re-exported: they lived here first
 from pipeline.broker.storage.journal import SegmentJournal, journal_path
 from pipeline.broker.storage.paths import CREATING_SUFFIX
 from pipeline.broker.storage.scan import (  # re-exported: the scan lived here first
-    ScanReport,
     SegmentKeys,
     boundary_checksum,
     establish_identity,
@@ -70,10 +76,11 @@ from pipeline.broker.storage.scan import (  # re-exported: the scan lived here f
     read_identity,
     scan_segment,
 )
+from pipeline.broker.storage.scan_report import ScanReport
 from pipeline.broker.storage.walk import done_at, no_entry, walk_entries
 from pipeline.wire import fileops
-from pipeline.wire.errors import DiskFullError, DurabilityError, SegmentCorruptError
-from pipeline.wire.layouts import (
+from pipeline.wire.errors import DiskFullError, SegmentCorruptError
+from pipeline.wire.layouts.segments import (
     ENTRY_ALIGN_BYTES,
     ENTRY_HEADER_SIZE_BYTES,
     ENTRY_LIVE,
@@ -104,24 +111,6 @@ FIRST_ALLOCATION_BYTES = 64 << 10
 # the header page) vanish, small enough that a fully completed segment is freed soon.
 DEFAULT_SEGMENT_MAX_BYTES = 64 << 20
 
-# errno values that mean "no space": a full disk (blocks or inodes), or the user's quota on it.
-NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-
-
-# The store stops growing while less than this would stay free on its file system, so that
-# what shares the disk (the consumers' results, the catalog, the broker's state file) can
-# still be written: results are what lets the store complete items and free its segments,
-# and a disk full of segments with no room for results never drains (seen on a 6 MiB tmpfs
-# holding both: tests/runtime/test_disk_full.py). 2% of the file system, within 1-256 MiB.
-DISK_RESERVE_FRACTION = 0.02
-DISK_RESERVE_MIN_BYTES = 1 << 20
-DISK_RESERVE_MAX_BYTES = 256 << 20
-
-
-def disk_reserve_bytes(total_bytes: int) -> int:
-    """What the store leaves free on a file system of `total_bytes` (see above)."""
-    return int(min(DISK_RESERVE_MAX_BYTES, max(DISK_RESERVE_MIN_BYTES, total_bytes * DISK_RESERVE_FRACTION)))
-
 
 def _check_room(fd: int, path: str, offset: int, nbytes: int, what: str, least: int | None = None) -> int:
     """How much to allocate at `offset`: `nbytes`, or, when that would leave less than the
@@ -146,27 +135,6 @@ def _check_room(fd: int, path: str, offset: int, nbytes: int, what: str, least: 
 
 def _page_align(nbytes: int) -> int:
     return -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
-
-
-def _no_space(exc: OSError, path: str, offset: int, nbytes: int, what: str) -> DiskFullError:
-    return DiskFullError(
-        f"{path}: disk full ({exc.strerror}) {what} {nbytes} bytes at offset {offset}; "
-        f"appends stop until space comes back, nothing accepted is lost"
-    )
-
-
-def _durability_failed(exc: OSError, path: str, what: str) -> DurabilityError:
-    return DurabilityError(
-        f"{path}: {what} failed ({exc.strerror}, errno {exc.errno}): the kernel may have "
-        f"dropped the dirty pages, so the broker must stop"
-    )
-
-
-class Durability(Enum):
-    """How far an append must get before its entries become readable (SPEC §5)."""
-
-    PROCESS = "process"  # written to the page cache: survives kill -9 of any process
-    POWER = "power"  # also fdatasync'ed, with group commit: survives power loss
 
 
 # NOTE: mapping a peeked batch's pages writable ahead (madvise MADV_POPULATE_WRITE) was
@@ -228,7 +196,7 @@ class SegmentFile:
             fd = fileops.open_fd(creating, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         except OSError as exc:
             if exc.errno in NO_SPACE_ERRNOS:  # no inode left (a tmpfs with nr_inodes, a full ext4)
-                raise _no_space(exc, path, 0, 0, "creating the file,") from exc
+                raise no_space_error(exc, path, 0, 0, "creating the file,") from exc
             raise
         journal = None
         try:
@@ -239,7 +207,7 @@ class SegmentFile:
                 fileops.fallocate(fd, 0, first)
             except OSError as exc:
                 if exc.errno in NO_SPACE_ERRNOS:
-                    raise _no_space(exc, path, 0, first, "allocating") from exc
+                    raise no_space_error(exc, path, 0, first, "allocating") from exc
                 raise
             fileops.pwrite_all(fd, identity_bytes(keys, time.time_ns()), 0)
             boundary = bytearray(SEGMENT_BOUNDARY_CHECKSUM.end - SEGMENT_ENTRY_COUNT.offset)
@@ -247,7 +215,7 @@ class SegmentFile:
             fileops.pwrite_all(fd, boundary, SEGMENT_ENTRY_COUNT.offset)
             journal = SegmentJournal.create(path, keys, durability is Durability.POWER)
             if durability is Durability.POWER:
-                _fdatasync(fd, path)
+                fdatasync(fd, path)
             assert not os.path.exists(path), path
             fileops.rename(creating, path)
             if durability is Durability.POWER:
@@ -343,7 +311,7 @@ class SegmentFile:
             fileops.fallocate(self._fd, 0, new_size)
         except OSError as exc:
             if exc.errno in NO_SPACE_ERRNOS:
-                raise _no_space(exc, self.path, self.allocated, new_size - self.allocated, "growing the file by") from exc
+                raise no_space_error(exc, self.path, self.allocated, new_size - self.allocated, "growing the file by") from exc
             raise
         self._map.resize(new_size)
         self.allocated = new_size
@@ -361,7 +329,7 @@ class SegmentFile:
                 done += fileops.pwrite(self._fd, view[done:], at + done)
         except OSError as exc:
             if exc.errno in NO_SPACE_ERRNOS:
-                raise _no_space(exc, self.path, at + done, len(view) - done, "writing") from exc
+                raise no_space_error(exc, self.path, at + done, len(view) - done, "writing") from exc
             raise
         finally:
             view.release()
@@ -399,7 +367,7 @@ class SegmentFile:
         if self._unsynced:
             if crashpoints.ARMED:
                 crashpoints.hit("sync.before_fdatasync")
-            _fdatasync(self._fd, self.path)  # DurabilityError: fatal, the broker stops
+            fdatasync(self._fd, self.path)  # DurabilityError: fatal, the broker stops
             if crashpoints.ARMED:
                 crashpoints.hit("sync.after_fdatasync")
             self.journal.boundary(self.entry_count, self.data_end)  # only now: never claims unsynced bytes
@@ -550,7 +518,7 @@ class SegmentFile:
         try:
             fileops.msync(self._map, self._fd)
         except OSError as exc:
-            raise _durability_failed(exc, self.path, "msync") from exc
+            raise durability_error(exc, self.path, "msync") from exc
 
     def close(self) -> None:
         if not self._closed:
@@ -585,19 +553,3 @@ def _write_boundary(buf, entry_count: int, data_end: int, base: int = 0) -> None
     SEGMENT_ENTRY_COUNT.write(buf, entry_count, base)
     SEGMENT_DATA_END.write(buf, data_end, base)
     SEGMENT_BOUNDARY_CHECKSUM.write(buf, boundary_checksum(entry_count, data_end), base)
-
-
-def fsync_directory(path: str) -> None:
-    """Make a file's creation or removal durable (SPEC §5, `power`). DurabilityError if the
-    fsync fails."""
-    try:
-        fileops.fsync_directory(path or ".")
-    except OSError as exc:
-        raise _durability_failed(exc, path, "fsync of the directory") from exc
-
-
-def _fdatasync(fd: int, path: str) -> None:
-    try:
-        fileops.fdatasync(fd)
-    except OSError as exc:
-        raise _durability_failed(exc, path, "fdatasync") from exc

@@ -37,6 +37,7 @@ from pipeline.broker.storage.catalog import (
     read_catalog,
     write_missing_note,
 )
+from pipeline.broker.storage.diskio import NO_SPACE_ERRNOS, Durability, fsync_directory
 from pipeline.broker.storage.identity import foreign_version
 from pipeline.broker.storage.journal import journal_path
 from pipeline.broker.storage.paths import (
@@ -60,27 +61,18 @@ from pipeline.broker.storage.recovery import (  # re-exported: they lived here f
 from pipeline.broker.storage.scan import census_segment
 from pipeline.broker.storage.segment import (
     DEFAULT_SEGMENT_MAX_BYTES,
-    NO_SPACE_ERRNOS,
-    Durability,
     EncodedGroup,
     ScanReport,
     SegmentFile,
     SegmentKeys,
-    fsync_directory,
     scan_segment,
     unlink_segment,
 )
 from pipeline.wire import fileops
 from pipeline.wire.dirpin import DirPin
 from pipeline.wire.errors import DiskFullError, SegmentFormatError, StoreReadError
-from pipeline.wire.layouts import (
-    CATALOG_CREATED,
-    CATALOG_DELETED,
-    CATALOG_QUARANTINED,
-    CATALOG_SEALED,
-    SEGMENT_HEADER_SIZE_BYTES,
-    SEGMENT_VERSION,
-)
+from pipeline.wire.layouts.catalog import CATALOG_CREATED, CATALOG_DELETED, CATALOG_QUARANTINED, CATALOG_SEALED
+from pipeline.wire.layouts.segments import SEGMENT_HEADER_SIZE_BYTES, SEGMENT_VERSION
 
 __all__ = ["MissingSegment", "Quarantined", "RecoveredSegment", "RecoveryReport", "SegmentState", "SegmentStore"]
 

@@ -27,14 +27,14 @@ from typing import NoReturn
 import numpy as np
 
 from pipeline.wire.errors import SegmentCorruptError
-from pipeline.wire.layouts import (
+from pipeline.wire.layouts.frames import TOKEN_SIZE_BYTES
+from pipeline.wire.layouts.segments import (
     ENTRY_ALIGN_BYTES,
     ENTRY_HEADER_DTYPE,
     ENTRY_HEADER_SIZE_BYTES,
     ENTRY_LIVE,
     ENTRY_NONE,
     SYNC_ALIGN_BYTES,
-    TOKEN_SIZE_BYTES,
     entry_size_bytes,
 )
 from shm.layout import struct_for

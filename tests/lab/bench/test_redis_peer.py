@@ -21,8 +21,8 @@ from lab.bench.redis_streams import (
     run_redis,
     workload_producer,
 )
-from pipeline.producer.workload import demo_workload
-from pipeline.wire.layouts import prompt_digest
+from pipeline.producer.demos import demo_workload
+from pipeline.wire.layouts.segments import prompt_digest
 
 needs_redis = pytest.mark.skipif(redis_missing() is not None, reason=f"Redis side: {redis_missing()}")
 

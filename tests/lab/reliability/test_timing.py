@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from lab.reliability.timing import Line, Loss, percentiles, redeliveries
-from pipeline.wire.layouts import make_item_id
+from pipeline.wire.layouts.frames import make_item_id
 
 
 def test_percentiles_are_nearest_rank():
