@@ -227,9 +227,8 @@ class Dispatcher:
         """Append the frame's groups not stored yet; once all are, its items become
         dispatchable (the selector learns of them). A full disk holds the rest back: the
         groups already stored become dispatchable at once (`_announce`), the others wait.
-        NOTE: holding the whole frame back until every group was stored (the first rule,
-        so that no item of an unreleased record is ever dispatched) deadlocked a small
-        disk: everything stored belonged to the held frame, nothing was dispatched, so
+        NOTE: holding the whole frame back until every group was stored (so that no item of
+        an unreleased record is ever dispatched) was rejected: it deadlocked a small disk: everything stored belonged to the held frame, nothing was dispatched, so
         nothing completed and freed space (tests/runtime/test_disk_full.py: 0 routed). The
         price: a crash while a frame is held may store again, and so run again, items of it
         that were completed and deleted meanwhile: duplicates, bounded by one frame."""

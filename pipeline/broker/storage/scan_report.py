@@ -110,7 +110,7 @@ class ScanReport:
     entries in file order, as they are delivered: an entry in `repaired_states` reads live.
     `data_end` is the end of the last of them; `header_data_end` the commit boundary and
     `header_entry_count` its count, `header_deleted_count` the completions and `sealed` the
-    seal, all from the journal (the names are the version 1 header words they replace).
+    seal, all from the journal (the segment's header holds none of them).
     `damaged`, `torn` and `lost` name every byte range that is not whole entries (see the
     module docstring); `identity_damage` says why the identity block was salvaged, if it was.
     """

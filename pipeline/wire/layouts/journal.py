@@ -25,7 +25,7 @@ from shm.layout import checked_dtype
 SEGMENT_JOURNAL_MAGIC = b"SBJ1"
 # Bump when a field above moves or changes meaning.
 SEGMENT_JOURNAL_VERSION = 1
-JOURNAL_COMPLETED = 1  # the entry at `value` is done (was a tombstone in place, version 1)
+JOURNAL_COMPLETED = 1  # the entry at `value` is done (the segment itself is never rewritten)
 JOURNAL_BOUNDARY = 2  # entries [SEGMENT_HEADER_SIZE_BYTES, value2) are written: `value` of them
 JOURNAL_SEALED = 3  # no more appends; `value` entries in all
 JOURNAL_KIND_NAMES = {JOURNAL_COMPLETED: "completed", JOURNAL_BOUNDARY: "boundary", JOURNAL_SEALED: "sealed"}

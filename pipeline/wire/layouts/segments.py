@@ -37,10 +37,9 @@ from shm.layout import Field, checked_dtype, struct_for
 # an append never rewrites a sector that holds synced bytes.
 
 SEGMENT_MAGIC = b"SBSEGMT1"
-# Bump when a field below moves or changes meaning; segments of another version are refused
-# (version 1 rewrote tombstones and header words in place: no migration, see above).
-# Version 3: the entry's shape (`signature`) in what was reserved; a version 2 entry has
-# zeros there, which would read as a shape.
+# Bump when a field below moves or changes meaning; segments of another version are refused,
+# never migrated: an older layout could rewrite synced sectors in place (see above), and an
+# older entry has zeros where the shape (`signature`) is, which would read as a shape.
 SEGMENT_VERSION = 3
 # One page: entries start page-aligned, and the header's mutable words stay in one page.
 SEGMENT_HEADER_SIZE_BYTES = 4096
