@@ -3,26 +3,23 @@ pipeline, into an output file of one response line per request; resumable.
 
 The flags of `vllm run-batch` where they mean the same (-i, -o, --model,
 --served-model-name), and the product's own (data directory, output order, error file,
-producers, consumers, the consumer contract, engine, config file). This module parses and
-checks them; the job is `pipeline/batchjob/job.py`'s. The same command again finishes a
+producers, consumers, the consumer contract, engine, config file). This module parses them
+and calls the job: its plan is `pipeline/batchjob/plan.py`'s, the job itself `job.py`'s. The same command again finishes a
 stopped job.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
-from dataclasses import replace
 import signal
 import sys
 
 import click
 
-from pipeline.batchjob.embeddings import RUNNER_POOLING, job_runner
 from pipeline.batchjob.job import BatchJob, JobSpec, JobSummary
 from pipeline.batchjob.manifest import load_manifest
+from pipeline.batchjob.plan import DEFAULT_DATA_DIR_SUFFIX, SUMMARY_SUFFIX, JobAsk, plan_job
 from pipeline.batchjob.progress import JobView, format_job_line
-from pipeline.batchjob.sampling import sim_answer_options
 from pipeline.batchjob.tools import tool_calling
 from pipeline.batchjob.workload import DEFAULT_PROMPT_MEMORY_LIMIT_BYTES, DEFAULT_PROMPT_TIME_LIMIT_S, PromptLimits
 from pipeline.cli.engine_flags import (
@@ -32,28 +29,23 @@ from pipeline.cli.engine_flags import (
     engine_flag_options,
     own_option_names,
 )
-from pipeline.cli.launch import ENGINE_OPTIONS_HELP, MAX_BATCH_TOKENS_HELP, METRICS_TOKEN_HELP, check_before_start, check_ray, setup_logging
+from pipeline.cli.common import (
+    ENGINE_OPTIONS_HELP,
+    MAX_BATCH_TOKENS_HELP,
+    METRICS_TOKEN_HELP,
+    check_ray,
+    default_engine,
+    setup_logging,
+)
 from pipeline.cli.numbers import FiniteFloat
 from pipeline.consumer.engines import ENGINES
-from pipeline.runtime.tables import merged, parse_assignments, parse_engine_options
+from pipeline.runtime.tables import parse_engine_options
 from pipeline.wire.errors import BadInputError, DataDirMovedError, PipelineError, SettingsError
 from pipeline.wire.textfiles import counted, for_terminal, printable
 
-# The data directory a job uses when none is given: beside its output file, so that the
-# same command finds it again after a crash.
-DEFAULT_DATA_DIR_SUFFIX = ".run"
-# The job's summary (counts and usage, JSON) beside its output when none is named.
-SUMMARY_SUFFIX = ".summary.json"
-# The made-up output ids of the sim engine span 15 bits: a vocabulary above that is cut to it.
-SIM_VOCAB_LIMIT = 1 << 15
 # With --ray, each node's data directory is made under this name in its temporary directory
 # (short: the broker's Unix socket path must stay within 108 bytes).
 RAY_NODE_DIR_DEFAULT = "sbrk-ray"
-# Settings of a launch config that mean nothing to a batch job (its requests come from -i).
-NOT_FOR_JOBS = frozenset({"workload", "items", "replay_speed", "workload_seed", "vocab_size"})
-# Producers by default: the cores this process may use (tokenizing is a job's heaviest
-# stage), at most this many (each holds a tokenizer and a 64 MiB ring).
-MAX_DEFAULT_PRODUCERS = 16
 # Limits of the prompt limits' options: a second to a day, 64 MiB to 1 TiB.
 PROMPT_TIME_LIMIT_RANGE_S = (1.0, 86_400.0)
 PROMPT_MEMORY_LIMIT_RANGE_MB = (64, 1 << 20)
@@ -135,9 +127,10 @@ def run_batch(input_file: str, output_file: str, model_dir: str, served_model_na
     try:
         given = parse_engine_options(engine_options) if engine_options else {}
         flags = EngineFlags.take(options, click.get_current_context().args, given)
-        spec = job_spec(input_file, output_file, model_dir, served_model_name, data_dir, output_order, error_file,
-                     overwrite, summary_file, engine, flags, config_path, assignments, keep_data_dir,
+        ask = JobAsk(input_file, output_file, model_dir, served_model_name, data_dir, output_order, error_file,
+                     overwrite, summary_file, engine or default_engine(), config_path, assignments, keep_data_dir,
                      PromptLimits(prompt_time_limit_s, prompt_memory_limit_mb << 20), options)
+        spec = plan_job(ask, flags, own_option_names(run_batch))
         spec.tool_calling = tool_calling(tool_call_parser, enable_auto_tool_choice)
         if ray_address is not None and spec.settings.metrics_port is not None:  # bound by prepare, never served
             raise SettingsError("metrics_port: a job on a Ray cluster (--ray) serves no metrics; drop --metrics-port")
@@ -151,91 +144,6 @@ def run_batch(input_file: str, output_file: str, model_dir: str, served_model_na
         if flags is not None:
             flags.close()
     sys.exit(_run(job, spec, ray_address, ray_route, ray_node_dir))
-
-
-def job_spec(input_file, output_file, model_dir, served_model_name, data_dir, output_order, error_file, overwrite,
-             summary_file, engine, flags: EngineFlags, config_path, assignments, keep_data_dir, limits,
-             options) -> JobSpec:
-    """The job the command asks for, every option checked (SettingsError and the like);
-    `pipeline serve` checks the options of its jobs with it before it serves."""
-    from pipeline.batchjob.chat import ChatTokenizer
-    from pipeline.batchjob.template import read_chat_template
-    from pipeline.runtime.settings import load_toml
-
-    file_settings = load_toml(config_path) if config_path else {}
-    wrong = sorted(NOT_FOR_JOBS & set(file_settings))
-    if wrong:
-        raise SettingsError(f"{config_path}: {', '.join(wrong)}: not settings of a batch job (its requests come "
-                            f"from -i); remove them")
-    data_dir_given = data_dir is not None or "data_dir" in file_settings
-    data_dir = data_dir or file_settings.get("data_dir") or output_file + DEFAULT_DATA_DIR_SUFFIX
-    engine = engine or _default_engine()
-    template = read_chat_template(flags.chat_template) if flags.chat_template is not None else None
-    tokenizer = ChatTokenizer.load(model_dir, chat_template=template)  # broken: one line, before anything
-    settings = _settings(config_path, assignments, options, data_dir, engine, flags, model_dir, tokenizer)
-    check_before_start(settings, lora_adapters=len(settings.engine_options.get("lora_modules") or ()))
-    flags.check_with_vllm(settings)
-    if settings.plots and not _importable("matplotlib"):
-        raise SettingsError("plots: needs matplotlib (pip install 'shape-broker[plots]'), checked before the job runs")
-    served = served_model_name or os.path.basename(os.path.normpath(model_dir))
-    limits = replace(limits, max_prompt_tokens=settings.max_input_len, context_tokens=_context(settings, model_dir))
-    return JobSpec(input_file, output_file, model_dir, served, settings, data_dir_given, output_order, error_file,
-                   settings.report, summary_file or output_file + SUMMARY_SUFFIX, overwrite, keep_data_dir, limits,
-                   chat_template=template)
-
-
-def _context(settings, model_dir: str) -> int | None:
-    """The model's context in tokens: the engine's max_model_len, else its config.json's."""
-    from pipeline.runtime.settings import model_context_len
-
-    given = settings.engine_options.get("max_model_len")
-    return given if isinstance(given, int) else model_context_len(os.path.join(model_dir, "config.json"))
-
-
-def _importable(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except ImportError:
-        return False
-
-
-def _default_engine() -> str:
-    """vllm where it is installed; elsewhere a one-line error saying how to get it."""
-    from pipeline.consumer.engines.vllm import INSTALL_HINT, vllm_installed
-
-    if vllm_installed():
-        return "vllm"
-    raise click.ClickException(f"run-batch runs vllm by default, and vLLM is not installed here: {INSTALL_HINT}; "
-                               f"or pass --engine sim (made-up outputs)")
-
-
-def _settings(config_path, assignments, options: dict, data_dir: str, engine: str, flags: EngineFlags,
-              model_dir: str, tokenizer):
-    """The launch settings of the job: the engine's options with the model's own (vllm: the
-    model directory; sim: output ids within the tokenizer's vocabulary) and the engine
-    flags', the longest prompt from the model's context unless given, producers from the
-    cores."""
-    from pipeline.runtime.settings import LaunchSettings
-
-    engine_options = dict(flags.given)
-    if engine == "vllm":
-        engine_options.setdefault("model", model_dir)
-    else:
-        engine_options.setdefault("vocab_size", min(tokenizer.vocab_size, SIM_VOCAB_LIMIT))
-        engine_options = {**sim_answer_options(model_dir, tokenizer, engine_options["vocab_size"]), **engine_options}
-    if options.get("producers") is None:
-        options["producers"] = max(1, min(len(os.sched_getaffinity(0)), MAX_DEFAULT_PRODUCERS))
-    overrides = merged(options | {"data_dir": data_dir, "engine": engine, "engine_options": engine_options},
-                       parse_assignments(assignments))
-    settings = flags.applied(LaunchSettings.resolve(config_path, overrides), own_option_names(run_batch))
-    if job_runner(settings.engine_options, model_dir) == RUNNER_POOLING:
-        return _pooling(settings, model_dir, options.get("max_input_len") is None)
-    if options.get("max_input_len") is None:
-        context = _context(settings, model_dir)
-        if context:
-            settings = replace(settings, max_input_len=context - 1)
-            settings.checked("the command line")
-    return settings
 
 
 # Signals that stop a job while it prepares: Ctrl-C, a kill, a closed terminal.
@@ -254,21 +162,6 @@ def _stop_signal(signum: int, _frame) -> None:
     for other in _PREPARE_STOPS:  # the first one stops it; more would cut its clean-up short
         signal.signal(other, signal.SIG_IGN)
     raise _StopSignal(signum)
-
-
-def _pooling(settings, model_dir: str, default_input_len: bool):
-    """A pooling job's settings: an item holds a request's every input (each checked against
-    the context by the producer), so it may be as long as a batch by default; the sim's
-    embeddings as large as the model's."""
-    from pipeline.batchjob.embeddings import EmbeddingFacts
-
-    size = EmbeddingFacts.load(model_dir).size
-    if settings.engine != "vllm" and size is not None:
-        settings = replace(settings, engine_options={"embedding_size": size, **settings.engine_options})
-    if default_input_len:
-        settings = replace(settings, max_input_len=settings.max_batch_tokens)
-    settings.checked("the command line")
-    return settings
 
 
 def _prepare(job: BatchJob) -> None:

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
-import logging
-import os
 import sys
-import tempfile
 from dataclasses import replace
 
 import click
@@ -20,54 +17,26 @@ from pipeline.cli.engine_flags import (
     engine_flag_options,
     own_option_names,
 )
+from pipeline.cli.common import (
+    DISPATCH_HELP,
+    ENGINE_OPTIONS_HELP,
+    MAX_BATCH_TOKENS_HELP,
+    METRICS_TOKEN_HELP,
+    SHAPE_ORDER_HELP,
+    STORAGE_HELP,
+    check_ray,
+    setup_logging,
+)
 from pipeline.cli.numbers import FiniteFloat
 from pipeline.consumer.engines import ENGINES
 from pipeline.runtime.processes import DURABILITY_LEVELS, STORAGE_KINDS
-from pipeline.runtime.gpus import consumer_placements, detect_gpus, gpus_per_engine
-from pipeline.runtime.local import ShmNeeds, check_shm_space
-from pipeline.runtime.settings import DEFAULT_CPU_CONSUMERS, DEMO_ITEMS, LaunchSettings, workload_vocab_size
-from pipeline.runtime.tables import broker_config, merged, parse_assignments, parse_engine_options
-from pipeline.wire.errors import BadInputError, PipelineError, SettingsError
+from pipeline.runtime.preflight import check_before_start
+from pipeline.runtime.settings import DEMO_ITEMS, LaunchSettings, workload_vocab_size
+from pipeline.runtime.tables import merged, parse_assignments, parse_engine_options
+from pipeline.wire.errors import BadInputError, PipelineError
 from pipeline.wire.status import BrokerStatus
-from pipeline.wire.textfiles import counted, for_terminal
 
-# What --shape-order says (`pipeline broker start` says it too).
-SHAPE_ORDER_HELP = ("Which shape a consumer drains next: prefix (the one sharing the longest chain of prefixes "
-                    "with the last, SPEC 4b; the default) or most-tokens (the design note's rule).")
-# What --dispatch says (`pipeline broker start` says it too).
-DISPATCH_HELP = ("The dispatch policy: sticky (the product's, default), or a baseline for comparison: fifo (oldest "
-                 "item first across shapes), round-robin (across shapes), no-lanes (sticky, one queue per shape, "
-                 "with the shape order and affinity set).")
-# One storage tier (segment files), two places for it: `pipeline broker start` says it too.
-STORAGE_HELP = ("Where the store's segment files live: disk (the data directory; durable, the default) or "
-                "memory (the same files on tmpfs: in RAM, gone when the broker stops).")
-
-# What --metrics-token-file says (`pipeline broker start` and `run-batch` say it too).
-METRICS_TOKEN_HELP = ("A file (0600, yours) of one bearer token: the metrics are then served to any request with "
-                      "`Authorization: Bearer TOKEN` (Prometheus: authorization.credentials_file), and only to those.")
-
-
-class _TerminalFormatter(logging.Formatter):
-    """Log lines with what a terminal would act on escaped (a path holding ESC or CR)."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        return for_terminal(super().format(record))
-
-
-def setup_logging(verbose: bool) -> None:
-    """Log lines on stderr (the processes a run forks log the same way)."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_TerminalFormatter("%(asctime)s %(processName)s %(name)s %(levelname)s: %(message)s"))
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, handlers=[handler])
-
-
-# What `--engine-options` and `--vocab-size` say in `pipeline launch --help` (the consumer
-# stage says the first too).
-ENGINE_OPTIONS_HELP = ("The engine's options, KEY=VALUE,KEY=VALUE (repeatable; values as in TOML: 32, 0.9, true, "
-                       "text), over the config file's [engine_options]: vllm takes model=DIR, "
-                       "gpu_memory_utilization=0.9, ...")
-# What --max-batch-tokens says (run-batch and `pipeline consumer start` say it too).
-MAX_BATCH_TOKENS_HELP = "Consumer contract: padded tokens per batch (default 65536)."
+# What `--vocab-size` says in `pipeline launch --help`.
 VOCAB_SIZE_HELP = ("Made-up token ids (demo, Mooncake trace) are drawn below this (default: a vllm model's "
                    "config.json vocab_size, else 32000).")
 
@@ -180,18 +149,6 @@ def context_bounds_input(settings: LaunchSettings, options: dict) -> LaunchSetti
     return settings
 
 
-def check_ray(address: str) -> None:
-    """Ray importable and something answering at `address`, before anything is made on disk;
-    else a one-line error."""
-    from pipeline.cluster.driver import ClusterError, check_address_answers, ray_module
-
-    try:
-        ray_module()
-        check_address_answers(address)
-    except ClusterError as exc:
-        raise click.ClickException(str(exc)) from exc
-
-
 def _launch_on_ray(settings: LaunchSettings, workload, address: str, node_dir: str | None) -> int:
     """The workload on a Ray cluster (`pipeline/cluster/`); its exit status."""
     from pipeline.cluster.batch import run_workload_on_cluster
@@ -215,45 +172,6 @@ def _engine_line(settings: LaunchSettings, launcher, vocab_size: int, vocab_from
         shown = ", ".join(f"{key}={value!r}" for key, value in launcher.engine_filled.items())
         line += f" (no GPU found: filled in {shown})"
     return line + f", token ids below {vocab_size:,} ({vocab_from})"
-
-
-def check_before_start(settings: LaunchSettings, lora_adapters: int = 0) -> None:
-    """What can be refused before any process starts: a data directory another user could
-    change, one whose socket path does not fit a Unix socket, a consumer contract the
-    broker would refuse (consumers would otherwise retry forever against it), GPUs that do
-    not divide into engines of tensor x pipeline parallel size, a descriptor limit below the
-    broker's need, and fewer consumers than the models a job serves (`lora_adapters` and its
-    base model: each consumer serves one)."""
-    from pipeline.runtime.datadir import check_data_dir
-    from pipeline.runtime.inventory import producer_ring_names
-    from pipeline.runtime.processes import check_descriptor_limit
-
-    if settings.data_dir is not None:
-        check_data_dir(settings.data_dir)
-        config = broker_config(settings.data_dir, settings.broker, "settings")
-        left = len(producer_ring_names(settings.data_dir))  # the broker adopts them: each takes a place
-        if settings.producers + left > config.max_producers:
-            raise SettingsError(f"producers: {settings.producers} and the {counted(left, 'producer ring')} an earlier "
-                                f"run left in {settings.data_dir} exceed the {config.max_producers} a broker serves")
-    else:
-        config = broker_config(os.path.join(tempfile.gettempdir(), "shape-broker-XXXXXXXX"),  # mkdtemp's length
-                               settings.broker, "settings")
-    config.check_contract(0, settings.max_batch, settings.max_batch_tokens, settings.max_input_len)
-    check_descriptor_limit(config)
-    placements = consumer_placements(detect_gpus(), gpus_per_engine(settings.engine_options), settings.consumers,
-                                     DEFAULT_CPU_CONSUMERS)  # GPUs that do not divide into engines: refused
-    consumers = len(placements)
-    if lora_adapters + 1 > consumers:
-        raise SettingsError(f"--lora-modules: the base model and {counted(lora_adapters, 'LoRA adapter')} are "
-                            f"{lora_adapters + 1} models, each served by a consumer of its own, and this run starts "
-                            f"{counted(consumers, 'consumer')}: pass --consumers {lora_adapters + 1} or more")
-    check_shm_space(ShmNeeds(settings.producers, consumers, config.descriptor_ring_bytes,
-                             memory_tier=settings.storage == "memory"))
-    if config.min_consumers > consumers:
-        raise SettingsError(f"broker.min_consumers {config.min_consumers} is more than the "
-                            f"{counted(consumers, 'consumer')} this run starts: dispatch would wait broker.min_consumers_wait_s "
-                            f"({config.min_consumers_wait_s:g} s) for consumers that never come; lower it or raise "
-                            f"--consumers")
 
 
 def _run_with_progress(launcher, workload_items: int):

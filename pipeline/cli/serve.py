@@ -3,7 +3,7 @@
 
 The jobs' options are run-batch's own, the same click options (`JOB_OPTIONS`, taken from
 the run-batch command, never a copy), checked here once with run-batch's own check
-(`job_spec`) before anything is served, and handed to every job as given.
+(`plan_job`) before anything is served, and handed to every job as given.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ import sys
 
 import click
 
-from pipeline.cli.batch import job_spec, run_batch
-from pipeline.cli.engine_flags import CONTEXT_SETTINGS, VLLM_FLAGS_HELP, EngineFlags
-from pipeline.cli.launch import setup_logging
+from pipeline.batchjob.plan import JobAsk, plan_job
+from pipeline.cli.batch import run_batch
+from pipeline.cli.common import default_engine, setup_logging
+from pipeline.cli.engine_flags import CONTEXT_SETTINGS, VLLM_FLAGS_HELP, EngineFlags, own_option_names
 from pipeline.service.limits import (
     DEFAULT_KEY_MAX_ACTIVE_BATCHES,
     DEFAULT_KEY_MAX_STORED_BYTES,
@@ -144,10 +145,11 @@ def _checked_jobs(data_dir: str, options: dict, extra: list[str]) -> tuple[str, 
         limits = PromptLimits(options.pop("prompt_time_limit_s"), options.pop("prompt_memory_limit_mb") << 20)
         tool_calling(options.pop("tool_call_parser"), options.pop("enable_auto_tool_choice"))
         model_dir = options.pop("model_dir")
-        spec = job_spec("requests.jsonl", "output.jsonl", model_dir, options.pop("served_model_name"),
-                        os.path.join(os.path.abspath(data_dir), SAMPLE_JOB_DIR), "completion", None, False, None,
-                        options.pop("engine"), flags, options.pop("config_path"), options.pop("assignments"), False,
-                        limits, options)
+        ask = JobAsk("requests.jsonl", "output.jsonl", model_dir, options.pop("served_model_name"),
+                     os.path.join(os.path.abspath(data_dir), SAMPLE_JOB_DIR), "completion", None, False, None,
+                     options.pop("engine") or default_engine(), options.pop("config_path"), options.pop("assignments"), False, limits,
+                     options)
+        spec = plan_job(ask, flags, own_option_names(run_batch))
     finally:
         flags.close()
     pooling = job_runner(spec.settings.engine_options, model_dir) == RUNNER_POOLING

@@ -26,7 +26,7 @@ from pipeline.broker.config import (
     BrokerConfig,
 )
 from pipeline.broker.selection import SHAPE_ORDERS
-from pipeline.cli.launch import (
+from pipeline.cli.common import (
     DISPATCH_HELP,
     ENGINE_OPTIONS_HELP,
     METRICS_TOKEN_HELP,

@@ -310,7 +310,7 @@ def check_job_command(input_file: str, output_file: str, error_file: str | None,
 
     from pipeline.batchjob.audit import JobFiles, audit_job
     from pipeline.batchjob.auditrules import TITLES
-    from pipeline.cli.batch import SUMMARY_SUFFIX
+    from pipeline.batchjob.plan import SUMMARY_SUFFIX
 
     if summary_file is None and os.path.lexists(output_file + SUMMARY_SUFFIX):
         summary_file = output_file + SUMMARY_SUFFIX

@@ -37,7 +37,7 @@ WAIT_S = 60.0
 # status, with a config the command line does not expose (the full-disk waits).
 CONSUMER_MAIN = (
     "import json, sys\n"
-    "from pipeline.cli.launch import setup_logging\n"
+    "from pipeline.cli.common import setup_logging\n"
     "from pipeline.consumer.config import ConsumerConfig\n"
     "from pipeline.runtime.processes import serve_consumer\n"
     "setup_logging(True)\n"
