@@ -68,7 +68,7 @@ from pipeline.batchjob.progress import JobCounts, JobTracker, JobView
 from pipeline.batchjob.scan import InputScan, input_digest, read_index, scan_input, write_index
 from pipeline.batchjob.telemetry import JobTelemetry
 from pipeline.batchjob.tools import ToolCalling
-from pipeline.batchjob.workload import JobInput, JobWorkload, PromptLimits
+from pipeline.batchjob.workload import JobInput, JobWorkload, PromptLimits, bits_set
 from pipeline.reporting.progress import DISK_FULL_ALERT
 from pipeline.runtime.datadir import check_data_dir, check_room, describe_holder, hold_lock, holder_gone, release_lock
 from pipeline.runtime.inventory import pending_payloads, producer_ring_names
@@ -360,7 +360,7 @@ class BatchJob:
 
     @property
     def to_submit(self) -> int:
-        return self.manifest.requests - int(np.unpackbits(self.skip, bitorder="little")[:self.manifest.requests].sum())
+        return self.manifest.requests - bits_set(self.skip, self.manifest.requests)
 
     def run(self) -> int:
         """The pipeline on what is left; the launcher's exit status (0 when nothing was left)."""

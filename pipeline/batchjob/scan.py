@@ -374,23 +374,6 @@ class _LineDigests:
             self.out.abandon()
 
 
-def read_line_digests(path: str, requests: int) -> np.ndarray:
-    """The job's line digests (`lines.bin`), mapped read-only (the page cache holds them, a
-    process's memory does not grow with the job); JobMismatchError for a file that is not
-    the job's (another size)."""
-    from pipeline.wire.errors import JobMismatchError
-
-    try:
-        size = os.stat(path).st_size
-    except OSError as exc:
-        raise JobMismatchError(f"{path}: cannot read the job's line digests ({exc.strerror}); use another "
-                               f"--data-dir") from exc
-    if size != requests * LINE_DIGEST_DTYPE.itemsize:
-        raise JobMismatchError(f"{path}: {size:,} bytes, not the line digests of this job's "
-                               f"{counted(requests, 'request')} (damaged?); use another --data-dir")
-    return np.memmap(path, dtype=LINE_DIGEST_DTYPE, mode="r")["line_xxh3"]
-
-
 def _open_input(path: str):
     try:  # O_NONBLOCK: a FIFO without a writer is refused below, not waited on
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)

@@ -20,7 +20,7 @@ from pipeline.batchjob.manifest import JobManifest
 from pipeline.batchjob.params import COMPLETION_DEFAULT_MAX_TOKENS
 from pipeline.batchjob.scan import scan_input
 from pipeline.wire.errors import InputChangedError
-from pipeline.batchjob.workload import JobInput, JobWorkload, PromptLimits
+from pipeline.batchjob.workload import JobInput, JobWorkload, PromptLimits, bits_set, block_todo
 from tests.support.jobs import build_model, chat, completion
 
 
@@ -77,6 +77,19 @@ def test_shares_cover_every_request_to_submit_once_and_are_balanced(tmp_path, mo
         todo = [sum(1 for k in range(a, b) if k not in skip) for a, b in shares]
         assert sum(todo) == len(job) == count - len(skip)
         assert max(todo) - min(todo) <= 2 * 16 + 1  # balanced to a stride
+
+
+@pytest.mark.parametrize("count", [0, 1, 7, 8, 9, 4095, 4096, 4097, 3 * 4096 + 5])
+def test_bits_are_counted_from_their_bytes_as_one_a_request_would_count_them(count):
+    rng = np.random.default_rng(count)
+    bits = rng.integers(0, 256, size=(count + 7) // 8 + 1, dtype=np.uint8)  # set bits past `count` too
+    each = np.unpackbits(bits, bitorder="little")[:count].astype(np.int64)
+    assert bits_set(bits, count) == int(each.sum())
+    blocks = -(-count // layout.INDEX_STRIDE)
+    padded = np.ones(blocks * layout.INDEX_STRIDE, dtype=np.int64)
+    padded[:count] = each
+    expected = layout.INDEX_STRIDE - padded.reshape(blocks, layout.INDEX_STRIDE).sum(axis=1)
+    assert block_todo(bits, count).tolist() == expected.tolist()
 
 
 def test_a_producer_reads_its_lines_by_offset_as_the_scan_counted_them(tmp_path, model_dir, monkeypatch):
