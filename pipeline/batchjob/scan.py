@@ -49,7 +49,7 @@ from pipeline.batchjob.layout import (
 )
 from pipeline.runtime.madefiles import Made, matching, remove_made
 from pipeline.wire.errors import BatchFileError
-from pipeline.wire.textfiles import counted, file_kind, listed
+from pipeline.wire.textfiles import file_kind, listed
 from shm.layout import checked_dtype
 
 # The longest request line read (bytes before its newline): a prompt at the broker's largest
