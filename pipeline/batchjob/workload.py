@@ -152,11 +152,10 @@ class JobWorkload(Workload):
         first, end = self.shares(producer_count)[producer_index]
         tokenizer = self.tokenizer()
         log = _NoLog()
-        for index, line, offset, raw in self.lines(first, end):
-            if not self.skipped(index):
-                item = self.make(raw, self._where(index, line, offset, raw), line, tokenizer, log)
-                if item is not None:
-                    yield item
+        for index, line, offset, raw in self.to_do_lines(first, end):
+            item = self.make(raw, self._where(index, line, offset, raw), line, tokenizer, log)
+            if item is not None:
+                yield item
 
     def tokenizer(self) -> ChatTokenizer:
         """The model's tokenizer with the job's chat template, as every producer loads it."""
@@ -201,11 +200,9 @@ class JobWorkload(Workload):
     def _items(self, first: int, end: int, tokenizer: ChatTokenizer, log: RejectionLog, watch: Watch,
                stop: Callable[[], bool], positions: deque) -> Iterator[WorkItem]:
         yielded = 0
-        for index, line, offset, raw in self.lines(first, end):
+        for index, line, offset, raw in self.to_do_lines(first, end):
             if stop():
                 return
-            if self.skipped(index):
-                continue
             where = self._where(index, line, offset, raw)
             watch.busy(index)
             item = self.make(raw, where, line, tokenizer, log)
@@ -225,6 +222,16 @@ class JobWorkload(Workload):
             raise InputChangedError(f"{self.job_input.path}:{line}: request {index} (byte {offset}) is not the line "
                                     f"the job read when it started: the input file was changed while the job ran")
         return index, offset, len(raw), digest
+
+    def to_do_lines(self, first: int, end: int) -> Iterator[tuple[int, int, int, bytes]]:
+        """`lines` of the requests first..end-1 not skipped, read only from the INDEX_STRIDE
+        blocks that hold one: a resumed job's producer seeks past the answered part of its
+        share rather than reading it a line at a time."""
+        todo = block_todo(self.skip, self.job_input.requests)
+        for start, stop in to_do_runs(todo, first, end):
+            for found in self.lines(start, stop):
+                if not self.skipped(found[0]):
+                    yield found
 
     def lines(self, first: int, end: int) -> Iterator[tuple[int, int, int, bytes]]:
         """(index, line number, byte offset, line without its newline) of requests first..end-1."""
@@ -418,6 +425,18 @@ def block_todo(skip: np.ndarray, count: int) -> np.ndarray:
     if blocks:
         sizes[-1] = count - (blocks - 1) * INDEX_STRIDE
     return sizes - skipped
+
+
+def to_do_runs(todo: np.ndarray, first: int, end: int) -> list[tuple[int, int]]:
+    """The index ranges within first..end-1 of the runs of consecutive INDEX_STRIDE blocks
+    with a request to do (`todo`: `block_todo`'s counts), in order."""
+    if first >= end:
+        return []
+    low, high = first // INDEX_STRIDE, -(-end // INDEX_STRIDE)
+    busy = np.concatenate(([False], todo[low:high] > 0, [False]))
+    edges = np.flatnonzero(busy[1:] != busy[:-1]) + low
+    return [(max(first, a * INDEX_STRIDE), min(end, b * INDEX_STRIDE))
+            for a, b in zip(edges[::2].tolist(), edges[1::2].tolist())]
 
 
 def limit_memory(margin_bytes: int) -> None:

@@ -109,6 +109,32 @@ def test_a_producer_reads_its_lines_by_offset_as_the_scan_counted_them(tmp_path,
             assert raw.splitlines()[line - 1] == text
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_the_lines_to_do_are_every_line_not_skipped_read_only_from_blocks_that_hold_one(tmp_path, model_dir,
+                                                                                     monkeypatch, seed):
+    import pipeline.batchjob.scan as scan_module
+    import pipeline.batchjob.workload as workload_module
+
+    monkeypatch.setattr(scan_module, "INDEX_STRIDE", 8)
+    monkeypatch.setattr(workload_module, "INDEX_STRIDE", 8)
+    rng = random.Random(seed)
+    count = rng.randrange(1, 90)
+    done_to = rng.randrange(count + 1)  # a resumed job: a prefix answered, then a few here and there
+    skip = set(range(done_to)) | {k for k in range(count) if rng.random() < 0.2}
+    job = workload(tmp_path, model_dir, [chat(f"r{k}", f"q {k}") for k in range(count)], blank_every=rng.choice((0, 5)),
+                   skip=skip)
+    read_blocks: list[tuple[int, int]] = []
+    lines = job.lines
+    monkeypatch.setattr(job, "lines", lambda first, end: (read_blocks.append((first, end)), lines(first, end))[1])
+    for first, end in ((0, count), (rng.randrange(count), count), (0, rng.randrange(count + 1)), (count, count)):
+        read_blocks.clear()
+        got = list(job.to_do_lines(first, end))
+        assert got == [found for found in lines(first, end) if found[0] not in skip]
+        for start, stop in read_blocks:  # every block read holds a request to do
+            assert all(any(k not in skip for k in range(b * 8, min(count, b * 8 + 8)))
+                       for b in range(start // 8, -(-stop // 8)))
+
+
 def test_an_item_names_its_job_and_line_and_carries_the_requests_parameters(tmp_path, model_dir):
     job = workload(tmp_path, model_dir, [chat("a", "hi", temperature=0.5, max_tokens=7)])
     (index, _line, offset, raw) = next(job.lines(0, 1))
