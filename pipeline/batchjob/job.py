@@ -37,7 +37,7 @@ from pipeline.batchjob.layout import (
     JOB_PAYLOAD_SIZE_BYTES,
     LOG_ERRORS,
     LOG_OUTPUT,
-    decode_job_payload,
+    job_request_indices,
 )
 from pipeline.batchjob.manifest import (
     INDEX_NAME,
@@ -68,22 +68,20 @@ from pipeline.batchjob.progress import JobCounts, JobTracker, JobView
 from pipeline.batchjob.scan import InputScan, input_digest, read_index, scan_input, write_index
 from pipeline.batchjob.telemetry import JobTelemetry
 from pipeline.batchjob.tools import ToolCalling
-from pipeline.batchjob.workload import JobInput, JobWorkload, PromptLimits, bits_set
+from pipeline.batchjob.workload import JobInput, JobWorkload, PromptLimits, bits_set, set_bits
 from pipeline.reporting.progress import DISK_FULL_ALERT
 from pipeline.runtime.datadir import check_data_dir, check_room, describe_holder, hold_lock, holder_gone, release_lock
-from pipeline.runtime.inventory import pending_payloads, producer_ring_names
+from pipeline.runtime.inventory import pending_payload_tails, producer_ring_names
 from pipeline.runtime.settings import LaunchSettings
 from pipeline.wire.dirpin import DirPin, moved_message, real_parent
 from pipeline.wire.errors import (
     DataDirMovedError,
     FileOpError,
-    GenerationParamsError,
     InputChangedError,
     JobOutputError,
     JobPathError,
     PipelineError,
 )
-from pipeline.wire.generation import decode_payload
 from pipeline.wire.textfiles import counted, printable
 
 OUTPUT_ORDERS = ("input", "completion")
@@ -341,19 +339,13 @@ class BatchJob:
         return {log: t.path for log, t in targets.items()}, opened
 
     def _mark_pending(self, skip: np.ndarray) -> int:
-        """Set the bits of requests an earlier run left in the store or a ring; how many."""
+        """Set the bits of requests an earlier run left in the store or a ring; how many.
+        NOTE: each payload's tail is checked as a job payload, not its generation envelope
+        decoded first: the store's entries are checksummed as the producer wrote them, and a
+        Python decode per item took seconds for each million a stopped run left."""
         found = 0
-        for _item, payload in pending_payloads(self.data_dir, producer_ring_names(self.data_dir)):
-            try:
-                _params, own = decode_payload(payload)
-            except GenerationParamsError:
-                continue
-            mine = decode_job_payload(own, self.manifest.job_id) if len(own) == JOB_PAYLOAD_SIZE_BYTES else None
-            if mine is not None and mine[0] < self.manifest.requests:
-                index = mine[0]
-                if not skip[index >> 3] >> (index & 7) & 1:
-                    skip[index >> 3] |= 1 << (index & 7)
-                    found += 1
+        for tails in pending_payload_tails(self.data_dir, producer_ring_names(self.data_dir), JOB_PAYLOAD_SIZE_BYTES):
+            found += set_bits(skip, job_request_indices(tails, self.manifest.job_id, self.manifest.requests))
         return found
 
     # ------------------------------------------------------------------ run

@@ -411,6 +411,15 @@ def bits_set(bits: np.ndarray, count: int) -> int:
     return found
 
 
+def set_bits(bits: np.ndarray, indices: np.ndarray) -> int:
+    """Set bits `indices` of a bit set (bit k of byte k // 8), all at once; how many were not
+    set before (an index given twice counts once)."""
+    indices = np.unique(indices.astype(np.int64, copy=False))
+    fresh = indices[(bits[indices >> 3] >> (indices & 7).astype(np.uint8) & 1) == 0]
+    np.bitwise_or.at(bits, fresh >> 3, (np.uint8(1) << (fresh & 7).astype(np.uint8)))
+    return int(fresh.size)
+
+
 def block_todo(skip: np.ndarray, count: int) -> np.ndarray:
     """Requests not skipped in each INDEX_STRIDE-request block of the first `count` (the
     last block may be short), from the bit set `skip`, a block's bytes at a time."""

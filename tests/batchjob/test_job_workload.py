@@ -20,7 +20,7 @@ from pipeline.batchjob.manifest import JobManifest
 from pipeline.batchjob.params import COMPLETION_DEFAULT_MAX_TOKENS
 from pipeline.batchjob.scan import scan_input
 from pipeline.wire.errors import InputChangedError
-from pipeline.batchjob.workload import JobInput, JobWorkload, PromptLimits, bits_set, block_todo
+from pipeline.batchjob.workload import JobInput, JobWorkload, PromptLimits, bits_set, block_todo, set_bits
 from tests.support.jobs import build_model, chat, completion
 
 
@@ -90,6 +90,15 @@ def test_bits_are_counted_from_their_bytes_as_one_a_request_would_count_them(cou
     padded[:count] = each
     expected = layout.INDEX_STRIDE - padded.reshape(blocks, layout.INDEX_STRIDE).sum(axis=1)
     assert block_todo(bits, count).tolist() == expected.tolist()
+
+
+def test_setting_bits_counts_only_those_not_set_before_and_each_once():
+    bits = np.zeros(3, dtype=np.uint8)
+    assert set_bits(bits, np.array([0, 7, 8, 23, 8], dtype=np.int64)) == 4
+    assert np.unpackbits(bits, bitorder="little").nonzero()[0].tolist() == [0, 7, 8, 23]
+    assert set_bits(bits, np.array([7, 9], dtype=np.int64)) == 1
+    assert set_bits(bits, np.zeros(0, dtype=np.int64)) == 0
+    assert bits_set(bits, 24) == 5
 
 
 def test_a_producer_reads_its_lines_by_offset_as_the_scan_counted_them(tmp_path, model_dir, monkeypatch):
