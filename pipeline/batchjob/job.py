@@ -32,6 +32,7 @@ from pipeline.batchjob.answers import LOG_NAME, AnswerLog, log_fits_records
 from pipeline.batchjob.assemble import MERGE_DIR, write_in_input_order
 from pipeline.batchjob.collect import Collector, forget_answers
 from pipeline.batchjob.embeddings import served_by
+from pipeline.batchjob.inputcheck import InputCheck
 from pipeline.batchjob.jobstatus import WRITING, input_changed_note
 from pipeline.batchjob.layout import (
     JOB_PAYLOAD_SIZE_BYTES,
@@ -158,6 +159,7 @@ class BatchJob:
         self._new_job = False
         self.manifest: JobManifest | None = None
         self.job_input: JobInput | None = None
+        self.input_check: InputCheck | None = None  # a resume's digest of its input
         self.log: AnswerLog | None = None
         self.collector: Collector | None = None
         self._input_fd = -1
@@ -271,7 +273,11 @@ class BatchJob:
             scan = scan_input(input_path, os.path.join(job_dir, SCAN_DIR), os.path.join(job_dir, LINES_NAME),
                               on_progress=self._scanning)
         else:
-            size, digest = input_digest(input_path)
+            size, digest = os.stat(input_path).st_size, have.input_xxh3
+            if size != have.input_bytes:  # refused now, naming both digests
+                size, digest = input_digest(input_path)
+            else:  # read beside the run (`inputcheck.py`)
+                self.input_check = InputCheck(input_path, have)
             scan = InputScan(input_path, size, digest, have.requests)
         self.model_files = snapshot_model_files(spec.model_dir, os.path.join(self.data_dir, JOB_DIR, MODEL_COPY_DIR))
         fields = dict(
@@ -403,6 +409,7 @@ class BatchJob:
     def _poll(self, status, now_s: float) -> None:
         """Every watch of the launcher (each after its check of the data directory's pin):
         new answers into the log, progress, saved state."""
+        self._refuse_changed_input(wait=False)
         self.collector.collect()
         self.telemetry.observe(self.collector.latencies_s)
         self.collector.latencies_s.clear()
@@ -462,8 +469,9 @@ class BatchJob:
     def finish(self, code: int) -> tuple[int, JobSummary]:
         """The output once every request has its answer; the summary; the exit status."""
         self.pin.check()
+        self._refuse_changed_input(wait=True)
         log = self.log
-        written = log.done == self.manifest.requests
+        written = log.done == self.manifest.requests and not (self.input_check and self.input_check.said)
         summary = self._summary(written)
         if written:
             try:
@@ -487,6 +495,16 @@ class BatchJob:
                                         f"command finishes the job; to run the file as it is now, give another "
                                         f"--data-dir")
         return code, summary
+
+    def _refuse_changed_input(self, wait: bool) -> None:
+        """The job's refusal (JobMismatchError), once, when its input's digest shows another
+        file; with `wait`, the digest is waited for."""
+        check = self.input_check
+        error = check.error(self.data_dir, wait) if check is not None and not check.said else None
+        if error is not None:
+            check.said = True
+            self.write_status("stopped")
+            raise error
 
     def _write_outputs(self) -> None:
         manifest = self.manifest
