@@ -284,9 +284,10 @@ def _whole_lines(records: np.ndarray, sizes: Mapping[int, int]) -> int:
     """How many leading records have their line whole in a log of ours."""
     known = np.isin(records["log"], list(sizes))
     ends = records["log_offset"] + records["line_bytes"]
-    limit = np.array([sizes.get(int(log), 0) for log in records["log"].tolist()], dtype=np.uint64) \
-        if records.size else np.zeros(0, dtype=np.uint64)
-    bad = np.flatnonzero(~known | (ends > limit))
+    by_log = np.zeros(256, dtype=np.uint64)  # a log's size by its number (a u1 field)
+    for log, size in sizes.items():
+        by_log[log] = size
+    bad = np.flatnonzero(~known | (ends > by_log[records["log"]]))
     return int(bad[0]) if bad.size else int(records.size)
 
 

@@ -32,12 +32,13 @@ from pipeline.batchjob.answers import LOG_NAME, AnswerLog, log_fits_records
 from pipeline.batchjob.assemble import MERGE_DIR, write_in_input_order
 from pipeline.batchjob.collect import Collector, forget_answers
 from pipeline.batchjob.embeddings import served_by
+from pipeline.batchjob.inputcheck import InputCheck
 from pipeline.batchjob.jobstatus import WRITING, input_changed_note
 from pipeline.batchjob.layout import (
     JOB_PAYLOAD_SIZE_BYTES,
     LOG_ERRORS,
     LOG_OUTPUT,
-    decode_job_payload,
+    job_request_indices,
 )
 from pipeline.batchjob.manifest import (
     INDEX_NAME,
@@ -68,22 +69,20 @@ from pipeline.batchjob.progress import JobCounts, JobTracker, JobView
 from pipeline.batchjob.scan import InputScan, input_digest, read_index, scan_input, write_index
 from pipeline.batchjob.telemetry import JobTelemetry
 from pipeline.batchjob.tools import ToolCalling
-from pipeline.batchjob.workload import JobInput, JobWorkload, PromptLimits
+from pipeline.batchjob.workload import JobInput, JobWorkload, PromptLimits, bits_set, set_bits
 from pipeline.reporting.progress import DISK_FULL_ALERT
 from pipeline.runtime.datadir import check_data_dir, check_room, describe_holder, hold_lock, holder_gone, release_lock
-from pipeline.runtime.inventory import pending_payloads, producer_ring_names
+from pipeline.runtime.inventory import pending_payload_tails, producer_ring_names
 from pipeline.runtime.settings import LaunchSettings
 from pipeline.wire.dirpin import DirPin, moved_message, real_parent
 from pipeline.wire.errors import (
     DataDirMovedError,
     FileOpError,
-    GenerationParamsError,
     InputChangedError,
     JobOutputError,
     JobPathError,
     PipelineError,
 )
-from pipeline.wire.generation import decode_payload
 from pipeline.wire.textfiles import counted, printable
 
 OUTPUT_ORDERS = ("input", "completion")
@@ -160,6 +159,7 @@ class BatchJob:
         self._new_job = False
         self.manifest: JobManifest | None = None
         self.job_input: JobInput | None = None
+        self.input_check: InputCheck | None = None  # a resume's digest of its input
         self.log: AnswerLog | None = None
         self.collector: Collector | None = None
         self._input_fd = -1
@@ -273,7 +273,11 @@ class BatchJob:
             scan = scan_input(input_path, os.path.join(job_dir, SCAN_DIR), os.path.join(job_dir, LINES_NAME),
                               on_progress=self._scanning)
         else:
-            size, digest = input_digest(input_path)
+            size, digest = os.stat(input_path).st_size, have.input_xxh3
+            if size != have.input_bytes:  # refused now, naming both digests
+                size, digest = input_digest(input_path)
+            else:  # read beside the run (`inputcheck.py`)
+                self.input_check = InputCheck(input_path, have)
             scan = InputScan(input_path, size, digest, have.requests)
         self.model_files = snapshot_model_files(spec.model_dir, os.path.join(self.data_dir, JOB_DIR, MODEL_COPY_DIR))
         fields = dict(
@@ -341,26 +345,20 @@ class BatchJob:
         return {log: t.path for log, t in targets.items()}, opened
 
     def _mark_pending(self, skip: np.ndarray) -> int:
-        """Set the bits of requests an earlier run left in the store or a ring; how many."""
+        """Set the bits of requests an earlier run left in the store or a ring; how many.
+        NOTE: each payload's tail is checked as a job payload, not its generation envelope
+        decoded first: the store's entries are checksummed as the producer wrote them, and a
+        Python decode per item took seconds for each million a stopped run left."""
         found = 0
-        for _item, payload in pending_payloads(self.data_dir, producer_ring_names(self.data_dir)):
-            try:
-                _params, own = decode_payload(payload)
-            except GenerationParamsError:
-                continue
-            mine = decode_job_payload(own, self.manifest.job_id) if len(own) == JOB_PAYLOAD_SIZE_BYTES else None
-            if mine is not None and mine[0] < self.manifest.requests:
-                index = mine[0]
-                if not skip[index >> 3] >> (index & 7) & 1:
-                    skip[index >> 3] |= 1 << (index & 7)
-                    found += 1
+        for tails in pending_payload_tails(self.data_dir, producer_ring_names(self.data_dir), JOB_PAYLOAD_SIZE_BYTES):
+            found += set_bits(skip, job_request_indices(tails, self.manifest.job_id, self.manifest.requests))
         return found
 
     # ------------------------------------------------------------------ run
 
     @property
     def to_submit(self) -> int:
-        return self.manifest.requests - int(np.unpackbits(self.skip, bitorder="little")[:self.manifest.requests].sum())
+        return self.manifest.requests - bits_set(self.skip, self.manifest.requests)
 
     def run(self) -> int:
         """The pipeline on what is left; the launcher's exit status (0 when nothing was left)."""
@@ -411,6 +409,7 @@ class BatchJob:
     def _poll(self, status, now_s: float) -> None:
         """Every watch of the launcher (each after its check of the data directory's pin):
         new answers into the log, progress, saved state."""
+        self._refuse_changed_input(wait=False)
         self.collector.collect()
         self.telemetry.observe(self.collector.latencies_s)
         self.collector.latencies_s.clear()
@@ -470,8 +469,9 @@ class BatchJob:
     def finish(self, code: int) -> tuple[int, JobSummary]:
         """The output once every request has its answer; the summary; the exit status."""
         self.pin.check()
+        self._refuse_changed_input(wait=True)
         log = self.log
-        written = log.done == self.manifest.requests
+        written = log.done == self.manifest.requests and not (self.input_check and self.input_check.said)
         summary = self._summary(written)
         if written:
             try:
@@ -495,6 +495,16 @@ class BatchJob:
                                         f"command finishes the job; to run the file as it is now, give another "
                                         f"--data-dir")
         return code, summary
+
+    def _refuse_changed_input(self, wait: bool) -> None:
+        """The job's refusal (JobMismatchError), once, when its input's digest shows another
+        file; with `wait`, the digest is waited for."""
+        check = self.input_check
+        error = check.error(self.data_dir, wait) if check is not None and not check.said else None
+        if error is not None:
+            check.said = True
+            self.write_status("stopped")
+            raise error
 
     def _write_outputs(self) -> None:
         manifest = self.manifest

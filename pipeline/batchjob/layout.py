@@ -174,6 +174,18 @@ def decode_job_payload(payload: bytes, job_id: int) -> tuple[int, int, int, int,
     return index, offset, length, digest, made_ns
 
 
+def job_request_indices(tails: np.ndarray, job_id: int, requests: int) -> np.ndarray:
+    """The request indices (int64) of the rows of `tails` (uint8, JOB_PAYLOAD_SIZE_BYTES
+    wide: the last bytes of stored payloads, where a job item's own payload sits behind its
+    generation envelope) that are items of job `job_id` by `decode_job_payload`'s rules, and
+    of one of its `requests`: every row checked at once."""
+    assert tails.ndim == 2 and tails.shape[1] == JOB_PAYLOAD_SIZE_BYTES, tails.shape
+    rows = np.ascontiguousarray(tails).view(JOB_PAYLOAD_DTYPE).reshape(-1)
+    mine = ((rows["magic"] == JOB_PAYLOAD_MAGIC) & (rows["version"] == JOB_PAYLOAD_VERSION)
+            & (rows["job_id"] == np.uint64(job_id)) & (rows["index"] < np.uint64(requests)))
+    return rows["index"][mine].astype(np.int64)
+
+
 def job_payload_flags(payload: bytes) -> int:
     """The JOB_FLAG_* bits of a job item's payload (one `decode_job_payload` accepted)."""
     return _FLAGS.unpack_from(payload, _FLAGS_OFFSET)[0]

@@ -49,7 +49,7 @@ from pipeline.batchjob.layout import (
 )
 from pipeline.runtime.madefiles import Made, matching, remove_made
 from pipeline.wire.errors import BatchFileError
-from pipeline.wire.textfiles import counted, file_kind, listed
+from pipeline.wire.textfiles import file_kind, listed
 from shm.layout import checked_dtype
 
 # The longest request line read (bytes before its newline): a prompt at the broker's largest
@@ -372,23 +372,6 @@ class _LineDigests:
     def abandon(self) -> None:
         if self.out is not None:
             self.out.abandon()
-
-
-def read_line_digests(path: str, requests: int) -> np.ndarray:
-    """The job's line digests (`lines.bin`), mapped read-only (the page cache holds them, a
-    process's memory does not grow with the job); JobMismatchError for a file that is not
-    the job's (another size)."""
-    from pipeline.wire.errors import JobMismatchError
-
-    try:
-        size = os.stat(path).st_size
-    except OSError as exc:
-        raise JobMismatchError(f"{path}: cannot read the job's line digests ({exc.strerror}); use another "
-                               f"--data-dir") from exc
-    if size != requests * LINE_DIGEST_DTYPE.itemsize:
-        raise JobMismatchError(f"{path}: {size:,} bytes, not the line digests of this job's "
-                               f"{counted(requests, 'request')} (damaged?); use another --data-dir")
-    return np.memmap(path, dtype=LINE_DIGEST_DTYPE, mode="r")["line_xxh3"]
 
 
 def _open_input(path: str):

@@ -44,13 +44,14 @@ import xxhash
 from pipeline.batchjob.chat import TOKENIZE_BYTES_PER_TEXT_BYTE, ChatTokenizer
 from pipeline.batchjob.embeddings import KIND_EMBEDDING, EmbeddingFacts, endpoint_refusal
 from pipeline.batchjob.layout import INDEX_STRIDE, JOB_FLAG_READS_BODY, encode_job_payload
+from pipeline.batchjob.linedigests import LineDigests
 from pipeline.batchjob.manifest import INDEX_NAME, INPUT_CHANGED_NAME, JOB_DIR, LINES_NAME, JobManifest, load_manifest
 from pipeline.batchjob.params import Refused
 from pipeline.batchjob.paths import replace_file
 from pipeline.batchjob.rejections import RejectionLog
 from pipeline.batchjob.requests import PROMPT_PARAMS, BatchRequest, parse_line
 from pipeline.batchjob.sampling import ModelFacts
-from pipeline.batchjob.scan import MAX_REQUEST_LINE_BYTES, read_index, read_line_digests
+from pipeline.batchjob.scan import MAX_REQUEST_LINE_BYTES, read_index
 from pipeline.producer.workload import WorkItem, Workload
 from pipeline.wire.dirpin import DirPin
 from pipeline.wire.errors import BadInputError, InputChangedError, JobPathError
@@ -84,7 +85,7 @@ class PromptLimits:
 @dataclass(slots=True, frozen=True)
 class JobInput:
     """The scanned input: its path, request count, sparse index (`scan.InputScan`) and the
-    path of its lines' digests (`scan.read_line_digests`)."""
+    path of its lines' digests (`linedigests.LineDigests`)."""
 
     path: str
     requests: int
@@ -113,7 +114,7 @@ class JobWorkload(Workload):
 
     def __init__(self, job_input: JobInput, skip: np.ndarray, manifest: JobManifest, model_dir: str, data_dir: str,
                  limits: PromptLimits, chat_template: str | None = None, pin: DirPin | None = None) -> None:
-        todo = job_input.requests - int(np.unpackbits(skip, bitorder="little")[:job_input.requests].sum())
+        todo = job_input.requests - bits_set(skip, job_input.requests)
         # the served model's items and each LoRA adapter's (its model id LORA_FIRST_MODEL + k)
         models = (JOB_MODEL, *range(LORA_FIRST_MODEL, LORA_FIRST_MODEL + len(manifest.adapters)))
         super().__init__(f"{job_input.path} (job)", todo, _unused, total_tokens=0, models=models)
@@ -128,16 +129,14 @@ class JobWorkload(Workload):
         self.busy_limit_s = limits.time_s
         self._facts: ModelFacts | None = None  # read in the process that makes items
         self._embedding_facts: EmbeddingFacts | None = None  # there too
-        self._line_digests: np.ndarray | None = None  # mapped there too
+        self._line_digests: LineDigests | None = None  # opened there too
 
     def shares(self, count: int) -> list[tuple[int, int]]:
         """`count` contiguous ranges of request indices, cut at sparse-index entries, each
         holding about as many requests to submit (to within a stride)."""
         n = self.job_input.requests
         blocks = (n + INDEX_STRIDE - 1) // INDEX_STRIDE
-        padded = np.zeros(blocks * INDEX_STRIDE, dtype=np.int64)
-        padded[:n] = 1 - np.unpackbits(self.skip, bitorder="little")[:n]
-        todo = np.cumsum(padded.reshape(blocks, INDEX_STRIDE).sum(axis=1))
+        todo = np.cumsum(block_todo(self.skip, n))
         total = int(todo[-1]) if blocks else 0
         cuts = [0]
         for k in range(1, count):  # the first block boundary with a k/count share of the work before it
@@ -153,11 +152,10 @@ class JobWorkload(Workload):
         first, end = self.shares(producer_count)[producer_index]
         tokenizer = self.tokenizer()
         log = _NoLog()
-        for index, line, offset, raw in self.lines(first, end):
-            if not self.skipped(index):
-                item = self.make(raw, self._where(index, line, offset, raw), line, tokenizer, log)
-                if item is not None:
-                    yield item
+        for index, line, offset, raw in self.to_do_lines(first, end):
+            item = self.make(raw, self._where(index, line, offset, raw), line, tokenizer, log)
+            if item is not None:
+                yield item
 
     def tokenizer(self) -> ChatTokenizer:
         """The model's tokenizer with the job's chat template, as every producer loads it."""
@@ -202,11 +200,9 @@ class JobWorkload(Workload):
     def _items(self, first: int, end: int, tokenizer: ChatTokenizer, log: RejectionLog, watch: Watch,
                stop: Callable[[], bool], positions: deque) -> Iterator[WorkItem]:
         yielded = 0
-        for index, line, offset, raw in self.lines(first, end):
+        for index, line, offset, raw in self.to_do_lines(first, end):
             if stop():
                 return
-            if self.skipped(index):
-                continue
             where = self._where(index, line, offset, raw)
             watch.busy(index)
             item = self.make(raw, where, line, tokenizer, log)
@@ -220,12 +216,22 @@ class JobWorkload(Workload):
         """(index, offset, length, digest) of a request's line as read now; InputChangedError
         where it is not the line the job's scan read (the file was edited in place)."""
         if self._line_digests is None:
-            self._line_digests = read_line_digests(self.job_input.lines_path, self.job_input.requests)
+            self._line_digests = LineDigests(self.job_input.lines_path, self.job_input.requests)
         digest = xxhash.xxh3_64_intdigest(raw)
-        if digest != int(self._line_digests[index]):
+        if digest != self._line_digests[index]:
             raise InputChangedError(f"{self.job_input.path}:{line}: request {index} (byte {offset}) is not the line "
                                     f"the job read when it started: the input file was changed while the job ran")
         return index, offset, len(raw), digest
+
+    def to_do_lines(self, first: int, end: int) -> Iterator[tuple[int, int, int, bytes]]:
+        """`lines` of the requests first..end-1 not skipped, read only from the INDEX_STRIDE
+        blocks that hold one: a resumed job's producer seeks past the answered part of its
+        share rather than reading it a line at a time."""
+        todo = block_todo(self.skip, self.job_input.requests)
+        for start, stop in to_do_runs(todo, first, end):
+            for found in self.lines(start, stop):
+                if not self.skipped(found[0]):
+                    yield found
 
     def lines(self, first: int, end: int) -> Iterator[tuple[int, int, int, bytes]]:
         """(index, line number, byte offset, line without its newline) of requests first..end-1."""
@@ -393,6 +399,53 @@ class _NoLog:
 
 def _unused(_k: int) -> WorkItem:
     raise AssertionError("a job's items are made by `produce`, with the producer's tokenizer")
+
+
+def bits_set(bits: np.ndarray, count: int) -> int:
+    """How many of the first `count` bits of a bit set (bit k of byte k // 8) are set,
+    counted a byte at a time (never a byte per bit: memory stays 1/8 of the set's)."""
+    whole, rest = divmod(count, 8)
+    found = int(np.bitwise_count(bits[:whole]).sum(dtype=np.int64))
+    if rest:
+        found += int(np.bitwise_count(bits[whole] & np.uint8((1 << rest) - 1)))
+    return found
+
+
+def set_bits(bits: np.ndarray, indices: np.ndarray) -> int:
+    """Set bits `indices` of a bit set (bit k of byte k // 8), all at once; how many were not
+    set before (an index given twice counts once)."""
+    indices = np.unique(indices.astype(np.int64, copy=False))
+    fresh = indices[(bits[indices >> 3] >> (indices & 7).astype(np.uint8) & 1) == 0]
+    np.bitwise_or.at(bits, fresh >> 3, (np.uint8(1) << (fresh & 7).astype(np.uint8)))
+    return int(fresh.size)
+
+
+def block_todo(skip: np.ndarray, count: int) -> np.ndarray:
+    """Requests not skipped in each INDEX_STRIDE-request block of the first `count` (the
+    last block may be short), from the bit set `skip`, a block's bytes at a time."""
+    blocks = -(-count // INDEX_STRIDE)
+    held = np.zeros(blocks * (INDEX_STRIDE // 8), dtype=np.uint8)
+    whole, rest = divmod(count, 8)
+    held[:whole] = skip[:whole]
+    if rest:
+        held[whole] = skip[whole] & np.uint8((1 << rest) - 1)
+    skipped = np.bitwise_count(held).reshape(blocks, INDEX_STRIDE // 8).sum(axis=1, dtype=np.int64)
+    sizes = np.full(blocks, INDEX_STRIDE, dtype=np.int64)
+    if blocks:
+        sizes[-1] = count - (blocks - 1) * INDEX_STRIDE
+    return sizes - skipped
+
+
+def to_do_runs(todo: np.ndarray, first: int, end: int) -> list[tuple[int, int]]:
+    """The index ranges within first..end-1 of the runs of consecutive INDEX_STRIDE blocks
+    with a request to do (`todo`: `block_todo`'s counts), in order."""
+    if first >= end:
+        return []
+    low, high = first // INDEX_STRIDE, -(-end // INDEX_STRIDE)
+    busy = np.concatenate(([False], todo[low:high] > 0, [False]))
+    edges = np.flatnonzero(busy[1:] != busy[:-1]) + low
+    return [(max(first, a * INDEX_STRIDE), min(end, b * INDEX_STRIDE))
+            for a, b in zip(edges[::2].tolist(), edges[1::2].tolist())]
 
 
 def limit_memory(margin_bytes: int) -> None:

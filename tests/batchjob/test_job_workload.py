@@ -20,7 +20,7 @@ from pipeline.batchjob.manifest import JobManifest
 from pipeline.batchjob.params import COMPLETION_DEFAULT_MAX_TOKENS
 from pipeline.batchjob.scan import scan_input
 from pipeline.wire.errors import InputChangedError
-from pipeline.batchjob.workload import JobInput, JobWorkload, PromptLimits
+from pipeline.batchjob.workload import JobInput, JobWorkload, PromptLimits, bits_set, block_todo, set_bits
 from tests.support.jobs import build_model, chat, completion
 
 
@@ -79,6 +79,28 @@ def test_shares_cover_every_request_to_submit_once_and_are_balanced(tmp_path, mo
         assert max(todo) - min(todo) <= 2 * 16 + 1  # balanced to a stride
 
 
+@pytest.mark.parametrize("count", [0, 1, 7, 8, 9, 4095, 4096, 4097, 3 * 4096 + 5])
+def test_bits_are_counted_from_their_bytes_as_one_a_request_would_count_them(count):
+    rng = np.random.default_rng(count)
+    bits = rng.integers(0, 256, size=(count + 7) // 8 + 1, dtype=np.uint8)  # set bits past `count` too
+    each = np.unpackbits(bits, bitorder="little")[:count].astype(np.int64)
+    assert bits_set(bits, count) == int(each.sum())
+    blocks = -(-count // layout.INDEX_STRIDE)
+    padded = np.ones(blocks * layout.INDEX_STRIDE, dtype=np.int64)
+    padded[:count] = each
+    expected = layout.INDEX_STRIDE - padded.reshape(blocks, layout.INDEX_STRIDE).sum(axis=1)
+    assert block_todo(bits, count).tolist() == expected.tolist()
+
+
+def test_setting_bits_counts_only_those_not_set_before_and_each_once():
+    bits = np.zeros(3, dtype=np.uint8)
+    assert set_bits(bits, np.array([0, 7, 8, 23, 8], dtype=np.int64)) == 4
+    assert np.unpackbits(bits, bitorder="little").nonzero()[0].tolist() == [0, 7, 8, 23]
+    assert set_bits(bits, np.array([7, 9], dtype=np.int64)) == 1
+    assert set_bits(bits, np.zeros(0, dtype=np.int64)) == 0
+    assert bits_set(bits, 24) == 5
+
+
 def test_a_producer_reads_its_lines_by_offset_as_the_scan_counted_them(tmp_path, model_dir, monkeypatch):
     import pipeline.batchjob.scan as scan_module
     import pipeline.batchjob.workload as workload_module
@@ -94,6 +116,32 @@ def test_a_producer_reads_its_lines_by_offset_as_the_scan_counted_them(tmp_path,
         for index, line, offset, text in got:
             assert raw[offset:offset + len(text)] == text and json.loads(text)["custom_id"] == f"r{index}"
             assert raw.splitlines()[line - 1] == text
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_lines_to_do_are_every_line_not_skipped_read_only_from_blocks_that_hold_one(tmp_path, model_dir,
+                                                                                     monkeypatch, seed):
+    import pipeline.batchjob.scan as scan_module
+    import pipeline.batchjob.workload as workload_module
+
+    monkeypatch.setattr(scan_module, "INDEX_STRIDE", 8)
+    monkeypatch.setattr(workload_module, "INDEX_STRIDE", 8)
+    rng = random.Random(seed)
+    count = rng.randrange(1, 90)
+    done_to = rng.randrange(count + 1)  # a resumed job: a prefix answered, then a few here and there
+    skip = set(range(done_to)) | {k for k in range(count) if rng.random() < 0.2}
+    job = workload(tmp_path, model_dir, [chat(f"r{k}", f"q {k}") for k in range(count)], blank_every=rng.choice((0, 5)),
+                   skip=skip)
+    read_blocks: list[tuple[int, int]] = []
+    lines = job.lines
+    monkeypatch.setattr(job, "lines", lambda first, end: (read_blocks.append((first, end)), lines(first, end))[1])
+    for first, end in ((0, count), (rng.randrange(count), count), (0, rng.randrange(count + 1)), (count, count)):
+        read_blocks.clear()
+        got = list(job.to_do_lines(first, end))
+        assert got == [found for found in lines(first, end) if found[0] not in skip]
+        for start, stop in read_blocks:  # every block read holds a request to do
+            assert all(any(k not in skip for k in range(b * 8, min(count, b * 8 + 8)))
+                       for b in range(start // 8, -(-stop // 8)))
 
 
 def test_an_item_names_its_job_and_line_and_carries_the_requests_parameters(tmp_path, model_dir):

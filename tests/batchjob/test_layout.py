@@ -26,6 +26,7 @@ from pipeline.batchjob.layout import (
     decode_job_payload,
     encode_job_payload,
     job_payload_flags,
+    job_request_indices,
     record_check,
     valid_records,
 )
@@ -75,6 +76,19 @@ NOT_THIS_JOBS = [
 @pytest.mark.parametrize("payload", [p for _, p in NOT_THIS_JOBS], ids=[name for name, _ in NOT_THIS_JOBS])
 def test_a_payload_that_is_not_this_jobs_decodes_to_none(payload: bytes) -> None:
     assert decode_job_payload(payload, JOB_ID) is None
+
+
+def test_the_requests_of_payload_tails_are_those_each_payload_decodes_to() -> None:
+    """Rows checked at once accept exactly what `decode_job_payload` accepts of a tail of
+    JOB_PAYLOAD_SIZE_BYTES (the lengths it refuses are never made rows), within `requests`."""
+    requests = 10
+    payloads = [p for _, p in NOT_THIS_JOBS if len(p) == JOB_PAYLOAD_SIZE_BYTES] + [
+        encode_job_payload(JOB_ID, k, 100, 60, k) for k in (0, 3, requests - 1, requests, U64_MAX)]
+    tails = np.frombuffer(b"".join(payloads), dtype=np.uint8).reshape(-1, JOB_PAYLOAD_SIZE_BYTES)
+    expected = [found[0] for found in map(lambda p: decode_job_payload(p, JOB_ID), payloads)
+                if found is not None and found[0] < requests]
+    assert job_request_indices(tails, JOB_ID, requests).tolist() == expected == [0, 3, requests - 1]
+    assert job_request_indices(tails[:0], JOB_ID, requests).tolist() == []
 
 
 def _record(index: int = 3, status: int = 200, log: int = LOG_OUTPUT) -> bytes:

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 
@@ -292,6 +293,31 @@ def test_a_job_whose_input_moved_resumes_from_the_path_given_now(tmp_path, model
     args[at] = str(moved)
     done = run_batch(*args)
     assert done.returncode == 0 and str(moved) in done.stderr, done.stderr
+    check_one_line_each(tmp_path / "out.jsonl")
+
+
+def test_an_input_edited_in_place_where_it_was_answered_refuses_the_resume_before_any_output(tmp_path, model_dir):
+    """The digest of a resumed job's input is read beside its run: a same-size edit of a line
+    answered already (which no producer reads again) still refuses the job, and nothing is
+    written."""
+    from pipeline.batchjob.layout import ANSWER_RECORD_DTYPE
+
+    args = slow_args(tmp_path, "--model", model_dir, cost=STOPPED_COST)
+    stopped_after(args, tmp_path / "data", 20)
+    answered = np.fromfile(tmp_path / "data" / "job" / "answers.bin", dtype=ANSWER_RECORD_DTYPE)["index"]
+    assert answered.size
+    source = tmp_path / "in.jsonl"
+    original = source.read_bytes()
+    lines = original.split(b"\n")
+    lines[int(answered[0])] = lines[int(answered[0])].replace(b"question", b"QUESTION")
+    source.write_bytes(b"\n".join(lines))
+    assert source.stat().st_size == len(original)
+    refused = run_batch(*args)
+    assert refused.returncode == 1 and "the input file changed since the job started" in refused.stderr, refused.stderr
+    assert "Traceback" not in refused.stderr and not (tmp_path / "out.jsonl").exists()
+    source.write_bytes(original)
+    done = run_batch(*args)
+    assert done.returncode == 0, done.stderr
     check_one_line_each(tmp_path / "out.jsonl")
 
 

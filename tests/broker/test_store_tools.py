@@ -261,6 +261,18 @@ def test_live_items_are_the_stored_entries_not_yet_completed(tmp_path):
     assert live_items([str(tmp_path / "gone.seg")]) == (set(), set())  # completed and deleted since
 
 
+@pytest.mark.parametrize("size", [1, 7, 29])
+def test_live_payload_tails_are_the_live_payloads_ends_gathered_as_columns(tmp_path, size):
+    from pipeline.broker.storage.inspect import live_payload_tails, live_payloads
+
+    paths = build_store(str(tmp_path))  # payloads of 0 to 29 bytes: some shorter than `size`, some exactly it
+    expected = [(item, payload[-size:]) for item, payload in live_payloads(paths) if len(payload) >= size]
+    got = [(int(item), bytes(row)) for ids, tails in live_payload_tails(paths + [str(tmp_path / "gone.seg")], size)
+           for item, row in zip(ids.tolist(), tails)]
+    assert got == expected and expected
+    assert all(tails.shape[1] == size for _ids, tails in live_payload_tails(paths, size))
+
+
 def test_verify_names_a_damaged_lineage_record(tmp_path):
     from pipeline.broker.storage.chains import lineage_path
     from pipeline.wire.layouts.lineage import LINEAGE_RECORD_SIZE_BYTES

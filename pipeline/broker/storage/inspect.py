@@ -30,7 +30,7 @@ from pipeline.broker.storage.paths import (
     segment_path,
     store_dirs,
 )
-from pipeline.broker.storage.scan import EntryCensus, census_segment, name_keys_of, scan_segment
+from pipeline.broker.storage.scan import EntryCensus, census_segment, mapped_file, name_keys_of, scan_segment
 from pipeline.broker.storage.scan_report import ScanReport
 from pipeline.wire.errors import SegmentFormatError, StoreReadError
 from pipeline.wire.layouts.frames import TOKEN_SIZE_BYTES
@@ -173,6 +173,33 @@ def live_payloads(paths: list[str]) -> Iterator[tuple[int, bytes]]:
         except (SegmentFormatError, OSError):
             continue
         yield from found
+
+
+def live_payload_tails(paths: list[str], size: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Per segment file: the item ids of its live entries whose payload holds at least `size`
+    bytes, and the last `size` bytes of each of those payloads (rows of a uint8 array),
+    gathered as columns: what a job needs of a stopped run's store (its own payload ends
+    every payload it stores) without a Python step per entry. Read with the code recovery
+    uses; a file gone since it was named, or not a segment, is skipped."""
+    for path in paths:
+        try:
+            report = scan_segment(path)
+            headers = report.headers
+            live = (headers["state"] == ENTRY_LIVE) & (headers["payload_len"] >= size)
+            if not live.any():
+                continue
+            ends = (report.offsets[live] + ENTRY_HEADER_SIZE_BYTES
+                    + headers["length"][live].astype(np.int64) * TOKEN_SIZE_BYTES
+                    + headers["payload_len"][live].astype(np.int64))
+            with mapped_file(path) as (buf, file_size):
+                if int(ends.max()) > file_size:
+                    continue
+                windows = np.lib.stride_tricks.sliding_window_view(np.frombuffer(buf, dtype=np.uint8), size)
+                tails = windows[ends - size]  # a copy of the rows alone (the windows are a view)
+                del windows
+        except (SegmentFormatError, OSError):
+            continue
+        yield headers["item_id"][live].astype(np.uint64), tails
 
 
 @dataclass(slots=True)
