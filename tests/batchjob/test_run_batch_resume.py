@@ -44,6 +44,9 @@ PRODUCER_KILL_REQUESTS = 20_000
 # The sim's cost where a test stops the job after its first answers: slow enough that the
 # stop lands before the last answer on an idle machine too.
 STOPPED_COST = "1e-3"
+# A resume's engine with no cost: how fast a job runs is not what its answers depend on, so
+# a resume may change it, and the stopped job's rest takes no sleep.
+QUICK_RESUME = ("--engine-options", "cost_s_per_padded_token=0")
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +132,7 @@ def check_one_line_each(out: Path, count: int = REQUESTS) -> dict[str, dict]:
     return rows
 
 
+@pytest.mark.campaign
 @pytest.mark.parametrize("target, order", [("run-batch", "input"), ("broker", "completion"),
                                            ("consumer", "completion"), ("producer", "input"),
                                            ("run-batch", "completion")])
@@ -160,6 +164,7 @@ def test_a_job_killed_at_a_random_moment_is_finished_with_one_line_per_custom_id
     assert f"{count:,} completed, 0 failed" in again.stderr
 
 
+@pytest.mark.campaign
 def test_a_stopped_jobs_status_comes_from_its_files_and_says_how_to_finish_it(tmp_path, model_dir):
     args = slow_args(tmp_path, "--model", model_dir, cost="2e-3")  # a minute: `status` takes seconds on a busy host
     data = tmp_path / "data"
@@ -188,10 +193,11 @@ def test_a_closed_terminal_stops_the_job_saying_how_to_finish_it(tmp_path, model
     data = tmp_path / "data"
     code, err = stopped_after(args, data, 20, signal.SIGHUP)
     assert code != 0 and "the same command finishes the job" in err and "Traceback" not in err
-    assert run_batch(*args).returncode == 0
+    assert run_batch(*args, *QUICK_RESUME).returncode == 0
     check_one_line_each(tmp_path / "out.jsonl")
 
 
+@pytest.mark.campaign
 def test_the_completion_order_output_is_whole_lines_whenever_it_is_read(tmp_path, model_dir):
     args = slow_args(tmp_path, "--model", model_dir, "--output-order", "completion", "--error-file",
                      str(tmp_path / "errors.jsonl"))
@@ -239,6 +245,7 @@ def texts(out: Path) -> dict[str, list]:
             for cid, row in rows_by_id(out).items()}
 
 
+@pytest.mark.campaign
 def test_a_consumer_someone_joins_to_a_running_job_does_not_answer_for_it(tmp_path, model_dir):
     reference = tmp_path / "reference"
     reference.mkdir()
@@ -277,7 +284,7 @@ def test_damaged_segments_whose_requests_all_got_answers_make_a_complete_output_
             damaged += 1
         path.write_bytes(raw)
     assert damaged
-    again = run_batch(*args)
+    again = run_batch(*args, *QUICK_RESUME)
     assert again.returncode == 0, again.stderr
     check_one_line_each(tmp_path / "out.jsonl")
     assert "damaged" in again.stderr and "Traceback" not in again.stderr
@@ -290,11 +297,12 @@ def test_a_job_whose_input_moved_resumes_from_the_path_given_now(tmp_path, model
     os.rename(tmp_path / "in.jsonl", moved)
     at = args.index("-i") + 1
     args[at] = str(moved)
-    done = run_batch(*args)
+    done = run_batch(*args, *QUICK_RESUME)
     assert done.returncode == 0 and str(moved) in done.stderr, done.stderr
     check_one_line_each(tmp_path / "out.jsonl")
 
 
+@pytest.mark.campaign
 def test_a_model_directory_edited_mid_run_changes_no_answer(tmp_path, model_dir):
     """The template saved anew and a producer killed (so one loads the model again): every
     answer is the one the model as it was at the start makes."""
@@ -327,6 +335,7 @@ def test_a_model_directory_edited_mid_run_changes_no_answer(tmp_path, model_dir)
     assert texts(tmp_path / "out.jsonl") == texts(reference / "out.jsonl")
 
 
+@pytest.mark.campaign
 def test_an_input_edited_in_place_mid_run_stops_the_job_and_nothing_of_it_is_answered(tmp_path, model_dir):
     """Same size, same offsets, another question on lines near the end of each producer's
     share: no answer is made of an edited line; the job stops naming it; with the file as it
@@ -386,6 +395,7 @@ def test_outputs_that_do_not_fit_at_the_end_are_written_by_the_same_command_with
         check_one_line_each(small / "out.jsonl")
 
 
+@pytest.mark.campaign
 def test_a_full_data_directory_disk_at_the_merge_is_named_and_a_resume_with_nothing_to_run_is_not_refused(
         tmp_path, model_dir):
     # Every answer is in, the outputs' disk too small: then the data directory's own disk
@@ -414,6 +424,7 @@ def test_a_full_data_directory_disk_at_the_merge_is_named_and_a_resume_with_noth
         check_one_line_each(small / "out.jsonl")
 
 
+@pytest.mark.campaign
 def test_a_data_directory_whose_disk_fills_for_a_while_finishes_the_job_once_there_is_room(tmp_path, model_dir):
     from tests.consumer.tmpfs import fill
 
@@ -433,6 +444,7 @@ def test_a_data_directory_whose_disk_fills_for_a_while_finishes_the_job_once_the
         check_one_line_each(tmp_path / "out.jsonl")
 
 
+@pytest.mark.campaign
 def test_a_tokenizer_replaced_as_the_job_starts_decodes_no_answer(tmp_path, model_dir):
     """The swap lands between the job's copy of the model's files and its consumers' start:
     the sim's stop strings are found in text decoded by the copy, so no answer changes."""
@@ -500,6 +512,6 @@ def test_a_completion_order_output_edited_in_place_between_runs_is_made_anew_who
     with open(out, "r+b") as f:  # an editor saving in place: the same inode, a line fewer
         f.write(b"".join(lines[:4] + lines[5:]))
         f.truncate()
-    done = run_batch(*args)
+    done = run_batch(*args, *QUICK_RESUME)
     assert done.returncode == 0, done.stderr
     check_one_line_each(out)  # every line JSON, one per custom_id
