@@ -132,10 +132,13 @@ def check_one_line_each(out: Path, count: int = REQUESTS) -> dict[str, dict]:
     return rows
 
 
-@pytest.mark.campaign
-@pytest.mark.parametrize("target, order", [("run-batch", "input"), ("broker", "completion"),
-                                           ("consumer", "completion"), ("producer", "input"),
-                                           ("run-batch", "completion")])
+# A broker's and a producer's kill run with the README's tests (each reaches recovery code
+# no other test there does); the command's and a consumer's, as campaigns.
+@pytest.mark.parametrize("target, order", [pytest.param("run-batch", "input", marks=pytest.mark.campaign),
+                                           ("broker", "completion"),
+                                           pytest.param("consumer", "completion", marks=pytest.mark.campaign),
+                                           ("producer", "input"),
+                                           pytest.param("run-batch", "completion", marks=pytest.mark.campaign)])
 def test_a_job_killed_at_a_random_moment_is_finished_with_one_line_per_custom_id(tmp_path, model_dir, target, order):
     # A producer is killed while it still feeds: a file it takes seconds to tokenize.
     count = PRODUCER_KILL_REQUESTS if target == "producer" else REQUESTS
@@ -164,7 +167,6 @@ def test_a_job_killed_at_a_random_moment_is_finished_with_one_line_per_custom_id
     assert f"{count:,} completed, 0 failed" in again.stderr
 
 
-@pytest.mark.campaign
 def test_a_stopped_jobs_status_comes_from_its_files_and_says_how_to_finish_it(tmp_path, model_dir):
     args = slow_args(tmp_path, "--model", model_dir, cost="2e-3")  # a minute: `status` takes seconds on a busy host
     data = tmp_path / "data"
@@ -183,7 +185,7 @@ def test_a_stopped_jobs_status_comes_from_its_files_and_says_how_to_finish_it(tm
     text = subprocess.run([sys.executable, "-m", "pipeline", "status", "--data-dir", str(data)], capture_output=True,
                           text=True, timeout=60, cwd=ROOT)
     assert text.returncode == 0 and "job stopped" in text.stdout and "finishes it" in text.stdout
-    resumed = run_batch(*args)
+    resumed = run_batch(*args, *QUICK_RESUME)
     assert resumed.returncode == 0, resumed.stderr
     assert f"{stopped['done']:,} answered already" in resumed.stderr or "answered already" in resumed.stderr
 
@@ -335,7 +337,6 @@ def test_a_model_directory_edited_mid_run_changes_no_answer(tmp_path, model_dir)
     assert texts(tmp_path / "out.jsonl") == texts(reference / "out.jsonl")
 
 
-@pytest.mark.campaign
 def test_an_input_edited_in_place_mid_run_stops_the_job_and_nothing_of_it_is_answered(tmp_path, model_dir):
     """Same size, same offsets, another question on lines near the end of each producer's
     share: no answer is made of an edited line; the job stops naming it; with the file as it
@@ -395,7 +396,6 @@ def test_outputs_that_do_not_fit_at_the_end_are_written_by_the_same_command_with
         check_one_line_each(small / "out.jsonl")
 
 
-@pytest.mark.campaign
 def test_a_full_data_directory_disk_at_the_merge_is_named_and_a_resume_with_nothing_to_run_is_not_refused(
         tmp_path, model_dir):
     # Every answer is in, the outputs' disk too small: then the data directory's own disk
@@ -424,7 +424,6 @@ def test_a_full_data_directory_disk_at_the_merge_is_named_and_a_resume_with_noth
         check_one_line_each(small / "out.jsonl")
 
 
-@pytest.mark.campaign
 def test_a_data_directory_whose_disk_fills_for_a_while_finishes_the_job_once_there_is_room(tmp_path, model_dir):
     from tests.consumer.tmpfs import fill
 
