@@ -191,7 +191,8 @@ def test_a_stopped_jobs_status_comes_from_its_files_and_says_how_to_finish_it(tm
 
 
 def test_a_closed_terminal_stops_the_job_saying_how_to_finish_it(tmp_path, model_dir):
-    args = slow_args(tmp_path, "--model", model_dir, cost=STOPPED_COST)
+    # In completion order: the resume goes on appending to the output the stop left whole.
+    args = slow_args(tmp_path, "--model", model_dir, "--output-order", "completion", cost=STOPPED_COST)
     data = tmp_path / "data"
     code, err = stopped_after(args, data, 20, signal.SIGHUP)
     assert code != 0 and "the same command finishes the job" in err and "Traceback" not in err
