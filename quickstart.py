@@ -72,6 +72,11 @@ PYTEST_NO_TESTS_COLLECTED = 5
 # The tiers of `test` (unit tests are unmarked) and of `test-campaigns` (pyproject.toml's markers).
 UNIT_AND_INTEGRATION = "not campaign"
 CAMPAIGNS = "campaign"
+# pytest-xdist workers for `test`: most integration tests wait on the processes they start
+# (a sim engine's cost model, a poll), so more workers than this machine's 2 cores finish
+# sooner. NOTE: measured in BENCHMARKS.md ("The README's tests"). A -n, --numprocesses or
+# --dist given after the command (or `-p no:xdist`) is kept as given.
+TEST_WORKERS = "4"
 
 
 def _venv_python() -> Path:
@@ -153,6 +158,14 @@ def _with_marks(marks: str, rest: list[str]) -> list[str]:
     return ["-m", marks if chosen is None else f"({marks}) and ({chosen})", *args]
 
 
+def _with_workers(workers: str, rest: list[str]) -> list[str]:
+    """pytest's arguments `rest` with `-n workers` first, unless they choose their own."""
+    options = rest[:rest.index("--")] if "--" in rest else rest
+    if any(arg.startswith(("-n", "--numprocesses", "--dist")) or arg == "no:xdist" for arg in options):
+        return rest
+    return ["-n", workers, *rest]
+
+
 def _pytest(python: Path, marks: str, rest: list[str], env: dict[str, str] | None = None) -> int:
     """The tests `marks` selects (and a -m in `rest`); collecting none is a failure."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
@@ -184,7 +197,7 @@ def main(argv: list[str]) -> int:
     if command == "test-ray":
         return _test_ray(rest)
     if command == "test":
-        return _pytest(_ensure_venv("test"), UNIT_AND_INTEGRATION, rest)
+        return _pytest(_ensure_venv("test"), UNIT_AND_INTEGRATION, _with_workers(TEST_WORKERS, rest))
     if command == "test-campaigns":
         return _pytest(_ensure_venv("test"), CAMPAIGNS, rest)
     python = _ensure_venv("")

@@ -9,6 +9,7 @@ import multiprocessing.process
 import os
 import subprocess
 import uuid
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -32,6 +33,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                           "(default: its SLOW_TURNS)")
     parser.addoption("--io-fault-ks", default=None, metavar="A-B,C-D",
                      help="only these operations k (ranges, B excluded) in those campaigns (default: every k)")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """A pytest-xdist worker's temporary folder named by its number alone (`.../pytest-N/0`,
+    not `.../pytest-N/popen-gw0`), before pytest makes it: data directories under tmp_path
+    hold a Unix socket, whose path may not pass 107 bytes, and the tests that nest theirs
+    deepest are a few bytes under that with a serial run's folder."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker and config.option.basetemp:
+        config.option.basetemp = str(Path(config.option.basetemp).with_name(worker.removeprefix("gw")))
 
 
 # What builds the environment the `vllm`-marked tests need (.venv-vllm and the tiny model),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from quickstart import UNIT_AND_INTEGRATION, _with_marks
+from quickstart import UNIT_AND_INTEGRATION, _with_marks, _with_workers
 
 
 @pytest.mark.parametrize("rest, want", [
@@ -20,3 +20,16 @@ from quickstart import UNIT_AND_INTEGRATION, _with_marks
 def test_a_users_marks_narrow_the_tier(rest, want):
     assert _with_marks(UNIT_AND_INTEGRATION, rest) == want
 
+
+
+@pytest.mark.parametrize("rest, want", [
+    ([], ["-n", "4"]),
+    (["-k", "ring"], ["-n", "4", "-k", "ring"]),
+    (["-n", "1"], ["-n", "1"]),
+    (["-n0", "-x"], ["-n0", "-x"]),
+    (["--numprocesses=2"], ["--numprocesses=2"]),
+    (["-p", "no:xdist"], ["-p", "no:xdist"]),
+    (["--", "-n", "1"], ["-n", "4", "--", "-n", "1"]),  # after --: not an option
+])
+def test_the_workers_are_the_users_when_they_choose_them(rest, want):
+    assert _with_workers("4", rest) == want

@@ -321,3 +321,33 @@ def test_a_decoder_that_fails_or_expands_answers_its_request_500_and_the_job_goe
         assert response["status_code"] == 500 and words in response["body"]["error"]["message"]
         assert response["body"]["error"]["type"] == "server_error"
     assert job.log.by_status == {200: 1, 500: 3}
+
+
+def test_a_full_disk_keeps_the_answers_in_the_results_files_until_there_is_room(job: Job,
+                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The answer log's disk full (ENOSPC on its append): the poll takes nothing and says
+    which file found no room; the same rows are read again once there is room, each once.
+    Another write error is no full disk: it is raised."""
+    import errno
+
+    from pipeline.wire.errors import AnswerLogWriteError
+
+    append(results(job), row(job.payload(0)), row(job.payload(1)))
+    collector = job.collector()
+    append_for_real = job.log.append
+    full = str(job.data / "job" / "answers.jsonl")
+
+    def no_room(answers):
+        raise AnswerLogWriteError("no room", errno.ENOSPC, full)
+
+    monkeypatch.setattr(job.log, "append", no_room)
+    assert collector.collect() == 0 and collector.collect() == 0
+    assert collector.disk_full and collector.disk_full_path == full and job.log.done == 0
+    monkeypatch.setattr(job.log, "append", append_for_real)
+    assert collector.collect() == 2 and not collector.disk_full
+    assert collector.collect() == 0 and job.log.done == 2
+    append(results(job), row(job.payload(2)))
+    monkeypatch.setattr(job.log, "append", lambda answers: (_ for _ in ()).throw(
+        AnswerLogWriteError("bad block", errno.EIO, full)))
+    with pytest.raises(AnswerLogWriteError, match="bad block"):
+        collector.collect()

@@ -98,6 +98,7 @@ def test_a_rerun_right_after_kill_9_finishes_the_job_at_once(tmp_path, model_dir
     job.stderr.close()
 
 
+@pytest.mark.campaign
 def test_a_producer_paused_past_the_time_limit_is_not_charged_for_the_pause(tmp_path, model_dir):
     model = copy_model(model_dir, tmp_path / "spins" / "tiny-llama")
     (model / "chat_template.jinja").write_text(SPINS + CHAT_TEMPLATE)

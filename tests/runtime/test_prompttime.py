@@ -3,7 +3,9 @@ never time paused from outside, waiting for a core, or unseen. Pure: a simulated
 
 from __future__ import annotations
 
-from pipeline.runtime.prompttime import MAX_PASS_GAP_S, PromptTimer
+import os
+
+from pipeline.runtime.prompttime import MAX_PASS_GAP_S, PromptTimer, process_cpu_ns, process_state
 
 S = 1_000_000_000  # ns in a second
 EPISODE = 7_000 * S  # the ledger's busy-since stamp of the request in hand
@@ -73,3 +75,12 @@ def test_a_new_request_starts_from_nothing():
     timer.check_invariants()
     assert timer.charged_ns() == 0 and not timer.ran_past()
 
+
+
+def test_a_process_that_is_gone_reads_as_gone():
+    """What the supervisor reads of a producer that has ended: no CPU clock, no state
+    (a pid past the kernel's largest is never a process)."""
+    with open("/proc/sys/kernel/pid_max") as f:
+        gone = int(f.read()) + 1
+    assert process_cpu_ns(gone) is None and process_state(gone) == ""
+    assert process_cpu_ns(os.getpid()) > 0 and process_state(os.getpid()) == "R"

@@ -143,6 +143,7 @@ def test_cancel_mid_run_keeps_what_was_answered(tmp_path, model_dir, servers):
     assert all(row["response"] is None for row in errors)
 
 
+@pytest.mark.campaign
 def test_a_batch_past_its_window_ends_expired_with_what_was_answered(tmp_path, model_dir, servers):
     server, client, _source, records, batch = slow_batch(servers, tmp_path, model_dir, "--test-completion-window-s",
                                                          "20")
@@ -186,6 +187,7 @@ def test_two_keys_cannot_see_each_others_objects_and_lists_page(tmp_path, model_
     assert KEY_A not in server.log() and KEY_B not in server.log()
 
 
+@pytest.mark.campaign
 @pytest.mark.timeout(LONG_TEST_S)
 def test_a_server_stopped_then_killed_mid_batch_resumes_with_one_line_per_request(tmp_path, model_dir, servers):
     server, client, source, records, batch = slow_batch(servers, tmp_path, model_dir)
