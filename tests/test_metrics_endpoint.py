@@ -45,8 +45,10 @@ TOKEN = b"0123456789abcdef0123456789abcdef"
 EXCHANGE_TIMEOUT_S = 30.0
 # The idle timeout of the endpoints the timeout tests start: short, so that they end soon.
 SHORT_IDLE_TIMEOUT_S = 0.2
-# Idle connections opened against a broker's endpoint: many times its bound.
-IDLE_CONNECTIONS = 20 * MAX_METRICS_CONNECTIONS
+# Idle connections opened against an endpoint: several times its bound (a broker's endpoint
+# turns over MAX_METRICS_CONNECTIONS places an EVICTION_MIN_AGE_S, so each past the bound
+# costs the broker's test that much).
+IDLE_CONNECTIONS = 3 * MAX_METRICS_CONNECTIONS
 # Threads a broker may add while that many connections are open: none is needed; one of
 # slack for a thread of its own that starts meanwhile.
 THREADS_SLACK = 1
@@ -328,7 +330,8 @@ def test_a_connection_that_sends_no_whole_request_is_closed_after_the_idle_timeo
         assert get(server.port)[0] == 200
 
 
-def test_one_thread_serves_however_many_connect(server):
+def test_one_thread_serves_however_many_connect():
+    server = MetricsServer.start(0, lambda: BrokerStatus(), eviction_min_age_s=0.0)  # places turn over at once
     threads = threading.active_count()
     sockets = [idle(server.port) for _ in range(IDLE_CONNECTIONS)]
     try:
@@ -340,6 +343,7 @@ def test_one_thread_serves_however_many_connect(server):
     finally:
         for sock in sockets:
             sock.close()
+        server.close()
 
 
 @pytest.mark.integration
@@ -424,3 +428,25 @@ def test_a_bug_in_fetch_fails_its_scrape_with_500_and_the_endpoint_keeps_serving
         assert get(server.port)[0] == 500
         assert get(server.port)[0] == 500
         assert server.responses == {500: 2}
+
+
+# A short minimum age for the test of it: the newcomer's wait is measured against it.
+SHORT_MIN_AGE_S = 0.3
+
+
+def test_a_place_held_younger_than_the_minimum_age_is_not_given_and_the_newcomer_waits_for_it():
+    """Every place held by connections just accepted: a newcomer is not accepted (it waits in
+    the listener's queue) until the oldest is SHORT_MIN_AGE_S old, then takes its place, and
+    its scrape is answered."""
+    with MetricsServer.start(0, lambda: BrokerStatus(), eviction_min_age_s=SHORT_MIN_AGE_S) as server:
+        started = time.monotonic()  # every held one is accepted after this
+        held = [idle(server.port) for _ in range(MAX_METRICS_CONNECTIONS)]
+        try:
+            wait_for(lambda: server.open_connections == MAX_METRICS_CONNECTIONS, SETTLE_TIMEOUT_S, "every place held")
+            assert get(server.port)[0] == 200
+            assert time.monotonic() - started >= SHORT_MIN_AGE_S  # a lower bound: it holds however slow the machine
+            assert server.evicted_connections == 1 and closed_by_endpoint(held[0])
+            assert all(still_open(sock) for sock in held[1:])
+        finally:
+            for sock in held:
+                sock.close()

@@ -20,11 +20,13 @@ connection finding every place held takes the place of the one idle the longest 
 bytes are no progress; an answered connection goes first). A turn of the serving thread reads
 the open connections' requests before it accepts, and accepts no more than it can hold
 without closing one accepted in that turn: the rest wait in the listener's queue, in the
-order they came, so a burst of connects pushes a scrape back, never out. What remains, with
-a token (every local user may connect) or from the owner's own processes: connecting faster
-than a scrape sends its request. A scrape loses its place only when its request arrives
-after MAX_METRICS_CONNECTIONS connections made after it; that scrape fails and the next one
-tries again.
+order they came, so a burst of connects pushes a scrape back, never out. A held connection
+younger than EVICTION_MIN_AGE_S keeps its place (a newcomer waits in the queue until one is
+old enough), so a client that reconnects as fast as its places are taken cannot turn over
+every place before a scrape's request is read. What remains, with a token (every local user
+may connect) or from the owner's own processes: a scrape whose request arrives more than
+EVICTION_MIN_AGE_S after its connect, while every place is held by others; that scrape fails
+and the next one tries again.
 NOTE: a 403 sent at accept is not: the close that follows it, with the peer's request unread
 or still coming, resets the connection, and the peer lost the 403 in 3 of 8 tries.
 NOTE: a Unix socket (owner-only by its mode) is not used: Prometheus scrapes only TCP targets.
@@ -86,6 +88,12 @@ TOKEN_PATTERN = re.compile(rb"[A-Za-z0-9\-._~+/]+=*")
 # Connections accepted (foreign ones closed at once included) in one turn of the serving thread
 # before the open ones get theirs: a flood of connects cannot starve a scrape in progress.
 ACCEPTS_PER_TURN = 4 * MAX_METRICS_CONNECTIONS
+# A held connection younger than this keeps its place (unless its answer was all sent): a
+# scrape sends its request within milliseconds of its connect, and a second covers a scraper
+# descheduled on a saturated machine, so a client that reconnects as fast as its places are
+# taken cannot turn over every place before a scrape's request is read. A newcomer finding
+# every place held by younger ones waits in the listener's queue until one is old enough.
+EVICTION_MIN_AGE_S = 1.0
 # After an accept fails for want of descriptors or memory the listener rests this long: a
 # readable listener whose accept fails would spin the thread (and take the GIL from the loop).
 ACCEPT_BACKOFF_S = 0.1
@@ -251,6 +259,7 @@ def _response(code: int, body: bytes | str, content_type: str = "text/plain; cha
 class _Connection:
     sock: socket.socket
     deadline_s: float  # closed then: METRICS_IDLE_TIMEOUT_S after its last progress
+    accepted_s: float  # when it was accepted: it gives its place no sooner than EVICTION_MIN_AGE_S after
     phase: str = REQUEST
     head: bytearray = field(default_factory=bytearray)  # the request as read, at most MAX_REQUEST_HEAD_BYTES
     unsent: memoryview = memoryview(b"")  # the answer's bytes not yet taken
@@ -274,12 +283,16 @@ class MetricsServer:
     """
 
     def __init__(self, listener: socket.socket, registry: CollectorRegistry, token: bytes | None,
-                 idle_timeout_s: float) -> None:
+                 idle_timeout_s: float, eviction_min_age_s: float = EVICTION_MIN_AGE_S) -> None:
         self._listener = listener
         self.port: int = listener.getsockname()[1]
         self._registry = registry
         self._token = token
         self.idle_timeout_s = idle_timeout_s
+        self.eviction_min_age_s = eviction_min_age_s
+        # While every place is held by connections too young to give it: when the listener is
+        # watched again (None: it is watched).
+        self._accepts_resume_s: float | None = None
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._connections: dict[socket.socket, _Connection] = {}
@@ -294,6 +307,7 @@ class MetricsServer:
     @classmethod
     def start(cls, port: int | socket.socket, fetch: Callable[[], BrokerStatus], host: str = "127.0.0.1",
               token_file: str | None = None, idle_timeout_s: float = METRICS_IDLE_TIMEOUT_S,
+              eviction_min_age_s: float = EVICTION_MIN_AGE_S,
               extra=None) -> MetricsServer:
         """Listen on host:port (port 0: a free port, read back from `port`; MetricsPortError
         where it cannot), or serve a socket of `bind_metrics_port` (`port`), closed with the
@@ -308,7 +322,7 @@ class MetricsServer:
             registry.register(extra)
         listener = port if isinstance(port, socket.socket) else bind_metrics_port(port, host)
         listener.setblocking(False)
-        server = cls(listener, registry, token, idle_timeout_s)
+        server = cls(listener, registry, token, idle_timeout_s, eviction_min_age_s)
         server._thread.start()
         return server
 
@@ -341,6 +355,7 @@ class MetricsServer:
         self._selector.register(self._wake_r, selectors.EVENT_READ)
         try:
             while not self._stopping.is_set():
+                self._resume_accepts(time.monotonic())
                 events = self._selector.select(self._wait_s(time.monotonic()))
                 for key, _ in events:  # the open connections first: a request read is not pushed out by new ones
                     if key.data is not None:
@@ -355,19 +370,43 @@ class MetricsServer:
             self._listener.close()
 
     def _wait_s(self, now_s: float) -> float | None:
-        """Until the next deadline (None: no connection, wait for one)."""
+        """Until the next deadline, or the listener's return (None: no connection, wait for one)."""
         if not self._connections:
             return None
-        return max(0.0, min(conn.deadline_s for conn in self._connections.values()) - now_s)
+        ends = [conn.deadline_s for conn in self._connections.values()]
+        if self._accepts_resume_s is not None:
+            ends.append(self._accepts_resume_s)
+        return max(0.0, min(ends) - now_s)
+
+    def _resume_accepts(self, now_s: float) -> None:
+        """The listener watched again once a place is free or a held one old enough to give it."""
+        if self._accepts_resume_s is not None and (now_s >= self._accepts_resume_s
+                                                   or len(self._connections) < MAX_METRICS_CONNECTIONS):
+            self._accepts_resume_s = None
+            self._selector.register(self._listener, selectors.EVENT_READ)
+
+    def _pause_accepts(self, now_s: float) -> None:
+        """Every place held by a connection too young to give it: the listener is not watched
+        (its queue keeps the newcomers, in order) until the oldest of them is old enough."""
+        oldest_s = min(conn.accepted_s for conn in self._connections.values())
+        self._accepts_resume_s = max(now_s, oldest_s + self.eviction_min_age_s)
+        self._selector.unregister(self._listener)
 
     def _accept(self) -> None:
         """The connections waiting, as many as can be held without closing one accepted in
         this turn (the rest stay queued, in order): without a token, each whose peer is not
         the owner's closed at once; each other one held, in the place of
         one held before this turn when every place is taken (`_eviction_order`)."""
-        evictable = sorted(self._connections.values(), key=_eviction_order)
-        room, budget = MAX_METRICS_CONNECTIONS, ACCEPTS_PER_TURN  # every one held now came in an earlier turn
-        deadline_s = time.monotonic() + self.idle_timeout_s
+        now_s = time.monotonic()
+        evictable = sorted((conn for conn in self._connections.values()
+                            if conn.phase == DRAIN or now_s - conn.accepted_s >= self.eviction_min_age_s),
+                           key=_eviction_order)
+        # Every one evictable now came in an earlier turn: one accepted in this turn keeps its place.
+        room, budget = MAX_METRICS_CONNECTIONS - len(self._connections) + len(evictable), ACCEPTS_PER_TURN
+        if not room:
+            self._pause_accepts(now_s)
+            return
+        deadline_s = now_s + self.idle_timeout_s
         while room and budget:
             asked = min(room, budget)
             accepted = self._accept_waiting(asked)
@@ -376,14 +415,14 @@ class MetricsServer:
                 self._owners_only(accepted)
             for sock in socks:
                 if len(self._connections) >= MAX_METRICS_CONNECTIONS:
-                    assert evictable, "room counts only places free or held before this turn"
+                    assert evictable, "room counts only places free or evictable before this turn"
                     self.evicted_connections += 1
                     self._drop(evictable.pop(0))
                     _log_doubling(self.evicted_connections, "metrics: connections closed to make room so far: %d "
                                   f"(all MAX_METRICS_CONNECTIONS = {MAX_METRICS_CONNECTIONS} places were held; the "
                                   f"one idle the longest gave its place)")
                 sock.setblocking(False)
-                conn = _Connection(sock, deadline_s)
+                conn = _Connection(sock, deadline_s, now_s)
                 self._connections[sock] = conn
                 self._selector.register(sock, selectors.EVENT_READ, conn)
                 room -= 1
