@@ -42,7 +42,7 @@ from pipeline.broker.storage.inspect import live_items, live_payload_tails, live
 from pipeline.broker.storage.paths import iter_segments
 from pipeline.reporting.accounting import summarize_results
 from pipeline.wire.errors import FrameError, ShmError
-from pipeline.wire.layouts.frames import parse_frame
+from pipeline.wire.layouts.frames import Frame, parse_frame
 from shm.ring_layout import unreleased_records
 
 # A ledger slot not written yet (its producer has not registered).
@@ -214,18 +214,9 @@ def pending_payloads(storage_dir: str, ring_names: Iterable[str]) -> Iterator[tu
     Unreadable rings are skipped: `ring_stock` names them."""
     if os.path.isdir(storage_dir):
         yield from live_payloads([f.path for f in iter_segments(storage_dir)])
-    for name in ring_names:
-        try:
-            bodies = unreleased_records(name)
-        except ShmError:
-            continue
-        for position, body in enumerate(bodies):
-            try:
-                frame = parse_frame(np.frombuffer(body, dtype=np.uint8), where=f"ring {name} record {position}")
-            except FrameError:
-                break
-            for i, item in enumerate(frame.items["item_id"].tolist()):
-                yield int(item), frame.item_payload(i)
+    for frame in _unreleased_frames(ring_names):
+        for i, item in enumerate(frame.items["item_id"].tolist()):
+            yield int(item), frame.item_payload(i)
 
 
 def pending_payload_tails(storage_dir: str, ring_names: Iterable[str], size: int) -> Iterator[np.ndarray]:
@@ -236,6 +227,14 @@ def pending_payload_tails(storage_dir: str, ring_names: Iterable[str], size: int
     if os.path.isdir(storage_dir):
         for _ids, tails in live_payload_tails([f.path for f in iter_segments(storage_dir)], size):
             yield tails
+    for frame in _unreleased_frames(ring_names):
+        found = [frame.item_payload(i) for i in range(frame.items.shape[0])]
+        yield np.frombuffer(b"".join(p[-size:] for p in found if len(p) >= size), dtype=np.uint8).reshape(-1, size)
+
+
+def _unreleased_frames(ring_names: Iterable[str]) -> Iterator[Frame]:
+    """The frames producer rings hold unreleased, a ring at a time, each ring up to its first
+    record that is not a whole frame; unreadable rings are skipped (`ring_stock` names them)."""
     for name in ring_names:
         try:
             bodies = unreleased_records(name)
@@ -243,11 +242,9 @@ def pending_payload_tails(storage_dir: str, ring_names: Iterable[str], size: int
             continue
         for position, body in enumerate(bodies):
             try:
-                frame = parse_frame(np.frombuffer(body, dtype=np.uint8), where=f"ring {name} record {position}")
+                yield parse_frame(np.frombuffer(body, dtype=np.uint8), where=f"ring {name} record {position}")
             except FrameError:
                 break
-            found = [frame.item_payload(i) for i in range(frame.items.shape[0])]
-            yield np.frombuffer(b"".join(p[-size:] for p in found if len(p) >= size), dtype=np.uint8).reshape(-1, size)
 
 
 def store_stock(storage_dir: str) -> StoreStock:
