@@ -36,13 +36,6 @@ from shm.ring import RingWriter, SharedRing
 
 log = logging.getLogger("pipeline.broker")
 
-# A batch that is not full goes only to a consumer holding fewer batches than this (one
-# running, three waiting). A quick consumer's window (consumer/credit.py) reaches 64 batches,
-# and filling it with partial batches of shallow lanes takes the demo's mean batch fill from
-# 0.25 to 0.14-0.16 while they only wait in its ring.
-# NOTE: 2 was rejected: consumers of deep queues starved whenever the current shape's lane ran
-# short (the flood of `pipeline bench e2e`: 139 k and 225 k items/s against 165 k and 242 k).
-PARTIAL_BATCHES_AHEAD = 4
 
 
 class ConsumerSide:
@@ -100,18 +93,18 @@ class ConsumerSide:
         return handed
 
     def hungry(self) -> bool:
-        """Whether some consumer has credit and holds fewer than PARTIAL_BATCHES_AHEAD batches:
-        it may run dry within a few of its batches, so the loop keeps its fill short."""
+        """Whether some consumer may run dry within a few of its batches (`BatchPacing.hungry`),
+        so the loop keeps its fill short."""
         if self._gate.gating:
             return False  # nothing can be dispatched yet: fill in whole slices
-        return any(c.credit > 0 and len(c.batches) < PARTIAL_BATCHES_AHEAD and not c.peer.closed
-                   for c in self.consumers.values())
+        return self._dispatcher.pacing.hungry((c.credit, len(c.batches)) for c in self.consumers.values()
+                                              if not c.peer.closed)
 
     def _hand_one(self, consumer: ConsumerPeer) -> bool:
         """The consumer's next batch into its ring; whether one went."""
         # A batch that is not full waits while the consumer has enough to run: the lane may
-        # fill it meanwhile (Nagle's rule for batches).
-        full_only = len(consumer.batches) >= PARTIAL_BATCHES_AHEAD
+        # fill it meanwhile (pacing.py).
+        full_only = not self._dispatcher.pacing.partial_allowed(len(consumer.batches))
         batch = self._dispatcher.next_batch(consumer.consumer_id, consumer.contract, time.monotonic(), full_only)
         if batch is None:
             return False

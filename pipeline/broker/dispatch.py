@@ -49,7 +49,6 @@ completed; when everything is done, received + recovered = completed: difference
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 
@@ -77,6 +76,7 @@ from pipeline.broker.lanes import LaneConfig, LaneCounters, ShapeLanes
 from pipeline.broker.lanes.schedule import TickSchedule
 from pipeline.broker.packing import Contract, batch_items_limit, pack
 from pipeline.broker.pool import SolitaryPool, is_pool, pool_shape
+from pipeline.broker.pacing import PACING, BatchPacing
 from pipeline.broker.selection import AGE_RESOLUTION_NS, SHAPE_ORDER_MOST_TOKENS, DispatchPolicy, ShapeSelector
 from pipeline.broker.storage.base import AppendGroup, StorageTier
 from pipeline.broker.storage.pending import Completion
@@ -84,15 +84,6 @@ from pipeline.wire.errors import DiskFullError
 from pipeline.wire.layouts.frames import Frame, ProducerId, decode_chains
 from pipeline.wire.layouts.names import DEFAULT_MAX_MODELS, MODEL_ID_LIMIT
 
-# A batch offered only if it is full enough (`next_batch(full_only=True)`, for a consumer that
-# holds several already) needs this share of what its contract lets it hold: a lane of 7
-# long prompts that fill 85% of the token budget is worth sending, 2 of them are not.
-FULL_ENOUGH_FRACTION = 0.75
-# ...unless its lane took no new item for this long: waiting will not fill it then. demo-chat's
-# turns are shapes of 1-3 items, all in within the first second; held to PARTIAL_BATCHES_AHEAD
-# one-item batches (about 7 ms of work), its consumers idled at every broker hiccup longer
-# than that. A lane of the streaming demo takes an item every few ms, so it still waits.
-PARTIAL_WAIT_S = 0.25
 
 
 class Dispatcher:
@@ -117,9 +108,11 @@ class Dispatcher:
         policy: DispatchPolicy | None = None,
         pool_max_items: int = 0,
         pool_min_shapes: int = 0,
+        pacing: BatchPacing = PACING,
     ) -> None:
         assert 1 <= max_models <= MODEL_ID_LIMIT, max_models  # BrokerConfig checks it
         self._storage = storage
+        self.pacing = pacing  # when a batch that is not full goes (pacing.py): the broker's one rule
         self._max_models = max_models
         self._lane_config = lane_config if lane_config is not None else LaneConfig()
         self._selector: DispatchPolicy = policy if policy is not None else ShapeSelector(
@@ -386,9 +379,9 @@ class Dispatcher:
         the front -> pack to the contract (SPEC §3) -> the signature guard on the chunk.
         Nothing is committed: call `commit` once the consumer's channel took the batch, or
         `abandon` if it did not. `full_only`: None, without peeking and without switching
-        shapes, unless that lane fills at least FULL_ENOUGH_FRACTION of a whole batch (the
-        contract's items, or its tokens at the lane's longest item) or took no item for
-        PARTIAL_WAIT_S (nothing is coming to fill it).
+        shapes, unless that lane's batch is worth sending (`BatchPacing.worth_sending`: full
+        enough of a whole batch, the contract's items or its tokens at the lane's longest
+        item, or its lane idle long enough that nothing is coming to fill it).
 
         Example: model 0's current shape A has lanes 0 (target 512, 40 items queued, 20,000
         tokens) and 1 (target 1000, 5 items, 5,000 tokens); a contract of 64 items / 16,384
@@ -414,8 +407,7 @@ class Dispatcher:
         key = LaneKey(shape.model, shape.signature, lane)
         available = lanes.queued_items(lane) - self._held.get(key, 0)
         fits = batch_items_limit(longest, contract)
-        if full_only and available < math.ceil(FULL_ENOUGH_FRACTION * fits) \
-                and now_s - lanes.last_seen_s(lane) < PARTIAL_WAIT_S:
+        if full_only and not self.pacing.worth_sending(available, fits, now_s - lanes.last_seen_s(lane)):
             return None
         if switch is not None:
             self._selector.switch(shape, switch, consumer=consumer)

@@ -6,7 +6,7 @@ what the rings hold (SPEC §5).
 
 A frame of many new shapes (a segment file each) is stored a few lane groups at a time
 (INGEST_STEP_GROUPS), and while a consumer runs short of batches a fill lasts at most
-HUNGRY_FILL_SLICE_S, so dispatch runs between the slices; the rest of the frame is stored
+its hungry slice (pacing.py), so dispatch runs between the slices; the rest of the frame is stored
 at the next turns before any other frame is read.
 
 Owner: the broker loop (one thread); not thread-safe. A full disk is backpressure: the
@@ -40,12 +40,6 @@ DISK_FULL_LOG_INTERVAL_S = 30.0
 # new shape's first group creates its segment file (0.2-0.3 ms on a 2-core machine), so 8
 # groups stay within about 2 ms; a frame of one shape (the common bulk case) is 1-2 groups.
 INGEST_STEP_GROUPS = 8
-# How long a fill storing a frame in slices may last while a consumer holds fewer batches
-# than it needs to stay busy (ConsumerSide.hungry): one-item batches of 1-2 ms run dry in
-# the ~7 ms a consumer holds, and a whole frame of 200 new shapes (50 ms) left both
-# consumers idle 1.6-1.9 s of the first seconds of demo-chat (turn log against the results
-# files' idle gaps). 2 ms leaves the turn (dispatch, control) room within that.
-HUNGRY_FILL_SLICE_S = 0.002
 
 
 class ProducerSide:
@@ -103,13 +97,13 @@ class ProducerSide:
 
     def fill(self, now_s: float, catching_up: bool = False, hungry: bool = False) -> bool:
         """Ingest frames from every producer ring for at most one work slice (a frame stored in
-        slices: HUNGRY_FILL_SLICE_S when `hungry`, a consumer running short of batches); then
+        slices: shorter when `hungry`, a consumer running short of batches: pacing.py); then
         flush the storage and release what it stored. Returns whether anything was ingested, or a frame is still
         being stored in slices (the loop then must not sleep)."""
         deadline = now_s + self.config.work_slice_s
         # A frame stored in slices stops at this one; whole frames (a few lane groups: the
         # bulk case) still fill the work slice, as many turns cost the broker CPU per item.
-        slice_end = now_s + HUNGRY_FILL_SLICE_S if hungry else deadline
+        slice_end = now_s + self._dispatcher.pacing.fill_slice_s(self.config.work_slice_s, hungry)
         step = None if catching_up else INGEST_STEP_GROUPS  # catching up serves nobody meanwhile
         ingested = self._continue_held_back(slice_end, step)
         for producer in list(self.producers.values()):

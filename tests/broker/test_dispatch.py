@@ -257,7 +257,7 @@ def test_full_only_waits_for_a_lane_that_fills_a_batch(tier):
 def test_full_only_takes_a_partial_batch_nothing_will_fill(tier):
     """A lane that took no item for PARTIAL_WAIT_S will not fill by waiting: full_only gives
     its partial batch (one item of 8) from then on, not a moment before."""
-    from pipeline.broker.dispatch import PARTIAL_WAIT_S
+    from pipeline.broker.pacing import PARTIAL_WAIT_S
     dispatcher = Dispatcher(tier)
     dispatcher.ingest(make_frame(0, 0, [(0, 5)], [100]), 1.0)
     by_items = Contract(0, 8, 65_536, 1000)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline.broker.config import BrokerConfig
-from pipeline.broker.consumers import PARTIAL_BATCHES_AHEAD
+from pipeline.broker.pacing import PARTIAL_BATCHES_AHEAD
 from pipeline.consumer.config import ConsumerConfig
 from pipeline.consumer.credit import INITIAL_CREDIT, MAX_CREDIT, MIN_CREDIT
 from pipeline.runtime.local import CTX, start_consumer
