@@ -1,11 +1,11 @@
 """quickstart.py's tiers: a `-m` given after a test command narrows the tier it runs, never
-replaces it (pytest keeps only the last -m it is given)."""
+replaces it (pytest keeps only the last -m it is given); the tests' environment."""
 
 from __future__ import annotations
 
 import pytest
 
-from quickstart import UNIT_AND_INTEGRATION, _with_marks, _with_workers
+from quickstart import NO_BYTECODE_ENV, UNIT_AND_INTEGRATION, _test_env, _with_marks, _with_workers
 
 
 @pytest.mark.parametrize("rest, want", [
@@ -21,7 +21,6 @@ def test_a_users_marks_narrow_the_tier(rest, want):
     assert _with_marks(UNIT_AND_INTEGRATION, rest) == want
 
 
-
 @pytest.mark.parametrize("rest, want", [
     ([], ["-n", "4"]),
     (["-k", "ring"], ["-n", "4", "-k", "ring"]),
@@ -33,3 +32,10 @@ def test_a_users_marks_narrow_the_tier(rest, want):
 ])
 def test_the_workers_are_the_users_when_they_choose_them(rest, want):
     assert _with_workers("4", rest) == want
+
+
+def test_the_tests_write_bytecode_caches_whatever_the_environment_says():
+    inherited = {NO_BYTECODE_ENV: "1", "HOME": "/h", "PYTHONUNBUFFERED": "0"}
+    env = _test_env(inherited, {"SHAPE_BROKER_REQUIRE_VLLM": "1"})
+    assert env == {"HOME": "/h", "PYTHONUNBUFFERED": "1", "SHAPE_BROKER_REQUIRE_VLLM": "1"}
+    assert NO_BYTECODE_ENV in inherited  # the caller's own environment is left as it was
