@@ -1,4 +1,4 @@
-"""I/O-fault and power-cut campaigns over the disk tier (issue 17, items 2 and 3), with the
+"""I/O-fault and power-cut campaigns over the disk tier, with the
 driver and the checks of tests/support/disk_crash.py (a child process runs the broker loop
 in miniature and logs what it acknowledged; the parent recovers and checks by item).
 

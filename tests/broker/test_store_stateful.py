@@ -1,7 +1,7 @@
 """The whole store (Dispatcher over a DiskTier on real files) against a simple model, under
 random sequences of submit, dispatch, complete, consumer loss, broker crash and restart,
 torn tails and segment damage (hypothesis's rule-based state machine), checked after every
-step (issue 17, item 5).
+step.
 
 The model: every acknowledged item (ingested and flushed) is queued, held by one consumer's
 batch, or completed. A crash abandons the Dispatcher and DiskTier without closing them (what

@@ -1,4 +1,4 @@
-"""Bad peers against a real broker process (issue 17 item 6): garbage frames in some
+"""Bad peers against a real broker process: garbage frames in some
 producers' rings and fuzzed bytes on control connections. The bad peer alone is refused,
 told why (the broker's reason names the field and byte offset); the broker keeps serving
 the good producer and the consumer, and stores exactly what the good producer sent."""

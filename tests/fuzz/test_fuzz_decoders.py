@@ -1,4 +1,4 @@
-"""Every decoder the outside world reaches, fuzzed (issue 17 item 6): arbitrary bytes and
+"""Every decoder the outside world reaches, fuzzed: arbitrary bytes and
 mutations of valid encodings (bit flips, truncations, inserted and deleted bytes, each
 header field overwritten with boundary values, odd JSON values in every position). Each
 input is either decoded (and used as the product uses it next) or rejected with the

@@ -1,4 +1,4 @@
-"""What the fuzz campaign found, one regression test each (issue 17 item 6): every one was
+"""What the fuzz campaign found, one regression test each: every one was
 an untyped exception (or an input the store would later misread) before its fix."""
 
 from __future__ import annotations

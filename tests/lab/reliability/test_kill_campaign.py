@@ -1,4 +1,4 @@
-"""Kill campaigns through the real commands (issue 17, item 4): the broker killed -9 at random
+"""Kill campaigns through the real commands: the broker killed -9 at random
 moments and at named crash points under `pipeline produce` and the stage daemons, consumers
 killed, paused past the heartbeat timeout and cut off from their socket, producers killed
 while they write frames, `pipeline launch` and `pipeline run-batch` killed and run again.
