@@ -47,7 +47,6 @@ from pipeline.batchjob.manifest import (
     LINES_NAME,
     LOCK_NAME,
     MODEL_COPY_DIR,
-    SCAN_DIR,
     STATUS_NAME,
     JobManifest,
     depends_on,
@@ -65,8 +64,9 @@ from pipeline.batchjob.jobfiles import (
     remove_job_dir,
 )
 from pipeline.batchjob.paths import OutputPath, check_input, check_outputs, replace_file, unless_disk_full
-from pipeline.batchjob.progress import JobCounts, JobTracker, JobView
-from pipeline.batchjob.scan import InputScan, input_digest, read_index, scan_input, write_index
+from pipeline.batchjob.progress import JobCounts, JobTracker, JobView, paced_by
+from pipeline.batchjob.prescan import scan_or_adopt
+from pipeline.batchjob.scan import InputScan, input_digest, read_index, write_index
 from pipeline.batchjob.telemetry import JobTelemetry
 from pipeline.batchjob.tools import ToolCalling
 from pipeline.batchjob.workload import JobInput, JobWorkload, PromptLimits, bits_set, set_bits
@@ -107,6 +107,7 @@ class JobSpec:
     limits: PromptLimits = field(default_factory=PromptLimits)
     tool_calling: ToolCalling = field(default_factory=ToolCalling)
     chat_template: str | None = None  # --chat-template's text, over the model directory's
+    input_scan: str | None = None  # a scan of the input kept beforehand (`prescan.py`): the service's
 
 
 @dataclass(slots=True)
@@ -268,10 +269,10 @@ class BatchJob:
         """This run's idea of the job: a fresh scan of the input for a new job (refused with
         its bad lines), its digest alone for a resume."""
         spec = self.spec
-        if have is None:
-            job_dir = os.path.join(self.data_dir, JOB_DIR)
-            scan = scan_input(input_path, os.path.join(job_dir, SCAN_DIR), os.path.join(job_dir, LINES_NAME),
-                              on_progress=self._scanning)
+        adopted = False
+        if have is None:  # the batch service's scan at upload, where it has one
+            scan, adopted = scan_or_adopt(input_path, os.path.join(self.data_dir, JOB_DIR), spec.input_scan,
+                                          self._scanning)
         else:
             size, digest = os.stat(input_path).st_size, have.input_xxh3
             if size != have.input_bytes:  # refused now, naming both digests
@@ -289,7 +290,10 @@ class BatchJob:
             **served_by(spec.settings.engine_options, spec.model_dir),
             depends_on=depends_on(spec.model_dir, spec.settings.engine, spec.settings.engine_options,
                                   spec.settings.max_input_len, spec.chat_template, self.model_files))
-        return (JobManifest.new(**fields) if have is None else replace(have, **fields)), scan
+        wanted = JobManifest.new(**fields) if have is None else replace(have, **fields)
+        if adopted:  # its input's digest checked beside the run, as a resume's
+            self.input_check = InputCheck(input_path, wanted)
+        return wanted, scan
 
     def _scanning(self, read_bytes: int, requests: int) -> None:
         self.say(f"run-batch: checking {printable(self.spec.input_path)}: {read_bytes / 1e6:,.0f} MB read, "
@@ -535,19 +539,9 @@ class BatchJob:
                           log.done - self._answered_before, self._paced_by(), written)
 
     def _paced_by(self) -> str:
-        """Which stage paced this run: the producers making prompts, or the engines."""
         if self.report is None:
             return "nothing ran"
-        consumers = self.report.get("busy_fraction")
-        producers = self._producers_busy
-        if producers is not None and producers >= 0.8 and (consumers is None or producers > consumers):
-            return f"making prompts (the producers were busy {producers:.0%} of the run)"
-        if consumers is not None and consumers >= 0.8:
-            return f"the engines (the consumers were busy {consumers:.0%} of the run)"
-        shown = ", ".join(f"{name} busy {share:.0%}" for name, share in (("producers", producers),
-                                                                            ("consumers", consumers))
-                          if share is not None)
-        return f"no stage was busy most of the run ({shown}): the hand-offs between them, or the start"
+        return paced_by(self._producers_busy, self.report.get("busy_fraction"))
 
     def _write_summaries(self, summary: JobSummary) -> None:
         """The summary beside the output, and the run report, after the output."""

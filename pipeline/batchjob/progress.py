@@ -117,3 +117,16 @@ def format_duration(seconds: float | None) -> str:
     hours, rest = divmod(seconds, 3600)
     minutes, secs = divmod(rest, 60)
     return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def paced_by(producers: float | None, consumers: float | None) -> str:
+    """Which stage paced a run, from the share of it each was busy (None: not measured): the
+    producers making prompts, the engines, or neither (the hand-offs, or the start)."""
+    if producers is not None and producers >= 0.8 and (consumers is None or producers > consumers):
+        return f"making prompts (the producers were busy {producers:.0%} of the run)"
+    if consumers is not None and consumers >= 0.8:
+        return f"the engines (the consumers were busy {consumers:.0%} of the run)"
+    shown = ", ".join(f"{name} busy {share:.0%}" for name, share in (("producers", producers),
+                                                                        ("consumers", consumers))
+                      if share is not None)
+    return f"no stage was busy most of the run ({shown}): the hand-offs between them, or the start"

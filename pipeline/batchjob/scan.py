@@ -558,6 +558,23 @@ def write_index(path: str, scan: InputScan) -> None:
     replace_file(path, [header.tobytes(), scan.index.astype(INDEX_ENTRY_DTYPE).tobytes()])
 
 
+def parse_index(raw: bytes) -> InputScan | None:
+    """An index file's bytes (`write_index`) as the scan it keeps, its path empty; None for
+    bytes that are not one (damaged, another version)."""
+    size = INDEX_HEADER_DTYPE.itemsize
+    if len(raw) < size:
+        return None
+    header = np.frombuffer(raw[:size], dtype=INDEX_HEADER_DTYPE)[0]
+    requests, entries = int(header["requests"]), int(header["entries"])
+    if (header["magic"] != INDEX_MAGIC or int(header["version"]) != INDEX_VERSION
+            or int(header["header_xxh3"]) != xxhash.xxh3_64_intdigest(raw[:_HEADER_CHECKED_BYTES])
+            or int(header["stride"]) != INDEX_STRIDE or entries != -(-requests // INDEX_STRIDE)
+            or len(raw) != size + entries * INDEX_ENTRY_DTYPE.itemsize):
+        return None
+    return InputScan("", int(header["input_bytes"]), bytes(header["input_xxh3"]).hex(), requests,
+                     np.frombuffer(raw, dtype=INDEX_ENTRY_DTYPE, offset=size).copy())
+
+
 def read_index(path: str, manifest) -> np.ndarray:
     """The sparse index of the job `manifest` describes; JobMismatchError for a file that is
     not it (damaged, or of another input)."""
@@ -569,15 +586,7 @@ def read_index(path: str, manifest) -> np.ndarray:
     except OSError as exc:
         raise JobMismatchError(f"{path}: cannot read the job's input index ({exc.strerror}); use another "
                                f"--data-dir") from exc
-    size = INDEX_HEADER_DTYPE.itemsize
-    header = np.frombuffer(raw[:size], dtype=INDEX_HEADER_DTYPE)[0] if len(raw) >= size else None
-    wrong = header is None or (
-        header["magic"] != INDEX_MAGIC or int(header["version"]) != INDEX_VERSION
-        or int(header["header_xxh3"]) != xxhash.xxh3_64_intdigest(raw[:_HEADER_CHECKED_BYTES])
-        or int(header["stride"]) != INDEX_STRIDE or int(header["requests"]) != manifest.requests
-        or bytes(header["input_xxh3"]).hex() != manifest.input_xxh3
-        or len(raw) != size + int(header["entries"]) * INDEX_ENTRY_DTYPE.itemsize
-        or int(header["entries"]) != -(-manifest.requests // INDEX_STRIDE))
-    if wrong:
+    scan = parse_index(raw)
+    if scan is None or scan.requests != manifest.requests or scan.input_xxh3 != manifest.input_xxh3:
         raise JobMismatchError(f"{path}: not the input index of this job (damaged?); use another --data-dir")
-    return np.frombuffer(raw, dtype=INDEX_ENTRY_DTYPE, offset=size).copy()
+    return scan.index

@@ -110,6 +110,9 @@ LOG_INTERVAL_S = 5.0
                    f"(default: {RAY_NODE_DIR_DEFAULT}-JOB in the system's temporary directory).")
 @click.option("--ray-route", type=click.Choice(["shape", "round-robin"]), default="shape", show_default=True,
               help="With --ray: shape-affine routing, or round-robin over nodes (the baseline an actor pool is).")
+@click.option("--input-scan", "input_scan", hidden=True, metavar="PREFIX",
+              help="The batch service's scan of the input at upload (PREFIX.index, PREFIX.lines), adopted by a new "
+                   "job instead of reading the input again (pipeline/batchjob/prescan.py).")
 @engine_flag_options(jobs=True)
 def run_batch(input_file: str, output_file: str, model_dir: str, served_model_name: str | None,
               data_dir: str | None, output_order: str, error_file: str | None, overwrite: bool,
@@ -117,7 +120,7 @@ def run_batch(input_file: str, output_file: str, model_dir: str, served_model_na
               prompt_time_limit_s: float, prompt_memory_limit_mb: int, config_path: str | None,
               assignments: tuple[str, ...], keep_data_dir: bool, verbose: bool, ray_address: str | None,
               ray_node_dir: str | None, ray_route: str, tool_call_parser: str | None, enable_auto_tool_choice: bool,
-              **options) -> None:
+              input_scan: str | None, **options) -> None:
     """Run an OpenAI Batch file through the broker and consumers and write one response line
     per request to the output file; run it again on the same data directory to resume."""
     setup_logging(verbose)
@@ -132,6 +135,7 @@ def run_batch(input_file: str, output_file: str, model_dir: str, served_model_na
                      PromptLimits(prompt_time_limit_s, prompt_memory_limit_mb << 20), options)
         spec = plan_job(ask, flags, own_option_names(run_batch))
         spec.tool_calling = tool_calling(tool_call_parser, enable_auto_tool_choice)
+        spec.input_scan = input_scan
         if ray_address is not None and spec.settings.metrics_port is not None:  # bound by prepare, never served
             raise SettingsError("metrics_port: a job on a Ray cluster (--ray) serves no metrics; drop --metrics-port")
         if ray_address is not None and spec.settings.engine_options.get("lora_modules"):  # nodes serve model 0

@@ -79,6 +79,7 @@ class BatchRun:
     input_path: str
     work_dir: str
     requests: int
+    input_scan: str | None = None  # the input's scan kept at upload (`prescan.py`'s prefix)
 
 
 @dataclass(slots=True)
@@ -154,7 +155,8 @@ class RunBatchExecutor(Executor):
         return [sys.executable, "-m", "pipeline", "run-batch", "-i", run.input_path,
                 "-o", os.path.join(path, OUTPUT_NAME), "--error-file", os.path.join(path, ERRORS_NAME),
                 "--output-order", "completion", "--data-dir", os.path.join(path, DATA_NAME),
-                "--summary-file", os.path.join(path, SUMMARY_NAME), *self.job_args]
+                "--summary-file", os.path.join(path, SUMMARY_NAME),
+                *(["--input-scan", run.input_scan] if run.input_scan is not None else []), *self.job_args]
 
     def start(self, run: BatchRun) -> bool:
         assert run.batch_id not in self.children, run.batch_id

@@ -144,7 +144,7 @@ class Scheduler:
 
     def run_of(self, batch: BatchRecord) -> BatchRun:
         return BatchRun(batch.id, self.store.content_path(batch.input_file_id), self.store.work_dir(batch),
-                        batch.total)
+                        batch.total, self.store.kept_scan(batch.input_file_id))
 
     def tick(self) -> None:
         now = int(self.clock())

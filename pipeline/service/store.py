@@ -5,13 +5,15 @@ its directory fsynced), and the files' contents.
     DATA_DIR/server.lock            one server per data directory (its pid)
     DATA_DIR/files/ID.json          a file's record (objects.FileRecord)
     DATA_DIR/files/ID.jsonl         its content (an upload, or a batch's output or errors)
+    DATA_DIR/files/ID.index, .lines an upload's scan, which its batches' jobs adopt (`prescan.py`)
     DATA_DIR/batches/ID.json        a batch's record (objects.BatchRecord)
     DATA_DIR/jobs/SEQ/              the executor's folder of batch SEQ (`runner.py`)
     DATA_DIR/uploads/               uploads being received (emptied at start)
 
-A content file is renamed into place before its record is written, and a record removed
-before its content: a record always has its content, and a content without a record (a
-kill in between) is removed at the next start. Opening reads the records only (a few
+A content file (and an upload's scan) is renamed into place before its record is written,
+and a record removed before its content: a record always has its content, and a content
+without a record (a kill in between) is removed at the next start. A record without its
+scan (a store older than the scans) has its jobs scan the input themselves. Opening reads the records only (a few
 hundred bytes each), never an input: a restart takes milliseconds per thousand objects.
 
 Every object has its tenant (`owner`); lookups take the caller's tenant, and another
@@ -31,7 +33,8 @@ from dataclasses import replace
 from typing import BinaryIO
 
 from pipeline.batchjob.paths import replace_file
-from pipeline.batchjob.scan import envelope, scan_input
+from pipeline.batchjob.prescan import INDEX_SUFFIX, LINES_SUFFIX, keep_scan, kept_paths
+from pipeline.batchjob.scan import InputScan, envelope, scan_input
 from pipeline.runtime.datadir import describe_holder, hold_lock, prepare_data_dir, release_lock
 from pipeline.service.limits import MAX_FILENAME_CHARS
 from pipeline.service.objects import (
@@ -59,6 +62,10 @@ UPLOADS_DIR = "uploads"
 SERVICE_NAMES = frozenset({LOCK_NAME, FILES_DIR, BATCHES_DIR, JOBS_DIR, UPLOADS_DIR})
 RECORD_SUFFIX = ".json"
 CONTENT_SUFFIX = ".jsonl"
+# An upload's kept scan (`prescan.py`): its index and line digests; the latter's name while
+# the upload is checked.
+SCAN_SUFFIXES = (INDEX_SUFFIX, LINES_SUFFIX)
+SCAN_LINES_NAME = "lines.bin"
 # The most bytes of a record read: a batch's record with its metadata and errors is ~3 KiB.
 MAX_RECORD_BYTES = 1 << 20
 # Distinct urls kept of an input's lines: a batch takes one endpoint, and a second url is
@@ -116,10 +123,12 @@ class Store:
         for name in os.listdir(self._dir(UPLOADS_DIR)):  # what a killed upload left
             _remove_tree(os.path.join(self._dir(UPLOADS_DIR), name))
         self.load_batches()
-        contents = set()
+        contents, scans = set(), set()
         for name in os.listdir(self._dir(FILES_DIR)):
             if name.endswith(CONTENT_SUFFIX):
                 contents.add(name.removesuffix(CONTENT_SUFFIX))
+            elif name.endswith(SCAN_SUFFIXES):
+                scans.add(os.path.splitext(name)[0])
         for record in self._records(FILES_DIR):
             found = self._parsed(record, file_record)
             if found.id not in contents:
@@ -130,6 +139,8 @@ class Store:
         for orphan in contents - set(self.files):  # renamed in, its record never written
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.content_path(orphan))
+        for orphan in scans - set(self.files):
+            self._remove_scan(orphan)
 
     def load_batches(self) -> None:
         """The batches' records (read-only: `pipeline status` reads them beside a server)."""
@@ -162,6 +173,19 @@ class Store:
 
     def content_path(self, file_id: str) -> str:
         return os.path.join(self._dir(FILES_DIR), file_id + CONTENT_SUFFIX)
+
+    def _scan_prefix(self, file_id: str) -> str:
+        return os.path.join(self._dir(FILES_DIR), file_id)
+
+    def kept_scan(self, file_id: str) -> str | None:
+        """The prefix of the scan an upload kept (`prescan.py`), if it has one."""
+        prefix = self._scan_prefix(file_id)
+        return prefix if all(os.path.exists(path) for path in kept_paths(prefix)) else None
+
+    def _remove_scan(self, file_id: str) -> None:
+        for path in kept_paths(self._scan_prefix(file_id)):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
     def work_dir(self, batch: BatchRecord) -> str:
         """The executor's folder for `batch` (short: a job's broker socket lies inside it)."""
@@ -202,24 +226,31 @@ class Store:
         self._reserve(owner, size, quota_bytes)
         file_id = new_id("file-")
         work = os.path.join(self._dir(UPLOADS_DIR), file_id)
+        saved = False
         try:
             os.makedirs(work, mode=0o700)
             received = os.path.join(work, "content")
             copied = _copy(source, received, max_bytes)
-            requests, urls, digest = _scan(received, work, filename)
-            record = FileRecord(file_id, owner, filename[:MAX_FILENAME_CHARS], PURPOSE_BATCH, copied, now, requests,
-                                urls, digest)
+            scan, urls = _scan(received, work, filename)
+            record = FileRecord(file_id, owner, filename[:MAX_FILENAME_CHARS], PURPOSE_BATCH, copied, now,
+                                scan.requests, urls, scan.input_xxh3)
+            keep_scan(scan, os.path.join(work, SCAN_LINES_NAME), self._scan_prefix(file_id))
             fileops.rename(received, self.content_path(file_id))
             fileops.fsync_directory(self._dir(FILES_DIR))
             with self.lock:
                 self._save_file(record)
                 self.files[file_id] = record
                 self.stored_bytes[owner] = self.stored_bytes.get(owner, 0) + copied
+            saved = True
             return record
         finally:
             with self.lock:
                 self._reserved_bytes[owner] -= size
             _remove_tree(work)
+            if not saved:  # what it put in place goes with it (a start removes it, where a kill came first)
+                self._remove_scan(file_id)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.content_path(file_id))
 
     def _reserve(self, owner: str, size: int, quota_bytes: int) -> None:
         with self.lock:
@@ -265,6 +296,7 @@ class Store:
             self.stored_bytes[owner] -= found.bytes
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.content_path(file_id))
+        self._remove_scan(file_id)
 
     # ------------------------------------------------------------------ batches
 
@@ -336,9 +368,10 @@ def _copy(source: BinaryIO, path: str, max_bytes: int) -> int:
     return copied
 
 
-def _scan(path: str, work: str, filename: str) -> tuple[int, list[str], str]:
+def _scan(path: str, work: str, filename: str) -> tuple[InputScan, list[str]]:
     """run-batch's check of a batch file (ApiError 400 with its bad lines, named by the
-    upload's file name); its requests, its first distinct urls and its digest."""
+    upload's file name): the scan (its line digests at `work`/SCAN_LINES_NAME) and the
+    file's first distinct urls."""
     urls: list[str] = []
 
     def seen(_index: int, _line: int, _offset: int, raw: bytes) -> None:
@@ -348,11 +381,11 @@ def _scan(path: str, work: str, filename: str) -> tuple[int, list[str], str]:
                 urls.append(url)
 
     try:
-        scan = scan_input(path, os.path.join(work, "scan"), None, on_request=seen)
+        scan = scan_input(path, os.path.join(work, "scan"), os.path.join(work, SCAN_LINES_NAME), on_request=seen)
     except BatchFileError as exc:
         raise ApiError(HTTP_BAD_REQUEST, str(exc).replace(path, filename[:MAX_FILENAME_CHARS]), "file",
                        "invalid_batch_file") from None
-    return scan.requests, urls, scan.input_xxh3
+    return scan, urls
 
 
 def _remove_tree(path: str) -> None:

@@ -1,5 +1,6 @@
 """pipeline.batchjob.progress: the job's progress in its requests, across runs: counts as the
-answer log has them, rates over the latest window, an ETA, and the line the user reads."""
+answer log has them, rates over the latest window, an ETA, the line the user reads, and the
+stage that paced a run."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pipeline.batchjob.progress import (
     JobTracker,
     format_duration,
     format_job_line,
+    paced_by,
 )
 
 
@@ -154,3 +156,15 @@ def test_the_jobs_metrics_count_answers_by_status_and_latencies_in_buckets():
     assert 'shape_broker_job_request_latency_seconds_bucket{le="10"} 4.0' in text
     assert 'shape_broker_job_request_latency_seconds_bucket{le="+Inf"} 5.0' in text
     assert "shape_broker_job_request_latency_seconds_count 5.0" in text
+
+
+@pytest.mark.parametrize("producers, consumers, starts", [
+    (0.8, 0.5, "making prompts (the producers were busy 80%"),  # at the bar
+    (0.79, 0.5, "no stage was busy most of the run (producers busy 79%, consumers busy 50%)"),  # one below
+    (0.9, None, "making prompts"),
+    (0.85, 0.95, "the engines (the consumers were busy 95%"),  # both busy: the busier
+    (None, 0.8, "the engines"),
+    (None, None, "no stage was busy most of the run ()"),
+])
+def test_the_stage_that_paced_a_run(producers, consumers, starts) -> None:
+    assert paced_by(producers, consumers).startswith(starts)

@@ -1,6 +1,6 @@
 """The service's records on disk: an upload checked by run-batch's rules, the tenants' limits
-at and past them, another tenant's object missing, and what a kill leaves between a
-content and its record."""
+at and past them, another tenant's object missing, what a kill leaves between a content and
+its record, and the scan an upload keeps for its batches' jobs."""
 
 from __future__ import annotations
 
@@ -107,6 +107,31 @@ def test_a_restart_has_every_record_and_drops_a_content_without_one(tmp_path, st
         assert again.file("a", source.id) == source and again.batch("a", batch.id) == batch
         assert not os.path.exists(orphan)
         assert again.stored_bytes == {"a": source.bytes}
+        assert again.kept_scan(source.id) is not None
+    finally:
+        again.close()
+
+
+def test_an_upload_keeps_its_scan_and_a_delete_removes_it(store):
+    source = put(store, batch_file(3))
+    prefix = store.kept_scan(source.id)
+    assert prefix is not None
+    assert {os.stat(prefix + suffix).st_mode & 0o777 for suffix in (".index", ".lines")} == {0o600}
+    assert os.path.getsize(prefix + ".lines") == 3 * 8  # a digest a request
+    store.delete_file("a", source.id)
+    assert store.kept_scan(source.id) is None
+    assert sorted(os.listdir(os.path.join(store.data_dir, "files"))) == []
+
+
+def test_a_restart_drops_a_kept_scan_without_its_record(store):
+    source = put(store, batch_file(2))
+    prefix = store.kept_scan(source.id)
+    os.unlink(os.path.join(store.data_dir, "files", source.id + ".json"))  # as if killed before the record
+    os.unlink(store.content_path(source.id))
+    store.close()
+    again = Store.open(store.data_dir)
+    try:
+        assert again.files == {} and not os.path.exists(prefix + ".index") and not os.path.exists(prefix + ".lines")
     finally:
         again.close()
 
