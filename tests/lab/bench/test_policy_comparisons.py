@@ -94,6 +94,7 @@ def test_quick_looks_only_at_this_interpreter():
     assert python is None and len(tried) == 2
 
 
+@pytest.mark.integration  # matplotlib runs fc-list the first time it builds its font cache
 def test_a_chart_is_drawn(tmp_path: Path):
     pytest.importorskip("matplotlib")
     path = tmp_path / "c.png"
