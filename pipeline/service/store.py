@@ -13,8 +13,9 @@ its directory fsynced), and the files' contents.
 A content file (and an upload's scan) is renamed into place before its record is written,
 and a record removed before its content: a record always has its content, and a content
 without a record (a kill in between) is removed at the next start. A record without its
-scan (a store older than the scans) has its jobs scan the input themselves. Opening reads the records only (a few
-hundred bytes each), never an input: a restart takes milliseconds per thousand objects.
+scan (a store older than the scans) has its jobs scan the input themselves. Opening reads
+the records only (a few hundred bytes each), never an input: a restart takes milliseconds
+per thousand objects.
 
 Every object has its tenant (`owner`); lookups take the caller's tenant, and another
 tenant's object is "not found", as a missing one. Owner: the server process; every method
@@ -32,6 +33,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import BinaryIO
 
+from pipeline.batchjob.manifest import LINES_NAME
 from pipeline.batchjob.paths import replace_file
 from pipeline.batchjob.prescan import INDEX_SUFFIX, LINES_SUFFIX, keep_scan, kept_paths
 from pipeline.batchjob.scan import InputScan, envelope, scan_input
@@ -62,10 +64,8 @@ UPLOADS_DIR = "uploads"
 SERVICE_NAMES = frozenset({LOCK_NAME, FILES_DIR, BATCHES_DIR, JOBS_DIR, UPLOADS_DIR})
 RECORD_SUFFIX = ".json"
 CONTENT_SUFFIX = ".jsonl"
-# An upload's kept scan (`prescan.py`): its index and line digests; the latter's name while
-# the upload is checked.
+# An upload's kept scan (`prescan.py`): its index and line digests.
 SCAN_SUFFIXES = (INDEX_SUFFIX, LINES_SUFFIX)
-SCAN_LINES_NAME = "lines.bin"
 # The most bytes of a record read: a batch's record with its metadata and errors is ~3 KiB.
 MAX_RECORD_BYTES = 1 << 20
 # Distinct urls kept of an input's lines: a batch takes one endpoint, and a second url is
@@ -234,7 +234,7 @@ class Store:
             scan, urls = _scan(received, work, filename)
             record = FileRecord(file_id, owner, filename[:MAX_FILENAME_CHARS], PURPOSE_BATCH, copied, now,
                                 scan.requests, urls, scan.input_xxh3)
-            keep_scan(scan, os.path.join(work, SCAN_LINES_NAME), self._scan_prefix(file_id))
+            keep_scan(scan, os.path.join(work, LINES_NAME), self._scan_prefix(file_id))
             fileops.rename(received, self.content_path(file_id))
             fileops.fsync_directory(self._dir(FILES_DIR))
             with self.lock:
@@ -370,7 +370,7 @@ def _copy(source: BinaryIO, path: str, max_bytes: int) -> int:
 
 def _scan(path: str, work: str, filename: str) -> tuple[InputScan, list[str]]:
     """run-batch's check of a batch file (ApiError 400 with its bad lines, named by the
-    upload's file name): the scan (its line digests at `work`/SCAN_LINES_NAME) and the
+    upload's file name): the scan (its line digests at `work`/LINES_NAME) and the
     file's first distinct urls."""
     urls: list[str] = []
 
@@ -381,7 +381,7 @@ def _scan(path: str, work: str, filename: str) -> tuple[InputScan, list[str]]:
                 urls.append(url)
 
     try:
-        scan = scan_input(path, os.path.join(work, "scan"), os.path.join(work, SCAN_LINES_NAME), on_request=seen)
+        scan = scan_input(path, os.path.join(work, "scan"), os.path.join(work, LINES_NAME), on_request=seen)
     except BatchFileError as exc:
         raise ApiError(HTTP_BAD_REQUEST, str(exc).replace(path, filename[:MAX_FILENAME_CHARS]), "file",
                        "invalid_batch_file") from None
