@@ -157,7 +157,7 @@ class BatchJob:
         self._save_full = False  # the last save of the status found the disk full
         self.model_files = self.spec.model_dir  # the job's copies of the model's files, once made
         self._created_data_dir = False
-        self._new_job = False
+        self.new_job = False
         self.manifest: JobManifest | None = None
         self.job_input: JobInput | None = None
         self.input_check: InputCheck | None = None  # a resume's digest of its input
@@ -175,6 +175,8 @@ class BatchJob:
         # --metrics-port's socket, bound first thing (the launcher's once the job runs), and its port.
         self.metrics_listener: socket.socket | None = None
         self.metrics_port: int | None = None
+        # vLLM's check of the engine (`EngineFlags.verdict`), awaited before a request is submitted.
+        self.engine_verdict: Callable[..., dict | None] = lambda wait, stop=None: {}
 
     # ------------------------------------------------------------------ prepare
 
@@ -186,7 +188,7 @@ class BatchJob:
         have = load_manifest(self.data_dir) if os.path.isdir(self.data_dir) else None
         unfinished = have is None and holds_unfinished_scan(self.data_dir)
         check_data_dir_is_the_jobs(self.data_dir, has_manifest=have is not None or unfinished)
-        self._new_job = have is None
+        self.new_job = have is None
         self.own_files = OwnFiles(self.data_dir, have.log_mark if have is not None else None)
         outputs = self._outputs()
         expects = check_outputs(outputs, input_path, self.data_dir, self.own_files.own, spec.overwrite)
@@ -296,6 +298,7 @@ class BatchJob:
         return wanted, scan
 
     def _scanning(self, read_bytes: int, requests: int) -> None:
+        self.engine_verdict(False)  # a refusal that came meanwhile stops a long scan
         self.say(f"run-batch: checking {printable(self.spec.input_path)}: {read_bytes / 1e6:,.0f} MB read, "
                  f"{counted(requests, 'request')} so far")
 
@@ -371,7 +374,7 @@ class BatchJob:
         self._run_started_s = time.monotonic()
         if not self.to_submit and not self.pending:
             return 0
-        if not self._new_job:
+        if not self.new_job:
             check_room(self.data_dir, holds_work=True)
         workload = JobWorkload(self.job_input, self.skip, self.manifest, self.model_files, self.data_dir,
                                self.spec.limits, self.spec.chat_template, pin=self.pin)
@@ -379,6 +382,7 @@ class BatchJob:
                             metrics=self.telemetry)
         launcher.metrics_listener, self.metrics_listener = self.metrics_listener, None
         launcher.data_dir_pin = self.pin
+        launcher.engine_check = lambda stop: self.engine_verdict(True, stop)
         self.collector.tally(launcher.results_dir)
         try:
             outcome = launcher.run()
@@ -583,7 +587,7 @@ class BatchJob:
         directory); a job that does not hold its lock (another run's) touches nothing."""
         if self.metrics_listener is not None:
             self.metrics_listener.close()
-        if self._lock_fd < 0 or not self._new_job:
+        if self._lock_fd < 0 or not self.new_job:
             self.close(remove=False)
         elif self._created_data_dir:
             self.close(remove=True)

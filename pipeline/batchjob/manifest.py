@@ -39,6 +39,7 @@ from pipeline.batchjob.paths import replace_file
 from pipeline.batchjob.scan import MAX_BATCH_REQUESTS
 from pipeline.batchjob.tools import ToolCalling
 from pipeline.runtime.madefiles import Made, named, remove_made
+from pipeline.runtime.settings import engine_option_items
 from pipeline.wire.errors import JobMismatchError, JobPathError
 from pipeline.wire.textfiles import read_small_file
 
@@ -221,7 +222,7 @@ def depends_on(model_dir: str, engine: str, engine_options: dict[str, object], m
         found["chat template (--chat-template)"] = "xxh3 " + xxhash.xxh3_128_hexdigest(chat_template.encode("utf-8"))
     found["model weights"] = _weights_digest(model_dir)
     found["engine"] = engine
-    for key, value in sorted(_flat(engine_options).items()):
+    for key, value in sorted(engine_option_items(engine_options).items()):
         if key not in RESOURCE_OPTIONS:
             found[f"engine option {key}"] = json.dumps(_by_content(value, model_dir), sort_keys=True, default=str)
     found["max input length"] = str(max_input_len)
@@ -254,18 +255,6 @@ def _adapter_digest(path: str) -> str:
         return f"unreadable ({exc.strerror})"
     return "xxh3 " + xxhash.xxh3_128_hexdigest("\n".join(f"{n} {_file_digest(os.path.join(path, n))}"
                                                           for n in names).encode())
-
-
-def _flat(engine_options: dict[str, object]) -> dict[str, object]:
-    """The options with llm_kwargs' keys one by one (llm_kwargs.max_num_seqs), as the flags
-    set them: each is judged on its own (a resource, or what answers depend on)."""
-    flat = {key: value for key, value in engine_options.items() if key != "llm_kwargs"}
-    kwargs = engine_options.get("llm_kwargs")
-    if isinstance(kwargs, dict):
-        flat |= {f"llm_kwargs.{key}": value for key, value in kwargs.items()}
-    elif "llm_kwargs" in engine_options:
-        flat["llm_kwargs"] = kwargs
-    return flat
 
 
 def snapshot_model_files(model_dir: str, into: str) -> str:

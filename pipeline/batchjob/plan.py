@@ -69,7 +69,9 @@ class JobFlags(Protocol):
 
     def applied(self, settings: LaunchSettings, own: Sequence[str]) -> LaunchSettings: ...
 
-    def check_with_vllm(self, settings: LaunchSettings) -> None: ...
+    def start_check(self, settings: LaunchSettings) -> None: ...
+
+    def verdict(self, wait: bool) -> dict[str, Any] | None: ...
 
 
 def plan_job(ask: JobAsk, flags: JobFlags, own_options: Sequence[str]) -> JobSpec:
@@ -92,7 +94,7 @@ def plan_job(ask: JobAsk, flags: JobFlags, own_options: Sequence[str]) -> JobSpe
     tokenizer = ChatTokenizer.load(model_dir, chat_template=template)  # broken: one line, before anything
     settings = _settings(ask, data_dir, engine, flags, own_options, tokenizer)
     check_before_start(settings, lora_adapters=len(settings.engine_options.get("lora_modules") or ()))
-    flags.check_with_vllm(settings)
+    flags.start_check(settings)  # its verdict: before the job submits a request (BatchJob.engine_verdict)
     if settings.plots and not _importable("matplotlib"):
         raise SettingsError("plots: needs matplotlib (pip install 'shape-broker[plots]'), checked before the job runs")
     served = ask.served_model_name or os.path.basename(os.path.normpath(model_dir))

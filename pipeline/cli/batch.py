@@ -128,26 +128,32 @@ def run_batch(input_file: str, output_file: str, model_dir: str, served_model_na
         check_ray(ray_address)
     flags = None
     try:
-        given = parse_engine_options(engine_options) if engine_options else {}
-        flags = EngineFlags.take(options, click.get_current_context().args, given)
-        ask = JobAsk(input_file, output_file, model_dir, served_model_name, data_dir, output_order, error_file,
-                     overwrite, summary_file, engine or default_engine(), config_path, assignments, keep_data_dir,
-                     PromptLimits(prompt_time_limit_s, prompt_memory_limit_mb << 20), options)
-        spec = plan_job(ask, flags, own_option_names(run_batch))
-        spec.tool_calling = tool_calling(tool_call_parser, enable_auto_tool_choice)
-        spec.input_scan = input_scan
-        if ray_address is not None and spec.settings.metrics_port is not None:  # bound by prepare, never served
-            raise SettingsError("metrics_port: a job on a Ray cluster (--ray) serves no metrics; drop --metrics-port")
-        if ray_address is not None and spec.settings.engine_options.get("lora_modules"):  # nodes serve model 0
-            raise SettingsError("--lora-modules: a job on a Ray cluster (--ray) serves the base model only")
-        job = BatchJob(spec, say=_say, show=_Progress())
-        _prepare(job)
-    except (BadInputError, PipelineError) as exc:
-        raise click.ClickException(str(exc)) from exc
+        try:
+            given = parse_engine_options(engine_options) if engine_options else {}
+            flags = EngineFlags.take(options, click.get_current_context().args, given)
+            ask = JobAsk(input_file, output_file, model_dir, served_model_name, data_dir, output_order, error_file,
+                         overwrite, summary_file, engine or default_engine(), config_path, assignments, keep_data_dir,
+                         PromptLimits(prompt_time_limit_s, prompt_memory_limit_mb << 20), options)
+            spec = plan_job(ask, flags, own_option_names(run_batch))
+            spec.tool_calling = tool_calling(tool_call_parser, enable_auto_tool_choice)
+            spec.input_scan = input_scan
+            if ray_address is not None and spec.settings.metrics_port is not None:  # bound by prepare, never served
+                raise SettingsError("metrics_port: a job on a Ray cluster (--ray) serves no metrics; drop "
+                                    "--metrics-port")
+            if ray_address is not None and spec.settings.engine_options.get("lora_modules"):  # nodes serve model 0
+                raise SettingsError("--lora-modules: a job on a Ray cluster (--ray) serves the base model only")
+            if ray_address is not None:  # the nodes start their own engines: vLLM's verdict first
+                flags.verdict(wait=True)
+            job = BatchJob(spec, say=_say, show=_Progress())
+            job.engine_verdict = flags.verdict
+            _prepare(job)
+        except (BadInputError, PipelineError) as exc:
+            raise click.ClickException(str(exc)) from exc
+        code = _run(job, spec, ray_address, ray_route, ray_node_dir)
     finally:
         if flags is not None:
             flags.close()
-    sys.exit(_run(job, spec, ray_address, ray_route, ray_node_dir))
+    sys.exit(code)
 
 
 # Signals that stop a job while it prepares: Ctrl-C, a kill, a closed terminal.
@@ -201,6 +207,7 @@ def _run(job: BatchJob, spec: JobSpec, ray_address: str | None, ray_route: str, 
 
     signal.signal(signal.SIGHUP, signal.default_int_handler)
     code = 1
+    refused: SettingsError | None = None
     try:
         try:
             if ray_address is not None:
@@ -209,16 +216,25 @@ def _run(job: BatchJob, spec: JobSpec, ray_address: str | None, ray_route: str, 
                 code = job.run()
         except KeyboardInterrupt:
             code = 130
+        except SettingsError as exc:  # the launcher's start refused (vLLM's check): before a request was submitted
+            if job.new_job and ray_address is None:  # as a refusal before the start: nothing is left behind
+                refused = exc
+            else:
+                _say(f"run-batch: {exc}")
         except DataDirMovedError:
             raise  # nothing more is read or written there: said once, as the command's error
         except (ValueError, RuntimeError, TimeoutError, OSError, PipelineError) as exc:
             _say(f"run-batch: {exc}")
             code = 1
-        stopped_by_failure = code not in (0, EXIT_INTERRUPTED)
-        code, summary = job.finish(code)
+        if refused is None:
+            stopped_by_failure = code not in (0, EXIT_INTERRUPTED)
+            code, summary = job.finish(code)
     except BaseException:
         job.close(remove=False)
         raise
+    if refused is not None:
+        job.abandon_new()
+        raise click.ClickException(str(refused))
     _say_summary(summary, spec, job, stopped_by_failure)
     remove = summary.output_written and not spec.data_dir_given and not spec.keep_data_dir
     left = job.close(remove=remove)

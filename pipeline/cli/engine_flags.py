@@ -12,9 +12,11 @@ checks prompts and max_tokens against), `--tensor-parallel-size` / `-tp` and
 on run-batch `--chat-template` (the producers' template). Every other vLLM engine flag
 (`--gpu-memory-utilization`, `--dtype`, `--quantization`, `--kv-cache-dtype`,
 `--max-num-seqs`, `--max-num-batched-tokens`, `--enforce-eager`, `--load-format`,
-`--trust-remote-code`, ...) is read by vLLM's own parser (`vllm_args.py`), never a copy
-kept here, and the engine's settings are checked by vLLM's config code, both before
-anything starts. A flag the engine cannot take is a one-line error naming why.
+`--trust-remote-code`, ...) travels as typed (the engine option `vllm_flags`) and is read by
+vLLM's own parser (`vllm_args.py`), never a copy kept here: in each consumer as its engine
+starts, and in the check of the engine's settings by vLLM's config code, which runs beside
+the job's start and is awaited before any request is submitted. A flag the engine cannot
+take is a one-line error naming why.
 """
 
 from __future__ import annotations
@@ -42,7 +44,10 @@ VLLM_FLAGS_HELP = (
     "vLLM's engine flags, by vLLM's names and meanings (`vllm serve --help`), with --engine vllm: "
     "--gpu-memory-utilization, --dtype, --quantization, --kv-cache-dtype, --max-num-seqs, "
     "--max-num-batched-tokens, --enforce-eager, --load-format, --trust-remote-code, ... (read by vLLM's own "
-    "parser and checked by vLLM's config before anything starts); each is the engine option of its name.")
+    "parser and checked by vLLM's config before any request is submitted); each is the engine option of its "
+    "name.")
+# How often a wait for vLLM's check looks whether the run was asked to stop (Ctrl-C).
+VERDICT_POLL_S = 0.1
 # Flags this command does not take, and why: vLLM's server flags that are not engine flags,
 # and the product's old names.
 NOT_TAKEN = {
@@ -114,7 +119,9 @@ class EngineFlags:
         try:
             settings = flags.applied(LaunchSettings.resolve(...), own_option_names(command))
             check_before_start(settings)
-            flags.check_with_vllm(settings)
+            flags.start_check(settings)
+            ...                                # the consumers start meanwhile
+            flags.verdict(wait=True)           # before any request is submitted
         finally:
             flags.close()
     """
@@ -126,6 +133,7 @@ class EngineFlags:
         self.chat_template = chat_template
         self.given = dict(given or {})
         self._vllm: Any = None  # a VllmCheck, for a vllm engine where vLLM is installed
+        self._own: Sequence[str] = ()  # the command's option names, for suggestions
 
     @classmethod
     def take(cls, options: dict[str, Any], extra: Sequence[str], given: dict[str, Any]) -> EngineFlags:
@@ -150,15 +158,16 @@ class EngineFlags:
                    given)
 
     def applied(self, settings: LaunchSettings, own: Sequence[str]) -> LaunchSettings:
-        """`settings` with every flag in its engine options, checked; SettingsError in one line
-        for a flag the engine cannot take (vLLM's flags mean nothing to the sim; without vLLM
-        nothing can read them), or one --engine-options gives too. `own`: the command's own
-        option names, to suggest the one a typo meant."""
+        """`settings` with every flag in its engine options (vLLM's as typed, `vllm_flags`),
+        checked as far as can be without vLLM; SettingsError in one line for a flag the engine
+        cannot take (vLLM's flags mean nothing to the sim; without vLLM nothing can read
+        them), or one --engine-options gives too. `own`: the command's own option names, to
+        suggest the one a typo meant. Starts vLLM's import in a child for `start_check`."""
         from pipeline.consumer.engines.vllm import INSTALL_HINT, vllm_installed
-        from pipeline.wire.errors import EngineOptionsError
 
         engine, extra = settings.engine, self.extra
         named = _named(extra)
+        self._own = own
         if engine != "vllm":
             sim_flags = ", ".join(map(_flag, SIM_FLAGS))
             wrong = sorted(set(self.declared) - set(SIM_FLAGS))
@@ -176,45 +185,69 @@ class EngineFlags:
             from pipeline.consumer.engines.vllm_args import VllmCheck
 
             self._vllm = self._vllm or VllmCheck()  # it imports vLLM meanwhile
-            try:
-                options = _merged(options, self._vllm.flags(extra) if extra else {})
-            except EngineOptionsError as exc:
-                raise SettingsError(_with_suggestions(str(exc), extra, own)) from None
+            if extra:
+                _refuse_product_flags(extra)
+                options["vllm_flags"] = list(extra)
         elif extra:
             raise SettingsError(_with_suggestions(
                 f"{', '.join(named)}: not options of this command; vLLM's engine flags are read by vLLM's own parser, "
                 f"and vLLM is not installed here: {INSTALL_HINT}", extra, own))
         self._refuse_clashes(options)
-        settings = replace(settings, engine_options=_merged(settings.engine_options, options))
+        settings = replace(settings, engine_options={**settings.engine_options, **options})
         settings.checked("the command line")
         return settings
 
     def _refuse_clashes(self, options: dict[str, Any]) -> None:
         """SettingsError for an option both a flag and --engine-options give: one way to say a
         thing (a config file's [engine_options] is overridden by either, as every setting)."""
-        both = sorted(k for k in options if k != "llm_kwargs" and k in self.given)
-        given_kwargs = self.given.get("llm_kwargs", {})
-        both += sorted(f"llm_kwargs.{k}" for k in options.get("llm_kwargs", {}) if k in given_kwargs)
-        if both:
-            raise SettingsError("; ".join(f"{_flag(k.removeprefix('llm_kwargs.'))} and --engine-options {k}: give it "
-                                          f"once (the flag)" for k in both))
+        from pipeline.consumer.engines.vllm_options import flag_option_names
 
-    def check_with_vllm(self, settings: LaunchSettings) -> None:
-        """Where `applied` started vLLM's check: the engine options each consumer will run
-        with, checked by vLLM's config code (what it would refuse at load, refused now)."""
+        given = {name: name for name in self.given if name != "llm_kwargs"}
+        kwargs = self.given.get("llm_kwargs")
+        given |= {name: f"llm_kwargs.{name}" for name in (kwargs if isinstance(kwargs, dict) else {})}
+        both = sorted(name for name in flag_option_names(options) if name in given)
+        if both:
+            raise SettingsError("; ".join(f"{_flag(name)} and --engine-options {given[name]}: give it once (the flag)"
+                                          for name in both))
+
+    def start_check(self, settings: LaunchSettings) -> None:
+        """Where `applied` started vLLM's child: the engine options each consumer will run
+        with, given to vLLM's config code (what it would refuse at load, refused by `verdict`)."""
+        if self._vllm is not None:
+            self._vllm.start(_host_options(settings))
+
+    def verdict(self, wait: bool, stop: Callable[[], bool] = lambda: False) -> dict[str, Any] | None:
+        """The engine options vLLM's parser read from the flags ({} without a check), once the
+        check passed; None while it runs: at once (`wait` false), or once `stop()` turned true
+        while waiting. SettingsError in one line where vLLM refuses the engine's settings or
+        the check cannot run."""
         if self._vllm is None:
-            return
+            return {}
         from pipeline.wire.errors import EngineOptionsError, EngineUnavailableError
 
         try:
-            self._vllm.check(_host_options(settings))
+            while True:
+                found = self._vllm.verdict(VERDICT_POLL_S if wait else 0.0)
+                if found is not None or not wait or stop():
+                    return found
         except (EngineOptionsError, EngineUnavailableError) as exc:
-            raise SettingsError(f"vllm engine: {exc}") from None
+            raise SettingsError(_with_suggestions(f"vllm engine: {exc}", self.extra, self._own)) from None
 
     def close(self) -> None:
         if self._vllm is not None:
             self._vllm.close()
             self._vllm = None
+
+
+def _refuse_product_flags(extra: Sequence[str]) -> None:
+    """SettingsError naming each flag of vLLM's that the product sets itself, and why: said
+    at once, as vLLM's parser would only say it once vLLM is imported."""
+    from pipeline.consumer.engines.vllm_args import REFUSED_FLAGS
+    from pipeline.consumer.engines.vllm_options import flag_words
+
+    refused = sorted({dest for dest, _value in flag_words(extra) if dest in REFUSED_FLAGS})
+    if refused:
+        raise SettingsError("vllm engine: " + "; ".join(f"{_flag(dest)}: {REFUSED_FLAGS[dest]}" for dest in refused))
 
 
 def _named(extra: Sequence[str]) -> list[str]:
@@ -224,13 +257,6 @@ def _named(extra: Sequence[str]) -> list[str]:
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
-
-
-def _merged(options: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
-    out = dict(options)
-    for key, value in more.items():
-        out[key] = {**out.get(key, {}), **value} if key == "llm_kwargs" else value
-    return out
 
 
 def _host_options(settings: LaunchSettings) -> dict[str, Any]:

@@ -95,8 +95,6 @@ def launch(ctx: click.Context, config_path: str | None, verbose: bool, assignmen
     """Run a workload through a broker, producers and one consumer per GPU, with live
     progress, then print the run report. With no arguments: the demo, on the embedded
     defaults (disk tier, sim engine), in a temporary data directory."""
-    from pipeline.runtime.launcher import Launcher
-
     setup_logging(verbose)
     if ray_address is not None:
         check_ray(ray_address)
@@ -106,25 +104,38 @@ def launch(ctx: click.Context, config_path: str | None, verbose: bool, assignmen
         assignments = (*assignments, f"broker.dispatch={dispatch}")
     flags = None
     try:
-        given = parse_engine_options(engine_options) if engine_options else {}
-        flags = EngineFlags.take(options, ctx.args, given)
-        settings = LaunchSettings.resolve(config_path, merged(options | {"engine_options": given or None},
-                                                              parse_assignments(assignments)))
-        settings = context_bounds_input(flags.applied(settings, own_option_names(launch)), options)
-        check_before_start(settings)
-        flags.check_with_vllm(settings)
-        vocab_size, vocab_from = workload_vocab_size(settings)
-        workload = load_launch_workload(settings, vocab_size)
-    except (BadInputError, PipelineError) as exc:
-        raise click.ClickException(str(exc)) from exc
+        try:
+            given = parse_engine_options(engine_options) if engine_options else {}
+            flags = EngineFlags.take(options, ctx.args, given)
+            settings = LaunchSettings.resolve(config_path, merged(options | {"engine_options": given or None},
+                                                                  parse_assignments(assignments)))
+            settings = context_bounds_input(flags.applied(settings, own_option_names(launch)), options)
+            check_before_start(settings)
+            flags.start_check(settings)
+            vocab_size, vocab_from = workload_vocab_size(settings)
+            workload = load_launch_workload(settings, vocab_size)
+            if ray_address is not None:  # the nodes start their own engines: vLLM's verdict first
+                flags.verdict(wait=True)
+        except (BadInputError, PipelineError) as exc:
+            raise click.ClickException(str(exc)) from exc
+        code = _launch(settings, workload, vocab_size, vocab_from, flags, ray_address, ray_node_dir)
     finally:
         if flags is not None:
             flags.close()
+    sys.exit(code)
+
+
+def _launch(settings: LaunchSettings, workload, vocab_size: int, vocab_from: str, flags: EngineFlags,
+            ray_address: str | None, ray_node_dir: str | None) -> int:
+    """The run, on this machine or a Ray cluster; its exit status."""
+    from pipeline.runtime.launcher import Launcher
+
     if settings.plots and importlib.util.find_spec("matplotlib") is None:  # before the run, not after
         raise click.ClickException("--plots needs matplotlib: pip install 'shape-broker[plots]'")
     if ray_address is not None:
-        sys.exit(_launch_on_ray(settings, workload, ray_address, ray_node_dir))
+        return _launch_on_ray(settings, workload, ray_address, ray_node_dir)
     launcher = Launcher(settings, workload)
+    launcher.engine_check = lambda stop: flags.verdict(True, stop)
     click.echo(f"launch: {workload!r}, {settings.producers} producers, storage {settings.storage}"
                + _engine_line(settings, launcher, vocab_size, vocab_from), err=True)
     try:
@@ -132,10 +143,9 @@ def launch(ctx: click.Context, config_path: str | None, verbose: bool, assignmen
             outcome = _run_with_progress(launcher, len(workload))
         except (ValueError, RuntimeError, TimeoutError, OSError) as exc:  # OSError: a metrics port in use
             raise click.ClickException(str(exc)) from exc
-        code = _finish(settings, outcome)
+        return _finish(settings, outcome)
     finally:
         launcher.cleanup()  # a temporary data directory stays only for a failed run's unfinished work
-    sys.exit(code)
 
 
 def context_bounds_input(settings: LaunchSettings, options: dict) -> LaunchSettings:

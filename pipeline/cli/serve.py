@@ -150,6 +150,7 @@ def _checked_jobs(data_dir: str, options: dict, extra: list[str]) -> tuple[str, 
                      options.pop("engine") or default_engine(), options.pop("config_path"), options.pop("assignments"), False, limits,
                      options)
         spec = plan_job(ask, flags, own_option_names(run_batch))
+        flags.verdict(wait=True)  # refused before anything is served
     finally:
         flags.close()
     pooling = job_runner(spec.settings.engine_options, model_dir) == RUNNER_POOLING

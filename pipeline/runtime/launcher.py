@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pipeline.consumer.config import ConsumerConfig
+from pipeline.consumer.engines.vllm_options import with_flag_options
 from pipeline.producer.workload import Workload
 from pipeline.reporting.accounting import ResultsSummary, Stock, summarize_results, take_stock
 from pipeline.runtime.datadir import release_launch
@@ -163,6 +164,7 @@ class Launcher:
         # The data directory as its owner checked it (a batch job's), else as `run` finds it:
         # the run stops once its path leads elsewhere (`pipeline.wire.dirpin`).
         self.data_dir_pin: DirPin | None = None
+        self.engine_check: Callable[[Callable[[], bool]], dict | None] = lambda stop: {}  # see `_start`
         self._own_data_dir = settings.data_dir is None
         self.data_dir = settings.data_dir or tempfile.mkdtemp(prefix="shape-broker-")
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
@@ -279,6 +281,15 @@ class Launcher:
             self.on_metrics(self.metrics.port)
         for config in self.consumer_configs():
             self.consumers.append(start_consumer(config))
+        try:  # the options as vLLM read the flags (the report shows them); None: stopped meanwhile
+            checked = self.engine_check(self.interrupts.stopping)
+        except BaseException:  # an engine refused: its consumers have nothing to finish
+            for process in self.consumers:
+                stop_process(process, signal.SIGKILL)
+            raise
+        if checked is None:
+            return  # no producer starts: the watch stops the run
+        self.engine_options = with_flag_options(self.engine_options, checked)
         self._producers_span_ns[0] = time.monotonic_ns()
         self.producers = start_producers(self.config.socket_path, self.workload, s.producers, s.replay_speed,
                                          self.ledger)

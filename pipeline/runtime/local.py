@@ -23,6 +23,7 @@ from pipeline.broker.storage.diskio import disk_reserve_bytes
 from pipeline.consumer.config import ConsumerConfig
 from pipeline.producer.producer import DEFAULT_RING_CAPACITY_BYTES
 from pipeline.runtime.cleanup import apply_cleanup, held_broker_lock, plan_cleanup
+from pipeline.runtime.daemon import StageFiles, stage_process
 from pipeline.runtime.datadir import hold_for_launch, release_launch
 from pipeline.runtime.processes import serve_broker, serve_consumer
 from pipeline.wire.errors import DataDirError, DataDirInUseError, LiveRunError, ShmSpaceError
@@ -266,6 +267,7 @@ def claim_data_dir(data_dir: str, needs: ShmNeeds) -> int:
     ends the hold); DataDirInUseError or ShmSpaceError, with nothing started or removed."""
     fd = hold_for_launch(data_dir)
     try:
+        _await_orphan_broker(data_dir)
         with held_broker_lock(data_dir, f"a launch starts a broker of its own; feed that one with `pipeline produce "
                                         f"FILE --data-dir {data_dir}`, or stop it first (`pipeline broker stop "
                                         f"--data-dir {data_dir}`)", error=DataDirInUseError):
@@ -275,6 +277,27 @@ def claim_data_dir(data_dir: str, needs: ShmNeeds) -> int:
         release_launch(fd)
         raise
     return fd
+
+
+# How long a launch waits for the broker of a killed launcher's run to stop (it got SIGTERM
+# when its launcher died; its graceful stop closes the store): the launcher's own bound on a
+# broker's stop, so a rerun right after a kill -9 takes over instead of being refused.
+ORPHAN_BROKER_WAIT_S = 30.0
+
+
+def _await_orphan_broker(data_dir: str) -> None:
+    """While a broker holds `data_dir`'s broker lock that no stage pid file names (so a
+    launcher's, and this process holds the launch lock: that launcher is gone), wait for it
+    to stop, up to ORPHAN_BROKER_WAIT_S; a staged broker (`pipeline broker start`) is not
+    waited for. What is left then is refused by the caller's check of the lock."""
+    stage = StageFiles.of(BrokerConfig(data_dir).run_dir, "broker")
+    deadline = time.monotonic() + ORPHAN_BROKER_WAIT_S
+    while stage_process(stage.pid_path) is None and time.monotonic() < deadline:
+        try:
+            with held_broker_lock(data_dir, "", error=DataDirInUseError):
+                return
+        except DataDirInUseError:
+            time.sleep(STOP_POLL_S)
 
 
 def exit_text(code: int) -> str:

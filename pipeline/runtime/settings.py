@@ -220,15 +220,38 @@ def engine_options_for_host(engine: str, options: dict, *, gpus: int, consumers:
     NOTE: load_format is never filled in: "dummy" runs random weights, which a real model
     must not do silently. On a GPU vLLM's own defaults stand (its compile cache in the home
     directory outlives the run: worth minutes at each start)."""
+    from pipeline.consumer.engines.vllm_options import flag_option_names
+
     if engine != "vllm" or gpus:
         return dict(options), {}
+    given = flag_option_names(options)  # vLLM's flags among them, read off their words
     defaults = {"enforce_eager": True, "block_size": CPU_VLLM_BLOCK_SIZE_TOKENS,
                 "cpu_threads": max(1, (cores - CPU_CORES_KEPT) // max(1, consumers)),
                 "cache_dir": os.path.join(data_dir, ENGINE_CACHE_DIR)}
-    if "gpu_memory_utilization" not in options:
+    if "gpu_memory_utilization" not in given:
         defaults["kv_cache_memory_bytes"] = CPU_VLLM_KV_CACHE_BYTES
-    filled = {key: value for key, value in defaults.items() if key not in options}
+    filled = {key: value for key, value in defaults.items() if key not in given}
     return {**options, **filled}, filled
+
+
+def engine_option_items(options: dict) -> dict[str, object]:
+    """`options` one by one, as the engine holds them: llm_kwargs' keys as llm_kwargs.KEY, and
+    vLLM's flags (`vllm_flags`, as typed) where vLLM's parser puts them (`flag_words`:
+    --max-num-seqs 8 as llm_kwargs.max_num_seqs, --dtype as dtype, a flag after an option
+    of the same name winning). What a job's manifest judges, each on its own (a resource,
+    or what answers depend on)."""
+    from pipeline.consumer.engines.vllm_options import VllmOptions, flag_words
+
+    flat = {key: value for key, value in options.items() if key not in ("llm_kwargs", "vllm_flags")}
+    kwargs = options.get("llm_kwargs")
+    if isinstance(kwargs, dict):
+        flat |= {f"llm_kwargs.{key}": value for key, value in kwargs.items()}
+    elif "llm_kwargs" in options:
+        flat["llm_kwargs"] = kwargs
+    own = {f.name for f in fields(VllmOptions)}
+    for dest, value in flag_words(options.get("vllm_flags") or []):
+        flat[dest if dest in own else f"llm_kwargs.{dest}"] = value
+    return flat
 
 
 def workload_vocab_size(settings: LaunchSettings) -> tuple[int, str]:

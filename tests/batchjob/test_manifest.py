@@ -193,6 +193,26 @@ def test_llm_kwargs_are_judged_one_by_one(model_dir: Path) -> None:
         'engine option llm_kwargs.quantization: "fp8" then, absent now']
 
 
+def test_vllms_flags_as_typed_are_judged_one_by_one_where_vllm_puts_them(model_dir: Path) -> None:
+    """vLLM's flags travel as typed (`vllm_flags`); each is pinned as the option vLLM's parser
+    makes of it, so a job started with --dtype pins what the same option given otherwise
+    pins, a resource flag may change on a resume, and a spelling of the same flag is no change."""
+    def flags(*words: str) -> dict:
+        return {**ENGINE_OPTIONS, "vllm_flags": list(words)}
+
+    have = manifest(model_dir, options=flags("--max-num-seqs", "8", "--quantization", "fp8", "--enforce-eager"))
+    assert have.depends_on["engine option llm_kwargs.quantization"] == '"fp8"'
+    assert "engine option vllm_flags" not in have.depends_on
+    same = manifest(model_dir, options=flags("--max_num_seqs=64", "--quantization=fp8", "--no-enforce-eager",
+                                             "--gpu-memory-utilization", "0.5"))
+    assert differences(have, same) == []
+    assert differences(have, manifest(model_dir, options=flags("--max-num-seqs", "8"))) == [
+        'engine option llm_kwargs.quantization: "fp8" then, absent now']
+    dtype = manifest(model_dir, options={k: v for k, v in flags("--dtype", "bfloat16").items() if k != "dtype"})
+    assert dtype.depends_on["engine option dtype"] == \
+        manifest(model_dir, options={**ENGINE_OPTIONS, "dtype": "bfloat16"}).depends_on["engine option dtype"]
+
+
 def test_the_chat_template_flag_counts_by_content(model_dir: Path) -> None:
     have = manifest(model_dir, chat_template="{{ messages }}")
     assert have.depends_on["chat template (--chat-template)"].startswith("xxh3 ")

@@ -4,9 +4,11 @@ each the engine option of its name, refused in one line where the engine cannot 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from pipeline.cli.engine_flags import EngineFlags, parse_context_len
+from pipeline.cli.engine_flags import VERDICT_POLL_S, EngineFlags, parse_context_len
 from pipeline.consumer.engines.vllm_args import REFUSED_FLAGS, engine_options_of, plain
 from pipeline.runtime.settings import MAX_CONTEXT_TOKENS, LaunchSettings
 from pipeline.wire.errors import EngineOptionsError, SettingsError
@@ -180,3 +182,100 @@ def test_an_adapter_named_twice_or_past_the_limit_is_refused(tmp_path):
         == MAX_LORA_MODULES
     with pytest.raises(SettingsError, match=f"{MAX_LORA_MODULES + 1} adapters, at most {MAX_LORA_MODULES}"):
         take(["--lora-modules", *(f"m{k}={a}" for k in range(MAX_LORA_MODULES + 1))])
+
+
+class FakeCheck:
+    """In place of vLLM's check process: records what it was asked, answers as told."""
+
+    made: list[FakeCheck] = []
+
+    def __init__(self) -> None:
+        self.asked: dict | None = None
+        self.answer: dict | Exception | None = {}  # None: still running
+        self.waits: list[float] = []
+        self.closed = False
+        FakeCheck.made.append(self)
+
+    def start(self, options: dict) -> None:
+        self.asked = options
+
+    def verdict(self, wait_s: float) -> dict | None:
+        self.waits.append(wait_s)
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        return self.answer
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    from pipeline.consumer.engines import vllm as vllm_engine
+    from pipeline.consumer.engines import vllm_args
+
+    monkeypatch.setattr(vllm_engine, "vllm_installed", lambda: True)
+    monkeypatch.setattr(vllm_args, "VllmCheck", FakeCheck)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU: nothing asks nvidia-smi
+    FakeCheck.made.clear()
+    return FakeCheck.made
+
+
+def _vllm_settings(**engine_options) -> LaunchSettings:
+    return LaunchSettings(engine="vllm", engine_options={"model": "/m", **engine_options})
+
+
+def test_vllms_flags_go_to_the_engine_as_typed_and_vllms_check_starts_at_once(fake_vllm, tmp_path):
+    words = ["--gpu-memory-utilization", "0.8", "-q", "fp8", "--enforce-eager", "--dtype=bfloat16"]
+    flags = take(words, max_model_len="2k")
+    settings = flags.applied(_vllm_settings(), OWN)
+    assert settings.engine_options["vllm_flags"] == words and settings.engine_options["max_model_len"] == 2000
+    assert len(fake_vllm) == 1 and fake_vllm[0].asked is None  # importing vLLM, asked nothing yet
+    flags.start_check(replace(settings, data_dir=str(tmp_path)))
+    assert fake_vllm[0].asked["vllm_flags"] == words  # what each consumer will run with
+    fake_vllm[0].answer = {"gpu_memory_utilization": 0.8, "llm_kwargs": {"quantization": "fp8"}}
+    assert flags.verdict(wait=True) == fake_vllm[0].answer
+    flags.close()
+    assert fake_vllm[0].closed
+
+
+def test_vllms_refusal_is_one_line_naming_the_flag_a_typo_meant(fake_vllm, tmp_path):
+    flags = take(["--max-batch-token", "5"])
+    settings = flags.applied(_vllm_settings(), OWN)
+    flags.start_check(replace(settings, data_dir=str(tmp_path)))
+    fake_vllm[0].answer = EngineOptionsError("vLLM: unrecognized arguments: --max-batch-token 5")
+    with pytest.raises(SettingsError, match=r"^vllm engine: vLLM: unrecognized arguments: --max-batch-token 5 "
+                                            r"\(--max-batch-token: did you mean --max-batch-tokens\?\)$"):
+        flags.verdict(wait=False)
+
+
+def test_a_check_still_running_is_no_verdict_yet_and_without_vllms_check_there_is_nothing_to_wait_for(fake_vllm,
+                                                                                                    tmp_path):
+    flags = take(["--dtype", "half"])
+    flags.start_check(replace(flags.applied(_vllm_settings(), OWN), data_dir=str(tmp_path)))
+    fake_vllm[0].answer = None
+    assert flags.verdict(wait=False) is None and fake_vllm[0].waits == [0.0]
+    stops = iter([False, False, True])  # Ctrl-C while waiting: the wait ends, with no verdict
+    assert flags.verdict(wait=True, stop=lambda: next(stops)) is None
+    assert fake_vllm[0].waits[1:] == [VERDICT_POLL_S] * 3
+    sim = take([])
+    sim.applied(LaunchSettings(), OWN)
+    sim.start_check(LaunchSettings())
+    assert sim.verdict(wait=True) == {}
+
+
+@pytest.mark.parametrize("words, message", [
+    (["--no-enable-prefix-caching"], "--enable-prefix-caching: prefix caching stays on"),
+    (["--served-model-name", "x", "--model=/other"], "--model: the model is the command's own --model; "
+                                                     "--served-model-name: the name requests ask for"),
+])
+def test_flags_the_product_sets_itself_are_refused_before_vllm_is_asked(fake_vllm, words, message):
+    with pytest.raises(SettingsError, match=message):
+        take(words).applied(_vllm_settings(), OWN)
+
+
+def test_a_flag_and_engine_options_giving_the_same_option_are_refused_as_typed(fake_vllm):
+    with pytest.raises(SettingsError, match="--max-num-seqs and --engine-options llm_kwargs.max_num_seqs: give it once"):
+        take(["--max-num-seqs", "8"], given={"llm_kwargs": {"max_num_seqs": 4}}).applied(_vllm_settings(), OWN)
+    with pytest.raises(SettingsError, match="--dtype and --engine-options dtype: give it once"):
+        take(["--dtype=half"], given={"dtype": "float16"}).applied(_vllm_settings(), OWN)

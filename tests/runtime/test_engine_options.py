@@ -78,6 +78,13 @@ def test_vllm_without_a_gpu_gets_the_cpu_options_it_lacks(tmp_path):
     assert options == given and filled == {}  # what the user gave stands; no KV size beside a fraction
 
 
+def test_vllms_flags_as_typed_are_what_the_user_gave_and_are_not_filled_in(tmp_path):
+    given = {"model": "/m", "vllm_flags": ["--block-size", "64", "--no-enforce-eager", "--gpu-memory-utilization=0.5"]}
+    options, filled = engine_options_for_host("vllm", given, gpus=0, consumers=2, cores=2, data_dir=str(tmp_path))
+    assert filled == {"cpu_threads": 1, "cache_dir": str(tmp_path / "engine-cache")}  # no KV size beside a fraction
+    assert options == {**given, **filled}
+
+
 @pytest.mark.parametrize("cores, consumers, threads", [(2, 2, 1), (2, 1, 1), (2, 3, 1), (16, 4, 3), (16, 3, 5),
                                                      (1, 1, 1)])
 def test_cpu_threads_share_out_the_cores(tmp_path, cores, consumers, threads):

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -177,3 +178,20 @@ def test_produce_counts_a_frame_its_ledger_missed_as_submitted(tmp_path):
         reader.close()
         producer.close()
         producer.unlink()
+
+
+def test_a_launch_on_a_staged_brokers_data_directory_is_refused_without_waiting_for_it(tmp_path):
+    """A broker `pipeline broker start` runs is no killed launcher's orphan, which a launch
+    waits for (up to ORPHAN_BROKER_WAIT_S): the launch is refused at once, naming what to do."""
+    from pipeline.runtime.local import ORPHAN_BROKER_WAIT_S
+
+    data = str(tmp_path / "data")
+    try:
+        pipeline("broker", "start", "--data-dir", data, "--detach")
+        started_s = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "pipeline", "launch", "--items", "10", "--data-dir", data],
+                              capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, cwd=ROOT)
+        assert done.returncode == 1 and "a launch starts a broker of its own" in done.stderr, done.stderr
+        assert time.monotonic() - started_s < ORPHAN_BROKER_WAIT_S
+    finally:
+        pipeline("broker", "stop", "--data-dir", data)

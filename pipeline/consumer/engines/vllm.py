@@ -53,7 +53,7 @@ import os
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from pipeline.consumer.engines.base import (
@@ -67,7 +67,8 @@ from pipeline.consumer.engines.base import (
     Sample,
 )
 from pipeline.consumer.engines.block_refs import BlockReferences
-from pipeline.consumer.engines.vllm_options import VllmOptions
+from pipeline.consumer.engines.vllm_args import one_line, read_flags
+from pipeline.consumer.engines.vllm_options import VllmOptions, with_flag_options
 from pipeline.consumer.engines.vllm_requests import (
     embedding_of,
     logprobs_of,
@@ -219,7 +220,11 @@ class VllmEngine(Engine):
         except ImportError:
             pass
         self._item_errors = tuple(errors)
-        self._llm = vllm.LLM(**self.options.llm_kwargs_all())
+        self._read_flags()
+        try:
+            self._llm = vllm.LLM(**self.options.llm_kwargs_all())
+        except Exception as exc:  # its settings refused, or its model not loaded: one line, as the check says it
+            raise EngineUnavailableError(f"vLLM could not start the engine: {one_line(exc)}") from exc
         config = self._llm.llm_engine.vllm_config
         self._max_seqs = int(config.scheduler_config.max_num_seqs)
         cache = config.cache_config
@@ -229,6 +234,15 @@ class VllmEngine(Engine):
         self._default_params = None
         self._metrics_base = self._read_metrics()
         return self._llm
+
+    def _read_flags(self) -> None:
+        """vLLM's engine flags, as typed on the command line, read by vLLM's parser now that
+        vLLM is imported (`vllm_options.py`): the options they give win."""
+        if not self.options.vllm_flags:
+            return
+        options = {f.name: getattr(self.options, f.name) for f in fields(self.options)}
+        self.options = VllmOptions.parse(with_flag_options(options, read_flags(self.options.vllm_flags)))
+        self._refs = BlockReferences(self.options.block_size)
 
     def _read_metrics(self) -> dict[str, int]:
         totals = {QUERIES_METRIC: 0, HITS_METRIC: 0}

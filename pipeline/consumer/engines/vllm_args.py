@@ -1,27 +1,32 @@
 """vLLM's engine flags read by vLLM's own parser, and a vllm engine's settings checked by
-vLLM's own config code, before anything starts.
+vLLM's own config code, beside the run's start.
 
-    with VllmCheck() as vllm:                         # a child process imports vLLM meanwhile
-        options = vllm.flags(["--gpu-memory-utilization", "0.8", "--max-num-seqs", "64"])
-        # {"gpu_memory_utilization": 0.8, "llm_kwargs": {"max_num_seqs": 64}}
-        vllm.check({**engine_options, **options})     # vLLM's refusal, in one line, or None
+    vllm = VllmCheck()                       # a child process imports vLLM meanwhile
+    vllm.start({**engine_options, "vllm_flags": ["--gpu-memory-utilization", "0.8"]})
+    ...                                      # the job scans its input, the consumers start
+    vllm.verdict(wait_s=60)                  # {"gpu_memory_utilization": 0.8}, vLLM's refusal, or None
 
 Flags are parsed by `FlexibleArgumentParser` with `EngineArgs.add_cli_args` (what `vllm
 serve` and `vllm run-batch` take), so a flag means here what it means to vLLM and a new vLLM
 brings its new flags: nothing is copied by hand. Each flag given becomes an engine option
 under vLLM's name: a `VllmOptions` field where there is one (`gpu_memory_utilization`,
 `dtype`, `block_size`, ...), else a key of `llm_kwargs` (passed to `vllm.LLM` as it is), the
-same place `--engine-options` puts it. `check` builds vLLM's whole config from the options
-as the consumer would (`EngineArgs(...).create_engine_config()`: the model's config read, the
+same place `--engine-options` puts it. The check builds vLLM's whole config from the options
+as the consumer will (`EngineArgs(...).create_engine_config()`: the model's config read, the
 platform's support of the dtype, quantization and parallel sizes checked), so what vLLM would
-refuse at load is refused before the broker starts.
+refuse at load is refused in one line, before any request is submitted. Each consumer reads
+the same flags with `read_flags` as its engine starts, where it imports vLLM anyway.
 
 NOTE: the child process, not an import here: importing vLLM takes 3 to 15 s and brings
 torch's threads into a process that forks the broker, producers and consumers afterwards.
+NOTE: the verdict is awaited once the consumers have started, not before: waiting for it
+first put the child's import of vLLM and the consumer's one after the other (the first 15.7 s
+of a 67.7 s `pipeline bench run-batch-mix` run went to the check alone).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import json
@@ -34,7 +39,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from pipeline.consumer.engines.vllm_options import FIXED_LLM_KWARGS, VllmOptions
+from pipeline.consumer.engines.vllm_options import FIXED_LLM_KWARGS, VllmOptions, with_flag_options
 from pipeline.wire.errors import EngineOptionsError, EngineUnavailableError
 
 # How long the child may take to import vLLM and answer: 3 to 15 s measured on this 2-core
@@ -56,8 +61,8 @@ assert set(FIXED_LLM_KWARGS) <= set(REFUSED_FLAGS), "every setting the accountin
 
 
 class VllmCheck:
-    """A child process that imports vLLM once and answers `flags` and `check` in turn.
-    Owner: the command that starts a run; close it (or use `with`)."""
+    """A child process that imports vLLM once and checks one set of engine options (their
+    `vllm_flags` read by vLLM's parser). Owner: the command that starts a run; close it."""
 
     def __init__(self) -> None:
         self._cache = tempfile.TemporaryDirectory(prefix="sbrk-vllm-check-")  # nothing lands in ~/.cache
@@ -68,48 +73,56 @@ class VllmCheck:
         self._process = subprocess.Popen([sys.executable, "-m", "pipeline.consumer.engines.vllm_args"],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, env=env)
         self._buffer = b""
+        self._deadline_s = 0.0
+        self._answer: dict[str, Any] | None = None
 
-    def __enter__(self) -> VllmCheck:
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self.close()
-
-    def flags(self, args: Sequence[str]) -> dict[str, Any]:
-        """vLLM's engine flags `args` as engine options (module doc); EngineOptionsError with
-        vLLM's parser's message, or naming a flag the product refuses and why."""
-        return self._ask({"flags": list(args)})
-
-    def check(self, options: dict[str, Any]) -> None:
-        """EngineOptionsError with vLLM's message where vLLM would refuse the engine options."""
-        self._ask({"check": options})
-
-    def _ask(self, request: dict[str, Any]) -> Any:
+    def start(self, options: dict[str, Any]) -> None:
+        """Ask for the check of `options` (engine options, their `vllm_flags` as typed)."""
+        assert self._deadline_s == 0.0, "one check a child"
         assert self._process.stdin is not None
+        self._deadline_s = time.monotonic() + VLLM_CHECK_TIMEOUT_S
         try:
-            self._process.stdin.write(json.dumps(request).encode() + b"\n")
+            self._process.stdin.write(json.dumps({"check": options}).encode() + b"\n")
             self._process.stdin.flush()
         except BrokenPipeError:
-            raise EngineUnavailableError(f"vLLM's check process ended: {self._log_tail()}") from None
-        answer = json.loads(self._read_line())
-        if "error" in answer:
-            raise EngineOptionsError(answer["error"])
-        return answer["ok"]
+            self._answer = {"unavailable": f"vLLM's check process ended: {self._log_tail()}"}
 
-    def _read_line(self) -> bytes:
+    def verdict(self, wait_s: float) -> dict[str, Any] | None:
+        """The options vLLM's parser read from the flags, once the check passed; None while it
+        runs after waiting `wait_s` for it. EngineOptionsError with vLLM's message where vLLM
+        refuses them, EngineUnavailableError where the check could not run."""
+        assert self._deadline_s, "start comes first"
+        if self._answer is None:
+            line = self._read_line(wait_s)
+            if line is None:
+                return None
+            self._answer = json.loads(line)
+            with contextlib.suppress(OSError):  # the child ends meanwhile, with vLLM's memory: `close` reaps it
+                self._process.stdin.close()
+        if "unavailable" in self._answer:
+            raise EngineUnavailableError(self._answer["unavailable"])
+        if "error" in self._answer:
+            raise EngineOptionsError(self._answer["error"])
+        return self._answer["ok"]
+
+    def _read_line(self, wait_s: float) -> bytes | None:
+        """The child's answer, None if it does not come within `wait_s`; past the check's
+        deadline, an answer saying so."""
         assert self._process.stdout is not None
-        deadline = time.monotonic() + VLLM_CHECK_TIMEOUT_S
         fd = self._process.stdout.fileno()
         while b"\n" not in self._buffer:
-            left = deadline - time.monotonic()
+            left = self._deadline_s - time.monotonic()
             if left <= 0:
-                raise EngineUnavailableError(f"vLLM's check did not answer within {VLLM_CHECK_TIMEOUT_S:g} s "
-                                             f"(importing vLLM): {self._log_tail()}")
-            if select.select([fd], [], [], left)[0]:
-                chunk = os.read(fd, 1 << 16)
-                if not chunk:
-                    raise EngineUnavailableError(f"vLLM's check process ended: {self._log_tail()}")
-                self._buffer += chunk
+                return json.dumps({"unavailable": f"vLLM's check did not answer within {VLLM_CHECK_TIMEOUT_S:g} s "
+                                                  f"(importing vLLM): {self._log_tail()}"}).encode()
+            if not select.select([fd], [], [], min(left, wait_s))[0]:
+                if wait_s < left:
+                    return None
+                continue  # the deadline passed: said above
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                return json.dumps({"unavailable": f"vLLM's check process ended: {self._log_tail()}"}).encode()
+            self._buffer += chunk
         line, _, self._buffer = self._buffer.partition(b"\n")
         return line
 
@@ -121,7 +134,8 @@ class VllmCheck:
     def close(self) -> None:
         if self._process.poll() is None:
             try:
-                self._process.stdin.close()  # the child's loop ends at end of input
+                if not self._process.stdin.closed:
+                    self._process.stdin.close()  # the child's loop ends at end of input
                 self._process.wait(5)
             except (OSError, subprocess.TimeoutExpired):
                 self._process.kill()
@@ -172,7 +186,8 @@ def _default(f: dataclasses.Field) -> Any:
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
+    """An exception's message on one line, cut to MAX_MESSAGE_CHARS."""
     text = " ".join(str(exc).split()) or type(exc).__name__
     return text[:MAX_MESSAGE_CHARS]
 
@@ -192,40 +207,47 @@ def _parser() -> Any:
     return parser
 
 
-def _flags(parser: Any, args: list[str]) -> dict[str, Any]:
-    given = vars(parser.parse_args(args))
-    defaults = vars(parser.parse_args([]))
+def read_flags(words: Sequence[str], parser: Any = None) -> dict[str, Any]:
+    """vLLM's engine flags `words` as engine options (the module's doc), read by vLLM's
+    parser (`parser`, else one made now: this imports vLLM); EngineOptionsError with vLLM's
+    parser's message, or naming a flag the product refuses and why."""
+    if not words:
+        return {}
+    parser = parser if parser is not None else _parser()
+    try:
+        given = vars(parser.parse_args(list(words)))
+        defaults = vars(parser.parse_args([]))
+    except ValueError as exc:
+        raise EngineOptionsError(one_line(exc)) from None
     return engine_options_of({dest: plain(value) for dest, value in given.items() if value != defaults.get(dest)})
 
 
-def _check(options: dict[str, Any]) -> None:
+def _check(parser: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """What the flags of `options` read as, once vLLM built its config from every option."""
     from vllm.engine.arg_utils import EngineArgs
 
-    kwargs = VllmOptions.parse(options).llm_kwargs_all()
+    flag_options = read_flags(options.get("vllm_flags") or [], parser)
+    kwargs = VllmOptions.parse(with_flag_options(options, flag_options)).llm_kwargs_all()
     EngineArgs(**kwargs).create_engine_config()
+    return flag_options
 
 
 def main() -> int:
-    """The child: one JSON request a line on stdin ({"flags": [...]} or {"check": {...}}),
-    one answer a line on stdout ({"ok": ...} or {"error": "..."}), until end of input."""
+    """The child: one JSON request a line on stdin ({"check": {...}}), one answer a line on
+    stdout ({"ok": {...}}, {"error": "..."} or {"unavailable": "..."}), until end of input."""
     out = sys.stdout
     sys.stdout = sys.stderr  # what vLLM prints goes to the log, never into the answers
     failure = ""
     try:
         parser = _parser()
     except Exception as exc:  # an import that fails: every request gets its message
-        parser, failure = None, f"vLLM cannot be imported here: {_one_line(exc)}"
+        parser, failure = None, f"vLLM cannot be imported here: {one_line(exc)}"
     for line in sys.stdin:
         request = json.loads(line)
         try:
-            if parser is None:
-                raise EngineUnavailableError(failure)
-            if "flags" in request:
-                answer = {"ok": _flags(parser, request["flags"])}
-            else:
-                answer = {"ok": _check(request["check"])}
+            answer = {"unavailable": failure} if parser is None else {"ok": _check(parser, request["check"])}
         except Exception as exc:  # vLLM's refusals come as ValueError, pydantic's ValidationError, ...
-            answer = {"error": _one_line(exc)}
+            answer = {"error": one_line(exc)}
         out.write(json.dumps(answer) + "\n")
         out.flush()
     return 0

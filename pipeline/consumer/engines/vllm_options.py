@@ -1,5 +1,11 @@
 """A vllm engine's options (`--engine-options`, `[engine_options]`, vLLM's engine flags),
-checked without loading anything; `vllm.py` runs the engine they describe."""
+checked without loading anything; `vllm.py` runs the engine they describe.
+
+vLLM's engine flags travel as typed (`vllm_flags`) and are read by vLLM's own parser where
+vLLM is imported anyway (each consumer as its engine starts, and the command's check beside
+it, `vllm_args.py`), so no process waits for a vLLM import only to read them. What has to be
+known of them before (which options they name, for the host's fill-ins and the job's
+manifest) is read off the words here (`flag_words`), without vLLM."""
 
 from __future__ import annotations
 
@@ -51,6 +57,9 @@ class VllmOptions:
     # vLLM's --lora-modules ([{"name", "path"}]): adapter k serves the broker's model k + 1
     # (base.LORA_FIRST_MODEL), and LoRA is enabled (vLLM's enable_lora) where there are any.
     lora_modules: list = field(default_factory=list)
+    # vLLM's engine flags as the command line gave them (["--dtype", "bfloat16", ...]), read
+    # by vLLM's parser as the engine starts (`with_flag_options`); they win over the above.
+    vllm_flags: list = field(default_factory=list)
 
     @classmethod
     def parse(cls, options: dict[str, Any]) -> VllmOptions:
@@ -101,6 +110,8 @@ class VllmOptions:
                 isinstance(m, dict) and set(m) == {"name", "path"} and all(isinstance(v, str) and v for v in m.values())
                 for m in self.lora_modules):
             wrong.append(f"lora_modules must be a list of {{name, path}} tables, got {self.lora_modules!r}")
+        if not isinstance(self.vllm_flags, list) or not all(isinstance(word, str) for word in self.vllm_flags):
+            wrong.append(f"vllm_flags must be a list of strings, got {self.vllm_flags!r}")
         if not isinstance(self.llm_kwargs, dict):
             wrong.append(f"llm_kwargs must be a table, got {self.llm_kwargs!r}")
         else:
@@ -112,6 +123,7 @@ class VllmOptions:
 
     def llm_kwargs_all(self) -> dict[str, Any]:
         """The keyword arguments of `vllm.LLM`."""
+        assert not self.vllm_flags, "vLLM's flags are read first (with_flag_options)"
         kwargs: dict[str, Any] = {
             "model": self.model, "block_size": self.block_size, "dtype": self.dtype,
             "tensor_parallel_size": self.tensor_parallel_size, "pipeline_parallel_size": self.pipeline_parallel_size,
@@ -139,3 +151,63 @@ class VllmOptions:
 def _number_in(value: object, low: float, high: float) -> bool:
     """A real number (not a bool) in (low, high]."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and low < value <= high
+
+
+def with_flag_options(options: dict[str, Any], flag_options: dict[str, Any]) -> dict[str, Any]:
+    """`options` without their `vllm_flags`, with the options vLLM's parser read from them
+    (`vllm_args.read_flags`) over: a flag wins, and llm_kwargs are merged key by key."""
+    merged = {key: value for key, value in options.items() if key != "vllm_flags"}
+    for key, value in flag_options.items():
+        merged[key] = {**merged.get(key, {}), **value} if key == "llm_kwargs" else value
+    return merged
+
+
+def flag_words(words: list[str] | tuple[str, ...]) -> list[tuple[str, Any]]:
+    """vLLM's flags as typed, read without vLLM: (dest, value) a flag, in order. A dest is
+    the flag's long name with underscores (as vLLM's parser names it: `--max-num-seqs` and
+    `--max_num_seqs` are max_num_seqs); the value is the words up to the next flag (`=`
+    joined), one word as a number or boolean where it reads as one, True for none, and
+    `--no-X` is X False (vLLM's booleans are argparse's BooleanOptionalAction). A short
+    flag (`-q`) is named as typed: only vLLM's parser knows its long name."""
+    found: list[tuple[str, Any]] = []
+    for word in words:
+        if word.startswith("-") and not _is_number(word):
+            name, equals, value = word.partition("=")
+            dest = name.lstrip("-").replace("-", "_") if name.startswith("--") else name
+            found.append((dest, [value] if equals else []))
+        elif found:
+            found[-1][1].append(word)
+    return [_flag_value(dest, values) for dest, values in found]
+
+
+def flag_option_names(options: dict[str, Any]) -> set[str]:
+    """The engine options `options` set, those of its vLLM flags among them (`flag_words`):
+    what the host must not fill in."""
+    names = {key for key in options if key not in ("vllm_flags", "llm_kwargs")}
+    kwargs = options.get("llm_kwargs")
+    names |= set(kwargs) if isinstance(kwargs, dict) else set()
+    return names | {dest for dest, _value in flag_words(options.get("vllm_flags") or [])}
+
+
+def _flag_value(dest: str, values: list[str]) -> tuple[str, Any]:
+    if dest.startswith("no_") and not values:
+        return dest[3:], False
+    if not values:
+        return dest, True
+    if len(values) > 1:
+        return dest, values
+    word = values[0]
+    if word.lower() in ("true", "false"):
+        return dest, word.lower() == "true"
+    if _is_number(word):
+        number = float(word)
+        return dest, int(number) if number.is_integer() and "." not in word and "e" not in word.lower() else number
+    return dest, word
+
+
+def _is_number(word: str) -> bool:
+    try:
+        float(word)
+    except ValueError:
+        return False
+    return word.strip().lower() not in ("nan", "inf", "-inf", "+inf", "infinity", "-infinity")
