@@ -71,8 +71,6 @@ class JobFlags(Protocol):
 
     def start_check(self, settings: LaunchSettings) -> None: ...
 
-    def verdict(self, wait: bool) -> dict[str, Any] | None: ...
-
 
 def plan_job(ask: JobAsk, flags: JobFlags, own_options: Sequence[str]) -> JobSpec:
     """The job `ask` asks for, every option checked (SettingsError and the like); `own_options`:
