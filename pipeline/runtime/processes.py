@@ -22,6 +22,7 @@ import logging
 import os
 import resource
 import shutil
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -237,6 +238,9 @@ def _start_metrics(port: int | None, token_file: str | None, socket_path: str):
 def serve_consumer(config: ConsumerConfig) -> int:
     stop = stop_on_signals()
     owner_only_umask()
+    # The tracker's report of what it unlinks names what an engine killed at its end left:
+    # expected, not the user's to act on.
+    sys.warnoptions.append("ignore:resource_tracker:UserWarning")
     try:
         consumer = Consumer(config)  # opening its results file can fail (ResultsFileError)
         quiet_gc()
@@ -244,4 +248,34 @@ def serve_consumer(config: ConsumerConfig) -> int:
     except PipelineError as exc:
         log.critical("FATAL, stopping consumer %s: %s", config.name, exc)
         return EXIT_FATAL
+    finally:
+        _stop_resource_tracker()
     return EXIT_OK
+
+
+def _stop_resource_tracker() -> None:
+    """Stop multiprocessing's resource tracker if this process started one, and wait for it:
+    an engine's processes (vLLM's engine core and workers, spawned with this process's
+    tracker) register their shared memory and semaphores there, and the tracker unlinks
+    what they left once no process holds it. The consumer's process group is killed as it
+    ends, the tracker with it, before it would get to that. NOTE: `_stop` is private
+    (CPython 3.8 to 3.13 have it); a tracker this process did not start is left alone."""
+    from multiprocessing import resource_tracker
+
+    tracker = resource_tracker._resource_tracker
+    stop = getattr(tracker, "_stop", None)
+    pid = getattr(tracker, "_pid", None)
+    if stop is None or pid is None or not _is_child(pid):
+        return
+    try:
+        stop()
+    except (ChildProcessError, OSError) as exc:
+        log.warning("stopping multiprocessing's resource tracker: %s", exc)
+
+
+def _is_child(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
+            return int(stat.read().rsplit(")", 1)[1].split()[1]) == os.getpid()
+    except (OSError, ValueError, IndexError):
+        return False

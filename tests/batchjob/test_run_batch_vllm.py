@@ -6,6 +6,7 @@ starts, and an engine over two workers (tensor parallel 2 on the CPU build)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -29,12 +30,15 @@ def test_real_completions_whose_cached_tokens_are_vllms_own(tmp_path):
     records = example_requests(60, MODEL_DIR.name)
     source = write_requests(tmp_path / "requests.jsonl", records)
     out, report = tmp_path / "out.jsonl", tmp_path / "report.json"
+    had = _vllms_shared_memory()
     done = subprocess.run([sys.executable, "-m", "pipeline", "run-batch", "-i", str(source), "-o", str(out),
                            "--model", str(MODEL_DIR), "--engine", "vllm", "--report", str(report),
                            "--load-format", "dummy", "--max-model-len", "2K", "--kv-cache-memory-bytes", "8M",
                            "--max-num-seqs", "16"],
                           capture_output=True, text=True, timeout=RUN_TIMEOUT_S, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert _vllms_shared_memory() <= had  # the engine is killed at its end: what it made is unlinked all the same
+    assert "leaked" not in done.stderr
     rows = check_output(out, records)
     assert {row["response"]["status_code"] for row in rows} == {200}
     bodies = [row["response"]["body"] for row in rows]
@@ -51,6 +55,12 @@ def test_real_completions_whose_cached_tokens_are_vllms_own(tmp_path):
     assert figures["engine_counters_agree"] is True
     assert cached == sum(c["engine_prefix_cache_hits"] for c in per_consumer) > 0
     assert prompt == sum(c["engine_prefix_cache_queries"] for c in per_consumer)
+
+
+def _vllms_shared_memory() -> set[str]:
+    """The names in /dev/shm that vLLM's engine core and workers make: Python's for shared
+    memory and (spawn context) semaphores, vLLM's for a tensor-parallel CPU engine's."""
+    return {name for name in os.listdir("/dev/shm") if name.startswith(("psm_", "sem.mp-", "vllm"))}
 
 
 def _run_batch(tmp_path, *flags: str, requests: int = 8) -> tuple[subprocess.CompletedProcess, list[dict]]:
@@ -83,8 +93,10 @@ def test_what_vllm_would_refuse_is_refused_in_one_line_before_anything_starts(tm
 def test_tensor_parallel_2_runs_on_the_cpu_build(tmp_path):
     """One engine of two workers (vLLM's multiprocessing executor; each worker's threads
     unbound, as vLLM's CPU binding needs a NUMA node per worker)."""
+    had = _vllms_shared_memory()
     done, records = _run_batch(tmp_path, "-tp", "2", "--consumers", "1", "--report", str(tmp_path / "report.json"))
     assert done.returncode == 0, done.stderr[-3000:]
+    assert _vllms_shared_memory() <= had
     rows = check_output(tmp_path / "out.jsonl", records)
     assert {row["response"]["status_code"] for row in rows} == {200}
     figures = json.loads((tmp_path / "report.json").read_text())

@@ -45,15 +45,22 @@ def test_what_the_parser_or_the_product_refuses_is_one_line(words, message):
         vllm_args.read_flags(words, _parser())
 
 
-def _serve(monkeypatch, requests: list[dict]) -> list[dict]:
-    monkeypatch.setattr("sys.stdin", io.StringIO("".join(json.dumps(r) + "\n" for r in requests)))
+def _serve(monkeypatch, request: dict) -> list[dict]:
+    """The child's answer lines to one request (and more input after it, which it leaves)."""
+    monkeypatch.setattr("sys.stdin", io.StringIO(json.dumps(request) + "\n" + json.dumps(request) + "\n"))
     out = io.StringIO()
     monkeypatch.setattr("sys.stdout", out)
     assert vllm_args.main() == 0
     return [json.loads(line) for line in out.getvalue().splitlines()]
 
 
-def test_the_child_answers_each_check_on_its_own_line(monkeypatch):
+@pytest.mark.parametrize("request_, answer", [
+    ({"check": {"vllm_flags": ["--dtype", "half"]}}, {"ok": {"dtype": "half"}}),
+    ({"check": {"max_model_len": 4096}},
+     {"error": "max_model_len (4096) is greater than the derived max_model_len (2048)"}),
+    ({"check": {"vllm_flags": ["--dtype", "x"]}}, {"error": "vLLM: argument --dtype: invalid choice: 'x'"}),
+])
+def test_the_child_answers_one_check_in_one_line(monkeypatch, request_, answer):
     checked: list[dict] = []
     monkeypatch.setattr(vllm_args, "_parser", _parser)
 
@@ -64,12 +71,20 @@ def test_the_child_answers_each_check_on_its_own_line(monkeypatch):
         return vllm_args.read_flags(options.get("vllm_flags") or [], parser)
 
     monkeypatch.setattr(vllm_args, "_check", check)
-    answers = _serve(monkeypatch, [{"check": {"vllm_flags": ["--dtype", "half"]}}, {"check": {"max_model_len": 4096}},
-                                   {"check": {"vllm_flags": ["--dtype", "x"]}}])
-    assert answers[:2] == [{"ok": {"dtype": "half"}},
-                           {"error": "max_model_len (4096) is greater than the derived max_model_len (2048)"}]
-    assert answers[2]["error"].startswith("vLLM: argument --dtype: invalid choice: 'x'")
-    assert len(checked) == 3
+    answers = _serve(monkeypatch, request_)
+    assert len(answers) == 1 and len(checked) == 1
+    if "ok" in answer:
+        assert answers[0] == answer
+    else:  # vLLM's parser adds the choices after the reason
+        assert list(answers[0]) == ["error"] and answers[0]["error"].startswith(answer["error"])
+
+
+def test_the_child_answers_nothing_to_no_request(monkeypatch):
+    monkeypatch.setattr(vllm_args, "_parser", _parser)
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    out = io.StringIO()
+    monkeypatch.setattr("sys.stdout", out)
+    assert vllm_args.main() == 0 and out.getvalue() == ""
 
 
 def test_without_vllm_every_check_says_it_cannot_run(monkeypatch):
@@ -77,5 +92,5 @@ def test_without_vllm_every_check_says_it_cannot_run(monkeypatch):
         raise ImportError("No module named 'vllm'")
 
     monkeypatch.setattr(vllm_args, "_parser", broken)
-    assert _serve(monkeypatch, [{"check": {}}]) == [
+    assert _serve(monkeypatch, {"check": {}}) == [
         {"unavailable": "vLLM cannot be imported here: No module named 'vllm'"}]
