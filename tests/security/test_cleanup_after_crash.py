@@ -72,19 +72,32 @@ def _lock_free(data: str) -> bool:
 def kill_tree(process: subprocess.Popen) -> None:
     """SIGKILL a command and every process under it, all stopped first: a child that saw its
     parent die first would get its PDEATHSIG (SIGTERM) and begin a graceful stop, removing
-    what a crash leaves (seen: a broker that unlinked its descriptor rings and socket)."""
-    try:
-        tree = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        tree = []
-    for action in ("suspend", "kill"):
-        for member in tree:
+    what a crash leaves (seen: a broker that unlinked its descriptor rings and socket). The
+    tree is listed again until a listing finds no member it has not stopped: a process
+    forked between a listing and its parent's stop would otherwise run on."""
+    stopped: dict[int, psutil.Process] = {}
+    while True:
+        try:
+            root = psutil.Process(process.pid)
+            members = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            members = []
+        new = [member for member in members if member.pid not in stopped]
+        if not new:
+            break
+        for member in new:
+            stopped[member.pid] = member
             try:
-                getattr(member, action)()
+                member.suspend()
             except psutil.NoSuchProcess:
                 pass
+    for member in stopped.values():
+        try:
+            member.kill()
+        except psutil.NoSuchProcess:
+            pass
     process.wait()
-    wait_for(lambda: all(_dead(member) for member in tree), 30, "the killed processes to exit")
+    wait_for(lambda: all(_dead(member) for member in stopped.values()), 30, "the killed processes to exit")
 
 
 def _dead(process: psutil.Process) -> bool:
