@@ -190,3 +190,46 @@ def test_an_embeddings_inputs_and_dimensions_are_checked_at_their_limits(inputs,
 def test_input_lengths_without_embed_are_refused():
     with pytest.raises(GenerationParamsError, match="an embedding's"):
         GenerationParams(input_lengths=(3,))
+
+
+@settings(max_examples=200, deadline=None)
+@given(items=st.lists(st.tuples(st.integers(0, 3), st.binary(max_size=16)), max_size=40),
+       params=st.lists(params_strategy, min_size=4, max_size=4), cut=st.none() | st.integers(0, 200))
+def test_the_decoder_gives_what_decode_payload_gives_each_envelope_decoded_once(items, params, cut):
+    """Against decode_payload as the reference, items drawn from four parameter sets, one of
+    them (cut) perhaps torn, under a bound that forces the decoder to forget."""
+    from pipeline.wire.generation import PayloadDecoder
+
+    decoder = PayloadDecoder(max_bytes=2 * GENERATION_HEADER_SIZE_BYTES + 64)
+    for which, payload in items:
+        data = encode_payload(params[which], payload)
+        if cut is not None and which == 3:
+            data = data[:cut]
+        try:
+            expected = decode_payload(data)
+        except GenerationParamsError as exc:
+            with pytest.raises(GenerationParamsError) as got:
+                decoder.decode(data)
+            assert str(got.value) == str(exc)
+        else:
+            assert decoder.decode(data) == expected
+        decoder.check_invariants()
+
+
+def test_the_decoder_forgets_every_envelope_once_its_bound_is_reached_and_keeps_an_envelope_past_it():
+    from pipeline.wire.generation import PayloadDecoder
+
+    small, other = encode_payload(GenerationParams(max_tokens=1)), encode_payload(GenerationParams(max_tokens=2))
+    decoder = PayloadDecoder(max_bytes=len(small) + len(other))  # at the bound: both kept
+    first = decoder.decode(small + b"x")[0]
+    decoder.decode(other)
+    assert decoder.decode(small)[0] is first
+    decoder.check_invariants()
+    decoder = PayloadDecoder(max_bytes=len(small) + len(other) - 1)  # one past it: the second forgets the first
+    first = decoder.decode(small)[0]
+    decoder.decode(other)
+    assert decoder.decode(small)[0] is not first and decoder.decode(small)[0] == first
+    decoder.check_invariants()
+    huge = encode_payload(GenerationParams(structured=("json", "x" * 1000)))
+    decoder.decode(huge)  # larger than the bound: kept alone
+    decoder.check_invariants()

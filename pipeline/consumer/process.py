@@ -85,7 +85,7 @@ from pipeline.wire.errors import (
     RingClosedError,
     SegmentReadError,
 )
-from pipeline.wire.generation import GENERATION_MAGIC, GenerationParams, decode_payload
+from pipeline.wire.generation import GENERATION_MAGIC, GenerationParams, PayloadDecoder
 from pipeline.wire.layouts.descriptors import Descriptor, descriptor_size_bytes, parse_descriptor
 from pipeline.wire.layouts.names import SEGMENTS_DIR
 from pipeline.wire.protocol import RECONNECT_FIRST_S, RECONNECT_MAX_S
@@ -174,6 +174,7 @@ class Consumer:
         self._running: dict[int, tuple[HeldBatch, ReadBatch]] = {}
         self._waiting: deque[tuple[int, HeldBatch, ReadBatch, EngineBatch]] = deque()
         self._next_key = 0
+        self._payloads = PayloadDecoder()
 
     def _open_results(self) -> None:
         """Open (or create) the results file; ResultsDiskFullError when there is no room to
@@ -426,7 +427,7 @@ class Consumer:
                 params.append(None)
                 continue
             try:
-                item_params, got.payloads[i] = decode_payload(payload)
+                item_params, got.payloads[i] = self._payloads.decode(payload)
             except GenerationParamsError as exc:
                 bad.append(i)
                 messages.append(f"item {got.item_ids[i]}: {exc}")

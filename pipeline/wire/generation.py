@@ -479,3 +479,48 @@ def _read_stops(data: bytes, start: int, end: int, count: int) -> tuple[str, ...
     if at != end:
         raise GenerationParamsError(f"generation envelope: {end - at} bytes after the last stop string at byte {at}")
     return tuple(stops)
+
+
+# The envelopes a PayloadDecoder keeps decoded, in bytes: a job's items mostly share a few
+# parameter sets, and the largest envelope (MAX_ENVELOPE_BYTES) still leaves room for dozens.
+DECODED_ENVELOPES_MAX_BYTES = 4 << 20
+# (header field, bytes per count) of the sections after the header, in their order.
+_SECTION_SIZES = tuple((GENERATION_HEADER_DTYPE.names.index(name), width) for name, width in (
+    ("stop_bytes", 1), ("stop_token_count", STOP_TOKEN_DTYPE.itemsize),
+    ("logit_bias_count", LOGIT_BIAS_DTYPE.itemsize), ("structured_bytes", 1),
+    ("input_count", INPUT_LENGTH_DTYPE.itemsize)))
+
+
+class PayloadDecoder:
+    """`decode_payload` that decodes each distinct envelope once: the parameters (frozen)
+    of an envelope seen before are given again, so a batch of items sharing their
+    parameters costs a header read each. Holds at most DECODED_ENVELOPES_MAX_BYTES of
+    envelopes, forgetting them all when full. NOTE: decoding and checking every item's
+    envelope was a quarter of a sim consumer's CPU on a 200,000-request job."""
+
+    def __init__(self, max_bytes: int = DECODED_ENVELOPES_MAX_BYTES) -> None:
+        self._known: dict[bytes, GenerationParams] = {}
+        self._bytes = 0
+        self._max_bytes = max_bytes
+
+    def decode(self, data: bytes) -> tuple[GenerationParams | None, bytes]:
+        """As decode_payload(data), errors included."""
+        if not data.startswith(GENERATION_MAGIC) or len(data) < GENERATION_HEADER_SIZE_BYTES:
+            return decode_payload(data)
+        fields = _HEADER.unpack_from(data)
+        end = GENERATION_HEADER_SIZE_BYTES + sum(fields[index] * width for index, width in _SECTION_SIZES)
+        envelope = data[:end]
+        params = self._known.get(envelope)
+        if params is None:
+            params, _rest = decode_payload(envelope)  # past the data's end: decode_payload(data)'s own error
+            assert params is not None
+            if self._bytes + len(envelope) > self._max_bytes:
+                self._known.clear()
+                self._bytes = 0
+            self._known[envelope] = params
+            self._bytes += len(envelope)
+        return params, data[end:]
+
+    def check_invariants(self) -> None:
+        assert self._bytes == sum(map(len, self._known))
+        assert self._bytes <= self._max_bytes or len(self._known) == 1  # one envelope larger than the bound
