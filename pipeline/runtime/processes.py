@@ -26,6 +26,8 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import psutil
+
 from pipeline.broker.config import BrokerConfig
 from pipeline.broker.peers import ensure_namespace, namespace_for, object_prefix
 from pipeline.broker.service import Broker
@@ -265,17 +267,13 @@ def _stop_resource_tracker() -> None:
     tracker = resource_tracker._resource_tracker
     stop = getattr(tracker, "_stop", None)
     pid = getattr(tracker, "_pid", None)
-    if stop is None or pid is None or not _is_child(pid):
+    try:
+        ours = pid is not None and psutil.Process(pid).ppid() == os.getpid()
+    except psutil.Error:
+        ours = False
+    if stop is None or not ours:
         return
     try:
         stop()
     except (ChildProcessError, OSError) as exc:
         log.warning("stopping multiprocessing's resource tracker: %s", exc)
-
-
-def _is_child(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
-            return int(stat.read().rsplit(")", 1)[1].split()[1]) == os.getpid()
-    except (OSError, ValueError, IndexError):
-        return False
