@@ -74,7 +74,10 @@ def kill_tree(process: subprocess.Popen) -> None:
     parent die first would get its PDEATHSIG (SIGTERM) and begin a graceful stop, removing
     what a crash leaves (seen: a broker that unlinked its descriptor rings and socket). The
     tree is listed again until a listing finds no member it has not stopped: a process
-    forked between a listing and its parent's stop would otherwise run on."""
+    forked between a listing and its parent's stop would otherwise run on. The deepest die
+    first: a parent killed while its stopped children live orphans their process groups,
+    and the kernel sends an orphaned group with stopped members SIGHUP and SIGCONT (seen
+    under load: the broker resumed with its PDEATHSIG pending and stopped gracefully)."""
     stopped: dict[int, psutil.Process] = {}
     while True:
         try:
@@ -91,13 +94,27 @@ def kill_tree(process: subprocess.Popen) -> None:
                 member.suspend()
             except psutil.NoSuchProcess:
                 pass
-    for member in stopped.values():
+    depth = {pid: _depth(member, stopped) for pid, member in stopped.items()}
+    for member in sorted(stopped.values(), key=lambda member: -depth[member.pid]):
         try:
             member.kill()
         except psutil.NoSuchProcess:
             pass
     process.wait()
     wait_for(lambda: all(_dead(member) for member in stopped.values()), 30, "the killed processes to exit")
+
+
+def _depth(member: psutil.Process, tree: dict[int, psutil.Process]) -> int:
+    """How many of `tree`'s members are above `member`."""
+    depth = 0
+    try:
+        parent = member.ppid()
+        while parent in tree:
+            depth += 1
+            parent = tree[parent].ppid()
+    except psutil.NoSuchProcess:
+        pass
+    return depth
 
 
 def _dead(process: psutil.Process) -> bool:
@@ -289,7 +306,7 @@ def test_cleanup_after_a_killed_launch(tmp_path):
         kill_tree(launch)
         plan = listing(data)
         prefix = plan["prefix"]
-        assert {found["kind"] for found in plan["remove"]} >= {"descriptor ring", "semaphore", "socket"}
+        assert {found["kind"] for found in plan["remove"]} >= {"descriptor ring", "semaphore", "socket"}, plan
         assert all(os.path.basename(found["path"]).startswith((f"{prefix}p", f"sem.{prefix}p"))
                    and ("never stored" in found["why"] or "which is kept" in found["why"]) for found in plan["keep"])
         assert cleanup(data, "--yes").returncode == 0
