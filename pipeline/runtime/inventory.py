@@ -43,6 +43,7 @@ from pipeline.broker.storage.paths import iter_segments
 from pipeline.reporting.accounting import summarize_results
 from pipeline.wire.errors import FrameError, ShmError
 from pipeline.wire.layouts.frames import Frame, parse_frame
+from pipeline.wire.status import BrokerStatus
 from shm.ring_layout import unreleased_records
 
 # A ledger slot not written yet (its producer has not registered).
@@ -157,6 +158,15 @@ class LedgerSlot:
 
     def resume_at(self, position: int) -> None:
         self.ledger.resume_at(self.index, position)
+
+
+def run_is_done(status: BrokerStatus, published: int) -> bool:
+    """Every item this run's producers published is received, and the broker holds nothing
+    unfinished. Received here is what this run's own rings gave: the items recovered from
+    the store and adopted from an earlier run's rings are work taken over, not published by
+    this run, and counting them would end a resumed run with as many records still unread
+    in its producers' rings (the stop then stores them and the job has them unanswered)."""
+    return status.items_received - status.items_adopted >= published and status.items_unfinished == 0
 
 
 def producer_ring_names(data_dir: str) -> list[str]:

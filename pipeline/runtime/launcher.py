@@ -56,15 +56,8 @@ from pipeline.producer.workload import Workload
 from pipeline.reporting.accounting import ResultsSummary, Stock, summarize_results, take_stock
 from pipeline.runtime.datadir import release_launch
 from pipeline.runtime.gpus import consumer_placements, detect_gpus, gpus_per_engine
-from pipeline.runtime.inventory import (
-    ProducerLedger,
-    RingStock,
-    StoreStock,
-    producer_ring_names,
-    results_of_earlier_runs,
-    ring_stock,
-    store_stock,
-)
+from pipeline.runtime.inventory import (ProducerLedger, RingStock, StoreStock, producer_ring_names,
+                                        results_of_earlier_runs, ring_stock, run_is_done, store_stock)
 from pipeline.runtime.local import (
     CTX,
     STOP_POLL_S,
@@ -385,7 +378,7 @@ class Launcher:
         if not self._producers_span_ns[1]:
             self._producers_span_ns[1] = time.monotonic_ns()
         published = self.ledger.total_published() + self._retired_published
-        return status.items_received_all >= published and status.items_unfinished == 0
+        return run_is_done(status, published)
 
     def _supervise(self) -> None:
         """A producer of a workload with a time limit per request (`busy_limit_s`: a batch
