@@ -191,10 +191,11 @@ def object_path(name: str) -> str:
     return os.path.join(DEV_SHM, name.lstrip("/"))
 
 
-def processes_mapping(prefix: str) -> dict[str, set[int]]:
+def processes_mapping(prefix: str, include_self: bool = False) -> dict[str, set[int]]:
     """Which live processes map something in /dev/shm whose name starts with `prefix` (a
     shared-memory object, a named semaphore, a file of a directory there), from
-    /proc/PID/maps: {path in /dev/shm: pids}. This process is left out, and so are processes
+    /proc/PID/maps: {path in /dev/shm: pids}. This process is left out (but with
+    `include_self`), and so are processes
     whose maps this user may not read (another user's: they cannot map our owner-only
     objects). Linux only; no /proc: {}. What a cleanup must not remove: what a process uses.
 
@@ -215,7 +216,7 @@ def processes_mapping(prefix: str) -> dict[str, set[int]]:
             continue
     found: dict[str, set[int]] = {}
     for pid in (int(entry) for entry in os.listdir("/proc") if entry.isdigit()):
-        if pid == os.getpid():
+        if pid == os.getpid() and not include_self:
             continue
         try:
             with open(f"/proc/{pid}/maps") as maps:
@@ -227,6 +228,31 @@ def processes_mapping(prefix: str) -> dict[str, set[int]]:
             if len(fields) == 6 and fields[3] == wanted_dev and int(fields[4]) in by_inode:
                 found.setdefault(by_inode[int(fields[4])], set()).add(pid)
     return found
+
+
+def mapped_only_by(pids: set[int], skip_prefix: str) -> list[tuple[str, int]]:
+    """The objects in /dev/shm that the processes `pids` map and no other process does (this
+    one included), as (path, inode), but those named with `skip_prefix`: what a group of
+    processes killed together would leave behind, since nobody else unlinks them."""
+    found = []
+    for path, users in processes_mapping("", include_self=True).items():
+        if users <= pids and not os.path.basename(path).startswith((skip_prefix, _SEMAPHORE_FILE_PREFIX + skip_prefix)):
+            try:
+                found.append((path, os.lstat(path).st_ino))
+            except FileNotFoundError:  # removed meanwhile
+                continue
+    return found
+
+
+def unlink_if_same(path: str, inode: int) -> bool:
+    """Remove `path` if it is still the file `inode` (not one made since under its name)."""
+    try:
+        if os.lstat(path).st_ino != inode:
+            return False
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _files_under(prefix: str) -> list[str]:

@@ -36,6 +36,8 @@ from shm.ring import RingReader, RingWriter
 # rings its run left (with the path's hash they were orphaned, and the next run said OK).
 NAMESPACE_FILE = "shm-namespace"
 NAMESPACE_DIGITS = 12
+# How the names of every data directory's objects begin (`object_prefix`).
+OBJECT_PREFIX_START = "sbrk-"
 _NAMESPACE_RE = re.compile(rf"^[0-9a-f]{{{NAMESPACE_DIGITS}}}$")
 
 
@@ -97,7 +99,7 @@ def _path_namespace(data_dir: str) -> str:
 def object_prefix(namespace: str) -> str:
     """How every shared-memory object (and the memory tier's tmpfs directory) of a data
     directory's runs begins, without the leading slash: what clean-up code searches for."""
-    return f"sbrk-{namespace}-"
+    return f"{OBJECT_PREFIX_START}{namespace}-"
 
 
 def doorbell_name(namespace: str) -> str:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import psutil
 
 from pipeline.broker.config import BrokerConfig
+from pipeline.broker.peers import OBJECT_PREFIX_START
 from pipeline.broker.storage.diskio import disk_reserve_bytes
 from pipeline.consumer.config import ConsumerConfig
 from pipeline.producer.producer import DEFAULT_RING_CAPACITY_BYTES
@@ -27,7 +28,7 @@ from pipeline.runtime.daemon import StageFiles, stage_process
 from pipeline.runtime.datadir import hold_for_launch, release_launch
 from pipeline.runtime.processes import serve_broker, serve_consumer
 from pipeline.wire.errors import DataDirError, DataDirInUseError, LiveRunError, ShmSpaceError
-from shm.objects import DEV_SHM, RAISE_HINT, SEMAPHORE_FOOTPRINT_BYTES, shm_space
+from shm.objects import DEV_SHM, RAISE_HINT, SEMAPHORE_FOOTPRINT_BYTES, mapped_only_by, shm_space, unlink_if_same
 from shm.ring_layout import ring_footprint_bytes
 
 log = logging.getLogger("pipeline")
@@ -163,13 +164,36 @@ def _kill_group_left(pid: int | None) -> None:
     """Kill what is left of a stopped child's process group: the processes it started (a
     vllm consumer's engine core and workers) outlive it when it was killed, holding memory
     (a GPU's) that the next engine needs. Children run in their own groups, led by their pid
-    (`own_process_group`); a group that is gone is nothing to do."""
+    (`own_process_group`); a group that is gone is nothing to do.
+
+    What only they map in /dev/shm is removed once they are killed (vLLM's message queues
+    and semaphores, hundreds of MiB: their creator was the killed child, and the resource
+    tracker that would remove them is in the group too); the pipeline's own objects are
+    left to the cleanup, which judges them by what they hold."""
     if pid is None:
         return
+    members = _group_members(pid)
+    if not members:
+        return
+    held = mapped_only_by(members, OBJECT_PREFIX_START)
     try:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+    for path, inode in held:
+        if unlink_if_same(path, inode):
+            log.info("removed %s, which only the killed processes of group %d used", path, pid)
+
+
+def _group_members(pgid: int) -> set[int]:
+    members = set()
+    for process in psutil.process_iter():
+        try:
+            if os.getpgid(process.pid) == pgid:
+                members.add(process.pid)
+        except (ProcessLookupError, PermissionError):
+            continue
+    return members
 
 
 def remove_leftovers(data_dir: str, keep_rings: Iterable[str] = frozenset()) -> list[str]:

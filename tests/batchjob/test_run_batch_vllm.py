@@ -102,3 +102,54 @@ def test_tensor_parallel_2_runs_on_the_cpu_build(tmp_path):
     figures = json.loads((tmp_path / "report.json").read_text())
     assert figures["settings"]["engine"]["options"]["tensor_parallel_size"] == 2
     assert figures["engine_counters_agree"] is True
+
+
+@pytest.mark.vllm
+def test_a_consumer_killed_leaves_nothing_of_its_engine_behind(tmp_path):
+    """kill -9 of a consumer while its engine runs: the run stops saying so, and the engine
+    core it started is killed and what only it mapped in /dev/shm (vLLM's message queues,
+    hundreds of MiB) removed, though the consumer never got to its own end."""
+    import time
+
+    import psutil
+
+    from tools.tiny_llama import build
+
+    build(MODEL_DIR)
+    records = example_requests(200, MODEL_DIR.name)
+    source = write_requests(tmp_path / "requests.jsonl", records)
+    had = _vllms_shared_memory()
+    job = subprocess.Popen([sys.executable, "-m", "pipeline", "run-batch", "-i", str(source), "-o",
+                            str(tmp_path / "out.jsonl"), "--model", str(MODEL_DIR), "--engine", "vllm",
+                            "--data-dir", str(tmp_path / "data"), "--load-format", "dummy", "--consumers", "1"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        consumer, made = None, set()
+        while not (consumer and made) and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+            consumer, made = _consumer_with_an_engine(psutil.Process(job.pid)), _vllms_shared_memory() - had
+        assert consumer is not None and made, "no consumer's engine core started"  # made: its message queues
+        engine = consumer.children(recursive=True)
+        consumer.kill()
+        _out, err = job.communicate(timeout=RUN_TIMEOUT_S)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode != 0 and "exited with status -9" in err, err[-3000:]
+    assert psutil.wait_procs(engine, timeout=30)[1] == []
+    assert not (_vllms_shared_memory() & made)
+
+
+def _consumer_with_an_engine(job):
+    """The consumer process of `job` whose vLLM engine core has started, if one has."""
+    import psutil
+
+    try:
+        for process in job.children(recursive=True):
+            if any("EngineCore" in child.name() or "EngineCore" in " ".join(child.cmdline())
+                   for child in process.children()):
+                return process
+    except psutil.Error:
+        return None
+    return None

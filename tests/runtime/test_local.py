@@ -264,26 +264,54 @@ def test_a_dev_shm_of_exactly_what_a_run_needs_runs_it_and_one_page_less_is_refu
         assert found == {"exit": 0, "items_with_results": items, "lost": 0}, done.stderr
 
 
-def _leaves_a_grandchild(ready) -> None:
+# What the grandchild of `_leaves_a_grandchild` makes in /dev/shm and maps until it is
+# killed, by role: as vLLM's engine core maps its message queues (psm_...) and semaphores.
+_GRANDCHILD = """
+import mmap, sys, time, posix_ipc
+for name in sys.argv[1:]:
+    if name.startswith("/sem-"):
+        posix_ipc.Semaphore(name, posix_ipc.O_CREX, 0o600)
+    else:
+        memory = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, 0o600, size=4096)
+        globals()[name] = mmap.mmap(memory.fd, 4096)
+        memory.close_fd()
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def _leaves_a_grandchild(ready, names: list[str]) -> None:
     """A child as the launcher starts one, that starts a process of its own (as a vllm
-    consumer starts vLLM's engine core) and says its pid."""
+    consumer starts vLLM's engine core) mapping `names` in /dev/shm, and says its pid."""
     from pipeline.runtime.local import own_process_group
 
     own_process_group()
-    grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    grandchild = subprocess.Popen([sys.executable, "-c", _GRANDCHILD, *names], stdout=subprocess.PIPE, text=True)
+    assert grandchild.stdout.readline() == "ready\n"
     ready.send(grandchild.pid)
     time.sleep(600)
 
 
-def test_what_a_killed_child_started_is_stopped_with_it():
+def test_what_a_killed_child_started_is_stopped_with_it_and_what_only_it_mapped_removed():
+    import mmap
     import signal
 
+    import posix_ipc
+
+    from pipeline.broker.peers import OBJECT_PREFIX_START
     from pipeline.runtime.local import CTX, start_child, stop_process
 
+    tag = f"{os.getpid()}-{time.monotonic_ns()}"
+    private, semaphore, shared = f"/psm-{tag}", f"/sem-{tag}", f"/psm-shared-{tag}"
+    ours = f"/{OBJECT_PREFIX_START}test-{tag}"
+    paths = {name: object_path(name) for name in (private, shared, ours)} | {semaphore: f"/dev/shm/sem.{semaphore[1:]}"}
     ready, child_end = CTX.Pipe(duplex=False)
-    child = CTX.Process(target=_leaves_a_grandchild, args=(child_end,))
+    child = CTX.Process(target=_leaves_a_grandchild, args=(child_end, [private, semaphore, shared, ours]))
     start_child(child)
     grandchild = ready.recv()
+    memory = posix_ipc.SharedMemory(shared)
+    also_mapped = mmap.mmap(memory.fd, 4096)  # mapped here too: not only the killed ones'
+    memory.close_fd()
     try:
         os.kill(child.pid, signal.SIGKILL)  # as kill -9 of a consumer: its engine core would live on
         child.join(10)
@@ -293,11 +321,18 @@ def test_what_a_killed_child_started_is_stopped_with_it():
         while _state(grandchild) not in ("gone", "Z") and time.monotonic() < deadline:
             time.sleep(0.05)
         assert _state(grandchild) in ("gone", "Z")
+        assert not os.path.exists(paths[private]) and not os.path.exists(paths[semaphore])
+        assert os.path.exists(paths[shared])  # another process maps it
+        assert os.path.exists(paths[ours])  # the pipeline's own: the cleanup judges those
     finally:
+        also_mapped.close()
         try:
             os.kill(grandchild, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        for path in paths.values():
+            if os.path.exists(path):
+                os.unlink(path)
 
 
 def _state(pid: int) -> str:
