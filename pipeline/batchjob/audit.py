@@ -63,7 +63,7 @@ from pipeline.batchjob.auditrules import (
     status_of,
     summary_problems,
 )
-from pipeline.batchjob.job import OUTPUT_ORDERS
+from pipeline.batchjob.spec import OUTPUT_ORDERS
 from pipeline.batchjob.output import HTTP_OK
 from pipeline.batchjob.scan import (
     MAX_BATCH_REQUESTS,

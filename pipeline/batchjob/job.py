@@ -5,6 +5,8 @@ resumable after any stop, in memory that does not grow with the file.
     job.prepare()        # paths checked, the data directory locked, the input scanned (or
                          # checked against the job's manifest), what earlier runs answered
     code = job.run()     # the pipeline on what is left: the launcher, with the job's producers
+                         # (started once the broker, having read the store, serves: what an
+                         # earlier run left there is found beside the first dispatches)
     code = job.finish(code)   # the output (and error file, summary, report) once all is answered
 
 The job's files (DATA_DIR/job/): its manifest (`manifest.py`: what the job is and everything
@@ -24,7 +26,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import numpy as np
 
@@ -68,8 +70,8 @@ from pipeline.batchjob.progress import JobCounts, JobTracker, JobView, paced_by
 from pipeline.batchjob.prescan import scan_or_adopt
 from pipeline.batchjob.scan import InputScan, input_digest, read_index, write_index
 from pipeline.batchjob.telemetry import JobTelemetry
-from pipeline.batchjob.tools import ToolCalling
-from pipeline.batchjob.workload import JobInput, JobWorkload, PromptLimits, bits_set, set_bits
+from pipeline.batchjob.spec import OUTPUT_ORDERS, JobSpec, JobSummary
+from pipeline.batchjob.workload import JobInput, JobWorkload, bits_set, set_bits
 from pipeline.reporting.progress import DISK_FULL_ALERT
 from pipeline.runtime.datadir import check_data_dir, check_room, describe_holder, hold_lock, holder_gone, release_lock
 from pipeline.runtime.inventory import pending_payload_tails, producer_ring_names
@@ -85,61 +87,8 @@ from pipeline.wire.errors import (
 )
 from pipeline.wire.textfiles import counted, printable
 
-OUTPUT_ORDERS = ("input", "completion")
 # How often the job's status file and the collector's read positions are saved while it runs.
 SAVE_INTERVAL_S = 2.0
-@dataclass(slots=True)
-class JobSpec:
-    """What the user asked for (the command line, parsed and checked)."""
-
-    input_path: str
-    output_path: str
-    model_dir: str
-    served_model: str
-    settings: LaunchSettings  # data_dir set
-    data_dir_given: bool
-    output_order: str = "input"
-    error_file: str | None = None
-    report_path: str | None = None
-    summary_path: str | None = None
-    overwrite: bool = False
-    keep_data_dir: bool = False
-    limits: PromptLimits = field(default_factory=PromptLimits)
-    tool_calling: ToolCalling = field(default_factory=ToolCalling)
-    chat_template: str | None = None  # --chat-template's text, over the model directory's
-    input_scan: str | None = None  # a scan of the input kept beforehand (`prescan.py`): the service's
-
-
-@dataclass(slots=True)
-class JobSummary:
-    """What a job answered, across its runs, and how this run went."""
-
-    requests: int
-    completed: int
-    failed: int
-    failed_by_status: dict[int, int]
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    run_wall_s: float
-    run_answered: int
-    paced_by: str
-    output_written: bool
-
-    def as_json(self) -> dict:
-        """As OpenAI's batch object counts them (request_counts, usage), and this run."""
-        return {
-            "request_counts": {"total": self.requests, "completed": self.completed, "failed": self.failed},
-            "failed_by_status": {str(k): v for k, v in self.failed_by_status.items()},
-            "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                      "total_tokens": self.prompt_tokens + self.completion_tokens,
-                      "cached_tokens": self.cached_tokens},
-            "cached_share": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None,
-            "this_run": {"wall_s": self.run_wall_s, "answered": self.run_answered,
-                         "requests_per_s": self.run_answered / self.run_wall_s if self.run_wall_s > 0 else None,
-                         "paced_by": self.paced_by},
-            "output_written": self.output_written,
-        }
 
 
 class BatchJob:
@@ -164,7 +113,6 @@ class BatchJob:
         self.log: AnswerLog | None = None
         self.collector: Collector | None = None
         self._input_fd = -1
-        self.pending = 0
         self.skip = np.zeros(0, dtype=np.uint8)
         self.tracker: JobTracker | None = None
         self.report: dict | None = None
@@ -319,7 +267,6 @@ class BatchJob:
         self.collect_all()
         self._answered_before = self.log.done
         self.skip = self.log.done_bits().copy()
-        self.pending = self._mark_pending(self.skip)
         self.tracker = JobTracker(manifest.requests)
         self.telemetry = JobTelemetry(self.log)
 
@@ -351,15 +298,27 @@ class BatchJob:
             raise
         return {log: t.path for log, t in targets.items()}, opened
 
-    def _mark_pending(self, skip: np.ndarray) -> int:
-        """Set the bits of requests an earlier run left in the store or a ring; how many.
+    def find_pending(self) -> None:
+        """What an earlier run left in the store or a producer ring, which the broker delivers:
+        marked in `skip` with what is answered, so that only the rest is submitted; said in
+        one line. Run once the broker serves (it has recovered the store and stored what the
+        rings held), beside its first dispatches: the store is read by the broker alone
+        before work flows. An entry a consumer completes during the read may be missed by
+        it, but its answer was written before its completion: collected after the read.
         NOTE: each payload's tail is checked as a job payload, not its generation envelope
         decoded first: the store's entries are checksummed as the producer wrote them, and a
         Python decode per item took seconds for each million a stopped run left."""
-        found = 0
         for tails in pending_payload_tails(self.data_dir, producer_ring_names(self.data_dir), JOB_PAYLOAD_SIZE_BYTES):
-            found += set_bits(skip, job_request_indices(tails, self.manifest.job_id, self.manifest.requests))
-        return found
+            set_bits(self.skip, job_request_indices(tails, self.manifest.job_id, self.manifest.requests))
+        self.collect_all()
+        np.bitwise_or(self.skip, self.log.done_bits(), out=self.skip)
+        self._say_plan()
+
+    def _say_plan(self) -> None:
+        waiting = self.manifest.requests - self.to_submit - self.log.done  # neither answered nor to submit
+        self.say(f"run-batch: {counted(self.manifest.requests, 'request')} in {printable(self.manifest.input_path)}: "
+                 f"{self.log.done:,} answered already ({self.log.failed:,} failed), {waiting:,} waiting in the store, "
+                 f"{self.to_submit:,} to submit; data directory {printable(self.data_dir)}")
 
     # ------------------------------------------------------------------ run
 
@@ -372,7 +331,8 @@ class BatchJob:
         from pipeline.runtime.launcher import Launcher
 
         self._run_started_s = time.monotonic()
-        if not self.to_submit and not self.pending:
+        if self.log.done == self.manifest.requests:
+            self._say_plan()
             return 0
         if not self.new_job:
             check_room(self.data_dir, holds_work=True)
@@ -383,6 +343,7 @@ class BatchJob:
         launcher.metrics_listener, self.metrics_listener = self.metrics_listener, None
         launcher.data_dir_pin = self.pin
         launcher.engine_check = lambda stop: self.engine_verdict(True, stop)
+        launcher.before_producers = self.find_pending
         self.collector.tally(launcher.results_dir)
         try:
             outcome = launcher.run()

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from pipeline.batchjob.embeddings import RUNNER_POOLING, job_runner
-from pipeline.batchjob.job import JobSpec
+from pipeline.batchjob.spec import JobSpec
 from pipeline.batchjob.sampling import sim_answer_options
 from pipeline.batchjob.workload import PromptLimits
 from pipeline.runtime.preflight import check_before_start

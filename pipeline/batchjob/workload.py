@@ -104,7 +104,8 @@ class Watch(Protocol):
 
 
 class JobWorkload(Workload):
-    """See the module's doc. Immutable after construction; forked into the producers."""
+    """See the module's doc. Immutable once its producers fork (the job completes its skip bits
+    before: `__len__`); forked into the producers."""
 
     item_stock = False  # the job accounts by request (its answer log), not by broker item
     # Items per submit call: a frame of a job mixes dozens of shapes and their lanes, and the
@@ -130,6 +131,11 @@ class JobWorkload(Workload):
         self._facts: ModelFacts | None = None  # read in the process that makes items
         self._embedding_facts: EmbeddingFacts | None = None  # there too
         self._line_digests: LineDigests | None = None  # opened there too
+
+    def __len__(self) -> int:
+        """Requests to submit: read from the skip bits each time, which the job completes
+        once the broker serves (`BatchJob.find_pending`), before the producers fork."""
+        return self.job_input.requests - bits_set(self.skip, self.job_input.requests)
 
     def shares(self, count: int) -> list[tuple[int, int]]:
         """`count` contiguous ranges of request indices, cut at sparse-index entries, each

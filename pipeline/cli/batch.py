@@ -16,7 +16,8 @@ import sys
 
 import click
 
-from pipeline.batchjob.job import BatchJob, JobSpec, JobSummary
+from pipeline.batchjob.job import BatchJob
+from pipeline.batchjob.spec import JobSpec, JobSummary
 from pipeline.batchjob.manifest import load_manifest
 from pipeline.batchjob.plan import DEFAULT_DATA_DIR_SUFFIX, SUMMARY_SUFFIX, JobAsk, plan_job
 from pipeline.batchjob.progress import JobView, format_job_line
@@ -194,10 +195,6 @@ def _prepare(job: BatchJob) -> None:
     finally:
         for signum, handler in held.items():
             signal.signal(signum, handler)
-    manifest = job.manifest
-    _say(f"run-batch: {counted(manifest.requests, 'request')} in {printable(manifest.input_path)}: {job.log.done:,} "
-         f"answered already ({job.log.failed:,} failed), {job.pending:,} waiting in the store, {job.to_submit:,} to "
-         f"submit; data directory {printable(job.data_dir)}")
 
 
 def _run(job: BatchJob, spec: JobSpec, ray_address: str | None, ray_route: str, ray_node_dir: str | None) -> int:

@@ -118,6 +118,7 @@ class WorkloadSource:
 
 def run_job_on_cluster(job, address: str, node_root: str, route: str = "shape") -> int:
     """Run the job's requests still to submit on the cluster; 0 when each has its answer."""
+    job.find_pending()
     if not job.to_submit:
         return 0
     settings = job.spec.settings

@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -166,6 +167,9 @@ def test_a_job_killed_at_a_random_moment_is_finished_with_one_line_per_custom_id
     assert again.returncode == 0, again.stderr
     check_one_line_each(tmp_path / "out.jsonl", count)
     assert f"{count:,} completed, 0 failed" in again.stderr
+    plan = re.search(r"([\d,]+) answered already \([\d,]+ failed\), ([\d,]+) waiting in the store, ([\d,]+) to submit",
+                     again.stderr)
+    assert plan and sum(int(n.replace(",", "")) for n in plan.groups()) == count, again.stderr  # each counted once
 
 
 def test_a_stopped_jobs_status_comes_from_its_files_and_says_how_to_finish_it(tmp_path, model_dir):
