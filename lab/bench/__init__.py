@@ -26,6 +26,7 @@ COMPARISON_MODULES: dict[str, str] = {
     "scaling": "lab.bench.scaling",
     "memory": "lab.bench.memory",
     "job-scale": "lab.bench.job_scale",
+    "job-resume": "lab.bench.job_resume",
     "serve": "lab.bench.serve",
 }
 

@@ -228,9 +228,9 @@ def _sized(ctx: BenchContext, count: int, name: str, tree: Path | None = None) -
     return row
 
 
-def _resume(ctx: BenchContext, count: int) -> dict[str, Any]:
-    """The largest job killed at about half its answers, then the same command again."""
-    source = ctx.work_dir / f"requests-{count}.jsonl"
+def resume_at_half(ctx: BenchContext, source: Path, count: int) -> dict[str, Any]:
+    """The job of `source` (`count` requests) killed at about half its answers, then the same
+    command again: the read of its answers once and its first new dispatch."""
     work = ctx.work_dir / f"resume-{count}"
     work.mkdir(parents=True, exist_ok=True)
     ctx.log(f"  resume: {count:,} requests, killed at half")
@@ -267,7 +267,7 @@ def measure(ctx: BenchContext) -> dict[str, Any]:
     figures["baseline"] = _sized(ctx, base_size, "baseline", tree)
     for count in sizes:
         figures["sizes"][str(count)] = _sized(ctx, count, "product")
-    figures["resume"] = _resume(ctx, sizes[-1])
+    figures["resume"] = resume_at_half(ctx, ctx.work_dir / f"requests-{sizes[-1]}.jsonl", sizes[-1])
     return figures
 
 

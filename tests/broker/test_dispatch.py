@@ -171,8 +171,9 @@ def run_to_the_end(pipeline: Pipeline, backlog: int, lost_at: int, check_every: 
 def test_end_to_end_two_consumers_one_lost(tier):
     pipeline = Pipeline(tier, seed=7, shapes=10, items=2500)
     dispatcher = pipeline.dispatcher
-    # Invariants every 4th step: each check scans every segment file (about 400 here).
-    run_to_the_end(pipeline, backlog=1500, lost_at=60, check_every=4)  # a backlog, then streaming
+    # Invariants every 16th step (about 40 checks): each scans every segment file (about 400
+    # here), seconds a check at this size.
+    run_to_the_end(pipeline, backlog=1500, lost_at=60, check_every=16)  # a backlog, then streaming
     # Every item completed exactly once; the accounting closes.
     assert len(pipeline.completed) == 2500 and set(pipeline.completed.values()) == {1}
     c = dispatcher.counters()

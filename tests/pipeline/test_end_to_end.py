@@ -169,6 +169,7 @@ def test_bad_registrations_and_completions_get_clear_errors(tmp_path):
         assert stop(broker) == 0
 
 
+@pytest.mark.campaign  # 120,000 items through real processes: 40 s of the README's tests
 def test_huge_backlog_never_makes_a_healthy_consumer_look_dead(tmp_path):
     # 120,000 small items ingested as fast as the producer writes them, and a consumer that
     # takes one item per batch: without the work slices (10 ms), fill and dispatch would hold
