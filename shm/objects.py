@@ -231,26 +231,33 @@ def processes_mapping(prefix: str, include_self: bool = False) -> dict[str, set[
 
 
 def mapped_only_by(pids: set[int], skip_prefix: str) -> list[tuple[str, int]]:
-    """The objects in /dev/shm that the processes `pids` map and no other process does (this
-    one included), as (path, inode), but those named with `skip_prefix`: what a group of
-    processes killed together would leave behind, since nobody else unlinks them."""
+    """The objects of this user directly in /dev/shm that the processes `pids` map and no
+    other process does (this one included), as (path, inode), but those named with
+    `skip_prefix` (and anything in a directory there): what a group of processes killed
+    together would leave behind, since nobody else unlinks them. Another user's objects are
+    never among them: their other users' maps cannot be read."""
     found = []
     for path, users in processes_mapping("", include_self=True).items():
-        if users <= pids and not os.path.basename(path).startswith((skip_prefix, _SEMAPHORE_FILE_PREFIX + skip_prefix)):
-            try:
-                found.append((path, os.lstat(path).st_ino))
-            except FileNotFoundError:  # removed meanwhile
-                continue
+        name = os.path.relpath(path, DEV_SHM)
+        if not users <= pids or os.sep in name or name.startswith((skip_prefix, _SEMAPHORE_FILE_PREFIX + skip_prefix)):
+            continue
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:  # removed meanwhile
+            continue
+        if info.st_uid == os.geteuid():
+            found.append((path, info.st_ino))
     return found
 
 
 def unlink_if_same(path: str, inode: int) -> bool:
-    """Remove `path` if it is still the file `inode` (not one made since under its name)."""
+    """Remove `path` if it is still the file `inode` (not one made since under its name);
+    whether it did. One that cannot be removed is left (the caller's cleanup is best effort)."""
     try:
         if os.lstat(path).st_ino != inode:
             return False
         os.unlink(path)
-    except FileNotFoundError:
+    except OSError:
         return False
     return True
 

@@ -6,6 +6,9 @@ its answers are recorded, then the same command again. Figures: the time from th
 command's start to its first new batch dispatched, against the time to read every file of
 the job's answers once right before it (`job_scale.read_answers_once_s`: page-cache speed,
 the read a resume cannot do without); and whether the job ends with one line per custom_id.
+The first new batch may hold work the killed run left in the store (the broker dispatches it
+while the job reads what it holds): it is the resumed job's first work, as the target
+means it. One run (`--repeat` is not used: a run at SIZE takes half an hour).
 
 Target (`job-scale`'s resume target, measured without its other sizes): the first new
 batch within 2x the read, and one line per custom_id.
@@ -51,7 +54,8 @@ def markdown(figures: dict[str, Any]) -> str:
              f"{resume['read_once_s']:.2f}", "-" if first is None else f"{first:.2f}",
              f"{resume['second_wall_s']:.1f}", "one line per custom_id" if resume["output_ok"] else "WRONG"]]
     return ("`pipeline run-batch --engine sim` (zero cost) on `job-scale`'s chat requests, killed (kill -9) at half "
-            "its answers, then the same command.\n\n"
+            "its answers, then the same command; one run. The first new batch is the resumed run's first dispatch "
+            "(work the killed run left in the store included).\n\n"
             + table(["requests", "killed at half", "read of the answers once s", "first new dispatch s",
                      "second command s", "output"], rows))
 

@@ -298,17 +298,20 @@ class BatchJob:
             raise
         return {log: t.path for log, t in targets.items()}, opened
 
-    def find_pending(self) -> None:
-        """What an earlier run left in the store or a producer ring, which the broker delivers:
-        marked in `skip` with what is answered, so that only the rest is submitted; said in
-        one line. Run once the broker serves (it has recovered the store and stored what the
-        rings held), beside its first dispatches: the store is read by the broker alone
-        before work flows. An entry a consumer completes during the read may be missed by
-        it, but its answer was written before its completion: collected after the read.
+    def find_pending(self, storage_dir: str | None = None) -> None:
+        """What an earlier run left in the store (`storage_dir`, default the data directory)
+        or a producer ring, which the broker delivers: marked in `skip` with what is answered,
+        so that only the rest is submitted; said in one line. A local run calls it once the
+        broker serves (it has recovered the store and stored what the rings held), beside its
+        first dispatches: the store is read by the broker alone before work flows. An entry a
+        consumer completes during the read may be missed by it, but its answer was written
+        before its completion: collected after the read.
         NOTE: each payload's tail is checked as a job payload, not its generation envelope
         decoded first: the store's entries are checksummed as the producer wrote them, and a
         Python decode per item took seconds for each million a stopped run left."""
-        for tails in pending_payload_tails(self.data_dir, producer_ring_names(self.data_dir), JOB_PAYLOAD_SIZE_BYTES):
+        tails_of = pending_payload_tails(storage_dir or self.data_dir, producer_ring_names(self.data_dir),
+                                         JOB_PAYLOAD_SIZE_BYTES)
+        for tails in tails_of:
             set_bits(self.skip, job_request_indices(tails, self.manifest.job_id, self.manifest.requests))
         self.collect_all()
         np.bitwise_or(self.skip, self.log.done_bits(), out=self.skip)

@@ -104,8 +104,8 @@ class Watch(Protocol):
 
 
 class JobWorkload(Workload):
-    """See the module's doc. Immutable once its producers fork (the job completes its skip bits
-    before: `__len__`); forked into the producers."""
+    """See the module's doc. Forked into the producers; the job completes its skip bits
+    before they fork (`__len__`), and `on_stuck` marks a request answered in the launcher."""
 
     item_stock = False  # the job accounts by request (its answer log), not by broker item
     # Items per submit call: a frame of a job mixes dozens of shapes and their lanes, and the

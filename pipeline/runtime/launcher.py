@@ -158,7 +158,8 @@ class Launcher:
         # the run stops once its path leads elsewhere (`pipeline.wire.dirpin`).
         self.data_dir_pin: DirPin | None = None
         self.engine_check: Callable[[Callable[[], bool]], dict | None] = lambda stop: {}  # see `_start`
-        self.before_producers: Callable[[], None] = lambda: None  # the broker and consumers serve by then
+        # Called with the broker's storage directory once it and the consumers serve.
+        self.before_producers: Callable[[str], None] = lambda storage_dir: None
         self._own_data_dir = settings.data_dir is None
         self.data_dir = settings.data_dir or tempfile.mkdtemp(prefix="shape-broker-")
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
@@ -284,7 +285,9 @@ class Launcher:
         if checked is None:
             return  # no producer starts: the watch stops the run
         self.engine_options = with_flag_options(self.engine_options, checked)
-        self.before_producers()
+        self.before_producers(memory_tier_dir(self.data_dir) if s.storage == "memory" else self.data_dir)
+        if self.interrupts.stopping():
+            return  # stopped meanwhile: no producer starts
         self._producers_span_ns[0] = time.monotonic_ns()
         self.producers = start_producers(self.config.socket_path, self.workload, s.producers, s.replay_speed,
                                          self.ledger)

@@ -269,7 +269,13 @@ def test_a_dev_shm_of_exactly_what_a_run_needs_runs_it_and_one_page_less_is_refu
 _GRANDCHILD = """
 import mmap, sys, time, posix_ipc
 for name in sys.argv[1:]:
-    if name.startswith("/sem-"):
+    if name.startswith("/dir-"):  # a file in a directory of /dev/shm, as the memory tier's segments
+        import os
+        os.makedirs("/dev/shm" + name, mode=0o700)
+        with open("/dev/shm" + name + "/f", "wb+") as file:
+            file.truncate(4096)
+            globals()[name] = mmap.mmap(file.fileno(), 4096)
+    elif name.startswith("/sem-"):
         posix_ipc.Semaphore(name, posix_ipc.O_CREX, 0o600)
     else:
         memory = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, 0o600, size=4096)
@@ -303,10 +309,11 @@ def test_what_a_killed_child_started_is_stopped_with_it_and_what_only_it_mapped_
 
     tag = f"{os.getpid()}-{time.monotonic_ns()}"
     private, semaphore, shared = f"/psm-{tag}", f"/sem-{tag}", f"/psm-shared-{tag}"
-    ours = f"/{OBJECT_PREFIX_START}test-{tag}"
-    paths = {name: object_path(name) for name in (private, shared, ours)} | {semaphore: f"/dev/shm/sem.{semaphore[1:]}"}
+    ours, folder = f"/{OBJECT_PREFIX_START}test-{tag}", f"/dir-{tag}"
+    paths = {name: object_path(name) for name in (private, shared, ours)} | {semaphore: f"/dev/shm/sem.{semaphore[1:]}",
+                                                                           folder: f"/dev/shm{folder}/f"}
     ready, child_end = CTX.Pipe(duplex=False)
-    child = CTX.Process(target=_leaves_a_grandchild, args=(child_end, [private, semaphore, shared, ours]))
+    child = CTX.Process(target=_leaves_a_grandchild, args=(child_end, [private, semaphore, shared, ours, folder]))
     start_child(child)
     grandchild = ready.recv()
     memory = posix_ipc.SharedMemory(shared)
@@ -324,6 +331,7 @@ def test_what_a_killed_child_started_is_stopped_with_it_and_what_only_it_mapped_
         assert not os.path.exists(paths[private]) and not os.path.exists(paths[semaphore])
         assert os.path.exists(paths[shared])  # another process maps it
         assert os.path.exists(paths[ours])  # the pipeline's own: the cleanup judges those
+        assert os.path.exists(paths[folder])  # in a directory there: a store's (the memory tier), not an engine's
     finally:
         also_mapped.close()
         try:
@@ -333,6 +341,8 @@ def test_what_a_killed_child_started_is_stopped_with_it_and_what_only_it_mapped_
         for path in paths.values():
             if os.path.exists(path):
                 os.unlink(path)
+        if os.path.isdir(f"/dev/shm{folder}"):
+            os.rmdir(f"/dev/shm{folder}")
 
 
 def _state(pid: int) -> str:

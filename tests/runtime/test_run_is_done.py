@@ -23,7 +23,7 @@ def test_work_taken_over_does_not_stand_in_for_records_still_in_the_rings():
     published, unread, recovered, adopted = 489_030, 1_578, 4_858, 2_394
     reading = BrokerStatus(items_received=published - unread + adopted, items_recovered=recovered,
                            items_adopted=adopted)
-    assert reading.items_received_all >= published  # the count the run once ended on
+    assert reading.items_received_all >= published  # received all told, taken-over work included
     assert not run_is_done(reading, published)
     assert run_is_done(BrokerStatus(items_received=published + adopted, items_recovered=recovered,
                                     items_adopted=adopted), published)
