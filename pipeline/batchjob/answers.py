@@ -95,6 +95,15 @@ def records_path(data_dir: str) -> str:
     return os.path.join(data_dir, JOB_DIR, RECORDS_NAME)
 
 
+def answer_records(data_dir: str) -> int:
+    """Answer records in a job's data directory by the size of their file, unchecked (0 when
+    there is none): what a resume may find answered, before it reads them."""
+    try:
+        return os.stat(records_path(data_dir)).st_size // ANSWER_RECORD_SIZE_BYTES
+    except FileNotFoundError:
+        return 0
+
+
 class AnswerLog:
     """See the module's doc. `close()` is explicit and idempotent."""
 
@@ -164,17 +173,20 @@ class AnswerLog:
         bits = np.frombuffer(self._done, dtype=np.uint8)
         np.bitwise_or.at(bits, index >> 3, (1 << (index & 7)).astype(np.uint8))
         self.done += int(records.size)
-        codes, counts = np.unique(records["status_code"], return_counts=True)
-        for code, count in zip(codes.tolist(), counts.tolist()):
-            self.by_status[code] = self.by_status.get(code, 0) + count
-        ok = records["status_code"] == 200
+        status = records["status_code"]
+        counts = np.bincount(status)  # NOTE: not np.unique: its hash path cost 4x as much
+        for code in np.flatnonzero(counts).tolist():
+            self.by_status[code] = self.by_status.get(code, 0) + int(counts[code])
+        ok = status == 200
         self.usage.prompt_tokens += int(records["prompt_tokens"][ok].sum())
         self.usage.completion_tokens += int(records["completion_tokens"][ok].sum())
         self.usage.cached_tokens += int(records["cached_tokens"][ok].sum())
+        logs = records["log"]
         for log in self._ends:
-            mine = records[records["log"] == log]
+            mine = np.flatnonzero(logs == log)  # the last record of each log: not a copy of all
             if mine.size:
-                self._ends[log] = int(mine["log_offset"][-1]) + int(mine["line_bytes"][-1])
+                last = records[int(mine[-1])]
+                self._ends[log] = int(last["log_offset"]) + int(last["line_bytes"])
 
     def is_done(self, index: int) -> bool:
         return bool(self._done[index >> 3] >> (index & 7) & 1)
@@ -282,12 +294,13 @@ class AnswerLog:
 
 def _whole_lines(records: np.ndarray, sizes: Mapping[int, int]) -> int:
     """How many leading records have their line whole in a log of ours."""
-    known = np.isin(records["log"], list(sizes))
     ends = records["log_offset"] + records["line_bytes"]
     by_log = np.zeros(256, dtype=np.uint64)  # a log's size by its number (a u1 field)
+    ours = np.zeros(256, dtype=bool)
     for log, size in sizes.items():
-        by_log[log] = size
-    bad = np.flatnonzero(~known | (ends > by_log[records["log"]]))
+        by_log[log], ours[log] = size, True
+    logs = records["log"]
+    bad = np.flatnonzero(~ours[logs] | (ends > by_log[logs]))
     return int(bad[0]) if bad.size else int(records.size)
 
 

@@ -30,7 +30,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from pipeline.batchjob.answers import LOG_NAME, AnswerLog, log_fits_records
+from pipeline.batchjob.answers import LOG_NAME, AnswerLog, answer_records, log_fits_records
 from pipeline.batchjob.assemble import MERGE_DIR, write_in_input_order
 from pipeline.batchjob.collect import Collector, forget_answers
 from pipeline.batchjob.embeddings import served_by
@@ -115,6 +115,7 @@ class BatchJob:
         self._input_fd = -1
         self.skip = np.zeros(0, dtype=np.uint8)
         self.tracker: JobTracker | None = None
+        self.telemetry = JobTelemetry()  # its log once the answers are read
         self.report: dict | None = None
         self._run_started_s = time.monotonic()
         self._answered_before = 0
@@ -167,7 +168,16 @@ class BatchJob:
                                   os.path.join(self.data_dir, JOB_DIR, LINES_NAME))
         with contextlib.suppress(FileNotFoundError):  # of an earlier run
             os.unlink(os.path.join(self.data_dir, JOB_DIR, INPUT_CHANGED_NAME))
-        self._open_answers()
+        self.skip = np.zeros(-(-self.manifest.requests // 8), dtype=np.uint8)
+        if self.new_job or answer_records(self.data_dir) >= self.manifest.requests:
+            self._open_answers()  # a new job's are empty; a finished job's end the run at once
+        # else `run` reads them while the broker recovers the store (`open_answers`)
+
+    def open_answers(self) -> None:
+        """The answers so far, read once (by `prepare`, or else by `run` beside the broker's
+        start, or by whichever step needs them first)."""
+        if self.log is None:
+            self._open_answers()
 
     def _bind_metrics(self) -> None:
         """The metrics port bound before any long work (the input's scan) and before the data
@@ -266,9 +276,9 @@ class BatchJob:
                                    tokenizer.token_text, tokenizer.vocab_size)
         self.collect_all()
         self._answered_before = self.log.done
-        self.skip = self.log.done_bits().copy()
+        np.bitwise_or(self.skip, self.log.done_bits(), out=self.skip)
         self.tracker = JobTracker(manifest.requests)
-        self.telemetry = JobTelemetry(self.log)
+        self.telemetry.log = self.log
 
     def _completion_logs(self) -> tuple[dict[int, str], dict[int, int]]:
         """The completion-order output (and error file): the job's own files, appended to, or,
@@ -309,6 +319,7 @@ class BatchJob:
         NOTE: each payload's tail is checked as a job payload, not its generation envelope
         decoded first: the store's entries are checksummed as the producer wrote them, and a
         Python decode per item took seconds for each million a stopped run left."""
+        self.open_answers()
         tails_of = pending_payload_tails(storage_dir or self.data_dir, producer_ring_names(self.data_dir),
                                          JOB_PAYLOAD_SIZE_BYTES)
         for tails in tails_of:
@@ -334,20 +345,20 @@ class BatchJob:
         from pipeline.runtime.launcher import Launcher
 
         self._run_started_s = time.monotonic()
-        if self.log.done == self.manifest.requests:
+        if self.log is not None and self.log.done == self.manifest.requests:
             self._say_plan()
             return 0
         if not self.new_job:
             check_room(self.data_dir, holds_work=True)
         workload = JobWorkload(self.job_input, self.skip, self.manifest, self.model_files, self.data_dir,
                                self.spec.limits, self.spec.chat_template, pin=self.pin)
-        launcher = Launcher(self._run_settings(), workload, on_status=self._poll, summarize=self.collector.summary,
-                            metrics=self.telemetry)
+        launcher = Launcher(self._run_settings(), workload, on_status=self._poll,
+                            summarize=lambda results_dir: self.collector.summary(results_dir), metrics=self.telemetry)
         launcher.metrics_listener, self.metrics_listener = self.metrics_listener, None
         launcher.data_dir_pin = self.pin
         launcher.engine_check = lambda stop: self.engine_verdict(True, stop)
+        launcher.while_broker_starts = lambda: self._read_beside_broker(launcher.results_dir)
         launcher.before_producers = self.find_pending
-        self.collector.tally(launcher.results_dir)
         try:
             outcome = launcher.run()
         except BaseException as failed:
@@ -355,7 +366,8 @@ class BatchJob:
             if moved:  # whatever failed first, by path, failed for this: nothing is read or written there
                 raise DataDirMovedError(moved_message(self.data_dir, moved)) from failed
             try:  # what was answered before the failure is kept; the failure is what is said
-                self._catch_up()
+                if self.collector is not None:  # the answers were read (`_read_beside_broker`)
+                    self._catch_up()
             except Exception as exc:  # noqa: BLE001 - the first error stands
                 self.say(f"run-batch: the answers written so far could not all be read back: {exc}")
             raise
@@ -368,6 +380,12 @@ class BatchJob:
         if outcome.why not in ("completed", "interrupted"):
             self.say(f"run-batch: the run stopped: {outcome.why}")
         return outcome.exit_code
+
+    def _read_beside_broker(self, results_dir: str) -> None:
+        """The answers so far, read while the broker recovers the store (its first dispatch
+        waits for neither alone); this run's results collected from `results_dir`."""
+        self.open_answers()
+        self.collector.tally(results_dir)
 
     def _run_settings(self) -> LaunchSettings:
         """The launch settings, with the sim's tokenizer read from the job's copy of the model's
@@ -442,6 +460,7 @@ class BatchJob:
         """The output once every request has its answer; the summary; the exit status."""
         self.pin.check()
         self._refuse_changed_input(wait=True)
+        self.open_answers()  # a run stopped before it read them
         log = self.log
         written = log.done == self.manifest.requests and not (self.input_check and self.input_check.said)
         summary = self._summary(written)

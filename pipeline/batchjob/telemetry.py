@@ -29,8 +29,8 @@ class JobTelemetry:
     """A prometheus_client collector of one job. Owner: the job's process; `observe` runs on
     its main thread and `collect` on the metrics thread (a lock guards the histogram)."""
 
-    def __init__(self, log) -> None:
-        self.log = log
+    def __init__(self, log=None) -> None:
+        self.log = log  # the job's AnswerLog, set once it is read (before the metrics are served)
         self._lock = threading.Lock()
         self._buckets = np.zeros(len(LATENCY_BUCKETS_S) + 1, dtype=np.int64)  # the last: +Inf
         self._sum_s = 0.0

@@ -58,18 +58,8 @@ from pipeline.runtime.datadir import release_launch
 from pipeline.runtime.gpus import consumer_placements, detect_gpus, gpus_per_engine
 from pipeline.runtime.inventory import (ProducerLedger, RingStock, StoreStock, producer_ring_names,
                                         results_of_earlier_runs, ring_stock, run_is_done, store_stock)
-from pipeline.runtime.local import (
-    CTX,
-    STOP_POLL_S,
-    ShmNeeds,
-    claim_data_dir,
-    exit_text,
-    process_status,
-    remove_leftovers,
-    start_broker,
-    start_consumer,
-    stop_process,
-)
+from pipeline.runtime.local import (CTX, STOP_POLL_S, ShmNeeds, await_broker, claim_data_dir, exit_text, fork_broker,
+                                    process_status, remove_leftovers, start_consumer, stop_process)
 from pipeline.runtime.madefiles import RESULTS_DIR
 from pipeline.runtime.processes import memory_tier_dir
 from pipeline.runtime.producer_processes import start_producer, start_producers
@@ -160,6 +150,8 @@ class Launcher:
         self.engine_check: Callable[[Callable[[], bool]], dict | None] = lambda stop: {}  # see `_start`
         # Called with the broker's storage directory once it and the consumers serve.
         self.before_producers: Callable[[str], None] = lambda storage_dir: None
+        # Called once the broker is forked, while it recovers: the owner's own reading.
+        self.while_broker_starts: Callable[[], None] = lambda: None
         self._own_data_dir = settings.data_dir is None
         self.data_dir = settings.data_dir or tempfile.mkdtemp(prefix="shape-broker-")
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
@@ -264,7 +256,10 @@ class Launcher:
     def _start(self) -> None:
         s = self.settings
         self.taken_over = self._earlier_work()
-        self.broker = start_broker(self.config, s.storage, s.durability)
+        starting = fork_broker(self.config, s.storage, s.durability)
+        self.broker = starting.process  # a failure from here on stops it
+        self.while_broker_starts()
+        await_broker(starting)
         if s.metrics_port is not None:
             from pipeline.reporting.metrics_endpoint import MetricsServer
 

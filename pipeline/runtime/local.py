@@ -110,15 +110,32 @@ def _consumer_main(config: ConsumerConfig) -> None:
     os._exit(serve_consumer(config))
 
 
-def start_broker(config: BrokerConfig, storage: str = "disk", durability: str = "process",
-                 metrics_port: int | None = None):
-    """Fork a broker and wait until it says it serves (recovered and caught up). A broker
-    that cannot start (another one runs on the data directory, say) raises RuntimeError."""
+@dataclass(slots=True)
+class BrokerStart:
+    """A broker forked and not yet serving (`fork_broker`): its process, and the pipe it says
+    it serves on."""
+
+    process: object
+    ready: object
+    data_dir: str
+
+
+def fork_broker(config: BrokerConfig, storage: str = "disk", durability: str = "process",
+                metrics_port: int | None = None) -> BrokerStart:
+    """Fork a broker; `await_broker` waits until it serves. The caller may work meanwhile
+    (the broker's recovery runs beside it)."""
     ready, child_end = CTX.Pipe(duplex=False)
     process = CTX.Process(target=_broker_main, args=(config, storage, durability, child_end, metrics_port),
                           name="broker")
     start_child(process)
     child_end.close()
+    return BrokerStart(process, ready, config.data_dir)
+
+
+def await_broker(start: BrokerStart):
+    """The broker's process once it says it serves (recovered and caught up). A broker that
+    cannot start (another one runs on the data directory, say) raises RuntimeError."""
+    process, ready = start.process, start.ready
     deadline = time.monotonic() + BROKER_START_TIMEOUT_S
     while time.monotonic() < deadline:
         if ready.poll(0.02):
@@ -131,7 +148,13 @@ def start_broker(config: BrokerConfig, storage: str = "disk", durability: str = 
             process.join(1)
             raise RuntimeError(f"the broker exited at start with status {process.exitcode}")
     process.kill()
-    raise TimeoutError(f"the broker did not start on {config.data_dir} within {BROKER_START_TIMEOUT_S} s")
+    raise TimeoutError(f"the broker did not start on {start.data_dir} within {BROKER_START_TIMEOUT_S} s")
+
+
+def start_broker(config: BrokerConfig, storage: str = "disk", durability: str = "process",
+                 metrics_port: int | None = None):
+    """Fork a broker and wait until it serves (`fork_broker`, `await_broker`)."""
+    return await_broker(fork_broker(config, storage, durability, metrics_port))
 
 
 def start_consumer(config: ConsumerConfig):

@@ -8,24 +8,14 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.producer.demos import named_workload
-from pipeline.runtime.launcher import Launcher
-from pipeline.runtime.settings import LaunchSettings
 from pipeline.wire.errors import SettingsError
+from tests.support.launches import demo_launcher
 
 pytestmark = pytest.mark.integration
 
-ITEMS = 200
-
-
-def _launcher(tmp_path) -> Launcher:
-    settings = LaunchSettings.resolve(None, {"items": ITEMS, "producers": 1, "consumers": 1,
-                                             "data_dir": str(tmp_path / "data")})
-    return Launcher(settings, named_workload("demo", ITEMS))
-
 
 def test_a_refusal_stops_the_run_before_any_producer_starts_and_kills_the_consumers(tmp_path):
-    launcher = _launcher(tmp_path)
+    launcher = demo_launcher(tmp_path)
     seen: dict = {}
 
     def refuse(stop) -> dict:
@@ -42,7 +32,7 @@ def test_a_refusal_stops_the_run_before_any_producer_starts_and_kills_the_consum
 
 
 def test_a_stop_while_the_check_runs_ends_the_run_as_interrupted_with_no_producer(tmp_path):
-    launcher = _launcher(tmp_path)
+    launcher = demo_launcher(tmp_path)
 
     def stopped(stop) -> None:
         launcher.interrupts.count += 1  # as a Ctrl-C while the check runs
@@ -56,7 +46,7 @@ def test_a_stop_while_the_check_runs_ends_the_run_as_interrupted_with_no_produce
 
 
 def test_what_the_check_read_is_what_the_report_shows(tmp_path):
-    launcher = _launcher(tmp_path)
+    launcher = demo_launcher(tmp_path)
     launcher.engine_check = lambda stop: {"cost_s_per_batch": 0.0}
     outcome = launcher.run()
     assert outcome.why == "completed"

@@ -55,6 +55,9 @@ __all__ = ["JournalReading", "SegmentJournal", "journal_path", "journal_seed", "
 # not a dump.
 DAMAGE_NAMED_MAX = 20
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+# Whether a record's kind (its head word's top 16 bits) is one we write: a table, not np.isin.
+_KNOWN_KIND = np.zeros(1 << 16, dtype=bool)
+_KNOWN_KIND[list(JOURNAL_KIND_NAMES)] = True
 
 
 def journal_path(segment_path: str) -> str:
@@ -79,14 +82,16 @@ def encode_records(kind: int, values: np.ndarray, values2: np.ndarray | int, see
 
 @dataclass(slots=True)
 class JournalReading:
-    """A journal read back. `completed`: the offsets completed (sorted, unique). `entry_count`
-    and `data_end`: the last boundary record (None if none); `sealed_count`: the seal's
+    """A journal read back. `completed`: the offsets completed (sorted, unique). `boundaries`:
+    every boundary record's (entry_count, data_end), in file order; `entry_count` and
+    `data_end`: the last one's (None if none); `sealed_count`: the seal's
     entry count (None if not sealed). `end`: one past the last valid record (where a writer
     goes on); `damaged` names bad records before the last valid one; `torn` the bad bytes
     after it (a torn append)."""
 
     path: str
     completed: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    boundaries: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), dtype=np.int64))
     entry_count: int | None = None
     data_end: int | None = None
     sealed_count: int | None = None
@@ -113,8 +118,8 @@ def decode_journal(data: bytes | memoryview, path: str, seed: int) -> JournalRea
         return reading
     rows = words[nonzero]
     kinds = (rows[:, 0] >> np.uint64(48)).astype(np.int64)
-    good = ((rows[:, 0] & np.uint64(0xFFFFFFFFFFFF)) == np.uint64(JOURNAL_HEAD_WORD_BASE)) & np.isin(
-        kinds, list(JOURNAL_KIND_NAMES)) & (journal_checksums(rows[:, :3], seed) == rows[:, 3])
+    good = ((rows[:, 0] & np.uint64(0xFFFFFFFFFFFF)) == np.uint64(JOURNAL_HEAD_WORD_BASE)) & _KNOWN_KIND[kinds] \
+        & (journal_checksums(rows[:, :3], seed) == rows[:, 3])
     valid = np.flatnonzero(good)
     last = int(valid[-1]) if valid.size else -1
     bad_before = np.flatnonzero(~good[:last + 1]) if last >= 0 else np.zeros(0, dtype=np.int64)
@@ -129,8 +134,12 @@ def decode_journal(data: bytes | memoryview, path: str, seed: int) -> JournalRea
     chosen, chosen_kinds = rows[valid], kinds[valid]
     reading.records = int(valid.shape[0])
     reading.end = (int(nonzero[last]) + 1) * JOURNAL_RECORD_SIZE_BYTES if last >= 0 else 0
-    reading.completed = np.unique(chosen[chosen_kinds == JOURNAL_COMPLETED, 1].astype(np.int64))
+    # NOTE: a sort and a mask, not np.unique: its hash path took 3.3 ms per 20,000 offsets
+    # against 0.13 ms, a quarter of a restart's reading of the store.
+    done = np.sort(chosen[chosen_kinds == JOURNAL_COMPLETED, 1].astype(np.int64))
+    reading.completed = done[np.concatenate(([True], done[1:] != done[:-1]))] if done.size else done
     boundaries = chosen[chosen_kinds == JOURNAL_BOUNDARY]
+    reading.boundaries = boundaries[:, 1:3].astype(np.int64)
     if boundaries.shape[0]:
         reading.entry_count, reading.data_end = int(boundaries[-1, 1]), int(boundaries[-1, 2])
     seals = chosen[chosen_kinds == JOURNAL_SEALED]

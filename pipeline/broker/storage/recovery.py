@@ -116,6 +116,7 @@ class RecoveryReport:
     segments_scanned: int = 0
     live_entries: int = 0
     bytes_scanned: int = 0
+    entries_unread: int = 0  # answered entries a segment starts with, known from its journal (scan.py)
     seconds: float = 0.0
 
     @property
@@ -130,6 +131,7 @@ class RecoveryReport:
             # with 1,000,000 queued entries held 61 MiB of headers that way).
             kept.report.offsets = kept.report.offsets[:0].copy()
             kept.report.headers = kept.report.headers[:0].copy()
+            kept.report.done_offsets = kept.report.done_offsets[:0].copy()
 
     def damage_counts(self) -> dict[str, int]:
         """Counts with stable keys, in DAMAGE_KEYS' order, for status and the run report."""
@@ -179,7 +181,8 @@ class RecoveryReport:
         lost = counts["entries_damaged"] + counts["entries_missing"] + counts["entries_quarantined"]
         lines = [
             f"recovery: {self.segments_scanned} segments, {self.bytes_scanned:,} bytes scanned in "
-            f"{self.seconds:.3f} s ({self.scan_bytes_per_s / 1e6:,.0f} MB/s); {self.live_entries:,} "
+            f"{self.seconds:.3f} s ({self.scan_bytes_per_s / 1e6:,.0f} MB/s; {self.entries_unread:,} answered "
+            f"entries known from their journals, not read); {self.live_entries:,} "
             f"live entries in {len(self.segments)} segments; {len(self.deleted)} finished segments "
             f"deleted; {len(self.repaired_counts)} header counts repaired; "
             f"{len(self.abandoned_creates)} interrupted creates removed; {len(self.adopted)} segments "

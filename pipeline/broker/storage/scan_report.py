@@ -108,6 +108,9 @@ class ScanReport:
 
     `offsets[i]` and `headers[i]` (ENTRY_HEADER_DTYPE) describe the whole, checksummed
     entries in file order, as they are delivered: an entry in `repaired_states` reads live.
+    `done_offsets`: the completed entries before them that a restart's scan took from the
+    journal without reading them (`scan_segment(skip_done=True)`); they count as entries
+    and tombstones.
     `data_end` is the end of the last of them; `header_data_end` the commit boundary and
     `header_entry_count` its count, `header_deleted_count` the completions and `sealed` the
     seal, all from the journal (the segment's header holds none of them).
@@ -125,6 +128,8 @@ class ScanReport:
     file_size: int
     offsets: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     headers: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=ENTRY_HEADER_DTYPE))
+    done_offsets: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    walk_start: int = SEGMENT_HEADER_SIZE_BYTES  # where the walk began: the end of what it took unread
     data_end: int = SEGMENT_HEADER_SIZE_BYTES
     damaged: list[DamagedRange] = field(default_factory=list)
     torn: list[TornRange] = field(default_factory=list)
@@ -136,7 +141,7 @@ class ScanReport:
 
     @property
     def entry_count(self) -> int:
-        return int(self.offsets.shape[0])
+        return int(self.done_offsets.shape[0] + self.offsets.shape[0])
 
     @property
     def live_item_ids(self) -> np.ndarray:
@@ -144,12 +149,17 @@ class ScanReport:
         return self.headers["item_id"][self.headers["state"] == ENTRY_LIVE]
 
     @property
+    def tombstone_offsets(self) -> np.ndarray:
+        """Offsets of the completed entries, in file order."""
+        return np.concatenate((self.done_offsets, self.offsets[self.headers["state"] == ENTRY_TOMBSTONE]))
+
+    @property
     def live_count(self) -> int:
         return int(np.count_nonzero(self.headers["state"] == ENTRY_LIVE))
 
     @property
     def tombstone_count(self) -> int:
-        return int(np.count_nonzero(self.headers["state"] == ENTRY_TOMBSTONE))
+        return int(self.done_offsets.shape[0] + np.count_nonzero(self.headers["state"] == ENTRY_TOMBSTONE))
 
     @property
     def damaged_entries(self) -> int:

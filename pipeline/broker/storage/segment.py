@@ -247,7 +247,7 @@ class SegmentFile:
         segment.data_end = segment.readable_end = report.data_end
         segment.entry_count = report.entry_count
         segment.sealed = report.sealed
-        segment._mark_done(report.offsets[report.headers["state"] == ENTRY_TOMBSTONE])
+        segment._mark_done(report.tombstone_offsets)
         segment.deleted_count = report.tombstone_count
         for repaired in report.repaired_states:
             ENTRY_STATE.write(segment._map, ENTRY_LIVE, base=repaired.offset)

@@ -460,14 +460,16 @@ class SegmentStore:
     def _recover_segment(self, found: SegmentPath, reading: CatalogReading | None, report: RecoveryReport) -> None:
         report.segments_scanned += 1
         try:
-            scan = scan_segment(found.path, found.keys, name_confirmed=reading is not None and found.keys in reading.live)
+            scan = scan_segment(found.path, found.keys, name_confirmed=reading is not None and found.keys in reading.live,
+                                skip_done=True)
         except SegmentFormatError as exc:
             _refuse_other_layout(found.path)
             self._quarantine_unidentified(found, str(exc), reading, report)
             return
         except OSError as exc:
             raise StoreReadError(f"{found.path}: cannot read the segment ({exc.strerror}, errno {exc.errno})") from exc
-        report.bytes_scanned += scan.data_end
+        report.bytes_scanned += scan.data_end - scan.walk_start
+        report.entries_unread += int(scan.done_offsets.size)
         if reading is not None and found.keys not in reading.live:
             report.adopted.append(found.path)
         self._adopt(found, scan, report)
