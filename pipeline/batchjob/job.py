@@ -4,6 +4,7 @@ resumable after any stop, in memory that does not grow with the file.
     job = BatchJob(spec, say=print)
     job.prepare()        # paths checked, the data directory locked, the input scanned (or
                          # checked against the job's manifest), what earlier runs answered
+                         # (a resume with work left reads that in `run`, beside the broker's start)
     code = job.run()     # the pipeline on what is left: the launcher, with the job's producers
                          # (started once the broker, having read the store, serves: what an
                          # earlier run left there is found beside the first dispatches)
