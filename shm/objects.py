@@ -196,7 +196,8 @@ def processes_mapping(prefix: str, include_self: bool = False) -> dict[str, set[
     shared-memory object, a named semaphore, a file of a directory there), from
     /proc/PID/maps: {path in /dev/shm: pids}. This process is left out (but with
     `include_self`), and so are processes whose maps this user may not read (another
-    user's: they cannot map our owner-only objects). Linux only; no /proc: {}. What a cleanup must not remove: what a process uses.
+    user's: they cannot map our owner-only objects). Linux only; no /proc: {}. What a
+    cleanup must not remove: what a process uses.
 
     Matched by device and inode, not by the path a map shows: sem_open creates a semaphore
     under a temporary name, maps it, then links it to its real name, so its creator's map
