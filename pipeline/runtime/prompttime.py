@@ -8,7 +8,7 @@ per-request time limit (`busy_limit_s`, --prompt-time-limit-s).
 
 Charged: the CPU time the producer's process used since it started the request (all its
 threads: a tokenizer may hand a long input to a pool of its own; the producer's other
-threads sleep meanwhile), plus the time it was seen blocked in it (sleeping without using
+threads sleep meanwhile; from a stamp up to `inventory.CPU_CLOCK_READ_INTERVAL_NS` old), plus the time it was seen blocked in it (sleeping without using
 CPU: a deadlock, a wait that never ends), counted only between two passes that both saw it
 asleep and at most MAX_PASS_GAP_S a pass.
 Not charged: time it was paused from outside (SIGSTOP: state T), time it waited for a core
