@@ -54,11 +54,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pipeline.batchjob.modelfiles import check_model_file, read_model_text
+from pipeline.batchjob.modelfiles import check_model_file, config_template, config_token_text, read_model_text
 from pipeline.batchjob.prefixes import MEMO_BYTES, PrefixEntry, PrefixMemo
 from pipeline.batchjob.splits import AddedTokenSplits, Spans
 from pipeline.batchjob.scan import show
 from pipeline.batchjob.template import compile_chat_template
+from pipeline.producer.signature import signature as shape_signature
 from pipeline.wire.errors import (
     BadInputError,
     ChatRequestError,
@@ -76,8 +77,6 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 # Newer transformers saves the template beside the config; when present it wins over the
 # config's `chat_template`, as transformers loads it.
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
-# The template taken from the list-of-named-templates form (transformers' default name).
-DEFAULT_TEMPLATE_NAME = "default"
 # Largest tokenizer.json read: real ones are 2-35 MB (Gemma's is the largest seen); the cap
 # only stops a file linked to a device or a torn multi-GB file from filling memory.
 MAX_TOKENIZER_BYTES = 256 << 20
@@ -103,10 +102,12 @@ OnTokenizerError = Callable[[BaseException, str], BadInputError]
 @dataclass(frozen=True, slots=True)
 class ChatPrompt:
     """One request's prompt: `tokens` (int32, read-only) and its `components`, read-only
-    views of `tokens` that back to back are its first `prefix_len` tokens."""
+    views of `tokens` that back to back are its first `prefix_len` tokens; `signature`,
+    their shape signature where its prefix already knew it (None: not computed here)."""
 
     tokens: np.ndarray
     components: list[np.ndarray]
+    signature: int | None = None
 
     @property
     def prefix_len(self) -> int:
@@ -179,12 +180,12 @@ class ChatTokenizer:
             template = read_model_text(template_file, MAX_CONFIG_BYTES, _NEEDS)
             template_source = str(template_file)
         else:
-            template, template_source = _config_template(config, config_path), str(config_path)
+            template, template_source = config_template(config, config_path), str(config_path)
         add_bos = config.get("add_bos_token")
         if add_bos is not None and not isinstance(add_bos, bool):
             raise ModelDirError(f"{config_path}: add_bos_token must be true or false, got {add_bos!r}")
-        return cls(tokenizer, template, bos_token=_token_text(config, "bos_token", config_path),
-                   eos_token=_token_text(config, "eos_token", config_path), add_bos_token=add_bos,
+        return cls(tokenizer, template, bos_token=config_token_text(config, "bos_token", config_path),
+                   eos_token=config_token_text(config, "eos_token", config_path), add_bos_token=add_bos,
                    source=template_source if template is not None else str(root), memo_bytes=memo_bytes)
 
     # -- the tokenizer ------------------------------------------------------------------
@@ -283,7 +284,8 @@ class ChatTokenizer:
         tokens.flags.writeable = False
         if ladder:
             self._learn(ladder, text, tokens, ids, encoding, fail)
-        return ChatPrompt(tokens, self._components(tokens, ladder, exact_rest))
+        components = self._components(tokens, ladder, exact_rest)
+        return ChatPrompt(tokens, components, self._known_signature(ladder, exact_rest, components))
 
     def completion_prompt(self, prompt: object, what: str = "the completion prompt",
                           param: str = "prompt") -> ChatPrompt:
@@ -365,6 +367,18 @@ class ChatTokenizer:
                 last.ends = ends
                 self._memo.resize([last])
         return [tokens[a:b] for a, b in zip((0, *ends), ends)]
+
+    def _known_signature(self, ladder: list[PrefixEntry], exact_rest: bool, components: list[np.ndarray]
+                         ) -> int | None:
+        """The components' shape signature, kept with the last prefix where every prompt of
+        it has these components (an exact rest and the ends kept with it): hashed once per
+        prefix rather than once per request."""
+        if not exact_rest or not ladder or ladder[-1].ends is None:
+            return None
+        last = ladder[-1]
+        if last.signature is None:
+            last.signature = int(shape_signature(components))
+        return last.signature
 
     def _check_size(self, text: str) -> None:
         """BadInputError for a text past `max_text_bytes` (its memory to tokenize, stated)."""
@@ -554,36 +568,6 @@ def _compile(template: str, source: str) -> Template:
         raise ModelDirError(f"{source}: the chat template does not compile: line {exc.lineno}: {exc.message}") from exc
     except Exception as exc:  # foreign text: the parser's RecursionError, MemoryError...
         raise ModelDirError(f"{source}: the chat template does not compile: {_describe(exc)}") from exc
-
-
-def _config_template(config: dict, path: Path) -> str | None:
-    """tokenizer_config.json's chat_template: a string, or the named-templates list's
-    "default"; None where there is none."""
-    template = config.get("chat_template")
-    if template is None or isinstance(template, str):
-        return template
-    if isinstance(template, list) and all(isinstance(t, dict) for t in template):
-        named = {t.get("name"): t.get("template") for t in template}
-        chosen = named.get(DEFAULT_TEMPLATE_NAME)
-        if chosen is None:
-            return None
-        if not isinstance(chosen, str):
-            raise ModelDirError(f"{path}: chat_template {DEFAULT_TEMPLATE_NAME!r} must be a string, got {show(chosen)}")
-        return chosen
-    raise ModelDirError(f"{path}: chat_template must be a string or a list of {{name, template}} objects, "
-                        f"got {show(template)}")
-
-
-def _token_text(config: dict, key: str, path: Path) -> str | None:
-    """A special token of the config: a string, {"content": ...} (as transformers writes an
-    AddedToken), or null."""
-    value = config.get(key)
-    if isinstance(value, dict):
-        value = value.get("content")
-    if value is not None and not isinstance(value, str):
-        raise ModelDirError(f"{path}: {key} must be a string or an object with a string content, "
-                            f"got {show(config.get(key))}")
-    return value
 
 
 def _describe(exc: BaseException) -> str:

@@ -78,6 +78,7 @@ class PrefixEntry:
     split_known: bool = False  # `split` is set (it is used when the entry is a request's last prefix)
     split: PrefixSplit | None = None  # where what follows it may be tokenized alone (`splits.py`)
     ends: tuple[int, ...] | None = None  # component ends when it is a request's last prefix and the rest is exact
+    signature: int | None = None  # the shape signature of those components, once known (`chat.py`)
     size_bytes: int = 0
 
     def measure(self) -> int:

@@ -38,6 +38,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from typing import Any
 
 import msgspec
@@ -86,6 +87,12 @@ TEXT_PART_SEPARATOR = "\n"
 IGNORED_PARAMS = frozenset({"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"})
 # The keys of each kind's body besides the carried parameters: the model and the prompt.
 KIND_KEYS = {KIND_CHAT: frozenset({"model", "messages"}), KIND_COMPLETION: frozenset({"model", "prompt"})}
+PROMPT_KEYS = {KIND_CHAT: "messages", KIND_COMPLETION: "prompt"}
+# Checked parameter sets kept (`_params_of`): a file's requests use a handful; each entry
+# holds its key (values of at most MEMO_TEXT_CHARS) and one GenerationParams.
+PARAMS_MEMO_ENTRIES = 1024
+MEMO_TEXT_CHARS = 256
+MEMO_SCALARS = frozenset({str, int, float, bool})
 
 
 def _exactly(expected: object) -> Callable[[object], bool]:
@@ -186,8 +193,7 @@ def _request_of(index: int, line: int, custom_id: str, url: str, body: dict, ser
             _check_embedding_keys(given)
             return BatchRequest(index, line, custom_id, url, kind, None, None, GenerationParams(),
                                 embedding=embedding_inputs(given))
-        _check_params(given, kind)
-        params = sampling_params(given, kind)
+        params = _params_of(given, kind)
         if kind == KIND_COMPLETION:
             return BatchRequest(index, line, custom_id, url, kind, None, _prompt(given.get("prompt")), params,
                                 echo=given.get("echo", False))
@@ -235,6 +241,40 @@ def _check_model(model: object, served_model: str, adapters: Sequence[str]) -> N
         with_adapters = f" and the LoRA adapters {listed(list(adapters))}" if adapters else ""
         raise Refused(f"The model `{snippet(model)}` does not exist (this job serves `{served_model}`"
                       f"{with_adapters}).", "model")
+
+
+def _params_of(given: dict, kind: str) -> GenerationParams:
+    """`given`'s generation parameters, its parameters checked (`_check_params`); Refused
+    for one it refuses. Kept for parameter sets of short scalars (the prompt apart): a batch
+    file's requests mostly ask the same, and checking them is most of reading a request."""
+    key = _params_key(given, kind)
+    if key is None:
+        _check_params(given, kind)
+        return sampling_params(given, kind)
+    return _memo_params(key)
+
+
+def _params_key(given: dict, kind: str) -> tuple | None:
+    """`given` without its prompt as a memo key, each value with its type (True == 1 == 1.0
+    in Python, not in JSON); None where a value is not a short scalar."""
+    prompt = PROMPT_KEYS[kind]
+    key: list = [kind]
+    for name, value in given.items():
+        if name == prompt:
+            continue
+        kind_of = type(value)
+        if kind_of not in MEMO_SCALARS or kind_of is str and len(value) > MEMO_TEXT_CHARS:
+            return None
+        key.append((name, kind_of, value))
+    return tuple(key)
+
+
+@lru_cache(maxsize=PARAMS_MEMO_ENTRIES)
+def _memo_params(key: tuple) -> GenerationParams:
+    """`_params_of` of a `_params_key` (a Refused is raised, never kept)."""
+    kind, given = key[0], {name: value for name, _kind_of, value in key[1:]}
+    _check_params(given, kind)
+    return sampling_params(given, kind)
 
 
 def _check_embedding_keys(given: dict) -> None:

@@ -325,7 +325,7 @@ class JobWorkload(Workload):
         payload = encode_job_payload(self.manifest.job_id, *where, time.monotonic_ns(), flags)
         return WorkItem(model=request.model_id, components=list(prompt.components),
                         suffix=np.asarray(prompt.tokens[prefix:], dtype=np.int32), payload=payload,
-                        timestamp_ms=None, line=0, params=params)
+                        timestamp_ms=None, line=0, params=params, known_signature=prompt.signature)
 
     def _embedding(self, request: BatchRequest, where: tuple[int, int, int, int], tokenizer: ChatTokenizer,
                    log: RejectionLog) -> WorkItem | None:

@@ -302,6 +302,7 @@ def _check_against_plain(tokenizer: ChatTokenizer, messages: list[dict]) -> None
     prompt = tokenizer.chat_prompt(messages)
     assert np.array_equal(prompt.tokens, full)
     assert [c.tolist() for c in prompt.components] == [c.tolist() for c in components]
+    assert prompt.signature is None or prompt.signature == signature(components)
     _assert_prefix(prompt)
 
 
@@ -326,6 +327,9 @@ def test_a_shapes_rest_is_tokenized_alone_only_where_exact(families, family):
     # starting "hel", never where no special token ends a message.
     assert tokenizer.rests_tokenized == FAMILIES[family][3]
     assert tokenizer.prompts_tokenized == 5 - FAMILIES[family][3]
+    # A prompt whose rest was exact has its shape signature from its prefix, hashed once.
+    prompt = tokenizer.chat_prompt(_chat("you are the system", shots, "the question"))
+    assert (prompt.signature is not None) == (FAMILIES[family][3] > 0)
 
 
 class CountingTokenizer:

@@ -13,7 +13,10 @@ from pipeline.batchjob.requests import (
     COMPLETIONS_URL,
     KIND_CHAT,
     KIND_COMPLETION,
+    MEMO_TEXT_CHARS,
+    PARAMS_MEMO_ENTRIES,
     BatchRequest,
+    _memo_params,
     parse_line,
 )
 from pipeline.batchjob.params import COMPLETION_DEFAULT_MAX_TOKENS
@@ -399,3 +402,43 @@ def test_a_number_past_pythons_digit_bound_and_a_fractional_max_tokens_are_worde
     request = parse_line(line.replace('"hi"}]', '"hi"}], "max_completion_tokens": 8.5').encode(), 0, 1, "m")
     assert request.error == ("Invalid type for 'max_completion_tokens': expected an integer, but got a "
                              "number with a fractional part (8.5) instead.")
+
+
+# --- parameter sets are checked once --------------------------------------------------------
+
+
+def test_a_kept_parameter_set_answers_as_checking_it_does() -> None:
+    """The memo of checked parameter sets tells values apart by type as JSON does (1, 1.0
+    and true are one key in Python), keeps no refusal, and gives each kind its own."""
+    for _ in range(2):  # the second pass from the memo
+        assert one(chat("a", ignore_eos=True)).params.ignore_eos is True
+        assert one(chat("b", ignore_eos=1)).error_param == "ignore_eos"
+        assert one(chat("c", n=1)).params.samples == 1
+        assert one(chat("d", n=True)).error_param == "n"
+        assert one(chat("e", max_tokens=16)).params.max_tokens == 16
+        assert one(chat("f", max_tokens=16.5)).error_param == "max_tokens"
+        assert one(chat("g", echo=True)).error is None and one(completion("g", echo=True)).error is None
+        assert one(completion("h", max_tokens=None)).params.max_tokens == COMPLETION_DEFAULT_MAX_TOKENS
+        assert one(chat("i", max_tokens=None)).params.max_tokens is None
+        assert one(chat("j", prompt="x")).error_param == "prompt"  # another kind's prompt key is a parameter
+        assert one(completion("k", messages="x")).error_param == "messages"
+
+
+def test_parameter_sets_are_kept_for_short_scalars_at_the_bound_and_not_past_it() -> None:
+    _memo_params.cache_clear()
+    at, past = "x" * MEMO_TEXT_CHARS, "x" * (MEMO_TEXT_CHARS + 1)
+    for _ in range(2):
+        assert one(chat("a", user=at)).error is None
+    assert _memo_params.cache_info().hits == 1
+    for _ in range(2):
+        assert one(chat("b", user=past)).error is None
+        assert one(chat("c", stop=["."])).params.stop == (".",)  # a list: checked every time
+    assert _memo_params.cache_info().hits == 1 and _memo_params.cache_info().currsize == 1
+
+
+def test_the_memo_holds_at_most_its_entries_and_stays_right_past_them() -> None:
+    _memo_params.cache_clear()
+    for k in range(PARAMS_MEMO_ENTRIES + 10):
+        assert one(chat("a", max_tokens=k + 1)).params.max_tokens == k + 1
+    assert _memo_params.cache_info().currsize == PARAMS_MEMO_ENTRIES
+    assert one(chat("a", max_tokens=1)).params.max_tokens == 1  # evicted, checked again
