@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from pipeline.batchjob.splits import PrefixSplit
@@ -61,9 +62,13 @@ SEEN_PREFIXES = 1 << 14
 # The parent of a request's first prefix.
 ROOT_UID = 0
 
-Key = tuple[int, str]
-# One encoder for every key (json.dumps with an option builds one per call: twice the time).
-_KEY_JSON = json.JSONEncoder(ensure_ascii=False)
+Key = tuple[int, bytes]
+# A key's JSON text: msgspec's (0.7 us for a system prompt of 500 characters, json's 7.2 us),
+# json's where msgspec writes null (it writes NaN and the infinities so, which json keeps
+# apart), after a byte msgspec never starts with.
+_KEY_JSON = msgspec.json.Encoder()
+_NULL_JSON = json.JSONEncoder(ensure_ascii=False)
+_NULL_MARK = b"\x00"
 
 
 @dataclass(slots=True, eq=False)
@@ -190,11 +195,13 @@ class PrefixMemo:
 def _key(parent: int, messages: Sequence[Any], start: int, end: int, tools: Any) -> Key | None:
     """(parent uid, the JSON text of messages[start:end], with the tools for a first prefix):
     exact for JSON values, which is what a request holds. None for values JSON cannot write."""
+    # One message (an object) or several (a list) after a parent: never the same text.
+    value = [tools, messages[start:end]] if parent == ROOT_UID else \
+        messages[start] if end == start + 1 else messages[start:end]
     try:
-        if parent == ROOT_UID:
-            text = _KEY_JSON.encode([tools, messages[start:end]])
-        else:  # one message (an object) or several (a list): never the same text
-            text = _KEY_JSON.encode(messages[start] if end == start + 1 else messages[start:end])
-    except (TypeError, ValueError, RecursionError):
+        text = _KEY_JSON.encode(value)
+        if b"null" in text:
+            text = _NULL_MARK + _NULL_JSON.encode(value).encode("utf-8", "surrogatepass")
+    except (TypeError, ValueError, RecursionError, msgspec.EncodeError):
         return None
     return parent, text

@@ -85,7 +85,12 @@ def compile_chat_template(source: str) -> Template:
     env.finalize = jinja2.pass_context(lambda _context, value: value)
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
-    return env.from_string(source)
+    template = env.from_string(source)
+    # A plain dict of the same names: a render copies the globals into its context, and
+    # Jinja's ChainMap over the environment's made that copy most of a short render's cost
+    # (8% of a producer's time on a 200,000-request job, py-spy). Nothing changes them later.
+    template.globals = dict(template.globals)
+    return template
 
 
 def _environment_class() -> type:

@@ -7,6 +7,8 @@ inside it), or a chat template over a character-level tokenizer built without tr
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -89,6 +91,19 @@ def test_entries_are_keyed_by_exactly_what_the_template_sees():
         for _ in range(2):
             assert memo.ladder(other + base[1:], tools, 1, render)[0] is not entry
     assert memo.ladder(base, None, 1, render)[0] is entry
+    memo.check_invariants()
+
+
+def test_values_a_fast_encoder_writes_alike_are_kept_apart():
+    # msgspec writes NaN and the infinities as null; json, which the key then falls back to, does not.
+    memo, render = PrefixMemo(), Renders()
+    entries = []
+    for value in [None, math.nan, math.inf, -math.inf, "null", 0, "\x00null"]:
+        messages = [{"role": "system", "content": value}, {"role": "user", "content": "u"}]
+        memo.ladder(messages, None, 1, render)
+        entries.append(memo.ladder(messages, None, 1, render)[0])
+        assert entries[-1].key is not None and memo.ladder(messages, None, 1, render)[0] is entries[-1]
+    assert len({id(entry) for entry in entries}) == len(entries)
     memo.check_invariants()
 
 
