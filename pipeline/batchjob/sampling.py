@@ -42,8 +42,8 @@ VLLM_NEUTRAL: dict[str, float | int] = {"repetition_penalty": 1.0, "presence_pen
 MAX_NEW_TOKENS_KEY = "max_new_tokens"
 
 
-# Parameter sets `resolve` keeps (each a GenerationParams and its key): a job's requests ask
-# a handful of sets; a file of as many sets as requests clears it now and then.
+# Parameter sets `resolve` keeps (each a request's GenerationParams and its resolved one): a
+# job's requests ask a handful of sets; a file of as many sets as requests clears it now and then.
 RESOLVED_MEMO_ENTRIES = 4096
 
 
@@ -83,23 +83,24 @@ class SamplingDefaults:
     def resolve(self, params: GenerationParams, prompt_tokens: int, context_tokens: int | None) -> GenerationParams:
         """The request's parameters with every default filled in. The caller has refused a
         max_tokens past the context (`prompt_tokens + max_tokens > context_tokens`)."""
-        filled: dict[str, Any] = {name: self.values.get(name, neutral) for name, neutral in VLLM_NEUTRAL.items()
-                                  if getattr(params, name) is None}
         bounds = [b for b in (params.max_tokens if params.max_tokens is not None else self.max_tokens,
                               context_tokens - prompt_tokens if context_tokens is not None else None) if b is not None]
         max_tokens = min(*bounds, MAX_NEW_TOKENS) if bounds else None  # a context past a million: the envelope's cap
+        # By the parameters object (kept alive here, so its id is not reused): a job's requests
+        # share a few (`requests.py` keeps them), and hashing one costs more than resolving.
+        key = (id(params), max_tokens)
+        found = self._resolved.get(key)
+        if found is not None and found[0] is params:
+            return found[1]
+        filled: dict[str, Any] = {name: self.values.get(name, neutral) for name, neutral in VLLM_NEUTRAL.items()
+                                  if getattr(params, name) is None}
         if max_tokens is not None and max_tokens != params.max_tokens:
             filled["max_tokens"] = max(max_tokens, 1)
-        if not filled:
-            return params
-        key = (params, filled.get("max_tokens"))
-        found = self._resolved.get(key)
-        if found is None:  # a job's requests mostly ask the same: each set checked once
-            found = replace(params, **filled)
-            if len(self._resolved) >= RESOLVED_MEMO_ENTRIES:
-                self._resolved.clear()
-            self._resolved[key] = found
-        return found
+        resolved = replace(params, **filled) if filled else params
+        if len(self._resolved) >= RESOLVED_MEMO_ENTRIES:
+            self._resolved.clear()
+        self._resolved[key] = (params, resolved)
+        return resolved
 
 
 # Every sample's tokens of one request (n times max_tokens): its results row holds each

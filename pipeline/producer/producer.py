@@ -516,7 +516,18 @@ def _with_params(params: Sequence[GenerationParams | None], payloads: Sequence[b
     if any(p is not None and not isinstance(p, GenerationParams) for p in params):
         raise BadInputError("params must be GenerationParams or None, one per item")
     plain = payloads or [b""] * count
-    return [encode_payload(p, q if type(q) is bytes else _check_payload(q)) for p, q in zip(params, plain)]
+    envelopes: dict[int, bytes] = {}  # by parameters object (alive in `params`): items share a few
+    out = []
+    for p, q in zip(params, plain):
+        q = q if type(q) is bytes else _check_payload(q)
+        if p is None:
+            out.append(encode_payload(None, q))
+            continue
+        envelope = envelopes.get(id(p))
+        if envelope is None:
+            envelope = envelopes[id(p)] = encode_payload(p)
+        out.append(envelope + q)
+    return out
 
 
 def _payloads(payloads: Sequence[bytes] | None, count: int, limit: int,

@@ -13,6 +13,7 @@ from pipeline.batchjob.params import Refused
 from pipeline.batchjob.sampling import (
     MAX_ANSWER_LOGPROBS,
     MAX_ANSWER_TOKENS,
+    RESOLVED_MEMO_ENTRIES,
     VLLM_NEUTRAL,
     ModelFacts,
     SamplingDefaults,
@@ -30,6 +31,22 @@ def test_nothing_given_is_vllms_neutral_values_and_the_rest_of_the_context():
     assert params.max_tokens == 1948
     assert {name: getattr(params, name) for name in VLLM_NEUTRAL} == VLLM_NEUTRAL
     assert FACTS.params_for(GenerationParams(), 100, None).max_tokens is None  # unknown context: the engine's
+
+
+def test_a_kept_resolution_answers_as_resolving_does_for_each_prompt_length():
+    # Kept by the parameters object: one object at every prompt length, equal objects, and
+    # more objects than the memo holds all resolve as a fresh SamplingDefaults does.
+    kept, shared = SamplingDefaults({"temperature": 0.6}, None), GenerationParams(top_p=0.5)
+    for _ in range(2):
+        for prompt in (100, 101, 2047, 100):
+            fresh = SamplingDefaults({"temperature": 0.6}, None).resolve(shared, prompt, 2048)
+            assert kept.resolve(shared, prompt, 2048) == fresh and fresh.max_tokens == 2048 - prompt
+        assert kept.resolve(GenerationParams(top_p=0.5), 100, 2048) == kept.resolve(shared, 100, 2048)
+        assert kept.resolve(GenerationParams(max_tokens=7), 100, 2048).max_tokens == 7
+    for k in range(RESOLVED_MEMO_ENTRIES + 10):
+        assert kept.resolve(GenerationParams(seed=k), 100, 2048).seed == k
+    assert len(kept._resolved) <= RESOLVED_MEMO_ENTRIES
+    assert kept.resolve(shared, 2000, 2048).max_tokens == 48
 
 
 def test_the_generation_config_sets_defaults_and_the_request_wins(tmp_path):

@@ -382,3 +382,16 @@ def test_parse_frame_cross_checks_sizes(pair):
         parse_frame(damaged)
     with pytest.raises(FrameError, match="need"):
         parse_frame(record.body[:-4])
+
+
+def test_items_sharing_parameters_share_one_envelope_each_payload_its_own():
+    from pipeline.producer.producer import _with_params
+    from pipeline.wire.generation import GenerationParams, encode_payload
+
+    shared, other = GenerationParams(max_tokens=16, stop=("END",)), GenerationParams(max_tokens=16, seed=3)
+    params = [shared, shared, None, other, shared, None]
+    payloads = [b"a", bytearray(b"b"), GENERATION_MAGIC + b"lookalike", b"", b"e", b"f"]
+    made = _with_params(params, payloads, len(params))
+    assert made == [encode_payload(p, bytes(q)) for p, q in zip(params, payloads)]
+    assert [decode_payload(m)[1] for m in made] == [bytes(q) for q in payloads]
+    assert [decode_payload(m)[0] for m in made[:2]] == [shared, shared]
