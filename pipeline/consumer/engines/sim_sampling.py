@@ -127,13 +127,15 @@ class MadeUpSampler:
         natural = max(self.natural_tokens, min_tokens)
         limit = params.max_tokens if params.max_tokens is not None else natural + (eos is not None)
         ids: list[int] = []
+        vocab, own_eos = self.vocab_size, {self.eos_token_id}
         for k in range(limit):
-            token = _mix(key + _GOLDEN * (k + 1)) % self.vocab_size
-            held = stops if k < min_tokens else {self.eos_token_id}  # vLLM masks stop tokens before min_tokens;
-            for _ in range(self.vocab_size):  # the made-up model says its eos where it ends, nowhere else
-                if token not in held:
-                    break
-                token = (token + 1) % self.vocab_size
+            token = _mix(key + _GOLDEN * (k + 1)) % vocab
+            held = stops if k < min_tokens else own_eos  # vLLM masks stop tokens before min_tokens;
+            if token in held:  # the made-up model says its eos where it ends, nowhere else
+                for _ in range(vocab):
+                    token = (token + 1) % vocab
+                    if token not in held:
+                        break
             if k == natural and eos is not None:
                 token = eos
             ids.append(token)
