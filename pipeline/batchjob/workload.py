@@ -138,18 +138,30 @@ class JobWorkload(Workload):
         return self.job_input.requests - bits_set(self.skip, self.job_input.requests)
 
     def shares(self, count: int) -> list[tuple[int, int]]:
-        """`count` contiguous ranges of request indices, cut at sparse-index entries, each
-        holding about as many requests to submit (to within a stride)."""
+        """`count` contiguous ranges of request indices holding as many requests to submit as
+        each other, to within one. A range may start inside an INDEX_STRIDE block: its producer
+        reads from the block's start and skips what comes before (`lines`), at most a block.
+        NOTE: cutting at block starts alone left 904 of 5,000 requests to one of two producers."""
         n = self.job_input.requests
-        blocks = (n + INDEX_STRIDE - 1) // INDEX_STRIDE
         todo = np.cumsum(block_todo(self.skip, n))
-        total = int(todo[-1]) if blocks else 0
-        cuts = [0]
-        for k in range(1, count):  # the first block boundary with a k/count share of the work before it
-            cuts.append(max(cuts[-1], min(blocks, int(np.searchsorted(todo, total * k / count, side="left")) + 1)))
-        cuts.append(blocks)
-        starts = [min(c * INDEX_STRIDE, n) for c in cuts]
+        total = int(todo[-1]) if n else 0
+        starts = [0]
+        for k in range(1, count):
+            starts.append(max(starts[-1], self._index_after(-(-total * k // count), todo)))
+        starts.append(n)
         return [(starts[k], starts[k + 1]) for k in range(count)]
+
+    def _index_after(self, wanted: int, todo: np.ndarray) -> int:
+        """The least index with `wanted` requests to submit before it (`todo`: the running sum of
+        `block_todo`)."""
+        if wanted <= 0:
+            return 0
+        block = int(np.searchsorted(todo, wanted, side="left"))
+        before = int(todo[block - 1]) if block else 0
+        first = block * INDEX_STRIDE
+        size = min(INDEX_STRIDE, self.job_input.requests - first)
+        done = np.unpackbits(self.skip[first // 8:first // 8 + INDEX_STRIDE // 8], bitorder="little")[:size]
+        return first + int(np.searchsorted(np.cumsum(1 - done.astype(np.int64)), wanted - before, side="left")) + 1
 
     def items(self, producer_index: int = 0, producer_count: int = 1) -> Iterator[WorkItem]:
         """Share `producer_index` of `producer_count`'s items as a producer makes them, made
