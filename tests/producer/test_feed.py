@@ -13,6 +13,7 @@ from pipeline.broker.config import BrokerConfig
 from pipeline.broker.peers import namespace_for
 from pipeline.producer.client import BrokerProducer
 from pipeline.producer.feed import FeedTotals, feed
+from pipeline.producer.signature import chain, signature
 from pipeline.producer.workload import WorkItem, load_workload
 from pipeline.runtime.local import start_broker, stop_process
 from pipeline.wire.client import broker_status
@@ -85,6 +86,18 @@ def test_consecutive_items_of_one_model_share_a_call_up_to_the_chunk():
         assert call["prefix_lens"] == [i.prefix_len for i in group]
         assert call["signatures"] == [i.signature for i in group]
     assert next(sent, None) is None
+
+
+def test_each_item_is_sent_with_its_shapes_signature_and_chain_known_or_not():
+    items = [item(k=k, shape=k % 3) for k in range(6)]
+    for known in items[3:]:  # as a chat tokenizer gives them, from its prefix
+        known.known_signature = int(signature(known.components))
+    client = RecordingClient()
+    feed(client, items)
+    expected = [int(signature(i.components)) for i in items]
+    assert client.calls[0]["signatures"] == expected
+    assert set(client.declared) == {(0, tuple(chain(i.components))) for i in items}
+    assert all(tuple(chain(i.components))[-1] == s for i, s in zip(items, expected))
 
 
 def test_token_budget_splits_calls_and_a_long_item_goes_alone():
