@@ -8,6 +8,8 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipeline.batchjob import output
 from pipeline.batchjob.output import (
@@ -185,3 +187,22 @@ def test_an_embeddings_answer_is_openais_list_of_embeddings_in_input_order_with_
 def test_an_embeddings_row_without_whole_embeddings_is_refused(embeddings):
     with pytest.raises((BatchOutputError, ValueError)):
         output.embedding_line(request(4, KIND_EMBEDDING), row(embeddings=embeddings), "float", MODEL, CREATED, TAG)
+
+
+TEXT = st.text(st.characters(min_codepoint=0, max_codepoint=0x10FFFF), max_size=40)  # lone surrogates too
+
+
+@settings(max_examples=300, derandomize=True, deadline=None)
+@given(custom_id=TEXT, text=st.none() | TEXT, model=TEXT, finish=TEXT, kind=st.sampled_from([KIND_CHAT, KIND_COMPLETION]),
+       index=st.integers(0, 1 << 40), created=st.integers(0, 1 << 40), counts=st.tuples(*[st.integers(0, 1 << 40)] * 3),
+       tag=st.text("0123456789abcdef", min_size=1, max_size=12))
+def test_a_plain_response_line_is_json_dumps_of_its_object(custom_id, text, model, finish, kind, index, created,
+                                                          counts, tag):
+    prompt, completion, cached = counts
+    row = {"status": output.ROW_OK, "prompt_tokens": prompt, "output_tokens": completion, "cached_tokens": cached,
+           "finish_reason": finish}
+    request = RequestRef(custom_id, kind, index)
+    line = response_line(request, row, text, model, created, tag)
+    body = output._response_body(request, text, model, created, tag, finish, (prompt, completion, cached))
+    assert line == output._line(request, tag, output.HTTP_OK, body)
+    assert line.isascii() and json.loads(line)["response"]["body"]["usage"]["total_tokens"] == prompt + completion
