@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from pipeline.batchjob.chat import ChatTokenizer, last_user_index
+from pipeline.batchjob import prefixes
 from pipeline.batchjob.prefixes import MAX_COMPONENTS, SEEN_PREFIXES, PrefixMemo, boundary_indices
 from pipeline.wire.layouts.frames import MAX_CHAIN_DEPTH
 
@@ -105,6 +106,10 @@ def test_values_a_fast_encoder_writes_alike_are_kept_apart():
         assert entries[-1].key is not None and memo.ladder(messages, None, 1, render)[0] is entries[-1]
     assert len({id(entry) for entry in entries}) == len(entries)
     memo.check_invariants()
+    # The fast encoder's text is the key where it reads back: a plain request's, tools or not.
+    plain = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    for tools in (None, [{"type": "function"}]):
+        assert not prefixes._key(prefixes.ROOT_UID, plain, 0, 1, tools)[1].startswith(prefixes._JSON_MARK)
 
 
 def test_values_json_cannot_write_are_rendered_each_time():
