@@ -136,13 +136,11 @@ class _Group:
     def _declare(self, items: list[WorkItem]) -> None:
         """Declare the group's shapes' chains (the producer skips those it sent already)."""
         for item in items:
+            chain = None
             if item.known_signature is None:  # hashed once for both: a chain ends with the signature
                 chain = shape_chain(item.components)
                 item.known_signature = int(chain[-1])
-                chain = self.chains.setdefault((item.model, chain[-1]), chain)
-            else:
-                key = (item.model, item.known_signature)
-                chain = self.chains.get(key)
-                if chain is None:
-                    chain = self.chains[key] = shape_chain(item.components)
-            self.client.declare_shape(item.model, chain)
+            key = (item.model, item.known_signature)
+            if key not in self.chains:
+                self.chains[key] = chain or shape_chain(item.components)
+            self.client.declare_shape(item.model, self.chains[key])
