@@ -313,13 +313,15 @@ class ChatTokenizer:
     def _learn(self, ladder: list[PrefixEntry], text: str, tokens: np.ndarray, ids: list[int] | None,
                spans: Spans | None, fail: OnTokenizerError) -> None:
         """Fill in what the ladder's entries do not know yet: their token ids, and the last
-        one's split. Read off the whole prompt's encoding (`ids`, `spans`, when it was
-        tokenized whole) where its first pass cuts at the entry's end, else tokenized alone:
-        once per entry while it stays in the memo."""
+        one's split where the memo keeps it (only a later prompt reads a split, and an entry
+        the memo does not keep serves this prompt alone). Read off the whole prompt's encoding
+        (`ids`, `spans`, when it was tokenized whole) where its first pass cuts at the entry's
+        end, else tokenized alone: once per entry while it stays in the memo."""
         last = ladder[-1]
         learned = []
         for entry in ladder:
-            if entry.ids is not None and (entry is not last or entry.split_known):
+            wants_split = entry is last and entry.key is not None and not entry.split_known
+            if entry.ids is not None and not wants_split:
                 continue
             n = None if ids is None or spans is None else self._splits.read_off(text, entry.text, ids, spans)
             if n is None:
@@ -331,7 +333,7 @@ class ChatTokenizer:
                 if entry.ids is None:  # a kept entry holds a copy: no other prompt's memory
                     entry.ids = tokens[:n] if entry.key is None else tokens[:n].copy()
                     entry.ids.flags.writeable = False
-            if entry is last:
+            if wants_split:
                 entry.split = self._splits.prefix_split(entry.text, n, own_ids, own_spans)
                 entry.split_known = True
             if entry.key is not None:

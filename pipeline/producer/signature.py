@@ -32,6 +32,8 @@ SIGNATURE_SEED = 0x5348_4150_455F_5349  # "SHAPE_SI"
 INT32_MIN = -(1 << 31)
 INT32_MAX = (1 << 31) - 1
 UINT64_MAX = (1 << 64) - 1
+# What token ids are hashed as (little-endian int32, the records' dtype).
+_TOKEN_BYTES_DTYPE = np.dtype("<i4")
 
 Component = Union[bytes, bytearray, memoryview, np.ndarray, Sequence[int]]
 
@@ -46,6 +48,8 @@ def component_hash(component: Component) -> int:
 def as_token_bytes(tokens: np.ndarray | Sequence[int]) -> bytes:
     """Token ids as the little-endian int32 bytes that are hashed (validated, typed errors)."""
     array = np.asarray(tokens)
+    if array.dtype == _TOKEN_BYTES_DTYPE and array.ndim == 1:  # a prompt's own ids: int32 holds no other value
+        return array.tobytes()
     if array.ndim != 1:
         raise TokenArrayError(f"token component must be one-dimensional, got shape {array.shape}")
     if array.size and array.dtype.kind not in "iu":
@@ -54,7 +58,7 @@ def as_token_bytes(tokens: np.ndarray | Sequence[int]) -> bytes:
         raise TokenArrayError(
             f"token ids must fit int32, got range [{int(array.min())}, {int(array.max())}]"
         )
-    return array.astype("<i4", copy=False).tobytes()
+    return array.astype(_TOKEN_BYTES_DTYPE, copy=False).tobytes()
 
 
 def reduce_hashes(hashes: Sequence[int]) -> Signature:

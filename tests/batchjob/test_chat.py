@@ -332,6 +332,24 @@ def test_a_shapes_rest_is_tokenized_alone_only_where_exact(families, family):
     assert (prompt.signature is not None) == (FAMILIES[family][3] > 0)
 
 
+def test_a_prefix_learns_its_split_only_once_the_memo_keeps_it(families):
+    tokenizer = ChatTokenizer(families["llama3"]._tokenizer, LLAMA3, bos_token=families["llama3"]._bos_token,
+                              eos_token=EOS)
+    splits, learned = tokenizer._splits, []
+    original = splits.prefix_split
+    splits.prefix_split = lambda *args: learned.append(args[0]) or original(*args)
+    # Each request's own system prompt, seen once: its prefix serves that prompt alone.
+    for k in range(5):
+        _check_against_plain(tokenizer, _chat(f"you are the system of customer {k}", [], "hello"))
+    assert learned == []
+    # A prefix seen a second time is kept, learns its split once, and its later prompts' rests
+    # are tokenized alone.
+    for user in ["hello", "world of help", "the question", "of the world"]:
+        _check_against_plain(tokenizer, _chat("you are the system", [], user))
+    assert len(learned) == 1 and learned[0].endswith("you are the system<|eot_id|>")
+    assert tokenizer.rests_tokenized == 2
+
+
 class CountingTokenizer:
     """A Rust tokenizer that records the texts it is asked to encode."""
 

@@ -55,7 +55,8 @@ def test_one_component_shape_is_not_the_component_hash():
 
 def test_token_ids_hash_the_same_whatever_their_integer_type():
     as_list = FEWSHOT.tolist()
-    for variant in (as_list, FEWSHOT.astype(np.int64), FEWSHOT.astype(">i4"), FEWSHOT.astype(np.uint16)):
+    strided = np.repeat(FEWSHOT, 2)[::2]  # an int32 view that is not contiguous
+    for variant in (as_list, FEWSHOT.astype(np.int64), FEWSHOT.astype(">i4"), FEWSHOT.astype(np.uint16), strided):
         assert signature([variant]) == signature([FEWSHOT])
 
 
@@ -80,10 +81,11 @@ def test_signature_is_stable_and_order_sensitive(components):
     [
         (np.array([1.5, 2.0]), "integers"),
         (np.array([[1, 2], [3, 4]]), "one-dimensional"),
+        (np.array([[1, 2], [3, 4]], dtype=np.int32), "one-dimensional"),
         (np.array([1, 1 << 40]), "int32"),
         (np.array([-(1 << 31) - 1]), "int32"),
     ],
-    ids=["float", "2-d", "too-big", "too-small"],
+    ids=["float", "2-d", "2-d-int32", "too-big", "too-small"],
 )
 def test_bad_token_components(component, match):
     with pytest.raises(TokenArrayError, match=match):
