@@ -189,13 +189,15 @@ class Dispatcher:
         items = frame.items
         check_frame_limits(frame, self._max_models)  # before anything is assigned or stored
         if frame.chain_section.size:  # the producer's new shapes' lineage, before their items
-            for model, chain in decode_chains(frame.chain_section, f"producer {frame.producer_id}'s frame"):
-                if model < self._max_models:
-                    self._declare(model, chain)
-                    self.first_refs.declare(model, chain)
-                    # Durable at this turn's flush, before the items are acknowledged: a
-                    # restart declares it again for the shapes it recovers (`recover`).
-                    self._storage.record_chain(model, chain)
+            chains = [(model, chain) for model, chain in
+                      decode_chains(frame.chain_section, f"producer {frame.producer_id}'s frame")
+                      if model < self._max_models]
+            for model, chain in chains:
+                self._declare(model, chain)
+                self.first_refs.declare(model, chain)
+            # Durable at this turn's flush, before the items are acknowledged: a restart
+            # declares them again for the shapes it recovers (`recover`).
+            self._storage.record_chains(chains)
         stored = self._storage.already_stored(ProducerId(frame.producer_id), items["seq"])
         rows = np.flatnonzero(~stored)
         duplicates = len(items) - rows.size

@@ -85,7 +85,7 @@ def test_a_chain_declared_again_writes_nothing_and_each_node_is_one_record(tmp_p
     try:
         assert read_lineage(path).used == 3
         for model, chain in CHAINS:  # a producer that reconnects declares its shapes again
-            tier.record_chain(model, chain)
+            tier.record_chains([(model, chain)])
         tier.flush()
         assert read_lineage(path).used == 4  # OTHER's own node only: a chain of one, dropped at compaction
     finally:
@@ -97,7 +97,7 @@ def test_compaction_keeps_only_the_chains_of_live_shapes(tmp_path):
     path = lineage_path(str(tmp_path))
     tier = DiskTier.open(str(tmp_path))
     try:
-        tier.record_chain(0, (0x70, 0x71))  # a shape declared whose items never came
+        tier.record_chains([(0, (0x70, 0x71))])  # a shape declared whose items never came
         tier.flush()
         assert (0, 0x71) in read_lineage(path).nodes
     finally:
@@ -193,10 +193,10 @@ def test_the_record_limit_at_and_past(tmp_path, monkeypatch, extra):
         assert dispatcher.selector.lineage_overflows == 0
         trie = dispatcher.selector._trie
         assert trie.depth(ShapeKey(0, DEEP)) == 3 and trie.depth(ShapeKey(0, OTHER)) == 1
-        tier.record_chain(0, (0x62,))  # compacted to 3 records: the fourth is at the limit
+        tier.record_chains([(0, (0x62,))])  # compacted to 3 records: the fourth is at the limit
         assert tier.chains_unrecorded == 0
-        tier.record_chain(0, (0x63,))  # past it
-        tier.record_chain(0, (0x62,))  # known already: nothing to record, nothing counted
+        tier.record_chains([(0, (0x63,))])  # past it
+        tier.record_chains([(0, (0x62,))])  # known already: nothing to record, nothing counted
         assert tier.chains_unrecorded == 1
         tier.flush()
     finally:
@@ -210,7 +210,7 @@ def test_a_chain_at_the_deepest_level_comes_back_whole(tmp_path):
     deep = tuple(range(1000, 1000 + MAX_CHAIN_DEPTH))
     tier = DiskTier.open(str(tmp_path), Durability.POWER)
     try:
-        tier.record_chain(0, deep)
+        tier.record_chains([(0, deep)])
         tier.flush()
     finally:
         tier.close()
@@ -234,8 +234,25 @@ def test_a_disk_too_full_to_rewrite_the_file_keeps_the_old_one_or_runs_without(t
     os.unlink(lineage_path(str(tmp_path)))
     tier = DiskTier.open(str(tmp_path))  # no file and no room for one: the broker still starts
     try:
-        tier.record_chain(0, (0x70, 0x71))
+        tier.record_chains([(0, (0x70, 0x71))])
         tier.flush()
         assert tier.chains_unrecorded == 1 and not os.path.exists(lineage_path(str(tmp_path)))
     finally:
         tier.close()
+
+
+def test_a_frames_chains_in_one_call_share_their_nodes_and_the_limit(tmp_path, monkeypatch):
+    """Chains recorded together write a node they share once; the one that would pass the
+    limit is counted, and those before and after it that fit are kept."""
+    monkeypatch.setattr(chains_module, "MAX_LINEAGE_RECORDS", 5)
+    tier = DiskTier.open(str(tmp_path), Durability.POWER)
+    try:
+        tier.record_chains([(0, (0x10, 0x11)), (0, (0x10, 0x12)), (0, (0x20, 0x21, 0x22)), (0, (0x10, 0x13))])
+        tier.flush()
+        assert tier.chains_unrecorded == 1  # (0x20, 0x21, 0x22): 3 new records after 3, past 5
+    finally:
+        tier.close()
+    reading = read_lineage(lineage_path(str(tmp_path)))
+    assert reading.used == 4
+    assert set(reading.nodes) == {(0, 0x10), (0, 0x11), (0, 0x12), (0, 0x13)}
+    assert reading.chain(ShapeKey(0, 0x13)) == (0x10, 0x13)

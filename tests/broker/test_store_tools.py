@@ -280,7 +280,7 @@ def test_verify_names_a_damaged_lineage_record(tmp_path):
     build_store(str(tmp_path))
     tier = DiskTier.open(str(tmp_path))
     for chain in ((1, 2), (1, 3)):
-        tier.record_chain(0, chain)
+        tier.record_chains([(0, chain)])
     tier.flush()
     tier.close()
     code, report = run_verify(str(tmp_path))

@@ -289,16 +289,17 @@ class StorageTier(abc.ABC):
         (later calls return []): the dispatcher declares them before it seeds the lanes."""
 
     @abc.abstractmethod
-    def record_chain(self, model: int, chain: Sequence[int]) -> None:
-        """A producer declared the chain: keep its new levels durable, as durable as the
-        items `flush()` makes durable at the same group commit (a chain declared again, by
-        a reconnecting producer, writes nothing). Never fails for want of room: a chain
-        that cannot be kept is counted (`chains_unrecorded`) and only its order is lost."""
+    def record_chains(self, chains: Sequence[tuple[int, Sequence[int]]]) -> None:
+        """Producers declared these (model, chain) pairs: keep their new levels durable, as
+        durable as the items `flush()` makes durable at the same group commit (a chain
+        declared again, by a reconnecting producer, writes nothing). Never fails for want of
+        room: a chain that cannot be kept is counted (`chains_unrecorded`) and only its
+        order is lost."""
 
     @property
     @abc.abstractmethod
     def chains_unrecorded(self) -> int:
-        """Chains `record_chain` could not keep (past the file's limit, or a full disk)."""
+        """Chains `record_chains` could not keep (past the file's limit, or a full disk)."""
 
     @abc.abstractmethod
     def drop_lane(self, lane: LaneKey) -> None:

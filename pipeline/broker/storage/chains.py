@@ -5,8 +5,8 @@ producer sends a shape's chain once per connection, and one that finished never 
 without this file the recovered backlog was served as chains of one (most tokens first).
 
 One record per trie node newly declared, never per item: a chain's levels the file does not
-hold yet, each with its parent (`record`). The same discipline as the segment catalog
-(`catalog.py`):
+hold yet, each with its parent (`record`, a frame's chains in one write). The same discipline
+as the segment catalog (`catalog.py`):
 
     record      pwrite into preallocated space during ingest, before the frame's items are
                 appended; `power`: fdatasync at the group commit (`sync`, from the tier's
@@ -237,31 +237,46 @@ class LineageLog:
                                _size_bytes(len(nodes) + LINEAGE_CHUNK_RECORDS), "lineage file")
         return cls(path, fd, durable, len(nodes), {node for node, _parent, _depth in nodes})
 
-    def record(self, model: int, chain: Sequence[int]) -> int:
-        """Write the chain's levels the file does not hold yet (each with its parent);
-        returns how many. Past MAX_LINEAGE_RECORDS, or when the disk has no room to grow
-        the file, nothing is written and `unrecorded` counts the chain (after a restart
-        that shape is a chain of one: its items are unaffected)."""
-        new = [k for k, signature in enumerate(chain) if (model, int(signature)) not in self._known]
-        if not new:
-            return 0
-        if self.used + len(new) > self.max_records:
-            self.unrecorded += 1
-            return 0
-        if self.used + len(new) > self.allocated:
-            try:
-                _allocate(self._fd, self.path, self.used + len(new) + LINEAGE_CHUNK_RECORDS)
-            except DiskFullError:
-                self.unrecorded += 1  # the items still go in (or wait for space): only the order is lost
-                return 0
-            self.allocated = os.fstat(self._fd).st_size // LINEAGE_RECORD_SIZE_BYTES - 1
+    def record(self, chains: Iterable[tuple[int, Sequence[int]]]) -> int:
+        """Write each chain's levels the file does not hold yet (each with its parent), all
+        in one write; returns how many. A chain past MAX_LINEAGE_RECORDS, or one the disk has
+        no room to grow the file for, is not written and `unrecorded` counts it (after a
+        restart that shape is a chain of one: its items are unaffected).
+        NOTE: one write per chain was 5,000 writes for a frame of 5,000 requests with their
+        own system prompts, about a tenth of the broker's extra CPU on them."""
+        data = bytearray()
+        written: set[_Node] = set()  # this call's nodes: known once the write is done
         now = time.time_ns()
-        data = b"".join(encode_node(model, int(chain[k]), int(chain[k - 1]) if k else 0, k + 1, now) for k in new)
-        fileops.pwrite_all(self._fd, data, (self.used + 1) * LINEAGE_RECORD_SIZE_BYTES)
-        self.used += len(new)
-        self._known.update((model, int(chain[k])) for k in new)
-        self._dirty = self.durable
-        return len(new)
+        for model, chain in chains:
+            new = [k for k, signature in enumerate(chain)
+                   if (model, int(signature)) not in self._known and (model, int(signature)) not in written]
+            if not new:
+                continue
+            if self.used + len(written) + len(new) > self.max_records or \
+                    not self._room(self.used + len(written) + len(new)):
+                self.unrecorded += 1
+                continue
+            for k in new:
+                data += encode_node(model, int(chain[k]), int(chain[k - 1]) if k else 0, k + 1, now)
+            written.update((model, int(chain[k])) for k in new)
+        if written:
+            fileops.pwrite_all(self._fd, bytes(data), (self.used + 1) * LINEAGE_RECORD_SIZE_BYTES)
+            self.used += len(written)
+            self._known |= written
+            self._dirty = self.durable
+        return len(written)
+
+    def _room(self, records: int) -> bool:
+        """Whether the file holds `records` after its header, grown by a chunk if need be
+        (False: the disk has no room for it)."""
+        if records <= self.allocated:
+            return True
+        try:
+            _allocate(self._fd, self.path, records + LINEAGE_CHUNK_RECORDS)
+        except DiskFullError:
+            return False  # the items still go in (or wait for space): only the order is lost
+        self.allocated = os.fstat(self._fd).st_size // LINEAGE_RECORD_SIZE_BYTES - 1
+        return True
 
     def sync(self) -> None:
         """`power`: fdatasync what was recorded since the last call (DurabilityError: fatal)."""

@@ -164,8 +164,8 @@ class DiskTier(QueuedTier):
         taken, self._recovered_chains = self._recovered_chains, []
         return taken
 
-    def record_chain(self, model: int, chain: Sequence[int]) -> None:
-        self._lineage.record(model, chain)
+    def record_chains(self, chains: Sequence[tuple[int, Sequence[int]]]) -> None:
+        self._lineage.record(chains)
 
     @property
     def chains_unrecorded(self) -> int:
