@@ -104,9 +104,9 @@ DEFAULT_POOL_MAX_ITEMS = 64
 # `pool_min_shapes` by default: a model's live shapes before the pool takes any (pool.py says
 # why). Below it each shape has its file, switch and batches, about 2 ms a shape here; the
 # prefix comparison's workloads hold 28 to 166 shapes, so 256 keeps them as they were. It
-# costs 5,000 requests with their own system prompts 256 one-item batches first: 1.35x the
-# time of the same requests sharing one (`pipeline bench shapes`) against about 1.05x with
-# no bound (and 5.7x without the pool).
+# costs 5,000 requests with their own system prompts 256 one-item batches first: 1.21x the
+# time of the same requests sharing one (`pipeline bench shapes --repeat 5`) against about
+# 1.05x with no bound (and 5.7x without the pool).
 DEFAULT_POOL_MIN_SHAPES = 256
 # `pool_min_shapes` at most: past a million live shapes the per-shape path's memory (a few
 # KiB a shape) is gigabytes; a bound above it would leave the pool off in practice.
