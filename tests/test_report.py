@@ -20,6 +20,7 @@ from pipeline.reporting.report import (
     format_count,
     format_percent,
     render_report,
+    store_damage_note,
     write_report_json,
 )
 from pipeline.wire.status import BrokerStatus
@@ -297,6 +298,20 @@ def test_damage_the_broker_found_is_shown_and_explains_what_is_lost(tmp_path):
     text = out.getvalue()
     assert "STORE DAMAGE: 3 stored items cannot be delivered" in text
     assert "MISMATCH: 3 lost (the broker found damage in the store" in text
+
+
+def test_the_store_damage_note_names_what_was_damaged_and_nothing_else():
+    """A damaged lineage record loses shape order, not entries: the note says so, and sends
+    nobody to quarantine/; files earlier damage left there are a note of their own."""
+    lineage = {"store_damaged": True, "items_undeliverable": 0, "store_damage": {"lineage_problems": 1}}
+    severe, text = store_damage_note(lineage, "/data")
+    assert severe and text.startswith("0 stored items cannot be delivered, and 1 damaged lineage record (shape order lost)")
+    assert "quarantine" not in text and "`pipeline tools verify /data`" in text
+    old = {"store_damaged": False, "items_undeliverable": 0, "store_damage": {"quarantine_files": 2, "torn_tails": 1}}
+    assert store_damage_note(old, "/data") == (False, "quarantine/ holds 2 files earlier damage left (`pipeline "
+                                                       "tools verify /data` names them; remove them once looked at)")
+    assert store_damage_note({"store_damaged": False, "store_damage": {"torn_tails": 3}}) is None
+    assert store_damage_note({}) is None
 
 
 def test_damage_without_a_loss_is_never_ok(tmp_path):

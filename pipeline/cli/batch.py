@@ -40,6 +40,7 @@ from pipeline.cli.common import (
 )
 from pipeline.cli.numbers import FiniteFloat
 from pipeline.consumer.engines import ENGINES
+from pipeline.reporting.report import store_damage_note
 from pipeline.runtime.tables import parse_engine_options
 from pipeline.wire.errors import BadInputError, DataDirMovedError, PipelineError, SettingsError
 from pipeline.wire.textfiles import counted, for_terminal, printable
@@ -268,11 +269,9 @@ def _say_summary(summary: JobSummary, spec: JobSpec, job: BatchJob, stopped_by_f
          f"{summary.run_wall_s:,.1f} s ({rate:,.0f} requests/s), paced by {summary.paced_by}")
     outputs = [spec.output_path] + [p for p in (spec.error_file, spec.summary_path, spec.report_path) if p]
     _say(f"run-batch: wrote {', '.join(map(printable, outputs))}")
-    report = job.report or {}
-    if report.get("store_damaged") or report.get("store_damage", {}).get("quarantine_files"):
-        _say(f"run-batch: the store held damaged entries ({report.get('items_undeliverable', 0):,} could not be "
-             f"delivered; their requests ran again from the input): the damaged files are in "
-             f"{printable(os.path.join(job.data_dir, 'quarantine'))} (`pipeline tools verify {data_dir}` names them)")
+    damage = store_damage_note(job.report or {}, data_dir)
+    if damage is not None:
+        _say(f"run-batch: {'store damage: ' if damage[0] else ''}{damage[1]}")
 
 
 class _Progress:

@@ -392,11 +392,26 @@ def _unknown_damage(report: dict) -> str:
     """What the store lost that no count covers: missing segments of unknown size, strays,
     a catalog that could not vouch for the store."""
     damage = report.get("store_damage", {})
-    parts = [f"{damage[key]:,} {what}" for key, what in (
-        ("segments_missing_count_unknown", "missing segments of unknown size"),
-        ("strays", "stray files"), ("catalog_problems", "catalog problems"),
-        ("lineage_problems", "damaged lineage records (shape order lost)")) if damage.get(key)]
+    parts = [counted(damage[key], what) + why for key, what, why in (
+        ("segments_missing_count_unknown", "missing segment", " of unknown size"),
+        ("strays", "stray file", ""), ("catalog_problems", "catalog problem", ""),
+        ("lineage_problems", "damaged lineage record", " (shape order lost)")) if damage.get(key)]
     return f", and {', '.join(parts)}" if parts else ""
+
+
+def store_damage_note(report: dict, data_dir: str = "DATA_DIR") -> tuple[bool, str] | None:
+    """What the run's broker found damaged in the store, in one sentence, and whether it is
+    this start's damage (True) or only files earlier damage left in quarantine/ (False);
+    None when neither."""
+    if report.get("store_damaged"):
+        return True, (f"{counted(report['items_undeliverable'], 'stored item')} cannot be delivered"
+                      f"{_unknown_damage(report)} (each named in the broker's log; `pipeline tools verify "
+                      f"{data_dir}` lists them)")
+    quarantined = report.get("store_damage", {}).get("quarantine_files")
+    if quarantined:
+        return False, (f"quarantine/ holds {counted(quarantined, 'file')} earlier damage left (`pipeline tools "
+                       f"verify {data_dir}` names them; remove them once looked at)")
+    return None
 
 
 def accounting_verdict(report: dict) -> str:
@@ -508,14 +523,10 @@ def render_report(report: dict, console: Console | None = None) -> None:
     console that is not a terminal rich writes the same tables as plain text."""
     console = console or Console()
     console.print(_accounting_table(report))
-    if report.get("store_damaged"):
-        console.print(f"[bold red]STORE DAMAGE: {counted(report['items_undeliverable'], 'stored item')} cannot be "
-                      f"delivered"
-                      f"{_unknown_damage(report)} (each named in the broker's log; `pipeline tools verify "
-                      f"DATA_DIR` lists them)[/bold red]")
-    elif report.get("store_damage", {}).get("quarantine_files"):
-        console.print(f"[yellow]quarantine/ holds {counted(report['store_damage']['quarantine_files'], 'file')} "
-                      f"earlier damage left (`pipeline tools verify DATA_DIR` names them; remove them once looked at)[/yellow]")
+    damage = store_damage_note(report)
+    if damage is not None:
+        severe, text = damage
+        console.print(f"[bold red]STORE DAMAGE: {text}[/bold red]" if severe else f"[yellow]{text}[/yellow]")
     console.print(_pairs_table("Efficiency", _efficiency_rows(report)))
     console.print(_pairs_table("Lanes", [(key.replace("_", " "), format_count(value))
                                          for key, value in report["lanes"].items()]))
