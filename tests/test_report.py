@@ -305,7 +305,8 @@ def test_the_store_damage_note_names_what_was_damaged_and_nothing_else():
     nobody to quarantine/; files earlier damage left there are a note of their own."""
     lineage = {"store_damaged": True, "items_undeliverable": 0, "store_damage": {"lineage_problems": 1}}
     severe, text = store_damage_note(lineage, "/data")
-    assert severe and text.startswith("0 stored items cannot be delivered, and 1 damaged lineage record (shape order lost)")
+    assert severe and text.startswith("0 stored items cannot be delivered, and 1 damaged lineage record (shape order "
+                                      "lost)")
     assert "quarantine" not in text and "`pipeline tools verify /data`" in text
     old = {"store_damaged": False, "items_undeliverable": 0, "store_damage": {"quarantine_files": 2, "torn_tails": 1}}
     assert store_damage_note(old, "/data") == (False, "quarantine/ holds 2 files earlier damage left (`pipeline "
