@@ -116,7 +116,7 @@ class ConsumerSide:
         self._dispatcher.commit(batch)
         self.routed.add(batch, consumer.contract)
         if batch.switch is not None:
-            self._count_switch(consumer.totals, batch)
+            self._count_switch(consumer, batch)
         if is_pool(batch.lane.shape):  # every chunk starts a shape of its own
             consumer.totals.compulsory_prefix_tokens += self._start_pooled(consumer.name, batch)
         elif batch.switch is not None:
@@ -135,17 +135,17 @@ class ConsumerSide:
         return sum(first_refs.start(name, ShapeKey(batch.model, signature), prefix_len)
                    for signature, prefix_len in zip(signatures.tolist(), prefix_lens))
 
-    def _count_switch(self, totals: ConsumerTotals, batch: Batch) -> None:
+    def _count_switch(self, consumer: ConsumerPeer, batch: Batch) -> None:
         """A consumer started a shape with this batch: its switches, the shapes it served, and
-        whether another consumer had started that shape before (a split shape: its prefix is
-        computed by both)."""
+        whether another consumer's cache had that shape's prefix before (a split shape: its
+        prefix is computed by both)."""
+        totals, name = consumer.totals, consumer.name
         totals.switches[batch.switch] = totals.switches.get(batch.switch, 0) + 1
         shape = batch.lane.shape
-        if shape not in totals.shapes:
-            if not is_pool(shape) and any(  # the pool's shapes share no prefix to split
-                    shape in other.shapes for other in self.totals_by_name.values() if other is not totals):
-                totals.split_prefix_tokens += int(batch.entries.prefix_lens[0])
-            totals.shapes.add(shape)
+        totals.shapes.add_many(np.array([shape.model], dtype=np.uint64), np.array([shape.signature], dtype=np.uint64))
+        # The pool's shapes share no prefix to split; the rest ask the caches' references.
+        if not is_pool(shape) and self._dispatcher.first_refs.referenced_elsewhere(name, shape):
+            totals.split_prefix_tokens += int(batch.entries.prefix_lens[0])
 
     def _send_batch(self, consumer: ConsumerPeer, batch: Batch) -> bool:
         """Write the batch's descriptor into the consumer's ring; False if the ring is full."""

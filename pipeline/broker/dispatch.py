@@ -62,6 +62,7 @@ from pipeline.broker.dispatch_records import (  # Batch and IngestReport: import
     summarize_shapes,
     total_lane_counters,
 )
+from pipeline.broker.distinct import DistinctCount
 from pipeline.broker.firstrefs import FirstReferences
 from pipeline.broker.grouping import (
     check_frame_limits,
@@ -121,11 +122,9 @@ class Dispatcher:
         # Which shapes' items go to their model's solitary pool (pool.py; off at 0), and the
         # chain of every live shape.
         self._pool = SolitaryPool(pool_max_items, pool_min_shapes)
-        # Every (model, signature) given lanes since start, retired ones included: the run's
+        # Every (model, signature) given items since start, retired ones included: the run's
         # shape count (`shapes` above is the live ones, near 0 once a run's lanes retire).
-        # NOTE: an exact set, not a sketch: it holds the dict's own key objects (about 150
-        # bytes a distinct shape), the same order as each consumer's `shapes` set.
-        self._seen: set[ShapeKey] = set()
+        self._seen = DistinctCount()
         self._retired = LaneCounters()  # counters of shapes retired by tick
         self._next_batch_id = 0
         self._outstanding: Batch | None = None
@@ -307,9 +306,11 @@ class Dispatcher:
                 self.first_refs.declare(model, chain)
         found_lanes = sorted(self._storage.take_recovered_lanes(), key=lambda r: tuple(r.lane))
         pooled, own = recovered_shapes(found_lanes)  # to the pool before any lane is rebuilt
-        for shape in sorted(pooled.keys() | own):
+        shapes_found = sorted(pooled.keys() | own)
+        for shape in shapes_found:
             self._pool.adopt(shape, pooled.get(shape, 0), shape in own)
-            self._seen.add(shape)
+        self._seen.add_many(np.array([s.model for s in shapes_found], dtype=np.uint64),
+                            np.array([s.signature for s in shapes_found], dtype=np.uint64))
         recovered = 0
         for found in found_lanes:
             check_recovered_lane(found, self._lane_config.max_lanes)
@@ -342,8 +343,9 @@ class Dispatcher:
         pooled: dict[int, list[np.ndarray]] = {}
         shapes = group_by_shape(items, rows)
         to_pool = self._pool.route_many([(shape, int(shape_rows.size)) for shape, shape_rows in shapes])
+        firsts = np.array([shape_rows[0] for _shape, shape_rows in shapes], dtype=np.intp)
+        self._seen.add_many(items["model"][firsts], items["signature"][firsts])
         for (shape, shape_rows), pooling in zip(shapes, to_pool):
-            self._seen.add(shape)
             self.first_refs.learn(shape, int(items["prefix_len"][shape_rows[0]]))
             if pooling:
                 pooled.setdefault(shape.model, []).append(shape_rows)
@@ -527,7 +529,7 @@ class Dispatcher:
                 queued, _tokens, pending = self._shapes[shape].totals()
                 pooled[shape.model] = queued + pending
             else:
-                assert shape in self._seen and pool.owns_lanes(shape), f"{shape} has lanes the pool does not know of"
+                assert pool.owns_lanes(shape), f"{shape} has lanes the pool does not know of"
         assert pool.pooled_by_model() == {m: n for m, n in pooled.items() if n}, (pool.pooled_by_model(), pooled)
         assert pool.own_shapes() == {s for s in self._shapes if not is_pool(s)}
 
@@ -536,7 +538,7 @@ class Dispatcher:
         snapshot.lanes_in_use = sum(shape_lanes.lane_count for shape_lanes in self._shapes.values())
         snapshot.lanes = total_lane_counters(self._retired, self._shapes.values())
         snapshot.shapes = self._pool.live_shapes  # every live shape: own lanes or pooled items
-        snapshot.shapes_seen = len(self._seen)
+        snapshot.shapes_seen = self._seen.count
         snapshot.switches = {r.value: n for r, n in self._selector.counters.switches.items()}
         return snapshot
 

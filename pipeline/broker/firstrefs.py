@@ -93,6 +93,16 @@ class FirstReferences:
         self.model_tokens[shape.model] = self.model_tokens.get(shape.model, 0) + model_new
         return mine
 
+    def referenced_elsewhere(self, cache: Hashable, shape: ShapeKey) -> bool:
+        """Whether another consumer's cache referenced the shape's own level (it started the
+        shape or a longer one) and `cache` did not: starting it here computes its prefix a
+        second time. False past the entry limit for what was not learnt before it."""
+        node = (shape.model, shape.signature)
+        if node in self._seen.get(cache, ()) or node not in self._seen.get((_MODEL, shape.model), ()):
+            return False
+        return any(node in levels for key, levels in self._seen.items()
+                   if key != cache and not (isinstance(key, tuple) and key and key[0] is _MODEL))
+
     @property
     def model_total(self) -> int:
         return sum(self.model_tokens.values())

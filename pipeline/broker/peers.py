@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import xxhash
 
 from pipeline.broker.dispatch import Batch
+from pipeline.broker.distinct import DistinctCount
 from pipeline.broker.ids import ConsumerId
 from pipeline.broker.packing import Contract
 from pipeline.wire import fileops
@@ -218,9 +219,9 @@ class ConsumerTotals:
     batches: int = 0
     work: ConsumerWork = field(default_factory=ConsumerWork)
     switches: dict[str, int] = field(default_factory=dict)  # its shape switches, by reason
-    shapes: set = field(default_factory=set)  # the (model, signature)s it was handed batches of
-    # Prefix tokens of the shapes it started after another consumer had started them: what
-    # splitting shapes across consumers cost it at most (its cache computes that prefix again).
+    shapes: DistinctCount = field(default_factory=DistinctCount)  # the (model, signature)s it started
+    # Prefix tokens of the shapes it started after another consumer's cache had them: what
+    # splitting shapes across consumers cost it (its cache computes that prefix again).
     split_prefix_tokens: int = 0
     # Prefix tokens first referenced by its cache (`firstrefs.FirstReferences`).
     compulsory_prefix_tokens: int = 0

@@ -314,7 +314,7 @@ class Broker:
                                                  max_batch_tokens=c.contract.max_batch_tokens,
                                                  max_input_len=c.contract.max_input_len) for c in connected.values()},
             per_consumer={name: ConsumerTotalsRow(connected=name in connected, batches=totals.batches, work=totals.work,
-                                                  switches=dict(totals.switches), shapes_served=len(totals.shapes),
+                                                  switches=dict(totals.switches), shapes_served=totals.shapes.count,
                                                   split_prefix_tokens=totals.split_prefix_tokens,
                                                   compulsory_prefix_tokens=totals.compulsory_prefix_tokens)
                           for name, totals in self.consumer_side.totals_by_name.items()},

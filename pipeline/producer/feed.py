@@ -34,6 +34,9 @@ DEFAULT_CHUNK_ITEMS = 256
 # `feed` makes to join a call's prompts (256 Mooncake prompts would be ~16 MiB); an item
 # longer than this still goes, alone.
 DEFAULT_CHUNK_TOKENS = DEFAULT_FRAME_BYTES // TOKEN_SIZE_BYTES
+# Shapes whose chains a feed keeps made (~200 bytes each): every shape of a workload with a
+# few thousand, where a job whose requests each have their own shape churns through them.
+MAX_CACHED_CHAINS = 4096
 _MS_PER_S = 1000.0
 
 
@@ -99,8 +102,9 @@ class _Group:
     def __init__(self, client: SubmitsMany, totals: FeedTotals,
                  on_progress: Callable[[FeedTotals], None] | None) -> None:
         self.client = client
-        # Each shape's chain of prefix signatures, made once per feed (a hash per component);
-        # the producer sends it once per connection (`declare_shape`).
+        # Each shape's chain of prefix signatures, made once per feed while its shape is
+        # among the last MAX_CACHED_CHAINS (a hash per component); the producer sends it
+        # once per connection (`declare_shape`).
         self.chains: dict[tuple[int, int], tuple[int, ...]] = {}
         self.totals = totals
         self.on_progress = on_progress
@@ -142,5 +146,7 @@ class _Group:
                 item.known_signature = int(chain[-1])
             key = (item.model, item.known_signature)
             if key not in self.chains:
+                if len(self.chains) >= MAX_CACHED_CHAINS:
+                    self.chains.clear()
                 self.chains[key] = chain or shape_chain(item.components)
             self.client.declare_shape(item.model, self.chains[key])

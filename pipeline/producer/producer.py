@@ -65,6 +65,11 @@ DEFAULT_FRAME_ITEMS = 4096
 DEFAULT_FRAME_BYTES = 4 << 20
 # 64 MiB ring: 16 frames of the size above, and room (half the ring) for the largest item.
 DEFAULT_RING_CAPACITY_BYTES = 64 << 20
+# Shapes a producer remembers having declared, per generation (two are kept): ~100 bytes
+# each, so ~13 MiB at most, where a set of every shape grew with a job whose requests each
+# have their own system prompt. A shape forgotten and seen again is declared again: a chain
+# more on the wire, which the broker takes as the same declaration.
+MAX_DECLARED_SHAPES = 65_536
 
 _I4 = np.dtype("<i4")
 _monotonic_ns = time.monotonic_ns
@@ -159,9 +164,11 @@ class Producer:
         self._max_item_tokens = limits.max_item_tokens
         self._max_payload_bytes = limits.max_payload_bytes
         self._max_models = limits.max_models
-        # Shape lineage (SPEC §4b): the shapes declared on this connection, and the chains
-        # still to go out with the next frame written.
+        # Shape lineage (SPEC §4b): the shapes declared on this connection lately (two
+        # generations of at most MAX_DECLARED_SHAPES each), and the chains still to go out
+        # with the next frame written.
         self._declared: set[tuple[int, int]] = set()
+        self._declared_before: set[tuple[int, int]] = set()
         self._pending_chains: list[tuple[int, tuple[int, ...]]] = []
         # Called with `next_seq` after each frame `submit_many` publishes (a call of many
         # items may be several frames): a process that counts what it published (the launch
@@ -210,15 +217,26 @@ class Producer:
         key = (model, chain[-1])
         if key in self._declared:
             return
+        if key in self._declared_before:  # declared a generation ago: kept as a recent one
+            self._remember(key)
+            return
         values = tuple(check_signature(v) for v in chain)
         if len(values) > MAX_CHAIN_DEPTH:
             values = values[:MAX_CHAIN_DEPTH - 1] + values[-1:]
-        self._declared.add(key)
+        self._remember(key)
         self._pending_chains.append((model, values))
+
+    def _remember(self, key: tuple[int, int]) -> None:
+        """A declared shape joins the current generation; a full generation becomes the one
+        before (the oldest is forgotten: its shape is declared again if it comes back)."""
+        self._declared.add(key)
+        if len(self._declared) >= MAX_DECLARED_SHAPES:
+            self._declared_before, self._declared = self._declared, set()
 
     def forget_declared_shapes(self) -> None:
         """A new broker connection: every shape is declared again as its items come."""
         self._declared.clear()
+        self._declared_before.clear()
 
     def submit(
         self,

@@ -85,10 +85,12 @@ Definitions (every figure is an int or a float; a ratio with nothing to divide i
 
 per_consumer[name] also has the consumer's shape switches (`shape_switches`, and by reason),
 how many distinct shapes it was handed (`shapes_served`: the current shape is per consumer,
-SPEC §4b, so a consumer switches about once per shape it serves), and
+SPEC §4b, so a consumer switches about once per shape it serves; exact up to 16,384 shapes,
+then estimated within about 1%, as the run's `shapes` is: `broker/distinct.py`), and
 `split_prefix_tokens`: the prefix tokens (the first item's prefix_len) of every shape it
-started after another consumer had started it, what splitting shapes across consumers cost
-at most, on top of the compulsory misses one cache for the whole model would have paid;
+started after another consumer's cache had its prefix (that consumer started the shape or a
+longer one), what splitting shapes across consumers cost, on top of the compulsory misses
+one cache for the whole model would have paid;
 `split_prefix_tokens` at the top is their sum.
 
 Compulsory misses against one cache for the whole model: the broker counts, from

@@ -224,9 +224,11 @@ class ConsumerTotalsRow:
     # label (consumer and reason) on one counter is more than the exporter's rows take.
     switches: dict[str, int] = _doc("Its shape switches, by reason (the current shape is per consumer)",
                                     factory=dict)
-    shapes_served: int = _doc("Distinct shapes it was handed batches of", Export(GAUGE), default=0)
-    split_prefix_tokens: int = _doc("Prefix tokens of shapes it started after another consumer had (split shapes)",
-                                    Export(COUNTER), default=0)
+    shapes_served: int = _doc("Distinct shapes it was handed batches of (estimated past 16,384)",
+                              Export(GAUGE), default=0)
+    split_prefix_tokens: int = _doc(
+        "Prefix tokens of shapes it started after another consumer's cache had them (split shapes)",
+        Export(COUNTER), default=0)
     compulsory_prefix_tokens: int = _doc(
         "Prefix tokens first referenced by its cache, as the broker counts them from the shapes' prefix "
         "lengths and chains (pipeline/broker/firstrefs.py)", Export(COUNTER), default=0)
@@ -323,7 +325,7 @@ class BrokerStatus:
     shapes: int = _doc("(model, shape) pairs the broker holds items of, in lanes of their own or in the solitary "
                        "pool", Export(GAUGE), default=0)
     shapes_seen: int = _doc("Distinct (model, shape) pairs given items since the broker started, idle and pooled "
-                            "ones included", Export(COUNTER), default=0)
+                            "ones included (estimated within about 1% past 16,384)", Export(COUNTER), default=0)
     lanes_in_use: int = _doc("Length lanes open now", Export(GAUGE), default=0)
     pool_items: int = _doc("Items stored in a model's solitary pool: of shapes that shared nothing with another "
                            "live shape, batched together", Export(COUNTER), default=0)

@@ -12,7 +12,7 @@ from pipeline.broker.dispatch import Dispatcher
 from pipeline.broker.ids import ConsumerId
 from pipeline.broker.packing import Contract
 from pipeline.broker.storage import DiskTier
-from pipeline.producer.producer import Producer, ProducerLimits
+from pipeline.producer.producer import MAX_DECLARED_SHAPES, Producer, ProducerLimits
 from pipeline.producer.signature import chain, signature
 from pipeline.wire.errors import FrameError
 from pipeline.wire.layouts.frames import MAX_CHAIN_DEPTH, decode_chains, encode_chains, parse_frame
@@ -108,3 +108,27 @@ def test_the_prefix_order_drains_the_extensions_of_a_shape_first(tmp_path, pair,
         dispatcher.check_invariants()
     finally:
         tier.close()
+
+
+def test_a_producer_remembers_its_latest_declarations_and_forgets_older_ones(shm_name):
+    """Two generations of MAX_DECLARED_SHAPES: a shape declared lately goes once; one that
+    fell out of both goes again (the broker takes it as the same declaration)."""
+    producer = Producer.create(shm_name(), producer_id=4, capacity_bytes=8 << 20,
+                               limits=ProducerLimits(max_item_tokens=4096), timeout_s=1.0)
+    reader = RingReader.attach(producer.ring.name)
+    try:
+        def declared(shapes) -> list[int]:
+            for shape in shapes:
+                producer.declare_shape(0, (shape,))
+            producer.submit(0, 1, SYSTEM, 0)
+            return [sent[-1] for _model, sent in decode_chains(frames(reader)[0].chain_section)]
+
+        limit = MAX_DECLARED_SHAPES
+        assert declared(range(1, limit + 1)) == list(range(1, limit + 1))  # the first generation fills
+        assert declared([1, limit]) == []  # the generation before: remembered, 1 now a recent one
+        assert declared(range(limit + 1, 2 * limit)) == list(range(limit + 1, 2 * limit))
+        assert declared([2, 1, 2 * limit - 1]) == [2]  # 2 fell out of both; 1 did not
+    finally:
+        reader.close()
+        producer.close()
+        producer.unlink()

@@ -48,6 +48,9 @@ def test_counts_match_the_reference_and_the_split_cost_is_the_difference(shapes,
     started: list[set[int]] = [set(), set(), set()]
     for consumer, shape in starts:
         shape = (shape - 1) % len(chains) + 1
+        cached = [{level for s in started[c] for level in chains[s]} for c in range(3)]  # each cache's levels
+        elsewhere = shape not in cached[consumer] and any(shape in cached[c] for c in range(3) if c != consumer)
+        assert refs.referenced_elsewhere(f"c{consumer}", ShapeKey(0, shape)) == elsewhere
         per_consumer[consumer] += refs.start(f"c{consumer}", ShapeKey(0, shape), prefix[shape])
         started[consumer].add(shape)
         refs.check_invariants()
