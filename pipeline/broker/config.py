@@ -111,6 +111,15 @@ DEFAULT_POOL_MIN_SHAPES = 256
 # `pool_min_shapes` at most: past a million live shapes the per-shape path's memory (a few
 # KiB a shape) is gigabytes; a bound above it would leave the pool off in practice.
 MAX_POOL_MIN_SHAPES = 1 << 20
+# `max_live_shapes` by default: live shapes (pooled items or lanes of their own) past which
+# the broker reads no producer ring until some finish. A live shape costs ~400 bytes pooled
+# and a few KiB with lanes, and a job whose requests each have their own system prompt would
+# otherwise queue one per request (1,000,000 queued: ~400 MB to GBs); 65,536 hold 25 to
+# ~250 MiB and still far more shapes than any consumer's cache, so the order loses nothing.
+# A frame read before the hold adds at most its items (DEFAULT_FRAME_ITEMS) per producer.
+DEFAULT_MAX_LIVE_SHAPES = 1 << 16
+# `max_live_shapes` at most: 16 Mi shapes with lanes are tens of GB of the broker's memory.
+MAX_LIVE_SHAPES_LIMIT = 1 << 24
 
 
 @dataclass(slots=True)
@@ -157,6 +166,8 @@ class BrokerConfig:
     pool_max_items: int = DEFAULT_POOL_MAX_ITEMS
     # ...once its model holds at least this many live shapes (0: from the first).
     pool_min_shapes: int = DEFAULT_POOL_MIN_SHAPES
+    # Live shapes past which the producers' rings wait (backpressure) until some finish.
+    max_live_shapes: int = DEFAULT_MAX_LIVE_SHAPES
     # Durability `process` on disk: syncfs the data directory's filesystem this often, so a
     # power cut loses at most about this much acknowledged work (None, the default: the
     # kernel's writeback, up to about 35 s; pipeline/broker/periodic_sync.py).
@@ -222,6 +233,10 @@ class BrokerConfig:
                 0 <= self.pool_min_shapes <= MAX_POOL_MIN_SHAPES):
             raise ConfigError(f"broker setting pool_min_shapes {self.pool_min_shapes!r} must be an integer from 0 to "
                               f"{MAX_POOL_MIN_SHAPES}")
+        if isinstance(self.max_live_shapes, bool) or not isinstance(self.max_live_shapes, int) or not (
+                1 <= self.max_live_shapes <= MAX_LIVE_SHAPES_LIMIT):
+            raise ConfigError(f"broker setting max_live_shapes {self.max_live_shapes!r} must be an integer from 1 to "
+                              f"{MAX_LIVE_SHAPES_LIMIT}")
         if not isinstance(self.lanes, LaneConfig):
             raise ConfigError(f"broker setting lanes {self.lanes!r} must be a LaneConfig")
         ceilings = {"descriptor_ring_bytes": 1 << 40, "max_models": MODEL_ID_LIMIT, "max_consumers": 1 << 20,

@@ -537,10 +537,15 @@ class Dispatcher:
         snapshot = self._c.scalars()
         snapshot.lanes_in_use = sum(shape_lanes.lane_count for shape_lanes in self._shapes.values())
         snapshot.lanes = total_lane_counters(self._retired, self._shapes.values())
-        snapshot.shapes = self._pool.live_shapes  # every live shape: own lanes or pooled items
+        snapshot.shapes = self.live_shapes  # every live shape: own lanes or pooled items
         snapshot.shapes_seen = self._seen.count
         snapshot.switches = {r.value: n for r, n in self._selector.counters.switches.items()}
         return snapshot
+
+    @property
+    def live_shapes(self) -> int:
+        """Shapes with queued or pending items (pooled or in lanes of their own)."""
+        return self._pool.live_shapes
 
     def progress(self) -> dict[str, int]:
         """The four counters of a `progress` reply, in constant time (`counters` is

@@ -66,6 +66,8 @@ class ProducerSide:
         # The record whose frame the dispatcher is still storing (a full disk held it back,
         # or it is stored in slices): its producer, start and end positions in the ring.
         self._held_back: tuple[ProducerPeer, int, int] | None = None
+        self.shape_hold_episodes = 0  # times the rings waited for live shapes to finish
+        self._shapes_full = False
 
     def catch_up(self) -> None:
         """After a restart, before serving anyone: attach every producer ring this data
@@ -106,7 +108,8 @@ class ProducerSide:
         slice_end = now_s + self._dispatcher.pacing.fill_slice_s(self.config.work_slice_s, hungry)
         step = None if catching_up else INGEST_STEP_GROUPS  # catching up serves nobody meanwhile
         ingested = self._continue_held_back(slice_end, step)
-        for producer in list(self.producers.values()):
+        readable = catching_up or not self._live_shapes_full()  # catching up is never held
+        for producer in list(self.producers.values()) if readable else ():
             if producer.ring is None or self.disk_full_since_s is not None or self._held_back is not None:
                 continue
             ingested = self._fill_from(producer, deadline, slice_end, step) or ingested
@@ -122,6 +125,17 @@ class ProducerSide:
         if not catching_up:
             self.finish_unregistered()
         return ingested or (self._held_back is not None and self.disk_full_since_s is None)
+
+    def _live_shapes_full(self) -> bool:
+        """Whether the live shapes reached `max_live_shapes`: the rings wait (backpressure on
+        the producers) until some finish; logged once an episode."""
+        full = self._dispatcher.live_shapes >= self.config.max_live_shapes
+        if full and not self._shapes_full:
+            self.shape_hold_episodes += 1
+            log.info("%d live shapes (max_live_shapes): the producers' rings wait until some finish",
+                     self._dispatcher.live_shapes)
+        self._shapes_full = full
+        return full
 
     def _fill_from(self, producer: ProducerPeer, deadline_s: float, slice_end_s: float, step: int | None) -> bool:
         """Ingest `producer`'s frames until its ring is empty, the slice ends, the disk is

@@ -190,3 +190,23 @@ def test_another_file_on_the_same_data_directory_is_refused(tmp_path, model_dir)
     done = run_batch("-i", str(other), "-o", str(tmp_path / "b.out"), "--model", model_dir, "--data-dir", str(data))
     assert done.returncode == 1 and "holds a job this run would change" in done.stderr
     assert "the input file changed since the job started" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_job_of_more_shapes_than_the_broker_keeps_live_waits_for_them_and_ends_whole(tmp_path, model_dir):
+    """Each request its own system prompt, more of them than `max_live_shapes`: the broker
+    stops reading the producers' rings while that many shapes are live (its memory holds
+    per live shape), and the job still ends with one answer per request."""
+    records = [{"custom_id": f"r{k}", "method": "POST", "url": "/v1/chat/completions",
+                "body": {"model": "tiny-llama", "max_tokens": 4,
+                         "messages": [{"role": "system", "content": f"You assist customer {k}."},
+                                      {"role": "user", "content": "Hello"}]}} for k in range(240)]
+    source = write_requests(tmp_path / "requests.jsonl", records)
+    config = tmp_path / "slow.toml"
+    config.write_text(SLOW + "\n[broker]\nmax_live_shapes = 16\npool_min_shapes = 0\n")
+    out = tmp_path / "out.jsonl"
+    done = run_batch("-i", str(source), "-o", str(out), "--model", model_dir, "--engine", "sim",
+                     "--config", str(config), "-v")
+    assert done.returncode == 0, done.stderr
+    assert "live shapes (max_live_shapes): the producers' rings wait" in done.stderr
+    rows = check_output(out, records)
+    assert all(row["response"]["status_code"] == 200 for row in rows)

@@ -10,7 +10,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from pipeline.broker.config import MAX_POOL_MIN_SHAPES, BrokerConfig
+from pipeline.broker.config import MAX_LIVE_SHAPES_LIMIT, MAX_POOL_MIN_SHAPES, BrokerConfig
 from pipeline.broker.dispatch import Dispatcher
 from pipeline.broker.ids import ConsumerId, ShapeKey
 from pipeline.broker.packing import Contract
@@ -181,6 +181,14 @@ def test_the_pools_settings_are_checked_at_their_limits():
         for bad in (limit + 1, -1, True, 2.0, "8"):
             with pytest.raises(ConfigError, match=f"{name} {bad!r} must be an integer from 0"):
                 BrokerConfig("/tmp/data", **{name: bad})
+
+
+def test_the_live_shapes_bound_is_checked_at_its_limits():
+    for good in (1, MAX_LIVE_SHAPES_LIMIT):
+        assert BrokerConfig("/tmp/data", max_live_shapes=good).max_live_shapes == good
+    for bad in (0, MAX_LIVE_SHAPES_LIMIT + 1, True, 2.0, "8"):
+        with pytest.raises(ConfigError, match=f"max_live_shapes {bad!r} must be an integer from 1"):
+            BrokerConfig("/tmp/data", max_live_shapes=bad)
 
 
 def test_below_min_shapes_every_shape_has_lanes_of_its_own(tier):
