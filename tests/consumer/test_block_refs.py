@@ -44,3 +44,18 @@ def test_it_counts_what_the_sim_engine_counts(capacity_tokens):
         compulsory += got[1]
     assert sim.counters.compulsory_miss_tokens > 0
     assert (cacheable, compulsory) == (sim.counters.cacheable_tokens, sim.counters.compulsory_miss_tokens)
+
+
+def test_two_generations_of_references_are_remembered_and_older_ones_forgotten():
+    """At max_remembered_blocks the current generation becomes the one before: a block of
+    either is not compulsory again; one that fell out of both counts once more."""
+    refs = BlockReferences(block_size_tokens=1, max_remembered_blocks=3)
+
+    def compulsory(token: int) -> int:
+        return refs.account([np.array([token], dtype=np.int32)], [1], [0])[1]
+
+    assert [compulsory(t) for t in (1, 2, 3)] == [1, 1, 1]  # the generation fills at 3: the one before
+    assert len(refs) == 3 and refs.forgotten_generations == 1
+    assert [compulsory(t) for t in (4, 1, 5)] == [1, 0, 1]  # 1 remembered, now a recent one
+    assert [compulsory(t) for t in (2, 1, 6)] == [1, 0, 1]  # 2 fell out of both; 1 did not
+    assert len(refs) <= 2 * refs.max_remembered_blocks

@@ -133,3 +133,26 @@ def test_remembered_layouts_stay_within_their_count_and_blocks(monkeypatch):
     assert (len(layouts.by_counts), layouts.blocks) == (1, 9)  # past it
     alone = BatchLayout.of(np.array([101], dtype=np.int64))
     assert alone.counts.tolist() == [101] and (len(layouts.by_counts), layouts.blocks) == (0, 0)  # never kept
+
+
+def test_past_max_remembered_blocks_old_references_are_forgotten_and_the_index_stays_bounded():
+    """Distinct prompts without end: every evicted block's reference was kept, so the index
+    grew with the run; past the bound they are forgotten at a rebuild (the compulsory count
+    is then an upper bound of the reference's), and the index stops growing."""
+    capacity, bound = 64, 1000
+    cache, reference = PrefixCache(capacity, max_remembered_blocks=bound), Reference(capacity)
+    rng = np.random.default_rng(3)
+    old: list[int] = []
+    largest_index = counted = expected = 0
+    for n in range(2000):
+        keys = rng.integers(1, 1 << 63, size=8, dtype=np.uint64).tolist()
+        if n % 10 == 9 and old:  # an old prompt comes back: its blocks may be forgotten by now
+            keys = old
+        old = keys if n % 50 == 0 else old
+        hits, compulsory = cache.run(np.array(keys, dtype=np.uint64), BatchLayout.of(np.array([8])), np.array([8]))
+        want_hits, want = reference.run(keys, 8)
+        assert hits.tolist() == [want_hits]
+        counted, expected = counted + compulsory, expected + want
+        largest_index = max(largest_index, cache._index_key.shape[0])
+    assert cache.forgotten_references > 0 and counted > expected
+    assert largest_index <= 8 * (bound + capacity)  # 16,000 blocks were referenced

@@ -17,6 +17,11 @@ Pure: no clock, no files; one instance per engine, not thread-safe.
 
     refs = BlockReferences(block_size_tokens=32)
     cacheable, compulsory = refs.account(prompts, prefix_lens, cached_tokens)
+
+Memory: two generations of at most MAX_REMEMBERED_BLOCKS block hashes. A block referenced
+last before both (a million other blocks since) is forgotten, and its next first miss counts
+as compulsory again: an upper bound then, where a set of every block grew with a job whose
+requests each have their own system prompt.
 """
 
 from __future__ import annotations
@@ -25,6 +30,10 @@ from collections.abc import Sequence
 
 import numpy as np
 import xxhash
+
+# Block hashes a generation holds (two are kept): ~70 bytes each in a Python set, so ~70 MiB
+# at most beside the engine, and more distinct blocks than a GPU's prefix cache holds.
+MAX_REMEMBERED_BLOCKS = 1 << 19
 
 
 class BlockReferences:
@@ -36,14 +45,20 @@ class BlockReferences:
     chain a different first token, so 4 compulsory again.
     """
 
-    def __init__(self, block_size_tokens: int) -> None:
+    def __init__(self, block_size_tokens: int, max_remembered_blocks: int = MAX_REMEMBERED_BLOCKS) -> None:
         if block_size_tokens <= 0:
             raise ValueError(f"block references: block size {block_size_tokens} tokens")
+        assert max_remembered_blocks >= 1, max_remembered_blocks
         self.block_size_tokens = block_size_tokens
+        self.max_remembered_blocks = max_remembered_blocks
+        # Two generations of referenced blocks: a full current one becomes the one before.
         self._referenced: set[int] = set()
+        self._referenced_before: set[int] = set()
+        self.forgotten_generations = 0
 
     def __len__(self) -> int:
-        return len(self._referenced)
+        """The blocks remembered as referenced (at most twice `max_remembered_blocks`)."""
+        return len(self._referenced) + len(self._referenced_before)
 
     def account(self, prompts: Sequence[np.ndarray], prefix_lens: Sequence[int],
                 cached_tokens: Sequence[int]) -> tuple[int, int]:
@@ -65,7 +80,13 @@ class BlockReferences:
             for i in range(blocks):
                 chain = xxhash.xxh3_64_intdigest(data[i * width:(i + 1) * width], seed=chain)
                 if chain not in self._referenced:
-                    self._referenced.add(chain)
-                    if i >= hits:
+                    if chain not in self._referenced_before and i >= hits:
                         compulsory += block
+                    self._remember(chain)
         return cacheable_total, compulsory
+
+    def _remember(self, chain: int) -> None:
+        self._referenced.add(chain)
+        if len(self._referenced) >= self.max_remembered_blocks:
+            self._referenced_before, self._referenced = self._referenced, set()
+            self.forgotten_generations += 1

@@ -44,6 +44,12 @@ import numpy as np
 # 16-token blocks, which leaves more of the shared CPU cache to the other processes.
 INDEX_WAYS_PER_BLOCK = 4
 MAX_LOAD = 0.5
+# Blocks remembered as referenced once evicted (for compulsory misses, `run`): ~26-52 bytes
+# each in the index, so ~50 MiB at most, where every distinct block ever referenced stayed
+# (a job of requests with their own system prompts grew a consumer by ~130 bytes each).
+# Past it, at a rebuild, they are forgotten: one referenced again misses as "first" again,
+# so the compulsory count is then an upper bound (`forgotten_references` says it happened).
+MAX_REMEMBERED_BLOCKS = 1 << 20
 # Ways per index bucket, read as one row (16 uint64 keys: two 64-byte cache lines). With 8,
 # about 1% of lookups found their bucket full and read the next one, so nearly every batch
 # of ~500 lookups took a second, ~10 us round; with 16 that is rare.
@@ -81,11 +87,14 @@ class PrefixCache:
     evicts c; [a, e] hits a, evicts d: hits [1, 1], the cache holds e, a.
     """
 
-    def __init__(self, capacity_blocks: int) -> None:
+    def __init__(self, capacity_blocks: int, max_remembered_blocks: int = MAX_REMEMBERED_BLOCKS) -> None:
         if not 0 < capacity_blocks < 1 << 31:
             raise ValueError(f"prefix cache: capacity of {capacity_blocks} blocks")
+        assert max_remembered_blocks >= 0, max_remembered_blocks
         self.capacity_blocks = capacity_blocks
+        self.max_remembered_blocks = max_remembered_blocks
         self.evicted_blocks = 0
+        self.forgotten_references = 0  # times the evicted blocks' references were forgotten
         # One extra slot, never used by a block: the slot of index entries that only carry
         # the referenced flag (`_ref_only`), and what a stale -1 reads.
         self._key = np.zeros(capacity_blocks + 1, dtype=np.uint64)
@@ -337,6 +346,9 @@ class PrefixCache:
         at = np.flatnonzero(self._index_slot != _NO_SLOT)
         keys, slot, ref = self._index_key[at], self._index_slot[at].astype(np.int64), self._index_ref[at]
         live = (slot < self._used) & (self._key[slot] == keys)
+        if np.count_nonzero(ref & ~live) > self.max_remembered_blocks:
+            ref = np.zeros_like(ref)  # forget the blocks referenced only long ago (see the constant)
+            self.forgotten_references += 1
         keep = live | ref
         keys, slot, ref = keys[keep], np.where(live, slot, self._ref_only)[keep], ref[keep]
         size = self._index_key.shape[0]
