@@ -19,7 +19,7 @@ Pure: no clock, no files; one instance per engine, not thread-safe.
     cacheable, compulsory = refs.account(prompts, prefix_lens, cached_tokens)
 
 Memory: two generations of at most MAX_REMEMBERED_BLOCKS block hashes. A block referenced
-last before both (a million other blocks since) is forgotten, and its next first miss counts
+last before both (half a million other blocks since) is forgotten, and its next first miss counts
 as compulsory again: an upper bound then, where a set of every block grew with a job whose
 requests each have their own system prompt.
 """
@@ -31,9 +31,9 @@ from collections.abc import Sequence
 import numpy as np
 import xxhash
 
-# Block hashes a generation holds (two are kept): ~70 bytes each in a Python set, so ~70 MiB
-# at most beside the engine, and more distinct blocks than a GPU's prefix cache holds.
-MAX_REMEMBERED_BLOCKS = 1 << 19
+# Block hashes a generation holds (two are kept): ~70 bytes each in a Python set, so ~35 MiB
+# at most beside the engine, for 8 Mi tokens of 16-token blocks not referenced since.
+MAX_REMEMBERED_BLOCKS = 1 << 18
 
 
 class BlockReferences:

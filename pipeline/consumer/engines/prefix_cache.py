@@ -44,12 +44,13 @@ import numpy as np
 # 16-token blocks, which leaves more of the shared CPU cache to the other processes.
 INDEX_WAYS_PER_BLOCK = 4
 MAX_LOAD = 0.5
-# Blocks remembered as referenced once evicted (for compulsory misses, `run`): ~26-52 bytes
-# each in the index, so ~50 MiB at most, where every distinct block ever referenced stayed
-# (a job of requests with their own system prompts grew a consumer by ~130 bytes each).
-# Past it, at a rebuild, they are forgotten: one referenced again misses as "first" again,
-# so the compulsory count is then an upper bound (`forgotten_references` says it happened).
-MAX_REMEMBERED_BLOCKS = 1 << 20
+# Blocks remembered as referenced once evicted (for compulsory misses, `run`): past it, at a
+# rebuild, they are forgotten: one referenced again misses as "first" again, so the
+# compulsory count is then an upper bound (`forgotten_references` says it happened). The
+# index then stays within about 2**20 ways (13 MiB) beside the cache's own, where every
+# distinct block ever referenced stayed (~26 bytes each, growing with a job whose requests
+# each have their own system prompt).
+MAX_REMEMBERED_BLOCKS = 1 << 18
 # Ways per index bucket, read as one row (16 uint64 keys: two 64-byte cache lines). With 8,
 # about 1% of lookups found their bucket full and read the next one, so nearly every batch
 # of ~500 lookups took a second, ~10 us round; with 16 that is rare.
