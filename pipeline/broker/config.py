@@ -116,7 +116,11 @@ MAX_POOL_MIN_SHAPES = 1 << 20
 # and a few KiB with lanes, and a job whose requests each have their own system prompt would
 # otherwise queue one per request (1,000,000 queued: ~400 MB to GBs); 65,536 hold 25 to
 # ~250 MiB and still far more shapes than any consumer's cache, so the order loses nothing.
-# A frame read before the hold adds at most its items (DEFAULT_FRAME_ITEMS) per producer.
+# The hold is checked before each frame, which adds at most its items (DEFAULT_FRAME_ITEMS).
+# Only models some consumer serves count (a model without one would hold every other). A
+# shape with lanes of its own stays live QUIESCE_IDLE_S after its last item, so at the bound
+# ~13,000 new such shapes a second get in: more than a node's engines answer. At or below
+# `pool_min_shapes` the pool never takes a shape.
 DEFAULT_MAX_LIVE_SHAPES = 1 << 16
 # `max_live_shapes` at most: 16 Mi shapes with lanes are tens of GB of the broker's memory.
 MAX_LIVE_SHAPES_LIMIT = 1 << 24

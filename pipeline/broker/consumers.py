@@ -92,6 +92,10 @@ class ConsumerSide:
                     handed = progress = True
         return handed
 
+    def served_models(self) -> set[int]:
+        """The models some registered consumer serves."""
+        return {consumer.contract.model for consumer in self.consumers.values()}
+
     def hungry(self) -> bool:
         """Whether some consumer may run dry within a few of its batches (`BatchPacing.hungry`),
         so the loop keeps its fill short."""

@@ -49,6 +49,7 @@ completed; when everything is done, received + recovered = completed: difference
 
 from __future__ import annotations
 
+from collections.abc import Collection
 
 import numpy as np
 
@@ -537,15 +538,15 @@ class Dispatcher:
         snapshot = self._c.scalars()
         snapshot.lanes_in_use = sum(shape_lanes.lane_count for shape_lanes in self._shapes.values())
         snapshot.lanes = total_lane_counters(self._retired, self._shapes.values())
-        snapshot.shapes = self.live_shapes  # every live shape: own lanes or pooled items
+        snapshot.shapes = self.live_shapes()  # every live shape: own lanes or pooled items
         snapshot.shapes_seen = self._seen.count
         snapshot.switches = {r.value: n for r, n in self._selector.counters.switches.items()}
         return snapshot
 
-    @property
-    def live_shapes(self) -> int:
-        """Shapes with queued or pending items (pooled or in lanes of their own)."""
-        return self._pool.live_shapes
+    def live_shapes(self, models: Collection[int] | None = None) -> int:
+        """Live shapes (of `models`, else all): with items queued or pending, pooled or in
+        lanes of their own, or lanes not yet retired (QUIESCE_IDLE_S after their last item)."""
+        return self._pool.live_shapes if models is None else self._pool.live_in(models)
 
     def progress(self) -> dict[str, int]:
         """The four counters of a `progress` reply, in constant time (`counters` is
@@ -567,6 +568,7 @@ class Dispatcher:
         storage.check_invariants()
         self._selector.check_invariants()
         self.first_refs.check_invariants()
+        self._seen.check_invariants()
         self._check_pool()
         waiting = self._waiting
         unstored = {} if waiting is None else waiting.unstored_by_lane()

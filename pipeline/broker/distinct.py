@@ -29,11 +29,13 @@ _RANK_BITS = 64 - REGISTER_BITS  # the bits past a key's register index
 DISTINCT_EXACT_LIMIT = 16_384
 # The bias correction of the raw estimate for 2**14 registers (the paper's alpha_m).
 _ALPHA = 0.7213 / (1 + 1.079 / _REGISTERS)
+# 2**64 / golden ratio (Fibonacci hashing) spreads the model id over every bit before the mix.
 _MODEL_MIX = np.uint64(0x9E3779B97F4A7C15)
 
 
 def shape_keys(models: np.ndarray, signatures: np.ndarray) -> np.ndarray:
-    """Each (model, signature)'s 64-bit key: splitmix64's finaliser of the two mixed."""
+    """Each (model, signature)'s 64-bit key: splitmix64's finaliser (Steele et al., its
+    published shift and multiplier constants) of the two mixed."""
     with np.errstate(over="ignore"):
         z = signatures.astype(np.uint64) ^ (models.astype(np.uint64) * _MODEL_MIX)
         z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
@@ -49,6 +51,9 @@ class DistinctCount:
         self.exact_limit = exact_limit
         self._exact: set[int] | None = set()  # None once past exact_limit
         self._registers = np.zeros(_REGISTERS, dtype=np.uint8)
+        # The count never falls (it is exported as a counter): the estimate at or above the
+        # last count reported, and past exact_limit at the switch.
+        self._floor = 0
 
     def add_many(self, models: np.ndarray, signatures: np.ndarray) -> None:
         """Add the pairs (models[k], signatures[k]); a pair added before changes nothing."""
@@ -66,6 +71,9 @@ class DistinctCount:
             self._exact.update(keys.tolist())
             if len(self._exact) > self.exact_limit:
                 self._exact = None
+                self._floor = self.exact_limit + 1
+        if self._exact is None:
+            self._floor = max(self._floor, round(self.estimate()))
 
     @property
     def exact(self) -> bool:
@@ -74,10 +82,11 @@ class DistinctCount:
 
     @property
     def count(self) -> int:
-        """The distinct pairs added: exact, or the estimate rounded, once past the limit."""
+        """The distinct pairs added: exact, or once past the limit the estimate rounded (never
+        less than a count reported before)."""
         if self._exact is not None:
             return len(self._exact)
-        return round(self.estimate())
+        return self._floor
 
     def estimate(self) -> float:
         """HyperLogLog's estimate, with linear counting where few registers are set."""
@@ -92,3 +101,4 @@ class DistinctCount:
         assert int(self._registers.max(initial=0)) <= _RANK_BITS + 1
         assert self._exact is None or len(self._exact) <= self.exact_limit
         assert self._exact is None or (not self._exact) == (not self._registers.any())
+        assert self._exact is not None or self._floor > self.exact_limit

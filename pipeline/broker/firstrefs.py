@@ -96,9 +96,12 @@ class FirstReferences:
     def referenced_elsewhere(self, cache: Hashable, shape: ShapeKey) -> bool:
         """Whether another consumer's cache referenced the shape's own level (it started the
         shape or a longer one) and `cache` did not: starting it here computes its prefix a
-        second time. False past the entry limit for what was not learnt before it."""
+        second time. False once `start` would learn nothing more (the entry limit), so a split
+        is counted once per consumer and shape, and past the limit not at all (a lower bound)."""
         node = (shape.model, shape.signature)
         if node in self._seen.get(cache, ()) or node not in self._seen.get((_MODEL, shape.model), ()):
+            return False
+        if not self._room(2 * len(self._path(shape))):  # `start` learns nothing: it would count again
             return False
         return any(node in levels for key, levels in self._seen.items()
                    if key != cache and not (isinstance(key, tuple) and key and key[0] is _MODEL))

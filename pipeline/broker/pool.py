@@ -63,7 +63,7 @@ Pure: no I/O, no clock. Owner: the Dispatcher, in the broker's single loop. Not 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -171,6 +171,10 @@ class SolitaryPool:
     @property
     def live_shapes(self) -> int:
         return len(self._live)
+
+    def live_in(self, models: Iterable[int]) -> int:
+        """Live shapes of these models."""
+        return sum(self._live_in_model.get(model, 0) for model in models)
 
     @property
     def pooling_shapes(self) -> int:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from collections.abc import Collection
 
 import psutil
 
@@ -68,6 +69,7 @@ class ProducerSide:
         self._held_back: tuple[ProducerPeer, int, int] | None = None
         self.shape_hold_episodes = 0  # times the rings waited for live shapes to finish
         self._shapes_full = False
+        self._served_models: Collection[int] | None = None  # this fill's (None: never held)
 
     def catch_up(self) -> None:
         """After a restart, before serving anyone: attach every producer ring this data
@@ -97,19 +99,21 @@ class ProducerSide:
 
     # ------------------------------------------------------------------ fill
 
-    def fill(self, now_s: float, catching_up: bool = False, hungry: bool = False) -> bool:
+    def fill(self, now_s: float, catching_up: bool = False, hungry: bool = False,
+             served_models: Collection[int] = ()) -> bool:
         """Ingest frames from every producer ring for at most one work slice (a frame stored in
         slices: shorter when `hungry`, a consumer running short of batches: pacing.py); then
         flush the storage and release what it stored. Returns whether anything was ingested, or a frame is still
-        being stored in slices (the loop then must not sleep)."""
+        being stored in slices (the loop then must not sleep). While the live shapes of
+        `served_models` (those with a consumer) number `max_live_shapes`, no record is read."""
         deadline = now_s + self.config.work_slice_s
         # A frame stored in slices stops at this one; whole frames (a few lane groups: the
         # bulk case) still fill the work slice, as many turns cost the broker CPU per item.
         slice_end = now_s + self._dispatcher.pacing.fill_slice_s(self.config.work_slice_s, hungry)
         step = None if catching_up else INGEST_STEP_GROUPS  # catching up serves nobody meanwhile
         ingested = self._continue_held_back(slice_end, step)
-        readable = catching_up or not self._live_shapes_full()  # catching up is never held
-        for producer in list(self.producers.values()) if readable else ():
+        self._served_models = None if catching_up else served_models  # catching up is never held
+        for producer in list(self.producers.values()):
             if producer.ring is None or self.disk_full_since_s is not None or self._held_back is not None:
                 continue
             ingested = self._fill_from(producer, deadline, slice_end, step) or ingested
@@ -127,13 +131,16 @@ class ProducerSide:
         return ingested or (self._held_back is not None and self.disk_full_since_s is None)
 
     def _live_shapes_full(self) -> bool:
-        """Whether the live shapes reached `max_live_shapes`: the rings wait (backpressure on
-        the producers) until some finish; logged once an episode."""
-        full = self._dispatcher.live_shapes >= self.config.max_live_shapes
+        """Whether the live shapes of the served models reached `max_live_shapes`: the rings
+        wait (backpressure on the producers) until some finish; logged once an episode. A
+        model no consumer serves is not counted: its shapes would hold every other model."""
+        if self._served_models is None:
+            return False
+        live = self._dispatcher.live_shapes(self._served_models)
+        full = live >= self.config.max_live_shapes
         if full and not self._shapes_full:
             self.shape_hold_episodes += 1
-            log.info("%d live shapes (max_live_shapes): the producers' rings wait until some finish",
-                     self._dispatcher.live_shapes)
+            log.info("%d live shapes (max_live_shapes): the producers' rings wait until some finish", live)
         self._shapes_full = full
         return full
 
@@ -141,7 +148,7 @@ class ProducerSide:
         """Ingest `producer`'s frames until its ring is empty, the slice ends, the disk is
         full, a frame is left part stored, or a record is bad; whether anything was ingested."""
         ingested = False
-        while time.monotonic() < deadline_s:
+        while time.monotonic() < deadline_s and not self._live_shapes_full():
             try:
                 record = producer.ring.poll()
                 if record is None:

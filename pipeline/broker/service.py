@@ -187,7 +187,8 @@ class Broker:
             self.turn()
 
     def turn(self) -> None:
-        busy = self.producer_side.fill(time.monotonic(), hungry=self.consumer_side.hungry())
+        busy = self.producer_side.fill(time.monotonic(), hungry=self.consumer_side.hungry(),
+                                       served_models=self.consumer_side.served_models())
         busy = self.consumer_side.dispatch(time.monotonic()) or busy or self._ticks_left
         self.control.serve(0.0 if busy else IDLE_WAIT_S)
         now = time.monotonic()

@@ -205,8 +205,9 @@ class Producer:
 
     def declare_shape(self, model: int, chain: Sequence[int]) -> None:
         """Declare a shape's chain of prefix signatures: the signature of its components[:1],
-        [:2], ..., the last one the shape's own (`signature.chain`). Once per shape: a shape
-        declared before costs a set lookup. The chain goes to the broker with the next frame
+        [:2], ..., the last one the shape's own (`signature.chain`). Once per shape while it
+        is among the last MAX_DECLARED_SHAPES to 2x that declared: a shape declared before
+        costs a set lookup. The chain goes to the broker with the next frame
         written, so it arrives before any item submitted after this call. A shape never
         declared is a chain of one. A chain deeper than MAX_CHAIN_DEPTH keeps its first
         levels and its own signature (layouts.py)."""

@@ -62,3 +62,19 @@ def test_the_same_signature_under_two_models_is_two_shapes():
     counter = DistinctCount()
     counter.add_many(np.array([0, 1, 0], dtype=np.uint64), np.array([7, 7, 7], dtype=np.uint64))
     assert counter.count == 2
+
+
+def test_the_count_never_falls_across_the_switch_and_after():
+    """A counter for Prometheus: at the switch from exact to estimated (an estimate can be
+    below the exact count it follows), and as the estimate moves, the count never goes down."""
+    models, signatures = pairs(DISTINCT_EXACT_LIMIT + 3000, seed=7)  # its estimate starts below the limit
+    counter = DistinctCount()
+    counter.add_many(models[:DISTINCT_EXACT_LIMIT - 1], signatures[:DISTINCT_EXACT_LIMIT - 1])
+    last, estimates = counter.count, []
+    for k in range(DISTINCT_EXACT_LIMIT - 1, models.size):  # one at a time across the switch
+        counter.add_many(models[k:k + 1], signatures[k:k + 1])
+        assert counter.count >= last, k
+        last = counter.count
+        estimates.append(counter.estimate())
+    counter.check_invariants()
+    assert min(estimates[1:]) < DISTINCT_EXACT_LIMIT  # the raw estimate did fall below: the floor held

@@ -19,7 +19,7 @@ Pure: no clock, no files; one instance per engine, not thread-safe.
     cacheable, compulsory = refs.account(prompts, prefix_lens, cached_tokens)
 
 Memory: two generations of at most MAX_REMEMBERED_BLOCKS block hashes. A block referenced
-last before both (half a million other blocks since) is forgotten, and its next first miss counts
+last before both (256 Ki to 512 Ki other blocks since) is forgotten, and its next first miss counts
 as compulsory again: an upper bound then, where a set of every block grew with a job whose
 requests each have their own system prompt.
 """

@@ -348,7 +348,7 @@ class PrefixCache:
         keys, slot, ref = self._index_key[at], self._index_slot[at].astype(np.int64), self._index_ref[at]
         live = (slot < self._used) & (self._key[slot] == keys)
         if np.count_nonzero(ref & ~live) > self.max_remembered_blocks:
-            ref = np.zeros_like(ref)  # forget the blocks referenced only long ago (see the constant)
+            ref = ref & live  # forget the evicted blocks' references (see the constant)
             self.forgotten_references += 1
         keep = live | ref
         keys, slot, ref = keys[keep], np.where(live, slot, self._ref_only)[keep], ref[keep]
