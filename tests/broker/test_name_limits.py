@@ -50,10 +50,10 @@ def test_a_segment_past_a_name_limit_is_refused_before_anything_is_written(tmp_p
 def test_the_segment_sequence_limit(tmp_path):
     store = SegmentStore(str(tmp_path))
     lane = LaneKey(1, 5, LaneId(2))
-    store._next_seq[lane] = SEGMENT_SEQ_LIMIT
+    store._next_seq = SEGMENT_SEQ_LIMIT
     with pytest.raises(SegmentNameError, match=f"segment sequence {SEGMENT_SEQ_LIMIT}"):
         store.append(lane, group(), now_s=0.0)
-    store._next_seq[lane] = SEGMENT_SEQ_LIMIT - 1
+    store._next_seq = SEGMENT_SEQ_LIMIT - 1
     store.append(lane, group(), now_s=0.0)
     store.close()
 

@@ -130,7 +130,10 @@ class SegmentStore:
         self._pin = DirPin.take(data_dir)
         self.segments: dict[SegmentId, SegmentState] = {}
         self._appending: dict[LaneKey, SegmentId] = {}  # each lane's open (unsealed) segment
-        self._next_seq: dict[LaneKey, int] = {}
+        # The next segment's sequence, one for the whole store: a name is never reused and a
+        # lane's segments sort in creation order. NOTE: a counter per lane was rejected: an
+        # entry for every lane ever made outlived it, growing with a job's distinct shapes.
+        self._next_seq = 0
         self._open: OrderedDict[SegmentId, SegmentFile] = OrderedDict()  # LRU, newest last
         self._unsynced: set[SegmentId] = set()
         self._tombstoned: set[SegmentId] = set()  # `power`: completions not yet fdatasync'ed
@@ -168,7 +171,7 @@ class SegmentStore:
         self._open[segment] = file
 
     def _new_segment(self, lane: LaneKey, now_s: float, need_bytes: int = 0) -> SegmentState:
-        seq = self._next_seq.get(lane, 0)
+        seq = self._next_seq
         path = segment_path(self.data_dir, lane.model, lane.signature, lane.lane, seq)  # SegmentNameError
         # Room in the catalog for this create and every seal and delete still to come, so
         # that those never fail for space (DiskFullError here is backpressure, as below).
@@ -184,7 +187,7 @@ class SegmentStore:
             raise
         keys = SegmentKeys(lane.model, lane.signature, lane.lane, seq)
         file = SegmentFile.create(path, keys, self.durability, self.segment_max_bytes, need_bytes)
-        self._next_seq[lane] = seq + 1  # only once it exists: a create the disk refused takes no number
+        self._next_seq = seq + 1  # only once it exists: a create the disk refused takes no number
         if crashpoints.ARMED:
             crashpoints.hit("create.after_rename")
         self._record(CATALOG_CREATED, keys)  # after the rename: a crash between is adopted
@@ -484,7 +487,7 @@ class SegmentStore:
             report.damaged_identities.append(f"{found.path}: {scan.identity_damage}")
         if not scan.counts_agree:
             report.repaired_counts.append(found.path)
-        self._next_seq[lane] = max(self._next_seq.get(lane, 0), found.segment_seq + 1)
+        self._next_seq = max(self._next_seq, found.segment_seq + 1)
         file = SegmentFile.reopen(scan, self.durability, self.segment_max_bytes)  # repairs
         # NOTE: recovered segments are sealed rather than appended to: a new run starts new
         # segments, and an old one is deleted as soon as its entries are done.
@@ -533,8 +536,7 @@ class SegmentStore:
             return
         on_disk = {found.keys for found in listing.segments}
         for keys, entry in sorted(reading.live.items(), key=lambda item: _key_order(item[0])):
-            lane = LaneKey(keys.model, keys.signature, keys.lane)
-            self._next_seq[lane] = max(self._next_seq.get(lane, 0), keys.segment_seq + 1)
+            self._next_seq = max(self._next_seq, keys.segment_seq + 1)
             if keys in on_disk:
                 continue
             path = segment_path(self.data_dir, keys.model, keys.signature, keys.lane, keys.segment_seq)
@@ -544,9 +546,7 @@ class SegmentStore:
             if self._durable:
                 fsync_directory(os.path.dirname(note))
             report.missing.append(MissingSegment(path, keys, entry.entry_count, note))
-        for (model, signature, lane_id), seq in reading.highest_seq.items():
-            lane = LaneKey(model, signature, lane_id)
-            self._next_seq[lane] = max(self._next_seq.get(lane, 0), seq + 1)  # never reuse a known name
+        self._next_seq = max([self._next_seq, *(seq + 1 for seq in reading.highest_seq.values())])  # no known name
 
     def _settle_catalog(self, listing: StoreListing, reading: CatalogReading | None, report: RecoveryReport) -> None:
         if reading is None and listing.segments:

@@ -52,7 +52,7 @@ DESCRIPTOR_HEADER_DTYPE = checked_dtype(
 #   off  size  field        meaning
 #     0     4  lane         segment key: lane id (model and signature are the header's)
 #     4     4  length       token count (checked against the entry)
-#     8     8  segment_seq  segment key: sequence within the lane
+#     8     8  segment_seq  segment key: sequence (one counter per store)
 #    16     8  offset       the entry's byte offset in the segment file
 #    24     8  item_id      checked against the entry
 DESCRIPTOR_ITEM_DTYPE = checked_dtype(

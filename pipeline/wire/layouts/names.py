@@ -39,7 +39,8 @@ MODEL_ID_LIMIT = 10**MODEL_ID_DIGITS
 DEFAULT_MAX_MODELS = 1024
 # Lane ids (per shape) a segment file name holds: l0000 .. l9999 (LaneConfig.max_lanes).
 LANE_ID_LIMIT = 10**LANE_ID_DIGITS
-# Segment sequences per lane a file name holds: 10 billion rotations, never reached.
+# Segment sequences a file name holds (one counter for the whole store): 10 billion
+# segments, never reached.
 SEGMENT_SEQ_LIMIT = 10**SEGMENT_SEQ_DIGITS
 # Signatures are unsigned 64-bit: 16 hex digits always hold them.
 SIGNATURE_LIMIT = 16**SIGNATURE_HEX_DIGITS
