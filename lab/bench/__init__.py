@@ -27,6 +27,7 @@ COMPARISON_MODULES: dict[str, str] = {
     "memory": "lab.bench.memory",
     "job-scale": "lab.bench.job_scale",
     "job-resume": "lab.bench.job_resume",
+    "shape-memory": "lab.bench.shape_memory",
     "serve": "lab.bench.serve",
 }
 
