@@ -40,7 +40,8 @@ def measure(ctx: BenchContext) -> dict[str, Any]:
         work = ctx.work_dir / f"job-{count}"
         work.mkdir(parents=True, exist_ok=True)
         row = run_job(source, work)
-        row.update(requests=count, requests_per_s=count / row["wall_s"], output_ok=check_output(Path(row["out"]), count))
+        row.update(requests=count, requests_per_s=count / row["wall_s"],
+                   output_ok=check_output(Path(row["out"]), count))
         subprocess.run(["rm", "-rf", str(work), str(source)], check=True)
         rows.append({key: row[key] for key in ("requests", "wall_s", "requests_per_s", "peak_pss_bytes",
                                                "peak_pss_parts_bytes", "output_ok")})
