@@ -108,7 +108,7 @@ class CatalogReading:
     damaged: list[str] = field(default_factory=list)  # records before the last that fail checks
     torn_last: str = ""  # the last record failed its checks: a torn append, ignored
     notes: list[str] = field(default_factory=list)  # damage the mirror healed (torn writes)
-    highest_seq: dict[tuple[int, int, int], int] = field(default_factory=dict)  # per (model, signature, lane)
+    highest_seq: int = -1  # the highest segment sequence any record names (-1: none)
 
 
 def encode_record(kind: int, keys: SegmentKeys, entry_count: int = 0, time_ns: int | None = None) -> bytes:
@@ -253,8 +253,7 @@ def _replay(reading: CatalogReading, record: np.void, gone: set[SegmentKeys], pa
     except SegmentNameError as exc:
         reading.damaged.append(f"{path}: a {CATALOG_KIND_NAMES[kind]} record for {keys}: {exc}")
         return
-    lane = (keys.model, keys.signature, keys.lane)
-    reading.highest_seq[lane] = max(reading.highest_seq.get(lane, -1), keys.segment_seq)
+    reading.highest_seq = max(reading.highest_seq, keys.segment_seq)
     if kind in (CATALOG_DELETED, CATALOG_QUARANTINED):
         gone.add(keys)
         reading.live.pop(keys, None)

@@ -536,7 +536,6 @@ class SegmentStore:
             return
         on_disk = {found.keys for found in listing.segments}
         for keys, entry in sorted(reading.live.items(), key=lambda item: _key_order(item[0])):
-            self._next_seq = max(self._next_seq, keys.segment_seq + 1)
             if keys in on_disk:
                 continue
             path = segment_path(self.data_dir, keys.model, keys.signature, keys.lane, keys.segment_seq)
@@ -546,7 +545,7 @@ class SegmentStore:
             if self._durable:
                 fsync_directory(os.path.dirname(note))
             report.missing.append(MissingSegment(path, keys, entry.entry_count, note))
-        self._next_seq = max([self._next_seq, *(seq + 1 for seq in reading.highest_seq.values())])  # no known name
+        self._next_seq = max(self._next_seq, reading.highest_seq + 1)  # never reuse a known name
 
     def _settle_catalog(self, listing: StoreListing, reading: CatalogReading | None, report: RecoveryReport) -> None:
         if reading is None and listing.segments:
