@@ -344,13 +344,15 @@ def test_a_decoder_that_expands_tokens_is_refused_before_the_text_is_built(tmp_p
     tokenizer = json.loads(Tokenizer(models.WordLevel({"a": 0, "b": 1}, unk_token="a")).to_str())
     tokenizer["decoder"] = {"type": "Replace", "pattern": {"Regex": "[\\s\\S]+"}, "content": "x" * (1 << 20)}
     (tmp_path / "tokenizer.json").write_text(json.dumps(tokenizer))
-    decode, _token_chars = _decoder(str(tmp_path))
+    decode, _token_chars, decode_rows = _decoder(str(tmp_path))
     at_bound = MAX_ANSWER_TEXT_CHARS >> 20
     assert len(decode([0] * at_bound, True)) == MAX_ANSWER_TEXT_CHARS
+    assert decode_rows([[0] * at_bound, [1]], True) == ["x" * MAX_ANSWER_TEXT_CHARS, "x" * (1 << 20)]
     tracemalloc.start()
     try:
         with pytest.raises(SimRefusal, match=f"more than {MAX_ANSWER_TEXT_CHARS:,} \\(its decoder expands tokens\\)"):
             decode([1] * (64 * at_bound), True)
+        assert decode_rows([[1] * (64 * at_bound)], True) is None  # many at once: left to `decode`
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()

@@ -150,3 +150,67 @@ def test_a_batch_s_answers_together_stay_within_their_budget():
         sampler.samples(16, params, budget)
     assert budget.left == 0  # a refused answer charges nothing
     assert len(sampler.samples(16, params)[0].text) == MAX_BATCH_ANSWER_CHARS // 16  # alone it fits
+
+
+def _rows(rows: list[list[int]], skip: bool) -> list[str]:
+    return [_decode(ids, skip) for ids in rows]
+
+
+def test_plain_many_makes_exactly_what_samples_makes_item_by_item():
+    """Property, against the reference (`samples`, one item at a time): every plain
+    parameter set, with and without an eos and a decoder, a budget charged the same."""
+    from pipeline.consumer.engines.sim_sampling import CharBudget, is_plain
+
+    rng = np.random.default_rng(7)
+    samplers = [MadeUpSampler(natural_tokens=k, vocab_size=v, eos_token_id=e, decode=d, decode_rows=r)
+                for k in (0, 1, 4) for v, e in ((VOCAB, EOS), (2, 0), (VOCAB, None))
+                for d, r in ((_decode, _rows), (None, None))]
+    for trial in range(300):
+        sampler = samplers[trial % len(samplers)]
+        params = GenerationParams(max_tokens=None if rng.random() < 0.2 else int(rng.integers(1, 12)),
+                                  ignore_eos=bool(rng.random() < 0.4), temperature=float(rng.choice([0.0, 0.7])),
+                                  seed=None if rng.random() < 0.5 else int(rng.integers(-9, 9)),
+                                  skip_special_tokens=bool(rng.random() < 0.5),
+                                  include_stop_str_in_output=bool(rng.random() < 0.5))
+        assert is_plain(params)
+        seeds = rng.integers(0, 1 << 63, size=int(rng.integers(1, 9))).tolist()
+        bulk_budget, one_budget = CharBudget(), CharBudget()
+        made = sampler.plain_many(seeds, params, bulk_budget)
+        expected = [sampler.samples(seed, params, one_budget)[0] for seed in seeds]
+        assert made == expected, (trial, params)
+        assert bulk_budget.left == one_budget.left
+
+
+def test_plain_many_leaves_a_batch_that_could_be_refused_to_the_item_by_item_path():
+    from pipeline.consumer.engines.sim_sampling import MAX_BATCH_ANSWER_CHARS, CharBudget, is_plain
+
+    wide = MadeUpSampler(natural_tokens=4, vocab_size=VOCAB, eos_token_id=EOS,
+                         decode=lambda ids, skip: "x" * (MAX_BATCH_ANSWER_CHARS // 64) * len(ids),
+                         decode_rows=lambda rows, skip: ["x" * (MAX_BATCH_ANSWER_CHARS // 64) * len(r) for r in rows])
+    params = GenerationParams(max_tokens=4, ignore_eos=True)
+    budget = CharBudget()
+    assert wide.plain_many(list(range(16)), params, budget) is not None and budget.left == 0
+    assert wide.plain_many([16], params, budget) is None and budget.left == 0  # nothing charged
+    failing = MadeUpSampler(natural_tokens=4, vocab_size=VOCAB, eos_token_id=EOS, decode=_decode,
+                            decode_rows=lambda rows, skip: None)
+    assert failing.plain_many([1, 2], params, CharBudget()) is None
+    no_rows = MadeUpSampler(natural_tokens=4, vocab_size=VOCAB, eos_token_id=EOS, decode=_decode)
+    assert no_rows.plain_many([1], params, CharBudget()) is None  # a decoder without rows: item by item
+    assert not any(is_plain(p) for p in (GenerationParams(n=2), GenerationParams(stop=("a",)),
+                                         GenerationParams(stop_token_ids=(3,)), GenerationParams(min_tokens=1),
+                                         GenerationParams(logprobs=0), GenerationParams(embed=True, input_lengths=(3,))))
+
+
+def test_a_batch_of_plain_items_gets_the_same_answers_as_one_of_mixed_items(tmp_path):
+    """The sim engine makes a batch whose items are all plain at once, any other item by
+    item: the plain items' answers are the same either way."""
+    from tests.support.jobs import build_model
+
+    engine = SimEngine(tokenizer=build_model(tmp_path / "model"), vocab_size=2048, eos_token_id=2)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 2000, size=int(rng.integers(3, 40))).astype(np.int32) for _ in range(12)]
+    plain = [GenerationParams(max_tokens=int(m), ignore_eos=bool(m % 2)) for m in rng.integers(1, 20, size=12)]
+    together = engine.run(EngineBatch(prompts, 40, [0] * 12, plain))
+    mixed = engine.run(EngineBatch(prompts + prompts[:1], 40, [0] * 13, plain + [GenerationParams(n=2)]))
+    assert together.outputs == mixed.outputs[:12] and together.texts == mixed.texts[:12]
+    assert together.finish_reasons == mixed.finish_reasons[:12] and together.errors is None

@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from itertools import chain
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
@@ -54,9 +55,18 @@ from pipeline.consumer.engines.base import (
     embedding_inputs,
 )
 from pipeline.consumer.engines.prefix_cache import BatchLayout, PrefixCache
-from pipeline.consumer.engines.sim_sampling import CharBudget, Decode, MadeUpSampler, SimRefusal, TokenChars
+from pipeline.consumer.engines.sim_sampling import (
+    CharBudget,
+    Decode,
+    DecodeRows,
+    MadeUpSampler,
+    SimRefusal,
+    TokenChars,
+    is_plain,
+)
+from pipeline.consumer.engines.sim_sampling import mix_array as _mix
 from pipeline.wire.errors import EngineOptionsError
-from pipeline.wire.generation import MAX_ANSWER_TEXT_CHARS
+from pipeline.wire.generation import MAX_ANSWER_TEXT_CHARS, GenerationParams
 from pipeline.wire.status import NS_PER_S
 
 # vLLM's default KV block size.
@@ -106,15 +116,6 @@ def _ragged_local(counts: np.ndarray) -> np.ndarray:
     """0..n-1 for each n of `counts`, back to back: [2, 0, 3] -> [0, 1, 0, 1, 2]."""
     total = int(counts.sum())
     return np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-
-
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser, elementwise (uint64, wrapping)."""
-    x = x ^ (x >> _U64(30))
-    x = x * _U64(0xBF58476D1CE4E5B9)
-    x = x ^ (x >> _U64(27))
-    x = x * _U64(0x94D049BB133111EB)
-    return x ^ (x >> _U64(31))
 
 
 @dataclass(slots=True)
@@ -243,9 +244,10 @@ class SimEngine(Engine):
         cacheable = np.asarray(batch.prefix_lens, dtype=np.int64) // block * block
         hits, compulsory_blocks = self._cache.run(flat, layout, cacheable // block)
         cached = np.minimum(hits * block, (lengths - 1) // block * block)
-        outputs, seeds = self._outputs(prompts, flat, layout.counts, batch.model)
+        made_ids, seeds = self._outputs(prompts, flat, layout.counts, batch.model)
         if self.config.vocab_size != OUTPUT_ID_RANGE:
-            outputs = [[t % self.config.vocab_size for t in o] for o in outputs]
+            made_ids %= _U64(self.config.vocab_size)
+        outputs = made_ids.tolist()
         made = self._made_up(batch, seeds, outputs) if batch.params else None
         padded, hit = count * batch.pad_to_tokens, int(cached.sum())
         counted = EngineCounters(
@@ -268,9 +270,13 @@ class SimEngine(Engine):
                  ) -> tuple[list[list[Sample] | None], list[str | None]]:
         """Each item with parameters' samples (`sim_sampling.py`), or its refusal; None and
         no error for an item without parameters (it keeps its made-up `outputs`)."""
+        budget = CharBudget()  # what the batch's answers hold until its results are written
+        plain = self._plain_many(batch, seeds, budget)
+        if plain is not None:
+            return plain, [None] * len(seeds)
         samples: list[list[Sample] | None] = []
         errors: list[str | None] = []
-        budget = CharBudget()  # what the batch's answers hold until its results are written
+        budget = CharBudget()
         for i, seed in enumerate(seeds):
             params = batch.params_of(i)
             try:
@@ -281,6 +287,28 @@ class SimEngine(Engine):
                 samples.append(None)
                 errors.append(str(refusal))
         return samples, errors
+
+    def _plain_many(self, batch: EngineBatch, seeds: list[int], budget: CharBudget) -> list[list[Sample] | None] | None:
+        """`_made_up`'s samples where every item with parameters is plain (`is_plain`), made
+        for the items of each parameters at once (`MadeUpSampler.plain_many`, the same
+        samples); None where some item is not, or might be refused: item by item then.
+        NOTE: item by item, the made-up ids and their texts were 26 us of an item's 67 us in
+        a consumer of a job of 16-token answers; at once, 4 us."""
+        groups: dict[GenerationParams, list[int]] = {}
+        for i in range(len(seeds)):
+            params = batch.params_of(i)
+            if params is not None and not params.embed:
+                if not is_plain(params):
+                    return None
+                groups.setdefault(params, []).append(i)
+        samples: list[list[Sample] | None] = [None] * len(seeds)
+        for params, items in groups.items():
+            made = self._sampler.plain_many([seeds[i] for i in items], params, budget)
+            if made is None:
+                return None
+            for i, sample in zip(items, made):
+                samples[i] = [sample]
+        return samples
 
     def _embed(self, result: EngineResult, batch: EngineBatch) -> None:
         """Each item to embed's made-up embeddings (module docstring) in place of its output."""
@@ -323,7 +351,7 @@ class SimEngine(Engine):
             time.sleep(charged_ns / NS_PER_S)
 
     def _outputs(self, prompts: Sequence[np.ndarray], flat: np.ndarray, counts: np.ndarray, model: int = 0
-                 ) -> tuple[list[list[int]], list[int]]:
+                 ) -> tuple[np.ndarray, list[int]]:
         """Each prompt's output ids: bytes of its last block's hash (of its last token when
         it has no full block), a deterministic stand-in for generated tokens; and that hash
         (the seed of an item's made-up samples)."""
@@ -339,7 +367,7 @@ class SimEngine(Engine):
         if model:  # an adapter's answers: the base model's seeds mixed with its id
             seeds = _mix(seeds ^ _mix(np.full(len(prompts), model, dtype=np.uint64)))
             outputs = (seeds[:, None] >> shifts) & _U64(0x7FFF)
-        return outputs.tolist(), seeds.tolist()
+        return outputs, seeds.tolist()
 
 
 def _fill(result: EngineResult, samples: list[list[Sample] | None], errors: list[str | None]) -> None:
@@ -368,11 +396,11 @@ def _unit(vector: np.ndarray) -> np.ndarray:
     return (vector / np.linalg.norm(vector)).astype(np.float32)
 
 
-def _decoder(model_dir: str | None) -> tuple[Decode | None, TokenChars | None]:
-    """decode(ids, skip_special_tokens) and token_chars(id) of a model directory's
-    tokenizer.json; None and None without one."""
+def _decoder(model_dir: str | None) -> tuple[Decode | None, TokenChars | None, DecodeRows | None]:
+    """decode(ids, skip_special_tokens), token_chars(id) and decode_rows(rows, skip) of a
+    model directory's tokenizer.json; Nones without one."""
     if model_dir is None:
-        return None, None
+        return None, None, None
     from tokenizers import Tokenizer
 
     path = os.path.join(model_dir, "tokenizer.json")
@@ -381,7 +409,8 @@ def _decoder(model_dir: str | None) -> tuple[Decode | None, TokenChars | None]:
     except Exception as exc:  # the Rust side raises plain Exception for every parse error
         raise EngineOptionsError(f"sim engine: tokenizer {path}: {exc}") from exc
 
-    lengths: dict[tuple[int, bool], int] = {}  # each token's decoded length, learned once
+    # Each token's decoded length (-1: not learned yet), by skip_special_tokens, learned once.
+    lengths = {False: np.full(0, -1, dtype=np.int64), True: np.full(0, -1, dtype=np.int64)}
 
     def raw(ids: list[int], skip: bool) -> str:
         try:
@@ -393,22 +422,39 @@ def _decoder(model_dir: str | None) -> tuple[Decode | None, TokenChars | None]:
             raise SimRefusal(f"the model's tokenizer failed to decode the answer: {type(exc).__name__}: "
                              f"{words}") from None
 
+    def table(tokens: np.ndarray, skip: bool) -> np.ndarray:
+        """The lengths table, with every token of `tokens` learned."""
+        known = lengths[skip]
+        top = int(tokens.max()) + 1 if tokens.size else 0
+        if top > known.shape[0]:
+            known = lengths[skip] = np.concatenate((known, np.full(max(top, 2 * known.shape[0]) - known.shape[0], -1)))
+        for token in np.unique(tokens[known[tokens] < 0]).tolist():
+            known[token] = len(raw([token], skip))
+        return known
+
     def token_chars(token: int, skip: bool = False) -> int:
-        if (token, skip) not in lengths:
-            lengths[token, skip] = len(raw([token], skip))
-        return lengths[token, skip]
+        return int(table(np.array([token]), skip)[token])
 
     def decode(ids: list[int], skip: bool) -> str:
         """The text of `ids`, never built past MAX_ANSWER_TEXT_CHARS (by the tokens' own
         lengths, added up first): a decoder that expands tokens costs no memory here."""
-        total = 0
-        for token in ids:
-            total += token_chars(token, skip)
-            if total > MAX_ANSWER_TEXT_CHARS:
-                raise SimRefusal(f"the model's tokenizer decodes this answer to more characters than an answer "
-                                 f"holds, more than {MAX_ANSWER_TEXT_CHARS:,} (its decoder expands tokens)")
+        tokens = np.array(ids, dtype=np.int64)
+        if int(table(tokens, skip)[tokens].sum()) > MAX_ANSWER_TEXT_CHARS:
+            raise SimRefusal(f"the model's tokenizer decodes this answer to more characters than an answer "
+                             f"holds, more than {MAX_ANSWER_TEXT_CHARS:,} (its decoder expands tokens)")
         return raw(ids, skip)
-    return decode, token_chars
+
+    def decode_rows(rows: list[list[int]], skip: bool) -> list[str] | None:
+        sizes = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+        tokens = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=int(sizes.sum()))
+        bounds = np.add.reduceat(table(tokens, skip)[tokens], np.cumsum(sizes) - sizes) if tokens.size else sizes
+        if bounds.size and (int(bounds.max()) > MAX_ANSWER_TEXT_CHARS or (sizes == 0).any()):
+            return None
+        try:
+            return [raw(ids, skip) for ids in rows]
+        except SimRefusal:
+            return None
+    return decode, token_chars, decode_rows
 
 
 def _positive_sizes(config: SimConfig) -> bool:

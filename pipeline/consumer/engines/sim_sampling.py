@@ -25,19 +25,26 @@ penalties, logit_bias, a structured-output constraint) change nothing here.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from pipeline.consumer.engines.base import FINISH_LENGTH, FINISH_STOP, Sample, TokenLogprobs
 from pipeline.wire.generation import MAX_ANSWER_TEXT_CHARS, GenerationParams
 
 _MASK = (1 << 64) - 1
+_U64 = np.uint64
 _GOLDEN = 0x9E3779B97F4A7C15
 # Made-up log probabilities: the sampled token's, then each alternative this much lower.
 _TOP_LOGPROB = -0.25
 _LOGPROB_STEP = 1.5
 
 Decode = Callable[[list[int], bool], str]
+# The texts of many answers' ids at once (skip_special_tokens as in Decode); None where some
+# answer's tokens could decode past MAX_ANSWER_TEXT_CHARS (by their own lengths) or the
+# decoder failed: the caller then decodes answer by answer, which refuses the right one.
+DecodeRows = Callable[[list[list[int]], bool], "list[str] | None"]
 # A token's decoded length (skip_special_tokens off), learned without building long texts.
 TokenChars = Callable[[int], int]
 # The characters one batch's answers decode to together, texts and logprob tokens: what a
@@ -45,6 +52,9 @@ TokenChars = Callable[[int], int]
 # 256 answers of 256 Ki characters each, far past a batch of real answers; past it a
 # decoder expands tokens, and the answers past it are failed.
 MAX_BATCH_ANSWER_CHARS = 64 << 20
+# Made-up tokens `plain_many` makes at once at most (8 MiB of uint64, a few temporaries of it):
+# past it the items are made one by one.
+MAX_PLAIN_MANY_TOKENS = 1 << 20
 
 
 class SimRefusal(Exception):
@@ -57,6 +67,23 @@ def _mix(x: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
     return x ^ (x >> 31)
+
+
+def mix_array(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser, elementwise (uint64, wrapping): `_mix` of each element."""
+    x = x ^ (x >> _U64(30))
+    x = x * _U64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> _U64(27))
+    x = x * _U64(0x94D049BB133111EB)
+    return x ^ (x >> _U64(31))
+
+
+def is_plain(params: GenerationParams) -> bool:
+    """Whether an item's answer is one sample that nothing but max_tokens, ignore_eos and
+    the natural end shapes (no stop string or token, no min_tokens, no logprobs): what
+    `MadeUpSampler.plain_many` makes for many items at once."""
+    return (params.samples == 1 and not params.stop and not params.stop_token_ids and not params.min_tokens
+            and params.logprobs is None and not params.embed)
 
 
 @dataclass(slots=True)
@@ -83,6 +110,7 @@ class MadeUpSampler:
     eos_token_id: int | None = None
     decode: Decode | None = None
     token_chars: TokenChars | None = None
+    decode_rows: DecodeRows | None = None
 
     def samples(self, prompt_seed: int, params: GenerationParams, budget: CharBudget | None = None) -> list[Sample]:
         """The `n` samples of one item; SimRefusal for one it cannot answer, and for one
@@ -91,13 +119,45 @@ class MadeUpSampler:
         if params.stop and self.decode is None:
             raise SimRefusal("the sim engine finds stop strings in decoded text, and it has no tokenizer (engine "
                              "option tokenizer: a model directory)")
-        greedy = params.temperature == 0
         budget = budget or CharBudget()  # alone: the item's samples together, as a batch of one
-        out = []
-        for s in range(params.samples):
-            key = _mix(prompt_seed) if greedy else _mix(prompt_seed ^ _mix((params.seed or 0) + _GOLDEN * (s + 1)))
-            out.append(self._one(key, params, budget))
-        return out
+        return [self._one(_key(prompt_seed, params, s), params, budget) for s in range(params.samples)]
+
+    def plain_many(self, prompt_seeds: Sequence[int], params: GenerationParams, budget: CharBudget
+                   ) -> list[Sample] | None:
+        """The one sample of each of items whose `params` are the same and plain (`is_plain`),
+        made for all at once: each exactly what `samples` makes of it, the budget charged
+        with them all. None, with nothing charged, where one of them could be refused (a
+        text past its bound, the budget): `samples` item by item then refuses the right one."""
+        assert is_plain(params), params
+        eos = None if params.ignore_eos else self.eos_token_id
+        natural = self.natural_tokens
+        limit = params.max_tokens if params.max_tokens is not None else natural + (eos is not None)
+        if self.vocab_size < 2 or (self.decode is not None and self.decode_rows is None) \
+                or len(prompt_seeds) * limit > MAX_PLAIN_MANY_TOKENS:
+            return None
+        keys = np.array([_key(seed, params, 0) for seed in prompt_seeds], dtype=np.uint64)
+        steps = np.arange(1, limit + 1, dtype=np.uint64) * _U64(_GOLDEN)
+        tokens = mix_array(keys[:, None] + steps[None, :]) % _U64(self.vocab_size)
+        if self.eos_token_id is not None:  # the made-up model says its eos where it ends, nowhere else
+            tokens[tokens == self.eos_token_id] = (self.eos_token_id + 1) % self.vocab_size
+        stopped = eos is not None and natural < limit
+        rows = tokens[:, :natural].tolist() if stopped else tokens.tolist()
+        kept = stopped and params.include_stop_str_in_output  # the eos in the ids the text is of, as `_text`
+        for ids in rows if kept else ():
+            ids.append(eos)
+        texts: list = [None] * len(rows)
+        if self.decode_rows is not None:
+            texts = self.decode_rows(rows, params.skip_special_tokens)  # type: ignore[assignment]
+            if texts is None:
+                return None
+            chars = [len(text) for text in texts]
+            if max(chars, default=0) > MAX_ANSWER_TEXT_CHARS or sum(chars) > budget.left:
+                return None
+            budget.charge(sum(chars))
+        for ids in rows if stopped and not kept else ():
+            ids.append(eos)
+        reason = FINISH_STOP if stopped else FINISH_LENGTH
+        return [Sample(ids, reason, text, None) for ids, text in zip(rows, texts)]
 
     def _one(self, key: int, params: GenerationParams, budget: CharBudget) -> Sample:
         ids, reason, by_token = self._ids(key, params)
@@ -184,3 +244,11 @@ class MadeUpSampler:
 
     def _token_text(self, token: int) -> str | None:
         return self.decode([token], False) if self.decode is not None else None
+
+
+def _key(prompt_seed: int, params: GenerationParams, sample: int) -> int:
+    """The key of an item's sample `sample`: every token of it is a hash of the key and its
+    position (greedy: the same for every sample)."""
+    if params.temperature == 0:
+        return _mix(prompt_seed)
+    return _mix(prompt_seed ^ _mix((params.seed or 0) + _GOLDEN * (sample + 1)))
