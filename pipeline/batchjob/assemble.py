@@ -9,8 +9,8 @@ once to size its buckets (contiguous ranges of request indices, each holding at 
 BUCKET_BYTES of lines), reads the log once, sequentially, appending each line to its
 bucket's file, then reads the buckets in order, each sorted in memory by request index, into
 the output (and, with an error file, every line whose status is not 200 there instead).
-Every read and write is sequential; memory is one bucket, the records of one chunk and
-DISTRIBUTE_READ_BYTES of lines.
+Every read and write is sequential; memory is one bucket (and its lines in order, once),
+the records of one chunk and DISTRIBUTE_READ_BYTES of lines.
 NOTE: a heap merge of sorted runs reading lines back from the log by offset was rejected: its
 reads are random over a log of gigabytes.
 
@@ -42,15 +42,30 @@ MAX_BUCKETS = 1024
 # Bytes of the log read at a time while the lines go to their buckets (one line longer than
 # it is read alone): what the merge holds besides a bucket, whatever the lines' sizes.
 DISTRIBUTE_READ_BYTES = 16 << 20
+# Lines of a bucket joined into one write: a few MiB of typical lines, a sliver of the bucket.
+WRITE_LINES = 4096
 # The merge's work folder (in the job directory) and what it holds: the buckets' files.
 MERGE_DIR = "merge"
 BUCKET_PREFIX = "bucket-"
 MERGE_MADE = Made(files=matching(BUCKET_PREFIX + r"\d{4}\.bin"))
 
-# A line's header in a bucket file.
+# A bucket file is blocks, one per part of the log that had lines for the bucket: a block's
+# header, its entries, then their lines back to back in the entries' order.
+#   off  size  field        meaning
+#     0     8  lines_bytes  bytes of the lines after the entries
+#     8     4  count        entries in the block
+#    12     4  reserved     zero
+BUCKET_BLOCK_DTYPE = checked_dtype(
+    [
+        ("lines_bytes", 0, "<u8", "bytes of the block's lines"),
+        ("count", 8, "<u4", "entries in the block"),
+    ],
+    itemsize=16,
+)
+# An entry: one line of the block.
 #   off  size  field        meaning
 #     0     8  index        the request's index
-#     8     4  line_bytes   bytes of the line that follows, its newline included
+#     8     4  line_bytes   bytes of the line, its newline included
 #    12     2  status_code  the response's status (200 goes to the output, else maybe the error file)
 #    14     2  reserved     zero
 BUCKET_ENTRY_DTYPE = checked_dtype(
@@ -61,8 +76,7 @@ BUCKET_ENTRY_DTYPE = checked_dtype(
     ],
     itemsize=16,
 )
-_HEADER = BUCKET_ENTRY_DTYPE.itemsize
-_ENTRY = struct_for(BUCKET_ENTRY_DTYPE)
+_BLOCK = struct_for(BUCKET_BLOCK_DTYPE)
 
 
 def bucket_bounds(data_dir: str, requests: int, bucket_bytes: int = BUCKET_BYTES) -> np.ndarray:
@@ -72,8 +86,8 @@ def bucket_bounds(data_dir: str, requests: int, bucket_bytes: int = BUCKET_BYTES
     width = -(-requests // ranges)
     ranges = -(-requests // width) if width else 1  # none past the last request
     sizes = np.zeros(ranges, dtype=np.int64)
-    for records in record_chunks(data_dir):
-        np.add.at(sizes, (records["index"] // width).astype(np.intp), records["line_bytes"].astype(np.int64))
+    for records in record_chunks(data_dir):  # (float64 sums: exact below 2^53 bytes)
+        sizes += np.bincount(records["index"] // width, records["line_bytes"], ranges).astype(np.int64)
     limit = max(bucket_bytes, int(sizes.sum()) // MAX_BUCKETS + 1)
     cuts, held = [0], 0
     for k, size in enumerate(sizes.tolist()):
@@ -114,8 +128,7 @@ def write_in_input_order(data_dir: str, log_path: str, requests: int, out: Calla
         failed = errors() if errors is not None else output
         try:
             for k in range(len(bounds) - 1):
-                for line, status in _sorted_bucket(_bucket_path(work_dir, k)):
-                    (output if status == 200 else failed).write(line)
+                _write_bucket(_bucket_path(work_dir, k), output, failed)
             made = [output.commit()]
             if failed is not output:
                 made.append(failed.commit())
@@ -153,30 +166,50 @@ def read_parts(records: np.ndarray, read_bytes: int) -> Iterator[np.ndarray]:
 
 
 def _distribute_part(log, records: np.ndarray, bounds: np.ndarray, files: list) -> None:
+    """A part's lines, each appended to its bucket's file: one block per bucket it touches."""
     start = int(records["log_offset"][0])
     log.seek(start)
     raw = log.read(int(records["log_offset"][-1]) + int(records["line_bytes"][-1]) - start)
     bucket = np.searchsorted(bounds, records["index"].astype(np.int64), side="right") - 1
-    index, size = records["index"].tolist(), records["line_bytes"].tolist()
-    status, at = records["status_code"].tolist(), (records["log_offset"] - start).tolist()
-    for k in np.unique(bucket).tolist():
-        files[k].write(b"".join(_ENTRY.pack(index[r], size[r], status[r]) + raw[at[r]:at[r] + size[r]]
-                                for r in np.flatnonzero(bucket == k).tolist()))
+    order = np.argsort(bucket, kind="stable")
+    ends = np.cumsum(np.bincount(bucket, minlength=len(files)))
+    at = records["log_offset"][order] - start
+    starts, stops = at.tolist(), (at + records["line_bytes"][order]).tolist()
+    for k in np.flatnonzero(np.bincount(bucket, minlength=len(files))).tolist():
+        rows = order[ends[k - 1] if k else 0:ends[k]]
+        entries = np.zeros(rows.size, dtype=BUCKET_ENTRY_DTYPE)
+        entries["index"], entries["line_bytes"] = records["index"][rows], records["line_bytes"][rows]
+        entries["status_code"] = records["status_code"][rows]
+        first = int(ends[k - 1]) if k else 0
+        lines = b"".join([raw[a:b] for a, b in zip(starts[first:first + rows.size], stops[first:first + rows.size])])
+        files[k].write(_BLOCK.pack(len(lines), rows.size) + entries.tobytes() + lines)
 
 
-def _sorted_bucket(path: str) -> Iterator[tuple[bytes, int]]:
-    """A bucket's lines in request order, with their status codes."""
+def _write_bucket(path: str, output: Sink, failed: Sink) -> None:
+    """A bucket's lines in request order, each 200 to `output`, the others to `failed`."""
     with open(path, "rb") as f:
         raw = f.read()
-    entries = []
+    entries, starts = [], []
     at = 0
     while at < len(raw):
-        index, length, status = _ENTRY.unpack_from(raw, at)
-        entries.append((index, at + _HEADER, length, status))
-        at += _HEADER + length
-    entries.sort()
-    for _index, start, length, status in entries:
-        yield raw[start:start + length], status
+        lines_bytes, count = _BLOCK.unpack_from(raw, at)
+        block = np.frombuffer(raw, dtype=BUCKET_ENTRY_DTYPE, count=count, offset=at + _BLOCK.size)
+        first = at + _BLOCK.size + block.nbytes
+        entries.append(block)
+        starts.append(first + np.cumsum(block["line_bytes"], dtype=np.int64) - block["line_bytes"])
+        at = first + lines_bytes
+    if not entries:
+        return
+    found = np.concatenate(entries)
+    order = np.argsort(found["index"], kind="stable")
+    begin = np.concatenate(starts)[order]
+    end = begin + found["line_bytes"][order]
+    ok = found["status_code"][order] == 200
+    for sink, chosen in ((output, ok), (failed, ~ok)) if failed is not output else ((output, slice(None)),):
+        begins, ends = begin[chosen], end[chosen]
+        for k in range(0, begins.size, WRITE_LINES):  # a run of lines at a time: not the bucket twice
+            sink.write(b"".join([raw[a:b] for a, b in zip(begins[k:k + WRITE_LINES].tolist(),
+                                                            ends[k:k + WRITE_LINES].tolist())]))
 
 
 def _bucket_path(work_dir: str, k: int) -> str:

@@ -78,13 +78,15 @@ def jobs(draw) -> tuple[int, list[tuple[int, int, int]]]:
 @settings(max_examples=100, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(job=jobs(), bucket_bytes=st.one_of(st.integers(1, 600), st.just(assemble.BUCKET_BYTES)),
        ranges=st.sampled_from([3, 7, assemble.HISTOGRAM_RANGES]), buckets=st.sampled_from([4, assemble.MAX_BUCKETS]),
-       split=st.booleans(), tmpfile=st.booleans(), read_bytes=st.sampled_from([1, 700, assemble.DISTRIBUTE_READ_BYTES]))
+       split=st.booleans(), tmpfile=st.booleans(), read_bytes=st.sampled_from([1, 700, assemble.DISTRIBUTE_READ_BYTES]),
+       write_lines=st.sampled_from([1, 3, assemble.WRITE_LINES]))
 def test_the_merge_is_the_lines_sorted_by_request(job, bucket_bytes: int, ranges: int, buckets: int, split: bool,
-                                                  tmpfile: bool, read_bytes: int) -> None:
+                                                  tmpfile: bool, read_bytes: int, write_lines: int) -> None:
     requests, answers = job
     previous = fileops.install(_NoSync())
     try:
-        with mock.patch.object(assemble, "DISTRIBUTE_READ_BYTES", read_bytes):
+        with mock.patch.object(assemble, "DISTRIBUTE_READ_BYTES", read_bytes), \
+                mock.patch.object(assemble, "WRITE_LINES", write_lines):
             _merge_and_check(requests, answers, bucket_bytes, ranges, buckets, split, tmpfile)
     finally:
         fileops.install(previous)
@@ -159,16 +161,16 @@ def test_a_failure_in_the_middle_leaves_no_output_and_no_temporary_file(tmp_path
     log_path = _answered(data, 30, [(k, 200 if k % 3 else 400, 5000) for k in range(30)])
     if older:
         (out / "output.jsonl").write_bytes(b"the older output\n")
-    real = assemble._sorted_bucket
+    real = assemble._write_bucket
     calls = []
 
-    def failing(path: str):
+    def failing(path: str, output, failed) -> None:
         calls.append(path)
         if len(calls) == 3:
             raise OSError(5, "Input/output error", path)
-        yield from real(path)
+        real(path, output, failed)
 
-    monkeypatch.setattr(assemble, "_sorted_bucket", failing)
+    monkeypatch.setattr(assemble, "_write_bucket", failing)
     work = data / "job" / "merge"
     with nullcontext() if tmpfile else without_tmpfile(), pytest.raises(OSError, match="Input/output error"):
         write_in_input_order(str(data), str(log_path), 30, sink(out / "output.jsonl"), sink(out / "errors.jsonl"),
@@ -178,7 +180,7 @@ def test_a_failure_in_the_middle_leaves_no_output_and_no_temporary_file(tmp_path
     if older:
         assert (out / "output.jsonl").read_bytes() == b"the older output\n"
     assert not work.exists()
-    monkeypatch.setattr(assemble, "_sorted_bucket", real)
+    monkeypatch.setattr(assemble, "_write_bucket", real)
     write_in_input_order(str(data), str(log_path), 30, sink(out / "output.jsonl"), sink(out / "errors.jsonl"),
                          str(work))
     assert len((out / "output.jsonl").read_bytes().splitlines()) == 20

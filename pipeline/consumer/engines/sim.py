@@ -447,10 +447,10 @@ def _decoder(model_dir: str | None) -> tuple[Decode | None, TokenChars | None, D
     def decode_rows(rows: list[list[int]], skip: bool) -> list[str] | None:
         sizes = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
         tokens = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=int(sizes.sum()))
-        bounds = np.add.reduceat(table(tokens, skip)[tokens], np.cumsum(sizes) - sizes) if tokens.size else sizes
-        if bounds.size and (int(bounds.max()) > MAX_ANSWER_TEXT_CHARS or (sizes == 0).any()):
-            return None
-        try:
+        try:  # a decoder that fails, on a token or on an answer: `decode` then refuses each that fails
+            bounds = np.add.reduceat(table(tokens, skip)[tokens], np.cumsum(sizes) - sizes) if tokens.size else sizes
+            if bounds.size and (int(bounds.max()) > MAX_ANSWER_TEXT_CHARS or (sizes == 0).any()):
+                return None
             return [raw(ids, skip) for ids in rows]
         except SimRefusal:
             return None
