@@ -38,6 +38,9 @@ NOTE: reading every boundary off the prompt's token offsets (a token boundary at
 rejected: it is wrong where a prefix render ends in whitespace that merges alone but is split
 inside the prompt (" \n" before a letter: the pre-tokenizer's whitespace rule looks ahead),
 and the property test finds that case.
+A rest is tokenized without offsets (`encode_batch_fast` of one text: the same ids) where the
+process runs the tokenizer on its own thread (`one_thread`, a producer): 23 us against 33 us
+for `encode` on the 43-token rests of `pipeline bench job-scale`'s requests.
 NOTE: tokenizing the rests of a group of requests in one `encode_batch` was rejected: two
 processes at once on this machine's 2 cores made 0.87-1.02 M tokens per CPU second that way,
 0.90-1.05 M one `encode` at a time (`encode_batch_fast`, no offsets: 0.95-1.09 M; bench_tokenize).
@@ -46,6 +49,7 @@ processes at once on this machine's 2 cores made 0.87-1.02 M tokens per CPU seco
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -54,6 +58,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pipeline.batchjob.messages import check_messages, check_tools, last_user_index
 from pipeline.batchjob.modelfiles import check_model_file, config_template, config_token_text, read_model_text
 from pipeline.batchjob.prefixes import MEMO_BYTES, PrefixEntry, PrefixMemo
 from pipeline.batchjob.splits import AddedTokenSplits, Spans
@@ -84,9 +89,6 @@ MAX_TOKENIZER_BYTES = 256 << 20
 # their added_tokens_decoder tables).
 MAX_CONFIG_BYTES = 16 << 20
 _NEEDS = f"a model directory needs {TOKENIZER_FILE} and {TOKENIZER_CONFIG_FILE}"
-# How a message's list of text parts becomes the string a template expects: vLLM's "string"
-# content format joins the parts' texts with a newline.
-CONTENT_PART_SEPARATOR = "\n"
 # A Rust panic inside the tokenizer reaches Python as pyo3's PanicException, a BaseException
 # (not an Exception) that no module exports: it is known by its name.
 RUST_PANIC = "PanicException"
@@ -147,6 +149,7 @@ class ChatTokenizer:
         self._bos_id = tokenizer.token_to_id(bos_token) if bos_token is not None else None
         self._bos_fix = self._bos_rule(add_bos_token)
         self.max_text_bytes: int | None = None  # longest text tokenized; a producer's from its memory limit
+        self._without_offsets = False  # (`one_thread`)
 
     @classmethod
     def load(cls, model_dir: str | Path, *, memo_bytes: int = MEMO_BYTES,
@@ -189,6 +192,14 @@ class ChatTokenizer:
                    source=template_source if template is not None else str(root), memo_bytes=memo_bytes)
 
     # -- the tokenizer ------------------------------------------------------------------
+
+    def one_thread(self) -> None:
+        """This process tokenizes on its own thread, as a producer among a job's processes
+        does (the tokenizer's thread pool would take the cores the others use): rests are
+        then tokenized without offsets, which the library does only through its batch call,
+        whose pool this turns off for the process (TOKENIZERS_PARALLELISM, read at each call)."""
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        self._without_offsets = True
 
     @property
     def vocab_size(self) -> int:
@@ -262,7 +273,7 @@ class ChatTokenizer:
         content, the content a string or a list of text parts; tools and chat_template_kwargs
         for the template) and its components (the module's doc). ChatRequestError for
         anything about the request that makes no prompt."""
-        checked, checked_tools = check_messages(messages), _check_tools(tools)
+        checked, checked_tools = check_messages(messages), check_tools(tools)
         kwargs = dict(template_kwargs) if isinstance(template_kwargs, dict) and template_kwargs else None
         text = self.render(checked, add_generation_prompt=True, tools=checked_tools, template_kwargs=kwargs)
         fail = partial(_chat_text_error, checked, checked_tools, text)
@@ -349,7 +360,7 @@ class ChatTokenizer:
         rest = text[len(last.text):]
         if not self._splits.rest_is_exact(last.split, rest):
             return None
-        tail = self._splits.drop_lead(self._tokenize(self._splits.lead + rest, fail).ids)
+        tail = self._splits.drop_lead(self._rest_ids(self._splits.lead + rest, fail))
         if tail is None:
             return None
         self.rests_tokenized += 1
@@ -403,6 +414,18 @@ class ChatTokenizer:
                 raise
             raise fail(exc, text) from exc
 
+    def _rest_ids(self, text: str, fail: OnTokenizerError) -> list[int]:
+        """`text`'s token ids (special tokens not added), without offsets where `one_thread`."""
+        if not self._without_offsets:
+            return self._tokenize(text, fail).ids
+        self._check_size(text)
+        try:
+            return self._tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids
+        except BaseException as exc:
+            if not foreign_failure(exc):
+                raise
+            raise fail(exc, text) from exc
+
     def _bos_rule(self, add_bos_token: bool | None) -> int:
         """+1: prepend bos to a plain prompt; -1: drop the bos the post-processor put first;
         0: the post-processor's output as it is.
@@ -425,57 +448,6 @@ class ChatTokenizer:
         if self._bos_fix > 0:
             return [self._bos_id, *ids]  # type: ignore[list-item]
         return ids[1:] if ids and ids[0] == self._bos_id else ids
-
-
-def check_messages(messages: object) -> list[dict[str, Any]]:
-    """A request's messages as the template gets them: a non-empty list of objects with a
-    string role and a content that is a string, null, or a list of text parts (joined into
-    one string); other fields (name, tool_calls...) pass through. ChatRequestError names the
-    message and field."""
-    if not isinstance(messages, list) or not messages:
-        raise ChatRequestError(f"messages must be a non-empty list of messages, got {show(messages)}")
-    checked = []
-    for k, message in enumerate(messages):
-        if not isinstance(message, dict):
-            raise ChatRequestError(f"messages[{k}] must be an object with role and content, got {show(message)}")
-        role = message.get("role")
-        if not isinstance(role, str) or not role:
-            raise ChatRequestError(f"messages[{k}].role must be a non-empty string, got {show(role)}")
-        content = message.get("content")
-        if isinstance(content, list):
-            content = _join_parts(content, k)
-        elif content is not None and not isinstance(content, str):
-            raise ChatRequestError(f"messages[{k}].content must be a string, a list of text parts or "
-                                   f"null, got {show(content)}")
-        checked.append({**message, "content": content})
-    return checked
-
-
-def last_user_index(messages: Sequence[Mapping[str, Any]]) -> int:
-    """Index of the last message whose role is "user"; -1 where there is none (no components:
-    without a user turn there is no request part to tell from a shared prefix)."""
-    for k in range(len(messages) - 1, -1, -1):
-        if messages[k].get("role") == "user":
-            return k
-    return -1
-
-
-def _join_parts(parts: list, k: int) -> str:
-    texts = []
-    for n, part in enumerate(parts):
-        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise ChatRequestError(f"messages[{k}].content[{n}] must be a text part "
-                                   f'{{"type": "text", "text": ...}}, got {show(part)} (only text is supported)')
-        texts.append(part["text"])
-    return CONTENT_PART_SEPARATOR.join(texts)
-
-
-def _check_tools(tools: object) -> list[dict[str, Any]] | None:
-    if tools is None:
-        return None
-    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
-        raise ChatRequestError(f"tools must be a list of tool objects, got {show(tools)}")
-    return tools
 
 
 def _advancing_ends(tokens: np.ndarray, ladder: list[PrefixEntry]) -> tuple[int, ...]:

@@ -192,6 +192,7 @@ class JobWorkload(Workload):
             first = max(first, start_at)
         tokenizer = self.tokenizer()
         tokenizer.max_text_bytes = self.limits.memory_bytes // TOKENIZE_BYTES_PER_TEXT_BYTE
+        tokenizer.one_thread()
         self.model_facts(tokenizer)  # read before the memory limit, as the tokenizer is
         limit_memory(self.limits.memory_bytes)
         log = RejectionLog(self.data_dir, f"p{producer_index}-{os.getpid()}", self.pin)

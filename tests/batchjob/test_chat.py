@@ -15,6 +15,7 @@ and one of each family `FAMILIES` names.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +23,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.batchjob.chat import ChatPrompt, ChatTokenizer, check_messages, last_user_index
+from pipeline.batchjob.chat import ChatPrompt, ChatTokenizer
+from pipeline.batchjob.messages import check_messages, last_user_index
 from pipeline.batchjob.prefixes import boundary_indices
 from pipeline.producer.signature import signature
 from pipeline.wire.errors import (
@@ -313,6 +315,22 @@ def test_prompts_equal_the_plain_method(families, family, batch):
     start, endings = batch
     for ending in endings:
         _check_against_plain(families[family], start + ending)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@settings(max_examples=30, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batch=BATCH)
+def test_prompts_equal_the_plain_method_on_one_thread(families, family, batch, monkeypatch):
+    """A producer's tokenizer (`one_thread`: rests tokenized without offsets) makes the
+    same prompts."""
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")  # what one_thread sets is undone after
+    tokenizer = ChatTokenizer(families[family]._tokenizer, FAMILIES[family][2], bos_token=families[family]._bos_token,
+                              eos_token=EOS)
+    tokenizer.one_thread()
+    start, endings = batch
+    for ending in endings * 2:  # a prefix's rest is tokenized alone from its third prompt
+        _check_against_plain(tokenizer, start + ending)
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "false"
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -12,7 +12,8 @@ import math
 import numpy as np
 import pytest
 
-from pipeline.batchjob.chat import ChatTokenizer, last_user_index
+from pipeline.batchjob.chat import ChatTokenizer
+from pipeline.batchjob.messages import last_user_index
 from pipeline.batchjob import prefixes
 from pipeline.batchjob.prefixes import MAX_COMPONENTS, SEEN_PREFIXES, PrefixMemo, boundary_indices
 from pipeline.wire.layouts.frames import MAX_CHAIN_DEPTH
