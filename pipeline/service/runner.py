@@ -8,6 +8,7 @@
     executor.answers(run)     what a stopped run answered: its output and error lines, which requests
     executor.discard(run)     its work files, once the batch's own files are written
     executor.shutdown(wait_s) stop every run gracefully (the server stops)
+    executor.on_end = wake    called, from any thread, when a run ends (the scheduler ticks at once)
 
 `RunBatchExecutor` runs each batch as a `pipeline run-batch` job, a child process with its
 own data directory in the batch's work folder, its output appended as answers come
@@ -26,10 +27,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
+import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -110,8 +114,15 @@ class Answers:
         return index >> 3 < len(self.answered) and bool(self.answered[index >> 3] >> (index & 7) & 1)
 
 
+def _nothing() -> None:
+    pass
+
+
 class Executor(ABC):
-    """See the module's doc. Called from the scheduler's thread only."""
+    """See the module's doc. Called from the scheduler's thread only, but for `on_end`, which
+    the executor calls from any thread."""
+
+    on_end: Callable[[], None] = staticmethod(_nothing)
 
     @abstractmethod
     def start(self, run: BatchRun) -> bool:
@@ -172,12 +183,25 @@ class RunBatchExecutor(Executor):
             os.close(log_fd)
         self.children[run.batch_id] = child
         self._signalled.discard(run.batch_id)
+        self._watch(child)
         log.info("batch %s: job started (pid %d, %s)", run.batch_id, child.pid, run.work_dir)
         return True
 
     def resume(self, run: BatchRun) -> bool:
         """The same command: run-batch resumes a job on its data directory."""
         return self.start(run)
+
+    def _watch(self, child: subprocess.Popen) -> None:
+        """`on_end` once the child ends, from a thread that waits on its pidfd (opened here,
+        before the scheduler's thread can reap the child, so the pid is still the child's)
+        and leaves the reaping to `poll`.
+        NOTE: the scheduler's tick alone found an ended job 0.1 s late on average, 1.4% of a
+        7 s job's wall time (`pipeline bench serve`'s overhead target is 5%)."""
+        try:
+            fd = os.pidfd_open(child.pid)
+        except OSError:  # it has ended and been reaped already: the tick finds it
+            return
+        threading.Thread(target=_wait_then, args=(fd, self.on_end), name=f"job-{child.pid}", daemon=True).start()
 
     def poll(self, run: BatchRun) -> Progress:
         child = self.children.get(run.batch_id)
@@ -255,6 +279,15 @@ class RunBatchExecutor(Executor):
                 child.kill()
                 child.wait()
         self.children.clear()
+
+
+def _wait_then(pidfd: int, then: Callable[[], None]) -> None:
+    """Wait until the process of `pidfd` ends (its pidfd turns readable), close it, `then()`."""
+    try:
+        select.select([pidfd], [], [])
+    finally:
+        os.close(pidfd)
+    then()
 
 
 def job_progress(run: BatchRun, state: str = WAITING) -> Progress:

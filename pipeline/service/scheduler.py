@@ -81,6 +81,7 @@ class Scheduler:
         # batch starts (or stops) without waiting out the tick.
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        executor.on_end = self.wake
 
     # ------------------------------------------------------------------ the API's side
 
@@ -97,7 +98,7 @@ class Scheduler:
         return batch
 
     def wake(self) -> None:
-        """Tick now (a batch was created or cancelled), not at the next SCHEDULER_TICK_S."""
+        """Tick now (a batch was created or cancelled, a run ended), not at the next SCHEDULER_TICK_S."""
         self._wake.set()
 
     # ------------------------------------------------------------------ the thread
