@@ -199,9 +199,14 @@ class RunBatchExecutor(Executor):
         7 s job's wall time (`pipeline bench serve`'s overhead target is 5%)."""
         try:
             fd = os.pidfd_open(child.pid)
-        except OSError:  # it has ended and been reaped already: the tick finds it
+        except OSError as exc:  # no pidfd here (an old kernel, a seccomp filter, no descriptor left)
+            log.debug("no pidfd for job pid %d (%s): its end is found at the next tick", child.pid, exc)
             return
-        threading.Thread(target=_wait_then, args=(fd, self.on_end), name=f"job-{child.pid}", daemon=True).start()
+        watcher = threading.Thread(target=_wait_then, args=(fd, self.on_end), name=f"job-{child.pid}", daemon=True)
+        try:
+            watcher.start()
+        except RuntimeError:  # no thread to be had: the tick finds the end
+            os.close(fd)
 
     def poll(self, run: BatchRun) -> Progress:
         child = self.children.get(run.batch_id)
@@ -284,7 +289,9 @@ class RunBatchExecutor(Executor):
 def _wait_then(pidfd: int, then: Callable[[], None]) -> None:
     """Wait until the process of `pidfd` ends (its pidfd turns readable), close it, `then()`."""
     try:
-        select.select([pidfd], [], [])
+        waiter = select.poll()  # NOTE: not select.select, which refuses a descriptor past 1023
+        waiter.register(pidfd, select.POLLIN)
+        waiter.poll()
     finally:
         os.close(pidfd)
     then()

@@ -4,15 +4,30 @@ children here are short Python processes standing in for `pipeline run-batch`.""
 
 from __future__ import annotations
 
+import os
+import resource
+import subprocess
 import sys
 import threading
 from pathlib import Path
 
 import pytest
 
-from pipeline.service.runner import ANSWERED_ALL, CHECKING, ENDED, FAILED, BatchRun, RunBatchExecutor
+from pipeline.service.runner import ANSWERED_ALL, CHECKING, ENDED, FAILED, BatchRun, RunBatchExecutor, _wait_then
 
-pytestmark = pytest.mark.integration
+
+def _pidfd_works() -> bool:
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except OSError:
+        return False
+    return True
+
+
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(not _pidfd_works(), reason="no pidfd here: the scheduler's tick finds a run's end")]
+# A descriptor number select.select refuses (FD_SETSIZE is 1024).
+HIGH_FD = 1500
 
 # A child of these ends within a second; a loaded machine may take far longer to start one.
 END_WAIT_S = 60.0
@@ -60,3 +75,23 @@ def test_no_wake_while_the_run_goes_on(tmp_path):
         release.write_text("")
     assert ended.wait(END_WAIT_S), "on_end was not called"
     assert executor.poll(run).state == ENDED
+
+
+def test_the_wait_takes_a_descriptor_past_what_select_takes():
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= HIGH_FD:
+        pytest.skip(f"descriptors limited to {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, HIGH_FD + 1), hard))
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        pidfd = os.pidfd_open(child.pid)
+        os.dup2(pidfd, HIGH_FD)
+        os.close(pidfd)
+        ended = threading.Event()
+        _wait_then(HIGH_FD, ended.set)
+        assert ended.is_set()
+        with pytest.raises(OSError):
+            os.fstat(HIGH_FD)  # closed by the wait
+    finally:
+        child.wait()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

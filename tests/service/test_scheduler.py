@@ -126,6 +126,14 @@ def content(store: Store, file_id: str | None) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
+def test_a_run_that_ends_wakes_the_scheduler(store):
+    script = Script()
+    scheduler = Scheduler(store, script, max_concurrent=1, clock=Clock())
+    assert not scheduler._wake.is_set()
+    script.on_end()
+    assert scheduler._wake.is_set()
+
+
 def test_batches_start_in_submission_order_within_the_limit(store):
     clock, script = Clock(), Script()
     scheduler = Scheduler(store, script, max_concurrent=1, clock=clock)
