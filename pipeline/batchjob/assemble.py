@@ -172,16 +172,17 @@ def _distribute_part(log, records: np.ndarray, bounds: np.ndarray, files: list) 
     raw = log.read(int(records["log_offset"][-1]) + int(records["line_bytes"][-1]) - start)
     bucket = np.searchsorted(bounds, records["index"].astype(np.int64), side="right") - 1
     order = np.argsort(bucket, kind="stable")
-    ends = np.cumsum(np.bincount(bucket, minlength=len(files)))
+    counts = np.bincount(bucket, minlength=len(files))
+    ends = np.cumsum(counts)
     at = records["log_offset"][order] - start
     starts, stops = at.tolist(), (at + records["line_bytes"][order]).tolist()
-    for k in np.flatnonzero(np.bincount(bucket, minlength=len(files))).tolist():
-        rows = order[ends[k - 1] if k else 0:ends[k]]
+    for k in np.flatnonzero(counts).tolist():
+        first, last = int(ends[k]) - int(counts[k]), int(ends[k])
+        rows = order[first:last]
         entries = np.zeros(rows.size, dtype=BUCKET_ENTRY_DTYPE)
         entries["index"], entries["line_bytes"] = records["index"][rows], records["line_bytes"][rows]
         entries["status_code"] = records["status_code"][rows]
-        first = int(ends[k - 1]) if k else 0
-        lines = b"".join([raw[a:b] for a, b in zip(starts[first:first + rows.size], stops[first:first + rows.size])])
+        lines = b"".join([raw[a:b] for a, b in zip(starts[first:last], stops[first:last])])
         files[k].write(_BLOCK.pack(len(lines), rows.size) + entries.tobytes() + lines)
 
 
