@@ -404,11 +404,15 @@ class ChatTokenizer:
                                 f"the chat template and tokenizer (--prompt-memory-limit-mb); no context holds a "
                                 f"prompt this long")
 
-    def _tokenize(self, text: str, fail: OnTokenizerError, *, add_special_tokens: bool = False) -> Encoding:
-        """The tokenizer's encoding of `text`; whatever it raises is `fail`'s typed error."""
+    def _tokenize(self, text: str, fail: OnTokenizerError, *, add_special_tokens: bool = False,
+                  offsets: bool = True) -> Encoding:
+        """The tokenizer's encoding of `text` (without offsets: `encode_batch_fast` of it alone,
+        the same ids); whatever it raises is `fail`'s typed error."""
         self._check_size(text)
         try:
-            return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            if offsets:
+                return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            return self._tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0]
         except BaseException as exc:
             if not foreign_failure(exc):
                 raise
@@ -416,15 +420,7 @@ class ChatTokenizer:
 
     def _rest_ids(self, text: str, fail: OnTokenizerError) -> list[int]:
         """`text`'s token ids (special tokens not added), without offsets where `one_thread`."""
-        if not self._without_offsets:
-            return self._tokenize(text, fail).ids
-        self._check_size(text)
-        try:
-            return self._tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids
-        except BaseException as exc:
-            if not foreign_failure(exc):
-                raise
-            raise fail(exc, text) from exc
+        return self._tokenize(text, fail, offsets=not self._without_offsets).ids
 
     def _bos_rule(self, add_bos_token: bool | None) -> int:
         """+1: prepend bos to a plain prompt; -1: drop the bos the post-processor put first;
