@@ -340,7 +340,7 @@ class SegmentReader:
         """Drop the pages of a finished batch's `spans` from this process's mappings: they
         stay in the page cache (a later read is a minor fault), but what the consumer holds
         resident follows the batches in flight, not every segment it has read (up to
-        DEFAULT_OPEN_MAPS_MAX mappings of a segment's 64 MiB). A view still pointing there
+        DEFAULT_OPEN_MAPS_MAX mappings of a whole segment). A view still pointing there
         (a neighbour in another batch) reads the same bytes again: the file is not changed
         under a live entry."""
         page = mmap.PAGESIZE

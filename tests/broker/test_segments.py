@@ -14,7 +14,7 @@ from pipeline.broker.ids import LaneId, LaneKey
 from pipeline.broker.storage.diskio import Durability
 from pipeline.broker.storage.journal import SegmentJournal
 from pipeline.broker.storage.paths import QUARANTINE_DIR, iter_segments
-from pipeline.broker.storage.segment import encode_entries, scan_segment
+from pipeline.broker.storage.segment import DEFAULT_SEGMENT_MAX_BYTES, encode_entries, scan_segment
 from pipeline.broker.storage.segments import SegmentStore
 from pipeline.wire.errors import DataDirMovedError, SegmentFormatError
 from pipeline.wire.layouts.segments import SEGMENT_HEADER_SIZE_BYTES
@@ -58,6 +58,26 @@ def test_fully_tombstoned_sealed_segment_is_deleted_whole(tmp_path):
     for segment, offset in [key for key in written if key[0] == sealed.id]:
         assert store.tombstone_many(segment, [offset]) == 1
     assert not os.path.exists(sealed.path) and sealed.id not in store.segments
+    store.close()
+
+
+def test_a_lane_longer_than_many_segments_holds_one_segments_completion_state(tmp_path):
+    """A job's lane streams several segments' worth, completed as it goes: each file seals at
+    the default size and is deleted once done, and a file's completion bitmap (a bit per
+    16 bytes) is a segment's, whatever the lane's length."""
+    store = SegmentStore(str(tmp_path))
+    frame = make_items(2_000, seed=3)
+    bitmap_max_bytes = DEFAULT_SEGMENT_MAX_BYTES // 128 + 1
+    segments_seen = set()
+    for g in range(24):  # ~1.7 MB a group: about five segments
+        encoded = encode_entries(*frame, indices=np.arange(2_000), producer_id=1)
+        segment, base = store.append(LANES[0], encoded, now_s=float(g))
+        segments_seen.add(segment)
+        assert store.tombstone_many(segment, (base + encoded.offsets).tolist()) == 2_000
+        assert store._file(segment)._done.nbytes <= bitmap_max_bytes
+        assert len(store.segments) == 1  # every sealed, finished file is gone
+        assert os.path.getsize(store.segments[segment].path) <= DEFAULT_SEGMENT_MAX_BYTES
+    assert len(segments_seen) >= 4
     store.close()
 
 

@@ -91,7 +91,7 @@ MIN_ENTRY_BYTES = entry_size_bytes(1, 0)
 # Item ids named per damaged range (the count is always whole): a log line, not a dump.
 ITEM_IDS_NAMED_MAX = 1000
 # First window of a search past damage (resync, the next non-zero byte); it doubles. Small
-# enough that many damaged ranges in a 64 MiB segment do not each read the rest of the file.
+# enough that many damaged ranges in a large segment do not each read the rest of the file.
 SEARCH_FIRST_WINDOW_BYTES = 64 << 10
 
 
