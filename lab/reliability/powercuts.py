@@ -46,7 +46,7 @@ from pipeline.reporting.accounting import result_rows
 from pipeline.wire.client import broker_progress
 
 # The filesystem image's size: sparse, so only what is written takes host disk. Room for
-# the segments' preallocation (64 MiB per open segment) of a few dozen open lanes.
+# the segments of a few dozen open lanes (each file grows to at most the segment limit).
 IMAGE_SIZE_BYTES = 16 << 30
 # Inodes of the filesystem: the store makes a few files per segment; few inodes keep
 # mkfs's inode tables (written whole at mkfs, so no lazy-init writes spoil a copy) small.

@@ -59,9 +59,9 @@ STALL_GAP_S = 0.5
 # connection. 128 is twice the largest node's GPUs split into MIG slices (8 x 7).
 MAX_CONSUMERS = 128
 # Registered producers at once (rings adopted at a restart included): each maps its ring
-# (64 MiB by default) into the broker and holds a connection. With the storage's 512 open
-# segment files, 128 consumers and MAX_UNREGISTERED_PEERS, the broker stays under the usual
-# 1,024 descriptors per process.
+# (64 MiB by default) into the broker and holds a connection. With 128 consumers and
+# MAX_UNREGISTERED_PEERS, the store's open segment files take what the descriptor limit
+# leaves (runtime/processes.py's open_files_budget).
 MAX_PRODUCERS = 128
 # Connections that have not registered: status queries come and go within milliseconds;
 # past this many, the one idle longest is closed for each new one.

@@ -61,23 +61,26 @@ def test_fully_tombstoned_sealed_segment_is_deleted_whole(tmp_path):
     store.close()
 
 
-def test_a_lane_longer_than_many_segments_holds_one_segments_completion_state(tmp_path):
+@pytest.mark.parametrize("per_group", [2_000, 40])
+def test_a_lane_longer_than_many_segments_holds_one_segments_completion_state(tmp_path, per_group):
     """A job's lane streams several segments' worth, completed as it goes: each file seals at
-    the default size and is deleted once done, and a file's completion bitmap (a bit per
-    16 bytes) is a segment's, whatever the lane's length."""
+    the default size and is deleted once done, and neither a file nor its completion bitmap
+    (a bit per 16 bytes) passes a segment's, whatever the lane's length or its groups' size
+    (large groups: few steps of the file's doubling; small ones: many)."""
     store = SegmentStore(str(tmp_path))
-    frame = make_items(2_000, seed=3)
-    bitmap_max_bytes = DEFAULT_SEGMENT_MAX_BYTES // 128 + 1
+    frame = make_items(per_group, seed=3)
     segments_seen = set()
-    for g in range(24):  # ~1.7 MB a group: about five segments
-        encoded = encode_entries(*frame, indices=np.arange(2_000), producer_id=1)
-        segment, base = store.append(LANES[0], encoded, now_s=float(g))
+    written = 0
+    while len(segments_seen) < 4:
+        encoded = encode_entries(*frame, indices=np.arange(per_group), producer_id=1)
+        segment, base = store.append(LANES[0], encoded, now_s=0.0)
+        written += encoded.data.nbytes
         segments_seen.add(segment)
-        assert store.tombstone_many(segment, (base + encoded.offsets).tolist()) == 2_000
-        assert store._file(segment)._done.nbytes <= bitmap_max_bytes
+        assert store.tombstone_many(segment, (base + encoded.offsets).tolist()) == per_group
+        assert store._file(segment).allocated <= DEFAULT_SEGMENT_MAX_BYTES
+        assert store._file(segment)._done.nbytes <= DEFAULT_SEGMENT_MAX_BYTES // 128 + 1
         assert len(store.segments) == 1  # every sealed, finished file is gone
-        assert os.path.getsize(store.segments[segment].path) <= DEFAULT_SEGMENT_MAX_BYTES
-    assert len(segments_seen) >= 4
+        assert written < 8 * DEFAULT_SEGMENT_MAX_BYTES, "the lane never rolled over"
     store.close()
 
 
