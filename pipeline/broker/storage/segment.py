@@ -40,9 +40,9 @@ neighbours at risk under power loss, and the journal's one pwrite per call of 64
 costs 576-616 ns per completion against 545-607 for the mapped stores
 (SegmentFile.tombstone_many alone, best of 5, 3 alternating pairs).
 
-Files grow in preallocated steps (posix_fallocate, doubling, never past the segment limit but for one oversize group):
-writing into allocated, zeroed space keeps appends sequential, and a zero state word marks
-the end of the data for a scan.
+Files grow in preallocated steps (posix_fallocate, doubling, never past the segment limit but
+for one oversize group): writing into allocated, zeroed space keeps appends sequential, and a
+zero state word marks the end of the data for a scan.
 """
 
 from __future__ import annotations
@@ -107,16 +107,15 @@ __all__ = [
 # dispatched and the run stood still (tests/runtime/test_disk_full.py); a busy lane doubles from
 # its first group's size to the segment limit, one fallocate a step.
 FIRST_ALLOCATION_BYTES = 64 << 10
-# Segments seal at this size: big enough that per-file costs (open, the header page, in
-# `power` the fsyncs) stay a small share (a file per ~40,000 short chat items), small enough that a fully
-# completed segment is freed soon. What a job's store holds in memory follows it: the broker's
-# and each consumer's completion bitmap of a segment is a bit per 16 bytes of its file (64 KiB
-# here), and each of a job's lanes keeps one open segment, so the bitmaps of a job that fills
-# its segments follow the segment size, not the job's length.
-# NOTE: 64 MiB was rejected: a 3,000,000-request job (280 lanes) peaked at 484.8 against 471.7 MiB
-# PSS, its lanes' bitmaps growing with the job towards 512 KiB each. The price: at durability
-# `power` a file's create, seal and delete cost fsyncs, and a one-shape flood of 1,000,000 items
-# (4 MiB frames, about one a file) ran 134k against 143k items/s (medians of 6 runs each).
+# Segments seal at this size: big enough that per-file costs (open, the header page, in `power`
+# the fsyncs) stay a small share (a file per ~40,000 short chat items), small enough that a
+# fully completed segment is freed soon. The broker's and each consumer's completion bitmap of
+# a segment is a bit per 16 bytes of its file (64 KiB here), and each of a job's lanes keeps
+# one open segment, so those bitmaps follow the segment size, not the job's length.
+# NOTE: 64 MiB was rejected: a 3,000,000-request job (286 lanes) peaked at 484.8 against 471.7
+# MiB PSS, its lanes' bitmaps growing with the job towards 512 KiB each. The price: at
+# durability `power` a file's create, seal and delete cost fsyncs, and a one-shape flood of
+# 1,000,000 items (4 MiB frames, about one a file) ran 134k against 143k items/s (medians of 6).
 DEFAULT_SEGMENT_MAX_BYTES = 8 << 20
 
 
@@ -311,12 +310,13 @@ class SegmentFile:
     def _grow(self, needed_end: int) -> None:
         # Doubling stops at the segment limit (or at what an oversize first group needs): a
         # file, and the completion bitmaps that follow its size, never pass the limit.
-        limit = max(_page_align(self.max_bytes), _page_align(needed_end))
+        needed = _page_align(needed_end)
+        limit = max(_page_align(self.max_bytes), needed)
         new_size = self.allocated
         while new_size < needed_end:
             new_size = min(new_size * 2, limit)
         grow = _check_room(self._fd, self.path, self.allocated, new_size - self.allocated, "growing the file by",
-                           least=_page_align(needed_end) - self.allocated)
+                           least=needed - self.allocated)
         new_size = self.allocated + grow
         try:
             fileops.fallocate(self._fd, 0, new_size)
