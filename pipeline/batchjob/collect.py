@@ -27,6 +27,7 @@ never an answer (the log drops what it has).
 from __future__ import annotations
 
 import base64
+import contextlib
 import errno
 import json
 import logging
@@ -102,8 +103,11 @@ class Collector:
 
     def __init__(self, data_dir: str, manifest: JobManifest, input_fd: int, decode: Callable[[list[int]], str],
                  log: AnswerLog, error_log: int, token_text: Callable[[int], str] | None = None,
-                 vocab_size: int = 0) -> None:
+                 vocab_size: int = 0, results_root: str | None = None) -> None:
         self.data_dir = data_dir
+        # Where the consumers' results are: the job's data directory, or the node it runs on
+        # (`pipeline.runtime.attached`), whose results hold every job's rows.
+        self.results_root = results_root or data_dir
         self.manifest = manifest
         self.input_fd = input_fd
         # One token's text, special tokens kept (a logprob's token): decode's where not given.
@@ -144,7 +148,7 @@ class Collector:
         refusals. A results file of a consumer the job did not start (`pipeline consumer
         start` on its data directory) is not read: that consumer may run another engine, or
         the same with other options, and its answers would not be the job's."""
-        results = os.path.join(self.data_dir, RESULTS_DIR)
+        results = os.path.join(self.results_root, RESULTS_DIR)
         runs = sorted(entry.name for entry in _scandir(results) if entry.is_dir(follow_symlinks=False)
                       and entry.name.startswith(OWN_RUN_PREFIXES))
         for run in runs:
@@ -156,7 +160,7 @@ class Collector:
             if entry.name.endswith(".jsonl"):
                 yield os.path.join(JOB_DIR, REJECTED_DIR, entry.name)
         foreign = [e.name for e in _scandir(results) if e.name.endswith(".jsonl")]
-        if foreign and not self._warned_foreign:
+        if foreign and not self._warned_foreign and self.results_root == self.data_dir:
             self._warned_foreign = True
             log.warning("results of consumers this job did not start are not its answers: %s", ", ".join(foreign[:5]))
 
@@ -164,7 +168,7 @@ class Collector:
         """The new whole lines of one file into the log, APPEND_BYTES of answers at a time;
         the file's read position moves past each part only once the log has it. A full disk
         (AnswerLogWriteError ENOSPC) stops here until the next call (`disk_full`)."""
-        path = os.path.join(self.data_dir, relative)
+        path = os.path.join(self.data_dir if relative.startswith(JOB_DIR) else self.results_root, relative)
         start = self._offsets.get(relative, 0)
         try:
             with open(path, "rb") as f:
@@ -209,6 +213,14 @@ class Collector:
         if counted is not None:
             _merge_counts(self._tally, counted)
         return added
+
+    def skip_results_so_far(self) -> None:
+        """Read the results files from their present ends: a new job on a node, whose rows
+        cannot be in them yet, does not read every earlier job's."""
+        for relative in self._files():
+            if not relative.startswith(JOB_DIR):
+                with contextlib.suppress(OSError):
+                    self._offsets[relative] = os.path.getsize(os.path.join(self.results_root, relative))
 
     def save(self) -> None:
         """Record where each file was read up to (after the log has what was read)."""

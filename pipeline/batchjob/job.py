@@ -274,7 +274,9 @@ class BatchJob:
         tokenizer = ChatTokenizer.load(self.model_files, chat_template=self.spec.chat_template)
         error_log = LOG_ERRORS if LOG_ERRORS in logs else LOG_OUTPUT
         self.collector = Collector(self.data_dir, manifest, self._input_fd, tokenizer.decode, self.log, error_log,
-                                   tokenizer.token_text, tokenizer.vocab_size)
+                                   tokenizer.token_text, tokenizer.vocab_size, results_root=self.spec.node_dir)
+        if self.new_job and self.spec.node_dir is not None:
+            self.collector.skip_results_so_far()
         self.collect_all()
         self._answered_before = self.log.done
         np.bitwise_or(self.skip, self.log.done_bits(), out=self.skip)
@@ -321,7 +323,8 @@ class BatchJob:
         decoded first: the store's entries are checksummed as the producer wrote them, and a
         Python decode per item took seconds for each million a stopped run left."""
         self.open_answers()
-        tails_of = pending_payload_tails(storage_dir or self.data_dir, producer_ring_names(self.data_dir),
+        tails_of = pending_payload_tails(storage_dir or self.data_dir,
+                                         producer_ring_names(self.spec.node_dir or self.data_dir),
                                          JOB_PAYLOAD_SIZE_BYTES)
         for tails in tails_of:
             set_bits(self.skip, job_request_indices(tails, self.manifest.job_id, self.manifest.requests))
@@ -343,8 +346,6 @@ class BatchJob:
 
     def run(self) -> int:
         """The pipeline on what is left; the launcher's exit status (0 when nothing was left)."""
-        from pipeline.runtime.launcher import Launcher
-
         self._run_started_s = time.monotonic()
         if self.log is not None and self.log.done == self.manifest.requests:
             self._say_plan()
@@ -353,8 +354,7 @@ class BatchJob:
             check_room(self.data_dir, holds_work=True)
         workload = JobWorkload(self.job_input, self.skip, self.manifest, self.model_files, self.data_dir,
                                self.spec.limits, self.spec.chat_template, pin=self.pin)
-        launcher = Launcher(self._run_settings(), workload, on_status=self._poll,
-                            summarize=lambda results_dir: self.collector.summary(results_dir), metrics=self.telemetry)
+        launcher = self._launcher(workload)
         launcher.metrics_listener, self.metrics_listener = self.metrics_listener, None
         launcher.data_dir_pin = self.pin
         launcher.engine_check = lambda stop: self.engine_verdict(True, stop)
@@ -381,6 +381,22 @@ class BatchJob:
         if outcome.why not in ("completed", "interrupted"):
             self.say(f"run-batch: the run stopped: {outcome.why}")
         return outcome.exit_code
+
+    def _launcher(self, workload: JobWorkload):
+        """The launcher of this run: its own broker and consumers, or the producers alone on
+        the node of `spec.node_dir` (the batch service's), done once every request is answered."""
+        from pipeline.runtime.attached import AttachedLauncher
+        from pipeline.runtime.launcher import Launcher
+
+        def summarize(results_dir: str):  # the collector is made beside the broker's start
+            return self.collector.summary(results_dir)
+
+        if self.spec.node_dir is None:
+            return Launcher(self._run_settings(), workload, on_status=self._poll, summarize=summarize,
+                            metrics=self.telemetry)
+        return AttachedLauncher(self._run_settings(), workload, self.spec.node_dir,
+                                done=lambda: self.log.done == self.manifest.requests, on_status=self._poll,
+                                summarize=summarize, metrics=self.telemetry)
 
     def _read_beside_broker(self, results_dir: str) -> None:
         """The answers so far, read while the broker recovers the store (its first dispatch

@@ -32,6 +32,7 @@ class JobSpec:
     tool_calling: ToolCalling = field(default_factory=ToolCalling)
     chat_template: str | None = None  # --chat-template's text, over the model directory's
     input_scan: str | None = None  # a scan of the input kept beforehand (`prescan.py`): the service's
+    node_dir: str | None = None  # the data directory of a node that serves already (the service's): run there
 
 
 @dataclass(slots=True)

@@ -115,6 +115,9 @@ LOG_INTERVAL_S = 5.0
 @click.option("--input-scan", "input_scan", hidden=True, metavar="PREFIX",
               help="The batch service's scan of the input at upload (PREFIX.index, PREFIX.lines), adopted by a new "
                    "job instead of reading the input again (pipeline/batchjob/prescan.py).")
+@click.option("--node", "node_dir", hidden=True, type=click.Path(file_okay=False),
+              help="The data directory of a node that serves already (the batch service's, `pipeline.runtime.node`): "
+                   "the job's producers feed its broker, and its answers are read from its consumers' results.")
 @engine_flag_options(jobs=True)
 def run_batch(input_file: str, output_file: str, model_dir: str, served_model_name: str | None,
               data_dir: str | None, output_order: str, error_file: str | None, overwrite: bool,
@@ -122,7 +125,7 @@ def run_batch(input_file: str, output_file: str, model_dir: str, served_model_na
               prompt_time_limit_s: float, prompt_memory_limit_mb: int, config_path: str | None,
               assignments: tuple[str, ...], keep_data_dir: bool, verbose: bool, ray_address: str | None,
               ray_node_dir: str | None, ray_route: str, tool_call_parser: str | None, enable_auto_tool_choice: bool,
-              input_scan: str | None, **options) -> None:
+              input_scan: str | None, node_dir: str | None, **options) -> None:
     """Run an OpenAI Batch file through the broker and consumers and write one response line
     per request to the output file; run it again on the same data directory to resume."""
     setup_logging(verbose)
@@ -133,12 +136,17 @@ def run_batch(input_file: str, output_file: str, model_dir: str, served_model_na
         try:
             given = parse_engine_options(engine_options) if engine_options else {}
             flags = EngineFlags.take(options, click.get_current_context().args, given)
+            flags.check = node_dir is None  # the node's owner checked its engine
             ask = JobAsk(input_file, output_file, model_dir, served_model_name, data_dir, output_order, error_file,
                          overwrite, summary_file, engine or default_engine(), config_path, assignments, keep_data_dir,
                          PromptLimits(prompt_time_limit_s, prompt_memory_limit_mb << 20), options)
             spec = plan_job(ask, flags, own_option_names(run_batch))
             spec.tool_calling = tool_calling(tool_call_parser, enable_auto_tool_choice)
             spec.input_scan = input_scan
+            spec.node_dir = os.path.abspath(node_dir) if node_dir is not None else None
+            if node_dir is not None and (ray_address is not None or spec.settings.metrics_port is not None):
+                raise SettingsError("--node: a job on a node that serves already starts no cluster run (--ray) and "
+                                    "serves no metrics (--metrics-port)")
             if ray_address is not None and spec.settings.metrics_port is not None:  # bound by prepare, never served
                 raise SettingsError("metrics_port: a job on a Ray cluster (--ray) serves no metrics; drop "
                                     "--metrics-port")

@@ -133,6 +133,8 @@ class EngineFlags:
         self.chat_template = chat_template
         self.given = dict(given or {})
         self._vllm: Any = None  # a VllmCheck, for a vllm engine where vLLM is installed
+        # False: the engine was checked already (a job on the batch service's node): no VllmCheck.
+        self.check = True
         self._own: Sequence[str] = ()  # the command's option names, for suggestions
 
     @classmethod
@@ -184,7 +186,8 @@ class EngineFlags:
         if engine == "vllm" and vllm_installed():
             from pipeline.consumer.engines.vllm_args import VllmCheck
 
-            self._vllm = self._vllm or VllmCheck()  # it imports vLLM meanwhile
+            if self.check:
+                self._vllm = self._vllm or VllmCheck()  # it imports vLLM meanwhile
             if extra:
                 _refuse_product_flags(extra)
                 options["vllm_flags"] = list(extra)

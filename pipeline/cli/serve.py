@@ -28,6 +28,7 @@ from pipeline.service.limits import (
     MAX_UPLOAD_BYTES_LIMIT,
     TEST_WINDOW_RANGE_S,
 )
+from pipeline.runtime.settings import LaunchSettings
 from pipeline.wire.errors import BadInputError, PipelineError
 from pipeline.wire.textfiles import for_terminal
 
@@ -65,7 +66,7 @@ def _job_options(command: click.Command) -> click.Command:
                    "tenant sees only its own files and batches. Without it: loopback only, one tenant.")
 @click.option("--max-concurrent-batches", type=click.IntRange(1, MAX_CONCURRENT_BATCHES),
               default=DEFAULT_MAX_CONCURRENT_BATCHES, show_default=True,
-              help="Batches whose jobs run at once (each its own broker and engines), in submission order.")
+              help="Batches whose jobs run at once, all on the one broker and engines, in submission order.")
 @click.option("--max-upload-bytes", type=click.IntRange(1, MAX_UPLOAD_BYTES_LIMIT), default=DEFAULT_MAX_UPLOAD_BYTES,
               show_default=True, help="The largest file an upload may be.")
 @click.option("--key-max-stored-bytes", type=click.IntRange(1, MAX_STORED_BYTES_LIMIT),
@@ -86,6 +87,8 @@ def serve(data_dir: str, host: str, port: int, api_keys: str | None, max_concurr
     command resumes every batch."""
     from pipeline.service.app import ServiceConfig
     from pipeline.service.auth import check_host, read_api_keys
+    from pipeline.service.runner import node_spec
+    from pipeline.service.store import NODE_DIR
     from pipeline.service.server import ServeOptions, serve as serve_forever
 
     setup_logging(verbose)
@@ -94,10 +97,11 @@ def serve(data_dir: str, host: str, port: int, api_keys: str | None, max_concurr
         tenants = read_api_keys(api_keys) if api_keys else None
         check_host(host, tenants)
         job_args = _job_args(ctx, options)
-        model, endpoints = _checked_jobs(data_dir, dict(options), list(ctx.args))
+        model, endpoints, settings = _checked_jobs(data_dir, dict(options), list(ctx.args))
         api = ServiceConfig(model, endpoints, test_completion_window_s, max_upload_bytes,
                             key_max_stored_bytes, key_max_active_batches)
-        serve_forever(ServeOptions(data_dir, host, port, tenants, job_args, max_concurrent_batches, api, verbose),
+        node = node_spec(settings, os.path.join(os.path.abspath(data_dir), NODE_DIR))
+        serve_forever(ServeOptions(data_dir, host, port, tenants, job_args, max_concurrent_batches, api, node, verbose),
                       say=lambda line: click.echo(for_terminal(line), err=True))
     except (BadInputError, PipelineError) as exc:
         raise click.ClickException(str(exc)) from exc
@@ -129,9 +133,10 @@ def _job_args(ctx: click.Context, options: dict) -> list[str]:
     return args + list(ctx.args)
 
 
-def _checked_jobs(data_dir: str, options: dict, extra: list[str]) -> tuple[str, tuple[str, ...]]:
+def _checked_jobs(data_dir: str, options: dict, extra: list[str]) -> tuple[str, tuple[str, ...], LaunchSettings]:
     """The jobs' options checked as run-batch checks its own (a one-line error where one is
-    wrong, before anything is served); the served model's name and the endpoints it serves."""
+    wrong, before anything is served); the served model's name, the endpoints it serves and
+    a job's launch settings (the node's)."""
     from pipeline.batchjob.embeddings import EMBEDDINGS_URL, RUNNER_POOLING, job_runner
     from pipeline.batchjob.requests import ENDPOINTS
     from pipeline.batchjob.tools import tool_calling
@@ -155,4 +160,4 @@ def _checked_jobs(data_dir: str, options: dict, extra: list[str]) -> tuple[str, 
         flags.close()
     pooling = job_runner(spec.settings.engine_options, model_dir) == RUNNER_POOLING
     endpoints = tuple(url for url in ENDPOINTS if (url == EMBEDDINGS_URL) == pooling)
-    return spec.served_model, endpoints
+    return spec.served_model, endpoints, spec.settings

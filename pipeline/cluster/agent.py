@@ -7,7 +7,7 @@
     agent.poll.remote(1)                          # {"epoch", "rows": [(key, row), ...], ...}
     agent.stop.remote()
 
-The agent spawns the node process (`pipeline.cluster.node`: broker and consumers, as
+The agent spawns the node process (`pipeline.runtime.node`: broker and consumers, as
 `pipeline broker start` and `consumer start` run them) and is the node's producer: it
 submits what the driver sends through a `BrokerProducer` on the node's broker socket, and
 keeps, in memory, which item id is which of the driver's keys. `poll` reads the results
@@ -28,22 +28,13 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
-import select
 import shutil
-import signal
-import subprocess
-import sys
 
-from pipeline.cluster.node import NodeSpec
+from pipeline.runtime.node import NodeHandle, NodeSpec
 from pipeline.producer.client import BrokerProducer
 from pipeline.producer.feed import feed
 from pipeline.producer.workload import WorkItem
 
-# How long the node's broker may take to start (recovery of a node's store that came back).
-NODE_START_TIMEOUT_S = 120.0
-# How long the node process may take to stop its consumers and broker before it is killed.
-NODE_STOP_TIMEOUT_S = 40.0
 # Longest results line read: the consumers' own bound (pipeline/reporting/accounting.py) and more.
 MAX_TAIL_LINE_BYTES = 1 << 24
 
@@ -110,8 +101,7 @@ class NodeAgent:
         self.slot = slot
         self.epoch = epoch
         self.spec = spec
-        self.node_pid: int | None = None  # the node process (not our child: see node.py)
-        self.stdout = None  # its stdout: the ready line, then the stopped line
+        self.node: NodeHandle | None = None  # the node process, once started
         self.producer: BrokerProducer | None = None
         self.tail: ResultsTail | None = None
         self.keys: dict[int, int] = {}  # item id -> the driver's key, for items not answered yet
@@ -124,30 +114,13 @@ class NodeAgent:
             raise StaleEpochError(f"node {self.slot}: a call for epoch {epoch}, but this agent is epoch {self.epoch}")
 
     def start(self) -> dict:
-        """Spawn the node process and connect to its broker; where they run."""
-        data_dir = self.spec.settings.data_dir
-        os.makedirs(data_dir, mode=0o700, exist_ok=True)
-        spawned = subprocess.Popen([sys.executable, "-m", "pipeline.cluster.node", data_dir],
-                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
-        spawned.stdin.write(pickle.dumps(self.spec))
-        spawned.stdin.close()
-        self.stdout = spawned.stdout
-        line = self._line(NODE_START_TIMEOUT_S)
-        status = spawned.wait()  # the first process exits at once; the node process is its child
-        if not line:
-            raise RuntimeError(f"node {self.slot}: its broker did not start on {data_dir} "
-                               f"(node process status {status})")
-        info = json.loads(line)
-        self.node_pid = info["node_pid"]
+        """Start the node process and connect to its broker; where they run."""
+        self.node = NodeHandle(self.spec)
+        info = self.node.start()
         self.tail = ResultsTail(info["results_dir"])
         self.producer = BrokerProducer(info["socket"])
         return {**info, "slot": self.slot, "epoch": self.epoch, "agent_pid": os.getpid(),
                 "host": os.uname().nodename}
-
-    def _line(self, timeout_s: float) -> bytes:
-        """The node process's next line on its stdout, or b"" (it ended, or said nothing in time)."""
-        ready, _, _ = select.select([self.stdout], [], [], timeout_s)
-        return self.stdout.readline() if ready else b""
 
     def submit(self, epoch: int, keys: list[int], items: list[WorkItem]) -> int:
         """Submit `items` (key k is items[k]'s) to the node's broker; how many went in."""
@@ -184,21 +157,7 @@ class NodeAgent:
             except TimeoutError:
                 pass  # records never stored stay in the ring; the node process removes it
             self.producer = None
-        code = None
-        if self.node_pid is not None:
-            try:
-                os.kill(self.node_pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            line = self._line(NODE_STOP_TIMEOUT_S)
-            code = json.loads(line)["stopped"] if line.startswith(b'{"stopped"') else None
-            if code is None:
-                try:
-                    os.kill(self.node_pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            self.stdout.close()
-            self.node_pid = None
+        code = self.node.stop() if self.node is not None else None
         if remove and code == 0:
             shutil.rmtree(self.spec.settings.data_dir, ignore_errors=True)
         return {"slot": self.slot, "node_exit": code, "discarded": self.discarded}

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 
 from pipeline.cluster.agent import NodeAgent
 from pipeline.cluster.ledger import ACCEPTED, STALE, JobLedger
-from pipeline.cluster.node import NodeSpec
+from pipeline.runtime.node import NodeSpec
 from pipeline.cluster.routing import Router, RoutingPlan, ShapeTally
 from pipeline.cluster.stream import Cursor, ItemSource, Routes, tally_items
 from pipeline.runtime.settings import LaunchSettings

@@ -66,14 +66,7 @@ from pipeline.runtime.producer_processes import start_producer, start_producers
 from pipeline.runtime.prompttime import PromptTimer, process_cpu_ns, process_state
 from pipeline.runtime.settings import DEFAULT_CPU_CONSUMERS, LaunchSettings, engine_options_for_host
 from pipeline.runtime.signals import Interrupts
-from pipeline.runtime.tables import (
-    BROKER_OWN_OPTIONS,
-    CONSUMER_OWN_OPTIONS,
-    broker_config,
-    consumer_settings,
-    non_defaults,
-    shown,
-)
+from pipeline.runtime.tables import broker_config, consumer_settings, run_settings
 from pipeline.wire.client import broker_status
 from pipeline.wire.dirpin import DirPin, moved_message
 from pipeline.wire.errors import DataDirMovedError, PipelineError
@@ -345,24 +338,27 @@ class Launcher:
                 status = broker_status(self.config.socket_path)
                 unanswered_since_s = None
             except (OSError, TimeoutError, PipelineError) as exc:
-                self.broker.join(BROKER_EXIT_WAIT_S if unanswered_since_s is None else STOP_POLL_S)
-                if not self.broker.is_alive():  # a dying broker resets connections first
-                    return status, self._failure() or f"the broker stopped answering: {exc}"
-                now_s = time.monotonic()
-                unanswered_since_s = unanswered_since_s or now_s
-                if now_s - warned_s >= UNANSWERED_WARN_INTERVAL_S:
-                    warned_s = now_s
-                    log.warning("the broker (pid %d, %s) has not answered for %.0f s (%s); waiting for it "
-                                "(Ctrl-C stops the run)", self.broker.pid, process_status(self.broker.pid),
-                                now_s - unanswered_since_s, exc)
-                continue
+                if self.broker is None:  # a node's (`attached.py`): its owner starts it again
+                    status = None
+                else:
+                    self.broker.join(BROKER_EXIT_WAIT_S if unanswered_since_s is None else STOP_POLL_S)
+                    if not self.broker.is_alive():  # a dying broker resets connections first
+                        return status, self._failure() or f"the broker stopped answering: {exc}"
+                    now_s = time.monotonic()
+                    unanswered_since_s = unanswered_since_s or now_s
+                    if now_s - warned_s >= UNANSWERED_WARN_INTERVAL_S:
+                        warned_s = now_s
+                        log.warning("the broker (pid %d, %s) has not answered for %.0f s (%s); waiting for it "
+                                    "(Ctrl-C stops the run)", self.broker.pid, process_status(self.broker.pid),
+                                    now_s - unanswered_since_s, exc)
+                    continue
             self.on_status(status, time.monotonic())
             if self._done(status):
                 return status, "completed"
             time.sleep(WATCH_INTERVAL_S)
 
     def _failure(self) -> str:
-        if not self.broker.is_alive():
+        if self.broker is not None and not self.broker.is_alive():
             return f"the broker exited with status {self.broker.exitcode}"
         for process in self.consumers:
             if not process.is_alive():
@@ -373,12 +369,18 @@ class Launcher:
         return ""
 
     def _done(self, status: BrokerStatus) -> bool:
+        if not self._producers_finished():
+            return False
+        published = self.ledger.total_published() + self._retired_published
+        return run_is_done(status, published)
+
+    def _producers_finished(self) -> bool:
+        """Every producer handed over its share and exited (the first time: when, noted)."""
         if any(process.exitcode is None for process in self.producers):
             return False
         if not self._producers_span_ns[1]:
             self._producers_span_ns[1] = time.monotonic_ns()
-        published = self.ledger.total_published() + self._retired_published
-        return run_is_done(status, published)
+        return True
 
     def _supervise(self) -> None:
         """A producer of a workload with a time limit per request (`busy_limit_s`: a batch
@@ -539,16 +541,8 @@ class Launcher:
         # The consumers' own settings on placeholders of their own options (the report skips
         # those): no GPU scan or model check again at the end of a run that may have failed.
         consumer = ConsumerConfig(self.config.socket_path, self.results_dir, "settings", **self._consumer_settings)
-        engine = {"name": self.settings.engine, "consumers": self.consumer_count,
-                  "options": dict(self.engine_options), "filled_in": dict(self.engine_filled)}
-        return {"broker": shown(self.config, skip=BROKER_OWN_OPTIONS),
-                "consumer": shown(consumer, skip=CONSUMER_OWN_OPTIONS),
-                "engine": engine,
-                "changed": {**{f"broker.{k}": v for k, v in non_defaults(self.config, BROKER_OWN_OPTIONS).items()},
-                            **{f"consumer.{k}": v
-                               for k, v in non_defaults(consumer, CONSUMER_OWN_OPTIONS).items()},
-                            **({"engine": self.settings.engine} if self.settings.engine != "sim" else {}),
-                            **{f"engine_options.{k}": v for k, v in self.engine_options.items()}}}
+        return run_settings(self.config, consumer, self.settings.engine, self.consumer_count, self.engine_options,
+                            self.engine_filled)
 
     def _take_stock(self, results, rings: RingStock, completed: bool) -> Stock:
         """Where every item is. A completed run has nothing left in the store (the broker

@@ -128,6 +128,20 @@ def shown(config: object, skip: frozenset[str] = frozenset()) -> dict[str, Any]:
     return {key: _plain(value) for key, value in asdict(config).items() if key not in skip}
 
 
+def run_settings(broker: BrokerConfig, consumer: ConsumerConfig, engine: str, consumers: int, engine_options: dict,
+                 filled_in: dict) -> dict[str, Any]:
+    """A run's broker and consumer settings as they ran, its engine's, and which of them differ
+    from the defaults (the report's "settings")."""
+    return {"broker": shown(broker, skip=BROKER_OWN_OPTIONS),
+            "consumer": shown(consumer, skip=CONSUMER_OWN_OPTIONS),
+            "engine": {"name": engine, "consumers": consumers, "options": dict(engine_options),
+                       "filled_in": dict(filled_in)},
+            "changed": {**{f"broker.{k}": v for k, v in non_defaults(broker, BROKER_OWN_OPTIONS).items()},
+                        **{f"consumer.{k}": v for k, v in non_defaults(consumer, CONSUMER_OWN_OPTIONS).items()},
+                        **({"engine": engine} if engine != "sim" else {}),
+                        **{f"engine_options.{k}": v for k, v in engine_options.items()}}}
+
+
 def non_defaults(config: object, skip: frozenset[str] = frozenset(), prefix: str = "") -> dict[str, Any]:
     """The fields of a settings object that differ from their defaults, dotted (lanes.max_lanes)."""
     out: dict[str, Any] = {}

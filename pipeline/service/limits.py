@@ -16,11 +16,12 @@ COMPLETION_WINDOW_RANGE_S = (60, 7 * 24 * 3600)
 # expires a batch at once) to the real window.
 TEST_WINDOW_RANGE_S = (1, COMPLETION_WINDOW_S)
 
-# Batches whose jobs run at once. One: each batch's job runs its own broker and consumers,
-# and two vLLM engines on one GPU would split its memory between them; jobs that share a
-# broker (and its prefix cache) are the next step, not more jobs side by side.
-DEFAULT_MAX_CONCURRENT_BATCHES = 1
-# The most the option takes: every running job holds producers, a broker and consumers.
+# Batches whose jobs run at once, all on the node's one broker and engines: their requests
+# meet in its store, so jobs that share prompts share the cache. Four: each job holds its
+# producers (a tokenizer and a 64 MiB ring each, as many as the cores), and more jobs at
+# once only split the same engines further.
+DEFAULT_MAX_CONCURRENT_BATCHES = 4
+# The most the option takes: every running job holds its producers.
 MAX_CONCURRENT_BATCHES = 64
 
 # A tenant's stored bytes (its uploads and the outputs made for it): OpenAI's project file

@@ -18,8 +18,11 @@ job's resume is the same command: run-batch answers each request once across any
 of runs. A child gets SIGTERM (a graceful stop) if the server dies; a restarted server
 waits for such a job to let go of its lock (`busy`) before it runs it again.
 
-NOTE: the next executor runs every batch's requests on one shared broker; the scheduler and
-the API do not change with it.
+With a node (`pipeline.runtime.node`: one broker and its consumers, started with the first
+job and kept until the executor shuts down, started again if it stopped), every job runs on
+it (`run-batch --node`): its producers feed the node's broker and it reads its answers from
+the node's results, so the jobs' requests meet in one prefix-ordered store and engine cache,
+and no job pays an engine's start. The node's data directory is DATA_DIR/node.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import sys
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -42,9 +45,13 @@ from pipeline.batchjob.answers import records_path
 from pipeline.batchjob.jobfiles import remove_data_dir
 from pipeline.batchjob.jobstatus import CHECKING, job_status
 from pipeline.batchjob.layout import ANSWER_RECORD_SIZE_BYTES, LOG_ERRORS, LOG_OUTPUT, valid_records
+from pipeline.batchjob.workload import JOB_MODEL
 from pipeline.runtime.local import stop_with_parent
+from pipeline.runtime.node import NodeHandle, NodeSpec
+from pipeline.runtime.settings import LaunchSettings
 from pipeline.service.limits import JOB_LOG_TAIL_BYTES, JOB_LOG_TAIL_LINES
 from pipeline.wire.errors import JobMismatchError
+from pipeline.wire.generation import LORA_FIRST_MODEL
 
 log = logging.getLogger("pipeline.service")
 
@@ -156,14 +163,16 @@ class RunBatchExecutor(Executor):
     """Each batch a `pipeline run-batch` child process (the module's doc). `job_args`: the
     command line's engine and model options, the same for every job."""
 
-    def __init__(self, job_args: list[str]) -> None:
+    def __init__(self, job_args: list[str], node: NodeSpec | None = None) -> None:
         self.job_args = list(job_args)
         self.children: dict[str, subprocess.Popen] = {}
         self._signalled: set[str] = set()
+        self.node = NodeHandle(node) if node is not None else None
 
     def command(self, run: BatchRun) -> list[str]:
         path = run.work_dir
-        return [sys.executable, "-m", "pipeline", "run-batch", "-i", run.input_path,
+        node = ["--node", self.node.spec.settings.data_dir] if self.node is not None else []
+        return [sys.executable, "-m", "pipeline", "run-batch", *node, "-i", run.input_path,
                 "-o", os.path.join(path, OUTPUT_NAME), "--error-file", os.path.join(path, ERRORS_NAME),
                 "--output-order", "completion", "--data-dir", os.path.join(path, DATA_NAME),
                 "--summary-file", os.path.join(path, SUMMARY_NAME),
@@ -173,6 +182,7 @@ class RunBatchExecutor(Executor):
         assert run.batch_id not in self.children, run.batch_id
         if _held(run):
             return False
+        self._ensure_node()
         os.makedirs(run.work_dir, mode=0o700, exist_ok=True)
         log_fd = os.open(os.path.join(run.work_dir, LOG_NAME), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
                          0o600)
@@ -186,6 +196,25 @@ class RunBatchExecutor(Executor):
         self._watch(child)
         log.info("batch %s: job started (pid %d, %s)", run.batch_id, child.pid, run.work_dir)
         return True
+
+    def _ensure_node(self) -> None:
+        """The node serving (started now where it is not: the first job, or one it stopped
+        for: a process of it died); RuntimeError where it cannot start."""
+        if self.node is None or self.node.alive():
+            return
+        if self.node.node_pid is not None:
+            log.warning("the node (pid %d) stopped: started again", self.node.node_pid)
+            self.node.stop()
+        info = self.node.start()
+        log.info("node started (pid %d, %d consumers, %s)", info["node_pid"], info["consumers"],
+                 self.node.spec.settings.data_dir)
+
+    def _keep_node(self) -> None:
+        """A node that stopped while jobs run on it started again (their producers wait for it)."""
+        try:
+            self._ensure_node()
+        except RuntimeError as exc:
+            log.error("%s; tried again at the next poll", exc)
 
     def resume(self, run: BatchRun) -> bool:
         """The same command: run-batch resumes a job on its data directory."""
@@ -209,6 +238,8 @@ class RunBatchExecutor(Executor):
             os.close(fd)
 
     def poll(self, run: BatchRun) -> Progress:
+        if self.children:
+            self._keep_node()
         child = self.children.get(run.batch_id)
         if child is None:
             progress = job_progress(run)
@@ -284,6 +315,17 @@ class RunBatchExecutor(Executor):
                 child.kill()
                 child.wait()
         self.children.clear()
+        if self.node is not None:
+            self.node.stop()
+
+
+def node_spec(settings: LaunchSettings, node_dir: str) -> NodeSpec:
+    """The node of a service whose jobs run with `settings` (every job's: the same model and
+    engine), on `node_dir`: it serves the model and each of its LoRA adapters (the model ids
+    a job's items carry, `JobWorkload.models`)."""
+    adapters = len(settings.engine_options.get("lora_modules") or ())
+    return NodeSpec(replace(settings, data_dir=node_dir),
+                    (JOB_MODEL, *range(LORA_FIRST_MODEL, LORA_FIRST_MODEL + adapters)))
 
 
 def _wait_then(pidfd: int, then: Callable[[], None]) -> None:

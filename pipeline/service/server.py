@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pipeline.service.app import ServiceConfig, make_app
 from pipeline.service.auth import Tenants, check_host
 from pipeline.service.limits import REQUESTS_STOP_WAIT_S
+from pipeline.runtime.node import NodeSpec
 from pipeline.service.runner import RunBatchExecutor
 from pipeline.service.scheduler import Scheduler
 from pipeline.service.states import TERMINAL
@@ -34,6 +35,7 @@ class ServeOptions:
     job_args: list[str]  # run-batch's options for every job (model, engine, flags)
     max_concurrent: int
     api: ServiceConfig
+    node: NodeSpec | None  # the broker and consumers every job runs on (`runner.node_spec`)
     verbose: bool = False
 
 
@@ -60,7 +62,7 @@ def serve(options: ServeOptions, say) -> None:
     sock = bind(options.host, options.port)
     store = Store.open(options.data_dir)
     try:
-        scheduler = Scheduler(store, RunBatchExecutor(options.job_args), options.max_concurrent)
+        scheduler = Scheduler(store, RunBatchExecutor(options.job_args, options.node), options.max_concurrent)
         app = make_app(store, scheduler, options.tenants, options.api)
         batches = store.all_batches()
         unfinished = sum(1 for b in batches if b.life.status not in TERMINAL)

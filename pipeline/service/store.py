@@ -61,7 +61,8 @@ FILES_DIR = "files"
 BATCHES_DIR = "batches"
 JOBS_DIR = "jobs"
 UPLOADS_DIR = "uploads"
-SERVICE_NAMES = frozenset({LOCK_NAME, FILES_DIR, BATCHES_DIR, JOBS_DIR, UPLOADS_DIR})
+NODE_DIR = "node"  # the broker's and consumers' data directory, every job's (`runner.py`)
+SERVICE_NAMES = frozenset({LOCK_NAME, FILES_DIR, BATCHES_DIR, JOBS_DIR, UPLOADS_DIR, NODE_DIR})
 RECORD_SUFFIX = ".json"
 CONTENT_SUFFIX = ".jsonl"
 # An upload's kept scan (`prescan.py`): its index and line digests.

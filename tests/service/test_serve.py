@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from tests.support.commands import one_line_error, pipeline
-from tests.support.jobs import build_model, chat, completion
+from tests.support.jobs import build_model, chat, completion, output_rows, run_batch
 from tests.support.repo import ROOT
 from tests.support.service import (
     Server,
@@ -119,6 +119,41 @@ def test_a_malformed_upload_and_a_wrong_endpoint_are_400_with_openais_body(tmp_p
         client.batches.create(input_file_id="file-missing", endpoint="/v1/completions", completion_window="24h")
 
 
+def _cached_tokens(rows: list[dict]) -> int:
+    return sum(row["response"]["body"]["usage"]["prompt_tokens_details"]["cached_tokens"] for row in rows)
+
+
+def test_two_batches_run_on_one_node_and_share_its_cache(tmp_path, model_dir, servers):
+    """Two batches over the same system prompts, submitted together: both run on the server's
+    one node (its store and results, none of the jobs' own), and the second finds the prompts
+    the first brought in the node's cache, where run one after the other through run-batch
+    each job starts cold."""
+    prompts = [f"You are agent {k}. " + " ".join(f"rule {k}.{j}: answer briefly and well." for j in range(40))
+               for k in range(4)]
+    jobs = [[chat(f"{name}{k}", f"question {name} {k}", system=prompts[k % 4]) for k in range(24)] for name in "ab"]
+    files = [requests_file(tmp_path / f"{name}.jsonl", records) for name, records in zip("ab", jobs)]
+    alone = 0
+    for path in files:
+        out = tmp_path / f"{path.stem}.out.jsonl"
+        done = run_batch("-i", str(path), "-o", str(out), "--model", model_dir, "--engine", "sim")
+        assert done.returncode == 0, done.stderr
+        alone += _cached_tokens(output_rows(out))
+    server = serve(servers, tmp_path, model_dir)
+    client = server.client()
+    batches = [client.batches.create(input_file_id=upload(client, path).id, endpoint="/v1/chat/completions",
+                                     completion_window="24h") for path in files]
+    together = 0
+    for batch, records in zip(batches, jobs):
+        done = wait_batch(client, batch.id, ended, "the batch to end")
+        assert done.status == "completed", server.log()
+        output, errors = one_line_per_request(client, done, records)
+        assert errors == []
+        together += _cached_tokens(output)
+    assert together > alone, (together, alone)
+    runs = list((server.data_dir / "node" / "results").iterdir())  # one node, started once
+    assert len(runs) == 1 and sum(len(f.read_text().splitlines()) for f in runs[0].glob("*.jsonl")) == 48
+
+
 def slow_batch(servers: list, tmp_path, model_dir: str, *args: str):
     """A slow server and a batch of SLOW_REQUESTS on it: (server, client, its input file, its
     requests, the batch as created)."""
@@ -210,6 +245,22 @@ def test_a_server_stopped_then_killed_mid_batch_resumes_with_one_line_per_reques
     output, errors = one_line_per_request(client, done, records)
     assert len(output) == SLOW_REQUESTS and errors == []
     assert lines_of(client, done.output_file_id) == output
+
+
+@pytest.mark.campaign
+@pytest.mark.timeout(LONG_TEST_S)
+def test_a_node_killed_mid_batch_is_started_again_and_the_batch_completes(tmp_path, model_dir, servers):
+    server, client, source, records, batch = slow_batch(servers, tmp_path, model_dir)
+    wait_batch(client, batch.id, lambda b: b.request_counts.completed > 0, "the first answers")
+    found = [p for p in psutil.process_iter(["cmdline"]) if "pipeline.runtime.node" in (p.info["cmdline"] or [])
+             and str(server.data_dir) in " ".join(p.info["cmdline"])]  # the node, and its broker and consumers
+    nodes = [p for p in found if p.ppid() not in {q.pid for q in found}]
+    assert len(nodes) == 1 and len(found) > 1, found
+    nodes[0].kill()
+    done = wait_batch(client, batch.id, ended, "the batch to end")
+    assert done.status == "completed", server.log()
+    output, errors = one_line_per_request(client, done, records)
+    assert len(output) == SLOW_REQUESTS and errors == []
 
 
 def test_serve_refuses_in_one_line(tmp_path, model_dir):
