@@ -44,7 +44,7 @@ LANE_KEYS = {"opened", "reused", "force_fits", "raises", "quiesced", "released",
 CONSUMER_KEYS = {"id", "pid", "credit", "batches_held", "model", "max_batch_items", "max_batch_tokens",
                  "max_input_len"}
 # What pipeline.consumer.process `run_batch` reports once its corrupt item ids are popped.
-WORK_KEYS = {"items_ok", "items_too_long", "items_corrupt", "items_error", "prompt_tokens", "padded_tokens", "cacheable_tokens",
+WORK_KEYS = {"items_ok", "items_too_long", "items_corrupt", "items_error", "items_cancelled", "prompt_tokens", "padded_tokens", "cacheable_tokens",
              "cache_hit_tokens", "cacheable_hit_tokens", "compulsory_miss_tokens", "output_tokens",
              "engine_prefix_cache_queries", "engine_prefix_cache_hits", "engine_checked_prompt_tokens",
              "engine_checked_cache_hit_tokens", "busy_ns"}

@@ -46,6 +46,7 @@ from pipeline.batchjob.manifest import JOB_DIR, JobManifest
 from pipeline.batchjob.output import (
     HTTP_OK,
     HTTP_SERVER_ERROR,
+    ROW_CANCELLED,
     ROW_CORRUPT,
     ROW_OK,
     RequestRef,
@@ -275,6 +276,8 @@ class Collector:
         status = row.get("status")
         if status == ROW_CORRUPT:
             self.counts.corrupt += 1
+            return None
+        if status == ROW_CANCELLED:  # not run (the batch ended): unanswered, as if never dispatched
             return None
         request = self._request(index, offset, length, digest)
         tag = self.manifest.id_tag

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from pipeline.wire.owners import OWNED_PAYLOAD_MAGIC, OWNER_OFFSET_BYTES, OWNER_SIZE_BYTES
 from shm.layout import checked_dtype, struct_for
 
 JOB_PAYLOAD_MAGIC = b"SBJR"
@@ -58,6 +59,10 @@ JOB_PAYLOAD_DTYPE = checked_dtype(
     itemsize=56,
 )
 JOB_PAYLOAD_SIZE_BYTES = JOB_PAYLOAD_DTYPE.itemsize
+# A job's items are owned payloads (`wire/owners.py`): a consumer answers those of an ended
+# batch without running them.
+assert JOB_PAYLOAD_MAGIC == OWNED_PAYLOAD_MAGIC and JOB_PAYLOAD_DTYPE.fields["job_id"][1] == OWNER_OFFSET_BYTES
+assert JOB_PAYLOAD_DTYPE.fields["job_id"][0].itemsize == OWNER_SIZE_BYTES
 _PAYLOAD = struct_for(JOB_PAYLOAD_DTYPE)
 _MADE_NS_OFFSET = int(JOB_PAYLOAD_DTYPE.fields["made_ns"][1])
 # The request's answer is made with more than its results row (logprobs, an echo, tool calls):

@@ -79,6 +79,7 @@ CODE_CONTEXT_LENGTH = "context_length_exceeded"
 ROW_OK = "ok"
 ROW_TOO_LONG = "too_long"
 ROW_CORRUPT = "corrupt"
+ROW_CANCELLED = "cancelled"  # the item's batch ended before it ran: no answer (consumer/results.py)
 ROW_ERROR = "error"
 # A row's counts, as the output's usage names them.
 USAGE_KEYS = ("prompt_tokens", "output_tokens", "cached_tokens")

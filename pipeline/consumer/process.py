@@ -65,6 +65,7 @@ from pipeline.consumer.engines import Engine, EngineBatch, make_engine
 from pipeline.consumer.engines.base import BATCH_TOTALS, CHECK_KEYS, EngineResult
 from pipeline.consumer.reader import ReadBatch, SegmentReader
 from pipeline.consumer.results import (
+    STATUS_CANCELLED,
     STATUS_CORRUPT,
     STATUS_ERROR,
     STATUS_OK,
@@ -88,6 +89,7 @@ from pipeline.wire.errors import (
 from pipeline.wire.generation import GENERATION_MAGIC, GenerationParams, PayloadDecoder
 from pipeline.wire.layouts.descriptors import Descriptor, descriptor_size_bytes, parse_descriptor
 from pipeline.wire.layouts.names import SEGMENTS_DIR
+from pipeline.wire.owners import EndedOwners
 from pipeline.wire.protocol import RECONNECT_FIRST_S, RECONNECT_MAX_S
 from shm.ring import RingReader
 from shm.ring_layout import RECORD_ALIGN_BYTES, RECORD_HEADER_SIZE_BYTES, align_up
@@ -111,6 +113,7 @@ class ConsumerCounters:
     batches: int = 0
     items: int = 0
     items_too_long: int = 0
+    items_cancelled: int = 0  # their owner ended: answered without running them
     items_corrupt: int = 0
     items_error: int = 0  # items the engine failed (answered with its message)
     items_stale: int = 0  # completed elsewhere while this consumer was declared dead
@@ -168,6 +171,7 @@ class Consumer:
         self.counters = ConsumerCounters()
         self._reader: SegmentReader | None = None
         self._pin: DirPin | None = None  # the data directory as the first session found it
+        self._ended = EndedOwners(None)  # whose items are answered unrun: the served data directory's
         self._checks_sent: dict[str, int] = {}  # the engine's check_totals as last reported
         # Slices submitted to the engine, by engine key, and slices waiting for room in it;
         # both of the current session only (the broker takes their batches back at goodbye).
@@ -265,6 +269,7 @@ class Consumer:
             self._pin = DirPin.take(session.data_dir)  # the first time: the folder the broker serves
         if self._reader is None or self._reader.root != os.path.join(session.data_dir, SEGMENTS_DIR):
             self._reader = SegmentReader(session.data_dir, pin=self._pin)
+            self._ended = EndedOwners(session.data_dir)
         credit = self._credit_window(session.ring)
         session.send({"type": "request_work", "credit": credit.start()})
         pace = Pace()
@@ -379,7 +384,8 @@ class Consumer:
 
     def start_batch(self, descriptor: Descriptor) -> HeldBatch:
         """Read a batch's entries and answer those the engine will not run: corrupt ones
-        (failed their checks), too long ones (over the contract's max input length), and
+        (failed their checks), too long ones (over the contract's max input length), ones
+        whose owner ended (STATUS_CANCELLED: a cancelled batch's, `wire/owners.py`), and
         ones whose generation envelope is malformed (STATUS_ERROR). Copies what it keeps of
         the descriptor: its ring record may be released once this returns."""
         got = self._reader.read_batch(descriptor.model, descriptor.signature, descriptor.items)
@@ -400,16 +406,14 @@ class Consumer:
                                               nothing, [[]] * len(nothing), [b""] * len(nothing)))
             started.statuses[STATUS_CORRUPT] = len(nothing)
         got, params = self._split_payloads(started, got)
+        self._ended.refresh()
+        ended = self._ended.positions(got.payloads)
+        if ended:
+            got, params = _set_aside(started, got, params, ended, STATUS_CANCELLED)
         limit = self.config.max_input_len
         if got.lengths and max(got.lengths) > limit:
-            long = select_rows(got, [i for i, n in enumerate(got.lengths) if n > limit])
-            count = len(long.item_ids)
-            started.lines.append(result_lines(descriptor, STATUS_TOO_LONG, long.item_ids, long.submit_ns,
-                                              long.lengths, [0] * count, [[]] * count, long.payloads,
-                                              digests=long.digests))
-            started.statuses[STATUS_TOO_LONG] = count
-            keep = [i for i, n in enumerate(got.lengths) if n <= limit]
-            got, params = select_rows(got, keep), [params[i] for i in keep]
+            got, params = _set_aside(started, got, params, [i for i, n in enumerate(got.lengths) if n > limit],
+                                     STATUS_TOO_LONG)
         started.got = got
         started.params = params if any(p is not None for p in params) else []
         return started
@@ -458,6 +462,7 @@ class Consumer:
         c.batches += 1
         c.items += sum(started.statuses.values())
         c.items_too_long += started.statuses[STATUS_TOO_LONG]
+        c.items_cancelled += started.statuses[STATUS_CANCELLED]
         c.items_corrupt += started.statuses[STATUS_CORRUPT]
         c.items_error += started.statuses[STATUS_ERROR]
         c.prompt_tokens += sum(started.got.lengths)
@@ -527,3 +532,17 @@ def descriptors_that_fit(capacity_bytes: int, max_batch_items: int) -> int:
     but only 30 whatever the wrap."""
     record = RECORD_HEADER_SIZE_BYTES + align_up(descriptor_size_bytes(max_batch_items))
     return max(1, (capacity_bytes - record + RECORD_ALIGN_BYTES) // record)
+
+
+def _set_aside(started: HeldBatch, got: ReadBatch, params: list, positions: list[int],
+               status: str) -> tuple[ReadBatch, list]:
+    """Answer the items at `positions` of `got` with `status` and no output (the engine does
+    not run them); the rest of `got`, and their parameters."""
+    aside = select_rows(got, positions)
+    count = len(aside.item_ids)
+    started.lines.append(result_lines(started.descriptor, status, aside.item_ids, aside.submit_ns, aside.lengths,
+                                      [0] * count, [[]] * count, aside.payloads, digests=aside.digests))
+    started.statuses[status] += count
+    excluded = set(positions)
+    keep = [i for i in range(len(got.item_ids)) if i not in excluded]
+    return select_rows(got, keep), [params[i] for i in keep]

@@ -22,7 +22,8 @@ never rewrites), null where nothing could be read (STATUS_CORRUPT): the end-to-e
 (lab.reliability). The *_ns fields are time.monotonic_ns():
 one clock for every process of the machine; done_ns is taken once per call, as a batch's
 lines are formatted, just before they are written. `status` is STATUS_OK, STATUS_TOO_LONG
-(longer than the contract's max input length: no output), STATUS_CORRUPT (the entry failed
+(longer than the contract's max input length: no output), STATUS_CANCELLED (its owner
+ended, `pipeline/wire/owners.py`: not run, no output), STATUS_CORRUPT (the entry failed
 its checks: no output, no payload) or STATUS_ERROR (the engine failed that item: no output,
 and one more key, "error", with the engine's message; `error_lines`). Readers: `pipeline.reporting.accounting`.
 
@@ -78,6 +79,7 @@ _OPEN_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOL
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 STATUS_OK = "ok"
 STATUS_TOO_LONG = "too_long"
+STATUS_CANCELLED = "cancelled"  # its owner ended (`wire/owners.py`): not run, no output
 STATUS_CORRUPT = "corrupt"
 STATUS_ERROR = "error"
 

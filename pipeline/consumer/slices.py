@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from pipeline.consumer.engines.base import EngineBatch, EngineCounters
 from pipeline.consumer.reader import ReadBatch, ReadSpan
-from pipeline.consumer.results import STATUS_CORRUPT, STATUS_ERROR, STATUS_OK, STATUS_TOO_LONG
+from pipeline.consumer.results import STATUS_CANCELLED, STATUS_CORRUPT, STATUS_ERROR, STATUS_OK, STATUS_TOO_LONG
 from pipeline.wire.generation import GenerationParams
 from pipeline.wire.layouts.descriptors import Descriptor
 
@@ -85,7 +85,7 @@ class HeldBatch:
     lines: list[str] = field(default_factory=list)
     corrupt: list[int] = field(default_factory=list)
     statuses: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
-        (STATUS_OK, STATUS_TOO_LONG, STATUS_CORRUPT, STATUS_ERROR), 0))
+        (STATUS_OK, STATUS_TOO_LONG, STATUS_CORRUPT, STATUS_ERROR, STATUS_CANCELLED), 0))
     slices_left: int = 0
     counted: EngineCounters = field(default_factory=EngineCounters)
 

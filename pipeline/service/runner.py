@@ -5,6 +5,7 @@
     executor.poll(run)        its Progress: waiting, busy, checking, running, or ended (and how:
                               said once, at the poll that finds it; waiting after that)
     executor.cancel(run)      stop it gracefully: what was answered is kept
+    executor.forget(run)      it ended (cancelled, expired, failed): what it left queued is not run
     executor.answers(run)     what a stopped run answered: its output and error lines, which requests
     executor.discard(run)     its work files, once the batch's own files are written
     executor.shutdown(wait_s) stop every run gracefully (the server stops)
@@ -45,6 +46,7 @@ from pipeline.batchjob.answers import records_path
 from pipeline.batchjob.jobfiles import remove_data_dir
 from pipeline.batchjob.jobstatus import CHECKING, job_status
 from pipeline.batchjob.layout import ANSWER_RECORD_SIZE_BYTES, LOG_ERRORS, LOG_OUTPUT, valid_records
+from pipeline.batchjob.manifest import load_manifest
 from pipeline.batchjob.workload import JOB_MODEL
 from pipeline.runtime.local import stop_with_parent
 from pipeline.runtime.node import NodeHandle, NodeSpec
@@ -52,6 +54,7 @@ from pipeline.runtime.settings import LaunchSettings
 from pipeline.service.limits import JOB_LOG_TAIL_BYTES, JOB_LOG_TAIL_LINES
 from pipeline.wire.errors import JobMismatchError
 from pipeline.wire.generation import LORA_FIRST_MODEL
+from pipeline.wire.owners import add_ended_owner
 
 log = logging.getLogger("pipeline.service")
 
@@ -145,6 +148,10 @@ class Executor(ABC):
     @abstractmethod
     def cancel(self, run: BatchRun) -> None: ...
 
+    def forget(self, run: BatchRun) -> None:
+        """The batch ended before its end (cancelled, expired, failed): its requests still
+        queued are not run. Nothing to do where each run's queue goes with it."""
+
     @abstractmethod
     def answers(self, run: BatchRun) -> Answers: ...
 
@@ -168,6 +175,7 @@ class RunBatchExecutor(Executor):
         self.children: dict[str, subprocess.Popen] = {}
         self._signalled: set[str] = set()
         self.node = NodeHandle(node) if node is not None else None
+        self._forgotten: set[str] = set()  # batches whose items the node skips (`forget`)
 
     def command(self, run: BatchRun) -> list[str]:
         path = run.work_dir
@@ -266,6 +274,21 @@ class RunBatchExecutor(Executor):
             self._signalled.add(run.batch_id)
             with contextlib.suppress(ProcessLookupError):
                 child.send_signal(signal.SIGTERM)
+
+    def forget(self, run: BatchRun) -> None:
+        """The node's consumers answer the job's items still queued without running them
+        (`wire/owners.py`: its id, from its manifest, among the node's ended owners), so a
+        cancelled batch stops taking the engines at once; once per batch and server."""
+        if self.node is None or run.batch_id in self._forgotten:
+            return
+        self._forgotten.add(run.batch_id)
+        try:
+            manifest = load_manifest(os.path.join(run.work_dir, DATA_NAME))
+        except JobMismatchError as exc:  # damaged: its items run, their answers read by nobody
+            log.warning("batch %s: %s", run.batch_id, exc)
+            return
+        if manifest is not None:  # None: it never submitted a request
+            add_ended_owner(self.node.spec.settings.data_dir, manifest.job_id)
 
     def answers(self, run: BatchRun) -> Answers:
         assert run.batch_id not in self.children, run.batch_id

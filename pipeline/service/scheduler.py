@@ -163,6 +163,7 @@ class Scheduler:
             self._change(batch, EXPIRE, now)
             log.info("batch %s: its completion window ended: stopping", batch.id)
         if life.stop is not None and life.status != FINALIZING:
+            self.executor.forget(run)  # what it left queued is not run: the engines are free at once
             self.executor.cancel(run)
         progress = self.executor.poll(run)
         self.last[batch.id] = progress
@@ -192,6 +193,7 @@ class Scheduler:
             if batch.job_failures >= MAX_JOB_FAILURES:
                 batch.errors = [{"code": "job_failed", "message": progress.message, "param": None, "line": None}]
                 self._change(batch, FAIL, now)
+                self.executor.forget(self.run_of(batch))
                 self.executor.discard(self.run_of(batch))
             else:
                 self.store.save_batch(batch)

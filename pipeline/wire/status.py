@@ -137,6 +137,8 @@ class ConsumerWork:
     items_corrupt: int = _doc("Items the consumer found corrupt", Export(COUNTER), default=0)
     items_error: int = _doc("Items the consumer's engine failed (answered with its message)", Export(COUNTER),
                             default=0)
+    items_cancelled: int = _doc("Items the consumer answered without running them: their owner ended (a cancelled "
+                                "batch)", Export(COUNTER), default=0)
     prompt_tokens: int = _doc("Prompt tokens the consumer processed", Export(COUNTER), default=0)
     padded_tokens: int = _doc("Tokens of the consumer's batches, padding included", Export(COUNTER), default=0)
     cacheable_tokens: int = _doc("Prompt tokens inside a declared cacheable prefix", Export(COUNTER), default=0)

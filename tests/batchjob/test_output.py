@@ -130,8 +130,9 @@ def test_a_row_status_that_answers_nothing_makes_no_error_line(status: object, w
 
 
 def test_the_row_statuses_are_the_results_files_words() -> None:
-    assert (output.ROW_OK, output.ROW_TOO_LONG, output.ROW_CORRUPT, output.ROW_ERROR) == (
-        results.STATUS_OK, results.STATUS_TOO_LONG, results.STATUS_CORRUPT, results.STATUS_ERROR)
+    assert (output.ROW_OK, output.ROW_TOO_LONG, output.ROW_CORRUPT, output.ROW_ERROR, output.ROW_CANCELLED) == (
+        results.STATUS_OK, results.STATUS_TOO_LONG, results.STATUS_CORRUPT, results.STATUS_ERROR,
+        results.STATUS_CANCELLED)
 
 
 def test_the_usage_of_a_row_is_its_counts() -> None:

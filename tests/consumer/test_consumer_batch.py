@@ -19,6 +19,7 @@ from pipeline.wire.layouts.descriptors import (
     parse_descriptor,
     write_descriptor,
 )
+from pipeline.wire.owners import OWNED_PAYLOAD_MAGIC, EndedOwners, add_ended_owner
 from pipeline.wire.status import ConsumerWork
 from tests.support.segments import SIG, store
 
@@ -56,6 +57,35 @@ def test_run_batch_writes_a_parseable_line_per_item(tmp_path):
     # What it sends in `complete` (the corrupt ids apart) is exactly the status record's counters.
     assert summary.pop(CORRUPT_KEY) == []
     assert ConsumerWork.from_results(summary).items_ok == 6 - len(too_long)
+    consumer._reader.close()
+    segment.close()
+
+
+def test_the_items_of_an_ended_owner_are_answered_cancelled_without_running(tmp_path):
+    ended_job, live_job = 0xAAAA, 0xBBBB
+    owners = [ended_job, live_job, ended_job, live_job, live_job, ended_job]
+    payloads = [OWNED_PAYLOAD_MAGIC + bytes(4) + owner.to_bytes(8, "little") + b"rest" for owner in owners]
+    path, (items, *_rest), segment = store(str(tmp_path), 0, 6, 9, payloads=payloads)
+    rows = np.zeros(6, dtype=DESCRIPTOR_ITEM_DTYPE)
+    rows["offset"], rows["length"], rows["item_id"] = scan_segment(path).offsets, items["length"], items["item_id"]
+    buf = np.zeros(descriptor_size_bytes(6), dtype=np.uint8)
+    write_descriptor(buf, 0, batch_id=7, signature=SIG, model=2, pad_to_tokens=400, dispatch_ns=5, items=rows)
+    add_ended_owner(str(tmp_path), ended_job)
+    consumer = Consumer(ConsumerConfig("unused.sock", str(tmp_path / "results"), "gpu0", model=2))
+    consumer._reader, consumer._ended = SegmentReader(str(tmp_path)), EndedOwners(str(tmp_path))
+    summary = consumer.run_batch(parse_descriptor(buf))
+    consumer._results.close()
+    by_id = {row["item_id"]: row for row in map(json.loads, open(consumer.results_path))}
+    for k, owner in enumerate(owners):
+        row = by_id[int(items["item_id"][k])]
+        assert base64.b64decode(row["payload"]) == payloads[k]  # the job still finds its item by payload
+        if owner == ended_job:
+            assert (row["status"], row["output"], row["output_tokens"]) == ("cancelled", [], 0)
+        else:
+            assert row["status"] == "ok" and row["output_tokens"] > 0
+    assert (summary["items_cancelled"], summary["items_ok"]) == (3, 3)
+    assert summary["prompt_tokens"] == sum(int(n) for n, o in zip(items["length"], owners) if o == live_job)
+    assert consumer.counters.items_cancelled == 3
     consumer._reader.close()
     segment.close()
 

@@ -62,6 +62,9 @@ class Script(Executor):
             job["state"] = WAITING
         return progress
 
+    def forget(self, run: BatchRun) -> None:
+        self.calls.append(("forget", run.batch_id))
+
     def cancel(self, run: BatchRun) -> None:
         self.calls.append(("cancel", run.batch_id))
         job = self.jobs.get(run.batch_id)
@@ -178,6 +181,8 @@ def test_a_cancel_stops_the_run_and_ends_with_a_line_per_request(store):
     scheduler.cancel(OWNER, batch.id)
     assert batch.life.status == "cancelling"
     scheduler.tick()
+    # Its queued requests are not run, then its run stops.
+    assert script.calls.index(("forget", batch.id)) < script.calls.index(("cancel", batch.id))
     scheduler.tick()
     assert batch.life.status == "cancelled"
     assert [row["custom_id"] for row in content(store, batch.output_file_id)] == ["r1"]
@@ -196,6 +201,7 @@ def test_a_failing_job_is_resumed_then_fails_the_batch(store):
         scheduler.tick()
         assert batch.job_failures == attempt
     assert batch.life.status == "failed" and batch.errors[0]["code"] == "job_failed"
+    assert script.calls[-2:] == [("forget", batch.id), ("discard", batch.id)]
     assert [call for call, _ in script.calls if call in ("start", "resume")] == \
         ["start"] + ["resume"] * (MAX_JOB_FAILURES - 1)
 
@@ -246,6 +252,7 @@ def test_a_batch_at_risk_of_its_deadline_runs_first_and_the_long_one_resumes(sto
     short = batch_of(store, clock, 40, 10)  # 2 s of work, due in 10: behind the long one it ends at 21.5 s
     scheduler.tick()
     assert script.calls[-1] == ("cancel", long.id) and long.id in scheduler.preempted
+    assert ("forget", long.id) not in script.calls  # made way: its requests stay queued, to resume
     scheduler.tick()  # the long run stopped; the short one takes its slot
     assert script.calls[-1] == ("start", short.id) and long.life.status == "in_progress"
     clock.now += 3

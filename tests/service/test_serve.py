@@ -10,12 +10,13 @@ import os
 import signal
 import subprocess
 import sys
+from collections import Counter
 
 import psutil
 import pytest
 
 from tests.support.commands import one_line_error, pipeline
-from tests.support.jobs import build_model, chat, completion, output_rows, run_batch
+from tests.support.jobs import build_model, chat, completion, output_rows, run_batch, wait_until
 from tests.support.repo import ROOT
 from tests.support.service import (
     Server,
@@ -176,6 +177,17 @@ def test_cancel_mid_run_keeps_what_was_answered(tmp_path, model_dir, servers):
     assert 0 < len(output) == done.request_counts.completed < SLOW_REQUESTS
     assert {row["error"]["code"] for row in errors} == {"batch_cancelled"}
     assert all(row["response"] is None for row in errors)
+    # What the batch left queued on the node is answered without running it, not run.
+    wait_until(lambda: "cancelled" in _node_statuses(server), "the node to skip the cancelled batch's items")
+    statuses = _node_statuses(server)
+    assert statuses["ok"] < SLOW_REQUESTS and statuses["ok"] + statuses["cancelled"] <= SLOW_REQUESTS, statuses
+
+
+def _node_statuses(server: Server) -> Counter:
+    """The statuses of the rows the node's consumers wrote."""
+    rows = [json.loads(line) for path in (server.data_dir / "node" / "results").rglob("*.jsonl")
+            for line in path.read_text().splitlines() if line.endswith("}")]
+    return Counter(row["status"] for row in rows)
 
 
 @pytest.mark.campaign

@@ -35,13 +35,20 @@ def make_items(count: int, seed: int = 0):
     return items, tokens, token_starts, payloads, payload_starts
 
 
-def store(data_dir: str, lane: int, count: int, seed: int, first_id: int = 1000) -> tuple[str, tuple, SegmentFile]:
+def store(data_dir: str, lane: int, count: int, seed: int, first_id: int = 1000,
+          payloads: list[bytes] | None = None) -> tuple[str, tuple, SegmentFile]:
     """`count` items of model 2, shape SIG, in segment 0 of `lane` under `data_dir`, ids from
-    `first_id`: the segment's path, its frame and the open segment."""
+    `first_id` (and `payloads`, else random ones): the segment's path, its frame and the open
+    segment."""
     path = segment_path(data_dir, 2, SIG, lane, 0)
     make_dirs(os.path.dirname(path))
     frame = make_items(count, seed)
     frame[0]["item_id"] += first_id - 1000
+    if payloads is not None:
+        assert len(payloads) == count
+        frame[0]["payload_len"] = [len(p) for p in payloads]
+        starts = np.concatenate([[0], np.cumsum(frame[0]["payload_len"])]).astype(np.int64)
+        frame = (*frame[:3], np.frombuffer(b"".join(payloads), dtype=np.uint8).copy(), starts)
     segment = SegmentFile.create(path, SegmentKeys(2, SIG, lane, 0), Durability.PROCESS)
     segment.append(encode_entries(*frame, indices=np.arange(count), producer_id=1))
     return path, frame, segment
