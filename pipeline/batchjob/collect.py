@@ -76,6 +76,9 @@ COLLECTED_NAME = "collected.json"
 # Bytes of one file read per poll: a poll takes what a few seconds of a fast job wrote and
 # returns, so the launcher's watch loop keeps its pace.
 READ_LIMIT_BYTES = 32 << 20
+# Bytes read at a time back from a results file's end, for its last whole line: a row is
+# rarely longer, and its end is near.
+TAIL_READ_BYTES = 1 << 16
 # Bytes of output lines gathered before they go to the log: a poll's rows can make lines far
 # longer than themselves (a custom_id of a megabyte in every line), and memory stays at this.
 APPEND_BYTES = 16 << 20
@@ -216,12 +219,12 @@ class Collector:
         return added
 
     def skip_results_so_far(self) -> None:
-        """Read the results files from their present ends: a new job on a node, whose rows
-        cannot be in them yet, does not read every earlier job's."""
+        """Read the results files from the end of their last whole line: a new job on a node,
+        whose rows cannot be in them yet, does not read every earlier job's."""
         for relative in self._files():
             if not relative.startswith(JOB_DIR):
                 with contextlib.suppress(OSError):
-                    self._offsets[relative] = os.path.getsize(os.path.join(self.results_root, relative))
+                    self._offsets[relative] = _whole_lines_end(os.path.join(self.results_root, relative))
 
     def save(self) -> None:
         """Record where each file was read up to (after the log has what was read)."""
@@ -412,6 +415,21 @@ def forget_answers(data_dir: str) -> None:
             os.unlink(path)
         except FileNotFoundError:
             pass
+
+
+def _whole_lines_end(path: str) -> int:
+    """The offset just past the last newline of the file at `path` (0 without one): where
+    the line a writer may be appending begins."""
+    with open(path, "rb") as f:
+        end = os.fstat(f.fileno()).st_size
+        while end > 0:
+            start = max(0, end - TAIL_READ_BYTES)
+            f.seek(start)
+            found = f.read(end - start).rfind(b"\n")
+            if found >= 0:
+                return start + found + 1
+            end = start
+    return 0
 
 
 def _load_offsets(path: str) -> dict[str, int]:

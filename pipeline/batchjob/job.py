@@ -37,12 +37,7 @@ from pipeline.batchjob.collect import Collector, forget_answers
 from pipeline.batchjob.embeddings import served_by
 from pipeline.batchjob.inputcheck import InputCheck
 from pipeline.batchjob.jobstatus import WRITING, input_changed_note
-from pipeline.batchjob.layout import (
-    JOB_PAYLOAD_SIZE_BYTES,
-    LOG_ERRORS,
-    LOG_OUTPUT,
-    job_request_indices,
-)
+from pipeline.batchjob.layout import LOG_ERRORS, LOG_OUTPUT
 from pipeline.batchjob.manifest import (
     INDEX_NAME,
     INPUT_CHANGED_NAME,
@@ -69,13 +64,14 @@ from pipeline.batchjob.jobfiles import (
 from pipeline.batchjob.paths import OutputPath, check_input, check_outputs, replace_file, unless_disk_full
 from pipeline.batchjob.progress import JobCounts, JobTracker, JobView, paced_by
 from pipeline.batchjob.prescan import scan_or_adopt
+from pipeline.batchjob.queued import mark_queued
 from pipeline.batchjob.scan import InputScan, input_digest, read_index, write_index
 from pipeline.batchjob.telemetry import JobTelemetry
 from pipeline.batchjob.spec import OUTPUT_ORDERS, JobSpec, JobSummary
-from pipeline.batchjob.workload import JobInput, JobWorkload, bits_set, set_bits
+from pipeline.batchjob.workload import JobInput, JobWorkload, bits_set
 from pipeline.reporting.progress import DISK_FULL_ALERT
 from pipeline.runtime.datadir import check_data_dir, check_room, describe_holder, hold_lock, holder_gone, release_lock
-from pipeline.runtime.inventory import pending_payload_tails, producer_ring_names
+from pipeline.runtime.inventory import producer_ring_names
 from pipeline.runtime.settings import LaunchSettings
 from pipeline.wire.dirpin import DirPin, moved_message, real_parent
 from pipeline.wire.errors import (
@@ -316,21 +312,26 @@ class BatchJob:
         or a producer ring, which the broker delivers: marked in `skip` with what is answered,
         so that only the rest is submitted; said in one line. A local run calls it once the
         broker serves (it has recovered the store and stored what the rings held), beside its
-        first dispatches: the store is read by the broker alone before work flows. An entry a
-        consumer completes during the read may be missed by it, but its answer was written
-        before its completion: collected after the read.
-        NOTE: each payload's tail is checked as a job payload, not its generation envelope
-        decoded first: the store's entries are checksummed as the producer wrote them, and a
-        Python decode per item took seconds for each million a stopped run left."""
+        first dispatches. An entry a consumer completes during the read may be missed by it,
+        but its answer was written before its completion: collected after the read. A new
+        job on a node has nothing there yet: the node's store is not read."""
         self.open_answers()
-        tails_of = pending_payload_tails(storage_dir or self.data_dir,
-                                         producer_ring_names(self.spec.node_dir or self.data_dir),
-                                         JOB_PAYLOAD_SIZE_BYTES)
-        for tails in tails_of:
-            set_bits(self.skip, job_request_indices(tails, self.manifest.job_id, self.manifest.requests))
+        if not (self.new_job and self.spec.node_dir is not None):
+            mark_queued(self.skip, storage_dir or self.data_dir,
+                        producer_ring_names(self.spec.node_dir or self.data_dir), self.manifest)
         self.collect_all()
         np.bitwise_or(self.skip, self.log.done_bits(), out=self.skip)
         self._say_plan()
+
+    def unqueued(self) -> int:
+        """Requests of a job on a node neither answered nor queued there (a ring a stopping
+        node removed before its broker stored it, a damaged entry): the run ends, and the
+        next one submits them (`AttachedLauncher`)."""
+        queued = np.zeros_like(self.skip)
+        mark_queued(queued, self.spec.node_dir, producer_ring_names(self.spec.node_dir), self.manifest)
+        self.collect_all()
+        np.bitwise_or(queued, self.log.done_bits(), out=queued)
+        return self.manifest.requests - bits_set(queued, self.manifest.requests)
 
     def _say_plan(self) -> None:
         waiting = self.manifest.requests - self.to_submit - self.log.done  # neither answered nor to submit
@@ -394,8 +395,8 @@ class BatchJob:
         if self.spec.node_dir is None:
             return Launcher(self._run_settings(), workload, on_status=self._poll, summarize=summarize,
                             metrics=self.telemetry)
-        return AttachedLauncher(self._run_settings(), workload, self.spec.node_dir,
-                                done=lambda: self.log.done == self.manifest.requests, on_status=self._poll,
+        return AttachedLauncher(self._run_settings(), workload, self.spec.node_dir, self.manifest.requests,
+                                answered=lambda: self.log.done, unqueued=self.unqueued, on_status=self._poll,
                                 summarize=summarize, metrics=self.telemetry)
 
     def _read_beside_broker(self, results_dir: str) -> None:

@@ -27,7 +27,7 @@ import numpy as np
 from pipeline.wire.owners import OWNED_PAYLOAD_MAGIC, OWNER_OFFSET_BYTES, OWNER_SIZE_BYTES
 from shm.layout import checked_dtype, struct_for
 
-JOB_PAYLOAD_MAGIC = b"SBJR"
+JOB_PAYLOAD_MAGIC = OWNED_PAYLOAD_MAGIC  # b"SBJR": a job's items are owned payloads
 # Bump when a field below moves or changes meaning: an item of another version is no answer.
 JOB_PAYLOAD_VERSION = 1
 
@@ -61,7 +61,7 @@ JOB_PAYLOAD_DTYPE = checked_dtype(
 JOB_PAYLOAD_SIZE_BYTES = JOB_PAYLOAD_DTYPE.itemsize
 # A job's items are owned payloads (`wire/owners.py`): a consumer answers those of an ended
 # batch without running them.
-assert JOB_PAYLOAD_MAGIC == OWNED_PAYLOAD_MAGIC and JOB_PAYLOAD_DTYPE.fields["job_id"][1] == OWNER_OFFSET_BYTES
+assert JOB_PAYLOAD_DTYPE.fields["job_id"][1] == OWNER_OFFSET_BYTES
 assert JOB_PAYLOAD_DTYPE.fields["job_id"][0].itemsize == OWNER_SIZE_BYTES
 _PAYLOAD = struct_for(JOB_PAYLOAD_DTYPE)
 _MADE_NS_OFFSET = int(JOB_PAYLOAD_DTYPE.fields["made_ns"][1])

@@ -117,7 +117,7 @@ class JobWorkload(Workload):
                  limits: PromptLimits, chat_template: str | None = None, pin: DirPin | None = None) -> None:
         todo = job_input.requests - bits_set(skip, job_input.requests)
         # the served model's items and each LoRA adapter's (its model id LORA_FIRST_MODEL + k)
-        models = (JOB_MODEL, *range(LORA_FIRST_MODEL, LORA_FIRST_MODEL + len(manifest.adapters)))
+        models = job_models(len(manifest.adapters))
         super().__init__(f"{job_input.path} (job)", todo, _unused, total_tokens=0, models=models)
         self.job_input = job_input
         self.skip = skip
@@ -418,6 +418,11 @@ class _NoLog:
 
 def _unused(_k: int) -> WorkItem:
     raise AssertionError("a job's items are made by `produce`, with the producer's tokenizer")
+
+
+def job_models(adapters: int) -> tuple[int, ...]:
+    """The model ids of a job's items: the served model's, then each LoRA adapter's."""
+    return (JOB_MODEL, *range(LORA_FIRST_MODEL, LORA_FIRST_MODEL + adapters))
 
 
 def bits_set(bits: np.ndarray, count: int) -> int:

@@ -29,7 +29,7 @@ from pipeline.service.limits import (
     TEST_WINDOW_RANGE_S,
 )
 from pipeline.runtime.settings import LaunchSettings
-from pipeline.wire.errors import BadInputError, PipelineError
+from pipeline.wire.errors import BadInputError, PipelineError, SettingsError
 from pipeline.wire.textfiles import for_terminal
 
 # run-batch's options every job of the service takes (its model, engine and engine flags,
@@ -155,6 +155,9 @@ def _checked_jobs(data_dir: str, options: dict, extra: list[str]) -> tuple[str, 
                      options.pop("engine") or default_engine(), options.pop("config_path"), options.pop("assignments"), False, limits,
                      options)
         spec = plan_job(ask, flags, own_option_names(run_batch))
+        if spec.settings.storage != "disk" or spec.settings.metrics_port is not None:
+            raise SettingsError("storage and metrics_port: the service's node keeps every batch's requests on disk "
+                                "(storage = \"disk\") and serves its metrics at /metrics: leave both to it")
         flags.verdict(wait=True)  # refused before anything is served
     finally:
         flags.close()

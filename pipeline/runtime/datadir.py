@@ -46,6 +46,8 @@ _WRITABLE_BY_OTHERS = stat.S_IWGRP | stat.S_IWOTH
 CLIENT_CHECKED = (RUN_DIR, "results")
 # In the run directory: held by a launcher for its whole run (module docstring).
 LAUNCH_LOCK_NAME = "launch.lock"
+# At the top: held by a node process for its whole life (`runtime/node.py`'s `_lock_node`).
+NODE_LOCK_NAME = "node.lock"
 # Free space a data directory needs beyond the store's reserve for a run to start: the first
 # segments' allocations, the results and a job's own files of a small run.
 MIN_WORK_ROOM_BYTES = 4 << 20

@@ -74,14 +74,26 @@ class ProducerLedger:
     _WORDS = 7
 
     def __init__(self, slots) -> None:
+        """`slots`: _WORDS words a producer, then the allowance (`set_allowance`)."""
         self._slots = slots
 
     @classmethod
     def create(cls, ctx, producers: int) -> ProducerLedger:
-        ledger = cls(ctx.RawArray("q", cls._WORDS * producers))
+        ledger = cls(ctx.RawArray("q", cls._WORDS * producers + 1))
         for index in range(producers):
             ledger.reset(index)
+        ledger.set_allowance(-1)
         return ledger
+
+    def set_allowance(self, items: int) -> None:
+        """The producers may publish while the slots' published items (`total_published`)
+        are fewer than `items` (-1: no bound); the launcher's word, the producers read it
+        (`may_publish`)."""
+        self._slots[len(self._slots) - 1] = items
+
+    def may_publish(self) -> bool:
+        allowance = self._slots[len(self._slots) - 1]
+        return allowance < 0 or self.total_published() < allowance
 
     def reset(self, index: int) -> None:
         """Slot `index` as before its producer started (the launcher, before a restart)."""
@@ -90,7 +102,7 @@ class ProducerLedger:
 
     @property
     def producers(self) -> int:
-        return len(self._slots) // self._WORDS
+        return (len(self._slots) - 1) // self._WORDS
 
     def registered(self, index: int, producer_id: int) -> None:
         self._slots[self._WORDS * index] = producer_id

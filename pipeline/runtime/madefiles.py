@@ -46,7 +46,7 @@ from pipeline.broker.storage.catalog import CATALOG_TMP_SUFFIX
 from pipeline.broker.storage.chains import LINEAGE_TMP_SUFFIX
 from pipeline.broker.storage.paths import CREATING_SUFFIX, MISSING_SUFFIX, QUARANTINE_DIR
 from pipeline.consumer.engines.vllm import CACHE_SUBDIR, TMP_SUBDIR
-from pipeline.runtime.datadir import LAUNCH_LOCK_NAME
+from pipeline.runtime.datadir import LAUNCH_LOCK_NAME, NODE_LOCK_NAME
 from pipeline.runtime.settings import ENGINE_CACHE_DIR
 from pipeline.wire.errors import DataDirMovedError
 from pipeline.wire.layouts.catalog import CATALOG_FILE, CATALOG_MIRROR_FILE
@@ -59,6 +59,7 @@ from pipeline.wire.layouts.names import (
     parse_segment_file,
     parse_shape_dir,
 )
+from pipeline.wire.owners import ENDED_OWNERS_NAME
 
 RESULTS_DIR = "results"
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
@@ -158,6 +159,8 @@ RUN_MADE = Made(
         _with_temporaries(BROKER_STATE_NAME, STATE_TEMPORARY_SUFFIX),
         re.escape(BROKER_STATE_NAME + DAMAGED_SUFFIX) + r"-\d+",
         re.escape(NAMESPACE_FILE) + r"(\.\d+\.tmp)?",  # `peers.ensure_namespace`'s temporary
+        re.escape(NODE_LOCK_NAME),  # a node's (`runtime/node.py`)
+        re.escape(ENDED_OWNERS_NAME),  # a node's owner's (`wire/owners.py`)
     ))),
     folders=(
         (named(SEGMENTS_DIR), _store_tree(lambda name: _segment_name(name, (SEGMENT_JOURNAL_SUFFIX, CREATING_SUFFIX)))),

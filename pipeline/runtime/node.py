@@ -3,9 +3,9 @@
 submits to its broker: a cluster run's node agent (`pipeline.cluster.agent`), the batch
 service (`pipeline serve`: every batch's job on one node).
 
-    owner ──NodeHandle.start──► node process ──fork──► broker (1) + consumers (1 per GPU, else CPU ones)
+    owner ──NodeHandle.start──► node process ──fork──► broker + consumers (1 per GPU, else CPU ones)
         stdin: the pickled NodeSpec          stdout: one JSON line once the broker serves:
-                                               {"socket", "results_dir", "node_pid", "pids", "consumers"}
+                                               {"socket", "results_dir", "node_pid", "pids", ...}
     NodeHandle.stop()           SIGTERM; the node says {"stopped": status} and exits
 
 NOTE: the owner runs threads of its own (a Ray worker, the service's HTTP server); forking
@@ -39,9 +39,11 @@ from dataclasses import dataclass
 import psutil
 
 from pipeline.producer.workload import WorkItem, Workload
+from pipeline.runtime.datadir import NODE_LOCK_NAME
 from pipeline.runtime.launcher import STOP_TIMEOUT_S, Launcher
 from pipeline.runtime.local import remove_leftovers, start_broker, start_consumer, stop_process
 from pipeline.runtime.settings import LaunchSettings
+from pipeline.wire.errors import NodeStartError
 from pipeline.wire.textfiles import printable
 
 # How often the node process checks its parent and children.
@@ -53,8 +55,6 @@ NODE_STOP_TIMEOUT_S = 40.0
 # The spec on stdin is a pickled NodeSpec: anything longer is not one.
 MAX_SPEC_BYTES = 1 << 20
 EXIT_OWNER_GONE = 3
-# Held by the node process for its whole life (see _lock_node).
-NODE_LOCK_NAME = "node.lock"
 EXIT_CHILD_DIED = 4
 
 
@@ -78,7 +78,8 @@ class NodeHandle:
         self.spec = spec
         self.node_pid: int | None = None  # the node process (not our child: see `main`)
         self.info: dict = {}  # its ready line: socket, results_dir, pids, consumers
-        self._stdout = None  # its stdout: the ready line, then the stopped line
+        self._stdout = None  # its report pipe: the ready line, then the stopped line
+        self._process: psutil.Process | None = None
 
     @property
     def socket_path(self) -> str:
@@ -86,7 +87,7 @@ class NodeHandle:
 
     def start(self) -> dict:
         """Spawn the node process and wait until its broker serves; its ready line.
-        RuntimeError where it did not start within NODE_START_TIMEOUT_S."""
+        NodeStartError where it did not start within NODE_START_TIMEOUT_S (it is stopped)."""
         data_dir = self.spec.settings.data_dir
         assert self.node_pid is None and data_dir is not None
         os.makedirs(data_dir, mode=0o700, exist_ok=True)
@@ -96,23 +97,28 @@ class NodeHandle:
         spawned.stdin.close()
         self._stdout = spawned.stdout
         line = self._line(NODE_START_TIMEOUT_S)
-        status = spawned.wait()  # the first process exits at once; the node process is its child
-        if not line:
+        status = spawned.poll()  # the first process exits at once; the node process is its child
+        if not line.startswith(b"{"):
+            # Its session: the node (perhaps still waiting for an earlier node's lock; what it
+            # forked stops as its parent dies, `own_process_group`).
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(spawned.pid, signal.SIGKILL)
+            spawned.wait()
             self._stdout.close()
-            raise RuntimeError(f"the node's broker did not start on {printable(data_dir)} (node process status "
-                               f"{status})")
+            raise NodeStartError(f"the node's broker did not start on {printable(data_dir)} within "
+                                 f"{NODE_START_TIMEOUT_S:g} s (node process status {status})")
+        spawned.wait()
         self.info = json.loads(line)
         self.node_pid = self.info["node_pid"]
+        try:
+            self._process = psutil.Process(self.node_pid)  # its start time: a recycled pid is not it
+        except psutil.Error:
+            self._process = None
         return self.info
 
     def alive(self) -> bool:
         """Whether the node process still serves (a node whose broker or consumer died stops)."""
-        if self.node_pid is None:
-            return False
-        try:
-            return _alive(psutil.Process(self.node_pid))
-        except psutil.Error:
-            return False
+        return self._process is not None and _alive(self._process)
 
     def _line(self, timeout_s: float) -> bytes:
         """The node process's next line on its stdout, or b"" (it ended, or said nothing in time)."""
@@ -125,15 +131,17 @@ class NodeHandle:
         killed or had gone."""
         if self.node_pid is None:
             return None
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.node_pid, signal.SIGTERM)
-        line = self._line(NODE_STOP_TIMEOUT_S)
-        code = json.loads(line)["stopped"] if line.startswith(b'{"stopped"') else None
-        if code is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.node_pid, signal.SIGKILL)
+        code = None
+        if self.alive():
+            with contextlib.suppress(psutil.Error):
+                self._process.terminate()
+            line = self._line(NODE_STOP_TIMEOUT_S)
+            code = json.loads(line)["stopped"] if line.startswith(b'{"stopped"') else None
+            if code is None:
+                with contextlib.suppress(psutil.Error):
+                    self._process.kill()
         self._stdout.close()
-        self.node_pid = None
+        self.node_pid, self._process = None, None
         return code
 
 
@@ -212,7 +220,12 @@ def main(argv: list[str]) -> int:
     owner_pid = os.getppid()
     if os.fork() != 0:  # no threads here yet: a plain fork, as `pipeline.runtime.local` does
         os._exit(0)
-    return serve_node(spec, owner_pid, sys.stdout)
+    # The report pipe keeps its own descriptor; what the broker, the consumers and their
+    # engines print (vLLM logs to stdout) goes to stderr: nobody reads the pipe between the
+    # ready and the stopped line, and a full pipe would block whoever writes to it.
+    report = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    return serve_node(spec, owner_pid, report)
 
 
 if __name__ == "__main__":

@@ -10,9 +10,10 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from pipeline.producer.workload import Workload
+from pipeline.producer.workload import WorkItem, Workload
 from pipeline.runtime.inventory import ProducerLedger
 from pipeline.runtime.local import CTX, STOP_POLL_S, own_process_group, start_child, stop_process
 from pipeline.runtime.signals import Interrupts, stop_on_signals
@@ -23,6 +24,11 @@ log = logging.getLogger("pipeline.launch")
 # How often a producer waiting for the broker to store its records checks that its parent
 # still lives (an orphan leaves its ring for the next broker and exits).
 ORPHAN_CHECK_S = 1.0
+# A producer reads the ledger's allowance every this many items (a sum over the producers'
+# slots), and waits this long between reads while it may not publish: the allowance moves
+# at the launcher's watch (every 0.5 s).
+ALLOWANCE_CHECK_ITEMS = 64
+ALLOWANCE_WAIT_S = 0.02
 
 
 def _produce_main(socket_path: str, workload: Workload, index: int, count: int,
@@ -53,7 +59,7 @@ def _produce_main(socket_path: str, workload: Workload, index: int, count: int,
                 ledger.published(index, client.next_seq)
                 on_submitted(totals.items)
 
-            feed(client, items, replay_speed=replay_speed, on_progress=progress,
+            feed(client, _allowed(items, ledger, stop), replay_speed=replay_speed, on_progress=progress,
                  chunk_items=getattr(workload, "feed_chunk_items", DEFAULT_CHUNK_ITEMS))
 
         try:
@@ -70,6 +76,18 @@ def _produce_main(socket_path: str, workload: Workload, index: int, count: int,
         log.error("producer %d: %s: %s", index, type(exc).__name__, exc)
         code = 1
     os._exit(code)
+
+
+def _allowed(items: Iterator[WorkItem], ledger: ProducerLedger, stop: Callable[[], bool]) -> Iterator[WorkItem]:
+    """`items`, each once the ledger's allowance lets the producers publish more (a run on a
+    node bounds what a job keeps queued there: `runtime/attached.py`), or a stop came. The
+    count is read every ALLOWANCE_CHECK_ITEMS items; what a producer holds in its chunk not
+    yet published is not in it, so the producers can pass the allowance by a chunk each."""
+    for position, item in enumerate(items):
+        if position % ALLOWANCE_CHECK_ITEMS == 0:
+            while not ledger.may_publish() and not stop():
+                time.sleep(ALLOWANCE_WAIT_S)
+        yield item
 
 
 def _hand_over(client, parent: int) -> None:

@@ -23,6 +23,13 @@ TEST_WINDOW_RANGE_S = (1, COMPLETION_WINDOW_S)
 DEFAULT_MAX_CONCURRENT_BATCHES = 4
 # The most the option takes: every running job holds its producers.
 MAX_CONCURRENT_BATCHES = 64
+# The node (the broker and consumers every job runs on) is started again when it stopped,
+# after a wait that doubles while starts fail or the node stops within NODE_STABLE_S of its
+# start (a request that kills an engine each time it runs), from a second to five minutes:
+# a node that keeps dying costs a start every five minutes, not a loop.
+NODE_RETRY_FIRST_S = 1.0
+NODE_RETRY_MAX_S = 300.0
+NODE_STABLE_S = 60.0
 
 # A tenant's stored bytes (its uploads and the outputs made for it): OpenAI's project file
 # storage is 100 GB; an upload past it is refused (outputs are always written).

@@ -1,5 +1,6 @@
 """How a batch is executed, behind one small interface the scheduler drives:
 
+    executor.warm()           start what every run needs, before the first (the node), where kept
     executor.start(run)       run it
     executor.resume(run)      run it again after a stop, a failure or a restart: what was answered stays
     executor.poll(run)        its Progress: waiting, busy, checking, running, or ended (and how:
@@ -36,6 +37,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -47,13 +49,18 @@ from pipeline.batchjob.jobfiles import remove_data_dir
 from pipeline.batchjob.jobstatus import CHECKING, job_status
 from pipeline.batchjob.layout import ANSWER_RECORD_SIZE_BYTES, LOG_ERRORS, LOG_OUTPUT, valid_records
 from pipeline.batchjob.manifest import load_manifest
-from pipeline.batchjob.workload import JOB_MODEL
+from pipeline.batchjob.workload import job_models
 from pipeline.runtime.local import stop_with_parent
 from pipeline.runtime.node import NodeHandle, NodeSpec
 from pipeline.runtime.settings import LaunchSettings
-from pipeline.service.limits import JOB_LOG_TAIL_BYTES, JOB_LOG_TAIL_LINES
-from pipeline.wire.errors import JobMismatchError
-from pipeline.wire.generation import LORA_FIRST_MODEL
+from pipeline.service.limits import (
+    JOB_LOG_TAIL_BYTES,
+    JOB_LOG_TAIL_LINES,
+    NODE_RETRY_FIRST_S,
+    NODE_RETRY_MAX_S,
+    NODE_STABLE_S,
+)
+from pipeline.wire.errors import JobMismatchError, NodeStartError
 from pipeline.wire.owners import add_ended_owner
 
 log = logging.getLogger("pipeline.service")
@@ -134,6 +141,10 @@ class Executor(ABC):
 
     on_end: Callable[[], None] = staticmethod(_nothing)
 
+    def warm(self) -> None:
+        """Start what every run needs before the first batch comes (nothing where each run
+        starts its own)."""
+
     @abstractmethod
     def start(self, run: BatchRun) -> bool:
         """Run it; False where it cannot start yet (BUSY)."""
@@ -176,6 +187,10 @@ class RunBatchExecutor(Executor):
         self._signalled: set[str] = set()
         self.node = NodeHandle(node) if node is not None else None
         self._forgotten: set[str] = set()  # batches whose items the node skips (`forget`)
+        self._node_started_s = 0.0
+        self._node_failures = 0  # starts that failed, or were followed by a stop within NODE_STABLE_S
+        self._node_retry_s = 0.0  # no node start before this (`clock`)
+        self.clock: Callable[[], float] = time.monotonic  # a test's own
 
     def command(self, run: BatchRun) -> list[str]:
         path = run.work_dir
@@ -188,9 +203,8 @@ class RunBatchExecutor(Executor):
 
     def start(self, run: BatchRun) -> bool:
         assert run.batch_id not in self.children, run.batch_id
-        if _held(run):
+        if _held(run) or not self._node_serves():
             return False
-        self._ensure_node()
         os.makedirs(run.work_dir, mode=0o700, exist_ok=True)
         log_fd = os.open(os.path.join(run.work_dir, LOG_NAME), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
                          0o600)
@@ -205,24 +219,40 @@ class RunBatchExecutor(Executor):
         log.info("batch %s: job started (pid %d, %s)", run.batch_id, child.pid, run.work_dir)
         return True
 
-    def _ensure_node(self) -> None:
-        """The node serving (started now where it is not: the first job, or one it stopped
-        for: a process of it died); RuntimeError where it cannot start."""
+    def warm(self) -> None:
+        """The node, started with the server: a batch's job finds its broker serving."""
+        self._node_serves()
+
+    def _node_serves(self) -> bool:
+        """Whether the node serves, started now where it does not (the first job's start, or
+        it stopped: a process of it died); False while it cannot start. A node that failed
+        to start, or stopped within NODE_STABLE_S of its start (a request that kills an
+        engine each time it runs), is started again only after a wait that doubles from
+        NODE_RETRY_FIRST_S each time, never in a loop."""
         if self.node is None or self.node.alive():
-            return
-        if self.node.node_pid is not None:
+            return True
+        now_s = self.clock()
+        if self.node.node_pid is not None:  # seen gone now: its life judged by this
             log.warning("the node (pid %d) stopped: started again", self.node.node_pid)
             self.node.stop()
-        info = self.node.start()
+            self._node_failures = self._node_failures + 1 if now_s - self._node_started_s < NODE_STABLE_S else 0
+            self._node_retry_s = now_s + self._node_wait_s() if self._node_failures else now_s
+        if now_s < self._node_retry_s:
+            return False
+        try:
+            info = self.node.start()
+        except NodeStartError as exc:
+            self._node_failures += 1
+            self._node_retry_s = now_s + self._node_wait_s()
+            log.error("%s; tried again in %.0f s", exc, self._node_retry_s - now_s)
+            return False
+        self._node_started_s = self.clock()
         log.info("node started (pid %d, %d consumers, %s)", info["node_pid"], info["consumers"],
                  self.node.spec.settings.data_dir)
+        return True
 
-    def _keep_node(self) -> None:
-        """A node that stopped while jobs run on it started again (their producers wait for it)."""
-        try:
-            self._ensure_node()
-        except RuntimeError as exc:
-            log.error("%s; tried again at the next poll", exc)
+    def _node_wait_s(self) -> float:
+        return min(NODE_RETRY_MAX_S, NODE_RETRY_FIRST_S * 2 ** self._node_failures)
 
     def resume(self, run: BatchRun) -> bool:
         """The same command: run-batch resumes a job on its data directory."""
@@ -247,7 +277,7 @@ class RunBatchExecutor(Executor):
 
     def poll(self, run: BatchRun) -> Progress:
         if self.children:
-            self._keep_node()
+            self._node_serves()  # jobs on a node that stopped wait for the next one
         child = self.children.get(run.batch_id)
         if child is None:
             progress = job_progress(run)
@@ -281,14 +311,16 @@ class RunBatchExecutor(Executor):
         cancelled batch stops taking the engines at once; once per batch and server."""
         if self.node is None or run.batch_id in self._forgotten:
             return
-        self._forgotten.add(run.batch_id)
         try:
             manifest = load_manifest(os.path.join(run.work_dir, DATA_NAME))
+            if manifest is not None:  # None: it submitted nothing yet (asked again at the next tick)
+                add_ended_owner(self.node.spec.settings.data_dir, manifest.job_id)
+                self._forgotten.add(run.batch_id)
         except JobMismatchError as exc:  # damaged: its items run, their answers read by nobody
-            log.warning("batch %s: %s", run.batch_id, exc)
-            return
-        if manifest is not None:  # None: it never submitted a request
-            add_ended_owner(self.node.spec.settings.data_dir, manifest.job_id)
+            log.warning("batch %s: its queued requests are not skipped: %s", run.batch_id, exc)
+            self._forgotten.add(run.batch_id)
+        except OSError as exc:  # no room for the record, say: asked again at the next tick
+            log.warning("batch %s: its queued requests are not skipped yet: %s", run.batch_id, exc)
 
     def answers(self, run: BatchRun) -> Answers:
         assert run.batch_id not in self.children, run.batch_id
@@ -346,9 +378,8 @@ def node_spec(settings: LaunchSettings, node_dir: str) -> NodeSpec:
     """The node of a service whose jobs run with `settings` (every job's: the same model and
     engine), on `node_dir`: it serves the model and each of its LoRA adapters (the model ids
     a job's items carry, `JobWorkload.models`)."""
-    adapters = len(settings.engine_options.get("lora_modules") or ())
     return NodeSpec(replace(settings, data_dir=node_dir),
-                    (JOB_MODEL, *range(LORA_FIRST_MODEL, LORA_FIRST_MODEL + adapters)))
+                    job_models(len(settings.engine_options.get("lora_modules") or ())))
 
 
 def _wait_then(pidfd: int, then: Callable[[], None]) -> None:

@@ -121,6 +121,7 @@ class Scheduler:
         """The loop; runs are started (and so stopped) from this thread alone: a child's
         parent-death signal follows the thread that started it."""
         try:
+            self.executor.warm()
             while not self._stop.is_set():
                 self.tick()
                 self._wake.wait(SCHEDULER_TICK_S)

@@ -58,6 +58,8 @@ raises one of these, with the offending value, path and byte offset in the messa
     │       │                                clean-up removes anything of it
     │       └── DataDirInUseError            `launch` or `run-batch` refused at once: another
     │                                        run or a broker holds it (also RuntimeError)
+    ├── NodeStartError (also RuntimeError)   a node's broker and consumers did not start in
+    │                                        time (`runtime/node.py`); nothing of it is left running
     ├── ProducerStoppedError                 a producer stopped before any broker took its registration
     ├── ProducerRefusedError                 the broker refused a producer (its reason named);
     │                                        what it published and was not stored is named
@@ -305,6 +307,12 @@ class DataDirInUseError(LiveRunError, RuntimeError):
     holds the data directory, or a broker serves it. Nothing was read, started or removed.
     A RuntimeError too, as a broker that cannot start raises (`start_broker`): every caller
     of a launch already says those in one line."""
+
+
+class NodeStartError(PipelineError, RuntimeError):
+    """A node process (a broker and its consumers serving until stopped) did not say it
+    serves within its start timeout, or exited first; what it started was stopped. A
+    RuntimeError too, as a broker that cannot start raises."""
 
 
 class ProducerStoppedError(PipelineError):

@@ -10,14 +10,15 @@ The broker never reads payloads; a consumer reads this much of them, and nothing
     ended.positions(payloads)             # which items of a batch are an ended owner's
 
 DATA_DIR/ENDED_OWNERS_NAME is an append-only array of owner ids (u64, little-endian, 8
-bytes each, no header). A write of 8 bytes to a file opened O_APPEND is whole or absent;
-a torn tail (a full disk) is ignored. The file is a hint, never fsynced: one lost in a
+bytes each, no header), written by one process (the service's scheduler). A torn tail (a
+write cut short on a full disk) is ignored by readers and cut by the next write. The file is a hint, never fsynced: one lost in a
 power cut only lets the items it named run after all, their answers read by nobody.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from collections.abc import Sequence
 
@@ -47,7 +48,12 @@ def add_ended_owner(data_dir: str, owner: int) -> None:
     fd = os.open(os.path.join(data_dir, ENDED_OWNERS_NAME), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
                  0o600)
     try:
-        os.write(fd, int(owner).to_bytes(OWNER_SIZE_BYTES, "little"))
+        size = os.fstat(fd).st_size
+        if size % OWNER_SIZE_BYTES:  # a torn tail: cut, or every id after it would be read shifted
+            os.ftruncate(fd, size - size % OWNER_SIZE_BYTES)
+        record = int(owner).to_bytes(OWNER_SIZE_BYTES, "little")
+        if os.write(fd, record) != len(record):
+            raise OSError(errno.ENOSPC, "a short write", ENDED_OWNERS_NAME)
     finally:
         os.close(fd)
 

@@ -198,6 +198,30 @@ def test_a_corrupt_row_answers_nothing_and_a_later_row_answers(job: Job) -> None
     assert collector.collect() == 1 and job.log.is_done(5)
 
 
+def test_a_cancelled_row_answers_nothing_and_a_later_row_answers(job: Job) -> None:
+    append(results(job), row(job.payload(5), status="cancelled", output=[], output_tokens=0))
+    collector = job.collector()
+    assert collector.collect() == 0 and not job.log.is_done(5)  # not run: the batch ended first
+    append(results(job, "run-2"), row(job.payload(5)))
+    assert collector.collect() == 1 and job.log.is_done(5)
+
+
+def test_a_new_job_on_a_node_reads_the_results_from_their_last_whole_line(job: Job, tmp_path: Path) -> None:
+    node = tmp_path / "node"
+    earlier = node / "results" / "run-1" / "c0.jsonl"
+    append(earlier, *[row(job.payload(k, job_id=99)) for k in range(3)])  # another job's rows
+    being_written = json.dumps(row(job.payload(0, job_id=99))).encode()
+    append(earlier, being_written[:30], newline=False)  # another's row, half written
+    collector = Collector(str(job.data), job.manifest, job.input_fd, decode,
+                          AnswerLog.open(str(job.data), job.manifest.requests, job.logs), LOG_OUTPUT,
+                          results_root=str(node))
+    collector.skip_results_so_far()
+    append(earlier, being_written[30:], row(job.payload(2)))  # the row's end, then this job's own
+    assert collector.collect() == 1 and collector.log.is_done(2)
+    assert collector.counts.foreign_rows == 1 and collector.counts.bad_lines == 0  # the whole row, once
+    collector.log.close()
+
+
 @pytest.mark.parametrize("apart", [False, True], ids=["inline", "error file"])
 def test_rows_that_did_not_run_and_refusals_become_error_lines(request: pytest.FixtureRequest, apart: bool) -> None:
     job = request.getfixturevalue("job_with_error_file" if apart else "job")

@@ -32,7 +32,7 @@ class Clocks:
 
 
 def ledger_of(producers: int) -> ProducerLedger:
-    ledger = ProducerLedger([0] * (ProducerLedger._WORDS * producers))
+    ledger = ProducerLedger([0] * (ProducerLedger._WORDS * producers + 1))
     for index in range(producers):
         ledger.reset(index)
     return ledger

@@ -287,6 +287,7 @@ def test_serve_refuses_in_one_line(tmp_path, model_dir):
     keys.chmod(0o600)
     one_line_error(serve_command("--api-keys", str(keys)), f"{keys}:1:")
     one_line_error(serve_command("--dtype", "bfloat16"), "--dtype")
+    one_line_error(serve_command("--set", "storage=memory"), "storage")  # the node keeps every batch on disk
     assert not (tmp_path / "d").exists()
 
 

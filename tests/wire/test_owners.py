@@ -43,6 +43,9 @@ def test_the_ended_owners_are_read_as_the_file_grows_and_a_torn_tail_is_left_out
     ended.refresh()
     assert ended.owners == {1, 2**63 + 5}
     assert ended.positions([owned(1), b"plain", owned(3), owned(2**63 + 5)]) == [0, 3]
+    add_ended_owner(str(tmp_path), 3)  # the torn tail is cut first: no id after it is read shifted
+    ended.refresh()
+    assert ended.owners == {1, 2**63 + 5, 3} and os.path.getsize(path) == 24
     assert EndedOwners(None).positions([owned(1)]) == []  # a consumer that serves no data directory yet
 
 

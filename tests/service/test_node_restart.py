@@ -1,0 +1,89 @@
+"""The executor's node: started with the first job, started again when it stopped, and a
+node that fails to start or stops soon after each start is tried again after a wait that
+doubles, never in a loop (simulated clock, a stand-in node: no process)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.service.limits import NODE_RETRY_FIRST_S, NODE_RETRY_MAX_S, NODE_STABLE_S
+from pipeline.service.runner import RunBatchExecutor
+from pipeline.wire.errors import NodeStartError
+
+
+class StandInNode:
+    """What the executor uses of a NodeHandle; `fail` starts raise, `up` says whether it serves."""
+
+    def __init__(self) -> None:
+        self.node_pid: int | None = None
+        self.up = False
+        self.fail = False
+        self.starts = self.stops = 0
+        self.spec = type("Spec", (), {"settings": type("Settings", (), {"data_dir": "/unused/node"})()})()
+
+    def alive(self) -> bool:
+        return self.up
+
+    def start(self) -> dict:
+        self.starts += 1
+        if self.fail:
+            raise NodeStartError("the node's broker did not start")
+        self.node_pid, self.up = 1000 + self.starts, True
+        return {"node_pid": self.node_pid, "consumers": 2}
+
+    def stop(self) -> None:
+        self.stops += 1
+        self.node_pid, self.up = None, False
+
+
+@pytest.fixture
+def executor():
+    clock = [0.0]
+    runner = RunBatchExecutor([])
+    runner.node = StandInNode()
+    runner.clock = lambda: clock[0]
+    return runner, runner.node, clock
+
+
+def test_the_node_starts_once_and_again_when_it_stopped(executor) -> None:
+    runner, node, clock = executor
+    assert runner._node_serves() and node.starts == 1
+    assert runner._node_serves() and node.starts == 1  # it serves: nothing to do
+    clock[0] += NODE_STABLE_S + 1
+    node.up = False  # a process of it died, long after its start
+    assert runner._node_serves() and (node.starts, node.stops) == (2, 1)
+
+
+def test_a_node_that_cannot_start_is_tried_again_after_a_doubling_wait(executor) -> None:
+    runner, node, clock = executor
+    node.fail = True
+    waits = []
+    for _ in range(12):
+        assert not runner._node_serves()
+        started = node.starts
+        while node.starts == started:  # the next try comes only once its wait passed
+            assert not runner._node_serves()
+            clock[0] += 0.5
+        waits.append(runner._node_wait_s())
+    assert waits[0] == 2 * NODE_RETRY_FIRST_S * 2 and waits[-1] == NODE_RETRY_MAX_S
+    assert all(b >= a for a, b in zip(waits, waits[1:]))
+    node.fail = False
+    clock[0] += NODE_RETRY_MAX_S
+    assert runner._node_serves()
+
+
+def test_a_node_that_dies_soon_after_each_start_is_not_restarted_in_a_loop(executor) -> None:
+    runner, node, clock = executor
+    assert runner._node_serves()
+    starts_at = []
+    for _ in range(8):
+        node.up = False  # it dies at once (an engine killed by the same request each time)
+        while not runner._node_serves():
+            clock[0] += 0.25
+        starts_at.append(clock[0])
+    gaps = [b - a for a, b in zip(starts_at, starts_at[1:])]
+    assert all(b > a for a, b in zip(gaps, gaps[1:])), gaps  # each wait longer than the last
+    clock[0] += NODE_STABLE_S + 1
+    node.up = False  # this time it ran for a while: the wait starts over
+    assert runner._node_serves()
+    assert runner._node_failures == 0
