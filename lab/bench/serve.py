@@ -1,6 +1,7 @@
 """`pipeline bench serve`: the batch service (`pipeline serve`) as a client uses it (the
 official `openai` client: upload, create, poll, download), against `pipeline run-batch` on
-the same files, in one run. Three measurements, each side a fresh server or command:
+the same files, in one run. Three measurements, each side a fresh server (measured once its
+/health says its engines serve, as a client waits for a server) or command:
 
 - overhead: one file of OVERHEAD_REQUESTS chat requests through the service (upload to the
   output downloaded) against `pipeline run-batch` (the command's wall time): requests/s;
@@ -92,8 +93,13 @@ class Service:
             time.sleep(POLL_S)
         from openai import OpenAI
 
-        self.client = OpenAI(base_url=f"http://127.0.0.1:{int(found.group(1))}/v1", api_key="none", max_retries=0,
-                             timeout=600)
+        base = f"http://127.0.0.1:{int(found.group(1))}"
+        while not _healthy(base):  # ready as a client sees it: the engines serve
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise runs.BenchRunError(f"pipeline serve did not get ready: {self.log_path.read_text()[-2000:]}")
+            time.sleep(POLL_S)
+        self.client = OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=600)
 
     def submit(self, path: Path, window: str = "24h") -> str:
         with open(path, "rb") as f:
@@ -126,6 +132,18 @@ class Service:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+
+
+def _healthy(base: str) -> bool:
+    """The server's /health says ok (503 while its node starts)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{base}/health", timeout=10) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
 
 
 def usage_of(batch) -> tuple[int, int]:

@@ -103,8 +103,11 @@ def make_app(store: Store, scheduler: Scheduler, tenants: Tenants | None, config
         raise ApiError(HTTP_UNAUTHORIZED, "Incorrect API key provided.", code="invalid_api_key")
 
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
+    async def health() -> Response:
+        """200 once the engines serve (the node started), 503 while they start, as vLLM's."""
+        if not scheduler.executor.ready():
+            return JSONResponse({"status": "starting"}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -1,6 +1,7 @@
 """How a batch is executed, behind one small interface the scheduler drives:
 
     executor.warm()           start what every run needs, before the first (the node), where kept
+    executor.ready()          whether that serves (/health)
     executor.start(run)       run it
     executor.resume(run)      run it again after a stop, a failure or a restart: what was answered stays
     executor.poll(run)        its Progress: waiting, busy, checking, running, or ended (and how:
@@ -145,6 +146,10 @@ class Executor(ABC):
         """Start what every run needs before the first batch comes (nothing where each run
         starts its own)."""
 
+    def ready(self) -> bool:
+        """Whether what every run needs serves (the server's /health); from any thread."""
+        return True
+
     @abstractmethod
     def start(self, run: BatchRun) -> bool:
         """Run it; False where it cannot start yet (BUSY)."""
@@ -222,6 +227,9 @@ class RunBatchExecutor(Executor):
     def warm(self) -> None:
         """The node, started with the server: a batch's job finds its broker serving."""
         self._node_serves()
+
+    def ready(self) -> bool:
+        return self.node is None or self.node.alive()
 
     def _node_serves(self) -> bool:
         """Whether the node serves, started now where it does not (the first job's start, or
