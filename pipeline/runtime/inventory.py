@@ -91,6 +91,10 @@ class ProducerLedger:
         (`may_publish`)."""
         self._slots[len(self._slots) - 1] = items
 
+    def bounded(self) -> bool:
+        """Whether an allowance is set (`set_allowance`): only then do producers read it."""
+        return self._slots[len(self._slots) - 1] >= 0
+
     def may_publish(self) -> bool:
         allowance = self._slots[len(self._slots) - 1]
         return allowance < 0 or self.total_published() < allowance

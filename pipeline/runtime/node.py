@@ -81,10 +81,6 @@ class NodeHandle:
         self._stdout = None  # its report pipe: the ready line, then the stopped line
         self._process: psutil.Process | None = None
 
-    @property
-    def socket_path(self) -> str:
-        return self.info["socket"]
-
     def start(self) -> dict:
         """Spawn the node process and wait until its broker serves; its ready line.
         NodeStartError where it did not start within NODE_START_TIMEOUT_S (it is stopped)."""

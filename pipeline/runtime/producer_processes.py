@@ -59,7 +59,9 @@ def _produce_main(socket_path: str, workload: Workload, index: int, count: int,
                 ledger.published(index, client.next_seq)
                 on_submitted(totals.items)
 
-            feed(client, _allowed(items, ledger, stop), replay_speed=replay_speed, on_progress=progress,
+            if ledger.bounded():  # set before the producers start (`attached.py`), or never
+                items = _allowed(items, ledger, stop)
+            feed(client, items, replay_speed=replay_speed, on_progress=progress,
                  chunk_items=getattr(workload, "feed_chunk_items", DEFAULT_CHUNK_ITEMS))
 
         try:
