@@ -123,6 +123,8 @@ class Launcher:
     thread-safe. `on_status(status, now_s)` is called with every status the watch loop
     reads (the live progress display hooks in there)."""
 
+    watch_interval_s = WATCH_INTERVAL_S
+
     def __init__(self, settings: LaunchSettings, workload: Workload, on_status=None,
                  summarize: Callable[[str], ResultsSummary] = summarize_results, metrics=None) -> None:
         """`summarize(results_dir)`: this run's results, for the report (a batch job's
@@ -355,7 +357,7 @@ class Launcher:
             self.on_status(status, time.monotonic())
             if self._done(status):
                 return status, "completed"
-            time.sleep(WATCH_INTERVAL_S)
+            time.sleep(self.watch_interval_s)
 
     def _failure(self) -> str:
         if self.broker is not None and not self.broker.is_alive():
