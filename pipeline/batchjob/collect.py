@@ -153,13 +153,7 @@ class Collector:
         start` on its data directory) is not read: that consumer may run another engine, or
         the same with other options, and its answers would not be the job's."""
         results = os.path.join(self.results_root, RESULTS_DIR)
-        runs = sorted(entry.name for entry in _scandir(results) if entry.is_dir(follow_symlinks=False)
-                      and entry.name.startswith(OWN_RUN_PREFIXES))
-        for run in runs:
-            folder = os.path.join(results, run)
-            for entry in sorted(_scandir(folder), key=lambda e: e.name):
-                if entry.name.endswith(".jsonl"):
-                    yield os.path.join(RESULTS_DIR, run, entry.name)
+        yield from results_files(self.results_root)
         for entry in sorted(_scandir(os.path.join(self.data_dir, JOB_DIR, REJECTED_DIR)), key=lambda e: e.name):
             if entry.name.endswith(".jsonl"):
                 yield os.path.join(JOB_DIR, REJECTED_DIR, entry.name)
@@ -176,6 +170,7 @@ class Collector:
         start = self._offsets.get(relative, 0)
         try:
             with open(path, "rb") as f:
+                start = _past_holes(f.fileno(), start)
                 f.seek(start)
                 raw = f.read(READ_LIMIT_BYTES)
                 if len(raw) == READ_LIMIT_BYTES and b"\n" not in raw:  # one row longer than a read
@@ -415,6 +410,36 @@ def forget_answers(data_dir: str) -> None:
             os.unlink(path)
         except FileNotFoundError:
             pass
+
+
+def results_files(results_root: str) -> Iterator[str]:
+    """The results files of the runs under `results_root` (a job's data directory, or a
+    node's), by their path inside it, in the order they are read."""
+    results = os.path.join(results_root, RESULTS_DIR)
+    runs = sorted(entry.name for entry in _scandir(results) if entry.is_dir(follow_symlinks=False)
+                  and entry.name.startswith(OWN_RUN_PREFIXES))
+    for run in runs:
+        folder = os.path.join(results, run)
+        for entry in sorted(_scandir(folder), key=lambda e: e.name):
+            if entry.name.endswith(".jsonl"):
+                yield os.path.join(RESULTS_DIR, run, entry.name)
+
+
+def read_positions(data_dir: str) -> dict[str, int] | None:
+    """Where a job's collector had read each results file up to when it last saved (a file
+    it does not name, it reads from the start); None where it saved none yet."""
+    path = os.path.join(data_dir, JOB_DIR, COLLECTED_NAME)
+    return _load_offsets(path) if os.path.exists(path) else None
+
+
+def _past_holes(fd: int, start: int) -> int:
+    """`start`, or where data begins after it: a node frees what every job had read of its
+    results (`reclaim.py`), and a job that lost its positions since reads on from there (the
+    line cut there counts as bad; the requests it answered are submitted again)."""
+    try:
+        return max(start, os.lseek(fd, start, os.SEEK_DATA))
+    except OSError:  # ENXIO: nothing but a hole to the end (what the writer appends next is data)
+        return start
 
 
 def _whole_lines_end(path: str) -> int:

@@ -18,9 +18,15 @@ The rule, for `slots` runs at once:
    late too.
 4. Free slots then go to the urgent batches, then to the rest in queue order.
 Without a measured rate nothing is at risk (nothing says how long a batch takes), and
-priority alone never stops a run: it orders the queue. Runs are whole batches, each on its
-own broker and consumers, so the order among batches that share no deadline risk is the
-queue's; ordering by shared prefixes happens inside each run.
+priority alone never stops a run: it orders the queue.
+
+Below this rule, on the node every run shares (`runtime/node.py`), dispatch is prefix order:
+the broker takes the running batches' queued requests together by shape, so batches that
+share system prompts share the engines' cache. A run keeps at most a window of its requests
+queued (`runtime/attached.py`'s NODE_WINDOW_ITEMS), so a run that stops to make way keeps
+the engines only while that window drains, and then the urgent batch's requests are what the
+node dispatches: earliest deadline first where a deadline is at risk,
+prefix order otherwise. `rate_rps` is a run's rate as measured while sharing the node.
 """
 
 from __future__ import annotations

@@ -30,6 +30,10 @@ MAX_CONCURRENT_BATCHES = 64
 NODE_RETRY_FIRST_S = 1.0
 NODE_RETRY_MAX_S = 300.0
 NODE_STABLE_S = 60.0
+# How often the node's results that every job read are freed (`batchjob/reclaim.py`): a stat
+# of each results file and a read of each running job's positions, so not at every tick; the
+# disk they take is at most this long of answers more.
+RECLAIM_INTERVAL_S = 10.0
 
 # A tenant's stored bytes (its uploads and the outputs made for it): OpenAI's project file
 # storage is 100 GB; an upload past it is refused (outputs are always written).

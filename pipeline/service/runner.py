@@ -50,6 +50,7 @@ from pipeline.batchjob.jobfiles import remove_data_dir
 from pipeline.batchjob.jobstatus import CHECKING, job_status
 from pipeline.batchjob.layout import ANSWER_RECORD_SIZE_BYTES, LOG_ERRORS, LOG_OUTPUT, valid_records
 from pipeline.batchjob.manifest import load_manifest
+from pipeline.batchjob.reclaim import reclaim_results
 from pipeline.batchjob.workload import job_models
 from pipeline.runtime.local import stop_with_parent
 from pipeline.runtime.node import NodeHandle, NodeSpec
@@ -60,6 +61,7 @@ from pipeline.service.limits import (
     NODE_RETRY_FIRST_S,
     NODE_RETRY_MAX_S,
     NODE_STABLE_S,
+    RECLAIM_INTERVAL_S,
 )
 from pipeline.wire.errors import JobMismatchError, NodeStartError
 from pipeline.wire.owners import add_ended_owner
@@ -168,6 +170,10 @@ class Executor(ABC):
         """The batch ended before its end (cancelled, expired, failed): its requests still
         queued are not run. Nothing to do where each run's queue goes with it."""
 
+    def tidy(self, runs: list[BatchRun]) -> None:
+        """Give back what `runs` (every batch not ended) no longer need of what runs share;
+        each tick. Nothing where each run's files go with it."""
+
     @abstractmethod
     def answers(self, run: BatchRun) -> Answers: ...
 
@@ -195,6 +201,7 @@ class RunBatchExecutor(Executor):
         self._node_started_s = 0.0
         self._node_failures = 0  # starts that failed, or were followed by a stop within NODE_STABLE_S
         self._node_retry_s = 0.0  # no node start before this (`clock`)
+        self._reclaim_s = 0.0  # no freeing of the node's results before this (`clock`)
         self.clock: Callable[[], float] = time.monotonic  # a test's own
 
     def command(self, run: BatchRun) -> list[str]:
@@ -329,6 +336,18 @@ class RunBatchExecutor(Executor):
             self._forgotten.add(run.batch_id)
         except OSError as exc:  # no room for the record, say: asked again at the next tick
             log.warning("batch %s: its queued requests are not skipped yet: %s", run.batch_id, exc)
+
+    def tidy(self, runs: list[BatchRun]) -> None:
+        """The node's results that every job of `runs` that ran has read: their disk freed
+        (`batchjob/reclaim.py`), every RECLAIM_INTERVAL_S."""
+        now_s = self.clock()
+        if self.node is None or now_s < self._reclaim_s:
+            return
+        self._reclaim_s = now_s + RECLAIM_INTERVAL_S
+        jobs = [data for data in (os.path.join(run.work_dir, DATA_NAME) for run in runs) if os.path.isdir(data)]
+        freed = reclaim_results(self.node.spec.settings.data_dir, jobs)
+        if freed:
+            log.info("node results: %d MiB that every job read freed", freed >> 20)
 
     def answers(self, run: BatchRun) -> Answers:
         assert run.batch_id not in self.children, run.batch_id

@@ -156,6 +156,10 @@ class Scheduler:
             except Exception:  # noqa: BLE001 - one batch's trouble (a full disk) stops no other; retried next tick
                 log.exception("batch %s: its step failed; tried again in %.1f s", batch.id, SCHEDULER_TICK_S)
         self._admit()
+        try:
+            self.executor.tidy([self.run_of(batch) for batch in self.store.unfinished()])
+        except OSError:  # a full disk, say: tried again at the next tick
+            log.exception("freeing what the batches read failed; tried again in %.1f s", SCHEDULER_TICK_S)
 
     def _step(self, batch: BatchRecord, now: int) -> None:
         run = self.run_of(batch)

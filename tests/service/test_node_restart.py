@@ -1,13 +1,22 @@
 """The executor's node: started with the first job, started again when it stopped, and a
 node that fails to start or stops soon after each start is tried again after a wait that
-doubles, never in a loop (simulated clock, a stand-in node: no process)."""
+doubles, never in a loop; the node's results every job read are freed, at most every
+RECLAIM_INTERVAL_S (simulated clock, a stand-in node: no process)."""
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 
-from pipeline.service.limits import NODE_RETRY_FIRST_S, NODE_RETRY_MAX_S, NODE_STABLE_S
-from pipeline.service.runner import RunBatchExecutor
+from pipeline.batchjob.collect import COLLECTED_NAME
+from pipeline.batchjob.manifest import JOB_DIR
+from pipeline.batchjob.reclaim import HOLE_ALIGN_BYTES
+from pipeline.runtime.madefiles import RESULTS_DIR
+
+from pipeline.service.limits import NODE_RETRY_FIRST_S, NODE_RETRY_MAX_S, NODE_STABLE_S, RECLAIM_INTERVAL_S
+from pipeline.service.runner import DATA_NAME, BatchRun, RunBatchExecutor
 from pipeline.wire.errors import NodeStartError
 
 
@@ -87,3 +96,33 @@ def test_a_node_that_dies_soon_after_each_start_is_not_restarted_in_a_loop(execu
     node.up = False  # this time it ran for a while: the wait starts over
     assert runner._node_serves()
     assert runner._node_failures == 0
+
+
+def test_the_node_results_every_ran_job_read_are_freed_at_most_every_interval(executor, tmp_path) -> None:
+    runner, node, clock = executor
+    node.spec.settings.data_dir = str(tmp_path / "node")
+    results = tmp_path / "node" / RESULTS_DIR / "run-1"
+    results.mkdir(parents=True)
+    (results / "c0.jsonl").write_bytes(b"x" * 1023 + b"\n" * (2 * HOLE_ALIGN_BYTES))
+    relative = os.path.join(RESULTS_DIR, "run-1", "c0.jsonl")
+    ran, new = (BatchRun(name, "/unused/in", str(tmp_path / name), 10) for name in ("ran", "new"))
+    positions = tmp_path / "ran" / DATA_NAME / JOB_DIR / COLLECTED_NAME
+    positions.parent.mkdir(parents=True)
+    positions.write_text(json.dumps({relative: HOLE_ALIGN_BYTES}))
+    runner.tidy([ran, new])  # `new` never ran (no data directory): it holds nothing
+    assert _data_start(results / "c0.jsonl") == HOLE_ALIGN_BYTES
+    positions.write_text(json.dumps({relative: 2 * HOLE_ALIGN_BYTES}))
+    clock[0] += RECLAIM_INTERVAL_S - 0.5
+    runner.tidy([ran, new])
+    assert _data_start(results / "c0.jsonl") == HOLE_ALIGN_BYTES  # not yet
+    clock[0] += 0.5
+    runner.tidy([ran, new])
+    assert _data_start(results / "c0.jsonl") == 2 * HOLE_ALIGN_BYTES
+
+
+def _data_start(path) -> int:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.lseek(fd, 0, os.SEEK_DATA)
+    finally:
+        os.close(fd)

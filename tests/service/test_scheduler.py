@@ -40,6 +40,7 @@ class Script(Executor):
     def __init__(self) -> None:
         self.jobs: dict[str, dict] = {}
         self.calls: list[tuple[str, str]] = []
+        self.tidied: list[list[str]] = []  # each `tidy`'s batches
 
     def start(self, run: BatchRun) -> bool:
         self.calls.append(("start", run.batch_id))
@@ -64,6 +65,9 @@ class Script(Executor):
 
     def forget(self, run: BatchRun) -> None:
         self.calls.append(("forget", run.batch_id))
+
+    def tidy(self, runs: list[BatchRun]) -> None:
+        self.tidied.append([run.batch_id for run in runs])
 
     def cancel(self, run: BatchRun) -> None:
         self.calls.append(("cancel", run.batch_id))
@@ -189,6 +193,20 @@ def test_a_cancel_stops_the_run_and_ends_with_a_line_per_request(store):
     assert {row["error"]["code"] for row in content(store, batch.error_file_id)} == {"batch_cancelled"}
     with pytest.raises(Exception, match="cancelled"):
         scheduler.cancel(OWNER, batch.id)
+
+
+def test_every_tick_tidies_after_the_batches_not_ended(store):
+    clock, script = Clock(), Script()
+    scheduler = Scheduler(store, script, max_concurrent=1, clock=clock)
+    first, second = new_batches(store, clock, 2)
+    scheduler.tick()
+    assert script.tidied[-1] == [first.id, second.id]  # the waiting one's job may have run before
+    script.answer(first.id, range(4))
+    script.end(first.id, ANSWERED_ALL)
+    while first.life.status != "completed":
+        scheduler.tick()
+    scheduler.tick()
+    assert script.tidied[-1] == [second.id]  # an ended batch's job reads nothing more
 
 
 def test_a_failing_job_is_resumed_then_fails_the_batch(store):

@@ -1,0 +1,113 @@
+"""Freeing what every job read of a node's results (`batchjob/reclaim.py`): the rule against
+a reference on seeded random readers and at its edges (a reader without positions holds all,
+a file a reader does not name is read from its start, whole units only: at one and one short
+of it), then real holes in real files: the blocks go, the size and the unread rows stay, and a
+collector that lost its positions reads on past a hole instead of reading zeros."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+from pipeline.batchjob.collect import COLLECTED_NAME, _past_holes, read_positions
+from pipeline.batchjob.manifest import JOB_DIR
+from pipeline.batchjob.reclaim import HOLE_ALIGN_BYTES, reclaim_results, reclaimable
+from pipeline.runtime.madefiles import RESULTS_DIR
+
+UNIT = HOLE_ALIGN_BYTES
+
+
+def reference(sizes: dict[str, int], readers: list[dict[str, int] | None]) -> dict[str, int]:
+    if any(r is None for r in readers):
+        return {}
+    out = {}
+    for name, size in sizes.items():
+        read = size
+        for positions in readers:
+            read = min(read, positions[name] if name in positions else 0)
+        units = read // UNIT
+        if units:
+            out[name] = units * UNIT
+    return out
+
+
+def test_the_rule_matches_its_reference_on_random_readers() -> None:
+    rng = random.Random(7)
+    for _ in range(2000):
+        names = [f"f{k}" for k in range(rng.randint(0, 4))]
+        sizes = {n: rng.randint(0, 5 * UNIT) for n in names}
+        readers: list[dict[str, int] | None] = []
+        for _r in range(rng.randint(0, 4)):
+            if rng.random() < 0.05:
+                readers.append(None)
+                continue
+            readers.append({n: rng.randint(0, sizes[n]) for n in names if rng.random() < 0.8})
+        assert reclaimable(sizes, readers) == reference(sizes, readers)
+
+
+def test_the_rule_at_its_edges() -> None:
+    sizes = {"a": 3 * UNIT, "b": 3 * UNIT}
+    assert reclaimable(sizes, []) == sizes  # nobody reads: all but the tail unit's rest
+    assert reclaimable(sizes, [{"a": UNIT, "b": UNIT - 1}]) == {"a": UNIT}  # a unit, one short of it
+    assert reclaimable(sizes, [{"a": 2 * UNIT}]) == {"a": 2 * UNIT}  # b: read from its start
+    assert reclaimable(sizes, [{"a": 2 * UNIT, "b": 2 * UNIT}, None]) == {}  # saved none yet: holds all
+    assert reclaimable({"a": UNIT + 5}, [{"a": UNIT + 5}]) == {"a": UNIT}  # never past what is read
+
+
+def _row(k: int) -> bytes:
+    return json.dumps({"item_id": k, "pad": "x" * 200}).encode() + b"\n"
+
+
+def _node_with_results(tmp_path, rows: int) -> tuple[str, str, bytes]:
+    node = tmp_path / "node"
+    folder = node / RESULTS_DIR / "run-1"
+    folder.mkdir(parents=True)
+    data = b"".join(_row(k) for k in range(rows))
+    (folder / "c0.jsonl").write_bytes(data)
+    return str(node), os.path.join(RESULTS_DIR, "run-1", "c0.jsonl"), data
+
+
+def _job(tmp_path, name: str, positions: dict[str, int] | None) -> str:
+    job = tmp_path / name
+    (job / JOB_DIR).mkdir(parents=True)
+    if positions is not None:
+        (job / JOB_DIR / COLLECTED_NAME).write_text(json.dumps(positions))
+    return str(job)
+
+
+def _allocated(path: str) -> int:
+    return os.stat(path).st_blocks * 512
+
+
+def test_holes_free_what_every_job_read_and_keep_the_rest(tmp_path) -> None:
+    node, relative, data = _node_with_results(tmp_path, 16_000)  # about 3.4 MiB
+    path = os.path.join(node, relative)
+    ahead = _job(tmp_path, "ahead", {relative: len(data)})
+    behind = _job(tmp_path, "behind", {relative: 2 * UNIT + 100})
+    assert read_positions(behind) == {relative: 2 * UNIT + 100}
+    before = _allocated(path)
+    assert reclaim_results(node, [ahead, behind]) == 2 * UNIT
+    assert before - _allocated(path) >= 2 * UNIT
+    assert os.path.getsize(path) == len(data)
+    with open(path, "rb") as f:
+        assert f.read(2 * UNIT) == bytes(2 * UNIT)
+        assert f.read() == data[2 * UNIT:]  # every byte not yet read by both, as written
+    assert reclaim_results(node, [ahead, behind]) == 0  # freed already
+
+
+def test_a_job_without_positions_or_that_never_read_a_file_holds_it(tmp_path) -> None:
+    node, relative, data = _node_with_results(tmp_path, 16_000)
+    ahead = _job(tmp_path, "ahead", {relative: len(data)})
+    assert reclaim_results(node, [ahead, _job(tmp_path, "new", None)]) == 0
+    assert reclaim_results(node, [ahead, _job(tmp_path, "other", {"results/run-0/c0.jsonl": 10})]) == 0
+    assert reclaim_results(node, [ahead]) == 3 * UNIT
+
+
+def test_a_reader_that_lost_its_positions_reads_on_past_the_hole(tmp_path) -> None:
+    node, relative, data = _node_with_results(tmp_path, 16_000)
+    reclaim_results(node, [_job(tmp_path, "ahead", {relative: len(data)})])
+    with open(os.path.join(node, relative), "rb") as f:
+        assert _past_holes(f.fileno(), 0) == 3 * UNIT
+        assert _past_holes(f.fileno(), 3 * UNIT + 7) == 3 * UNIT + 7
+        assert _past_holes(f.fileno(), len(data)) == len(data)  # at the end: nothing new
