@@ -8,7 +8,8 @@ scrape:
     shape_broker_service_stored_bytes{tenant}              each tenant's stored bytes
 
 Per-batch labels are for batches not ended only, so they are bounded by the tenants' active
-batch limits. Each job's own metrics (its broker's) are on its `--metrics-port` where given.
+batch limits. The jobs serve no metrics of their own (`serve` refuses a metrics port for them:
+they share one node).
 """
 
 from __future__ import annotations
