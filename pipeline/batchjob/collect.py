@@ -21,7 +21,8 @@ decoder that fails on it or expands it past the bound answers that request 500.
 
 Where each file was read up to is saved in DATA_DIR/job/collected.json after the log took
 what it read, so a resume reads only what is new; a lost or stale one costs a second read,
-never an answer (the log drops what it has).
+never an answer (the log drops what it has), but on a node, whose results every job read
+are freed (`reclaim.py`): there, answers in what was freed run again.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import json
 import logging
 import os
 from collections.abc import Callable, Iterator
+from typing import BinaryIO
 from dataclasses import dataclass, field
 
 import msgspec
@@ -170,11 +172,7 @@ class Collector:
         start = self._offsets.get(relative, 0)
         try:
             with open(path, "rb") as f:
-                start = _past_holes(f.fileno(), start)
-                f.seek(start)
-                raw = f.read(READ_LIMIT_BYTES)
-                if len(raw) == READ_LIMIT_BYTES and b"\n" not in raw:  # one row longer than a read
-                    raw += f.read(MAX_ROW_BYTES - READ_LIMIT_BYTES)
+                start, raw = _read_rows(f, start)
         except OSError:
             return 0
         end = raw.rfind(b"\n") + 1
@@ -432,14 +430,24 @@ def read_positions(data_dir: str) -> dict[str, int] | None:
     return _load_offsets(path) if os.path.exists(path) else None
 
 
-def _past_holes(fd: int, start: int) -> int:
-    """`start`, or where data begins after it: a node frees what every job had read of its
-    results (`reclaim.py`), and a job that lost its positions since reads on from there (the
-    line cut there counts as bad; the requests it answered are submitted again)."""
-    try:
-        return max(start, os.lseek(fd, start, os.SEEK_DATA))
-    except OSError:  # ENXIO: nothing but a hole to the end (what the writer appends next is data)
-        return start
+def _read_rows(f: BinaryIO, start: int) -> tuple[int, bytes]:
+    """What `f` holds from `start` on, READ_LIMIT_BYTES of it (to MAX_ROW_BYTES for one long
+    row), and where that begins. A row never begins with a NUL byte: one there is a hole a
+    node punched in what every job had read (`reclaim.py`), which a job that lost its
+    positions since reads on past (the line cut there counts as bad; the requests it
+    answered are submitted again), or nothing at all where the hole runs to the end."""
+    f.seek(start)
+    raw = f.read(READ_LIMIT_BYTES)
+    if raw[:1] == b"\0":
+        try:
+            start = os.lseek(f.fileno(), start, os.SEEK_DATA)
+        except OSError:  # ENXIO: a hole to the end; what the writer appends next is data
+            return start, b""
+        f.seek(start)
+        raw = f.read(READ_LIMIT_BYTES)
+    if len(raw) == READ_LIMIT_BYTES and b"\n" not in raw:  # one row longer than a read
+        raw += f.read(MAX_ROW_BYTES - READ_LIMIT_BYTES)
+    return start, raw
 
 
 def _whole_lines_end(path: str) -> int:

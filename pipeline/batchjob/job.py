@@ -283,7 +283,8 @@ class BatchJob:
         """The completion-order output (and error file): the job's own files, appended to, or,
         where one is missing or not the file the job made (replaced, edited, or allowed to
         be replaced: --overwrite), all of them made anew and the answers collected again
-        from the results files, which hold every one."""
+        from the results files, which hold every one (on a node, what every job had read is
+        freed: those requests run again)."""
         targets = {LOG_OUTPUT: self.targets["output file"]}
         if "error file" in self.targets:
             targets[LOG_ERRORS] = self.targets["error file"]

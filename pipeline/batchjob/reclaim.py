@@ -10,11 +10,12 @@ not yet read, not the service's life.
 
     freed = reclaim_results(node_dir, job_data_dirs)   # the scheduler, every RECLAIM_INTERVAL_S
 
-The readers are the jobs of the batches not ended that ran (their data directories): each
-reads a file from the position its collector last saved (`read_positions`), from the start
-where the positions do not name it, and holds everything while it saved no positions yet (a
-job that just started, or one killed before its first save). A batch that never ran holds
-nothing: its job starts at the end of every file (`Collector.skip_results_so_far`).
+The readers are the jobs of the batches not ended that were made (a data directory with a
+manifest): each reads a file from the position its collector last saved (`read_positions`),
+from the start where the positions do not name it, and holds everything while it saved no
+positions yet (a job that just started, or one killed before its first save). A job not yet
+made holds nothing: it starts at the end of every file (`Collector.skip_results_so_far`,
+after its manifest is written).
 
 `reclaimable` is the rule, pure; `reclaim_results` reads the sizes and positions and punches.
 NOTE: rolling each consumer's file by size and removing read ones was the alternative; it
@@ -28,9 +29,11 @@ import ctypes.util
 import errno
 import logging
 import os
+import stat
 from collections.abc import Iterable, Mapping
 
 from pipeline.batchjob.collect import read_positions, results_files
+from pipeline.batchjob.manifest import manifest_path
 
 log = logging.getLogger("pipeline.service")
 
@@ -58,25 +61,30 @@ def reclaimable(sizes: Mapping[str, int], readers: Iterable[Mapping[str, int] | 
 
 def reclaim_results(results_root: str, job_dirs: Iterable[str]) -> int:
     """Free what every job of `job_dirs` has read of the results under `results_root`; the
-    bytes newly freed. A file system without holes frees nothing (said once)."""
+    bytes newly freed. The sizes are taken before the readers are looked at: a data directory
+    without a manifest is a job that has not started reading, and when it starts it reads
+    from the ends of the files as they are then, past every size taken here. One file that
+    cannot be read or freed stops no other."""
     sizes = {}
     for relative in results_files(results_root):
         try:
-            sizes[relative] = os.stat(os.path.join(results_root, relative)).st_size
-        except FileNotFoundError:
-            continue
+            found = os.stat(os.path.join(results_root, relative), follow_symlinks=False)
+        except OSError:
+            continue  # gone meanwhile, or not ours to read: nothing of it is freed
+        if stat.S_ISREG(found.st_mode):
+            sizes[relative] = found.st_size
+    readers = (read_positions(d) for d in job_dirs if os.path.exists(manifest_path(d)))
     freed = 0
-    for relative, length in reclaimable(sizes, (read_positions(d) for d in job_dirs)).items():
+    for relative, length in reclaimable(sizes, readers).items():
         freed += _punch(os.path.join(results_root, relative), length)
     return freed
 
 
 def _punch(path: str, length: int) -> int:
     """A hole over the first `length` bytes of `path`; the bytes newly freed (0 where they
-    were, or the file system keeps them)."""
-    global _unsupported_said
+    were, or the file system keeps them: said once for each reason)."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return 0  # gone, or not ours: nothing to free
     try:
@@ -86,15 +94,12 @@ def _punch(path: str, length: int) -> int:
             data = length if exc.errno == errno.ENXIO else 0
         if data >= length:
             return 0
-        result = _fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, 0, length)
-        if result != 0:
+        if _fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, 0, length) != 0:
             code = ctypes.get_errno()
-            if code in (errno.EOPNOTSUPP, errno.ENOSYS) and not _unsupported_said:
-                _unsupported_said = True
-                log.warning("%s: the file system frees no part of a file (%s): the node's results keep their "
+            if code not in _SAID:
+                _SAID.add(code)
+                log.warning("%s: freeing what every job read of the node's results failed (%s): they keep their "
                             "disk until the server's data directory is cleared", path, os.strerror(code))
-            elif code not in (errno.EOPNOTSUPP, errno.ENOSYS):
-                log.warning("%s: freeing its first %d bytes failed: %s", path, length, os.strerror(code))
             return 0
         return length - data
     finally:
@@ -105,4 +110,4 @@ _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _fallocate = _libc.fallocate
 _fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
 _fallocate.restype = ctypes.c_int
-_unsupported_said = False
+_SAID: set[int] = set()  # the errno values a failed punch was logged with (once each, not every pass)

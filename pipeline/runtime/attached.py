@@ -39,13 +39,15 @@ from pipeline.wire.status import BrokerStatus
 
 # The most requests a job keeps published and not yet answered on the node (its producers
 # wait past it; they can pass it by a feed chunk each): enough to keep the engines fed
-# between two watches (0.5 s at 8,000 requests/s) and to group a job's prefixes, few enough
+# for about a second at 8,000 requests/s (ten watches) and to group a job's prefixes, few enough
 # that the node's queue holds seconds of any one job, so a batch that makes way for another
 # with a deadline at risk leaves the engines to it within seconds, not after its whole input.
 NODE_WINDOW_ITEMS = 8192
 # How often a run on a node reads its answers and moves its producers' allowance: the window
 # drains in about a second at full rate, so the launcher's own watch (0.5 s) left producers
-# waiting up to half of it; a watch reads only the answers written since the last.
+# waiting up to half of it; a watch reads only the answers written since the last, and asks
+# the node's broker for its status only every WATCH_INTERVAL_S (the launcher's
+# status_interval_s: every job on the node asks it).
 # NOTE: at 0.5 s the window cost a 20,000-request batch 0.4 s of its 3.5 s (a warm server).
 ATTACHED_WATCH_INTERVAL_S = 0.1
 # How long the answers of a run whose producers are done may stand still before the run

@@ -124,6 +124,9 @@ class Launcher:
     reads (the live progress display hooks in there)."""
 
     watch_interval_s = WATCH_INTERVAL_S
+    # How often a watch asks the broker for its status (each asks at most this often): its
+    # cost grows with the broker's shapes, and it is the broker's loop that answers.
+    status_interval_s = WATCH_INTERVAL_S
 
     def __init__(self, settings: LaunchSettings, workload: Workload, on_status=None,
                  summarize: Callable[[str], ResultsSummary] = summarize_results, metrics=None) -> None:
@@ -327,7 +330,7 @@ class Launcher:
         status read (None if the broker never answered)."""
         status: BrokerStatus | None = None
         unanswered_since_s: float | None = None
-        warned_s = 0.0
+        warned_s = status_due_s = 0.0
         while True:
             if stop():
                 return status, "interrupted"
@@ -337,9 +340,12 @@ class Launcher:
             if failed:
                 return status, failed
             try:
-                status = broker_status(self.config.socket_path)
-                unanswered_since_s = None
+                if time.monotonic() >= status_due_s:
+                    status_due_s = time.monotonic() + self.status_interval_s
+                    status = broker_status(self.config.socket_path)
+                    unanswered_since_s = None
             except (OSError, TimeoutError, PipelineError) as exc:
+                status_due_s = 0.0  # asked again at the next watch
                 if self.broker is None:  # a node's (`attached.py`): its owner starts it again
                     status = None
                 else:

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 
 # The longest gap between two supervision passes that is counted as a blocked producer's
-# time: the launcher passes every WATCH_INTERVAL_S (0.5 s) plus a broker status call; a
+# time: the launcher passes every watch_interval_s (at most 0.5 s) plus a broker status call; a
 # longer gap means the supervisor did not run (a paused VM, SIGSTOP), which says nothing of
 # the producer.
 MAX_PASS_GAP_S = 2.0

@@ -170,9 +170,9 @@ class Executor(ABC):
         """The batch ended before its end (cancelled, expired, failed): its requests still
         queued are not run. Nothing to do where each run's queue goes with it."""
 
-    def tidy(self, runs: list[BatchRun]) -> None:
-        """Give back what `runs` (every batch not ended) no longer need of what runs share;
-        each tick. Nothing where each run's files go with it."""
+    def tidy(self, runs: Callable[[], list[BatchRun]]) -> None:
+        """Give back what `runs()` (every batch not ended) no longer need of what runs share;
+        asked each tick. Nothing where each run's files go with it."""
 
     @abstractmethod
     def answers(self, run: BatchRun) -> Answers: ...
@@ -337,15 +337,15 @@ class RunBatchExecutor(Executor):
         except OSError as exc:  # no room for the record, say: asked again at the next tick
             log.warning("batch %s: its queued requests are not skipped yet: %s", run.batch_id, exc)
 
-    def tidy(self, runs: list[BatchRun]) -> None:
-        """The node's results that every job of `runs` that ran has read: their disk freed
+    def tidy(self, runs: Callable[[], list[BatchRun]]) -> None:
+        """The node's results that every job of `runs()` has read: their disk freed
         (`batchjob/reclaim.py`), every RECLAIM_INTERVAL_S."""
         now_s = self.clock()
         if self.node is None or now_s < self._reclaim_s:
             return
         self._reclaim_s = now_s + RECLAIM_INTERVAL_S
-        jobs = [data for data in (os.path.join(run.work_dir, DATA_NAME) for run in runs) if os.path.isdir(data)]
-        freed = reclaim_results(self.node.spec.settings.data_dir, jobs)
+        freed = reclaim_results(self.node.spec.settings.data_dir,
+                                [os.path.join(run.work_dir, DATA_NAME) for run in runs()])
         if freed:
             log.info("node results: %d MiB that every job read freed", freed >> 20)
 

@@ -157,8 +157,8 @@ class Scheduler:
                 log.exception("batch %s: its step failed; tried again in %.1f s", batch.id, SCHEDULER_TICK_S)
         self._admit()
         try:
-            self.executor.tidy([self.run_of(batch) for batch in self.store.unfinished()])
-        except OSError:  # a full disk, say: tried again at the next tick
+            self.executor.tidy(lambda: [self.run_of(batch) for batch in self.store.unfinished()])
+        except Exception:  # noqa: BLE001 - freeing disk stops no batch; tried again at the next tick
             log.exception("freeing what the batches read failed; tried again in %.1f s", SCHEDULER_TICK_S)
 
     def _step(self, batch: BatchRecord, now: int) -> None:

@@ -1,7 +1,7 @@
 """Freeing what every job read of a node's results (`batchjob/reclaim.py`): the rule against
 a reference on seeded random readers and at its edges (a reader without positions holds all,
 a file a reader does not name is read from its start, whole units only: at one and one short
-of it), then real holes in real files: the blocks go, the size and the unread rows stay, and a
+of it; a job not yet made starts at the ends and holds nothing), then real holes in real files: the blocks go, the size and the unread rows stay, and a
 collector that lost its positions reads on past a hole instead of reading zeros."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import json
 import os
 import random
 
-from pipeline.batchjob.collect import COLLECTED_NAME, _past_holes, read_positions
-from pipeline.batchjob.manifest import JOB_DIR
+from pipeline.batchjob.collect import COLLECTED_NAME, _read_rows, read_positions
+from pipeline.batchjob.manifest import JOB_DIR, MANIFEST_NAME
 from pipeline.batchjob.reclaim import HOLE_ALIGN_BYTES, reclaim_results, reclaimable
 from pipeline.runtime.madefiles import RESULTS_DIR
 
@@ -68,9 +68,11 @@ def _node_with_results(tmp_path, rows: int) -> tuple[str, str, bytes]:
     return str(node), os.path.join(RESULTS_DIR, "run-1", "c0.jsonl"), data
 
 
-def _job(tmp_path, name: str, positions: dict[str, int] | None) -> str:
+def _job(tmp_path, name: str, positions: dict[str, int] | None, made: bool = True) -> str:
     job = tmp_path / name
     (job / JOB_DIR).mkdir(parents=True)
+    if made:
+        (job / JOB_DIR / MANIFEST_NAME).write_text("{}")  # its content is not read here
     if positions is not None:
         (job / JOB_DIR / COLLECTED_NAME).write_text(json.dumps(positions))
     return str(job)
@@ -96,18 +98,32 @@ def test_holes_free_what_every_job_read_and_keep_the_rest(tmp_path) -> None:
     assert reclaim_results(node, [ahead, behind]) == 0  # freed already
 
 
-def test_a_job_without_positions_or_that_never_read_a_file_holds_it(tmp_path) -> None:
+def test_a_job_without_positions_or_that_never_read_a_file_holds_it_and_one_not_made_does_not(tmp_path) -> None:
     node, relative, data = _node_with_results(tmp_path, 16_000)
     ahead = _job(tmp_path, "ahead", {relative: len(data)})
     assert reclaim_results(node, [ahead, _job(tmp_path, "new", None)]) == 0
     assert reclaim_results(node, [ahead, _job(tmp_path, "other", {"results/run-0/c0.jsonl": 10})]) == 0
-    assert reclaim_results(node, [ahead]) == 3 * UNIT
+    assert reclaim_results(node, [ahead, _job(tmp_path, "unmade", None, made=False)]) == 3 * UNIT
 
 
 def test_a_reader_that_lost_its_positions_reads_on_past_the_hole(tmp_path) -> None:
     node, relative, data = _node_with_results(tmp_path, 16_000)
     reclaim_results(node, [_job(tmp_path, "ahead", {relative: len(data)})])
     with open(os.path.join(node, relative), "rb") as f:
-        assert _past_holes(f.fileno(), 0) == 3 * UNIT
-        assert _past_holes(f.fileno(), 3 * UNIT + 7) == 3 * UNIT + 7
-        assert _past_holes(f.fileno(), len(data)) == len(data)  # at the end: nothing new
+        assert _read_rows(f, 0) == (3 * UNIT, data[3 * UNIT:])
+        assert _read_rows(f, 3 * UNIT + 7) == (3 * UNIT + 7, data[3 * UNIT + 7:])
+        assert _read_rows(f, len(data)) == (len(data), b"")  # at the end: nothing new
+
+
+def test_a_hole_to_the_end_reads_as_nothing_until_rows_follow(tmp_path) -> None:
+    node, relative, _ = _node_with_results(tmp_path, 0)
+    path = os.path.join(node, relative)
+    with open(path, "wb") as f:
+        f.write(b"x" * (UNIT - 1) + b"\n")
+    reclaim_results(node, [_job(tmp_path, "ahead", {relative: UNIT})])
+    with open(path, "rb") as f:
+        assert _read_rows(f, 0) == (0, b"")
+    with open(path, "ab") as f:
+        f.write(_row(1))
+    with open(path, "rb") as f:
+        assert _read_rows(f, 0) == (UNIT, _row(1))

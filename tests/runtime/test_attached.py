@@ -1,16 +1,19 @@
 """A run of producers alone on a node (`runtime/attached.py`): done once every request is
 answered, never by the node's own quiet; answers that stand still are checked against what
 is still queued, at most every ATTACHED_STALL_S, and a request neither answered nor queued
-ends the run failed; the producers publish at most a window past the answers (simulated
-clock; no process is started)."""
+ends the run failed; the producers publish at most a window past the answers; the run reads
+its answers every ATTACHED_WATCH_INTERVAL_S and asks the broker at most every
+WATCH_INTERVAL_S (simulated clock; no process is started)."""
 
 from __future__ import annotations
 
 from pipeline.producer.workload import WorkItem, Workload
-from pipeline.runtime.attached import ATTACHED_STALL_S, NODE_WINDOW_ITEMS, AttachedLauncher
+import pipeline.runtime.launcher as launcher_module
+from pipeline.runtime.attached import ATTACHED_STALL_S, ATTACHED_WATCH_INTERVAL_S, NODE_WINDOW_ITEMS, AttachedLauncher
 from pipeline.runtime.inventory import ProducerLedger
 from pipeline.runtime.local import CTX
 from pipeline.runtime.producer_processes import _allowed
+from pipeline.runtime.launcher import WATCH_INTERVAL_S
 from pipeline.runtime.settings import LaunchSettings
 
 
@@ -78,3 +81,41 @@ def test_a_producer_holds_its_items_while_it_may_not_publish_unless_stopped() ->
     ledger.set_allowance(-1)
     stopped[0] = False
     assert list(_allowed(iter(range(200)), ledger, lambda: stopped[0])) == list(range(200))
+
+
+class FakeTime:
+    """The launcher module's clock: each sleep moves it; no real time passes."""
+
+    def __init__(self) -> None:
+        self.now_s = 100.0
+
+    def monotonic(self) -> float:
+        return self.now_s
+
+    def monotonic_ns(self) -> int:
+        return int(self.now_s * 1e9)
+
+    def sleep(self, seconds: float) -> None:
+        self.now_s += seconds
+
+
+def test_a_run_on_a_node_reads_its_answers_every_tenth_of_a_second_and_asks_the_broker_less(tmp_path,
+                                                                                          monkeypatch) -> None:
+    answered, lost, seen = [0], [0], []
+    run, _clock = launcher(tmp_path, answered, lost, seen)
+    fake = FakeTime()
+    asked: list[float] = []
+    watched: list[float] = []
+    monkeypatch.setattr(launcher_module, "time", fake)
+    monkeypatch.setattr(launcher_module, "broker_status", lambda _path: asked.append(fake.now_s))
+    run.data_dir_pin = type("Pin", (), {"check": lambda self: None})()
+
+    def on_status(_status, now_s: float) -> None:
+        watched.append(now_s)
+        answered[0] += 1  # one answer a watch: all 10 after ten watches
+
+    run.on_status = on_status
+    status, why = run._watch(lambda: False)
+    assert why == "completed" and len(watched) == 10
+    assert [round(b - a, 6) for a, b in zip(watched, watched[1:])] == [ATTACHED_WATCH_INTERVAL_S] * 9
+    assert len(asked) == 2 and asked[1] - asked[0] >= WATCH_INTERVAL_S  # the status: at most every 0.5 s

@@ -11,10 +11,9 @@ import os
 import pytest
 
 from pipeline.batchjob.collect import COLLECTED_NAME
-from pipeline.batchjob.manifest import JOB_DIR
+from pipeline.batchjob.manifest import JOB_DIR, MANIFEST_NAME
 from pipeline.batchjob.reclaim import HOLE_ALIGN_BYTES
 from pipeline.runtime.madefiles import RESULTS_DIR
-
 from pipeline.service.limits import NODE_RETRY_FIRST_S, NODE_RETRY_MAX_S, NODE_STABLE_S, RECLAIM_INTERVAL_S
 from pipeline.service.runner import DATA_NAME, BatchRun, RunBatchExecutor
 from pipeline.wire.errors import NodeStartError
@@ -109,14 +108,15 @@ def test_the_node_results_every_ran_job_read_are_freed_at_most_every_interval(ex
     positions = tmp_path / "ran" / DATA_NAME / JOB_DIR / COLLECTED_NAME
     positions.parent.mkdir(parents=True)
     positions.write_text(json.dumps({relative: HOLE_ALIGN_BYTES}))
-    runner.tidy([ran, new])  # `new` never ran (no data directory): it holds nothing
+    (positions.parent / MANIFEST_NAME).write_text("{}")  # a job that was made (its content is not read)
+    runner.tidy(lambda: [ran, new])  # `new` was never made (no data directory): it holds nothing
     assert _data_start(results / "c0.jsonl") == HOLE_ALIGN_BYTES
     positions.write_text(json.dumps({relative: 2 * HOLE_ALIGN_BYTES}))
     clock[0] += RECLAIM_INTERVAL_S - 0.5
-    runner.tidy([ran, new])
+    runner.tidy(lambda: [ran, new])
     assert _data_start(results / "c0.jsonl") == HOLE_ALIGN_BYTES  # not yet
     clock[0] += 0.5
-    runner.tidy([ran, new])
+    runner.tidy(lambda: [ran, new])
     assert _data_start(results / "c0.jsonl") == 2 * HOLE_ALIGN_BYTES
 
 

@@ -66,8 +66,8 @@ class Script(Executor):
     def forget(self, run: BatchRun) -> None:
         self.calls.append(("forget", run.batch_id))
 
-    def tidy(self, runs: list[BatchRun]) -> None:
-        self.tidied.append([run.batch_id for run in runs])
+    def tidy(self, runs) -> None:
+        self.tidied.append([run.batch_id for run in runs()])
 
     def cancel(self, run: BatchRun) -> None:
         self.calls.append(("cancel", run.batch_id))
