@@ -90,7 +90,7 @@ def test_answer_records_at_the_jobs_requests_count_and_damaged_ones_are_named(tm
         answered(path, REQUESTS - 1)
     Path(path).write_bytes(os.urandom(100 * ANSWER_RECORD_SIZE_BYTES))
     code, said = status(data)
-    assert code == 1 and f"{path}: damaged (" in said and "100" not in said.split("damaged")[0]
+    assert code == 1 and f"{path}: damaged (" in said and "100" not in said.split(f"{path}: damaged")[0]
     Path(path).write_bytes(os.urandom(5 * ANSWER_RECORD_SIZE_BYTES))
     with pytest.raises(JobMismatchError, match="a record fails its check"):
         answered(path, REQUESTS)
