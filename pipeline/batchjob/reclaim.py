@@ -25,7 +25,6 @@ renames files under their writer and every reader of results, where a hole chang
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import logging
 import os
@@ -106,8 +105,9 @@ def _punch(path: str, length: int) -> int:
         os.close(fd)
 
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-_fallocate = _libc.fallocate
+# The process's own symbols, libc's among them (ctypes.util.find_library would run ldconfig
+# at import).
+_fallocate = ctypes.CDLL(None, use_errno=True).fallocate
 _fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
 _fallocate.restype = ctypes.c_int
 _SAID: set[int] = set()  # the errno values a failed punch was logged with (once each, not every pass)
