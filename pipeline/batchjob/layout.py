@@ -96,7 +96,9 @@ INDEX_HEADER_DTYPE = checked_dtype(
         ("stride", 8, "<u8", "requests between entries"),
         ("requests", 16, "<u8", "requests in the input"),
         ("input_bytes", 24, "<u8", "input size"),
-        ("input_xxh3", 32, "|S16", "xxh3-128 of the input"),
+        # NOTE: raw bytes (V), not a string (S): numpy strips an S field's trailing NULs, and
+        # one digest in 256 ends in a zero byte.
+        ("input_xxh3", 32, "|V16", "xxh3-128 of the input"),
         ("entries", 48, "<u8", "entries that follow"),
         ("header_xxh3", 56, "<u8", "xxh3 of bytes 0..56"),
     ],

@@ -3,6 +3,7 @@ line digests a fresh scan makes), and anything else leaves the job to scan its i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -112,3 +113,12 @@ def test_an_index_parses_whole_and_not_cut_short(tmp_path, kept):
     parsed = parse_index(raw)
     assert parsed is not None and np.array_equal(parsed.index, scan.index)
     assert parse_index(raw[:-1]) is None and parse_index(raw[:10]) is None and parse_index(b"") is None
+
+
+@pytest.mark.parametrize("digest", ["ab" * 14 + "0000", "00" * 16, "00" + "cd" * 15])
+def test_an_index_keeps_every_byte_of_the_inputs_digest(tmp_path, kept, digest):
+    _source, _prefix, scan = kept
+    write_index(str(tmp_path / "idx"), dataclasses.replace(scan, input_xxh3=digest))
+    with open(tmp_path / "idx", "rb") as f:
+        parsed = parse_index(f.read())
+    assert parsed is not None and parsed.input_xxh3 == digest  # a trailing zero byte is a byte

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
+import xxhash
 
 from tests.support.jobs import (
     ROOT,
@@ -308,6 +309,21 @@ def test_a_job_whose_input_moved_resumes_from_the_path_given_now(tmp_path, model
     done = run_batch(*args, *QUICK_RESUME)
     assert done.returncode == 0 and str(moved) in done.stderr, done.stderr
     check_one_line_each(tmp_path / "out.jsonl")
+
+
+def test_a_job_whose_inputs_digest_ends_in_a_zero_byte_resumes(tmp_path, model_dir):
+    source = tmp_path / "in.jsonl"
+    for tag in range(100_000):  # about one input in 256
+        source.write_text("".join(json.dumps(r) + "\n" for r in records(4) + [chat(f"pad{tag}")]))
+        if xxhash.xxh3_128_digest(source.read_bytes())[-1] == 0:
+            break
+    args = ["-i", str(source), "-o", str(tmp_path / "out.jsonl"), "--data-dir", str(tmp_path / "data"),
+            "--model", model_dir]
+    first = run_batch(*args)
+    assert first.returncode == 0, first.stderr
+    again = run_batch(*args)  # the job's kept index read back: the same input
+    assert again.returncode == 0, again.stderr
+    assert set(rows_by_id(tmp_path / "out.jsonl")) == {"r0", "r1", "r2", "r3", f"pad{tag}"}
 
 
 def test_an_input_edited_in_place_where_it_was_answered_refuses_the_resume_before_any_output(tmp_path, model_dir):
