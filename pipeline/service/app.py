@@ -111,8 +111,9 @@ def make_app(store: Store, scheduler: Scheduler, tenants: Tenants | None, config
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        tenant(request)
-        body = await run_in_threadpool(render, ServiceCollector(store, scheduler.clock))
+        caller = tenant(request)  # with keys, a tenant's own batches and bytes only: names are not shared
+        body = await run_in_threadpool(render, ServiceCollector(store, scheduler.clock,
+                                                                None if tenants is None else caller))
         return Response(body, media_type=PROMETHEUS_TEXT)
 
     _files(app, store, scheduler, tenant, config)

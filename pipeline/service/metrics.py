@@ -8,7 +8,8 @@ scrape:
     shape_broker_service_stored_bytes{tenant}              each tenant's stored bytes
 
 Per-batch labels are for batches not ended only, so they are bounded by the tenants' active
-batch limits. The jobs serve no metrics of their own (`serve` refuses a metrics port for them:
+batch limits. With API keys, a scrape shows the scraping key's tenant alone (its batches,
+requests and stored bytes): one tenant never learns another's name, ids or use. The jobs serve no metrics of their own (`serve` refuses a metrics port for them:
 they share one node).
 """
 
@@ -27,14 +28,16 @@ SERVICE_PREFIX = PREFIX + "service_"
 
 
 class ServiceCollector:
-    """A prometheus_client collector over the store; `clock`: Unix seconds."""
+    """A prometheus_client collector over the store; `clock`: Unix seconds; `tenant`: whose
+    batches and stored bytes it shows (None: every tenant's, a server without keys)."""
 
-    def __init__(self, store: Store, clock: Callable[[], float]) -> None:
+    def __init__(self, store: Store, clock: Callable[[], float], tenant: str | None = None) -> None:
         self.store = store
         self.clock = clock
+        self.tenant = tenant
 
     def collect(self) -> Iterator[Metric]:
-        batches = self.store.all_batches()
+        batches = [b for b in self.store.all_batches() if self.tenant in (None, b.owner)]
         now = self.clock()
         by_status = GaugeMetricFamily(SERVICE_PREFIX + "batches", "Batches by status", labels=["status"])
         for status in STATUSES:
@@ -60,7 +63,8 @@ class ServiceCollector:
                                    labels=["tenant"])
         with self.store.lock:
             for tenant, size in sorted(self.store.stored_bytes.items()):
-                stored.add_metric([tenant], size)
+                if self.tenant in (None, tenant):
+                    stored.add_metric([tenant], size)
         yield stored
 
 

@@ -231,6 +231,12 @@ def test_two_keys_cannot_see_each_others_objects_and_lists_page(tmp_path, model_
     assert list(b.files.list()) == [] and list(b.batches.list()) == []
     with pytest.raises(openai.AuthenticationError):
         server.client("sk-wrong-" + "x" * 20).files.list()
+    seen_by_b, seen_by_a = _get(server, "/metrics", KEY_B), _get(server, "/metrics", KEY_A)
+    assert "team-a" not in seen_by_b and not any(batch.id in seen_by_b for batch in made)
+    counts_b = [line for line in seen_by_b.splitlines() if line.startswith("shape_broker_service_batches{")]
+    assert counts_b and all(line.endswith(" 0.0") for line in counts_b)  # b has none of its own
+    assert 'stored_bytes{tenant="team-a"}' in seen_by_a and "team-b" not in seen_by_a
+    assert all(batch.id in seen_by_a for batch in made)
     assert KEY_A not in server.log() and KEY_B not in server.log()
 
 
@@ -291,8 +297,10 @@ def test_serve_refuses_in_one_line(tmp_path, model_dir):
     assert not (tmp_path / "d").exists()
 
 
-def _get(server: Server, path: str) -> str:
+def _get(server: Server, path: str, key: str | None = None) -> str:
     import urllib.request
 
-    with urllib.request.urlopen(server.base_url.removesuffix("/v1") + path, timeout=30) as response:
+    headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+    request = urllib.request.Request(server.base_url.removesuffix("/v1") + path, headers=headers)
+    with urllib.request.urlopen(request, timeout=30) as response:
         return response.read().decode()
