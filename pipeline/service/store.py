@@ -306,7 +306,7 @@ class Store:
         """A new batch (validating) of an input file of the caller's whose every line is for
         its endpoint; ApiError 404 for another's file, 429 past the key's active batches."""
         with self.lock:
-            source = self.file(owner, create.input_file_id)
+            source = self._owned(self.files, owner, create.input_file_id, "file", "input_file_id")
             if source.purpose != PURPOSE_BATCH:
                 raise ApiError(HTTP_BAD_REQUEST, f"file {source.id} has purpose {source.purpose!r}; a batch's input "
                                                  f"is uploaded with purpose 'batch'", "input_file_id")
@@ -327,12 +327,13 @@ class Store:
     def batch(self, owner: str, batch_id: str) -> BatchRecord:
         return self._owned(self.batches, owner, batch_id, "batch")
 
-    def _owned(self, table: dict, owner: str, object_id: str, kind: str):
-        """The `kind` of id `object_id` if it is `owner`'s; the 404 of a missing one if not."""
+    def _owned(self, table: dict, owner: str, object_id: str, kind: str, param: str = ""):
+        """The `kind` of id `object_id` if it is `owner`'s; the 404 of a missing one if not,
+        naming `param` (the request's field; `{kind}_id`, the path's, by default)."""
         with self.lock:
             found = table.get(object_id)
             if found is None or found.owner != owner:
-                raise not_found(kind, object_id, f"{kind}_id")
+                raise not_found(kind, object_id, param or f"{kind}_id")
             return found
 
     def list_batches(self, owner: str) -> list[BatchRecord]:

@@ -90,6 +90,7 @@ def test_another_tenants_objects_are_missing_and_an_input_in_use_stays(store):
         with pytest.raises(ApiError) as refused:
             call()
         assert refused.value.status == 404
+    assert refused.value.param == "input_file_id"  # the create's own field, not the path's
     assert store.list_files("b", None, ascending=False) == [] and store.list_batches("b") == []
     with pytest.raises(ApiError, match="cancel it first"):
         store.delete_file("a", source.id)
