@@ -41,6 +41,7 @@ CREATE_KEYS = ("input_file_id", "endpoint", "completion_window", "metadata")
 HTTP_BAD_REQUEST = 400
 HTTP_UNAUTHORIZED = 401
 HTTP_NOT_FOUND = 404
+HTTP_CONFLICT = 409
 HTTP_TOO_LARGE = 413
 HTTP_TOO_MANY = 429
 # A file's record version: a record of another version is refused, never misread.

@@ -28,7 +28,7 @@ from pipeline.batchjob.output import CODE_CANCELLED, CODE_EXPIRED
 from pipeline.service.admission import Admission, Candidate, Pace
 from pipeline.service.finalize import remove_quietly, write_batch_files
 from pipeline.service.limits import JOB_STOP_WAIT_S, MAX_JOB_FAILURES, SCHEDULER_TICK_S
-from pipeline.service.objects import HTTP_BAD_REQUEST, BatchRecord, priority_of
+from pipeline.service.objects import HTTP_CONFLICT, BatchRecord, priority_of
 from pipeline.service.runner import (
     ANSWERED_ALL,
     CHECKING,
@@ -86,13 +86,14 @@ class Scheduler:
     # ------------------------------------------------------------------ the API's side
 
     def cancel(self, owner: str, batch_id: str) -> BatchRecord:
-        """Mark the batch cancelling (its run stops at the next tick); ApiError 400 for one
-        that ended or is finalizing, 404 for another tenant's."""
+        """Mark the batch cancelling (its run stops at the next tick); ApiError 409 (a conflict
+        with its state, as OpenAI's) for one that ended or is finalizing, 404 for another
+        tenant's."""
         with self.store.lock:
             batch = self.store.batch(owner, batch_id)
             if not batch.life.takes(CANCEL):
-                raise ApiError(HTTP_BAD_REQUEST, f"batch {batch_id} is {batch.life.status}: only a validating or "
-                                                 f"in_progress batch can be cancelled", "batch_id")
+                raise ApiError(HTTP_CONFLICT, f"Cannot cancel a batch with status '{batch.life.status}': only a "
+                                              f"validating or in_progress batch can be cancelled", "batch_id")
             self.store.step(batch, CANCEL, int(self.clock()))
         self.wake()
         return batch

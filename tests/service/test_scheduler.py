@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pipeline.service.limits import MAX_JOB_FAILURES
-from pipeline.service.objects import BatchCreate
+from pipeline.service.objects import HTTP_CONFLICT, BatchCreate
 from pipeline.service.runner import (
     ANSWERED_ALL,
     ENDED,
@@ -28,6 +28,7 @@ from pipeline.service.runner import (
 )
 from pipeline.service.scheduler import Scheduler
 from pipeline.service.store import Store
+from pipeline.wire.errors import ApiError
 
 WINDOW_S = 1000
 OWNER = "team-a"
@@ -191,8 +192,9 @@ def test_a_cancel_stops_the_run_and_ends_with_a_line_per_request(store):
     assert batch.life.status == "cancelled"
     assert [row["custom_id"] for row in content(store, batch.output_file_id)] == ["r1"]
     assert {row["error"]["code"] for row in content(store, batch.error_file_id)} == {"batch_cancelled"}
-    with pytest.raises(Exception, match="cancelled"):
+    with pytest.raises(ApiError, match="Cannot cancel a batch with status 'cancelled'") as refused:
         scheduler.cancel(OWNER, batch.id)
+    assert refused.value.status == HTTP_CONFLICT
 
 
 def test_every_tick_tidies_after_the_batches_not_ended(store):

@@ -95,7 +95,7 @@ def test_a_batch_from_upload_to_its_output(tmp_path, model_dir, servers):
     client.files.delete(done.output_file_id)
     with pytest.raises(openai.NotFoundError):
         client.files.retrieve(done.output_file_id)
-    with pytest.raises(openai.BadRequestError, match="cancelled"):
+    with pytest.raises(openai.ConflictError, match="Cannot cancel a batch with status 'completed'"):
         client.batches.cancel(done.id)
 
 
