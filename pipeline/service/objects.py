@@ -60,6 +60,7 @@ class FileRecord:
     urls: list[str] = field(default_factory=list)  # a batch input's endpoints, each line's url
     digest: str = ""  # a batch input's xxh3-128 (its job's id tag)
     batch_id: str | None = None  # an output's batch
+    seq: int = 0  # creation order among the server's files (a list's tie within one second)
 
     def as_json(self) -> dict:
         return {"version": RECORD_VERSION, **asdict(self)}

@@ -91,6 +91,7 @@ class Store:
         self.stored_bytes: dict[str, int] = {}  # by tenant
         self._reserved_bytes: dict[str, int] = {}  # uploads being received, by tenant
         self._next_seq = 1
+        self._next_file_seq = 1
         self._lock_fd = -1
 
     @classmethod
@@ -136,6 +137,7 @@ class Store:
                 raise DataDirError(f"{record}: the record of a file whose content "
                                    f"{self.content_path(found.id)} is gone; remove the record to drop the file")
             self.files[found.id] = found
+            self._next_file_seq = max(self._next_file_seq, found.seq + 1)
             self.stored_bytes[found.owner] = self.stored_bytes.get(found.owner, 0) + found.bytes
         for orphan in contents - set(self.files):  # renamed in, its record never written
             with contextlib.suppress(FileNotFoundError):
@@ -239,6 +241,7 @@ class Store:
             fileops.rename(received, self.content_path(file_id))
             fileops.fsync_directory(self._dir(FILES_DIR))
             with self.lock:
+                record.seq, self._next_file_seq = self._next_file_seq, self._next_file_seq + 1
                 self._save_file(record)
                 self.files[file_id] = record
                 self.stored_bytes[owner] = self.stored_bytes.get(owner, 0) + copied
@@ -266,6 +269,7 @@ class Store:
         """The record of a batch's output or error file, its content already in place."""
         record = FileRecord(file_id, owner, filename, "batch_output", size, now, batch_id=batch_id)
         with self.lock:
+            record.seq, self._next_file_seq = self._next_file_seq, self._next_file_seq + 1
             self._save_file(record)
             if file_id not in self.files:
                 self.stored_bytes[owner] = self.stored_bytes.get(owner, 0) + size
@@ -278,7 +282,7 @@ class Store:
     def list_files(self, owner: str, purpose: str | None, ascending: bool) -> list[FileRecord]:
         with self.lock:
             mine = [f for f in self.files.values() if f.owner == owner and purpose in (None, f.purpose)]
-        mine.sort(key=lambda f: (f.created_at, f.id), reverse=not ascending)
+        mine.sort(key=lambda f: (f.created_at, f.seq, f.id), reverse=not ascending)
         return mine
 
     def delete_file(self, owner: str, file_id: str) -> None:

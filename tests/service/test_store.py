@@ -96,6 +96,22 @@ def test_another_tenants_objects_are_missing_and_an_input_in_use_stays(store):
         store.delete_file("a", source.id)
 
 
+def test_files_made_within_one_second_list_in_the_order_they_were_made_across_a_restart(store):
+    made = [put(store, batch_file(1)).id for _ in range(6)]  # one second (NOW) for all: ids are random
+    with open(store.content_path("file-out"), "wb"):  # an output's content is in place before its record
+        pass
+    made.append(store.add_output("a", "batch_x", "file-out", "out.jsonl", 0, NOW).id)
+    assert [f.id for f in store.list_files("a", None, ascending=True)] == made
+    assert [f.id for f in store.list_files("a", None, ascending=False)] == made[::-1]
+    store.close()
+    again = Store.open(store.data_dir)
+    try:
+        assert [f.id for f in again.list_files("a", None, ascending=True)] == made
+        assert put(again, batch_file(1)).id == again.list_files("a", None, ascending=False)[0].id  # after the rest
+    finally:
+        again.close()
+
+
 def test_a_restart_has_every_record_and_drops_a_content_without_one(tmp_path, store):
     source = put(store, batch_file(2))
     batch = store.create_batch("a", BatchCreate(source.id, "/v1/completions", {"k": "v"}), "m", 60, 5, NOW)
