@@ -17,18 +17,25 @@ positions yet (a job that just started, or one killed before its first save). A 
 made holds nothing: it starts at the end of every file (`Collector.skip_results_so_far`,
 after its manifest is written).
 
-`reclaimable` is the rule, pure; `reclaim_results` reads the sizes and positions and punches.
+A node that stopped (the server restarted, or the node was started again) leaves its results
+folder behind: once every job has read one of its files to the end, and nothing has written
+it for RESULTS_QUIET_S, the file goes, and the folder with its last file.
+
+`read_by_all`, `reclaimable` and `removable` are the rule, pure; `reclaim_results` reads the
+sizes and positions, punches and removes.
 NOTE: rolling each consumer's file by size and removing read ones was the alternative; it
 renames files under their writer and every reader of results, where a hole changes none.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import logging
 import os
 import stat
+import time
 from collections.abc import Iterable, Mapping
 
 from pipeline.batchjob.collect import read_positions, results_files
@@ -39,44 +46,77 @@ log = logging.getLogger("pipeline.service")
 # Holes are punched in whole units of this many bytes (a file system frees whole blocks; a
 # partial block would be zeroed and kept, a write for nothing).
 HOLE_ALIGN_BYTES = 1 << 20
+# A file of a node run that stopped is removed only once it has not been written for this
+# long: a consumer of a node killed with kill -9 may outlive its node by a moment.
+RESULTS_QUIET_S = 60.0
 # Linux's fallocate(2) modes.
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
 
 
-def reclaimable(sizes: Mapping[str, int], readers: Iterable[Mapping[str, int] | None]) -> dict[str, int]:
-    """For each file of `sizes` (bytes), the length of its start every reader has read past,
-    down to HOLE_ALIGN_BYTES (files with none left out). A reader is the positions it saved
-    (a file it does not name: read from 0), or None: it saved none, and holds every file."""
-    hold = dict(sizes)
+def read_by_all(sizes: Mapping[str, int], readers: Iterable[Mapping[str, int] | None]) -> dict[str, int]:
+    """For each file of `sizes` (bytes), how much of its start every reader has read past
+    (at most its size). A reader is the positions it saved (a file it does not name: read
+    from 0), or None: it saved none, and holds every file (then {})."""
+    read = dict(sizes)
     for positions in readers:
         if positions is None:
             return {}
-        for name in hold:
-            hold[name] = min(hold[name], positions.get(name, 0))
-    freed = {name: read - read % HOLE_ALIGN_BYTES for name, read in hold.items()}
+        for name in read:
+            read[name] = min(read[name], positions.get(name, 0))
+    return read
+
+
+def reclaimable(sizes: Mapping[str, int], readers: Iterable[Mapping[str, int] | None]) -> dict[str, int]:
+    """What of each file may be freed: its start every reader has read past, down to
+    HOLE_ALIGN_BYTES (files with none left out)."""
+    freed = {name: read - read % HOLE_ALIGN_BYTES for name, read in read_by_all(sizes, readers).items()}
     return {name: length for name, length in freed.items() if length > 0}
 
 
-def reclaim_results(results_root: str, job_dirs: Iterable[str]) -> int:
-    """Free what every job of `job_dirs` has read of the results under `results_root`; the
-    bytes newly freed. The sizes are taken before the readers are looked at: a data directory
-    without a manifest is a job that has not started reading, and when it starts it reads
-    from the ends of the files as they are then, past every size taken here. One file that
-    cannot be read or freed stops no other."""
-    sizes = {}
+def removable(sizes: Mapping[str, int], read: Mapping[str, int], quiet: Iterable[str]) -> list[str]:
+    """Files of `quiet` (of a node run that stopped, unwritten for RESULTS_QUIET_S) that every
+    reader has read to their end (`read`, from `read_by_all`)."""
+    return sorted(name for name in quiet if name in read and read[name] >= sizes[name])
+
+
+def reclaim_results(results_root: str, job_dirs: Iterable[str], live_dir: str | None = None) -> int:
+    """Free what every job of `job_dirs` has read of the results under `results_root`, and
+    remove the files of earlier node runs (not `live_dir`, the live node's results folder)
+    that every job read whole; the bytes newly freed. The sizes are taken before the readers
+    are looked at: a data directory without a manifest is a job that has not started
+    reading, and when it starts it reads from the ends of the files as they are then, past
+    every size taken here. One file that cannot be read or freed stops no other."""
+    sizes, quiet, found = {}, [], {}
+    live = None if live_dir is None else os.path.relpath(os.path.abspath(live_dir), os.path.abspath(results_root))
     for relative in results_files(results_root):
         try:
-            found = os.stat(os.path.join(results_root, relative), follow_symlinks=False)
+            found[relative] = os.stat(os.path.join(results_root, relative), follow_symlinks=False)
         except OSError:
             continue  # gone meanwhile, or not ours to read: nothing of it is freed
-        if stat.S_ISREG(found.st_mode):
-            sizes[relative] = found.st_size
-    readers = (read_positions(d) for d in job_dirs if os.path.exists(manifest_path(d)))
+        if stat.S_ISREG(found[relative].st_mode):
+            sizes[relative] = found[relative].st_size
+            if live is not None and os.path.dirname(relative) != live \
+                    and time.time() - found[relative].st_mtime >= RESULTS_QUIET_S:
+                quiet.append(relative)
+    read = read_by_all(sizes, [read_positions(d) for d in job_dirs if os.path.exists(manifest_path(d))])
     freed = 0
-    for relative, length in reclaimable(sizes, readers).items():
+    for relative, length in reclaimable(sizes, [read]).items():
         freed += _punch(os.path.join(results_root, relative), length)
+    for relative in removable(sizes, read, quiet):
+        freed += _remove(results_root, relative, found[relative].st_blocks * 512)
     return freed
+
+
+def _remove(results_root: str, relative: str, allocated_bytes: int) -> int:
+    """Unlink one file of a stopped node run, and its folder once empty; the bytes freed."""
+    try:
+        os.unlink(os.path.join(results_root, relative))
+    except OSError:
+        return 0
+    with contextlib.suppress(OSError):  # not empty yet, or gone: tried again at the next pass
+        os.rmdir(os.path.join(results_root, os.path.dirname(relative)))
+    return allocated_bytes
 
 
 def _punch(path: str, length: int) -> int:

@@ -344,8 +344,9 @@ class RunBatchExecutor(Executor):
         if self.node is None or now_s < self._reclaim_s:
             return
         self._reclaim_s = now_s + RECLAIM_INTERVAL_S
+        live = self.node.info.get("results_dir") if self.node.alive() else None  # unknown: none removed
         freed = reclaim_results(self.node.spec.settings.data_dir,
-                                [os.path.join(run.work_dir, DATA_NAME) for run in runs()])
+                                [os.path.join(run.work_dir, DATA_NAME) for run in runs()], live)
         if freed:
             log.info("node results: %d MiB that every job read freed", freed >> 20)
 

@@ -12,7 +12,14 @@ import random
 
 from pipeline.batchjob.collect import COLLECTED_NAME, _read_rows, read_positions
 from pipeline.batchjob.manifest import JOB_DIR, MANIFEST_NAME
-from pipeline.batchjob.reclaim import HOLE_ALIGN_BYTES, reclaim_results, reclaimable
+from pipeline.batchjob.reclaim import (
+    HOLE_ALIGN_BYTES,
+    RESULTS_QUIET_S,
+    read_by_all,
+    reclaim_results,
+    reclaimable,
+    removable,
+)
 from pipeline.runtime.madefiles import RESULTS_DIR
 
 UNIT = HOLE_ALIGN_BYTES
@@ -32,18 +39,26 @@ def reference(sizes: dict[str, int], readers: list[dict[str, int] | None]) -> di
     return out
 
 
+def reference_removable(sizes: dict[str, int], readers: list[dict[str, int] | None], quiet: list[str]) -> list[str]:
+    if any(r is None for r in readers):
+        return []
+    return sorted(n for n in quiet if all(positions.get(n, 0) >= sizes[n] for positions in readers))
+
+
 def test_the_rule_matches_its_reference_on_random_readers() -> None:
     rng = random.Random(7)
     for _ in range(2000):
         names = [f"f{k}" for k in range(rng.randint(0, 4))]
-        sizes = {n: rng.randint(0, 5 * UNIT) for n in names}
+        sizes = {n: rng.choice([0, UNIT, rng.randint(0, 5 * UNIT)]) for n in names}
         readers: list[dict[str, int] | None] = []
         for _r in range(rng.randint(0, 4)):
             if rng.random() < 0.05:
                 readers.append(None)
                 continue
-            readers.append({n: rng.randint(0, sizes[n]) for n in names if rng.random() < 0.8})
+            readers.append({n: rng.choice([sizes[n], rng.randint(0, sizes[n])]) for n in names if rng.random() < 0.8})
+        quiet = [n for n in names if rng.random() < 0.5]
         assert reclaimable(sizes, readers) == reference(sizes, readers)
+        assert removable(sizes, read_by_all(sizes, readers), quiet) == reference_removable(sizes, readers, quiet)
 
 
 def test_the_rule_at_its_edges() -> None:
@@ -127,3 +142,31 @@ def test_a_hole_to_the_end_reads_as_nothing_until_rows_follow(tmp_path) -> None:
         f.write(_row(1))
     with open(path, "rb") as f:
         assert _read_rows(f, 0) == (UNIT, _row(1))
+
+
+def test_a_stopped_node_runs_files_go_once_every_job_read_them_whole_and_none_wrote_them_lately(tmp_path) -> None:
+    node = tmp_path / "node"
+    old_run, live_run = node / RESULTS_DIR / "run-1", node / RESULTS_DIR / "run-2"
+    for folder in (old_run, live_run):
+        folder.mkdir(parents=True)
+    rows = b"".join(_row(k) for k in range(10))
+    for path in (old_run / "c0.jsonl", old_run / "c1.jsonl", live_run / "c0.jsonl"):
+        path.write_bytes(rows)
+    long_ago = os.stat(old_run / "c0.jsonl").st_mtime - RESULTS_QUIET_S - 1
+    for path in (old_run / "c0.jsonl", old_run / "c1.jsonl", live_run / "c0.jsonl"):
+        os.utime(path, (long_ago, long_ago))
+    names = {p: os.path.join(RESULTS_DIR, p.parent.name, p.name)
+             for p in (old_run / "c0.jsonl", old_run / "c1.jsonl", live_run / "c0.jsonl")}
+    whole = _job(tmp_path, "whole", {name: len(rows) for name in names.values()})
+    short = _job(tmp_path, "short", {**{name: len(rows) for name in names.values()},
+                                     names[old_run / "c1.jsonl"]: len(rows) - 1})
+    assert reclaim_results(str(node), [whole, short], None) == 0  # no live folder known: nothing goes
+    reclaim_results(str(node), [whole, short], str(live_run))
+    assert sorted(p.name for p in old_run.iterdir()) == ["c1.jsonl"]  # read whole by both: gone
+    assert (live_run / "c0.jsonl").exists()  # the live node's: never removed
+    os.utime(old_run / "c1.jsonl")  # written just now
+    reclaim_results(str(node), [whole], str(live_run))
+    assert (old_run / "c1.jsonl").exists()
+    os.utime(old_run / "c1.jsonl", (long_ago, long_ago))
+    reclaim_results(str(node), [whole], str(live_run))
+    assert not old_run.exists()  # its last file gone, the folder with it

@@ -27,6 +27,7 @@ class StandInNode:
         self.up = False
         self.fail = False
         self.starts = self.stops = 0
+        self.info: dict = {}  # its ready line: the live results folder
         self.spec = type("Spec", (), {"settings": type("Settings", (), {"data_dir": "/unused/node"})()})()
 
     def alive(self) -> bool:
@@ -118,6 +119,15 @@ def test_the_node_results_every_ran_job_read_are_freed_at_most_every_interval(ex
     clock[0] += 0.5
     runner.tidy(lambda: [ran, new])
     assert _data_start(results / "c0.jsonl") == 2 * HOLE_ALIGN_BYTES
+    # A node started again writes a folder of its own: the stopped one's file, read whole, goes.
+    assert runner._node_serves()
+    node.info["results_dir"] = str(tmp_path / "node" / RESULTS_DIR / "run-2")
+    size = os.path.getsize(results / "c0.jsonl")
+    positions.write_text(json.dumps({relative: size}))
+    os.utime(results / "c0.jsonl", (0, 0))
+    clock[0] += RECLAIM_INTERVAL_S
+    runner.tidy(lambda: [ran, new])
+    assert not results.exists()
 
 
 def _data_start(path) -> int:
