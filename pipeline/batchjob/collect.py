@@ -217,7 +217,7 @@ class Collector:
         for relative in self._files():
             if not relative.startswith(JOB_DIR):
                 with contextlib.suppress(OSError):
-                    self._offsets[relative] = _whole_lines_end(os.path.join(self.results_root, relative))
+                    self._offsets[relative] = whole_lines_end(os.path.join(self.results_root, relative))
 
     def save(self) -> None:
         """Record where each file was read up to (after the log has what was read)."""
@@ -450,7 +450,7 @@ def _read_rows(f: BinaryIO, start: int) -> tuple[int, bytes]:
     return start, raw
 
 
-def _whole_lines_end(path: str) -> int:
+def whole_lines_end(path: str) -> int:
     """The offset just past the last newline of the file at `path` (0 without one): where
     the line a writer may be appending begins."""
     with open(path, "rb") as f:

@@ -31,7 +31,7 @@ import os
 import secrets
 import shutil
 import stat
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import xxhash
 
@@ -59,6 +59,8 @@ INPUT_CHANGED_NAME = "input-changed"
 MANIFEST_VERSION = 2
 # The manifest is small: anything longer is not ours.
 MAX_MANIFEST_BYTES = 1 << 20
+# An input's digest in a manifest: xxh3-128 in hex.
+INPUT_DIGEST_HEX_CHARS = 32
 # Files of a model directory that make its prompts and answers (read by content: all are
 # small but the tokenizer, whose 2-35 MB hash in milliseconds).
 MODEL_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json",
@@ -166,6 +168,10 @@ def _checked(manifest: JobManifest) -> JobManifest:
             raise JobMismatchError(f"{name} {getattr(manifest, name)!r:.40} is not a string")
     if not isinstance(manifest.depends_on, dict):
         raise JobMismatchError(f"depends_on {manifest.depends_on!r:.40} is not an object")
+    if 0 < len(manifest.input_xxh3) < INPUT_DIGEST_HEX_CHARS and not len(manifest.input_xxh3) % 2:
+        # An index kept as a string lost its digest's trailing zero bytes, and a job made from
+        # it kept the shortened digest: those bytes were zeros, so they are put back.
+        manifest = replace(manifest, input_xxh3=manifest.input_xxh3.ljust(INPUT_DIGEST_HEX_CHARS, "0"))
     return manifest
 
 

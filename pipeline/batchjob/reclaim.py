@@ -8,7 +8,8 @@ with a hole (fallocate's PUNCH_HOLE, KEEP_SIZE), so the offsets every reader sav
 valid, no file is renamed under its writer, and the disk the node takes follows the answers
 not yet read, not the service's life.
 
-    freed = reclaim_results(node_dir, job_data_dirs)   # the scheduler, every RECLAIM_INTERVAL_S
+    freed = reclaim_results(node_dir, job_data_dirs, live_results_dir)   # the scheduler, every
+                                                                         # RECLAIM_INTERVAL_S
 
 The readers are the jobs of the batches not ended that were made (a data directory with a
 manifest): each reads a file from the position its collector last saved (`read_positions`),
@@ -38,7 +39,7 @@ import stat
 import time
 from collections.abc import Iterable, Mapping
 
-from pipeline.batchjob.collect import read_positions, results_files
+from pipeline.batchjob.collect import read_positions, results_files, whole_lines_end
 from pipeline.batchjob.manifest import manifest_path
 
 log = logging.getLogger("pipeline.service")
@@ -103,15 +104,29 @@ def reclaim_results(results_root: str, job_dirs: Iterable[str], live_dir: str | 
     freed = 0
     for relative, length in reclaimable(sizes, [read]).items():
         freed += _punch(os.path.join(results_root, relative), length)
-    for relative in removable(sizes, read, quiet):
-        freed += _remove(results_root, relative, found[relative].st_blocks * 512)
+    for relative in removable(_whole_lines_ends(results_root, quiet, sizes), read, quiet):
+        freed += _remove(results_root, relative)
     return freed
 
 
-def _remove(results_root: str, relative: str, allocated_bytes: int) -> int:
+def _whole_lines_ends(results_root: str, quiet: list[str], sizes: Mapping[str, int]) -> dict[str, int]:
+    """Where the last whole line of each quiet file ends: what its readers read up to (a
+    line a killed consumer cut short is never read, and stays the tail)."""
+    ends = dict(sizes)
+    for relative in quiet:
+        try:
+            ends[relative] = min(sizes[relative], whole_lines_end(os.path.join(results_root, relative)))
+        except OSError:
+            continue  # gone meanwhile: `removable` judges it by its size, and its unlink finds nothing
+    return ends
+
+
+def _remove(results_root: str, relative: str) -> int:
     """Unlink one file of a stopped node run, and its folder once empty; the bytes freed."""
+    path = os.path.join(results_root, relative)
     try:
-        os.unlink(os.path.join(results_root, relative))
+        allocated_bytes = os.stat(path, follow_symlinks=False).st_blocks * 512
+        os.unlink(path)
     except OSError:
         return 0
     with contextlib.suppress(OSError):  # not empty yet, or gone: tried again at the next pass

@@ -9,8 +9,8 @@ scrape:
 
 Per-batch labels are for batches not ended only, so they are bounded by the tenants' active
 batch limits. With API keys, a scrape shows the scraping key's tenant alone (its batches,
-requests and stored bytes): one tenant never learns another's name, ids or use. The jobs serve no metrics of their own (`serve` refuses a metrics port for them:
-they share one node).
+requests and stored bytes): one tenant never learns another's name, ids or use. The jobs
+serve no metrics of their own (`serve` refuses a metrics port for them: they share one node).
 """
 
 from __future__ import annotations

@@ -93,7 +93,10 @@ class BatchRecord:
 
 def file_record(raw: dict) -> FileRecord:
     """A FileRecord from its JSON (ValueError where it is not one: the store names the file)."""
-    return FileRecord(**_fields(raw, FileRecord))
+    record = FileRecord(**_fields(raw, FileRecord))
+    if type(record.seq) is not int or record.seq < 0:
+        raise ValueError(f"seq {record.seq!r:.40} is not a whole number")
+    return record
 
 
 def batch_record(raw: dict) -> BatchRecord:

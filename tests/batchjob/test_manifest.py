@@ -360,3 +360,12 @@ def test_the_copy_of_the_models_files_is_made_anew_and_a_file_of_the_users_in_it
     with pytest.raises(JobPathError, match=r"model holds notes.txt, which the job did not make"):
         snapshot_model_files(str(model_dir), into)
     assert Path(into, "notes.txt").read_text() == "mine"
+
+
+def test_a_digest_that_lost_its_trailing_zero_bytes_is_read_whole(tmp_path: Path, model_dir: Path) -> None:
+    data = tmp_path / "data"
+    os.makedirs(data / "job")
+    write_manifest(str(data), manifest(model_dir, input_xxh3="ab" * 15))  # a string field dropped a zero byte
+    assert load_manifest(str(data)).input_xxh3 == "ab" * 15 + "00"
+    write_manifest(str(data), manifest(model_dir, input_xxh3="ab" * 16))
+    assert load_manifest(str(data)).input_xxh3 == "ab" * 16  # a whole one as it is

@@ -160,7 +160,13 @@ def test_a_stopped_node_runs_files_go_once_every_job_read_them_whole_and_none_wr
     whole = _job(tmp_path, "whole", {name: len(rows) for name in names.values()})
     short = _job(tmp_path, "short", {**{name: len(rows) for name in names.values()},
                                      names[old_run / "c1.jsonl"]: len(rows) - 1})
-    assert reclaim_results(str(node), [whole, short], None) == 0  # no live folder known: nothing goes
+    reclaim_results(str(node), [whole, short], None)
+    assert sorted(p.name for p in old_run.iterdir()) == ["c0.jsonl", "c1.jsonl"]  # no live folder known: none goes
+    unsaved = _job(tmp_path, "unsaved", None)  # made, no positions saved yet
+    unnamed = _job(tmp_path, "unnamed", {names[old_run / "c1.jsonl"]: len(rows)})  # reads c0 from its start
+    for holder in (unsaved, unnamed):
+        reclaim_results(str(node), [whole, short, holder], str(live_run))
+        assert (old_run / "c0.jsonl").exists()
     reclaim_results(str(node), [whole, short], str(live_run))
     assert sorted(p.name for p in old_run.iterdir()) == ["c1.jsonl"]  # read whole by both: gone
     assert (live_run / "c0.jsonl").exists()  # the live node's: never removed
@@ -170,3 +176,18 @@ def test_a_stopped_node_runs_files_go_once_every_job_read_them_whole_and_none_wr
     os.utime(old_run / "c1.jsonl", (long_ago, long_ago))
     reclaim_results(str(node), [whole], str(live_run))
     assert not old_run.exists()  # its last file gone, the folder with it
+
+
+def test_a_stopped_node_runs_file_cut_short_by_a_kill_goes_once_its_whole_lines_are_read(tmp_path) -> None:
+    node = tmp_path / "node"
+    old_run, live_run = node / RESULTS_DIR / "run-1", node / RESULTS_DIR / "run-2"
+    old_run.mkdir(parents=True)
+    live_run.mkdir(parents=True)
+    rows = b"".join(_row(k) for k in range(10))
+    (old_run / "c0.jsonl").write_bytes(rows + _row(10)[:40])  # the consumer killed mid-write
+    os.utime(old_run / "c0.jsonl", (0, 0))
+    name = os.path.join(RESULTS_DIR, "run-1", "c0.jsonl")
+    reclaim_results(str(node), [_job(tmp_path, "short", {name: len(rows) - 1})], str(live_run))
+    assert (old_run / "c0.jsonl").exists()  # a whole line not read yet
+    reclaim_results(str(node), [_job(tmp_path, "whole", {name: len(rows)})], str(live_run))
+    assert not old_run.exists()  # every whole line read: the torn tail is nobody's

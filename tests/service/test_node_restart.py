@@ -119,12 +119,16 @@ def test_the_node_results_every_ran_job_read_are_freed_at_most_every_interval(ex
     clock[0] += 0.5
     runner.tidy(lambda: [ran, new])
     assert _data_start(results / "c0.jsonl") == 2 * HOLE_ALIGN_BYTES
-    # A node started again writes a folder of its own: the stopped one's file, read whole, goes.
-    assert runner._node_serves()
-    node.info["results_dir"] = str(tmp_path / "node" / RESULTS_DIR / "run-2")
+    # A node started again writes a folder of its own: the stopped one's file, read whole, goes;
+    # while no node serves, which folder is live is not known, and none goes.
     size = os.path.getsize(results / "c0.jsonl")
     positions.write_text(json.dumps({relative: size}))
     os.utime(results / "c0.jsonl", (0, 0))
+    node.info["results_dir"] = str(tmp_path / "node" / RESULTS_DIR / "run-2")
+    clock[0] += RECLAIM_INTERVAL_S
+    runner.tidy(lambda: [ran, new])
+    assert results.exists()
+    assert runner._node_serves()
     clock[0] += RECLAIM_INTERVAL_S
     runner.tidy(lambda: [ran, new])
     assert not results.exists()

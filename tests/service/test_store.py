@@ -163,3 +163,16 @@ def test_a_damaged_record_and_a_foreign_folder_are_refused(tmp_path, store):
     os.makedirs(tmp_path / "other" / "mine")
     with pytest.raises(DataDirError, match="mine"):
         Store.open(str(tmp_path / "other"))
+
+
+def test_a_file_record_whose_sequence_is_not_a_whole_number_is_refused_by_name(tmp_path, store):
+    source = put(store, batch_file(1))
+    store.close()
+    path = os.path.join(store.data_dir, "files", source.id + ".json")
+    with open(path) as f:
+        record = json.load(f)
+    record["seq"] = "7"
+    with open(path, "w") as f:
+        json.dump(record, f)
+    with pytest.raises(DataDirError, match=source.id):
+        Store.open(store.data_dir)
