@@ -137,7 +137,8 @@ def load_manifest(data_dir: str) -> JobManifest | None:
     try:
         raw = read_small_file(path, MAX_MANIFEST_BYTES)
     except OSError as exc:
-        raise JobMismatchError(f"{path}: cannot read the job manifest ({exc.strerror}); use another --data-dir") from exc
+        raise JobMismatchError(f"{path}: cannot read the job manifest ({exc.strerror}); use another "
+                               f"--data-dir") from exc
     if raw is None:
         return None
     if len(raw) > MAX_MANIFEST_BYTES:

@@ -1,8 +1,10 @@
 """Freeing what every job read of a node's results (`batchjob/reclaim.py`): the rule against
 a reference on seeded random readers and at its edges (a reader without positions holds all,
 a file a reader does not name is read from its start, whole units only: at one and one short
-of it; a job not yet made starts at the ends and holds nothing), then real holes in real files: the blocks go, the size and the unread rows stay, and a
-collector that lost its positions reads on past a hole instead of reading zeros."""
+of it; a job not yet made starts at the ends and holds nothing), then real holes in real
+files: the blocks go, the size and the unread rows stay, and a collector that lost its
+positions reads on past a hole instead of reading zeros; a stopped node's files go once read
+whole and quiet, never the live node's."""
 
 from __future__ import annotations
 
