@@ -2,8 +2,12 @@
 scheduler passes the time and what it measured; nothing here reads a clock or a file.
 
 The rule, for `slots` runs at once:
-1. Queue order: a batch's priority (its metadata's "priority", in vLLM's sense: the lower,
-   the sooner; 0 when not given), then submission order.
+1. Queue order: submission order, each tenant's batches then ordered among themselves by
+   priority (their metadata's "priority", in vLLM's sense: the lower, the sooner; 0 when not
+   given): a tenant's batches take the places its batches were submitted at, the one of
+   highest priority the first of them. So a priority raises a batch past its own tenant's,
+   never past another tenant's (any key could name one). With one tenant (a server without
+   keys) it is priority, then submission order.
 2. The plan in queue order: a running batch keeps its slot until its requests left are
    answered (left / rate_rps); a waiting batch takes the first slot to free and needs the
    start of a run (start_s) and its own requests. A batch whose planned end passes its
@@ -46,6 +50,7 @@ class Candidate:
     left: int  # requests not yet answered
     running: bool  # its run holds a slot (stopping ones too)
     stopping: bool = False  # asked to stop (a preemption, or a cancel): its slot is freeing
+    tenant: str = ""  # whose it is: its priority orders its tenant's batches only
 
     @property
     def queue_key(self) -> tuple[int, int]:
@@ -72,13 +77,14 @@ class Admission:
 
     def decide(self, candidates: list[Candidate], now_s: float, rate_rps: float | None,
                start_s: float) -> Decision:
-        queue = sorted(candidates, key=lambda c: c.queue_key)
+        queue = queue_order(candidates)
         if rate_rps is None or rate_rps <= 0:
             return Decision(start=self._fill(queue, [], self._free(queue)))
         ends = plan_ends(queue, self.slots, now_s, rate_rps, start_s)
+        place = {c.batch_id: k for k, c in enumerate(queue)}  # an urgent tie: queue order
         urgent = sorted((c for c in queue if not c.running and ends[c.batch_id] > c.deadline_s
                          and now_s + start_s + c.left / rate_rps <= c.deadline_s),
-                        key=lambda c: (c.deadline_s, c.queue_key))
+                        key=lambda c: (c.deadline_s, place[c.batch_id]))
         freeing = self._free(queue) + sum(1 for c in queue if c.stopping)
         preempt: list[str] = []
         for u in urgent:
@@ -124,6 +130,21 @@ class Admission:
         assert all(by_id[b].running and not by_id[b].stopping for b in decision.preempt)
         assert all(not by_id[b].running for b in decision.urgent)
         assert len(decision.preempt) <= len(decision.urgent)
+
+
+def queue_order(candidates: list[Candidate]) -> list[Candidate]:
+    """The rule's step 1: submission order, each tenant's places filled with its own batches
+    by (priority, submission)."""
+    by_seq = sorted(candidates, key=lambda c: c.seq)
+    places: dict[str, list[int]] = {}
+    for place, c in enumerate(by_seq):
+        places.setdefault(c.tenant, []).append(place)
+    queue: list[Candidate] = list(by_seq)
+    for tenant, taken in places.items():
+        mine = sorted((by_seq[place] for place in taken), key=lambda c: c.queue_key)
+        for place, c in zip(taken, mine):
+            queue[place] = c
+    return queue
 
 
 class Pace:

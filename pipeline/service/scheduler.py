@@ -257,7 +257,8 @@ class Scheduler:
             batches[batch.id] = batch
             stopping = running and (batch.life.stop is not None or batch.id in self.preempted)
             candidates.append(Candidate(batch.id, batch.seq, priority_of(batch.metadata), batch.life.expires_at,
-                                        max(0, batch.total - batch.completed - batch.failed), running, stopping))
+                                        max(0, batch.total - batch.completed - batch.failed), running, stopping,
+                                        batch.owner))
         decision = self.admission.decide(candidates, now, self.pace.rate_rps, self.pace.start_s)
         for batch_id in decision.preempt:
             log.warning("batch %s: stops for batch %s, whose deadline is at risk; it resumes when a slot frees",

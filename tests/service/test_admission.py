@@ -29,7 +29,15 @@ def running(batch_id: str, seq: int, left: int, deadline_in_s: float, priority: 
 
 def reference(candidates: list[Candidate], slots: int, now_s: float, rate: float | None, start_s: float) -> Decision:
     """The module doc's rule, planned by stepping a clock from slot to slot."""
-    queue = sorted(candidates, key=lambda c: (c.priority, c.seq))
+    # Step 1: walk the submissions; each place goes to its tenant's best batch not placed yet.
+    left = {}
+    for c in candidates:
+        left.setdefault(c.tenant, []).append(c)
+    queue = []
+    for c in sorted(candidates, key=lambda c: c.seq):
+        best = min(left[c.tenant], key=lambda b: (b.priority, b.seq))
+        left[c.tenant].remove(best)
+        queue.append(best)
     holding = [c for c in queue if c.running]
     free_now = max(0, slots - len(holding))
 
@@ -49,7 +57,7 @@ def reference(candidates: list[Candidate], slots: int, now_s: float, rate: float
             slot_free[k] = end[c.batch_id]
     urgent = [c for c in queue if not c.running and end[c.batch_id] > c.deadline_s
               and now_s + start_s + c.left / rate <= c.deadline_s]
-    urgent.sort(key=lambda c: (c.deadline_s, c.priority, c.seq))
+    urgent.sort(key=lambda c: (c.deadline_s, queue.index(c)))
     freeing = free_now + sum(c.stopping for c in queue)
     preempt: list[str] = []
     for u in urgent:
@@ -73,8 +81,9 @@ def random_queue(rng: random.Random) -> tuple[list[Candidate], int]:
     for k in range(rng.randint(0, 9)):
         is_running = holding < slots and rng.random() < 0.4
         holding += is_running
-        out.append(Candidate(f"b{k}", k, rng.choice([0, 0, 0, -1, 5]), NOW_S + rng.uniform(-10, 400),
-                             rng.randint(0, 2000), is_running, is_running and rng.random() < 0.2))
+        deadline_s = NOW_S + rng.choice([rng.uniform(-10, 400), 200.0])  # equal deadlines too: their ties
+        out.append(Candidate(f"b{k}", k, rng.choice([0, 0, 0, -1, 5]), deadline_s, rng.randint(0, 2000), is_running,
+                             is_running and rng.random() < 0.2, rng.choice(["", "", "t1", "t2"])))
     return out, slots
 
 
@@ -132,6 +141,18 @@ def test_priority_orders_the_queue_but_stops_no_run():
     sooner = waiting("sooner", 3, left=10, deadline_in_s=86_400, priority=-5)
     assert Admission(1).decide([busy, later, sooner], NOW_S, 10.0, 2.0) == Decision()
     assert Admission(3).decide([busy, later, sooner], NOW_S, 10.0, 2.0).start == ["sooner", "later"]
+
+
+def test_a_tenants_priority_reorders_its_own_batches_only():
+    mine_late = waiting("mine-late", 1, 10, 86_400, priority=0)
+    theirs = Candidate("theirs", 2, 0, NOW_S + 86_400, 10, running=False, tenant="other")
+    mine_urgent = waiting("mine-raised", 3, 10, 86_400, priority=-1_000_000)
+    # The raised batch takes its tenant's first place (1), never the other tenant's (2).
+    assert Admission(3).decide([mine_late, theirs, mine_urgent], NOW_S, None, 0.0).start == \
+        ["mine-raised", "theirs", "mine-late"]
+    assert Admission(1).decide([mine_late, theirs, mine_urgent], NOW_S, None, 0.0).start == ["mine-raised"]
+    lone = [waiting("a", 1, 10, 86_400), waiting("b", 2, 10, 86_400, priority=-1)]
+    assert Admission(2).decide(lone, NOW_S, None, 0.0).start == ["b", "a"]  # one tenant: priority, then order
 
 
 def test_without_a_rate_the_queue_order_stands():
