@@ -34,8 +34,8 @@ import json
 import logging
 import os
 from collections.abc import Callable, Iterator
-from typing import BinaryIO
 from dataclasses import dataclass, field
+from typing import BinaryIO
 
 import msgspec
 import xxhash

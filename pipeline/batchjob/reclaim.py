@@ -71,7 +71,11 @@ def read_by_all(sizes: Mapping[str, int], readers: Iterable[Mapping[str, int] | 
 def reclaimable(sizes: Mapping[str, int], readers: Iterable[Mapping[str, int] | None]) -> dict[str, int]:
     """What of each file may be freed: its start every reader has read past, down to
     HOLE_ALIGN_BYTES (files with none left out)."""
-    freed = {name: read - read % HOLE_ALIGN_BYTES for name, read in read_by_all(sizes, readers).items()}
+    return _aligned(read_by_all(sizes, readers))
+
+
+def _aligned(read: Mapping[str, int]) -> dict[str, int]:
+    freed = {name: length - length % HOLE_ALIGN_BYTES for name, length in read.items()}
     return {name: length for name, length in freed.items() if length > 0}
 
 
@@ -102,7 +106,7 @@ def reclaim_results(results_root: str, job_dirs: Iterable[str], live_dir: str | 
                 quiet.append(relative)
     read = read_by_all(sizes, [read_positions(d) for d in job_dirs if os.path.exists(manifest_path(d))])
     freed = 0
-    for relative, length in reclaimable(sizes, [read]).items():
+    for relative, length in _aligned(read).items():
         freed += _punch(os.path.join(results_root, relative), length)
     for relative in removable(_whole_lines_ends(results_root, quiet, sizes), read, quiet):
         freed += _remove(results_root, relative)
