@@ -78,7 +78,6 @@ from pipeline.consumer.session import BrokerSession
 from pipeline.consumer.slices import HeldBatch, select_rows
 from pipeline.wire.dirpin import DirPin
 from pipeline.wire.errors import (
-    EntryCompletedError,
     GenerationParamsError,
     ProtocolError,
     ResultsDiskFullError,
@@ -116,7 +115,6 @@ class ConsumerCounters:
     items_cancelled: int = 0  # their owner ended: answered without running them
     items_corrupt: int = 0
     items_error: int = 0  # items the engine failed (answered with its message)
-    items_stale: int = 0  # completed elsewhere while this consumer was declared dead
     prompt_tokens: int = 0
     reconnects: int = 0
     results_disk_full: int = 0  # batches whose results found the disk full (handed back)
@@ -393,13 +391,9 @@ class Consumer:
                            time.monotonic(), spans=got.spans)
         corrupt_lengths: list[int] = []
         for item_id, length, exc in got.failed:
-            if isinstance(exc, EntryCompletedError):
-                log.warning("%s: skipping: %s", self.config.name, exc)
-                self.counters.items_stale += 1
-            else:
-                log.error("%s: %s", self.config.name, exc)
-                started.corrupt.append(item_id)
-                corrupt_lengths.append(length)
+            log.error("%s: %s", self.config.name, exc)
+            started.corrupt.append(item_id)
+            corrupt_lengths.append(length)
         if started.corrupt:  # no output, no payload, no submit time (the entry could not be read)
             nothing = [0] * len(started.corrupt)
             started.lines.append(result_lines(descriptor, STATUS_CORRUPT, started.corrupt, nothing, corrupt_lengths,

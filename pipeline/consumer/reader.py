@@ -11,9 +11,11 @@ gathered and checked as numpy columns, and only the checksum (one xxh3 call) and
 view remain per item. An entry that fails a column check goes through `read`, one at a time,
 which remaps a file that changed and raises the error that says what is wrong.
 
-Completions are not in the segment (layout version 2 writes a segment once): they are the
-records of its journal, which the reader follows from where it last stopped (one pread per
-batch of a segment), so an entry completed elsewhere is refused with EntryCompletedError.
+The reader never asks whether an entry was completed elsewhere: a batch is stale only when
+the broker took it back from this consumer (declared it lost), and the broker closes the
+consumer's connection before it hands the batch to anyone else, so the consumer learns it
+from its session (`BrokerSession.check_open`, before each batch it takes and before it
+writes a batch's results), not from the store's files.
 """
 
 from __future__ import annotations
@@ -27,16 +29,14 @@ import numpy as np
 import xxhash
 
 from pipeline.wire.dirpin import DirPin, moved_message
-from pipeline.wire.errors import EntryCompletedError, SegmentCorruptError, SegmentReadError
+from pipeline.wire.errors import SegmentCorruptError, SegmentReadError
 from pipeline.wire.layouts.frames import TOKEN_DTYPE, TOKEN_SIZE_BYTES
-from pipeline.wire.layouts.journal import journal_completions, journal_seed
-from pipeline.wire.layouts.names import SEGMENT_JOURNAL_SUFFIX, SEGMENTS_DIR, segment_relpath
+from pipeline.wire.layouts.names import SEGMENTS_DIR, segment_relpath
 from pipeline.wire.layouts.segments import (
     ENTRY_CHECKSUM_FROM,
     ENTRY_HEADER_SIZE_BYTES,
     ENTRY_HEADER_STRUCT,
     ENTRY_LIVE,
-    ENTRY_TOMBSTONE,
     entry_checksum,
     entry_prompt_digest,
     entry_size_bytes,
@@ -48,8 +48,6 @@ from pipeline.wire.layouts.segments import (
 DEFAULT_OPEN_MAPS_MAX = 128
 # Segment paths remembered (a few hundred bytes each); the cache restarts when full.
 PATH_CACHE_MAX = 4096
-# Bytes of a journal read per pread while following it: 2,048 records.
-JOURNAL_READ_BYTES = 64 << 10
 
 
 @dataclass(slots=True)
@@ -61,12 +59,6 @@ class _Mapping:
     words: np.ndarray  # uint64, for gathering entry headers
     tokens: np.ndarray  # int32, for slicing token views
     identity: tuple[int, int]  # (st_dev, st_ino) of the file mapped: a deleted one is dropped
-    journal_fd: int = -1  # the segment's journal, followed for completions (-1: none)
-    journal_pos: int = 0  # where the next read of it starts
-    # Bit (offset >> 4) set for each entry its journal completed so far, one bit per 16-byte
-    # slot of the mapping (made at the first completion read). NOTE: a set of offsets was
-    # rejected: an int object and a hash per entry, updated and probed from Python per item.
-    completed: np.ndarray | None = None
 
 
 # What a batch read touched in one segment: (its mapping, first byte, end byte).
@@ -76,8 +68,7 @@ ReadSpan = tuple[_Mapping, int, int]
 @dataclass(slots=True)
 class ReadBatch:
     """A descriptor's entries that read back good, by column in descriptor order, and the
-    ones that did not: (item id, descriptor length, EntryCompletedError or
-    SegmentCorruptError)."""
+    ones that did not: (item id, descriptor length, SegmentCorruptError)."""
 
     item_ids: list[int] = field(default_factory=list)
     tokens: list[np.ndarray] = field(default_factory=list)
@@ -163,7 +154,7 @@ class SegmentReader:
             raise SegmentCorruptError(f"{path}: {len(view)} bytes, but an entry is said to end at {end}")
         entry = self._maps[path] = _Mapping(mapping, view, np.frombuffer(view, dtype=np.uint64, count=len(view) // 8),
                                             np.frombuffer(view, dtype=TOKEN_DTYPE, count=len(view) // TOKEN_SIZE_BYTES),
-                                            (info.st_dev, info.st_ino), _open_journal(path))
+                                            (info.st_dev, info.st_ino))
         while len(self._maps) > self.open_maps_max:
             self._drop(next(iter(self._maps)))
         return entry
@@ -187,30 +178,8 @@ class SegmentReader:
             self._drop(path)
         return len(gone)
 
-    @staticmethod
-    def _completed(entry: _Mapping, seed: int, offsets: np.ndarray) -> np.ndarray:
-        """Which of `offsets` (int64, inside the mapping) the segment's journal completed so
-        far (read on from the last stop), as a bool column. A journal that cannot be read
-        leaves what was read: at worst a stale entry is delivered again, which
-        at-least-once allows."""
-        while entry.journal_fd >= 0:
-            try:
-                data = os.pread(entry.journal_fd, JOURNAL_READ_BYTES, entry.journal_pos)
-            except OSError:
-                break
-            done, used = journal_completions(data, seed)
-            _mark_completed(entry, done)
-            entry.journal_pos += used
-            if not used or len(data) < JOURNAL_READ_BYTES:
-                break
-        if entry.completed is None:
-            return np.zeros(offsets.shape[0], dtype=bool)
-        return (entry.completed[offsets >> 7] >> ((offsets >> 4) & 7).astype(np.uint8)) & 1 == 1
-
     def _drop(self, path: str) -> None:
         entry = self._maps.pop(path)
-        if entry.journal_fd >= 0:
-            os.close(entry.journal_fd)
         mapping = entry.mapping
         del entry  # token views made from it keep the mapping alive until they go
         try:
@@ -234,10 +203,6 @@ class SegmentReader:
             # restarted broker reuses a lane's sequence numbers): map the path afresh.
             self._drop(path)
             return self.read(model, signature, lane, segment_seq, offset, length, item_id, _retried=True)
-        seed = journal_seed(model, lane, segment_seq)
-        done = state == ENTRY_TOMBSTONE or bool(self._completed(self._maps[path], seed, np.array([offset]))[0])
-        if done and got_length == length and got_id == item_id:
-            raise EntryCompletedError(f"{path}: offset {offset}: item {item_id} was completed already")
         if state != ENTRY_LIVE or got_length != length or got_id != item_id or end > len(view):
             raise SegmentCorruptError(
                 f"{path}: offset {offset}: entry has state {state:#x}, length {got_length}, item "
@@ -300,7 +265,6 @@ class SegmentReader:
         if offsets.size:
             out.spans.append((mapped, int(offsets.min()), min(len(mapped.view), int(ends.max()))))
         good &= (headers["length"] == lengths) & (headers["item_id"] == items["item_id"])
-        good &= ~self._completed(mapped, journal_seed(model, lane, segment_seq), offsets)  # `read` names them
         payload_lens = headers["payload_len"].astype(np.int64)
         if self.verify_checksums and good.any():  # entry_checksum, inlined: one call per entry
             view, digest = mapped.view, xxhash.xxh3_64_intdigest
@@ -330,7 +294,7 @@ class SegmentReader:
         for offset, length, item_id in zip(items["offset"].tolist(), items["length"].tolist(), items["item_id"].tolist()):
             try:
                 out.add(self.read(model, signature, lane, segment_seq, offset, length, item_id))
-            except (EntryCompletedError, SegmentCorruptError) as exc:
+            except SegmentCorruptError as exc:
                 # Without its traceback: the frames it holds would hold `out`, a cycle that
                 # keeps a segment's mapping open until the (rarely run) cycle collector.
                 out.failed.append((item_id, length, exc.with_traceback(None)))
@@ -354,23 +318,3 @@ class SegmentReader:
         for path in list(self._maps):
             self._drop(path)
 
-
-def _mark_completed(entry: _Mapping, offsets: np.ndarray) -> None:
-    """Set the completion bits of `offsets` (from the journal: checksummed records of the
-    broker). One past the mapping cannot be in a descriptor read through it (a longer file
-    is mapped afresh, its journal read again from the start): skipped."""
-    offsets = offsets[(offsets >= 0) & (offsets < len(entry.view))]
-    if not offsets.size:
-        return
-    if entry.completed is None:
-        entry.completed = np.zeros((len(entry.view) >> 7) + 1, dtype=np.uint8)
-    np.bitwise_or.at(entry.completed, offsets >> 7, (1 << ((offsets >> 4) & 7)).astype(np.uint8))
-
-
-def _open_journal(segment_path: str) -> int:
-    """A read-only descriptor of the segment's journal, -1 if it has none (a segment of
-    another layout version, or one being removed)."""
-    try:
-        return os.open(segment_path + SEGMENT_JOURNAL_SUFFIX, os.O_RDONLY)
-    except OSError:
-        return -1

@@ -81,8 +81,6 @@ raises one of these, with the offending value, path and byte offset in the messa
         │                                    beyond what a segment file name holds
         ├── StoreReadError                   a data directory, segment or catalog file cannot
         │                                    be read (permissions, I/O, not a directory)
-        ├── EntryCompletedError              a consumer read an entry already completed (it
-        │                                    held a stale batch after being declared dead)
         ├── ResultsFileError                 a results file or directory cannot be read or
         │   │                                written (path named); bad lines are counted
         │   └── ResultsWriteError            FATAL for a consumer: a batch's results write
@@ -403,11 +401,6 @@ class StoreReadError(StorageError):
     file where a directory belongs): the path and the system's reason are named."""
 
 
-class EntryCompletedError(StorageError):
-    """A consumer found an entry already tombstoned: another consumer completed it after this
-    one was declared dead. Not damage: the consumer skips the item."""
-
-
 class ResultsFileError(StorageError):
     """A consumer's results file, or the results directory, cannot be read or written (no
     permission, not a regular file, an I/O error); the path is named. Lines in a readable
@@ -501,7 +494,6 @@ __all__ = [
     "FileOpError",
     "EngineOptionsError",
     "EngineUnavailableError",
-    "EntryCompletedError",
     "FrameError",
     "GenerationParamsError",
     "ItemTooLongError",

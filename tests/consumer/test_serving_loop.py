@@ -129,6 +129,39 @@ def test_batches_finishing_in_the_engine_after_the_broker_declared_the_consumer_
     assert written == [], f"{len(written)} result lines written for batches the broker had taken back"
 
 
+def test_batches_left_in_the_ring_after_the_broker_took_them_back_are_not_run(tmp_path):
+    # The broker closes a lost consumer's connection before it hands that consumer's batches
+    # to anyone else; the consumer learns that what its ring still holds is stale from the
+    # session alone (no store file is read for it): once the session says the connection is
+    # closed, no batch of the ring is taken, run or answered, whatever the engine.
+    for engine in (SimEngine(SimConfig()), _Pipelined(2)):
+        events = []
+        bodies, segment = _descriptors(tmp_path / engine.name, 3)
+        session = _Session(str(tmp_path / engine.name), bodies, events)
+        open_checks = []
+
+        def check_open(checks=open_checks):
+            checks.append(True)
+            if len(checks) > 1:  # open while the first batch is taken; closed from then on
+                raise ConnectionError("the broker closed the connection (declared dead)")
+
+        session.check_open = check_open
+        config = ConsumerConfig("unused.sock", str(tmp_path / engine.name / "results"), "c0", model=2,
+                                max_input_len=1 << 20)
+        consumer = Consumer(config, engine=engine)
+        consumer._reader = SegmentReader(str(tmp_path / engine.name))
+        try:
+            consumer._serve(session, lambda: False)
+        except ConnectionError:
+            pass
+        consumer._results.close()
+        consumer._reader.close()
+        segment.close()
+        assert session.ring.released <= 1, f"{engine.name}: {session.ring.released} batches taken"
+        assert [e for e in events if e[0] == "complete"] == [], events
+        assert open(consumer.results_path).read() == ""
+
+
 def test_hand_back_counts_the_batches_in_flight_in_the_engine(tmp_path, caplog):
     # ResultsDiskFullError with 3 batches in the engine and none left in the ring: the
     # consumer holds 3 batches, hand_back says 1 (the one in hand + the ring's records).

@@ -70,19 +70,3 @@ def journal_seed(model: int, lane: int, segment_seq: int) -> int:
     journal beside the wrong segment fails its checksums instead of completing foreign offsets."""
     return (segment_seq * 0x100000001B3 ^ lane << 40 ^ model << 20) & 0xFFFFFFFFFFFFFFFF
 
-
-def journal_completions(data: bytes, seed: int) -> tuple[np.ndarray, int]:
-    """The COMPLETED offsets among the whole, valid records at the start of `data` (bytes of
-    a journal from a record boundary on, zeros skipped as padding), and how many bytes they
-    span: a reader following a journal the broker is appending to stops at the first record
-    that fails its checks (one being written, or damage) and reads on from there next time."""
-    whole = len(data) // JOURNAL_RECORD_SIZE_BYTES
-    words = np.frombuffer(data, dtype="<u8", count=whole * 4).reshape(whole, 4)
-    nonzero = words.any(axis=1)
-    good = ((words[:, 0] & np.uint64(0xFFFFFFFFFFFF)) == np.uint64(JOURNAL_HEAD_WORD_BASE)) & (
-        journal_checksums(words[:, :3], seed) == words[:, 3])
-    bad = np.flatnonzero(nonzero & ~good)
-    stop = int(bad[0]) if bad.size else int(np.flatnonzero(nonzero)[-1]) + 1 if nonzero.any() else 0
-    kinds = words[:stop, 0] >> np.uint64(48)
-    chosen = good[:stop] & (kinds == np.uint64(JOURNAL_COMPLETED))
-    return words[:stop, 1][chosen].astype(np.int64), stop * JOURNAL_RECORD_SIZE_BYTES
