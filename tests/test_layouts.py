@@ -35,20 +35,9 @@ from pipeline.wire.layouts.frames import (
     ITEM_ID_SEQ_BITS,
     parse_frame,
 )
-from pipeline.wire.layouts.journal import (
-    JOURNAL_BOUNDARY,
-    JOURNAL_COMPLETED,
-    JOURNAL_SEALED,
-    SEGMENT_JOURNAL_DTYPE,
-    SEGMENT_JOURNAL_MAGIC,
-    SEGMENT_JOURNAL_VERSION,
-    journal_checksums,
-    journal_seed,
-)
 from pipeline.wire.layouts.names import (
     LANE_ID_LIMIT,
     MODEL_ID_LIMIT,
-    SEGMENT_JOURNAL_SUFFIX,
     SEGMENT_SEQ_LIMIT,
     SIGNATURE_LIMIT,
     parse_model_dir,
@@ -57,6 +46,7 @@ from pipeline.wire.layouts.names import (
     segment_relpath,
 )
 from pipeline.wire.layouts.segments import (
+    ENTRY_ALIGN_BYTES,
     ENTRY_HEADER_DTYPE,
     ENTRY_LIVE,
     SEGMENT_HEADER_DTYPE,
@@ -67,7 +57,19 @@ from pipeline.wire.layouts.segments import (
     entry_checksum,
     entry_size_bytes,
 )
+from pipeline.wire.layouts.storelog import (
+    LOG_BOUNDARY,
+    LOG_COMPLETED,
+    LOG_SEALED,
+    STORE_LOG_DTYPE,
+    STORE_LOG_FILE,
+    STORE_LOG_MAGIC,
+    STORE_LOG_VERSION,
+    keys_tag,
+    log_checksums,
+)
 from shm.layout import Field, struct_for
+from tests.support.segments import shared_log
 
 
 def make_items(count: int) -> np.ndarray:
@@ -172,8 +174,9 @@ def entry_items() -> tuple:
 
 
 def test_a_segment_header_reads_back_field_by_field(tmp_path):
-    path = str(tmp_path / "s.seg")
-    segment = SegmentFile.create(path, KEYS, Durability.PROCESS)
+    path = segment_path(str(tmp_path), KEYS.model, KEYS.signature, KEYS.lane, KEYS.segment_seq)
+    make_dirs(os.path.dirname(path))
+    segment = SegmentFile.create(path, KEYS, Durability.PROCESS, shared_log(str(tmp_path)))
     at = segment.append(encode_entries(*entry_items(), indices=np.arange(2), producer_id=11))
     segment.tombstone_many([at])
     segment.seal()
@@ -187,17 +190,21 @@ def test_a_segment_header_reads_back_field_by_field(tmp_path):
         KEYS.model, KEYS.lane, KEYS.signature, KEYS.segment_seq)
     assert header["identity_checksum"] == xxhash.xxh3_64_intdigest(raw[:SEGMENT_IDENTITY_BYTES].tobytes())
     # Version 2: the words after the identity keep their creation values (an empty segment's
-    # boundary); the seal, the boundary and the completion are journal records.
+    # boundary); the seal, the boundary and the completion are store log records.
     assert (header["sealed"], header["entry_count"], header["deleted_count"], header["data_end"]) == (
         0, 0, 0, SEGMENT_HEADER_SIZE_BYTES)
     assert header["boundary_checksum"] == boundary_checksum(0, SEGMENT_HEADER_SIZE_BYTES)
-    records = np.fromfile(path + SEGMENT_JOURNAL_SUFFIX, dtype=SEGMENT_JOURNAL_DTYPE)
-    assert [(int(r["kind"]), int(r["value"]), int(r["value2"])) for r in records] == [
-        (JOURNAL_BOUNDARY, 2, data_end), (JOURNAL_COMPLETED, at, 0), (JOURNAL_SEALED, 2, 0)]
-    assert (records["magic"] == SEGMENT_JOURNAL_MAGIC).all() and (records["version"] == SEGMENT_JOURNAL_VERSION).all()
-    seed = journal_seed(KEYS.model, KEYS.lane, KEYS.segment_seq)
-    words = records.view("<u8").reshape(-1, 4)
-    assert (journal_checksums(words[:, :3], seed) == words[:, 3]).all()
+    records = np.fromfile(os.path.join(str(tmp_path), STORE_LOG_FILE), dtype=STORE_LOG_DTYPE)
+    bodies = np.ascontiguousarray(records["body"]).view("<u8").reshape(-1, 4)
+    assert [(int(r["kind"]), int(r["count"])) for r in records] == [(LOG_BOUNDARY, 0), (LOG_COMPLETED, 1),
+                                                                      (LOG_SEALED, 0)]
+    assert bodies[0, :2].tolist() == [2, data_end] and bodies[2, 0] == 2
+    assert bodies[1:2].view("<u4")[0, 0] == at // ENTRY_ALIGN_BYTES  # the completion's slot
+    assert (records["magic"] == STORE_LOG_MAGIC).all() and (records["version"] == STORE_LOG_VERSION).all()
+    assert (records["segment_seq"] == KEYS.segment_seq).all()
+    assert (records["keys_tag"] == keys_tag(KEYS.model, KEYS.signature, KEYS.lane)).all()
+    words = records.view("<u8").reshape(-1, 8)
+    assert (log_checksums(words[:, :7]) == words[:, 7]).all()
     assert scan_segment(path).keys == KEYS and scan_segment(path).counts_agree and scan_segment(path).sealed
 
 
@@ -217,7 +224,7 @@ def test_an_entry_header_reads_back_field_by_field_through_every_reader(tmp_path
     # one-entry read by position (ENTRY_HEADER_STRUCT) and its batch read by column.
     path = segment_path(str(tmp_path), KEYS.model, KEYS.signature, KEYS.lane, KEYS.segment_seq)
     make_dirs(os.path.dirname(path))
-    segment = SegmentFile.create(path, KEYS, Durability.PROCESS)
+    segment = SegmentFile.create(path, KEYS, Durability.PROCESS, shared_log(str(tmp_path)))
     base = segment.append(encoded)
     offsets = encoded.offsets + base
     assert np.array_equal(scan_segment(path).headers, headers)

@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pipeline.broker.storage.diskio import Durability  # noqa: E402
 from pipeline.broker.storage.paths import make_dirs, segment_path  # noqa: E402
 from pipeline.broker.storage.segment import SegmentFile, SegmentKeys, encode_entries, scan_segment  # noqa: E402
+from pipeline.broker.storage.storelog import StoreLog
 from pipeline.consumer.config import ConsumerConfig  # noqa: E402
 from pipeline.consumer.engines import EngineBatch  # noqa: E402
 from pipeline.consumer.process import Consumer  # noqa: E402
@@ -60,6 +61,7 @@ def _store(data_dir: str, items_per_shape: int) -> list[tuple[int, np.ndarray]]:
     """One segment per shape holding its items; (signature, descriptor item rows) per shape."""
     rng = np.random.default_rng(1)
     shapes = []
+    log = StoreLog.open(data_dir, durable=False)
     for shape in range(SHAPES):
         prefix = np.random.default_rng(shape).integers(0, 50_000, size=PREFIX_TOKENS, dtype=np.int32)
         sig = signature([prefix])
@@ -72,7 +74,7 @@ def _store(data_dir: str, items_per_shape: int) -> list[tuple[int, np.ndarray]]:
         token_starts = np.arange(items_per_shape + 1, dtype=np.int64) * TOKENS
         path = segment_path(data_dir, MODEL, sig, 0, 0)
         make_dirs(os.path.dirname(path))
-        segment = SegmentFile.create(path, SegmentKeys(MODEL, sig, 0, 0), Durability.PROCESS, max_bytes=1 << 34)
+        segment = SegmentFile.create(path, SegmentKeys(MODEL, sig, 0, 0), Durability.PROCESS, log, max_bytes=1 << 34)
         segment.append(encode_entries(items, tokens, token_starts, np.zeros(0, np.uint8), np.zeros(items_per_shape + 1, np.int64),
                                       indices=np.arange(items_per_shape), producer_id=1))
         segment.close()

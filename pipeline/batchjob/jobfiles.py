@@ -66,7 +66,7 @@ UNFINISHED_SCAN_NAMES = frozenset({LOCK_NAME, SCAN_DIR, INDEX_NAME, LINES_NAME, 
 
 # What a broker's store and state are made of: a directory holding one of these (and no job
 # manifest) is another run's, not only not empty.
-STORE_ENTRIES = frozenset({"segments", "segments.catalog", "segments.catalog.mirror", "shapes.lineage",
+STORE_ENTRIES = frozenset({"segments", "store.log", "segments.catalog", "segments.catalog.mirror", "shapes.lineage",
                            "broker-state.json", "shm-namespace"})
 
 

@@ -45,12 +45,14 @@ from pipeline.broker.state import TEMPORARY_SUFFIX as STATE_TEMPORARY_SUFFIX
 from pipeline.broker.storage.catalog import CATALOG_TMP_SUFFIX
 from pipeline.broker.storage.chains import LINEAGE_TMP_SUFFIX
 from pipeline.broker.storage.paths import CREATING_SUFFIX, MISSING_SUFFIX, QUARANTINE_DIR
+from pipeline.broker.storage.storelog import LOG_TMP_SUFFIX
 from pipeline.consumer.engines.vllm import CACHE_SUBDIR, TMP_SUBDIR
 from pipeline.runtime.datadir import LAUNCH_LOCK_NAME, NODE_LOCK_NAME
 from pipeline.runtime.settings import ENGINE_CACHE_DIR
 from pipeline.wire.errors import DataDirMovedError
 from pipeline.wire.layouts.catalog import CATALOG_FILE, CATALOG_MIRROR_FILE
 from pipeline.wire.layouts.lineage import LINEAGE_FILE
+from pipeline.wire.layouts.storelog import STORE_LOG_FILE
 from pipeline.wire.layouts.names import (
     BROKER_STATE_NAME,
     SEGMENT_JOURNAL_SUFFIX,
@@ -119,7 +121,7 @@ def _segment_name(name: str, suffixes: tuple[str, ...]) -> bool:
 
 def _quarantined_name(name: str) -> bool:
     """A name in quarantine/ (`pipeline.broker.storage.paths.quarantine_target`): a segment,
-    its journal or a note of a missing one, each possibly a copy's (`.N`)."""
+    a segment journal of an earlier release or a note of a missing one, each possibly a copy's (`.N`)."""
     stem, dot, copy = name.rpartition(".")
     if dot and copy.isdigit():
         name = stem
@@ -153,6 +155,7 @@ RESULTS_MADE = _RESULTS_FILES.with_folders((matching(r"(run|ray)-\d{8}T\d{6}Z-\d
 # The top of a data directory, as the broker, the launcher and the consumers make it.
 RUN_MADE = Made(
     files=matching("|".join((
+        _with_temporaries(STORE_LOG_FILE, LOG_TMP_SUFFIX),
         _with_temporaries(CATALOG_FILE, CATALOG_TMP_SUFFIX),
         _with_temporaries(CATALOG_MIRROR_FILE, CATALOG_TMP_SUFFIX),
         _with_temporaries(LINEAGE_FILE, LINEAGE_TMP_SUFFIX),

@@ -75,10 +75,9 @@ def memory_tier_dir(data_dir: str) -> str:
 # listener, the wake pipe, the lock, state, catalog and log files, metrics, a few in-process
 # read mappings (DiskTier.READ_MAPS_MAX, each a descriptor).
 BROKER_FD_HEADROOM = 96
-# Descriptors an open segment file holds: its own, the one Python's mmap keeps (a dup), and
-# its journal's (layout version 2). With two a segment, 512 open segments took 1,024 and a
-# broker at `ulimit -n 1024` died with EMFILE in the demo (seen in a hostile test run).
-FDS_PER_OPEN_SEGMENT = 3
+# Descriptors an open segment file holds: its own and the one Python's mmap keeps (a dup).
+# Counted short, a broker at `ulimit -n 1024` runs out of descriptors (EMFILE) mid-run.
+FDS_PER_OPEN_SEGMENT = 2
 # Fewer open segment files than this and a sticky shape's lanes thrash the cache: a broker
 # whose descriptor limit leaves less refuses to start, saying so, rather than fail later.
 MIN_OPEN_SEGMENT_FILES = 16

@@ -2,7 +2,7 @@
 moments, and a crash at each named step boundary, under the driver and the checks of
 tests/support/disk_crash.py (its docstring says what they check: nothing lost, nothing
 unexpected, nothing corrupt delivered, duplicates bounded by one batch a crash); and the
-`power` journal's boundary never ahead of an fdatasync.
+`power` logged boundary never ahead of an fdatasync.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def test_crash_at_each_step_boundary(tmp_path, point, skip, pooled):
     report = tier.recovery
     tier.close()
     if point == "segment.after_write":
-        # The journal's boundary lags the entries: the scan is authoritative and records its own.
+        # The logged boundary lags the entries: the scan is authoritative and records its own.
         assert report.repaired_counts, report.summary()
     if point == "delete.before_unlink":
         assert report.deleted, report.summary()  # sealed, all tombstoned: deleted by recovery
@@ -84,7 +84,7 @@ def test_crash_at_each_step_boundary(tmp_path, point, skip, pooled):
 
 @pytest.mark.parametrize("point", ["segment.after_write", "sync.before_fdatasync", "sync.after_fdatasync"])
 def test_power_header_words_never_run_ahead_of_the_fdatasync(tmp_path, point):
-    """The journal's boundary (data_end) tells corruption from a torn tail; in `power` it
+    """The logged boundary (data_end) tells corruption from a torn tail; in `power` it
     must never claim bytes no fdatasync has made durable. A child stores group A (synced),
     then group B, and dies at `point` before B's commit. B starts on a fresh sector: no
     write shares one with A's synced bytes."""

@@ -21,10 +21,10 @@ from pipeline.broker.ids import BatchId, ConsumerId, LaneId, LaneKey, ShapeKey
 from pipeline.broker.packing import Contract
 from pipeline.broker.storage import AppendGroup, DiskTier, Durability
 from pipeline.broker.storage.inspect import verify
-from pipeline.broker.storage.journal import SegmentJournal
 from pipeline.broker.storage.paths import iter_segments, segment_path
 from pipeline.broker.storage.queues import StoredSeqs
 from pipeline.broker.storage.segment import scan_segment
+from pipeline.broker.storage.storelog import StoreLog, log_key
 from pipeline.wire.errors import DiskFullError, DurabilityError
 from pipeline.wire.layouts.frames import ProducerId
 from pipeline.wire.layouts.segments import ENTRY_HEADER_SIZE_BYTES
@@ -191,9 +191,9 @@ def test_torn_tail_of_an_unacknowledged_write_through_recovery(tmp_path):
     path = write_lane(pristine, [6, 7, 5, 8])
     whole = scan_segment(path)
     last, end = int(whole.offsets[-1]), whole.data_end
-    journal, _ = SegmentJournal.reopen(path, whole.keys, durable=False)
-    journal.boundary(3, last)  # the boundary before the last write (the last record is the one read back)
-    journal.close()
+    log = StoreLog.open(pristine, durable=False)
+    log.boundary(log_key(whole.keys), 3, last)  # the boundary before the last write (the last record is read back)
+    log.close()
     original = np.fromfile(path, dtype=np.uint8)
     content_end = last + int(np.flatnonzero(original[last:end])[-1]) + 1
     work = str(tmp_path / "work")

@@ -1,8 +1,10 @@
-"""A restart's scan takes the answered entries a segment starts with from its journal, unread
+"""A restart's scan takes the answered entries a segment starts with from the store log, unread
 (`scan_segment(skip_done=True)`): against the full walk as the reference, on real segment
 files written group by group, with completions in any order and damage anywhere."""
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
@@ -10,7 +12,7 @@ import pytest
 from pipeline.broker.storage.diskio import Durability
 from pipeline.broker.storage.segment import SegmentFile, encode_entries, scan_segment
 from pipeline.wire.layouts.segments import ENTRY_HEADER_SIZE_BYTES, ENTRY_LIVE, SEGMENT_HEADER_SIZE_BYTES
-from support.segments import KEYS, make_items
+from tests.support.segments import KEYS, data_dir_of, make_items, segment_at, shared_log
 
 TRIALS = 60
 
@@ -19,7 +21,7 @@ def _write(path: str, groups: list[int], seed: int, durability: Durability = Dur
     """A segment of `groups` (items per group), each group appended alone: one commit
     boundary per group, as the broker writes them."""
     frame = make_items(sum(groups), seed)
-    segment = SegmentFile.create(path, KEYS, durability)
+    segment = SegmentFile.create(path, KEYS, durability, shared_log(data_dir_of(path), durability is Durability.POWER))
     start = 0
     for count in groups:
         segment.append(encode_entries(*frame, indices=np.arange(start, start + count), producer_id=4))
@@ -50,7 +52,7 @@ def _same_as_full(path: str) -> tuple:
 
 
 def test_a_completed_front_is_not_read_and_the_rest_is_walked(tmp_path):
-    path = str(tmp_path / "a.seg")
+    path = segment_at(str(tmp_path / "a"))
     segment = _write(path, [3, 4, 5], seed=1)
     offsets = scan_segment(path).offsets
     segment.tombstone_many(offsets[:7])  # the first two groups, whole
@@ -62,7 +64,7 @@ def test_a_completed_front_is_not_read_and_the_rest_is_walked(tmp_path):
 
 
 def test_a_live_entry_inside_a_group_stops_the_skip_at_the_boundary_below_it(tmp_path):
-    path = str(tmp_path / "b.seg")
+    path = segment_at(str(tmp_path / "b"))
     segment = _write(path, [3, 4, 5], seed=2)
     offsets = scan_segment(path).offsets
     segment.tombstone_many(np.delete(offsets, 4))  # everything but the second entry of group two
@@ -72,7 +74,7 @@ def test_a_live_entry_inside_a_group_stops_the_skip_at_the_boundary_below_it(tmp
 
 
 def test_nothing_completed_or_a_live_first_entry_skips_nothing(tmp_path):
-    path = str(tmp_path / "c.seg")
+    path = segment_at(str(tmp_path / "c"))
     segment = _write(path, [2, 2], seed=3)
     offsets = scan_segment(path).offsets
     _full, skip = _same_as_full(path)
@@ -84,7 +86,7 @@ def test_nothing_completed_or_a_live_first_entry_skips_nothing(tmp_path):
 
 
 def test_an_answered_entry_damaged_on_disk_costs_nothing_and_a_live_one_is_still_reported(tmp_path):
-    path = str(tmp_path / "d.seg")
+    path = segment_at(str(tmp_path / "d"))
     segment = _write(path, [4, 4], seed=4)
     offsets = scan_segment(path).offsets
     segment.tombstone_many(offsets[:4])
@@ -101,17 +103,17 @@ def test_an_answered_entry_damaged_on_disk_costs_nothing_and_a_live_one_is_still
     assert _live(skip)[0] == _live(full)[0] and int(offsets[6]) not in _live(skip)[0]
 
 
-def test_a_damaged_journal_turns_the_skip_off(tmp_path):
-    path = str(tmp_path / "e.seg")
+def test_a_damaged_store_log_turns_the_skip_off(tmp_path):
+    path = segment_at(str(tmp_path / "e"))
     segment = _write(path, [3, 3], seed=5)
     offsets = scan_segment(path).offsets
     segment.tombstone_many(offsets[:3])
     segment.tombstone_many(offsets[3:4])
     segment.close()
-    journal = path + ".journal"
-    data = bytearray(open(journal, "rb").read())
+    log_file = os.path.join(data_dir_of(path), "store.log")
+    data = bytearray(open(log_file, "rb").read())
     data[8] ^= 0x01  # the first record: damage before the last valid one
-    open(journal, "wb").write(bytes(data))
+    open(log_file, "wb").write(bytes(data))
     skip = scan_segment(path, skip_done=True)
     assert skip.boundary_damage and skip.done_offsets.size == 0
 
@@ -124,7 +126,7 @@ def test_random_groups_completions_and_damage_against_the_full_walk(tmp_path, du
     walk delivers, and never an answered one."""
     rng = np.random.default_rng(7 if durability is Durability.PROCESS else 8)
     for trial in range(TRIALS):
-        path = str(tmp_path / f"{durability.value}-{trial}.seg")
+        path = segment_at(str(tmp_path / f"{durability.value}-{trial}"))
         groups = rng.integers(1, 6, int(rng.integers(1, 8))).tolist()
         segment = _write(path, groups, seed=trial, durability=durability)
         offsets = scan_segment(path).offsets
@@ -161,7 +163,7 @@ def test_bytes_past_a_hole_in_the_preallocation_are_still_found(tmp_path):
     """The end of the data is judged past the preallocation's holes (SEEK_DATA), never by
     skipping bytes: garbage far past the data, beyond never-written blocks, is a torn range
     to the skipping scan as to the full one."""
-    path = str(tmp_path / "f.seg")
+    path = segment_at(str(tmp_path / "f"))
     segment = _write(path, [3, 3], seed=9)
     offsets = scan_segment(path).offsets
     segment.tombstone_many(offsets[:3])
@@ -178,7 +180,7 @@ def test_bytes_past_a_hole_in_the_preallocation_are_still_found(tmp_path):
 def test_a_sealed_segment_is_read_to_its_boundary_only(tmp_path):
     """Nothing is written past a sealed segment's boundary: a restart does not read its
     preallocation (bytes there are no entry of it); the audit's full walk still names them."""
-    path = str(tmp_path / "g.seg")
+    path = segment_at(str(tmp_path / "g"))
     segment = _write(path, [3, 3], seed=10)
     segment.seal()
     segment.close()

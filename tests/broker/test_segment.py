@@ -11,6 +11,7 @@ import pytest
 from pipeline.broker.storage.diskio import Durability
 from pipeline.broker.storage.scan import SEARCH_FIRST_WINDOW_BYTES, census_segment
 from pipeline.broker.storage.segment import SegmentFile, encode_entries, scan_segment
+from pipeline.broker.storage.storelog import StoreLog, log_key, read_store_log
 from pipeline.wire.errors import SegmentCorruptError, SegmentFormatError
 from pipeline.wire.layouts.names import segment_relpath
 from pipeline.wire.layouts.segments import (
@@ -19,19 +20,19 @@ from pipeline.wire.layouts.segments import (
     ENTRY_TOMBSTONE,
     SEGMENT_HEADER_SIZE_BYTES,
 )
-from tests.support.segments import KEYS, make_items
+from tests.support.segments import KEYS, data_dir_of, log_records, make_items, segment_at, shared_log
 
 
 def write_segment(path: str, count: int, seed: int = 0, groups: int = 3) -> tuple[SegmentFile, tuple]:
     frame = make_items(count, seed)
-    segment = SegmentFile.create(path, KEYS, Durability.PROCESS)
+    segment = SegmentFile.create(path, KEYS, Durability.PROCESS, shared_log(data_dir_of(path)))
     for chunk in np.array_split(np.arange(count), groups):
         segment.append(encode_entries(*frame, indices=chunk, producer_id=4))
     return segment, frame
 
 
 def test_append_then_scan_round_trips_every_field(tmp_path):
-    path = str(tmp_path / "a.seg")
+    path = segment_at(str(tmp_path / "a"))
     segment, (items, tokens, token_starts, payloads, payload_starts) = write_segment(path, 300)
     segment.close()
     report = scan_segment(path)
@@ -50,7 +51,7 @@ def test_append_then_scan_round_trips_every_field(tmp_path):
 
 
 def test_tombstones_counts_seal_and_whole_file_delete(tmp_path):
-    path = str(tmp_path / "b.seg")
+    path = segment_at(str(tmp_path / "b"))
     segment, _ = write_segment(path, 10)
     offsets = scan_segment(path).offsets
     assert segment.tombstone_many([int(offsets[0])]) == 1
@@ -69,7 +70,7 @@ def test_tombstones_counts_seal_and_whole_file_delete(tmp_path):
 
 
 def test_bulk_tombstones_and_header_columns_are_checked(tmp_path):
-    path = str(tmp_path / "c.seg")
+    path = segment_at(str(tmp_path / "c"))
     segment, _ = write_segment(path, 12)
     report = scan_segment(path)
     offsets = report.offsets
@@ -88,47 +89,52 @@ def test_bulk_tombstones_and_header_columns_are_checked(tmp_path):
     segment.close()
 
 
-def test_a_torn_last_journal_record_is_ignored_and_cut_away_at_reopen(tmp_path):
+def test_a_torn_last_log_record_is_ignored_and_cut_away_at_reopen(tmp_path):
     # A crash mid-append of a completion record: the completion is lost (a redelivery), the
-    # records before it stand, and reopening writes the journal afresh without the garbage.
-    path = str(tmp_path / "c.seg")
+    # records before it stand, and opening the log again writes it afresh without the garbage.
+    path = segment_at(str(tmp_path / "c"))
     segment, _ = write_segment(path, 5)
     offsets = scan_segment(path).offsets
     segment.tombstone_many([int(offsets[2])])
     segment.tombstone_many([int(offsets[3])])
     segment.close()
-    journal = np.fromfile(path + ".journal", dtype=np.uint8)
-    journal[-5] ^= 0x40  # the last record's checksum
-    journal.tofile(path + ".journal")
+    log_file = os.path.join(data_dir_of(path), "store.log")
+    data = np.fromfile(log_file, dtype=np.uint8)
+    data[-5] ^= 0x40  # the last record's checksum
+    data.tofile(log_file)
+    reading = read_store_log(data_dir_of(path))
+    assert "torn append" in reading.torn and not reading.damaged
     report = scan_segment(path)
-    assert report.tombstone_count == 1 and "torn append" in report.journal.torn and not report.journal.damaged
-    assert report.counts_agree and not report.problems()
-    SegmentFile.reopen(report, Durability.PROCESS).close()
-    again = scan_segment(path)
-    assert again.tombstone_count == 1 and not again.journal.torn and again.counts_agree
+    assert report.tombstone_count == 1 and report.counts_agree and not report.problems()
+    StoreLog.open(data_dir_of(path), False).close()
+    again = read_store_log(data_dir_of(path))
+    assert not again.torn and again.of(KEYS).completed.tolist() == [int(offsets[2])]
 
 
-def test_a_damaged_journal_record_before_the_last_is_named_by_offset(tmp_path):
-    path = str(tmp_path / "c.seg")
+def test_a_damaged_log_record_before_the_last_is_named_by_offset(tmp_path):
+    path = segment_at(str(tmp_path / "c"))
     segment, _ = write_segment(path, 5)
     offsets = scan_segment(path).offsets
     for offset in offsets[:3].tolist():
         segment.tombstone_many([offset])
     segment.close()
-    journal = np.fromfile(path + ".journal", dtype=np.uint8)
-    damaged_at = journal.shape[0] - 2 * 32  # the second completion of three
-    journal[damaged_at + 9] ^= 0x01
-    journal.tofile(path + ".journal")
+    log_file = os.path.join(data_dir_of(path), "store.log")
+    data = np.fromfile(log_file, dtype=np.uint8)
+    damaged_at = data.shape[0] - 2 * 64  # the second completion of three
+    data[damaged_at + 25] ^= 0x01
+    data.tofile(log_file)
+    reading = read_store_log(data_dir_of(path))
+    assert reading.damaged == [f"{log_file}: offset {damaged_at}: store log record fails its checks "
+                               f"(magic, version, kind or checksum)"] and reading.damaged_records == 1
     report = scan_segment(path)
-    assert report.journal.damaged == [f"{path}.journal: offset {damaged_at}: journal record fails its checks "
-                                      f"(magic, version, kind or checksum)"]
+    # The damaged record cannot be pinned on a segment: every segment's boundary is untrusted.
     assert report.tombstone_count == 2 and report.boundary_damage and report.is_damaged is False
-    assert any(line.startswith("DAMAGED JOURNAL:") for line in report.problems())
+    assert any(line.startswith("DAMAGED HEADER:") and "store log records damaged" in line for line in report.problems())
 
 
 def test_completions_leave_the_segment_bytes_as_they_were(tmp_path):
-    # Layout version 2: a segment is written once; completions are journal records only.
-    path = str(tmp_path / "c.seg")
+    # Layout version 2: a segment is written once; completions are log records only.
+    path = segment_at(str(tmp_path / "c"))
     segment, _ = write_segment(path, 20)
     before = np.fromfile(path, dtype=np.uint8)
     offsets = scan_segment(path).offsets
@@ -138,12 +144,13 @@ def test_completions_leave_the_segment_bytes_as_they_were(tmp_path):
     assert np.array_equal(np.fromfile(path, dtype=np.uint8), before)
     report = scan_segment(path)
     assert report.tombstone_count == 10 and report.sealed and report.counts_agree
-    assert os.path.getsize(path + ".journal") == 32 * (3 + 10 + 1)  # 3 boundaries, 10 completions, the seal
+    # 3 boundaries, 10 completions (8 a record) and the seal
+    assert os.path.getsize(os.path.join(data_dir_of(path), "store.log")) == 64 * (3 + 2 + 1)
 
 
 def test_a_segment_holds_no_completion_bitmap_until_something_in_it_completes(tmp_path):
     # A backlog nothing has completed yet must not grow the broker with the store.
-    segment, _ = write_segment(str(tmp_path / "b.seg"), 12)
+    segment, _ = write_segment(segment_at(str(tmp_path / "b")), 12)
     offsets = scan_segment(segment.path).offsets
     assert segment._done is None and segment.state_at(int(offsets[0])) == ENTRY_LIVE
     assert segment.entry_offsets(int(offsets[0]), segment.readable_end, 12)[0].tolist() == offsets.tolist()
@@ -156,21 +163,21 @@ def test_a_segment_holds_no_completion_bitmap_until_something_in_it_completes(tm
 
 def unacknowledged_last_write(path: str, count: int) -> tuple[int, int, np.ndarray]:
     """A segment of `count - 1` acknowledged entries, then one more written but not yet
-    acknowledged: its journal's boundary still says `count - 1` (the state a crash right after
+    acknowledged: its logged boundary still says `count - 1` (the state a crash right after
     the pwrite leaves, crash point segment.after_write). Returns (last offset, end, bytes)."""
     frame = make_items(count)
-    segment = SegmentFile.create(path, KEYS, Durability.PROCESS)
+    segment = SegmentFile.create(path, KEYS, Durability.PROCESS, shared_log(data_dir_of(path)))
     segment.append(encode_entries(*frame, indices=np.arange(count - 1), producer_id=4))
     segment.append(encode_entries(*frame, indices=np.array([count - 1]), producer_id=4))
     segment.close()
-    os.truncate(path + ".journal", 32)  # the second boundary record was never written
+    os.truncate(os.path.join(data_dir_of(path), "store.log"), 64)  # the second boundary record was never written
     data = np.fromfile(path, dtype=np.uint8)
     whole = scan_segment(path)
     return int(whole.offsets[-1]), whole.data_end, data
 
 
 def test_torn_tail_at_every_byte_of_an_unacknowledged_last_write(tmp_path):
-    path = str(tmp_path / "d.seg")
+    path = segment_at(str(tmp_path / "d"))
     last, end, original = unacknowledged_last_write(path, 4)
     # Zeroing bytes that were zero already (pad, high bytes of small token ids) damages nothing.
     content_end = last + int(np.flatnonzero(original[last:end])[-1]) + 1
@@ -191,7 +198,7 @@ def test_torn_tail_at_every_byte_of_an_unacknowledged_last_write(tmp_path):
         else:
             (torn,) = report.torn
             assert torn.offset == last and 0 < torn.size_bytes <= cut - last, cut
-        reopened = SegmentFile.reopen(report, Durability.PROCESS)
+        reopened = SegmentFile.reopen(report, Durability.PROCESS, shared_log(data_dir_of(path)))
         reopened.close()
         again = scan_segment(path)  # kept, not zeroed: the same torn tail, counts agree
         assert [t.offset for t in again.torn] == [t.offset for t in report.torn], cut
@@ -203,7 +210,7 @@ def test_torn_tail_at_every_byte_of_an_unacknowledged_last_write(tmp_path):
 def test_damage_in_the_last_acknowledged_entry_is_corruption_and_kept(tmp_path):
     # A checksum failure in the last entry was once taken for a torn write and zeroed.
     # Below the header's data_end it is corruption: named, counted, and the bytes stay.
-    path = str(tmp_path / "d.seg")
+    path = segment_at(str(tmp_path / "d"))
     segment, frame = write_segment(path, 4, groups=1)
     segment.close()
     whole = scan_segment(path)
@@ -220,7 +227,7 @@ def test_damage_in_the_last_acknowledged_entry_is_corruption_and_kept(tmp_path):
         if victim != last + 20:  # the item id itself is what was flipped there
             assert bad.item_id == int(frame[0]["item_id"][3]), victim
         assert bad.walked == (victim != last + 4), victim  # a damaged length cannot be walked
-        SegmentFile.reopen(report, Durability.PROCESS).close()
+        SegmentFile.reopen(report, Durability.PROCESS, shared_log(data_dir_of(path))).close()
         after = np.fromfile(path, dtype=np.uint8)
         assert np.array_equal(after[SEGMENT_HEADER_SIZE_BYTES:], damaged[SEGMENT_HEADER_SIZE_BYTES:]), victim
         again = scan_segment(path)  # the next restart judges the same bytes the same way
@@ -230,7 +237,7 @@ def test_damage_in_the_last_acknowledged_entry_is_corruption_and_kept(tmp_path):
 
 def test_bit_flip_mid_segment_keeps_every_other_entry(tmp_path):
     # One flipped byte once quarantined the whole file; now only its entry is lost.
-    path = str(tmp_path / "e.seg")
+    path = segment_at(str(tmp_path / "e"))
     segment, frame = write_segment(path, 50)
     segment.close()
     whole = scan_segment(path)
@@ -249,8 +256,8 @@ def test_bit_flip_mid_segment_keeps_every_other_entry(tmp_path):
 
 def test_zeroed_state_word_with_a_good_checksum_is_delivered_again(tmp_path):
     # The state word is the one field the checksum does not cover: a damaged one is
-    # delivered (again) as live, unless the journal says the entry was completed.
-    path = str(tmp_path / "f.seg")
+    # delivered (again) as live, unless the log says the entry was completed.
+    path = segment_at(str(tmp_path / "f"))
     segment, _ = write_segment(path, 10)
     offsets = scan_segment(path).offsets
     segment.tombstone_many([int(offsets[6])])
@@ -262,13 +269,13 @@ def test_zeroed_state_word_with_a_good_checksum_is_delivered_again(tmp_path):
     report = scan_segment(path)
     assert report.entry_count == 10 and report.live_count == 9 and not report.damaged
     assert [(r.offset, r.word) for r in report.repaired_states] == [(int(offsets[4]), 0), (int(offsets[6]), 0x4556484C)]
-    SegmentFile.reopen(report, Durability.PROCESS).close()
+    SegmentFile.reopen(report, Durability.PROCESS, shared_log(data_dir_of(path))).close()
     again = scan_segment(path)
     assert not again.repaired_states and again.live_count == 9 and again.tombstone_count == 1  # rewritten live
 
 
 def test_zeroed_entry_header_mid_segment_is_damage_and_the_rest_is_kept(tmp_path):
-    path = str(tmp_path / "f.seg")
+    path = segment_at(str(tmp_path / "f"))
     segment, frame = write_segment(path, 10)
     segment.close()
     whole = scan_segment(path)
@@ -285,7 +292,7 @@ def test_zeroed_entry_header_mid_segment_is_damage_and_the_rest_is_kept(tmp_path
 
 def test_truncation_mid_entry_counts_every_lost_entry(tmp_path):
     # Truncation once dropped the entries after the cut without a word.
-    path = str(tmp_path / "t.seg")
+    path = segment_at(str(tmp_path / "t"))
     segment, frame = write_segment(path, 28)
     segment.close()
     whole = scan_segment(path)
@@ -296,12 +303,12 @@ def test_truncation_mid_entry_counts_every_lost_entry(tmp_path):
     lost = report.lost
     assert (lost.offset, lost.end, lost.file_size, lost.entries) == (int(whole.offsets[14]), whole.data_end, cut, 14)
     assert lost.item_ids == (int(frame[0]["item_id"][14]),)  # the one header still readable
-    SegmentFile.reopen(report, Durability.PROCESS).close()
+    SegmentFile.reopen(report, Durability.PROCESS, shared_log(data_dir_of(path))).close()
     assert scan_segment(path).lost.entries == 14  # still counted at the next restart
 
 
 def test_truncation_at_an_entry_boundary_is_counted_from_the_header(tmp_path):
-    path = str(tmp_path / "t.seg")
+    path = segment_at(str(tmp_path / "t"))
     write_segment(path, 28)[0].close()
     whole = scan_segment(path)
     os.truncate(path, int(whole.offsets[20]))
@@ -312,9 +319,9 @@ def test_truncation_at_an_entry_boundary_is_counted_from_the_header(tmp_path):
 def test_a_boundary_past_the_file_with_nothing_missing_is_not_a_loss(tmp_path):
     # A boundary whose entry count agrees with the entries but whose data_end runs past the
     # file: only the end word is wrong, so the counts disagree; nothing is lost.
-    path = str(tmp_path / "w.seg")
+    path = segment_at(str(tmp_path / "w"))
     segment, _ = write_segment(path, 5)
-    segment.journal.boundary(5, 1 << 40)
+    shared_log(data_dir_of(path)).boundary(log_key(KEYS), 5, 1 << 40)
     segment.close()
     report = scan_segment(path)
     assert report.lost is None and not report.damaged and not report.counts_agree
@@ -331,7 +338,7 @@ def test_not_a_segment(tmp_path):
 
 
 def test_damaged_routing_keys_are_refused(tmp_path):
-    path = str(tmp_path / "h.seg")
+    path = segment_at(str(tmp_path / "h"))
     segment, _ = write_segment(path, 3)
     segment.close()
     data = np.fromfile(path, dtype=np.uint8)
@@ -381,9 +388,9 @@ def test_keys_that_disagree_with_the_file_name_are_refused(tmp_path):
 
 def test_power_header_words_wait_for_the_fdatasync(tmp_path):
     # The commit boundary must never claim bytes that are not durable yet.
-    path = str(tmp_path / "p.seg")
+    path = segment_at(str(tmp_path / "p"))
     frame = make_items(20)
-    segment = SegmentFile.create(path, KEYS, Durability.POWER)
+    segment = SegmentFile.create(path, KEYS, Durability.POWER, shared_log(data_dir_of(path), True))
     segment.append(encode_entries(*frame, indices=np.arange(10), producer_id=1))
     segment.sync()
     synced = scan_segment(path)
@@ -397,9 +404,9 @@ def test_power_header_words_wait_for_the_fdatasync(tmp_path):
 
 
 def test_file_grows_past_its_first_allocation(tmp_path):
-    path = str(tmp_path / "i.seg")
+    path = segment_at(str(tmp_path / "i"))
     frame = make_items(3000, seed=3)
-    segment = SegmentFile.create(path, KEYS, Durability.POWER)
+    segment = SegmentFile.create(path, KEYS, Durability.POWER, shared_log(data_dir_of(path), True))
     for chunk in np.array_split(np.arange(3000), 6):
         segment.append(encode_entries(*frame, indices=chunk, producer_id=1))
         assert segment.readable_end < segment.data_end  # power: readable only after sync
@@ -414,32 +421,33 @@ def test_file_grows_past_its_first_allocation(tmp_path):
 
 
 def test_a_flipped_boundary_word_cannot_turn_damage_into_a_torn_tail(tmp_path):
-    # data_end tells corruption from a torn tail; journal records carry checksums, so a
+    # data_end tells corruption from a torn tail; log records carry checksums, so a
     # flipped bit in a boundary record before the last makes every bad byte count as
     # acknowledged damage instead.
-    path = str(tmp_path / "b.seg")
+    path = segment_at(str(tmp_path / "b"))
     segment, frame = write_segment(path, 10)
     segment.close()
     whole = scan_segment(path)
     data = np.fromfile(path, dtype=np.uint8)
     data[int(whole.offsets[7]) + 90] ^= 0x08  # damage in entry 7 (of the third group)
     data.tofile(path)
-    journal = np.fromfile(path + ".journal", dtype=np.uint8)
-    journal[32 + 17] ^= 0x20  # the second boundary's data_end: damage before the last record
-    journal.tofile(path + ".journal")
+    log_file = os.path.join(data_dir_of(path), "store.log")
+    data = np.fromfile(log_file, dtype=np.uint8)
+    data[64 + 32 + 1] ^= 0x20  # the second boundary's data_end: damage before the last record
+    data.tofile(log_file)
     report = scan_segment(path)
     assert report.boundary_damage and not report.torn
     (bad,) = report.damaged
     assert bad.offset == int(whole.offsets[7]) and bad.item_id == int(frame[0]["item_id"][7])
-    SegmentFile.reopen(report, Durability.PROCESS).close()  # the damaged record stays, as evidence
+    SegmentFile.reopen(report, Durability.PROCESS, shared_log(data_dir_of(path))).close()  # the damaged record stays, as evidence
     again = scan_segment(path)
     assert again.boundary_damage and [r.offset for r in again.damaged] == [bad.offset]
 
 
 def test_resync_past_damage_longer_than_a_search_window(tmp_path):
-    path = str(tmp_path / "r.seg")
+    path = segment_at(str(tmp_path / "r"))
     frame = make_items(2000, seed=9)
-    segment = SegmentFile.create(path, KEYS, Durability.PROCESS)
+    segment = SegmentFile.create(path, KEYS, Durability.PROCESS, shared_log(data_dir_of(path)))
     segment.append(encode_entries(*frame, indices=np.arange(2000), producer_id=1))
     segment.close()
     whole = scan_segment(path)
@@ -458,9 +466,9 @@ def test_resync_past_damage_longer_than_a_search_window(tmp_path):
 
 
 def test_entry_offsets_walks_back_to_back_entries_and_refuses_a_non_entry(tmp_path):
-    path = str(tmp_path / "f.seg")
+    path = segment_at(str(tmp_path / "f"))
     frame = make_items(50, seed=5)
-    segment = SegmentFile.create(path, KEYS, Durability.PROCESS)
+    segment = SegmentFile.create(path, KEYS, Durability.PROCESS, shared_log(data_dir_of(path)))
     group = encode_entries(*frame, indices=np.arange(50), producer_id=4)
     base = segment.append(group)
     offsets = scan_segment(path).offsets
@@ -480,23 +488,24 @@ def test_entry_offsets_walks_back_to_back_entries_and_refuses_a_non_entry(tmp_pa
 
 
 def test_power_never_writes_into_a_sector_holding_synced_bytes(tmp_path):
-    # Each synced group (of entries, and of journal records) starts on a fresh 4 KiB sector:
+    # Each synced group (of entries, and of log records) starts on a fresh 4 KiB sector:
     # a sector being written when the power goes can then only hold unacknowledged bytes.
-    path = str(tmp_path / "p.seg")
+    path = segment_at(str(tmp_path / "p"))
     frame = make_items(30, seed=5)
-    segment = SegmentFile.create(path, KEYS, Durability.POWER)
+    segment = SegmentFile.create(path, KEYS, Durability.POWER, shared_log(data_dir_of(path), True))
     starts, ends = [], []
     for chunk in np.array_split(np.arange(30), 3):
         before = np.fromfile(path, dtype=np.uint8)
-        journal_before = np.fromfile(path + ".journal", dtype=np.uint8)
+        log_file = os.path.join(data_dir_of(path), "store.log")
+        log_before = np.fromfile(log_file, dtype=np.uint8)
         at = segment.append(encode_entries(*frame, indices=chunk, producer_id=4))
         segment.sync()  # readable from here on
         segment.tombstone_many([at])
-        segment.flush_tombstones()
+        shared_log(data_dir_of(path), True).sync()
         starts.append(at)
         ends.append(segment.data_end)
         for old, new in ((before, np.fromfile(path, dtype=np.uint8)),
-                         (journal_before, np.fromfile(path + ".journal", dtype=np.uint8))):
+                         (log_before, np.fromfile(log_file, dtype=np.uint8))):
             synced_end = int(np.flatnonzero(old)[-1]) + 1 if old.any() else 0
             first_sector_written = synced_end - synced_end % 4096
             assert np.array_equal(new[first_sector_written:synced_end], old[first_sector_written:synced_end])

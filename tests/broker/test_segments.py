@@ -12,10 +12,10 @@ import xxhash
 
 from pipeline.broker.ids import LaneId, LaneKey
 from pipeline.broker.storage.diskio import Durability
-from pipeline.broker.storage.journal import SegmentJournal
 from pipeline.broker.storage.paths import QUARANTINE_DIR, iter_segments
 from pipeline.broker.storage.segment import DEFAULT_SEGMENT_MAX_BYTES, encode_entries, scan_segment
 from pipeline.broker.storage.segments import SegmentStore
+from pipeline.broker.storage.storelog import StoreLog, log_key
 from pipeline.wire.errors import DataDirMovedError, SegmentFormatError
 from pipeline.wire.layouts.segments import SEGMENT_HEADER_SIZE_BYTES
 from tests.support.segments import make_items
@@ -135,12 +135,12 @@ def test_recovery_salvages_corruption_and_keeps_torn_tails(tmp_path):
         file.seek(int(offsets[3]) + 100)
         file.write(bytes([byte[0] ^ 0xFF]))
     # A torn tail: the last entry's write never finished and was never acknowledged (its
-    # journal's boundary still says 39 entries, crash point segment.after_write).
+    # logged boundary still says 39 entries, crash point segment.after_write).
     last_torn = scan_segment(torn)
     last = int(last_torn.offsets[-1])
-    journal, _ = SegmentJournal.reopen(torn, last_torn.keys, durable=False)
-    journal.boundary(39, last)  # the last boundary record is the one read back
-    journal.close()
+    log = StoreLog.open(str(tmp_path), durable=False)
+    log.boundary(log_key(last_torn.keys), 39, last)  # the last boundary record is the one read back
+    log.close()
     with open(torn, "r+b") as file:
         file.seek(last + 70)
         file.write(bytes(last_torn.data_end - last - 70))

@@ -18,15 +18,15 @@ from click.testing import CliRunner
 from pipeline.broker.storage import DiskTier
 from pipeline.broker.storage.diskio import Durability
 from pipeline.broker.storage.inspect import verify
-from pipeline.broker.storage.journal import SegmentJournal
 from pipeline.broker.storage.paths import make_dirs, segment_path
 from pipeline.broker.storage.segment import SegmentFile, SegmentKeys, encode_entries, scan_segment
 from pipeline.broker.storage.segments import SegmentStore
+from pipeline.broker.storage.storelog import StoreLog, log_key
 from pipeline.cli import main
 from pipeline.wire.errors import StoreReadError
 from pipeline.wire.layouts.catalog import CATALOG_FILE, CATALOG_MIRROR_FILE
 from tests.support.repo import ROOT
-from tests.support.segments import make_items
+from tests.support.segments import data_dir_of, make_items, shared_log
 from tests.support.users import python_for
 
 
@@ -39,7 +39,7 @@ def build_store(data_dir: str) -> list[str]:
         make_dirs(os.path.dirname(path))
         frame = make_items(20, seed=n)
         frame[0]["item_id"] += 100 * n  # distinct item ids across segments
-        segment = SegmentFile.create(path, SegmentKeys(0, signature, lane, seq), Durability.PROCESS)
+        segment = SegmentFile.create(path, SegmentKeys(0, signature, lane, seq), Durability.PROCESS, shared_log(data_dir_of(path)))
         segment.append(encode_entries(*frame, indices=np.arange(20), producer_id=1))
         if n == 1:
             segment.tombstone_many(scan_segment(path).offsets[:5].tolist())
@@ -144,9 +144,9 @@ def test_torn_tail_is_a_note_not_a_failure(tmp_path):
 
 def test_verify_reports_counts_that_disagree(tmp_path):
     paths = build_store(str(tmp_path))
-    journal, _ = SegmentJournal.reopen(paths[0], scan_segment(paths[0]).keys, durable=False)
-    journal.completed(np.array([4096 + 8]))  # a completion where no entry starts
-    journal.close()
+    log = StoreLog.open(str(tmp_path), durable=False)
+    log.completed(log_key(scan_segment(paths[0]).keys), np.array([4096 + 16]))  # no entry starts there
+    log.close()
     code, report = run_verify(str(tmp_path))
     assert code == 1 and any("deleted" in p for p in report["problems"])
 
@@ -229,7 +229,7 @@ def test_what_another_user_cannot_read_is_a_one_line_error(locked):
             for name in [".", *dirs]:
                 os.chmod(os.path.join(root, name), 0o755)
         catalog = os.path.join(data_dir, CATALOG_FILE)
-        for path in [*paths, *(p + ".journal" for p in paths), catalog, os.path.join(data_dir, CATALOG_MIRROR_FILE)]:
+        for path in [*paths, os.path.join(data_dir, "store.log"), catalog, os.path.join(data_dir, CATALOG_MIRROR_FILE)]:
             os.chmod(path, 0o644)
         # Owned by root, owner-only: user nobody can neither list the one nor read the others.
         os.chmod({"segments": os.path.join(data_dir, "segments"), "segment file": paths[1],

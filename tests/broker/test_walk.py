@@ -18,6 +18,7 @@ from pipeline.broker.storage.segment import SegmentFile, SegmentKeys, encode_ent
 from pipeline.wire.errors import SegmentCorruptError
 from pipeline.wire.layouts.frames import ITEM_HEADER_DTYPE
 from pipeline.wire.layouts.segments import entry_size_bytes
+from tests.support.segments import data_dir_of, shared_log
 
 KEYS = SegmentKeys(model=1, signature=0x5EED_0000_1234_5678, lane=2, segment_seq=9)
 
@@ -49,7 +50,7 @@ def test_the_walk_matches_the_scan(groups, power, seed, data):
     items = frame(groups, seed)
     with tempfile.TemporaryDirectory() as root:
         path = f"{root}/w.seg"
-        segment = SegmentFile.create(path, KEYS, Durability.POWER if power else Durability.PROCESS)
+        segment = SegmentFile.create(path, KEYS, Durability.POWER if power else Durability.PROCESS, shared_log(data_dir_of(path), (Durability.POWER if power else Durability.PROCESS) is Durability.POWER))
         bounds = np.cumsum([0] + [n for n, _length, _p in groups])
         for a, b in pairwise(bounds):  # one append (and, at power, one synced group) each
             segment.append(encode_entries(*items, indices=np.arange(a, b), producer_id=3))
@@ -79,7 +80,7 @@ def test_an_equal_size_run_is_taken_in_one_gather_and_the_walk_goes_on_where_it_
     groups = [(30, 16, 0), (5, None, 3), (20, 16, 0)]
     items = frame(groups, seed=1)
     path = str(tmp_path / "r.seg")
-    segment = SegmentFile.create(path, KEYS, Durability.PROCESS)
+    segment = SegmentFile.create(path, KEYS, Durability.PROCESS, shared_log(data_dir_of(path)))
     segment.append(encode_entries(*items, indices=np.arange(55), producer_id=3))
     every = scan_segment(path).offsets
     runs: list[tuple[int, int]] = []
@@ -102,7 +103,7 @@ def test_an_equal_size_run_is_taken_in_one_gather_and_the_walk_goes_on_where_it_
 def test_a_run_shorter_than_the_gathers_minimum_is_walked(tmp_path):
     items = frame([(walk.STRIDED_MIN_ENTRIES, 16, 0)], seed=2)
     path = str(tmp_path / "s.seg")
-    segment = SegmentFile.create(path, KEYS, Durability.PROCESS)
+    segment = SegmentFile.create(path, KEYS, Durability.PROCESS, shared_log(data_dir_of(path)))
     segment.append(encode_entries(*items, indices=np.arange(walk.STRIDED_MIN_ENTRIES), producer_id=3))
     every = scan_segment(path).offsets
     out = np.empty(8, dtype=np.int64)

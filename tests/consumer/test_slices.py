@@ -24,7 +24,7 @@ from pipeline.wire.layouts.descriptors import (
     parse_descriptor,
     write_descriptor,
 )
-from tests.support.segments import SIG, make_items
+from tests.support.segments import SIG, data_dir_of, make_items, shared_log
 from tests.support.sessions import FakeSession
 
 
@@ -98,7 +98,7 @@ def _batch_of(tmp_path, params: list[GenerationParams | None]) -> tuple[np.ndarr
     payloads = np.frombuffer(b"".join(own), dtype=np.uint8).copy()
     path = segment_path(str(tmp_path), 2, SIG, 0, 0)
     make_dirs(os.path.dirname(path))
-    segment = SegmentFile.create(path, SegmentKeys(2, SIG, 0, 0), Durability.PROCESS)
+    segment = SegmentFile.create(path, SegmentKeys(2, SIG, 0, 0), Durability.PROCESS, shared_log(data_dir_of(path)))
     segment.append(encode_entries(items, tokens, token_starts, payloads, payload_starts,
                                   indices=np.arange(len(params)), producer_id=1))
     rows = np.zeros(len(params), dtype=DESCRIPTOR_ITEM_DTYPE)

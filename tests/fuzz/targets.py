@@ -34,9 +34,10 @@ from pipeline.broker.dispatch import Dispatcher
 from pipeline.broker.storage import DiskTier
 from pipeline.broker.storage.catalog import encode_record
 from pipeline.broker.storage.identity import SegmentKeys, boundary_checksum, identity_bytes
-from pipeline.broker.storage.journal import encode_records as encode_journal
 from pipeline.broker.storage.scan import census_segment, scan_segment
 from pipeline.broker.storage.segment import encode_entries
+from pipeline.broker.storage.storelog import encode_completed, log_key
+from pipeline.broker.storage.storelog import encode_records as encode_log
 from pipeline.consumer.reader import SegmentReader
 from pipeline.producer.workload import load_workload
 from pipeline.reporting.accounting import result_rows, summarize_results
@@ -85,15 +86,7 @@ from pipeline.wire.layouts.frames import (
     make_item_id,
     parse_frame,
 )
-from pipeline.wire.layouts.journal import (
-    JOURNAL_BOUNDARY,
-    JOURNAL_COMPLETED,
-    JOURNAL_RECORD_SIZE_BYTES,
-    JOURNAL_SEALED,
-    SEGMENT_JOURNAL_DTYPE,
-    journal_seed,
-)
-from pipeline.wire.layouts.names import SEGMENT_JOURNAL_SUFFIX, SEGMENTS_DIR, segment_relpath
+from pipeline.wire.layouts.names import SEGMENTS_DIR, segment_relpath
 from pipeline.wire.layouts.segments import (
     ENTRY_HEADER_DTYPE,
     SEGMENT_BOUNDARY_CHECKSUM,
@@ -103,6 +96,7 @@ from pipeline.wire.layouts.segments import (
     SEGMENT_HEADER_SIZE_BYTES,
     SYNC_ALIGN_BYTES,
 )
+from pipeline.wire.layouts.storelog import LOG_BOUNDARY, LOG_RECORD_SIZE_BYTES, LOG_SEALED, STORE_LOG_DTYPE, STORE_LOG_FILE
 from pipeline.wire.protocol import MAX_REQUEST_BYTES, MessageReader, check_consumer_name, encode
 from pipeline.wire.status import ConsumerWork
 
@@ -496,13 +490,12 @@ def run_catalog_pair(data: bytes) -> None:
         tier.close()
 
 
-def run_journal(data: bytes) -> None:
-    """A segment's journal (`data`) beside the intact seed segment of three entries, read by
-    the scan and by recovery: whatever it holds, the store opens, no more entries are
-    delivered than the segment holds, and a completion never names an offset where no entry
-    starts."""
-    root, segment = _one_segment_store("journal-store")
-    with open(segment + SEGMENT_JOURNAL_SUFFIX, "wb") as file:
+def run_store_log(data: bytes) -> None:
+    """A store log (`data`) beside the intact seed segment of three entries, read by the
+    scan and by recovery: whatever it holds, the store opens, no more entries are delivered
+    than the segment holds, and a completion never names an offset where no entry starts."""
+    root, segment = _one_segment_store("store-log-store")
+    with open(os.path.join(root, STORE_LOG_FILE), "wb") as file:
         file.write(data)
     report = scan_segment(segment)
     assert report.entry_count == 3 and report.live_count + report.tombstone_count == 3, report.problems()
@@ -513,22 +506,21 @@ def run_journal(data: bytes) -> None:
         tier.close()
 
 
-_JOURNAL_SEED_KEY = journal_seed(SEGMENT_KEYS.model, SEGMENT_KEYS.lane, SEGMENT_KEYS.segment_seq)
-JOURNAL_SEEDS = [
+_LOG_KEY = log_key(SEGMENT_KEYS)
+STORE_LOG_SEEDS = [
     b"".join(records.tobytes() for records in [
-        encode_journal(JOURNAL_BOUNDARY, np.array([3], dtype=np.uint64), len(SEGMENT_SEEDS[1]) - 256, _JOURNAL_SEED_KEY),
-        encode_journal(JOURNAL_COMPLETED, SEGMENT_OFFSETS[1][:2].astype(np.uint64), 0, _JOURNAL_SEED_KEY)]),
-    encode_journal(JOURNAL_COMPLETED, SEGMENT_OFFSETS[1][2:].astype(np.uint64), 0, _JOURNAL_SEED_KEY).tobytes()
-    + bytes(SYNC_ALIGN_BYTES - 32) + encode_journal(JOURNAL_SEALED, np.array([3], dtype=np.uint64), 0,
-                                                    _JOURNAL_SEED_KEY).tobytes(),
+        encode_log(LOG_BOUNDARY, _LOG_KEY, np.array([[3, len(SEGMENT_SEEDS[1]) - 256, 0, 0]], dtype=np.uint64)),
+        encode_completed(_LOG_KEY, SEGMENT_OFFSETS[1][:2])]),
+    encode_completed(_LOG_KEY, SEGMENT_OFFSETS[1][2:]).tobytes()
+    + bytes(SYNC_ALIGN_BYTES - 64) + encode_log(LOG_SEALED, _LOG_KEY, np.array([[3, 0, 0, 0]], dtype=np.uint64)).tobytes(),
 ]
 
 
-def _journal_fields(data: bytes) -> list[tuple[int, int]]:
+def _store_log_fields(data: bytes) -> list[tuple[int, int]]:
     out = []
-    for at in range(0, len(data) - JOURNAL_RECORD_SIZE_BYTES + 1, JOURNAL_RECORD_SIZE_BYTES):
-        if any(data[at:at + JOURNAL_RECORD_SIZE_BYTES]):
-            out += dtype_fields(SEGMENT_JOURNAL_DTYPE, at)
+    for at in range(0, len(data) - LOG_RECORD_SIZE_BYTES + 1, LOG_RECORD_SIZE_BYTES):
+        if any(data[at:at + LOG_RECORD_SIZE_BYTES]):
+            out += dtype_fields(STORE_LOG_DTYPE, at)
     return out
 
 
@@ -682,9 +674,9 @@ TARGETS: dict[str, Target] = {
                       fixed_bytes=4 << 20),
     "catalog_pair": Target("catalog_pair", run_catalog_pair, [seed + seed for seed in CATALOG_SEEDS], (),
                            [_catalog_fields(s + s) for s in CATALOG_SEEDS], fixed_bytes=4 << 20),
-    # Recovery of a one-segment store and a consumer's reader: a fixed cost, like the catalog's.
-    "journal": Target("journal", run_journal, JOURNAL_SEEDS, (), [_journal_fields(s) for s in JOURNAL_SEEDS],
-                      fixed_bytes=4 << 20),
+    # Recovery of a one-segment store: a fixed cost, like the catalog's.
+    "store_log": Target("store_log", run_store_log, STORE_LOG_SEEDS, (),
+                        [_store_log_fields(s) for s in STORE_LOG_SEEDS], fixed_bytes=4 << 20),
     "control": Target("control", run_control, CONTROL_SEEDS, (ProtocolError, BadInputError),
                       [_length_prefix_fields(s) for s in CONTROL_SEEDS], per_input_byte=64, text=True),
     "segment_scan": Target("segment_scan", run_segment_scan, SEGMENT_SEEDS, (SegmentFormatError,),

@@ -29,7 +29,7 @@ from pipeline.wire.layouts.descriptors import (
     write_descriptor,
 )
 from tests.pipeline.harness import read_results, start_broker, status, stop, wait_until
-from tests.support.segments import SIG, make_items
+from tests.support.segments import SIG, data_dir_of, make_items, shared_log
 
 pytestmark = pytest.mark.integration
 
@@ -80,7 +80,7 @@ def test_a_malformed_envelope_is_that_items_error_and_the_others_run(tmp_path):
     payloads[pstarts[1]:pstarts[1] + 4] = np.frombuffer(GENERATION_MAGIC, dtype=np.uint8)
     path = segment_path(str(tmp_path), 2, SIG, 0, 0)
     make_dirs(os.path.dirname(path))
-    segment = SegmentFile.create(path, SegmentKeys(2, SIG, 0, 0), Durability.PROCESS)
+    segment = SegmentFile.create(path, SegmentKeys(2, SIG, 0, 0), Durability.PROCESS, shared_log(data_dir_of(path)))
     segment.append(encode_entries(*frame, indices=np.arange(4), producer_id=1))
     segment.close()
     offsets = scan_segment(path).offsets

@@ -11,7 +11,7 @@ from pipeline.broker.storage.diskio import Durability
 from pipeline.broker.storage.paths import make_dirs, segment_path
 from pipeline.broker.storage.segment import SegmentFile, SegmentKeys, encode_entries, scan_segment
 from pipeline.runtime.inventory import pending_payloads
-from tests.support.segments import make_items
+from tests.support.segments import data_dir_of, make_items, shared_log
 
 
 def test_the_live_entries_payloads_are_read_back_and_completed_ones_are_not(tmp_path):
@@ -19,7 +19,7 @@ def test_the_live_entries_payloads_are_read_back_and_completed_ones_are_not(tmp_
     items, payloads, starts = frame[0], frame[3], frame[4]
     path = segment_path(str(tmp_path), 0, 77, 0, 0)
     make_dirs(os.path.dirname(path))
-    segment = SegmentFile.create(path, SegmentKeys(0, 77, 0, 0), Durability.PROCESS)
+    segment = SegmentFile.create(path, SegmentKeys(0, 77, 0, 0), Durability.PROCESS, shared_log(data_dir_of(path)))
     segment.append(encode_entries(*frame, indices=np.arange(5), producer_id=1))
     segment.tombstone_many([int(scan_segment(path).offsets[2])])  # completed: not pending
     segment.close()

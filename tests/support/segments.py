@@ -10,6 +10,7 @@ import numpy as np
 from pipeline.broker.storage.diskio import Durability
 from pipeline.broker.storage.paths import make_dirs, segment_path
 from pipeline.broker.storage.segment import SegmentFile, SegmentKeys, encode_entries
+from pipeline.broker.storage.storelog import StoreLog, SegmentRecords, read_store_log
 from pipeline.wire.layouts.frames import ITEM_HEADER_DTYPE
 
 KEYS = SegmentKeys(model=1, signature=0xDEADBEEF_12345678, lane=7, segment_seq=3)
@@ -49,6 +50,43 @@ def store(data_dir: str, lane: int, count: int, seed: int, first_id: int = 1000,
         frame[0]["payload_len"] = [len(p) for p in payloads]
         starts = np.concatenate([[0], np.cumsum(frame[0]["payload_len"])]).astype(np.int64)
         frame = (*frame[:3], np.frombuffer(b"".join(payloads), dtype=np.uint8).copy(), starts)
-    segment = SegmentFile.create(path, SegmentKeys(2, SIG, lane, 0), Durability.PROCESS)
+    segment = SegmentFile.create(path, SegmentKeys(2, SIG, lane, 0), Durability.PROCESS, shared_log(data_dir))
     segment.append(encode_entries(*frame, indices=np.arange(count), producer_id=1))
     return path, frame, segment
+
+
+_LOGS: dict[str, StoreLog] = {}
+
+
+def shared_log(data_dir: str, durable: bool = False) -> StoreLog:
+    """The store log of `data_dir` for segments a test makes by hand: one writer per data
+    directory, as in the broker (a second StoreLog appending to the same file would write
+    over the first's records)."""
+    key = os.path.realpath(data_dir)
+    log = _LOGS.get(key)
+    if log is None or log.durable != durable or not os.path.exists(log.path):
+        if log is not None:
+            log.close()
+        while len(_LOGS) >= 8:  # a test's few data directories; earlier tests' are done
+            _LOGS.pop(next(iter(_LOGS))).close()
+        log = _LOGS[key] = StoreLog.open(data_dir, durable)
+    return log
+
+
+def segment_at(data_dir: str, keys: SegmentKeys = KEYS) -> str:
+    """The path of the segment of `keys` in `data_dir` (its directories made)."""
+    path = segment_path(data_dir, keys.model, keys.signature, keys.lane, keys.segment_seq)
+    make_dirs(os.path.dirname(path))
+    return path
+
+
+def data_dir_of(path: str) -> str:
+    """The data directory of a segment at DATA_DIR/segments/m.../s.../its name; for a file
+    elsewhere, its own directory (where a test keeps the log of a loose segment)."""
+    segments = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(path))))
+    return os.path.dirname(segments) if os.path.basename(segments) == "segments" else os.path.dirname(path)
+
+
+def log_records(path: str, keys: SegmentKeys = KEYS) -> SegmentRecords:
+    """What the store log of the segment's data directory says of it."""
+    return read_store_log(data_dir_of(path)).of(keys)

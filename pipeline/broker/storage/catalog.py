@@ -37,7 +37,7 @@ appended beside the damage. A compaction writes and fsyncs both new files before
 either; a crash between the renames leaves two whole files whose union is the live set.
 In `process` each record goes into both files at once, with no sync, as before.
 
-NOTE: a mirror, not padding each sync to a fresh 4 KiB sector as the journals do: a catalog
+NOTE: a mirror, not padding each sync to a fresh 4 KiB sector as the store log does: a catalog
 sync is one record or a few (a delete is synced alone), so padding would take a 4 KiB
 block per sync and `reserve` a block per record still to come (64 times the reserve: about 800
 MB for 100,000 open lanes instead of 12.8); the mirror costs a second fdatasync per

@@ -16,9 +16,9 @@ dispatchable as soon as the write returned (the page cache survives kill -9 of a
 A full disk raises DiskFullError with nothing recorded as stored; fsync failing raises
 DurabilityError, which is fatal.
 
-Completion records each entry in its segment's journal (`SegmentStore.tombstone_many`,
-`journal.py`: a segment is never written in place); a sealed segment with nothing live left
-is deleted whole, with its journal.
+Completion records each entry in the store log (`SegmentStore.tombstone_many`,
+`storelog.py`: a segment is never written in place); a sealed segment with nothing live left
+is deleted whole.
 
 Queued entries cost 8 bytes each in memory (their offsets, per segment run: see
 `queues`); everything else dispatch needs (item id, lengths, producer, seq, submit time) is
@@ -53,6 +53,7 @@ from pipeline.broker.storage.diskio import Durability
 from pipeline.broker.storage.pending import EntryColumns
 from pipeline.broker.storage.queues import HOT_ENTRIES_MAX, QueuedTier, RefRun
 from pipeline.broker.storage.segment import encode_entries, scan_segment
+from pipeline.broker.storage.storelog import read_store_log
 from pipeline.broker.storage.segments import Quarantined, RecoveryReport, SegmentStore
 from pipeline.wire.errors import DiskFullError, SegmentCorruptError
 from pipeline.wire.layouts.frames import TOKEN_DTYPE, TOKEN_SIZE_BYTES, ProducerId
@@ -212,8 +213,8 @@ class DiskTier(QueuedTier):
         return RefRun(segment, offsets)
 
     def flush(self) -> None:
-        """Group commit: fdatasync every segment that took appends (`power`; DurabilityError
-        is fatal), fdatasync the journals of completed entries (`power`), then staged entries become dispatchable. Also
+        """Group commit: fdatasync every segment that took appends and then the store log
+        (`power`; DurabilityError is fatal), then staged entries become dispatchable. Also
         seals segments past the age limit, at most once per AGE_CHECK_INTERVAL_S."""
         store = self._store
         store.sync()
@@ -276,8 +277,9 @@ class DiskTier(QueuedTier):
         """Every segment scanned (the recovery scan code): its live entries, and its counts
         checked against the store's."""
         live: dict[EntryRef, int] = {}
+        log = read_store_log(self._store.data_dir)
         for segment, state in self._store.segments.items():
-            scan = scan_segment(state.path, state.keys)
+            scan = scan_segment(state.path, state.keys, records=log.of(state.keys))
             assert scan.keys == state.keys and bool(scan.is_damaged) == bool(state.damage), state.path
             assert (scan.entry_count, scan.tombstone_count) == (state.entry_count, state.deleted_count), state
             mask = scan.headers["state"] == ENTRY_LIVE

@@ -1,6 +1,9 @@
 """Where the disk tier keeps its files: one documented directory layout.
 
     DATA_DIR/
+      store.log                              completions, commit boundaries, seals of every
+                                             segment (storelog.py); compacted through
+      store.log.tmp                          this name (a leftover is an interrupted compaction)
       segments.catalog                       what the store holds: one record per segment
                                              lifecycle event (catalog.py); compacted through
       segments.catalog.tmp                   this name (a leftover is an interrupted compaction)
@@ -13,9 +16,10 @@
             l{lane:04d}-{seq:010d}.seg       one file per (lane, segment sequence)
             l....-.........seg.creating      a segment being created (renamed to .seg once its
                                              header is written; recovery removes leftovers)
-            l....-.........seg.journal       the segment's journal: completions, boundary, seal
-                                             (journal.py; one left without its segment is a
-                                             crash's leftover, removed by recovery)
+            l....-.........seg.journal       a segment journal of an earlier release (completions
+                                             now go to store.log): recovery refuses a store
+                                             holding one beside its segment, and removes one
+                                             left without it
       quarantine/                            evidence, never deleted by us (an operator clears it)
         m.../s.../l...-....seg[.N]           a segment moved out of segments/ with the same
                                              relative path: its identity could not be
@@ -87,12 +91,13 @@ class Stray:
 
 @dataclass(slots=True)
 class StoreListing:
-    """One walk of segments/: segments in name order, interrupted creates, journals whose
-    segment is gone, strays."""
+    """One walk of segments/: segments in name order, interrupted creates, segment journals of
+    an earlier release (those whose segment is there, and those left without it), strays."""
 
     segments: list[SegmentPath] = field(default_factory=list)
     creating: list[str] = field(default_factory=list)
     orphan_journals: list[str] = field(default_factory=list)
+    old_journals: list[str] = field(default_factory=list)
     strays: list[Stray] = field(default_factory=list)
 
 
@@ -156,8 +161,8 @@ def _classify_file(entry: os.DirEntry, model: int, signature: int, listing: Stor
     name = entry.name
     if name.endswith(SEGMENT_JOURNAL_SUFFIX) and entry.is_file(follow_symlinks=False) and parse_segment_file(
             name[: -len(SEGMENT_JOURNAL_SUFFIX)]) is not None:
-        if name[: -len(SEGMENT_JOURNAL_SUFFIX)] not in names:
-            listing.orphan_journals.append(entry.path)
+        kept = name[: -len(SEGMENT_JOURNAL_SUFFIX)] in names
+        (listing.old_journals if kept else listing.orphan_journals).append(entry.path)
         return
     creating = name.endswith(CREATING_SUFFIX)
     parsed = parse_segment_file(name[: -len(CREATING_SUFFIX)] if creating else name)

@@ -29,11 +29,25 @@ Owner: whoever holds the DiskTier; a plain record, not thread-safe.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
-from pipeline.broker.storage.paths import Stray
+from pipeline.broker.storage.catalog import CatalogReading, write_missing_note
+from pipeline.broker.storage.diskio import fsync_directory
+from pipeline.broker.storage.identity import foreign_version
+from pipeline.broker.storage.paths import (
+    MISSING_SUFFIX,
+    StoreListing,
+    Stray,
+    make_dirs,
+    quarantine_target,
+    segment_path,
+)
 from pipeline.broker.storage.scan import SegmentKeys
 from pipeline.broker.storage.scan_report import DamagedRange, LostEntries, RepairedState, ScanReport, TornRange
+from pipeline.wire.errors import SegmentFormatError
+from pipeline.wire.layouts.segments import SEGMENT_HEADER_SIZE_BYTES, SEGMENT_VERSION
+from pipeline.wire.layouts.storelog import STORE_LOG_FILE
 from pipeline.wire.status import DAMAGE_KEYS, REPAIR_KEYS
 
 
@@ -88,7 +102,7 @@ class MissingSegment:
 class RecoveryReport:
     """What recovery did (module docstring). `segments` are the segments kept (with live
     entries); `deleted` sealed segments found with nothing live; `repaired_counts` segments
-    whose journal's boundary disagreed with their entries (the scan's now recorded);
+    whose logged boundary disagreed with their entries (the scan's now recorded);
     `adopted` segments on disk the catalog did not hold (a crash between a create and its
     record)."""
 
@@ -116,7 +130,7 @@ class RecoveryReport:
     segments_scanned: int = 0
     live_entries: int = 0
     bytes_scanned: int = 0
-    entries_unread: int = 0  # answered entries a segment starts with, known from its journal (scan.py)
+    entries_unread: int = 0  # answered entries a segment starts with, known from the store log (scan.py)
     seconds: float = 0.0
 
     @property
@@ -182,7 +196,7 @@ class RecoveryReport:
         lines = [
             f"recovery: {self.segments_scanned} segments, {self.bytes_scanned:,} bytes scanned in "
             f"{self.seconds:.3f} s ({self.scan_bytes_per_s / 1e6:,.0f} MB/s; {self.entries_unread:,} answered "
-            f"entries known from their journals, not read); {self.live_entries:,} "
+            f"entries known from the store log, not read); {self.live_entries:,} "
             f"live entries in {len(self.segments)} segments; {len(self.deleted)} finished segments "
             f"deleted; {len(self.repaired_counts)} header counts repaired; "
             f"{len(self.abandoned_creates)} interrupted creates removed; {len(self.adopted)} segments "
@@ -198,3 +212,58 @@ class RecoveryReport:
         lines += [f"catalog: {line}" for line in self.catalog_notes]
         lines += [f"lineage: {line}" for line in self.lineage_notes]
         return "\n".join(lines)
+
+
+def refuse_other_layout(path: str) -> None:
+    """SegmentFormatError, stopping recovery, for a whole segment of another layout version:
+    its entries are intact, so quarantining it would take them from delivery. No migration:
+    version 1 rewrote tombstones and header words in place (see `pipeline.wire.layouts`)."""
+    with open(path, "rb") as file:
+        version = foreign_version(file.read(SEGMENT_HEADER_SIZE_BYTES))
+    if version is not None:
+        raise SegmentFormatError(
+            f"{path}: a segment of layout version {version}; this broker reads version {SEGMENT_VERSION} only and "
+            f"does not migrate: finish this data directory with the release that wrote it, or move it away")
+
+
+def refuse_old_journals(journals: list[str]) -> None:
+    """SegmentFormatError, stopping recovery, for segment journals of an earlier release beside
+    their segments: they hold completions this release keeps in the store log, and reading
+    the segments without them would deliver every completed entry again. No migration."""
+    if journals:
+        raise SegmentFormatError(
+            f"{journals[0]}: a segment journal of an earlier release ({len(journals)} in this store); this broker "
+            f"keeps completions in {STORE_LOG_FILE} and does not migrate: finish this data directory with the "
+            f"release that wrote it, or move it away")
+
+
+def count_files(directory: str) -> int:
+    """Files under `directory` (0 if it does not exist)."""
+    return sum(len(files) for _root, _dirs, files in os.walk(directory))
+
+
+def first_damage(scan: ScanReport) -> int:
+    offsets = [r.offset for r in scan.damaged] + ([scan.lost.offset] if scan.lost else [])
+    return min(offsets) if offsets else 0
+
+
+def note_missing(data_dir: str, durable: bool, listing: StoreListing, reading: CatalogReading) -> list[MissingSegment]:
+    """Segments the catalog holds and the disk does not: counted, named, and noted in
+    quarantine/ (so `verify` keeps failing until an operator has looked)."""
+    on_disk = {found.keys for found in listing.segments}
+    missing = []
+    for keys, entry in sorted(reading.live.items(), key=lambda item: _key_order(item[0])):
+        if keys in on_disk:
+            continue
+        path = segment_path(data_dir, keys.model, keys.signature, keys.lane, keys.segment_seq)
+        note = quarantine_target(data_dir, path, MISSING_SUFFIX)
+        make_dirs(os.path.dirname(note))
+        write_missing_note(note, keys, entry.entry_count, durable)
+        if durable:
+            fsync_directory(os.path.dirname(note))
+        missing.append(MissingSegment(path, keys, entry.entry_count, note))
+    return missing
+
+
+def _key_order(keys: SegmentKeys) -> tuple[int, int, int, int]:
+    return keys.model, keys.signature, keys.lane, keys.segment_seq

@@ -1,5 +1,5 @@
 """Replacing a store file whole, and preallocating one: the catalog's, the lineage file's and
-a segment journal's compaction (temp file, preallocate, fsync, rename, directory fsync).
+the store log's compaction (temp file, preallocate, fsync, rename, directory fsync).
 Owner: the caller's file; nothing here keeps state."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def write_replacement(path: str, temp: str, data: bytes, size_bytes: int, what: 
     """Replace the file at `path` whole: `data` into `temp` (preallocated to `size_bytes`),
     fsync, rename over `path`, directory fsync; returns the new file's descriptor, open for
     appending records. DiskFullError when there is no room (the old file then stays as it
-    was and in use); on any failure `temp` is removed. The lineage file's and a journal's
+    was and in use); on any failure `temp` is removed. The lineage file's and the store log's
     compaction."""
     return write_replacements([(path, temp)], data, size_bytes, what)[0]
 

@@ -11,10 +11,10 @@ anything else is a bad range, and the scan resynchronises at the next 16-aligned
 holds a whole, checksummed entry and walks on. So one damaged entry costs that entry, never
 the entries around it.
 
-Each bad range is judged against the commit boundary, the last BOUNDARY record of the
-segment's journal (`journal.py`; the header's creation words when it holds none): the broker
+Each bad range is judged against the commit boundary, the segment's last BOUNDARY record in
+the store log (`storelog.py`; the header's creation words when it holds none): the broker
 records it only once the bytes below it are written (`process`) or fdatasync'ed (`power`).
-Completions are the journal's COMPLETED records: the report's headers read ENTRY_TOMBSTONE
+Completions are the log's COMPLETED records: the report's headers read ENTRY_TOMBSTONE
 for them (the state word in the file stays live, layout version 2). Zeros from the end of a
 group to the next SYNC_ALIGN_BYTES boundary followed by a whole entry there are the padding
 of `power` (see `pipeline.broker.storage.segment`), not damage.
@@ -28,7 +28,7 @@ come from walking the (unverified) entry headers in it when they chain from its 
 end; otherwise at least one, topped up from the header's entry count when it says more.
 
 A restart's scan (`skip_done`) starts its walk at the highest commit boundary below which
-the journal completes every entry (`_done_below`): what was answered is not read again, so a
+the log completes every entry (`_done_below`): what was answered is not read again, so a
 restart reads what it may still deliver. Damage there costs nothing (every entry in it was
 answered); the tools that audit a store walk every entry.
 """
@@ -55,10 +55,11 @@ from pipeline.broker.storage.identity import (  # re-exported: the scan's caller
     name_keys_of,
     read_identity,
 )
-from pipeline.broker.storage.journal import JournalReading, read_journal
 from pipeline.broker.storage.scan_report import DamagedRange, LostEntries, RepairedState, ScanReport, TornRange
+from pipeline.broker.storage.storelog import SegmentRecords, read_store_log
 from pipeline.wire.errors import SegmentFormatError
 from pipeline.wire.layouts import segments
+from pipeline.wire.layouts.names import SEGMENTS_DIR
 from pipeline.wire.layouts.segments import (
     ENTRY_ALIGN_BYTES,
     ENTRY_HEADER_DTYPE,
@@ -279,8 +280,8 @@ def _after_padding(buf: memoryview, stop: int, size: int, fd: int = -1) -> int |
     return aligned if _check_entry(buf, aligned, size)[0] else None
 
 
-def _done_below(journal: JournalReading, limit: int) -> tuple[np.ndarray, int]:
-    """The completed entries the segment starts with, known from its journal alone: those
+def _done_below(records: SegmentRecords, limit: int) -> tuple[np.ndarray, int]:
+    """The completed entries the segment starts with, known from the log alone: those
     below the highest commit boundary (ending at `limit` at most) with as many completions
     below it as it counts entries. Completions name entries that were written, each once
     (the reading's are unique), so every entry below such a boundary was answered, and a
@@ -289,12 +290,12 @@ def _done_below(journal: JournalReading, limit: int) -> tuple[np.ndarray, int]:
 
     Example: boundaries (3, 4400), (5, 4600); completions at 4096, 4208, 4304, 4500 ->
     3 below 4400 (qualifies), 4 below 4600 (does not): [4096, 4208, 4304], 4400."""
-    counts, ends = journal.boundaries[:, 0], journal.boundaries[:, 1]
-    qualifies = (counts > 0) & (ends <= limit) & (np.searchsorted(journal.completed, ends) == counts)
+    counts, ends = records.boundaries[:, 0], records.boundaries[:, 1]
+    qualifies = (counts > 0) & (ends <= limit) & (np.searchsorted(records.completed, ends) == counts)
     if not qualifies.any():
-        return journal.completed[:0], SEGMENT_HEADER_SIZE_BYTES
+        return records.completed[:0], SEGMENT_HEADER_SIZE_BYTES
     best = int(np.argmax(np.where(qualifies, ends, -1)))
-    return journal.completed[:int(counts[best])], int(ends[best])
+    return records.completed[:int(counts[best])], int(ends[best])
 
 
 def _walk_headers(buf: memoryview, start: int, end: int, size: int) -> tuple[int, bool, tuple[int, ...]]:
@@ -419,12 +420,14 @@ def mapped_file(path: str, populate: bool = True) -> Iterator[tuple[memoryview, 
 
 
 def scan_segment(path: str, name_keys: SegmentKeys | None = None, name_confirmed: bool = False,
-                 skip_done: bool = False) -> ScanReport:
+                 skip_done: bool = False, records: SegmentRecords | None = None) -> ScanReport:
     """Read a segment's header and walk every entry, past damage (module docstring).
 
     `name_keys`: the keys the file's name carries (default: parsed from `path` when it ends
     in segment name components); `name_confirmed`: another witness (the catalog) vouches for
-    them. `skip_done`: take the completed entries the file starts with from the journal,
+    them. `records`: what the store log says of the segment (default: read from the log of
+    the data directory the path is in). `skip_done`: take the completed entries the file
+    starts with from them,
     unread (`_done_below`; the report's `done_offsets`), and map only what is read: a restart
     reads what it may still deliver, not what was answered. The tools that audit a store
     walk every entry. Raises SegmentFormatError when the identity cannot be
@@ -436,33 +439,44 @@ def scan_segment(path: str, name_keys: SegmentKeys | None = None, name_confirmed
         if size < SEGMENT_HEADER_SIZE_BYTES:
             raise SegmentFormatError(f"{path}: {size} bytes, shorter than a segment header")
         keys, created_ns, identity_damage = establish_identity(buf, path, name_keys, name_confirmed)
-        return _scan_mapped(path, buf, size, keys, created_ns, identity_damage, skip_done)
+        if records is None:
+            records = records_beside(path, keys)
+        return _scan_mapped(path, buf, size, keys, created_ns, identity_damage, records, skip_done)
+
+
+def records_beside(path: str, keys: SegmentKeys) -> SegmentRecords:
+    """What the store log of the data directory holding the segment at `path` says of it
+    (DATA_DIR/segments/m.../s.../the file; none for a file elsewhere). One read of the whole
+    log: for a tool's look at one segment; recovery reads the log once for all."""
+    shape_dir = os.path.dirname(os.path.abspath(path))
+    segments_dir = os.path.dirname(os.path.dirname(shape_dir))
+    if os.path.basename(segments_dir) != SEGMENTS_DIR:
+        return SegmentRecords()
+    return read_store_log(os.path.dirname(segments_dir)).of(keys)
 
 
 def _scan_mapped(path: str, buf: memoryview, size: int, keys: SegmentKeys, created_ns: int,
-                 identity_damage: str, skip_done: bool = False) -> ScanReport:
-    journal = read_journal(path, keys)
+                 identity_damage: str, records: SegmentRecords, skip_done: bool = False) -> ScanReport:
     report = ScanReport(
-        path, keys, created_ns, journal.sealed,
-        header_entry_count=SEGMENT_ENTRY_COUNT.read(buf) if journal.entry_count is None else journal.entry_count,
-        header_deleted_count=int(journal.completed.shape[0]),
-        header_data_end=segments.SEGMENT_DATA_END.read(buf) if journal.data_end is None else journal.data_end,
-        file_size=size, identity_damage=identity_damage, journal=journal,
+        path, keys, created_ns, records.sealed,
+        header_entry_count=SEGMENT_ENTRY_COUNT.read(buf) if records.entry_count is None else records.entry_count,
+        header_deleted_count=int(records.completed.shape[0]),
+        header_data_end=segments.SEGMENT_DATA_END.read(buf) if records.data_end is None else records.data_end,
+        file_size=size, identity_damage=identity_damage, records=records,
     )
     stored = segments.SEGMENT_BOUNDARY_CHECKSUM.read(buf)
     header_count, header_end = SEGMENT_ENTRY_COUNT.read(buf), segments.SEGMENT_DATA_END.read(buf)
-    if journal.damaged:
-        report.boundary_damage = (f"{journal.damaged_records} journal records damaged (first: {journal.damaged[0]}): "
-                                  f"every bad byte is judged acknowledged")
-    elif journal.data_end is None and stored and stored != boundary_checksum(header_count, header_end):
+    if records.untrusted:
+        report.boundary_damage = records.untrusted
+    elif records.data_end is None and stored and stored != boundary_checksum(header_count, header_end):
         report.boundary_damage = (f"offset {SEGMENT_ENTRY_COUNT.offset}: entry_count {header_count} and "
                                   f"data_end {header_end} fail their checksum: every bad byte is "
                                   f"judged acknowledged")
     start, end = SEGMENT_HEADER_SIZE_BYTES, size
     if skip_done and not report.boundary_damage:
-        report.done_offsets, start = _done_below(journal, min(size, report.header_data_end))
+        report.done_offsets, start = _done_below(records, min(size, report.header_data_end))
         report.walk_start = start
-        if journal.sealed:  # nothing is written past a sealed segment's boundary: the rest of
+        if records.sealed:  # nothing is written past a sealed segment's boundary: the rest of
             end = min(size, report.header_data_end)  # the file is its preallocation, not read
     walk = _seek_walk(path, buf, end, start, report.header_data_end)
     report.data_end = walk.good_end
@@ -497,7 +511,7 @@ def _gather(report: ScanReport, buf: memoryview, walk: _Walk) -> None:
         report.headers["state"][index] = ENTRY_LIVE
         report.repaired_states.append(
             RepairedState(report.path, int(report.offsets[index]), word, int(report.headers["item_id"][index])))
-    completed = report.journal.completed if report.journal is not None else report.offsets[:0]
+    completed = report.records.completed if report.records is not None else report.offsets[:0]
     if completed.size and walk.offsets:  # both sorted: a search, not np.isin (a hash of all)
         at = np.minimum(np.searchsorted(completed, report.offsets), completed.size - 1)
         report.headers["state"][completed[at] == report.offsets] = ENTRY_TOMBSTONE
@@ -523,7 +537,8 @@ def census_segment(path: str) -> EntryCensus:
     with mapped_file(path) as (buf, size):
         if size < SEGMENT_HEADER_SIZE_BYTES:
             return EntryCensus(path, 0, 0, (), size)
-        report = _scan_mapped(path, buf, size, header_key_fields(buf), 0, "")
+        # Completions are not looked up: the keys its header holds cannot be trusted.
+        report = _scan_mapped(path, buf, size, header_key_fields(buf), 0, "", SegmentRecords())
     live = report.headers["state"] == ENTRY_LIVE
     ids = tuple(report.headers["item_id"][live][:ITEM_IDS_NAMED_MAX].tolist())
     return EntryCensus(path, report.accounted_entries, int(live.sum()), ids, size)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pipeline.broker.storage.identity import SegmentKeys
-from pipeline.broker.storage.journal import JournalReading
+from pipeline.broker.storage.storelog import SegmentRecords
 from pipeline.wire.layouts.segments import ENTRY_HEADER_DTYPE, ENTRY_LIVE, ENTRY_TOMBSTONE, SEGMENT_HEADER_SIZE_BYTES
 
 
@@ -109,11 +109,11 @@ class ScanReport:
     `offsets[i]` and `headers[i]` (ENTRY_HEADER_DTYPE) describe the whole, checksummed
     entries in file order, as they are delivered: an entry in `repaired_states` reads live.
     `done_offsets`: the completed entries before them that a restart's scan took from the
-    journal without reading them (`scan_segment(skip_done=True)`); they count as entries
+    store log without reading them (`scan_segment(skip_done=True)`); they count as entries
     and tombstones.
     `data_end` is the end of the last of them; `header_data_end` the commit boundary and
     `header_entry_count` its count, `header_deleted_count` the completions and `sealed` the
-    seal, all from the journal (the segment's header holds none of them).
+    seal, all from the store log (the segment's header holds none of them).
     `damaged`, `torn` and `lost` name every byte range that is not whole entries (see the
     module docstring); `identity_damage` says why the identity block was salvaged, if it was.
     """
@@ -136,8 +136,8 @@ class ScanReport:
     lost: LostEntries | None = None
     repaired_states: list[RepairedState] = field(default_factory=list)
     identity_damage: str = ""
-    boundary_damage: str = ""  # the boundary cannot be trusted (a checksum fails, the journal is damaged)
-    journal: JournalReading | None = None  # what the segment's journal held
+    boundary_damage: str = ""  # the boundary cannot be trusted (a checksum fails, the log is damaged)
+    records: SegmentRecords | None = None  # what the store log said of the segment
 
     @property
     def entry_count(self) -> int:
@@ -204,7 +204,6 @@ class ScanReport:
         """One line per damaged, lost or repaired thing (torn tails are not problems)."""
         lines = [f"DAMAGED HEADER: {self.path}: {self.identity_damage}"] if self.identity_damage else []
         lines += [f"DAMAGED HEADER: {self.path}: {self.boundary_damage}"] if self.boundary_damage else []
-        lines += [f"DAMAGED JOURNAL: {line}" for line in (self.journal.damaged if self.journal else [])]
         lines += [f"DAMAGED: {r.describe()}" for r in self.damaged]
         lines += [] if self.lost is None else [f"LOST: {self.lost.describe()}"]
         lines += [f"STATE WORD: {r.describe()}" for r in self.repaired_states]

@@ -12,31 +12,28 @@ fdatasync'ed them (`power`). Readers never see bytes past the boundary.
 Written once (layout version 2): no byte of a segment is rewritten after its append, so a
 sector being written when the power goes (garbage, under the model of
 `lab.reliability.faults.PowerCut`) never holds acknowledged bytes. What changes lives
-in the segment's journal (`journal.py`): completions, the commit boundary, the seal. In
+in the store log (`storelog.py`): completions, the commit boundary, the seal. In
 `power` each synced group starts on a SYNC_ALIGN_BYTES boundary when the sector at the end
 of the data holds synced bytes (zeros before it: padding the scan skips), so no append
 writes into a sector holding synced bytes either. NOTE: the cost is up to 4 KiB of padding
 per segment per group commit in `power` (none in `process`, where nothing is synced);
 rewriting the partial sector was what lost acknowledged entries.
 
-The journal's BOUNDARY record (entry_count, data_end) is the commit boundary a recovery scan
+The log's BOUNDARY record (entry_count, data_end) is the commit boundary a recovery scan
 judges damage by (bad bytes below it are corruption, at or past it a torn tail), so it never
 runs ahead of what is durable: `process` writes it right after the pwrite (the page cache is
-what survives), `power` only after the fdatasync that made the bytes durable. NOTE: in
-`power` the record itself becomes durable with the journal's next sync (completions at the
-next group commit, the seal) or kernel writeback, not at once: a second fdatasync per group
-commit would double its cost. After a power cut it may therefore trail the last
-acknowledged group; damage in those bytes then reads as a torn tail, which is still named
-(never erased) but not counted as a loss.
+what survives), `power` only after the fdatasync that made the bytes durable; it becomes
+durable with the group commit's one sync of the log (`SegmentStore.sync`).
 
 Completions are kept in memory as a bitmap over the 16-byte entry slots (one bit each,
-1/128 of the data), made at a segment's first completion, and appended to the journal, one
-pwrite per `tombstone_many`.
+1/128 of the data), made at a segment's first completion, and appended to the log, one
+pwrite per `tombstone_many`. A file the store closes (its open-file cache) hands what it
+knows to the store (`progress`), which opens it again from that (`open`).
 NOTE: a bitmap made with the segment was rejected: a backlog nothing has completed yet then
 grows the broker by 1/128 of the store (`pipeline bench memory` at 10,000,000 queued items:
 anonymous + file-backed RSS 49.1 MiB against 35.7 MiB at 10,000, 19 MiB of it bitmaps).
 NOTE: a 4-byte tombstone stored into the shared mapping was rejected: it puts acknowledged
-neighbours at risk under power loss, and the journal's one pwrite per call of 64 completions
+neighbours at risk under power loss, and a log pwrite per call of 64 completions
 costs 576-616 ns per completion against 545-607 for the mapped stores
 (SegmentFile.tombstone_many alone, best of 5, 3 alternating pairs).
 
@@ -51,6 +48,7 @@ import mmap
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import NoReturn
 
 import numpy as np
@@ -66,7 +64,7 @@ from pipeline.broker.storage.diskio import (
     no_space_error,
 )
 from pipeline.broker.storage.encode import EncodedGroup, encode_entries  # re-exported: they lived here first
-from pipeline.broker.storage.journal import SegmentJournal, journal_path
+from pipeline.broker.storage.storelog import StoreLog, log_key
 from pipeline.broker.storage.paths import CREATING_SUFFIX
 from pipeline.broker.storage.scan import (  # re-exported: the scan lived here first
     SegmentKeys,
@@ -158,22 +156,37 @@ RELEASE_STEP_BYTES = 64 << 10
 FAULT_AROUND_BYTES = 64 << 10
 
 
+@dataclass(slots=True)
+class SegmentProgress:
+    """A closed segment file's state in this process, kept by the store until it opens the
+    file again: where its data ends, its entries and completions, whether it is sealed, and
+    its completion bitmap (None before its first completion)."""
+
+    data_end: int
+    entry_count: int
+    deleted_count: int
+    sealed: bool
+    done: np.ndarray | None
+
+
 class SegmentFile:
     """One segment open for appends (until sealed) and completions.
 
     Owner: the disk tier of the broker process, which is the only writer of segment files
-    and their journals. Not thread-safe. `close()` releases the descriptors and mapping;
-    `unlink()` removes the file and its journal (a sealed segment whose every entry is done).
+    and of the store log (`log`, shared by every segment of the store). Not thread-safe.
+    `close()` releases the descriptor and mapping; `unlink()` removes the file (a sealed
+    segment whose every entry is done).
     """
 
     def __init__(self, path: str, fd: int, keys: SegmentKeys, durability: Durability, max_bytes: int,
-                 journal: SegmentJournal) -> None:
+                 log: StoreLog) -> None:
         self.path = path
         self.keys = keys
         self.durability = durability
         self.max_bytes = max_bytes
         self._fd = fd
-        self.journal = journal
+        self._log = log
+        self._log_key = log_key(keys)
         self.allocated = os.fstat(fd).st_size
         self._map = mmap.mmap(fd, self.allocated)
         self.data_end = SEGMENT_HEADER_SIZE_BYTES
@@ -189,15 +202,12 @@ class SegmentFile:
         self._released_to = 0
 
     @classmethod
-    def create(cls, path: str, keys: SegmentKeys, durability: Durability,
+    def create(cls, path: str, keys: SegmentKeys, durability: Durability, log: StoreLog,
                max_bytes: int = DEFAULT_SEGMENT_MAX_BYTES, need_bytes: int = 0) -> SegmentFile:
-        """A new, empty, owner-only segment with its header written (and synced in `power`)
-        and an empty journal. Built under `path + CREATING_SUFFIX` and renamed into place
-        once its header is written, so a crash mid-create never leaves a headerless file
-        under a segment name (recovery removes the leftover; kill -9 tests found the bare
-        version quarantined). The journal is created first, under its own name: one
-        directory fsync makes both names durable, and recovery removes a journal whose
-        segment never got its name."""
+        """A new, empty, owner-only segment with its header written (and synced in `power`).
+        Built under `path + CREATING_SUFFIX` and renamed into place once its header is
+        written, so a crash mid-create never leaves a headerless file under a segment name
+        (recovery removes the leftover; kill -9 tests found the bare version quarantined)."""
         creating = path + CREATING_SUFFIX
         try:
             fd = fileops.open_fd(creating, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -205,7 +215,6 @@ class SegmentFile:
             if exc.errno in NO_SPACE_ERRNOS:  # no inode left (a tmpfs with nr_inodes, a full ext4)
                 raise no_space_error(exc, path, 0, 0, "creating the file,") from exc
             raise
-        journal = None
         try:
             need = _page_align(SEGMENT_HEADER_SIZE_BYTES + need_bytes)
             first = need if need_bytes else min(FIRST_ALLOCATION_BYTES, max(max_bytes, SEGMENT_HEADER_SIZE_BYTES))
@@ -220,37 +229,32 @@ class SegmentFile:
             boundary = bytearray(SEGMENT_BOUNDARY_CHECKSUM.end - SEGMENT_ENTRY_COUNT.offset)
             _write_boundary(boundary, 0, SEGMENT_HEADER_SIZE_BYTES, base=-SEGMENT_ENTRY_COUNT.offset)
             fileops.pwrite_all(fd, boundary, SEGMENT_ENTRY_COUNT.offset)
-            journal = SegmentJournal.create(path, keys, durability is Durability.POWER)
             if durability is Durability.POWER:
                 fdatasync(fd, path)
             assert not os.path.exists(path), path
             fileops.rename(creating, path)
             if durability is Durability.POWER:
                 fsync_directory(os.path.dirname(path))
-            return cls(path, fd, keys, durability, max_bytes, journal)
+            return cls(path, fd, keys, durability, max_bytes, log)
         except BaseException:
             fileops.close_fd(fd)
-            if journal is not None:
-                journal.close()
-            for leftover in (creating, path, journal_path(path)):
+            for leftover in (creating, path):
                 if os.path.exists(leftover):
                     fileops.unlink(leftover)
             raise
 
     @classmethod
-    def reopen(cls, report: ScanReport, durability: Durability,
+    def reopen(cls, report: ScanReport, durability: Durability, log: StoreLog,
                max_bytes: int = DEFAULT_SEGMENT_MAX_BYTES) -> SegmentFile:
         """Reopen a scanned segment for completions (and appends, if not sealed): recovery,
         SPEC §5. Nothing is zeroed or truncated: damaged and torn bytes stay as evidence
         (a recovered segment is sealed, so nothing is appended over them). Repairs: a state
         word the scan read as live (`repaired_states`) is rewritten live, so consumers accept
         the entry (the one write into written bytes left: it follows damage, and is synced at
-        once in `power`); the journal gets the scan's boundary when its own differs (never
+        once in `power`); the log gets the scan's boundary when its own differs (never
         lowered below damage, see ScanReport.boundary)."""
-        journal, _reading = SegmentJournal.reopen(report.path, report.keys, durability is Durability.POWER,
-                                                  report.journal)
         fd = fileops.open_fd(report.path, os.O_RDWR)
-        segment = cls(report.path, fd, report.keys, durability, max_bytes, journal)
+        segment = cls(report.path, fd, report.keys, durability, max_bytes, log)
         segment.data_end = segment.readable_end = report.data_end
         segment.entry_count = report.entry_count
         segment.sealed = report.sealed
@@ -261,37 +265,40 @@ class SegmentFile:
         if report.repaired_states and durability is Durability.POWER:
             segment._msync()
         if (report.header_entry_count, report.header_data_end) != (report.accounted_entries, report.boundary):
-            journal.boundary(report.accounted_entries, report.boundary)
+            log.boundary(segment._log_key, report.accounted_entries, report.boundary)
         return segment
 
     @classmethod
-    def open(cls, path: str, durability: Durability, max_bytes: int = DEFAULT_SEGMENT_MAX_BYTES,
-             keys: SegmentKeys | None = None) -> SegmentFile:
-        """Reopen a segment this process wrote and closed (the open-file cache evicted it):
-        its journal is current, so no scan is needed. Not for recovery: after a crash it is
-        only a hint (use `scan_segment` and `reopen`). `keys`: the store's keys for it, which
+    def open(cls, path: str, durability: Durability, log: StoreLog, progress: SegmentProgress,
+             max_bytes: int = DEFAULT_SEGMENT_MAX_BYTES, keys: SegmentKeys | None = None) -> SegmentFile:
+        """Reopen a segment this process wrote and closed (the open-file cache evicted it),
+        from what it knew when closed (`progress`): no scan is needed. Not for recovery:
+        after a crash use `scan_segment` and `reopen`. `keys`: the store's keys for it, which
         also admit a segment recovery salvaged with a damaged identity block (see
-        scan.establish_identity). The readable boundary is the journal's data_end, but never
-        past the end of the file (a truncated segment keeps its boundary)."""
+        scan.establish_identity)."""
         fd = fileops.open_fd(path, os.O_RDWR)
         try:
             header = os.pread(fd, SEGMENT_HEADER_SIZE_BYTES, 0)
             # `keys` are the store's: it established them (at recovery, or by creating it).
             found, _created_ns, _damage = establish_identity(header, path, keys, name_confirmed=keys is not None)
-            size = os.fstat(fd).st_size
-            journal, reading = SegmentJournal.reopen(path, found, durability is Durability.POWER)
+            segment = cls(path, fd, found, durability, max_bytes, log)
         except BaseException:
             fileops.close_fd(fd)
             raise
-        segment = cls(path, fd, found, durability, max_bytes, journal)
-        segment.sealed = reading.sealed
-        segment.entry_count = reading.entry_count or 0
-        data_end = min(reading.data_end or SEGMENT_HEADER_SIZE_BYTES, size)
-        segment.data_end = segment.readable_end = max(data_end, SEGMENT_HEADER_SIZE_BYTES)
-        inside = reading.completed[reading.completed < segment.readable_end]
-        segment._mark_done(inside)
-        segment.deleted_count = int(inside.shape[0])
+        segment.sealed = progress.sealed
+        segment.entry_count = progress.entry_count
+        segment.deleted_count = progress.deleted_count
+        segment.data_end = segment.readable_end = progress.data_end
+        if progress.done is not None:
+            segment._done = np.zeros(_done_bytes(segment.allocated), dtype=np.uint8)
+            segment._done[:progress.done.shape[0]] = progress.done[:segment._done.shape[0]]
         return segment
+
+    def progress(self) -> SegmentProgress:
+        """What `open` needs to go on after this file is closed (everything appended is
+        synced first in `power`: the store syncs a file before it closes it)."""
+        assert not self._unsynced, self.path
+        return SegmentProgress(self.data_end, self.entry_count, self.deleted_count, self.sealed, self._done)
 
     def _next_at(self) -> int:
         """Where the next group goes: the end of the data, or in `power`, when the sector
@@ -362,7 +369,7 @@ class SegmentFile:
         self.data_end = end
         self.entry_count += group.count
         if self.durability is Durability.PROCESS:
-            self.journal.boundary(self.entry_count, self.data_end)
+            self._log.boundary(self._log_key, self.entry_count, self.data_end)
             self.readable_end = end
         else:
             self._unsynced = True  # the boundary is recorded in sync(), after the fdatasync
@@ -381,12 +388,12 @@ class SegmentFile:
             fdatasync(self._fd, self.path)  # DurabilityError: fatal, the broker stops
             if crashpoints.ARMED:
                 crashpoints.hit("sync.after_fdatasync")
-            self.journal.boundary(self.entry_count, self.data_end)  # only now: never claims unsynced bytes
+            self._log.boundary(self._log_key, self.entry_count, self.data_end)  # only now: never claims unsynced bytes
             self._unsynced = False
         self.readable_end = self.data_end
 
     def tombstone_many(self, offsets: Sequence[int] | np.ndarray) -> int:
-        """Mark entries completed: their bits, then one journal record each (one pwrite).
+        """Mark entries completed: their bits, then their log records (one pwrite).
         Entries already completed are skipped (duplicate completions). Returns how many
         were live. SegmentCorruptError for an offset where no entry starts.
         Example: live entries at 4096 and 5184; tombstone_many([4096, 5184, 4096]) -> 2 and
@@ -398,7 +405,7 @@ class SegmentFile:
             self._mark_done(fresh)  # NOTE: ufunc.at, as two entries may share a bitmap byte
             if crashpoints.ARMED:
                 crashpoints.hit("tombstone.before_record")
-            self.journal.completed(fresh)
+            self._log.completed(self._log_key, fresh)
             self.deleted_count += int(fresh.size)
         return int(fresh.size)
 
@@ -512,18 +519,12 @@ class SegmentFile:
         return state
 
     def seal(self) -> None:
-        """No more appends (a journal record); the segment is deleted whole once every entry
-        is completed."""
+        """No more appends (a log record, synced at once in `power`); the segment is deleted
+        whole once every entry is completed."""
         self.sealed = True
-        self.journal.sealed(self.entry_count)
+        self._log.sealed(self._log_key, self.entry_count)
         if self.durability is Durability.POWER:
-            self.flush_tombstones()
-
-    def flush_tombstones(self) -> None:
-        """fdatasync the journal (completions, boundary, seal); `power` does this at the
-        group-commit points. A completion lost to a power cut means redelivery, which
-        at-least-once delivery allows and the result files detect."""
-        self.journal.sync()
+            self._log.sync()
 
     def _msync(self) -> None:
         try:
@@ -536,20 +537,16 @@ class SegmentFile:
             self._closed = True
             self._map.close()
             fileops.close_fd(self._fd)
-            self.journal.close()
 
     def unlink(self) -> None:
-        """Remove the file and its journal (after close); the directory is synced in `power`."""
+        """Remove the file (after close); the directory is synced in `power`."""
         assert self._closed
         unlink_segment(self.path, self.durability)
 
 
 def unlink_segment(path: str, durability: Durability) -> None:
-    """Remove a segment and then its journal (a journal left alone by a crash between is
-    removed by recovery); the directory is synced in `power`."""
+    """Remove a segment; the directory is synced in `power`."""
     fileops.unlink(path)
-    if os.path.exists(journal_path(path)):
-        fileops.unlink(journal_path(path))
     if durability is Durability.POWER:
         fsync_directory(os.path.dirname(path))
 

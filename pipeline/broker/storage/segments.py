@@ -12,8 +12,9 @@ was lost from one that was finished.
 
 Open files are bounded (`open_files_max`): a segment's descriptor and mapping are opened on
 demand and the least recently used are closed, so 100,000 lanes across shapes do not exhaust
-descriptors (SPEC §5). Closing never loses anything: counts live in this process's state and
-in the segment's journal, which is appended to (never rewritten) before it is closed.
+descriptors (SPEC §5). Closing never loses anything: a closed file's counts and completion
+bitmap stay in its SegmentState (`SegmentProgress`), and its records are in the store log
+(`storelog.py`), one file for the whole store, which this class owns.
 """
 
 from __future__ import annotations
@@ -35,13 +36,9 @@ from pipeline.broker.storage.catalog import (
     SegmentCatalog,
     mirror_path,
     read_catalog,
-    write_missing_note,
 )
 from pipeline.broker.storage.diskio import NO_SPACE_ERRNOS, Durability, fsync_directory
-from pipeline.broker.storage.identity import foreign_version
-from pipeline.broker.storage.journal import journal_path
 from pipeline.broker.storage.paths import (
-    MISSING_SUFFIX,
     QUARANTINE_DIR,
     SEGMENTS_DIR,
     SegmentPath,
@@ -52,11 +49,16 @@ from pipeline.broker.storage.paths import (
     quarantine_target,
     segment_path,
 )
-from pipeline.broker.storage.recovery import (  # re-exported: they lived here first
+from pipeline.broker.storage.recovery import (  # the reports re-exported: they lived here first
     MissingSegment,
     Quarantined,
     RecoveredSegment,
     RecoveryReport,
+    count_files,
+    first_damage,
+    note_missing,
+    refuse_old_journals,
+    refuse_other_layout,
 )
 from pipeline.broker.storage.scan import census_segment
 from pipeline.broker.storage.segment import (
@@ -65,20 +67,21 @@ from pipeline.broker.storage.segment import (
     ScanReport,
     SegmentFile,
     SegmentKeys,
+    SegmentProgress,
     scan_segment,
     unlink_segment,
 )
+from pipeline.broker.storage.storelog import LOG_TMP_SUFFIX, LogReading, StoreLog, log_path, read_store_log
 from pipeline.wire import fileops
 from pipeline.wire.dirpin import DirPin
 from pipeline.wire.errors import DiskFullError, SegmentFormatError, StoreReadError
 from pipeline.wire.layouts.catalog import CATALOG_CREATED, CATALOG_DELETED, CATALOG_QUARANTINED, CATALOG_SEALED
-from pipeline.wire.layouts.segments import SEGMENT_HEADER_SIZE_BYTES, SEGMENT_VERSION
 
 __all__ = ["MissingSegment", "Quarantined", "RecoveredSegment", "RecoveryReport", "SegmentState", "SegmentStore"]
 
-# Open segment files kept at once. Each costs three descriptors (the segment, the dup its
-# mapping keeps, its journal: pipeline/runtime/processes.py's FDS_PER_OPEN_SEGMENT) and a
-# mapping; 384 (1,152 descriptors) covers the lanes a sticky shape drains at a time, and the
+# Open segment files kept at once. Each costs two descriptors (the segment and the dup its
+# mapping keeps: pipeline/runtime/processes.py's FDS_PER_OPEN_SEGMENT) and a
+# mapping; 384 (768 descriptors) covers the lanes a sticky shape drains at a time, and the
 # broker sizes it down to what its descriptor limit leaves (processes.open_files_budget).
 DEFAULT_OPEN_FILES_MAX = 384
 # A segment seals at this age even if not full, so a slow lane's completed work is freed
@@ -100,14 +103,18 @@ class SegmentState:
     deleted_count: int = 0
     sealed: bool = False
     damage: str = ""
+    # While its file is closed: what reopening it needs. NOTE: reading a closed segment's
+    # completions back from the log at its reopen was rejected: with one log for the whole
+    # store that is a read of every segment's records for one file.
+    progress: SegmentProgress | None = None
 
 
 class SegmentStore:
-    """Every segment of a data directory, and its catalog.
+    """Every segment of a data directory, its store log and its catalog.
 
     Owner: the disk tier, in the broker's single dispatch loop. Not thread-safe. `close()`
-    closes every open file and the catalog; nothing needs unlinking (the files are the
-    durable store).
+    closes every open file, the log and the catalog; nothing needs unlinking (the files are
+    the durable store).
     """
 
     def __init__(
@@ -136,7 +143,8 @@ class SegmentStore:
         self._next_seq = 0
         self._open: OrderedDict[SegmentId, SegmentFile] = OrderedDict()  # LRU, newest last
         self._unsynced: set[SegmentId] = set()
-        self._tombstoned: set[SegmentId] = set()  # `power`: completions not yet fdatasync'ed
+        self._log: StoreLog | None = None  # opened by recover() or the first record
+        self._completions_held = 0  # completed entries of the live segments: the log's live set
         self._catalog: SegmentCatalog | None = None  # opened by recover() or the first record
         self._recovering = False
         self._quarantined: list[Quarantined] = []  # moved while running, for the broker's log
@@ -152,8 +160,11 @@ class SegmentStore:
             self._open.move_to_end(segment)
             return file
         state = self.segments[segment]
+        assert state.progress is not None, state.path  # every segment was open once in this process
         self._pin.check()
-        file = SegmentFile.open(state.path, self.durability, self.segment_max_bytes, keys=state.keys)
+        file = SegmentFile.open(state.path, self.durability, self._log_file(), state.progress,
+                                self.segment_max_bytes, keys=state.keys)
+        state.progress = None
         self._admit(segment, file)
         return file
 
@@ -163,9 +174,7 @@ class SegmentStore:
             if victim in self._unsynced:
                 old.sync()
                 self._unsynced.discard(victim)
-            if victim in self._tombstoned:
-                old.flush_tombstones()
-                self._tombstoned.discard(victim)
+            self.segments[victim].progress = old.progress()
             old.close()
             self.files_closed_by_cache += 1
         self._open[segment] = file
@@ -186,7 +195,7 @@ class SegmentStore:
                                     f"directory; appends stop until space comes back, nothing accepted is lost") from exc
             raise
         keys = SegmentKeys(lane.model, lane.signature, lane.lane, seq)
-        file = SegmentFile.create(path, keys, self.durability, self.segment_max_bytes, need_bytes)
+        file = SegmentFile.create(path, keys, self.durability, self._log_file(), self.segment_max_bytes, need_bytes)
         self._next_seq = seq + 1  # only once it exists: a create the disk refused takes no number
         if crashpoints.ARMED:
             crashpoints.hit("create.after_rename")
@@ -203,7 +212,24 @@ class SegmentStore:
         self.segments[segment] = state
         return state
 
-    # ----------------------------------------------------------------- catalog
+    # ----------------------------------------------------------------- log, catalog
+
+    def _log_file(self) -> StoreLog:
+        """The store log open for appending: a store used without recovery appends to what
+        is there (or starts one)."""
+        if self._log is None:
+            self._log = StoreLog.open(self.data_dir, self._durable)
+        return self._log
+
+    def _compact_log(self) -> str:
+        """Rewrite the store log as the live segments' records; "" or, when the disk has no
+        room for the new file, why not (the old log stays valid and in use)."""
+        self._pin.check()
+        try:
+            self._log_file().compact(self.data_dir, [s.keys for s in self.segments.values()])
+        except DiskFullError as exc:
+            return f"store log not compacted: {exc}"
+        return ""
 
     def _catalog_file(self) -> SegmentCatalog:
         """The catalog open for writing: a store used without recovery appends to what is
@@ -260,11 +286,17 @@ class SegmentStore:
 
     def sync(self) -> None:
         """`power`: fdatasync every segment that took appends since the last call, then the
-        catalog (group commit): before anything of them is acknowledged. An error is fatal
-        to the caller: see DurabilityError."""
+        store log (their boundaries, and the completions since the last call: one fdatasync
+        for all of them), then the catalog (group commit): before anything of them is
+        acknowledged. An error is fatal to the caller: see DurabilityError."""
         for segment in sorted(self._unsynced):
             self._file(segment).sync()
         self._unsynced.clear()
+        if self._log is not None:
+            self._log.sync()
+            live_bytes = (self._completions_held // 8 + 3 * len(self.segments)) * 64
+            if self._log.wants_compaction(live_bytes):
+                self._compact_log()
         if self._catalog is not None:
             self._catalog.sync()
             if self._catalog.wants_compaction(2 * len(self.segments)):
@@ -299,15 +331,14 @@ class SegmentStore:
         return aged
 
     def tombstone_many(self, segment: SegmentId, offsets: Sequence[int] | np.ndarray) -> int:
-        """Complete entries of one segment (journal records, `SegmentFile.tombstone_many`);
+        """Complete entries of one segment (log records, `SegmentFile.tombstone_many`);
         return how many were live. The segment is deleted whole (a damaged one: moved to
         quarantine/) when it is sealed and nothing in it is live any more."""
         state = self.segments[segment]
         fresh = self._file(segment).tombstone_many(offsets)
         if fresh:
             state.deleted_count += fresh
-            if self.durability is Durability.POWER:
-                self._tombstoned.add(segment)
+            self._completions_held += fresh
             self._delete_if_done(state)
         return fresh
 
@@ -317,7 +348,7 @@ class SegmentStore:
         file = self._open.pop(state.id, None)
         if file is not None:
             file.close()
-        self._tombstoned.discard(state.id)
+        self._completions_held -= state.deleted_count
         if state.damage:
             try:
                 self._quarantined.append(self._quarantine(
@@ -337,15 +368,12 @@ class SegmentStore:
 
     def _quarantine(self, path: str, keys: SegmentKeys, offset: int, why: str, entries: int = 0,
                     item_ids: tuple[int, ...] = (), identity_refused: bool = False) -> Quarantined:
-        """Move a (closed) segment and its journal to quarantine/, the move recorded first;
-        never deleted."""
+        """Move a (closed) segment to quarantine/, the move recorded first; never deleted."""
         self._pin.check()
         self._record(CATALOG_QUARANTINED, keys)
         target = quarantine_target(self.data_dir, path)
         make_dirs(os.path.dirname(target))
         fileops.rename(path, target)  # same file system: the data directory
-        if os.path.exists(journal_path(path)):
-            fileops.rename(journal_path(path), journal_path(target))
         if self.durability is Durability.POWER:
             fsync_directory(os.path.dirname(path))
             fsync_directory(os.path.dirname(target))
@@ -394,11 +422,9 @@ class SegmentStore:
         return self._file(segment).state_at(offset)
 
     def flush_tombstones(self) -> None:
-        """`power`: fdatasync the journals of the segments that took completions since the
-        last call."""
-        for segment in sorted(self._tombstoned):
-            self._file(segment).flush_tombstones()
-        self._tombstoned.clear()
+        """`power`: fdatasync the store log's completions since the last sync."""
+        if self._log is not None:
+            self._log.sync()
 
     def abandon(self) -> None:
         """Close every descriptor and mapping without syncing or writing anything: the state
@@ -407,6 +433,9 @@ class SegmentStore:
         for file in self._open.values():
             file.close()
         self._open.clear()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
         if self._catalog is not None:
             self._catalog.close()
             self._catalog = None
@@ -427,23 +456,30 @@ class SegmentStore:
         started = time.monotonic()
         report = RecoveryReport()
         listing, reading = self._read_store(report)
+        log_reading = read_store_log(self.data_dir)
         report.catalog_found = reading is not None
         self._recovering = True
         try:
             if reading is not None:
                 self._catalog = SegmentCatalog.open_existing(catalog_path(self.data_dir), self._durable)
                 report.catalog_notes += [self._catalog.opened_note] if self._catalog.opened_note else []
+            refuse_old_journals(listing.old_journals)
+            self._log = StoreLog.open(self.data_dir, self._durable, log_reading)
+            self._next_seq = max(self._next_seq, log_reading.highest_seq + 1)  # its records name no new segment
             for path in listing.creating + listing.orphan_journals:
                 fileops.unlink(path)  # a crash interrupted its creation or deletion: no entry is in it
                 report.abandoned_creates.append(path)
             report.strays = listing.strays
             for found in listing.segments:
-                self._recover_segment(found, reading, report)
-            self._note_missing(listing, reading, report)
+                self._recover_segment(found, reading, log_reading, report)
+            if reading is not None:
+                report.missing += note_missing(self.data_dir, self._durable, listing, reading)
+                self._next_seq = max(self._next_seq, reading.highest_seq + 1)  # never reuse a known name
         finally:
             self._recovering = False
         self._settle_catalog(listing, reading, report)
-        report.quarantine_files = _count_files(os.path.join(self.data_dir, QUARANTINE_DIR))
+        self._settle_log(log_reading, report)
+        report.quarantine_files = count_files(os.path.join(self.data_dir, QUARANTINE_DIR))
         report.seconds = time.monotonic() - started
         return report
 
@@ -453,20 +489,22 @@ class SegmentStore:
         except OSError as exc:
             raise StoreReadError(f"{exc.filename or self.data_dir}: cannot list the segments "
                                  f"({exc.strerror}, errno {exc.errno})") from exc
-        for kept in (catalog_path(self.data_dir), mirror_path(catalog_path(self.data_dir))):
-            leftover = kept + CATALOG_TMP_SUFFIX
+        leftovers = [kept + CATALOG_TMP_SUFFIX for kept in (catalog_path(self.data_dir),
+                                                            mirror_path(catalog_path(self.data_dir)))]
+        for leftover in [*leftovers, log_path(self.data_dir) + LOG_TMP_SUFFIX]:
             if os.path.exists(leftover):
-                fileops.unlink(leftover)  # an interrupted compaction: the catalog itself is whole
+                fileops.unlink(leftover)  # an interrupted compaction: the file itself is whole
                 report.catalog_notes.append(f"{leftover}: an interrupted compaction's temp file, removed")
         return listing, read_catalog(catalog_path(self.data_dir))
 
-    def _recover_segment(self, found: SegmentPath, reading: CatalogReading | None, report: RecoveryReport) -> None:
+    def _recover_segment(self, found: SegmentPath, reading: CatalogReading | None, log_reading: LogReading,
+                         report: RecoveryReport) -> None:
         report.segments_scanned += 1
         try:
             scan = scan_segment(found.path, found.keys, name_confirmed=reading is not None and found.keys in reading.live,
-                                skip_done=True)
+                                skip_done=True, records=log_reading.of(found.keys))
         except SegmentFormatError as exc:
-            _refuse_other_layout(found.path)
+            refuse_other_layout(found.path)
             self._quarantine_unidentified(found, str(exc), reading, report)
             return
         except OSError as exc:
@@ -488,7 +526,7 @@ class SegmentStore:
         if not scan.counts_agree:
             report.repaired_counts.append(found.path)
         self._next_seq = max(self._next_seq, found.segment_seq + 1)
-        file = SegmentFile.reopen(scan, self.durability, self.segment_max_bytes)  # repairs
+        file = SegmentFile.reopen(scan, self.durability, self._log_file(), self.segment_max_bytes)  # repairs
         # NOTE: recovered segments are sealed rather than appended to: a new run starts new
         # segments, and an old one is deleted as soon as its entries are done.
         if not file.sealed:
@@ -506,7 +544,7 @@ class SegmentStore:
             file.close()
             if state.damage:
                 report.quarantined.append(self._quarantine(
-                    found.path, scan.keys, _first_damage(scan), "damaged, and nothing in it is deliverable"))
+                    found.path, scan.keys, first_damage(scan), "damaged, and nothing in it is deliverable"))
             else:
                 self._record(CATALOG_DELETED, scan.keys)
                 file.unlink()
@@ -514,6 +552,7 @@ class SegmentStore:
             del self.segments[state.id]
             return
         self._admit(state.id, file)
+        self._completions_held += state.deleted_count
         report.segments.append(RecoveredSegment(state, scan))
         report.live_entries += scan.live_count
 
@@ -529,24 +568,6 @@ class SegmentStore:
         entries = max(census.entries, (known.entry_count or 0) if known is not None else 0)
         report.quarantined.append(self._quarantine(found.path, found.keys, 0, why, entries, census.item_ids, True))
 
-    def _note_missing(self, listing: StoreListing, reading: CatalogReading | None, report: RecoveryReport) -> None:
-        """Segments the catalog holds and the disk does not: counted, named, and noted in
-        quarantine/ (so `verify` keeps failing until an operator has looked)."""
-        if reading is None:
-            return
-        on_disk = {found.keys for found in listing.segments}
-        for keys, entry in sorted(reading.live.items(), key=lambda item: _key_order(item[0])):
-            if keys in on_disk:
-                continue
-            path = segment_path(self.data_dir, keys.model, keys.signature, keys.lane, keys.segment_seq)
-            note = quarantine_target(self.data_dir, path, MISSING_SUFFIX)
-            make_dirs(os.path.dirname(note))
-            write_missing_note(note, keys, entry.entry_count, self._durable)
-            if self._durable:
-                fsync_directory(os.path.dirname(note))
-            report.missing.append(MissingSegment(path, keys, entry.entry_count, note))
-        self._next_seq = max(self._next_seq, reading.highest_seq + 1)  # never reuse a known name
-
     def _settle_catalog(self, listing: StoreListing, reading: CatalogReading | None, report: RecoveryReport) -> None:
         if reading is None and listing.segments:
             report.catalog_problems.append(
@@ -559,28 +580,13 @@ class SegmentStore:
         if why:
             report.catalog_notes.append(why)
 
-
-def _refuse_other_layout(path: str) -> None:
-    """SegmentFormatError, stopping recovery, for a whole segment of another layout version:
-    its entries are intact, so quarantining it would take them from delivery. No migration:
-    version 1 rewrote tombstones and header words in place (see `pipeline.wire.layouts`)."""
-    with open(path, "rb") as file:
-        version = foreign_version(file.read(SEGMENT_HEADER_SIZE_BYTES))
-    if version is not None:
-        raise SegmentFormatError(
-            f"{path}: a segment of layout version {version}; this broker reads version {SEGMENT_VERSION} only and "
-            f"does not migrate: finish this data directory with the release that wrote it, or move it away")
+    def _settle_log(self, log_reading: LogReading, report: RecoveryReport) -> None:
+        """The log's damage reported, and the log rewritten as the live segments' records (a
+        torn tail and the records of segments gone with it)."""
+        report.catalog_problems += log_reading.damaged
+        report.catalog_notes += [log_reading.torn] if log_reading.torn else []
+        why = self._compact_log()
+        if why:
+            report.catalog_notes.append(why)
 
 
-def _count_files(directory: str) -> int:
-    """Files under `directory` (0 if it does not exist)."""
-    return sum(len(files) for _root, _dirs, files in os.walk(directory))
-
-
-def _key_order(keys: SegmentKeys) -> tuple[int, int, int, int]:
-    return keys.model, keys.signature, keys.lane, keys.segment_seq
-
-
-def _first_damage(scan: ScanReport) -> int:
-    offsets = [r.offset for r in scan.damaged] + ([scan.lost.offset] if scan.lost else [])
-    return min(offsets) if offsets else 0

@@ -21,7 +21,8 @@ from pipeline.wire.errors import SegmentNameError
 # registration, configuration) to check first.
 SEGMENTS_DIR = "segments"
 SEGMENT_SUFFIX = ".seg"
-# A segment's journal: its path plus this suffix (SEGMENT_JOURNAL_DTYPE records).
+# A segment journal of an earlier release: its path plus this suffix (recovery refuses a
+# store holding one beside its segment: its completions are in the store log now).
 SEGMENT_JOURNAL_SUFFIX = ".journal"
 # The broker's state file in a data directory (pipeline.broker.service.BrokerState: JSON with
 # the next producer id and the start count, "generation"): a witness that a broker ran here,

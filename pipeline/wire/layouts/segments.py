@@ -29,8 +29,8 @@ from shm.layout import Field, checked_dtype, struct_for
 #
 # Version 2: a segment is written once. Nothing written is ever rewritten in place: the
 # header's words after the identity keep their creation values, a state word stays
-# ENTRY_LIVE; completions, the commit boundary and the seal are records of the segment's
-# journal (SEGMENT_JOURNAL_DTYPE, a file beside it). Why: a sector being written when the
+# ENTRY_LIVE; completions, the commit boundary and the seal are records of the store log
+# (STORE_LOG_DTYPE, one file for the data directory). Why: a sector being written when the
 # power goes may read back as garbage (RELIABILITY.md), and an in-place 4-byte tombstone or
 # header word shares its sector with acknowledged bytes. For the same reason, in `power`
 # each synced group of appends starts on a SYNC_ALIGN_BYTES boundary (zeros before it), so
@@ -51,7 +51,7 @@ ENTRY_ALIGN_BYTES = 16
 ENTRY_LIVE = 0x4556494C  # b"LIVE" little-endian
 ENTRY_TOMBSTONE = 0x424D4F54  # b"TOMB"
 ENTRY_NONE = 0  # preallocated space: the end of the data (or `power` padding)
-# `power` starts each synced group of appends (and of journal records) at a multiple of
+# `power` starts each synced group of appends (and of store log records) at a multiple of
 # this: the larger of the two sector sizes disks write (512, 4096), so that no write ever
 # lands in a sector holding bytes already synced. SQLite's WAL pads its commits to the
 # sector size for the same reason when the disk does not promise powersafe overwrite.
@@ -68,13 +68,13 @@ SYNC_ALIGN_BYTES = 4096
 #    32     8  segment_seq        sequence of this segment within its (model, signature, lane)
 #    40     8  created_ns         wall clock at creation (time.time_ns)
 #    48     8  identity_checksum  xxh3-64 of bytes 0..48: the routing keys are never misread
-#    64     4  sealed             0 (version 2: the seal is a journal record)
-#    72     8  entry_count        0 (version 2: the boundary is a journal record)
+#    64     4  sealed             0 (version 2: the seal is a log record)
+#    72     8  entry_count        0 (version 2: the boundary is a log record)
 #    80     8  data_end           SEGMENT_HEADER_SIZE_BYTES, the boundary of an empty segment
-#    88     8  deleted_count      0 (version 2: completions are journal records)
+#    88     8  deleted_count      0 (version 2: completions are log records)
 #    96     8  boundary_checksum  xxh3-64 of bytes 72..88 (entry_count, data_end)
 # Bytes 64..104 are written once, at creation, as an empty segment's boundary: the scan's
-# boundary when the journal holds none.
+# boundary when the log holds none.
 SEGMENT_HEADER_DTYPE = checked_dtype(
     [
         ("magic", 0, "|S8", "b'SBSEGMT1'"),

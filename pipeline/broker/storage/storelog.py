@@ -1,0 +1,368 @@
+"""The store log (DATA_DIR/store.log): the one append-only record of what changes about the
+segments once their entries are written (layout STORE_LOG_DTYPE in `pipeline.wire.layouts`).
+
+Segments are written once: a completion is a COMPLETED record here (up to eight entries of a
+segment each), the commit boundary (entry_count, data_end) a BOUNDARY record after each
+group commit, and the seal a SEALED record. Why: under power loss a sector being written may
+read back as garbage, so nothing acknowledged is ever rewritten in place.
+NOTE: in-place writes (a tombstone in the entry's state word, boundary words in the header)
+were rejected: they share a sector with acknowledged bytes, and 492 of 1,083 simulated power
+cuts with garbled 512-byte sectors lost acknowledged items (docs/history/RELIABILITY-history.md).
+NOTE: a journal file per segment was rejected: a group commit in `power` then fdatasynced
+every segment's journal that took completions, where one log takes one fdatasync.
+
+The torn-write rule. Appends never rewrite a sector holding synced records: in `power`, the
+first write after a sync starts at the next SYNC_ALIGN_BYTES boundary (the zeros before it
+are padding, which the reader skips). A record that fails its checks is damage when a valid
+one follows it, named by path and byte offset; after the last valid one it is a torn append,
+ignored. Damage cannot be pinned on a segment (its own words are what failed), so a reading
+with damage makes every segment's boundary untrusted: their scans judge every bad byte
+acknowledged (`scan.py`).
+
+The one recovery path: `read_store_log` replays the file into what it says of each segment
+(`SegmentRecords`, keyed by sequence and keys tag); recovery hands each segment's records to
+its scan, and then writes the log afresh holding only the live segments' records (`compact`:
+temp file, fsync, rename, directory fsync). While the broker runs, the log is compacted the
+same way (read back, replayed, the live set written) when it holds more than
+LOG_COMPACT_GROWTH times the live set, so its size follows the live segments, not the job.
+
+Durability: COMPLETED and SEALED records reach the disk at `sync()` (the group-commit points):
+a completion lost to a power cut means a redelivery, which at-least-once allows. A BOUNDARY
+record is written after the fdatasync that made its entries durable and becomes durable with
+the same group commit's sync of the log.
+
+Owner: the segment store (`segments.py`) of the broker's disk tier, the only writer; its
+segment files append records through it. Readers (`read_store_log`) are recovery and the
+tools. Not thread-safe.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pipeline.broker.storage.identity import SegmentKeys
+from pipeline.broker.storage.replace import write_replacement
+from pipeline.wire import fileops
+from pipeline.wire.errors import DiskFullError, DurabilityError, StoreReadError
+from pipeline.wire.layouts.segments import ENTRY_ALIGN_BYTES, SYNC_ALIGN_BYTES
+from pipeline.wire.layouts.storelog import (
+    COMPLETED_PER_RECORD,
+    LOG_BOUNDARY,
+    LOG_COMPLETED,
+    LOG_HEAD_WORD_BASE,
+    LOG_RECORD_SIZE_BYTES,
+    LOG_SEALED,
+    LOG_SEGMENT_BYTES_LIMIT,
+    STORE_LOG_FILE,
+    keys_tag,
+    log_checksums,
+    record_words,
+    valid_rows,
+)
+
+__all__ = ["LogKey", "LogReading", "SegmentRecords", "StoreLog", "log_key", "log_path", "read_store_log"]
+
+# Damaged records named one by one in a reading (the count is always whole): a log line,
+# not a dump.
+DAMAGE_NAMED_MAX = 20
+# Below this size the log is never compacted while the broker runs (1 MiB: 16,384 records).
+LOG_COMPACT_MIN_BYTES = 1 << 20
+# Compact when the file holds this many times the live set's bytes: each compaction rewrites
+# the live set once, so its cost per record appended stays O(1).
+LOG_COMPACT_GROWTH = 4
+# Suffix of the compaction's temp file beside the log (a leftover is an interrupted one).
+LOG_TMP_SUFFIX = ".tmp"
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+_SLOT_SHIFT = ENTRY_ALIGN_BYTES.bit_length() - 1
+assert 1 << _SLOT_SHIFT == ENTRY_ALIGN_BYTES
+
+
+def log_path(data_dir: str) -> str:
+    return os.path.join(data_dir, STORE_LOG_FILE)
+
+
+# A segment as the log names it: (segment sequence, keys tag).
+LogKey = tuple[int, int]
+
+
+def log_key(keys: SegmentKeys) -> LogKey:
+    return keys.segment_seq, keys_tag(keys.model, keys.signature, keys.lane)
+
+
+@dataclass(slots=True)
+class SegmentRecords:
+    """What the log says of one segment. `completed`: the offsets completed (sorted, unique).
+    `boundaries`: every boundary record's (entry_count, data_end), in file order;
+    `entry_count` and `data_end`: the last one's (None if none); `sealed_count`: the seal's
+    entry count (None if not sealed). `untrusted`: the log holds damage, which may have been
+    this segment's records (its boundary is then not to be relied on)."""
+
+    completed: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    boundaries: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), dtype=np.int64))
+    entry_count: int | None = None
+    data_end: int | None = None
+    sealed_count: int | None = None
+    untrusted: str = ""
+
+    @property
+    def sealed(self) -> bool:
+        return self.sealed_count is not None
+
+
+@dataclass(slots=True)
+class LogReading:
+    """The store log read back: each segment's records by (sequence, keys tag); `end`: one
+    past the last valid record (where a writer goes on); `damaged` names bad records before
+    the last valid one; `torn` the bad bytes after it (a torn append)."""
+
+    path: str
+    segments: dict[tuple[int, int], SegmentRecords] = field(default_factory=dict)
+    records: int = 0
+    end: int = 0
+    damaged: list[str] = field(default_factory=list)
+    damaged_records: int = 0
+    torn: str = ""
+    highest_seq: int = -1  # the highest segment sequence a valid record names (-1: none)
+
+    def of(self, keys: SegmentKeys) -> SegmentRecords:
+        """The segment's records (none known: an empty, trusted reading unless the log is damaged)."""
+        found = self.segments.get(log_key(keys))
+        if found is None:
+            found = SegmentRecords()
+        if self.damaged and not found.untrusted:
+            found.untrusted = (f"{self.damaged_records} store log records damaged (first: {self.damaged[0]}): "
+                               f"every bad byte is judged acknowledged")
+        return found
+
+
+def decode_log(data: bytes | memoryview, path: str) -> LogReading:
+    """Replay the log's bytes (module docstring): one numpy pass over its records."""
+    words = record_words(data)
+    reading = LogReading(path)
+    whole_bytes = words.shape[0] * LOG_RECORD_SIZE_BYTES
+    nonzero = np.flatnonzero(words.any(axis=1))
+    if not nonzero.size:
+        if len(data) > whole_bytes and any(bytes(data[whole_bytes:])):
+            reading.torn = f"{path}: offset {whole_bytes}: a partial record (a torn append, ignored)"
+        return reading
+    rows = words[nonzero]
+    good = valid_rows(rows)
+    valid = np.flatnonzero(good)
+    last = int(valid[-1]) if valid.size else -1
+    bad_before = np.flatnonzero(~good[:last + 1]) if last >= 0 else np.zeros(0, dtype=np.int64)
+    for index in bad_before[:DAMAGE_NAMED_MAX].tolist():
+        reading.damaged.append(f"{path}: offset {int(nonzero[index]) * LOG_RECORD_SIZE_BYTES}: store log record "
+                               f"fails its checks (magic, version, kind or checksum)")
+    reading.damaged_records = int(bad_before.shape[0])
+    if last + 1 < rows.shape[0] or len(data) % LOG_RECORD_SIZE_BYTES:
+        first_torn = int(nonzero[last + 1]) * LOG_RECORD_SIZE_BYTES if last + 1 < rows.shape[0] else whole_bytes
+        reading.torn = f"{path}: offset {first_torn}: {len(data) - first_torn} bytes of a torn append, ignored"
+    reading.records = int(valid.shape[0])
+    reading.end = (int(nonzero[last]) + 1) * LOG_RECORD_SIZE_BYTES if last >= 0 else 0
+    _replay(reading, rows[valid])
+    return reading
+
+
+def _replay(reading: LogReading, rows: np.ndarray) -> None:
+    """Each segment's records from the valid rows (file order)."""
+    kinds = rows[:, 0] >> np.uint64(48)
+    seqs, tags = rows[:, 1].astype(np.int64), (rows[:, 2] & np.uint64(0xFFFFFFFF)).astype(np.int64)
+    if rows.shape[0]:
+        reading.highest_seq = int(seqs.max())
+    segments = reading.segments
+    done = kinds == np.uint64(LOG_COMPLETED)
+    if done.any():
+        counts = np.minimum((rows[done, 2] >> np.uint64(32)).astype(np.int64), COMPLETED_PER_RECORD)
+        slots = np.ascontiguousarray(rows[done, 3:7]).view("<u4").reshape(-1, COMPLETED_PER_RECORD)
+        used = np.arange(COMPLETED_PER_RECORD) < counts[:, None]
+        offsets = slots[used].astype(np.int64) << _SLOT_SHIFT
+        owner_seq = np.repeat(seqs[done], counts)
+        owner_tag = np.repeat(tags[done], counts)
+        # NOTE: one sort of everything, not np.unique per segment: a restart reads every
+        # segment's completions at once, and per-segment calls cost a Python step each.
+        order = np.lexsort((offsets, owner_tag, owner_seq))
+        offsets, owner_seq, owner_tag = offsets[order], owner_seq[order], owner_tag[order]
+        keep = np.ones(offsets.shape[0], dtype=bool)
+        keep[1:] = (offsets[1:] != offsets[:-1]) | (owner_seq[1:] != owner_seq[:-1]) | (owner_tag[1:] != owner_tag[:-1])
+        offsets, owner_seq, owner_tag = offsets[keep], owner_seq[keep], owner_tag[keep]
+        cuts = np.flatnonzero((owner_seq[1:] != owner_seq[:-1]) | (owner_tag[1:] != owner_tag[:-1])) + 1
+        starts = np.concatenate(([0], cuts)).tolist()
+        for start, end in zip(starts, [*cuts.tolist(), offsets.shape[0]]):
+            key = (int(owner_seq[start]), int(owner_tag[start]))
+            segments.setdefault(key, SegmentRecords()).completed = offsets[start:end]
+    for index in np.flatnonzero(kinds == np.uint64(LOG_BOUNDARY)).tolist():
+        records = segments.setdefault((int(seqs[index]), int(tags[index])), SegmentRecords())
+        records.boundaries = np.vstack([records.boundaries, rows[index, 3:5].astype(np.int64)[None, :]])
+        records.entry_count, records.data_end = int(rows[index, 3]), int(rows[index, 4])
+    for index in np.flatnonzero(kinds == np.uint64(LOG_SEALED)).tolist():
+        segments.setdefault((int(seqs[index]), int(tags[index])), SegmentRecords()).sealed_count = int(rows[index, 3])
+
+
+def read_store_log(data_dir: str) -> LogReading:
+    """The data directory's store log (an empty reading if it has none yet); StoreReadError
+    if it cannot be read."""
+    path = log_path(data_dir)
+    try:
+        with open(path, "rb") as file:
+            data = file.read()
+    except FileNotFoundError:
+        return LogReading(path)
+    except OSError as exc:
+        raise StoreReadError(f"{path}: cannot read the store log ({exc.strerror}, errno {exc.errno})") from exc
+    return decode_log(data, path)
+
+
+def encode_records(kind: int, key: LogKey, bodies: np.ndarray, counts: np.ndarray | int = 0) -> np.ndarray:
+    """Records of one kind and segment, checksummed, as an (n, 8) uint64 array: `bodies` an
+    (n, 4) uint64 array of their body words, `counts` the COMPLETED slots used."""
+    count = int(bodies.shape[0])
+    words = np.zeros((count, 8), dtype=np.uint64)
+    seq, tag = key
+    words[:, 0] = LOG_HEAD_WORD_BASE | kind << 48
+    words[:, 1] = seq
+    words[:, 2] = np.asarray(counts, dtype=np.uint64) << np.uint64(32) | np.uint64(tag)
+    words[:, 3:7] = bodies
+    words[:, 7] = log_checksums(words[:, :7])
+    return words
+
+
+def encode_completed(key: LogKey, offsets: np.ndarray) -> np.ndarray:
+    """COMPLETED records naming `offsets` (entry offsets, ENTRY_ALIGN_BYTES-aligned), eight a
+    record."""
+    offsets = np.asarray(offsets, dtype=np.int64)
+    # A segment this large is never made (segments seal at DEFAULT_SEGMENT_MAX_BYTES; one
+    # group past it gets a segment of its own, bounded by a ring record): our bug.
+    assert not (offsets & (ENTRY_ALIGN_BYTES - 1)).any() and (offsets >= 0).all(), offsets
+    assert (offsets < LOG_SEGMENT_BYTES_LIMIT).all(), offsets
+    full = -(-offsets.shape[0] // COMPLETED_PER_RECORD)
+    slots = np.zeros(full * COMPLETED_PER_RECORD, dtype="<u4")
+    slots[:offsets.shape[0]] = offsets >> _SLOT_SHIFT
+    counts = np.full(full, COMPLETED_PER_RECORD, dtype=np.int64)
+    if full:
+        counts[-1] = offsets.shape[0] - (full - 1) * COMPLETED_PER_RECORD
+    return encode_records(LOG_COMPLETED, key, slots.view("<u8").reshape(full, 4), counts)
+
+
+def encode_segment(key: LogKey, records: SegmentRecords) -> np.ndarray:
+    """A segment's records written afresh (a compaction): its completions, last boundary
+    and seal."""
+    parts = [encode_completed(key, records.completed)]
+    if records.data_end is not None:
+        parts.append(encode_records(LOG_BOUNDARY, key, np.array([[records.entry_count, records.data_end, 0, 0]],
+                                                                 dtype=np.uint64)))
+    if records.sealed_count is not None:
+        parts.append(encode_records(LOG_SEALED, key, np.array([[records.sealed_count, 0, 0, 0]], dtype=np.uint64)))
+    return np.concatenate(parts)
+
+
+class StoreLog:
+    """The store log open for appending (module docstring). `durable`: `power`, where each
+    write after a sync starts on a SYNC_ALIGN_BYTES boundary and `sync()` fdatasyncs."""
+
+    def __init__(self, path: str, fd: int, durable: bool, end: int) -> None:
+        self.path = path
+        self.durable = durable
+        self._fd = fd
+        self.end = end  # one past the last record written
+        self._dirty = False
+        self._tail_synced = bool(end % SYNC_ALIGN_BYTES)  # the sector at `end` holds synced records
+
+    @classmethod
+    def open(cls, data_dir: str, durable: bool, reading: LogReading | None = None) -> StoreLog:
+        """The log as it is on disk, for appending after its last valid record (a new one if
+        there is none). A torn append after it is first cut away by writing every segment's
+        records into a fresh file: appending after the garbage would make it damage in the
+        middle, and writing over it could tear the sector of synced records."""
+        reading = reading if reading is not None else read_store_log(data_dir)
+        path = log_path(data_dir)
+        if reading.torn and os.path.exists(path):
+            return cls.write_fresh(data_dir, reading, None, durable)
+        fd = cls._open(path, os.O_RDWR | os.O_CREAT)
+        return cls(path, fd, durable, reading.end)
+
+    @classmethod
+    def write_fresh(cls, data_dir: str, reading: LogReading, live: list[SegmentKeys] | None,
+                    durable: bool) -> StoreLog:
+        """Replace the log whole with the records `reading` holds of the `live` segments (all
+        of them: None): temp file, fsync, rename, directory fsync. DiskFullError leaves the
+        old log as it was."""
+        path = log_path(data_dir)
+        keys = list(reading.segments) if live is None else [log_key(k) for k in live]
+        empty = SegmentRecords()
+        parts = [np.zeros((0, 8), dtype=np.uint64)]
+        parts += [encode_segment(key, reading.segments.get(key, empty)) for key in keys]
+        data = np.concatenate(parts).tobytes()
+        fd = write_replacement(path, path + LOG_TMP_SUFFIX, data, max(len(data), LOG_RECORD_SIZE_BYTES), "store log")
+        return cls(path, fd, durable, len(data))
+
+    @staticmethod
+    def _open(path: str, flags: int) -> int:
+        try:
+            return fileops.open_fd(path, flags, 0o600)
+        except OSError as exc:
+            if exc.errno in _NO_SPACE:
+                raise DiskFullError(f"{path}: disk full ({exc.strerror}) creating the store log; appends stop "
+                                    f"until space comes back, nothing accepted is lost") from exc
+            raise
+
+    def completed(self, key: LogKey, offsets: np.ndarray) -> None:
+        self._append(encode_completed(key, offsets))
+
+    def boundary(self, key: LogKey, entry_count: int, data_end: int) -> None:
+        self._append(encode_records(LOG_BOUNDARY, key, np.array([[entry_count, data_end, 0, 0]], dtype=np.uint64)))
+
+    def sealed(self, key: LogKey, entry_count: int) -> None:
+        self._append(encode_records(LOG_SEALED, key, np.array([[entry_count, 0, 0, 0]], dtype=np.uint64)))
+
+    def _append(self, records: np.ndarray) -> None:
+        """One pwrite of the records (the whole of it or an OSError: a short write left
+        unnoticed would tear a record in the middle once the next is written after it)."""
+        at = self.end
+        if self.durable and self._tail_synced:
+            at = -(-at // SYNC_ALIGN_BYTES) * SYNC_ALIGN_BYTES
+        try:
+            fileops.pwrite_all(self._fd, records.tobytes(), at)
+        except OSError as exc:
+            if exc.errno in _NO_SPACE:
+                raise DiskFullError(f"{self.path}: disk full ({exc.strerror}) writing {records.nbytes} bytes of the "
+                                    f"store log at offset {at}") from exc
+            raise
+        self.end = at + records.nbytes
+        self._tail_synced = False
+        self._dirty = True
+
+    def sync(self) -> None:
+        """`power`: fdatasync what was written since the last call (DurabilityError: fatal)."""
+        if self._dirty and self.durable:
+            try:
+                fileops.fdatasync(self._fd)
+            except OSError as exc:
+                raise DurabilityError(f"{self.path}: fdatasync failed ({exc.strerror}, errno {exc.errno}): the "
+                                      f"kernel may have dropped the dirty pages, so the broker must stop") from exc
+            self._tail_synced = bool(self.end % SYNC_ALIGN_BYTES)
+        self._dirty = False
+
+    def wants_compaction(self, live_bytes: int) -> bool:
+        return self.end > max(LOG_COMPACT_MIN_BYTES, LOG_COMPACT_GROWTH * live_bytes)
+
+    def compact(self, data_dir: str, live: list[SegmentKeys]) -> None:
+        """Rewrite the log holding only the `live` segments' records (read back from this
+        file: the one recovery path) and go on appending to the new file; the same object,
+        as every open segment file appends through it. DiskFullError leaves the old file
+        in use."""
+        self.sync()
+        fresh = StoreLog.write_fresh(data_dir, read_store_log(data_dir), live, self.durable)
+        self.close()
+        self.path, self._fd, self.end = fresh.path, fresh._fd, fresh.end
+        self._tail_synced, self._dirty = fresh._tail_synced, False
+        fresh._fd = -1
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            fileops.close_fd(self._fd)
+            self._fd = -1
+
