@@ -38,9 +38,13 @@ def log_recovery(storage: DiskTier) -> None:
 
 
 def log_quarantined(storage: DiskTier) -> None:
-    """Damaged segments moved to quarantine/ once their good entries were done."""
-    for moved in storage.take_quarantined():
+    """Damaged segments moved to quarantine/ once their good entries were done, and what the
+    store could not do and that cost nothing (a compaction of its log not made)."""
+    moved_all, notes = storage.take_quarantined()
+    for moved in moved_all:
         log.warning("QUARANTINED: %s", moved.describe())
+    for note in notes:
+        log.warning("%s", note)
 
 
 def store_damage(storage: DiskTier) -> dict[str, int]:

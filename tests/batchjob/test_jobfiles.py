@@ -23,8 +23,8 @@ from pipeline.batchjob.paths import partial_path
 from pipeline.wire.errors import DataDirError, JobPathError
 
 # Every name a run or a job makes at the top of a data directory, one of each.
-TOP_ENTRIES = ("segments", "store.log", "segments.catalog", "segments.catalog.mirror", "shapes.lineage", "broker-state.json",
-               "shm-namespace", "run", "results", "job", "quarantine", "engine-cache")
+TOP_ENTRIES = ("segments", "store.log", "segments.catalog", "segments.catalog.mirror", "shapes.lineage",
+               "broker-state.json", "shm-namespace", "run", "results", "job", "quarantine", "engine-cache")
 
 
 def _write(top: Path, relative: str, text: str = "x") -> None:

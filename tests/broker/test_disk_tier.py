@@ -243,7 +243,7 @@ def test_bit_flip_in_entry_15_of_28_loses_that_entry_only(tmp_path):
     assert dispatcher.recover(0.0) == 30
     done = drain(dispatcher)  # every one checked against its tokens
     assert sorted(done) == sorted(set(whole.headers["item_id"].tolist()) - {victim_id} | {(2 << 40) | s for s in range(3)})
-    (moved,) = tier.take_quarantined()
+    (moved,), _notes = tier.take_quarantined()
     assert moved.path == path and os.path.exists(moved.moved_to) and not os.path.exists(path)
     assert report.damage_counts()["entries_damaged"] == 1  # the report stays after release_scans
     tier.close()

@@ -103,7 +103,7 @@ def test_a_torn_last_log_record_is_ignored_and_cut_away_at_reopen(tmp_path):
     data[-5] ^= 0x40  # the last record's checksum
     data.tofile(log_file)
     reading = read_store_log(data_dir_of(path))
-    assert "torn append" in reading.torn and not reading.damaged
+    assert "torn write" in reading.torn and not reading.damaged
     report = scan_segment(path)
     assert report.tombstone_count == 1 and report.counts_agree and not report.problems()
     StoreLog.open(data_dir_of(path), False).close()
@@ -117,10 +117,11 @@ def test_a_damaged_log_record_before_the_last_is_named_by_offset(tmp_path):
     offsets = scan_segment(path).offsets
     for offset in offsets[:3].tolist():
         segment.tombstone_many([offset])
+        shared_log(data_dir_of(path)).sync()  # a group commit: each completion its own epoch
     segment.close()
     log_file = os.path.join(data_dir_of(path), "store.log")
     data = np.fromfile(log_file, dtype=np.uint8)
-    damaged_at = data.shape[0] - 2 * 64  # the second completion of three
+    damaged_at = data.shape[0] - 3 * 64  # the first completion of three: synced before the second
     data[damaged_at + 25] ^= 0x01
     data.tofile(log_file)
     reading = read_store_log(data_dir_of(path))
@@ -277,8 +278,10 @@ def test_zeroed_state_word_with_a_good_checksum_is_delivered_again(tmp_path):
 def test_zeroed_entry_header_mid_segment_is_damage_and_the_rest_is_kept(tmp_path):
     path = segment_at(str(tmp_path / "f"))
     segment, frame = write_segment(path, 10)
-    segment.close()
     whole = scan_segment(path)
+    shared_log(data_dir_of(path)).sync()  # the group commit: the boundaries were synced
+    segment.tombstone_many([int(whole.offsets[0])])  # a record after them
+    segment.close()
     data = np.fromfile(path, dtype=np.uint8)
     at = int(whole.offsets[4])
     data[at:at + ENTRY_HEADER_SIZE_BYTES] = 0
@@ -426,8 +429,10 @@ def test_a_flipped_boundary_word_cannot_turn_damage_into_a_torn_tail(tmp_path):
     # acknowledged damage instead.
     path = segment_at(str(tmp_path / "b"))
     segment, frame = write_segment(path, 10)
-    segment.close()
     whole = scan_segment(path)
+    shared_log(data_dir_of(path)).sync()  # the group commit: the boundaries were synced
+    segment.tombstone_many([int(whole.offsets[0])])  # a record after them
+    segment.close()
     data = np.fromfile(path, dtype=np.uint8)
     data[int(whole.offsets[7]) + 90] ^= 0x08  # damage in entry 7 (of the third group)
     data.tofile(path)
@@ -439,7 +444,9 @@ def test_a_flipped_boundary_word_cannot_turn_damage_into_a_torn_tail(tmp_path):
     assert report.boundary_damage and not report.torn
     (bad,) = report.damaged
     assert bad.offset == int(whole.offsets[7]) and bad.item_id == int(frame[0]["item_id"][7])
-    SegmentFile.reopen(report, Durability.PROCESS, shared_log(data_dir_of(path))).close()  # the damaged record stays, as evidence
+    # The damaged record stays where it is (recovery keeps the log in quarantine/ before it
+    # writes it afresh), and the scan's boundary is recorded after it.
+    SegmentFile.reopen(report, Durability.PROCESS, shared_log(data_dir_of(path))).close()
     again = scan_segment(path)
     assert again.boundary_damage and [r.offset for r in again.damaged] == [bad.offset]
 

@@ -15,7 +15,8 @@ from pipeline.broker.storage.diskio import Durability
 from pipeline.broker.storage.paths import QUARANTINE_DIR, iter_segments
 from pipeline.broker.storage.segment import DEFAULT_SEGMENT_MAX_BYTES, encode_entries, scan_segment
 from pipeline.broker.storage.segments import SegmentStore
-from pipeline.broker.storage.storelog import StoreLog, log_key
+from pipeline.broker.storage import storelog
+from pipeline.broker.storage.storelog import StoreLog, log_key, read_store_log
 from pipeline.wire.errors import DataDirMovedError, SegmentFormatError
 from pipeline.wire.layouts.segments import SEGMENT_HEADER_SIZE_BYTES
 from tests.support.segments import make_items
@@ -175,7 +176,7 @@ def test_damaged_segment_goes_to_quarantine_once_its_good_entries_are_done(tmp_p
     assert store.tombstone_many(kept.state.id, good[:-1]) == 38 and os.path.exists(path)
     assert store.tombstone_many(kept.state.id, good[-1:]) == 1
     assert not os.path.exists(path) and kept.state.id not in store.segments  # never deleted:
-    (moved,) = store.take_quarantined()
+    (moved,), _notes = store.take_quarantined()
     assert moved.path == path and moved.moved_to == os.path.join(str(tmp_path), QUARANTINE_DIR, os.path.relpath(
         path, os.path.join(str(tmp_path), "segments")))
     assert os.path.exists(moved.moved_to) and "damaged" in moved.reason
@@ -215,11 +216,12 @@ def test_damaged_segment_with_nothing_left_to_deliver_is_quarantined_by_recovery
     assert f"QUARANTINED: {state.path}" in report.summary()
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 2, 3])
 def test_a_segment_of_an_old_layout_stops_recovery_with_one_clear_error(tmp_path, version):
     # Layout version 1 rewrote tombstones and header words in place, version 2 had zeros where
-    # an entry names its shape; there is no migration, and quarantining its intact entries
-    # would take them from delivery: recovery refuses.
+    # an entry names its shape, version 3 kept completions in a journal beside each segment;
+    # there is no migration, and quarantining its intact entries would take them from
+    # delivery: recovery refuses.
     store = SegmentStore(str(tmp_path))
     fill(store, groups=2)
     path = next(iter(store.segments.values())).path
@@ -229,9 +231,25 @@ def test_a_segment_of_an_old_layout_stops_recovery_with_one_clear_error(tmp_path
     data[48:56] = xxhash.xxh3_64_intdigest(bytes(data[:48])).to_bytes(8, "little")  # an intact old block
     open(path, "wb").write(bytes(data))
     with pytest.raises(SegmentFormatError,
-                       match=f"layout version {version}; this broker reads version 3 only and does not migrate"):
+                       match=f"layout version {version}; this broker reads version 4 only and does not migrate"):
         SegmentStore(str(tmp_path)).recover()
     assert os.path.exists(path)  # left where it is
+
+
+def test_a_segment_journal_of_an_earlier_release_stops_recovery_before_anything_is_touched(tmp_path):
+    # Its completions are in the journal, which this release does not read: going on would
+    # deliver every one of them again.
+    store = SegmentStore(str(tmp_path))
+    fill(store, groups=2)
+    path = next(iter(store.segments.values())).path
+    store.close()
+    with open(path + ".journal", "wb") as file:
+        file.write(b"\x01" * 64)
+    leftover = os.path.join(str(tmp_path), "store.log.tmp")
+    open(leftover, "wb").close()
+    with pytest.raises(SegmentFormatError, match="a segment journal of an earlier release"):
+        SegmentStore(str(tmp_path)).recover()
+    assert os.path.exists(path + ".journal") and os.path.exists(leftover)  # nothing removed
 
 
 def test_a_data_directory_moved_away_is_written_nowhere_else(tmp_path):
@@ -256,4 +274,77 @@ def test_a_data_directory_moved_away_is_written_nowhere_else(tmp_path):
     other.rename(data)
     again = SegmentStore(str(data))
     assert again.recover().live_entries == len(written)
+    again.close()
+
+
+@pytest.mark.parametrize("durability", [Durability.PROCESS, Durability.POWER])
+def test_the_store_log_is_compacted_while_running_and_recovery_agrees(tmp_path, monkeypatch, durability):
+    # The log is rewritten as the live segments' records when it outgrows them, in place of the
+    # file every open segment appends through; what a restart reads back matches what the
+    # store counted, segment by segment, and later records land after the rewrite.
+    monkeypatch.setattr(storelog, "LOG_COMPACT_MIN_BYTES", 4096)
+    store = SegmentStore(str(tmp_path), durability, segment_max_bytes=40_000, open_files_max=2)
+    written = fill(store, groups=24)
+    store.sync()
+    rng = np.random.default_rng(3)
+    sizes, done = [], set()
+    for round_ in range(6):
+        chosen = [key for key in written if key not in done and rng.random() < 0.3]
+        for segment, offset in sorted(chosen):
+            if segment in store.segments:
+                store.tombstone_many(segment, [offset])
+            done.add((segment, offset))
+        store.sync()
+        sizes.append(os.path.getsize(os.path.join(str(tmp_path), "store.log")))
+    assert any(b < a for a, b in zip(sizes, sizes[1:])), sizes  # it was compacted
+    counts = {s.keys: (s.entry_count, s.deleted_count) for s in store.segments.values()}
+    store.close()
+    again = SegmentStore(str(tmp_path), durability)
+    report = again.recover()
+    assert report.ok and not report.catalog_problems, report.summary()
+    assert {s.keys: (s.entry_count, s.deleted_count) for s in again.segments.values()} == counts
+    again.close()
+
+
+def test_a_restart_never_reuses_a_sequence_the_log_names(tmp_path):
+    # A deleted segment's records stay in the log until it is compacted: a new segment must
+    # not take that sequence (its records would read as the new segment's completions).
+    store = SegmentStore(str(tmp_path), segment_max_bytes=40_000)
+    written = fill(store, groups=3)
+    for segment in list(store.segments):
+        store.seal(segment)
+    for segment, offset in written:
+        store.tombstone_many(segment, [offset])
+    assert not store.segments
+    gone = max(seq for seq, _tag in read_store_log(str(tmp_path)).segments)
+    store.abandon()  # no compaction: the deleted segments' records are still in the log
+    for name in ("segments.catalog", "segments.catalog.mirror"):  # the log alone is the witness here
+        os.unlink(os.path.join(str(tmp_path), name))
+    again = SegmentStore(str(tmp_path))
+    again.recover()
+    fresh, _offset = again.append(LANES[0], encode_entries(*make_items(3, 9), indices=np.arange(3), producer_id=1),
+                                  now_s=0.0)
+    assert again.segments[fresh].keys.segment_seq > gone
+    again.close()
+
+
+def test_a_file_closed_by_the_cache_keeps_what_it_completed(tmp_path):
+    # One open file for three lanes: every turn closes the others. Completions made before a
+    # file was closed still count after it is opened again (a duplicate is not counted
+    # twice), and a restart reads the same counts back.
+    store = SegmentStore(str(tmp_path), open_files_max=1)
+    written = fill(store, groups=6, per_group=20)
+    by_segment: dict = {}
+    for segment, offset in written:
+        by_segment.setdefault(segment, []).append(offset)
+    for segment, offsets in sorted(by_segment.items()):
+        assert store.tombstone_many(segment, offsets[:5]) == 5
+    for segment, offsets in sorted(by_segment.items()):  # each reopened: its first five are done
+        assert store.tombstone_many(segment, offsets[:7]) == 2
+        assert store.segments[segment].deleted_count == 7
+    assert store.files_closed_by_cache > 0
+    store.close()
+    again = SegmentStore(str(tmp_path))
+    again.recover()
+    assert sorted(s.deleted_count for s in again.segments.values()) == [7] * len(by_segment)
     again.close()

@@ -39,7 +39,8 @@ def build_store(data_dir: str) -> list[str]:
         make_dirs(os.path.dirname(path))
         frame = make_items(20, seed=n)
         frame[0]["item_id"] += 100 * n  # distinct item ids across segments
-        segment = SegmentFile.create(path, SegmentKeys(0, signature, lane, seq), Durability.PROCESS, shared_log(data_dir_of(path)))
+        segment = SegmentFile.create(path, SegmentKeys(0, signature, lane, seq), Durability.PROCESS,
+                                     shared_log(data_dir_of(path)))
         segment.append(encode_entries(*frame, indices=np.arange(20), producer_id=1))
         if n == 1:
             segment.tombstone_many(scan_segment(path).offsets[:5].tolist())

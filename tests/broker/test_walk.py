@@ -50,7 +50,8 @@ def test_the_walk_matches_the_scan(groups, power, seed, data):
     items = frame(groups, seed)
     with tempfile.TemporaryDirectory() as root:
         path = f"{root}/w.seg"
-        segment = SegmentFile.create(path, KEYS, Durability.POWER if power else Durability.PROCESS, shared_log(data_dir_of(path), (Durability.POWER if power else Durability.PROCESS) is Durability.POWER))
+        durability = Durability.POWER if power else Durability.PROCESS
+        segment = SegmentFile.create(path, KEYS, durability, shared_log(data_dir_of(path), power))
         bounds = np.cumsum([0] + [n for n, _length, _p in groups])
         for a, b in pairwise(bounds):  # one append (and, at power, one synced group) each
             segment.append(encode_entries(*items, indices=np.arange(a, b), producer_id=3))

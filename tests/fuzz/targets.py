@@ -96,7 +96,13 @@ from pipeline.wire.layouts.segments import (
     SEGMENT_HEADER_SIZE_BYTES,
     SYNC_ALIGN_BYTES,
 )
-from pipeline.wire.layouts.storelog import LOG_BOUNDARY, LOG_RECORD_SIZE_BYTES, LOG_SEALED, STORE_LOG_DTYPE, STORE_LOG_FILE
+from pipeline.wire.layouts.storelog import (
+    LOG_BOUNDARY,
+    LOG_RECORD_SIZE_BYTES,
+    LOG_SEALED,
+    STORE_LOG_DTYPE,
+    STORE_LOG_FILE,
+)
 from pipeline.wire.protocol import MAX_REQUEST_BYTES, MessageReader, check_consumer_name, encode
 from pipeline.wire.status import ConsumerWork
 
@@ -492,8 +498,9 @@ def run_catalog_pair(data: bytes) -> None:
 
 def run_store_log(data: bytes) -> None:
     """A store log (`data`) beside the intact seed segment of three entries, read by the
-    scan and by recovery: whatever it holds, the store opens, no more entries are delivered
-    than the segment holds, and a completion never names an offset where no entry starts."""
+    scan and by recovery: whatever it holds, the store opens (or refuses a record of another
+    version by name), no more entries are delivered than the segment holds, and a completion
+    never names an offset where no entry starts."""
     root, segment = _one_segment_store("store-log-store")
     with open(os.path.join(root, STORE_LOG_FILE), "wb") as file:
         file.write(data)
@@ -512,7 +519,8 @@ STORE_LOG_SEEDS = [
         encode_log(LOG_BOUNDARY, _LOG_KEY, np.array([[3, len(SEGMENT_SEEDS[1]) - 256, 0, 0]], dtype=np.uint64)),
         encode_completed(_LOG_KEY, SEGMENT_OFFSETS[1][:2])]),
     encode_completed(_LOG_KEY, SEGMENT_OFFSETS[1][2:]).tobytes()
-    + bytes(SYNC_ALIGN_BYTES - 64) + encode_log(LOG_SEALED, _LOG_KEY, np.array([[3, 0, 0, 0]], dtype=np.uint64)).tobytes(),
+    + bytes(SYNC_ALIGN_BYTES - 64)
+    + encode_log(LOG_SEALED, _LOG_KEY, np.array([[3, 0, 0, 0]], dtype=np.uint64)).tobytes(),
 ]
 
 
@@ -675,7 +683,7 @@ TARGETS: dict[str, Target] = {
     "catalog_pair": Target("catalog_pair", run_catalog_pair, [seed + seed for seed in CATALOG_SEEDS], (),
                            [_catalog_fields(s + s) for s in CATALOG_SEEDS], fixed_bytes=4 << 20),
     # Recovery of a one-segment store: a fixed cost, like the catalog's.
-    "store_log": Target("store_log", run_store_log, STORE_LOG_SEEDS, (),
+    "store_log": Target("store_log", run_store_log, STORE_LOG_SEEDS, (SegmentFormatError,),
                         [_store_log_fields(s) for s in STORE_LOG_SEEDS], fixed_bytes=4 << 20),
     "control": Target("control", run_control, CONTROL_SEEDS, (ProtocolError, BadInputError),
                       [_length_prefix_fields(s) for s in CONTROL_SEEDS], per_input_byte=64, text=True),

@@ -64,7 +64,8 @@ def shared_log(data_dir: str, durable: bool = False) -> StoreLog:
     over the first's records)."""
     key = os.path.realpath(data_dir)
     log = _LOGS.get(key)
-    if log is None or log.durable != durable or not os.path.exists(log.path):
+    # Made again when another writer (a store, a test's own StoreLog) changed the file since.
+    if log is None or log.durable != durable or not os.path.exists(log.path) or os.path.getsize(log.path) > log.end:
         if log is not None:
             log.close()
         while len(_LOGS) >= 8:  # a test's few data directories; earlier tests' are done

@@ -179,9 +179,10 @@ class DiskTier(QueuedTier):
         for segment in np.unique(segments).tolist():
             self._store.keep_damaged(SegmentId(segment), why)
 
-    def take_quarantined(self) -> list[Quarantined]:
+    def take_quarantined(self) -> tuple[list[Quarantined], list[str]]:
         """Damaged segments moved to quarantine/ since the last call, once everything they
-        could still deliver was completed (for the broker's log; never deleted by us)."""
+        could still deliver was completed (never deleted by us), and notes of what the store
+        could not do that cost nothing: for the broker's log."""
         return self._store.take_quarantined()
 
     # ----------------------------------------------------------------- ingest

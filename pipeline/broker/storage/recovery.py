@@ -32,20 +32,30 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from pipeline.broker.storage.catalog import CatalogReading, write_missing_note
+from pipeline.broker.storage.catalog import (
+    CATALOG_TMP_SUFFIX,
+    CatalogReading,
+    mirror_path,
+    read_catalog,
+    write_missing_note,
+)
 from pipeline.broker.storage.diskio import fsync_directory
 from pipeline.broker.storage.identity import foreign_version
 from pipeline.broker.storage.paths import (
     MISSING_SUFFIX,
     StoreListing,
     Stray,
+    catalog_path,
+    list_store,
     make_dirs,
     quarantine_target,
     segment_path,
 )
 from pipeline.broker.storage.scan import SegmentKeys
 from pipeline.broker.storage.scan_report import DamagedRange, LostEntries, RepairedState, ScanReport, TornRange
-from pipeline.wire.errors import SegmentFormatError
+from pipeline.broker.storage.storelog import LOG_TMP_SUFFIX, log_path
+from pipeline.wire import fileops
+from pipeline.wire.errors import SegmentFormatError, StoreReadError
 from pipeline.wire.layouts.segments import SEGMENT_HEADER_SIZE_BYTES, SEGMENT_VERSION
 from pipeline.wire.layouts.storelog import STORE_LOG_FILE
 from pipeline.wire.status import DAMAGE_KEYS, REPAIR_KEYS
@@ -267,3 +277,21 @@ def note_missing(data_dir: str, durable: bool, listing: StoreListing, reading: C
 
 def _key_order(keys: SegmentKeys) -> tuple[int, int, int, int]:
     return keys.model, keys.signature, keys.lane, keys.segment_seq
+
+
+def read_store(data_dir: str, report: RecoveryReport) -> tuple[StoreListing, CatalogReading | None]:
+    """The store's listing and its catalog read back, once segment journals of an earlier
+    release are refused and an interrupted compaction's temp files removed (noted)."""
+    try:
+        listing = list_store(data_dir)
+    except OSError as exc:
+        raise StoreReadError(f"{exc.filename or data_dir}: cannot list the segments "
+                             f"({exc.strerror}, errno {exc.errno})") from exc
+    refuse_old_journals(listing.old_journals)  # before anything is touched
+    catalog = catalog_path(data_dir)
+    for leftover in (catalog + CATALOG_TMP_SUFFIX, mirror_path(catalog) + CATALOG_TMP_SUFFIX,
+                     log_path(data_dir) + LOG_TMP_SUFFIX):
+        if os.path.exists(leftover):
+            fileops.unlink(leftover)  # an interrupted compaction: the file itself is whole
+            report.catalog_notes.append(f"{leftover}: an interrupted compaction's temp file, removed")
+    return listing, read_catalog(catalog)

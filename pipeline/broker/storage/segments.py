@@ -30,12 +30,9 @@ import numpy as np
 import pipeline.broker.storage.crashpoints as crashpoints
 from pipeline.broker.ids import LaneKey, SegmentId
 from pipeline.broker.storage.catalog import (
-    CATALOG_TMP_SUFFIX,
     CatalogEntry,
     CatalogReading,
     SegmentCatalog,
-    mirror_path,
-    read_catalog,
 )
 from pipeline.broker.storage.diskio import NO_SPACE_ERRNOS, Durability, fsync_directory
 from pipeline.broker.storage.paths import (
@@ -44,7 +41,6 @@ from pipeline.broker.storage.paths import (
     SegmentPath,
     StoreListing,
     catalog_path,
-    list_store,
     make_dirs,
     quarantine_target,
     segment_path,
@@ -57,7 +53,7 @@ from pipeline.broker.storage.recovery import (  # the reports re-exported: they 
     count_files,
     first_damage,
     note_missing,
-    refuse_old_journals,
+    read_store,
     refuse_other_layout,
 )
 from pipeline.broker.storage.scan import census_segment
@@ -71,7 +67,14 @@ from pipeline.broker.storage.segment import (
     scan_segment,
     unlink_segment,
 )
-from pipeline.broker.storage.storelog import LOG_TMP_SUFFIX, LogReading, StoreLog, log_path, read_store_log
+from pipeline.broker.storage.storelog import (
+    LOG_COMPACT_GROWTH,
+    LogReading,
+    StoreLog,
+    keep_as_evidence,
+    log_path,
+    read_store_log,
+)
 from pipeline.wire import fileops
 from pipeline.wire.dirpin import DirPin
 from pipeline.wire.errors import DiskFullError, SegmentFormatError, StoreReadError
@@ -145,9 +148,11 @@ class SegmentStore:
         self._unsynced: set[SegmentId] = set()
         self._log: StoreLog | None = None  # opened by recover() or the first record
         self._completions_held = 0  # completed entries of the live segments: the log's live set
+        self._log_compact_floor = 0  # after a compaction that could not be made: not before this size
         self._catalog: SegmentCatalog | None = None  # opened by recover() or the first record
         self._recovering = False
         self._quarantined: list[Quarantined] = []  # moved while running, for the broker's log
+        self._notes: list[str] = []  # what went wrong while running and cost nothing, for its log
         self._next_id = 0
         self.files_closed_by_cache = 0
 
@@ -222,14 +227,14 @@ class SegmentStore:
         return self._log
 
     def _compact_log(self) -> str:
-        """Rewrite the store log as the live segments' records; "" or, when the disk has no
-        room for the new file, why not (the old log stays valid and in use)."""
+        """Rewrite the store log as the live segments' records; "" or why not (no room for the
+        new file, damage in the old: it stays in use, and is not tried again before it grew
+        by LOG_COMPACT_GROWTH)."""
         self._pin.check()
-        try:
-            self._log_file().compact(self.data_dir, [s.keys for s in self.segments.values()])
-        except DiskFullError as exc:
-            return f"store log not compacted: {exc}"
-        return ""
+        log = self._log_file()
+        why = log.compact(self.data_dir, [s.keys for s in self.segments.values()])
+        self._log_compact_floor = log.end * LOG_COMPACT_GROWTH if why else 0
+        return why
 
     def _catalog_file(self) -> SegmentCatalog:
         """The catalog open for writing: a store used without recovery appends to what is
@@ -295,8 +300,9 @@ class SegmentStore:
         if self._log is not None:
             self._log.sync()
             live_bytes = (self._completions_held // 8 + 3 * len(self.segments)) * 64
-            if self._log.wants_compaction(live_bytes):
-                self._compact_log()
+            if self._log.wants_compaction(live_bytes) and self._log.end >= self._log_compact_floor:
+                why = self._compact_log()
+                self._notes += [why] if why else []
         if self._catalog is not None:
             self._catalog.sync()
             if self._catalog.wants_compaction(2 * len(self.segments)):
@@ -388,10 +394,12 @@ class SegmentStore:
             self._pin.check()
             make_dirs(os.path.dirname(quarantine_target(self.data_dir, state.path)))
 
-    def take_quarantined(self) -> list[Quarantined]:
-        """Segments moved to quarantine/ while running since the last call (for the log)."""
-        taken, self._quarantined = self._quarantined, []
-        return taken
+    def take_quarantined(self) -> tuple[list[Quarantined], list[str]]:
+        """Segments moved to quarantine/ while running since the last call, and notes of what
+        went wrong and cost nothing (a compaction of the store log not made): for the
+        broker's log."""
+        taken, notes, self._quarantined, self._notes = self._quarantined, self._notes, [], []
+        return taken, notes
 
     def drop_lane(self, lane: LaneKey) -> None:
         """The lane's id was released: seal its open segment (a released id may come back as
@@ -455,15 +463,17 @@ class SegmentStore:
         rewrite the catalog as the live set. StoreReadError if a file cannot be read."""
         started = time.monotonic()
         report = RecoveryReport()
-        listing, reading = self._read_store(report)
+        listing, reading = read_store(self.data_dir, report)
         log_reading = read_store_log(self.data_dir)
+        if log_reading.damaged:  # kept before anything replaces it
+            kept = keep_as_evidence(log_path(self.data_dir), os.path.join(self.data_dir, QUARANTINE_DIR))
+            report.catalog_notes.append(f"{log_reading.path}: damaged; kept as {kept}")
         report.catalog_found = reading is not None
         self._recovering = True
         try:
             if reading is not None:
                 self._catalog = SegmentCatalog.open_existing(catalog_path(self.data_dir), self._durable)
                 report.catalog_notes += [self._catalog.opened_note] if self._catalog.opened_note else []
-            refuse_old_journals(listing.old_journals)
             self._log = StoreLog.open(self.data_dir, self._durable, log_reading)
             self._next_seq = max(self._next_seq, log_reading.highest_seq + 1)  # its records name no new segment
             for path in listing.creating + listing.orphan_journals:
@@ -482,20 +492,6 @@ class SegmentStore:
         report.quarantine_files = count_files(os.path.join(self.data_dir, QUARANTINE_DIR))
         report.seconds = time.monotonic() - started
         return report
-
-    def _read_store(self, report: RecoveryReport) -> tuple[StoreListing, CatalogReading | None]:
-        try:
-            listing = list_store(self.data_dir)
-        except OSError as exc:
-            raise StoreReadError(f"{exc.filename or self.data_dir}: cannot list the segments "
-                                 f"({exc.strerror}, errno {exc.errno})") from exc
-        leftovers = [kept + CATALOG_TMP_SUFFIX for kept in (catalog_path(self.data_dir),
-                                                            mirror_path(catalog_path(self.data_dir)))]
-        for leftover in [*leftovers, log_path(self.data_dir) + LOG_TMP_SUFFIX]:
-            if os.path.exists(leftover):
-                fileops.unlink(leftover)  # an interrupted compaction: the file itself is whole
-                report.catalog_notes.append(f"{leftover}: an interrupted compaction's temp file, removed")
-        return listing, read_catalog(catalog_path(self.data_dir))
 
     def _recover_segment(self, found: SegmentPath, reading: CatalogReading | None, log_reading: LogReading,
                          report: RecoveryReport) -> None:

@@ -13,18 +13,23 @@ every segment's journal that took completions, where one log takes one fdatasync
 
 The torn-write rule. Appends never rewrite a sector holding synced records: in `power`, the
 first write after a sync starts at the next SYNC_ALIGN_BYTES boundary (the zeros before it
-are padding, which the reader skips). A record that fails its checks is damage when a valid
-one follows it, named by path and byte offset; after the last valid one it is a torn append,
-ignored. Damage cannot be pinned on a segment (its own words are what failed), so a reading
-with damage makes every segment's boundary untrusted: their scans judge every bad byte
-acknowledged (`scan.py`).
+are padding, which the reader skips). Every record carries its sync group's epoch, so a
+reader knows which records were synced: those of an epoch before the newest. A record that
+fails its checks among them is damage, named by path and byte offset; one after the last of
+them was written since the last sync, where a power cut may leave any sector garbled, kept
+or unwritten, each on its own: a torn write, ignored (what it held was never synced, so at
+worst a completion is delivered again). Damage cannot be pinned on a segment (its own words
+are what failed), so a reading with damage makes every segment's boundary untrusted: their
+scans judge every bad byte acknowledged (`scan.py`). A record of another version of the
+layout is refused (SegmentFormatError), never taken for garbage.
 
 The one recovery path: `read_store_log` replays the file into what it says of each segment
 (`SegmentRecords`, keyed by sequence and keys tag); recovery hands each segment's records to
-its scan, and then writes the log afresh holding only the live segments' records (`compact`:
-temp file, fsync, rename, directory fsync). While the broker runs, the log is compacted the
-same way (read back, replayed, the live set written) when it holds more than
-LOG_COMPACT_GROWTH times the live set, so its size follows the live segments, not the job.
+its scan, and then writes the log afresh holding only the live segments' records (temp
+file, fsync, rename, directory fsync), a damaged log first kept in quarantine/ as evidence.
+While the broker runs, the log is compacted the same way (read back, replayed, the live set
+written) when it holds more than LOG_COMPACT_GROWTH times the live set, so its size follows
+the live segments, not the job; never past damage (recovery names and keeps it).
 
 Durability: COMPLETED and SEALED records reach the disk at `sync()` (the group-commit points):
 a completion lost to a power cut means a redelivery, which at-least-once allows. A BOUNDARY
@@ -47,24 +52,28 @@ import numpy as np
 from pipeline.broker.storage.identity import SegmentKeys
 from pipeline.broker.storage.replace import write_replacement
 from pipeline.wire import fileops
-from pipeline.wire.errors import DiskFullError, DurabilityError, StoreReadError
+from pipeline.wire.errors import DiskFullError, DurabilityError, SegmentFormatError, StoreReadError
 from pipeline.wire.layouts.segments import ENTRY_ALIGN_BYTES, SYNC_ALIGN_BYTES
 from pipeline.wire.layouts.storelog import (
     COMPLETED_PER_RECORD,
     LOG_BOUNDARY,
     LOG_COMPLETED,
+    LOG_EPOCH_LIMIT,
     LOG_HEAD_WORD_BASE,
     LOG_RECORD_SIZE_BYTES,
     LOG_SEALED,
     LOG_SEGMENT_BYTES_LIMIT,
     STORE_LOG_FILE,
+    STORE_LOG_VERSION,
     keys_tag,
     log_checksums,
+    other_versions,
     record_words,
     valid_rows,
 )
 
-__all__ = ["LogKey", "LogReading", "SegmentRecords", "StoreLog", "log_key", "log_path", "read_store_log"]
+__all__ = ["LogKey", "LogReading", "SegmentRecords", "StoreLog", "keep_as_evidence", "log_key", "log_path",
+           "read_store_log"]
 
 # Damaged records named one by one in a reading (the count is always whole): a log line,
 # not a dump.
@@ -117,7 +126,7 @@ class SegmentRecords:
 class LogReading:
     """The store log read back: each segment's records by (sequence, keys tag); `end`: one
     past the last valid record (where a writer goes on); `damaged` names bad records before
-    the last valid one; `torn` the bad bytes after it (a torn append)."""
+    the last valid one synced; `torn` the bad bytes after it (a torn write)."""
 
     path: str
     segments: dict[tuple[int, int], SegmentRecords] = field(default_factory=dict)
@@ -127,6 +136,7 @@ class LogReading:
     damaged_records: int = 0
     torn: str = ""
     highest_seq: int = -1  # the highest segment sequence a valid record names (-1: none)
+    newest_epoch: int = -1  # the highest epoch a valid record carries (-1: none)
 
     def of(self, keys: SegmentKeys) -> SegmentRecords:
         """The segment's records (none known: an empty, trusted reading unless the log is damaged)."""
@@ -140,31 +150,51 @@ class LogReading:
 
 
 def decode_log(data: bytes | memoryview, path: str) -> LogReading:
-    """Replay the log's bytes (module docstring): one numpy pass over its records."""
+    """Replay the log's bytes (module docstring): one numpy pass over its records.
+    SegmentFormatError for a record of another version of the layout."""
     words = record_words(data)
     reading = LogReading(path)
     whole_bytes = words.shape[0] * LOG_RECORD_SIZE_BYTES
     nonzero = np.flatnonzero(words.any(axis=1))
-    if not nonzero.size:
-        if len(data) > whole_bytes and any(bytes(data[whole_bytes:])):
-            reading.torn = f"{path}: offset {whole_bytes}: a partial record (a torn append, ignored)"
-        return reading
     rows = words[nonzero]
+    foreign = np.flatnonzero(other_versions(rows))
+    if foreign.size:
+        at, version = int(nonzero[foreign[0]]) * LOG_RECORD_SIZE_BYTES, int(rows[foreign[0], 0] >> 32) & 0xFFFF
+        raise SegmentFormatError(f"{path}: offset {at}: a store log record of version {version}; this broker reads "
+                                 f"version {STORE_LOG_VERSION} only: finish this data directory with the release that "
+                                 f"wrote it, or move it away")
     good = valid_rows(rows)
     valid = np.flatnonzero(good)
-    last = int(valid[-1]) if valid.size else -1
-    bad_before = np.flatnonzero(~good[:last + 1]) if last >= 0 else np.zeros(0, dtype=np.int64)
-    for index in bad_before[:DAMAGE_NAMED_MAX].tolist():
+    epochs = (rows[:, 2] >> np.uint64(32)).astype(np.int64)
+    reading.newest_epoch = int(epochs[valid].max()) if valid.size else -1
+    synced = np.flatnonzero(good & (epochs < reading.newest_epoch))
+    synced_end = int(synced[-1]) + 1 if synced.size else 0  # rows before it were synced
+    bad = np.flatnonzero(~good)
+    damaged, torn = bad[bad < synced_end], bad[bad >= synced_end]
+    for index in damaged[:DAMAGE_NAMED_MAX].tolist():
         reading.damaged.append(f"{path}: offset {int(nonzero[index]) * LOG_RECORD_SIZE_BYTES}: store log record "
                                f"fails its checks (magic, version, kind or checksum)")
-    reading.damaged_records = int(bad_before.shape[0])
-    if last + 1 < rows.shape[0] or len(data) % LOG_RECORD_SIZE_BYTES:
-        first_torn = int(nonzero[last + 1]) * LOG_RECORD_SIZE_BYTES if last + 1 < rows.shape[0] else whole_bytes
-        reading.torn = f"{path}: offset {first_torn}: {len(data) - first_torn} bytes of a torn append, ignored"
+    reading.damaged_records = int(damaged.shape[0])
+    partial = len(data) > whole_bytes and any(bytes(data[whole_bytes:]))
+    if torn.size or partial:
+        first = int(nonzero[torn[0]]) * LOG_RECORD_SIZE_BYTES if torn.size else whole_bytes
+        what = [f"{int(torn.shape[0])} records written since the last sync fail their checks"] if torn.size else []
+        what += ["a partial record ends the file"] if partial else []
+        reading.torn = f"{path}: offset {first}: {' and '.join(what)} (a torn write, ignored)"
     reading.records = int(valid.shape[0])
-    reading.end = (int(nonzero[last]) + 1) * LOG_RECORD_SIZE_BYTES if last >= 0 else 0
+    reading.end = (int(nonzero[valid[-1]]) + 1) * LOG_RECORD_SIZE_BYTES if valid.size else 0
     _replay(reading, rows[valid])
     return reading
+
+
+def _segment_runs(seqs: np.ndarray, tags: np.ndarray, order: np.ndarray) -> list[tuple[LogKey, np.ndarray]]:
+    """The rows of each segment, as (key, row indexes in `order`'s order within it): one
+    stable sort of everything, no Python step per row."""
+    ranked = np.lexsort((order, tags, seqs))
+    s, t = seqs[ranked], tags[ranked]
+    cuts = np.flatnonzero((s[1:] != s[:-1]) | (t[1:] != t[:-1])) + 1
+    return [((int(s[run[0]]), int(t[run[0]])), ranked[run]) for run in np.split(np.arange(ranked.size), cuts)
+            if run.size]
 
 
 def _replay(reading: LogReading, rows: np.ndarray) -> None:
@@ -174,32 +204,28 @@ def _replay(reading: LogReading, rows: np.ndarray) -> None:
     if rows.shape[0]:
         reading.highest_seq = int(seqs.max())
     segments = reading.segments
-    done = kinds == np.uint64(LOG_COMPLETED)
-    if done.any():
-        counts = np.minimum((rows[done, 2] >> np.uint64(32)).astype(np.int64), COMPLETED_PER_RECORD)
+    done = np.flatnonzero(kinds == np.uint64(LOG_COMPLETED))
+    if done.size:
         slots = np.ascontiguousarray(rows[done, 3:7]).view("<u4").reshape(-1, COMPLETED_PER_RECORD)
-        used = np.arange(COMPLETED_PER_RECORD) < counts[:, None]
+        used = slots != 0  # no entry starts at 0
         offsets = slots[used].astype(np.int64) << _SLOT_SHIFT
-        owner_seq = np.repeat(seqs[done], counts)
-        owner_tag = np.repeat(tags[done], counts)
-        # NOTE: one sort of everything, not np.unique per segment: a restart reads every
-        # segment's completions at once, and per-segment calls cost a Python step each.
-        order = np.lexsort((offsets, owner_tag, owner_seq))
-        offsets, owner_seq, owner_tag = offsets[order], owner_seq[order], owner_tag[order]
-        keep = np.ones(offsets.shape[0], dtype=bool)
-        keep[1:] = (offsets[1:] != offsets[:-1]) | (owner_seq[1:] != owner_seq[:-1]) | (owner_tag[1:] != owner_tag[:-1])
-        offsets, owner_seq, owner_tag = offsets[keep], owner_seq[keep], owner_tag[keep]
-        cuts = np.flatnonzero((owner_seq[1:] != owner_seq[:-1]) | (owner_tag[1:] != owner_tag[:-1])) + 1
-        starts = np.concatenate(([0], cuts)).tolist()
-        for start, end in zip(starts, [*cuts.tolist(), offsets.shape[0]]):
-            key = (int(owner_seq[start]), int(owner_tag[start]))
-            segments.setdefault(key, SegmentRecords()).completed = offsets[start:end]
-    for index in np.flatnonzero(kinds == np.uint64(LOG_BOUNDARY)).tolist():
-        records = segments.setdefault((int(seqs[index]), int(tags[index])), SegmentRecords())
-        records.boundaries = np.vstack([records.boundaries, rows[index, 3:5].astype(np.int64)[None, :]])
-        records.entry_count, records.data_end = int(rows[index, 3]), int(rows[index, 4])
-    for index in np.flatnonzero(kinds == np.uint64(LOG_SEALED)).tolist():
-        segments.setdefault((int(seqs[index]), int(tags[index])), SegmentRecords()).sealed_count = int(rows[index, 3])
+        counts = used.sum(axis=1)
+        owner_seq, owner_tag = np.repeat(seqs[done], counts), np.repeat(tags[done], counts)
+        for key, index in _segment_runs(owner_seq, owner_tag, offsets):
+            mine = offsets[index]  # sorted: the offsets order the sort within a segment
+            keep = np.ones(mine.shape[0], dtype=bool)
+            keep[1:] = mine[1:] != mine[:-1]
+            segments.setdefault(key, SegmentRecords()).completed = mine[keep]
+    for kind in (LOG_BOUNDARY, LOG_SEALED):
+        picked = np.flatnonzero(kinds == np.uint64(kind))
+        for key, index in _segment_runs(seqs[picked], tags[picked], picked):
+            records = segments.setdefault(key, SegmentRecords())
+            values = rows[picked[index], 3:5].astype(np.int64)  # file order within the segment
+            if kind == LOG_BOUNDARY:
+                records.boundaries = values
+                records.entry_count, records.data_end = int(values[-1, 0]), int(values[-1, 1])
+            else:
+                records.sealed_count = int(values[-1, 0])
 
 
 def read_store_log(data_dir: str) -> LogReading:
@@ -216,35 +242,33 @@ def read_store_log(data_dir: str) -> LogReading:
     return decode_log(data, path)
 
 
-def encode_records(kind: int, key: LogKey, bodies: np.ndarray, counts: np.ndarray | int = 0) -> np.ndarray:
+def encode_records(kind: int, key: LogKey, bodies: np.ndarray, epoch: int = 0) -> np.ndarray:
     """Records of one kind and segment, checksummed, as an (n, 8) uint64 array: `bodies` an
-    (n, 4) uint64 array of their body words, `counts` the COMPLETED slots used."""
+    (n, 4) uint64 array of their body words."""
+    assert 0 <= epoch < LOG_EPOCH_LIMIT, epoch
     count = int(bodies.shape[0])
     words = np.zeros((count, 8), dtype=np.uint64)
     seq, tag = key
     words[:, 0] = LOG_HEAD_WORD_BASE | kind << 48
     words[:, 1] = seq
-    words[:, 2] = np.asarray(counts, dtype=np.uint64) << np.uint64(32) | np.uint64(tag)
+    words[:, 2] = epoch << 32 | tag
     words[:, 3:7] = bodies
     words[:, 7] = log_checksums(words[:, :7])
     return words
 
 
-def encode_completed(key: LogKey, offsets: np.ndarray) -> np.ndarray:
+def encode_completed(key: LogKey, offsets: np.ndarray, epoch: int = 0) -> np.ndarray:
     """COMPLETED records naming `offsets` (entry offsets, ENTRY_ALIGN_BYTES-aligned), eight a
     record."""
     offsets = np.asarray(offsets, dtype=np.int64)
     # A segment this large is never made (segments seal at DEFAULT_SEGMENT_MAX_BYTES; one
     # group past it gets a segment of its own, bounded by a ring record): our bug.
-    assert not (offsets & (ENTRY_ALIGN_BYTES - 1)).any() and (offsets >= 0).all(), offsets
+    assert not (offsets & (ENTRY_ALIGN_BYTES - 1)).any() and (offsets > 0).all(), offsets
     assert (offsets < LOG_SEGMENT_BYTES_LIMIT).all(), offsets
     full = -(-offsets.shape[0] // COMPLETED_PER_RECORD)
     slots = np.zeros(full * COMPLETED_PER_RECORD, dtype="<u4")
     slots[:offsets.shape[0]] = offsets >> _SLOT_SHIFT
-    counts = np.full(full, COMPLETED_PER_RECORD, dtype=np.int64)
-    if full:
-        counts[-1] = offsets.shape[0] - (full - 1) * COMPLETED_PER_RECORD
-    return encode_records(LOG_COMPLETED, key, slots.view("<u8").reshape(full, 4), counts)
+    return encode_records(LOG_COMPLETED, key, slots.view("<u8").reshape(full, 4), epoch)
 
 
 def encode_segment(key: LogKey, records: SegmentRecords) -> np.ndarray:
@@ -263,33 +287,38 @@ class StoreLog:
     """The store log open for appending (module docstring). `durable`: `power`, where each
     write after a sync starts on a SYNC_ALIGN_BYTES boundary and `sync()` fdatasyncs."""
 
-    def __init__(self, path: str, fd: int, durable: bool, end: int) -> None:
+    def __init__(self, path: str, fd: int, durable: bool, end: int, epoch: int) -> None:
         self.path = path
         self.durable = durable
         self._fd = fd
         self.end = end  # one past the last record written
+        self.epoch = epoch  # the epoch of what is written until the next sync
         self._dirty = False
         self._tail_synced = bool(end % SYNC_ALIGN_BYTES)  # the sector at `end` holds synced records
 
     @classmethod
     def open(cls, data_dir: str, durable: bool, reading: LogReading | None = None) -> StoreLog:
         """The log as it is on disk, for appending after its last valid record (a new one if
-        there is none). A torn append after it is first cut away by writing every segment's
-        records into a fresh file: appending after the garbage would make it damage in the
-        middle, and writing over it could tear the sector of synced records."""
+        there is none, its name made durable at once in `power`). Torn records are first
+        cut away by writing every segment's records into a fresh file: appending after
+        garbage would make it damage in the middle, and writing over it could tear the
+        sector of synced records."""
         reading = reading if reading is not None else read_store_log(data_dir)
         path = log_path(data_dir)
-        if reading.torn and os.path.exists(path):
+        existed = os.path.exists(path)
+        if reading.torn and existed:
             return cls.write_fresh(data_dir, reading, None, durable)
         fd = cls._open(path, os.O_RDWR | os.O_CREAT)
-        return cls(path, fd, durable, reading.end)
+        if durable and not existed:
+            _fsync_directory(data_dir)
+        return cls(path, fd, durable, reading.end, reading.newest_epoch + 1)
 
     @classmethod
     def write_fresh(cls, data_dir: str, reading: LogReading, live: list[SegmentKeys] | None,
                     durable: bool) -> StoreLog:
         """Replace the log whole with the records `reading` holds of the `live` segments (all
-        of them: None): temp file, fsync, rename, directory fsync. DiskFullError leaves the
-        old log as it was."""
+        of them: None), as epoch 0: temp file, fsync, rename, directory fsync. DiskFullError
+        leaves the old log as it was."""
         path = log_path(data_dir)
         keys = list(reading.segments) if live is None else [log_key(k) for k in live]
         empty = SegmentRecords()
@@ -297,7 +326,7 @@ class StoreLog:
         parts += [encode_segment(key, reading.segments.get(key, empty)) for key in keys]
         data = np.concatenate(parts).tobytes()
         fd = write_replacement(path, path + LOG_TMP_SUFFIX, data, max(len(data), LOG_RECORD_SIZE_BYTES), "store log")
-        return cls(path, fd, durable, len(data))
+        return cls(path, fd, durable, len(data), 1)
 
     @staticmethod
     def _open(path: str, flags: int) -> int:
@@ -310,13 +339,14 @@ class StoreLog:
             raise
 
     def completed(self, key: LogKey, offsets: np.ndarray) -> None:
-        self._append(encode_completed(key, offsets))
+        self._append(encode_completed(key, offsets, self.epoch))
 
     def boundary(self, key: LogKey, entry_count: int, data_end: int) -> None:
-        self._append(encode_records(LOG_BOUNDARY, key, np.array([[entry_count, data_end, 0, 0]], dtype=np.uint64)))
+        self._append(encode_records(LOG_BOUNDARY, key, np.array([[entry_count, data_end, 0, 0]], dtype=np.uint64),
+                                    self.epoch))
 
     def sealed(self, key: LogKey, entry_count: int) -> None:
-        self._append(encode_records(LOG_SEALED, key, np.array([[entry_count, 0, 0, 0]], dtype=np.uint64)))
+        self._append(encode_records(LOG_SEALED, key, np.array([[entry_count, 0, 0, 0]], dtype=np.uint64), self.epoch))
 
     def _append(self, records: np.ndarray) -> None:
         """One pwrite of the records (the whole of it or an OSError: a short write left
@@ -336,33 +366,63 @@ class StoreLog:
         self._dirty = True
 
     def sync(self) -> None:
-        """`power`: fdatasync what was written since the last call (DurabilityError: fatal)."""
-        if self._dirty and self.durable:
+        """Close the epoch of what was written since the last call: in `power`, fdatasync it
+        first (DurabilityError: fatal)."""
+        if not self._dirty:
+            return
+        if self.durable:
             try:
                 fileops.fdatasync(self._fd)
             except OSError as exc:
                 raise DurabilityError(f"{self.path}: fdatasync failed ({exc.strerror}, errno {exc.errno}): the "
                                       f"kernel may have dropped the dirty pages, so the broker must stop") from exc
             self._tail_synced = bool(self.end % SYNC_ALIGN_BYTES)
+        self.epoch += 1
         self._dirty = False
 
     def wants_compaction(self, live_bytes: int) -> bool:
         return self.end > max(LOG_COMPACT_MIN_BYTES, LOG_COMPACT_GROWTH * live_bytes)
 
-    def compact(self, data_dir: str, live: list[SegmentKeys]) -> None:
+    def compact(self, data_dir: str, live: list[SegmentKeys]) -> str:
         """Rewrite the log holding only the `live` segments' records (read back from this
-        file: the one recovery path) and go on appending to the new file; the same object,
-        as every open segment file appends through it. DiskFullError leaves the old file
-        in use."""
+        file: the one recovery path) and go on appending to the new file: the same object,
+        as every open segment file appends through it. "" or why not: DiskFullError, or
+        damage in the file (left for recovery to name and keep), leaves the old file in use."""
         self.sync()
-        fresh = StoreLog.write_fresh(data_dir, read_store_log(data_dir), live, self.durable)
+        reading = read_store_log(data_dir)
+        if reading.damaged:
+            return f"store log not compacted: {reading.damaged_records} records damaged (first: {reading.damaged[0]})"
+        try:
+            fresh = StoreLog.write_fresh(data_dir, reading, live, self.durable)
+        except DiskFullError as exc:
+            return f"store log not compacted: {exc}"
         self.close()
-        self.path, self._fd, self.end = fresh.path, fresh._fd, fresh.end
+        self.path, self._fd, self.end, self.epoch = fresh.path, fresh._fd, fresh.end, fresh.epoch
         self._tail_synced, self._dirty = fresh._tail_synced, False
         fresh._fd = -1
+        return ""
 
     def close(self) -> None:
         if self._fd >= 0:
             fileops.close_fd(self._fd)
             self._fd = -1
 
+
+def keep_as_evidence(path: str, quarantine_dir: str) -> str:
+    """A hard link to the log at `path` in `quarantine_dir` (as store.log, or store.log.N
+    beside earlier ones), before a compaction replaces it: damage is kept, never deleted.
+    The path of the link."""
+    os.makedirs(quarantine_dir, mode=0o700, exist_ok=True)
+    target, copies = os.path.join(quarantine_dir, STORE_LOG_FILE), 0
+    while os.path.lexists(target if not copies else f"{target}.{copies}"):
+        copies += 1
+    target = target if not copies else f"{target}.{copies}"
+    fileops.link(path, target)
+    return target
+
+
+def _fsync_directory(path: str) -> None:
+    try:
+        fileops.fsync_directory(path or ".")
+    except OSError as exc:
+        raise DurabilityError(f"{path}: fsync of the directory failed ({exc.strerror}, errno {exc.errno})") from exc

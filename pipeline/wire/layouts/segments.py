@@ -37,10 +37,13 @@ from shm.layout import Field, checked_dtype, struct_for
 # an append never rewrites a sector that holds synced bytes.
 
 SEGMENT_MAGIC = b"SBSEGMT1"
-# Bump when a field below moves or changes meaning; segments of another version are refused,
-# never migrated: an older layout could rewrite synced sectors in place (see above), and an
-# older entry has zeros where the shape (`signature`) is, which would read as a shape.
-SEGMENT_VERSION = 3
+# Bump when a field below moves or changes meaning, or where what changes about a segment is
+# kept; segments of another version are refused, never migrated: an older layout could
+# rewrite synced sectors in place (see above), an older entry has zeros where the shape
+# (`signature`) is, which would read as a shape, and an older store kept its completions in a
+# journal beside each segment, where this one reads the store log (both releases would
+# deliver every completed entry again from the other's store).
+SEGMENT_VERSION = 4
 # One page: entries start page-aligned, and the header's mutable words stay in one page.
 SEGMENT_HEADER_SIZE_BYTES = 4096
 # Entries start on 16-byte boundaries so token ids (after a 64-byte header) are 16-aligned

@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.wire.layouts.segments import ENTRY_ALIGN_BYTES, SYNC_ALIGN_BYTES
+from pipeline.wire.layouts.segments import ENTRY_ALIGN_BYTES, SEGMENT_HEADER_SIZE_BYTES, SYNC_ALIGN_BYTES
 from shm.layout import checked_dtype
 
 # The store log (pipeline/broker/storage/storelog.py): completions (up to
 # COMPLETED_PER_RECORD entries of one segment a record), the commit boundary of a segment
 # (after each group commit) and its seal. Records are 64 bytes at multiples of 64 from offset
-# 0; zeros are preallocated space or, in `power`, the padding to the next SYNC_ALIGN_BYTES
-# boundary before each synced group of records. A record that fails its checks is damage
-# when a valid record follows it, and a torn append (ignored) when none does.
+# 0; zeros are the padding, in `power`, to the next SYNC_ALIGN_BYTES boundary before each
+# synced group of records. Each record carries its group's `epoch` (one more after each
+# sync): a record that fails its checks before the last valid record of an earlier epoch
+# than the newest is damage; one after it may have been written since the last sync, and a
+# power cut may garble any sector of those (a torn write, ignored).
 #   off  size  field        meaning
 #     0     4  magic        b"SBL1"
 #     4     2  version      STORE_LOG_VERSION
@@ -21,13 +23,16 @@ from shm.layout import checked_dtype
 #     8     8  segment_seq  the segment (one sequence per store names it alone)
 #    16     4  keys_tag     `keys_tag` of the segment's (model, signature, lane): a record
 #                           read beside a segment of other keys under that sequence is not its
-#    20     4  count        COMPLETED: slots used in `body` (1 .. COMPLETED_PER_RECORD); else 0
-#    24    32  body         COMPLETED: u32 entry offsets / ENTRY_ALIGN_BYTES, unused ones zero;
+#    20     4  epoch        the sync group: 0 for what a compaction wrote, then one more
+#                           after each sync that had records to sync
+#    24    32  body         COMPLETED: u32 entry offsets / ENTRY_ALIGN_BYTES, unused slots
+#                           zero (no entry starts at 0: the segment header is there);
 #                           BOUNDARY: u64 entry_count, u64 data_end; SEALED: u64 entry_count
 #    56     8  checksum     `log_checksums` of bytes 0..56
 STORE_LOG_FILE = "store.log"
 STORE_LOG_MAGIC = b"SBL1"
-# Bump when a field above moves or changes meaning.
+# Bump when a field above moves or changes meaning: a record of another version is refused
+# (the store is not opened), never taken for garbage.
 STORE_LOG_VERSION = 1
 LOG_COMPLETED = 1  # entries of the segment are done (the segment itself is never rewritten)
 LOG_BOUNDARY = 2  # entries [SEGMENT_HEADER_SIZE_BYTES, data_end) are written: entry_count of them
@@ -40,7 +45,7 @@ STORE_LOG_DTYPE = checked_dtype(
         ("kind", 6, "<u2", "completed / boundary / sealed"),
         ("segment_seq", 8, "<u8", "segment sequence"),
         ("keys_tag", 16, "<u4", "keys_tag(model, signature, lane)"),
-        ("count", 20, "<u4", "completed slots used"),
+        ("epoch", 20, "<u4", "sync group"),
         ("body", 24, "|V32", "offsets / 16, or entry_count and data_end"),
         ("checksum", 56, "<u8", "log_checksums of bytes 0..56"),
     ],
@@ -54,7 +59,11 @@ COMPLETED_PER_RECORD = 8
 # A segment this large or larger cannot be named by a COMPLETED slot (u32 x 16 bytes): every
 # segment size limit is checked against it where it is set.
 LOG_SEGMENT_BYTES_LIMIT = (1 << 32) * ENTRY_ALIGN_BYTES
+# Epochs a log file may reach: one a sync that wrote, so fewer than the records it holds,
+# and a compaction starts again from 0.
+LOG_EPOCH_LIMIT = 1 << 32
 assert SYNC_ALIGN_BYTES % LOG_RECORD_SIZE_BYTES == 0
+assert SEGMENT_HEADER_SIZE_BYTES > 0  # a zero COMPLETED slot names no entry
 # The first word of a record (magic, version, kind) as one little-endian uint64.
 LOG_HEAD_WORD_BASE = int.from_bytes(STORE_LOG_MAGIC, "little") | STORE_LOG_VERSION << 32
 _HEAD_MASK = np.uint64(0xFFFFFFFFFFFF)
@@ -99,4 +108,13 @@ def valid_rows(words: np.ndarray) -> np.ndarray:
     kinds = words[:, 0] >> np.uint64(48)
     known = (kinds >= np.uint64(LOG_COMPLETED)) & (kinds <= np.uint64(LOG_SEALED))
     return ((words[:, 0] & _HEAD_MASK) == np.uint64(LOG_HEAD_WORD_BASE)) & known & (
+        log_checksums(words[:, :7]) == words[:, 7])
+
+
+def other_versions(words: np.ndarray) -> np.ndarray:
+    """Which rows of `words` are whole records of another version of this layout (magic and
+    checksum good, version not ours)."""
+    magic = words[:, 0] & np.uint64(0xFFFFFFFF)
+    version = (words[:, 0] >> np.uint64(32)) & np.uint64(0xFFFF)
+    return (magic == np.uint64(LOG_HEAD_WORD_BASE & 0xFFFFFFFF)) & (version != np.uint64(STORE_LOG_VERSION)) & (
         log_checksums(words[:, :7]) == words[:, 7])
