@@ -59,7 +59,6 @@ TIMED = [
     (disk.DiskTier, "_remove", "broker:     tombstones"),
     (process.Consumer, "start_batch", "consumer: start_batch"),
     (reader.SegmentReader, "read_batch", "consumer:   read_batch"),
-    (reader, "journal_completions", "consumer:     journal follow (decode)"),
     (sim.SimEngine, "run", "consumer:   engine"),
     (sim.SimEngine, "_hash_blocks", "consumer:     block hashing"),
     (prefix_cache.PrefixCache, "run", "consumer:     prefix cache"),

@@ -107,7 +107,10 @@ def test_a_damaged_store_log_turns_the_skip_off(tmp_path):
     path = segment_at(str(tmp_path / "e"))
     segment = _write(path, [3, 3], seed=5)
     offsets = scan_segment(path).offsets
+    log = shared_log(data_dir_of(path))
+    log.sync()  # group commits between: the first record was synced once later ones were written
     segment.tombstone_many(offsets[:3])
+    log.sync()
     segment.tombstone_many(offsets[3:4])
     segment.close()
     log_file = os.path.join(data_dir_of(path), "store.log")
