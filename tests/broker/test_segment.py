@@ -524,3 +524,26 @@ def test_power_never_writes_into_a_sector_holding_synced_bytes(tmp_path):
     assert report.entry_count == 30 and not report.damaged and not report.torn and report.tombstone_count == 3
     assert offsets.tolist() == [o for o in report.offsets.tolist() if o not in starts] and end == ends[-1]
     assert (report.header_entry_count, report.header_data_end) == (30, ends[-1])
+
+
+def test_a_closed_file_keeps_its_completions_compressed_and_opens_with_them(tmp_path):
+    # 20,000 entries, the first 12,000 completed a batch at a time (in file order, as dispatch
+    # hands them out) and two stragglers: what the store keeps of the closed file is a fifth of
+    # its bitmap or less, and the file opened from it knows exactly those completions.
+    path = segment_at(str(tmp_path / "k"))
+    segment, _ = write_segment(path, 20_000, groups=8)
+    offsets = scan_segment(path).offsets
+    for start in range(0, 12_000, 64):
+        segment.tombstone_many(offsets[start:min(start + 64, 12_000)])
+    segment.tombstone_many(offsets[[15_000, 19_999]])
+    progress = segment.progress()
+    # Entries of random lengths (1 to 400 tokens): which ones are done is about a byte each.
+    bitmap_bytes = -(-segment.allocated // 128)
+    assert len(progress.done) * 5 < bitmap_bytes, (len(progress.done), bitmap_bytes)
+    segment.close()
+    again = SegmentFile.open(path, Durability.PROCESS, shared_log(data_dir_of(path)), progress, keys=KEYS)
+    assert again.deleted_count == 12_002
+    assert again.tombstone_many(offsets[11_990:12_010]) == 10  # the ten past the completed run
+    assert [again.state_at(int(o)) for o in offsets[[0, 11_999, 12_000, 15_000, 19_998]]] == [
+        ENTRY_TOMBSTONE, ENTRY_TOMBSTONE, ENTRY_TOMBSTONE, ENTRY_TOMBSTONE, ENTRY_LIVE]
+    again.close()

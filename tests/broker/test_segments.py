@@ -343,6 +343,11 @@ def test_a_file_closed_by_the_cache_keeps_what_it_completed(tmp_path):
         assert store.tombstone_many(segment, offsets[:7]) == 2
         assert store.segments[segment].deleted_count == 7
     assert store.files_closed_by_cache > 0
+    closed = [s.progress for s in store.segments.values() if s.progress is not None]
+    # What a closed file keeps of its completions: its bitmap compressed, well below the
+    # bitmap's 1/128 of the file for completions in file order.
+    assert closed and all(p.done is not None and len(p.done) * 4 < os.path.getsize(s.path) // 128
+                          for s in store.segments.values() if (p := s.progress) is not None)
     store.close()
     again = SegmentStore(str(tmp_path))
     again.recover()
