@@ -43,16 +43,16 @@ tools. Not thread-safe.
 
 from __future__ import annotations
 
-import errno
 import os
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from pipeline.broker.storage.diskio import NO_SPACE_ERRNOS, fdatasync, fsync_directory
 from pipeline.broker.storage.identity import SegmentKeys
 from pipeline.broker.storage.replace import write_replacement
 from pipeline.wire import fileops
-from pipeline.wire.errors import DiskFullError, DurabilityError, SegmentFormatError, StoreReadError
+from pipeline.wire.errors import DiskFullError, SegmentFormatError, StoreReadError
 from pipeline.wire.layouts.segments import ENTRY_ALIGN_BYTES, SYNC_ALIGN_BYTES
 from pipeline.wire.layouts.storelog import (
     COMPLETED_PER_RECORD,
@@ -85,7 +85,6 @@ LOG_COMPACT_MIN_BYTES = 1 << 20
 LOG_COMPACT_GROWTH = 4
 # Suffix of the compaction's temp file beside the log (a leftover is an interrupted one).
 LOG_TMP_SUFFIX = ".tmp"
-_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _SLOT_SHIFT = ENTRY_ALIGN_BYTES.bit_length() - 1
 assert 1 << _SLOT_SHIFT == ENTRY_ALIGN_BYTES
 
@@ -310,7 +309,7 @@ class StoreLog:
             return cls.write_fresh(data_dir, reading, None, durable)
         fd = cls._open(path, os.O_RDWR | os.O_CREAT)
         if durable and not existed:
-            _fsync_directory(data_dir)
+            fsync_directory(data_dir)
         return cls(path, fd, durable, reading.end, reading.newest_epoch + 1)
 
     @classmethod
@@ -333,7 +332,7 @@ class StoreLog:
         try:
             return fileops.open_fd(path, flags, 0o600)
         except OSError as exc:
-            if exc.errno in _NO_SPACE:
+            if exc.errno in NO_SPACE_ERRNOS:
                 raise DiskFullError(f"{path}: disk full ({exc.strerror}) creating the store log; appends stop "
                                     f"until space comes back, nothing accepted is lost") from exc
             raise
@@ -357,7 +356,7 @@ class StoreLog:
         try:
             fileops.pwrite_all(self._fd, records.tobytes(), at)
         except OSError as exc:
-            if exc.errno in _NO_SPACE:
+            if exc.errno in NO_SPACE_ERRNOS:
                 raise DiskFullError(f"{self.path}: disk full ({exc.strerror}) writing {records.nbytes} bytes of the "
                                     f"store log at offset {at}") from exc
             raise
@@ -371,11 +370,7 @@ class StoreLog:
         if not self._dirty:
             return
         if self.durable:
-            try:
-                fileops.fdatasync(self._fd)
-            except OSError as exc:
-                raise DurabilityError(f"{self.path}: fdatasync failed ({exc.strerror}, errno {exc.errno}): the "
-                                      f"kernel may have dropped the dirty pages, so the broker must stop") from exc
+            fdatasync(self._fd, self.path)  # DurabilityError: fatal
             self._tail_synced = bool(self.end % SYNC_ALIGN_BYTES)
         self.epoch += 1
         self._dirty = False
@@ -420,9 +415,3 @@ def keep_as_evidence(path: str, quarantine_dir: str) -> str:
     fileops.link(path, target)
     return target
 
-
-def _fsync_directory(path: str) -> None:
-    try:
-        fileops.fsync_directory(path or ".")
-    except OSError as exc:
-        raise DurabilityError(f"{path}: fsync of the directory failed ({exc.strerror}, errno {exc.errno})") from exc
