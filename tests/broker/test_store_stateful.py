@@ -34,6 +34,7 @@ from pipeline.broker.packing import Contract
 from pipeline.broker.storage import DiskTier, Durability
 from pipeline.broker.storage.paths import iter_segments
 from pipeline.broker.storage.segment import scan_segment
+from pipeline.broker.storage.storelog import read_store_log
 from pipeline.wire.layouts.frames import TOKEN_SIZE_BYTES
 from pipeline.wire.layouts.segments import ENTRY_HEADER_SIZE_BYTES, ENTRY_LIVE
 
@@ -132,8 +133,9 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(which=st.integers(0, 1000), bit=st.integers(0, 7))
     def crash_with_damage(self, which: int, bit: int) -> None:
         live = []
+        log = read_store_log(self.root)  # once for every segment
         for seg in iter_segments(self.root):
-            scan = scan_segment(seg.path)
+            scan = scan_segment(seg.path, records=log.of(seg.keys))
             live += [(seg.path, int(off), int(h["item_id"]), int(h["length"]))
                      for off, h in zip(scan.offsets.tolist(), scan.headers) if h["state"] == ENTRY_LIVE]
         if live:
@@ -173,8 +175,9 @@ class StoreMachine(RuleBasedStateMachine):
         self.may_return = set()
 
     def _live_items(self) -> set[int]:
+        log = read_store_log(self.root)  # once for every segment
         return {int(h["item_id"]) for seg in iter_segments(self.root)
-                for h in scan_segment(seg.path).headers if h["state"] == ENTRY_LIVE}
+                for h in scan_segment(seg.path, records=log.of(seg.keys)).headers if h["state"] == ENTRY_LIVE}
 
     @invariant()
     def counts_agree(self) -> None:

@@ -42,6 +42,7 @@ from pipeline.broker.storage import DiskTier, Durability, crashpoints
 from pipeline.broker.storage.inspect import verify
 from pipeline.broker.storage.paths import iter_segments
 from pipeline.broker.storage.segment import scan_segment
+from pipeline.broker.storage.storelog import read_store_log
 from pipeline.wire.layouts.frames import make_item_id
 from pipeline.wire.layouts.segments import ENTRY_HEADER_SIZE_BYTES, ENTRY_LIVE
 from pipeline.wire.shapes import POOL_SIGNATURE
@@ -265,8 +266,10 @@ def live_items(data_dir: str, name_confirmed: bool = False, pooled: bool = False
     identity block is damaged is read under its file name's keys (as recovery does when its
     catalog knows the name)."""
     live = set()
+    log = read_store_log(data_dir)  # once for every segment
     for seg in iter_segments(data_dir):
-        scan = scan_segment(seg.path, seg.keys, name_confirmed=name_confirmed) if name_confirmed else scan_segment(seg.path)
+        keys = seg.keys if name_confirmed else None
+        scan = scan_segment(seg.path, keys, name_confirmed=name_confirmed, records=log.of(seg.keys))
         data = np.fromfile(seg.path, dtype=np.uint8)
         for offset, header in zip(scan.offsets.tolist(), scan.headers):
             if header["state"] != ENTRY_LIVE:

@@ -186,14 +186,24 @@ def decode_log(data: bytes | memoryview, path: str) -> LogReading:
     return reading
 
 
-def _segment_runs(seqs: np.ndarray, tags: np.ndarray, order: np.ndarray) -> list[tuple[LogKey, np.ndarray]]:
-    """The rows of each segment, as (key, row indexes in `order`'s order within it): one
-    stable sort of everything, no Python step per row."""
+def _segment_runs(seqs: np.ndarray, tags: np.ndarray, order: np.ndarray) -> tuple[np.ndarray, list]:
+    """The rows sorted by segment, then by `order` (a stable sort of everything), and each
+    segment's run in it as (key, start, end): no Python step per row, none per segment but
+    the run's tuple."""
     ranked = np.lexsort((order, tags, seqs))
+    if not ranked.size:
+        return ranked, []
     s, t = seqs[ranked], tags[ranked]
-    cuts = np.flatnonzero((s[1:] != s[:-1]) | (t[1:] != t[:-1])) + 1
-    return [((int(s[run[0]]), int(t[run[0]])), ranked[run]) for run in np.split(np.arange(ranked.size), cuts)
-            if run.size]
+    starts = np.flatnonzero(np.r_[True, (s[1:] != s[:-1]) | (t[1:] != t[:-1])])
+    ends = np.r_[starts[1:], ranked.size]
+    return ranked, list(zip(zip(s[starts].tolist(), t[starts].tolist()), starts.tolist(), ends.tolist()))
+
+
+def _records(segments: dict[LogKey, SegmentRecords], key: LogKey) -> SegmentRecords:
+    found = segments.get(key)
+    if found is None:
+        found = segments[key] = SegmentRecords()
+    return found
 
 
 def _replay(reading: LogReading, rows: np.ndarray) -> None:
@@ -210,21 +220,24 @@ def _replay(reading: LogReading, rows: np.ndarray) -> None:
         offsets = slots[used].astype(np.int64) << _SLOT_SHIFT
         counts = used.sum(axis=1)
         owner_seq, owner_tag = np.repeat(seqs[done], counts), np.repeat(tags[done], counts)
-        for key, index in _segment_runs(owner_seq, owner_tag, offsets):
-            mine = offsets[index]  # sorted: the offsets order the sort within a segment
+        ranked, runs = _segment_runs(owner_seq, owner_tag, offsets)
+        ordered = offsets[ranked]  # by segment, then offset
+        for key, start, end in runs:
+            mine = ordered[start:end]
             keep = np.ones(mine.shape[0], dtype=bool)
-            keep[1:] = mine[1:] != mine[:-1]
-            segments.setdefault(key, SegmentRecords()).completed = mine[keep]
+            keep[1:] = mine[1:] != mine[:-1]  # a completion recorded twice counts once
+            _records(segments, key).completed = mine[keep]
     for kind in (LOG_BOUNDARY, LOG_SEALED):
         picked = np.flatnonzero(kinds == np.uint64(kind))
-        for key, index in _segment_runs(seqs[picked], tags[picked], picked):
-            records = segments.setdefault(key, SegmentRecords())
-            values = rows[picked[index], 3:5].astype(np.int64)  # file order within the segment
+        ranked, runs = _segment_runs(seqs[picked], tags[picked], picked)
+        values = rows[picked[ranked], 3:5].astype(np.int64)  # by segment, then file order
+        for key, start, end in runs:
+            records = _records(segments, key)
             if kind == LOG_BOUNDARY:
-                records.boundaries = values
-                records.entry_count, records.data_end = int(values[-1, 0]), int(values[-1, 1])
+                records.boundaries = values[start:end]
+                records.entry_count, records.data_end = int(values[end - 1, 0]), int(values[end - 1, 1])
             else:
-                records.sealed_count = int(values[-1, 0])
+                records.sealed_count = int(values[end - 1, 0])
 
 
 def read_store_log(data_dir: str) -> LogReading:
