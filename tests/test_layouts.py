@@ -11,14 +11,12 @@ import numpy as np
 import pytest
 import xxhash
 
-from pipeline.broker.storage.catalog import encode_record
 from pipeline.broker.storage.diskio import Durability
 from pipeline.broker.storage.paths import make_dirs, segment_path
 from pipeline.broker.storage.scan import boundary_checksum
 from pipeline.broker.storage.segment import SegmentFile, SegmentKeys, encode_entries, scan_segment
 from pipeline.consumer.reader import SegmentReader
 from pipeline.wire.errors import FrameError, SegmentNameError
-from pipeline.wire.layouts.catalog import CATALOG_MAGIC, CATALOG_RECORD_DTYPE, CATALOG_SEALED, CATALOG_VERSION
 from pipeline.wire.layouts.descriptors import (
     DESCRIPTOR_HEADER_DTYPE,
     DESCRIPTOR_ITEM_DTYPE,
@@ -57,9 +55,11 @@ from pipeline.wire.layouts.segments import (
     entry_checksum,
     entry_size_bytes,
 )
+from pipeline.broker.storage.storelog import encode_lifecycle, lifecycle_keys
 from pipeline.wire.layouts.storelog import (
     LOG_BOUNDARY,
     LOG_COMPLETED,
+    LOG_MISSING,
     LOG_SEALED,
     STORE_LOG_DTYPE,
     STORE_LOG_FILE,
@@ -136,8 +136,8 @@ def test_limits_are_what_the_names_hold():
     assert parse_segment_file("l0001-0000000001.seg.creating") is None
 
 
-def test_catalog_record_layout():
-    assert CATALOG_RECORD_DTYPE.itemsize == 64 and CATALOG_RECORD_DTYPE.fields["checksum"][1] == 56
+def test_store_log_record_layout():
+    assert STORE_LOG_DTYPE.itemsize == 64 and STORE_LOG_DTYPE.fields["checksum"][1] == 56
 
 
 # ------------------------------------------------------------------ one definition per layout
@@ -247,14 +247,16 @@ def test_an_entry_header_reads_back_field_by_field_through_every_reader(tmp_path
     reader.close()
 
 
-def test_a_catalog_record_reads_back_field_by_field():
-    record = np.frombuffer(encode_record(CATALOG_SEALED, KEYS, entry_count=77, time_ns=0x7171717171717171),
-                           dtype=CATALOG_RECORD_DTYPE)[0]
-    assert (bytes(record["magic"]), record["version"], record["kind"]) == (CATALOG_MAGIC, CATALOG_VERSION,
-                                                                           CATALOG_SEALED)
-    assert (record["model"], record["lane"], record["signature"], record["segment_seq"]) == (
-        KEYS.model, KEYS.lane, KEYS.signature, KEYS.segment_seq)
-    assert (record["entry_count"], record["time_ns"]) == (77, 0x7171717171717171)
+def test_a_life_record_reads_back_field_by_field():
+    words = encode_lifecycle(LOG_MISSING, KEYS, entry_count=77, time_ns=0x7171717171717171)
+    record = words.view(STORE_LOG_DTYPE)[0, 0]
+    assert (bytes(record["magic"]), record["version"], record["kind"]) == (STORE_LOG_MAGIC, STORE_LOG_VERSION,
+                                                                           LOG_MISSING)
+    body = np.frombuffer(bytes(record["body"]), dtype="<u4")
+    assert (body[0], body[1], record["segment_seq"]) == (KEYS.model, KEYS.lane, KEYS.segment_seq)
+    assert np.frombuffer(bytes(record["body"]), dtype="<u8")[1:].tolist() == [KEYS.signature, 77, 0x7171717171717171]
+    assert record["keys_tag"] == keys_tag(KEYS.model, KEYS.signature, KEYS.lane)
+    assert lifecycle_keys(words[0]) == KEYS
 
 
 def test_descriptor_and_frame_headers_read_back_field_by_field():

@@ -40,8 +40,8 @@ sys.path.insert(0, REPO)
 INSTRUMENTED = ["pipeline", "shm"]
 # The targets' names, known before the targets are imported (the child imports them under
 # atheris's instrumentation).
-TARGET_NAMES = ["batch", "catalog", "catalog_pair", "control", "descriptor", "frame", "generation", "results",
-                "segment_read", "segment_scan", "store_log", "workload"]
+TARGET_NAMES = ["batch", "control", "descriptor", "frame", "generation", "results", "segment_read", "segment_scan",
+                "store_log", "workload"]
 
 DEFAULT_VENV = "/tmp/atheris-venv"
 # libFuzzer's limits for one input: a hang, and a process that grows past what any input

@@ -6,8 +6,8 @@ vm.dirty_expire_centisecs after it was dirtied (30 s by default, checked every
 vm.dirty_writeback_centisecs, 5 s): a power cut loses up to about 35 s of acknowledged work,
 measured on a real kernel by tools/power_cuts.py (RELIABILITY.md). With `sync_interval_s`
 set, a thread of the broker calls syncfs(2) on the data directory's filesystem that often
-(the interval counted from the end of the last call): the store's segments, store log and
-catalog, and the consumers' results files where they live under the data directory, are on
+(the interval counted from the end of the last call): the store's segments and store log,
+and the consumers' results files where they live under the data directory, are on
 disk within the interval plus two syncfs durations of the moment they were written (a
 write just after one call began may miss it, and the next starts an interval after it
 ended): Redis's `appendfsync everysec`, PostgreSQL's `synchronous_commit = off` with its WAL

@@ -17,15 +17,15 @@ log = logging.getLogger("pipeline.broker")
 def note_store_was_kept(storage: DiskTier, state: BrokerState, data_dir: str, durable: bool,
                         ran_before: bool) -> None:
     """A broker ran on this data directory before (its state file says so), yet the disk
-    tier found neither a catalog nor a segment: the store was removed (its catalog with it),
-    and what it held cannot be named. Counted as a catalog problem: never a fresh start in
+    tier found neither a store log nor a segment: the store was removed (its log with it),
+    and what it held cannot be named. Counted as a store log problem: never a fresh start in
     silence. A store on tmpfs (`durable` false) starts empty by contract."""
     recovery = storage.recovery
     if not durable or not ran_before or recovery.catalog_found or recovery.segments_scanned:
         return
     recovery.catalog_problems.append(
         f"{data_dir}: a broker ran here before ({state.path}: generation {state.generation - 1}), but the "
-        f"store has no catalog and no segment: it was removed, and whatever it held is lost; the next "
+        f"store has no store log and no segment: it was removed, and whatever it held is lost; the next "
         f"producer id is kept ({state.next_producer_id})")
 
 

@@ -91,7 +91,7 @@ def dump_tombstones_command(data_dir: str, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @_one_line_errors
 def verify_command(data_dir: str, as_json: bool) -> None:
-    """Exit 0 only when nothing is damaged, lost, missing (per the catalog), quarantined or
+    """Exit 0 only when nothing is damaged, lost, missing (per the store log), quarantined or
     stray, checksums hold and counts agree. Torn tails of unacknowledged writes are listed
     as notes: they lose nothing."""
     result = verify(data_dir)

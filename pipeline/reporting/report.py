@@ -392,7 +392,7 @@ def _accounting_table(report: dict) -> Table:
 
 def _unknown_damage(report: dict) -> str:
     """What the store lost that no count covers: missing segments of unknown size, strays,
-    a catalog that could not vouch for the store."""
+    a store log that could not vouch for the store."""
     damage = report.get("store_damage", {})
     parts = [counted(damage[key], what) + why for key, what, why in (
         ("segments_missing_count_unknown", "missing segment", " of unknown size"),

@@ -72,7 +72,7 @@ def memory_tier_dir(data_dir: str) -> str:
 
 
 # Descriptors a broker holds besides its segment files and its peers' connections: the
-# listener, the wake pipe, the lock, state, catalog and log files, metrics, a few in-process
+# listener, the wake pipe, the lock, state, store log and log files, metrics, a few in-process
 # read mappings (DiskTier.READ_MAPS_MAX, each a descriptor).
 BROKER_FD_HEADROOM = 96
 # Descriptors an open segment file holds: its own and the one Python's mmap keeps (a dup).

@@ -79,7 +79,7 @@ raises one of these, with the offending value, path and byte offset in the messa
         │                                    hands its batches back and retries
         ├── SegmentNameError                 a segment key (model, lane, sequence, signature)
         │                                    beyond what a segment file name holds
-        ├── StoreReadError                   a data directory, segment or catalog file cannot
+        ├── StoreReadError                   a data directory, segment or store log cannot
         │                                    be read (permissions, I/O, not a directory)
         ├── ResultsFileError                 a results file or directory cannot be read or
         │   │                                written (path named); bad lines are counted
@@ -397,7 +397,7 @@ class SegmentNameError(StorageError):
 
 
 class StoreReadError(StorageError):
-    """A data directory, segment file or catalog cannot be read (permissions, an I/O error, a
+    """A data directory, segment file or store log cannot be read (permissions, an I/O error, a
     file where a directory belongs): the path and the system's reason are named."""
 
 

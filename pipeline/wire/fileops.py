@@ -1,7 +1,7 @@
 """File operations of the store and the results, through one replaceable layer.
 
 Every write, pwrite, msync, fsync, fdatasync, rename, link, truncate, allocate, unlink and
-directory fsync of the segment files, the catalog, the broker's state file, the data
+directory fsync of the segment files, the store log, the broker's state file, the data
 directory's shared-memory namespace file, the consumers' results files and a batch job's
 output goes through the functions below, which call the
 installed `FileIO`. The default passes straight to the OS; a fault campaign installs one that

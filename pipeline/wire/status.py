@@ -57,7 +57,7 @@ DAMAGE_KEYS = (
     "entries_missing",  # lost to truncation, plus those of missing segments whose count is known
     "entries_quarantined",  # in segments quarantined whole: no keys to deliver them under
     "segments_damaged",  # live segments with damage (their good entries are delivered)
-    "segments_missing",  # the catalog holds them, the disk does not
+    "segments_missing",  # the store log holds them, the disk does not
     "segments_missing_count_unknown",  # of those, still open when last recorded: count unknown
     "segments_quarantined",  # moved to quarantine/ by this recovery
     "strays",  # files or directories under segments/ that do not parse

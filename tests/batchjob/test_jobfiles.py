@@ -23,7 +23,7 @@ from pipeline.batchjob.paths import partial_path
 from pipeline.wire.errors import DataDirError, JobPathError
 
 # Every name a run or a job makes at the top of a data directory, one of each.
-TOP_ENTRIES = ("segments", "store.log", "segments.catalog", "segments.catalog.mirror", "shapes.lineage",
+TOP_ENTRIES = ("segments", "store.log", "shapes.lineage",
                "broker-state.json", "shm-namespace", "run", "results", "job", "quarantine", "engine-cache")
 
 
@@ -37,7 +37,7 @@ def _job_tree(data: Path) -> None:
     """A job's data directory as a run of it leaves it."""
     for name in ("segments/m00000/s00000000000000aa/l0000-0000000000.seg",
                  "results/run-20260101T000000Z-9/consumer0.jsonl",
-                 "broker-state.json", "segments.catalog", f"{JOB_DIR}/{MANIFEST_NAME}", f"{JOB_DIR}/{RECORDS_NAME}",
+                 "broker-state.json", "store.log", f"{JOB_DIR}/{MANIFEST_NAME}", f"{JOB_DIR}/{RECORDS_NAME}",
                  f"{JOB_DIR}/{LOG_NAME}", f"{JOB_DIR}/rejected/p0-123.jsonl", f"{JOB_DIR}/rejected/supervisor.jsonl",
                  f"{JOB_DIR}/merge/bucket-0000.bin", f"{JOB_DIR}/scan/ids-017.bin",
                  *(f"{JOB_DIR}/{MODEL_COPY_DIR}/{name}" for name in MODEL_FILES),

@@ -76,8 +76,8 @@ def test_crash_at_each_step_boundary(tmp_path, point, skip, pooled):
     if point == "delete.before_unlink":
         assert report.deleted, report.summary()  # sealed, all tombstoned: deleted by recovery
     if point == "create.after_rename":
-        assert report.adopted and report.ok, report.summary()  # on disk, not in the catalog yet
-    assert not report.missing, report.summary()  # the catalog is never ahead of the files
+        assert report.adopted and report.ok, report.summary()  # on disk, not in the store log yet
+    assert not report.missing, report.summary()  # the store log is never ahead of the files
     check_after_recovery(data_dir, log_path, crashes=1, pooled=pooled)
     drain_and_check(data_dir, log_path, crashes=1, pooled=pooled)
 

@@ -486,7 +486,7 @@ def test_one_hundred_thousand_lanes_with_bounded_open_files(tmp_path):
 def test_running_out_of_inodes_is_backpressure_not_a_crash(tmp_path):
     """A file system with no inode left refuses a new shape's directory or segment file with
     ENOSPC: that is a full disk (DiskFullError, the frame held back), never an OSError that
-    stops the broker; and a store with no inode to spare still opens (its catalog is not
+    stops the broker; and a store with no inode to spare still opens (its store log is not
     compacted then), with every frame that was stored, once."""
     mount_point = tmp_path / "inodes"
     mount_point.mkdir()
@@ -544,9 +544,9 @@ def test_a_recovered_lane_beyond_the_lane_budget_is_refused_by_name(tmp_path):
         wide.close()
 
 
-def test_a_segment_whose_header_lane_field_flipped_is_salvaged_under_the_name_the_catalog_knows(tmp_path):
+def test_a_segment_whose_header_lane_field_flipped_is_salvaged_under_the_name_the_log_knows(tmp_path):
     """One flipped byte in a header's lane field: the identity checksum fails and the key
-    fields disagree with the file name, but the catalog recorded a segment of exactly the
+    fields disagree with the file name, but the store log recorded a segment of exactly the
     name's keys. Its entries are delivered under them, through the open-file cache's
     reopens too, and the file goes to quarantine/ once they are done, never deleted."""
     data_dir = str(tmp_path / "data")

@@ -16,9 +16,9 @@ in miniature and logs what it acknowledged; the parent recovers and checks by it
   being written (dropped, kept, garbled, mixed; 512 or 4096 bytes): segments are written
   once (layout version 2), completions, boundaries and seals are store log records, and every
   synced group starts on a fresh sector, so no write shares a sector with synced bytes. At
-  `process` the loss is counted (the campaign's figure), not failed. The segment catalog
-  has a mirror written after the catalog's fdatasync (pipeline/broker/storage/catalog.py):
-  at `power` recovery names no catalog problem and no MISSING segment after any cut.
+  `process` the loss is counted (the campaign's figure), not failed. The store log is also
+  the store's catalog, its DELETED records synced before the unlink: at `power` recovery
+  names no store log problem and no MISSING segment after any cut.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from pipeline.broker.storage import Durability
 from lab.reliability.faults import POWER_CUT_EXIT, FaultPlan, FaultyIO, PowerCut
 from pipeline.wire import fileops
 from pipeline.wire.errors import PipelineError
-from pipeline.wire.layouts.catalog import CATALOG_FILE
 from pipeline.wire.layouts.storelog import STORE_LOG_FILE
 from tests.support.disk_crash import CONTRACT_ITEMS, Driver, Log, check_after_recovery, live_items
 
@@ -182,7 +181,7 @@ def power_campaign(tmp_path, durability: Durability, mode: str, sector_bytes: in
     template = _seeded_store(tmp_path / "template", durability, turns)
     total = _count_ops(template, tmp_path / "count", durability, turns)
     figures = {"ops": total, "cuts": 0, "lost_items": 0, "cuts_losing": 0, "damaged_ranges": 0, "quarantined": 0,
-               "torn_tails": 0, "catalog_problems": 0, "missing": 0, "sectors_garbled": 0, "catalog_sectors_garbled": 0,
+               "torn_tails": 0, "catalog_problems": 0, "missing": 0, "sectors_garbled": 0,
                "log_sectors_garbled": 0}
     for k in _ks(total, every, only_ks):
         data_dir, log_path = _copy(template, tmp_path / f"k{k}")
@@ -195,8 +194,6 @@ def power_campaign(tmp_path, durability: Durability, mode: str, sector_bytes: in
         with open(log_path + ".cut") as file:
             cut = json.load(file)
         figures["sectors_garbled"] += cut["sectors_garbled"]
-        figures["catalog_sectors_garbled"] += sum(os.path.basename(path).startswith(CATALOG_FILE)
-                                                  for path, _offset in cut["garbled_at"])
         figures["log_sectors_garbled"] += sum(os.path.basename(path).startswith(STORE_LOG_FILE)
                                               for path, _offset in cut["garbled_at"])
         lost = _lost_after_cut(data_dir, log_path, figures)
@@ -239,17 +236,16 @@ def test_torn_sectors_at_power_durability_lose_nothing_acknowledged(tmp_path, mo
     """Garbled sectors (a sector being written when the power went) cost no acknowledged
     item: no write of the store shares a sector with synced bytes (module docstring), so
     what is garbled was never acknowledged. Never unexpected or corrupt items either; and
-    the catalog loses no synced record (its mirror), so recovery names no catalog problem
-    and no segment the broker deleted as MISSING."""
+    the store log loses no synced record, so recovery names no store log problem and no
+    segment the broker deleted as MISSING."""
     figures = power_campaign(tmp_path, Durability.POWER, mode, sector_bytes, every=False)
     assert figures["cuts"] == min(SAMPLE_KS, figures["ops"]) and figures["lost_items"] == 0
     assert (figures["catalog_problems"], figures["missing"]) == (0, 0), figures
-    # The sample garbles sectors of the side files (the catalog and its mirror, the store
-    # log): else it would test nothing of their torn-write rules. `garble` garbles every
-    # sector being written at a cut; `mixed` draws each one's fate, and its four cuts may
-    # spare the side files.
+    # The sample garbles sectors of the store log: else it would test nothing of its
+    # torn-write rule. `garble` garbles every sector being written at a cut; `mixed` draws
+    # each one's fate, and its four cuts may spare the log.
     if mode == "garble":
-        assert figures["catalog_sectors_garbled"] > 0 and figures["log_sectors_garbled"] > 0, figures
+        assert figures["log_sectors_garbled"] > 0, figures
 
 
 def test_a_power_cut_at_process_durability_is_measured(tmp_path):

@@ -2,7 +2,7 @@
 
 Seeded: each trial writes a store through the disk tier (three lanes over two models, small
 segments that rotate), restarts it once (so every segment is sealed with its count in the
-catalog), then flips bytes, zeroes ranges, truncates and deletes files at random offsets,
+store log), then flips bytes, zeroes ranges, truncates and deletes files at random offsets,
 restarts it again and drains everything it delivers, each item checked against its tokens.
 Against what was written, per segment:
 

@@ -24,7 +24,7 @@ from pipeline.broker.storage.segments import SegmentStore
 from pipeline.broker.storage.storelog import StoreLog, log_key
 from pipeline.cli import main
 from pipeline.wire.errors import StoreReadError
-from pipeline.wire.layouts.catalog import CATALOG_FILE, CATALOG_MIRROR_FILE
+from pipeline.wire.layouts.storelog import STORE_LOG_FILE
 from tests.support.repo import ROOT
 from tests.support.segments import data_dir_of, make_items, shared_log
 from tests.support.users import python_for
@@ -32,7 +32,7 @@ from tests.support.users import python_for
 
 def build_store(data_dir: str) -> list[str]:
     """Two shapes, three segments; a few entries tombstoned in one of them. Then a store
-    recovery, as a broker start would, writes the catalog (and seals them)."""
+    recovery, as a broker start would, writes the store log (and seals them)."""
     paths = []
     for n, (signature, lane, seq) in enumerate([(0xAAA, 0, 0), (0xAAA, 1, 0), (0xBBB, 0, 4)]):
         path = segment_path(data_dir, 0, signature, lane, seq)
@@ -123,7 +123,7 @@ def test_verify_fails_after_recovery_for_every_kind_of_loss(tmp_path):
     assert cases["delete"][1].damage_counts()["segments_missing"] == 1
     assert cases["delete"][1].missing[0].entry_count == 20  # recovery sealed it: its count is known
     assert any("MISSING" in p and "20 entries" in p for p in cases["delete"][2][1]["problems"])
-    # The header's model field disagrees with the file name, but the catalog recorded a
+    # The header's model field disagrees with the file name, but the store log recorded a
     # segment of the name's keys: salvaged under them (its 20 entries delivered), named.
     assert cases["identity"][1].damage_counts()["entries_quarantined"] == 0
     assert cases["identity"][1].live_entries == 55 and cases["identity"][1].damaged_identities  # as a clean store
@@ -152,12 +152,11 @@ def test_verify_reports_counts_that_disagree(tmp_path):
     assert code == 1 and any("deleted" in p for p in report["problems"])
 
 
-def test_verify_fails_without_a_catalog(tmp_path):
+def test_verify_fails_without_a_store_log(tmp_path):
     build_store(str(tmp_path))
-    os.unlink(tmp_path / CATALOG_FILE)
-    os.unlink(tmp_path / CATALOG_MIRROR_FILE)
+    os.unlink(tmp_path / STORE_LOG_FILE)
     code, report = run_verify(str(tmp_path))
-    assert code == 1 and any("no catalog" in p for p in report["problems"])
+    assert code == 1 and any("no store log" in p for p in report["problems"])
     assert recover(str(tmp_path)).damage_counts()["catalog_problems"] == 1  # reported, rebuilt
     assert run_verify(str(tmp_path))[0] == 0
 
@@ -217,7 +216,7 @@ def test_an_unreadable_store_is_a_one_line_error(tmp_path):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("locked", ["segments", "segment file", "catalog"])
+@pytest.mark.parametrize("locked", ["segments", "segment file", "store log"])
 def test_what_another_user_cannot_read_is_a_one_line_error(locked):
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         pytest.skip("needs root and setpriv to run verify as another user")
@@ -229,12 +228,12 @@ def test_what_another_user_cannot_read_is_a_one_line_error(locked):
         for root, dirs, _files in os.walk(top):
             for name in [".", *dirs]:
                 os.chmod(os.path.join(root, name), 0o755)
-        catalog = os.path.join(data_dir, CATALOG_FILE)
-        for path in [*paths, os.path.join(data_dir, "store.log"), catalog, os.path.join(data_dir, CATALOG_MIRROR_FILE)]:
+        log = os.path.join(data_dir, STORE_LOG_FILE)
+        for path in [*paths, log]:
             os.chmod(path, 0o644)
         # Owned by root, owner-only: user nobody can neither list the one nor read the others.
         os.chmod({"segments": os.path.join(data_dir, "segments"), "segment file": paths[1],
-                  "catalog": catalog}[locked], 0o700)
+                  "store log": log}[locked], 0o700)
         done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python,
                                "-m", "pipeline", "tools", "verify", data_dir],
                               capture_output=True, text=True, cwd=str(ROOT),
@@ -246,7 +245,7 @@ def test_what_another_user_cannot_read_is_a_one_line_error(locked):
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and "Permission denied" in done.stderr, done.stderr
     expected = {"segments": "segments: cannot read the store", "segment file": f"{paths[1]}: cannot read the segment",
-                "catalog": f"{catalog}: cannot read the segment catalog"}[locked]
+                "store log": f"{log}: cannot read the store log"}[locked]
     assert expected in done.stderr, done.stderr
 
 

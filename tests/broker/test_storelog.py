@@ -14,6 +14,7 @@ import pytest
 from pipeline.broker.storage.identity import SegmentKeys
 from pipeline.broker.storage.storelog import StoreLog, decode_log, log_key, log_path, read_store_log
 from pipeline.wire.errors import SegmentFormatError
+from pipeline.wire.layouts.names import SEGMENT_SEQ_LIMIT
 from pipeline.wire.layouts.segments import ENTRY_ALIGN_BYTES, SYNC_ALIGN_BYTES
 from pipeline.wire.layouts.storelog import (
     COMPLETED_PER_RECORD,
@@ -25,7 +26,7 @@ from pipeline.wire.layouts.storelog import (
 # Segments of the random runs: two pairs share a sequence under other keys (a test store may
 # hold them; the keys tag keeps their records apart).
 KEYS = [SegmentKeys(1, 0xAAA, 0, 0), SegmentKeys(1, 0xAAA, 1, 0), SegmentKeys(2, 0xBBB, 0, 5),
-        SegmentKeys(2, 0xBBC, 0, 5), SegmentKeys(3, 1 << 63, 9999, 2**40)]
+        SegmentKeys(2, 0xBBC, 0, 5), SegmentKeys(3, 1 << 63, 9999, SEGMENT_SEQ_LIMIT - 1)]
 
 
 class Reference:

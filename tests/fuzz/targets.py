@@ -32,11 +32,10 @@ from pipeline.batchjob.scan import scan_input
 from pipeline.broker.config import BrokerConfig
 from pipeline.broker.dispatch import Dispatcher
 from pipeline.broker.storage import DiskTier
-from pipeline.broker.storage.catalog import encode_record
 from pipeline.broker.storage.identity import SegmentKeys, boundary_checksum, identity_bytes
 from pipeline.broker.storage.scan import census_segment, scan_segment
 from pipeline.broker.storage.segment import encode_entries
-from pipeline.broker.storage.storelog import encode_completed, log_key
+from pipeline.broker.storage.storelog import encode_completed, encode_lifecycle, log_key
 from pipeline.broker.storage.storelog import encode_records as encode_log
 from pipeline.consumer.reader import SegmentReader
 from pipeline.producer.workload import load_workload
@@ -54,16 +53,6 @@ from pipeline.wire.errors import (
     WorkloadError,
 )
 from pipeline.wire.generation import GENERATION_HEADER_DTYPE, GenerationParams, decode_payload, encode_payload
-from pipeline.wire.layouts.catalog import (
-    CATALOG_CREATED,
-    CATALOG_DELETED,
-    CATALOG_FILE,
-    CATALOG_MIRROR_FILE,
-    CATALOG_QUARANTINED,
-    CATALOG_RECORD_DTYPE,
-    CATALOG_RECORD_SIZE_BYTES,
-    CATALOG_SEALED,
-)
 from pipeline.wire.layouts.descriptors import (
     DESCRIPTOR_HEADER_DTYPE,
     DESCRIPTOR_HEADER_SIZE_BYTES,
@@ -98,6 +87,9 @@ from pipeline.wire.layouts.segments import (
 )
 from pipeline.wire.layouts.storelog import (
     LOG_BOUNDARY,
+    LOG_CREATED,
+    LOG_DELETED,
+    LOG_QUARANTINED,
     LOG_RECORD_SIZE_BYTES,
     LOG_SEALED,
     STORE_LOG_DTYPE,
@@ -448,7 +440,7 @@ def _descriptor_fields(data: bytes) -> list[tuple[int, int]]:
     return out
 
 
-# ------------------------------------------------------------------------------ catalog
+# ------------------------------------------------------------------------------ store
 
 
 def _one_segment_store(name: str) -> tuple[str, str]:
@@ -461,39 +453,6 @@ def _one_segment_store(name: str) -> tuple[str, str]:
     with open(segment, "wb") as file:
         file.write(SEGMENT_SEEDS[1])
     return root, segment
-
-
-def run_catalog(data: bytes) -> None:
-    """A data directory whose segment catalog is `data`, beside one intact segment (the
-    seed's three entries), opened by the broker's recovery: whatever the catalog says, the
-    store opens, its entries are delivered, and what is wrong is named in the report."""
-    root, _segment = _one_segment_store("catalog-store")
-    with open(os.path.join(root, CATALOG_FILE), "wb") as file:
-        file.write(data)
-    tier = DiskTier.open(root)
-    try:
-        assert tier.recovery.live_entries == 3, tier.recovery.summary()
-    finally:
-        tier.close()
-
-
-def run_catalog_pair(data: bytes) -> None:
-    """A catalog and its mirror, the input's first and second halves (the seeds: the same
-    records twice), beside the seed segment: whatever the pair holds, the store opens with
-    its entries; and where one half is a whole catalog seed, nothing of the other half's
-    damage is named a problem (the whole file holds every record)."""
-    root, _segment = _one_segment_store("catalog-pair-store")
-    half = len(data) // 2
-    for name, part in ((CATALOG_FILE, data[:half]), (CATALOG_MIRROR_FILE, data[half:])):
-        with open(os.path.join(root, name), "wb") as file:
-            file.write(part)
-    tier = DiskTier.open(root)
-    try:
-        assert tier.recovery.live_entries == 3, tier.recovery.summary()
-        if data[:half] in CATALOG_SEEDS or data[half:] in CATALOG_SEEDS:
-            assert not any("catalog record" in line for line in tier.recovery.catalog_problems), tier.recovery.summary()
-    finally:
-        tier.close()
 
 
 def run_store_log(data: bytes) -> None:
@@ -514,6 +473,7 @@ def run_store_log(data: bytes) -> None:
 
 
 _LOG_KEY = log_key(SEGMENT_KEYS)
+_OTHER_KEYS = [SegmentKeys(0, 0x5EED, 1, 2), SegmentKeys(3, 0x77, 0, 0), SegmentKeys(1, 0x1, 2, 5)]
 STORE_LOG_SEEDS = [
     b"".join(records.tobytes() for records in [
         encode_log(LOG_BOUNDARY, _LOG_KEY, np.array([[3, len(SEGMENT_SEEDS[1]) - 256, 0, 0]], dtype=np.uint64)),
@@ -521,6 +481,15 @@ STORE_LOG_SEEDS = [
     encode_completed(_LOG_KEY, SEGMENT_OFFSETS[1][2:]).tobytes()
     + bytes(SYNC_ALIGN_BYTES - 64)
     + encode_log(LOG_SEALED, _LOG_KEY, np.array([[3, 0, 0, 0]], dtype=np.uint64)).tobytes(),
+    # Lives: the seed segment created; another created, sealed and deleted; a third
+    # quarantined; and one the disk lacks (a MISSING segment).
+    b"".join(records.tobytes() for records in [
+        encode_lifecycle(LOG_CREATED, SEGMENT_KEYS),
+        encode_lifecycle(LOG_CREATED, _OTHER_KEYS[0]),
+        encode_log(LOG_SEALED, log_key(_OTHER_KEYS[0]), np.array([[9, 0, 0, 0]], dtype=np.uint64)),
+        encode_lifecycle(LOG_DELETED, _OTHER_KEYS[0]),
+        encode_lifecycle(LOG_QUARANTINED, _OTHER_KEYS[1]),
+        encode_lifecycle(LOG_CREATED, _OTHER_KEYS[2])]),
 ]
 
 
@@ -529,24 +498,6 @@ def _store_log_fields(data: bytes) -> list[tuple[int, int]]:
     for at in range(0, len(data) - LOG_RECORD_SIZE_BYTES + 1, LOG_RECORD_SIZE_BYTES):
         if any(data[at:at + LOG_RECORD_SIZE_BYTES]):
             out += dtype_fields(STORE_LOG_DTYPE, at)
-    return out
-
-
-_CATALOG_KEYS = [SEGMENT_KEYS, SegmentKeys(0, 0x5EED, 1, 2), SegmentKeys(3, 0x77, 0, 0)]
-CATALOG_SEEDS = [
-    encode_record(CATALOG_CREATED, SEGMENT_KEYS, time_ns=1) + encode_record(CATALOG_SEALED, SEGMENT_KEYS, 3, 2)
-    + bytes(CATALOG_RECORD_SIZE_BYTES * 2),
-    b"".join(encode_record(kind, keys, count, 5) for kind, keys, count in [
-        (CATALOG_CREATED, _CATALOG_KEYS[1], 0), (CATALOG_SEALED, _CATALOG_KEYS[1], 9),
-        (CATALOG_DELETED, _CATALOG_KEYS[1], 0), (CATALOG_CREATED, SEGMENT_KEYS, 0),
-        (CATALOG_CREATED, _CATALOG_KEYS[2], 0), (CATALOG_QUARANTINED, _CATALOG_KEYS[2], 0)]),
-]
-
-
-def _catalog_fields(data: bytes) -> list[tuple[int, int]]:
-    out = []
-    for at in range(0, len(data) - CATALOG_RECORD_SIZE_BYTES + 1, CATALOG_RECORD_SIZE_BYTES):
-        out += dtype_fields(CATALOG_RECORD_DTYPE, at)
     return out
 
 
@@ -677,12 +628,7 @@ GENERATION_SEEDS = [
 TARGETS: dict[str, Target] = {
     "frame": Target("frame", run_frame, FRAME_SEEDS, (FrameError, BadInputError),
                     [_frame_fields(s) for s in FRAME_SEEDS]),
-    # Recovery holds the store's bookkeeping and a compacted catalog: a fixed cost.
-    "catalog": Target("catalog", run_catalog, CATALOG_SEEDS, (), [_catalog_fields(s) for s in CATALOG_SEEDS],
-                      fixed_bytes=4 << 20),
-    "catalog_pair": Target("catalog_pair", run_catalog_pair, [seed + seed for seed in CATALOG_SEEDS], (),
-                           [_catalog_fields(s + s) for s in CATALOG_SEEDS], fixed_bytes=4 << 20),
-    # Recovery of a one-segment store: a fixed cost, like the catalog's.
+    # Recovery of a one-segment store holds its bookkeeping and a compacted log: a fixed cost.
     "store_log": Target("store_log", run_store_log, STORE_LOG_SEEDS, (SegmentFormatError,),
                         [_store_log_fields(s) for s in STORE_LOG_SEEDS], fixed_bytes=4 << 20),
     "control": Target("control", run_control, CONTROL_SEEDS, (ProtocolError, BadInputError),

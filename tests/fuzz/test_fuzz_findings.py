@@ -8,9 +8,12 @@ import json
 import numpy as np
 import pytest
 
+from pipeline.broker.ids import LaneId, LaneKey
 from pipeline.broker.storage import DiskTier
-from pipeline.broker.storage.catalog import encode_record
 from pipeline.broker.storage.identity import SegmentKeys
+from pipeline.broker.storage.segment import encode_entries
+from pipeline.broker.storage.segments import SegmentStore
+from pipeline.broker.storage.storelog import encode_lifecycle
 from pipeline.consumer.reader import SegmentReader
 from pipeline.producer.workload import MAX_TIMESTAMP_MS, load_workload
 from pipeline.reporting.accounting import ITEM_ID_LIMIT, result_rows, summarize_results
@@ -23,7 +26,6 @@ from pipeline.wire.errors import (
     WorkloadError,
 )
 from pipeline.wire.generation import GenerationParams
-from pipeline.wire.layouts.catalog import CATALOG_CREATED, CATALOG_FILE, CATALOG_SEALED
 from pipeline.wire.layouts.frames import (
     FRAME_HEADER_SIZE_BYTES,
     ITEM_HEADER_DTYPE,
@@ -32,8 +34,10 @@ from pipeline.wire.layouts.frames import (
     MAX_SEQ,
     parse_frame,
 )
+from pipeline.wire.layouts.storelog import LOG_CREATED, STORE_LOG_FILE
 from pipeline.wire.protocol import validate
 from tests.fuzz import mutations
+from tests.support.segments import make_items
 from tests.fuzz.targets import (
     load_batch,
     FRAME_PRODUCER,
@@ -196,22 +200,31 @@ def test_a_descriptor_offset_past_the_file_fails_that_item_alone(tmp_path, offse
     assert "an entry is said to end at" in str(error)
 
 
-def test_a_catalog_record_no_segment_name_can_carry_is_named_and_the_store_opens(tmp_path):
+def test_a_life_record_no_segment_name_can_carry_is_named_and_the_store_opens(tmp_path):
     # A checksummed record for model 2**32 - 1 made recovery raise SegmentNameError (naming
-    # the quarantine note of a "missing" segment): the broker could not start at all.
-    keys = SegmentKeys(2**32 - 1, 2**64 - 1, 2**32 - 1, 2**64 - 1)
+    # the quarantine note of a "missing" segment): the broker could not start at all. And a
+    # sequence past every name must not become the store's next one.
     path = tmp_path / SEGMENT_PATH
     path.parent.mkdir(parents=True)
     path.write_bytes(SEGMENT_SEEDS[1])
-    (tmp_path / CATALOG_FILE).write_bytes(encode_record(CATALOG_CREATED, keys) + encode_record(CATALOG_SEALED, keys, 4))
+    records = [encode_lifecycle(LOG_CREATED, SegmentKeys(2**32 - 1, 2**64 - 1, 2**32 - 1, 7)),
+               encode_lifecycle(LOG_CREATED, SegmentKeys(1, 2, 3, 2**64 - 1))]
+    (tmp_path / STORE_LOG_FILE).write_bytes(b"".join(r.tobytes() for r in records))
     tier = DiskTier.open(str(tmp_path))
     try:
         assert tier.recovery.live_entries == 3
-        assert any("model id 4294967295 does not fit a segment file name" in line
-                   for line in tier.recovery.catalog_problems), tier.recovery.catalog_problems
+        problems = tier.recovery.catalog_problems
+        assert any("model id 4294967295 does not fit a segment file name" in line for line in problems), problems
+        assert any("name a segment sequence no segment name can carry" in line for line in problems), problems
         assert not tier.recovery.ok
     finally:
         tier.close()
+    store = SegmentStore(str(tmp_path))
+    store.recover()
+    fill = encode_entries(*make_items(2), indices=np.arange(2), producer_id=1)
+    fresh, _offset = store.append(LaneKey(1, 2, LaneId(3)), fill, now_s=0.0)
+    assert store.segments[fresh].keys.segment_seq < 10  # appends go on
+    store.close()
 
 
 def test_an_unknown_message_type_is_described_not_dumped():

@@ -203,8 +203,8 @@ def stored_work(data: str, items: int = 300) -> None:
 @pytest.mark.parametrize("damage", ["one segment deleted", "one segment emptied", "the store removed"])
 def test_a_store_that_lost_segments_is_never_reported_ok(tmp_path, damage):
     """Items an earlier run stored are gone from the disk: the next launch cannot count them
-    by id (it never saw them), but the broker's recovery knows from the catalog (or, with the
-    catalog gone too, from its state file) that segments are missing: the verdict is not OK
+    by id (it never saw them), but the broker's recovery knows from the store log (or, with the
+    log gone too, from its state file) that segments are missing: the verdict is not OK
     and the launch exits 1. Before, each of these said `lost 0, accounting OK`."""
     data = str(tmp_path / "data")
     stored_work(data)
@@ -215,8 +215,7 @@ def test_a_store_that_lost_segments_is_never_reported_ok(tmp_path, damage):
         os.truncate(segments[0], 0)
     else:
         shutil.move(os.path.join(data, "segments"), os.path.join(data, "segments.away"))
-        os.unlink(os.path.join(data, "segments.catalog"))
-        os.unlink(os.path.join(data, "segments.catalog.mirror"))
+        os.unlink(os.path.join(data, "store.log"))
     report_path = tmp_path / "report.json"
     done = launch("--items", "50", "--data-dir", data, "--report", str(report_path))
     assert done.returncode == 1, done.stderr

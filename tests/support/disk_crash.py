@@ -264,7 +264,7 @@ def live_items(data_dir: str, name_confirmed: bool = False, pooled: bool = False
     """(producer, seq) of every live entry, each checked against what its producer sent (a
     pool segment's entries each of a shape of their own). `name_confirmed`: a segment whose
     identity block is damaged is read under its file name's keys (as recovery does when its
-    catalog knows the name)."""
+    store log knows the name)."""
     live = set()
     log = read_store_log(data_dir)  # once for every segment
     for seg in iter_segments(data_dir):

@@ -5,8 +5,7 @@ producer sends a shape's chain once per connection, and one that finished never 
 without this file the recovered backlog was served as chains of one (most tokens first).
 
 One record per trie node newly declared, never per item: a chain's levels the file does not
-hold yet, each with its parent (`record`, a frame's chains in one write). The same discipline
-as the segment catalog (`catalog.py`):
+hold yet, each with its parent (`record`, a frame's chains in one write):
 
     record      pwrite into preallocated space during ingest, before the frame's items are
                 appended; `power`: fdatasync at the group commit (`sync`, from the tier's

@@ -16,14 +16,14 @@ Points (where each sits is named after the step it follows):
     sync.before_fdatasync      `power`: appended groups not yet fdatasync'ed (the log's
                                boundary must still be the last synced one)
     sync.after_fdatasync       `power`: fdatasync'ed, the boundary not yet recorded
-    create.after_rename        a new segment renamed into place, its catalog record not
+    create.after_rename        a new segment renamed into place, its CREATED record not
                                yet written (recovery adopts it)
     commit.after_verify        commit step 1 done, cursors not advanced
     commit.after_advance       cursors advanced, the pending map not yet told
     tombstone.before_record    entries marked completed in memory, their log records not
                                yet written (the completion is lost: redelivered)
     delete.before_unlink       a sealed segment's last entry tombstoned and its deletion
-                               recorded in the catalog, the file not deleted
+                               recorded in the store log, the file not deleted
     rotate.after_seal          a full segment sealed, its successor not yet created
 """
 

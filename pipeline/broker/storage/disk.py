@@ -26,7 +26,7 @@ read back from the entry header in the mapped segment at peek time.
 
 Recovery (`open`): `SegmentStore.recover()` scans every segment and salvages every whole,
 checksummed entry past any damage (`scan.py`), names and counts what cannot be delivered
-(damaged ranges, truncation, missing segments per the catalog, quarantined files, strays),
+(damaged ranges, truncation, missing segments per the store log, quarantined files, strays),
 records the scan's boundaries, deletes finished segments; then every lane's queue is
 rebuilt from the live entries in segment sequence order, file order within a segment; the (lane,
 lengths) lists go to the dispatcher once (`take_recovered_lanes`) and every live entry's

@@ -14,7 +14,7 @@ NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 
 
 # The store stops growing while less than this would stay free on its file system, so that
-# what shares the disk (the consumers' results, the catalog, the broker's state file) can
+# what shares the disk (the consumers' results, the store log, the broker's state file) can
 # still be written: results are what lets the store complete items and free its segments,
 # and a disk full of segments with no room for results never drains (seen on a 6 MiB tmpfs
 # holding both: tests/runtime/test_disk_full.py). 2% of the file system, within 1-256 MiB.

@@ -85,13 +85,13 @@ def establish_identity(header: bytes | memoryview, path: str, name_keys: Segment
 
     Intact and equal to the name (or no name to compare): damage "". A damaged identity block
     whose key fields still equal the name's keys (the damage is elsewhere in the block), or
-    whose name another witness confirms (`name_confirmed`: the catalog recorded a segment of
+    whose name another witness confirms (`name_confirmed`: the store log recorded a segment of
     exactly these keys, or the store itself established them earlier): the name's keys, and
     the damage named. Anything else (keys that disagree with an unconfirmed name, a damaged
     block with no name, another format version) raises SegmentFormatError: no item is ever
     delivered under keys that cannot be established.
     NOTE: the name alone was the first rule; one flipped byte in a header's lane field then
-    quarantined all 57 intact entries of a segment the catalog knew by that very name.
+    quarantined all 57 intact entries of a segment the store log knew by that very name.
     """
     try:
         keys, created_ns = read_identity(header, path)
@@ -99,7 +99,7 @@ def establish_identity(header: bytes | memoryview, path: str, name_keys: Segment
         if len(header) < SEGMENT_HEADER_SIZE_BYTES or name_keys is None or _foreign_version(header):
             raise
         if name_confirmed and header_key_fields(header) != name_keys:
-            return name_keys, 0, f"{exc} (the catalog recorded a segment of its name's keys: salvaged under them)"
+            return name_keys, 0, f"{exc} (the store log recorded a segment of its name's keys: salvaged under them)"
         if header_key_fields(header) != name_keys:
             raise SegmentFormatError(
                 f"{exc}; its key fields {header_key_fields(header)} are not the file name's {name_keys}"

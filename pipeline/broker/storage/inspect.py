@@ -1,6 +1,6 @@
 """Read-only views of the store for operators: dump a segment, list tombstones, verify.
 
-Everything here goes through `scan_segment`, `list_store` and the catalog reader, the same
+Everything here goes through `scan_segment`, `list_store` and the store log's reader, the same
 code the broker's recovery uses: the tools never parse a segment or a name a second way
 (SPEC §"Processes and layout"). A directory or file that cannot be read raises
 StoreReadError naming the path (the command line prints it as one line).
@@ -17,14 +17,12 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from pipeline.broker.storage.catalog import CatalogReading, MissingNote, read_catalog, read_missing_note
 from pipeline.broker.storage.chains import lineage_path, read_lineage
 from pipeline.broker.storage.paths import (
     MISSING_SUFFIX,
     QUARANTINE_DIR,
     SegmentPath,
     StoreListing,
-    catalog_path,
     iter_segments,
     list_store,
     segment_path,
@@ -32,7 +30,14 @@ from pipeline.broker.storage.paths import (
 )
 from pipeline.broker.storage.scan import EntryCensus, census_segment, mapped_file, name_keys_of, scan_segment
 from pipeline.broker.storage.scan_report import ScanReport
-from pipeline.broker.storage.storelog import LogReading, SegmentRecords, read_store_log
+from pipeline.broker.storage.storelog import (
+    LogReading,
+    MissingNote,
+    SegmentRecords,
+    log_path,
+    read_missing_note,
+    read_store_log,
+)
 from pipeline.wire.errors import SegmentFormatError, StoreReadError
 from pipeline.wire.layouts.frames import TOKEN_SIZE_BYTES
 from pipeline.wire.layouts.names import BROKER_STATE_NAME, SEGMENTS_DIR
@@ -209,7 +214,7 @@ def live_payload_tails(paths: list[str], size: int) -> Iterator[tuple[np.ndarray
 class VerifyResult:
     """The outcome of `verify`: `ok` only when every entry is accounted for. `problems` are
     failures; `notes` are findings that lose nothing (torn tails of unacknowledged writes,
-    segments the catalog does not hold yet)."""
+    segments the store log does not name yet)."""
 
     segments: int = 0
     entries: int = 0
@@ -230,20 +235,18 @@ def verify(data_dir: str) -> VerifyResult:
     """Check the whole store: every segment's header, entries and checksums, through the
     recovery scan (damaged ranges, truncation losses, header words against the entries);
     the routing keys against the file name; strays; every file in quarantine/; every
-    segment the catalog holds and the disk lacks; the lineage file's records; and no live
+    segment the store log holds and the disk lacks; the lineage file's records; and no live
     item stored twice. StoreReadError if something cannot be read."""
     result = VerifyResult()
     root_data_dir, _segments = store_dirs(data_dir)
-    markers = (SEGMENTS_DIR, QUARANTINE_DIR, BROKER_STATE_NAME, os.path.basename(catalog_path(root_data_dir)))
+    markers = (SEGMENTS_DIR, QUARANTINE_DIR, BROKER_STATE_NAME, os.path.basename(log_path(root_data_dir)))
     if not any(os.path.lexists(os.path.join(root_data_dir, name)) for name in markers):
-        raise StoreReadError(f"{root_data_dir}: not a data directory (no segments/, quarantine/, segment catalog "
+        raise StoreReadError(f"{root_data_dir}: not a data directory (no segments/, quarantine/, store log "
                              f"or broker state): nothing to verify")
-    catalog = catalog_path(root_data_dir)
-    before = read_catalog(catalog)  # before the listing: see _check_catalog
+    log = read_store_log(root_data_dir)  # before the listing: see _check_missing
     listing = _listing(data_dir)
     live_ids: Counter[int] = Counter()
     vanished: list[SegmentPath] = []
-    log = read_store_log(root_data_dir)
     _check_log(log, result)
     for seg in listing.segments:
         _verify_segment(seg, result, live_ids, vanished, log.of(seg.keys))
@@ -251,7 +254,7 @@ def verify(data_dir: str) -> VerifyResult:
         result.problems.append(f"STRAY: {stray.describe()} (its entries, if any, are never delivered)")
         result.counts["strays"] += 1
     _check_quarantine(root_data_dir, result)
-    _check_catalog(root_data_dir, before, listing, vanished, result)
+    _check_missing(root_data_dir, log, listing, vanished, result)
     _check_lineage(root_data_dir, result)
     twice = sorted(item for item, n in live_ids.items() if n > 1)
     if twice:
@@ -291,7 +294,7 @@ def _verify_segment(seg: SegmentPath, result: VerifyResult, live_ids: Counter, v
     try:
         report = scan_segment(seg.path, seg.keys, records=records)
     except FileNotFoundError:
-        vanished.append(seg)  # deleted since the listing, or lost: the catalog says which
+        vanished.append(seg)  # deleted since the listing, or lost: the store log says which
         return
     except SegmentFormatError as exc:
         census = _census(seg.path)
@@ -369,38 +372,37 @@ def broker_ran_here(data_dir: str) -> bool:
         return False
 
 
-def _check_catalog(data_dir: str, before: CatalogReading | None, listing: StoreListing,
-                   vanished: list[SegmentPath], result: VerifyResult) -> None:
-    """Segments the catalog holds and the disk lacks are missing. Safe beside a running
-    broker: the catalog is read before the listing and again after it, and a segment counts
-    as missing only if both readings hold it, because a delete is recorded before its unlink
+def _check_missing(data_dir: str, before: LogReading, listing: StoreListing, vanished: list[SegmentPath],
+                   result: VerifyResult) -> None:
+    """Segments the store log holds and the disk lacks are missing. Safe beside a running
+    broker: the log is read before the listing and again after it, and a segment counts as
+    missing only if both readings hold it, because a delete is recorded before its unlink
     (a segment created after the first reading is on disk, not missing)."""
-    catalog = catalog_path(data_dir)
-    if before is None:
+    if not before.found:
         if listing.segments:
-            result.problems.append(f"{catalog}: no catalog although {len(listing.segments)} segments exist: "
+            result.problems.append(f"{before.path}: no store log although {len(listing.segments)} segments exist: "
                                    f"a missing segment cannot be detected (the broker rebuilds it at its next start)")
         elif broker_ran_here(data_dir):
-            result.problems.append(f"{catalog}: no catalog although a broker ran here ({BROKER_STATE_NAME}): "
+            result.problems.append(f"{before.path}: no store log although a broker ran here ({BROKER_STATE_NAME}): "
                                    f"the store may have been removed; what it held cannot be checked")
         return
-    result.problems += [f"CATALOG: {line}" for line in before.damaged]
-    result.notes += ([before.torn_last] if before.torn_last else []) + before.notes
+    live = before.live()
     on_disk = {seg.keys for seg in listing.segments} - {seg.keys for seg in vanished}
-    candidates = [keys for keys in before.live if keys not in on_disk]
-    after = read_catalog(catalog) if candidates else None
+    candidates = [keys for keys in live if keys not in on_disk]
+    after = read_store_log(data_dir).live() if candidates else {}
     for keys in sorted(candidates, key=lambda k: (k.model, k.signature, k.lane, k.segment_seq)):
-        entry = None if after is None else after.live.get(keys)
+        records = after.get(keys)
         path = segment_path(data_dir, keys.model, keys.signature, keys.lane, keys.segment_seq)
-        if entry is None or os.path.exists(path):
+        if records is None or os.path.exists(path):
             continue  # deleted (recorded) since the first reading, or there after all
-        count = "entry count unknown, it was still open" if entry.entry_count is None else f"{entry.entry_count} entries"
-        result.problems.append(f"MISSING: {path}: the catalog holds this segment, the disk does not: {count}")
+        count = ("entry count unknown, it was still open" if records.sealed_count is None
+                 else f"{records.sealed_count} entries")
+        result.problems.append(f"MISSING: {path}: the store log holds this segment, the disk does not: {count}")
         result.counts["segments_missing"] += 1
-        result.counts["entries_missing"] += entry.entry_count or 0
+        result.counts["entries_missing"] += records.sealed_count or 0
     for seg in listing.segments:
-        if seg.keys not in before.live and seg not in vanished:
-            result.notes.append(f"{seg.path}: not in the catalog yet (a crash between its creation and its "
+        if seg.keys not in live and seg not in vanished:
+            result.notes.append(f"{seg.path}: not in the store log yet (a crash between its creation and its "
                                 f"record, or created since; the broker adopts it)")
 
 

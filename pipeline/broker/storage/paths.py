@@ -1,15 +1,11 @@
 """Where the disk tier keeps its files: one documented directory layout.
 
     DATA_DIR/
-      store.log                              completions, commit boundaries, seals of every
-                                             segment (storelog.py); compacted through
-      store.log.tmp                          this name (a leftover is an interrupted compaction)
-      segments.catalog                       what the store holds: one record per segment
-                                             lifecycle event (catalog.py); compacted through
-      segments.catalog.tmp                   this name (a leftover is an interrupted compaction)
-      segments.catalog.mirror                the same records at the same offsets, written
-                                             after the catalog's fdatasync (torn sectors);
-                                             its compaction's temp: segments.catalog.mirror.tmp
+      store.log                              what the store holds (each segment's creation,
+                                             seal, deletion or quarantine) and its completions
+                                             and commit boundaries (storelog.py); compacted
+      store.log.tmp                          through this name (a leftover is an interrupted
+                                             compaction)
       segments/                              live segments
         m{model:05d}/                        one directory per model
           s{signature:016x}/                 one per shape: shape purity is in the layout
@@ -25,8 +21,8 @@
                                              relative path: its identity could not be
                                              established, or it was damaged and everything it
                                              could still deliver is done
-        m.../s.../l...-....seg.missing       a note (one catalog record): recovery found the
-                                             segment gone although the catalog held it
+        m.../s.../l...-....seg.missing       a note (one store log record): recovery found
+                                             the segment gone although the store log held it
 
 Every directory is created owner-only (0700). Names sort by model, shape, lane and sequence,
 so a listing reads in dispatch order. The name format and its parser are defined once, in
@@ -40,7 +36,6 @@ import os
 from dataclasses import dataclass, field
 
 from pipeline.broker.storage.scan import SegmentKeys
-from pipeline.wire.layouts.catalog import CATALOG_FILE
 from pipeline.wire.layouts.names import (
     LANE_ID_LIMIT,
     MODEL_ID_LIMIT,
@@ -56,7 +51,7 @@ QUARANTINE_DIR = "quarantine"
 # A segment is created under its name plus this suffix and renamed once its header is
 # written, so a crash mid-create never leaves a headerless file under a segment name.
 CREATING_SUFFIX = ".creating"
-# A note in quarantine/ for a segment recovery found missing (one catalog record).
+# A note in quarantine/ for a segment recovery found missing (one store log record).
 MISSING_SUFFIX = ".missing"
 # Owner-only directories: SPEC §7, every data directory is created owner-only.
 DIRECTORY_MODE = 0o700
@@ -116,10 +111,6 @@ def store_dirs(root: str) -> tuple[str, str]:
     if os.path.isdir(os.path.join(root, SEGMENTS_DIR)) or os.path.basename(os.path.normpath(root)) != SEGMENTS_DIR:
         return root, os.path.join(root, SEGMENTS_DIR)
     return os.path.dirname(os.path.normpath(root)), root
-
-
-def catalog_path(data_dir: str) -> str:
-    return os.path.join(data_dir, CATALOG_FILE)
 
 
 def quarantine_target(data_dir: str, path: str, suffix: str = "") -> str:

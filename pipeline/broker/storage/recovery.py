@@ -5,7 +5,7 @@ report read (`DiskTier.recovery`, kept after the scans' per-entry arrays are rel
     for line in report.summary().splitlines(): log(line)   # every problem on its own line,
                                                             # path, offset and item id named
     report.damage_counts()   # {"entries_damaged": 1, "entries_missing": 0, ...}: stable keys
-    report.ok                # nothing damaged, lost, missing, quarantined, stray; catalog sound
+    report.ok                # nothing damaged, lost, missing, quarantined, stray; store log sound
 
 Named lists, one record per thing found (each with `describe()`, the line the summary logs):
 
@@ -13,14 +13,15 @@ Named lists, one record per thing found (each with `describe()`, the line the su
                      offset, end, item ids read from unverified headers); the segment's
                      good entries are still delivered
     lost             LostEntries: entries lost to truncation (path, missing byte range)
-    missing          MissingSegment: the catalog holds it, the disk does not
+    missing          MissingSegment: the store log holds it, the disk does not
     quarantined      Quarantined: moved to quarantine/ (identity not established: its
                      entries are undeliverable; or damaged and done)
     strays           paths.Stray: under segments/ and not named like a segment
     torn_tails       TornRange: an unacknowledged write's leftovers (not a loss)
     repaired_states  RepairedState: a state word rewritten live (delivered again)
     damaged_identities  segments salvaged under their file name's keys
-    catalog_problems / catalog_notes   the catalog's damage / benign findings
+    catalog_problems / catalog_notes   the store log's damage / benign findings (the log is
+                     the store's catalog: what it holds)
     lineage_problems / lineage_notes   the lineage file's (`chains.py`): a damaged record
                      loses a chain level (its shapes' order after the restart), no item
 
@@ -32,20 +33,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from pipeline.broker.storage.catalog import (
-    CATALOG_TMP_SUFFIX,
-    CatalogReading,
-    mirror_path,
-    read_catalog,
-    write_missing_note,
-)
 from pipeline.broker.storage.diskio import fsync_directory
 from pipeline.broker.storage.identity import foreign_version
 from pipeline.broker.storage.paths import (
     MISSING_SUFFIX,
     StoreListing,
     Stray,
-    catalog_path,
     list_store,
     make_dirs,
     quarantine_target,
@@ -53,11 +46,15 @@ from pipeline.broker.storage.paths import (
 )
 from pipeline.broker.storage.scan import SegmentKeys
 from pipeline.broker.storage.scan_report import DamagedRange, LostEntries, RepairedState, ScanReport, TornRange
-from pipeline.broker.storage.storelog import LOG_TMP_SUFFIX, log_path
+from pipeline.broker.storage.storelog import LOG_TMP_SUFFIX, SegmentRecords, log_path, write_missing_note
 from pipeline.wire import fileops
 from pipeline.wire.errors import SegmentFormatError, StoreReadError
 from pipeline.wire.layouts.segments import SEGMENT_HEADER_SIZE_BYTES, SEGMENT_VERSION
 from pipeline.wire.layouts.storelog import STORE_LOG_FILE
+
+# The segment catalog and its mirror of the release before the store log held what they held:
+# a store that has them was written by it (refused, never migrated).
+EARLIER_CATALOG_FILES = ("segments.catalog", "segments.catalog.mirror")
 from pipeline.wire.status import DAMAGE_KEYS, REPAIR_KEYS
 
 
@@ -93,7 +90,7 @@ class Quarantined:
 
 @dataclass(frozen=True, slots=True)
 class MissingSegment:
-    """A segment the catalog says exists and the disk does not have: lost. `entry_count`
+    """A segment the store log says exists and the disk does not have: lost. `entry_count`
     from its seal record, None when it was still open (unknown). `note`: the evidence left
     in quarantine/ so that `verify` keeps saying so until an operator removes it."""
 
@@ -105,7 +102,7 @@ class MissingSegment:
     def describe(self) -> str:
         count = (f"{self.entry_count} entries (its seal record)" if self.entry_count is not None
                  else "entry count unknown, it was still open")
-        return f"{self.path}: the catalog holds this segment, the disk does not: {count} (noted in {self.note})"
+        return f"{self.path}: the store log holds this segment, the disk does not: {count} (noted in {self.note})"
 
 
 @dataclass(slots=True)
@@ -113,7 +110,7 @@ class RecoveryReport:
     """What recovery did (module docstring). `segments` are the segments kept (with live
     entries); `deleted` sealed segments found with nothing live; `repaired_counts` segments
     whose logged boundary disagreed with their entries (the scan's now recorded);
-    `adopted` segments on disk the catalog did not hold (a crash between a create and its
+    `adopted` segments on disk the store log did not name (a crash between a create and its
     record)."""
 
     segments: list[RecoveredSegment] = field(default_factory=list)
@@ -131,7 +128,7 @@ class RecoveryReport:
     lineage_problems: list[str] = field(default_factory=list)  # damaged lineage records (chains lost)
     lineage_notes: list[str] = field(default_factory=list)
     lineage_chains: int = 0  # recovered shapes whose chains the lineage file gave back
-    catalog_found: bool = False  # a catalog was there to read (else it was made afresh)
+    catalog_found: bool = False  # a store log was there to read (else it was made afresh)
     quarantine_files: int = 0  # files in quarantine/ after recovery, earlier ones included
     repaired_counts: list[str] = field(default_factory=list)
     deleted: list[str] = field(default_factory=list)
@@ -182,7 +179,7 @@ class RecoveryReport:
     @property
     def ok(self) -> bool:
         """Nothing that was acknowledged is damaged, lost, missing or quarantined, nothing is
-        stray, and the catalog could vouch for the store."""
+        stray, and the store log could vouch for the store."""
         return not any(n for key, n in self.damage_counts().items() if key not in REPAIR_KEYS)
 
     def problems(self) -> list[str]:
@@ -194,7 +191,7 @@ class RecoveryReport:
             *(f"QUARANTINED: {q.describe()}" for q in self.quarantined),
             *(f"STRAY: {s.describe()}" for s in self.strays),
             *(f"DAMAGED HEADER: {line}" for line in self.damaged_identities),
-            *(f"CATALOG: {line}" for line in self.catalog_problems),
+            *(f"STORE LOG: {line}" for line in self.catalog_problems),
             *(f"LINEAGE: {line} (its shapes' chains are lost: they come back as chains of one)"
               for line in self.lineage_problems),
         ]
@@ -210,7 +207,7 @@ class RecoveryReport:
             f"live entries in {len(self.segments)} segments; {len(self.deleted)} finished segments "
             f"deleted; {len(self.repaired_counts)} header counts repaired; "
             f"{len(self.abandoned_creates)} interrupted creates removed; {len(self.adopted)} segments "
-            f"adopted (not in the catalog); {self.lineage_chains} shapes' chains restored; "
+            f"adopted (not in the store log); {self.lineage_chains} shapes' chains restored; "
             + ("no damage" if self.ok else f"DAMAGE: {lost:,} entries cannot be delivered"
                + (" (and more, in missing segments whose size is unknown)"
                   if counts["segments_missing_count_unknown"] else "") + ", "
@@ -219,7 +216,7 @@ class RecoveryReport:
         lines += self.problems()
         lines += [f"state word repaired: {r.describe()}" for r in self.repaired_states]
         lines += [f"torn tail: {t.describe()}" for t in self.torn_tails]
-        lines += [f"catalog: {line}" for line in self.catalog_notes]
+        lines += [f"store log: {line}" for line in self.catalog_notes]
         lines += [f"lineage: {line}" for line in self.lineage_notes]
         return "\n".join(lines)
 
@@ -236,15 +233,20 @@ def refuse_other_layout(path: str) -> None:
             f"does not migrate: finish this data directory with the release that wrote it, or move it away")
 
 
-def refuse_old_journals(journals: list[str]) -> None:
-    """SegmentFormatError, stopping recovery, for segment journals of an earlier release beside
-    their segments: they hold completions this release keeps in the store log, and reading
-    the segments without them would deliver every completed entry again. No migration."""
-    if journals:
+def refuse_earlier_releases(data_dir: str, journals: list[str]) -> None:
+    """SegmentFormatError, stopping recovery, for segment journals or a segment catalog of an
+    earlier release: they hold completions and lifecycles this release keeps in the store
+    log, and reading the segments without them would deliver every completed entry again
+    or miss a lost segment. No migration."""
+    catalogs = [os.path.join(data_dir, name) for name in EARLIER_CATALOG_FILES
+                if os.path.lexists(os.path.join(data_dir, name))]
+    found = journals or catalogs
+    if found:
+        what = "segment journal" if journals else "segment catalog"
         raise SegmentFormatError(
-            f"{journals[0]}: a segment journal of an earlier release ({len(journals)} in this store); this broker "
-            f"keeps completions in {STORE_LOG_FILE} and does not migrate: finish this data directory with the "
-            f"release that wrote it, or move it away")
+            f"{found[0]}: a {what} of an earlier release ({len(found)} in this store); this broker keeps what it "
+            f"held in {STORE_LOG_FILE} and does not migrate: finish this data directory with the release that "
+            f"wrote it, or move it away")
 
 
 def count_files(directory: str) -> int:
@@ -257,21 +259,22 @@ def first_damage(scan: ScanReport) -> int:
     return min(offsets) if offsets else 0
 
 
-def note_missing(data_dir: str, durable: bool, listing: StoreListing, reading: CatalogReading) -> list[MissingSegment]:
-    """Segments the catalog holds and the disk does not: counted, named, and noted in
+def note_missing(data_dir: str, durable: bool, listing: StoreListing,
+                 live: dict[SegmentKeys, SegmentRecords]) -> list[MissingSegment]:
+    """Segments the store log holds and the disk does not: counted, named, and noted in
     quarantine/ (so `verify` keeps failing until an operator has looked)."""
     on_disk = {found.keys for found in listing.segments}
     missing = []
-    for keys, entry in sorted(reading.live.items(), key=lambda item: _key_order(item[0])):
+    for keys, records in sorted(live.items(), key=lambda item: _key_order(item[0])):
         if keys in on_disk:
             continue
         path = segment_path(data_dir, keys.model, keys.signature, keys.lane, keys.segment_seq)
         note = quarantine_target(data_dir, path, MISSING_SUFFIX)
         make_dirs(os.path.dirname(note))
-        write_missing_note(note, keys, entry.entry_count, durable)
+        write_missing_note(note, keys, records.sealed_count, durable)
         if durable:
             fsync_directory(os.path.dirname(note))
-        missing.append(MissingSegment(path, keys, entry.entry_count, note))
+        missing.append(MissingSegment(path, keys, records.sealed_count, note))
     return missing
 
 
@@ -279,19 +282,17 @@ def _key_order(keys: SegmentKeys) -> tuple[int, int, int, int]:
     return keys.model, keys.signature, keys.lane, keys.segment_seq
 
 
-def read_store(data_dir: str, report: RecoveryReport) -> tuple[StoreListing, CatalogReading | None]:
-    """The store's listing and its catalog read back, once segment journals of an earlier
-    release are refused and an interrupted compaction's temp files removed (noted)."""
+def read_store(data_dir: str, report: RecoveryReport) -> StoreListing:
+    """The store's listing, once the files of an earlier release are refused and an
+    interrupted compaction's temp file removed (noted)."""
     try:
         listing = list_store(data_dir)
     except OSError as exc:
         raise StoreReadError(f"{exc.filename or data_dir}: cannot list the segments "
                              f"({exc.strerror}, errno {exc.errno})") from exc
-    refuse_old_journals(listing.old_journals)  # before anything is touched
-    catalog = catalog_path(data_dir)
-    for leftover in (catalog + CATALOG_TMP_SUFFIX, mirror_path(catalog) + CATALOG_TMP_SUFFIX,
-                     log_path(data_dir) + LOG_TMP_SUFFIX):
-        if os.path.exists(leftover):
-            fileops.unlink(leftover)  # an interrupted compaction: the file itself is whole
-            report.catalog_notes.append(f"{leftover}: an interrupted compaction's temp file, removed")
-    return listing, read_catalog(catalog)
+    refuse_earlier_releases(data_dir, listing.old_journals)  # before anything is touched
+    leftover = log_path(data_dir) + LOG_TMP_SUFFIX
+    if os.path.exists(leftover):
+        fileops.unlink(leftover)  # an interrupted compaction: the log itself is whole
+        report.catalog_notes.append(f"{leftover}: an interrupted compaction's temp file, removed")
+    return listing

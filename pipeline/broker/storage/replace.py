@@ -1,5 +1,5 @@
-"""Replacing a store file whole, and preallocating one: the catalog's, the lineage file's and
-the store log's compaction (temp file, preallocate, fsync, rename, directory fsync).
+"""Replacing a store file whole, and preallocating one: the lineage file's and the store
+log's compaction (temp file, preallocate, fsync, rename, directory fsync).
 Owner: the caller's file; nothing here keeps state."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 def preallocate(fd: int, path: str, size: int, what: str) -> None:
     """Make the file at least `size` bytes of allocated space (zeros): DiskFullError if the
-    disk has none (the catalog's and the lineage file's records then never need space)."""
+    disk has none (the lineage file's records then never need space)."""
     try:
         fileops.fallocate(fd, 0, size)
     except OSError as exc:
@@ -31,29 +31,18 @@ def write_replacement(path: str, temp: str, data: bytes, size_bytes: int, what: 
     appending records. DiskFullError when there is no room (the old file then stays as it
     was and in use); on any failure `temp` is removed. The lineage file's and the store log's
     compaction."""
-    return write_replacements([(path, temp)], data, size_bytes, what)[0]
-
-
-def write_replacements(files: list[tuple[str, str]], data: bytes, size_bytes: int, what: str) -> list[int]:
-    """Replace every (path, temp) of one directory whole with the same `data`: each temp
-    written and fsynced first (DiskFullError there leaves every old file as it was and in
-    use), then renamed over its path in order, then one directory fsync; returns the new
-    files' descriptors in order. The catalog's compaction (the catalog and its mirror)."""
-    fds: list[int] = []
+    fd = -1
     try:
-        for _path, temp in files:
-            fds.append(_prepared(temp, data, size_bytes, what))
-        for path, temp in files:
-            fileops.rename(temp, path)
-        _fsync_directory(os.path.dirname(files[0][0]))
+        fd = _prepared(temp, data, size_bytes, what)
+        fileops.rename(temp, path)
+        _fsync_directory(os.path.dirname(path))
     except BaseException:
-        for fd in fds:
+        if fd >= 0:
             fileops.close_fd(fd)
-        for _path, temp in files:
-            if os.path.exists(temp):
-                fileops.unlink(temp)
+        if os.path.exists(temp):
+            fileops.unlink(temp)
         raise
-    return fds
+    return fd
 
 
 def _prepared(temp: str, data: bytes, size_bytes: int, what: str) -> int:

@@ -424,7 +424,7 @@ def scan_segment(path: str, name_keys: SegmentKeys | None = None, name_confirmed
     """Read a segment's header and walk every entry, past damage (module docstring).
 
     `name_keys`: the keys the file's name carries (default: parsed from `path` when it ends
-    in segment name components); `name_confirmed`: another witness (the catalog) vouches for
+    in segment name components); `name_confirmed`: another witness (the store log) vouches for
     them. `records`: what the store log says of the segment (default: read from the log of
     the data directory the path is in). `skip_done`: take the completed entries the file
     starts with from them,

@@ -1,13 +1,13 @@
 """The segment files of one data directory: which segment each lane appends to, a bounded
-cache of open files, sealing by size and age, whole-file deletion, the catalog of what is
-stored, and recovery.
+cache of open files, sealing by size and age, whole-file deletion, the store log, and
+recovery.
 
 Segments are keyed by (model, signature, lane) plus a sequence number (layout in
 `pipeline.broker.storage.paths`). Each lane appends to one open segment at a time; a segment
 seals when it is full or old, and is deleted whole once sealed and fully tombstoned; a
 damaged one is never deleted: it is moved to quarantine/ once everything it can still
-deliver is done. Every create, seal, delete and quarantine is recorded in the catalog
-(`catalog.py`), in the order that makes a crash safe, so recovery can tell a segment that
+deliver is done. Every create, seal, delete and quarantine is recorded in the store log
+(`storelog.py`), in the order that makes a crash safe, so recovery can tell a segment that
 was lost from one that was finished.
 
 Open files are bounded (`open_files_max`): a segment's descriptor and mapping are opened on
@@ -29,18 +29,11 @@ import numpy as np
 
 import pipeline.broker.storage.crashpoints as crashpoints
 from pipeline.broker.ids import LaneKey, SegmentId
-from pipeline.broker.storage.catalog import (
-    CatalogEntry,
-    CatalogReading,
-    SegmentCatalog,
-)
 from pipeline.broker.storage.diskio import NO_SPACE_ERRNOS, Durability, fsync_directory
 from pipeline.broker.storage.paths import (
     QUARANTINE_DIR,
     SEGMENTS_DIR,
     SegmentPath,
-    StoreListing,
-    catalog_path,
     make_dirs,
     quarantine_target,
     segment_path,
@@ -70,6 +63,7 @@ from pipeline.broker.storage.segment import (
 from pipeline.broker.storage.storelog import (
     LOG_COMPACT_GROWTH,
     LogReading,
+    SegmentRecords,
     StoreLog,
     keep_as_evidence,
     log_path,
@@ -78,7 +72,7 @@ from pipeline.broker.storage.storelog import (
 from pipeline.wire import fileops
 from pipeline.wire.dirpin import DirPin
 from pipeline.wire.errors import DiskFullError, SegmentFormatError, StoreReadError
-from pipeline.wire.layouts.catalog import CATALOG_CREATED, CATALOG_DELETED, CATALOG_QUARANTINED, CATALOG_SEALED
+from pipeline.wire.layouts.storelog import LOG_CREATED, LOG_DELETED, LOG_QUARANTINED
 
 __all__ = ["MissingSegment", "Quarantined", "RecoveredSegment", "RecoveryReport", "SegmentState", "SegmentStore"]
 
@@ -113,10 +107,10 @@ class SegmentState:
 
 
 class SegmentStore:
-    """Every segment of a data directory, its store log and its catalog.
+    """Every segment of a data directory and its store log.
 
     Owner: the disk tier, in the broker's single dispatch loop. Not thread-safe. `close()`
-    closes every open file, the log and the catalog; nothing needs unlinking (the files are
+    closes every open file and the log; nothing needs unlinking (the files are
     the durable store).
     """
 
@@ -149,8 +143,7 @@ class SegmentStore:
         self._log: StoreLog | None = None  # opened by recover() or the first record
         self._completions_held = 0  # completed entries of the live segments: the log's live set
         self._log_compact_floor = 0  # after a compaction that could not be made: not before this size
-        self._catalog: SegmentCatalog | None = None  # opened by recover() or the first record
-        self._recovering = False
+        self._undeleted: list[SegmentState] = []  # done, its DELETED record refused for space: retried at sync
         self._quarantined: list[Quarantined] = []  # moved while running, for the broker's log
         self._notes: list[str] = []  # what went wrong while running and cost nothing, for its log
         self._next_id = 0
@@ -187,10 +180,6 @@ class SegmentStore:
     def _new_segment(self, lane: LaneKey, now_s: float, need_bytes: int = 0) -> SegmentState:
         seq = self._next_seq
         path = segment_path(self.data_dir, lane.model, lane.signature, lane.lane, seq)  # SegmentNameError
-        # Room in the catalog for this create and every seal and delete still to come, so
-        # that those never fail for space (DiskFullError here is backpressure, as below).
-        sealed = len(self.segments) - len(self._appending)
-        self._catalog_file().reserve(2 * (len(self._appending) + 1) + sealed + 1)
         self._pin.check()
         try:
             make_dirs(os.path.dirname(path))
@@ -204,7 +193,7 @@ class SegmentStore:
         self._next_seq = seq + 1  # only once it exists: a create the disk refused takes no number
         if crashpoints.ARMED:
             crashpoints.hit("create.after_rename")
-        self._record(CATALOG_CREATED, keys)  # after the rename: a crash between is adopted
+        self._log_file().lifecycle(LOG_CREATED, keys)  # after the rename: a crash between is adopted
         state = self._register(path, lane, keys, now_s)
         self._admit(state.id, file)
         self._appending[lane] = state.id
@@ -217,7 +206,7 @@ class SegmentStore:
         self.segments[segment] = state
         return state
 
-    # ----------------------------------------------------------------- log, catalog
+    # ----------------------------------------------------------------- log
 
     def _log_file(self) -> StoreLog:
         """The store log open for appending: a store used without recovery appends to what
@@ -236,36 +225,16 @@ class SegmentStore:
         self._log_compact_floor = log.end * LOG_COMPACT_GROWTH if why else 0
         return why
 
-    def _catalog_file(self) -> SegmentCatalog:
-        """The catalog open for writing: a store used without recovery appends to what is
-        there (or starts one)."""
-        if self._catalog is None:
-            self._catalog = SegmentCatalog.open_existing(catalog_path(self.data_dir), self._durable)
-        return self._catalog
-
     @property
     def _durable(self) -> bool:
         return self.durability is Durability.POWER
 
-    def _record(self, kind: int, keys: SegmentKeys, entry_count: int = 0) -> None:
-        if self._recovering and self._catalog is None:
-            return  # no catalog yet: recovery writes the whole live set when it is done
-        self._catalog_file().record(kind, keys, entry_count)
-
-    def _compact_catalog(self) -> str:
-        """Rewrite the catalog as the live set; "" or, when the disk has no room for the new
-        file, why not (the old catalog stays valid and in use)."""
-        self._pin.check()
-        live = [CatalogEntry(s.keys, s.entry_count if s.sealed else None) for s in self.segments.values()]
-        reserve = 2 * len(self._appending) + len(self.segments) + 16
-        try:
-            fresh = SegmentCatalog.write_fresh(catalog_path(self.data_dir), live, self._durable, reserve)
-        except DiskFullError as exc:
-            return f"not compacted: {exc}"
-        if self._catalog is not None:
-            self._catalog.close()
-        self._catalog = fresh
-        return ""
+    def _record_gone(self, kind: int, keys: SegmentKeys) -> None:
+        """A DELETED or QUARANTINED record, made durable before the unlink or move it
+        announces (so a segment the log names and the disk lacks was lost, never ours)."""
+        log = self._log_file()
+        log.lifecycle(kind, keys)
+        log.sync()
 
     # ----------------------------------------------------------------- appends
 
@@ -291,22 +260,22 @@ class SegmentStore:
 
     def sync(self) -> None:
         """`power`: fdatasync every segment that took appends since the last call, then the
-        store log (their boundaries, and the completions since the last call: one fdatasync
-        for all of them), then the catalog (group commit): before anything of them is
-        acknowledged. An error is fatal to the caller: see DurabilityError."""
+        store log (their boundaries, creations, and the completions since the last call: one
+        fdatasync for all of them; group commit): before anything of them is acknowledged.
+        An error is fatal to the caller: see DurabilityError. Then the deletes a full disk
+        held back are tried again."""
         for segment in sorted(self._unsynced):
             self._file(segment).sync()
         self._unsynced.clear()
         if self._log is not None:
             self._log.sync()
-            live_bytes = (self._completions_held // 8 + 3 * len(self.segments)) * 64
+            live_bytes = (self._completions_held // 8 + 4 * len(self.segments)) * 64
             if self._log.wants_compaction(live_bytes) and self._log.end >= self._log_compact_floor:
                 why = self._compact_log()
                 self._notes += [why] if why else []
-        if self._catalog is not None:
-            self._catalog.sync()
-            if self._catalog.wants_compaction(2 * len(self.segments)):
-                self._compact_catalog()  # between lifecycle events: the live set is whole
+        retry, self._undeleted = self._undeleted, []
+        for state in retry:
+            self._delete_if_done(state)
 
     @property
     def needs_sync(self) -> bool:
@@ -321,7 +290,6 @@ class SegmentStore:
         if segment in self._unsynced:
             self._file(segment).sync()
             self._unsynced.discard(segment)
-        self._record(CATALOG_SEALED, state.keys, state.entry_count)  # before the flag
         self._file(segment).seal()
         state.sealed = True
         if self._appending.get(state.lane) == segment:
@@ -349,8 +317,16 @@ class SegmentStore:
         return fresh
 
     def _delete_if_done(self, state: SegmentState) -> None:
-        if not (state.sealed and state.deleted_count == state.entry_count):
+        if not (state.sealed and state.deleted_count == state.entry_count) or state.id not in self.segments:
             return
+        if not state.damage:
+            self._pin.check()
+            try:
+                self._record_gone(LOG_DELETED, state.keys)  # before the unlink: never a false MISSING
+            except DiskFullError as exc:  # a completion must not stop the broker: tried again at sync
+                self._undeleted.append(state)
+                self._notes.append(f"{state.path}: done, not deleted yet: {exc}")
+                return
         file = self._open.pop(state.id, None)
         if file is not None:
             file.close()
@@ -359,14 +335,13 @@ class SegmentStore:
             try:
                 self._quarantined.append(self._quarantine(
                     state.path, state.keys, 0, f"damaged ({state.damage}); everything it could deliver is done"))
-            except OSError as exc:  # a completion must not stop the broker: the file stays, named
+            except (OSError, DiskFullError) as exc:  # a completion must not stop the broker: the file stays, named
+                why = exc.strerror if isinstance(exc, OSError) else str(exc)
                 self._quarantined.append(Quarantined(state.path, 0, f"damaged ({state.damage}); everything it "
                                                      f"could deliver is done, but it could not be moved to "
-                                                     f"quarantine/ ({exc.strerror}): it stays where it is",
+                                                     f"quarantine/ ({why}): it stays where it is",
                                                      state.path, 0, (), False))
         else:
-            self._pin.check()
-            self._record(CATALOG_DELETED, state.keys)  # before the unlink: never a false MISSING
             if crashpoints.ARMED:
                 crashpoints.hit("delete.before_unlink")
             unlink_segment(state.path, self.durability)
@@ -376,7 +351,7 @@ class SegmentStore:
                     item_ids: tuple[int, ...] = (), identity_refused: bool = False) -> Quarantined:
         """Move a (closed) segment to quarantine/, the move recorded first; never deleted."""
         self._pin.check()
-        self._record(CATALOG_QUARANTINED, keys)
+        self._record_gone(LOG_QUARANTINED, keys)
         target = quarantine_target(self.data_dir, path)
         make_dirs(os.path.dirname(target))
         fileops.rename(path, target)  # same file system: the data directory
@@ -444,9 +419,6 @@ class SegmentStore:
         if self._log is not None:
             self._log.close()
             self._log = None
-        if self._catalog is not None:
-            self._catalog.close()
-            self._catalog = None
 
     def close(self) -> None:
         self.sync()
@@ -458,56 +430,52 @@ class SegmentStore:
         """Scan every segment and salvage what it holds (scan.py); record the scan's boundary;
         delete finished segments and quarantine finished damaged ones; quarantine whole the
         segments whose identity cannot be established; name every stray, every missing
-        segment (catalog against disk) and every damaged or lost entry; register the rest
-        (in lane and sequence order) for the disk tier to rebuild its queues from; and
-        rewrite the catalog as the live set. StoreReadError if a file cannot be read."""
+        segment (the log against the disk) and every damaged or lost entry; register the
+        rest (in lane and sequence order) for the disk tier to rebuild its queues from; and
+        rewrite the log as the live set. StoreReadError if a file cannot be read."""
         started = time.monotonic()
         report = RecoveryReport()
-        listing, reading = read_store(self.data_dir, report)
+        listing = read_store(self.data_dir, report)
         log_reading = read_store_log(self.data_dir)
         if log_reading.damaged:  # kept before anything replaces it
             kept = keep_as_evidence(log_path(self.data_dir), os.path.join(self.data_dir, QUARANTINE_DIR))
             report.catalog_notes.append(f"{log_reading.path}: damaged; kept as {kept}")
-        report.catalog_found = reading is not None
-        self._recovering = True
-        try:
-            if reading is not None:
-                self._catalog = SegmentCatalog.open_existing(catalog_path(self.data_dir), self._durable)
-                report.catalog_notes += [self._catalog.opened_note] if self._catalog.opened_note else []
-            self._log = StoreLog.open(self.data_dir, self._durable, log_reading)
-            self._next_seq = max(self._next_seq, log_reading.highest_seq + 1)  # its records name no new segment
-            for path in listing.creating + listing.orphan_journals:
-                fileops.unlink(path)  # a crash interrupted its creation or deletion: no entry is in it
-                report.abandoned_creates.append(path)
-            report.strays = listing.strays
-            for found in listing.segments:
-                self._recover_segment(found, reading, log_reading, report)
-            if reading is not None:
-                report.missing += note_missing(self.data_dir, self._durable, listing, reading)
-                self._next_seq = max(self._next_seq, reading.highest_seq + 1)  # never reuse a known name
-        finally:
-            self._recovering = False
-        self._settle_catalog(listing, reading, report)
+        report.catalog_found = log_reading.found
+        live = log_reading.live()  # before anything this recovery records
+        self._log = StoreLog.open(self.data_dir, self._durable, log_reading)
+        self._next_seq = max(self._next_seq, log_reading.highest_seq + 1)  # never reuse a name the log holds
+        for path in listing.creating + listing.orphan_journals:
+            fileops.unlink(path)  # a crash interrupted its creation or deletion: no entry is in it
+            report.abandoned_creates.append(path)
+        report.strays = listing.strays
+        for found in listing.segments:
+            self._recover_segment(found, live if log_reading.found else None, log_reading, report)
+        report.missing += note_missing(self.data_dir, self._durable, listing, live)
+        if not log_reading.found and listing.segments:
+            report.catalog_problems.append(
+                f"{log_reading.path}: no store log although {len(listing.segments)} segments exist: rebuilt from "
+                f"the disk; a segment lost before this start cannot be detected")
         self._settle_log(log_reading, report)
         report.quarantine_files = count_files(os.path.join(self.data_dir, QUARANTINE_DIR))
         report.seconds = time.monotonic() - started
         return report
 
-    def _recover_segment(self, found: SegmentPath, reading: CatalogReading | None, log_reading: LogReading,
-                         report: RecoveryReport) -> None:
+    def _recover_segment(self, found: SegmentPath, live: dict[SegmentKeys, SegmentRecords] | None,
+                         log_reading: LogReading, report: RecoveryReport) -> None:
+        """`live`: the segments the log says exist (None: there was no log)."""
         report.segments_scanned += 1
         try:
-            scan = scan_segment(found.path, found.keys, name_confirmed=reading is not None and found.keys in reading.live,
+            scan = scan_segment(found.path, found.keys, name_confirmed=live is not None and found.keys in live,
                                 skip_done=True, records=log_reading.of(found.keys))
         except SegmentFormatError as exc:
             refuse_other_layout(found.path)
-            self._quarantine_unidentified(found, str(exc), reading, report)
+            self._quarantine_unidentified(found, str(exc), log_reading.of(found.keys), report)
             return
         except OSError as exc:
             raise StoreReadError(f"{found.path}: cannot read the segment ({exc.strerror}, errno {exc.errno})") from exc
         report.bytes_scanned += scan.data_end - scan.walk_start
         report.entries_unread += int(scan.done_offsets.size)
-        if reading is not None and found.keys not in reading.live:
+        if live is not None and found.keys not in live:
             report.adopted.append(found.path)
         self._adopt(found, scan, report)
 
@@ -526,7 +494,6 @@ class SegmentStore:
         # NOTE: recovered segments are sealed rather than appended to: a new run starts new
         # segments, and an old one is deleted as soon as its entries are done.
         if not file.sealed:
-            self._record(CATALOG_SEALED, scan.keys, scan.entry_count)
             file.seal()
         state = self._register(found.path, lane, scan.keys, 0.0)
         state.entry_count, state.deleted_count, state.sealed = scan.entry_count, scan.tombstone_count, True
@@ -542,7 +509,7 @@ class SegmentStore:
                 report.quarantined.append(self._quarantine(
                     found.path, scan.keys, first_damage(scan), "damaged, and nothing in it is deliverable"))
             else:
-                self._record(CATALOG_DELETED, scan.keys)
+                self._record_gone(LOG_DELETED, scan.keys)
                 file.unlink()
                 report.deleted.append(found.path)
             del self.segments[state.id]
@@ -552,7 +519,7 @@ class SegmentStore:
         report.segments.append(RecoveredSegment(state, scan))
         report.live_entries += scan.live_count
 
-    def _quarantine_unidentified(self, found: SegmentPath, why: str, reading: CatalogReading | None,
+    def _quarantine_unidentified(self, found: SegmentPath, why: str, records: SegmentRecords,
                                  report: RecoveryReport) -> None:
         """Its identity cannot be established: never delivered. Its entries are walked and
         counted (at least what its seal record says) and the file moved to quarantine/."""
@@ -560,21 +527,8 @@ class SegmentStore:
             census = census_segment(found.path)
         except OSError as exc:
             raise StoreReadError(f"{found.path}: cannot read the segment ({exc.strerror}, errno {exc.errno})") from exc
-        known = reading.live.get(found.keys) if reading is not None else None
-        entries = max(census.entries, (known.entry_count or 0) if known is not None else 0)
+        entries = max(census.entries, records.sealed_count or 0)
         report.quarantined.append(self._quarantine(found.path, found.keys, 0, why, entries, census.item_ids, True))
-
-    def _settle_catalog(self, listing: StoreListing, reading: CatalogReading | None, report: RecoveryReport) -> None:
-        if reading is None and listing.segments:
-            report.catalog_problems.append(
-                f"{catalog_path(self.data_dir)}: no catalog although {len(listing.segments)} segments exist: "
-                f"rebuilt from the disk; a segment lost before this start cannot be detected")
-        elif reading is not None:
-            report.catalog_problems += reading.damaged
-            report.catalog_notes += ([reading.torn_last] if reading.torn_last else []) + reading.notes
-        why = self._compact_catalog()
-        if why:
-            report.catalog_notes.append(why)
 
     def _settle_log(self, log_reading: LogReading, report: RecoveryReport) -> None:
         """The log's damage reported, and the log rewritten as the live segments' records (a

@@ -1,10 +1,22 @@
-"""The store log (DATA_DIR/store.log): the one append-only record of what changes about the
-segments once their entries are written (layout STORE_LOG_DTYPE in `pipeline.wire.layouts`).
+"""The store log (DATA_DIR/store.log): the one append-only record of what the store holds and
+of what changes about its segments once their entries are written (layout STORE_LOG_DTYPE in
+`pipeline.wire.layouts`).
 
 Segments are written once: a completion is a COMPLETED record here (up to eight entries of a
 segment each), the commit boundary (entry_count, data_end) a BOUNDARY record after each
 group commit, and the seal a SEALED record. Why: under power loss a sector being written may
 read back as garbage, so nothing acknowledged is ever rewritten in place.
+
+The log is also the store's catalog, so that a segment file that disappears is noticed (a
+MISSING segment), never silently forgotten: each segment's life is a record naming its keys
+whole, in the order that leaves every crash no more than one step behind in the safe
+direction. CREATED after the rename into place (a segment on disk the log does not name is
+adopted by recovery, logged, not an error); DELETED before the unlink and QUARANTINED before
+the move, each synced first in `power` (so a segment the log names and the disk lacks was
+lost, not deleted by us). Their space: the disk's reserve kept free for results
+(`segment.py`), as for every completion.
+NOTE: a catalog file beside the log, with a mirror against torn sectors, was rejected: a
+second torn-write rule, a second recovery path and two more fdatasyncs per delete.
 NOTE: in-place writes (a tombstone in the entry's state word, boundary words in the header)
 were rejected: they share a sector with acknowledged bytes, and 492 of 1,083 simulated power
 cuts with garbled 512-byte sectors lost acknowledged items (docs/history/RELIABILITY-history.md).
@@ -44,6 +56,7 @@ tools. Not thread-safe.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -52,14 +65,21 @@ from pipeline.broker.storage.diskio import NO_SPACE_ERRNOS, fdatasync, fsync_dir
 from pipeline.broker.storage.identity import SegmentKeys
 from pipeline.broker.storage.replace import write_replacement
 from pipeline.wire import fileops
-from pipeline.wire.errors import DiskFullError, SegmentFormatError, StoreReadError
+from pipeline.wire.errors import DiskFullError, SegmentFormatError, SegmentNameError, StoreReadError
+from pipeline.wire.layouts.names import SEGMENT_SEQ_LIMIT, check_segment_keys
 from pipeline.wire.layouts.segments import ENTRY_ALIGN_BYTES, SYNC_ALIGN_BYTES
 from pipeline.wire.layouts.storelog import (
     COMPLETED_PER_RECORD,
     LOG_BOUNDARY,
     LOG_COMPLETED,
+    LOG_COUNT_UNKNOWN,
+    LOG_CREATED,
+    LOG_DELETED,
     LOG_EPOCH_LIMIT,
     LOG_HEAD_WORD_BASE,
+    LOG_KIND_NAMES,
+    LOG_MISSING,
+    LOG_QUARANTINED,
     LOG_RECORD_SIZE_BYTES,
     LOG_SEALED,
     LOG_SEGMENT_BYTES_LIMIT,
@@ -72,8 +92,8 @@ from pipeline.wire.layouts.storelog import (
     valid_rows,
 )
 
-__all__ = ["LogKey", "LogReading", "SegmentRecords", "StoreLog", "keep_as_evidence", "log_key", "log_path",
-           "read_store_log"]
+__all__ = ["LogKey", "LogReading", "MissingNote", "SegmentRecords", "StoreLog", "keep_as_evidence", "log_key",
+           "log_path", "read_missing_note", "read_store_log", "write_missing_note"]
 
 # Damaged records named one by one in a reading (the count is always whole): a log line,
 # not a dump.
@@ -106,14 +126,19 @@ class SegmentRecords:
     """What the log says of one segment. `completed`: the offsets completed (sorted, unique).
     `boundaries`: every boundary record's (entry_count, data_end), in file order;
     `entry_count` and `data_end`: the last one's (None if none); `sealed_count`: the seal's
-    entry count (None if not sealed). `untrusted`: the log holds damage, which may have been
-    this segment's records (its boundary is then not to be relied on)."""
+    entry count (None if not sealed). `keys`: the segment's keys whole, from its life's records
+    (None: none of them is in the log). `gone`: LOG_DELETED or LOG_QUARANTINED once either is
+    recorded (for good: a name is never reused while a record of it exists), else 0.
+    `untrusted`: the log holds damage, which may have been this segment's records (its
+    boundary is then not to be relied on)."""
 
     completed: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     boundaries: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), dtype=np.int64))
     entry_count: int | None = None
     data_end: int | None = None
     sealed_count: int | None = None
+    keys: SegmentKeys | None = None
+    gone: int = 0
     untrusted: str = ""
 
     @property
@@ -136,6 +161,11 @@ class LogReading:
     torn: str = ""
     highest_seq: int = -1  # the highest segment sequence a valid record names (-1: none)
     newest_epoch: int = -1  # the highest epoch a valid record carries (-1: none)
+    found: bool = False  # the file exists
+
+    def live(self) -> dict[SegmentKeys, SegmentRecords]:
+        """The segments the log says exist: created, and neither deleted nor quarantined."""
+        return {r.keys: r for r in self.segments.values() if r.keys is not None and not r.gone}
 
     def of(self, keys: SegmentKeys) -> SegmentRecords:
         """The segment's records (none known: an empty, trusted reading unless the log is damaged)."""
@@ -207,7 +237,14 @@ def _records(segments: dict[LogKey, SegmentRecords], key: LogKey) -> SegmentReco
 
 
 def _replay(reading: LogReading, rows: np.ndarray) -> None:
-    """Each segment's records from the valid rows (file order)."""
+    """Each segment's records from the valid rows (file order). A record whose checksum
+    holds but whose sequence no segment name can carry is named as damage, and left out."""
+    beyond = rows[:, 1] >= np.uint64(SEGMENT_SEQ_LIMIT)
+    if beyond.any():
+        reading.damaged.append(f"{reading.path}: {int(beyond.sum())} store log records name a segment sequence "
+                               f"no segment name can carry (first: {int(rows[beyond][0, 1])})")
+        reading.damaged_records += int(beyond.sum())
+        rows = rows[~beyond]
     kinds = rows[:, 0] >> np.uint64(48)
     seqs, tags = rows[:, 1].astype(np.int64), (rows[:, 2] & np.uint64(0xFFFFFFFF)).astype(np.int64)
     if rows.shape[0]:
@@ -238,6 +275,34 @@ def _replay(reading: LogReading, rows: np.ndarray) -> None:
                 records.entry_count, records.data_end = int(values[end - 1, 0]), int(values[end - 1, 1])
             else:
                 records.sealed_count = int(values[end - 1, 0])
+    _replay_lives(reading, rows, kinds)
+
+
+def _replay_lives(reading: LogReading, rows: np.ndarray, kinds: np.ndarray) -> None:
+    """The life records: each segment's keys, and whether it is gone (a deleted or
+    quarantined segment stays gone whatever else the log says of it). A record whose
+    checksum holds but whose keys no segment name can carry, or that its tag does not match,
+    is named as damage."""
+    for index in np.flatnonzero((kinds >= np.uint64(LOG_CREATED)) & (kinds <= np.uint64(LOG_QUARANTINED))).tolist():
+        keys, kind = lifecycle_keys(rows[index]), int(kinds[index])
+        why = "" if log_key(keys)[1] == int(rows[index, 2]) & 0xFFFFFFFF else "its keys do not match its tag"
+        try:
+            check_segment_keys(keys.model, keys.signature, keys.lane, keys.segment_seq)
+        except SegmentNameError as exc:
+            why = str(exc)
+        if why:
+            reading.damaged.append(f"{reading.path}: a {LOG_KIND_NAMES[kind]} record for {keys}: {why}")
+            reading.damaged_records += 1
+            continue
+        records = _records(reading.segments, log_key(keys))
+        records.keys = keys
+        records.gone = kind if kind != LOG_CREATED else records.gone
+
+
+def lifecycle_keys(row: np.ndarray) -> SegmentKeys:
+    """The keys a life record (CREATED, DELETED, QUARANTINED, MISSING) names whole."""
+    word = int(row[3])
+    return SegmentKeys(word & 0xFFFFFFFF, int(row[4]), word >> 32, int(row[1]))
 
 
 def read_store_log(data_dir: str) -> LogReading:
@@ -251,7 +316,9 @@ def read_store_log(data_dir: str) -> LogReading:
         return LogReading(path)
     except OSError as exc:
         raise StoreReadError(f"{path}: cannot read the store log ({exc.strerror}, errno {exc.errno})") from exc
-    return decode_log(data, path)
+    reading = decode_log(data, path)
+    reading.found = True
+    return reading
 
 
 def encode_records(kind: int, key: LogKey, bodies: np.ndarray, epoch: int = 0) -> np.ndarray:
@@ -283,15 +350,28 @@ def encode_completed(key: LogKey, offsets: np.ndarray, epoch: int = 0) -> np.nda
     return encode_records(LOG_COMPLETED, key, slots.view("<u8").reshape(full, 4), epoch)
 
 
-def encode_segment(key: LogKey, records: SegmentRecords) -> np.ndarray:
-    """A segment's records written afresh (a compaction): its completions, last boundary
-    and seal."""
-    parts = [encode_completed(key, records.completed)]
+def encode_lifecycle(kind: int, keys: SegmentKeys, entry_count: int = 0, time_ns: int = 0,
+                     epoch: int = 0) -> np.ndarray:
+    """One life record (CREATED, DELETED, QUARANTINED, MISSING) naming the segment's keys."""
+    body = np.array([[keys.model | keys.lane << 32, keys.signature & 0xFFFFFFFFFFFFFFFF, entry_count, time_ns]],
+                    dtype=np.uint64)
+    return encode_records(kind, log_key(keys), body, epoch)
+
+
+def encode_segment(key: LogKey, records: SegmentRecords, keys: SegmentKeys | None) -> np.ndarray:
+    """A segment's records written afresh (a compaction): its creation (when its keys are
+    known), completions, last boundary, seal, and its deletion or quarantine if recorded."""
+    parts = [encode_lifecycle(LOG_CREATED, keys)] if keys is not None else []
+    parts.append(encode_completed(key, records.completed))
     if records.data_end is not None:
-        parts.append(encode_records(LOG_BOUNDARY, key, np.array([[records.entry_count, records.data_end, 0, 0]],
-                                                                 dtype=np.uint64)))
+        # int64 as read back (a forged record may hold any bits): rewritten bit for bit
+        words = np.array([[records.entry_count, records.data_end, 0, 0]], dtype=np.int64).view(np.uint64)
+        parts.append(encode_records(LOG_BOUNDARY, key, words))
     if records.sealed_count is not None:
-        parts.append(encode_records(LOG_SEALED, key, np.array([[records.sealed_count, 0, 0, 0]], dtype=np.uint64)))
+        words = np.array([[records.sealed_count, 0, 0, 0]], dtype=np.int64).view(np.uint64)
+        parts.append(encode_records(LOG_SEALED, key, words))
+    if records.gone and keys is not None:
+        parts.append(encode_lifecycle(records.gone, keys))
     return np.concatenate(parts)
 
 
@@ -332,10 +412,11 @@ class StoreLog:
         of them: None), as epoch 0: temp file, fsync, rename, directory fsync. DiskFullError
         leaves the old log as it was."""
         path = log_path(data_dir)
-        keys = list(reading.segments) if live is None else [log_key(k) for k in live]
+        named = ([(key, r.keys) for key, r in reading.segments.items()] if live is None
+                 else [(log_key(k), k) for k in live])
         empty = SegmentRecords()
         parts = [np.zeros((0, 8), dtype=np.uint64)]
-        parts += [encode_segment(key, reading.segments.get(key, empty)) for key in keys]
+        parts += [encode_segment(key, reading.segments.get(key, empty), keys) for key, keys in named]
         data = np.concatenate(parts).tobytes()
         fd = write_replacement(path, path + LOG_TMP_SUFFIX, data, max(len(data), LOG_RECORD_SIZE_BYTES), "store log")
         return cls(path, fd, durable, len(data), 1)
@@ -359,6 +440,12 @@ class StoreLog:
 
     def sealed(self, key: LogKey, entry_count: int) -> None:
         self._append(encode_records(LOG_SEALED, key, np.array([[entry_count, 0, 0, 0]], dtype=np.uint64), self.epoch))
+
+    def lifecycle(self, kind: int, keys: SegmentKeys) -> None:
+        """A segment created, deleted or quarantined; the caller syncs before the unlink or
+        move a DELETED or QUARANTINED record announces (module docstring)."""
+        assert kind in (LOG_CREATED, LOG_DELETED, LOG_QUARANTINED), kind
+        self._append(encode_lifecycle(kind, keys, epoch=self.epoch))
 
     def _append(self, records: np.ndarray) -> None:
         """One pwrite of the records (the whole of it or an OSError: a short write left
@@ -428,3 +515,42 @@ def keep_as_evidence(path: str, quarantine_dir: str) -> str:
     fileops.link(path, target)
     return target
 
+
+
+@dataclass(frozen=True, slots=True)
+class MissingNote:
+    """A note in quarantine/ that recovery found a segment missing (`write_missing_note`)."""
+
+    path: str
+    keys: SegmentKeys
+    entry_count: int | None  # None: unknown, it was still open
+    time_ns: int
+
+
+def write_missing_note(path: str, keys: SegmentKeys, entry_count: int | None, durable: bool) -> None:
+    """The evidence of a missing segment, kept until an operator removes it: one MISSING
+    record (the store log's layout) in its own file."""
+    count = LOG_COUNT_UNKNOWN if entry_count is None else entry_count
+    fd = fileops.open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        fileops.pwrite_all(fd, encode_lifecycle(LOG_MISSING, keys, count, time.time_ns()).tobytes(), 0)
+        if durable:
+            fileops.fsync(fd)
+    finally:
+        fileops.close_fd(fd)
+
+
+def read_missing_note(path: str) -> MissingNote | str:
+    """The note, or why it is not one."""
+    try:
+        with open(path, "rb") as file:
+            data = file.read()
+    except OSError as exc:
+        raise StoreReadError(f"{path}: cannot read the missing-segment note ({exc.strerror}, errno {exc.errno})") \
+            from exc
+    words = record_words(data)
+    if len(data) != LOG_RECORD_SIZE_BYTES or not valid_rows(words, LOG_MISSING)[0] or \
+            int(words[0, 0] >> np.uint64(48)) != LOG_MISSING:
+        return f"{path}: not a missing-segment note ({len(data)} bytes, not one valid MISSING record)"
+    count = int(words[0, 5])
+    return MissingNote(path, lifecycle_keys(words[0]), None if count == LOG_COUNT_UNKNOWN else count, int(words[0, 6]))

@@ -26,7 +26,7 @@ SEGMENT_SUFFIX = ".seg"
 SEGMENT_JOURNAL_SUFFIX = ".journal"
 # The broker's state file in a data directory (pipeline.broker.service.BrokerState: JSON with
 # the next producer id and the start count, "generation"): a witness that a broker ran here,
-# so that a store whose catalog and segments are both gone is not taken for a fresh one.
+# so that a store whose log and segments are both gone is not taken for a fresh one.
 BROKER_STATE_NAME = "broker-state.json"
 MODEL_ID_DIGITS = 5
 LANE_ID_DIGITS = 4

@@ -1,5 +1,6 @@
-"""The store log's records (DATA_DIR/store.log): what changes about the segments once their
-entries are written, one append-only file for the whole data directory."""
+"""The store log's records (DATA_DIR/store.log): what the store holds and what changes about
+its segments once their entries are written, one append-only file for the whole data
+directory."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import numpy as np
 from pipeline.wire.layouts.segments import ENTRY_ALIGN_BYTES, SEGMENT_HEADER_SIZE_BYTES, SYNC_ALIGN_BYTES
 from shm.layout import checked_dtype
 
-# The store log (pipeline/broker/storage/storelog.py): completions (up to
-# COMPLETED_PER_RECORD entries of one segment a record), the commit boundary of a segment
-# (after each group commit) and its seal. Records are 64 bytes at multiples of 64 from offset
+# The store log (pipeline/broker/storage/storelog.py): each segment's life (created, sealed,
+# deleted or quarantined), its completions (up to COMPLETED_PER_RECORD entries a record) and
+# its commit boundary (after each group commit). Records are 64 bytes at multiples of 64 from offset
 # 0; zeros are the padding, in `power`, to the next SYNC_ALIGN_BYTES boundary before each
 # synced group of records. Each record carries its group's `epoch` (one more after each
 # sync): a record that fails its checks before the last valid record of an earlier epoch
@@ -19,7 +20,7 @@ from shm.layout import checked_dtype
 #   off  size  field        meaning
 #     0     4  magic        b"SBL1"
 #     4     2  version      STORE_LOG_VERSION
-#     6     2  kind         LOG_COMPLETED / LOG_BOUNDARY / LOG_SEALED
+#     6     2  kind         LOG_COMPLETED ... LOG_QUARANTINED (LOG_MISSING: note files only)
 #     8     8  segment_seq  the segment (one sequence per store names it alone)
 #    16     4  keys_tag     `keys_tag` of the segment's (model, signature, lane): a record
 #                           read beside a segment of other keys under that sequence is not its
@@ -27,26 +28,37 @@ from shm.layout import checked_dtype
 #                           after each sync that had records to sync
 #    24    32  body         COMPLETED: u32 entry offsets / ENTRY_ALIGN_BYTES, unused slots
 #                           zero (no entry starts at 0: the segment header is there);
-#                           BOUNDARY: u64 entry_count, u64 data_end; SEALED: u64 entry_count
+#                           BOUNDARY: u64 entry_count, u64 data_end; SEALED: u64 entry_count;
+#                           CREATED, DELETED, QUARANTINED, MISSING: u32 model, u32 lane,
+#                           u64 signature, u64 entry_count (MISSING: as last known, or
+#                           LOG_COUNT_UNKNOWN), u64 time_ns (MISSING: when noted)
 #    56     8  checksum     `log_checksums` of bytes 0..56
 STORE_LOG_FILE = "store.log"
 STORE_LOG_MAGIC = b"SBL1"
 # Bump when a field above moves or changes meaning: a record of another version is refused
 # (the store is not opened), never taken for garbage.
-STORE_LOG_VERSION = 1
+STORE_LOG_VERSION = 2
 LOG_COMPLETED = 1  # entries of the segment are done (the segment itself is never rewritten)
 LOG_BOUNDARY = 2  # entries [SEGMENT_HEADER_SIZE_BYTES, data_end) are written: entry_count of them
 LOG_SEALED = 3  # no more appends; entry_count entries in all
-LOG_KIND_NAMES = {LOG_COMPLETED: "completed", LOG_BOUNDARY: "boundary", LOG_SEALED: "sealed"}
+LOG_CREATED = 4  # renamed into place (recorded after the rename)
+LOG_DELETED = 5  # fully completed (recorded, and in `power` synced, before the unlink)
+LOG_QUARANTINED = 6  # moved to quarantine/ (recorded, and in `power` synced, before the move)
+LOG_MISSING = 7  # a note file in quarantine/ (one record): recovery found the segment gone
+LOG_KIND_NAMES = {LOG_COMPLETED: "completed", LOG_BOUNDARY: "boundary", LOG_SEALED: "sealed", LOG_CREATED: "created",
+                  LOG_DELETED: "deleted", LOG_QUARANTINED: "quarantined", LOG_MISSING: "missing"}
+# The kinds a segment's life is named by: their body carries the segment's keys whole.
+LOG_LIFECYCLE_KINDS = (LOG_CREATED, LOG_DELETED, LOG_QUARANTINED, LOG_MISSING)
+LOG_COUNT_UNKNOWN = (1 << 64) - 1  # a MISSING note of a segment that was still open
 STORE_LOG_DTYPE = checked_dtype(
     [
         ("magic", 0, "|S4", "b'SBL1'"),
         ("version", 4, "<u2", "STORE_LOG_VERSION"),
-        ("kind", 6, "<u2", "completed / boundary / sealed"),
+        ("kind", 6, "<u2", "LOG_COMPLETED ... LOG_MISSING"),
         ("segment_seq", 8, "<u8", "segment sequence"),
         ("keys_tag", 16, "<u4", "keys_tag(model, signature, lane)"),
         ("epoch", 20, "<u4", "sync group"),
-        ("body", 24, "|V32", "offsets / 16, or entry_count and data_end"),
+        ("body", 24, "|V32", "offsets / 16, counts, or the segment's keys"),
         ("checksum", 56, "<u8", "log_checksums of bytes 0..56"),
     ],
     itemsize=64,
@@ -103,10 +115,11 @@ def record_words(data: bytes | memoryview) -> np.ndarray:
     return np.frombuffer(data, dtype="<u8", count=whole * LOG_RECORD_WORDS).reshape(whole, LOG_RECORD_WORDS)
 
 
-def valid_rows(words: np.ndarray) -> np.ndarray:
-    """Which rows of `words` are records we write: head word, known kind, checksum."""
+def valid_rows(words: np.ndarray, last_kind: int = LOG_QUARANTINED) -> np.ndarray:
+    """Which rows of `words` are records we write: head word, a kind up to `last_kind`
+    (LOG_MISSING belongs in note files, never in the log), checksum."""
     kinds = words[:, 0] >> np.uint64(48)
-    known = (kinds >= np.uint64(LOG_COMPLETED)) & (kinds <= np.uint64(LOG_SEALED))
+    known = (kinds >= np.uint64(LOG_COMPLETED)) & (kinds <= np.uint64(last_kind))
     return ((words[:, 0] & _HEAD_MASK) == np.uint64(LOG_HEAD_WORD_BASE)) & known & (
         log_checksums(words[:, :7]) == words[:, 7])
 
