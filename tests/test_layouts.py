@@ -197,7 +197,7 @@ def test_a_segment_header_reads_back_field_by_field(tmp_path):
     records = np.fromfile(os.path.join(str(tmp_path), STORE_LOG_FILE), dtype=STORE_LOG_DTYPE)
     bodies = np.ascontiguousarray(records["body"]).view("<u8").reshape(-1, 4)
     assert [int(r["kind"]) for r in records] == [LOG_BOUNDARY, LOG_COMPLETED, LOG_SEALED]
-    assert records["epoch"].tolist() == [0, 0, 0]  # nothing synced between them
+    assert records["epoch"].tolist() == [1, 1, 1]  # nothing synced between them (0: a compaction's)
     assert bodies[0, :2].tolist() == [2, data_end] and bodies[2, 0] == 2
     assert bodies[1:2].view("<u4")[0, 0] == at // ENTRY_ALIGN_BYTES  # the completion's slot
     assert (records["magic"] == STORE_LOG_MAGIC).all() and (records["version"] == STORE_LOG_VERSION).all()

@@ -301,12 +301,12 @@ def test_damage_the_broker_found_is_shown_and_explains_what_is_lost(tmp_path):
 
 
 def test_the_store_damage_note_names_what_was_damaged_and_nothing_else():
-    """A damaged lineage record loses shape order, not entries: the note says so, and sends
-    nobody to quarantine/; files earlier damage left there are a note of their own."""
-    lineage = {"store_damaged": True, "items_undeliverable": 0, "store_damage": {"lineage_problems": 1}}
-    severe, text = store_damage_note(lineage, "/data")
-    assert severe and text.startswith("0 stored items cannot be delivered, and 1 damaged lineage record (shape order "
-                                      "lost)")
+    """A store log problem (a damaged record: a chain level, a redelivery) loses no counted
+    entry: the note says so, and sends nobody to quarantine/; files earlier damage left
+    there are a note of their own."""
+    log = {"store_damaged": True, "items_undeliverable": 0, "store_damage": {"catalog_problems": 1}}
+    severe, text = store_damage_note(log, "/data")
+    assert severe and text.startswith("0 stored items cannot be delivered, and 1 store log problem")
     assert "quarantine" not in text and "`pipeline tools verify /data`" in text
     old = {"store_damaged": False, "items_undeliverable": 0, "store_damage": {"quarantine_files": 2, "torn_tails": 1}}
     assert store_damage_note(old, "/data") == (False, "quarantine/ holds 2 files earlier damage left (`pipeline "

@@ -5,7 +5,7 @@ it, and, at the end, the removal of exactly that.
   holds a job manifest). A directory of other files (the user's, or a store `pipeline
   launch` or `pipeline produce` made) is refused: its items and results are not this job's.
 - What the product made there (`DATA_DIR_MADE`) is known by name, folder by folder
-  (`pipeline.runtime.madefiles`): the run's (the store, its log and lineage, the broker's
+  (`pipeline.runtime.madefiles`): the run's (the store and its log, the broker's
   state and namespace, run/, results/, quarantine/, engine-cache/) and the job's own folder
   `job/` (`JOB_MADE`: its manifest, index, answers, status and lock, the files it replaces
   through a named temporary, its copy of the model's files, the scan's and the merge's work
@@ -66,8 +66,7 @@ UNFINISHED_SCAN_NAMES = frozenset({LOCK_NAME, SCAN_DIR, INDEX_NAME, LINES_NAME, 
 
 # What a broker's store and state are made of: a directory holding one of these (and no job
 # manifest) is another run's, not only not empty.
-STORE_ENTRIES = frozenset({"segments", "store.log", "shapes.lineage",
-                           "broker-state.json", "shm-namespace"})
+STORE_ENTRIES = frozenset({"segments", "store.log", "broker-state.json", "shm-namespace"})
 
 
 def check_data_dir_is_the_jobs(data_dir: str, has_manifest: bool) -> None:

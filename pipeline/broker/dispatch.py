@@ -296,7 +296,7 @@ class Dispatcher:
 
     def recover(self, now_s: float) -> int:
         """Once, before anything else, on a reopened disk tier: declare the recovered shapes'
-        chains (the tier's lineage file), then rebuild every lane the tier found live
+        chains (the store log's), then rebuild every lane the tier found live
         entries for, under its old lane id (segment files are named by it), with its items
         in dispatch order, and tell the selector. Returns the items recovered.
         Items recovered are counted apart from items received (`items_recovered`)."""

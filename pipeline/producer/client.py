@@ -144,7 +144,7 @@ class BrokerProducer(Producer):
                     conn.close()
                     return
                 # A broker that restarted knows the chains of the shapes it recovered items of
-                # (DATA_DIR/shapes.lineage), not those it had retired or could not keep: declare
+                # (its store log's), not those it had retired or could not keep: declare
                 # again (a chain it knows writes nothing and moves nothing).
                 self.forget_declared_shapes()
                 old, self.conn = self.conn, conn

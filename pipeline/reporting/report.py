@@ -396,8 +396,7 @@ def _unknown_damage(report: dict) -> str:
     damage = report.get("store_damage", {})
     parts = [counted(damage[key], what) + why for key, what, why in (
         ("segments_missing_count_unknown", "missing segment", " of unknown size"),
-        ("strays", "stray file", ""), ("catalog_problems", "catalog problem", ""),
-        ("lineage_problems", "damaged lineage record", " (shape order lost)")) if damage.get(key)]
+        ("strays", "stray file", ""), ("catalog_problems", "store log problem", "")) if damage.get(key)]
     return f", and {', '.join(parts)}" if parts else ""
 
 

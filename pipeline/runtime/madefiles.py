@@ -42,14 +42,12 @@ from pipeline.broker.peers import NAMESPACE_FILE
 from pipeline.broker.state import DAMAGED_SUFFIX
 from pipeline.broker.state import LOCK_NAME as BROKER_LOCK_NAME
 from pipeline.broker.state import TEMPORARY_SUFFIX as STATE_TEMPORARY_SUFFIX
-from pipeline.broker.storage.chains import LINEAGE_TMP_SUFFIX
 from pipeline.broker.storage.paths import CREATING_SUFFIX, MISSING_SUFFIX, QUARANTINE_DIR
 from pipeline.broker.storage.storelog import LOG_TMP_SUFFIX
 from pipeline.consumer.engines.vllm import CACHE_SUBDIR, TMP_SUBDIR
 from pipeline.runtime.datadir import LAUNCH_LOCK_NAME, NODE_LOCK_NAME
 from pipeline.runtime.settings import ENGINE_CACHE_DIR
 from pipeline.wire.errors import DataDirMovedError
-from pipeline.wire.layouts.lineage import LINEAGE_FILE
 from pipeline.wire.layouts.storelog import STORE_LOG_FILE
 from pipeline.wire.layouts.names import (
     BROKER_STATE_NAME,
@@ -154,7 +152,6 @@ RESULTS_MADE = _RESULTS_FILES.with_folders((matching(r"(run|ray)-\d{8}T\d{6}Z-\d
 RUN_MADE = Made(
     files=matching("|".join((
         _with_temporaries(STORE_LOG_FILE, LOG_TMP_SUFFIX),
-        _with_temporaries(LINEAGE_FILE, LINEAGE_TMP_SUFFIX),
         _with_temporaries(BROKER_STATE_NAME, STATE_TEMPORARY_SUFFIX),
         re.escape(BROKER_STATE_NAME + DAMAGED_SUFFIX) + r"-\d+",
         re.escape(NAMESPACE_FILE) + r"(\.\d+\.tmp)?",  # `peers.ensure_namespace`'s temporary

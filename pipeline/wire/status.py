@@ -37,7 +37,9 @@ from pipeline.wire.errors import ProtocolError
 # 6: shapes_seen (the run's distinct shapes; `shapes` is the live ones).
 # 7: periodic_syncs, periodic_sync_failures, periodic_sync_max_s (sync_interval_s at `process`).
 # 8: pool_items, pool_shapes (the solitary pool, pipeline/broker/pool.py).
-STATUS_VERSION = 8
+# 9: store_damage's lineage_problems gone (the chains are store log records: their damage
+#    counts among catalog_problems, the store log's).
+STATUS_VERSION = 9
 # The signature of the `top_shapes` row that sums every shape past the top ones.
 OTHER_SHAPE = "other"
 # The signature of a model's solitary pool's row (its many shapes' items, batched together).
@@ -61,8 +63,7 @@ DAMAGE_KEYS = (
     "segments_missing_count_unknown",  # of those, still open when last recorded: count unknown
     "segments_quarantined",  # moved to quarantine/ by this recovery
     "strays",  # files or directories under segments/ that do not parse
-    "catalog_problems",  # damaged catalog records, or no catalog although segments exist
-    "lineage_problems",  # damaged lineage records (shapes.lineage): chains lost, no item
+    "catalog_problems",  # damaged store log records, or no store log although segments exist
     "torn_tails",  # not a failure: leftovers of writes that were never acknowledged
     "entries_in_torn_tails",  # not a failure: entry headers readable in those leftovers
     "state_words_repaired",  # not a failure: entries delivered (again) as live

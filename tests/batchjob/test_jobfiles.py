@@ -23,7 +23,7 @@ from pipeline.batchjob.paths import partial_path
 from pipeline.wire.errors import DataDirError, JobPathError
 
 # Every name a run or a job makes at the top of a data directory, one of each.
-TOP_ENTRIES = ("segments", "store.log", "shapes.lineage",
+TOP_ENTRIES = ("segments", "store.log",
                "broker-state.json", "shm-namespace", "run", "results", "job", "quarantine", "engine-cache")
 
 

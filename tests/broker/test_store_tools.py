@@ -24,7 +24,7 @@ from pipeline.broker.storage.segments import SegmentStore
 from pipeline.broker.storage.storelog import StoreLog, log_key
 from pipeline.cli import main
 from pipeline.wire.errors import StoreReadError
-from pipeline.wire.layouts.storelog import STORE_LOG_FILE
+from pipeline.wire.layouts.storelog import LOG_LINEAGE, STORE_LOG_FILE
 from tests.support.repo import ROOT
 from tests.support.segments import data_dir_of, make_items, shared_log
 from tests.support.users import python_for
@@ -273,20 +273,20 @@ def test_live_payload_tails_are_the_live_payloads_ends_gathered_as_columns(tmp_p
     assert all(tails.shape[1] == size for _ids, tails in live_payload_tails(paths, size))
 
 
-def test_verify_names_a_damaged_lineage_record(tmp_path):
-    from pipeline.broker.storage.chains import lineage_path
-    from pipeline.wire.layouts.lineage import LINEAGE_RECORD_SIZE_BYTES
-
+def test_verify_names_a_damaged_chain_record(tmp_path):
     build_store(str(tmp_path))
     tier = DiskTier.open(str(tmp_path))
-    for chain in ((1, 2), (1, 3)):
+    for chain in ((1, 2), (1, 3)):  # two sync groups: the first one's records are synced
         tier.record_chains([(0, chain)])
-    tier.flush()
+        tier.flush()
     tier.close()
     code, report = run_verify(str(tmp_path))
     assert code == 0, report
-    path = lineage_path(str(tmp_path))
-    flip(path, LINEAGE_RECORD_SIZE_BYTES + 10)  # the first record; two valid ones follow it
+    path = os.path.join(str(tmp_path), STORE_LOG_FILE)
+    data = open(path, "rb").read()
+    kinds = np.frombuffer(data[:len(data) // 64 * 64], dtype="<u8").reshape(-1, 8)[:, 0] >> np.uint64(48)
+    first = int(np.flatnonzero(kinds == np.uint64(LOG_LINEAGE))[0]) * 64
+    flip(path, first + 40)
     result = CliRunner().invoke(main, ["tools", "verify", str(tmp_path)])
     assert result.exit_code == 1
-    assert f"LINEAGE: {path}: offset {LINEAGE_RECORD_SIZE_BYTES}: lineage record fails its checksum" in result.output
+    assert f"STORE LOG: {path}: offset {first}: store log record fails its checks" in result.output

@@ -174,8 +174,7 @@ def test_memory_tier_feeds_consumer_processes_and_leaves_nothing(tmp_path):
         done = wait_until(lambda: (s := status(socket_path)).items_completed == 200 and s, 60, "completed")
         assert done.tokens_completed == sum(50 + k for k in range(200))
         kept = set(os.listdir(memory_tier_dir(data)))
-        # the store's records beside it: its log, the shapes' chains
-        store = {"segments", "store.log", "shapes.lineage"}
+        store = {"segments", "store.log"}  # the store's records beside it: its log
         assert "segments" in kept and kept <= store
         for name in store:
             assert not os.path.exists(os.path.join(data, name))

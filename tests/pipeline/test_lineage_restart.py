@@ -1,8 +1,8 @@
 """Shape lineage survives a broker crash: a real broker stores items of shapes whose chains a
 producer declared, is killed with SIGKILL, and restarts with the producer gone for good (it
 finished: it never declares anything again). The recovered backlog is then served in prefix
-order (the chains came back from DATA_DIR/shapes.lineage); with that file removed before the
-restart it is served most tokens first, which is what the file changes."""
+order (the chains came back from the store log's LINEAGE records); with the log rewritten
+without them before the restart it is served most tokens first, which is what they change."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from pipeline.broker.config import BrokerConfig
-from pipeline.broker.storage.chains import lineage_path
+from pipeline.broker.storage.storelog import StoreLog, read_store_log
 from pipeline.consumer.config import ConsumerConfig
 from pipeline.producer.client import BrokerProducer
 from pipeline.producer.signature import chain, signature
@@ -41,11 +41,11 @@ def produce(socket_path: str) -> None:
     client.close(timeout_s=60)  # waits until the broker stored everything
 
 
-@pytest.mark.parametrize("durability, keep_file, order", [
+@pytest.mark.parametrize("durability, keep_chains, order", [
     ("power", True, ["system", "turn", "fewshot", "other"]),  # below "system" first, most tokens first
     ("process", False, ["system", "other", "turn", "fewshot"]),
 ])
-def test_the_recovered_backlog_keeps_its_prefix_order_after_kill_9(tmp_path, durability, keep_file, order):
+def test_the_recovered_backlog_keeps_its_prefix_order_after_kill_9(tmp_path, durability, keep_chains, order):
     data = str(tmp_path / "data")
     socket_path = BrokerConfig(data).socket_path
     broker = start_broker(data, durability=durability)
@@ -57,8 +57,8 @@ def test_the_recovered_backlog_keeps_its_prefix_order_after_kill_9(tmp_path, dur
         assert producer.exitcode == 0 and status(socket_path).items_received == 32
         os.kill(broker.pid, signal.SIGKILL)
         broker.join(10)
-        if not keep_file:
-            os.unlink(lineage_path(data))
+        if not keep_chains:  # every record but the chains'
+            StoreLog.write_fresh(data, read_store_log(data), None, False, np.zeros((0, 4), dtype=np.uint64)).close()
         broker = start_broker(data, durability=durability)
         consumer = start_consumer(ConsumerConfig(socket_path, str(tmp_path / "results"), "c0", max_batch_items=8,
                                                  max_batch_tokens=65_536, max_input_len=8192))

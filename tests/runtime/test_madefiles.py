@@ -18,7 +18,6 @@ from pipeline.runtime.daemon import StageFiles
 from pipeline.runtime.madefiles import RESULTS_DIR, RUN_MADE, Made, matching, named, remove_made
 from pipeline.runtime.settings import ENGINE_CACHE_DIR
 from pipeline.wire.errors import DataDirMovedError
-from pipeline.wire.layouts.lineage import LINEAGE_FILE
 from pipeline.wire.layouts.names import BROKER_STATE_NAME, SEGMENT_JOURNAL_SUFFIX, SEGMENTS_DIR, segment_relpath
 from pipeline.wire.layouts.storelog import STORE_LOG_FILE
 from tests.consumer.tmpfs import small_tmpfs
@@ -35,7 +34,7 @@ def _run_tree(data: Path) -> None:
     """A data directory as a run leaves it, every name made by its owner's own function."""
     segment = os.path.join(SEGMENTS_DIR, segment_relpath(3, 0xABCDEF, 2, 17))
     for name in (segment, segment + SEGMENT_JOURNAL_SUFFIX, segment + CREATING_SUFFIX, STORE_LOG_FILE,
-                 STORE_LOG_FILE + ".tmp", LINEAGE_FILE, BROKER_STATE_NAME,
+                 STORE_LOG_FILE + ".tmp", BROKER_STATE_NAME,
                  BROKER_STATE_NAME + ".damaged-1700000000000000000", NAMESPACE_FILE, NAMESPACE_FILE + ".4242.tmp",
                  f"{RESULTS_DIR}/run-20260101T000000Z-77/consumer0.jsonl",
                  f"{RESULTS_DIR}/ray-20260101T000000Z-7/node-1.jsonl",
@@ -97,9 +96,9 @@ def test_what_has_a_products_name_but_not_its_kind_stays(tmp_path: Path) -> None
     data = tmp_path / "data"
     (data / BROKER_STATE_NAME).mkdir(parents=True)  # a folder named like a file of the product's
     os.mkfifo(data / STORE_LOG_FILE)
-    _write(data, f"{SEGMENTS_DIR}/{LINEAGE_FILE}")  # a product's name in the wrong folder
+    _write(data, f"{SEGMENTS_DIR}/{STORE_LOG_FILE}")  # a product's name in the wrong folder
     assert sorted(remove_made(str(data), RUN_MADE)) == sorted([BROKER_STATE_NAME, STORE_LOG_FILE,
-                                                           f"{SEGMENTS_DIR}/{LINEAGE_FILE}"])
+                                                           f"{SEGMENTS_DIR}/{STORE_LOG_FILE}"])
 
 
 @pytest.mark.integration  # mount(8): a process

@@ -285,7 +285,7 @@ class StorageTier(abc.ABC):
 
     @abc.abstractmethod
     def take_recovered_chains(self) -> list[tuple[int, tuple[int, ...]]]:
-        """The chains of the shapes recovered, as (model, chain) from the lineage file, once
+        """The chains of the shapes recovered, as (model, chain) from the store log, once
         (later calls return []): the dispatcher declares them before it seeds the lanes."""
 
     @abc.abstractmethod

@@ -46,7 +46,7 @@ from itertools import groupby
 
 import numpy as np
 
-from pipeline.broker.ids import EntryRef, LaneKey, SegmentId, ShapeKey
+from pipeline.broker.ids import EntryRef, LaneKey, SegmentId
 from pipeline.broker.storage.base import AppendGroup, Peeked, RecoveredLane
 from pipeline.broker.storage.chains import LineageLog
 from pipeline.broker.storage.diskio import Durability
@@ -81,12 +81,9 @@ class DiskTier(QueuedTier):
         """Use `DiskTier.open`."""
         super().__init__(hot_entries_max)
         self._store = store
-        self._lineage, found = LineageLog.recover(store.data_dir, _live_shapes(recovery),
-                                                  store.durability is Durability.POWER)
-        self._recovered_chains = found.chains
-        recovery.lineage_problems += found.problems
-        recovery.lineage_notes += found.notes
-        recovery.lineage_chains = len(found.chains)
+        self._lineage = LineageLog(store.log, {(model, signature) for model, chain in recovery.chains
+                                               for signature in chain})
+        self._recovered_chains = list(recovery.chains)
         self.recovery = recovery
         self._clock = clock
         self._staging = store.durability is Durability.POWER
@@ -218,8 +215,7 @@ class DiskTier(QueuedTier):
         (`power`; DurabilityError is fatal), then staged entries become dispatchable. Also
         seals segments past the age limit, at most once per AGE_CHECK_INTERVAL_S."""
         store = self._store
-        store.sync()
-        self._lineage.sync()  # the chains this turn's items need, durable before they are acknowledged
+        store.sync()  # the chains this turn's items need too (store log records), before they are acknowledged
         if self._staging:
             store.flush_tombstones()
         super().flush()
@@ -349,29 +345,12 @@ class DiskTier(QueuedTier):
 
     def close(self) -> None:
         self._read_maps.clear()
-        self._lineage.close()
         self._store.close()
 
     def abandon(self) -> None:
         """Let go of every file without syncing (SegmentStore.abandon): a kill -9, in-process."""
         self._read_maps.clear()
-        self._lineage.close()  # closing writes nothing
         self._store.abandon()
-
-
-def _live_shapes(recovery: RecoveryReport) -> set[ShapeKey]:
-    """The shapes whose items recovery kept: a segment's, or in a pool segment (signature
-    POOL_SIGNATURE) each live entry's own."""
-    live: set[ShapeKey] = set()
-    for kept in recovery.segments:
-        lane = kept.state.lane
-        if lane.signature != POOL_SIGNATURE:
-            live.add(lane.shape)
-            continue
-        headers = kept.report.headers
-        shapes = np.unique(headers["signature"][headers["state"] == ENTRY_LIVE]).tolist()
-        live.update(ShapeKey(lane.model, signature) for signature in shapes)
-    return live
 
 
 def _runs(segments: np.ndarray) -> list[tuple[int, int]]:

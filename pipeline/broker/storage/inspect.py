@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from pipeline.broker.storage.chains import lineage_path, read_lineage
+from pipeline.broker.storage.chains import read_lineage
 from pipeline.broker.storage.paths import (
     MISSING_SUFFIX,
     QUARANTINE_DIR,
@@ -30,14 +30,8 @@ from pipeline.broker.storage.paths import (
 )
 from pipeline.broker.storage.scan import EntryCensus, census_segment, mapped_file, name_keys_of, scan_segment
 from pipeline.broker.storage.scan_report import ScanReport
-from pipeline.broker.storage.storelog import (
-    LogReading,
-    MissingNote,
-    SegmentRecords,
-    log_path,
-    read_missing_note,
-    read_store_log,
-)
+from pipeline.broker.storage.recovery import MissingNote, read_missing_note
+from pipeline.broker.storage.storelog import LogReading, SegmentRecords, log_path, read_store_log
 from pipeline.wire.errors import SegmentFormatError, StoreReadError
 from pipeline.wire.layouts.frames import TOKEN_SIZE_BYTES
 from pipeline.wire.layouts.names import BROKER_STATE_NAME, SEGMENTS_DIR
@@ -235,7 +229,7 @@ def verify(data_dir: str) -> VerifyResult:
     """Check the whole store: every segment's header, entries and checksums, through the
     recovery scan (damaged ranges, truncation losses, header words against the entries);
     the routing keys against the file name; strays; every file in quarantine/; every
-    segment the store log holds and the disk lacks; the lineage file's records; and no live
+    segment the store log holds and the disk lacks; the store log's records; and no live
     item stored twice. StoreReadError if something cannot be read."""
     result = VerifyResult()
     root_data_dir, _segments = store_dirs(data_dir)
@@ -255,35 +249,22 @@ def verify(data_dir: str) -> VerifyResult:
         result.counts["strays"] += 1
     _check_quarantine(root_data_dir, result)
     _check_missing(root_data_dir, log, listing, vanished, result)
-    _check_lineage(root_data_dir, result)
     twice = sorted(item for item, n in live_ids.items() if n > 1)
     if twice:
         result.problems.append(f"{len(twice)} live item ids stored more than once, e.g. {twice[:5]}")
     return result
 
 
-def _check_lineage(data_dir: str, result: VerifyResult) -> None:
-    """The lineage file's damage (`chains.py`): a lost chain level loses no item, only its
-    shapes' order after a restart, but it is damage on the disk all the same. Safe beside a
-    running broker: a record being appended reads as a torn last one, a note."""
-    reading = read_lineage(lineage_path(data_dir))
-    if reading is None:
-        return
-    for line in reading.damaged + ([reading.header_problem] if reading.header_problem else []):
-        result.problems.append(f"LINEAGE: {line}")
-        result.counts["lineage_problems"] += 1
-    if reading.torn_last:
-        result.notes.append(f"lineage: {reading.torn_last}")
-
-
 def _check_log(log: LogReading, result: VerifyResult) -> None:
-    """The store log's damage (`storelog.py`): a lost completion is a redelivery, a lost
-    boundary makes a scan judge every bad byte acknowledged, but it is damage on the disk
+    """The store log's damage (`storelog.py`, its chains' `chains.py`): a lost completion is
+    a redelivery, a lost boundary makes a scan judge every bad byte acknowledged, a lost
+    chain level costs its shapes' order after a restart, but it is damage on the disk
     all the same. Safe beside a running broker: a record being appended reads as a torn
     append, a note."""
-    for line in log.damaged:
+    lineage = read_lineage(log).damaged
+    for line in log.damaged + lineage:
         result.problems.append(f"STORE LOG: {line}")
-    result.counts["log_problems"] += log.damaged_records
+    result.counts["log_problems"] += log.damaged_records + len(lineage)
     if log.torn:
         result.notes.append(f"store log: {log.torn}")
 

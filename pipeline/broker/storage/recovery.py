@@ -21,9 +21,9 @@ Named lists, one record per thing found (each with `describe()`, the line the su
     repaired_states  RepairedState: a state word rewritten live (delivered again)
     damaged_identities  segments salvaged under their file name's keys
     catalog_problems / catalog_notes   the store log's damage / benign findings (the log is
-                     the store's catalog: what it holds)
-    lineage_problems / lineage_notes   the lineage file's (`chains.py`): a damaged record
-                     loses a chain level (its shapes' order after the restart), no item
+                     the store's catalog: what it holds; a damaged LINEAGE record loses a
+                     chain level, its shapes' order after the restart, no item)
+    chains           the live shapes' chains the store log gave back (`chains.py`)
 
 Owner: whoever holds the DiskTier; a plain record, not thread-safe.
 """
@@ -31,8 +31,12 @@ Owner: whoever holds the DiskTier; a plain record, not thread-safe.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from pipeline.broker.ids import ShapeKey
 from pipeline.broker.storage.diskio import fsync_directory
 from pipeline.broker.storage.identity import foreign_version
 from pipeline.broker.storage.paths import (
@@ -46,16 +50,31 @@ from pipeline.broker.storage.paths import (
 )
 from pipeline.broker.storage.scan import SegmentKeys
 from pipeline.broker.storage.scan_report import DamagedRange, LostEntries, RepairedState, ScanReport, TornRange
-from pipeline.broker.storage.storelog import LOG_TMP_SUFFIX, SegmentRecords, log_path, write_missing_note
+from pipeline.broker.storage.storelog import (
+    LOG_TMP_SUFFIX,
+    SegmentRecords,
+    encode_lifecycle,
+    lifecycle_keys,
+    log_path,
+)
 from pipeline.wire import fileops
 from pipeline.wire.errors import SegmentFormatError, StoreReadError
-from pipeline.wire.layouts.segments import SEGMENT_HEADER_SIZE_BYTES, SEGMENT_VERSION
-from pipeline.wire.layouts.storelog import STORE_LOG_FILE
-
-# The segment catalog and its mirror of the release before the store log held what they held:
-# a store that has them was written by it (refused, never migrated).
-EARLIER_CATALOG_FILES = ("segments.catalog", "segments.catalog.mirror")
+from pipeline.wire.layouts.segments import ENTRY_LIVE, SEGMENT_HEADER_SIZE_BYTES, SEGMENT_VERSION
+from pipeline.wire.layouts.storelog import (
+    LOG_COUNT_UNKNOWN,
+    LOG_MISSING,
+    LOG_RECORD_SIZE_BYTES,
+    STORE_LOG_FILE,
+    record_words,
+    valid_rows,
+)
+from pipeline.wire.shapes import POOL_SIGNATURE
 from pipeline.wire.status import DAMAGE_KEYS, REPAIR_KEYS
+
+# Side files whose records the store log holds since its version 2: a store that has them is
+# refused (`refuse_earlier_releases`), never migrated.
+EARLIER_RELEASE_FILES = {"segments.catalog": "segment catalog", "segments.catalog.mirror": "segment catalog",
+                         "shapes.lineage": "lineage file"}
 
 
 @dataclass(slots=True)
@@ -92,17 +111,21 @@ class Quarantined:
 class MissingSegment:
     """A segment the store log says exists and the disk does not have: lost. `entry_count`
     from its seal record, None when it was still open (unknown). `note`: the evidence left
-    in quarantine/ so that `verify` keeps saying so until an operator removes it."""
+    in quarantine/ so that `verify` keeps saying so until an operator removes it.
+    `log_damaged`: the log held damage, which may have been this segment's DELETED record."""
 
     path: str
     keys: SegmentKeys
     entry_count: int | None
     note: str
+    log_damaged: bool = False
 
     def describe(self) -> str:
         count = (f"{self.entry_count} entries (its seal record)" if self.entry_count is not None
                  else "entry count unknown, it was still open")
-        return f"{self.path}: the store log holds this segment, the disk does not: {count} (noted in {self.note})"
+        maybe = "; the store log is damaged, and its DELETED record may be among the damage" if self.log_damaged else ""
+        return (f"{self.path}: the store log holds this segment, the disk does not: {count} (noted in "
+                f"{self.note}){maybe}")
 
 
 @dataclass(slots=True)
@@ -125,9 +148,7 @@ class RecoveryReport:
     damaged_segments: list[str] = field(default_factory=list)
     catalog_problems: list[str] = field(default_factory=list)
     catalog_notes: list[str] = field(default_factory=list)
-    lineage_problems: list[str] = field(default_factory=list)  # damaged lineage records (chains lost)
-    lineage_notes: list[str] = field(default_factory=list)
-    lineage_chains: int = 0  # recovered shapes whose chains the lineage file gave back
+    chains: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)  # (model, chain), deepest last
     catalog_found: bool = False  # a store log was there to read (else it was made afresh)
     quarantine_files: int = 0  # files in quarantine/ after recovery, earlier ones included
     repaired_counts: list[str] = field(default_factory=list)
@@ -139,6 +160,24 @@ class RecoveryReport:
     bytes_scanned: int = 0
     entries_unread: int = 0  # answered entries a segment starts with, known from the store log (scan.py)
     seconds: float = 0.0
+
+    @property
+    def lineage_chains(self) -> int:
+        return len(self.chains)
+
+    def live_shapes(self) -> set[ShapeKey]:
+        """The shapes whose items recovery kept: a segment's, or in a pool segment (signature
+        POOL_SIGNATURE) each live entry's own. Before `release_scans`."""
+        live: set[ShapeKey] = set()
+        for kept in self.segments:
+            lane = kept.state.lane
+            if lane.signature != POOL_SIGNATURE:
+                live.add(lane.shape)
+                continue
+            headers = kept.report.headers
+            shapes = np.unique(headers["signature"][headers["state"] == ENTRY_LIVE]).tolist()
+            live.update(ShapeKey(lane.model, signature) for signature in shapes)
+        return live
 
     @property
     def scan_bytes_per_s(self) -> float:
@@ -167,7 +206,6 @@ class RecoveryReport:
             "segments_quarantined": len(self.quarantined),
             "strays": len(self.strays),
             "catalog_problems": len(self.catalog_problems),
-            "lineage_problems": len(self.lineage_problems),
             "torn_tails": len(self.torn_tails),
             "entries_in_torn_tails": sum(t.entries for t in self.torn_tails),
             "state_words_repaired": len(self.repaired_states),
@@ -192,8 +230,6 @@ class RecoveryReport:
             *(f"STRAY: {s.describe()}" for s in self.strays),
             *(f"DAMAGED HEADER: {line}" for line in self.damaged_identities),
             *(f"STORE LOG: {line}" for line in self.catalog_problems),
-            *(f"LINEAGE: {line} (its shapes' chains are lost: they come back as chains of one)"
-              for line in self.lineage_problems),
         ]
 
     def summary(self) -> str:
@@ -217,7 +253,6 @@ class RecoveryReport:
         lines += [f"state word repaired: {r.describe()}" for r in self.repaired_states]
         lines += [f"torn tail: {t.describe()}" for t in self.torn_tails]
         lines += [f"store log: {line}" for line in self.catalog_notes]
-        lines += [f"lineage: {line}" for line in self.lineage_notes]
         return "\n".join(lines)
 
 
@@ -234,15 +269,14 @@ def refuse_other_layout(path: str) -> None:
 
 
 def refuse_earlier_releases(data_dir: str, journals: list[str]) -> None:
-    """SegmentFormatError, stopping recovery, for segment journals or a segment catalog of an
-    earlier release: they hold completions and lifecycles this release keeps in the store
-    log, and reading the segments without them would deliver every completed entry again
-    or miss a lost segment. No migration."""
-    catalogs = [os.path.join(data_dir, name) for name in EARLIER_CATALOG_FILES
-                if os.path.lexists(os.path.join(data_dir, name))]
-    found = journals or catalogs
+    """SegmentFormatError, stopping recovery, for segment journals, a segment catalog or a
+    lineage file of an earlier release: they hold completions, lifecycles and chains this
+    release keeps in the store log, and reading the segments without them would deliver
+    every completed entry again or miss a lost segment. No migration."""
+    sides = [name for name in EARLIER_RELEASE_FILES if os.path.lexists(os.path.join(data_dir, name))]
+    found = journals or [os.path.join(data_dir, name) for name in sides]
     if found:
-        what = "segment journal" if journals else "segment catalog"
+        what = "segment journal" if journals else EARLIER_RELEASE_FILES[sides[0]]
         raise SegmentFormatError(
             f"{found[0]}: a {what} of an earlier release ({len(found)} in this store); this broker keeps what it "
             f"held in {STORE_LOG_FILE} and does not migrate: finish this data directory with the release that "
@@ -259,8 +293,8 @@ def first_damage(scan: ScanReport) -> int:
     return min(offsets) if offsets else 0
 
 
-def note_missing(data_dir: str, durable: bool, listing: StoreListing,
-                 live: dict[SegmentKeys, SegmentRecords]) -> list[MissingSegment]:
+def note_missing(data_dir: str, durable: bool, listing: StoreListing, live: dict[SegmentKeys, SegmentRecords],
+                 log_damaged: bool) -> list[MissingSegment]:
     """Segments the store log holds and the disk does not: counted, named, and noted in
     quarantine/ (so `verify` keeps failing until an operator has looked)."""
     on_disk = {found.keys for found in listing.segments}
@@ -274,7 +308,7 @@ def note_missing(data_dir: str, durable: bool, listing: StoreListing,
         write_missing_note(note, keys, records.sealed_count, durable)
         if durable:
             fsync_directory(os.path.dirname(note))
-        missing.append(MissingSegment(path, keys, records.sealed_count, note))
+        missing.append(MissingSegment(path, keys, records.sealed_count, note, log_damaged))
     return missing
 
 
@@ -296,3 +330,42 @@ def read_store(data_dir: str, report: RecoveryReport) -> StoreListing:
         fileops.unlink(leftover)  # an interrupted compaction: the log itself is whole
         report.catalog_notes.append(f"{leftover}: an interrupted compaction's temp file, removed")
     return listing
+
+
+@dataclass(frozen=True, slots=True)
+class MissingNote:
+    """A note in quarantine/ that recovery found a segment missing (`write_missing_note`)."""
+
+    path: str
+    keys: SegmentKeys
+    entry_count: int | None  # None: unknown, it was still open
+    time_ns: int
+
+
+def write_missing_note(path: str, keys: SegmentKeys, entry_count: int | None, durable: bool) -> None:
+    """The evidence of a missing segment, kept until an operator removes it: one MISSING
+    record (the store log's layout) in its own file."""
+    count = LOG_COUNT_UNKNOWN if entry_count is None else entry_count
+    fd = fileops.open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        fileops.pwrite_all(fd, encode_lifecycle(LOG_MISSING, keys, count, time.time_ns()).tobytes(), 0)
+        if durable:
+            fileops.fsync(fd)
+    finally:
+        fileops.close_fd(fd)
+
+
+def read_missing_note(path: str) -> MissingNote | str:
+    """The note, or why it is not one."""
+    try:
+        with open(path, "rb") as file:
+            data = file.read()
+    except OSError as exc:
+        raise StoreReadError(f"{path}: cannot read the missing-segment note ({exc.strerror}, errno {exc.errno})") \
+            from exc
+    words = record_words(data)
+    if len(data) != LOG_RECORD_SIZE_BYTES or not valid_rows(words, LOG_MISSING)[0] or \
+            int(words[0, 0] >> np.uint64(48)) != LOG_MISSING:
+        return f"{path}: not a missing-segment note ({len(data)} bytes, not one valid MISSING record)"
+    count = int(words[0, 5])
+    return MissingNote(path, lifecycle_keys(words[0]), None if count == LOG_COUNT_UNKNOWN else count, int(words[0, 6]))

@@ -1,6 +1,5 @@
-"""Replacing a store file whole, and preallocating one: the lineage file's and the store
-log's compaction (temp file, preallocate, fsync, rename, directory fsync).
-Owner: the caller's file; nothing here keeps state."""
+"""Replacing a store file whole: the store log's compaction (temp file, preallocate, fsync,
+rename, directory fsync). Owner: the caller's file; nothing here keeps state."""
 
 from __future__ import annotations
 
@@ -13,24 +12,11 @@ from pipeline.wire.errors import DiskFullError, DurabilityError
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
-def preallocate(fd: int, path: str, size: int, what: str) -> None:
-    """Make the file at least `size` bytes of allocated space (zeros): DiskFullError if the
-    disk has none (the lineage file's records then never need space)."""
-    try:
-        fileops.fallocate(fd, 0, size)
-    except OSError as exc:
-        if exc.errno in _NO_SPACE:
-            raise DiskFullError(f"{path}: disk full ({exc.strerror}) allocating {size} bytes for the {what}; "
-                                f"appends stop until space comes back, nothing accepted is lost") from exc
-        raise
-
-
 def write_replacement(path: str, temp: str, data: bytes, size_bytes: int, what: str) -> int:
     """Replace the file at `path` whole: `data` into `temp` (preallocated to `size_bytes`),
     fsync, rename over `path`, directory fsync; returns the new file's descriptor, open for
     appending records. DiskFullError when there is no room (the old file then stays as it
-    was and in use); on any failure `temp` is removed. The lineage file's and the store log's
-    compaction."""
+    was and in use); on any failure `temp` is removed."""
     fd = -1
     try:
         fd = _prepared(temp, data, size_bytes, what)
@@ -54,7 +40,13 @@ def _prepared(temp: str, data: bytes, size_bytes: int, what: str) -> int:
             raise DiskFullError(f"{temp}: disk full ({exc.strerror}) creating the compacted {what}") from exc
         raise
     try:
-        preallocate(fd, temp, size_bytes, what)
+        try:
+            fileops.fallocate(fd, 0, size_bytes)
+        except OSError as exc:
+            if exc.errno in _NO_SPACE:
+                raise DiskFullError(f"{temp}: disk full ({exc.strerror}) allocating {size_bytes} bytes for the "
+                                    f"compacted {what}; the old one stays in use") from exc
+            raise
         fileops.pwrite_all(fd, data, 0)
         fileops.fsync(fd)
     except BaseException:

@@ -29,6 +29,7 @@ import numpy as np
 
 import pipeline.broker.storage.crashpoints as crashpoints
 from pipeline.broker.ids import LaneKey, SegmentId
+from pipeline.broker.storage.chains import read_lineage, recovered_chains
 from pipeline.broker.storage.diskio import NO_SPACE_ERRNOS, Durability, fsync_directory
 from pipeline.broker.storage.paths import (
     QUARANTINE_DIR,
@@ -100,6 +101,7 @@ class SegmentState:
     deleted_count: int = 0
     sealed: bool = False
     damage: str = ""
+    held: str = ""  # done, but the disk refused its deletion or move: why (tried again at each sync)
     # While its file is closed: what reopening it needs. NOTE: reading a closed segment's
     # completions back from the log at its reopen was rejected: with one log for the whole
     # store that is a read of every segment's records for one file.
@@ -190,10 +192,15 @@ class SegmentStore:
             raise
         keys = SegmentKeys(lane.model, lane.signature, lane.lane, seq)
         file = SegmentFile.create(path, keys, self.durability, self._log_file(), self.segment_max_bytes, need_bytes)
-        self._next_seq = seq + 1  # only once it exists: a create the disk refused takes no number
         if crashpoints.ARMED:
             crashpoints.hit("create.after_rename")
-        self._log_file().lifecycle(LOG_CREATED, keys)  # after the rename: a crash between is adopted
+        try:
+            self._log_file().lifecycle(LOG_CREATED, keys)  # after the rename: a crash between is adopted
+        except DiskFullError:  # backpressure, as above: the empty file goes, and its number with it
+            file.close()
+            file.unlink()
+            raise
+        self._next_seq = seq + 1  # only once it exists: a create the disk refused takes no number
         state = self._register(path, lane, keys, now_s)
         self._admit(state.id, file)
         self._appending[lane] = state.id
@@ -215,13 +222,19 @@ class SegmentStore:
             self._log = StoreLog.open(self.data_dir, self._durable)
         return self._log
 
-    def _compact_log(self) -> str:
-        """Rewrite the store log as the live segments' records; "" or why not (no room for the
-        new file, damage in the old: it stays in use, and is not tried again before it grew
-        by LOG_COMPACT_GROWTH)."""
+    @property
+    def log(self) -> StoreLog:
+        """The store log, for the other records of the store (the shapes' chains)."""
+        return self._log_file()
+
+    def _compact_log(self, lineage: np.ndarray | None = None, past_damage: bool = False) -> str:
+        """Rewrite the store log as the live segments' records and the LINEAGE bodies
+        `lineage` (None: all of them); "" or why not (no room for the new file, damage in
+        the old: it stays in use, and is not tried again before it grew by
+        LOG_COMPACT_GROWTH)."""
         self._pin.check()
         log = self._log_file()
-        why = log.compact(self.data_dir, [s.keys for s in self.segments.values()])
+        why = log.compact(self.data_dir, [s.keys for s in self.segments.values()], lineage, past_damage)
         self._log_compact_floor = log.end * LOG_COMPACT_GROWTH if why else 0
         return why
 
@@ -269,13 +282,13 @@ class SegmentStore:
         self._unsynced.clear()
         if self._log is not None:
             self._log.sync()
-            live_bytes = (self._completions_held // 8 + 4 * len(self.segments)) * 64
+            live_bytes = (self._completions_held // 8 + 4 * len(self.segments) + self._log.lineage_records) * 64
             if self._log.wants_compaction(live_bytes) and self._log.end >= self._log_compact_floor:
                 why = self._compact_log()
                 self._notes += [why] if why else []
         retry, self._undeleted = self._undeleted, []
         for state in retry:
-            self._delete_if_done(state)
+            self._note_moved(self._delete_if_done(state))
 
     @property
     def needs_sync(self) -> bool:
@@ -294,7 +307,7 @@ class SegmentStore:
         state.sealed = True
         if self._appending.get(state.lane) == segment:
             del self._appending[state.lane]
-        self._delete_if_done(state)
+        self._note_moved(self._delete_if_done(state))
 
     def seal_aged(self, now_s: float) -> list[SegmentId]:
         """Seal every open segment older than the age limit; return them."""
@@ -313,39 +326,49 @@ class SegmentStore:
         if fresh:
             state.deleted_count += fresh
             self._completions_held += fresh
-            self._delete_if_done(state)
+            self._note_moved(self._delete_if_done(state))
         return fresh
 
-    def _delete_if_done(self, state: SegmentState) -> None:
+    def _delete_if_done(self, state: SegmentState, why_done: str = "everything it could deliver is done",
+                        at: int = 0) -> Quarantined | None:
+        """A sealed segment with nothing live left is deleted whole, a damaged one moved to
+        quarantine/ (returned; `at`: its first damage), each once its record is in the log.
+        What the disk refuses (no room for the record, a move that fails) leaves it on disk
+        and registered, its records kept by every compaction, and is tried again at each
+        sync, named once: a completion must not stop the broker."""
         if not (state.sealed and state.deleted_count == state.entry_count) or state.id not in self.segments:
-            return
-        if not state.damage:
-            self._pin.check()
-            try:
-                self._record_gone(LOG_DELETED, state.keys)  # before the unlink: never a false MISSING
-            except DiskFullError as exc:  # a completion must not stop the broker: tried again at sync
-                self._undeleted.append(state)
-                self._notes.append(f"{state.path}: done, not deleted yet: {exc}")
-                return
+            return None
         file = self._open.pop(state.id, None)
         if file is not None:
+            state.progress = file.progress()
             file.close()
+        try:
+            moved = self._retire(state, why_done, at)
+        except (OSError, DiskFullError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) else str(exc)
+            if not state.held:
+                self._notes.append(f"{state.path}: done, but not {'moved to quarantine/' if state.damage else 'deleted'}"
+                                   f" ({why}): it stays, tried again at each group commit")
+            state.held = why
+            self._undeleted.append(state)
+            return None
         self._completions_held -= state.deleted_count
-        if state.damage:
-            try:
-                self._quarantined.append(self._quarantine(
-                    state.path, state.keys, 0, f"damaged ({state.damage}); everything it could deliver is done"))
-            except (OSError, DiskFullError) as exc:  # a completion must not stop the broker: the file stays, named
-                why = exc.strerror if isinstance(exc, OSError) else str(exc)
-                self._quarantined.append(Quarantined(state.path, 0, f"damaged ({state.damage}); everything it "
-                                                     f"could deliver is done, but it could not be moved to "
-                                                     f"quarantine/ ({why}): it stays where it is",
-                                                     state.path, 0, (), False))
-        else:
-            if crashpoints.ARMED:
-                crashpoints.hit("delete.before_unlink")
-            unlink_segment(state.path, self.durability)
         del self.segments[state.id]
+        return moved
+
+    def _retire(self, state: SegmentState, why_done: str, at: int) -> Quarantined | None:
+        if state.damage:
+            return self._quarantine(state.path, state.keys, at, f"damaged ({state.damage}); {why_done}")
+        self._pin.check()
+        self._record_gone(LOG_DELETED, state.keys)  # before the unlink: never a false MISSING
+        if crashpoints.ARMED:
+            crashpoints.hit("delete.before_unlink")
+        unlink_segment(state.path, self.durability)
+        return None
+
+    def _note_moved(self, moved: Quarantined | None) -> None:
+        if moved is not None:
+            self._quarantined.append(moved)
 
     def _quarantine(self, path: str, keys: SegmentKeys, offset: int, why: str, entries: int = 0,
                     item_ids: tuple[int, ...] = (), identity_refused: bool = False) -> Quarantined:
@@ -450,12 +473,15 @@ class SegmentStore:
         report.strays = listing.strays
         for found in listing.segments:
             self._recover_segment(found, live if log_reading.found else None, log_reading, report)
-        report.missing += note_missing(self.data_dir, self._durable, listing, live)
+        report.missing += note_missing(self.data_dir, self._durable, listing, live, bool(log_reading.damaged))
         if not log_reading.found and listing.segments:
             report.catalog_problems.append(
                 f"{log_reading.path}: no store log although {len(listing.segments)} segments exist: rebuilt from "
                 f"the disk; a segment lost before this start cannot be detected")
-        self._settle_log(log_reading, report)
+        lineage = read_lineage(log_reading)
+        report.catalog_problems += lineage.damaged
+        report.chains, kept = recovered_chains(lineage, report.live_shapes())
+        self._settle_log(log_reading, report, kept)
         report.quarantine_files = count_files(os.path.join(self.data_dir, QUARANTINE_DIR))
         report.seconds = time.monotonic() - started
         return report
@@ -503,19 +529,13 @@ class SegmentStore:
             # Its quarantine directory now, while recovery may still fail the start: moving it
             # there once its good entries are done is then a rename, which needs no space.
             make_dirs(os.path.dirname(quarantine_target(self.data_dir, found.path)))
-        if state.deleted_count == state.entry_count:  # nothing left to deliver
-            file.close()
-            if state.damage:
-                report.quarantined.append(self._quarantine(
-                    found.path, scan.keys, first_damage(scan), "damaged, and nothing in it is deliverable"))
-            else:
-                self._record_gone(LOG_DELETED, scan.keys)
-                file.unlink()
-                report.deleted.append(found.path)
-            del self.segments[state.id]
-            return
         self._admit(state.id, file)
         self._completions_held += state.deleted_count
+        if state.deleted_count == state.entry_count:  # nothing left to deliver
+            moved = self._delete_if_done(state, "nothing in it is deliverable", first_damage(scan))
+            report.quarantined += [moved] if moved is not None else []
+            report.deleted += [found.path] if state.id not in self.segments and not state.damage else []
+            return
         report.segments.append(RecoveredSegment(state, scan))
         report.live_entries += scan.live_count
 
@@ -528,14 +548,19 @@ class SegmentStore:
         except OSError as exc:
             raise StoreReadError(f"{found.path}: cannot read the segment ({exc.strerror}, errno {exc.errno})") from exc
         entries = max(census.entries, records.sealed_count or 0)
-        report.quarantined.append(self._quarantine(found.path, found.keys, 0, why, entries, census.item_ids, True))
+        try:
+            report.quarantined.append(self._quarantine(found.path, found.keys, 0, why, entries, census.item_ids, True))
+        except DiskFullError as exc:  # counted and named all the same; moved at a later start
+            report.quarantined.append(Quarantined(found.path, 0, f"{why}; not moved to quarantine/ ({exc}): it "
+                                                  f"stays where it is", found.path, entries, census.item_ids, True))
 
-    def _settle_log(self, log_reading: LogReading, report: RecoveryReport) -> None:
-        """The log's damage reported, and the log rewritten as the live segments' records (a
-        torn tail and the records of segments gone with it)."""
+    def _settle_log(self, log_reading: LogReading, report: RecoveryReport, lineage: np.ndarray) -> None:
+        """The log's damage reported, and the log rewritten as the live segments' records and
+        the `lineage` bodies (a torn tail, damage kept in quarantine/ by `recover`, and the
+        records of segments gone with them)."""
         report.catalog_problems += log_reading.damaged
         report.catalog_notes += [log_reading.torn] if log_reading.torn else []
-        why = self._compact_log()
+        why = self._compact_log(lineage, past_damage=True)
         if why:
             report.catalog_notes.append(why)
 

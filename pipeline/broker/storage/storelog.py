@@ -26,11 +26,12 @@ every segment's journal that took completions, where one log takes one fdatasync
 The torn-write rule. Appends never rewrite a sector holding synced records: in `power`, the
 first write after a sync starts at the next SYNC_ALIGN_BYTES boundary (the zeros before it
 are padding, which the reader skips). Every record carries its sync group's epoch, so a
-reader knows which records were synced: those of an epoch before the newest. A record that
-fails its checks among them is damage, named by path and byte offset; one after the last of
-them was written since the last sync, where a power cut may leave any sector garbled, kept
-or unwritten, each on its own: a torn write, ignored (what it held was never synced, so at
-worst a completion is delivered again). Damage cannot be pinned on a segment (its own words
+reader knows which records were synced: those of an epoch before the newest, and those of
+epoch 0, which only a compaction writes (the file made durable whole before its rename). A
+record that fails its checks among them is damage, named by path and byte offset; one after
+the last of them was written since the last sync, where a power cut may leave any sector
+garbled, kept or unwritten, each on its own: a torn write, ignored (what it held was never
+synced, so at worst a completion is delivered again). Damage cannot be pinned on a segment (its own words
 are what failed), so a reading with damage makes every segment's boundary untrusted: their
 scans judge every bad byte acknowledged (`scan.py`). A record of another version of the
 layout is refused (SegmentFormatError), never taken for garbage.
@@ -56,7 +57,6 @@ tools. Not thread-safe.
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -72,17 +72,17 @@ from pipeline.wire.layouts.storelog import (
     COMPLETED_PER_RECORD,
     LOG_BOUNDARY,
     LOG_COMPLETED,
-    LOG_COUNT_UNKNOWN,
     LOG_CREATED,
     LOG_DELETED,
     LOG_EPOCH_LIMIT,
     LOG_HEAD_WORD_BASE,
     LOG_KIND_NAMES,
-    LOG_MISSING,
+    LOG_LINEAGE,
     LOG_QUARANTINED,
     LOG_RECORD_SIZE_BYTES,
     LOG_SEALED,
     LOG_SEGMENT_BYTES_LIMIT,
+    LOG_SEQUENCE,
     STORE_LOG_FILE,
     STORE_LOG_VERSION,
     keys_tag,
@@ -92,8 +92,8 @@ from pipeline.wire.layouts.storelog import (
     valid_rows,
 )
 
-__all__ = ["LogKey", "LogReading", "MissingNote", "SegmentRecords", "StoreLog", "keep_as_evidence", "log_key",
-           "log_path", "read_missing_note", "read_store_log", "write_missing_note"]
+__all__ = ["LogKey", "LogReading", "SegmentRecords", "StoreLog", "encode_lifecycle", "keep_as_evidence",
+           "lifecycle_keys", "log_key", "log_path", "read_store_log"]
 
 # Damaged records named one by one in a reading (the count is always whole): a log line,
 # not a dump.
@@ -162,6 +162,8 @@ class LogReading:
     highest_seq: int = -1  # the highest segment sequence a valid record names (-1: none)
     newest_epoch: int = -1  # the highest epoch a valid record carries (-1: none)
     found: bool = False  # the file exists
+    # The LINEAGE records' bodies, (n, 4) uint64 in file order: `chains.py` reads them.
+    lineage: np.ndarray = field(default_factory=lambda: np.zeros((0, 4), dtype=np.uint64))
 
     def live(self) -> dict[SegmentKeys, SegmentRecords]:
         """The segments the log says exist: created, and neither deleted nor quarantined."""
@@ -196,7 +198,7 @@ def decode_log(data: bytes | memoryview, path: str) -> LogReading:
     valid = np.flatnonzero(good)
     epochs = (rows[:, 2] >> np.uint64(32)).astype(np.int64)
     reading.newest_epoch = int(epochs[valid].max()) if valid.size else -1
-    synced = np.flatnonzero(good & (epochs < reading.newest_epoch))
+    synced = np.flatnonzero(good & ((epochs < reading.newest_epoch) | (epochs == 0)))
     synced_end = int(synced[-1]) + 1 if synced.size else 0  # rows before it were synced
     bad = np.flatnonzero(~good)
     damaged, torn = bad[bad < synced_end], bad[bad >= synced_end]
@@ -276,6 +278,7 @@ def _replay(reading: LogReading, rows: np.ndarray) -> None:
             else:
                 records.sealed_count = int(values[end - 1, 0])
     _replay_lives(reading, rows, kinds)
+    reading.lineage = np.ascontiguousarray(rows[kinds == np.uint64(LOG_LINEAGE), 3:7])
 
 
 def _replay_lives(reading: LogReading, rows: np.ndarray, kinds: np.ndarray) -> None:
@@ -283,7 +286,8 @@ def _replay_lives(reading: LogReading, rows: np.ndarray, kinds: np.ndarray) -> N
     quarantined segment stays gone whatever else the log says of it). A record whose
     checksum holds but whose keys no segment name can carry, or that its tag does not match,
     is named as damage."""
-    for index in np.flatnonzero((kinds >= np.uint64(LOG_CREATED)) & (kinds <= np.uint64(LOG_QUARANTINED))).tolist():
+    lives = np.isin(kinds, np.array([LOG_CREATED, LOG_DELETED, LOG_QUARANTINED], dtype=np.uint64))
+    for index in np.flatnonzero(lives).tolist():
         keys, kind = lifecycle_keys(rows[index]), int(kinds[index])
         why = "" if log_key(keys)[1] == int(rows[index, 2]) & 0xFFFFFFFF else "its keys do not match its tag"
         try:
@@ -358,9 +362,10 @@ def encode_lifecycle(kind: int, keys: SegmentKeys, entry_count: int = 0, time_ns
     return encode_records(kind, log_key(keys), body, epoch)
 
 
-def encode_segment(key: LogKey, records: SegmentRecords, keys: SegmentKeys | None) -> np.ndarray:
+def encode_segment(key: LogKey, records: SegmentRecords, keys: SegmentKeys | None, gone: bool) -> np.ndarray:
     """A segment's records written afresh (a compaction): its creation (when its keys are
-    known), completions, last boundary, seal, and its deletion or quarantine if recorded."""
+    known), completions, last boundary, seal, and (`gone`) its deletion or quarantine if
+    recorded: never for a segment the store holds live again (a move that failed)."""
     parts = [encode_lifecycle(LOG_CREATED, keys)] if keys is not None else []
     parts.append(encode_completed(key, records.completed))
     if records.data_end is not None:
@@ -370,7 +375,7 @@ def encode_segment(key: LogKey, records: SegmentRecords, keys: SegmentKeys | Non
     if records.sealed_count is not None:
         words = np.array([[records.sealed_count, 0, 0, 0]], dtype=np.int64).view(np.uint64)
         parts.append(encode_records(LOG_SEALED, key, words))
-    if records.gone and keys is not None:
+    if gone and records.gone and keys is not None:
         parts.append(encode_lifecycle(records.gone, keys))
     return np.concatenate(parts)
 
@@ -379,7 +384,7 @@ class StoreLog:
     """The store log open for appending (module docstring). `durable`: `power`, where each
     write after a sync starts on a SYNC_ALIGN_BYTES boundary and `sync()` fdatasyncs."""
 
-    def __init__(self, path: str, fd: int, durable: bool, end: int, epoch: int) -> None:
+    def __init__(self, path: str, fd: int, durable: bool, end: int, epoch: int, lineage_records: int) -> None:
         self.path = path
         self.durable = durable
         self._fd = fd
@@ -387,6 +392,7 @@ class StoreLog:
         self.epoch = epoch  # the epoch of what is written until the next sync
         self._dirty = False
         self._tail_synced = bool(end % SYNC_ALIGN_BYTES)  # the sector at `end` holds synced records
+        self.lineage_records = lineage_records  # LINEAGE records the file holds: a compaction keeps them
 
     @classmethod
     def open(cls, data_dir: str, durable: bool, reading: LogReading | None = None) -> StoreLog:
@@ -403,23 +409,28 @@ class StoreLog:
         fd = cls._open(path, os.O_RDWR | os.O_CREAT)
         if durable and not existed:
             fsync_directory(data_dir)
-        return cls(path, fd, durable, reading.end, reading.newest_epoch + 1)
+        return cls(path, fd, durable, reading.end, max(reading.newest_epoch + 1, 1), int(reading.lineage.shape[0]))
 
     @classmethod
     def write_fresh(cls, data_dir: str, reading: LogReading, live: list[SegmentKeys] | None,
-                    durable: bool) -> StoreLog:
+                    durable: bool, lineage: np.ndarray | None = None) -> StoreLog:
         """Replace the log whole with the records `reading` holds of the `live` segments (all
-        of them: None), as epoch 0: temp file, fsync, rename, directory fsync. DiskFullError
-        leaves the old log as it was."""
+        of them: None) and the LINEAGE bodies `lineage` (all of the reading's: None), as
+        epoch 0: temp file, fsync, rename, directory fsync. DiskFullError leaves the old log
+        as it was."""
         path = log_path(data_dir)
         named = ([(key, r.keys) for key, r in reading.segments.items()] if live is None
                  else [(log_key(k), k) for k in live])
         empty = SegmentRecords()
         parts = [np.zeros((0, 8), dtype=np.uint64)]
-        parts += [encode_segment(key, reading.segments.get(key, empty), keys) for key, keys in named]
+        parts += [encode_segment(key, reading.segments.get(key, empty), keys, live is None) for key, keys in named]
+        lineage = reading.lineage if lineage is None else lineage
+        parts.append(encode_records(LOG_LINEAGE, (0, 0), lineage))
+        if reading.highest_seq >= 0:
+            parts.append(encode_records(LOG_SEQUENCE, (reading.highest_seq, 0), np.zeros((1, 4), dtype=np.uint64)))
         data = np.concatenate(parts).tobytes()
         fd = write_replacement(path, path + LOG_TMP_SUFFIX, data, max(len(data), LOG_RECORD_SIZE_BYTES), "store log")
-        return cls(path, fd, durable, len(data), 1)
+        return cls(path, fd, durable, len(data), 1, int(lineage.shape[0]))
 
     @staticmethod
     def _open(path: str, flags: int) -> int:
@@ -440,6 +451,11 @@ class StoreLog:
 
     def sealed(self, key: LogKey, entry_count: int) -> None:
         self._append(encode_records(LOG_SEALED, key, np.array([[entry_count, 0, 0, 0]], dtype=np.uint64), self.epoch))
+
+    def lineage(self, bodies: np.ndarray) -> None:
+        """LINEAGE records of the given (n, 4) uint64 bodies (`chains.py` makes them)."""
+        self._append(encode_records(LOG_LINEAGE, (0, 0), bodies, self.epoch))
+        self.lineage_records += int(bodies.shape[0])
 
     def lifecycle(self, kind: int, keys: SegmentKeys) -> None:
         """A segment created, deleted or quarantined; the caller syncs before the unlink or
@@ -478,21 +494,25 @@ class StoreLog:
     def wants_compaction(self, live_bytes: int) -> bool:
         return self.end > max(LOG_COMPACT_MIN_BYTES, LOG_COMPACT_GROWTH * live_bytes)
 
-    def compact(self, data_dir: str, live: list[SegmentKeys]) -> str:
-        """Rewrite the log holding only the `live` segments' records (read back from this
-        file: the one recovery path) and go on appending to the new file: the same object,
-        as every open segment file appends through it. "" or why not: DiskFullError, or
-        damage in the file (left for recovery to name and keep), leaves the old file in use."""
+    def compact(self, data_dir: str, live: list[SegmentKeys], lineage: np.ndarray | None = None,
+                past_damage: bool = False) -> str:
+        """Rewrite the log holding only the `live` segments' records and the LINEAGE bodies
+        `lineage` (None: every one the file holds), read back from this file (the one
+        recovery path), and go on appending to the new file: the same object, as every
+        open segment file appends through it. "" or why not: DiskFullError, or damage in
+        the file (left for recovery to name and keep; `past_damage`: recovery, which kept
+        it in quarantine/ first), leaves the old file in use."""
         self.sync()
         reading = read_store_log(data_dir)
-        if reading.damaged:
+        if reading.damaged and not past_damage:
             return f"store log not compacted: {reading.damaged_records} records damaged (first: {reading.damaged[0]})"
         try:
-            fresh = StoreLog.write_fresh(data_dir, reading, live, self.durable)
+            fresh = StoreLog.write_fresh(data_dir, reading, live, self.durable, lineage)
         except DiskFullError as exc:
             return f"store log not compacted: {exc}"
         self.close()
         self.path, self._fd, self.end, self.epoch = fresh.path, fresh._fd, fresh.end, fresh.epoch
+        self.lineage_records = fresh.lineage_records
         self._tail_synced, self._dirty = fresh._tail_synced, False
         fresh._fd = -1
         return ""
@@ -516,41 +536,3 @@ def keep_as_evidence(path: str, quarantine_dir: str) -> str:
     return target
 
 
-
-@dataclass(frozen=True, slots=True)
-class MissingNote:
-    """A note in quarantine/ that recovery found a segment missing (`write_missing_note`)."""
-
-    path: str
-    keys: SegmentKeys
-    entry_count: int | None  # None: unknown, it was still open
-    time_ns: int
-
-
-def write_missing_note(path: str, keys: SegmentKeys, entry_count: int | None, durable: bool) -> None:
-    """The evidence of a missing segment, kept until an operator removes it: one MISSING
-    record (the store log's layout) in its own file."""
-    count = LOG_COUNT_UNKNOWN if entry_count is None else entry_count
-    fd = fileops.open_fd(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        fileops.pwrite_all(fd, encode_lifecycle(LOG_MISSING, keys, count, time.time_ns()).tobytes(), 0)
-        if durable:
-            fileops.fsync(fd)
-    finally:
-        fileops.close_fd(fd)
-
-
-def read_missing_note(path: str) -> MissingNote | str:
-    """The note, or why it is not one."""
-    try:
-        with open(path, "rb") as file:
-            data = file.read()
-    except OSError as exc:
-        raise StoreReadError(f"{path}: cannot read the missing-segment note ({exc.strerror}, errno {exc.errno})") \
-            from exc
-    words = record_words(data)
-    if len(data) != LOG_RECORD_SIZE_BYTES or not valid_rows(words, LOG_MISSING)[0] or \
-            int(words[0, 0] >> np.uint64(48)) != LOG_MISSING:
-        return f"{path}: not a missing-segment note ({len(data)} bytes, not one valid MISSING record)"
-    count = int(words[0, 5])
-    return MissingNote(path, lifecycle_keys(words[0]), None if count == LOG_COUNT_UNKNOWN else count, int(words[0, 6]))

@@ -11,8 +11,9 @@ from shm.layout import checked_dtype
 
 # The store log (pipeline/broker/storage/storelog.py): each segment's life (created, sealed,
 # deleted or quarantined), its completions (up to COMPLETED_PER_RECORD entries a record) and
-# its commit boundary (after each group commit). Records are 64 bytes at multiples of 64 from offset
-# 0; zeros are the padding, in `power`, to the next SYNC_ALIGN_BYTES boundary before each
+# its commit boundary (after each group commit); and the shapes' chains (a LINEAGE record per
+# trie node: pipeline/broker/storage/chains.py). Records are 64 bytes at multiples of 64 from
+# offset 0; zeros are the padding, in `power`, to the next SYNC_ALIGN_BYTES boundary before each
 # synced group of records. Each record carries its group's `epoch` (one more after each
 # sync): a record that fails its checks before the last valid record of an earlier epoch
 # than the newest is damage; one after it may have been written since the last sync, and a
@@ -20,18 +21,24 @@ from shm.layout import checked_dtype
 #   off  size  field        meaning
 #     0     4  magic        b"SBL1"
 #     4     2  version      STORE_LOG_VERSION
-#     6     2  kind         LOG_COMPLETED ... LOG_QUARANTINED (LOG_MISSING: note files only)
-#     8     8  segment_seq  the segment (one sequence per store names it alone)
+#     6     2  kind         LOG_COMPLETED ... LOG_SEQUENCE (LOG_MISSING: note files only)
+#     8     8  segment_seq  the segment (one sequence per store names it alone); LINEAGE: 0;
+#                           SEQUENCE: the highest any record named before a compaction
 #    16     4  keys_tag     `keys_tag` of the segment's (model, signature, lane): a record
-#                           read beside a segment of other keys under that sequence is not its
-#    20     4  epoch        the sync group: 0 for what a compaction wrote, then one more
-#                           after each sync that had records to sync
+#                           read beside a segment of other keys under that sequence is not
+#                           its; LINEAGE, SEQUENCE: 0
+#    20     4  epoch        the sync group: 0 for what a compaction wrote (made durable
+#                           whole before it was renamed in: always synced), appends from 1,
+#                           one more after each sync that had records to sync
 #    24    32  body         COMPLETED: u32 entry offsets / ENTRY_ALIGN_BYTES, unused slots
 #                           zero (no entry starts at 0: the segment header is there);
 #                           BOUNDARY: u64 entry_count, u64 data_end; SEALED: u64 entry_count;
 #                           CREATED, DELETED, QUARANTINED, MISSING: u32 model, u32 lane,
 #                           u64 signature, u64 entry_count (MISSING: as last known, or
-#                           LOG_COUNT_UNKNOWN), u64 time_ns (MISSING: when noted)
+#                           LOG_COUNT_UNKNOWN), u64 time_ns (MISSING: when noted);
+#                           LINEAGE: u32 model, u32 depth (1 to MAX_CHAIN_DEPTH), u64 the
+#                           node's signature, u64 its parent's (zero at depth 1), u64 zero;
+#                           SEQUENCE: zero
 #    56     8  checksum     `log_checksums` of bytes 0..56
 STORE_LOG_FILE = "store.log"
 STORE_LOG_MAGIC = b"SBL1"
@@ -44,11 +51,14 @@ LOG_SEALED = 3  # no more appends; entry_count entries in all
 LOG_CREATED = 4  # renamed into place (recorded after the rename)
 LOG_DELETED = 5  # fully completed (recorded, and in `power` synced, before the unlink)
 LOG_QUARANTINED = 6  # moved to quarantine/ (recorded, and in `power` synced, before the move)
-LOG_MISSING = 7  # a note file in quarantine/ (one record): recovery found the segment gone
+LOG_LINEAGE = 7  # a shape's chain level: a prefix signature under its parent
+# A compaction's one record of the highest sequence the log named, so that a sequence whose
+# segment's records it dropped is never taken again (a MISSING note in quarantine/ names it).
+LOG_SEQUENCE = 8
+LOG_MISSING = 9  # a note file in quarantine/ (one record): recovery found the segment gone
 LOG_KIND_NAMES = {LOG_COMPLETED: "completed", LOG_BOUNDARY: "boundary", LOG_SEALED: "sealed", LOG_CREATED: "created",
-                  LOG_DELETED: "deleted", LOG_QUARANTINED: "quarantined", LOG_MISSING: "missing"}
-# The kinds a segment's life is named by: their body carries the segment's keys whole.
-LOG_LIFECYCLE_KINDS = (LOG_CREATED, LOG_DELETED, LOG_QUARANTINED, LOG_MISSING)
+                  LOG_DELETED: "deleted", LOG_QUARANTINED: "quarantined", LOG_LINEAGE: "lineage",
+                  LOG_SEQUENCE: "sequence", LOG_MISSING: "missing"}
 LOG_COUNT_UNKNOWN = (1 << 64) - 1  # a MISSING note of a segment that was still open
 STORE_LOG_DTYPE = checked_dtype(
     [
@@ -115,7 +125,7 @@ def record_words(data: bytes | memoryview) -> np.ndarray:
     return np.frombuffer(data, dtype="<u8", count=whole * LOG_RECORD_WORDS).reshape(whole, LOG_RECORD_WORDS)
 
 
-def valid_rows(words: np.ndarray, last_kind: int = LOG_QUARANTINED) -> np.ndarray:
+def valid_rows(words: np.ndarray, last_kind: int = LOG_SEQUENCE) -> np.ndarray:
     """Which rows of `words` are records we write: head word, a kind up to `last_kind`
     (LOG_MISSING belongs in note files, never in the log), checksum."""
     kinds = words[:, 0] >> np.uint64(48)

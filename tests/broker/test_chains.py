@@ -1,13 +1,11 @@
-"""The lineage file (pipeline/broker/storage/chains.py): chains declared by producers survive
-a reopen of the disk tier and drive the prefix order of the recovered backlog, with no
-producer declaring them again; a torn last record is ignored, a damaged one before it is
-named by path and offset, a damaged header loses the file (rewritten); the file is compacted
-to the live shapes; its record limit, at and past."""
+"""The shapes' chains in the store log (pipeline/broker/storage/chains.py): chains declared by
+producers survive a reopen of the disk tier and drive the prefix order of the recovered
+backlog, with no producer declaring them again; a damaged record is named and loses the
+chains through it; recovery compacts them to the live shapes; their limit, at and past."""
 
 from __future__ import annotations
 
-import os
-
+import numpy as np
 import pytest
 
 from pipeline.broker.dispatch import Dispatcher
@@ -16,9 +14,10 @@ from pipeline.broker.lineage import MAX_TRIE_NODES
 from pipeline.broker.packing import Contract
 from pipeline.broker.storage import DiskTier, Durability
 from pipeline.broker.storage import chains as chains_module
-from pipeline.broker.storage.chains import MAX_LINEAGE_RECORDS, lineage_path, read_lineage
+from pipeline.broker.storage.chains import MAX_LINEAGE_RECORDS, LineageReading, lineage_bodies, read_lineage
+from pipeline.broker.storage.storelog import StoreLog, log_path, read_store_log
 from pipeline.wire.layouts.frames import MAX_CHAIN_DEPTH
-from pipeline.wire.layouts.lineage import LINEAGE_RECORD_SIZE_BYTES
+from pipeline.wire.layouts.storelog import LOG_LINEAGE, LOG_RECORD_SIZE_BYTES
 from tests.broker.broker_frames import make_frame
 
 CONTRACT = Contract(model=0, max_batch_items=8, max_batch_tokens=1 << 20, max_input_len=1 << 16)
@@ -69,9 +68,18 @@ def test_the_recovered_backlog_is_served_in_prefix_order_without_any_declaration
         tier.close()
 
 
-def test_without_the_file_the_recovered_shapes_are_chains_of_one(tmp_path):
+def lineage_of(data_dir: str) -> LineageReading:
+    return read_lineage(read_store_log(data_dir))
+
+
+def records_of(data_dir: str) -> int:
+    return int(read_store_log(data_dir).lineage.shape[0])
+
+
+def test_without_the_chains_the_recovered_shapes_are_chains_of_one(tmp_path):
     ingest_all(str(tmp_path))
-    os.unlink(lineage_path(str(tmp_path)))
+    reading = read_store_log(str(tmp_path))  # rewritten with every record but the chains'
+    StoreLog.write_fresh(str(tmp_path), reading, None, False, np.zeros((0, 4), dtype=np.uint64)).close()
     served, tier, _ = served_after_reopen(str(tmp_path))
     tier.close()
     assert served == [SYSTEM, OTHER, FEWSHOT, DEEP]  # most tokens first: the order is lost
@@ -79,102 +87,77 @@ def test_without_the_file_the_recovered_shapes_are_chains_of_one(tmp_path):
 
 def test_a_chain_declared_again_writes_nothing_and_each_node_is_one_record(tmp_path):
     ingest_all(str(tmp_path))
-    path = lineage_path(str(tmp_path))
-    assert read_lineage(path).used == 4  # SYSTEM, FEWSHOT, DEEP, OTHER: one record each
+    assert records_of(str(tmp_path)) == 4  # SYSTEM, FEWSHOT, DEEP, OTHER: one record each
     tier = DiskTier.open(str(tmp_path))  # compacted to the nodes of chains deeper than one
     try:
-        assert read_lineage(path).used == 3
+        assert records_of(str(tmp_path)) == 3
         for model, chain in CHAINS:  # a producer that reconnects declares its shapes again
             tier.record_chains([(model, chain)])
         tier.flush()
-        assert read_lineage(path).used == 4  # OTHER's own node only: a chain of one, dropped at compaction
+        assert records_of(str(tmp_path)) == 4  # OTHER's own node only: a chain of one, dropped at compaction
     finally:
         tier.close()
 
 
 def test_compaction_keeps_only_the_chains_of_live_shapes(tmp_path):
     ingest_all(str(tmp_path))
-    path = lineage_path(str(tmp_path))
     tier = DiskTier.open(str(tmp_path))
     try:
         tier.record_chains([(0, (0x70, 0x71))])  # a shape declared whose items never came
         tier.flush()
-        assert (0, 0x71) in read_lineage(path).nodes
+        assert (0, 0x71) in lineage_of(str(tmp_path)).nodes
     finally:
         tier.close()
     DiskTier.open(str(tmp_path)).close()
-    assert set(read_lineage(path).nodes) == {(0, SYSTEM), (0, FEWSHOT), (0, DEEP)}
+    assert set(lineage_of(str(tmp_path)).nodes) == {(0, SYSTEM), (0, FEWSHOT), (0, DEEP)}
 
 
-def corrupt(path: str, slot: int, byte: int = 20) -> int:
-    """Flip one byte of record `slot` (0: the first after the header); its byte offset."""
-    offset = (slot + 1) * LINEAGE_RECORD_SIZE_BYTES
-    with open(path, "r+b") as file:
-        file.seek(offset + byte)
+def lineage_offsets(data_dir: str) -> list[int]:
+    """The byte offsets of the log's LINEAGE records, in file order."""
+    data = open(log_path(data_dir), "rb").read()
+    words = np.frombuffer(data[:len(data) // 64 * 64], dtype="<u8").reshape(-1, 8)
+    return (np.flatnonzero((words[:, 0] >> np.uint64(48)) == np.uint64(LOG_LINEAGE)) * 64).tolist()
+
+
+def test_a_damaged_record_is_named_and_loses_the_chains_through_it(tmp_path):
+    ingest_all(str(tmp_path))
+    DiskTier.open(str(tmp_path)).close()  # compacted: SYSTEM, FEWSHOT, DEEP, synced whole
+    offset = lineage_offsets(str(tmp_path))[1]  # parents first: FEWSHOT's
+    with open(log_path(str(tmp_path)), "r+b") as file:
+        file.seek(offset + 40)
         value = file.read(1)[0]
-        file.seek(offset + byte)
+        file.seek(offset + 40)
         file.write(bytes([value ^ 0xFF]))
-    return offset
-
-
-def test_a_torn_last_record_is_ignored(tmp_path):
-    ingest_all(str(tmp_path))
-    path = lineage_path(str(tmp_path))
-    last = read_lineage(path).used - 1
-    corrupt(path, last)
-    reading = read_lineage(path)
-    assert "torn append" in reading.torn_last and not reading.damaged
     tier = DiskTier.open(str(tmp_path))
     try:
-        assert tier.recovery.ok and not tier.recovery.lineage_problems
-        assert any("torn append" in note for note in tier.recovery.lineage_notes)
-    finally:
-        tier.close()
-
-
-def test_a_partial_last_record_is_ignored(tmp_path):
-    ingest_all(str(tmp_path))
-    path = lineage_path(str(tmp_path))
-    used = read_lineage(path).used
-    with open(path, "r+b") as file:
-        file.truncate((used + 1) * LINEAGE_RECORD_SIZE_BYTES + 24)
-        file.seek((used + 1) * LINEAGE_RECORD_SIZE_BYTES)
-        file.write(b"\x01" * 24)
-    reading = read_lineage(path)
-    assert "partial last record" in reading.torn_last and len(reading.nodes) == 4
-
-
-def test_a_damaged_record_before_the_last_is_named_and_loses_the_chains_through_it(tmp_path):
-    ingest_all(str(tmp_path))
-    path = lineage_path(str(tmp_path))
-    offset = corrupt(path, 1)  # records go in chain order: SYSTEM, FEWSHOT, DEEP, OTHER
-    assert read_lineage(path).damaged
-    tier = DiskTier.open(str(tmp_path))
-    try:
-        problems = tier.recovery.lineage_problems
-        assert len(problems) == 1 and f"{path}: offset {offset}" in problems[0]
-        assert not tier.recovery.ok and tier.recovery.damage_counts()["lineage_problems"] == 1
-        assert "LINEAGE:" in tier.recovery.summary()
+        problems = tier.recovery.catalog_problems
+        assert any(f"offset {offset}" in line for line in problems), problems
+        assert not tier.recovery.ok and "STORE LOG:" in tier.recovery.summary()
         # FEWSHOT's level is gone: DEEP's walk up stops there, so both are chains of one
         assert tier.take_recovered_chains() == []
     finally:
         tier.close()
-    assert not read_lineage(path).damaged  # the compacted file holds no damage
+    assert not read_store_log(str(tmp_path)).damaged  # the compacted log holds no damage
 
 
-def test_a_damaged_header_loses_the_file_and_it_is_rewritten(tmp_path):
+def test_a_record_of_a_depth_no_chain_has_is_named(tmp_path):
     ingest_all(str(tmp_path))
-    path = lineage_path(str(tmp_path))
-    with open(path, "r+b") as file:
-        file.write(b"XX")
     tier = DiskTier.open(str(tmp_path))
     try:
-        assert any("offset 0: not a lineage header" in p for p in tier.recovery.lineage_problems)
-        assert tier.take_recovered_chains() == []
+        bodies = lineage_bodies([((0, 0x77), 0, MAX_CHAIN_DEPTH + 1), ((0, 0x78), 0, MAX_CHAIN_DEPTH)])
+        tier._store.log.lineage(bodies)  # checksummed: what a bug or a forger writes
+        tier.flush()
     finally:
         tier.close()
-    reading = read_lineage(path)
-    assert not reading.header_problem and reading.used == 0
+    reading = lineage_of(str(tmp_path))
+    assert (0, 0x78) in reading.nodes and (0, 0x77) not in reading.nodes
+    assert reading.damaged and f"depth no chain has (first: {MAX_CHAIN_DEPTH + 1}" in reading.damaged[0]
+    tier = DiskTier.open(str(tmp_path))
+    try:
+        assert any("depth no chain has" in line for line in tier.recovery.catalog_problems)
+        assert tier.recovery.lineage_chains == 2  # FEWSHOT's and DEEP's, whole
+    finally:
+        tier.close()
 
 
 @pytest.mark.parametrize("extra", [0, 1])
@@ -185,7 +168,7 @@ def test_the_record_limit_at_and_past(tmp_path, monkeypatch, extra):
     monkeypatch.setattr(chains_module, "MAX_LINEAGE_RECORDS", 4)
     chains = CHAINS[:3] + [(0, (0x61, OTHER))] if extra else CHAINS  # 4 records, or 5
     ingest_all(str(tmp_path), chains=chains)
-    assert read_lineage(lineage_path(str(tmp_path))).used == (3 if extra else 4)
+    assert records_of(str(tmp_path)) == (3 if extra else 4)
     tier = DiskTier.open(str(tmp_path))
     try:
         dispatcher = Dispatcher(tier, shape_order="prefix")
@@ -201,8 +184,8 @@ def test_the_record_limit_at_and_past(tmp_path, monkeypatch, extra):
         tier.flush()
     finally:
         tier.close()
-    assert set(read_lineage(lineage_path(str(tmp_path))).nodes) >= {(0, 0x62)}
-    assert (0, 0x63) not in read_lineage(lineage_path(str(tmp_path))).nodes
+    assert set(lineage_of(str(tmp_path)).nodes) >= {(0, 0x62)}
+    assert (0, 0x63) not in lineage_of(str(tmp_path)).nodes
     assert MAX_LINEAGE_RECORDS == MAX_TRIE_NODES  # one record per node the trie can hold
 
 
@@ -214,29 +197,23 @@ def test_a_chain_at_the_deepest_level_comes_back_whole(tmp_path):
         tier.flush()
     finally:
         tier.close()
-    reading = read_lineage(lineage_path(str(tmp_path)))
-    assert reading.chain(ShapeKey(0, deep[-1])) == deep
+    assert lineage_of(str(tmp_path)).chain(ShapeKey(0, deep[-1])) == deep
 
 
-def test_a_disk_too_full_to_rewrite_the_file_keeps_the_old_one_or_runs_without(tmp_path, monkeypatch):
+def test_a_disk_too_full_to_append_counts_the_chains_unrecorded(tmp_path, monkeypatch):
     ingest_all(str(tmp_path))
-
-    def full(*_args):
-        raise chains_module.DiskFullError("disk full (test)")
-
-    monkeypatch.setattr(chains_module, "_allocate", full)  # growing the file
-    monkeypatch.setattr(chains_module, "write_replacement", full)  # rewriting it whole
-    tier = DiskTier.open(str(tmp_path))  # the old file is used as it is: its chains come back
+    tier = DiskTier.open(str(tmp_path))
     try:
-        assert tier.recovery.lineage_chains == 2 and any("kept as it is" in n for n in tier.recovery.lineage_notes)
-    finally:
-        tier.close()
-    os.unlink(lineage_path(str(tmp_path)))
-    tier = DiskTier.open(str(tmp_path))  # no file and no room for one: the broker still starts
-    try:
-        tier.record_chains([(0, (0x70, 0x71))])
+        def full(self, bodies):
+            raise chains_module.DiskFullError(f"{self.path}: disk full (injected)")
+
+        monkeypatch.setattr(StoreLog, "lineage", full)
+        tier.record_chains([(0, (0x70, 0x71)), (0, (0x70, 0x72))])
+        assert tier.chains_unrecorded == 2
+        monkeypatch.undo()
+        tier.record_chains([(0, (0x70, 0x71))])  # not known: recorded once space is back
         tier.flush()
-        assert tier.chains_unrecorded == 1 and not os.path.exists(lineage_path(str(tmp_path)))
+        assert tier.chains_unrecorded == 2 and (0, 0x71) in lineage_of(str(tmp_path)).nodes
     finally:
         tier.close()
 
@@ -252,7 +229,7 @@ def test_a_frames_chains_in_one_call_share_their_nodes_and_the_limit(tmp_path, m
         assert tier.chains_unrecorded == 1  # (0x20, 0x21, 0x22): 3 new records after 3, past 5
     finally:
         tier.close()
-    reading = read_lineage(lineage_path(str(tmp_path)))
-    assert reading.used == 4
+    assert records_of(str(tmp_path)) == 4
+    reading = lineage_of(str(tmp_path))
     assert set(reading.nodes) == {(0, 0x10), (0, 0x11), (0, 0x12), (0, 0x13)}
     assert reading.chain(ShapeKey(0, 0x13)) == (0x10, 0x13)
