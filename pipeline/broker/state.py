@@ -34,7 +34,10 @@ class BrokerState:
     A file that does not parse is kept aside (`damaged_to`, renamed with DAMAGED_SUFFIX) and
     the broker starts from zero; a missing or damaged file is `lost`, and the broker then
     takes the next producer id from what the store and /dev/shm hold (`keep_ids_above`): an id
-    handed out again would make its new items look stored and be skipped."""
+    handed out again would make its new items look stored and be skipped.
+    NOTE: a record kind of the store log was rejected: this file must outlive the store it
+    vouches for (a memory tier's log lives on tmpfs, and a store removed takes its log with
+    it, where this file still says a broker ran here: `store_health.note_store_was_kept`)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
