@@ -233,3 +233,35 @@ def test_a_frames_chains_in_one_call_share_their_nodes_and_the_limit(tmp_path, m
     reading = lineage_of(str(tmp_path))
     assert set(reading.nodes) == {(0, 0x10), (0, 0x11), (0, 0x12), (0, 0x13)}
     assert reading.chain(ShapeKey(0, 0x13)) == (0x10, 0x13)
+
+
+def test_a_compaction_while_running_keeps_every_chain(tmp_path, monkeypatch):
+    """The log is compacted as segments come and go; the chains recorded before it (of
+    shapes whose items are all done by then) are in the file after it, and a reopen after a
+    crash gives back those of the shapes still live."""
+    monkeypatch.setattr("pipeline.broker.storage.storelog.LOG_COMPACT_MIN_BYTES", 16 << 10)
+    tier = DiskTier.open(str(tmp_path), Durability.POWER)
+    dispatcher = Dispatcher(tier, shape_order="prefix")
+    dispatcher.recover(0.0)
+    dispatcher.ingest(make_frame(1, 0, [(0, DEEP)] * 8, [90] * 8, chains=CHAINS), 0.0)
+    dispatcher.flush()
+    compactions = tier._store.log.compactions
+    for turn in range(1, 40):  # another shape's items stored and done, turn after turn
+        dispatcher.ingest(make_frame(1, turn * 8, [(0, 0x200 + turn)] * 8, [50] * 8), 0.0)
+        dispatcher.flush()
+        while (batch := dispatcher.next_batch(ConsumerId(0), CONTRACT, 0.0)) is not None:
+            if batch.lane.signature == DEEP:  # kept live: its chain must come back
+                dispatcher.abandon(batch)
+                break
+            dispatcher.commit(batch)
+            dispatcher.complete_batch(ConsumerId(0), batch)
+        dispatcher.flush()
+        tier._store.seal_aged(float(10**6))  # sealed: done segments are deleted, the log churns
+    assert tier._store.log.compactions > compactions
+    assert {(0, SYSTEM), (0, FEWSHOT), (0, DEEP), (0, OTHER)} <= set(lineage_of(str(tmp_path)).nodes)
+    tier.abandon()
+    tier = DiskTier.open(str(tmp_path), Durability.POWER)
+    try:
+        assert tier.take_recovered_chains() == [(0, (SYSTEM, FEWSHOT, DEEP))]
+    finally:
+        tier.close()

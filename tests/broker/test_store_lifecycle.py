@@ -93,16 +93,19 @@ def test_a_missing_segment_name_is_never_reused(tmp_path):
     SEQUENCE record keeps its number from being taken again, over any number of restarts."""
     store = rotating_store(str(tmp_path))
     fill(store, 1)
-    (only,) = store.segments.values()
+    fill(store, 1, lane=OTHER)  # sequence 1: not a number a LINEAGE record's 0 could stand for
+    only = max(store.segments.values(), key=lambda s: s.keys.segment_seq)
     store.close()
     os.unlink(only.path)
     for _restart in range(3):
-        rotating_store(str(tmp_path)).recover()
+        again = rotating_store(str(tmp_path))
+        again.recover()
+        again.close()
     store = rotating_store(str(tmp_path))
     store.recover()
-    fill(store, 1)
-    (fresh,) = store.segments.values()
-    assert fresh.keys.segment_seq == only.keys.segment_seq + 1
+    fill(store, 1, lane=OTHER)
+    fresh = max(store.segments.values(), key=lambda s: s.keys.segment_seq)
+    assert fresh.keys.segment_seq == only.keys.segment_seq + 1 == 2
     store.close()
 
 
@@ -302,8 +305,10 @@ def test_a_create_the_log_has_no_room_for_leaves_no_file(tmp_path, monkeypatch):
 def test_a_damaged_segment_the_disk_will_not_quarantine_keeps_its_completions(tmp_path, monkeypatch, refused):
     """A done, damaged segment whose QUARANTINED record (or move) is refused stays on disk
     and registered, its completions in the log through compactions, and is tried again at
-    each sync: never taken back with its completed entries live. (Its damage was a
-    consumer's finding, in memory: after the restart it reads as a clean finished segment.)"""
+    each sync (a record written once costs no other): never taken back with its completed
+    entries live. After a restart, one whose record was written is moved to quarantine/;
+    one whose record was refused reads as a clean finished segment (its damage was a
+    consumer's finding, in memory) and is deleted."""
     store = rotating_store(str(tmp_path))
     fill(store, 1)
     (state,) = store.segments.values()
@@ -325,11 +330,19 @@ def test_a_damaged_segment_the_disk_will_not_quarantine_keeps_its_completions(tm
     assert os.path.exists(state.path) and state.id in store.segments
     store._compact_log()  # the records of a segment still registered are kept
     store.sync()
+    size = os.path.getsize(log_path(str(tmp_path)))
+    for _sync in range(3):
+        store.sync()
+    assert os.path.getsize(log_path(str(tmp_path))) == size  # no record, no sync a retry
     _moved, notes = store.take_quarantined()
     assert sum("not moved to quarantine/" in note for note in notes) == 1, notes  # named once
     store.abandon()  # a crash while it waits
     monkeypatch.undo()
     again = rotating_store(str(tmp_path))
     report = again.recover()
-    assert report.live_entries == 0 and report.deleted == [state.path], report.summary()
+    assert report.live_entries == 0, report.summary()
+    if refused == "move":
+        assert [q.path for q in report.quarantined] == [state.path] and not report.deleted, report.summary()
+    else:
+        assert report.deleted == [state.path] and not report.quarantined, report.summary()
     again.close()

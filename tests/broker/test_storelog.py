@@ -259,3 +259,29 @@ def test_a_record_of_another_version_is_refused_not_dropped(tmp_path):
     words.tofile(path)
     with pytest.raises(SegmentFormatError, match="version"):
         read_store_log(str(tmp_path))
+
+
+def test_what_a_compaction_wrote_is_synced_and_what_followed_it_may_be_torn(tmp_path):
+    """Epoch 0 is a compaction's, made durable whole before its rename: a bad record in it is
+    damage even with nothing appended since; records appended after it (epoch 1, not yet
+    synced) that read back garbled are a torn write, and the compacted ones stay whole."""
+    log = StoreLog.open(str(tmp_path), durable=True)
+    log.completed(log_key(KEYS[0]), np.array([4096, 4160]))
+    log.boundary(log_key(KEYS[0]), 2, 4224)
+    log.compact(str(tmp_path), [KEYS[0]])
+    compacted = log.end
+    log.completed(log_key(KEYS[0]), np.array([4224]))  # after the compaction, never synced
+    path = log_path(str(tmp_path))
+    with open(path, "r+b") as file:  # that sector garbled by a power cut
+        file.seek(-(-compacted // SYNC_ALIGN_BYTES) * SYNC_ALIGN_BYTES)
+        file.write(os.urandom(LOG_RECORD_SIZE_BYTES))
+    log.close()
+    reading = read_store_log(str(tmp_path))
+    assert not reading.damaged and "torn write" in reading.torn
+    assert reading.of(KEYS[0]).completed.tolist() == [4096, 4160] and reading.of(KEYS[0]).data_end == 4224
+    with open(path, "r+b") as file:  # the compacted records' sector: synced, so damage
+        file.truncate(compacted)
+        file.seek(8)
+        file.write(b"\xff")
+    reading = read_store_log(str(tmp_path))
+    assert reading.damaged and f"{path}: offset 0" in reading.damaged[0]

@@ -1,7 +1,7 @@
 """The shapes' chains of prefix signatures (SPEC §4b), durable as LINEAGE records of the store
 log (`storelog.py`), so that shapes recovered from disk after a broker restart are placed
 under their prefixes again before dispatch starts. A producer sends a shape's chain once per
-connection, and one that finished never comes back: without them the recovered backlog was
+connection, and one that finished never comes back: without them the recovered backlog is
 served as chains of one (most tokens first).
 
 One record per trie node newly declared, never per item: a chain's levels the log does not
@@ -36,7 +36,7 @@ from pipeline.wire.errors import DiskFullError
 from pipeline.wire.layouts.frames import MAX_CHAIN_DEPTH
 
 # Nodes recorded at most a broker life: the trie's MAX_TRIE_NODES (one record per node, a
-# shape's own included), 32 MiB of log and ~32 MiB of the set that dedupes them.
+# shape's own included): 32 MiB of log, and the set that dedupes them, about 100 bytes a node.
 MAX_LINEAGE_RECORDS = 1 << 19
 
 _Node = tuple[int, int]  # (model, signature)

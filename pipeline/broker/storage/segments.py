@@ -102,6 +102,7 @@ class SegmentState:
     sealed: bool = False
     damage: str = ""
     held: str = ""  # done, but the disk refused its deletion or move: why (tried again at each sync)
+    gone_at: int = -1  # `StoreLog.compactions` when its DELETED or QUARANTINED record was written
     # While its file is closed: what reopening it needs. NOTE: reading a closed segment's
     # completions back from the log at its reopen was rejected: with one log for the whole
     # store that is a read of every segment's records for one file.
@@ -242,12 +243,18 @@ class SegmentStore:
     def _durable(self) -> bool:
         return self.durability is Durability.POWER
 
-    def _record_gone(self, kind: int, keys: SegmentKeys) -> None:
+    def _record_gone(self, kind: int, keys: SegmentKeys, state: SegmentState | None = None) -> None:
         """A DELETED or QUARANTINED record, made durable before the unlink or move it
-        announces (so a segment the log names and the disk lacks was lost, never ours)."""
+        announces (so a segment the log names and the disk lacks was lost, never ours):
+        once, for a `state` whose unlink or move is tried again, until a compaction
+        rewrites it as live (a retry costs no record and no sync)."""
         log = self._log_file()
+        if state is not None and state.gone_at == log.compactions:
+            return
         log.lifecycle(kind, keys)
         log.sync()
+        if state is not None:
+            state.gone_at = log.compactions
 
     # ----------------------------------------------------------------- appends
 
@@ -347,8 +354,9 @@ class SegmentStore:
         except (OSError, DiskFullError) as exc:
             why = exc.strerror if isinstance(exc, OSError) else str(exc)
             if not state.held:
-                self._notes.append(f"{state.path}: done, but not {'moved to quarantine/' if state.damage else 'deleted'}"
-                                   f" ({why}): it stays, tried again at each group commit")
+                undone = "moved to quarantine/" if state.damage else "deleted"
+                self._notes.append(f"{state.path}: done, but not {undone} ({why}): it stays, tried again at each "
+                                   f"group commit")
             state.held = why
             self._undeleted.append(state)
             return None
@@ -358,12 +366,15 @@ class SegmentStore:
 
     def _retire(self, state: SegmentState, why_done: str, at: int) -> Quarantined | None:
         if state.damage:
-            return self._quarantine(state.path, state.keys, at, f"damaged ({state.damage}); {why_done}")
+            return self._quarantine(state.path, state.keys, at, f"damaged ({state.damage}); {why_done}", state=state)
         self._pin.check()
-        self._record_gone(LOG_DELETED, state.keys)  # before the unlink: never a false MISSING
+        self._record_gone(LOG_DELETED, state.keys, state)  # before the unlink: never a false MISSING
         if crashpoints.ARMED:
             crashpoints.hit("delete.before_unlink")
-        unlink_segment(state.path, self.durability)
+        try:
+            unlink_segment(state.path, self.durability)
+        except FileNotFoundError:
+            pass  # gone already (someone else's hand): what the record says
         return None
 
     def _note_moved(self, moved: Quarantined | None) -> None:
@@ -371,10 +382,11 @@ class SegmentStore:
             self._quarantined.append(moved)
 
     def _quarantine(self, path: str, keys: SegmentKeys, offset: int, why: str, entries: int = 0,
-                    item_ids: tuple[int, ...] = (), identity_refused: bool = False) -> Quarantined:
+                    item_ids: tuple[int, ...] = (), identity_refused: bool = False,
+                    state: SegmentState | None = None) -> Quarantined:
         """Move a (closed) segment to quarantine/, the move recorded first; never deleted."""
         self._pin.check()
-        self._record_gone(LOG_QUARANTINED, keys)
+        self._record_gone(LOG_QUARANTINED, keys, state)
         target = quarantine_target(self.data_dir, path)
         make_dirs(os.path.dirname(target))
         fileops.rename(path, target)  # same file system: the data directory
@@ -460,7 +472,8 @@ class SegmentStore:
         report = RecoveryReport()
         listing = read_store(self.data_dir, report)
         log_reading = read_store_log(self.data_dir)
-        if log_reading.damaged:  # kept before anything replaces it
+        lineage = read_lineage(log_reading)
+        if log_reading.damaged or lineage.damaged:  # kept before anything replaces it
             kept = keep_as_evidence(log_path(self.data_dir), os.path.join(self.data_dir, QUARANTINE_DIR))
             report.catalog_notes.append(f"{log_reading.path}: damaged; kept as {kept}")
         report.catalog_found = log_reading.found
@@ -478,7 +491,6 @@ class SegmentStore:
             report.catalog_problems.append(
                 f"{log_reading.path}: no store log although {len(listing.segments)} segments exist: rebuilt from "
                 f"the disk; a segment lost before this start cannot be detected")
-        lineage = read_lineage(log_reading)
         report.catalog_problems += lineage.damaged
         report.chains, kept = recovered_chains(lineage, report.live_shapes())
         self._settle_log(log_reading, report, kept)
@@ -490,6 +502,7 @@ class SegmentStore:
                          log_reading: LogReading, report: RecoveryReport) -> None:
         """`live`: the segments the log says exist (None: there was no log)."""
         report.segments_scanned += 1
+        self._next_seq = max(self._next_seq, found.segment_seq + 1)  # whatever becomes of it: on disk
         try:
             scan = scan_segment(found.path, found.keys, name_confirmed=live is not None and found.keys in live,
                                 skip_done=True, records=log_reading.of(found.keys))
@@ -503,9 +516,10 @@ class SegmentStore:
         report.entries_unread += int(scan.done_offsets.size)
         if live is not None and found.keys not in live:
             report.adopted.append(found.path)
-        self._adopt(found, scan, report)
+        self._adopt(found, scan, report, log_reading.of(found.keys).gone == LOG_QUARANTINED)
 
-    def _adopt(self, found: SegmentPath, scan: ScanReport, report: RecoveryReport) -> None:
+    def _adopt(self, found: SegmentPath, scan: ScanReport, report: RecoveryReport, quarantined: bool) -> None:
+        """`quarantined`: the log says it was quarantined (its move was not made): kept as damaged."""
         lane = LaneKey(found.model, found.signature, found.lane)
         report.damaged += scan.damaged
         report.lost += [] if scan.lost is None else [scan.lost]
@@ -515,7 +529,6 @@ class SegmentStore:
             report.damaged_identities.append(f"{found.path}: {scan.identity_damage}")
         if not scan.counts_agree:
             report.repaired_counts.append(found.path)
-        self._next_seq = max(self._next_seq, found.segment_seq + 1)
         file = SegmentFile.reopen(scan, self.durability, self._log_file(), self.segment_max_bytes)  # repairs
         # NOTE: recovered segments are sealed rather than appended to: a new run starts new
         # segments, and an old one is deleted as soon as its entries are done.
@@ -523,7 +536,8 @@ class SegmentStore:
             file.seal()
         state = self._register(found.path, lane, scan.keys, 0.0)
         state.entry_count, state.deleted_count, state.sealed = scan.entry_count, scan.tombstone_count, True
-        state.damage = scan.problems()[0] if scan.is_damaged else ""
+        state.damage = (scan.problems()[0] if scan.is_damaged
+                        else "recorded as quarantined, its move not made" if quarantined else "")
         if state.damage:
             report.damaged_segments.append(found.path)
             # Its quarantine directory now, while recovery may still fail the start: moving it
@@ -535,6 +549,7 @@ class SegmentStore:
             moved = self._delete_if_done(state, "nothing in it is deliverable", first_damage(scan))
             report.quarantined += [moved] if moved is not None else []
             report.deleted += [found.path] if state.id not in self.segments and not state.damage else []
+            report.catalog_notes += [f"{found.path}: done, but kept ({state.held})"] if state.held else []
             return
         report.segments.append(RecoveredSegment(state, scan))
         report.live_entries += scan.live_count

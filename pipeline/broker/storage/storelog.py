@@ -393,6 +393,7 @@ class StoreLog:
         self._dirty = False
         self._tail_synced = bool(end % SYNC_ALIGN_BYTES)  # the sector at `end` holds synced records
         self.lineage_records = lineage_records  # LINEAGE records the file holds: a compaction keeps them
+        self.compactions = 0  # made by this object: a record written before one may not be in the file
 
     @classmethod
     def open(cls, data_dir: str, durable: bool, reading: LogReading | None = None) -> StoreLog:
@@ -513,6 +514,7 @@ class StoreLog:
         self.close()
         self.path, self._fd, self.end, self.epoch = fresh.path, fresh._fd, fresh.end, fresh.epoch
         self.lineage_records = fresh.lineage_records
+        self.compactions += 1
         self._tail_synced, self._dirty = fresh._tail_synced, False
         fresh._fd = -1
         return ""
@@ -524,15 +526,23 @@ class StoreLog:
 
 
 def keep_as_evidence(path: str, quarantine_dir: str) -> str:
-    """A hard link to the log at `path` in `quarantine_dir` (as store.log, or store.log.N
-    beside earlier ones), before a compaction replaces it: damage is kept, never deleted.
-    The path of the link."""
+    """A copy of the log at `path` in `quarantine_dir` (as store.log, or store.log.N beside
+    earlier ones), made durable before a compaction replaces it: damage is kept, never
+    deleted. The path of the copy.
+    NOTE: a hard link was rejected: recovery appends to the log before it compacts it, and
+    with no room to compact, the whole broker life would go on into the evidence."""
     os.makedirs(quarantine_dir, mode=0o700, exist_ok=True)
     target, copies = os.path.join(quarantine_dir, STORE_LOG_FILE), 0
     while os.path.lexists(target if not copies else f"{target}.{copies}"):
         copies += 1
     target = target if not copies else f"{target}.{copies}"
-    fileops.link(path, target)
+    with open(path, "rb") as file:
+        data = file.read()
+    fd = fileops.open_fd(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        fileops.pwrite_all(fd, data, 0)
+        fileops.fsync(fd)
+    finally:
+        fileops.close_fd(fd)
+    fsync_directory(quarantine_dir)
     return target
-
-

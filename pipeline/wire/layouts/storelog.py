@@ -15,9 +15,10 @@ from shm.layout import checked_dtype
 # trie node: pipeline/broker/storage/chains.py). Records are 64 bytes at multiples of 64 from
 # offset 0; zeros are the padding, in `power`, to the next SYNC_ALIGN_BYTES boundary before each
 # synced group of records. Each record carries its group's `epoch` (one more after each
-# sync): a record that fails its checks before the last valid record of an earlier epoch
-# than the newest is damage; one after it may have been written since the last sync, and a
-# power cut may garble any sector of those (a torn write, ignored).
+# sync; 0 only for what a compaction wrote, synced whole): a record that fails its checks
+# before the last valid record of epoch 0 or of an earlier epoch than the newest is damage;
+# one after it may have been written since the last sync, and a power cut may garble any
+# sector of those (a torn write, ignored).
 #   off  size  field        meaning
 #     0     4  magic        b"SBL1"
 #     4     2  version      STORE_LOG_VERSION
