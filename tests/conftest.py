@@ -29,7 +29,7 @@ TEST_PREFIX = "sbrk-test"
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--run-slow", action="store_true", help="also run the long stress variants")
     parser.addoption("--io-fault-turns", type=int, default=None, metavar="N",
-                     help="turns of a run in tests/broker/test_io_faults.py's every-operation campaigns "
+                     help="turns of a run in tests/storage/test_io_faults.py's every-operation campaigns "
                           "(default: its SLOW_TURNS)")
     parser.addoption("--io-fault-ks", default=None, metavar="A-B,C-D",
                      help="only these operations k (ranges, B excluded) in those campaigns (default: every k)")

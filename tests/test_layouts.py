@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import xxhash
 
-from pipeline.broker.storage.diskio import Durability
-from pipeline.broker.storage.paths import make_dirs, segment_path
-from pipeline.broker.storage.scan import boundary_checksum
-from pipeline.broker.storage.segment import SegmentFile, SegmentKeys, encode_entries, scan_segment
+from pipeline.storage.diskio import Durability
+from pipeline.storage.paths import make_dirs, segment_path
+from pipeline.storage.scan import boundary_checksum
+from pipeline.storage.segment import SegmentFile, SegmentKeys, encode_entries, scan_segment
 from pipeline.consumer.reader import SegmentReader
 from pipeline.wire.errors import FrameError, SegmentNameError
 from pipeline.wire.layouts.descriptors import (
@@ -55,7 +55,7 @@ from pipeline.wire.layouts.segments import (
     entry_checksum,
     entry_size_bytes,
 )
-from pipeline.broker.storage.storelog import encode_lifecycle, lifecycle_keys
+from pipeline.storage.storelog import encode_lifecycle, lifecycle_keys
 from pipeline.wire.layouts.storelog import (
     LOG_BOUNDARY,
     LOG_COMPLETED,

@@ -79,7 +79,7 @@ def test_no_test_module_imports_another_test_module():
     ("from tests.pipeline.harness import wait_until", []),
     ("from test_disk_crash import Driver", ["test_disk_crash"]),
     ("from hypothesis.stateful import run_state_machine_as_test", []),
-    ("import pytest\nfrom pipeline.broker.storage.segment import SegmentFile", []),
+    ("import pytest\nfrom pipeline.storage.segment import SegmentFile", []),
 ])
 def test_every_form_of_importing_a_test_module_is_found(source, found):
     assert imported_test_modules(source, "tests.runtime.test_x") == found

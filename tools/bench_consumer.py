@@ -31,10 +31,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pipeline.broker.storage.diskio import Durability  # noqa: E402
-from pipeline.broker.storage.paths import make_dirs, segment_path  # noqa: E402
-from pipeline.broker.storage.segment import SegmentFile, SegmentKeys, encode_entries, scan_segment  # noqa: E402
-from pipeline.broker.storage.storelog import StoreLog
+from pipeline.storage.diskio import Durability  # noqa: E402
+from pipeline.storage.paths import make_dirs, segment_path  # noqa: E402
+from pipeline.storage.segment import SegmentFile, SegmentKeys, encode_entries, scan_segment  # noqa: E402
+from pipeline.storage.storelog import StoreLog
 from pipeline.consumer.config import ConsumerConfig  # noqa: E402
 from pipeline.consumer.engines import EngineBatch  # noqa: E402
 from pipeline.consumer.process import Consumer  # noqa: E402

@@ -44,9 +44,9 @@ import numpy as np
 
 from pipeline.broker.dispatch import Dispatcher
 from pipeline.broker.ids import BatchId, ConsumerId, LaneId, LaneKey
-from pipeline.broker.storage import AppendGroup, DiskTier, Durability
-from pipeline.broker.storage.segment import encode_entries
-from pipeline.broker.storage.segments import SegmentStore
+from pipeline.storage import AppendGroup, DiskTier, Durability
+from pipeline.storage.segment import encode_entries
+from pipeline.storage.segments import SegmentStore
 from pipeline.wire.layouts.frames import ITEM_HEADER_DTYPE, ITEM_ID_SEQ_BITS, Frame
 from pipeline.wire.layouts.segments import entry_size_bytes
 

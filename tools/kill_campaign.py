@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from pipeline.broker.storage.crashpoints import POINTS  # noqa: E402
+from pipeline.storage.crashpoints import POINTS  # noqa: E402
 from lab.reliability import kills, runs  # noqa: E402
 
 CAMPAIGNS = ("broker", "consumer", "producer", "launch", "run-batch")

@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lab.bench.pipelines import Phase, Pipeline, PipelineSpec, flood_targets  # noqa: E402  (the run profiled)
 from pipeline.broker import consumers, control, dispatch, producers  # noqa: E402
-from pipeline.broker.storage import disk, queues  # noqa: E402
+from pipeline.storage import disk, queues  # noqa: E402
 from pipeline.consumer import process, reader, session  # noqa: E402
 from pipeline.consumer.engines import prefix_cache, sim  # noqa: E402
 from pipeline.runtime.local import CTX  # noqa: E402

@@ -174,7 +174,7 @@ def _markdown(steps: tuple[int, ...], tables: dict[str, list[dict[str, Any]]], r
         "segment files on disk (page cache, not mapped by the broker) for the disk tier, tmpfs (RAM, outside the "
         "broker's RSS, growing with the backlog) for the memory tier.", "",
         table(header, rows), "",
-        "What keeps it flat (`pipeline/broker/storage/queues.py`): a lane keeps the offsets of its first "
+        "What keeps it flat (`pipeline/storage/queues.py`): a lane keeps the offsets of its first "
         "`HOT_ENTRIES_MAX` queued entries in memory and the rest as one record per segment, read back from the file "
         "when dispatch reaches them; a segment's pages are mapped when a peek reads them, not when appended "
         "(`segment.py`)."])

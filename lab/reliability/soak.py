@@ -13,7 +13,7 @@ I/O faults: the seeded I/O layer (lab/reliability/faults.py) is installed inside
 process and cannot be armed from outside, so the soak injects what the kernel itself
 returns: ENOSPC (the disk-full episodes, on a real file system) and the crash points (the
 process ending between two writes). EIO and short writes are the fault campaign's
-(tests/broker/test_io_faults.py).
+(tests/storage/test_io_faults.py).
 
 Where it runs: as root, on a tmpfs of TMPFS_BYTES mounted for it (a small file system fills
 in seconds and is private to the soak); otherwise on the work directory's own file system,
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from pipeline.broker.storage.crashpoints import POINTS
+from pipeline.storage.crashpoints import POINTS
 from lab.reliability.kills import (
     NEVER_SUBMITTED,
     NO_BROKER,

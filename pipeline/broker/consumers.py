@@ -26,7 +26,7 @@ from pipeline.broker.packing import Contract
 from pipeline.broker.pool import is_pool
 from pipeline.broker.peers import ConsumerPeer, ConsumerTotals, Peer, consumer_ring_name, object_prefix
 from pipeline.broker.start_gate import StartGate
-from pipeline.broker.storage.disk import DiskTier
+from pipeline.storage.disk import DiskTier
 from pipeline.wire.errors import BadInputError, ProtocolError, RingTimeoutError, ShmError
 from pipeline.wire.layouts.descriptors import DESCRIPTOR_ITEM_DTYPE, descriptor_size_bytes, write_descriptor
 from pipeline.wire.protocol import MAX_CREDIT_BATCHES, check_consumer_name

@@ -32,7 +32,7 @@ and release the record, and read the rings again. Meanwhile the frame's stored g
 dispatchable (their completions are what frees space) and its unstored ones are held (they
 sit at the back of their lanes). This is the one exception to "an item is dispatched only
 after its record is released" (the idempotent-ingest protocol, see
-`pipeline.broker.storage.base`): a crash while a frame is held may store some of its items
+`pipeline.storage.base`): a crash while a frame is held may store some of its items
 again, duplicates bounded by one frame (see `_store`).
 
 Time is always passed in: `now_s` and the items' `submit_ns` are on the machine's monotonic
@@ -80,8 +80,8 @@ from pipeline.broker.packing import Contract, batch_items_limit, pack
 from pipeline.broker.pool import SolitaryPool, is_pool, pool_shape
 from pipeline.broker.pacing import PACING, BatchPacing
 from pipeline.broker.selection import AGE_RESOLUTION_NS, SHAPE_ORDER_MOST_TOKENS, DispatchPolicy, ShapeSelector
-from pipeline.broker.storage.base import AppendGroup, StorageTier
-from pipeline.broker.storage.pending import Completion
+from pipeline.storage.base import AppendGroup, StorageTier
+from pipeline.storage.pending import Completion
 from pipeline.wire.errors import DiskFullError
 from pipeline.wire.layouts.frames import Frame, ProducerId, decode_chains
 from pipeline.wire.layouts.names import DEFAULT_MAX_MODELS, MODEL_ID_LIMIT

@@ -12,7 +12,7 @@ import numpy as np
 
 from pipeline.broker.ids import BatchId, ConsumerId, EntryRef, LaneKey, ShapeKey
 from pipeline.broker.lanes import LaneCounters, ShapeLanes
-from pipeline.broker.storage.base import AppendGroup, Peeked
+from pipeline.storage.base import AppendGroup, Peeked
 from pipeline.wire.layouts.frames import Frame
 
 

@@ -8,7 +8,7 @@ import numpy as np
 from pipeline.broker.ids import LaneId, LaneKey, ShapeKey
 from pipeline.broker.lanes import MAX_LENGTH_TOKENS, ShapeLanes
 from pipeline.broker.pool import is_pool
-from pipeline.broker.storage.base import AppendGroup, RecoveredLane
+from pipeline.storage.base import AppendGroup, RecoveredLane
 from pipeline.wire.errors import ItemTooLongError, ModelIdError, StorageError
 from pipeline.wire.layouts.frames import Frame
 

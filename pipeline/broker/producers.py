@@ -28,7 +28,7 @@ from pipeline.broker.config import BrokerConfig
 from pipeline.broker.dispatch import Dispatcher, IngestReport
 from pipeline.broker.peers import Peer, ProducerPeer, producer_ring_ids, producer_ring_name
 from pipeline.broker.state import BrokerState
-from pipeline.broker.storage.disk import DiskTier
+from pipeline.storage.disk import DiskTier
 from pipeline.wire.errors import BadInputError, DiskFullError, FrameError, ProtocolError, ShmError
 from pipeline.wire.layouts.frames import MAX_PRODUCER_ID, parse_frame
 from shm.ring import RingReader, SharedRing

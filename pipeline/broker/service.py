@@ -49,8 +49,8 @@ from pipeline.broker.peers import ConsumerPeer, Peer, ProducerPeer, doorbell_nam
 from pipeline.broker.periodic_sync import PeriodicSync
 from pipeline.broker.producers import ProducerSide
 from pipeline.broker.state import STATE_NAME, BrokerState, lock_run_dir
-from pipeline.broker.storage import Durability
-from pipeline.broker.storage.disk import DiskTier
+from pipeline.storage import Durability
+from pipeline.storage.disk import DiskTier
 from pipeline.broker.store_health import log_quarantined, log_recovery, note_store_was_kept, store_damage
 from pipeline.broker.wakeup import Wakeup
 from pipeline.wire.errors import ProtocolError, ShmError

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 
 from pipeline.broker.state import BrokerState
-from pipeline.broker.storage.disk import DiskTier
+from pipeline.storage.disk import DiskTier
 
 log = logging.getLogger("pipeline.broker")
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import click
 
 from pipeline.analysis.workload import DEFAULT_CACHE_TOKENS, DEFAULT_TOP_SHAPES
-from pipeline.broker.storage.inspect import dump_segment, tombstone_rows, verify
+from pipeline.storage.inspect import dump_segment, tombstone_rows, verify
 from pipeline.wire.errors import PipelineError, StorageError
 
 

@@ -292,7 +292,7 @@ def check_room(data_dir: str, holds_work: bool = False) -> None:
     existing parent's) has too little free for a run to start: its store could never take an
     item, and the run would wait for ever. `holds_work`: the directory holds an earlier run's
     work, which moves with it."""
-    from pipeline.broker.storage.diskio import disk_reserve_bytes
+    from pipeline.storage.diskio import disk_reserve_bytes
 
     existing = os.path.abspath(data_dir)
     while not os.path.isdir(existing) and existing != os.path.dirname(existing):

@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pipeline.broker.peers import namespace_for, producer_ring_ids, producer_ring_name
-from pipeline.broker.storage.inspect import live_items, live_payload_tails, live_payloads
-from pipeline.broker.storage.paths import iter_segments
+from pipeline.storage.inspect import live_items, live_payload_tails, live_payloads
+from pipeline.storage.paths import iter_segments
 from pipeline.reporting.accounting import summarize_results
 from pipeline.wire.errors import FrameError, ShmError
 from pipeline.wire.layouts.frames import Frame, parse_frame

@@ -20,7 +20,7 @@ import psutil
 
 from pipeline.broker.config import BrokerConfig
 from pipeline.broker.peers import OBJECT_PREFIX_START
-from pipeline.broker.storage.diskio import disk_reserve_bytes
+from pipeline.storage.diskio import disk_reserve_bytes
 from pipeline.consumer.config import ConsumerConfig
 from pipeline.producer.producer import DEFAULT_RING_CAPACITY_BYTES
 from pipeline.runtime.cleanup import apply_cleanup, held_broker_lock, plan_cleanup

@@ -42,8 +42,8 @@ from pipeline.broker.peers import NAMESPACE_FILE
 from pipeline.broker.state import DAMAGED_SUFFIX
 from pipeline.broker.state import LOCK_NAME as BROKER_LOCK_NAME
 from pipeline.broker.state import TEMPORARY_SUFFIX as STATE_TEMPORARY_SUFFIX
-from pipeline.broker.storage.paths import CREATING_SUFFIX, MISSING_SUFFIX, QUARANTINE_DIR
-from pipeline.broker.storage.storelog import LOG_TMP_SUFFIX
+from pipeline.storage.paths import CREATING_SUFFIX, MISSING_SUFFIX, QUARANTINE_DIR
+from pipeline.storage.storelog import LOG_TMP_SUFFIX
 from pipeline.consumer.engines.vllm import CACHE_SUBDIR, TMP_SUBDIR
 from pipeline.runtime.datadir import LAUNCH_LOCK_NAME, NODE_LOCK_NAME
 from pipeline.runtime.settings import ENGINE_CACHE_DIR
@@ -116,7 +116,7 @@ def _segment_name(name: str, suffixes: tuple[str, ...]) -> bool:
 
 
 def _quarantined_name(name: str) -> bool:
-    """A name in quarantine/ (`pipeline.broker.storage.paths.quarantine_target`): a segment,
+    """A name in quarantine/ (`pipeline.storage.paths.quarantine_target`): a segment,
     a segment journal of an earlier release or a note of a missing one, each possibly a copy's (`.N`)."""
     stem, dot, copy = name.rpartition(".")
     if dot and copy.isdigit():

@@ -32,7 +32,7 @@ from pipeline.broker.config import BrokerConfig
 from pipeline.broker.peers import ensure_namespace, namespace_for, object_prefix
 from pipeline.broker.service import Broker
 from pipeline.broker.state import lock_run_dir
-from pipeline.broker.storage.disk import DiskTier
+from pipeline.storage.disk import DiskTier
 from pipeline.consumer.config import ConsumerConfig
 from pipeline.consumer.process import Consumer
 from pipeline.runtime.datadir import owner_only_umask, prepare_data_dir
@@ -90,7 +90,7 @@ def open_files_budget(config: BrokerConfig) -> int:
     the hard one first: a broker's own limit is its to raise), less what its peers at their
     limits and its own files need, two descriptors a segment, at most the store's default.
     ConfigError when that leaves fewer than MIN_OPEN_SEGMENT_FILES."""
-    from pipeline.broker.storage.segments import DEFAULT_OPEN_FILES_MAX
+    from pipeline.storage.segments import DEFAULT_OPEN_FILES_MAX
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard == resource.RLIM_INFINITY or soft < hard:
@@ -131,7 +131,7 @@ def check_descriptor_limit(config: BrokerConfig) -> None:
 def open_storage(data_dir: str, storage: str, durability: str, open_files_max: int | None = None) -> OpenedStorage:
     """The storage tier named by `storage` ("disk" or "memory"), recovered if on disk.
     `open_files_max`: segment files kept open at once (default: the store's)."""
-    from pipeline.broker.storage.diskio import Durability
+    from pipeline.storage.diskio import Durability
 
     if storage not in STORAGE_KINDS:
         raise ValueError(f"storage must be one of {', '.join(STORAGE_KINDS)}, got {storage!r}")

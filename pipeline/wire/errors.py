@@ -381,7 +381,7 @@ class SegmentFormatError(StorageError):
 class SegmentCorruptError(StorageError):
     """Damage inside a segment where a reader expected a whole entry (an offset where none
     starts, a checksum that fails). Never truncated or zeroed: recovery salvages the other
-    entries and names the damage (`pipeline.broker.storage.scan`)."""
+    entries and names the damage (`pipeline.storage.scan`)."""
 
 
 class SegmentReadError(StorageError):

@@ -108,7 +108,7 @@ def check_consumer_name(name: str) -> str:
     return name
 
 # The durability levels a `registered` reply names (the values of
-# pipeline.broker.storage.Durability; a test keeps the two equal).
+# pipeline.storage.Durability; a test keeps the two equal).
 DURABILITY_LEVELS = ("process", "power")
 
 # Required fields of each message type and their types (bool is not an int here).

@@ -10,13 +10,13 @@ import dataclasses
 
 import numpy as np
 import pytest
-from broker_frames import make_frame, token_ids
+from tests.support.frames import make_frame, token_ids
 
 from pipeline.broker.dispatch import Batch, Dispatcher
 from pipeline.broker.ids import BatchId, ConsumerId, ShapeKey
 from pipeline.broker.lanes import MAX_LENGTH_TOKENS
 from pipeline.broker.packing import Contract, pad_to_tokens
-from pipeline.broker.storage import DiskTier, Durability, Peeked, PeekedEntry, StorageTier
+from pipeline.storage import DiskTier, Durability, Peeked, PeekedEntry, StorageTier
 from pipeline.wire.errors import ItemTooLongError, NotHeldError, ShapeGuardError, StaleBatchError
 
 NS = 1_000_000_000

@@ -11,7 +11,7 @@ import pytest
 from pipeline.broker.dispatch import Dispatcher
 from pipeline.broker.ids import ConsumerId
 from pipeline.broker.packing import Contract
-from pipeline.broker.storage import DiskTier
+from pipeline.storage import DiskTier
 from pipeline.producer.producer import MAX_DECLARED_SHAPES, Producer, ProducerLimits
 from pipeline.producer.signature import chain, signature
 from pipeline.wire.errors import FrameError

@@ -16,10 +16,10 @@ from pipeline.broker.ids import ConsumerId, ShapeKey
 from pipeline.broker.packing import Contract
 from pipeline.broker.pool import MAX_POOL_ITEMS, pool_shape
 from pipeline.broker.selection import SHAPE_ORDER_PREFIX, SwitchReason
-from pipeline.broker.storage import DiskTier, Peeked
+from pipeline.storage import DiskTier, Peeked
 from pipeline.wire.errors import ConfigError, FrameError, ShapeGuardError
 from pipeline.wire.shapes import POOL_SIGNATURE
-from tests.broker.broker_frames import make_frame
+from tests.support.frames import make_frame
 
 C1, C2 = ConsumerId(1), ConsumerId(2)
 CONTRACT = Contract(model=0, max_batch_items=8, max_batch_tokens=1 << 20, max_input_len=1 << 16)

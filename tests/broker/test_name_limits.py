@@ -12,10 +12,10 @@ import pytest
 
 from pipeline.broker.ids import LaneId, LaneKey
 from pipeline.broker.lanes import LaneConfig
-from pipeline.broker.storage.inspect import verify
-from pipeline.broker.storage.paths import list_store
-from pipeline.broker.storage.segment import encode_entries
-from pipeline.broker.storage.segments import SegmentStore
+from pipeline.storage.inspect import verify
+from pipeline.storage.paths import list_store
+from pipeline.storage.segment import encode_entries
+from pipeline.storage.segments import SegmentStore
 from pipeline.wire.errors import BadInputError, SegmentNameError
 from pipeline.wire.layouts.names import LANE_ID_LIMIT, MODEL_ID_LIMIT, SEGMENT_SEQ_LIMIT
 from tests.support.segments import make_items

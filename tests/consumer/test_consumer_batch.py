@@ -8,7 +8,7 @@ import json
 
 import numpy as np
 
-from pipeline.broker.storage.segment import scan_segment
+from pipeline.storage.segment import scan_segment
 from pipeline.consumer.config import ConsumerConfig
 from pipeline.consumer.engines import Engine, EngineBatch, EngineCounters, EngineResult
 from pipeline.consumer.process import CORRUPT_KEY, Consumer

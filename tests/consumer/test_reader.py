@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from pipeline.broker.storage.segment import encode_entries, scan_segment
+from pipeline.storage.segment import encode_entries, scan_segment
 from pipeline.consumer.reader import SegmentReader
 from pipeline.wire.dirpin import DirPin
 from pipeline.wire.errors import SegmentCorruptError, SegmentReadError

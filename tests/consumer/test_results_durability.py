@@ -74,6 +74,6 @@ def test_turning_fsync_on_syncs_what_the_file_already_holds_and_every_write_afte
 
 
 def test_the_wire_names_the_durability_levels_the_store_has():
-    from pipeline.broker.storage import Durability
+    from pipeline.storage import Durability
 
     assert DURABILITY_LEVELS == tuple(level.value for level in Durability)

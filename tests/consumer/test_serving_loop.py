@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.broker.storage.segment import scan_segment
+from pipeline.storage.segment import scan_segment
 from pipeline.consumer.config import ConsumerConfig
 from pipeline.consumer.engines import Engine, EngineCounters, EngineResult
 from pipeline.consumer.engines.sim import SimConfig, SimEngine

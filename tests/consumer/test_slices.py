@@ -9,9 +9,9 @@ import os
 
 import numpy as np
 
-from pipeline.broker.storage.diskio import Durability
-from pipeline.broker.storage.paths import make_dirs, segment_path
-from pipeline.broker.storage.segment import SegmentFile, SegmentKeys, encode_entries, scan_segment
+from pipeline.storage.diskio import Durability
+from pipeline.storage.paths import make_dirs, segment_path
+from pipeline.storage.segment import SegmentFile, SegmentKeys, encode_entries, scan_segment
 from pipeline.consumer.config import ConsumerConfig
 from pipeline.consumer.engines import Engine, EngineCounters, EngineResult
 from pipeline.consumer.process import CORRUPT_KEY, Consumer

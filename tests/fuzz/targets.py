@@ -31,12 +31,12 @@ from pipeline.batchjob.requests import BatchRequest, parse_line
 from pipeline.batchjob.scan import scan_input
 from pipeline.broker.config import BrokerConfig
 from pipeline.broker.dispatch import Dispatcher
-from pipeline.broker.storage import DiskTier
-from pipeline.broker.storage.identity import SegmentKeys, boundary_checksum, identity_bytes
-from pipeline.broker.storage.scan import census_segment, scan_segment
-from pipeline.broker.storage.segment import encode_entries
-from pipeline.broker.storage.storelog import encode_completed, encode_lifecycle, log_key
-from pipeline.broker.storage.storelog import encode_records as encode_log
+from pipeline.storage import DiskTier
+from pipeline.storage.identity import SegmentKeys, boundary_checksum, identity_bytes
+from pipeline.storage.scan import census_segment, scan_segment
+from pipeline.storage.segment import encode_entries
+from pipeline.storage.storelog import encode_completed, encode_lifecycle, log_key
+from pipeline.storage.storelog import encode_records as encode_log
 from pipeline.consumer.reader import SegmentReader
 from pipeline.producer.workload import load_workload
 from pipeline.reporting.accounting import result_rows, summarize_results

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.broker.storage.storelog import encode_records
+from pipeline.storage.storelog import encode_records
 from tests.fuzz import mutations, strategies
 from tests.fuzz.targets import MAX_MESSAGE_CHARS, TARGETS, Target, close_all
 

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from pipeline.broker.ids import LaneId, LaneKey
-from pipeline.broker.storage import DiskTier
-from pipeline.broker.storage.identity import SegmentKeys
-from pipeline.broker.storage.segment import encode_entries
-from pipeline.broker.storage.segments import SegmentStore
-from pipeline.broker.storage.storelog import encode_lifecycle
+from pipeline.storage import DiskTier
+from pipeline.storage.identity import SegmentKeys
+from pipeline.storage.segment import encode_entries
+from pipeline.storage.segments import SegmentStore
+from pipeline.storage.storelog import encode_lifecycle
 from pipeline.consumer.reader import SegmentReader
 from pipeline.producer.workload import MAX_TIMESTAMP_MS, load_workload
 from pipeline.reporting.accounting import ITEM_ID_LIMIT, result_rows, summarize_results

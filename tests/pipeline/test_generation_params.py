@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from pipeline.broker.config import BrokerConfig
-from pipeline.broker.storage.diskio import Durability
-from pipeline.broker.storage.paths import make_dirs, segment_path
-from pipeline.broker.storage.segment import SegmentFile, SegmentKeys, encode_entries, scan_segment
+from pipeline.storage.diskio import Durability
+from pipeline.storage.paths import make_dirs, segment_path
+from pipeline.storage.segment import SegmentFile, SegmentKeys, encode_entries, scan_segment
 from pipeline.consumer.config import ConsumerConfig
 from pipeline.consumer.process import CORRUPT_KEY, Consumer
 from pipeline.consumer.reader import SegmentReader

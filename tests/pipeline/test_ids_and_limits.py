@@ -134,8 +134,8 @@ def test_damage_a_consumer_finds_keeps_its_segment_as_evidence(tmp_path):
     segment was tombstoned and deleted and `verify` said OK."""
     import glob
 
-    from pipeline.broker.storage.inspect import verify
-    from pipeline.broker.storage.scan import scan_segment
+    from pipeline.storage.inspect import verify
+    from pipeline.storage.scan import scan_segment
     from pipeline.runtime.local import start_consumer
     from tests.pipeline.harness import read_results
     from tests.support.contracts import consumer_config

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from pipeline.broker.config import BrokerConfig
-from pipeline.broker.storage.storelog import StoreLog, read_store_log
+from pipeline.storage.storelog import StoreLog, read_store_log
 from pipeline.consumer.config import ConsumerConfig
 from pipeline.producer.client import BrokerProducer
 from pipeline.producer.signature import chain, signature

@@ -7,9 +7,9 @@ import os
 
 import numpy as np
 
-from pipeline.broker.storage.diskio import Durability
-from pipeline.broker.storage.paths import make_dirs, segment_path
-from pipeline.broker.storage.segment import SegmentFile, SegmentKeys, encode_entries, scan_segment
+from pipeline.storage.diskio import Durability
+from pipeline.storage.paths import make_dirs, segment_path
+from pipeline.storage.segment import SegmentFile, SegmentKeys, encode_entries, scan_segment
 from pipeline.runtime.inventory import pending_payloads
 from tests.support.segments import data_dir_of, make_items, shared_log
 

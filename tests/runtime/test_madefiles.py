@@ -13,7 +13,7 @@ import pytest
 
 from pipeline.broker.config import RUN_DIR, SOCKET_NAME
 from pipeline.broker.peers import NAMESPACE_FILE
-from pipeline.broker.storage.paths import CREATING_SUFFIX, MISSING_SUFFIX, QUARANTINE_DIR, quarantine_target
+from pipeline.storage.paths import CREATING_SUFFIX, MISSING_SUFFIX, QUARANTINE_DIR, quarantine_target
 from pipeline.runtime.daemon import StageFiles
 from pipeline.runtime.madefiles import RESULTS_DIR, RUN_MADE, Made, matching, named, remove_made
 from pipeline.runtime.settings import ENGINE_CACHE_DIR

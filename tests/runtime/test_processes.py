@@ -55,7 +55,7 @@ def test_the_broker_keeps_no_more_segment_files_open_than_its_descriptor_limit_a
     config = BrokerConfig("/tmp/x")
     peers = config.max_consumers + config.max_producers + config.max_unregistered_peers
     assert budget_under(1024, 1024) == f"{(1024 - BROKER_FD_HEADROOM - peers) // FDS_PER_OPEN_SEGMENT} 1024"
-    from pipeline.broker.storage.segments import DEFAULT_OPEN_FILES_MAX
+    from pipeline.storage.segments import DEFAULT_OPEN_FILES_MAX
 
     # raised to the hard limit: the store's default
     assert budget_under(1024, 8192) == f"{DEFAULT_OPEN_FILES_MAX} 8192"

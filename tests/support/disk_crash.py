@@ -1,5 +1,5 @@
-"""The crash tests of the disk tier (tests/broker/test_disk_crash.py, the I/O-fault and
-power-cut campaigns of tests/broker/test_io_faults.py): a driver and the checks by item.
+"""The crash tests of the disk tier (tests/storage/test_disk_crash.py, the I/O-fault and
+power-cut campaigns of tests/storage/test_io_faults.py): a driver and the checks by item.
 
 A forked child drives a Dispatcher over a DiskTier the way the broker loop does: it reads
 frames from simulated producer rings, ingests them, flushes, then "releases" them by
@@ -20,7 +20,7 @@ The simulated ring of each producer holds its next RING_DEPTH frames from its re
 position; frames are a pure function of (producer, first seq), so a restarted child sees
 exactly the records a real ring would present again. After recovery the child first ingests
 what every ring holds, flushes and releases it before serving anyone (the catch-up turn of
-the loop protocol, pipeline.broker.storage.base).
+the loop protocol, pipeline.storage.base).
 """
 
 from __future__ import annotations
@@ -38,15 +38,15 @@ import pytest
 from pipeline.broker.dispatch import Batch, Dispatcher
 from pipeline.broker.ids import ConsumerId
 from pipeline.broker.packing import Contract
-from pipeline.broker.storage import DiskTier, Durability, crashpoints
-from pipeline.broker.storage.inspect import verify
-from pipeline.broker.storage.paths import iter_segments
-from pipeline.broker.storage.segment import scan_segment
-from pipeline.broker.storage.storelog import read_store_log
+from pipeline.storage import DiskTier, Durability, crashpoints
+from pipeline.storage.inspect import verify
+from pipeline.storage.paths import iter_segments
+from pipeline.storage.segment import scan_segment
+from pipeline.storage.storelog import read_store_log
 from pipeline.wire.layouts.frames import make_item_id
 from pipeline.wire.layouts.segments import ENTRY_HEADER_SIZE_BYTES, ENTRY_LIVE
 from pipeline.wire.shapes import POOL_SIGNATURE
-from tests.broker.broker_frames import make_frame, token_ids
+from tests.support.frames import make_frame, token_ids
 
 PRODUCERS = 3
 SHAPES = [(0, 0x51), (0, 0x52), (1, 0x53)]

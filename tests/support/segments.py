@@ -7,10 +7,10 @@ import os
 
 import numpy as np
 
-from pipeline.broker.storage.diskio import Durability
-from pipeline.broker.storage.paths import make_dirs, segment_path
-from pipeline.broker.storage.segment import SegmentFile, SegmentKeys, encode_entries
-from pipeline.broker.storage.storelog import StoreLog, SegmentRecords, read_store_log
+from pipeline.storage.diskio import Durability
+from pipeline.storage.paths import make_dirs, segment_path
+from pipeline.storage.segment import SegmentFile, SegmentKeys, encode_entries
+from pipeline.storage.storelog import StoreLog, SegmentRecords, read_store_log
 from pipeline.wire.layouts.frames import ITEM_HEADER_DTYPE
 
 KEYS = SegmentKeys(model=1, signature=0xDEADBEEF_12345678, lane=7, segment_seq=3)

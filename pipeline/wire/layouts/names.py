@@ -9,7 +9,7 @@ import re
 from pipeline.wire.errors import SegmentNameError
 
 # Where segments live under a data directory (the whole tree is documented in
-# pipeline.broker.storage.paths): names sort by model, shape, lane and sequence.
+# pipeline.storage.paths): names sort by model, shape, lane and sequence.
 #
 #     SEGMENTS_DIR/m{model:05d}/s{signature:016x}/l{lane:04d}-{segment_seq:010d}.seg
 #

@@ -9,10 +9,10 @@ import numpy as np
 from pipeline.wire.layouts.segments import ENTRY_ALIGN_BYTES, SEGMENT_HEADER_SIZE_BYTES, SYNC_ALIGN_BYTES
 from shm.layout import checked_dtype
 
-# The store log (pipeline/broker/storage/storelog.py): each segment's life (created, sealed,
+# The store log (pipeline/storage/storelog.py): each segment's life (created, sealed,
 # deleted or quarantined), its completions (up to COMPLETED_PER_RECORD entries a record) and
 # its commit boundary (after each group commit); and the shapes' chains (a LINEAGE record per
-# trie node: pipeline/broker/storage/chains.py). Records are 64 bytes at multiples of 64 from
+# trie node: pipeline/storage/chains.py). Records are 64 bytes at multiples of 64 from
 # offset 0; zeros are the padding, in `power`, to the next SYNC_ALIGN_BYTES boundary before each
 # synced group of records. Each record carries its group's `epoch` (one more after each
 # sync; 0 only for what a compaction wrote, synced whole): a record that fails its checks

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from pipeline.broker.storage.crashpoints import POINTS
+from pipeline.storage.crashpoints import POINTS
 from lab.reliability import kills, runs
 
 pytestmark = pytest.mark.campaign

@@ -9,8 +9,8 @@ import os
 import numpy as np
 import pytest
 
-from pipeline.broker.storage.diskio import Durability
-from pipeline.broker.storage.segment import SegmentFile, encode_entries, scan_segment
+from pipeline.storage.diskio import Durability
+from pipeline.storage.segment import SegmentFile, encode_entries, scan_segment
 from pipeline.wire.layouts.segments import ENTRY_HEADER_SIZE_BYTES, ENTRY_LIVE, SEGMENT_HEADER_SIZE_BYTES
 from tests.support.segments import KEYS, data_dir_of, make_items, segment_at, shared_log
 

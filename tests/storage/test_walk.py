@@ -1,4 +1,4 @@
-"""Walking a segment's back-to-back entries (pipeline/broker/storage/walk.py), against a
+"""Walking a segment's back-to-back entries (pipeline/storage/walk.py), against a
 reference read off the recovery scan: runs of equal-size entries (taken by the strided
 gather), mixed sizes, completed entries, `power` padding, and too few entries."""
 
@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.broker.storage import walk
-from pipeline.broker.storage.diskio import Durability
-from pipeline.broker.storage.segment import SegmentFile, SegmentKeys, encode_entries, scan_segment
+from pipeline.storage import walk
+from pipeline.storage.diskio import Durability
+from pipeline.storage.segment import SegmentFile, SegmentKeys, encode_entries, scan_segment
 from pipeline.wire.errors import SegmentCorruptError
 from pipeline.wire.layouts.frames import ITEM_HEADER_DTYPE
 from pipeline.wire.layouts.segments import entry_size_bytes

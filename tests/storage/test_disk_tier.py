@@ -1,4 +1,4 @@
-"""The disk tier on real files (pipeline/broker/storage/disk.py): what the interface tests
+"""The disk tier on real files (pipeline/storage/disk.py): what the interface tests
 (test_storage_tier.py) cannot see: byte-offset refs and zero-copy
 reads, the `power` group commit, recovery (queues, lane ids, the already-stored check, torn
 tails, corruption), a full disk (a fake one, and a real 2 MiB tmpfs), a failing fsync, and
@@ -14,17 +14,17 @@ import subprocess
 
 import numpy as np
 import pytest
-from broker_frames import make_frame, token_ids
+from tests.support.frames import make_frame, token_ids
 
 from pipeline.broker.dispatch import Dispatcher
 from pipeline.broker.ids import BatchId, ConsumerId, LaneId, LaneKey, ShapeKey
 from pipeline.broker.packing import Contract
-from pipeline.broker.storage import AppendGroup, DiskTier, Durability
-from pipeline.broker.storage.inspect import verify
-from pipeline.broker.storage.paths import iter_segments, segment_path
-from pipeline.broker.storage.queues import StoredSeqs
-from pipeline.broker.storage.segment import scan_segment
-from pipeline.broker.storage.storelog import StoreLog, log_key
+from pipeline.storage import AppendGroup, DiskTier, Durability
+from pipeline.storage.inspect import verify
+from pipeline.storage.paths import iter_segments, segment_path
+from pipeline.storage.queues import StoredSeqs
+from pipeline.storage.segment import scan_segment
+from pipeline.storage.storelog import StoreLog, log_key
 from pipeline.wire.errors import DiskFullError, DurabilityError
 from pipeline.wire.layouts.frames import ProducerId
 from pipeline.wire.layouts.segments import ENTRY_HEADER_SIZE_BYTES
@@ -326,7 +326,7 @@ def small_tmpfs(tmp_path):
 def test_the_store_leaves_its_reserve_free_for_results(small_tmpfs):
     """Allocation stops while less than the reserve would stay free (for the consumers'
     results on the same disk): a DiskFullError naming it, before the kernel's ENOSPC."""
-    from pipeline.broker.storage.diskio import disk_reserve_bytes
+    from pipeline.storage.diskio import disk_reserve_bytes
 
     data_dir = os.path.join(small_tmpfs, "data")
     tier = DiskTier.open(data_dir, segment_max_bytes=64 << 10)
@@ -350,7 +350,7 @@ def test_the_store_leaves_its_reserve_free_for_results(small_tmpfs):
 def test_enospc_on_a_real_full_disk_loses_nothing(small_tmpfs, monkeypatch):
     # The kernel's ENOSPC itself (a disk someone else filled under the reserve's check):
     # with no reserve the appends run into it.
-    monkeypatch.setattr("pipeline.broker.storage.segment._check_room", lambda *args, **_kw: args[3])
+    monkeypatch.setattr("pipeline.storage.segment._check_room", lambda *args, **_kw: args[3])
     data_dir = os.path.join(small_tmpfs, "data")
     filler = os.path.join(small_tmpfs, "filler")
     with open(filler, "wb") as file:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pipeline.broker.ids import ShapeKey
-from pipeline.broker.storage.storelog import LogReading, StoreLog
+from pipeline.storage.storelog import LogReading, StoreLog
 from pipeline.wire.errors import DiskFullError
 from pipeline.wire.layouts.frames import MAX_CHAIN_DEPTH
 

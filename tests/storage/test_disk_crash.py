@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 from pipeline.broker.ids import LaneId, LaneKey
-from pipeline.broker.storage import AppendGroup, DiskTier, Durability, crashpoints
-from pipeline.broker.storage.inspect import verify
-from pipeline.broker.storage.paths import iter_segments
-from pipeline.broker.storage.segment import scan_segment
+from pipeline.storage import AppendGroup, DiskTier, Durability, crashpoints
+from pipeline.storage.inspect import verify
+from pipeline.storage.paths import iter_segments
+from pipeline.storage.segment import scan_segment
 from pipeline.wire.layouts.segments import SYNC_ALIGN_BYTES, entry_size_bytes
-from tests.broker.broker_frames import make_frame
+from tests.support.frames import make_frame
 from tests.support.disk_crash import check_after_recovery, drain_and_check, kill_loop, run_child, wait
 
 pytestmark = pytest.mark.campaign

@@ -1,4 +1,4 @@
-"""The store log (`pipeline/broker/storage/storelog.py`) against a reference: what was written
+"""The store log (`pipeline/storage/storelog.py`) against a reference: what was written
 is what is read back, for seeded random runs of completions, boundaries and seals of
 segments that share sequences, through syncs, torn tails, garbled unsynced sectors and
 compactions; and at its edges (eight completions a record, the last slot, a sequence reused
@@ -11,8 +11,8 @@ import os
 import numpy as np
 import pytest
 
-from pipeline.broker.storage.identity import SegmentKeys
-from pipeline.broker.storage.storelog import StoreLog, decode_log, log_key, log_path, read_store_log
+from pipeline.storage.identity import SegmentKeys
+from pipeline.storage.storelog import StoreLog, decode_log, log_key, log_path, read_store_log
 from pipeline.wire.errors import SegmentFormatError
 from pipeline.wire.layouts.names import SEGMENT_SEQ_LIMIT
 from pipeline.wire.layouts.segments import ENTRY_ALIGN_BYTES, SYNC_ALIGN_BYTES

@@ -8,10 +8,10 @@ import os
 import numpy as np
 import pytest
 
-from pipeline.broker.storage.diskio import Durability
-from pipeline.broker.storage.scan import SEARCH_FIRST_WINDOW_BYTES, census_segment
-from pipeline.broker.storage.segment import SegmentFile, encode_entries, scan_segment
-from pipeline.broker.storage.storelog import StoreLog, log_key, read_store_log
+from pipeline.storage.diskio import Durability
+from pipeline.storage.scan import SEARCH_FIRST_WINDOW_BYTES, census_segment
+from pipeline.storage.segment import SegmentFile, encode_entries, scan_segment
+from pipeline.storage.storelog import StoreLog, log_key, read_store_log
 from pipeline.wire.errors import SegmentCorruptError, SegmentFormatError
 from pipeline.wire.layouts.names import segment_relpath
 from pipeline.wire.layouts.segments import (

@@ -23,7 +23,7 @@ import tempfile
 
 import numpy as np
 import pytest
-from broker_frames import make_frame, token_ids
+from tests.support.frames import make_frame, token_ids
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -31,10 +31,10 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from pipeline.broker.dispatch import Batch, Dispatcher
 from pipeline.broker.ids import ConsumerId
 from pipeline.broker.packing import Contract
-from pipeline.broker.storage import DiskTier, Durability
-from pipeline.broker.storage.paths import iter_segments
-from pipeline.broker.storage.segment import scan_segment
-from pipeline.broker.storage.storelog import read_store_log
+from pipeline.storage import DiskTier, Durability
+from pipeline.storage.paths import iter_segments
+from pipeline.storage.segment import scan_segment
+from pipeline.storage.storelog import read_store_log
 from pipeline.wire.layouts.frames import TOKEN_SIZE_BYTES
 from pipeline.wire.layouts.segments import ENTRY_HEADER_SIZE_BYTES, ENTRY_LIVE
 

@@ -11,12 +11,12 @@ import pytest
 import xxhash
 
 from pipeline.broker.ids import LaneId, LaneKey
-from pipeline.broker.storage.diskio import Durability
-from pipeline.broker.storage.paths import QUARANTINE_DIR, iter_segments
-from pipeline.broker.storage.segment import DEFAULT_SEGMENT_MAX_BYTES, encode_entries, scan_segment
-from pipeline.broker.storage.segments import SegmentStore
-from pipeline.broker.storage import storelog
-from pipeline.broker.storage.storelog import StoreLog, log_key, read_store_log
+from pipeline.storage.diskio import Durability
+from pipeline.storage.paths import QUARANTINE_DIR, iter_segments
+from pipeline.storage.segment import DEFAULT_SEGMENT_MAX_BYTES, encode_entries, scan_segment
+from pipeline.storage.segments import SegmentStore
+from pipeline.storage import storelog
+from pipeline.storage.storelog import StoreLog, log_key, read_store_log
 from pipeline.wire.errors import DataDirMovedError, SegmentFormatError
 from pipeline.wire.layouts.segments import SEGMENT_HEADER_SIZE_BYTES
 from tests.support.segments import make_items

@@ -63,7 +63,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipeline.broker.ids import BatchId, ConsumerId, EntryRef, LaneKey
-from pipeline.broker.storage.pending import Completion, EntryColumns, make_refs
+from pipeline.storage.pending import Completion, EntryColumns, make_refs
 from pipeline.wire.layouts.frames import Frame, ItemId, ProducerId
 
 

@@ -4,10 +4,12 @@ One tier with two places to live: a data directory on disk (durable) or on tmpfs
 broker's `--storage memory`: the same files in RAM).
 
 Storage imports the wire (layouts, errors, status vocabulary), shm and the broker's leaf
-`ids.py`, never the policy or the process loop (ARCHITECTURE.md's rules, tested).
+`ids.py`, never the policy or the process loop (ARCHITECTURE.md's rules, tested). A folder of
+its own beside the broker's, not inside it: the broker writes the store, and the consumers,
+the runtime and the tools read it too.
 """
 
-from pipeline.broker.storage.base import (
+from pipeline.storage.base import (
     AppendGroup,
     Peeked,
     PeekedEntry,
@@ -16,8 +18,8 @@ from pipeline.broker.storage.base import (
     StorageCounters,
     StorageTier,
 )
-from pipeline.broker.storage.disk import DiskTier
-from pipeline.broker.storage.diskio import Durability
+from pipeline.storage.disk import DiskTier
+from pipeline.storage.diskio import Durability
 
 __all__ = [
     "AppendGroup",

@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from pipeline.broker.ids import ShapeKey
-from pipeline.broker.storage.diskio import fsync_directory
-from pipeline.broker.storage.identity import foreign_version
-from pipeline.broker.storage.paths import (
+from pipeline.storage.diskio import fsync_directory
+from pipeline.storage.identity import foreign_version
+from pipeline.storage.paths import (
     MISSING_SUFFIX,
     StoreListing,
     Stray,
@@ -48,9 +48,9 @@ from pipeline.broker.storage.paths import (
     quarantine_target,
     segment_path,
 )
-from pipeline.broker.storage.scan import SegmentKeys
-from pipeline.broker.storage.scan_report import DamagedRange, LostEntries, RepairedState, ScanReport, TornRange
-from pipeline.broker.storage.storelog import (
+from pipeline.storage.scan import SegmentKeys
+from pipeline.storage.scan_report import DamagedRange, LostEntries, RepairedState, ScanReport, TornRange
+from pipeline.storage.storelog import (
     LOG_TMP_SUFFIX,
     SegmentRecords,
     encode_lifecycle,

@@ -17,8 +17,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from pipeline.broker.storage.chains import read_lineage
-from pipeline.broker.storage.paths import (
+from pipeline.storage.chains import read_lineage
+from pipeline.storage.paths import (
     MISSING_SUFFIX,
     QUARANTINE_DIR,
     SegmentPath,
@@ -28,10 +28,10 @@ from pipeline.broker.storage.paths import (
     segment_path,
     store_dirs,
 )
-from pipeline.broker.storage.scan import EntryCensus, census_segment, mapped_file, name_keys_of, scan_segment
-from pipeline.broker.storage.scan_report import ScanReport
-from pipeline.broker.storage.recovery import MissingNote, read_missing_note
-from pipeline.broker.storage.storelog import LogReading, SegmentRecords, log_path, read_store_log
+from pipeline.storage.scan import EntryCensus, census_segment, mapped_file, name_keys_of, scan_segment
+from pipeline.storage.scan_report import ScanReport
+from pipeline.storage.recovery import MissingNote, read_missing_note
+from pipeline.storage.storelog import LogReading, SegmentRecords, log_path, read_store_log
 from pipeline.wire.errors import SegmentFormatError, StoreReadError
 from pipeline.wire.layouts.frames import TOKEN_SIZE_BYTES
 from pipeline.wire.layouts.names import BROKER_STATE_NAME, SEGMENTS_DIR

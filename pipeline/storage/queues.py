@@ -45,10 +45,10 @@ from itertools import islice
 
 import numpy as np
 
-import pipeline.broker.storage.crashpoints as crashpoints
+import pipeline.storage.crashpoints as crashpoints
 from pipeline.broker.ids import BatchId, ConsumerId, EntryRef, LaneKey, SegmentId
-from pipeline.broker.storage.base import Peeked, Returned, StorageCounters, StorageTier
-from pipeline.broker.storage.pending import Completion, EntryColumns, PendingMap, make_refs
+from pipeline.storage.base import Peeked, Returned, StorageCounters, StorageTier
+from pipeline.storage.pending import Completion, EntryColumns, PendingMap, make_refs
 from pipeline.wire.errors import StaleBatchError
 from pipeline.wire.layouts.frames import ProducerId
 
@@ -294,7 +294,7 @@ class StoredSeqs:
       a crash (it spans lanes, written one lane group at a time) is re-presented and exactly
       its stored items are found here, even if they were dispatched and completed first
       (recovered items are dispatchable at once; the loop's catch-up turn, see
-      `pipeline.broker.storage.base`, bounds that to one restart).
+      `pipeline.storage.base`, bounds that to one restart).
     NOTE: a high-water mark alone was rejected: after a crash in the middle of a frame, the
     lane group holding its highest seq may be stored while a lower one is not.
 

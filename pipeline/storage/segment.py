@@ -1,5 +1,5 @@
 """One segment file of the disk tier: create, append groups of entries, complete, seal.
-Reading one back (recovery, tools) is `pipeline.broker.storage.scan`.
+Reading one back (recovery, tools) is `pipeline.storage.scan`.
 
 A segment holds the entries of one (model, signature, lane) (layout in `pipeline.wire.layouts`).
 The broker is its only writer; consumers and tools map it read-only.
@@ -54,8 +54,8 @@ from typing import NoReturn
 
 import numpy as np
 
-import pipeline.broker.storage.crashpoints as crashpoints
-from pipeline.broker.storage.diskio import (
+import pipeline.storage.crashpoints as crashpoints
+from pipeline.storage.diskio import (
     NO_SPACE_ERRNOS,
     Durability,
     disk_reserve_bytes,
@@ -64,10 +64,10 @@ from pipeline.broker.storage.diskio import (
     fsync_directory,
     no_space_error,
 )
-from pipeline.broker.storage.encode import EncodedGroup, encode_entries  # re-exported: they lived here first
-from pipeline.broker.storage.storelog import StoreLog, log_key
-from pipeline.broker.storage.paths import CREATING_SUFFIX
-from pipeline.broker.storage.scan import (  # re-exported: the scan lived here first
+from pipeline.storage.encode import EncodedGroup, encode_entries  # re-exported: they lived here first
+from pipeline.storage.storelog import StoreLog, log_key
+from pipeline.storage.paths import CREATING_SUFFIX
+from pipeline.storage.scan import (  # re-exported: the scan lived here first
     SegmentKeys,
     boundary_checksum,
     establish_identity,
@@ -75,8 +75,8 @@ from pipeline.broker.storage.scan import (  # re-exported: the scan lived here f
     read_identity,
     scan_segment,
 )
-from pipeline.broker.storage.scan_report import ScanReport
-from pipeline.broker.storage.walk import done_at, no_entry, walk_entries
+from pipeline.storage.scan_report import ScanReport
+from pipeline.storage.walk import done_at, no_entry, walk_entries
 from pipeline.wire import fileops
 from pipeline.wire.errors import DiskFullError, SegmentCorruptError
 from pipeline.wire.layouts.segments import (
@@ -165,7 +165,7 @@ class SegmentProgress:
     NOTE: the bitmap kept as it is was rejected: it is 1/128 of the file (64 KiB a segment)
     for as long as the file stays partly completed, and a job of many shapes leaves a partly
     completed segment in each lane it left. Compressed, it is about a byte a completed entry
-    of random lengths (21 KB for 12,000 of 20,000 against 135 KB; tests/broker/test_segment.py)
+    of random lengths (21 KB for 12,000 of 20,000 against 135 KB; tests/storage/test_segment.py)
     and next to nothing for the part not completed."""
 
     data_end: int
@@ -493,7 +493,7 @@ class SegmentFile:
         """The offsets of the next `count` live entries from byte `start` (completed ones and
         `power` padding skipped, none ending past `end` or the readable boundary), and the
         byte after the last: a walk of the headers through the mapping (a queue's cold run
-        read back: pipeline/broker/storage/walk.py). SegmentCorruptError where the walk finds
+        read back: pipeline/storage/walk.py). SegmentCorruptError where the walk finds
         no entry.
         Example: live entries of 112 and 176 bytes at 4096 -> entry_offsets(4096, 4384, 2)
         is ([4096, 4208], 4384); with the first completed, entry_offsets(4096, 4384, 1)

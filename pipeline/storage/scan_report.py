@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipeline.broker.storage.identity import SegmentKeys
-from pipeline.broker.storage.storelog import SegmentRecords
+from pipeline.storage.identity import SegmentKeys
+from pipeline.storage.storelog import SegmentRecords
 from pipeline.wire.layouts.segments import ENTRY_HEADER_DTYPE, ENTRY_LIVE, ENTRY_TOMBSTONE, SEGMENT_HEADER_SIZE_BYTES
 
 

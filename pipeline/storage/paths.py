@@ -35,7 +35,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from pipeline.broker.storage.scan import SegmentKeys
+from pipeline.storage.scan import SegmentKeys
 from pipeline.wire.layouts.names import (
     LANE_ID_LIMIT,
     MODEL_ID_LIMIT,

@@ -1,4 +1,4 @@
-"""Named crash points for the crash tests (tests/broker/test_disk_crash.py): a process ends
+"""Named crash points for the crash tests (tests/storage/test_disk_crash.py): a process ends
 with os._exit at a chosen step boundary of the disk tier, exactly as kill -9 would leave it
 there.
 

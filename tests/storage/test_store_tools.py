@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from pipeline.broker.storage import DiskTier
-from pipeline.broker.storage.diskio import Durability
-from pipeline.broker.storage.inspect import verify
-from pipeline.broker.storage.paths import make_dirs, segment_path
-from pipeline.broker.storage.segment import SegmentFile, SegmentKeys, encode_entries, scan_segment
-from pipeline.broker.storage.segments import SegmentStore
-from pipeline.broker.storage.storelog import StoreLog, log_key
+from pipeline.storage import DiskTier
+from pipeline.storage.diskio import Durability
+from pipeline.storage.inspect import verify
+from pipeline.storage.paths import make_dirs, segment_path
+from pipeline.storage.segment import SegmentFile, SegmentKeys, encode_entries, scan_segment
+from pipeline.storage.segments import SegmentStore
+from pipeline.storage.storelog import StoreLog, log_key
 from pipeline.cli import main
 from pipeline.wire.errors import StoreReadError
 from pipeline.wire.layouts.storelog import LOG_LINEAGE, STORE_LOG_FILE
@@ -250,7 +250,7 @@ def test_what_another_user_cannot_read_is_a_one_line_error(locked):
 
 
 def test_live_items_are_the_stored_entries_not_yet_completed(tmp_path):
-    from pipeline.broker.storage.inspect import live_items
+    from pipeline.storage.inspect import live_items
 
     paths = build_store(str(tmp_path))
     # Segment n holds items 1000 + 100 n .. + 19; the first 5 of segment 1 are tombstoned.
@@ -263,7 +263,7 @@ def test_live_items_are_the_stored_entries_not_yet_completed(tmp_path):
 
 @pytest.mark.parametrize("size", [1, 7, 29])
 def test_live_payload_tails_are_the_live_payloads_ends_gathered_as_columns(tmp_path, size):
-    from pipeline.broker.storage.inspect import live_payload_tails, live_payloads
+    from pipeline.storage.inspect import live_payload_tails, live_payloads
 
     paths = build_store(str(tmp_path))  # payloads of 0 to 29 bytes: some shorter than `size`, some exactly it
     expected = [(item, payload[-size:]) for item, payload in live_payloads(paths) if len(payload) >= size]

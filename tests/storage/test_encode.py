@@ -8,7 +8,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.broker.storage.encode import encode_entries
+from pipeline.storage.encode import encode_entries
 from pipeline.wire.layouts.frames import ITEM_HEADER_DTYPE
 from pipeline.wire.layouts.segments import ENTRY_CHECKSUM_FROM, ENTRY_HEADER_DTYPE, ENTRY_LIVE, entry_size_bytes
 

@@ -1,4 +1,4 @@
-"""The pending map (pipeline/broker/storage/pending.py) against a plain reference written here.
+"""The pending map (pipeline/storage/pending.py) against a plain reference written here.
 Deterministic: hypothesis is derandomised, stress runs are seeded."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.broker.ids import BatchId, ConsumerId, EntryRef, LaneId, LaneKey, SegmentId
-from pipeline.broker.storage.pending import EntryColumns, PendingMap, ReturnedRun
+from pipeline.storage.pending import EntryColumns, PendingMap, ReturnedRun
 from pipeline.wire.errors import BadInputError, NotHeldError
 
 DETERMINISTIC = settings(derandomize=True, database=None, deadline=None, max_examples=200)

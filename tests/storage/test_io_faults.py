@@ -31,7 +31,7 @@ import traceback
 import numpy as np
 import pytest
 
-from pipeline.broker.storage import Durability
+from pipeline.storage import Durability
 from lab.reliability.faults import POWER_CUT_EXIT, FaultPlan, FaultyIO, PowerCut
 from pipeline.wire import fileops
 from pipeline.wire.errors import PipelineError
@@ -214,7 +214,7 @@ def power_campaign(tmp_path, durability: Durability, mode: str, sector_bytes: in
 
 
 def _lost_after_cut(data_dir: str, log_path: str, figures: dict) -> int:
-    from pipeline.broker.storage import DiskTier
+    from pipeline.storage import DiskTier
     tier = DiskTier.open(data_dir)
     figures["damaged_ranges"] += len(tier.recovery.damaged)
     figures["quarantined"] += len(tier.recovery.quarantined)

@@ -1,5 +1,5 @@
 """The storage tier against a reference of plain lists, through the StorageTier interface
-only: the disk tier in both durability levels (pipeline/broker/storage/disk.py, on real
+only: the disk tier in both durability levels (pipeline/storage/disk.py, on real
 files, with small segments so rotation and whole-file deletion happen, and few open files in
 `power` so the open-file cache closes and reopens them), held to the same reference.
 Deterministic: hypothesis is derandomised, stress runs are seeded."""
@@ -12,13 +12,13 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from broker_frames import make_frame, token_ids
+from tests.support.frames import make_frame, token_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.broker.ids import BatchId, ConsumerId, LaneId, LaneKey, SegmentId
-from pipeline.broker.storage import AppendGroup, DiskTier, Durability, Peeked, StorageTier
-from pipeline.broker.storage.queues import HOT_ENTRIES_MAX, LaneQueue
+from pipeline.storage import AppendGroup, DiskTier, Durability, Peeked, StorageTier
+from pipeline.storage.queues import HOT_ENTRIES_MAX, LaneQueue
 from pipeline.wire.errors import NotHeldError, StaleBatchError
 from pipeline.wire.layouts.frames import ProducerId
 
@@ -352,7 +352,7 @@ def test_a_reopened_tier_reads_its_recovered_backlog_back_past_the_hot_window(tm
 
 def test_a_cold_run_read_back_in_chunks_skips_the_tombstones_between_them(tmp_path, monkeypatch):
     # Chunks of 2: the second starts where the first ended, on a tombstoned entry.
-    monkeypatch.setattr("pipeline.broker.storage.queues.WARM_CHUNK_ENTRIES", 2)
+    monkeypatch.setattr("pipeline.storage.queues.WARM_CHUNK_ENTRIES", 2)
     lane = LANES[0]
     tier = DiskTier.open(str(tmp_path / "d"), Durability.PROCESS)
     frame = make_frame(7, 0, [(lane.model, lane.signature)] * 10, [30] * 10)

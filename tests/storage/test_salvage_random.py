@@ -20,13 +20,13 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from broker_frames import make_frame, token_ids
+from tests.support.frames import make_frame, token_ids
 
 from pipeline.broker.ids import BatchId, ConsumerId, LaneId, LaneKey
-from pipeline.broker.storage import AppendGroup, DiskTier
-from pipeline.broker.storage.inspect import verify
-from pipeline.broker.storage.paths import iter_segments
-from pipeline.broker.storage.segment import scan_segment
+from pipeline.storage import AppendGroup, DiskTier
+from pipeline.storage.inspect import verify
+from pipeline.storage.paths import iter_segments
+from pipeline.storage.segment import scan_segment
 from pipeline.wire.layouts.segments import SEGMENT_HEADER_SIZE_BYTES, entry_size_bytes
 
 LANES = [LaneKey(0, 0x71, LaneId(0)), LaneKey(0, 0x71, LaneId(1)), LaneKey(1, 0x72, LaneId(0))]

@@ -61,9 +61,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipeline.broker.storage.diskio import NO_SPACE_ERRNOS, fdatasync, fsync_directory
-from pipeline.broker.storage.identity import SegmentKeys
-from pipeline.broker.storage.replace import write_replacement
+from pipeline.storage.diskio import NO_SPACE_ERRNOS, fdatasync, fsync_directory
+from pipeline.storage.identity import SegmentKeys
+from pipeline.storage.replace import write_replacement
 from pipeline.wire import fileops
 from pipeline.wire.errors import DiskFullError, SegmentFormatError, SegmentNameError, StoreReadError
 from pipeline.wire.layouts.names import SEGMENT_SEQ_LIMIT, check_segment_keys

@@ -1,4 +1,4 @@
-"""The shapes' chains in the store log (pipeline/broker/storage/chains.py): chains declared by
+"""The shapes' chains in the store log (pipeline/storage/chains.py): chains declared by
 producers survive a reopen of the disk tier and drive the prefix order of the recovered
 backlog, with no producer declaring them again; a damaged record is named and loses the
 chains through it; recovery compacts them to the live shapes; their limit, at and past."""
@@ -12,13 +12,13 @@ from pipeline.broker.dispatch import Dispatcher
 from pipeline.broker.ids import ConsumerId, ShapeKey
 from pipeline.broker.lineage import MAX_TRIE_NODES
 from pipeline.broker.packing import Contract
-from pipeline.broker.storage import DiskTier, Durability
-from pipeline.broker.storage import chains as chains_module
-from pipeline.broker.storage.chains import MAX_LINEAGE_RECORDS, LineageReading, lineage_bodies, read_lineage
-from pipeline.broker.storage.storelog import StoreLog, log_path, read_store_log
+from pipeline.storage import DiskTier, Durability
+from pipeline.storage import chains as chains_module
+from pipeline.storage.chains import MAX_LINEAGE_RECORDS, LineageReading, lineage_bodies, read_lineage
+from pipeline.storage.storelog import StoreLog, log_path, read_store_log
 from pipeline.wire.layouts.frames import MAX_CHAIN_DEPTH
 from pipeline.wire.layouts.storelog import LOG_LINEAGE, LOG_RECORD_SIZE_BYTES
-from tests.broker.broker_frames import make_frame
+from tests.support.frames import make_frame
 
 CONTRACT = Contract(model=0, max_batch_items=8, max_batch_tokens=1 << 20, max_input_len=1 << 16)
 # Shape chains: SYSTEM (level 1) <- FEWSHOT <- DEEP; OTHER a stranger with more tokens than
@@ -239,7 +239,7 @@ def test_a_compaction_while_running_keeps_every_chain(tmp_path, monkeypatch):
     """The log is compacted as segments come and go; the chains recorded before it (of
     shapes whose items are all done by then) are in the file after it, and a reopen after a
     crash gives back those of the shapes still live."""
-    monkeypatch.setattr("pipeline.broker.storage.storelog.LOG_COMPACT_MIN_BYTES", 16 << 10)
+    monkeypatch.setattr("pipeline.storage.storelog.LOG_COMPACT_MIN_BYTES", 16 << 10)
     tier = DiskTier.open(str(tmp_path), Durability.POWER)
     dispatcher = Dispatcher(tier, shape_order="prefix")
     dispatcher.recover(0.0)

@@ -3,7 +3,7 @@ cache of open files, sealing by size and age, whole-file deletion, the store log
 recovery.
 
 Segments are keyed by (model, signature, lane) plus a sequence number (layout in
-`pipeline.broker.storage.paths`). Each lane appends to one open segment at a time; a segment
+`pipeline.storage.paths`). Each lane appends to one open segment at a time; a segment
 seals when it is full or old, and is deleted whole once sealed and fully tombstoned; a
 damaged one is never deleted: it is moved to quarantine/ once everything it can still
 deliver is done. Every create, seal, delete and quarantine is recorded in the store log
@@ -27,11 +27,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-import pipeline.broker.storage.crashpoints as crashpoints
+import pipeline.storage.crashpoints as crashpoints
 from pipeline.broker.ids import LaneKey, SegmentId
-from pipeline.broker.storage.chains import read_lineage, recovered_chains
-from pipeline.broker.storage.diskio import NO_SPACE_ERRNOS, Durability, fsync_directory
-from pipeline.broker.storage.paths import (
+from pipeline.storage.chains import read_lineage, recovered_chains
+from pipeline.storage.diskio import NO_SPACE_ERRNOS, Durability, fsync_directory
+from pipeline.storage.paths import (
     QUARANTINE_DIR,
     SEGMENTS_DIR,
     SegmentPath,
@@ -39,7 +39,7 @@ from pipeline.broker.storage.paths import (
     quarantine_target,
     segment_path,
 )
-from pipeline.broker.storage.recovery import (  # the reports re-exported: they lived here first
+from pipeline.storage.recovery import (  # the reports re-exported: they lived here first
     MissingSegment,
     Quarantined,
     RecoveredSegment,
@@ -50,8 +50,8 @@ from pipeline.broker.storage.recovery import (  # the reports re-exported: they 
     read_store,
     refuse_other_layout,
 )
-from pipeline.broker.storage.scan import census_segment
-from pipeline.broker.storage.segment import (
+from pipeline.storage.scan import census_segment
+from pipeline.storage.segment import (
     DEFAULT_SEGMENT_MAX_BYTES,
     EncodedGroup,
     ScanReport,
@@ -61,7 +61,7 @@ from pipeline.broker.storage.segment import (
     scan_segment,
     unlink_segment,
 )
-from pipeline.broker.storage.storelog import (
+from pipeline.storage.storelog import (
     LOG_COMPACT_GROWTH,
     LogReading,
     SegmentRecords,

@@ -47,14 +47,14 @@ from itertools import groupby
 import numpy as np
 
 from pipeline.broker.ids import EntryRef, LaneKey, SegmentId
-from pipeline.broker.storage.base import AppendGroup, Peeked, RecoveredLane
-from pipeline.broker.storage.chains import LineageLog
-from pipeline.broker.storage.diskio import Durability
-from pipeline.broker.storage.pending import EntryColumns
-from pipeline.broker.storage.queues import HOT_ENTRIES_MAX, QueuedTier, RefRun
-from pipeline.broker.storage.segment import encode_entries, scan_segment
-from pipeline.broker.storage.storelog import read_store_log
-from pipeline.broker.storage.segments import Quarantined, RecoveryReport, SegmentStore
+from pipeline.storage.base import AppendGroup, Peeked, RecoveredLane
+from pipeline.storage.chains import LineageLog
+from pipeline.storage.diskio import Durability
+from pipeline.storage.pending import EntryColumns
+from pipeline.storage.queues import HOT_ENTRIES_MAX, QueuedTier, RefRun
+from pipeline.storage.segment import encode_entries, scan_segment
+from pipeline.storage.storelog import read_store_log
+from pipeline.storage.segments import Quarantined, RecoveryReport, SegmentStore
 from pipeline.wire.errors import DiskFullError, SegmentCorruptError
 from pipeline.wire.layouts.frames import TOKEN_DTYPE, TOKEN_SIZE_BYTES, ProducerId
 from pipeline.wire.layouts.segments import ENTRY_HEADER_SIZE_BYTES, ENTRY_LIVE, entry_checksum, entry_size_bytes

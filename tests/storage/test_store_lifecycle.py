@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 from pipeline.broker.ids import LaneId, LaneKey
-from pipeline.broker.storage.diskio import Durability
-from pipeline.broker.storage.inspect import verify
-from pipeline.broker.storage.segment import encode_entries, scan_segment
-from pipeline.broker.storage.segments import SegmentStore
-from pipeline.broker.storage.recovery import read_missing_note
-from pipeline.broker.storage.storelog import StoreLog, log_path, read_store_log
+from pipeline.storage.diskio import Durability
+from pipeline.storage.inspect import verify
+from pipeline.storage.segment import encode_entries, scan_segment
+from pipeline.storage.segments import SegmentStore
+from pipeline.storage.recovery import read_missing_note
+from pipeline.storage.storelog import StoreLog, log_path, read_store_log
 from pipeline.wire import fileops
 from pipeline.wire.errors import DiskFullError, SegmentFormatError
 from pipeline.wire.layouts.segments import SYNC_ALIGN_BYTES
@@ -166,7 +166,7 @@ def test_a_synced_delete_record_is_never_in_a_sector_written_again(tmp_path):
 @pytest.mark.parametrize("durability", [Durability.PROCESS, Durability.POWER])
 def test_the_log_is_compacted_as_segments_live_and_die(tmp_path, monkeypatch, durability):
     # At `power` every sync starts a fresh 4 KiB block: each life below takes a few.
-    monkeypatch.setattr("pipeline.broker.storage.storelog.LOG_COMPACT_MIN_BYTES", 64 << 10)
+    monkeypatch.setattr("pipeline.storage.storelog.LOG_COMPACT_MIN_BYTES", 64 << 10)
     store = rotating_store(str(tmp_path), durability)
     frame = make_items(10)
     sizes = []

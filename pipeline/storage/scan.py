@@ -17,7 +17,7 @@ records it only once the bytes below it are written (`process`) or fdatasync'ed 
 Completions are the log's COMPLETED records: the report's headers read ENTRY_TOMBSTONE
 for them (the state word in the file stays live, layout version 2). Zeros from the end of a
 group to the next SYNC_ALIGN_BYTES boundary followed by a whole entry there are the padding
-of `power` (see `pipeline.broker.storage.segment`), not damage.
+of `power` (see `pipeline.storage.segment`), not damage.
 
     bad bytes below data_end     -> DamagedRange: acknowledged entries damaged on disk
     bad bytes at or past it      -> TornRange: a write that was never acknowledged
@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
-from pipeline.broker.storage.identity import (  # re-exported: the scan's callers use them
+from pipeline.storage.identity import (  # re-exported: the scan's callers use them
     SegmentKeys,
     boundary_checksum,
     establish_identity,
@@ -55,8 +55,8 @@ from pipeline.broker.storage.identity import (  # re-exported: the scan's caller
     name_keys_of,
     read_identity,
 )
-from pipeline.broker.storage.scan_report import DamagedRange, LostEntries, RepairedState, ScanReport, TornRange
-from pipeline.broker.storage.storelog import SegmentRecords, read_store_log
+from pipeline.storage.scan_report import DamagedRange, LostEntries, RepairedState, ScanReport, TornRange
+from pipeline.storage.storelog import SegmentRecords, read_store_log
 from pipeline.wire.errors import SegmentFormatError
 from pipeline.wire.layouts import segments
 from pipeline.wire.layouts.names import SEGMENTS_DIR
