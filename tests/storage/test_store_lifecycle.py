@@ -346,3 +346,29 @@ def test_a_damaged_segment_the_disk_will_not_quarantine_keeps_its_completions(tm
     else:
         assert report.deleted == [state.path] and not report.quarantined, report.summary()
     again.close()
+
+
+def test_a_recovery_with_no_room_to_compact_the_log_goes_on_with_it(tmp_path, monkeypatch):
+    """Recovery rewrites the log as the live set; with no room for the new file the old one
+    stays in use, named in the report, and what it says still holds at the next start."""
+    store = rotating_store(str(tmp_path), Durability.POWER)
+    fill(store, 9)
+    keys = {s.keys for s in store.segments.values()}
+    store.close()
+
+    def full(*_args, **_kwargs):
+        raise DiskFullError("store.log.tmp: disk full (injected)")
+
+    monkeypatch.setattr("pipeline.storage.storelog.write_replacement", full)
+    store = rotating_store(str(tmp_path), Durability.POWER)
+    report = store.recover()
+    assert report.ok and any("not compacted" in note for note in report.catalog_notes), report.summary()
+    assert {s.keys for s in store.segments.values()} == keys
+    fill(store, 3, lane=OTHER)  # appends after the old log's last record
+    store.close()
+    monkeypatch.undo()
+    again = rotating_store(str(tmp_path), Durability.POWER)
+    report = again.recover()
+    assert report.ok and not report.missing and not report.adopted, report.summary()
+    assert {s.keys for s in again.segments.values()} >= keys
+    again.close()
