@@ -33,7 +33,10 @@ except ImportError:  # a tree from before the test frames moved to tests/support
 from pipeline.broker.dispatch import Dispatcher
 from pipeline.broker.ids import ConsumerId
 from pipeline.broker.packing import Contract
-from pipeline.storage import DiskTier, Durability
+try:
+    from pipeline.storage import DiskTier, Durability
+except ImportError:  # a tree from before the store had a folder of its own
+    from pipeline.broker.storage import DiskTier, Durability
 from pipeline.wire import fileops
 
 turns, lanes, items = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
