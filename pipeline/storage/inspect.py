@@ -28,7 +28,14 @@ from pipeline.storage.paths import (
     segment_path,
     store_dirs,
 )
-from pipeline.storage.scan import EntryCensus, census_segment, mapped_file, name_keys_of, scan_segment
+from pipeline.storage.scan import (
+    EntryCensus,
+    census_segment,
+    data_dir_of,
+    mapped_file,
+    name_keys_of,
+    scan_segment,
+)
 from pipeline.storage.scan_report import ScanReport
 from pipeline.storage.recovery import MissingNote, read_missing_note
 from pipeline.storage.storelog import LogReading, SegmentRecords, log_path, read_store_log
@@ -137,17 +144,31 @@ def tombstone_rows(data_dir: str) -> list[dict]:
     return rows
 
 
-def live_items(paths: list[str]) -> tuple[set[int], set[int]]:
-    """The item ids of the live (stored, not completed) entries of these segment files, and
-    the models they are for. A file gone since it was named (completed and deleted) or not
-    a segment is skipped (`verify` names the latter)."""
-    ids: set[int] = set()
-    models: set[int] = set()
+def _scans(paths: list[str]) -> Iterator[tuple[str, ScanReport]]:
+    """Each segment file's scan, the store log of its data directory read once for all of
+    them. A file gone since it was named (completed and deleted) or not a segment is skipped
+    (`verify` names the latter).
+    NOTE: the log read again for each file was quadratic: 47 s where 2 would do to count a
+    stopped run's live items (tests/runtime/test_launch.py's Ctrl-C then rerun)."""
+    logs: dict[str, LogReading] = {}
     for path in paths:
+        data_dir = data_dir_of(path)
+        log = None
+        if data_dir is not None:
+            log = logs[data_dir] if data_dir in logs else logs.setdefault(data_dir, read_store_log(data_dir))
         try:
-            report = scan_segment(path)
+            report = scan_segment(path, log=log)
         except (SegmentFormatError, OSError):
             continue
+        yield path, report
+
+
+def live_items(paths: list[str]) -> tuple[set[int], set[int]]:
+    """The item ids of the live (stored, not completed) entries of these segment files, and
+    the models they are for (`_scans`)."""
+    ids: set[int] = set()
+    models: set[int] = set()
+    for _path, report in _scans(paths):
         live = report.live_item_ids.tolist()
         if live:
             ids.update(live)
@@ -158,11 +179,9 @@ def live_items(paths: list[str]) -> tuple[set[int], set[int]]:
 def live_payloads(paths: list[str]) -> Iterator[tuple[int, bytes]]:
     """(item id, payload) of each live entry of these segment files, one file at a time
     (what a job needs to know which of its requests a stopped run left in the store). Read
-    with the code recovery uses; a file gone since it was named, or not a segment, is
-    skipped."""
-    for path in paths:
+    with the code recovery uses (`_scans`)."""
+    for path, report in _scans(paths):
         try:
-            report = scan_segment(path)
             live = np.flatnonzero(report.headers["state"] == ENTRY_LIVE)
             if not live.size:
                 continue
@@ -182,10 +201,9 @@ def live_payload_tails(paths: list[str], size: int) -> Iterator[tuple[np.ndarray
     bytes, and the last `size` bytes of each of those payloads (rows of a uint8 array),
     gathered as columns: what a job needs of a stopped run's store (its own payload ends
     every payload it stores) without a Python step per entry. Read with the code recovery
-    uses; a file gone since it was named, or not a segment, is skipped."""
-    for path in paths:
+    uses (`_scans`)."""
+    for path, report in _scans(paths):
         try:
-            report = scan_segment(path)
             headers = report.headers
             live = (headers["state"] == ENTRY_LIVE) & (headers["payload_len"] >= size)
             if not live.any():

@@ -56,7 +56,7 @@ from pipeline.storage.identity import (  # re-exported: the scan's callers use t
     read_identity,
 )
 from pipeline.storage.scan_report import DamagedRange, LostEntries, RepairedState, ScanReport, TornRange
-from pipeline.storage.storelog import SegmentRecords, read_store_log
+from pipeline.storage.storelog import LogReading, SegmentRecords, read_store_log
 from pipeline.wire.errors import SegmentFormatError
 from pipeline.wire.layouts import segments
 from pipeline.wire.layouts.names import SEGMENTS_DIR
@@ -420,13 +420,15 @@ def mapped_file(path: str, populate: bool = True) -> Iterator[tuple[memoryview, 
 
 
 def scan_segment(path: str, name_keys: SegmentKeys | None = None, name_confirmed: bool = False,
-                 skip_done: bool = False, records: SegmentRecords | None = None) -> ScanReport:
+                 skip_done: bool = False, records: SegmentRecords | None = None,
+                 log: LogReading | None = None) -> ScanReport:
     """Read a segment's header and walk every entry, past damage (module docstring).
 
     `name_keys`: the keys the file's name carries (default: parsed from `path` when it ends
     in segment name components); `name_confirmed`: another witness (the store log) vouches for
-    them. `records`: what the store log says of the segment (default: read from the log of
-    the data directory the path is in). `skip_done`: take the completed entries the file
+    them. `records`: what the store log says of the segment (default: what `log`, the store
+    log read back once for many segments, says of it; else read from the log of the data
+    directory the path is in). `skip_done`: take the completed entries the file
     starts with from them,
     unread (`_done_below`; the report's `done_offsets`), and map only what is read: a restart
     reads what it may still deliver, not what was answered. The tools that audit a store
@@ -440,7 +442,7 @@ def scan_segment(path: str, name_keys: SegmentKeys | None = None, name_confirmed
             raise SegmentFormatError(f"{path}: {size} bytes, shorter than a segment header")
         keys, created_ns, identity_damage = establish_identity(buf, path, name_keys, name_confirmed)
         if records is None:
-            records = records_beside(path, keys)
+            records = log.of(keys) if log is not None else records_beside(path, keys)
         return _scan_mapped(path, buf, size, keys, created_ns, identity_damage, records, skip_done)
 
 
@@ -448,11 +450,16 @@ def records_beside(path: str, keys: SegmentKeys) -> SegmentRecords:
     """What the store log of the data directory holding the segment at `path` says of it
     (DATA_DIR/segments/m.../s.../the file; none for a file elsewhere). One read of the whole
     log: for a tool's look at one segment; recovery reads the log once for all."""
+    data_dir = data_dir_of(path)
+    return SegmentRecords() if data_dir is None else read_store_log(data_dir).of(keys)
+
+
+def data_dir_of(path: str) -> str | None:
+    """The data directory of the segment at `path` (DATA_DIR/segments/m.../s.../the file),
+    None for a file elsewhere."""
     shape_dir = os.path.dirname(os.path.abspath(path))
     segments_dir = os.path.dirname(os.path.dirname(shape_dir))
-    if os.path.basename(segments_dir) != SEGMENTS_DIR:
-        return SegmentRecords()
-    return read_store_log(os.path.dirname(segments_dir)).of(keys)
+    return os.path.dirname(segments_dir) if os.path.basename(segments_dir) == SEGMENTS_DIR else None
 
 
 def _scan_mapped(path: str, buf: memoryview, size: int, keys: SegmentKeys, created_ns: int,
