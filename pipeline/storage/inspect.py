@@ -153,11 +153,10 @@ def _scans(paths: list[str]) -> Iterator[tuple[str, ScanReport]]:
     logs: dict[str, LogReading] = {}
     for path in paths:
         data_dir = data_dir_of(path)
-        log = None
-        if data_dir is not None:
-            log = logs[data_dir] if data_dir in logs else logs.setdefault(data_dir, read_store_log(data_dir))
+        if data_dir is not None and data_dir not in logs:
+            logs[data_dir] = read_store_log(data_dir)
         try:
-            report = scan_segment(path, log=log)
+            report = scan_segment(path, log=logs.get(data_dir) if data_dir is not None else None)
         except (SegmentFormatError, OSError):
             continue
         yield path, report

@@ -146,7 +146,7 @@ class SegmentStore:
         self._log: StoreLog | None = None  # opened by recover() or the first record
         self._completions_held = 0  # completed entries of the live segments: the log's live set
         self._log_compact_floor = 0  # after a compaction that could not be made: not before this size
-        self._undeleted: list[SegmentState] = []  # done, its DELETED record refused for space: retried at sync
+        self._undeleted: list[SegmentState] = []  # done, its deletion or move refused (`held`): retried at sync
         self._quarantined: list[Quarantined] = []  # moved while running, for the broker's log
         self._notes: list[str] = []  # what went wrong while running and cost nothing, for its log
         self._next_id = 0
